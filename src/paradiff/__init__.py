@@ -1,0 +1,40 @@
+"""paradiff: tensor, context, CFG and data parallelism for diffusers transformers, on GPUs (NCCL) and CPUs (gloo)."""
+
+from .config import ContextParallelConfig, ParallelConfig, TensorParallelConfig
+from .context_parallel.plan import ContextParallelPlan, Split
+from .errors import (
+    CheckpointError,
+    DistributedError,
+    ParadiffError,
+    ParallelConfigError,
+    PlanError,
+    UnsupportedModelError,
+)
+from .loading import from_pretrained
+from .parallel import enable_parallelism
+from .saving import save_pretrained
+from .tensor_parallel.plan import TensorParallelPlan
+from .tensor_parallel.styles import PackedColwise, PackedColwiseParallel, PackedRowwise, PackedRowwiseParallel
+
+__all__ = [
+    "CheckpointError",
+    "ContextParallelConfig",
+    "ContextParallelPlan",
+    "DistributedError",
+    "PackedColwise",
+    "PackedColwiseParallel",
+    "PackedRowwise",
+    "PackedRowwiseParallel",
+    "ParadiffError",
+    "ParallelConfig",
+    "ParallelConfigError",
+    "PlanError",
+    "Split",
+    "TensorParallelConfig",
+    "TensorParallelPlan",
+    "UnsupportedModelError",
+    "enable_parallelism",
+    "from_pretrained",
+    "save_pretrained",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,147 @@
+"""Every collective paradiff issues, each a named function taking an explicit process group.
+
+Keeping them here makes the communication of a step countable (see `CommStats`) and easy to audit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommStats:
+    """Counts collectives and bytes; attach one to a model to measure a step (benchmarks only)."""
+
+    calls: dict[str, int] = field(default_factory=dict)
+    bytes: dict[str, int] = field(default_factory=dict)
+
+    def record(self, name: str, tensor: torch.Tensor) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+        self.bytes[name] = self.bytes.get(name, 0) + tensor.numel() * tensor.element_size()
+
+
+def _record(stats: CommStats | None, name: str, tensor: torch.Tensor) -> None:
+    if stats is not None:
+        stats.record(name, tensor)
+
+
+def all_reduce_tp(tensor: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None = None) -> torch.Tensor:
+    """Sum the partial outputs of a rowwise projection, in place."""
+    _record(stats, "all_reduce_tp", tensor)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+def all_gather_int(value: int, group: dist.ProcessGroup, device: torch.device) -> list[int]:
+    """Every rank's integer (sequence lengths before an uneven exchange)."""
+    size = dist.get_world_size(group)
+    local = torch.tensor([value], dtype=torch.int64, device=device)
+    out = torch.empty(size, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(out, local, group=group)
+    return [int(v) for v in out.tolist()]
+
+
+def all_gather_uneven(
+    tensor: torch.Tensor, dim: int, sizes: list[int], group: dist.ProcessGroup, stats: CommStats | None = None
+) -> torch.Tensor:
+    """Concatenate every rank's `tensor` along `dim` when ranks hold different lengths (`sizes`, in rank order).
+
+    gloo only gathers equal shapes, so each piece is padded to the longest and trimmed after.
+    """
+    dim = dim % tensor.dim()
+    longest = max(sizes)
+    if tensor.shape[dim] < longest:
+        pad_shape = list(tensor.shape)
+        pad_shape[dim] = longest - tensor.shape[dim]
+        tensor = torch.cat([tensor, tensor.new_zeros(pad_shape)], dim=dim)
+    tensor = tensor.contiguous()
+    pieces = [torch.empty_like(tensor) for _ in sizes]
+    _record(stats, "all_gather_seq", tensor)
+    dist.all_gather(pieces, tensor, group=group)
+    return torch.cat([piece.narrow(dim, 0, size) for piece, size in zip(pieces, sizes)], dim=dim)
+
+
+def all_to_all_uneven(
+    send_chunks: list[torch.Tensor],
+    recv_shapes: list[tuple[int, ...]],
+    group: dist.ProcessGroup,
+    stats: CommStats | None = None,
+) -> list[torch.Tensor]:
+    """Send `send_chunks[j]` to rank j and receive one tensor of `recv_shapes[i]` from each rank i.
+
+    Built on all_to_all_single with split sizes over flat buffers, which both gloo and NCCL implement for uneven
+    splits (the Ulysses exchange with head counts or lengths that do not divide evenly).
+    """
+    reference = send_chunks[0]
+    send = torch.cat([chunk.reshape(-1) for chunk in send_chunks])
+    in_splits = [chunk.numel() for chunk in send_chunks]
+    out_splits = [_numel(shape) for shape in recv_shapes]
+    recv = torch.empty(sum(out_splits), dtype=reference.dtype, device=reference.device)
+    _record(stats, "all_to_all_ulysses", send)
+    dist.all_to_all_single(recv, send, out_splits, in_splits, group=group)
+    return [piece.view(shape) for piece, shape in zip(recv.split(out_splits), recv_shapes)]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    total = 1
+    for size in shape:
+        total *= size
+    return total
+
+
+def ring_pass_start(
+    tensors: list[torch.Tensor], group: dist.ProcessGroup, stats: CommStats | None = None
+) -> tuple[list[torch.Tensor], list[dist.Work]]:
+    """Send `tensors` to the next rank of the ring and start receiving the previous rank's, without waiting.
+
+    The caller computes on the current block while this runs, then calls `ring_pass_wait`.
+    """
+    size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    next_rank = dist.get_global_rank(group, (rank + 1) % size)
+    prev_rank = dist.get_global_rank(group, (rank - 1) % size)
+    received = [torch.empty_like(t) for t in tensors]
+    ops = []
+    for send, recv in zip(tensors, received):
+        _record(stats, "ring_pass", send)
+        ops.append(dist.P2POp(dist.isend, send.contiguous(), next_rank, group))
+        ops.append(dist.P2POp(dist.irecv, recv, prev_rank, group))
+    return received, dist.batch_isend_irecv(ops)
+
+
+def ring_pass_wait(works: list[dist.Work]) -> None:
+    for work in works:
+        work.wait()
+
+
+def broadcast_object(obj: object, group: dist.ProcessGroup | None = None, src_rank: int = 0) -> object:
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=dist.get_global_rank(group, src_rank) if group else src_rank, group=group)
+    return holder[0]
+
+
+def all_gather_object(obj: object, group: dist.ProcessGroup | None = None) -> list[object]:
+    size = dist.get_world_size(group)
+    out: list[object] = [None] * size
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def gather_to_rank0(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Full tensor from equal-size shards along `dim` (used to save a TP model tensor by tensor)."""
+    pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, tensor.contiguous(), group=group)
+    return torch.cat(pieces, dim=dim)
+
+
+def all_gather_pieces(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
+    pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, tensor.contiguous(), group=group)
+    return pieces
+
+
+def barrier(group: dist.ProcessGroup | None = None) -> None:
+    dist.barrier(group=group)

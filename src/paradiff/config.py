@@ -1,0 +1,182 @@
+"""User-facing parallel configurations.
+
+They only hold and validate numbers; turning them into process groups is `mesh.py`'s job, so a config can be built
+and checked before torch.distributed exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .errors import ParallelConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+def _check_degree(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ParallelConfigError(f"{name} must be an int >= 1, got {value!r} ({type(value).__name__}).")
+    if value < 1:
+        raise ParallelConfigError(f"{name} must be >= 1, got {value}.")
+    return value
+
+
+@dataclass
+class TensorParallelConfig:
+    """Split every planned weight of the transformer over `tp_degree` ranks.
+
+    `tp_degree` must divide the world size; the remaining factor replicates the TP group (data parallel).
+    `mesh`, when given, must have a dimension named "tp" of size `tp_degree`.
+    """
+
+    tp_degree: int = 1
+    mesh: "DeviceMesh | None" = None
+
+    def __post_init__(self) -> None:
+        _check_degree("tp_degree", self.tp_degree)
+
+
+@dataclass
+class ContextParallelConfig:
+    """Split the token sequence over `ring_degree * ulysses_degree` ranks.
+
+    `ulysses_anything` and `ring_anything` exist for compatibility with diffusers' API. paradiff handles any sequence
+    length and any head count in every mode (ring, Ulysses and unified), so both flags change nothing.
+    """
+
+    ring_degree: int = 1
+    ulysses_degree: int = 1
+    ulysses_anything: bool = False
+    ring_anything: bool = False
+    mesh: "DeviceMesh | None" = None
+
+    def __post_init__(self) -> None:
+        _check_degree("ring_degree", self.ring_degree)
+        _check_degree("ulysses_degree", self.ulysses_degree)
+        if self.ring_degree == 1 and self.ulysses_degree == 1:
+            raise ParallelConfigError(
+                "ContextParallelConfig needs ring_degree > 1 or ulysses_degree > 1 "
+                "(got ring_degree=1, ulysses_degree=1): with both at 1 there is nothing to split."
+            )
+
+    @property
+    def degree(self) -> int:
+        return self.ring_degree * self.ulysses_degree
+
+    @property
+    def mode(self) -> str:
+        if self.ring_degree > 1 and self.ulysses_degree > 1:
+            return "unified"
+        return "ring" if self.ring_degree > 1 else "ulysses"
+
+
+@dataclass
+class ParallelConfig:
+    """Every parallelism on one mesh: data x cfg x ring x ulysses x tp (outermost to innermost).
+
+    The product of all degrees must equal the world size.
+    """
+
+    tensor_parallel_config: TensorParallelConfig | None = None
+    context_parallel_config: ContextParallelConfig | None = None
+    cfg_degree: int = 1
+    data_degree: int = 1
+    mesh: "DeviceMesh | None" = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_degree("cfg_degree", self.cfg_degree)
+        _check_degree("data_degree", self.data_degree)
+        if self.cfg_degree > 2:
+            raise ParallelConfigError(
+                f"cfg_degree must be 1 or 2 (a conditional and an unconditional branch), got {self.cfg_degree}."
+            )
+        if self.tensor_parallel_config is not None and not isinstance(
+            self.tensor_parallel_config, TensorParallelConfig
+        ):
+            raise ParallelConfigError(
+                f"tensor_parallel_config must be a TensorParallelConfig, got {type(self.tensor_parallel_config).__name__}."
+            )
+        if self.context_parallel_config is not None and not isinstance(
+            self.context_parallel_config, ContextParallelConfig
+        ):
+            raise ParallelConfigError(
+                "context_parallel_config must be a ContextParallelConfig, got "
+                f"{type(self.context_parallel_config).__name__}."
+            )
+
+    @property
+    def tp_degree(self) -> int:
+        return self.tensor_parallel_config.tp_degree if self.tensor_parallel_config else 1
+
+    @property
+    def ring_degree(self) -> int:
+        return self.context_parallel_config.ring_degree if self.context_parallel_config else 1
+
+    @property
+    def ulysses_degree(self) -> int:
+        return self.context_parallel_config.ulysses_degree if self.context_parallel_config else 1
+
+    def degrees(self) -> dict[str, int]:
+        """Mesh dimension sizes, outermost first."""
+        return {
+            "data": self.data_degree,
+            "cfg": self.cfg_degree,
+            "ring": self.ring_degree,
+            "ulysses": self.ulysses_degree,
+            "tp": self.tp_degree,
+        }
+
+    @property
+    def world_size(self) -> int:
+        size = 1
+        for value in self.degrees().values():
+            size *= value
+        return size
+
+
+AnyParallelConfig = TensorParallelConfig | ContextParallelConfig | ParallelConfig
+
+
+def as_parallel_config(config: Any, world_size: int | None = None) -> ParallelConfig:
+    """Normalise any accepted config into a ParallelConfig.
+
+    A bare TP or CP config that does not fill the world is completed with data parallelism, the way a user running
+    `torchrun --nproc-per-node 4` with tp_degree=2 expects two independent TP pairs.
+    """
+    if isinstance(config, ParallelConfig):
+        return config
+    if isinstance(config, TensorParallelConfig):
+        parallel = ParallelConfig(tensor_parallel_config=config, mesh=config.mesh)
+    elif isinstance(config, ContextParallelConfig):
+        parallel = ParallelConfig(context_parallel_config=config, mesh=config.mesh)
+    else:
+        raise ParallelConfigError(
+            "parallel_config must be a TensorParallelConfig, ContextParallelConfig or ParallelConfig, got "
+            f"{type(config).__name__}."
+        )
+    if world_size is not None and config.mesh is None:
+        degree = parallel.world_size
+        if degree > world_size:
+            raise ParallelConfigError(_too_large(config, degree, world_size))
+        if world_size % degree != 0:
+            raise ParallelConfigError(
+                f"{_describe(config)} = {degree} ranks must divide the world size {world_size}; valid degrees "
+                f"divide {world_size}: {[d for d in range(1, world_size + 1) if world_size % d == 0]}."
+            )
+        parallel.data_degree = world_size // degree
+    return parallel
+
+
+def _describe(config: Any) -> str:
+    if isinstance(config, TensorParallelConfig):
+        return f"tp_degree={config.tp_degree}"
+    return f"ring_degree={config.ring_degree} x ulysses_degree={config.ulysses_degree}"
+
+
+def _too_large(config: Any, degree: int, world_size: int) -> str:
+    return (
+        f"{_describe(config)} needs {degree} ranks but the world size is {world_size}; start at least {degree} "
+        f"processes (e.g. torchrun --nproc-per-node {degree}) or lower the degree."
+    )

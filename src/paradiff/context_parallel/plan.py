@@ -1,0 +1,30 @@
+"""Declarative description of where a model's token sequence is split and where it is gathered back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Split:
+    """Split a tensor along `dim` over the CP ranks; when `ndim` is set, only tensors of that rank are split."""
+
+    dim: int
+    ndim: int | None = None
+
+
+@dataclass
+class ContextParallelPlan:
+    """Per-model knowledge of context parallelism, as module paths (globs with one `*` over a ModuleList).
+
+    - `split_inputs`: module -> {forward argument name: Split}; "" is the model itself.
+    - `split_outputs`: module -> {output index: Split} (e.g. rotary tables computed from the full sequence).
+    - `gather_outputs`: module -> dim along which its output is gathered back to the full sequence.
+    - `local_attention`: attention modules whose keys/values are replicated (cross-attention to the text): they
+      run on the local queries with no communication.
+    """
+
+    split_inputs: dict[str, dict[str, Split]] = field(default_factory=dict)
+    split_outputs: dict[str, dict[int, Split]] = field(default_factory=dict)
+    gather_outputs: dict[str, int] = field(default_factory=dict)
+    local_attention: tuple[str, ...] = ()

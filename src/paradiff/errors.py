@@ -1,0 +1,28 @@
+"""Exception types: each names what was wrong and what would be valid.
+
+All derive from ValueError or RuntimeError so callers catching the builtin types keep working.
+"""
+
+
+class ParadiffError(Exception):
+    """Base of every paradiff error."""
+
+
+class ParallelConfigError(ParadiffError, ValueError):
+    """A degree, combination or mesh that cannot work with the ranks at hand."""
+
+
+class PlanError(ParadiffError, ValueError):
+    """A parallel plan that does not match the model (unknown style, bad glob, indivisible sizes...)."""
+
+
+class CheckpointError(ParadiffError, ValueError):
+    """A checkpoint that is missing, not safetensors, truncated, or disagrees with the model."""
+
+
+class UnsupportedModelError(ParadiffError, ValueError):
+    """A model state that cannot be sharded (quantized, offloaded, LoRA-adapted...)."""
+
+
+class DistributedError(ParadiffError, RuntimeError):
+    """torch.distributed is missing, or ranks disagree."""

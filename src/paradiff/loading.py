@@ -1,0 +1,241 @@
+"""`from_pretrained`: build the model on the meta device, then read each rank's shard of every tensor.
+
+Order matters for the guarantees: every argument, the plan and the checkpoint headers are checked before any weight
+is read or any collective is issued.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .checkpoint import Checkpoint
+from .config import as_parallel_config
+from .errors import CheckpointError, ParallelConfigError
+from .mesh import build_mesh, default_device, require_distributed
+from .plans import builtin_plan
+from .progress import byte_progress
+from .state import ParallelState, set_state
+from .tensor_parallel.plan import ResolvedPlan, as_plan, check_checkpoint_keys, resolve_plan
+from .tensor_parallel.shard import swap_in_sharded_linears
+
+HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only")
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def check_loading_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Refuse options that would silently load the full checkpoint or place weights elsewhere."""
+    if kwargs.get("device_map") is not None:
+        raise ParallelConfigError(
+            f"device_map={kwargs['device_map']!r} cannot be combined with paradiff loading: each rank places its own "
+            "shard on its own device. Drop device_map (use it with plain diffusers for non-parallel components)."
+        )
+    if kwargs.get("quantization_config") is not None:
+        raise ParallelConfigError("quantization_config is not supported with paradiff loading; load unquantized weights.")
+    if kwargs.get("low_cpu_mem_usage", True) is False:
+        raise ParallelConfigError(
+            "low_cpu_mem_usage=False would materialise the full model on every rank; paradiff always loads "
+            "shard by shard. Remove the argument."
+        )
+    if kwargs.get("use_flashpack"):
+        raise ParallelConfigError("use_flashpack=True is not supported; paradiff reads safetensors files.")
+    if kwargs.get("use_safetensors") is False:
+        raise CheckpointError("use_safetensors=False: paradiff reads only safetensors weights.")
+    known = set(HUB_KWARGS) | {"device_map", "quantization_config", "low_cpu_mem_usage", "use_flashpack",
+                               "use_safetensors", "variant"}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise TypeError(f"from_pretrained got unexpected arguments {unknown}; accepted extras: {sorted(known)}.")
+    if kwargs.get("variant"):
+        raise CheckpointError(f"variant={kwargs['variant']!r} is not supported yet; point to a folder without variants.")
+    return {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
+
+
+def resolve_folder(path: str | os.PathLike, subfolder: str | None, hub_kwargs: dict[str, Any]) -> Path:
+    local = Path(path)
+    if local.exists():
+        folder = local / subfolder if subfolder else local
+        if not folder.is_dir():
+            raise CheckpointError(f"{folder} is not a folder (path={str(path)!r}, subfolder={subfolder!r}).")
+        return folder
+    if str(path).count("/") != 1:
+        raise CheckpointError(f"{str(path)!r} is neither a local folder nor a Hub id of the form 'owner/name'.")
+    from huggingface_hub import snapshot_download
+
+    patterns = [f"{subfolder}/*"] if subfolder else ["*.json", "*.safetensors"]
+    root = Path(snapshot_download(str(path), allow_patterns=patterns, **hub_kwargs))
+    return root / subfolder if subfolder else root
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Create parameters on the meta device while keeping buffers and tensor attributes real.
+
+    Rotary tables (Wan's `rope.freqs_*`, Qwen's `pos_freqs`) are computed in `__init__` and are not in the checkpoint,
+    so a plain `torch.device("meta")` context would lose them. This swaps `register_parameter` for the duration of
+    construction only (the same technique accelerate's init_empty_weights uses); construction is single-threaded.
+    """
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def target_dtype(name: str, dtype: torch.dtype, keep_fp32: list[str] | None) -> torch.dtype:
+    if keep_fp32 and dtype in (torch.float16, torch.bfloat16):
+        parts = name.split(".")
+        if any(pattern in parts for pattern in keep_fp32):
+            return torch.float32
+    return dtype
+
+
+def check_dtype(dtype: Any) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, dtype)
+    if dtype not in FLOAT_DTYPES:
+        raise ParallelConfigError(f"torch_dtype={dtype!r} is not supported; use one of {[str(d) for d in FLOAT_DTYPES]}.")
+    return dtype
+
+
+def from_pretrained(
+    model_cls: type,
+    path: str | os.PathLike,
+    *,
+    subfolder: str | None = None,
+    torch_dtype: torch.dtype | None = None,
+    parallel_config: Any = None,
+    device: torch.device | str | None = None,
+    plan: Any = None,
+    cp_plan: Any = None,
+    progress: bool | None = None,
+    **kwargs: Any,
+) -> nn.Module:
+    """Load a diffusers model class; with a parallel config, each rank reads only its own shard of each weight."""
+    if "dtype" in kwargs:
+        torch_dtype = torch_dtype or kwargs.pop("dtype")
+    hub_kwargs = check_loading_kwargs(kwargs)
+    dtype = check_dtype(torch_dtype)
+    device = torch.device(device) if device is not None else default_device()
+    parallel = None
+    if parallel_config is not None:
+        require_distributed()
+        parallel = as_parallel_config(parallel_config, dist.get_world_size())
+        if parallel.world_size != dist.get_world_size() and parallel.mesh is None:
+            build_mesh(parallel, device)  # raises the degree mismatch error
+    folder = resolve_folder(path, subfolder, hub_kwargs)
+    checkpoint = Checkpoint(folder)
+    try:
+        config = model_cls.load_config(folder)
+        with parameters_on_meta():
+            model = model_cls.from_config(config)
+        tp = parallel.tp_degree if parallel else 1
+        resolved = None
+        if tp > 1:
+            tp_plan = as_plan(plan if plan is not None else builtin_plan(model, model.config, "tensor"))
+            tp_rank = dist.get_rank() % tp if parallel.mesh is None else parallel.mesh.get_local_rank("tp")
+            resolved = resolve_plan(model, tp_plan, tp_rank, tp)
+            check_checkpoint_keys(resolved, set(checkpoint.tensors), {k: v.shape for k, v in checkpoint.tensors.items()})
+        cp_resolved = None
+        if parallel and parallel.context_parallel_config is not None:
+            from .context_parallel.apply import resolve_cp_plan
+
+            cp_resolved = resolve_cp_plan(model, cp_plan)
+        _check_model_against_checkpoint(model, checkpoint, resolved)
+        mesh = build_mesh(parallel, device) if parallel else None
+        _materialise(model, checkpoint, resolved, dtype, device, progress)
+    finally:
+        checkpoint.close()
+    if resolved is not None:
+        swap_in_sharded_linears(model, resolved, mesh.tp_group, weights_are_local=True)
+    model.eval()
+    if mesh is not None:
+        state = ParallelState(mesh=mesh, tp_plan=resolved)
+        set_state(model, state)
+        if cp_resolved is not None:
+            from .context_parallel.apply import apply_context_parallel
+
+            apply_context_parallel(model, state, cp_resolved)
+    return model
+
+
+def _check_model_against_checkpoint(model: nn.Module, checkpoint: Checkpoint, resolved: ResolvedPlan | None) -> None:
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    params = {name for name, _ in model.named_parameters()}
+    missing = sorted(name for name in expected if name not in checkpoint.tensors)
+    if missing:
+        raise CheckpointError(
+            f"{checkpoint.folder}: {len(missing)} tensor(s) of {type(model).__name__} are missing from the "
+            f"checkpoint, e.g. {missing[:5]}."
+        )
+    for name, shape in expected.items():
+        info = checkpoint.tensors[name]
+        if tuple(info.shape) != shape:
+            raise CheckpointError(
+                f"{info.file}: tensor {name!r} has shape {list(info.shape)} but {type(model).__name__} expects "
+                f"{list(shape)}."
+            )
+        if not info.dtype.is_floating_point and name in params:
+            raise CheckpointError(
+                f"{info.file}: tensor {name!r} is stored as {info.dtype} but {type(model).__name__} expects a floating "
+                "point parameter."
+            )
+
+
+def _materialise(
+    model: nn.Module,
+    checkpoint: Checkpoint,
+    resolved: ResolvedPlan | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    progress: bool | None,
+) -> None:
+    """Read every parameter (this rank's shard of planned ones) and persistent buffer into place."""
+    keep_fp32 = list(getattr(type(model), "_keep_in_fp32_modules", None) or [])
+    names = list(model.state_dict().keys())
+    plan_specs = {name: (resolved.spec_for(name) if resolved else None) for name in names}
+    total = sum(
+        checkpoint.tensors[n].nbytes if plan_specs[n] is None else _spec_nbytes(checkpoint, n, plan_specs[n])
+        for n in names
+    )
+    with byte_progress(total, "paradiff: loading", progress) as advance:
+        for name in names:
+            info = checkpoint.tensors[name]
+            spec = plan_specs[name]
+            tensor = checkpoint.read(name, spec)
+            advance(tensor.numel() * tensor.element_size())
+            module_name, _, leaf = name.rpartition(".")
+            module = model.get_submodule(module_name) if module_name else model
+            if leaf in module._parameters:
+                value = tensor.to(device=device, dtype=target_dtype(name, dtype, keep_fp32) if info.dtype.is_floating_point else info.dtype)
+                module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+            else:
+                module._buffers[leaf] = tensor.to(device=device)
+    for module in model.modules():
+        for leaf, buffer in list(module._buffers.items()):
+            if buffer is not None and buffer.device != device:
+                module._buffers[leaf] = buffer.to(device)
+
+
+def _spec_nbytes(checkpoint: Checkpoint, name: str, spec) -> int:
+    info = checkpoint.tensors[name]
+    shape = spec.local_shape(info.shape)
+    count = 1
+    for size in shape:
+        count *= size
+    return count * torch.empty((), dtype=info.dtype).element_size()

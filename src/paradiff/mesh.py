@@ -1,0 +1,98 @@
+"""One DeviceMesh with named dimensions (data, cfg, ring, ulysses, tp) and the process groups cut from it.
+
+Ulysses sits inside ring and tp innermost: the dimensions that talk the most get neighbouring ranks, which on one node
+means the fastest links.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .config import ParallelConfig
+from .errors import DistributedError, ParallelConfigError
+
+MESH_DIMS = ("data", "cfg", "ring", "ulysses", "tp")
+
+
+def require_distributed() -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise DistributedError(
+            "torch.distributed is not initialised. Call torch.distributed.init_process_group(backend=...) first "
+            "(\"gloo\" on CPU, \"nccl\" on CUDA), or start the script with torchrun."
+        )
+
+
+def default_device() -> torch.device:
+    """`cuda:LOCAL_RANK` when CUDA is usable, else the CPU."""
+    if torch.cuda.is_available() and (not dist.is_initialized() or dist.get_backend() != "gloo"):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+@dataclass
+class ParallelMesh:
+    """The resolved mesh: degrees, this rank's coordinates, and one process group per dimension."""
+
+    config: ParallelConfig
+    device_mesh: DeviceMesh
+
+    def group(self, dim: str) -> dist.ProcessGroup:
+        return self.device_mesh.get_group(dim)
+
+    def size(self, dim: str) -> int:
+        return self.device_mesh.size(MESH_DIMS.index(dim)) if dim in self._names() else 1
+
+    def local_rank(self, dim: str) -> int:
+        return self.device_mesh.get_local_rank(dim) if dim in self._names() else 0
+
+    def _names(self) -> tuple[str, ...]:
+        return tuple(self.device_mesh.mesh_dim_names or ())
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        return self.group("tp")
+
+    @property
+    def cp_degree(self) -> int:
+        return self.size("ring") * self.size("ulysses")
+
+    def describe(self) -> dict[str, int]:
+        return {name: self.size(name) for name in MESH_DIMS}
+
+
+def build_mesh(config: ParallelConfig, device: torch.device | None = None) -> ParallelMesh:
+    """Validate the degrees against the world and build (or adopt) the DeviceMesh."""
+    require_distributed()
+    world_size = dist.get_world_size()
+    degrees = config.degrees()
+    if config.mesh is not None:
+        return _adopt_mesh(config, config.mesh)
+    if config.world_size != world_size:
+        detail = " x ".join(f"{name}={size}" for name, size in degrees.items())
+        raise ParallelConfigError(
+            f"The parallel degrees multiply to {config.world_size} ({detail}) but the world size is {world_size}; "
+            "their product must equal the number of processes."
+        )
+    device_type = (device or default_device()).type
+    mesh = init_device_mesh(device_type, tuple(degrees.values()), mesh_dim_names=MESH_DIMS)
+    return ParallelMesh(config=config, device_mesh=mesh)
+
+
+def _adopt_mesh(config: ParallelConfig, mesh: DeviceMesh) -> ParallelMesh:
+    names = tuple(mesh.mesh_dim_names or ())
+    for name, size in config.degrees().items():
+        if size > 1 and name not in names:
+            raise ParallelConfigError(
+                f"The given DeviceMesh has dimensions {names}; it needs a dimension named {name!r} of size {size}."
+            )
+        if name in names and mesh.size(names.index(name)) != size:
+            raise ParallelConfigError(
+                f"The given DeviceMesh's {name!r} dimension has size {mesh.size(names.index(name))}, "
+                f"but the config asks for {size}."
+            )
+    return ParallelMesh(config=config, device_mesh=mesh)

@@ -1,0 +1,70 @@
+"""`enable_parallelism`: parallelise a model that is already in memory, in place."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from .config import as_parallel_config
+from .errors import UnsupportedModelError
+from .mesh import build_mesh, require_distributed
+from .plans import builtin_plan
+from .state import ParallelState, get_state, set_state
+from .tensor_parallel.plan import as_plan, resolve_plan
+from .tensor_parallel.shard import swap_in_sharded_linears
+
+
+def check_shardable(model: nn.Module) -> None:
+    """Refuse model states whose weights are not plain tensors we can slice (or that someone else places)."""
+    if not isinstance(model, nn.Module):
+        raise UnsupportedModelError(f"enable_parallelism needs an nn.Module, got {type(model).__name__}.")
+    if get_state(model) is not None:
+        raise UnsupportedModelError(f"{type(model).__name__} is already parallelised by paradiff.")
+    if getattr(model, "is_quantized", False) or getattr(model, "hf_quantizer", None) is not None:
+        raise UnsupportedModelError(f"{type(model).__name__} is quantized; paradiff shards unquantized weights only.")
+    if getattr(model, "hf_device_map", None):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} was placed by accelerate (hf_device_map={model.hf_device_map!r}); load it without "
+            "device_map before parallelising."
+        )
+    for name, module in model.named_modules():
+        if hasattr(module, "_hf_hook"):
+            raise UnsupportedModelError(f"{name or 'model'} has an accelerate offload hook; remove offloading first.")
+        registry = getattr(module, "_diffusers_hook", None)
+        hooks = getattr(registry, "hooks", {}) if registry is not None else {}
+        if any("offload" in str(key) for key in hooks):
+            raise UnsupportedModelError(f"{name or 'model'} uses diffusers offloading; disable it first.")
+        if "lora_A" in dict(module.named_children()) or getattr(module, "peft_config", None):
+            raise UnsupportedModelError(
+                f"{name or 'model'} carries LoRA adapters; fuse them (fuse_lora + unload_lora_weights) first."
+            )
+
+
+def enable_parallelism(model: nn.Module, config: Any, *, plan: Any = None, cp_plan: Any = None) -> nn.Module:
+    """Shard (TP) and/or hook (CP) `model` in place; returns it. Every check runs before any collective."""
+    require_distributed()
+    check_shardable(model)
+    parallel = as_parallel_config(config, dist.get_world_size())
+    resolved = None
+    if parallel.tp_degree > 1:
+        tp_plan = as_plan(plan if plan is not None else builtin_plan(model, model.config, "tensor"))
+        tp_rank = dist.get_rank() % parallel.tp_degree if parallel.mesh is None else parallel.mesh.get_local_rank("tp")
+        resolved = resolve_plan(model, tp_plan, tp_rank, parallel.tp_degree)
+    cp_resolved = None
+    if parallel.context_parallel_config is not None:
+        from .context_parallel.apply import resolve_cp_plan
+
+        cp_resolved = resolve_cp_plan(model, cp_plan)
+    device = next(model.parameters()).device
+    mesh = build_mesh(parallel, device)
+    if resolved is not None:
+        swap_in_sharded_linears(model, resolved, mesh.tp_group, weights_are_local=False)
+    state = ParallelState(mesh=mesh, tp_plan=resolved)
+    set_state(model, state)
+    if cp_resolved is not None:
+        from .context_parallel.apply import apply_context_parallel
+
+        apply_context_parallel(model, state, cp_resolved)
+    return model

@@ -1,0 +1,61 @@
+"""FLUX.2 (`Flux2Transformer2DModel`): how it splits under tensor and context parallelism."""
+
+from ..context_parallel.plan import ContextParallelPlan, Split
+from ..tensor_parallel.plan import TensorParallelPlan
+from ..tensor_parallel.styles import PackedColwise, PackedRowwise
+
+MODEL_CLASSES = ("Flux2Transformer2DModel",)
+
+
+def _widths(config) -> tuple[int, int]:
+    inner = config.num_attention_heads * config.attention_head_dim
+    return inner, int(inner * config.mlp_ratio)
+
+
+def tensor_parallel_plan(config) -> TensorParallelPlan:
+    styles = {
+        "transformer_blocks.*.attn.to_q": "colwise",
+        "transformer_blocks.*.attn.to_k": "colwise",
+        "transformer_blocks.*.attn.to_v": "colwise",
+        "transformer_blocks.*.attn.to_out.0": "rowwise",
+        "transformer_blocks.*.attn.add_q_proj": "colwise",
+        "transformer_blocks.*.attn.add_k_proj": "colwise",
+        "transformer_blocks.*.attn.add_v_proj": "colwise",
+        "transformer_blocks.*.attn.to_add_out": "rowwise",
+        # SwiGLU: gate and up are equal halves of linear_in
+        "transformer_blocks.*.ff.linear_in": PackedColwise([1, 1]),
+        "transformer_blocks.*.ff.linear_out": "rowwise",
+        "transformer_blocks.*.ff_context.linear_in": PackedColwise([1, 1]),
+        "transformer_blocks.*.ff_context.linear_out": "rowwise",
+        # single-stream: one fused [Q, K, V, gate, up] projection in, [attention, MLP] out
+        "single_transformer_blocks.*.attn.to_qkv_mlp_proj": PackedColwise(
+            lambda c: [_widths(c)[0]] * 3 + [_widths(c)[1]] * 2
+        ),
+        "single_transformer_blocks.*.attn.to_out": PackedRowwise(lambda c: list(_widths(c))),
+        # shared AdaLN modulation (dim -> 6 dim / 3 dim) and the large text projection: replicated inputs
+        "double_stream_modulation_img.linear": "rowwise_split_input",
+        "double_stream_modulation_txt.linear": "rowwise_split_input",
+        "single_stream_modulation.linear": "rowwise_split_input",
+        "context_embedder": "rowwise_split_input",
+        "time_guidance_embed.timestep_embedder.linear_1": "colwise",
+        "time_guidance_embed.timestep_embedder.linear_2": "rowwise",
+        "norm_out.linear": "rowwise_split_input",
+    }
+    if config.guidance_embeds:
+        styles["time_guidance_embed.guidance_embedder.linear_1"] = "colwise"
+        styles["time_guidance_embed.guidance_embedder.linear_2"] = "rowwise"
+    return TensorParallelPlan(styles=styles)
+
+
+def context_parallel_plan(config) -> ContextParallelPlan:
+    return ContextParallelPlan(
+        split_inputs={
+            "": {
+                "hidden_states": Split(1),
+                "encoder_hidden_states": Split(1),
+                "img_ids": Split(-2),
+                "txt_ids": Split(-2),
+            }
+        },
+        gather_outputs={"proj_out": 1},
+    )

@@ -1,0 +1,70 @@
+"""`save_pretrained`: write a parallel model as a normal diffusers checkpoint, one gathered tensor at a time.
+
+Every rank takes part in each gather (collectives), only rank 0 writes; no rank ever holds more than one full tensor.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .checkpoint import write_checkpoint
+from .comm import all_gather_pieces
+from .state import get_state
+from .tensor_parallel.styles import ShardSpec
+
+
+def _parse_size(value: int | str) -> int:
+    if isinstance(value, int):
+        return value
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    text = value.strip().upper()
+    for unit, factor in sorted(units.items(), key=lambda item: -len(item[0])):
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    return int(text)
+
+
+def unshard(pieces_by_rank: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
+    """Inverse of the styles' slicing: block b of the full tensor is rank 0's part b, rank 1's part b, ..."""
+    blocks = []
+    offset = 0
+    for _, length in spec.pieces:
+        blocks.extend(piece.narrow(spec.dim, offset, length) for piece in pieces_by_rank)
+        offset += length
+    return torch.cat(blocks, dim=spec.dim)
+
+
+def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str = "5GB") -> None:
+    """Gather a (TP-)parallel model and write config + safetensors that plain diffusers loads."""
+    folder = Path(path)
+    state = get_state(model)
+    resolved = state.tp_plan if state else None
+    tp_group = state.mesh.tp_group if (state and resolved) else None
+    writer = not dist.is_initialized() or dist.get_rank() == 0
+    local = model.state_dict()
+    entries = []
+    for name, tensor in local.items():
+        spec = resolved.spec_for(name) if resolved else None
+        shape = tuple(tensor.shape)
+        if spec is not None:
+            shape = tuple(resolved.linears[name.rpartition(".")[0]].full_shapes[name.rpartition(".")[2]])
+        entries.append((name, tensor.dtype, shape))
+
+    def produce(name: str) -> torch.Tensor:
+        tensor = local[name]
+        spec = resolved.spec_for(name) if resolved else None
+        if spec is None:
+            return tensor
+        return unshard(all_gather_pieces(tensor, tp_group), spec)
+
+    if writer:
+        folder.mkdir(parents=True, exist_ok=True)
+        model.save_config(folder)
+    write_checkpoint(folder, entries, produce, _parse_size(max_shard_size), write=writer)
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,164 @@
+"""Turn a declarative plan (module-path globs -> styles) into concrete per-module shard specs, and validate it.
+
+Everything here runs on a meta-device model and checkpoint headers only, so a bad plan fails before any weight is
+read or any collective is issued.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from torch import nn
+
+from ..errors import PlanError
+from .styles import ShardSpec, Style, resolve_style
+
+# Integer attributes of an attention module that count heads or widths derived from them. Under TP each rank holds
+# heads/tp heads, and diffusers' processors reshape either by a fixed head_dim (-1 absorbs the head count), by
+# `attn.heads`, or by `attn.inner_dim // attn.heads` (Qwen-Image), or split a fused projection by the ratio
+# inner_dim : mlp_hidden_dim (FLUX.2 single blocks). Scaling all of them by 1/tp keeps every one of those right.
+DEFAULT_HEAD_ATTRS = ("heads", "inner_dim", "mlp_hidden_dim", "kv_inner_dim")
+
+
+@dataclass
+class TensorParallelPlan:
+    """How one model family splits: `styles` maps module globs to styles; `head_attrs` are rescaled on attention."""
+
+    styles: Mapping[str, str | Style]
+    head_attrs: tuple[str, ...] = DEFAULT_HEAD_ATTRS
+    heads_config_key: str = "num_attention_heads"
+
+
+@dataclass
+class ResolvedLinear:
+    name: str
+    style: Style
+    specs: dict[str, ShardSpec | None]
+    full_shapes: dict[str, tuple[int, ...]]
+
+
+@dataclass
+class ResolvedPlan:
+    linears: dict[str, ResolvedLinear] = field(default_factory=dict)
+    attention_modules: list[str] = field(default_factory=list)
+    head_attrs: tuple[str, ...] = DEFAULT_HEAD_ATTRS
+
+    def spec_for(self, param_name: str) -> ShardSpec | None:
+        module_name, _, leaf = param_name.rpartition(".")
+        linear = self.linears.get(module_name)
+        return None if linear is None else linear.specs.get(leaf)
+
+
+def as_plan(plan: Any) -> TensorParallelPlan:
+    if isinstance(plan, TensorParallelPlan):
+        return plan
+    if isinstance(plan, Mapping):
+        return TensorParallelPlan(styles=dict(plan))
+    raise PlanError(f"plan must be a dict of module glob -> style or a TensorParallelPlan, got {type(plan).__name__}.")
+
+
+def expand_key(model: nn.Module, key: str) -> list[str]:
+    """Module paths matched by one plan key. At most one `*`, standing for every index of an nn.ModuleList."""
+    if not isinstance(key, str):
+        raise PlanError(f"Plan keys must be strings, got {key!r}.")
+    stars = key.count("*")
+    if stars == 0:
+        return [key]
+    if stars > 1:
+        raise PlanError(f"Plan key {key!r} has {stars} '*'; at most one is allowed.")
+    prefix, _, suffix = key.partition("*")
+    if not prefix.endswith(".") or (suffix and not suffix.startswith(".")):
+        raise PlanError(f"Plan key {key!r}: '*' must stand for a whole path component, as in 'blocks.*.attn.to_q'.")
+    list_path = prefix[:-1]
+    try:
+        container = model.get_submodule(list_path)
+    except AttributeError as exc:
+        raise PlanError(f"Plan key {key!r}: {list_path!r} is not a submodule of {type(model).__name__}.") from exc
+    if not isinstance(container, nn.ModuleList):
+        raise PlanError(
+            f"Plan key {key!r}: the part before '*' ({list_path!r}) must be an nn.ModuleList, "
+            f"but it is {type(container).__name__}."
+        )
+    return [f"{list_path}.{index}{suffix}" for index in range(len(container))]
+
+
+def resolve_plan(model: nn.Module, plan: TensorParallelPlan, rank: int, size: int) -> ResolvedPlan:
+    """Check the plan against the model and compute every planned parameter's shard for `rank` of `size`."""
+    config = getattr(model, "config", None)
+    check_heads(model, plan, size)
+    resolved = ResolvedPlan(head_attrs=plan.head_attrs)
+    for key, raw_style in plan.styles.items():
+        style = resolve_style(raw_style, key)
+        for name in expand_key(model, key):
+            try:
+                module = model.get_submodule(name)
+            except AttributeError as exc:
+                raise PlanError(
+                    f"Plan key {key!r} names {name!r}, which is not a submodule of {type(model).__name__}."
+                ) from exc
+            if not isinstance(module, nn.Linear):
+                raise PlanError(f"Plan entry {name!r} must be an nn.Linear to be split, but it is {type(module).__name__}.")
+            shapes = {"weight": tuple(module.weight.shape)}
+            if module.bias is not None:
+                shapes["bias"] = tuple(module.bias.shape)
+            specs = {param: style.shard_spec(param, shape, rank, size, config, name) for param, shape in shapes.items()}
+            resolved.linears[name] = ResolvedLinear(name=name, style=style, specs=specs, full_shapes=shapes)
+    resolved.attention_modules = _attention_modules(model, resolved, plan.head_attrs, size)
+    return resolved
+
+
+def check_heads(model: nn.Module, plan: TensorParallelPlan, size: int) -> None:
+    config = getattr(model, "config", None)
+    heads = None if config is None else getattr(config, plan.heads_config_key, None)
+    if heads is not None and heads % size != 0:
+        valid = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise PlanError(
+            f"tp_degree={size} must divide the attention head count {plan.heads_config_key}={heads} of "
+            f"{type(model).__name__}; valid tp degrees: {valid}."
+        )
+
+
+def _attention_modules(model: nn.Module, resolved: ResolvedPlan, attrs: tuple[str, ...], size: int) -> list[str]:
+    """Attention modules (those with a `processor`) that own a colwise-split projection: their head counts shrink."""
+    found: list[str] = []
+    for name, linear in resolved.linears.items():
+        if linear.style.kind != "colwise":
+            continue
+        parts = name.split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            parent_name = ".".join(parts[:cut])
+            parent = model.get_submodule(parent_name)
+            if hasattr(parent, "processor"):
+                if parent_name not in found:
+                    for attr in attrs:
+                        value = getattr(parent, attr, None)
+                        if isinstance(value, int) and not isinstance(value, bool) and value % size != 0:
+                            raise PlanError(
+                                f"{parent_name}.{attr}={value} is not divisible by tp_degree={size}."
+                            )
+                    found.append(parent_name)
+                break
+    return found
+
+
+def localise_heads(model: nn.Module, resolved: ResolvedPlan, size: int) -> None:
+    for name in resolved.attention_modules:
+        module = model.get_submodule(name)
+        for attr in resolved.head_attrs:
+            value = getattr(module, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                setattr(module, attr, value // size)
+
+
+def check_checkpoint_keys(resolved: ResolvedPlan, checkpoint_keys: set[str], shapes: Mapping[str, tuple]) -> None:
+    """Every planned parameter must exist in the checkpoint with the model's shape."""
+    for name, linear in resolved.linears.items():
+        for param, shape in linear.full_shapes.items():
+            key = f"{name}.{param}"
+            if key not in checkpoint_keys:
+                raise PlanError(f"Planned parameter {key!r} (shape {shape}) is not in the checkpoint.")
+            if tuple(shapes[key]) != tuple(shape):
+                raise PlanError(
+                    f"Planned parameter {key!r} has shape {tuple(shapes[key])} in the checkpoint but {shape} in the model."
+                )

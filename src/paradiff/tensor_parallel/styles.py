@@ -1,0 +1,139 @@
+"""How one Linear is split over the TP group, as pure index arithmetic.
+
+A style answers two questions: which slice of each parameter a rank holds (`shard_spec`), and how the module must run
+on that slice (`kind`: "colwise" needs nothing, "rowwise" all-reduces its partial output). The loader reads exactly
+the slices `shard_spec` names, so no rank ever materialises a full sharded weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Sequence
+
+from ..errors import PlanError
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """The part of a full tensor a rank holds: `pieces` (start, length) along `dim`, concatenated in order."""
+
+    dim: int
+    pieces: tuple[tuple[int, int], ...]
+
+    def local_shape(self, full_shape: Sequence[int]) -> tuple[int, ...]:
+        shape = list(full_shape)
+        shape[self.dim] = sum(length for _, length in self.pieces)
+        return tuple(shape)
+
+
+BlockSizes = Sequence[int] | Callable[[Any], Sequence[int]] | None
+
+
+@dataclass(frozen=True)
+class Style:
+    """Base: split along `dim` of the weight (0 = out_features, 1 = in_features)."""
+
+    kind: ClassVar[str] = "colwise"
+
+    def block_sizes_for(self, full_size: int, config: Any, where: str) -> list[int]:
+        return [full_size]
+
+    def weight_dim(self) -> int:
+        return 0 if self.kind == "colwise" else 1
+
+    def shard_spec(self, param: str, full_shape: Sequence[int], rank: int, size: int, config: Any, where: str):
+        """ShardSpec for `param` ("weight" or "bias"), or None when the rank keeps it whole."""
+        if param == "bias" and self.kind != "colwise":
+            return None  # rowwise bias is added once, after the all-reduce
+        dim = self.weight_dim() if param == "weight" else 0
+        pieces = []
+        offset = 0
+        for block in self.block_sizes_for(full_shape[dim], config, where):
+            if block % size != 0:
+                raise PlanError(
+                    f"{where}.{param}: a block of size {block} (dim {dim} of shape {tuple(full_shape)}) is not "
+                    f"divisible by tp_degree={size}; choose a tp_degree that divides {block}."
+                )
+            local = block // size
+            pieces.append((offset + rank * local, local))
+            offset += block
+        return ShardSpec(dim=dim, pieces=tuple(pieces))
+
+
+@dataclass(frozen=True)
+class Colwise(Style):
+    kind: ClassVar[str] = "colwise"
+
+
+@dataclass(frozen=True)
+class Rowwise(Style):
+    kind: ClassVar[str] = "rowwise"
+
+
+@dataclass(frozen=True)
+class RowwiseSplitInput(Style):
+    """Rowwise on a replicated input: each rank multiplies its slice of the input by its slice of the weight."""
+
+    kind: ClassVar[str] = "rowwise_split_input"
+
+
+@dataclass(frozen=True)
+class _Packed(Style):
+    """Several logical tensors packed along the split dim; each is split on its own.
+
+    `blocks` are proportions (e.g. [1, 1] for SwiGLU gate/up) or a callable of the model config returning the
+    absolute sizes, for packings whose proportions depend on the config (e.g. mlp_ratio).
+    """
+
+    blocks: BlockSizes = None
+
+    def block_sizes_for(self, full_size: int, config: Any, where: str) -> list[int]:
+        if self.blocks is None:
+            raise PlanError(f"{where}: {type(self).__name__} needs blocks=[...] proportions or a callable of the config.")
+        if callable(self.blocks):
+            sizes = [int(s) for s in self.blocks(config)]
+            if sum(sizes) != full_size:
+                raise PlanError(
+                    f"{where}: packed block sizes {sizes} sum to {sum(sizes)}, but the packed dim has size {full_size}."
+                )
+            return sizes
+        proportions = [int(p) for p in self.blocks]
+        if any(p <= 0 for p in proportions) or full_size % sum(proportions) != 0:
+            raise PlanError(
+                f"{where}: packed proportions {proportions} (sum {sum(proportions)}) must be positive and divide the "
+                f"packed dim {full_size}."
+            )
+        unit = full_size // sum(proportions)
+        return [p * unit for p in proportions]
+
+
+@dataclass(frozen=True)
+class PackedColwise(_Packed):
+    kind: ClassVar[str] = "colwise"
+
+
+@dataclass(frozen=True)
+class PackedRowwise(_Packed):
+    kind: ClassVar[str] = "rowwise"
+
+
+def PackedColwiseParallel(blocks: BlockSizes = None) -> PackedColwise:  # noqa: N802 - diffusers-compatible name
+    return PackedColwise(blocks)
+
+
+def PackedRowwiseParallel(blocks: BlockSizes = None) -> PackedRowwise:  # noqa: N802
+    return PackedRowwise(blocks)
+
+
+_NAMED = {"colwise": Colwise(), "rowwise": Rowwise(), "rowwise_split_input": RowwiseSplitInput()}
+
+
+def resolve_style(value: str | Style, where: str) -> Style:
+    if isinstance(value, Style):
+        return value
+    if isinstance(value, str) and value in _NAMED:
+        return _NAMED[value]
+    raise PlanError(
+        f"Unknown tensor-parallel style {value!r} for {where!r}; valid styles: "
+        f"{sorted(_NAMED)}, PackedColwise(blocks), PackedRowwise(blocks)."
+    )

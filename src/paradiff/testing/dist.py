@@ -1,0 +1,116 @@
+"""A pool of gloo ranks started once and reused for many test cases.
+
+Starting a process that imports torch and diffusers costs seconds, so each world size gets one pool. A case is an
+importable function run on every rank; its return values come back as a list by rank. A rank that raises reports
+its traceback; a case that does not finish in time kills the pool (it is restarted for the next case), so a hang
+can never stall the suite.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised; the message holds every failing rank's traceback."""
+
+    def __init__(self, failures: dict[int, str]) -> None:
+        self.failures = failures
+        text = "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(failures.items()))
+        super().__init__(f"{len(failures)} rank(s) failed:\n{text}")
+
+
+class RankTimeout(AssertionError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any, timeout_s: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    while True:
+        task = inbox.get()
+        if task is None:
+            break
+        module_name, function_name, kwargs = task
+        try:
+            function = getattr(importlib.import_module(module_name), function_name)
+            outbox.put((rank, True, function(**kwargs)))
+        except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
+            outbox.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    def __init__(self, world_size: int, collective_timeout_s: float = 60.0) -> None:
+        self.world_size = world_size
+        context = mp.get_context("spawn")
+        self.inboxes = [context.Queue() for _ in range(world_size)]
+        self.outbox = context.Queue()
+        port = free_port()
+        self.processes = [
+            context.Process(
+                target=_worker,
+                args=(rank, world_size, port, self.inboxes[rank], self.outbox, collective_timeout_s),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for process in self.processes:
+            process.start()
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.processes)
+
+    def run(self, function: Callable[..., Any], timeout_s: float = 240.0, **kwargs: Any) -> list[Any]:
+        """Run `function(**kwargs)` on every rank; return the results by rank or raise RankFailure / RankTimeout."""
+        for inbox in self.inboxes:
+            inbox.put((function.__module__, function.__name__, kwargs))
+        results: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        while len(results) + len(failures) < self.world_size:
+            try:
+                rank, ok, value = self.outbox.get(timeout=timeout_s)
+            except queue.Empty:
+                self.close(force=True)
+                raise RankTimeout(
+                    f"{function.__name__} did not finish on ranks "
+                    f"{sorted(set(range(self.world_size)) - set(results) - set(failures))} within {timeout_s}s"
+                ) from None
+            (results if ok else failures)[rank] = value
+        if failures:
+            if len(failures) < self.world_size:
+                self.close(force=True)  # the others may be inside a collective the failed rank left
+            raise RankFailure(failures)
+        return [results[rank] for rank in range(self.world_size)]
+
+    def close(self, force: bool = False) -> None:
+        if not force:
+            for inbox in self.inboxes:
+                inbox.put(None)
+            for process in self.processes:
+                process.join(timeout=10)
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)

@@ -1,0 +1,46 @@
+"""Shared fixtures: one rank pool per world size, and tiny checkpoints built once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from paradiff.testing.dist import RankPool
+from paradiff.testing.models import FAMILIES, build_model, save_model
+
+
+class Pools:
+    def __init__(self) -> None:
+        self.pools: dict[int, RankPool] = {}
+
+    def get(self, world_size: int) -> RankPool:
+        pool = self.pools.get(world_size)
+        if pool is None or not pool.alive:
+            if pool is not None:
+                pool.close(force=True)
+            pool = self.pools[world_size] = RankPool(world_size)
+        return pool
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+
+
+@pytest.fixture(scope="session")
+def pools():
+    holder = Pools()
+    yield holder
+    holder.close()
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[tuple[str, str], Path]:
+    """(family, "single" | "sharded") -> folder of a tiny random-weight diffusers checkpoint."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    folders = {}
+    for family in FAMILIES:
+        model = build_model(family)
+        folders[(family, "single")] = save_model(model, root / f"{family}-single")
+        folders[(family, "sharded")] = save_model(model, root / f"{family}-sharded", sharded=True)
+    return folders
