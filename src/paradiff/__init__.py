@@ -1,6 +1,7 @@
 """paradiff: tensor, context, CFG and data parallelism for diffusers transformers, on GPUs (NCCL) and CPUs (gloo)."""
 
 from .config import ContextParallelConfig, ParallelConfig, TensorParallelConfig
+from .context_parallel.apply import set_attention_backend
 from .context_parallel.plan import ContextParallelPlan, Split
 from .errors import (
     CheckpointError,
@@ -36,5 +37,6 @@ __all__ = [
     "enable_parallelism",
     "from_pretrained",
     "save_pretrained",
+    "set_attention_backend",
 ]
 __version__ = "0.1.0"

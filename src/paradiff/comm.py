@@ -39,9 +39,9 @@ def all_gather_int(value: int, group: dist.ProcessGroup, device: torch.device) -
     """Every rank's integer (sequence lengths before an uneven exchange)."""
     size = dist.get_world_size(group)
     local = torch.tensor([value], dtype=torch.int64, device=device)
-    out = torch.empty(size, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(out, local, group=group)
-    return [int(v) for v in out.tolist()]
+    out = [torch.empty(1, dtype=torch.int64, device=device) for _ in range(size)]
+    dist.all_gather(out, local, group=group)
+    return [int(v) for v in torch.cat(out).tolist()]
 
 
 def all_gather_uneven(

@@ -7,7 +7,7 @@ means the fastest links.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -36,10 +36,17 @@ def default_device() -> torch.device:
 
 @dataclass
 class ParallelMesh:
-    """The resolved mesh: degrees, this rank's coordinates, and one process group per dimension."""
+    """The resolved mesh: degrees, this rank's coordinates, and one process group per dimension.
+
+    `flat_groups` holds groups spanning several dimensions (e.g. ("ring", "ulysses") for the whole CP group).
+    """
 
     config: ParallelConfig
     device_mesh: DeviceMesh
+    flat_groups: dict[tuple[str, ...], dist.ProcessGroup] = field(default_factory=dict)
+
+    def flat_group(self, dims: tuple[str, ...]) -> dist.ProcessGroup:
+        return self.flat_groups[dims]
 
     def group(self, dim: str) -> dist.ProcessGroup:
         return self.device_mesh.get_group(dim)
@@ -80,7 +87,27 @@ def build_mesh(config: ParallelConfig, device: torch.device | None = None) -> Pa
         )
     device_type = (device or default_device()).type
     mesh = init_device_mesh(device_type, tuple(degrees.values()), mesh_dim_names=MESH_DIMS)
-    return ParallelMesh(config=config, device_mesh=mesh)
+    parallel_mesh = ParallelMesh(config=config, device_mesh=mesh)
+    _add_flat_groups(parallel_mesh)
+    return parallel_mesh
+
+
+def _add_flat_groups(parallel_mesh: ParallelMesh) -> None:
+    """Create the multi-dimension groups every rank must create together (new_group is collective)."""
+    wanted = [("ring", "ulysses")] if parallel_mesh.cp_degree > 1 else []
+    names = tuple(parallel_mesh.device_mesh.mesh_dim_names)
+    ranks = parallel_mesh.device_mesh.mesh
+    me = dist.get_rank()
+    for dims in wanted:
+        order = [names.index(d) for d in names if d not in dims] + [names.index(d) for d in dims]
+        width = 1
+        for d in dims:
+            width *= ranks.shape[names.index(d)]
+        rows = ranks.permute(order).reshape(-1, width).tolist()
+        for row in rows:
+            group = dist.new_group(row)
+            if me in row:
+                parallel_mesh.flat_groups[dims] = group
 
 
 def _adopt_mesh(config: ParallelConfig, mesh: DeviceMesh) -> ParallelMesh:
@@ -95,4 +122,6 @@ def _adopt_mesh(config: ParallelConfig, mesh: DeviceMesh) -> ParallelMesh:
                 f"The given DeviceMesh's {name!r} dimension has size {mesh.size(names.index(name))}, "
                 f"but the config asks for {size}."
             )
-    return ParallelMesh(config=config, device_mesh=mesh)
+    parallel_mesh = ParallelMesh(config=config, device_mesh=mesh)
+    _add_flat_groups(parallel_mesh)
+    return parallel_mesh

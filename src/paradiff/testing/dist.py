@@ -90,9 +90,13 @@ class RankPool:
         failures: dict[int, str] = {}
         while len(results) + len(failures) < self.world_size:
             try:
-                rank, ok, value = self.outbox.get(timeout=timeout_s)
+                # once a rank has failed, the others get a short grace period (they may be stuck in a collective)
+                wait = min(timeout_s, 15.0) if failures else timeout_s
+                rank, ok, value = self.outbox.get(timeout=wait)
             except queue.Empty:
                 self.close(force=True)
+                if failures:
+                    raise RankFailure(failures) from None
                 raise RankTimeout(
                     f"{function.__name__} did not finish on ranks "
                     f"{sorted(set(range(self.world_size)) - set(results) - set(failures))} within {timeout_s}s"

@@ -1,0 +1,169 @@
+"""Attach context parallelism to a model: split hooks, gather hooks and attention interception, per the plan."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..comm import all_gather_int, all_gather_uneven
+from ..errors import PlanError
+from ..plans import builtin_plan
+from ..state import ParallelState
+from ..tensor_parallel.plan import expand_key
+from .attention import local_chunk
+from .plan import ContextParallelPlan, Split
+from .runtime import AttentionInterceptor, ContextParallelRuntime, require_native_processors
+
+
+@dataclass
+class ResolvedContextPlan:
+    split_inputs: dict[str, dict[str, Split]]
+    split_outputs: dict[str, dict[int, Split]]
+    gather_outputs: dict[str, int]
+    local_attention: set[str]
+
+
+def _expand(model: nn.Module, entries: dict[str, Any], what: str) -> dict[str, Any]:
+    expanded: dict[str, Any] = {}
+    for key, value in entries.items():
+        for name in expand_key(model, key) if key else [""]:
+            try:
+                model.get_submodule(name)
+            except AttributeError as exc:
+                raise PlanError(f"Context-parallel plan ({what}) names {name!r}, not a submodule of "
+                                f"{type(model).__name__}.") from exc
+            if isinstance(value, dict):
+                expanded.setdefault(name, {}).update(value)
+            else:
+                expanded[name] = value
+    return expanded
+
+
+def resolve_cp_plan(model: nn.Module, plan: ContextParallelPlan | None) -> ResolvedContextPlan:
+    """Validate the plan against the model (before any weight or collective) and expand its globs."""
+    plan = plan if plan is not None else builtin_plan(model, model.config, "context")
+    if not isinstance(plan, ContextParallelPlan):
+        raise PlanError(f"cp_plan must be a paradiff.ContextParallelPlan, got {type(plan).__name__}.")
+    require_native_processors(model)
+    split_inputs = _expand(model, plan.split_inputs, "split_inputs")
+    for name, arguments in split_inputs.items():
+        module = model.get_submodule(name) if name else model
+        parameters = inspect.signature(module.forward).parameters
+        for argument in arguments:
+            if argument not in parameters:
+                raise PlanError(f"Context-parallel plan splits argument {argument!r} of {name or 'the model'}, whose "
+                                f"forward takes {list(parameters)}.")
+    local = set()
+    for key in plan.local_attention:
+        local.update(expand_key(model, key))
+    return ResolvedContextPlan(
+        split_inputs=split_inputs,
+        split_outputs=_expand(model, plan.split_outputs, "split_outputs"),
+        gather_outputs=_expand(model, plan.gather_outputs, "gather_outputs"),
+        local_attention=local,
+    )
+
+
+def _split(value: Any, split: Split, runtime: ContextParallelRuntime, what: str) -> Any:
+    if not torch.is_tensor(value) or (split.ndim is not None and value.dim() != split.ndim):
+        return value
+    dim = split.dim % value.dim()
+    if value.shape[dim] < runtime.cp_size:
+        # diffusers' blocks cannot run on an empty token block (their reshapes fail), so every rank needs one.
+        # Every rank sees the same full length, so all of them raise here, before any collective of this forward.
+        raise ValueError(
+            f"{what} has {value.shape[dim]} tokens along dim {dim}, fewer than the {runtime.cp_size} context-parallel "
+            f"ranks; each rank needs at least one token. Use a longer sequence or fewer CP ranks."
+        )
+    return local_chunk(value, dim, runtime.cp_rank, runtime.cp_size)
+
+
+def _input_splitter(module: nn.Module, arguments: dict[str, Split], runtime: ContextParallelRuntime):
+    positions = {name: index for index, name in enumerate(inspect.signature(module.forward).parameters)}
+
+    def hook(_module, args, kwargs):
+        args = list(args)
+        for name, split in arguments.items():
+            if name in kwargs:
+                kwargs[name] = _split(kwargs[name], split, runtime, name)
+            elif positions[name] < len(args):
+                args[positions[name]] = _split(args[positions[name]], split, runtime, name)
+        return tuple(args), kwargs
+
+    return hook
+
+
+def _output_splitter(name: str, outputs: dict[int, Split], runtime: ContextParallelRuntime):
+    def hook(_module, _args, output):
+        if torch.is_tensor(output):
+            return _split(output, outputs[0], runtime, f"{name} output")
+        items = list(output)
+        for index, split in outputs.items():
+            items[index] = _split(items[index], split, runtime, f"{name} output {index}")
+        return type(output)(items) if isinstance(output, tuple) else items
+
+    return hook
+
+
+def _output_gatherer(dim: int, runtime: ContextParallelRuntime):
+    def hook(_module, _args, output):
+        gather_dim = dim % output.dim()
+        sizes = all_gather_int(output.shape[gather_dim], runtime.cp_group, output.device)
+        return all_gather_uneven(output, gather_dim, sizes, runtime.cp_group, runtime.stats)
+
+    return hook
+
+
+def _interceptor_hooks(interceptor: AttentionInterceptor):
+    def enter(_module, _args):
+        interceptor.__enter__()
+
+    def leave(_module, _args, _output):
+        interceptor.__exit__(None, None, None)
+
+    return enter, leave
+
+
+def apply_context_parallel(model: nn.Module, state: ParallelState, plan: ResolvedContextPlan) -> ContextParallelRuntime:
+    mesh = state.mesh
+    config = mesh.config.context_parallel_config
+    runtime = ContextParallelRuntime(
+        mode=config.mode,
+        cp_group=mesh.flat_group(("ring", "ulysses")),
+        ring_group=mesh.group("ring") if config.ring_degree > 1 else None,
+        ulysses_group=mesh.group("ulysses") if config.ulysses_degree > 1 else None,
+    )
+    handles = []
+    for name, arguments in plan.split_inputs.items():
+        module = model.get_submodule(name) if name else model
+        handles.append(module.register_forward_pre_hook(_input_splitter(module, arguments, runtime), with_kwargs=True))
+    for name, outputs in plan.split_outputs.items():
+        handles.append(model.get_submodule(name).register_forward_hook(_output_splitter(name, outputs, runtime)))
+    for name, dim in plan.gather_outputs.items():
+        handles.append(model.get_submodule(name).register_forward_hook(_output_gatherer(dim, runtime)))
+    for name, module in model.named_modules():
+        if hasattr(module, "processor"):
+            enter, leave = _interceptor_hooks(AttentionInterceptor(runtime, local=name in plan.local_attention))
+            handles.append(module.register_forward_pre_hook(enter))
+            handles.append(module.register_forward_hook(leave, always_call=True))
+    state.context = runtime
+    state.extras["cp_hooks"] = handles
+    return runtime
+
+
+def set_attention_backend(model: nn.Module, name: str) -> None:
+    """Choose the local attention kernel of a context-parallel model: "native", "math", "flash" or "sdpa"."""
+    from ..errors import ParallelConfigError
+    from ..state import get_state
+
+    state = get_state(model)
+    if state is None or state.context is None:
+        raise ParallelConfigError(
+            "set_attention_backend applies to a context-parallel model; call "
+            "paradiff.enable_parallelism(model, ContextParallelConfig(...)) first."
+        )
+    state.context.set_backend(name)

@@ -1,0 +1,111 @@
+"""Attention interception: every `F.scaled_dot_product_attention` issued inside an attention module is routed to
+ring / Ulysses / unified attention.
+
+diffusers' processors all end in SDPA when the attention backend is "native" (the default), whatever the processor
+class, so intercepting SDPA with a TorchFunctionMode active only while an attention module runs serves every model
+without knowing its processors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from ..comm import CommStats
+from ..errors import ParallelConfigError
+from .attention import local_attention, ring_attention, ulysses_attention
+from .kernels import BACKENDS, check_backend, default_scale
+
+
+def key_mask_from(attn_mask: torch.Tensor | None, batch: int, keys: int) -> torch.Tensor | None:
+    """Normalise an SDPA mask to a bool (batch, 1, 1, keys) key mask; other masks cannot be split by sequence."""
+    if attn_mask is None:
+        return None
+    mask = attn_mask
+    if mask.dim() == 2:
+        mask = mask[:, None, None, :]
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1 or mask.shape[3] != keys:
+        raise NotImplementedError(
+            f"Context parallelism supports key-padding masks of shape (batch, 1, 1, keys); got {tuple(attn_mask.shape)}."
+        )
+    if mask.dtype != torch.bool:
+        if not bool(((mask == 0) | torch.isneginf(mask)).all()):
+            raise NotImplementedError("Context parallelism supports bool masks or additive masks of 0 / -inf only.")
+        mask = mask == 0
+    return mask.expand(batch, 1, 1, keys)
+
+
+@dataclass
+class ContextParallelRuntime:
+    """The groups and settings one CP model's attention uses. Owned by the model's ParallelState."""
+
+    mode: str  # "ring", "ulysses" or "unified"
+    cp_group: dist.ProcessGroup
+    ring_group: dist.ProcessGroup | None
+    ulysses_group: dist.ProcessGroup | None
+    backend: str = "native"
+    stats: CommStats | None = None
+    local_modules: set[int] = field(default_factory=set)
+
+    @property
+    def cp_rank(self) -> int:
+        return dist.get_rank(self.cp_group)
+
+    @property
+    def cp_size(self) -> int:
+        return dist.get_world_size(self.cp_group)
+
+    def set_backend(self, name: str) -> None:
+        check_backend(name, self.mode)
+        self.backend = name
+
+    def attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                  enable_gqa=False, local: bool = False):
+        if dropout_p != 0.0 or is_causal or enable_gqa:
+            raise NotImplementedError(
+                f"Context-parallel attention supports dropout_p=0, is_causal=False, enable_gqa=False; got "
+                f"dropout_p={dropout_p}, is_causal={is_causal}, enable_gqa={enable_gqa}."
+            )
+        scale = default_scale(query.shape[-1]) if scale is None else scale
+        key_mask = key_mask_from(attn_mask, query.shape[0], key.shape[2])
+        kernel = BACKENDS[self.backend]
+        if local:
+            return local_attention(query, key, value, key_mask, scale, kernel)
+        if self.mode == "ring":
+            return ring_attention(query, key, value, key_mask, scale, kernel, self.ring_group, self.stats)
+        if self.mode == "ulysses":
+            return ulysses_attention(query, key, value, key_mask, scale, kernel, self.ulysses_group, self.stats)
+        return ulysses_attention(
+            query, key, value, key_mask, scale, kernel, self.ulysses_group, self.stats, ring_group=self.ring_group
+        )
+
+
+class AttentionInterceptor(TorchFunctionMode):
+    """Active only inside an attention module's forward; replaces SDPA by the CP attention."""
+
+    def __init__(self, runtime: ContextParallelRuntime, local: bool) -> None:
+        super().__init__()
+        self.runtime = runtime
+        self.local = local
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self.runtime.attention(*args, **kwargs, local=self.local)
+        return func(*args, **kwargs)
+
+
+def require_native_processors(model: torch.nn.Module) -> None:
+    """diffusers backends other than native bypass SDPA (and so the interception): refuse them up front."""
+    for name, module in model.named_modules():
+        processor = getattr(module, "processor", None)
+        backend = getattr(processor, "_attention_backend", None)
+        if backend is not None and str(getattr(backend, "value", backend)) != "native":
+            raise ParallelConfigError(
+                f"{name}: diffusers attention backend {backend!r} bypasses paradiff's attention; reset it with "
+                "model.reset_attention_backend() and choose a kernel with paradiff.set_attention_backend(model, name)."
+            )

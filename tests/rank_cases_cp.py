@@ -1,0 +1,74 @@
+"""Functions run on every rank of a pool by tests/test_context_parallel.py (gloo, CPU)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import paradiff
+from paradiff.comm import CommStats
+from paradiff.state import get_state
+from paradiff.testing.models import Lengths, build_model, make_inputs, run_forward
+
+
+def cp_equivalence(family: str, ring: int, ulysses: int, shapes: list, heads: int = 4, backend: str = "native",
+                   tp: int = 1, batch: int = 1) -> dict:
+    """Every (height, width, text) in `shapes`: CP output equals the single-process diffusers output."""
+    reference = build_model(family, heads=heads)
+    model = build_model(family, heads=heads)
+    cp = paradiff.ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses)
+    config = cp if tp == 1 else paradiff.ParallelConfig(
+        tensor_parallel_config=paradiff.TensorParallelConfig(tp), context_parallel_config=cp)
+    paradiff.enable_parallelism(model, config)
+    if backend != "native":
+        paradiff.set_attention_backend(model, backend)
+    runtime = get_state(model).context
+    runtime.stats = CommStats()
+    diffs = {}
+    for height, width, text in shapes:
+        inputs = make_inputs(family, reference.config, batch=batch, lengths=Lengths(height=height, width=width, text=text))
+        expected = run_forward(reference, inputs)
+        actual = run_forward(model, inputs)
+        assert actual.shape == expected.shape, (actual.shape, expected.shape)
+        diffs[f"{height}x{width}+{text}"] = float((actual - expected).abs().max())
+    return {"rank": dist.get_rank(), "diffs": diffs, "mode": runtime.mode, "calls": dict(runtime.stats.calls)}
+
+
+def cp_errors(family: str = "flux2") -> dict:
+    """Bad CP inputs on a live world: each returns its message (raised before any collective)."""
+    model = build_model(family)
+    world = dist.get_world_size()
+    messages = {}
+    for label, call in {
+        "too_many_ranks": lambda: paradiff.enable_parallelism(model, paradiff.ContextParallelConfig(ring_degree=2 * world)),
+        "not_dividing": lambda: paradiff.enable_parallelism(
+            model, paradiff.ContextParallelConfig(ring_degree=3)) if world == 4 else (_ for _ in ()).throw(
+            paradiff.ParallelConfigError("n/a")),
+        "backend_without_lse": lambda: _ring_with_backend(family, "sdpa"),
+        "unknown_backend": lambda: _ring_with_backend(family, "cudnn-magic"),
+        "not_cp": lambda: paradiff.set_attention_backend(build_model(family), "math"),
+    }.items():
+        try:
+            call()
+            messages[label] = "no error"
+        except Exception as exc:  # noqa: BLE001
+            messages[label] = f"{type(exc).__name__}: {exc}"
+    return messages
+
+
+def _ring_with_backend(family: str, backend: str) -> None:
+    model = build_model(family)
+    paradiff.enable_parallelism(model, paradiff.ContextParallelConfig(ring_degree=dist.get_world_size()))
+    paradiff.set_attention_backend(model, backend)
+
+
+
+def cp_too_short() -> str:
+    model = build_model("qwenimage")
+    paradiff.enable_parallelism(model, paradiff.ContextParallelConfig(ulysses_degree=dist.get_world_size()))
+    inputs = make_inputs("qwenimage", model.config, lengths=Lengths(height=3, width=3, text=1))
+    try:
+        run_forward(model, inputs)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"

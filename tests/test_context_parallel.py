@@ -1,0 +1,107 @@
+"""Context parallelism: every mode, even and uneven lengths, masks, odd head counts, against single-process runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import paradiff
+import rank_cases_cp as cases
+
+ATOL = 1e-5
+# (height, width, text): an even split at 2 and 4 ranks, and one that divides neither (15 image, 7 text tokens)
+EVEN, UNEVEN = (4, 4, 8), (3, 5, 7)
+MODES = {  # id: (world, ring, ulysses)
+    "ring2": (2, 2, 1),
+    "ring4": (4, 4, 1),
+    "ulysses2": (2, 1, 2),
+    "ulysses4": (4, 1, 4),
+    "unified2x2": (4, 2, 2),
+}
+EXPECTED_COMM = {"ring2": "ring_pass", "ring4": "ring_pass", "ulysses2": "all_to_all_ulysses",
+                 "ulysses4": "all_to_all_ulysses", "unified2x2": "ring_pass"}
+
+
+@pytest.mark.parametrize("family", ["flux", "flux2", "qwenimage", "wan"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_matches_single_process(pools, family, mode):
+    world, ring, ulysses = MODES[mode]
+    results = pools.get(world).run(cases.cp_equivalence, family=family, ring=ring, ulysses=ulysses,
+                                   shapes=[EVEN, UNEVEN])
+    for result in results:
+        assert max(result["diffs"].values()) < ATOL, result
+        assert result["calls"].get(EXPECTED_COMM[mode], 0) > 0, result  # the CP path really ran
+        assert result["calls"].get("all_gather_seq", 0) > 0, result
+
+
+@pytest.mark.parametrize("mode", ["ulysses2", "ulysses4", "unified2x2", "ring2"])
+def test_head_count_not_divisible_by_ulysses(pools, mode):
+    world, ring, ulysses = MODES[mode]
+    results = pools.get(world).run(cases.cp_equivalence, family="flux2", ring=ring, ulysses=ulysses, heads=3,
+                                   shapes=[UNEVEN])
+    for result in results:
+        assert max(result["diffs"].values()) < ATOL, result
+
+
+@pytest.mark.parametrize("family", ["qwenimage", "flux"])
+def test_batch_of_two_with_mask(pools, family):
+    results = pools.get(4).run(cases.cp_equivalence, family=family, ring=2, ulysses=2, batch=2, shapes=[UNEVEN, (3, 3, 5)])
+    for result in results:
+        assert max(result["diffs"].values()) < ATOL, result
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa"])
+def test_other_backends(pools, backend):
+    results = pools.get(2).run(cases.cp_equivalence, family="qwenimage", ring=1, ulysses=2, backend=backend,
+                               shapes=[UNEVEN])
+    for result in results:
+        assert max(result["diffs"].values()) < ATOL, result
+
+
+def test_math_backend_in_ring(pools):
+    results = pools.get(2).run(cases.cp_equivalence, family="flux", ring=2, ulysses=1, backend="math", shapes=[UNEVEN])
+    for result in results:
+        assert max(result["diffs"].values()) < ATOL, result
+
+
+def test_fewer_tokens_than_ranks_is_a_clear_error_on_every_rank(pools):
+    messages = pools.get(4).run(cases.cp_too_short)
+    for message in messages:
+        assert "has 1 tokens" in message and "fewer than the 4 context-parallel ranks" in message, message
+
+
+def test_errors_on_live_world(pools):
+    messages = pools.get(4).run(cases.cp_errors)[0]
+    assert "ring_degree=8" in messages["too_many_ranks"] and "world size is 4" in messages["too_many_ranks"]
+    assert "ParallelConfigError" in messages["not_dividing"] and "divide the world size 4" in messages["not_dividing"]
+    assert "'sdpa' returns no log-sum-exp" in messages["backend_without_lse"]
+    assert "'native'" in messages["backend_without_lse"] and "'math'" in messages["backend_without_lse"]
+    assert "Unknown attention backend 'cudnn-magic'" in messages["unknown_backend"]
+    assert "applies to a context-parallel model" in messages["not_cp"]
+
+
+def test_process_group_not_initialised():
+    from paradiff.testing.models import build_model
+
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(paradiff.DistributedError, match="init_process_group"):
+        paradiff.enable_parallelism(build_model("flux2"), paradiff.ContextParallelConfig(ulysses_degree=2))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({}, "ring_degree > 1 or ulysses_degree > 1"),
+        ({"ring_degree": 0}, "ring_degree must be >= 1, got 0"),
+        ({"ulysses_degree": -2}, "ulysses_degree must be >= 1, got -2"),
+        ({"ring_degree": 2.0}, "ring_degree must be an int"),
+    ],
+)
+def test_bad_degrees(kwargs, match):
+    with pytest.raises(paradiff.ParallelConfigError, match=match):
+        paradiff.ContextParallelConfig(**kwargs)
+
+
+def test_anything_flags_are_accepted_and_inert():
+    config = paradiff.ContextParallelConfig(ring_degree=2, ulysses_degree=2, ulysses_anything=True, ring_anything=True)
+    assert config.mode == "unified" and config.degree == 4
