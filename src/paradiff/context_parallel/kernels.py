@@ -61,7 +61,12 @@ def native_attention(q, k, v, key_mask, scale):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, False, attn_mask=_additive(key_mask, q.dtype), scale=scale
         )
-        return _zero_dead_rows(out.float(), lse.float())
+        lse = lse.float()
+        if key_mask is not None:
+            # this kernel reports lse = 0 (not -inf) for rows with every key masked; an LSE merge needs -inf
+            dead = ~key_mask.any(dim=-1)
+            lse = lse.masked_fill(dead.expand_as(lse), float("-inf"))
+        return _zero_dead_rows(out.float(), lse)
     if q.device.type == "cuda":
         if key_mask is None and q.dtype in (torch.float16, torch.bfloat16):
             result = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
