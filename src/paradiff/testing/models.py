@@ -28,22 +28,24 @@ def model_class(family: str) -> type:
 
 def tiny_config(family: str, heads: int = 4, head_dim: int = 16, layers: int = 1, single_layers: int = 1) -> dict:
     """Smallest configs that still exercise every block type (double and single stream, fused projections)."""
+    quarter = head_dim // 4
+    three_axes = (quarter, (head_dim - quarter) // 2, (head_dim - quarter) // 2)  # rotary dims sum to head_dim
     if family == "flux":
         return dict(
             patch_size=1, in_channels=16, num_layers=layers, num_single_layers=single_layers,
             attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=32,
-            pooled_projection_dim=16, guidance_embeds=True, axes_dims_rope=(4, 6, 6),
+            pooled_projection_dim=16, guidance_embeds=True, axes_dims_rope=three_axes,
         )
     if family == "flux2":
         return dict(
             patch_size=1, in_channels=16, num_layers=layers, num_single_layers=single_layers,
             attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=32,
-            timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=True,
+            timestep_guidance_channels=32, axes_dims_rope=(quarter,) * 4, guidance_embeds=True,
         )
     if family == "qwenimage":
         return dict(
             patch_size=2, in_channels=16, out_channels=4, num_layers=layers + single_layers,
-            attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
+            attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=32, axes_dims_rope=three_axes,
         )
     if family == "wan":
         return dict(
