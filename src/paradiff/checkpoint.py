@@ -92,18 +92,35 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         if name == "__metadata__":
             continue
         try:
-            dtype = DTYPES[entry["dtype"]]
+            dtype_name = entry["dtype"]
             shape = tuple(int(s) for s in entry["shape"])
             begin, end = (int(o) for o in entry["data_offsets"])
         except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry {entry!r}.") from exc
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has a malformed header entry {entry!r}; each entry needs \"dtype\", "
+                "\"shape\" (list of ints) and \"data_offsets\" ([begin, end])."
+            ) from exc
+        if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has dtype {dtype_name!r}, which paradiff cannot read; supported dtypes: "
+                f"{sorted(DTYPES)}."
+            )
+        dtype = DTYPES[dtype_name]
+        if any(s < 0 for s in shape):
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has a negative size in shape {list(shape)}; the header is corrupt."
+            )
         expected = _numel(shape) * _itemsize(dtype)
         if end - begin != expected:
             raise CheckpointError(
                 f"{path}: tensor {name!r} claims shape {list(shape)} {entry['dtype']} ({expected} bytes) but its data "
                 f"offsets span {end - begin} bytes; the header lies about the tensor's size."
             )
-        if begin < 0 or data_start + end > size:
+        if begin < 0:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has negative data offsets [{begin}, {end}]; the header is corrupt."
+            )
+        if data_start + end > size:
             raise CheckpointError(
                 f"{path}: tensor {name!r} ends at byte {data_start + end} but the file has {size} bytes (truncated)."
             )
@@ -223,11 +240,16 @@ class SafetensorsWriter:
     def __init__(self, path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
         header: dict[str, object] = {"__metadata__": {"format": "pt"}}
         offset = 0
-        self.expected: list[tuple[str, int]] = []
+        self.expected: list[tuple[str, torch.dtype, int]] = []
         for name, dtype, shape in entries:
+            if dtype not in DTYPE_NAMES:
+                raise CheckpointError(
+                    f"{path}: tensor {name!r} has dtype {dtype}, which safetensors cannot store here; supported: "
+                    f"{sorted(str(d) for d in DTYPE_NAMES)}."
+                )
             nbytes = _numel(shape) * _itemsize(dtype)
             header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-            self.expected.append((name, nbytes))
+            self.expected.append((name, dtype, nbytes))
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # keep data 8-byte aligned, as the reference writer does
@@ -237,10 +259,20 @@ class SafetensorsWriter:
         self.position = 0
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        expected_name, nbytes = self.expected[self.position]
+        if self.position >= len(self.expected):
+            raise RuntimeError(
+                f"{self.handle.name}: all {len(self.expected)} tensors of the header are written; got an extra "
+                f"{name!r}."
+            )
+        expected_name, expected_dtype, nbytes = self.expected[self.position]
         data = tensor.detach().to("cpu").contiguous()
-        if name != expected_name or data.numel() * data.element_size() != nbytes:
-            raise RuntimeError(f"writer expected {expected_name} ({nbytes} bytes), got {name}")
+        got = data.numel() * data.element_size()
+        if name != expected_name or got != nbytes or data.dtype != expected_dtype:
+            raise RuntimeError(
+                f"{self.handle.name}: writer expected tensor {expected_name!r} ({expected_dtype}, {nbytes} bytes) "
+                f"next, got {name!r} ({got} bytes, {data.dtype}, shape {list(data.shape)}); tensors must come in "
+                "header order with the declared dtype and shape."
+            )
         self.handle.write(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
         self.position += 1
 

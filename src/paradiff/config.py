@@ -162,8 +162,10 @@ def as_parallel_config(config: Any, world_size: int | None = None) -> ParallelCo
             raise ParallelConfigError(_too_large(config, degree, world_size))
         if world_size % degree != 0:
             raise ParallelConfigError(
-                f"{_describe(config)} = {degree} ranks must divide the world size {world_size}; valid degrees "
-                f"divide {world_size}: {[d for d in range(1, world_size + 1) if world_size % d == 0]}."
+                f"{_describe(config)} needs {degree} ranks, which must divide the world size {world_size} (the "
+                f"remaining factor runs data-parallel replicas); valid degrees on {world_size} ranks: "
+                f"{[d for d in range(1, world_size + 1) if world_size % d == 0]}. Or pass a ParallelConfig whose "
+                "degrees multiply to the world size."
             )
         parallel.data_degree = world_size // degree
     return parallel

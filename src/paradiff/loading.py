@@ -37,7 +37,11 @@ def check_loading_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
             "shard on its own device. Drop device_map (use it with plain diffusers for non-parallel components)."
         )
     if kwargs.get("quantization_config") is not None:
-        raise ParallelConfigError("quantization_config is not supported with paradiff loading; load unquantized weights.")
+        raise ParallelConfigError(
+            f"quantization_config={type(kwargs['quantization_config']).__name__}(...) is not supported with paradiff "
+            "loading: paradiff slices unquantized float weights. Drop quantization_config and load in float32, "
+            "float16 or bfloat16 (torch_dtype=...); a larger tp_degree lowers the memory per rank."
+        )
     if kwargs.get("low_cpu_mem_usage", True) is False:
         raise ParallelConfigError(
             "low_cpu_mem_usage=False would materialise the full model on every rank; paradiff always loads "
@@ -113,6 +117,32 @@ def check_dtype(dtype: Any) -> torch.dtype:
     return dtype
 
 
+def check_device(device: torch.device | str | None) -> torch.device:
+    """The device each rank loads onto; refuse one that is not usable here before anything is read."""
+    if device is None:
+        return default_device()
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ParallelConfigError(
+            f"device={device!r} is not a valid torch device ({exc}); use e.g. 'cpu', 'cuda' or 'cuda:0'."
+        ) from exc
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ParallelConfigError(
+                f"device={str(device)!r} but CUDA is not available in this process; use device='cpu' (with the "
+                "gloo backend) or omit device to pick cuda:LOCAL_RANK when CUDA is present."
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ParallelConfigError(
+                f"device={str(device)!r} but this process sees {torch.cuda.device_count()} CUDA device(s); valid "
+                f"indices are 0..{torch.cuda.device_count() - 1}, or omit device to use cuda:LOCAL_RANK."
+            )
+    elif device.type == "meta":
+        raise ParallelConfigError("device='meta' holds no data; load onto 'cpu' or a 'cuda' device.")
+    return device
+
+
 def from_pretrained(
     model_cls: type,
     path: str | os.PathLike,
@@ -131,7 +161,7 @@ def from_pretrained(
         torch_dtype = torch_dtype or kwargs.pop("dtype")
     hub_kwargs = check_loading_kwargs(kwargs)
     dtype = check_dtype(torch_dtype)
-    device = torch.device(device) if device is not None else default_device()
+    device = check_device(device)
     parallel = None
     if parallel_config is not None:
         require_distributed()

@@ -21,9 +21,18 @@ def check_shardable(model: nn.Module) -> None:
     if not isinstance(model, nn.Module):
         raise UnsupportedModelError(f"enable_parallelism needs an nn.Module, got {type(model).__name__}.")
     if get_state(model) is not None:
-        raise UnsupportedModelError(f"{type(model).__name__} is already parallelised by paradiff.")
-    if getattr(model, "is_quantized", False) or getattr(model, "hf_quantizer", None) is not None:
-        raise UnsupportedModelError(f"{type(model).__name__} is quantized; paradiff shards unquantized weights only.")
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is already parallelised by paradiff (enable_parallelism or from_pretrained ran "
+            "on it); call it once per model, on a fresh model to change the configuration."
+        )
+    quantizer = getattr(model, "hf_quantizer", None)
+    if getattr(model, "is_quantized", False) or quantizer is not None:
+        detail = f" by {type(quantizer).__name__}" if quantizer is not None else ""
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is quantized{detail} (is_quantized={getattr(model, 'is_quantized', False)}); "
+            "paradiff shards unquantized float weights only. Load it without quantization_config, in float32, "
+            "float16 or bfloat16."
+        )
     if getattr(model, "hf_device_map", None):
         raise UnsupportedModelError(
             f"{type(model).__name__} was placed by accelerate (hf_device_map={model.hf_device_map!r}); load it without "
@@ -31,14 +40,29 @@ def check_shardable(model: nn.Module) -> None:
         )
     for name, module in model.named_modules():
         if hasattr(module, "_hf_hook"):
-            raise UnsupportedModelError(f"{name or 'model'} has an accelerate offload hook; remove offloading first.")
+            raise UnsupportedModelError(
+                f"{name or 'model'} has an accelerate hook ({type(module._hf_hook).__name__}), e.g. from CPU "
+                "offloading; paradiff needs the weights resident. Remove it first (pipe.remove_all_hooks() or "
+                "accelerate.hooks.remove_hook_from_module(model, recurse=True)) and do not enable offloading."
+            )
         registry = getattr(module, "_diffusers_hook", None)
         hooks = getattr(registry, "hooks", {}) if registry is not None else {}
-        if any("offload" in str(key) for key in hooks):
-            raise UnsupportedModelError(f"{name or 'model'} uses diffusers offloading; disable it first.")
-        if "lora_A" in dict(module.named_children()) or getattr(module, "peft_config", None):
+        offload = [str(key) for key in hooks if "offload" in str(key)]
+        if offload:
             raise UnsupportedModelError(
-                f"{name or 'model'} carries LoRA adapters; fuse them (fuse_lora + unload_lora_weights) first."
+                f"{name or 'model'} uses diffusers offloading (hooks {offload}); paradiff needs the weights "
+                f"resident. Remove it first (module._diffusers_hook.remove_hook({offload[0]!r}, recurse=True)) or "
+                "load the model without offloading."
+            )
+        peft_config = getattr(module, "peft_config", None)
+        if "lora_A" in dict(module.named_children()) or peft_config:
+            if isinstance(peft_config, dict) and peft_config:
+                found = f"peft_config adapters {sorted(peft_config)}"
+            else:
+                found = "peft_config is set" if peft_config else "it has a 'lora_A' child"
+            raise UnsupportedModelError(
+                f"{name or 'model'} carries LoRA adapters ({found}); paradiff splits plain nn.Linear weights only. "
+                "Fuse them into the base weights first (fuse_lora() then unload_lora_weights())."
             )
 
 

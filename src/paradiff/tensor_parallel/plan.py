@@ -61,26 +61,62 @@ def as_plan(plan: Any) -> TensorParallelPlan:
 def expand_key(model: nn.Module, key: str) -> list[str]:
     """Module paths matched by one plan key. At most one `*`, standing for every index of an nn.ModuleList."""
     if not isinstance(key, str):
-        raise PlanError(f"Plan keys must be strings, got {key!r}.")
+        raise PlanError(f"Plan keys must be strings, got {key!r} ({type(key).__name__}).")
     stars = key.count("*")
     if stars == 0:
         return [key]
     if stars > 1:
-        raise PlanError(f"Plan key {key!r} has {stars} '*'; at most one is allowed.")
+        raise PlanError(
+            f"Plan key {key!r} has {stars} '*'; at most one is allowed, standing for the index of one nn.ModuleList "
+            "(as in 'blocks.*.attn.to_q'). Write one key per list."
+        )
     prefix, _, suffix = key.partition("*")
     if not prefix.endswith(".") or (suffix and not suffix.startswith(".")):
-        raise PlanError(f"Plan key {key!r}: '*' must stand for a whole path component, as in 'blocks.*.attn.to_q'.")
+        raise PlanError(
+            f"Plan key {key!r}: '*' must stand for a whole path component (a list index), as in "
+            "'blocks.*.attn.to_q'; partial patterns such as 'blocks*' or 'to_*' are not supported."
+        )
     list_path = prefix[:-1]
     try:
         container = model.get_submodule(list_path)
     except AttributeError as exc:
-        raise PlanError(f"Plan key {key!r}: {list_path!r} is not a submodule of {type(model).__name__}.") from exc
+        raise PlanError(
+            f"Plan key {key!r}: {list_path!r} is not a submodule of {type(model).__name__}; its nn.ModuleLists are "
+            f"{module_lists(model)}."
+        ) from exc
     if not isinstance(container, nn.ModuleList):
         raise PlanError(
             f"Plan key {key!r}: the part before '*' ({list_path!r}) must be an nn.ModuleList, "
-            f"but it is {type(container).__name__}."
+            f"but it is {type(container).__name__}; the nn.ModuleLists of {type(model).__name__} are "
+            f"{module_lists(model)}."
         )
     return [f"{list_path}.{index}{suffix}" for index in range(len(container))]
+
+
+def module_lists(model: nn.Module, limit: int = 12) -> list[str]:
+    """Paths of the nn.ModuleLists a '*' may stand over; indices of enclosing lists shown as '*', deduplicated."""
+    found: list[str] = []
+    for name, module in model.named_modules():
+        if name and isinstance(module, nn.ModuleList):
+            pattern = ".".join("*" if part.isdigit() else part for part in name.split("."))
+            if pattern not in found:
+                found.append(pattern)
+    return found[:limit]
+
+
+def _missing_module_hint(model: nn.Module, name: str) -> str:
+    """Name the deepest existing ancestor of `name` and its children, so a typo is easy to spot."""
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, -1, -1):
+        parent_name = ".".join(parts[:cut])
+        try:
+            parent = model.get_submodule(parent_name)
+        except AttributeError:
+            continue
+        children = [child for child, _ in parent.named_children()]
+        where = repr(parent_name) if parent_name else type(model).__name__
+        return f"{where} has children {children}"
+    return ""
 
 
 def resolve_plan(model: nn.Module, plan: TensorParallelPlan, rank: int, size: int) -> ResolvedPlan:
@@ -88,6 +124,7 @@ def resolve_plan(model: nn.Module, plan: TensorParallelPlan, rank: int, size: in
     config = getattr(model, "config", None)
     check_heads(model, plan, size)
     resolved = ResolvedPlan(head_attrs=plan.head_attrs)
+    matched_by: dict[str, str] = {}
     for key, raw_style in plan.styles.items():
         style = resolve_style(raw_style, key)
         for name in expand_key(model, key):
@@ -95,10 +132,21 @@ def resolve_plan(model: nn.Module, plan: TensorParallelPlan, rank: int, size: in
                 module = model.get_submodule(name)
             except AttributeError as exc:
                 raise PlanError(
-                    f"Plan key {key!r} names {name!r}, which is not a submodule of {type(model).__name__}."
+                    f"Plan key {key!r} names {name!r}, which is not a submodule of {type(model).__name__}; "
+                    f"{_missing_module_hint(model, name)}."
                 ) from exc
             if not isinstance(module, nn.Linear):
-                raise PlanError(f"Plan entry {name!r} must be an nn.Linear to be split, but it is {type(module).__name__}.")
+                linears = [child for child, sub in module.named_modules() if child and isinstance(sub, nn.Linear)]
+                raise PlanError(
+                    f"Plan entry {name!r} (key {key!r}) must be an nn.Linear to be split, but it is "
+                    f"{type(module).__name__}; the nn.Linear modules inside it are {linears[:12]}."
+                )
+            if name in matched_by:
+                raise PlanError(
+                    f"{name!r} is matched by two plan keys, {matched_by[name]!r} and {key!r}; each module may have "
+                    "one style only. Remove one of the keys."
+                )
+            matched_by[name] = key
             shapes = {"weight": tuple(module.weight.shape)}
             if module.bias is not None:
                 shapes["bias"] = tuple(module.bias.shape)
@@ -135,7 +183,8 @@ def _attention_modules(model: nn.Module, resolved: ResolvedPlan, attrs: tuple[st
                         value = getattr(parent, attr, None)
                         if isinstance(value, int) and not isinstance(value, bool) and value % size != 0:
                             raise PlanError(
-                                f"{parent_name}.{attr}={value} is not divisible by tp_degree={size}."
+                                f"{parent_name}.{attr}={value} is not divisible by tp_degree={size}; valid tp "
+                                f"degrees divide {value}: {[d for d in range(1, value + 1) if value % d == 0]}."
                             )
                     found.append(parent_name)
                 break
@@ -157,7 +206,10 @@ def check_checkpoint_keys(resolved: ResolvedPlan, checkpoint_keys: set[str], sha
         for param, shape in linear.full_shapes.items():
             key = f"{name}.{param}"
             if key not in checkpoint_keys:
-                raise PlanError(f"Planned parameter {key!r} (shape {shape}) is not in the checkpoint.")
+                raise PlanError(
+                    f"Planned parameter {key!r} (shape {shape}) is not in the checkpoint; the checkpoint and the "
+                    "model config disagree, or the plan names a module the checkpoint does not have."
+                )
             if tuple(shapes[key]) != tuple(shape):
                 raise PlanError(
                     f"Planned parameter {key!r} has shape {tuple(shapes[key])} in the checkpoint but {shape} in the model."
