@@ -105,3 +105,12 @@ def test_bad_degrees(kwargs, match):
 def test_anything_flags_are_accepted_and_inert():
     config = paradiff.ContextParallelConfig(ring_degree=2, ulysses_degree=2, ulysses_anything=True, ring_anything=True)
     assert config.mode == "unified" and config.degree == 4
+
+
+@pytest.mark.parametrize("family", ["flux", "flux2", "qwenimage"])
+@pytest.mark.parametrize("ring,ulysses", [(2, 1), (1, 2)], ids=["tp2xring2", "tp2xulysses2"])
+def test_tensor_and_context_parallel_combined(pools, family, ring, ulysses):
+    """diffusers refuses TP together with CP; here both split the same model on 4 ranks."""
+    results = pools.get(4).run(cases.cp_equivalence, family=family, ring=ring, ulysses=ulysses, tp=2, shapes=[UNEVEN])
+    for result in results:
+        assert max(result["diffs"].values()) < ATOL, result

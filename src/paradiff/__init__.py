@@ -13,6 +13,7 @@ from .errors import (
 )
 from .loading import from_pretrained
 from .parallel import enable_parallelism
+from .pipeline import load_pipeline, split_between_processes
 from .saving import save_pretrained
 from .tensor_parallel.plan import TensorParallelPlan
 from .tensor_parallel.styles import PackedColwise, PackedColwiseParallel, PackedRowwise, PackedRowwiseParallel
@@ -36,7 +37,9 @@ __all__ = [
     "UnsupportedModelError",
     "enable_parallelism",
     "from_pretrained",
+    "load_pipeline",
     "save_pretrained",
     "set_attention_backend",
+    "split_between_processes",
 ]
 __version__ = "0.1.0"
