@@ -72,3 +72,17 @@ def cp_too_short() -> str:
     except ValueError as exc:
         return str(exc)
     return "no error"
+
+
+def cp_from_pretrained(family: str, folder: str, ring: int, ulysses: int, tp: int = 1) -> dict:
+    """Load with parallel_config=ContextParallelConfig (and TP) straight from a checkpoint."""
+    from paradiff.testing.models import model_class
+
+    cls = model_class(family)
+    reference = cls.from_pretrained(folder).eval()
+    cp = paradiff.ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses)
+    config = cp if tp == 1 else paradiff.ParallelConfig(
+        tensor_parallel_config=paradiff.TensorParallelConfig(tp), context_parallel_config=cp)
+    model = paradiff.from_pretrained(cls, folder, parallel_config=config)
+    inputs = make_inputs(family, reference.config, lengths=Lengths(height=3, width=5, text=7))
+    return {"diff": float((run_forward(model, inputs) - run_forward(reference, inputs)).abs().max())}

@@ -114,3 +114,11 @@ def test_tensor_and_context_parallel_combined(pools, family, ring, ulysses):
     results = pools.get(4).run(cases.cp_equivalence, family=family, ring=ring, ulysses=ulysses, tp=2, shapes=[UNEVEN])
     for result in results:
         assert max(result["diffs"].values()) < ATOL, result
+
+
+@pytest.mark.parametrize("world,ring,ulysses,tp", [(2, 2, 1, 1), (4, 1, 2, 2)], ids=["ring2", "tp2xulysses2"])
+def test_from_pretrained_with_context_parallel_config(pools, checkpoints, world, ring, ulysses, tp):
+    results = pools.get(world).run(cases.cp_from_pretrained, family="qwenimage",
+                                   folder=str(checkpoints[("qwenimage", "sharded")]), ring=ring, ulysses=ulysses, tp=tp)
+    for result in results:
+        assert result["diff"] < ATOL, result
