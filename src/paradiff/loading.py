@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .agreement import agree, config_fingerprint, fingerprint
 from .checkpoint import Checkpoint
 from .config import as_parallel_config
 from .errors import CheckpointError, ParallelConfigError
@@ -156,7 +158,64 @@ def from_pretrained(
     progress: bool | None = None,
     **kwargs: Any,
 ) -> nn.Module:
-    """Load a diffusers model class; with a parallel config, each rank reads only its own shard of each weight."""
+    """Load a diffusers model class; with a parallel config, each rank reads only its own shard of each weight.
+
+    Every check runs first on each rank; then the ranks agree (through the store, not a collective) that all passed
+    and that they load the same thing, and only then is the mesh built and any weight read.
+    """
+    prepared = None
+    error = None
+    try:
+        prepared = _prepare(model_cls, path, subfolder, torch_dtype, parallel_config, device, plan, cp_plan, kwargs)
+    except Exception as exc:  # noqa: BLE001 - shared with the other ranks, then re-raised
+        error = exc
+    if parallel_config is None:
+        if error is not None:
+            raise error
+    else:
+        agree("paradiff.from_pretrained", prepared.facts if prepared else None, error)
+    model, checkpoint, parallel = prepared.model, prepared.checkpoint, prepared.parallel
+    try:
+        mesh = build_mesh(parallel, prepared.device) if parallel else None
+        error = None
+        try:
+            _materialise(model, checkpoint, prepared.resolved, prepared.dtype, prepared.device, progress)
+        except Exception as exc:  # noqa: BLE001 - a read failure on one rank must stop every rank
+            error = exc
+        if parallel is not None:
+            agree("paradiff.from_pretrained (reading weights)", {"loaded": True}, error)
+        elif error is not None:
+            raise error
+    finally:
+        checkpoint.close()
+    resolved = prepared.resolved
+    if resolved is not None:
+        swap_in_sharded_linears(model, resolved, mesh.tp_group, weights_are_local=True)
+    model.eval()
+    if mesh is not None:
+        state = ParallelState(mesh=mesh, tp_plan=resolved)
+        set_state(model, state)
+        if prepared.cp_resolved is not None:
+            from .context_parallel.apply import apply_context_parallel
+
+            apply_context_parallel(model, state, prepared.cp_resolved)
+    return model
+
+
+@dataclass
+class _Prepared:
+    model: nn.Module
+    checkpoint: Checkpoint
+    parallel: Any
+    resolved: ResolvedPlan | None
+    cp_resolved: Any
+    dtype: torch.dtype
+    device: torch.device
+    facts: dict
+
+
+def _prepare(model_cls, path, subfolder, torch_dtype, parallel_config, device, plan, cp_plan, kwargs) -> _Prepared:
+    """All local validation: arguments, degrees, checkpoint headers, model config, plans. Reads no weight."""
     if "dtype" in kwargs:
         torch_dtype = torch_dtype or kwargs.pop("dtype")
     hub_kwargs = check_loading_kwargs(kwargs)
@@ -167,7 +226,7 @@ def from_pretrained(
         require_distributed()
         parallel = as_parallel_config(parallel_config, dist.get_world_size())
         if parallel.world_size != dist.get_world_size() and parallel.mesh is None:
-            build_mesh(parallel, device)  # raises the degree mismatch error
+            build_mesh(parallel, device)  # raises the degree mismatch error before any collective
     folder = resolve_folder(path, subfolder, hub_kwargs)
     checkpoint = Checkpoint(folder)
     try:
@@ -187,21 +246,23 @@ def from_pretrained(
 
             cp_resolved = resolve_cp_plan(model, cp_plan)
         _check_model_against_checkpoint(model, checkpoint, resolved)
-        mesh = build_mesh(parallel, device) if parallel else None
-        _materialise(model, checkpoint, resolved, dtype, device, progress)
-    finally:
+    except BaseException:
         checkpoint.close()
-    if resolved is not None:
-        swap_in_sharded_linears(model, resolved, mesh.tp_group, weights_are_local=True)
-    model.eval()
-    if mesh is not None:
-        state = ParallelState(mesh=mesh, tp_plan=resolved)
-        set_state(model, state)
-        if cp_resolved is not None:
-            from .context_parallel.apply import apply_context_parallel
-
-            apply_context_parallel(model, state, cp_resolved)
-    return model
+        raise
+    facts = {
+        "parallel degrees": parallel.degrees() if parallel else None,
+        "model class": model_cls.__name__,
+        "model config": config_fingerprint(getattr(model, "config", None)),
+        "tensor-parallel plan": fingerprint(
+            {name: (type(l.style).__name__, l.style.kind, l.full_shapes) for name, l in resolved.linears.items()}
+        ) if resolved else None,
+        "checkpoint": fingerprint(sorted(
+            (name, list(info.shape), str(info.dtype), info.file.name, info.file.stat().st_size)
+            for name, info in checkpoint.tensors.items()
+        )),
+        "dtype": str(dtype),
+    }
+    return _Prepared(model, checkpoint, parallel, resolved, cp_resolved, dtype, device, facts)
 
 
 def _check_model_against_checkpoint(model: nn.Module, checkpoint: Checkpoint, resolved: ResolvedPlan | None) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from .agreement import agree, config_fingerprint, fingerprint
 from .config import as_parallel_config
 from .errors import UnsupportedModelError
 from .mesh import build_mesh, require_distributed
@@ -67,20 +68,35 @@ def check_shardable(model: nn.Module) -> None:
 
 
 def enable_parallelism(model: nn.Module, config: Any, *, plan: Any = None, cp_plan: Any = None) -> nn.Module:
-    """Shard (TP) and/or hook (CP) `model` in place; returns it. Every check runs before any collective."""
-    require_distributed()
-    check_shardable(model)
-    parallel = as_parallel_config(config, dist.get_world_size())
-    resolved = None
-    if parallel.tp_degree > 1:
-        tp_plan = as_plan(plan if plan is not None else builtin_plan(model, model.config, "tensor"))
-        tp_rank = dist.get_rank() % parallel.tp_degree if parallel.mesh is None else parallel.mesh.get_local_rank("tp")
-        resolved = resolve_plan(model, tp_plan, tp_rank, parallel.tp_degree)
-    cp_resolved = None
-    if parallel.context_parallel_config is not None:
-        from .context_parallel.apply import resolve_cp_plan
+    """Shard (TP) and/or hook (CP) `model` in place; returns it.
 
-        cp_resolved = resolve_cp_plan(model, cp_plan)
+    Every check runs before any collective; then the ranks agree through the store that all passed and that they
+    hold the same model configuration, parameter layout and parallel config.
+    """
+    error = None
+    resolved = cp_resolved = parallel = None
+    try:
+        require_distributed()
+        check_shardable(model)
+        parallel = as_parallel_config(config, dist.get_world_size())
+        if parallel.tp_degree > 1:
+            tp_plan = as_plan(plan if plan is not None else builtin_plan(model, model.config, "tensor"))
+            tp_rank = (dist.get_rank() % parallel.tp_degree if parallel.mesh is None
+                       else parallel.mesh.get_local_rank("tp"))
+            resolved = resolve_plan(model, tp_plan, tp_rank, parallel.tp_degree)
+        if parallel.context_parallel_config is not None:
+            from .context_parallel.apply import resolve_cp_plan
+
+            cp_resolved = resolve_cp_plan(model, cp_plan)
+        facts = {
+            "parallel degrees": parallel.degrees(),
+            "model class": type(model).__name__,
+            "model config": config_fingerprint(getattr(model, "config", None)),
+            "parameters": fingerprint([(n, list(p.shape), str(p.dtype)) for n, p in model.named_parameters()]),
+        }
+    except Exception as exc:  # noqa: BLE001 - shared with the other ranks, then re-raised
+        error, facts = exc, None
+    agree("paradiff.enable_parallelism", facts, error)
     device = next(model.parameters()).device
     mesh = build_mesh(parallel, device)
     if resolved is not None:
