@@ -1,0 +1,553 @@
+"""Tiny, random-weight, fully local diffusers pipelines, saved as real pipeline folders.
+
+Every component is made here: the transformer, the VAE, the text encoder(s), the scheduler and the tokenizer(s).
+The tokenizers learn their vocabulary on the spot from a small built-in corpus, cut by the same normalizer and
+pre-tokenizer as the transformers class the pipeline expects, so that they save and load back as that class.
+Nothing is downloaded.
+
+    pipe = build_pipeline("flux")                       # in memory
+    folder = save_pipeline("wan", "/tmp/tiny-wan")      # model_index.json + one subfolder per component
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    out = pipe(**default_call_kwargs("wan"), generator=torch.Generator().manual_seed(0))
+
+Sizes are chosen so that one 2-step generation at 32x32 takes well under a second on a CPU, in float32, while the
+transformer still has 4 heads (divisible by 2 and 4) and enough image tokens (48 to 64) to split across ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+PIPELINE_FAMILIES = ("flux", "flux2", "qwenimage", "wan")
+
+# What each family's pipeline and transformer classes are called in diffusers.
+PIPELINE_CLASSES = {
+    "flux": "FluxPipeline",
+    "flux2": "Flux2Pipeline",
+    "qwenimage": "QwenImagePipeline",
+    "wan": "WanPipeline",
+}
+TRANSFORMER_CLASSES = {
+    "flux": "FluxTransformer2DModel",
+    "flux2": "Flux2Transformer2DModel",
+    "qwenimage": "QwenImageTransformer2DModel",
+    "wan": "WanTransformer3DModel",
+}
+
+# Transformer config keys that other components depend on (latent channels, text width, packing):
+# changing them through `transformer_overrides` would give a pipeline that cannot run, so it is refused.
+_COUPLED_KEYS = {
+    "flux": ("in_channels", "out_channels", "joint_attention_dim", "pooled_projection_dim", "patch_size"),
+    "flux2": ("in_channels", "out_channels", "joint_attention_dim", "patch_size"),
+    "qwenimage": ("in_channels", "out_channels", "joint_attention_dim", "patch_size"),
+    "wan": ("in_channels", "out_channels", "text_dim", "image_dim", "added_kv_proj_dim"),
+}
+
+# Text width of every text encoder; the transformers' text projections are sized from these.
+_TEXT_WIDTH = 32
+_LATENT_CHANNELS = 4
+
+# The Qwen-Image pipeline formats each prompt into this template and drops the first 34 tokens of the text
+# encoder's output (the system part). The tiny tokenizer is trained so that this prefix is exactly 34 tokens.
+_QWEN_SYSTEM_PREFIX = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+    "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n"
+)
+_QWEN_DROP_TOKENS = 34
+
+# A Mistral-style chat template for the FLUX.2 tokenizer. The pipeline passes messages whose content is a list of
+# {"type": "text", "text": ...} parts (and sometimes images, which a text-only tokenizer skips).
+_MISTRAL_CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message['content'] is string %}{%- set text = message['content'] %}"
+    "{%- else %}{%- set text = message['content'] | selectattr('type', 'equalto', 'text')"
+    " | map(attribute='text') | join('') %}{%- endif %}"
+    "{%- if message['role'] == 'system' %}{{- '[SYSTEM_PROMPT]' + text + '[/SYSTEM_PROMPT]' }}"
+    "{%- elif message['role'] == 'user' %}{{- '[INST]' + text + '[/INST]' }}"
+    "{%- elif message['role'] == 'assistant' %}{{- text + eos_token }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+)
+
+# Written for these tiny tokenizers: short scene descriptions of the kind a text-to-image prompt holds.
+_CORPUS = (
+    "a photo of a cat sitting on a wooden table",
+    "a small red fox running through the snow at dawn",
+    "an astronaut riding a horse on the surface of the moon",
+    "a bowl of fresh fruit with apples, oranges and grapes",
+    "a lighthouse on a rocky coast during a storm, dramatic lighting",
+    "a watercolor painting of a quiet village by the river",
+    "a close-up portrait of an old man with a grey beard",
+    "a futuristic city at night with neon signs and flying cars",
+    "a cup of coffee next to an open book, soft morning light",
+    "two dogs playing with a ball in a green park",
+    "a mountain lake reflecting pine trees and blue sky",
+    "a robot painting a picture in a sunny studio",
+    "a plate of pasta with tomato sauce and basil leaves",
+    "a sailing boat on calm water at sunset, golden hour",
+    "a child flying a kite on a windy beach",
+    "a snowy forest with a small cabin and smoke from the chimney",
+    "a vintage car parked in front of a brick building",
+    "a hand-drawn map of an island with a treasure chest",
+    "a colorful hot air balloon above a field of flowers",
+    "an owl perched on a branch under the full moon",
+    "a glass of water on a marble counter, studio photo, 4k",
+    "a street market full of people, vegetables and bright umbrellas",
+    "a dragon made of paper flying over a mountain",
+    "a sign that says hello world in large letters",
+    "a tiny house made of candy in a magical garden",
+    "the quick brown fox jumps over the lazy dog",
+    "blurry, low quality, distorted, watermark, ugly, bad anatomy",
+    "A cat, a dog and a bird. Red, green, blue! Is it 1, 2 or 3?",
+    "Describe the image by detailing the color, shape, size, texture, quantity, text, "
+    "spatial relationships of the objects and background:",
+    "system user assistant",
+)
+
+
+def transformer_class(family: str) -> type:
+    """The diffusers transformer class of a family."""
+    import diffusers
+
+    _check_family(family)
+    return getattr(diffusers, TRANSFORMER_CLASSES[family])
+
+
+def pipeline_class(family: str) -> type:
+    """The diffusers pipeline class of a family."""
+    import diffusers
+
+    _check_family(family)
+    return getattr(diffusers, PIPELINE_CLASSES[family])
+
+
+def transformer_config(family: str, overrides: dict | None = None) -> dict:
+    """The tiny transformer config of a family, with `overrides` applied (coupled keys refused)."""
+    _check_family(family)
+    overrides = dict(overrides or {})
+    coupled = sorted(set(overrides) & set(_COUPLED_KEYS[family]))
+    if coupled:
+        raise ValueError(
+            f"transformer_overrides for {family!r} cannot change {coupled}: the VAE, the text encoder or the "
+            "pipeline's latent packing depend on them"
+        )
+    heads = overrides.get("num_attention_heads", 4)
+    head_dim = overrides.get("attention_head_dim", 16)
+    if family == "flux":
+        config = dict(
+            patch_size=1, in_channels=4 * _LATENT_CHANNELS, out_channels=None, num_layers=1, num_single_layers=1,
+            attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=_TEXT_WIDTH,
+            pooled_projection_dim=_TEXT_WIDTH, guidance_embeds=True, axes_dims_rope=_rope_axes(head_dim, 3),
+        )
+    elif family == "flux2":
+        config = dict(
+            patch_size=1, in_channels=4 * _LATENT_CHANNELS, out_channels=None, num_layers=1, num_single_layers=1,
+            attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=3 * _TEXT_WIDTH,
+            timestep_guidance_channels=32, mlp_ratio=3.0, axes_dims_rope=_rope_axes(head_dim, 4), rope_theta=2000,
+            guidance_embeds=True,
+        )
+    elif family == "qwenimage":
+        config = dict(
+            patch_size=2, in_channels=4 * _LATENT_CHANNELS, out_channels=_LATENT_CHANNELS, num_layers=2,
+            attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=_TEXT_WIDTH,
+            guidance_embeds=False, axes_dims_rope=_rope_axes(head_dim, 3),
+        )
+    else:
+        config = dict(
+            patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim,
+            in_channels=_LATENT_CHANNELS, out_channels=_LATENT_CHANNELS, text_dim=_TEXT_WIDTH, freq_dim=32,
+            ffn_dim=64, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
+        )
+    config.update(overrides)
+    return config
+
+
+def build_pipeline(family: str, seed: int = 0, transformer_overrides: dict | None = None):
+    """A tiny pipeline of `family` with random weights, the same for the same seed and overrides.
+
+    Each component draws its weights from its own seed (derived from `seed`), so overriding the transformer's
+    config leaves the text encoders and the VAE unchanged. The caller's global RNG state is left untouched.
+    """
+    _check_family(family)
+    builders = {"flux": _build_flux, "flux2": _build_flux2, "qwenimage": _build_qwenimage, "wan": _build_wan}
+    components = builders[family](seed)
+    with _seeded(seed, 0):
+        transformer = transformer_class(family)(**transformer_config(family, transformer_overrides))
+        with torch.no_grad():
+            # Diffusers zero-initialises some projections; perturb everything so no weight is trivially zero.
+            for param in transformer.parameters():
+                param.add_(torch.randn_like(param) * 0.05)
+    components["transformer"] = transformer
+    pipe = pipeline_class(family)(**components)
+    pipe.set_progress_bar_config(disable=True)
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
+            module.eval()
+    return pipe
+
+
+def save_pipeline(family: str, folder: str | Path, seed: int = 0) -> Path:
+    """Write the tiny pipeline of `family` as a pipeline folder; does nothing if `folder/model_index.json` exists."""
+    folder = Path(folder)
+    if (folder / "model_index.json").is_file():
+        return folder
+    pipe = build_pipeline(family, seed=seed)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # Written beside the target and renamed into place, so that processes saving the same folder at once (one per
+    # rank, say) never see a half-written pipeline: the first rename wins, the others find it there.
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    os.chmod(staging, 0o755)
+    try:
+        pipe.save_pretrained(staging, safe_serialization=True)
+        try:
+            os.rename(staging, folder)  # also replaces an empty folder
+        except OSError:
+            if not (folder / "model_index.json").is_file():  # a non-empty folder without a pipeline in it
+                pipe.save_pretrained(folder, safe_serialization=True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def default_call_kwargs(family: str) -> dict[str, Any]:
+    """Keyword arguments for a valid, quick generation (pass a `generator` along for reproducibility)."""
+    _check_family(family)
+    common = dict(height=32, width=32, num_inference_steps=2, output_type="np")
+    if family == "flux":
+        # FLUX.1-dev style: guidance distilled into the transformer, no negative prompt, so no true CFG.
+        return dict(prompt="a small red fox running through the snow", guidance_scale=3.5,
+                    max_sequence_length=32, **common)
+    if family == "flux2":
+        # The system message and the prompt fit in 64 tokens.
+        return dict(prompt="a small red fox running through the snow", guidance_scale=4.0,
+                    max_sequence_length=64, **common)
+    if family == "qwenimage":
+        return dict(prompt="a small red fox running through the snow", negative_prompt="blurry, low quality",
+                    true_cfg_scale=4.0, max_sequence_length=64, **common)
+    return dict(prompt="a small red fox running through the snow", negative_prompt="blurry, low quality",
+                guidance_scale=5.0, num_frames=5, max_sequence_length=32, **common)
+
+
+# --- families ---------------------------------------------------------------------------------------------------
+
+
+def _build_flux(seed: int) -> dict:
+    import diffusers
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    tokenizer = _clip_tokenizer()
+    tokenizer_2 = _t5_tokenizer()
+    with _seeded(seed, 1):
+        text_encoder = CLIPTextModel(CLIPTextConfig(
+            vocab_size=len(tokenizer), hidden_size=_TEXT_WIDTH, intermediate_size=64, projection_dim=_TEXT_WIDTH,
+            num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=77, hidden_act="quick_gelu",
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        ))
+    with _seeded(seed, 2):
+        text_encoder_2 = T5EncoderModel(_t5_config(T5Config, tokenizer_2, feed_forward_proj="gated-gelu"))
+    with _seeded(seed, 3):
+        vae = diffusers.AutoencoderKL(
+            in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
+            latent_channels=_LATENT_CHANNELS, norm_num_groups=4, sample_size=32, scaling_factor=0.3611,
+            shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False,
+        )
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=256, max_image_seq_len=4096,
+    )
+    return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2)
+
+
+def _build_flux2(seed: int) -> dict:
+    import diffusers
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
+
+    tokenizer = _mistral_tokenizer()
+    # The pipeline stacks the hidden states of layers 10, 20 and 30 by default, so the tiny text model keeps 30
+    # (very narrow) layers: the pipeline then runs with its default `text_encoder_out_layers`.
+    text_config = MistralConfig(
+        vocab_size=len(tokenizer), hidden_size=_TEXT_WIDTH, intermediate_size=64, num_hidden_layers=30,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, sliding_window=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+    )
+    vision_config = PixtralVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+        patch_size=4, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+    )
+    with _seeded(seed, 1):
+        text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(
+            text_config=text_config, vision_config=vision_config,
+            image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"), spatial_merge_size=2,
+            multimodal_projector_bias=False, tie_word_embeddings=False,
+        ))
+    with _seeded(seed, 3):
+        vae = diffusers.AutoencoderKLFlux2(
+            in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
+            latent_channels=_LATENT_CHANNELS, norm_num_groups=4, sample_size=32, patch_size=(2, 2),
+        )
+        # Non-trivial latent statistics, so the pipeline's (de)normalisation is exercised.
+        channels = vae.bn.running_mean.numel()
+        vae.bn.running_mean.copy_(torch.randn(channels) * 0.1)
+        vae.bn.running_var.copy_(1.0 + torch.rand(channels) * 0.5)
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=256, max_image_seq_len=4096, time_shift_type="exponential",
+    )
+    return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
+
+
+def _build_qwenimage(seed: int) -> dict:
+    import diffusers
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLTextConfig,
+        Qwen2_5_VLVisionConfig,
+    )
+
+    tokenizer = _qwen2_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids
+    text_config = Qwen2_5_VLTextConfig(
+        vocab_size=len(tokenizer), hidden_size=_TEXT_WIDTH, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 3, 3]},
+        bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
+    )
+    vision_config = Qwen2_5_VLVisionConfig(
+        depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4, temporal_patch_size=2,
+        spatial_merge_size=2, window_size=16, out_hidden_size=_TEXT_WIDTH, fullatt_block_indexes=[0],
+    )
+    with _seeded(seed, 1):
+        text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+            text_config=text_config, vision_config=vision_config, image_token_id=ids("<|image_pad|>"),
+            video_token_id=ids("<|video_pad|>"), vision_start_token_id=ids("<|vision_start|>"),
+            vision_end_token_id=ids("<|vision_end|>"),
+        ))
+    with _seeded(seed, 3):
+        # One spatial downsampling: a VAE scale factor of 2 (the pipeline reads it off `temperal_downsample`).
+        vae = diffusers.AutoencoderKLQwenImage(
+            base_dim=8, z_dim=_LATENT_CHANNELS, dim_mult=[1, 2], num_res_blocks=1, attn_scales=[],
+            temperal_downsample=[False], latents_mean=_latent_stats(seed, 0.0), latents_std=_latent_stats(seed, 1.0),
+        )
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+        base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
+    )
+    return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
+
+
+def _build_wan(seed: int) -> dict:
+    import diffusers
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tokenizer = _t5_tokenizer()
+    with _seeded(seed, 1):
+        text_encoder = UMT5EncoderModel(_t5_config(UMT5Config, tokenizer, feed_forward_proj="gated-gelu"))
+    with _seeded(seed, 3):
+        # Two spatial downsamplings (factor 4), one of them also temporal (factor 2): 5 frames -> 3 latent frames.
+        vae = diffusers.AutoencoderKLWan(
+            base_dim=8, z_dim=_LATENT_CHANNELS, dim_mult=[1, 2, 2], num_res_blocks=1, attn_scales=[],
+            temperal_downsample=[False, True], latents_mean=_latent_stats(seed, 0.0),
+            latents_std=_latent_stats(seed, 1.0), scale_factor_temporal=2, scale_factor_spatial=4,
+        )
+    scheduler = diffusers.UniPCMultistepScheduler(
+        num_train_timesteps=1000, prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
+        solver_order=2, predict_x0=True, solver_type="bh2", lower_order_final=True,
+    )
+    return dict(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler)
+
+
+def _t5_config(config_cls: type, tokenizer, feed_forward_proj: str):
+    return config_cls(
+        vocab_size=len(tokenizer), d_model=_TEXT_WIDTH, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, relative_attention_max_distance=32, dropout_rate=0.0,
+        feed_forward_proj=feed_forward_proj, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
+        is_encoder_decoder=False, use_cache=False,
+    )
+
+
+def _latent_stats(seed: int, centre: float) -> list[float]:
+    generator = torch.Generator().manual_seed(seed + 17 + int(centre))
+    values = centre + (torch.rand(_LATENT_CHANNELS, generator=generator) - 0.5) * 0.2
+    return [round(float(v), 4) for v in values]
+
+
+# --- tokenizers -------------------------------------------------------------------------------------------------
+#
+# Each tokenizer is built in two steps: an empty instance of the transformers class gives its normalizer and
+# pre-tokenizer; a vocabulary learnt here over the corpus, split by them, is then handed to the class, which is
+# also how the class rebuilds itself from a saved folder. The learning is written out below rather than left to
+# the `tokenizers` trainers, whose tie-breaking (and so the ids) can change from one process to the next: the same
+# seed must give the same pipeline folder everywhere.
+
+
+def _words(backend, corpus) -> dict[str, int]:
+    """How often each pre-token (as the backend's normalizer and pre-tokenizer cut it) occurs in the corpus."""
+    counts: dict[str, int] = {}
+    for text in corpus:
+        if backend.normalizer is not None:
+            text = backend.normalizer.normalize_str(text)
+        for word, _ in backend.pre_tokenizer.pre_tokenize_str(text):
+            counts[word] = counts.get(word, 0) + 1
+    return counts
+
+
+def _learn_bpe(
+    backend, specials: list[str], corpus, alphabet: list[str], end_of_word_suffix: str = ""
+) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Byte-pair merges until every corpus word is one token; the most frequent pair first, ties by pair order."""
+    words: dict[tuple[str, ...], int] = {}
+    for word, count in sorted(_words(backend, corpus).items()):
+        symbols = list(word)
+        symbols[-1] += end_of_word_suffix
+        words[tuple(symbols)] = words.get(tuple(symbols), 0) + count
+    merges: list[tuple[str, str]] = []
+    while True:
+        pairs: dict[tuple[str, str], int] = {}
+        for symbols, count in words.items():
+            for pair in zip(symbols, symbols[1:]):
+                pairs[pair] = pairs.get(pair, 0) + count
+        if not pairs:
+            break
+        best = min(pairs, key=lambda pair: (-pairs[pair], pair))
+        merges.append(best)
+        merged: dict[tuple[str, ...], int] = {}
+        for symbols, count in words.items():
+            out, i = [], 0
+            while i < len(symbols):
+                if i + 1 < len(symbols) and (symbols[i], symbols[i + 1]) == best:
+                    out.append(symbols[i] + symbols[i + 1])
+                    i += 2
+                else:
+                    out.append(symbols[i])
+                    i += 1
+            merged[tuple(out)] = merged.get(tuple(out), 0) + count
+        words = merged
+    vocab: dict[str, int] = {}
+    for token in [*specials, *alphabet, *(a + b for a, b in merges)]:
+        vocab.setdefault(token, len(vocab))
+    return vocab, merges
+
+
+def _learn_unigram(backend, specials: list[str], corpus) -> list[tuple[str, float]]:
+    """Unigram pieces: every corpus word (scored by its log frequency), then single characters, scored low, so a
+    known word is one piece and anything else falls back to characters."""
+    import math
+
+    words = _words(backend, corpus)
+    total = sum(words.values())
+    pieces = [(token, 0.0) for token in specials]
+    seen = set(specials)
+    for word, count in sorted(words.items(), key=lambda item: (-item[1], item[0])):
+        if len(word) > 1 and word not in seen:
+            pieces.append((word, math.log(count / total)))
+            seen.add(word)
+    characters = sorted({c for word in words for c in word} | {chr(c) for c in range(33, 127)} | {"\u2581"})
+    for char in characters:
+        if char not in seen:
+            pieces.append((char, math.log(1 / total) - 10.0))
+            seen.add(char)
+    return pieces
+
+
+def _byte_alphabet() -> list[str]:
+    from tokenizers import pre_tokenizers
+
+    return sorted(pre_tokenizers.ByteLevel.alphabet())
+
+
+def _clip_tokenizer():
+    from transformers import CLIPTokenizer
+
+    specials = ["<|startoftext|>", "<|endoftext|>"]
+    # Every byte may start or end a word: both forms are in the vocabulary, so no text maps to the unknown token.
+    alphabet = _byte_alphabet() + [c + "</w>" for c in _byte_alphabet()]
+    vocab, merges = _learn_bpe(CLIPTokenizer().backend_tokenizer, specials, _CORPUS, alphabet, "</w>")
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
+
+
+def _t5_tokenizer():
+    from transformers import T5Tokenizer
+
+    # T5's layout: <pad>=0, </s>=1, <unk>=2, then the pieces.
+    pieces = _learn_unigram(T5Tokenizer(extra_ids=0).backend_tokenizer, ["<pad>", "</s>", "<unk>"], _CORPUS)
+    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=512)
+
+
+def _qwen2_tokenizer():
+    from transformers import Qwen2Tokenizer
+
+    extras = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    corpus = list(_CORPUS) + [_QWEN_SYSTEM_PREFIX.replace("<|im_start|>", "").replace("<|im_end|>", "")]
+    vocab, merges = _learn_bpe(Qwen2Tokenizer().backend_tokenizer, ["<|endoftext|>"] + extras, corpus, _byte_alphabet())
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, extra_special_tokens=extras, model_max_length=32768)
+    prefix = len(tokenizer(_QWEN_SYSTEM_PREFIX).input_ids)
+    if prefix != _QWEN_DROP_TOKENS:  # the pipeline would drop part of the prompt, or keep part of the system text
+        raise RuntimeError(f"tiny Qwen2 tokenizer gives {prefix} system tokens, the pipeline drops {_QWEN_DROP_TOKENS}")
+    return tokenizer
+
+
+def _mistral_tokenizer():
+    """A byte-level BPE tokenizer with Mistral's special tokens and a chat template.
+
+    FLUX.2 ships a PixtralProcessor (tokenizer + image processor), which transformers only builds with torchvision.
+    For text-to-image the pipeline only calls `apply_chat_template` on it, which a plain tokenizer provides too.
+    """
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[IMG]"]
+    template = Tokenizer(models.BPE())
+    template.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    vocab, merges = _learn_bpe(template, specials, list(_CORPUS) + [SYSTEM_MESSAGE], _byte_alphabet())
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=None, fuse_unk=False, byte_fallback=False))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
+        extra_special_tokens=specials[4:], chat_template=_MISTRAL_CHAT_TEMPLATE, model_max_length=1024,
+    )
+
+
+# --- helpers ----------------------------------------------------------------------------------------------------
+
+
+def _rope_axes(head_dim: int, axes: int) -> tuple[int, ...]:
+    """Split a head dimension into `axes` even rotary sizes, the last ones taking the remainder: (4, 6, 6)."""
+    if head_dim % 2:
+        raise ValueError(f"attention_head_dim must be even for rotary embeddings, got {head_dim}")
+    pairs = head_dim // 2
+    sizes = [pairs // axes] * axes
+    for i in range(pairs % axes):
+        sizes[-1 - i] += 1
+    return tuple(2 * s for s in sizes)
+
+
+@contextmanager
+def _seeded(seed: int, component: int) -> Iterator[None]:
+    """Seed the global RNG for one component's initialisation, restoring the caller's state afterwards."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed * 101 + component)
+        yield
+
+
+def _check_family(family: str) -> None:
+    if family not in PIPELINE_FAMILIES:
+        raise ValueError(f"unknown pipeline family {family!r}; known: {PIPELINE_FAMILIES}")
