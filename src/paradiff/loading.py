@@ -23,7 +23,7 @@ from .errors import CheckpointError, ParallelConfigError
 from .mesh import build_mesh, default_device, require_distributed
 from .plans import builtin_plan
 from .progress import byte_progress
-from .state import ParallelState, set_state
+from .parallel import attach
 from .tensor_parallel.plan import ResolvedPlan, as_plan, check_checkpoint_keys, resolve_plan
 from .tensor_parallel.shard import swap_in_sharded_linears
 
@@ -193,12 +193,7 @@ def from_pretrained(
         swap_in_sharded_linears(model, resolved, mesh.tp_group, weights_are_local=True)
     model.eval()
     if mesh is not None:
-        state = ParallelState(mesh=mesh, tp_plan=resolved)
-        set_state(model, state)
-        if prepared.cp_resolved is not None:
-            from .context_parallel.apply import apply_context_parallel
-
-            apply_context_parallel(model, state, prepared.cp_resolved)
+        attach(model, mesh, resolved, prepared.cp_resolved)
     return model
 
 

@@ -10,6 +10,7 @@ from torch import nn
 from .agreement import agree, config_fingerprint, fingerprint
 from .config import as_parallel_config
 from .errors import UnsupportedModelError
+from .failures import install_failure_guard
 from .mesh import build_mesh, require_distributed
 from .plans import builtin_plan
 from .state import ParallelState, get_state, set_state
@@ -101,10 +102,16 @@ def enable_parallelism(model: nn.Module, config: Any, *, plan: Any = None, cp_pl
     mesh = build_mesh(parallel, device)
     if resolved is not None:
         swap_in_sharded_linears(model, resolved, mesh.tp_group, weights_are_local=False)
+    return attach(model, mesh, resolved, cp_resolved)
+
+
+def attach(model: nn.Module, mesh: Any, resolved: Any, cp_resolved: Any) -> nn.Module:
+    """Record the parallel state on the model, hook CP in, and guard its forward against peer failures."""
     state = ParallelState(mesh=mesh, tp_plan=resolved)
     set_state(model, state)
     if cp_resolved is not None:
         from .context_parallel.apply import apply_context_parallel
 
         apply_context_parallel(model, state, cp_resolved)
+    install_failure_guard(model)
     return model

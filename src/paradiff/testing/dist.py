@@ -13,6 +13,7 @@ import importlib
 import os
 import queue
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
@@ -84,29 +85,47 @@ class RankPool:
 
     def run(self, function: Callable[..., Any], timeout_s: float = 240.0, **kwargs: Any) -> list[Any]:
         """Run `function(**kwargs)` on every rank; return the results by rank or raise RankFailure / RankTimeout."""
+        outcomes = self.run_outcomes(function, timeout_s=timeout_s, **kwargs)
+        failures = {rank: value for rank, (ok, value) in enumerate(outcomes) if not ok}
+        if failures:
+            raise RankFailure(failures)
+        return [value for _, value in outcomes]
+
+    def run_outcomes(self, function: Callable[..., Any], timeout_s: float = 240.0, **kwargs: Any) -> list[tuple]:
+        """Like run, but returns (ok, result or traceback or 'died ...') per rank, for fault-injection tests.
+
+        A rank whose process exits is reported as died; once a rank has failed or died, the others get a short
+        grace period, after which the pool is killed (they may be blocked in a collective) and reported as hung.
+        """
         for inbox in self.inboxes:
             inbox.put((function.__module__, function.__name__, kwargs))
-        results: dict[int, Any] = {}
-        failures: dict[int, str] = {}
-        while len(results) + len(failures) < self.world_size:
+        outcomes: dict[int, tuple] = {}
+        deadline = time.monotonic() + timeout_s
+        grace_end = None
+        while len(outcomes) < self.world_size:
             try:
-                # once a rank has failed, the others get a short grace period (they may be stuck in a collective)
-                wait = min(timeout_s, 15.0) if failures else timeout_s
-                rank, ok, value = self.outbox.get(timeout=wait)
+                rank, ok, value = self.outbox.get(timeout=0.2)
+                outcomes[rank] = (ok, value)
             except queue.Empty:
+                pass
+            for rank, process in enumerate(self.processes):
+                if rank not in outcomes and not process.is_alive():
+                    outcomes[rank] = (False, f"died with exit code {process.exitcode}")
+            if grace_end is None and any(not ok for ok, _ in outcomes.values()):
+                grace_end = time.monotonic() + 15.0
+            now = time.monotonic()
+            if len(outcomes) < self.world_size and (now > deadline or (grace_end is not None and now > grace_end)):
                 self.close(force=True)
-                if failures:
-                    raise RankFailure(failures) from None
-                raise RankTimeout(
-                    f"{function.__name__} did not finish on ranks "
-                    f"{sorted(set(range(self.world_size)) - set(results) - set(failures))} within {timeout_s}s"
-                ) from None
-            (results if ok else failures)[rank] = value
-        if failures:
-            if len(failures) < self.world_size:
-                self.close(force=True)  # the others may be inside a collective the failed rank left
-            raise RankFailure(failures)
-        return [results[rank] for rank in range(self.world_size)]
+                if grace_end is None:
+                    raise RankTimeout(
+                        f"{function.__name__} did not finish on ranks "
+                        f"{sorted(set(range(self.world_size)) - set(outcomes))} within {timeout_s}s"
+                    )
+                for rank in range(self.world_size):
+                    outcomes.setdefault(rank, (False, "hung: no result after a peer failed"))
+        if any(not ok for ok, _ in outcomes.values()):
+            self.close(force=True)  # ranks may have left collectives half done; start a fresh pool next time
+        return [outcomes[rank] for rank in range(self.world_size)]
 
     def close(self, force: bool = False) -> None:
         if not force:
