@@ -1,0 +1,72 @@
+"""Whole pipelines on composed meshes: images equal the single-process pipeline's (fp32, same seed)."""
+
+from __future__ import annotations
+
+import pytest
+
+import rank_cases_pipelines as cases
+from paradiff.testing.pipelines import save_pipeline
+
+ATOL = 1e-5
+COMPOSED = {  # id: degrees on 4 ranks
+    "tp2xulysses2": dict(tp=2, ulysses=2),
+    "tp2xring2": dict(tp=2, ring=2),
+    "cfg2xtp2": dict(cfg=2, tp=2),
+    "cfg2xulysses2": dict(cfg=2, ulysses=2),
+    "dp2xtp2": dict(dp=2, tp=2),
+}
+CFG_FAMILIES = ("qwenimage", "wan")  # the pipelines that run true CFG
+TP_FAMILIES = ("flux", "flux2", "qwenimage")
+
+
+@pytest.fixture(scope="session")
+def pipelines(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipelines")
+    return {family: str(save_pipeline(family, root / family)) for family in ("flux", "flux2", "qwenimage", "wan")}
+
+
+def _cases():
+    for mode, degrees in COMPOSED.items():
+        for family in ("flux", "flux2", "qwenimage", "wan"):
+            if "cfg" in degrees and family not in CFG_FAMILIES:
+                continue
+            if "tp" in degrees and family not in TP_FAMILIES:
+                continue
+            yield pytest.param(family, degrees, id=f"{mode}-{family}")
+
+
+@pytest.mark.parametrize("family,degrees", list(_cases()))
+def test_composed_pipeline_matches_single_process(pools, pipelines, family, degrees):
+    results = pools.get(4).run(cases.pipeline_equivalence, family=family, folder=pipelines[family], degrees=degrees)
+    for result in results:
+        assert max(result["diffs"].values()) < ATOL, result
+        if degrees.get("cfg", 1) == 2:  # 3 steps: the first runs both branches (probe), then one branch per step
+            assert result["cfg_forwards"] == 2 + 2, result
+    assert sum(r["output_rank"] for r in results) == degrees.get("dp", 1)
+
+
+@pytest.mark.parametrize("family,degrees", [
+    ("wan", dict(ulysses=2)), ("wan", dict(ring=2)), ("qwenimage", dict(cfg=2)), ("flux2", dict(tp=2)),
+])
+def test_two_rank_pipelines(pools, pipelines, family, degrees):
+    results = pools.get(2).run(cases.pipeline_equivalence, family=family, folder=pipelines[family], degrees=degrees,
+                               seeds=(0, 7))
+    for result in results:
+        assert max(result["diffs"].values()) < ATOL, result
+
+
+def test_data_parallel_spreads_prompts_with_fixed_seeds(pools, pipelines):
+    prompts = ["a cat", "a dog", "a red cube", "two birds", "a lake"]
+    results = pools.get(4).run(cases.data_parallel_prompts, family="flux2", folder=pipelines["flux2"],
+                               degrees=dict(dp=2, tp=2), prompts=prompts)
+    by_replica = {}
+    for result in results:
+        assert max(result["diffs"].values(), default=0.0) < ATOL, result
+        by_replica.setdefault(tuple(result["indices"]), []).append(result["rank"])
+    assert sorted(i for indices in by_replica for i in indices) == list(range(len(prompts)))
+    assert all(len(ranks) == 2 for ranks in by_replica.values())  # both TP ranks of a replica made the same share
+
+
+def test_cfg_parallel_refuses_a_call_without_guidance(pools, pipelines):
+    for message in pools.get(2).run(cases.cfg_without_guidance, family="qwenimage", folder=pipelines["qwenimage"]):
+        assert "cfg_degree=2 needs a call that runs classifier-free guidance" in message, message
