@@ -189,6 +189,8 @@ def _generate(args, device, np, torch, dist, paradiff) -> None:
     from PIL import Image
 
     rank = dist.get_rank()
+    if rank != 0 or not sys.stderr.isatty():
+        _quiet_libraries()
     model = args.model
     if model is None:
         if rank == 0:
@@ -201,6 +203,7 @@ def _generate(args, device, np, torch, dist, paradiff) -> None:
     pipeline = paradiff.load_pipeline(model, parallel_config=config, torch_dtype=dtype, device=device)
     load_s = time.perf_counter() - start
     pipeline.set_progress_bar_config(disable=rank != 0 or not sys.stderr.isatty())
+    _maybe_inject_fault(pipeline.transformer, rank)
     prompts = read_prompts(args)
     indexed = list(enumerate(prompts))
     step_times: list[float] = []
@@ -261,11 +264,43 @@ def _generate(args, device, np, torch, dist, paradiff) -> None:
             print(f"paradiff: max |difference| to the single-process image: {compare:.2e}")
 
 
+def _maybe_inject_fault(transformer, rank: int) -> None:
+    """Chaos hook for reliability tests and the fault benchmark: PARADIFF_INJECT_FAULT="RANK:raise|exit" makes that
+    rank fail at its second transformer call. Never set in normal runs."""
+    spec = os.environ.get("PARADIFF_INJECT_FAULT")
+    if not spec:
+        return
+    target, _, kind = spec.partition(":")
+    if int(target) != rank:
+        return
+    calls = []
+
+    def inject(_module, _args):
+        calls.append(1)
+        if len(calls) == 2:
+            if kind == "exit":
+                os._exit(9)
+            raise RuntimeError(f"injected fault on rank {rank}")
+
+    transformer.register_forward_pre_hook(inject)
+
+
+def _quiet_libraries() -> None:
+    """Only rank 0 on a terminal shows progress; the libraries' own loading bars would repeat once per rank."""
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    diffusers.utils.logging.set_verbosity_error()
+
+
 def _compare_single_process(model, dtype, kwargs, seed, first_image, np, torch) -> float:
     from diffusers import DiffusionPipeline
 
     index, prompt, array = first_image
-    reference = DiffusionPipeline.from_pretrained(model, torch_dtype=dtype)
+    reference = DiffusionPipeline.from_pretrained(model, dtype=dtype)
     reference.set_progress_bar_config(disable=True)
     expected = reference(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed + index), **kwargs).images[0]
     return float(np.abs(np.asarray(expected) - array).max())

@@ -122,11 +122,11 @@ def load_pipeline(
     target_cls = pipeline_cls or getattr(diffusers, str(pipeline_name), DiffusionPipeline)
     expected_modules, _ = DiffusionPipeline._get_signature_keys(target_cls)
     if "transformer" in expected_modules:
-        pipeline = target_cls.from_pretrained(folder, transformer=transformer, torch_dtype=dtype, **kwargs)
+        pipeline = target_cls.from_pretrained(folder, transformer=transformer, dtype=dtype, **kwargs)
     else:
         # Pipelines whose transformer is an optional argument (Wan) would load it again from disk, whole, and drop
         # the one passed in: load without it, then register the parallel one.
-        pipeline = target_cls.from_pretrained(folder, transformer=None, torch_dtype=dtype, **kwargs)
+        pipeline = target_cls.from_pretrained(folder, transformer=None, dtype=dtype, **kwargs)
         pipeline.register_modules(transformer=transformer)
     if pipeline.transformer is not transformer:
         raise RuntimeError(f"{target_cls.__name__} replaced the parallel transformer while loading.")
