@@ -76,3 +76,14 @@ def cfg_without_guidance(family: str, folder: str) -> str:
     except Exception as exc:  # noqa: BLE001
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+def mismatched_seed(family: str, folder: str) -> str:
+    """Rank 1 asks for another seed: the ranks must refuse before the first collective of the generation."""
+    pipeline = paradiff.load_pipeline(folder, parallel_config=_config(ulysses=dist.get_world_size()))
+    pipeline.set_progress_bar_config(disable=True)
+    try:
+        pipeline(**default_call_kwargs(family), seed=1 if dist.get_rank() == 1 else 0)
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"

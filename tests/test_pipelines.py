@@ -70,3 +70,13 @@ def test_data_parallel_spreads_prompts_with_fixed_seeds(pools, pipelines):
 def test_cfg_parallel_refuses_a_call_without_guidance(pools, pipelines):
     for message in pools.get(2).run(cases.cfg_without_guidance, family="qwenimage", folder=pipelines["qwenimage"]):
         assert "cfg_degree=2 needs a call that runs classifier-free guidance" in message, message
+
+
+def test_ranks_refuse_to_generate_from_different_latents(pools, pipelines):
+    messages = pools.get(2).run(cases.mismatched_seed, family="flux2", folder=pipelines["flux2"])
+    for message in messages:
+        assert message.startswith("DistributedError: generation start: ranks disagree on initial latents"), message
+    # no collective was left half-done: the same pool still runs a correct case
+    results = pools.get(2).run(cases.pipeline_equivalence, family="flux2", folder=pipelines["flux2"],
+                               degrees=dict(ulysses=2))
+    assert all(max(r["diffs"].values()) < ATOL for r in results)

@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 from .errors import DistributedError
 
-# Keys must be unique per agreement round and identical on every rank: ranks run the same rounds in the same order,
-# so a per-process counter gives every round the same number everywhere.
-_ROUNDS = itertools.count()
+# Keys must be unique per agreement round and identical on every participating rank: the ranks of one group run the
+# same rounds in the same order, so a per-process counter per (stage, group) numbers every round alike everywhere.
+_ROUNDS: dict[tuple, itertools.count] = {}
 DEFAULT_TIMEOUT_S = 300.0
 
 
@@ -50,7 +50,7 @@ def _store() -> dist.Store:
 
 
 def agree(stage: str, facts: dict[str, Any] | None, error: BaseException | None = None,
-          timeout_s: float | None = None) -> None:
+          timeout_s: float | None = None, ranks: list[int] | None = None) -> None:
     """Publish this rank's `facts` (or its `error`) for `stage`, then check every rank's.
 
     Raises on every rank: the local error itself on the rank that failed; elsewhere a DistributedError naming the
@@ -60,15 +60,17 @@ def agree(stage: str, facts: dict[str, Any] | None, error: BaseException | None 
         if error is not None:
             raise error
         return
-    rank, world = dist.get_rank(), dist.get_world_size()
-    round_id = next(_ROUNDS)
-    store = dist.PrefixStore(f"paradiff/agree/{round_id}/{stage}/", _store())
+    rank = dist.get_rank()
+    members = tuple(ranks) if ranks is not None else tuple(range(dist.get_world_size()))
+    round_id = next(_ROUNDS.setdefault((stage, members), itertools.count()))
+    group_id = fingerprint(members)
+    store = dist.PrefixStore(f"paradiff/agree/{stage}/{group_id}/{round_id}/", _store())
     payload = {"error": None if error is None else f"{type(error).__name__}: {error}", "facts": facts}
     store.set(str(rank), pickle.dumps(payload))
     if error is not None:
         raise error
     timeout = timeout_s if timeout_s is not None else _group_timeout()
-    keys = [str(r) for r in range(world)]
+    keys = [str(r) for r in members]
     deadline = time.monotonic() + timeout
     missing = keys
     while missing:

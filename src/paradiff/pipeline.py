@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .agreement import agree, tensor_checksum
 from .cfg import CfgSplitter, install_cfg_parallel
 from .config import as_parallel_config
 from .errors import CheckpointError, ParallelConfigError
@@ -47,6 +48,7 @@ class ParallelPipelineMixin:
 
     _paradiff_cfg: CfgSplitter | None = None
     _paradiff_base: str = ""
+    _paradiff_check_latents: bool = False
 
     def __call__(self, *args: Any, seed: int | None = None, **kwargs: Any):
         if kwargs.get("generator") is None:
@@ -62,6 +64,7 @@ class ParallelPipelineMixin:
                     "FLUX.1, guidance_scale > 1 for Wan), or use cfg_degree=1."
                 )
             splitter.reset()
+        self._paradiff_check_latents = True
         output = super().__call__(*args, **kwargs)
         if splitter is not None:
             splitter.finish()
@@ -138,7 +141,28 @@ def load_pipeline(
     pipeline.__class__ = type(f"Parallel{base.__name__}", (ParallelPipelineMixin, base), {"_paradiff_base": base.__name__})
     if parallel is not None and parallel.cfg_degree > 1:
         pipeline._paradiff_cfg = install_cfg_parallel(transformer, get_state(transformer).mesh.group("cfg"))
+    if parallel is not None:
+        _install_latent_check(pipeline)
     return pipeline
+
+
+def _install_latent_check(pipeline) -> None:
+    """At the first transformer call of each generation, before any collective of it, ranks compare a checksum of
+    their initial latents: different seeds or inputs on one rank stop every rank with a clear error."""
+
+    mesh = get_state(pipeline.transformer).mesh
+    replica_ranks = mesh.device_mesh.mesh[mesh.local_rank("data")].flatten().tolist()  # same data index: same inputs
+
+    def check(_module, args, kwargs):
+        if not pipeline._paradiff_check_latents:
+            return None
+        pipeline._paradiff_check_latents = False
+        latents = kwargs.get("hidden_states", args[0] if args else None)
+        if torch.is_tensor(latents):
+            agree("generation start", {"initial latents": tensor_checksum(latents)}, ranks=replica_ranks)
+        return None
+
+    pipeline.transformer.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
 
 
 def data_coordinates(pipeline_or_model: Any = None) -> tuple[int, int]:
