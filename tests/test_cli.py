@@ -82,7 +82,7 @@ def test_output_folder_not_writable(tmp_path):
     assert result.returncode == 2 and "is not writable" in result.stderr and "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("kind", ["raise", "exit"])
+@pytest.mark.parametrize("kind", ["raise", "exit", "seed"])
 def test_failing_worker_ends_the_run_non_zero_with_no_process_left(tmp_path, kind):
     marker = f"paradiff-fault-{kind}-{os.getpid()}"
     out = tmp_path / marker
@@ -93,7 +93,15 @@ def test_failing_worker_ends_the_run_non_zero_with_no_process_left(tmp_path, kin
     assert result.returncode != 0
     assert elapsed < 90, elapsed
     if kind == "raise":
-        assert "injected fault on rank 1" in result.stderr
+        assert "paradiff: rank 1 failed: RuntimeError: injected fault on rank 1" in result.stderr
+        assert "paradiff: rank 1 exited with code 1; stopped the other 1 rank(s)." in result.stderr
+        assert "paradiff: rank 0 failed: DistributedError: rank 1 failed with RuntimeError: injected fault" in result.stderr
+    if kind == "exit":
+        assert "paradiff: rank 1 exited with code 9" in result.stderr
+        assert "paradiff: rank 0 failed: DistributedError: a collective failed on rank 0" in result.stderr
+    assert "Traceback" not in result.stderr
+    if kind == "seed":
+        assert "ranks disagree on initial latents" in result.stderr
     time.sleep(1)
     assert _no_workers_left(marker)
 

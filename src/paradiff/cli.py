@@ -1,7 +1,7 @@
 """The `paradiff` command: `generate` images on the mesh, `bench` a list of configurations.
 
-Outside torchrun, `generate` launches its own worker processes (the product of the degrees) through torchrun's
-launcher, which ends every worker when one fails; under torchrun (multi-node included) it uses the given ranks.
+Outside torchrun, `generate` launches and supervises its own worker processes (the product of the degrees) and ends
+every worker when one fails; under torchrun (multi-node included) it uses the given ranks.
 """
 
 from __future__ import annotations
@@ -119,13 +119,60 @@ def embedded_default(cache: Path = DEFAULT_CACHE) -> Path:
     return save_pipeline("flux2", cache / "tiny-flux2-pipeline")
 
 
-def launch(argv: list[str], world: int) -> int:
-    """Start `world` local workers with torchrun's launcher; returns the exit code (non-zero if any worker failed)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               "--max-restarts=0", "-m", "paradiff.cli", *argv]
-    env = dict(os.environ, PARADIFF_WORKER="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    completed = subprocess.run(command, env=env)
-    return completed.returncode
+def launch(argv: list[str], world: int, grace_s: float = 10.0) -> int:
+    """Start `world` local workers and supervise them; returns 0, or non-zero if any worker failed.
+
+    When one worker exits non-zero, the others get `grace_s` to notice (their collectives fail as soon as the peer's
+    connections close, and they report which rank failed and why), then are terminated (SIGTERM, then SIGKILL), so a
+    failure never leaves processes behind or peers waiting in a collective.
+    """
+    from .testing.dist import free_port
+
+    port = free_port()
+    base_env = dict(os.environ, PARADIFF_WORKER="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
+                    LOCAL_WORLD_SIZE=str(world))
+    workers = [
+        subprocess.Popen([sys.executable, "-m", "paradiff.cli", *argv],
+                         env=dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank)))
+        for rank in range(world)
+    ]
+    failed: tuple[int, int] | None = None
+    try:
+        while any(worker.poll() is None for worker in workers):
+            for rank, worker in enumerate(workers):
+                code = worker.poll()
+                if code not in (None, 0) and failed is None:
+                    failed = (rank, code)
+            if failed is not None:
+                deadline = time.monotonic() + grace_s
+                while time.monotonic() < deadline and any(worker.poll() is None for worker in workers):
+                    time.sleep(0.05)
+                break
+            time.sleep(0.05)
+    finally:
+        _stop(workers, 5.0)
+    if failed is None:
+        failed = next(((rank, w.returncode) for rank, w in enumerate(workers) if w.returncode), None)
+    if failed is not None:
+        rank, code = failed
+        print(f"paradiff: rank {rank} exited with code {code}; stopped the other {world - 1} rank(s).",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _stop(workers: list[subprocess.Popen], grace_s: float) -> None:
+    for worker in workers:
+        if worker.poll() is None:
+            worker.terminate()
+    deadline = time.monotonic() + grace_s
+    for worker in workers:
+        try:
+            worker.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
 
 
 def _peak_memory_bytes(device) -> int:
@@ -265,8 +312,13 @@ def _generate(args, device, np, torch, dist, paradiff) -> None:
 
 
 def _maybe_inject_fault(transformer, rank: int) -> None:
-    """Chaos hook for reliability tests and the fault benchmark: PARADIFF_INJECT_FAULT="RANK:raise|exit" makes that
-    rank fail at its second transformer call. Never set in normal runs."""
+    import torch
+
+    """Chaos hook for reliability tests and the fault benchmark; never set in normal runs.
+
+    PARADIFF_INJECT_FAULT="RANK:raise|exit" makes that rank fail in its second forward (in the first block); "RANK:seed" makes it
+    start from other latents. PARADIFF_FAULT_STAMP=FILE records the moment of the fault (time.time()).
+    """
     spec = os.environ.get("PARADIFF_INJECT_FAULT")
     if not spec:
         return
@@ -275,14 +327,32 @@ def _maybe_inject_fault(transformer, rank: int) -> None:
         return
     calls = []
 
-    def inject(_module, _args):
+    def stamp() -> None:
+        if os.environ.get("PARADIFF_FAULT_STAMP"):
+            Path(os.environ["PARADIFF_FAULT_STAMP"]).write_text(repr(time.time()))
+
+    def inject(_module, args, kwargs):
         calls.append(1)
-        if len(calls) == 2:
+        if kind == "seed" and len(calls) == 1:
+            stamp()
+            kwargs["hidden_states"] = kwargs["hidden_states"] + 1.0
+            return args, kwargs
+        return None
+
+    def inject_in_block(_module, _args):
+        # inside the forward (first transformer block), where a real fault would happen
+        block_calls.append(1)
+        if len(block_calls) == 2:
+            stamp()
             if kind == "exit":
                 os._exit(9)
             raise RuntimeError(f"injected fault on rank {rank}")
 
-    transformer.register_forward_pre_hook(inject)
+    block_calls: list[int] = []
+    transformer.register_forward_pre_hook(inject, with_kwargs=True, prepend=True)
+    if kind in ("raise", "exit"):
+        blocks = next(m for m in transformer.modules() if isinstance(m, torch.nn.ModuleList))
+        blocks[0].register_forward_pre_hook(inject_in_block)
 
 
 def _quiet_libraries() -> None:
@@ -352,7 +422,15 @@ def main(argv: list[str] | None = None) -> int:
                     f"the degrees multiply to {world_size_of(args)} but torchrun started {os.environ['WORLD_SIZE']} "
                     "processes; they must match"
                 )
-            worker(args)
+            try:
+                worker(args)
+            except Exception as exc:  # noqa: BLE001 - one line per failing rank; PARADIFF_DEBUG=1 for tracebacks
+                if os.environ.get("PARADIFF_DEBUG"):
+                    raise
+                first_line = str(exc).splitlines()[0] if str(exc) else ""
+                print(f"paradiff: rank {os.environ.get('RANK')} failed: {type(exc).__name__}: {first_line}",
+                      file=sys.stderr)
+                return 1
             return 0
         if args.model is None:
             embedded_default()  # build the tiny pipeline once, before the workers start
