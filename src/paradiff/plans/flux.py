@@ -3,6 +3,7 @@
 from ..context_parallel.plan import ContextParallelPlan, Split
 from ..tensor_parallel.plan import TensorParallelPlan
 from ..tensor_parallel.styles import PackedRowwise
+from .common import joint_attention
 
 MODEL_CLASSES = ("FluxTransformer2DModel",)
 
@@ -10,14 +11,7 @@ MODEL_CLASSES = ("FluxTransformer2DModel",)
 def tensor_parallel_plan(config) -> TensorParallelPlan:
     styles = {
         # double-stream blocks: Q/K/V and FFN-in colwise, their projections back rowwise
-        "transformer_blocks.*.attn.to_q": "colwise",
-        "transformer_blocks.*.attn.to_k": "colwise",
-        "transformer_blocks.*.attn.to_v": "colwise",
-        "transformer_blocks.*.attn.to_out.0": "rowwise",
-        "transformer_blocks.*.attn.add_q_proj": "colwise",
-        "transformer_blocks.*.attn.add_k_proj": "colwise",
-        "transformer_blocks.*.attn.add_v_proj": "colwise",
-        "transformer_blocks.*.attn.to_add_out": "rowwise",
+        **joint_attention("transformer_blocks.*.attn"),
         "transformer_blocks.*.ff.net.0.proj": "colwise",
         "transformer_blocks.*.ff.net.2": "rowwise",
         "transformer_blocks.*.ff_context.net.0.proj": "colwise",

@@ -3,6 +3,7 @@
 from ..context_parallel.plan import ContextParallelPlan, Split
 from ..tensor_parallel.plan import TensorParallelPlan
 from ..tensor_parallel.styles import PackedColwise, PackedRowwise
+from .common import joint_attention
 
 MODEL_CLASSES = ("Flux2Transformer2DModel",)
 
@@ -14,14 +15,7 @@ def _widths(config) -> tuple[int, int]:
 
 def tensor_parallel_plan(config) -> TensorParallelPlan:
     styles = {
-        "transformer_blocks.*.attn.to_q": "colwise",
-        "transformer_blocks.*.attn.to_k": "colwise",
-        "transformer_blocks.*.attn.to_v": "colwise",
-        "transformer_blocks.*.attn.to_out.0": "rowwise",
-        "transformer_blocks.*.attn.add_q_proj": "colwise",
-        "transformer_blocks.*.attn.add_k_proj": "colwise",
-        "transformer_blocks.*.attn.add_v_proj": "colwise",
-        "transformer_blocks.*.attn.to_add_out": "rowwise",
+        **joint_attention("transformer_blocks.*.attn"),
         # SwiGLU: gate and up are equal halves of linear_in
         "transformer_blocks.*.ff.linear_in": PackedColwise([1, 1]),
         "transformer_blocks.*.ff.linear_out": "rowwise",

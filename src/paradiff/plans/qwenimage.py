@@ -2,20 +2,14 @@
 
 from ..context_parallel.plan import ContextParallelPlan, Split
 from ..tensor_parallel.plan import TensorParallelPlan
+from .common import joint_attention
 
 MODEL_CLASSES = ("QwenImageTransformer2DModel",)
 
 
 def tensor_parallel_plan(config) -> TensorParallelPlan:
     styles = {
-        "transformer_blocks.*.attn.to_q": "colwise",
-        "transformer_blocks.*.attn.to_k": "colwise",
-        "transformer_blocks.*.attn.to_v": "colwise",
-        "transformer_blocks.*.attn.to_out.0": "rowwise",
-        "transformer_blocks.*.attn.add_q_proj": "colwise",
-        "transformer_blocks.*.attn.add_k_proj": "colwise",
-        "transformer_blocks.*.attn.add_v_proj": "colwise",
-        "transformer_blocks.*.attn.to_add_out": "rowwise",
+        **joint_attention("transformer_blocks.*.attn"),
         "transformer_blocks.*.img_mlp.net.0.proj": "colwise",
         "transformer_blocks.*.img_mlp.net.2": "rowwise",
         "transformer_blocks.*.txt_mlp.net.0.proj": "colwise",
