@@ -120,3 +120,16 @@ def test_two_nodes_on_loopback(tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert report["config"]["world_size"] == 2 and len(report["ranks"]) == 2
     assert (out / "0000.png").is_file()
+
+
+def test_bench_prints_a_table_for_each_configuration(tmp_path):
+    result = paradiff("bench", "--configs", "single,tp=2", "--steps", "2", "--height", "32", "--width", "32",
+                      "--out", str(tmp_path / "bench"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("|")]
+    assert lines[0].startswith("| mode | time / image")
+    rows = {line.split("|")[1].strip(): line for line in lines[2:]}
+    assert set(rows) == {"single", "tp=2"}
+    for row in rows.values():
+        cells = [cell.strip() for cell in row.split("|")[1:-1]]
+        assert float(cells[1]) > 0 and float(cells[2]) > 0 and float(cells[3]) > 0 and cells[4] == "32x32"
