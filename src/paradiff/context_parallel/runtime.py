@@ -8,7 +8,7 @@ without knowing its processors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -49,7 +49,6 @@ class ContextParallelRuntime:
     ulysses_group: dist.ProcessGroup | None
     backend: str = "native"
     stats: CommStats | None = None
-    local_modules: set[int] = field(default_factory=set)
 
     @property
     def cp_rank(self) -> int:
