@@ -235,6 +235,8 @@ def _call_kwargs(args: argparse.Namespace, pipeline) -> dict:
 def _generate(args, device, np, torch, dist, paradiff) -> None:
     from PIL import Image
 
+    from .comm import all_gather_object, barrier
+
     rank = dist.get_rank()
     if rank != 0 or not sys.stderr.isatty():
         _quiet_libraries()
@@ -242,7 +244,7 @@ def _generate(args, device, np, torch, dist, paradiff) -> None:
     if model is None:
         if rank == 0:
             embedded_default()
-        dist.barrier()
+        barrier()
         model = str(embedded_default())
     config = _parallel_config(args)
     dtype = getattr(torch, args.dtype)
@@ -285,8 +287,7 @@ def _generate(args, device, np, torch, dist, paradiff) -> None:
         "peak_memory_bytes": _peak_memory_bytes(device),
         "images": images,
     }
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, stats)
+    gathered = all_gather_object(stats)
     if rank == 0:
         report = {
             "model": model,

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .checkpoint import write_checkpoint
-from .comm import all_gather_pieces
+from .comm import all_gather_pieces, barrier
 from .state import get_state
 from .tensor_parallel.styles import ShardSpec
 
@@ -67,4 +67,4 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
         model.save_config(folder)
     write_checkpoint(folder, entries, produce, _parse_size(max_shard_size), write=writer)
     if dist.is_initialized():
-        dist.barrier()
+        barrier()
