@@ -1,0 +1,277 @@
+"""Helpers shared by the benchmark scripts: rank spawning, /proc sampling, and the in-process diffusers CPU patches.
+
+Not a benchmark itself (run_all.py only runs bench_*.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import queue
+import resource
+import socket
+import subprocess
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+GB = 1e9
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# /proc sampling
+
+
+def read_status() -> tuple[dict[str, int], int]:
+    """RssAnon / RssFile / RssShmem / VmHWM in bytes, and how many bytes the read itself cost (it shows in rchar)."""
+    fd = os.open("/proc/self/status", os.O_RDONLY)
+    try:
+        raw = os.read(fd, 65536)  # one read syscall, so the sampler's own syscalls are countable
+    finally:
+        os.close(fd)
+    values = {}
+    for line in raw.split(b"\n"):
+        if line.startswith((b"RssAnon:", b"RssFile:", b"RssShmem:", b"VmHWM:")):
+            key, rest = line.split(b":", 1)
+            values[key.decode()] = int(rest.split()[0]) * 1024
+    return values, len(raw)
+
+
+def read_io() -> dict[str, int]:
+    fd = os.open("/proc/self/io", os.O_RDONLY)
+    try:
+        raw = os.read(fd, 65536)
+    finally:
+        os.close(fd)
+    values = {}
+    for line in raw.decode().splitlines():
+        key, value = line.split(":")
+        values[key.strip()] = int(value)
+    values["_self_bytes"] = len(raw)
+    return values
+
+
+class MemorySampler:
+    """Samples /proc/self/status every `interval_s` in a daemon thread and keeps the peaks.
+
+    Counts the bytes its own reads add to /proc/self/io's rchar so they can be subtracted.
+    """
+
+    def __init__(self, interval_s: float = 0.005) -> None:
+        self.interval_s = interval_s
+        self.peak: dict[str, int] = {}
+        self.samples = 0
+        self.own_rchar = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        values, cost = read_status()
+        self.own_rchar += cost
+        self.samples += 1
+        for key, value in values.items():
+            if value > self.peak.get(key, -1):
+                self.peak[key] = value
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> "MemorySampler":
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
+def cpu_seconds() -> float:
+    """This process's user + system CPU time, all threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def system_busy_seconds() -> float:
+    """CPU-seconds every core of the machine has spent busy since boot (from /proc/stat), for all processes."""
+    with open("/proc/stat") as handle:
+        fields = [int(v) for v in handle.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_for_quiet(max_busy_cores: float = 0.3, window_s: float = 1.0, timeout_s: float = 180.0) -> float:
+    """Wait until the machine's other processes use under `max_busy_cores` cores over `window_s`.
+
+    The benchmark machine is shared (2 cores); a run started next to someone else's job measures the contention.
+    Returns the busy cores seen in the last window (waits at most `timeout_s`, then goes on anyway).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        busy0, own0, start = system_busy_seconds(), cpu_seconds(), time.monotonic()
+        time.sleep(window_s)
+        busy = (system_busy_seconds() - busy0 - (cpu_seconds() - own0)) / (time.monotonic() - start)
+        if busy < max_busy_cores or time.monotonic() > deadline:
+            return busy
+
+
+class LoadWindow:
+    """Machine-wide busy CPU and this process's CPU over a timed region, to tell our work from other processes'."""
+
+    def __enter__(self) -> "LoadWindow":
+        self.system0, self.own0, self.t0 = system_busy_seconds(), cpu_seconds(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.perf_counter() - self.t0
+        self.system = system_busy_seconds() - self.system0
+        self.own = cpu_seconds() - self.own0
+
+
+def foreign_cpu(windows: list[dict]) -> float:
+    """CPU-seconds used by other processes during the ranks' (overlapping) windows: machine busy minus ours."""
+    system = max(w["system"] for w in windows)
+    return max(0.0, system - sum(w["own"] for w in windows))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# diffusers on CPU
+
+
+@dataclass
+class DiffusersCpuPatches:
+    """What was patched, so BENCHMARKS.md can list it."""
+
+    applied: list[str] = field(default_factory=list)
+
+
+def patch_diffusers_for_cpu_tp() -> DiffusersCpuPatches:
+    """Let diffusers 0.42.1's DTensor tensor parallelism run on a CPU/gloo mesh. Call inside a worker process only.
+
+    1. `torch.accelerator.device_count()` is 0 without an accelerator, and `ModelMixin._resolve_parallel_config`
+       computes `rank % torch.accelerator.device_count()` (ZeroDivisionError). Patched to return 1, giving device
+       `cpu:0` (the accelerator type is already "cpu" there, so the mesh is a gloo "cpu" mesh).
+    2. `diffusers.hooks.tensor_parallel._SUPPORTED_TP_DEVICES` lacks "cpu", so `apply_tensor_parallel` refuses the
+       mesh. "cpu" is appended.
+    Nothing else is needed for Flux2Transformer2DModel (checked: sharded load, full load + enable_parallelism and the
+    forward pass all run with only these two).
+    """
+    import torch
+    import diffusers.hooks.tensor_parallel as tp_hooks
+
+    patches = DiffusersCpuPatches()
+    if torch.accelerator.device_count() == 0:
+        torch.accelerator.device_count = lambda: 1  # type: ignore[assignment]
+        patches.applied.append("torch.accelerator.device_count -> 1")
+    if "cpu" not in tp_hooks._SUPPORTED_TP_DEVICES:
+        tp_hooks._SUPPORTED_TP_DEVICES = tuple(tp_hooks._SUPPORTED_TP_DEVICES) + ("cpu",)
+        patches.applied.append('diffusers.hooks.tensor_parallel._SUPPORTED_TP_DEVICES += ("cpu",)')
+    return patches
+
+
+def quiet_diffusers() -> None:
+    import diffusers
+
+    diffusers.utils.logging.set_verbosity_error()
+    diffusers.utils.logging.disable_progress_bar()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# spawning ranks
+
+
+def _rank_main(rank: int, world_size: int, port: int, target: Callable[..., Any], kwargs: dict, out: Any) -> None:
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+        if world_size > 1:
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=600))
+        result = target(rank=rank, world_size=world_size, **kwargs)
+        out.put((rank, True, result))
+        if world_size > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - sent to the parent
+        out.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(target: Callable[..., Any], world_size: int, timeout_s: float = 600.0, **kwargs: Any) -> list[Any]:
+    """Run `target(rank=, world_size=, **kwargs)` in `world_size` fresh spawned processes; results by rank."""
+    context = mp.get_context("spawn")
+    out = context.Queue()
+    port = free_port()
+    processes = [
+        context.Process(target=_rank_main, args=(rank, world_size, port, target, kwargs, out), daemon=False)
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    results: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) + len(failures) < world_size:
+            try:
+                rank, ok, value = out.get(timeout=max(1.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"{target.__name__} did not finish within {timeout_s}s") from None
+            (results if ok else failures)[rank] = value
+            if failures:
+                break
+    finally:
+        for process in processes:
+            process.join(timeout=30 if not failures else 1)
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+    if failures:
+        text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+        raise RuntimeError(f"{target.__name__} failed:\n{text}")
+    return [results[rank] for rank in range(world_size)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# reporting
+
+
+def machine_line() -> str:
+    import torch
+    import diffusers
+
+    try:
+        cpu = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo"], capture_output=True, text=True,
+                             timeout=5).stdout.split(":", 1)[-1].strip()
+    except Exception:  # noqa: BLE001
+        cpu = platform.processor()
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (f"{os.cpu_count()}-core CPU ({cpu}), {mem:.0f} GiB RAM, torch {torch.__version__}, "
+            f"diffusers {diffusers.__version__}, gloo, python {platform.python_version()}")
+
+
+def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(str(cell) for cell in row) + " |")
+    return "\n".join(lines)
