@@ -65,23 +65,23 @@ def all_gather_uneven(
 
 
 def all_to_all_uneven(
-    send_chunks: list[torch.Tensor],
+    send: torch.Tensor,
+    send_numels: list[int],
     recv_shapes: list[tuple[int, ...]],
     group: dist.ProcessGroup,
     stats: CommStats | None = None,
 ) -> list[torch.Tensor]:
-    """Send `send_chunks[j]` to rank j and receive one tensor of `recv_shapes[i]` from each rank i.
+    """Send the consecutive pieces of the flat `send` buffer (`send_numels[j]` elements to rank j) and receive one
+    tensor of `recv_shapes[i]` from each rank i.
 
-    Built on all_to_all_single with split sizes over flat buffers, which both gloo and NCCL implement for uneven
-    splits (the Ulysses exchange with head counts or lengths that do not divide evenly).
+    Built on all_to_all_single with split sizes, which both gloo and NCCL implement for uneven splits (the Ulysses
+    exchange with head counts or lengths that do not divide evenly). Callers fill `send` in place, so each element
+    is copied once on the way out.
     """
-    reference = send_chunks[0]
-    send = torch.cat([chunk.reshape(-1) for chunk in send_chunks])
-    in_splits = [chunk.numel() for chunk in send_chunks]
     out_splits = [_numel(shape) for shape in recv_shapes]
-    recv = torch.empty(sum(out_splits), dtype=reference.dtype, device=reference.device)
+    recv = torch.empty(sum(out_splits), dtype=send.dtype, device=send.device)
     _record(stats, "all_to_all_ulysses", send)
-    dist.all_to_all_single(recv, send, out_splits, in_splits, group=group)
+    dist.all_to_all_single(recv, send, out_splits, send_numels, group=group)
     return [piece.view(shape) for piece, shape in zip(recv.split(out_splits), recv_shapes)]
 
 

@@ -73,23 +73,34 @@ def ring_attention(
     return (out, lse) if return_lse else out.to(q.dtype)
 
 
-def _heads_to_sequence(qkv: torch.Tensor, lengths: list[int], head_sizes: list[int], group, stats):
-    """(n, batch, heads, local_seq, dim) -> (n, batch, my_heads, full_seq, dim) by one all-to-all."""
+def _pack(pieces: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """One flat buffer holding `pieces` back to back, each copied once (they are usually strided views)."""
+    numels = [piece.numel() for piece in pieces]
+    flat = torch.empty(sum(numels), dtype=pieces[0].dtype, device=pieces[0].device)
+    for piece, chunk in zip(pieces, flat.split(numels)):
+        chunk.view(piece.shape).copy_(piece)
+    return flat, numels
+
+
+def _heads_to_sequence(q, k, v, lengths: list[int], head_sizes: list[int], group, stats):
+    """(batch, heads, local_seq, dim) x3 -> (3, batch, my_heads, full_seq, dim) by one all-to-all."""
     rank = dist.get_rank(group)
-    head_starts = [sum(head_sizes[:j]) for j in range(len(head_sizes))]
-    send = [qkv.narrow(2, head_starts[j], head_sizes[j]) for j in range(len(head_sizes))]
-    shape = qkv.shape
-    recv_shapes = [(shape[0], shape[1], head_sizes[rank], lengths[i], shape[4]) for i in range(len(lengths))]
-    received = all_to_all_uneven([t.contiguous() for t in send], recv_shapes, group, stats)
+    starts = [sum(head_sizes[:j]) for j in range(len(head_sizes))]
+    pieces = [t.narrow(1, starts[j], head_sizes[j]) for j in range(len(head_sizes)) for t in (q, k, v)]
+    send, numels = _pack(pieces)
+    per_rank = [sum(numels[3 * j : 3 * j + 3]) for j in range(len(head_sizes))]
+    batch, dim = q.shape[0], q.shape[3]
+    recv_shapes = [(3, batch, head_sizes[rank], lengths[i], dim) for i in range(len(lengths))]
+    received = all_to_all_uneven(send, per_rank, recv_shapes, group, stats)
     return torch.cat(received, dim=3)
 
 
 def _sequence_to_heads(out: torch.Tensor, lengths: list[int], head_sizes: list[int], group, stats):
     """(batch, my_heads, full_seq, dim) -> (batch, heads, local_seq, dim): the inverse exchange."""
     rank = dist.get_rank(group)
-    send = list(out.split(lengths, dim=2))
+    send, numels = _pack(list(out.split(lengths, dim=2)))
     recv_shapes = [(out.shape[0], head_sizes[j], lengths[rank], out.shape[3]) for j in range(len(head_sizes))]
-    received = all_to_all_uneven([t.contiguous() for t in send], recv_shapes, group, stats)
+    received = all_to_all_uneven(send, numels, recv_shapes, group, stats)
     return torch.cat(received, dim=1)
 
 
@@ -107,7 +118,7 @@ def ulysses_attention(
         raise NotImplementedError("Ulysses attention needs queries and keys of one sequence (self-attention).")
     lengths = all_gather_int(q.shape[2], group, q.device)
     head_sizes = even_sizes(q.shape[1], size)
-    qkv = _heads_to_sequence(torch.stack([q, k, v]), lengths, head_sizes, group, stats)
+    qkv = _heads_to_sequence(q, k, v, lengths, head_sizes, group, stats)
     full_mask = None
     if key_mask is not None:
         full_mask = all_gather_uneven(key_mask.expand(q.shape[0], 1, 1, k.shape[2]), 3, lengths, group, stats)
