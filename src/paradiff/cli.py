@@ -97,7 +97,7 @@ def check_args(args: argparse.Namespace) -> None:
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".paradiff-write-test"
+        probe = out / f".paradiff-write-test-{os.getpid()}"  # one per process: every worker checks too
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
@@ -156,8 +156,7 @@ def launch(argv: list[str], world: int, grace_s: float = 10.0) -> int:
         failed = next(((rank, w.returncode) for rank, w in enumerate(workers) if w.returncode), None)
     if failed is not None:
         rank, code = failed
-        print(f"paradiff: rank {rank} exited with code {code}; stopped the other {world - 1} rank(s).",
-              file=sys.stderr)
+        _say(f"paradiff: rank {rank} exited with code {code}; stopped the other {world - 1} rank(s).")
         return 1
     return 0
 
@@ -423,22 +422,32 @@ def main(argv: list[str] | None = None) -> int:
                     f"the degrees multiply to {world_size_of(args)} but torchrun started {os.environ['WORLD_SIZE']} "
                     "processes; they must match"
                 )
+            code = 0
             try:
                 worker(args)
             except Exception as exc:  # noqa: BLE001 - one line per failing rank; PARADIFF_DEBUG=1 for tracebacks
                 if os.environ.get("PARADIFF_DEBUG"):
                     raise
                 first_line = str(exc).splitlines()[0] if str(exc) else ""
-                print(f"paradiff: rank {os.environ.get('RANK')} failed: {type(exc).__name__}: {first_line}",
-                      file=sys.stderr)
-                return 1
-            return 0
+                _say(f"paradiff: rank {os.environ.get('RANK')} failed: {type(exc).__name__}: {first_line}")
+                code = 1
+            # Skip interpreter finalisation: gloo's background threads may still release Python objects of the last
+            # collectives, and doing that while the interpreter shuts down aborts the process (seen in ~5% of runs).
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
         if args.model is None:
             embedded_default()  # build the tiny pipeline once, before the workers start
         return launch(argv, world_size_of(args))
     except CliError as exc:
-        print(f"paradiff: error: {exc}", file=sys.stderr)
+        _say(f"paradiff: error: {exc}")
         return 2
+
+
+def _say(line: str) -> None:
+    """One write per line, so lines of concurrent ranks never interleave mid-line."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def entry_point() -> None:
