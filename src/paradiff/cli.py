@@ -152,11 +152,12 @@ def launch(argv: list[str], world: int, grace_s: float = 10.0) -> int:
             time.sleep(0.05)
     finally:
         _stop(workers, 5.0)
-    if failed is None:
-        failed = next(((rank, w.returncode) for rank, w in enumerate(workers) if w.returncode), None)
-    if failed is not None:
-        rank, code = failed
-        _say(f"paradiff: rank {rank} exited with code {code}; stopped the other {world - 1} rank(s).")
+    failures = [(rank, w.returncode) for rank, w in enumerate(workers) if w.returncode]
+    if failed is not None or failures:
+        first = failed or failures[0]
+        others = ", ".join(f"rank {rank}: {code}" for rank, code in failures if rank != first[0])
+        _say(f"paradiff: rank {first[0]} exited with code {first[1]} first; stopped the run"
+             + (f" (exit codes of the others: {others})." if others else "."))
         return 1
     return 0
 
