@@ -1,20 +1,29 @@
 """Context parallelism on CPU: paradiff's Ulysses / ring / unified attention next to diffusers' own CP, same run.
 
-Model: a FLUX.2-architecture `Flux2Transformer2DModel` with random weights (see MODEL_CONFIG; ~26 M parameters),
+Model: a FLUX.2-architecture `Flux2Transformer2DModel` with random weights (see MODEL_CONFIG; 26.0 M parameters),
 fp32, batch 1, one torch thread per rank, gloo on 127.0.0.1, every case in freshly spawned processes.
 
 Shapes: a divisible sequence (64x64 image grid + 256 text = 4352 tokens) and a non-divisible one (63x65 grid + 255
 text = 4350 tokens, odd on both streams; the 1008x1008-like case that diffusers' plain Ulysses refuses).
 
-Per case: time per forward (median of --repeats after one warm-up; per repeat the slowest rank counts), steps/s,
-peak anonymous RSS per rank (RssAnon sampled from /proc/self/status every --sample-ms in a thread; reported as the
-rise over the value just before the forward and as the absolute peak, max over ranks and repeats), and the max abs
-difference of the gathered output to the single-process output of the same shape.
+Per case: time per forward (one warm-up, then --repeats timed forwards in each of --rounds interleaved rounds; the
+median over all of them; per forward the slowest rank counts), steps/s, peak anonymous RSS per rank (RssAnon sampled
+from /proc/self/status every --sample-ms in a thread; reported as the rise over the value just before the forward and
+as the absolute peak, max over ranks, repeats and rounds), and the max abs difference of the gathered output to the
+single-process output of the same shape. The machine is shared: before each case the script waits for other
+processes to go quiet, records the CPU-seconds they used during the timed forwards, reruns a disturbed case once and
+leaves disturbed rounds out of the medians when a clean one exists.
+
+Then one attention call alone (no model around it) per implementation: time, and peak RssAnon rise with glibc's
+mmap threshold fixed at 128 KiB so that freed multi-MB buffers go back to the OS and the per-call peak is visible.
 
 diffusers 0.42.1 refuses CPU; inside the diffusers worker processes only, `torch.accelerator.device_count` is
-patched to return 1 (see `patch_diffusers_for_cpu`). Cases that cannot run are reported with their exact error.
+patched to return 1 (see `patch_diffusers_for_cpu`); one extra case also replaces diffusers' uneven output gather,
+which gloo cannot do (`patch_diffusers_uneven_gather_for_gloo`). Cases that cannot run are reported with their error.
 
-    .venv/bin/python benchmarks/bench_cp.py                 # full run (~6-8 min on 2 cores)
+    .venv/bin/python benchmarks/bench_cp.py                 # full run (~8 min on 2 quiet cores)
+    .venv/bin/python benchmarks/bench_cp.py --profile --rounds 1 --no-attention --shapes div \
+        --cases "paradiff ulysses,paradiff ring,diffusers ulysses 2"     # where CP attention's time goes
     .venv/bin/python benchmarks/bench_cp.py --quick         # small config, for checking the script
 """
 
@@ -604,8 +613,10 @@ def table(rows: list[Row]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for row in rows:
         if row.error:
+            message = row.error.split(" (raised at")[0]
+            message = message.split(". ")[0] if len(message) > 160 else message  # first sentence of long ones
             cells = [row.case.name, str(row.case.world), "fails", "-", "-", shape_label(row.shape),
-                     "`" + row.error.split(" (raised at")[0][:160] + "`", "-"]
+                     "`" + message + "`", "-"]
         else:
             diff = "reference" if row.case.impl == "single" else f"{row.diff:.1e}"
             cells = [row.case.name, str(row.case.world), f"{row.ms:.0f}", f"{1e3 / row.ms:.3f}",
