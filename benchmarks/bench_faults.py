@@ -36,7 +36,8 @@ import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PARADIFF = [sys.executable, "-m", "paradiff.cli"]
+# the real command, with the fault hooks of paradiff.testing.faults installed in each worker
+PARADIFF = [sys.executable, "-m", "paradiff.testing.faults"]
 
 CASES = {
     # name: (injected fault, extra generate arguments, model folder kind)
@@ -251,7 +252,8 @@ def main() -> int:
                   f"left={len(row['left_right_after'])}/{len(row['left_after_2s'])}, "
                   f"{len(row['stderr_lines'])} stderr line(s)", flush=True)
     (root / "results.json").write_text(json.dumps(rows, indent=2))
-    print("\ncommand: PARADIFF_INJECT_FAULT=RANK:KIND PARADIFF_FAULT_STAMP=FILE paradiff generate [FOLDER] "
+    print("\ncommand: PARADIFF_INJECT_FAULT=RANK:KIND PARADIFF_FAULT_STAMP=FILE python -m paradiff.testing.faults "
+          "generate [FOLDER] "
           "--ulysses 2 [--tp 2] --timeout T --out UNIQUE_DIR\n")
     print(markdown(rows))
     problems = [r["case"] for r in rows

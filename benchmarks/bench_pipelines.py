@@ -226,7 +226,6 @@ def _run_generate(model: str | None, mode: str, section: dict, out: Path, shim: 
     env = dict(os.environ, PARADIFF_BENCH_TIMES=str(times),
                PYTHONPATH=os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH")])))
     env.pop("OMP_NUM_THREADS", None)
-    env.pop("PARADIFF_INJECT_FAULT", None)
     overlap = foreign_benchmarks()
     start = time.perf_counter()
     with ForeignLoad() as foreign:

@@ -17,8 +17,9 @@ from paradiff.testing.dist import free_port
 SMALL = ["--steps", "2", "--height", "32", "--width", "32"]
 
 
-def paradiff(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "paradiff.cli", *args], capture_output=True, text=True,
+def paradiff(*args: str, env: dict | None = None, timeout: float = 300,
+             module: str = "paradiff.cli") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
                           timeout=timeout, env=dict(os.environ, **(env or {})))
 
 
@@ -29,7 +30,9 @@ def _no_workers_left(marker: str) -> bool:
 
 def test_generate_embedded_default_with_compare(tmp_path):
     out = tmp_path / "out"
-    result = paradiff("generate", "--tp", "2", "--prompt", "a cat", *SMALL, "--compare", "--out", str(out))
+    # The fault hooks live in paradiff.testing.faults: the product command ignores their variable.
+    result = paradiff("generate", "--tp", "2", "--prompt", "a cat", *SMALL, "--compare", "--out", str(out),
+                      env={"PARADIFF_INJECT_FAULT": "1:raise"})
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["config"]["tp"] == 2 and report["config"]["world_size"] == 2
@@ -88,7 +91,7 @@ def test_failing_worker_ends_the_run_non_zero_with_no_process_left(tmp_path, kin
     out = tmp_path / marker
     start = time.monotonic()
     result = paradiff("generate", "--ulysses", "2", *SMALL, "--timeout", "10", "--out", str(out),
-                      env={"PARADIFF_INJECT_FAULT": f"1:{kind}"})
+                      env={"PARADIFF_INJECT_FAULT": f"1:{kind}"}, module="paradiff.testing.faults")
     elapsed = time.monotonic() - start
     assert result.returncode != 0
     assert elapsed < 90, elapsed

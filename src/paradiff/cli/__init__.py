@@ -1,0 +1,81 @@
+"""The `paradiff` command: `generate` images or videos on the mesh, `bench` a list of configurations.
+
+Outside torchrun, `generate` launches and supervises its own worker processes (the product of the degrees) and ends
+every worker when one fails; under torchrun (multi-node included) it uses the given ranks.
+
+    args.py      the parser and every up-front check of the user's input
+    launcher.py  starts and supervises the local workers
+    worker.py    one rank: process group, pipeline on the mesh, generation
+    report.py    console lines and report.json
+    compare.py   `--compare`: the single-process reference
+    bench.py     `paradiff bench`
+    embedded.py  the pipeline used when no model is given
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable
+
+from .args import CliError, build_parser, check_args, world_size_of
+from .launcher import WORKER_MODULE, launch
+from .report import say
+
+__all__ = ["CliError", "entry_point", "main"]
+
+
+def main(argv: list[str] | None = None, *, worker_module: str = WORKER_MODULE,
+         on_pipeline_loaded: Callable[[Any, int], None] | None = None) -> int:
+    """Run the command; returns the exit code.
+
+    `worker_module` is what the launcher starts for each rank (`python -m worker_module ARGV`); it must end in this
+    function. `on_pipeline_loaded(pipeline, rank)` runs in each worker once its pipeline is loaded.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "bench":
+            from .bench import bench
+
+            return bench(args, lambda run_argv: main(run_argv, worker_module=worker_module,
+                                                     on_pipeline_loaded=on_pipeline_loaded))
+        check_args(args)
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            if int(os.environ["WORLD_SIZE"]) != world_size_of(args):
+                raise CliError(
+                    f"the degrees multiply to {world_size_of(args)} but torchrun started {os.environ['WORLD_SIZE']} "
+                    "processes; they must match"
+                )
+            _run_worker_and_exit(args, on_pipeline_loaded)
+        if args.model is None:
+            from .embedded import embedded_default
+
+            embedded_default()  # build the tiny pipeline once, before the workers start
+        return launch(argv, world_size_of(args), worker_module)
+    except CliError as exc:
+        say(f"paradiff: error: {exc}")
+        return 2
+
+
+def _run_worker_and_exit(args, on_pipeline_loaded) -> None:
+    from .worker import run_worker
+
+    code = 0
+    try:
+        run_worker(args, on_pipeline_loaded)
+    except Exception as exc:  # noqa: BLE001 - one line per failing rank; PARADIFF_DEBUG=1 for tracebacks
+        if os.environ.get("PARADIFF_DEBUG"):
+            raise
+        first_line = str(exc).splitlines()[0] if str(exc) else ""
+        say(f"paradiff: rank {os.environ.get('RANK')} failed: {type(exc).__name__}: {first_line}")
+        code = 1
+    # Skip interpreter finalisation: gloo's background threads may still release Python objects of the last
+    # collectives, and doing that while the interpreter shuts down aborts the process (seen in ~5% of runs).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def entry_point() -> None:
+    sys.exit(main())

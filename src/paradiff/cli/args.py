@@ -1,0 +1,102 @@
+"""The command line: the parser, and every check of what a user can get wrong, made before any process starts."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit code 2."""
+
+
+def _positive(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {number}")
+    return number
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paradiff", description="Parallel diffusion inference with diffusers models.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="generate images (PNG) and a JSON run report")
+    gen.add_argument("model", nargs="?", default=None,
+                     help="pipeline folder or Hub id; omitted: the embedded tiny FLUX.2 pipeline (random weights)")
+    gen.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
+    gen.add_argument("--prompts-file", default=None, help="a text file with one prompt per line")
+    gen.add_argument("--negative-prompt", default=None)
+    gen.add_argument("--tp", type=_positive, default=1)
+    gen.add_argument("--ulysses", type=_positive, default=1)
+    gen.add_argument("--ring", type=_positive, default=1)
+    gen.add_argument("--cfg", type=_positive, default=1)
+    gen.add_argument("--dp", type=_positive, default=1)
+    gen.add_argument("--steps", type=_positive, default=4)
+    gen.add_argument("--height", type=_positive, default=64)
+    gen.add_argument("--width", type=_positive, default=64)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--guidance-scale", type=float, default=None)
+    gen.add_argument("--true-cfg-scale", type=float, default=None)
+    gen.add_argument("--dtype", choices=DTYPES, default="float32")
+    gen.add_argument("--out", default="out", help="output folder (PNG files and report.json)")
+    gen.add_argument("--compare", action="store_true",
+                     help="also run the single-process pipeline on rank 0 and print the max difference")
+    gen.add_argument("--timeout", type=float, default=600.0, help="collective timeout in seconds")
+    bench = commands.add_parser("bench", help="time a list of configurations on one model")
+    bench.add_argument("model", nargs="?", default=None)
+    bench.add_argument("--configs", default="single,tp=2,ulysses=2,ring=2",
+                       help="comma-separated list of configs; each is '+'-joined degrees, e.g. tp=2+ulysses=2")
+    bench.add_argument("--steps", type=_positive, default=4)
+    bench.add_argument("--height", type=_positive, default=64)
+    bench.add_argument("--width", type=_positive, default=64)
+    bench.add_argument("--out", default="out/bench")
+    return parser
+
+
+def world_size_of(args: argparse.Namespace) -> int:
+    return args.tp * args.ulysses * args.ring * args.cfg * args.dp
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        try:
+            text = Path(args.prompts_file).read_text()
+        except OSError as exc:
+            raise CliError(f"cannot read --prompts-file {args.prompts_file}: {exc.strerror}") from None
+        prompts += [line.strip() for line in text.splitlines() if line.strip()]
+    if not prompts:
+        prompts = ["a red cube on a blue table"]
+    return prompts
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Everything a user can get wrong, checked before any process starts or any weight is read."""
+    if args.model is not None:
+        path = Path(args.model)
+        if (path.exists() or args.model.startswith((".", "/"))) and not (path / "model_index.json").is_file():
+            raise CliError(f"model folder {args.model} does not exist or has no model_index.json")
+    read_prompts(args)
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".paradiff-write-test-{os.getpid()}"  # one per process: every worker checks too
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise CliError(f"output folder {args.out} is not writable: {exc.strerror}") from None
+    if args.height % 16 or args.width % 16:
+        raise CliError(f"--height {args.height} and --width {args.width} must be multiples of 16 (VAE x patch size)")
+    if args.cfg > 2:
+        raise CliError(f"--cfg must be 1 or 2, got {args.cfg}")
+    import torch
+
+    world = world_size_of(args)
+    if torch.cuda.is_available() and "RANK" not in os.environ and world > torch.cuda.device_count():
+        raise CliError(f"{world} processes requested but only {torch.cuda.device_count()} GPU(s) are visible")

@@ -1,0 +1,40 @@
+"""`paradiff bench`: one `generate` run per configuration, summarised as a table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Callable
+
+from .args import CliError
+
+
+def bench(args: argparse.Namespace, generate: Callable[[list[str]], int]) -> int:
+    """Run `generate(argv)` for each configuration of `args.configs` and print a table of the reports."""
+    rows = []
+    for spec in args.configs.split(","):
+        degrees = {"tp": 1, "ulysses": 1, "ring": 1, "cfg": 1, "dp": 1}
+        if spec.strip() != "single":
+            for part in spec.split("+"):
+                key, _, value = part.partition("=")
+                if key.strip() not in degrees or not value.strip().isdigit():
+                    raise CliError(f"bad config {spec!r}: use '+'-joined key=value with keys {sorted(degrees)}")
+                degrees[key.strip()] = int(value)
+        out = Path(args.out) / spec.replace("=", "").replace("+", "_")
+        argv = ["generate"] + ([args.model] if args.model else []) + [
+            "--steps", str(args.steps), "--height", str(args.height), "--width", str(args.width), "--out", str(out)]
+        for key, value in degrees.items():
+            argv += [f"--{key}", str(value)]
+        if generate(argv):
+            rows.append((spec, "failed", "failed", "failed"))
+            continue
+        report = json.loads((out / "report.json").read_text())
+        step = max(s["step_s_median"] for s in report["ranks"])
+        peak = max(s["peak_memory_bytes"] for s in report["ranks"]) / 2**30
+        rows.append((spec, f"{step * args.steps * 1000:.1f}", f"{1 / step:.2f}", f"{peak:.2f}"))
+    print("| mode | time / image, denoising (ms) | steps / s | peak memory / rank (GiB) | resolution |")
+    print("|---|---|---|---|---|")
+    for spec, ms, sps, peak in rows:
+        print(f"| {spec} | {ms} | {sps} | {peak} | {args.height}x{args.width} |")
+    return 0

@@ -1,0 +1,139 @@
+"""One rank of `paradiff generate`: join the process group, load the pipeline on the mesh, generate, report."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import paradiff
+
+from ..comm import all_gather_object, barrier
+from ..mesh import default_device
+from .args import read_prompts
+from .compare import compare_single_process
+from .embedded import embedded_call_kwargs, embedded_default
+from .report import write_report
+
+# Called with (pipeline, rank) once the pipeline is loaded, before the first generation.
+PipelineHook = Callable[[Any, int], None]
+
+
+def run_worker(args: argparse.Namespace, on_pipeline_loaded: PipelineHook | None = None) -> None:
+    if os.environ.get("PARADIFF_WORKER") or "RANK" in os.environ:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    device = default_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
+    try:
+        _generate(args, device, on_pipeline_loaded)
+    finally:
+        dist.destroy_process_group()
+
+
+def parallel_config(args: argparse.Namespace) -> paradiff.ParallelConfig:
+    tp = paradiff.TensorParallelConfig(args.tp) if args.tp > 1 else None
+    cp = (paradiff.ContextParallelConfig(ring_degree=args.ring, ulysses_degree=args.ulysses)
+          if args.ring * args.ulysses > 1 else None)
+    return paradiff.ParallelConfig(tensor_parallel_config=tp, context_parallel_config=cp, cfg_degree=args.cfg,
+                                   data_degree=args.dp)
+
+
+def call_kwargs(args: argparse.Namespace) -> dict:
+    kwargs = dict(height=args.height, width=args.width, num_inference_steps=args.steps, output_type="np")
+    if args.guidance_scale is not None:
+        kwargs["guidance_scale"] = args.guidance_scale
+    if args.true_cfg_scale is not None:
+        kwargs["true_cfg_scale"] = args.true_cfg_scale
+    if args.negative_prompt is not None:
+        kwargs["negative_prompt"] = args.negative_prompt
+    if args.model is None:
+        kwargs.update(embedded_call_kwargs())
+    return kwargs
+
+
+def _generate(args: argparse.Namespace, device: torch.device, on_pipeline_loaded: PipelineHook | None) -> None:
+    from PIL import Image
+
+    rank = dist.get_rank()
+    if rank != 0 or not sys.stderr.isatty():
+        _quiet_libraries()
+    model = args.model
+    if model is None:
+        if rank == 0:
+            embedded_default()
+        barrier()
+        model = str(embedded_default())
+    dtype = getattr(torch, args.dtype)
+    start = time.perf_counter()
+    pipeline = paradiff.load_pipeline(model, parallel_config=parallel_config(args), torch_dtype=dtype, device=device)
+    load_s = time.perf_counter() - start
+    pipeline.set_progress_bar_config(disable=rank != 0 or not sys.stderr.isatty())
+    if on_pipeline_loaded is not None:
+        on_pipeline_loaded(pipeline, rank)
+    prompts = read_prompts(args)
+    indexed = list(enumerate(prompts))
+    step_times: list[float] = []
+    images: dict[int, str] = {}
+    out = Path(args.out)
+    kwargs = call_kwargs(args)
+    first_image = None
+    with paradiff.split_between_processes(indexed, pipeline) as share:
+        for index, prompt in share:
+            stamps = [time.perf_counter()]
+
+            def on_step(_pipe, _step, _timestep, callback_kwargs):
+                stamps.append(time.perf_counter())
+                return callback_kwargs
+
+            result = pipeline(prompt=prompt, seed=args.seed + index, callback_on_step_end=on_step, **kwargs)
+            step_times += [b - a for a, b in zip(stamps, stamps[1:])]
+            array = np.asarray(result.images[0])
+            if first_image is None:
+                first_image = (index, prompt, array)
+            if pipeline.is_output_rank:
+                path = out / f"{index:04d}.png"
+                Image.fromarray((np.clip(array, 0, 1) * 255).round().astype("uint8")).save(path)
+                images[index] = str(path)
+    compare = None
+    if args.compare and rank == 0 and first_image is not None:
+        compare = compare_single_process(model, dtype, kwargs, args.seed, first_image)
+    stats = {
+        "rank": rank,
+        "load_s": load_s,
+        "step_s_median": float(np.median(step_times)) if step_times else None,
+        "peak_memory_bytes": _peak_memory_bytes(device),
+        "images": images,
+    }
+    gathered = all_gather_object(stats)
+    if rank == 0:
+        run = {"world_size": dist.get_world_size(), "backend": dist.get_backend(), "device": device.type}
+        write_report(args, out, model, read_prompts(args), run, gathered, compare)
+
+
+def _peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _quiet_libraries() -> None:
+    """Only rank 0 on a terminal shows progress; the libraries' own loading bars would repeat once per rank."""
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    diffusers.utils.logging.set_verbosity_error()

@@ -1,0 +1,76 @@
+"""`paradiff` with injected faults, for the reliability tests and the fault benchmark; never part of a normal run.
+
+    PARADIFF_INJECT_FAULT=1:raise python -m paradiff.testing.faults generate --ulysses 2 ...
+
+runs the real command, whose launcher starts its workers through this module too, so each worker installs the fault
+below on its loaded pipeline and then runs the normal worker code. The variables:
+
+- PARADIFF_INJECT_FAULT="RANK:raise|exit": that rank fails in its second transformer forward, inside the first block
+  (raise: a RuntimeError; exit: os._exit(9), as if killed); "RANK:seed": it starts from other latents.
+- PARADIFF_FAULT_STAMP=FILE: the rank writes the moment of the fault (time.time()) there.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+FAULT_KINDS = ("raise", "exit", "seed")
+
+
+def install_fault_from_env(pipeline, rank: int) -> None:
+    """Install the fault PARADIFF_INJECT_FAULT asks for on `pipeline.transformer`, if it targets `rank`."""
+    spec = os.environ.get("PARADIFF_INJECT_FAULT")
+    if not spec:
+        return
+    target, _, kind = spec.partition(":")
+    if kind not in FAULT_KINDS or not target.isdigit():
+        raise ValueError(f"PARADIFF_INJECT_FAULT={spec!r}: expected RANK:KIND with KIND one of {FAULT_KINDS}")
+    if int(target) == rank:
+        install_fault(pipeline.transformer, rank, kind, os.environ.get("PARADIFF_FAULT_STAMP"))
+
+
+def install_fault(transformer: torch.nn.Module, rank: int, kind: str, stamp_file: str | None = None) -> None:
+    def stamp() -> None:
+        if stamp_file:
+            Path(stamp_file).write_text(repr(time.time()))
+
+    forwards: list[int] = []
+    block_calls: list[int] = []
+
+    def shift_latents(_module, args, kwargs):
+        forwards.append(1)
+        if len(forwards) == 1:
+            stamp()
+            kwargs["hidden_states"] = kwargs["hidden_states"] + 1.0
+            return args, kwargs
+        return None
+
+    def fail_in_block(_module, _args):
+        # inside the forward (first transformer block), where a real fault would happen
+        block_calls.append(1)
+        if len(block_calls) == 2:
+            stamp()
+            if kind == "exit":
+                os._exit(9)
+            raise RuntimeError(f"injected fault on rank {rank}")
+
+    if kind == "seed":
+        transformer.register_forward_pre_hook(shift_latents, with_kwargs=True, prepend=True)
+    else:
+        blocks = next(m for m in transformer.modules() if isinstance(m, torch.nn.ModuleList))
+        blocks[0].register_forward_pre_hook(fail_in_block)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from paradiff.cli import main as paradiff_main
+
+    return paradiff_main(argv, worker_module="paradiff.testing.faults", on_pipeline_loaded=install_fault_from_env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
