@@ -29,7 +29,7 @@ from paradiff.checkpoint import SINGLE_FILE, Checkpoint
 from paradiff.state import get_state
 from paradiff.tensor_parallel.layers import ShardedLinear
 from paradiff.tensor_parallel.styles import PackedColwise
-from paradiff.testing.models import Lengths, make_inputs, model_class, run_forward
+from paradiff.testing.models import Lengths, UnplannedTransformer, make_inputs, model_class, run_forward
 
 COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all", "all_to_all_single",
@@ -164,7 +164,7 @@ def fp_config_disagrees_with_weights(f):
 
 @scenario
 def fp_no_builtin_plan(f):
-    return _load(f, key="wan", cls=WAN)
+    return _load(f, key="unplanned", cls=UnplannedTransformer)
 
 
 @scenario
@@ -330,7 +330,7 @@ def en_called_twice(f):
 
 @scenario
 def en_no_builtin_plan(f):
-    return _enable(_model(f, "wan", WAN), _tp(2))
+    return _enable(_model(f, "unplanned", UnplannedTransformer), _tp(2))
 
 
 @scenario

@@ -21,7 +21,7 @@ from .checkpoint import Checkpoint
 from .config import as_parallel_config
 from .errors import CheckpointError, ParallelConfigError
 from .mesh import build_mesh, default_device, require_distributed
-from .plans import builtin_plan
+from .plans import plan_for
 from .progress import byte_progress
 from .parallel import attach
 from .tensor_parallel.plan import ResolvedPlan, as_plan, check_checkpoint_keys, resolve_plan
@@ -231,7 +231,7 @@ def _prepare(model_cls, path, subfolder, torch_dtype, parallel_config, device, p
         tp = parallel.tp_degree if parallel else 1
         resolved = None
         if tp > 1:
-            tp_plan = as_plan(plan if plan is not None else builtin_plan(model, model.config, "tensor"))
+            tp_plan = as_plan(plan_for(model, plan, "tensor"))
             tp_rank = dist.get_rank() % tp if parallel.mesh is None else parallel.mesh.get_local_rank("tp")
             resolved = resolve_plan(model, tp_plan, tp_rank, tp)
             check_checkpoint_keys(resolved, set(checkpoint.tensors), {k: v.shape for k, v in checkpoint.tensors.items()})
@@ -239,7 +239,7 @@ def _prepare(model_cls, path, subfolder, torch_dtype, parallel_config, device, p
         if parallel and parallel.context_parallel_config is not None:
             from .context_parallel.apply import resolve_cp_plan
 
-            cp_resolved = resolve_cp_plan(model, cp_plan)
+            cp_resolved = resolve_cp_plan(model, plan_for(model, cp_plan, "context"))
         _check_model_against_checkpoint(model, checkpoint, resolved)
     except BaseException:
         checkpoint.close()

@@ -12,7 +12,7 @@ from .config import as_parallel_config
 from .errors import UnsupportedModelError
 from .failures import install_failure_guard
 from .mesh import build_mesh, require_distributed
-from .plans import builtin_plan
+from .plans import plan_for
 from .state import ParallelState, get_state, set_state
 from .tensor_parallel.plan import as_plan, resolve_plan
 from .tensor_parallel.shard import swap_in_sharded_linears
@@ -81,14 +81,14 @@ def enable_parallelism(model: nn.Module, config: Any, *, plan: Any = None, cp_pl
         check_shardable(model)
         parallel = as_parallel_config(config, dist.get_world_size())
         if parallel.tp_degree > 1:
-            tp_plan = as_plan(plan if plan is not None else builtin_plan(model, model.config, "tensor"))
+            tp_plan = as_plan(plan_for(model, plan, "tensor"))
             tp_rank = (dist.get_rank() % parallel.tp_degree if parallel.mesh is None
                        else parallel.mesh.get_local_rank("tp"))
             resolved = resolve_plan(model, tp_plan, tp_rank, parallel.tp_degree)
         if parallel.context_parallel_config is not None:
             from .context_parallel.apply import resolve_cp_plan
 
-            cp_resolved = resolve_cp_plan(model, cp_plan)
+            cp_resolved = resolve_cp_plan(model, plan_for(model, cp_plan, "context"))
         facts = {
             "parallel degrees": parallel.degrees(),
             "model class": type(model).__name__,

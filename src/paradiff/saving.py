@@ -29,14 +29,16 @@ def _parse_size(value: int | str) -> int:
     return int(text)
 
 
-def unshard(pieces_by_rank: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
-    """Inverse of the styles' slicing: block b of the full tensor is rank 0's part b, rank 1's part b, ..."""
-    blocks = []
-    offset = 0
-    for _, length in spec.pieces:
-        blocks.extend(piece.narrow(spec.dim, offset, length) for piece in pieces_by_rank)
-        offset += length
-    return torch.cat(blocks, dim=spec.dim)
+def unshard(pieces_by_rank: list[torch.Tensor], specs_by_rank: list[ShardSpec], full_shape: tuple) -> torch.Tensor:
+    """Inverse of the styles' slicing: each rank's pieces are written back where they came from. Ranks that hold the
+    same slice (K/V heads replicated over a rank group) write identical values."""
+    full = pieces_by_rank[0].new_empty(full_shape)
+    for piece, spec in zip(pieces_by_rank, specs_by_rank):
+        offset = 0
+        for start, length in spec.pieces:
+            full.narrow(spec.dim, start, length).copy_(piece.narrow(spec.dim, offset, length))
+            offset += length
+    return full
 
 
 def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str = "5GB") -> None:
@@ -60,7 +62,13 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
         spec = resolved.spec_for(name) if resolved else None
         if spec is None:
             return tensor
-        return unshard(all_gather_pieces(tensor, tp_group), spec)
+        module_name, _, leaf = name.rpartition(".")
+        planned = resolved.linears[module_name]
+        full_shape = planned.full_shapes[leaf]
+        size = dist.get_world_size(tp_group)
+        specs = [planned.style.shard_spec(leaf, full_shape, rank, size, getattr(model, "config", None), module_name)
+                 for rank in range(size)]
+        return unshard(all_gather_pieces(tensor, tp_group), specs, full_shape)
 
     if writer:
         folder.mkdir(parents=True, exist_ok=True)

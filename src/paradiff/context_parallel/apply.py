@@ -11,7 +11,6 @@ from torch import nn
 
 from ..comm import all_gather_int, all_gather_uneven
 from ..errors import PlanError
-from ..plans import builtin_plan
 from ..state import ParallelState
 from ..tensor_parallel.plan import expand_key
 from .attention import local_chunk
@@ -43,9 +42,8 @@ def _expand(model: nn.Module, entries: dict[str, Any], what: str) -> dict[str, A
     return expanded
 
 
-def resolve_cp_plan(model: nn.Module, plan: ContextParallelPlan | None) -> ResolvedContextPlan:
+def resolve_cp_plan(model: nn.Module, plan: ContextParallelPlan) -> ResolvedContextPlan:
     """Validate the plan against the model (before any weight or collective) and expand its globs."""
-    plan = plan if plan is not None else builtin_plan(model, model.config, "context")
     if not isinstance(plan, ContextParallelPlan):
         raise PlanError(f"cp_plan must be a paradiff.ContextParallelPlan, got {type(plan).__name__}.")
     require_native_processors(model)

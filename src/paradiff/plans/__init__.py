@@ -1,28 +1,49 @@
-"""Built-in plans, one short module per model family, looked up by the model's class name."""
+"""Built-in plans, one short module per model family, found by the model's class name.
+
+Every module in this package that defines `MODEL_CLASSES` is a family. A family module may define:
+- `tensor_parallel_plan(config) -> TensorParallelPlan` and `context_parallel_plan(config) -> ContextParallelPlan`;
+- `EXAMPLES`: {example name: (class name, tiny config kwargs)} and `example_inputs(name, config, batch, grid)`,
+  the smallest configurations and forward inputs that exercise every block type; `paradiff check-plan` and the test
+  suite run every plan on them.
+"""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+from functools import lru_cache
 from types import ModuleType
 
 from torch import nn
 
 from ..errors import PlanError
-from . import flux, flux2, qwenimage, wan
-
-_FAMILIES: tuple[ModuleType, ...] = (flux, flux2, qwenimage, wan)
 
 HOW_TO_WRITE_A_PLAN = (
     "Pass plan={...}: a dict mapping module globs to styles, e.g. "
     "{'blocks.*.attn.to_q': 'colwise', 'blocks.*.attn.to_out.0': 'rowwise'} "
-    "(styles: 'colwise', 'rowwise', 'rowwise_split_input', PackedColwise(blocks), PackedRowwise(blocks)); "
+    "(styles: 'colwise', 'rowwise', 'rowwise_split_input', 'norm_across_heads', PackedColwise(blocks), "
+    "PackedRowwise(blocks), ColwiseHeads(head_dim)), or plan='auto' to derive one from the model's structure; "
     "see README.md, 'Writing a plan'."
 )
+
+
+@lru_cache(maxsize=None)
+def families() -> tuple[ModuleType, ...]:
+    """Every family module of this package, in name order (imported once; the tuple never changes)."""
+    found = []
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda info: info.name):
+        if info.name.startswith("_") or info.ispkg:
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        if hasattr(module, "MODEL_CLASSES"):
+            found.append(module)
+    return tuple(found)
 
 
 def family_of(model_or_cls: nn.Module | type) -> ModuleType | None:
     cls = model_or_cls if isinstance(model_or_cls, type) else type(model_or_cls)
     for klass in cls.__mro__:
-        for family in _FAMILIES:
+        for family in families():
             if klass.__name__ in family.MODEL_CLASSES:
                 return family
     return None
@@ -30,7 +51,7 @@ def family_of(model_or_cls: nn.Module | type) -> ModuleType | None:
 
 def supported(kind: str) -> list[str]:
     attr = f"{kind}_parallel_plan"
-    return sorted(name for family in _FAMILIES if hasattr(family, attr) for name in family.MODEL_CLASSES)
+    return sorted(name for family in families() if hasattr(family, attr) for name in family.MODEL_CLASSES)
 
 
 def builtin_plan(model_or_cls: nn.Module | type, config, kind: str):
@@ -39,9 +60,21 @@ def builtin_plan(model_or_cls: nn.Module | type, config, kind: str):
     attr = f"{kind}_parallel_plan"
     name = (model_or_cls if isinstance(model_or_cls, type) else type(model_or_cls)).__name__
     if family is None or not hasattr(family, attr):
-        extra = HOW_TO_WRITE_A_PLAN if kind == "tensor" else "Pass cp_plan=ContextParallelPlan(...)."
+        extra = (HOW_TO_WRITE_A_PLAN if kind == "tensor"
+                 else "Pass cp_plan=ContextParallelPlan(...) or cp_plan='auto'.")
         raise PlanError(
-            f"paradiff has no built-in {kind}-parallel plan for {name}; built-in plans exist for {supported(kind)}. "
-            + extra
+            f"paradiff has no built-in {kind}-parallel plan for {name}; built-in plans exist for "
+            f"{len(supported(kind))} classes ({', '.join(supported(kind))}). " + extra
         )
     return getattr(family, attr)(config)
+
+
+def plan_for(model: nn.Module, given, kind: str):
+    """The plan a user asked for: their own, the built-in one (None), or one derived from the structure ("auto")."""
+    if isinstance(given, str) and given == "auto":
+        from .auto import auto_plan
+
+        return auto_plan(model, kind)
+    if given is None:
+        return builtin_plan(model, getattr(model, "config", None), kind)
+    return given

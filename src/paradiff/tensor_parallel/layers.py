@@ -67,6 +67,77 @@ class RowwiseLinear(ShardedLinear):
         return out
 
 
+class ShardedNorm(nn.Module):
+    """RMSNorm or LayerNorm over features split across the TP group: the statistics are summed over the group.
+
+    RMS: one all-reduce of the per-token sum of squares. LayerNorm: the mean first, then the sum of squared
+    deviations (two passes, as exact as the single-device norm). Computed in fp32 like diffusers' and torch's norms.
+    """
+
+    def __init__(self, source: nn.Module, weight, bias, style: Style, weight_spec: ShardSpec, full_features: int,
+                 group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.rms = not isinstance(source, nn.LayerNorm)
+        eps = getattr(source, "eps", None)
+        self.eps = torch.finfo(torch.float32).eps if eps is None else float(eps)
+        self.weight = None if weight is None else nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.style = style
+        self.weight_spec = weight_spec
+        self.full_features = full_features
+        self.group = group
+        self.comm_stats: CommStats | None = None
+
+    def extra_repr(self) -> str:
+        kind = "rms" if self.rms else "layer"
+        local = sum(length for _, length in self.weight_spec.pieces)
+        return f"{kind}, local={local}, full={self.full_features}, eps={self.eps}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        if not self.rms:
+            total = x.sum(-1, keepdim=True)
+            all_reduce_tp(total, self.group, self.comm_stats)
+            x = x - total / self.full_features
+        square_sum = x.pow(2).sum(-1, keepdim=True)
+        all_reduce_tp(square_sum, self.group, self.comm_stats)
+        x = x * torch.rsqrt(square_sum / self.full_features + self.eps)
+        if self.weight is not None:
+            if self.weight.dtype in (torch.float16, torch.bfloat16):
+                x = x.to(self.weight.dtype)
+            x = x * self.weight
+        if self.bias is not None:
+            x = x + self.bias
+        return x.to(dtype)
+
+
+NORM_TYPES = (nn.LayerNorm, getattr(nn, "RMSNorm", nn.LayerNorm))
+
+
+def is_norm(module: nn.Module) -> bool:
+    """LayerNorm / RMSNorm from torch, or any norm module with a 1-D weight over the last dim and an `eps`
+    (diffusers' RMSNorm), which is how this style recognises what it can split."""
+    if isinstance(module, NORM_TYPES):
+        return True
+    weight = getattr(module, "weight", None)
+    return hasattr(module, "eps") and "Norm" in type(module).__name__ and (weight is None or weight.dim() == 1)
+
+
+def make_sharded_module(
+    style: Style,
+    source: nn.Module,
+    local_weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight_spec: ShardSpec,
+    full_shape: tuple[int, ...],
+    group: dist.ProcessGroup,
+) -> nn.Module:
+    if style.target == "norm":
+        return ShardedNorm(source, local_weight, bias, style, weight_spec, full_shape[0], group)
+    return make_sharded_linear(style, local_weight, bias, weight_spec, (full_shape[0], full_shape[1]), group)
+
+
 def make_sharded_linear(
     style: Style,
     local_weight: torch.Tensor,

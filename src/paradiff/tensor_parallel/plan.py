@@ -36,6 +36,7 @@ class ResolvedLinear:
     style: Style
     specs: dict[str, ShardSpec | None]
     full_shapes: dict[str, tuple[int, ...]]
+    features: int | None = None  # a norm's normalised width (norm styles only)
 
 
 @dataclass
@@ -59,38 +60,41 @@ def as_plan(plan: Any) -> TensorParallelPlan:
 
 
 def expand_key(model: nn.Module, key: str) -> list[str]:
-    """Module paths matched by one plan key. At most one `*`, standing for every index of an nn.ModuleList."""
+    """Module paths matched by one plan key. Each `*` stands for every index of an nn.ModuleList (or the keys of an
+    nn.ModuleDict), e.g. 'blocks.*.ff.experts.*.w1' for the experts of every block."""
     if not isinstance(key, str):
         raise PlanError(f"Plan keys must be strings, got {key!r} ({type(key).__name__}).")
-    stars = key.count("*")
-    if stars == 0:
+    if "*" not in key:
         return [key]
-    if stars > 1:
-        raise PlanError(
-            f"Plan key {key!r} has {stars} '*'; at most one is allowed, standing for the index of one nn.ModuleList "
-            "(as in 'blocks.*.attn.to_q'). Write one key per list."
-        )
-    prefix, _, suffix = key.partition("*")
-    if not prefix.endswith(".") or (suffix and not suffix.startswith(".")):
+    parts = key.split(".")
+    if any("*" in part and part != "*" for part in parts) or parts[0] == "*":
         raise PlanError(
             f"Plan key {key!r}: '*' must stand for a whole path component (a list index), as in "
             "'blocks.*.attn.to_q'; partial patterns such as 'blocks*' or 'to_*' are not supported."
         )
-    list_path = prefix[:-1]
-    try:
-        container = model.get_submodule(list_path)
-    except AttributeError as exc:
-        raise PlanError(
-            f"Plan key {key!r}: {list_path!r} is not a submodule of {type(model).__name__}; its nn.ModuleLists are "
-            f"{module_lists(model)}."
-        ) from exc
-    if not isinstance(container, nn.ModuleList):
-        raise PlanError(
-            f"Plan key {key!r}: the part before '*' ({list_path!r}) must be an nn.ModuleList, "
-            f"but it is {type(container).__name__}; the nn.ModuleLists of {type(model).__name__} are "
-            f"{module_lists(model)}."
-        )
-    return [f"{list_path}.{index}{suffix}" for index in range(len(container))]
+    names = [""]
+    for part in parts:
+        if part != "*":
+            names = [f"{name}.{part}" if name else part for name in names]
+            continue
+        expanded = []
+        for name in names:
+            try:
+                container = model.get_submodule(name)
+            except AttributeError as exc:
+                raise PlanError(
+                    f"Plan key {key!r}: {name!r} is not a submodule of {type(model).__name__}; its nn.ModuleLists "
+                    f"are {module_lists(model)}."
+                ) from exc
+            if not isinstance(container, (nn.ModuleList, nn.ModuleDict)):
+                raise PlanError(
+                    f"Plan key {key!r}: the part before '*' ({name!r}) must be an nn.ModuleList, but it is "
+                    f"{type(container).__name__}; the nn.ModuleLists of {type(model).__name__} are "
+                    f"{module_lists(model)}."
+                )
+            expanded.extend(f"{name}.{child}" for child, _ in container.named_children())
+        names = expanded
+    return names
 
 
 def module_lists(model: nn.Module, limit: int = 12) -> list[str]:
@@ -135,25 +139,58 @@ def resolve_plan(model: nn.Module, plan: TensorParallelPlan, rank: int, size: in
                     f"Plan key {key!r} names {name!r}, which is not a submodule of {type(model).__name__}; "
                     f"{_missing_module_hint(model, name)}."
                 ) from exc
-            if not isinstance(module, nn.Linear):
-                linears = [child for child, sub in module.named_modules() if child and isinstance(sub, nn.Linear)]
-                raise PlanError(
-                    f"Plan entry {name!r} (key {key!r}) must be an nn.Linear to be split, but it is "
-                    f"{type(module).__name__}; the nn.Linear modules inside it are {linears[:12]}."
-                )
+            _check_target(module, style, name, key)
             if name in matched_by:
                 raise PlanError(
                     f"{name!r} is matched by two plan keys, {matched_by[name]!r} and {key!r}; each module may have "
                     "one style only. Remove one of the keys."
                 )
             matched_by[name] = key
-            shapes = {"weight": tuple(module.weight.shape)}
-            if module.bias is not None:
-                shapes["bias"] = tuple(module.bias.shape)
+            shapes = {leaf: tuple(getattr(module, leaf).shape) for leaf in ("weight", "bias")
+                      if getattr(module, leaf, None) is not None}
+            features = norm_features(module) if style.target == "norm" else None
             specs = {param: style.shard_spec(param, shape, rank, size, config, name) for param, shape in shapes.items()}
-            resolved.linears[name] = ResolvedLinear(name=name, style=style, specs=specs, full_shapes=shapes)
+            if features is not None and "weight" not in specs:  # a norm without affine weight still splits
+                specs["weight"] = style.shard_spec("weight", (features,), rank, size, config, name)
+            resolved.linears[name] = ResolvedLinear(name=name, style=style, specs=specs, full_shapes=shapes,
+                                                    features=features)
     resolved.attention_modules = _attention_modules(model, resolved, plan.head_attrs, size)
     return resolved
+
+
+def norm_features(module: nn.Module) -> int:
+    """The normalised width of a norm module (torch's `normalized_shape`, diffusers' `dim`, or its weight)."""
+    shape = getattr(module, "normalized_shape", None)
+    if shape is not None:
+        return int(shape[-1] if isinstance(shape, (tuple, list)) else shape)
+    weight = getattr(module, "weight", None)
+    if weight is not None:
+        return int(weight.shape[-1])
+    dim = getattr(module, "dim", None)
+    if isinstance(dim, (tuple, list)):
+        dim = dim[-1]
+    if isinstance(dim, int):
+        return dim
+    raise PlanError(f"Cannot tell the normalised width of {type(module).__name__}; it has no weight, "
+                    "normalized_shape or dim.")
+
+
+def _check_target(module: nn.Module, style, name: str, key: str) -> None:
+    from .layers import is_norm
+
+    if style.target == "norm":
+        if not is_norm(module):
+            raise PlanError(
+                f"Plan entry {name!r} (key {key!r}) has style {style.kind!r}, which splits an RMSNorm or LayerNorm "
+                f"over the heads, but it is {type(module).__name__}."
+            )
+        return
+    if not isinstance(module, nn.Linear):
+        linears = [child for child, sub in module.named_modules() if child and isinstance(sub, nn.Linear)]
+        raise PlanError(
+            f"Plan entry {name!r} (key {key!r}) must be an nn.Linear to be split, but it is "
+            f"{type(module).__name__}; the nn.Linear modules inside it are {linears[:12]}."
+        )
 
 
 def check_heads(model: nn.Module, plan: TensorParallelPlan, size: int) -> None:

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .layers import ShardedLinear, make_sharded_linear
+from .layers import ShardedLinear, ShardedNorm, make_sharded_module
 from .plan import ResolvedPlan, localise_heads
 from .styles import ShardSpec
 
@@ -36,14 +36,14 @@ def swap_in_sharded_linears(
     size = dist.get_world_size(group)
     for name, linear in resolved.linears.items():
         module = model.get_submodule(name)
-        if isinstance(module, ShardedLinear):
+        if isinstance(module, (ShardedLinear, ShardedNorm)):
             raise RuntimeError(f"{name} is already tensor-parallel; enable_parallelism was called twice.")
-        weight, bias = module.weight.data, None if module.bias is None else module.bias.data
+        weight, bias = (None if getattr(module, leaf, None) is None else getattr(module, leaf).data
+                        for leaf in ("weight", "bias"))
         if not weights_are_local:
-            weight = slice_tensor(weight, linear.specs["weight"])
-            if bias is not None:
-                bias = slice_tensor(bias, linear.specs.get("bias"))
-        full = linear.full_shapes["weight"]
-        sharded = make_sharded_linear(linear.style, weight, bias, linear.specs["weight"], (full[0], full[1]), group)
+            weight = None if weight is None else slice_tensor(weight, linear.specs["weight"])
+            bias = None if bias is None else slice_tensor(bias, linear.specs.get("bias"))
+        full = linear.full_shapes.get("weight", (linear.features,))
+        sharded = make_sharded_module(linear.style, module, weight, bias, linear.specs["weight"], full, group)
         set_submodule(model, name, sharded)
     localise_heads(model, resolved, size)

@@ -34,6 +34,8 @@ class Style:
     """Base: split along `dim` of the weight (0 = out_features, 1 = in_features)."""
 
     kind: ClassVar[str] = "colwise"
+    # what the style splits: "linear" (an nn.Linear) or "norm" (an RMSNorm / LayerNorm over the split features)
+    target: ClassVar[str] = "linear"
 
     def block_sizes_for(self, full_size: int, config: Any, where: str) -> list[int]:
         return [full_size]
@@ -117,6 +119,61 @@ class PackedRowwise(_Packed):
     kind: ClassVar[str] = "rowwise"
 
 
+@dataclass(frozen=True)
+class HeadNorm(Style):
+    """A norm (RMSNorm or LayerNorm) over all heads, applied to the output of a colwise projection.
+
+    Wan's and LTX's QK-norm normalise the whole inner dimension, so a rank holding heads/tp heads sees only part of
+    each token's features. The weight (and bias) are split with the heads; the per-token statistic is all-reduced
+    over the TP group, which keeps the result exact for a few bytes per token. `blocks` as for packed styles, when
+    the norm's features are packed like the projection's.
+    """
+
+    kind: ClassVar[str] = "norm_across_heads"
+    target: ClassVar[str] = "norm"
+    blocks: BlockSizes = None
+
+    def weight_dim(self) -> int:
+        return 0
+
+    def block_sizes_for(self, full_size: int, config: Any, where: str) -> list[int]:
+        return [full_size] if self.blocks is None else _Packed(self.blocks).block_sizes_for(full_size, config, where)
+
+    def shard_spec(self, param: str, full_shape: Sequence[int], rank: int, size: int, config: Any, where: str):
+        return Colwise.shard_spec(self, "weight", full_shape, rank, size, config, where)
+
+
+@dataclass(frozen=True)
+class ColwiseHeads(Style):
+    """Colwise by whole heads of `head_dim`, for grouped-query K/V projections with fewer heads than Q.
+
+    With at least as many heads as ranks each rank holds heads/tp of them. With fewer (tp = 4, two K/V heads), ranks
+    are grouped and every rank of a group holds the same K/V head: with Q heads split contiguously, Q head i attends
+    K/V head i // (heads / kv_heads), so rank r's Q heads all use K/V head r * kv_heads // tp. `head_dim` is an int or
+    a callable of the model config.
+    """
+
+    kind: ClassVar[str] = "colwise"
+    head_dim: int | Callable[[Any], int] = 0
+
+    def shard_spec(self, param: str, full_shape: Sequence[int], rank: int, size: int, config: Any, where: str):
+        head_dim = int(self.head_dim(config) if callable(self.head_dim) else self.head_dim)
+        full = full_shape[0]
+        if head_dim <= 0 or full % head_dim != 0:
+            raise PlanError(f"{where}.{param}: ColwiseHeads(head_dim={head_dim}) must divide its {full} output features.")
+        heads = full // head_dim
+        if heads % size == 0:
+            local = full // size
+            return ShardSpec(dim=0, pieces=((rank * local, local),))
+        if size % heads != 0:
+            raise PlanError(
+                f"{where}: {heads} key/value heads cannot be spread over tp_degree={size}; use a tp_degree that "
+                f"divides {heads} or is a multiple of it."
+            )
+        head = rank * heads // size
+        return ShardSpec(dim=0, pieces=((head * head_dim, head_dim),))
+
+
 def PackedColwiseParallel(blocks: BlockSizes = None) -> PackedColwise:  # noqa: N802 - diffusers-compatible name
     return PackedColwise(blocks)
 
@@ -125,7 +182,12 @@ def PackedRowwiseParallel(blocks: BlockSizes = None) -> PackedRowwise:  # noqa: 
     return PackedRowwise(blocks)
 
 
-_NAMED = {"colwise": Colwise(), "rowwise": Rowwise(), "rowwise_split_input": RowwiseSplitInput()}
+_NAMED = {
+    "colwise": Colwise(),
+    "rowwise": Rowwise(),
+    "rowwise_split_input": RowwiseSplitInput(),
+    "norm_across_heads": HeadNorm(),
+}
 
 
 def resolve_style(value: str | Style, where: str) -> Style:
@@ -135,5 +197,5 @@ def resolve_style(value: str | Style, where: str) -> Style:
         return _NAMED[value]
     raise PlanError(
         f"Unknown tensor-parallel style {value!r} for {where!r}; valid styles: "
-        f"{sorted(_NAMED)}, PackedColwise(blocks), PackedRowwise(blocks)."
+        f"{sorted(_NAMED)}, PackedColwise(blocks), PackedRowwise(blocks), HeadNorm(blocks), ColwiseHeads(head_dim)."
     )

@@ -143,3 +143,55 @@ def run_forward(model: nn.Module, inputs: dict) -> torch.Tensor:
 
 
 Factory = Callable[[], nn.Module]
+
+
+def unplanned_transformer_class() -> type:
+    """A small DiT that no built-in plan knows (built from diffusers' Attention and FeedForward): the model a user
+    brings, for plan='auto', check-plan and the no-plan errors."""
+    from diffusers.configuration_utils import ConfigMixin, register_to_config
+    from diffusers.models.attention import FeedForward
+    from diffusers.models.attention_processor import Attention
+    from diffusers.models.modeling_utils import ModelMixin
+
+    class UnplannedBlock(nn.Module):
+        def __init__(self, dim: int, heads: int, head_dim: int) -> None:
+            super().__init__()
+            self.norm1 = nn.LayerNorm(dim)
+            self.attn1 = Attention(dim, heads=heads, kv_heads=heads, dim_head=head_dim, qk_norm="rms_norm_across_heads",
+                                   bias=True)
+            self.norm2 = nn.LayerNorm(dim)
+            self.attn2 = Attention(dim, cross_attention_dim=dim, heads=heads, dim_head=head_dim, bias=True)
+            self.norm3 = nn.LayerNorm(dim)
+            self.ff = FeedForward(dim, mult=2, activation_fn="geglu")
+
+        def forward(self, hidden_states, encoder_hidden_states):
+            hidden_states = hidden_states + self.attn1(self.norm1(hidden_states))
+            hidden_states = hidden_states + self.attn2(self.norm2(hidden_states), encoder_hidden_states)
+            return hidden_states + self.ff(self.norm3(hidden_states))
+
+    class UnplannedTransformer(ModelMixin, ConfigMixin):
+        @register_to_config
+        def __init__(self, in_channels: int = 8, num_attention_heads: int = 4, attention_head_dim: int = 8,
+                     num_layers: int = 2, text_dim: int = 16) -> None:
+            super().__init__()
+            dim = num_attention_heads * attention_head_dim
+            self.proj_in = nn.Linear(in_channels, dim)
+            self.text_proj = nn.Linear(text_dim, dim)
+            self.blocks = nn.ModuleList(
+                UnplannedBlock(dim, num_attention_heads, attention_head_dim) for _ in range(num_layers))
+            self.norm_out = nn.LayerNorm(dim)
+            self.proj_out = nn.Linear(dim, in_channels)
+
+        def forward(self, hidden_states, encoder_hidden_states, return_dict: bool = True):
+            hidden_states = self.proj_in(hidden_states)
+            encoder_hidden_states = self.text_proj(encoder_hidden_states)
+            for block in self.blocks:
+                hidden_states = block(hidden_states, encoder_hidden_states)
+            output = self.proj_out(self.norm_out(hidden_states))
+            return (output,) if not return_dict else {"sample": output}
+
+    UnplannedTransformer.__module__ = __name__
+    return UnplannedTransformer
+
+
+UnplannedTransformer = unplanned_transformer_class()

@@ -1,0 +1,123 @@
+"""Tiny example models and inputs from the family modules' `EXAMPLES`, and how to measure a forward on them.
+
+`paradiff check-plan` and the test suite use these to run every plan single-process and in parallel; benchmarks
+use the same measurements. Nothing here issues a collective.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from .errors import PlanError
+from .plans import families
+from .plans.common import Grid
+
+# Projection ops: the work a split must divide. Attention kernels are left out on purpose: torch's counter knows
+# the CUDA kernels but not the CPU flash kernel, so counting them would compare different kernels, not splits.
+PROJECTION_OPS = ("mm", "addmm", "convolution", "_convolution")
+
+
+def all_examples() -> list[tuple[str, str, str]]:
+    """(family module name, example name, class name) of every built-in example."""
+    found = []
+    for family in families():
+        for name, (class_name, _config) in getattr(family, "EXAMPLES", {}).items():
+            found.append((family.__name__.rpartition(".")[2], name, class_name))
+    return found
+
+
+def family_module(family: str):
+    for module in families():
+        if module.__name__.rpartition(".")[2] == family:
+            return module
+    raise PlanError(f"Unknown plan family {family!r}; families: {[f.__name__.rpartition('.')[2] for f in families()]}.")
+
+
+def model_class(class_name: str) -> type:
+    import diffusers
+
+    cls = getattr(diffusers, class_name, None)
+    if cls is None:
+        raise PlanError(f"diffusers {diffusers.__version__} has no model class {class_name!r}.")
+    return cls
+
+
+def build_example(family: str, example: str, seed: int = 0, config_overrides: dict | None = None) -> nn.Module:
+    """The example's model with random weights; biases and norms perturbed too, so a wrong slice cannot hide
+    behind zeros or ones."""
+    class_name, config = family_module(family).EXAMPLES[example]
+    torch.manual_seed(seed)
+    model = model_class(class_name)(**{**config, **(config_overrides or {})})
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_floating_point():
+                param.add_(torch.randn_like(param) * 0.05)
+    return model.eval()
+
+
+def example_inputs(family: str, example: str, config: Any, batch: int = 2, grid: Grid = Grid(), seed: int = 1) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    return family_module(family).example_inputs(example, config, batch, grid, generator)
+
+
+def output_tensors(output: Any) -> list[torch.Tensor]:
+    """Every tensor of a model's output, in order: ModelOutputs, tuples, lists (Z-Image's per-sample lists), dicts
+    and bare tensors alike."""
+    if torch.is_tensor(output):
+        return [output]
+    if isinstance(output, dict):  # ModelOutput is an OrderedDict
+        return [t for value in output.values() for t in output_tensors(value)]
+    if isinstance(output, (list, tuple)):
+        return [t for value in output for t in output_tensors(value)]
+    return []
+
+
+def relative_difference(actual: Iterable[torch.Tensor], expected: Iterable[torch.Tensor]) -> float:
+    """max |actual - expected| / max |expected| over all output tensors; shapes must match."""
+    actual, expected = list(actual), list(expected)
+    if len(actual) != len(expected):
+        raise AssertionError(f"{len(actual)} output tensors, expected {len(expected)}")
+    worst, scale = 0.0, 0.0
+    for a, e in zip(actual, expected):
+        if a.shape != e.shape:
+            raise AssertionError(f"output shape {tuple(a.shape)}, expected {tuple(e.shape)}")
+        worst = max(worst, float((a.double() - e.double()).abs().max()) if a.numel() else 0.0)
+        scale = max(scale, float(e.double().abs().max()) if e.numel() else 0.0)
+    return worst / max(scale, 1e-30)
+
+
+def block_stacks(model: nn.Module) -> list[str]:
+    """Names of the model's top-level nn.ModuleLists: its stacks of transformer blocks."""
+    return [name for name, child in model.named_children() if isinstance(child, nn.ModuleList) and len(child)]
+
+
+def forward(model: nn.Module, inputs: dict) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return output_tensors(model(**inputs))
+
+
+def forward_with_flops(model: nn.Module, inputs: dict) -> tuple[list[torch.Tensor], int]:
+    """The forward's outputs and the projection FLOPs this process spent inside the block stacks."""
+    with FlopCounterMode(display=False) as counter:
+        outputs = forward(model, inputs)
+    root = type(model).__name__
+    stacks = {f"{root}.{name}" for name in block_stacks(model)}
+    flops = 0
+    for module_name, ops in counter.get_flop_counts().items():
+        parent, _, index = module_name.rpartition(".")
+        if parent in stacks and index.isdigit():
+            flops += sum(count for op, count in ops.items() if str(op).split(".")[1] in PROJECTION_OPS)
+    return outputs, flops
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def block_parameter_bytes(model: nn.Module) -> int:
+    """Parameter bytes this process holds inside the block stacks (where TP must split the weights)."""
+    return sum(parameter_bytes(model.get_submodule(name)) for name in block_stacks(model))
