@@ -19,7 +19,7 @@ import sys
 from typing import Any, Callable
 
 from .args import CliError, build_parser, check_args, world_size_of
-from .launcher import WORKER_MODULE, launch
+from .launcher import USER_ERROR, WORKER_MODULE, WORKER_REPORTED_FAILURE, launch
 from .report import say
 
 __all__ = ["CliError", "entry_point", "main"]
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None, *, worker_module: str = WORKER_MODULE,
         return launch(argv, world_size_of(args), worker_module)
     except CliError as exc:
         say(f"paradiff: error: {exc}")
-        return 2
+        return USER_ERROR
 
 
 def _run_worker_and_exit(args, on_pipeline_loaded) -> None:
@@ -69,7 +69,7 @@ def _run_worker_and_exit(args, on_pipeline_loaded) -> None:
             raise
         first_line = str(exc).splitlines()[0] if str(exc) else ""
         say(f"paradiff: rank {os.environ.get('RANK')} failed: {type(exc).__name__}: {first_line}")
-        code = 1
+        code = WORKER_REPORTED_FAILURE
     # Skip interpreter finalisation: gloo's background threads may still release Python objects of the last
     # collectives, and doing that while the interpreter shuts down aborts the process (seen in ~5% of runs).
     sys.stdout.flush()

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
+from .relay import StderrRelay
 from .report import say
 
 WORKER_MODULE = "paradiff.cli"
+# A worker that fails exits with this code after printing its line and recording the cause for its peers (who then
+# name it within a second or two); any other code means it died without a word (killed, os._exit, a native crash).
+WORKER_REPORTED_FAILURE = 1
+USER_ERROR = 2  # a CliError, printed by the worker as well
 
 
 def free_port() -> int:
@@ -19,21 +26,38 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(argv: list[str], world: int, worker_module: str = WORKER_MODULE, grace_s: float = 10.0) -> int:
+def launch(argv: list[str], world: int, worker_module: str = WORKER_MODULE, grace_s: float = 10.0,
+           dead_grace_s: float = 1.0) -> int:
     """Start `world` local workers (`python -m worker_module argv`) and supervise them; 0, or 1 if any failed.
 
-    When one worker exits non-zero, the others get `grace_s` to notice (their collectives fail as soon as the peer's
-    connections close, and they report which rank failed and why), then are terminated (SIGTERM, then SIGKILL), so a
-    failure never leaves processes behind or peers waiting in a collective.
+    When one worker fails (exit code WORKER_REPORTED_FAILURE), the others get `grace_s` to notice (their collectives
+    fail as soon as the peer's connections close, and they report which rank failed and why), then are terminated
+    (SIGTERM, then SIGKILL), so a failure never leaves processes behind or peers waiting in a collective. A worker
+    that dies without reporting leaves its peers nothing to say but "a peer died", which this launcher says itself:
+    they get only `dead_grace_s`.
     """
-    base_env = dict(os.environ, PARADIFF_WORKER="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
+    debug = bool(os.environ.get("PARADIFF_DEBUG"))
+    # The workers write to a pipe; rank 0 still shows progress bars when the console is a terminal.
+    base_env = dict(os.environ, PARADIFF_WORKER="1", PARADIFF_CONSOLE_TTY="1" if sys.stderr.isatty() else "0",
+                    OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
                     LOCAL_WORLD_SIZE=str(world))
     workers = [
-        subprocess.Popen([sys.executable, "-m", worker_module, *argv],
+        subprocess.Popen([sys.executable, "-m", worker_module, *argv], stderr=subprocess.PIPE,
                          env=dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank)))
         for rank in range(world)
     ]
+    lock = threading.Lock()
+
+    def to_console(data: bytes) -> None:
+        if data:
+            with lock:  # whole lines: workers' lines never interleave mid-line
+                if hasattr(sys.stderr, "buffer"):
+                    sys.stderr.buffer.write(data)
+                else:
+                    sys.stderr.write(data.decode(errors="replace"))
+                sys.stderr.flush()
+
+    relays = [StderrRelay(worker.stderr, to_console, filtered=not debug) for worker in workers]
     failed: tuple[int, int] | None = None
     try:
         while any(worker.poll() is None for worker in workers):
@@ -42,21 +66,37 @@ def launch(argv: list[str], world: int, worker_module: str = WORKER_MODULE, grac
                 if code not in (None, 0) and failed is None:
                     failed = (rank, code)
             if failed is not None:
-                deadline = time.monotonic() + grace_s
+                deadline = time.monotonic() + (grace_s if failed[1] in (WORKER_REPORTED_FAILURE, USER_ERROR)
+                                            else dead_grace_s)
                 while time.monotonic() < deadline and any(worker.poll() is None for worker in workers):
                     time.sleep(0.05)
                 break
             time.sleep(0.05)
     finally:
         _stop(workers, 5.0)
+        for relay in relays:
+            relay.join(timeout=5.0)
+    hidden = sum(relay.dropped_traces for relay in relays)
+    note = f" {hidden} native stack trace(s) hidden; PARADIFF_DEBUG=1 shows them." if hidden else ""
     failures = [(rank, w.returncode) for rank, w in enumerate(workers) if w.returncode]
     if failed is not None or failures:
         first = failed or failures[0]
         others = ", ".join(f"rank {rank}: {code}" for rank, code in failures if rank != first[0])
-        say(f"paradiff: rank {first[0]} exited with code {first[1]} first; stopped the run"
-            + (f" (exit codes of the others: {others})." if others else "."))
+        say(f"paradiff: rank {first[0]} {_how_it_ended(first[1])} first; stopped the run"
+            + (f" (exit codes of the others: {others})." if others else ".") + note)
         return 1
+    if note:
+        say("paradiff:" + note)
     return 0
+
+
+def _how_it_ended(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 def _stop(workers: list[subprocess.Popen], grace_s: float) -> None:

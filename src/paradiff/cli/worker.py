@@ -67,7 +67,7 @@ def _generate(args: argparse.Namespace, device: torch.device, on_pipeline_loaded
     from PIL import Image
 
     rank = dist.get_rank()
-    if rank != 0 or not sys.stderr.isatty():
+    if rank != 0 or not _console_is_terminal():
         _quiet_libraries()
     model = args.model
     if model is None:
@@ -79,7 +79,7 @@ def _generate(args: argparse.Namespace, device: torch.device, on_pipeline_loaded
     start = time.perf_counter()
     pipeline = paradiff.load_pipeline(model, parallel_config=parallel_config(args), torch_dtype=dtype, device=device)
     load_s = time.perf_counter() - start
-    pipeline.set_progress_bar_config(disable=rank != 0 or not sys.stderr.isatty())
+    pipeline.set_progress_bar_config(disable=rank != 0 or not _console_is_terminal())
     if on_pipeline_loaded is not None:
         on_pipeline_loaded(pipeline, rank)
     prompts = read_prompts(args)
@@ -126,6 +126,12 @@ def _peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _console_is_terminal() -> bool:
+    """Whether the user's console is a terminal: the launcher relays workers' stderr through a pipe and says so."""
+    relayed = os.environ.get("PARADIFF_CONSOLE_TTY")
+    return sys.stderr.isatty() if relayed is None else relayed == "1"
 
 
 def _quiet_libraries() -> None:
