@@ -23,7 +23,8 @@ def parallel_config(mode: str):
     )
 
 
-def family_modes(family: str, example: str, modes: list[str], checkpoint: str | None = None) -> dict:
+def family_modes(family: str, example: str, modes: list[str], checkpoint: str | None = None,
+                 plan: str | None = None) -> dict:
     """{mode: relative difference, share of the single-process block FLOPs and block parameter bytes}.
 
     With `checkpoint`, each mode is also loaded shard-on-read through from_pretrained (no plan argument)."""
@@ -34,7 +35,7 @@ def family_modes(family: str, example: str, modes: list[str], checkpoint: str | 
     results = {}
     for mode in modes:
         loaders = {"enable_parallelism": lambda: paradiff.enable_parallelism(
-            examples.build_example(family, example), parallel_config(mode))}
+            examples.build_example(family, example), parallel_config(mode), plan=plan, cp_plan=plan)}
         if checkpoint:
             loaders["from_pretrained"] = lambda: paradiff.from_pretrained(
                 type(reference), checkpoint, parallel_config=parallel_config(mode))
@@ -46,4 +47,32 @@ def family_modes(family: str, example: str, modes: list[str], checkpoint: str | 
                 "flop_share": flops / single_flops,
                 "bytes_share": examples.block_parameter_bytes(model) / single_bytes,
             }
+    return results
+
+
+def unplanned_modes(modes: list[str], plan: str = "auto") -> dict:
+    """The model no built-in plan knows, with plan='auto' / cp_plan='auto', against its single-process forward."""
+    import torch
+
+    from paradiff.testing.models import UnplannedTransformer
+
+    def build():
+        torch.manual_seed(0)
+        model = UnplannedTransformer()
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(torch.randn_like(param) * 0.05)
+        return model.eval()
+
+    generator = torch.Generator().manual_seed(1)
+    inputs = dict(hidden_states=torch.randn(2, 15, 8, generator=generator),
+                  encoder_hidden_states=torch.randn(2, 7, 16, generator=generator), return_dict=False)
+    reference = build()
+    expected, single_flops = examples.forward_with_flops(reference, inputs)
+    results = {}
+    for mode in modes:
+        model = paradiff.enable_parallelism(build(), parallel_config(mode), plan=plan, cp_plan=plan)
+        actual, flops = examples.forward_with_flops(model, inputs)
+        results[mode] = {"diff": examples.relative_difference(actual, expected), "flop_share": flops / single_flops,
+                         "bytes_share": examples.block_parameter_bytes(model) / examples.block_parameter_bytes(reference)}
     return results

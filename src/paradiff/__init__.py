@@ -16,10 +16,19 @@ from .parallel import enable_parallelism
 from .pipeline import load_pipeline, split_between_processes
 from .saving import save_pretrained
 from .tensor_parallel.plan import TensorParallelPlan
-from .tensor_parallel.styles import PackedColwise, PackedColwiseParallel, PackedRowwise, PackedRowwiseParallel
+from .tensor_parallel.styles import (
+    ColwiseHeads,
+    HeadNorm,
+    PackedColwise,
+    PackedColwiseParallel,
+    PackedRowwise,
+    PackedRowwiseParallel,
+)
 
 __all__ = [
     "CheckpointError",
+    "ColwiseHeads",
+    "HeadNorm",
     "ContextParallelConfig",
     "ContextParallelPlan",
     "DistributedError",

@@ -24,6 +24,7 @@ class ResolvedContextPlan:
     split_outputs: dict[str, dict[int, Split]]
     gather_outputs: dict[str, int]
     local_attention: set[str]
+    split_token_arguments: dict[str, tuple[str, ...]]
 
 
 def _expand(model: nn.Module, entries: dict[str, Any], what: str) -> dict[str, Any]:
@@ -63,6 +64,7 @@ def resolve_cp_plan(model: nn.Module, plan: ContextParallelPlan) -> ResolvedCont
         split_outputs=_expand(model, plan.split_outputs, "split_outputs"),
         gather_outputs=_expand(model, plan.gather_outputs, "gather_outputs"),
         local_attention=local,
+        split_token_arguments=_expand(model, plan.split_token_arguments, "split_token_arguments"),
     )
 
 
@@ -80,6 +82,9 @@ def _split(value: Any, split: Split, runtime: ContextParallelRuntime, what: str)
     return local_chunk(value, dim, runtime.cp_rank, runtime.cp_size)
 
 
+TOKEN_STREAMS = ("encoder_hidden_states", "hidden_states")  # joint sequences put the text first
+
+
 def _input_splitter(module: nn.Module, arguments: dict[str, Split], runtime: ContextParallelRuntime):
     positions = {name: index for index, name in enumerate(inspect.signature(module.forward).parameters)}
 
@@ -87,9 +92,50 @@ def _input_splitter(module: nn.Module, arguments: dict[str, Split], runtime: Con
         args = list(args)
         for name, split in arguments.items():
             if name in kwargs:
-                kwargs[name] = _split(kwargs[name], split, runtime, name)
+                value = kwargs[name]
+                kwargs[name] = _split(value, split, runtime, name)
             elif positions[name] < len(args):
-                args[positions[name]] = _split(args[positions[name]], split, runtime, name)
+                value = args[positions[name]]
+                args[positions[name]] = _split(value, split, runtime, name)
+            else:
+                continue
+            if name in TOKEN_STREAMS and torch.is_tensor(value):
+                runtime.full_tokens[name] = value.shape[split.dim % value.dim()]
+        return tuple(args), kwargs
+
+    return hook
+
+
+def _token_split(value: Any, runtime: ContextParallelRuntime, what: str) -> Any:
+    """Split a tensor (or tuple / list of them) along its token dimension, found by the recorded full lengths; one
+    without such a dimension stays whole. Every rank recorded the same full lengths, so every rank decides alike."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_token_split(item, runtime, what) for item in value)
+    if not torch.is_tensor(value):
+        return value
+    image = runtime.full_tokens.get("hidden_states")
+    text = runtime.full_tokens.get("encoder_hidden_states")
+    for dim in range(value.dim()):
+        if value.shape[dim] == image and text is None:
+            return local_chunk(value, dim, runtime.cp_rank, runtime.cp_size)
+        if text is not None and image is not None and value.shape[dim] == text + image:
+            text_part = local_chunk(value.narrow(dim, 0, text), dim, runtime.cp_rank, runtime.cp_size)
+            image_part = local_chunk(value.narrow(dim, text, image), dim, runtime.cp_rank, runtime.cp_size)
+            return torch.cat([text_part, image_part], dim=dim)
+    return value  # not per token (e.g. a per-sample timestep embedding): every rank needs all of it
+
+
+def _token_argument_splitter(module: nn.Module, arguments: tuple[str, ...], runtime: ContextParallelRuntime,
+                             name: str):
+    positions = {arg: index for index, arg in enumerate(inspect.signature(module.forward).parameters)}
+
+    def hook(_module, args, kwargs):
+        args = list(args)
+        for arg in arguments:
+            if arg in kwargs:
+                kwargs[arg] = _token_split(kwargs[arg], runtime, f"{name}.{arg}")
+            elif positions[arg] < len(args):
+                args[positions[arg]] = _token_split(args[positions[arg]], runtime, f"{name}.{arg}")
         return tuple(args), kwargs
 
     return hook
@@ -139,6 +185,10 @@ def apply_context_parallel(model: nn.Module, state: ParallelState, plan: Resolve
     for name, arguments in plan.split_inputs.items():
         module = model.get_submodule(name) if name else model
         handles.append(module.register_forward_pre_hook(_input_splitter(module, arguments, runtime), with_kwargs=True))
+    for name, arguments in plan.split_token_arguments.items():
+        module = model.get_submodule(name)
+        handles.append(module.register_forward_pre_hook(
+            _token_argument_splitter(module, arguments, runtime, name), with_kwargs=True))
     for name, outputs in plan.split_outputs.items():
         handles.append(model.get_submodule(name).register_forward_hook(_output_splitter(name, outputs, runtime)))
     for name, dim in plan.gather_outputs.items():

@@ -22,9 +22,14 @@ class ContextParallelPlan:
     - `gather_outputs`: module -> dim along which its output is gathered back to the full sequence.
     - `local_attention`: attention modules whose keys/values are replicated (cross-attention to the text): they
       run on the local queries with no communication.
+    - `split_token_arguments`: module -> forward arguments (tensors or tuples of tensors, e.g. rotary tables
+      computed over the full sequence) split along the dimension whose length is the full token count of the
+      split `hidden_states` (or text + image tokens, text first, when `encoder_hidden_states` is split too); a
+      tensor without such a dimension stays whole.
     """
 
     split_inputs: dict[str, dict[str, Split]] = field(default_factory=dict)
     split_outputs: dict[str, dict[int, Split]] = field(default_factory=dict)
     gather_outputs: dict[str, int] = field(default_factory=dict)
     local_attention: tuple[str, ...] = ()
+    split_token_arguments: dict[str, tuple[str, ...]] = field(default_factory=dict)

@@ -8,7 +8,7 @@ without knowing its processors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,8 @@ class ContextParallelRuntime:
     ulysses_group: dist.ProcessGroup | None
     backend: str = "native"
     stats: CommStats | None = None
+    # full token counts of the streams split in the current forward, recorded where they are split
+    full_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def cp_rank(self) -> int:

@@ -72,7 +72,7 @@ def builtin_plan(model_or_cls: nn.Module | type, config, kind: str):
 def plan_for(model: nn.Module, given, kind: str):
     """The plan a user asked for: their own, the built-in one (None), or one derived from the structure ("auto")."""
     if isinstance(given, str) and given == "auto":
-        from .auto import auto_plan
+        from ..autoplan import auto_plan
 
         return auto_plan(model, kind)
     if given is None:

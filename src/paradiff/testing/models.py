@@ -157,8 +157,7 @@ def unplanned_transformer_class() -> type:
         def __init__(self, dim: int, heads: int, head_dim: int) -> None:
             super().__init__()
             self.norm1 = nn.LayerNorm(dim)
-            self.attn1 = Attention(dim, heads=heads, kv_heads=heads, dim_head=head_dim, qk_norm="rms_norm_across_heads",
-                                   bias=True)
+            self.attn1 = Attention(dim, heads=heads, dim_head=head_dim, qk_norm="rms_norm", bias=True)
             self.norm2 = nn.LayerNorm(dim)
             self.attn2 = Attention(dim, cross_attention_dim=dim, heads=heads, dim_head=head_dim, bias=True)
             self.norm3 = nn.LayerNorm(dim)

@@ -1,0 +1,229 @@
+"""Plans derived from a model's structure, for transformers paradiff has no built-in plan for (`plan="auto"`).
+
+The rules follow diffusers' naming conventions, so they hold across families (README.md, "Automatic plans"):
+
+Tensor parallelism, inside the block stacks (the model's top-level nn.ModuleLists):
+- an attention module (one with a `processor`) splits by heads: `to_q/to_k/to_v` and `add_q_proj/add_k_proj/
+  add_v_proj` colwise (K/V with fewer heads than Q: ColwiseHeads), fused `to_qkv` / `to_added_qkv` as three packed
+  blocks, `to_out.0` (or a Linear `to_out`) and `to_add_out` rowwise; a Q/K norm as wide as its projection
+  normalises all heads and is split with them;
+- a feed-forward splits its hidden width: diffusers' FeedForward (`net.0.proj` colwise, packed in two for GEGLU /
+  SwiGLU, `net.2` rowwise) and two-Linear MLPs named (fc1, fc2), (linear_1, linear_2), (linear_in, linear_out),
+  (proj_in, proj_out), or SwiGLU triples (w1, w3 colwise; w2 rowwise);
+- AdaLN modulation Linears (inside modules named `*AdaLayerNorm*` / `*Modulation*`, or `*_mod.1`) read the replicated
+  conditioning: rowwise_split_input.
+
+Context parallelism:
+- the tokens are split where the first block stack starts (`hidden_states` of its block 0, and
+  `encoder_hidden_states` too when its attention is joint, i.e. has `add_q_proj`), and gathered after the last
+  top-level Linear (the output projection);
+- every other tensor argument of a block (rotary tables, per-token timestep embeddings) is split along the
+  dimension whose length is the full token count, and stays whole when it has none;
+- cross-attention (`attn2`, or `is_cross_attention`) runs locally on the replicated context.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .context_parallel.plan import ContextParallelPlan, Split
+from .errors import PlanError
+from .tensor_parallel.plan import TensorParallelPlan
+from .tensor_parallel.styles import ColwiseHeads, PackedColwise, Style
+
+MLP_PAIRS = (("fc1", "fc2"), ("linear_1", "linear_2"), ("linear_in", "linear_out"), ("proj_in", "proj_out"))
+
+
+def _linear(module: nn.Module, name: str) -> nn.Linear | None:
+    child = getattr(module, name, None)
+    return child if isinstance(child, nn.Linear) else None
+
+
+def _stack_patterns(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(glob over the stack, one block) for every top-level ModuleList; blocks of one stack share a structure."""
+    return [(f"{name}.*", child[0]) for name, child in model.named_children()
+            if isinstance(child, nn.ModuleList) and len(child)]
+
+
+def _attention_styles(attention: nn.Module, prefix: str) -> dict[str, str | Style]:
+    styles: dict[str, str | Style] = {}
+    heads = getattr(attention, "heads", None)
+    query = _linear(attention, "to_q")
+    head_dim = query.out_features // heads if (query is not None and isinstance(heads, int) and heads) else None
+    for side, names in (("", ("to_q", "to_k", "to_v")), ("add", ("add_q_proj", "add_k_proj", "add_v_proj"))):
+        for name in names:
+            linear = _linear(attention, name)
+            if linear is None:
+                continue
+            fewer_heads = query is not None and head_dim and linear.out_features < query.out_features
+            styles[f"{prefix}.{name}"] = ColwiseHeads(head_dim) if fewer_heads else "colwise"
+    for fused in ("to_qkv", "to_added_qkv"):
+        linear = _linear(attention, fused)
+        if linear is not None and linear.out_features % 3 == 0:
+            styles[f"{prefix}.{fused}"] = PackedColwise([1, 1, 1])
+    out = getattr(attention, "to_out", None)
+    if isinstance(out, nn.Linear):
+        styles[f"{prefix}.to_out"] = "rowwise"
+    elif isinstance(out, (nn.ModuleList, nn.Sequential)) and len(out) and isinstance(out[0], nn.Linear):
+        styles[f"{prefix}.to_out.0"] = "rowwise"
+    if _linear(attention, "to_add_out") is not None:
+        styles[f"{prefix}.to_add_out"] = "rowwise"
+    for norm_name, projection in (("norm_q", "to_q"), ("norm_k", "to_k"), ("norm_added_q", "add_q_proj"),
+                                  ("norm_added_k", "add_k_proj")):
+        norm, linear = getattr(attention, norm_name, None), _linear(attention, projection)
+        width = _norm_width(norm)
+        if linear is not None and width is not None and width == linear.out_features and width != head_dim:
+            styles[f"{prefix}.{norm_name}"] = "norm_across_heads"
+    if not any(style == "rowwise" for key, style in styles.items()):
+        return {}  # no output projection to close the split: leave the attention whole
+    return styles
+
+
+def _norm_width(norm: nn.Module | None) -> int | None:
+    if norm is None:
+        return None
+    from .tensor_parallel.layers import is_norm
+    from .tensor_parallel.plan import norm_features
+
+    if not is_norm(norm):
+        return None
+    try:
+        return norm_features(norm)
+    except PlanError:
+        return None
+
+
+def _feed_forward_styles(module: nn.Module, prefix: str) -> dict[str, str | Style]:
+    net = getattr(module, "net", None)
+    if isinstance(net, nn.ModuleList) and len(net) >= 2 and isinstance(net[-1], nn.Linear):
+        first = getattr(net[0], "proj", None)
+        if isinstance(first, nn.Linear):
+            gated = first.out_features == 2 * net[-1].in_features
+            if gated or first.out_features == net[-1].in_features:
+                return {f"{prefix}.net.0.proj": PackedColwise([1, 1]) if gated else "colwise",
+                        f"{prefix}.net.{len(net) - 1}": "rowwise"}
+    for first_name, second_name in MLP_PAIRS:
+        first, second = _linear(module, first_name), _linear(module, second_name)
+        if first is None or second is None or len([c for c in module.children() if isinstance(c, nn.Linear)]) != 2:
+            continue
+        if first.out_features == second.in_features:
+            return {f"{prefix}.{first_name}": "colwise", f"{prefix}.{second_name}": "rowwise"}
+        if first.out_features == 2 * second.in_features:
+            return {f"{prefix}.{first_name}": PackedColwise([1, 1]), f"{prefix}.{second_name}": "rowwise"}
+    w1, w2, w3 = (_linear(module, n) for n in ("w1", "w2", "w3"))
+    if w1 is not None and w2 is not None and w3 is not None and w1.out_features == w3.out_features == w2.in_features:
+        return {f"{prefix}.w1": "colwise", f"{prefix}.w3": "colwise", f"{prefix}.w2": "rowwise"}
+    return {}
+
+
+def _is_modulation(owner_name: str, owner: nn.Module) -> bool:
+    kind = type(owner).__name__.lower()
+    return "adalayernorm" in kind or "modulation" in kind or owner_name.rsplit(".", 1)[-1].endswith("_mod")
+
+
+def auto_tensor_plan(model: nn.Module) -> TensorParallelPlan:
+    styles: dict[str, str | Style] = {}
+    for pattern, block in _stack_patterns(model):
+        claimed: set[str] = set()
+        for name, module in block.named_modules():
+            prefix = f"{pattern}.{name}" if name else pattern
+            if any(name == c or name.startswith(c + ".") for c in claimed):
+                continue
+            if hasattr(module, "processor"):
+                found = _attention_styles(module, prefix)
+            else:
+                found = _feed_forward_styles(module, prefix)
+            if found:
+                styles.update(found)
+                claimed.add(name)
+        for name, module in block.named_modules():
+            if not isinstance(module, nn.Linear) or any(name == c or name.startswith(c + ".") for c in claimed):
+                continue
+            owner_name = name.rpartition(".")[0]
+            owner = block.get_submodule(owner_name) if owner_name else block
+            if owner_name and _is_modulation(owner_name, owner):
+                styles[f"{pattern}.{name}"] = "rowwise_split_input"
+    if not styles:
+        raise PlanError(
+            f"The automatic planner found nothing to split in {type(model).__name__}: no attention modules with "
+            "to_q/to_k/to_v/to_out and no feed-forwards inside its top-level nn.ModuleLists. Write a plan by hand "
+            "(README.md, 'Writing a plan')."
+        )
+    return TensorParallelPlan(styles=styles)
+
+
+def _is_cross_attention(name: str, module: nn.Module) -> bool:
+    return bool(getattr(module, "is_cross_attention", False)) or name.rsplit(".", 1)[-1] == "attn2"
+
+
+def auto_context_plan(model: nn.Module) -> ContextParallelPlan:
+    stacks = _stack_patterns(model)
+    if not stacks:
+        raise PlanError(f"The automatic planner found no block stack (top-level nn.ModuleList) in "
+                        f"{type(model).__name__}; write a ContextParallelPlan by hand.")
+    first_pattern, first_block = stacks[0]
+    first = first_pattern.replace("*", "0")
+    import inspect
+
+    parameters = inspect.signature(first_block.forward).parameters
+    if "hidden_states" not in parameters:
+        raise PlanError(f"{type(first_block).__name__}.forward takes no `hidden_states`; the automatic planner "
+                        "cannot tell where the tokens enter. Write a ContextParallelPlan by hand.")
+    joint = any(hasattr(m, "add_q_proj") and getattr(m, "add_q_proj") is not None
+                for m in first_block.modules() if hasattr(m, "processor"))
+    split = {"hidden_states": Split(1)}
+    if joint and "encoder_hidden_states" in parameters:
+        split["encoder_hidden_states"] = Split(1)
+    rotary = {}
+    for pattern, block in stacks:
+        # the replicated context of cross-attention (and its mask) is never split, whatever its length
+        names = [n for n, p in inspect.signature(block.forward).parameters.items()
+                 if n not in ("hidden_states", "encoder_hidden_states") and (joint or "encoder" not in n)
+                 and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if names:
+            rotary[pattern] = tuple(names)
+    outputs = [name for name, child in model.named_children() if isinstance(child, nn.Linear)]
+    if not outputs:
+        raise PlanError(f"The automatic planner found no top-level output Linear in {type(model).__name__} to "
+                        "gather the tokens after; write a ContextParallelPlan by hand.")
+    local = tuple(sorted({
+        f"{pattern}.{name}" for pattern, block in stacks for name, module in block.named_modules()
+        if hasattr(module, "processor") and _is_cross_attention(name, module)
+    }))
+    return ContextParallelPlan(split_inputs={first: split}, gather_outputs={outputs[-1]: 1},
+                               local_attention=local, split_token_arguments=rotary)
+
+
+def auto_plan(model: nn.Module, kind: str):
+    return auto_tensor_plan(model) if kind == "tensor" else auto_context_plan(model)
+
+
+def plan_source(plan, kind: str, model_name: str) -> str:
+    """A plan as a plan module a user can save, edit and pass back."""
+    from .tensor_parallel.styles import _Packed
+
+    def style_text(style) -> str:
+        if isinstance(style, str):
+            return repr(style)
+        if isinstance(style, ColwiseHeads):
+            return f"ColwiseHeads(head_dim={style.head_dim})"
+        if isinstance(style, _Packed):
+            return f"{type(style).__name__}({list(style.blocks)})"
+        return repr(style)
+
+    lines = [f'"""Plan for {model_name}, derived by `paradiff plans {model_name} --auto`; edit freely."""', ""]
+    if kind == "tensor":
+        lines += ["from paradiff import ColwiseHeads, PackedColwise, PackedRowwise, TensorParallelPlan", "",
+                  "", "def tensor_parallel_plan(config) -> TensorParallelPlan:",
+                  "    return TensorParallelPlan(styles={"]
+        lines += [f"        {key!r}: {style_text(style)}," for key, style in plan.styles.items()]
+        lines += ["    })"]
+    else:
+        lines += ["from paradiff import ContextParallelPlan, Split", "", "",
+                  "def context_parallel_plan(config) -> ContextParallelPlan:", "    return ContextParallelPlan("]
+        for field in ("split_inputs", "split_outputs", "gather_outputs", "local_attention", "split_token_arguments"):
+            value = getattr(plan, field)
+            if value:
+                lines.append(f"        {field}={value!r},")
+        lines += ["    )"]
+    return "\n".join(lines) + "\n"
