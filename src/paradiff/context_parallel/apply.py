@@ -200,6 +200,7 @@ def apply_context_parallel(model: nn.Module, state: ParallelState, plan: Resolve
             handles.append(module.register_forward_hook(leave, always_call=True))
     state.context = runtime
     state.extras["cp_hooks"] = handles
+    state.extras["cp_plan"] = plan
     return runtime
 
 
