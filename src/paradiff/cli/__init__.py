@@ -9,6 +9,7 @@ every worker when one fails; under torchrun (multi-node included) it uses the gi
     report.py    console lines and report.json
     compare.py   `--compare`: the single-process reference
     bench.py     `paradiff bench`
+    plans.py     `paradiff check-plan` and `paradiff plans`
     embedded.py  the pipeline used when no model is given
 """
 
@@ -35,6 +36,10 @@ def main(argv: list[str] | None = None, *, worker_module: str = WORKER_MODULE,
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
+        if args.command in ("check-plan", "plans"):
+            from .plans import check_plan_command, plans_command
+
+            return check_plan_command(args) if args.command == "check-plan" else plans_command(args)
         if args.command == "bench":
             from .bench import bench
 

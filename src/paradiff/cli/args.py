@@ -56,6 +56,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--height", type=_positive, default=64)
     bench.add_argument("--width", type=_positive, default=64)
     bench.add_argument("--out", default="out/bench")
+    check = commands.add_parser("check-plan", help="run a plan single-process vs parallel, module by module")
+    check.add_argument("model", help="a diffusers class name (its built-in example) or a checkpoint folder")
+    check.add_argument("--plan", default=None, help="'auto' or FILE.py defining tensor_parallel_plan(config)")
+    check.add_argument("--cp-plan", default=None, help="'auto' or FILE.py defining context_parallel_plan(config)")
+    check.add_argument("--tp", type=_positive, default=1)
+    check.add_argument("--ulysses", type=_positive, default=1)
+    check.add_argument("--ring", type=_positive, default=1)
+    check.add_argument("--example", default=None, help="which built-in example of the class")
+    check.add_argument("--inputs", default=None, help="FILE.py defining example_inputs(config, batch, grid, generator)")
+    check.add_argument("--tolerance", type=float, default=1e-5)
+    check.add_argument("--all", action="store_true", help="print every module, not only the first 40 and the end")
+    plans = commands.add_parser("plans", help="the coverage table, or a class's plan as a plan module")
+    plans.add_argument("model", nargs="?", default=None, help="a diffusers class name")
+    plans.add_argument("--auto", action="store_true", help="derive the plan from the structure (plan='auto')")
+    plans.add_argument("--markdown", action="store_true", help="the coverage table as Markdown (README.md)")
     return parser
 
 

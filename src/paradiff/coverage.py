@@ -1,0 +1,59 @@
+"""The coverage table: every diffusers transformer class paradiff has a built-in plan for, which modes it supports,
+and the largest difference measured when it was last verified (`tools/verify_plans.py` writes
+`plans/verified.json`; `paradiff plans` prints it; README.md carries it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .plans import families
+
+VERIFIED = Path(__file__).parent / "plans" / "verified.json"
+MODES = ("tp2", "ulysses2", "ring2", "unified2x2", "tp2xulysses2")
+
+
+def load_verified() -> dict:
+    return json.loads(VERIFIED.read_text()) if VERIFIED.is_file() else {"classes": {}}
+
+
+def coverage_table(markdown: bool = False) -> str:
+    verified = load_verified()
+    rows = []
+    for family in families():
+        for class_name in family.MODEL_CLASSES:
+            record = verified["classes"].get(class_name, {})
+            modes = record.get("modes", {})
+
+            def mark(mode: str, needs: str) -> str:
+                if not hasattr(family, needs):
+                    return "no"
+                if mode not in modes:
+                    return "plan"
+                return "yes" if modes[mode] <= 1e-5 else f"FAIL {modes[mode]:.0e}"
+
+            worst = max(modes.values()) if modes else None
+            rows.append([
+                class_name, family.__name__.rpartition(".")[2],
+                mark("tp2", "tensor_parallel_plan"), mark("ulysses2", "context_parallel_plan"),
+                mark("ring2", "context_parallel_plan"), mark("unified2x2", "context_parallel_plan"),
+                mark("tp2xulysses2", "context_parallel_plan"), "yes",
+                record.get("auto", "-"),
+                "-" if worst is None else f"{worst:.1e}",
+            ])
+    header = ["class", "plan file", "TP", "Ulysses", "ring", "unified", "TP x CP", "CFG", "auto plan", "max diff"]
+    when = verified.get("date", "never")
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(f"`{c}`" if i == 0 else c for i, c in enumerate(row)) + " |" for row in rows]
+        lines.append("")
+        lines.append(f"{len(rows)} classes; verified {when} by `{verified.get('command', 'tools/verify_plans.py')}` "
+                     "(relative max difference against single-process, fp32, batch 2, uneven token counts). "
+                     "\"plan\": a built-in plan exists but this mode was not verified; CFG parallelism works on "
+                     "every model (it splits the pipeline's two transformer calls).")
+        return "\n".join(lines)
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths))]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows]
+    lines.append(f"{len(rows)} classes; verified {when}.")
+    return "\n".join(lines)

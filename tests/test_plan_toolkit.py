@@ -1,0 +1,115 @@
+"""The plan toolkit: automatic plans, `paradiff check-plan`, `paradiff plans` and README's coverage table."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import rank_cases_families as cases
+from paradiff import examples
+from paradiff.autoplan import auto_tensor_plan
+from paradiff.checkplan import check_plan
+from paradiff.coverage import coverage_table
+from paradiff.plans import builtin_plan
+from paradiff.tensor_parallel.plan import resolve_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+TOLERANCE = 1e-5
+
+
+@pytest.mark.parametrize("world,modes", [(2, ["tp2", "ulysses2", "ring2"]), (4, ["tp2xulysses2", "unified2x2"])])
+def test_auto_plans_split_a_model_no_builtin_plan_knows(pools, world, modes):
+    for by_mode in pools.get(world).run(cases.unplanned_modes, modes=modes):
+        for mode, figures in by_mode.items():
+            assert figures["diff"] <= TOLERANCE, (mode, figures)
+            assert figures["flop_share"] <= 0.75, (mode, figures)
+            if mode.startswith("tp"):
+                assert figures["bytes_share"] <= 0.75, (mode, figures)
+
+
+def _block_styles(model, plan) -> dict[str, str]:
+    resolved = resolve_plan(model, plan, rank=0, size=2)
+    stacks = tuple(f"{name}." for name in examples.block_stacks(model))
+    return {name: f"{linear.style.kind}:{linear.specs['weight'].pieces}" for name, linear in resolved.linears.items()
+            if name.startswith(stacks)}
+
+
+def test_auto_tensor_plans_reproduce_most_builtin_plans():
+    """Inside the block stacks, the automatic planner splits the same modules the same way as most hand-written
+    plans (those also split embedders and modulations outside the blocks, which the planner leaves whole)."""
+    matches, report = 0, []
+    classes = {}
+    for family, example, class_name in examples.all_examples():
+        classes.setdefault(class_name, (family, example))
+    for class_name, (family, example) in classes.items():
+        model = examples.build_example(family, example)
+        builtin = _block_styles(model, builtin_plan(model, model.config, "tensor"))
+        try:
+            auto = _block_styles(model, auto_tensor_plan(model))
+        except Exception as exc:  # noqa: BLE001 - a refusal counts as no match
+            auto = {"error": str(exc)}
+        same = sum(auto.get(name) == style for name, style in builtin.items())
+        share = same / max(len(builtin), 1)
+        report.append(f"{class_name}: {same}/{len(builtin)}")
+        matches += share >= 0.9
+    print("\n".join(report))
+    assert matches >= len(classes) / 2, report
+
+
+def test_check_plan_passes_a_builtin_plan_and_reports_every_module():
+    result = check_plan("WanTransformer3DModel", tp=2, ulysses=2)
+    assert result.ok and result.first_divergent is None, result.table()
+    names = [row.name for row in result.rows]
+    assert "blocks.0.attn1.norm_q" in names and "proj_out" in names
+    compared = [row for row in result.rows if row.diff is not None]
+    assert len(compared) > 0.8 * len(result.rows)  # shards and token chunks were aligned, not skipped
+    assert any("norm_across_heads" in row.plan for row in result.rows)
+
+
+def test_check_plan_points_at_the_first_wrong_module(tmp_path):
+    wrong = tmp_path / "wrong_plan.py"
+    wrong.write_text(
+        "from paradiff import PackedColwise, TensorParallelPlan\n"
+        "from paradiff.plans.wan import tensor_parallel_plan as builtin\n"
+        "def tensor_parallel_plan(config):\n"
+        "    styles = dict(builtin(config).styles)\n"
+        "    styles['blocks.*.ffn.net.0.proj'] = PackedColwise([1, 1])  # a plain GELU FF is not packed\n"
+        "    return TensorParallelPlan(styles=styles)\n"
+    )
+    result = check_plan("WanTransformer3DModel", tp=2, plan=str(wrong))
+    assert not result.ok
+    first = result.first_divergent
+    assert first.name == "blocks.0.ffn.net.0", result.table()
+    assert "first divergence" in result.table()
+
+
+def test_check_plan_command_exit_codes(tmp_path):
+    command = [sys.executable, "-m", "paradiff.cli", "check-plan", "WanTransformer3DModel", "--tp", "2"]
+    passed = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert passed.returncode == 0 and "PASS: WanTransformer3DModel at tp2" in passed.stdout, passed.stdout[-2000:]
+    bad = subprocess.run(command[:-2] + ["--tp", "3"], capture_output=True, text=True, timeout=240)
+    assert bad.returncode == 2 and "tp_degree=3 must divide the attention head count" in bad.stdout + bad.stderr
+
+
+def test_plans_command_prints_a_plan_module_that_loads(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "paradiff.cli", "plans", "WanTransformer3DModel", "--auto"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    tensor_source = out.stdout.split('"""Plan for')[1]
+    (tmp_path / "plan.py").write_text('"""Plan for' + tensor_source)
+    from paradiff.checkplan import load_plan_file
+
+    plan = load_plan_file(str(tmp_path / "plan.py"), "tensor")(None)
+    assert plan.styles["blocks.*.attn1.norm_q"] == "norm_across_heads"
+
+
+def test_readme_coverage_table_is_generated_from_the_code():
+    readme = (ROOT / "README.md").read_text()
+    table = coverage_table(markdown=True)
+    assert table in readme, "README.md's coverage table is stale: paste `paradiff plans --markdown`"
+    for family, _, class_name in examples.all_examples():
+        assert re.search(rf"\| `{class_name}` \|", readme), class_name

@@ -1,0 +1,54 @@
+"""Verify every built-in plan in every mode, and the automatic planner on every example; write
+src/paradiff/plans/verified.json, which `paradiff plans` (and README.md's coverage table) show.
+
+    .venv/bin/python tools/verify_plans.py        # ~3 minutes on 2 CPU cores
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+
+from paradiff import examples
+from paradiff.coverage import VERIFIED
+from paradiff.testing.dist import RankPool, RankFailure, RankTimeout
+from paradiff.testing.families import family_modes
+
+WORLD_MODES = {2: ["tp2", "ulysses2", "ring2"], 4: ["tp2xulysses2", "unified2x2"]}
+
+
+def main() -> int:
+    classes: dict[str, dict] = {}
+    for world, modes in WORLD_MODES.items():
+        pool = RankPool(world)
+        for family, example, class_name in examples.all_examples():
+            record = classes.setdefault(class_name, {"modes": {}, "auto_modes": {}})
+            for plan, key in ((None, "modes"), ("auto", "auto_modes")):
+                try:
+                    results = pool.run(family_modes, family=family, example=example, modes=modes, plan=plan)
+                    for mode in modes:
+                        worst = max(by_rank[mode]["diff"] for by_rank in results)
+                        record[key][mode] = max(record[key].get(mode, 0.0), worst)
+                except (RankFailure, RankTimeout) as exc:
+                    for mode in modes:
+                        record[key][mode] = float("inf")
+                    if plan is None:
+                        print(f"{class_name} ({example}) failed at {modes}: {str(exc).splitlines()[-1]}")
+                    if not pool.alive:
+                        pool = RankPool(world)
+            print(f"world {world}: {class_name} ({example}) done", flush=True)
+        pool.close()
+    for record in classes.values():
+        passing = [m for m, d in record.pop("auto_modes").items() if d <= 1e-5]
+        record["auto"] = "all modes" if len(passing) == 5 else (", ".join(passing) if passing else "no")
+        record["modes"] = {m: (d if d != float("inf") else 1.0) for m, d in record["modes"].items()}
+    VERIFIED.write_text(json.dumps({
+        "date": datetime.date.today().isoformat(), "command": "python tools/verify_plans.py",
+        "classes": classes}, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {VERIFIED}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
