@@ -1,7 +1,8 @@
 """Verify every built-in plan in every mode, and the automatic planner on every example; write
 src/paradiff/plans/verified.json, which `paradiff plans` (and README.md's coverage table) show.
 
-    .venv/bin/python tools/verify_plans.py        # ~3 minutes on 2 CPU cores
+    .venv/bin/python tools/verify_plans.py          # ~5 minutes on 2 CPU cores; also rewrites README's table
+    .venv/bin/python tools/verify_plans.py --readme # only rewrite README's table from verified.json
 """
 
 from __future__ import annotations
@@ -16,6 +17,20 @@ from paradiff.testing.dist import RankPool, RankFailure, RankTimeout
 from paradiff.testing.families import family_modes
 
 WORLD_MODES = {2: ["tp2", "ulysses2", "ring2"], 4: ["tp2xulysses2", "unified2x2"]}
+
+
+def write_readme_table() -> None:
+    """Replace README.md's coverage table (between its markers) with `paradiff plans --markdown`."""
+    from pathlib import Path
+
+    from paradiff.coverage import coverage_table
+
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    text = readme.read_text()
+    start, end = "<!-- coverage:start -->\n", "\n<!-- coverage:end -->"
+    head, _, rest = text.partition(start)
+    _, _, tail = rest.partition(end)
+    readme.write_text(head + start + coverage_table(markdown=True) + end + tail)
 
 
 def main() -> int:
@@ -47,8 +62,12 @@ def main() -> int:
         "date": datetime.date.today().isoformat(), "command": "python tools/verify_plans.py",
         "classes": classes}, indent=1, sort_keys=True) + "\n")
     print(f"wrote {VERIFIED}")
+    write_readme_table()
     return 0
 
 
 if __name__ == "__main__":
+    if "--readme" in sys.argv:
+        write_readme_table()
+        sys.exit(0)
     sys.exit(main())
