@@ -69,6 +69,10 @@ def resolve_cp_plan(model: nn.Module, plan: ContextParallelPlan) -> ResolvedCont
 
 
 def _split(value: Any, split: Split, runtime: ContextParallelRuntime, what: str) -> Any:
+    if isinstance(value, (tuple, list)):  # e.g. (cos, sin) rotary tables
+        return type(value)(_split(item, split, runtime, what) for item in value)
+    if isinstance(value, dict):  # e.g. AnyFlow's {"query": freqs, "key": freqs}
+        return {key: _split(item, split, runtime, f"{what}[{key!r}]") for key, item in value.items()}
     if not torch.is_tensor(value) or (split.ndim is not None and value.dim() != split.ndim):
         return value
     dim = split.dim % value.dim()

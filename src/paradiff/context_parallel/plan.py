@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class Split:
-    """Split a tensor along `dim` over the CP ranks; when `ndim` is set, only tensors of that rank are split."""
+    """Split a tensor along `dim` over the CP ranks; when `ndim` is set, only tensors of that rank are split. A
+    tuple, list or dict of tensors (rotary tables) has each of its tensors split."""
 
     dim: int
     ndim: int | None = None

@@ -10,19 +10,27 @@ MODEL_CLASSES = ("WanTransformer3DModel",)
 
 
 def tensor_parallel_plan(config) -> TensorParallelPlan:
+    return TensorParallelPlan(styles={**block_styles("blocks.*", config), **condition_styles("condition_embedder")})
+
+
+def block_styles(prefix: str, config) -> dict:
+    """A Wan block (self-attention, cross-attention, FFN); Wan-derived families share it."""
     # Wan's QK-norm is an RMSNorm over all heads: split with them, its statistic all-reduced
     styles = {
-        **attention("blocks.*.attn1", norms_across_heads=("norm_q", "norm_k")),
-        **attention("blocks.*.attn2", norms_across_heads=("norm_q", "norm_k")),
-        **feed_forward("blocks.*.ffn"),
-        **mlp("condition_embedder.time_embedder"),
-        **mlp("condition_embedder.text_embedder"),
-        "condition_embedder.time_proj": "rowwise_split_input",
+        **attention(f"{prefix}.attn1", norms_across_heads=("norm_q", "norm_k")),
+        **attention(f"{prefix}.attn2", norms_across_heads=("norm_q", "norm_k")),
+        **feed_forward(f"{prefix}.ffn"),
     }
     if config.added_kv_proj_dim is not None:  # Wan 2.1 I2V: image tokens get their own K/V
-        styles.update({"blocks.*.attn2.add_k_proj": "colwise", "blocks.*.attn2.add_v_proj": "colwise",
-                       "blocks.*.attn2.norm_added_k": "norm_across_heads"})
-    return TensorParallelPlan(styles=styles)
+        styles.update({f"{prefix}.attn2.add_k_proj": "colwise", f"{prefix}.attn2.add_v_proj": "colwise",
+                       f"{prefix}.attn2.norm_added_k": "norm_across_heads"})
+    return styles
+
+
+def condition_styles(prefix: str) -> dict:
+    """Wan's time/text embedder: both MLPs split, the 6-way modulation projection rowwise on its replicated input."""
+    return {**mlp(f"{prefix}.time_embedder"), **mlp(f"{prefix}.text_embedder"),
+            f"{prefix}.time_proj": "rowwise_split_input"}
 
 
 def context_parallel_plan(config) -> ContextParallelPlan:

@@ -1,0 +1,62 @@
+"""AnyFlow (`AnyFlowTransformer3DModel`): Wan 2.1's backbone conditioned on two timesteps per frame, so the
+modulation is per token; its rotary table is a dict of complex tables for queries and keys."""
+
+import torch
+
+from ..context_parallel.plan import ContextParallelPlan, Split
+from ..tensor_parallel.plan import TensorParallelPlan
+from .common import Grid, attention, feed_forward, mlp
+
+MODEL_CLASSES = ("AnyFlowTransformer3DModel",)
+
+
+def tensor_parallel_plan(config) -> TensorParallelPlan:
+    styles = {
+        # QK-norm over all heads, as in Wan
+        **attention("blocks.*.attn1", norms_across_heads=("norm_q", "norm_k")),
+        **attention("blocks.*.attn2", norms_across_heads=("norm_q", "norm_k")),
+        **feed_forward("blocks.*.ffn"),
+        **mlp("condition_embedder.time_embedder"),
+        **mlp("condition_embedder.delta_embedder"),
+        **mlp("condition_embedder.text_embedder"),
+        "condition_embedder.time_proj": "rowwise_split_input",
+    }
+    if config.image_dim is not None:
+        styles.update(feed_forward("condition_embedder.image_embedder.ff"))
+    return TensorParallelPlan(styles=styles)
+
+
+def context_parallel_plan(config) -> ContextParallelPlan:
+    return ContextParallelPlan(
+        split_inputs={
+            "blocks.0": {"hidden_states": Split(1)},
+            # (batch, tokens, 6, dim) modulation and the (1, 1, tokens, dim / 2) rotary tables, one per token
+            "blocks.*": {"temb": Split(1), "rotary_emb": Split(2)},
+        },
+        # the final shift/scale are per token and applied in the model's forward: the sequence is whole by then
+        gather_outputs={"norm_out": 1},
+        local_attention=("blocks.*.attn2",),
+    )
+
+
+EXAMPLES = {
+    "anyflow": ("AnyFlowTransformer3DModel", dict(
+        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4,
+        text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=64, image_dim=24,
+        deltatime_type="t-r")),
+}
+
+
+def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
+    p_t, p_h, p_w = config.patch_size
+    timestep = torch.rand(batch, grid.frames, generator=generator) * 1000
+    return dict(
+        # AnyFlow takes (batch, frames, channels, height, width)
+        hidden_states=torch.randn(batch, grid.frames * p_t, config.in_channels, grid.height * p_h, grid.width * p_w,
+                                  generator=generator),
+        timestep=timestep,
+        r_timestep=timestep * torch.rand(batch, grid.frames, generator=generator),
+        encoder_hidden_states=torch.randn(batch, grid.text, config.text_dim, generator=generator),
+        encoder_hidden_states_image=torch.randn(batch, 4, config.image_dim, generator=generator),
+        return_dict=False,
+    )
