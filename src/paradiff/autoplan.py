@@ -74,8 +74,9 @@ def _attention_styles(attention: nn.Module, prefix: str) -> dict[str, str | Styl
         width = _norm_width(norm)
         if linear is not None and width is not None and width == linear.out_features and width != head_dim:
             styles[f"{prefix}.{norm_name}"] = "norm_across_heads"
-    if not any(style == "rowwise" for key, style in styles.items()):
-        return {}  # no output projection to close the split: leave the attention whole
+    split_in = any(style != "rowwise" and not key.rsplit(".", 1)[-1].startswith("norm") for key, style in styles.items())
+    if not split_in or not any(style == "rowwise" for style in styles.values()):
+        return {}  # an unknown projection in, or no output projection to close the split: leave the attention whole
     return styles
 
 

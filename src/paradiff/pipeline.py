@@ -87,9 +87,12 @@ def load_pipeline(
     parallel_config: Any = None,
     torch_dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
+    plan: Any = None,
+    cp_plan: Any = None,
     **kwargs: Any,
 ):
-    """A diffusers pipeline whose transformer is parallelised (shard-on-read for TP).
+    """A diffusers pipeline whose transformer is parallelised (shard-on-read for TP). `plan` / `cp_plan`: the
+    transformer's plans (None: built-in; "auto": derived from its structure).
 
     The other components are placed on this rank's own device one by one (never `pipeline.to()`, which would move
     the transformer's shards); `device_map=` is passed through to diffusers for users who want component placement.
@@ -121,7 +124,7 @@ def load_pipeline(
         )
     transformer_cls = getattr(diffusers, index["transformer"][1])
     transformer = from_pretrained(transformer_cls, folder, subfolder="transformer", torch_dtype=dtype,
-                                  parallel_config=parallel, device=device)
+                                  parallel_config=parallel, device=device, plan=plan, cp_plan=cp_plan)
     target_cls = pipeline_cls or getattr(diffusers, str(pipeline_name), DiffusionPipeline)
     expected_modules, _ = DiffusionPipeline._get_signature_keys(target_cls)
     if "transformer" in expected_modules:

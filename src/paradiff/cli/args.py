@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--compare", action="store_true",
                      help="also run the single-process pipeline on rank 0 and print the max difference")
     gen.add_argument("--timeout", type=float, default=600.0, help="collective timeout in seconds")
+    gen.add_argument("--plan", default=None,
+                     help="transformer TP plan: 'auto' (derived from its structure) or FILE.py; default built-in")
+    gen.add_argument("--cp-plan", default=None, help="transformer CP plan: 'auto' or FILE.py; default built-in")
     bench = commands.add_parser("bench", help="time a list of configurations on one model")
     bench.add_argument("model", nargs="?", default=None)
     bench.add_argument("--configs", default="single,tp=2,ulysses=2,ring=2",
@@ -98,6 +101,9 @@ def check_args(args: argparse.Namespace) -> None:
         if (path.exists() or args.model.startswith((".", "/"))) and not (path / "model_index.json").is_file():
             raise CliError(f"model folder {args.model} does not exist or has no model_index.json")
     read_prompts(args)
+    for flag, value in (("--plan", args.plan), ("--cp-plan", args.cp_plan)):
+        if value not in (None, "auto") and not Path(value).is_file():
+            raise CliError(f"{flag} {value}: expected 'auto' or a plan file (FILE.py); no such file")
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)

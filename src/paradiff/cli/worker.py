@@ -77,7 +77,9 @@ def _generate(args: argparse.Namespace, device: torch.device, on_pipeline_loaded
         model = str(embedded_default())
     dtype = getattr(torch, args.dtype)
     start = time.perf_counter()
-    pipeline = paradiff.load_pipeline(model, parallel_config=parallel_config(args), torch_dtype=dtype, device=device)
+    pipeline = paradiff.load_pipeline(model, parallel_config=parallel_config(args), torch_dtype=dtype, device=device,
+                                      plan=_plan_argument(args.plan, "tensor"),
+                                      cp_plan=_plan_argument(args.cp_plan, "context"))
     load_s = time.perf_counter() - start
     pipeline.set_progress_bar_config(disable=rank != 0 or not _console_is_terminal())
     if on_pipeline_loaded is not None:
@@ -143,3 +145,12 @@ def _quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     diffusers.utils.logging.set_verbosity_error()
+
+
+def _plan_argument(value: str | None, kind: str):
+    """--plan / --cp-plan: None (built-in), "auto", or a plan file."""
+    if value in (None, "auto"):
+        return value
+    from ..checkplan import load_plan_file
+
+    return load_plan_file(value, kind)

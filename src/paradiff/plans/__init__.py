@@ -70,11 +70,14 @@ def builtin_plan(model_or_cls: nn.Module | type, config, kind: str):
 
 
 def plan_for(model: nn.Module, given, kind: str):
-    """The plan a user asked for: their own, the built-in one (None), or one derived from the structure ("auto")."""
+    """The plan a user asked for: their own (a plan, or a function of the model config returning one), the
+    built-in one (None), or one derived from the structure ("auto")."""
     if isinstance(given, str) and given == "auto":
         from ..autoplan import auto_plan
 
         return auto_plan(model, kind)
     if given is None:
         return builtin_plan(model, getattr(model, "config", None), kind)
+    if callable(given):  # a plan module's tensor_parallel_plan / context_parallel_plan, called with the config
+        return given(getattr(model, "config", None))
     return given

@@ -1,9 +1,11 @@
 """FLUX.2 (`Flux2Transformer2DModel`): how it splits under tensor and context parallelism."""
 
+import torch
+
 from ..context_parallel.plan import ContextParallelPlan, Split
 from ..tensor_parallel.plan import TensorParallelPlan
 from ..tensor_parallel.styles import PackedColwise, PackedRowwise
-from .common import joint_attention
+from .common import Grid, joint_attention
 
 MODEL_CLASSES = ("Flux2Transformer2DModel",)
 
@@ -53,3 +55,28 @@ def context_parallel_plan(config) -> ContextParallelPlan:
         },
         gather_outputs={"proj_out": 1},
     )
+
+
+EXAMPLES = {"flux.2-dev": ("Flux2Transformer2DModel", dict(
+    patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=4,
+    joint_attention_dim=32, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=True))}
+
+
+def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
+    h, w, t = grid.height, grid.width, grid.text
+    axes = len(config.axes_dims_rope)
+    img_ids = torch.zeros(h * w, axes)
+    img_ids[:, -2] = torch.arange(h).repeat_interleave(w)
+    img_ids[:, -1] = torch.arange(w).repeat(h)
+    txt_ids = torch.zeros(t, axes)
+    txt_ids[:, -1] = torch.arange(t)
+    inputs = dict(
+        hidden_states=torch.randn(batch, h * w, config.in_channels, generator=generator),
+        encoder_hidden_states=torch.randn(batch, t, config.joint_attention_dim, generator=generator),
+        timestep=torch.rand(batch, generator=generator),
+        img_ids=img_ids,
+        txt_ids=txt_ids,
+        guidance=torch.full((batch,), 3.5),
+        return_dict=False,
+    )
+    return inputs

@@ -1,8 +1,10 @@
 """Qwen-Image (`QwenImageTransformer2DModel`): how it splits under tensor and context parallelism."""
 
+import torch
+
 from ..context_parallel.plan import ContextParallelPlan, Split
 from ..tensor_parallel.plan import TensorParallelPlan
-from .common import joint_attention
+from .common import Grid, joint_attention
 
 MODEL_CLASSES = ("QwenImageTransformer2DModel",)
 
@@ -35,4 +37,22 @@ def context_parallel_plan(config) -> ContextParallelPlan:
         },
         split_outputs={"pos_embed": {0: Split(0), 1: Split(0)}},
         gather_outputs={"proj_out": 1},
+    )
+
+
+EXAMPLES = {"qwen-image": ("QwenImageTransformer2DModel", dict(
+    patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=4,
+    joint_attention_dim=32, axes_dims_rope=(4, 6, 6)))}
+
+
+def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
+    mask = torch.ones(batch, grid.text, dtype=torch.long)
+    mask[-1, -2:] = 0  # the last prompt is padded: exercises the text mask
+    return dict(
+        hidden_states=torch.randn(batch, grid.height * grid.width, config.in_channels, generator=generator),
+        encoder_hidden_states=torch.randn(batch, grid.text, config.joint_attention_dim, generator=generator),
+        encoder_hidden_states_mask=mask,
+        timestep=torch.rand(batch, generator=generator),
+        img_shapes=[[(1, grid.height, grid.width)]] * batch,
+        return_dict=False,
     )
