@@ -24,6 +24,7 @@ from .tensor_parallel.styles import (
     PackedRowwise,
     PackedRowwiseParallel,
 )
+from .vae import parallelize_vae
 
 __all__ = [
     "CheckpointError",
@@ -47,6 +48,7 @@ __all__ = [
     "enable_parallelism",
     "from_pretrained",
     "load_pipeline",
+    "parallelize_vae",
     "save_pretrained",
     "set_attention_backend",
     "split_between_processes",

@@ -45,7 +45,8 @@ def all_gather_int(value: int, group: dist.ProcessGroup, device: torch.device) -
 
 
 def all_gather_uneven(
-    tensor: torch.Tensor, dim: int, sizes: list[int], group: dist.ProcessGroup, stats: CommStats | None = None
+    tensor: torch.Tensor, dim: int, sizes: list[int], group: dist.ProcessGroup, stats: CommStats | None = None,
+    name: str = "all_gather_seq",
 ) -> torch.Tensor:
     """Concatenate every rank's `tensor` along `dim` when ranks hold different lengths (`sizes`, in rank order).
 
@@ -59,7 +60,7 @@ def all_gather_uneven(
         tensor = torch.cat([tensor, tensor.new_zeros(pad_shape)], dim=dim)
     tensor = tensor.contiguous()
     pieces = [torch.empty_like(tensor) for _ in sizes]
-    _record(stats, "all_gather_seq", tensor)
+    _record(stats, name, tensor)
     dist.all_gather(pieces, tensor, group=group)
     return torch.cat([piece.narrow(dim, 0, size) for piece, size in zip(pieces, sizes)], dim=dim)
 
@@ -145,3 +146,72 @@ def all_gather_pieces(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[to
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     dist.barrier(group=group)
+
+
+def all_gather_ints(values: list[int], group: dist.ProcessGroup, device: torch.device,
+                    stats: CommStats | None = None, name: str = "all_gather_ints") -> list[list[int]]:
+    """Every rank's list of integers (the same length on every rank): shapes to agree on, local heights."""
+    local = torch.tensor(values, dtype=torch.int64, device=device)
+    out = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    _record(stats, name, local)
+    dist.all_gather(out, local, group=group)
+    return [[int(v) for v in piece.tolist()] for piece in out]
+
+
+def all_gather_norm_stats(moments: torch.Tensor, group: dist.ProcessGroup,
+                          stats: CommStats | None = None) -> torch.Tensor:
+    """(ranks, *moments.shape): every rank's per-group (count, mean, M2) of a group norm split by rows."""
+    out = [torch.empty_like(moments) for _ in range(dist.get_world_size(group))]
+    _record(stats, "all_gather_norm_stats", moments)
+    dist.all_gather(out, moments.contiguous(), group=group)
+    return torch.stack(out)
+
+
+def halo_exchange_start(
+    sends: list[tuple[int, torch.Tensor]],
+    receives: list[tuple[int, tuple[int, ...]]],
+    group: dist.ProcessGroup,
+    dtype: torch.dtype,
+    device: torch.device,
+    stats: CommStats | None = None,
+) -> tuple[list[torch.Tensor], list[dist.Work]]:
+    """Send each (peer, rows) block to that peer (group ranks) and start receiving each (peer, shape) block, without
+    waiting: the caller convolves its own rows meanwhile, then calls `halo_exchange_wait`.
+
+    Point to point, so a rank talks only to the neighbours whose rows its convolution windows read.
+    """
+    ops, received = [], []
+    for peer, block in sends:
+        _record(stats, "halo_exchange", block)
+        ops.append(dist.P2POp(dist.isend, block.contiguous(), dist.get_global_rank(group, peer), group))
+    for peer, shape in receives:
+        buffer = torch.empty(shape, dtype=dtype, device=device)
+        received.append(buffer)
+        ops.append(dist.P2POp(dist.irecv, buffer, dist.get_global_rank(group, peer), group))
+    return received, (dist.batch_isend_irecv(ops) if ops else [])
+
+
+def halo_exchange_wait(works: list[dist.Work]) -> None:
+    for work in works:
+        work.wait()
+
+
+def gather_uneven_to(
+    tensor: torch.Tensor, dim: int, sizes: list[int], dst: int, group: dist.ProcessGroup,
+    stats: CommStats | None = None,
+) -> torch.Tensor | None:
+    """Like `all_gather_uneven`, but only group rank `dst` receives (and returns) the concatenation; others get None."""
+    dim = dim % tensor.dim()
+    longest = max(sizes)
+    if tensor.shape[dim] < longest:
+        pad_shape = list(tensor.shape)
+        pad_shape[dim] = longest - tensor.shape[dim]
+        tensor = torch.cat([tensor, tensor.new_zeros(pad_shape)], dim=dim)
+    tensor = tensor.contiguous()
+    me = dist.get_rank(group)
+    pieces = [torch.empty_like(tensor) for _ in sizes] if me == dst else None
+    _record(stats, "gather_rows", tensor)
+    dist.gather(tensor, pieces, dst=dist.get_global_rank(group, dst), group=group)
+    if pieces is None:
+        return None
+    return torch.cat([piece.narrow(dim, 0, size) for piece, size in zip(pieces, sizes)], dim=dim)

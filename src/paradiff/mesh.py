@@ -110,6 +110,33 @@ def _add_flat_groups(parallel_mesh: ParallelMesh) -> None:
                 parallel_mesh.flat_groups[dims] = group
 
 
+REPLICA_DIMS = ("cfg", "ring", "ulysses", "tp")
+
+
+def replica_group(parallel_mesh: ParallelMesh) -> dist.ProcessGroup:
+    """The ranks of this rank's data-parallel replica (every dimension but data), made on first use.
+
+    Collective: every rank must ask at the same point (dist.new_group is), which parallelize_vae's callers do.
+    """
+    if REPLICA_DIMS not in parallel_mesh.flat_groups:
+        names = tuple(parallel_mesh.device_mesh.mesh_dim_names or ())
+        ranks = parallel_mesh.device_mesh.mesh
+        if "data" in names:
+            ranks = ranks.movedim(names.index("data"), 0)
+            rows = ranks.reshape(ranks.shape[0], -1).tolist()
+        else:
+            rows = [ranks.flatten().tolist()]
+        if len(rows) == 1 and sorted(rows[0]) == list(range(dist.get_world_size())):
+            parallel_mesh.flat_groups[REPLICA_DIMS] = dist.group.WORLD
+        else:
+            me = dist.get_rank()
+            for row in rows:
+                group = dist.new_group(row)
+                if me in row:
+                    parallel_mesh.flat_groups[REPLICA_DIMS] = group
+    return parallel_mesh.flat_groups[REPLICA_DIMS]
+
+
 def _adopt_mesh(config: ParallelConfig, mesh: DeviceMesh) -> ParallelMesh:
     names = tuple(mesh.mesh_dim_names or ())
     for name, size in config.degrees().items():

@@ -1,0 +1,94 @@
+"""Tiny random-weight VAEs of every class paradiff splits by rows, and inputs for them.
+
+Each factory gives the same weights for the same seed (every parameter is perturbed, so no norm is a plain
+identity and no bias is zero). Sizes are chosen so that a decode or an encode takes milliseconds on a CPU while
+still going through every kind of layer: at least two downsamplings, the mid-block attention, the temporal
+up/downsampling of the video VAEs (and Wan's frame-chunk cache).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# name -> (diffusers class, config)
+CONFIGS: dict[str, tuple[str, dict]] = {
+    "kl": ("AutoencoderKL", dict(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(8, 8, 16), layers_per_block=1,
+        latent_channels=4, norm_num_groups=4, sample_size=32)),
+    "flux2": ("AutoencoderKLFlux2", dict(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(8, 8, 16), layers_per_block=1,
+        latent_channels=4, norm_num_groups=4, sample_size=32, patch_size=(2, 2))),
+    "qwenimage": ("AutoencoderKLQwenImage", dict(
+        base_dim=8, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1, attn_scales=[], temperal_downsample=[False, True])),
+    "wan": ("AutoencoderKLWan", dict(
+        base_dim=8, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1, attn_scales=[], temperal_downsample=[False, True],
+        scale_factor_temporal=2, scale_factor_spatial=4)),
+    # Wan 2.2: residual up/down blocks with space-to-depth shortcuts, patchified input
+    "wan22": ("AutoencoderKLWan", dict(
+        base_dim=8, decoder_base_dim=8, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1, attn_scales=[],
+        temperal_downsample=[False, True], is_residual=True, in_channels=12, out_channels=12, patch_size=2,
+        scale_factor_temporal=2, scale_factor_spatial=8)),
+    "hunyuanvideo": ("AutoencoderKLHunyuanVideo", dict(
+        in_channels=3, out_channels=3, latent_channels=4, down_block_types=("HunyuanVideoDownBlock3D",) * 3,
+        up_block_types=("HunyuanVideoUpBlock3D",) * 3, block_out_channels=(8, 8, 16), layers_per_block=1,
+        norm_num_groups=4, spatial_compression_ratio=4, temporal_compression_ratio=4)),
+    # LTX-Video 0.9.5 layout: space-to-depth downsamplers, residual depth-to-space upsamplers, timestep conditioning
+    "ltxvideo": ("AutoencoderKLLTXVideo", dict(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16, 16),
+        down_block_types=("LTXVideo095DownBlock3D",) * 2, decoder_block_out_channels=(8, 16),
+        layers_per_block=(1, 1, 1), decoder_layers_per_block=(1, 1, 1), spatio_temporal_scaling=(True, False),
+        decoder_spatio_temporal_scaling=(False, True), decoder_inject_noise=(False, False, False),
+        # the decoder reads its per-block tuples from the last block to the first
+        downsample_type=("spatiotemporal", "spatial"), upsample_residual=(False, True), upsample_factor=(1, 2),
+        timestep_conditioning=True, patch_size=2, patch_size_t=1, encoder_causal=True, decoder_causal=False)),
+}
+VAE_NAMES = tuple(CONFIGS)
+VIDEO = {"wan", "wan22", "hunyuanvideo", "ltxvideo"}
+
+
+def build_vae(name: str, seed: int = 0):
+    import diffusers
+
+    if name not in CONFIGS:
+        raise ValueError(f"unknown tiny VAE {name!r}; known: {VAE_NAMES}")
+    class_name, config = CONFIGS[name]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        vae = getattr(diffusers, class_name)(**config)
+        with torch.no_grad():
+            for param in vae.parameters():
+                param.add_(torch.randn_like(param) * 0.05)
+    return vae.eval()
+
+
+def latent_channels(vae) -> int:
+    config = vae.config
+    return config.get("latent_channels") or config.get("z_dim")
+
+
+def image_channels(vae) -> int:
+    patch = vae.config.get("patch_size") if type(vae).__name__ == "AutoencoderKLWan" else None
+    return vae.config.get("in_channels", 3) // (patch or 1) ** 2
+
+
+def sample_input(name: str, vae, kind: str, height: int, width: int, frames: int = 1, batch: int = 2,
+                 seed: int = 1) -> torch.Tensor:
+    """A random latent (kind "decode", height x width latent rows) or image/video (kind "encode", in pixels)."""
+    generator = torch.Generator().manual_seed(seed)
+    channels = latent_channels(vae) if kind == "decode" else image_channels(vae)
+    five_d = name in VIDEO or name == "qwenimage"
+    shape = (batch, channels, frames, height, width) if five_d else (batch, channels, height, width)
+    return torch.randn(shape, generator=generator)
+
+
+def run_vae(vae, kind: str, sample: torch.Tensor) -> torch.Tensor:
+    """decode(z).sample or the encoder's posterior mean, the call a pipeline makes."""
+    with torch.no_grad():
+        if kind == "decode":
+            if type(vae).__name__ == "AutoencoderKLLTXVideo" and vae.config.timestep_conditioning:
+                temb = torch.linspace(0.02, 0.05, sample.shape[0])
+                return vae.decode(sample, temb).sample
+            return vae.decode(sample).sample
+        return vae.encode(sample).latent_dist.mean

@@ -1,0 +1,205 @@
+"""`parallelize_vae`: split a VAE's encoder and decoder by rows across ranks, in place, exactly.
+
+Every check runs before the first collective: an unsupported class or module, a processor that bypasses SDPA, a
+padding mode the halo cannot rebuild, a bad group or output rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm import CommStats, all_gather_ints, all_gather_uneven, gather_uneven_to
+from ..errors import DistributedError, ParallelConfigError, UnsupportedModelError
+from ..mesh import ParallelMesh, replica_group, require_distributed
+from ..plans.vae import VAE_PLANS, vae_plan
+from .attention import KINDS, RowAttention
+from .conv import HaloConv, needs_halo
+from .layout import split_rows
+from .norm import SplitGroupNorm
+from .plan import VaePlan
+from .runtime import RegionCall, VaeRuntime, get_vae_runtime, set_vae_runtime
+
+# Modules that act on every row alike in every covered VAE (convolutions and group norms are replaced below).
+_ROW_LOCAL = {"Conv1d", "Conv2d", "Conv3d", "GroupNorm", "SiLU", "Mish", "GELU", "ReLU", "Dropout", "Identity",
+              "Linear", "ModuleList", "Sequential"}
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def supported_vaes() -> list[str]:
+    return sorted(VAE_PLANS)
+
+
+def is_supported(vae: nn.Module) -> bool:
+    return vae_plan(vae) is not None
+
+
+def parallelize_vae(vae: nn.Module, mesh_or_group=None, *, output_rank: int | None = None,
+                    stats: CommStats | None = None) -> nn.Module:
+    """Split `vae`'s decode and encode across the ranks of `mesh_or_group`, in place; returns `vae`.
+
+    Afterwards `vae.decode(z)` / `vae.encode(x)`, called on every rank of the group with the same full input, return
+    the full result on every rank, equal to a single-device call: each rank holds a band of rows, convolutions
+    exchange the rows their windows need with the neighbouring ranks, group norms use statistics of the whole image
+    and the mid-block attention runs over every rank's tokens. With `output_rank`, only that rank of the group gets
+    the result; the others get a tensor with no rows (their memory is not spent on the gathered output).
+
+    `mesh_or_group`: a process group, a paradiff ParallelMesh (each data-parallel replica splits its own VAE
+    calls over its own ranks), a 1-D DeviceMesh, or None for every process. Inference only: outputs carry no
+    autograd graph. Inputs too small to give every rank a band run whole on every rank, with the same result.
+    """
+    require_distributed()
+    plan = vae_plan(vae)
+    if plan is None:
+        raise UnsupportedModelError(
+            f"paradiff cannot split {type(vae).__name__} across ranks yet; covered VAEs: {supported_vaes()}. "
+            "Leave it as it is: it decodes whole on each rank."
+        )
+    if get_vae_runtime(vae) is not None:
+        raise ParallelConfigError(f"This {type(vae).__name__} is already split across ranks by parallelize_vae.")
+    regions = {name: getattr(vae, name) for name in plan.regions if isinstance(getattr(vae, name, None), nn.Module)}
+    for name, region in regions.items():
+        _check_region(vae, name, region, plan)
+    group = _resolve_group(mesh_or_group)
+    size = dist.get_world_size(group)
+    if output_rank is not None and not (isinstance(output_rank, int) and 0 <= output_rank < size):
+        raise ParallelConfigError(f"output_rank must be None or a rank of the group, 0..{size - 1}; got {output_rank!r}.")
+    runtime = VaeRuntime(group=group, output_rank=output_rank, stats=stats)
+    for name, region in regions.items():
+        _install(runtime, name, region, plan, unit=int(plan.regions[name](vae)))
+    set_vae_runtime(vae, runtime)
+    return vae
+
+
+def _resolve_group(mesh_or_group) -> dist.ProcessGroup:
+    if mesh_or_group is None:
+        return dist.group.WORLD
+    if isinstance(mesh_or_group, ParallelMesh):
+        return replica_group(mesh_or_group)
+    if isinstance(mesh_or_group, dist.ProcessGroup):
+        return mesh_or_group
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(mesh_or_group, DeviceMesh):
+        if mesh_or_group.ndim != 1:
+            raise ParallelConfigError(
+                f"parallelize_vae takes a 1-D DeviceMesh; this one has dimensions {mesh_or_group.mesh_dim_names}. "
+                "Pass the paradiff ParallelMesh, or the process group to split over."
+            )
+        return mesh_or_group.get_group()
+    raise ParallelConfigError(
+        "parallelize_vae's mesh_or_group must be a torch.distributed ProcessGroup, a paradiff ParallelMesh, a 1-D "
+        f"DeviceMesh or None; got {type(mesh_or_group).__name__}."
+    )
+
+
+def _check_region(vae: nn.Module, region_name: str, region: nn.Module, plan: VaePlan) -> None:
+    known = _ROW_LOCAL | set(plan.row_local) | set(plan.prepadded) | set(plan.attention)
+    what = f"{type(vae).__name__}.{region_name}"
+    for name, module in region.named_modules():
+        cls = type(module).__name__
+        path = f"{region_name}.{name}" if name else region_name
+        if cls not in known:
+            raise UnsupportedModelError(
+                f"{what} contains {cls} ({path}), which paradiff has not checked for operations that mix rows, so "
+                f"it cannot split this VAE exactly. Leave the VAE unsplit (it decodes whole on each rank)."
+            )
+        reason = plan.refuse.get(cls, lambda _m: None)(module)
+        if reason:
+            raise UnsupportedModelError(f"{what} cannot be split across ranks exactly: {path}: {reason}.")
+        if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            if isinstance(module.padding, str) or (module.padding_mode != "zeros" and needs_halo(module, (0, 0))):
+                raise UnsupportedModelError(
+                    f"{path}: paradiff splits convolutions with integer zero padding; this one has padding="
+                    f"{module.padding!r}, padding_mode={module.padding_mode!r}."
+                )
+        processor = getattr(module, "processor", None)
+        if processor is not None and type(processor).__name__ != "AttnProcessor2_0":
+            raise UnsupportedModelError(
+                f"{path} uses {type(processor).__name__}; paradiff spreads a VAE's attention over ranks through "
+                "AttnProcessor2_0 (scaled_dot_product_attention). Call vae.set_attn_processor(AttnProcessor2_0())."
+            )
+    for cls, kind in plan.attention.items():
+        if kind not in KINDS:
+            raise UnsupportedModelError(f"VAE plan attention kind {kind!r} for {cls}; valid kinds: {KINDS}.")
+
+
+def _install(runtime: VaeRuntime, region_name: str, region: nn.Module, plan: VaePlan, unit: int) -> None:
+    prepadded = {}
+    for name, module in region.named_modules():
+        spec = plan.prepadded.get(type(module).__name__)
+        rows = spec.rows(module) if spec is not None else None
+        if rows is not None:
+            conv = module.get_submodule(spec.conv) if spec.conv else module
+            prepadded[id(conv)] = (tuple(rows), spec.mode(module))
+    for name, module in region.named_modules():
+        path = f"{region_name}.{name}" if name else region_name
+        if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            rows, mode = prepadded.get(id(module), ((0, 0), "constant"))
+            if needs_halo(module, rows):
+                module._conv_forward = HaloConv(runtime, path, module, rows, mode)
+        elif isinstance(module, nn.GroupNorm):
+            module.forward = SplitGroupNorm(runtime, module)
+        kind = plan.attention.get(type(module).__name__)
+        if kind is not None:
+            interceptor = RowAttention(runtime, kind, path)
+            module.register_forward_pre_hook(interceptor.enter)
+            module.register_forward_hook(interceptor.leave, always_call=True)
+    region.forward = _SplitRegion(runtime, region_name, region.forward, unit)
+
+
+class _SplitRegion:
+    """Stands in for a region's forward: keep this rank's rows of the input, run, gather the output rows."""
+
+    def __init__(self, runtime: VaeRuntime, name: str, forward, unit: int) -> None:
+        self.runtime = runtime
+        self.name = name
+        self.forward = forward
+        self.unit = max(1, unit)
+
+    def __call__(self, sample: torch.Tensor, *args, **kwargs):
+        runtime = self.runtime
+        if sample.requires_grad:
+            raise ParallelConfigError(
+                f"The split VAE {self.name} is inference-only and its input requires grad; call it under "
+                "torch.no_grad() or detach the input."
+            )
+        self._agree(sample)
+        height = sample.shape[-2]
+        if height < self.unit * runtime.size:
+            return self.forward(sample, *args, **kwargs)  # too small for a band per rank: whole, on every rank
+        start, stop = split_rows(height, runtime.size, self.unit)[runtime.rank]
+        runtime.active = RegionCall(self.name, height)
+        try:
+            with torch.no_grad():
+                local = self.forward(sample.narrow(-2, start, stop - start), *args, **kwargs)
+        finally:
+            runtime.active = None
+        runtime.last_split[self.name] = (stop - start, local.shape[-2])
+        sizes = [row[0] for row in all_gather_ints([local.shape[-2]], runtime.group, local.device, runtime.stats,
+                                                   "all_gather_heights")]
+        if runtime.output_rank is None:
+            return all_gather_uneven(local, -2, sizes, runtime.group, runtime.stats, "gather_rows")
+        full = gather_uneven_to(local, -2, sizes, runtime.output_rank, runtime.group, runtime.stats)
+        return local.narrow(-2, 0, 0) if full is None else full
+
+    def _agree(self, sample: torch.Tensor) -> None:
+        """Every rank must call with the same shape (and dtype), or the bands would not fit together."""
+        shape = list(sample.shape)[:6]
+        code = _DTYPES.index(sample.dtype) if sample.dtype in _DTYPES else len(_DTYPES)
+        mine = [sample.dim(), code] + shape + [0] * (6 - len(shape))
+        every = all_gather_ints(mine, self.runtime.group, sample.device, self.runtime.stats, "agree_shape")
+        if any(row != every[0] for row in every):
+            described = ", ".join(
+                f"rank {r}: shape {tuple(row[2:2 + min(row[0], 6)])}, "
+                f"dtype {_DTYPES[row[1]] if row[1] < len(_DTYPES) else 'other'}" for r, row in enumerate(every))
+            raise DistributedError(
+                f"The split VAE {self.name} needs the same full input on every rank of its group; got {described}."
+            )
+        # every rank agrees from here on, so every rank raises alike
+        if code == len(_DTYPES) or sample.dim() not in (4, 5):
+            raise ParallelConfigError(
+                f"The split VAE {self.name} takes a 4-D image or 5-D video batch of dtype {_DTYPES}; got shape "
+                f"{tuple(sample.shape)}, dtype {sample.dtype}."
+            )

@@ -1,0 +1,96 @@
+"""A VAE's self-attention over tokens split by rows: every `F.scaled_dot_product_attention` issued inside a
+declared attention module runs over the keys of every rank.
+
+"tokens": unmasked attention over the rank's rows (diffusers' Attention, Wan's per-frame block) goes through
+paradiff's ring attention, so no rank holds more than two ranks' keys at once.
+"causal_frames": tokens ordered (frame, row, column) where a query sees keys of its own and earlier frames
+(HunyuanVideo's mid block). The model's mask was built from the local shape and is replaced: keys and values are
+gathered, regrouped frame by frame, and each query frame attends to the prefix of frames it may see.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from ..comm import all_gather_int, all_gather_uneven
+from ..context_parallel.attention import ring_attention
+from ..context_parallel.kernels import BACKENDS, default_scale
+from ..errors import ParadiffError
+from .runtime import VaeRuntime
+
+KINDS = ("tokens", "causal_frames")
+
+
+class RowAttention(TorchFunctionMode):
+    """Active only while its module runs inside a split region."""
+
+    def __init__(self, runtime: VaeRuntime, kind: str, name: str) -> None:
+        super().__init__()
+        self.runtime = runtime
+        self.kind = kind
+        self.name = name
+        self.frames = 0
+        self.calls = 0
+
+    def enter(self, _module, args) -> None:
+        if self.runtime.active is None:
+            return
+        if self.kind == "causal_frames":
+            self.frames = args[0].shape[2]
+        self.calls = 0
+        self.__enter__()
+
+    def leave(self, _module, _args, output) -> None:
+        if self.runtime.active is None:
+            return
+        self.__exit__(None, None, None)
+        if self.calls == 0 and output is not None:  # output is None when the forward raised
+            # a processor that does not end in SDPA would have attended to this rank's rows only
+            raise ParadiffError(
+                f"{self.name} ran without calling torch.nn.functional.scaled_dot_product_attention, so paradiff "
+                "could not spread its attention over every rank's rows; use diffusers' AttnProcessor2_0."
+            )
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        self.calls += 1
+        return self.attention(*args, **kwargs)
+
+    def attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                  enable_gqa=False):
+        if dropout_p != 0.0 or is_causal or enable_gqa:
+            raise NotImplementedError(
+                f"{self.name}: split VAE attention supports dropout_p=0, is_causal=False, enable_gqa=False; got "
+                f"dropout_p={dropout_p}, is_causal={is_causal}, enable_gqa={enable_gqa}."
+            )
+        scale = default_scale(query.shape[-1]) if scale is None else scale
+        if self.kind == "tokens":
+            if attn_mask is not None:
+                raise NotImplementedError(f"{self.name}: a masked attention was declared as unmasked ('tokens').")
+            return ring_attention(query, key, value, None, scale, BACKENDS["native"], self.runtime.group,
+                                  self.runtime.stats)
+        return self._causal_frames(query, key, value, attn_mask, scale)
+
+    def _causal_frames(self, query, key, value, attn_mask, scale):
+        frames, local = self.frames, query.shape[2]
+        if attn_mask is not None and tuple(attn_mask.shape[-2:]) != (local, local):
+            raise NotImplementedError(f"{self.name}: expected the model's own (local x local) frame mask, got "
+                                      f"{tuple(attn_mask.shape)}.")
+        lengths = all_gather_int(key.shape[2], self.runtime.group, key.device)
+        if any(length % frames for length in lengths):
+            raise ParadiffError(f"{self.name}: token counts {lengths} are not whole frames of {frames}.")
+
+        def by_frame(tensor):  # rank-major -> (batch, heads, frames, all tokens of a frame, dim)
+            full = all_gather_uneven(tensor, 2, lengths, self.runtime.group, self.runtime.stats, "all_gather_kv")
+            return torch.cat([piece.unflatten(2, (frames, -1)) for piece in full.split(lengths, dim=2)], dim=3)
+
+        keys, values = by_frame(key), by_frame(value)
+        queries = query.unflatten(2, (frames, -1))
+        out = [F.scaled_dot_product_attention(queries[:, :, t], keys[:, :, : t + 1].flatten(2, 3),
+                                              values[:, :, : t + 1].flatten(2, 3), scale=scale)
+               for t in range(frames)]
+        return torch.stack(out, dim=2).flatten(2, 3)

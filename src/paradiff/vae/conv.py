@@ -1,0 +1,139 @@
+"""Convolutions over rows split across ranks, exact: the local convolution plus a few recomputed edge rows.
+
+Each rank first convolves its own rows exactly as the model padded them, as if its edges were the image's. Only the
+output rows whose window crosses an inner edge are wrong; they are recomputed from small windows holding the
+neighbours' rows (the halo, exchanged point to point while the local convolution runs) and written over the wrong
+ones in place. No rank copies its whole input, so the memory of a split convolution is the local one's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..comm import halo_exchange_start, halo_exchange_wait
+from .layout import ConvRows, HaloPlan, Rows
+from .runtime import VaeRuntime
+
+_FUNCTIONAL = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
+
+
+def needs_halo(conv: nn.Module, prepad: tuple[int, int]) -> bool:
+    """A convolution that reads only its own row (1 row, stride 1, no padding) needs no neighbour."""
+    return conv.kernel_size[-2] != 1 or conv.stride[-2] != 1 or conv.padding[-2] != 0 or any(prepad)
+
+
+class HaloConv:
+    """Stands in for one convolution's `_conv_forward` (which receives the input after the model's own padding)."""
+
+    def __init__(self, runtime: VaeRuntime, name: str, conv: nn.Module, prepad: tuple[int, int], prepad_mode: str):
+        self.runtime = runtime
+        self.name = name
+        self.conv = conv
+        self.original = conv._conv_forward
+        self.prepad = prepad
+        self.prepad_mode = prepad_mode
+        kernel, dilation, stride, padding = (conv.kernel_size[-2], conv.dilation[-2], conv.stride[-2],
+                                             conv.padding[-2])
+        self.rows = ConvRows(extent=dilation * (kernel - 1) + 1, stride=stride, pad_top=prepad[0] + padding,
+                             pad_bottom=prepad[1] + padding)
+        self.window_padding = tuple(conv.padding[:-2]) + (0, conv.padding[-1])
+        self.functional = next(fn for cls, fn in _FUNCTIONAL.items() if isinstance(conv, cls))
+
+    def __call__(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.runtime.active is None:
+            return self.original(input, weight, bias)
+        top, bottom = self.prepad
+        plan = self.runtime.halo_plan(self.name, input.shape[-2] - top - bottom, self.rows, input.device)
+        rank = self.runtime.rank
+        start = plan.in_ranges[rank][0]
+
+        def own(rows: Rows) -> torch.Tensor:
+            return input.narrow(-2, top + rows[0] - start, rows[1] - rows[0])
+
+        shape = list(input.shape)
+        receive_shapes = []
+        for peer, rows in plan.receives:
+            shape[-2] = rows[1] - rows[0]
+            receive_shapes.append((peer, tuple(shape)))
+        received, works = halo_exchange_start([(peer, own(rows)) for peer, rows in plan.sends], receive_shapes,
+                                              self.runtime.group, input.dtype, input.device, self.runtime.stats)
+        mine = plan.mine
+        local = self.original(input, weight, bias) if mine.local_out else None
+        halo_exchange_wait(works)
+        halos = {peer: (rows, block) for (peer, rows), block in zip(plan.receives, received)}
+        fixed = [(fix, self._window(plan, fix, own, halos, weight, bias)) for fix in mine.fixes]
+        return self._assemble(plan, local, fixed, input, weight, bias)
+
+    def _window(self, plan: HaloPlan, fix: Rows, own, halos, weight, bias) -> torch.Tensor:
+        """Convolve the output rows `fix` from their window: padding at the image's edges, rows of every holder."""
+        low, high = self.rows.reads(*fix)
+        real = (max(low, 0), min(high, plan.height))
+        blocks = []
+        for rank, (start, stop) in enumerate(plan.in_ranges):
+            rows = (max(real[0], start), min(real[1], stop))
+            if rows[0] >= rows[1]:
+                continue
+            if rank == self.runtime.rank:
+                blocks.append(own(rows))
+            else:
+                held, block = halos[rank]
+                blocks.append(block.narrow(-2, rows[0] - held[0], rows[1] - rows[0]))
+        top, bottom = self.prepad
+        window = self._edge_padding(blocks[0], low, min(high, 0), top, first=True)
+        window += blocks
+        window += self._edge_padding(blocks[-1], max(low, plan.height), high, bottom, first=False,
+                                     height=plan.height)
+        out = self.functional(torch.cat(window, dim=-2), weight, bias, self.conv.stride, self.window_padding,
+                              self.conv.dilation, self.conv.groups)
+        if out.shape[-2] != fix[1] - fix[0]:
+            raise AssertionError(f"{self.name}: window gave {out.shape[-2]} rows for {fix}")
+        return out
+
+    def _edge_padding(self, edge: torch.Tensor, low: int, high: int, prepad: int, first: bool,
+                      height: int = 0) -> list[torch.Tensor]:
+        """The padding rows [low, high) past the image's top (first) or bottom edge: the model's own pad rows
+        (zeros, or copies of the edge row) next to the image, the convolution's zero padding beyond."""
+        if high <= low:
+            return []
+        if first:
+            own_rows = max(0, min(high, -prepad) - low)  # rows above -prepad: the convolution's zeros
+            model_rows = high - low - own_rows
+        else:
+            model_rows = max(0, min(high, height + prepad) - low)
+            own_rows = high - low - model_rows
+        row = edge.narrow(-2, 0 if first else edge.shape[-2] - 1, 1)
+        if self.prepad_mode == "replicate":
+            model = row.expand(_with_rows(row, model_rows))
+        else:
+            model = row.new_zeros(_with_rows(row, model_rows))
+        zeros = row.new_zeros(_with_rows(row, own_rows))
+        return [zeros, model] if first else [model, zeros]
+
+    def _assemble(self, plan: HaloPlan, local, fixed, input, weight, bias) -> torch.Tensor:
+        mine = plan.mine
+        first, last = mine.out_rows
+        if first == last:  # no output rows here (only when a layer has fewer rows than ranks)
+            out = self.functional(input.new_zeros(_with_rows(input, self.rows.extent)), weight, bias, self.conv.stride, self.window_padding,
+                                  self.conv.dilation, self.conv.groups)
+            return out.narrow(-2, 0, 0)
+        covered = (mine.local_first, mine.local_first + mine.local_out)
+        inside = local is not None and covered[0] <= first and last <= covered[1]
+        if inside:
+            for (fix_first, fix_last), rows in fixed:
+                local.narrow(-2, fix_first - covered[0], fix_last - fix_first).copy_(rows)
+            if (first, last) == covered:
+                return local
+            return local.narrow(-2, first - covered[0], last - first)
+        pieces = [rows for fix, rows in fixed if fix[0] < mine.keep[0]]
+        if mine.keep[0] < mine.keep[1]:
+            pieces.append(local.narrow(-2, mine.keep[0] - covered[0], mine.keep[1] - mine.keep[0]))
+        pieces += [rows for fix, rows in fixed if fix[0] >= mine.keep[1]]
+        return torch.cat(pieces, dim=-2)
+
+
+def _with_rows(row: torch.Tensor, count: int) -> tuple[int, ...]:
+    shape = list(row.shape)
+    shape[-2] = count
+    return tuple(shape)

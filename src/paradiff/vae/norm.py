@@ -1,0 +1,55 @@
+"""Group norm over rows split across ranks: each rank's (count, mean, M2) per group, merged exactly.
+
+Chan's pairwise formula merges the per-rank moments in float64 (one small all-gather per norm), which is as
+accurate as one pass over the whole image and avoids the cancellation of a sum-of-squares variance.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..comm import all_gather_norm_stats
+from .runtime import VaeRuntime
+
+
+class SplitGroupNorm:
+    """Stands in for one nn.GroupNorm's forward."""
+
+    def __init__(self, runtime: VaeRuntime, norm: nn.GroupNorm):
+        self.runtime = runtime
+        self.norm = norm
+        self.original = norm.forward
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.runtime.active is None:
+            return self.original(x)
+        norm = self.norm
+        batch, channels = x.shape[0], x.shape[1]
+        groups = norm.num_groups
+        grouped = x.reshape(batch, groups, -1)
+        count = grouped.shape[-1]
+        if count:
+            # low-precision inputs are reduced one group at a time in fp32 (a whole fp32 copy would double memory)
+            if x.dtype in (torch.float32, torch.float64):
+                var, mean = torch.var_mean(grouped, dim=-1, correction=0)
+            else:
+                parts = [torch.var_mean(grouped[:, g].float(), dim=-1, correction=0) for g in range(groups)]
+                var, mean = torch.stack([p[0] for p in parts], 1), torch.stack([p[1] for p in parts], 1)
+        else:
+            var = mean = torch.zeros(batch, groups, device=x.device)
+        moments = torch.stack([torch.full_like(mean, count, dtype=torch.float64), mean.double(),
+                               var.double() * count])
+        every = all_gather_norm_stats(moments, self.runtime.group, self.runtime.stats)  # (ranks, 3, batch, groups)
+        counts, means, m2s = every[:, 0], every[:, 1], every[:, 2]
+        total = counts.sum(0)
+        mean_all = (counts * means).sum(0) / total
+        var_all = (m2s + counts * (means - mean_all) ** 2).sum(0) / total
+        # y = x * scale + shift with scale = rstd * weight, shift = bias - mean * scale (torch's fused form)
+        scale = torch.rsqrt(var_all + norm.eps).repeat_interleave(channels // groups, dim=1)
+        shift = -mean_all.repeat_interleave(channels // groups, dim=1) * scale
+        if norm.affine:
+            scale = scale * norm.weight.double()
+            shift = shift * norm.weight.double() + norm.bias.double()
+        view = (batch, channels) + (1,) * (x.dim() - 2)
+        return torch.addcmul(shift.to(x.dtype).view(view), x, scale.to(x.dtype).view(view))
