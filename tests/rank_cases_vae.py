@@ -2,33 +2,113 @@
 
 from __future__ import annotations
 
+import gc
+
 import torch
 import torch.distributed as dist
 
 import paradiff
 from paradiff.comm import CommStats
+from paradiff.testing.memory import PeakTensorMemory
 from paradiff.testing.vaes import build_vae, run_vae, sample_input
 from paradiff.vae import get_vae_runtime
 
 
-def vae_equivalence(cases: list[dict]) -> dict:
-    """Each case {name, kind, height, width, frames}: the split VAE's output equals a single-process call's."""
+def split_vae_outputs(cases: list[dict], output_rank: int | None = None) -> dict:
+    """Each case {name, kind, height, width, frames}: this rank's output of the split VAE, the rows it held and
+    the collectives it issued."""
     torch.set_num_threads(1)
-    references, splits, results = {}, {}, {}
+    vaes, results = {}, {}
     for case in cases:
         name, kind = case["name"], case["kind"]
-        if name not in splits:
-            references[name] = build_vae(name)
-            splits[name] = paradiff.parallelize_vae(build_vae(name), stats=CommStats())
-        sample = sample_input(name, references[name], kind, case["height"], case["width"], case.get("frames", 1))
-        expected = run_vae(references[name], kind, sample)
-        runtime = get_vae_runtime(splits[name])
+        if name not in vaes:
+            vaes[name] = paradiff.parallelize_vae(build_vae(name), output_rank=output_rank)
+        runtime = get_vae_runtime(vaes[name])
         runtime.stats = CommStats()
-        actual = run_vae(splits[name], kind, sample)
-        region = "decoder" if kind == "decode" else "encoder"
-        results[f"{name}-{kind}"] = {
-            "shape": tuple(actual.shape), "expected_shape": tuple(expected.shape),
-            "relative": float((actual - expected).abs().max() / expected.abs().max()),
-            "rows": runtime.last_split.get(region), "calls": dict(runtime.stats.calls),
-        }
+        runtime.last_split.clear()
+        sample = sample_input(name, vaes[name], kind, case["height"], case["width"], case.get("frames", 1))
+        output = run_vae(vaes[name], kind, sample)
+        results[case_id(case)] = {"output": output, "rows": runtime.last_split.get("decoder" if kind == "decode"
+                                                                                  else "encoder"),
+                                  "calls": dict(runtime.stats.calls)}
     return {"rank": dist.get_rank(), "results": results}
+
+
+def case_id(case: dict) -> str:
+    return f"{case['name']}-{case['kind']}-{case['height']}x{case['width']}x{case.get('frames', 1)}"
+
+
+def decode_peak_memory(name: str, height: int, width: int, frames: int = 1) -> dict:
+    """Peak bytes of the tensors one split decode creates on this rank (its gathered output included)."""
+    torch.set_num_threads(1)
+    vae = paradiff.parallelize_vae(build_vae(name))
+    sample = sample_input(name, vae, "decode", height, width, frames)
+    run_vae(vae, "decode", sample)  # the first call also learns the halo plans
+    gc.collect()
+    with PeakTensorMemory() as memory:
+        out = run_vae(vae, "decode", sample)
+    return {"rank": dist.get_rank(), "peak": memory.peak, "shape": tuple(out.shape)}
+
+
+def replica_outputs(data: int) -> dict:
+    """Data parallelism: each replica of a (data x tp) mesh decodes its own latent over its own ranks."""
+    from paradiff.mesh import build_mesh
+
+    torch.set_num_threads(1)
+    mesh = build_mesh(paradiff.ParallelConfig(
+        data_degree=data, tensor_parallel_config=paradiff.TensorParallelConfig(dist.get_world_size() // data)))
+    vae = paradiff.parallelize_vae(build_vae("kl"), mesh)
+    replica = mesh.local_rank("data")
+    sample = sample_input("kl", vae, "decode", 5, 6, seed=10 + replica)
+    runtime = get_vae_runtime(vae)
+    runtime.stats = CommStats()
+    output = run_vae(vae, "decode", sample)
+    return {"rank": dist.get_rank(), "replica": replica, "output": output,
+            "group_size": dist.get_world_size(runtime.group), "rows": runtime.last_split["decoder"]}
+
+
+def vae_errors() -> dict:
+    """Bad uses on a live world; each returns the error message (raised on every rank, before a collective where
+    the checks allow)."""
+    from diffusers import AutoencoderTiny
+    from diffusers.models.attention_processor import AttnProcessor
+
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    messages = {}
+
+    def attempt(label, call):
+        try:
+            call()
+            messages[label] = "no error"
+        except Exception as exc:  # noqa: BLE001
+            messages[label] = f"{type(exc).__name__}: {exc}"
+
+    def classic_processor():
+        vae = build_vae("kl")
+        vae.set_attn_processor(AttnProcessor())
+        paradiff.parallelize_vae(vae)
+
+    def twice():
+        paradiff.parallelize_vae(paradiff.parallelize_vae(build_vae("kl")))
+
+    def mismatched_shapes():
+        vae = paradiff.parallelize_vae(build_vae("kl"))
+        run_vae(vae, "decode", sample_input("kl", vae, "decode", 5 + rank, 6))
+
+    def requires_grad():
+        vae = paradiff.parallelize_vae(build_vae("kl"))
+        vae.decode(sample_input("kl", vae, "decode", 5, 6).requires_grad_())
+
+    attempt("unsupported", lambda: paradiff.parallelize_vae(AutoencoderTiny(
+        encoder_block_out_channels=(8,), decoder_block_out_channels=(8,), num_encoder_blocks=(1,),
+        num_decoder_blocks=(1,), latent_channels=4)))
+    attempt("inject_noise", lambda: paradiff.parallelize_vae(build_vae(
+        "ltxvideo", config=dict(decoder_inject_noise=(True, False, False)))))
+    attempt("classic_processor", classic_processor)
+    attempt("output_rank", lambda: paradiff.parallelize_vae(build_vae("kl"), output_rank=dist.get_world_size()))
+    attempt("bad_group", lambda: paradiff.parallelize_vae(build_vae("kl"), "world"))
+    attempt("twice", twice)
+    attempt("mismatched_shapes", mismatched_shapes)
+    attempt("requires_grad", requires_grad)
+    return messages

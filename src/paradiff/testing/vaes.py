@@ -48,12 +48,14 @@ VAE_NAMES = tuple(CONFIGS)
 VIDEO = {"wan", "wan22", "hunyuanvideo", "ltxvideo"}
 
 
-def build_vae(name: str, seed: int = 0):
+def build_vae(name: str, seed: int = 0, config: dict | None = None):
+    """The tiny VAE `name`, with `config` entries overriding its tiny config."""
     import diffusers
 
     if name not in CONFIGS:
         raise ValueError(f"unknown tiny VAE {name!r}; known: {VAE_NAMES}")
-    class_name, config = CONFIGS[name]
+    class_name, base = CONFIGS[name]
+    config = {**base, **(config or {})}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         vae = getattr(diffusers, class_name)(**config)

@@ -1,0 +1,137 @@
+"""Parallel VAE decode and encode: every covered VAE, split by rows on 2 and 4 ranks, equals a single-process call
+(fp32, batch 2, heights the ranks do not divide, video VAEs over several frame chunks)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import paradiff
+import rank_cases_vae as cases
+from paradiff.testing.memory import PeakTensorMemory
+from paradiff.testing.vaes import build_vae, run_vae, sample_input
+
+RTOL = 1e-5  # relative max difference: max |split - single| / max |single|
+# name -> [(kind, height, width, frames)]: latent heights of 5 and image heights of 18/20 rows (5 units of the
+# encoder's downsampling) divide neither 2 nor 4 ranks; video VAEs run 2-3 chunks of Wan's frame cache.
+CASES = {
+    "kl": [("decode", 5, 6, 1), ("encode", 18, 20, 1)],
+    "flux2": [("decode", 5, 6, 1), ("encode", 18, 20, 1)],
+    "qwenimage": [("decode", 5, 6, 1), ("encode", 18, 20, 1)],
+    "wan": [("decode", 5, 6, 3), ("encode", 18, 20, 5)],
+    "wan22": [("decode", 5, 6, 3), ("encode", 40, 24, 5)],
+    "hunyuanvideo": [("decode", 5, 6, 2), ("encode", 18, 20, 5)],
+    "ltxvideo": [("decode", 5, 6, 2), ("encode", 20, 20, 5)],
+}
+HAS_GROUP_NORM = {"kl", "flux2", "hunyuanvideo"}
+ATTENTION_CALL = {"kl": "ring_pass", "flux2": "ring_pass", "qwenimage": "ring_pass", "wan": "ring_pass",
+                  "wan22": "ring_pass", "hunyuanvideo": "all_gather_kv"}  # LTX's VAE has no attention
+
+
+def _case_list(names=CASES):
+    return [dict(name=name, kind=kind, height=height, width=width, frames=frames)
+            for name in names for kind, height, width, frames in CASES[name]]
+
+
+def _references(case_list) -> dict[str, torch.Tensor]:
+    vaes = {name: build_vae(name) for name in {case["name"] for case in case_list}}
+    out = {}
+    for case in case_list:
+        vae = vaes[case["name"]]
+        sample = sample_input(case["name"], vae, case["kind"], case["height"], case["width"], case["frames"])
+        out[cases.case_id(case)] = run_vae(vae, case["kind"], sample)
+    return out
+
+
+def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    return float((actual - expected).abs().max() / expected.abs().max())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_covered_vae_matches_single_process(pools, world):
+    case_list = _case_list()
+    results = pools.get(world).run(cases.split_vae_outputs, cases=case_list, timeout_s=600)
+    expected = _references(case_list)
+    for case in case_list:
+        key = cases.case_id(case)
+        per_rank = [result["results"][key] for result in results]
+        for rank, result in enumerate(per_rank):
+            assert _relative(result["output"], expected[key]) <= RTOL, (key, rank)
+        # the work was split: each rank held a band of the input rows, the bands cover the input
+        rows = [result["rows"][0] for result in per_rank]
+        full = case["height"] if case["name"] != "wan22" or case["kind"] == "decode" else case["height"] // 2
+        assert sum(rows) == full and max(rows) < full, (key, rows)
+        calls = per_rank[0]["calls"]
+        assert calls.get("halo_exchange", 0) > 0, (key, calls)
+        if case["name"] in HAS_GROUP_NORM:
+            assert calls.get("all_gather_norm_stats", 0) > 0, (key, calls)
+        if case["name"] in ATTENTION_CALL:
+            assert calls.get(ATTENTION_CALL[case["name"]], 0) > 0, (key, calls)
+
+
+def test_output_on_one_rank_and_inputs_too_small_to_split(pools):
+    case_list = [dict(name="kl", kind="decode", height=5, width=6, frames=1),
+                 dict(name="wan", kind="decode", height=5, width=6, frames=3),
+                 dict(name="kl", kind="decode", height=1, width=6, frames=1)]  # 1 latent row for 2 ranks
+    results = pools.get(2).run(cases.split_vae_outputs, cases=case_list, output_rank=1)
+    expected = _references(case_list)
+    for case in case_list[:2]:
+        key = cases.case_id(case)
+        assert _relative(results[1]["results"][key]["output"], expected[key]) <= RTOL
+        empty = results[0]["results"][key]["output"]
+        assert empty.shape[-2] == 0 and empty.shape[:-2] == expected[key].shape[:-2]
+    small = cases.case_id(case_list[2])
+    for result in results:  # ran whole on every rank, without splitting
+        assert result["results"][small]["rows"] is None
+        assert _relative(result["results"][small]["output"], expected[small]) <= RTOL
+        assert set(result["results"][small]["calls"]) == {"agree_shape"}
+
+
+def test_data_parallel_replicas_split_over_their_own_ranks(pools):
+    results = pools.get(4).run(cases.replica_outputs, data=2)
+    vae = build_vae("kl")
+    for result in results:
+        expected = run_vae(vae, "decode", sample_input("kl", vae, "decode", 5, 6, seed=10 + result["replica"]))
+        assert _relative(result["output"], expected) <= RTOL
+        assert result["group_size"] == 2 and result["rows"][0] < 5
+    assert {r["replica"] for r in results} == {0, 1}
+
+
+def test_decode_peak_memory_at_two_ranks(pools):
+    """Measured: peak bytes of the tensors a decode creates (activations and the gathered output), per rank."""
+    torch.set_num_threads(1)
+    name, height, width, frames = "wan", 16, 16, 3
+    vae = build_vae(name)
+    sample = sample_input(name, vae, "decode", height, width, frames)
+    run_vae(vae, "decode", sample)
+    gc.collect()
+    with PeakTensorMemory() as memory:
+        run_vae(vae, "decode", sample)
+    results = pools.get(2).run(cases.decode_peak_memory, name=name, height=height, width=width, frames=frames)
+    for result in results:
+        assert result["peak"] <= 0.6 * memory.peak, (result["peak"], memory.peak)
+
+
+def test_errors_before_any_collective(pools):
+    messages = pools.get(2).run(cases.vae_errors)
+    for per_rank in messages:
+        assert "cannot split AutoencoderTiny" in per_rank["unsupported"]
+        assert "AutoencoderKLWan" in per_rank["unsupported"]
+        assert "decoder_inject_noise" in per_rank["inject_noise"]
+        assert "AttnProcessor2_0" in per_rank["classic_processor"]
+        assert "output_rank must be None or a rank of the group, 0..1; got 2" in per_rank["output_rank"]
+        assert "got str" in per_rank["bad_group"]
+        assert "already split" in per_rank["twice"]
+        assert per_rank["mismatched_shapes"].startswith("DistributedError")
+        assert "rank 0: shape (2, 4, 5, 6)" in per_rank["mismatched_shapes"]
+        assert "rank 1: shape (2, 4, 6, 6)" in per_rank["mismatched_shapes"]
+        assert "inference-only" in per_rank["requires_grad"]
+
+
+def test_process_group_not_initialised():
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(paradiff.DistributedError, match="init_process_group"):
+        paradiff.parallelize_vae(build_vae("kl"))
