@@ -86,3 +86,56 @@ def cp_from_pretrained(family: str, folder: str, ring: int, ulysses: int, tp: in
     model = paradiff.from_pretrained(cls, folder, parallel_config=config)
     inputs = make_inputs(family, reference.config, lengths=Lengths(height=3, width=5, text=7))
     return {"diff": float((run_forward(model, inputs) - run_forward(reference, inputs)).abs().max())}
+
+
+def _masks(batch: int, heads: int, tokens: int, generator: torch.Generator) -> dict:
+    """Masks over a whole sequence, as a model passes them to SDPA: OmniGen-like causal text with a bidirectional
+    image block (bool and additive min-value bias), a per-head additive bias with -inf entries, and a float
+    key-padding bias per head."""
+    text = tokens // 2
+    causal = torch.ones(tokens, tokens).tril().bool()
+    causal[text:, :] = True  # image rows see everything
+    causal = causal[None, None].repeat(batch, 1, 1, 1)
+    causal[-1, :, :, :2] = False  # the last sample's first two tokens are padding (left-padded text)
+    causal[-1, :, :2, :] = True   # padding rows attend to all, as OmniGen's processor makes them
+    bias = torch.randn(batch, heads, tokens, tokens, generator=generator)
+    bias[torch.rand(batch, heads, tokens, tokens, generator=generator) < 0.3] = float("-inf")
+    bias[..., 0] = 0.0  # no row fully masked
+    key_bias = torch.zeros(batch, heads, 1, tokens)
+    key_bias[-1, ..., -3:] = -10000.0  # PixArt-style finite padding bias, repeated per head
+    return {"causal_bool": causal, "causal_min_bias": (~causal).float() * torch.finfo(torch.float32).min,
+            "per_head_bias": bias, "per_head_key_bias": key_bias}
+
+
+def cp_general_masks(ring: int, ulysses: int, tokens: int = 11, heads: int = 4, batch: int = 2) -> dict:
+    """Each mask kind through the CP runtime against SDPA on the whole sequence: relative max difference per kind
+    (query-dependent masks whole on every rank, key masks split with the keys)."""
+    import torch.nn.functional as F
+
+    from paradiff.context_parallel.attention import local_chunk
+    from paradiff.context_parallel.runtime import ContextParallelRuntime
+    from paradiff.mesh import build_mesh
+
+    cp = paradiff.ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses)
+    mesh = build_mesh(paradiff.ParallelConfig(context_parallel_config=cp))
+    runtime = ContextParallelRuntime(
+        mode=cp.mode, cp_group=mesh.flat_group(("ring", "ulysses")),
+        ring_group=mesh.group("ring") if ring > 1 else None, ulysses_group=mesh.group("ulysses") if ulysses > 1 else None,
+        stats=CommStats())
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(batch, heads, tokens, 16, generator=generator) for _ in range(3))
+    rank, size = runtime.cp_rank, runtime.cp_size
+    local = lambda t, dim=2: local_chunk(t, dim, rank, size)  # noqa: E731
+    diffs = {}
+    for name, mask in _masks(batch, heads, tokens, generator).items():
+        expected = local(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+        given = local(mask, 3) if mask.shape[2] == 1 else mask
+        actual = runtime.attention(local(q), local(k), local(v), attn_mask=given)
+        diffs[name] = float((actual - expected).abs().max() / expected.abs().max())
+    try:  # a query-dependent mask split with the queries cannot be used: every rank says so
+        runtime.attention(local(q), local(k), local(v), attn_mask=local(_masks(batch, heads, tokens, generator)
+                                                                         ["causal_bool"]))
+        error = "no error"
+    except ValueError as exc:
+        error = str(exc)
+    return {"diffs": diffs, "calls": dict(runtime.stats.calls), "split_mask_error": error}

@@ -122,3 +122,14 @@ def test_from_pretrained_with_context_parallel_config(pools, checkpoints, world,
                                    folder=str(checkpoints[("qwenimage", "sharded")]), ring=ring, ulysses=ulysses, tp=tp)
     for result in results:
         assert result["diff"] < ATOL, result
+
+
+@pytest.mark.parametrize("mode", ["ring2", "ulysses2", "unified2x2", "ring4"])
+def test_query_dependent_and_per_head_masks(pools, mode):
+    """Masks that are not key-padding masks (OmniGen's causal text + bidirectional image, per-head biases) are exact
+    in every CP mode; a query-dependent mask must reach the attention whole."""
+    world, ring, ulysses = MODES[mode]
+    for result in pools.get(world).run(cases.cp_general_masks, ring=ring, ulysses=ulysses):
+        assert max(result["diffs"].values()) < ATOL, result
+        assert result["calls"].get(EXPECTED_COMM[mode], 0) > 0, result
+        assert "must cover the whole sequence of 11 tokens" in result["split_mask_error"], result

@@ -59,6 +59,36 @@ def test_backend_matches_math(backend, masked, dtype):
         assert lse is None
 
 
+def _query_masks(batch=2, heads=3, queries=7, keys=11):
+    """Query-dependent masks: a bool (batch, 1, q, k) mask and a per-head additive bias with -inf entries, one row of
+    each fully masked."""
+    generator = torch.Generator().manual_seed(5)
+    boolean = torch.rand(batch, 1, queries, keys, generator=generator) > 0.4
+    boolean[..., 0] = True
+    boolean[0, 0, 2] = False
+    bias = torch.randn(batch, heads, queries, keys, generator=generator)
+    bias = bias.masked_fill(torch.rand(bias.shape, generator=generator) < 0.3, float("-inf"))
+    bias[..., 1] = 0.0
+    bias[1, 2, 4] = float("-inf")
+    return {"bool": boolean, "bias": bias}
+
+
+@pytest.mark.parametrize("backend", ["native", "math", "sdpa"])
+@pytest.mark.parametrize("kind", ["bool", "bias"])
+def test_query_dependent_masks_and_biases(backend, kind):
+    q, k, v = _qkv()
+    mask = _query_masks()[kind]
+    out, lse = BACKENDS[backend](q, k, v, mask, 0.25)
+    live = (mask.any(-1) if kind == "bool" else ~torch.isneginf(mask).all(-1)).expand(2, 3, 7)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25)
+    torch.testing.assert_close(out[live], expected[live], atol=1e-5, rtol=1e-5)
+    if RETURNS_LSE[backend]:  # ours: fully masked rows give zeros and lse = -inf, neutral in a merge
+        assert torch.equal(out[~live], torch.zeros_like(out[~live])) and (~live).any()
+        scores = (q @ k.transpose(-1, -2)) * 0.25
+        scores = scores.masked_fill(~mask, float("-inf")) if kind == "bool" else scores + mask
+        torch.testing.assert_close(lse, torch.logsumexp(scores, -1), atol=1e-5, rtol=1e-5)
+
+
 def test_fully_masked_rows_give_zero_and_minus_inf():
     q, k, v = _qkv(batch=1)
     mask = torch.zeros(1, 1, 1, k.shape[2], dtype=torch.bool)

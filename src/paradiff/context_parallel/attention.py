@@ -1,7 +1,12 @@
 """Ring, Ulysses and unified attention over a sequence split unevenly across ranks.
 
-Every function takes this rank's (batch, heads, local_seq, head_dim) query/key/value and an optional bool key mask
-(batch, 1, 1, local_keys), and returns this rank's output rows, equal to attention over the full sequence.
+Every function takes this rank's (batch, heads, local_seq, head_dim) query/key/value and returns this rank's output
+rows, equal to attention over the full sequence. Masks (bool, True = attend, or an additive float bias) come in two
+kinds:
+- a key mask (batch, 1 or heads, 1, local_keys), split with the tokens: it travels with its keys;
+- a sequence mask (batch, 1 or heads, full_seq, full_seq), query-dependent (causal parts, per-segment blocks), held
+  whole by every rank for a sequence split in order (rank r holds the r-th chunk): ring attention takes its local
+  rows and, per travelling block, that block's columns; Ulysses, which attends whole sequences, takes all of it.
 Uneven lengths are handled by exchanging lengths first: Ulysses uses all-to-all with explicit split sizes, ring pads
 each travelling block to the longest and masks the padding.
 """
@@ -26,42 +31,76 @@ def local_chunk(tensor: torch.Tensor, dim: int, index: int, parts: int) -> torch
     return tensor.narrow(dim, sum(sizes[:index]), sizes[index])
 
 
-def local_attention(q, k, v, key_mask, scale, kernel: Kernel) -> torch.Tensor:
-    out, _ = kernel(q, k, v, key_mask, scale)
+def local_attention(q, k, v, mask, scale, kernel: Kernel) -> torch.Tensor:
+    out, _ = kernel(q, k, v, mask, scale)
     return out.to(q.dtype)
+
+
+def _pad_keys(mask: torch.Tensor, keys: int) -> torch.Tensor:
+    """Extend a mask's key dim to `keys` with masked-out columns (False, or -inf for a bias)."""
+    pad = keys - mask.shape[-1]
+    if pad <= 0:
+        return mask
+    fill = mask.new_zeros(mask.shape[:-1] + (pad,)) if mask.dtype == torch.bool else \
+        mask.new_full(mask.shape[:-1] + (pad,), float("-inf"))
+    return torch.cat([mask, fill], dim=-1)
+
+
+def _check_sequence_mask(mask: torch.Tensor, total: int) -> None:
+    if mask.shape[-2] != total or mask.shape[-1] != total:
+        raise ValueError(
+            f"A query-dependent attention mask must cover the whole sequence of {total} tokens under context "
+            f"parallelism (queries x keys = {total} x {total}); got {tuple(mask.shape)}. Leave the mask unsplit in "
+            "the context-parallel plan, or use a key-padding mask (batch, 1, 1, keys) split with the tokens."
+        )
+
+
+def _starts(lengths: list[int]) -> list[int]:
+    return [sum(lengths[:index]) for index in range(len(lengths))]
 
 
 def ring_attention(
     q, k, v, key_mask, scale, kernel: Kernel, group: dist.ProcessGroup, stats: CommStats | None = None,
-    return_lse: bool = False,
+    return_lse: bool = False, sequence_mask: torch.Tensor | None = None,
 ):
     """K/V blocks travel around the ring; the next block's transfer overlaps the attention on the current one.
 
-    No rank holds more than two K/V blocks (current and incoming) at once, never the full sequence.
+    No rank holds more than two K/V blocks (current and incoming) at once, never the full sequence. A key mask
+    travels with its block; a sequence mask stays put and gives each block its own columns.
     """
     size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
     lengths = all_gather_int(k.shape[2], group, k.device)
     longest = max(lengths)
     batch = k.shape[0]
-    mask_given = key_mask is not None
-    if key_mask is None:
+    if sequence_mask is not None:
+        if q.shape[2] != k.shape[2]:
+            raise NotImplementedError("A query-dependent mask under ring attention needs queries and keys of one "
+                                      f"sequence (self-attention); got {q.shape[2]} queries and {k.shape[2]} keys.")
+        _check_sequence_mask(sequence_mask, sum(lengths))
+        starts = _starts(lengths)
+        rows = sequence_mask.narrow(-2, starts[rank], q.shape[2])
+    elif key_mask is None and any(length < longest for length in lengths):
+        # some blocks are padded, and padding must be masked out: every block travels with a key mask
         key_mask = torch.ones(batch, 1, 1, k.shape[2], dtype=torch.bool, device=k.device)
     if k.shape[2] < longest:  # pad so every travelling block has one shape; padding is masked out
         pad = longest - k.shape[2]
         k = torch.cat([k, k.new_zeros(k.shape[:2] + (pad, k.shape[3]))], dim=2)
         v = torch.cat([v, v.new_zeros(v.shape[:2] + (pad, v.shape[3]))], dim=2)
-        key_mask = torch.cat([key_mask, key_mask.new_zeros(key_mask.shape[:3] + (pad,))], dim=3)
-    block = [k.contiguous(), v.contiguous(), key_mask.expand(batch, 1, 1, longest).contiguous()]
-    needs_mask = any(length < longest for length in lengths)
+    block = [k.contiguous(), v.contiguous()]
+    if key_mask is not None and sequence_mask is None:
+        block.append(_pad_keys(key_mask, longest).expand(batch, -1, -1, longest).contiguous())
     out = lse = None
-    rank = dist.get_rank(group)
     for step in range(size):
         works = []
         if step < size - 1:
             incoming, works = ring_pass_start(block, group, stats)
         source = (rank - step) % size
         if lengths[source] > 0:
-            mask = block[2] if (needs_mask or mask_given) else None
+            if sequence_mask is not None:
+                mask = _pad_keys(rows.narrow(-1, starts[source], lengths[source]), longest)
+            else:
+                mask = block[2] if len(block) > 2 else None
             block_out, block_lse = kernel(q, block[0], block[1], mask, scale)
             out, lse = merge_lse(out, lse, block_out, block_lse)
         if works:
@@ -104,9 +143,16 @@ def _sequence_to_heads(out: torch.Tensor, lengths: list[int], head_sizes: list[i
     return torch.cat(received, dim=1)
 
 
+def _my_heads(mask: torch.Tensor | None, head_sizes: list[int], rank: int) -> torch.Tensor | None:
+    """The mask's rows for the heads this rank attends after the exchange (a per-head mask only)."""
+    if mask is None or mask.shape[1] == 1:
+        return mask
+    return mask.narrow(1, sum(head_sizes[:rank]), head_sizes[rank])
+
+
 def ulysses_attention(
     q, k, v, key_mask, scale, kernel: Kernel, group: dist.ProcessGroup, stats: CommStats | None = None,
-    ring_group: dist.ProcessGroup | None = None,
+    ring_group: dist.ProcessGroup | None = None, sequence_mask: torch.Tensor | None = None,
 ):
     """All-to-all from sequence-split to head-split, attention on whole sequences, all-to-all back.
 
@@ -114,6 +160,7 @@ def ulysses_attention(
     `ring_group` the attention on the gathered block is itself a ring over that group: unified attention.
     """
     size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
     if q.shape[2] != k.shape[2]:
         raise NotImplementedError("Ulysses attention needs queries and keys of one sequence (self-attention).")
     lengths = all_gather_int(q.shape[2], group, q.device)
@@ -121,11 +168,17 @@ def ulysses_attention(
     qkv = _heads_to_sequence(q, k, v, lengths, head_sizes, group, stats)
     full_mask = None
     if key_mask is not None:
-        full_mask = all_gather_uneven(key_mask.expand(q.shape[0], 1, 1, k.shape[2]), 3, lengths, group, stats)
+        gathered = all_gather_uneven(key_mask.expand(q.shape[0], -1, 1, k.shape[2]), 3, lengths, group, stats)
+        full_mask = _my_heads(gathered, head_sizes, rank)
+    sequence_mask = _my_heads(sequence_mask, head_sizes, rank)
+    if sequence_mask is not None and ring_group is None:
+        _check_sequence_mask(sequence_mask, sum(lengths))
+        full_mask = sequence_mask
     if qkv.shape[2] == 0:
         out = qkv[0].new_zeros(qkv[0].shape)
     elif ring_group is not None:
-        out = ring_attention(qkv[0], qkv[1], qkv[2], full_mask, scale, kernel, ring_group, stats)
+        out = ring_attention(qkv[0], qkv[1], qkv[2], full_mask, scale, kernel, ring_group, stats,
+                             sequence_mask=sequence_mask)
     else:
         out = local_attention(qkv[0], qkv[1], qkv[2], full_mask, scale, kernel)
     return _sequence_to_heads(out.to(q.dtype), lengths, head_sizes, group, stats)

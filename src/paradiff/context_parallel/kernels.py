@@ -3,7 +3,9 @@
 Ring attention computes a query block against one key/value block at a time; the partial outputs are combined
 exactly with their LSEs: out = sum_i exp(lse_i - lse) * out_i, lse = log sum_i exp(lse_i). Merging happens in fp32.
 
-Tensors are (batch, heads, seq, head_dim); `key_mask` is a bool (batch, 1, 1, keys) tensor, True = attend.
+Tensors are (batch, heads, seq, head_dim). A `mask` is None, a bool tensor (True = attend) or an additive float bias,
+broadcastable to (batch, heads, queries, keys): key-padding masks are (batch, 1, 1, keys), query-dependent ones
+(batch, 1 or heads, queries, keys).
 """
 
 from __future__ import annotations
@@ -34,55 +36,61 @@ def _zero_dead_rows(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor,
     return out, lse
 
 
-def math_attention(q, k, v, key_mask, scale):
+def dead_rows(mask: torch.Tensor) -> torch.Tensor:
+    """Query rows (mask shape without the key dim) in which every key is masked out."""
+    return ~mask.any(dim=-1) if mask.dtype == torch.bool else torch.isneginf(mask).all(dim=-1)
+
+
+def math_attention(q, k, v, mask, scale):
     """Plain torch, fp32 accumulation, any device: the reference every other kernel is tested against."""
     if q.shape[-2] == 0 or k.shape[-2] == 0:
         return _empty_result(q, v)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if key_mask is not None:
-        scores = scores.masked_fill(~key_mask, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
     lse = torch.logsumexp(scores, dim=-1)
     weights = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
     return _zero_dead_rows(torch.matmul(weights, v.float()), lse)
 
 
-def _additive(key_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    if key_mask is None:
+def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    if mask is None:
         return None
-    bias = torch.zeros(key_mask.shape, dtype=dtype, device=key_mask.device)
-    return bias.masked_fill(~key_mask, float("-inf"))
+    if mask.dtype != torch.bool:
+        return mask.to(dtype)
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return bias.masked_fill(~mask, float("-inf"))
 
 
-def native_attention(q, k, v, key_mask, scale):
+def native_attention(q, k, v, mask, scale):
     """PyTorch's own SDPA kernels that expose the LSE: flash-for-CPU on CPU; flash / memory-efficient on CUDA."""
     if q.shape[-2] == 0 or k.shape[-2] == 0:
         return _empty_result(q, v)
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, attn_mask=_additive(key_mask, q.dtype), scale=scale
+            q, k, v, 0.0, False, attn_mask=_additive(mask, q.dtype), scale=scale
         )
         lse = lse.float()
-        if key_mask is not None:
+        if mask is not None:
             # this kernel reports lse = 0 (not -inf) for rows with every key masked; an LSE merge needs -inf
-            dead = ~key_mask.any(dim=-1)
-            lse = lse.masked_fill(dead.expand_as(lse), float("-inf"))
+            lse = lse.masked_fill(dead_rows(mask).expand_as(lse), float("-inf"))
         return _zero_dead_rows(out.float(), lse)
     if q.device.type == "cuda":
-        if key_mask is None and q.dtype in (torch.float16, torch.bfloat16):
+        if mask is None and q.dtype in (torch.float16, torch.bfloat16):
             result = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
             return result[0].float(), result[1].float()
-        bias = _additive(key_mask, q.dtype)
+        bias = _additive(mask, q.dtype)
         if bias is not None:
             bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         result = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, False, scale=scale)
         out, lse = result[0].float(), result[1][..., : q.shape[-2]].float()
         return _zero_dead_rows(out, lse)
-    return math_attention(q, k, v, key_mask, scale)
+    return math_attention(q, k, v, mask, scale)
 
 
-def flash_attn_attention(q, k, v, key_mask, scale):
+def flash_attn_attention(q, k, v, mask, scale):
     """The flash-attn package (CUDA, fp16/bf16, no mask)."""
-    if key_mask is not None:
+    if mask is not None:
         raise ParallelConfigError("backend 'flash' takes no attention mask; use 'native' or 'math' for masked models.")
     from flash_attn import flash_attn_func
 
@@ -92,9 +100,11 @@ def flash_attn_attention(q, k, v, key_mask, scale):
     return out.transpose(1, 2).float(), lse.float()
 
 
-def sdpa_attention(q, k, v, key_mask, scale):
+def sdpa_attention(q, k, v, mask, scale):
     """torch's public SDPA: fastest kernel choice, but no LSE, so it can only serve Ulysses and local attention."""
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, scale=scale)
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(q.dtype)  # SDPA takes a bias of the query's dtype only
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return out, None
 
 

@@ -21,22 +21,19 @@ from .attention import local_attention, ring_attention, ulysses_attention
 from .kernels import BACKENDS, check_backend, default_scale
 
 
-def key_mask_from(attn_mask: torch.Tensor | None, batch: int, keys: int) -> torch.Tensor | None:
-    """Normalise an SDPA mask to a bool (batch, 1, 1, keys) key mask; other masks cannot be split by sequence."""
+def normalise_mask(attn_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """An SDPA mask as a 4-D (batch or 1, heads or 1, queries or 1, keys) bool mask or additive float bias, its
+    leading dims added as SDPA broadcasts them.
+
+    The dtype alone decides bool or bias, never the values, so every rank takes the same path."""
     if attn_mask is None:
         return None
-    mask = attn_mask
-    if mask.dim() == 2:
-        mask = mask[:, None, None, :]
-    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1 or mask.shape[3] != keys:
+    if not 1 <= attn_mask.dim() <= 4:
         raise NotImplementedError(
-            f"Context parallelism supports key-padding masks of shape (batch, 1, 1, keys); got {tuple(attn_mask.shape)}."
+            f"Context parallelism takes attention masks of 1 to 4 dims (up to (batch, heads, queries, keys)), as "
+            f"SDPA does; got shape {tuple(attn_mask.shape)}."
         )
-    if mask.dtype != torch.bool:
-        if not bool(((mask == 0) | torch.isneginf(mask)).all()):
-            raise NotImplementedError("Context parallelism supports bool masks or additive masks of 0 / -inf only.")
-        mask = mask == 0
-    return mask.expand(batch, 1, 1, keys)
+    return attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
 
 
 @dataclass
@@ -72,17 +69,24 @@ class ContextParallelRuntime:
                 f"dropout_p={dropout_p}, is_causal={is_causal}, enable_gqa={enable_gqa}."
             )
         scale = default_scale(query.shape[-1]) if scale is None else scale
-        key_mask = key_mask_from(attn_mask, query.shape[0], key.shape[2])
+        mask = normalise_mask(attn_mask)
         kernel = BACKENDS[self.backend]
-        if local:
-            return local_attention(query, key, value, key_mask, scale, kernel)
+        if local:  # queries and mask rows are both this rank's; keys are whole
+            return local_attention(query, key, value, mask, scale, kernel)
+        if mask is not None and mask.shape[-1] != key.shape[2] and mask.shape[2] == 1:
+            raise NotImplementedError(
+                f"A key-padding mask under context parallelism must be split with the keys: it has "
+                f"{mask.shape[-1]} keys, this rank holds {key.shape[2]}. Split the mask in the context-parallel plan "
+                "where its tokens are split."
+            )
+        # a mask with one row is a key mask, split with the tokens; one with a row per query covers the whole sequence
+        key_mask, sequence_mask = (mask, None) if mask is None or mask.shape[2] == 1 else (None, mask)
         if self.mode == "ring":
-            return ring_attention(query, key, value, key_mask, scale, kernel, self.ring_group, self.stats)
-        if self.mode == "ulysses":
-            return ulysses_attention(query, key, value, key_mask, scale, kernel, self.ulysses_group, self.stats)
-        return ulysses_attention(
-            query, key, value, key_mask, scale, kernel, self.ulysses_group, self.stats, ring_group=self.ring_group
-        )
+            return ring_attention(query, key, value, key_mask, scale, kernel, self.ring_group, self.stats,
+                                  sequence_mask=sequence_mask)
+        ring_group = self.ring_group if self.mode == "unified" else None
+        return ulysses_attention(query, key, value, key_mask, scale, kernel, self.ulysses_group, self.stats,
+                                 ring_group=ring_group, sequence_mask=sequence_mask)
 
 
 class AttentionInterceptor(TorchFunctionMode):
