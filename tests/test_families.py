@@ -14,6 +14,9 @@ TOLERANCE = 1e-5
 MAX_SHARE = 0.75
 EXAMPLES = examples.all_examples()
 IDS = [f"{family}:{example}" for family, example, _ in EXAMPLES]
+# modes a family asks for beyond the four, e.g. tp4 where K/V heads (2) are fewer than the ranks and get replicated
+EXTRA = [(family, example, mode) for family, example, _ in EXAMPLES
+         for mode in getattr(examples.family_module(family), "EXTRA_MODES", {}).get(example, ())]
 
 
 def check(results: list[dict]) -> None:
@@ -35,3 +38,11 @@ def test_four_ranks_tp2_x_ulysses2_loaded_shard_on_read(pools, tmp_path, family,
     examples.build_example(family, example).save_pretrained(tmp_path, safe_serialization=True)
     check(pools.get(4).run(cases.family_modes, family=family, example=example, modes=["tp2xulysses2"],
                            checkpoint=str(tmp_path)))
+
+
+@pytest.mark.parametrize("family,example,mode", EXTRA, ids=[f"{f}:{e}:{m}" for f, e, m in EXTRA])
+def test_extra_modes_loaded_shard_on_read(pools, tmp_path, family, example, mode):
+    tp, ring, ulysses = cases.MODES[mode]
+    examples.build_example(family, example).save_pretrained(tmp_path, safe_serialization=True)
+    check(pools.get(tp * ring * ulysses).run(cases.family_modes, family=family, example=example, modes=[mode],
+                                             checkpoint=str(tmp_path)))

@@ -4,7 +4,9 @@ Every module in this package that defines `MODEL_CLASSES` is a family. A family 
 - `tensor_parallel_plan(config) -> TensorParallelPlan` and `context_parallel_plan(config) -> ContextParallelPlan`;
 - `EXAMPLES`: {example name: (class name, tiny config kwargs)} and `example_inputs(name, config, batch, grid)`,
   the smallest configurations and forward inputs that exercise every block type; `paradiff check-plan` and the test
-  suite run every plan on them.
+  suite run every plan on them;
+- `EXTRA_MODES`: {example name: modes beyond tp2 / ulysses2 / ring2 / tp2 x ulysses2, e.g. ("tp4",)} the test suite
+  also runs (tests/rank_cases_families.py names the modes).
 """
 
 from __future__ import annotations

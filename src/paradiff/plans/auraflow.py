@@ -1,0 +1,62 @@
+"""AuraFlow (`AuraFlowTransformer2DModel`): how it splits under tensor and context parallelism."""
+
+import torch
+
+from ..context_parallel.plan import ContextParallelPlan, Split
+from ..errors import PlanError
+from ..tensor_parallel.plan import TensorParallelPlan
+from .common import Grid, attention, joint_attention, mlp
+
+MODEL_CLASSES = ("AuraFlowTransformer2DModel",)
+
+
+def _feed_forward(prefix: str) -> dict[str, str]:
+    # AuraFlowFeedForward: silu(linear_1(x)) * linear_2(x), then out_projection
+    return {f"{prefix}.linear_1": "colwise", f"{prefix}.linear_2": "colwise", f"{prefix}.out_projection": "rowwise"}
+
+
+def tensor_parallel_plan(config) -> TensorParallelPlan:
+    return TensorParallelPlan(styles={
+        **joint_attention("joint_transformer_blocks.*.attn"),
+        **_feed_forward("joint_transformer_blocks.*.ff"),
+        **_feed_forward("joint_transformer_blocks.*.ff_context"),
+        "joint_transformer_blocks.*.norm1.linear": "rowwise_split_input",
+        "joint_transformer_blocks.*.norm1_context.linear": "rowwise_split_input",
+        **attention("single_transformer_blocks.*.attn"),
+        **_feed_forward("single_transformer_blocks.*.ff"),
+        "single_transformer_blocks.*.norm1.linear": "rowwise_split_input",
+        **mlp("time_step_proj"),
+        "context_embedder": "rowwise_split_input",
+        "norm_out.linear": "rowwise_split_input",
+    })
+
+
+def context_parallel_plan(config) -> ContextParallelPlan:
+    # Image and text (with its register tokens) are split at the first joint block. The single blocks run on
+    # [text, image] concatenated per rank, and the model slices the image back off by the local text length, so
+    # each rank keeps its own image rows in order.
+    if config.num_mmdit_layers == 0:
+        raise PlanError("AuraFlow's context-parallel plan splits the text at the first joint block, but this config "
+                        "has num_mmdit_layers=0; use tensor parallelism, or a config with joint blocks.")
+    return ContextParallelPlan(
+        split_inputs={"joint_transformer_blocks.0": {"hidden_states": Split(1), "encoder_hidden_states": Split(1)}},
+        gather_outputs={"proj_out": 1},
+    )
+
+
+EXAMPLES = {
+    "auraflow": ("AuraFlowTransformer2DModel", dict(
+        sample_size=16, patch_size=2, in_channels=4, num_mmdit_layers=1, num_single_dit_layers=2,
+        attention_head_dim=16, num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=64,
+        out_channels=4, pos_embed_max_size=64)),
+}
+
+
+def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
+    p = config.patch_size
+    return dict(
+        hidden_states=torch.randn(batch, config.in_channels, grid.height * p, grid.width * p, generator=generator),
+        encoder_hidden_states=torch.randn(batch, grid.text, config.joint_attention_dim, generator=generator),
+        timestep=torch.rand(batch, generator=generator) * 1000,
+        return_dict=False,
+    )

@@ -1,0 +1,81 @@
+"""Lumina-Image 2.0 (`Lumina2Transformer2DModel`): how it splits under tensor and context parallelism.
+
+Grouped-query attention: K/V have fewer heads than Q. `ColwiseHeads` splits them by whole heads up to their count
+and, beyond it, gives each group of tp / kv_heads ranks one K/V head (the one its Q heads use); the processor derives
+its repeat factor from the local shapes, so it stays right.
+"""
+
+import torch
+
+from ..context_parallel.plan import ContextParallelPlan, Split
+from ..tensor_parallel.plan import TensorParallelPlan
+from ..tensor_parallel.styles import ColwiseHeads
+from .common import Grid
+
+MODEL_CLASSES = ("Lumina2Transformer2DModel",)
+STACKS = ("noise_refiner", "context_refiner", "layers")
+
+
+def _head_dim(config) -> int:
+    return config.hidden_size // config.num_attention_heads
+
+
+def tensor_parallel_plan(config) -> TensorParallelPlan:
+    styles = {}
+    for stack in STACKS:
+        styles.update({
+            f"{stack}.*.attn.to_q": "colwise",
+            f"{stack}.*.attn.to_k": ColwiseHeads(_head_dim),
+            f"{stack}.*.attn.to_v": ColwiseHeads(_head_dim),
+            f"{stack}.*.attn.to_out.0": "rowwise",
+            # LuminaFeedForward: linear_2(silu(linear_1(x)) * linear_3(x))
+            f"{stack}.*.feed_forward.linear_1": "colwise",
+            f"{stack}.*.feed_forward.linear_3": "colwise",
+            f"{stack}.*.feed_forward.linear_2": "rowwise",
+        })
+    for stack in ("noise_refiner", "layers"):  # the context refiner has no modulation
+        styles[f"{stack}.*.norm1.linear"] = "rowwise_split_input"
+    styles.update({
+        "time_caption_embed.timestep_embedder.linear_1": "colwise",
+        "time_caption_embed.timestep_embedder.linear_2": "rowwise",
+        "time_caption_embed.caption_embedder.1": "rowwise_split_input",
+        "norm_out.linear_1": "rowwise_split_input",
+    })
+    return TensorParallelPlan(styles=styles)
+
+
+def context_parallel_plan(config) -> ContextParallelPlan:
+    # Three sequences: the text (context refiner), the image (noise refiner) and, after the model joins them sample
+    # by sample, the joint one (main layers). Each is split at its stack's first block with its rotary table (and
+    # key mask) at every block, and gathered after the refiners, where the model joins them on the full sequences.
+    stacks = STACKS if config.num_refiner_layers else ("layers",)
+    split_inputs, gather_outputs = {}, {"norm_out": 1}
+    for stack in stacks:
+        split_inputs[f"{stack}.0"] = {"hidden_states": Split(1)}
+        split_inputs[f"{stack}.*"] = {"attention_mask": Split(1), "image_rotary_emb": Split(1)}
+    for stack in stacks[:-1]:
+        gather_outputs[f"{stack}.{config.num_refiner_layers - 1}"] = 1
+    return ContextParallelPlan(split_inputs=split_inputs, gather_outputs=gather_outputs)
+
+
+EXAMPLES = {
+    # 4 query heads, 2 K/V heads: tp2 splits both, tp4 replicates each K/V head on two ranks
+    "lumina2": ("Lumina2Transformer2DModel", dict(
+        sample_size=16, patch_size=2, in_channels=4, hidden_size=64, num_layers=2, num_refiner_layers=1,
+        num_attention_heads=4, num_kv_heads=2, multiple_of=16, axes_dim_rope=(4, 6, 6), axes_lens=(32, 32, 32),
+        cap_feat_dim=32)),
+}
+EXTRA_MODES = {"lumina2": ("tp4",)}
+
+
+def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
+    p = config.patch_size
+    text_mask = torch.ones(batch, grid.text, dtype=torch.bool)
+    text_mask[-1, grid.text - 3:] = False  # the last caption is padded
+    return dict(
+        hidden_states=torch.randn(batch, config.in_channels, grid.height * p, grid.width * p, generator=generator),
+        timestep=torch.rand(batch, generator=generator),
+        encoder_hidden_states=torch.randn(batch, grid.text, config.cap_feat_dim, generator=generator),
+        encoder_attention_mask=text_mask,
+        return_dict=False,
+    )

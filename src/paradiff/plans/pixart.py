@@ -1,0 +1,53 @@
+"""PixArt-alpha / PixArt-sigma (`PixArtTransformer2DModel`): how it splits under tensor and context parallelism."""
+
+import torch
+
+from ..context_parallel.plan import ContextParallelPlan, Split
+from ..tensor_parallel.plan import TensorParallelPlan
+from .common import Grid, attention, feed_forward, mlp
+
+MODEL_CLASSES = ("PixArtTransformer2DModel",)
+
+
+def tensor_parallel_plan(config) -> TensorParallelPlan:
+    styles = {
+        **attention("transformer_blocks.*.attn1"),
+        **attention("transformer_blocks.*.attn2"),
+        **feed_forward("transformer_blocks.*.ff"),
+        # one AdaLN-single modulation (dim -> 6 dim) for all blocks, on the replicated timestep embedding
+        **mlp("adaln_single.emb.timestep_embedder"),
+        "adaln_single.linear": "rowwise_split_input",
+    }
+    if config.caption_channels is not None:
+        styles.update(mlp("caption_projection"))
+    return TensorParallelPlan(styles=styles)
+
+
+def context_parallel_plan(config) -> ContextParallelPlan:
+    return ContextParallelPlan(
+        split_inputs={"transformer_blocks.0": {"hidden_states": Split(1)}},
+        gather_outputs={"proj_out": 1},
+        # attn2 attends to the replicated caption: local, no communication
+        local_attention=("transformer_blocks.*.attn2",),
+    )
+
+
+EXAMPLES = {
+    "pixart-sigma": ("PixArtTransformer2DModel", dict(
+        num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=8, num_layers=2,
+        cross_attention_dim=64, sample_size=16, patch_size=2, caption_channels=32, norm_num_groups=1)),
+}
+
+
+def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
+    p = config.patch_size
+    text_mask = torch.ones(batch, grid.text, dtype=torch.long)
+    text_mask[-1, grid.text // 2:] = 0  # the last caption is padded
+    return dict(
+        hidden_states=torch.randn(batch, config.in_channels, grid.height * p, grid.width * p, generator=generator),
+        encoder_hidden_states=torch.randn(batch, grid.text, config.caption_channels, generator=generator),
+        encoder_attention_mask=text_mask,
+        timestep=torch.rand(batch, generator=generator) * 1000,
+        added_cond_kwargs={"resolution": None, "aspect_ratio": None},
+        return_dict=False,
+    )
