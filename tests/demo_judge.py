@@ -1,0 +1,56 @@
+"""A pixel rule that says what a generated shapes picture shows, written independently of the model and its data.
+
+Background: the palette colour nearest to the median of the border pixels. Shape colour: the palette colour most
+of the other pixels are nearest to (pixels near the background colour left out). Shape: how much of its bounding box
+the shape's pixels fill: a square fills all of it, a circle pi/4, a triangle one half.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from paradiff.demo.shapes import COLOURS
+
+_NAMES = list(COLOURS)
+_PALETTE = np.asarray([COLOURS[name] for name in _NAMES], np.float32)
+
+
+def _nearest(pixels: np.ndarray) -> np.ndarray:
+    return np.argmin(((pixels[..., None, :] - _PALETTE) ** 2).sum(-1), axis=-1)
+
+
+def judge(image: np.ndarray) -> tuple[str, str, str]:
+    """(shape, colour, background) of a (H, W, 3) image, uint8 or float in [0, 1]."""
+    pixels = np.asarray(image, np.float32)
+    if pixels.max() <= 1.0:
+        pixels = pixels * 255.0
+    border = np.concatenate([pixels[:2].reshape(-1, 3), pixels[-2:].reshape(-1, 3),
+                             pixels[:, :2].reshape(-1, 3), pixels[:, -2:].reshape(-1, 3)])
+    background = int(_nearest(np.median(border, axis=0)))
+    labels = _nearest(pixels)
+    far = np.linalg.norm(pixels - _PALETTE[background], axis=-1) > 60
+    votes = np.bincount(labels[far & (labels != background)], minlength=len(_NAMES))
+    if votes.sum() == 0:
+        return "none", "none", _NAMES[background]
+    colour = int(np.argmax(votes))
+    mask = labels == colour
+    rows, cols = np.nonzero(mask)
+    box = (rows.max() - rows.min() + 1) * (cols.max() - cols.min() + 1)
+    fill = mask.sum() / box
+    shape = "square" if fill > 0.92 else "circle" if fill > 0.64 else "triangle"
+    return shape, _NAMES[colour], _NAMES[background]
+
+
+def parse(prompt: str) -> tuple[str, str, str]:
+    """(shape, colour, background) a shapes prompt asks for."""
+    words = prompt.replace(",", " ").split()
+    on = words.index("on")
+    return words[on - 1], words[on - 2], words[on + 2]
+
+
+def score(prompts: list[str], images: list[np.ndarray]) -> dict[str, float]:
+    """Fraction of prompts whose background, shape colour and shape the rule finds as asked."""
+    found = [judge(image) for image in images]
+    wanted = [parse(prompt) for prompt in prompts]
+    return {part: float(np.mean([f[i] == w[i] for f, w in zip(found, wanted)]))
+            for i, part in enumerate(("shape", "colour", "background"))}

@@ -1,0 +1,403 @@
+"""Train the embedded demo pipeline: a tiny FLUX.2 (`Flux2Pipeline`) that draws the captioned shapes data set.
+
+    python tools/train_demo.py                      # full run, writes src/paradiff/assets/demo/ (about 25 min, 2 cores)
+    python tools/train_demo.py --quick --out /tmp/x # a few steps of each stage, for tests
+
+Stages, each deterministic (fixed seeds, fixed thread count, data drawn from a seeded generator):
+1. tokenizer and text encoder, built here: a word-level tokenizer over the captions' words with FLUX.2's chat
+   format, and a 30-layer Mistral3 text encoder of width 32 with seeded random weights, kept frozen (the pipeline
+   stacks its layers 10, 20 and 30, as for the real model). Every training caption is encoded once, by the
+   pipeline's own encoding function.
+2. the autoencoder (`AutoencoderKLFlux2`, 8x downsampling) trained on the images; its batch-norm statistics, which
+   the pipeline uses to normalise latents, set to those of the encoded data set.
+3. the transformer (`Flux2Transformer2DModel`) trained with the rectified-flow objective on cached latents and
+   caption embeddings, at the noise levels the pipeline's scheduler visits; an exponential moving average of its
+   weights is what is saved.
+The loss of every stage is logged to `<out>/train_log.jsonl`; checkpoints go to `--work` after each stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from paradiff.demo import shapes  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO / "src" / "paradiff" / "assets" / "demo"
+
+TEXT_WIDTH = 32
+TEXT_LAYERS = 30
+MAX_SEQUENCE_LENGTH = 20
+LATENT_CHANNELS = 8
+VAE_CHANNELS = (8, 16, 32, 64)
+
+SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[IMG]"]
+
+# Mistral's chat format as FLUX.2 uses it: the pipeline sends a system message and the user's prompt.
+CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message['content'] is string %}{%- set text = message['content'] %}"
+    "{%- else %}{%- set text = message['content'] | selectattr('type', 'equalto', 'text')"
+    " | map(attribute='text') | join('') %}{%- endif %}"
+    "{%- if message['role'] == 'system' %}{{- '[SYSTEM_PROMPT]' + text + '[/SYSTEM_PROMPT]' }}"
+    "{%- elif message['role'] == 'user' %}{{- '[INST]' + text + '[/INST]' }}"
+    "{%- elif message['role'] == 'assistant' %}{{- text + eos_token }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+)
+
+
+def build_tokenizer():
+    """Word-level, lower-cased; FLUX.2's fixed system message is one token, so prompts fit in 20 tokens."""
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = sorted({word for caption in shapes.all_captions(False) + shapes.all_captions(True)
+                    for word in caption.replace(",", " , ").split()})
+    vocab = {token: i for i, token in enumerate(SPECIALS + words)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.normalizer = normalizers.Lowercase()
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    backend.add_tokens([AddedToken(SYSTEM_MESSAGE, normalized=False, special=False)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
+        extra_special_tokens=SPECIALS[4:], chat_template=CHAT_TEMPLATE, model_max_length=MAX_SEQUENCE_LENGTH,
+    )
+
+
+def build_text_encoder(tokenizer, seed: int):
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
+
+    text_config = MistralConfig(
+        vocab_size=len(tokenizer), hidden_size=TEXT_WIDTH, intermediate_size=64, num_hidden_layers=TEXT_LAYERS,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, sliding_window=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+    )
+    # The class needs a vision tower; text-to-image never runs it, so it is as small as the config allows.
+    vision_config = PixtralVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+        patch_size=4, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+    )
+    torch.manual_seed(seed)
+    encoder = Mistral3ForConditionalGeneration(Mistral3Config(
+        text_config=text_config, vision_config=vision_config,
+        image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"), spatial_merge_size=2,
+        multimodal_projector_bias=False, tie_word_embeddings=False,
+    ))
+    with torch.no_grad():
+        # Unit-scale word vectors: the residual stream then carries each word clearly through the 30 random layers
+        # (at the default 0.02 the layers' random mixing would dominate it).
+        embeddings = encoder.get_input_embeddings().weight
+        embeddings.normal_(0.0, 1.0)
+    return encoder.eval().requires_grad_(False)
+
+
+def encode_captions(tokenizer, text_encoder, captions: list[str], batch: int = 256) -> torch.Tensor:
+    """(len(captions), MAX_SEQUENCE_LENGTH, 3 * TEXT_WIDTH) through the pipeline's own encoding function."""
+    from diffusers import Flux2Pipeline
+
+    out = []
+    with torch.no_grad():
+        for i in range(0, len(captions), batch):
+            out.append(Flux2Pipeline._get_mistral_3_small_prompt_embeds(
+                text_encoder, tokenizer, captions[i:i + batch], dtype=torch.float32, device=torch.device("cpu"),
+                max_sequence_length=MAX_SEQUENCE_LENGTH))
+    return torch.cat(out)
+
+
+# --- data -------------------------------------------------------------------------------------------------------
+
+
+def draw_pool(count: int, seed: int) -> tuple[torch.Tensor, list[shapes.Scene]]:
+    """`count` training images (uint8, N x 3 x 64 x 64) and their scenes, drawn from a seeded generator."""
+    rng = random.Random(seed)
+    train = shapes.combinations(held_out=False)
+    images, scenes = [], []
+    for _ in range(count):
+        scene = shapes.Scene(*rng.choice(train), rng.choice(list(shapes.PLACES)), rng.choice(list(shapes.SIZES)))
+        jitter = (rng.randint(-2, 2), rng.randint(-2, 2), rng.randint(-2, 2))
+        images.append(torch.from_numpy(shapes.draw(scene, jitter)))
+        scenes.append(scene)
+    return torch.stack(images).permute(0, 3, 1, 2).contiguous(), scenes
+
+
+def to_unit(images: torch.Tensor) -> torch.Tensor:
+    """uint8 [0, 255] -> float [-1, 1], the VAE's range (what the pipeline's image processor inverts)."""
+    return images.float() / 127.5 - 1.0
+
+
+# --- autoencoder ------------------------------------------------------------------------------------------------
+
+
+def build_vae(seed: int, channels=VAE_CHANNELS):
+    import diffusers
+
+    torch.manual_seed(seed)
+    return diffusers.AutoencoderKLFlux2(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * len(channels),
+        up_block_types=("UpDecoderBlock2D",) * len(channels), block_out_channels=channels, layers_per_block=1,
+        latent_channels=LATENT_CHANNELS, norm_num_groups=4, sample_size=shapes.IMAGE_SIZE, patch_size=(2, 2),
+        mid_block_add_attention=False,
+    )
+
+
+def cosine_lr(step: int, total: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+
+
+def train_vae(vae, pool: torch.Tensor, steps: int, batch: int, lr: float, seed: int, log) -> None:
+    """L1 reconstruction from the posterior mean plus fixed small noise, and a small KL term.
+
+    The pipeline only ever uses the posterior mode, so the decoder learns from the mean; the noise (0.1) and the KL
+    term keep the latent space smooth and centred for the transformer. Sampling with the posterior's own variance,
+    which starts at 1, would drown the latent in noise for hundreds of steps. The shape's pixels weigh 5x: they are
+    a tenth of the picture but all of its content, and without the weight backgrounds are learnt long before shapes.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
+    vae.train()
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = cosine_lr(step, steps, lr, warmup=20)
+        index = torch.randint(len(pool), (batch,), generator=generator)
+        x = to_unit(pool[index])
+        shape_pixels = (x - x[:, :, :1, :1]).abs().amax(dim=1, keepdim=True) > 0.05
+        weight = 1.0 + 4.0 * shape_pixels.float()
+        posterior = vae.encode(x).latent_dist
+        z = posterior.mean + 0.1 * torch.randn(posterior.mean.shape, generator=generator)
+        reconstruction = vae.decode(z).sample
+        l1 = ((reconstruction - x).abs() * weight).mean() / weight.mean()
+        kl = 0.5 * (posterior.mean.pow(2) + posterior.var - 1.0 - posterior.logvar).mean()
+        loss = l1 + 1e-3 * kl
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        log("vae", step, loss=loss.item(), l1=l1.item(), kl=kl.item())
+    vae.eval()
+
+
+def latent_statistics(vae, pool: torch.Tensor, batch: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel mean and variance of the patchified latents, which the pipeline (de)normalises with."""
+    latents = encode_latents(vae, pool, batch, normalise=False)
+    return latents.mean(dim=(0, 2, 3)), latents.var(dim=(0, 2, 3))
+
+
+def encode_latents(vae, pool: torch.Tensor, batch: int = 256, normalise: bool = True) -> torch.Tensor:
+    """The pipeline's view of each image: the posterior mode, patchified (2x2) and batch-normalised."""
+    from diffusers import Flux2Pipeline
+
+    out = []
+    with torch.no_grad():
+        for i in range(0, len(pool), batch):
+            latents = Flux2Pipeline._patchify_latents(vae.encode(to_unit(pool[i:i + batch])).latent_dist.mode())
+            if normalise:
+                mean = vae.bn.running_mean.view(1, -1, 1, 1)
+                std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+                latents = (latents - mean) / std
+            out.append(latents)
+    return torch.cat(out)
+
+
+# --- transformer ------------------------------------------------------------------------------------------------
+
+
+def build_transformer(seed: int):
+    import diffusers
+
+    torch.manual_seed(seed)
+    head_dim = 32
+    return diffusers.Flux2Transformer2DModel(
+        patch_size=1, in_channels=4 * LATENT_CHANNELS, out_channels=None, num_layers=2, num_single_layers=2,
+        attention_head_dim=head_dim, num_attention_heads=4, joint_attention_dim=3 * TEXT_WIDTH,
+        timestep_guidance_channels=64, mlp_ratio=3.0, axes_dims_rope=(head_dim // 4,) * 4, rope_theta=2000,
+        guidance_embeds=False,
+    )
+
+
+def build_scheduler():
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    # A fixed shift of 1 (no resolution-dependent shifting): at 16 image tokens the pipeline's empirical shift,
+    # made for megapixel images, would spend almost every step at high noise.
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=SCHEDULER_SHIFT, use_dynamic_shifting=False)
+
+
+SCHEDULER_SHIFT = 1.0
+
+
+def sample_sigmas(count: int, generator: torch.Generator) -> torch.Tensor:
+    """Noise levels distributed as the scheduler's: uniform in (0, 1], through the scheduler's shift."""
+    u = 1.0 - torch.rand(count, generator=generator)  # (0, 1]
+    return SCHEDULER_SHIFT * u / (1 + (SCHEDULER_SHIFT - 1) * u)
+
+
+def position_ids(text_length: int, grid: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (t, h, w, l) ids the pipeline gives text and image tokens."""
+    from diffusers import Flux2Pipeline
+
+    txt_ids = Flux2Pipeline._prepare_text_ids(torch.zeros(1, text_length, 1))[0]
+    img_ids = Flux2Pipeline._prepare_latent_ids(torch.zeros(1, 1, grid, grid))[0]
+    return txt_ids, img_ids
+
+
+def train_transformer(transformer, latents: torch.Tensor, caption_index: torch.Tensor, embeddings: torch.Tensor,
+                      steps: int, batch: int, lr: float, seed: int, log):
+    """Rectified flow: x_s = (1 - s) x_0 + s e, the transformer predicts e - x_0 (the velocity the Euler scheduler
+    integrates from s = 1 to 0). `caption_index[i]` lists the embeddings of image i's caption variants."""
+    from diffusers import Flux2Pipeline
+
+    generator = torch.Generator().manual_seed(seed)
+    grid = latents.shape[-1]
+    packed = Flux2Pipeline._pack_latents(latents)  # (N, grid*grid, channels)
+    txt_ids, img_ids = position_ids(embeddings.shape[1], grid)
+    ema = copy.deepcopy(transformer).requires_grad_(False)
+    optimizer = torch.optim.AdamW(transformer.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.99))
+    transformer.train()
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = cosine_lr(step, steps, lr, warmup=100)
+        index = torch.randint(len(packed), (batch,), generator=generator)
+        variant = torch.randint(caption_index.shape[1], (batch,), generator=generator)
+        x0 = packed[index]
+        text = embeddings[caption_index[index, variant]]
+        noise = torch.randn(x0.shape, generator=generator)
+        sigma = sample_sigmas(batch, generator)
+        noisy = (1 - sigma.view(-1, 1, 1)) * x0 + sigma.view(-1, 1, 1) * noise
+        prediction = transformer(hidden_states=noisy, encoder_hidden_states=text, timestep=sigma, img_ids=img_ids,
+                                 txt_ids=txt_ids, return_dict=False)[0]
+        loss = (prediction - (noise - x0)).pow(2).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
+        optimizer.step()
+        decay = min(0.999, (1 + step) / (10 + step))
+        with torch.no_grad():
+            for average, current in zip(ema.parameters(), transformer.parameters()):
+                average.lerp_(current, 1 - decay)
+        log("transformer", step, loss=loss.item(), lr=optimizer.param_groups[0]["lr"])
+    transformer.eval()
+    return ema.eval()
+
+
+# --- the whole run ----------------------------------------------------------------------------------------------
+
+
+def caption_table(scenes: list[shapes.Scene]) -> tuple[list[str], torch.Tensor]:
+    """Every caption variant (with and without size and place) of every scene, and per scene the index of each."""
+    captions: dict[str, int] = {}
+    rows = []
+    for scene in scenes:
+        row = []
+        for with_size in (False, True):
+            for with_place in (False, True):
+                row.append(captions.setdefault(scene.caption(with_size, with_place), len(captions)))
+        rows.append(row)
+    return list(captions), torch.tensor(rows)
+
+
+def save_pipeline(components: dict, out: Path) -> None:
+    """Write the pipeline folder beside `out` and swap it into place, so a failed save never leaves half a folder."""
+    from diffusers import Flux2Pipeline
+
+    pipeline = Flux2Pipeline(**components)
+    staging = out.parent / f".{out.name}.staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    pipeline.save_pretrained(staging, safe_serialization=True)
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)
+
+
+PROFILES = {
+    # images for the VAE, VAE steps and batch; images for the transformer, its steps, batch and peak learning rate
+    "full": dict(vae_pool=4096, vae_steps=600, vae_batch=32, vae_lr=3e-3, pool=8192, steps=3000, batch=64, lr=5e-4),
+    "quick": dict(vae_pool=64, vae_steps=20, vae_batch=8, vae_lr=3e-3, pool=64, steps=40, batch=16, lr=1e-3),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="pipeline folder to write")
+    parser.add_argument("--work", type=Path, default=REPO / ".cache" / "train_demo",
+                        help="checkpoints of each stage (a rerun resumes after the last finished stage)")
+    parser.add_argument("--quick", action="store_true", help="a few steps of each stage (tests)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads; results are reproducible for a fixed count (1: on a shared 2-core "
+                             "machine, 2 threads spin-wait on each other and run 10x slower)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    profile = PROFILES["quick" if args.quick else "full"]
+    torch.set_num_threads(args.threads)
+    torch.use_deterministic_algorithms(True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    log_path = args.work / "train_log.jsonl"
+    log_file = log_path.open("w")
+    start = time.perf_counter()
+
+    def log(stage: str, step: int, **values: float) -> None:
+        record = {"stage": stage, "step": step, "time_s": round(time.perf_counter() - start, 2), **values}
+        log_file.write(json.dumps(record) + "\n")
+        if step % 50 == 0:
+            log_file.flush()
+            print(json.dumps(record), flush=True)
+
+    seed = args.seed
+    tokenizer = build_tokenizer()
+    text_encoder = build_text_encoder(tokenizer, seed + 1)
+
+    vae = build_vae(seed + 2)
+    vae_checkpoint = args.work / "vae.pt"
+    if vae_checkpoint.is_file() and not args.quick:
+        vae.load_state_dict(torch.load(vae_checkpoint))
+        print(f"autoencoder: resumed from {vae_checkpoint}", flush=True)
+    else:
+        vae_pool, _ = draw_pool(profile["vae_pool"], seed + 3)
+        train_vae(vae, vae_pool, profile["vae_steps"], profile["vae_batch"], profile["vae_lr"], seed + 4, log)
+        mean, var = latent_statistics(vae, vae_pool)
+        vae.bn.running_mean.copy_(mean)
+        vae.bn.running_var.copy_(var)
+        torch.save(vae.state_dict(), vae_checkpoint)
+    vae.eval().requires_grad_(False)
+
+    pool, scenes = draw_pool(profile["pool"], seed + 5)
+    latents = encode_latents(vae, pool)
+    captions, caption_index = caption_table(scenes)
+    embeddings = encode_captions(tokenizer, text_encoder, captions)
+    print(f"data: {len(pool)} images, latents {tuple(latents.shape[1:])}, {len(captions)} captions "
+          f"{tuple(embeddings.shape[1:])} ({time.perf_counter() - start:.0f} s)", flush=True)
+
+    transformer = build_transformer(seed + 6)
+    ema = train_transformer(transformer, latents, caption_index, embeddings, profile["steps"], profile["batch"],
+                            profile["lr"], seed + 7, log)
+    torch.save(ema.state_dict(), args.work / "transformer_ema.pt")
+    log_file.close()
+    save_pipeline(dict(scheduler=build_scheduler(), vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                       transformer=ema), args.out)
+    shutil.copy(log_path, args.out / "train_log.jsonl")
+    size = sum(p.stat().st_size for p in args.out.rglob("*.safetensors"))
+    print(f"wrote {args.out} ({size / 1e6:.1f} MB of weights) in {time.perf_counter() - start:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
