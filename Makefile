@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/paradiff generate --tp 2 --ulysses 2 --steps 4 --compare --out out/demo
+	$(VENV)/bin/paradiff generate --tp 2 --ulysses 2 --compare --out out/demo
 	$(PY) -m paradiff.demo
 
 test: $(STAMP)

@@ -152,14 +152,20 @@ def test_training_script_runs_deterministically_and_its_losses_fall(tmp_path):
     """A shortened run (a few steps per stage), twice at once: the same weights, falling losses, a loadable
     pipeline. The full run is `python tools/train_demo.py` (README)."""
     runs = []
-    for name in ("a", "b"):
-        command = [sys.executable, str(REPO / "tools" / "train_demo.py"), "--quick", "--out", str(tmp_path / name),
-                   "--work", str(tmp_path / f"work-{name}")]
-        runs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=dict(os.environ, PYTHONPATH=str(REPO / "src"))))
-    for run in runs:
-        output, _ = run.communicate(timeout=240)
-        assert run.returncode == 0, output[-3000:]
+    try:
+        for name in ("a", "b"):
+            command = [sys.executable, str(REPO / "tools" / "train_demo.py"), "--quick", "--out",
+                       str(tmp_path / name), "--work", str(tmp_path / f"work-{name}")]
+            runs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                         env=dict(os.environ, PYTHONPATH=str(REPO / "src"))))
+        for run in runs:
+            output, _ = run.communicate(timeout=600)
+            assert run.returncode == 0, output[-3000:]
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
     from safetensors.torch import load_file
 
     for component in ("vae", "transformer"):

@@ -56,7 +56,10 @@ def main(argv: list[str] | None = None, *, worker_module: str = WORKER_MODULE,
         if args.model is None:
             from .embedded import embedded_default
 
-            embedded_default()  # build the tiny pipeline once, before the workers start
+            try:
+                embedded_default()
+            except FileNotFoundError as exc:
+                raise CliError(str(exc)) from None
         return launch(argv, world_size_of(args), worker_module)
     except CliError as exc:
         say(f"paradiff: error: {exc}")

@@ -28,8 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="generate images (PNG) and a JSON run report")
     gen.add_argument("model", nargs="?", default=None,
-                     help="pipeline folder or Hub id; omitted: the embedded tiny FLUX.2 pipeline (random weights)")
-    gen.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
+                     help="pipeline folder or Hub id; omitted: the embedded tiny FLUX.2 pipeline, trained to draw "
+                          "captioned shapes (64x64)")
+    gen.add_argument("--prompt", action="append", default=None,
+                     help="a prompt (repeatable); default: the embedded pipeline's demo prompts")
     gen.add_argument("--prompts-file", default=None, help="a text file with one prompt per line")
     gen.add_argument("--negative-prompt", default=None)
     gen.add_argument("--tp", type=_positive, default=1)
@@ -37,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ring", type=_positive, default=1)
     gen.add_argument("--cfg", type=_positive, default=1)
     gen.add_argument("--dp", type=_positive, default=1)
-    gen.add_argument("--steps", type=_positive, default=4)
+    gen.add_argument("--steps", type=_positive, default=None,
+                     help="denoising steps (default 4; 8 for the embedded pipeline)")
     gen.add_argument("--height", type=_positive, default=64)
     gen.add_argument("--width", type=_positive, default=64)
     gen.add_argument("--seed", type=int, default=0)
@@ -46,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=DTYPES, default="float32")
     gen.add_argument("--out", default="out", help="output folder (PNG files and report.json)")
     gen.add_argument("--compare", action="store_true",
-                     help="also run the single-process pipeline on rank 0 and print the max difference")
+                     help="also run the single-process pipeline for rank 0's images, print the max difference and "
+                          "write compare.png (single process | parallel | |difference| amplified)")
     gen.add_argument("--timeout", type=float, default=600.0, help="collective timeout in seconds")
     gen.add_argument("--plan", default=None,
                      help="transformer TP plan: 'auto' (derived from its structure) or FILE.py; default built-in")
@@ -90,12 +94,19 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
             raise CliError(f"cannot read --prompts-file {args.prompts_file}: {exc.strerror}") from None
         prompts += [line.strip() for line in text.splitlines() if line.strip()]
     if not prompts:
-        prompts = ["a red cube on a blue table"]
+        from ..demo import DEFAULT_PROMPTS
+
+        prompts = list(DEFAULT_PROMPTS) if args.model is None else ["a red cube on a blue table"]
     return prompts
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Everything a user can get wrong, checked before any process starts or any weight is read."""
+    """Everything a user can get wrong, checked before any process starts or any weight is read; also fills in the
+    defaults that depend on the model (the launcher and every worker run this)."""
+    if args.steps is None:
+        from ..demo import DEFAULT_STEPS
+
+        args.steps = DEFAULT_STEPS if args.model is None else 4
     if args.model is not None:
         path = Path(args.model)
         if (path.exists() or args.model.startswith((".", "/"))) and not (path / "model_index.json").is_file():

@@ -1,22 +1,19 @@
-"""The pipeline `paradiff generate` runs when no model is given."""
+"""The pipeline `paradiff generate` runs when no model is given: the trained demo pipeline shipped in the package
+(`paradiff.demo`), which draws captioned shapes ("a red circle on a blue background, top left")."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-DEFAULT_CACHE = Path(os.environ.get("PARADIFF_CACHE", ".cache/paradiff"))
+from ..demo import CALL_KWARGS, DEFAULT_PROMPTS, DEFAULT_STEPS, pipeline_path
+
+__all__ = ["DEFAULT_PROMPTS", "DEFAULT_STEPS", "embedded_call_kwargs", "embedded_default"]
 
 
-def embedded_default(cache: Path = DEFAULT_CACHE) -> Path:
-    from ..testing.pipelines import save_pipeline
-
-    return save_pipeline("flux2", cache / "tiny-flux2-pipeline")
+def embedded_default() -> Path:
+    return pipeline_path()
 
 
 def embedded_call_kwargs() -> dict:
-    """Pipeline arguments the embedded pipeline needs beyond the command line's."""
-    from ..testing.pipelines import default_call_kwargs
-
-    defaults = default_call_kwargs("flux2")
-    return {key: defaults[key] for key in ("max_sequence_length", "text_encoder_out_layers") if key in defaults}
+    """Pipeline arguments the embedded pipeline needs beyond the command line's (its prompt length)."""
+    return {"max_sequence_length": CALL_KWARGS["max_sequence_length"]}

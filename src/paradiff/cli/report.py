@@ -15,7 +15,7 @@ def say(line: str) -> None:
 
 
 def write_report(args: argparse.Namespace, out: Path, model: str, prompts: list[str], run: dict,
-                 gathered: list[dict], compare: float | None) -> dict:
+                 gathered: list[dict], compare: float | None, compared: int = 0) -> dict:
     """Write report.json from every rank's statistics (`gathered`) and print the summary lines; returns the report."""
     import numpy as np
 
@@ -39,6 +39,9 @@ def write_report(args: argparse.Namespace, out: Path, model: str, prompts: list[
     print(f"paradiff: {len(report['images'])} image(s) in {out}; load {load_s:.2f} s; "
           f"median step {np.median(steps):.3f} s; world {run['world_size']} "
           f"(tp={args.tp} ulysses={args.ulysses} ring={args.ring} cfg={args.cfg} dp={args.dp})")
+    for index, path in sorted(report["images"].items()):
+        print(f"paradiff:   {Path(path).name}  {prompts[int(index)]}")
     if compare is not None:
-        print(f"paradiff: max |difference| to the single-process image: {compare:.2e}")
+        print(f"paradiff: max |difference| to the single-process image: {compare:.2e} "
+              f"({compare * 255:.2g} of a 255 level, over {compared} image(s)); side by side in {out / 'compare.png'}")
     return report

@@ -17,10 +17,10 @@ import torch.distributed as dist
 
 import paradiff
 
-from ..comm import all_gather_object, barrier
+from ..comm import all_gather_object
 from ..mesh import default_device
 from .args import read_prompts
-from .compare import compare_single_process
+from .compare import single_process_images, write_compare_png
 from .embedded import embedded_call_kwargs, embedded_default
 from .report import write_report
 
@@ -69,12 +69,7 @@ def _generate(args: argparse.Namespace, device: torch.device, on_pipeline_loaded
     rank = dist.get_rank()
     if rank != 0 or not _console_is_terminal():
         _quiet_libraries()
-    model = args.model
-    if model is None:
-        if rank == 0:
-            embedded_default()
-        barrier()
-        model = str(embedded_default())
+    model = args.model if args.model is not None else str(embedded_default())
     dtype = getattr(torch, args.dtype)
     start = time.perf_counter()
     pipeline = paradiff.load_pipeline(model, parallel_config=parallel_config(args), torch_dtype=dtype, device=device,
@@ -90,7 +85,7 @@ def _generate(args: argparse.Namespace, device: torch.device, on_pipeline_loaded
     images: dict[int, str] = {}
     out = Path(args.out)
     kwargs = call_kwargs(args)
-    first_image = None
+    made: list[tuple[int, str, np.ndarray]] = []
     with paradiff.split_between_processes(indexed, pipeline) as share:
         for index, prompt in share:
             stamps = [time.perf_counter()]
@@ -102,15 +97,12 @@ def _generate(args: argparse.Namespace, device: torch.device, on_pipeline_loaded
             result = pipeline(prompt=prompt, seed=args.seed + index, callback_on_step_end=on_step, **kwargs)
             step_times += [b - a for a, b in zip(stamps, stamps[1:])]
             array = np.asarray(result.images[0])
-            if first_image is None:
-                first_image = (index, prompt, array)
+            if args.compare and rank == 0:
+                made.append((index, prompt, array))
             if pipeline.is_output_rank:
                 path = out / f"{index:04d}.png"
                 Image.fromarray((np.clip(array, 0, 1) * 255).round().astype("uint8")).save(path)
                 images[index] = str(path)
-    compare = None
-    if args.compare and rank == 0 and first_image is not None:
-        compare = compare_single_process(model, dtype, kwargs, args.seed, first_image)
     stats = {
         "rank": rank,
         "load_s": load_s,
@@ -120,8 +112,15 @@ def _generate(args: argparse.Namespace, device: torch.device, on_pipeline_loaded
     }
     gathered = all_gather_object(stats)
     if rank == 0:
+        # after the last collective: the other ranks are done while rank 0 runs the references
+        compare = None
+        if args.compare and made:
+            references = single_process_images(model, dtype, kwargs, args.seed, made)
+            compare = max(float(np.abs(reference - array).max()) for reference, (_, _, array) in zip(references, made))
+            write_compare_png(out / "compare.png", [(reference, array) for reference, (_, _, array)
+                                                    in zip(references, made)])
         run = {"world_size": dist.get_world_size(), "backend": dist.get_backend(), "device": device.type}
-        write_report(args, out, model, read_prompts(args), run, gathered, compare)
+        write_report(args, out, model, read_prompts(args), run, gathered, compare, compared=len(made))
 
 
 def _peak_memory_bytes(device: torch.device) -> int:
