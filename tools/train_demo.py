@@ -8,12 +8,14 @@ Stages, each deterministic (fixed seeds, fixed thread count, data drawn from a s
    format, and a 30-layer Mistral3 text encoder of width 32 with seeded random weights, kept frozen (the pipeline
    stacks its layers 10, 20 and 30, as for the real model). Every training caption is encoded once, by the
    pipeline's own encoding function.
-2. the autoencoder (`AutoencoderKLFlux2`, 4x downsampling to 16x16x4 latents) trained on the images; its batch-norm statistics, which
-   the pipeline uses to normalise latents, set to those of the encoded data set.
+2. the autoencoder (`AutoencoderKLFlux2`, 4x downsampling to 16x16x4 latents) trained on the images; its
+   batch-norm statistics, which the pipeline uses to normalise latents, set to those of the encoded data set; then
+   its decoder alone trained further on the (now fixed) latents, for sharper edges.
 3. the transformer (`Flux2Transformer2DModel`) trained with the rectified-flow objective on cached latents and
    caption embeddings, at the noise levels the pipeline's scheduler visits; an exponential moving average of its
    weights is what is saved.
-The loss of every stage is logged to `<out>/train_log.jsonl`; checkpoints go to `--work` after each stage.
+The loss of every step is logged to `<out>/train_log.jsonl`. Checkpoints go to `--work` (the autoencoder after its
+stage, the transformer every 500 steps); a rerun resumes from them and ends with the same weights.
 """
 
 from __future__ import annotations
@@ -196,6 +198,36 @@ def train_vae(vae, pool: torch.Tensor, steps: int, batch: int, lr: float, seed: 
     vae.eval()
 
 
+def train_decoder(vae, pool: torch.Tensor, steps: int, batch: int, lr: float, seed: int, log) -> None:
+    """The decoder alone, from the posterior mode with a little noise (0.02): the encoder, and so the latents the
+    transformer learns, stay as they are, while the decoder, no longer fighting the stage's larger noise, learns
+    sharp edges."""
+    generator = torch.Generator().manual_seed(seed)
+    vae.requires_grad_(False)
+    trained = list(vae.decoder.parameters())
+    if vae.post_quant_conv is not None:
+        trained += list(vae.post_quant_conv.parameters())
+    for parameter in trained:
+        parameter.requires_grad_(True)
+    optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=0.0)
+    vae.decoder.train()
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = cosine_lr(step, steps, lr, warmup=20)
+        index = torch.randint(len(pool), (batch,), generator=generator)
+        x = to_unit(pool[index])
+        with torch.no_grad():
+            z = vae.encode(x).latent_dist.mode()
+        z = z + 0.02 * torch.randn(z.shape, generator=generator)
+        weight = 1.0 + 4.0 * ((x - x[:, :, :1, :1]).abs().amax(dim=1, keepdim=True) > 0.05).float()
+        l1 = ((vae.decode(z).sample - x).abs() * weight).mean() / weight.mean()
+        optimizer.zero_grad(set_to_none=True)
+        l1.backward()
+        optimizer.step()
+        log("decoder", step, loss=l1.item())
+    vae.eval().requires_grad_(False)
+
+
 def latent_statistics(vae, pool: torch.Tensor, batch: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel mean and variance of the patchified latents, which the pipeline (de)normalises with."""
     latents = encode_latents(vae, pool, batch, normalise=False)
@@ -261,9 +293,60 @@ def position_ids(text_length: int, grid: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def train_transformer(transformer, latents: torch.Tensor, caption_index: torch.Tensor, embeddings: torch.Tensor,
-                      steps: int, batch: int, lr: float, seed: int, log):
+                      steps: int, batch: int, lr: float, seed: int, log, ranks: int = 1,
+                      checkpoint: Path | None = None):
     """Rectified flow: x_s = (1 - s) x_0 + s e, the transformer predicts e - x_0 (the velocity the Euler scheduler
-    integrates from s = 1 to 0). `caption_index[i]` lists the embeddings of image i's caption variants."""
+    integrates from s = 1 to 0). `caption_index[i]` lists the embeddings of image i's caption variants.
+
+    With `ranks` > 1, data parallel over that many local processes (gloo): every rank draws the same full batch and
+    takes its slice; gradients are averaged, so every rank makes the same update. Returns the moving average.
+    `checkpoint`: a file written every CHECKPOINT_EVERY steps, and resumed from when it exists."""
+    if ranks == 1:
+        return _train_transformer(0, 1, transformer, latents, caption_index, embeddings, steps, batch, lr, seed, log,
+                                  checkpoint)
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        result = Path(folder) / "ema.pt"
+        mp.spawn(_train_transformer_rank, nprocs=ranks, args=(
+            ranks, _free_port(), result, transformer, latents, caption_index, embeddings, steps, batch, lr, seed, log,
+            checkpoint))
+        ema = copy.deepcopy(transformer)
+        ema.load_state_dict(torch.load(result))
+    return ema.eval().requires_grad_(False)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _train_transformer_rank(rank: int, ranks: int, port: int, result: Path, transformer, *args) -> None:
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=ranks, timeout=datetime.timedelta(minutes=30))
+    try:
+        # spawn hands over tensors in shared memory: a copy of its own, so ranks never update one another's weights
+        ema = _train_transformer(rank, ranks, copy.deepcopy(transformer), *args)
+        if rank == 0:
+            torch.save(ema.state_dict(), result)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train_transformer(rank: int, ranks: int, transformer, latents, caption_index, embeddings, steps, batch, lr,
+                       seed, log, checkpoint: Path | None = None):
     from diffusers import Flux2Pipeline
 
     generator = torch.Generator().manual_seed(seed)
@@ -272,31 +355,100 @@ def train_transformer(transformer, latents: torch.Tensor, caption_index: torch.T
     txt_ids, img_ids = position_ids(embeddings.shape[1], grid)
     ema = copy.deepcopy(transformer).requires_grad_(False)
     optimizer = torch.optim.AdamW(transformer.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.99))
+    mine = slice(rank * batch // ranks, (rank + 1) * batch // ranks)
+    first = 0
+    if checkpoint is not None and checkpoint.is_file():
+        # everything the next step depends on, so a resumed run continues exactly as an uninterrupted one
+        state = torch.load(checkpoint)
+        transformer.load_state_dict(state["transformer"])
+        ema.load_state_dict(state["ema"])
+        optimizer.load_state_dict(state["optimizer"])
+        generator.set_state(state["generator"])
+        first = state["step"] + 1
+        if rank == 0:
+            print(f"transformer: resumed after step {state['step']} from {checkpoint}", flush=True)
     transformer.train()
-    for step in range(steps):
+    for step in range(first, steps):
         for group in optimizer.param_groups:
             group["lr"] = cosine_lr(step, steps, lr, warmup=100)
         index = torch.randint(len(packed), (batch,), generator=generator)
         variant = torch.randint(caption_index.shape[1], (batch,), generator=generator)
+        noise = torch.randn((batch, *packed.shape[1:]), generator=generator)[mine]
+        sigma = sample_sigmas(batch, generator)[mine].view(-1, 1, 1)
+        index, variant = index[mine], variant[mine]
         x0 = packed[index]
         text = embeddings[caption_index[index, variant]]
-        noise = torch.randn(x0.shape, generator=generator)
-        sigma = sample_sigmas(batch, generator)
-        noisy = (1 - sigma.view(-1, 1, 1)) * x0 + sigma.view(-1, 1, 1) * noise
-        prediction = transformer(hidden_states=noisy, encoder_hidden_states=text, timestep=sigma, img_ids=img_ids,
-                                 txt_ids=txt_ids, return_dict=False)[0]
+        noisy = (1 - sigma) * x0 + sigma * noise
+        prediction = transformer(hidden_states=noisy, encoder_hidden_states=text, timestep=sigma.view(-1),
+                                 img_ids=img_ids, txt_ids=txt_ids, return_dict=False)[0]
         loss = (prediction - (noise - x0)).pow(2).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if ranks > 1:
+            _average_gradients(transformer, loss)
         torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
         optimizer.step()
         decay = min(0.999, (1 + step) / (10 + step))
         with torch.no_grad():
             for average, current in zip(ema.parameters(), transformer.parameters()):
                 average.lerp_(current, 1 - decay)
-        log("transformer", step, loss=loss.item(), lr=optimizer.param_groups[0]["lr"])
+        if rank == 0:
+            log("transformer", step, loss=loss.item(), lr=optimizer.param_groups[0]["lr"])
+            if checkpoint is not None and (step + 1) % CHECKPOINT_EVERY == 0 and step + 1 < steps:
+                torch.save({"step": step, "transformer": transformer.state_dict(), "ema": ema.state_dict(),
+                            "optimizer": optimizer.state_dict(), "generator": generator.get_state()},
+                           checkpoint.with_suffix(".tmp"))
+                checkpoint.with_suffix(".tmp").replace(checkpoint)
+                log.flush()
     transformer.eval()
     return ema.eval()
+
+
+CHECKPOINT_EVERY = 500
+
+
+def _average_gradients(model, loss: torch.Tensor) -> None:
+    """One all-reduce of every gradient and the loss (for the log), flattened together, divided by the ranks."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads] + [loss.detach().reshape(1)])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+    loss.data.copy_(flat[-1])
+
+
+class TrainingLog:
+    """Loss records, one JSON line each, appended to `path` by whichever process trains; every 50th printed."""
+
+    def __init__(self, path: Path, start: float) -> None:
+        self.path, self.start, self._file = path, start, None
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path, "start": self.start, "_file": None}
+
+    def __call__(self, stage: str, step: int, **values: float) -> None:
+        if self._file is None:
+            self._file = self.path.open("a")
+        # perf_counter is CLOCK_MONOTONIC: one clock for all processes of the machine
+        record = {"stage": stage, "step": step, "time_s": round(time.perf_counter() - self.start, 2), **values}
+        self._file.write(json.dumps(record) + "\n")
+        if step % 50 == 0:
+            self.flush()
+            print(json.dumps(record), flush=True)
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 # --- the whole run ----------------------------------------------------------------------------------------------
@@ -331,9 +483,12 @@ def save_pipeline(components: dict, out: Path) -> None:
 
 
 PROFILES = {
-    # images for the VAE, VAE steps and batch; images for the transformer, its steps, batch and peak learning rate
-    "full": dict(vae_pool=4096, vae_steps=600, vae_batch=32, vae_lr=3e-3, pool=8192, steps=3000, batch=32, lr=1e-3),
-    "quick": dict(vae_pool=64, vae_steps=20, vae_batch=8, vae_lr=3e-3, pool=64, steps=40, batch=16, lr=1e-3),
+    # images for the VAE, its steps, batch and peak learning rate, the decoder's steps and peak learning rate;
+    # images for the transformer, its steps, batch, peak learning rate and data-parallel processes
+    "full": dict(vae_pool=4096, vae_steps=600, vae_batch=32, vae_lr=3e-3, decoder_steps=400, decoder_lr=2e-3,
+                 pool=8192, steps=4000, batch=64, lr=1e-3, ranks=2),
+    "quick": dict(vae_pool=64, vae_steps=20, vae_batch=8, vae_lr=3e-3, decoder_steps=10, decoder_lr=2e-3,
+                  pool=64, steps=40, batch=16, lr=1e-3, ranks=2),
 }
 
 
@@ -353,48 +508,64 @@ def main(argv: list[str] | None = None) -> int:
     torch.use_deterministic_algorithms(True)
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    # One file per finished stage (the transformer's also every CHECKPOINT_EVERY steps); a rerun resumes from them.
+    # --quick never resumes.
+    checkpoints = {stage: args.work / f"{stage}.pt" for stage in ("vae", "decoder", "transformer")}
+    partial = args.work / "transformer_checkpoint.pt"
+    finished = {stage for stage, path in checkpoints.items() if path.is_file() and not args.quick}
+    done_steps = torch.load(partial)["step"] if partial.is_file() and not args.quick else -1
     log_path = args.work / "train_log.jsonl"
-    log_file = log_path.open("w")
+    kept = [record for record in map(json.loads, log_path.read_text().splitlines() if log_path.is_file() else [])
+            if record["stage"] in finished or (record["stage"] == "transformer" and record["step"] <= done_steps)]
+    log_path.write_text("".join(json.dumps(record) + "\n" for record in kept))
     start = time.perf_counter()
-
-    def log(stage: str, step: int, **values: float) -> None:
-        record = {"stage": stage, "step": step, "time_s": round(time.perf_counter() - start, 2), **values}
-        log_file.write(json.dumps(record) + "\n")
-        if step % 50 == 0:
-            log_file.flush()
-            print(json.dumps(record), flush=True)
+    log = TrainingLog(log_path, start)
 
     seed = args.seed
     tokenizer = build_tokenizer()
     text_encoder = build_text_encoder(tokenizer, seed + 1)
 
     vae = build_vae(seed + 2)
-    vae_checkpoint = args.work / "vae.pt"
-    if vae_checkpoint.is_file() and not args.quick:
-        vae.load_state_dict(torch.load(vae_checkpoint))
-        print(f"autoencoder: resumed from {vae_checkpoint}", flush=True)
+    if "vae" in finished:
+        vae.load_state_dict(torch.load(checkpoints["vae"]))
     else:
         vae_pool, _ = draw_pool(profile["vae_pool"], seed + 3)
         train_vae(vae, vae_pool, profile["vae_steps"], profile["vae_batch"], profile["vae_lr"], seed + 4, log)
         mean, var = latent_statistics(vae, vae_pool)
         vae.bn.running_mean.copy_(mean)
         vae.bn.running_var.copy_(var)
-        torch.save(vae.state_dict(), vae_checkpoint)
+        torch.save(vae.state_dict(), checkpoints["vae"])
     vae.eval().requires_grad_(False)
 
-    pool, scenes = draw_pool(profile["pool"], seed + 5)
-    latents = encode_latents(vae, pool)
-    captions, caption_index = caption_table(scenes)
-    embeddings = encode_captions(tokenizer, text_encoder, captions)
-    print(f"data: {len(pool)} images, latents {tuple(latents.shape[1:])}, {len(captions)} captions "
-          f"{tuple(embeddings.shape[1:])} ({time.perf_counter() - start:.0f} s)", flush=True)
+    # the decoder's further training leaves the encoder, and so everything the transformer sees, as it was
+    final_vae = copy.deepcopy(vae)
+    if "decoder" in finished:
+        final_vae.load_state_dict(torch.load(checkpoints["decoder"]))
+    else:
+        vae_pool, _ = draw_pool(profile["vae_pool"], seed + 3)
+        train_decoder(final_vae, vae_pool, profile["decoder_steps"], profile["vae_batch"], profile["decoder_lr"],
+                      seed + 8, log)
+        torch.save(final_vae.state_dict(), checkpoints["decoder"])
 
     transformer = build_transformer(seed + 6)
-    ema = train_transformer(transformer, latents, caption_index, embeddings, profile["steps"], profile["batch"],
-                            profile["lr"], seed + 7, log)
-    torch.save(ema.state_dict(), args.work / "transformer_ema.pt")
-    log_file.close()
-    save_pipeline(dict(scheduler=build_scheduler(), vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+    if "transformer" in finished:
+        ema = copy.deepcopy(transformer)
+        ema.load_state_dict(torch.load(checkpoints["transformer"]))
+        ema.eval().requires_grad_(False)
+    else:
+        pool, scenes = draw_pool(profile["pool"], seed + 5)
+        latents = encode_latents(vae, pool)
+        captions, caption_index = caption_table(scenes)
+        embeddings = encode_captions(tokenizer, text_encoder, captions)
+        print(f"data: {len(pool)} images, latents {tuple(latents.shape[1:])}, {len(captions)} captions "
+              f"{tuple(embeddings.shape[1:])} ({time.perf_counter() - start:.0f} s)", flush=True)
+        log.close()  # the training processes append to it
+        ema = train_transformer(transformer, latents, caption_index, embeddings, profile["steps"], profile["batch"],
+                                profile["lr"], seed + 7, log, ranks=profile["ranks"],
+                                checkpoint=None if args.quick else partial)
+        torch.save(ema.state_dict(), checkpoints["transformer"])
+    log.close()
+    save_pipeline(dict(scheduler=build_scheduler(), vae=final_vae, text_encoder=text_encoder, tokenizer=tokenizer,
                        transformer=ema), args.out)
     shutil.copy(log_path, args.out / "train_log.jsonl")
     size = sum(p.stat().st_size for p in args.out.rglob("*.safetensors"))
