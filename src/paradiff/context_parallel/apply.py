@@ -22,7 +22,7 @@ from .runtime import AttentionInterceptor, ContextParallelRuntime, require_nativ
 class ResolvedContextPlan:
     split_inputs: dict[str, dict[str, Split]]
     split_outputs: dict[str, dict[int, Split]]
-    gather_outputs: dict[str, int]
+    gather_outputs: dict[str, int | dict[int, int]]
     local_attention: set[str]
     split_token_arguments: dict[str, tuple[str, ...]]
 
@@ -70,7 +70,7 @@ def resolve_cp_plan(model: nn.Module, plan: ContextParallelPlan) -> ResolvedCont
 
 def _split(value: Any, split: Split, runtime: ContextParallelRuntime, what: str) -> Any:
     if isinstance(value, (tuple, list)):  # e.g. (cos, sin) rotary tables
-        return type(value)(_split(item, split, runtime, what) for item in value)
+        return type(value)(_split(item, split, runtime, f"{what}[{index}]") for index, item in enumerate(value))
     if isinstance(value, dict):  # e.g. AnyFlow's {"query": freqs, "key": freqs}
         return {key: _split(item, split, runtime, f"{what}[{key!r}]") for key, item in value.items()}
     if not torch.is_tensor(value) or (split.ndim is not None and value.dim() != split.ndim):
@@ -157,11 +157,20 @@ def _output_splitter(name: str, outputs: dict[int, Split], runtime: ContextParal
     return hook
 
 
-def _output_gatherer(dim: int, runtime: ContextParallelRuntime):
+def _gather(tensor: torch.Tensor, dim: int, runtime: ContextParallelRuntime) -> torch.Tensor:
+    gather_dim = dim % tensor.dim()
+    sizes = all_gather_int(tensor.shape[gather_dim], runtime.cp_group, tensor.device)
+    return all_gather_uneven(tensor, gather_dim, sizes, runtime.cp_group, runtime.stats)
+
+
+def _output_gatherer(dims: int | dict[int, int], runtime: ContextParallelRuntime):
     def hook(_module, _args, output):
-        gather_dim = dim % output.dim()
-        sizes = all_gather_int(output.shape[gather_dim], runtime.cp_group, output.device)
-        return all_gather_uneven(output, gather_dim, sizes, runtime.cp_group, runtime.stats)
+        if isinstance(dims, int):
+            return _gather(output, dims, runtime)
+        items = list(output)
+        for index, dim in dims.items():
+            items[index] = _gather(items[index], dim, runtime)
+        return type(output)(items) if isinstance(output, tuple) else items
 
     return hook
 
@@ -195,8 +204,8 @@ def apply_context_parallel(model: nn.Module, state: ParallelState, plan: Resolve
             _token_argument_splitter(module, arguments, runtime, name), with_kwargs=True))
     for name, outputs in plan.split_outputs.items():
         handles.append(model.get_submodule(name).register_forward_hook(_output_splitter(name, outputs, runtime)))
-    for name, dim in plan.gather_outputs.items():
-        handles.append(model.get_submodule(name).register_forward_hook(_output_gatherer(dim, runtime)))
+    for name, dims in plan.gather_outputs.items():
+        handles.append(model.get_submodule(name).register_forward_hook(_output_gatherer(dims, runtime)))
     for name, module in model.named_modules():
         if hasattr(module, "processor"):
             enter, leave = _interceptor_hooks(AttentionInterceptor(runtime, local=name in plan.local_attention))

@@ -20,7 +20,8 @@ class ContextParallelPlan:
 
     - `split_inputs`: module -> {forward argument name: Split}; "" is the model itself.
     - `split_outputs`: module -> {output index: Split} (e.g. rotary tables computed from the full sequence).
-    - `gather_outputs`: module -> dim along which its output is gathered back to the full sequence.
+    - `gather_outputs`: module -> dim along which its output is gathered back to the full sequence, or
+      {output index: dim} for the items of a tuple output (e.g. a joint block's text stream after the last block).
     - `local_attention`: attention modules whose keys/values are replicated (cross-attention to the text): they
       run on the local queries with no communication.
     - `split_token_arguments`: module -> forward arguments (tensors or tuples of tensors, e.g. rotary tables
@@ -31,6 +32,6 @@ class ContextParallelPlan:
 
     split_inputs: dict[str, dict[str, Split]] = field(default_factory=dict)
     split_outputs: dict[str, dict[int, Split]] = field(default_factory=dict)
-    gather_outputs: dict[str, int] = field(default_factory=dict)
+    gather_outputs: dict[str, int | dict[int, int]] = field(default_factory=dict)
     local_attention: tuple[str, ...] = ()
     split_token_arguments: dict[str, tuple[str, ...]] = field(default_factory=dict)

@@ -28,6 +28,9 @@ class TensorParallelPlan:
     styles: Mapping[str, str | Style]
     head_attrs: tuple[str, ...] = DEFAULT_HEAD_ATTRS
     heads_config_key: str = "num_attention_heads"
+    # globs of attention modules without a diffusers `processor` (hand-written attention, e.g. ConsisID's perceiver
+    # cross-attention) whose head attributes shrink like a processor module's
+    head_modules: tuple[str, ...] = ()
 
 
 @dataclass
@@ -155,6 +158,16 @@ def resolve_plan(model: nn.Module, plan: TensorParallelPlan, rank: int, size: in
             resolved.linears[name] = ResolvedLinear(name=name, style=style, specs=specs, full_shapes=shapes,
                                                     features=features)
     resolved.attention_modules = _attention_modules(model, resolved, plan.head_attrs, size)
+    for key in plan.head_modules:
+        for name in expand_key(model, key):
+            try:
+                module = model.get_submodule(name)
+            except AttributeError as exc:
+                raise PlanError(f"Plan head_modules entry {key!r} names {name!r}, which is not a submodule of "
+                                f"{type(model).__name__}; {_missing_module_hint(model, name)}.") from exc
+            _check_head_attrs(module, name, plan.head_attrs, size)
+            if name not in resolved.attention_modules:
+                resolved.attention_modules.append(name)
     return resolved
 
 
@@ -216,16 +229,20 @@ def _attention_modules(model: nn.Module, resolved: ResolvedPlan, attrs: tuple[st
             parent = model.get_submodule(parent_name)
             if hasattr(parent, "processor"):
                 if parent_name not in found:
-                    for attr in attrs:
-                        value = getattr(parent, attr, None)
-                        if isinstance(value, int) and not isinstance(value, bool) and value % size != 0:
-                            raise PlanError(
-                                f"{parent_name}.{attr}={value} is not divisible by tp_degree={size}; valid tp "
-                                f"degrees divide {value}: {[d for d in range(1, value + 1) if value % d == 0]}."
-                            )
+                    _check_head_attrs(parent, parent_name, attrs, size)
                     found.append(parent_name)
                 break
     return found
+
+
+def _check_head_attrs(module: nn.Module, name: str, attrs: tuple[str, ...], size: int) -> None:
+    for attr in attrs:
+        value = getattr(module, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value % size != 0:
+            raise PlanError(
+                f"{name}.{attr}={value} is not divisible by tp_degree={size}; valid tp "
+                f"degrees divide {value}: {[d for d in range(1, value + 1) if value % d == 0]}."
+            )
 
 
 def localise_heads(model: nn.Module, resolved: ResolvedPlan, size: int) -> None:
