@@ -31,6 +31,9 @@ class TensorParallelPlan:
     # globs of attention modules without a diffusers `processor` (hand-written attention, e.g. ConsisID's perceiver
     # cross-attention) whose head attributes shrink like a processor module's
     head_modules: tuple[str, ...] = ()
+    # module glob -> {output index: dim}: per-head tensors a module computes for all heads (Mochi's rotary table
+    # has a frequency per head), cut to this rank's contiguous block of heads, the block colwise projections hold
+    head_outputs: Mapping[str, Mapping[int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -47,6 +50,7 @@ class ResolvedPlan:
     linears: dict[str, ResolvedLinear] = field(default_factory=dict)
     attention_modules: list[str] = field(default_factory=list)
     head_attrs: tuple[str, ...] = DEFAULT_HEAD_ATTRS
+    head_outputs: dict[str, dict[int, int]] = field(default_factory=dict)
 
     def spec_for(self, param_name: str) -> ShardSpec | None:
         module_name, _, leaf = param_name.rpartition(".")
@@ -168,6 +172,14 @@ def resolve_plan(model: nn.Module, plan: TensorParallelPlan, rank: int, size: in
             _check_head_attrs(module, name, plan.head_attrs, size)
             if name not in resolved.attention_modules:
                 resolved.attention_modules.append(name)
+    for key, outputs in plan.head_outputs.items():
+        for name in expand_key(model, key) if key else [""]:
+            try:
+                model.get_submodule(name)
+            except AttributeError as exc:
+                raise PlanError(f"Plan head_outputs entry {key!r} names {name!r}, which is not a submodule of "
+                                f"{type(model).__name__}; {_missing_module_hint(model, name)}.") from exc
+            resolved.head_outputs[name] = dict(outputs)
     return resolved
 
 

@@ -47,3 +47,24 @@ def swap_in_sharded_linears(
         sharded = make_sharded_module(linear.style, module, weight, bias, linear.specs["weight"], full, group)
         set_submodule(model, name, sharded)
     localise_heads(model, resolved, size)
+    rank = dist.get_rank(group)
+    for name, outputs in resolved.head_outputs.items():
+        model.get_submodule(name).register_forward_hook(_local_heads_of_outputs(outputs, rank, size, name))
+
+
+def _local_heads_of_outputs(outputs: dict[int, int], rank: int, size: int, name: str):
+    def local_heads(tensor: torch.Tensor, dim: int, what: str) -> torch.Tensor:
+        heads = tensor.shape[dim]
+        if heads % size != 0:
+            raise ValueError(f"{what} has {heads} heads along dim {dim}, not divisible by tp_degree={size}.")
+        return tensor.narrow(dim, rank * (heads // size), heads // size)
+
+    def hook(_module, _args, output):
+        if torch.is_tensor(output):
+            return local_heads(output, outputs[0], f"{name} output")
+        items = list(output)
+        for index, dim in outputs.items():
+            items[index] = local_heads(items[index], dim, f"{name} output {index}")
+        return type(output)(items) if isinstance(output, tuple) else items
+
+    return hook
