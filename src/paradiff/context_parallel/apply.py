@@ -20,7 +20,7 @@ from .runtime import AttentionInterceptor, ContextParallelRuntime, require_nativ
 
 @dataclass
 class ResolvedContextPlan:
-    split_inputs: dict[str, dict[str, Split]]
+    split_inputs: dict[str, dict[str, Split | dict]]
     split_outputs: dict[str, dict[int, Split]]
     gather_outputs: dict[str, int | dict[int, int]]
     local_attention: set[str]
@@ -68,7 +68,12 @@ def resolve_cp_plan(model: nn.Module, plan: ContextParallelPlan) -> ResolvedCont
     )
 
 
-def _split(value: Any, split: Split, runtime: ContextParallelRuntime, what: str) -> Any:
+def _split(value: Any, split: Split | dict, runtime: ContextParallelRuntime, what: str) -> Any:
+    if isinstance(split, dict):  # {item index: Split or nested dict}: only those items of a tuple argument
+        items = list(value)
+        for index, item_split in split.items():
+            items[index] = _split(items[index], item_split, runtime, f"{what}[{index}]")
+        return type(value)(items) if isinstance(value, tuple) else items
     if isinstance(value, (tuple, list)):  # e.g. (cos, sin) rotary tables
         return type(value)(_split(item, split, runtime, f"{what}[{index}]") for index, item in enumerate(value))
     if isinstance(value, dict):  # e.g. AnyFlow's {"query": freqs, "key": freqs}
@@ -89,7 +94,7 @@ def _split(value: Any, split: Split, runtime: ContextParallelRuntime, what: str)
 TOKEN_STREAMS = ("encoder_hidden_states", "hidden_states")  # joint sequences put the text first
 
 
-def _input_splitter(module: nn.Module, arguments: dict[str, Split], runtime: ContextParallelRuntime):
+def _input_splitter(module: nn.Module, arguments: dict[str, Split | dict], runtime: ContextParallelRuntime):
     positions = {name: index for index, name in enumerate(inspect.signature(module.forward).parameters)}
 
     def hook(_module, args, kwargs):
