@@ -30,3 +30,25 @@ def test_split_with_ndim_leaves_other_ranks_whole_inside_containers():
     per_sample, per_token = torch.ones(2, 5), torch.ones(2, 6, 5, 4)
     out = _split((per_sample, per_token), Split(2, ndim=4), rank_of(1, 2), "temb")
     assert out[0] is per_sample and out[1].shape == (2, 6, 2, 4)
+
+
+def test_split_names_items_of_a_tuple_argument():
+    # Allegro's rotary argument: ((tables looked up by position), (t, h, w positions of every token))
+    tables, positions = (torch.ones(3, 8), torch.ones(4, 8)), (torch.arange(7)[None], torch.arange(7)[None] * 2)
+    out = _split((tables, positions), {1: Split(-1)}, rank_of(1, 2), "image_rotary_emb")
+    assert out[0] is tables
+    assert torch.equal(out[1][0], torch.arange(4, 7)[None]) and torch.equal(out[1][1], torch.arange(4, 7)[None] * 2)
+
+
+def test_local_attention_applies_any_mask_that_broadcasts_over_the_queries():
+    from torch.nn import functional as F
+
+    from paradiff.context_parallel.runtime import ContextParallelRuntime
+
+    runtime = ContextParallelRuntime(mode="ring", cp_group=None, ring_group=None, ulysses_group=None)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, n, 8, generator=generator) for n in (5, 7, 7))
+    mask = torch.zeros(2, 4, 1, 7)
+    mask[1, :, :, 4:] = -10000.0  # diffusers' additive text mask, repeated per head
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert torch.allclose(runtime.attention(q, k, v, attn_mask=mask, local=True), expected, atol=1e-6)

@@ -108,7 +108,7 @@ def _input_splitter(module: nn.Module, arguments: dict[str, Split | dict], runti
                 args[positions[name]] = _split(value, split, runtime, name)
             else:
                 continue
-            if name in TOKEN_STREAMS and torch.is_tensor(value):
+            if name in TOKEN_STREAMS and torch.is_tensor(value) and isinstance(split, Split):
                 runtime.full_tokens[name] = value.shape[split.dim % value.dim()]
         return tuple(args), kwargs
 
