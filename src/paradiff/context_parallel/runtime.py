@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..comm import CommStats
 from ..errors import ParallelConfigError
-from .attention import local_attention, ring_attention, ulysses_attention
+from .attention import even_sizes, local_attention, ring_attention, ulysses_attention
 from .kernels import BACKENDS, check_backend, default_scale
 
 
@@ -81,12 +81,33 @@ class ContextParallelRuntime:
             )
         # a mask with one row is a key mask, split with the tokens; one with a row per query covers the whole sequence
         key_mask, sequence_mask = (mask, None) if mask is None or mask.shape[2] == 1 else (None, mask)
+        if sequence_mask is not None:
+            sequence_mask = self.in_split_order(sequence_mask)
         if self.mode == "ring":
             return ring_attention(query, key, value, key_mask, scale, kernel, self.ring_group, self.stats,
                                   sequence_mask=sequence_mask)
         ring_group = self.ring_group if self.mode == "unified" else None
         return ulysses_attention(query, key, value, key_mask, scale, kernel, self.ulysses_group, self.stats,
                                  ring_group=ring_group, sequence_mask=sequence_mask)
+
+
+    def in_split_order(self, mask: torch.Tensor) -> torch.Tensor:
+        """A whole-sequence mask of a joint (text + image) sequence, reordered so that rank r's tokens are the r-th
+        contiguous chunk, as ring and Ulysses attention take it: with both streams split, a rank holds
+        [its text chunk, its image chunk] (text first), not a contiguous chunk of the joint sequence."""
+        text, image = self.full_tokens.get("encoder_hidden_states"), self.full_tokens.get("hidden_states")
+        if text is None or image is None or mask.shape[-1] != text + image:
+            return mask
+        order = []
+        size = self.cp_size
+        text_sizes, image_sizes = even_sizes(text, size), even_sizes(image, size)
+        for rank in range(size):
+            start = sum(text_sizes[:rank])
+            order.append(torch.arange(start, start + text_sizes[rank]))
+            start = text + sum(image_sizes[:rank])
+            order.append(torch.arange(start, start + image_sizes[rank]))
+        order = torch.cat(order).to(mask.device)
+        return mask.index_select(-2, order).index_select(-1, order)
 
 
 class AttentionInterceptor(TorchFunctionMode):
