@@ -63,6 +63,11 @@ class ContextParallelRuntime:
 
     def attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                   enable_gqa=False, local: bool = False):
+        if enable_gqa and key.shape[1] != query.shape[1]:
+            # grouped K/V heads: give every query head its K/V head, as SDPA's enable_gqa does (exact)
+            repeat = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+            enable_gqa = False
         if dropout_p != 0.0 or is_causal or enable_gqa:
             raise NotImplementedError(
                 f"Context-parallel attention supports dropout_p=0, is_causal=False, enable_gqa=False; got "

@@ -18,7 +18,7 @@ from .styles import ShardSpec, Style, resolve_style
 # heads/tp heads, and diffusers' processors reshape either by a fixed head_dim (-1 absorbs the head count), by
 # `attn.heads`, or by `attn.inner_dim // attn.heads` (Qwen-Image), or split a fused projection by the ratio
 # inner_dim : mlp_hidden_dim (FLUX.2 single blocks). Scaling all of them by 1/tp keeps every one of those right.
-DEFAULT_HEAD_ATTRS = ("heads", "inner_dim", "mlp_hidden_dim", "kv_inner_dim")
+DEFAULT_HEAD_ATTRS = ("heads", "inner_dim", "mlp_hidden_dim", "kv_inner_dim", "kv_heads")
 
 
 @dataclass
@@ -247,9 +247,22 @@ def _attention_modules(model: nn.Module, resolved: ResolvedPlan, attrs: tuple[st
     return found
 
 
+# Attributes counting grouped K/V heads: with fewer K/V heads than ranks, every rank of a group holds one (see
+# ColwiseHeads), so they shrink to max(kv_heads / tp, 1) where the head counts do not.
+KV_HEAD_ATTRS = ("kv_heads", "num_key_value_heads", "num_kv_heads")
+
+
+def local_head_count(attr: str, value: int, size: int) -> int:
+    if attr in KV_HEAD_ATTRS and value < size and size % value == 0:
+        return 1
+    return value // size
+
+
 def _check_head_attrs(module: nn.Module, name: str, attrs: tuple[str, ...], size: int) -> None:
     for attr in attrs:
         value = getattr(module, attr, None)
+        if attr in KV_HEAD_ATTRS and isinstance(value, int) and value and size % value == 0:
+            continue  # fewer K/V heads than ranks: replicated in groups
         if isinstance(value, int) and not isinstance(value, bool) and value % size != 0:
             raise PlanError(
                 f"{name}.{attr}={value} is not divisible by tp_degree={size}; valid tp "
@@ -263,7 +276,7 @@ def localise_heads(model: nn.Module, resolved: ResolvedPlan, size: int) -> None:
         for attr in resolved.head_attrs:
             value = getattr(module, attr, None)
             if isinstance(value, int) and not isinstance(value, bool):
-                setattr(module, attr, value // size)
+                setattr(module, attr, local_head_count(attr, value, size))
 
 
 def check_checkpoint_keys(resolved: ResolvedPlan, checkpoint_keys: set[str], shapes: Mapping[str, tuple]) -> None:
