@@ -42,6 +42,9 @@ EXAMPLES = {"ace-step-1.5": ("AceStepTransformer1DModel", dict(
     hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     head_dim=16, in_channels=24, audio_acoustic_hidden_dim=8, patch_size=2, sliding_window=4))}
 
+# two K/V heads at tp=4: each pair of ranks holds one, replicated
+EXTRA_MODES = {"ace-step-1.5": ("tp4",)}
+
 
 def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
     frames = 2 * grid.height * grid.width - 1  # padded to 30 and patchified to 15 tokens
