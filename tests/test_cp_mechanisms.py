@@ -52,3 +52,21 @@ def test_local_attention_applies_any_mask_that_broadcasts_over_the_queries():
     mask[1, :, :, 4:] = -10000.0  # diffusers' additive text mask, repeated per head
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     assert torch.allclose(runtime.attention(q, k, v, attn_mask=mask, local=True), expected, atol=1e-6)
+
+
+def test_split_within_cuts_each_sample_s_rows_alike():
+    # Latte's temporal timesteps: (batch x 5 locations) rows; rank 1 of 2 keeps locations 3, 4 of every sample
+    runtime = SimpleNamespace(cp_rank=1, cp_size=2, full_tokens={"hidden_states": 5})
+    rows = torch.arange(2 * 5)[:, None].float()
+    out = _split(rows, Split(0, within="hidden_states"), runtime, "timestep")
+    assert out.flatten().tolist() == [3, 4, 8, 9]
+
+
+def test_split_within_names_the_stream_it_needs():
+    runtime = SimpleNamespace(cp_rank=0, cp_size=2, full_tokens={})
+    try:
+        _split(torch.ones(10, 3), Split(0, within="hidden_states"), runtime, "timestep")
+    except ValueError as exc:
+        assert "hidden_states" in str(exc) and "timestep" in str(exc)
+    else:
+        raise AssertionError("an unknown stream length must be refused")

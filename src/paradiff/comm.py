@@ -35,6 +35,15 @@ def all_reduce_tp(tensor: torch.Tensor, group: dist.ProcessGroup, stats: CommSta
     return tensor
 
 
+def all_gather_heads_tp(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup,
+                        stats: CommStats | None = None) -> torch.Tensor:
+    """Concatenate the TP ranks' equal blocks of heads along `dim` (an attention output a model uses unprojected)."""
+    pieces = [torch.empty_like(tensor.contiguous()) for _ in range(dist.get_world_size(group))]
+    _record(stats, "all_gather_heads_tp", tensor)
+    dist.all_gather(pieces, tensor.contiguous(), group=group)
+    return torch.cat(pieces, dim=dim)
+
+
 def all_gather_int(value: int, group: dist.ProcessGroup, device: torch.device) -> list[int]:
     """Every rank's integer (sequence lengths before an uneven exchange)."""
     size = dist.get_world_size(group)

@@ -81,6 +81,8 @@ def _split(value: Any, split: Split | dict, runtime: ContextParallelRuntime, wha
     if not torch.is_tensor(value) or (split.ndim is not None and value.dim() != split.ndim):
         return value
     dim = split.dim % value.dim()
+    if split.within is not None:
+        return _split_within(value, dim, split.within, runtime, what)
     if value.shape[dim] < runtime.cp_size:
         # diffusers' blocks cannot run on an empty token block (their reshapes fail), so every rank needs one.
         # Every rank sees the same full length, so all of them raise here, before any collective of this forward.
@@ -89,6 +91,17 @@ def _split(value: Any, split: Split | dict, runtime: ContextParallelRuntime, wha
             f"ranks; each rank needs at least one token. Use a longer sequence or fewer CP ranks."
         )
     return local_chunk(value, dim, runtime.cp_rank, runtime.cp_size)
+
+
+def _split_within(value: torch.Tensor, dim: int, stream: str, runtime: ContextParallelRuntime, what: str):
+    tokens = runtime.full_tokens.get(stream)
+    if tokens is None or value.shape[dim] % tokens != 0:
+        raise ValueError(
+            f"{what}: Split(within={stream!r}) needs dim {dim} (size {value.shape[dim]}) to be a multiple of the full "
+            f"length of {stream!r} ({tokens}, known once the plan splits {stream!r})."
+        )
+    grouped = value.unflatten(dim, (value.shape[dim] // tokens, tokens))
+    return local_chunk(grouped, dim + 1, runtime.cp_rank, runtime.cp_size).flatten(dim, dim + 1)
 
 
 TOKEN_STREAMS = ("encoder_hidden_states", "hidden_states")  # joint sequences put the text first

@@ -12,6 +12,10 @@ class Split:
 
     dim: int
     ndim: int | None = None
+    # split each consecutive run of this many entries along `dim` alike, where the count is the full length of the
+    # named token stream (e.g. "hidden_states" once split): for rows flattened as (batch x tokens), as Latte's
+    # per-location timesteps are
+    within: str | None = None
 
 
 @dataclass

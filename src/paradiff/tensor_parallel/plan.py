@@ -34,6 +34,9 @@ class TensorParallelPlan:
     # module glob -> {output index: dim}: per-head tensors a module computes for all heads (Mochi's rotary table
     # has a frequency per head), cut to this rank's contiguous block of heads, the block colwise projections hold
     head_outputs: Mapping[str, Mapping[int, int]] = field(default_factory=dict)
+    # module glob -> {output index: dim}: outputs left split by heads that the model reads whole (EasyAnimate's
+    # shared-weight blocks add the text's attention output unprojected), all-gathered over the TP group
+    gather_heads: Mapping[str, Mapping[int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -51,6 +54,7 @@ class ResolvedPlan:
     attention_modules: list[str] = field(default_factory=list)
     head_attrs: tuple[str, ...] = DEFAULT_HEAD_ATTRS
     head_outputs: dict[str, dict[int, int]] = field(default_factory=dict)
+    gather_heads: dict[str, dict[int, int]] = field(default_factory=dict)
 
     def spec_for(self, param_name: str) -> ShardSpec | None:
         module_name, _, leaf = param_name.rpartition(".")
@@ -172,14 +176,15 @@ def resolve_plan(model: nn.Module, plan: TensorParallelPlan, rank: int, size: in
             _check_head_attrs(module, name, plan.head_attrs, size)
             if name not in resolved.attention_modules:
                 resolved.attention_modules.append(name)
-    for key, outputs in plan.head_outputs.items():
-        for name in expand_key(model, key) if key else [""]:
-            try:
-                model.get_submodule(name)
-            except AttributeError as exc:
-                raise PlanError(f"Plan head_outputs entry {key!r} names {name!r}, which is not a submodule of "
-                                f"{type(model).__name__}; {_missing_module_hint(model, name)}.") from exc
-            resolved.head_outputs[name] = dict(outputs)
+    for what in ("head_outputs", "gather_heads"):
+        for key, outputs in getattr(plan, what).items():
+            for name in expand_key(model, key) if key else [""]:
+                try:
+                    model.get_submodule(name)
+                except AttributeError as exc:
+                    raise PlanError(f"Plan {what} entry {key!r} names {name!r}, which is not a submodule of "
+                                    f"{type(model).__name__}; {_missing_module_hint(model, name)}.") from exc
+                getattr(resolved, what)[name] = dict(outputs)
     return resolved
 
 

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm import all_gather_heads_tp
 from .layers import ShardedLinear, ShardedNorm, make_sharded_module
 from .plan import ResolvedPlan, localise_heads
 from .styles import ShardSpec
@@ -50,6 +51,9 @@ def swap_in_sharded_linears(
     rank = dist.get_rank(group)
     for name, outputs in resolved.head_outputs.items():
         model.get_submodule(name).register_forward_hook(_local_heads_of_outputs(outputs, rank, size, name))
+    for name, outputs in resolved.gather_heads.items():
+        model.get_submodule(name).register_forward_hook(_outputs_hook(
+            outputs, lambda tensor, dim, _what: all_gather_heads_tp(tensor, dim, group), name))
 
 
 def _local_heads_of_outputs(outputs: dict[int, int], rank: int, size: int, name: str):
@@ -59,12 +63,17 @@ def _local_heads_of_outputs(outputs: dict[int, int], rank: int, size: int, name:
             raise ValueError(f"{what} has {heads} heads along dim {dim}, not divisible by tp_degree={size}.")
         return tensor.narrow(dim, rank * (heads // size), heads // size)
 
+    return _outputs_hook(outputs, local_heads, name)
+
+
+def _outputs_hook(outputs: dict[int, int], transform, name: str):
+    """A forward hook applying `transform(tensor, dim, what)` to the chosen items of a module's output."""
     def hook(_module, _args, output):
         if torch.is_tensor(output):
-            return local_heads(output, outputs[0], f"{name} output")
+            return transform(output, outputs[0], f"{name} output")
         items = list(output)
         for index, dim in outputs.items():
-            items[index] = local_heads(items[index], dim, f"{name} output {index}")
+            items[index] = transform(items[index], dim, f"{name} output {index}")
         return type(output)(items) if isinstance(output, tuple) else items
 
     return hook
