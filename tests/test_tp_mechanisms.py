@@ -59,3 +59,9 @@ def test_head_outputs_name_a_missing_module():
     plan = TensorParallelPlan(styles={}, head_outputs={"rotary": {0: 1}})
     with pytest.raises(PlanError, match="'rotary'.*children"):
         resolve_plan(Model(), plan, rank=0, size=2)
+
+
+def test_gather_heads_are_resolved_per_module():
+    plan = TensorParallelPlan(styles={"blocks.*.to_q": "colwise"}, gather_heads={"blocks.*": {1: -1}})
+    resolved = resolve_plan(Model(), plan, rank=0, size=2)
+    assert resolved.gather_heads == {"blocks.0": {1: -1}, "blocks.1": {1: -1}}
