@@ -26,7 +26,8 @@ def _positive(value: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paradiff", description="Parallel diffusion inference with diffusers models.")
     commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="generate images (PNG) and a JSON run report")
+    gen = commands.add_parser("generate", help="generate images (PNG) or videos (MP4 + a PNG per frame) and a JSON "
+                                               "run report")
     gen.add_argument("model", nargs="?", default=None,
                      help="pipeline folder or Hub id; omitted: the embedded tiny FLUX.2 pipeline (random weights)")
     gen.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
@@ -40,11 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--steps", type=_positive, default=4)
     gen.add_argument("--height", type=_positive, default=64)
     gen.add_argument("--width", type=_positive, default=64)
+    gen.add_argument("--frames", type=_positive, default=None,
+                     help="frames per video (video pipelines only; default: the pipeline's own)")
+    gen.add_argument("--fps", type=_positive, default=16, help="frame rate of the MP4 files")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--guidance-scale", type=float, default=None)
     gen.add_argument("--true-cfg-scale", type=float, default=None)
     gen.add_argument("--dtype", choices=DTYPES, default="float32")
-    gen.add_argument("--out", default="out", help="output folder (PNG files and report.json)")
+    gen.add_argument("--out", default="out", help="output folder (PNG/MP4 files and report.json)")
     gen.add_argument("--compare", action="store_true",
                      help="also run the single-process pipeline on rank 0 and print the max difference")
     gen.add_argument("--timeout", type=float, default=600.0, help="collective timeout in seconds")
@@ -104,6 +108,8 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, value in (("--plan", args.plan), ("--cp-plan", args.cp_plan)):
         if value not in (None, "auto") and not Path(value).is_file():
             raise CliError(f"{flag} {value}: expected 'auto' or a plan file (FILE.py); no such file")
+    if args.frames is not None:
+        _check_makes_video(args.model)
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -121,3 +127,24 @@ def check_args(args: argparse.Namespace) -> None:
     world = world_size_of(args)
     if torch.cuda.is_available() and "RANK" not in os.environ and world > torch.cuda.device_count():
         raise CliError(f"{world} processes requested but only {torch.cuda.device_count()} GPU(s) are visible")
+
+
+def _check_makes_video(model: str | None) -> None:
+    """--frames needs a pipeline whose call takes `num_frames`; read from model_index.json, before any weight."""
+    if model is None:
+        raise CliError("--frames needs a video pipeline; the embedded default pipeline makes images")
+    index = Path(model) / "model_index.json"
+    if not index.is_file():
+        return  # a Hub id: its pipeline class is known only once downloaded
+    import inspect
+    import json
+
+    import diffusers
+
+    class_name = json.loads(index.read_text()).get("_class_name")
+    pipeline_class = getattr(diffusers, str(class_name), None)
+    if pipeline_class is None:
+        return  # a custom pipeline: let it decide
+    if "num_frames" not in inspect.signature(pipeline_class.__call__).parameters:
+        raise CliError(f"--frames needs a video pipeline, but {model} is a {class_name}, which makes images "
+                       "(its __call__ takes no num_frames)")

@@ -15,30 +15,45 @@ def say(line: str) -> None:
 
 
 def write_report(args: argparse.Namespace, out: Path, model: str, prompts: list[str], run: dict,
-                 gathered: list[dict], compare: float | None) -> dict:
-    """Write report.json from every rank's statistics (`gathered`) and print the summary lines; returns the report."""
+                 gathered: list[dict], compare: dict | None) -> dict:
+    """Write report.json from every rank's statistics (`gathered`) and print the summary lines; returns the report.
+
+    `outputs` maps each prompt's index to what was written for it: kind ("image" or "video"), frame count, the PNG
+    or MP4 path and, for a video, every frame's PNG. `images` (index -> PNG) lists the image outputs alone.
+    """
     import numpy as np
 
+    outputs = {index: entry for stats in gathered for index, entry in stats["outputs"].items()}
+    outputs = dict(sorted(outputs.items()))
     report = {
         "model": model,
         "config": {"tp": args.tp, "ulysses": args.ulysses, "ring": args.ring, "cfg": args.cfg, "dp": args.dp,
                    **run},
         "resolution": [args.height, args.width],
+        "frames": args.frames,
         "steps": args.steps,
         "dtype": args.dtype,
         "seed": args.seed,
         "prompts": prompts,
         "ranks": gathered,
-        "images": {k: v for s in gathered for k, v in s["images"].items()},
+        "outputs": outputs,
+        "images": {index: entry["path"] for index, entry in outputs.items() if entry["kind"] == "image"},
     }
     if compare is not None:
-        report["max_abs_diff_vs_single_process"] = compare
+        report["max_abs_diff_vs_single_process"] = compare["max_abs_diff"]
+        if "max_abs_diff_per_frame" in compare:
+            report["max_abs_diff_per_frame_vs_single_process"] = compare["max_abs_diff_per_frame"]
     (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
     steps = [s["step_s_median"] for s in gathered if s["step_s_median"] is not None]
     load_s = gathered[0]["load_s"]
-    print(f"paradiff: {len(report['images'])} image(s) in {out}; load {load_s:.2f} s; "
+    videos = [entry for entry in outputs.values() if entry["kind"] == "video"]
+    made = f"{len(videos)} video(s) ({sum(v['frames'] for v in videos)} frames)" if videos else ""
+    if len(outputs) > len(videos):
+        made += (" and " if made else "") + f"{len(outputs) - len(videos)} image(s)"
+    print(f"paradiff: {made} in {out}; load {load_s:.2f} s; "
           f"median step {np.median(steps):.3f} s; world {run['world_size']} "
           f"(tp={args.tp} ulysses={args.ulysses} ring={args.ring} cfg={args.cfg} dp={args.dp})")
     if compare is not None:
-        print(f"paradiff: max |difference| to the single-process image: {compare:.2e}")
+        what = "video (every frame)" if "max_abs_diff_per_frame" in compare else "image"
+        print(f"paradiff: max |difference| to the single-process {what}: {compare['max_abs_diff']:.2e}")
     return report

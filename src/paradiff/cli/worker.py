@@ -22,6 +22,7 @@ from ..mesh import default_device
 from .args import read_prompts
 from .compare import compare_single_process
 from .embedded import embedded_call_kwargs, embedded_default
+from .outputs import first_output, save_output
 from .report import write_report
 
 # Called with (pipeline, rank) once the pipeline is loaded, before the first generation.
@@ -58,14 +59,14 @@ def call_kwargs(args: argparse.Namespace) -> dict:
         kwargs["true_cfg_scale"] = args.true_cfg_scale
     if args.negative_prompt is not None:
         kwargs["negative_prompt"] = args.negative_prompt
+    if args.frames is not None:
+        kwargs["num_frames"] = args.frames
     if args.model is None:
         kwargs.update(embedded_call_kwargs())
     return kwargs
 
 
 def _generate(args: argparse.Namespace, device: torch.device, on_pipeline_loaded: PipelineHook | None) -> None:
-    from PIL import Image
-
     rank = dist.get_rank()
     if rank != 0 or not _console_is_terminal():
         _quiet_libraries()
@@ -87,10 +88,10 @@ def _generate(args: argparse.Namespace, device: torch.device, on_pipeline_loaded
     prompts = read_prompts(args)
     indexed = list(enumerate(prompts))
     step_times: list[float] = []
-    images: dict[int, str] = {}
+    outputs: dict[int, dict] = {}
     out = Path(args.out)
     kwargs = call_kwargs(args)
-    first_image = None
+    first = None
     with paradiff.split_between_processes(indexed, pipeline) as share:
         for index, prompt in share:
             stamps = [time.perf_counter()]
@@ -101,27 +102,25 @@ def _generate(args: argparse.Namespace, device: torch.device, on_pipeline_loaded
 
             result = pipeline(prompt=prompt, seed=args.seed + index, callback_on_step_end=on_step, **kwargs)
             step_times += [b - a for a, b in zip(stamps, stamps[1:])]
-            array = np.asarray(result.images[0])
-            if first_image is None:
-                first_image = (index, prompt, array)
+            kind, array = first_output(result)
+            if first is None:
+                first = (index, prompt, array)
             if pipeline.is_output_rank:
-                path = out / f"{index:04d}.png"
-                Image.fromarray((np.clip(array, 0, 1) * 255).round().astype("uint8")).save(path)
-                images[index] = str(path)
+                outputs[index] = {"prompt": prompt, **save_output(kind, array, out, index, args.fps)}
     compare = None
-    if args.compare and rank == 0 and first_image is not None:
-        compare = compare_single_process(model, dtype, kwargs, args.seed, first_image)
+    if args.compare and rank == 0 and first is not None:
+        compare = compare_single_process(model, dtype, kwargs, args.seed, *first)
     stats = {
         "rank": rank,
         "load_s": load_s,
         "step_s_median": float(np.median(step_times)) if step_times else None,
         "peak_memory_bytes": _peak_memory_bytes(device),
-        "images": images,
+        "outputs": outputs,
     }
     gathered = all_gather_object(stats)
     if rank == 0:
         run = {"world_size": dist.get_world_size(), "backend": dist.get_backend(), "device": device.type}
-        write_report(args, out, model, read_prompts(args), run, gathered, compare)
+        write_report(args, out, model, prompts, run, gathered, compare)
 
 
 def _peak_memory_bytes(device: torch.device) -> int:
