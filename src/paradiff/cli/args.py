@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import inspect
+import json
 import os
 from pathlib import Path
 
@@ -108,8 +111,7 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, value in (("--plan", args.plan), ("--cp-plan", args.cp_plan)):
         if value not in (None, "auto") and not Path(value).is_file():
             raise CliError(f"{flag} {value}: expected 'auto' or a plan file (FILE.py); no such file")
-    if args.frames is not None:
-        _check_makes_video(args.model)
+    _check_video(args)
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -129,22 +131,32 @@ def check_args(args: argparse.Namespace) -> None:
         raise CliError(f"{world} processes requested but only {torch.cuda.device_count()} GPU(s) are visible")
 
 
-def _check_makes_video(model: str | None) -> None:
-    """--frames needs a pipeline whose call takes `num_frames`; read from model_index.json, before any weight."""
-    if model is None:
+def _check_video(args: argparse.Namespace) -> None:
+    """--frames needs a video pipeline, and a video pipeline needs PyAV to write MP4 files."""
+    if args.frames is not None and args.model is None:
         raise CliError("--frames needs a video pipeline; the embedded default pipeline makes images")
+    has_av = importlib.util.find_spec("av") is not None
+    if args.frames is None and has_av:
+        return
+    makes_video = _makes_video(args.model)
+    if args.frames is not None and makes_video is False:
+        raise CliError(f"--frames needs a video pipeline, but {args.model} makes images (its pipeline's __call__ "
+                       "takes no num_frames)")
+    if makes_video and not has_av:
+        raise CliError(f"{args.model} makes videos, which are written with PyAV: pip install 'paradiff[video]'")
+
+
+def _makes_video(model: str | None) -> bool | None:
+    """Whether the pipeline in folder `model` makes videos (its __call__ takes `num_frames`), read from its
+    model_index.json before any weight; None when unknown (a Hub id, a custom pipeline class)."""
+    if model is None:
+        return False
     index = Path(model) / "model_index.json"
     if not index.is_file():
-        return  # a Hub id: its pipeline class is known only once downloaded
-    import inspect
-    import json
-
+        return None
     import diffusers
 
-    class_name = json.loads(index.read_text()).get("_class_name")
-    pipeline_class = getattr(diffusers, str(class_name), None)
+    pipeline_class = getattr(diffusers, str(json.loads(index.read_text()).get("_class_name")), None)
     if pipeline_class is None:
-        return  # a custom pipeline: let it decide
-    if "num_frames" not in inspect.signature(pipeline_class.__call__).parameters:
-        raise CliError(f"--frames needs a video pipeline, but {model} is a {class_name}, which makes images "
-                       "(its __call__ takes no num_frames)")
+        return None
+    return "num_frames" in inspect.signature(pipeline_class.__call__).parameters

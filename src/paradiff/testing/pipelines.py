@@ -26,7 +26,9 @@ from typing import Any, Iterator
 
 import torch
 
-PIPELINE_FAMILIES = ("flux", "flux2", "qwenimage", "wan")
+PIPELINE_FAMILIES = ("flux", "flux2", "qwenimage", "wan", "wan2.2", "hunyuanvideo", "ltx")
+# The families whose pipelines return videos (`.frames`) and take `num_frames`.
+VIDEO_FAMILIES = ("wan", "wan2.2", "hunyuanvideo", "ltx")
 
 # What each family's pipeline and transformer classes are called in diffusers.
 PIPELINE_CLASSES = {
@@ -34,12 +36,18 @@ PIPELINE_CLASSES = {
     "flux2": "Flux2Pipeline",
     "qwenimage": "QwenImagePipeline",
     "wan": "WanPipeline",
+    "wan2.2": "WanPipeline",
+    "hunyuanvideo": "HunyuanVideoPipeline",
+    "ltx": "LTXPipeline",
 }
 TRANSFORMER_CLASSES = {
     "flux": "FluxTransformer2DModel",
     "flux2": "Flux2Transformer2DModel",
     "qwenimage": "QwenImageTransformer2DModel",
     "wan": "WanTransformer3DModel",
+    "wan2.2": "WanTransformer3DModel",
+    "hunyuanvideo": "HunyuanVideoTransformer3DModel",
+    "ltx": "LTXVideoTransformer3DModel",
 }
 
 # Transformer config keys that other components depend on (latent channels, text width, packing):
@@ -49,6 +57,10 @@ _COUPLED_KEYS = {
     "flux2": ("in_channels", "out_channels", "joint_attention_dim", "patch_size"),
     "qwenimage": ("in_channels", "out_channels", "joint_attention_dim", "patch_size"),
     "wan": ("in_channels", "out_channels", "text_dim", "image_dim", "added_kv_proj_dim"),
+    "wan2.2": ("in_channels", "out_channels", "text_dim", "image_dim", "added_kv_proj_dim", "patch_size"),
+    "hunyuanvideo": ("in_channels", "out_channels", "text_embed_dim", "pooled_projection_dim", "patch_size",
+                     "patch_size_t"),
+    "ltx": ("in_channels", "out_channels", "caption_channels", "patch_size", "patch_size_t"),
 }
 
 # Text width of every text encoder; the transformers' text projections are sized from these.
@@ -161,11 +173,24 @@ def transformer_config(family: str, overrides: dict | None = None) -> dict:
             attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=_TEXT_WIDTH,
             guidance_embeds=False, axes_dims_rope=_rope_axes(head_dim, 3),
         )
-    else:
+    elif family in ("wan", "wan2.2"):
         config = dict(
             patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim,
             in_channels=_LATENT_CHANNELS, out_channels=_LATENT_CHANNELS, text_dim=_TEXT_WIDTH, freq_dim=32,
             ffn_dim=64, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
+        )
+    elif family == "hunyuanvideo":
+        config = dict(
+            in_channels=_LATENT_CHANNELS, out_channels=_LATENT_CHANNELS, num_attention_heads=heads,
+            attention_head_dim=head_dim, num_layers=1, num_single_layers=1, num_refiner_layers=1, mlp_ratio=2.0,
+            patch_size=2, patch_size_t=1, qk_norm="rms_norm", guidance_embeds=True, text_embed_dim=_TEXT_WIDTH,
+            pooled_projection_dim=_TEXT_WIDTH, rope_axes_dim=_rope_axes(head_dim, 3),
+        )
+    else:
+        config = dict(
+            in_channels=_LATENT_CHANNELS, out_channels=_LATENT_CHANNELS, patch_size=1, patch_size_t=1,
+            num_attention_heads=heads, attention_head_dim=head_dim, cross_attention_dim=heads * head_dim,
+            num_layers=2, qk_norm="rms_norm_across_heads", caption_channels=_TEXT_WIDTH,
         )
     config.update(overrides)
     return config
@@ -178,7 +203,8 @@ def build_pipeline(family: str, seed: int = 0, transformer_overrides: dict | Non
     config leaves the text encoders and the VAE unchanged. The caller's global RNG state is left untouched.
     """
     _check_family(family)
-    builders = {"flux": _build_flux, "flux2": _build_flux2, "qwenimage": _build_qwenimage, "wan": _build_wan}
+    builders = {"flux": _build_flux, "flux2": _build_flux2, "qwenimage": _build_qwenimage, "wan": _build_wan,
+                "wan2.2": _build_wan22, "hunyuanvideo": _build_hunyuanvideo, "ltx": _build_ltx}
     components = builders[family](seed)
     with _seeded(seed, 0):
         transformer = transformer_class(family)(**transformer_config(family, transformer_overrides))
@@ -233,8 +259,15 @@ def default_call_kwargs(family: str) -> dict[str, Any]:
     if family == "qwenimage":
         return dict(prompt="a small red fox running through the snow", negative_prompt="blurry, low quality",
                     true_cfg_scale=4.0, max_sequence_length=64, **common)
+    if family in ("wan", "wan2.2"):
+        return dict(prompt="a small red fox running through the snow", negative_prompt="blurry, low quality",
+                    guidance_scale=5.0, num_frames=5, max_sequence_length=32, **common)
+    if family == "hunyuanvideo":
+        # guidance distilled into the transformer (guidance_embeds), no negative prompt
+        return dict(prompt="a small red fox running through the snow", guidance_scale=6.0, num_frames=5,
+                    max_sequence_length=32, **common)
     return dict(prompt="a small red fox running through the snow", negative_prompt="blurry, low quality",
-                guidance_scale=5.0, num_frames=5, max_sequence_length=32, **common)
+                guidance_scale=3.0, num_frames=5, max_sequence_length=32, **common)
 
 
 # --- families ---------------------------------------------------------------------------------------------------
@@ -370,6 +403,84 @@ def _build_wan(seed: int) -> dict:
         solver_order=2, predict_x0=True, solver_type="bh2", lower_order_final=True,
     )
     return dict(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler)
+
+
+def _build_wan22(seed: int) -> dict:
+    """Wan 2.2 TI2V-5B style: one transformer fed per-token timesteps (`expand_timesteps`) and the residual VAE
+    that patchifies its input (patch size 2) before downsampling."""
+    import diffusers
+
+    components = _build_wan(seed)
+    with _seeded(seed, 3):
+        # patch 2 x two spatial downsamplings = 8; one temporal downsampling: 5 frames -> 3 latent frames
+        components["vae"] = diffusers.AutoencoderKLWan(
+            base_dim=8, decoder_base_dim=8, z_dim=_LATENT_CHANNELS, dim_mult=[1, 2, 2], num_res_blocks=1,
+            attn_scales=[], temperal_downsample=[False, True], is_residual=True, patch_size=2,
+            in_channels=3 * 2 * 2, out_channels=3 * 2 * 2,  # RGB, patchified 2x2
+            latents_mean=_latent_stats(seed, 0.0), latents_std=_latent_stats(seed, 1.0), scale_factor_temporal=2,
+            scale_factor_spatial=8,
+        )
+    components["expand_timesteps"] = True
+    return components
+
+
+def _build_hunyuanvideo(seed: int) -> dict:
+    import diffusers
+    from transformers import CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel
+
+    tokenizer = _llama3_tokenizer()
+    tokenizer_2 = _clip_tokenizer()
+    with _seeded(seed, 1):
+        # The pipeline takes the hidden states three layers from the top: three layers keep one real one in play.
+        text_encoder = LlamaModel(LlamaConfig(
+            vocab_size=len(tokenizer), hidden_size=_TEXT_WIDTH, intermediate_size=64, num_hidden_layers=3,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=1024,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id, rope_parameters={"rope_type": "default", "rope_theta": 500_000.0},
+        ))
+    with _seeded(seed, 2):
+        text_encoder_2 = CLIPTextModel(CLIPTextConfig(
+            vocab_size=len(tokenizer_2), hidden_size=_TEXT_WIDTH, intermediate_size=64, projection_dim=_TEXT_WIDTH,
+            num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=77, hidden_act="quick_gelu",
+            bos_token_id=tokenizer_2.bos_token_id, eos_token_id=tokenizer_2.eos_token_id,
+            pad_token_id=tokenizer_2.pad_token_id,
+        ))
+    with _seeded(seed, 3):
+        # The VAE knows temporal factors 4 and 8 only, and the last block never downsamples: three blocks give 4
+        # in space and in time (5 frames -> 2 latent frames).
+        vae = diffusers.AutoencoderKLHunyuanVideo(
+            in_channels=3, out_channels=3, latent_channels=_LATENT_CHANNELS,
+            down_block_types=("HunyuanVideoDownBlock3D",) * 3, up_block_types=("HunyuanVideoUpBlock3D",) * 3,
+            block_out_channels=(8, 16, 16), layers_per_block=1, norm_num_groups=4, spatial_compression_ratio=4,
+            temporal_compression_ratio=4, mid_block_add_attention=False,
+        )
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=7.0)
+    return dict(text_encoder=text_encoder, tokenizer=tokenizer, vae=vae, scheduler=scheduler,
+                text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2)
+
+
+def _build_ltx(seed: int) -> dict:
+    import diffusers
+    from transformers import T5Config, T5EncoderModel
+
+    tokenizer = _t5_tokenizer()
+    with _seeded(seed, 1):
+        text_encoder = T5EncoderModel(_t5_config(T5Config, tokenizer, feed_forward_proj="gated-gelu"))
+    with _seeded(seed, 3):
+        # patch 2 x one spatio-temporal downsampling: 4 in space, 2 in time (5 frames -> 3 latent frames)
+        vae = diffusers.AutoencoderKLLTXVideo(
+            in_channels=3, out_channels=3, latent_channels=_LATENT_CHANNELS, block_out_channels=(8, 16),
+            down_block_types=("LTXVideoDownBlock3D",) * 2, decoder_block_out_channels=(8, 16),
+            layers_per_block=(1, 1, 1), decoder_layers_per_block=(1, 1, 1), spatio_temporal_scaling=(True, False),
+            decoder_spatio_temporal_scaling=(True, False), decoder_inject_noise=(False, False, False),
+            downsample_type=("conv", "conv"), upsample_residual=(False, False), upsample_factor=(1, 1),
+            patch_size=2, patch_size_t=1, timestep_conditioning=False,
+        )
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05,
+        base_image_seq_len=1024, max_image_seq_len=4096, shift_terminal=0.1, time_shift_type="exponential",
+    )
+    return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
 
 
 def _t5_config(config_cls: type, tokenizer, feed_forward_proj: str):
@@ -524,6 +635,45 @@ def _mistral_tokenizer():
         tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
         extra_special_tokens=specials[4:], chat_template=_MISTRAL_CHAT_TEMPLATE, model_max_length=1024,
     )
+
+
+def _llama3_tokenizer():
+    """A byte-level BPE tokenizer with Llama 3's special tokens, BOS in front, runs of newlines kept whole and digits
+    apart from the space before them (as Llama 3's does), so that HunyuanVideo's prompt template is cut where the
+    pipeline cuts it."""
+    from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                "<|finetune_right_pad_id|>"]
+    pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"[\r\n]+"), behavior="isolated"),
+        pre_tokenizers.Split(Regex(r"[0-9]{1,3}"), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    template = Tokenizer(models.BPE())
+    template.pre_tokenizer = pre_tokenizer
+    system = DEFAULT_PROMPT_TEMPLATE["template"]
+    for special in specials:
+        system = system.replace(special, "")
+    vocab, merges = _learn_bpe(template, specials, list(_CORPUS) + [system], _byte_alphabet())
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=None, fuse_unk=False, byte_fallback=False))
+    backend.pre_tokenizer = pre_tokenizer
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B",
+        special_tokens=[("<|begin_of_text|>", vocab["<|begin_of_text|>"])],
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+        pad_token="<|finetune_right_pad_id|>", extra_special_tokens=specials[2:5], model_max_length=1024,
+    )
+    prefix = len(tokenizer(system_prefix := DEFAULT_PROMPT_TEMPLATE["template"].split("{}")[0]).input_ids)
+    if prefix != DEFAULT_PROMPT_TEMPLATE["crop_start"]:  # the pipeline would keep system text, or drop the prompt's
+        raise RuntimeError(f"tiny Llama tokenizer gives {prefix} tokens for {system_prefix!r}, the pipeline crops "
+                           f"{DEFAULT_PROMPT_TEMPLATE['crop_start']}")
+    return tokenizer
 
 
 # --- helpers ----------------------------------------------------------------------------------------------------
