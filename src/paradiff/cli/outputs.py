@@ -63,6 +63,8 @@ def write_mp4(frames: np.ndarray, path: Path, fps: int) -> None:
     with av.open(str(path), mode="w") as container:
         stream = container.add_stream(codec, rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        if codec == "libx264":
+            stream.options = {"crf": "18"}  # near-transparent quality; the default (23) smears tiny frames
         for frame in frames:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
         container.mux(stream.encode())  # flush the encoder's delayed frames

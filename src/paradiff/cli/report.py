@@ -23,8 +23,9 @@ def write_report(args: argparse.Namespace, out: Path, model: str, prompts: list[
     """
     import numpy as np
 
-    outputs = {index: entry for stats in gathered for index, entry in stats["outputs"].items()}
-    outputs = dict(sorted(outputs.items()))
+    # keyed by the prompt's index as a string, as JSON has it
+    outputs = {str(index): entry for index, entry in sorted(
+        (int(index), entry) for stats in gathered for index, entry in stats["outputs"].items())}
     report = {
         "model": model,
         "config": {"tp": args.tp, "ulysses": args.ulysses, "ring": args.ring, "cfg": args.cfg, "dp": args.dp,

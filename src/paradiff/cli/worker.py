@@ -38,7 +38,7 @@ def run_worker(args: argparse.Namespace, on_pipeline_loaded: PipelineHook | None
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
     try:
-        _generate(args, device, on_pipeline_loaded)
+        generate(args, device, on_pipeline_loaded)
     finally:
         dist.destroy_process_group()
 
@@ -66,7 +66,9 @@ def call_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
-def _generate(args: argparse.Namespace, device: torch.device, on_pipeline_loaded: PipelineHook | None) -> None:
+def generate(args: argparse.Namespace, device: torch.device,
+             on_pipeline_loaded: PipelineHook | None = None) -> dict | None:
+    """`paradiff generate` on this rank, in the initialised default process group; the report on rank 0."""
     rank = dist.get_rank()
     if rank != 0 or not _console_is_terminal():
         _quiet_libraries()
@@ -120,7 +122,8 @@ def _generate(args: argparse.Namespace, device: torch.device, on_pipeline_loaded
     gathered = all_gather_object(stats)
     if rank == 0:
         run = {"world_size": dist.get_world_size(), "backend": dist.get_backend(), "device": device.type}
-        write_report(args, out, model, prompts, run, gathered, compare)
+        return write_report(args, out, model, prompts, run, gathered, compare)
+    return None
 
 
 def _peak_memory_bytes(device: torch.device) -> int:
