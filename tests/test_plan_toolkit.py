@@ -113,3 +113,9 @@ def test_readme_coverage_table_is_generated_from_the_code():
     assert table in readme, "README.md's coverage table is stale: paste `paradiff plans --markdown`"
     for family, _, class_name in examples.all_examples():
         assert re.search(rf"\| `{class_name}` \|", readme), class_name
+
+
+def test_an_input_context_parallelism_cannot_split_is_refused_with_the_reason(pools):
+    for message in pools.get(2).run(cases.unsupported_input_message):
+        assert "'local_add_cond' is not supported under context parallelism" in message, message
+        assert "tensor parallelism only" in message, message

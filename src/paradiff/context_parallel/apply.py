@@ -25,6 +25,7 @@ class ResolvedContextPlan:
     gather_outputs: dict[str, int | dict[int, int]]
     local_attention: set[str]
     split_token_arguments: dict[str, tuple[str, ...]]
+    unsupported_inputs: dict[str, dict[str, str]]
 
 
 def _expand(model: nn.Module, entries: dict[str, Any], what: str) -> dict[str, Any]:
@@ -65,6 +66,7 @@ def resolve_cp_plan(model: nn.Module, plan: ContextParallelPlan) -> ResolvedCont
         gather_outputs=_expand(model, plan.gather_outputs, "gather_outputs"),
         local_attention=local,
         split_token_arguments=_expand(model, plan.split_token_arguments, "split_token_arguments"),
+        unsupported_inputs=_expand(model, plan.unsupported_inputs, "unsupported_inputs"),
     )
 
 
@@ -163,6 +165,19 @@ def _token_argument_splitter(module: nn.Module, arguments: tuple[str, ...], runt
     return hook
 
 
+def _input_refuser(module: nn.Module, arguments: dict[str, str], name: str):
+    positions = {arg: index for index, arg in enumerate(inspect.signature(module.forward).parameters)}
+
+    def hook(_module, args, kwargs):
+        for arg, why in arguments.items():
+            value = kwargs.get(arg, args[positions[arg]] if positions.get(arg, len(args)) < len(args) else None)
+            if value is not None:
+                raise ValueError(f"{name or type(module).__name__}: {arg!r} is not supported under context "
+                                 f"parallelism: {why}")
+
+    return hook
+
+
 def _output_splitter(name: str, outputs: dict[int, Split], runtime: ContextParallelRuntime):
     def hook(_module, _args, output):
         if torch.is_tensor(output):
@@ -216,6 +231,9 @@ def apply_context_parallel(model: nn.Module, state: ParallelState, plan: Resolve
     for name, arguments in plan.split_inputs.items():
         module = model.get_submodule(name) if name else model
         handles.append(module.register_forward_pre_hook(_input_splitter(module, arguments, runtime), with_kwargs=True))
+    for name, arguments in plan.unsupported_inputs.items():
+        module = model.get_submodule(name) if name else model
+        handles.append(module.register_forward_pre_hook(_input_refuser(module, arguments, name), with_kwargs=True))
     for name, arguments in plan.split_token_arguments.items():
         module = model.get_submodule(name)
         handles.append(module.register_forward_pre_hook(
