@@ -23,6 +23,7 @@ from .tensor_parallel.styles import (
     PackedColwiseParallel,
     PackedRowwise,
     PackedRowwiseParallel,
+    SplitParameter,
 )
 from .vae import parallelize_vae
 
@@ -42,6 +43,7 @@ __all__ = [
     "ParallelConfigError",
     "PlanError",
     "Split",
+    "SplitParameter",
     "TensorParallelConfig",
     "TensorParallelPlan",
     "UnsupportedModelError",

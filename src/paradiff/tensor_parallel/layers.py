@@ -87,6 +87,9 @@ class ShardedNorm(nn.Module):
         self.full_features = full_features
         self.group = group
         self.comm_stats: CommStats | None = None
+        # K heads replicated over rank groups (fewer K/V heads than ranks) are summed once per replica
+        local = sum(length for _, length in weight_spec.pieces)
+        self.replicas = max(1, local * dist.get_world_size(group) // full_features)
 
     def extra_repr(self) -> str:
         kind = "rms" if self.rms else "layer"
@@ -99,10 +102,10 @@ class ShardedNorm(nn.Module):
         if not self.rms:
             total = x.sum(-1, keepdim=True)
             all_reduce_tp(total, self.group, self.comm_stats)
-            x = x - total / self.full_features
+            x = x - total / (self.full_features * self.replicas)
         square_sum = x.pow(2).sum(-1, keepdim=True)
         all_reduce_tp(square_sum, self.group, self.comm_stats)
-        x = x * torch.rsqrt(square_sum / self.full_features + self.eps)
+        x = x * torch.rsqrt(square_sum / (self.full_features * self.replicas) + self.eps)
         if self.weight is not None:
             if self.weight.dtype in (torch.float16, torch.bfloat16):
                 x = x.to(self.weight.dtype)

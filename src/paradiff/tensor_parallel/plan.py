@@ -143,6 +143,9 @@ def resolve_plan(model: nn.Module, plan: TensorParallelPlan, rank: int, size: in
     for key, raw_style in plan.styles.items():
         style = resolve_style(raw_style, key)
         for name in expand_key(model, key):
+            if style.target == "parameter":
+                _resolve_parameter(model, resolved, style, name, key, rank, size)
+                continue
             try:
                 module = model.get_submodule(name)
             except AttributeError as exc:
@@ -186,6 +189,31 @@ def resolve_plan(model: nn.Module, plan: TensorParallelPlan, rank: int, size: in
                                     f"{type(model).__name__}; {_missing_module_hint(model, name)}.") from exc
                 getattr(resolved, what)[name] = dict(outputs)
     return resolved
+
+
+def _resolve_parameter(model: nn.Module, resolved: ResolvedPlan, style: Style, name: str, key: str, rank: int,
+                       size: int) -> None:
+    """A planned bare parameter: recorded under its module's name, so the loader and saver slice it like a weight."""
+    module_name, _, leaf = name.rpartition(".")
+    try:
+        module = model.get_submodule(module_name) if module_name else model
+    except AttributeError as exc:
+        raise PlanError(f"Plan key {key!r} names {name!r}, whose module is not a submodule of "
+                        f"{type(model).__name__}; {_missing_module_hint(model, module_name)}.") from exc
+    param = module._parameters.get(leaf)
+    if param is None:
+        raise PlanError(
+            f"Plan entry {name!r} (key {key!r}) has style {type(style).__name__}, which splits a parameter, but "
+            f"{module_name or type(model).__name__} has no parameter {leaf!r}; its own parameters are "
+            f"{list(module._parameters)}."
+        )
+    if module_name in resolved.linears:
+        raise PlanError(f"{name!r} (key {key!r}): its module {module_name!r} already has a planned style; a module "
+                        "may carry one planned parameter or one module style.")
+    shape = tuple(param.shape)
+    spec = style.shard_spec(leaf, shape, rank, size, getattr(model, "config", None), name)
+    resolved.linears[module_name] = ResolvedLinear(name=module_name, style=style, specs={leaf: spec},
+                                                   full_shapes={leaf: shape})
 
 
 def norm_features(module: nn.Module) -> int:

@@ -36,7 +36,13 @@ def swap_in_sharded_linears(
     """
     size = dist.get_world_size(group)
     for name, linear in resolved.linears.items():
-        module = model.get_submodule(name)
+        module = model.get_submodule(name) if name else model
+        if linear.style.target == "parameter":  # a bare per-head parameter: sliced in place, the module stays
+            for leaf, spec in linear.specs.items():
+                value = module._parameters[leaf].data
+                module._parameters[leaf] = nn.Parameter(value if weights_are_local else slice_tensor(value, spec),
+                                                        requires_grad=False)
+            continue
         if isinstance(module, (ShardedLinear, ShardedNorm)):
             raise RuntimeError(f"{name} is already tensor-parallel; enable_parallelism was called twice.")
         weight, bias = (None if getattr(module, leaf, None) is None else getattr(module, leaf).data

@@ -132,6 +132,8 @@ class HeadNorm(Style):
     kind: ClassVar[str] = "norm_across_heads"
     target: ClassVar[str] = "norm"
     blocks: BlockSizes = None
+    # grouped K heads (a norm after a ColwiseHeads projection): split like ColwiseHeads(head_dim), replicas included
+    head_dim: int | Callable[[Any], int] | None = None
 
     def weight_dim(self) -> int:
         return 0
@@ -140,6 +142,8 @@ class HeadNorm(Style):
         return [full_size] if self.blocks is None else _Packed(self.blocks).block_sizes_for(full_size, config, where)
 
     def shard_spec(self, param: str, full_shape: Sequence[int], rank: int, size: int, config: Any, where: str):
+        if self.head_dim is not None:
+            return ColwiseHeads(self.head_dim).shard_spec("weight", full_shape, rank, size, config, where)
         return Colwise.shard_spec(self, "weight", full_shape, rank, size, config, where)
 
 
@@ -174,6 +178,25 @@ class ColwiseHeads(Style):
         return ShardSpec(dim=0, pieces=((head * head_dim, head_dim),))
 
 
+@dataclass(frozen=True)
+class SplitParameter(Style):
+    """A bare parameter holding one value (or row) per head, e.g. Lumina-Next's per-head gate: split along `dim` in
+    tp equal blocks, rank r keeping the r-th, the heads its colwise projections hold. The plan key names the
+    parameter ('layers.*.gate'), not a module."""
+
+    kind: ClassVar[str] = "parameter"
+    target: ClassVar[str] = "parameter"
+    dim: int = 0
+
+    def shard_spec(self, param: str, full_shape: Sequence[int], rank: int, size: int, config: Any, where: str):
+        full = full_shape[self.dim]
+        if full % size != 0:
+            raise PlanError(f"{where}: dim {self.dim} of shape {tuple(full_shape)} ({full} heads) is not divisible by "
+                            f"tp_degree={size}; choose a tp_degree that divides {full}.")
+        local = full // size
+        return ShardSpec(dim=self.dim, pieces=((rank * local, local),))
+
+
 def PackedColwiseParallel(blocks: BlockSizes = None) -> PackedColwise:  # noqa: N802 - diffusers-compatible name
     return PackedColwise(blocks)
 
@@ -197,5 +220,6 @@ def resolve_style(value: str | Style, where: str) -> Style:
         return _NAMED[value]
     raise PlanError(
         f"Unknown tensor-parallel style {value!r} for {where!r}; valid styles: "
-        f"{sorted(_NAMED)}, PackedColwise(blocks), PackedRowwise(blocks), HeadNorm(blocks), ColwiseHeads(head_dim)."
+        f"{sorted(_NAMED)}, PackedColwise(blocks), PackedRowwise(blocks), HeadNorm(blocks, head_dim), "
+        "ColwiseHeads(head_dim), SplitParameter(dim)."
     )
