@@ -139,3 +139,20 @@ def cp_general_masks(ring: int, ulysses: int, tokens: int = 11, heads: int = 4, 
     except ValueError as exc:
         error = str(exc)
     return {"diffs": diffs, "calls": dict(runtime.stats.calls), "split_mask_error": error}
+
+
+def cp_refused_argument() -> str:
+    """Lumina-Next's proportional attention (a scale from the sequence length its processor sees) under CP: every
+    rank refuses the call with the reason before the forward issues a collective."""
+    from paradiff import examples
+
+    model = paradiff.enable_parallelism(examples.build_example("lumina_next", "lumina-next"),
+                                        paradiff.ContextParallelConfig(ring_degree=dist.get_world_size()))
+    inputs = examples.example_inputs("lumina_next", "lumina-next", model.config)
+    inputs["cross_attention_kwargs"] = {"base_sequence_length": 64}
+    stats = get_state(model).context.stats = CommStats()
+    try:
+        model(**inputs)
+    except ValueError as exc:
+        return f"{exc} | collectives: {sum(stats.calls.values())}"
+    return "no error"

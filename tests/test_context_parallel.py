@@ -133,3 +133,9 @@ def test_query_dependent_and_per_head_masks(pools, mode):
         assert max(result["diffs"].values()) < ATOL, result
         assert result["calls"].get(EXPECTED_COMM[mode], 0) > 0, result
         assert "must cover the whole sequence of 11 tokens" in result["split_mask_error"], result
+
+
+def test_plan_refuses_an_argument_the_split_cannot_honour(pools):
+    for message in pools.get(2).run(cases.cp_refused_argument):
+        assert "'cross_attention_kwargs.base_sequence_length' is not supported under context parallelism" in message
+        assert "proportional_attn=False" in message and message.endswith("collectives: 0"), message

@@ -169,10 +169,13 @@ def _input_refuser(module: nn.Module, arguments: dict[str, str], name: str):
     positions = {arg: index for index, arg in enumerate(inspect.signature(module.forward).parameters)}
 
     def hook(_module, args, kwargs):
-        for arg, why in arguments.items():
+        for entry, why in arguments.items():
+            arg, _, key = entry.partition(".")  # "argument.key": one key of a dict argument (e.g. attention kwargs)
             value = kwargs.get(arg, args[positions[arg]] if positions.get(arg, len(args)) < len(args) else None)
+            if key:
+                value = value.get(key) if isinstance(value, dict) else None
             if value is not None:
-                raise ValueError(f"{name or type(module).__name__}: {arg!r} is not supported under context "
+                raise ValueError(f"{name or type(module).__name__}: {entry!r} is not supported under context "
                                  f"parallelism: {why}")
 
     return hook

@@ -40,6 +40,7 @@ class ContextParallelPlan:
     gather_outputs: dict[str, int | dict[int, int]] = field(default_factory=dict)
     local_attention: tuple[str, ...] = ()
     split_token_arguments: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    # module -> {forward argument: why}: inputs the model handles in a way a token split would silently break;
-    # passing one (not None) under context parallelism raises that reason before any collective
+    # module -> {forward argument, or "argument.key" for one key of a dict argument: why}: inputs the model handles
+    # in a way a token split would silently break; passing one (not None) under context parallelism raises that
+    # reason before any collective
     unsupported_inputs: dict[str, dict[str, str]] = field(default_factory=dict)

@@ -33,7 +33,14 @@ def normalise_mask(attn_mask: torch.Tensor | None) -> torch.Tensor | None:
             f"Context parallelism takes attention masks of 1 to 4 dims (up to (batch, heads, queries, keys)), as "
             f"SDPA does; got shape {tuple(attn_mask.shape)}."
         )
-    return attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    # a key mask expanded over the queries or heads (stride 0, e.g. Lumina's .expand(-1, heads, queries, -1)) is
+    # still a key mask: keep one row, which splits with the keys
+    if mask.shape[2] > 1 and mask.stride(2) == 0:
+        mask = mask[:, :, :1]
+    if mask.shape[1] > 1 and mask.stride(1) == 0:
+        mask = mask[:, :1]
+    return mask
 
 
 @dataclass
