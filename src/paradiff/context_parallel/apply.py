@@ -85,6 +85,8 @@ def _split(value: Any, split: Split | dict, runtime: ContextParallelRuntime, wha
     dim = split.dim % value.dim()
     if split.within is not None:
         return _split_within(value, dim, split.within, runtime, what)
+    if split.parts:
+        return _split_parts(value, dim, split.parts, runtime, what)
     if value.shape[dim] < runtime.cp_size:
         # diffusers' blocks cannot run on an empty token block (their reshapes fail), so every rank needs one.
         # Every rank sees the same full length, so all of them raise here, before any collective of this forward.
@@ -106,6 +108,21 @@ def _split_within(value: torch.Tensor, dim: int, stream: str, runtime: ContextPa
     return local_chunk(grouped, dim + 1, runtime.cp_rank, runtime.cp_size).flatten(dim, dim + 1)
 
 
+def _split_parts(value: torch.Tensor, dim: int, parts: tuple[str, ...], runtime: ContextParallelRuntime,
+                 what: str) -> torch.Tensor:
+    missing = [part for part in parts if part not in runtime.full_tokens]
+    if missing:
+        raise PlanError(f"{what} is split by parts {parts}, but the plan splits no {missing} before it; name token "
+                        f"streams split in split_inputs ({sorted(runtime.full_tokens)} are).")
+    lengths = [runtime.full_tokens[part] for part in parts]
+    if sum(lengths) != value.shape[dim]:
+        raise ValueError(f"{what} has {value.shape[dim]} entries along dim {dim}, but its parts {parts} have "
+                         f"{lengths} tokens (sum {sum(lengths)}).")
+    starts = [sum(lengths[:index]) for index in range(len(lengths))]
+    return torch.cat([local_chunk(value.narrow(dim, start, length), dim, runtime.cp_rank, runtime.cp_size)
+                      for start, length in zip(starts, lengths)], dim=dim)
+
+
 TOKEN_STREAMS = ("encoder_hidden_states", "hidden_states")  # joint sequences put the text first
 
 
@@ -114,17 +131,16 @@ def _input_splitter(module: nn.Module, arguments: dict[str, Split | dict], runti
 
     def hook(_module, args, kwargs):
         args = list(args)
-        for name, split in arguments.items():
+        given = {name: kwargs[name] if name in kwargs else args[positions[name]] for name in arguments
+                 if name in kwargs or positions[name] < len(args)}
+        for name, value in given.items():  # first, so arguments split by parts see this call's stream lengths
+            if name in TOKEN_STREAMS and torch.is_tensor(value) and isinstance(arguments[name], Split):
+                runtime.full_tokens[name] = value.shape[arguments[name].dim % value.dim()]
+        for name, value in given.items():
             if name in kwargs:
-                value = kwargs[name]
-                kwargs[name] = _split(value, split, runtime, name)
-            elif positions[name] < len(args):
-                value = args[positions[name]]
-                args[positions[name]] = _split(value, split, runtime, name)
+                kwargs[name] = _split(value, arguments[name], runtime, name)
             else:
-                continue
-            if name in TOKEN_STREAMS and torch.is_tensor(value) and isinstance(split, Split):
-                runtime.full_tokens[name] = value.shape[split.dim % value.dim()]
+                args[positions[name]] = _split(value, arguments[name], runtime, name)
         return tuple(args), kwargs
 
     return hook

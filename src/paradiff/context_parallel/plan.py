@@ -8,7 +8,11 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class Split:
     """Split a tensor along `dim` over the CP ranks; when `ndim` is set, only tensors of that rank are split. A
-    tuple, list or dict of tensors (rotary tables) has each of its tensors split."""
+    tuple, list or dict of tensors (rotary tables) has each of its tensors split.
+
+    `parts` names the token streams `dim` concatenates, in order (e.g. ("hidden_states", "encoder_hidden_states")
+    for a key mask over [image, text]): each part is split on its own and the local pieces concatenated, as joint
+    attention holds them. Their full lengths are those of the streams where the plan splits them."""
 
     dim: int
     ndim: int | None = None
@@ -16,6 +20,7 @@ class Split:
     # named token stream (e.g. "hidden_states" once split): for rows flattened as (batch x tokens), as Latte's
     # per-location timesteps are
     within: str | None = None
+    parts: tuple[str, ...] = ()
 
 
 @dataclass
