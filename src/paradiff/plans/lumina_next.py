@@ -53,7 +53,7 @@ def context_parallel_plan(config) -> ContextParallelPlan:
         },
         gather_outputs={"norm_out": 1},
         local_attention=("layers.*.attn2",),  # cross-attention to the replicated caption
-        unsupported_arguments={"": {"cross_attention_kwargs.base_sequence_length": (
+        unsupported_inputs={"": {"cross_attention_kwargs.base_sequence_length": (
             "proportional attention scales each attention by the sequence length its processor sees, which is the "
             "rank's part; call the pipeline with proportional_attn=False, or use tensor parallelism")}},
     )
