@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=_positive, default=4)
     bench.add_argument("--height", type=_positive, default=64)
     bench.add_argument("--width", type=_positive, default=64)
+    bench.add_argument("--frames", type=_positive, default=None, help="frames per video (video pipelines only)")
     bench.add_argument("--out", default="out/bench")
     check = commands.add_parser("check-plan", help="run a plan single-process vs parallel, module by module")
     check.add_argument("model", help="a diffusers class name (its built-in example) or a checkpoint folder")
