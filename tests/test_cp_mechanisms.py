@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
-from paradiff.context_parallel.apply import _split
-from paradiff.context_parallel.plan import Split
+import rank_cases_cp_mechanisms as cases
+from paradiff.context_parallel.apply import _local_count, _split
+from paradiff.context_parallel.plan import Count, Split
 
 
 def rank_of(rank: int, size: int):
@@ -70,3 +72,33 @@ def test_split_within_names_the_stream_it_needs():
         assert "hidden_states" in str(exc) and "timestep" in str(exc)
     else:
         raise AssertionError("an unknown stream length must be refused")
+
+
+@pytest.mark.parametrize("tail,expected", [(False, [4, 0, 0]), (True, [0, 1, 3])])
+def test_counts_become_the_share_of_the_counted_tokens_each_rank_holds(tail, expected):
+    # 10 tokens over 3 ranks: [0, 4), [4, 7), [7, 10); count the first or the last 4
+    shares = [_local_count(Count("hidden_states", tail=tail), 4,
+                           SimpleNamespace(cp_rank=rank, cp_size=3, full_tokens={"hidden_states": 10}), "n")
+              for rank in range(3)]
+    assert shares == expected
+
+
+def test_a_count_larger_than_its_stream_is_refused():
+    runtime = SimpleNamespace(cp_rank=0, cp_size=2, full_tokens={"hidden_states": 10})
+    with pytest.raises(ValueError, match="an int from 0 to 10"):
+        _local_count(Count(), 11, runtime, "num_tokens")
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_padding_masks_of_queries_and_keys_match_single_process(pools, mode):
+    assert max(pools.get(2).run(cases.padding_mask_attention, mode=mode)) < 1e-6
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_other_square_masks_are_refused_on_every_rank(pools, mode):
+    for message in pools.get(2).run(cases.causal_mask_is_refused, mode=mode):
+        assert "only when they mask padding" in message and "(2, 1, 6, 6)" in message
+
+
+def test_local_attention_takes_a_mask_per_head_and_query(pools):
+    assert max(pools.get(2).run(cases.local_attention_with_any_mask, mode="ulysses")) < 1e-6

@@ -53,6 +53,13 @@ def all_gather_int(value: int, group: dist.ProcessGroup, device: torch.device) -
     return [int(v) for v in torch.cat(out).tolist()]
 
 
+def all_true(flag: bool, group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether `flag` holds on every rank of the group: a check on local data that all ranks must act on alike."""
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
+    return bool(value.item())
+
+
 def all_gather_uneven(
     tensor: torch.Tensor, dim: int, sizes: list[int], group: dist.ProcessGroup, stats: CommStats | None = None,
     name: str = "all_gather_seq",

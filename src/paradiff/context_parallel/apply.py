@@ -13,8 +13,8 @@ from ..comm import all_gather_int, all_gather_uneven
 from ..errors import PlanError
 from ..state import ParallelState
 from ..tensor_parallel.plan import expand_key
-from .attention import local_chunk
-from .plan import ContextParallelPlan, Split
+from .attention import even_sizes, local_chunk
+from .plan import ContextParallelPlan, Count, Split
 from .runtime import AttentionInterceptor, ContextParallelRuntime, require_native_processors
 
 
@@ -123,10 +123,25 @@ def _split_parts(value: torch.Tensor, dim: int, parts: tuple[str, ...], runtime:
                       for start, length in zip(starts, lengths)], dim=dim)
 
 
+def _local_count(count: Count, value: Any, runtime: ContextParallelRuntime, what: str) -> Any:
+    """How many of the first (last) `value` tokens of the split stream lie in this rank's chunk."""
+    full = runtime.full_tokens.get(count.of)
+    if full is None:
+        raise ValueError(f"{what} counts tokens of {count.of!r}, which the plan does not split before it.")
+    if not isinstance(value, int) or not 0 <= value <= full:
+        raise ValueError(f"{what}={value!r} should count tokens of {count.of!r}, an int from 0 to {full}.")
+    sizes = even_sizes(full, runtime.cp_size)
+    start = sum(sizes[: runtime.cp_rank])
+    end = start + sizes[runtime.cp_rank]
+    first, last = (full - value, full) if count.tail else (0, value)
+    return max(0, min(end, last) - max(start, first))
+
+
 TOKEN_STREAMS = ("encoder_hidden_states", "hidden_states")  # joint sequences put the text first
 
 
-def _input_splitter(module: nn.Module, arguments: dict[str, Split | dict], runtime: ContextParallelRuntime):
+def _input_splitter(module: nn.Module, arguments: dict[str, Split | Count | dict],
+                    runtime: ContextParallelRuntime):
     positions = {name: index for index, name in enumerate(inspect.signature(module.forward).parameters)}
 
     def hook(_module, args, kwargs):
@@ -137,10 +152,13 @@ def _input_splitter(module: nn.Module, arguments: dict[str, Split | dict], runti
             if name in TOKEN_STREAMS and torch.is_tensor(value) and isinstance(arguments[name], Split):
                 runtime.full_tokens[name] = value.shape[arguments[name].dim % value.dim()]
         for name, value in given.items():
+            split = arguments[name]
+            local = (_local_count(split, value, runtime, name) if isinstance(split, Count)
+                     else _split(value, split, runtime, name))
             if name in kwargs:
-                kwargs[name] = _split(value, arguments[name], runtime, name)
+                kwargs[name] = local
             else:
-                args[positions[name]] = _split(value, arguments[name], runtime, name)
+                args[positions[name]] = local
         return tuple(args), kwargs
 
     return hook

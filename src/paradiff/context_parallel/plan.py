@@ -23,12 +23,21 @@ class Split:
     parts: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class Count:
+    """An int argument counting the first (or, with `tail`, the last) tokens of the split argument `of` (e.g. the
+    first frame's tokens, the current window after history tokens): each rank gets how many its chunk holds."""
+
+    of: str = "hidden_states"
+    tail: bool = False
+
+
 @dataclass
 class ContextParallelPlan:
     """Per-model knowledge of context parallelism, as module paths (globs with one `*` over a ModuleList).
 
-    - `split_inputs`: module -> {forward argument name: Split}; "" is the model itself. A tuple argument is split
-      item by item, or only the items named by {item index: Split} (nested dicts for nested tuples).
+    - `split_inputs`: module -> {forward argument name: Split or Count}; "" is the model itself. A tuple argument
+      is split item by item, or only the items named by {item index: Split} (nested dicts for nested tuples).
     - `split_outputs`: module -> {output index: Split} (e.g. rotary tables computed from the full sequence).
     - `gather_outputs`: module -> dim along which its output is gathered back to the full sequence, or
       {output index: dim} for the items of a tuple output (e.g. a joint block's text stream after the last block).
@@ -40,7 +49,7 @@ class ContextParallelPlan:
       tensor without such a dimension stays whole.
     """
 
-    split_inputs: dict[str, dict[str, Split | dict]] = field(default_factory=dict)
+    split_inputs: dict[str, dict[str, Split | Count | dict]] = field(default_factory=dict)
     split_outputs: dict[str, dict[int, Split]] = field(default_factory=dict)
     gather_outputs: dict[str, int | dict[int, int]] = field(default_factory=dict)
     local_attention: tuple[str, ...] = ()

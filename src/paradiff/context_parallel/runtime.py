@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..comm import CommStats
+from ..comm import CommStats, all_true
 from ..errors import ParallelConfigError
 from .attention import even_sizes, local_attention, ring_attention, ulysses_attention
 from .kernels import BACKENDS, check_backend, default_scale
@@ -43,6 +43,12 @@ def normalise_mask(attn_mask: torch.Tensor | None) -> torch.Tensor | None:
     return mask
 
 
+def is_square_bool(attn_mask: torch.Tensor | None, queries: int, keys: int) -> bool:
+    """A bool mask with one row and one column per token this rank holds (a whole-sequence mask has more)."""
+    return (attn_mask is not None and attn_mask.dtype == torch.bool and attn_mask.dim() == 4
+            and attn_mask.shape[1] == 1 and queries == keys == attn_mask.shape[2] == attn_mask.shape[3])
+
+
 @dataclass
 class ContextParallelRuntime:
     """The groups and settings one CP model's attention uses. Owned by the model's ParallelState."""
@@ -53,7 +59,7 @@ class ContextParallelRuntime:
     ulysses_group: dist.ProcessGroup | None
     backend: str = "native"
     stats: CommStats | None = None
-    # full token counts of the streams split in the current forward, recorded where they are split
+    # full lengths of the arguments split in the current forward, by argument name, recorded where they are split
     full_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -81,6 +87,9 @@ class ContextParallelRuntime:
                 f"dropout_p={dropout_p}, is_causal={is_causal}, enable_gqa={enable_gqa}."
             )
         scale = default_scale(query.shape[-1]) if scale is None else scale
+        query_mask = None
+        if not local and is_square_bool(attn_mask, query.shape[2], key.shape[2]):
+            attn_mask, query_mask = self.padding_masks(attn_mask)
         mask = normalise_mask(attn_mask)
         kernel = BACKENDS[self.backend]
         if local:  # queries and mask rows are both this rank's; keys are whole
@@ -96,11 +105,28 @@ class ContextParallelRuntime:
         if sequence_mask is not None:
             sequence_mask = self.in_split_order(sequence_mask)
         if self.mode == "ring":
-            return ring_attention(query, key, value, key_mask, scale, kernel, self.ring_group, self.stats,
-                                  sequence_mask=sequence_mask)
-        ring_group = self.ring_group if self.mode == "unified" else None
-        return ulysses_attention(query, key, value, key_mask, scale, kernel, self.ulysses_group, self.stats,
-                                 ring_group=ring_group, sequence_mask=sequence_mask)
+            out = ring_attention(query, key, value, key_mask, scale, kernel, self.ring_group, self.stats,
+                                 sequence_mask=sequence_mask)
+        else:
+            ring_group = self.ring_group if self.mode == "unified" else None
+            out = ulysses_attention(query, key, value, key_mask, scale, kernel, self.ulysses_group, self.stats,
+                                    ring_group=ring_group, sequence_mask=sequence_mask)
+        if query_mask is not None:  # SDPA gives rows with every key masked a zero output
+            out = out.masked_fill(~query_mask[:, None, :, None], 0)
+        return out
+
+    def padding_masks(self, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A (batch, 1, tokens, tokens) mask over this rank's own tokens built as valid[q] & valid[k] (HunyuanVideo
+        1.5's context padding), as a key mask and a query mask. The ranks decide together whether it is one."""
+        valid = mask.diagonal(dim1=-2, dim2=-1)  # (batch, 1, tokens)
+        is_padding = torch.equal(mask, valid[..., :, None] & valid[..., None, :])
+        if not all_true(is_padding, self.cp_group, mask.device):
+            raise NotImplementedError(
+                f"Context parallelism supports (batch, 1, tokens, tokens) masks over a rank's own tokens only when "
+                f"they mask padding (valid query & valid key); this {tuple(mask.shape)} mask is another kind (e.g. "
+                "causal). Give the mask a row per query of the whole sequence instead."
+            )
+        return valid[:, :, None, :], valid[:, 0, :]
 
 
     def in_split_order(self, mask: torch.Tensor) -> torch.Tensor:
