@@ -97,7 +97,7 @@ def test_padding_masks_of_queries_and_keys_match_single_process(pools, mode):
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])
 def test_other_square_masks_are_refused_on_every_rank(pools, mode):
     for message in pools.get(2).run(cases.causal_mask_is_refused, mode=mode):
-        assert "only when they mask padding" in message and "(2, 1, 6, 6)" in message
+        assert "only when they mask padding" in message and "mask is another kind" in message
 
 
 def test_local_attention_takes_a_mask_per_head_and_query(pools):

@@ -23,8 +23,8 @@ def context_parallel_plan(config) -> ContextParallelPlan:
     splits["single_transformer_blocks.*"] = {**splits["single_transformer_blocks.*"], "image_rotary_emb": Split(0)}
     return ContextParallelPlan(
         split_inputs=splits,
-        # the forward keeps the last `current` tokens right after the blocks: gather the last block's streams
-        gather_outputs={f"single_transformer_blocks.{config.num_single_layers - 1}": 1},
+        # the forward keeps the last `current` tokens right after the blocks: gather the last block's video stream
+        gather_outputs={f"single_transformer_blocks.{config.num_single_layers - 1}": {0: 1}},
         local_attention=(hunyuan_video.REFINER_ATTENTION,),
     )
 
