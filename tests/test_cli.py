@@ -107,7 +107,9 @@ def test_failing_worker_ends_the_run_non_zero_with_no_process_left(tmp_path, fau
         assert "paradiff: rank 0 failed: DistributedError: rank 1 failed with RuntimeError: injected fault" in result.stderr
     if kind == "exit":
         assert "paradiff: rank 0 exited with code 9 first; stopped the run" in result.stderr
-        assert "1 native stack trace(s) hidden; PARADIFF_DEBUG=1 shows them" in result.stderr
+        if "paradiff: rank 1 failed" in result.stderr:  # then it read the dead store, and c10d printed a backtrace
+            assert "1 native stack trace(s) hidden; PARADIFF_DEBUG=1 shows them" in result.stderr
+        assert "Exception raised from" not in result.stderr and "frame #" not in result.stderr
         # far below the collective timeout (30 s): the launcher stops the peers of a dead rank at once (~1-3 s)
         assert fault_to_exit < 10, fault_to_exit
     if kind == "seed":
