@@ -44,6 +44,14 @@ def all_gather_heads_tp(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup
     return torch.cat(pieces, dim=dim)
 
 
+def all_reduce_cp_sums(tensor: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None = None) -> torch.Tensor:
+    """Sum per-rank partial sums over the context-parallel group (linear attention's K^T V and key sums)."""
+    tensor = tensor.contiguous()
+    _record(stats, "all_reduce_cp_sums", tensor)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
 def all_gather_int(value: int, group: dist.ProcessGroup, device: torch.device) -> list[int]:
     """Every rank's integer (sequence lengths before an uneven exchange)."""
     size = dist.get_world_size(group)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -14,7 +14,9 @@ from ..errors import PlanError
 from ..state import ParallelState
 from ..tensor_parallel.plan import expand_key
 from .attention import even_sizes, local_chunk
-from .plan import ContextParallelPlan, Count, Split
+from .grid import check_halo_conv, grid_layout, halo_conv_hooks, split_grid
+from .linear import LinearAttentionProcessor
+from .plan import ContextParallelPlan, Count, GridSplit, Split
 from .runtime import AttentionInterceptor, ContextParallelRuntime, require_native_processors
 
 
@@ -26,6 +28,8 @@ class ResolvedContextPlan:
     local_attention: set[str]
     split_token_arguments: dict[str, tuple[str, ...]]
     unsupported_inputs: dict[str, dict[str, str]]
+    halo_convs: list[str] = field(default_factory=list)
+    linear_attention: list[str] = field(default_factory=list)
 
 
 def _expand(model: nn.Module, entries: dict[str, Any], what: str) -> dict[str, Any]:
@@ -53,13 +57,25 @@ def resolve_cp_plan(model: nn.Module, plan: ContextParallelPlan) -> ResolvedCont
     for name, arguments in split_inputs.items():
         module = model.get_submodule(name) if name else model
         parameters = inspect.signature(module.forward).parameters
-        for argument in arguments:
+        for argument, split in arguments.items():
             if argument not in parameters:
                 raise PlanError(f"Context-parallel plan splits argument {argument!r} of {name or 'the model'}, whose "
                                 f"forward takes {list(parameters)}.")
+            missing = [size for size in getattr(split, "sizes", ()) if size not in parameters]
+            if missing:
+                raise PlanError(f"Context-parallel plan's GridSplit at {name or 'the model'} names size arguments "
+                                f"{missing}, but its forward takes {list(parameters)}.")
     local = set()
     for key in plan.local_attention:
         local.update(expand_key(model, key))
+    halo_convs = [name for key in plan.halo_convs for name in expand_key(model, key)]
+    for name in halo_convs:
+        check_halo_conv(_submodule(model, name, "halo_convs"), name)
+    linear = [name for key in plan.linear_attention for name in expand_key(model, key)]
+    for name in linear:
+        if not hasattr(_submodule(model, name, "linear_attention"), "processor"):
+            raise PlanError(f"Context-parallel plan lists {name!r} as linear attention, but it is not an attention "
+                            "module (it has no processor).")
     return ResolvedContextPlan(
         split_inputs=split_inputs,
         split_outputs=_expand(model, plan.split_outputs, "split_outputs"),
@@ -67,7 +83,17 @@ def resolve_cp_plan(model: nn.Module, plan: ContextParallelPlan) -> ResolvedCont
         local_attention=local,
         split_token_arguments=_expand(model, plan.split_token_arguments, "split_token_arguments"),
         unsupported_inputs=_expand(model, plan.unsupported_inputs, "unsupported_inputs"),
+        halo_convs=halo_convs,
+        linear_attention=linear,
     )
+
+
+def _submodule(model: nn.Module, name: str, what: str) -> nn.Module:
+    try:
+        return model.get_submodule(name)
+    except AttributeError as exc:
+        raise PlanError(f"Context-parallel plan ({what}) names {name!r}, not a submodule of "
+                        f"{type(model).__name__}.") from exc
 
 
 def _split(value: Any, split: Split | dict, runtime: ContextParallelRuntime, what: str) -> Any:
@@ -83,6 +109,12 @@ def _split(value: Any, split: Split | dict, runtime: ContextParallelRuntime, wha
     if not torch.is_tensor(value) or (split.ndim is not None and value.dim() != split.ndim):
         return value
     dim = split.dim % value.dim()
+    if split.like is not None:
+        layout = runtime.grid_layouts.get(split.like)
+        if layout is None:
+            raise ValueError(f"{what}: Split(like={split.like!r}) follows the GridSplit of {split.like!r}, which the "
+                             "plan has not applied before this module.")
+        return split_grid(value, GridSplit(dim=dim), layout, runtime.cp_rank)
     if split.within is not None:
         return _split_within(value, dim, split.within, runtime, what)
     if split.parts:
@@ -151,8 +183,11 @@ def _input_splitter(module: nn.Module, arguments: dict[str, Split | Count | dict
         for name, value in given.items():  # first, so arguments split by parts see this call's stream lengths
             if name in TOKEN_STREAMS and torch.is_tensor(value) and isinstance(arguments[name], Split):
                 runtime.full_tokens[name] = value.shape[arguments[name].dim % value.dim()]
+        _split_grids(arguments, positions, args, kwargs, runtime)
         for name, value in given.items():
             split = arguments[name]
+            if isinstance(split, GridSplit):
+                continue
             local = (_local_count(split, value, runtime, name) if isinstance(split, Count)
                      else _split(value, split, runtime, name))
             if name in kwargs:
@@ -162,6 +197,35 @@ def _input_splitter(module: nn.Module, arguments: dict[str, Split | Count | dict
         return tuple(args), kwargs
 
     return hook
+
+
+def _split_grids(arguments: dict, positions: dict[str, int], args: list, kwargs: dict,
+                 runtime: ContextParallelRuntime) -> None:
+    """Apply a module's GridSplits (in place on args / kwargs): its tensors, then its first size argument."""
+    def get(name):
+        return kwargs[name] if name in kwargs else (args[positions[name]] if positions[name] < len(args) else None)
+
+    def put(name, value):
+        if name in kwargs or positions[name] >= len(args):
+            kwargs[name] = value
+        else:
+            args[positions[name]] = value
+
+    rewrites = {}
+    for name, split in arguments.items():
+        if not isinstance(split, GridSplit):
+            continue
+        sizes = [get(size) for size in split.sizes]
+        if not all(isinstance(size, int) for size in sizes):
+            raise ValueError(f"GridSplit of {name!r} needs integer size arguments {split.sizes}, got {sizes}.")
+        full, chunks, local = grid_layout(sizes, runtime, name)
+        put(name, split_grid(get(name), split, (full, chunks), runtime.cp_rank))
+        if name in TOKEN_STREAMS:
+            runtime.grid_layouts[name] = (full, chunks)
+            runtime.full_tokens[name] = full
+        rewrites[split.sizes[0]] = local
+    for size, local in rewrites.items():
+        put(size, local)
 
 
 def _token_split(value: Any, runtime: ContextParallelRuntime, what: str) -> Any:
@@ -279,6 +343,12 @@ def apply_context_parallel(model: nn.Module, state: ParallelState, plan: Resolve
         handles.append(model.get_submodule(name).register_forward_hook(_output_splitter(name, outputs, runtime)))
     for name, dims in plan.gather_outputs.items():
         handles.append(model.get_submodule(name).register_forward_hook(_output_gatherer(dims, runtime)))
+    for name in plan.halo_convs:
+        widen, trim = halo_conv_hooks(model.get_submodule(name), name, runtime)
+        handles.append(model.get_submodule(name).register_forward_pre_hook(widen))
+        handles.append(model.get_submodule(name).register_forward_hook(trim))
+    for name in plan.linear_attention:
+        model.get_submodule(name).processor = LinearAttentionProcessor(runtime)
     for name, module in model.named_modules():
         if hasattr(module, "processor"):
             enter, leave = _interceptor_hooks(AttentionInterceptor(runtime, local=name in plan.local_attention))

@@ -21,6 +21,21 @@ class Split:
     # per-location timesteps are
     within: str | None = None
     parts: tuple[str, ...] = ()
+    # split as the named stream's grid was last split (GridSplit): for per-token tensors a module without the grid's
+    # size arguments reads (Sana-Video's per-token modulation at norm_out); tensors of another length pass unchanged
+    like: str | None = None
+
+
+@dataclass(frozen=True)
+class GridSplit:
+    """Tokens along `dim` laid out row-major over a grid whose sizes are the module's integer arguments `sizes` (e.g.
+    ("height", "width"), or ("frames", "height", "width")). The grid is split by whole slices of its first axis (rows,
+    or frames), so a convolution over the grid needs only its neighbours' edge slices (`halo_convs`), and the
+    module's first size argument becomes this rank's slice count. A tensor (or tuple of them) whose `dim` does not
+    hold the full grid (split by an earlier module already, or per sample) passes unchanged."""
+
+    dim: int = 1
+    sizes: tuple[str, ...] = ("height", "width")
 
 
 @dataclass(frozen=True)
@@ -43,6 +58,10 @@ class ContextParallelPlan:
       {output index: dim} for the items of a tuple output (e.g. a joint block's text stream after the last block).
     - `local_attention`: attention modules whose keys/values are replicated (cross-attention to the text): they
       run on the local queries with no communication.
+    - `halo_convs`: convolutions over a GridSplit grid (its first axis is dim -2 of their input, as image rows in
+      NCHW): each rank borrows its neighbours' edge slices, the kernel's reach, before convolving.
+    - `linear_attention`: self-attention modules computing ReLU linear attention (Sana): their sums over the keys
+      are summed over the ranks (context_parallel/linear.py).
     - `split_token_arguments`: module -> forward arguments (tensors or tuples of tensors, e.g. rotary tables
       computed over the full sequence) split along the dimension whose length is the full token count of the
       split `hidden_states` (or text + image tokens, text first, when `encoder_hidden_states` is split too); a
@@ -58,3 +77,5 @@ class ContextParallelPlan:
     # in a way a token split would silently break; passing one (not None) under context parallelism raises that
     # reason before any collective
     unsupported_inputs: dict[str, dict[str, str]] = field(default_factory=dict)
+    halo_convs: tuple[str, ...] = ()
+    linear_attention: tuple[str, ...] = ()

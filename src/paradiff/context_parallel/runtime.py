@@ -61,6 +61,8 @@ class ContextParallelRuntime:
     stats: CommStats | None = None
     # full lengths of the arguments split in the current forward, by argument name, recorded where they are split
     full_tokens: dict[str, int] = field(default_factory=dict)
+    # stream -> (full tokens, tokens per rank) of its last GridSplit, which Split(like=stream) follows
+    grid_layouts: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
 
     @property
     def cp_rank(self) -> int:

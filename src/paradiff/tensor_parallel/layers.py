@@ -115,6 +115,50 @@ class ShardedNorm(nn.Module):
         return x.to(dtype)
 
 
+CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_CONV_FUNCTIONS = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
+
+
+def is_depthwise(conv: nn.Module) -> bool:
+    return conv.groups > 1 and conv.groups == conv.in_channels == conv.out_channels
+
+
+class ShardedConv(nn.Module):
+    """A convolution split over its channels like a Linear over its features (1x1 convolutions are Linears over
+    channels; Sana's GLUMBConv feed-forward is made of them). Colwise holds a slice of the output channels; a
+    depthwise convolution (one group per channel) keeps one group per local channel. Rowwise holds a slice of the
+    input channels and all-reduces its partial output, adding the bias once after; with `split_input` it first
+    takes its slice of a replicated input's channels (dim 1)."""
+
+    def __init__(self, source: nn.Module, local_weight: torch.Tensor, bias: torch.Tensor | None, style: Style,
+                 weight_spec: ShardSpec, full_shape: tuple[int, ...], group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(local_weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.style = style
+        self.weight_spec = weight_spec
+        self.full_shape = tuple(full_shape)
+        self.group = group
+        self.comm_stats: CommStats | None = None
+        self.stride, self.padding, self.dilation = source.stride, source.padding, source.dilation
+        self.groups = local_weight.shape[0] if is_depthwise(source) else 1
+        self.function = next(fn for cls, fn in _CONV_FUNCTIONS.items() if isinstance(source, cls))
+
+    def extra_repr(self) -> str:
+        return f"{self.style.kind}, local={tuple(self.weight.shape)}, full={self.full_shape}, groups={self.groups}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.style.kind == "colwise":
+            return self.function(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+        if self.style.kind == "rowwise_split_input":
+            x = torch.cat([x.narrow(1, start, length) for start, length in self.weight_spec.pieces], dim=1)
+        out = self.function(x, self.weight, None, self.stride, self.padding, self.dilation, self.groups)
+        all_reduce_tp(out, self.group, self.comm_stats)
+        if self.bias is not None:
+            out = out + self.bias.view((1, -1) + (1,) * (out.dim() - 2))
+        return out
+
+
 NORM_TYPES = (nn.LayerNorm, getattr(nn, "RMSNorm", nn.LayerNorm))
 
 
@@ -138,6 +182,8 @@ def make_sharded_module(
 ) -> nn.Module:
     if style.target == "norm":
         return ShardedNorm(source, local_weight, bias, style, weight_spec, full_shape[0], group)
+    if isinstance(source, CONV_TYPES):
+        return ShardedConv(source, local_weight, bias, style, weight_spec, full_shape, group)
     return make_sharded_linear(style, local_weight, bias, weight_spec, (full_shape[0], full_shape[1]), group)
 
 

@@ -234,7 +234,7 @@ def norm_features(module: nn.Module) -> int:
 
 
 def _check_target(module: nn.Module, style, name: str, key: str) -> None:
-    from .layers import is_norm
+    from .layers import CONV_TYPES, is_depthwise, is_norm
 
     if style.target == "norm":
         if not is_norm(module):
@@ -243,10 +243,20 @@ def _check_target(module: nn.Module, style, name: str, key: str) -> None:
                 f"over the heads, but it is {type(module).__name__}."
             )
         return
+    if isinstance(module, CONV_TYPES):
+        if module.padding_mode != "zeros":
+            raise PlanError(f"Plan entry {name!r} (key {key!r}): a split convolution must pad with zeros, but it "
+                            f"pads with {module.padding_mode!r}.")
+        if module.groups > 1 and not (style.kind == "colwise" and is_depthwise(module)):
+            raise PlanError(
+                f"Plan entry {name!r} (key {key!r}) has style {style.kind!r}, but it is a grouped convolution "
+                f"(groups={module.groups}); only a depthwise convolution (groups = channels) splits, colwise."
+            )
+        return
     if not isinstance(module, nn.Linear):
         linears = [child for child, sub in module.named_modules() if child and isinstance(sub, nn.Linear)]
         raise PlanError(
-            f"Plan entry {name!r} (key {key!r}) must be an nn.Linear to be split, but it is "
+            f"Plan entry {name!r} (key {key!r}) must be an nn.Linear (or a convolution) to be split, but it is "
             f"{type(module).__name__}; the nn.Linear modules inside it are {linears[:12]}."
         )
 

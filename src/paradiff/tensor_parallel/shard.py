@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import all_gather_heads_tp
-from .layers import ShardedLinear, ShardedNorm, make_sharded_module
+from .layers import ShardedConv, ShardedLinear, ShardedNorm, make_sharded_module
 from .plan import ResolvedPlan, localise_heads
 from .styles import ShardSpec
 
@@ -43,7 +43,7 @@ def swap_in_sharded_linears(
                 module._parameters[leaf] = nn.Parameter(value if weights_are_local else slice_tensor(value, spec),
                                                         requires_grad=False)
             continue
-        if isinstance(module, (ShardedLinear, ShardedNorm)):
+        if isinstance(module, (ShardedLinear, ShardedNorm, ShardedConv)):
             raise RuntimeError(f"{name} is already tensor-parallel; enable_parallelism was called twice.")
         weight, bias = (None if getattr(module, leaf, None) is None else getattr(module, leaf).data
                         for leaf in ("weight", "bias"))
