@@ -102,3 +102,55 @@ def test_other_square_masks_are_refused_on_every_rank(pools, mode):
 
 def test_local_attention_takes_a_mask_per_head_and_query(pools):
     assert max(pools.get(2).run(cases.local_attention_with_any_mask, mode="ulysses")) < 1e-6
+
+
+def test_grid_layout_splits_whole_rows_and_refuses_fewer_rows_than_ranks():
+    from paradiff.context_parallel.grid import grid_layout, split_grid
+    from paradiff.context_parallel.plan import GridSplit
+
+    full, chunks, local = grid_layout([5, 3], rank_of(1, 2), "hidden_states")
+    assert (full, chunks, local) == (15, [9, 6], 2)
+    tokens = torch.arange(15)[None]
+    assert split_grid(tokens, GridSplit(1), (full, chunks), 1).tolist() == [list(range(9, 15))]
+    per_sample = torch.ones(2, 1, 8)
+    assert split_grid(per_sample, GridSplit(1), (full, chunks), 1) is per_sample  # not per token: whole
+    try:
+        grid_layout([3, 5], rank_of(0, 4), "hidden_states")
+    except ValueError as exc:
+        assert "3 slices" in str(exc) and "4 context-parallel ranks" in str(exc)
+    else:
+        raise AssertionError("fewer rows than ranks must be refused")
+
+
+def test_halo_convolutions_must_keep_the_split_axis_size():
+    import pytest
+    from torch import nn
+
+    from paradiff.context_parallel.grid import check_halo_conv
+    from paradiff.errors import PlanError
+
+    assert check_halo_conv(nn.Conv2d(4, 4, (3, 1), padding=(1, 0)), "conv_temp") == 1
+    with pytest.raises(PlanError, match="stride 1"):
+        check_halo_conv(nn.Conv2d(4, 4, 3, stride=2, padding=1), "down")
+    with pytest.raises(PlanError, match="not a convolution|Linear"):
+        check_halo_conv(nn.Linear(4, 4), "proj")
+
+
+def test_linear_attention_sums_over_the_ranks(pools):
+    import rank_cases_grid as cases
+
+    for rotary in (False, True):
+        for result in pools.get(2).run(cases.linear_attention, rotary=rotary):
+            assert result["diff"] <= 1e-5, (rotary, result)
+            assert result["calls"] == {"all_reduce_cp_sums": 1}, result
+
+
+def test_halo_convolution_borrows_only_the_neighbours_edge_rows(pools):
+    import rank_cases_grid as cases
+
+    for kernel, rows in (((3, 3), 5), ((3, 1), 3), ((5, 1), 7)):
+        results = pools.get(2).run(cases.halo_convolution, kernel=kernel, rows=rows)
+        assert [r["rows"] for r in results] == [(rows + 1) // 2, rows // 2]
+        for result in results:
+            assert result["diff"] <= 1e-6, (kernel, rows, result)
+            assert result["calls"] == {"halo_exchange": 1}, result

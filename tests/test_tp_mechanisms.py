@@ -65,3 +65,26 @@ def test_gather_heads_are_resolved_per_module():
     plan = TensorParallelPlan(styles={"blocks.*.to_q": "colwise"}, gather_heads={"blocks.*": {1: -1}})
     resolved = resolve_plan(Model(), plan, rank=0, size=2)
     assert resolved.gather_heads == {"blocks.0": {1: -1}, "blocks.1": {1: -1}}
+
+
+class ConvFeedForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.ModuleDict({
+            "inverted": nn.Conv2d(8, 32, 1), "depth": nn.Conv2d(32, 32, 3, padding=1, groups=32),
+            "grouped": nn.Conv2d(32, 32, 3, padding=1, groups=4), "point": nn.Conv2d(16, 8, 1)})])
+
+
+def test_convolutions_split_over_channels_and_depthwise_ones_keep_a_group_per_channel():
+    model = ConvFeedForward()
+    plan = TensorParallelPlan(styles={"blocks.*.inverted": "colwise", "blocks.*.depth": "colwise",
+                                      "blocks.*.point": "rowwise"})
+    resolved = resolve_plan(model, plan, rank=1, size=2)
+    assert resolved.linears["blocks.0.depth"].specs["weight"].pieces == ((16, 16),)
+    assert resolved.linears["blocks.0.point"].specs["weight"].dim == 1
+
+
+def test_grouped_convolutions_that_are_not_depthwise_are_refused():
+    for style in ("colwise", "rowwise"):
+        with pytest.raises(PlanError, match="groups=4"):
+            resolve_plan(ConvFeedForward(), TensorParallelPlan(styles={"blocks.*.grouped": style}), rank=0, size=2)
