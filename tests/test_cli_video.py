@@ -16,8 +16,7 @@ from PIL import Image
 import rank_cases_cli as cases
 from paradiff.cli.args import CliError, build_parser, check_args
 from paradiff.cli.embedded import embedded_default
-from paradiff.plans import family_of
-from paradiff.testing.pipelines import save_pipeline, transformer_class
+from paradiff.testing.pipelines import save_pipeline
 
 VIDEO = ["--frames", "5", "--steps", "2", "--height", "32", "--width", "32"]
 FAMILIES = ("wan2.2", "hunyuanvideo", "ltx")
@@ -29,23 +28,6 @@ def folders(tmp_path_factory):
     return {family: str(save_pipeline(family, root / family)) for family in FAMILIES}
 
 
-# Until a family's own plans land, the mode it can run without them, and why.
-FALLBACK = {
-    # the automatic TP plan covers it; CP needs the plan's handling of the (batch, heads, q, k) text mask
-    "hunyuanvideo": ["--tp", "4", "--plan", "auto"],
-    # its rotary table spans every head (TP and CP must slice it, which only its plan can say): replicas only
-    "ltx": ["--dp", "4"],
-}
-
-
-def _mode(family: str) -> list[str]:
-    """tp2 x ulysses2 with the family's built-in plans where main has them, else its FALLBACK mode."""
-    plans = family_of(transformer_class(family))
-    if plans is not None and hasattr(plans, "tensor_parallel_plan") and hasattr(plans, "context_parallel_plan"):
-        return ["--tp", "2", "--ulysses", "2"]
-    return FALLBACK[family]
-
-
 def _luma(frames: np.ndarray) -> np.ndarray:
     return frames.astype(np.float64) @ np.array([0.299, 0.587, 0.114])
 
@@ -55,20 +37,20 @@ def _decode_mp4(path: str) -> np.ndarray:
         return np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)])
 
 
-def test_videos_on_4_ranks_equal_the_single_process_videos(pools, folders, tmp_path):
+def test_videos_under_tp2_ulysses2_equal_the_single_process_videos(pools, folders, tmp_path):
+    """Built-in plans, 4 ranks; then 4 prompts as 4 data-parallel replicas (videos made on every rank, one report)."""
     prompts = ["a small red fox running through the snow", "a cat", "a dog", "a red cube"]
-    runs = {}
-    for family in FAMILIES:
-        mode = _mode(family)
-        count = 4 if "--dp" in mode else 1  # one prompt per data-parallel replica
-        runs[family] = ["generate", folders[family], *mode, *VIDEO, "--compare", "--out", str(tmp_path / family),
-                        *[flag for prompt in prompts[:count] for flag in ("--prompt", prompt)]]
-    by_rank = pools.get(4).run(cases.generate_each, timeout_s=600, runs=list(runs.values()))
-    for position, family in enumerate(FAMILIES):
+    runs = [["generate", folders[family], "--tp", "2", "--ulysses", "2", *VIDEO, "--compare",
+             "--out", str(tmp_path / family), "--prompt", prompts[0]] for family in FAMILIES]
+    runs.append(["generate", folders["ltx"], "--dp", "4", *VIDEO, "--compare", "--out", str(tmp_path / "ltx-dp4"),
+                 *[flag for prompt in prompts for flag in ("--prompt", prompt)]])
+    by_rank = pools.get(4).run(cases.generate_each, timeout_s=600, runs=runs)
+    for position, family in enumerate([*FAMILIES, "ltx-dp4"]):
         report = by_rank[0][position]["report"]
         assert all(by_rank[rank][position]["report"] is None for rank in (1, 2, 3))
         assert report["config"]["world_size"] == 4 and report["frames"] == 5
-        if report["config"]["dp"] == 1:  # the transformer really is split: every rank holds well under all of it
+        if family != "ltx-dp4":  # the transformer really is split: every rank holds well under all of it
+            assert (report["config"]["tp"], report["config"]["ulysses"]) == (2, 2)
             for rank in range(4):
                 measured = by_rank[rank][position]
                 assert measured["local_params"] < 0.75 * measured["whole_params"], (family, measured)
