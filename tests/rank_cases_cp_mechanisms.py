@@ -60,3 +60,19 @@ def local_attention_with_any_mask(mode: str) -> float:
     out = runtime.attention(local_q, k, v, attn_mask=local_mask, local=True)
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return float((out - local_chunk(expected, 2, runtime.cp_rank, runtime.cp_size)).abs().max())
+
+
+def cross_attention_between_split_sequences(mode: str) -> float:
+    """Queries of one split sequence attend keys of another (LTX-2's video <-> audio), with a key mask on the
+    second: equal to SDPA on both whole sequences."""
+    generator = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, 11, 8, generator=generator)
+    k, v = (torch.randn(2, 4, 6, 8, generator=generator) for _ in range(2))
+    key_valid = torch.ones(2, 1, 1, 6, dtype=torch.bool)
+    key_valid[1, ..., -2:] = False
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=key_valid)
+    runtime = _runtime(mode)
+    rank, size = runtime.cp_rank, runtime.cp_size
+    out = runtime.attention(local_chunk(q, 2, rank, size), local_chunk(k, 2, rank, size),
+                            local_chunk(v, 2, rank, size), attn_mask=local_chunk(key_valid, 3, rank, size))
+    return float((out - local_chunk(expected, 2, rank, size)).abs().max())

@@ -154,3 +154,8 @@ def test_halo_convolution_borrows_only_the_neighbours_edge_rows(pools):
         for result in results:
             assert result["diff"] <= 1e-6, (kernel, rows, result)
             assert result["calls"] == {"halo_exchange": 1}, result
+
+
+@pytest.mark.parametrize("world,mode", [(2, "ring"), (2, "ulysses"), (4, "ulysses")])
+def test_cross_attention_between_two_split_sequences(pools, world, mode):
+    assert max(pools.get(world).run(cases.cross_attention_between_split_sequences, mode=mode)) < 1e-6
