@@ -158,3 +158,13 @@ def test_split_by_parts_splits_each_stream_on_its_own():
         _split(mask[..., :21], split, runtime, "mask")
     with pytest.raises(paradiff.PlanError, match=r"splits no \['encoder_hidden_states'\] before it"):
         _split(mask, split, SimpleNamespace(cp_rank=0, cp_size=2, full_tokens={"hidden_states": 15}), "mask")
+
+
+@pytest.mark.parametrize("mode,heads", [("ulysses2", 4), ("ulysses4", 3), ("unified2x2", 4), ("ring2", 4)])
+def test_queries_and_keys_of_different_lengths(pools, mode, heads):
+    """Image queries over [text, image] keys, both split: Ulysses exchanges queries and keys by their own lengths."""
+    world, ring, ulysses = MODES[mode]
+    for result in pools.get(world).run(cases.cp_queries_and_keys_of_different_lengths, ring=ring, ulysses=ulysses,
+                                       heads=heads):
+        assert result["diff"] < ATOL, result
+        assert result["calls"].get(EXPECTED_COMM[mode], 0) > 0, result
