@@ -43,8 +43,20 @@ def test_generate_embedded_default_with_compare(tmp_path):
     for rank in report["ranks"]:
         assert rank["load_s"] > 0 and rank["step_s_median"] > 0 and rank["peak_memory_bytes"] > 10**7
     assert report["max_abs_diff_vs_single_process"] < 1e-5
+    assert report["config"]["parallel_vae"] is True  # the VAE's rows were split over the two ranks
     assert Image.open(out / "0000.png").size == (32, 32)
     assert "max |difference| to the single-process image" in result.stdout
+
+
+def test_generate_without_parallel_vae(tmp_path):
+    """--no-parallel-vae decodes whole on each rank: the same image (both runs match the single-process one)."""
+    out = tmp_path / "out"
+    result = paradiff("generate", "--tp", "2", "--prompt", "a cat", *SMALL, "--compare", "--no-parallel-vae",
+                      "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["config"]["parallel_vae"] is False
+    assert report["max_abs_diff_vs_single_process"] < 1e-5
 
 
 def test_data_parallel_prompts_file_one_png_per_prompt(tmp_path):

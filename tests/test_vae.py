@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import gc
+import json
 
 import pytest
 import torch
@@ -115,8 +116,12 @@ def test_decode_peak_memory_at_two_ranks(pools):
         assert result["peak"] <= 0.6 * memory.peak, (result["peak"], memory.peak)
 
 
-def test_errors_before_any_collective(pools):
-    messages = pools.get(2).run(cases.vae_errors)
+def test_errors_before_any_collective(pools, tmp_path):
+    # a pipeline folder whose VAE paradiff does not cover: parallel_vae=True refuses before reading any weight
+    (tmp_path / "model_index.json").write_text(json.dumps({
+        "_class_name": "FluxPipeline", "transformer": ["diffusers", "FluxTransformer2DModel"],
+        "vae": ["diffusers", "AutoencoderTiny"]}))
+    messages = pools.get(2).run(cases.vae_errors, index_folder=str(tmp_path))
     for per_rank in messages:
         assert "cannot split AutoencoderTiny" in per_rank["unsupported"]
         assert "AutoencoderKLWan" in per_rank["unsupported"]
@@ -129,9 +134,31 @@ def test_errors_before_any_collective(pools):
         assert "rank 0: shape (2, 4, 5, 6)" in per_rank["mismatched_shapes"]
         assert "rank 1: shape (2, 4, 6, 6)" in per_rank["mismatched_shapes"]
         assert "inference-only" in per_rank["requires_grad"]
+        assert per_rank["pipeline_uncovered_vae"].startswith("UnsupportedModelError")
+        assert "VAE is AutoencoderTiny" in per_rank["pipeline_uncovered_vae"]
 
 
 def test_process_group_not_initialised():
     assert not torch.distributed.is_initialized()
     with pytest.raises(paradiff.DistributedError, match="init_process_group"):
         paradiff.parallelize_vae(build_vae("kl"))
+
+
+def test_parallel_vae_needs_a_replica_of_several_ranks(tmp_path):
+    (tmp_path / "model_index.json").write_text(json.dumps({
+        "_class_name": "FluxPipeline", "transformer": ["diffusers", "FluxTransformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKL"]}))
+    with pytest.raises(paradiff.ParallelConfigError, match="parallel_vae=True splits the VAE over the ranks"):
+        paradiff.load_pipeline(tmp_path, parallel_vae=True)
+
+
+def test_tiny_pipelines_same_images_with_and_without_split_vae(pools, tmp_path_factory):
+    from paradiff.testing.pipelines import PIPELINE_FAMILIES, save_pipeline
+
+    root = tmp_path_factory.mktemp("vae-pipelines")
+    folders = {family: str(save_pipeline(family, root / family)) for family in PIPELINE_FAMILIES}
+    results = pools.get(2).run(cases.pipelines_with_and_without_split_vae, folders=folders, timeout_s=600)
+    for result in results:
+        for family, outcome in result.items():
+            assert outcome["diff"] <= 1e-5, (family, outcome)
+            assert outcome["rows"] is not None and outcome["rows"][0] >= 1, (family, outcome)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,10 +16,12 @@ from torch import nn
 from .agreement import agree, tensor_checksum
 from .cfg import CfgSplitter, install_cfg_parallel
 from .config import as_parallel_config
-from .errors import CheckpointError, ParallelConfigError
+from .errors import CheckpointError, ParallelConfigError, UnsupportedModelError
 from .loading import check_dtype, from_pretrained
 from .mesh import default_device
 from .state import get_state
+
+logger = logging.getLogger(__name__)
 
 # Whether a pipeline call runs classifier-free guidance (two transformer calls per step), by pipeline class.
 CFG_RULES = {
@@ -89,10 +92,16 @@ def load_pipeline(
     device: torch.device | str | None = None,
     plan: Any = None,
     cp_plan: Any = None,
+    parallel_vae: bool | None = None,
     **kwargs: Any,
 ):
     """A diffusers pipeline whose transformer is parallelised (shard-on-read for TP). `plan` / `cp_plan`: the
     transformer's plans (None: built-in; "auto": derived from its structure).
+
+    `parallel_vae`: split the VAE's decode and encode by rows across the ranks of each data-parallel replica
+    (`paradiff.parallelize_vae`; same images). None (default): on when a replica has more than one rank and the VAE
+    is covered, otherwise the VAE decodes whole on each rank; True: required (an uncovered VAE is an error); False:
+    off.
 
     The other components are placed on this rank's own device one by one (never `pipeline.to()`, which would move
     the transformer's shards); `device_map=` is passed through to diffusers for users who want component placement.
@@ -122,6 +131,8 @@ def load_pipeline(
         raise ParallelConfigError(
             f"cfg_degree=2 is supported for {sorted(CFG_RULES)}; {pipeline_name} runs no true CFG."
         )
+    if parallel_vae:
+        _check_parallel_vae(parallel, index, folder)
     transformer_cls = getattr(diffusers, index["transformer"][1])
     transformer = from_pretrained(transformer_cls, folder, subfolder="transformer", torch_dtype=dtype,
                                   parallel_config=parallel, device=device, plan=plan, cp_plan=cp_plan)
@@ -146,7 +157,41 @@ def load_pipeline(
         pipeline._paradiff_cfg = install_cfg_parallel(transformer, get_state(transformer).mesh.group("cfg"))
     if parallel is not None:
         _install_latent_check(pipeline)
+        if parallel_vae is not False and parallel.world_size // parallel.data_degree > 1:
+            _parallelize_vae(pipeline, required=bool(parallel_vae))
     return pipeline
+
+
+def _check_parallel_vae(parallel, index: dict, folder: Path) -> None:
+    """parallel_vae=True: refuse, before any weight is read, what cannot split the VAE."""
+    from .vae import supported_vaes
+
+    if parallel is None or parallel.world_size // parallel.data_degree < 2:
+        raise ParallelConfigError(
+            "parallel_vae=True splits the VAE over the ranks of a replica; give a parallel_config whose replicas have "
+            "more than one rank (tp, ring, ulysses or cfg > 1)."
+        )
+    vae_class = (index.get("vae") or [None, None])[1]
+    if vae_class not in supported_vaes():
+        raise UnsupportedModelError(
+            f"parallel_vae=True, but {folder}'s VAE is {vae_class}; paradiff splits {supported_vaes()}. "
+            "Use parallel_vae=None to decode it whole on each rank."
+        )
+
+
+def _parallelize_vae(pipeline, required: bool) -> None:
+    from .vae import parallelize_vae
+
+    vae = getattr(pipeline, "vae", None)
+    if vae is None:
+        return
+    try:
+        parallelize_vae(vae, get_state(pipeline.transformer).mesh)
+    except UnsupportedModelError as exc:
+        if required:
+            raise
+        # every rank holds the same VAE, so every rank falls back alike
+        logger.warning("The VAE is not split across ranks (it decodes whole on each rank): %s", exc)
 
 
 def _install_latent_check(pipeline) -> None:

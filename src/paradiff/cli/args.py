@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--plan", default=None,
                      help="transformer TP plan: 'auto' (derived from its structure) or FILE.py; default built-in")
     gen.add_argument("--cp-plan", default=None, help="transformer CP plan: 'auto' or FILE.py; default built-in")
+    gen.add_argument("--no-parallel-vae", action="store_true",
+                     help="decode the whole image on each rank instead of splitting the VAE's rows across the ranks")
     bench = commands.add_parser("bench", help="time a list of configurations on one model")
     bench.add_argument("model", nargs="?", default=None)
     bench.add_argument("--configs", default="single,tp=2,ulysses=2,ring=2",

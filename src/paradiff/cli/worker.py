@@ -19,6 +19,7 @@ import paradiff
 
 from ..comm import all_gather_object, barrier
 from ..mesh import default_device
+from ..vae import get_vae_runtime
 from .args import read_prompts
 from .compare import compare_single_process
 from .embedded import embedded_call_kwargs, embedded_default
@@ -82,7 +83,8 @@ def generate(args: argparse.Namespace, device: torch.device,
     start = time.perf_counter()
     pipeline = paradiff.load_pipeline(model, parallel_config=parallel_config(args), torch_dtype=dtype, device=device,
                                       plan=_plan_argument(args.plan, "tensor"),
-                                      cp_plan=_plan_argument(args.cp_plan, "context"))
+                                      cp_plan=_plan_argument(args.cp_plan, "context"),
+                                      parallel_vae=False if args.no_parallel_vae else None)
     load_s = time.perf_counter() - start
     pipeline.set_progress_bar_config(disable=rank != 0 or not _console_is_terminal())
     if on_pipeline_loaded is not None:
@@ -121,7 +123,8 @@ def generate(args: argparse.Namespace, device: torch.device,
     }
     gathered = all_gather_object(stats)
     if rank == 0:
-        run = {"world_size": dist.get_world_size(), "backend": dist.get_backend(), "device": device.type}
+        run = {"world_size": dist.get_world_size(), "backend": dist.get_backend(), "device": device.type,
+               "parallel_vae": get_vae_runtime(pipeline.vae) is not None if hasattr(pipeline, "vae") else False}
         return write_report(args, out, model, prompts, run, gathered, compare)
     return None
 
