@@ -103,8 +103,8 @@ def vae_errors(index_folder: str) -> dict:
     attempt("unsupported", lambda: paradiff.parallelize_vae(AutoencoderTiny(
         encoder_block_out_channels=(8,), decoder_block_out_channels=(8,), num_encoder_blocks=(1,),
         num_decoder_blocks=(1,), latent_channels=4)))
-    attempt("inject_noise", lambda: paradiff.parallelize_vae(build_vae(
-        "ltxvideo", config=dict(decoder_inject_noise=(True, False, False)))))
+    attempt("unchecked_block", lambda: paradiff.parallelize_vae(build_vae(
+        "kl", config=dict(up_block_types=("UpDecoderBlock2D", "AttnUpDecoderBlock2D", "UpDecoderBlock2D")))))
     attempt("classic_processor", classic_processor)
     attempt("output_rank", lambda: paradiff.parallelize_vae(build_vae("kl"), output_rank=dist.get_world_size()))
     attempt("bad_group", lambda: paradiff.parallelize_vae(build_vae("kl"), "world"))

@@ -17,6 +17,7 @@ from ..plans.vae import VAE_PLANS, vae_plan
 from .attention import KINDS, RowAttention
 from .conv import HaloConv, needs_halo
 from .layout import split_rows
+from .noise import FrameNoise
 from .norm import SplitGroupNorm
 from .plan import VaePlan
 from .runtime import RegionCall, VaeRuntime, get_vae_runtime, set_vae_runtime
@@ -105,9 +106,6 @@ def _check_region(vae: nn.Module, region_name: str, region: nn.Module, plan: Vae
                 f"{what} contains {cls} ({path}), which paradiff has not checked for operations that mix rows, so "
                 f"it cannot split this VAE exactly. Leave the VAE unsplit (it decodes whole on each rank)."
             )
-        reason = plan.refuse.get(cls, lambda _m: None)(module)
-        if reason:
-            raise UnsupportedModelError(f"{what} cannot be split across ranks exactly: {path}: {reason}.")
         if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
             if isinstance(module.padding, str) or (module.padding_mode != "zeros" and needs_halo(module, (0, 0))):
                 raise UnsupportedModelError(
@@ -146,6 +144,10 @@ def _install(runtime: VaeRuntime, region_name: str, region: nn.Module, plan: Vae
             interceptor = RowAttention(runtime, kind, path)
             module.register_forward_pre_hook(interceptor.enter)
             module.register_forward_hook(interceptor.leave, always_call=True)
+        if type(module).__name__ in plan.frame_noise:
+            noise = FrameNoise(runtime)
+            module.register_forward_pre_hook(noise.enter)
+            module.register_forward_hook(noise.leave, always_call=True)
     region.forward = _SplitRegion(runtime, region_name, region.forward, unit)
 
 

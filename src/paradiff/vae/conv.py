@@ -64,6 +64,7 @@ class HaloConv:
         halo_exchange_wait(works)
         halos = {peer: (rows, block) for (peer, rows), block in zip(plan.receives, received)}
         fixed = [(fix, self._window(plan, fix, own, halos, weight, bias)) for fix in mine.fixes]
+        self.runtime.active.last_conv_rows = mine.out_rows + (plan.out_ranges[-1][1],)
         return self._assemble(plan, local, fixed, input, weight, bias)
 
     def _window(self, plan: HaloPlan, fix: Rows, own, halos, weight, bias) -> torch.Tensor:
