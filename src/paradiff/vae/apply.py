@@ -6,6 +6,8 @@ padding mode the halo cannot rebuild, a bad group or output rank.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -159,8 +161,16 @@ class _SplitRegion:
         self.name = name
         self.forward = forward
         self.unit = max(1, unit)
+        self.first_argument = next(iter(inspect.signature(forward).parameters))
 
-    def __call__(self, sample: torch.Tensor, *args, **kwargs):
+    def __call__(self, *args, **kwargs):
+        if args:
+            sample, args = args[0], args[1:]
+        else:
+            sample = kwargs.pop(self.first_argument)
+        return self._split(sample, *args, **kwargs)
+
+    def _split(self, sample: torch.Tensor, *args, **kwargs):
         runtime = self.runtime
         if sample.requires_grad:
             raise ParallelConfigError(
