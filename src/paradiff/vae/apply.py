@@ -25,7 +25,7 @@ from .plan import VaePlan
 from .runtime import RegionCall, VaeRuntime, get_vae_runtime, set_vae_runtime
 
 # Modules that act on every row alike in every covered VAE (convolutions and group norms are replaced below).
-_ROW_LOCAL = {"Conv1d", "Conv2d", "Conv3d", "GroupNorm", "SiLU", "Mish", "GELU", "ReLU", "Dropout", "Identity",
+_ROW_LOCAL = {"Conv2d", "Conv3d", "GroupNorm", "SiLU", "Mish", "GELU", "ReLU", "Dropout", "Identity",
               "Linear", "ModuleList", "Sequential"}
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -51,6 +51,7 @@ def parallelize_vae(vae: nn.Module, mesh_or_group=None, *, output_rank: int | No
     `mesh_or_group`: a process group, a paradiff ParallelMesh (each data-parallel replica splits its own VAE
     calls over its own ranks), a 1-D DeviceMesh, or None for every process. Inference only: outputs carry no
     autograd graph. Inputs too small to give every rank a band run whole on every rank, with the same result.
+    `stats`: a `paradiff.comm.CommStats` counting the split VAE's collectives (tests, benchmarks).
     """
     require_distributed()
     plan = vae_plan(vae)
@@ -108,7 +109,7 @@ def _check_region(vae: nn.Module, region_name: str, region: nn.Module, plan: Vae
                 f"{what} contains {cls} ({path}), which paradiff has not checked for operations that mix rows, so "
                 f"it cannot split this VAE exactly. Leave the VAE unsplit (it decodes whole on each rank)."
             )
-        if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        if isinstance(module, (nn.Conv2d, nn.Conv3d)):
             if isinstance(module.padding, str) or (module.padding_mode != "zeros" and needs_halo(module, (0, 0))):
                 raise UnsupportedModelError(
                     f"{path}: paradiff splits convolutions with integer zero padding; this one has padding="
@@ -135,7 +136,7 @@ def _install(runtime: VaeRuntime, region_name: str, region: nn.Module, plan: Vae
             prepadded[id(conv)] = (tuple(rows), spec.mode(module))
     for name, module in region.named_modules():
         path = f"{region_name}.{name}" if name else region_name
-        if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        if isinstance(module, (nn.Conv2d, nn.Conv3d)):
             rows, mode = prepadded.get(id(module), ((0, 0), "constant"))
             if needs_halo(module, rows):
                 module._conv_forward = HaloConv(runtime, path, module, rows, mode)

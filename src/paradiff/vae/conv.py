@@ -16,7 +16,7 @@ from ..comm import halo_exchange_start, halo_exchange_wait
 from .layout import ConvRows, HaloPlan, Rows
 from .runtime import VaeRuntime
 
-_FUNCTIONAL = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
+_FUNCTIONAL = {nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}  # rows are dim -2 of (B, C, [T,] H, W)
 
 
 def needs_halo(conv: nn.Module, prepad: tuple[int, int]) -> bool:
