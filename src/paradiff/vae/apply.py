@@ -143,10 +143,18 @@ def _install(runtime: VaeRuntime, region_name: str, region: nn.Module, plan: Vae
         elif isinstance(module, nn.GroupNorm):
             module.forward = SplitGroupNorm(runtime, module)
         kind = plan.attention.get(type(module).__name__)
-        if kind is not None:
+        if kind == "tokens":
             interceptor = RowAttention(runtime, kind, path)
             module.register_forward_pre_hook(interceptor.enter)
             module.register_forward_hook(interceptor.leave, always_call=True)
+        elif kind == "causal_frames":
+            # the block knows the frame count; its attention modules (none when the model was built without) attend
+            for inner, attention in module.named_modules():
+                if hasattr(attention, "processor"):
+                    interceptor = RowAttention(runtime, kind, f"{path}.{inner}")
+                    module.register_forward_pre_hook(interceptor.frames_from)
+                    attention.register_forward_pre_hook(interceptor.enter)
+                    attention.register_forward_hook(interceptor.leave, always_call=True)
         if type(module).__name__ in plan.frame_noise:
             noise = FrameNoise(runtime)
             module.register_forward_pre_hook(noise.enter)

@@ -34,11 +34,13 @@ class RowAttention(TorchFunctionMode):
         self.frames = 0
         self.calls = 0
 
-    def enter(self, _module, args) -> None:
+    def frames_from(self, _block, args) -> None:
+        """Pre-hook of the block around a "causal_frames" attention: its (batch, channels, frames, ...) input."""
+        self.frames = args[0].shape[2]
+
+    def enter(self, _module, _args) -> None:
         if self.runtime.active is None:
             return
-        if self.kind == "causal_frames":
-            self.frames = args[0].shape[2]
         self.calls = 0
         self.__enter__()
 

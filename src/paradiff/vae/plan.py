@@ -31,8 +31,9 @@ class VaePlan:
     - `row_local`: classes whose forward treats every row alike apart from the convolutions, group norms,
       attention and pads this plan declares (reviewed by hand). Any other class inside a region is refused.
     - `prepadded`: owner class -> the convolution it pads before calling.
-    - `attention`: class -> "tokens" (SDPA over the rank's tokens; keys from every rank) or "causal_frames"
-      (tokens ordered frame by frame; a query sees keys of its own and earlier frames).
+    - `attention`: class -> "tokens" (an attention module: SDPA over the rank's tokens, keys from every rank) or
+      "causal_frames" (a block whose attention modules see tokens ordered frame by frame, a query the keys of its own
+      and earlier frames; the block's input gives the frame count).
     - `frame_noise`: classes that draw `torch.randn((rows, columns))` for the output of the convolution they just
       ran (noise injection); each rank draws the whole frame and keeps its rows.
     """
