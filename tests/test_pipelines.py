@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 import rank_cases_pipelines as cases
-from paradiff.testing.pipelines import save_pipeline
 
 ATOL = 1e-5
 COMPOSED = {  # id: degrees on 4 ranks
@@ -20,9 +19,8 @@ TP_FAMILIES = ("flux", "flux2", "qwenimage")
 
 
 @pytest.fixture(scope="session")
-def pipelines(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pipelines")
-    return {family: str(save_pipeline(family, root / family)) for family in ("flux", "flux2", "qwenimage", "wan")}
+def pipelines(tiny_pipeline_folders):
+    return {family: str(tiny_pipeline_folders[family]) for family in ("flux", "flux2", "qwenimage", "wan")}
 
 
 def _cases():

@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--cp-plan", default=None, help="transformer CP plan: 'auto' or FILE.py; default built-in")
     gen.add_argument("--no-parallel-vae", action="store_true",
                      help="decode the whole image on each rank instead of splitting the VAE's rows across the ranks")
+    gen.add_argument("--stages", action="store_true",
+                     help="staged execution: only the current stage's components hold weights (text encoders, then "
+                          "the transformer, then the VAE); a replica's prompts run as one batch")
+    gen.add_argument("--whole-text-encoders", action="store_true",
+                     help="keep the text encoders whole on every rank instead of splitting them over the mesh")
     bench = commands.add_parser("bench", help="time a list of configurations on one model")
     bench.add_argument("model", nargs="?", default=None)
     bench.add_argument("--configs", default="single,tp=2,ulysses=2,ring=2",

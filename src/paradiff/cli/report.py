@@ -29,7 +29,7 @@ def write_report(args: argparse.Namespace, out: Path, model: str, prompts: list[
     report = {
         "model": model,
         "config": {"tp": args.tp, "ulysses": args.ulysses, "ring": args.ring, "cfg": args.cfg, "dp": args.dp,
-                   **run},
+                   "stages": args.stages, "whole_text_encoders": args.whole_text_encoders, **run},
         "resolution": [args.height, args.width],
         "frames": args.frames,
         "steps": args.steps,
@@ -57,4 +57,17 @@ def write_report(args: argparse.Namespace, out: Path, model: str, prompts: list[
     if compare is not None:
         what = "video (every frame)" if "max_abs_diff_per_frame" in compare else "image"
         print(f"paradiff: max |difference| to the single-process {what}: {compare['max_abs_diff']:.2e}")
+    print(stage_table(gathered, run.get("device", "cpu")))
     return report
+
+
+def stage_table(gathered: list[dict], device: str) -> str:
+    """Per rank and stage: load and run time, peak memory, parameter bytes held (report.json's `stages`)."""
+    peak = "CUDA max allocated" if device == "cuda" else "peak RssAnon"
+    lines = [f"paradiff: per-stage figures (peak: {peak})",
+             f"{'rank':>4}  {'stage':<14}{'load s':>8}{'run s':>8}{'peak MiB':>10}{'params MiB':>12}"]
+    for stats in gathered:
+        for stage in stats.get("stages", []):
+            lines.append(f"{stats['rank']:>4}  {stage['stage']:<14}{stage['load_s']:>8.2f}{stage['run_s']:>8.2f}"
+                         f"{stage['peak_bytes'] / 2**20:>10.1f}{stage['parameter_bytes'] / 2**20:>12.2f}")
+    return "\n".join(lines)

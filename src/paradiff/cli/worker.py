@@ -23,7 +23,7 @@ from ..vae import get_vae_runtime
 from .args import read_prompts
 from .compare import compare_single_process
 from .embedded import embedded_call_kwargs, embedded_default
-from .outputs import first_output, save_output
+from .outputs import outputs_of, save_output
 from .report import write_report
 
 # Called with (pipeline, rank) once the pipeline is loaded, before the first generation.
@@ -84,7 +84,8 @@ def generate(args: argparse.Namespace, device: torch.device,
     pipeline = paradiff.load_pipeline(model, parallel_config=parallel_config(args), torch_dtype=dtype, device=device,
                                       plan=_plan_argument(args.plan, "tensor"),
                                       cp_plan=_plan_argument(args.cp_plan, "context"),
-                                      parallel_vae=False if args.no_parallel_vae else None)
+                                      parallel_vae=False if args.no_parallel_vae else None,
+                                      stages=args.stages, shard_text_encoders=not args.whole_text_encoders)
     load_s = time.perf_counter() - start
     pipeline.set_progress_bar_config(disable=rank != 0 or not _console_is_terminal())
     if on_pipeline_loaded is not None:
@@ -97,20 +98,28 @@ def generate(args: argparse.Namespace, device: torch.device,
     kwargs = call_kwargs(args)
     first = None
     with paradiff.split_between_processes(indexed, pipeline) as share:
-        for index, prompt in share:
+        # staged: the replica's prompts form one batch (each with its own seed), so each stage loads once
+        batches = [list(share)] if args.stages and share else [[item] for item in share]
+        for batch in batches:
             stamps = [time.perf_counter()]
 
             def on_step(_pipe, _step, _timestep, callback_kwargs):
                 stamps.append(time.perf_counter())
                 return callback_kwargs
 
-            result = pipeline(prompt=prompt, seed=args.seed + index, callback_on_step_end=on_step, **kwargs)
+            if args.stages:
+                generators = [torch.Generator("cpu").manual_seed(args.seed + index) for index, _ in batch]
+                result = pipeline(prompt=[prompt for _, prompt in batch], generator=generators,
+                                  callback_on_step_end=on_step, **kwargs)
+            else:
+                (index, prompt), = batch
+                result = pipeline(prompt=prompt, seed=args.seed + index, callback_on_step_end=on_step, **kwargs)
             step_times += [b - a for a, b in zip(stamps, stamps[1:])]
-            kind, array = first_output(result)
-            if first is None:
-                first = (index, prompt, array)
-            if pipeline.is_output_rank:
-                outputs[index] = {"prompt": prompt, **save_output(kind, array, out, index, args.fps)}
+            for (index, prompt), (kind, array) in zip(batch, outputs_of(result)):
+                if first is None:
+                    first = (index, prompt, array)
+                if pipeline.is_output_rank:
+                    outputs[index] = {"prompt": prompt, **save_output(kind, array, out, index, args.fps)}
     compare = None
     if args.compare and rank == 0 and first is not None:
         compare = compare_single_process(model, dtype, kwargs, args.seed, *first)
@@ -120,6 +129,7 @@ def generate(args: argparse.Namespace, device: torch.device,
         "step_s_median": float(np.median(step_times)) if step_times else None,
         "peak_memory_bytes": _peak_memory_bytes(device),
         "outputs": outputs,
+        "stages": pipeline.stage_report(),
     }
     gathered = all_gather_object(stats)
     if rank == 0:
