@@ -1,7 +1,8 @@
-"""Text encoders split over the mesh and staged execution: every tiny pipeline family (FLUX.1 with T5 + CLIP, FLUX.2
-with Mistral3, Qwen-Image with Qwen2.5-VL, Wan with UMT5, FLUX.2 [klein] with Qwen3, Lumina 2 with Gemma 2) encodes
-(batch 2, padded prompts, through the pipeline's own encode_prompt) and generates what diffusers' single-process
-pipeline does, with and without stages, while each rank holds about half of every encoder."""
+"""Text encoders split over the mesh and staged execution: a tiny pipeline per encoder family (FLUX.1 with T5 + CLIP,
+FLUX.2 with Mistral3, Qwen-Image with Qwen2.5-VL, Wan with UMT5, FLUX.2 [klein] with Qwen3, Lumina 2 with Gemma 2,
+HunyuanVideo with Llama + CLIP) encodes (batch 2, padded prompts, through the pipeline's own encode_prompt) and
+generates what diffusers' single-process pipeline does, with and without stages, while each rank holds about half of
+every encoder."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import torch
 import rank_cases_encoders as cases
 import paradiff
 from paradiff.errors import ParallelConfigError
-from paradiff.testing.pipelines import PIPELINE_FAMILIES
+
+# one pipeline per encoder family (Wan 2.2 and LTX-Video reuse UMT5 and T5)
+FAMILIES = ("flux", "flux2", "qwenimage", "wan", "flux2_klein", "lumina2", "hunyuanvideo")
 
 EMBED_TOLERANCE = 1e-5  # relative
 IMAGE_TOLERANCE = 1e-5  # absolute, on pixel values in [0, 1]
@@ -21,7 +24,7 @@ SHARE_RANGE = (0.45, 0.6)
 
 @pytest.fixture(scope="session")
 def encoder_pipelines(tiny_pipeline_folders):
-    return {family: str(folder) for family, folder in tiny_pipeline_folders.items()}
+    return {family: str(tiny_pipeline_folders[family]) for family in FAMILIES}
 
 
 @pytest.fixture(scope="session")
@@ -53,7 +56,7 @@ UNSTAGED_ELSEWHERE = {"flux", "flux2", "qwenimage"}
 
 
 def _modes(unstaged_elsewhere: set[str]) -> dict[str, list[bool]]:
-    return {family: [True] if family in unstaged_elsewhere else [False, True] for family in PIPELINE_FAMILIES}
+    return {family: [True] if family in unstaged_elsewhere else [False, True] for family in FAMILIES}
 
 
 def test_tp2_every_family_with_and_without_stages(pools, encoder_pipelines, references):
@@ -63,7 +66,8 @@ def test_tp2_every_family_with_and_without_stages(pools, encoder_pipelines, refe
 
 
 def test_tp2_x_ulysses2_every_family(pools, encoder_pipelines, references):
-    modes = _modes(UNSTAGED_ELSEWHERE | {"flux2_klein"})  # klein's Qwen3 unstaged: at tp=2 and tp=4
+    # klein's Qwen3 and HunyuanVideo's Llama run unstaged at tp=2 (and Qwen3 at tp=4)
+    modes = _modes(UNSTAGED_ELSEWHERE | {"flux2_klein", "hunyuanvideo"})
     check_matches(pools.get(4).run(cases.pipelines_match, folders=encoder_pipelines, references=references,
                                    degrees=dict(tp=2, ulysses=2), stage_modes=modes, timeout_s=600))
 

@@ -322,7 +322,7 @@ def encode_prompt_kwargs(family: str, prompts: list[str]) -> dict[str, Any]:
     _check_family(family)
     call = default_call_kwargs(family)
     kwargs: dict[str, Any] = dict(prompt=prompts, max_sequence_length=call["max_sequence_length"])
-    if family == "flux":
+    if family in ("flux", "hunyuanvideo"):
         kwargs["prompt_2"] = None
     if family == "wan":
         kwargs.update(negative_prompt=[call["negative_prompt"]] * len(prompts), do_classifier_free_guidance=True)
