@@ -591,6 +591,9 @@ def _build_ltx(seed: int) -> dict:
         num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05,
         base_image_seq_len=1024, max_image_seq_len=4096, shift_terminal=0.1, time_shift_type="exponential",
     )
+    return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
+
+
 def _build_flux2_klein(seed: int) -> dict:
     import diffusers
     from transformers import Qwen3Config, Qwen3ForCausalLM
