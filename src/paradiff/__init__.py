@@ -1,5 +1,6 @@
 """paradiff: tensor, context, CFG and data parallelism for diffusers transformers, on GPUs (NCCL) and CPUs (gloo)."""
 
+from .compilation import compile
 from .config import ContextParallelConfig, ParallelConfig, TensorParallelConfig
 from .context_parallel.apply import set_attention_backend
 from .context_parallel.plan import ContextParallelPlan, Split
@@ -47,6 +48,7 @@ __all__ = [
     "TensorParallelConfig",
     "TensorParallelPlan",
     "UnsupportedModelError",
+    "compile",
     "enable_parallelism",
     "from_pretrained",
     "load_pipeline",

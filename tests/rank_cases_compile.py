@@ -1,0 +1,57 @@
+"""Functions run on every rank of a pool by tests/test_compile.py (gloo, CPU)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import paradiff
+from paradiff.testing.compile import RecordingBackend
+from paradiff.testing.models import Lengths, build_model, make_inputs, run_forward
+
+SHAPE = Lengths(height=3, width=5, text=7)  # 15 image + 7 text tokens: divisible by neither 2 nor 4 ranks
+
+
+def parallel_config(tp: int = 1, ring: int = 1, ulysses: int = 1) -> paradiff.ParallelConfig:
+    return paradiff.ParallelConfig(
+        tensor_parallel_config=paradiff.TensorParallelConfig(tp) if tp > 1 else None,
+        context_parallel_config=(paradiff.ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses)
+                                 if ring * ulysses > 1 else None),
+    )
+
+
+def compiled_vs_eager(cases: list[dict], backend: str = "aot_eager", batch: int = 2) -> dict:
+    """For each case {family, tp, ring, ulysses}: the compiled model's output against its own eager output and
+    against the single-process model (relative max difference), and what the compiled graphs contain."""
+    from torch._dynamo.utils import counters
+
+    results = {}
+    for case in cases:
+        family, degrees = case["family"], {k: case.get(k, 1) for k in ("tp", "ring", "ulysses")}
+        label = f"{family}:" + "x".join(f"{k}{v}" for k, v in degrees.items() if v > 1) if any(
+            v > 1 for v in degrees.values()) else f"{family}:single"
+        torch._dynamo.reset()
+        reference = build_model(family)
+        model = build_model(family)
+        if any(v > 1 for v in degrees.values()):
+            paradiff.enable_parallelism(model, parallel_config(**degrees))
+        inputs = make_inputs(family, reference.config, batch=batch, lengths=SHAPE)
+        eager = run_forward(model, inputs)
+        recorder = RecordingBackend(then=backend)
+        breaks_before = sum(counters["graph_break"].values())
+        compiled_model = paradiff.compile(model, backend=recorder)
+        compiled = run_forward(compiled_model, inputs)
+        again = run_forward(compiled_model, inputs)  # a second call reuses the graphs
+        single = run_forward(reference, inputs)
+        scale = float(single.abs().max())
+        results[label] = {
+            "vs_eager": float((compiled - eager).abs().max()) / scale,
+            "vs_single": float((compiled - single).abs().max()) / scale,
+            "repeat": float((again - compiled).abs().max()) / scale,
+            "graphs": len(recorder.graphs),
+            "graph_breaks": sum(counters["graph_break"].values()) - breaks_before,
+            "cp_attention_ops": recorder.count("paradiff.cp_attention"),
+            "all_reduce_ops": recorder.count("_c10d_functional.all_reduce"),
+            "sdpa_ops": recorder.count("scaled_dot_product_attention"),
+        }
+    return {"rank": dist.get_rank(), "results": results}

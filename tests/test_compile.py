@@ -1,0 +1,57 @@
+"""paradiff.compile: every parallel mode compiles without a graph break inside a block and matches eager.
+
+Equivalence runs with backend="aot_eager" (Dynamo + AOTAutograd + functionalization, i.e. everything torch.compile
+does up to code generation) because inductor's C++ compilation of every case would take minutes on CI's CPUs; one
+inductor case checks that the functional collectives and the CP attention op also lower to real kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import rank_cases_compile as cases
+
+REL_TOL = 1e-4  # compiled vs eager, relative to the output's largest magnitude
+SINGLE_TOL = 1e-5  # and, as everywhere, parallel vs single process
+WORLD2 = [
+    dict(family="flux2"), dict(family="flux2", tp=2), dict(family="flux2", ulysses=2), dict(family="flux2", ring=2),
+    dict(family="wan"), dict(family="wan", ulysses=2), dict(family="wan", ring=2),
+]
+WORLD4 = [dict(family="flux2", tp=2, ulysses=2), dict(family="wan", ring=2, ulysses=2)]
+GRAPHS = {"flux2": 2, "wan": 1}  # one graph per block class (Flux2: double- and single-stream), shared by all blocks
+
+
+@pytest.fixture(scope="module")
+def compiled(pools) -> dict:
+    """label -> per-rank results; all cases of one world size in one call (rank processes compile once each)."""
+    by_label: dict[str, list[dict]] = {}
+    for world, batch in ((2, WORLD2), (4, WORLD4)):
+        for rank_result in pools.get(world).run(cases.compiled_vs_eager, cases=batch, timeout_s=600):
+            for label, result in rank_result["results"].items():
+                by_label.setdefault(label, []).append(result)
+    return by_label
+
+
+def _label(case: dict) -> str:
+    degrees = "x".join(f"{k}{case[k]}" for k in ("tp", "ring", "ulysses") if case.get(k, 1) > 1)
+    return f"{case['family']}:{degrees or 'single'}"
+
+
+@pytest.mark.parametrize("case", WORLD2 + WORLD4, ids=_label)
+def test_compiled_matches_eager_without_graph_breaks(compiled, case):
+    label = _label(case)
+    for result in compiled[label]:
+        assert result["graph_breaks"] == 0, result
+        assert result["graphs"] == GRAPHS[case["family"]], result  # blocks share their graph: no recompilation
+        assert result["vs_eager"] <= REL_TOL and result["repeat"] == 0.0, result
+        assert result["vs_single"] <= SINGLE_TOL, result
+
+
+@pytest.mark.parametrize("case", WORLD2 + WORLD4, ids=_label)
+def test_compiled_graphs_hold_the_parallel_ops(compiled, case):
+    """TP's all-reduces are graph ops (functional collectives); CP attention is one custom op per attention call."""
+    for result in compiled[_label(case)]:
+        cp = case.get("ring", 1) * case.get("ulysses", 1) > 1
+        assert (result["all_reduce_ops"] > 0) == (case.get("tp", 1) > 1), result
+        assert (result["cp_attention_ops"] > 0) == cp, result
+        assert (result["sdpa_ops"] > 0) == (not cp), result  # under CP, no attention escapes the interception
