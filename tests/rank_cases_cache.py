@@ -47,6 +47,15 @@ def _first_block_threshold(family: str) -> float:
     return (metrics[middle - 1] + metrics[middle]) / 2  # halfway between two measures: no decision is borderline
 
 
+def cached_equivalence_many(cases: list[dict]) -> dict:
+    return {_label(case): cached_equivalence(**case) for case in cases}
+
+
+def _label(case: dict) -> str:
+    degrees = "x".join(f"{k}{case[k]}" for k in ("tp", "ring", "ulysses") if case.get(k, 1) > 1)
+    return f"{case['family']}:{degrees or 'single'}"
+
+
 def cached_equivalence(family: str, tp: int = 1, ring: int = 1, ulysses: int = 1) -> dict:
     """First-block cache and TaylorSeer: parallel decisions and latents against a stock single-process cached run."""
     results = {"rank": dist.get_rank()}
@@ -61,8 +70,11 @@ def cached_equivalence(family: str, tp: int = 1, ring: int = 1, ulysses: int = 1
             single.enable_cache(config)  # diffusers' own hooks, untouched
         expected, expected_decisions = denoise_recording(single, family)
         model = build_model(family, layers=2, single_layers=2)
-        paradiff.enable_parallelism(model, parallel_config(tp, ring, ulysses))
-        model.enable_cache(config)  # routed through paradiff: decisions agreed over the model's ranks
+        if tp * ring * ulysses > 1:
+            paradiff.enable_parallelism(model, parallel_config(tp, ring, ulysses))
+            model.enable_cache(config)  # routed through paradiff: decisions agreed over the model's ranks
+        else:
+            paradiff.enable_cache(model, config)
         actual = denoise(model, family)
         monitor = paradiff.cache_monitor(model)
         results[name] = {

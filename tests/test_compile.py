@@ -13,11 +13,10 @@ import rank_cases_compile as cases
 
 REL_TOL = 1e-4  # compiled vs eager, relative to the output's largest magnitude
 SINGLE_TOL = 1e-5  # and, as everywhere, parallel vs single process
-WORLD2 = [
-    dict(family="flux2"), dict(family="flux2", tp=2), dict(family="flux2", ulysses=2), dict(family="flux2", ring=2),
-    dict(family="wan"), dict(family="wan", ulysses=2), dict(family="wan", ring=2),
-]
-WORLD4 = [dict(family="flux2", tp=2, ulysses=2), dict(family="wan", ring=2, ulysses=2)]
+WORLD2 = [dict(family=family, **degrees) for family in ("flux2", "wan")
+          for degrees in ({}, dict(tp=2), dict(ulysses=2), dict(ring=2))]
+WORLD4 = [dict(family="flux2", tp=2, ulysses=2), dict(family="wan", tp=2, ulysses=2),
+          dict(family="flux2", ring=2, ulysses=2)]
 GRAPHS = {"flux2": 2, "wan": 1}  # one graph per block class (Flux2: double- and single-stream), shared by all blocks
 
 
