@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from diffusers.hooks.first_block_cache import _FBC_BLOCK_HOOK, FBCBlockHook, FBCHeadBlockHook
+from diffusers.hooks.hooks import StateManager
 from diffusers.hooks.taylorseer_cache import TaylorSeerCacheHook
 from torch import nn
 
@@ -49,6 +50,7 @@ class CacheMonitor:
     reduce: Callable[[torch.Tensor, dist.ProcessGroup | None], list[float]] = all_reduce_metric
     # Called with every decision before it takes effect; None in normal use (paradiff.testing checks agreement here).
     verify: Callable[[CacheDecision], None] | None = None
+    state_managers: list = field(default_factory=list)  # of the cache hooks, to tell whether a context is set
 
     def record(self, context: str, computed: bool, metric: float | None = None,
                local_metric: float | None = None) -> CacheDecision:
@@ -101,6 +103,7 @@ def enable_cache(model: nn.Module, config: Any, group: dist.ProcessGroup | None 
     monitor = CacheMonitor(group=group)
     object.__setattr__(model, MONITOR_ATTR, monitor)
     agree_on_decisions(model, monitor)
+    _default_cache_context(model)
     return monitor
 
 
@@ -118,6 +121,28 @@ def install_agreed_caching(model: nn.Module, group: dist.ProcessGroup | None) ->
         agree_on_decisions(model, monitor)
 
 
+def _default_cache_context(model: nn.Module) -> None:
+    """Give a forward called outside any cache context the context "cond".
+
+    diffusers' cache hooks raise without a context, and some pipelines (FLUX.2's, which runs no true CFG) never set
+    one. Wraps `model.forward` once; calls inside a pipeline's own `cache_context` pass straight through.
+    """
+    if getattr(model, "_paradiff_default_cache_context", False):
+        return
+    original = model.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        monitor = cache_monitor(model)
+        managers = monitor.state_managers if monitor is not None and model._cache_config is not None else []
+        if not managers or any(manager._context is not None for manager in managers):
+            return original(*args, **kwargs)
+        with model.cache_context("cond"):
+            return original(*args, **kwargs)
+
+    object.__setattr__(model, "forward", forward)
+    object.__setattr__(model, "_paradiff_default_cache_context", True)
+
+
 def agree_on_decisions(model: nn.Module, monitor: CacheMonitor) -> None:
     """Replace the decision of every cache hook registered on `model` by one that is recorded and, where it depends
     on data, taken from the measure reduced over `monitor.group`."""
@@ -125,6 +150,8 @@ def agree_on_decisions(model: nn.Module, monitor: CacheMonitor) -> None:
     for module in model.modules():
         registry = getattr(module, "_diffusers_hook", None)
         for hook in getattr(registry, "hooks", {}).values():
+            monitor.state_managers.extend(
+                value for value in vars(hook).values() if isinstance(value, StateManager))
             if isinstance(hook, FBCHeadBlockHook):
                 hook._should_compute_remaining_blocks = _first_block_decision(hook, monitor)
             elif isinstance(hook, TaylorSeerCacheHook):

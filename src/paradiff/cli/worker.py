@@ -19,7 +19,7 @@ import paradiff
 
 from ..comm import all_gather_object, barrier
 from ..mesh import default_device
-from .args import read_prompts
+from .args import cache_config, read_prompts
 from .compare import compare_single_process
 from .embedded import embedded_call_kwargs, embedded_default
 from .outputs import first_output, save_output
@@ -84,6 +84,9 @@ def generate(args: argparse.Namespace, device: torch.device,
                                       plan=_plan_argument(args.plan, "tensor"),
                                       cp_plan=_plan_argument(args.cp_plan, "context"))
     load_s = time.perf_counter() - start
+    if args.compile:
+        paradiff.compile(pipeline.transformer, backend=args.compile_backend)
+    monitor = paradiff.enable_cache(pipeline.transformer, cache_config(args.cache)) if args.cache else None
     pipeline.set_progress_bar_config(disable=rank != 0 or not _console_is_terminal())
     if on_pipeline_loaded is not None:
         on_pipeline_loaded(pipeline, rank)
@@ -94,6 +97,7 @@ def generate(args: argparse.Namespace, device: torch.device,
     out = Path(args.out)
     kwargs = call_kwargs(args)
     first = None
+    computed_steps: dict[int, dict[str, list[int]]] = {}  # prompt index -> cache context -> steps computed
     with paradiff.split_between_processes(indexed, pipeline) as share:
         for index, prompt in share:
             stamps = [time.perf_counter()]
@@ -104,6 +108,10 @@ def generate(args: argparse.Namespace, device: torch.device,
 
             result = pipeline(prompt=prompt, seed=args.seed + index, callback_on_step_end=on_step, **kwargs)
             step_times += [b - a for a, b in zip(stamps, stamps[1:])]
+            if monitor is not None:
+                contexts = sorted({decision.context for decision in monitor.decisions})
+                computed_steps[index] = {context: monitor.computed_steps(context) for context in contexts}
+                monitor.clear()
             kind, array = first_output(result)
             if first is None:
                 first = (index, prompt, array)
@@ -111,13 +119,15 @@ def generate(args: argparse.Namespace, device: torch.device,
                 outputs[index] = {"prompt": prompt, **save_output(kind, array, out, index, args.fps)}
     compare = None
     if args.compare and rank == 0 and first is not None:
-        compare = compare_single_process(model, dtype, kwargs, args.seed, *first)
+        compare = compare_single_process(model, dtype, kwargs, args.seed, *first,
+                                         cache=cache_config(args.cache) if args.cache else None)
     stats = {
         "rank": rank,
         "load_s": load_s,
         "step_s_median": float(np.median(step_times)) if step_times else None,
         "peak_memory_bytes": _peak_memory_bytes(device),
         "outputs": outputs,
+        "cache_computed_steps": computed_steps,
     }
     gathered = all_gather_object(stats)
     if rank == 0:
