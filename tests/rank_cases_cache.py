@@ -37,9 +37,9 @@ def denoise(model, family: str, steps: int = STEPS, batch: int = 2, inputs: dict
     return latents
 
 
-def _first_block_threshold(family: str) -> float:
+def first_block_threshold(family: str, layers: int = 2, single_layers: int = 2) -> float:
     """A threshold that skips some steps and computes others, from an always-compute single-process probe."""
-    probe = build_model(family, layers=2, single_layers=2)
+    probe = build_model(family, layers=layers, single_layers=single_layers)
     monitor = paradiff.enable_cache(probe, FirstBlockCacheConfig(threshold=0.0))
     denoise(probe, family)
     metrics = sorted(d.metric for d in monitor.decisions if d.metric is not None)
@@ -59,7 +59,7 @@ def _label(case: dict) -> str:
 def cached_equivalence(family: str, tp: int = 1, ring: int = 1, ulysses: int = 1) -> dict:
     """First-block cache and TaylorSeer: parallel decisions and latents against a stock single-process cached run."""
     results = {"rank": dist.get_rank()}
-    threshold = _first_block_threshold(family)
+    threshold = first_block_threshold(family)
     for name, config in (("fbc", FirstBlockCacheConfig(threshold=threshold)), ("taylorseer", taylorseer(family))):
         single = build_model(family, layers=2, single_layers=2)
         if family == "flux2" and name == "fbc":

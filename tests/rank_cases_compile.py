@@ -54,4 +54,25 @@ def compiled_vs_eager(cases: list[dict], backend: str = "aot_eager", batch: int 
             "all_reduce_ops": recorder.count("_c10d_functional.all_reduce"),
             "sdpa_ops": recorder.count("scaled_dot_product_attention"),
         }
+        if case.get("cache"):
+            results[label]["cache"] = _compiled_and_cached(family, compiled_model)
     return {"rank": dist.get_rank(), "results": results}
+
+
+def _compiled_and_cached(family: str, compiled_model) -> dict:
+    """A first-block-cached denoising loop on the compiled parallel model against the eager single-process one."""
+    from diffusers import FirstBlockCacheConfig
+
+    from rank_cases_cache import denoise, first_block_threshold
+
+    config = FirstBlockCacheConfig(threshold=first_block_threshold(family, layers=1, single_layers=1))
+    reference = build_model(family)
+    reference_monitor = paradiff.enable_cache(reference, config)
+    expected = denoise(reference, family)
+    compiled_model.enable_cache(config)
+    actual = denoise(compiled_model, family)
+    return {
+        "expected": [d.computed for d in reference_monitor.decisions],
+        "actual": [d.computed for d in paradiff.cache_monitor(compiled_model).decisions],
+        "diff": float((actual - expected).abs().max() / expected.abs().max()),
+    }

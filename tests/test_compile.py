@@ -15,7 +15,7 @@ REL_TOL = 1e-4  # compiled vs eager, relative to the output's largest magnitude
 SINGLE_TOL = 1e-5  # and, as everywhere, parallel vs single process
 WORLD2 = [dict(family=family, **degrees) for family in ("flux2", "wan")
           for degrees in ({}, dict(tp=2), dict(ulysses=2), dict(ring=2))]
-WORLD4 = [dict(family="flux2", tp=2, ulysses=2), dict(family="wan", tp=2, ulysses=2),
+WORLD4 = [dict(family="flux2", tp=2, ulysses=2, cache=True), dict(family="wan", tp=2, ulysses=2, cache=True),
           dict(family="flux2", ring=2, ulysses=2)]
 GRAPHS = {"flux2": 2, "wan": 1}  # one graph per block class (Flux2: double- and single-stream), shared by all blocks
 
@@ -54,3 +54,11 @@ def test_compiled_graphs_hold_the_parallel_ops(compiled, case):
         assert (result["all_reduce_ops"] > 0) == (case.get("tp", 1) > 1), result
         assert (result["cp_attention_ops"] > 0) == cp, result
         assert (result["sdpa_ops"] > 0) == (not cp), result  # under CP, no attention escapes the interception
+
+
+@pytest.mark.parametrize("case", [case for case in WORLD4 if case.get("cache")], ids=_label)
+def test_compiled_and_cached_skips_the_steps_eager_single_process_skips(compiled, case):
+    for result in compiled[_label(case)]:
+        cached = result["cache"]
+        assert cached["actual"] == cached["expected"] and False in cached["actual"], cached
+        assert cached["diff"] <= REL_TOL, cached
