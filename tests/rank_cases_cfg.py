@@ -5,15 +5,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+import paradiff
 from paradiff.cfg import install_cfg_parallel
 from paradiff.testing.models import Lengths, build_model, make_inputs, run_forward
 
 
-def cfg_pairs(family: str = "flux2", steps: int = 3, meta: bool = True) -> dict:
+def cfg_pairs(family: str = "flux2", steps: int = 3, meta: bool = True, compiled: bool = False) -> dict:
     """Conditional / unconditional calls per step as a pipeline makes them, through the CFG splitter on 2 ranks;
     `meta=False` takes the meta-device run away, as for a model whose forward cannot run on meta tensors."""
     reference = build_model(family)
     model = build_model(family)
+    if compiled:
+        paradiff.compile(model, backend="aot_eager")
     splitter = install_cfg_parallel(model, dist.new_group([0, 1]))
     if not meta and splitter.structure is not None:
         def no_meta_model():

@@ -10,10 +10,11 @@ ATOL = 1e-5
 STEPS = 3
 
 
-@pytest.mark.parametrize("family", ["flux2", "wan"])
-def test_first_step_is_not_computed_twice(pools, family):
+@pytest.mark.parametrize("family,compiled", [("flux2", False), ("wan", False), ("flux2", True)],
+                         ids=["flux2", "wan", "flux2-compiled"])
+def test_first_step_is_not_computed_twice(pools, family, compiled):
     """Cfg rank 1 learns the output's structure from a meta-device run: STEPS forwards per rank, not STEPS + 1."""
-    for result in pools.get(2).run(cases.cfg_pairs, family=family, steps=STEPS):
+    for result in pools.get(2).run(cases.cfg_pairs, family=family, steps=STEPS, compiled=compiled):
         assert result["diff"] <= ATOL, result
         assert result["computed"] == STEPS, result
 

@@ -62,3 +62,34 @@ def test_compiled_and_cached_skips_the_steps_eager_single_process_skips(compiled
         cached = result["cache"]
         assert cached["actual"] == cached["expected"] and False in cached["actual"], cached
         assert cached["diff"] <= REL_TOL, cached
+
+
+def test_compile_refuses_a_model_without_blocks_and_a_second_compile():
+    import torch
+
+    import paradiff
+    from paradiff.testing.models import build_model
+
+    with pytest.raises(paradiff.ParallelConfigError, match="Linear has no repeated blocks to compile"):
+        paradiff.compile(torch.nn.Linear(2, 2))
+    model = paradiff.compile(build_model("wan"), backend="aot_eager")  # lazy: nothing is traced before a call
+    with pytest.raises(paradiff.ParallelConfigError, match="already compiled by paradiff.compile"):
+        paradiff.compile(model)
+
+
+def test_compile_after_enable_cache_keeps_the_cache_outside_the_graphs():
+    """The cache's decision is data-dependent (a graph break by nature): it must wrap the compiled blocks."""
+    import torch
+    from diffusers import FirstBlockCacheConfig
+
+    import paradiff
+    from paradiff.testing.models import build_model, make_inputs, run_forward
+
+    model = build_model("flux2")
+    inputs = make_inputs("flux2", model.config, batch=2)
+    expected = run_forward(model, inputs)
+    paradiff.enable_cache(model, FirstBlockCacheConfig(threshold=0.5))
+    paradiff.compile(model, backend="aot_eager")
+    first, second = run_forward(model, inputs), run_forward(model, inputs)
+    assert [d.computed for d in paradiff.cache_monitor(model).decisions] == [True, False]
+    assert torch.allclose(first, expected, rtol=0, atol=1e-6) and torch.allclose(second, expected, rtol=0, atol=1e-6)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .caching import cache_monitor, enable_cache
 from .errors import ParallelConfigError
 
 COMPILED_ATTR = "_paradiff_compiled"
@@ -73,5 +74,8 @@ def compile(  # noqa: A001 - mirrors torch.compile
         block.forward = torch.compile(block.forward, **kwargs)
         setattr(block, COMPILED_ATTR, True)
     if cache_config is not None:
-        model.enable_cache(cache_config)
+        if cache_monitor(model) is not None:
+            enable_cache(model, cache_config)  # as it was enabled: with paradiff's agreed decisions
+        else:
+            model.enable_cache(cache_config)
     return model
