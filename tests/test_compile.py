@@ -93,3 +93,10 @@ def test_compile_after_enable_cache_keeps_the_cache_outside_the_graphs():
     first, second = run_forward(model, inputs), run_forward(model, inputs)
     assert [d.computed for d in paradiff.cache_monitor(model).decisions] == [True, False]
     assert torch.allclose(first, expected, rtol=0, atol=1e-6) and torch.allclose(second, expected, rtol=0, atol=1e-6)
+
+
+def test_inductor_lowers_the_parallel_ops(pools):
+    """The one inductor case (C++ code generation): a functional all-reduce and the CP attention op on 2 ranks."""
+    for result in pools.get(2).run(cases.inductor_smoke, timeout_s=600):
+        assert result["all_reduce_ops"] == 1 and result["cp_attention_ops"] == 1, result
+        assert result["diff"] <= REL_TOL, result
