@@ -95,11 +95,12 @@ def inductor_smoke() -> dict:
         summed = all_reduce_tp(partial, group)[:, :tokens]
         q = summed.reshape(x.shape[0], tokens, 4, 8).transpose(1, 2)
         if torch.compiler.is_compiling():
-            out = cp_attention(q, q, q, None, 8 ** -0.5, "ulysses", "native", False, "", group_name(group))
+            out = cp_attention(q, q, q, None, 8 ** -0.5, "ulysses", "native", False, group_name(group), "",
+                               group_name(group), None, None)
         else:
             from paradiff.context_parallel.runtime import attend
 
-            out = attend(q, q, q, None, 8 ** -0.5, "ulysses", "native", False, None, group)
+            out = attend(q, q, q, None, 8 ** -0.5, "ulysses", "native", False, group, None, group)
         return torch.nn.functional.gelu(out.transpose(1, 2).reshape(x.shape[0], tokens, -1)) + x[:, :tokens]
 
     import torch._inductor.config as inductor_config

@@ -75,7 +75,7 @@ def test_generate_compiled_and_cached_lists_the_computed_steps(tmp_path):
     computed = report["cache"]["computed_steps"]["0"]["cond"]
     assert report["cache"]["spec"] == "fbc:0.6" and computed[0] == 0 and 1 <= len(computed) < 4, report["cache"]
     assert report["max_abs_diff_vs_single_process"] < 1e-5
-    assert f"image 0000 (cond) computed steps {computed}, {len(computed)} of 4" in result.stdout
+    assert f"output 0000 (cond) computed steps {computed}, {len(computed)} of 4" in result.stdout
 
 
 def test_data_parallel_prompts_file_one_png_per_prompt(tmp_path):

@@ -46,8 +46,10 @@ def all_reduce_tp(tensor: torch.Tensor, group: dist.ProcessGroup, stats: CommSta
 def all_gather_heads_tp(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup,
                         stats: CommStats | None = None) -> torch.Tensor:
     """Concatenate the TP ranks' equal blocks of heads along `dim` (an attention output a model uses unprojected)."""
-    pieces = [torch.empty_like(tensor.contiguous()) for _ in range(dist.get_world_size(group))]
     _record(stats, "all_gather_heads_tp", tensor)
+    if torch.compiler.is_compiling():  # traced as a graph op (see all_reduce_tp)
+        return funcol.all_gather_tensor(tensor.contiguous(), gather_dim=dim, group=group)
+    pieces = [torch.empty_like(tensor.contiguous()) for _ in range(dist.get_world_size(group))]
     dist.all_gather(pieces, tensor.contiguous(), group=group)
     return torch.cat(pieces, dim=dim)
 
@@ -56,6 +58,8 @@ def all_reduce_cp_sums(tensor: torch.Tensor, group: dist.ProcessGroup, stats: Co
     """Sum per-rank partial sums over the context-parallel group (linear attention's K^T V and key sums)."""
     tensor = tensor.contiguous()
     _record(stats, "all_reduce_cp_sums", tensor)
+    if torch.compiler.is_compiling():  # traced as a graph op (see all_reduce_tp)
+        return funcol.all_reduce(tensor, "sum", group)
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
 
