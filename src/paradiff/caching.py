@@ -51,13 +51,14 @@ class CacheMonitor:
     # Called with every decision before it takes effect; None in normal use (paradiff.testing checks agreement here).
     verify: Callable[[CacheDecision], None] | None = None
     state_managers: list = field(default_factory=list)  # of the cache hooks, to tell whether a context is set
+    calls: dict[str, int] = field(default_factory=dict)  # forwards per context since the last clear
 
     def record(self, context: str, computed: bool, metric: float | None = None,
                local_metric: float | None = None) -> CacheDecision:
-        call = sum(1 for decision in self.decisions if decision.context == context)
-        decision = CacheDecision(context, call, computed, metric, local_metric)
+        decision = CacheDecision(context, self.calls.get(context, 0), computed, metric, local_metric)
         if self.verify is not None:
             self.verify(decision)
+        self.calls[context] = decision.call + 1
         self.decisions.append(decision)
         return decision
 
@@ -66,7 +67,9 @@ class CacheMonitor:
         return [d.call for d in self.decisions if d.computed and (context is None or d.context == context)]
 
     def clear(self) -> None:
+        """Forget the decisions recorded so far (e.g. after each generation); call indices start again at 0."""
         self.decisions.clear()
+        self.calls.clear()
 
 
 def cache_monitor(model: nn.Module) -> CacheMonitor | None:
