@@ -60,6 +60,10 @@ def cached_equivalence(family: str, tp: int = 1, ring: int = 1, ulysses: int = 1
     """First-block cache and TaylorSeer: parallel decisions and latents against a stock single-process cached run."""
     results = {"rank": dist.get_rank()}
     threshold = first_block_threshold(family)
+    uncached = denoise(build_model(family, layers=2, single_layers=2), family)
+    model = build_model(family, layers=2, single_layers=2)
+    if tp * ring * ulysses > 1:  # one parallel model for both caches: every mesh costs process groups
+        paradiff.enable_parallelism(model, parallel_config(tp, ring, ulysses))
     for name, config in (("fbc", FirstBlockCacheConfig(threshold=threshold)), ("taylorseer", taylorseer(family))):
         single = build_model(family, layers=2, single_layers=2)
         if family == "flux2" and name == "fbc":
@@ -69,20 +73,19 @@ def cached_equivalence(family: str, tp: int = 1, ring: int = 1, ulysses: int = 1
         else:
             single.enable_cache(config)  # diffusers' own hooks, untouched
         expected, expected_decisions = denoise_recording(single, family)
-        model = build_model(family, layers=2, single_layers=2)
         if tp * ring * ulysses > 1:
-            paradiff.enable_parallelism(model, parallel_config(tp, ring, ulysses))
             model.enable_cache(config)  # routed through paradiff: decisions agreed over the model's ranks
         else:
             paradiff.enable_cache(model, config)
         actual = denoise(model, family)
         monitor = paradiff.cache_monitor(model)
+        model.disable_cache()
         results[name] = {
             "threshold": getattr(config, "threshold", None),
             "expected": expected_decisions,
             "actual": [d.computed for d in monitor.decisions],
             "diff": float((actual - expected).abs().max() / expected.abs().max()),
-            "uncached_diff": float((actual - denoise(build_model(family, layers=2, single_layers=2), family)).abs().max()),
+            "uncached_diff": float((actual - uncached).abs().max()),
         }
     return results
 
@@ -120,12 +123,19 @@ def straddling_metric(family: str = "flux", ring: int = 1, ulysses: int = 2, ste
     hang, the same steps as diffusers' own single-process cache) whether it is to compute while a rank alone would
     skip, or to skip while a rank alone would compute. Deciding alone makes the ranks disagree, which the agreement
     check of paradiff.testing turns into an error instead of a hang."""
-    probe = build_model(family, layers=2, single_layers=2)
-    sequence = _shifted_inputs(family, probe.config, steps)
-    paradiff.enable_parallelism(probe, parallel_config(1, ring, ulysses))
-    probe.enable_cache(FirstBlockCacheConfig(threshold=0.0))
-    _run_sequence(probe, sequence)
-    first = next(d for d in paradiff.cache_monitor(probe).decisions if d.metric is not None)
+    model = build_model(family, layers=2, single_layers=2)
+    sequence = _shifted_inputs(family, model.config, steps)
+    paradiff.enable_parallelism(model, parallel_config(1, ring, ulysses))  # one model (one mesh) for every run
+
+    def cached_run(threshold: float) -> tuple[list, list]:
+        model.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+        try:
+            return _run_sequence(model, sequence), paradiff.cache_monitor(model).decisions
+        finally:
+            model.disable_cache()
+
+    _, probe = cached_run(0.0)
+    first = next(d for d in probe if d.metric is not None)
     local = all_gather_object(first.local_metric)
     thresholds = {  # geometric means: well away from every measure
         "agreed compute, a rank alone would skip": (min(local) * first.metric) ** 0.5,
@@ -138,23 +148,17 @@ def straddling_metric(family: str = "flux", ring: int = 1, ulysses: int = 2, ste
         expected_decisions: list[bool] = []
         with stock_decisions(single, expected_decisions):
             expected = _run_sequence(single, sequence)
-        model = build_model(family, layers=2, single_layers=2)
-        paradiff.enable_parallelism(model, parallel_config(1, ring, ulysses))
-        model.enable_cache(FirstBlockCacheConfig(threshold=threshold))
-        actual = _run_sequence(model, sequence)
-        decisions = paradiff.cache_monitor(model).decisions
+        actual, decisions = cached_run(threshold)
         results[label] = {
             "expected": expected_decisions,
             "actual": [d.computed for d in decisions],
             "alone": [None if d.local_metric is None else d.local_metric > threshold for d in decisions],
             "diff": max(float((a - e).abs().max() / e.abs().max()) for a, e in zip(actual, expected)),
         }
-    alone = build_model(family, layers=2, single_layers=2)
-    paradiff.enable_parallelism(alone, parallel_config(1, ring, ulysses))
-    alone.enable_cache(FirstBlockCacheConfig(threshold=thresholds["agreed compute, a rank alone would skip"]))
-    decide_alone(paradiff.cache_monitor(alone), ranks=list(range(dist.get_world_size())))
+    model.enable_cache(FirstBlockCacheConfig(threshold=thresholds["agreed compute, a rank alone would skip"]))
+    decide_alone(paradiff.cache_monitor(model), ranks=list(range(dist.get_world_size())))
     try:
-        _run_sequence(alone, sequence)
+        _run_sequence(model, sequence)
         results["alone_error"] = None
     except Exception as exc:  # noqa: BLE001 - the expected outcome, reported to the test
         results["alone_error"] = f"{type(exc).__name__}: {exc}"
