@@ -52,6 +52,8 @@ def signature(args: tuple, kwargs: dict) -> str:
 class MetaStructure:
     """The output structure of `model` for given arguments, from a run of its architecture on the meta device."""
 
+    KEEP = 16  # signatures remembered; a pipeline uses one per resolution and prompt length
+
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.meta_model: nn.Module | None = None
@@ -61,6 +63,7 @@ class MetaStructure:
         model = self.model
         with torch.device("meta"):
             meta = type(model).from_config(model.config)
+
         def tensors(module: nn.Module) -> dict[str, torch.Tensor]:
             return {**dict(module.named_parameters()), **dict(module.named_buffers())}
 
@@ -82,10 +85,16 @@ class MetaStructure:
                     self.known[key] = self.meta_model(*meta_args, **meta_kwargs)
             except Exception:  # noqa: BLE001 - deterministic for given shapes: every rank of the group falls back
                 self.known[key] = None
-        return self.known[key]
+            self._forget_oldest()
+        return self.known.get(key)
 
     def remember(self, args: tuple, kwargs: dict, output: Any) -> None:
         self.known[signature(args, kwargs)] = output
+        self._forget_oldest()
+
+    def _forget_oldest(self) -> None:
+        while len(self.known) > self.KEEP:
+            self.known.pop(next(iter(self.known)))
 
 
 @dataclass
