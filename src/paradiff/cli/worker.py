@@ -20,7 +20,7 @@ import paradiff
 from ..comm import all_gather_object, barrier
 from ..mesh import default_device
 from ..vae import get_vae_runtime
-from .args import read_prompts
+from .args import cache_config, read_prompts
 from .compare import compare_single_process
 from .embedded import embedded_call_kwargs, embedded_default
 from .outputs import outputs_of, save_output
@@ -87,6 +87,9 @@ def generate(args: argparse.Namespace, device: torch.device,
                                       parallel_vae=False if args.no_parallel_vae else None,
                                       stages=args.stages, shard_text_encoders=not args.whole_text_encoders)
     load_s = time.perf_counter() - start
+    if args.compile:
+        paradiff.compile(pipeline.transformer, backend=args.compile_backend)
+    monitor = paradiff.enable_cache(pipeline.transformer, cache_config(args.cache)) if args.cache else None
     pipeline.set_progress_bar_config(disable=rank != 0 or not _console_is_terminal())
     if on_pipeline_loaded is not None:
         on_pipeline_loaded(pipeline, rank)
@@ -97,6 +100,7 @@ def generate(args: argparse.Namespace, device: torch.device,
     out = Path(args.out)
     kwargs = call_kwargs(args)
     first = None
+    computed_steps: dict[int, dict[str, list[int]]] = {}  # prompt index -> cache context -> steps computed
     with paradiff.split_between_processes(indexed, pipeline) as share:
         # staged: the replica's prompts form one batch (each with its own seed), so each stage loads once
         batches = [list(share)] if args.stages and share else [[item] for item in share]
@@ -115,6 +119,11 @@ def generate(args: argparse.Namespace, device: torch.device,
                 (index, prompt), = batch
                 result = pipeline(prompt=prompt, seed=args.seed + index, callback_on_step_end=on_step, **kwargs)
             step_times += [b - a for a, b in zip(stamps, stamps[1:])]
+            if monitor is not None:
+                contexts = sorted({decision.context for decision in monitor.decisions})
+                for index, _ in batch:
+                    computed_steps[index] = {context: monitor.computed_steps(context) for context in contexts}
+                monitor.clear()
             for (index, prompt), (kind, array) in zip(batch, outputs_of(result)):
                 if first is None:
                     first = (index, prompt, array)
@@ -122,7 +131,8 @@ def generate(args: argparse.Namespace, device: torch.device,
                     outputs[index] = {"prompt": prompt, **save_output(kind, array, out, index, args.fps)}
     compare = None
     if args.compare and rank == 0 and first is not None:
-        compare = compare_single_process(model, dtype, kwargs, args.seed, *first)
+        compare = compare_single_process(model, dtype, kwargs, args.seed, *first,
+                                         cache=cache_config(args.cache) if args.cache else None)
     stats = {
         "rank": rank,
         "load_s": load_s,
@@ -130,6 +140,7 @@ def generate(args: argparse.Namespace, device: torch.device,
         "peak_memory_bytes": _peak_memory_bytes(device),
         "outputs": outputs,
         "stages": pipeline.stage_report(),
+        "cache_computed_steps": computed_steps,
     }
     gathered = all_gather_object(stats)
     if rank == 0:

@@ -126,7 +126,9 @@ def _split(value: Any, split: Split | dict, runtime: ContextParallelRuntime, wha
             f"{what} has {value.shape[dim]} tokens along dim {dim}, fewer than the {runtime.cp_size} context-parallel "
             f"ranks; each rank needs at least one token. Use a longer sequence or fewer CP ranks."
         )
-    return local_chunk(value, dim, runtime.cp_rank, runtime.cp_size)
+    # contiguous: a compiled block guards on its inputs' strides, and the first block would otherwise see a strided
+    # view of the full tensor while the others see dense tensors (one extra compilation)
+    return local_chunk(value, dim, runtime.cp_rank, runtime.cp_size).contiguous()
 
 
 def _split_within(value: torch.Tensor, dim: int, stream: str, runtime: ContextParallelRuntime, what: str):
@@ -319,6 +321,21 @@ def _interceptor_hooks(interceptor: AttentionInterceptor):
     return enter, leave
 
 
+def _leftover_interceptor_remover(interceptors: list[AttentionInterceptor]):
+    """After the model's forward, even a failed one: leave interceptors an exception inside attention left entered.
+
+    The attention modules' own exit hooks are plain forward hooks, skipped on an exception: hooks registered with
+    always_call inside a compiled block make Dynamo guard on each module's hook ids, recompiling every block.
+    """
+
+    def hook(_module, _args, _output):
+        stack = torch.overrides._get_current_function_mode_stack()
+        while stack and any(stack[-1] is interceptor for interceptor in interceptors):
+            stack.pop().__exit__(None, None, None)
+
+    return hook
+
+
 def apply_context_parallel(model: nn.Module, state: ParallelState, plan: ResolvedContextPlan) -> ContextParallelRuntime:
     mesh = state.mesh
     config = mesh.config.context_parallel_config
@@ -349,11 +366,16 @@ def apply_context_parallel(model: nn.Module, state: ParallelState, plan: Resolve
         handles.append(model.get_submodule(name).register_forward_hook(trim))
     for name in plan.linear_attention:
         model.get_submodule(name).processor = LinearAttentionProcessor(runtime)
+    # One interceptor per kind, shared by every attention module: compiled blocks guard on the active mode's
+    # identity, so a mode object per module would recompile every block.
+    interceptors = {local: AttentionInterceptor(runtime, local=local) for local in (False, True)}
     for name, module in model.named_modules():
         if hasattr(module, "processor"):
-            enter, leave = _interceptor_hooks(AttentionInterceptor(runtime, local=name in plan.local_attention))
+            enter, leave = _interceptor_hooks(interceptors[name in plan.local_attention])
             handles.append(module.register_forward_pre_hook(enter))
-            handles.append(module.register_forward_hook(leave, always_call=True))
+            handles.append(module.register_forward_hook(leave))
+    handles.append(model.register_forward_hook(_leftover_interceptor_remover(list(interceptors.values())),
+                                               always_call=True))
     state.context = runtime
     state.extras["cp_hooks"] = handles
     state.extras["cp_plan"] = plan
