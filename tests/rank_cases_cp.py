@@ -139,3 +139,53 @@ def cp_general_masks(ring: int, ulysses: int, tokens: int = 11, heads: int = 4, 
     except ValueError as exc:
         error = str(exc)
     return {"diffs": diffs, "calls": dict(runtime.stats.calls), "split_mask_error": error}
+
+
+def cp_refused_argument() -> str:
+    """Lumina-Next's proportional attention (a scale from the sequence length its processor sees) under CP: every
+    rank refuses the call with the reason before the forward issues a collective."""
+    from paradiff import examples
+
+    model = paradiff.enable_parallelism(examples.build_example("lumina_next", "lumina-next"),
+                                        paradiff.ContextParallelConfig(ring_degree=dist.get_world_size()))
+    inputs = examples.example_inputs("lumina_next", "lumina-next", model.config)
+    inputs["cross_attention_kwargs"] = {"base_sequence_length": 64}
+    stats = get_state(model).context.stats = CommStats()
+    try:
+        model(**inputs)
+    except ValueError as exc:
+        return f"{exc} | collectives: {sum(stats.calls.values())}"
+    return "no error"
+
+
+def cp_queries_and_keys_of_different_lengths(ring: int, ulysses: int, heads: int = 4, batch: int = 2) -> dict:
+    """Image queries attending [text, image] keys (PRX's attention), both streams split over the ranks, with a text
+    padding mask: relative max difference to SDPA on the whole streams."""
+    import torch.nn.functional as F
+
+    from paradiff.context_parallel.attention import local_chunk
+    from paradiff.context_parallel.runtime import ContextParallelRuntime
+    from paradiff.mesh import build_mesh
+
+    cp = paradiff.ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses)
+    mesh = build_mesh(paradiff.ParallelConfig(context_parallel_config=cp))
+    runtime = ContextParallelRuntime(
+        mode=cp.mode, cp_group=mesh.flat_group(("ring", "ulysses")),
+        ring_group=mesh.group("ring") if ring > 1 else None, ulysses_group=mesh.group("ulysses") if ulysses > 1 else None,
+        stats=CommStats())
+    generator = torch.Generator().manual_seed(4)
+    text, image = 7, 11
+    q = torch.randn(batch, heads, image, 16, generator=generator)
+    k, v = (torch.randn(batch, heads, text + image, 16, generator=generator) for _ in range(2))
+    mask = torch.ones(batch, 1, 1, text + image, dtype=torch.bool)
+    mask[-1, ..., 4:text] = False  # the last prompt is padded
+    rank, size = runtime.cp_rank, runtime.cp_size
+
+    def joint(t):  # this rank's [text chunk, image chunk] along the last-but-one or last dim
+        dim = 3 if t.dim() == 4 and t.shape[2] == 1 else 2
+        return torch.cat([local_chunk(t.narrow(dim, 0, text), dim, rank, size),
+                          local_chunk(t.narrow(dim, text, image), dim, rank, size)], dim=dim)
+
+    expected = local_chunk(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), 2, rank, size)
+    actual = runtime.attention(local_chunk(q, 2, rank, size), joint(k), joint(v), attn_mask=joint(mask))
+    return {"diff": float((actual - expected).abs().max() / expected.abs().max()), "calls": dict(runtime.stats.calls)}

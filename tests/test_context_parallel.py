@@ -133,3 +133,38 @@ def test_query_dependent_and_per_head_masks(pools, mode):
         assert max(result["diffs"].values()) < ATOL, result
         assert result["calls"].get(EXPECTED_COMM[mode], 0) > 0, result
         assert "must cover the whole sequence of 11 tokens" in result["split_mask_error"], result
+
+
+def test_plan_refuses_an_argument_the_split_cannot_honour(pools):
+    for message in pools.get(2).run(cases.cp_refused_argument):
+        assert "'cross_attention_kwargs.base_sequence_length' is not supported under context parallelism" in message
+        assert "proportional_attn=False" in message and message.endswith("collectives: 0"), message
+
+
+def test_split_by_parts_splits_each_stream_on_its_own():
+    """A key mask over [image (15), text (7)] is split as joint attention holds its keys: this rank's image chunk,
+    then its text chunk."""
+    from types import SimpleNamespace
+
+    from paradiff.context_parallel.apply import _split
+
+    mask = torch.arange(22).view(1, 1, 1, 22)
+    split = paradiff.Split(-1, parts=("hidden_states", "encoder_hidden_states"))
+    runtime = SimpleNamespace(cp_rank=1, cp_size=2, full_tokens={"hidden_states": 15, "encoder_hidden_states": 7})
+    assert _split(mask, split, runtime, "mask").flatten().tolist() == [8, 9, 10, 11, 12, 13, 14, 19, 20, 21]
+    runtime = SimpleNamespace(cp_rank=0, cp_size=4, full_tokens={"hidden_states": 15, "encoder_hidden_states": 7})
+    assert _split(mask, split, runtime, "mask").flatten().tolist() == [0, 1, 2, 3, 15, 16]
+    with pytest.raises(ValueError, match=r"has 21 entries along dim 3, but its parts .* have \[15, 7\] tokens"):
+        _split(mask[..., :21], split, runtime, "mask")
+    with pytest.raises(paradiff.PlanError, match=r"splits no \['encoder_hidden_states'\] before it"):
+        _split(mask, split, SimpleNamespace(cp_rank=0, cp_size=2, full_tokens={"hidden_states": 15}), "mask")
+
+
+@pytest.mark.parametrize("mode,heads", [("ulysses2", 4), ("ulysses4", 3), ("unified2x2", 4), ("ring2", 4)])
+def test_queries_and_keys_of_different_lengths(pools, mode, heads):
+    """Image queries over [text, image] keys, both split: Ulysses exchanges queries and keys by their own lengths."""
+    world, ring, ulysses = MODES[mode]
+    for result in pools.get(world).run(cases.cp_queries_and_keys_of_different_lengths, ring=ring, ulysses=ulysses,
+                                       heads=heads):
+        assert result["diff"] < ATOL, result
+        assert result["calls"].get(EXPECTED_COMM[mode], 0) > 0, result

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
-from paradiff.context_parallel.apply import _split
-from paradiff.context_parallel.plan import Split
+import rank_cases_cp_mechanisms as cases
+from paradiff.context_parallel.apply import _local_count, _split
+from paradiff.context_parallel.plan import Count, Split
 
 
 def rank_of(rank: int, size: int):
@@ -30,3 +32,130 @@ def test_split_with_ndim_leaves_other_ranks_whole_inside_containers():
     per_sample, per_token = torch.ones(2, 5), torch.ones(2, 6, 5, 4)
     out = _split((per_sample, per_token), Split(2, ndim=4), rank_of(1, 2), "temb")
     assert out[0] is per_sample and out[1].shape == (2, 6, 2, 4)
+
+
+def test_split_names_items_of_a_tuple_argument():
+    # Allegro's rotary argument: ((tables looked up by position), (t, h, w positions of every token))
+    tables, positions = (torch.ones(3, 8), torch.ones(4, 8)), (torch.arange(7)[None], torch.arange(7)[None] * 2)
+    out = _split((tables, positions), {1: Split(-1)}, rank_of(1, 2), "image_rotary_emb")
+    assert out[0] is tables
+    assert torch.equal(out[1][0], torch.arange(4, 7)[None]) and torch.equal(out[1][1], torch.arange(4, 7)[None] * 2)
+
+
+def test_local_attention_applies_any_mask_that_broadcasts_over_the_queries():
+    from torch.nn import functional as F
+
+    from paradiff.context_parallel.runtime import ContextParallelRuntime
+
+    runtime = ContextParallelRuntime(mode="ring", cp_group=None, ring_group=None, ulysses_group=None)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, n, 8, generator=generator) for n in (5, 7, 7))
+    mask = torch.zeros(2, 4, 1, 7)
+    mask[1, :, :, 4:] = -10000.0  # diffusers' additive text mask, repeated per head
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert torch.allclose(runtime.attention(q, k, v, attn_mask=mask, local=True), expected, atol=1e-6)
+
+
+def test_split_within_cuts_each_sample_s_rows_alike():
+    # Latte's temporal timesteps: (batch x 5 locations) rows; rank 1 of 2 keeps locations 3, 4 of every sample
+    runtime = SimpleNamespace(cp_rank=1, cp_size=2, full_tokens={"hidden_states": 5})
+    rows = torch.arange(2 * 5)[:, None].float()
+    out = _split(rows, Split(0, within="hidden_states"), runtime, "timestep")
+    assert out.flatten().tolist() == [3, 4, 8, 9]
+
+
+def test_split_within_names_the_stream_it_needs():
+    runtime = SimpleNamespace(cp_rank=0, cp_size=2, full_tokens={})
+    try:
+        _split(torch.ones(10, 3), Split(0, within="hidden_states"), runtime, "timestep")
+    except ValueError as exc:
+        assert "hidden_states" in str(exc) and "timestep" in str(exc)
+    else:
+        raise AssertionError("an unknown stream length must be refused")
+
+
+@pytest.mark.parametrize("tail,expected", [(False, [4, 0, 0]), (True, [0, 1, 3])])
+def test_counts_become_the_share_of_the_counted_tokens_each_rank_holds(tail, expected):
+    # 10 tokens over 3 ranks: [0, 4), [4, 7), [7, 10); count the first or the last 4
+    shares = [_local_count(Count("hidden_states", tail=tail), 4,
+                           SimpleNamespace(cp_rank=rank, cp_size=3, full_tokens={"hidden_states": 10}), "n")
+              for rank in range(3)]
+    assert shares == expected
+
+
+def test_a_count_larger_than_its_stream_is_refused():
+    runtime = SimpleNamespace(cp_rank=0, cp_size=2, full_tokens={"hidden_states": 10})
+    with pytest.raises(ValueError, match="an int from 0 to 10"):
+        _local_count(Count(), 11, runtime, "num_tokens")
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_padding_masks_of_queries_and_keys_match_single_process(pools, mode):
+    assert max(pools.get(2).run(cases.padding_mask_attention, mode=mode)) < 1e-6
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_other_square_masks_are_refused_on_every_rank(pools, mode):
+    for message in pools.get(2).run(cases.causal_mask_is_refused, mode=mode):
+        assert "only when they mask padding" in message and "mask is another kind" in message
+
+
+def test_local_attention_takes_a_mask_per_head_and_query(pools):
+    assert max(pools.get(2).run(cases.local_attention_with_any_mask, mode="ulysses")) < 1e-6
+
+
+def test_grid_layout_splits_whole_rows_and_refuses_fewer_rows_than_ranks():
+    from paradiff.context_parallel.grid import grid_layout, split_grid
+    from paradiff.context_parallel.plan import GridSplit
+
+    full, chunks, local = grid_layout([5, 3], rank_of(1, 2), "hidden_states")
+    assert (full, chunks, local) == (15, [9, 6], 2)
+    tokens = torch.arange(15)[None]
+    assert split_grid(tokens, GridSplit(1), (full, chunks), 1).tolist() == [list(range(9, 15))]
+    per_sample = torch.ones(2, 1, 8)
+    assert split_grid(per_sample, GridSplit(1), (full, chunks), 1) is per_sample  # not per token: whole
+    try:
+        grid_layout([3, 5], rank_of(0, 4), "hidden_states")
+    except ValueError as exc:
+        assert "3 slices" in str(exc) and "4 context-parallel ranks" in str(exc)
+    else:
+        raise AssertionError("fewer rows than ranks must be refused")
+
+
+def test_halo_convolutions_must_keep_the_split_axis_size():
+    import pytest
+    from torch import nn
+
+    from paradiff.context_parallel.grid import check_halo_conv
+    from paradiff.errors import PlanError
+
+    assert check_halo_conv(nn.Conv2d(4, 4, (3, 1), padding=(1, 0)), "conv_temp") == 1
+    with pytest.raises(PlanError, match="stride 1"):
+        check_halo_conv(nn.Conv2d(4, 4, 3, stride=2, padding=1), "down")
+    with pytest.raises(PlanError, match="not a convolution|Linear"):
+        check_halo_conv(nn.Linear(4, 4), "proj")
+
+
+def test_linear_attention_sums_over_the_ranks(pools):
+    import rank_cases_grid as cases
+
+    for rotary in (False, True):
+        for result in pools.get(2).run(cases.linear_attention, rotary=rotary):
+            assert result["diff"] <= 1e-5, (rotary, result)
+            assert result["calls"] == {"all_reduce_cp_sums": 1}, result
+
+
+def test_halo_convolution_borrows_only_the_neighbours_edge_rows(pools):
+    import rank_cases_grid as cases
+
+    for kernel, rows in (((3, 3), 5), ((3, 1), 3), ((5, 1), 7)):
+        results = pools.get(2).run(cases.halo_convolution, kernel=kernel, rows=rows)
+        assert [r["rows"] for r in results] == [(rows + 1) // 2, rows // 2]
+        for result in results:
+            assert result["diff"] <= 1e-6, (kernel, rows, result)
+            assert result["calls"] == {"halo_exchange": 1}, result
+
+
+@pytest.mark.parametrize("world,mode", [(2, "ring"), (2, "ulysses"), (4, "ulysses")])
+def test_cross_attention_between_two_split_sequences(pools, world, mode):
+    assert max(pools.get(world).run(cases.cross_attention_between_split_sequences, mode=mode)) < 1e-6

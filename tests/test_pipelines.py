@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 import rank_cases_pipelines as cases
-from paradiff.testing.pipelines import save_pipeline
 
 ATOL = 1e-5
 COMPOSED = {  # id: degrees on 4 ranks
@@ -20,9 +19,8 @@ TP_FAMILIES = ("flux", "flux2", "qwenimage")
 
 
 @pytest.fixture(scope="session")
-def pipelines(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pipelines")
-    return {family: str(save_pipeline(family, root / family)) for family in ("flux", "flux2", "qwenimage", "wan")}
+def pipelines(tiny_pipeline_folders):
+    return {family: str(tiny_pipeline_folders[family]) for family in ("flux", "flux2", "qwenimage", "wan")}
 
 
 def _cases():
@@ -40,8 +38,8 @@ def test_composed_pipeline_matches_single_process(pools, pipelines, family, degr
     results = pools.get(4).run(cases.pipeline_equivalence, family=family, folder=pipelines[family], degrees=degrees)
     for result in results:
         assert max(result["diffs"].values()) < ATOL, result
-        if degrees.get("cfg", 1) == 2:  # 3 steps: the first runs both branches (probe), then one branch per step
-            assert result["cfg_forwards"] == 2 + 2, result
+        if degrees.get("cfg", 1) == 2:  # 3 steps, one branch per step on each half, the first step included
+            assert result["cfg_forwards"] == 3, result
     assert sum(r["output_rank"] for r in results) == degrees.get("dp", 1)
 
 

@@ -9,6 +9,7 @@ import torch
 import paradiff
 from paradiff.testing.pipelines import (
     PIPELINE_FAMILIES,
+    VIDEO_FAMILIES,
     build_pipeline,
     default_call_kwargs,
     save_pipeline,
@@ -24,6 +25,11 @@ EXPECTED_TRANSFORMERS = {
     "flux2": "Flux2Transformer2DModel",
     "qwenimage": "QwenImageTransformer2DModel",
     "wan": "WanTransformer3DModel",
+    "wan2.2": "WanTransformer3DModel",
+    "hunyuanvideo": "HunyuanVideoTransformer3DModel",
+    "ltx": "LTXVideoTransformer3DModel",
+    "flux2_klein": "Flux2Transformer2DModel",
+    "lumina2": "Lumina2Transformer2DModel",
 }
 
 
@@ -38,14 +44,13 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny-pipelines")
-    return {family: save_pipeline(family, root / family) for family in PIPELINE_FAMILIES}
+def folders(tiny_pipeline_folders):
+    return tiny_pipeline_folders
 
 
 def _generate(pipe, family: str, seed: int) -> np.ndarray:
     out = pipe(**default_call_kwargs(family), generator=torch.Generator().manual_seed(seed))
-    return out.frames if family == "wan" else out.images
+    return out.frames if family in VIDEO_FAMILIES else out.images
 
 
 def _state_dicts_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -70,7 +75,7 @@ def test_saved_pipeline_loads_and_generates(folders, family):
     again = _generate(pipe, family, seed=0)
     other = _generate(pipe, family, seed=1)
 
-    if family == "wan":
+    if family in VIDEO_FAMILIES:
         assert first.shape == (1, kwargs["num_frames"], kwargs["height"], kwargs["width"], 3)
     else:
         assert first.shape == (1, kwargs["height"], kwargs["width"], 3)

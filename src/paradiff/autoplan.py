@@ -122,28 +122,40 @@ def _is_modulation(owner_name: str, owner: nn.Module) -> bool:
     return "adalayernorm" in kind or "modulation" in kind or owner_name.rsplit(".", 1)[-1].endswith("_mod")
 
 
+def _block_styles(block: nn.Module) -> dict[str, str | Style]:
+    """The styles of one block, by path inside it."""
+    styles: dict[str, str | Style] = {}
+    claimed: set[str] = set()
+    for name, module in block.named_modules():
+        if any(name == c or name.startswith(c + ".") for c in claimed):
+            continue
+        found = _attention_styles(module, name) if hasattr(module, "processor") else _feed_forward_styles(module, name)
+        if found:
+            styles.update({key.lstrip("."): style for key, style in found.items()})
+            claimed.add(name)
+    for name, module in block.named_modules():
+        if not isinstance(module, nn.Linear) or any(name == c or name.startswith(c + ".") for c in claimed):
+            continue
+        owner_name = name.rpartition(".")[0]
+        if owner_name and _is_modulation(owner_name, block.get_submodule(owner_name)):
+            styles[name] = "rowwise_split_input"
+    return styles
+
+
 def auto_tensor_plan(model: nn.Module) -> TensorParallelPlan:
     styles: dict[str, str | Style] = {}
-    for pattern, block in _stack_patterns(model):
-        claimed: set[str] = set()
-        for name, module in block.named_modules():
-            prefix = f"{pattern}.{name}" if name else pattern
-            if any(name == c or name.startswith(c + ".") for c in claimed):
-                continue
-            if hasattr(module, "processor"):
-                found = _attention_styles(module, prefix)
-            else:
-                found = _feed_forward_styles(module, prefix)
-            if found:
-                styles.update(found)
-                claimed.add(name)
-        for name, module in block.named_modules():
-            if not isinstance(module, nn.Linear) or any(name == c or name.startswith(c + ".") for c in claimed):
-                continue
-            owner_name = name.rpartition(".")[0]
-            owner = block.get_submodule(owner_name) if owner_name else block
-            if owner_name and _is_modulation(owner_name, owner):
-                styles[f"{pattern}.{name}"] = "rowwise_split_input"
+    for stack_name, stack in model.named_children():
+        if not isinstance(stack, nn.ModuleList) or not len(stack):
+            continue
+        # blocks of one stack usually share a structure ("stack.*"); where one differs (SD3's last block has no
+        # text output projection) its own entries are named by index
+        per_block = [_block_styles(block) for block in stack]
+        common = {key: style for key, style in per_block[0].items()
+                  if all(other.get(key) == style for other in per_block[1:])}
+        styles.update({f"{stack_name}.*.{key}": style for key, style in common.items()})
+        for index, block_styles in enumerate(per_block):
+            styles.update({f"{stack_name}.{index}.{key}": style for key, style in block_styles.items()
+                           if key not in common})
     if not styles:
         raise PlanError(
             f"The automatic planner found nothing to split in {type(model).__name__}: no attention modules with "

@@ -41,7 +41,8 @@ def coverage_table(markdown: bool = False) -> str:
                 record.get("auto", "-"),
                 "-" if worst is None else f"{worst:.1e}",
             ])
-    header = ["class", "plan file", "TP", "Ulysses", "ring", "unified", "TP x CP", "CFG", "auto plan", "max diff"]
+    header = ["class", "plan file", "TP", "Ulysses", "ring", "unified", "TP x CP", "CFG", "auto TP = built-in",
+              "max diff"]
     when = verified.get("date", "never")
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -50,7 +51,8 @@ def coverage_table(markdown: bool = False) -> str:
         lines.append(f"{len(rows)} classes; verified {when} by `{verified.get('command', 'tools/verify_plans.py')}` "
                      "(relative max difference against single-process, fp32, batch 2, uneven token counts). "
                      "\"plan\": a built-in plan exists but this mode was not verified; CFG parallelism works on "
-                     "every model (it splits the pipeline's two transformer calls).")
+                     "every model (it splits the pipeline's two transformer calls). \"auto TP = built-in\": of the "
+                     "built-in TP plan's entries in the block stacks, how many `plan=\"auto\"` derives identically.")
         return "\n".join(lines)
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths))]

@@ -5,7 +5,9 @@ every worker when one fails; under torchrun (multi-node included) it uses the gi
 
     args.py      the parser and every up-front check of the user's input
     launcher.py  starts and supervises the local workers
+    relay.py     the workers' stderr to the console, without native (C++) backtraces
     worker.py    one rank: process group, pipeline on the mesh, generation
+    outputs.py   what a pipeline returned (images or video frames) and the PNG / MP4 files written for it
     report.py    console lines and report.json
     compare.py   `--compare`: the single-process reference
     bench.py     `paradiff bench`

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import inspect
+import json
 import os
 from pathlib import Path
 
@@ -26,7 +29,8 @@ def _positive(value: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paradiff", description="Parallel diffusion inference with diffusers models.")
     commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="generate images (PNG) and a JSON run report")
+    gen = commands.add_parser("generate", help="generate images (PNG) or videos (MP4 + a PNG per frame) and a JSON "
+                                               "run report")
     gen.add_argument("model", nargs="?", default=None,
                      help="pipeline folder or Hub id; omitted: the embedded tiny FLUX.2 pipeline, trained to draw "
                           "captioned shapes (64x64)")
@@ -43,11 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="denoising steps (default 4; 8 for the embedded pipeline)")
     gen.add_argument("--height", type=_positive, default=64)
     gen.add_argument("--width", type=_positive, default=64)
+    gen.add_argument("--frames", type=_positive, default=None,
+                     help="frames per video (video pipelines only; default: the pipeline's own)")
+    gen.add_argument("--fps", type=_positive, default=16, help="frame rate of the MP4 files")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--guidance-scale", type=float, default=None)
     gen.add_argument("--true-cfg-scale", type=float, default=None)
     gen.add_argument("--dtype", choices=DTYPES, default="float32")
-    gen.add_argument("--out", default="out", help="output folder (PNG files and report.json)")
+    gen.add_argument("--out", default="out", help="output folder (PNG/MP4 files and report.json)")
     gen.add_argument("--compare", action="store_true",
                      help="also run the single-process pipeline for rank 0's images, print the max difference and "
                           "write compare.png (single process | parallel | |difference| amplified)")
@@ -55,6 +62,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--plan", default=None,
                      help="transformer TP plan: 'auto' (derived from its structure) or FILE.py; default built-in")
     gen.add_argument("--cp-plan", default=None, help="transformer CP plan: 'auto' or FILE.py; default built-in")
+    gen.add_argument("--no-parallel-vae", action="store_true",
+                     help="decode the whole image on each rank instead of splitting the VAE's rows across the ranks")
+    gen.add_argument("--stages", action="store_true",
+                     help="staged execution: only the current stage's components hold weights (text encoders, then "
+                          "the transformer, then the VAE); a replica's prompts run as one batch")
+    gen.add_argument("--whole-text-encoders", action="store_true",
+                     help="keep the text encoders whole on every rank instead of splitting them over the mesh")
+    gen.add_argument("--compile", action="store_true",
+                     help="torch.compile the transformer's blocks (paradiff.compile), in every parallel mode")
+    gen.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --compile")
+    gen.add_argument("--cache", default=None, metavar="SPEC",
+                     help="step cache, decisions agreed by all ranks: 'fbc:THRESHOLD' (first-block cache, e.g. "
+                          "fbc:0.08) or 'taylorseer:INTERVAL[:WARMUP]' (e.g. taylorseer:3:2)")
     bench = commands.add_parser("bench", help="time a list of configurations on one model")
     bench.add_argument("model", nargs="?", default=None)
     bench.add_argument("--configs", default="single,tp=2,ulysses=2,ring=2",
@@ -62,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=_positive, default=4)
     bench.add_argument("--height", type=_positive, default=64)
     bench.add_argument("--width", type=_positive, default=64)
+    bench.add_argument("--frames", type=_positive, default=None, help="frames per video (video pipelines only)")
     bench.add_argument("--out", default="out/bench")
     check = commands.add_parser("check-plan", help="run a plan single-process vs parallel, module by module")
     check.add_argument("model", help="a diffusers class name (its built-in example) or a checkpoint folder")
@@ -100,6 +121,29 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
+def cache_config(spec: str):
+    """The diffusers cache config for a --cache SPEC, or a CliError saying what a valid SPEC looks like."""
+    usage = "use fbc:THRESHOLD (a number > 0, e.g. fbc:0.08) or taylorseer:INTERVAL[:WARMUP] (integers >= 1)"
+    kind, _, rest = spec.partition(":")
+    values = rest.split(":") if rest else []
+    try:
+        if kind == "fbc" and len(values) == 1 and float(values[0]) > 0:
+            from diffusers import FirstBlockCacheConfig
+
+            return FirstBlockCacheConfig(threshold=float(values[0]))
+        if kind == "taylorseer" and 1 <= len(values) <= 2 and all(int(v) >= 1 for v in values):
+            import torch
+            from diffusers import TaylorSeerCacheConfig
+
+            interval = int(values[0])
+            warmup = int(values[1]) if len(values) == 2 else 3
+            return TaylorSeerCacheConfig(cache_interval=interval, disable_cache_before_step=warmup,
+                                         taylor_factors_dtype=torch.float32)
+    except ValueError:
+        pass
+    raise CliError(f"--cache {spec}: {usage}")
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Everything a user can get wrong, checked before any process starts or any weight is read; also fills in the
     defaults that depend on the model (the launcher and every worker run this)."""
@@ -107,6 +151,8 @@ def check_args(args: argparse.Namespace) -> None:
         from ..demo import DEFAULT_STEPS
 
         args.steps = DEFAULT_STEPS if args.model is None else 4
+    if args.cache is not None:
+        cache_config(args.cache)
     if args.model is not None:
         path = Path(args.model)
         if (path.exists() or args.model.startswith((".", "/"))) and not (path / "model_index.json").is_file():
@@ -115,6 +161,7 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, value in (("--plan", args.plan), ("--cp-plan", args.cp_plan)):
         if value not in (None, "auto") and not Path(value).is_file():
             raise CliError(f"{flag} {value}: expected 'auto' or a plan file (FILE.py); no such file")
+    _check_video(args)
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -132,3 +179,34 @@ def check_args(args: argparse.Namespace) -> None:
     world = world_size_of(args)
     if torch.cuda.is_available() and "RANK" not in os.environ and world > torch.cuda.device_count():
         raise CliError(f"{world} processes requested but only {torch.cuda.device_count()} GPU(s) are visible")
+
+
+def _check_video(args: argparse.Namespace) -> None:
+    """--frames needs a video pipeline, and a video pipeline needs PyAV to write MP4 files."""
+    if args.frames is not None and args.model is None:
+        raise CliError("--frames needs a video pipeline; the embedded default pipeline makes images")
+    has_av = importlib.util.find_spec("av") is not None
+    if args.frames is None and has_av:
+        return
+    makes_video = _makes_video(args.model)
+    if args.frames is not None and makes_video is False:
+        raise CliError(f"--frames needs a video pipeline, but {args.model} makes images (its pipeline's __call__ "
+                       "takes no num_frames)")
+    if makes_video and not has_av:
+        raise CliError(f"{args.model} makes videos, which are written with PyAV: pip install 'paradiff[video]'")
+
+
+def _makes_video(model: str | None) -> bool | None:
+    """Whether the pipeline in folder `model` makes videos (its __call__ takes `num_frames`), read from its
+    model_index.json before any weight; None when unknown (a Hub id, a custom pipeline class)."""
+    if model is None:
+        return False
+    index = Path(model) / "model_index.json"
+    if not index.is_file():
+        return None
+    import diffusers
+
+    pipeline_class = getattr(diffusers, str(json.loads(index.read_text()).get("_class_name")), None)
+    if pipeline_class is None:
+        return None
+    return "num_frames" in inspect.signature(pipeline_class.__call__).parameters

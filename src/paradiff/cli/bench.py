@@ -26,6 +26,8 @@ def bench(args: argparse.Namespace, generate: Callable[[list[str]], int]) -> int
             "--steps", str(args.steps), "--height", str(args.height), "--width", str(args.width), "--out", str(out)]
         for key, value in degrees.items():
             argv += [f"--{key}", str(value)]
+        if args.frames is not None:
+            argv += ["--frames", str(args.frames)]
         if generate(argv):
             rows.append((spec, "failed", "failed", "failed"))
             continue

@@ -1,5 +1,5 @@
 """`--compare`: the same generations by diffusers' own pipeline in this one process, as the reference, and a
-picture of both with their difference."""
+picture of both with their difference (compare.png)."""
 
 from __future__ import annotations
 
@@ -8,21 +8,46 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .outputs import first_output
+
 # |difference| x AMPLIFY in compare.png: one level of 255 becomes a clearly visible grey, exact equality is black.
 AMPLIFY = 50
 
 
-def single_process_images(model: str, dtype: torch.dtype, kwargs: dict, seed: int,
-                          outputs: list[tuple[int, str, np.ndarray]]) -> list[np.ndarray]:
-    """diffusers' single-process image for each (index, prompt, parallel image) of `outputs`, prompt i with the
-    seed `seed + i` as in the parallel run."""
+def compare_single_process(model: str, dtype: torch.dtype, kwargs: dict, seed: int,
+                           made: list[tuple[int, str, np.ndarray]], cache=None) -> tuple[dict, list[np.ndarray]]:
+    """Differences between each (index, prompt, image or video) of `made` and diffusers' single-process result for
+    that prompt (seed `seed + index`, as in the parallel run), with the same step cache (`cache`, a diffusers cache
+    config) when one is given.
+
+    Returns ({"max_abs_diff": float over all of them, "compared": count} and, for videos, "max_abs_diff_per_frame"
+    (every frame is compared), the single-process outputs in the order of `made`).
+    """
     from diffusers import DiffusionPipeline
+
+    import paradiff
 
     reference = DiffusionPipeline.from_pretrained(model, dtype=dtype)
     reference.set_progress_bar_config(disable=True)
-    return [np.asarray(reference(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed + index),
-                                 **kwargs).images[0])
-            for index, prompt, _ in outputs]
+    if cache is not None:
+        paradiff.enable_cache(reference.transformer, cache)  # one process: no reduction, the same decisions
+    expected_outputs, worst, per_frame = [], 0.0, None
+    for index, prompt, array in made:
+        result = reference(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed + index), **kwargs)
+        kind, expected = first_output(result)
+        if expected.shape != array.shape:
+            raise RuntimeError(f"--compare: the single-process {kind} has shape {expected.shape}, the parallel one "
+                               f"{array.shape}")
+        difference = np.abs(expected.astype(np.float64) - array.astype(np.float64))
+        worst = max(worst, float(difference.max()))
+        if kind == "video":
+            frames = [float(frame.max()) for frame in difference]
+            per_frame = frames if per_frame is None else [max(a, b) for a, b in zip(per_frame, frames)]
+        expected_outputs.append(expected)
+    summary = {"max_abs_diff": worst, "compared": len(made)}
+    if per_frame is not None:
+        summary["max_abs_diff_per_frame"] = per_frame
+    return summary, expected_outputs
 
 
 def write_compare_png(path: Path, pairs: list[tuple[np.ndarray, np.ndarray]], scale: int = 3) -> None:
@@ -44,7 +69,8 @@ def write_compare_png(path: Path, pairs: list[tuple[np.ndarray, np.ndarray]], sc
     blank = np.full_like(triples[0], 255)
     triples += [blank] * (rows_per_column * columns - len(triples))
     gap = np.full((2, triples[0].shape[1], 3), 255, np.uint8)
-    column_images = [np.concatenate([np.concatenate([t, gap]) for t in triples[c * rows_per_column:(c + 1) * rows_per_column]])
+    column_images = [np.concatenate([np.concatenate([t, gap]) for t in triples[c * rows_per_column:
+                                                                                (c + 1) * rows_per_column]])
                      for c in range(columns)]
     grid = np.concatenate(column_images, axis=1)
     image = Image.fromarray(grid).resize((grid.shape[1] * scale, grid.shape[0] * scale), Image.NEAREST)

@@ -15,33 +15,79 @@ def say(line: str) -> None:
 
 
 def write_report(args: argparse.Namespace, out: Path, model: str, prompts: list[str], run: dict,
-                 gathered: list[dict], compare: float | None, compared: int = 0) -> dict:
-    """Write report.json from every rank's statistics (`gathered`) and print the summary lines; returns the report."""
+                 gathered: list[dict], compare: dict | None) -> dict:
+    """Write report.json from every rank's statistics (`gathered`) and print the summary lines; returns the report.
+
+    `outputs` maps each prompt's index to what was written for it: kind ("image" or "video"), frame count, the PNG
+    or MP4 path and, for a video, every frame's PNG. `images` (index -> PNG) lists the image outputs alone.
+    """
     import numpy as np
 
+    # keyed by the prompt's index as a string, as JSON has it
+    outputs = {str(index): entry for index, entry in sorted(
+        (int(index), entry) for stats in gathered for index, entry in stats["outputs"].items())}
     report = {
         "model": model,
         "config": {"tp": args.tp, "ulysses": args.ulysses, "ring": args.ring, "cfg": args.cfg, "dp": args.dp,
-                   **run},
+                   "stages": args.stages, "whole_text_encoders": args.whole_text_encoders, **run},
         "resolution": [args.height, args.width],
+        "frames": args.frames,
         "steps": args.steps,
         "dtype": args.dtype,
         "seed": args.seed,
         "prompts": prompts,
         "ranks": gathered,
-        "images": {k: v for s in gathered for k, v in s["images"].items()},
+        "outputs": outputs,
+        "images": {index: entry["path"] for index, entry in outputs.items() if entry["kind"] == "image"},
     }
     if compare is not None:
-        report["max_abs_diff_vs_single_process"] = compare
+        report["max_abs_diff_vs_single_process"] = compare["max_abs_diff"]
+        report["compared_outputs"] = compare["compared"]
+        if compare.get("picture"):
+            report["compare_png"] = compare["picture"]
+        if "max_abs_diff_per_frame" in compare:
+            report["max_abs_diff_per_frame_vs_single_process"] = compare["max_abs_diff_per_frame"]
+    report["compile"] = bool(getattr(args, "compile", False))
+    if getattr(args, "cache", None):
+        # the ranks of one forward agree by construction; under CFG parallelism each half holds one context
+        per_image: dict[str, dict[str, list[int]]] = {}
+        for stats in gathered:
+            for index, contexts in stats.get("cache_computed_steps", {}).items():
+                per_image.setdefault(str(index), {}).update(contexts)
+        report["cache"] = {"spec": args.cache, "computed_steps": per_image}
     (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
     steps = [s["step_s_median"] for s in gathered if s["step_s_median"] is not None]
     load_s = gathered[0]["load_s"]
-    print(f"paradiff: {len(report['images'])} image(s) in {out}; load {load_s:.2f} s; "
+    videos = [entry for entry in outputs.values() if entry["kind"] == "video"]
+    made = f"{len(videos)} video(s) ({sum(v['frames'] for v in videos)} frames)" if videos else ""
+    if len(outputs) > len(videos):
+        made += (" and " if made else "") + f"{len(outputs) - len(videos)} image(s)"
+    print(f"paradiff: {made} in {out}; load {load_s:.2f} s; "
           f"median step {np.median(steps):.3f} s; world {run['world_size']} "
           f"(tp={args.tp} ulysses={args.ulysses} ring={args.ring} cfg={args.cfg} dp={args.dp})")
-    for index, path in sorted(report["images"].items()):
-        print(f"paradiff:   {Path(path).name}  {prompts[int(index)]}")
+    for index, entry in outputs.items():
+        print(f"paradiff:   {Path(entry['path']).name}  {prompts[int(index)]}")
     if compare is not None:
-        print(f"paradiff: max |difference| to the single-process image: {compare:.2e} "
-              f"({compare * 255:.2g} of a 255 level, over {compared} image(s)); side by side in {out / 'compare.png'}")
+        what = "video (every frame)" if "max_abs_diff_per_frame" in compare else "image"
+        worst = compare["max_abs_diff"]
+        picture = f"; side by side in {compare['picture']}" if compare.get("picture") else ""
+        print(f"paradiff: max |difference| to the single-process {what}: {worst:.2e} ({worst * 255:.2g} of a 255 "
+              f"level, over {compare['compared']} output(s) of rank 0){picture}")
+    for index, contexts in report.get("cache", {}).get("computed_steps", {}).items():
+        for context, computed in sorted(contexts.items()):
+            print(f"paradiff: cache {args.cache}: output {int(index):04d} ({context}) computed steps {computed}, "
+                  f"{len(computed)} of {args.steps}")
+    print(stage_table(gathered, run.get("device", "cpu")))
     return report
+
+
+def stage_table(gathered: list[dict], device: str) -> str:
+    """Per rank and stage: load and run time, peak memory, parameter bytes held (report.json's `stages`)."""
+    peak = "CUDA max allocated" if device == "cuda" else "peak RssAnon"
+    lines = [f"paradiff: per-stage figures (peak: {peak})",
+             f"{'rank':>4}  {'stage':<14}{'load s':>8}{'run s':>8}{'peak MiB':>10}{'params MiB':>12}"]
+    for stats in gathered:
+        for stage in stats.get("stages", []):
+            lines.append(f"{stats['rank']:>4}  {stage['stage']:<14}{stage['load_s']:>8.2f}{stage['run_s']:>8.2f}"
+                         f"{stage['peak_bytes'] / 2**20:>10.1f}{stage['parameter_bytes'] / 2**20:>12.2f}")
+    return "\n".join(lines)

@@ -19,9 +19,11 @@ import paradiff
 
 from ..comm import all_gather_object
 from ..mesh import default_device
-from .args import read_prompts
-from .compare import single_process_images, write_compare_png
+from ..vae import get_vae_runtime
+from .args import cache_config, read_prompts
+from .compare import compare_single_process, write_compare_png
 from .embedded import embedded_call_kwargs, embedded_default
+from .outputs import outputs_of, save_output
 from .report import write_report
 
 # Called with (pipeline, rank) once the pipeline is loaded, before the first generation.
@@ -37,7 +39,7 @@ def run_worker(args: argparse.Namespace, on_pipeline_loaded: PipelineHook | None
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
     try:
-        _generate(args, device, on_pipeline_loaded)
+        generate(args, device, on_pipeline_loaded)
     finally:
         dist.destroy_process_group()
 
@@ -58,14 +60,16 @@ def call_kwargs(args: argparse.Namespace) -> dict:
         kwargs["true_cfg_scale"] = args.true_cfg_scale
     if args.negative_prompt is not None:
         kwargs["negative_prompt"] = args.negative_prompt
+    if args.frames is not None:
+        kwargs["num_frames"] = args.frames
     if args.model is None:
         kwargs.update(embedded_call_kwargs())
     return kwargs
 
 
-def _generate(args: argparse.Namespace, device: torch.device, on_pipeline_loaded: PipelineHook | None) -> None:
-    from PIL import Image
-
+def generate(args: argparse.Namespace, device: torch.device,
+             on_pipeline_loaded: PipelineHook | None = None) -> dict | None:
+    """`paradiff generate` on this rank, in the initialised default process group; the report on rank 0."""
     rank = dist.get_rank()
     if rank != 0 or not _console_is_terminal():
         _quiet_libraries()
@@ -74,53 +78,76 @@ def _generate(args: argparse.Namespace, device: torch.device, on_pipeline_loaded
     start = time.perf_counter()
     pipeline = paradiff.load_pipeline(model, parallel_config=parallel_config(args), torch_dtype=dtype, device=device,
                                       plan=_plan_argument(args.plan, "tensor"),
-                                      cp_plan=_plan_argument(args.cp_plan, "context"))
+                                      cp_plan=_plan_argument(args.cp_plan, "context"),
+                                      parallel_vae=False if args.no_parallel_vae else None,
+                                      stages=args.stages, shard_text_encoders=not args.whole_text_encoders)
     load_s = time.perf_counter() - start
+    if args.compile:
+        paradiff.compile(pipeline.transformer, backend=args.compile_backend)
+    monitor = paradiff.enable_cache(pipeline.transformer, cache_config(args.cache)) if args.cache else None
     pipeline.set_progress_bar_config(disable=rank != 0 or not _console_is_terminal())
     if on_pipeline_loaded is not None:
         on_pipeline_loaded(pipeline, rank)
     prompts = read_prompts(args)
     indexed = list(enumerate(prompts))
     step_times: list[float] = []
-    images: dict[int, str] = {}
+    outputs: dict[int, dict] = {}
     out = Path(args.out)
     kwargs = call_kwargs(args)
-    made: list[tuple[int, str, np.ndarray]] = []
+    made: list[tuple[int, str, np.ndarray]] = []  # rank 0's outputs, for --compare
+    computed_steps: dict[int, dict[str, list[int]]] = {}  # prompt index -> cache context -> steps computed
     with paradiff.split_between_processes(indexed, pipeline) as share:
-        for index, prompt in share:
+        # staged: the replica's prompts form one batch (each with its own seed), so each stage loads once
+        batches = [list(share)] if args.stages and share else [[item] for item in share]
+        for batch in batches:
             stamps = [time.perf_counter()]
 
             def on_step(_pipe, _step, _timestep, callback_kwargs):
                 stamps.append(time.perf_counter())
                 return callback_kwargs
 
-            result = pipeline(prompt=prompt, seed=args.seed + index, callback_on_step_end=on_step, **kwargs)
+            if args.stages:
+                generators = [torch.Generator("cpu").manual_seed(args.seed + index) for index, _ in batch]
+                result = pipeline(prompt=[prompt for _, prompt in batch], generator=generators,
+                                  callback_on_step_end=on_step, **kwargs)
+            else:
+                (index, prompt), = batch
+                result = pipeline(prompt=prompt, seed=args.seed + index, callback_on_step_end=on_step, **kwargs)
             step_times += [b - a for a, b in zip(stamps, stamps[1:])]
-            array = np.asarray(result.images[0])
-            if args.compare and rank == 0:
-                made.append((index, prompt, array))
-            if pipeline.is_output_rank:
-                path = out / f"{index:04d}.png"
-                Image.fromarray((np.clip(array, 0, 1) * 255).round().astype("uint8")).save(path)
-                images[index] = str(path)
+            if monitor is not None:
+                contexts = sorted({decision.context for decision in monitor.decisions})
+                for index, _ in batch:
+                    computed_steps[index] = {context: monitor.computed_steps(context) for context in contexts}
+                monitor.clear()
+            for (index, prompt), (kind, array) in zip(batch, outputs_of(result)):
+                if args.compare and rank == 0:
+                    made.append((index, prompt, array))
+                if pipeline.is_output_rank:
+                    outputs[index] = {"prompt": prompt, **save_output(kind, array, out, index, args.fps)}
     stats = {
         "rank": rank,
         "load_s": load_s,
         "step_s_median": float(np.median(step_times)) if step_times else None,
         "peak_memory_bytes": _peak_memory_bytes(device),
-        "images": images,
+        "outputs": outputs,
+        "stages": pipeline.stage_report(),
+        "cache_computed_steps": computed_steps,
     }
     gathered = all_gather_object(stats)
     if rank == 0:
         # after the last collective: the other ranks are done while rank 0 runs the references
         compare = None
-        if args.compare and made:
-            references = single_process_images(model, dtype, kwargs, args.seed, made)
-            compare = max(float(np.abs(reference - array).max()) for reference, (_, _, array) in zip(references, made))
-            write_compare_png(out / "compare.png", [(reference, array) for reference, (_, _, array)
-                                                    in zip(references, made)])
-        run = {"world_size": dist.get_world_size(), "backend": dist.get_backend(), "device": device.type}
-        write_report(args, out, model, read_prompts(args), run, gathered, compare, compared=len(made))
+        if made:
+            compare, references = compare_single_process(model, dtype, kwargs, args.seed, made,
+                                                         cache=cache_config(args.cache) if args.cache else None)
+            if all(array.ndim == 3 for _, _, array in made):  # images (a video's frames: one more axis)
+                compare["picture"] = str(out / "compare.png")
+                write_compare_png(out / "compare.png", [(reference, array) for reference, (_, _, array)
+                                                        in zip(references, made)])
+        run = {"world_size": dist.get_world_size(), "backend": dist.get_backend(), "device": device.type,
+               "parallel_vae": get_vae_runtime(pipeline.vae) is not None if hasattr(pipeline, "vae") else False}
+        return write_report(args, out, model, prompts, run, gathered, compare)
+    return None
 
 
 def _peak_memory_bytes(device: torch.device) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -13,18 +13,23 @@ from ..comm import all_gather_int, all_gather_uneven
 from ..errors import PlanError
 from ..state import ParallelState
 from ..tensor_parallel.plan import expand_key
-from .attention import local_chunk
-from .plan import ContextParallelPlan, Split
+from .attention import even_sizes, local_chunk
+from .grid import check_halo_conv, grid_layout, halo_conv_hooks, split_grid
+from .linear import LinearAttentionProcessor
+from .plan import ContextParallelPlan, Count, GridSplit, Split
 from .runtime import AttentionInterceptor, ContextParallelRuntime, require_native_processors
 
 
 @dataclass
 class ResolvedContextPlan:
-    split_inputs: dict[str, dict[str, Split]]
+    split_inputs: dict[str, dict[str, Split | dict]]
     split_outputs: dict[str, dict[int, Split]]
-    gather_outputs: dict[str, int]
+    gather_outputs: dict[str, int | dict[int, int]]
     local_attention: set[str]
     split_token_arguments: dict[str, tuple[str, ...]]
+    unsupported_inputs: dict[str, dict[str, str]]
+    halo_convs: list[str] = field(default_factory=list)
+    linear_attention: list[str] = field(default_factory=list)
 
 
 def _expand(model: nn.Module, entries: dict[str, Any], what: str) -> dict[str, Any]:
@@ -52,30 +57,68 @@ def resolve_cp_plan(model: nn.Module, plan: ContextParallelPlan) -> ResolvedCont
     for name, arguments in split_inputs.items():
         module = model.get_submodule(name) if name else model
         parameters = inspect.signature(module.forward).parameters
-        for argument in arguments:
+        for argument, split in arguments.items():
             if argument not in parameters:
                 raise PlanError(f"Context-parallel plan splits argument {argument!r} of {name or 'the model'}, whose "
                                 f"forward takes {list(parameters)}.")
+            missing = [size for size in getattr(split, "sizes", ()) if size not in parameters]
+            if missing:
+                raise PlanError(f"Context-parallel plan's GridSplit at {name or 'the model'} names size arguments "
+                                f"{missing}, but its forward takes {list(parameters)}.")
     local = set()
     for key in plan.local_attention:
         local.update(expand_key(model, key))
+    halo_convs = [name for key in plan.halo_convs for name in expand_key(model, key)]
+    for name in halo_convs:
+        check_halo_conv(_submodule(model, name, "halo_convs"), name)
+    linear = [name for key in plan.linear_attention for name in expand_key(model, key)]
+    for name in linear:
+        if not hasattr(_submodule(model, name, "linear_attention"), "processor"):
+            raise PlanError(f"Context-parallel plan lists {name!r} as linear attention, but it is not an attention "
+                            "module (it has no processor).")
     return ResolvedContextPlan(
         split_inputs=split_inputs,
         split_outputs=_expand(model, plan.split_outputs, "split_outputs"),
         gather_outputs=_expand(model, plan.gather_outputs, "gather_outputs"),
         local_attention=local,
         split_token_arguments=_expand(model, plan.split_token_arguments, "split_token_arguments"),
+        unsupported_inputs=_expand(model, plan.unsupported_inputs, "unsupported_inputs"),
+        halo_convs=halo_convs,
+        linear_attention=linear,
     )
 
 
-def _split(value: Any, split: Split, runtime: ContextParallelRuntime, what: str) -> Any:
+def _submodule(model: nn.Module, name: str, what: str) -> nn.Module:
+    try:
+        return model.get_submodule(name)
+    except AttributeError as exc:
+        raise PlanError(f"Context-parallel plan ({what}) names {name!r}, not a submodule of "
+                        f"{type(model).__name__}.") from exc
+
+
+def _split(value: Any, split: Split | dict, runtime: ContextParallelRuntime, what: str) -> Any:
+    if isinstance(split, dict):  # {item index: Split or nested dict}: only those items of a tuple argument
+        items = list(value)
+        for index, item_split in split.items():
+            items[index] = _split(items[index], item_split, runtime, f"{what}[{index}]")
+        return type(value)(items) if isinstance(value, tuple) else items
     if isinstance(value, (tuple, list)):  # e.g. (cos, sin) rotary tables
-        return type(value)(_split(item, split, runtime, what) for item in value)
+        return type(value)(_split(item, split, runtime, f"{what}[{index}]") for index, item in enumerate(value))
     if isinstance(value, dict):  # e.g. AnyFlow's {"query": freqs, "key": freqs}
         return {key: _split(item, split, runtime, f"{what}[{key!r}]") for key, item in value.items()}
     if not torch.is_tensor(value) or (split.ndim is not None and value.dim() != split.ndim):
         return value
     dim = split.dim % value.dim()
+    if split.like is not None:
+        layout = runtime.grid_layouts.get(split.like)
+        if layout is None:
+            raise ValueError(f"{what}: Split(like={split.like!r}) follows the GridSplit of {split.like!r}, which the "
+                             "plan has not applied before this module.")
+        return split_grid(value, GridSplit(dim=dim), layout, runtime.cp_rank)
+    if split.within is not None:
+        return _split_within(value, dim, split.within, runtime, what)
+    if split.parts:
+        return _split_parts(value, dim, split.parts, runtime, what)
     if value.shape[dim] < runtime.cp_size:
         # diffusers' blocks cannot run on an empty token block (their reshapes fail), so every rank needs one.
         # Every rank sees the same full length, so all of them raise here, before any collective of this forward.
@@ -83,31 +126,108 @@ def _split(value: Any, split: Split, runtime: ContextParallelRuntime, what: str)
             f"{what} has {value.shape[dim]} tokens along dim {dim}, fewer than the {runtime.cp_size} context-parallel "
             f"ranks; each rank needs at least one token. Use a longer sequence or fewer CP ranks."
         )
-    return local_chunk(value, dim, runtime.cp_rank, runtime.cp_size)
+    # contiguous: a compiled block guards on its inputs' strides, and the first block would otherwise see a strided
+    # view of the full tensor while the others see dense tensors (one extra compilation)
+    return local_chunk(value, dim, runtime.cp_rank, runtime.cp_size).contiguous()
+
+
+def _split_within(value: torch.Tensor, dim: int, stream: str, runtime: ContextParallelRuntime, what: str):
+    tokens = runtime.full_tokens.get(stream)
+    if tokens is None or value.shape[dim] % tokens != 0:
+        raise ValueError(
+            f"{what}: Split(within={stream!r}) needs dim {dim} (size {value.shape[dim]}) to be a multiple of the full "
+            f"length of {stream!r} ({tokens}, known once the plan splits {stream!r})."
+        )
+    grouped = value.unflatten(dim, (value.shape[dim] // tokens, tokens))
+    return local_chunk(grouped, dim + 1, runtime.cp_rank, runtime.cp_size).flatten(dim, dim + 1)
+
+
+def _split_parts(value: torch.Tensor, dim: int, parts: tuple[str, ...], runtime: ContextParallelRuntime,
+                 what: str) -> torch.Tensor:
+    missing = [part for part in parts if part not in runtime.full_tokens]
+    if missing:
+        raise PlanError(f"{what} is split by parts {parts}, but the plan splits no {missing} before it; name token "
+                        f"streams split in split_inputs ({sorted(runtime.full_tokens)} are).")
+    lengths = [runtime.full_tokens[part] for part in parts]
+    if sum(lengths) != value.shape[dim]:
+        raise ValueError(f"{what} has {value.shape[dim]} entries along dim {dim}, but its parts {parts} have "
+                         f"{lengths} tokens (sum {sum(lengths)}).")
+    starts = [sum(lengths[:index]) for index in range(len(lengths))]
+    return torch.cat([local_chunk(value.narrow(dim, start, length), dim, runtime.cp_rank, runtime.cp_size)
+                      for start, length in zip(starts, lengths)], dim=dim)
+
+
+def _local_count(count: Count, value: Any, runtime: ContextParallelRuntime, what: str) -> Any:
+    """How many of the first (last) `value` tokens of the split stream lie in this rank's chunk."""
+    full = runtime.full_tokens.get(count.of)
+    if full is None:
+        raise ValueError(f"{what} counts tokens of {count.of!r}, which the plan does not split before it.")
+    if not isinstance(value, int) or not 0 <= value <= full:
+        raise ValueError(f"{what}={value!r} should count tokens of {count.of!r}, an int from 0 to {full}.")
+    sizes = even_sizes(full, runtime.cp_size)
+    start = sum(sizes[: runtime.cp_rank])
+    end = start + sizes[runtime.cp_rank]
+    first, last = (full - value, full) if count.tail else (0, value)
+    return max(0, min(end, last) - max(start, first))
 
 
 TOKEN_STREAMS = ("encoder_hidden_states", "hidden_states")  # joint sequences put the text first
 
 
-def _input_splitter(module: nn.Module, arguments: dict[str, Split], runtime: ContextParallelRuntime):
+def _input_splitter(module: nn.Module, arguments: dict[str, Split | Count | dict],
+                    runtime: ContextParallelRuntime):
     positions = {name: index for index, name in enumerate(inspect.signature(module.forward).parameters)}
 
     def hook(_module, args, kwargs):
         args = list(args)
-        for name, split in arguments.items():
-            if name in kwargs:
-                value = kwargs[name]
-                kwargs[name] = _split(value, split, runtime, name)
-            elif positions[name] < len(args):
-                value = args[positions[name]]
-                args[positions[name]] = _split(value, split, runtime, name)
-            else:
+        given = {name: kwargs[name] if name in kwargs else args[positions[name]] for name in arguments
+                 if name in kwargs or positions[name] < len(args)}
+        for name, value in given.items():  # first, so arguments split by parts see this call's stream lengths
+            if name in TOKEN_STREAMS and torch.is_tensor(value) and isinstance(arguments[name], Split):
+                runtime.full_tokens[name] = value.shape[arguments[name].dim % value.dim()]
+        _split_grids(arguments, positions, args, kwargs, runtime)
+        for name, value in given.items():
+            split = arguments[name]
+            if isinstance(split, GridSplit):
                 continue
-            if name in TOKEN_STREAMS and torch.is_tensor(value):
-                runtime.full_tokens[name] = value.shape[split.dim % value.dim()]
+            local = (_local_count(split, value, runtime, name) if isinstance(split, Count)
+                     else _split(value, split, runtime, name))
+            if name in kwargs:
+                kwargs[name] = local
+            else:
+                args[positions[name]] = local
         return tuple(args), kwargs
 
     return hook
+
+
+def _split_grids(arguments: dict, positions: dict[str, int], args: list, kwargs: dict,
+                 runtime: ContextParallelRuntime) -> None:
+    """Apply a module's GridSplits (in place on args / kwargs): its tensors, then its first size argument."""
+    def get(name):
+        return kwargs[name] if name in kwargs else (args[positions[name]] if positions[name] < len(args) else None)
+
+    def put(name, value):
+        if name in kwargs or positions[name] >= len(args):
+            kwargs[name] = value
+        else:
+            args[positions[name]] = value
+
+    rewrites = {}
+    for name, split in arguments.items():
+        if not isinstance(split, GridSplit):
+            continue
+        sizes = [get(size) for size in split.sizes]
+        if not all(isinstance(size, int) for size in sizes):
+            raise ValueError(f"GridSplit of {name!r} needs integer size arguments {split.sizes}, got {sizes}.")
+        full, chunks, local = grid_layout(sizes, runtime, name)
+        put(name, split_grid(get(name), split, (full, chunks), runtime.cp_rank))
+        if name in TOKEN_STREAMS:
+            runtime.grid_layouts[name] = (full, chunks)
+            runtime.full_tokens[name] = full
+        rewrites[split.sizes[0]] = local
+    for size, local in rewrites.items():
+        put(size, local)
 
 
 def _token_split(value: Any, runtime: ContextParallelRuntime, what: str) -> Any:
@@ -145,6 +265,22 @@ def _token_argument_splitter(module: nn.Module, arguments: tuple[str, ...], runt
     return hook
 
 
+def _input_refuser(module: nn.Module, arguments: dict[str, str], name: str):
+    positions = {arg: index for index, arg in enumerate(inspect.signature(module.forward).parameters)}
+
+    def hook(_module, args, kwargs):
+        for entry, why in arguments.items():
+            arg, _, key = entry.partition(".")  # "argument.key": one key of a dict argument (e.g. attention kwargs)
+            value = kwargs.get(arg, args[positions[arg]] if positions.get(arg, len(args)) < len(args) else None)
+            if key:
+                value = value.get(key) if isinstance(value, dict) else None
+            if value is not None:
+                raise ValueError(f"{name or type(module).__name__}: {entry!r} is not supported under context "
+                                 f"parallelism: {why}")
+
+    return hook
+
+
 def _output_splitter(name: str, outputs: dict[int, Split], runtime: ContextParallelRuntime):
     def hook(_module, _args, output):
         if torch.is_tensor(output):
@@ -157,11 +293,20 @@ def _output_splitter(name: str, outputs: dict[int, Split], runtime: ContextParal
     return hook
 
 
-def _output_gatherer(dim: int, runtime: ContextParallelRuntime):
+def _gather(tensor: torch.Tensor, dim: int, runtime: ContextParallelRuntime) -> torch.Tensor:
+    gather_dim = dim % tensor.dim()
+    sizes = all_gather_int(tensor.shape[gather_dim], runtime.cp_group, tensor.device)
+    return all_gather_uneven(tensor, gather_dim, sizes, runtime.cp_group, runtime.stats)
+
+
+def _output_gatherer(dims: int | dict[int, int], runtime: ContextParallelRuntime):
     def hook(_module, _args, output):
-        gather_dim = dim % output.dim()
-        sizes = all_gather_int(output.shape[gather_dim], runtime.cp_group, output.device)
-        return all_gather_uneven(output, gather_dim, sizes, runtime.cp_group, runtime.stats)
+        if isinstance(dims, int):
+            return _gather(output, dims, runtime)
+        items = list(output)
+        for index, dim in dims.items():
+            items[index] = _gather(items[index], dim, runtime)
+        return type(output)(items) if isinstance(output, tuple) else items
 
     return hook
 
@@ -174,6 +319,21 @@ def _interceptor_hooks(interceptor: AttentionInterceptor):
         interceptor.__exit__(None, None, None)
 
     return enter, leave
+
+
+def _leftover_interceptor_remover(interceptors: list[AttentionInterceptor]):
+    """After the model's forward, even a failed one: leave interceptors an exception inside attention left entered.
+
+    The attention modules' own exit hooks are plain forward hooks, skipped on an exception: hooks registered with
+    always_call inside a compiled block make Dynamo guard on each module's hook ids, recompiling every block.
+    """
+
+    def hook(_module, _args, _output):
+        stack = torch.overrides._get_current_function_mode_stack()
+        while stack and any(stack[-1] is interceptor for interceptor in interceptors):
+            stack.pop().__exit__(None, None, None)
+
+    return hook
 
 
 def apply_context_parallel(model: nn.Module, state: ParallelState, plan: ResolvedContextPlan) -> ContextParallelRuntime:
@@ -189,19 +349,33 @@ def apply_context_parallel(model: nn.Module, state: ParallelState, plan: Resolve
     for name, arguments in plan.split_inputs.items():
         module = model.get_submodule(name) if name else model
         handles.append(module.register_forward_pre_hook(_input_splitter(module, arguments, runtime), with_kwargs=True))
+    for name, arguments in plan.unsupported_inputs.items():
+        module = model.get_submodule(name) if name else model
+        handles.append(module.register_forward_pre_hook(_input_refuser(module, arguments, name), with_kwargs=True))
     for name, arguments in plan.split_token_arguments.items():
         module = model.get_submodule(name)
         handles.append(module.register_forward_pre_hook(
             _token_argument_splitter(module, arguments, runtime, name), with_kwargs=True))
     for name, outputs in plan.split_outputs.items():
         handles.append(model.get_submodule(name).register_forward_hook(_output_splitter(name, outputs, runtime)))
-    for name, dim in plan.gather_outputs.items():
-        handles.append(model.get_submodule(name).register_forward_hook(_output_gatherer(dim, runtime)))
+    for name, dims in plan.gather_outputs.items():
+        handles.append(model.get_submodule(name).register_forward_hook(_output_gatherer(dims, runtime)))
+    for name in plan.halo_convs:
+        widen, trim = halo_conv_hooks(model.get_submodule(name), name, runtime)
+        handles.append(model.get_submodule(name).register_forward_pre_hook(widen))
+        handles.append(model.get_submodule(name).register_forward_hook(trim))
+    for name in plan.linear_attention:
+        model.get_submodule(name).processor = LinearAttentionProcessor(runtime)
+    # One interceptor per kind, shared by every attention module: compiled blocks guard on the active mode's
+    # identity, so a mode object per module would recompile every block.
+    interceptors = {local: AttentionInterceptor(runtime, local=local) for local in (False, True)}
     for name, module in model.named_modules():
         if hasattr(module, "processor"):
-            enter, leave = _interceptor_hooks(AttentionInterceptor(runtime, local=name in plan.local_attention))
+            enter, leave = _interceptor_hooks(interceptors[name in plan.local_attention])
             handles.append(module.register_forward_pre_hook(enter))
-            handles.append(module.register_forward_hook(leave, always_call=True))
+            handles.append(module.register_forward_hook(leave))
+    handles.append(model.register_forward_hook(_leftover_interceptor_remover(list(interceptors.values())),
+                                               always_call=True))
     state.context = runtime
     state.extras["cp_hooks"] = handles
     state.extras["cp_plan"] = plan

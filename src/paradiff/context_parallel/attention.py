@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm import CommStats, all_gather_int, all_gather_uneven, all_to_all_uneven, ring_pass_start, ring_pass_wait
+from ..comm import (CommStats, all_gather_int, all_gather_ints, all_gather_uneven, all_to_all_uneven, ring_pass_start,
+                    ring_pass_wait)
 from .kernels import Kernel, merge_lse
 
 
@@ -121,15 +122,16 @@ def _pack(pieces: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
     return flat, numels
 
 
-def _heads_to_sequence(q, k, v, lengths: list[int], head_sizes: list[int], group, stats):
-    """(batch, heads, local_seq, dim) x3 -> (3, batch, my_heads, full_seq, dim) by one all-to-all."""
+def _heads_to_sequence(tensors: list[torch.Tensor], lengths: list[int], head_sizes: list[int], group, stats):
+    """(batch, heads, local_seq, dim) each -> (len(tensors), batch, my_heads, full_seq, dim) by one all-to-all."""
     rank = dist.get_rank(group)
+    count = len(tensors)
     starts = [sum(head_sizes[:j]) for j in range(len(head_sizes))]
-    pieces = [t.narrow(1, starts[j], head_sizes[j]) for j in range(len(head_sizes)) for t in (q, k, v)]
+    pieces = [t.narrow(1, starts[j], head_sizes[j]) for j in range(len(head_sizes)) for t in tensors]
     send, numels = _pack(pieces)
-    per_rank = [sum(numels[3 * j : 3 * j + 3]) for j in range(len(head_sizes))]
-    batch, dim = q.shape[0], q.shape[3]
-    recv_shapes = [(3, batch, head_sizes[rank], lengths[i], dim) for i in range(len(lengths))]
+    per_rank = [sum(numels[count * j : count * (j + 1)]) for j in range(len(head_sizes))]
+    batch, dim = tensors[0].shape[0], tensors[0].shape[3]
+    recv_shapes = [(count, batch, head_sizes[rank], lengths[i], dim) for i in range(len(lengths))]
     received = all_to_all_uneven(send, per_rank, recv_shapes, group, stats)
     return torch.cat(received, dim=3)
 
@@ -161,20 +163,26 @@ def ulysses_attention(
     """
     size = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    if q.shape[2] != k.shape[2]:
-        raise NotImplementedError("Ulysses attention needs queries and keys of one sequence (self-attention).")
-    lengths = all_gather_int(q.shape[2], group, q.device)
+    local_lengths = all_gather_ints([q.shape[2], k.shape[2]], group, q.device)
+    lengths, key_lengths = [pair[0] for pair in local_lengths], [pair[1] for pair in local_lengths]
     head_sizes = even_sizes(q.shape[1], size)
-    qkv = _heads_to_sequence(q, k, v, lengths, head_sizes, group, stats)
+    if key_lengths == lengths:  # one sequence (or two split alike): one exchange
+        qkv = _heads_to_sequence([q, k, v], lengths, head_sizes, group, stats)
+    else:  # cross-attention between two split sequences (LTX-2's audio <-> video): queries and keys apart
+        if sequence_mask is not None:
+            raise NotImplementedError("A query-dependent mask under Ulysses attention needs queries and keys of one "
+                                      "sequence (self-attention); use a key mask for cross-attention.")
+        query = _heads_to_sequence([q], lengths, head_sizes, group, stats)
+        qkv = [query[0], *_heads_to_sequence([k, v], key_lengths, head_sizes, group, stats)]
     full_mask = None
     if key_mask is not None:
-        gathered = all_gather_uneven(key_mask.expand(q.shape[0], -1, 1, k.shape[2]), 3, lengths, group, stats)
+        gathered = all_gather_uneven(key_mask.expand(q.shape[0], -1, 1, k.shape[2]), 3, key_lengths, group, stats)
         full_mask = _my_heads(gathered, head_sizes, rank)
     sequence_mask = _my_heads(sequence_mask, head_sizes, rank)
     if sequence_mask is not None and ring_group is None:
         _check_sequence_mask(sequence_mask, sum(lengths))
         full_mask = sequence_mask
-    if qkv.shape[2] == 0:
+    if qkv[0].shape[1] == 0:  # this rank attends no head
         out = qkv[0].new_zeros(qkv[0].shape)
     elif ring_group is not None:
         out = ring_attention(qkv[0], qkv[1], qkv[2], full_mask, scale, kernel, ring_group, stats,

@@ -8,29 +8,74 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class Split:
     """Split a tensor along `dim` over the CP ranks; when `ndim` is set, only tensors of that rank are split. A
-    tuple, list or dict of tensors (rotary tables) has each of its tensors split."""
+    tuple, list or dict of tensors (rotary tables) has each of its tensors split.
+
+    `parts` names the token streams `dim` concatenates, in order (e.g. ("hidden_states", "encoder_hidden_states")
+    for a key mask over [image, text]): each part is split on its own and the local pieces concatenated, as joint
+    attention holds them. Their full lengths are those of the streams where the plan splits them."""
 
     dim: int
     ndim: int | None = None
+    # split each consecutive run of this many entries along `dim` alike, where the count is the full length of the
+    # named token stream (e.g. "hidden_states" once split): for rows flattened as (batch x tokens), as Latte's
+    # per-location timesteps are
+    within: str | None = None
+    parts: tuple[str, ...] = ()
+    # split as the named stream's grid was last split (GridSplit): for per-token tensors a module without the grid's
+    # size arguments reads (Sana-Video's per-token modulation at norm_out); tensors of another length pass unchanged
+    like: str | None = None
+
+
+@dataclass(frozen=True)
+class GridSplit:
+    """Tokens along `dim` laid out row-major over a grid whose sizes are the module's integer arguments `sizes` (e.g.
+    ("height", "width"), or ("frames", "height", "width")). The grid is split by whole slices of its first axis (rows,
+    or frames), so a convolution over the grid needs only its neighbours' edge slices (`halo_convs`), and the
+    module's first size argument becomes this rank's slice count. A tensor (or tuple of them) whose `dim` does not
+    hold the full grid (split by an earlier module already, or per sample) passes unchanged."""
+
+    dim: int = 1
+    sizes: tuple[str, ...] = ("height", "width")
+
+
+@dataclass(frozen=True)
+class Count:
+    """An int argument counting the first (or, with `tail`, the last) tokens of the split argument `of` (e.g. the
+    first frame's tokens, the current window after history tokens): each rank gets how many its chunk holds."""
+
+    of: str = "hidden_states"
+    tail: bool = False
 
 
 @dataclass
 class ContextParallelPlan:
     """Per-model knowledge of context parallelism, as module paths (globs with one `*` over a ModuleList).
 
-    - `split_inputs`: module -> {forward argument name: Split}; "" is the model itself.
+    - `split_inputs`: module -> {forward argument name: Split or Count}; "" is the model itself. A tuple argument
+      is split item by item, or only the items named by {item index: Split} (nested dicts for nested tuples).
     - `split_outputs`: module -> {output index: Split} (e.g. rotary tables computed from the full sequence).
-    - `gather_outputs`: module -> dim along which its output is gathered back to the full sequence.
+    - `gather_outputs`: module -> dim along which its output is gathered back to the full sequence, or
+      {output index: dim} for the items of a tuple output (e.g. a joint block's text stream after the last block).
     - `local_attention`: attention modules whose keys/values are replicated (cross-attention to the text): they
       run on the local queries with no communication.
+    - `halo_convs`: convolutions over a GridSplit grid (its first axis is dim -2 of their input, as image rows in
+      NCHW): each rank borrows its neighbours' edge slices, the kernel's reach, before convolving.
+    - `linear_attention`: self-attention modules computing ReLU linear attention (Sana): their sums over the keys
+      are summed over the ranks (context_parallel/linear.py).
     - `split_token_arguments`: module -> forward arguments (tensors or tuples of tensors, e.g. rotary tables
       computed over the full sequence) split along the dimension whose length is the full token count of the
       split `hidden_states` (or text + image tokens, text first, when `encoder_hidden_states` is split too); a
       tensor without such a dimension stays whole.
     """
 
-    split_inputs: dict[str, dict[str, Split]] = field(default_factory=dict)
+    split_inputs: dict[str, dict[str, Split | Count | dict]] = field(default_factory=dict)
     split_outputs: dict[str, dict[int, Split]] = field(default_factory=dict)
-    gather_outputs: dict[str, int] = field(default_factory=dict)
+    gather_outputs: dict[str, int | dict[int, int]] = field(default_factory=dict)
     local_attention: tuple[str, ...] = ()
     split_token_arguments: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # module -> {forward argument, or "argument.key" for one key of a dict argument: why}: inputs the model handles
+    # in a way a token split would silently break; passing one (not None) under context parallelism raises that
+    # reason before any collective
+    unsupported_inputs: dict[str, dict[str, str]] = field(default_factory=dict)
+    halo_convs: tuple[str, ...] = ()
+    linear_attention: tuple[str, ...] = ()

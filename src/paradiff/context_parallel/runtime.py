@@ -15,9 +15,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..comm import CommStats
+from ..comm import CommStats, all_true, group_name
 from ..errors import ParallelConfigError
-from .attention import local_attention, ring_attention, ulysses_attention
+from .attention import even_sizes, local_attention, ring_attention, ulysses_attention
 from .kernels import BACKENDS, check_backend, default_scale
 
 
@@ -33,7 +33,20 @@ def normalise_mask(attn_mask: torch.Tensor | None) -> torch.Tensor | None:
             f"Context parallelism takes attention masks of 1 to 4 dims (up to (batch, heads, queries, keys)), as "
             f"SDPA does; got shape {tuple(attn_mask.shape)}."
         )
-    return attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    # a key mask expanded over the queries or heads (stride 0, e.g. Lumina's .expand(-1, heads, queries, -1)) is
+    # still a key mask: keep one row, which splits with the keys
+    if mask.shape[2] > 1 and mask.stride(2) == 0:
+        mask = mask[:, :, :1]
+    if mask.shape[1] > 1 and mask.stride(1) == 0:
+        mask = mask[:, :1]
+    return mask
+
+
+def is_square_bool(attn_mask: torch.Tensor | None, queries: int, keys: int) -> bool:
+    """A bool mask with one row and one column per token this rank holds (a whole-sequence mask has more)."""
+    return (attn_mask is not None and attn_mask.dtype == torch.bool and attn_mask.dim() == 4
+            and attn_mask.shape[1] == 1 and queries == keys == attn_mask.shape[2] == attn_mask.shape[3])
 
 
 @dataclass
@@ -46,8 +59,10 @@ class ContextParallelRuntime:
     ulysses_group: dist.ProcessGroup | None
     backend: str = "native"
     stats: CommStats | None = None
-    # full token counts of the streams split in the current forward, recorded where they are split
+    # full lengths of the arguments split in the current forward, by argument name, recorded where they are split
     full_tokens: dict[str, int] = field(default_factory=dict)
+    # stream -> (full tokens, tokens per rank) of its last GridSplit, which Split(like=stream) follows
+    grid_layouts: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
 
     @property
     def cp_rank(self) -> int:
@@ -63,30 +78,96 @@ class ContextParallelRuntime:
 
     def attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                   enable_gqa=False, local: bool = False):
+        if enable_gqa and key.shape[1] != query.shape[1]:
+            # grouped K/V heads: give every query head its K/V head, as SDPA's enable_gqa does (exact)
+            repeat = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+            enable_gqa = False
         if dropout_p != 0.0 or is_causal or enable_gqa:
             raise NotImplementedError(
                 f"Context-parallel attention supports dropout_p=0, is_causal=False, enable_gqa=False; got "
                 f"dropout_p={dropout_p}, is_causal={is_causal}, enable_gqa={enable_gqa}."
             )
         scale = default_scale(query.shape[-1]) if scale is None else scale
-        mask = normalise_mask(attn_mask)
-        kernel = BACKENDS[self.backend]
-        if local:  # queries and mask rows are both this rank's; keys are whole
-            return local_attention(query, key, value, mask, scale, kernel)
-        if mask is not None and mask.shape[-1] != key.shape[2] and mask.shape[2] == 1:
-            raise NotImplementedError(
-                f"A key-padding mask under context parallelism must be split with the keys: it has "
-                f"{mask.shape[-1]} keys, this rank holds {key.shape[2]}. Split the mask in the context-parallel plan "
-                "where its tokens are split."
-            )
-        # a mask with one row is a key mask, split with the tokens; one with a row per query covers the whole sequence
-        key_mask, sequence_mask = (mask, None) if mask is None or mask.shape[2] == 1 else (None, mask)
-        if self.mode == "ring":
-            return ring_attention(query, key, value, key_mask, scale, kernel, self.ring_group, self.stats,
-                                  sequence_mask=sequence_mask)
-        ring_group = self.ring_group if self.mode == "unified" else None
-        return ulysses_attention(query, key, value, key_mask, scale, kernel, self.ulysses_group, self.stats,
-                                 ring_group=ring_group, sequence_mask=sequence_mask)
+        text, image = self.full_tokens.get("encoder_hidden_states"), self.full_tokens.get("hidden_states")
+        if torch.compiler.is_compiling():
+            # One opaque op for Dynamo: the ring's point-to-point transfers, the length exchanges that size the
+            # uneven splits and the ranks' agreement on a mask cannot be traced, and need not be (they run between
+            # two graph ops).
+            from .ops import cp_attention
+
+            return cp_attention(query, key, value, attn_mask, float(scale), self.mode, self.backend, local,
+                                group_name(self.cp_group), group_name(self.ring_group), group_name(self.ulysses_group),
+                                text, image)
+        return attend(query, key, value, attn_mask, scale, self.mode, self.backend, local, self.cp_group,
+                      self.ring_group, self.ulysses_group, text, image, self.stats)
+
+
+def attend(query, key, value, attn_mask, scale: float, mode: str, backend: str, local: bool,
+           cp_group: dist.ProcessGroup, ring_group: dist.ProcessGroup | None,
+           ulysses_group: dist.ProcessGroup | None, text_tokens: int | None = None, image_tokens: int | None = None,
+           stats: CommStats | None = None) -> torch.Tensor:
+    """This rank's rows of attention over the whole (split) sequence, by `mode`; `local` attends to local keys only.
+
+    `text_tokens` / `image_tokens`: full lengths of the two streams split in this forward (None when not split),
+    which place a whole-sequence mask's rows and columns in the order the ranks hold the tokens."""
+    query_mask = None
+    if not local and is_square_bool(attn_mask, query.shape[2], key.shape[2]):
+        attn_mask, query_mask = padding_masks(attn_mask, cp_group)
+    mask = normalise_mask(attn_mask)
+    kernel = BACKENDS[backend]
+    if local:  # queries and mask rows are both this rank's; keys are whole
+        return local_attention(query, key, value, mask, scale, kernel)
+    if mask is not None and mask.shape[-1] != key.shape[2] and mask.shape[2] == 1:
+        raise NotImplementedError(
+            f"A key-padding mask under context parallelism must be split with the keys: it has "
+            f"{mask.shape[-1]} keys, this rank holds {key.shape[2]}. Split the mask in the context-parallel plan "
+            "where its tokens are split."
+        )
+    # a mask with one row is a key mask, split with the tokens; one with a row per query covers the whole sequence
+    key_mask, sequence_mask = (mask, None) if mask is None or mask.shape[2] == 1 else (None, mask)
+    if sequence_mask is not None:
+        sequence_mask = in_split_order(sequence_mask, text_tokens, image_tokens, dist.get_world_size(cp_group))
+    if mode == "ring":
+        out = ring_attention(query, key, value, key_mask, scale, kernel, ring_group, stats,
+                             sequence_mask=sequence_mask)
+    else:
+        out = ulysses_attention(query, key, value, key_mask, scale, kernel, ulysses_group, stats,
+                                ring_group=ring_group if mode == "unified" else None, sequence_mask=sequence_mask)
+    if query_mask is not None:  # SDPA gives rows with every key masked a zero output
+        out = out.masked_fill(~query_mask[:, None, :, None], 0)
+    return out
+
+
+def padding_masks(mask: torch.Tensor, cp_group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (batch, 1, tokens, tokens) mask over this rank's own tokens built as valid[q] & valid[k] (HunyuanVideo
+    1.5's context padding), as a key mask and a query mask. The ranks decide together whether it is one."""
+    valid = mask.diagonal(dim1=-2, dim2=-1)  # (batch, 1, tokens)
+    is_padding = torch.equal(mask, valid[..., :, None] & valid[..., None, :])
+    if not all_true(is_padding, cp_group, mask.device):
+        raise NotImplementedError(
+            f"Context parallelism supports (batch, 1, tokens, tokens) masks over a rank's own tokens only when "
+            f"they mask padding (valid query & valid key); this {tuple(mask.shape)} mask is another kind (e.g. "
+            "causal). Give the mask a row per query of the whole sequence instead."
+        )
+    return valid[:, :, None, :], valid[:, 0, :]
+
+
+def in_split_order(mask: torch.Tensor, text: int | None, image: int | None, size: int) -> torch.Tensor:
+    """A whole-sequence mask of a joint (text + image) sequence, reordered so that rank r's tokens are the r-th
+    contiguous chunk, as ring and Ulysses attention take it: with both streams split, a rank holds
+    [its text chunk, its image chunk] (text first), not a contiguous chunk of the joint sequence."""
+    if text is None or image is None or mask.shape[-1] != text + image:
+        return mask
+    order = []
+    text_sizes, image_sizes = even_sizes(text, size), even_sizes(image, size)
+    for rank in range(size):
+        start = sum(text_sizes[:rank])
+        order.append(torch.arange(start, start + text_sizes[rank]))
+        start = text + sum(image_sizes[:rank])
+        order.append(torch.arange(start, start + image_sizes[rank]))
+    order = torch.cat(order).to(mask.device)
+    return mask.index_select(-2, order).index_select(-1, order)
 
 
 class AttentionInterceptor(TorchFunctionMode):
@@ -101,6 +182,10 @@ class AttentionInterceptor(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             return self.runtime.attention(*args, **kwargs, local=self.local)
+        if func is torch.Tensor.unflatten and torch.compiler.is_compiling():
+            # Dynamo inlines every call routed through a mode; Tensor.unflatten's Python wrapper calls
+            # super().unflatten, which it cannot trace, while the functional form is an ordinary graph op.
+            func = torch.unflatten
         return func(*args, **kwargs)
 
 

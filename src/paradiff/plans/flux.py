@@ -4,30 +4,43 @@ import torch
 
 from ..context_parallel.plan import ContextParallelPlan, Split
 from ..tensor_parallel.plan import TensorParallelPlan
-from ..tensor_parallel.styles import PackedRowwise
+from ..tensor_parallel.styles import PackedColwise, PackedRowwise
 from .common import Grid, joint_attention
 
 MODEL_CLASSES = ("FluxTransformer2DModel",)
 
 
-def tensor_parallel_plan(config) -> TensorParallelPlan:
+def flux_blocks(gated: bool = False, modulation: bool = True) -> dict:
+    """FLUX.1-style double- and single-stream blocks, shared by its derivatives (Chroma, Bria, LongCat-Image,
+    Ovis-Image). `gated`: SwiGLU feed-forwards (value and gate packed in one projection); `modulation`: the blocks
+    own their AdaLN linears (Chroma's come pruned, from one shared approximator)."""
+    ff_in = PackedColwise([1, 1]) if gated else "colwise"
     styles = {
         # double-stream blocks: Q/K/V and FFN-in colwise, their projections back rowwise
         **joint_attention("transformer_blocks.*.attn"),
-        "transformer_blocks.*.ff.net.0.proj": "colwise",
+        "transformer_blocks.*.ff.net.0.proj": ff_in,
         "transformer_blocks.*.ff.net.2": "rowwise",
-        "transformer_blocks.*.ff_context.net.0.proj": "colwise",
+        "transformer_blocks.*.ff_context.net.0.proj": ff_in,
         "transformer_blocks.*.ff_context.net.2": "rowwise",
-        # AdaLN modulation (dim -> 6 dim) reads the replicated timestep embedding
-        "transformer_blocks.*.norm1.linear": "rowwise_split_input",
-        "transformer_blocks.*.norm1_context.linear": "rowwise_split_input",
         # single-stream blocks: proj_out consumes [attention (dim), MLP (4 dim)] concatenated
         "single_transformer_blocks.*.attn.to_q": "colwise",
         "single_transformer_blocks.*.attn.to_k": "colwise",
         "single_transformer_blocks.*.attn.to_v": "colwise",
-        "single_transformer_blocks.*.proj_mlp": "colwise",
+        "single_transformer_blocks.*.proj_mlp": ff_in,
         "single_transformer_blocks.*.proj_out": PackedRowwise(_single_out_blocks),
-        "single_transformer_blocks.*.norm.linear": "rowwise_split_input",
+    }
+    if modulation:  # AdaLN modulation (dim -> 6 dim) reads the replicated timestep embedding
+        styles.update({
+            "transformer_blocks.*.norm1.linear": "rowwise_split_input",
+            "transformer_blocks.*.norm1_context.linear": "rowwise_split_input",
+            "single_transformer_blocks.*.norm.linear": "rowwise_split_input",
+        })
+    return styles
+
+
+def tensor_parallel_plan(config) -> TensorParallelPlan:
+    styles = {
+        **flux_blocks(),
         # embeddings and the final modulation
         "context_embedder": "rowwise_split_input",
         "time_text_embed.timestep_embedder.linear_1": "colwise",
@@ -44,10 +57,15 @@ def tensor_parallel_plan(config) -> TensorParallelPlan:
 
 def _single_out_blocks(config) -> list[int]:
     inner = config.num_attention_heads * config.attention_head_dim
-    return [inner, 4 * inner]  # FluxSingleTransformerBlock uses mlp_ratio 4
+    return [inner, 4 * inner]  # FLUX.1-style single blocks use mlp_ratio 4
 
 
 def context_parallel_plan(config) -> ContextParallelPlan:
+    return flux_context_plan()
+
+
+def flux_context_plan(**extra) -> ContextParallelPlan:
+    """Image and text tokens split at the model's input with their position ids; gathered at `proj_out`."""
     return ContextParallelPlan(
         split_inputs={
             "": {
@@ -58,6 +76,7 @@ def context_parallel_plan(config) -> ContextParallelPlan:
             }
         },
         gather_outputs={"proj_out": 1},
+        **extra,
     )
 
 
@@ -67,6 +86,14 @@ EXAMPLES = {"flux.1-dev": ("FluxTransformer2DModel", dict(
 
 
 def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
+    inputs = flux_inputs(config, batch, grid, generator)
+    inputs["guidance"] = torch.full((batch,), 3.5)
+    inputs["pooled_projections"] = torch.randn(batch, config.pooled_projection_dim, generator=generator)
+    return inputs
+
+
+def flux_inputs(config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
+    """Packed image tokens, text, timestep and position ids, as FLUX.1-style models take them."""
     h, w, t = grid.height, grid.width, grid.text
     axes = len(config.axes_dims_rope)
     img_ids = torch.zeros(h * w, axes)
@@ -80,8 +107,6 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         timestep=torch.rand(batch, generator=generator),
         img_ids=img_ids,
         txt_ids=txt_ids,
-        guidance=torch.full((batch,), 3.5),
         return_dict=False,
     )
-    inputs["pooled_projections"] = torch.randn(batch, config.pooled_projection_dim, generator=generator)
     return inputs

@@ -6,6 +6,7 @@ from ..context_parallel.plan import ContextParallelPlan, Split
 from ..tensor_parallel.plan import TensorParallelPlan
 from ..tensor_parallel.styles import PackedColwise, PackedRowwise
 from .common import Grid, joint_attention
+from .flux import flux_inputs
 
 MODEL_CLASSES = ("Flux2Transformer2DModel",)
 
@@ -63,20 +64,4 @@ EXAMPLES = {"flux.2-dev": ("Flux2Transformer2DModel", dict(
 
 
 def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    h, w, t = grid.height, grid.width, grid.text
-    axes = len(config.axes_dims_rope)
-    img_ids = torch.zeros(h * w, axes)
-    img_ids[:, -2] = torch.arange(h).repeat_interleave(w)
-    img_ids[:, -1] = torch.arange(w).repeat(h)
-    txt_ids = torch.zeros(t, axes)
-    txt_ids[:, -1] = torch.arange(t)
-    inputs = dict(
-        hidden_states=torch.randn(batch, h * w, config.in_channels, generator=generator),
-        encoder_hidden_states=torch.randn(batch, t, config.joint_attention_dim, generator=generator),
-        timestep=torch.rand(batch, generator=generator),
-        img_ids=img_ids,
-        txt_ids=txt_ids,
-        guidance=torch.full((batch,), 3.5),
-        return_dict=False,
-    )
-    return inputs
+    return {**flux_inputs(config, batch, grid, generator), "guidance": torch.full((batch,), 3.5)}

@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm import CommStats, all_reduce_tp
+from ..comm import CommStats, all_gather_uneven, all_reduce_tp
 from .styles import ShardSpec, Style
 
 
@@ -61,7 +61,7 @@ class RowwiseLinear(ShardedLinear):
         if self.split_input:
             x = torch.cat([x.narrow(-1, start, length) for start, length in self.weight_spec.pieces], dim=-1)
         out = F.linear(x, self.weight)
-        all_reduce_tp(out, self.group, self.comm_stats)
+        out = all_reduce_tp(out, self.group, self.comm_stats)
         if self.bias is not None:
             out = out + self.bias
         return out
@@ -87,6 +87,9 @@ class ShardedNorm(nn.Module):
         self.full_features = full_features
         self.group = group
         self.comm_stats: CommStats | None = None
+        # K heads replicated over rank groups (fewer K/V heads than ranks) are summed once per replica
+        local = sum(length for _, length in weight_spec.pieces)
+        self.replicas = max(1, local * dist.get_world_size(group) // full_features)
 
     def extra_repr(self) -> str:
         kind = "rms" if self.rms else "layer"
@@ -99,10 +102,10 @@ class ShardedNorm(nn.Module):
         if not self.rms:
             total = x.sum(-1, keepdim=True)
             all_reduce_tp(total, self.group, self.comm_stats)
-            x = x - total / self.full_features
+            x = x - total / (self.full_features * self.replicas)
         square_sum = x.pow(2).sum(-1, keepdim=True)
         all_reduce_tp(square_sum, self.group, self.comm_stats)
-        x = x * torch.rsqrt(square_sum / self.full_features + self.eps)
+        x = x * torch.rsqrt(square_sum / (self.full_features * self.replicas) + self.eps)
         if self.weight is not None:
             if self.weight.dtype in (torch.float16, torch.bfloat16):
                 x = x.to(self.weight.dtype)
@@ -110,6 +113,50 @@ class ShardedNorm(nn.Module):
         if self.bias is not None:
             x = x + self.bias
         return x.to(dtype)
+
+
+CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_CONV_FUNCTIONS = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
+
+
+def is_depthwise(conv: nn.Module) -> bool:
+    return conv.groups > 1 and conv.groups == conv.in_channels == conv.out_channels
+
+
+class ShardedConv(nn.Module):
+    """A convolution split over its channels like a Linear over its features (1x1 convolutions are Linears over
+    channels; Sana's GLUMBConv feed-forward is made of them). Colwise holds a slice of the output channels; a
+    depthwise convolution (one group per channel) keeps one group per local channel. Rowwise holds a slice of the
+    input channels and all-reduces its partial output, adding the bias once after; with `split_input` it first
+    takes its slice of a replicated input's channels (dim 1)."""
+
+    def __init__(self, source: nn.Module, local_weight: torch.Tensor, bias: torch.Tensor | None, style: Style,
+                 weight_spec: ShardSpec, full_shape: tuple[int, ...], group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(local_weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.style = style
+        self.weight_spec = weight_spec
+        self.full_shape = tuple(full_shape)
+        self.group = group
+        self.comm_stats: CommStats | None = None
+        self.stride, self.padding, self.dilation = source.stride, source.padding, source.dilation
+        self.groups = local_weight.shape[0] if is_depthwise(source) else 1
+        self.function = next(fn for cls, fn in _CONV_FUNCTIONS.items() if isinstance(source, cls))
+
+    def extra_repr(self) -> str:
+        return f"{self.style.kind}, local={tuple(self.weight.shape)}, full={self.full_shape}, groups={self.groups}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.style.kind == "colwise":
+            return self.function(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+        if self.style.kind == "rowwise_split_input":
+            x = torch.cat([x.narrow(1, start, length) for start, length in self.weight_spec.pieces], dim=1)
+        out = self.function(x, self.weight, None, self.stride, self.padding, self.dilation, self.groups)
+        all_reduce_tp(out, self.group, self.comm_stats)
+        if self.bias is not None:
+            out = out + self.bias.view((1, -1) + (1,) * (out.dim() - 2))
+        return out
 
 
 NORM_TYPES = (nn.LayerNorm, getattr(nn, "RMSNorm", nn.LayerNorm))
@@ -124,6 +171,51 @@ def is_norm(module: nn.Module) -> bool:
     return hasattr(module, "eps") and "Norm" in type(module).__name__ and (weight is None or weight.dim() == 1)
 
 
+class VocabLinear(ShardedLinear):
+    """An LM head holding a slice of the vocabulary rows: computes its logits, then all-gathers the full vocabulary
+    (slices may differ by one row; `gather_sizes` lists every rank's)."""
+
+    def __init__(self, *args, gather_sizes: tuple[int, ...] = (), **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.gather_sizes = list(gather_sizes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        return all_gather_uneven(out, -1, self.gather_sizes, self.group, self.comm_stats)
+
+
+class VocabParallelEmbedding:
+    """Mixed into an nn.Embedding (or a subclass, e.g. Gemma's scaled one, whose forward still runs) that holds rows
+    [vocab_start, vocab_start + rows) of the table: ids outside the slice look up row 0 and are zeroed, so the
+    all-reduce adds exactly one non-zero vector per id."""
+
+    vocab_start: int
+    group: dist.ProcessGroup
+    comm_stats: CommStats | None = None
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = super().forward(local.masked_fill(outside, 0))
+        out = out.masked_fill(outside.unsqueeze(-1), 0)
+        return all_reduce_tp(out, self.group, self.comm_stats)
+
+
+def make_vocab_parallel(module: nn.Embedding, spec: ShardSpec, group: dist.ProcessGroup) -> None:
+    """Turn `module` (already holding its slice) into a vocab-parallel embedding in place, keeping its class's forward
+    and its state_dict keys."""
+    (start, rows), = spec.pieces
+    base = type(module)
+    module.__class__ = type(f"VocabParallel{base.__name__}", (VocabParallelEmbedding, base), {})
+    module.vocab_start = start
+    module.group = group
+    # num_embeddings keeps the full vocabulary: callers read it as the vocabulary size
+    # padding_idx only shapes gradients, but F.embedding checks it against the local row count
+    if module.padding_idx is not None:
+        local = module.padding_idx - start
+        module.padding_idx = local if 0 <= local < rows else None
+
+
 def make_sharded_module(
     style: Style,
     source: nn.Module,
@@ -132,10 +224,14 @@ def make_sharded_module(
     weight_spec: ShardSpec,
     full_shape: tuple[int, ...],
     group: dist.ProcessGroup,
+    gather_sizes: tuple[int, ...] = (),
 ) -> nn.Module:
     if style.target == "norm":
         return ShardedNorm(source, local_weight, bias, style, weight_spec, full_shape[0], group)
-    return make_sharded_linear(style, local_weight, bias, weight_spec, (full_shape[0], full_shape[1]), group)
+    if isinstance(source, CONV_TYPES):
+        return ShardedConv(source, local_weight, bias, style, weight_spec, full_shape, group)
+    return make_sharded_linear(style, local_weight, bias, weight_spec, (full_shape[0], full_shape[1]), group,
+                               gather_sizes)
 
 
 def make_sharded_linear(
@@ -145,9 +241,12 @@ def make_sharded_linear(
     weight_spec: ShardSpec,
     full_features: tuple[int, int],
     group: dist.ProcessGroup,
+    gather_sizes: tuple[int, ...] = (),
 ) -> ShardedLinear:
     if style.kind == "colwise":
         return ColwiseLinear(local_weight, bias, style, weight_spec, full_features, group)
+    if style.kind == "vocab":
+        return VocabLinear(local_weight, bias, style, weight_spec, full_features, group, gather_sizes=gather_sizes)
     return RowwiseLinear(
         local_weight, bias, style, weight_spec, full_features, group, split_input=style.kind == "rowwise_split_input"
     )

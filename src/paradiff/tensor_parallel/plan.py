@@ -18,7 +18,57 @@ from .styles import ShardSpec, Style, resolve_style
 # heads/tp heads, and diffusers' processors reshape either by a fixed head_dim (-1 absorbs the head count), by
 # `attn.heads`, or by `attn.inner_dim // attn.heads` (Qwen-Image), or split a fused projection by the ratio
 # inner_dim : mlp_hidden_dim (FLUX.2 single blocks). Scaling all of them by 1/tp keeps every one of those right.
-DEFAULT_HEAD_ATTRS = ("heads", "inner_dim", "mlp_hidden_dim", "kv_inner_dim")
+DEFAULT_HEAD_ATTRS = ("heads", "inner_dim", "mlp_hidden_dim", "kv_inner_dim", "kv_heads")
+
+
+@dataclass(frozen=True)
+class AttentionHeads:
+    """The head counters of an attention module that does not follow diffusers' conventions (e.g. `transformers`'
+    attention classes), so each rank can set them to its local counts.
+
+    `query_heads` / `kv_heads` are the full model's counts. Attributes in `per_query_head` scale with the query heads
+    (`num_heads`, `inner_dim`), those in `per_kv_head` with the K/V heads (`num_key_value_heads`), and those in
+    `groups` count query heads per K/V head (`num_key_value_groups`, which changes when K/V heads are replicated).
+    """
+
+    query_heads: int
+    kv_heads: int | None = None
+    per_query_head: tuple[str, ...] = ()
+    per_kv_head: tuple[str, ...] = ()
+    groups: tuple[str, ...] = ()
+
+    def local_values(self, module: nn.Module, name: str, size: int) -> dict[str, int]:
+        query, kv = self.query_heads, self.kv_heads or self.query_heads
+        if query % size:
+            raise PlanError(
+                f"{name}: tp_degree={size} must divide its {query} attention heads; valid tp degrees: "
+                f"{[d for d in range(1, query + 1) if query % d == 0]}."
+            )
+        if kv % size and size % kv:
+            valid = [d for d in range(1, query + 1) if query % d == 0 and (kv % d == 0 or d % kv == 0)]
+            raise PlanError(
+                f"{name}: tp_degree={size} must divide its {kv} key/value heads or be a multiple of them (they are "
+                f"then replicated); valid tp degrees: {valid}."
+            )
+        local_query, local_kv = query // size, max(kv // size, 1)
+        values: dict[str, int] = {}
+        for attrs, local, full in ((self.per_query_head, local_query, query), (self.per_kv_head, local_kv, kv)):
+            for attr in attrs:
+                values[attr] = _count(module, name, attr) * local // full
+        for attr in self.groups:
+            _count(module, name, attr)
+            values[attr] = local_query // local_kv
+        return values
+
+
+def _count(module: nn.Module, name: str, attr: str) -> int:
+    value = getattr(module, attr, None)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise PlanError(
+            f"{name} ({type(module).__name__}) has no integer attribute {attr!r} (got {value!r}); the plan's "
+            "AttentionHeads names attributes this class does not have (a different library version?)."
+        )
+    return value
 
 
 @dataclass
@@ -28,6 +78,17 @@ class TensorParallelPlan:
     styles: Mapping[str, str | Style]
     head_attrs: tuple[str, ...] = DEFAULT_HEAD_ATTRS
     heads_config_key: str = "num_attention_heads"
+    # globs of attention modules without a diffusers `processor` (hand-written attention, e.g. ConsisID's perceiver
+    # cross-attention) whose head attributes shrink like a processor module's
+    head_modules: tuple[str, ...] = ()
+    # module glob -> {output index: dim}: per-head tensors a module computes for all heads (Mochi's rotary table
+    # has a frequency per head), cut to this rank's contiguous block of heads, the block colwise projections hold
+    head_outputs: Mapping[str, Mapping[int, int]] = field(default_factory=dict)
+    # module glob -> {output index: dim}: outputs left split by heads that the model reads whole (EasyAnimate's
+    # shared-weight blocks add the text's attention output unprojected), all-gathered over the TP group
+    gather_heads: Mapping[str, Mapping[int, int]] = field(default_factory=dict)
+    # module glob -> AttentionHeads: attention modules (e.g. transformers') whose head counters are not diffusers'
+    attention: Mapping[str, AttentionHeads] = field(default_factory=dict)
 
 
 @dataclass
@@ -37,6 +98,9 @@ class ResolvedLinear:
     specs: dict[str, ShardSpec | None]
     full_shapes: dict[str, tuple[int, ...]]
     features: int | None = None  # a norm's normalised width (norm styles only)
+    # an nn.Embedding: "colwise" splits its embedding dim, "vocab" its rows
+    embedding: bool = False
+    gather_sizes: tuple[int, ...] = ()  # every rank's output width, for outputs that are all-gathered (vocab heads)
 
 
 @dataclass
@@ -44,6 +108,9 @@ class ResolvedPlan:
     linears: dict[str, ResolvedLinear] = field(default_factory=dict)
     attention_modules: list[str] = field(default_factory=list)
     head_attrs: tuple[str, ...] = DEFAULT_HEAD_ATTRS
+    head_outputs: dict[str, dict[int, int]] = field(default_factory=dict)
+    gather_heads: dict[str, dict[int, int]] = field(default_factory=dict)
+    local_head_counts: dict[str, dict[str, int]] = field(default_factory=dict)  # module -> attribute -> local value
 
     def spec_for(self, param_name: str) -> ShardSpec | None:
         module_name, _, leaf = param_name.rpartition(".")
@@ -128,10 +195,26 @@ def resolve_plan(model: nn.Module, plan: TensorParallelPlan, rank: int, size: in
     config = getattr(model, "config", None)
     check_heads(model, plan, size)
     resolved = ResolvedPlan(head_attrs=plan.head_attrs)
+    # head counts first: their errors name the valid degrees for the whole attention, not one projection's
+    for key, heads in plan.attention.items():
+        if not isinstance(heads, AttentionHeads):
+            raise PlanError(f"Plan attention entry {key!r} must be an AttentionHeads, got {type(heads).__name__}.")
+        for name in expand_key(model, key):
+            try:
+                module = model.get_submodule(name)
+            except AttributeError as exc:
+                raise PlanError(
+                    f"Plan attention key {key!r} names {name!r}, which is not a submodule of {type(model).__name__}; "
+                    f"{_missing_module_hint(model, name)}."
+                ) from exc
+            resolved.local_head_counts[name] = heads.local_values(module, name, size)
     matched_by: dict[str, str] = {}
     for key, raw_style in plan.styles.items():
         style = resolve_style(raw_style, key)
         for name in expand_key(model, key):
+            if style.target == "parameter":
+                _resolve_parameter(model, resolved, style, name, key, rank, size)
+                continue
             try:
                 module = model.get_submodule(name)
             except AttributeError as exc:
@@ -149,13 +232,72 @@ def resolve_plan(model: nn.Module, plan: TensorParallelPlan, rank: int, size: in
             shapes = {leaf: tuple(getattr(module, leaf).shape) for leaf in ("weight", "bias")
                       if getattr(module, leaf, None) is not None}
             features = norm_features(module) if style.target == "norm" else None
-            specs = {param: style.shard_spec(param, shape, rank, size, config, name) for param, shape in shapes.items()}
+            embedding = isinstance(module, nn.Embedding)
+            if embedding and style.kind == "colwise":
+                specs = {"weight": _embedding_columns(style, shapes["weight"], rank, size, config, name)}
+            else:
+                specs = {param: style.shard_spec(param, shape, rank, size, config, name)
+                         for param, shape in shapes.items()}
             if features is not None and "weight" not in specs:  # a norm without affine weight still splits
                 specs["weight"] = style.shard_spec("weight", (features,), rank, size, config, name)
+            gather = ()
+            if style.kind == "vocab" and not embedding:
+                gather = tuple(style.shard_spec("weight", shapes["weight"], r, size, config, name).local_shape(
+                    shapes["weight"])[0] for r in range(size))
             resolved.linears[name] = ResolvedLinear(name=name, style=style, specs=specs, full_shapes=shapes,
-                                                    features=features)
+                                                    features=features, embedding=embedding, gather_sizes=gather)
     resolved.attention_modules = _attention_modules(model, resolved, plan.head_attrs, size)
+    for key in plan.head_modules:
+        for name in expand_key(model, key):
+            try:
+                module = model.get_submodule(name)
+            except AttributeError as exc:
+                raise PlanError(f"Plan head_modules entry {key!r} names {name!r}, which is not a submodule of "
+                                f"{type(model).__name__}; {_missing_module_hint(model, name)}.") from exc
+            _check_head_attrs(module, name, plan.head_attrs, size)
+            if name not in resolved.attention_modules:
+                resolved.attention_modules.append(name)
+    for what in ("head_outputs", "gather_heads"):
+        for key, outputs in getattr(plan, what).items():
+            for name in expand_key(model, key) if key else [""]:
+                try:
+                    model.get_submodule(name)
+                except AttributeError as exc:
+                    raise PlanError(f"Plan {what} entry {key!r} names {name!r}, which is not a submodule of "
+                                    f"{type(model).__name__}; {_missing_module_hint(model, name)}.") from exc
+                getattr(resolved, what)[name] = dict(outputs)
     return resolved
+
+
+def _resolve_parameter(model: nn.Module, resolved: ResolvedPlan, style: Style, name: str, key: str, rank: int,
+                       size: int) -> None:
+    """A planned bare parameter: recorded under its module's name, so the loader and saver slice it like a weight."""
+    module_name, _, leaf = name.rpartition(".")
+    try:
+        module = model.get_submodule(module_name) if module_name else model
+    except AttributeError as exc:
+        raise PlanError(f"Plan key {key!r} names {name!r}, whose module is not a submodule of "
+                        f"{type(model).__name__}; {_missing_module_hint(model, module_name)}.") from exc
+    param = module._parameters.get(leaf)
+    if param is None:
+        raise PlanError(
+            f"Plan entry {name!r} (key {key!r}) has style {type(style).__name__}, which splits a parameter, but "
+            f"{module_name or type(model).__name__} has no parameter {leaf!r}; its own parameters are "
+            f"{list(module._parameters)}."
+        )
+    if module_name in resolved.linears:
+        raise PlanError(f"{name!r} (key {key!r}): its module {module_name!r} already has a planned style; a module "
+                        "may carry one planned parameter or one module style.")
+    shape = tuple(param.shape)
+    spec = style.shard_spec(leaf, shape, rank, size, getattr(model, "config", None), name)
+    resolved.linears[module_name] = ResolvedLinear(name=module_name, style=style, specs={leaf: spec},
+                                                   full_shapes={leaf: shape})
+
+
+def _embedding_columns(style: Style, shape: tuple[int, ...], rank: int, size: int, config, name: str) -> ShardSpec:
+    """An embedding table is a Linear applied to one-hot ids, so its output features are dim 1 of the weight."""
+    spec = style.shard_spec("weight", (shape[1], shape[0]), rank, size, config, name)
+    return ShardSpec(dim=1, pieces=spec.pieces)
 
 
 def norm_features(module: nn.Module) -> int:
@@ -176,7 +318,7 @@ def norm_features(module: nn.Module) -> int:
 
 
 def _check_target(module: nn.Module, style, name: str, key: str) -> None:
-    from .layers import is_norm
+    from .layers import CONV_TYPES, is_depthwise, is_norm
 
     if style.target == "norm":
         if not is_norm(module):
@@ -185,10 +327,28 @@ def _check_target(module: nn.Module, style, name: str, key: str) -> None:
                 f"over the heads, but it is {type(module).__name__}."
             )
         return
+    if isinstance(module, CONV_TYPES):
+        if module.padding_mode != "zeros":
+            raise PlanError(f"Plan entry {name!r} (key {key!r}): a split convolution must pad with zeros, but it "
+                            f"pads with {module.padding_mode!r}.")
+        if module.groups > 1 and not (style.kind == "colwise" and is_depthwise(module)):
+            raise PlanError(
+                f"Plan entry {name!r} (key {key!r}) has style {style.kind!r}, but it is a grouped convolution "
+                f"(groups={module.groups}); only a depthwise convolution (groups = channels) splits, colwise."
+            )
+        return
+    if isinstance(module, nn.Embedding):
+        if style.kind not in ("colwise", "vocab"):
+            raise PlanError(
+                f"Plan entry {name!r} (key {key!r}) is an nn.Embedding; embeddings take 'colwise' (split the "
+                f"embedding dim) or 'vocab' (split the rows), not {style.kind!r}."
+            )
+        return
     if not isinstance(module, nn.Linear):
         linears = [child for child, sub in module.named_modules() if child and isinstance(sub, nn.Linear)]
         raise PlanError(
-            f"Plan entry {name!r} (key {key!r}) must be an nn.Linear to be split, but it is "
+            f"Plan entry {name!r} (key {key!r}) must be an nn.Linear (or a convolution or an nn.Embedding) to be "
+            f"split, but it is "
             f"{type(module).__name__}; the nn.Linear modules inside it are {linears[:12]}."
         )
 
@@ -216,16 +376,33 @@ def _attention_modules(model: nn.Module, resolved: ResolvedPlan, attrs: tuple[st
             parent = model.get_submodule(parent_name)
             if hasattr(parent, "processor"):
                 if parent_name not in found:
-                    for attr in attrs:
-                        value = getattr(parent, attr, None)
-                        if isinstance(value, int) and not isinstance(value, bool) and value % size != 0:
-                            raise PlanError(
-                                f"{parent_name}.{attr}={value} is not divisible by tp_degree={size}; valid tp "
-                                f"degrees divide {value}: {[d for d in range(1, value + 1) if value % d == 0]}."
-                            )
+                    _check_head_attrs(parent, parent_name, attrs, size)
                     found.append(parent_name)
                 break
     return found
+
+
+# Attributes counting grouped K/V heads: with fewer K/V heads than ranks, every rank of a group holds one (see
+# ColwiseHeads), so they shrink to max(kv_heads / tp, 1) where the head counts do not.
+KV_HEAD_ATTRS = ("kv_heads", "num_key_value_heads", "num_kv_heads")
+
+
+def local_head_count(attr: str, value: int, size: int) -> int:
+    if attr in KV_HEAD_ATTRS and value < size and size % value == 0:
+        return 1
+    return value // size
+
+
+def _check_head_attrs(module: nn.Module, name: str, attrs: tuple[str, ...], size: int) -> None:
+    for attr in attrs:
+        value = getattr(module, attr, None)
+        if attr in KV_HEAD_ATTRS and isinstance(value, int) and value and size % value == 0:
+            continue  # fewer K/V heads than ranks: replicated in groups
+        if isinstance(value, int) and not isinstance(value, bool) and value % size != 0:
+            raise PlanError(
+                f"{name}.{attr}={value} is not divisible by tp_degree={size}; valid tp "
+                f"degrees divide {value}: {[d for d in range(1, value + 1) if value % d == 0]}."
+            )
 
 
 def localise_heads(model: nn.Module, resolved: ResolvedPlan, size: int) -> None:
@@ -234,7 +411,11 @@ def localise_heads(model: nn.Module, resolved: ResolvedPlan, size: int) -> None:
         for attr in resolved.head_attrs:
             value = getattr(module, attr, None)
             if isinstance(value, int) and not isinstance(value, bool):
-                setattr(module, attr, value // size)
+                setattr(module, attr, local_head_count(attr, value, size))
+    for name, values in resolved.local_head_counts.items():
+        module = model.get_submodule(name)
+        for attr, value in values.items():
+            setattr(module, attr, value)
 
 
 def check_checkpoint_keys(resolved: ResolvedPlan, checkpoint_keys: set[str], shapes: Mapping[str, tuple]) -> None:

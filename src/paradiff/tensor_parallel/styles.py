@@ -132,6 +132,8 @@ class HeadNorm(Style):
     kind: ClassVar[str] = "norm_across_heads"
     target: ClassVar[str] = "norm"
     blocks: BlockSizes = None
+    # grouped K heads (a norm after a ColwiseHeads projection): split like ColwiseHeads(head_dim), replicas included
+    head_dim: int | Callable[[Any], int] | None = None
 
     def weight_dim(self) -> int:
         return 0
@@ -140,6 +142,8 @@ class HeadNorm(Style):
         return [full_size] if self.blocks is None else _Packed(self.blocks).block_sizes_for(full_size, config, where)
 
     def shard_spec(self, param: str, full_shape: Sequence[int], rank: int, size: int, config: Any, where: str):
+        if self.head_dim is not None:
+            return ColwiseHeads(self.head_dim).shard_spec("weight", full_shape, rank, size, config, where)
         return Colwise.shard_spec(self, "weight", full_shape, rank, size, config, where)
 
 
@@ -174,6 +178,48 @@ class ColwiseHeads(Style):
         return ShardSpec(dim=0, pieces=((head * head_dim, head_dim),))
 
 
+@dataclass(frozen=True)
+class SplitParameter(Style):
+    """A bare parameter holding one value (or row) per head, e.g. Lumina-Next's per-head gate: split along `dim` in
+    tp equal blocks, rank r keeping the r-th, the heads its colwise projections hold. The plan key names the
+    parameter ('layers.*.gate'), not a module."""
+
+    kind: ClassVar[str] = "parameter"
+    target: ClassVar[str] = "parameter"
+    dim: int = 0
+
+    def shard_spec(self, param: str, full_shape: Sequence[int], rank: int, size: int, config: Any, where: str):
+        full = full_shape[self.dim]
+        if full % size != 0:
+            raise PlanError(f"{where}: dim {self.dim} of shape {tuple(full_shape)} ({full} heads) is not divisible by "
+                            f"tp_degree={size}; choose a tp_degree that divides {full}.")
+        local = full // size
+        return ShardSpec(dim=self.dim, pieces=((rank * local, local),))
+
+
+@dataclass(frozen=True)
+class Vocab(Style):
+    """Split the vocabulary: the rows of a token-embedding table (masked lookup, then one all-reduce), or the output
+    rows of an LM head (then one all-gather), so a tied table and head hold the same slice.
+
+    Vocabularies rarely divide evenly, so the split is uneven: the first `vocab % tp` ranks hold one row more.
+    """
+
+    kind: ClassVar[str] = "vocab"
+
+    def shard_spec(self, param: str, full_shape: Sequence[int], rank: int, size: int, config: Any, where: str):
+        start, length = uneven_piece(full_shape[0], rank, size)
+        if length == 0:
+            raise PlanError(f"{where}.{param}: {full_shape[0]} vocabulary rows cannot be split over {size} ranks.")
+        return ShardSpec(dim=0, pieces=((start, length),))
+
+
+def uneven_piece(total: int, rank: int, size: int) -> tuple[int, int]:
+    """(start, length) of `rank`'s contiguous share when `total` items are split as evenly as possible."""
+    base, extra = divmod(total, size)
+    return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
+
+
 def PackedColwiseParallel(blocks: BlockSizes = None) -> PackedColwise:  # noqa: N802 - diffusers-compatible name
     return PackedColwise(blocks)
 
@@ -187,6 +233,7 @@ _NAMED = {
     "rowwise": Rowwise(),
     "rowwise_split_input": RowwiseSplitInput(),
     "norm_across_heads": HeadNorm(),
+    "vocab": Vocab(),
 }
 
 
@@ -197,5 +244,6 @@ def resolve_style(value: str | Style, where: str) -> Style:
         return _NAMED[value]
     raise PlanError(
         f"Unknown tensor-parallel style {value!r} for {where!r}; valid styles: "
-        f"{sorted(_NAMED)}, PackedColwise(blocks), PackedRowwise(blocks), HeadNorm(blocks), ColwiseHeads(head_dim)."
+        f"{sorted(_NAMED)}, PackedColwise(blocks), PackedRowwise(blocks), HeadNorm(blocks, head_dim), "
+        "ColwiseHeads(head_dim), SplitParameter(dim)."
     )

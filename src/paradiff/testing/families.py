@@ -77,3 +77,18 @@ def unplanned_modes(modes: list[str], plan: str = "auto") -> dict:
         results[mode] = {"diff": examples.relative_difference(actual, expected), "flop_share": flops / single_flops,
                          "bytes_share": examples.block_parameter_bytes(model) / examples.block_parameter_bytes(reference)}
     return results
+
+
+def unsupported_input_message() -> str:
+    """Stable Audio 3's inpainting input under Ulysses: refused with the plan's reason, on every rank alike."""
+    import torch
+
+    model = paradiff.enable_parallelism(examples.build_example("stable_audio3", "stable-audio-3"),
+                                        parallel_config("ulysses2"))
+    inputs = examples.example_inputs("stable_audio3", "stable-audio-3", model.config)
+    inputs["local_add_cond"] = torch.zeros(2, model.config.local_add_cond_dim, inputs["hidden_states"].shape[-1])
+    try:
+        examples.forward(model, inputs)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"

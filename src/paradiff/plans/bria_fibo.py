@@ -1,0 +1,41 @@
+"""Bria FIBO (`BriaFiboTransformer2DModel`): FLUX.1's blocks, where every block replaces half of the text features
+with its own projection of one text-encoder layer."""
+
+import torch
+
+from ..context_parallel.plan import ContextParallelPlan, Split
+from ..tensor_parallel.plan import TensorParallelPlan
+from .common import Grid, mlp
+from .flux import flux_blocks, flux_context_plan, flux_inputs
+
+MODEL_CLASSES = ("BriaFiboTransformer2DModel",)
+
+
+def tensor_parallel_plan(config) -> TensorParallelPlan:
+    styles = {
+        **flux_blocks(), **mlp("time_embed.timestep_embedder"),
+        # per-block text-layer projections feed a concatenation every rank needs whole
+        "caption_projection.*.linear": "rowwise_split_input",
+        "context_embedder": "rowwise_split_input", "norm_out.linear": "rowwise_split_input",
+    }
+    if config.guidance_embeds:
+        styles.update(mlp("guidance_embed.timestep_embedder"))
+    return TensorParallelPlan(styles=styles)
+
+
+def context_parallel_plan(config) -> ContextParallelPlan:
+    plan = flux_context_plan()
+    plan.split_inputs[""]["text_encoder_layers"] = Split(1)  # a list: each layer's text tokens split like the text
+    return plan
+
+
+EXAMPLES = {"bria-fibo": ("BriaFiboTransformer2DModel", dict(
+    in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=4,
+    joint_attention_dim=32, axes_dims_rope=[4, 6, 6], text_encoder_dim=24))}
+
+
+def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
+    layers = config.num_layers + config.num_single_layers
+    return {**flux_inputs(config, batch, grid, generator),
+            "text_encoder_layers": [torch.randn(batch, grid.text, config.text_encoder_dim, generator=generator)
+                                    for _ in range(layers)]}

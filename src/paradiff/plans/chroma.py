@@ -1,0 +1,40 @@
+"""Chroma (`ChromaTransformer2DModel`): FLUX.1's blocks with pruned AdaLN, modulated by one shared approximator
+MLP, and a text mask over the joint sequence."""
+
+import torch
+
+from ..context_parallel.plan import ContextParallelPlan
+from ..tensor_parallel.plan import TensorParallelPlan
+from .common import Grid, mlp
+from .flux import flux_blocks, flux_context_plan, flux_inputs
+
+MODEL_CLASSES = ("ChromaTransformer2DModel",)
+
+
+def tensor_parallel_plan(config) -> TensorParallelPlan:
+    return TensorParallelPlan(styles={
+        **flux_blocks(modulation=False),
+        # the approximator's residual MLPs (5 x hidden^2 at full size) and its output projection
+        **mlp("distilled_guidance_layer.layers.*"),
+        "distilled_guidance_layer.out_proj": "rowwise_split_input",
+        "context_embedder": "rowwise_split_input",
+    })
+
+
+def context_parallel_plan(config) -> ContextParallelPlan:
+    # the blocks turn the whole (text + image) padding mask into a query-dependent mask over the joint sequence,
+    # which CP attention takes whole and reorders to the split's token order
+    return flux_context_plan()
+
+
+EXAMPLES = {"chroma": ("ChromaTransformer2DModel", dict(
+    in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=4,
+    joint_attention_dim=32, axes_dims_rope=(4, 6, 6), approximator_num_channels=8, approximator_hidden_dim=32,
+    approximator_layers=2))}
+
+
+def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
+    inputs = flux_inputs(config, batch, grid, generator)
+    mask = torch.ones(batch, grid.text + grid.height * grid.width)
+    mask[-1, grid.text - 2 : grid.text] = 0  # the last prompt's padding
+    return {**inputs, "attention_mask": mask}

@@ -1,0 +1,66 @@
+"""CogView4 (`CogView4Transformer2DModel`): how it splits under tensor and context parallelism."""
+
+import torch
+
+from ..context_parallel.plan import ContextParallelPlan, Split
+from ..tensor_parallel.plan import TensorParallelPlan
+from .common import Grid, attention, feed_forward, mlp
+
+MODEL_CLASSES = ("CogView4Transformer2DModel",)
+
+TEXT_MASK_REFUSED = (
+    "the processor turns the text mask into an attention bias over the [text, image] tokens it sees, which under "
+    "context parallelism are the rank's part only; diffusers' pipelines do not pass it. Use tensor parallelism"
+)
+
+
+def blocks_plan() -> dict:
+    """CogView4's joint blocks (one attention and one feed-forward shared by text and image, AdaLN of both streams,
+    dim -> 12 dim) and embedders, also GLM-Image's."""
+    return {
+        **attention("transformer_blocks.*.attn1"),
+        **feed_forward("transformer_blocks.*.ff"),
+        "transformer_blocks.*.norm1.linear": "rowwise_split_input",
+        **mlp("time_condition_embed.timestep_embedder"),
+        **mlp("time_condition_embed.condition_embedder"),
+        "norm_out.linear": "rowwise_split_input",
+    }
+
+
+def joint_context_plan(**extra) -> ContextParallelPlan:
+    """Text and image split at the first block, the image rotary tables at every block; the text mask refused."""
+    return ContextParallelPlan(
+        split_inputs={
+            "transformer_blocks.0": {"hidden_states": Split(1), "encoder_hidden_states": Split(1)},
+            "transformer_blocks.*": {"image_rotary_emb": Split(0)},
+        },
+        gather_outputs={"proj_out": 1},
+        unsupported_inputs={"": {"attention_mask": TEXT_MASK_REFUSED, **extra}},
+    )
+
+
+def tensor_parallel_plan(config) -> TensorParallelPlan:
+    return TensorParallelPlan(styles={**blocks_plan(), "patch_embed.text_proj": "rowwise_split_input"})
+
+
+def context_parallel_plan(config) -> ContextParallelPlan:
+    return joint_context_plan()
+
+
+EXAMPLES = {
+    "cogview4": ("CogView4Transformer2DModel", dict(
+        patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=4,
+        text_embed_dim=32, time_embed_dim=32, condition_dim=8, rope_axes_dim=(16, 16))),
+}
+
+
+def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
+    p = config.patch_size
+    size = torch.tensor([[grid.height * p * 8.0, grid.width * p * 8.0]] * batch)
+    return dict(
+        hidden_states=torch.randn(batch, config.in_channels, grid.height * p, grid.width * p, generator=generator),
+        encoder_hidden_states=torch.randn(batch, grid.text, config.text_embed_dim, generator=generator),
+        timestep=torch.rand(batch, generator=generator) * 1000,
+        original_size=size, target_size=size, crop_coords=torch.zeros(batch, 2),
+        return_dict=False,
+    )

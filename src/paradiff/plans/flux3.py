@@ -1,0 +1,83 @@
+"""FLUX.3 (`Flux3Transformer2DModel`): per-mode blocks (image, reference image, text) that attend within their own
+mode, then joint single blocks over all tokens; modulation is per token."""
+
+import torch
+
+from ..context_parallel.plan import ContextParallelPlan, Split
+from ..tensor_parallel.plan import TensorParallelPlan
+from ..tensor_parallel.styles import PackedColwise
+from .common import Grid, attention
+from .flux import flux_inputs
+
+MODEL_CLASSES = ("Flux3Transformer2DModel",)
+
+_STACKS = ("mode_blocks.*.*", "txt_mode_blocks.*", "single_transformer_blocks.*")
+_MODES = ("image", "image_cond", "txt")
+
+
+def tensor_parallel_plan(config) -> TensorParallelPlan:
+    styles = {}
+    for stack in _STACKS:
+        styles.update(attention(f"{stack}.attn"))
+        # SwiGLU: gate and value are equal halves of linear_in
+        styles[f"{stack}.ff.linear_in"] = PackedColwise([1, 1])
+        styles[f"{stack}.ff.linear_out"] = "rowwise"
+    for mode in _MODES:
+        # per-token modulation, dim -> 3 dim on a replicated input
+        styles[f"early_stream_modulations.{mode}.linear"] = "rowwise_split_input"
+        styles[f"single_stream_modulations.{mode}.linear"] = "rowwise_split_input"
+    styles.update({
+        "context_embedder": "rowwise_split_input",
+        "timestep_embedder.linear_1": "colwise",
+        "timestep_embedder.linear_2": "rowwise",
+        "norm_out.linear": "rowwise_split_input",
+    })
+    if config.flow_map:
+        styles["target_timestep_embedder.linear_1"] = "colwise"
+        styles["target_timestep_embedder.linear_2"] = "rowwise"
+    return TensorParallelPlan(styles=styles)
+
+
+def context_parallel_plan(config) -> ContextParallelPlan:
+    # Every mode is split at the model's input with its position ids; nothing is masked, so each rank's joint
+    # sequence [text, image, reference] being a different interleaving of the global one changes no attention.
+    # The image tokens stay first in the local content sequence, so the model's own slice keeps only them.
+    return ContextParallelPlan(
+        split_inputs={
+            "": {
+                "hidden_states": Split(1),
+                "encoder_hidden_states": Split(1),
+                "image_cond_hidden_states": Split(1),
+                "img_ids": Split(-2),
+                "txt_ids": Split(-2),
+                "image_cond_ids": Split(-2),
+            }
+        },
+        gather_outputs={"proj_out": 1},
+    )
+
+
+_TINY = dict(in_channels=16, cond_in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=16,
+             num_attention_heads=4, joint_attention_dim=32, timestep_channels=32, mlp_ratio=2.0,
+             axes_dims_rope=(4, 4, 4, 4))
+EXAMPLES = {
+    "flux.3": ("Flux3Transformer2DModel", _TINY),
+    "flux.3-flow-map": ("Flux3Transformer2DModel", {**_TINY, "flow_map": True}),
+}
+
+
+def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
+    inputs = flux_inputs(config, batch, grid, generator)
+    # a reference image of a different size than the target: its own token count
+    cond_h, cond_w = grid.height, grid.width + 2
+    cond_ids = torch.zeros(cond_h * cond_w, len(config.axes_dims_rope))
+    cond_ids[:, 0] = 1
+    cond_ids[:, -2] = torch.arange(cond_h).repeat_interleave(cond_w)
+    cond_ids[:, -1] = torch.arange(cond_w).repeat(cond_h)
+    inputs.update(
+        image_cond_hidden_states=torch.randn(batch, cond_h * cond_w, config.cond_in_channels, generator=generator),
+        image_cond_ids=cond_ids,
+    )
+    if config.flow_map:
+        inputs["target_timestep"] = torch.rand(batch, generator=generator)
+    return inputs

@@ -1,0 +1,83 @@
+"""HunyuanImage 2.1 (`HunyuanImageTransformer2DModel`): how it splits under tensor and context parallelism."""
+
+import torch
+
+from ..context_parallel.plan import ContextParallelPlan, Split
+from ..tensor_parallel.plan import TensorParallelPlan
+from ..tensor_parallel.styles import PackedRowwise
+from .common import Grid, attention, feed_forward, joint_attention, mlp
+
+MODEL_CLASSES = ("HunyuanImageTransformer2DModel",)
+REFINER = "context_embedder.token_refiner.refiner_blocks"
+
+
+def _single_out_blocks(config) -> list[int]:
+    inner = config.num_attention_heads * config.attention_head_dim
+    return [inner, int(inner * config.mlp_ratio)]  # proj_out reads [attention, MLP]
+
+
+def tensor_parallel_plan(config) -> TensorParallelPlan:
+    return TensorParallelPlan(styles={
+        **joint_attention("transformer_blocks.*.attn"),
+        **feed_forward("transformer_blocks.*.ff"),
+        **feed_forward("transformer_blocks.*.ff_context"),
+        "transformer_blocks.*.norm1.linear": "rowwise_split_input",
+        "transformer_blocks.*.norm1_context.linear": "rowwise_split_input",
+        # single-stream blocks: attention without an output projection; proj_out reads [attention, MLP]
+        "single_transformer_blocks.*.attn.to_q": "colwise",
+        "single_transformer_blocks.*.attn.to_k": "colwise",
+        "single_transformer_blocks.*.attn.to_v": "colwise",
+        "single_transformer_blocks.*.proj_mlp": "colwise",
+        "single_transformer_blocks.*.proj_out": PackedRowwise(_single_out_blocks),
+        "single_transformer_blocks.*.norm.linear": "rowwise_split_input",
+        # the text token refiner
+        **attention(f"{REFINER}.*.attn"),
+        **feed_forward(f"{REFINER}.*.ff"),
+        f"{REFINER}.*.norm_out.linear": "rowwise_split_input",
+        "context_embedder.proj_in": "rowwise_split_input",
+        **mlp("context_embedder.time_text_embed.timestep_embedder"),
+        **mlp("context_embedder.time_text_embed.text_embedder"),
+        **mlp("time_guidance_embed.timestep_embedder"),
+        "norm_out.linear": "rowwise_split_input",
+    })
+
+
+def context_parallel_plan(config) -> ContextParallelPlan:
+    # Image and (refined) text are split at the first block; the attention holds [image, text], so the key mask over
+    # [image, text] is split part by part, and the rotary tables (image only) with the image.
+    per_block = {"attention_mask": Split(-1, parts=("hidden_states", "encoder_hidden_states")),
+                 "image_rotary_emb": Split(0)}
+    return ContextParallelPlan(
+        split_inputs={
+            "transformer_blocks.0": {"hidden_states": Split(1), "encoder_hidden_states": Split(1)},
+            "transformer_blocks.*": per_block,
+            "single_transformer_blocks.*": per_block,
+        },
+        gather_outputs={"proj_out": 1},
+        # the token refiner runs on the whole text on every rank before the split
+        local_attention=(f"{REFINER}.*.attn",),
+    )
+
+
+EXAMPLES = {
+    "hunyuanimage-2.1": ("HunyuanImageTransformer2DModel", dict(
+        in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=16, num_layers=1,
+        num_single_layers=2, num_refiner_layers=1, patch_size=(1, 1), text_embed_dim=32, text_embed_2_dim=24,
+        rope_axes_dim=(8, 8))),
+}
+
+
+def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
+    text_mask = torch.ones(batch, grid.text, dtype=torch.long)
+    text_mask[-1, grid.text - 3:] = 0  # the last prompt is padded
+    glyph_mask = torch.ones(batch, 4, dtype=torch.long)
+    glyph_mask[0, 2:] = 0
+    return dict(
+        hidden_states=torch.randn(batch, config.in_channels, grid.height, grid.width, generator=generator),
+        timestep=torch.rand(batch, generator=generator) * 1000,
+        encoder_hidden_states=torch.randn(batch, grid.text, config.text_embed_dim, generator=generator),
+        encoder_attention_mask=text_mask,
+        encoder_hidden_states_2=torch.randn(batch, 4, config.text_embed_2_dim, generator=generator),
+        encoder_attention_mask_2=glyph_mask,
+        return_dict=False,
+    )

@@ -1,0 +1,68 @@
+"""Kandinsky 5 (`Kandinsky5Transformer3DModel`): a text encoder stack, then visual blocks with self-attention,
+cross-attention to the encoded text and a feed-forward; returns a bare tensor with `return_dict=False`."""
+
+import torch
+
+from ..context_parallel.plan import ContextParallelPlan, Split
+from ..tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
+from .common import Grid
+
+
+def _attention(prefix: str) -> dict:
+    return {f"{prefix}.to_query": "colwise", f"{prefix}.to_key": "colwise", f"{prefix}.to_value": "colwise",
+            f"{prefix}.out_layer": "rowwise"}
+
+
+MODEL_CLASSES = ("Kandinsky5Transformer3DModel",)
+
+
+def tensor_parallel_plan(config) -> TensorParallelPlan:
+    styles = {
+        **_attention("text_transformer_blocks.*.self_attention"),
+        **_attention("visual_transformer_blocks.*.self_attention"),
+        **_attention("visual_transformer_blocks.*.cross_attention"),
+        "time_embeddings.in_layer": "colwise", "time_embeddings.out_layer": "rowwise",
+        "text_embeddings.in_layer": "rowwise_split_input",
+        # per-block modulation: time_dim -> 6 or 9 x model_dim on the replicated time embedding
+        "text_transformer_blocks.*.text_modulation.out_layer": "rowwise_split_input",
+        "visual_transformer_blocks.*.visual_modulation.out_layer": "rowwise_split_input",
+    }
+    for stack in ("text_transformer_blocks", "visual_transformer_blocks"):
+        styles.update({f"{stack}.*.feed_forward.in_layer": "colwise", f"{stack}.*.feed_forward.out_layer": "rowwise"})
+    return TensorParallelPlan(styles=styles, head_attrs=DEFAULT_HEAD_ATTRS + ("num_heads",))
+
+
+def context_parallel_plan(config) -> ContextParallelPlan:
+    # The text and the (flattened) video are split at their stacks' first blocks with their rotary tables, and
+    # gathered after their last: the visual blocks cross-attend to the whole text, the output layer unflattens the
+    # whole video.
+    return ContextParallelPlan(
+        split_inputs={
+            "text_transformer_blocks.0": {"x": Split(1)},
+            "text_transformer_blocks.*": {"rope": Split(1)},
+            "visual_transformer_blocks.0": {"visual_embed": Split(1)},
+            "visual_transformer_blocks.*": {"rope": Split(1)},
+        },
+        gather_outputs={f"text_transformer_blocks.{config.num_text_blocks - 1}": 1,
+                        f"visual_transformer_blocks.{config.num_visual_blocks - 1}": 1},
+        local_attention=("visual_transformer_blocks.*.cross_attention",),
+    )
+
+
+EXAMPLES = {"kandinsky-5": ("Kandinsky5Transformer3DModel", dict(
+    in_visual_dim=4, in_text_dim=24, in_text_dim2=16, time_dim=32, out_visual_dim=4, model_dim=64, ff_dim=96,
+    num_text_blocks=1, num_visual_blocks=2, axes_dims=(4, 6, 6)))}
+
+
+def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
+    p_t, p_h, p_w = config.patch_size
+    return dict(
+        hidden_states=torch.randn(batch, grid.frames * p_t, grid.height * p_h, grid.width * p_w,
+                                  config.in_visual_dim, generator=generator),
+        encoder_hidden_states=torch.randn(batch, grid.text, config.in_text_dim, generator=generator),
+        timestep=torch.rand(batch, generator=generator) * 1000,
+        pooled_projections=torch.randn(batch, config.in_text_dim2, generator=generator),
+        visual_rope_pos=[torch.arange(grid.frames), torch.arange(grid.height), torch.arange(grid.width)],
+        text_rope_pos=torch.arange(grid.text),
+        return_dict=False,
+    )

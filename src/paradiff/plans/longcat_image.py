@@ -1,0 +1,30 @@
+"""LongCat-Image (`LongCatImageTransformer2DModel`): FLUX.1's double- and single-stream blocks."""
+
+import torch
+
+from ..context_parallel.plan import ContextParallelPlan
+from ..tensor_parallel.plan import TensorParallelPlan
+from .common import Grid, mlp
+from .flux import flux_blocks, flux_context_plan, flux_inputs
+
+MODEL_CLASSES = ("LongCatImageTransformer2DModel",)
+
+
+def tensor_parallel_plan(config) -> TensorParallelPlan:
+    return TensorParallelPlan(styles={
+        **flux_blocks(), **mlp("time_embed.timestep_embedder"),
+        "context_embedder": "rowwise_split_input", "norm_out.linear": "rowwise_split_input",
+    })
+
+
+def context_parallel_plan(config) -> ContextParallelPlan:
+    return flux_context_plan()
+
+
+EXAMPLES = {"longcat-image": ("LongCatImageTransformer2DModel", dict(
+    in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=4,
+    joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 6, 6]))}
+
+
+def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
+    return flux_inputs(config, batch, grid, generator)

@@ -1,0 +1,67 @@
+"""PRX (`PRXTransformer2DModel`): how it splits under tensor and context parallelism.
+
+Only the image tokens run through the blocks; each attention's queries are the image tokens and its keys the
+(unchanged) text tokens followed by the image tokens. Under context parallelism both are split, so every rank holds
+a part of the keys of each stream; Ulysses exchanges queries and keys by their own lengths.
+"""
+
+import torch
+
+from ..context_parallel.plan import ContextParallelPlan, Split
+from ..tensor_parallel.plan import TensorParallelPlan
+from ..tensor_parallel.styles import PackedColwise
+from .common import Grid, mlp
+
+MODEL_CLASSES = ("PRXTransformer2DModel",)
+
+
+def tensor_parallel_plan(config) -> TensorParallelPlan:
+    styles = {
+        "blocks.*.attention.img_qkv_proj": PackedColwise([1, 1, 1]),
+        "blocks.*.attention.txt_kv_proj": PackedColwise([1, 1]),
+        "blocks.*.attention.to_out.0": "rowwise",
+        "blocks.*.gate_proj": "colwise",
+        "blocks.*.up_proj": "colwise",
+        "blocks.*.down_proj": "rowwise",
+        "blocks.*.modulation.lin": "rowwise_split_input",
+        "txt_in": "rowwise_split_input",
+        **mlp("time_in", "in_layer", "out_layer"),
+        "final_layer.adaLN_modulation.1": "rowwise_split_input",
+    }
+    if config.resolution_embeds:
+        styles.update(mlp("resolution_embedder.mlp", "in_layer", "out_layer"))
+    return TensorParallelPlan(styles=styles, heads_config_key="num_heads")
+
+
+def context_parallel_plan(config) -> ContextParallelPlan:
+    return ContextParallelPlan(
+        split_inputs={
+            "blocks.0": {"hidden_states": Split(1)},
+            # the text, its mask and the image rotary table come whole to every block
+            "blocks.*": {"encoder_hidden_states": Split(1), "attention_mask": Split(1), "image_rotary_emb": Split(2)},
+        },
+        gather_outputs={"final_layer": 1},
+    )
+
+
+EXAMPLES = {
+    "prx": ("PRXTransformer2DModel", dict(
+        in_channels=4, patch_size=2, context_in_dim=32, hidden_size=64, mlp_ratio=3.5, num_heads=4, depth=2,
+        axes_dim=[8, 8])),
+    "prx-7b": ("PRXTransformer2DModel", dict(  # pixel-space variant: bottleneck patch embedding, resolution embedding
+        in_channels=4, patch_size=2, context_in_dim=32, hidden_size=64, mlp_ratio=3.5, num_heads=4, depth=2,
+        axes_dim=[8, 8], bottleneck_size=24, resolution_embeds=True)),
+}
+
+
+def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
+    p = config.patch_size
+    text_mask = torch.ones(batch, grid.text, dtype=torch.bool)
+    text_mask[-1, grid.text - 3:] = False  # the last prompt is padded
+    return dict(
+        hidden_states=torch.randn(batch, config.in_channels, grid.height * p, grid.width * p, generator=generator),
+        timestep=torch.rand(batch, generator=generator),
+        encoder_hidden_states=torch.randn(batch, grid.text, config.context_in_dim, generator=generator),
+        attention_mask=text_mask,
+        return_dict=False,
+    )

@@ -1,0 +1,83 @@
+"""Sana / Sana 1.5 / Sana Sprint (`SanaTransformer2DModel`): ReLU linear self-attention, PixArt-style cross-attention
+and a convolutional (GLUMBConv) feed-forward over the token grid."""
+
+import torch
+
+from ..context_parallel.plan import ContextParallelPlan, GridSplit
+from ..tensor_parallel.plan import TensorParallelPlan
+from ..tensor_parallel.styles import PackedColwise
+from .common import Grid, attention, mlp
+
+MODEL_CLASSES = ("SanaTransformer2DModel",)
+
+
+def block_styles(config, blocks: str = "transformer_blocks.*") -> dict:
+    """Both attentions by heads (linear attention splits by heads like softmax attention); the GLUMBConv's 1x1
+    convolutions are Linears over channels: its value/gate expansion and their depthwise convolution colwise (each
+    half on its own), the projection back rowwise."""
+    norms = ("norm_q", "norm_k") if config.qk_norm == "rms_norm_across_heads" else ()
+    return {
+        **attention(f"{blocks}.attn1", norms_across_heads=norms),
+        **attention(f"{blocks}.attn2", norms_across_heads=norms),
+        f"{blocks}.ff.conv_inverted": PackedColwise([1, 1]),
+        f"{blocks}.ff.conv_depth": PackedColwise([1, 1]),
+        f"{blocks}.ff.conv_point": "rowwise",
+    }
+
+
+def embedder_styles(config) -> dict:
+    styles = {**mlp("caption_projection"), "time_embed.linear": "rowwise_split_input"}
+    if config.guidance_embeds:
+        styles.update({**mlp("time_embed.timestep_embedder"), **mlp("time_embed.guidance_embedder")})
+    else:
+        styles.update(mlp("time_embed.emb.timestep_embedder"))
+    return styles
+
+
+def tensor_parallel_plan(config) -> TensorParallelPlan:
+    return TensorParallelPlan(styles={**block_styles(config), **embedder_styles(config)})
+
+
+def context_parallel_plan(config) -> ContextParallelPlan:
+    # The feed-forward convolves over the image grid, so the tokens are split by whole rows and its 3x3 depthwise
+    # convolution borrows one row from each neighbour. Linear attention sums over the keys: one all-reduce of the
+    # partial sums. Cross-attention reads the replicated text.
+    return ContextParallelPlan(
+        split_inputs={"transformer_blocks.*": {"hidden_states": GridSplit(1, ("height", "width"))}},
+        gather_outputs={"proj_out": 1},
+        halo_convs=("transformer_blocks.*.ff.conv_depth",),
+        linear_attention=("transformer_blocks.*.attn1",),
+        local_attention=("transformer_blocks.*.attn2",),
+    )
+
+
+_BASE = dict(in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=16, num_layers=2,
+             num_cross_attention_heads=2, cross_attention_head_dim=32, cross_attention_dim=64, caption_channels=32,
+             sample_size=8, patch_size=1)
+EXAMPLES = {
+    "sana-1.0": ("SanaTransformer2DModel", _BASE),
+    # Sana Sprint / 1.5: QK RMSNorm across heads, guidance embedding, sin-cos positions
+    "sana-sprint": ("SanaTransformer2DModel", {**_BASE, "qk_norm": "rms_norm_across_heads", "guidance_embeds": True,
+                                               "interpolation_scale": 1}),
+}
+
+
+def text_inputs(config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
+    mask = torch.ones(batch, grid.text)
+    mask[-1, grid.text // 2:] = 0  # the last prompt is shorter
+    return dict(encoder_hidden_states=torch.randn(batch, grid.text, config.caption_channels, generator=generator),
+                encoder_attention_mask=mask)
+
+
+def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
+    # rows = grid.width, so four CP ranks each get a row
+    p = config.patch_size
+    inputs = dict(
+        hidden_states=torch.randn(batch, config.in_channels, grid.width * p, grid.height * p, generator=generator),
+        timestep=torch.rand(batch, generator=generator) * 1000,
+        **text_inputs(config, batch, grid, generator),
+        return_dict=False,
+    )
+    if config.guidance_embeds:
+        inputs["guidance"] = torch.full((batch,), 4.5)
+    return inputs

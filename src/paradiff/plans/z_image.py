@@ -1,0 +1,59 @@
+"""Z-Image (`ZImageTransformer2DModel`): refiner stacks for the image and the caption, then one stack over the
+joined sequence; inputs and outputs are per-sample lists.
+
+The model pads every sequence to a multiple of 32 tokens itself, so its token counts always divide 2 and 4 ranks;
+the uneven split paths are exercised by the other families."""
+
+import torch
+
+from ..context_parallel.plan import ContextParallelPlan, Split
+from ..tensor_parallel.plan import TensorParallelPlan
+from .common import Grid
+
+
+def _stacks(config) -> tuple[str, ...]:
+    refiners = ("noise_refiner", "context_refiner") + (("siglip_refiner",) if config.siglip_feat_dim else ())
+    return refiners + ("layers",)
+
+
+MODEL_CLASSES = ("ZImageTransformer2DModel",)
+
+
+def tensor_parallel_plan(config) -> TensorParallelPlan:
+    styles = {"t_embedder.mlp.0": "colwise", "t_embedder.mlp.2": "rowwise", "cap_embedder.1": "rowwise_split_input"}
+    for stack in _stacks(config):
+        styles.update({
+            f"{stack}.*.attention.to_q": "colwise", f"{stack}.*.attention.to_k": "colwise",
+            f"{stack}.*.attention.to_v": "colwise", f"{stack}.*.attention.to_out.0": "rowwise",
+            f"{stack}.*.feed_forward.w1": "colwise", f"{stack}.*.feed_forward.w3": "colwise",
+            f"{stack}.*.feed_forward.w2": "rowwise",
+        })
+    for stack in ("noise_refiner", "layers"):  # the caption (and SigLIP) refiners are not modulated
+        styles[f"{stack}.*.adaLN_modulation.0"] = "rowwise_split_input"
+    return TensorParallelPlan(styles=styles)
+
+
+def context_parallel_plan(config) -> ContextParallelPlan:
+    # Each stack's sequence is split at its first block with its key mask, rotary table and per-token noise mask
+    # at every block, and gathered after its last: the model joins the refined sequences sample by sample.
+    split_inputs, gather_outputs = {}, {}
+    for stack in _stacks(config):
+        split_inputs[f"{stack}.0"] = {"x": Split(1)}
+        split_inputs[f"{stack}.*"] = {"attn_mask": Split(1), "freqs_cis": Split(1), "noise_mask": Split(1)}
+        depth = config.n_layers if stack == "layers" else config.n_refiner_layers
+        gather_outputs[f"{stack}.{depth - 1}"] = 1
+    return ContextParallelPlan(split_inputs=split_inputs, gather_outputs=gather_outputs)
+
+
+EXAMPLES = {"z-image": ("ZImageTransformer2DModel", dict(
+    in_channels=4, dim=64, n_layers=2, n_refiner_layers=1, n_heads=4, n_kv_heads=4, cap_feat_dim=24,
+    axes_dims=[4, 6, 6], axes_lens=[128, 64, 64]))}
+
+
+def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
+    # per-sample lists; the last caption pads to 64 tokens, the others to 32, so the batch carries a key mask
+    images = [torch.randn(config.in_channels, 1, 2 * grid.height, 2 * grid.width, generator=generator)
+              for _ in range(batch)]
+    captions = [torch.randn(grid.text + (32 if index == batch - 1 else 0), config.cap_feat_dim, generator=generator)
+                for index in range(batch)]
+    return dict(x=images, t=torch.rand(batch, generator=generator), cap_feats=captions, return_dict=False)

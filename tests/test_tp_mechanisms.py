@@ -1,0 +1,90 @@
+"""Tensor-parallel plan mechanisms that video families need, checked in one process (the families' multi-process
+equivalence tests exercise them end to end)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from paradiff.errors import PlanError
+from paradiff.tensor_parallel.plan import TensorParallelPlan, localise_heads, resolve_plan
+from paradiff.tensor_parallel.shard import _local_heads_of_outputs
+
+
+class HandWrittenAttention(nn.Module):
+    """Attention without a diffusers processor, reshaping by its own `heads` (like ConsisID's perceiver)."""
+
+    def __init__(self, heads: int = 4, head_dim: int = 8) -> None:
+        super().__init__()
+        self.heads = heads
+        self.to_q = nn.Linear(16, heads * head_dim)
+        self.to_out = nn.Linear(heads * head_dim, 16)
+
+
+class Model(nn.Module):
+    def __init__(self, heads: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([HandWrittenAttention(heads) for _ in range(2)])
+        self.rope = nn.Identity()
+
+
+def test_head_modules_shrink_the_head_count_of_attention_without_a_processor():
+    model = Model()
+    plan = TensorParallelPlan(styles={"blocks.*.to_q": "colwise", "blocks.*.to_out": "rowwise"},
+                              head_modules=("blocks.*",))
+    resolved = resolve_plan(model, plan, rank=1, size=2)
+    assert resolved.attention_modules == ["blocks.0", "blocks.1"]
+    localise_heads(model, resolved, 2)
+    assert [block.heads for block in model.blocks] == [2, 2]
+
+
+def test_head_modules_refuse_a_head_count_the_degree_does_not_divide():
+    plan = TensorParallelPlan(styles={"blocks.*.to_q": "colwise"}, head_modules=("blocks.*",))
+    with pytest.raises(PlanError, match=r"blocks.0.heads=3 is not divisible by tp_degree=2"):
+        resolve_plan(Model(heads=3), plan, rank=0, size=2)
+
+
+def test_head_outputs_keep_the_rank_s_contiguous_block_of_heads():
+    plan = TensorParallelPlan(styles={"blocks.*.to_q": "colwise"}, head_outputs={"rope": {0: 1, 1: 1}})
+    resolved = resolve_plan(Model(), plan, rank=1, size=2)
+    assert resolved.head_outputs == {"rope": {0: 1, 1: 1}}
+    cos, sin = torch.arange(5 * 4 * 3).view(5, 4, 3), torch.arange(5 * 4 * 3).view(5, 4, 3) + 1
+    hook = _local_heads_of_outputs(resolved.head_outputs["rope"], rank=1, size=2, name="rope")
+    local = hook(None, (), (cos, sin))
+    assert isinstance(local, tuple) and torch.equal(local[0], cos[:, 2:]) and torch.equal(local[1], sin[:, 2:])
+
+
+def test_head_outputs_name_a_missing_module():
+    plan = TensorParallelPlan(styles={}, head_outputs={"rotary": {0: 1}})
+    with pytest.raises(PlanError, match="'rotary'.*children"):
+        resolve_plan(Model(), plan, rank=0, size=2)
+
+
+def test_gather_heads_are_resolved_per_module():
+    plan = TensorParallelPlan(styles={"blocks.*.to_q": "colwise"}, gather_heads={"blocks.*": {1: -1}})
+    resolved = resolve_plan(Model(), plan, rank=0, size=2)
+    assert resolved.gather_heads == {"blocks.0": {1: -1}, "blocks.1": {1: -1}}
+
+
+class ConvFeedForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.ModuleDict({
+            "inverted": nn.Conv2d(8, 32, 1), "depth": nn.Conv2d(32, 32, 3, padding=1, groups=32),
+            "grouped": nn.Conv2d(32, 32, 3, padding=1, groups=4), "point": nn.Conv2d(16, 8, 1)})])
+
+
+def test_convolutions_split_over_channels_and_depthwise_ones_keep_a_group_per_channel():
+    model = ConvFeedForward()
+    plan = TensorParallelPlan(styles={"blocks.*.inverted": "colwise", "blocks.*.depth": "colwise",
+                                      "blocks.*.point": "rowwise"})
+    resolved = resolve_plan(model, plan, rank=1, size=2)
+    assert resolved.linears["blocks.0.depth"].specs["weight"].pieces == ((16, 16),)
+    assert resolved.linears["blocks.0.point"].specs["weight"].dim == 1
+
+
+def test_grouped_convolutions_that_are_not_depthwise_are_refused():
+    for style in ("colwise", "rowwise"):
+        with pytest.raises(PlanError, match="groups=4"):
+            resolve_plan(ConvFeedForward(), TensorParallelPlan(styles={"blocks.*.grouped": style}), rank=0, size=2)
