@@ -1,6 +1,6 @@
 """Train the embedded demo pipeline: a tiny FLUX.2 (`Flux2Pipeline`) that draws the captioned shapes data set.
 
-    python tools/train_demo.py                      # full run, writes src/paradiff/assets/demo/ (about 25 min, 2 cores)
+    python tools/train_demo.py                      # full run, writes src/paradiff/assets/demo/ (about 35 min, 2 cores)
     python tools/train_demo.py --quick --out /tmp/x # a few steps of each stage, for tests
 
 Stages, each deterministic (fixed seeds, fixed thread count, data drawn from a seeded generator):
@@ -15,7 +15,7 @@ Stages, each deterministic (fixed seeds, fixed thread count, data drawn from a s
    caption embeddings, at the noise levels the pipeline's scheduler visits; an exponential moving average of its
    weights is what is saved.
 The loss of every step is logged to `<out>/train_log.jsonl`. Checkpoints go to `--work` (the autoencoder after its
-stage, the transformer every 500 steps); a rerun resumes from them and ends with the same weights.
+stage, the transformer every 250 steps); a rerun resumes from them and ends with the same weights.
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ def train_vae(vae, pool: torch.Tensor, steps: int, batch: int, lr: float, seed: 
     vae.train()
     for step in range(steps):
         for group in optimizer.param_groups:
-            group["lr"] = cosine_lr(step, steps, lr, warmup=20)
+            group["lr"] = cosine_lr(step, steps, lr, warmup=min(20, steps // 4))
         index = torch.randint(len(pool), (batch,), generator=generator)
         x = to_unit(pool[index])
         shape_pixels = (x - x[:, :, :1, :1]).abs().amax(dim=1, keepdim=True) > 0.05
@@ -213,7 +213,7 @@ def train_decoder(vae, pool: torch.Tensor, steps: int, batch: int, lr: float, se
     vae.decoder.train()
     for step in range(steps):
         for group in optimizer.param_groups:
-            group["lr"] = cosine_lr(step, steps, lr, warmup=20)
+            group["lr"] = cosine_lr(step, steps, lr, warmup=min(20, steps // 4))
         index = torch.randint(len(pool), (batch,), generator=generator)
         x = to_unit(pool[index])
         with torch.no_grad():
@@ -370,7 +370,7 @@ def _train_transformer(rank: int, ranks: int, transformer, latents, caption_inde
     transformer.train()
     for step in range(first, steps):
         for group in optimizer.param_groups:
-            group["lr"] = cosine_lr(step, steps, lr, warmup=100)
+            group["lr"] = cosine_lr(step, steps, lr, warmup=min(100, steps // 4))
         index = torch.randint(len(packed), (batch,), generator=generator)
         variant = torch.randint(caption_index.shape[1], (batch,), generator=generator)
         noise = torch.randn((batch, *packed.shape[1:]), generator=generator)[mine]
@@ -404,7 +404,7 @@ def _train_transformer(rank: int, ranks: int, transformer, latents, caption_inde
     return ema.eval()
 
 
-CHECKPOINT_EVERY = 500
+CHECKPOINT_EVERY = 250
 
 
 def _average_gradients(model, loss: torch.Tensor) -> None:
@@ -486,9 +486,9 @@ PROFILES = {
     # images for the VAE, its steps, batch and peak learning rate, the decoder's steps and peak learning rate;
     # images for the transformer, its steps, batch, peak learning rate and data-parallel processes
     "full": dict(vae_pool=4096, vae_steps=600, vae_batch=32, vae_lr=3e-3, decoder_steps=400, decoder_lr=2e-3,
-                 pool=8192, steps=4000, batch=64, lr=1e-3, ranks=2),
-    "quick": dict(vae_pool=64, vae_steps=20, vae_batch=8, vae_lr=3e-3, decoder_steps=10, decoder_lr=2e-3,
-                  pool=64, steps=40, batch=16, lr=1e-3, ranks=2),
+                 pool=8192, steps=1500, batch=32, lr=1e-3, ranks=2),
+    "quick": dict(vae_pool=32, vae_steps=30, vae_batch=8, vae_lr=3e-3, decoder_steps=4, decoder_lr=2e-3,
+                  pool=32, steps=12, batch=8, lr=1e-3, ranks=2),
 }
 
 
