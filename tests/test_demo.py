@@ -113,6 +113,21 @@ def test_parallel_images_equal_single_process_in_every_mode(pools):
             assert all(r["transformer_params"] < 0.6 * full for r in per_rank), degrees
 
 
+def test_compare_png_shows_single_parallel_and_amplified_difference(tmp_path):
+    from PIL import Image
+
+    from paradiff.cli.compare import AMPLIFY, write_compare_png
+
+    single = np.full((8, 8, 3), 0.4)
+    parallel = single.copy()
+    parallel[3, 4, 1] += 1 / 255
+    write_compare_png(tmp_path / "compare.png", [(single, parallel)], scale=1)
+    page = np.asarray(Image.open(tmp_path / "compare.png").convert("RGB"))[14:]  # below the labels
+    left, middle, right = page[:8, 0:8], page[:8, 10:18], page[:8, 20:28]
+    assert (left == 102).all() and middle[3, 4, 1] == 103 and (np.delete(middle.reshape(-1), 3 * 24 + 13) == 102).all()
+    assert right[3, 4, 1] == AMPLIFY and right.sum() == AMPLIFY  # black where they agree
+
+
 def _transformer():
     from diffusers import Flux2Transformer2DModel
 

@@ -306,7 +306,7 @@ def shape_token_weights(pool: torch.Tensor, grid: int, weight: float = 5.0) -> t
 def train_transformer(transformer, latents: torch.Tensor, caption_index: torch.Tensor, embeddings: torch.Tensor,
                       token_weights: torch.Tensor,
                       steps: int, batch: int, lr: float, seed: int, log, ranks: int = 1,
-                      checkpoint: Path | None = None):
+                      checkpoint: Path | None = None, stop: int | None = None):
     """Rectified flow: x_s = (1 - s) x_0 + s e, the transformer predicts e - x_0 (the velocity the Euler scheduler
     integrates from s = 1 to 0). `caption_index[i]` lists the embeddings of image i's caption variants.
 
@@ -316,7 +316,7 @@ def train_transformer(transformer, latents: torch.Tensor, caption_index: torch.T
     if ranks == 1:
         return _train_transformer(0, 1, transformer, latents, caption_index, embeddings, token_weights, steps, batch,
                                   lr, seed, log,
-                                  checkpoint)
+                                  checkpoint, stop)
     import tempfile
 
     import torch.multiprocessing as mp
@@ -326,7 +326,7 @@ def train_transformer(transformer, latents: torch.Tensor, caption_index: torch.T
         mp.spawn(_train_transformer_rank, nprocs=ranks, args=(
             ranks, _free_port(), result, transformer, latents, caption_index, embeddings, token_weights, steps, batch,
             lr, seed, log,
-            checkpoint))
+            checkpoint, stop))
         ema = copy.deepcopy(transformer)
         ema.load_state_dict(torch.load(result))
     return ema.eval().requires_grad_(False)
@@ -361,7 +361,7 @@ def _train_transformer_rank(rank: int, ranks: int, port: int, result: Path, tran
 
 def _train_transformer(rank: int, ranks: int, transformer, latents, caption_index, embeddings, token_weights, steps,
                        batch, lr,
-                       seed, log, checkpoint: Path | None = None):
+                       seed, log, checkpoint: Path | None = None, stop: int | None = None):
     from diffusers import Flux2Pipeline
 
     generator = torch.Generator().manual_seed(seed)
@@ -383,7 +383,7 @@ def _train_transformer(rank: int, ranks: int, transformer, latents, caption_inde
         if rank == 0:
             print(f"transformer: resumed after step {state['step']} from {checkpoint}", flush=True)
     transformer.train()
-    for step in range(first, steps):
+    for step in range(first, steps if stop is None else min(stop, steps)):
         for group in optimizer.param_groups:
             group["lr"] = cosine_lr(step, steps, lr, warmup=min(100, steps // 4))
         index = torch.randint(len(packed), (batch,), generator=generator)
@@ -518,6 +518,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch threads; results are reproducible for a fixed count (1: on a shared 2-core "
                              "machine, 2 threads spin-wait on each other and run 10x slower)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop-after", type=int, default=None,
+                        help="end the transformer's training after this many steps of its (unchanged) schedule and "
+                             "save its moving average then; with a checkpoint of that step in --work, only saves")
     args = parser.parse_args(argv)
     profile = PROFILES["quick" if args.quick else "full"]
     torch.set_num_threads(args.threads)
@@ -580,8 +583,9 @@ def main(argv: list[str] | None = None) -> int:
         ema = train_transformer(transformer, latents, caption_index, embeddings, token_weights, profile["steps"],
                                 profile["batch"],
                                 profile["lr"], seed + 7, log, ranks=profile["ranks"],
-                                checkpoint=None if args.quick else partial)
-        torch.save(ema.state_dict(), checkpoints["transformer"])
+                                checkpoint=None if args.quick else partial, stop=args.stop_after)
+        if args.stop_after is None or args.stop_after >= profile["steps"]:  # a stopped run is not a finished stage
+            torch.save(ema.state_dict(), checkpoints["transformer"])
     log.close()
     save_pipeline(dict(scheduler=build_scheduler(), vae=final_vae, text_encoder=text_encoder, tokenizer=tokenizer,
                        transformer=ema), args.out)
