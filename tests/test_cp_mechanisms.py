@@ -159,3 +159,41 @@ def test_halo_convolution_borrows_only_the_neighbours_edge_rows(pools):
 @pytest.mark.parametrize("world,mode", [(2, "ring"), (2, "ulysses"), (4, "ulysses")])
 def test_cross_attention_between_two_split_sequences(pools, world, mode):
     assert max(pools.get(world).run(cases.cross_attention_between_split_sequences, mode=mode)) < 1e-6
+
+
+class _PerFrameAdapter(torch.nn.Module):
+    """Each token gets its own frame's row of `encoder_hidden_states` (WanAnimate's face adapter pattern)."""
+
+    def forward(self, hidden_states, encoder_hidden_states):
+        frames = encoder_hidden_states.shape[1]
+        grouped = hidden_states.unflatten(1, (frames, -1))
+        return (grouped * encoder_hidden_states.mean(2, keepdim=True)).flatten(1, 2)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_token_groups_pad_each_chunk_to_whole_groups_and_keep_its_own_tokens(size):
+    from paradiff.context_parallel.attention import local_chunk
+    from paradiff.context_parallel.groups import token_group_hooks
+    from paradiff.context_parallel.plan import TokenGroups
+
+    generator = torch.Generator().manual_seed(0)
+    video, faces = torch.randn(2, 3 * 5, 4, generator=generator), torch.randn(2, 3, 2, 4, generator=generator)
+    expected = _PerFrameAdapter()(video, faces)
+    for rank in range(size):
+        module = _PerFrameAdapter()
+        runtime = SimpleNamespace(cp_rank=rank, cp_size=size, full_tokens={"hidden_states": 15})
+        widen, trim = token_group_hooks(module, TokenGroups(), runtime, "face_adapter.0")
+        module.register_forward_pre_hook(widen, with_kwargs=True)
+        module.register_forward_hook(trim)
+        assert torch.equal(module(local_chunk(video, 1, rank, size), faces), local_chunk(expected, 1, rank, size))
+
+
+def test_token_groups_that_do_not_divide_the_stream_are_refused():
+    from paradiff.context_parallel.groups import token_group_hooks
+    from paradiff.context_parallel.plan import TokenGroups
+
+    module = _PerFrameAdapter()
+    runtime = SimpleNamespace(cp_rank=0, cp_size=2, full_tokens={"hidden_states": 16})
+    widen, _ = token_group_hooks(module, TokenGroups(), runtime, "face_adapter.0")
+    with pytest.raises(ValueError, match="its 3 groups .* must divide the 16 tokens"):
+        widen(module, (torch.ones(2, 8, 4), torch.ones(2, 3, 2, 4)), {})

@@ -2,7 +2,7 @@
 
 from .config import ContextParallelConfig, ParallelConfig, TensorParallelConfig
 from .context_parallel.apply import set_attention_backend
-from .context_parallel.plan import ContextParallelPlan, Split
+from .context_parallel.plan import ContextParallelPlan, Count, Split, TokenGroups
 from .errors import (
     CheckpointError,
     DistributedError,
@@ -33,6 +33,7 @@ __all__ = [
     "HeadNorm",
     "ContextParallelConfig",
     "ContextParallelPlan",
+    "Count",
     "DistributedError",
     "PackedColwise",
     "PackedColwiseParallel",
@@ -46,6 +47,7 @@ __all__ = [
     "SplitParameter",
     "TensorParallelConfig",
     "TensorParallelPlan",
+    "TokenGroups",
     "UnsupportedModelError",
     "enable_parallelism",
     "from_pretrained",

@@ -15,8 +15,9 @@ from ..state import ParallelState
 from ..tensor_parallel.plan import expand_key
 from .attention import even_sizes, local_chunk
 from .grid import check_halo_conv, grid_layout, halo_conv_hooks, split_grid
+from .groups import token_group_hooks
 from .linear import LinearAttentionProcessor
-from .plan import ContextParallelPlan, Count, GridSplit, Split
+from .plan import ContextParallelPlan, Count, GridSplit, Split, TokenGroups
 from .runtime import AttentionInterceptor, ContextParallelRuntime, require_native_processors
 
 
@@ -30,6 +31,7 @@ class ResolvedContextPlan:
     unsupported_inputs: dict[str, dict[str, str]]
     halo_convs: list[str] = field(default_factory=list)
     linear_attention: list[str] = field(default_factory=list)
+    token_groups: dict[str, TokenGroups] = field(default_factory=dict)
 
 
 def _expand(model: nn.Module, entries: dict[str, Any], what: str) -> dict[str, Any]:
@@ -85,6 +87,7 @@ def resolve_cp_plan(model: nn.Module, plan: ContextParallelPlan) -> ResolvedCont
         unsupported_inputs=_expand(model, plan.unsupported_inputs, "unsupported_inputs"),
         halo_convs=halo_convs,
         linear_attention=linear,
+        token_groups=_expand(model, plan.token_groups, "token_groups"),
     )
 
 
@@ -346,6 +349,10 @@ def apply_context_parallel(model: nn.Module, state: ParallelState, plan: Resolve
     for name in plan.halo_convs:
         widen, trim = halo_conv_hooks(model.get_submodule(name), name, runtime)
         handles.append(model.get_submodule(name).register_forward_pre_hook(widen))
+        handles.append(model.get_submodule(name).register_forward_hook(trim))
+    for name, groups in plan.token_groups.items():
+        widen, trim = token_group_hooks(model.get_submodule(name), groups, runtime, name)
+        handles.append(model.get_submodule(name).register_forward_pre_hook(widen, with_kwargs=True))
         handles.append(model.get_submodule(name).register_forward_hook(trim))
     for name in plan.linear_attention:
         model.get_submodule(name).processor = LinearAttentionProcessor(runtime)

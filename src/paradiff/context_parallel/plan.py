@@ -47,6 +47,17 @@ class Count:
     tail: bool = False
 
 
+@dataclass(frozen=True)
+class TokenGroups:
+    """A module that computes each token of the split argument `tokens` on its own but reshapes them into as many
+    equal groups as the replicated argument `groups` has along dim 1 (context_parallel/groups.py); `stream` is the
+    split stream whose full length `tokens` has."""
+
+    tokens: str = "hidden_states"
+    groups: str = "encoder_hidden_states"
+    stream: str = "hidden_states"
+
+
 @dataclass
 class ContextParallelPlan:
     """Per-model knowledge of context parallelism, as module paths (globs with one `*` over a ModuleList).
@@ -62,6 +73,7 @@ class ContextParallelPlan:
       NCHW): each rank borrows its neighbours' edge slices, the kernel's reach, before convolving.
     - `linear_attention`: self-attention modules computing ReLU linear attention (Sana): their sums over the keys
       are summed over the ranks (context_parallel/linear.py).
+    - `token_groups`: module -> TokenGroups, for modules that group their tokens by another argument's groups.
     - `split_token_arguments`: module -> forward arguments (tensors or tuples of tensors, e.g. rotary tables
       computed over the full sequence) split along the dimension whose length is the full token count of the
       split `hidden_states` (or text + image tokens, text first, when `encoder_hidden_states` is split too); a
@@ -79,3 +91,4 @@ class ContextParallelPlan:
     unsupported_inputs: dict[str, dict[str, str]] = field(default_factory=dict)
     halo_convs: tuple[str, ...] = ()
     linear_attention: tuple[str, ...] = ()
+    token_groups: dict[str, TokenGroups] = field(default_factory=dict)
