@@ -306,7 +306,8 @@ def _output_gatherer(dims: int | dict[int, int], runtime: ContextParallelRuntime
             return _gather(output, dims, runtime)
         items = list(output)
         for index, dim in dims.items():
-            items[index] = _gather(items[index], dim, runtime)
+            if items[index] is not None:  # an optional stream the call did not use (Kandinsky 6 without audio)
+                items[index] = _gather(items[index], dim, runtime)
         return type(output)(items) if isinstance(output, tuple) else items
 
     return hook
