@@ -30,6 +30,7 @@ class ResolvedContextPlan:
     unsupported_inputs: dict[str, dict[str, str]]
     halo_convs: list[str] = field(default_factory=list)
     linear_attention: list[str] = field(default_factory=list)
+    gathered_attention: set[str] = field(default_factory=set)
 
 
 def _expand(model: nn.Module, entries: dict[str, Any], what: str) -> dict[str, Any]:
@@ -85,6 +86,7 @@ def resolve_cp_plan(model: nn.Module, plan: ContextParallelPlan) -> ResolvedCont
         unsupported_inputs=_expand(model, plan.unsupported_inputs, "unsupported_inputs"),
         halo_convs=halo_convs,
         linear_attention=linear,
+        gathered_attention={name for key in plan.gathered_attention for name in expand_key(model, key)},
     )
 
 
@@ -351,7 +353,8 @@ def apply_context_parallel(model: nn.Module, state: ParallelState, plan: Resolve
         model.get_submodule(name).processor = LinearAttentionProcessor(runtime)
     for name, module in model.named_modules():
         if hasattr(module, "processor"):
-            enter, leave = _interceptor_hooks(AttentionInterceptor(runtime, local=name in plan.local_attention))
+            enter, leave = _interceptor_hooks(AttentionInterceptor(runtime, local=name in plan.local_attention,
+                                                                gather_keys=name in plan.gathered_attention))
             handles.append(module.register_forward_pre_hook(enter))
             handles.append(module.register_forward_hook(leave, always_call=True))
     state.context = runtime

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..comm import CommStats, all_true
+from ..comm import CommStats, all_gather_int, all_gather_uneven, all_true
 from ..errors import ParallelConfigError
 from .attention import even_sizes, local_attention, ring_attention, ulysses_attention
 from .kernels import BACKENDS, check_backend, default_scale
@@ -77,7 +77,10 @@ class ContextParallelRuntime:
         self.backend = name
 
     def attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                  enable_gqa=False, local: bool = False):
+                  enable_gqa=False, local: bool = False, gather_keys: bool = False):
+        if gather_keys:
+            key, value, attn_mask = self.gathered_keys(key, value, attn_mask)
+            local = True
         if enable_gqa and key.shape[1] != query.shape[1]:
             # grouped K/V heads: give every query head its K/V head, as SDPA's enable_gqa does (exact)
             repeat = query.shape[1] // key.shape[1]
@@ -117,6 +120,28 @@ class ContextParallelRuntime:
             out = out.masked_fill(~query_mask[:, None, :, None], 0)
         return out
 
+    def gathered_keys(self, key, value, attn_mask):
+        """Every rank's keys and values (and the key mask's columns when it covers only this rank's keys), in rank
+        order: for cross-attention from split queries to another split, short stream (Motif-Video's text)."""
+        lengths = all_gather_int(key.shape[2], self.cp_group, key.device)
+        key = all_gather_uneven(key, 2, lengths, self.cp_group, self.stats)
+        value = all_gather_uneven(value, 2, lengths, self.cp_group, self.stats)
+        if attn_mask is not None:
+            mask = normalise_mask(attn_mask)
+            if mask.shape[2] != 1:
+                raise NotImplementedError(f"Attention with gathered keys takes a key mask (one row for all queries); "
+                                          f"got shape {tuple(attn_mask.shape)}.")
+            if lengths[self.cp_rank] == 0:
+                # a rank holding none of these keys has no mask columns either; a model cutting the key mask from
+                # the end of a longer one by a negative offset ([-0:]) hands it every column
+                mask = mask[..., :0]
+            # the ranks decide together: a rank holding every key cannot tell a local mask from a whole one alone
+            if all_true(mask.shape[-1] == lengths[self.cp_rank], self.cp_group, mask.device):
+                mask = all_gather_uneven(mask.expand(key.shape[0], *mask.shape[1:]).contiguous(), 3, lengths,
+                                         self.cp_group, self.stats)
+            attn_mask = mask
+        return key, value, attn_mask
+
     def padding_masks(self, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A (batch, 1, tokens, tokens) mask over this rank's own tokens built as valid[q] & valid[k] (HunyuanVideo
         1.5's context padding), as a key mask and a query mask. The ranks decide together whether it is one."""
@@ -153,15 +178,16 @@ class ContextParallelRuntime:
 class AttentionInterceptor(TorchFunctionMode):
     """Active only inside an attention module's forward; replaces SDPA by the CP attention."""
 
-    def __init__(self, runtime: ContextParallelRuntime, local: bool) -> None:
+    def __init__(self, runtime: ContextParallelRuntime, local: bool, gather_keys: bool = False) -> None:
         super().__init__()
         self.runtime = runtime
         self.local = local
+        self.gather_keys = gather_keys
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            return self.runtime.attention(*args, **kwargs, local=self.local)
+            return self.runtime.attention(*args, **kwargs, local=self.local, gather_keys=self.gather_keys)
         return func(*args, **kwargs)
 
 
