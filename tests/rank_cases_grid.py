@@ -86,3 +86,24 @@ def gathered_cross_attention(text: int) -> dict:
                                gather_keys=True)
     wanted = local_chunk(expected, 2, rank, size)
     return {"keys": local_k.shape[2], "diff": float((actual - wanted).abs().max())}
+
+
+def prefix_attention(mode: str) -> dict:
+    """Keys [a replicated prefix, split tokens] (Cosmos3's text then generation tokens) attended by split queries,
+    and the prefix's own causal attention computed whole, both equal SDPA over the whole sequence."""
+    generator = torch.Generator().manual_seed(4)
+    prefix, tokens = 5, 11
+    q_prefix, k_prefix, v_prefix = (torch.randn(1, 4, prefix, 8, generator=generator) for _ in range(3))
+    q, k, v = (torch.randn(1, 4, tokens, 8, generator=generator) for _ in range(3))
+    expected = F.scaled_dot_product_attention(q, torch.cat([k_prefix, k], 2), torch.cat([v_prefix, v], 2))
+    expected_causal = F.scaled_dot_product_attention(q_prefix, k_prefix, v_prefix, is_causal=True)
+    world = dist.group.WORLD
+    runtime = ContextParallelRuntime(mode=mode, cp_group=world, ring_group=world if mode == "ring" else None,
+                                     ulysses_group=world if mode == "ulysses" else None)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    local = [local_chunk(t, 2, rank, size) for t in (q, k, v)]
+    actual = runtime.attention(local[0], torch.cat([k_prefix, local[1]], 2), torch.cat([v_prefix, local[2]], 2),
+                               prefix=prefix)
+    causal = runtime.attention(q_prefix, k_prefix, v_prefix, is_causal=True, prefix=prefix)
+    return {"diff": float((actual - local_chunk(expected, 2, rank, size)).abs().max()),
+            "causal": float((causal - expected_causal).abs().max())}

@@ -168,3 +168,11 @@ def test_gathered_cross_attention_sees_every_rank_s_keys(pools):
         results = pools.get(2).run(cases.gathered_cross_attention, text=text)
         assert [r["keys"] for r in results] == [(text + 1) // 2, text // 2]
         assert all(r["diff"] <= 1e-6 for r in results), (text, results)
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_replicated_key_prefix_is_attended_once(pools, mode):
+    import rank_cases_grid as cases
+
+    for result in pools.get(2).run(cases.prefix_attention, mode=mode):
+        assert result["diff"] <= 1e-6 and result["causal"] <= 1e-6, result
