@@ -159,3 +159,20 @@ def test_halo_convolution_borrows_only_the_neighbours_edge_rows(pools):
 @pytest.mark.parametrize("world,mode", [(2, "ring"), (2, "ulysses"), (4, "ulysses")])
 def test_cross_attention_between_two_split_sequences(pools, world, mode):
     assert max(pools.get(world).run(cases.cross_attention_between_split_sequences, mode=mode)) < 1e-6
+
+
+def test_gathered_cross_attention_sees_every_rank_s_keys(pools):
+    import rank_cases_grid as cases
+
+    for text in (5, 1):  # with one key, rank 1 holds none
+        results = pools.get(2).run(cases.gathered_cross_attention, text=text)
+        assert [r["keys"] for r in results] == [(text + 1) // 2, text // 2]
+        assert all(r["diff"] <= 1e-6 for r in results), (text, results)
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_replicated_key_prefix_is_attended_once(pools, mode):
+    import rank_cases_grid as cases
+
+    for result in pools.get(2).run(cases.prefix_attention, mode=mode):
+        assert result["diff"] <= 1e-6 and result["causal"] <= 1e-6, result

@@ -30,6 +30,8 @@ class ResolvedContextPlan:
     unsupported_inputs: dict[str, dict[str, str]]
     halo_convs: list[str] = field(default_factory=list)
     linear_attention: list[str] = field(default_factory=list)
+    gathered_attention: set[str] = field(default_factory=set)
+    prefix_attention: dict[str, str] = field(default_factory=dict)
 
 
 def _expand(model: nn.Module, entries: dict[str, Any], what: str) -> dict[str, Any]:
@@ -76,6 +78,12 @@ def resolve_cp_plan(model: nn.Module, plan: ContextParallelPlan) -> ResolvedCont
         if not hasattr(_submodule(model, name, "linear_attention"), "processor"):
             raise PlanError(f"Context-parallel plan lists {name!r} as linear attention, but it is not an attention "
                             "module (it has no processor).")
+    prefix_attention = _expand(model, plan.prefix_attention, "prefix_attention")
+    for name, argument in prefix_attention.items():
+        parameters = inspect.signature(model.get_submodule(name).forward).parameters
+        if argument not in parameters:
+            raise PlanError(f"Context-parallel plan's prefix_attention names argument {argument!r} of {name!r}, "
+                            f"whose forward takes {list(parameters)}.")
     return ResolvedContextPlan(
         split_inputs=split_inputs,
         split_outputs=_expand(model, plan.split_outputs, "split_outputs"),
@@ -85,6 +93,8 @@ def resolve_cp_plan(model: nn.Module, plan: ContextParallelPlan) -> ResolvedCont
         unsupported_inputs=_expand(model, plan.unsupported_inputs, "unsupported_inputs"),
         halo_convs=halo_convs,
         linear_attention=linear,
+        gathered_attention={name for key in plan.gathered_attention for name in expand_key(model, key)},
+        prefix_attention=prefix_attention,
     )
 
 
@@ -309,6 +319,16 @@ def _output_gatherer(dims: int | dict[int, int], runtime: ContextParallelRuntime
     return hook
 
 
+def _prefix_recorder(module: nn.Module, argument: str, interceptor: AttentionInterceptor):
+    position = list(inspect.signature(module.forward).parameters).index(argument)
+
+    def hook(_module, args, kwargs):
+        prefix = kwargs[argument] if argument in kwargs else args[position]
+        interceptor.prefix = prefix.shape[-2]
+
+    return hook
+
+
 def _interceptor_hooks(interceptor: AttentionInterceptor):
     def enter(_module, _args):
         interceptor.__enter__()
@@ -351,7 +371,12 @@ def apply_context_parallel(model: nn.Module, state: ParallelState, plan: Resolve
         model.get_submodule(name).processor = LinearAttentionProcessor(runtime)
     for name, module in model.named_modules():
         if hasattr(module, "processor"):
-            enter, leave = _interceptor_hooks(AttentionInterceptor(runtime, local=name in plan.local_attention))
+            interceptor = AttentionInterceptor(runtime, local=name in plan.local_attention,
+                                               gather_keys=name in plan.gathered_attention)
+            if name in plan.prefix_attention:
+                handles.append(module.register_forward_pre_hook(
+                    _prefix_recorder(module, plan.prefix_attention[name], interceptor), with_kwargs=True))
+            enter, leave = _interceptor_hooks(interceptor)
             handles.append(module.register_forward_pre_hook(enter))
             handles.append(module.register_forward_hook(leave, always_call=True))
     state.context = runtime

@@ -60,6 +60,11 @@ class ContextParallelPlan:
       run on the local queries with no communication.
     - `halo_convs`: convolutions over a GridSplit grid (its first axis is dim -2 of their input, as image rows in
       NCHW): each rank borrows its neighbours' edge slices, the kernel's reach, before convolving.
+    - `gathered_attention`: cross-attention from split queries to another split but short stream (Motif-Video's
+      video-to-text cross-attention): the keys, values and key mask are all-gathered, then each rank attends locally.
+    - `prefix_attention`: attention module -> its forward argument holding a replicated prefix stream (Cosmos3's
+      text, tokens along dim -2): keys that are that prefix alone are attended whole on every rank (any causal
+      flag); keys [prefix, split stream] attend to the prefix locally and to the split stream across the ranks.
     - `linear_attention`: self-attention modules computing ReLU linear attention (Sana): their sums over the keys
       are summed over the ranks (context_parallel/linear.py).
     - `split_token_arguments`: module -> forward arguments (tensors or tuples of tensors, e.g. rotary tables
@@ -79,3 +84,5 @@ class ContextParallelPlan:
     unsupported_inputs: dict[str, dict[str, str]] = field(default_factory=dict)
     halo_convs: tuple[str, ...] = ()
     linear_attention: tuple[str, ...] = ()
+    gathered_attention: tuple[str, ...] = ()
+    prefix_attention: dict[str, str] = field(default_factory=dict)
