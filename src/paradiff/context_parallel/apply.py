@@ -30,6 +30,7 @@ class ResolvedContextPlan:
     unsupported_inputs: dict[str, dict[str, str]]
     halo_convs: list[str] = field(default_factory=list)
     linear_attention: list[str] = field(default_factory=list)
+    rewrite_inputs: dict[str, Any] = field(default_factory=dict)
 
 
 def _expand(model: nn.Module, entries: dict[str, Any], what: str) -> dict[str, Any]:
@@ -76,6 +77,11 @@ def resolve_cp_plan(model: nn.Module, plan: ContextParallelPlan) -> ResolvedCont
         if not hasattr(_submodule(model, name, "linear_attention"), "processor"):
             raise PlanError(f"Context-parallel plan lists {name!r} as linear attention, but it is not an attention "
                             "module (it has no processor).")
+    rewrite_inputs = _expand(model, plan.rewrite_inputs, "rewrite_inputs")
+    for name, rewrite in rewrite_inputs.items():
+        if not callable(rewrite):
+            raise PlanError(f"Context-parallel plan's rewrite_inputs for {name or 'the model'} must be a function of "
+                            f"its forward arguments returning replacements, got {type(rewrite).__name__}.")
     return ResolvedContextPlan(
         split_inputs=split_inputs,
         split_outputs=_expand(model, plan.split_outputs, "split_outputs"),
@@ -85,6 +91,7 @@ def resolve_cp_plan(model: nn.Module, plan: ContextParallelPlan) -> ResolvedCont
         unsupported_inputs=_expand(model, plan.unsupported_inputs, "unsupported_inputs"),
         halo_convs=halo_convs,
         linear_attention=linear,
+        rewrite_inputs=rewrite_inputs,
     )
 
 
@@ -281,6 +288,26 @@ def _input_refuser(module: nn.Module, arguments: dict[str, str], name: str):
     return hook
 
 
+def _input_rewriter(module: nn.Module, rewrite, name: str):
+    parameters = list(inspect.signature(module.forward).parameters)
+    positions = {arg: index for index, arg in enumerate(parameters)}
+
+    def hook(_module, args, kwargs):
+        args = list(args)
+        given = {**dict(zip(parameters, args)), **kwargs}
+        for arg, value in rewrite(given).items():
+            if arg not in positions:
+                raise PlanError(f"Context-parallel plan's rewrite_inputs for {name or 'the model'} returned argument "
+                                f"{arg!r}; its forward takes {parameters}.")
+            if positions[arg] < len(args):
+                args[positions[arg]] = value
+            else:
+                kwargs[arg] = value
+        return tuple(args), kwargs
+
+    return hook
+
+
 def _output_splitter(name: str, outputs: dict[int, Split], runtime: ContextParallelRuntime):
     def hook(_module, _args, output):
         if torch.is_tensor(output):
@@ -346,6 +373,9 @@ def apply_context_parallel(model: nn.Module, state: ParallelState, plan: Resolve
         ulysses_group=mesh.group("ulysses") if config.ulysses_degree > 1 else None,
     )
     handles = []
+    for name, rewrite in plan.rewrite_inputs.items():  # first: they see the arguments whole
+        module = model.get_submodule(name) if name else model
+        handles.append(module.register_forward_pre_hook(_input_rewriter(module, rewrite, name), with_kwargs=True))
     for name, arguments in plan.split_inputs.items():
         module = model.get_submodule(name) if name else model
         handles.append(module.register_forward_pre_hook(_input_splitter(module, arguments, runtime), with_kwargs=True))
