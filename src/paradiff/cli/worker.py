@@ -87,9 +87,14 @@ def generate(args: argparse.Namespace, device: torch.device,
                                       parallel_vae=False if args.no_parallel_vae else None,
                                       stages=args.stages, shard_text_encoders=not args.whole_text_encoders)
     load_s = time.perf_counter() - start
+    # Wan 2.2 A14B has a second transformer (`transformer_2`, the low-noise steps): compile and cache each
+    transformers = {name: module for name, module in pipeline.components.items()
+                    if name.startswith("transformer") and isinstance(module, torch.nn.Module)}
     if args.compile:
-        paradiff.compile(pipeline.transformer, backend=args.compile_backend)
-    monitor = paradiff.enable_cache(pipeline.transformer, cache_config(args.cache)) if args.cache else None
+        for module in transformers.values():
+            paradiff.compile(module, backend=args.compile_backend)
+    monitors = ({name: paradiff.enable_cache(module, cache_config(args.cache)) for name, module in transformers.items()}
+                if args.cache else {})
     pipeline.set_progress_bar_config(disable=rank != 0 or not _console_is_terminal())
     if on_pipeline_loaded is not None:
         on_pipeline_loaded(pipeline, rank)
@@ -119,10 +124,11 @@ def generate(args: argparse.Namespace, device: torch.device,
                 (index, prompt), = batch
                 result = pipeline(prompt=prompt, seed=args.seed + index, callback_on_step_end=on_step, **kwargs)
             step_times += [b - a for a, b in zip(stamps, stamps[1:])]
-            if monitor is not None:
-                contexts = sorted({decision.context for decision in monitor.decisions})
-                for index, _ in batch:
-                    computed_steps[index] = {context: monitor.computed_steps(context) for context in contexts}
+            for name, monitor in monitors.items():
+                for context in sorted({decision.context for decision in monitor.decisions}):
+                    key = context if name == "transformer" else f"{name}:{context}"
+                    for index, _ in batch:
+                        computed_steps.setdefault(index, {})[key] = monitor.computed_steps(context)
                 monitor.clear()
             for (index, prompt), (kind, array) in zip(batch, outputs_of(result)):
                 if first is None:
