@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,11 @@ class ContextParallelPlan:
       computed over the full sequence) split along the dimension whose length is the full token count of the
       split `hidden_states` (or text + image tokens, text first, when `encoder_hidden_states` is split too); a
       tensor without such a dimension stays whole.
+    - `rewrite_inputs`: module -> function of its forward arguments (a dict of those given, by name, still whole)
+      returning replacements for some of them, applied before the module's splits. For structure a model passes
+      as positions in the full sequence, which a rank's chunk cannot use (Qwen-Image 2.1 slices its queries per
+      prefix segment), rewritten as an equivalent whole-sequence mask the context-parallel attention takes. The
+      function sees every rank's same whole arguments, so every rank rewrites alike.
     """
 
     split_inputs: dict[str, dict[str, Split | Count | dict]] = field(default_factory=dict)
@@ -84,5 +90,6 @@ class ContextParallelPlan:
     unsupported_inputs: dict[str, dict[str, str]] = field(default_factory=dict)
     halo_convs: tuple[str, ...] = ()
     linear_attention: tuple[str, ...] = ()
+    rewrite_inputs: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = field(default_factory=dict)
     gathered_attention: tuple[str, ...] = ()
     prefix_attention: dict[str, str] = field(default_factory=dict)

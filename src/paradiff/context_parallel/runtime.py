@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..comm import CommStats, all_gather_int, all_gather_uneven, all_true
+from ..comm import CommStats, all_gather_int, all_gather_uneven, all_true, group_name
 from ..errors import ParallelConfigError
 from .attention import even_sizes, local_attention, ring_attention, ulysses_attention
 from .kernels import BACKENDS, RETURNS_LSE, check_backend, default_scale, merge_lse
@@ -98,33 +98,18 @@ class ContextParallelRuntime:
         scale = default_scale(query.shape[-1]) if scale is None else scale
         if prefix is not None:
             return self.prefix_attention(query, key, value, attn_mask, scale, prefix)
-        query_mask = None
-        if not local and is_square_bool(attn_mask, query.shape[2], key.shape[2]):
-            attn_mask, query_mask = self.padding_masks(attn_mask)
-        mask = normalise_mask(attn_mask)
-        kernel = BACKENDS[self.backend]
-        if local:  # queries and mask rows are both this rank's; keys are whole
-            return local_attention(query, key, value, mask, scale, kernel)
-        if mask is not None and mask.shape[-1] != key.shape[2] and mask.shape[2] == 1:
-            raise NotImplementedError(
-                f"A key-padding mask under context parallelism must be split with the keys: it has "
-                f"{mask.shape[-1]} keys, this rank holds {key.shape[2]}. Split the mask in the context-parallel plan "
-                "where its tokens are split."
-            )
-        # a mask with one row is a key mask, split with the tokens; one with a row per query covers the whole sequence
-        key_mask, sequence_mask = (mask, None) if mask is None or mask.shape[2] == 1 else (None, mask)
-        if sequence_mask is not None:
-            sequence_mask = self.in_split_order(sequence_mask)
-        if self.mode == "ring":
-            out = ring_attention(query, key, value, key_mask, scale, kernel, self.ring_group, self.stats,
-                                 sequence_mask=sequence_mask)
-        else:
-            ring_group = self.ring_group if self.mode == "unified" else None
-            out = ulysses_attention(query, key, value, key_mask, scale, kernel, self.ulysses_group, self.stats,
-                                    ring_group=ring_group, sequence_mask=sequence_mask)
-        if query_mask is not None:  # SDPA gives rows with every key masked a zero output
-            out = out.masked_fill(~query_mask[:, None, :, None], 0)
-        return out
+        text, image = self.full_tokens.get("encoder_hidden_states"), self.full_tokens.get("hidden_states")
+        if torch.compiler.is_compiling():
+            # One opaque op for Dynamo: the ring's point-to-point transfers, the length exchanges that size the
+            # uneven splits and the ranks' agreement on a mask cannot be traced, and need not be (they run between
+            # two graph ops).
+            from .ops import cp_attention
+
+            return cp_attention(query, key, value, attn_mask, float(scale), self.mode, self.backend, local,
+                                group_name(self.cp_group), group_name(self.ring_group), group_name(self.ulysses_group),
+                                text, image)
+        return attend(query, key, value, attn_mask, scale, self.mode, self.backend, local, self.cp_group,
+                      self.ring_group, self.ulysses_group, text, image, self.stats)
 
     def prefix_attention(self, query, key, value, attn_mask, scale, prefix: int):
         """Keys [replicated prefix, this rank's split tokens]: the prefix is attended locally, the split tokens across
@@ -168,37 +153,72 @@ class ContextParallelRuntime:
             attn_mask = mask
         return key, value, attn_mask
 
-    def padding_masks(self, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A (batch, 1, tokens, tokens) mask over this rank's own tokens built as valid[q] & valid[k] (HunyuanVideo
-        1.5's context padding), as a key mask and a query mask. The ranks decide together whether it is one."""
-        valid = mask.diagonal(dim1=-2, dim2=-1)  # (batch, 1, tokens)
-        is_padding = torch.equal(mask, valid[..., :, None] & valid[..., None, :])
-        if not all_true(is_padding, self.cp_group, mask.device):
-            raise NotImplementedError(
-                f"Context parallelism supports (batch, 1, tokens, tokens) masks over a rank's own tokens only when "
-                f"they mask padding (valid query & valid key); this {tuple(mask.shape)} mask is another kind (e.g. "
-                "causal). Give the mask a row per query of the whole sequence instead."
-            )
-        return valid[:, :, None, :], valid[:, 0, :]
+
+def attend(query, key, value, attn_mask, scale: float, mode: str, backend: str, local: bool,
+           cp_group: dist.ProcessGroup, ring_group: dist.ProcessGroup | None,
+           ulysses_group: dist.ProcessGroup | None, text_tokens: int | None = None, image_tokens: int | None = None,
+           stats: CommStats | None = None) -> torch.Tensor:
+    """This rank's rows of attention over the whole (split) sequence, by `mode`; `local` attends to local keys only.
+
+    `text_tokens` / `image_tokens`: full lengths of the two streams split in this forward (None when not split),
+    which place a whole-sequence mask's rows and columns in the order the ranks hold the tokens."""
+    query_mask = None
+    if not local and is_square_bool(attn_mask, query.shape[2], key.shape[2]):
+        attn_mask, query_mask = padding_masks(attn_mask, cp_group)
+    mask = normalise_mask(attn_mask)
+    kernel = BACKENDS[backend]
+    if local:  # queries and mask rows are both this rank's; keys are whole
+        return local_attention(query, key, value, mask, scale, kernel)
+    if mask is not None and mask.shape[-1] != key.shape[2] and mask.shape[2] == 1:
+        raise NotImplementedError(
+            f"A key-padding mask under context parallelism must be split with the keys: it has "
+            f"{mask.shape[-1]} keys, this rank holds {key.shape[2]}. Split the mask in the context-parallel plan "
+            "where its tokens are split."
+        )
+    # a mask with one row is a key mask, split with the tokens; one with a row per query covers the whole sequence
+    key_mask, sequence_mask = (mask, None) if mask is None or mask.shape[2] == 1 else (None, mask)
+    if sequence_mask is not None:
+        sequence_mask = in_split_order(sequence_mask, text_tokens, image_tokens, dist.get_world_size(cp_group))
+    if mode == "ring":
+        out = ring_attention(query, key, value, key_mask, scale, kernel, ring_group, stats,
+                             sequence_mask=sequence_mask)
+    else:
+        out = ulysses_attention(query, key, value, key_mask, scale, kernel, ulysses_group, stats,
+                                ring_group=ring_group if mode == "unified" else None, sequence_mask=sequence_mask)
+    if query_mask is not None:  # SDPA gives rows with every key masked a zero output
+        out = out.masked_fill(~query_mask[:, None, :, None], 0)
+    return out
 
 
-    def in_split_order(self, mask: torch.Tensor) -> torch.Tensor:
-        """A whole-sequence mask of a joint (text + image) sequence, reordered so that rank r's tokens are the r-th
-        contiguous chunk, as ring and Ulysses attention take it: with both streams split, a rank holds
-        [its text chunk, its image chunk] (text first), not a contiguous chunk of the joint sequence."""
-        text, image = self.full_tokens.get("encoder_hidden_states"), self.full_tokens.get("hidden_states")
-        if text is None or image is None or mask.shape[-1] != text + image:
-            return mask
-        order = []
-        size = self.cp_size
-        text_sizes, image_sizes = even_sizes(text, size), even_sizes(image, size)
-        for rank in range(size):
-            start = sum(text_sizes[:rank])
-            order.append(torch.arange(start, start + text_sizes[rank]))
-            start = text + sum(image_sizes[:rank])
-            order.append(torch.arange(start, start + image_sizes[rank]))
-        order = torch.cat(order).to(mask.device)
-        return mask.index_select(-2, order).index_select(-1, order)
+def padding_masks(mask: torch.Tensor, cp_group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (batch, 1, tokens, tokens) mask over this rank's own tokens built as valid[q] & valid[k] (HunyuanVideo
+    1.5's context padding), as a key mask and a query mask. The ranks decide together whether it is one."""
+    valid = mask.diagonal(dim1=-2, dim2=-1)  # (batch, 1, tokens)
+    is_padding = torch.equal(mask, valid[..., :, None] & valid[..., None, :])
+    if not all_true(is_padding, cp_group, mask.device):
+        raise NotImplementedError(
+            f"Context parallelism supports (batch, 1, tokens, tokens) masks over a rank's own tokens only when "
+            f"they mask padding (valid query & valid key); this {tuple(mask.shape)} mask is another kind (e.g. "
+            "causal). Give the mask a row per query of the whole sequence instead."
+        )
+    return valid[:, :, None, :], valid[:, 0, :]
+
+
+def in_split_order(mask: torch.Tensor, text: int | None, image: int | None, size: int) -> torch.Tensor:
+    """A whole-sequence mask of a joint (text + image) sequence, reordered so that rank r's tokens are the r-th
+    contiguous chunk, as ring and Ulysses attention take it: with both streams split, a rank holds
+    [its text chunk, its image chunk] (text first), not a contiguous chunk of the joint sequence."""
+    if text is None or image is None or mask.shape[-1] != text + image:
+        return mask
+    order = []
+    text_sizes, image_sizes = even_sizes(text, size), even_sizes(image, size)
+    for rank in range(size):
+        start = sum(text_sizes[:rank])
+        order.append(torch.arange(start, start + text_sizes[rank]))
+        start = text + sum(image_sizes[:rank])
+        order.append(torch.arange(start, start + image_sizes[rank]))
+    order = torch.cat(order).to(mask.device)
+    return mask.index_select(-2, order).index_select(-1, order)
 
 
 class AttentionInterceptor(TorchFunctionMode):
@@ -216,6 +236,10 @@ class AttentionInterceptor(TorchFunctionMode):
         if func is F.scaled_dot_product_attention:
             return self.runtime.attention(*args, **kwargs, local=self.local, gather_keys=self.gather_keys,
                                           prefix=self.prefix)
+        if func is torch.Tensor.unflatten and torch.compiler.is_compiling():
+            # Dynamo inlines every call routed through a mode; Tensor.unflatten's Python wrapper calls
+            # super().unflatten, which it cannot trace, while the functional form is an ordinary graph op.
+            func = torch.unflatten
         return func(*args, **kwargs)
 
 
