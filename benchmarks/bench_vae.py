@@ -7,7 +7,9 @@ Models (random weights, seeded; the architecture and widths are what decides tim
   clip (`--wan-size` HxW pixels, `--wan-frames` output frames = 1 + 4 * (latent frames - 1)).
 
 fp32, batch 1, one torch thread per rank, gloo on 127.0.0.1, every world size in freshly spawned processes. Per case:
-the median decode time over --repeats timed decodes after one warm-up (per decode the slowest rank counts); per rank
+the median decode time over --repeats timed decodes after one warm-up (per decode the slowest rank counts), and the
+median CPU-seconds of the busiest rank per decode (all its threads: torch and gloo; on a shared machine the wall time
+measures the other processes as much as the decode, the CPU time does not); per rank
 the peak bytes of the tensors one decode creates (paradiff.testing.memory.PeakTensorMemory: activations, halos and the
 gathered output; weights excluded) and the rise of the process's peak RSS over a decode (VmHWM reset through
 /proc/self/clear_refs, glibc's mmap threshold at 128 KiB so freed buffers go back to the OS); the max abs difference
@@ -113,13 +115,14 @@ def decode_worker(rank: int, world_size: int, model: str, config: dict, height: 
             dist.barrier()
 
     decode()  # warm-up (and, split, the first call learns its halo plans)
-    times = []
+    times, cpu = [], []
     with LoadWindow() as window:
         for _ in range(repeats):
             sync()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             decode()
             times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - cpu_start)
     gc.collect()
     sync()
     status, _ = read_status()
@@ -128,7 +131,7 @@ def decode_worker(rank: int, world_size: int, model: str, config: dict, height: 
         output = decode()
     after, _ = read_status()
     return {
-        "times": times, "peak_tensor_bytes": memory.peak,
+        "times": times, "cpu": cpu, "peak_tensor_bytes": memory.peak,
         "rss_rise_bytes": (after["VmHWM"] - status.get("RssAnon", 0) - status.get("RssFile", 0)
                            - status.get("RssShmem", 0)) if reset else None,
         "window": {"system": window.system, "own": window.own, "wall": window.wall},
@@ -142,8 +145,10 @@ def run_case(model: str, config: dict, height: int, width: int, frames: int, wor
     results = run_ranks(decode_worker, world, timeout_s=7200, model=model, config=config, height=height,
                         width=width, frames=frames, repeats=repeats)
     per_repeat = [max(r["times"][i] for r in results) for i in range(repeats)]
+    cpu_per_repeat = [max(r["cpu"][i] for r in results) for i in range(repeats)]
     return {
         "world": world, "median_s": statistics.median(per_repeat), "times": per_repeat,
+        "median_cpu_s": statistics.median(cpu_per_repeat),
         "peak_tensor_bytes": max(r["peak_tensor_bytes"] for r in results),
         "peak_tensor_per_rank": [r["peak_tensor_bytes"] for r in results],
         "rss_rise_bytes": max((r["rss_rise_bytes"] or 0) for r in results),
@@ -179,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         for world in worlds:
             case = run_case(model, config, height, width, frames, world, args.repeats, args.wait_quiet)
             cases.append(case)
-            print(f"{model} {height}x{width}x{frames} world {world}: {case['median_s']:.2f} s, "
+            print(f"{model} {height}x{width}x{frames} world {world}: {case['median_s']:.2f} s "
+                  f"({case['median_cpu_s']:.2f} CPU-s per rank), "
                   f"peak tensors {case['peak_tensor_bytes'] / MB:.0f} MB, other CPU {case['other_cpu_s']:.1f} s",
                   flush=True)
         base = cases[0]
@@ -189,13 +195,15 @@ def main(argv: list[str] | None = None) -> int:
             diff = case.pop("max_abs_diff")
             rows.append([model, f"{height}x{width}" + (f"x{frames}" if model == "wan" else ""), case["world"],
                          f"{case['median_s']:.2f}", f"{case['median_s'] / base['median_s']:.2f}",
+                         f"{case['median_cpu_s']:.2f}", f"{case['median_cpu_s'] / base['median_cpu_s']:.2f}",
                          f"{case['peak_tensor_bytes'] / MB:.0f}",
                          f"{case['peak_tensor_bytes'] / base['peak_tensor_bytes']:.2f}",
                          f"{case['rss_rise_bytes'] / MB:.0f}", f"{diff:.1e}", f"{case['other_cpu_s']:.1f}"])
             case["max_abs_diff"] = diff
             del case["output"]
         report[model] = {"size": [height, width, frames], "cases": cases}
-    table = markdown_table(["model", "output", "ranks", "decode s (median)", "time vs 1", "peak tensors MB/rank",
+    table = markdown_table(["model", "output", "ranks", "decode s (median)", "time vs 1", "CPU s/rank (median)",
+                            "CPU vs 1", "peak tensors MB/rank",
                             "memory vs 1", "peak RSS rise MB/rank", "max abs diff vs 1", "other procs CPU s"], rows)
     print(table)
     if args.json:

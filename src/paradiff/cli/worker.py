@@ -20,7 +20,7 @@ import paradiff
 from ..comm import all_gather_object, barrier
 from ..mesh import default_device
 from ..vae import get_vae_runtime
-from .args import read_prompts
+from .args import cache_config, read_prompts
 from .compare import compare_single_process
 from .embedded import embedded_call_kwargs, embedded_default
 from .outputs import outputs_of, save_output
@@ -87,6 +87,14 @@ def generate(args: argparse.Namespace, device: torch.device,
                                       parallel_vae=False if args.no_parallel_vae else None,
                                       stages=args.stages, shard_text_encoders=not args.whole_text_encoders)
     load_s = time.perf_counter() - start
+    # Wan 2.2 A14B has a second transformer (`transformer_2`, the low-noise steps): compile and cache each
+    transformers = {name: module for name, module in pipeline.components.items()
+                    if name.startswith("transformer") and isinstance(module, torch.nn.Module)}
+    if args.compile:
+        for module in transformers.values():
+            paradiff.compile(module, backend=args.compile_backend)
+    monitors = ({name: paradiff.enable_cache(module, cache_config(args.cache)) for name, module in transformers.items()}
+                if args.cache else {})
     pipeline.set_progress_bar_config(disable=rank != 0 or not _console_is_terminal())
     if on_pipeline_loaded is not None:
         on_pipeline_loaded(pipeline, rank)
@@ -97,6 +105,7 @@ def generate(args: argparse.Namespace, device: torch.device,
     out = Path(args.out)
     kwargs = call_kwargs(args)
     first = None
+    computed_steps: dict[int, dict[str, list[int]]] = {}  # prompt index -> cache context -> steps computed
     with paradiff.split_between_processes(indexed, pipeline) as share:
         # staged: the replica's prompts form one batch (each with its own seed), so each stage loads once
         batches = [list(share)] if args.stages and share else [[item] for item in share]
@@ -115,6 +124,12 @@ def generate(args: argparse.Namespace, device: torch.device,
                 (index, prompt), = batch
                 result = pipeline(prompt=prompt, seed=args.seed + index, callback_on_step_end=on_step, **kwargs)
             step_times += [b - a for a, b in zip(stamps, stamps[1:])]
+            for name, monitor in monitors.items():
+                for context in sorted({decision.context for decision in monitor.decisions}):
+                    key = context if name == "transformer" else f"{name}:{context}"
+                    for index, _ in batch:
+                        computed_steps.setdefault(index, {})[key] = monitor.computed_steps(context)
+                monitor.clear()
             for (index, prompt), (kind, array) in zip(batch, outputs_of(result)):
                 if first is None:
                     first = (index, prompt, array)
@@ -122,7 +137,8 @@ def generate(args: argparse.Namespace, device: torch.device,
                     outputs[index] = {"prompt": prompt, **save_output(kind, array, out, index, args.fps)}
     compare = None
     if args.compare and rank == 0 and first is not None:
-        compare = compare_single_process(model, dtype, kwargs, args.seed, *first)
+        compare = compare_single_process(model, dtype, kwargs, args.seed, *first,
+                                         cache=cache_config(args.cache) if args.cache else None)
     stats = {
         "rank": rank,
         "load_s": load_s,
@@ -130,6 +146,7 @@ def generate(args: argparse.Namespace, device: torch.device,
         "peak_memory_bytes": _peak_memory_bytes(device),
         "outputs": outputs,
         "stages": pipeline.stage_report(),
+        "cache_computed_steps": computed_steps,
     }
     gathered = all_gather_object(stats)
     if rank == 0:

@@ -61,7 +61,7 @@ class RowwiseLinear(ShardedLinear):
         if self.split_input:
             x = torch.cat([x.narrow(-1, start, length) for start, length in self.weight_spec.pieces], dim=-1)
         out = F.linear(x, self.weight)
-        all_reduce_tp(out, self.group, self.comm_stats)
+        out = all_reduce_tp(out, self.group, self.comm_stats)
         if self.bias is not None:
             out = out + self.bias
         return out

@@ -181,11 +181,6 @@ class _SplitRegion:
 
     def _split(self, sample: torch.Tensor, *args, **kwargs):
         runtime = self.runtime
-        if sample.requires_grad:
-            raise ParallelConfigError(
-                f"The split VAE {self.name} is inference-only and its input requires grad; call it under "
-                "torch.no_grad() or detach the input."
-            )
         self._agree(sample)
         height = sample.shape[-2]
         if height < self.unit * runtime.size:
@@ -209,16 +204,22 @@ class _SplitRegion:
         """Every rank must call with the same shape (and dtype), or the bands would not fit together."""
         shape = list(sample.shape)[:6]
         code = _DTYPES.index(sample.dtype) if sample.dtype in _DTYPES else len(_DTYPES)
-        mine = [sample.dim(), code] + shape + [0] * (6 - len(shape))
+        mine = [sample.dim(), code, int(sample.requires_grad)] + shape + [0] * (6 - len(shape))
         every = all_gather_ints(mine, self.runtime.group, sample.device, self.runtime.stats, "agree_shape")
         if any(row != every[0] for row in every):
             described = ", ".join(
-                f"rank {r}: shape {tuple(row[2:2 + min(row[0], 6)])}, "
-                f"dtype {_DTYPES[row[1]] if row[1] < len(_DTYPES) else 'other'}" for r, row in enumerate(every))
+                f"rank {r}: shape {tuple(row[3:3 + min(row[0], 6)])}, "
+                f"dtype {_DTYPES[row[1]] if row[1] < len(_DTYPES) else 'other'}, requires_grad {bool(row[2])}"
+                for r, row in enumerate(every))
             raise DistributedError(
                 f"The split VAE {self.name} needs the same full input on every rank of its group; got {described}."
             )
         # every rank agrees from here on, so every rank raises alike
+        if sample.requires_grad:
+            raise ParallelConfigError(
+                f"The split VAE {self.name} is inference-only and its input requires grad; call it under "
+                "torch.no_grad() or detach the input."
+            )
         if code == len(_DTYPES) or sample.dim() not in (4, 5):
             raise ParallelConfigError(
                 f"The split VAE {self.name} takes a 4-D image or 5-D video batch of dtype {_DTYPES}; got shape "
