@@ -8,6 +8,7 @@ import pytest
 
 from paradiff.testing.dist import RankPool
 from paradiff.testing.models import FAMILIES, build_model, save_model
+from paradiff.testing.pipelines import PIPELINE_FAMILIES, save_pipeline
 
 
 class Pools:
@@ -44,3 +45,10 @@ def checkpoints(tmp_path_factory) -> dict[tuple[str, str], Path]:
         folders[(family, "single")] = save_model(model, root / f"{family}-single")
         folders[(family, "sharded")] = save_model(model, root / f"{family}-sharded", sharded=True)
     return folders
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline_folders(tmp_path_factory) -> dict[str, Path]:
+    """family -> folder of its tiny local pipeline (tests/test_*pipelines.py, test_text_encoders.py), saved once."""
+    root = tmp_path_factory.mktemp("tiny-pipelines")
+    return {family: save_pipeline(family, root / family) for family in PIPELINE_FAMILIES}

@@ -67,7 +67,7 @@ def replica_outputs(data: int) -> dict:
             "group_size": dist.get_world_size(runtime.group), "rows": runtime.last_split["decoder"]}
 
 
-def vae_errors() -> dict:
+def vae_errors(index_folder: str) -> dict:
     """Bad uses on a live world; each returns the error message (raised on every rank, before a collective where
     the checks allow)."""
     from diffusers import AutoencoderTiny
@@ -103,12 +103,38 @@ def vae_errors() -> dict:
     attempt("unsupported", lambda: paradiff.parallelize_vae(AutoencoderTiny(
         encoder_block_out_channels=(8,), decoder_block_out_channels=(8,), num_encoder_blocks=(1,),
         num_decoder_blocks=(1,), latent_channels=4)))
-    attempt("inject_noise", lambda: paradiff.parallelize_vae(build_vae(
-        "ltxvideo", config=dict(decoder_inject_noise=(True, False, False)))))
+    attempt("unchecked_block", lambda: paradiff.parallelize_vae(build_vae(
+        "kl", config=dict(up_block_types=("UpDecoderBlock2D", "AttnUpDecoderBlock2D", "UpDecoderBlock2D")))))
     attempt("classic_processor", classic_processor)
     attempt("output_rank", lambda: paradiff.parallelize_vae(build_vae("kl"), output_rank=dist.get_world_size()))
     attempt("bad_group", lambda: paradiff.parallelize_vae(build_vae("kl"), "world"))
     attempt("twice", twice)
     attempt("mismatched_shapes", mismatched_shapes)
     attempt("requires_grad", requires_grad)
+    attempt("pipeline_uncovered_vae", lambda: paradiff.load_pipeline(
+        index_folder, parallel_config=paradiff.TensorParallelConfig(dist.get_world_size()), parallel_vae=True))
     return messages
+
+
+def pipelines_with_and_without_split_vae(folders: dict[str, str]) -> dict:
+    """Each tiny pipeline on a ulysses mesh of every rank, its VAE split (the default) and whole: same images."""
+    import numpy as np
+
+    from paradiff.testing.pipelines import default_call_kwargs
+
+    torch.set_num_threads(1)
+    config = paradiff.ContextParallelConfig(ulysses_degree=dist.get_world_size())
+    results = {}
+    for family, folder in folders.items():
+        images = {}
+        for parallel_vae in (None, False):
+            pipeline = paradiff.load_pipeline(folder, parallel_config=config, parallel_vae=parallel_vae)
+            pipeline.set_progress_bar_config(disable=True)
+            output = pipeline(**default_call_kwargs(family), seed=3)
+            images[parallel_vae] = np.asarray(output.frames if hasattr(output, "frames") else output.images)
+            runtime = get_vae_runtime(pipeline.vae)
+            if parallel_vae is None:
+                rows = None if runtime is None else runtime.last_split.get("decoder")
+        results[family] = {"diff": float(np.abs(images[None] - images[False]).max()), "rows": rows,
+                           "shape": images[None].shape}
+    return results

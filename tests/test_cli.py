@@ -43,8 +43,51 @@ def test_generate_embedded_default_with_compare(tmp_path):
     for rank in report["ranks"]:
         assert rank["load_s"] > 0 and rank["step_s_median"] > 0 and rank["peak_memory_bytes"] > 10**7
     assert report["max_abs_diff_vs_single_process"] < 1e-5
+    assert report["config"]["parallel_vae"] is True  # the VAE's rows were split over the two ranks
     assert Image.open(out / "0000.png").size == (32, 32)
     assert "max |difference| to the single-process image" in result.stdout
+
+
+def test_generate_without_parallel_vae(tmp_path):
+    """--no-parallel-vae decodes whole on each rank: the same image (both runs match the single-process one)."""
+    out = tmp_path / "out"
+    result = paradiff("generate", "--tp", "2", "--prompt", "a cat", *SMALL, "--compare", "--no-parallel-vae",
+                      "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["config"]["parallel_vae"] is False
+    assert report["max_abs_diff_vs_single_process"] < 1e-5
+
+
+@pytest.mark.parametrize("spec", ["fbc", "fbc:-1", "fbc:x", "taylorseer", "taylorseer:0", "taylorseer:2:1:1"])
+def test_bad_cache_spec(spec):
+    from paradiff.cli.args import CliError, cache_config
+
+    with pytest.raises(CliError, match=f"--cache {spec}: use fbc:THRESHOLD .* or taylorseer:INTERVAL"):
+        cache_config(spec)
+
+
+def test_cache_spec():
+    from paradiff.cli.args import cache_config
+
+    assert cache_config("fbc:0.08").threshold == 0.08
+    config = cache_config("taylorseer:3:2")
+    assert (config.cache_interval, config.disable_cache_before_step) == (3, 2)
+
+
+def test_generate_compiled_and_cached_lists_the_computed_steps(tmp_path):
+    """--compile (aot_eager here: inductor's C++ build is too slow for CI) and --cache on 2 Ulysses ranks: the image
+    equals a single-process run with the same cache, and the report says which steps ran every block."""
+    out = tmp_path / "out"
+    result = paradiff("generate", "--ulysses", "2", "--steps", "4", "--height", "32", "--width", "32", "--compile",
+                      "--compile-backend", "aot_eager", "--cache", "fbc:0.6", "--compare", "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["compile"] is True
+    computed = report["cache"]["computed_steps"]["0"]["cond"]
+    assert report["cache"]["spec"] == "fbc:0.6" and computed[0] == 0 and 1 <= len(computed) < 4, report["cache"]
+    assert report["max_abs_diff_vs_single_process"] < 1e-5
+    assert f"output 0000 (cond) computed steps {computed}, {len(computed)} of 4" in result.stdout
 
 
 def test_data_parallel_prompts_file_one_png_per_prompt(tmp_path):
@@ -71,6 +114,7 @@ def test_data_parallel_prompts_file_one_png_per_prompt(tmp_path):
         (["generate", "--height", "40"], "--height 40 and --width 64 must be multiples of 16"),
         (["generate", "--cfg", "3"], "--cfg must be 1 or 2, got 3"),
         (["generate", "--tp", "0"], "expected a positive integer, got 0"),
+        (["generate", "--cache", "teacache:0.1"], "--cache teacache:0.1: use fbc:THRESHOLD"),
     ],
 )
 def test_bad_input_is_one_line_and_non_zero(tmp_path, args, message):

@@ -197,3 +197,69 @@ def test_token_groups_that_do_not_divide_the_stream_are_refused():
     widen, _ = token_group_hooks(module, TokenGroups(), runtime, "face_adapter.0")
     with pytest.raises(ValueError, match="its 3 groups .* must divide the 16 tokens"):
         widen(module, (torch.ones(2, 8, 4), torch.ones(2, 3, 2, 4)), {})
+
+
+def test_gathered_cross_attention_sees_every_rank_s_keys(pools):
+    import rank_cases_grid as cases
+
+    for text in (5, 1):  # with one key, rank 1 holds none
+        results = pools.get(2).run(cases.gathered_cross_attention, text=text)
+        assert [r["keys"] for r in results] == [(text + 1) // 2, text // 2]
+        assert all(r["diff"] <= 1e-6 for r in results), (text, results)
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_replicated_key_prefix_is_attended_once(pools, mode):
+    import rank_cases_grid as cases
+
+    for result in pools.get(2).run(cases.prefix_attention, mode=mode):
+        assert result["diff"] <= 1e-6 and result["causal"] <= 1e-6, result
+
+
+def test_rewrite_inputs_replace_positional_and_keyword_arguments_and_refuse_unknown_names():
+    from torch import nn
+
+    from paradiff.context_parallel.apply import _input_rewriter
+    from paradiff.errors import PlanError
+
+    class Block(nn.Module):
+        def forward(self, hidden_states, segments=None, attention_mask=None):
+            return hidden_states, segments, attention_mask
+
+    block = Block()
+    seen = []
+    handle = block.register_forward_pre_hook(_input_rewriter(block, lambda given: seen.append(dict(given)) or {
+        "segments": None, "attention_mask": given["hidden_states"] > 0}, "block"), with_kwargs=True)
+    x = torch.tensor([-1.0, 2.0])
+    _, segments, mask = block(x, [(0, 1, True)])
+    assert segments is None and torch.equal(mask, torch.tensor([False, True]))
+    assert seen[0]["segments"] == [(0, 1, True)] and seen[0]["hidden_states"] is x
+    handle.remove()
+    block.register_forward_pre_hook(_input_rewriter(block, lambda given: {"mask": None}, "block"), with_kwargs=True)
+    with pytest.raises(PlanError, match=r"returned argument 'mask'; its forward takes \['hidden_states', 'segments'"):
+        block(x)
+
+
+def test_rewrite_inputs_must_be_functions():
+    from paradiff import ContextParallelPlan, examples
+    from paradiff.context_parallel.apply import resolve_cp_plan
+    from paradiff.errors import PlanError
+
+    model = examples.build_example("qwenimage21", "qwen-image-2.1")
+    with pytest.raises(PlanError, match="rewrite_inputs for transformer_blocks.0 must be a function .* got dict"):
+        resolve_cp_plan(model, ContextParallelPlan(rewrite_inputs={"transformer_blocks.*": {}}))
+
+
+def test_qwen_image_21_block_causal_mask_equals_its_per_segment_attention():
+    # one process: the whole-sequence mask the CP plan substitutes gives the processor's per-segment result
+    from paradiff import examples
+    from paradiff.plans.qwenimage21 import block_causal_mask
+
+    model = examples.build_example("qwenimage21", "qwen-image-2.1")
+    inputs = examples.example_inputs("qwenimage21", "qwen-image-2.1", model.config)
+    expected = model(**inputs)[0]
+    for block in model.transformer_blocks:
+        block.register_forward_pre_hook(lambda _m, args, kwargs: (args, {**kwargs, **block_causal_mask(kwargs)}),
+                                        with_kwargs=True)
+    actual = model(**inputs)[0]
+    assert (actual - expected).abs().max() <= 1e-6 * expected.abs().max()

@@ -26,8 +26,11 @@ EXPECTED_TRANSFORMERS = {
     "qwenimage": "QwenImageTransformer2DModel",
     "wan": "WanTransformer3DModel",
     "wan2.2": "WanTransformer3DModel",
+    "wan2.2-a14b": "WanTransformer3DModel",
     "hunyuanvideo": "HunyuanVideoTransformer3DModel",
     "ltx": "LTXVideoTransformer3DModel",
+    "flux2_klein": "Flux2Transformer2DModel",
+    "lumina2": "Lumina2Transformer2DModel",
 }
 
 
@@ -42,9 +45,8 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny-pipelines")
-    return {family: save_pipeline(family, root / family) for family in PIPELINE_FAMILIES}
+def folders(tiny_pipeline_folders):
+    return tiny_pipeline_folders
 
 
 def _generate(pipe, family: str, seed: int) -> np.ndarray:

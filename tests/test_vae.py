@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import gc
+import json
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ CASES = {
     "wan22": [("decode", 5, 6, 3), ("encode", 40, 24, 5)],
     "hunyuanvideo": [("decode", 5, 6, 2), ("encode", 18, 20, 5)],
     "ltxvideo": [("decode", 5, 6, 2), ("encode", 20, 20, 5)],
+    "ltxvideo-noise": [("decode", 5, 6, 2)],
 }
 HAS_GROUP_NORM = {"kl", "flux2", "hunyuanvideo"}
 ATTENTION_CALL = {"kl": "ring_pass", "flux2": "ring_pass", "qwenimage": "ring_pass", "wan": "ring_pass",
@@ -35,14 +37,23 @@ def _case_list(names=CASES):
             for name in names for kind, height, width, frames in CASES[name]]
 
 
-def _references(case_list) -> dict[str, torch.Tensor]:
-    vaes = {name: build_vae(name) for name in {case["name"] for case in case_list}}
-    out = {}
+def _references(case_list, known: dict | None = None) -> dict[str, torch.Tensor]:
+    """Single-process outputs of the cases (computed here, in the test process), reusing those in `known`."""
+    known = {} if known is None else known
+    vaes = {}
     for case in case_list:
-        vae = vaes[case["name"]]
-        sample = sample_input(case["name"], vae, case["kind"], case["height"], case["width"], case["frames"])
-        out[cases.case_id(case)] = run_vae(vae, case["kind"], sample)
-    return out
+        key = cases.case_id(case)
+        if key not in known:
+            vae = vaes.setdefault(case["name"], build_vae(case["name"]))
+            sample = sample_input(case["name"], vae, case["kind"], case["height"], case["width"], case["frames"])
+            known[key] = run_vae(vae, case["kind"], sample)
+    return known
+
+
+@pytest.fixture(scope="session")
+def references():
+    known: dict[str, torch.Tensor] = {}
+    return lambda case_list: _references(case_list, known)
 
 
 def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -51,10 +62,10 @@ def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_every_covered_vae_matches_single_process(pools, world):
+def test_every_covered_vae_matches_single_process(pools, references, world):
     case_list = _case_list()
     results = pools.get(world).run(cases.split_vae_outputs, cases=case_list, timeout_s=600)
-    expected = _references(case_list)
+    expected = references(case_list)
     for case in case_list:
         key = cases.case_id(case)
         per_rank = [result["results"][key] for result in results]
@@ -72,12 +83,12 @@ def test_every_covered_vae_matches_single_process(pools, world):
             assert calls.get(ATTENTION_CALL[case["name"]], 0) > 0, (key, calls)
 
 
-def test_output_on_one_rank_and_inputs_too_small_to_split(pools):
+def test_output_on_one_rank_and_inputs_too_small_to_split(pools, references):
     case_list = [dict(name="kl", kind="decode", height=5, width=6, frames=1),
                  dict(name="wan", kind="decode", height=5, width=6, frames=3),
                  dict(name="kl", kind="decode", height=1, width=6, frames=1)]  # 1 latent row for 2 ranks
     results = pools.get(2).run(cases.split_vae_outputs, cases=case_list, output_rank=1)
-    expected = _references(case_list)
+    expected = references(case_list)
     for case in case_list[:2]:
         key = cases.case_id(case)
         assert _relative(results[1]["results"][key]["output"], expected[key]) <= RTOL
@@ -115,12 +126,16 @@ def test_decode_peak_memory_at_two_ranks(pools):
         assert result["peak"] <= 0.6 * memory.peak, (result["peak"], memory.peak)
 
 
-def test_errors_before_any_collective(pools):
-    messages = pools.get(2).run(cases.vae_errors)
+def test_errors_before_any_collective(pools, tmp_path):
+    # a pipeline folder whose VAE paradiff does not cover: parallel_vae=True refuses before reading any weight
+    (tmp_path / "model_index.json").write_text(json.dumps({
+        "_class_name": "FluxPipeline", "transformer": ["diffusers", "FluxTransformer2DModel"],
+        "vae": ["diffusers", "AutoencoderTiny"]}))
+    messages = pools.get(2).run(cases.vae_errors, index_folder=str(tmp_path))
     for per_rank in messages:
         assert "cannot split AutoencoderTiny" in per_rank["unsupported"]
         assert "AutoencoderKLWan" in per_rank["unsupported"]
-        assert "decoder_inject_noise" in per_rank["inject_noise"]
+        assert "contains AttnUpDecoderBlock2D (decoder.up_blocks.1)" in per_rank["unchecked_block"]
         assert "AttnProcessor2_0" in per_rank["classic_processor"]
         assert "output_rank must be None or a rank of the group, 0..1; got 2" in per_rank["output_rank"]
         assert "got str" in per_rank["bad_group"]
@@ -129,9 +144,31 @@ def test_errors_before_any_collective(pools):
         assert "rank 0: shape (2, 4, 5, 6)" in per_rank["mismatched_shapes"]
         assert "rank 1: shape (2, 4, 6, 6)" in per_rank["mismatched_shapes"]
         assert "inference-only" in per_rank["requires_grad"]
+        assert per_rank["pipeline_uncovered_vae"].startswith("UnsupportedModelError")
+        assert "VAE is AutoencoderTiny" in per_rank["pipeline_uncovered_vae"]
 
 
 def test_process_group_not_initialised():
     assert not torch.distributed.is_initialized()
     with pytest.raises(paradiff.DistributedError, match="init_process_group"):
         paradiff.parallelize_vae(build_vae("kl"))
+
+
+def test_parallel_vae_needs_a_replica_of_several_ranks(tmp_path):
+    (tmp_path / "model_index.json").write_text(json.dumps({
+        "_class_name": "FluxPipeline", "transformer": ["diffusers", "FluxTransformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKL"]}))
+    with pytest.raises(paradiff.ParallelConfigError, match="parallel_vae=True splits the VAE over the ranks"):
+        paradiff.load_pipeline(tmp_path, parallel_vae=True)
+
+
+def test_tiny_pipelines_same_images_with_and_without_split_vae(pools, tmp_path_factory):
+    from paradiff.testing.pipelines import PIPELINE_FAMILIES, save_pipeline
+
+    root = tmp_path_factory.mktemp("vae-pipelines")
+    folders = {family: str(save_pipeline(family, root / family)) for family in PIPELINE_FAMILIES}
+    results = pools.get(2).run(cases.pipelines_with_and_without_split_vae, folders=folders, timeout_s=600)
+    for result in results:
+        for family, outcome in result.items():
+            assert outcome["diff"] <= 1e-5, (family, outcome)
+            assert outcome["rows"] is not None and outcome["rows"][0] >= 1, (family, outcome)

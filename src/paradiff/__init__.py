@@ -1,5 +1,7 @@
 """paradiff: tensor, context, CFG and data parallelism for diffusers transformers, on GPUs (NCCL) and CPUs (gloo)."""
 
+from .caching import CacheMonitor, cache_monitor, enable_cache
+from .compilation import compile
 from .config import ContextParallelConfig, ParallelConfig, TensorParallelConfig
 from .context_parallel.apply import set_attention_backend
 from .context_parallel.plan import ContextParallelPlan, Count, Split, TokenGroups
@@ -28,6 +30,7 @@ from .tensor_parallel.styles import (
 from .vae import parallelize_vae
 
 __all__ = [
+    "CacheMonitor",
     "CheckpointError",
     "ColwiseHeads",
     "HeadNorm",
@@ -49,6 +52,9 @@ __all__ = [
     "TensorParallelPlan",
     "TokenGroups",
     "UnsupportedModelError",
+    "cache_monitor",
+    "compile",
+    "enable_cache",
     "enable_parallelism",
     "from_pretrained",
     "load_pipeline",

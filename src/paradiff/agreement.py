@@ -36,7 +36,9 @@ def fingerprint(value: Any) -> str:
 
 def config_fingerprint(config: Any) -> str:
     """Digest of a diffusers config without its private bookkeeping (e.g. `_use_default_values`, built from a set)."""
-    return fingerprint({key: value for key, value in dict(config or {}).items() if not str(key).startswith("_")})
+    # transformers configs are objects with to_dict(); diffusers' are dicts
+    items = config.to_dict() if hasattr(config, "to_dict") else dict(config or {})
+    return fingerprint({key: value for key, value in items.items() if not str(key).startswith("_")})
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:

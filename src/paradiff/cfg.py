@@ -4,8 +4,13 @@ on the two halves of the mesh's cfg dimension, and the predictions are exchanged
 Pipelines call the transformer twice per step (first the conditional branch, then the unconditional one), and use
 the first prediction only after the second call returns. So cfg rank 0 computes the first call while cfg rank 1
 returns a placeholder and computes the second call; at the end of the second call the two predictions are exchanged
-and the placeholder is filled in place. The first step runs both calls on both halves (serially, like diffusers) to
-learn the output's structure; every later step runs in parallel.
+and the placeholder is filled in place.
+
+Cfg rank 1 must hand out the placeholder before it has computed anything, so it needs the output's structure (type,
+shape, dtype) in advance. It learns it from a meta-device run: the model's class, built from its config on the meta
+device with the real parameters' dtypes, run on meta copies of the call's arguments. That costs no arithmetic and no
+communication, and is remembered per argument signature. A model whose forward cannot run on meta tensors falls
+back to computing that first call for real on cfg rank 1 (once per signature).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from .comm import all_gather_pieces
 from .errors import ParallelConfigError
@@ -37,13 +43,67 @@ def _with_sample(template: Any, sample: torch.Tensor) -> Any:
     return type(template)(sample=sample)
 
 
+def signature(args: tuple, kwargs: dict) -> str:
+    """What the output's structure can depend on: tensors by shape and dtype, everything else by value."""
+    described = pytree.tree_map_only(torch.Tensor, lambda t: ("tensor", tuple(t.shape), str(t.dtype)), (args, kwargs))
+    return repr(described)
+
+
+class MetaStructure:
+    """The output structure of `model` for given arguments, from a run of its architecture on the meta device."""
+
+    KEEP = 16  # signatures remembered; a pipeline uses one per resolution and prompt length
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.meta_model: nn.Module | None = None
+        self.known: dict[str, Any] = {}
+
+    def _build(self) -> nn.Module:
+        model = self.model
+        with torch.device("meta"):
+            meta = type(model).from_config(model.config)
+
+        def tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+            return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+
+        dtypes = {name: tensor.dtype for name, tensor in tensors(model).items()}
+        for name, tensor in tensors(meta).items():
+            if name in dtypes and tensor.dtype != dtypes[name]:
+                tensor.data = tensor.data.to(dtypes[name])  # mixed dtypes (fp32-kept modules) as in the real model
+        return meta.eval()
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any | None:
+        """A template output (meta tensors) or None when the forward cannot run on the meta device."""
+        key = signature(args, kwargs)
+        if key not in self.known:
+            try:
+                if self.meta_model is None:
+                    self.meta_model = self._build()
+                meta_args, meta_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+                with torch.no_grad():
+                    self.known[key] = self.meta_model(*meta_args, **meta_kwargs)
+            except Exception:  # noqa: BLE001 - deterministic for given shapes: every rank of the group falls back
+                self.known[key] = None
+            self._forget_oldest()
+        return self.known.get(key)
+
+    def remember(self, args: tuple, kwargs: dict, output: Any) -> None:
+        self.known[signature(args, kwargs)] = output
+        self._forget_oldest()
+
+    def _forget_oldest(self) -> None:
+        while len(self.known) > self.KEEP:
+            self.known.pop(next(iter(self.known)))
+
+
 @dataclass
 class CfgSplitter:
     group: dist.ProcessGroup
     cfg_rank: int
+    structure: Callable[[tuple, dict], Any] | None = None  # MetaStructure (cfg rank 1)
     calls: int = 0
     computed: int = 0  # forwards this rank really ran (for tests and reports)
-    probed: bool = False
     placeholder: torch.Tensor | None = None  # cfg rank 1: the first prediction, filled at the exchange
     first_output: torch.Tensor | None = None  # cfg rank 0: its first prediction, kept until the exchange
     template: Any = field(default=None, repr=False)
@@ -60,42 +120,55 @@ class CfgSplitter:
                 "prompt with true_cfg_scale > 1, or guidance_scale > 1) or use cfg_degree=1."
             )
 
+    def _forward(self, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        self.computed += 1
+        return forward(*args, **kwargs)
+
     def __call__(self, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         slot = self.calls % 2
         self.calls += 1
-        if not self.probed or slot == self.cfg_rank:
-            self.computed += 1
-        if not self.probed:  # first pair: serial on both halves, records the output structure
-            output = forward(*args, **kwargs)
-            if slot == 1:
-                self.probed = True
-            self.template = output
-            return output
-        sample_template = _sample_of(self.template)
         if slot == 0:
             if self.cfg_rank == 0:
-                output = forward(*args, **kwargs)
-                self.first_output = _sample_of(output)
+                output = self._forward(forward, args, kwargs)
+                self.first_output, self.template = _sample_of(output), output
                 return output
-            self.placeholder = torch.empty_like(sample_template)
-            return _with_sample(self.template, self.placeholder)
+            template = self.structure(args, kwargs) if self.structure is not None else None
+            if template is None:  # no meta run possible: learn the structure by computing this call once
+                template = self._forward(forward, args, kwargs)
+                if self.structure is not None:
+                    self.structure.remember(args, kwargs, template)
+            sample = _sample_of(template)
+            self.placeholder = torch.empty(sample.shape, dtype=sample.dtype, device=_device_of(args, kwargs))
+            return _with_sample(template, self.placeholder)
         # second call of the pair: cfg rank 1 computes it; then both predictions are exchanged
         if self.cfg_rank == 1:
-            mine = _sample_of(forward(*args, **kwargs))
+            output = self._forward(forward, args, kwargs)
+            mine, template = _sample_of(output), output
         else:
-            mine, self.first_output = self.first_output, None
+            mine, template, self.first_output = self.first_output, self.template, None
         first, second = all_gather_pieces(mine, self.group)
         if self.placeholder is not None:
-            self.placeholder.copy_(first)
-            self.placeholder = None
-        return _with_sample(self.template, second)
+            placeholder, self.placeholder = self.placeholder, None
+            if placeholder.shape != first.shape or placeholder.dtype != first.dtype:
+                raise RuntimeError(
+                    f"CFG parallelism: the meta-device run predicted a {tuple(placeholder.shape)} {placeholder.dtype} "
+                    f"output but the transformer returned {tuple(first.shape)} {first.dtype}."
+                )
+            placeholder.copy_(first)
+        return _with_sample(template, second)
+
+
+def _device_of(args: tuple, kwargs: dict) -> torch.device:
+    tensors = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if torch.is_tensor(leaf)]
+    return tensors[0].device if tensors else torch.device("cpu")
 
 
 def install_cfg_parallel(model: nn.Module, group: dist.ProcessGroup) -> CfgSplitter:
     """Wrap `model.forward` (instance attribute, so hooks still run) with a CfgSplitter on `group` (size 2)."""
     if dist.get_world_size(group) != 2:
         raise ParallelConfigError(f"the cfg group must have 2 ranks, it has {dist.get_world_size(group)}.")
-    splitter = CfgSplitter(group=group, cfg_rank=dist.get_rank(group))
+    cfg_rank = dist.get_rank(group)
+    splitter = CfgSplitter(group=group, cfg_rank=cfg_rank, structure=MetaStructure(model) if cfg_rank == 1 else None)
     original = model.forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:

@@ -38,6 +38,9 @@ DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 SINGLE_FILE = "diffusion_pytorch_model.safetensors"
 INDEX_FILE = "diffusion_pytorch_model.safetensors.index.json"
+# what `transformers` names them (text encoders inside a pipeline folder)
+TRANSFORMERS_SINGLE_FILE = "model.safetensors"
+TRANSFORMERS_INDEX_FILE = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -129,20 +132,21 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
 
 
 class Checkpoint:
-    """All tensors of a diffusers model folder, single-file or index-sharded, by name."""
+    """All tensors of a diffusers (or transformers) model folder, single-file or index-sharded, by name."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = Path(folder)
         self.tensors: dict[str, TensorInfo] = {}
-        index = self.folder / INDEX_FILE
-        single = self.folder / SINGLE_FILE
-        if index.is_file():
-            self._load_index(index)
-        elif single.is_file():
-            self.tensors = read_header(single)
-        else:
-            self._raise_missing()
         self._fds: dict[Path, int] = {}
+        for index_name, single_name in ((INDEX_FILE, SINGLE_FILE), (TRANSFORMERS_INDEX_FILE, TRANSFORMERS_SINGLE_FILE)):
+            index, single = self.folder / index_name, self.folder / single_name
+            if index.is_file():
+                self._load_index(index)
+                return
+            if single.is_file():
+                self.tensors = read_header(single)
+                return
+        self._raise_missing()
 
     def _load_index(self, index: Path) -> None:
         try:
@@ -167,7 +171,10 @@ class Checkpoint:
                 f"{self.folder} holds {others} but no safetensors weights; paradiff reads only safetensors "
                 "(convert with diffusers: Model.from_pretrained(...).save_pretrained(dir, safe_serialization=True))."
             )
-        raise CheckpointError(f"{self.folder} has neither {SINGLE_FILE} nor {INDEX_FILE}.")
+        raise CheckpointError(
+            f"{self.folder} has none of {SINGLE_FILE}, {INDEX_FILE}, {TRANSFORMERS_SINGLE_FILE} or "
+            f"{TRANSFORMERS_INDEX_FILE}."
+        )
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch._C._distributed_c10d import _resolve_process_group
 
 
 @dataclass
@@ -29,8 +31,14 @@ def _record(stats: CommStats | None, name: str, tensor: torch.Tensor) -> None:
 
 
 def all_reduce_tp(tensor: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None = None) -> torch.Tensor:
-    """Sum the partial outputs of a rowwise projection, in place."""
+    """Sum the partial outputs of a rowwise projection (or a partial statistic) over the TP group, in place.
+
+    Under torch.compile the sum goes through a functional collective, which Dynamo records as a graph op (an in-place
+    c10d call is opaque to it); copying the result back keeps the in-place contract callers rely on.
+    """
     _record(stats, "all_reduce_tp", tensor)
+    if torch.compiler.is_compiling():
+        return tensor.copy_(funcol.all_reduce(tensor, "sum", group))
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
 
@@ -38,8 +46,10 @@ def all_reduce_tp(tensor: torch.Tensor, group: dist.ProcessGroup, stats: CommSta
 def all_gather_heads_tp(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup,
                         stats: CommStats | None = None) -> torch.Tensor:
     """Concatenate the TP ranks' equal blocks of heads along `dim` (an attention output a model uses unprojected)."""
-    pieces = [torch.empty_like(tensor.contiguous()) for _ in range(dist.get_world_size(group))]
     _record(stats, "all_gather_heads_tp", tensor)
+    if torch.compiler.is_compiling():  # traced as a graph op (see all_reduce_tp)
+        return funcol.all_gather_tensor(tensor.contiguous(), gather_dim=dim, group=group)
+    pieces = [torch.empty_like(tensor.contiguous()) for _ in range(dist.get_world_size(group))]
     dist.all_gather(pieces, tensor.contiguous(), group=group)
     return torch.cat(pieces, dim=dim)
 
@@ -48,8 +58,33 @@ def all_reduce_cp_sums(tensor: torch.Tensor, group: dist.ProcessGroup, stats: Co
     """Sum per-rank partial sums over the context-parallel group (linear attention's K^T V and key sums)."""
     tensor = tensor.contiguous()
     _record(stats, "all_reduce_cp_sums", tensor)
+    if torch.compiler.is_compiling():  # traced as a graph op (see all_reduce_tp)
+        return funcol.all_reduce(tensor, "sum", group)
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
+
+
+def all_reduce_metric(values: torch.Tensor, group: dist.ProcessGroup | None,
+                      stats: CommStats | None = None) -> list[float]:
+    """Sum a few float64 scalars over `group` (one small all-reduce) and return them as Python floats.
+
+    Used where ranks take a decision from data (e.g. a step cache's skip test): an all-reduce leaves identical bytes
+    on every member, so every member decides the same. `group=None` is a one-rank group: values come back unchanged.
+    """
+    values = values.to(torch.float64).contiguous()
+    if group is not None and dist.get_world_size(group) > 1:
+        _record(stats, "all_reduce_metric", values)
+        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
+    return [float(v) for v in values.cpu().tolist()]
+
+
+def group_name(group: dist.ProcessGroup | None) -> str:
+    """The registered name of a process group ("" for none): how a group crosses a torch.library custom op."""
+    return "" if group is None else group.group_name
+
+
+def group_from_name(name: str) -> dist.ProcessGroup | None:
+    return _resolve_process_group(name) if name else None
 
 
 def all_gather_int(value: int, group: dist.ProcessGroup, device: torch.device) -> list[int]:

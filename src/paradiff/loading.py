@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -21,11 +21,13 @@ from .checkpoint import Checkpoint
 from .config import as_parallel_config
 from .errors import CheckpointError, ParallelConfigError
 from .mesh import build_mesh, default_device, require_distributed
+from .model_library import checkpoint_keys, construct, keep_fp32_modules, load_config
 from .plans import plan_for
 from .progress import byte_progress
 from .parallel import attach
 from .tensor_parallel.plan import ResolvedPlan, as_plan, check_checkpoint_keys, resolve_plan
 from .tensor_parallel.shard import swap_in_sharded_linears
+from .tensor_parallel.styles import ShardSpec
 
 HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -158,7 +160,8 @@ def from_pretrained(
     progress: bool | None = None,
     **kwargs: Any,
 ) -> nn.Module:
-    """Load a diffusers model class; with a parallel config, each rank reads only its own shard of each weight.
+    """Load a diffusers model class (or a `transformers` one, e.g. a text encoder); with a parallel config, each rank
+    reads only its own shard of each weight.
 
     Every check runs first on each rank; then the ranks agree (through the store, not a collective) that all passed
     and that they load the same thing, and only then is the mesh built and any weight read.
@@ -179,7 +182,7 @@ def from_pretrained(
         mesh = build_mesh(parallel, prepared.device) if parallel else None
         error = None
         try:
-            _materialise(model, checkpoint, prepared.resolved, prepared.dtype, prepared.device, progress)
+            prepared.source.read(model, checkpoint, progress)
         except Exception as exc:  # noqa: BLE001 - a read failure on one rank must stop every rank
             error = exc
         if parallel is not None:
@@ -198,6 +201,105 @@ def from_pretrained(
 
 
 @dataclass
+class WeightSource:
+    """Where a model's weights come from and which slice of each this rank holds: everything needed to read them
+    (again, after staged execution freed them) into the model built by `prepare_model`."""
+
+    folder: Path
+    keys: dict[str, str]  # state_dict name -> checkpoint tensor name
+    shapes: dict[str, tuple[int, ...]]  # checkpoint tensor name -> full shape, as validated
+    resolved: ResolvedPlan | None
+    dtype: torch.dtype
+    device: torch.device
+    keep_fp32: list[str] = field(default_factory=list)
+
+    def spec(self, name: str) -> ShardSpec | None:
+        return self.resolved.spec_for(name) if self.resolved else None
+
+    def open(self) -> Checkpoint:
+        """The checkpoint again, refusing it if a tensor changed shape since it was validated."""
+        checkpoint = Checkpoint(self.folder)
+        for key, shape in self.shapes.items():
+            info = checkpoint.tensors.get(key)
+            if info is None or tuple(info.shape) != tuple(shape):
+                checkpoint.close()
+                found = "missing" if info is None else f"shape {list(info.shape)}"
+                raise CheckpointError(
+                    f"{self.folder}: tensor {key!r} is {found} now but was {list(shape)} when the pipeline was loaded; "
+                    "the checkpoint changed on disk."
+                )
+        return checkpoint
+
+    def read(self, model: nn.Module, checkpoint: Checkpoint, progress: bool | None = None,
+             parameters: bool = True, buffers: bool = True) -> None:
+        """Read every parameter (this rank's slice of planned ones) and/or persistent buffer into place. Tensors tied
+        in the model (stored once) are read once and shared."""
+        wanted = [n for n in model.state_dict().keys()
+                  if (parameters if _is_parameter(model, n) else buffers)]
+        first_of: dict[tuple, str] = {}
+        for name in wanted:
+            first_of.setdefault((self.keys[name], self.spec(name)), name)
+        total = sum(self._nbytes(name, checkpoint) for name in first_of.values())
+        shared: dict[tuple, torch.Tensor] = {}
+        with byte_progress(total, "paradiff: loading", progress) as advance:
+            for name in wanted:
+                key = self.keys[name]
+                info = checkpoint.tensors[key]
+                spec = self.spec(name)
+                module_name, _, leaf = name.rpartition(".")
+                module = model.get_submodule(module_name) if module_name else model
+                if leaf in module._parameters:
+                    dtype = info.dtype
+                    if info.dtype.is_floating_point:
+                        dtype = target_dtype(name, self.dtype, self.keep_fp32)
+                    cache_key = (key, spec, dtype)
+                    if cache_key not in shared:
+                        tensor = checkpoint.read(key, spec)
+                        advance(tensor.numel() * tensor.element_size())
+                        shared[cache_key] = tensor.to(device=self.device, dtype=dtype)
+                    module._parameters[leaf] = nn.Parameter(shared[cache_key], requires_grad=False)
+                else:
+                    tensor = checkpoint.read(key, spec)
+                    advance(tensor.numel() * tensor.element_size())
+                    module._buffers[leaf] = tensor.to(device=self.device)
+        if buffers:
+            for module in model.modules():
+                for leaf, buffer in list(module._buffers.items()):
+                    if buffer is not None and buffer.device != self.device:
+                        module._buffers[leaf] = buffer.to(self.device)
+
+    def _nbytes(self, name: str, checkpoint: Checkpoint) -> int:
+        info = checkpoint.tensors[self.keys[name]]
+        spec = self.spec(name)
+        shape = info.shape if spec is None else spec.local_shape(info.shape)
+        return _numel(shape) * torch.empty((), dtype=info.dtype).element_size()
+
+
+def free_parameters(model: nn.Module, device: torch.device) -> None:
+    """Drop every parameter's storage. Each is replaced by an empty tensor of its dtype on `device`, so the module
+    tree, its hooks, attributes and buffers stay, and so do `.dtype` and `.device`, which pipelines read (e.g. to move
+    latents to the VAE) before the stage that reads the weights again."""
+    for module in model.modules():
+        for leaf, param in list(module._parameters.items()):
+            if param is not None:
+                placeholder = torch.empty(0, dtype=param.dtype, device=device)
+                module._parameters[leaf] = nn.Parameter(placeholder, requires_grad=False)
+
+
+def _is_parameter(model: nn.Module, name: str) -> bool:
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    return leaf in module._parameters
+
+
+def _numel(shape) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+@dataclass
 class _Prepared:
     model: nn.Module
     checkpoint: Checkpoint
@@ -207,6 +309,7 @@ class _Prepared:
     dtype: torch.dtype
     device: torch.device
     facts: dict
+    source: WeightSource
 
 
 def _prepare(model_cls, path, subfolder, torch_dtype, parallel_config, device, plan, cp_plan, kwargs) -> _Prepared:
@@ -223,29 +326,58 @@ def _prepare(model_cls, path, subfolder, torch_dtype, parallel_config, device, p
         if parallel.world_size != dist.get_world_size() and parallel.mesh is None:
             build_mesh(parallel, device)  # raises the degree mismatch error before any collective
     folder = resolve_folder(path, subfolder, hub_kwargs)
+    tp = parallel.tp_degree if parallel else 1
+    tp_shard = None
+    if tp > 1:
+        tp_shard = (dist.get_rank() % tp if parallel.mesh is None else parallel.mesh.get_local_rank("tp"), tp)
+    context = parallel is not None and parallel.context_parallel_config is not None
+    prepared = prepare_model(model_cls, folder, dtype=dtype, device=device, tp_shard=tp_shard, plan=plan,
+                             context=context, cp_plan=cp_plan)
+    prepared.parallel = parallel
+    prepared.facts["parallel degrees"] = parallel.degrees() if parallel else None
+    return prepared
+
+
+def prepare_model(
+    model_cls: type,
+    folder: Path,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp_shard: tuple[int, int] | None = None,
+    plan: Any = None,
+    context: bool = False,
+    cp_plan: Any = None,
+) -> _Prepared:
+    """Build `model_cls` on the meta device from `folder`, resolve its plans for TP slice `tp_shard` = (rank, size),
+    and check everything against the checkpoint headers. Reads no weight; the checkpoint is left open."""
     checkpoint = Checkpoint(folder)
     try:
-        config = model_cls.load_config(folder)
+        config = load_config(model_cls, folder)
         with parameters_on_meta():
-            model = model_cls.from_config(config)
-        tp = parallel.tp_degree if parallel else 1
+            model = construct(model_cls, config, dtype)
+        keys = checkpoint_keys(model, set(checkpoint.tensors))
+        shapes = {name: tuple(checkpoint.tensors[key].shape) for name, key in keys.items()}
         resolved = None
-        if tp > 1:
+        if tp_shard is not None:
+            rank, size = tp_shard
             tp_plan = as_plan(plan_for(model, plan, "tensor"))
-            tp_rank = dist.get_rank() % tp if parallel.mesh is None else parallel.mesh.get_local_rank("tp")
-            resolved = resolve_plan(model, tp_plan, tp_rank, tp)
-            check_checkpoint_keys(resolved, set(checkpoint.tensors), {k: v.shape for k, v in checkpoint.tensors.items()})
+            resolved = resolve_plan(model, tp_plan, rank, size)
+            check_checkpoint_keys(resolved, set(keys), shapes)
         cp_resolved = None
-        if parallel and parallel.context_parallel_config is not None:
+        if context:
             from .context_parallel.apply import resolve_cp_plan
 
             cp_resolved = resolve_cp_plan(model, plan_for(model, cp_plan, "context"))
-        _check_model_against_checkpoint(model, checkpoint, resolved)
+        _check_model_against_checkpoint(model, checkpoint, keys)
     except BaseException:
         checkpoint.close()
         raise
+    source = WeightSource(
+        folder=Path(folder), keys=keys, shapes={keys[n]: shapes[n] for n in keys}, resolved=resolved, dtype=dtype,
+        device=device, keep_fp32=keep_fp32_modules(model, dtype),
+    )
     facts = {
-        "parallel degrees": parallel.degrees() if parallel else None,
         "model class": model_cls.__name__,
         "model config": config_fingerprint(getattr(model, "config", None)),
         "tensor-parallel plan": fingerprint(
@@ -257,71 +389,27 @@ def _prepare(model_cls, path, subfolder, torch_dtype, parallel_config, device, p
         )),
         "dtype": str(dtype),
     }
-    return _Prepared(model, checkpoint, parallel, resolved, cp_resolved, dtype, device, facts)
+    return _Prepared(model, checkpoint, None, resolved, cp_resolved, dtype, device, facts, source)
 
 
-def _check_model_against_checkpoint(model: nn.Module, checkpoint: Checkpoint, resolved: ResolvedPlan | None) -> None:
+def _check_model_against_checkpoint(model: nn.Module, checkpoint: Checkpoint, keys: dict[str, str]) -> None:
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    params = {name for name, _ in model.named_parameters()}
-    missing = sorted(name for name in expected if name not in checkpoint.tensors)
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    missing = sorted(name for name in expected if name not in keys)
     if missing:
         raise CheckpointError(
             f"{checkpoint.folder}: {len(missing)} tensor(s) of {type(model).__name__} are missing from the "
             f"checkpoint, e.g. {missing[:5]}."
         )
     for name, shape in expected.items():
-        info = checkpoint.tensors[name]
+        info = checkpoint.tensors[keys[name]]
         if tuple(info.shape) != shape:
             raise CheckpointError(
-                f"{info.file}: tensor {name!r} has shape {list(info.shape)} but {type(model).__name__} expects "
-                f"{list(shape)}."
+                f"{info.file}: tensor {info.name!r} has shape {list(info.shape)} but {type(model).__name__} expects "
+                f"{list(shape)} for {name!r}."
             )
         if not info.dtype.is_floating_point and name in params:
             raise CheckpointError(
-                f"{info.file}: tensor {name!r} is stored as {info.dtype} but {type(model).__name__} expects a floating "
-                "point parameter."
+                f"{info.file}: tensor {info.name!r} is stored as {info.dtype} but {type(model).__name__} expects a "
+                "floating point parameter."
             )
-
-
-def _materialise(
-    model: nn.Module,
-    checkpoint: Checkpoint,
-    resolved: ResolvedPlan | None,
-    dtype: torch.dtype,
-    device: torch.device,
-    progress: bool | None,
-) -> None:
-    """Read every parameter (this rank's shard of planned ones) and persistent buffer into place."""
-    keep_fp32 = list(getattr(type(model), "_keep_in_fp32_modules", None) or [])
-    names = list(model.state_dict().keys())
-    plan_specs = {name: (resolved.spec_for(name) if resolved else None) for name in names}
-    total = sum(
-        checkpoint.tensors[n].nbytes if plan_specs[n] is None else _spec_nbytes(checkpoint, n, plan_specs[n])
-        for n in names
-    )
-    with byte_progress(total, "paradiff: loading", progress) as advance:
-        for name in names:
-            info = checkpoint.tensors[name]
-            spec = plan_specs[name]
-            tensor = checkpoint.read(name, spec)
-            advance(tensor.numel() * tensor.element_size())
-            module_name, _, leaf = name.rpartition(".")
-            module = model.get_submodule(module_name) if module_name else model
-            if leaf in module._parameters:
-                value = tensor.to(device=device, dtype=target_dtype(name, dtype, keep_fp32) if info.dtype.is_floating_point else info.dtype)
-                module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
-            else:
-                module._buffers[leaf] = tensor.to(device=device)
-    for module in model.modules():
-        for leaf, buffer in list(module._buffers.items()):
-            if buffer is not None and buffer.device != device:
-                module._buffers[leaf] = buffer.to(device)
-
-
-def _spec_nbytes(checkpoint: Checkpoint, name: str, spec) -> int:
-    info = checkpoint.tensors[name]
-    shape = spec.local_shape(info.shape)
-    count = 1
-    for size in shape:
-        count *= size
-    return count * torch.empty((), dtype=info.dtype).element_size()

@@ -68,6 +68,16 @@ class ParallelMesh:
     def cp_degree(self) -> int:
         return self.size("ring") * self.size("ulysses")
 
+    @property
+    def model_group(self) -> dist.ProcessGroup | None:
+        """The ranks that compute one forward together (ring x ulysses x tp); None when that is this rank alone."""
+        cp, tp = self.cp_degree > 1, self.size("tp") > 1
+        if cp and tp:
+            return self.flat_group(("ring", "ulysses", "tp"))
+        if cp:
+            return self.flat_group(("ring", "ulysses"))
+        return self.tp_group if tp else None
+
     def describe(self) -> dict[str, int]:
         return {name: self.size(name) for name in MESH_DIMS}
 
@@ -95,6 +105,8 @@ def build_mesh(config: ParallelConfig, device: torch.device | None = None) -> Pa
 def _add_flat_groups(parallel_mesh: ParallelMesh) -> None:
     """Create the multi-dimension groups every rank must create together (new_group is collective)."""
     wanted = [("ring", "ulysses")] if parallel_mesh.cp_degree > 1 else []
+    if parallel_mesh.cp_degree > 1 and parallel_mesh.size("tp") > 1:
+        wanted.append(("ring", "ulysses", "tp"))
     names = tuple(parallel_mesh.device_mesh.mesh_dim_names)
     ranks = parallel_mesh.device_mesh.mesh
     me = dist.get_rank()

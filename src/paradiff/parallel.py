@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .agreement import agree, config_fingerprint, fingerprint
+from .caching import check_cache_config, install_agreed_caching
 from .config import as_parallel_config
 from .errors import UnsupportedModelError
 from .failures import install_failure_guard
@@ -85,6 +86,8 @@ def enable_parallelism(model: nn.Module, config: Any, *, plan: Any = None, cp_pl
             tp_rank = (dist.get_rank() % parallel.tp_degree if parallel.mesh is None
                        else parallel.mesh.get_local_rank("tp"))
             resolved = resolve_plan(model, tp_plan, tp_rank, parallel.tp_degree)
+        if getattr(model, "_cache_config", None) is not None:
+            check_cache_config(model._cache_config)
         if parallel.context_parallel_config is not None:
             from .context_parallel.apply import resolve_cp_plan
 
@@ -114,4 +117,5 @@ def attach(model: nn.Module, mesh: Any, resolved: Any, cp_resolved: Any) -> nn.M
 
         apply_context_parallel(model, state, cp_resolved)
     install_failure_guard(model)
+    install_agreed_caching(model, mesh.model_group)
     return model

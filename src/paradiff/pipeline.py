@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -15,10 +19,14 @@ from torch import nn
 from .agreement import agree, tensor_checksum
 from .cfg import CfgSplitter, install_cfg_parallel
 from .config import as_parallel_config
-from .errors import CheckpointError, ParallelConfigError
-from .loading import check_dtype, from_pretrained
+from .errors import CheckpointError, ParallelConfigError, UnsupportedModelError
+from .loading import check_dtype
 from .mesh import default_device
+from .stages import StagedComponent, StageRunner, stage_of
 from .state import get_state
+from .tensor_parallel.shard import swap_in_sharded_linears
+
+logger = logging.getLogger(__name__)
 
 # Whether a pipeline call runs classifier-free guidance (two transformer calls per step), by pipeline class.
 CFG_RULES = {
@@ -46,16 +54,17 @@ def resolve_pipeline_folder(path: str | os.PathLike, hub_kwargs: dict | None = N
 class ParallelPipelineMixin:
     """Mixed into the loaded pipeline's class: seeds every rank alike and checks CFG pairing."""
 
-    _paradiff_cfg: CfgSplitter | None = None
+    _paradiff_cfgs: tuple[CfgSplitter, ...] = ()  # one per transformer (Wan 2.2 A14B has two)
     _paradiff_base: str = ""
     _paradiff_check_latents: bool = False
+    _paradiff_stages: StageRunner | None = None
 
     def __call__(self, *args: Any, seed: int | None = None, **kwargs: Any):
         if kwargs.get("generator") is None:
             # every rank must draw identical initial latents; a CPU generator is identical on every device
             kwargs["generator"] = torch.Generator("cpu").manual_seed(0 if seed is None else seed)
-        splitter = self._paradiff_cfg
-        if splitter is not None:
+        splitters = self._paradiff_cfgs
+        if splitters:
             rule = CFG_RULES.get(self._paradiff_base)
             if rule is None or not rule(kwargs):
                 raise ParallelConfigError(
@@ -63,12 +72,23 @@ class ParallelPipelineMixin:
                     "with these arguments does not (give a negative_prompt and true_cfg_scale > 1 for Qwen-Image / "
                     "FLUX.1, guidance_scale > 1 for Wan), or use cfg_degree=1."
                 )
-            splitter.reset()
+            for splitter in splitters:
+                splitter.reset()
         self._paradiff_check_latents = True
-        output = super().__call__(*args, **kwargs)
-        if splitter is not None:
+        with self._paradiff_stages.call() if self._paradiff_stages else contextlib.nullcontext():
+            output = super().__call__(*args, **kwargs)
+        for splitter in splitters:
             splitter.finish()
         return output
+
+    def stage_report(self) -> list[dict]:
+        """Per stage on this rank (text_encoders, transformer, vae), summed over the calls since the last
+        `reset_stage_report()`: load_s, run_s, peak_bytes (CUDA max allocated, or peak RssAnon on CPU),
+        parameter_bytes held (all components), entries (times the stage started)."""
+        return self._paradiff_stages.report()
+
+    def reset_stage_report(self) -> None:
+        self._paradiff_stages.reset()
 
     @property
     def is_output_rank(self) -> bool:
@@ -89,19 +109,35 @@ def load_pipeline(
     device: torch.device | str | None = None,
     plan: Any = None,
     cp_plan: Any = None,
+    stages: bool = False,
+    shard_text_encoders: bool = True,
+    text_encoder_plans: dict[str, Any] | None = None,
+    parallel_vae: bool | None = None,
     **kwargs: Any,
 ):
-    """A diffusers pipeline whose transformer is parallelised (shard-on-read for TP). `plan` / `cp_plan`: the
-    transformer's plans (None: built-in; "auto": derived from its structure).
+    """A diffusers pipeline whose transformer is parallelised (shard-on-read for TP) and whose text encoders are
+    split over the same mesh. `plan` / `cp_plan`: the transformer's plans (None: built-in; "auto": derived from its
+    structure).
 
-    The other components are placed on this rank's own device one by one (never `pipeline.to()`, which would move
-    the transformer's shards); `device_map=` is passed through to diffusers for users who want component placement.
+    Text encoders are split over the mesh's TP ranks (with no TP: over the context-parallel ranks, which encode the
+    same prompts; with neither: kept whole), shard-on-read, unless `shard_text_encoders=False`. `text_encoder_plans`
+    gives plans for encoder classes paradiff has none for ({"text_encoder": {...}}). With `stages=True` only the
+    current stage's components hold weights during a call (text encoders, then the transformer, then the VAE;
+    each read again, shard-on-read, when its stage starts); with `stages=False` (default) everything stays resident.
+    Components paradiff does not split are placed on this rank's own device one by one (never `pipeline.to()`,
+    which would move the transformer's shards); `device_map=` / `max_memory=` are passed through to diffusers for
+    those components instead (not with `stages=True`, where paradiff places and frees every component itself).
+    `parallel_vae`: split the VAE's decode and encode by rows across the ranks of each data-parallel replica
+    (`paradiff.parallelize_vae`; same images). None (default): on when a replica has more than one rank and the VAE
+    is covered, otherwise the VAE decodes whole on each rank; True: required (an uncovered VAE is an error); False:
+    off.
     """
     from diffusers import DiffusionPipeline
     import diffusers
 
     dtype = check_dtype(torch_dtype)
     device = torch.device(device) if device is not None else default_device()
+    _check_pipeline_options(stages, shard_text_encoders, text_encoder_plans, kwargs)
     parallel = None
     if parallel_config is not None:
         if not dist.is_initialized():
@@ -122,31 +158,309 @@ def load_pipeline(
         raise ParallelConfigError(
             f"cfg_degree=2 is supported for {sorted(CFG_RULES)}; {pipeline_name} runs no true CFG."
         )
-    transformer_cls = getattr(diffusers, index["transformer"][1])
-    transformer = from_pretrained(transformer_cls, folder, subfolder="transformer", torch_dtype=dtype,
-                                  parallel_config=parallel, device=device, plan=plan, cp_plan=cp_plan)
+    if parallel_vae:
+        _check_parallel_vae(parallel, index, folder)
+    own = _components_paradiff_loads(folder, index, parallel, stages, shard_text_encoders, text_encoder_plans or {})
+    loaded = _load_components(own, folder, parallel, dtype, device, stages, plan, cp_plan)
     target_cls = pipeline_cls or getattr(diffusers, str(pipeline_name), DiffusionPipeline)
     expected_modules, _ = DiffusionPipeline._get_signature_keys(target_cls)
-    if "transformer" in expected_modules:
-        pipeline = target_cls.from_pretrained(folder, transformer=transformer, dtype=dtype, **kwargs)
-    else:
-        # Pipelines whose transformer is an optional argument (Wan) would load it again from disk, whole, and drop
-        # the one passed in: load without it, then register the parallel one.
-        pipeline = target_cls.from_pretrained(folder, transformer=None, dtype=dtype, **kwargs)
-        pipeline.register_modules(transformer=transformer)
-    if pipeline.transformer is not transformer:
-        raise RuntimeError(f"{target_cls.__name__} replaced the parallel transformer while loading.")
+    # Pipelines whose transformer is an optional argument (Wan) would load it again from disk, whole, and drop the
+    # one passed in: load without it, then register the parallel one.
+    given = {name: loaded[name].model if name in expected_modules else None for name in loaded}
+    pipeline = target_cls.from_pretrained(folder, **given, dtype=dtype, **kwargs)
+    for name, component in loaded.items():
+        if getattr(pipeline, name, None) is not component.model:
+            pipeline.register_modules(**{name: component.model})
+        if getattr(pipeline, name) is not component.model:
+            raise RuntimeError(f"{target_cls.__name__} replaced the paradiff-loaded {name} while loading.")
     if kwargs.get("device_map") is None:
         for name, component in pipeline.components.items():
-            if isinstance(component, nn.Module) and name != "transformer":
+            if isinstance(component, nn.Module) and name not in loaded:
                 component.to(device)
     base = type(pipeline)
     pipeline.__class__ = type(f"Parallel{base.__name__}", (ParallelPipelineMixin, base), {"_paradiff_base": base.__name__})
     if parallel is not None and parallel.cfg_degree > 1:
-        pipeline._paradiff_cfg = install_cfg_parallel(transformer, get_state(transformer).mesh.group("cfg"))
+        pipeline._paradiff_cfgs = tuple(
+            install_cfg_parallel(model, get_state(model).mesh.group("cfg"))
+            for model in (getattr(pipeline, name) for name in transformer_names(index))
+        )
     if parallel is not None:
         _install_latent_check(pipeline)
+        if parallel_vae is not False and parallel.world_size // parallel.data_degree > 1:
+            _parallelize_vae(pipeline, required=bool(parallel_vae))
+    pipeline._paradiff_stages = _stage_runner(pipeline, loaded, device, stages)
     return pipeline
+
+
+def _check_pipeline_options(stages: Any, shard_text_encoders: Any, text_encoder_plans: Any, kwargs: dict) -> None:
+    if not isinstance(stages, bool):
+        raise ParallelConfigError(f"stages must be True or False, got {stages!r}.")
+    if not isinstance(shard_text_encoders, bool):
+        raise ParallelConfigError(f"shard_text_encoders must be True or False, got {shard_text_encoders!r}.")
+    if text_encoder_plans is not None and not (
+        isinstance(text_encoder_plans, dict) and all(isinstance(k, str) for k in text_encoder_plans)
+    ):
+        raise ParallelConfigError(
+            "text_encoder_plans must map component names to plans, e.g. {'text_encoder': {'layers.*.q': 'colwise'}}, "
+            f"got {text_encoder_plans!r}."
+        )
+    if stages and (kwargs.get("device_map") is not None or kwargs.get("max_memory") is not None):
+        raise ParallelConfigError(
+            "stages=True places every component on this rank's device and frees it after its stage, which is what "
+            f"device_map={kwargs.get('device_map')!r} / max_memory would otherwise arrange; pass one or the other "
+            "(device_map and max_memory apply with stages=False, to the components paradiff does not split)."
+        )
+
+
+def text_encoder_dims(parallel) -> tuple[str, ...]:
+    """The mesh dimensions text encoders are split over: the TP ranks; with no TP, the context-parallel ranks (every
+    one of them encodes the same prompts); with neither, none. Always inside one data-parallel replica and one CFG
+    branch, so a replica's prompt embeddings are computed, and stay, on its own ranks."""
+    if parallel is None:
+        return ()
+    if parallel.tp_degree > 1:
+        return ("tp",)
+    if parallel.ring_degree * parallel.ulysses_degree > 1:
+        return ("ring", "ulysses")
+    return ()
+
+
+def _encoder_shard(parallel, dims: tuple[str, ...]) -> tuple[int, int]:
+    """(rank in the encoder group, its size), from the degrees alone: ranks are laid out data x cfg x ring x ulysses x
+    tp, innermost last, and a multi-dimension group numbers its ranks row-major over its dimensions."""
+    degrees = parallel.degrees()
+    size = 1
+    for dim in dims:
+        size *= degrees[dim]
+    if parallel.mesh is not None:
+        rank = 0
+        names = tuple(parallel.mesh.mesh_dim_names or ())
+        for dim in dims:
+            rank = rank * degrees[dim] + (parallel.mesh.get_local_rank(dim) if dim in names else 0)
+        return rank, size
+    return dist.get_rank() % size, size
+
+
+@dataclass
+class _Own:
+    """A component paradiff loads itself: its class, and the TP plan when it is split."""
+
+    name: str
+    model_cls: type
+    kind: str  # "transformer", "text_encoder" (split) or "whole"
+    plan: Any = None
+
+
+@dataclass
+class _Loaded:
+    model: nn.Module
+    source: Any  # loading.WeightSource
+    load_s: float
+
+
+def _components_paradiff_loads(folder, index, parallel, stages, shard_text_encoders, plans) -> list[_Own]:
+    import importlib
+
+    from .plans import family_of
+
+    # Wan 2.2 A14B has a second transformer for the low-noise steps (`transformer_2`; null in model_index.json
+    # for the single-transformer checkpoints): every transformer is split alike.
+    own = [_Own(name, _component_class(index, name), "transformer") for name in transformer_names(index)]
+    split_encoders = shard_text_encoders and bool(text_encoder_dims(parallel))
+    unknown = sorted(set(plans) - {n for n in index if n.startswith("text_encoder")})
+    if unknown:
+        raise ParallelConfigError(
+            f"text_encoder_plans names {unknown}, which are not text encoders of this pipeline; its text encoders are "
+            f"{sorted(n for n in index if n.startswith('text_encoder'))}."
+        )
+    for name, entry in sorted(index.items()):
+        if name.startswith("transformer") or not _is_component(entry):
+            continue
+        model_cls = getattr(importlib.import_module(entry[0]), entry[1], None)
+        if not (isinstance(model_cls, type) and issubclass(model_cls, nn.Module)):
+            continue
+        if name.startswith("text_encoder") and split_encoders:
+            own.append(_Own(name, model_cls, "text_encoder", plans.get(name)))
+        elif stages or (name.startswith("text_encoder") and shard_text_encoders
+                        and (name in plans or family_of(model_cls) is not None)):
+            # paradiff reads the encoders it knows itself even when nothing splits them (single process, CFG- or
+            # data-only meshes): into process memory, like every weight of a split run, never a mapped file
+            own.append(_Own(name, model_cls, "whole"))
+    return own
+
+
+def transformer_names(index: dict) -> list[str]:
+    """The pipeline's transformer components present in model_index.json: "transformer", then e.g. "transformer_2"."""
+    return sorted(name for name, entry in index.items() if name.startswith("transformer") and _is_component(entry))
+
+
+def _is_component(entry: Any) -> bool:
+    return isinstance(entry, (list, tuple)) and len(entry) == 2 and all(isinstance(e, str) for e in entry)
+
+
+def _component_class(index: dict, name: str) -> type:
+    import importlib
+
+    library, class_name = index[name]
+    return getattr(importlib.import_module(library), class_name)
+
+
+def _load_components(own: list[_Own], folder: Path, parallel, dtype, device, stages: bool, plan: Any = None,
+                     cp_plan: Any = None) -> dict[str, _Loaded]:
+    """Prepare every component (meta models, plans, checkpoint headers) on every rank, agree, build the mesh once,
+    then read: everything now (all-resident), or only persistent buffers (staged; parameters come at their stage)."""
+    from .loading import prepare_model
+    from .mesh import build_mesh
+    from .parallel import attach
+
+    prepared: dict[str, Any] = {}
+    error = None
+    try:
+        encoder_dims = text_encoder_dims(parallel)
+        for item in own:
+            tp_shard, context, item_plan, item_cp_plan = None, False, item.plan, None
+            if item.kind == "transformer" and parallel is not None:
+                if parallel.tp_degree > 1:
+                    tp_shard = _encoder_shard(parallel, ("tp",))
+                context = parallel.context_parallel_config is not None
+                item_plan, item_cp_plan = plan, cp_plan
+            elif item.kind == "text_encoder":
+                tp_shard = _encoder_shard(parallel, encoder_dims)
+                item_plan = item_plan if item_plan is not None else _text_encoder_plan(item, folder)
+            prepared[item.name] = prepare_model(item.model_cls, folder / item.name, dtype=dtype, device=device,
+                                                tp_shard=tp_shard, plan=item_plan, context=context,
+                                                cp_plan=item_cp_plan)
+    except Exception as exc:  # noqa: BLE001 - shared with the other ranks, then re-raised
+        error = exc
+    try:
+        if parallel is not None:
+            facts = {"parallel degrees": parallel.degrees(), "stages": stages}
+            facts.update({f"{name}: {key}": value for name, p in prepared.items() for key, value in p.facts.items()})
+            agree("paradiff.load_pipeline", facts if error is None else None, error)
+        elif error is not None:
+            raise error
+        mesh = build_mesh(parallel, device) if parallel is not None else None
+        loaded: dict[str, _Loaded] = {}
+        error = None
+        try:
+            for name, item in prepared.items():
+                started = time.perf_counter()
+                item.source.read(item.model, item.checkpoint, parameters=not stages)
+                loaded[name] = _Loaded(item.model, item.source, time.perf_counter() - started)
+        except Exception as exc:  # noqa: BLE001 - a read failure on one rank must stop every rank
+            error = exc
+        if parallel is not None:
+            agree("paradiff.load_pipeline (reading weights)", {"loaded": True}, error)
+        elif error is not None:
+            raise error
+    finally:
+        for item in prepared.values():
+            item.checkpoint.close()
+    transformers = {item.name for item in own if item.kind == "transformer"}
+    for name, item in prepared.items():
+        model = item.model
+        if item.resolved is not None:
+            group = mesh.tp_group if name in transformers else _encoder_group(mesh, encoder_dims)
+            swap_in_sharded_linears(model, item.resolved, group, weights_are_local=not stages)
+        model.eval()
+        if mesh is not None and (name in transformers or item.resolved is not None):
+            attach(model, mesh, item.resolved, item.cp_resolved)
+    return loaded
+
+
+def _text_encoder_plan(item: _Own, folder: Path):
+    from .errors import PlanError
+    from .model_library import load_config
+    from .plans import builtin_plan, text_encoder_families
+
+    try:
+        return builtin_plan(item.model_cls, load_config(item.model_cls, folder / item.name), "tensor")
+    except PlanError:
+        known = sorted(name for family in text_encoder_families() for name in family.MODEL_CLASSES)
+        raise PlanError(
+            f"paradiff has no tensor-parallel plan for text encoder {item.name!r} ({item.model_cls.__name__}); it "
+            f"has plans for {', '.join(known)}. Pass one with load_pipeline(..., text_encoder_plans="
+            f"{{{item.name!r}: {{'<module glob>': 'colwise', ...}}}}) (see README.md, 'Writing a plan'), or keep the "
+            "text encoders whole on every rank with shard_text_encoders=False."
+        ) from None
+
+
+def _encoder_group(mesh, dims: tuple[str, ...]):
+    return mesh.tp_group if dims == ("tp",) else mesh.flat_group(dims)
+
+
+def _stage_runner(pipeline, loaded: dict[str, _Loaded], device: torch.device, staged: bool) -> StageRunner:
+    from .loading import free_parameters
+
+    components = []
+    for name, module in pipeline.components.items():
+        stage = stage_of(name)
+        if not isinstance(module, nn.Module) or stage is None:
+            continue
+        load = free = None
+        if staged and name in loaded:
+            load, free = _reader(module, loaded[name].source), (lambda m=module: free_parameters(m, device))
+        components.append(StagedComponent(name, module, stage, load, free))
+    modules = [m for m in pipeline.components.values() if isinstance(m, nn.Module)]
+    state = get_state(pipeline.transformer)
+    replica = None
+    if state is not None:
+        replica = state.mesh.device_mesh.mesh[state.mesh.local_rank("data")].flatten().tolist()
+    elif dist.is_initialized():
+        replica = [dist.get_rank()]
+    runner = StageRunner(components, modules, device, staged, replica)
+    for component in components:
+        if component.free is not None:
+            component.free()
+    if not staged:
+        for name, item in loaded.items():
+            if stage_of(name) is not None:
+                runner.preload_time(stage_of(name), item.load_s)
+    runner.install()
+    return runner
+
+
+def _reader(module: nn.Module, source) -> Callable[[], None]:
+    def load() -> None:
+        checkpoint = source.open()
+        try:
+            source.read(module, checkpoint, buffers=False)
+        finally:
+            checkpoint.close()
+
+    return load
+
+
+def _check_parallel_vae(parallel, index: dict, folder: Path) -> None:
+    """parallel_vae=True: refuse, before any weight is read, what cannot split the VAE."""
+    from .vae import supported_vaes
+
+    if parallel is None or parallel.world_size // parallel.data_degree < 2:
+        raise ParallelConfigError(
+            "parallel_vae=True splits the VAE over the ranks of a replica; give a parallel_config whose replicas have "
+            "more than one rank (tp, ring, ulysses or cfg > 1)."
+        )
+    vae_class = (index.get("vae") or [None, None])[1]
+    if vae_class not in supported_vaes():
+        raise UnsupportedModelError(
+            f"parallel_vae=True, but {folder}'s VAE is {vae_class}; paradiff splits {supported_vaes()}. "
+            "Use parallel_vae=None to decode it whole on each rank."
+        )
+
+
+def _parallelize_vae(pipeline, required: bool) -> None:
+    from .vae import parallelize_vae
+
+    vae = getattr(pipeline, "vae", None)
+    if vae is None:
+        return
+    try:
+        parallelize_vae(vae, get_state(pipeline.transformer).mesh)
+    except UnsupportedModelError as exc:
+        if required:
+            raise
+        # every rank holds the same VAE, so every rank falls back alike
+        logger.warning("The VAE is not split across ranks (it decodes whole on each rank): %s", exc)
 
 
 def _install_latent_check(pipeline) -> None:

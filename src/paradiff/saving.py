@@ -14,6 +14,7 @@ from torch import nn
 
 from .checkpoint import write_checkpoint
 from .comm import all_gather_pieces, barrier
+from .errors import UnsupportedModelError
 from .state import get_state
 from .tensor_parallel.styles import ShardSpec
 
@@ -46,6 +47,17 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
     folder = Path(path)
     state = get_state(model)
     resolved = state.tp_plan if state else None
+    # checked on every rank before any gather, so no rank is left waiting in a collective
+    if not hasattr(model, "save_config"):
+        raise UnsupportedModelError(
+            f"save_pretrained writes diffusers models; {type(model).__name__} is not one (a transformers text "
+            "encoder: load it whole and use its own save_pretrained)."
+        )
+    if resolved is not None and any(l.embedding or l.style.kind == "vocab" for l in resolved.linears.values()):
+        raise UnsupportedModelError(
+            f"save_pretrained cannot gather {type(model).__name__}'s split embeddings or vocabulary rows yet; load "
+            "the model without the plan's embedding / 'vocab' entries to save it."
+        )
     tp_group = state.mesh.tp_group if (state and resolved) else None
     writer = not dist.is_initialized() or dist.get_rank() == 0
     local = model.state_dict()

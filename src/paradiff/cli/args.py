@@ -58,6 +58,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--plan", default=None,
                      help="transformer TP plan: 'auto' (derived from its structure) or FILE.py; default built-in")
     gen.add_argument("--cp-plan", default=None, help="transformer CP plan: 'auto' or FILE.py; default built-in")
+    gen.add_argument("--no-parallel-vae", action="store_true",
+                     help="decode the whole image on each rank instead of splitting the VAE's rows across the ranks")
+    gen.add_argument("--stages", action="store_true",
+                     help="staged execution: only the current stage's components hold weights (text encoders, then "
+                          "the transformer, then the VAE); a replica's prompts run as one batch")
+    gen.add_argument("--whole-text-encoders", action="store_true",
+                     help="keep the text encoders whole on every rank instead of splitting them over the mesh")
+    gen.add_argument("--compile", action="store_true",
+                     help="torch.compile the transformer's blocks (paradiff.compile), in every parallel mode")
+    gen.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --compile")
+    gen.add_argument("--cache", default=None, metavar="SPEC",
+                     help="step cache, decisions agreed by all ranks: 'fbc:THRESHOLD' (first-block cache, e.g. "
+                          "fbc:0.08) or 'taylorseer:INTERVAL[:WARMUP]' (e.g. taylorseer:3:2)")
     bench = commands.add_parser("bench", help="time a list of configurations on one model")
     bench.add_argument("model", nargs="?", default=None)
     bench.add_argument("--configs", default="single,tp=2,ulysses=2,ring=2",
@@ -102,8 +115,33 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
+def cache_config(spec: str):
+    """The diffusers cache config for a --cache SPEC, or a CliError saying what a valid SPEC looks like."""
+    usage = "use fbc:THRESHOLD (a number > 0, e.g. fbc:0.08) or taylorseer:INTERVAL[:WARMUP] (integers >= 1)"
+    kind, _, rest = spec.partition(":")
+    values = rest.split(":") if rest else []
+    try:
+        if kind == "fbc" and len(values) == 1 and float(values[0]) > 0:
+            from diffusers import FirstBlockCacheConfig
+
+            return FirstBlockCacheConfig(threshold=float(values[0]))
+        if kind == "taylorseer" and 1 <= len(values) <= 2 and all(int(v) >= 1 for v in values):
+            import torch
+            from diffusers import TaylorSeerCacheConfig
+
+            interval = int(values[0])
+            warmup = int(values[1]) if len(values) == 2 else 3
+            return TaylorSeerCacheConfig(cache_interval=interval, disable_cache_before_step=warmup,
+                                         taylor_factors_dtype=torch.float32)
+    except ValueError:
+        pass
+    raise CliError(f"--cache {spec}: {usage}")
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Everything a user can get wrong, checked before any process starts or any weight is read."""
+    if args.cache is not None:
+        cache_config(args.cache)
     if args.model is not None:
         path = Path(args.model)
         if (path.exists() or args.model.startswith((".", "/"))) and not (path / "model_index.json").is_file():

@@ -9,15 +9,20 @@ from .outputs import first_output
 
 
 def compare_single_process(model: str, dtype: torch.dtype, kwargs: dict, seed: int, index: int, prompt: str,
-                           array: np.ndarray) -> dict:
-    """Differences between `array` (prompt `index`'s image or video) and diffusers' single-process result.
+                           array: np.ndarray, cache=None) -> dict:
+    """Differences between `array` (prompt `index`'s image or video) and diffusers' single-process result, with the
+    same step cache (`cache`, a diffusers cache config) when one is given.
 
     Returns {"max_abs_diff": float} and, for a video, "max_abs_diff_per_frame" (every frame is compared).
     """
     from diffusers import DiffusionPipeline
 
+    import paradiff
+
     reference = DiffusionPipeline.from_pretrained(model, dtype=dtype)
     reference.set_progress_bar_config(disable=True)
+    if cache is not None:
+        paradiff.enable_cache(reference.transformer, cache)  # one process: no reduction, the same decisions
     result = reference(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed + index), **kwargs)
     kind, expected = first_output(result)
     if expected.shape != array.shape:

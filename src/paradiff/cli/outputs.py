@@ -28,6 +28,17 @@ def first_output(result) -> tuple[str, np.ndarray]:
                     ".images (an image); paradiff generate can only save those")
 
 
+def outputs_of(result) -> list[tuple[str, np.ndarray]]:
+    """Every item of a pipeline result (one per prompt of a batched call), each as `first_output` gives it."""
+    frames = getattr(result, "frames", None)
+    if frames is not None:
+        return [("video", np.asarray(item)) for item in frames]
+    images = getattr(result, "images", None)
+    if images is not None:
+        return [("image", np.asarray(item)) for item in images]
+    return [first_output(result)]  # raises with the reason
+
+
 def to_uint8(array: np.ndarray) -> np.ndarray:
     return (np.clip(array, 0, 1) * 255).round().astype("uint8")
 

@@ -29,7 +29,7 @@ def write_report(args: argparse.Namespace, out: Path, model: str, prompts: list[
     report = {
         "model": model,
         "config": {"tp": args.tp, "ulysses": args.ulysses, "ring": args.ring, "cfg": args.cfg, "dp": args.dp,
-                   **run},
+                   "stages": args.stages, "whole_text_encoders": args.whole_text_encoders, **run},
         "resolution": [args.height, args.width],
         "frames": args.frames,
         "steps": args.steps,
@@ -44,6 +44,14 @@ def write_report(args: argparse.Namespace, out: Path, model: str, prompts: list[
         report["max_abs_diff_vs_single_process"] = compare["max_abs_diff"]
         if "max_abs_diff_per_frame" in compare:
             report["max_abs_diff_per_frame_vs_single_process"] = compare["max_abs_diff_per_frame"]
+    report["compile"] = bool(getattr(args, "compile", False))
+    if getattr(args, "cache", None):
+        # the ranks of one forward agree by construction; under CFG parallelism each half holds one context
+        per_image: dict[str, dict[str, list[int]]] = {}
+        for stats in gathered:
+            for index, contexts in stats.get("cache_computed_steps", {}).items():
+                per_image.setdefault(str(index), {}).update(contexts)
+        report["cache"] = {"spec": args.cache, "computed_steps": per_image}
     (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
     steps = [s["step_s_median"] for s in gathered if s["step_s_median"] is not None]
     load_s = gathered[0]["load_s"]
@@ -57,4 +65,21 @@ def write_report(args: argparse.Namespace, out: Path, model: str, prompts: list[
     if compare is not None:
         what = "video (every frame)" if "max_abs_diff_per_frame" in compare else "image"
         print(f"paradiff: max |difference| to the single-process {what}: {compare['max_abs_diff']:.2e}")
+    for index, contexts in report.get("cache", {}).get("computed_steps", {}).items():
+        for context, computed in sorted(contexts.items()):
+            print(f"paradiff: cache {args.cache}: output {int(index):04d} ({context}) computed steps {computed}, "
+                  f"{len(computed)} of {args.steps}")
+    print(stage_table(gathered, run.get("device", "cpu")))
     return report
+
+
+def stage_table(gathered: list[dict], device: str) -> str:
+    """Per rank and stage: load and run time, peak memory, parameter bytes held (report.json's `stages`)."""
+    peak = "CUDA max allocated" if device == "cuda" else "peak RssAnon"
+    lines = [f"paradiff: per-stage figures (peak: {peak})",
+             f"{'rank':>4}  {'stage':<14}{'load s':>8}{'run s':>8}{'peak MiB':>10}{'params MiB':>12}"]
+    for stats in gathered:
+        for stage in stats.get("stages", []):
+            lines.append(f"{stats['rank']:>4}  {stage['stage']:<14}{stage['load_s']:>8.2f}{stage['run_s']:>8.2f}"
+                         f"{stage['peak_bytes'] / 2**20:>10.1f}{stage['parameter_bytes'] / 2**20:>12.2f}")
+    return "\n".join(lines)

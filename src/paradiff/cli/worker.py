@@ -19,10 +19,11 @@ import paradiff
 
 from ..comm import all_gather_object, barrier
 from ..mesh import default_device
-from .args import read_prompts
+from ..vae import get_vae_runtime
+from .args import cache_config, read_prompts
 from .compare import compare_single_process
 from .embedded import embedded_call_kwargs, embedded_default
-from .outputs import first_output, save_output
+from .outputs import outputs_of, save_output
 from .report import write_report
 
 # Called with (pipeline, rank) once the pipeline is loaded, before the first generation.
@@ -82,8 +83,18 @@ def generate(args: argparse.Namespace, device: torch.device,
     start = time.perf_counter()
     pipeline = paradiff.load_pipeline(model, parallel_config=parallel_config(args), torch_dtype=dtype, device=device,
                                       plan=_plan_argument(args.plan, "tensor"),
-                                      cp_plan=_plan_argument(args.cp_plan, "context"))
+                                      cp_plan=_plan_argument(args.cp_plan, "context"),
+                                      parallel_vae=False if args.no_parallel_vae else None,
+                                      stages=args.stages, shard_text_encoders=not args.whole_text_encoders)
     load_s = time.perf_counter() - start
+    # Wan 2.2 A14B has a second transformer (`transformer_2`, the low-noise steps): compile and cache each
+    transformers = {name: module for name, module in pipeline.components.items()
+                    if name.startswith("transformer") and isinstance(module, torch.nn.Module)}
+    if args.compile:
+        for module in transformers.values():
+            paradiff.compile(module, backend=args.compile_backend)
+    monitors = ({name: paradiff.enable_cache(module, cache_config(args.cache)) for name, module in transformers.items()}
+                if args.cache else {})
     pipeline.set_progress_bar_config(disable=rank != 0 or not _console_is_terminal())
     if on_pipeline_loaded is not None:
         on_pipeline_loaded(pipeline, rank)
@@ -94,34 +105,53 @@ def generate(args: argparse.Namespace, device: torch.device,
     out = Path(args.out)
     kwargs = call_kwargs(args)
     first = None
+    computed_steps: dict[int, dict[str, list[int]]] = {}  # prompt index -> cache context -> steps computed
     with paradiff.split_between_processes(indexed, pipeline) as share:
-        for index, prompt in share:
+        # staged: the replica's prompts form one batch (each with its own seed), so each stage loads once
+        batches = [list(share)] if args.stages and share else [[item] for item in share]
+        for batch in batches:
             stamps = [time.perf_counter()]
 
             def on_step(_pipe, _step, _timestep, callback_kwargs):
                 stamps.append(time.perf_counter())
                 return callback_kwargs
 
-            result = pipeline(prompt=prompt, seed=args.seed + index, callback_on_step_end=on_step, **kwargs)
+            if args.stages:
+                generators = [torch.Generator("cpu").manual_seed(args.seed + index) for index, _ in batch]
+                result = pipeline(prompt=[prompt for _, prompt in batch], generator=generators,
+                                  callback_on_step_end=on_step, **kwargs)
+            else:
+                (index, prompt), = batch
+                result = pipeline(prompt=prompt, seed=args.seed + index, callback_on_step_end=on_step, **kwargs)
             step_times += [b - a for a, b in zip(stamps, stamps[1:])]
-            kind, array = first_output(result)
-            if first is None:
-                first = (index, prompt, array)
-            if pipeline.is_output_rank:
-                outputs[index] = {"prompt": prompt, **save_output(kind, array, out, index, args.fps)}
+            for name, monitor in monitors.items():
+                for context in sorted({decision.context for decision in monitor.decisions}):
+                    key = context if name == "transformer" else f"{name}:{context}"
+                    for index, _ in batch:
+                        computed_steps.setdefault(index, {})[key] = monitor.computed_steps(context)
+                monitor.clear()
+            for (index, prompt), (kind, array) in zip(batch, outputs_of(result)):
+                if first is None:
+                    first = (index, prompt, array)
+                if pipeline.is_output_rank:
+                    outputs[index] = {"prompt": prompt, **save_output(kind, array, out, index, args.fps)}
     compare = None
     if args.compare and rank == 0 and first is not None:
-        compare = compare_single_process(model, dtype, kwargs, args.seed, *first)
+        compare = compare_single_process(model, dtype, kwargs, args.seed, *first,
+                                         cache=cache_config(args.cache) if args.cache else None)
     stats = {
         "rank": rank,
         "load_s": load_s,
         "step_s_median": float(np.median(step_times)) if step_times else None,
         "peak_memory_bytes": _peak_memory_bytes(device),
         "outputs": outputs,
+        "stages": pipeline.stage_report(),
+        "cache_computed_steps": computed_steps,
     }
     gathered = all_gather_object(stats)
     if rank == 0:
-        run = {"world_size": dist.get_world_size(), "backend": dist.get_backend(), "device": device.type}
+        run = {"world_size": dist.get_world_size(), "backend": dist.get_backend(), "device": device.type,
+               "parallel_vae": get_vae_runtime(pipeline.vae) is not None if hasattr(pipeline, "vae") else False}
         return write_report(args, out, model, prompts, run, gathered, compare)
     return None
 

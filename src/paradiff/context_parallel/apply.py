@@ -31,6 +31,9 @@ class ResolvedContextPlan:
     unsupported_inputs: dict[str, dict[str, str]]
     halo_convs: list[str] = field(default_factory=list)
     linear_attention: list[str] = field(default_factory=list)
+    rewrite_inputs: dict[str, Any] = field(default_factory=dict)
+    gathered_attention: set[str] = field(default_factory=set)
+    prefix_attention: dict[str, str] = field(default_factory=dict)
     token_groups: dict[str, TokenGroups] = field(default_factory=dict)
 
 
@@ -78,6 +81,17 @@ def resolve_cp_plan(model: nn.Module, plan: ContextParallelPlan) -> ResolvedCont
         if not hasattr(_submodule(model, name, "linear_attention"), "processor"):
             raise PlanError(f"Context-parallel plan lists {name!r} as linear attention, but it is not an attention "
                             "module (it has no processor).")
+    prefix_attention = _expand(model, plan.prefix_attention, "prefix_attention")
+    for name, argument in prefix_attention.items():
+        parameters = inspect.signature(model.get_submodule(name).forward).parameters
+        if argument not in parameters:
+            raise PlanError(f"Context-parallel plan's prefix_attention names argument {argument!r} of {name!r}, "
+                            f"whose forward takes {list(parameters)}.")
+    rewrite_inputs = _expand(model, plan.rewrite_inputs, "rewrite_inputs")
+    for name, rewrite in rewrite_inputs.items():
+        if not callable(rewrite):
+            raise PlanError(f"Context-parallel plan's rewrite_inputs for {name or 'the model'} must be a function of "
+                            f"its forward arguments returning replacements, got {type(rewrite).__name__}.")
     return ResolvedContextPlan(
         split_inputs=split_inputs,
         split_outputs=_expand(model, plan.split_outputs, "split_outputs"),
@@ -87,6 +101,9 @@ def resolve_cp_plan(model: nn.Module, plan: ContextParallelPlan) -> ResolvedCont
         unsupported_inputs=_expand(model, plan.unsupported_inputs, "unsupported_inputs"),
         halo_convs=halo_convs,
         linear_attention=linear,
+        rewrite_inputs=rewrite_inputs,
+        gathered_attention={name for key in plan.gathered_attention for name in expand_key(model, key)},
+        prefix_attention=prefix_attention,
         token_groups=_expand(model, plan.token_groups, "token_groups"),
     )
 
@@ -129,7 +146,9 @@ def _split(value: Any, split: Split | dict, runtime: ContextParallelRuntime, wha
             f"{what} has {value.shape[dim]} tokens along dim {dim}, fewer than the {runtime.cp_size} context-parallel "
             f"ranks; each rank needs at least one token. Use a longer sequence or fewer CP ranks."
         )
-    return local_chunk(value, dim, runtime.cp_rank, runtime.cp_size)
+    # contiguous: a compiled block guards on its inputs' strides, and the first block would otherwise see a strided
+    # view of the full tensor while the others see dense tensors (one extra compilation)
+    return local_chunk(value, dim, runtime.cp_rank, runtime.cp_size).contiguous()
 
 
 def _split_within(value: torch.Tensor, dim: int, stream: str, runtime: ContextParallelRuntime, what: str):
@@ -282,6 +301,26 @@ def _input_refuser(module: nn.Module, arguments: dict[str, str], name: str):
     return hook
 
 
+def _input_rewriter(module: nn.Module, rewrite, name: str):
+    parameters = list(inspect.signature(module.forward).parameters)
+    positions = {arg: index for index, arg in enumerate(parameters)}
+
+    def hook(_module, args, kwargs):
+        args = list(args)
+        given = {**dict(zip(parameters, args)), **kwargs}
+        for arg, value in rewrite(given).items():
+            if arg not in positions:
+                raise PlanError(f"Context-parallel plan's rewrite_inputs for {name or 'the model'} returned argument "
+                                f"{arg!r}; its forward takes {parameters}.")
+            if positions[arg] < len(args):
+                args[positions[arg]] = value
+            else:
+                kwargs[arg] = value
+        return tuple(args), kwargs
+
+    return hook
+
+
 def _output_splitter(name: str, outputs: dict[int, Split], runtime: ContextParallelRuntime):
     def hook(_module, _args, output):
         if torch.is_tensor(output):
@@ -313,6 +352,16 @@ def _output_gatherer(dims: int | dict[int, int], runtime: ContextParallelRuntime
     return hook
 
 
+def _prefix_recorder(module: nn.Module, argument: str, interceptor: AttentionInterceptor):
+    position = list(inspect.signature(module.forward).parameters).index(argument)
+
+    def hook(_module, args, kwargs):
+        prefix = kwargs[argument] if argument in kwargs else args[position]
+        interceptor.prefix = prefix.shape[-2]
+
+    return hook
+
+
 def _interceptor_hooks(interceptor: AttentionInterceptor):
     def enter(_module, _args):
         interceptor.__enter__()
@@ -321,6 +370,21 @@ def _interceptor_hooks(interceptor: AttentionInterceptor):
         interceptor.__exit__(None, None, None)
 
     return enter, leave
+
+
+def _leftover_interceptor_remover(interceptors: list[AttentionInterceptor]):
+    """After the model's forward, even a failed one: leave interceptors an exception inside attention left entered.
+
+    The attention modules' own exit hooks are plain forward hooks, skipped on an exception: hooks registered with
+    always_call inside a compiled block make Dynamo guard on each module's hook ids, recompiling every block.
+    """
+
+    def hook(_module, _args, _output):
+        stack = torch.overrides._get_current_function_mode_stack()
+        while stack and any(stack[-1] is interceptor for interceptor in interceptors):
+            stack.pop().__exit__(None, None, None)
+
+    return hook
 
 
 def apply_context_parallel(model: nn.Module, state: ParallelState, plan: ResolvedContextPlan) -> ContextParallelRuntime:
@@ -333,6 +397,9 @@ def apply_context_parallel(model: nn.Module, state: ParallelState, plan: Resolve
         ulysses_group=mesh.group("ulysses") if config.ulysses_degree > 1 else None,
     )
     handles = []
+    for name, rewrite in plan.rewrite_inputs.items():  # first: they see the arguments whole
+        module = model.get_submodule(name) if name else model
+        handles.append(module.register_forward_pre_hook(_input_rewriter(module, rewrite, name), with_kwargs=True))
     for name, arguments in plan.split_inputs.items():
         module = model.get_submodule(name) if name else model
         handles.append(module.register_forward_pre_hook(_input_splitter(module, arguments, runtime), with_kwargs=True))
@@ -357,11 +424,24 @@ def apply_context_parallel(model: nn.Module, state: ParallelState, plan: Resolve
         handles.append(model.get_submodule(name).register_forward_hook(trim))
     for name in plan.linear_attention:
         model.get_submodule(name).processor = LinearAttentionProcessor(runtime)
+    # One interceptor per kind, shared by every attention module: compiled blocks guard on the active mode's
+    # identity, so a mode object per module would recompile every block.
+    # (A prefix module's interceptor holds the prefix length of the call in flight, set by a pre-hook each call.)
+    interceptors: dict[tuple[bool, bool, bool], AttentionInterceptor] = {}
     for name, module in model.named_modules():
         if hasattr(module, "processor"):
-            enter, leave = _interceptor_hooks(AttentionInterceptor(runtime, local=name in plan.local_attention))
+            kind = (name in plan.local_attention, name in plan.gathered_attention, name in plan.prefix_attention)
+            if kind not in interceptors:
+                interceptors[kind] = AttentionInterceptor(runtime, local=kind[0], gather_keys=kind[1])
+            interceptor = interceptors[kind]
+            if name in plan.prefix_attention:
+                handles.append(module.register_forward_pre_hook(
+                    _prefix_recorder(module, plan.prefix_attention[name], interceptor), with_kwargs=True))
+            enter, leave = _interceptor_hooks(interceptor)
             handles.append(module.register_forward_pre_hook(enter))
-            handles.append(module.register_forward_hook(leave, always_call=True))
+            handles.append(module.register_forward_hook(leave))
+    handles.append(model.register_forward_hook(_leftover_interceptor_remover(list(interceptors.values())),
+                                               always_call=True))
     state.context = runtime
     state.extras["cp_hooks"] = handles
     state.extras["cp_plan"] = plan

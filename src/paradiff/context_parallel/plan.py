@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,11 @@ class ContextParallelPlan:
       run on the local queries with no communication.
     - `halo_convs`: convolutions over a GridSplit grid (its first axis is dim -2 of their input, as image rows in
       NCHW): each rank borrows its neighbours' edge slices, the kernel's reach, before convolving.
+    - `gathered_attention`: cross-attention from split queries to another split but short stream (Motif-Video's
+      video-to-text cross-attention): the keys, values and key mask are all-gathered, then each rank attends locally.
+    - `prefix_attention`: attention module -> its forward argument holding a replicated prefix stream (Cosmos3's
+      text, tokens along dim -2): keys that are that prefix alone are attended whole on every rank (any causal
+      flag); keys [prefix, split stream] attend to the prefix locally and to the split stream across the ranks.
     - `linear_attention`: self-attention modules computing ReLU linear attention (Sana): their sums over the keys
       are summed over the ranks (context_parallel/linear.py).
     - `token_groups`: module -> TokenGroups, for modules that group their tokens by another argument's groups.
@@ -78,6 +84,11 @@ class ContextParallelPlan:
       computed over the full sequence) split along the dimension whose length is the full token count of the
       split `hidden_states` (or text + image tokens, text first, when `encoder_hidden_states` is split too); a
       tensor without such a dimension stays whole.
+    - `rewrite_inputs`: module -> function of its forward arguments (a dict of those given, by name, still whole)
+      returning replacements for some of them, applied before the module's splits. For structure a model passes
+      as positions in the full sequence, which a rank's chunk cannot use (Qwen-Image 2.1 slices its queries per
+      prefix segment), rewritten as an equivalent whole-sequence mask the context-parallel attention takes. The
+      function sees every rank's same whole arguments, so every rank rewrites alike.
     """
 
     split_inputs: dict[str, dict[str, Split | Count | dict]] = field(default_factory=dict)
@@ -91,4 +102,7 @@ class ContextParallelPlan:
     unsupported_inputs: dict[str, dict[str, str]] = field(default_factory=dict)
     halo_convs: tuple[str, ...] = ()
     linear_attention: tuple[str, ...] = ()
+    rewrite_inputs: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = field(default_factory=dict)
+    gathered_attention: tuple[str, ...] = ()
+    prefix_attention: dict[str, str] = field(default_factory=dict)
     token_groups: dict[str, TokenGroups] = field(default_factory=dict)

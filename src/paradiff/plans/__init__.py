@@ -12,6 +12,7 @@ Every module in this package that defines `MODEL_CLASSES` is a family. A family 
 from __future__ import annotations
 
 import importlib
+import inspect
 import pkgutil
 from functools import lru_cache
 from types import ModuleType
@@ -32,23 +33,40 @@ HOW_TO_WRITE_A_PLAN = (
 @lru_cache(maxsize=None)
 def families() -> tuple[ModuleType, ...]:
     """Every family module of this package, in name order (imported once; the tuple never changes)."""
+    return _discover(__name__, __path__)
+
+
+@lru_cache(maxsize=None)
+def text_encoder_families() -> tuple[ModuleType, ...]:
+    """The text-encoder family modules (`plans/text_encoders/`), found the same way."""
+    from . import text_encoders
+
+    return _discover(text_encoders.__name__, text_encoders.__path__)
+
+
+def _discover(package: str, path) -> tuple[ModuleType, ...]:
     found = []
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda info: info.name):
+    for info in sorted(pkgutil.iter_modules(path), key=lambda info: info.name):
         if info.name.startswith("_") or info.ispkg:
             continue
-        module = importlib.import_module(f"{__name__}.{info.name}")
+        module = importlib.import_module(f"{package}.{info.name}")
         if hasattr(module, "MODEL_CLASSES"):
             found.append(module)
     return tuple(found)
 
 
 def family_of(model_or_cls: nn.Module | type) -> ModuleType | None:
+    return _match(model_or_cls)[0]
+
+
+def _match(model_or_cls: nn.Module | type) -> tuple[ModuleType | None, str | None]:
+    """The family and the class name it knows, nearest in the MRO first."""
     cls = model_or_cls if isinstance(model_or_cls, type) else type(model_or_cls)
     for klass in cls.__mro__:
-        for family in families():
+        for family in families() + text_encoder_families():
             if klass.__name__ in family.MODEL_CLASSES:
-                return family
-    return None
+                return family, klass.__name__
+    return None, None
 
 
 def supported(kind: str) -> list[str]:
@@ -58,7 +76,7 @@ def supported(kind: str) -> list[str]:
 
 def builtin_plan(model_or_cls: nn.Module | type, config, kind: str):
     """The built-in `kind` ("tensor" or "context") plan for this model, or a PlanError saying how to write one."""
-    family = family_of(model_or_cls)
+    family, known_class = _match(model_or_cls)
     attr = f"{kind}_parallel_plan"
     name = (model_or_cls if isinstance(model_or_cls, type) else type(model_or_cls)).__name__
     if family is None or not hasattr(family, attr):
@@ -68,7 +86,11 @@ def builtin_plan(model_or_cls: nn.Module | type, config, kind: str):
             f"paradiff has no built-in {kind}-parallel plan for {name}; built-in plans exist for "
             f"{len(supported(kind))} classes ({', '.join(supported(kind))}). " + extra
         )
-    return getattr(family, attr)(config)
+    build = getattr(family, attr)
+    # text-encoder families take the class name too: their layout differs by class (see plans/text_encoders/)
+    if "model_class" in inspect.signature(build).parameters:
+        return build(config, model_class=known_class)
+    return build(config)
 
 
 def plan_for(model: nn.Module, given, kind: str):

@@ -60,9 +60,8 @@ LTX_VIDEO = VaePlan(
                "LTXVideoDownsampler3d", "LTXVideoUpsampler3d", "LTXVideoDownBlock3D", "LTXVideo095DownBlock3D",
                "LTXVideoMidBlock3d", "LTXVideoUpBlock3d", "RMSNorm", "LayerNorm",  # both over channels only
                "PixArtAlphaCombinedTimestepSizeEmbeddings", "Timesteps", "TimestepEmbedding"),
-    refuse={"LTXVideoResnetBlock3d": lambda m: (
-        "decoder_inject_noise draws noise for the whole frame at once, which a split by rows would draw differently"
-        if m.per_channel_scale1 is not None else None)},
+    # decoder_inject_noise: spatial noise added right after conv1 and conv2
+    frame_noise=("LTXVideoResnetBlock3d",),
 )
 
 VAE_PLANS = {

@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm import CommStats, all_reduce_tp
+from ..comm import CommStats, all_gather_uneven, all_reduce_tp
 from .styles import ShardSpec, Style
 
 
@@ -61,7 +61,7 @@ class RowwiseLinear(ShardedLinear):
         if self.split_input:
             x = torch.cat([x.narrow(-1, start, length) for start, length in self.weight_spec.pieces], dim=-1)
         out = F.linear(x, self.weight)
-        all_reduce_tp(out, self.group, self.comm_stats)
+        out = all_reduce_tp(out, self.group, self.comm_stats)
         if self.bias is not None:
             out = out + self.bias
         return out
@@ -171,6 +171,51 @@ def is_norm(module: nn.Module) -> bool:
     return hasattr(module, "eps") and "Norm" in type(module).__name__ and (weight is None or weight.dim() == 1)
 
 
+class VocabLinear(ShardedLinear):
+    """An LM head holding a slice of the vocabulary rows: computes its logits, then all-gathers the full vocabulary
+    (slices may differ by one row; `gather_sizes` lists every rank's)."""
+
+    def __init__(self, *args, gather_sizes: tuple[int, ...] = (), **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.gather_sizes = list(gather_sizes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        return all_gather_uneven(out, -1, self.gather_sizes, self.group, self.comm_stats)
+
+
+class VocabParallelEmbedding:
+    """Mixed into an nn.Embedding (or a subclass, e.g. Gemma's scaled one, whose forward still runs) that holds rows
+    [vocab_start, vocab_start + rows) of the table: ids outside the slice look up row 0 and are zeroed, so the
+    all-reduce adds exactly one non-zero vector per id."""
+
+    vocab_start: int
+    group: dist.ProcessGroup
+    comm_stats: CommStats | None = None
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = super().forward(local.masked_fill(outside, 0))
+        out = out.masked_fill(outside.unsqueeze(-1), 0)
+        return all_reduce_tp(out, self.group, self.comm_stats)
+
+
+def make_vocab_parallel(module: nn.Embedding, spec: ShardSpec, group: dist.ProcessGroup) -> None:
+    """Turn `module` (already holding its slice) into a vocab-parallel embedding in place, keeping its class's forward
+    and its state_dict keys."""
+    (start, rows), = spec.pieces
+    base = type(module)
+    module.__class__ = type(f"VocabParallel{base.__name__}", (VocabParallelEmbedding, base), {})
+    module.vocab_start = start
+    module.group = group
+    # num_embeddings keeps the full vocabulary: callers read it as the vocabulary size
+    # padding_idx only shapes gradients, but F.embedding checks it against the local row count
+    if module.padding_idx is not None:
+        local = module.padding_idx - start
+        module.padding_idx = local if 0 <= local < rows else None
+
+
 def make_sharded_module(
     style: Style,
     source: nn.Module,
@@ -179,12 +224,14 @@ def make_sharded_module(
     weight_spec: ShardSpec,
     full_shape: tuple[int, ...],
     group: dist.ProcessGroup,
+    gather_sizes: tuple[int, ...] = (),
 ) -> nn.Module:
     if style.target == "norm":
         return ShardedNorm(source, local_weight, bias, style, weight_spec, full_shape[0], group)
     if isinstance(source, CONV_TYPES):
         return ShardedConv(source, local_weight, bias, style, weight_spec, full_shape, group)
-    return make_sharded_linear(style, local_weight, bias, weight_spec, (full_shape[0], full_shape[1]), group)
+    return make_sharded_linear(style, local_weight, bias, weight_spec, (full_shape[0], full_shape[1]), group,
+                               gather_sizes)
 
 
 def make_sharded_linear(
@@ -194,9 +241,12 @@ def make_sharded_linear(
     weight_spec: ShardSpec,
     full_features: tuple[int, int],
     group: dist.ProcessGroup,
+    gather_sizes: tuple[int, ...] = (),
 ) -> ShardedLinear:
     if style.kind == "colwise":
         return ColwiseLinear(local_weight, bias, style, weight_spec, full_features, group)
+    if style.kind == "vocab":
+        return VocabLinear(local_weight, bias, style, weight_spec, full_features, group, gather_sizes=gather_sizes)
     return RowwiseLinear(
         local_weight, bias, style, weight_spec, full_features, group, split_input=style.kind == "rowwise_split_input"
     )

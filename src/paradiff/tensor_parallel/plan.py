@@ -21,6 +21,56 @@ from .styles import ShardSpec, Style, resolve_style
 DEFAULT_HEAD_ATTRS = ("heads", "inner_dim", "mlp_hidden_dim", "kv_inner_dim", "kv_heads")
 
 
+@dataclass(frozen=True)
+class AttentionHeads:
+    """The head counters of an attention module that does not follow diffusers' conventions (e.g. `transformers`'
+    attention classes), so each rank can set them to its local counts.
+
+    `query_heads` / `kv_heads` are the full model's counts. Attributes in `per_query_head` scale with the query heads
+    (`num_heads`, `inner_dim`), those in `per_kv_head` with the K/V heads (`num_key_value_heads`), and those in
+    `groups` count query heads per K/V head (`num_key_value_groups`, which changes when K/V heads are replicated).
+    """
+
+    query_heads: int
+    kv_heads: int | None = None
+    per_query_head: tuple[str, ...] = ()
+    per_kv_head: tuple[str, ...] = ()
+    groups: tuple[str, ...] = ()
+
+    def local_values(self, module: nn.Module, name: str, size: int) -> dict[str, int]:
+        query, kv = self.query_heads, self.kv_heads or self.query_heads
+        if query % size:
+            raise PlanError(
+                f"{name}: tp_degree={size} must divide its {query} attention heads; valid tp degrees: "
+                f"{[d for d in range(1, query + 1) if query % d == 0]}."
+            )
+        if kv % size and size % kv:
+            valid = [d for d in range(1, query + 1) if query % d == 0 and (kv % d == 0 or d % kv == 0)]
+            raise PlanError(
+                f"{name}: tp_degree={size} must divide its {kv} key/value heads or be a multiple of them (they are "
+                f"then replicated); valid tp degrees: {valid}."
+            )
+        local_query, local_kv = query // size, max(kv // size, 1)
+        values: dict[str, int] = {}
+        for attrs, local, full in ((self.per_query_head, local_query, query), (self.per_kv_head, local_kv, kv)):
+            for attr in attrs:
+                values[attr] = _count(module, name, attr) * local // full
+        for attr in self.groups:
+            _count(module, name, attr)
+            values[attr] = local_query // local_kv
+        return values
+
+
+def _count(module: nn.Module, name: str, attr: str) -> int:
+    value = getattr(module, attr, None)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise PlanError(
+            f"{name} ({type(module).__name__}) has no integer attribute {attr!r} (got {value!r}); the plan's "
+            "AttentionHeads names attributes this class does not have (a different library version?)."
+        )
+    return value
+
+
 @dataclass
 class TensorParallelPlan:
     """How one model family splits: `styles` maps module globs to styles; `head_attrs` are rescaled on attention."""
@@ -37,6 +87,8 @@ class TensorParallelPlan:
     # module glob -> {output index: dim}: outputs left split by heads that the model reads whole (EasyAnimate's
     # shared-weight blocks add the text's attention output unprojected), all-gathered over the TP group
     gather_heads: Mapping[str, Mapping[int, int]] = field(default_factory=dict)
+    # module glob -> AttentionHeads: attention modules (e.g. transformers') whose head counters are not diffusers'
+    attention: Mapping[str, AttentionHeads] = field(default_factory=dict)
 
 
 @dataclass
@@ -46,6 +98,9 @@ class ResolvedLinear:
     specs: dict[str, ShardSpec | None]
     full_shapes: dict[str, tuple[int, ...]]
     features: int | None = None  # a norm's normalised width (norm styles only)
+    # an nn.Embedding: "colwise" splits its embedding dim, "vocab" its rows
+    embedding: bool = False
+    gather_sizes: tuple[int, ...] = ()  # every rank's output width, for outputs that are all-gathered (vocab heads)
 
 
 @dataclass
@@ -55,6 +110,7 @@ class ResolvedPlan:
     head_attrs: tuple[str, ...] = DEFAULT_HEAD_ATTRS
     head_outputs: dict[str, dict[int, int]] = field(default_factory=dict)
     gather_heads: dict[str, dict[int, int]] = field(default_factory=dict)
+    local_head_counts: dict[str, dict[str, int]] = field(default_factory=dict)  # module -> attribute -> local value
 
     def spec_for(self, param_name: str) -> ShardSpec | None:
         module_name, _, leaf = param_name.rpartition(".")
@@ -139,6 +195,19 @@ def resolve_plan(model: nn.Module, plan: TensorParallelPlan, rank: int, size: in
     config = getattr(model, "config", None)
     check_heads(model, plan, size)
     resolved = ResolvedPlan(head_attrs=plan.head_attrs)
+    # head counts first: their errors name the valid degrees for the whole attention, not one projection's
+    for key, heads in plan.attention.items():
+        if not isinstance(heads, AttentionHeads):
+            raise PlanError(f"Plan attention entry {key!r} must be an AttentionHeads, got {type(heads).__name__}.")
+        for name in expand_key(model, key):
+            try:
+                module = model.get_submodule(name)
+            except AttributeError as exc:
+                raise PlanError(
+                    f"Plan attention key {key!r} names {name!r}, which is not a submodule of {type(model).__name__}; "
+                    f"{_missing_module_hint(model, name)}."
+                ) from exc
+            resolved.local_head_counts[name] = heads.local_values(module, name, size)
     matched_by: dict[str, str] = {}
     for key, raw_style in plan.styles.items():
         style = resolve_style(raw_style, key)
@@ -163,11 +232,20 @@ def resolve_plan(model: nn.Module, plan: TensorParallelPlan, rank: int, size: in
             shapes = {leaf: tuple(getattr(module, leaf).shape) for leaf in ("weight", "bias")
                       if getattr(module, leaf, None) is not None}
             features = norm_features(module) if style.target == "norm" else None
-            specs = {param: style.shard_spec(param, shape, rank, size, config, name) for param, shape in shapes.items()}
+            embedding = isinstance(module, nn.Embedding)
+            if embedding and style.kind == "colwise":
+                specs = {"weight": _embedding_columns(style, shapes["weight"], rank, size, config, name)}
+            else:
+                specs = {param: style.shard_spec(param, shape, rank, size, config, name)
+                         for param, shape in shapes.items()}
             if features is not None and "weight" not in specs:  # a norm without affine weight still splits
                 specs["weight"] = style.shard_spec("weight", (features,), rank, size, config, name)
+            gather = ()
+            if style.kind == "vocab" and not embedding:
+                gather = tuple(style.shard_spec("weight", shapes["weight"], r, size, config, name).local_shape(
+                    shapes["weight"])[0] for r in range(size))
             resolved.linears[name] = ResolvedLinear(name=name, style=style, specs=specs, full_shapes=shapes,
-                                                    features=features)
+                                                    features=features, embedding=embedding, gather_sizes=gather)
     resolved.attention_modules = _attention_modules(model, resolved, plan.head_attrs, size)
     for key in plan.head_modules:
         for name in expand_key(model, key):
@@ -216,6 +294,12 @@ def _resolve_parameter(model: nn.Module, resolved: ResolvedPlan, style: Style, n
                                                    full_shapes={leaf: shape})
 
 
+def _embedding_columns(style: Style, shape: tuple[int, ...], rank: int, size: int, config, name: str) -> ShardSpec:
+    """An embedding table is a Linear applied to one-hot ids, so its output features are dim 1 of the weight."""
+    spec = style.shard_spec("weight", (shape[1], shape[0]), rank, size, config, name)
+    return ShardSpec(dim=1, pieces=spec.pieces)
+
+
 def norm_features(module: nn.Module) -> int:
     """The normalised width of a norm module (torch's `normalized_shape`, diffusers' `dim`, or its weight)."""
     shape = getattr(module, "normalized_shape", None)
@@ -253,10 +337,18 @@ def _check_target(module: nn.Module, style, name: str, key: str) -> None:
                 f"(groups={module.groups}); only a depthwise convolution (groups = channels) splits, colwise."
             )
         return
+    if isinstance(module, nn.Embedding):
+        if style.kind not in ("colwise", "vocab"):
+            raise PlanError(
+                f"Plan entry {name!r} (key {key!r}) is an nn.Embedding; embeddings take 'colwise' (split the "
+                f"embedding dim) or 'vocab' (split the rows), not {style.kind!r}."
+            )
+        return
     if not isinstance(module, nn.Linear):
         linears = [child for child, sub in module.named_modules() if child and isinstance(sub, nn.Linear)]
         raise PlanError(
-            f"Plan entry {name!r} (key {key!r}) must be an nn.Linear (or a convolution) to be split, but it is "
+            f"Plan entry {name!r} (key {key!r}) must be an nn.Linear (or a convolution or an nn.Embedding) to be "
+            f"split, but it is "
             f"{type(module).__name__}; the nn.Linear modules inside it are {linears[:12]}."
         )
 
@@ -320,6 +412,10 @@ def localise_heads(model: nn.Module, resolved: ResolvedPlan, size: int) -> None:
             value = getattr(module, attr, None)
             if isinstance(value, int) and not isinstance(value, bool):
                 setattr(module, attr, local_head_count(attr, value, size))
+    for name, values in resolved.local_head_counts.items():
+        module = model.get_submodule(name)
+        for attr, value in values.items():
+            setattr(module, attr, value)
 
 
 def check_checkpoint_keys(resolved: ResolvedPlan, checkpoint_keys: set[str], shapes: Mapping[str, tuple]) -> None:

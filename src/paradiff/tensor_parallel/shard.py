@@ -7,7 +7,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import all_gather_heads_tp
-from .layers import ShardedConv, ShardedLinear, ShardedNorm, make_sharded_module
+from .layers import (
+    ShardedConv,
+    ShardedLinear,
+    ShardedNorm,
+    VocabParallelEmbedding,
+    make_sharded_module,
+    make_vocab_parallel,
+)
 from .plan import ResolvedPlan, localise_heads
 from .styles import ShardSpec
 
@@ -35,6 +42,7 @@ def swap_in_sharded_linears(
     weight, which is sliced here and released.
     """
     size = dist.get_world_size(group)
+    local_of: dict[tuple, torch.Tensor] = {}  # tied tables (an LM head and its embedding) keep sharing one slice
     for name, linear in resolved.linears.items():
         module = model.get_submodule(name) if name else model
         if linear.style.target == "parameter":  # a bare per-head parameter: sliced in place, the module stays
@@ -43,15 +51,23 @@ def swap_in_sharded_linears(
                 module._parameters[leaf] = nn.Parameter(value if weights_are_local else slice_tensor(value, spec),
                                                         requires_grad=False)
             continue
-        if isinstance(module, (ShardedLinear, ShardedNorm, ShardedConv)):
+        if isinstance(module, (ShardedLinear, ShardedNorm, ShardedConv, VocabParallelEmbedding)):
             raise RuntimeError(f"{name} is already tensor-parallel; enable_parallelism was called twice.")
         weight, bias = (None if getattr(module, leaf, None) is None else getattr(module, leaf).data
                         for leaf in ("weight", "bias"))
         if not weights_are_local:
-            weight = None if weight is None else slice_tensor(weight, linear.specs["weight"])
+            if weight is not None:
+                key = (id(module.weight), linear.specs["weight"])
+                if key not in local_of:
+                    local_of[key] = slice_tensor(weight, linear.specs["weight"])
+                weight = local_of[key]
             bias = None if bias is None else slice_tensor(bias, linear.specs.get("bias"))
+        if linear.embedding:
+            _shard_embedding(module, linear, weight, group)
+            continue
         full = linear.full_shapes.get("weight", (linear.features,))
-        sharded = make_sharded_module(linear.style, module, weight, bias, linear.specs["weight"], full, group)
+        sharded = make_sharded_module(linear.style, module, weight, bias, linear.specs["weight"], full, group,
+                                      gather_sizes=linear.gather_sizes)
         set_submodule(model, name, sharded)
     localise_heads(model, resolved, size)
     rank = dist.get_rank(group)
@@ -83,3 +99,12 @@ def _outputs_hook(outputs: dict[int, int], transform, name: str):
         return type(output)(items) if isinstance(output, tuple) else items
 
     return hook
+
+
+def _shard_embedding(module: nn.Embedding, linear, weight: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Embeddings keep their class (Gemma's scaled one, T5's relative-position table): only the table shrinks."""
+    module.weight = nn.Parameter(weight, requires_grad=False)
+    if linear.specs["weight"].dim == 1:
+        module.embedding_dim = weight.shape[1]
+    if linear.style.kind == "vocab":
+        make_vocab_parallel(module, linear.specs["weight"], group)

@@ -197,6 +197,29 @@ class SplitParameter(Style):
         return ShardSpec(dim=self.dim, pieces=((rank * local, local),))
 
 
+@dataclass(frozen=True)
+class Vocab(Style):
+    """Split the vocabulary: the rows of a token-embedding table (masked lookup, then one all-reduce), or the output
+    rows of an LM head (then one all-gather), so a tied table and head hold the same slice.
+
+    Vocabularies rarely divide evenly, so the split is uneven: the first `vocab % tp` ranks hold one row more.
+    """
+
+    kind: ClassVar[str] = "vocab"
+
+    def shard_spec(self, param: str, full_shape: Sequence[int], rank: int, size: int, config: Any, where: str):
+        start, length = uneven_piece(full_shape[0], rank, size)
+        if length == 0:
+            raise PlanError(f"{where}.{param}: {full_shape[0]} vocabulary rows cannot be split over {size} ranks.")
+        return ShardSpec(dim=0, pieces=((start, length),))
+
+
+def uneven_piece(total: int, rank: int, size: int) -> tuple[int, int]:
+    """(start, length) of `rank`'s contiguous share when `total` items are split as evenly as possible."""
+    base, extra = divmod(total, size)
+    return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
+
+
 def PackedColwiseParallel(blocks: BlockSizes = None) -> PackedColwise:  # noqa: N802 - diffusers-compatible name
     return PackedColwise(blocks)
 
@@ -210,6 +233,7 @@ _NAMED = {
     "rowwise": Rowwise(),
     "rowwise_split_input": RowwiseSplitInput(),
     "norm_across_heads": HeadNorm(),
+    "vocab": Vocab(),
 }
 
 

@@ -58,7 +58,26 @@ def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any, time
             outbox.put((rank, True, function(**kwargs)))
         except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
             outbox.put((rank, False, traceback.format_exc()))
+        release_groups()
     dist.destroy_process_group()
+
+
+def release_groups() -> None:
+    """Destroy every process group but the world's once a case is done.
+
+    Each gloo group keeps its own I/O threads for as long as it lives, and every case builds a mesh (about six
+    groups). Without this a long-lived rank accumulates thousands of busy-polling threads and the whole machine slows
+    to a crawl. Cases never keep a model across cases, so nothing still uses these groups.
+    """
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    world = dist.distributed_c10d._world
+    for group in list(world.pg_map):
+        if group is not dist.group.WORLD:
+            dist.destroy_process_group(group)
 
 
 class RankPool:

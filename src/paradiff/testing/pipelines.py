@@ -26,9 +26,10 @@ from typing import Any, Iterator
 
 import torch
 
-PIPELINE_FAMILIES = ("flux", "flux2", "qwenimage", "wan", "wan2.2", "hunyuanvideo", "ltx")
+PIPELINE_FAMILIES = ("flux", "flux2", "qwenimage", "wan", "wan2.2", "wan2.2-a14b", "hunyuanvideo", "ltx",
+                     "flux2_klein", "lumina2")
 # The families whose pipelines return videos (`.frames`) and take `num_frames`.
-VIDEO_FAMILIES = ("wan", "wan2.2", "hunyuanvideo", "ltx")
+VIDEO_FAMILIES = ("wan", "wan2.2", "wan2.2-a14b", "hunyuanvideo", "ltx")
 
 # What each family's pipeline and transformer classes are called in diffusers.
 PIPELINE_CLASSES = {
@@ -37,8 +38,11 @@ PIPELINE_CLASSES = {
     "qwenimage": "QwenImagePipeline",
     "wan": "WanPipeline",
     "wan2.2": "WanPipeline",
+    "wan2.2-a14b": "WanPipeline",
     "hunyuanvideo": "HunyuanVideoPipeline",
     "ltx": "LTXPipeline",
+    "flux2_klein": "Flux2KleinPipeline",
+    "lumina2": "Lumina2Pipeline",
 }
 TRANSFORMER_CLASSES = {
     "flux": "FluxTransformer2DModel",
@@ -46,8 +50,11 @@ TRANSFORMER_CLASSES = {
     "qwenimage": "QwenImageTransformer2DModel",
     "wan": "WanTransformer3DModel",
     "wan2.2": "WanTransformer3DModel",
+    "wan2.2-a14b": "WanTransformer3DModel",
     "hunyuanvideo": "HunyuanVideoTransformer3DModel",
     "ltx": "LTXVideoTransformer3DModel",
+    "flux2_klein": "Flux2Transformer2DModel",
+    "lumina2": "Lumina2Transformer2DModel",
 }
 
 # Transformer config keys that other components depend on (latent channels, text width, packing):
@@ -58,9 +65,12 @@ _COUPLED_KEYS = {
     "qwenimage": ("in_channels", "out_channels", "joint_attention_dim", "patch_size"),
     "wan": ("in_channels", "out_channels", "text_dim", "image_dim", "added_kv_proj_dim"),
     "wan2.2": ("in_channels", "out_channels", "text_dim", "image_dim", "added_kv_proj_dim", "patch_size"),
+    "wan2.2-a14b": ("in_channels", "out_channels", "text_dim", "image_dim", "added_kv_proj_dim"),
     "hunyuanvideo": ("in_channels", "out_channels", "text_embed_dim", "pooled_projection_dim", "patch_size",
                      "patch_size_t"),
     "ltx": ("in_channels", "out_channels", "caption_channels", "patch_size", "patch_size_t"),
+    "flux2_klein": ("in_channels", "out_channels", "joint_attention_dim", "patch_size"),
+    "lumina2": ("in_channels", "out_channels", "cap_feat_dim", "patch_size"),
 }
 
 # Text width of every text encoder; the transformers' text projections are sized from these.
@@ -88,6 +98,21 @@ _MISTRAL_CHAT_TEMPLATE = (
     "{%- elif message['role'] == 'assistant' %}{{- text + eos_token }}"
     "{%- endif %}"
     "{%- endfor %}"
+)
+
+_QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+# Lumina 2 prefixes every prompt with this system prompt (and "<Prompt Start> "); the Gemma tokenizer learns it.
+_LUMINA2_SYSTEM_PROMPT = (
+    "You are an assistant designed to generate superior images with the superior degree of image-text alignment "
+    "based on textual prompts or user prompts. <Prompt Start>"
 )
 
 # Written for these tiny tokenizers: short scene descriptions of the kind a text-to-image prompt holds.
@@ -167,13 +192,28 @@ def transformer_config(family: str, overrides: dict | None = None) -> dict:
             timestep_guidance_channels=32, mlp_ratio=3.0, axes_dims_rope=_rope_axes(head_dim, 4), rope_theta=2000,
             guidance_embeds=True,
         )
+    elif family == "flux2_klein":
+        # FLUX.2 [klein]: the FLUX.2 transformer without guidance distillation, conditioned on three Qwen3 layers
+        config = dict(
+            patch_size=1, in_channels=4 * _LATENT_CHANNELS, out_channels=None, num_layers=1, num_single_layers=1,
+            attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=3 * _TEXT_WIDTH,
+            timestep_guidance_channels=32, mlp_ratio=3.0, axes_dims_rope=_rope_axes(head_dim, 4), rope_theta=2000,
+            guidance_embeds=False,
+        )
+    elif family == "lumina2":
+        # grouped-query attention (2 K/V heads for 4 query heads); one refiner block of each kind
+        config = dict(
+            sample_size=8, patch_size=2, in_channels=_LATENT_CHANNELS, hidden_size=heads * head_dim, num_layers=2,
+            num_refiner_layers=1, num_attention_heads=heads, num_kv_heads=max(heads // 2, 1), multiple_of=16,
+            cap_feat_dim=_TEXT_WIDTH, axes_dim_rope=_rope_axes(head_dim, 3), axes_lens=(300, 64, 64),
+        )
     elif family == "qwenimage":
         config = dict(
             patch_size=2, in_channels=4 * _LATENT_CHANNELS, out_channels=_LATENT_CHANNELS, num_layers=2,
             attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=_TEXT_WIDTH,
             guidance_embeds=False, axes_dims_rope=_rope_axes(head_dim, 3),
         )
-    elif family in ("wan", "wan2.2"):
+    elif family in ("wan", "wan2.2", "wan2.2-a14b"):
         config = dict(
             patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim,
             in_channels=_LATENT_CHANNELS, out_channels=_LATENT_CHANNELS, text_dim=_TEXT_WIDTH, freq_dim=32,
@@ -204,7 +244,9 @@ def build_pipeline(family: str, seed: int = 0, transformer_overrides: dict | Non
     """
     _check_family(family)
     builders = {"flux": _build_flux, "flux2": _build_flux2, "qwenimage": _build_qwenimage, "wan": _build_wan,
-                "wan2.2": _build_wan22, "hunyuanvideo": _build_hunyuanvideo, "ltx": _build_ltx}
+                "wan2.2": _build_wan22, "wan2.2-a14b": _build_wan22_a14b, "hunyuanvideo": _build_hunyuanvideo,
+                "ltx": _build_ltx,
+                "flux2_klein": _build_flux2_klein, "lumina2": _build_lumina2}
     components = builders[family](seed)
     with _seeded(seed, 0):
         transformer = transformer_class(family)(**transformer_config(family, transformer_overrides))
@@ -213,6 +255,12 @@ def build_pipeline(family: str, seed: int = 0, transformer_overrides: dict | Non
             for param in transformer.parameters():
                 param.add_(torch.randn_like(param) * 0.05)
     components["transformer"] = transformer
+    if family == "wan2.2-a14b":  # the low-noise expert: same config, its own weights
+        with _seeded(seed, 4):
+            components["transformer_2"] = transformer_class(family)(**transformer_config(family, transformer_overrides))
+            with torch.no_grad():
+                for param in components["transformer_2"].parameters():
+                    param.add_(torch.randn_like(param) * 0.05)
     pipe = pipeline_class(family)(**components)
     pipe.set_progress_bar_config(disable=True)
     for module in pipe.components.values():
@@ -259,15 +307,88 @@ def default_call_kwargs(family: str) -> dict[str, Any]:
     if family == "qwenimage":
         return dict(prompt="a small red fox running through the snow", negative_prompt="blurry, low quality",
                     true_cfg_scale=4.0, max_sequence_length=64, **common)
-    if family in ("wan", "wan2.2"):
+    if family in ("wan", "wan2.2", "wan2.2-a14b"):
         return dict(prompt="a small red fox running through the snow", negative_prompt="blurry, low quality",
                     guidance_scale=5.0, num_frames=5, max_sequence_length=32, **common)
     if family == "hunyuanvideo":
         # guidance distilled into the transformer (guidance_embeds), no negative prompt
         return dict(prompt="a small red fox running through the snow", guidance_scale=6.0, num_frames=5,
                     max_sequence_length=32, **common)
+    if family == "flux2_klein":
+        # CFG against the empty prompt; the tiny Qwen3 has 4 layers, so the pipeline stacks layers 1, 2 and 3
+        return dict(prompt="a small red fox running through the snow", guidance_scale=4.0,
+                    max_sequence_length=32, text_encoder_out_layers=(1, 2, 3), **common)
+    if family == "lumina2":
+        # Lumina 2's VAE scale factor is fixed at 8: 64 x 64 pixels are 8 x 8 latents, 16 patches
+        return dict(prompt="a small red fox running through the snow", guidance_scale=4.0,
+                    max_sequence_length=64, **dict(common, height=64, width=64))
     return dict(prompt="a small red fox running through the snow", negative_prompt="blurry, low quality",
                 guidance_scale=3.0, num_frames=5, max_sequence_length=32, **common)
+
+
+def encode_prompt_kwargs(family: str, prompts: list[str]) -> dict[str, Any]:
+    """Arguments for the family pipeline's own `encode_prompt` on `prompts` (a batch; prompts of different lengths
+    leave padding in the shorter ones), with the sequence length and layers its default call uses."""
+    _check_family(family)
+    call = default_call_kwargs(family)
+    kwargs: dict[str, Any] = dict(prompt=prompts, max_sequence_length=call["max_sequence_length"])
+    if family in ("flux", "hunyuanvideo"):
+        kwargs["prompt_2"] = None
+    if family == "wan":
+        kwargs.update(negative_prompt=[call["negative_prompt"]] * len(prompts), do_classifier_free_guidance=True)
+    if family == "flux2_klein":
+        kwargs["text_encoder_out_layers"] = call["text_encoder_out_layers"]
+    if family == "lumina2":
+        kwargs.update(do_classifier_free_guidance=True, negative_prompt=["blurry, low quality"] * len(prompts))
+    return kwargs
+
+
+def save_medium_lumina2(folder: str | Path, width: int = 1024, text_layers: int = 5, layers: int = 2,
+                        seed: int = 0) -> Path:
+    """A Lumina 2 pipeline whose Gemma 2 text encoder and transformer weigh a few hundred MB each (float32) at the
+    default width: large next to a Python process with torch imported, so memory tests see the weights. Weights are
+    drawn uniformly (fast at this size); the VAE and tokenizer are the tiny ones."""
+    folder = Path(folder)
+    if (folder / "model_index.json").is_file():
+        return folder
+    import diffusers
+    from transformers import Gemma2Config, Gemma2Model
+
+    tiny = build_pipeline("lumina2", seed=seed)
+    tokenizer = tiny.tokenizer
+    heads, head_dim = width // 128, 128
+    # built on the meta device and filled once: default initialisation would cost more than the whole test (the
+    # models are only saved; their non-persistent tables are rebuilt when the folder is loaded)
+    with torch.device("meta"):
+        text_encoder = Gemma2Model(Gemma2Config(
+            vocab_size=len(tokenizer), hidden_size=width, intermediate_size=width * 11 // 4,
+            num_hidden_layers=text_layers, num_attention_heads=heads, num_key_value_heads=heads // 2,
+            head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=64, max_position_embeddings=1024,
+            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        ))
+        transformer = diffusers.Lumina2Transformer2DModel(
+            sample_size=8, patch_size=2, in_channels=_LATENT_CHANNELS, hidden_size=width, num_layers=layers,
+            num_refiner_layers=1, num_attention_heads=heads, num_kv_heads=heads // 2, multiple_of=256,
+            cap_feat_dim=width, axes_dim_rope=(32, 48, 48), axes_lens=(300, 64, 64),
+        )
+    generator = torch.Generator().manual_seed(seed)
+    for module in (text_encoder, transformer):
+        module.to_empty(device="cpu")
+        with torch.no_grad():
+            for param in module.parameters():
+                param.uniform_(-0.02, 0.02, generator=generator) if param.dim() > 1 else param.uniform_(
+                    0.9, 1.1, generator=generator)
+    pipe = pipeline_class("lumina2")(transformer=transformer, scheduler=tiny.scheduler, vae=tiny.vae,
+                                     text_encoder=text_encoder, tokenizer=tokenizer)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        pipe.save_pretrained(staging, safe_serialization=True)
+        os.rename(staging, folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
 
 
 # --- families ---------------------------------------------------------------------------------------------------
@@ -424,6 +545,14 @@ def _build_wan22(seed: int) -> dict:
     return components
 
 
+def _build_wan22_a14b(seed: int) -> dict:
+    """Wan 2.2 A14B style: two transformers, the first for the high-noise steps (timestep >= boundary_ratio x 1000)
+    and `transformer_2` for the rest. With 3 steps the boundary at 0.9 gives each of them at least one step."""
+    components = _build_wan(seed)
+    components["boundary_ratio"] = 0.9
+    return components
+
+
 def _build_hunyuanvideo(seed: int) -> dict:
     import diffusers
     from transformers import CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel
@@ -480,6 +609,49 @@ def _build_ltx(seed: int) -> dict:
         num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05,
         base_image_seq_len=1024, max_image_seq_len=4096, shift_terminal=0.1, time_shift_type="exponential",
     )
+    return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
+
+
+def _build_flux2_klein(seed: int) -> dict:
+    import diffusers
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = _qwen3_chat_tokenizer()
+    with _seeded(seed, 1):
+        # tied input and output embeddings, as in the Qwen3 models FLUX.2 [klein] uses
+        text_encoder = Qwen3ForCausalLM(Qwen3Config(
+            vocab_size=len(tokenizer), hidden_size=_TEXT_WIDTH, intermediate_size=64, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=1024,
+            tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+            bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+            pad_token_id=tokenizer.pad_token_id,
+        ))
+    components = _build_flux2(seed)
+    components.update(text_encoder=text_encoder, tokenizer=tokenizer)
+    return components
+
+
+def _build_lumina2(seed: int) -> dict:
+    import diffusers
+    from transformers import Gemma2Config, Gemma2Model
+
+    tokenizer = _gemma_tokenizer()
+    with _seeded(seed, 1):
+        text_encoder = Gemma2Model(Gemma2Config(
+            vocab_size=len(tokenizer), hidden_size=_TEXT_WIDTH, intermediate_size=64, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=1024,
+            query_pre_attn_scalar=8, sliding_window=16, pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        ))
+    with _seeded(seed, 3):
+        # the pipeline assumes a VAE scale factor of 8: three downsamplings
+        vae = diffusers.AutoencoderKL(
+            in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 16, 16), layers_per_block=1,
+            latent_channels=_LATENT_CHANNELS, norm_num_groups=4, sample_size=64, scaling_factor=0.3611,
+            shift_factor=0.1159,
+        )
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=6.0)
     return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
 
 
@@ -612,6 +784,32 @@ def _qwen2_tokenizer():
     if prefix != _QWEN_DROP_TOKENS:  # the pipeline would drop part of the prompt, or keep part of the system text
         raise RuntimeError(f"tiny Qwen2 tokenizer gives {prefix} system tokens, the pipeline drops {_QWEN_DROP_TOKENS}")
     return tokenizer
+
+
+def _qwen3_chat_tokenizer():
+    """Qwen2-style BPE with Qwen3's chat layout (the FLUX.2 [klein] pipeline formats every prompt as a user turn,
+    thinking disabled)."""
+    from transformers import Qwen2Tokenizer
+
+    extras = ["<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+    vocab, merges = _learn_bpe(Qwen2Tokenizer().backend_tokenizer, ["<|endoftext|>"] + extras,
+                               list(_CORPUS) + ["user assistant"], _byte_alphabet())
+    return Qwen2Tokenizer(vocab=vocab, merges=merges, extra_special_tokens=extras, model_max_length=32768,
+                          chat_template=_QWEN3_CHAT_TEMPLATE)
+
+
+def _gemma_tokenizer():
+    """Gemma's layout: <pad>=0, <eos>=1, <bos>=2, <unk>=3, <mask>=4, then the learnt pieces; byte fallback covers
+    any character the corpus lacks."""
+    from transformers import GemmaTokenizer
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
+    alphabet = sorted({c for text in _CORPUS + (_LUMINA2_SYSTEM_PROMPT,) for c in text.replace(" ", "\u2581")}
+                      | {chr(c) for c in range(33, 127)} | {"\u2581"})
+    alphabet += [f"<0x{byte:02X}>" for byte in range(256)]
+    vocab, merges = _learn_bpe(GemmaTokenizer().backend_tokenizer, specials,
+                               list(_CORPUS) + [_LUMINA2_SYSTEM_PROMPT], alphabet)
+    return GemmaTokenizer(vocab=vocab, merges=merges, model_max_length=1024)
 
 
 def _mistral_tokenizer():

@@ -44,8 +44,10 @@ CONFIGS: dict[str, tuple[str, dict]] = {
         downsample_type=("spatiotemporal", "spatial"), upsample_residual=(False, True), upsample_factor=(1, 2),
         timestep_conditioning=True, patch_size=2, patch_size_t=1, encoder_causal=True, decoder_causal=False)),
 }
+# LTX-Video 0.9.1 layout: noise injected after the decoder's convolutions (drawn from the global generator)
+CONFIGS["ltxvideo-noise"] = ("AutoencoderKLLTXVideo", dict(CONFIGS["ltxvideo"][1], decoder_inject_noise=(True,) * 3))
 VAE_NAMES = tuple(CONFIGS)
-VIDEO = {"wan", "wan22", "hunyuanvideo", "ltxvideo"}
+VIDEO = {"wan", "wan22", "hunyuanvideo", "ltxvideo", "ltxvideo-noise"}
 
 
 def build_vae(name: str, seed: int = 0, config: dict | None = None):
@@ -86,7 +88,9 @@ def sample_input(name: str, vae, kind: str, height: int, width: int, frames: int
 
 
 def run_vae(vae, kind: str, sample: torch.Tensor) -> torch.Tensor:
-    """decode(z).sample or the encoder's posterior mean, the call a pipeline makes."""
+    """decode(z).sample or the encoder's posterior mean, the call a pipeline makes. The global generator is seeded
+    first, for VAEs that draw noise while decoding."""
+    torch.manual_seed(0)
     with torch.no_grad():
         if kind == "decode":
             if type(vae).__name__ == "AutoencoderKLLTXVideo" and vae.config.timestep_conditioning:

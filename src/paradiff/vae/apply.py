@@ -6,6 +6,8 @@ padding mode the halo cannot rebuild, a bad group or output rank.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -17,12 +19,13 @@ from ..plans.vae import VAE_PLANS, vae_plan
 from .attention import KINDS, RowAttention
 from .conv import HaloConv, needs_halo
 from .layout import split_rows
+from .noise import FrameNoise
 from .norm import SplitGroupNorm
 from .plan import VaePlan
 from .runtime import RegionCall, VaeRuntime, get_vae_runtime, set_vae_runtime
 
 # Modules that act on every row alike in every covered VAE (convolutions and group norms are replaced below).
-_ROW_LOCAL = {"Conv1d", "Conv2d", "Conv3d", "GroupNorm", "SiLU", "Mish", "GELU", "ReLU", "Dropout", "Identity",
+_ROW_LOCAL = {"Conv2d", "Conv3d", "GroupNorm", "SiLU", "Mish", "GELU", "ReLU", "Dropout", "Identity",
               "Linear", "ModuleList", "Sequential"}
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -48,6 +51,7 @@ def parallelize_vae(vae: nn.Module, mesh_or_group=None, *, output_rank: int | No
     `mesh_or_group`: a process group, a paradiff ParallelMesh (each data-parallel replica splits its own VAE
     calls over its own ranks), a 1-D DeviceMesh, or None for every process. Inference only: outputs carry no
     autograd graph. Inputs too small to give every rank a band run whole on every rank, with the same result.
+    `stats`: a `paradiff.comm.CommStats` counting the split VAE's collectives (tests, benchmarks).
     """
     require_distributed()
     plan = vae_plan(vae)
@@ -105,10 +109,7 @@ def _check_region(vae: nn.Module, region_name: str, region: nn.Module, plan: Vae
                 f"{what} contains {cls} ({path}), which paradiff has not checked for operations that mix rows, so "
                 f"it cannot split this VAE exactly. Leave the VAE unsplit (it decodes whole on each rank)."
             )
-        reason = plan.refuse.get(cls, lambda _m: None)(module)
-        if reason:
-            raise UnsupportedModelError(f"{what} cannot be split across ranks exactly: {path}: {reason}.")
-        if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        if isinstance(module, (nn.Conv2d, nn.Conv3d)):
             if isinstance(module.padding, str) or (module.padding_mode != "zeros" and needs_halo(module, (0, 0))):
                 raise UnsupportedModelError(
                     f"{path}: paradiff splits convolutions with integer zero padding; this one has padding="
@@ -135,17 +136,29 @@ def _install(runtime: VaeRuntime, region_name: str, region: nn.Module, plan: Vae
             prepadded[id(conv)] = (tuple(rows), spec.mode(module))
     for name, module in region.named_modules():
         path = f"{region_name}.{name}" if name else region_name
-        if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        if isinstance(module, (nn.Conv2d, nn.Conv3d)):
             rows, mode = prepadded.get(id(module), ((0, 0), "constant"))
             if needs_halo(module, rows):
                 module._conv_forward = HaloConv(runtime, path, module, rows, mode)
         elif isinstance(module, nn.GroupNorm):
             module.forward = SplitGroupNorm(runtime, module)
         kind = plan.attention.get(type(module).__name__)
-        if kind is not None:
+        if kind == "tokens":
             interceptor = RowAttention(runtime, kind, path)
             module.register_forward_pre_hook(interceptor.enter)
             module.register_forward_hook(interceptor.leave, always_call=True)
+        elif kind == "causal_frames":
+            # the block knows the frame count; its attention modules (none when the model was built without) attend
+            for inner, attention in module.named_modules():
+                if hasattr(attention, "processor"):
+                    interceptor = RowAttention(runtime, kind, f"{path}.{inner}")
+                    module.register_forward_pre_hook(interceptor.frames_from)
+                    attention.register_forward_pre_hook(interceptor.enter)
+                    attention.register_forward_hook(interceptor.leave, always_call=True)
+        if type(module).__name__ in plan.frame_noise:
+            noise = FrameNoise(runtime)
+            module.register_forward_pre_hook(noise.enter)
+            module.register_forward_hook(noise.leave, always_call=True)
     region.forward = _SplitRegion(runtime, region_name, region.forward, unit)
 
 
@@ -157,14 +170,17 @@ class _SplitRegion:
         self.name = name
         self.forward = forward
         self.unit = max(1, unit)
+        self.first_argument = next(iter(inspect.signature(forward).parameters))
 
-    def __call__(self, sample: torch.Tensor, *args, **kwargs):
+    def __call__(self, *args, **kwargs):
+        if args:
+            sample, args = args[0], args[1:]
+        else:
+            sample = kwargs.pop(self.first_argument)
+        return self._split(sample, *args, **kwargs)
+
+    def _split(self, sample: torch.Tensor, *args, **kwargs):
         runtime = self.runtime
-        if sample.requires_grad:
-            raise ParallelConfigError(
-                f"The split VAE {self.name} is inference-only and its input requires grad; call it under "
-                "torch.no_grad() or detach the input."
-            )
         self._agree(sample)
         height = sample.shape[-2]
         if height < self.unit * runtime.size:
@@ -188,16 +204,22 @@ class _SplitRegion:
         """Every rank must call with the same shape (and dtype), or the bands would not fit together."""
         shape = list(sample.shape)[:6]
         code = _DTYPES.index(sample.dtype) if sample.dtype in _DTYPES else len(_DTYPES)
-        mine = [sample.dim(), code] + shape + [0] * (6 - len(shape))
+        mine = [sample.dim(), code, int(sample.requires_grad)] + shape + [0] * (6 - len(shape))
         every = all_gather_ints(mine, self.runtime.group, sample.device, self.runtime.stats, "agree_shape")
         if any(row != every[0] for row in every):
             described = ", ".join(
-                f"rank {r}: shape {tuple(row[2:2 + min(row[0], 6)])}, "
-                f"dtype {_DTYPES[row[1]] if row[1] < len(_DTYPES) else 'other'}" for r, row in enumerate(every))
+                f"rank {r}: shape {tuple(row[3:3 + min(row[0], 6)])}, "
+                f"dtype {_DTYPES[row[1]] if row[1] < len(_DTYPES) else 'other'}, requires_grad {bool(row[2])}"
+                for r, row in enumerate(every))
             raise DistributedError(
                 f"The split VAE {self.name} needs the same full input on every rank of its group; got {described}."
             )
         # every rank agrees from here on, so every rank raises alike
+        if sample.requires_grad:
+            raise ParallelConfigError(
+                f"The split VAE {self.name} is inference-only and its input requires grad; call it under "
+                "torch.no_grad() or detach the input."
+            )
         if code == len(_DTYPES) or sample.dim() not in (4, 5):
             raise ParallelConfigError(
                 f"The split VAE {self.name} takes a 4-D image or 5-D video batch of dtype {_DTYPES}; got shape "

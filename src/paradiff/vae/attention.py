@@ -34,11 +34,13 @@ class RowAttention(TorchFunctionMode):
         self.frames = 0
         self.calls = 0
 
-    def enter(self, _module, args) -> None:
+    def frames_from(self, _block, args) -> None:
+        """Pre-hook of the block around a "causal_frames" attention: its (batch, channels, frames, ...) input."""
+        self.frames = args[0].shape[2]
+
+    def enter(self, _module, _args) -> None:
         if self.runtime.active is None:
             return
-        if self.kind == "causal_frames":
-            self.frames = args[0].shape[2]
         self.calls = 0
         self.__enter__()
 
@@ -71,7 +73,7 @@ class RowAttention(TorchFunctionMode):
         if self.kind == "tokens":
             if attn_mask is not None:
                 raise NotImplementedError(f"{self.name}: a masked attention was declared as unmasked ('tokens').")
-            return ring_attention(query, key, value, None, scale, BACKENDS["native"], self.runtime.group,
+            return ring_attention(query, key, value, None, scale, _kernel(query), self.runtime.group,
                                   self.runtime.stats)
         return self._causal_frames(query, key, value, attn_mask, scale)
 
@@ -94,3 +96,12 @@ class RowAttention(TorchFunctionMode):
                                               values[:, :, : t + 1].flatten(2, 3), scale=scale)
                for t in range(frames)]
         return torch.stack(out, dim=2).flatten(2, 3)
+
+
+def _kernel(query: torch.Tensor):
+    """A kernel that returns the log-sum-exp for this head size. VAE mid blocks attend with one head of 384-512
+    channels: CUDA's flash and memory-efficient kernels are built for head sizes up to 256, so larger heads take the
+    plain fp32 kernel there (its score block is local queries x one rank's keys)."""
+    if query.device.type == "cuda" and query.shape[-1] > 256:
+        return BACKENDS["math"]
+    return BACKENDS["native"]

@@ -16,7 +16,7 @@ from ..comm import halo_exchange_start, halo_exchange_wait
 from .layout import ConvRows, HaloPlan, Rows
 from .runtime import VaeRuntime
 
-_FUNCTIONAL = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
+_FUNCTIONAL = {nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}  # rows are dim -2 of (B, C, [T,] H, W)
 
 
 def needs_halo(conv: nn.Module, prepad: tuple[int, int]) -> bool:
@@ -64,6 +64,7 @@ class HaloConv:
         halo_exchange_wait(works)
         halos = {peer: (rows, block) for (peer, rows), block in zip(plan.receives, received)}
         fixed = [(fix, self._window(plan, fix, own, halos, weight, bias)) for fix in mine.fixes]
+        self.runtime.active.last_conv_rows = mine.out_rows + (plan.out_ranges[-1][1],)
         return self._assemble(plan, local, fixed, input, weight, bias)
 
     def _window(self, plan: HaloPlan, fix: Rows, own, halos, weight, bias) -> torch.Tensor:

@@ -31,13 +31,15 @@ class VaePlan:
     - `row_local`: classes whose forward treats every row alike apart from the convolutions, group norms,
       attention and pads this plan declares (reviewed by hand). Any other class inside a region is refused.
     - `prepadded`: owner class -> the convolution it pads before calling.
-    - `attention`: class -> "tokens" (SDPA over the rank's tokens; keys from every rank) or "causal_frames"
-      (tokens ordered frame by frame; a query sees keys of its own and earlier frames).
-    - `refuse`: class -> reason a module of it cannot be split exactly (or None when this one can).
+    - `attention`: class -> "tokens" (an attention module: SDPA over the rank's tokens, keys from every rank) or
+      "causal_frames" (a block whose attention modules see tokens ordered frame by frame, a query the keys of its own
+      and earlier frames; the block's input gives the frame count).
+    - `frame_noise`: classes that draw `torch.randn((rows, columns))` for the output of the convolution they just
+      ran (noise injection); each rank draws the whole frame and keeps its rows.
     """
 
     regions: dict[str, Callable[[nn.Module], int]]
     row_local: tuple[str, ...]
     prepadded: dict[str, PrePadded] = field(default_factory=dict)
     attention: dict[str, str] = field(default_factory=dict)
-    refuse: dict[str, Callable[[nn.Module], str | None]] = field(default_factory=dict)
+    frame_noise: tuple[str, ...] = ()

@@ -29,6 +29,8 @@ class RegionCall:
     region: str
     height: int
     runs: dict[str, int] = field(default_factory=dict)
+    # (first, stop, height) of the output rows of the last split convolution, for noise drawn over a whole frame
+    last_conv_rows: tuple[int, int, int] | None = None
 
     def next_run(self, name: str) -> int:
         run = self.runs.get(name, 0)

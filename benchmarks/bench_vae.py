@@ -1,0 +1,215 @@
+"""Parallel VAE decode on CPU: `paradiff.parallelize_vae` at 1, 2 and 4 ranks, in the same run.
+
+Models (random weights, seeded; the architecture and widths are what decides time and memory):
+- "flux-kl": `AutoencoderKL` at FLUX.1's widths (block_out_channels 128/256/512/512, 2 layers per block, 16 latent
+  channels, 32 norm groups), decoding one image (`--kl-size`, pixels; latent = size / 8).
+- "wan": `AutoencoderKLWan` at Wan 2.1's widths (base_dim 96, z_dim 16, dim_mult 1/2/4/4, 2 res blocks), decoding one
+  clip (`--wan-size` HxW pixels, `--wan-frames` output frames = 1 + 4 * (latent frames - 1)).
+
+fp32, batch 1, one torch thread per rank, gloo on 127.0.0.1, every world size in freshly spawned processes. Per case:
+the median decode time over --repeats timed decodes after one warm-up (per decode the slowest rank counts), and the
+median CPU-seconds of the busiest rank per decode (all its threads: torch and gloo; on a shared machine the wall time
+measures the other processes as much as the decode, the CPU time does not); per rank
+the peak bytes of the tensors one decode creates (paradiff.testing.memory.PeakTensorMemory: activations, halos and the
+gathered output; weights excluded) and the rise of the process's peak RSS over a decode (VmHWM reset through
+/proc/self/clear_refs, glibc's mmap threshold at 128 KiB so freed buffers go back to the OS); the max abs difference
+of the decoded output to the 1-rank output. The machine is shared: each case waits for other processes to go quiet
+and reports the CPU-seconds other processes used while it ran.
+
+    nice -n 10 .venv/bin/python benchmarks/bench_vae.py                         # defaults below
+    nice -n 10 .venv/bin/python benchmarks/bench_vae.py --kl-size 1024 --models flux-kl
+    .venv/bin/python benchmarks/bench_vae.py --quick                             # checks the script (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import (  # noqa: E402
+    LoadWindow,
+    foreign_cpu,
+    machine_line,
+    markdown_table,
+    quiet_diffusers,
+    read_status,
+    run_ranks,
+    wait_for_quiet,
+)
+
+MB = 1e6
+MODELS = {
+    "flux-kl": ("AutoencoderKL", dict(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
+        latent_channels=16, norm_num_groups=32, use_quant_conv=False, use_post_quant_conv=False)),
+    "wan": ("AutoencoderKLWan", dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                                     temperal_downsample=[False, True, True])),
+}
+QUICK = {
+    "flux-kl": ("AutoencoderKL", dict(MODELS["flux-kl"][1], block_out_channels=(16, 32, 32, 32), norm_num_groups=8)),
+    "wan": ("AutoencoderKLWan", dict(MODELS["wan"][1], base_dim=8)),
+}
+
+
+def _latent(model: str, config: dict, height: int, width: int, frames: int):
+    import torch
+
+    generator = torch.Generator().manual_seed(1)
+    if model == "wan":
+        shape = (1, config["z_dim"], 1 + (frames - 1) // 4, height // 8, width // 8)
+    else:
+        shape = (1, config["latent_channels"], height // 8, width // 8)
+    return torch.randn(shape, generator=generator)
+
+
+def _limit_mmap_threshold() -> None:
+    """Freed multi-MB buffers go back to the OS at once, so the RSS high-water mark follows the live tensors."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+    except OSError:
+        pass
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")  # resets VmHWM to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def decode_worker(rank: int, world_size: int, model: str, config: dict, height: int, width: int, frames: int,
+                  repeats: int) -> dict:
+    import diffusers
+    import torch
+    import torch.distributed as dist
+
+    import paradiff
+    from paradiff.testing.memory import PeakTensorMemory
+
+    _limit_mmap_threshold()
+    quiet_diffusers()
+    torch.manual_seed(0)
+    vae = getattr(diffusers, MODELS[model][0])(**config).eval()
+    if world_size > 1:
+        paradiff.parallelize_vae(vae)
+    latent = _latent(model, config, height, width, frames)
+
+    def decode():
+        with torch.no_grad():
+            return vae.decode(latent).sample
+
+    def sync():
+        if world_size > 1:
+            dist.barrier()
+
+    decode()  # warm-up (and, split, the first call learns its halo plans)
+    times, cpu = [], []
+    with LoadWindow() as window:
+        for _ in range(repeats):
+            sync()
+            start, cpu_start = time.perf_counter(), time.process_time()
+            decode()
+            times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - cpu_start)
+    gc.collect()
+    sync()
+    status, _ = read_status()
+    reset = _reset_peak_rss()
+    with PeakTensorMemory() as memory:
+        output = decode()
+    after, _ = read_status()
+    return {
+        "times": times, "cpu": cpu, "peak_tensor_bytes": memory.peak,
+        "rss_rise_bytes": (after["VmHWM"] - status.get("RssAnon", 0) - status.get("RssFile", 0)
+                           - status.get("RssShmem", 0)) if reset else None,
+        "window": {"system": window.system, "own": window.own, "wall": window.wall},
+        "output": output if rank == 0 else None,
+    }
+
+
+def run_case(model: str, config: dict, height: int, width: int, frames: int, world: int, repeats: int,
+             wait_quiet: float) -> dict:
+    busy_before = wait_for_quiet(timeout_s=wait_quiet)
+    results = run_ranks(decode_worker, world, timeout_s=7200, model=model, config=config, height=height,
+                        width=width, frames=frames, repeats=repeats)
+    per_repeat = [max(r["times"][i] for r in results) for i in range(repeats)]
+    cpu_per_repeat = [max(r["cpu"][i] for r in results) for i in range(repeats)]
+    return {
+        "world": world, "median_s": statistics.median(per_repeat), "times": per_repeat,
+        "median_cpu_s": statistics.median(cpu_per_repeat),
+        "peak_tensor_bytes": max(r["peak_tensor_bytes"] for r in results),
+        "peak_tensor_per_rank": [r["peak_tensor_bytes"] for r in results],
+        "rss_rise_bytes": max((r["rss_rise_bytes"] or 0) for r in results),
+        "other_cpu_s": foreign_cpu([r["window"] for r in results]), "busy_before": busy_before,
+        "output": results[0]["output"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="flux-kl,wan")
+    parser.add_argument("--worlds", default="1,2,4")
+    parser.add_argument("--kl-size", type=int, default=512, help="FLUX KL output side in pixels (multiple of 8)")
+    parser.add_argument("--wan-size", default="240x416", help="Wan output HxW in pixels (multiples of 8)")
+    parser.add_argument("--wan-frames", type=int, default=5, help="Wan output frames, 1 + 4k")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--wait-quiet", type=float, default=60.0, help="seconds to wait for a quiet machine per case")
+    parser.add_argument("--quick", action="store_true", help="narrow models, small sizes (checks the script)")
+    parser.add_argument("--json", help="write every measurement here")
+    args = parser.parse_args(argv)
+    models = QUICK if args.quick else MODELS
+    wan_height, wan_width = (int(v) for v in args.wan_size.lower().split("x"))
+    sizes = {"flux-kl": (args.kl_size, args.kl_size, 1), "wan": (wan_height, wan_width, args.wan_frames)}
+    if args.quick:
+        sizes = {"flux-kl": (64, 64, 1), "wan": (48, 64, 5)}
+    worlds = [int(w) for w in args.worlds.split(",")]
+    print(f"# bench_vae {datetime.datetime.now().isoformat(timespec='seconds')}\n# {machine_line()}", flush=True)
+    report, rows = {}, []
+    for model in args.models.split(","):
+        height, width, frames = sizes[model]
+        config = models[model][1]
+        cases = []
+        for world in worlds:
+            case = run_case(model, config, height, width, frames, world, args.repeats, args.wait_quiet)
+            cases.append(case)
+            print(f"{model} {height}x{width}x{frames} world {world}: {case['median_s']:.2f} s "
+                  f"({case['median_cpu_s']:.2f} CPU-s per rank), "
+                  f"peak tensors {case['peak_tensor_bytes'] / MB:.0f} MB, other CPU {case['other_cpu_s']:.1f} s",
+                  flush=True)
+        base = cases[0]
+        for case in cases:
+            case["max_abs_diff"] = float((case["output"] - base["output"]).abs().max())
+        for case in cases:
+            diff = case.pop("max_abs_diff")
+            rows.append([model, f"{height}x{width}" + (f"x{frames}" if model == "wan" else ""), case["world"],
+                         f"{case['median_s']:.2f}", f"{case['median_s'] / base['median_s']:.2f}",
+                         f"{case['median_cpu_s']:.2f}", f"{case['median_cpu_s'] / base['median_cpu_s']:.2f}",
+                         f"{case['peak_tensor_bytes'] / MB:.0f}",
+                         f"{case['peak_tensor_bytes'] / base['peak_tensor_bytes']:.2f}",
+                         f"{case['rss_rise_bytes'] / MB:.0f}", f"{diff:.1e}", f"{case['other_cpu_s']:.1f}"])
+            case["max_abs_diff"] = diff
+            del case["output"]
+        report[model] = {"size": [height, width, frames], "cases": cases}
+    table = markdown_table(["model", "output", "ranks", "decode s (median)", "time vs 1", "CPU s/rank (median)",
+                            "CPU vs 1", "peak tensors MB/rank",
+                            "memory vs 1", "peak RSS rise MB/rank", "max abs diff vs 1", "other procs CPU s"], rows)
+    print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": machine_line(), "report": report}, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

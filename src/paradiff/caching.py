@@ -1,0 +1,245 @@
+"""Step caches on a parallel model: diffusers' cache hooks, with every skip / compute decision taken by all ranks alike.
+
+A first-block cache skips the remaining blocks when the first block's residual barely changed since the last
+computed step. Under context parallelism each rank holds only its own tokens, so a rank measuring alone may skip
+while its peers compute: they then issue different collectives and hang, or silently diverge. Here the measure is
+summed over the ranks that compute one forward together (one all-reduce of three numbers), so every rank reads the
+same number and takes the same decision, the one a single process holding every token would take.
+
+The relative change of the residual is mean(|r - r_prev|) / mean(|r_prev|) (ParaAttention's first-block cache, as
+diffusers computes it); a mean over all tokens is a sum over all ranks divided by the total count, so the reduced
+value equals the single-process one up to summation order. TaylorSeer decides from the step count alone, which is
+the same on every rank, so it needs no reduction; its decisions are recorded all the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from diffusers.hooks.first_block_cache import _FBC_BLOCK_HOOK, FBCBlockHook, FBCHeadBlockHook
+from diffusers.hooks.hooks import StateManager
+from diffusers.hooks.taylorseer_cache import TaylorSeerCacheHook
+from torch import nn
+
+from .comm import all_reduce_metric
+from .errors import ParallelConfigError
+
+MONITOR_ATTR = "_paradiff_cache_monitor"
+SUPPORTED = ("FirstBlockCacheConfig", "TaylorSeerCacheConfig")
+
+
+@dataclass
+class CacheDecision:
+    context: str  # the pipeline's cache context ("cond", "uncond", ...)
+    call: int  # index of this forward within its context since the monitor was cleared
+    computed: bool  # False: the cached (skipped or predicted) path ran
+    metric: float | None = None  # the decision's measure, reduced over the model group (first-block cache)
+    local_metric: float | None = None  # what this rank alone would have measured
+
+
+@dataclass
+class CacheMonitor:
+    """Where one model's cache decisions are taken and recorded."""
+
+    group: dist.ProcessGroup | None  # the ranks of one forward; None for a single rank
+    decisions: list[CacheDecision] = field(default_factory=list)
+    # Sums the local measures over `group`; a seam for paradiff.testing, which shows what disagreement would do.
+    reduce: Callable[[torch.Tensor, dist.ProcessGroup | None], list[float]] = all_reduce_metric
+    # Called with every decision before it takes effect; None in normal use (paradiff.testing checks agreement here).
+    verify: Callable[[CacheDecision], None] | None = None
+    state_managers: list = field(default_factory=list)  # of the cache hooks, to tell whether a context is set
+    calls: dict[str, int] = field(default_factory=dict)  # forwards per context since the last clear
+
+    def record(self, context: str, computed: bool, metric: float | None = None,
+               local_metric: float | None = None) -> CacheDecision:
+        decision = CacheDecision(context, self.calls.get(context, 0), computed, metric, local_metric)
+        if self.verify is not None:
+            self.verify(decision)
+        self.calls[context] = decision.call + 1
+        self.decisions.append(decision)
+        return decision
+
+    def computed_steps(self, context: str | None = None) -> list[int]:
+        """Indices of the forwards (per context) that ran every block."""
+        return [d.call for d in self.decisions if d.computed and (context is None or d.context == context)]
+
+    def clear(self) -> None:
+        """Forget the decisions recorded so far (e.g. after each generation); call indices start again at 0."""
+        self.decisions.clear()
+        self.calls.clear()
+
+
+def cache_monitor(model: nn.Module) -> CacheMonitor | None:
+    """The monitor of a model whose cache went through paradiff (None otherwise)."""
+    return getattr(model, MONITOR_ATTR, None)
+
+
+def check_cache_config(config: Any) -> None:
+    name = type(config).__name__
+    if name not in SUPPORTED:
+        raise ParallelConfigError(
+            f"{name} is not supported on a paradiff model; supported step caches: {list(SUPPORTED)} "
+            "(diffusers.FirstBlockCacheConfig(threshold=...), diffusers.TaylorSeerCacheConfig(...))."
+        )
+
+
+def enable_cache(model: nn.Module, config: Any, group: dist.ProcessGroup | None = None) -> CacheMonitor:
+    """Enable a diffusers step cache on `model` with decisions agreed over `group` (the model's ranks by default).
+
+    On a paradiff-parallel model `model.enable_cache(config)` does the same. Returns the monitor recording every
+    decision (also `paradiff.cache_monitor(model)`).
+    """
+    check_cache_config(config)
+    if not hasattr(type(model), "enable_cache"):
+        raise ParallelConfigError(f"{type(model).__name__} has no diffusers cache support (no enable_cache).")
+    if group is None:
+        from .state import get_state
+
+        state = get_state(model)
+        group = state.mesh.model_group if state is not None else None
+    type(model).enable_cache(model, config)
+    if type(config).__name__ == "FirstBlockCacheConfig":
+        _repair_joint_tail(model)
+    monitor = CacheMonitor(group=group)
+    object.__setattr__(model, MONITOR_ATTR, monitor)
+    agree_on_decisions(model, monitor)
+    _default_cache_context(model)
+    return monitor
+
+
+def install_agreed_caching(model: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Route `model.enable_cache(config)` through `enable_cache`, so diffusers' usual call is safe on every rank."""
+
+    def enable_cache_on_model(config: Any) -> None:
+        enable_cache(model, config, group)
+
+    object.__setattr__(model, "enable_cache", enable_cache_on_model)
+    if getattr(model, "_cache_config", None) is not None:  # enabled before the model was parallelised
+        check_cache_config(model._cache_config)
+        monitor = CacheMonitor(group=group)
+        object.__setattr__(model, MONITOR_ATTR, monitor)
+        agree_on_decisions(model, monitor)
+
+
+def _default_cache_context(model: nn.Module) -> None:
+    """Give a forward called outside any cache context the context "cond".
+
+    diffusers' cache hooks raise without a context, and some pipelines (FLUX.2's, which runs no true CFG) never set
+    one. Wraps `model.forward` once; calls inside a pipeline's own `cache_context` pass straight through.
+    """
+    if getattr(model, "_paradiff_default_cache_context", False):
+        return
+    original = model.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        monitor = cache_monitor(model)
+        managers = monitor.state_managers if monitor is not None and model._cache_config is not None else []
+        if not managers or any(manager._context is not None for manager in managers):
+            return original(*args, **kwargs)
+        with model.cache_context("cond"):
+            return original(*args, **kwargs)
+
+    object.__setattr__(model, "forward", forward)
+    object.__setattr__(model, "_paradiff_default_cache_context", True)
+
+
+def agree_on_decisions(model: nn.Module, monitor: CacheMonitor) -> None:
+    """Replace the decision of every cache hook registered on `model` by one that is recorded and, where it depends
+    on data, taken from the measure reduced over `monitor.group`."""
+    first_taylorseer = True
+    for module in model.modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        for hook in getattr(registry, "hooks", {}).values():
+            monitor.state_managers.extend(
+                value for value in vars(hook).values() if isinstance(value, StateManager))
+            if isinstance(hook, FBCHeadBlockHook):
+                hook._should_compute_remaining_blocks = _first_block_decision(hook, monitor)
+            elif isinstance(hook, TaylorSeerCacheHook):
+                # every TaylorSeer hook follows the same step schedule; the first one speaks for the forward
+                hook._measure_should_compute = _taylorseer_decision(hook, monitor, record=first_taylorseer)
+                first_taylorseer = False
+
+
+def _repair_joint_tail(model: nn.Module) -> None:
+    """Swap diffusers' tail hook for `JointTailBlockHook` when the head block returns two streams and the tail block
+    one joint sequence (FLUX.2's single-stream blocks). diffusers 0.42's hook subtracts the head's pair of outputs
+    from the tail's one tensor there and raises a TypeError on the first step, in a single process too."""
+    head = tail = None
+    for module in model.modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        for hook in getattr(registry, "hooks", {}).values():
+            if isinstance(hook, FBCHeadBlockHook):
+                head = hook
+            elif isinstance(hook, FBCBlockHook) and hook.is_tail:
+                tail, tail_registry = hook, registry
+    if head is None or tail is None:
+        return
+    two_streams = head._metadata.return_encoder_hidden_states_index is not None
+    if two_streams and tail._metadata.return_encoder_hidden_states_index is None:
+        tail_registry.remove_hook(_FBC_BLOCK_HOOK, recurse=False)
+        tail_registry.register_hook(JointTailBlockHook(tail.state_manager, is_tail=True), _FBC_BLOCK_HOOK)
+
+
+class JointTailBlockHook(FBCBlockHook):
+    """Tail of a first-block cache whose tail block returns the joint [text, image] sequence: the residuals the head
+    block adds back on a skipped step are split into the two streams the head block returns."""
+
+    def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        state = self.state_manager.get_state()
+        if not state.should_compute:
+            return super().new_forward(module, *args, **kwargs)  # passes its input through
+        output = self.fn_ref.original_forward(*args, **kwargs)
+        image, text = state.head_block_output  # the head hook stores [hidden, encoder]
+        if output.shape[1] != image.shape[1] + text.shape[1]:
+            raise ValueError(
+                f"first-block cache: the tail block returned {output.shape[1]} tokens, not the joint sequence of "
+                f"{text.shape[1]} text + {image.shape[1]} image tokens the head block's outputs make."
+            )
+        state.tail_block_residuals = (output[:, text.shape[1]:] - image, output[:, : text.shape[1]] - text)
+        return output
+
+
+def relative_change(sums: list[float], dtype: torch.dtype) -> float:
+    """mean|r - r_prev| / mean|r_prev| from (sum|r - r_prev|, sum|r_prev|, count), each mean rounded to the
+    residual's dtype as a single process computing `.mean()` in that dtype would."""
+    diff, previous, count = sums
+    diff_mean = torch.tensor(diff / count, dtype=torch.float64).to(dtype)
+    previous_mean = torch.tensor(previous / count, dtype=torch.float64).to(dtype)
+    return float(diff_mean / previous_mean)
+
+
+def _first_block_decision(hook: Any, monitor: CacheMonitor) -> Callable[[torch.Tensor], bool]:
+    @torch.compiler.disable
+    def should_compute(residual: torch.Tensor) -> bool:
+        state_manager = hook.state_manager
+        previous = state_manager.get_state().head_block_residual
+        context = state_manager.context.name
+        if previous is None:  # first step of this context: nothing to compare with, every rank computes
+            return monitor.record(context, True).computed
+        local = torch.stack([
+            (residual - previous).abs().sum(dtype=torch.float64),
+            previous.abs().sum(dtype=torch.float64),
+            torch.tensor(float(residual.numel()), dtype=torch.float64, device=residual.device),
+        ])
+        local_sums = local.tolist()
+        metric = relative_change(monitor.reduce(local, monitor.group), residual.dtype)
+        local_metric = relative_change(local_sums, residual.dtype)
+        return monitor.record(context, metric > hook.threshold, metric, local_metric).computed
+
+    return should_compute
+
+
+def _taylorseer_decision(hook: Any, monitor: CacheMonitor, record: bool) -> Callable[[], tuple]:
+    schedule = hook._measure_should_compute
+
+    @torch.compiler.disable
+    def measure() -> tuple:
+        computed, state = schedule()
+        if record:
+            monitor.record(hook.state_manager.context.name, bool(computed))
+        return computed, state
+
+    return measure

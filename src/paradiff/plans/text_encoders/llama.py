@@ -1,0 +1,10 @@
+"""Llama text encoders (HunyuanVideo's Llama-3-8B, HiDream's Llama-3.1-8B)."""
+
+from .common import decoder_text_model
+
+PATHS = {"LlamaModel": ("", None), "LlamaForCausalLM": ("model", "lm_head")}
+MODEL_CLASSES = tuple(PATHS)
+
+
+def tensor_parallel_plan(config, model_class: str):
+    return decoder_text_model(config, model_class, PATHS)

@@ -1,0 +1,181 @@
+"""Run on every rank by tests/test_text_encoders.py: split text encoders and staged pipelines against diffusers'
+single-process pipeline of the same folder (gloo, CPU, float32)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from diffusers import DiffusionPipeline
+
+import paradiff
+from paradiff.memory import parameter_bytes
+from paradiff.testing.pipelines import default_call_kwargs, encode_prompt_kwargs
+
+# different lengths, so the shorter prompt is padded and the encoders' masks matter
+PROMPTS = ["a cat", "a lighthouse on a rocky coast during a storm, dramatic lighting"]
+
+
+def _config(tp: int = 1, ulysses: int = 1, dp: int = 1) -> paradiff.ParallelConfig:
+    return paradiff.ParallelConfig(
+        tensor_parallel_config=paradiff.TensorParallelConfig(tp) if tp > 1 else None,
+        context_parallel_config=paradiff.ContextParallelConfig(ulysses_degree=ulysses) if ulysses > 1 else None,
+        data_degree=dp,
+    )
+
+
+def _pixels(output) -> np.ndarray:
+    return np.asarray(output.frames if hasattr(output, "frames") else output.images)
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def _relative(actual, expected) -> float:
+    actual, expected = _tensors(actual), _tensors(expected)
+    assert len(actual) == len(expected) and actual, (len(actual), len(expected))
+    worst = max(float((a.double() - e.double()).abs().max()) for a, e in zip(actual, expected))
+    return worst / max(float(e.double().abs().max()) for e in expected)
+
+
+def _encoders(pipeline) -> dict[str, torch.nn.Module]:
+    return {name: module for name, module in pipeline.components.items()
+            if name.startswith("text_encoder") and isinstance(module, torch.nn.Module)}
+
+
+def reference(family: str, folder: str, steps: int = 2) -> dict:
+    """diffusers' single-process results for one family: computed once, in the test process, for every case."""
+    pipeline = DiffusionPipeline.from_pretrained(folder)
+    pipeline.set_progress_bar_config(disable=True)
+    kwargs = dict(default_call_kwargs(family), num_inference_steps=steps)
+    with torch.no_grad():
+        embeds = _tensors(pipeline.encode_prompt(**encode_prompt_kwargs(family, PROMPTS)))
+    image = _pixels(pipeline(**kwargs, generator=torch.Generator().manual_seed(0)))
+    full = {name: parameter_bytes([module]) for name, module in _encoders(pipeline).items()}
+    return {"kwargs": kwargs, "embeds": embeds, "image": image, "encoder_bytes": full}
+
+
+def pipelines_match(folders: dict[str, str], references: dict[str, dict], degrees: dict,
+                    stage_modes: dict[str, list[bool]]) -> dict:
+    """For each family: encode_prompt (batch 2, padded) and a generation, with and without stages, against the
+    single-process pipeline; the share of each encoder's parameter bytes this rank holds."""
+    torch.set_num_threads(1)
+    results = {}
+    for family, folder in folders.items():
+        expected = references[family]
+        for stages in stage_modes[family]:
+            pipeline = paradiff.load_pipeline(folder, parallel_config=_config(**degrees), stages=stages)
+            pipeline.set_progress_bar_config(disable=True)
+            with torch.no_grad():
+                embeds = pipeline.encode_prompt(**encode_prompt_kwargs(family, PROMPTS))
+            shares = {name: parameter_bytes([module]) / expected["encoder_bytes"][name]
+                      for name, module in _encoders(pipeline).items()}
+            image = _pixels(pipeline(**expected["kwargs"], seed=0))
+            results[f"{family}/stages={stages}"] = {
+                "embeds": _relative(embeds, expected["embeds"]),
+                "image": float(np.abs(image - expected["image"]).max()),
+                "encoder_shares": shares,
+                # after a staged call only the VAE holds weights
+                "held_after_call": {name: parameter_bytes([module]) for name, module in pipeline.components.items()
+                                    if isinstance(module, torch.nn.Module)},
+                "stages": [s["stage"] for s in pipeline.stage_report()],
+            }
+            del pipeline
+    return results
+
+
+def encoders_beyond_kv_heads(folders: dict[str, str], references: dict[str, dict], tp: int) -> dict:
+    """encode_prompt at a TP degree above the encoders' K/V head count (K/V heads replicated within groups)."""
+    torch.set_num_threads(1)
+    results = {}
+    for family, folder in folders.items():
+        pipeline = paradiff.load_pipeline(folder, parallel_config=_config(tp=tp))
+        with torch.no_grad():
+            actual = pipeline.encode_prompt(**encode_prompt_kwargs(family, PROMPTS))
+        attention = next(m for n, m in pipeline.text_encoder.named_modules() if n.endswith("layers.0.self_attn"))
+        results[family] = {
+            "embeds": _relative(actual, references[family]["embeds"]),
+            "kv_rows": attention.k_proj.weight.shape[0],
+            "head_dim": attention.head_dim,
+            "groups": attention.num_key_value_groups,
+        }
+    return results
+
+
+def data_parallel_staged(family: str, folder: str, prompts: list[str]) -> dict:
+    """dp2 x tp2 with stages: each replica encodes, denoises and decodes its own share of the prompts."""
+    torch.set_num_threads(1)
+    kwargs = dict(default_call_kwargs(family), num_inference_steps=2)
+    kwargs.pop("prompt")
+    pipeline = paradiff.load_pipeline(folder, parallel_config=_config(tp=2, dp=2), stages=True)
+    pipeline.set_progress_bar_config(disable=True)
+    made = {}
+    with paradiff.split_between_processes(list(enumerate(prompts)), pipeline) as share:
+        images = _pixels(pipeline(prompt=[p for _, p in share], seed=0,
+                                  generator=[torch.Generator().manual_seed(100 + i) for i, _ in share], **kwargs))
+        made = {index: image for (index, _), image in zip(share, images)}
+    reference = DiffusionPipeline.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    diffs = {}
+    for index, image in made.items():
+        expected = _pixels(reference(prompt=prompts[index], generator=torch.Generator().manual_seed(100 + index),
+                                     **kwargs))[0]
+        diffs[index] = float(np.abs(image - expected).max())
+    return {"rank": dist.get_rank(), "diffs": diffs}
+
+
+def unplanned_encoder(folder: str, scratch: str) -> dict:
+    """A pipeline whose text encoder class has no plan: every rank refuses with the same clear error before any
+    weight is read; shard_text_encoders=False or text_encoder_plans= then load it."""
+    torch.set_num_threads(1)
+    target = Path(scratch)
+    if dist.get_rank() == 0 and not target.exists():
+        shutil.copytree(folder, target)
+        index = json.loads((target / "model_index.json").read_text())
+        index["text_encoder"] = ["transformers", "MT5EncoderModel"]  # same weights as UMT5, no paradiff plan
+        (target / "model_index.json").write_text(json.dumps(index))
+        config = json.loads((target / "text_encoder" / "config.json").read_text())
+        config.update(architectures=["MT5EncoderModel"], model_type="mt5")
+        (target / "text_encoder" / "config.json").write_text(json.dumps(config))
+    dist.barrier()
+    out = {}
+    try:
+        paradiff.load_pipeline(str(target), parallel_config=_config(tp=2))
+        out["error"] = "no error"
+    except Exception as exc:  # noqa: BLE001
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    whole = paradiff.load_pipeline(str(target), parallel_config=_config(tp=2), shard_text_encoders=False)
+    out["whole_share"] = parameter_bytes([whole.text_encoder])
+    from paradiff.plans.text_encoders import t5
+
+    plan = t5.tensor_parallel_plan(whole.text_encoder.config, model_class="T5EncoderModel")  # MT5: T5 layout
+    given = paradiff.load_pipeline(str(target), parallel_config=_config(tp=2), text_encoder_plans={"text_encoder": plan})
+    out["given_share"] = parameter_bytes([given.text_encoder]) / out["whole_share"]
+    with torch.no_grad():
+        kwargs = encode_prompt_kwargs("wan", PROMPTS)
+        out["given_vs_whole"] = _relative(given.encode_prompt(**kwargs), whole.encode_prompt(**kwargs))
+    return out
+
+
+def device_map_for_whole_components(family: str, folder: str) -> dict:
+    """device_map / max_memory reach diffusers for the components paradiff does not split."""
+    torch.set_num_threads(1)
+    pipeline = paradiff.load_pipeline(folder, parallel_config=_config(tp=2), shard_text_encoders=False,
+                                      device_map="cpu", max_memory={"cpu": "8GB"})
+    pipeline.set_progress_bar_config(disable=True)
+    reference = DiffusionPipeline.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    kwargs = dict(default_call_kwargs(family), num_inference_steps=2)
+    image = _pixels(pipeline(**kwargs, seed=0))
+    expected = _pixels(reference(**kwargs, generator=torch.Generator().manual_seed(0)))
+    return {"device_map": getattr(pipeline, "hf_device_map", None), "diff": float(np.abs(image - expected).max()),
+            "encoder_whole": parameter_bytes([pipeline.text_encoder]) == parameter_bytes([reference.text_encoder])}

@@ -1,0 +1,126 @@
+"""Text encoders split over the mesh and staged execution: a tiny pipeline per encoder family (FLUX.1 with T5 + CLIP,
+FLUX.2 with Mistral3, Qwen-Image with Qwen2.5-VL, Wan with UMT5, FLUX.2 [klein] with Qwen3, Lumina 2 with Gemma 2,
+HunyuanVideo with Llama + CLIP) encodes (batch 2, padded prompts, through the pipeline's own encode_prompt) and
+generates what diffusers' single-process pipeline does, with and without stages, while each rank holds about half of
+every encoder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rank_cases_encoders as cases
+import paradiff
+from paradiff.errors import ParallelConfigError
+
+# one pipeline per encoder family (Wan 2.2 and LTX-Video reuse UMT5 and T5)
+FAMILIES = ("flux", "flux2", "qwenimage", "wan", "flux2_klein", "lumina2", "hunyuanvideo")
+
+EMBED_TOLERANCE = 1e-5  # relative
+IMAGE_TOLERANCE = 1e-5  # absolute, on pixel values in [0, 1]
+# vision towers (Mistral3, Qwen2.5-VL) and norms stay whole: a rank holds a little more than half
+SHARE_RANGE = (0.45, 0.6)
+
+
+@pytest.fixture(scope="session")
+def encoder_pipelines(tiny_pipeline_folders):
+    return {family: str(tiny_pipeline_folders[family]) for family in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def references(encoder_pipelines):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {family: cases.reference(family, folder) for family, folder in encoder_pipelines.items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def check_matches(results: list[dict], staged_only_vae: bool = True) -> None:
+    for rank, by_case in enumerate(results):
+        for case, figures in by_case.items():
+            assert figures["embeds"] <= EMBED_TOLERANCE, (rank, case, figures)
+            assert figures["image"] <= IMAGE_TOLERANCE, (rank, case, figures)
+            for name, share in figures["encoder_shares"].items():
+                assert SHARE_RANGE[0] <= share <= SHARE_RANGE[1], (rank, case, name, share)
+            assert figures["stages"] == ["text_encoders", "transformer", "vae"], (rank, case, figures)
+            if case.endswith("stages=True") and staged_only_vae:
+                held = {name for name, nbytes in figures["held_after_call"].items() if nbytes}
+                assert held == {"vae"}, (rank, case, figures["held_after_call"])
+
+
+# Without stages, FLUX.1 / FLUX.2 / Qwen-Image with split encoders are covered at tp2 x ulysses2, tp2 x ring2,
+# cfg2 x tp2 and dp2 x tp2 by test_pipelines.py; here every family runs staged, and the others unstaged too.
+UNSTAGED_ELSEWHERE = {"flux", "flux2", "qwenimage"}
+
+
+def _modes(unstaged_elsewhere: set[str]) -> dict[str, list[bool]]:
+    return {family: [True] if family in unstaged_elsewhere else [False, True] for family in FAMILIES}
+
+
+def test_tp2_every_family_with_and_without_stages(pools, encoder_pipelines, references):
+    modes = _modes(UNSTAGED_ELSEWHERE)
+    check_matches(pools.get(2).run(cases.pipelines_match, folders=encoder_pipelines, references=references,
+                                   degrees=dict(tp=2), stage_modes=modes, timeout_s=600))
+
+
+def test_tp2_x_ulysses2_every_family(pools, encoder_pipelines, references):
+    # klein's Qwen3 and HunyuanVideo's Llama run unstaged at tp=2 (and Qwen3 at tp=4)
+    modes = _modes(UNSTAGED_ELSEWHERE | {"flux2_klein", "hunyuanvideo"})
+    check_matches(pools.get(4).run(cases.pipelines_match, folders=encoder_pipelines, references=references,
+                                   degrees=dict(tp=2, ulysses=2), stage_modes=modes, timeout_s=600))
+
+
+def test_tp_beyond_kv_heads_replicates_kv_heads(pools, encoder_pipelines, references):
+    """Qwen3 and Gemma 2 with 4 query and 2 K/V heads at tp=4: each rank holds one K/V head (one group)."""
+    folders = {family: encoder_pipelines[family] for family in ("flux2_klein", "lumina2")}
+    for result in pools.get(4).run(cases.encoders_beyond_kv_heads, folders=folders, references=references, tp=4):
+        for family, figures in result.items():
+            assert figures["embeds"] <= EMBED_TOLERANCE, (family, figures)
+            assert figures["kv_rows"] == figures["head_dim"], (family, figures)  # one K/V head
+            assert figures["groups"] == 1, (family, figures)  # one query head per rank, one K/V head
+
+
+def test_data_parallel_replicas_keep_their_prompts_under_stages(pools, encoder_pipelines):
+    prompts = ["a cat", "a dog on a beach", "a red cube"]
+    results = pools.get(4).run(cases.data_parallel_staged, family="flux2", folder=encoder_pipelines["flux2"],
+                               prompts=prompts)
+    made = set()
+    for result in results:
+        assert max(result["diffs"].values()) <= IMAGE_TOLERANCE, result
+        made |= set(result["diffs"])
+    assert made == set(range(len(prompts)))
+
+
+def test_encoder_without_plan_is_refused_clearly(pools, encoder_pipelines, tmp_path):
+    results = pools.get(2).run(cases.unplanned_encoder, folder=encoder_pipelines["wan"],
+                               scratch=str(tmp_path / "mt5-wan"))
+    for result in results:
+        message = result["error"]
+        assert message.startswith("PlanError: "), message
+        for part in ("'text_encoder'", "MT5EncoderModel", "text_encoder_plans=", "shard_text_encoders=False"):
+            assert part in message, (part, message)
+        assert 0.45 <= result["given_share"] <= 0.6, result
+        assert result["given_vs_whole"] <= EMBED_TOLERANCE, result
+
+
+def test_device_map_and_max_memory_reach_unsplit_components(pools, encoder_pipelines):
+    for result in pools.get(2).run(cases.device_map_for_whole_components, family="flux2",
+                                   folder=encoder_pipelines["flux2"]):
+        assert result["device_map"] == "cpu", result
+        assert result["encoder_whole"], result
+        assert result["diff"] <= IMAGE_TOLERANCE, result
+
+
+@pytest.mark.parametrize("kwargs,expected", [
+    (dict(stages="yes"), "stages must be True or False, got 'yes'"),
+    (dict(shard_text_encoders=1), "shard_text_encoders must be True or False, got 1"),
+    (dict(stages=True, device_map="balanced"), "pass one or the other"),
+    (dict(text_encoder_plans=["text_encoder"]), "text_encoder_plans must map component names to plans"),
+    (dict(text_encoder_plans={"text_encoder_9": {}}), "names ['text_encoder_9'], which are not text encoders"),
+])
+def test_bad_pipeline_options_are_refused(encoder_pipelines, kwargs, expected):
+    with pytest.raises(ParallelConfigError) as info:
+        paradiff.load_pipeline(encoder_pipelines["flux"], **kwargs)
+    assert expected in str(info.value)
