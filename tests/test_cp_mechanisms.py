@@ -263,3 +263,42 @@ def test_qwen_image_21_block_causal_mask_equals_its_per_segment_attention():
                                         with_kwargs=True)
     actual = model(**inputs)[0]
     assert (actual - expected).abs().max() <= 1e-6 * expected.abs().max()
+
+
+
+def test_nabla_block_choice_is_diffusers_and_attends_only_the_chosen_blocks():
+    # one process. Eager flex attention on CPU ignores a BlockMask's full blocks (it attends every key), so diffusers'
+    # processor cannot be the reference here; its block choice is compared instead, and the attention against flex
+    # attention told the same blocks by a mask function, which eager flex does apply.
+    from diffusers.models.transformers.transformer_kandinsky6_sr import nabla_block_mask
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from paradiff.context_parallel.nabla import BLOCK, block_mask, block_means
+
+    generator = torch.Generator().manual_seed(0)
+    q, v = (torch.randn(2, 3 * BLOCK, 4, 16, generator=generator) for _ in range(2))
+    k = torch.randn(2, 3 * BLOCK, 4, 16, generator=generator) + 0.5 * q
+    prior = torch.eye(3, dtype=torch.bool)
+    theirs = nabla_block_mask(q.transpose(1, 2), k.transpose(1, 2), prior, thr=0.5).to_dense().bool()
+    ours = block_mask(block_means(q, 0, 3, None), block_means(k, 0, 3, None), prior, 0.5)
+    assert torch.equal(ours, theirs) and not ours.all()
+    tokens = ours.repeat_interleave(BLOCK, -2).repeat_interleave(BLOCK, -1)
+    chosen = create_block_mask(lambda b, h, i, j: tokens[b, h, i, j], 2, 4, 3 * BLOCK, 3 * BLOCK, device="cpu",
+                               BLOCK_SIZE=BLOCK)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    with torch.no_grad():
+        expected = flex_attention(q, k, v, block_mask=chosen)
+    actual = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=tokens)
+    assert (actual - expected).abs().max() <= 1e-5 * expected.abs().max()
+    assert (torch.nn.functional.scaled_dot_product_attention(q, k, v) - expected).abs().max() > 1e-2
+
+
+def test_processors_must_name_attention_modules():
+    from paradiff import ContextParallelPlan, examples
+    from paradiff.context_parallel.apply import resolve_cp_plan
+    from paradiff.context_parallel.nabla import NablaAttentionProcessor
+    from paradiff.errors import PlanError
+
+    model = examples.build_example("kandinsky6_sr", "kandinsky6-sr")
+    with pytest.raises(PlanError, match="processors entry 'time_embeddings' must name an attention module"):
+        resolve_cp_plan(model, ContextParallelPlan(processors={"time_embeddings": NablaAttentionProcessor}))

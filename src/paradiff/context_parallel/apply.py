@@ -35,6 +35,7 @@ class ResolvedContextPlan:
     gathered_attention: set[str] = field(default_factory=set)
     prefix_attention: dict[str, str] = field(default_factory=dict)
     token_groups: dict[str, TokenGroups] = field(default_factory=dict)
+    processors: dict[str, Any] = field(default_factory=dict)
 
 
 def _expand(model: nn.Module, entries: dict[str, Any], what: str) -> dict[str, Any]:
@@ -92,6 +93,11 @@ def resolve_cp_plan(model: nn.Module, plan: ContextParallelPlan) -> ResolvedCont
         if not callable(rewrite):
             raise PlanError(f"Context-parallel plan's rewrite_inputs for {name or 'the model'} must be a function of "
                             f"its forward arguments returning replacements, got {type(rewrite).__name__}.")
+    processors = _expand(model, plan.processors, "processors")
+    for name, factory in processors.items():
+        if not hasattr(_submodule(model, name, "processors"), "processor") or not callable(factory):
+            raise PlanError(f"Context-parallel plan's processors entry {name!r} must name an attention module (one "
+                            f"with a processor) and give a function of the runtime; got {type(factory).__name__}.")
     return ResolvedContextPlan(
         split_inputs=split_inputs,
         split_outputs=_expand(model, plan.split_outputs, "split_outputs"),
@@ -105,6 +111,7 @@ def resolve_cp_plan(model: nn.Module, plan: ContextParallelPlan) -> ResolvedCont
         gathered_attention={name for key in plan.gathered_attention for name in expand_key(model, key)},
         prefix_attention=prefix_attention,
         token_groups=_expand(model, plan.token_groups, "token_groups"),
+        processors=processors,
     )
 
 
@@ -424,6 +431,8 @@ def apply_context_parallel(model: nn.Module, state: ParallelState, plan: Resolve
         handles.append(model.get_submodule(name).register_forward_hook(trim))
     for name in plan.linear_attention:
         model.get_submodule(name).processor = LinearAttentionProcessor(runtime)
+    for name, factory in plan.processors.items():
+        model.get_submodule(name).processor = factory(runtime)
     # One interceptor per kind, shared by every attention module: compiled blocks guard on the active mode's
     # identity, so a mode object per module would recompile every block.
     # (A prefix module's interceptor holds the prefix length of the call in flight, set by a pre-hook each call.)

@@ -79,6 +79,9 @@ class ContextParallelPlan:
       flag); keys [prefix, split stream] attend to the prefix locally and to the split stream across the ranks.
     - `linear_attention`: self-attention modules computing ReLU linear attention (Sana): their sums over the keys
       are summed over the ranks (context_parallel/linear.py).
+    - `processors`: attention module -> function of the CP runtime returning the processor that replaces the
+      module's own under context parallelism, for attention whose structure depends on the whole sequence in a way
+      SDPA's interception cannot see (Kandinsky 6 SR's NABLA block choice: `context_parallel.nabla`).
     - `token_groups`: module -> TokenGroups, for modules that group their tokens by another argument's groups.
     - `split_token_arguments`: module -> forward arguments (tensors or tuples of tensors, e.g. rotary tables
       computed over the full sequence) split along the dimension whose length is the full token count of the
@@ -106,3 +109,4 @@ class ContextParallelPlan:
     gathered_attention: tuple[str, ...] = ()
     prefix_attention: dict[str, str] = field(default_factory=dict)
     token_groups: dict[str, TokenGroups] = field(default_factory=dict)
+    processors: dict[str, Callable[[Any], Any]] = field(default_factory=dict)
