@@ -107,8 +107,16 @@ def forward(model: nn.Module, inputs: dict) -> list[torch.Tensor]:
 
 def forward_with_flops(model: nn.Module, inputs: dict) -> tuple[list[torch.Tensor], int]:
     """The forward's outputs and the projection FLOPs this process spent inside the block stacks."""
-    with FlopCounterMode(display=False) as counter:
-        outputs = forward(model, inputs)
+    # torch's module tracker (inside the counter) fails on a module input that is a view of a parameter requiring
+    # grad under no_grad (Bria FIBO 2's Perceiver queries): count with the parameters frozen
+    requires_grad = [(param, param.requires_grad) for param in model.parameters()]
+    model.requires_grad_(False)
+    try:
+        with FlopCounterMode(display=False) as counter:
+            outputs = forward(model, inputs)
+    finally:
+        for param, flag in requires_grad:
+            param.requires_grad_(flag)
     root = type(model).__name__
     stacks = {f"{root}.{name}" for name in block_stacks(model)}
     flops = 0
