@@ -265,7 +265,6 @@ def test_qwen_image_21_block_causal_mask_equals_its_per_segment_attention():
     assert (actual - expected).abs().max() <= 1e-6 * expected.abs().max()
 
 
-
 def test_nabla_block_choice_is_diffusers_and_attends_only_the_chosen_blocks():
     # one process. Eager flex attention on CPU ignores a BlockMask's full blocks (it attends every key), so diffusers'
     # processor cannot be the reference here; its block choice is compared instead, and the attention against flex
@@ -302,3 +301,24 @@ def test_processors_must_name_attention_modules():
     model = examples.build_example("kandinsky6_sr", "kandinsky6-sr")
     with pytest.raises(PlanError, match="processors entry 'time_embeddings' must name an attention module"):
         resolve_cp_plan(model, ContextParallelPlan(processors={"time_embeddings": NablaAttentionProcessor}))
+
+
+def test_expert_choice_names_a_layer_with_the_attributes_it_reads():
+    from paradiff import ContextParallelPlan, examples
+    from paradiff.context_parallel.apply import resolve_cp_plan
+    from paradiff.context_parallel.experts import ExpertChoice
+    from paradiff.errors import PlanError
+
+    model = examples.build_example("nucleusmoe", "nucleus-moe")  # block 0 is dense, block 1 a mixture of experts
+    resolve_cp_plan(model, ContextParallelPlan(expert_choice={"transformer_blocks.1.img_mlp": ExpertChoice()}))
+    with pytest.raises(PlanError, match=r"'transformer_blocks.0.img_mlp' \(FeedForward\) as an expert-choice layer, "
+                                        r"but it has no \['gate', 'experts', 'shared_expert'"):
+        resolve_cp_plan(model, ContextParallelPlan(expert_choice={"transformer_blocks.0.img_mlp": ExpertChoice()}))
+
+
+def test_a_nan_output_is_never_within_tolerance():
+    from paradiff.examples import relative_difference
+
+    expected = torch.ones(3)
+    assert relative_difference([torch.tensor([1.0, float("nan"), 1.0])], [expected]) == float("inf")
+    assert relative_difference([expected + 1e-7], [expected]) < 1e-6

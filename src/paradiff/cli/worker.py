@@ -23,7 +23,7 @@ from ..vae import get_vae_runtime
 from .args import cache_config, read_prompts
 from .compare import compare_single_process
 from .embedded import embedded_call_kwargs, embedded_default
-from .outputs import outputs_of, save_output
+from .outputs import outputs_of, sampling_rate, save_output
 from .report import write_report
 
 # Called with (pipeline, rank) once the pipeline is loaded, before the first generation.
@@ -96,6 +96,7 @@ def generate(args: argparse.Namespace, device: torch.device,
     monitors = ({name: paradiff.enable_cache(module, cache_config(args.cache)) for name, module in transformers.items()}
                 if args.cache else {})
     pipeline.set_progress_bar_config(disable=rank != 0 or not _console_is_terminal())
+    rate = sampling_rate(pipeline)
     if on_pipeline_loaded is not None:
         on_pipeline_loaded(pipeline, rank)
     prompts = read_prompts(args)
@@ -130,11 +131,11 @@ def generate(args: argparse.Namespace, device: torch.device,
                     for index, _ in batch:
                         computed_steps.setdefault(index, {})[key] = monitor.computed_steps(context)
                 monitor.clear()
-            for (index, prompt), (kind, array) in zip(batch, outputs_of(result)):
+            for (index, prompt), output in zip(batch, outputs_of(result)):
                 if first is None:
-                    first = (index, prompt, array)
+                    first = (index, prompt, output)
                 if pipeline.is_output_rank:
-                    outputs[index] = {"prompt": prompt, **save_output(kind, array, out, index, args.fps)}
+                    outputs[index] = {"prompt": prompt, **save_output(output, out, index, args.fps, rate)}
     compare = None
     if args.compare and rank == 0 and first is not None:
         compare = compare_single_process(model, dtype, kwargs, args.seed, *first,

@@ -14,6 +14,7 @@ from ..errors import PlanError
 from ..state import ParallelState
 from ..tensor_parallel.plan import expand_key
 from .attention import even_sizes, local_chunk
+from .experts import ExpertChoice, check_expert_choice, expert_choice_forward
 from .grid import check_halo_conv, grid_layout, halo_conv_hooks, split_grid
 from .groups import token_group_hooks
 from .linear import LinearAttentionProcessor
@@ -36,6 +37,7 @@ class ResolvedContextPlan:
     prefix_attention: dict[str, str] = field(default_factory=dict)
     token_groups: dict[str, TokenGroups] = field(default_factory=dict)
     processors: dict[str, Any] = field(default_factory=dict)
+    expert_choice: dict[str, ExpertChoice] = field(default_factory=dict)
 
 
 def _expand(model: nn.Module, entries: dict[str, Any], what: str) -> dict[str, Any]:
@@ -98,6 +100,12 @@ def resolve_cp_plan(model: nn.Module, plan: ContextParallelPlan) -> ResolvedCont
         if not hasattr(_submodule(model, name, "processors"), "processor") or not callable(factory):
             raise PlanError(f"Context-parallel plan's processors entry {name!r} must name an attention module (one "
                             f"with a processor) and give a function of the runtime; got {type(factory).__name__}.")
+    expert_choice = _expand(model, plan.expert_choice, "expert_choice")
+    for name, spec in expert_choice.items():
+        if not isinstance(spec, ExpertChoice):
+            raise PlanError(f"Context-parallel plan's expert_choice for {name!r} must be an ExpertChoice, got "
+                            f"{type(spec).__name__}.")
+        check_expert_choice(model.get_submodule(name), spec, name)
     return ResolvedContextPlan(
         split_inputs=split_inputs,
         split_outputs=_expand(model, plan.split_outputs, "split_outputs"),
@@ -112,6 +120,7 @@ def resolve_cp_plan(model: nn.Module, plan: ContextParallelPlan) -> ResolvedCont
         prefix_attention=prefix_attention,
         token_groups=_expand(model, plan.token_groups, "token_groups"),
         processors=processors,
+        expert_choice=expert_choice,
     )
 
 
@@ -433,6 +442,9 @@ def apply_context_parallel(model: nn.Module, state: ParallelState, plan: Resolve
         model.get_submodule(name).processor = LinearAttentionProcessor(runtime)
     for name, factory in plan.processors.items():
         model.get_submodule(name).processor = factory(runtime)
+    for name, spec in plan.expert_choice.items():  # the instance's forward shadows its class's
+        layer = model.get_submodule(name)
+        layer.forward = expert_choice_forward(layer, spec, runtime)
     # One interceptor per kind, shared by every attention module: compiled blocks guard on the active mode's
     # identity, so a mode object per module would recompile every block.
     # (A prefix module's interceptor holds the prefix length of the call in flight, set by a pre-hook each call.)

@@ -92,6 +92,8 @@ class ContextParallelPlan:
       as positions in the full sequence, which a rank's chunk cannot use (Qwen-Image 2.1 slices its queries per
       prefix segment), rewritten as an equivalent whole-sequence mask the context-parallel attention takes. The
       function sees every rank's same whole arguments, so every rank rewrites alike.
+    - `expert_choice`: mixture-of-experts layers routed by expert choice over the whole sequence -> ExpertChoice
+      (their attribute names): the ranks share the router scores and route alike (context_parallel/experts.py).
     """
 
     split_inputs: dict[str, dict[str, Split | Count | dict]] = field(default_factory=dict)
@@ -110,3 +112,4 @@ class ContextParallelPlan:
     prefix_attention: dict[str, str] = field(default_factory=dict)
     token_groups: dict[str, TokenGroups] = field(default_factory=dict)
     processors: dict[str, Callable[[Any], Any]] = field(default_factory=dict)
+    expert_choice: dict[str, Any] = field(default_factory=dict)
