@@ -322,3 +322,22 @@ def test_a_nan_output_is_never_within_tolerance():
     expected = torch.ones(3)
     assert relative_difference([torch.tensor([1.0, float("nan"), 1.0])], [expected]) == float("inf")
     assert relative_difference([expected + 1e-7], [expected]) < 1e-6
+
+
+def test_mask_function_processor_equals_diffusers_flex_attention():
+    # one process: AnyFlow FAR's chunk-causal BlockMask as a dense mask on SDPA gives diffusers' flex result (eager
+    # flex attention applies the mask function), and the mask does exclude keys
+    from diffusers.models.transformers.transformer_anyflow_far import AnyFlowCausalAttnProcessor
+
+    from paradiff import examples
+    from paradiff.context_parallel.flex import dense_mask
+
+    model = examples.build_example("anyflow_far", "anyflow-far")
+    inputs = examples.example_inputs("anyflow_far", "anyflow-far", model.config)
+    ours = examples.forward(model, inputs)[0]
+    for block in model.blocks:
+        block.attn1.set_processor(AnyFlowCausalAttnProcessor())
+    theirs = examples.forward(model, inputs)[0]
+    assert (ours - theirs).abs().max() <= 1e-6 * theirs.abs().max()
+    mask = dense_mask(model.build_attention_mask(chunk_partition=[1, 1, 1], height=12, width=20), 135, "cpu")
+    assert mask[0, 0, 0, :15].all() and not mask[0, 0, 0, 15:].any()  # the context frame sees only itself

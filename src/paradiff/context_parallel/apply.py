@@ -60,7 +60,7 @@ def resolve_cp_plan(model: nn.Module, plan: ContextParallelPlan) -> ResolvedCont
     """Validate the plan against the model (before any weight or collective) and expand its globs."""
     if not isinstance(plan, ContextParallelPlan):
         raise PlanError(f"cp_plan must be a paradiff.ContextParallelPlan, got {type(plan).__name__}.")
-    require_native_processors(model)
+    require_native_processors(model, frozenset(_expand(model, plan.processors, "processors")))
     split_inputs = _expand(model, plan.split_inputs, "split_inputs")
     for name, arguments in split_inputs.items():
         module = model.get_submodule(name) if name else model

@@ -243,9 +243,12 @@ class AttentionInterceptor(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def require_native_processors(model: torch.nn.Module) -> None:
-    """diffusers backends other than native bypass SDPA (and so the interception): refuse them up front."""
+def require_native_processors(model: torch.nn.Module, replaced: frozenset[str] = frozenset()) -> None:
+    """diffusers backends other than native bypass SDPA (and so the interception): refuse them up front, except in
+    the modules whose processor the plan replaces."""
     for name, module in model.named_modules():
+        if name in replaced:
+            continue
         processor = getattr(module, "processor", None)
         backend = getattr(processor, "_attention_backend", None)
         if backend is not None and str(getattr(backend, "value", backend)) != "native":
