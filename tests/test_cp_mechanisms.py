@@ -322,3 +322,18 @@ def test_a_nan_output_is_never_within_tolerance():
     expected = torch.ones(3)
     assert relative_difference([torch.tensor([1.0, float("nan"), 1.0])], [expected]) == float("inf")
     assert relative_difference([expected + 1e-7], [expected]) < 1e-6
+
+
+def test_expert_choice_routed_per_chunk_would_differ_from_the_whole_sequence():
+    # why the ranks must route together: each expert's top-capacity tokens of a chunk are not those of the sequence
+    from paradiff import examples
+
+    layer = examples.build_example("nucleusmoe", "nucleus-moe").transformer_blocks[1].img_mlp
+    generator = torch.Generator().manual_seed(0)
+    hidden, unmodulated = (torch.randn(2, 15, 64, generator=generator) for _ in range(2))
+    timestep = torch.randn(2, 64, generator=generator)
+    with torch.no_grad():
+        whole = layer(hidden, unmodulated, timestep)
+        chunked = torch.cat([layer(hidden[:, part], unmodulated[:, part], timestep)
+                             for part in (slice(0, 8), slice(8, 15))], dim=1)
+    assert (chunked - whole).abs().max() > 1e-2 * whole.abs().max()
