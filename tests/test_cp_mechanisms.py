@@ -341,3 +341,18 @@ def test_mask_function_processor_equals_diffusers_flex_attention():
     assert (ours - theirs).abs().max() <= 1e-6 * theirs.abs().max()
     mask = dense_mask(model.build_attention_mask(chunk_partition=[1, 1, 1], height=12, width=20), 135, "cpu")
     assert mask[0, 0, 0, :15].all() and not mask[0, 0, 0, 15:].any()  # the context frame sees only itself
+
+
+def test_expert_choice_routed_per_chunk_would_differ_from_the_whole_sequence():
+    # why the ranks must route together: each expert's top-capacity tokens of a chunk are not those of the sequence
+    from paradiff import examples
+
+    layer = examples.build_example("nucleusmoe", "nucleus-moe").transformer_blocks[1].img_mlp
+    generator = torch.Generator().manual_seed(0)
+    hidden, unmodulated = (torch.randn(2, 15, 64, generator=generator) for _ in range(2))
+    timestep = torch.randn(2, 64, generator=generator)
+    with torch.no_grad():
+        whole = layer(hidden, unmodulated, timestep)
+        chunked = torch.cat([layer(hidden[:, part], unmodulated[:, part], timestep)
+                             for part in (slice(0, 8), slice(8, 15))], dim=1)
+    assert (chunked - whole).abs().max() > 1e-2 * whole.abs().max()

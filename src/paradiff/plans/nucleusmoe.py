@@ -77,10 +77,16 @@ def context_parallel_plan(config) -> ContextParallelPlan:
     )
 
 
-EXAMPLES = {"nucleus-moe": ("NucleusMoEImageTransformer2DModel", dict(
-    patch_size=2, in_channels=16, num_layers=2, attention_head_dim=16, num_attention_heads=4, num_key_value_heads=2,
-    joint_attention_dim=32, axes_dims_rope=(4, 6, 6), dense_moe_strategy="leave_first_block_dense", num_experts=4,
-    moe_intermediate_dim=32, capacity_factors=2.0))}
+_BASE = dict(patch_size=2, in_channels=16, num_layers=2, attention_head_dim=16, num_attention_heads=4,
+             joint_attention_dim=32, axes_dims_rope=(4, 6, 6), num_experts=4, moe_intermediate_dim=32)
+EXAMPLES = {
+    # grouped K/V heads, a dense first block, softmax routing
+    "nucleus-moe": ("NucleusMoEImageTransformer2DModel", dict(
+        _BASE, num_key_value_heads=2, dense_moe_strategy="leave_first_block_dense", capacity_factors=2.0)),
+    # every block a mixture, sigmoid routing, per-layer capacity factors (each expert takes 4 or 6 of 15 tokens)
+    "nucleus-moe-sigmoid": ("NucleusMoEImageTransformer2DModel", dict(
+        _BASE, dense_moe_strategy="all_moe", use_sigmoid=True, capacity_factors=[1.0, 1.5])),
+}
 EXTRA_MODES = {"nucleus-moe": ("tp4",)}  # 2 K/V heads over 4 ranks: replicated in pairs
 
 
