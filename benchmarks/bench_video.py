@@ -5,7 +5,9 @@ Model: WanTransformer3DModel at Wan2.1-1.3B widths (12 heads x 128, ffn 8960), 2
 weights (seeded, identical on every rank); input: 8 x 32 x 33 latent tokens after patchifying (8448) + 512 text
 tokens. Each configuration runs in fresh processes, one thread per rank (so 2 ranks use 2 cores where the single
 process uses 1: the ratio is the parallel speed-up). Reported: median ms per forward over --steps timed forwards
-after one warm-up; TP parameter bytes per rank; the max relative difference to the single-process output; for tp2,
+after one warm-up, and the CPU-seconds of the busiest rank per forward (all its threads: on a shared machine the wall
+time also measures other processes, the CPU time does not; "other processes' CPU s" says how much they used while the
+ranks ran); TP parameter bytes per rank; the max relative difference to the single-process output; for tp2,
 the bytes the norm-across-heads all-reduces move per layer and the time spent in those norms.
 
     .venv/bin/python benchmarks/bench_video.py [--steps 2] [--frames 8] [--height 32] [--width 33]
@@ -21,7 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import machine_line, markdown_table, quiet_diffusers, run_ranks  # noqa: E402
+from _common import (  # noqa: E402
+    LoadWindow, cpu_seconds, foreign_cpu, machine_line, markdown_table, quiet_diffusers, run_ranks,
+)
 
 CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
               text_dim=1536, freq_dim=256, ffn_dim=8960, num_layers=2, rope_max_seq_len=1024)
@@ -65,17 +69,21 @@ def run_mode(rank: int, world_size: int, mode: str, steps: int, frames: int, hei
             lambda m, a, o: norm_seconds.__setitem__(0, norm_seconds[0] + time.perf_counter() - starts[id(m)]))
     with torch.no_grad():
         output = model(**inputs)[0]  # warm-up
-        times = []
+        times, cpu = [], []
+        window = LoadWindow().__enter__()
         for _ in range(steps):
             norm_seconds[0] = 0.0
             for stats in (norm_stats, rowwise_stats):
                 stats.calls.clear()
                 stats.bytes.clear()
-            begin = time.perf_counter()
+            begin, cpu_begin = time.perf_counter(), cpu_seconds()
             output = model(**inputs)[0]
             times.append(time.perf_counter() - begin)
+            cpu.append(cpu_seconds() - cpu_begin)
+        window.__exit__()
     return {
-        "ms": 1000 * statistics.median(times), "output": output.numpy().copy() if rank == 0 else None,
+        "ms": 1000 * statistics.median(times), "cpu_ms": 1000 * statistics.median(cpu),
+        "window": {"system": window.system, "own": window.own, "wall": window.wall}, "output": output.numpy().copy() if rank == 0 else None,
         "block_bytes": sum(p.numel() * p.element_size() for p in model.blocks.parameters()),
         "full_block_bytes": full_bytes, "norm_ms": 1000 * norm_seconds[0],
         "norm_bytes": sum(norm_stats.bytes.values()), "norm_calls": sum(norm_stats.calls.values()),
@@ -101,13 +109,17 @@ def main() -> None:
     for mode, by_rank in results.items():
         worst = max(r["ms"] for r in by_rank)
         diff = float(abs(by_rank[0]["output"] - reference).max() / abs(reference).max())
-        rows.append([mode, f"{worst:.0f}", f"{worst / single_ms:.2f}",
+        worst_cpu = max(r["cpu_ms"] for r in by_rank)
+        rows.append([mode, f"{worst:.0f}", f"{worst / single_ms:.2f}", f"{worst_cpu:.0f}",
+                     f"{worst_cpu / results['single'][0]['cpu_ms']:.2f}",
+                     f"{foreign_cpu([r['window'] for r in by_rank]):.1f}",
                      f"{by_rank[0]['block_bytes'] / by_rank[0]['full_block_bytes']:.3f}", f"{diff:.1e}"])
     tokens = args.frames * args.height * args.width
     print(f"\n{time.strftime('%Y-%m-%d')}; {machine_line()}")
     print(f"WanTransformer3DModel 12 x 128, ffn 8960, 2 blocks, fp32, {tokens} video + 512 text tokens, "
           f"median of {args.steps} forwards\n")
-    print(markdown_table(["mode", "ms / forward", "x single", "block bytes per rank / full", "max rel diff"], rows))
+    print(markdown_table(["mode", "ms / forward", "x single", "CPU ms / forward (busiest rank)", "CPU x single",
+                          "other processes' CPU s", "block bytes per rank / full", "max rel diff"], rows))
     tp = results["tp2"][0]
     layers = CONFIG["num_layers"]
     print(f"\nnorm-across-heads under tp2: {tp['norm_calls'] // layers} all-reduces and "

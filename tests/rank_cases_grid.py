@@ -66,3 +66,44 @@ def halo_convolution(kernel: tuple[int, int], rows: int) -> dict:
     start = sum(chunks[: runtime.cp_rank]) // 4
     wanted = expected.narrow(2, start, local_rows)
     return {"rows": local_rows, "diff": float((actual - wanted).abs().max()), "calls": dict(runtime.stats.calls)}
+
+
+def gathered_cross_attention(text: int) -> dict:
+    """Cross-attention from split queries to another split stream (keys gathered) equals SDPA over all keys, also on
+    a rank holding none of the keys, whose key mask arrives as the model cut it ([-0:], every column)."""
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 9, 8, generator=generator)
+    k, v = (torch.randn(2, 4, text, 8, generator=generator) for _ in range(2))
+    mask = torch.ones(2, 1, 1, text, dtype=torch.bool)
+    mask[-1, ..., -1] = False
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    runtime = _runtime()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    local_k, local_v, local_mask = (local_chunk(t, dim, rank, size) for t, dim in ((k, 2), (v, 2), (mask, 3)))
+    if local_k.shape[2] == 0:
+        local_mask = torch.ones(2, 1, 1, 5, dtype=torch.bool)  # what `mask[..., -0:]` of a wider mask gives
+    actual = runtime.attention(local_chunk(q, 2, rank, size), local_k, local_v, attn_mask=local_mask,
+                               gather_keys=True)
+    wanted = local_chunk(expected, 2, rank, size)
+    return {"keys": local_k.shape[2], "diff": float((actual - wanted).abs().max())}
+
+
+def prefix_attention(mode: str) -> dict:
+    """Keys [a replicated prefix, split tokens] (Cosmos3's text then generation tokens) attended by split queries,
+    and the prefix's own causal attention computed whole, both equal SDPA over the whole sequence."""
+    generator = torch.Generator().manual_seed(4)
+    prefix, tokens = 5, 11
+    q_prefix, k_prefix, v_prefix = (torch.randn(1, 4, prefix, 8, generator=generator) for _ in range(3))
+    q, k, v = (torch.randn(1, 4, tokens, 8, generator=generator) for _ in range(3))
+    expected = F.scaled_dot_product_attention(q, torch.cat([k_prefix, k], 2), torch.cat([v_prefix, v], 2))
+    expected_causal = F.scaled_dot_product_attention(q_prefix, k_prefix, v_prefix, is_causal=True)
+    world = dist.group.WORLD
+    runtime = ContextParallelRuntime(mode=mode, cp_group=world, ring_group=world if mode == "ring" else None,
+                                     ulysses_group=world if mode == "ulysses" else None)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    local = [local_chunk(t, 2, rank, size) for t in (q, k, v)]
+    actual = runtime.attention(local[0], torch.cat([k_prefix, local[1]], 2), torch.cat([v_prefix, local[2]], 2),
+                               prefix=prefix)
+    causal = runtime.attention(q_prefix, k_prefix, v_prefix, is_causal=True, prefix=prefix)
+    return {"diff": float((actual - local_chunk(expected, 2, rank, size)).abs().max()),
+            "causal": float((causal - expected_causal).abs().max())}

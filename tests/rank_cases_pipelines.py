@@ -34,15 +34,24 @@ def pipeline_equivalence(family: str, folder: str, degrees: dict, seeds=(0,), st
     reference.set_progress_bar_config(disable=True)
     pipeline = paradiff.load_pipeline(folder, parallel_config=_config(**degrees))
     pipeline.set_progress_bar_config(disable=True)
+    calls = {}
+    for name, module in pipeline.components.items():
+        if name.startswith("transformer") and module is not None:
+            calls[name] = 0
+            module.register_forward_pre_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
     diffs = {}
     for seed in seeds:
         expected = _pixels(reference(**kwargs, generator=torch.Generator().manual_seed(seed)))
         actual = _pixels(pipeline(**kwargs, seed=seed))
         diffs[seed] = float(np.abs(actual - expected).max())
-    splitter = pipeline._paradiff_cfg
+    splitters = pipeline._paradiff_cfgs
     return {"rank": dist.get_rank(), "diffs": diffs, "output_rank": pipeline.is_output_rank,
-            "cfg_forwards": None if splitter is None else splitter.computed,
-            "transformer_params": sum(p.numel() for p in pipeline.transformer.parameters())}
+            "cfg_forwards": sum(s.computed for s in splitters) if splitters else None,
+            "transformer_params": {name: (sum(p.numel() for p in module.parameters()),
+                                          sum(p.numel() for p in getattr(reference, name).parameters()))
+                                   for name, module in pipeline.components.items()
+                                   if name.startswith("transformer") and module is not None},
+            "transformer_calls": calls}
 
 
 def data_parallel_prompts(family: str, folder: str, degrees: dict, prompts: list[str]) -> dict:

@@ -98,3 +98,34 @@ def test_frames_needs_a_video_pipeline(tmp_path):
                                           "--out", str(tmp_path)])
         with pytest.raises(CliError, match=re.escape(message)):
             check_args(args)
+
+
+def test_sound_is_written_as_wav_beside_the_video_and_alone(tmp_path):
+    """LTX-2 returns `.frames` and `.audio`; audio pipelines `.audios`: each sound becomes a 16-bit WAV at the
+    pipeline's sampling rate (its vocoder's config here), and an unknown rate is refused with the reason."""
+    import wave
+    from types import SimpleNamespace
+
+    from paradiff.cli.outputs import outputs_of, sampling_rate, save_output
+
+    rng = np.random.default_rng(0)
+    sound = rng.uniform(-1, 1, size=(2, 2, 480)).astype(np.float32)  # batch, channels, samples
+    video = SimpleNamespace(frames=rng.uniform(0, 1, size=(2, 3, 16, 16, 3)), audio=sound)
+    pipeline = SimpleNamespace(vocoder=SimpleNamespace(config={"output_sampling_rate": 24000}))
+    rate = sampling_rate(pipeline)
+    assert rate == 24000 and sampling_rate(SimpleNamespace()) is None
+    entries = [save_output(output, tmp_path, index, 8, rate) for index, output in enumerate(outputs_of(video))]
+    assert [e["kind"] for e in entries] == ["video", "video"] and entries[1]["audio_path"].endswith("0001.wav")
+    with wave.open(entries[1]["audio_path"]) as handle:
+        assert (handle.getnchannels(), handle.getframerate(), handle.getnframes()) == (2, 24000, 480)
+        pcm = np.frombuffer(handle.readframes(480), dtype="<i2").reshape(480, 2).T
+    np.testing.assert_allclose(pcm / 32767, sound[1], atol=1 / 32767)
+
+    (only,) = outputs_of(SimpleNamespace(audios=sound[:1]))
+    assert only.kind == "audio"
+    entry = save_output(only, tmp_path, 5, 8, 16000)
+    assert entry["path"].endswith("0005.wav") and entry["seconds"] == 480 / 16000
+    with pytest.raises(RuntimeError, match="names no sampling rate"):
+        save_output(only, tmp_path, 6, 8, None)
+    with pytest.raises(TypeError, match="none of .frames"):
+        outputs_of(SimpleNamespace(latents=sound))

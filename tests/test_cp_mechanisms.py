@@ -159,3 +159,200 @@ def test_halo_convolution_borrows_only_the_neighbours_edge_rows(pools):
 @pytest.mark.parametrize("world,mode", [(2, "ring"), (2, "ulysses"), (4, "ulysses")])
 def test_cross_attention_between_two_split_sequences(pools, world, mode):
     assert max(pools.get(world).run(cases.cross_attention_between_split_sequences, mode=mode)) < 1e-6
+
+
+class _PerFrameAdapter(torch.nn.Module):
+    """Each token gets its own frame's row of `encoder_hidden_states` (WanAnimate's face adapter pattern)."""
+
+    def forward(self, hidden_states, encoder_hidden_states):
+        frames = encoder_hidden_states.shape[1]
+        grouped = hidden_states.unflatten(1, (frames, -1))
+        return (grouped * encoder_hidden_states.mean(2, keepdim=True)).flatten(1, 2)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_token_groups_pad_each_chunk_to_whole_groups_and_keep_its_own_tokens(size):
+    from paradiff.context_parallel.attention import local_chunk
+    from paradiff.context_parallel.groups import token_group_hooks
+    from paradiff.context_parallel.plan import TokenGroups
+
+    generator = torch.Generator().manual_seed(0)
+    video, faces = torch.randn(2, 3 * 5, 4, generator=generator), torch.randn(2, 3, 2, 4, generator=generator)
+    expected = _PerFrameAdapter()(video, faces)
+    for rank in range(size):
+        module = _PerFrameAdapter()
+        runtime = SimpleNamespace(cp_rank=rank, cp_size=size, full_tokens={"hidden_states": 15})
+        widen, trim = token_group_hooks(module, TokenGroups(), runtime, "face_adapter.0")
+        module.register_forward_pre_hook(widen, with_kwargs=True)
+        module.register_forward_hook(trim)
+        assert torch.equal(module(local_chunk(video, 1, rank, size), faces), local_chunk(expected, 1, rank, size))
+
+
+def test_token_groups_that_do_not_divide_the_stream_are_refused():
+    from paradiff.context_parallel.groups import token_group_hooks
+    from paradiff.context_parallel.plan import TokenGroups
+
+    module = _PerFrameAdapter()
+    runtime = SimpleNamespace(cp_rank=0, cp_size=2, full_tokens={"hidden_states": 16})
+    widen, _ = token_group_hooks(module, TokenGroups(), runtime, "face_adapter.0")
+    with pytest.raises(ValueError, match="its 3 groups .* must divide the 16 tokens"):
+        widen(module, (torch.ones(2, 8, 4), torch.ones(2, 3, 2, 4)), {})
+
+
+def test_gathered_cross_attention_sees_every_rank_s_keys(pools):
+    import rank_cases_grid as cases
+
+    for text in (5, 1):  # with one key, rank 1 holds none
+        results = pools.get(2).run(cases.gathered_cross_attention, text=text)
+        assert [r["keys"] for r in results] == [(text + 1) // 2, text // 2]
+        assert all(r["diff"] <= 1e-6 for r in results), (text, results)
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_replicated_key_prefix_is_attended_once(pools, mode):
+    import rank_cases_grid as cases
+
+    for result in pools.get(2).run(cases.prefix_attention, mode=mode):
+        assert result["diff"] <= 1e-6 and result["causal"] <= 1e-6, result
+
+
+def test_rewrite_inputs_replace_positional_and_keyword_arguments_and_refuse_unknown_names():
+    from torch import nn
+
+    from paradiff.context_parallel.apply import _input_rewriter
+    from paradiff.errors import PlanError
+
+    class Block(nn.Module):
+        def forward(self, hidden_states, segments=None, attention_mask=None):
+            return hidden_states, segments, attention_mask
+
+    block = Block()
+    seen = []
+    handle = block.register_forward_pre_hook(_input_rewriter(block, lambda given: seen.append(dict(given)) or {
+        "segments": None, "attention_mask": given["hidden_states"] > 0}, "block"), with_kwargs=True)
+    x = torch.tensor([-1.0, 2.0])
+    _, segments, mask = block(x, [(0, 1, True)])
+    assert segments is None and torch.equal(mask, torch.tensor([False, True]))
+    assert seen[0]["segments"] == [(0, 1, True)] and seen[0]["hidden_states"] is x
+    handle.remove()
+    block.register_forward_pre_hook(_input_rewriter(block, lambda given: {"mask": None}, "block"), with_kwargs=True)
+    with pytest.raises(PlanError, match=r"returned argument 'mask'; its forward takes \['hidden_states', 'segments'"):
+        block(x)
+
+
+def test_rewrite_inputs_must_be_functions():
+    from paradiff import ContextParallelPlan, examples
+    from paradiff.context_parallel.apply import resolve_cp_plan
+    from paradiff.errors import PlanError
+
+    model = examples.build_example("qwenimage21", "qwen-image-2.1")
+    with pytest.raises(PlanError, match="rewrite_inputs for transformer_blocks.0 must be a function .* got dict"):
+        resolve_cp_plan(model, ContextParallelPlan(rewrite_inputs={"transformer_blocks.*": {}}))
+
+
+def test_qwen_image_21_block_causal_mask_equals_its_per_segment_attention():
+    # one process: the whole-sequence mask the CP plan substitutes gives the processor's per-segment result
+    from paradiff import examples
+    from paradiff.plans.qwenimage21 import block_causal_mask
+
+    model = examples.build_example("qwenimage21", "qwen-image-2.1")
+    inputs = examples.example_inputs("qwenimage21", "qwen-image-2.1", model.config)
+    expected = model(**inputs)[0]
+    for block in model.transformer_blocks:
+        block.register_forward_pre_hook(lambda _m, args, kwargs: (args, {**kwargs, **block_causal_mask(kwargs)}),
+                                        with_kwargs=True)
+    actual = model(**inputs)[0]
+    assert (actual - expected).abs().max() <= 1e-6 * expected.abs().max()
+
+
+def test_nabla_block_choice_is_diffusers_and_attends_only_the_chosen_blocks():
+    # one process. Eager flex attention on CPU ignores a BlockMask's full blocks (it attends every key), so diffusers'
+    # processor cannot be the reference here; its block choice is compared instead, and the attention against flex
+    # attention told the same blocks by a mask function, which eager flex does apply.
+    from diffusers.models.transformers.transformer_kandinsky6_sr import nabla_block_mask
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from paradiff.context_parallel.nabla import BLOCK, block_mask, block_means
+
+    generator = torch.Generator().manual_seed(0)
+    q, v = (torch.randn(2, 3 * BLOCK, 4, 16, generator=generator) for _ in range(2))
+    k = torch.randn(2, 3 * BLOCK, 4, 16, generator=generator) + 0.5 * q
+    prior = torch.eye(3, dtype=torch.bool)
+    theirs = nabla_block_mask(q.transpose(1, 2), k.transpose(1, 2), prior, thr=0.5).to_dense().bool()
+    ours = block_mask(block_means(q, 0, 3, None), block_means(k, 0, 3, None), prior, 0.5)
+    assert torch.equal(ours, theirs) and not ours.all()
+    tokens = ours.repeat_interleave(BLOCK, -2).repeat_interleave(BLOCK, -1)
+    chosen = create_block_mask(lambda b, h, i, j: tokens[b, h, i, j], 2, 4, 3 * BLOCK, 3 * BLOCK, device="cpu",
+                               BLOCK_SIZE=BLOCK)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    with torch.no_grad():
+        expected = flex_attention(q, k, v, block_mask=chosen)
+    actual = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=tokens)
+    assert (actual - expected).abs().max() <= 1e-5 * expected.abs().max()
+    assert (torch.nn.functional.scaled_dot_product_attention(q, k, v) - expected).abs().max() > 1e-2
+
+
+def test_processors_must_name_attention_modules():
+    from paradiff import ContextParallelPlan, examples
+    from paradiff.context_parallel.apply import resolve_cp_plan
+    from paradiff.context_parallel.nabla import NablaAttentionProcessor
+    from paradiff.errors import PlanError
+
+    model = examples.build_example("kandinsky6_sr", "kandinsky6-sr")
+    with pytest.raises(PlanError, match="processors entry 'time_embeddings' must name an attention module"):
+        resolve_cp_plan(model, ContextParallelPlan(processors={"time_embeddings": NablaAttentionProcessor}))
+
+
+def test_expert_choice_names_a_layer_with_the_attributes_it_reads():
+    from paradiff import ContextParallelPlan, examples
+    from paradiff.context_parallel.apply import resolve_cp_plan
+    from paradiff.context_parallel.experts import ExpertChoice
+    from paradiff.errors import PlanError
+
+    model = examples.build_example("nucleusmoe", "nucleus-moe")  # block 0 is dense, block 1 a mixture of experts
+    resolve_cp_plan(model, ContextParallelPlan(expert_choice={"transformer_blocks.1.img_mlp": ExpertChoice()}))
+    with pytest.raises(PlanError, match=r"'transformer_blocks.0.img_mlp' \(FeedForward\) as an expert-choice layer, "
+                                        r"but it has no \['gate', 'experts', 'shared_expert'"):
+        resolve_cp_plan(model, ContextParallelPlan(expert_choice={"transformer_blocks.0.img_mlp": ExpertChoice()}))
+
+
+def test_a_nan_output_is_never_within_tolerance():
+    from paradiff.examples import relative_difference
+
+    expected = torch.ones(3)
+    assert relative_difference([torch.tensor([1.0, float("nan"), 1.0])], [expected]) == float("inf")
+    assert relative_difference([expected + 1e-7], [expected]) < 1e-6
+
+
+def test_mask_function_processor_equals_diffusers_flex_attention():
+    # one process: AnyFlow FAR's chunk-causal BlockMask as a dense mask on SDPA gives diffusers' flex result (eager
+    # flex attention applies the mask function), and the mask does exclude keys
+    from diffusers.models.transformers.transformer_anyflow_far import AnyFlowCausalAttnProcessor
+
+    from paradiff import examples
+    from paradiff.context_parallel.flex import dense_mask
+
+    model = examples.build_example("anyflow_far", "anyflow-far")
+    inputs = examples.example_inputs("anyflow_far", "anyflow-far", model.config)
+    ours = examples.forward(model, inputs)[0]
+    for block in model.blocks:
+        block.attn1.set_processor(AnyFlowCausalAttnProcessor())
+    theirs = examples.forward(model, inputs)[0]
+    assert (ours - theirs).abs().max() <= 1e-6 * theirs.abs().max()
+    mask = dense_mask(model.build_attention_mask(chunk_partition=[1, 1, 1], height=12, width=20), 135, "cpu")
+    assert mask[0, 0, 0, :15].all() and not mask[0, 0, 0, 15:].any()  # the context frame sees only itself
+
+
+def test_expert_choice_routed_per_chunk_would_differ_from_the_whole_sequence():
+    # why the ranks must route together: each expert's top-capacity tokens of a chunk are not those of the sequence
+    from paradiff import examples
+
+    layer = examples.build_example("nucleusmoe", "nucleus-moe").transformer_blocks[1].img_mlp
+    generator = torch.Generator().manual_seed(0)
+    hidden, unmodulated = (torch.randn(2, 15, 64, generator=generator) for _ in range(2))
+    timestep = torch.randn(2, 64, generator=generator)
+    with torch.no_grad():
+        whole = layer(hidden, unmodulated, timestep)
+        chunked = torch.cat([layer(hidden[:, part], unmodulated[:, part], timestep)
+                             for part in (slice(0, 8), slice(8, 15))], dim=1)
+    assert (chunked - whole).abs().max() > 1e-2 * whole.abs().max()

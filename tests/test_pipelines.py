@@ -20,7 +20,7 @@ TP_FAMILIES = ("flux", "flux2", "qwenimage")
 
 @pytest.fixture(scope="session")
 def pipelines(tiny_pipeline_folders):
-    return {family: str(tiny_pipeline_folders[family]) for family in ("flux", "flux2", "qwenimage", "wan")}
+    return {family: str(tiny_pipeline_folders[family]) for family in ("flux", "flux2", "qwenimage", "wan", "wan2.2-a14b")}
 
 
 def _cases():
@@ -78,3 +78,19 @@ def test_ranks_refuse_to_generate_from_different_latents(pools, pipelines):
     results = pools.get(2).run(cases.pipeline_equivalence, family="flux2", folder=pipelines["flux2"],
                                degrees=dict(ulysses=2))
     assert all(max(r["diffs"].values()) < ATOL for r in results)
+
+
+@pytest.mark.parametrize("degrees", [dict(tp=2), dict(ulysses=2), dict(cfg=2)], ids=["tp2", "ulysses2", "cfg2"])
+def test_wan22_a14b_both_transformers_run_parallel(pools, pipelines, degrees):
+    """Wan 2.2 A14B: `transformer` (high-noise steps) and `transformer_2` (low-noise steps) are both loaded split
+    (TP: each rank holds part of each), both run, and the video equals the single-process one."""
+    results = pools.get(2).run(cases.pipeline_equivalence, family="wan2.2-a14b", folder=pipelines["wan2.2-a14b"],
+                               degrees=degrees)
+    for result in results:
+        assert max(result["diffs"].values()) < ATOL, result
+        assert set(result["transformer_params"]) == {"transformer", "transformer_2"}, result
+        assert all(calls > 0 for calls in result["transformer_calls"].values()), result
+        for held, whole in result["transformer_params"].values():
+            assert held < 0.75 * whole if "tp" in degrees else held == whole, result
+        if "cfg" in degrees:  # 3 steps, one branch per step on each rank, over both transformers
+            assert result["cfg_forwards"] == 3, result

@@ -38,3 +38,27 @@ def test_head_norm_over_grouped_heads_follows_the_kv_heads(lumina_next):
             for rank in range(4)]
     assert held == [((0, 16),), ((0, 16),), ((16, 16),), ((16, 16),)]
     assert resolve_plan(lumina_next, plan, 1, 2).spec_for("layers.0.attn1.norm_k.bias").pieces == ((16, 16),)
+
+
+@pytest.fixture(scope="module")
+def nucleus_moe():
+    return examples.build_example("nucleusmoe", "nucleus-moe")  # block 1: 4 experts, 32 features each
+
+
+def test_expert_banks_split_every_expert_like_a_dense_swiglu(nucleus_moe):
+    """gate_up_proj (experts, in, [gate 32 | up 32]) keeps each half's slice; down_proj (experts, 32, out) the rows
+    those features feed; both parameters of one module are planned, the bank's output all-reduced."""
+    plan = examples.family_module("nucleusmoe").tensor_parallel_plan(nucleus_moe.config)
+    for rank in range(2):
+        resolved = resolve_plan(nucleus_moe, plan, rank, 2)
+        bank = "transformer_blocks.1.img_mlp.experts"
+        assert resolved.spec_for(f"{bank}.gate_up_proj") == ShardSpec(dim=2, pieces=((16 * rank, 16),
+                                                                                       (32 + 16 * rank, 16)))
+        assert resolved.spec_for(f"{bank}.down_proj") == ShardSpec(dim=1, pieces=((16 * rank, 16),))
+        assert resolved.spec_for("transformer_blocks.1.img_mlp.gate.weight") is None  # the router stays whole
+        assert resolved.reduce_outputs == [bank]
+    with pytest.raises(PlanError, match=r"\(a packed block of 32\) is not divisible by tp_degree=3"):
+        SplitParameter(2, blocks=(1, 1)).shard_spec("gate_up_proj", (4, 64, 64), 0, 3, None, "bank")
+    with pytest.raises(PlanError, match=r"reduce_outputs entry 'transformer_blocks.\*.moe' names "
+                                        r"'transformer_blocks.0.moe', which is not a submodule"):
+        resolve_plan(nucleus_moe, TensorParallelPlan(styles={}, reduce_outputs=("transformer_blocks.*.moe",)), 0, 2)

@@ -26,6 +26,7 @@ EXPECTED_TRANSFORMERS = {
     "qwenimage": "QwenImageTransformer2DModel",
     "wan": "WanTransformer3DModel",
     "wan2.2": "WanTransformer3DModel",
+    "wan2.2-a14b": "WanTransformer3DModel",
     "hunyuanvideo": "HunyuanVideoTransformer3DModel",
     "ltx": "LTXVideoTransformer3DModel",
     "flux2_klein": "Flux2Transformer2DModel",

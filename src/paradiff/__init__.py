@@ -4,7 +4,7 @@ from .caching import CacheMonitor, cache_monitor, enable_cache
 from .compilation import compile
 from .config import ContextParallelConfig, ParallelConfig, TensorParallelConfig
 from .context_parallel.apply import set_attention_backend
-from .context_parallel.plan import ContextParallelPlan, Split
+from .context_parallel.plan import ContextParallelPlan, Count, Split, TokenGroups
 from .errors import (
     CheckpointError,
     DistributedError,
@@ -36,6 +36,7 @@ __all__ = [
     "HeadNorm",
     "ContextParallelConfig",
     "ContextParallelPlan",
+    "Count",
     "DistributedError",
     "PackedColwise",
     "PackedColwiseParallel",
@@ -49,6 +50,7 @@ __all__ = [
     "SplitParameter",
     "TensorParallelConfig",
     "TensorParallelPlan",
+    "TokenGroups",
     "UnsupportedModelError",
     "cache_monitor",
     "compile",

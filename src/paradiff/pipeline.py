@@ -54,7 +54,7 @@ def resolve_pipeline_folder(path: str | os.PathLike, hub_kwargs: dict | None = N
 class ParallelPipelineMixin:
     """Mixed into the loaded pipeline's class: seeds every rank alike and checks CFG pairing."""
 
-    _paradiff_cfg: CfgSplitter | None = None
+    _paradiff_cfgs: tuple[CfgSplitter, ...] = ()  # one per transformer (Wan 2.2 A14B has two)
     _paradiff_base: str = ""
     _paradiff_check_latents: bool = False
     _paradiff_stages: StageRunner | None = None
@@ -63,8 +63,8 @@ class ParallelPipelineMixin:
         if kwargs.get("generator") is None:
             # every rank must draw identical initial latents; a CPU generator is identical on every device
             kwargs["generator"] = torch.Generator("cpu").manual_seed(0 if seed is None else seed)
-        splitter = self._paradiff_cfg
-        if splitter is not None:
+        splitters = self._paradiff_cfgs
+        if splitters:
             rule = CFG_RULES.get(self._paradiff_base)
             if rule is None or not rule(kwargs):
                 raise ParallelConfigError(
@@ -72,11 +72,12 @@ class ParallelPipelineMixin:
                     "with these arguments does not (give a negative_prompt and true_cfg_scale > 1 for Qwen-Image / "
                     "FLUX.1, guidance_scale > 1 for Wan), or use cfg_degree=1."
                 )
-            splitter.reset()
+            for splitter in splitters:
+                splitter.reset()
         self._paradiff_check_latents = True
         with self._paradiff_stages.call() if self._paradiff_stages else contextlib.nullcontext():
             output = super().__call__(*args, **kwargs)
-        if splitter is not None:
+        for splitter in splitters:
             splitter.finish()
         return output
 
@@ -178,9 +179,11 @@ def load_pipeline(
                 component.to(device)
     base = type(pipeline)
     pipeline.__class__ = type(f"Parallel{base.__name__}", (ParallelPipelineMixin, base), {"_paradiff_base": base.__name__})
-    transformer = pipeline.transformer
     if parallel is not None and parallel.cfg_degree > 1:
-        pipeline._paradiff_cfg = install_cfg_parallel(transformer, get_state(transformer).mesh.group("cfg"))
+        pipeline._paradiff_cfgs = tuple(
+            install_cfg_parallel(model, get_state(model).mesh.group("cfg"))
+            for model in (getattr(pipeline, name) for name in transformer_names(index))
+        )
     if parallel is not None:
         _install_latent_check(pipeline)
         if parallel_vae is not False and parallel.world_size // parallel.data_degree > 1:
@@ -260,7 +263,9 @@ def _components_paradiff_loads(folder, index, parallel, stages, shard_text_encod
 
     from .plans import family_of
 
-    own = [_Own("transformer", _component_class(index, "transformer"), "transformer")]
+    # Wan 2.2 A14B has a second transformer for the low-noise steps (`transformer_2`; null in model_index.json
+    # for the single-transformer checkpoints): every transformer is split alike.
+    own = [_Own(name, _component_class(index, name), "transformer") for name in transformer_names(index)]
     split_encoders = shard_text_encoders and bool(text_encoder_dims(parallel))
     unknown = sorted(set(plans) - {n for n in index if n.startswith("text_encoder")})
     if unknown:
@@ -269,7 +274,7 @@ def _components_paradiff_loads(folder, index, parallel, stages, shard_text_encod
             f"{sorted(n for n in index if n.startswith('text_encoder'))}."
         )
     for name, entry in sorted(index.items()):
-        if name == "transformer" or not _is_component(entry):
+        if name.startswith("transformer") or not _is_component(entry):
             continue
         model_cls = getattr(importlib.import_module(entry[0]), entry[1], None)
         if not (isinstance(model_cls, type) and issubclass(model_cls, nn.Module)):
@@ -282,6 +287,11 @@ def _components_paradiff_loads(folder, index, parallel, stages, shard_text_encod
             # data-only meshes): into process memory, like every weight of a split run, never a mapped file
             own.append(_Own(name, model_cls, "whole"))
     return own
+
+
+def transformer_names(index: dict) -> list[str]:
+    """The pipeline's transformer components present in model_index.json: "transformer", then e.g. "transformer_2"."""
+    return sorted(name for name, entry in index.items() if name.startswith("transformer") and _is_component(entry))
 
 
 def _is_component(entry: Any) -> bool:
@@ -346,13 +356,14 @@ def _load_components(own: list[_Own], folder: Path, parallel, dtype, device, sta
     finally:
         for item in prepared.values():
             item.checkpoint.close()
+    transformers = {item.name for item in own if item.kind == "transformer"}
     for name, item in prepared.items():
         model = item.model
         if item.resolved is not None:
-            group = mesh.tp_group if name == "transformer" else _encoder_group(mesh, encoder_dims)
+            group = mesh.tp_group if name in transformers else _encoder_group(mesh, encoder_dims)
             swap_in_sharded_linears(model, item.resolved, group, weights_are_local=not stages)
         model.eval()
-        if mesh is not None and (name == "transformer" or item.resolved is not None):
+        if mesh is not None and (name in transformers or item.resolved is not None):
             attach(model, mesh, item.resolved, item.cp_resolved)
     return loaded
 

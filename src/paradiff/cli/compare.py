@@ -8,20 +8,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .outputs import first_output
+from .outputs import Output, first_output
 
 # |difference| x AMPLIFY in compare.png: one level of 255 becomes a clearly visible grey, exact equality is black.
 AMPLIFY = 50
 
 
 def compare_single_process(model: str, dtype: torch.dtype, kwargs: dict, seed: int,
-                           made: list[tuple[int, str, np.ndarray]], cache=None) -> tuple[dict, list[np.ndarray]]:
-    """Differences between each (index, prompt, image or video) of `made` and diffusers' single-process result for
-    that prompt (seed `seed + index`, as in the parallel run), with the same step cache (`cache`, a diffusers cache
-    config) when one is given.
+                           made: list[tuple[int, str, Output]], cache=None) -> tuple[dict, list[Output]]:
+    """Differences between each (index, prompt, image, video or sound) of `made` and diffusers' single-process
+    result for that prompt (seed `seed + index`, as in the parallel run), with the same step cache (`cache`, a
+    diffusers cache config) when one is given.
 
-    Returns ({"max_abs_diff": float over all of them, "compared": count} and, for videos, "max_abs_diff_per_frame"
-    (every frame is compared), the single-process outputs in the order of `made`).
+    Returns ({"max_abs_diff": float over all of them, "compared": count}, for videos also "max_abs_diff_per_frame"
+    (every frame is compared), and "max_abs_diff_audio" when they have a soundtrack; the single-process outputs in
+    the order of `made`).
     """
     from diffusers import DiffusionPipeline
 
@@ -31,23 +32,30 @@ def compare_single_process(model: str, dtype: torch.dtype, kwargs: dict, seed: i
     reference.set_progress_bar_config(disable=True)
     if cache is not None:
         paradiff.enable_cache(reference.transformer, cache)  # one process: no reduction, the same decisions
-    expected_outputs, worst, per_frame = [], 0.0, None
-    for index, prompt, array in made:
+    summary: dict = {"max_abs_diff": 0.0, "compared": len(made)}
+    expected_outputs = []
+    for index, prompt, output in made:
         result = reference(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed + index), **kwargs)
-        kind, expected = first_output(result)
-        if expected.shape != array.shape:
-            raise RuntimeError(f"--compare: the single-process {kind} has shape {expected.shape}, the parallel one "
-                               f"{array.shape}")
-        difference = np.abs(expected.astype(np.float64) - array.astype(np.float64))
-        worst = max(worst, float(difference.max()))
-        if kind == "video":
+        expected = first_output(result)
+        summary["max_abs_diff"] = max(summary["max_abs_diff"],
+                                      _max_difference(expected.array, output.array, expected.kind))
+        if expected.kind == "video":
+            difference = np.abs(expected.array.astype(np.float64) - output.array.astype(np.float64))
             frames = [float(frame.max()) for frame in difference]
-            per_frame = frames if per_frame is None else [max(a, b) for a, b in zip(per_frame, frames)]
+            earlier = summary.get("max_abs_diff_per_frame", frames)
+            summary["max_abs_diff_per_frame"] = [max(a, b) for a, b in zip(earlier, frames)]
+        if expected.audio is not None and output.audio is not None:
+            summary["max_abs_diff_audio"] = max(summary.get("max_abs_diff_audio", 0.0),
+                                                _max_difference(expected.audio, output.audio, "soundtrack"))
         expected_outputs.append(expected)
-    summary = {"max_abs_diff": worst, "compared": len(made)}
-    if per_frame is not None:
-        summary["max_abs_diff_per_frame"] = per_frame
     return summary, expected_outputs
+
+
+def _max_difference(expected: np.ndarray, actual: np.ndarray, kind: str) -> float:
+    if expected.shape != actual.shape:
+        raise RuntimeError(f"--compare: the single-process {kind} has shape {expected.shape}, the parallel one "
+                           f"{actual.shape}")
+    return float(np.abs(expected.astype(np.float64) - actual.astype(np.float64)).max())
 
 
 def write_compare_png(path: Path, pairs: list[tuple[np.ndarray, np.ndarray]], scale: int = 3) -> None:

@@ -47,6 +47,8 @@ def write_report(args: argparse.Namespace, out: Path, model: str, prompts: list[
             report["compare_png"] = compare["picture"]
         if "max_abs_diff_per_frame" in compare:
             report["max_abs_diff_per_frame_vs_single_process"] = compare["max_abs_diff_per_frame"]
+        if "max_abs_diff_audio" in compare:
+            report["max_abs_diff_audio_vs_single_process"] = compare["max_abs_diff_audio"]
     report["compile"] = bool(getattr(args, "compile", False))
     if getattr(args, "cache", None):
         # the ranks of one forward agree by construction; under CFG parallelism each half holds one context
@@ -59,20 +61,24 @@ def write_report(args: argparse.Namespace, out: Path, model: str, prompts: list[
     steps = [s["step_s_median"] for s in gathered if s["step_s_median"] is not None]
     load_s = gathered[0]["load_s"]
     videos = [entry for entry in outputs.values() if entry["kind"] == "video"]
-    made = f"{len(videos)} video(s) ({sum(v['frames'] for v in videos)} frames)" if videos else ""
-    if len(outputs) > len(videos):
-        made += (" and " if made else "") + f"{len(outputs) - len(videos)} image(s)"
+    counts = {kind: sum(entry["kind"] == kind for entry in outputs.values()) for kind in ("image", "audio")}
+    made = [f"{len(videos)} video(s) ({sum(v['frames'] for v in videos)} frames"
+            f"{', with sound' if any('audio_path' in v for v in videos) else ''})"] if videos else []
+    made += [f"{counts['image']} image(s)"] * bool(counts["image"]) + [f"{counts['audio']} sound(s)"] * bool(counts["audio"])
+    made = " and ".join(made)
     print(f"paradiff: {made} in {out}; load {load_s:.2f} s; "
           f"median step {np.median(steps):.3f} s; world {run['world_size']} "
           f"(tp={args.tp} ulysses={args.ulysses} ring={args.ring} cfg={args.cfg} dp={args.dp})")
     for index, entry in outputs.items():
         print(f"paradiff:   {Path(entry['path']).name}  {prompts[int(index)]}")
     if compare is not None:
-        what = "video (every frame)" if "max_abs_diff_per_frame" in compare else "image"
+        what = "video (every frame)" if "max_abs_diff_per_frame" in compare else "image" if counts["image"] else "sound"
         worst = compare["max_abs_diff"]
         picture = f"; side by side in {compare['picture']}" if compare.get("picture") else ""
         print(f"paradiff: max |difference| to the single-process {what}: {worst:.2e} ({worst * 255:.2g} of a 255 "
               f"level, over {compare['compared']} output(s) of rank 0){picture}")
+        if "max_abs_diff_audio" in compare:
+            print(f"paradiff: max |difference| to the single-process soundtrack: {compare['max_abs_diff_audio']:.2e}")
     for index, contexts in report.get("cache", {}).get("computed_steps", {}).items():
         for context, computed in sorted(contexts.items()):
             print(f"paradiff: cache {args.cache}: output {int(index):04d} ({context}) computed steps {computed}, "

@@ -23,7 +23,7 @@ from ..vae import get_vae_runtime
 from .args import cache_config, read_prompts
 from .compare import compare_single_process, write_compare_png
 from .embedded import embedded_call_kwargs, embedded_default
-from .outputs import outputs_of, save_output
+from .outputs import Output, outputs_of, sampling_rate, save_output
 from .report import write_report
 
 # Called with (pipeline, rank) once the pipeline is loaded, before the first generation.
@@ -82,10 +82,16 @@ def generate(args: argparse.Namespace, device: torch.device,
                                       parallel_vae=False if args.no_parallel_vae else None,
                                       stages=args.stages, shard_text_encoders=not args.whole_text_encoders)
     load_s = time.perf_counter() - start
+    # Wan 2.2 A14B has a second transformer (`transformer_2`, the low-noise steps): compile and cache each
+    transformers = {name: module for name, module in pipeline.components.items()
+                    if name.startswith("transformer") and isinstance(module, torch.nn.Module)}
     if args.compile:
-        paradiff.compile(pipeline.transformer, backend=args.compile_backend)
-    monitor = paradiff.enable_cache(pipeline.transformer, cache_config(args.cache)) if args.cache else None
+        for module in transformers.values():
+            paradiff.compile(module, backend=args.compile_backend)
+    monitors = ({name: paradiff.enable_cache(module, cache_config(args.cache)) for name, module in transformers.items()}
+                if args.cache else {})
     pipeline.set_progress_bar_config(disable=rank != 0 or not _console_is_terminal())
+    rate = sampling_rate(pipeline)
     if on_pipeline_loaded is not None:
         on_pipeline_loaded(pipeline, rank)
     prompts = read_prompts(args)
@@ -94,7 +100,7 @@ def generate(args: argparse.Namespace, device: torch.device,
     outputs: dict[int, dict] = {}
     out = Path(args.out)
     kwargs = call_kwargs(args)
-    made: list[tuple[int, str, np.ndarray]] = []  # rank 0's outputs, for --compare
+    made: list[tuple[int, str, Output]] = []  # rank 0's outputs, for --compare
     computed_steps: dict[int, dict[str, list[int]]] = {}  # prompt index -> cache context -> steps computed
     with paradiff.split_between_processes(indexed, pipeline) as share:
         # staged: the replica's prompts form one batch (each with its own seed), so each stage loads once
@@ -114,16 +120,17 @@ def generate(args: argparse.Namespace, device: torch.device,
                 (index, prompt), = batch
                 result = pipeline(prompt=prompt, seed=args.seed + index, callback_on_step_end=on_step, **kwargs)
             step_times += [b - a for a, b in zip(stamps, stamps[1:])]
-            if monitor is not None:
-                contexts = sorted({decision.context for decision in monitor.decisions})
-                for index, _ in batch:
-                    computed_steps[index] = {context: monitor.computed_steps(context) for context in contexts}
+            for name, monitor in monitors.items():
+                for context in sorted({decision.context for decision in monitor.decisions}):
+                    key = context if name == "transformer" else f"{name}:{context}"
+                    for index, _ in batch:
+                        computed_steps.setdefault(index, {})[key] = monitor.computed_steps(context)
                 monitor.clear()
-            for (index, prompt), (kind, array) in zip(batch, outputs_of(result)):
+            for (index, prompt), output in zip(batch, outputs_of(result)):
                 if args.compare and rank == 0:
-                    made.append((index, prompt, array))
+                    made.append((index, prompt, output))
                 if pipeline.is_output_rank:
-                    outputs[index] = {"prompt": prompt, **save_output(kind, array, out, index, args.fps)}
+                    outputs[index] = {"prompt": prompt, **save_output(output, out, index, args.fps, rate)}
     stats = {
         "rank": rank,
         "load_s": load_s,
@@ -140,9 +147,9 @@ def generate(args: argparse.Namespace, device: torch.device,
         if made:
             compare, references = compare_single_process(model, dtype, kwargs, args.seed, made,
                                                          cache=cache_config(args.cache) if args.cache else None)
-            if all(array.ndim == 3 for _, _, array in made):  # images (a video's frames: one more axis)
+            if all(output.kind == "image" for _, _, output in made):
                 compare["picture"] = str(out / "compare.png")
-                write_compare_png(out / "compare.png", [(reference, array) for reference, (_, _, array)
+                write_compare_png(out / "compare.png", [(reference.array, output.array) for reference, (_, _, output)
                                                         in zip(references, made)])
         run = {"world_size": dist.get_world_size(), "backend": dist.get_backend(), "device": device.type,
                "parallel_vae": get_vae_runtime(pipeline.vae) is not None if hasattr(pipeline, "vae") else False}

@@ -14,9 +14,11 @@ from ..errors import PlanError
 from ..state import ParallelState
 from ..tensor_parallel.plan import expand_key
 from .attention import even_sizes, local_chunk
+from .experts import ExpertChoice, check_expert_choice, expert_choice_forward
 from .grid import check_halo_conv, grid_layout, halo_conv_hooks, split_grid
+from .groups import token_group_hooks
 from .linear import LinearAttentionProcessor
-from .plan import ContextParallelPlan, Count, GridSplit, Split
+from .plan import ContextParallelPlan, Count, GridSplit, Split, TokenGroups
 from .runtime import AttentionInterceptor, ContextParallelRuntime, require_native_processors
 
 
@@ -30,6 +32,12 @@ class ResolvedContextPlan:
     unsupported_inputs: dict[str, dict[str, str]]
     halo_convs: list[str] = field(default_factory=list)
     linear_attention: list[str] = field(default_factory=list)
+    rewrite_inputs: dict[str, Any] = field(default_factory=dict)
+    gathered_attention: set[str] = field(default_factory=set)
+    prefix_attention: dict[str, str] = field(default_factory=dict)
+    token_groups: dict[str, TokenGroups] = field(default_factory=dict)
+    processors: dict[str, Any] = field(default_factory=dict)
+    expert_choice: dict[str, ExpertChoice] = field(default_factory=dict)
 
 
 def _expand(model: nn.Module, entries: dict[str, Any], what: str) -> dict[str, Any]:
@@ -52,7 +60,7 @@ def resolve_cp_plan(model: nn.Module, plan: ContextParallelPlan) -> ResolvedCont
     """Validate the plan against the model (before any weight or collective) and expand its globs."""
     if not isinstance(plan, ContextParallelPlan):
         raise PlanError(f"cp_plan must be a paradiff.ContextParallelPlan, got {type(plan).__name__}.")
-    require_native_processors(model)
+    require_native_processors(model, frozenset(_expand(model, plan.processors, "processors")))
     split_inputs = _expand(model, plan.split_inputs, "split_inputs")
     for name, arguments in split_inputs.items():
         module = model.get_submodule(name) if name else model
@@ -76,6 +84,28 @@ def resolve_cp_plan(model: nn.Module, plan: ContextParallelPlan) -> ResolvedCont
         if not hasattr(_submodule(model, name, "linear_attention"), "processor"):
             raise PlanError(f"Context-parallel plan lists {name!r} as linear attention, but it is not an attention "
                             "module (it has no processor).")
+    prefix_attention = _expand(model, plan.prefix_attention, "prefix_attention")
+    for name, argument in prefix_attention.items():
+        parameters = inspect.signature(model.get_submodule(name).forward).parameters
+        if argument not in parameters:
+            raise PlanError(f"Context-parallel plan's prefix_attention names argument {argument!r} of {name!r}, "
+                            f"whose forward takes {list(parameters)}.")
+    rewrite_inputs = _expand(model, plan.rewrite_inputs, "rewrite_inputs")
+    for name, rewrite in rewrite_inputs.items():
+        if not callable(rewrite):
+            raise PlanError(f"Context-parallel plan's rewrite_inputs for {name or 'the model'} must be a function of "
+                            f"its forward arguments returning replacements, got {type(rewrite).__name__}.")
+    processors = _expand(model, plan.processors, "processors")
+    for name, factory in processors.items():
+        if not hasattr(_submodule(model, name, "processors"), "processor") or not callable(factory):
+            raise PlanError(f"Context-parallel plan's processors entry {name!r} must name an attention module (one "
+                            f"with a processor) and give a function of the runtime; got {type(factory).__name__}.")
+    expert_choice = _expand(model, plan.expert_choice, "expert_choice")
+    for name, spec in expert_choice.items():
+        if not isinstance(spec, ExpertChoice):
+            raise PlanError(f"Context-parallel plan's expert_choice for {name!r} must be an ExpertChoice, got "
+                            f"{type(spec).__name__}.")
+        check_expert_choice(model.get_submodule(name), spec, name)
     return ResolvedContextPlan(
         split_inputs=split_inputs,
         split_outputs=_expand(model, plan.split_outputs, "split_outputs"),
@@ -85,6 +115,12 @@ def resolve_cp_plan(model: nn.Module, plan: ContextParallelPlan) -> ResolvedCont
         unsupported_inputs=_expand(model, plan.unsupported_inputs, "unsupported_inputs"),
         halo_convs=halo_convs,
         linear_attention=linear,
+        rewrite_inputs=rewrite_inputs,
+        gathered_attention={name for key in plan.gathered_attention for name in expand_key(model, key)},
+        prefix_attention=prefix_attention,
+        token_groups=_expand(model, plan.token_groups, "token_groups"),
+        processors=processors,
+        expert_choice=expert_choice,
     )
 
 
@@ -281,6 +317,26 @@ def _input_refuser(module: nn.Module, arguments: dict[str, str], name: str):
     return hook
 
 
+def _input_rewriter(module: nn.Module, rewrite, name: str):
+    parameters = list(inspect.signature(module.forward).parameters)
+    positions = {arg: index for index, arg in enumerate(parameters)}
+
+    def hook(_module, args, kwargs):
+        args = list(args)
+        given = {**dict(zip(parameters, args)), **kwargs}
+        for arg, value in rewrite(given).items():
+            if arg not in positions:
+                raise PlanError(f"Context-parallel plan's rewrite_inputs for {name or 'the model'} returned argument "
+                                f"{arg!r}; its forward takes {parameters}.")
+            if positions[arg] < len(args):
+                args[positions[arg]] = value
+            else:
+                kwargs[arg] = value
+        return tuple(args), kwargs
+
+    return hook
+
+
 def _output_splitter(name: str, outputs: dict[int, Split], runtime: ContextParallelRuntime):
     def hook(_module, _args, output):
         if torch.is_tensor(output):
@@ -305,8 +361,19 @@ def _output_gatherer(dims: int | dict[int, int], runtime: ContextParallelRuntime
             return _gather(output, dims, runtime)
         items = list(output)
         for index, dim in dims.items():
-            items[index] = _gather(items[index], dim, runtime)
+            if items[index] is not None:  # an optional stream the call did not use (Kandinsky 6 without audio)
+                items[index] = _gather(items[index], dim, runtime)
         return type(output)(items) if isinstance(output, tuple) else items
+
+    return hook
+
+
+def _prefix_recorder(module: nn.Module, argument: str, interceptor: AttentionInterceptor):
+    position = list(inspect.signature(module.forward).parameters).index(argument)
+
+    def hook(_module, args, kwargs):
+        prefix = kwargs[argument] if argument in kwargs else args[position]
+        interceptor.prefix = prefix.shape[-2]
 
     return hook
 
@@ -346,6 +413,9 @@ def apply_context_parallel(model: nn.Module, state: ParallelState, plan: Resolve
         ulysses_group=mesh.group("ulysses") if config.ulysses_degree > 1 else None,
     )
     handles = []
+    for name, rewrite in plan.rewrite_inputs.items():  # first: they see the arguments whole
+        module = model.get_submodule(name) if name else model
+        handles.append(module.register_forward_pre_hook(_input_rewriter(module, rewrite, name), with_kwargs=True))
     for name, arguments in plan.split_inputs.items():
         module = model.get_submodule(name) if name else model
         handles.append(module.register_forward_pre_hook(_input_splitter(module, arguments, runtime), with_kwargs=True))
@@ -364,14 +434,31 @@ def apply_context_parallel(model: nn.Module, state: ParallelState, plan: Resolve
         widen, trim = halo_conv_hooks(model.get_submodule(name), name, runtime)
         handles.append(model.get_submodule(name).register_forward_pre_hook(widen))
         handles.append(model.get_submodule(name).register_forward_hook(trim))
+    for name, groups in plan.token_groups.items():
+        widen, trim = token_group_hooks(model.get_submodule(name), groups, runtime, name)
+        handles.append(model.get_submodule(name).register_forward_pre_hook(widen, with_kwargs=True))
+        handles.append(model.get_submodule(name).register_forward_hook(trim))
     for name in plan.linear_attention:
         model.get_submodule(name).processor = LinearAttentionProcessor(runtime)
+    for name, factory in plan.processors.items():
+        model.get_submodule(name).processor = factory(runtime)
+    for name, spec in plan.expert_choice.items():  # the instance's forward shadows its class's
+        layer = model.get_submodule(name)
+        layer.forward = expert_choice_forward(layer, spec, runtime)
     # One interceptor per kind, shared by every attention module: compiled blocks guard on the active mode's
     # identity, so a mode object per module would recompile every block.
-    interceptors = {local: AttentionInterceptor(runtime, local=local) for local in (False, True)}
+    # (A prefix module's interceptor holds the prefix length of the call in flight, set by a pre-hook each call.)
+    interceptors: dict[tuple[bool, bool, bool], AttentionInterceptor] = {}
     for name, module in model.named_modules():
         if hasattr(module, "processor"):
-            enter, leave = _interceptor_hooks(interceptors[name in plan.local_attention])
+            kind = (name in plan.local_attention, name in plan.gathered_attention, name in plan.prefix_attention)
+            if kind not in interceptors:
+                interceptors[kind] = AttentionInterceptor(runtime, local=kind[0], gather_keys=kind[1])
+            interceptor = interceptors[kind]
+            if name in plan.prefix_attention:
+                handles.append(module.register_forward_pre_hook(
+                    _prefix_recorder(module, plan.prefix_attention[name], interceptor), with_kwargs=True))
+            enter, leave = _interceptor_hooks(interceptor)
             handles.append(module.register_forward_pre_hook(enter))
             handles.append(module.register_forward_hook(leave))
     handles.append(model.register_forward_hook(_leftover_interceptor_remover(list(interceptors.values())),

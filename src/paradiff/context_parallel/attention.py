@@ -155,11 +155,14 @@ def _my_heads(mask: torch.Tensor | None, head_sizes: list[int], rank: int) -> to
 def ulysses_attention(
     q, k, v, key_mask, scale, kernel: Kernel, group: dist.ProcessGroup, stats: CommStats | None = None,
     ring_group: dist.ProcessGroup | None = None, sequence_mask: torch.Tensor | None = None,
+    extra_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """All-to-all from sequence-split to head-split, attention on whole sequences, all-to-all back.
 
     Head counts that do not divide the group size are split unevenly (a rank may get no head at all). With
     `ring_group` the attention on the gathered block is itself a ring over that group: unified attention.
+    `extra_kv`: keys and values every rank holds whole (all heads), attended besides the split ones and merged
+    by log-sum-exp (Cosmos3's replicated text prefix).
     """
     size = dist.get_world_size(group)
     rank = dist.get_rank(group)
@@ -184,6 +187,16 @@ def ulysses_attention(
         full_mask = sequence_mask
     if qkv[0].shape[1] == 0:  # this rank attends no head
         out = qkv[0].new_zeros(qkv[0].shape)
+    elif extra_kv is not None:
+        if full_mask is not None:
+            raise NotImplementedError("Attention with replicated extra keys takes no mask.")
+        if ring_group is not None:
+            out, lse = ring_attention(qkv[0], qkv[1], qkv[2], None, scale, kernel, ring_group, stats, return_lse=True)
+        else:
+            out, lse = kernel(qkv[0], qkv[1], qkv[2], None, scale)
+        start = sum(head_sizes[:rank])
+        extra_k, extra_v = (t.narrow(1, start, head_sizes[rank]) for t in extra_kv)
+        out, _ = merge_lse(out, lse, *kernel(qkv[0], extra_k, extra_v, None, scale))
     elif ring_group is not None:
         out = ring_attention(qkv[0], qkv[1], qkv[2], full_mask, scale, kernel, ring_group, stats,
                              sequence_mask=sequence_mask)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,17 @@ class Count:
     tail: bool = False
 
 
+@dataclass(frozen=True)
+class TokenGroups:
+    """A module that computes each token of the split argument `tokens` on its own but reshapes them into as many
+    equal groups as the replicated argument `groups` has along dim 1 (context_parallel/groups.py); `stream` is the
+    split stream whose full length `tokens` has."""
+
+    tokens: str = "hidden_states"
+    groups: str = "encoder_hidden_states"
+    stream: str = "hidden_states"
+
+
 @dataclass
 class ContextParallelPlan:
     """Per-model knowledge of context parallelism, as module paths (globs with one `*` over a ModuleList).
@@ -60,12 +72,28 @@ class ContextParallelPlan:
       run on the local queries with no communication.
     - `halo_convs`: convolutions over a GridSplit grid (its first axis is dim -2 of their input, as image rows in
       NCHW): each rank borrows its neighbours' edge slices, the kernel's reach, before convolving.
+    - `gathered_attention`: cross-attention from split queries to another split but short stream (Motif-Video's
+      video-to-text cross-attention): the keys, values and key mask are all-gathered, then each rank attends locally.
+    - `prefix_attention`: attention module -> its forward argument holding a replicated prefix stream (Cosmos3's
+      text, tokens along dim -2): keys that are that prefix alone are attended whole on every rank (any causal
+      flag); keys [prefix, split stream] attend to the prefix locally and to the split stream across the ranks.
     - `linear_attention`: self-attention modules computing ReLU linear attention (Sana): their sums over the keys
       are summed over the ranks (context_parallel/linear.py).
+    - `processors`: attention module -> function of the CP runtime returning the processor that replaces the
+      module's own under context parallelism, for attention whose structure depends on the whole sequence in a way
+      SDPA's interception cannot see (Kandinsky 6 SR's NABLA block choice: `context_parallel.nabla`).
+    - `token_groups`: module -> TokenGroups, for modules that group their tokens by another argument's groups.
     - `split_token_arguments`: module -> forward arguments (tensors or tuples of tensors, e.g. rotary tables
       computed over the full sequence) split along the dimension whose length is the full token count of the
       split `hidden_states` (or text + image tokens, text first, when `encoder_hidden_states` is split too); a
       tensor without such a dimension stays whole.
+    - `rewrite_inputs`: module -> function of its forward arguments (a dict of those given, by name, still whole)
+      returning replacements for some of them, applied before the module's splits. For structure a model passes
+      as positions in the full sequence, which a rank's chunk cannot use (Qwen-Image 2.1 slices its queries per
+      prefix segment), rewritten as an equivalent whole-sequence mask the context-parallel attention takes. The
+      function sees every rank's same whole arguments, so every rank rewrites alike.
+    - `expert_choice`: mixture-of-experts layers routed by expert choice over the whole sequence -> ExpertChoice
+      (their attribute names): the ranks share the router scores and route alike (context_parallel/experts.py).
     """
 
     split_inputs: dict[str, dict[str, Split | Count | dict]] = field(default_factory=dict)
@@ -79,3 +107,9 @@ class ContextParallelPlan:
     unsupported_inputs: dict[str, dict[str, str]] = field(default_factory=dict)
     halo_convs: tuple[str, ...] = ()
     linear_attention: tuple[str, ...] = ()
+    rewrite_inputs: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = field(default_factory=dict)
+    gathered_attention: tuple[str, ...] = ()
+    prefix_attention: dict[str, str] = field(default_factory=dict)
+    token_groups: dict[str, TokenGroups] = field(default_factory=dict)
+    processors: dict[str, Callable[[Any], Any]] = field(default_factory=dict)
+    expert_choice: dict[str, Any] = field(default_factory=dict)

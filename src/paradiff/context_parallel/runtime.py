@@ -15,10 +15,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..comm import CommStats, all_true, group_name
+from ..comm import CommStats, all_gather_int, all_gather_uneven, all_true, group_name
 from ..errors import ParallelConfigError
 from .attention import even_sizes, local_attention, ring_attention, ulysses_attention
-from .kernels import BACKENDS, check_backend, default_scale
+from .kernels import BACKENDS, RETURNS_LSE, check_backend, default_scale, merge_lse
 
 
 def normalise_mask(attn_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -77,7 +77,14 @@ class ContextParallelRuntime:
         self.backend = name
 
     def attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                  enable_gqa=False, local: bool = False):
+                  enable_gqa=False, local: bool = False, gather_keys: bool = False, prefix: int | None = None):
+        if prefix is not None and key.shape[2] == prefix:
+            # keys and queries are the replicated prefix alone (Cosmos3's causal text): every rank computes it whole
+            return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                  is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        if gather_keys:
+            key, value, attn_mask = self.gathered_keys(key, value, attn_mask)
+            local = True
         if enable_gqa and key.shape[1] != query.shape[1]:
             # grouped K/V heads: give every query head its K/V head, as SDPA's enable_gqa does (exact)
             repeat = query.shape[1] // key.shape[1]
@@ -89,6 +96,8 @@ class ContextParallelRuntime:
                 f"dropout_p={dropout_p}, is_causal={is_causal}, enable_gqa={enable_gqa}."
             )
         scale = default_scale(query.shape[-1]) if scale is None else scale
+        if prefix is not None:
+            return self.prefix_attention(query, key, value, attn_mask, scale, prefix)
         text, image = self.full_tokens.get("encoder_hidden_states"), self.full_tokens.get("hidden_states")
         if torch.compiler.is_compiling():
             # One opaque op for Dynamo: the ring's point-to-point transfers, the length exchanges that size the
@@ -101,6 +110,48 @@ class ContextParallelRuntime:
                                 text, image)
         return attend(query, key, value, attn_mask, scale, self.mode, self.backend, local, self.cp_group,
                       self.ring_group, self.ulysses_group, text, image, self.stats)
+
+    def prefix_attention(self, query, key, value, attn_mask, scale, prefix: int):
+        """Keys [replicated prefix, this rank's split tokens]: the prefix is attended locally, the split tokens across
+        the ranks, and the two parts merged by log-sum-exp. Exact."""
+        if attn_mask is not None:
+            raise NotImplementedError("Attention over a replicated key prefix takes no mask.")
+        if not RETURNS_LSE[self.backend]:
+            raise ParallelConfigError(f"Attention over a replicated key prefix merges partial results by log-sum-exp, "
+                                      f"which backend {self.backend!r} does not return.")
+        kernel = BACKENDS[self.backend]
+        extra = (key[:, :, :prefix], value[:, :, :prefix])
+        key, value = key[:, :, prefix:], value[:, :, prefix:]
+        if self.mode == "ring":
+            out, lse = ring_attention(query, key, value, None, scale, kernel, self.ring_group, self.stats,
+                                      return_lse=True)
+            out, _ = merge_lse(out, lse, *kernel(query, *extra, None, scale))
+            return out.to(query.dtype)
+        ring_group = self.ring_group if self.mode == "unified" else None
+        return ulysses_attention(query, key, value, None, scale, kernel, self.ulysses_group, self.stats,
+                                 ring_group=ring_group, extra_kv=extra)
+
+    def gathered_keys(self, key, value, attn_mask):
+        """Every rank's keys and values (and the key mask's columns when it covers only this rank's keys), in rank
+        order: for cross-attention from split queries to another split, short stream (Motif-Video's text)."""
+        lengths = all_gather_int(key.shape[2], self.cp_group, key.device)
+        key = all_gather_uneven(key, 2, lengths, self.cp_group, self.stats)
+        value = all_gather_uneven(value, 2, lengths, self.cp_group, self.stats)
+        if attn_mask is not None:
+            mask = normalise_mask(attn_mask)
+            if mask.shape[2] != 1:
+                raise NotImplementedError(f"Attention with gathered keys takes a key mask (one row for all queries); "
+                                          f"got shape {tuple(attn_mask.shape)}.")
+            if lengths[self.cp_rank] == 0:
+                # a rank holding none of these keys has no mask columns either; a model cutting the key mask from
+                # the end of a longer one by a negative offset ([-0:]) hands it every column
+                mask = mask[..., :0]
+            # the ranks decide together: a rank holding every key cannot tell a local mask from a whole one alone
+            if all_true(mask.shape[-1] == lengths[self.cp_rank], self.cp_group, mask.device):
+                mask = all_gather_uneven(mask.expand(key.shape[0], *mask.shape[1:]).contiguous(), 3, lengths,
+                                         self.cp_group, self.stats)
+            attn_mask = mask
+        return key, value, attn_mask
 
 
 def attend(query, key, value, attn_mask, scale: float, mode: str, backend: str, local: bool,
@@ -173,15 +224,18 @@ def in_split_order(mask: torch.Tensor, text: int | None, image: int | None, size
 class AttentionInterceptor(TorchFunctionMode):
     """Active only inside an attention module's forward; replaces SDPA by the CP attention."""
 
-    def __init__(self, runtime: ContextParallelRuntime, local: bool) -> None:
+    def __init__(self, runtime: ContextParallelRuntime, local: bool, gather_keys: bool = False) -> None:
         super().__init__()
         self.runtime = runtime
         self.local = local
+        self.gather_keys = gather_keys
+        self.prefix: int | None = None  # replicated key prefix of the call in flight (prefix_attention modules)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            return self.runtime.attention(*args, **kwargs, local=self.local)
+            return self.runtime.attention(*args, **kwargs, local=self.local, gather_keys=self.gather_keys,
+                                          prefix=self.prefix)
         if func is torch.Tensor.unflatten and torch.compiler.is_compiling():
             # Dynamo inlines every call routed through a mode; Tensor.unflatten's Python wrapper calls
             # super().unflatten, which it cannot trace, while the functional form is an ordinary graph op.
@@ -189,9 +243,12 @@ class AttentionInterceptor(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def require_native_processors(model: torch.nn.Module) -> None:
-    """diffusers backends other than native bypass SDPA (and so the interception): refuse them up front."""
+def require_native_processors(model: torch.nn.Module, replaced: frozenset[str] = frozenset()) -> None:
+    """diffusers backends other than native bypass SDPA (and so the interception): refuse them up front, except in
+    the modules whose processor the plan replaces."""
     for name, module in model.named_modules():
+        if name in replaced:
+            continue
         processor = getattr(module, "processor", None)
         backend = getattr(processor, "_attention_backend", None)
         if backend is not None and str(getattr(backend, "value", backend)) != "native":

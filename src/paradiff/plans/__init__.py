@@ -5,6 +5,8 @@ Every module in this package that defines `MODEL_CLASSES` is a family. A family 
 - `EXAMPLES`: {example name: (class name, tiny config kwargs)} and `example_inputs(name, config, batch, grid)`,
   the smallest configurations and forward inputs that exercise every block type; `paradiff check-plan` and the test
   suite run every plan on them;
+- `init_example(model)`: initialises (from torch's seeded generator) the parameters an example's class leaves
+  uninitialised, e.g. expert banks created with torch.empty;
 - `EXTRA_MODES`: {example name: modes beyond tp2 / ulysses2 / ring2 / tp2 x ulysses2, e.g. ("tp4",)} the test suite
   also runs (tests/rank_cases_families.py names the modes).
 """

@@ -1,4 +1,6 @@
-"""Hunyuan-DiT (`HunyuanDiT2DModel`): how it splits under tensor and context parallelism."""
+"""Hunyuan-DiT (`HunyuanDiT2DModel`) and its ControlNet (`HunyuanDiT2DControlNetModel`, a copy of the first half of the
+blocks, each block's output projected by its own zero-initialised Linear): how they split under tensor and context
+parallelism."""
 
 import torch
 
@@ -6,30 +8,45 @@ from ..context_parallel.plan import ContextParallelPlan, Split
 from ..tensor_parallel.plan import TensorParallelPlan
 from .common import Grid, attention, feed_forward, mlp
 
-MODEL_CLASSES = ("HunyuanDiT2DModel",)
+MODEL_CLASSES = ("HunyuanDiT2DModel", "HunyuanDiT2DControlNetModel")
+CONTROLNET = "HunyuanDiT2DControlNetModel"
 
 
-def tensor_parallel_plan(config) -> TensorParallelPlan:
+def tensor_parallel_plan(config, model_class: str = "HunyuanDiT2DModel") -> TensorParallelPlan:
+    if model_class == CONTROLNET:
+        return TensorParallelPlan(styles={
+            **_shared_styles(),
+            # per-block outputs and the condition's input projection, on replicated inputs
+            "controlnet_blocks.*": "rowwise_split_input",
+            "input_block": "rowwise_split_input",
+        })
     skip_blocks = range(config.num_layers // 2 + 1, config.num_layers)  # the long-skip half
     return TensorParallelPlan(styles={
-        **attention("blocks.*.attn1"),
-        **attention("blocks.*.attn2"),
-        **feed_forward("blocks.*.ff"),
-        "blocks.*.norm1.linear": "rowwise_split_input",
+        **_shared_styles(),
         # [hidden, skip] -> dim on the replicated concatenation
         **{f"blocks.{i}.skip_linear": "rowwise_split_input" for i in skip_blocks},
-        **mlp("text_embedder"),
-        **mlp("time_extra_emb.timestep_embedder"),
-        **mlp("time_extra_emb.extra_embedder"),
         "norm_out.linear": "rowwise_split_input",
     })
 
 
-def context_parallel_plan(config) -> ContextParallelPlan:
+def _shared_styles() -> dict:
+    return {
+        **attention("blocks.*.attn1"),
+        **attention("blocks.*.attn2"),
+        **feed_forward("blocks.*.ff"),
+        "blocks.*.norm1.linear": "rowwise_split_input",
+        **mlp("text_embedder"),
+        **mlp("time_extra_emb.timestep_embedder"),
+        **mlp("time_extra_emb.extra_embedder"),
+    }
+
+
+def context_parallel_plan(config, model_class: str = "HunyuanDiT2DModel") -> ContextParallelPlan:
     # The caller's rotary tables cover the whole image: split with the image tokens (attn2 rotates its queries too).
+    # The ControlNet returns every block's projected output: each is gathered.
     return ContextParallelPlan(
         split_inputs={"blocks.0": {"hidden_states": Split(1)}, "": {"image_rotary_emb": Split(0)}},
-        gather_outputs={"proj_out": 1},
+        gather_outputs={"controlnet_blocks.*": 1} if model_class == CONTROLNET else {"proj_out": 1},
         local_attention=("blocks.*.attn2",),  # cross-attention to the replicated text
     )
 
@@ -39,6 +56,10 @@ EXAMPLES = {
         num_attention_heads=4, attention_head_dim=16, in_channels=4, patch_size=2, sample_size=16, hidden_size=64,
         num_layers=4, cross_attention_dim=32, cross_attention_dim_t5=24, pooled_projection_dim=16, text_len=5,
         text_len_t5=7)),
+    "hunyuandit-controlnet": ("HunyuanDiT2DControlNetModel", dict(
+        conditioning_channels=4, num_attention_heads=4, attention_head_dim=16, in_channels=4, patch_size=2,
+        sample_size=16, hidden_size=64, transformer_num_layers=6, cross_attention_dim=32, cross_attention_dim_t5=24,
+        pooled_projection_dim=16, text_len=5, text_len_t5=7)),
 }
 
 
@@ -50,7 +71,7 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
     t5_mask = torch.ones(batch, config.text_len_t5, dtype=torch.long)
     clip_mask[-1, 3:] = 0  # the last prompt is padded
     t5_mask[-1, 4:] = 0
-    return dict(
+    inputs = dict(
         hidden_states=torch.randn(batch, config.in_channels, grid.height * p, grid.width * p, generator=generator),
         timestep=torch.rand(batch, generator=generator) * 1000,
         encoder_hidden_states=torch.randn(batch, config.text_len, config.cross_attention_dim, generator=generator),
@@ -64,3 +85,7 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
                                                  (grid.height, grid.width), output_type="pt"),
         return_dict=False,
     )
+    if name == "hunyuandit-controlnet":  # the condition image, patchified like the latents
+        inputs["controlnet_cond"] = torch.randn(batch, config.in_channels, grid.height * p, grid.width * p,
+                                                generator=generator)
+    return inputs

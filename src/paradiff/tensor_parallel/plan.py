@@ -89,6 +89,9 @@ class TensorParallelPlan:
     gather_heads: Mapping[str, Mapping[int, int]] = field(default_factory=dict)
     # module glob -> AttentionHeads: attention modules (e.g. transformers') whose head counters are not diffusers'
     attention: Mapping[str, AttentionHeads] = field(default_factory=dict)
+    # module globs whose output is a partial sum over the TP ranks, all-reduced: an expert bank whose 3-D weights
+    # are split like a colwise / rowwise pair (SplitParameter), which holds no Linear to reduce
+    reduce_outputs: tuple[str, ...] = ()
 
 
 @dataclass
@@ -110,6 +113,7 @@ class ResolvedPlan:
     head_attrs: tuple[str, ...] = DEFAULT_HEAD_ATTRS
     head_outputs: dict[str, dict[int, int]] = field(default_factory=dict)
     gather_heads: dict[str, dict[int, int]] = field(default_factory=dict)
+    reduce_outputs: list[str] = field(default_factory=list)
     local_head_counts: dict[str, dict[str, int]] = field(default_factory=dict)  # module -> attribute -> local value
 
     def spec_for(self, param_name: str) -> ShardSpec | None:
@@ -266,6 +270,14 @@ def resolve_plan(model: nn.Module, plan: TensorParallelPlan, rank: int, size: in
                     raise PlanError(f"Plan {what} entry {key!r} names {name!r}, which is not a submodule of "
                                     f"{type(model).__name__}; {_missing_module_hint(model, name)}.") from exc
                 getattr(resolved, what)[name] = dict(outputs)
+    for key in plan.reduce_outputs:
+        for name in expand_key(model, key):
+            try:
+                model.get_submodule(name)
+            except AttributeError as exc:
+                raise PlanError(f"Plan reduce_outputs entry {key!r} names {name!r}, which is not a submodule of "
+                                f"{type(model).__name__}; {_missing_module_hint(model, name)}.") from exc
+            resolved.reduce_outputs.append(name)
     return resolved
 
 
@@ -285,11 +297,15 @@ def _resolve_parameter(model: nn.Module, resolved: ResolvedPlan, style: Style, n
             f"{module_name or type(model).__name__} has no parameter {leaf!r}; its own parameters are "
             f"{list(module._parameters)}."
         )
-    if module_name in resolved.linears:
-        raise PlanError(f"{name!r} (key {key!r}): its module {module_name!r} already has a planned style; a module "
-                        "may carry one planned parameter or one module style.")
     shape = tuple(param.shape)
     spec = style.shard_spec(leaf, shape, rank, size, getattr(model, "config", None), name)
+    planned = resolved.linears.get(module_name)
+    if planned is not None and planned.style.target == "parameter":  # an expert bank: several 3-D weights
+        planned.specs[leaf], planned.full_shapes[leaf] = spec, shape
+        return
+    if module_name in resolved.linears:
+        raise PlanError(f"{name!r} (key {key!r}): its module {module_name!r} already has a planned style; a module "
+                        "may carry planned parameters or one module style.")
     resolved.linears[module_name] = ResolvedLinear(name=module_name, style=style, specs={leaf: spec},
                                                    full_shapes={leaf: shape})
 

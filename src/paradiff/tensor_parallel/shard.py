@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import all_gather_heads_tp
+from ..comm import all_gather_heads_tp, all_reduce_tp
 from .layers import (
     ShardedConv,
     ShardedLinear,
@@ -76,6 +76,8 @@ def swap_in_sharded_linears(
     for name, outputs in resolved.gather_heads.items():
         model.get_submodule(name).register_forward_hook(_outputs_hook(
             outputs, lambda tensor, dim, _what: all_gather_heads_tp(tensor, dim, group), name))
+    for name in resolved.reduce_outputs:
+        model.get_submodule(name).register_forward_hook(lambda _module, _args, output: all_reduce_tp(output, group))
 
 
 def _local_heads_of_outputs(outputs: dict[int, int], rank: int, size: int, name: str):

@@ -182,19 +182,29 @@ class ColwiseHeads(Style):
 class SplitParameter(Style):
     """A bare parameter holding one value (or row) per head, e.g. Lumina-Next's per-head gate: split along `dim` in
     tp equal blocks, rank r keeping the r-th, the heads its colwise projections hold. The plan key names the
-    parameter ('layers.*.gate'), not a module."""
+    parameter ('layers.*.gate'), not a module. Also a mixture-of-experts bank's 3-D weights (experts x in x out):
+    the inner features split like a colwise / rowwise pair, each rank's output a partial sum
+    (`TensorParallelPlan.reduce_outputs`)."""
 
     kind: ClassVar[str] = "parameter"
     target: ClassVar[str] = "parameter"
     dim: int = 0
+    # several tensors packed along `dim` (e.g. an expert bank's fused gate and up projections, [1, 1]): each block
+    # split on its own, as PackedColwise does
+    blocks: BlockSizes = None
 
     def shard_spec(self, param: str, full_shape: Sequence[int], rank: int, size: int, config: Any, where: str):
         full = full_shape[self.dim]
-        if full % size != 0:
-            raise PlanError(f"{where}: dim {self.dim} of shape {tuple(full_shape)} ({full} heads) is not divisible by "
-                            f"tp_degree={size}; choose a tp_degree that divides {full}.")
-        local = full // size
-        return ShardSpec(dim=self.dim, pieces=((rank * local, local),))
+        sizes = [full] if self.blocks is None else _Packed(self.blocks).block_sizes_for(full, config, where)
+        pieces, offset = [], 0
+        for block in sizes:
+            if block % size != 0:
+                what = f"{block} heads" if self.blocks is None else f"a packed block of {block}"
+                raise PlanError(f"{where}: dim {self.dim} of shape {tuple(full_shape)} ({what}) is not divisible by "
+                                f"tp_degree={size}; choose a tp_degree that divides {block}.")
+            pieces.append((offset + rank * (block // size), block // size))
+            offset += block
+        return ShardSpec(dim=self.dim, pieces=tuple(pieces))
 
 
 @dataclass(frozen=True)
@@ -245,5 +255,5 @@ def resolve_style(value: str | Style, where: str) -> Style:
     raise PlanError(
         f"Unknown tensor-parallel style {value!r} for {where!r}; valid styles: "
         f"{sorted(_NAMED)}, PackedColwise(blocks), PackedRowwise(blocks), HeadNorm(blocks, head_dim), "
-        "ColwiseHeads(head_dim), SplitParameter(dim)."
+        "ColwiseHeads(head_dim), SplitParameter(dim, blocks)."
     )

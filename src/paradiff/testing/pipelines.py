@@ -26,10 +26,10 @@ from typing import Any, Iterator
 
 import torch
 
-PIPELINE_FAMILIES = ("flux", "flux2", "qwenimage", "wan", "wan2.2", "hunyuanvideo", "ltx", "flux2_klein",
-                     "lumina2")
+PIPELINE_FAMILIES = ("flux", "flux2", "qwenimage", "wan", "wan2.2", "wan2.2-a14b", "hunyuanvideo", "ltx",
+                     "flux2_klein", "lumina2")
 # The families whose pipelines return videos (`.frames`) and take `num_frames`.
-VIDEO_FAMILIES = ("wan", "wan2.2", "hunyuanvideo", "ltx")
+VIDEO_FAMILIES = ("wan", "wan2.2", "wan2.2-a14b", "hunyuanvideo", "ltx")
 
 # What each family's pipeline and transformer classes are called in diffusers.
 PIPELINE_CLASSES = {
@@ -38,6 +38,7 @@ PIPELINE_CLASSES = {
     "qwenimage": "QwenImagePipeline",
     "wan": "WanPipeline",
     "wan2.2": "WanPipeline",
+    "wan2.2-a14b": "WanPipeline",
     "hunyuanvideo": "HunyuanVideoPipeline",
     "ltx": "LTXPipeline",
     "flux2_klein": "Flux2KleinPipeline",
@@ -49,6 +50,7 @@ TRANSFORMER_CLASSES = {
     "qwenimage": "QwenImageTransformer2DModel",
     "wan": "WanTransformer3DModel",
     "wan2.2": "WanTransformer3DModel",
+    "wan2.2-a14b": "WanTransformer3DModel",
     "hunyuanvideo": "HunyuanVideoTransformer3DModel",
     "ltx": "LTXVideoTransformer3DModel",
     "flux2_klein": "Flux2Transformer2DModel",
@@ -63,6 +65,7 @@ _COUPLED_KEYS = {
     "qwenimage": ("in_channels", "out_channels", "joint_attention_dim", "patch_size"),
     "wan": ("in_channels", "out_channels", "text_dim", "image_dim", "added_kv_proj_dim"),
     "wan2.2": ("in_channels", "out_channels", "text_dim", "image_dim", "added_kv_proj_dim", "patch_size"),
+    "wan2.2-a14b": ("in_channels", "out_channels", "text_dim", "image_dim", "added_kv_proj_dim"),
     "hunyuanvideo": ("in_channels", "out_channels", "text_embed_dim", "pooled_projection_dim", "patch_size",
                      "patch_size_t"),
     "ltx": ("in_channels", "out_channels", "caption_channels", "patch_size", "patch_size_t"),
@@ -210,7 +213,7 @@ def transformer_config(family: str, overrides: dict | None = None) -> dict:
             attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=_TEXT_WIDTH,
             guidance_embeds=False, axes_dims_rope=_rope_axes(head_dim, 3),
         )
-    elif family in ("wan", "wan2.2"):
+    elif family in ("wan", "wan2.2", "wan2.2-a14b"):
         config = dict(
             patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim,
             in_channels=_LATENT_CHANNELS, out_channels=_LATENT_CHANNELS, text_dim=_TEXT_WIDTH, freq_dim=32,
@@ -241,7 +244,8 @@ def build_pipeline(family: str, seed: int = 0, transformer_overrides: dict | Non
     """
     _check_family(family)
     builders = {"flux": _build_flux, "flux2": _build_flux2, "qwenimage": _build_qwenimage, "wan": _build_wan,
-                "wan2.2": _build_wan22, "hunyuanvideo": _build_hunyuanvideo, "ltx": _build_ltx,
+                "wan2.2": _build_wan22, "wan2.2-a14b": _build_wan22_a14b, "hunyuanvideo": _build_hunyuanvideo,
+                "ltx": _build_ltx,
                 "flux2_klein": _build_flux2_klein, "lumina2": _build_lumina2}
     components = builders[family](seed)
     with _seeded(seed, 0):
@@ -251,6 +255,12 @@ def build_pipeline(family: str, seed: int = 0, transformer_overrides: dict | Non
             for param in transformer.parameters():
                 param.add_(torch.randn_like(param) * 0.05)
     components["transformer"] = transformer
+    if family == "wan2.2-a14b":  # the low-noise expert: same config, its own weights
+        with _seeded(seed, 4):
+            components["transformer_2"] = transformer_class(family)(**transformer_config(family, transformer_overrides))
+            with torch.no_grad():
+                for param in components["transformer_2"].parameters():
+                    param.add_(torch.randn_like(param) * 0.05)
     pipe = pipeline_class(family)(**components)
     pipe.set_progress_bar_config(disable=True)
     for module in pipe.components.values():
@@ -297,7 +307,7 @@ def default_call_kwargs(family: str) -> dict[str, Any]:
     if family == "qwenimage":
         return dict(prompt="a small red fox running through the snow", negative_prompt="blurry, low quality",
                     true_cfg_scale=4.0, max_sequence_length=64, **common)
-    if family in ("wan", "wan2.2"):
+    if family in ("wan", "wan2.2", "wan2.2-a14b"):
         return dict(prompt="a small red fox running through the snow", negative_prompt="blurry, low quality",
                     guidance_scale=5.0, num_frames=5, max_sequence_length=32, **common)
     if family == "hunyuanvideo":
@@ -532,6 +542,14 @@ def _build_wan22(seed: int) -> dict:
             scale_factor_spatial=8,
         )
     components["expand_timesteps"] = True
+    return components
+
+
+def _build_wan22_a14b(seed: int) -> dict:
+    """Wan 2.2 A14B style: two transformers, the first for the high-noise steps (timestep >= boundary_ratio x 1000)
+    and `transformer_2` for the rest. With 3 steps the boundary at 0.9 gives each of them at least one step."""
+    components = _build_wan(seed)
+    components["boundary_ratio"] = 0.9
     return components
 
 

@@ -1,0 +1,62 @@
+"""AnyFlow FAR (`AnyFlowFARTransformer3DModel`): AnyFlow's blocks over a chunk-causal sequence of FAR-compressed
+context frames then full-resolution frames, with a flex-attention BlockMask. The cache-free forward is covered; its
+KV-cache paths (prefill, autoregressive steps) index the cache by whole-sequence token counts and are refused under
+context parallelism."""
+
+import torch
+
+from ..context_parallel.flex import MaskModAttentionProcessor
+from ..context_parallel.plan import ContextParallelPlan, Split
+from ..tensor_parallel.plan import TensorParallelPlan
+from . import anyflow
+from .common import Grid
+
+MODEL_CLASSES = ("AnyFlowFARTransformer3DModel",)
+
+
+def tensor_parallel_plan(config) -> TensorParallelPlan:
+    return anyflow.tensor_parallel_plan(config)
+
+
+def context_parallel_plan(config) -> ContextParallelPlan:
+    why = ("the KV cache is written and read by whole-sequence token counts; context parallelism supports the "
+           "cache-free forward")
+    return ContextParallelPlan(
+        # (batch, tokens, 6, dim) per-token modulation; the rotary tables and the BlockMask reach the blocks whole
+        split_inputs={"blocks.0": {"hidden_states": Split(1)}, "blocks.*": {"temb": Split(1)}},
+        gather_outputs={"norm_out": 1},
+        local_attention=("blocks.*.attn2",),
+        processors={"blocks.*.attn1": MaskModAttentionProcessor},
+        unsupported_inputs={"": {"kv_cache": why}},
+    )
+
+
+def prepare_example(model) -> None:
+    # eager flex attention cannot run under torch's FLOP counter: the examples attend through the same mask on SDPA
+    # (tests/test_cp_mechanisms.py checks it equal to diffusers' flex processor)
+    for block in model.blocks:
+        block.attn1.set_processor(MaskModAttentionProcessor())
+
+
+EXAMPLES = {
+    # three one-frame chunks, two kept at full resolution: one compressed context frame, then two full frames
+    "anyflow-far": ("AnyFlowFARTransformer3DModel", dict(
+        patch_size=(1, 2, 2), compressed_patch_size=(1, 4, 4), full_chunk_limit=2, num_attention_heads=4,
+        attention_head_dim=16, in_channels=4, out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2,
+        rope_max_seq_len=64, image_dim=24, deltatime_type="t-r", chunk_partition=(1, 1, 1))),
+}
+
+
+def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
+    # 12 x 20 latents: 60 tokens per full frame, 15 per compressed one; 15 + 2 * 60 = 135 tokens
+    frames = sum(config.chunk_partition)
+    timestep = torch.rand(batch, frames, generator=generator) * 1000
+    return dict(
+        hidden_states=torch.randn(batch, frames, config.in_channels, 12, 20, generator=generator),
+        timestep=timestep,
+        r_timestep=timestep * torch.rand(batch, frames, generator=generator),
+        encoder_hidden_states=torch.randn(batch, grid.text, config.text_dim, generator=generator),
+        encoder_hidden_states_image=torch.randn(batch, 4, config.image_dim, generator=generator),
+        chunk_partition=list(config.chunk_partition),
+        return_dict=False,
+    )

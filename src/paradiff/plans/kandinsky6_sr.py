@@ -1,0 +1,63 @@
+"""Kandinsky 6 SR (`Kandinsky6SRTransformer3DModel`): text-free video super-resolution blocks whose self-attention is
+NABLA block-sparse (blocks of 64 tokens chosen from block means, diffusers runs it on flex attention)."""
+
+import torch
+
+from ..context_parallel.nabla import NablaAttentionProcessor
+from ..context_parallel.plan import ContextParallelPlan, Split
+from ..tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
+from .common import Grid, feed_forward, mlp
+from .kandinsky6 import _attention
+
+MODEL_CLASSES = ("Kandinsky6SRTransformer3DModel",)
+
+
+def tensor_parallel_plan(config) -> TensorParallelPlan:
+    # NABLA chooses blocks per head: each rank chooses for its own heads, as the whole model would
+    blocks = "visual_transformer_blocks.*"
+    return TensorParallelPlan(styles={
+        **_attention(f"{blocks}.self_attention"),
+        **feed_forward(f"{blocks}.feed_forward"),
+        f"{blocks}.visual_modulation.out_layer": "rowwise_split_input",
+        **mlp("time_embeddings.timestep_embedder"),
+        "out_layer.modulation.out_layer": "rowwise_split_input",
+    }, head_attrs=DEFAULT_HEAD_ATTRS + ("num_heads",))
+
+
+def context_parallel_plan(config) -> ContextParallelPlan:
+    blocks = "visual_transformer_blocks"
+    return ContextParallelPlan(
+        # tokens arrive in NABLA's block order (8 x 8 tiles); the (tokens, 1, dim, 2, 2) rotary table follows them
+        split_inputs={f"{blocks}.0": {"hidden_states": Split(1)}, f"{blocks}.*": {"rotary_emb": Split(0)}},
+        gather_outputs={f"{blocks}.{config.num_visual_blocks - 1}": 1},
+        processors={f"{blocks}.*.self_attention": NablaAttentionProcessor},
+    )
+
+
+def prepare_example(model) -> None:
+    # Eager flex attention runs neither under torch's FLOP counter nor block-sparse (on CPU it attends every key,
+    # ignoring the BlockMask diffusers builds): the examples attend through the same NABLA block choice on SDPA, the
+    # block-sparse result compiled flex attention computes (tests/test_cp_mechanisms.py checks both halves)
+    for block in model.visual_transformer_blocks:
+        block.self_attention.set_processor(NablaAttentionProcessor())
+
+
+EXAMPLES = {
+    # a (1, 1, 1) window keeps only each block's own block a priori: the rest is NABLA's choice
+    "kandinsky6-sr": ("Kandinsky6SRTransformer3DModel", dict(
+        in_visual_dim=4, out_visual_dim=8, time_dim=32, patch_size=(1, 1, 1), model_dim=64, ff_dim=128,
+        num_visual_blocks=2, axes_dims=(4, 6, 6), nabla_threshold=0.5, nabla_window=(1, 1, 1))),
+}
+
+
+def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
+    # NABLA needs the token rows and columns in whole 8 x 8 tiles: one tile per frame, 3 blocks of 64 tokens, which
+    # 2 ranks split mid-block
+    p_t, p_h, p_w = config.patch_size
+    return dict(
+        # (batch, frames, height, width, noisy + anchor latent + anchor mask)
+        hidden_states=torch.randn(batch, grid.frames * p_t, 8 * p_h, 8 * p_w, 2 * config.in_visual_dim + 1,
+                                  generator=generator),
+        timestep=torch.rand(batch, generator=generator) * 1000,
+        return_dict=False,
+    )

@@ -1,0 +1,96 @@
+"""The generic `Transformer2DModel`: BasicTransformerBlocks over continuous feature maps (U-Net attention) or patches
+(DiT with AdaLN-zero and class labels, PixArt-alpha with AdaLN-single). Discrete latent classes (VQ-Diffusion) split
+the same way but have no example here."""
+
+import torch
+
+from ..context_parallel.plan import ContextParallelPlan, Split
+from ..tensor_parallel.plan import TensorParallelPlan
+from .common import Grid, attention, feed_forward, mlp
+
+MODEL_CLASSES = ("Transformer2DModel",)
+_GATED = ("geglu", "geglu-approximate", "swiglu")
+
+
+def _has_attn2(config) -> bool:
+    return config.cross_attention_dim is not None or config.double_self_attention
+
+
+def tensor_parallel_plan(config) -> TensorParallelPlan:
+    blocks = "transformer_blocks.*"
+    styles = {**attention(f"{blocks}.attn1"), **feed_forward(f"{blocks}.ff", gated=config.activation_fn in _GATED)}
+    if _has_attn2(config):
+        styles.update(attention(f"{blocks}.attn2"))
+    if config.norm_type == "ada_norm_zero":  # per block: timestep + class embedding, then dim -> 6 dim
+        styles.update({**mlp(f"{blocks}.norm1.emb.timestep_embedder"), f"{blocks}.norm1.linear": "rowwise_split_input",
+                       "proj_out_1": "rowwise_split_input"})
+    elif config.norm_type == "ada_norm_single":
+        styles.update({**mlp("adaln_single.emb.timestep_embedder"), "adaln_single.linear": "rowwise_split_input"})
+        if config.caption_channels is not None:
+            styles.update(mlp("caption_projection"))
+    return TensorParallelPlan(styles=styles)
+
+
+def context_parallel_plan(config) -> ContextParallelPlan:
+    # The tokens are split at the first block and gathered after the last, before the model's output steps (which
+    # fold them back into a grid); a self-attention key mask (bias) splits with its keys.
+    local = []
+    if _has_attn2(config) and not config.double_self_attention:
+        local.append("transformer_blocks.*.attn2")  # attends to the replicated text
+    if config.only_cross_attention:
+        local.append("transformer_blocks.*.attn1")
+    return ContextParallelPlan(
+        split_inputs={"transformer_blocks.0": {"hidden_states": Split(1)},
+                      "transformer_blocks.*": {"attention_mask": Split(-1)}},
+        gather_outputs={f"transformer_blocks.{config.num_layers - 1}": 1},
+        local_attention=tuple(local),
+    )
+
+
+_SMALL = dict(num_attention_heads=4, attention_head_dim=16, num_layers=2)
+EXAMPLES = {
+    # a U-Net's spatial transformer: GroupNorm, linear projections, cross-attention
+    "transformer2d-continuous": ("Transformer2DModel", dict(
+        _SMALL, in_channels=16, norm_num_groups=8, cross_attention_dim=32, use_linear_projection=True)),
+    # DiT: patches, AdaLN-zero from timestep and class label, square images
+    "transformer2d-dit": ("Transformer2DModel", dict(
+        _SMALL, in_channels=4, out_channels=8, sample_size=6, patch_size=2, norm_type="ada_norm_zero",
+        num_embeds_ada_norm=10, activation_fn="gelu-approximate", attention_bias=True)),
+    # PixArt-alpha: patches, AdaLN-single, captions projected to the model width
+    "transformer2d-pixart": ("Transformer2DModel", dict(
+        _SMALL, in_channels=4, out_channels=8, sample_size=8, patch_size=2, norm_type="ada_norm_single",
+        cross_attention_dim=64, caption_channels=32, activation_fn="gelu-approximate", attention_bias=True,
+        norm_elementwise_affine=False, norm_eps=1e-6, num_embeds_ada_norm=1000)),
+}
+
+
+def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
+    if name == "transformer2d-dit":  # DiT unpatchifies a square: 3 x 3 patches
+        p = config.patch_size
+        return dict(
+            hidden_states=torch.randn(batch, config.in_channels, grid.height * p, grid.height * p, generator=generator),
+            timestep=torch.randint(0, config.num_embeds_ada_norm, (batch,), generator=generator),
+            class_labels=torch.randint(0, config.num_embeds_ada_norm, (batch,), generator=generator),
+            return_dict=False,
+        )
+    text_mask = torch.ones(batch, grid.text, dtype=torch.long)
+    text_mask[-1, -2:] = 0  # the last prompt is padded
+    if name == "transformer2d-continuous":
+        image_mask = torch.ones(batch, grid.height * grid.width, dtype=torch.long)
+        image_mask[-1, -2:] = 0  # and its last image tokens masked out as self-attention keys
+        return dict(
+            hidden_states=torch.randn(batch, config.in_channels, grid.height, grid.width, generator=generator),
+            encoder_hidden_states=torch.randn(batch, grid.text, config.cross_attention_dim, generator=generator),
+            attention_mask=image_mask,
+            encoder_attention_mask=text_mask,
+            return_dict=False,
+        )
+    p = config.patch_size
+    return dict(
+        hidden_states=torch.randn(batch, config.in_channels, grid.height * p, grid.width * p, generator=generator),
+        encoder_hidden_states=torch.randn(batch, grid.text, config.caption_channels, generator=generator),
+        encoder_attention_mask=text_mask,
+        timestep=torch.rand(batch, generator=generator) * 1000,
+        added_cond_kwargs={"resolution": None, "aspect_ratio": None},
+        return_dict=False,
+    )
