@@ -36,7 +36,9 @@ def generate_in_modes(folder: str, modes: list[dict], prompts: list[str], steps:
     torch.set_num_threads(1)
     results = []
     for degrees in modes:
-        pipeline = paradiff.load_pipeline(folder, parallel_config=_config(**degrees))
+        degrees = dict(degrees)
+        whole = degrees.pop("whole_text_encoders", False)
+        pipeline = paradiff.load_pipeline(folder, parallel_config=_config(**degrees), shard_text_encoders=not whole)
         pipeline.set_progress_bar_config(disable=True)
         made = {}
         with paradiff.split_between_processes(list(enumerate(prompts)), pipeline) as share:

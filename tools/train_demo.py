@@ -1,6 +1,6 @@
 """Train the embedded demo pipeline: a tiny FLUX.2 (`Flux2Pipeline`) that draws the captioned shapes data set.
 
-    python tools/train_demo.py                      # full run, writes src/paradiff/assets/demo/ (about 35 min, 2 cores)
+    python tools/train_demo.py                      # full run, writes src/paradiff/assets/demo/ (~43 min, 2 cores)
     python tools/train_demo.py --quick --out /tmp/x # a few steps of each stage, for tests
 
 Stages, each deterministic (fixed seeds, fixed thread count, data drawn from a seeded generator):
