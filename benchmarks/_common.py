@@ -207,6 +207,11 @@ def _rank_main(rank: int, world_size: int, port: int, target: Callable[..., Any]
             dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                     timeout=datetime.timedelta(seconds=600))
         result = target(rank=rank, world_size=world_size, **kwargs)
+        # torch's queues pass tensors as shared-memory handles that die with this process, which may exit before
+        # the parent reads them: send copies as numpy arrays
+        from torch.utils import _pytree as pytree
+
+        result = pytree.tree_map(lambda v: v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else v, result)
         out.put((rank, True, result))
         if world_size > 1:
             import torch.distributed as dist

@@ -31,6 +31,7 @@ import json
 import statistics
 import sys
 import time
+import numpy as np
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         base = cases[0]
         for case in cases:
-            case["max_abs_diff"] = float((case["output"] - base["output"]).abs().max())
+            case["max_abs_diff"] = float(np.abs(case["output"] - base["output"]).max())
         for case in cases:
             diff = case.pop("max_abs_diff")
             rows.append([model, f"{height}x{width}" + (f"x{frames}" if model == "wan" else ""), case["world"],

@@ -356,3 +356,14 @@ def test_expert_choice_routed_per_chunk_would_differ_from_the_whole_sequence():
         chunked = torch.cat([layer(hidden[:, part], unmodulated[:, part], timestep)
                              for part in (slice(0, 8), slice(8, 15))], dim=1)
     assert (chunked - whole).abs().max() > 1e-2 * whole.abs().max()
+
+
+def test_qwen_image_21_flex_block_mask_is_refused_and_decode_masks_pass_unchanged():
+    from paradiff.plans.qwenimage21 import block_causal_mask
+
+    class BlockMask:  # stands for flex attention's BlockMask: not a tensor the CP attention can take
+        pass
+
+    with pytest.raises(ValueError, match="got a BlockMask .* Use model.set_attn_processor\\(QwenImage21AttnProcessor"):
+        block_causal_mask({"segments": None, "attention_mask": BlockMask()})
+    assert block_causal_mask({"segments": None, "attention_mask": torch.ones(2, 1, 1, 5, dtype=torch.bool)}) == {}

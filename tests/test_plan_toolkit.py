@@ -109,6 +109,14 @@ def test_readme_coverage_table_is_generated_from_the_code():
     assert table in readme, "README.md's coverage table is stale: paste `paradiff plans --markdown`"
     for family, _, class_name in examples.all_examples():
         assert re.search(rf"\| `{class_name}` \|", readme), class_name
+    # diffusers' transformers without a built-in plan are listed as such, and only those
+    from paradiff.coverage import unplanned_transformers
+
+    planned = {name for _, _, name in examples.all_examples()}
+    missing = unplanned_transformers(planned)
+    assert "WanAnimate2Transformer3DModel" in missing or "WanAnimate2Transformer3DModel" in planned
+    for class_name in missing:
+        assert re.search(rf"\| `{class_name}` \| none \| no \|", readme), class_name
 
 
 def test_an_input_context_parallelism_cannot_split_is_refused_with_the_reason(pools):

@@ -88,3 +88,24 @@ def test_grouped_convolutions_that_are_not_depthwise_are_refused():
     for style in ("colwise", "rowwise"):
         with pytest.raises(PlanError, match="groups=4"):
             resolve_plan(ConvFeedForward(), TensorParallelPlan(styles={"blocks.*.grouped": style}), rank=0, size=2)
+
+
+class TakesTables(nn.Module):
+    def forward(self, hidden_states, tables=None, scale=None):
+        return hidden_states, tables, scale
+
+
+def test_head_inputs_keep_the_rank_s_block_of_heads_of_positional_and_keyword_arguments():
+    from paradiff.tensor_parallel.shard import _local_heads_of_inputs
+
+    plan = TensorParallelPlan(styles={}, head_inputs={"": {"tables": {0: -1, 1: -1}, "scale": {0: 1}}})
+    resolved = resolve_plan(TakesTables(), plan, rank=1, size=2)
+    module = TakesTables()
+    module.register_forward_pre_hook(_local_heads_of_inputs(module, resolved.head_inputs[""], 1, 2, ""),
+                                     with_kwargs=True)
+    cos, sin, scale = torch.arange(24.0).view(2, 3, 4), -torch.arange(24.0).view(2, 3, 4), torch.ones(2, 4)
+    _, tables, local_scale = module(torch.zeros(1), (cos, sin), scale=scale)
+    assert torch.equal(tables[0], cos[..., 2:]) and torch.equal(tables[1], sin[..., 2:])
+    assert local_scale.shape == (2, 2)
+    with pytest.raises(PlanError, match=r"names arguments \['rope'\] of TakesTables, whose forward takes"):
+        resolve_plan(TakesTables(), TensorParallelPlan(styles={}, head_inputs={"": {"rope": {0: 1}}}), rank=0, size=2)

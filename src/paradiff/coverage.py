@@ -1,10 +1,12 @@
 """The coverage table: every diffusers transformer class paradiff has a built-in plan for, which modes it supports,
 and the largest difference measured when it was last verified (`tools/verify_plans.py` writes
-`plans/verified.json`; `paradiff plans` prints it; README.md carries it)."""
+`plans/verified.json`; `paradiff plans` prints it; README.md carries it); then the installed diffusers' transformer
+classes that have no built-in plan, so the table says what is missing too."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from .plans import families
@@ -41,6 +43,9 @@ def coverage_table(markdown: bool = False) -> str:
                 record.get("auto", "-"),
                 "-" if worst is None else f"{worst:.1e}",
             ])
+    planned = {row[0] for row in rows}
+    for class_name in unplanned_transformers(planned):
+        rows.append([class_name, "none", "no", "no", "no", "no", "no", "yes", "-", "-"])
     header = ["class", "plan file", "TP", "Ulysses", "ring", "unified", "TP x CP", "CFG", "auto TP = built-in",
               "max diff"]
     when = verified.get("date", "never")
@@ -52,10 +57,31 @@ def coverage_table(markdown: bool = False) -> str:
                      "(relative max difference against single-process, fp32, batch 2, uneven token counts). "
                      "\"plan\": a built-in plan exists but this mode was not verified; CFG parallelism works on "
                      "every model (it splits the pipeline's two transformer calls). \"auto TP = built-in\": of the "
-                     "built-in TP plan's entries in the block stacks, how many `plan=\"auto\"` derives identically.")
+                     "built-in TP plan's entries in the block stacks, how many `plan=\"auto\"` derives identically. "
+                     "Plan file \"none\": no built-in plan; try `plan=\"auto\"` / `cp_plan=\"auto\"` and check "
+                     "the result with `paradiff check-plan`.")
         return "\n".join(lines)
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths))]
     lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows]
     lines.append(f"{len(rows)} classes; verified {when}.")
     return "\n".join(lines)
+
+
+def unplanned_transformers(planned: set[str]) -> list[str]:
+    """The installed diffusers' transformer model classes (name with Transformer or DiT, a ModelMixin, not a VAE)
+    that no plan module names."""
+    import diffusers
+    from diffusers import ModelMixin
+
+    names = []
+    for name in dir(diffusers):
+        if name in planned or not re.search(r"Transformer|DiT", name) or re.search(r"Vae|VAE", name):
+            continue
+        try:
+            value = getattr(diffusers, name)
+        except Exception:  # noqa: BLE001 - an optional dependency missing: not installed, not listed
+            continue
+        if isinstance(value, type) and issubclass(value, ModelMixin):
+            names.append(name)
+    return sorted(names)

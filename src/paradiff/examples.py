@@ -110,16 +110,21 @@ def forward(model: nn.Module, inputs: dict) -> list[torch.Tensor]:
 
 def forward_with_flops(model: nn.Module, inputs: dict) -> tuple[list[torch.Tensor], int]:
     """The forward's outputs and the projection FLOPs this process spent inside the block stacks."""
-    # torch's module tracker (inside the counter) fails on a module input that is a view of a parameter requiring
-    # grad under no_grad (Bria FIBO 2's Perceiver queries): count with the parameters frozen
-    requires_grad = [(param, param.requires_grad) for param in model.parameters()]
-    model.requires_grad_(False)
     try:
         with FlopCounterMode(display=False) as counter:
             outputs = forward(model, inputs)
-    finally:
-        for param, flag in requires_grad:
-            param.requires_grad_(flag)
+    except (RuntimeError, AssertionError):  # AssertionError("Expected gradient function to be set")
+        # torch's module tracker (inside the counter) fails on a module input that is a view of a parameter
+        # requiring grad under no_grad (Bria FIBO 2's Perceiver queries): count again with the parameters frozen.
+        # Only then: frozen, the tracker attributes some models' block ops to the wrong module (ACE-Step).
+        requires_grad = [(param, param.requires_grad) for param in model.parameters()]
+        model.requires_grad_(False)
+        try:
+            with FlopCounterMode(display=False) as counter:
+                outputs = forward(model, inputs)
+        finally:
+            for param, flag in requires_grad:
+                param.requires_grad_(flag)
     root = type(model).__name__
     stacks = {f"{root}.{name}" for name in block_stacks(model)}
     flops = 0

@@ -6,6 +6,8 @@ read or any collective is issued.
 
 from __future__ import annotations
 
+import inspect
+
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -84,6 +86,9 @@ class TensorParallelPlan:
     # module glob -> {output index: dim}: per-head tensors a module computes for all heads (Mochi's rotary table
     # has a frequency per head), cut to this rank's contiguous block of heads, the block colwise projections hold
     head_outputs: Mapping[str, Mapping[int, int]] = field(default_factory=dict)
+    # module glob ("" the model) -> {forward argument: {item index: dim}} (a tensor argument is item 0): per-head
+    # tensors given as inputs for all heads (SANA-WM refiner's rotary tables), cut to this rank's block of heads
+    head_inputs: Mapping[str, Mapping[str, Mapping[int, int]]] = field(default_factory=dict)
     # module glob -> {output index: dim}: outputs left split by heads that the model reads whole (EasyAnimate's
     # shared-weight blocks add the text's attention output unprojected), all-gathered over the TP group
     gather_heads: Mapping[str, Mapping[int, int]] = field(default_factory=dict)
@@ -112,6 +117,7 @@ class ResolvedPlan:
     attention_modules: list[str] = field(default_factory=list)
     head_attrs: tuple[str, ...] = DEFAULT_HEAD_ATTRS
     head_outputs: dict[str, dict[int, int]] = field(default_factory=dict)
+    head_inputs: dict[str, dict[str, dict[int, int]]] = field(default_factory=dict)
     gather_heads: dict[str, dict[int, int]] = field(default_factory=dict)
     reduce_outputs: list[str] = field(default_factory=list)
     local_head_counts: dict[str, dict[str, int]] = field(default_factory=dict)  # module -> attribute -> local value
@@ -261,7 +267,7 @@ def resolve_plan(model: nn.Module, plan: TensorParallelPlan, rank: int, size: in
             _check_head_attrs(module, name, plan.head_attrs, size)
             if name not in resolved.attention_modules:
                 resolved.attention_modules.append(name)
-    for what in ("head_outputs", "gather_heads"):
+    for what in ("head_outputs", "gather_heads", "head_inputs"):
         for key, outputs in getattr(plan, what).items():
             for name in expand_key(model, key) if key else [""]:
                 try:
@@ -269,6 +275,13 @@ def resolve_plan(model: nn.Module, plan: TensorParallelPlan, rank: int, size: in
                 except AttributeError as exc:
                     raise PlanError(f"Plan {what} entry {key!r} names {name!r}, which is not a submodule of "
                                     f"{type(model).__name__}; {_missing_module_hint(model, name)}.") from exc
+                if what == "head_inputs":
+                    module = model.get_submodule(name)
+                    taken = list(inspect.signature(module.forward).parameters)
+                    missing = [argument for argument in outputs if argument not in taken]
+                    if missing:
+                        raise PlanError(f"Plan head_inputs entry {key!r} names arguments {missing} of "
+                                        f"{name or type(model).__name__}, whose forward takes {taken}.")
                 getattr(resolved, what)[name] = dict(outputs)
     for key in plan.reduce_outputs:
         for name in expand_key(model, key):

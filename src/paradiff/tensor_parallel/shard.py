@@ -73,6 +73,9 @@ def swap_in_sharded_linears(
     rank = dist.get_rank(group)
     for name, outputs in resolved.head_outputs.items():
         model.get_submodule(name).register_forward_hook(_local_heads_of_outputs(outputs, rank, size, name))
+    for name, arguments in resolved.head_inputs.items():
+        module = model.get_submodule(name)
+        module.register_forward_pre_hook(_local_heads_of_inputs(module, arguments, rank, size, name), with_kwargs=True)
     for name, outputs in resolved.gather_heads.items():
         model.get_submodule(name).register_forward_hook(_outputs_hook(
             outputs, lambda tensor, dim, _what: all_gather_heads_tp(tensor, dim, group), name))
@@ -80,14 +83,46 @@ def swap_in_sharded_linears(
         model.get_submodule(name).register_forward_hook(lambda _module, _args, output: all_reduce_tp(output, group))
 
 
-def _local_heads_of_outputs(outputs: dict[int, int], rank: int, size: int, name: str):
-    def local_heads(tensor: torch.Tensor, dim: int, what: str) -> torch.Tensor:
-        heads = tensor.shape[dim]
-        if heads % size != 0:
-            raise ValueError(f"{what} has {heads} heads along dim {dim}, not divisible by tp_degree={size}.")
-        return tensor.narrow(dim, rank * (heads // size), heads // size)
+def _narrow_heads(tensor: torch.Tensor, dim: int, what: str, rank: int, size: int) -> torch.Tensor:
+    heads = tensor.shape[dim]
+    if heads % size != 0:
+        raise ValueError(f"{what} has {heads} heads along dim {dim}, not divisible by tp_degree={size}.")
+    return tensor.narrow(dim, rank * (heads // size), heads // size)
 
-    return _outputs_hook(outputs, local_heads, name)
+
+def _local_heads_of_outputs(outputs: dict[int, int], rank: int, size: int, name: str):
+    return _outputs_hook(outputs, lambda tensor, dim, what: _narrow_heads(tensor, dim, what, rank, size), name)
+
+
+def _local_heads_of_inputs(module: nn.Module, arguments: dict[str, dict[int, int]], rank: int, size: int,
+                           name: str):
+    import inspect
+
+    positions = list(inspect.signature(module.forward).parameters)  # names checked when the plan was resolved
+    def local_heads(tensor: torch.Tensor, dim: int, what: str) -> torch.Tensor:
+        return _narrow_heads(tensor, dim, what, rank, size)
+
+    def hook(_module, args, kwargs):
+        args = list(args)
+        for argument, items in arguments.items():
+            index = positions.index(argument)
+            value = kwargs.get(argument) if argument in kwargs else args[index] if index < len(args) else None
+            if value is None:
+                continue
+            if torch.is_tensor(value):
+                value = local_heads(value, items[0], f"{name or 'model'} argument {argument}")
+            else:
+                value = list(value)
+                for item, dim in items.items():
+                    value[item] = local_heads(value[item], dim, f"{name or 'model'} argument {argument}[{item}]")
+                value = tuple(value)
+            if argument in kwargs:
+                kwargs[argument] = value
+            else:
+                args[index] = value
+        return tuple(args), kwargs
+
+    return hook
 
 
 def _outputs_hook(outputs: dict[int, int], transform, name: str):
