@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..comm import CommStats, all_gather_int, all_gather_uneven, all_true, group_name
+from ..comm import CommStats, all_gather_int, all_gather_ints, all_gather_uneven, all_true, group_name
 from ..errors import ParallelConfigError
 from .attention import even_sizes, local_attention, ring_attention, ulysses_attention
 from .kernels import BACKENDS, RETURNS_LSE, check_backend, default_scale, merge_lse
@@ -41,6 +41,11 @@ def normalise_mask(attn_mask: torch.Tensor | None) -> torch.Tensor | None:
     if mask.shape[1] > 1 and mask.stride(1) == 0:
         mask = mask[:, :1]
     return mask
+
+
+def _one_head_bool_mask(attn_mask: torch.Tensor | None) -> bool:
+    """A (batch, 1, rows, keys) bool mask: the same answer on every rank of a forward (it depends on no length)."""
+    return attn_mask is not None and attn_mask.dtype == torch.bool and attn_mask.dim() == 4 and attn_mask.shape[1] == 1
 
 
 def is_square_bool(attn_mask: torch.Tensor | None, queries: int, keys: int) -> bool:
@@ -163,8 +168,14 @@ def attend(query, key, value, attn_mask, scale: float, mode: str, backend: str, 
     `text_tokens` / `image_tokens`: full lengths of the two streams split in this forward (None when not split),
     which place a whole-sequence mask's rows and columns in the order the ranks hold the tokens."""
     query_mask = None
-    if not local and is_square_bool(attn_mask, query.shape[2], key.shape[2]):
-        attn_mask, query_mask = padding_masks(attn_mask, cp_group)
+    if not local and _one_head_bool_mask(attn_mask):
+        # Whether this is a padding mask over the rank's own tokens is decided by all ranks together: a rank holding
+        # a single token sees a key mask (one row) as a 1 x 1 square, and deciding alone it would take the padding
+        # path (with its collective) while the others do not.
+        flags = all_gather_ints([int(is_square_bool(attn_mask, query.shape[2], key.shape[2])), attn_mask.shape[2]],
+                                cp_group, attn_mask.device, stats, "cp mask kind")
+        if all(square for square, _ in flags) and any(rows > 1 for _, rows in flags):
+            attn_mask, query_mask = padding_masks(attn_mask, cp_group)
     mask = normalise_mask(attn_mask)
     kernel = BACKENDS[backend]
     if local:  # queries and mask rows are both this rank's; keys are whole
