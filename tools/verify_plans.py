@@ -3,6 +3,7 @@ write src/paradiff/plans/verified.json, which `paradiff plans` (and README.md's 
 
     .venv/bin/python tools/verify_plans.py          # ~5 minutes on 2 CPU cores; also rewrites README's table
     .venv/bin/python tools/verify_plans.py --readme # only rewrite README's table from verified.json
+    .venv/bin/python tools/verify_plans.py --only kandinsky6,lumina2   # verify these examples again, keep the rest
 """
 
 from __future__ import annotations
@@ -56,11 +57,18 @@ def auto_match(family: str, example: str) -> str:
     return f"{same}/{len(builtin)}"
 
 
-def main() -> int:
+def main(only: set[str] | None = None) -> int:
     classes: dict[str, dict] = {}
+    if only:  # the other classes keep their records; the named examples' classes are verified again
+        classes = json.loads(VERIFIED.read_text())["classes"]
+        for _, example, class_name in examples.all_examples():
+            if example in only:
+                classes.pop(class_name, None)
     for world, modes in WORLD_MODES.items():
         pool = RankPool(world)
         for family, example, class_name in examples.all_examples():
+            if only and example not in only:
+                continue
             record = classes.setdefault(class_name, {"modes": {}})
             if "auto" not in record:
                 record["auto"] = auto_match(family, example)
@@ -91,4 +99,6 @@ if __name__ == "__main__":
     if "--readme" in sys.argv:
         write_readme_table()
         sys.exit(0)
-    sys.exit(main())
+    only = next((arg.split("=", 1)[1] if "=" in arg else sys.argv[sys.argv.index(arg) + 1]
+                 for arg in sys.argv[1:] if arg.startswith("--only")), None)
+    sys.exit(main(set(only.split(",")) if only else None))
