@@ -27,7 +27,7 @@ from .tensor_parallel.styles import (
     PackedRowwiseParallel,
     SplitParameter,
 )
-from .vae import parallelize_vae
+from .vae_api import parallelize_vae
 
 __all__ = [
     "CacheMonitor",

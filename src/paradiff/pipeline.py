@@ -433,7 +433,7 @@ def _reader(module: nn.Module, source) -> Callable[[], None]:
 
 def _check_parallel_vae(parallel, index: dict, folder: Path) -> None:
     """parallel_vae=True: refuse, before any weight is read, what cannot split the VAE."""
-    from .vae import supported_vaes
+    from .vae_api import supported_vaes
 
     if parallel is None or parallel.world_size // parallel.data_degree < 2:
         raise ParallelConfigError(
@@ -449,7 +449,7 @@ def _check_parallel_vae(parallel, index: dict, folder: Path) -> None:
 
 
 def _parallelize_vae(pipeline, required: bool) -> None:
-    from .vae import parallelize_vae
+    from .vae_api import parallelize_vae
 
     vae = getattr(pipeline, "vae", None)
     if vae is None:

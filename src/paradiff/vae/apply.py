@@ -15,7 +15,6 @@ from torch import nn
 from ..comm import CommStats, all_gather_ints, all_gather_uneven, gather_uneven_to
 from ..errors import DistributedError, ParallelConfigError, UnsupportedModelError
 from ..mesh import ParallelMesh, replica_group, require_distributed
-from ..plans.vae import VAE_PLANS, vae_plan
 from .attention import KINDS, RowAttention
 from .conv import HaloConv, needs_halo
 from .layout import split_rows
@@ -30,17 +29,9 @@ _ROW_LOCAL = {"Conv2d", "Conv3d", "GroupNorm", "SiLU", "Mish", "GELU", "ReLU", "
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-def supported_vaes() -> list[str]:
-    return sorted(VAE_PLANS)
-
-
-def is_supported(vae: nn.Module) -> bool:
-    return vae_plan(vae) is not None
-
-
-def parallelize_vae(vae: nn.Module, mesh_or_group=None, *, output_rank: int | None = None,
-                    stats: CommStats | None = None) -> nn.Module:
-    """Split `vae`'s decode and encode across the ranks of `mesh_or_group`, in place; returns `vae`.
+def split_vae(vae: nn.Module, plan: VaePlan, mesh_or_group=None, *, output_rank: int | None = None,
+              stats: CommStats | None = None) -> nn.Module:
+    """Split `vae`'s decode and encode across the ranks of `mesh_or_group` as `plan` says, in place; returns `vae`.
 
     Afterwards `vae.decode(z)` / `vae.encode(x)`, called on every rank of the group with the same full input, return
     the full result on every rank, equal to a single-device call: each rank holds a band of rows, convolutions
@@ -52,14 +43,9 @@ def parallelize_vae(vae: nn.Module, mesh_or_group=None, *, output_rank: int | No
     calls over its own ranks), a 1-D DeviceMesh, or None for every process. Inference only: outputs carry no
     autograd graph. Inputs too small to give every rank a band run whole on every rank, with the same result.
     `stats`: a `paradiff.comm.CommStats` counting the split VAE's collectives (tests, benchmarks).
+    `paradiff.parallelize_vae` finds the plan of a covered VAE class and calls this.
     """
     require_distributed()
-    plan = vae_plan(vae)
-    if plan is None:
-        raise UnsupportedModelError(
-            f"paradiff cannot split {type(vae).__name__} across ranks yet; covered VAEs: {supported_vaes()}. "
-            "Leave it as it is: it decodes whole on each rank."
-        )
     if get_vae_runtime(vae) is not None:
         raise ParallelConfigError(f"This {type(vae).__name__} is already split across ranks by parallelize_vae.")
     regions = {name: getattr(vae, name) for name in plan.regions if isinstance(getattr(vae, name, None), nn.Module)}
