@@ -48,5 +48,6 @@ def generate_in_modes(folder: str, modes: list[dict], prompts: list[str], steps:
                 if pipeline.is_output_rank:
                     made[index] = np.asarray(image)
         results.append({"degrees": degrees, "images": made,
-                        "transformer_params": sum(p.numel() for p in pipeline.transformer.parameters())})
+                        "transformer_params": sum(p.numel() for p in pipeline.transformer.parameters()),
+                        "text_encoder_params": sum(p.numel() for p in pipeline.text_encoder.parameters())})
     return results

@@ -19,7 +19,7 @@ from torch import nn
 from .agreement import agree, tensor_checksum
 from .cfg import CfgSplitter, install_cfg_parallel
 from .config import as_parallel_config
-from .errors import CheckpointError, ParallelConfigError, UnsupportedModelError
+from .errors import CheckpointError, ParallelConfigError, PlanError, UnsupportedModelError
 from .loading import check_dtype
 from .mesh import default_device
 from .stages import StagedComponent, StageRunner, stage_of
@@ -326,7 +326,20 @@ def _load_components(own: list[_Own], folder: Path, parallel, dtype, device, sta
                 item_plan, item_cp_plan = plan, cp_plan
             elif item.kind == "text_encoder":
                 tp_shard = _encoder_shard(parallel, encoder_dims)
+                builtin = item_plan is None
                 item_plan = item_plan if item_plan is not None else _text_encoder_plan(item, folder)
+                try:
+                    prepared[item.name] = prepare_model(item.model_cls, folder / item.name, dtype=dtype,
+                                                        device=device, tp_shard=tp_shard, plan=item_plan)
+                    continue
+                except PlanError as exc:
+                    if not builtin:  # the caller's own plan: their error to see
+                        raise
+                    # The built-in plan cannot split this encoder that many ways (e.g. 2 heads over 4 ranks): the
+                    # config decides it, so every rank falls back alike, before any read or collective.
+                    logger.warning("%s (%s) is not split across the %d ranks (it stays whole on each rank): %s",
+                                   item.name, item.model_cls.__name__, tp_shard[1], exc)
+                    tp_shard, item_plan = None, None
             prepared[item.name] = prepare_model(item.model_cls, folder / item.name, dtype=dtype, device=device,
                                                 tp_shard=tp_shard, plan=item_plan, context=context,
                                                 cp_plan=item_cp_plan)

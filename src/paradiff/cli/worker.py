@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import logging
 import os
 import resource
 import sys
@@ -73,6 +74,8 @@ def generate(args: argparse.Namespace, device: torch.device,
     rank = dist.get_rank()
     if rank != 0 or not _console_is_terminal():
         _quiet_libraries()
+    if rank != 0:  # every rank takes the same fallbacks (VAE or text encoder kept whole): rank 0 says so, once
+        logging.getLogger("paradiff").setLevel(logging.ERROR)
     model = args.model if args.model is not None else str(embedded_default())
     dtype = getattr(torch, args.dtype)
     start = time.perf_counter()
