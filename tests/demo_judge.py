@@ -2,10 +2,12 @@
 
 Background: the palette colour nearest to the median of the border pixels. Shape colour: the palette colour most
 of the other pixels are nearest to (pixels near the background colour left out). Shape, from the shape's pixels
-(those more than half way from the background colour to the shape's): a triangle (apex up) by the skewness of their
-rows, a square from a circle by how much of their bounding box they fill (all of it, pi/4). Calibrated on the
-autoencoder's reconstructions of drawn scenes, which round the corners: squares fill 0.90-0.98, circles 0.77-0.88;
-triangles skew -0.2 to -0.5, the others -0.06 to 0.01.
+(the largest 4-connected region of pixels more than half way from the background colour to the shape's; a stray
+pixel elsewhere would stretch the bounding box): a triangle (apex up) by the skewness of their rows, a square from a
+circle by how much of their bounding box they fill (all of it, pi/4). Calibrated on the autoencoder's
+reconstructions of 507 drawn training scenes (every third), which round the corners: squares fill 0.86-0.95
+(5th-95th percentile), circles 0.77-0.88, triangles 0.59-0.78; triangles skew -0.51 to -0.13, the others -0.06 to
+0.01. The rule names the drawn shape of 95% of those reconstructions.
 """
 
 from __future__ import annotations
@@ -43,14 +45,40 @@ def judge(image: np.ndarray) -> tuple[str, str, str]:
     mask = towards > 0.5
     if not mask.any():
         return "none", _NAMES[colour], _NAMES[background]
+    mask = largest_region(mask)
     rows, cols = np.nonzero(mask)
     box = (rows.max() - rows.min() + 1) * (cols.max() - cols.min() + 1)
     fill = mask.sum() / box
     # a triangle (apex up) has most of its area low: a skewed row distribution, where circles and squares have none
     offsets = rows - rows.mean()
     skew = (offsets**3).mean() / max((offsets**2).mean(), 1e-9) ** 1.5
-    shape = "triangle" if skew < -0.15 else "square" if fill > 0.89 else "circle"
+    shape = "triangle" if skew < -0.15 else "square" if fill > 0.86 else "circle"
     return shape, _NAMES[colour], _NAMES[background]
+
+
+def largest_region(mask: np.ndarray) -> np.ndarray:
+    """The largest 4-connected region of a boolean (H, W) mask."""
+    seen = np.zeros_like(mask, bool)
+    height, width = mask.shape
+    best: list[tuple[int, int]] = []
+    for start in zip(*np.nonzero(mask)):
+        if seen[start]:
+            continue
+        seen[start] = True
+        stack, region = [start], []
+        while stack:
+            row, col = stack.pop()
+            region.append((row, col))
+            for r, c in ((row + 1, col), (row - 1, col), (row, col + 1), (row, col - 1)):
+                if 0 <= r < height and 0 <= c < width and mask[r, c] and not seen[r, c]:
+                    seen[r, c] = True
+                    stack.append((r, c))
+        if len(region) > len(best):
+            best = region
+    out = np.zeros_like(mask, bool)
+    rows, cols = zip(*best)
+    out[list(rows), list(cols)] = True
+    return out
 
 
 def parse(prompt: str) -> tuple[str, str, str]:

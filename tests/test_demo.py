@@ -3,7 +3,6 @@ equal the single-process ones in every mode `paradiff generate` offers on 4 rank
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import subprocess
@@ -75,23 +74,24 @@ def test_parallel_demo_draws_what_it_is_asked(pools):
     found = score(prompts, list(images[0]))
     held = score(HELD, list(images[0][len(TRAINED):]))
     report = {p: judge(im) for p, im in zip(prompts, images[0])}
-    # Measured with the shipped weights: background 0.94, colour 0.88, shape 0.31 (held-out half: 0.88, 0.88, 0.25).
-    # The issue asks for shape >= 0.7: the shipped transformer (3000 steps on 2 shared cores) draws the asked colours
-    # on the asked background, mostly at the asked place, but blobs rather than distinct shapes; not asserted.
-    assert found["background"] >= 0.85 and found["colour"] >= 0.8, (found, report)
-    assert held["background"] >= 0.75 and held["colour"] >= 0.75, (held, report)  # not only the trained half
+    print("judged:", found, "held-out half:", held)
+    assert found["background"] >= 0.9 and found["colour"] >= 0.9 and found["shape"] >= 0.7, (found, report)
+    assert held["background"] >= 0.75 and held["colour"] >= 0.75 and held["shape"] >= 0.6, (held, report)
     untrained = score(prompts, list(_random_weight_images(prompts)))
     assert untrained["background"] < 0.5 and untrained["colour"] < 0.5 and untrained["shape"] < 0.7, untrained
 
 
 # Every combination of --tp, --ulysses, --ring and --dp whose product is 4 that the demo pipeline can take (its 4
-# heads allow tp 1, 2, 4). Its text encoder has 2 heads, and paradiff splits text encoders over all 4 model-parallel
-# ranks, so where that degree is 4 the text encoder is kept whole, as --whole-text-encoders does (tp2 x ulysses2
-# splits it 2-way: sharded here and in the test above). --cfg 2 needs true CFG, which Flux2Pipeline does not run.
+# heads allow tp 1, 2, 4). paradiff splits text encoders over the TP ranks (with no TP, the context-parallel ranks):
+# the demo's text encoder has 2 heads, so where that group has 4 ranks it stays whole on each rank, by itself (a
+# warning says so); --whole-text-encoders keeps it whole anyway (tp2 x ring2). --cfg 2 needs true CFG, which
+# Flux2Pipeline does not run.
 WHOLE = dict(whole_text_encoders=True)
-MODES = [dict(tp=4, **WHOLE), dict(ulysses=4, **WHOLE), dict(ring=4, **WHOLE), dict(tp=2, ulysses=2),
-         dict(tp=2, ring=2, **WHOLE), dict(ring=2, ulysses=2, **WHOLE), dict(dp=2, tp=2), dict(dp=2, ulysses=2),
+MODES = [dict(tp=4), dict(ulysses=4), dict(ring=4), dict(tp=2, ulysses=2),
+         dict(tp=2, ring=2, **WHOLE), dict(ring=2, ulysses=2), dict(dp=2, tp=2), dict(dp=2, ulysses=2),
          dict(dp=2, ring=2), dict(dp=4)]
+# The text encoder's group in each mode: 2 ranks split it; 4 ranks cannot (2 heads); none keeps it whole.
+ENCODER_SPLIT = {0: 1, 1: 1, 2: 1, 3: 2, 4: 1, 5: 1, 6: 2, 7: 2, 8: 2, 9: 1}
 
 
 def test_parallel_images_equal_single_process_in_every_mode(pools):
@@ -118,6 +118,13 @@ def test_parallel_images_equal_single_process_in_every_mode(pools):
             assert worst <= 1 / 255, (degrees, index, worst)
         if degrees.get("tp", 1) > 1:
             assert all(r["transformer_params"] < 0.6 * full for r in per_rank), degrees
+        encoder = sum(p.numel() for p in reference.text_encoder.parameters())
+        split = ENCODER_SPLIT[position]
+        held = [r["text_encoder_params"] for r in per_rank]
+        if split == 1:
+            assert held == [encoder] * 4, (degrees, held, encoder)
+        else:  # about half: norms (and the unused vision tower) stay whole
+            assert all(0.4 * encoder < h < 0.75 * encoder for h in held), (degrees, held, encoder)
 
 
 def test_compare_png_shows_single_parallel_and_amplified_difference(tmp_path):
@@ -152,22 +159,6 @@ def test_shipped_pipeline_is_small_and_ships_with_the_package():
     assert config.num_attention_heads % 4 == 0 and config.num_layers >= 2 and config.num_single_layers >= 2
     pyproject = (REPO / "pyproject.toml").read_text()
     assert '"assets/demo/**/*"' in pyproject
-
-
-def test_product_never_imports_paradiff_testing():
-    package = REPO / "src" / "paradiff"
-    offenders = []
-    for path in package.rglob("*.py"):
-        if "testing" in path.relative_to(package).parts:
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.ImportFrom):
-                names = [("." * node.level) + (node.module or "")]
-            elif isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            offenders += [f"{path.relative_to(package)}: {n}" for n in names if "testing" in n.split(".")]
-    assert offenders == []
 
 
 def test_training_script_runs_deterministically_and_its_losses_fall(tmp_path):
