@@ -69,7 +69,7 @@ def denoise(model, inputs: dict, steps: int):
 
 
 def case_worker(rank: int, world_size: int, degrees: dict, variant: str, grid: tuple[int, int, int], steps: int,
-                threshold: float | None, backend: str) -> dict:
+                threshold: float | None, backend: str, cache_spec: str | None = None) -> dict:
     import torch
     import torch.distributed as dist
     from diffusers import FirstBlockCacheConfig
@@ -84,7 +84,11 @@ def case_worker(rank: int, world_size: int, degrees: dict, variant: str, grid: t
     if "compiled" in variant:
         paradiff.compile(model, backend=backend)
     monitor = None
-    if "cached" in variant or threshold == 0.0:
+    if "cached" in variant and cache_spec is not None:
+        from paradiff.cli.args import cache_config
+
+        monitor = paradiff.enable_cache(model, cache_config(cache_spec))
+    elif "cached" in variant or threshold == 0.0:
         monitor = paradiff.enable_cache(model, FirstBlockCacheConfig(threshold=threshold))
     start = time.perf_counter()
     with model.cache_context("warm-up") if monitor is not None else _nothing():
@@ -124,11 +128,12 @@ def psnr(actual, reference) -> float:
     return math.inf if mse == 0 else 10 * math.log10(peak * peak / mse)
 
 
-def run_case(mode: str, variant: str, grid, steps: int, threshold, backend: str, quiet_wait: float) -> dict:
+def run_case(mode: str, variant: str, grid, steps: int, threshold, backend: str, quiet_wait: float,
+             cache_spec: str | None = None) -> dict:
     world, degrees = MODES[mode]
     busy_before = wait_for_quiet(timeout_s=quiet_wait)
     results = run_ranks(case_worker, world, timeout_s=3600, degrees=degrees, variant=variant, grid=grid,
-                        steps=steps, threshold=threshold, backend=backend)
+                        steps=steps, threshold=threshold, backend=backend, cache_spec=cache_spec)
     return {
         "mode": mode, "variant": variant,
         "image_s": max(r["image_s"] for r in results),
@@ -155,6 +160,9 @@ def main() -> None:
     parser.add_argument("--modes", default="single,tp2,ulysses2")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--threshold", default="auto", help="first-block cache threshold, or 'auto'")
+    parser.add_argument("--cache", default=None,
+                        help="a `paradiff generate --cache` spec for the cached variants instead of the first-block "
+                             "cache at --threshold (e.g. taylorseer:4:3)")
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--quiet-wait", type=float, default=120.0, help="seconds to wait for a quiet machine")
     parser.add_argument("--json", default=None, help="also write the results here")
@@ -181,7 +189,7 @@ def main() -> None:
                 result = dict(result, computed=None)
             else:
                 result = run_case(mode, variant, grid, args.steps, threshold if "cached" in variant else None,
-                                  args.backend, args.quiet_wait)
+                                  args.backend, args.quiet_wait, args.cache if "cached" in variant else None)
             if variant == "eager":
                 eager_s[mode] = (result["image_s"], result["image_cpu_s"])
             quality = psnr(result["latents"], reference["latents"])
@@ -203,7 +211,7 @@ def main() -> None:
     print(f"command: python benchmarks/bench_compile_cache.py {' '.join(sys.argv[1:])}")
     print(f"date: {started}; machine: {machine_line()}")
     print(f"grid {grid[0]}x{grid[1]} image + {grid[2]} text = {grid[0] * grid[1] + grid[2]} tokens, {args.steps} steps, "
-          f"first-block threshold {threshold:.4f}, backend {args.backend}")
+          f"cache {args.cache or f'first-block, threshold {threshold:.4f}'}, backend {args.backend}")
     print(markdown_table(HEADER, rows))
     if args.json:
         Path(args.json).write_text(json.dumps({"threshold": threshold, "records": records}, indent=2, default=str))
