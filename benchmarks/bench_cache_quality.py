@@ -47,7 +47,7 @@ def generate(pipeline, prompts: list[str], steps: int, seed: int, spec: str):
     transformer = pipeline.transformer = copy.deepcopy(pipeline.transformer)  # a fresh, uncached copy per variant
     monitor = None
     if spec != "none":
-        monitor = paradiff.enable_cache(transformer, cache_config(spec))
+        monitor = paradiff.enable_cache(transformer, cache_config(spec, transformer))
     images, computed = [], []
     start = time.perf_counter()
     for index, prompt in enumerate(prompts):

@@ -87,7 +87,7 @@ def case_worker(rank: int, world_size: int, degrees: dict, variant: str, grid: t
     if "cached" in variant and cache_spec is not None:
         from paradiff.cli.args import cache_config
 
-        monitor = paradiff.enable_cache(model, cache_config(cache_spec))
+        monitor = paradiff.enable_cache(model, cache_config(cache_spec, model))
     elif "cached" in variant or threshold == 0.0:
         monitor = paradiff.enable_cache(model, FirstBlockCacheConfig(threshold=threshold))
     start = time.perf_counter()

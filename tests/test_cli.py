@@ -77,19 +77,24 @@ def test_cache_spec():
     assert cache_config("fbc:0.08").threshold == 0.08
     config = cache_config("taylorseer:3:2")
     assert (config.cache_interval, config.disable_cache_before_step) == (3, 2)
+    # with the model: TaylorSeer predicts whole blocks (Wan's attention modules `attn1` escape diffusers' defaults)
+    from paradiff.testing.models import build_model
+
+    assert cache_config("taylorseer:3", build_model("wan")).cache_identifiers == [r"blocks\.\d+"]
 
 
-def test_generate_compiled_and_cached_lists_the_computed_steps(tmp_path):
+@pytest.mark.parametrize("spec", ["fbc:0.6", "taylorseer:2:1"])
+def test_generate_compiled_and_cached_lists_the_computed_steps(tmp_path, spec):
     """--compile (aot_eager here: inductor's C++ build is too slow for CI) and --cache on 2 Ulysses ranks: the image
     equals a single-process run with the same cache, and the report says which steps ran every block."""
     out = tmp_path / "out"
     result = paradiff("generate", "--ulysses", "2", "--steps", "4", "--height", "32", "--width", "32", "--compile",
-                      "--compile-backend", "aot_eager", "--cache", "fbc:0.6", "--compare", "--out", str(out))
+                      "--compile-backend", "aot_eager", "--cache", spec, "--compare", "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["compile"] is True
     computed = report["cache"]["computed_steps"]["0"]["cond"]
-    assert report["cache"]["spec"] == "fbc:0.6" and computed[0] == 0 and 1 <= len(computed) < 4, report["cache"]
+    assert report["cache"]["spec"] == spec and computed[0] == 0 and 1 <= len(computed) < 4, report["cache"]
     assert report["max_abs_diff_vs_single_process"] < 1e-5
     assert f"output 0000 (cond) computed steps {computed}, {len(computed)} of 4" in result.stdout
 

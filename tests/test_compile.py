@@ -95,6 +95,43 @@ def test_compile_after_enable_cache_keeps_the_cache_outside_the_graphs():
     assert torch.allclose(first, expected, rtol=0, atol=1e-6) and torch.allclose(second, expected, rtol=0, atol=1e-6)
 
 
+def test_compiled_model_takes_taylorseer_on_whole_blocks():
+    """TaylorSeer on whole blocks wraps the compiled blocks (its schedule stays eager): same latents and steps as
+    eager; on attention modules (diffusers' default patterns) it would sit inside a block's one graph: refused."""
+    import torch
+    from diffusers import TaylorSeerCacheConfig
+
+    import paradiff
+    from paradiff.testing.models import build_model
+    from rank_cases_cache import denoise
+
+    def config(identifiers):
+        return TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=2, max_order=1,
+                                     taylor_factors_dtype=torch.float32, cache_identifiers=identifiers)
+
+    eager = build_model("flux2")
+    identifiers = paradiff.block_identifiers(eager)
+    assert identifiers == [r"single_transformer_blocks\.\d+", r"transformer_blocks\.\d+"]
+    eager_monitor = paradiff.enable_cache(eager, config(identifiers))
+    expected = denoise(eager, "flux2")
+    compiled = paradiff.compile(build_model("flux2"), backend="aot_eager")
+    monitor = paradiff.enable_cache(compiled, config(identifiers))
+    actual = denoise(compiled, "flux2")
+    assert [d.computed for d in monitor.decisions] == [d.computed for d in eager_monitor.decisions]
+    assert False in [d.computed for d in monitor.decisions]
+    assert float((actual - expected).abs().max() / expected.abs().max()) <= REL_TOL
+
+    compiled.disable_cache()
+    with pytest.raises(paradiff.ParallelConfigError,
+                       match=r"hooks `transformer_blocks\.0\.attn`, inside the compiled block `transformer_blocks\.0`"):
+        paradiff.enable_cache(compiled, config(None))  # diffusers' default: `^transformer_blocks.*attn`, ...
+    assert compiled._cache_config is None  # the refused cache is not left half-enabled
+    uncompiled = build_model("flux2")
+    uncompiled.enable_cache(config(None))  # enabled first, then compiled: refused the same way
+    with pytest.raises(paradiff.ParallelConfigError, match="cache_identifiers=paradiff.block_identifiers"):
+        paradiff.compile(uncompiled, backend="aot_eager")
+
+
 def test_inductor_lowers_the_parallel_ops(pools):
     """The one inductor case (C++ code generation): a functional all-reduce and the CP attention op on 2 ranks."""
     for result in pools.get(2).run(cases.inductor_smoke, timeout_s=600):

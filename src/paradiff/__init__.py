@@ -1,5 +1,6 @@
 """paradiff: tensor, context, CFG and data parallelism for diffusers transformers, on GPUs (NCCL) and CPUs (gloo)."""
 
+from .blocks import block_identifiers
 from .caching import CacheMonitor, cache_monitor, enable_cache
 from .compilation import compile
 from .config import ContextParallelConfig, ParallelConfig, TensorParallelConfig
@@ -52,6 +53,7 @@ __all__ = [
     "TensorParallelPlan",
     "TokenGroups",
     "UnsupportedModelError",
+    "block_identifiers",
     "cache_monitor",
     "compile",
     "enable_cache",

@@ -24,6 +24,7 @@ from diffusers.hooks.hooks import StateManager
 from diffusers.hooks.taylorseer_cache import TaylorSeerCacheHook
 from torch import nn
 
+from .blocks import block_identifiers, compiled_block_of
 from .comm import all_reduce_metric
 from .errors import ParallelConfigError
 
@@ -101,6 +102,7 @@ def enable_cache(model: nn.Module, config: Any, group: dist.ProcessGroup | None 
         state = get_state(model)
         group = state.mesh.model_group if state is not None else None
     type(model).enable_cache(model, config)
+    refuse_hooks_inside_compiled_blocks(model, config)
     if type(config).__name__ == "FirstBlockCacheConfig":
         _repair_joint_tail(model)
     monitor = CacheMonitor(group=group)
@@ -108,6 +110,25 @@ def enable_cache(model: nn.Module, config: Any, group: dist.ProcessGroup | None 
     agree_on_decisions(model, monitor)
     _default_cache_context(model)
     return monitor
+
+
+def refuse_hooks_inside_compiled_blocks(model: nn.Module, config: Any) -> None:
+    """A cache hook on a module inside a block paradiff.compile compiled would put the hook's decision (a graph break
+    by nature) inside the block's one graph: disable the cache again and say how to cache whole blocks instead."""
+    for name, module in model.named_modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        if not getattr(registry, "hooks", None) or not name:
+            continue
+        block = compiled_block_of(model, name)
+        if block is None:
+            continue
+        model.disable_cache()
+        raise ParallelConfigError(
+            f"{type(config).__name__} hooks `{name}`, inside the compiled block `{block}`: a block compiled by "
+            "paradiff.compile runs as one graph, with no room for a per-step cache decision inside it. Cache whole "
+            f"blocks instead, e.g. {type(config).__name__}(..., cache_identifiers=paradiff.block_identifiers(model)) "
+            f"(here {block_identifiers(model)}), or enable the cache on an uncompiled model."
+        )
 
 
 def install_agreed_caching(model: nn.Module, group: dist.ProcessGroup | None) -> None:

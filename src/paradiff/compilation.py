@@ -15,24 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .caching import cache_monitor, enable_cache
+from .blocks import COMPILED_ATTR, repeated_blocks
+from .caching import cache_monitor, enable_cache, refuse_hooks_inside_compiled_blocks
 from .errors import ParallelConfigError
-
-COMPILED_ATTR = "_paradiff_compiled"
-
-
-def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's repeated blocks: classes named in diffusers' `_repeated_blocks`, else the items of top-level
-    ModuleLists."""
-    names = tuple(getattr(model, "_repeated_blocks", None) or ())
-    if names:
-        return [(name, module) for name, module in model.named_modules() if type(module).__name__ in names]
-    found = []
-    for list_name, child in model.named_children():
-        if isinstance(child, nn.ModuleList):
-            found.extend((f"{list_name}.{index}", block) for index, block in enumerate(child))
-    return found
-
 
 def compile(  # noqa: A001 - mirrors torch.compile
     model: nn.Module,
@@ -78,4 +63,5 @@ def compile(  # noqa: A001 - mirrors torch.compile
             enable_cache(model, cache_config)  # as it was enabled: with paradiff's agreed decisions
         else:
             model.enable_cache(cache_config)
+            refuse_hooks_inside_compiled_blocks(model, cache_config)
     return model

@@ -121,8 +121,11 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def cache_config(spec: str):
-    """The diffusers cache config for a --cache SPEC, or a CliError saying what a valid SPEC looks like."""
+def cache_config(spec: str, model=None):
+    """The diffusers cache config for a --cache SPEC, or a CliError saying what a valid SPEC looks like.
+
+    TaylorSeer predicts whole block outputs of `model` (its repeated blocks; diffusers' default patterns pick
+    attention modules inside the blocks, which a compiled block cannot hold and which miss some families' names)."""
     usage = "use fbc:THRESHOLD (a number > 0, e.g. fbc:0.08) or taylorseer:INTERVAL[:WARMUP] (integers >= 1)"
     kind, _, rest = spec.partition(":")
     values = rest.split(":") if rest else []
@@ -137,8 +140,13 @@ def cache_config(spec: str):
 
             interval = int(values[0])
             warmup = int(values[1]) if len(values) == 2 else 3
+            identifiers = None
+            if model is not None:
+                from ..blocks import block_identifiers
+
+                identifiers = block_identifiers(model)
             return TaylorSeerCacheConfig(cache_interval=interval, disable_cache_before_step=warmup,
-                                         taylor_factors_dtype=torch.float32)
+                                         taylor_factors_dtype=torch.float32, cache_identifiers=identifiers)
     except ValueError:
         pass
     raise CliError(f"--cache {spec}: {usage}")

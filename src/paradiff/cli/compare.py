@@ -15,10 +15,10 @@ AMPLIFY = 50
 
 
 def compare_single_process(model: str, dtype: torch.dtype, kwargs: dict, seed: int,
-                           made: list[tuple[int, str, Output]], cache=None) -> tuple[dict, list[Output]]:
+                           made: list[tuple[int, str, Output]], cache: str | None = None) -> tuple[dict, list[Output]]:
     """Differences between each (index, prompt, image, video or sound) of `made` and diffusers' single-process
-    result for that prompt (seed `seed + index`, as in the parallel run), with the same step cache (`cache`, a
-    diffusers cache config) when one is given.
+    result for that prompt (seed `seed + index`, as in the parallel run), with the same step cache on every
+    transformer (`cache`, a --cache spec) when one is given.
 
     Returns ({"max_abs_diff": float over all of them, "compared": count}, for videos also "max_abs_diff_per_frame"
     (every frame is compared), and "max_abs_diff_audio" when they have a soundtrack; the single-process outputs in
@@ -31,7 +31,12 @@ def compare_single_process(model: str, dtype: torch.dtype, kwargs: dict, seed: i
     reference = DiffusionPipeline.from_pretrained(model, dtype=dtype)
     reference.set_progress_bar_config(disable=True)
     if cache is not None:
-        paradiff.enable_cache(reference.transformer, cache)  # one process: no reduction, the same decisions
+        from .args import cache_config
+
+        for name, module in reference.components.items():
+            if name.startswith("transformer") and isinstance(module, torch.nn.Module):
+                # one process: no reduction, the same decisions
+                paradiff.enable_cache(module, cache_config(cache, module))
     summary: dict = {"max_abs_diff": 0.0, "compared": len(made)}
     expected_outputs = []
     for index, prompt, output in made:

@@ -91,7 +91,7 @@ def generate(args: argparse.Namespace, device: torch.device,
     if args.compile:
         for module in transformers.values():
             paradiff.compile(module, backend=args.compile_backend)
-    monitors = ({name: paradiff.enable_cache(module, cache_config(args.cache)) for name, module in transformers.items()}
+    monitors = ({name: paradiff.enable_cache(module, cache_config(args.cache, module)) for name, module in transformers.items()}
                 if args.cache else {})
     pipeline.set_progress_bar_config(disable=rank != 0 or not _console_is_terminal())
     rate = sampling_rate(pipeline)
@@ -149,7 +149,7 @@ def generate(args: argparse.Namespace, device: torch.device,
         compare = None
         if made:
             compare, references = compare_single_process(model, dtype, kwargs, args.seed, made,
-                                                         cache=cache_config(args.cache) if args.cache else None)
+                                                         cache=args.cache)
             if all(output.kind == "image" for _, _, output in made):
                 compare["picture"] = str(out / "compare.png")
                 write_compare_png(out / "compare.png", [(reference.array, output.array) for reference, (_, _, output)

@@ -1,0 +1,45 @@
+"""A transformer's repeated blocks: the unit paradiff compiles, and the unit a step cache must wrap on a compiled
+model."""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+COMPILED_ATTR = "_paradiff_compiled"  # set on a block whose forward paradiff.compile replaced
+
+
+def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's repeated blocks: classes named in diffusers' `_repeated_blocks`, else the items of top-level
+    ModuleLists."""
+    names = tuple(getattr(model, "_repeated_blocks", None) or ())
+    if names:
+        return [(name, module) for name, module in model.named_modules() if type(module).__name__ in names]
+    found = []
+    for list_name, child in model.named_children():
+        if isinstance(child, nn.ModuleList):
+            found.extend((f"{list_name}.{index}", block) for index, block in enumerate(child))
+    return found
+
+
+def block_identifiers(model: nn.Module) -> list[str]:
+    """Patterns matching exactly the model's repeated blocks, for a step cache's module selection, e.g.
+    `TaylorSeerCacheConfig(cache_identifiers=paradiff.block_identifiers(model))`: the cache then predicts whole
+    block outputs, the form that works on a compiled model (where each block runs as one graph) and on every family
+    alike (diffusers' default TaylorSeer patterns name attention modules `...attn` and miss e.g. Wan's `attn1`)."""
+    blocks = repeated_blocks(model)
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} has no repeated blocks (no `_repeated_blocks`, no top-level "
+                         "nn.ModuleList).")
+    listed = sorted({name.rsplit(".", 1)[0] for name, _ in blocks if name.rsplit(".", 1)[-1].isdigit() and "." in name})
+    single = sorted(name for name, _ in blocks if not (name.rsplit(".", 1)[-1].isdigit() and "." in name))
+    return [rf"{re.escape(prefix)}\.\d+" for prefix in listed] + [re.escape(name) for name in single]
+
+
+def compiled_block_of(model: nn.Module, module_name: str) -> str | None:
+    """The compiled block that strictly contains the module `module_name` of `model`, or None."""
+    for name, block in repeated_blocks(model):
+        if getattr(block, COMPILED_ATTR, False) and module_name.startswith(name + "."):
+            return name
+    return None
