@@ -18,6 +18,7 @@ and reports the CPU-seconds other processes used while it ran.
 
     nice -n 10 .venv/bin/python benchmarks/bench_vae.py                         # defaults below
     nice -n 10 .venv/bin/python benchmarks/bench_vae.py --kl-size 1024 --models flux-kl
+    .venv/bin/python benchmarks/bench_vae.py --models flux-kl --kl-size 2048 --single-pass    # one decode per case
     .venv/bin/python benchmarks/bench_vae.py --quick                             # checks the script (seconds)
 """
 
@@ -91,7 +92,7 @@ def _reset_peak_rss() -> bool:
 
 
 def decode_worker(rank: int, world_size: int, model: str, config: dict, height: int, width: int, frames: int,
-                  repeats: int) -> dict:
+                  repeats: int, single_pass: bool = False) -> dict:
     import diffusers
     import torch
     import torch.distributed as dist
@@ -115,6 +116,22 @@ def decode_worker(rank: int, world_size: int, model: str, config: dict, height: 
         if world_size > 1:
             dist.barrier()
 
+    if single_pass:  # one decode, timed and memory-measured at once (no warm-up): for decodes of many minutes
+        sync()
+        status, _ = read_status()
+        reset = _reset_peak_rss()
+        with LoadWindow() as window, PeakTensorMemory() as memory:
+            start, cpu_start = time.perf_counter(), time.process_time()
+            output = decode()
+            times, cpu = [time.perf_counter() - start], [time.process_time() - cpu_start]
+        after, _ = read_status()
+        return {
+            "times": times, "cpu": cpu, "peak_tensor_bytes": memory.peak,
+            "rss_rise_bytes": (after["VmHWM"] - status.get("RssAnon", 0) - status.get("RssFile", 0)
+                               - status.get("RssShmem", 0)) if reset else None,
+            "window": {"system": window.system, "own": window.own, "wall": window.wall},
+            "output": output if rank == 0 else None,
+        }
     decode()  # warm-up (and, split, the first call learns its halo plans)
     times, cpu = [], []
     with LoadWindow() as window:
@@ -141,10 +158,12 @@ def decode_worker(rank: int, world_size: int, model: str, config: dict, height: 
 
 
 def run_case(model: str, config: dict, height: int, width: int, frames: int, world: int, repeats: int,
-             wait_quiet: float) -> dict:
+             wait_quiet: float, single_pass: bool = False) -> dict:
     busy_before = wait_for_quiet(timeout_s=wait_quiet)
+    if single_pass:
+        repeats = 1
     results = run_ranks(decode_worker, world, timeout_s=7200, model=model, config=config, height=height,
-                        width=width, frames=frames, repeats=repeats)
+                        width=width, frames=frames, repeats=repeats, single_pass=single_pass)
     per_repeat = [max(r["times"][i] for r in results) for i in range(repeats)]
     cpu_per_repeat = [max(r["cpu"][i] for r in results) for i in range(repeats)]
     return {
@@ -167,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wan-frames", type=int, default=5, help="Wan output frames, 1 + 4k")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--wait-quiet", type=float, default=60.0, help="seconds to wait for a quiet machine per case")
+    parser.add_argument("--single-pass", action="store_true",
+                        help="one decode per case, timed and memory-measured at once, no warm-up (for decodes of "
+                             "minutes: 2048², 480p clips; the tracking's per-op cost is negligible at those sizes)")
     parser.add_argument("--quick", action="store_true", help="narrow models, small sizes (checks the script)")
     parser.add_argument("--json", help="write every measurement here")
     args = parser.parse_args(argv)
@@ -183,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         config = models[model][1]
         cases = []
         for world in worlds:
-            case = run_case(model, config, height, width, frames, world, args.repeats, args.wait_quiet)
+            case = run_case(model, config, height, width, frames, world, args.repeats, args.wait_quiet,
+                            args.single_pass)
             cases.append(case)
             print(f"{model} {height}x{width}x{frames} world {world}: {case['median_s']:.2f} s "
                   f"({case['median_cpu_s']:.2f} CPU-s per rank), "
