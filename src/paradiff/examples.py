@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from .errors import PlanError
-from .plans import families
+from .plans import families, family_of
 from .plans.common import Grid
 
 # Projection ops: the work a split must divide. Attention kernels are left out on purpose: torch's counter knows
@@ -104,8 +104,11 @@ def block_stacks(model: nn.Module) -> list[str]:
 
 
 def forward(model: nn.Module, inputs: dict) -> list[torch.Tensor]:
+    """The outputs of `model(**inputs)`, or of the model's family's `run_example(model, inputs)` where the family
+    defines one (a model run as a sequence of calls, e.g. a cache-filling pass then a pass reading the cache)."""
+    run = getattr(family_of(model), "run_example", None)
     with torch.no_grad():
-        return output_tensors(model(**inputs))
+        return output_tensors(run(model, inputs) if run is not None else model(**inputs))
 
 
 def forward_with_flops(model: nn.Module, inputs: dict) -> tuple[list[torch.Tensor], int]:

@@ -7,6 +7,9 @@ Every module in this package that defines `MODEL_CLASSES` is a family. A family 
   suite run every plan on them;
 - `init_example(model)`: initialises (from torch's seeded generator) the parameters an example's class leaves
   uninitialised, e.g. expert banks created with torch.empty;
+- `run_example(model, inputs)`: runs the example forward where one call is not the whole story (Wan-Animate 2's
+  cache-filling reference pass, then a denoising step reading the cache); `example_inputs` then returns whatever it
+  takes, and its outputs are compared;
 - `EXTRA_MODES`: {example name: modes beyond tp2 / ulysses2 / ring2 / tp2 x ulysses2, e.g. ("tp4",)} the test suite
   also runs (tests/rank_cases_families.py names the modes).
 """

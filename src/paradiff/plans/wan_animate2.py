@@ -1,0 +1,169 @@
+"""Wan-Animate 2 (`WanAnimate2Transformer3DModel`): Wan-style blocks run twice over a KV cache. The reference pass
+(`kv_cache_mode="extract"`) stores each self-attention's pre-rotary K/V; every denoising step (`"cached"`) attends
+over the generation tokens plus, per generation frame, the cached reference frame before it, which diffusers packs
+into a 128-aligned buffer of full-video-sized frame slots (zeros where the segment is smaller) behind a flex
+BlockMask.
+
+Under TP the cache holds each rank's heads. Under CP each rank projects its own tokens, the self-attention's keys
+and values are all-gathered (so the cache holds every token's, on every rank) and each rank attends its own query
+rows; the packed layout is attended one query frame at a time over exactly the slots the mask lets it see, zero
+slots included (`SelfAttention`)."""
+
+import torch
+import torch.nn.functional as F
+
+from ..context_parallel.attention import even_sizes
+from ..context_parallel.plan import ContextParallelPlan, Split
+from ..tensor_parallel.plan import TensorParallelPlan
+from .common import Grid, mlp
+
+MODEL_CLASSES = ("WanAnimate2Transformer3DModel",)
+
+
+def tensor_parallel_plan(config) -> TensorParallelPlan:
+    styles = {
+        "blocks.*.ffn.0": "colwise",
+        "blocks.*.ffn.2": "rowwise",
+        **mlp("text_embedding", "0", "2"),
+        **mlp("time_embedding", "0", "2"),
+        "time_projection.1": "rowwise_split_input",
+    }
+    for attn in ("self_attn", "cross_attn"):  # QK-norms are RMSNorms over all heads: split with them
+        styles.update({f"blocks.*.{attn}.to_{x}": "colwise" for x in "qkv"})
+        styles.update({f"blocks.*.{attn}.to_out.0": "rowwise", f"blocks.*.{attn}.norm_q": "norm_across_heads",
+                       f"blocks.*.{attn}.norm_k": "norm_across_heads"})
+    if config.use_img_emb:  # CLIP image tokens get their own K/V
+        styles.update({"blocks.*.cross_attn.add_k_proj": "colwise", "blocks.*.cross_attn.add_v_proj": "colwise",
+                       "blocks.*.cross_attn.norm_added_k": "norm_across_heads", **mlp("img_emb.proj", "1", "3")})
+    return TensorParallelPlan(styles=styles, heads_config_key="num_heads")
+
+
+def context_parallel_plan(config) -> ContextParallelPlan:
+    return ContextParallelPlan(
+        split_inputs={"blocks.0": {"hidden_states": Split(1)}},
+        gather_outputs={"head": 1},
+        # self-attention gathers its keys itself (SelfAttention); cross-attention reads the replicated context
+        processors={"blocks.*.self_attn": SelfAttention},
+        local_attention=("blocks.*.self_attn", "blocks.*.cross_attn"),
+    )
+
+
+class SelfAttention:
+    """WanAnimate2AttnProcessor's result for this rank's query rows (all of them without a runtime: the
+    single-process form, on SDPA, which torch's FLOP counter can run and eager flex attention cannot)."""
+
+    def __init__(self, runtime=None) -> None:
+        self.runtime = runtime
+
+    def __call__(self, attn, hidden_states, rotary_emb, grid_sizes, kv_cache, kv_cache_mode, rope_stride=1,
+                 reference_rotary_emb=None, reference_grid_sizes=None, reference_rope_stride=1, attention_mask=None,
+                 origin_latent_frames=None, origin_latent_hw=None):
+        from diffusers.models.transformers.transformer_wan_animate_2 import _get_qkv_projections, rope_apply
+
+        if kv_cache_mode not in ("extract", "cached"):
+            raise ValueError(f"`kv_cache_mode` must be either 'extract' or 'cached', got {kv_cache_mode}.")
+        query, key, value = _get_qkv_projections(attn, hidden_states, None)
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
+        frames, height, width = grid_sizes[0].tolist()
+        total, rows = frames * height * width, query.shape[1]
+        start = 0
+        if self.runtime is not None:  # the split is even_sizes' (context_parallel.apply); keys come in rank order
+            start = sum(even_sizes(total, self.runtime.cp_size)[: self.runtime.cp_rank])
+            key, value, _ = self.runtime.gathered_keys(key.transpose(1, 2), value.transpose(1, 2), None)
+            key, value = key.transpose(1, 2), value.transpose(1, 2)
+
+        def rotate(x, grid, table, stride):
+            return rope_apply(x, grid, table, stride).type_as(value)
+
+        # rotary embedding is per token: this rank's rows, placed in a zero sequence of the full length
+        whole = query.new_zeros(query.shape[0], total, *query.shape[2:])
+        whole[:, start:start + rows] = query
+        query = rotate(whole, grid_sizes, rotary_emb, rope_stride)[:, start:start + rows]
+        if kv_cache_mode == "extract":
+            kv_cache.store(key, value)
+        key = rotate(key, grid_sizes, rotary_emb, rope_stride)
+        if kv_cache_mode == "extract":
+            out = _attend(query, key, value)
+        else:
+            key_ref, value_ref = kv_cache.get()
+            key_ref = rotate(key_ref, reference_grid_sizes, reference_rotary_emb, reference_rope_stride)
+            ref_frames, ref_height, ref_width = reference_grid_sizes[0].tolist()
+            # the mask's view: a query of generation frame f sees every generation slot (origin frames + 1) and,
+            # for f >= 1, reference slot f - 1; a slot holds origin_latent_hw tokens, zero past the segment's
+            hw, ref_hw, slot = height * width, ref_height * ref_width, origin_latent_hw
+            gen_k, gen_v = (_slots(t, origin_latent_frames + 1, frames, hw, slot).flatten(1, 2)
+                            for t in (key, value))
+            ref_k, ref_v = (_slots(t, origin_latent_frames, ref_frames, ref_hw, slot) for t in (key_ref, value_ref))
+            out = torch.empty_like(query)
+            for frame in range(start // hw, (start + rows - 1) // hw + 1):
+                part = slice(max(start, frame * hw) - start, min(start + rows, (frame + 1) * hw) - start)
+                k, v = gen_k, gen_v
+                if 1 <= frame <= origin_latent_frames:
+                    k, v = torch.cat([k, ref_k[:, frame - 1]], 1), torch.cat([v, ref_v[:, frame - 1]], 1)
+                out[:, part] = _attend(query[:, part], k, v)
+        out = out.flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def _slots(x: torch.Tensor, count: int, frames: int, per_frame: int, slot: int) -> torch.Tensor:
+    """(batch, count, slot, heads, head_dim): each frame's tokens at the start of its slot, zeros elsewhere."""
+    out = x.new_zeros(x.shape[0], count, slot, *x.shape[2:])
+    out[:, :frames, :per_frame] = x[:, :frames * per_frame].unflatten(1, (frames, per_frame))
+    return out
+
+
+def _attend(query, key, value):  # (batch, tokens, heads, head_dim), as diffusers' processors hold them
+    return F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, key, value))).transpose(1, 2)
+
+
+def prepare_example(model) -> None:
+    # eager flex attention cannot run under torch's FLOP counter: the examples attend through SelfAttention
+    # (tests/test_wan_animate2.py checks it equal to diffusers' flex processor)
+    for block in model.blocks:
+        block.self_attn.set_processor(SelfAttention())
+
+
+def run_example(model, inputs: dict):
+    """Both passes: the reference pass fills a fresh cache, a denoising step reads it; both outputs count."""
+    from diffusers.models.transformers.transformer_wan_animate_2 import WanAnimate2KVCache
+
+    cache = WanAnimate2KVCache(len(model.blocks))
+    reference = model(**inputs["extract"], kv_cache=cache, kv_cache_mode="extract")
+    return reference, model(**inputs["cached"], kv_cache=cache, kv_cache_mode="cached")
+
+
+EXAMPLES = {
+    "wan-animate2": ("WanAnimate2Transformer3DModel", dict(
+        patch_size=(1, 2, 2), text_len=8, in_dim=8, dim=64, ffn_dim=128, freq_dim=32, text_dim=32, out_dim=4,
+        num_heads=4, num_layers=2, refer_stride=2)),
+}
+
+
+def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
+    p_t, p_h, p_w = config.patch_size
+    channels = config.in_dim // 2  # latents and condition latents, concatenated
+
+    def latents(frames, height, width):
+        return [torch.randn(channels, frames * p_t, height * p_h, width * p_w, generator=generator)
+                for _ in range(batch)]
+
+    # a reference of 2 frames x 3 x 4 tokens (its own grid); a generation segment of grid's size, both smaller than
+    # the full video's 3 + 1 frames x 20 tokens (origin_len 8, 64 x 80 pixels), so the packed slots hold zeros
+    reference_grid = torch.tensor([[2, grid.height, grid.width - 1]] * batch)
+    # texts of their own lengths, padded by the model to text_len; the last is shorter
+    text = [torch.randn(grid.text - 3 * (index == batch - 1), config.text_dim, generator=generator)
+            for index in range(batch)]
+    common = dict(encoder_hidden_states=text, return_dict=False,
+                  encoder_hidden_states_image=torch.randn(batch, 4, 1280, generator=generator))
+    return {
+        "extract": dict(hidden_states=latents(2, grid.height, grid.width - 1),
+                        condition_latents=latents(2, grid.height, grid.width - 1),
+                        timestep=torch.zeros(batch), seq_len=2 * grid.height * (grid.width - 1),
+                        offset_grid_sizes=reference_grid, **common),
+        "cached": dict(hidden_states=latents(grid.frames, grid.height, grid.width),
+                       condition_latents=latents(grid.frames, grid.height, grid.width),
+                       timestep=torch.rand(batch, generator=generator) * 1000,
+                       seq_len=grid.frames * grid.height * grid.width, reference_grid_sizes=reference_grid,
+                       origin_len=8, origin_area=[64, 80], **common),
+    }
