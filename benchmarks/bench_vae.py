@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         report[model] = {"size": [height, width, frames], "cases": cases}
     table = markdown_table(["model", "output", "ranks", "decode s (median)", "time vs 1", "CPU s/rank (median)",
                             "CPU vs 1", "peak tensors MB/rank",
-                            "memory vs 1", "peak RSS rise MB/rank", "max abs diff vs 1 (relative to max |output|)",
+                            "memory vs 1", "peak RSS rise MB/rank", "max abs diff vs 1 (relative to the largest output value)",
                             "other procs CPU s"], rows)
     print(table)
     if args.json:

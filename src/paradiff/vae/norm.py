@@ -30,7 +30,7 @@ class SplitGroupNorm:
         grouped = x.reshape(batch, groups, -1)
         count = grouped.shape[-1]
         mean, m2 = _local_moments(grouped)
-        moments = torch.stack([torch.full_like(mean, count, dtype=torch.float64), mean.double(), m2.double()])
+        moments = torch.stack([torch.full_like(mean, count), mean, m2])
         every = all_gather_norm_stats(moments, self.runtime.group, self.runtime.stats)  # (ranks, 3, batch, groups)
         counts, means, m2s = every[:, 0], every[:, 1], every[:, 2]
         total = counts.sum(0)
@@ -48,17 +48,21 @@ class SplitGroupNorm:
 
 
 def _local_moments(grouped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per (sample, group) mean and sum of squared deviations (M2) of this rank's values, in fp32.
+    """Per (sample, group) mean and sum of squared deviations (M2) of this rank's values, accumulated in float64.
 
-    Two passes (a sum, then the norm of the deviations one group at a time, so the temporary is 1/groups of the
-    input): torch.var_mean is about 4x slower on CPU than group norm itself, and a one-pass sum of squares cancels.
+    One group at a time, so the float64 temporary is 2/groups of the input's bytes. fp32 accumulation is not enough:
+    its rounding grows with the number of values per group, and at 2048² (millions of values per group and rank) it
+    put the decode 5e-4 away from one process's, whose group norm accumulates more carefully. Two passes (the mean,
+    then the squared deviations from it): a one-pass sum of squares cancels.
     """
     batch, groups, count = grouped.shape
     if count == 0:
-        zeros = torch.zeros(batch, groups, device=grouped.device)
+        zeros = torch.zeros(batch, groups, device=grouped.device, dtype=torch.float64)
         return zeros, zeros
-    mean = torch.stack([grouped[:, g].float().sum(-1) for g in range(groups)], 1) / count \
-        if grouped.dtype != torch.float32 else grouped.sum(-1) / count
-    m2 = torch.stack([torch.linalg.vector_norm(grouped[:, g].float() - mean[:, g, None], dim=-1)
-                      for g in range(groups)], 1) ** 2
-    return mean, m2
+    means, m2s = [], []
+    for g in range(groups):
+        values = grouped[:, g].to(torch.float64)
+        mean = values.sum(-1) / count
+        means.append(mean)
+        m2s.append(values.sub_(mean[:, None]).square_().sum(-1))
+    return torch.stack(means, 1), torch.stack(m2s, 1)
