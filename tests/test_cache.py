@@ -82,3 +82,26 @@ def test_flux2_first_block_cache_skips_exactly():
     assert [d.computed for d in monitor.decisions] == [True, False]
     assert torch.allclose(computed, expected, atol=0, rtol=0)
     assert torch.allclose(skipped, expected, atol=1e-6, rtol=0)
+
+
+def test_taylorseer_on_blocks_that_return_none():
+    """Kandinsky 6's video blocks return (video, None) without audio; diffusers' TaylorSeer hook fails on the None.
+    With the same input every step the Taylor series is flat, so a predicted step must equal the full forward."""
+    from diffusers import TaylorSeerCacheConfig
+
+    from paradiff.examples import build_example, example_inputs, forward
+
+    model = build_example("kandinsky6", "kandinsky6-video")
+    inputs = example_inputs("kandinsky6", "kandinsky6-video", model.config)
+    expected = forward(model, inputs)
+    config = TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1, max_order=1,
+                                   taylor_factors_dtype=torch.float32,
+                                   cache_identifiers=paradiff.block_identifiers(model))
+    monitor = paradiff.enable_cache(model, config)
+    with model.cache_context("cond"):
+        outputs = [forward(model, inputs) for _ in range(5)]
+    assert False in [d.computed for d in monitor.decisions] and True in [d.computed for d in monitor.decisions]
+    for output in outputs:
+        assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(output, expected, strict=True))
+    model.disable_cache()
+    assert all(torch.equal(a, b) for a, b in zip(forward(model, inputs), expected, strict=True))

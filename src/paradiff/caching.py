@@ -14,6 +14,7 @@ the same on every rank, so it needs no reduction; its decisions are recorded all
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -182,6 +183,7 @@ def agree_on_decisions(model: nn.Module, monitor: CacheMonitor) -> None:
                 # every TaylorSeer hook follows the same step schedule; the first one speaks for the forward
                 hook._measure_should_compute = _taylorseer_decision(hook, monitor, record=first_taylorseer)
                 first_taylorseer = False
+                _taylorseer_passes_nones(hook, module)
 
 
 def _repair_joint_tail(model: nn.Module) -> None:
@@ -251,6 +253,33 @@ def _first_block_decision(hook: Any, monitor: CacheMonitor) -> Callable[[torch.T
         return monitor.record(context, metric > hook.threshold, metric, local_metric).computed
 
     return should_compute
+
+
+def _taylorseer_passes_nones(hook: Any, module: nn.Module) -> None:
+    """Let a TaylorSeer hook cache a module whose output tuple holds None (Kandinsky 6's video blocks return
+    (video, None) with no audio): diffusers 0.42's hook fits a Taylor series to every output and fails on the None.
+    Here the tensors are fitted and predicted as diffusers does, and each None is given back in its place."""
+    nones: list[int] = []  # positions of None in the module's output, from its last computed step
+
+    def new_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        should_compute, state = hook._measure_should_compute()
+        if should_compute:
+            outputs = hook.fn_ref.original_forward(*args, **kwargs)
+            if isinstance(outputs, torch.Tensor):
+                state.update((outputs,))
+                nones.clear()
+            else:
+                nones[:] = [index for index, value in enumerate(outputs) if value is None]
+                state.update(type(outputs)(value for value in outputs if value is not None))
+            return outputs
+        predicted = list(state.predict())
+        if not nones:
+            return predicted[0] if len(predicted) == 1 else tuple(predicted)
+        for index in nones:
+            predicted.insert(index, None)
+        return tuple(predicted)
+
+    hook.fn_ref.forward = functools.partial(new_forward, module)
 
 
 def _taylorseer_decision(hook: Any, monitor: CacheMonitor, record: bool) -> Callable[[], tuple]:
