@@ -105,3 +105,21 @@ def test_taylorseer_on_blocks_that_return_none():
         assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(output, expected, strict=True))
     model.disable_cache()
     assert all(torch.equal(a, b) for a, b in zip(forward(model, inputs), expected, strict=True))
+
+
+@pytest.mark.parametrize("family,example,reason", [
+    ("chroma", "chroma", "ChromaTransformerBlock .* is not in diffusers' TransformerBlockRegistry"),
+    ("kandinsky5", "kandinsky-5", "passes `hidden_states` to Kandinsky5TransformerDecoderBlock"),
+])
+def test_first_block_cache_refuses_blocks_diffusers_cannot_read(family, example, reason):
+    """diffusers 0.42's first-block cache knows a fixed list of block classes; for the others it fails with a bare
+    ValueError (at enable time, or at the first step): paradiff says why, and what caches every family."""
+    from diffusers import FirstBlockCacheConfig
+
+    from paradiff.examples import build_example
+
+    model = build_example(family, example)
+    with pytest.raises(paradiff.ParallelConfigError, match=reason.replace("(", r"\(")) as raised:
+        paradiff.enable_cache(model, FirstBlockCacheConfig(threshold=0.1))
+    assert "cache_identifiers=paradiff.block_identifiers(model)" in str(raised.value)
+    assert model._cache_config is None  # refused before any hook was placed

@@ -15,6 +15,7 @@ the same on every rank, so it needs no reduction; its decisions are recorded all
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -102,6 +103,8 @@ def enable_cache(model: nn.Module, config: Any, group: dist.ProcessGroup | None 
 
         state = get_state(model)
         group = state.mesh.model_group if state is not None else None
+    if type(config).__name__ == "FirstBlockCacheConfig":
+        _check_first_block_cache_fits(model)
     type(model).enable_cache(model, config)
     refuse_hooks_inside_compiled_blocks(model, config)
     if type(config).__name__ == "FirstBlockCacheConfig":
@@ -111,6 +114,38 @@ def enable_cache(model: nn.Module, config: Any, group: dist.ProcessGroup | None 
     agree_on_decisions(model, monitor)
     _default_cache_context(model)
     return monitor
+
+
+def _check_first_block_cache_fits(model: nn.Module) -> None:
+    """diffusers 0.42's first-block cache reads each block's inputs and outputs through its TransformerBlockRegistry;
+    a block class it does not list fails there (at enable time, or at the first step for a missing `hidden_states`
+    argument) with a message that does not say what to do instead. Say it here, before any hook is placed."""
+    from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
+    from diffusers.hooks._helpers import TransformerBlockRegistry
+
+    fix = ("TaylorSeer caches every family: TaylorSeerCacheConfig(..., cache_identifiers="
+           "paradiff.block_identifiers(model)), or `--cache taylorseer:INTERVAL` on the command line.")
+    blocks = [(f"{name}.{index}", block) for name, child in model.named_children()
+              if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(child, nn.ModuleList)
+              for index, block in enumerate(child)]
+    if len(blocks) < 2:
+        raise ParallelConfigError(
+            f"FirstBlockCacheConfig cannot run on {type(model).__name__}: diffusers' first-block cache needs at least "
+            f"two blocks in lists it knows by name ({sorted(_ALL_TRANSFORMER_BLOCK_IDENTIFIERS)}), found "
+            f"{len(blocks)}. {fix}")
+    for name, block in blocks:
+        block_class = type(block)
+        try:
+            TransformerBlockRegistry.get(block_class)
+        except ValueError:
+            raise ParallelConfigError(
+                f"FirstBlockCacheConfig cannot run on {type(model).__name__}: diffusers 0.42's first-block cache does "
+                f"not know how {block_class.__name__} (`{name}`) takes and returns its hidden states (the class is not "
+                f"in diffusers' TransformerBlockRegistry). {fix}") from None
+        if "hidden_states" not in inspect.signature(block_class.forward).parameters:
+            raise ParallelConfigError(
+                f"FirstBlockCacheConfig cannot run on {type(model).__name__}: diffusers' first-block cache passes "
+                f"`hidden_states` to {block_class.__name__} (`{name}`), whose forward has no such argument. {fix}")
 
 
 def refuse_hooks_inside_compiled_blocks(model: nn.Module, config: Any) -> None:
