@@ -37,6 +37,7 @@ class ResolvedContextPlan:
     prefix_attention: dict[str, str] = field(default_factory=dict)
     token_groups: dict[str, TokenGroups] = field(default_factory=dict)
     processors: dict[str, Any] = field(default_factory=dict)
+    forwards: dict[str, Any] = field(default_factory=dict)
     expert_choice: dict[str, ExpertChoice] = field(default_factory=dict)
 
 
@@ -100,6 +101,12 @@ def resolve_cp_plan(model: nn.Module, plan: ContextParallelPlan) -> ResolvedCont
         if not hasattr(_submodule(model, name, "processors"), "processor") or not callable(factory):
             raise PlanError(f"Context-parallel plan's processors entry {name!r} must name an attention module (one "
                             f"with a processor) and give a function of the runtime; got {type(factory).__name__}.")
+    forwards = _expand(model, plan.forwards, "forwards")
+    for name, factory in forwards.items():
+        _submodule(model, name, "forwards")
+        if not callable(factory):
+            raise PlanError(f"Context-parallel plan's forwards entry {name!r} must be a function of (module, runtime), "
+                            f"got {type(factory).__name__}.")
     expert_choice = _expand(model, plan.expert_choice, "expert_choice")
     for name, spec in expert_choice.items():
         if not isinstance(spec, ExpertChoice):
@@ -121,6 +128,7 @@ def resolve_cp_plan(model: nn.Module, plan: ContextParallelPlan) -> ResolvedCont
         token_groups=_expand(model, plan.token_groups, "token_groups"),
         processors=processors,
         expert_choice=expert_choice,
+        forwards=forwards,
     )
 
 
@@ -442,6 +450,9 @@ def apply_context_parallel(model: nn.Module, state: ParallelState, plan: Resolve
         model.get_submodule(name).processor = LinearAttentionProcessor(runtime)
     for name, factory in plan.processors.items():
         model.get_submodule(name).processor = factory(runtime)
+    for name, factory in plan.forwards.items():  # the instance's forward shadows its class's
+        module = model.get_submodule(name)
+        module.forward = factory(module, runtime)
     for name, spec in plan.expert_choice.items():  # the instance's forward shadows its class's
         layer = model.get_submodule(name)
         layer.forward = expert_choice_forward(layer, spec, runtime)

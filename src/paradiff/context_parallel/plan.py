@@ -92,6 +92,10 @@ class ContextParallelPlan:
       as positions in the full sequence, which a rank's chunk cannot use (Qwen-Image 2.1 slices its queries per
       prefix segment), rewritten as an equivalent whole-sequence mask the context-parallel attention takes. The
       function sees every rank's same whole arguments, so every rank rewrites alike.
+    - `forwards`: module -> function of (module, runtime) returning the callable that replaces the module's forward
+      under context parallelism, for hand-written attention that holds no processor (SANA-WM's recurrence over
+      frames). Where the tensor-parallel plan replaces the same module's forward, this one wins and must handle the
+      local heads too.
     - `expert_choice`: mixture-of-experts layers routed by expert choice over the whole sequence -> ExpertChoice
       (their attribute names): the ranks share the router scores and route alike (context_parallel/experts.py).
     """
@@ -113,3 +117,4 @@ class ContextParallelPlan:
     token_groups: dict[str, TokenGroups] = field(default_factory=dict)
     processors: dict[str, Callable[[Any], Any]] = field(default_factory=dict)
     expert_choice: dict[str, Any] = field(default_factory=dict)
+    forwards: dict[str, Callable[[Any, Any], Callable]] = field(default_factory=dict)

@@ -136,6 +136,12 @@ class ContextParallelRuntime:
         return ulysses_attention(query, key, value, None, scale, kernel, self.ulysses_group, self.stats,
                                  ring_group=ring_group, extra_kv=extra)
 
+    def gathered(self, tensor: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
+        """Every rank's `tensor` concatenated along `dim` in rank order (lengths may differ), and where this rank's
+        piece starts: for a computation a plan runs over the whole sequence (a recurrence over frames)."""
+        sizes = all_gather_int(tensor.shape[dim % tensor.dim()], self.cp_group, tensor.device)
+        return all_gather_uneven(tensor, dim, sizes, self.cp_group, self.stats), sum(sizes[: self.cp_rank])
+
     def gathered_keys(self, key, value, attn_mask):
         """Every rank's keys and values (and the key mask's columns when it covers only this rank's keys), in rank
         order: for cross-attention from split queries to another split, short stream (Motif-Video's text)."""

@@ -142,6 +142,8 @@ class ShardedConv(nn.Module):
         self.comm_stats: CommStats | None = None
         self.stride, self.padding, self.dilation = source.stride, source.padding, source.dilation
         self.groups = local_weight.shape[0] if is_depthwise(source) else 1
+        # the channels of the output this rank computes: models size their work by it (SANA-WM's conv chunks)
+        self.out_channels, self.kernel_size = local_weight.shape[0], source.kernel_size
         self.function = next(fn for cls, fn in _CONV_FUNCTIONS.items() if isinstance(source, cls))
 
     def extra_repr(self) -> str:

@@ -97,6 +97,10 @@ class TensorParallelPlan:
     # module globs whose output is a partial sum over the TP ranks, all-reduced: an expert bank whose 3-D weights
     # are split like a colwise / rowwise pair (SplitParameter), which holds no Linear to reduce
     reduce_outputs: tuple[str, ...] = ()
+    # module glob -> function of (module, None) returning the callable that replaces its forward once its heads are
+    # local: hand-written attention that reshapes by its input's full width (SANA-WM). Without context parallelism
+    # only; the context-parallel plan's `forwards` replace these where both name a module.
+    forwards: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -121,6 +125,7 @@ class ResolvedPlan:
     gather_heads: dict[str, dict[int, int]] = field(default_factory=dict)
     reduce_outputs: list[str] = field(default_factory=list)
     local_head_counts: dict[str, dict[str, int]] = field(default_factory=dict)  # module -> attribute -> local value
+    forwards: dict[str, Any] = field(default_factory=dict)
 
     def spec_for(self, param_name: str) -> ShardSpec | None:
         module_name, _, leaf = param_name.rpartition(".")
@@ -283,6 +288,17 @@ def resolve_plan(model: nn.Module, plan: TensorParallelPlan, rank: int, size: in
                         raise PlanError(f"Plan head_inputs entry {key!r} names arguments {missing} of "
                                         f"{name or type(model).__name__}, whose forward takes {taken}.")
                 getattr(resolved, what)[name] = dict(outputs)
+    for key, factory in plan.forwards.items():
+        for name in expand_key(model, key):
+            try:
+                model.get_submodule(name)
+            except AttributeError as exc:
+                raise PlanError(f"Plan forwards entry {key!r} names {name!r}, which is not a submodule of "
+                                f"{type(model).__name__}; {_missing_module_hint(model, name)}.") from exc
+            if not callable(factory):
+                raise PlanError(f"Plan forwards entry {key!r} must be a function of (module, runtime), got "
+                                f"{type(factory).__name__}.")
+            resolved.forwards[name] = factory
     for key in plan.reduce_outputs:
         for name in expand_key(model, key):
             try:

@@ -79,6 +79,9 @@ def swap_in_sharded_linears(
     for name, outputs in resolved.gather_heads.items():
         model.get_submodule(name).register_forward_hook(_outputs_hook(
             outputs, lambda tensor, dim, _what: all_gather_heads_tp(tensor, dim, group), name))
+    for name, factory in resolved.forwards.items():  # the instance's forward shadows its class's
+        module = model.get_submodule(name)
+        module.forward = factory(module, None)
     for name in resolved.reduce_outputs:
         model.get_submodule(name).register_forward_hook(lambda _module, _args, output: all_reduce_tp(output, group))
 

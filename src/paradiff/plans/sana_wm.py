@@ -1,0 +1,246 @@
+"""SANA-WM (`SanaWMTransformer3DModel`): Sana-Video-style blocks whose self-attention is a bidirectional gated
+delta rule over frames (a D x D state per head carried frame to frame, forwards and backwards), every
+`softmax_every_n`-th block softmax attention instead, per-frame timesteps and an optional per-frame validity mask.
+
+TP splits every head-wise piece (fused QKV, the per-head gates and decay parameters, the short convolution over
+frames, the Q/K norms across heads) and the feed-forward's channels; diffusers' self- and cross-attention reshape by
+their input's full width, so both run a forward here that reshapes by the local heads.
+
+CP splits the latents by whole frames at the model's input (per-frame modulation, the 3x3 convolution and the final
+layer stay local; the output is gathered along frames) and the feed-forward's temporal convolution borrows a frame
+from each neighbour. The recurrence is exact only over every frame: each rank projects its own frames, the
+projected queries, keys, values and gates are all-gathered, each rank runs diffusers' own scan over the whole
+sequence and keeps its frames' rows. The scan's D x D matmuls are replicated (the projections are not); its inputs
+are O(tokens) per rank. The rotary table is given to the model whole, as the ranks' local frame counts would
+restart its positions at 0. The camera branch (UCPE ray transforms) is not split: `camera_conditions` is refused."""
+
+import torch
+import torch.nn.functional as F
+
+from ..context_parallel.plan import ContextParallelPlan, Split
+from ..tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
+from ..tensor_parallel.styles import PackedColwise, SplitParameter
+from .common import Grid, mlp
+
+MODEL_CLASSES = ("SanaWMTransformer3DModel",)
+
+_CAMERA = ("the camera branch's UCPE ray transforms are built per frame for the whole video and are not split by "
+           "paradiff; run camera-conditioned SANA-WM without tensor or context parallelism")
+
+
+def _has_plucker(config, index: int) -> bool:
+    blocks = config.chunk_plucker_post_attn_blocks
+    return config.use_chunk_plucker_post_attn and (blocks < 0 or index < blocks)
+
+
+def _convs(config) -> list[str]:
+    """The recurrent blocks' short convolutions over frames (depthwise: one channel per head dimension); the softmax
+    blocks (every `softmax_every_n`-th) have none."""
+    if config.conv_kernel_size <= 0:
+        return []
+    every = config.softmax_every_n
+    names = ("conv_k",) if config.k_conv_only else ("conv_q", "conv_k", "conv_v")
+    return [f"blocks.{i}.attn.{name}{branch}" for i in range(config.num_layers)
+            if not (every > 0 and (i + 1) % every == 0) for name in names for branch in ("", "_cam")]
+
+
+def tensor_parallel_plan(config) -> TensorParallelPlan:
+    attn, cross = "blocks.*.attn", "blocks.*.cross_attn"
+    styles = {
+        f"{attn}.qkv": PackedColwise([1, 1, 1]),
+        f"{attn}.beta_proj": "colwise",
+        f"{attn}.gate_proj": "colwise",
+        f"{attn}.A_log": SplitParameter(),
+        f"{attn}.dt_bias": SplitParameter(),
+        f"{attn}.output_gate": "colwise",
+        f"{attn}.proj": "rowwise",
+        # the camera branch is refused, but its weights are as large as the main branch's: held split all the same
+        **{f"{attn}.{x}_proj_cam": "colwise" for x in "qkv"},
+        f"{attn}.out_proj_cam": "rowwise",
+        **{f"{conv}.weight": SplitParameter() for conv in _convs(config)},
+        f"{cross}.q_linear": "colwise",
+        f"{cross}.kv_linear": PackedColwise([1, 1]),
+        f"{cross}.proj": "rowwise",
+        **{f"blocks.{i}.plucker_proj": "rowwise_split_input" for i in range(config.num_layers)
+           if _has_plucker(config, i)},
+        "t_block.1": "rowwise_split_input",
+        **mlp("t_embedder"),
+        **mlp("y_embedder.y_proj", "fc1", "fc2"),
+    }
+    if config.qk_norm:
+        styles.update({f"{attn}.{norm}": "norm_across_heads" for norm in ("q_norm", "k_norm", "q_norm_cam",
+                                                                           "k_norm_cam")})
+    if config.cross_norm:
+        styles.update({f"{cross}.q_norm": "norm_across_heads", f"{cross}.k_norm": "norm_across_heads"})
+    if config.ffn_type == "GLUMBConvTemp":  # the GLU's value/gate halves each split; the temporal conv reads all
+        styles.update({"blocks.*.mlp.inverted_conv.conv": PackedColwise([1, 1]),
+                       "blocks.*.mlp.depth_conv.conv": PackedColwise([1, 1]),
+                       "blocks.*.mlp.point_conv.conv": "rowwise", "blocks.*.mlp.t_conv": "rowwise_split_input"})
+    elif config.ffn_type == "mlp":
+        styles.update(mlp("blocks.*.mlp", "fc1", "fc2"))
+    return TensorParallelPlan(
+        styles=styles,
+        # the short convolutions group by their `hidden_size`, one group per local channel
+        head_attrs=DEFAULT_HEAD_ATTRS + ("num_heads", "cam_heads", "hidden_size"),
+        head_modules=(attn, *_convs(config)),
+        forwards={attn: SelfAttention, cross: CrossAttention},
+    )
+
+
+def context_parallel_plan(config) -> ContextParallelPlan:
+    frames = Split(2, ndim=5)  # (batch, channels, frames, height, width)
+    per_frame = Split(2, ndim=3)  # (batch, 1, frames)
+    rewrite = _WholeInputs(config)
+    return ContextParallelPlan(
+        rewrite_inputs={"": rewrite},
+        split_inputs={"": {"hidden_states": frames, "timestep": per_frame, "frame_valid_mask": per_frame,
+                           "chunk_plucker": frames, "data_info": frames}},
+        gather_outputs={"": {0: 2}},
+        halo_convs=("blocks.*.mlp.t_conv",) if config.ffn_type == "GLUMBConvTemp" else (),
+        local_attention=("blocks.*.cross_attn",),
+        forwards={"blocks.*.attn": SelfAttention},
+        unsupported_inputs={"": {name: _CAMERA for name in ("camera_conditions", "cam_pos_embeds", "raymats")}},
+    )
+
+
+class _WholeInputs:
+    """Before the frames are split: the frame mask as (batch, 1, frames), and the rotary table of the whole video
+    (the model would build each rank's from position 0), built as the model builds it."""
+
+    def __init__(self, config) -> None:
+        self.config = config
+        self.rope = None
+
+    def __call__(self, arguments: dict) -> dict:
+        out = {}
+        mask = arguments.get("frame_valid_mask")
+        if mask is not None:
+            if mask.ndim == 5:
+                mask = mask[:, 0, :, 0, 0]
+            out["frame_valid_mask"] = mask[:, None] if mask.ndim == 2 else mask
+        hidden_states = arguments.get("hidden_states")
+        if self.config.use_pe and arguments.get("pos_embeds") is None and hidden_states is not None:
+            if self.rope is None:
+                from diffusers.models.transformers.transformer_sana_wm import SanaWMRotaryPosEmbed
+
+                self.rope = SanaWMRotaryPosEmbed(attention_head_dim=self.config.linear_head_dim,
+                                                 patch_size=tuple(self.config.patch_size), max_seq_len=1024)
+            sizes = [n // p for n, p in zip(hidden_states.shape[-3:], self.config.patch_size)]
+            out["pos_embeds"] = self.rope(tuple(sizes), device=hidden_states.device)
+        return out
+
+
+class SelfAttention:
+    """The block's self-attention (GDN or softmax) over this rank's heads and, with a CP runtime, over every rank's
+    frames: local projections and gates, all-gathered ahead of the recurrence, this rank's rows kept after it."""
+
+    def __init__(self, module, runtime=None) -> None:
+        from diffusers.models.transformers.transformer_sana_wm import BidirectionalGDNUCPESinglePathLiteLA
+
+        self.module, self.runtime = module, runtime
+        self.recurrent = isinstance(module, BidirectionalGDNUCPESinglePathLiteLA)
+
+    def whole(self, tensor: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
+        return (tensor, 0) if self.runtime is None else self.runtime.gathered(tensor, dim)
+
+    def __call__(self, x, mask=None, HW=None, rotary_emb=None, block_mask=None, camera_conditions=None,
+                 chunk_size=None, *, frame_valid_mask=None, ucpe_ray_transforms=None):
+        from diffusers.models.transformers.transformer_sana_wm import _prepare_frame_valid_masks
+
+        if camera_conditions is not None:
+            raise ValueError(f"camera_conditions: {_CAMERA}.")
+        m = self.module
+        batch, tokens, channels = x.shape
+        frames, height, width = HW
+        spatial, heads, head_dim = height * width, m.heads, m.dim
+
+        def masks(frame_mask, count):
+            return _prepare_frame_valid_masks(frame_mask, batch_size=batch, num_frames=count, spatial_size=spatial,
+                                              device=x.device, dtype=x.dtype)
+
+        token_mask = masks(frame_valid_mask, frames)[0]
+        hidden = x if token_mask is None else x * token_mask.view(batch, tokens, 1)
+        qkv = m.qkv(hidden).reshape(batch, tokens, 3, heads, head_dim)
+        if token_mask is not None:
+            qkv = qkv * token_mask.view(batch, tokens, 1, 1, 1)
+        qkv, start = self.whole(qkv, 1)
+        query, key, value = qkv.unbind(2)
+        if frame_valid_mask is not None and self.runtime is not None:
+            frame_valid_mask = self.whole(frame_valid_mask, -1)[0]
+        total = qkv.shape[1]
+        all_frames = total // spatial
+        token_mask, beta_mask, decay_mask = masks(frame_valid_mask, all_frames)
+
+        def heads_norm(norm, tensor):  # over the (local) heads' channels, as diffusers' over all of them
+            return norm(tensor.reshape(batch, total, heads * head_dim)).reshape(batch, total, heads, head_dim)
+
+        if self.recurrent:
+            beta = m.beta_proj(x).sigmoid().reshape(batch, frames, spatial, heads).permute(0, 3, 1, 2)
+            gate = m.gate_proj(x.reshape(batch, frames, spatial, channels).mean(dim=2)).float()
+            decay = (-m.A_log.float().exp().view(1, 1, -1) * F.softplus(gate + m.dt_bias.float().view(1, 1, -1)))
+            decay = decay.exp().transpose(1, 2)
+            beta, decay = self.whole(beta, 2)[0], self.whole(decay, 2)[0]
+            for name, i in (("conv_q", 0), ("conv_k", 1), ("conv_v", 2)):
+                conv = getattr(m, name)
+                if conv is not None:  # over frames: on the whole sequence
+                    streams = [query, key, value]
+                    streams[i] = conv(streams[i].reshape(batch, total, -1), all_frames).reshape(streams[i].shape)
+                    query, key, value = streams
+            query, key = m.kernel_func(heads_norm(m.q_norm, query)), m.kernel_func(heads_norm(m.k_norm, key))
+            out = m.attn(query, key, value, beta, decay, m.recall_gate, all_frames, rotary_emb=rotary_emb,
+                         token_valid_mask=token_mask, beta_valid_mask=beta_mask, decay_valid_mask=decay_mask)
+        else:
+            query, key = heads_norm(m.q_norm, query), heads_norm(m.k_norm, key)
+            out = m.attn(query, key, value, rotary_emb=rotary_emb, token_valid_mask=token_mask)
+        out = out[:, start:start + tokens]
+        if m.use_output_gate and m.output_gate is not None:
+            out = out * F.silu(m.output_gate(x).to(torch.float32))
+        return m.proj(out.to(x.dtype))
+
+
+class CrossAttention:
+    """SanaWMCrossAttnProcessor's attention to the text, reshaped by this rank's heads (its K/V split needs them);
+    under CP its SDPA call is intercepted as local attention, the text being whole on every rank."""
+
+    def __init__(self, module, runtime=None) -> None:
+        self.module = module
+
+    def __call__(self, x, cond, mask=None):
+        m = self.module
+        batch, width = x.shape[0], m.heads * m.head_dim
+        key, value = m.kv_linear(cond).view(batch, -1, 2, width).unbind(2)
+        query, key = m.q_norm(m.q_linear(x)), m.k_norm(key)
+        query, key, value = (t.reshape(batch, -1, m.heads, m.head_dim).transpose(1, 2) for t in (query, key, value))
+        if mask is not None and mask.ndim == 2:
+            mask = mask.bool()[:, None, None, :]
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask)
+        return m.proj(out.transpose(1, 2).reshape(batch, -1, width).type_as(query))
+
+
+_BASE = dict(in_channels=4, num_layers=2, hidden_size=64, num_attention_heads=4, linear_head_dim=16,
+             caption_channels=32, chunk_plucker_channels=12, mlp_ratio=2.0)
+EXAMPLES = {
+    "sana-wm": ("SanaWMTransformer3DModel", _BASE),
+    # the second block softmax attention
+    "sana-wm-softmax": ("SanaWMTransformer3DModel", {**_BASE, "softmax_every_n": 2}),
+}
+
+
+def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
+    # frames = grid.width, so two CP ranks hold 3 and 2 frames
+    frames, height, width = grid.width, grid.height, grid.frames
+    timestep = (torch.rand(batch, 1, 1, generator=generator) * 1000).repeat(1, 1, frames)
+    timestep[:, :, 0] = 0  # the first frame is clean (image-to-video)
+    text_mask = torch.ones(batch, grid.text, dtype=torch.int64)
+    text_mask[-1, -3:] = 0
+    frame_mask = torch.ones(batch, frames)
+    frame_mask[-1, -1] = 0  # the last sample is a frame shorter
+    return dict(
+        hidden_states=torch.randn(batch, config.in_channels, frames, height, width, generator=generator),
+        timestep=timestep,
+        encoder_hidden_states=torch.randn(batch, grid.text, config.caption_channels, generator=generator),
+        encoder_attention_mask=text_mask,
+        chunk_plucker=torch.randn(batch, config.chunk_plucker_channels, frames, height, width, generator=generator),
+        frame_valid_mask=frame_mask,
+        return_dict=False,
+    )
