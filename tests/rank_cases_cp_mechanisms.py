@@ -76,3 +76,20 @@ def cross_attention_between_split_sequences(mode: str) -> float:
     out = runtime.attention(local_chunk(q, 2, rank, size), local_chunk(k, 2, rank, size),
                             local_chunk(v, 2, rank, size), attn_mask=local_chunk(key_valid, 3, rank, size))
     return float((out - local_chunk(expected, 2, rank, size)).abs().max())
+
+
+def gathered_pieces_and_model_outputs() -> dict:
+    """runtime.gathered over uneven pieces (rank r holds r + 2 rows), and a ModelOutput gathered by position."""
+    from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+    from paradiff.context_parallel.apply import _output_gatherer
+
+    runtime = _runtime("ulysses")
+    rank, size = runtime.cp_rank, runtime.cp_size
+    full = torch.arange(2 * sum(r + 2 for r in range(size)) * 3, dtype=torch.float32).view(2, -1, 3)
+    start = sum(r + 2 for r in range(rank))
+    local = full[:, start:start + rank + 2]
+    whole, where = runtime.gathered(local, 1)
+    output = _output_gatherer({0: 1}, runtime)(None, None, Transformer2DModelOutput(sample=local.clone()))
+    return {"equal": torch.equal(whole, full), "start": where, "expected_start": start,
+            "model_output": type(output).__name__, "sample_equal": torch.equal(output.sample, full)}

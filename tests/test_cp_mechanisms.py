@@ -367,3 +367,21 @@ def test_qwen_image_21_flex_block_mask_is_refused_and_decode_masks_pass_unchange
     with pytest.raises(ValueError, match="got a BlockMask .* Use model.set_attn_processor\\(QwenImage21AttnProcessor"):
         block_causal_mask({"segments": None, "attention_mask": BlockMask()})
     assert block_causal_mask({"segments": None, "attention_mask": torch.ones(2, 1, 1, 5, dtype=torch.bool)}) == {}
+
+
+def test_gathered_returns_every_rank_s_uneven_piece_and_this_rank_s_start(pools):
+    for result in pools.get(2).run(cases.gathered_pieces_and_model_outputs):
+        assert result["equal"] and result["start"] == result["expected_start"], result
+        assert result["model_output"] == "Transformer2DModelOutput" and result["sample_equal"], result
+
+
+def test_forwards_replace_a_module_s_forward_and_must_be_functions():
+    from paradiff import ContextParallelPlan, examples
+    from paradiff.context_parallel.apply import resolve_cp_plan
+    from paradiff.errors import PlanError
+
+    model = examples.build_example("sana_wm", "sana-wm")
+    resolved = resolve_cp_plan(model, ContextParallelPlan(forwards={"blocks.*.attn": lambda module, runtime: None}))
+    assert sorted(resolved.forwards) == ["blocks.0.attn", "blocks.1.attn"]
+    with pytest.raises(PlanError, match="forwards entry 'blocks.0.attn' must be a function of"):
+        resolve_cp_plan(model, ContextParallelPlan(forwards={"blocks.*.attn": "not callable"}))

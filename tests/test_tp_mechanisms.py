@@ -109,3 +109,28 @@ def test_head_inputs_keep_the_rank_s_block_of_heads_of_positional_and_keyword_ar
     assert local_scale.shape == (2, 2)
     with pytest.raises(PlanError, match=r"names arguments \['rope'\] of TakesTables, whose forward takes"):
         resolve_plan(TakesTables(), TensorParallelPlan(styles={}, head_inputs={"": {"rope": {0: 1}}}), rank=0, size=2)
+
+
+def test_forwards_are_resolved_per_module_and_must_be_functions():
+    def factory(module, runtime):
+        return lambda x: module.to_out(module.to_q(x))
+
+    plan = TensorParallelPlan(styles={"blocks.*.to_q": "colwise"}, head_modules=("blocks.*",),
+                              forwards={"blocks.*": factory})
+    assert resolve_plan(Model(), plan, rank=0, size=2).forwards == {"blocks.0": factory, "blocks.1": factory}
+    with pytest.raises(PlanError, match="forwards entry 'blocks.\\*' must be a function"):
+        resolve_plan(Model(), TensorParallelPlan(styles={}, forwards={"blocks.*": 3}), rank=0, size=2)
+    with pytest.raises(PlanError, match="forwards entry 'missing' names 'missing'"):
+        resolve_plan(Model(), TensorParallelPlan(styles={}, forwards={"missing": factory}), rank=0, size=2)
+
+
+def test_sharded_convolutions_report_the_output_channels_they_compute():
+    from paradiff.tensor_parallel.layers import ShardedConv
+    from paradiff.tensor_parallel.styles import resolve_style
+
+    source = nn.Conv2d(8, 6, kernel_size=(3, 1), padding=(1, 0))
+    for style, local in (("colwise", source.weight[:3]), ("rowwise", source.weight[:, :4])):
+        spec = resolve_style(style, "conv").shard_spec("weight", tuple(source.weight.shape), 0, 2, None, "conv")
+        conv = ShardedConv(source, local.detach(), None, resolve_style(style, "conv"), spec, tuple(source.weight.shape),
+                           None)
+        assert (conv.out_channels, conv.kernel_size) == (local.shape[0], (3, 1))

@@ -367,6 +367,12 @@ def _output_gatherer(dims: int | dict[int, int], runtime: ContextParallelRuntime
     def hook(_module, _args, output):
         if isinstance(dims, int):
             return _gather(output, dims, runtime)
+        if isinstance(output, dict):  # a ModelOutput (return_dict=True): its items by position, as its tuple holds
+            keys = list(output.keys())
+            for index, dim in dims.items():
+                if index < len(keys):
+                    output[keys[index]] = _gather(output[keys[index]], dim, runtime)
+            return output
         items = list(output)
         for index, dim in dims.items():
             if items[index] is not None:  # an optional stream the call did not use (Kandinsky 6 without audio)
