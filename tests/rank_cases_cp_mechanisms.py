@@ -93,3 +93,37 @@ def gathered_pieces_and_model_outputs() -> dict:
     output = _output_gatherer({0: 1}, runtime)(None, None, Transformer2DModelOutput(sample=local.clone()))
     return {"equal": torch.equal(whole, full), "start": where, "expected_start": start,
             "model_output": type(output).__name__, "sample_equal": torch.equal(output.sample, full)}
+
+
+def split_linear_recurrence(steps: int) -> dict:
+    """S_t = S_{t-1} W_t + U_t forwards and backwards over `steps` steps split unevenly over the ranks: each rank's
+    states from its incoming state equal the single-process scan's."""
+    from paradiff.context_parallel.attention import even_sizes
+    from paradiff.context_parallel.scan import compose, incoming_state
+
+    runtime = _runtime("ulysses")
+    generator = torch.Generator().manual_seed(0)
+    weights = torch.randn(2, steps, 4, 4, generator=generator, dtype=torch.float64) * 0.4
+    updates = torch.randn(2, steps, 3, 4, generator=generator, dtype=torch.float64)
+
+    def scan(state, order):
+        states = {}
+        for step in order:
+            state = state @ weights[:, step] + updates[:, step]
+            states[step] = state
+        return states
+
+    expected_fwd, expected_bwd = scan(torch.zeros(2, 3, 4, dtype=torch.float64), range(steps)), scan(
+        torch.zeros(2, 3, 4, dtype=torch.float64), range(steps - 1, -1, -1))
+    sizes = even_sizes(steps, runtime.cp_size)
+    start = sum(sizes[: runtime.cp_rank])
+    mine = range(start, start + sizes[runtime.cp_rank])
+    worst = 0.0
+    for reverse, expected in ((False, expected_fwd), (True, expected_bwd)):
+        local_w, local_u = weights[:, mine.start:mine.stop], updates[:, mine.start:mine.stop]
+        if reverse:
+            local_w, local_u = local_w.flip(1), local_u.flip(1)
+        state = incoming_state(*compose(local_w, local_u, 1), runtime, reverse=reverse)
+        got = scan(state, reversed(mine) if reverse else mine)
+        worst = max(worst, max(float((got[s] - expected[s]).abs().max()) for s in mine))
+    return {"diff": worst, "steps": len(mine)}

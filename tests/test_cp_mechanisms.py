@@ -385,3 +385,11 @@ def test_forwards_replace_a_module_s_forward_and_must_be_functions():
     assert sorted(resolved.forwards) == ["blocks.0.attn", "blocks.1.attn"]
     with pytest.raises(PlanError, match="forwards entry 'blocks.0.attn' must be a function of"):
         resolve_cp_plan(model, ContextParallelPlan(forwards={"blocks.*.attn": "not callable"}))
+
+
+@pytest.mark.parametrize("world,steps", [(2, 5), (4, 6)])
+def test_a_linear_recurrence_split_over_the_ranks_receives_the_single_process_state(pools, world, steps):
+    results = pools.get(world).run(cases.split_linear_recurrence, steps=steps)
+    assert sum(r["steps"] for r in results) == steps
+    for result in results:
+        assert result["diff"] <= 1e-12, result
