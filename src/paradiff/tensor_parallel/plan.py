@@ -215,13 +215,7 @@ def resolve_plan(model: nn.Module, plan: TensorParallelPlan, rank: int, size: in
         if not isinstance(heads, AttentionHeads):
             raise PlanError(f"Plan attention entry {key!r} must be an AttentionHeads, got {type(heads).__name__}.")
         for name in expand_key(model, key):
-            try:
-                module = model.get_submodule(name)
-            except AttributeError as exc:
-                raise PlanError(
-                    f"Plan attention key {key!r} names {name!r}, which is not a submodule of {type(model).__name__}; "
-                    f"{_missing_module_hint(model, name)}."
-                ) from exc
+            module = _planned_submodule(model, name, "attention key", key)
             resolved.local_head_counts[name] = heads.local_values(module, name, size)
     matched_by: dict[str, str] = {}
     for key, raw_style in plan.styles.items():
@@ -230,13 +224,7 @@ def resolve_plan(model: nn.Module, plan: TensorParallelPlan, rank: int, size: in
             if style.target == "parameter":
                 _resolve_parameter(model, resolved, style, name, key, rank, size)
                 continue
-            try:
-                module = model.get_submodule(name)
-            except AttributeError as exc:
-                raise PlanError(
-                    f"Plan key {key!r} names {name!r}, which is not a submodule of {type(model).__name__}; "
-                    f"{_missing_module_hint(model, name)}."
-                ) from exc
+            module = _planned_submodule(model, name, "key", key)
             _check_target(module, style, name, key)
             if name in matched_by:
                 raise PlanError(
@@ -264,24 +252,15 @@ def resolve_plan(model: nn.Module, plan: TensorParallelPlan, rank: int, size: in
     resolved.attention_modules = _attention_modules(model, resolved, plan.head_attrs, size)
     for key in plan.head_modules:
         for name in expand_key(model, key):
-            try:
-                module = model.get_submodule(name)
-            except AttributeError as exc:
-                raise PlanError(f"Plan head_modules entry {key!r} names {name!r}, which is not a submodule of "
-                                f"{type(model).__name__}; {_missing_module_hint(model, name)}.") from exc
+            module = _planned_submodule(model, name, "head_modules entry", key)
             _check_head_attrs(module, name, plan.head_attrs, size)
             if name not in resolved.attention_modules:
                 resolved.attention_modules.append(name)
     for what in ("head_outputs", "gather_heads", "head_inputs"):
         for key, outputs in getattr(plan, what).items():
             for name in expand_key(model, key) if key else [""]:
-                try:
-                    model.get_submodule(name)
-                except AttributeError as exc:
-                    raise PlanError(f"Plan {what} entry {key!r} names {name!r}, which is not a submodule of "
-                                    f"{type(model).__name__}; {_missing_module_hint(model, name)}.") from exc
+                module = _planned_submodule(model, name, f"{what} entry", key)
                 if what == "head_inputs":
-                    module = model.get_submodule(name)
                     taken = list(inspect.signature(module.forward).parameters)
                     missing = [argument for argument in outputs if argument not in taken]
                     if missing:
@@ -290,24 +269,25 @@ def resolve_plan(model: nn.Module, plan: TensorParallelPlan, rank: int, size: in
                 getattr(resolved, what)[name] = dict(outputs)
     for key, factory in plan.forwards.items():
         for name in expand_key(model, key):
-            try:
-                model.get_submodule(name)
-            except AttributeError as exc:
-                raise PlanError(f"Plan forwards entry {key!r} names {name!r}, which is not a submodule of "
-                                f"{type(model).__name__}; {_missing_module_hint(model, name)}.") from exc
+            _planned_submodule(model, name, "forwards entry", key)
             if not callable(factory):
                 raise PlanError(f"Plan forwards entry {key!r} must be a function of (module, runtime), got "
                                 f"{type(factory).__name__}.")
             resolved.forwards[name] = factory
     for key in plan.reduce_outputs:
         for name in expand_key(model, key):
-            try:
-                model.get_submodule(name)
-            except AttributeError as exc:
-                raise PlanError(f"Plan reduce_outputs entry {key!r} names {name!r}, which is not a submodule of "
-                                f"{type(model).__name__}; {_missing_module_hint(model, name)}.") from exc
+            _planned_submodule(model, name, "reduce_outputs entry", key)
             resolved.reduce_outputs.append(name)
     return resolved
+
+
+def _planned_submodule(model: nn.Module, name: str, entry: str, key: str) -> nn.Module:
+    """The submodule `name` a plan entry (`entry` `key`) expands to, or a PlanError saying what the model has."""
+    try:
+        return model.get_submodule(name)
+    except AttributeError as exc:
+        raise PlanError(f"Plan {entry} {key!r} names {name!r}, which is not a submodule of {type(model).__name__}; "
+                        f"{_missing_module_hint(model, name)}.") from exc
 
 
 def _resolve_parameter(model: nn.Module, resolved: ResolvedPlan, style: Style, name: str, key: str, rank: int,
