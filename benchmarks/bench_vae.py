@@ -116,42 +116,38 @@ def decode_worker(rank: int, world_size: int, model: str, config: dict, height: 
         if world_size > 1:
             dist.barrier()
 
-    if single_pass:  # one decode, timed and memory-measured at once (no warm-up): for decodes of many minutes
+    def measured_decode() -> tuple:
+        """One decode with its time (wall, CPU), peak tensor bytes and peak RSS rise."""
+        gc.collect()
         sync()
         status, _ = read_status()
         reset = _reset_peak_rss()
-        with LoadWindow() as window, PeakTensorMemory() as memory:
+        with PeakTensorMemory() as memory:
             start, cpu_start = time.perf_counter(), time.process_time()
             output = decode()
-            times, cpu = [time.perf_counter() - start], [time.process_time() - cpu_start]
+            elapsed = (time.perf_counter() - start, time.process_time() - cpu_start)
         after, _ = read_status()
-        return {
-            "times": times, "cpu": cpu, "peak_tensor_bytes": memory.peak,
-            "rss_rise_bytes": (after["VmHWM"] - status.get("RssAnon", 0) - status.get("RssFile", 0)
-                               - status.get("RssShmem", 0)) if reset else None,
-            "window": {"system": window.system, "own": window.own, "wall": window.wall},
-            "output": output if rank == 0 else None,
-        }
-    decode()  # warm-up (and, split, the first call learns its halo plans)
+        rise = (after["VmHWM"] - status.get("RssAnon", 0) - status.get("RssFile", 0)
+                - status.get("RssShmem", 0)) if reset else None
+        return output, elapsed, memory.peak, rise
+
     times, cpu = [], []
-    with LoadWindow() as window:
-        for _ in range(repeats):
-            sync()
-            start, cpu_start = time.perf_counter(), time.process_time()
-            decode()
-            times.append(time.perf_counter() - start)
-            cpu.append(time.process_time() - cpu_start)
-    gc.collect()
-    sync()
-    status, _ = read_status()
-    reset = _reset_peak_rss()
-    with PeakTensorMemory() as memory:
-        output = decode()
-    after, _ = read_status()
+    if single_pass:  # one decode, timed and memory-measured at once (no warm-up): for decodes of many minutes
+        with LoadWindow() as window:
+            output, (wall, cpu_s), peak, rise = measured_decode()
+        times, cpu = [wall], [cpu_s]
+    else:
+        decode()  # warm-up (and, split, the first call learns its halo plans)
+        with LoadWindow() as window:
+            for _ in range(repeats):
+                sync()
+                start, cpu_start = time.perf_counter(), time.process_time()
+                decode()
+                times.append(time.perf_counter() - start)
+                cpu.append(time.process_time() - cpu_start)
+        output, _, peak, rise = measured_decode()
     return {
-        "times": times, "cpu": cpu, "peak_tensor_bytes": memory.peak,
-        "rss_rise_bytes": (after["VmHWM"] - status.get("RssAnon", 0) - status.get("RssFile", 0)
-                           - status.get("RssShmem", 0)) if reset else None,
+        "times": times, "cpu": cpu, "peak_tensor_bytes": peak, "rss_rise_bytes": rise,
         "window": {"system": window.system, "own": window.own, "wall": window.wall},
         "output": output if rank == 0 else None,
     }
