@@ -32,14 +32,12 @@ def block_identifiers(model: nn.Module) -> list[str]:
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no repeated blocks (no `_repeated_blocks`, no top-level "
                          "nn.ModuleList).")
-    listed = sorted({name.rsplit(".", 1)[0] for name, _ in blocks if name.rsplit(".", 1)[-1].isdigit() and "." in name})
-    single = sorted(name for name, _ in blocks if not (name.rsplit(".", 1)[-1].isdigit() and "." in name))
-    return [rf"{re.escape(prefix)}\.\d+" for prefix in listed] + [re.escape(name) for name in single]
+    listed, single = set(), set()
+    for name, _ in blocks:
+        parent, _, last = name.rpartition(".")
+        if parent and last.isdigit():
+            listed.add(parent)  # an item of a ModuleList: one pattern covers the list
+        else:
+            single.add(name)
+    return [rf"{re.escape(parent)}\.\d+" for parent in sorted(listed)] + [re.escape(name) for name in sorted(single)]
 
-
-def compiled_block_of(model: nn.Module, module_name: str) -> str | None:
-    """The compiled block that strictly contains the module `module_name` of `model`, or None."""
-    for name, block in repeated_blocks(model):
-        if getattr(block, COMPILED_ATTR, False) and module_name.startswith(name + "."):
-            return name
-    return None

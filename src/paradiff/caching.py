@@ -26,7 +26,7 @@ from diffusers.hooks.hooks import StateManager
 from diffusers.hooks.taylorseer_cache import TaylorSeerCacheHook
 from torch import nn
 
-from .blocks import block_identifiers, compiled_block_of
+from .blocks import COMPILED_ATTR, block_identifiers, repeated_blocks
 from .comm import all_reduce_metric
 from .errors import ParallelConfigError
 
@@ -151,11 +151,14 @@ def _check_first_block_cache_fits(model: nn.Module) -> None:
 def refuse_hooks_inside_compiled_blocks(model: nn.Module, config: Any) -> None:
     """A cache hook on a module inside a block paradiff.compile compiled would put the hook's decision (a graph break
     by nature) inside the block's one graph: disable the cache again and say how to cache whole blocks instead."""
+    compiled = [name for name, block in repeated_blocks(model) if getattr(block, COMPILED_ATTR, False)]
+    if not compiled:
+        return
     for name, module in model.named_modules():
         registry = getattr(module, "_diffusers_hook", None)
-        if not getattr(registry, "hooks", None) or not name:
+        if not getattr(registry, "hooks", None):
             continue
-        block = compiled_block_of(model, name)
+        block = next((block for block in compiled if name.startswith(block + ".")), None)
         if block is None:
             continue
         model.disable_cache()
