@@ -136,10 +136,12 @@ class ContextParallelRuntime:
         return ulysses_attention(query, key, value, None, scale, kernel, self.ulysses_group, self.stats,
                                  ring_group=ring_group, extra_kv=extra)
 
-    def gathered(self, tensor: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
+    def gathered(self, tensor: torch.Tensor, dim: int, sizes: list[int] | None = None) -> tuple[torch.Tensor, int]:
         """Every rank's `tensor` concatenated along `dim` in rank order (lengths may differ), and where this rank's
-        piece starts: for a computation a plan runs over the whole sequence (a recurrence over frames)."""
-        sizes = all_gather_int(tensor.shape[dim % tensor.dim()], self.cp_group, tensor.device)
+        piece starts: for a computation a plan runs over the whole sequence (a recurrence over frames). `sizes`, the
+        lengths in rank order when the caller knows them, saves gathering them."""
+        if sizes is None:
+            sizes = all_gather_int(tensor.shape[dim % tensor.dim()], self.cp_group, tensor.device)
         return all_gather_uneven(tensor, dim, sizes, self.cp_group, self.stats), sum(sizes[: self.cp_rank])
 
     def gathered_keys(self, key, value, attn_mask):

@@ -24,9 +24,10 @@ def incoming_state(product: torch.Tensor, offset: torch.Tensor, runtime: Context
                    reverse: bool = False) -> torch.Tensor:
     """The state this rank's first step receives (its last, with `reverse`: the scan runs from the last rank to
     the first), from every rank's (P, Q) of its own steps; zero at the sequence's start."""
-    products = runtime.gathered(product.unsqueeze(0).contiguous(), 0)[0]
-    offsets = runtime.gathered(offset.unsqueeze(0).contiguous(), 0)[0]
     rank, size = runtime.cp_rank, runtime.cp_size
+    one_each = [1] * size  # one map per rank: no lengths to gather first
+    products = runtime.gathered(product.unsqueeze(0).contiguous(), 0, one_each)[0]
+    offsets = runtime.gathered(offset.unsqueeze(0).contiguous(), 0, one_each)[0]
     state = torch.zeros_like(offset)
     for peer in (range(size - 1, rank, -1) if reverse else range(rank)):
         state = state @ products[peer] + offsets[peer]
