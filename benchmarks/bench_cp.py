@@ -344,8 +344,8 @@ def bench_worker(rank: int, world_size: int, case: Case, shape: tuple[int, int, 
     try:
         if case.impl == "paradiff":
             import paradiff
-            from paradiff.comm import CommStats
-            from paradiff.state import get_state
+            from paradiff.distributed.comm import CommStats
+            from paradiff.runtime.state import get_state
 
             paradiff.enable_parallelism(
                 model, paradiff.ContextParallelConfig(ring_degree=case.ring, ulysses_degree=case.ulysses)
@@ -435,7 +435,7 @@ def attention_worker(rank: int, world_size: int, case: Case, shape: tuple[int, i
     result: dict[str, Any] = {"rank": rank}
     if case.impl == "paradiff":
         import paradiff
-        from paradiff.state import get_state
+        from paradiff.runtime.state import get_state
 
         paradiff.enable_parallelism(model, paradiff.ContextParallelConfig(ring_degree=case.ring,
                                                                           ulysses_degree=case.ulysses))

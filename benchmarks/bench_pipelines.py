@@ -68,7 +68,7 @@ import importlib.abc, importlib.util, json, os, sys, time
 
 class _TimePipelineCalls(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != "paradiff.pipeline":
+        if name != "paradiff.api.pipeline":
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)

@@ -108,7 +108,7 @@ def step_worker(rank: int, world_size: int, which: str, folder: str, steps: int,
     from diffusers import Flux2Transformer2DModel
 
     import paradiff
-    from paradiff.comm import CommStats
+    from paradiff.distributed.comm import CommStats
     from paradiff.tensor_parallel.layers import ShardedLinear
 
     quiet_diffusers()

@@ -38,7 +38,7 @@ def run_mode(rank: int, world_size: int, mode: str, steps: int, frames: int, hei
     from diffusers import WanTransformer3DModel
 
     import paradiff
-    from paradiff.comm import CommStats
+    from paradiff.distributed.comm import CommStats
     from paradiff.tensor_parallel.layers import RowwiseLinear, ShardedNorm
 
     quiet_diffusers()

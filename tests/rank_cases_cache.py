@@ -7,7 +7,7 @@ import torch.distributed as dist
 from diffusers import FirstBlockCacheConfig, TaylorSeerCacheConfig
 
 import paradiff
-from paradiff.comm import all_gather_object
+from paradiff.distributed.comm import all_gather_object
 from paradiff.testing.caching import decide_alone, stock_decisions
 from paradiff.testing.models import Lengths, build_model, make_inputs, run_forward
 from rank_cases_compile import parallel_config

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import paradiff
-from paradiff.cfg import install_cfg_parallel
+from paradiff.runtime.cfg import install_cfg_parallel
 from paradiff.testing.models import Lengths, build_model, make_inputs, run_forward
 
 

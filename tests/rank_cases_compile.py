@@ -81,7 +81,7 @@ def _compiled_and_cached(family: str, compiled_model) -> dict:
 def inductor_smoke() -> dict:
     """Inductor lowers both parallel ops to real code: a TP all-reduce (functional collective) and the CP attention
     custom op, in one small compiled function on 2 ranks, against the same function run eagerly."""
-    from paradiff.comm import all_reduce_tp, group_name
+    from paradiff.distributed.comm import all_reduce_tp, group_name
     from paradiff.context_parallel.ops import cp_attention
 
     group = dist.new_group(list(range(dist.get_world_size())))

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 import paradiff
-from paradiff.comm import CommStats
-from paradiff.state import get_state
+from paradiff.distributed.comm import CommStats
+from paradiff.runtime.state import get_state
 from paradiff.testing.models import Lengths, build_model, make_inputs, run_forward
 
 
@@ -114,7 +114,7 @@ def cp_general_masks(ring: int, ulysses: int, tokens: int = 11, heads: int = 4, 
 
     from paradiff.context_parallel.attention import local_chunk
     from paradiff.context_parallel.runtime import ContextParallelRuntime
-    from paradiff.mesh import build_mesh
+    from paradiff.distributed.mesh import build_mesh
 
     cp = paradiff.ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses)
     mesh = build_mesh(paradiff.ParallelConfig(context_parallel_config=cp))
@@ -144,7 +144,7 @@ def cp_general_masks(ring: int, ulysses: int, tokens: int = 11, heads: int = 4, 
 def cp_refused_argument() -> str:
     """Lumina-Next's proportional attention (a scale from the sequence length its processor sees) under CP: every
     rank refuses the call with the reason before the forward issues a collective."""
-    from paradiff import examples
+    from paradiff.plan_tools import family_examples as examples
 
     model = paradiff.enable_parallelism(examples.build_example("lumina_next", "lumina-next"),
                                         paradiff.ContextParallelConfig(ring_degree=dist.get_world_size()))
@@ -165,7 +165,7 @@ def cp_queries_and_keys_of_different_lengths(ring: int, ulysses: int, heads: int
 
     from paradiff.context_parallel.attention import local_chunk
     from paradiff.context_parallel.runtime import ContextParallelRuntime
-    from paradiff.mesh import build_mesh
+    from paradiff.distributed.mesh import build_mesh
 
     cp = paradiff.ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses)
     mesh = build_mesh(paradiff.ParallelConfig(context_parallel_config=cp))

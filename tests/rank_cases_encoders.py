@@ -13,7 +13,7 @@ import torch.distributed as dist
 from diffusers import DiffusionPipeline
 
 import paradiff
-from paradiff.memory import parameter_bytes
+from paradiff.runtime.memory import parameter_bytes
 from paradiff.testing.pipelines import default_call_kwargs, encode_prompt_kwargs
 
 # different lengths, so the shorter prompt is padded and the encoders' masks matter

@@ -24,9 +24,9 @@ from torch import nn
 from torch.distributed import distributed_c10d
 
 import paradiff
-import paradiff.mesh
-from paradiff.checkpoint import SINGLE_FILE, Checkpoint
-from paradiff.state import get_state
+import paradiff.distributed.mesh
+from paradiff.io.checkpoint import SINGLE_FILE, Checkpoint
+from paradiff.runtime.state import get_state
 from paradiff.tensor_parallel.layers import ShardedLinear
 from paradiff.tensor_parallel.styles import PackedColwise
 from paradiff.testing.models import Lengths, UnplannedTransformer, make_inputs, model_class, run_forward
@@ -64,7 +64,7 @@ def watch() -> Iterator[list[str]]:
     for name in COLLECTIVES:
         forbid(dist, name, f"dist.{name}")
         forbid(distributed_c10d, name, f"dist.{name}")
-    forbid(paradiff.mesh, "init_device_mesh", "init_device_mesh")
+    forbid(paradiff.distributed.mesh, "init_device_mesh", "init_device_mesh")
     forbid(device_mesh_module, "init_device_mesh", "init_device_mesh")
     forbid(Checkpoint, "read", "Checkpoint.read")
     forbid(os, "pread", "os.pread")

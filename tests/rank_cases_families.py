@@ -15,7 +15,7 @@ def sana_wm_camera_refused(mode: str) -> str:
     import torch
 
     import paradiff
-    from paradiff import examples
+    from paradiff.plan_tools import family_examples as examples
 
     model = paradiff.enable_parallelism(examples.build_example("sana_wm", "sana-wm"), parallel_config(mode))
     inputs = examples.example_inputs("sana_wm", "sana-wm", model.config)

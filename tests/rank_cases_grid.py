@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from paradiff.comm import CommStats
+from paradiff.distributed.comm import CommStats
 from paradiff.context_parallel.attention import local_chunk
 from paradiff.context_parallel.grid import grid_layout, halo_conv_hooks, split_grid
 from paradiff.context_parallel.linear import LinearAttentionProcessor

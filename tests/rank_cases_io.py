@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 import paradiff
-from paradiff.checkpoint import Checkpoint
-from paradiff.state import get_state
+from paradiff.io.checkpoint import Checkpoint
+from paradiff.runtime.state import get_state
 from paradiff.testing.models import model_class
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import paradiff
-from paradiff.state import get_state
+from paradiff.runtime.state import get_state
 from paradiff.tensor_parallel.layers import ShardedLinear
 from paradiff.tensor_parallel.shard import slice_tensor
 from paradiff.testing.models import Lengths, make_inputs, model_class, run_forward

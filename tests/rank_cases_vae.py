@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import paradiff
-from paradiff.comm import CommStats
+from paradiff.distributed.comm import CommStats
 from paradiff.testing.memory import PeakTensorMemory
 from paradiff.testing.vaes import build_vae, run_vae, sample_input
 from paradiff.vae import get_vae_runtime
@@ -52,7 +52,7 @@ def decode_peak_memory(name: str, height: int, width: int, frames: int = 1) -> d
 
 def replica_outputs(data: int) -> dict:
     """Data parallelism: each replica of a (data x tp) mesh decodes its own latent over its own ranks."""
-    from paradiff.mesh import build_mesh
+    from paradiff.distributed.mesh import build_mesh
 
     torch.set_num_threads(1)
     mesh = build_mesh(paradiff.ParallelConfig(

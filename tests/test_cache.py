@@ -89,7 +89,7 @@ def test_taylorseer_on_blocks_that_return_none():
     With the same input every step the Taylor series is flat, so a predicted step must equal the full forward."""
     from diffusers import TaylorSeerCacheConfig
 
-    from paradiff.examples import build_example, example_inputs, forward
+    from paradiff.plan_tools.family_examples import build_example, example_inputs, forward
 
     model = build_example("kandinsky6", "kandinsky6-video")
     inputs = example_inputs("kandinsky6", "kandinsky6-video", model.config)
@@ -116,7 +116,7 @@ def test_first_block_cache_refuses_blocks_diffusers_cannot_read(family, example,
     ValueError (at enable time, or at the first step): paradiff says why, and what caches every family."""
     from diffusers import FirstBlockCacheConfig
 
-    from paradiff.examples import build_example
+    from paradiff.plan_tools.family_examples import build_example
 
     model = build_example(family, example)
     with pytest.raises(paradiff.ParallelConfigError, match=reason.replace("(", r"\(")) as raised:

@@ -1,4 +1,4 @@
-"""The safetensors reader and writer (paradiff.checkpoint), in one process.
+"""The safetensors reader and writer (paradiff.io.checkpoint), in one process.
 
 Corrupt files must fail at header time with the file, the tensor and what is wrong named; slices read from disk must
 equal torch slicing of the full tensor; files written must load with the reference `safetensors` library.
@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from paradiff.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint, SafetensorsWriter, read_header, write_checkpoint
+from paradiff.io.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint, SafetensorsWriter, read_header, write_checkpoint
 from paradiff.errors import CheckpointError
 from paradiff.tensor_parallel.shard import slice_tensor
 from paradiff.tensor_parallel.styles import Colwise, PackedColwise, PackedRowwise, Rowwise, ShardSpec

@@ -241,7 +241,8 @@ def test_rewrite_inputs_replace_positional_and_keyword_arguments_and_refuse_unkn
 
 
 def test_rewrite_inputs_must_be_functions():
-    from paradiff import ContextParallelPlan, examples
+    from paradiff import ContextParallelPlan
+    from paradiff.plan_tools import family_examples as examples
     from paradiff.context_parallel.apply import resolve_cp_plan
     from paradiff.errors import PlanError
 
@@ -252,7 +253,7 @@ def test_rewrite_inputs_must_be_functions():
 
 def test_qwen_image_21_block_causal_mask_equals_its_per_segment_attention():
     # one process: the whole-sequence mask the CP plan substitutes gives the processor's per-segment result
-    from paradiff import examples
+    from paradiff.plan_tools import family_examples as examples
     from paradiff.plans.qwenimage21 import block_causal_mask
 
     model = examples.build_example("qwenimage21", "qwen-image-2.1")
@@ -293,7 +294,8 @@ def test_nabla_block_choice_is_diffusers_and_attends_only_the_chosen_blocks():
 
 
 def test_processors_must_name_attention_modules():
-    from paradiff import ContextParallelPlan, examples
+    from paradiff import ContextParallelPlan
+    from paradiff.plan_tools import family_examples as examples
     from paradiff.context_parallel.apply import resolve_cp_plan
     from paradiff.context_parallel.nabla import NablaAttentionProcessor
     from paradiff.errors import PlanError
@@ -304,7 +306,8 @@ def test_processors_must_name_attention_modules():
 
 
 def test_expert_choice_names_a_layer_with_the_attributes_it_reads():
-    from paradiff import ContextParallelPlan, examples
+    from paradiff import ContextParallelPlan
+    from paradiff.plan_tools import family_examples as examples
     from paradiff.context_parallel.apply import resolve_cp_plan
     from paradiff.context_parallel.experts import ExpertChoice
     from paradiff.errors import PlanError
@@ -317,7 +320,7 @@ def test_expert_choice_names_a_layer_with_the_attributes_it_reads():
 
 
 def test_a_nan_output_is_never_within_tolerance():
-    from paradiff.examples import relative_difference
+    from paradiff.plan_tools.family_examples import relative_difference
 
     expected = torch.ones(3)
     assert relative_difference([torch.tensor([1.0, float("nan"), 1.0])], [expected]) == float("inf")
@@ -329,7 +332,7 @@ def test_mask_function_processor_equals_diffusers_flex_attention():
     # flex attention applies the mask function), and the mask does exclude keys
     from diffusers.models.transformers.transformer_anyflow_far import AnyFlowCausalAttnProcessor
 
-    from paradiff import examples
+    from paradiff.plan_tools import family_examples as examples
     from paradiff.context_parallel.flex import dense_mask
 
     model = examples.build_example("anyflow_far", "anyflow-far")
@@ -345,7 +348,7 @@ def test_mask_function_processor_equals_diffusers_flex_attention():
 
 def test_expert_choice_routed_per_chunk_would_differ_from_the_whole_sequence():
     # why the ranks must route together: each expert's top-capacity tokens of a chunk are not those of the sequence
-    from paradiff import examples
+    from paradiff.plan_tools import family_examples as examples
 
     layer = examples.build_example("nucleusmoe", "nucleus-moe").transformer_blocks[1].img_mlp
     generator = torch.Generator().manual_seed(0)
@@ -376,7 +379,8 @@ def test_gathered_returns_every_rank_s_uneven_piece_and_this_rank_s_start(pools)
 
 
 def test_forwards_replace_a_module_s_forward_and_must_be_functions():
-    from paradiff import ContextParallelPlan, examples
+    from paradiff import ContextParallelPlan
+    from paradiff.plan_tools import family_examples as examples
     from paradiff.context_parallel.apply import resolve_cp_plan
     from paradiff.errors import PlanError
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 import rank_cases_families as cases
-from paradiff import examples
+from paradiff.plan_tools import family_examples as examples
 
 TOLERANCE = 1e-5
 MAX_SHARE = 0.75

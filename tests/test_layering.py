@@ -1,12 +1,23 @@
-"""Dependencies point down: the mechanisms know no model, and the product never needs the test helpers."""
+"""Dependencies point down: the mechanisms know no model, and the product never needs the test helpers.
+
+The layers, lowest first: config / errors; distributed/; io/, tensor_parallel/, context_parallel/, vae/ (mechanisms);
+runtime/; plans/ (per-model and per-pipeline knowledge); plan_tools/; api/; cli/, demo/. testing/ sits beside the
+product and is never imported by it.
+"""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "paradiff"
-MECHANISMS = ("tensor_parallel", "context_parallel", "vae")
+MECHANISMS = ("tensor_parallel", "context_parallel", "vae", "io")
+# What each low layer may import from paradiff: itself and the layers below it.
+ALLOWED_BELOW = {
+    "distributed": ("paradiff.config", "paradiff.errors", "paradiff.distributed"),
+}
 
 
 def imports(source: str, where: str) -> list[str]:
@@ -23,9 +34,13 @@ def imports(source: str, where: str) -> list[str]:
     return found
 
 
+def module_imports(files: list[Path]) -> list[tuple[str, str]]:
+    return [(str(path.relative_to(PACKAGE)), name) for path in files
+            for name in imports(path.read_text(), str(path.relative_to(PACKAGE)))]
+
+
 def offenders(files: list[Path], forbidden: str) -> list[str]:
-    return [f"{path.relative_to(PACKAGE)}: {name}" for path in files
-            for name in imports(path.read_text(), str(path.relative_to(PACKAGE)))
+    return [f"{where}: {name}" for where, name in module_imports(files)
             if name == forbidden or name.startswith(forbidden + ".")]
 
 
@@ -36,10 +51,30 @@ def test_relative_imports_are_seen_as_what_they_name():
     assert imports("import paradiff.testing.dist", "cli/worker.py") == ["paradiff.testing.dist"]
 
 
-def test_mechanisms_never_import_plans():
+def test_the_top_level_holds_only_config_errors_and_packages():
+    modules = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert modules == ["__init__.py", "config.py", "errors.py"]
+
+
+@pytest.mark.parametrize("forbidden", ["paradiff.plans", "paradiff.plan_tools", "paradiff.api", "paradiff.cli"])
+def test_mechanisms_never_import_plans_or_entry_points(forbidden):
     files = [path for mechanism in MECHANISMS for path in (PACKAGE / mechanism).rglob("*.py")]
     assert len(files) > 10
-    assert offenders(files, "paradiff.plans") == []
+    assert offenders(files, forbidden) == []
+
+
+@pytest.mark.parametrize("forbidden", ["paradiff.api", "paradiff.cli", "paradiff.plan_tools", "paradiff.demo"])
+def test_runtime_and_plans_never_import_entry_points(forbidden):
+    files = [*(PACKAGE / "runtime").rglob("*.py"), *(PACKAGE / "plans").rglob("*.py")]
+    assert offenders(files, forbidden) == []
+
+
+def test_distributed_imports_nothing_above_it():
+    files = list((PACKAGE / "distributed").rglob("*.py"))
+    assert len(files) >= 4
+    above = [f"{where}: {name}" for where, name in module_imports(files)
+             if name.startswith("paradiff") and not name.startswith(ALLOWED_BELOW["distributed"])]
+    assert above == []
 
 
 def test_product_never_imports_paradiff_testing():

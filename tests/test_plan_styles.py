@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from paradiff import HeadNorm, PlanError, SplitParameter, TensorParallelPlan, examples
+from paradiff import HeadNorm, PlanError, SplitParameter, TensorParallelPlan
+from paradiff.plan_tools import family_examples as examples
 from paradiff.tensor_parallel.plan import resolve_plan
 from paradiff.tensor_parallel.styles import ShardSpec
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 import rank_cases_families as cases
-from paradiff import examples
-from paradiff.autoplan import auto_tensor_plan
-from paradiff.checkplan import check_plan
-from paradiff.coverage import coverage_table
+from paradiff.plan_tools import family_examples as examples
+from paradiff.plans.auto import auto_tensor_plan
+from paradiff.plan_tools.check_plan import check_plan
+from paradiff.plan_tools.coverage import coverage_table
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-5
@@ -97,7 +97,7 @@ def test_plans_command_prints_a_plan_module_that_loads(tmp_path):
     assert out.returncode == 0, out.stderr
     tensor_source = out.stdout.split('"""Plan for')[1]
     (tmp_path / "plan.py").write_text('"""Plan for' + tensor_source)
-    from paradiff.checkplan import load_plan_file
+    from paradiff.plan_tools.check_plan import load_plan_file
 
     plan = load_plan_file(str(tmp_path / "plan.py"), "tensor")(None)
     assert plan.styles["blocks.*.attn1.norm_q"] == "norm_across_heads"
@@ -110,7 +110,7 @@ def test_readme_coverage_table_is_generated_from_the_code():
     for family, _, class_name in examples.all_examples():
         assert re.search(rf"\| `{class_name}` \|", readme), class_name
     # diffusers' transformers without a built-in plan are listed as such, and only those
-    from paradiff.coverage import unplanned_transformers
+    from paradiff.plan_tools.coverage import unplanned_transformers
 
     planned = {name for _, _, name in examples.all_examples()}
     missing = unplanned_transformers(planned)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import rank_cases_families as cases
-from paradiff import examples
+from paradiff.plan_tools import family_examples as examples
 from paradiff.plans import sana_wm
 
 

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from paradiff.checkpoint import Checkpoint
+from paradiff.io.checkpoint import Checkpoint
 from paradiff.testing.pipelines import save_medium_lumina2
 
 MIB = 2**20

@@ -180,7 +180,7 @@ def test_user_plan_matches_single_process(pools, checkpoints, family, via):
 
 def test_watch_catches_reads_and_collectives(checkpoints):
     """The spy itself: a read or a collective inside `watch()` is recorded and refused."""
-    from paradiff.checkpoint import Checkpoint
+    from paradiff.io.checkpoint import Checkpoint
 
     folder = checkpoints[("flux2", "single")]
     with Checkpoint(folder) as checkpoint:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from paradiff import examples
+from paradiff.plan_tools import family_examples as examples
 
 
 def test_self_attention_equals_diffusers_flex_processor_in_both_passes():

@@ -12,8 +12,8 @@ import datetime
 import json
 import sys
 
-from paradiff import examples
-from paradiff.coverage import VERIFIED
+from paradiff.plan_tools import family_examples as examples
+from paradiff.plan_tools.coverage import VERIFIED
 from paradiff.testing.dist import RankPool, RankFailure, RankTimeout
 from paradiff.testing.families import family_modes
 
@@ -24,7 +24,7 @@ def write_readme_table() -> None:
     """Replace README.md's coverage table (between its markers) with `paradiff plans --markdown`."""
     from pathlib import Path
 
-    from paradiff.coverage import coverage_table
+    from paradiff.plan_tools.coverage import coverage_table
 
     readme = Path(__file__).resolve().parents[1] / "README.md"
     text = readme.read_text()
@@ -36,7 +36,7 @@ def write_readme_table() -> None:
 
 def auto_match(family: str, example: str) -> str:
     """How many of the built-in TP plan's block-stack entries the automatic planner reproduces exactly."""
-    from paradiff.autoplan import auto_tensor_plan
+    from paradiff.plans.auto import auto_tensor_plan
     from paradiff.plans import builtin_plan
     from paradiff.tensor_parallel.plan import resolve_plan
 

@@ -1,34 +1,19 @@
 """paradiff: tensor, context, CFG and data parallelism for diffusers transformers, on GPUs (NCCL) and CPUs (gloo)."""
 
-from .blocks import block_identifiers
-from .caching import CacheMonitor, cache_monitor, enable_cache
-from .compilation import compile
-from .config import ContextParallelConfig, ParallelConfig, TensorParallelConfig
-from .context_parallel.apply import set_attention_backend
-from .context_parallel.plan import ContextParallelPlan, Count, Split, TokenGroups
-from .errors import (
-    CheckpointError,
-    DistributedError,
-    ParadiffError,
-    ParallelConfigError,
-    PlanError,
-    UnsupportedModelError,
-)
-from .loading import from_pretrained
-from .parallel import enable_parallelism
-from .pipeline import load_pipeline, split_between_processes
-from .saving import save_pretrained
-from .tensor_parallel.plan import TensorParallelPlan
-from .tensor_parallel.styles import (
-    ColwiseHeads,
-    HeadNorm,
-    PackedColwise,
-    PackedColwiseParallel,
-    PackedRowwise,
-    PackedRowwiseParallel,
-    SplitParameter,
-)
-from .vae_api import parallelize_vae
+from paradiff.runtime.repeated_blocks import block_identifiers
+from paradiff.runtime.caching import CacheMonitor, cache_monitor, enable_cache
+from paradiff.runtime.compilation import compile
+from paradiff.config import ContextParallelConfig, ParallelConfig, TensorParallelConfig
+from paradiff.context_parallel.apply import set_attention_backend
+from paradiff.context_parallel.plan import ContextParallelPlan, Count, Split, TokenGroups
+from paradiff.errors import (CheckpointError, DistributedError, ParadiffError, ParallelConfigError, PlanError, UnsupportedModelError)
+from paradiff.api.model import from_pretrained
+from paradiff.api.parallelize import enable_parallelism
+from paradiff.api.pipeline import load_pipeline, split_between_processes
+from paradiff.io.saving import save_pretrained
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.tensor_parallel.styles import (ColwiseHeads, HeadNorm, PackedColwise, PackedColwiseParallel, PackedRowwise, PackedRowwiseParallel, SplitParameter)
+from paradiff.api.vae import parallelize_vae
 
 __all__ = [
     "CacheMonitor",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import ParallelConfigError
+from paradiff.errors import ParallelConfigError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

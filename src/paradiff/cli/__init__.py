@@ -21,9 +21,9 @@ import os
 import sys
 from typing import Any, Callable
 
-from .args import CliError, build_parser, check_args, world_size_of
-from .launcher import USER_ERROR, WORKER_MODULE, WORKER_REPORTED_FAILURE, launch
-from .report import say
+from paradiff.cli.args import CliError, build_parser, check_args, world_size_of
+from paradiff.cli.launcher import USER_ERROR, WORKER_MODULE, WORKER_REPORTED_FAILURE, launch
+from paradiff.cli.report import say
 
 __all__ = ["CliError", "entry_point", "main"]
 
@@ -39,11 +39,11 @@ def main(argv: list[str] | None = None, *, worker_module: str = WORKER_MODULE,
     args = build_parser().parse_args(argv)
     try:
         if args.command in ("check-plan", "plans"):
-            from .plans import check_plan_command, plans_command
+            from paradiff.cli.plans import check_plan_command, plans_command
 
             return check_plan_command(args) if args.command == "check-plan" else plans_command(args)
         if args.command == "bench":
-            from .bench import bench
+            from paradiff.cli.bench import bench
 
             return bench(args, lambda run_argv: main(run_argv, worker_module=worker_module,
                                                      on_pipeline_loaded=on_pipeline_loaded))
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None, *, worker_module: str = WORKER_MODULE,
                 )
             _run_worker_and_exit(args, on_pipeline_loaded)
         if args.model is None:
-            from .embedded import embedded_default
+            from paradiff.cli.embedded import embedded_default
 
             try:
                 embedded_default()
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None, *, worker_module: str = WORKER_MODULE,
 
 
 def _run_worker_and_exit(args, on_pipeline_loaded) -> None:
-    from .worker import run_worker
+    from paradiff.cli.worker import run_worker
 
     code = 0
     try:

@@ -1,5 +1,5 @@
 import sys
 
-from . import main
+from paradiff.cli import main
 
 sys.exit(main())

@@ -115,7 +115,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
             raise CliError(f"cannot read --prompts-file {args.prompts_file}: {exc.strerror}") from None
         prompts += [line.strip() for line in text.splitlines() if line.strip()]
     if not prompts:
-        from ..demo import DEFAULT_PROMPTS
+        from paradiff.demo import DEFAULT_PROMPTS
 
         prompts = list(DEFAULT_PROMPTS) if args.model is None else ["a red cube on a blue table"]
     return prompts
@@ -142,7 +142,7 @@ def cache_config(spec: str, model=None):
             warmup = int(values[1]) if len(values) == 2 else 3
             identifiers = None
             if model is not None:
-                from ..blocks import block_identifiers
+                from paradiff.runtime.repeated_blocks import block_identifiers
 
                 identifiers = block_identifiers(model)
             return TaylorSeerCacheConfig(cache_interval=interval, disable_cache_before_step=warmup,
@@ -156,7 +156,7 @@ def check_args(args: argparse.Namespace) -> None:
     """Everything a user can get wrong, checked before any process starts or any weight is read; also fills in the
     defaults that depend on the model (the launcher and every worker run this)."""
     if args.steps is None:
-        from ..demo import DEFAULT_STEPS
+        from paradiff.demo import DEFAULT_STEPS
 
         args.steps = DEFAULT_STEPS if args.model is None else 4
     if args.cache is not None:

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from .args import CliError
+from paradiff.cli.args import CliError
 
 
 def bench(args: argparse.Namespace, generate: Callable[[list[str]], int]) -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .outputs import Output, first_output
+from paradiff.cli.outputs import Output, first_output
 
 # |difference| x AMPLIFY in compare.png: one level of 255 becomes a clearly visible grey, exact equality is black.
 AMPLIFY = 50
@@ -31,7 +31,7 @@ def compare_single_process(model: str, dtype: torch.dtype, kwargs: dict, seed: i
     reference = DiffusionPipeline.from_pretrained(model, dtype=dtype)
     reference.set_progress_bar_config(disable=True)
     if cache is not None:
-        from .args import cache_config
+        from paradiff.cli.args import cache_config
 
         for name, module in reference.components.items():
             if name.startswith("transformer") and isinstance(module, torch.nn.Module):

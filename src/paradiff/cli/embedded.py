@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..demo import CALL_KWARGS, DEFAULT_PROMPTS, DEFAULT_STEPS, pipeline_path
+from paradiff.demo import CALL_KWARGS, DEFAULT_PROMPTS, DEFAULT_STEPS, pipeline_path
 
 __all__ = ["DEFAULT_PROMPTS", "DEFAULT_STEPS", "embedded_call_kwargs", "embedded_default"]
 

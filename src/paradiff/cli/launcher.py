@@ -10,8 +10,8 @@ import sys
 import threading
 import time
 
-from .relay import StderrRelay
-from .report import say
+from paradiff.cli.relay import StderrRelay
+from paradiff.cli.report import say
 
 WORKER_MODULE = "paradiff.cli"
 # A worker that fails exits with this code after printing its line and recording the cause for its peers (who then

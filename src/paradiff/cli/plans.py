@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from ..errors import ParadiffError
-from .args import CliError
-from .report import say
+from paradiff.errors import ParadiffError
+from paradiff.cli.args import CliError
+from paradiff.cli.report import say
 
 
 def check_plan_command(args: argparse.Namespace) -> int:
-    from ..checkplan import check_plan
+    from paradiff.plan_tools.check_plan import check_plan
 
     try:
         result = check_plan(args.model, tp=args.tp, ulysses=args.ulysses, ring=args.ring, plan=args.plan,
@@ -31,14 +31,14 @@ def check_plan_command(args: argparse.Namespace) -> int:
 
 
 def plans_command(args: argparse.Namespace) -> int:
-    from ..coverage import coverage_table
+    from paradiff.plan_tools.coverage import coverage_table
 
     if args.model is None:
         print(coverage_table(markdown=args.markdown))
         return 0
-    from ..autoplan import plan_source
-    from ..checkplan import _build, resolve_target
-    from ..plans import plan_for
+    from paradiff.plans.auto import plan_source
+    from paradiff.plan_tools.check_plan import _build, resolve_target
+    from paradiff.plans import plan_for
 
     try:
         target = resolve_target(args.model) if not args.auto else None
@@ -46,7 +46,7 @@ def plans_command(args: argparse.Namespace) -> int:
         target = None
     try:
         if target is None:
-            from ..examples import model_class
+            from paradiff.plan_tools.family_examples import model_class
 
             cls = model_class(args.model)
             import torch

@@ -18,14 +18,14 @@ import torch.distributed as dist
 
 import paradiff
 
-from ..comm import all_gather_object
-from ..mesh import default_device
-from ..vae import get_vae_runtime
-from .args import cache_config, read_prompts
-from .compare import compare_single_process, write_compare_png
-from .embedded import embedded_call_kwargs, embedded_default
-from .outputs import Output, outputs_of, sampling_rate, save_output
-from .report import write_report
+from paradiff.distributed.comm import all_gather_object
+from paradiff.distributed.mesh import default_device
+from paradiff.vae import get_vae_runtime
+from paradiff.cli.args import cache_config, read_prompts
+from paradiff.cli.compare import compare_single_process, write_compare_png
+from paradiff.cli.embedded import embedded_call_kwargs, embedded_default
+from paradiff.cli.outputs import Output, outputs_of, sampling_rate, save_output
+from paradiff.cli.report import write_report
 
 # Called with (pipeline, rank) once the pipeline is loaded, before the first generation.
 PipelineHook = Callable[[Any, int], None]
@@ -187,6 +187,6 @@ def _plan_argument(value: str | None, kind: str):
     """--plan / --cp-plan: None (built-in), "auto", or a plan file."""
     if value in (None, "auto"):
         return value
-    from ..checkplan import load_plan_file
+    from paradiff.plan_tools.check_plan import load_plan_file
 
     return load_plan_file(value, kind)

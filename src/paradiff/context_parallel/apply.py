@@ -9,17 +9,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm import all_gather_int, all_gather_uneven
-from ..errors import PlanError
-from ..state import ParallelState
-from ..tensor_parallel.plan import expand_key
-from .attention import even_sizes, local_chunk
-from .experts import ExpertChoice, check_expert_choice, expert_choice_forward
-from .grid import check_halo_conv, grid_layout, halo_conv_hooks, split_grid
-from .groups import token_group_hooks
-from .linear import LinearAttentionProcessor
-from .plan import ContextParallelPlan, Count, GridSplit, Split, TokenGroups
-from .runtime import AttentionInterceptor, ContextParallelRuntime, require_native_processors
+from paradiff.distributed.comm import all_gather_int, all_gather_uneven
+from paradiff.errors import PlanError
+from paradiff.runtime.state import ParallelState
+from paradiff.tensor_parallel.plan import expand_key
+from paradiff.context_parallel.attention import even_sizes, local_chunk
+from paradiff.context_parallel.experts import ExpertChoice, check_expert_choice, expert_choice_forward
+from paradiff.context_parallel.grid import check_halo_conv, grid_layout, halo_conv_hooks, split_grid
+from paradiff.context_parallel.groups import token_group_hooks
+from paradiff.context_parallel.linear import LinearAttentionProcessor
+from paradiff.context_parallel.plan import ContextParallelPlan, Count, GridSplit, Split, TokenGroups
+from paradiff.context_parallel.runtime import AttentionInterceptor, ContextParallelRuntime, require_native_processors
 
 
 @dataclass
@@ -488,8 +488,8 @@ def apply_context_parallel(model: nn.Module, state: ParallelState, plan: Resolve
 
 def set_attention_backend(model: nn.Module, name: str) -> None:
     """Choose the local attention kernel of a context-parallel model: "native", "math", "flash" or "sdpa"."""
-    from ..errors import ParallelConfigError
-    from ..state import get_state
+    from paradiff.errors import ParallelConfigError
+    from paradiff.runtime.state import get_state
 
     state = get_state(model)
     if state is None or state.context is None:

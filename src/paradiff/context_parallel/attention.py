@@ -16,9 +16,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm import (CommStats, all_gather_int, all_gather_ints, all_gather_uneven, all_to_all_uneven, ring_pass_start,
-                    ring_pass_wait)
-from .kernels import Kernel, merge_lse
+from paradiff.distributed.comm import (CommStats, all_gather_int, all_gather_ints, all_gather_uneven, all_to_all_uneven, ring_pass_start, ring_pass_wait)
+from paradiff.context_parallel.kernels import Kernel, merge_lse
 
 
 def even_sizes(total: int, parts: int) -> list[int]:

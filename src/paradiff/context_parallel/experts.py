@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm import all_gather_int, all_gather_uneven
-from .runtime import ContextParallelRuntime
+from paradiff.distributed.comm import all_gather_int, all_gather_uneven
+from paradiff.context_parallel.runtime import ContextParallelRuntime
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class ExpertChoice:
 
 
 def check_expert_choice(module: nn.Module, spec: ExpertChoice, name: str) -> None:
-    from ..errors import PlanError
+    from paradiff.errors import PlanError
 
     missing = [attr for attr in vars(spec).values() if not hasattr(module, attr)]
     if missing:

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_mask
 
-from ..comm import all_gather_int
-from .runtime import ContextParallelRuntime
+from paradiff.distributed.comm import all_gather_int
+from paradiff.context_parallel.runtime import ContextParallelRuntime
 
 
 def dense_mask(block_mask, tokens: int, device: torch.device) -> torch.Tensor:

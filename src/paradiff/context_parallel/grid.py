@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm import halo_exchange_start, halo_exchange_wait
-from ..errors import PlanError
-from .attention import even_sizes
-from .plan import GridSplit
-from .runtime import ContextParallelRuntime
+from paradiff.distributed.comm import halo_exchange_start, halo_exchange_wait
+from paradiff.errors import PlanError
+from paradiff.context_parallel.attention import even_sizes
+from paradiff.context_parallel.plan import GridSplit
+from paradiff.context_parallel.runtime import ContextParallelRuntime
 
 
 def grid_layout(sizes: list[int], runtime: ContextParallelRuntime, what: str) -> tuple[int, list[int], int]:

@@ -13,8 +13,8 @@ import inspect
 import torch
 from torch import nn
 
-from .attention import even_sizes
-from .plan import TokenGroups
+from paradiff.context_parallel.attention import even_sizes
+from paradiff.context_parallel.plan import TokenGroups
 
 
 def token_group_hooks(module: nn.Module, groups: TokenGroups, runtime, name: str):

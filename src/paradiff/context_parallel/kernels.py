@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..errors import ParallelConfigError
+from paradiff.errors import ParallelConfigError
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", float], tuple]
 

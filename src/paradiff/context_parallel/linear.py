@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..comm import all_reduce_cp_sums
-from .runtime import ContextParallelRuntime
+from paradiff.distributed.comm import all_reduce_cp_sums
+from paradiff.context_parallel.runtime import ContextParallelRuntime
 
 EPS = 1e-15  # added to the normaliser, as Sana does
 

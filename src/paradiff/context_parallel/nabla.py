@@ -18,8 +18,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..comm import all_gather_int, all_reduce_cp_sums
-from .runtime import ContextParallelRuntime
+from paradiff.distributed.comm import all_gather_int, all_reduce_cp_sums
+from paradiff.context_parallel.runtime import ContextParallelRuntime
 
 BLOCK = 64  # tokens per NABLA block (diffusers' Kandinsky 6 SR: one 8 x 8 spatial tile)
 

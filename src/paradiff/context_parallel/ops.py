@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import group_from_name
-from .runtime import attend
+from paradiff.distributed.comm import group_from_name
+from paradiff.context_parallel.runtime import attend
 
 
 @torch.library.custom_op("paradiff::cp_attention", mutates_args=())

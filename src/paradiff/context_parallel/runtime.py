@@ -15,10 +15,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..comm import CommStats, all_gather_int, all_gather_ints, all_gather_uneven, all_true, group_name
-from ..errors import ParallelConfigError
-from .attention import even_sizes, local_attention, ring_attention, ulysses_attention
-from .kernels import BACKENDS, RETURNS_LSE, check_backend, default_scale, merge_lse
+from paradiff.distributed.comm import (CommStats, all_gather_int, all_gather_ints, all_gather_uneven, all_true, group_name)
+from paradiff.errors import ParallelConfigError
+from paradiff.context_parallel.attention import even_sizes, local_attention, ring_attention, ulysses_attention
+from paradiff.context_parallel.kernels import BACKENDS, RETURNS_LSE, check_backend, default_scale, merge_lse
 
 
 def normalise_mask(attn_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -108,7 +108,7 @@ class ContextParallelRuntime:
             # One opaque op for Dynamo: the ring's point-to-point transfers, the length exchanges that size the
             # uneven splits and the ranks' agreement on a mask cannot be traced, and need not be (they run between
             # two graph ops).
-            from .ops import cp_attention
+            from paradiff.context_parallel.ops import cp_attention
 
             return cp_attention(query, key, value, attn_mask, float(scale), self.mode, self.backend, local,
                                 group_name(self.cp_group), group_name(self.ring_group), group_name(self.ulysses_group),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .runtime import ContextParallelRuntime
+from paradiff.context_parallel.runtime import ContextParallelRuntime
 
 
 def compose(weights: torch.Tensor, updates: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:

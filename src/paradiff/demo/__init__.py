@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .shapes import DEFAULT_PROMPTS
+from paradiff.demo.shapes import DEFAULT_PROMPTS
 
 PIPELINE_DIR = Path(__file__).resolve().parents[1] / "assets" / "demo"
 

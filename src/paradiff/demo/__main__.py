@@ -2,6 +2,6 @@
 
 The work lives in a named module: spawned processes cannot find functions of a package's `__main__`."""
 
-from .tp_check import main
+from paradiff.demo.tp_check import main
 
 main()

@@ -15,8 +15,8 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from ..cli.launcher import free_port
-from . import CALL_KWARGS, pipeline_path
+from paradiff.cli.launcher import free_port
+from paradiff.demo import CALL_KWARGS, pipeline_path
 
 
 def _inputs(config) -> dict:

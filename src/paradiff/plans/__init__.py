@@ -24,7 +24,7 @@ from types import ModuleType
 
 from torch import nn
 
-from ..errors import PlanError
+from paradiff.errors import PlanError
 
 HOW_TO_WRITE_A_PLAN = (
     "Pass plan={...}: a dict mapping module globs to styles, e.g. "
@@ -44,7 +44,7 @@ def families() -> tuple[ModuleType, ...]:
 @lru_cache(maxsize=None)
 def text_encoder_families() -> tuple[ModuleType, ...]:
     """The text-encoder family modules (`plans/text_encoders/`), found the same way."""
-    from . import text_encoders
+    from paradiff.plans import text_encoders
 
     return _discover(text_encoders.__name__, text_encoders.__path__)
 
@@ -102,7 +102,7 @@ def plan_for(model: nn.Module, given, kind: str):
     """The plan a user asked for: their own (a plan, or a function of the model config returning one), the
     built-in one (None), or one derived from the structure ("auto")."""
     if isinstance(given, str) and given == "auto":
-        from ..autoplan import auto_plan
+        from paradiff.plans.auto import auto_plan
 
         return auto_plan(model, kind)
     if given is None:

@@ -3,10 +3,10 @@ sliding-window and full self-attention, and cross-attention to the condition enc
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from ..tensor_parallel.styles import ColwiseHeads
-from .common import Grid
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.tensor_parallel.styles import ColwiseHeads
+from paradiff.plans.common import Grid
 
 MODEL_CLASSES = ("AceStepTransformer1DModel",)
 

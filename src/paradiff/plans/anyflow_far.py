@@ -5,11 +5,11 @@ context parallelism."""
 
 import torch
 
-from ..context_parallel.flex import MaskModAttentionProcessor
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from . import anyflow
-from .common import Grid
+from paradiff.context_parallel.flex import MaskModAttentionProcessor
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.plans import anyflow
+from paradiff.plans.common import Grid
 
 MODEL_CLASSES = ("AnyFlowFARTransformer3DModel",)
 

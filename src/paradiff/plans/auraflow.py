@@ -2,10 +2,10 @@
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..errors import PlanError
-from ..tensor_parallel.plan import TensorParallelPlan
-from .common import Grid, attention, joint_attention, mlp
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.errors import PlanError
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.plans.common import Grid, attention, joint_attention, mlp
 
 MODEL_CLASSES = ("AuraFlowTransformer2DModel",)
 

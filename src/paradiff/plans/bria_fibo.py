@@ -3,10 +3,10 @@ with its own projection of one text-encoder layer."""
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from .common import Grid, mlp
-from .flux import flux_blocks, flux_context_plan, flux_inputs
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.plans.common import Grid, mlp
+from paradiff.plans.flux import flux_blocks, flux_context_plan, flux_inputs
 
 MODEL_CLASSES = ("BriaFiboTransformer2DModel",)
 

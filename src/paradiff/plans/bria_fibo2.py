@@ -4,9 +4,9 @@ context] (gist last when a batch pads its gist tokens), some of them also cross-
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from .common import Grid, attention, mlp
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.plans.common import Grid, attention, mlp
 
 MODEL_CLASSES = ("BriaFibo2Transformer2DModel",)
 

@@ -3,10 +3,10 @@
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan
-from ..tensor_parallel.plan import TensorParallelPlan
-from . import wan
-from .common import Grid
+from paradiff.context_parallel.plan import ContextParallelPlan
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.plans import wan
+from paradiff.plans.common import Grid
 
 MODEL_CLASSES = ("ChronoEditTransformer3DModel",)
 

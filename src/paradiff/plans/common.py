@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..tensor_parallel.styles import PackedColwise, Style
+from paradiff.tensor_parallel.styles import PackedColwise, Style
 
 
 @dataclass(frozen=True)

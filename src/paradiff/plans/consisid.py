@@ -2,11 +2,11 @@
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan
-from ..tensor_parallel.plan import TensorParallelPlan
-from ..tensor_parallel.styles import PackedColwise
-from . import cogvideox
-from .common import Grid
+from paradiff.context_parallel.plan import ContextParallelPlan
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.tensor_parallel.styles import PackedColwise
+from paradiff.plans import cogvideox
+from paradiff.plans.common import Grid
 
 MODEL_CLASSES = ("ConsisIDTransformer3DModel",)
 

@@ -3,10 +3,10 @@ generation tokens (vision, sound, action; "gen") through mixture-of-transformers
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
-from ..tensor_parallel.styles import ColwiseHeads
-from .common import Grid, mlp
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
+from paradiff.tensor_parallel.styles import ColwiseHeads
+from paradiff.plans.common import Grid, mlp
 
 MODEL_CLASSES = ("Cosmos3OmniTransformer",)
 

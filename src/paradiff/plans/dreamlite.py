@@ -3,9 +3,9 @@ self-attention may be removed (`use_self_attention=False`), with cross-attention
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from .common import Grid, attention, feed_forward
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.plans.common import Grid, attention, feed_forward
 
 MODEL_CLASSES = ("DreamLiteTransformer2DModel",)
 _GATED = ("geglu", "geglu-approximate", "swiglu")

@@ -6,9 +6,9 @@ and the shared AdaLN modulation already expanded to every token, all split along
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from .common import Grid, mlp
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.plans.common import Grid, mlp
 
 MODEL_CLASSES = ("ErnieImageTransformer2DModel",)
 

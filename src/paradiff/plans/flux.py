@@ -2,10 +2,10 @@
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from ..tensor_parallel.styles import PackedColwise, PackedRowwise
-from .common import Grid, joint_attention
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.tensor_parallel.styles import PackedColwise, PackedRowwise
+from paradiff.plans.common import Grid, joint_attention
 
 MODEL_CLASSES = ("FluxTransformer2DModel",)
 

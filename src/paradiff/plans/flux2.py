@@ -2,11 +2,11 @@
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from ..tensor_parallel.styles import PackedColwise, PackedRowwise
-from .common import Grid, joint_attention
-from .flux import flux_inputs
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.tensor_parallel.styles import PackedColwise, PackedRowwise
+from paradiff.plans.common import Grid, joint_attention
+from paradiff.plans.flux import flux_inputs
 
 MODEL_CLASSES = ("Flux2Transformer2DModel",)
 

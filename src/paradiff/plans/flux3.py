@@ -3,11 +3,11 @@ mode, then joint single blocks over all tokens; modulation is per token."""
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from ..tensor_parallel.styles import PackedColwise
-from .common import Grid, attention
-from .flux import flux_inputs
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.tensor_parallel.styles import PackedColwise
+from paradiff.plans.common import Grid, attention
+from paradiff.plans.flux import flux_inputs
 
 MODEL_CLASSES = ("Flux3Transformer2DModel",)
 

@@ -3,10 +3,10 @@ tokens; how it splits under tensor and context parallelism."""
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan
-from ..tensor_parallel.plan import TensorParallelPlan
-from .cogview4 import blocks_plan, joint_context_plan
-from .common import Grid, feed_forward
+from paradiff.context_parallel.plan import ContextParallelPlan
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.plans.cogview4 import blocks_plan, joint_context_plan
+from paradiff.plans.common import Grid, feed_forward
 
 MODEL_CLASSES = ("GlmImageTransformer2DModel",)
 

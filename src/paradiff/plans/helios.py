@@ -4,11 +4,11 @@ amplify the history keys per head."""
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Count, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from ..tensor_parallel.styles import SplitParameter
-from . import wan
-from .common import Grid
+from paradiff.context_parallel.plan import ContextParallelPlan, Count, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.tensor_parallel.styles import SplitParameter
+from paradiff.plans import wan
+from paradiff.plans.common import Grid
 
 MODEL_CLASSES = ("HeliosTransformer3DModel",)
 

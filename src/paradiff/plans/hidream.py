@@ -6,9 +6,9 @@ the router stays whole, so every TP rank routes each token alike and calls the s
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from .common import Grid, mlp
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.plans.common import Grid, mlp
 
 MODEL_CLASSES = ("HiDreamImageTransformer2DModel",)
 STACKS = ("double_stream_blocks", "single_stream_blocks")

@@ -4,10 +4,10 @@ first frame's tokens with the clean timestep."""
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Count, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from ..tensor_parallel.styles import PackedRowwise
-from .common import Grid, attention, feed_forward, joint_attention, mlp
+from paradiff.context_parallel.plan import ContextParallelPlan, Count, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.tensor_parallel.styles import PackedRowwise
+from paradiff.plans.common import Grid, attention, feed_forward, joint_attention, mlp
 
 MODEL_CLASSES = ("HunyuanVideoTransformer3DModel",)
 

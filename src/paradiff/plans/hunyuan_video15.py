@@ -4,10 +4,10 @@ where the context joins image, ByT5 and MLLM tokens with their padding masks; th
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from .common import Grid, feed_forward, joint_attention, mlp
-from .hunyuan_video import REFINER_ATTENTION, refiner_styles, text_mask
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.plans.common import Grid, feed_forward, joint_attention, mlp
+from paradiff.plans.hunyuan_video import REFINER_ATTENTION, refiner_styles, text_mask
 
 MODEL_CLASSES = ("HunyuanVideo15Transformer3DModel",)
 

@@ -3,10 +3,10 @@ compressed history tokens, current tokens; image and text tokens]; only the curr
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from . import hunyuan_video
-from .common import Grid, mlp
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.plans import hunyuan_video
+from paradiff.plans.common import Grid, mlp
 
 MODEL_CLASSES = ("HunyuanVideoFramepackTransformer3DModel",)
 

@@ -2,10 +2,10 @@
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from ..tensor_parallel.styles import PackedRowwise
-from .common import Grid, attention, feed_forward, joint_attention, mlp
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.tensor_parallel.styles import PackedRowwise
+from paradiff.plans.common import Grid, attention, feed_forward, joint_attention, mlp
 
 MODEL_CLASSES = ("HunyuanImageTransformer2DModel",)
 REFINER = "context_embedder.token_refiner.refiner_blocks"

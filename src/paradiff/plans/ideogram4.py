@@ -3,9 +3,9 @@ input is per token and a block-diagonal mask from `segment_ids` keeps packed sam
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from .common import Grid, attention, mlp
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.plans.common import Grid, attention, mlp
 
 MODEL_CLASSES = ("Ideogram4Transformer2DModel",)
 

@@ -3,10 +3,10 @@ Wan-style modulation tables."""
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from ..tensor_parallel.styles import PackedColwise
-from .common import Grid, feed_forward, mlp
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.tensor_parallel.styles import PackedColwise
+from paradiff.plans.common import Grid, feed_forward, mlp
 
 MODEL_CLASSES = ("JoyImageEditTransformer3DModel",)
 

@@ -3,10 +3,10 @@ from the target and variable-size reference images, with per-sample rotary table
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from . import joyimage
-from .common import Grid
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.plans import joyimage
+from paradiff.plans.common import Grid
 
 MODEL_CLASSES = ("JoyImageEditPlusTransformer3DModel",)
 

@@ -3,9 +3,9 @@ cross-attention to the encoded text and a feed-forward; returns a bare tensor wi
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
-from .common import Grid
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
+from paradiff.plans.common import Grid
 
 
 def _attention(prefix: str) -> dict:

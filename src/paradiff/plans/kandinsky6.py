@@ -3,9 +3,9 @@ text), then fused blocks in which video and audio each attend themselves and the
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
-from .common import Grid, feed_forward, mlp
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
+from paradiff.plans.common import Grid, feed_forward, mlp
 
 MODEL_CLASSES = ("Kandinsky6Transformer3DModel",)
 TEXT_STACKS = ("video_text_transformer_blocks", "audio_text_transformer_blocks")

@@ -3,11 +3,11 @@ NABLA block-sparse (blocks of 64 tokens chosen from block means, diffusers runs 
 
 import torch
 
-from ..context_parallel.nabla import NablaAttentionProcessor
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
-from .common import Grid, feed_forward, mlp
-from .kandinsky6 import _attention
+from paradiff.context_parallel.nabla import NablaAttentionProcessor
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
+from paradiff.plans.common import Grid, feed_forward, mlp
+from paradiff.plans.kandinsky6 import _attention
 
 MODEL_CLASSES = ("Kandinsky6SRTransformer3DModel",)
 

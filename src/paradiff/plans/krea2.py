@@ -8,10 +8,10 @@ on every rank, so the processor's repeat factor (num_heads // num_kv_heads) stay
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from ..tensor_parallel.styles import ColwiseHeads
-from .common import Grid, mlp
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.tensor_parallel.styles import ColwiseHeads
+from paradiff.plans.common import Grid, mlp
 
 MODEL_CLASSES = ("Krea2Transformer2DModel",)
 _TEXT_BLOCKS = ("text_fusion.layerwise_blocks.*", "text_fusion.refiner_blocks.*")

@@ -4,9 +4,9 @@ the rotary tables span the inner dimension ("interleaved") or hold one row per h
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from .common import Grid, attention, feed_forward, mlp
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.plans.common import Grid, attention, feed_forward, mlp
 
 MODEL_CLASSES = ("LTX2VideoTransformer3DModel",)
 ROPES = ("rope", "cross_attn_rope", "audio_rope", "cross_attn_audio_rope")  # video positions first, then audio

@@ -7,10 +7,10 @@ its repeat factor from the local shapes, so it stays right.
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from ..tensor_parallel.styles import ColwiseHeads
-from .common import Grid
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.tensor_parallel.styles import ColwiseHeads
+from paradiff.plans.common import Grid
 
 MODEL_CLASSES = ("Lumina2Transformer2DModel",)
 STACKS = ("noise_refiner", "context_refiner", "layers")

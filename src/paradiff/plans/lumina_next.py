@@ -7,10 +7,10 @@ fewer heads than Q (grouped-query attention), and beyond their count each rank p
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from ..tensor_parallel.styles import ColwiseHeads, HeadNorm, SplitParameter
-from .common import Grid
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.tensor_parallel.styles import ColwiseHeads, HeadNorm, SplitParameter
+from paradiff.plans.common import Grid
 
 MODEL_CLASSES = ("LuminaNextDiT2DModel",)
 

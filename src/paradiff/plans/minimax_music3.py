@@ -2,10 +2,10 @@
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from ..tensor_parallel.styles import PackedColwise
-from .common import Grid, attention, mlp
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.tensor_parallel.styles import PackedColwise
+from paradiff.plans.common import Grid, attention, mlp
 
 MODEL_CLASSES = ("MiniMaxMusic3Transformer1DModel",)
 

@@ -3,10 +3,10 @@ optional text cross-attention, decoder single blocks over a second video stream,
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Count, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from ..tensor_parallel.styles import PackedRowwise
-from .common import Grid, attention, feed_forward, mlp
+from paradiff.context_parallel.plan import ContextParallelPlan, Count, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.tensor_parallel.styles import PackedRowwise
+from paradiff.plans.common import Grid, attention, feed_forward, mlp
 
 MODEL_CLASSES = ("MotifVideoTransformer3DModel",)
 

@@ -8,11 +8,11 @@ experts route over the whole sequence with the scores shared between the ranks (
 
 import torch
 
-from ..context_parallel.experts import ExpertChoice
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import AttentionHeads, TensorParallelPlan
-from ..tensor_parallel.styles import ColwiseHeads, SplitParameter
-from .common import Grid, feed_forward, mlp
+from paradiff.context_parallel.experts import ExpertChoice
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import AttentionHeads, TensorParallelPlan
+from paradiff.tensor_parallel.styles import ColwiseHeads, SplitParameter
+from paradiff.plans.common import Grid, feed_forward, mlp
 
 MODEL_CLASSES = ("NucleusMoEImageTransformer2DModel",)
 

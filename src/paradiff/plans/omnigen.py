@@ -7,10 +7,10 @@ attention whole; ring attention takes its local rows and each travelling block's
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
-from ..tensor_parallel.styles import ColwiseHeads, PackedColwise
-from .common import Grid, mlp
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
+from paradiff.tensor_parallel.styles import ColwiseHeads, PackedColwise
+from paradiff.plans.common import Grid, mlp
 
 MODEL_CLASSES = ("OmniGenTransformer2DModel",)
 

@@ -2,10 +2,10 @@
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan
-from ..tensor_parallel.plan import TensorParallelPlan
-from .common import Grid, mlp
-from .flux import flux_blocks, flux_context_plan, flux_inputs
+from paradiff.context_parallel.plan import ContextParallelPlan
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.plans.common import Grid, mlp
+from paradiff.plans.flux import flux_blocks, flux_context_plan, flux_inputs
 
 MODEL_CLASSES = ("OvisImageTransformer2DModel",)
 

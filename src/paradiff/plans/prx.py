@@ -7,10 +7,10 @@ a part of the keys of each stream; Ulysses exchanges queries and keys by their o
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from ..tensor_parallel.styles import PackedColwise
-from .common import Grid, mlp
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.tensor_parallel.styles import PackedColwise
+from paradiff.plans.common import Grid, mlp
 
 MODEL_CLASSES = ("PRXTransformer2DModel",)
 

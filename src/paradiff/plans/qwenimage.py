@@ -2,9 +2,9 @@
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from .common import Grid, joint_attention
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.plans.common import Grid, joint_attention
 
 MODEL_CLASSES = ("QwenImageTransformer2DModel",)
 

@@ -3,9 +3,9 @@ attention (causal text, each image block bidirectional), and one modulation proj
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from .common import Grid, attention, mlp
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.plans.common import Grid, attention, mlp
 
 MODEL_CLASSES = ("QwenImage21Transformer2DModel",)
 

@@ -3,10 +3,10 @@ and a convolutional (GLUMBConv) feed-forward over the token grid."""
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, GridSplit
-from ..tensor_parallel.plan import TensorParallelPlan
-from ..tensor_parallel.styles import PackedColwise
-from .common import Grid, attention, mlp
+from paradiff.context_parallel.plan import ContextParallelPlan, GridSplit
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.tensor_parallel.styles import PackedColwise
+from paradiff.plans.common import Grid, attention, mlp
 
 MODEL_CLASSES = ("SanaTransformer2DModel",)
 

@@ -3,10 +3,10 @@ convolution in the feed-forward."""
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, GridSplit, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from . import sana
-from .common import Grid
+from paradiff.context_parallel.plan import ContextParallelPlan, GridSplit, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.plans import sana
+from paradiff.plans.common import Grid
 
 MODEL_CLASSES = ("SanaVideoTransformer3DModel",)
 

@@ -19,10 +19,10 @@ is refused under TP and CP."""
 import torch
 import torch.nn.functional as F
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
-from ..tensor_parallel.styles import PackedColwise, SplitParameter
-from .common import Grid, mlp
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
+from paradiff.tensor_parallel.styles import PackedColwise, SplitParameter
+from paradiff.plans.common import Grid, mlp
 
 MODEL_CLASSES = ("SanaWMTransformer3DModel",)
 
@@ -232,8 +232,8 @@ class SelfAttention:
         the denominator's row state."""
         from diffusers.models.transformers.transformer_sana_wm import _apply_rotary_emb
 
-        from ..context_parallel.attention import even_sizes
-        from ..context_parallel.scan import compose, incoming_state
+        from paradiff.context_parallel.attention import even_sizes
+        from paradiff.context_parallel.scan import compose, incoming_state
 
         m = self.module
         batch, tokens, _, heads, head_dim = qkv.shape

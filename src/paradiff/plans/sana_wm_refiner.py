@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from . import ltx2
-from .common import Grid
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.plans import ltx2
+from paradiff.plans.common import Grid
 
 MODEL_CLASSES = ("SanaWMLTX2RefinerTransformer3DModel",)
 

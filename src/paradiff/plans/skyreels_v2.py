@@ -3,10 +3,10 @@ modulation per token) and an optional fps embedding."""
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from . import wan
-from .common import Grid, feed_forward
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.plans import wan
+from paradiff.plans.common import Grid, feed_forward
 
 MODEL_CLASSES = ("SkyReelsV2Transformer3DModel",)
 

@@ -3,10 +3,10 @@ self-attention with partial rotary embeddings, and cross-attention to the text w
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from ..tensor_parallel.styles import ColwiseHeads
-from .common import Grid, attention, feed_forward, mlp
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.tensor_parallel.styles import ColwiseHeads
+from paradiff.plans.common import Grid, attention, feed_forward, mlp
 
 MODEL_CLASSES = ("StableAudioDiTModel",)
 

@@ -3,10 +3,10 @@ attention (two query/key pairs, one value) and cross-attention to the text conte
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from ..tensor_parallel.styles import PackedColwise
-from .common import Grid
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.tensor_parallel.styles import PackedColwise
+from paradiff.plans.common import Grid
 
 MODEL_CLASSES = ("StableAudio3DiTModel",)
 

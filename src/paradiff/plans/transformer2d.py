@@ -4,9 +4,9 @@ the same way but have no example here."""
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from .common import Grid, attention, feed_forward, mlp
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.plans.common import Grid, attention, feed_forward, mlp
 
 MODEL_CLASSES = ("Transformer2DModel",)
 _GATED = ("geglu", "geglu-approximate", "swiglu")

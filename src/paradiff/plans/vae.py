@@ -6,7 +6,7 @@ height, norms, attention) before being listed; see paradiff/vae/__init__.py for 
 
 from __future__ import annotations
 
-from ..vae.plan import PrePadded, VaePlan
+from paradiff.vae.plan import PrePadded, VaePlan
 
 
 def _downsamplings(count: int):

@@ -4,10 +4,10 @@ face-motion tokens."""
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split, TokenGroups
-from ..tensor_parallel.plan import TensorParallelPlan
-from . import wan
-from .common import Grid
+from paradiff.context_parallel.plan import ContextParallelPlan, Split, TokenGroups
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.plans import wan
+from paradiff.plans.common import Grid
 
 MODEL_CLASSES = ("WanAnimateTransformer3DModel",)
 

@@ -12,10 +12,10 @@ slots included (`SelfAttention`)."""
 import torch
 import torch.nn.functional as F
 
-from ..context_parallel.attention import even_sizes
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from .common import Grid, mlp
+from paradiff.context_parallel.attention import even_sizes
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.plans.common import Grid, mlp
 
 MODEL_CLASSES = ("WanAnimate2Transformer3DModel",)
 

@@ -6,9 +6,9 @@ the uneven split paths are exercised by the other families."""
 
 import torch
 
-from ..context_parallel.plan import ContextParallelPlan, Split
-from ..tensor_parallel.plan import TensorParallelPlan
-from .common import Grid
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.plans.common import Grid
 
 
 def _stacks(config) -> tuple[str, ...]:

@@ -7,8 +7,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm import CommStats, all_gather_uneven, all_reduce_tp
-from .styles import ShardSpec, Style
+from paradiff.distributed.comm import CommStats, all_gather_uneven, all_reduce_tp
+from paradiff.tensor_parallel.styles import ShardSpec, Style
 
 
 class ShardedLinear(nn.Linear):

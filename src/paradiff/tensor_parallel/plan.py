@@ -13,8 +13,8 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from ..errors import PlanError
-from .styles import ShardSpec, Style, resolve_style
+from paradiff.errors import PlanError
+from paradiff.tensor_parallel.styles import ShardSpec, Style, resolve_style
 
 # Integer attributes of an attention module that count heads or widths derived from them. Under TP each rank holds
 # heads/tp heads, and diffusers' processors reshape either by a fixed head_dim (-1 absorbs the head count), by
@@ -343,7 +343,7 @@ def norm_features(module: nn.Module) -> int:
 
 
 def _check_target(module: nn.Module, style, name: str, key: str) -> None:
-    from .layers import CONV_TYPES, is_depthwise, is_norm
+    from paradiff.tensor_parallel.layers import CONV_TYPES, is_depthwise, is_norm
 
     if style.target == "norm":
         if not is_norm(module):

@@ -6,17 +6,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import all_gather_heads_tp, all_reduce_tp
-from .layers import (
-    ShardedConv,
-    ShardedLinear,
-    ShardedNorm,
-    VocabParallelEmbedding,
-    make_sharded_module,
-    make_vocab_parallel,
-)
-from .plan import ResolvedPlan, localise_heads
-from .styles import ShardSpec
+from paradiff.distributed.comm import all_gather_heads_tp, all_reduce_tp
+from paradiff.tensor_parallel.layers import (ShardedConv, ShardedLinear, ShardedNorm, VocabParallelEmbedding, make_sharded_module, make_vocab_parallel)
+from paradiff.tensor_parallel.plan import ResolvedPlan, localise_heads
+from paradiff.tensor_parallel.styles import ShardSpec
 
 
 def slice_tensor(full: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Sequence
 
-from ..errors import PlanError
+from paradiff.errors import PlanError
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from ..agreement import agree
-from ..caching import CacheDecision, CacheMonitor
+from paradiff.distributed.agreement import agree
+from paradiff.runtime.caching import CacheDecision, CacheMonitor
 
 
 def _cache_hooks(model: nn.Module) -> list:

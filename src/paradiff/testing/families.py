@@ -4,7 +4,7 @@ single-process forward of the same weights and inputs."""
 from __future__ import annotations
 
 import paradiff
-from paradiff import examples
+from paradiff.plan_tools import family_examples as examples
 
 MODES = {  # mode -> (tp, ring, ulysses)
     "tp2": (2, 1, 1),

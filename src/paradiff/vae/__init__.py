@@ -5,7 +5,7 @@ whole-image statistics), `attention` (mid-block attention over every rank's toke
 Per-VAE knowledge: `paradiff/plans/vae.py`, which `paradiff.parallelize_vae` (`paradiff/vae_api.py`) hands in.
 """
 
-from .apply import split_vae
-from .runtime import get_vae_runtime
+from paradiff.vae.apply import split_vae
+from paradiff.vae.runtime import get_vae_runtime
 
 __all__ = ["get_vae_runtime", "split_vae"]

@@ -12,16 +12,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import CommStats, all_gather_ints, all_gather_uneven, gather_uneven_to
-from ..errors import DistributedError, ParallelConfigError, UnsupportedModelError
-from ..mesh import ParallelMesh, replica_group, require_distributed
-from .attention import KINDS, RowAttention
-from .conv import HaloConv, needs_halo
-from .layout import split_rows
-from .noise import FrameNoise
-from .norm import SplitGroupNorm
-from .plan import VaePlan
-from .runtime import RegionCall, VaeRuntime, get_vae_runtime, set_vae_runtime
+from paradiff.distributed.comm import CommStats, all_gather_ints, all_gather_uneven, gather_uneven_to
+from paradiff.errors import DistributedError, ParallelConfigError, UnsupportedModelError
+from paradiff.distributed.mesh import ParallelMesh, replica_group, require_distributed
+from paradiff.vae.attention import KINDS, RowAttention
+from paradiff.vae.conv import HaloConv, needs_halo
+from paradiff.vae.layout import split_rows
+from paradiff.vae.noise import FrameNoise
+from paradiff.vae.norm import SplitGroupNorm
+from paradiff.vae.plan import VaePlan
+from paradiff.vae.runtime import RegionCall, VaeRuntime, get_vae_runtime, set_vae_runtime
 
 # Modules that act on every row alike in every covered VAE (convolutions and group norms are replaced below).
 _ROW_LOCAL = {"Conv2d", "Conv3d", "GroupNorm", "SiLU", "Mish", "GELU", "ReLU", "Dropout", "Identity",
@@ -42,7 +42,7 @@ def split_vae(vae: nn.Module, plan: VaePlan, mesh_or_group=None, *, output_rank:
     `mesh_or_group`: a process group, a paradiff ParallelMesh (each data-parallel replica splits its own VAE
     calls over its own ranks), a 1-D DeviceMesh, or None for every process. Inference only: outputs carry no
     autograd graph. Inputs too small to give every rank a band run whole on every rank, with the same result.
-    `stats`: a `paradiff.comm.CommStats` counting the split VAE's collectives (tests, benchmarks).
+    `stats`: a `paradiff.distributed.comm.CommStats` counting the split VAE's collectives (tests, benchmarks).
     `paradiff.parallelize_vae` finds the plan of a covered VAE class and calls this.
     """
     require_distributed()

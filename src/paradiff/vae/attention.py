@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..comm import all_gather_int, all_gather_uneven
-from ..context_parallel.attention import ring_attention
-from ..context_parallel.kernels import BACKENDS, default_scale
-from ..errors import ParadiffError
-from .runtime import VaeRuntime
+from paradiff.distributed.comm import all_gather_int, all_gather_uneven
+from paradiff.context_parallel.attention import ring_attention
+from paradiff.context_parallel.kernels import BACKENDS, default_scale
+from paradiff.errors import ParadiffError
+from paradiff.vae.runtime import VaeRuntime
 
 KINDS = ("tokens", "causal_frames")
 

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm import halo_exchange_start, halo_exchange_wait
-from .layout import ConvRows, HaloPlan, Rows
-from .runtime import VaeRuntime
+from paradiff.distributed.comm import halo_exchange_start, halo_exchange_wait
+from paradiff.vae.layout import ConvRows, HaloPlan, Rows
+from paradiff.vae.runtime import VaeRuntime
 
 _FUNCTIONAL = {nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}  # rows are dim -2 of (B, C, [T,] H, W)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .runtime import VaeRuntime
+from paradiff.vae.runtime import VaeRuntime
 
 
 class FrameNoise(TorchFunctionMode):

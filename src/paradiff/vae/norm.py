@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..comm import all_gather_norm_stats
-from .runtime import VaeRuntime
+from paradiff.distributed.comm import all_gather_norm_stats
+from paradiff.vae.runtime import VaeRuntime
 
 
 class SplitGroupNorm:

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..comm import CommStats, all_gather_ints
-from ..errors import ParadiffError
-from .layout import ConvRows, HaloPlan, plan_halo
+from paradiff.distributed.comm import CommStats, all_gather_ints
+from paradiff.errors import ParadiffError
+from paradiff.vae.layout import ConvRows, HaloPlan, plan_halo
 
 VAE_ATTR = "_paradiff_vae"
 # Halo plans of this many (region, input height) pairs are kept; a miss costs one small all-gather per convolution.

@@ -1,6 +1,6 @@
 """CLIP text encoders (FLUX.1, SD3, HunyuanVideo): small, but split like the rest so every encoder shrinks."""
 
-from ...tensor_parallel.plan import AttentionHeads, TensorParallelPlan
+from paradiff.tensor_parallel.plan import AttentionHeads, TensorParallelPlan
 
 # where the text transformer sits: CLIPTextModel is it, CLIPTextModelWithProjection wraps it
 ROOTS = {"CLIPTextModel": "", "CLIPTextModelWithProjection": "text_model."}

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ...tensor_parallel.plan import AttentionHeads, TensorParallelPlan
-from ...tensor_parallel.styles import ColwiseHeads, Style
+from paradiff.tensor_parallel.plan import AttentionHeads, TensorParallelPlan
+from paradiff.tensor_parallel.styles import ColwiseHeads, Style
 
 
 def decoder_text_model(

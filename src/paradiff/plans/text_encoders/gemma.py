@@ -1,7 +1,7 @@
 """Gemma text encoders: Lumina 2 / Sana's Gemma 2 and LTX-2's Gemma 3 (text part split; Gemma 3's SigLIP vision
 tower stays whole). Gemma's scaled token embedding keeps its scaling under the vocabulary split."""
 
-from .common import decoder_text_model
+from paradiff.plans.text_encoders.common import decoder_text_model
 
 PATHS = {
     "Gemma2Model": ("", None),

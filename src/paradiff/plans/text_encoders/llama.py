@@ -1,6 +1,6 @@
 """Llama text encoders (HunyuanVideo's Llama-3-8B, HiDream's Llama-3.1-8B)."""
 
-from .common import decoder_text_model
+from paradiff.plans.text_encoders.common import decoder_text_model
 
 PATHS = {"LlamaModel": ("", None), "LlamaForCausalLM": ("model", "lm_head")}
 MODEL_CLASSES = tuple(PATHS)

@@ -1,7 +1,7 @@
 """Mistral text encoders: FLUX.2's Mistral-Small-3.1 (`Mistral3ForConditionalGeneration`, whose Pixtral vision tower
 and projector stay whole: text-to-image never runs them)."""
 
-from .common import decoder_text_model
+from paradiff.plans.text_encoders.common import decoder_text_model
 
 PATHS = {
     "MistralModel": ("", None),

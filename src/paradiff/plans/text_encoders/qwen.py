@@ -1,7 +1,7 @@
 """Qwen text encoders: Qwen-Image's Qwen2.5-VL (text part split; the vision tower stays whole) and FLUX.2 Klein /
 Z-Image's Qwen3."""
 
-from .common import decoder_text_model
+from paradiff.plans.text_encoders.common import decoder_text_model
 
 PATHS = {
     "Qwen2_5_VLTextModel": ("", None),

@@ -4,7 +4,7 @@ Attention splits by heads, and so does the relative position bias table (buckets
 block only, UMT5 in every block. The gated (or plain) feed-forward splits wi colwise, wo rowwise.
 """
 
-from ...tensor_parallel.plan import AttentionHeads, TensorParallelPlan
+from paradiff.tensor_parallel.plan import AttentionHeads, TensorParallelPlan
 
 MODEL_CLASSES = ("T5EncoderModel", "UMT5EncoderModel")
 

@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import write_checkpoint
-from .comm import all_gather_pieces, barrier
-from .errors import UnsupportedModelError
-from .state import get_state
-from .tensor_parallel.styles import ShardSpec
+from paradiff.io.checkpoint import write_checkpoint
+from paradiff.distributed.comm import all_gather_pieces, barrier
+from paradiff.errors import UnsupportedModelError
+from paradiff.runtime.state import get_state
+from paradiff.tensor_parallel.styles import ShardSpec
 
 
 def _parse_size(value: int | str) -> int:

@@ -26,9 +26,9 @@ from diffusers.hooks.hooks import StateManager
 from diffusers.hooks.taylorseer_cache import TaylorSeerCacheHook
 from torch import nn
 
-from .blocks import COMPILED_ATTR, block_identifiers, repeated_blocks
-from .comm import all_reduce_metric
-from .errors import ParallelConfigError
+from paradiff.runtime.repeated_blocks import COMPILED_ATTR, block_identifiers, repeated_blocks
+from paradiff.distributed.comm import all_reduce_metric
+from paradiff.errors import ParallelConfigError
 
 MONITOR_ATTR = "_paradiff_cache_monitor"
 SUPPORTED = ("FirstBlockCacheConfig", "TaylorSeerCacheConfig")
@@ -99,7 +99,7 @@ def enable_cache(model: nn.Module, config: Any, group: dist.ProcessGroup | None 
     if not hasattr(type(model), "enable_cache"):
         raise ParallelConfigError(f"{type(model).__name__} has no diffusers cache support (no enable_cache).")
     if group is None:
-        from .state import get_state
+        from paradiff.runtime.state import get_state
 
         state = get_state(model)
         group = state.mesh.model_group if state is not None else None

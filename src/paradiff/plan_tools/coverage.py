@@ -9,7 +9,7 @@ import json
 import re
 from pathlib import Path
 
-from .plans import families
+from paradiff.plans import families
 
 VERIFIED = Path(__file__).parent / "plans" / "verified.json"
 MODES = ("tp2", "ulysses2", "ring2", "unified2x2", "tp2xulysses2")

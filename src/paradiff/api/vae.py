@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from .comm import CommStats
-from .errors import UnsupportedModelError
-from .plans.vae import VAE_PLANS, vae_plan
-from .vae import split_vae
+from paradiff.distributed.comm import CommStats
+from paradiff.errors import UnsupportedModelError
+from paradiff.plans.vae import VAE_PLANS, vae_plan
+from paradiff.vae import split_vae
 
 
 def supported_vaes() -> list[str]:

@@ -19,8 +19,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from .agreement import agree
-from .memory import PeakMemory, parameter_bytes, release_freed_memory
+from paradiff.distributed.agreement import agree
+from paradiff.runtime.memory import PeakMemory, parameter_bytes, release_freed_memory
 
 STAGE_ORDER = ("text_encoders", "transformer", "vae")
 

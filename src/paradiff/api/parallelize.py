@@ -7,16 +7,16 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from .agreement import agree, config_fingerprint, fingerprint
-from .caching import check_cache_config, install_agreed_caching
-from .config import as_parallel_config
-from .errors import UnsupportedModelError
-from .failures import install_failure_guard
-from .mesh import build_mesh, require_distributed
-from .plans import plan_for
-from .state import ParallelState, get_state, set_state
-from .tensor_parallel.plan import as_plan, resolve_plan
-from .tensor_parallel.shard import swap_in_sharded_linears
+from paradiff.distributed.agreement import agree, config_fingerprint, fingerprint
+from paradiff.runtime.caching import check_cache_config, install_agreed_caching
+from paradiff.config import as_parallel_config
+from paradiff.errors import UnsupportedModelError
+from paradiff.distributed.failures import install_failure_guard
+from paradiff.distributed.mesh import build_mesh, require_distributed
+from paradiff.plans import plan_for
+from paradiff.runtime.state import ParallelState, get_state, set_state
+from paradiff.tensor_parallel.plan import as_plan, resolve_plan
+from paradiff.tensor_parallel.shard import swap_in_sharded_linears
 
 
 def check_shardable(model: nn.Module) -> None:
@@ -89,7 +89,7 @@ def enable_parallelism(model: nn.Module, config: Any, *, plan: Any = None, cp_pl
         if getattr(model, "_cache_config", None) is not None:
             check_cache_config(model._cache_config)
         if parallel.context_parallel_config is not None:
-            from .context_parallel.apply import resolve_cp_plan
+            from paradiff.context_parallel.apply import resolve_cp_plan
 
             cp_resolved = resolve_cp_plan(model, plan_for(model, cp_plan, "context"))
         facts = {
@@ -113,7 +113,7 @@ def attach(model: nn.Module, mesh: Any, resolved: Any, cp_resolved: Any) -> nn.M
     state = ParallelState(mesh=mesh, tp_plan=resolved)
     set_state(model, state)
     if cp_resolved is not None:
-        from .context_parallel.apply import apply_context_parallel
+        from paradiff.context_parallel.apply import apply_context_parallel
 
         apply_context_parallel(model, state, cp_resolved)
     install_failure_guard(model)

@@ -17,8 +17,8 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from .errors import CheckpointError
-from .tensor_parallel.styles import ShardSpec
+from paradiff.errors import CheckpointError
+from paradiff.tensor_parallel.styles import ShardSpec
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,

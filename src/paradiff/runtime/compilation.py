@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .blocks import COMPILED_ATTR, repeated_blocks
-from .caching import cache_monitor, enable_cache, refuse_hooks_inside_compiled_blocks
-from .errors import ParallelConfigError
+from paradiff.runtime.repeated_blocks import COMPILED_ATTR, repeated_blocks
+from paradiff.runtime.caching import cache_monitor, enable_cache, refuse_hooks_inside_compiled_blocks
+from paradiff.errors import ParallelConfigError
 
 def compile(  # noqa: A001 - mirrors torch.compile
     model: nn.Module,

@@ -16,15 +16,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .agreement import agree, tensor_checksum
-from .cfg import CfgSplitter, install_cfg_parallel
-from .config import as_parallel_config
-from .errors import CheckpointError, ParallelConfigError, PlanError, UnsupportedModelError
-from .loading import check_dtype
-from .mesh import default_device
-from .stages import StagedComponent, StageRunner, stage_of
-from .state import get_state
-from .tensor_parallel.shard import swap_in_sharded_linears
+from paradiff.distributed.agreement import agree, tensor_checksum
+from paradiff.runtime.cfg import CfgSplitter, install_cfg_parallel
+from paradiff.config import as_parallel_config
+from paradiff.errors import CheckpointError, ParallelConfigError, PlanError, UnsupportedModelError
+from paradiff.api.model import check_dtype
+from paradiff.distributed.mesh import default_device
+from paradiff.runtime.stages import StagedComponent, StageRunner, stage_of
+from paradiff.runtime.state import get_state
+from paradiff.tensor_parallel.shard import swap_in_sharded_linears
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ def load_pipeline(
     parallel = None
     if parallel_config is not None:
         if not dist.is_initialized():
-            from .mesh import require_distributed
+            from paradiff.distributed.mesh import require_distributed
 
             require_distributed()
         parallel = as_parallel_config(parallel_config, dist.get_world_size())
@@ -261,7 +261,7 @@ class _Loaded:
 def _components_paradiff_loads(folder, index, parallel, stages, shard_text_encoders, plans) -> list[_Own]:
     import importlib
 
-    from .plans import family_of
+    from paradiff.plans import family_of
 
     # Wan 2.2 A14B has a second transformer for the low-noise steps (`transformer_2`; null in model_index.json
     # for the single-transformer checkpoints): every transformer is split alike.
@@ -309,9 +309,9 @@ def _load_components(own: list[_Own], folder: Path, parallel, dtype, device, sta
                      cp_plan: Any = None) -> dict[str, _Loaded]:
     """Prepare every component (meta models, plans, checkpoint headers) on every rank, agree, build the mesh once,
     then read: everything now (all-resident), or only persistent buffers (staged; parameters come at their stage)."""
-    from .loading import prepare_model
-    from .mesh import build_mesh
-    from .parallel import attach
+    from paradiff.api.model import prepare_model
+    from paradiff.distributed.mesh import build_mesh
+    from paradiff.api.parallelize import attach
 
     prepared: dict[str, Any] = {}
     error = None
@@ -382,9 +382,9 @@ def _load_components(own: list[_Own], folder: Path, parallel, dtype, device, sta
 
 
 def _text_encoder_plan(item: _Own, folder: Path):
-    from .errors import PlanError
-    from .model_library import load_config
-    from .plans import builtin_plan, text_encoder_families
+    from paradiff.errors import PlanError
+    from paradiff.io.model_classes import load_config
+    from paradiff.plans import builtin_plan, text_encoder_families
 
     try:
         return builtin_plan(item.model_cls, load_config(item.model_cls, folder / item.name), "tensor")
@@ -403,7 +403,7 @@ def _encoder_group(mesh, dims: tuple[str, ...]):
 
 
 def _stage_runner(pipeline, loaded: dict[str, _Loaded], device: torch.device, staged: bool) -> StageRunner:
-    from .loading import free_parameters
+    from paradiff.api.model import free_parameters
 
     components = []
     for name, module in pipeline.components.items():
@@ -446,7 +446,7 @@ def _reader(module: nn.Module, source) -> Callable[[], None]:
 
 def _check_parallel_vae(parallel, index: dict, folder: Path) -> None:
     """parallel_vae=True: refuse, before any weight is read, what cannot split the VAE."""
-    from .vae_api import supported_vaes
+    from paradiff.api.vae import supported_vaes
 
     if parallel is None or parallel.world_size // parallel.data_degree < 2:
         raise ParallelConfigError(
@@ -462,7 +462,7 @@ def _check_parallel_vae(parallel, index: dict, folder: Path) -> None:
 
 
 def _parallelize_vae(pipeline, required: bool) -> None:
-    from .vae_api import parallelize_vae
+    from paradiff.api.vae import parallelize_vae
 
     vae = getattr(pipeline, "vae", None)
     if vae is None:

@@ -16,18 +16,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .agreement import agree, config_fingerprint, fingerprint
-from .checkpoint import Checkpoint
-from .config import as_parallel_config
-from .errors import CheckpointError, ParallelConfigError
-from .mesh import build_mesh, default_device, require_distributed
-from .model_library import checkpoint_keys, construct, keep_fp32_modules, load_config
-from .plans import plan_for
-from .progress import byte_progress
-from .parallel import attach
-from .tensor_parallel.plan import ResolvedPlan, as_plan, check_checkpoint_keys, resolve_plan
-from .tensor_parallel.shard import swap_in_sharded_linears
-from .tensor_parallel.styles import ShardSpec
+from paradiff.distributed.agreement import agree, config_fingerprint, fingerprint
+from paradiff.io.checkpoint import Checkpoint
+from paradiff.config import as_parallel_config
+from paradiff.errors import CheckpointError, ParallelConfigError
+from paradiff.distributed.mesh import build_mesh, default_device, require_distributed
+from paradiff.io.model_classes import checkpoint_keys, construct, keep_fp32_modules, load_config
+from paradiff.plans import plan_for
+from paradiff.runtime.progress import byte_progress
+from paradiff.api.parallelize import attach
+from paradiff.tensor_parallel.plan import ResolvedPlan, as_plan, check_checkpoint_keys, resolve_plan
+from paradiff.tensor_parallel.shard import swap_in_sharded_linears
+from paradiff.tensor_parallel.styles import ShardSpec
 
 HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -366,7 +366,7 @@ def prepare_model(
             check_checkpoint_keys(resolved, set(keys), shapes)
         cp_resolved = None
         if context:
-            from .context_parallel.apply import resolve_cp_plan
+            from paradiff.context_parallel.apply import resolve_cp_plan
 
             cp_resolved = resolve_cp_plan(model, plan_for(model, cp_plan, "context"))
         _check_model_against_checkpoint(model, checkpoint, keys)

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from .errors import PlanError
-from .plans import families, family_of
-from .plans.common import Grid
+from paradiff.errors import PlanError
+from paradiff.plans import families, family_of
+from paradiff.plans.common import Grid
 
 # Projection ops: the work a split must divide. Attention kernels are left out on purpose: torch's counter knows
 # the CUDA kernels but not the CPU flash kernel, so counting them would compare different kernels, not splits.

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .config import ParallelConfig
-from .errors import DistributedError, ParallelConfigError
+from paradiff.config import ParallelConfig
+from paradiff.errors import DistributedError, ParallelConfigError
 
 MESH_DIMS = ("data", "cfg", "ring", "ulysses", "tp")
 

@@ -10,8 +10,8 @@ from typing import Any
 
 from torch import nn
 
-from .mesh import ParallelMesh
-from .tensor_parallel.plan import ResolvedPlan
+from paradiff.distributed.mesh import ParallelMesh
+from paradiff.tensor_parallel.plan import ResolvedPlan
 
 STATE_ATTR = "_paradiff_state"
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import DistributedError
+from paradiff.errors import DistributedError
 
 # Keys must be unique per agreement round and identical on every participating rank: the ranks of one group run the
 # same rounds in the same order, so a per-process counter per (stage, group) numbers every round alike everywhere.

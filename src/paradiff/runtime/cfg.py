@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .comm import all_gather_pieces
-from .errors import ParallelConfigError
+from paradiff.distributed.comm import all_gather_pieces
+from paradiff.errors import ParallelConfigError
 
 
 def _sample_of(output: Any) -> torch.Tensor:

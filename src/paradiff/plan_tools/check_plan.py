@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import PlanError
-from .plans.common import Grid
+from paradiff.errors import PlanError
+from paradiff.plans.common import Grid
 
 SHRUNK_LAYERS = 2
 
@@ -93,7 +93,7 @@ class Target:
 
 def resolve_target(model: str, example: str | None = None, inputs_file: str | None = None) -> Target:
     """A class name (its family's tiny example config) or a checkpoint folder (its config, layers cut to 2)."""
-    from . import examples as ex
+    from paradiff.plan_tools import family_examples as ex
 
     folder = Path(model)
     if folder.is_dir():
@@ -136,7 +136,7 @@ def _is_layer_count(key: str, value: Any) -> bool:
 
 
 def _build(target: Target, seed: int = 0) -> nn.Module:
-    from .examples import model_class
+    from paradiff.plan_tools.family_examples import model_class
 
     torch.manual_seed(seed)
     model = model_class(target.class_name)(**target.config)
@@ -154,7 +154,7 @@ def _inputs(target: Target, model: nn.Module, batch: int, grid: Grid) -> dict:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module.example_inputs(model.config, batch, grid, generator)
-    from .examples import family_module
+    from paradiff.plan_tools.family_examples import family_module
 
     return family_module(target.family).example_inputs(target.example, model.config, batch, grid, generator)
 
@@ -173,7 +173,7 @@ def _record_outputs(model: nn.Module) -> tuple[list[tuple[str, str, torch.Tensor
 
     def hook(name):
         def record(module, _args, output):
-            from .examples import output_tensors
+            from paradiff.plan_tools.family_examples import output_tensors
 
             if open_modules and open_modules[-1][0] == name:
                 open_modules.pop()
@@ -192,7 +192,7 @@ def _aligned_reference(actual: torch.Tensor, expected: torch.Tensor, module: nn.
     """The part of the single-process output this rank's module output corresponds to, or None. Features (the last
     dim) split by TP: the module's own shard, else this rank's contiguous chunk (activations after a colwise
     projection); any other dim split by CP: this rank's token chunk."""
-    from .context_parallel.attention import even_sizes
+    from paradiff.context_parallel.attention import even_sizes
 
     spec = getattr(module, "weight_spec", None)
     if spec is not None and getattr(getattr(module, "style", None), "kind", "") in ("colwise", "norm_across_heads"):
@@ -211,7 +211,7 @@ def _aligned_reference(actual: torch.Tensor, expected: torch.Tensor, module: nn.
 
 
 def _plan_notes(model: nn.Module) -> dict[str, str]:
-    from .state import get_state
+    from paradiff.runtime.state import get_state
 
     state = get_state(model)
     notes: dict[str, str] = {}
@@ -242,7 +242,7 @@ def _rank_main(rank: int, world: int, port: int, target: Target, degrees: dict, 
 
     import paradiff
 
-    from .examples import forward, relative_difference
+    from paradiff.plan_tools.family_examples import forward, relative_difference
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -266,7 +266,7 @@ def _rank_main(rank: int, world: int, port: int, target: Target, degrees: dict, 
             tensor_parallel_config=paradiff.TensorParallelConfig(degrees["tp"]) if degrees["tp"] > 1 else None,
             context_parallel_config=cp)
         model = paradiff.enable_parallelism(_build(target), config, plan=plan, cp_plan=cp_plan)
-        state = paradiff.state.get_state(model)
+        state = paradiff.runtime.state.get_state(model)
         cp_ranks = (state.context.cp_rank, state.context.cp_size) if state.context else (0, 1)
         tp_ranks = (dist.get_rank(state.mesh.tp_group), degrees["tp"]) if degrees["tp"] > 1 else (0, 1)
         records, handles, open_modules = _record_outputs(model)

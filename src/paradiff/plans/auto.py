@@ -26,10 +26,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from .context_parallel.plan import ContextParallelPlan, Split
-from .errors import PlanError
-from .tensor_parallel.plan import TensorParallelPlan
-from .tensor_parallel.styles import ColwiseHeads, PackedColwise, Style
+from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.errors import PlanError
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.tensor_parallel.styles import ColwiseHeads, PackedColwise, Style
 
 MLP_PAIRS = (("fc1", "fc2"), ("linear_1", "linear_2"), ("linear_in", "linear_out"), ("proj_in", "proj_out"))
 
@@ -83,8 +83,8 @@ def _attention_styles(attention: nn.Module, prefix: str) -> dict[str, str | Styl
 def _norm_width(norm: nn.Module | None) -> int | None:
     if norm is None:
         return None
-    from .tensor_parallel.layers import is_norm
-    from .tensor_parallel.plan import norm_features
+    from paradiff.tensor_parallel.layers import is_norm
+    from paradiff.tensor_parallel.plan import norm_features
 
     if not is_norm(norm):
         return None
@@ -213,7 +213,7 @@ def auto_plan(model: nn.Module, kind: str):
 
 def plan_source(plan, kind: str, model_name: str) -> str:
     """A plan as a plan module a user can save, edit and pass back."""
-    from .tensor_parallel.styles import _Packed
+    from paradiff.tensor_parallel.styles import _Packed
 
     def style_text(style) -> str:
         if isinstance(style, str):

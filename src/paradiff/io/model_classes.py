@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .errors import CheckpointError, UnsupportedModelError
+from paradiff.errors import CheckpointError, UnsupportedModelError
 
 
 def is_transformers_class(model_cls: type) -> bool:

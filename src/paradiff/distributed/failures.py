@@ -14,7 +14,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from .errors import DistributedError
+from paradiff.errors import DistributedError
 
 KEY = "paradiff/failed/{rank}"
 COMM_ERROR_MARKERS = ("gloo", "nccl", "connection closed", "timed out", "timeout", "connection reset", "broken pipe")

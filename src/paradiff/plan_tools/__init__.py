@@ -1,0 +1,1 @@
+"""Tools around plans: check-plan, the coverage table, the families' tiny examples."""
