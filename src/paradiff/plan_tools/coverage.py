@@ -11,7 +11,7 @@ from pathlib import Path
 
 from paradiff.plans import families
 
-VERIFIED = Path(__file__).parent / "plans" / "verified.json"
+VERIFIED = Path(__file__).parents[1] / "plans" / "verified.json"
 MODES = ("tp2", "ulysses2", "ring2", "unified2x2", "tp2xulysses2")
 
 
