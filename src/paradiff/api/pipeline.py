@@ -21,6 +21,7 @@ from paradiff.runtime.cfg import CfgSplitter, install_cfg_parallel
 from paradiff.config import as_parallel_config
 from paradiff.errors import CheckpointError, ParallelConfigError, PlanError, UnsupportedModelError
 from paradiff.api.model import check_dtype
+from paradiff.api.quantization import check_pipeline_quantization
 from paradiff.distributed.mesh import default_device
 from paradiff.runtime.stages import StagedComponent, StageRunner, stage_of
 from paradiff.runtime.state import get_state
@@ -161,6 +162,7 @@ def load_pipeline(
     if parallel_vae:
         _check_parallel_vae(parallel, index, folder)
     own = _components_paradiff_loads(folder, index, parallel, stages, shard_text_encoders, text_encoder_plans or {})
+    check_pipeline_quantization(kwargs.get("quantization_config"), {item.name: item.model_cls for item in own})
     loaded = _load_components(own, folder, parallel, dtype, device, stages, plan, cp_plan)
     target_cls = pipeline_cls or getattr(diffusers, str(pipeline_name), DiffusionPipeline)
     expected_modules, _ = DiffusionPipeline._get_signature_keys(target_cls)
