@@ -4,6 +4,7 @@ Outside torchrun, `generate` launches and supervises its own worker processes (t
 every worker when one fails; under torchrun (multi-node included) it uses the given ranks.
 
     args.py      the parser and every up-front check of the user's input
+    preflight.py what the model folder's configs decide, checked before any worker starts
     launcher.py  starts and supervises the local workers
     relay.py     the workers' stderr to the console, without native (C++) backtraces
     worker.py    one rank: process group, pipeline on the mesh, generation
@@ -22,6 +23,7 @@ import sys
 from typing import Any, Callable
 
 from paradiff.cli.args import CliError, build_parser, check_args, world_size_of
+from paradiff.cli.preflight import check_model_folder
 from paradiff.cli.launcher import USER_ERROR, WORKER_MODULE, WORKER_REPORTED_FAILURE, launch
 from paradiff.cli.report import say
 
@@ -62,6 +64,7 @@ def main(argv: list[str] | None = None, *, worker_module: str = WORKER_MODULE,
                 embedded_default()
             except FileNotFoundError as exc:
                 raise CliError(str(exc)) from None
+        check_model_folder(args)
         return launch(argv, world_size_of(args), worker_module)
     except CliError as exc:
         say(f"paradiff: error: {exc}")

@@ -1,0 +1,47 @@
+"""Errors the model folder's configs already decide are one line, exit 2, and no worker is started."""
+
+from __future__ import annotations
+
+import pytest
+
+import paradiff.cli
+from paradiff.cli import main
+
+
+@pytest.fixture
+def no_worker(monkeypatch):
+    started = []
+    monkeypatch.setattr(paradiff.cli, "launch", lambda *args, **kwargs: started.append(args) or 0)
+    return started
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    return code, capsys.readouterr().err
+
+
+def test_missing_folder_that_is_no_hub_id(tmp_path, capsys, no_worker, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, err = run(capsys, "generate", "no-such-model", "--out", str(tmp_path / "out"))
+    assert (code, no_worker) == (2, [])
+    assert err.strip() == ("paradiff: error: model folder no-such-model does not exist (and is not a Hub id of the "
+                           "form 'owner/name')")
+
+
+def test_cfg_on_a_pipeline_paradiff_cannot_split_by_cfg(tiny_pipeline_folders, tmp_path, capsys, no_worker):
+    code, err = run(capsys, "generate", str(tiny_pipeline_folders["flux2"]), "--cfg", "2", "--out", str(tmp_path))
+    assert (code, no_worker) == (2, [])
+    assert "--cfg 2: CFG parallelism is supported for" in err and "is a Flux2Pipeline. Use --cfg 1" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_tp_beyond_the_head_count(tiny_pipeline_folders, tmp_path, capsys, no_worker):
+    code, err = run(capsys, "generate", str(tiny_pipeline_folders["flux2"]), "--tp", "8", "--out", str(tmp_path))
+    assert (code, no_worker) == (2, [])
+    assert err.startswith("paradiff: error: --tp 8: transformer (Flux2Transformer2DModel): ")
+    assert "head" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_valid_request_reaches_the_launcher(tiny_pipeline_folders, tmp_path, capsys, no_worker):
+    code, _ = run(capsys, "generate", str(tiny_pipeline_folders["flux2"]), "--tp", "2", "--out", str(tmp_path))
+    assert code == 0 and len(no_worker) == 1
