@@ -5,28 +5,19 @@ Not a benchmark itself (run_all.py only runs bench_*.py).
 
 from __future__ import annotations
 
-import datetime
 import os
 import platform
-import queue
 import resource
-import socket
 import subprocess
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch.multiprocessing as mp
+from paradiff.distributed import spawn
+from paradiff.distributed.spawn import free_port  # noqa: F401 - the benchmarks' one free port
 
 GB = 1e9
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -194,67 +185,22 @@ def quiet_diffusers() -> None:
 # spawning ranks
 
 
-def _rank_main(rank: int, world_size: int, port: int, target: Callable[..., Any], kwargs: dict, out: Any) -> None:
-    try:
-        import torch
+def _numpy_results(rank: int, world_size: int, target: Callable[..., Any], kwargs: dict) -> Any:
+    import torch
+    from torch.utils import _pytree as pytree
 
-        torch.set_num_threads(1)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-        if world_size > 1:
-            import torch.distributed as dist
-
-            dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=600))
-        result = target(rank=rank, world_size=world_size, **kwargs)
-        # torch's queues pass tensors as shared-memory handles that die with this process, which may exit before
-        # the parent reads them: send copies as numpy arrays
-        from torch.utils import _pytree as pytree
-
-        result = pytree.tree_map(lambda v: v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else v, result)
-        out.put((rank, True, result))
-        if world_size > 1:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - sent to the parent
-        out.put((rank, False, traceback.format_exc()))
+    result = target(rank=rank, world_size=world_size, **kwargs)
+    # torch's queues pass tensors as shared-memory handles that die with this process, which may exit before
+    # the parent reads them: send copies as numpy arrays
+    return pytree.tree_map(lambda v: v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else v, result)
 
 
 def run_ranks(target: Callable[..., Any], world_size: int, timeout_s: float = 600.0, **kwargs: Any) -> list[Any]:
-    """Run `target(rank=, world_size=, **kwargs)` in `world_size` fresh spawned processes; results by rank."""
-    context = mp.get_context("spawn")
-    out = context.Queue()
-    port = free_port()
-    processes = [
-        context.Process(target=_rank_main, args=(rank, world_size, port, target, kwargs, out), daemon=False)
-        for rank in range(world_size)
-    ]
-    for process in processes:
-        process.start()
-    results: dict[int, Any] = {}
-    failures: dict[int, str] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(results) + len(failures) < world_size:
-            try:
-                rank, ok, value = out.get(timeout=max(1.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise TimeoutError(f"{target.__name__} did not finish within {timeout_s}s") from None
-            (results if ok else failures)[rank] = value
-            if failures:
-                break
-    finally:
-        for process in processes:
-            process.join(timeout=30 if not failures else 1)
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5)
-    if failures:
-        text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
-        raise RuntimeError(f"{target.__name__} failed:\n{text}")
-    return [results[rank] for rank in range(world_size)]
+    """Run `target(rank=, world_size=, **kwargs)` in `world_size` fresh spawned processes; results by rank.
+
+    Raises paradiff's RankFailed (a RuntimeError) naming the first failing rank, or RankTimeout (a TimeoutError)."""
+    return spawn.run_ranks(_numpy_results, world_size, kwargs=dict(target=target, kwargs=kwargs), timeout_s=timeout_s,
+                           grace_s=1.0, gloo_timeout_s=600 if world_size > 1 else None)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -33,10 +33,11 @@ def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
 
 class RankFailed(RuntimeError):
     """A spawned rank raised or died. `rank` and `summary` name the first failure; `failures` holds every one
-    (rank -> traceback, or how the process ended)."""
+    (rank -> traceback, or how the process ended); `results` the results of the ranks that finished."""
 
-    def __init__(self, rank: int, summary: str, failures: dict[int, str]) -> None:
+    def __init__(self, rank: int, summary: str, failures: dict[int, str], results: dict[int, Any]) -> None:
         self.rank = rank
+        self.results = results
         self.summary = summary
         self.failures = failures
         text = "\n".join(f"--- rank {r} ---\n{detail}" for r, detail in sorted(failures.items()))
@@ -44,8 +45,11 @@ class RankFailed(RuntimeError):
 
 
 class RankTimeout(TimeoutError):
-    def __init__(self, missing: list[int], timeout_s: float) -> None:
+    """Ranks `missing` gave no result in time; `results` holds those of the ranks that finished."""
+
+    def __init__(self, missing: list[int], timeout_s: float, results: dict[int, Any]) -> None:
         self.missing = missing
+        self.results = results
         super().__init__(f"ranks {missing} gave no result within {timeout_s:.0f}s; all ranks were stopped.")
 
 
@@ -133,9 +137,9 @@ def run_ranks(target: Callable[..., Any], world_size: int, *, kwargs: dict | Non
         for rank in range(world_size):
             if rank not in results and rank not in failures:
                 failures[rank] = "stopped: no result after a peer failed"
-        raise RankFailed(first[0], first[1], failures)
+        raise RankFailed(first[0], first[1], failures, results)
     if len(results) < world_size:
-        raise RankTimeout(sorted(set(range(world_size)) - set(results)), timeout_s)
+        raise RankTimeout(sorted(set(range(world_size)) - set(results)), timeout_s, results)
     return [results[rank] for rank in range(world_size)]
 
 
