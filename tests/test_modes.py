@@ -20,6 +20,10 @@ def test_every_spelling_parses_to_the_same_degrees(spelling):
     assert parse_mode(spelling) == dict(data=1, cfg=1, ring=1, ulysses=2, tp=2)
 
 
+def test_the_cli_dp_is_data():
+    assert parse_mode("tp=2+dp=2".replace("+", "x")) == dict(data=2, cfg=1, ring=1, ulysses=1, tp=2)
+
+
 @pytest.mark.parametrize("empty", ["", "single", " single "])
 def test_no_parallelism_parses_to_all_ones(empty):
     assert parse_mode(empty) == dict.fromkeys(MODE_DIMENSIONS, 1)

@@ -151,6 +151,7 @@ class ParallelConfig:
 # Outermost to innermost, as ParallelConfig.degrees() orders the mesh.
 MODE_DIMENSIONS = ("data", "cfg", "ring", "ulysses", "tp")
 NO_PARALLELISM = "single"
+MODE_ALIASES = {"dp": "data"}  # the CLI's --dp
 
 
 def parse_mode(mode: str) -> dict[str, int]:
@@ -163,7 +164,8 @@ def parse_mode(mode: str) -> dict[str, int]:
     named: set[str] = set()
     for part in text.split("x"):
         part = part.strip()
-        name = part.rstrip("0123456789").rstrip("=")
+        name = part.rstrip("0123456789").rstrip("=").strip()
+        name = MODE_ALIASES.get(name, name)
         number = part[len(part.rstrip("0123456789")):]
         if name not in degrees or not number or int(number) < 1:
             raise ValueError(f"parallel mode {mode!r}: bad part {part!r}; write parts like 'tp2' joined by 'x' "

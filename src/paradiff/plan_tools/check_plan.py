@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from paradiff.config import mode_name
 from paradiff.distributed.spawn import RankFailed, RankTimeout, run_ranks
 from paradiff.errors import PlanError
 from paradiff.plans.common import Grid
@@ -55,7 +56,7 @@ class CheckResult:
             diff = "-" if row.diff is None else f"{row.diff:.2e}"
             mark = "  <-- first divergence" if row is first else ""
             lines.append(f"{row.name[:56]:<56} {row.kind[:28]:<28} {diff:>12}  {row.plan}{mark}")
-        degrees = " x ".join(f"{k}{v}" for k, v in self.degrees.items() if v > 1) or "single"
+        degrees = mode_name(self.degrees, order=tuple(self.degrees), separator=" x ")
         verdict = "PASS" if self.ok else "FAIL"
         lines.append(f"{verdict}: {self.model} at {degrees}: output max relative difference {self.output_diff:.2e} "
                      f"(tolerance {self.tolerance:.0e})")
@@ -253,12 +254,7 @@ def _rank_main(rank: int, world_size: int, target: Target, degrees: dict, plan_f
     cp_plan = plan_files.get("context")
     plan = plan if plan in (None, "auto") else load_plan_file(plan, "tensor")(reference.config)
     cp_plan = cp_plan if cp_plan in (None, "auto") else load_plan_file(cp_plan, "context")(reference.config)
-    cp = None
-    if degrees["ring"] * degrees["ulysses"] > 1:
-        cp = paradiff.ContextParallelConfig(ring_degree=degrees["ring"], ulysses_degree=degrees["ulysses"])
-    config = paradiff.ParallelConfig(
-        tensor_parallel_config=paradiff.TensorParallelConfig(degrees["tp"]) if degrees["tp"] > 1 else None,
-        context_parallel_config=cp)
+    config = paradiff.ParallelConfig.from_degrees(**degrees)
     model = paradiff.enable_parallelism(_build(target), config, plan=plan, cp_plan=cp_plan)
     state = paradiff.runtime.state.get_state(model)
     cp_ranks = (state.context.cp_rank, state.context.cp_size) if state.context else (0, 1)
