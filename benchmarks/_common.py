@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from paradiff.distributed import spawn
+from paradiff.runtime.memory import PeakSampler
 from paradiff.distributed.spawn import free_port  # noqa: F401 - the benchmarks' one free port
 
 GB = 1e9
@@ -53,42 +54,20 @@ def read_io() -> dict[str, int]:
     return values
 
 
-class MemorySampler:
-    """Samples /proc/self/status every `interval_s` in a daemon thread and keeps the peaks.
+class MemorySampler(PeakSampler):
+    """paradiff's PeakSampler over /proc/self/status (RssAnon, RssFile, RssShmem, VmHWM), every 5 ms by default.
 
     Counts the bytes its own reads add to /proc/self/io's rchar so they can be subtracted.
     """
 
     def __init__(self, interval_s: float = 0.005) -> None:
-        self.interval_s = interval_s
-        self.peak: dict[str, int] = {}
-        self.samples = 0
+        super().__init__(read=self._read_counted, interval_s=interval_s)
         self.own_rchar = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _sample(self) -> None:
+    def _read_counted(self) -> dict[str, int]:
         values, cost = read_status()
         self.own_rchar += cost
-        self.samples += 1
-        for key, value in values.items():
-            if value > self.peak.get(key, -1):
-                self.peak[key] = value
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._sample()
-            self._stop.wait(self.interval_s)
-
-    def __enter__(self) -> "MemorySampler":
-        self._sample()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
+        return values
 
 
 def cpu_seconds() -> float:
