@@ -12,6 +12,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from paradiff.distributed import spawn
@@ -84,18 +85,58 @@ def system_busy_seconds() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def wait_for_quiet(max_busy_cores: float = 0.3, window_s: float = 1.0, timeout_s: float = 180.0) -> float:
-    """Wait until the machine's other processes use under `max_busy_cores` cores over `window_s`.
+def children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+class ForeignLoad:
+    """CPU seconds used on the machine during a block by anything but this process's own (waited-for) children."""
+
+    def __enter__(self) -> "ForeignLoad":
+        self.busy, self.children, self.own = system_busy_seconds(), children_cpu_s(), time.process_time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        mine = children_cpu_s() - self.children + time.process_time() - self.own
+        self.seconds = max(0.0, system_busy_seconds() - self.busy - mine)
+
+
+def foreign_benchmarks() -> list[str]:
+    """Other benchmark scripts running now (this machine has 2 cores: their load would skew these timings)."""
+    mine, pid = set(), os.getpid()
+    while pid > 1:  # this process and its ancestors (a shell that started it names this script too)
+        mine.add(str(pid))
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    found = subprocess.run(["pgrep", "-af", "benchmarks/bench_"], capture_output=True, text=True).stdout.splitlines()
+    return [line for line in found if line.split()[0] not in mine and "pgrep" not in line]
+
+
+def wait_for_quiet(max_busy_cores: float = 0.3, window_s: float = 1.0, timeout_s: float = 180.0,
+                   quiet_s: float = 0.0, alone: bool = False) -> float:
+    """Wait until the machine's other processes use under `max_busy_cores` cores over `window_s` (for `quiet_s` in a
+    row, and with `alone` while no other benchmark script runs either).
 
     The benchmark machine is shared (2 cores); a run started next to someone else's job measures the contention.
     Returns the busy cores seen in the last window (waits at most `timeout_s`, then goes on anyway).
     """
     deadline = time.monotonic() + timeout_s
+    quiet_since = time.monotonic()
     while True:
         busy0, own0, start = system_busy_seconds(), cpu_seconds(), time.monotonic()
         time.sleep(window_s)
         busy = (system_busy_seconds() - busy0 - (cpu_seconds() - own0)) / (time.monotonic() - start)
-        if busy < max_busy_cores or time.monotonic() > deadline:
+        others = foreign_benchmarks() if alone else []
+        if others or busy >= max_busy_cores:
+            if alone:
+                print(f"waiting: other benchmarks {others}, {busy:.1f} cores busy", flush=True)
+            quiet_since = time.monotonic()
+        elif time.monotonic() - quiet_since >= quiet_s:
+            return busy
+        if time.monotonic() > deadline:
             return busy
 
 
