@@ -5,28 +5,21 @@ Not a benchmark itself (run_all.py only runs bench_*.py).
 
 from __future__ import annotations
 
-import datetime
 import os
 import platform
-import queue
 import resource
-import socket
 import subprocess
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
-import torch.multiprocessing as mp
+from paradiff.distributed import spawn
+from paradiff.runtime.memory import PeakSampler
+from paradiff.distributed.spawn import free_port  # noqa: F401 - the benchmarks' one free port
 
 GB = 1e9
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -62,42 +55,20 @@ def read_io() -> dict[str, int]:
     return values
 
 
-class MemorySampler:
-    """Samples /proc/self/status every `interval_s` in a daemon thread and keeps the peaks.
+class MemorySampler(PeakSampler):
+    """paradiff's PeakSampler over /proc/self/status (RssAnon, RssFile, RssShmem, VmHWM), every 5 ms by default.
 
     Counts the bytes its own reads add to /proc/self/io's rchar so they can be subtracted.
     """
 
     def __init__(self, interval_s: float = 0.005) -> None:
-        self.interval_s = interval_s
-        self.peak: dict[str, int] = {}
-        self.samples = 0
+        super().__init__(read=self._read_counted, interval_s=interval_s)
         self.own_rchar = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _sample(self) -> None:
+    def _read_counted(self) -> dict[str, int]:
         values, cost = read_status()
         self.own_rchar += cost
-        self.samples += 1
-        for key, value in values.items():
-            if value > self.peak.get(key, -1):
-                self.peak[key] = value
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._sample()
-            self._stop.wait(self.interval_s)
-
-    def __enter__(self) -> "MemorySampler":
-        self._sample()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
+        return values
 
 
 def cpu_seconds() -> float:
@@ -114,18 +85,58 @@ def system_busy_seconds() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def wait_for_quiet(max_busy_cores: float = 0.3, window_s: float = 1.0, timeout_s: float = 180.0) -> float:
-    """Wait until the machine's other processes use under `max_busy_cores` cores over `window_s`.
+def children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+class ForeignLoad:
+    """CPU seconds used on the machine during a block by anything but this process's own (waited-for) children."""
+
+    def __enter__(self) -> "ForeignLoad":
+        self.busy, self.children, self.own = system_busy_seconds(), children_cpu_s(), time.process_time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        mine = children_cpu_s() - self.children + time.process_time() - self.own
+        self.seconds = max(0.0, system_busy_seconds() - self.busy - mine)
+
+
+def foreign_benchmarks() -> list[str]:
+    """Other benchmark scripts running now (this machine has 2 cores: their load would skew these timings)."""
+    mine, pid = set(), os.getpid()
+    while pid > 1:  # this process and its ancestors (a shell that started it names this script too)
+        mine.add(str(pid))
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    found = subprocess.run(["pgrep", "-af", "benchmarks/bench_"], capture_output=True, text=True).stdout.splitlines()
+    return [line for line in found if line.split()[0] not in mine and "pgrep" not in line]
+
+
+def wait_for_quiet(max_busy_cores: float = 0.3, window_s: float = 1.0, timeout_s: float = 180.0,
+                   quiet_s: float = 0.0, alone: bool = False) -> float:
+    """Wait until the machine's other processes use under `max_busy_cores` cores over `window_s` (for `quiet_s` in a
+    row, and with `alone` while no other benchmark script runs either).
 
     The benchmark machine is shared (2 cores); a run started next to someone else's job measures the contention.
     Returns the busy cores seen in the last window (waits at most `timeout_s`, then goes on anyway).
     """
     deadline = time.monotonic() + timeout_s
+    quiet_since = time.monotonic()
     while True:
         busy0, own0, start = system_busy_seconds(), cpu_seconds(), time.monotonic()
         time.sleep(window_s)
         busy = (system_busy_seconds() - busy0 - (cpu_seconds() - own0)) / (time.monotonic() - start)
-        if busy < max_busy_cores or time.monotonic() > deadline:
+        others = foreign_benchmarks() if alone else []
+        if others or busy >= max_busy_cores:
+            if alone:
+                print(f"waiting: other benchmarks {others}, {busy:.1f} cores busy", flush=True)
+            quiet_since = time.monotonic()
+        elif time.monotonic() - quiet_since >= quiet_s:
+            return busy
+        if time.monotonic() > deadline:
             return busy
 
 
@@ -194,67 +205,22 @@ def quiet_diffusers() -> None:
 # spawning ranks
 
 
-def _rank_main(rank: int, world_size: int, port: int, target: Callable[..., Any], kwargs: dict, out: Any) -> None:
-    try:
-        import torch
+def _numpy_results(rank: int, world_size: int, target: Callable[..., Any], kwargs: dict) -> Any:
+    import torch
+    from torch.utils import _pytree as pytree
 
-        torch.set_num_threads(1)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-        if world_size > 1:
-            import torch.distributed as dist
-
-            dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=600))
-        result = target(rank=rank, world_size=world_size, **kwargs)
-        # torch's queues pass tensors as shared-memory handles that die with this process, which may exit before
-        # the parent reads them: send copies as numpy arrays
-        from torch.utils import _pytree as pytree
-
-        result = pytree.tree_map(lambda v: v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else v, result)
-        out.put((rank, True, result))
-        if world_size > 1:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - sent to the parent
-        out.put((rank, False, traceback.format_exc()))
+    result = target(rank=rank, world_size=world_size, **kwargs)
+    # torch's queues pass tensors as shared-memory handles that die with this process, which may exit before
+    # the parent reads them: send copies as numpy arrays
+    return pytree.tree_map(lambda v: v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else v, result)
 
 
 def run_ranks(target: Callable[..., Any], world_size: int, timeout_s: float = 600.0, **kwargs: Any) -> list[Any]:
-    """Run `target(rank=, world_size=, **kwargs)` in `world_size` fresh spawned processes; results by rank."""
-    context = mp.get_context("spawn")
-    out = context.Queue()
-    port = free_port()
-    processes = [
-        context.Process(target=_rank_main, args=(rank, world_size, port, target, kwargs, out), daemon=False)
-        for rank in range(world_size)
-    ]
-    for process in processes:
-        process.start()
-    results: dict[int, Any] = {}
-    failures: dict[int, str] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(results) + len(failures) < world_size:
-            try:
-                rank, ok, value = out.get(timeout=max(1.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise TimeoutError(f"{target.__name__} did not finish within {timeout_s}s") from None
-            (results if ok else failures)[rank] = value
-            if failures:
-                break
-    finally:
-        for process in processes:
-            process.join(timeout=30 if not failures else 1)
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5)
-    if failures:
-        text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
-        raise RuntimeError(f"{target.__name__} failed:\n{text}")
-    return [results[rank] for rank in range(world_size)]
+    """Run `target(rank=, world_size=, **kwargs)` in `world_size` fresh spawned processes; results by rank.
+
+    Raises paradiff's RankFailed (a RuntimeError) naming the first failing rank, or RankTimeout (a TimeoutError)."""
+    return spawn.run_ranks(_numpy_results, world_size, kwargs=dict(target=target, kwargs=kwargs), timeout_s=timeout_s,
+                           grace_s=1.0, gloo_timeout_s=600 if world_size > 1 else None)
 
 
 # ----------------------------------------------------------------------------------------------------------------

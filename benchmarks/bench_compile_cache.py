@@ -46,11 +46,7 @@ MODES = {"single": (1, {}), "tp2": (2, {"tp": 2}), "ulysses2": (2, {"ulysses": 2
 def parallel_config(degrees: dict):
     import paradiff
 
-    return paradiff.ParallelConfig(
-        tensor_parallel_config=paradiff.TensorParallelConfig(degrees["tp"]) if degrees.get("tp", 1) > 1 else None,
-        context_parallel_config=(paradiff.ContextParallelConfig(ulysses_degree=degrees["ulysses"])
-                                 if degrees.get("ulysses", 1) > 1 else None),
-    )
+    return paradiff.ParallelConfig.from_degrees(tp=degrees.get("tp", 1), ulysses=degrees.get("ulysses", 1))
 
 
 def denoise(model, inputs: dict, steps: int):

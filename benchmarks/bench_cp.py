@@ -35,18 +35,22 @@ import gc
 import json
 import os
 import platform
-import queue
-import socket
 import statistics
 import sys
-import threading
 import time
 import traceback
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-import torch.multiprocessing as mp
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import system_busy_seconds, wait_for_quiet  # noqa: E402
+
+from paradiff.distributed.spawn import RankFailed, RankTimeout, run_ranks  # noqa: E402
+from paradiff.runtime.memory import PeakSampler, rss_anon_bytes  # noqa: E402
+
 
 MB = 1e6
 
@@ -111,62 +115,6 @@ ATTENTION_CASES = [
 
 # ----------------------------------------------------------------------------------------------------------------
 # memory sampling
-
-
-def rss_anon() -> int:
-    with open("/proc/self/status", "rb") as handle:
-        for line in handle:
-            if line.startswith(b"RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no RssAnon in /proc/self/status")
-
-
-class PeakSampler:
-    """Samples RssAnon every `interval_s` in a daemon thread while active; `peak` is the highest value seen."""
-
-    def __init__(self, interval_s: float) -> None:
-        self.interval_s = interval_s
-        self.peak = 0
-        self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _sample(self) -> None:
-        self.peak = max(self.peak, rss_anon())
-        self.samples += 1
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._sample()
-
-    def __enter__(self) -> "PeakSampler":
-        self._sample()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
-
-
-def machine_busy_s() -> float:
-    """CPU-seconds the whole machine has been busy since boot (all cores; /proc/stat, idle and iowait excluded)."""
-    with open("/proc/stat") as handle:
-        fields = [int(x) for x in handle.readline().split()[1:]]
-    idle = fields[3] + fields[4]
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def wait_quiet(max_wait_s: float, cores: float = 0.3) -> float:
-    """Wait (up to max_wait_s) until other processes use < `cores` cores over 1 s; returns the last load seen."""
-    deadline = time.monotonic() + max_wait_s
-    while True:
-        before = machine_busy_s()
-        time.sleep(1.0)
-        load = machine_busy_s() - before
-        if load < cores or time.monotonic() >= deadline:
-            return load
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -375,9 +323,9 @@ def bench_worker(rank: int, world_size: int, case: Case, shape: tuple[int, int, 
             gc.collect()
             if world_size > 1:
                 dist.barrier()
-            baseline = rss_anon()
-            cpu_before, busy_before = time.process_time(), machine_busy_s()
-            with PeakSampler(sample_s) as sampler, torch.no_grad():
+            baseline = rss_anon_bytes()
+            cpu_before, busy_before = time.process_time(), system_busy_seconds()
+            with PeakSampler(interval_s=sample_s) as sampler, torch.no_grad():
                 start = time.perf_counter()
                 output = model(**inputs, return_dict=False)[0]
                 elapsed = time.perf_counter() - start
@@ -385,7 +333,7 @@ def bench_worker(rank: int, world_size: int, case: Case, shape: tuple[int, int, 
                 dist.barrier()  # every rank's window ends here, so the machine-wide busy time covers all of them
             if index > 0:
                 loop_cpu += time.process_time() - cpu_before
-                loop_busy += machine_busy_s() - busy_before
+                loop_busy += system_busy_seconds() - busy_before
             if index == 0:
                 if timers is not None:
                     timers.reset()
@@ -394,8 +342,8 @@ def bench_worker(rank: int, world_size: int, case: Case, shape: tuple[int, int, 
                     stats.bytes.clear()
                 continue
             times.append(elapsed)
-            deltas.append(sampler.peak - baseline)
-            peaks.append(sampler.peak)
+            deltas.append(sampler.peak["RssAnon"] - baseline)
+            peaks.append(sampler.peak["RssAnon"])
         # numpy, not a tensor: torch shares tensors through fds that die with this process
         result.update(times=times, deltas=deltas, peaks=peaks, output=output.numpy() if rank == 0 else None,
                       cpu_s=loop_cpu, machine_busy_s=loop_busy)
@@ -459,77 +407,42 @@ def attention_worker(rank: int, world_size: int, case: Case, shape: tuple[int, i
     for index in range(repeats + 1):
         gc.collect()
         dist.barrier()
-        baseline = rss_anon()
-        with PeakSampler(sample_s / 5) as sampler, torch.no_grad():
+        baseline = rss_anon_bytes()
+        with PeakSampler(interval_s=sample_s / 5) as sampler, torch.no_grad():
             start = time.perf_counter()
             out = call()
             elapsed = time.perf_counter() - start
         del out
         if index > 0:
             times.append(elapsed)
-            deltas.append(sampler.peak - baseline)
+            deltas.append(sampler.peak["RssAnon"] - baseline)
     result.update(times=times, deltas=deltas)
     return result
 
 
-def _rank_main(rank: int, world_size: int, port: int, kwargs: dict, out: Any) -> None:
+def _rank_main(rank: int, world_size: int, kwargs: dict) -> dict:
+    worker = attention_worker if kwargs.pop("attention_only", False) else bench_worker
     try:
-        import torch
-
-        torch.set_num_threads(1)
-        if world_size > 1:
-            import torch.distributed as dist
-
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                              WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-            dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=180))
-        worker = attention_worker if kwargs.pop("attention_only", False) else bench_worker
-        out.put((rank, worker(rank=rank, world_size=world_size, **kwargs)))
-        if world_size > 1:
-            torch.distributed.destroy_process_group()
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        out.put((rank, {"rank": rank, "error": f"worker: {short_error(exc)}", "traceback": traceback.format_exc()}))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        return worker(rank=rank, world_size=world_size, **kwargs)
+    except BaseException as exc:  # noqa: BLE001 - reported in this rank's row; its peers time out on their own
+        return {"rank": rank, "error": f"worker: {short_error(exc)}", "traceback": traceback.format_exc()}
 
 
 def run_case(case: Case, shape: tuple[int, int, int], config: dict, repeats: int, sample_s: float,
              timeout_s: float, profile: bool = False, attention_only: bool = False) -> list[dict]:
-    context = mp.get_context("spawn")
-    out = context.Queue()
-    port = free_port()
     kwargs = dict(case=case, shape=shape, config=config, repeats=repeats, sample_s=sample_s, profile=profile,
                   attention_only=attention_only)
-    processes = [context.Process(target=_rank_main, args=(rank, case.world, port, kwargs, out))
-                 for rank in range(case.world)]
-    for process in processes:
-        process.start()
-    results: dict[int, dict] = {}
-    deadline = time.monotonic() + timeout_s
     try:
-        while len(results) < case.world:
-            try:
-                rank, value = out.get(timeout=max(1.0, deadline - time.monotonic()))
-            except queue.Empty:
-                missing = sorted(set(range(case.world)) - set(results))
-                error = next((r["error"] for r in results.values() if "error" in r), None)
-                for rank in missing:
-                    results[rank] = {"rank": rank, "error": error or f"timeout after {timeout_s:.0f}s"}
-                break
-            results[rank] = value
-    finally:
-        for process in processes:
-            process.join(timeout=20)
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5)
-    return [results[rank] for rank in range(case.world)]
+        return run_ranks(_rank_main, case.world, kwargs=dict(kwargs=kwargs), timeout_s=timeout_s, grace_s=20.0,
+                         gloo_timeout_s=180 if case.world > 1 else None)
+    except (RankFailed, RankTimeout) as stopped:
+        results = dict(stopped.results)
+        error = next((r["error"] for r in results.values() if "error" in r), None)
+        if isinstance(stopped, RankFailed):
+            error = error or f"worker: {stopped.summary}"
+        for rank in range(case.world):
+            results.setdefault(rank, {"rank": rank, "error": error or f"timeout after {timeout_s:.0f}s"})
+        return [results[rank] for rank in range(case.world)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -727,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
                 if (case.name, shape_name) in measured and measured[(case.name, shape_name)][0].error:
                     continue  # a case that failed keeps its one error
                 for attempt in range(1 + args.retries):
-                    load = wait_quiet(args.wait_quiet)
+                    load = wait_for_quiet(timeout_s=args.wait_quiet)
                     if load >= 0.3:
                         print(f"  (other processes use {load:.1f} cores; measuring anyway)", flush=True)
                     case_start = time.monotonic()
@@ -760,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
             # timing with the default allocator; memory with every allocation >= 128 KiB mmapped (glibc's dynamic
             # threshold otherwise keeps freed multi-MB blocks in the heap, hiding a call's peak from RssAnon)
             for label, env in (("time", {}), ("memory", {"MALLOC_MMAP_THRESHOLD_": "131072"})):
-                wait_quiet(args.wait_quiet)
+                wait_for_quiet(timeout_s=args.wait_quiet)
                 saved = {key: os.environ.get(key) for key in env}
                 os.environ.update(env)
                 try:

@@ -27,7 +27,6 @@ import json
 import os
 import platform
 import re
-import resource
 import shutil
 import subprocess
 import sys
@@ -36,6 +35,9 @@ import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import ForeignLoad, foreign_benchmarks, wait_for_quiet  # noqa: E402
 # the real command, with the fault hooks of paradiff.testing.faults installed in each worker
 PARADIFF = [sys.executable, "-m", "paradiff.testing.faults"]
 
@@ -58,60 +60,6 @@ DESCRIPTION = {
     "raise-4ranks": "rank 3 raises mid-forward, tp=2 x ulysses=2 (`3:raise`)",
     "exit-4ranks": "rank 3 killed mid-forward, tp=2 x ulysses=2 (`3:exit`)",
 }
-
-
-def busy_cpu_s() -> float:
-    """CPU seconds the whole machine has been busy (all cores), from /proc/stat."""
-    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def children_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
-class ForeignLoad:
-    """CPU seconds used on the machine during a block by anything but this process's own (waited-for) children."""
-
-    def __enter__(self) -> "ForeignLoad":
-        self.busy, self.children, self.own = busy_cpu_s(), children_cpu_s(), time.process_time()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        mine = children_cpu_s() - self.children + time.process_time() - self.own
-        self.seconds = max(0.0, busy_cpu_s() - self.busy - mine)
-
-
-def foreign_benchmarks() -> list[str]:
-    """Other benchmark scripts running now (this machine has 2 cores: their load would skew these timings)."""
-    mine, pid = set(), os.getpid()
-    while pid > 1:  # this process and its ancestors (a shell that started it names this script too)
-        mine.add(str(pid))
-        try:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            break
-    found = subprocess.run(["pgrep", "-af", "benchmarks/bench_"], capture_output=True, text=True).stdout.splitlines()
-    return [line for line in found if line.split()[0] not in mine and "pgrep" not in line]
-
-
-def wait_until_alone(max_wait_s: float, quiet_s: float = 30.0) -> None:
-    """Wait (at most max_wait_s) until, for quiet_s, no other benchmark runs and the machine is idle (other helpers
-    start runs in series, and test suites load the cores too)."""
-    deadline = time.monotonic() + max_wait_s
-    quiet_since = time.monotonic()
-    while time.monotonic() < deadline:
-        busy = busy_cpu_s()
-        time.sleep(5)
-        cores = (busy_cpu_s() - busy) / 5  # this process sleeps meanwhile: all of it is someone else's
-        others = foreign_benchmarks()
-        if others or cores > 0.3:
-            print(f"waiting: other benchmarks {others}, {cores:.1f} cores busy", flush=True)
-            quiet_since = time.monotonic()
-        elif time.monotonic() - quiet_since >= quiet_s:
-            return
 
 
 def embedded_folder() -> Path:
@@ -226,7 +174,7 @@ def main() -> int:
     parser.add_argument("--overlap-retries", type=int, default=3,
                         help="re-measure a case (after waiting) when another benchmark ran during it")
     args = parser.parse_args()
-    wait_until_alone(args.wait)
+    wait_for_quiet(timeout_s=args.wait, window_s=5.0, quiet_s=30.0, alone=True)
     root = (REPO / args.out).resolve()
     shutil.rmtree(root / "runs", ignore_errors=True)
     (root / "runs").mkdir(parents=True)
@@ -246,7 +194,7 @@ def main() -> int:
                 if not row["overlapping_benchmarks"] or attempt == args.overlap_retries:
                     break
                 print(f"  {name} T={timeout:g}: another benchmark ran meanwhile; measuring again", flush=True)
-                wait_until_alone(args.wait)
+                wait_for_quiet(timeout_s=args.wait, window_s=5.0, quiet_s=30.0, alone=True)
             rows.append(row)
             print(f"  {name:13s} T={timeout:g}: {row['fault_to_exit_s']:.2f} s from {row['from']}, rc={row['rc']}, "
                   f"left={len(row['left_right_after'])}/{len(row['left_after_2s'])}, "

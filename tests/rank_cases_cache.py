@@ -7,6 +7,7 @@ import torch.distributed as dist
 from diffusers import FirstBlockCacheConfig, TaylorSeerCacheConfig
 
 import paradiff
+from paradiff.config import mode_name
 from paradiff.distributed.comm import all_gather_object
 from paradiff.testing.caching import decide_alone, stock_decisions
 from paradiff.testing.models import Lengths, build_model, make_inputs, run_forward
@@ -52,8 +53,8 @@ def cached_equivalence_many(cases: list[dict]) -> dict:
 
 
 def _label(case: dict) -> str:
-    degrees = "x".join(f"{k}{case[k]}" for k in ("tp", "ring", "ulysses") if case.get(k, 1) > 1)
-    return f"{case['family']}:{degrees or 'single'}"
+    order = ("tp", "ring", "ulysses")
+    return f"{case['family']}:{mode_name({k: case.get(k, 1) for k in order}, order=order)}"
 
 
 def cached_equivalence(family: str, tp: int = 1, ring: int = 1, ulysses: int = 1) -> dict:

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 import paradiff
+from paradiff.config import mode_name
 from paradiff.testing.compile import RecordingBackend
 from paradiff.testing.models import Lengths, build_model, make_inputs, run_forward
 
@@ -28,8 +29,7 @@ def compiled_vs_eager(cases: list[dict], backend: str = "aot_eager", batch: int 
     results = {}
     for case in cases:
         family, degrees = case["family"], {k: case.get(k, 1) for k in ("tp", "ring", "ulysses")}
-        label = f"{family}:" + "x".join(f"{k}{v}" for k, v in degrees.items() if v > 1) if any(
-            v > 1 for v in degrees.values()) else f"{family}:single"
+        label = f"{family}:{mode_name(degrees, order=tuple(degrees))}"
         torch._dynamo.reset()
         reference = build_model(family)
         model = build_model(family)

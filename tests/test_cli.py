@@ -14,7 +14,7 @@ from PIL import Image
 
 from paradiff.cli.embedded import embedded_default
 from paradiff.cli.relay import NativeTraceFilter
-from paradiff.testing.dist import free_port
+from paradiff.distributed.spawn import free_port
 
 SMALL = ["--steps", "2", "--height", "32", "--width", "32"]
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+from paradiff.config import mode_name
+
 import rank_cases_compile as cases
 
 REL_TOL = 1e-4  # compiled vs eager, relative to the output's largest magnitude
@@ -32,8 +34,8 @@ def compiled(pools) -> dict:
 
 
 def _label(case: dict) -> str:
-    degrees = "x".join(f"{k}{case[k]}" for k in ("tp", "ring", "ulysses") if case.get(k, 1) > 1)
-    return f"{case['family']}:{degrees or 'single'}"
+    order = ("tp", "ring", "ulysses")
+    return f"{case['family']}:{mode_name({k: case.get(k, 1) for k in order}, order=order)}"
 
 
 @pytest.mark.parametrize("case", WORLD2 + WORLD4, ids=_label)

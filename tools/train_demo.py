@@ -321,44 +321,24 @@ def train_transformer(transformer, latents: torch.Tensor, caption_index: torch.T
                                   checkpoint, stop)
     import tempfile
 
-    import torch.multiprocessing as mp
+    from paradiff.distributed.spawn import run_ranks
 
     with tempfile.TemporaryDirectory() as folder:
         result = Path(folder) / "ema.pt"
-        mp.spawn(_train_transformer_rank, nprocs=ranks, args=(
-            ranks, _free_port(), result, transformer, latents, caption_index, embeddings, token_weights, steps, batch,
-            lr, seed, log,
-            checkpoint, stop))
+        run_ranks(_train_transformer_rank, ranks, kwargs=dict(result=result, transformer=transformer, args=(
+            latents, caption_index, embeddings, token_weights, steps, batch, lr, seed, log, checkpoint, stop)),
+            timeout_s=float("inf"), gloo_timeout_s=30 * 60)
         ema = copy.deepcopy(transformer)
         ema.load_state_dict(torch.load(result))
     return ema.eval().requires_grad_(False)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _train_transformer_rank(rank: int, ranks: int, port: int, result: Path, transformer, *args) -> None:
-    import datetime
-    import os
-
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
+def _train_transformer_rank(rank: int, world_size: int, result: Path, transformer, args: tuple) -> None:
     torch.use_deterministic_algorithms(True)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=ranks, timeout=datetime.timedelta(minutes=30))
-    try:
-        # spawn hands over tensors in shared memory: a copy of its own, so ranks never update one another's weights
-        ema = _train_transformer(rank, ranks, copy.deepcopy(transformer), *args)
-        if rank == 0:
-            torch.save(ema.state_dict(), result)
-    finally:
-        dist.destroy_process_group()
+    # spawn hands over tensors in shared memory: a copy of its own, so ranks never update one another's weights
+    ema = _train_transformer(rank, world_size, copy.deepcopy(transformer), *args)
+    if rank == 0:
+        torch.save(ema.state_dict(), result)
 
 
 def _train_transformer(rank: int, ranks: int, transformer, latents, caption_index, embeddings, token_weights, steps,

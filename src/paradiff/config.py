@@ -106,6 +106,18 @@ class ParallelConfig:
                 f"{type(self.context_parallel_config).__name__}."
             )
 
+    @classmethod
+    def from_degrees(cls, tp: int = 1, ulysses: int = 1, ring: int = 1, cfg: int = 1, data: int = 1,
+                     mesh: "DeviceMesh | None" = None) -> "ParallelConfig":
+        """The config of these degrees: a TensorParallelConfig only when tp > 1, a ContextParallelConfig only when
+        ring or ulysses > 1 (each with 1 would be rejected or mean nothing)."""
+        return cls(
+            tensor_parallel_config=TensorParallelConfig(tp_degree=tp) if _check_degree("tp", tp) > 1 else None,
+            context_parallel_config=(ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses)
+                                     if _check_degree("ring", ring) * _check_degree("ulysses", ulysses) > 1
+                                     else None),
+            cfg_degree=cfg, data_degree=data, mesh=mesh)
+
     @property
     def tp_degree(self) -> int:
         return self.tensor_parallel_config.tp_degree if self.tensor_parallel_config else 1
@@ -134,6 +146,43 @@ class ParallelConfig:
         for value in self.degrees().values():
             size *= value
         return size
+
+
+# Outermost to innermost, as ParallelConfig.degrees() orders the mesh.
+MODE_DIMENSIONS = ("data", "cfg", "ring", "ulysses", "tp")
+NO_PARALLELISM = "single"
+MODE_ALIASES = {"dp": "data"}  # the CLI's --dp
+
+
+def parse_mode(mode: str) -> dict[str, int]:
+    """The degrees of a parallel mode spelled like "tp2xulysses2" (also "tp2 x ulysses2", "tp=2"); "single" or ""
+    for no parallelism. Every dimension of MODE_DIMENSIONS is in the result, 1 where the mode does not name it."""
+    degrees = dict.fromkeys(MODE_DIMENSIONS, 1)
+    text = mode.strip()
+    if text in ("", NO_PARALLELISM):
+        return degrees
+    named: set[str] = set()
+    for part in text.split("x"):
+        part = part.strip()
+        name = part.rstrip("0123456789").rstrip("=").strip()
+        name = MODE_ALIASES.get(name, name)
+        number = part[len(part.rstrip("0123456789")):]
+        if name not in degrees or not number or int(number) < 1:
+            raise ValueError(f"parallel mode {mode!r}: bad part {part!r}; write parts like 'tp2' joined by 'x' "
+                             f"(e.g. 'tp2xulysses2'), from {', '.join(MODE_DIMENSIONS)}, or {NO_PARALLELISM!r}.")
+        if name in named:
+            raise ValueError(f"parallel mode {mode!r}: {name!r} is given twice.")
+        named.add(name)
+        degrees[name] = int(number)
+    return degrees
+
+
+def mode_name(degrees: dict[str, int], order: tuple[str, ...] = MODE_DIMENSIONS, separator: str = "x") -> str:
+    """The name of these degrees, like "ulysses2xtp2": the dimensions above 1 in `order`, or "single"."""
+    unknown = set(degrees) - set(MODE_DIMENSIONS)
+    if unknown:
+        raise ValueError(f"unknown parallel dimension(s) {sorted(unknown)}; valid: {', '.join(MODE_DIMENSIONS)}.")
+    return separator.join(f"{name}{degrees[name]}" for name in order if degrees.get(name, 1) > 1) or NO_PARALLELISM
 
 
 AnyParallelConfig = TensorParallelConfig | ContextParallelConfig | ParallelConfig

@@ -16,10 +16,6 @@ def supported_vaes() -> list[str]:
     return sorted(VAE_PLANS)
 
 
-def is_supported(vae: nn.Module) -> bool:
-    return vae_plan(vae) is not None
-
-
 def parallelize_vae(vae: nn.Module, mesh_or_group=None, *, output_rank: int | None = None,
                     stats: CommStats | None = None) -> nn.Module:
     """Split `vae`'s decode and encode across the ranks of `mesh_or_group`, in place; returns `vae`.

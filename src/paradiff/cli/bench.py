@@ -8,24 +8,23 @@ from pathlib import Path
 from typing import Callable
 
 from paradiff.cli.args import CliError
+from paradiff.config import parse_mode
 
 
 def bench(args: argparse.Namespace, generate: Callable[[list[str]], int]) -> int:
     """Run `generate(argv)` for each configuration of `args.configs` and print a table of the reports."""
     rows = []
     for spec in args.configs.split(","):
-        degrees = {"tp": 1, "ulysses": 1, "ring": 1, "cfg": 1, "dp": 1}
-        if spec.strip() != "single":
-            for part in spec.split("+"):
-                key, _, value = part.partition("=")
-                if key.strip() not in degrees or not value.strip().isdigit():
-                    raise CliError(f"bad config {spec!r}: use '+'-joined key=value with keys {sorted(degrees)}")
-                degrees[key.strip()] = int(value)
+        try:
+            # '+' joins the degrees here: an 'x' would read as a multiplication in a shell's list of configs
+            degrees = parse_mode(spec.replace("+", "x"))
+        except ValueError as error:
+            raise CliError(f"bad config {spec!r}: use '+'-joined key=value, e.g. tp=2+ulysses=2 ({error})") from None
         out = Path(args.out) / spec.replace("=", "").replace("+", "_")
         argv = ["generate"] + ([args.model] if args.model else []) + [
             "--steps", str(args.steps), "--height", str(args.height), "--width", str(args.width), "--out", str(out)]
-        for key, value in degrees.items():
-            argv += [f"--{key}", str(value)]
+        for key in ("tp", "ulysses", "ring", "cfg", "data"):
+            argv += ["--dp" if key == "data" else f"--{key}", str(degrees[key])]
         if args.frames is not None:
             argv += ["--frames", str(args.frames)]
         if generate(argv):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -12,18 +11,13 @@ import time
 
 from paradiff.cli.relay import StderrRelay
 from paradiff.cli.report import say
+from paradiff.distributed.spawn import free_port, rank_env, stop_commands
 
 WORKER_MODULE = "paradiff.cli"
 # A worker that fails exits with this code after printing its line and recording the cause for its peers (who then
 # name it within a second or two); any other code means it died without a word (killed, os._exit, a native crash).
 WORKER_REPORTED_FAILURE = 1
 USER_ERROR = 2  # a CliError, printed by the worker as well
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launch(argv: list[str], world: int, worker_module: str = WORKER_MODULE, grace_s: float = 10.0,
@@ -39,11 +33,11 @@ def launch(argv: list[str], world: int, worker_module: str = WORKER_MODULE, grac
     debug = bool(os.environ.get("PARADIFF_DEBUG"))
     # The workers write to a pipe; rank 0 still shows progress bars when the console is a terminal.
     base_env = dict(os.environ, PARADIFF_WORKER="1", PARADIFF_CONSOLE_TTY="1" if sys.stderr.isatty() else "0",
-                    OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
-                    LOCAL_WORLD_SIZE=str(world))
+                    OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    port = free_port()
     workers = [
         subprocess.Popen([sys.executable, "-m", worker_module, *argv], stderr=subprocess.PIPE,
-                         env=dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank)))
+                         env=dict(base_env, **rank_env(rank, world, port)))
         for rank in range(world)
     ]
     lock = threading.Lock()
@@ -73,7 +67,7 @@ def launch(argv: list[str], world: int, worker_module: str = WORKER_MODULE, grac
                 break
             time.sleep(0.05)
     finally:
-        _stop(workers, 5.0)
+        stop_commands(workers, 5.0)
         for relay in relays:
             relay.join(timeout=5.0)
     hidden = sum(relay.dropped_traces for relay in relays)
@@ -98,15 +92,3 @@ def _how_it_ended(code: int) -> str:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
 
-
-def _stop(workers: list[subprocess.Popen], grace_s: float) -> None:
-    for worker in workers:
-        if worker.poll() is None:
-            worker.terminate()
-    deadline = time.monotonic() + grace_s
-    for worker in workers:
-        try:
-            worker.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait()

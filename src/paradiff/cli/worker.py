@@ -46,11 +46,8 @@ def run_worker(args: argparse.Namespace, on_pipeline_loaded: PipelineHook | None
 
 
 def parallel_config(args: argparse.Namespace) -> paradiff.ParallelConfig:
-    tp = paradiff.TensorParallelConfig(args.tp) if args.tp > 1 else None
-    cp = (paradiff.ContextParallelConfig(ring_degree=args.ring, ulysses_degree=args.ulysses)
-          if args.ring * args.ulysses > 1 else None)
-    return paradiff.ParallelConfig(tensor_parallel_config=tp, context_parallel_config=cp, cfg_degree=args.cfg,
-                                   data_degree=args.dp)
+    return paradiff.ParallelConfig.from_degrees(tp=args.tp, ulysses=args.ulysses, ring=args.ring, cfg=args.cfg,
+                                                data=args.dp)
 
 
 def call_kwargs(args: argparse.Namespace) -> dict:

@@ -7,15 +7,11 @@ of parameters each rank holds and the max difference of one forward to the singl
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import sys
 import time
 
 import torch
-import torch.multiprocessing as mp
 
-from paradiff.cli.launcher import free_port
+from paradiff.distributed.spawn import run_ranks
 from paradiff.demo import CALL_KWARGS, pipeline_path
 
 
@@ -40,52 +36,41 @@ def _inputs(config) -> dict:
     )
 
 
-def _rank_main(rank: int, world: int, port: int, results: dict) -> None:
-    import torch.distributed as dist
+def _rank_main(rank: int, world_size: int) -> tuple[float, int, float]:
     from diffusers import Flux2Transformer2DModel
 
     import paradiff
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
-    try:
-        start = time.perf_counter()
-        model = paradiff.from_pretrained(Flux2Transformer2DModel, pipeline_path(), subfolder="transformer",
-                                         parallel_config=paradiff.TensorParallelConfig(tp_degree=world))
-        load_s = time.perf_counter() - start
-        local_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        reference = Flux2Transformer2DModel.from_pretrained(pipeline_path(), subfolder="transformer").eval()
-        inputs = _inputs(reference.config)
-        with torch.no_grad():
-            difference = (model(**inputs)[0] - reference(**inputs)[0]).abs().max()
-        results[rank] = (load_s, local_bytes, float(difference))
-    finally:
-        dist.destroy_process_group()
-    # skip interpreter finalisation, which can race gloo's threads releasing the last collectives and abort
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    start = time.perf_counter()
+    model = paradiff.from_pretrained(Flux2Transformer2DModel, pipeline_path(), subfolder="transformer",
+                                     parallel_config=paradiff.TensorParallelConfig(tp_degree=world_size))
+    load_s = time.perf_counter() - start
+    local_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    reference = Flux2Transformer2DModel.from_pretrained(pipeline_path(), subfolder="transformer").eval()
+    inputs = _inputs(reference.config)
+    with torch.no_grad():
+        difference = (model(**inputs)[0] - reference(**inputs)[0]).abs().max()
+    return load_s, local_bytes, float(difference)
 
 
 def main(argv: list[str] | None = None) -> None:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     folder = pipeline_path() / "transformer"
     world = 2
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_rank_main, args=(world, free_port(), results), nprocs=world, join=True)
-        full_bytes = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
-        print(f"demo FLUX.2 transformer, checkpoint {full_bytes / 1e6:.1f} MB in {folder}, tp=2 on 2 CPU processes "
-              "(gloo)")
-        print("rank | load time (s) | local parameter bytes | max |diff| vs single process")
-        for rank in range(world):
-            load_s, local_bytes, diff = results[rank]
-            print(f"{rank:>4} | {load_s:>13.3f} | {local_bytes:>21,} | {diff:.2e}")
-        worst = max(results[rank][2] for rank in range(world))
-        print("OK: tp=2 output equals the single-process output" if worst < 1e-5 else f"MISMATCH: {worst:.2e}")
-        if worst >= 1e-5:
-            raise SystemExit(1)
+    # hard_exit: a rank skips interpreter finalisation, which can race gloo's threads releasing the last
+    # collectives and abort
+    results = run_ranks(_rank_main, world, gloo_timeout_s=120, hard_exit=True)
+    full_bytes = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    print(f"demo FLUX.2 transformer, checkpoint {full_bytes / 1e6:.1f} MB in {folder}, tp=2 on 2 CPU processes "
+          "(gloo)")
+    print("rank | load time (s) | local parameter bytes | max |diff| vs single process")
+    for rank in range(world):
+        load_s, local_bytes, diff = results[rank]
+        print(f"{rank:>4} | {load_s:>13.3f} | {local_bytes:>21,} | {diff:.2e}")
+    worst = max(results[rank][2] for rank in range(world))
+    print("OK: tp=2 output equals the single-process output" if worst < 1e-5 else f"MISMATCH: {worst:.2e}")
+    if worst >= 1e-5:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -177,24 +177,11 @@ def ring_pass_wait(works: list[dist.Work]) -> None:
         work.wait()
 
 
-def broadcast_object(obj: object, group: dist.ProcessGroup | None = None, src_rank: int = 0) -> object:
-    holder = [obj]
-    dist.broadcast_object_list(holder, src=dist.get_global_rank(group, src_rank) if group else src_rank, group=group)
-    return holder[0]
-
-
 def all_gather_object(obj: object, group: dist.ProcessGroup | None = None) -> list[object]:
     size = dist.get_world_size(group)
     out: list[object] = [None] * size
     dist.all_gather_object(out, obj, group=group)
     return out
-
-
-def gather_to_rank0(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """Full tensor from equal-size shards along `dim` (used to save a TP model tensor by tensor)."""
-    pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(pieces, tensor.contiguous(), group=group)
-    return torch.cat(pieces, dim=dim)
 
 
 def all_gather_pieces(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:

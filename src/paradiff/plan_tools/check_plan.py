@@ -8,11 +8,8 @@ of the single-process output. The first module over the tolerance is where the p
 
 from __future__ import annotations
 
-import datetime
 import importlib.util
 import json
-import os
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from paradiff.config import mode_name
+from paradiff.distributed.spawn import RankFailed, RankTimeout, run_ranks
 from paradiff.errors import PlanError
 from paradiff.plans.common import Grid
 
@@ -57,7 +56,7 @@ class CheckResult:
             diff = "-" if row.diff is None else f"{row.diff:.2e}"
             mark = "  <-- first divergence" if row is first else ""
             lines.append(f"{row.name[:56]:<56} {row.kind[:28]:<28} {diff:>12}  {row.plan}{mark}")
-        degrees = " x ".join(f"{k}{v}" for k, v in self.degrees.items() if v > 1) or "single"
+        degrees = mode_name(self.degrees, order=tuple(self.degrees), separator=" x ")
         verdict = "PASS" if self.ok else "FAIL"
         lines.append(f"{verdict}: {self.model} at {degrees}: output max relative difference {self.output_diff:.2e} "
                      f"(tolerance {self.tolerance:.0e})")
@@ -236,79 +235,60 @@ def _plan_notes(model: nn.Module) -> dict[str, str]:
     return {k: v.strip() for k, v in notes.items()}
 
 
-def _rank_main(rank: int, world: int, port: int, target: Target, degrees: dict, plan_files: dict, batch: int,
-               tolerance: float, out: Any) -> None:
+def _rank_main(rank: int, world_size: int, target: Target, degrees: dict, plan_files: dict, batch: int,
+               tolerance: float) -> tuple:
     import torch.distributed as dist
 
     import paradiff
 
     from paradiff.plan_tools.family_examples import forward, relative_difference
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    grid = Grid()
+    reference = _build(target)
+    inputs = _inputs(target, reference, batch, grid)
+    expected_records, handles, _ = _record_outputs(reference)
+    expected = forward(reference, inputs)
+    for handle in handles:
+        handle.remove()
+    plan = plan_files.get("tensor")
+    cp_plan = plan_files.get("context")
+    plan = plan if plan in (None, "auto") else load_plan_file(plan, "tensor")(reference.config)
+    cp_plan = cp_plan if cp_plan in (None, "auto") else load_plan_file(cp_plan, "context")(reference.config)
+    config = paradiff.ParallelConfig.from_degrees(**degrees)
+    model = paradiff.enable_parallelism(_build(target), config, plan=plan, cp_plan=cp_plan)
+    state = paradiff.runtime.state.get_state(model)
+    cp_ranks = (state.context.cp_rank, state.context.cp_size) if state.context else (0, 1)
+    tp_ranks = (dist.get_rank(state.mesh.tp_group), degrees["tp"]) if degrees["tp"] > 1 else (0, 1)
+    records, handles, open_modules = _record_outputs(model)
+    raised = None
     try:
-        grid = Grid()
-        reference = _build(target)
-        inputs = _inputs(target, reference, batch, grid)
-        expected_records, handles, _ = _record_outputs(reference)
-        expected = forward(reference, inputs)
-        for handle in handles:
-            handle.remove()
-        plan = plan_files.get("tensor")
-        cp_plan = plan_files.get("context")
-        plan = plan if plan in (None, "auto") else load_plan_file(plan, "tensor")(reference.config)
-        cp_plan = cp_plan if cp_plan in (None, "auto") else load_plan_file(cp_plan, "context")(reference.config)
-        cp = None
-        if degrees["ring"] * degrees["ulysses"] > 1:
-            cp = paradiff.ContextParallelConfig(ring_degree=degrees["ring"], ulysses_degree=degrees["ulysses"])
-        config = paradiff.ParallelConfig(
-            tensor_parallel_config=paradiff.TensorParallelConfig(degrees["tp"]) if degrees["tp"] > 1 else None,
-            context_parallel_config=cp)
-        model = paradiff.enable_parallelism(_build(target), config, plan=plan, cp_plan=cp_plan)
-        state = paradiff.runtime.state.get_state(model)
-        cp_ranks = (state.context.cp_rank, state.context.cp_size) if state.context else (0, 1)
-        tp_ranks = (dist.get_rank(state.mesh.tp_group), degrees["tp"]) if degrees["tp"] > 1 else (0, 1)
-        records, handles, open_modules = _record_outputs(model)
-        raised = None
-        try:
-            actual = forward(model, inputs)
-            output_diff = relative_difference(actual, expected)
-        except Exception as exc:  # noqa: BLE001 - the table up to the failing module is the useful part
-            output_diff = float("inf")
-            where, kind = open_modules[-1] if open_modules else ("(model)", type(model).__name__)
-            raised = (where, kind, f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
-        modules = dict(model.named_modules())
-        by_name: dict[str, list] = {}
-        for name, kind, tensor in expected_records:
-            by_name.setdefault(name, []).append(tensor)
-        seen: dict[str, int] = {}
-        rows = []
-        for name, kind, tensor in records:
-            index = seen.get(name, 0)
-            seen[name] = index + 1
-            reference_tensor = by_name.get(name, [None] * (index + 1))[index] if index < len(by_name.get(name, [])) else None
-            diff = None
-            if tensor is not None and reference_tensor is not None:
-                aligned = _aligned_reference(tensor, reference_tensor, modules.get(name), tp_ranks, cp_ranks)
-                if aligned is not None:
-                    diff = relative_difference([tensor], [aligned])
-            rows.append((name, kind, diff))
-        notes = _plan_notes(model)
-        if raised is not None:
-            rows.append((raised[0], raised[1], float("inf")))
-            notes[raised[0]] = (notes.get(raised[0], "") + " " + raised[2]).strip()
-        out.put((rank, rows, output_diff, notes))
-    except Exception as exc:  # noqa: BLE001 - reported by the parent as this rank's failure
-        out.put((rank, f"{type(exc).__name__}: {exc}", None, None))
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        actual = forward(model, inputs)
+        output_diff = relative_difference(actual, expected)
+    except Exception as exc:  # noqa: BLE001 - the table up to the failing module is the useful part
+        output_diff = float("inf")
+        where, kind = open_modules[-1] if open_modules else ("(model)", type(model).__name__)
+        raised = (where, kind, f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+    modules = dict(model.named_modules())
+    by_name: dict[str, list] = {}
+    for name, kind, tensor in expected_records:
+        by_name.setdefault(name, []).append(tensor)
+    seen: dict[str, int] = {}
+    rows = []
+    for name, kind, tensor in records:
+        index = seen.get(name, 0)
+        seen[name] = index + 1
+        reference_tensor = by_name.get(name, [None] * (index + 1))[index] if index < len(by_name.get(name, [])) else None
+        diff = None
+        if tensor is not None and reference_tensor is not None:
+            aligned = _aligned_reference(tensor, reference_tensor, modules.get(name), tp_ranks, cp_ranks)
+            if aligned is not None:
+                diff = relative_difference([tensor], [aligned])
+        rows.append((name, kind, diff))
+    notes = _plan_notes(model)
+    if raised is not None:
+        rows.append((raised[0], raised[1], float("inf")))
+        notes[raised[0]] = (notes.get(raised[0], "") + " " + raised[2]).strip()
+    return rows, output_diff, notes
 
 
 def check_plan(model: str, *, tp: int = 1, ulysses: int = 1, ring: int = 1, plan: str | None = None,
@@ -317,10 +297,6 @@ def check_plan(model: str, *, tp: int = 1, ulysses: int = 1, ring: int = 1, plan
     """Check a plan on a shrunk copy of `model` (a diffusers class name or a checkpoint folder) with local CPU
     processes. `plan` / `cp_plan`: None (built-in), "auto", or a plan file (`tensor_parallel_plan(config)` /
     `context_parallel_plan(config)`)."""
-    import queue
-
-    import torch.multiprocessing as mp
-
     for label, value in (("tp", tp), ("ulysses", ulysses), ("ring", ring)):
         if not isinstance(value, int) or value < 1:
             raise PlanError(f"{label} must be a positive integer, got {value!r}.")
@@ -329,39 +305,16 @@ def check_plan(model: str, *, tp: int = 1, ulysses: int = 1, ring: int = 1, plan
         raise PlanError("check_plan needs a parallel configuration: set tp, ulysses or ring above 1.")
     target = resolve_target(model, example, inputs)
     degrees = {"tp": tp, "ulysses": ulysses, "ring": ring}
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    port = _free_port()
     plan_files = {"tensor": plan, "context": cp_plan}
-    processes = [context.Process(target=_rank_main, args=(rank, world, port, target, degrees, plan_files, batch,
-                                                          tolerance, results), daemon=True)
-                 for rank in range(world)]
-    for process in processes:
-        process.start()
-    by_rank: dict[int, tuple] = {}
     try:
-        import time
-
-        deadline = time.monotonic() + timeout_s
-        while len(by_rank) < world:
-            try:
-                rank, rows, output_diff, notes = results.get(timeout=0.5)
-                by_rank[rank] = (rows, output_diff, notes)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(processes) if not p.is_alive() and r not in by_rank]
-                if dead or time.monotonic() > deadline:
-                    raise PlanError(f"check_plan: rank(s) {dead or 'all'} stopped without a result.")
-            if any(isinstance(v[0], str) for v in by_rank.values()):
-                break
-    finally:
-        for process in processes:
-            process.join(timeout=5)
-            if process.is_alive():
-                process.kill()
-    failures = {r: v[0] for r, v in by_rank.items() if isinstance(v[0], str)}
-    if failures:
-        rank, message = sorted(failures.items())[0]
-        raise PlanError(f"check_plan: rank {rank} failed before comparing: {message}")
+        outcomes = run_ranks(_rank_main, world, kwargs=dict(target=target, degrees=degrees, plan_files=plan_files,
+                                                            batch=batch, tolerance=tolerance),
+                             timeout_s=timeout_s, grace_s=5.0, gloo_timeout_s=120)
+    except RankFailed as failure:
+        raise PlanError(f"check_plan: rank {failure.rank} failed before comparing: {failure.summary}") from None
+    except RankTimeout as timeout:
+        raise PlanError(f"check_plan: rank(s) {timeout.missing} stopped without a result.") from None
+    by_rank = dict(enumerate(outcomes))
     result = CheckResult(model=target.class_name, degrees=degrees, tolerance=tolerance)
     result.output_diff = max(v[1] for v in by_rank.values())
     notes = by_rank[0][2]

@@ -14,7 +14,7 @@ import ctypes
 import os
 import threading
 from contextlib import contextmanager
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -66,52 +66,83 @@ def release_freed_memory(device: torch.device) -> None:
         pass
 
 
+def rss_anon_reading() -> dict[str, int]:
+    return {"RssAnon": rss_anon_bytes()}
+
+
+class PeakSampler:
+    """The peak of each figure `read()` returns (name -> bytes), sampled every `interval_s` by a daemon thread while
+    inside `with`, and once on entry, on exit and at each `sample()`. `samples` counts the reads."""
+
+    def __init__(self, read: Callable[[], dict[str, int]] = rss_anon_reading, interval_s: float = 0.005) -> None:
+        self.read = read
+        self.interval_s = interval_s
+        self.peak: dict[str, int] = {}
+        self.samples = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def reset(self) -> None:
+        with self._lock:
+            self.peak = {}
+        self.sample()
+
+    def sample(self) -> None:
+        values = self.read()
+        with self._lock:
+            self.samples += 1
+            for name, value in values.items():
+                if value > self.peak.get(name, -1):
+                    self.peak[name] = value
+
+    def __enter__(self) -> "PeakSampler":
+        self.sample()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="paradiff-peak-memory", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._thread = None
+        self.sample()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+
 class PeakMemory:
     """The peak memory of this process on `device` since the last `reset()`, while `active()`."""
 
     def __init__(self, device: torch.device, interval_s: float = 0.005) -> None:
         self.device = device
-        self.interval_s = interval_s
-        self._peak = 0
-        self._lock = threading.Lock()
-        self._stop: threading.Event | None = None
-        self._thread: threading.Thread | None = None
+        self._sampler = PeakSampler(interval_s=interval_s)
 
     def reset(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             return
-        with self._lock:
-            self._peak = rss_anon_bytes()
+        self._sampler.reset()
 
     def peak(self) -> int:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
-        now = rss_anon_bytes()
-        with self._lock:
-            self._peak = max(self._peak, now)
-            return self._peak
+        self._sampler.sample()
+        return self._sampler.peak["RssAnon"]
 
     @contextmanager
     def active(self) -> Iterator["PeakMemory"]:
         """Sample while inside (CPU); nested use keeps the outer sampler."""
-        if self.device.type == "cuda" or self._thread is not None:
+        if self.device.type == "cuda" or self._sampler.running:
             yield self
             return
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, name="paradiff-peak-memory", daemon=True)
-        self._thread.start()
-        try:
+        with self._sampler:
             yield self
-        finally:
-            self._stop.set()
-            self._thread.join()
-            self._thread = None
-            self.peak()
-
-    def _sample(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            now = rss_anon_bytes()
-            with self._lock:
-                if now > self._peak:
-                    self._peak = now

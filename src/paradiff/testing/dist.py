@@ -12,12 +12,13 @@ import datetime
 import importlib
 import os
 import queue
-import socket
 import time
 import traceback
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
+
+from paradiff.distributed.spawn import free_port, rank_env
 
 
 class RankFailure(AssertionError):
@@ -33,19 +34,12 @@ class RankTimeout(AssertionError):
     pass
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any, timeout_s: float) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(rank_env(rank, world_size, port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     while True:

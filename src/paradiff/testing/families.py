@@ -18,10 +18,7 @@ MODES = {  # mode -> (tp, ring, ulysses)
 
 def parallel_config(mode: str):
     tp, ring, ulysses = MODES[mode]
-    cp = paradiff.ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses) if ring * ulysses > 1 else None
-    return paradiff.ParallelConfig(
-        tensor_parallel_config=paradiff.TensorParallelConfig(tp) if tp > 1 else None, context_parallel_config=cp
-    )
+    return paradiff.ParallelConfig.from_degrees(tp=tp, ring=ring, ulysses=ulysses)
 
 
 def family_modes(family: str, example: str, modes: list[str], checkpoint: str | None = None,

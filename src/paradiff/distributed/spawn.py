@@ -1,0 +1,157 @@
+"""Local rank spawning, written once: a free port, each rank's environment, and one supervised spawner.
+
+Every caller that starts N local ranks (the CLI launcher, check_plan, the demo, benchmarks, tools) uses these, so
+"no process left behind" and "the first failing rank is named" hold everywhere.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import subprocess
+import time
+import traceback
+from typing import Any, Callable
+
+LOCALHOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (the OS picks it; another process may still take it before we bind)."""
+    with socket.socket() as sock:
+        sock.bind((LOCALHOST, 0))
+        return sock.getsockname()[1]
+
+
+def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The torch.distributed env:// variables of one local rank."""
+    return dict(MASTER_ADDR=LOCALHOST, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+
+
+class RankFailed(RuntimeError):
+    """A spawned rank raised or died. `rank` and `summary` name the first failure; `failures` holds every one
+    (rank -> traceback, or how the process ended); `results` the results of the ranks that finished."""
+
+    def __init__(self, rank: int, summary: str, failures: dict[int, str], results: dict[int, Any]) -> None:
+        self.rank = rank
+        self.results = results
+        self.summary = summary
+        self.failures = failures
+        text = "\n".join(f"--- rank {r} ---\n{detail}" for r, detail in sorted(failures.items()))
+        super().__init__(f"rank {rank} failed first: {summary}\n{text}")
+
+
+class RankTimeout(TimeoutError):
+    """Ranks `missing` gave no result in time; `results` holds those of the ranks that finished."""
+
+    def __init__(self, missing: list[int], timeout_s: float, results: dict[int, Any]) -> None:
+        self.missing = missing
+        self.results = results
+        super().__init__(f"ranks {missing} gave no result within {timeout_s:.0f}s; all ranks were stopped.")
+
+
+def _rank_entry(target: Callable[..., Any], rank: int, world_size: int, port: int, env: dict[str, str],
+                kwargs: dict, gloo_timeout_s: float | None, hard_exit: bool, out: Any) -> None:
+    os.environ.update(env, **rank_env(rank, world_size, port))
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        if gloo_timeout_s is not None:
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=gloo_timeout_s))
+        try:
+            out.put((rank, True, target(rank=rank, world_size=world_size, **kwargs)))
+        finally:
+            if gloo_timeout_s is not None:
+                torch.distributed.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - sent to the parent, which names this rank
+        out.put((rank, False, (f"{type(exc).__name__}: {exc}", traceback.format_exc())))
+    # the queue's feeder thread must deliver the result before this process ends
+    out.close()
+    out.join_thread()
+    if hard_exit:
+        # skips interpreter finalisation, which can race gloo's threads releasing the last collectives and abort
+        os._exit(0)
+
+
+def run_ranks(target: Callable[..., Any], world_size: int, *, kwargs: dict | None = None,
+              env: dict[str, str] | None = None, timeout_s: float = 600.0, grace_s: float = 15.0,
+              gloo_timeout_s: float | None = None, hard_exit: bool = False) -> list[Any]:
+    """Run `target(rank=, world_size=, **kwargs)` in `world_size` fresh spawned processes; its results by rank.
+
+    Each rank gets `env` plus MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK, one torch thread, and with
+    `gloo_timeout_s` a gloo process group (destroyed after `target`). `target` must be importable (spawn pickles it
+    by name). Once a rank raises or dies the others get `grace_s` (they may be blocked in a collective with it), then
+    every process still alive is killed and RankFailed names the first failing rank; after `timeout_s` RankTimeout
+    names the ranks without a result. No process outlives this call.
+    """
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    out = context.Queue()
+    port = free_port()
+    processes = [context.Process(target=_rank_entry, args=(target, rank, world_size, port, dict(env or {}),
+                                                           dict(kwargs or {}), gloo_timeout_s, hard_exit, out))
+                 for rank in range(world_size)]
+    for process in processes:
+        process.start()
+    results: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    first: tuple[int, str] | None = None
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) + len(failures) < world_size:
+            now = time.monotonic()
+            if now > deadline:
+                break
+            try:
+                rank, ok, value = out.get(timeout=0.2)
+                if ok:
+                    results[rank] = value
+                else:
+                    failures[rank] = value[1]
+                    first = first or (rank, value[0])
+            except queue.Empty:
+                pass
+            for rank, process in enumerate(processes):
+                if rank not in results and rank not in failures and not process.is_alive() and out.empty():
+                    failures[rank] = f"died with exit code {process.exitcode}"
+                    first = first or (rank, failures[rank])
+            if first is not None:
+                deadline = min(deadline, now + grace_s)
+    finally:
+        for process in processes:
+            process.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+            process.join(timeout=5)
+        out.close()
+    if first is not None:
+        for rank in range(world_size):
+            if rank not in results and rank not in failures:
+                failures[rank] = "stopped: no result after a peer failed"
+        raise RankFailed(first[0], first[1], failures, results)
+    if len(results) < world_size:
+        raise RankTimeout(sorted(set(range(world_size)) - set(results)), timeout_s, results)
+    return [results[rank] for rank in range(world_size)]
+
+
+def stop_commands(workers: list[subprocess.Popen], grace_s: float) -> None:
+    """Terminate every worker still running, and kill those not gone after `grace_s`."""
+    for worker in workers:
+        if worker.poll() is None:
+            worker.terminate()
+    deadline = time.monotonic() + grace_s
+    for worker in workers:
+        try:
+            worker.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
