@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from paradiff.testing.dist import RankPool
 from paradiff.testing.models import FAMILIES, build_model, save_model
 from paradiff.testing.pipelines import PIPELINE_FAMILIES, save_pipeline
+
+
+# Hypothesis draws the same examples on every run ("ci", the default), so a run on right code cannot fail on a case
+# the last one never met; HYPOTHESIS_PROFILE=explore searches with fresh randomness while developing.
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("explore", deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 class Pools:

@@ -64,7 +64,11 @@ def test_kept_rows_are_exact_and_windows_are_covered(extent, stride, own, pre_to
             local = F.conv1d(_pad(x[..., start:stop], pre_top, pre_bottom, mode), weight, stride=stride, padding=own)
             assert local.shape[-1] == mine.local_out
             kept = local[..., mine.keep[0] - mine.local_first: mine.keep[1] - mine.local_first]
-            torch.testing.assert_close(kept, whole[..., mine.keep[0]:mine.keep[1]], rtol=0, atol=0)
+            # Exact up to a few float64 ulps: the local and the whole convolution have different lengths, and oneDNN
+            # may pick a different kernel (another summation order) for each, and even between two calls of one
+            # shape; seen: 2.2e-16 on values of order 1. A wrong row is off by O(1), far outside this bound.
+            ulps = 4 * torch.finfo(torch.float64).eps * float(x.abs().max() * weight.abs().sum())
+            torch.testing.assert_close(kept, whole[..., mine.keep[0]:mine.keep[1]], rtol=0, atol=ulps)
         available = set(range(start, stop))
         for peer, (low, high) in plan.receives:
             assert (rank, (low, high)) in plans[peer].sends
