@@ -44,7 +44,7 @@ def pipeline_equivalence(family: str, folder: str, degrees: dict, seeds=(0,), st
         expected = _pixels(reference(**kwargs, generator=torch.Generator().manual_seed(seed)))
         actual = _pixels(pipeline(**kwargs, seed=seed))
         diffs[seed] = float(np.abs(actual - expected).max())
-    splitters = pipeline._paradiff_cfgs
+    splitters = pipeline._paradiff_pipeline.cfgs
     return {"rank": dist.get_rank(), "diffs": diffs, "output_rank": pipeline.is_output_rank,
             "cfg_forwards": sum(s.computed for s in splitters) if splitters else None,
             "transformer_params": {name: (sum(p.numel() for p in module.parameters()),
