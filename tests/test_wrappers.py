@@ -100,3 +100,18 @@ def test_models_hold_their_own_state():
     install_wrapper(first, "failure_guard", _recording("failure_guard", []))
     assert isinstance(model_state(first), ModelState)
     assert wrappers(first) == ["failure_guard"] and wrappers(second) == []
+
+
+def test_enable_cache_puts_its_default_context_in_the_registry_once():
+    from diffusers import FirstBlockCacheConfig
+
+    import paradiff
+    from paradiff.testing.models import build_model, make_inputs, run_forward
+
+    model = build_model("flux2", layers=2, single_layers=2)
+    inputs = make_inputs("flux2", model.config, batch=2)
+    monitor = paradiff.enable_cache(model, FirstBlockCacheConfig(threshold=0.5))
+    assert wrappers(model) == ["cache_decisions"]
+    run_forward(model, inputs)  # outside any cache context: the wrapper gives it "cond"
+    assert [(d.context, d.computed) for d in monitor.decisions] == [("cond", True)]
+    assert paradiff.cache_monitor(model) is monitor is model_state(model).cache_monitor
