@@ -8,6 +8,7 @@ import torch.distributed as dist
 from diffusers import DiffusionPipeline
 
 import paradiff
+from paradiff.runtime.wrappers import wrappers
 from paradiff.testing.pipelines import default_call_kwargs
 
 
@@ -51,7 +52,7 @@ def pipeline_equivalence(family: str, folder: str, degrees: dict, seeds=(0,), st
                                           sum(p.numel() for p in getattr(reference, name).parameters()))
                                    for name, module in pipeline.components.items()
                                    if name.startswith("transformer") and module is not None},
-            "transformer_calls": calls}
+            "transformer_calls": calls, "wrappers": wrappers(pipeline.transformer)}
 
 
 def data_parallel_prompts(family: str, folder: str, degrees: dict, prompts: list[str]) -> dict:
