@@ -8,6 +8,7 @@ import torch.distributed as dist
 from diffusers import DiffusionPipeline
 
 import paradiff
+from paradiff.runtime.wrappers import wrappers
 from paradiff.testing.pipelines import default_call_kwargs
 
 
@@ -44,14 +45,14 @@ def pipeline_equivalence(family: str, folder: str, degrees: dict, seeds=(0,), st
         expected = _pixels(reference(**kwargs, generator=torch.Generator().manual_seed(seed)))
         actual = _pixels(pipeline(**kwargs, seed=seed))
         diffs[seed] = float(np.abs(actual - expected).max())
-    splitters = pipeline._paradiff_cfgs
+    splitters = pipeline._paradiff_pipeline.cfgs
     return {"rank": dist.get_rank(), "diffs": diffs, "output_rank": pipeline.is_output_rank,
             "cfg_forwards": sum(s.computed for s in splitters) if splitters else None,
             "transformer_params": {name: (sum(p.numel() for p in module.parameters()),
                                           sum(p.numel() for p in getattr(reference, name).parameters()))
                                    for name, module in pipeline.components.items()
                                    if name.startswith("transformer") and module is not None},
-            "transformer_calls": calls}
+            "transformer_calls": calls, "wrappers": wrappers(pipeline.transformer)}
 
 
 def data_parallel_prompts(family: str, folder: str, degrees: dict, prompts: list[str]) -> dict:

@@ -49,8 +49,10 @@ def test_composed_pipeline_matches_single_process(pools, pipelines, family, degr
 def test_two_rank_pipelines(pools, pipelines, family, degrees):
     results = pools.get(2).run(cases.pipeline_equivalence, family=family, folder=pipelines[family], degrees=degrees,
                                seeds=(0, 7))
+    cfg = ["cfg_exchange"] if degrees.get("cfg", 1) == 2 else []
     for result in results:
         assert max(result["diffs"].values()) < ATOL, result
+        assert result["wrappers"] == ["stage_switch", "latent_check", *cfg, "failure_guard"], result
 
 
 def test_data_parallel_spreads_prompts_with_fixed_seeds(pools, pipelines):

@@ -11,10 +11,11 @@ from paradiff.distributed.agreement import agree, config_fingerprint, fingerprin
 from paradiff.runtime.caching import check_cache_config, install_agreed_caching
 from paradiff.config import as_parallel_config
 from paradiff.errors import UnsupportedModelError
-from paradiff.distributed.failures import install_failure_guard
+from paradiff.distributed.failures import guarded_call
 from paradiff.distributed.mesh import build_mesh, require_distributed
 from paradiff.plans import plan_for
 from paradiff.runtime.state import ParallelState, get_state, set_state
+from paradiff.runtime.wrappers import install_wrapper
 from paradiff.tensor_parallel.plan import as_plan, resolve_plan
 from paradiff.tensor_parallel.shard import swap_in_sharded_linears
 
@@ -116,6 +117,6 @@ def attach(model: nn.Module, mesh: Any, resolved: Any, cp_resolved: Any) -> nn.M
         from paradiff.context_parallel.apply import apply_context_parallel
 
         apply_context_parallel(model, state, cp_resolved)
-    install_failure_guard(model)
+    install_wrapper(model, "failure_guard", guarded_call)
     install_agreed_caching(model, mesh.model_group)
     return model

@@ -17,14 +17,15 @@ import torch.distributed as dist
 from torch import nn
 
 from paradiff.distributed.agreement import agree, tensor_checksum
-from paradiff.runtime.cfg import CfgSplitter, install_cfg_parallel
+from paradiff.runtime.cfg import install_cfg_parallel
 from paradiff.config import as_parallel_config
 from paradiff.errors import CheckpointError, ParallelConfigError, PlanError, UnsupportedModelError
 from paradiff.api.model import check_dtype
 from paradiff.api.quantization import check_pipeline_quantization
 from paradiff.distributed.mesh import default_device
 from paradiff.runtime.stages import StagedComponent, StageRunner, stage_of
-from paradiff.runtime.state import get_state
+from paradiff.runtime.state import PipelineState, get_state
+from paradiff.runtime.wrappers import install_wrapper
 from paradiff.tensor_parallel.shard import swap_in_sharded_linears
 
 logger = logging.getLogger(__name__)
@@ -55,28 +56,26 @@ def resolve_pipeline_folder(path: str | os.PathLike, hub_kwargs: dict | None = N
 class ParallelPipelineMixin:
     """Mixed into the loaded pipeline's class: seeds every rank alike and checks CFG pairing."""
 
-    _paradiff_cfgs: tuple[CfgSplitter, ...] = ()  # one per transformer (Wan 2.2 A14B has two)
-    _paradiff_base: str = ""
-    _paradiff_check_latents: bool = False
-    _paradiff_stages: StageRunner | None = None
+    _paradiff_pipeline: PipelineState
 
     def __call__(self, *args: Any, seed: int | None = None, **kwargs: Any):
         if kwargs.get("generator") is None:
             # every rank must draw identical initial latents; a CPU generator is identical on every device
             kwargs["generator"] = torch.Generator("cpu").manual_seed(0 if seed is None else seed)
-        splitters = self._paradiff_cfgs
+        state = self._paradiff_pipeline
+        splitters = state.cfgs
         if splitters:
-            rule = CFG_RULES.get(self._paradiff_base)
+            rule = CFG_RULES.get(state.base_name)
             if rule is None or not rule(kwargs):
                 raise ParallelConfigError(
-                    f"cfg_degree=2 needs a call that runs classifier-free guidance; {self._paradiff_base} "
+                    f"cfg_degree=2 needs a call that runs classifier-free guidance; {state.base_name} "
                     "with these arguments does not (give a negative_prompt and true_cfg_scale > 1 for Qwen-Image / "
                     "FLUX.1, guidance_scale > 1 for Wan), or use cfg_degree=1."
                 )
             for splitter in splitters:
                 splitter.reset()
-        self._paradiff_check_latents = True
-        with self._paradiff_stages.call() if self._paradiff_stages else contextlib.nullcontext():
+        state.check_latents = True
+        with state.stages.call() if state.stages else contextlib.nullcontext():
             output = super().__call__(*args, **kwargs)
         for splitter in splitters:
             splitter.finish()
@@ -86,10 +85,10 @@ class ParallelPipelineMixin:
         """Per stage on this rank (text_encoders, transformer, vae), summed over the calls since the last
         `reset_stage_report()`: load_s, run_s, peak_bytes (CUDA max allocated, or peak RssAnon on CPU),
         parameter_bytes held (all components), entries (times the stage started)."""
-        return self._paradiff_stages.report()
+        return self._paradiff_pipeline.stages.report()
 
     def reset_stage_report(self) -> None:
-        self._paradiff_stages.reset()
+        self._paradiff_pipeline.stages.reset()
 
     @property
     def is_output_rank(self) -> bool:
@@ -180,9 +179,10 @@ def load_pipeline(
             if isinstance(component, nn.Module) and name not in loaded:
                 component.to(device)
     base = type(pipeline)
-    pipeline.__class__ = type(f"Parallel{base.__name__}", (ParallelPipelineMixin, base), {"_paradiff_base": base.__name__})
+    pipeline.__class__ = type(f"Parallel{base.__name__}", (ParallelPipelineMixin, base), {})
+    pipeline._paradiff_pipeline = PipelineState(base_name=base.__name__)
     if parallel is not None and parallel.cfg_degree > 1:
-        pipeline._paradiff_cfgs = tuple(
+        pipeline._paradiff_pipeline.cfgs = tuple(
             install_cfg_parallel(model, get_state(model).mesh.group("cfg"))
             for model in (getattr(pipeline, name) for name in transformer_names(index))
         )
@@ -190,7 +190,7 @@ def load_pipeline(
         _install_latent_check(pipeline)
         if parallel_vae is not False and parallel.world_size // parallel.data_degree > 1:
             _parallelize_vae(pipeline, required=bool(parallel_vae))
-    pipeline._paradiff_stages = _stage_runner(pipeline, loaded, device, stages)
+    pipeline._paradiff_pipeline.stages = _stage_runner(pipeline, loaded, device, stages)
     return pipeline
 
 
@@ -485,16 +485,17 @@ def _install_latent_check(pipeline) -> None:
     mesh = get_state(pipeline.transformer).mesh
     replica_ranks = mesh.device_mesh.mesh[mesh.local_rank("data")].flatten().tolist()  # same data index: same inputs
 
-    def check(_module, args, kwargs):
-        if not pipeline._paradiff_check_latents:
-            return None
-        pipeline._paradiff_check_latents = False
+    state = pipeline._paradiff_pipeline
+
+    def check(args: tuple, kwargs: dict) -> None:
+        if not state.check_latents:
+            return
+        state.check_latents = False
         latents = kwargs.get("hidden_states", args[0] if args else None)
         if torch.is_tensor(latents):
             agree("generation start", {"initial latents": tensor_checksum(latents)}, ranks=replica_ranks)
-        return None
 
-    pipeline.transformer.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
+    install_wrapper(pipeline.transformer, "latent_check", check)
 
 
 def data_coordinates(pipeline_or_model: Any = None) -> tuple[int, int]:

@@ -481,8 +481,8 @@ def apply_context_parallel(model: nn.Module, state: ParallelState, plan: Resolve
     handles.append(model.register_forward_hook(_leftover_interceptor_remover(list(interceptors.values())),
                                                always_call=True))
     state.context = runtime
-    state.extras["cp_hooks"] = handles
-    state.extras["cp_plan"] = plan
+    state.cp_hooks = handles
+    state.cp_plan = plan
     return runtime
 
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import pickle
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
-from torch import nn
 
 from paradiff.errors import DistributedError
 
@@ -59,28 +58,24 @@ def read_failures(since: float, wait_s: float = 3.0) -> dict[int, str]:
         time.sleep(0.05)
 
 
-def install_failure_guard(model: nn.Module) -> None:
-    """Wrap `model.forward`: report local failures; turn a cut-off collective into an error naming the culprit."""
-    original = model.forward
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        started = time.time() - 1.0
-        try:
-            return original(*args, **kwargs)
-        except DistributedError:
+def guarded_call(call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """The "failure_guard" forward wrapper: report local failures; turn a cut-off collective into an error naming
+    the culprit. Installed by `paradiff.api.parallelize.attach` (runtime/wrappers.py sits above this layer)."""
+    started = time.time() - 1.0
+    try:
+        return call(*args, **kwargs)
+    except DistributedError:
+        raise
+    except Exception as exc:
+        if not is_comm_error(exc):
+            report_failure(exc)
             raise
-        except Exception as exc:
-            if not is_comm_error(exc):
-                report_failure(exc)
-                raise
-            failures = read_failures(started)
-            if failures:
-                detail = "; ".join(f"rank {rank} failed with {error}" for rank, error in sorted(failures.items()))
-                raise DistributedError(f"{detail}. Rank {dist.get_rank()} stopped because its collective was cut "
-                                       f"off ({type(exc).__name__}).") from exc
-            raise DistributedError(
-                f"a collective failed on rank {dist.get_rank()} and no rank reported an error: a peer process "
-                f"probably crashed or was killed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})."
-            ) from exc
-
-    model.forward = forward
+        failures = read_failures(started)
+        if failures:
+            detail = "; ".join(f"rank {rank} failed with {error}" for rank, error in sorted(failures.items()))
+            raise DistributedError(f"{detail}. Rank {dist.get_rank()} stopped because its collective was cut "
+                                   f"off ({type(exc).__name__}).") from exc
+        raise DistributedError(
+            f"a collective failed on rank {dist.get_rank()} and no rank reported an error: a peer process "
+            f"probably crashed or was killed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})."
+        ) from exc

@@ -217,7 +217,7 @@ def _plan_notes(model: nn.Module) -> dict[str, str]:
     if state is not None and state.tp_plan is not None:
         for name, planned in state.tp_plan.linears.items():
             notes[name] = f"tp: {type(planned.style).__name__}({planned.style.kind})"
-    plan = state.extras.get("cp_plan") if state is not None else None
+    plan = state.cp_plan if state is not None else None
     if plan is not None:
         for name, args in plan.split_inputs.items():
             notes[name] = notes.get(name, "") + f" cp: split inputs {sorted(args)}"

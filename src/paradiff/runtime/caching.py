@@ -29,8 +29,9 @@ from torch import nn
 from paradiff.runtime.repeated_blocks import COMPILED_ATTR, block_identifiers, repeated_blocks
 from paradiff.distributed.comm import all_reduce_metric
 from paradiff.errors import ParallelConfigError
+from paradiff.runtime.state import get_state, model_state
+from paradiff.runtime.wrappers import install_wrapper
 
-MONITOR_ATTR = "_paradiff_cache_monitor"
 SUPPORTED = ("FirstBlockCacheConfig", "TaylorSeerCacheConfig")
 
 
@@ -77,7 +78,8 @@ class CacheMonitor:
 
 def cache_monitor(model: nn.Module) -> CacheMonitor | None:
     """The monitor of a model whose cache went through paradiff (None otherwise)."""
-    return getattr(model, MONITOR_ATTR, None)
+    state = model_state(model, create=False)
+    return state.cache_monitor if state is not None else None
 
 
 def check_cache_config(config: Any) -> None:
@@ -99,8 +101,6 @@ def enable_cache(model: nn.Module, config: Any, group: dist.ProcessGroup | None 
     if not hasattr(type(model), "enable_cache"):
         raise ParallelConfigError(f"{type(model).__name__} has no diffusers cache support (no enable_cache).")
     if group is None:
-        from paradiff.runtime.state import get_state
-
         state = get_state(model)
         group = state.mesh.model_group if state is not None else None
     if type(config).__name__ == "FirstBlockCacheConfig":
@@ -110,7 +110,7 @@ def enable_cache(model: nn.Module, config: Any, group: dist.ProcessGroup | None 
     if type(config).__name__ == "FirstBlockCacheConfig":
         _repair_joint_tail(model)
     monitor = CacheMonitor(group=group)
-    object.__setattr__(model, MONITOR_ATTR, monitor)
+    model_state(model).cache_monitor = monitor
     agree_on_decisions(model, monitor)
     _default_cache_context(model)
     return monitor
@@ -180,7 +180,7 @@ def install_agreed_caching(model: nn.Module, group: dist.ProcessGroup | None) ->
     if getattr(model, "_cache_config", None) is not None:  # enabled before the model was parallelised
         check_cache_config(model._cache_config)
         monitor = CacheMonitor(group=group)
-        object.__setattr__(model, MONITOR_ATTR, monitor)
+        model_state(model).cache_monitor = monitor
         agree_on_decisions(model, monitor)
 
 
@@ -188,22 +188,19 @@ def _default_cache_context(model: nn.Module) -> None:
     """Give a forward called outside any cache context the context "cond".
 
     diffusers' cache hooks raise without a context, and some pipelines (FLUX.2's, which runs no true CFG) never set
-    one. Wraps `model.forward` once; calls inside a pipeline's own `cache_context` pass straight through.
+    one. The model's "cache_decisions" forward wrapper (installing it again replaces it); calls inside a pipeline's
+    own `cache_context` pass straight through.
     """
-    if getattr(model, "_paradiff_default_cache_context", False):
-        return
-    original = model.forward
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    def default_context(call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         monitor = cache_monitor(model)
         managers = monitor.state_managers if monitor is not None and model._cache_config is not None else []
         if not managers or any(manager._context is not None for manager in managers):
-            return original(*args, **kwargs)
+            return call(*args, **kwargs)
         with model.cache_context("cond"):
-            return original(*args, **kwargs)
+            return call(*args, **kwargs)
 
-    object.__setattr__(model, "forward", forward)
-    object.__setattr__(model, "_paradiff_default_cache_context", True)
+    install_wrapper(model, "cache_decisions", default_context)
 
 
 def agree_on_decisions(model: nn.Module, monitor: CacheMonitor) -> None:

@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 
 from paradiff.distributed.comm import all_gather_pieces
 from paradiff.errors import ParallelConfigError
+from paradiff.runtime.wrappers import install_wrapper
 
 
 def _sample_of(output: Any) -> torch.Tensor:
@@ -164,15 +165,10 @@ def _device_of(args: tuple, kwargs: dict) -> torch.device:
 
 
 def install_cfg_parallel(model: nn.Module, group: dist.ProcessGroup) -> CfgSplitter:
-    """Wrap `model.forward` (instance attribute, so hooks still run) with a CfgSplitter on `group` (size 2)."""
+    """Put a CfgSplitter on `group` (size 2) into `model`'s forward, as its "cfg_exchange" wrapper."""
     if dist.get_world_size(group) != 2:
         raise ParallelConfigError(f"the cfg group must have 2 ranks, it has {dist.get_world_size(group)}.")
     cfg_rank = dist.get_rank(group)
     splitter = CfgSplitter(group=group, cfg_rank=cfg_rank, structure=MetaStructure(model) if cfg_rank == 1 else None)
-    original = model.forward
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return splitter(original, args, kwargs)
-
-    model.forward = forward
+    install_wrapper(model, "cfg_exchange", splitter)
     return splitter

@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from paradiff.runtime.wrappers import install_wrapper
 from paradiff.distributed.agreement import agree
 from paradiff.runtime.memory import PeakMemory, parameter_bytes, release_freed_memory
 
@@ -137,7 +138,7 @@ class StageRunner:
 def _on_first_use(module: nn.Module, stage: str, enter: Callable[[str], None]) -> None:
     """Call enter(stage) before the module computes: before its forward, and before a VAE's encode / decode, which
     pipelines call directly."""
-    module.register_forward_pre_hook(lambda _module, _args: enter(stage), prepend=True)
+    install_wrapper(module, "stage_switch", lambda _args, _kwargs: enter(stage))
     for method in ("encode", "decode") if stage == "vae" else ():
         original = getattr(module, method, None)
         if callable(original):

@@ -1,6 +1,9 @@
-"""What paradiff attaches to a parallelised model: its mesh, resolved TP plan and CP runtime.
+"""What paradiff attaches to a model: one typed ModelState, under one attribute.
 
-Stored on the model instance (never in a module-level global), so two models in one process stay independent.
+Its `parallel` part (mesh, resolved TP plan, CP runtime, hooks and plan) exists on a parallelised model only; the
+cache monitor and the forward wrappers can sit on any model paradiff touches (`paradiff.enable_cache` on a plain
+diffusers model). Stored on the model instance (never in a module-level global), so two models in one process stay
+independent.
 """
 
 from __future__ import annotations
@@ -9,8 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from paradiff.distributed.mesh import ParallelMesh
+from paradiff.runtime.wrappers import WrapperRegistry
 from paradiff.tensor_parallel.plan import ResolvedPlan
 
 STATE_ATTR = "_paradiff_state"
@@ -21,13 +26,40 @@ class ParallelState:
     mesh: ParallelMesh
     tp_plan: ResolvedPlan | None = None
     context: Any = None  # context_parallel.runtime.ContextParallelRuntime when CP is on
-    extras: dict[str, Any] = field(default_factory=dict)
+    cp_plan: Any = None  # context_parallel.apply.ResolvedContextPlan when CP is on
+    cp_hooks: list[RemovableHandle] = field(default_factory=list)
+
+
+@dataclass
+class ModelState:
+    parallel: ParallelState | None = None
+    cache_monitor: Any = None  # runtime.caching.CacheMonitor once a step cache went through paradiff
+    wrappers: WrapperRegistry = field(default_factory=WrapperRegistry)
+
+
+@dataclass
+class PipelineState:
+    """What paradiff keeps on a loaded pipeline (`ParallelPipelineMixin`)."""
+
+    base_name: str  # the diffusers pipeline class it was loaded as (picks the CFG rule)
+    cfgs: tuple[Any, ...] = ()  # runtime.cfg.CfgSplitter, one per transformer (Wan 2.2 A14B has two)
+    check_latents: bool = False  # set at each call: the next transformer call compares the initial latents
+    stages: Any = None  # runtime.stages.StageRunner
+
+
+def model_state(model: nn.Module, create: bool = True) -> ModelState | None:
+    state = getattr(model, STATE_ATTR, None)
+    if state is None and create:
+        state = ModelState()
+        # object.__setattr__ keeps the state out of nn.Module's submodule/parameter registries
+        object.__setattr__(model, STATE_ATTR, state)
+    return state
 
 
 def get_state(model: nn.Module) -> ParallelState | None:
-    return getattr(model, STATE_ATTR, None)
+    state = getattr(model, STATE_ATTR, None)
+    return state.parallel if state is not None else None
 
 
 def set_state(model: nn.Module, state: ParallelState) -> None:
-    # object.__setattr__ keeps the state out of nn.Module's submodule/parameter registries
-    object.__setattr__(model, STATE_ATTR, state)
+    model_state(model).parallel = state

@@ -1,0 +1,123 @@
+"""The one ordered, named registry of the wrappers a paradiff model's forward goes through.
+
+Each wrapper has a fixed place in `ORDER` (outermost first), whatever order the installers run in; a new wrapper
+(LoRA, quantization) gets its place by adding its name there. Installing a name already installed replaces that
+wrapper in place (installers may run again, e.g. `enable_cache` after a cache was re-enabled).
+
+Two kinds of wrapper:
+- "before": called as `fn(args, kwargs)` before the module's call, ahead of every forward pre-hook. They must see
+  the arguments whole: context parallelism splits the inputs in pre-hooks on the model itself, and a latent
+  checksum taken after that split would differ between the ranks of one replica.
+- "around": called as `fn(call, args, kwargs)` around the forward; `call(*args, **kwargs)` runs the next one in.
+
+The registry replaces `model.forward` once (instance attribute, so nn.Module's hooks still run around it) and adds
+at most one forward pre-hook; removing the last wrapper of a kind takes them away again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+BEFORE, AROUND = "before", "around"
+
+# Outermost first. The order is the one the installers produced before the registry existed: the stage switch and the
+# latent check were prepended forward pre-hooks (stage switch registered last, so first), CFG replaced the forward
+# after the failure guard (so outside it), and the default cache context only picks a context, so its place between
+# them changes nothing.
+ORDER: tuple[tuple[str, str], ...] = (
+    ("stage_switch", BEFORE),
+    ("latent_check", BEFORE),
+    ("cfg_exchange", AROUND),
+    ("cache_decisions", AROUND),
+    ("failure_guard", AROUND),
+)
+KINDS = dict(ORDER)
+
+
+@dataclass
+class WrapperRegistry:
+    """The wrappers installed on one model, and what the registry put on the model to run them."""
+
+    installed: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    plain_forward: Callable[..., Any] | None = None  # the instance forward found at the first install (None: class's)
+    forward: Callable[..., Any] | None = None  # the registry's forward, while installed on the model
+    pre_hook: RemovableHandle | None = None
+
+    def names(self) -> list[str]:
+        return [name for name, _kind in ORDER if name in self.installed]
+
+    def of_kind(self, kind: str) -> list[Callable[..., Any]]:
+        return [self.installed[name] for name in self.names() if KINDS[name] == kind]
+
+
+def registry_of(module: nn.Module) -> WrapperRegistry:
+    from paradiff.runtime.state import model_state
+
+    return model_state(module).wrappers
+
+
+def install_wrapper(module: nn.Module, name: str, wrapper: Callable[..., Any]) -> None:
+    """Put `wrapper` at its declared place in `module`'s forward (replacing one of the same name)."""
+    if name not in KINDS:
+        raise ValueError(f"unknown forward wrapper {name!r}; declared (outermost first): {[n for n, _ in ORDER]}.")
+    registry = registry_of(module)
+    registry.installed[name] = wrapper
+    if KINDS[name] == BEFORE and registry.pre_hook is None:
+        registry.pre_hook = module.register_forward_pre_hook(_before_hook(registry), with_kwargs=True, prepend=True)
+    if KINDS[name] == AROUND and registry.forward is None:
+        registry.plain_forward = module.__dict__.get("forward")
+        registry.forward = _registry_forward(module, registry)
+        object.__setattr__(module, "forward", registry.forward)
+
+
+def remove_wrapper(module: nn.Module, name: str) -> None:
+    """Take `name` out of `module`'s forward; with no wrapper left of its kind, the plain forward is back."""
+    registry = registry_of(module)
+    registry.installed.pop(name, None)
+    if registry.pre_hook is not None and not registry.of_kind(BEFORE):
+        registry.pre_hook.remove()
+        registry.pre_hook = None
+    if registry.forward is not None and not registry.of_kind(AROUND):
+        if module.__dict__.get("forward") is registry.forward:  # something wrapped over us: leave it in place
+            if registry.plain_forward is None:
+                del module.__dict__["forward"]
+            else:
+                object.__setattr__(module, "forward", registry.plain_forward)
+        registry.forward = registry.plain_forward = None
+
+
+def wrappers(module: nn.Module) -> list[str]:
+    """The names of the wrappers on `module`'s forward, outermost first."""
+    from paradiff.runtime.state import model_state
+
+    state = model_state(module, create=False)
+    return state.wrappers.names() if state is not None else []
+
+
+def _before_hook(registry: WrapperRegistry) -> Callable[..., None]:
+    def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+        for wrapper in registry.of_kind(BEFORE):
+            wrapper(args, kwargs)
+        return None
+
+    return hook
+
+
+def _registry_forward(module: nn.Module, registry: WrapperRegistry) -> Callable[..., Any]:
+    plain = registry.plain_forward or type(module).forward.__get__(module)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        call = plain
+        for wrapper in reversed(registry.of_kind(AROUND)):  # innermost first, each wrapping the ones inside it
+            call = _bound(wrapper, call)
+        return call(*args, **kwargs)
+
+    return forward
+
+
+def _bound(wrapper: Callable[..., Any], inner: Callable[..., Any]) -> Callable[..., Any]:
+    return lambda *args, **kwargs: wrapper(inner, args, kwargs)
