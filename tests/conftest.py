@@ -20,6 +20,17 @@ settings.register_profile("explore", deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+# The fast lane (`make test-fast`, -m "not slow") leaves out what starts processes: tests on the rank pools and the
+# files that run the `paradiff` command or whole trainings as subprocesses.
+SUBPROCESS_FILES = {"test_cli.py", "test_cli_video.py", "test_demo.py", "test_reliability.py", "test_stage_memory.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "pools" in getattr(item, "fixturenames", ()) or item.path.name in SUBPROCESS_FILES:
+            item.add_marker(pytest.mark.slow)
+
+
 class Pools:
     def __init__(self) -> None:
         self.pools: dict[int, RankPool] = {}

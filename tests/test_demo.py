@@ -163,7 +163,7 @@ def test_shipped_pipeline_is_small_and_ships_with_the_package():
 
 def test_training_script_runs_deterministically_and_its_losses_fall(tmp_path):
     """A shortened run (a few steps per stage), twice at once: the same weights, falling losses, a loadable
-    pipeline. The full run is `python tools/train_demo.py` (README)."""
+    pipeline. The full run is `python tools/train_demo.py` (docs/cli.md, "The demo")."""
     runs = []
     try:
         for name in ("a", "b"):

@@ -1,8 +1,8 @@
 """Verify every built-in plan in every mode, and compare the automatic planner's TP plan with it on every example;
-write src/paradiff/plans/verified.json, which `paradiff plans` (and README.md's coverage table) show.
+write src/paradiff/plans/verified.json, which `paradiff plans` (and docs/coverage.md's table) show.
 
-    .venv/bin/python tools/verify_plans.py          # ~5 minutes on 2 CPU cores; also rewrites README's table
-    .venv/bin/python tools/verify_plans.py --readme # only rewrite README's table from verified.json
+    .venv/bin/python tools/verify_plans.py          # ~5 minutes on 2 CPU cores; also rewrites docs/coverage.md's table
+    .venv/bin/python tools/verify_plans.py --readme # only rewrite docs/coverage.md's table from verified.json
     .venv/bin/python tools/verify_plans.py --only kandinsky6,lumina2   # verify these examples again, keep the rest
 """
 
@@ -21,12 +21,12 @@ WORLD_MODES = {2: ["tp2", "ulysses2", "ring2"], 4: ["tp2xulysses2", "unified2x2"
 
 
 def write_readme_table() -> None:
-    """Replace README.md's coverage table (between its markers) with `paradiff plans --markdown`."""
+    """Replace docs/coverage.md's table (between its markers) with `paradiff plans --markdown`."""
     from pathlib import Path
 
     from paradiff.plan_tools.coverage import coverage_table
 
-    readme = Path(__file__).resolve().parents[1] / "README.md"
+    readme = Path(__file__).resolve().parents[1] / "docs" / "coverage.md"
     text = readme.read_text()
     start, end = "<!-- coverage:start -->\n", "\n<!-- coverage:end -->"
     head, _, rest = text.partition(start)

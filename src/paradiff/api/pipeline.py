@@ -395,7 +395,7 @@ def _text_encoder_plan(item: _Own, folder: Path):
         raise PlanError(
             f"paradiff has no tensor-parallel plan for text encoder {item.name!r} ({item.model_cls.__name__}); it "
             f"has plans for {', '.join(known)}. Pass one with load_pipeline(..., text_encoder_plans="
-            f"{{{item.name!r}: {{'<module glob>': 'colwise', ...}}}}) (see README.md, 'Writing a plan'), or keep the "
+            f"{{{item.name!r}: {{'<module glob>': 'colwise', ...}}}}) (see docs/tensor-parallel.md, 'Writing a plan'), or keep the "
             "text encoders whole on every rank with shard_text_encoders=False."
         ) from None
 

@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     plans = commands.add_parser("plans", help="the coverage table, or a class's plan as a plan module")
     plans.add_argument("model", nargs="?", default=None, help="a diffusers class name")
     plans.add_argument("--auto", action="store_true", help="derive the plan from the structure (plan='auto')")
-    plans.add_argument("--markdown", action="store_true", help="the coverage table as Markdown (README.md)")
+    plans.add_argument("--markdown", action="store_true", help="the coverage table as Markdown (docs/coverage.md)")
     return parser
 
 

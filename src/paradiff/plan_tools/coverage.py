@@ -1,6 +1,6 @@
 """The coverage table: every diffusers transformer class paradiff has a built-in plan for, which modes it supports,
 and the largest difference measured when it was last verified (`tools/verify_plans.py` writes
-`plans/verified.json`; `paradiff plans` prints it; README.md carries it); then the installed diffusers' transformer
+`plans/verified.json`; `paradiff plans` prints it; docs/coverage.md carries it); then the installed diffusers' transformer
 classes that have no built-in plan, so the table says what is missing too."""
 
 from __future__ import annotations

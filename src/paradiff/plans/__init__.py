@@ -31,7 +31,7 @@ HOW_TO_WRITE_A_PLAN = (
     "{'blocks.*.attn.to_q': 'colwise', 'blocks.*.attn.to_out.0': 'rowwise'} "
     "(styles: 'colwise', 'rowwise', 'rowwise_split_input', 'norm_across_heads', PackedColwise(blocks), "
     "PackedRowwise(blocks), ColwiseHeads(head_dim)), or plan='auto' to derive one from the model's structure; "
-    "see README.md, 'Writing a plan'."
+    "see docs/tensor-parallel.md, 'Writing a plan'."
 )
 
 

@@ -1,6 +1,6 @@
 """Plans derived from a model's structure, for transformers paradiff has no built-in plan for (`plan="auto"`).
 
-The rules follow diffusers' naming conventions, so they hold across families (README.md, "Automatic plans"):
+The rules follow diffusers' naming conventions, so they hold across families (docs/tensor-parallel.md, "Automatic plans"):
 
 Tensor parallelism, inside the block stacks (the model's top-level nn.ModuleLists):
 - an attention module (one with a `processor`) splits by heads: `to_q/to_k/to_v` and `add_q_proj/add_k_proj/
@@ -160,7 +160,7 @@ def auto_tensor_plan(model: nn.Module) -> TensorParallelPlan:
         raise PlanError(
             f"The automatic planner found nothing to split in {type(model).__name__}: no attention modules with "
             "to_q/to_k/to_v/to_out and no feed-forwards inside its top-level nn.ModuleLists. Write a plan by hand "
-            "(README.md, 'Writing a plan')."
+            "(docs/tensor-parallel.md, 'Writing a plan')."
         )
     return TensorParallelPlan(styles=styles)
 
