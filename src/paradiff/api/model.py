@@ -20,7 +20,7 @@ from paradiff.distributed.agreement import agree, config_fingerprint, fingerprin
 from paradiff.io.checkpoint import Checkpoint
 from paradiff.config import as_parallel_config
 from paradiff.errors import CheckpointError, ParallelConfigError
-from paradiff.distributed.mesh import build_mesh, default_device, require_distributed
+from paradiff.distributed.mesh import build_mesh, default_device, rank_coordinates, require_distributed
 from paradiff.io.model_classes import checkpoint_keys, construct, keep_fp32_modules, load_config
 from paradiff.plans import plan_for
 from paradiff.runtime.progress import byte_progress
@@ -329,7 +329,7 @@ def _prepare(model_cls, path, subfolder, torch_dtype, parallel_config, device, p
     tp = parallel.tp_degree if parallel else 1
     tp_shard = None
     if tp > 1:
-        tp_shard = (dist.get_rank() % tp if parallel.mesh is None else parallel.mesh.get_local_rank("tp"), tp)
+        tp_shard = (rank_coordinates(parallel).tp_rank, tp)
     context = parallel is not None and parallel.context_parallel_config is not None
     prepared = prepare_model(model_cls, folder, dtype=dtype, device=device, tp_shard=tp_shard, plan=plan,
                              context=context, cp_plan=cp_plan)

@@ -21,7 +21,7 @@ from paradiff.runtime.cfg import CfgSplitter, install_cfg_parallel
 from paradiff.config import as_parallel_config
 from paradiff.errors import CheckpointError, ParallelConfigError, PlanError, UnsupportedModelError
 from paradiff.api.model import check_dtype
-from paradiff.distributed.mesh import default_device
+from paradiff.distributed.mesh import default_device, rank_coordinates
 from paradiff.runtime.stages import StagedComponent, StageRunner, stage_of
 from paradiff.runtime.state import get_state
 from paradiff.tensor_parallel.shard import swap_in_sharded_linears
@@ -226,19 +226,10 @@ def text_encoder_dims(parallel) -> tuple[str, ...]:
 
 
 def _encoder_shard(parallel, dims: tuple[str, ...]) -> tuple[int, int]:
-    """(rank in the encoder group, its size), from the degrees alone: ranks are laid out data x cfg x ring x ulysses x
-    tp, innermost last, and a multi-dimension group numbers its ranks row-major over its dimensions."""
-    degrees = parallel.degrees()
-    size = 1
-    for dim in dims:
-        size *= degrees[dim]
-    if parallel.mesh is not None:
-        rank = 0
-        names = tuple(parallel.mesh.mesh_dim_names or ())
-        for dim in dims:
-            rank = rank * degrees[dim] + (parallel.mesh.get_local_rank(dim) if dim in names else 0)
-        return rank, size
-    return dist.get_rank() % size, size
+    """(rank in the encoder group, its size), before the mesh exists; a multi-dimension group numbers its ranks
+    row-major over its dimensions, as the mesh's flat groups do."""
+    coordinates = rank_coordinates(parallel)
+    return coordinates.index(*dims), coordinates.size(*dims)
 
 
 @dataclass
@@ -418,7 +409,7 @@ def _stage_runner(pipeline, loaded: dict[str, _Loaded], device: torch.device, st
     state = get_state(pipeline.transformer)
     replica = None
     if state is not None:
-        replica = state.mesh.device_mesh.mesh[state.mesh.local_rank("data")].flatten().tolist()
+        replica = state.mesh.replica_ranks()
     elif dist.is_initialized():
         replica = [dist.get_rank()]
     runner = StageRunner(components, modules, device, staged, replica)
@@ -481,7 +472,7 @@ def _install_latent_check(pipeline) -> None:
     their initial latents: different seeds or inputs on one rank stop every rank with a clear error."""
 
     mesh = get_state(pipeline.transformer).mesh
-    replica_ranks = mesh.device_mesh.mesh[mesh.local_rank("data")].flatten().tolist()  # same data index: same inputs
+    replica_ranks = mesh.replica_ranks()
 
     def check(_module, args, kwargs):
         if not pipeline._paradiff_check_latents:
