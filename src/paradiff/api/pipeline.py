@@ -22,21 +22,12 @@ from paradiff.config import as_parallel_config
 from paradiff.errors import CheckpointError, ParallelConfigError, PlanError, UnsupportedModelError
 from paradiff.api.model import check_dtype
 from paradiff.distributed.mesh import default_device, rank_coordinates
+from paradiff.plans.pipelines import CFG_RULES
 from paradiff.runtime.stages import StagedComponent, StageRunner, stage_of
 from paradiff.runtime.state import get_state
 from paradiff.tensor_parallel.shard import swap_in_sharded_linears
 
 logger = logging.getLogger(__name__)
-
-# Whether a pipeline call runs classifier-free guidance (two transformer calls per step), by pipeline class.
-CFG_RULES = {
-    "QwenImagePipeline": lambda kw: kw.get("true_cfg_scale", 4.0) > 1
-    and (kw.get("negative_prompt") is not None or kw.get("negative_prompt_embeds") is not None),
-    "FluxPipeline": lambda kw: kw.get("true_cfg_scale", 1.0) > 1
-    and (kw.get("negative_prompt") is not None or kw.get("negative_prompt_embeds") is not None),
-    "WanPipeline": lambda kw: kw.get("guidance_scale", 5.0) > 1,
-}
-
 
 def resolve_pipeline_folder(path: str | os.PathLike, hub_kwargs: dict | None = None) -> Path:
     local = Path(path)
@@ -66,7 +57,7 @@ class ParallelPipelineMixin:
         splitters = self._paradiff_cfgs
         if splitters:
             rule = CFG_RULES.get(self._paradiff_base)
-            if rule is None or not rule(kwargs):
+            if rule is None or not rule.runs_cfg(kwargs):
                 raise ParallelConfigError(
                     f"cfg_degree=2 needs a call that runs classifier-free guidance; {self._paradiff_base} "
                     "with these arguments does not (give a negative_prompt and true_cfg_scale > 1 for Qwen-Image / "
