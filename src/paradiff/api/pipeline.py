@@ -21,6 +21,7 @@ from paradiff.runtime.cfg import CfgSplitter, install_cfg_parallel
 from paradiff.config import as_parallel_config
 from paradiff.errors import CheckpointError, ParallelConfigError, PlanError, UnsupportedModelError
 from paradiff.api.model import check_dtype
+from paradiff.io.folders import resolve_folder
 from paradiff.distributed.mesh import default_device, rank_coordinates
 from paradiff.plans.pipelines import CFG_RULES
 from paradiff.runtime.stages import StagedComponent, StageRunner, stage_of
@@ -28,19 +29,6 @@ from paradiff.runtime.state import get_state
 from paradiff.tensor_parallel.shard import swap_in_sharded_linears
 
 logger = logging.getLogger(__name__)
-
-def resolve_pipeline_folder(path: str | os.PathLike, hub_kwargs: dict | None = None) -> Path:
-    local = Path(path)
-    if local.is_dir():
-        if not (local / "model_index.json").is_file():
-            raise CheckpointError(f"{local} has no model_index.json: not a diffusers pipeline folder.")
-        return local
-    if local.exists() or str(path).count("/") != 1:
-        raise CheckpointError(f"{str(path)!r} is neither a pipeline folder nor a Hub id of the form 'owner/name'.")
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(str(path), **(hub_kwargs or {})))
-
 
 class ParallelPipelineMixin:
     """Mixed into the loaded pipeline's class: seeds every rank alike and checks CFG pairing."""
@@ -140,7 +128,7 @@ def load_pipeline(
             raise ParallelConfigError(
                 f"cfg_degree=2 is supported for {sorted(CFG_RULES)}; {pipeline_cls.__name__} runs no true CFG."
             )
-    folder = resolve_pipeline_folder(path)
+    folder = resolve_folder(path, pipeline=True)
     index = json.loads((folder / "model_index.json").read_text())
     if "transformer" not in index:
         raise CheckpointError(f"{folder}/model_index.json has no 'transformer' component.")
