@@ -20,7 +20,8 @@ from paradiff.distributed.agreement import agree, config_fingerprint, fingerprin
 from paradiff.io.checkpoint import Checkpoint
 from paradiff.config import as_parallel_config
 from paradiff.errors import CheckpointError, ParallelConfigError
-from paradiff.distributed.mesh import build_mesh, default_device, require_distributed
+from paradiff.io.folders import resolve_folder
+from paradiff.distributed.mesh import build_mesh, default_device, rank_coordinates, require_distributed
 from paradiff.io.model_classes import checkpoint_keys, construct, keep_fp32_modules, load_config
 from paradiff.plans import plan_for
 from paradiff.runtime.progress import byte_progress
@@ -63,22 +64,6 @@ def check_loading_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     if kwargs.get("variant"):
         raise CheckpointError(f"variant={kwargs['variant']!r} is not supported yet; point to a folder without variants.")
     return {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
-
-
-def resolve_folder(path: str | os.PathLike, subfolder: str | None, hub_kwargs: dict[str, Any]) -> Path:
-    local = Path(path)
-    if local.exists():
-        folder = local / subfolder if subfolder else local
-        if not folder.is_dir():
-            raise CheckpointError(f"{folder} is not a folder (path={str(path)!r}, subfolder={subfolder!r}).")
-        return folder
-    if str(path).count("/") != 1:
-        raise CheckpointError(f"{str(path)!r} is neither a local folder nor a Hub id of the form 'owner/name'.")
-    from huggingface_hub import snapshot_download
-
-    patterns = [f"{subfolder}/*"] if subfolder else ["*.json", "*.safetensors"]
-    root = Path(snapshot_download(str(path), allow_patterns=patterns, **hub_kwargs))
-    return root / subfolder if subfolder else root
 
 
 @contextmanager
@@ -329,7 +314,7 @@ def _prepare(model_cls, path, subfolder, torch_dtype, parallel_config, device, p
     tp = parallel.tp_degree if parallel else 1
     tp_shard = None
     if tp > 1:
-        tp_shard = (dist.get_rank() % tp if parallel.mesh is None else parallel.mesh.get_local_rank("tp"), tp)
+        tp_shard = (rank_coordinates(parallel).tp_rank, tp)
     context = parallel is not None and parallel.context_parallel_config is not None
     prepared = prepare_model(model_cls, folder, dtype=dtype, device=device, tp_shard=tp_shard, plan=plan,
                              context=context, cp_plan=cp_plan)

@@ -12,7 +12,7 @@ from paradiff.runtime.caching import check_cache_config, install_agreed_caching
 from paradiff.config import as_parallel_config
 from paradiff.errors import UnsupportedModelError
 from paradiff.distributed.failures import guarded_call
-from paradiff.distributed.mesh import build_mesh, require_distributed
+from paradiff.distributed.mesh import build_mesh, rank_coordinates, require_distributed
 from paradiff.plans import plan_for
 from paradiff.runtime.state import ParallelState, get_state, set_state
 from paradiff.runtime.wrappers import install_wrapper
@@ -84,9 +84,7 @@ def enable_parallelism(model: nn.Module, config: Any, *, plan: Any = None, cp_pl
         parallel = as_parallel_config(config, dist.get_world_size())
         if parallel.tp_degree > 1:
             tp_plan = as_plan(plan_for(model, plan, "tensor"))
-            tp_rank = (dist.get_rank() % parallel.tp_degree if parallel.mesh is None
-                       else parallel.mesh.get_local_rank("tp"))
-            resolved = resolve_plan(model, tp_plan, tp_rank, parallel.tp_degree)
+            resolved = resolve_plan(model, tp_plan, rank_coordinates(parallel).tp_rank, parallel.tp_degree)
         if getattr(model, "_cache_config", None) is not None:
             check_cache_config(model._cache_config)
         if parallel.context_parallel_config is not None:

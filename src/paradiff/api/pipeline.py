@@ -22,36 +22,15 @@ from paradiff.config import as_parallel_config
 from paradiff.errors import CheckpointError, ParallelConfigError, PlanError, UnsupportedModelError
 from paradiff.api.model import check_dtype
 from paradiff.api.quantization import check_pipeline_quantization
-from paradiff.distributed.mesh import default_device
+from paradiff.io.folders import resolve_folder
+from paradiff.distributed.mesh import default_device, rank_coordinates
+from paradiff.plans.pipelines import CFG_RULES
 from paradiff.runtime.stages import StagedComponent, StageRunner, stage_of
 from paradiff.runtime.state import PipelineState, get_state
 from paradiff.runtime.wrappers import install_wrapper
 from paradiff.tensor_parallel.shard import swap_in_sharded_linears
 
 logger = logging.getLogger(__name__)
-
-# Whether a pipeline call runs classifier-free guidance (two transformer calls per step), by pipeline class.
-CFG_RULES = {
-    "QwenImagePipeline": lambda kw: kw.get("true_cfg_scale", 4.0) > 1
-    and (kw.get("negative_prompt") is not None or kw.get("negative_prompt_embeds") is not None),
-    "FluxPipeline": lambda kw: kw.get("true_cfg_scale", 1.0) > 1
-    and (kw.get("negative_prompt") is not None or kw.get("negative_prompt_embeds") is not None),
-    "WanPipeline": lambda kw: kw.get("guidance_scale", 5.0) > 1,
-}
-
-
-def resolve_pipeline_folder(path: str | os.PathLike, hub_kwargs: dict | None = None) -> Path:
-    local = Path(path)
-    if local.is_dir():
-        if not (local / "model_index.json").is_file():
-            raise CheckpointError(f"{local} has no model_index.json: not a diffusers pipeline folder.")
-        return local
-    if local.exists() or str(path).count("/") != 1:
-        raise CheckpointError(f"{str(path)!r} is neither a pipeline folder nor a Hub id of the form 'owner/name'.")
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(str(path), **(hub_kwargs or {})))
-
 
 class ParallelPipelineMixin:
     """Mixed into the loaded pipeline's class: seeds every rank alike and checks CFG pairing."""
@@ -66,7 +45,7 @@ class ParallelPipelineMixin:
         splitters = state.cfgs
         if splitters:
             rule = CFG_RULES.get(state.base_name)
-            if rule is None or not rule(kwargs):
+            if rule is None or not rule.runs_cfg(kwargs):
                 raise ParallelConfigError(
                     f"cfg_degree=2 needs a call that runs classifier-free guidance; {state.base_name} "
                     "with these arguments does not (give a negative_prompt and true_cfg_scale > 1 for Qwen-Image / "
@@ -149,7 +128,7 @@ def load_pipeline(
             raise ParallelConfigError(
                 f"cfg_degree=2 is supported for {sorted(CFG_RULES)}; {pipeline_cls.__name__} runs no true CFG."
             )
-    folder = resolve_pipeline_folder(path)
+    folder = resolve_folder(path, pipeline=True)
     index = json.loads((folder / "model_index.json").read_text())
     if "transformer" not in index:
         raise CheckpointError(f"{folder}/model_index.json has no 'transformer' component.")
@@ -228,19 +207,10 @@ def text_encoder_dims(parallel) -> tuple[str, ...]:
 
 
 def _encoder_shard(parallel, dims: tuple[str, ...]) -> tuple[int, int]:
-    """(rank in the encoder group, its size), from the degrees alone: ranks are laid out data x cfg x ring x ulysses x
-    tp, innermost last, and a multi-dimension group numbers its ranks row-major over its dimensions."""
-    degrees = parallel.degrees()
-    size = 1
-    for dim in dims:
-        size *= degrees[dim]
-    if parallel.mesh is not None:
-        rank = 0
-        names = tuple(parallel.mesh.mesh_dim_names or ())
-        for dim in dims:
-            rank = rank * degrees[dim] + (parallel.mesh.get_local_rank(dim) if dim in names else 0)
-        return rank, size
-    return dist.get_rank() % size, size
+    """(rank in the encoder group, its size), before the mesh exists; a multi-dimension group numbers its ranks
+    row-major over its dimensions, as the mesh's flat groups do."""
+    coordinates = rank_coordinates(parallel)
+    return coordinates.index(*dims), coordinates.size(*dims)
 
 
 @dataclass
@@ -420,7 +390,7 @@ def _stage_runner(pipeline, loaded: dict[str, _Loaded], device: torch.device, st
     state = get_state(pipeline.transformer)
     replica = None
     if state is not None:
-        replica = state.mesh.device_mesh.mesh[state.mesh.local_rank("data")].flatten().tolist()
+        replica = state.mesh.replica_ranks()
     elif dist.is_initialized():
         replica = [dist.get_rank()]
     runner = StageRunner(components, modules, device, staged, replica)
@@ -483,7 +453,7 @@ def _install_latent_check(pipeline) -> None:
     their initial latents: different seeds or inputs on one rank stop every rank with a clear error."""
 
     mesh = get_state(pipeline.transformer).mesh
-    replica_ranks = mesh.device_mesh.mesh[mesh.local_rank("data")].flatten().tolist()  # same data index: same inputs
+    replica_ranks = mesh.replica_ranks()
 
     state = pipeline._paradiff_pipeline
 

@@ -24,7 +24,7 @@ def check_model_folder(args: argparse.Namespace) -> None:
     index = json.loads((path / "model_index.json").read_text())
     pipeline_name = str(index.get("_class_name"))
     if args.cfg > 1:
-        from paradiff.api.pipeline import CFG_RULES
+        from paradiff.plans.pipelines import CFG_RULES
 
         if pipeline_name not in CFG_RULES:
             raise CliError(f"--cfg {args.cfg}: CFG parallelism is supported for {', '.join(sorted(CFG_RULES))}; "

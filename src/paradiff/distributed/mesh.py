@@ -1,7 +1,16 @@
-"""One DeviceMesh with named dimensions (data, cfg, ring, ulysses, tp) and the process groups cut from it.
+"""One DeviceMesh with named dimensions (data, cfg, ring, ulysses, tp), the process groups cut from it, and each rank's
+coordinates along those dimensions.
 
 Ulysses sits inside ring and tp innermost: the dimensions that talk the most get neighbouring ranks, which on one node
 means the fastest links.
+
+A user-given DeviceMesh maps onto paradiff's dimensions by name:
+- a dimension named `data`, `cfg`, `ring`, `ulysses` or `tp` is that dimension;
+- dimensions with other names are taken, in their order, as the paradiff dimensions of degree > 1 that no mesh
+  dimension names, in paradiff's order (data, cfg, ring, ulysses, tp); their sizes must agree. So a 1-D mesh of size N
+  with tp_degree=N is the TP dimension, and a ("replicas", "model") mesh with data_degree=2, tp_degree=2 is data x tp;
+- user dimensions of size 1 that no degree needs are ignored, and paradiff dimensions the mesh lacks have size 1.
+Anything else raises ParallelConfigError naming the mesh's dimensions and the degrees it must carry.
 """
 
 from __future__ import annotations
@@ -17,6 +26,98 @@ from paradiff.config import ParallelConfig
 from paradiff.errors import DistributedError, ParallelConfigError
 
 MESH_DIMS = ("data", "cfg", "ring", "ulysses", "tp")
+CP_DIMS = ("ring", "ulysses")
+REPLICA_DIMS = ("cfg", "ring", "ulysses", "tp")
+
+
+@dataclass(frozen=True)
+class MeshCoordinates:
+    """One rank's index and the size along each of paradiff's five dimensions.
+
+    A group of dimensions numbers its ranks row-major over the dimensions as given (the first outermost), the order
+    `dist.new_group` receives them in `_add_flat_groups`.
+    """
+
+    sizes: dict[str, int]
+    indices: dict[str, int]
+
+    def size(self, *dims: str) -> int:
+        total = 1
+        for dim in dims:
+            total *= self.sizes[dim]
+        return total
+
+    def index(self, *dims: str) -> int:
+        position = 0
+        for dim in dims:
+            position = position * self.sizes[dim] + self.indices[dim]
+        return position
+
+    @property
+    def tp_rank(self) -> int:
+        return self.indices["tp"]
+
+    @property
+    def cp_rank(self) -> int:
+        return self.index(*CP_DIMS)
+
+    @property
+    def replica(self) -> int:
+        """Which data-parallel replica this rank belongs to."""
+        return self.indices["data"]
+
+
+def coordinates_from_degrees(degrees: dict[str, int], rank: int) -> MeshCoordinates:
+    """Coordinates before any mesh exists: world ranks are laid out data x cfg x ring x ulysses x tp, innermost last."""
+    indices = {}
+    remainder = rank
+    for dim in reversed(MESH_DIMS):
+        indices[dim] = remainder % degrees[dim]
+        remainder //= degrees[dim]
+    return MeshCoordinates(sizes={dim: degrees[dim] for dim in MESH_DIMS}, indices={d: indices[d] for d in MESH_DIMS})
+
+
+def mesh_dim_mapping(degrees: dict[str, int], mesh_names: tuple[str, ...], mesh_sizes: tuple[int, ...]
+                     ) -> dict[str, int]:
+    """paradiff dimension -> position in the user mesh, by the rule in this module's docstring."""
+    named = {name: position for position, name in enumerate(mesh_names) if name in MESH_DIMS}
+    unnamed = [position for position, name in enumerate(mesh_names) if name not in MESH_DIMS]
+    wanted = [dim for dim in MESH_DIMS if dim not in named and degrees[dim] > 1]
+    unnamed_used = [position for position in unnamed if mesh_sizes[position] > 1]
+    needed = " x ".join(f"{dim}={degrees[dim]}" for dim in MESH_DIMS if degrees[dim] > 1) or "none (every degree is 1)"
+    shape = ", ".join(f"{name!r}={size}" for name, size in zip(mesh_names, mesh_sizes))
+    if len(unnamed_used) != len(wanted) or any(mesh_sizes[p] != degrees[d] for p, d in zip(unnamed_used, wanted)):
+        raise ParallelConfigError(
+            f"The given DeviceMesh has dimensions ({shape}) but the config's degrees are {needed}. Name mesh "
+            f"dimensions after paradiff's {MESH_DIMS}, or give dimensions of other names in that order with sizes "
+            f"matching the degrees not named ({', '.join(f'{d}={degrees[d]}' for d in wanted) or 'none'})."
+        )
+    mapping = dict(named)
+    mapping.update(zip(wanted, unnamed_used))
+    for dim, position in named.items():
+        if mesh_sizes[position] != degrees[dim]:
+            raise ParallelConfigError(
+                f"The given DeviceMesh's {mesh_names[position]!r} dimension has size {mesh_sizes[position]}, "
+                f"but the config asks for {dim}={degrees[dim]}."
+            )
+    return mapping
+
+
+def coordinates_from_mesh(degrees: dict[str, int], mesh: DeviceMesh) -> MeshCoordinates:
+    """Coordinates of this rank on a user DeviceMesh, looked up by dimension name (see mesh_dim_mapping)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    mapping = mesh_dim_mapping(degrees, names, tuple(mesh.mesh.shape))
+    coordinate = mesh.get_coordinate() or [0] * len(names)
+    indices = {dim: (coordinate[mapping[dim]] if dim in mapping else 0) for dim in MESH_DIMS}
+    return MeshCoordinates(sizes={dim: degrees[dim] for dim in MESH_DIMS}, indices=indices)
+
+
+def rank_coordinates(config: ParallelConfig, rank: int | None = None) -> MeshCoordinates:
+    """This rank's coordinates under `config`: from its mesh when one is given, else from the degrees and the world
+    rank (`rank` defaults to dist.get_rank())."""
+    if config.mesh is not None:
+        return coordinates_from_mesh(config.degrees(), config.mesh)
+    return coordinates_from_degrees(config.degrees(), dist.get_rank() if rank is None else rank)
 
 
 def require_distributed() -> None:
@@ -44,21 +145,45 @@ class ParallelMesh:
     config: ParallelConfig
     device_mesh: DeviceMesh
     flat_groups: dict[tuple[str, ...], dist.ProcessGroup] = field(default_factory=dict)
+    # paradiff dimension -> its position in device_mesh; a dimension absent here has size 1
+    positions: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.positions:
+            names = tuple(self.device_mesh.mesh_dim_names or ())
+            self.positions = mesh_dim_mapping(self.config.degrees(), names, tuple(self.device_mesh.mesh.shape))
 
     def flat_group(self, dims: tuple[str, ...]) -> dist.ProcessGroup:
         return self.flat_groups[dims]
 
     def group(self, dim: str) -> dist.ProcessGroup:
-        return self.device_mesh.get_group(dim)
+        return self.device_mesh.get_group(self.positions[dim])
 
     def size(self, dim: str) -> int:
-        return self.device_mesh.size(MESH_DIMS.index(dim)) if dim in self._names() else 1
+        return self.device_mesh.size(self.positions[dim]) if dim in self.positions else 1
 
     def local_rank(self, dim: str) -> int:
-        return self.device_mesh.get_local_rank(dim) if dim in self._names() else 0
+        return self.device_mesh.get_local_rank(self.positions[dim]) if dim in self.positions else 0
 
-    def _names(self) -> tuple[str, ...]:
-        return tuple(self.device_mesh.mesh_dim_names or ())
+    @property
+    def coordinates(self) -> MeshCoordinates:
+        return MeshCoordinates(sizes={dim: self.size(dim) for dim in MESH_DIMS},
+                               indices={dim: self.local_rank(dim) for dim in MESH_DIMS})
+
+    def ranks_along(self, dims: tuple[str, ...]) -> list[list[int]]:
+        """Rows of world ranks that share every coordinate but `dims`, each numbered row-major over `dims`."""
+        ranks = self.device_mesh.mesh
+        present = [self.positions[d] for d in dims if d in self.positions]
+        rest = [p for p in range(ranks.dim()) if p not in present]
+        width = 1
+        for position in present:
+            width *= ranks.shape[position]
+        return ranks.permute(rest + present).reshape(-1, width).tolist()
+
+    def replica_ranks(self) -> list[int]:
+        """The world ranks of this rank's data-parallel replica (same data index: same inputs)."""
+        me = dist.get_rank()
+        return next(row for row in self.ranks_along(REPLICA_DIMS) if me in row)
 
     @property
     def tp_group(self) -> dist.ProcessGroup:
@@ -107,22 +232,12 @@ def _add_flat_groups(parallel_mesh: ParallelMesh) -> None:
     wanted = [("ring", "ulysses")] if parallel_mesh.cp_degree > 1 else []
     if parallel_mesh.cp_degree > 1 and parallel_mesh.size("tp") > 1:
         wanted.append(("ring", "ulysses", "tp"))
-    names = tuple(parallel_mesh.device_mesh.mesh_dim_names)
-    ranks = parallel_mesh.device_mesh.mesh
     me = dist.get_rank()
     for dims in wanted:
-        order = [names.index(d) for d in names if d not in dims] + [names.index(d) for d in dims]
-        width = 1
-        for d in dims:
-            width *= ranks.shape[names.index(d)]
-        rows = ranks.permute(order).reshape(-1, width).tolist()
-        for row in rows:
+        for row in parallel_mesh.ranks_along(dims):
             group = dist.new_group(row)
             if me in row:
                 parallel_mesh.flat_groups[dims] = group
-
-
-REPLICA_DIMS = ("cfg", "ring", "ulysses", "tp")
 
 
 def replica_group(parallel_mesh: ParallelMesh) -> dist.ProcessGroup:
@@ -131,13 +246,7 @@ def replica_group(parallel_mesh: ParallelMesh) -> dist.ProcessGroup:
     Collective: every rank must ask at the same point (dist.new_group is), which parallelize_vae's callers do.
     """
     if REPLICA_DIMS not in parallel_mesh.flat_groups:
-        names = tuple(parallel_mesh.device_mesh.mesh_dim_names or ())
-        ranks = parallel_mesh.device_mesh.mesh
-        if "data" in names:
-            ranks = ranks.movedim(names.index("data"), 0)
-            rows = ranks.reshape(ranks.shape[0], -1).tolist()
-        else:
-            rows = [ranks.flatten().tolist()]
+        rows = parallel_mesh.ranks_along(REPLICA_DIMS)
         if len(rows) == 1 and sorted(rows[0]) == list(range(dist.get_world_size())):
             parallel_mesh.flat_groups[REPLICA_DIMS] = dist.group.WORLD
         else:
@@ -150,17 +259,7 @@ def replica_group(parallel_mesh: ParallelMesh) -> dist.ProcessGroup:
 
 
 def _adopt_mesh(config: ParallelConfig, mesh: DeviceMesh) -> ParallelMesh:
-    names = tuple(mesh.mesh_dim_names or ())
-    for name, size in config.degrees().items():
-        if size > 1 and name not in names:
-            raise ParallelConfigError(
-                f"The given DeviceMesh has dimensions {names}; it needs a dimension named {name!r} of size {size}."
-            )
-        if name in names and mesh.size(names.index(name)) != size:
-            raise ParallelConfigError(
-                f"The given DeviceMesh's {name!r} dimension has size {mesh.size(names.index(name))}, "
-                f"but the config asks for {size}."
-            )
+    """Use the caller's mesh; ParallelMesh maps its dimensions (and raises on a mismatch) by this module's rule."""
     parallel_mesh = ParallelMesh(config=config, device_mesh=mesh)
     _add_flat_groups(parallel_mesh)
     return parallel_mesh
