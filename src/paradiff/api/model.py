@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paradiff.distributed.agreement import agree, config_fingerprint, fingerprint
+from paradiff.distributed.agreement import config_fingerprint, fingerprint
 from paradiff.io.checkpoint import Checkpoint
 from paradiff.config import as_parallel_config
 from paradiff.errors import CheckpointError, ParallelConfigError
@@ -25,9 +25,8 @@ from paradiff.distributed.mesh import build_mesh, default_device, rank_coordinat
 from paradiff.io.model_classes import checkpoint_keys, construct, keep_fp32_modules, load_config
 from paradiff.plans import plan_for
 from paradiff.runtime.progress import byte_progress
-from paradiff.api.parallelize import attach
+from paradiff.api.load_sequence import Component, Prepared, run_load_sequence
 from paradiff.tensor_parallel.plan import ResolvedPlan, as_plan, check_checkpoint_keys, resolve_plan
-from paradiff.tensor_parallel.shard import swap_in_sharded_linears
 from paradiff.tensor_parallel.styles import ShardSpec
 
 HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only")
@@ -151,38 +150,14 @@ def from_pretrained(
     Every check runs first on each rank; then the ranks agree (through the store, not a collective) that all passed
     and that they load the same thing, and only then is the mesh built and any weight read.
     """
-    prepared = None
-    error = None
-    try:
-        prepared = _prepare(model_cls, path, subfolder, torch_dtype, parallel_config, device, plan, cp_plan, kwargs)
-    except Exception as exc:  # noqa: BLE001 - shared with the other ranks, then re-raised
-        error = exc
-    if parallel_config is None:
-        if error is not None:
-            raise error
-    else:
-        agree("paradiff.from_pretrained", prepared.facts if prepared else None, error)
-    model, checkpoint, parallel = prepared.model, prepared.checkpoint, prepared.parallel
-    try:
-        mesh = build_mesh(parallel, prepared.device) if parallel else None
-        error = None
-        try:
-            prepared.source.read(model, checkpoint, progress)
-        except Exception as exc:  # noqa: BLE001 - a read failure on one rank must stop every rank
-            error = exc
-        if parallel is not None:
-            agree("paradiff.from_pretrained (reading weights)", {"loaded": True}, error)
-        elif error is not None:
-            raise error
-    finally:
-        checkpoint.close()
-    resolved = prepared.resolved
-    if resolved is not None:
-        swap_in_sharded_linears(model, resolved, mesh.tp_group, weights_are_local=True)
-    model.eval()
-    if mesh is not None:
-        attach(model, mesh, resolved, prepared.cp_resolved)
-    return model
+    def prepare() -> Prepared:
+        item = _prepare(model_cls, path, subfolder, torch_dtype, parallel_config, device, plan, cp_plan, kwargs)
+        component = Component(item.model, item.facts, item.resolved, item.cp_resolved, item.checkpoint, item.source)
+        return Prepared({"": component}, item.parallel, item.device)
+
+    prepared, _mesh = run_load_sequence("paradiff.from_pretrained", prepare, distributed=parallel_config is not None,
+                                        progress=progress)
+    return prepared.components[""].model
 
 
 @dataclass

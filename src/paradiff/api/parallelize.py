@@ -7,17 +7,17 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from paradiff.distributed.agreement import agree, config_fingerprint, fingerprint
+from paradiff.distributed.agreement import config_fingerprint, fingerprint
 from paradiff.runtime.caching import check_cache_config, install_agreed_caching
 from paradiff.config import as_parallel_config
 from paradiff.errors import UnsupportedModelError
 from paradiff.distributed.failures import guarded_call
-from paradiff.distributed.mesh import build_mesh, rank_coordinates, require_distributed
+from paradiff.distributed.mesh import rank_coordinates, require_distributed
+from paradiff.api.load_sequence import Component, Prepared, run_load_sequence
 from paradiff.plans import plan_for
 from paradiff.runtime.state import ParallelState, get_state, set_state
 from paradiff.runtime.wrappers import install_wrapper
 from paradiff.tensor_parallel.plan import as_plan, resolve_plan
-from paradiff.tensor_parallel.shard import swap_in_sharded_linears
 
 
 def check_shardable(model: nn.Module) -> None:
@@ -76,9 +76,8 @@ def enable_parallelism(model: nn.Module, config: Any, *, plan: Any = None, cp_pl
     Every check runs before any collective; then the ranks agree through the store that all passed and that they
     hold the same model configuration, parameter layout and parallel config.
     """
-    error = None
-    resolved = cp_resolved = parallel = None
-    try:
+    def prepare() -> Prepared:
+        resolved = cp_resolved = None
         require_distributed()
         check_shardable(model)
         parallel = as_parallel_config(config, dist.get_world_size())
@@ -97,14 +96,11 @@ def enable_parallelism(model: nn.Module, config: Any, *, plan: Any = None, cp_pl
             "model config": config_fingerprint(getattr(model, "config", None)),
             "parameters": fingerprint([(n, list(p.shape), str(p.dtype)) for n, p in model.named_parameters()]),
         }
-    except Exception as exc:  # noqa: BLE001 - shared with the other ranks, then re-raised
-        error, facts = exc, None
-    agree("paradiff.enable_parallelism", facts, error)
-    device = next(model.parameters()).device
-    mesh = build_mesh(parallel, device)
-    if resolved is not None:
-        swap_in_sharded_linears(model, resolved, mesh.tp_group, weights_are_local=False)
-    return attach(model, mesh, resolved, cp_resolved)
+        device = next(model.parameters()).device
+        return Prepared({"": Component(model, facts, resolved, cp_resolved)}, parallel, device)
+
+    run_load_sequence("paradiff.enable_parallelism", prepare, distributed=True, read="none", eval_mode=False)
+    return model
 
 
 def attach(model: nn.Module, mesh: Any, resolved: Any, cp_resolved: Any) -> nn.Module:

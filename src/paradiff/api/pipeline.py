@@ -6,7 +6,6 @@ import contextlib
 import json
 import logging
 import os
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,6 @@ from paradiff.plans.pipelines import CFG_RULES
 from paradiff.runtime.stages import StagedComponent, StageRunner, stage_of
 from paradiff.runtime.state import PipelineState, get_state
 from paradiff.runtime.wrappers import install_wrapper
-from paradiff.tensor_parallel.shard import swap_in_sharded_linears
 
 logger = logging.getLogger(__name__)
 
@@ -281,76 +279,58 @@ def _load_components(own: list[_Own], folder: Path, parallel, dtype, device, sta
                      cp_plan: Any = None) -> dict[str, _Loaded]:
     """Prepare every component (meta models, plans, checkpoint headers) on every rank, agree, build the mesh once,
     then read: everything now (all-resident), or only persistent buffers (staged; parameters come at their stage)."""
+    from paradiff.api.load_sequence import Component, Prepared, run_load_sequence
     from paradiff.api.model import prepare_model
-    from paradiff.distributed.mesh import build_mesh
-    from paradiff.api.parallelize import attach
 
-    prepared: dict[str, Any] = {}
-    error = None
-    try:
-        encoder_dims = text_encoder_dims(parallel)
-        for item in own:
-            tp_shard, context, item_plan, item_cp_plan = None, False, item.plan, None
-            if item.kind == "transformer" and parallel is not None:
-                if parallel.tp_degree > 1:
-                    tp_shard = _encoder_shard(parallel, ("tp",))
-                context = parallel.context_parallel_config is not None
-                item_plan, item_cp_plan = plan, cp_plan
-            elif item.kind == "text_encoder":
-                tp_shard = _encoder_shard(parallel, encoder_dims)
-                builtin = item_plan is None
-                item_plan = item_plan if item_plan is not None else _text_encoder_plan(item, folder)
-                try:
-                    prepared[item.name] = prepare_model(item.model_cls, folder / item.name, dtype=dtype,
-                                                        device=device, tp_shard=tp_shard, plan=item_plan)
-                    continue
-                except PlanError as exc:
-                    if not builtin:  # the caller's own plan: their error to see
-                        raise
-                    # The built-in plan cannot split this encoder that many ways (e.g. 2 heads over 4 ranks): the
-                    # config decides it, so every rank falls back alike, before any read or collective.
-                    logger.warning("%s (%s) is not split across the %d ranks (it stays whole on each rank): %s",
-                                   item.name, item.model_cls.__name__, tp_shard[1], exc)
-                    tp_shard, item_plan = None, None
-            prepared[item.name] = prepare_model(item.model_cls, folder / item.name, dtype=dtype, device=device,
-                                                tp_shard=tp_shard, plan=item_plan, context=context,
-                                                cp_plan=item_cp_plan)
-    except Exception as exc:  # noqa: BLE001 - shared with the other ranks, then re-raised
-        error = exc
-    try:
-        if parallel is not None:
-            facts = {"parallel degrees": parallel.degrees(), "stages": stages}
-            facts.update({f"{name}: {key}": value for name, p in prepared.items() for key, value in p.facts.items()})
-            agree("paradiff.load_pipeline", facts if error is None else None, error)
-        elif error is not None:
-            raise error
-        mesh = build_mesh(parallel, device) if parallel is not None else None
-        loaded: dict[str, _Loaded] = {}
-        error = None
-        try:
-            for name, item in prepared.items():
-                started = time.perf_counter()
-                item.source.read(item.model, item.checkpoint, parameters=not stages)
-                loaded[name] = _Loaded(item.model, item.source, time.perf_counter() - started)
-        except Exception as exc:  # noqa: BLE001 - a read failure on one rank must stop every rank
-            error = exc
-        if parallel is not None:
-            agree("paradiff.load_pipeline (reading weights)", {"loaded": True}, error)
-        elif error is not None:
-            raise error
-    finally:
-        for item in prepared.values():
-            item.checkpoint.close()
+    encoder_dims = text_encoder_dims(parallel)
     transformers = {item.name for item in own if item.kind == "transformer"}
-    for name, item in prepared.items():
-        model = item.model
-        if item.resolved is not None:
-            group = mesh.tp_group if name in transformers else _encoder_group(mesh, encoder_dims)
-            swap_in_sharded_linears(model, item.resolved, group, weights_are_local=not stages)
-        model.eval()
-        if mesh is not None and (name in transformers or item.resolved is not None):
-            attach(model, mesh, item.resolved, item.cp_resolved)
-    return loaded
+
+    def prepare() -> Prepared:
+        components: dict[str, Component] = {}
+        try:
+            for item in own:
+                _prepare_component(item, components)
+        except BaseException:
+            for component in components.values():
+                component.checkpoint.close()
+            raise
+        facts = {"parallel degrees": parallel.degrees(), "stages": stages} if parallel is not None else {}
+        return Prepared(components, parallel, device, facts)
+
+    def _prepare_component(item: _Own, components: dict[str, Component]) -> None:
+        tp_shard, context, item_plan, item_cp_plan, one = None, False, item.plan, None, None
+        if item.kind == "transformer" and parallel is not None:
+            if parallel.tp_degree > 1:
+                tp_shard = _encoder_shard(parallel, ("tp",))
+            context = parallel.context_parallel_config is not None
+            item_plan, item_cp_plan = plan, cp_plan
+        elif item.kind == "text_encoder":
+            tp_shard = _encoder_shard(parallel, encoder_dims)
+            builtin = item_plan is None
+            item_plan = item_plan if item_plan is not None else _text_encoder_plan(item, folder)
+            try:
+                one = prepare_model(item.model_cls, folder / item.name, dtype=dtype, device=device,
+                                    tp_shard=tp_shard, plan=item_plan)
+            except PlanError as exc:
+                if not builtin:  # the caller's own plan: their error to see
+                    raise
+                # The built-in plan cannot split this encoder that many ways (e.g. 2 heads over 4 ranks): the
+                # config decides it, so every rank falls back alike, before any read or collective.
+                logger.warning("%s (%s) is not split across the %d ranks (it stays whole on each rank): %s",
+                               item.name, item.model_cls.__name__, tp_shard[1], exc)
+                tp_shard, item_plan = None, None
+        if one is None:
+            one = prepare_model(item.model_cls, folder / item.name, dtype=dtype, device=device,
+                                tp_shard=tp_shard, plan=item_plan, context=context, cp_plan=item_cp_plan)
+        components[item.name] = Component(
+            one.model, one.facts, one.resolved, one.cp_resolved, one.checkpoint, one.source,
+            tp_dims=("tp",) if item.name in transformers else (encoder_dims or ("tp",)),
+            attach=item.name in transformers or one.resolved is not None,
+        )
+
+    prepared, _mesh = run_load_sequence("paradiff.load_pipeline", prepare, distributed=parallel is not None,
+                                        read="buffers" if stages else "all")
+    return {name: _Loaded(c.model, c.source, c.read_s) for name, c in prepared.components.items()}
 
 
 def _text_encoder_plan(item: _Own, folder: Path):
@@ -368,10 +348,6 @@ def _text_encoder_plan(item: _Own, folder: Path):
             f"{{{item.name!r}: {{'<module glob>': 'colwise', ...}}}}) (see docs/tensor-parallel.md, 'Writing a plan'), or keep the "
             "text encoders whole on every rank with shard_text_encoders=False."
         ) from None
-
-
-def _encoder_group(mesh, dims: tuple[str, ...]):
-    return mesh.tp_group if dims == ("tp",) else mesh.flat_group(dims)
 
 
 def _stage_runner(pipeline, loaded: dict[str, _Loaded], device: torch.device, staged: bool) -> StageRunner:
