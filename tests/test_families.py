@@ -16,7 +16,7 @@ EXAMPLES = examples.all_examples()
 IDS = [f"{family}:{example}" for family, example, _ in EXAMPLES]
 # modes a family asks for beyond the four, e.g. tp4 where K/V heads (2) are fewer than the ranks and get replicated
 EXTRA = [(family, example, mode) for family, example, _ in EXAMPLES
-         for mode in getattr(examples.family_module(family), "EXTRA_MODES", {}).get(example, ())]
+         for mode in examples.family_module(family).extra_modes.get(example, ())]
 
 
 def check(results: list[dict]) -> None:

@@ -341,7 +341,7 @@ def _text_encoder_plan(item: _Own, folder: Path):
     try:
         return builtin_plan(item.model_cls, load_config(item.model_cls, folder / item.name), "tensor")
     except PlanError:
-        known = sorted(name for family in text_encoder_families() for name in family.MODEL_CLASSES)
+        known = sorted(name for family in text_encoder_families() for name in family.model_classes)
         raise PlanError(
             f"paradiff has no tensor-parallel plan for text encoder {item.name!r} ({item.model_cls.__name__}); it "
             f"has plans for {', '.join(known)}. Pass one with load_pipeline(..., text_encoder_plans="

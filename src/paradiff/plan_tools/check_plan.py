@@ -122,7 +122,7 @@ def resolve_target(model: str, example: str | None = None, inputs_file: str | No
             raise PlanError(f"{class_name} has no built-in example; pass a checkpoint folder (its config.json is "
                             "used, layers cut to 2) and --inputs FILE.py defining example_inputs(config, batch, "
                             "grid, generator).")
-        config = dict(ex.family_module(family).EXAMPLES[example_name][1])
+        config = dict(ex.family_module(family).examples[example_name][1])
     if family is None and inputs_file is None:
         raise PlanError(f"paradiff has no example inputs for {class_name}; pass --inputs FILE.py defining "
                         "example_inputs(config, batch, grid, generator) -> forward kwargs.")

@@ -23,12 +23,12 @@ def coverage_table(markdown: bool = False) -> str:
     verified = load_verified()
     rows = []
     for family in families():
-        for class_name in family.MODEL_CLASSES:
+        for class_name in family.model_classes:
             record = verified["classes"].get(class_name, {})
             modes = record.get("modes", {})
 
             def mark(mode: str, needs: str) -> str:
-                if not hasattr(family, needs):
+                if family.plan(needs) is None:
                     return "no"
                 if mode not in modes:
                     return "plan"
@@ -36,10 +36,10 @@ def coverage_table(markdown: bool = False) -> str:
 
             worst = max(modes.values()) if modes else None
             rows.append([
-                class_name, family.__name__.rpartition(".")[2],
-                mark("tp2", "tensor_parallel_plan"), mark("ulysses2", "context_parallel_plan"),
-                mark("ring2", "context_parallel_plan"), mark("unified2x2", "context_parallel_plan"),
-                mark("tp2xulysses2", "context_parallel_plan"), "yes",
+                class_name, family.name,
+                mark("tp2", "tensor"), mark("ulysses2", "context"),
+                mark("ring2", "context"), mark("unified2x2", "context"),
+                mark("tp2xulysses2", "context"), "yes",
                 record.get("auto", "-"),
                 "-" if worst is None else f"{worst:.1e}",
             ])

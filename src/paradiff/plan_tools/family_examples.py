@@ -1,4 +1,4 @@
-"""Tiny example models and inputs from the family modules' `EXAMPLES`, and how to measure a forward on them.
+"""Tiny example models and inputs from the families' `examples`, and how to measure a forward on them.
 
 `paradiff check-plan` and the test suite use these to run every plan single-process and in parallel; benchmarks
 use the same measurements. Nothing here issues a collective.
@@ -15,6 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from paradiff.errors import PlanError
 from paradiff.plans import families, family_of
 from paradiff.plans.common import Grid
+from paradiff.plans.family import Family
 
 # Projection ops: the work a split must divide. Attention kernels are left out on purpose: torch's counter knows
 # the CUDA kernels but not the CPU flash kernel, so counting them would compare different kernels, not splits.
@@ -25,16 +26,17 @@ def all_examples() -> list[tuple[str, str, str]]:
     """(family module name, example name, class name) of every built-in example."""
     found = []
     for family in families():
-        for name, (class_name, _config) in getattr(family, "EXAMPLES", {}).items():
-            found.append((family.__name__.rpartition(".")[2], name, class_name))
+        for name, (class_name, _config) in family.examples.items():
+            found.append((family.name, name, class_name))
     return found
 
 
-def family_module(family: str):
-    for module in families():
-        if module.__name__.rpartition(".")[2] == family:
-            return module
-    raise PlanError(f"Unknown plan family {family!r}; families: {[f.__name__.rpartition('.')[2] for f in families()]}.")
+def family_module(family: str) -> Family:
+    """The family declared by plans/<family>.py."""
+    for declared in families():
+        if declared.name == family:
+            return declared
+    raise PlanError(f"Unknown plan family {family!r}; families: {[f.name for f in families()]}.")
 
 
 def model_class(class_name: str) -> type:
@@ -50,18 +52,19 @@ def build_example(family: str, example: str, seed: int = 0, config_overrides: di
     """The example's model with random weights; biases and norms perturbed too, so a wrong slice cannot hide
     behind zeros or ones."""
     module = family_module(family)
-    class_name, config = module.EXAMPLES[example]
+    class_name, config = module.examples[example]
     torch.manual_seed(seed)
     model = model_class(class_name)(**{**config, **(config_overrides or {})})
     with torch.no_grad():
-        if hasattr(module, "init_example"):  # parameters the class leaves uninitialised (torch.empty)
+        if module.init_example is not None:  # parameters the class leaves uninitialised (torch.empty)
             module.init_example(model)
         for param in model.parameters():
             if param.is_floating_point():
                 param.add_(torch.randn_like(param) * 0.05)
     # a family whose own kernel torch's FLOP counter cannot run (eager flex attention) swaps in an equivalent one,
     # checked equal to the model's in its family's tests
-    getattr(module, "prepare_example", lambda _model: None)(model)
+    if module.prepare_example is not None:
+        module.prepare_example(model)
     return model.eval()
 
 
@@ -106,7 +109,8 @@ def block_stacks(model: nn.Module) -> list[str]:
 def forward(model: nn.Module, inputs: dict) -> list[torch.Tensor]:
     """The outputs of `model(**inputs)`, or of the model's family's `run_example(model, inputs)` where the family
     defines one (a model run as a sequence of calls, e.g. a cache-filling pass then a pass reading the cache)."""
-    run = getattr(family_of(model), "run_example", None)
+    family = family_of(model)
+    run = None if family is None else family.run_example
     with torch.no_grad():
         return output_tensors(run(model, inputs) if run is not None else model(**inputs))
 

@@ -6,6 +6,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans.common import Grid, attention, feed_forward, mlp
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("AnyFlowTransformer3DModel",)
 
@@ -60,3 +61,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         encoder_hidden_states_image=torch.randn(batch, 4, config.image_dim, generator=generator),
         return_dict=False,
     )
+
+
+FAMILY = Family(
+    name="anyflow",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

@@ -10,6 +10,7 @@ from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans import anyflow
 from paradiff.plans.common import Grid
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("AnyFlowFARTransformer3DModel",)
 
@@ -60,3 +61,14 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         chunk_partition=list(config.chunk_partition),
         return_dict=False,
     )
+
+
+FAMILY = Family(
+    name="anyflow_far",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+    prepare_example=prepare_example,
+)

@@ -6,6 +6,7 @@ from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.errors import PlanError
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans.common import Grid, attention, joint_attention, mlp
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("AuraFlowTransformer2DModel",)
 
@@ -60,3 +61,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         timestep=torch.rand(batch, generator=generator) * 1000,
         return_dict=False,
     )
+
+
+FAMILY = Family(
+    name="auraflow",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

@@ -6,6 +6,7 @@ from paradiff.context_parallel.plan import ContextParallelPlan
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans.common import Grid, mlp
 from paradiff.plans.flux import flux_blocks, flux_context_plan, flux_inputs
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("BriaTransformer2DModel",)
 
@@ -28,3 +29,13 @@ EXAMPLES = {"bria-3.2": ("BriaTransformer2DModel", dict(
 
 def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
     return flux_inputs(config, batch, grid, generator)
+
+
+FAMILY = Family(
+    name="bria",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

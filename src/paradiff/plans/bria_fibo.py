@@ -7,6 +7,7 @@ from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans.common import Grid, mlp
 from paradiff.plans.flux import flux_blocks, flux_context_plan, flux_inputs
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("BriaFiboTransformer2DModel",)
 
@@ -39,3 +40,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
     return {**flux_inputs(config, batch, grid, generator),
             "text_encoder_layers": [torch.randn(batch, grid.text, config.text_encoder_dim, generator=generator)
                                     for _ in range(layers)]}
+
+
+FAMILY = Family(
+    name="bria_fibo",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

@@ -7,6 +7,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans.common import Grid, attention, mlp
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("BriaFibo2Transformer2DModel",)
 
@@ -73,3 +74,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         context_latents=[torch.randn(batch, config.in_channels, 2 * p, 2 * p, generator=generator)],
         return_dict=False,
     )
+
+
+FAMILY = Family(
+    name="bria_fibo2",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

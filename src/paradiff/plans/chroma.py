@@ -7,6 +7,7 @@ from paradiff.context_parallel.plan import ContextParallelPlan
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans.common import Grid, mlp
 from paradiff.plans.flux import flux_blocks, flux_context_plan, flux_inputs
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("ChromaTransformer2DModel",)
 
@@ -38,3 +39,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
     mask = torch.ones(batch, grid.text + grid.height * grid.width)
     mask[-1, grid.text - 2 : grid.text] = 0  # the last prompt's padding
     return {**inputs, "attention_mask": mask}
+
+
+FAMILY = Family(
+    name="chroma",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

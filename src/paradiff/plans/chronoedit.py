@@ -7,6 +7,7 @@ from paradiff.context_parallel.plan import ContextParallelPlan
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans import wan
 from paradiff.plans.common import Grid
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("ChronoEditTransformer3DModel",)
 
@@ -42,3 +43,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         timestep=torch.rand(batch, generator=generator) * 1000,
         return_dict=False,
     )
+
+
+FAMILY = Family(
+    name="chronoedit",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

@@ -5,6 +5,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans.common import Grid, attention, feed_forward, mlp
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("CogVideoXTransformer3DModel",)
 
@@ -72,3 +73,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
     if getattr(config, "ofs_embed_dim", None):
         inputs["ofs"] = torch.rand(batch, generator=generator) * 2
     return inputs
+
+
+FAMILY = Family(
+    name="cogvideox",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

@@ -7,6 +7,7 @@ from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedColwise
 from paradiff.plans import cogvideox
 from paradiff.plans.common import Grid
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("ConsisIDTransformer3DModel",)
 
@@ -46,3 +47,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
     inputs["id_vit_hidden"] = [torch.randn(batch, 5, config.LFE_vit_dim, generator=generator)
                                for _ in range(config.LFE_num_scale)]
     return inputs
+
+
+FAMILY = Family(
+    name="consisid",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

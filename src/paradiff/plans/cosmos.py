@@ -5,6 +5,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
 from paradiff.plans.common import Grid, attention, feed_forward, mlp
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("CosmosTransformer3DModel",)
 
@@ -95,3 +96,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
             torch.randn(batch, grid.frames * grid.height * grid.width, hidden, generator=generator)
             for _ in range(config.num_layers)]
     return inputs
+
+
+FAMILY = Family(
+    name="cosmos",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

@@ -7,6 +7,7 @@ from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
 from paradiff.tensor_parallel.styles import ColwiseHeads
 from paradiff.plans.common import Grid, mlp
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("Cosmos3OmniTransformer",)
 
@@ -91,3 +92,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         sound_noisy_frame_indexes=[torch.arange(1, sound)],
         return_dict=False,
     )
+
+
+FAMILY = Family(
+    name="cosmos3",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

@@ -5,6 +5,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans.common import Grid, attention, feed_forward, mlp
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("DiTTransformer2DModel",)
 
@@ -43,3 +44,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         class_labels=torch.randint(0, config.num_embeds_ada_norm, (batch,), generator=generator),
         return_dict=False,
     )
+
+
+FAMILY = Family(
+    name="dit",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

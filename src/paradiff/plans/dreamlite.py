@@ -6,6 +6,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans.common import Grid, attention, feed_forward
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("DreamLiteTransformer2DModel",)
 _GATED = ("geglu", "geglu-approximate", "swiglu")
@@ -60,3 +61,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         mask[-1, -2:] = False  # and its last image tokens masked out as keys
         inputs["attention_mask"] = mask
     return inputs
+
+
+FAMILY = Family(
+    name="dreamlite",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

@@ -5,6 +5,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans.common import Grid, attention, feed_forward, mlp
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("EasyAnimateTransformer3DModel",)
 
@@ -67,3 +68,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
     if config.text_embed_dim_t5 is not None:
         inputs["encoder_hidden_states_t5"] = torch.randn(batch, 5, config.text_embed_dim_t5, generator=generator)
     return inputs
+
+
+FAMILY = Family(
+    name="easyanimate",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

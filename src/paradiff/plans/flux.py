@@ -6,6 +6,7 @@ from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedColwise, PackedRowwise
 from paradiff.plans.common import Grid, joint_attention
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("FluxTransformer2DModel",)
 
@@ -110,3 +111,13 @@ def flux_inputs(config, batch: int, grid: Grid, generator: torch.Generator) -> d
         return_dict=False,
     )
     return inputs
+
+
+FAMILY = Family(
+    name="flux",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

@@ -7,6 +7,7 @@ from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedColwise, PackedRowwise
 from paradiff.plans.common import Grid, joint_attention
 from paradiff.plans.flux import flux_inputs
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("Flux2Transformer2DModel",)
 
@@ -65,3 +66,13 @@ EXAMPLES = {"flux.2-dev": ("Flux2Transformer2DModel", dict(
 
 def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
     return {**flux_inputs(config, batch, grid, generator), "guidance": torch.full((batch,), 3.5)}
+
+
+FAMILY = Family(
+    name="flux2",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

@@ -8,6 +8,7 @@ from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedColwise
 from paradiff.plans.common import Grid, attention
 from paradiff.plans.flux import flux_inputs
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("Flux3Transformer2DModel",)
 
@@ -81,3 +82,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
     if config.flow_map:
         inputs["target_timestep"] = torch.rand(batch, generator=generator)
     return inputs
+
+
+FAMILY = Family(
+    name="flux3",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

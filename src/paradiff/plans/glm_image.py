@@ -7,6 +7,7 @@ from paradiff.context_parallel.plan import ContextParallelPlan
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans.cogview4 import blocks_plan, joint_context_plan
 from paradiff.plans.common import Grid, feed_forward
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("GlmImageTransformer2DModel",)
 
@@ -42,3 +43,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         crop_coords=torch.zeros(batch, 2),
         return_dict=False,
     )
+
+
+FAMILY = Family(
+    name="glm_image",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

@@ -9,6 +9,7 @@ from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import SplitParameter
 from paradiff.plans import wan
 from paradiff.plans.common import Grid
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("HeliosTransformer3DModel",)
 
@@ -63,3 +64,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         latents_history_short=latents(2), indices_latents_history_short=indices(6, 2),
         return_dict=False,
     )
+
+
+FAMILY = Family(
+    name="helios",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

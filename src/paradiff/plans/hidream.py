@@ -9,6 +9,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans.common import Grid, mlp
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("HiDreamImageTransformer2DModel",)
 STACKS = ("double_stream_blocks", "single_stream_blocks")
@@ -87,3 +88,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         pooled_embeds=torch.randn(batch, config.text_emb_dim, generator=generator),
         return_dict=False,
     )
+
+
+FAMILY = Family(
+    name="hidream",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

@@ -8,6 +8,7 @@ from paradiff.context_parallel.plan import ContextParallelPlan, Count, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedRowwise
 from paradiff.plans.common import Grid, attention, feed_forward, joint_attention, mlp
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("HunyuanVideoTransformer3DModel",)
 
@@ -117,3 +118,13 @@ def text_mask(batch: int, tokens: int) -> torch.Tensor:
     mask = torch.ones(batch, tokens, dtype=torch.int64)
     mask[-1, -3:] = 0
     return mask
+
+
+FAMILY = Family(
+    name="hunyuan_video",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

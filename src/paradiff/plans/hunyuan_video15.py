@@ -8,6 +8,7 @@ from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans.common import Grid, feed_forward, joint_attention, mlp
 from paradiff.plans.hunyuan_video import REFINER_ATTENTION, refiner_styles, text_mask
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("HunyuanVideo15Transformer3DModel",)
 
@@ -72,3 +73,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
     if i2v:
         inputs["timestep_r"] = inputs["timestep"] * 0.5
     return inputs
+
+
+FAMILY = Family(
+    name="hunyuan_video15",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

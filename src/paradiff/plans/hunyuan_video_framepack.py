@@ -7,6 +7,7 @@ from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans import hunyuan_video
 from paradiff.plans.common import Grid, mlp
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("HunyuanVideoFramepackTransformer3DModel",)
 
@@ -61,3 +62,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         latents_clean=latents(2), indices_latents_clean=indices(6, 2),
         return_dict=False,
     )
+
+
+FAMILY = Family(
+    name="hunyuan_video_framepack",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

@@ -7,6 +7,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans.common import Grid, attention, feed_forward, mlp
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("HunyuanDiT2DModel", "HunyuanDiT2DControlNetModel")
 CONTROLNET = "HunyuanDiT2DControlNetModel"
@@ -89,3 +90,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         inputs["controlnet_cond"] = torch.randn(batch, config.in_channels, grid.height * p, grid.width * p,
                                                 generator=generator)
     return inputs
+
+
+FAMILY = Family(
+    name="hunyuandit",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

@@ -6,6 +6,7 @@ from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedRowwise
 from paradiff.plans.common import Grid, attention, feed_forward, joint_attention, mlp
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("HunyuanImageTransformer2DModel",)
 REFINER = "context_embedder.token_refiner.refiner_blocks"
@@ -81,3 +82,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         encoder_attention_mask_2=glyph_mask,
         return_dict=False,
     )
+
+
+FAMILY = Family(
+    name="hunyuanimage",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

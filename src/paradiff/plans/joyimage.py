@@ -7,6 +7,7 @@ from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedColwise
 from paradiff.plans.common import Grid, feed_forward, mlp
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("JoyImageEditTransformer3DModel",)
 
@@ -55,3 +56,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         encoder_hidden_states=torch.randn(batch, grid.text, config.text_dim, generator=generator),
         return_dict=False,
     )
+
+
+FAMILY = Family(
+    name="joyimage",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

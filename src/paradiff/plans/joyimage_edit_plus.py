@@ -7,6 +7,7 @@ from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans import joyimage
 from paradiff.plans.common import Grid
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("JoyImageEditPlusTransformer3DModel",)
 
@@ -45,3 +46,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         shape_list=shapes,
         return_dict=False,
     )
+
+
+FAMILY = Family(
+    name="joyimage_edit_plus",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

@@ -6,6 +6,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
 from paradiff.plans.common import Grid
+from paradiff.plans.family import Family
 
 
 def _attention(prefix: str) -> dict:
@@ -66,3 +67,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         text_rope_pos=torch.arange(grid.text),
         return_dict=False,
     )
+
+
+FAMILY = Family(
+    name="kandinsky5",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

@@ -6,6 +6,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
 from paradiff.plans.common import Grid, feed_forward, mlp
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("Kandinsky6Transformer3DModel",)
 TEXT_STACKS = ("video_text_transformer_blocks", "audio_text_transformer_blocks")
@@ -93,3 +94,14 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
 
 # 7 text tokens over 4 ranks leave one rank a single token, whose key mask looks like a 1 x 1 padding mask
 EXTRA_MODES = {"kandinsky6": ("unified2x2",)}
+
+
+FAMILY = Family(
+    name="kandinsky6",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+    extra_modes=EXTRA_MODES,
+)

@@ -8,6 +8,7 @@ from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
 from paradiff.plans.common import Grid, feed_forward, mlp
 from paradiff.plans.kandinsky6 import _attention
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("Kandinsky6SRTransformer3DModel",)
 
@@ -61,3 +62,14 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         timestep=torch.rand(batch, generator=generator) * 1000,
         return_dict=False,
     )
+
+
+FAMILY = Family(
+    name="kandinsky6_sr",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+    prepare_example=prepare_example,
+)

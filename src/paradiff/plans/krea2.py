@@ -12,6 +12,7 @@ from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import ColwiseHeads
 from paradiff.plans.common import Grid, mlp
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("Krea2Transformer2DModel",)
 _TEXT_BLOCKS = ("text_fusion.layerwise_blocks.*", "text_fusion.refiner_blocks.*")
@@ -87,3 +88,14 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         encoder_attention_mask=mask,
         return_dict=False,
     )
+
+
+FAMILY = Family(
+    name="krea2",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+    extra_modes=EXTRA_MODES,
+)

@@ -6,6 +6,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans.common import Grid, attention
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("LongCatAudioDiTTransformer",)
 
@@ -57,3 +58,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         latent_cond=torch.randn(batch, frames, config.latent_dim, generator=generator),
         return_dict=False,
     )
+
+
+FAMILY = Family(
+    name="longcat_audio",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

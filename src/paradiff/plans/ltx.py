@@ -7,6 +7,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans.common import Grid, attention, feed_forward, mlp
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("LTXVideoTransformer3DModel",)
 
@@ -65,3 +66,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         coords = torch.stack([frames * 8 * 0.04, rows * 32.0, cols * 32.0]).flatten(1)  # (3, tokens), pixel units
         inputs.update(timestep=timestep, video_coords=coords[None].repeat(batch, 1, 1), rope_interpolation_scale=None)
     return inputs
+
+
+FAMILY = Family(
+    name="ltx",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

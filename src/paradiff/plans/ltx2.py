@@ -7,6 +7,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans.common import Grid, attention, feed_forward, mlp
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("LTX2VideoTransformer3DModel",)
 ROPES = ("rope", "cross_attn_rope", "audio_rope", "cross_attn_audio_rope")  # video positions first, then audio
@@ -89,3 +90,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
                       video_keyframes_mask=keyframes, spatio_temporal_guidance_blocks=[1],
                       perturbation_mask=torch.tensor([1.0, 0.0]).repeat(batch)[:batch])
     return inputs
+
+
+FAMILY = Family(
+    name="ltx2",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

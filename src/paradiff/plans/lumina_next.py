@@ -11,6 +11,7 @@ from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import ColwiseHeads, HeadNorm, SplitParameter
 from paradiff.plans.common import Grid
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("LuminaNextDiT2DModel",)
 
@@ -83,3 +84,14 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         cross_attention_kwargs={},
         return_dict=False,
     )
+
+
+FAMILY = Family(
+    name="lumina_next",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+    extra_modes=EXTRA_MODES,
+)

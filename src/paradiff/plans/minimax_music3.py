@@ -6,6 +6,7 @@ from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedColwise
 from paradiff.plans.common import Grid, attention, mlp
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("MiniMaxMusic3Transformer1DModel",)
 
@@ -42,3 +43,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         timestep=torch.rand(batch, generator=generator),
         return_dict=False,
     )
+
+
+FAMILY = Family(
+    name="minimax_music3",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

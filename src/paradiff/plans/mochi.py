@@ -5,6 +5,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans.common import Grid, feed_forward, mlp
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("MochiTransformer3DModel",)
 
@@ -68,3 +69,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         encoder_attention_mask=mask,
         return_dict=False,
     )
+
+
+FAMILY = Family(
+    name="mochi",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

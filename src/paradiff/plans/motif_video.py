@@ -7,6 +7,7 @@ from paradiff.context_parallel.plan import ContextParallelPlan, Count, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedRowwise
 from paradiff.plans.common import Grid, attention, feed_forward, mlp
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("MotifVideoTransformer3DModel",)
 
@@ -108,3 +109,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
     if config.image_embed_dim is not None:
         inputs["image_embeds"] = torch.randn(batch, 3, config.image_embed_dim, generator=generator)
     return inputs
+
+
+FAMILY = Family(
+    name="motif_video",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

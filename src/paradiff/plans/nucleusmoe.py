@@ -13,6 +13,7 @@ from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import AttentionHeads, TensorParallelPlan
 from paradiff.tensor_parallel.styles import ColwiseHeads, SplitParameter
 from paradiff.plans.common import Grid, feed_forward, mlp
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("NucleusMoEImageTransformer2DModel",)
 
@@ -107,3 +108,15 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         timestep=torch.rand(batch, generator=generator),
         return_dict=False,
     )
+
+
+FAMILY = Family(
+    name="nucleusmoe",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+    init_example=init_example,
+    extra_modes=EXTRA_MODES,
+)

@@ -11,6 +11,7 @@ from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
 from paradiff.tensor_parallel.styles import ColwiseHeads, PackedColwise
 from paradiff.plans.common import Grid, mlp
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("OmniGenTransformer2DModel",)
 
@@ -85,3 +86,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         position_ids=torch.stack(positions),
         return_dict=False,
     )
+
+
+FAMILY = Family(
+    name="omnigen",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

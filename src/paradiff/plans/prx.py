@@ -11,6 +11,7 @@ from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedColwise
 from paradiff.plans.common import Grid, mlp
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("PRXTransformer2DModel",)
 
@@ -65,3 +66,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         attention_mask=text_mask,
         return_dict=False,
     )
+
+
+FAMILY = Family(
+    name="prx",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

@@ -5,6 +5,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans.common import Grid, joint_attention
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("QwenImageTransformer2DModel",)
 
@@ -56,3 +57,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         img_shapes=[[(1, grid.height, grid.width)]] * batch,
         return_dict=False,
     )
+
+
+FAMILY = Family(
+    name="qwenimage",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

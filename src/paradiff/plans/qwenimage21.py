@@ -6,6 +6,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans.common import Grid, attention, mlp
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("QwenImage21Transformer2DModel",)
 
@@ -88,3 +89,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         encoder_hidden_states_mask=text_mask,
         return_dict=False,
     )
+
+
+FAMILY = Family(
+    name="qwenimage21",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

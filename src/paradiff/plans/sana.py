@@ -7,6 +7,7 @@ from paradiff.context_parallel.plan import ContextParallelPlan, GridSplit
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedColwise
 from paradiff.plans.common import Grid, attention, mlp
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("SanaTransformer2DModel",)
 
@@ -81,3 +82,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
     if config.guidance_embeds:
         inputs["guidance"] = torch.full((batch,), 4.5)
     return inputs
+
+
+FAMILY = Family(
+    name="sana",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

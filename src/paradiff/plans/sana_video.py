@@ -7,6 +7,7 @@ from paradiff.context_parallel.plan import ContextParallelPlan, GridSplit, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans import sana
 from paradiff.plans.common import Grid
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("SanaVideoTransformer3DModel",)
 
@@ -60,3 +61,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         clean[:, :, 0] = 1
         inputs["timestep"] = inputs["timestep"].view(batch, 1, 1, 1, 1) * (1 - clean)
     return inputs
+
+
+FAMILY = Family(
+    name="sana_video",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

@@ -23,6 +23,7 @@ from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedColwise, SplitParameter
 from paradiff.plans.common import Grid, mlp
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("SanaWMTransformer3DModel",)
 
@@ -375,3 +376,14 @@ class _Fp32Softmax:
             query, key, value = (t * token_valid_mask.view(batch, tokens, 1, 1) for t in (query, key, value))
         out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, key, value)))
         return out.transpose(1, 2).reshape(batch, tokens, heads * head_dim).to(value.dtype)
+
+
+FAMILY = Family(
+    name="sana_wm",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+    run_example=run_example,
+)

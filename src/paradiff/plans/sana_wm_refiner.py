@@ -11,6 +11,7 @@ from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans import ltx2
 from paradiff.plans.common import Grid
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("SanaWMLTX2RefinerTransformer3DModel",)
 
@@ -68,3 +69,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         encoder_hidden_states=torch.randn(batch, grid.text, config.caption_channels, generator=generator),
         timestep=timestep * 1000, video_rotary_emb=tables, encoder_attention_mask=text_mask, return_dict=False,
     )
+
+
+FAMILY = Family(
+    name="sana_wm_refiner",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

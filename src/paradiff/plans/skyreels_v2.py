@@ -7,6 +7,7 @@ from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans import wan
 from paradiff.plans.common import Grid, feed_forward
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("SkyReelsV2Transformer3DModel",)
 
@@ -63,3 +64,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         timestep[:, 0] = 0
         inputs.update(timestep=timestep, enable_diffusion_forcing=True)
     return inputs
+
+
+FAMILY = Family(
+    name="skyreels_v2",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

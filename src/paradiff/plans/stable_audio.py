@@ -7,6 +7,7 @@ from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import ColwiseHeads
 from paradiff.plans.common import Grid, attention, feed_forward, mlp
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("StableAudioDiTModel",)
 
@@ -68,3 +69,14 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         encoder_attention_mask=text_mask,
         return_dict=False,
     )
+
+
+FAMILY = Family(
+    name="stable_audio",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+    extra_modes=EXTRA_MODES,
+)

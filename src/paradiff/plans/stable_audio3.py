@@ -7,6 +7,7 @@ from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedColwise
 from paradiff.plans.common import Grid
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("StableAudio3DiTModel",)
 
@@ -60,3 +61,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         encoder_attention_mask=mask,
         return_dict=False,
     )
+
+
+FAMILY = Family(
+    name="stable_audio3",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

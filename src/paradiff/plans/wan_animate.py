@@ -8,6 +8,7 @@ from paradiff.context_parallel.plan import ContextParallelPlan, Split, TokenGrou
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans import wan
 from paradiff.plans.common import Grid
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("WanAnimateTransformer3DModel",)
 
@@ -64,3 +65,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
                                       generator=generator),
         return_dict=False,
     )
+
+
+FAMILY = Family(
+    name="wan_animate",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

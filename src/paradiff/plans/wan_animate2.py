@@ -16,6 +16,7 @@ from paradiff.context_parallel.attention import even_sizes
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans.common import Grid, mlp
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("WanAnimate2Transformer3DModel",)
 
@@ -174,3 +175,15 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
                        seq_len=grid.frames * grid.height * grid.width, reference_grid_sizes=reference_grid,
                        origin_len=8, origin_area=[64, 80], **common),
     }
+
+
+FAMILY = Family(
+    name="wan_animate2",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+    prepare_example=prepare_example,
+    run_example=run_example,
+)

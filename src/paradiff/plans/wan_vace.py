@@ -7,6 +7,7 @@ from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans import wan
 from paradiff.plans.common import Grid
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("WanVACETransformer3DModel",)
 
@@ -55,3 +56,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         control_hidden_states_scale=torch.tensor([1.0, 0.5]),
         return_dict=False,
     )
+
+
+FAMILY = Family(
+    name="wan_vace",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

@@ -9,6 +9,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans.common import Grid
+from paradiff.plans.family import Family
 
 
 def _stacks(config) -> tuple[str, ...]:
@@ -57,3 +58,13 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
     captions = [torch.randn(grid.text + (32 if index == batch - 1 else 0), config.cap_feat_dim, generator=generator)
                 for index in range(batch)]
     return dict(x=images, t=torch.rand(batch, generator=generator), cap_feats=captions, return_dict=False)
+
+
+FAMILY = Family(
+    name="z_image",
+    model_classes=MODEL_CLASSES,
+    tensor_parallel_plan=tensor_parallel_plan,
+    context_parallel_plan=context_parallel_plan,
+    examples=EXAMPLES,
+    example_inputs=example_inputs,
+)

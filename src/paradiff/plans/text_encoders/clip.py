@@ -1,6 +1,7 @@
 """CLIP text encoders (FLUX.1, SD3, HunyuanVideo): small, but split like the rest so every encoder shrinks."""
 
 from paradiff.tensor_parallel.plan import AttentionHeads, TensorParallelPlan
+from paradiff.plans.family import Family
 
 # where the text transformer sits: CLIPTextModel is it, CLIPTextModelWithProjection wraps it
 ROOTS = {"CLIPTextModel": "", "CLIPTextModelWithProjection": "text_model."}
@@ -21,3 +22,6 @@ def tensor_parallel_plan(config, model_class: str) -> TensorParallelPlan:
     }
     heads = AttentionHeads(config.num_attention_heads, per_query_head=("num_heads",))
     return TensorParallelPlan(styles=styles, attention={f"{layers}.self_attn": heads})
+
+
+FAMILY = Family(name="clip", model_classes=MODEL_CLASSES, tensor_parallel_plan=tensor_parallel_plan)

@@ -2,6 +2,7 @@
 tower stays whole). Gemma's scaled token embedding keeps its scaling under the vocabulary split."""
 
 from paradiff.plans.text_encoders.common import decoder_text_model
+from paradiff.plans.family import Family
 
 PATHS = {
     "Gemma2Model": ("", None),
@@ -16,3 +17,6 @@ MODEL_CLASSES = tuple(PATHS)
 
 def tensor_parallel_plan(config, model_class: str):
     return decoder_text_model(config, model_class, PATHS)
+
+
+FAMILY = Family(name="gemma", model_classes=MODEL_CLASSES, tensor_parallel_plan=tensor_parallel_plan)

@@ -1,6 +1,7 @@
 """Llama text encoders (HunyuanVideo's Llama-3-8B, HiDream's Llama-3.1-8B)."""
 
 from paradiff.plans.text_encoders.common import decoder_text_model
+from paradiff.plans.family import Family
 
 PATHS = {"LlamaModel": ("", None), "LlamaForCausalLM": ("model", "lm_head")}
 MODEL_CLASSES = tuple(PATHS)
@@ -8,3 +9,6 @@ MODEL_CLASSES = tuple(PATHS)
 
 def tensor_parallel_plan(config, model_class: str):
     return decoder_text_model(config, model_class, PATHS)
+
+
+FAMILY = Family(name="llama", model_classes=MODEL_CLASSES, tensor_parallel_plan=tensor_parallel_plan)

@@ -2,6 +2,7 @@
 and projector stay whole: text-to-image never runs them)."""
 
 from paradiff.plans.text_encoders.common import decoder_text_model
+from paradiff.plans.family import Family
 
 PATHS = {
     "MistralModel": ("", None),
@@ -14,3 +15,6 @@ MODEL_CLASSES = tuple(PATHS)
 
 def tensor_parallel_plan(config, model_class: str):
     return decoder_text_model(config, model_class, PATHS)
+
+
+FAMILY = Family(name="mistral", model_classes=MODEL_CLASSES, tensor_parallel_plan=tensor_parallel_plan)

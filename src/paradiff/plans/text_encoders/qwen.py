@@ -2,6 +2,7 @@
 Z-Image's Qwen3."""
 
 from paradiff.plans.text_encoders.common import decoder_text_model
+from paradiff.plans.family import Family
 
 PATHS = {
     "Qwen2_5_VLTextModel": ("", None),
@@ -23,3 +24,6 @@ _QWEN2_5_VL_ATTRS = {
 def tensor_parallel_plan(config, model_class: str):
     attrs = _QWEN2_5_VL_ATTRS if model_class.startswith("Qwen2_5_VL") else None
     return decoder_text_model(config, model_class, PATHS, attrs)
+
+
+FAMILY = Family(name="qwen", model_classes=MODEL_CLASSES, tensor_parallel_plan=tensor_parallel_plan)

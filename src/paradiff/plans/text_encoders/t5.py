@@ -5,6 +5,7 @@ block only, UMT5 in every block. The gated (or plain) feed-forward splits wi col
 """
 
 from paradiff.tensor_parallel.plan import AttentionHeads, TensorParallelPlan
+from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("T5EncoderModel", "UMT5EncoderModel")
 
@@ -27,3 +28,6 @@ def tensor_parallel_plan(config, model_class: str) -> TensorParallelPlan:
         styles[f"{feed_forward}.{name}"] = "colwise"
     heads = AttentionHeads(config.num_heads, per_query_head=("n_heads", "inner_dim"))
     return TensorParallelPlan(styles=styles, attention={attention: heads})
+
+
+FAMILY = Family(name="t5", model_classes=MODEL_CLASSES, tensor_parallel_plan=tensor_parallel_plan)

@@ -1,0 +1,35 @@
+"""`Family`: what one plan module declares about the model classes it knows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: its classes, its plans and its tiny examples.
+
+    Each plan module ends with `FAMILY = Family(...)` naming its module-level functions; a field left None means
+    the family has no such thing (no context-parallel plan, no example hook)."""
+
+    name: str  # the module's short name, e.g. "flux": what `paradiff check-plan flux:...` and test ids say
+    model_classes: tuple[str, ...]
+    tensor_parallel_plan: Callable[..., Any] | None = None
+    context_parallel_plan: Callable[..., Any] | None = None
+    # {example name: (class name, tiny config kwargs)}: the smallest configurations exercising every block type
+    examples: Mapping[str, tuple[str, dict]] = field(default_factory=dict)
+    # example_inputs(name, config, batch, grid, generator) -> forward kwargs (or whatever run_example takes)
+    example_inputs: Callable[..., Any] | None = None
+    # init_example(model): seeds the parameters an example's class leaves uninitialised (torch.empty expert banks)
+    init_example: Callable[..., Any] | None = None
+    # prepare_example(model): swaps in an equivalent kernel torch's FLOP counter can run (eager flex attention)
+    prepare_example: Callable[..., Any] | None = None
+    # run_example(model, inputs): the example forward where one call is not the whole story (a cache-filling pass)
+    run_example: Callable[..., Any] | None = None
+    # {example name: modes beyond tp2 / ulysses2 / ring2 / tp2 x ulysses2, e.g. ("tp4",)} the test suite also runs
+    extra_modes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def plan(self, kind: str) -> Callable[..., Any] | None:
+        """The `kind` ("tensor" or "context") plan function, or None."""
+        return {"tensor": self.tensor_parallel_plan, "context": self.context_parallel_plan}[kind]
