@@ -4,6 +4,7 @@ single-process pipeline of the same folder (gloo, CPU, float32)."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -134,8 +135,9 @@ def data_parallel_staged(family: str, folder: str, prompts: list[str]) -> dict:
 
 
 def unplanned_encoder(folder: str, scratch: str) -> dict:
-    """A pipeline whose text encoder class has no plan: every rank refuses with the same clear error before any
-    weight is read; shard_text_encoders=False or text_encoder_plans= then load it."""
+    """A pipeline whose text encoder class has no plan: by default it stays whole on each rank with one warning;
+    with shard_text_encoders=True every rank refuses with the same clear error before any weight is read;
+    shard_text_encoders=False or text_encoder_plans= then load it."""
     torch.set_num_threads(1)
     target = Path(scratch)
     if dist.get_rank() == 0 and not target.exists():
@@ -148,8 +150,15 @@ def unplanned_encoder(folder: str, scratch: str) -> dict:
         (target / "text_encoder" / "config.json").write_text(json.dumps(config))
     dist.barrier()
     out = {}
+    warnings = _WarningsNaming("MT5EncoderModel")
+    logging.getLogger("paradiff").addHandler(warnings)
     try:
-        paradiff.load_pipeline(str(target), parallel_config=_config(tp=2))
+        default = paradiff.load_pipeline(str(target), parallel_config=_config(tp=2))
+    finally:
+        logging.getLogger("paradiff").removeHandler(warnings)
+    out["default_warnings"] = warnings.count
+    try:
+        paradiff.load_pipeline(str(target), parallel_config=_config(tp=2), shard_text_encoders=True)
         out["error"] = "no error"
     except Exception as exc:  # noqa: BLE001
         out["error"] = f"{type(exc).__name__}: {exc}"
@@ -160,10 +169,21 @@ def unplanned_encoder(folder: str, scratch: str) -> dict:
     plan = t5.tensor_parallel_plan(whole.text_encoder.config, model_class="T5EncoderModel")  # MT5: T5 layout
     given = paradiff.load_pipeline(str(target), parallel_config=_config(tp=2), text_encoder_plans={"text_encoder": plan})
     out["given_share"] = parameter_bytes([given.text_encoder]) / out["whole_share"]
+    out["default_share"] = parameter_bytes([default.text_encoder]) / out["whole_share"]
     with torch.no_grad():
         kwargs = encode_prompt_kwargs("wan", PROMPTS)
         out["given_vs_whole"] = _relative(given.encode_prompt(**kwargs), whole.encode_prompt(**kwargs))
+        out["default_vs_whole"] = _relative(default.encode_prompt(**kwargs), whole.encode_prompt(**kwargs))
     return out
+
+
+class _WarningsNaming(logging.Handler):
+    def __init__(self, text: str) -> None:
+        super().__init__(logging.WARNING)
+        self.text, self.count = text, 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += self.text in record.getMessage()
 
 
 def device_map_for_whole_components(family: str, folder: str) -> dict:

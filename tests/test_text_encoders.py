@@ -93,10 +93,13 @@ def test_data_parallel_replicas_keep_their_prompts_under_stages(pools, encoder_p
     assert made == set(range(len(prompts)))
 
 
-def test_encoder_without_plan_is_refused_clearly(pools, encoder_pipelines, tmp_path):
+def test_encoder_without_plan_stays_whole_by_default_and_is_refused_when_required(pools, encoder_pipelines, tmp_path):
     results = pools.get(2).run(cases.unplanned_encoder, folder=encoder_pipelines["wan"],
                                scratch=str(tmp_path / "mt5-wan"))
     for result in results:
+        assert result["default_warnings"] == 1, result  # one warning per rank, naming the class
+        assert result["default_share"] == 1.0, result  # whole on each rank
+        assert result["default_vs_whole"] == 0.0, result
         message = result["error"]
         assert message.startswith("PlanError: "), message
         for part in ("'text_encoder'", "MT5EncoderModel", "text_encoder_plans=", "shard_text_encoders=False"):
@@ -115,7 +118,7 @@ def test_device_map_and_max_memory_reach_unsplit_components(pools, encoder_pipel
 
 @pytest.mark.parametrize("kwargs,expected", [
     (dict(stages="yes"), "stages must be True or False, got 'yes'"),
-    (dict(shard_text_encoders=1), "shard_text_encoders must be True or False, got 1"),
+    (dict(shard_text_encoders=1), "shard_text_encoders must be True, False or None, got 1"),
     (dict(stages=True, device_map="balanced"), "pass one or the other"),
     (dict(text_encoder_plans=["text_encoder"]), "text_encoder_plans must map component names to plans"),
     (dict(text_encoder_plans={"text_encoder_9": {}}), "names ['text_encoder_9'], which are not text encoders"),

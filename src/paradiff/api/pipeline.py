@@ -87,7 +87,7 @@ def load_pipeline(
     plan: Any = None,
     cp_plan: Any = None,
     stages: bool = False,
-    shard_text_encoders: bool = True,
+    shard_text_encoders: bool | None = None,
     text_encoder_plans: dict[str, Any] | None = None,
     parallel_vae: bool | None = None,
     **kwargs: Any,
@@ -97,7 +97,9 @@ def load_pipeline(
     structure).
 
     Text encoders are split over the mesh's TP ranks (with no TP: over the context-parallel ranks, which encode the
-    same prompts; with neither: kept whole), shard-on-read, unless `shard_text_encoders=False`. `text_encoder_plans`
+    same prompts; with neither: kept whole), shard-on-read. `shard_text_encoders`: None (default) splits those with a
+    plan and keeps an encoder class without one whole on each rank, with one warning; True requires every encoder to
+    be split (an encoder without a plan is an error); False keeps them all whole. `text_encoder_plans`
     gives plans for encoder classes paradiff has none for ({"text_encoder": {...}}). With `stages=True` only the
     current stage's components hold weights during a call (text encoders, then the transformer, then the VAE;
     each read again, shard-on-read, when its stage starts); with `stages=False` (default) everything stays resident.
@@ -174,8 +176,8 @@ def load_pipeline(
 def _check_pipeline_options(stages: Any, shard_text_encoders: Any, text_encoder_plans: Any, kwargs: dict) -> None:
     if not isinstance(stages, bool):
         raise ParallelConfigError(f"stages must be True or False, got {stages!r}.")
-    if not isinstance(shard_text_encoders, bool):
-        raise ParallelConfigError(f"shard_text_encoders must be True or False, got {shard_text_encoders!r}.")
+    if shard_text_encoders is not None and not isinstance(shard_text_encoders, bool):
+        raise ParallelConfigError(f"shard_text_encoders must be True, False or None, got {shard_text_encoders!r}.")
     if text_encoder_plans is not None and not (
         isinstance(text_encoder_plans, dict) and all(isinstance(k, str) for k in text_encoder_plans)
     ):
@@ -236,7 +238,7 @@ def _components_paradiff_loads(folder, index, parallel, stages, shard_text_encod
     # Wan 2.2 A14B has a second transformer for the low-noise steps (`transformer_2`; null in model_index.json
     # for the single-transformer checkpoints): every transformer is split alike.
     own = [_Own(name, _component_class(index, name), "transformer") for name in transformer_names(index)]
-    split_encoders = shard_text_encoders and bool(text_encoder_dims(parallel))
+    split_encoders = shard_text_encoders is not False and bool(text_encoder_dims(parallel))
     unknown = sorted(set(plans) - {n for n in index if n.startswith("text_encoder")})
     if unknown:
         raise ParallelConfigError(
@@ -249,10 +251,15 @@ def _components_paradiff_loads(folder, index, parallel, stages, shard_text_encod
         model_cls = getattr(importlib.import_module(entry[0]), entry[1], None)
         if not (isinstance(model_cls, type) and issubclass(model_cls, nn.Module)):
             continue
+        known = name in plans or family_of(model_cls) is not None
         if name.startswith("text_encoder") and split_encoders:
-            own.append(_Own(name, model_cls, "text_encoder", plans.get(name)))
-        elif stages or (name.startswith("text_encoder") and shard_text_encoders
-                        and (name in plans or family_of(model_cls) is not None)):
+            if known or shard_text_encoders:  # True: split, or say why it cannot be
+                own.append(_Own(name, model_cls, "text_encoder", plans.get(name)))
+                continue
+            # the class decides it, so every rank keeps it whole alike, before any read or collective
+            logger.warning("%s (%s) has no built-in tensor-parallel plan: it stays whole on each rank (pass "
+                           "text_encoder_plans={%r: ...} to split it)", name, model_cls.__name__, name)
+        if stages or (name.startswith("text_encoder") and shard_text_encoders is not False and known):
             # paradiff reads the encoders it knows itself even when nothing splits them (single process, CFG- or
             # data-only meshes): into process memory, like every weight of a split run, never a mapped file
             own.append(_Own(name, model_cls, "whole"))

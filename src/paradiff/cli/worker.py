@@ -80,7 +80,7 @@ def generate(args: argparse.Namespace, device: torch.device,
                                       plan=_plan_argument(args.plan, "tensor"),
                                       cp_plan=_plan_argument(args.cp_plan, "context"),
                                       parallel_vae=False if args.no_parallel_vae else None,
-                                      stages=args.stages, shard_text_encoders=not args.whole_text_encoders)
+                                      stages=args.stages, shard_text_encoders=False if args.whole_text_encoders else None)
     load_s = time.perf_counter() - start
     # Wan 2.2 A14B has a second transformer (`transformer_2`, the low-noise steps): compile and cache each
     transformers = {name: module for name, module in pipeline.components.items()
