@@ -9,7 +9,8 @@ from paradiff.context_parallel.plan import ContextParallelPlan, Count, Split, To
 from paradiff.errors import (CheckpointError, DistributedError, ParadiffError, ParallelConfigError, PlanError, UnsupportedModelError)
 from paradiff.api.model import from_pretrained
 from paradiff.api.parallelize import enable_parallelism
-from paradiff.api.pipeline import load_pipeline, split_between_processes
+from paradiff.api.data_parallel import split_between_processes
+from paradiff.api.pipeline import load_pipeline
 from paradiff.io.saving import save_pretrained
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import (ColwiseHeads, HeadNorm, PackedColwise, PackedColwiseParallel, PackedRowwise, PackedRowwiseParallel, SplitParameter)

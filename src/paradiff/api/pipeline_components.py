@@ -1,0 +1,189 @@
+"""Which components of a pipeline folder paradiff loads itself (its transformers, the text encoders it splits or
+reads), how each is split, and loading them all through the one load sequence."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from paradiff.distributed.mesh import rank_coordinates
+from paradiff.errors import ParallelConfigError, PlanError
+
+logger = logging.getLogger(__name__)
+
+
+def text_encoder_dims(parallel) -> tuple[str, ...]:
+    """The mesh dimensions text encoders are split over: the TP ranks; with no TP, the context-parallel ranks (every
+    one of them encodes the same prompts); with neither, none. Always inside one data-parallel replica and one CFG
+    branch, so a replica's prompt embeddings are computed, and stay, on its own ranks."""
+    if parallel is None:
+        return ()
+    if parallel.tp_degree > 1:
+        return ("tp",)
+    if parallel.ring_degree * parallel.ulysses_degree > 1:
+        return ("ring", "ulysses")
+    return ()
+
+
+
+def _encoder_shard(parallel, dims: tuple[str, ...]) -> tuple[int, int]:
+    """(rank in the encoder group, its size), before the mesh exists; a multi-dimension group numbers its ranks
+    row-major over its dimensions, as the mesh's flat groups do."""
+    coordinates = rank_coordinates(parallel)
+    return coordinates.index(*dims), coordinates.size(*dims)
+
+
+
+@dataclass
+class _Own:
+    """A component paradiff loads itself: its class, and the TP plan when it is split."""
+
+    name: str
+    model_cls: type
+    kind: str  # "transformer", "text_encoder" (split) or "whole"
+    plan: Any = None
+
+
+
+@dataclass
+class _Loaded:
+    model: nn.Module
+    source: Any  # loading.WeightSource
+    load_s: float
+
+
+
+def _components_paradiff_loads(folder, index, parallel, stages, shard_text_encoders, plans) -> list[_Own]:
+    import importlib
+
+    from paradiff.plans import family_of
+
+    # Wan 2.2 A14B has a second transformer for the low-noise steps (`transformer_2`; null in model_index.json
+    # for the single-transformer checkpoints): every transformer is split alike.
+    own = [_Own(name, _component_class(index, name), "transformer") for name in transformer_names(index)]
+    split_encoders = shard_text_encoders is not False and bool(text_encoder_dims(parallel))
+    unknown = sorted(set(plans) - {n for n in index if n.startswith("text_encoder")})
+    if unknown:
+        raise ParallelConfigError(
+            f"text_encoder_plans names {unknown}, which are not text encoders of this pipeline; its text encoders are "
+            f"{sorted(n for n in index if n.startswith('text_encoder'))}."
+        )
+    for name, entry in sorted(index.items()):
+        if name.startswith("transformer") or not _is_component(entry):
+            continue
+        model_cls = getattr(importlib.import_module(entry[0]), entry[1], None)
+        if not (isinstance(model_cls, type) and issubclass(model_cls, nn.Module)):
+            continue
+        known = name in plans or family_of(model_cls) is not None
+        if name.startswith("text_encoder") and split_encoders:
+            if known or shard_text_encoders:  # True: split, or say why it cannot be
+                own.append(_Own(name, model_cls, "text_encoder", plans.get(name)))
+                continue
+            # the class decides it, so every rank keeps it whole alike, before any read or collective
+            logger.warning("%s (%s) has no built-in tensor-parallel plan: it stays whole on each rank (pass "
+                           "text_encoder_plans={%r: ...} to split it)", name, model_cls.__name__, name)
+        if stages or (name.startswith("text_encoder") and shard_text_encoders is not False and known):
+            # paradiff reads the encoders it knows itself even when nothing splits them (single process, CFG- or
+            # data-only meshes): into process memory, like every weight of a split run, never a mapped file
+            own.append(_Own(name, model_cls, "whole"))
+    return own
+
+
+
+def transformer_names(index: dict) -> list[str]:
+    """The pipeline's transformer components present in model_index.json: "transformer", then e.g. "transformer_2"."""
+    return sorted(name for name, entry in index.items() if name.startswith("transformer") and _is_component(entry))
+
+
+
+def _is_component(entry: Any) -> bool:
+    return isinstance(entry, (list, tuple)) and len(entry) == 2 and all(isinstance(e, str) for e in entry)
+
+
+
+def _component_class(index: dict, name: str) -> type:
+    import importlib
+
+    library, class_name = index[name]
+    return getattr(importlib.import_module(library), class_name)
+
+
+
+def _load_components(own: list[_Own], folder: Path, parallel, dtype, device, stages: bool, plan: Any = None,
+                     cp_plan: Any = None) -> dict[str, _Loaded]:
+    """Prepare every component (meta models, plans, checkpoint headers) on every rank, agree, build the mesh once,
+    then read: everything now (all-resident), or only persistent buffers (staged; parameters come at their stage)."""
+    from paradiff.api.load_sequence import Component, Prepared, run_load_sequence
+    from paradiff.api.model import prepare_model
+
+    encoder_dims = text_encoder_dims(parallel)
+    transformers = {item.name for item in own if item.kind == "transformer"}
+
+    def prepare() -> Prepared:
+        components: dict[str, Component] = {}
+        try:
+            for item in own:
+                _prepare_component(item, components)
+        except BaseException:
+            for component in components.values():
+                component.checkpoint.close()
+            raise
+        facts = {"parallel degrees": parallel.degrees(), "stages": stages} if parallel is not None else {}
+        return Prepared(components, parallel, device, facts)
+
+    def _prepare_component(item: _Own, components: dict[str, Component]) -> None:
+        tp_shard, context, item_plan, item_cp_plan, one = None, False, item.plan, None, None
+        if item.kind == "transformer" and parallel is not None:
+            if parallel.tp_degree > 1:
+                tp_shard = _encoder_shard(parallel, ("tp",))
+            context = parallel.context_parallel_config is not None
+            item_plan, item_cp_plan = plan, cp_plan
+        elif item.kind == "text_encoder":
+            tp_shard = _encoder_shard(parallel, encoder_dims)
+            builtin = item_plan is None
+            item_plan = item_plan if item_plan is not None else _text_encoder_plan(item, folder)
+            try:
+                one = prepare_model(item.model_cls, folder / item.name, dtype=dtype, device=device,
+                                    tp_shard=tp_shard, plan=item_plan)
+            except PlanError as exc:
+                if not builtin:  # the caller's own plan: their error to see
+                    raise
+                # The built-in plan cannot split this encoder that many ways (e.g. 2 heads over 4 ranks): the
+                # config decides it, so every rank falls back alike, before any read or collective.
+                logger.warning("%s (%s) is not split across the %d ranks (it stays whole on each rank): %s",
+                               item.name, item.model_cls.__name__, tp_shard[1], exc)
+                tp_shard, item_plan = None, None
+        if one is None:
+            one = prepare_model(item.model_cls, folder / item.name, dtype=dtype, device=device,
+                                tp_shard=tp_shard, plan=item_plan, context=context, cp_plan=item_cp_plan)
+        components[item.name] = Component(
+            one.model, one.facts, one.resolved, one.cp_resolved, one.checkpoint, one.source,
+            tp_dims=("tp",) if item.name in transformers else (encoder_dims or ("tp",)),
+            attach=item.name in transformers or one.resolved is not None,
+        )
+
+    prepared, _mesh = run_load_sequence("paradiff.load_pipeline", prepare, distributed=parallel is not None,
+                                        read="buffers" if stages else "all")
+    return {name: _Loaded(c.model, c.source, c.read_s) for name, c in prepared.components.items()}
+
+
+
+def _text_encoder_plan(item: _Own, folder: Path):
+    from paradiff.errors import PlanError
+    from paradiff.io.model_classes import load_config
+    from paradiff.plans import builtin_plan, text_encoder_families
+
+    try:
+        return builtin_plan(item.model_cls, load_config(item.model_cls, folder / item.name), "tensor")
+    except PlanError:
+        known = sorted(name for family in text_encoder_families() for name in family.model_classes)
+        raise PlanError(
+            f"paradiff has no tensor-parallel plan for text encoder {item.name!r} ({item.model_cls.__name__}); it "
+            f"has plans for {', '.join(known)}. Pass one with load_pipeline(..., text_encoder_plans="
+            f"{{{item.name!r}: {{'<module glob>': 'colwise', ...}}}}) (see docs/tensor-parallel.md, 'Writing a plan'), or keep the "
+            "text encoders whole on every rank with shard_text_encoders=False."
+        ) from None
