@@ -149,7 +149,7 @@ def unplanned_encoder(folder: str, scratch: str) -> dict:
         config.update(architectures=["MT5EncoderModel"], model_type="mt5")
         (target / "text_encoder" / "config.json").write_text(json.dumps(config))
     dist.barrier()
-    out = {}
+    out = {"rank": dist.get_rank()}
     warnings = _WarningsNaming("MT5EncoderModel")
     logging.getLogger("paradiff").addHandler(warnings)
     try:

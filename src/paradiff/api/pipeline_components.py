@@ -12,6 +12,7 @@ from torch import nn
 
 from paradiff.distributed.mesh import rank_coordinates
 from paradiff.errors import ParallelConfigError, PlanError
+from paradiff.runtime.progress import is_main_rank
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +84,11 @@ def _components_paradiff_loads(folder, index, parallel, stages, shard_text_encod
             if known or shard_text_encoders:  # True: split, or say why it cannot be
                 own.append(_Own(name, model_cls, "text_encoder", plans.get(name)))
                 continue
-            # the class decides it, so every rank keeps it whole alike, before any read or collective
-            logger.warning("%s (%s) has no built-in tensor-parallel plan: it stays whole on each rank (pass "
-                           "text_encoder_plans={%r: ...} to split it)", name, model_cls.__name__, name)
+            # the class decides it, so every rank keeps it whole alike, before any read or collective; one
+            # console line, from the first rank
+            if is_main_rank():
+                logger.warning("%s (%s) has no built-in tensor-parallel plan: it stays whole on each rank (pass "
+                               "text_encoder_plans={%r: ...} to split it)", name, model_cls.__name__, name)
         if stages or (name.startswith("text_encoder") and shard_text_encoders is not False and known):
             # paradiff reads the encoders it knows itself even when nothing splits them (single process, CFG- or
             # data-only meshes): into process memory, like every weight of a split run, never a mapped file
