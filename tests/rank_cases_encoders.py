@@ -154,6 +154,7 @@ def unplanned_encoder(folder: str, scratch: str) -> dict:
     logging.getLogger("paradiff").addHandler(warnings)
     try:
         default = paradiff.load_pipeline(str(target), parallel_config=_config(tp=2))
+        default_cp = paradiff.load_pipeline(str(target), parallel_config=_config(ulysses=2))  # CP-only: same rule
     finally:
         logging.getLogger("paradiff").removeHandler(warnings)
     out["default_warnings"] = warnings.count
@@ -174,6 +175,8 @@ def unplanned_encoder(folder: str, scratch: str) -> dict:
         kwargs = encode_prompt_kwargs("wan", PROMPTS)
         out["given_vs_whole"] = _relative(given.encode_prompt(**kwargs), whole.encode_prompt(**kwargs))
         out["default_vs_whole"] = _relative(default.encode_prompt(**kwargs), whole.encode_prompt(**kwargs))
+        out["default_cp_vs_whole"] = _relative(default_cp.encode_prompt(**kwargs), whole.encode_prompt(**kwargs))
+    out["default_cp_share"] = parameter_bytes([default_cp.text_encoder]) / out["whole_share"]
     return out
 
 

@@ -97,7 +97,9 @@ def test_encoder_without_plan_stays_whole_by_default_and_is_refused_when_require
     results = pools.get(2).run(cases.unplanned_encoder, folder=encoder_pipelines["wan"],
                                scratch=str(tmp_path / "mt5-wan"))
     for result in results:
-        assert result["default_warnings"] == (1 if result["rank"] == 0 else 0), result  # one console line
+        # one console line per load (tp2, then ulysses2), from the first rank
+        assert result["default_warnings"] == (2 if result["rank"] == 0 else 0), result
+        assert result["default_cp_share"] == 1.0 and result["default_cp_vs_whole"] == 0.0, result
         assert result["default_share"] == 1.0, result  # whole on each rank
         assert result["default_vs_whole"] == 0.0, result
         message = result["error"]
