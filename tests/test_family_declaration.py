@@ -12,7 +12,7 @@ from paradiff.plans import families, family_of, text_encoder_families
 from paradiff.plans import text_encoders
 from paradiff.plans.family import Family
 
-HELPERS = {"auto", "common", "family", "vae"}
+HELPERS = {"auto", "common", "family", "pipelines", "vae"}  # plan helpers and per-pipeline rules, no family
 
 
 def plan_modules(package):
