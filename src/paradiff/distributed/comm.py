@@ -112,12 +112,7 @@ def all_gather_uneven(
     gloo only gathers equal shapes, so each piece is padded to the longest and trimmed after.
     """
     dim = dim % tensor.dim()
-    longest = max(sizes)
-    if tensor.shape[dim] < longest:
-        pad_shape = list(tensor.shape)
-        pad_shape[dim] = longest - tensor.shape[dim]
-        tensor = torch.cat([tensor, tensor.new_zeros(pad_shape)], dim=dim)
-    tensor = tensor.contiguous()
+    tensor = _padded_to(tensor, dim, max(sizes))
     pieces = [torch.empty_like(tensor) for _ in sizes]
     _record(stats, name, tensor)
     dist.all_gather(pieces, tensor, group=group)
@@ -248,12 +243,7 @@ def gather_uneven_to(
 ) -> torch.Tensor | None:
     """Like `all_gather_uneven`, but only group rank `dst` receives (and returns) the concatenation; others get None."""
     dim = dim % tensor.dim()
-    longest = max(sizes)
-    if tensor.shape[dim] < longest:
-        pad_shape = list(tensor.shape)
-        pad_shape[dim] = longest - tensor.shape[dim]
-        tensor = torch.cat([tensor, tensor.new_zeros(pad_shape)], dim=dim)
-    tensor = tensor.contiguous()
+    tensor = _padded_to(tensor, dim, max(sizes))
     me = dist.get_rank(group)
     pieces = [torch.empty_like(tensor) for _ in sizes] if me == dst else None
     _record(stats, "gather_rows", tensor)
@@ -261,3 +251,12 @@ def gather_uneven_to(
     if pieces is None:
         return None
     return torch.cat([piece.narrow(dim, 0, size) for piece, size in zip(pieces, sizes)], dim=dim)
+
+
+def _padded_to(tensor: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """`tensor` zero-padded along `dim` to `length`, contiguous: gloo gathers equal shapes only."""
+    if tensor.shape[dim] < length:
+        pad_shape = list(tensor.shape)
+        pad_shape[dim] = length - tensor.shape[dim]
+        tensor = torch.cat([tensor, tensor.new_zeros(pad_shape)], dim=dim)
+    return tensor.contiguous()
