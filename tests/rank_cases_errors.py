@@ -137,8 +137,8 @@ def fp_parallel_config_product(f):
 
 
 @scenario
-def fp_heads_not_divisible(f):
-    return _load(f, tp=4, key="heads6")
+def fp_tp_beyond_heads(f):
+    return _load(f, tp=4, key="heads3")
 
 
 @scenario
@@ -229,7 +229,7 @@ def fp_packed_proportions_not_dividing(f):
 
 
 @scenario
-def fp_packed_block_not_divisible_by_tp(f):
+def fp_packed_block_smaller_than_tp(f):
     return _load(f, plan={"transformer_blocks.*.attn.to_q": PackedColwise(lambda config: [63, 1])})
 
 
@@ -349,8 +349,8 @@ def en_tp_not_dividing_world(f):
 
 
 @scenario
-def en_heads_not_divisible(f):
-    return _enable(_model(f, "heads6"), _tp(4))
+def en_tp_beyond_heads(f):
+    return _enable(_model(f, "heads3"), _tp(4))
 
 
 def error_case(name: str, folders: dict[str, str]) -> dict:

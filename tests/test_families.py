@@ -5,10 +5,14 @@ work really split (projection FLOPs inside the block stacks <= 0.75 of single on
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import rank_cases_families as cases
 from paradiff.plan_tools import family_examples as examples
+from paradiff.tensor_parallel.plan import QUERY_HEAD_ATTRS
+from paradiff.testing.families import uneven_head_overrides
 
 TOLERANCE = 1e-5
 MAX_SHARE = 0.75
@@ -23,6 +27,7 @@ def check(results: list[dict]) -> None:
     for rank, by_mode in enumerate(results):
         for mode, figures in by_mode.items():
             assert figures["diff"] <= TOLERANCE, (rank, mode, figures)
+            assert figures["wrong_slices"] == [], (rank, mode, figures)
             assert figures["flop_share"] <= MAX_SHARE, (rank, mode, figures)
             if mode.startswith("tp"):
                 assert figures["bytes_share"] <= MAX_SHARE, (rank, mode, figures)
@@ -38,6 +43,45 @@ def test_four_ranks_tp2_x_ulysses2_loaded_shard_on_read(pools, tmp_path, family,
     examples.build_example(family, example).save_pretrained(tmp_path, safe_serialization=True)
     check(pools.get(4).run(cases.family_modes, family=family, example=example, modes=["tp2xulysses2"],
                            checkpoint=str(tmp_path)))
+
+
+@pytest.mark.parametrize("family,example,class_name", EXAMPLES, ids=IDS)
+def test_tp3_splits_four_heads_into_whole_heads(pools, family, example, class_name):
+    """The examples' 4 heads over 3 ranks: 2 + 1 + 1 whole heads (K/V heads with their query heads), feed-forward
+    widths floor/ceil; refused, naming the module, only where an attention has fewer heads than ranks."""
+    results = pools.get(3).run(cases.family_modes_or_refusal, family=family, example=example, modes=["tp3"])
+    if any("refused" in result for result in results):
+        for result in results:
+            found = re.match(r"(\S+): tp_degree=3 is larger than the (\d) attention heads", result.get("refused", ""))
+            assert found, result
+            module = examples.build_example(family, example).get_submodule(found[1])
+            assert int(found[2]) < 3 and int(found[2]) in {getattr(module, attr, None) for attr in QUERY_HEAD_ATTRS}
+        return
+    check(results)
+
+
+@pytest.mark.parametrize("family,example,class_name", EXAMPLES, ids=IDS)
+def test_tp2_splits_three_heads_into_whole_heads(pools, family, example, class_name):
+    """3 heads over 2 ranks (1 K/V head where the example groups them): 2 + 1 whole heads."""
+    overrides = uneven_head_overrides(family, example)
+    if overrides is None:
+        pytest.skip("the example's config ties its widths to its 4 heads (uneven heads are checked at tp3)")
+    check(pools.get(2).run(cases.family_modes, family=family, example=example, modes=["tp2"],
+                           config_overrides=overrides))
+
+
+UNEVEN_ON_BOTH = ["flux:flux.1-dev", "flux2:flux.2-dev", "wan:wan2.1-t2v", "qwenimage:qwen-image",
+                  "hunyuan_video:hunyuan-video-t2v", "nucleusmoe:nucleus-moe"]
+
+
+@pytest.mark.parametrize("name", UNEVEN_ON_BOTH)
+def test_tp2_x_ulysses2_with_heads_uneven_on_both(pools, name):
+    """3 heads: TP holds 2 + 1, then Ulysses splits each TP rank's 2 or 1 heads over its 2 CP ranks."""
+    family, example = name.split(":")
+    overrides = uneven_head_overrides(family, example)
+    assert overrides is not None, name
+    check(pools.get(4).run(cases.family_modes, family=family, example=example, modes=["tp2xulysses2"],
+                           config_overrides=overrides))
 
 
 @pytest.mark.parametrize("family,example,mode", EXTRA, ids=[f"{f}:{e}:{m}" for f, e, m in EXTRA])

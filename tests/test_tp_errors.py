@@ -29,8 +29,8 @@ EXPECTED: dict[str, tuple[int, str, list[str]]] = {
         4, "ParallelConfigError", ["tp_degree=3", "must divide the world size 4", "[1, 2, 4]"],
     ),
     "fp_parallel_config_product": (4, "ParallelConfigError", ["multiply to 3", "tp=3", "world size is 4"]),
-    "fp_heads_not_divisible": (
-        4, "PlanError", ["tp_degree=4", "num_attention_heads=6", "valid tp degrees: [1, 2, 3, 6]"],
+    "fp_tp_beyond_heads": (
+        4, "PlanError", ["tp_degree=4", "num_attention_heads=3", "valid tp degrees: 1 to 3"],
     ),
     "fp_device_unavailable": (
         2, "ParallelConfigError",
@@ -87,8 +87,8 @@ EXPECTED: dict[str, tuple[int, str, list[str]]] = {
     "fp_packed_proportions_not_dividing": (
         2, "PlanError", ["transformer_blocks.0.attn.to_q", "[1, 1, 1]", "divide the packed dim 64"],
     ),
-    "fp_packed_block_not_divisible_by_tp": (
-        2, "PlanError", ["transformer_blocks.0.attn.to_q.weight", "size 63", "tp_degree=2", "divides 63"],
+    "fp_packed_block_smaller_than_tp": (
+        2, "PlanError", ["transformer_blocks.0.attn.to_q.weight", "a block of size 1", "tp_degree=2", "at most 1"],
     ),
     "fp_packed_sizes_wrong_sum": (2, "PlanError", ["[32, 16]", "sum to 48", "size 64"]),
     "fp_packed_without_blocks": (2, "PlanError", ["PackedColwise", "blocks=[...]"]),
@@ -116,7 +116,7 @@ EXPECTED: dict[str, tuple[int, str, list[str]]] = {
     "en_plan_unknown_style": (2, "PlanError", ["'row'", "'transformer_blocks.*.ff.linear_out'", "'rowwise'"]),
     "en_tp_larger_than_world": (2, "ParallelConfigError", ["tp_degree=8", "world size is 2"]),
     "en_tp_not_dividing_world": (4, "ParallelConfigError", ["tp_degree=3", "world size 4", "[1, 2, 4]"]),
-    "en_heads_not_divisible": (4, "PlanError", ["tp_degree=4", "num_attention_heads=6", "[1, 2, 3, 6]"]),
+    "en_tp_beyond_heads": (4, "PlanError", ["tp_degree=4", "num_attention_heads=3", "valid tp degrees: 1 to 3"]),
 }
 
 
@@ -139,7 +139,7 @@ def folders(checkpoints, tmp_path_factory) -> dict[str, str]:
         "flux2": str(checkpoints[("flux2", "single")]),
         "wan": str(checkpoints[("wan", "single")]),
         "unplanned": str(save_model(UnplannedTransformer(), root / "unplanned")),
-        "heads6": str(save_model(build_model("flux2", heads=6), root / "heads6")),
+        "heads3": str(save_model(build_model("flux2", heads=3), root / "heads3")),
         "bin_only": str(root / "bin-only"),
         "mismatch": str(mismatch),
     }

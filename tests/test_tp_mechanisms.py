@@ -35,14 +35,27 @@ def test_head_modules_shrink_the_head_count_of_attention_without_a_processor():
                               head_modules=("blocks.*",))
     resolved = resolve_plan(model, plan, rank=1, size=2)
     assert resolved.attention_modules == ["blocks.0", "blocks.1"]
-    localise_heads(model, resolved, 2)
+    localise_heads(model, resolved)
     assert [block.heads for block in model.blocks] == [2, 2]
 
 
-def test_head_modules_refuse_a_head_count_the_degree_does_not_divide():
+@pytest.mark.parametrize("rank,heads,rows", [(0, 2, (0, 16)), (1, 1, (16, 8))])
+def test_head_modules_split_a_head_count_the_degree_does_not_divide_into_whole_heads(rank, heads, rows):
+    """3 heads of 8 at tp2: rank 0 holds heads 0-1, rank 1 head 2; the projections follow the heads."""
+    model = Model(heads=3)
+    plan = TensorParallelPlan(styles={"blocks.*.to_q": "colwise", "blocks.*.to_out": "rowwise"},
+                              head_modules=("blocks.*",))
+    resolved = resolve_plan(model, plan, rank=rank, size=2)
+    assert resolved.spec_for("blocks.0.to_q.weight").pieces == (rows,)
+    assert resolved.spec_for("blocks.1.to_out.weight").pieces == (rows,)
+    localise_heads(model, resolved)
+    assert [block.heads for block in model.blocks] == [heads, heads]
+
+
+def test_head_modules_refuse_more_ranks_than_heads():
     plan = TensorParallelPlan(styles={"blocks.*.to_q": "colwise"}, head_modules=("blocks.*",))
-    with pytest.raises(PlanError, match=r"blocks.0.heads=3 is not divisible by tp_degree=2"):
-        resolve_plan(Model(heads=3), plan, rank=0, size=2)
+    with pytest.raises(PlanError, match=r"blocks.0: tp_degree=4 is larger than the 3 attention heads"):
+        resolve_plan(Model(heads=3), plan, rank=0, size=4)
 
 
 def test_head_outputs_keep_the_rank_s_contiguous_block_of_heads():
@@ -50,9 +63,20 @@ def test_head_outputs_keep_the_rank_s_contiguous_block_of_heads():
     resolved = resolve_plan(Model(), plan, rank=1, size=2)
     assert resolved.head_outputs == {"rope": {0: 1, 1: 1}}
     cos, sin = torch.arange(5 * 4 * 3).view(5, 4, 3), torch.arange(5 * 4 * 3).view(5, 4, 3) + 1
-    hook = _local_heads_of_outputs(resolved.head_outputs["rope"], rank=1, size=2, name="rope")
+    hook = _local_heads_of_outputs(resolved.head_outputs["rope"], rank=1, size=2, heads=None, name="rope")
     local = hook(None, (), (cos, sin))
     assert isinstance(local, tuple) and torch.equal(local[0], cos[:, 2:]) and torch.equal(local[1], sin[:, 2:])
+
+
+@pytest.mark.parametrize("rank,kept", [(0, slice(0, 2)), (1, slice(2, 3))])
+def test_head_outputs_follow_an_uneven_head_split(rank, kept):
+    """A per-head table (5 positions x 3 heads x 4) at tp2: the rank's heads, as its attention holds them."""
+    from paradiff.tensor_parallel.heads import HeadSplit
+
+    heads = HeadSplit.of(3, 3, 2)
+    hook = _local_heads_of_outputs({0: 1}, rank=rank, size=2, heads=heads, name="rope")
+    table = torch.arange(5 * 3 * 4).view(5, 3, 4)
+    assert torch.equal(hook(None, (), table), table[:, kept])
 
 
 def test_head_outputs_name_a_missing_module():
@@ -101,8 +125,8 @@ def test_head_inputs_keep_the_rank_s_block_of_heads_of_positional_and_keyword_ar
     plan = TensorParallelPlan(styles={}, head_inputs={"": {"tables": {0: -1, 1: -1}, "scale": {0: 1}}})
     resolved = resolve_plan(TakesTables(), plan, rank=1, size=2)
     module = TakesTables()
-    module.register_forward_pre_hook(_local_heads_of_inputs(module, resolved.head_inputs[""], 1, 2, ""),
-                                     with_kwargs=True)
+    module.register_forward_pre_hook(_local_heads_of_inputs(module, resolved.head_inputs[""], 1, 2,
+                                                            resolved.head_splits[""], ""), with_kwargs=True)
     cos, sin, scale = torch.arange(24.0).view(2, 3, 4), -torch.arange(24.0).view(2, 3, 4), torch.ones(2, 4)
     _, tables, local_scale = module(torch.zeros(1), (cos, sin), scale=scale)
     assert torch.equal(tables[0], cos[..., 2:]) and torch.equal(tables[1], sin[..., 2:])

@@ -44,8 +44,11 @@ def all_reduce_tp(tensor: torch.Tensor, group: dist.ProcessGroup, stats: CommSta
 
 
 def all_gather_heads_tp(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup,
-                        stats: CommStats | None = None) -> torch.Tensor:
-    """Concatenate the TP ranks' equal blocks of heads along `dim` (an attention output a model uses unprojected)."""
+                        stats: CommStats | None = None, sizes: list[int] | None = None) -> torch.Tensor:
+    """Concatenate the TP ranks' blocks of heads along `dim` (an attention output a model uses unprojected);
+    `sizes`: every rank's width along `dim`, where ranks hold different numbers of heads."""
+    if sizes is not None and len(set(sizes)) > 1:
+        return all_gather_uneven(tensor, dim, sizes, group, stats, name="all_gather_heads_tp")
     _record(stats, "all_gather_heads_tp", tensor)
     if torch.compiler.is_compiling():  # traced as a graph op (see all_reduce_tp)
         return funcol.all_gather_tensor(tensor.contiguous(), gather_dim=dim, group=group)
@@ -179,10 +182,18 @@ def all_gather_object(obj: object, group: dist.ProcessGroup | None = None) -> li
     return out
 
 
-def all_gather_pieces(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
-    pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(pieces, tensor.contiguous(), group=group)
-    return pieces
+def all_gather_pieces(tensor: torch.Tensor, group: dist.ProcessGroup, dim: int = 0,
+                      sizes: list[int] | None = None) -> list[torch.Tensor]:
+    """Every rank's `tensor`, in rank order; `sizes`: every rank's length along `dim` where they differ (shards of
+    uneven head splits), padded for the gather and trimmed after."""
+    if sizes is None or len(set(sizes)) == 1:
+        pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, tensor.contiguous(), group=group)
+        return pieces
+    padded = _padded_to(tensor, dim, max(sizes))
+    pieces = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(pieces, padded, group=group)
+    return [piece.narrow(dim, 0, size) for piece, size in zip(pieces, sizes)]
 
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:

@@ -77,10 +77,9 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
         module_name, _, leaf = name.rpartition(".")
         planned = resolved.linears[module_name]
         full_shape = planned.full_shapes[leaf]
-        size = dist.get_world_size(tp_group)
-        specs = [planned.style.shard_spec(leaf, full_shape, rank, size, getattr(model, "config", None), module_name)
-                 for rank in range(size)]
-        return unshard(all_gather_pieces(tensor, tp_group), specs, full_shape)
+        specs = list(planned.rank_specs[leaf])
+        sizes = [sum(length for _, length in spec.pieces) for spec in specs]
+        return unshard(all_gather_pieces(tensor, tp_group, specs[0].dim, sizes), specs, full_shape)
 
     if writer:
         folder.mkdir(parents=True, exist_ok=True)

@@ -75,7 +75,7 @@ class ShardedNorm(nn.Module):
     """
 
     def __init__(self, source: nn.Module, weight, bias, style: Style, weight_spec: ShardSpec, full_features: int,
-                 group: dist.ProcessGroup) -> None:
+                 group: dist.ProcessGroup, replicas: int = 1) -> None:
         super().__init__()
         self.rms = not isinstance(source, nn.LayerNorm)
         eps = getattr(source, "eps", None)
@@ -87,9 +87,11 @@ class ShardedNorm(nn.Module):
         self.full_features = full_features
         self.group = group
         self.comm_stats: CommStats | None = None
-        # K heads replicated over rank groups (fewer K/V heads than ranks) are summed once per replica
-        local = sum(length for _, length in weight_spec.pieces)
-        self.replicas = max(1, local * dist.get_world_size(group) // full_features)
+        # K heads held by several ranks (fewer K/V heads than ranks): each holder adds 1/replicas of its sums
+        self.replicas = replicas
+
+    def _share(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial if self.replicas == 1 else partial / self.replicas
 
     def extra_repr(self) -> str:
         kind = "rms" if self.rms else "layer"
@@ -100,12 +102,12 @@ class ShardedNorm(nn.Module):
         dtype = x.dtype
         x = x.float()
         if not self.rms:
-            total = x.sum(-1, keepdim=True)
+            total = self._share(x.sum(-1, keepdim=True))
             all_reduce_tp(total, self.group, self.comm_stats)
-            x = x - total / (self.full_features * self.replicas)
-        square_sum = x.pow(2).sum(-1, keepdim=True)
+            x = x - total / self.full_features
+        square_sum = self._share(x.pow(2).sum(-1, keepdim=True))
         all_reduce_tp(square_sum, self.group, self.comm_stats)
-        x = x * torch.rsqrt(square_sum / (self.full_features * self.replicas) + self.eps)
+        x = x * torch.rsqrt(square_sum / self.full_features + self.eps)
         if self.weight is not None:
             if self.weight.dtype in (torch.float16, torch.bfloat16):
                 x = x.to(self.weight.dtype)
@@ -227,9 +229,10 @@ def make_sharded_module(
     full_shape: tuple[int, ...],
     group: dist.ProcessGroup,
     gather_sizes: tuple[int, ...] = (),
+    replicas: int = 1,
 ) -> nn.Module:
     if style.target == "norm":
-        return ShardedNorm(source, local_weight, bias, style, weight_spec, full_shape[0], group)
+        return ShardedNorm(source, local_weight, bias, style, weight_spec, full_shape[0], group, replicas)
     if isinstance(source, CONV_TYPES):
         return ShardedConv(source, local_weight, bias, style, weight_spec, full_shape, group)
     return make_sharded_linear(style, local_weight, bias, weight_spec, (full_shape[0], full_shape[1]), group,

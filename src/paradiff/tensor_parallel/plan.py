@@ -14,12 +14,14 @@ from typing import Any, Mapping
 from torch import nn
 
 from paradiff.errors import PlanError
+from paradiff.tensor_parallel.heads import HeadSplit, width_piece
 from paradiff.tensor_parallel.styles import ShardSpec, Style, resolve_style
 
 # Integer attributes of an attention module that count heads or widths derived from them. Under TP each rank holds
-# heads/tp heads, and diffusers' processors reshape either by a fixed head_dim (-1 absorbs the head count), by
-# `attn.heads`, or by `attn.inner_dim // attn.heads` (Qwen-Image), or split a fused projection by the ratio
-# inner_dim : mlp_hidden_dim (FLUX.2 single blocks). Scaling all of them by 1/tp keeps every one of those right.
+# its whole heads (tensor_parallel/heads.py), and diffusers' processors reshape either by a fixed head_dim (-1
+# absorbs the head count), by `attn.heads`, or by `attn.inner_dim // attn.heads` (Qwen-Image), or split a fused
+# projection by the ratio inner_dim : mlp_hidden_dim (FLUX.2 single blocks). Setting each to this rank's part of
+# it, split exactly as the projections' widths are, keeps every one of those right.
 DEFAULT_HEAD_ATTRS = ("heads", "inner_dim", "mlp_hidden_dim", "kv_inner_dim", "kv_heads")
 
 
@@ -39,20 +41,9 @@ class AttentionHeads:
     per_kv_head: tuple[str, ...] = ()
     groups: tuple[str, ...] = ()
 
-    def local_values(self, module: nn.Module, name: str, size: int) -> dict[str, int]:
+    def local_values(self, module: nn.Module, name: str, heads: HeadSplit, rank: int) -> dict[str, int]:
         query, kv = self.query_heads, self.kv_heads or self.query_heads
-        if query % size:
-            raise PlanError(
-                f"{name}: tp_degree={size} must divide its {query} attention heads; valid tp degrees: "
-                f"{[d for d in range(1, query + 1) if query % d == 0]}."
-            )
-        if kv % size and size % kv:
-            valid = [d for d in range(1, query + 1) if query % d == 0 and (kv % d == 0 or d % kv == 0)]
-            raise PlanError(
-                f"{name}: tp_degree={size} must divide its {kv} key/value heads or be a multiple of them (they are "
-                f"then replicated); valid tp degrees: {valid}."
-            )
-        local_query, local_kv = query // size, max(kv // size, 1)
+        local_query, local_kv = heads.query[rank][1], heads.kv[rank][1]
         values: dict[str, int] = {}
         for attrs, local, full in ((self.per_query_head, local_query, query), (self.per_kv_head, local_kv, kv)):
             for attr in attrs:
@@ -61,6 +52,15 @@ class AttentionHeads:
             _count(module, name, attr)
             values[attr] = local_query // local_kv
         return values
+
+    def split(self, module: nn.Module, size: int, where: str) -> HeadSplit:
+        kv = self.kv_heads or self.query_heads
+        head_dim = getattr(module, "head_dim", None)
+        counted = {attrs: tuple(getattr(module, attr, 0) for attr in attrs if _is_int(getattr(module, attr, None)))
+                   for attrs in (self.per_query_head, self.per_kv_head)}
+        return HeadSplit.of(self.query_heads, kv, size, head_dim if _is_int(head_dim) else None,
+                            query_widths=counted[self.per_query_head], kv_widths=counted[self.per_kv_head],
+                            where=where)
 
 
 def _count(module: nn.Module, name: str, attr: str) -> int:
@@ -113,6 +113,10 @@ class ResolvedLinear:
     # an nn.Embedding: "colwise" splits its embedding dim, "vocab" its rows
     embedding: bool = False
     gather_sizes: tuple[int, ...] = ()  # every rank's output width, for outputs that are all-gathered (vocab heads)
+    # a norm's K heads held by several ranks (fewer K/V heads than ranks): how many ranks hold this rank's part
+    replicas: int = 1
+    # every rank's specs, in rank order (saving gathers the shards back into full tensors with them)
+    rank_specs: dict[str, tuple[ShardSpec | None, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -125,6 +129,8 @@ class ResolvedPlan:
     gather_heads: dict[str, dict[int, int]] = field(default_factory=dict)
     reduce_outputs: list[str] = field(default_factory=list)
     local_head_counts: dict[str, dict[str, int]] = field(default_factory=dict)  # module -> attribute -> local value
+    # module -> its heads over the ranks, for the per-head tensors of head_outputs / head_inputs / gather_heads
+    head_splits: dict[str, HeadSplit | None] = field(default_factory=dict)
     forwards: dict[str, Any] = field(default_factory=dict)
 
     def spec_for(self, param_name: str) -> ShardSpec | None:
@@ -210,19 +216,17 @@ def resolve_plan(model: nn.Module, plan: TensorParallelPlan, rank: int, size: in
     config = getattr(model, "config", None)
     check_heads(model, plan, size)
     resolved = ResolvedPlan(head_attrs=plan.head_attrs)
+    owners = _HeadOwners(model, plan, size)
     # head counts first: their errors name the valid degrees for the whole attention, not one projection's
-    for key, heads in plan.attention.items():
-        if not isinstance(heads, AttentionHeads):
-            raise PlanError(f"Plan attention entry {key!r} must be an AttentionHeads, got {type(heads).__name__}.")
-        for name in expand_key(model, key):
-            module = _planned_submodule(model, name, "attention key", key)
-            resolved.local_head_counts[name] = heads.local_values(module, name, size)
+    for name, heads in owners.entries.items():
+        module = model.get_submodule(name)
+        resolved.local_head_counts[name] = heads.local_values(module, name, owners.split_of(name), rank)
     matched_by: dict[str, str] = {}
     for key, raw_style in plan.styles.items():
         style = resolve_style(raw_style, key)
         for name in expand_key(model, key):
             if style.target == "parameter":
-                _resolve_parameter(model, resolved, style, name, key, rank, size)
+                _resolve_parameter(model, resolved, style, name, key, rank, size, owners)
                 continue
             module = _planned_submodule(model, name, "key", key)
             _check_target(module, style, name, key)
@@ -236,26 +240,39 @@ def resolve_plan(model: nn.Module, plan: TensorParallelPlan, rank: int, size: in
                       if getattr(module, leaf, None) is not None}
             features = norm_features(module) if style.target == "norm" else None
             embedding = isinstance(module, nn.Embedding)
-            if embedding and style.kind == "colwise":
-                specs = {"weight": _embedding_columns(style, shapes["weight"], rank, size, config, name)}
-            else:
-                specs = {param: style.shard_spec(param, shape, rank, size, config, name)
+            heads = owners.heads_of(name)
+
+            def specs_for(r: int) -> dict[str, ShardSpec | None]:
+                if embedding and style.kind == "colwise":
+                    return {"weight": _embedding_columns(style, shapes["weight"], r, size, config, name, heads)}
+                specs = {param: style.shard_spec(param, shape, r, size, config, name, heads)
                          for param, shape in shapes.items()}
-            if features is not None and "weight" not in specs:  # a norm without affine weight still splits
-                specs["weight"] = style.shard_spec("weight", (features,), rank, size, config, name)
-            gather = ()
+                if features is not None and "weight" not in specs:  # a norm without affine weight still splits
+                    specs["weight"] = style.shard_spec("weight", (features,), r, size, config, name, heads)
+                return specs
+
+            every_rank = [specs_for(r) for r in range(size)]
+            specs = every_rank[rank]
+            gather, replicas = (), 1
             if style.kind == "vocab" and not embedding:
                 gather = tuple(style.shard_spec("weight", shapes["weight"], r, size, config, name).local_shape(
                     shapes["weight"])[0] for r in range(size))
-            resolved.linears[name] = ResolvedLinear(name=name, style=style, specs=specs, full_shapes=shapes,
-                                                    features=features, embedding=embedding, gather_sizes=gather)
-    resolved.attention_modules = _attention_modules(model, resolved, plan.head_attrs, size)
-    for key in plan.head_modules:
-        for name in expand_key(model, key):
-            module = _planned_submodule(model, name, "head_modules entry", key)
-            _check_head_attrs(module, name, plan.head_attrs, size)
-            if name not in resolved.attention_modules:
-                resolved.attention_modules.append(name)
+            if style.target == "norm":  # replicated K heads: the norm's statistic counts each once
+                replicas = sum(other["weight"] == specs["weight"] for other in every_rank)
+            if style.kind in ("rowwise", "rowwise_split_input"):
+                _check_disjoint(name, [other["weight"] for other in every_rank])
+            resolved.linears[name] = ResolvedLinear(
+                name=name, style=style, specs=specs, full_shapes=shapes, features=features, embedding=embedding,
+                gather_sizes=gather, replicas=replicas,
+                rank_specs={leaf: tuple(other[leaf] for other in every_rank) for leaf in specs})
+    resolved.attention_modules = _attention_modules(model, resolved)
+    for name in owners.head_modules:
+        if name not in resolved.attention_modules:
+            resolved.attention_modules.append(name)
+    for name in resolved.attention_modules:
+        values = _local_head_attrs(model.get_submodule(name), name, plan.head_attrs, owners.split_of(name), rank,
+                                   size)
+        resolved.local_head_counts[name] = {**values, **resolved.local_head_counts.get(name, {})}
     for what in ("head_outputs", "gather_heads", "head_inputs"):
         for key, outputs in getattr(plan, what).items():
             for name in expand_key(model, key) if key else [""]:
@@ -267,6 +284,7 @@ def resolve_plan(model: nn.Module, plan: TensorParallelPlan, rank: int, size: in
                         raise PlanError(f"Plan head_inputs entry {key!r} names arguments {missing} of "
                                         f"{name or type(model).__name__}, whose forward takes {taken}.")
                 getattr(resolved, what)[name] = dict(outputs)
+                resolved.head_splits[name] = owners.heads_of(name) if name else owners.model_heads
     for key, factory in plan.forwards.items():
         for name in expand_key(model, key):
             _planned_submodule(model, name, "forwards entry", key)
@@ -281,6 +299,130 @@ def resolve_plan(model: nn.Module, plan: TensorParallelPlan, rank: int, size: in
     return resolved
 
 
+def _check_disjoint(name: str, specs: list[ShardSpec]) -> None:
+    """Partial sums are all-reduced: ranks must hold disjoint input features, or a feature is counted twice."""
+    held = sorted((start, start + length) for spec in specs for start, length in spec.pieces)
+    for (_, end), (start, _) in zip(held, held[1:]):
+        if start < end:
+            raise PlanError(f"{name}: its rowwise input features overlap between ranks ({held}), so their partial "
+                            "sums would count some twice; split it by features or leave it whole.")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _first_int(obj: Any, attrs: tuple[str, ...]) -> int | None:
+    for attr in attrs:
+        value = getattr(obj, attr, None)
+        if _is_int(value) and value > 0:
+            return value
+    return None
+
+
+QUERY_HEAD_ATTRS = ("heads", "num_heads", "n_heads", "num_attention_heads")
+
+
+class _HeadOwners:
+    """For every planned module, the heads of the attention module it belongs to (the nearest enclosing module with
+    a diffusers `processor`, a plan `head_modules` entry or a plan `attention` entry), or the model's heads from its
+    config for modules outside any attention (per-head parameters, feed-forwards)."""
+
+    def __init__(self, model: nn.Module, plan: TensorParallelPlan, size: int) -> None:
+        self.model, self.plan, self.size = model, plan, size
+        self.entries: dict[str, AttentionHeads] = {}
+        for key, heads in plan.attention.items():
+            if not isinstance(heads, AttentionHeads):
+                raise PlanError(f"Plan attention entry {key!r} must be an AttentionHeads, got {type(heads).__name__}.")
+            for name in expand_key(model, key):
+                _planned_submodule(model, name, "attention key", key)
+                self.entries[name] = heads
+        self.head_modules: list[str] = []
+        for key in plan.head_modules:
+            for name in expand_key(model, key):
+                _planned_submodule(model, name, "head_modules entry", key)
+                self.head_modules.append(name)
+        self.model_heads = _model_heads(model, plan, size)
+        self._splits: dict[str, HeadSplit | None] = {}
+
+    def owner(self, name: str) -> str | None:
+        parts = name.split(".") if name else []
+        for cut in range(len(parts), 0, -1):
+            candidate = ".".join(parts[:cut])
+            if candidate in self.entries or candidate in self.head_modules:
+                return candidate
+            if hasattr(self.model.get_submodule(candidate), "processor"):
+                return candidate
+        return None
+
+    def heads_of(self, name: str) -> HeadSplit | None:
+        owner = self.owner(name)
+        return self.model_heads if owner is None else self.split_of(owner)
+
+    def split_of(self, owner: str) -> HeadSplit | None:
+        if owner not in self._splits:
+            module = self.model.get_submodule(owner)
+            entry = self.entries.get(owner)
+            if entry is not None:
+                self._splits[owner] = entry.split(module, self.size, owner)
+            elif _first_int(module, QUERY_HEAD_ATTRS) is None:  # a head module counting no heads (SANA-WM's
+                # short convolutions): the heads of the attention around it, else the model's
+                self._splits[owner] = self.heads_of(owner.rpartition(".")[0]) if "." in owner else self.model_heads
+            else:
+                self._splits[owner] = _module_heads(module, owner, self.model_heads, self.size)
+        return self._splits[owner]
+
+
+def _model_heads(model: nn.Module, plan: TensorParallelPlan, size: int) -> HeadSplit | None:
+    config = getattr(model, "config", None)
+    query = getattr(config, plan.heads_config_key, None)
+    if not _is_int(query) or query <= 0:
+        return None
+    kv = _first_int(config, KV_HEAD_ATTRS)
+    kv = kv if kv is not None and query % kv == 0 else query
+    head_dim = _first_int(config, ("attention_head_dim", "head_dim"))
+    return HeadSplit.of(query, kv, size, head_dim, where=type(model).__name__, counts_kv=False)
+
+
+def _module_heads(module: nn.Module, name: str, model_heads: HeadSplit | None, size: int) -> HeadSplit | None:
+    """The heads of a diffusers-style attention module (or a hand-written one named by `head_modules`), read from
+    its counters: `heads` (or `num_heads`), `inner_dim` / `head_dim`, and its K/V heads (`kv_heads` or
+    `inner_kv_dim // head_dim`)."""
+    query = _first_int(module, QUERY_HEAD_ATTRS)
+    if query is None:
+        return model_heads
+    inner = _first_int(module, ("inner_dim",))
+    head_dim = _first_int(module, ("head_dim",))
+    if head_dim is None and inner is not None and inner % query == 0:
+        head_dim = inner // query
+    inner_kv = _first_int(module, ("inner_kv_dim",))  # diffusers' Attention: dim_head * kv_heads
+    kv = _first_int(module, KV_HEAD_ATTRS)
+    if kv is None and inner_kv is not None and head_dim and inner_kv % head_dim == 0:
+        kv = inner_kv // head_dim
+    if kv is None or query % kv:
+        kv = query
+    # `kv_inner_dim` (Wan's cross attention): K/V of another head width, one per query head
+    widths = [inner or 0, _first_int(module, ("kv_inner_dim",)) or 0]
+    if head_dim is None:  # a hand-written attention counting only its heads: its projections' widths are per head
+        widths += [sub.out_features for sub in module.modules() if isinstance(sub, nn.Linear)]
+    return HeadSplit.of(query, kv, size, head_dim, query_widths=tuple(widths), kv_widths=(inner_kv or 0,), where=name)
+
+
+def _local_head_attrs(module: nn.Module, name: str, attrs: tuple[str, ...], heads: HeadSplit | None, rank: int,
+                      size: int) -> dict[str, int]:
+    """This rank's value of each head counter: its part of the counted width, split as the projections are."""
+    values = {}
+    for attr in attrs:
+        value = getattr(module, attr, None)
+        if _is_int(value):
+            start, length = width_piece(value, rank, size, heads)
+            if length == 0:
+                raise PlanError(f"{name}.{attr}={value} cannot give each of tp_degree={size} ranks a part; choose a "
+                                f"tp_degree of at most {value}.")
+            values[attr] = length
+    return values
+
+
 def _planned_submodule(model: nn.Module, name: str, entry: str, key: str) -> nn.Module:
     """The submodule `name` a plan entry (`entry` `key`) expands to, or a PlanError saying what the model has."""
     try:
@@ -291,7 +433,7 @@ def _planned_submodule(model: nn.Module, name: str, entry: str, key: str) -> nn.
 
 
 def _resolve_parameter(model: nn.Module, resolved: ResolvedPlan, style: Style, name: str, key: str, rank: int,
-                       size: int) -> None:
+                       size: int, owners: _HeadOwners) -> None:
     """A planned bare parameter: recorded under its module's name, so the loader and saver slice it like a weight."""
     module_name, _, leaf = name.rpartition(".")
     try:
@@ -307,21 +449,24 @@ def _resolve_parameter(model: nn.Module, resolved: ResolvedPlan, style: Style, n
             f"{list(module._parameters)}."
         )
     shape = tuple(param.shape)
-    spec = style.shard_spec(leaf, shape, rank, size, getattr(model, "config", None), name)
+    every_rank = tuple(style.shard_spec(leaf, shape, r, size, getattr(model, "config", None), name,
+                                        owners.heads_of(module_name)) for r in range(size))
+    spec = every_rank[rank]
     planned = resolved.linears.get(module_name)
     if planned is not None and planned.style.target == "parameter":  # an expert bank: several 3-D weights
-        planned.specs[leaf], planned.full_shapes[leaf] = spec, shape
+        planned.specs[leaf], planned.full_shapes[leaf], planned.rank_specs[leaf] = spec, shape, every_rank
         return
     if module_name in resolved.linears:
         raise PlanError(f"{name!r} (key {key!r}): its module {module_name!r} already has a planned style; a module "
                         "may carry planned parameters or one module style.")
     resolved.linears[module_name] = ResolvedLinear(name=module_name, style=style, specs={leaf: spec},
-                                                   full_shapes={leaf: shape})
+                                                   full_shapes={leaf: shape}, rank_specs={leaf: every_rank})
 
 
-def _embedding_columns(style: Style, shape: tuple[int, ...], rank: int, size: int, config, name: str) -> ShardSpec:
+def _embedding_columns(style: Style, shape: tuple[int, ...], rank: int, size: int, config, name: str,
+                       heads: HeadSplit | None) -> ShardSpec:
     """An embedding table is a Linear applied to one-hot ids, so its output features are dim 1 of the weight."""
-    spec = style.shard_spec("weight", (shape[1], shape[0]), rank, size, config, name)
+    spec = style.shard_spec("weight", (shape[1], shape[0]), rank, size, config, name, heads)
     return ShardSpec(dim=1, pieces=spec.pieces)
 
 
@@ -379,17 +524,18 @@ def _check_target(module: nn.Module, style, name: str, key: str) -> None:
 
 
 def check_heads(model: nn.Module, plan: TensorParallelPlan, size: int) -> None:
+    """Any head count splits (each rank holds floor or ceil of heads/tp whole heads), but every rank needs one."""
     config = getattr(model, "config", None)
     heads = None if config is None else getattr(config, plan.heads_config_key, None)
-    if heads is not None and heads % size != 0:
-        valid = [d for d in range(1, heads + 1) if heads % d == 0]
+    if _is_int(heads) and 0 < heads < size:
         raise PlanError(
-            f"tp_degree={size} must divide the attention head count {plan.heads_config_key}={heads} of "
-            f"{type(model).__name__}; valid tp degrees: {valid}."
+            f"tp_degree={size} is larger than the attention head count {plan.heads_config_key}={heads} of "
+            f"{type(model).__name__}: tensor parallelism splits whole heads, so every rank needs at least one; "
+            f"valid tp degrees: 1 to {heads} (context parallelism splits the tokens instead, for any head count)."
         )
 
 
-def _attention_modules(model: nn.Module, resolved: ResolvedPlan, attrs: tuple[str, ...], size: int) -> list[str]:
+def _attention_modules(model: nn.Module, resolved: ResolvedPlan) -> list[str]:
     """Attention modules (those with a `processor`) that own a colwise-split projection: their head counts shrink."""
     found: list[str] = []
     for name, linear in resolved.linears.items():
@@ -398,45 +544,18 @@ def _attention_modules(model: nn.Module, resolved: ResolvedPlan, attrs: tuple[st
         parts = name.split(".")
         for cut in range(len(parts) - 1, 0, -1):
             parent_name = ".".join(parts[:cut])
-            parent = model.get_submodule(parent_name)
-            if hasattr(parent, "processor"):
+            if hasattr(model.get_submodule(parent_name), "processor"):
                 if parent_name not in found:
-                    _check_head_attrs(parent, parent_name, attrs, size)
                     found.append(parent_name)
                 break
     return found
 
 
-# Attributes counting grouped K/V heads: with fewer K/V heads than ranks, every rank of a group holds one (see
-# ColwiseHeads), so they shrink to max(kv_heads / tp, 1) where the head counts do not.
+# Attributes counting grouped K/V heads (a model config's or an attention module's).
 KV_HEAD_ATTRS = ("kv_heads", "num_key_value_heads", "num_kv_heads")
 
 
-def local_head_count(attr: str, value: int, size: int) -> int:
-    if attr in KV_HEAD_ATTRS and value < size and size % value == 0:
-        return 1
-    return value // size
-
-
-def _check_head_attrs(module: nn.Module, name: str, attrs: tuple[str, ...], size: int) -> None:
-    for attr in attrs:
-        value = getattr(module, attr, None)
-        if attr in KV_HEAD_ATTRS and isinstance(value, int) and value and size % value == 0:
-            continue  # fewer K/V heads than ranks: replicated in groups
-        if isinstance(value, int) and not isinstance(value, bool) and value % size != 0:
-            raise PlanError(
-                f"{name}.{attr}={value} is not divisible by tp_degree={size}; valid tp "
-                f"degrees divide {value}: {[d for d in range(1, value + 1) if value % d == 0]}."
-            )
-
-
-def localise_heads(model: nn.Module, resolved: ResolvedPlan, size: int) -> None:
-    for name in resolved.attention_modules:
-        module = model.get_submodule(name)
-        for attr in resolved.head_attrs:
-            value = getattr(module, attr, None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                setattr(module, attr, local_head_count(attr, value, size))
+def localise_heads(model: nn.Module, resolved: ResolvedPlan) -> None:
     for name, values in resolved.local_head_counts.items():
         module = model.get_submodule(name)
         for attr, value in values.items():

@@ -8,6 +8,7 @@ from torch import nn
 
 from paradiff.distributed.comm import all_gather_heads_tp, all_reduce_tp
 from paradiff.tensor_parallel.layers import (ShardedConv, ShardedLinear, ShardedNorm, VocabParallelEmbedding, make_sharded_module, make_vocab_parallel)
+from paradiff.tensor_parallel.heads import HeadSplit, uneven_piece
 from paradiff.tensor_parallel.plan import ResolvedPlan, localise_heads
 from paradiff.tensor_parallel.styles import ShardSpec
 
@@ -60,18 +61,21 @@ def swap_in_sharded_linears(
             continue
         full = linear.full_shapes.get("weight", (linear.features,))
         sharded = make_sharded_module(linear.style, module, weight, bias, linear.specs["weight"], full, group,
-                                      gather_sizes=linear.gather_sizes)
+                                      gather_sizes=linear.gather_sizes, replicas=linear.replicas)
         set_submodule(model, name, sharded)
-    localise_heads(model, resolved, size)
+    localise_heads(model, resolved)
     rank = dist.get_rank(group)
     for name, outputs in resolved.head_outputs.items():
-        model.get_submodule(name).register_forward_hook(_local_heads_of_outputs(outputs, rank, size, name))
+        heads = resolved.head_splits.get(name)
+        model.get_submodule(name).register_forward_hook(_local_heads_of_outputs(outputs, rank, size, heads, name))
     for name, arguments in resolved.head_inputs.items():
         module = model.get_submodule(name)
-        module.register_forward_pre_hook(_local_heads_of_inputs(module, arguments, rank, size, name), with_kwargs=True)
+        module.register_forward_pre_hook(
+            _local_heads_of_inputs(module, arguments, rank, size, resolved.head_splits.get(name), name),
+            with_kwargs=True)
     for name, outputs in resolved.gather_heads.items():
-        model.get_submodule(name).register_forward_hook(_outputs_hook(
-            outputs, lambda tensor, dim, _what: all_gather_heads_tp(tensor, dim, group), name))
+        model.get_submodule(name).register_forward_hook(
+            _outputs_hook(outputs, _gather_heads(group, rank, resolved.head_splits.get(name)), name))
     for name, factory in resolved.forwards.items():  # the instance's forward shadows its class's
         module = model.get_submodule(name)
         module.forward = factory(module, None)
@@ -79,24 +83,45 @@ def swap_in_sharded_linears(
         model.get_submodule(name).register_forward_hook(lambda _module, _args, output: all_reduce_tp(output, group))
 
 
-def _narrow_heads(tensor: torch.Tensor, dim: int, what: str, rank: int, size: int) -> torch.Tensor:
-    heads = tensor.shape[dim]
-    if heads % size != 0:
-        raise ValueError(f"{what} has {heads} heads along dim {dim}, not divisible by tp_degree={size}.")
-    return tensor.narrow(dim, rank * (heads // size), heads // size)
+def _narrow_heads(tensor: torch.Tensor, dim: int, what: str, rank: int, size: int,
+                  heads: HeadSplit | None) -> torch.Tensor:
+    """This rank's heads of a tensor that holds every head along `dim` (one entry or a fixed width per head)."""
+    count = tensor.shape[dim]
+    query = None if heads is None else heads.query_heads
+    if query is not None and count % query == 0:
+        start, length = heads.query[rank]
+        unit = count // query
+        return tensor.narrow(dim, start * unit, length * unit)
+    if query is None and count >= size:  # no head count known: as many rows as ranks at least, floor/ceil
+        start, length = uneven_piece(count, rank, size)
+        return tensor.narrow(dim, start, length)
+    raise ValueError(f"{what} has {count} entries along dim {dim}, which is not a whole number per head of the "
+                     f"{query} attention heads split over tp_degree={size}.")
 
 
-def _local_heads_of_outputs(outputs: dict[int, int], rank: int, size: int, name: str):
-    return _outputs_hook(outputs, lambda tensor, dim, what: _narrow_heads(tensor, dim, what, rank, size), name)
+def _gather_heads(group: dist.ProcessGroup, rank: int, heads: HeadSplit | None):
+    """All-gather an output left split by heads: ranks may hold different numbers of heads."""
+    def gather(tensor: torch.Tensor, dim: int, _what: str) -> torch.Tensor:
+        if heads is None:
+            return all_gather_heads_tp(tensor, dim, group)
+        unit = tensor.shape[dim] // heads.query[rank][1]
+        return all_gather_heads_tp(tensor, dim, group, sizes=[count * unit for _, count in heads.query])
+
+    return gather
+
+
+def _local_heads_of_outputs(outputs: dict[int, int], rank: int, size: int, heads: HeadSplit | None, name: str):
+    return _outputs_hook(outputs, lambda tensor, dim, what: _narrow_heads(tensor, dim, what, rank, size, heads),
+                         name)
 
 
 def _local_heads_of_inputs(module: nn.Module, arguments: dict[str, dict[int, int]], rank: int, size: int,
-                           name: str):
+                           heads: HeadSplit | None, name: str):
     import inspect
 
     positions = list(inspect.signature(module.forward).parameters)  # names checked when the plan was resolved
     def local_heads(tensor: torch.Tensor, dim: int, what: str) -> torch.Tensor:
-        return _narrow_heads(tensor, dim, what, rank, size)
+        return _narrow_heads(tensor, dim, what, rank, size, heads)
 
     def hook(_module, args, kwargs):
         args = list(args)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Sequence
 
 from paradiff.errors import PlanError
+from paradiff.tensor_parallel.heads import HeadSplit, uneven_piece, width_piece
 
 
 @dataclass(frozen=True)
@@ -43,23 +44,32 @@ class Style:
     def weight_dim(self) -> int:
         return 0 if self.kind == "colwise" else 1
 
-    def shard_spec(self, param: str, full_shape: Sequence[int], rank: int, size: int, config: Any, where: str):
-        """ShardSpec for `param` ("weight" or "bias"), or None when the rank keeps it whole."""
+    def shard_spec(self, param: str, full_shape: Sequence[int], rank: int, size: int, config: Any, where: str,
+                   heads: HeadSplit | None = None):
+        """ShardSpec for `param` ("weight" or "bias"), or None when the rank keeps it whole. `heads`: the heads of
+        the attention module the parameter belongs to, so head-structured widths split by whole heads."""
         if param == "bias" and self.kind != "colwise":
             return None  # rowwise bias is added once, after the all-reduce
         dim = self.weight_dim() if param == "weight" else 0
-        pieces = []
-        offset = 0
-        for block in self.block_sizes_for(full_shape[dim], config, where):
-            if block % size != 0:
-                raise PlanError(
-                    f"{where}.{param}: a block of size {block} (dim {dim} of shape {tuple(full_shape)}) is not "
-                    f"divisible by tp_degree={size}; choose a tp_degree that divides {block}."
-                )
-            local = block // size
-            pieces.append((offset + rank * local, local))
-            offset += block
-        return ShardSpec(dim=dim, pieces=tuple(pieces))
+        return ShardSpec(dim=dim, pieces=_block_pieces(self.block_sizes_for(full_shape[dim], config, where), rank,
+                                                        size, heads, f"{where}.{param}", dim, full_shape))
+
+
+def _block_pieces(blocks: Sequence[int], rank: int, size: int, heads: HeadSplit | None, where: str, dim: int,
+                  full_shape: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """Each block of a (packed) width split on its own: by whole heads where it is head-structured, else by single
+    features, floor/ceil."""
+    pieces, offset = [], 0
+    for block in blocks:
+        start, length = width_piece(block, rank, size, heads)
+        if length == 0:
+            raise PlanError(
+                f"{where}: a block of size {block} (dim {dim} of shape {tuple(full_shape)}) cannot give each of "
+                f"tp_degree={size} ranks a part; choose a tp_degree of at most {block}."
+            )
+        pieces.append((offset + start, length))
+        offset += block
+    return tuple(pieces)
 
 
 @dataclass(frozen=True)
@@ -141,47 +151,45 @@ class HeadNorm(Style):
     def block_sizes_for(self, full_size: int, config: Any, where: str) -> list[int]:
         return [full_size] if self.blocks is None else _Packed(self.blocks).block_sizes_for(full_size, config, where)
 
-    def shard_spec(self, param: str, full_shape: Sequence[int], rank: int, size: int, config: Any, where: str):
+    def shard_spec(self, param: str, full_shape: Sequence[int], rank: int, size: int, config: Any, where: str,
+                   heads: HeadSplit | None = None):
         if self.head_dim is not None:
-            return ColwiseHeads(self.head_dim).shard_spec("weight", full_shape, rank, size, config, where)
-        return Colwise.shard_spec(self, "weight", full_shape, rank, size, config, where)
+            return ColwiseHeads(self.head_dim).shard_spec("weight", full_shape, rank, size, config, where, heads)
+        return Colwise.shard_spec(self, "weight", full_shape, rank, size, config, where, heads)
 
 
 @dataclass(frozen=True)
 class ColwiseHeads(Style):
     """Colwise by whole heads of `head_dim`, for grouped-query K/V projections with fewer heads than Q.
 
-    With at least as many heads as ranks each rank holds heads/tp of them. With fewer (tp = 4, two K/V heads), ranks
-    are grouped and every rank of a group holds the same K/V head: with Q heads split contiguously, Q head i attends
-    K/V head i // (heads / kv_heads), so rank r's Q heads all use K/V head r * kv_heads // tp. `head_dim` is an int or
-    a callable of the model config.
+    The K/V heads follow their query heads (tensor_parallel/heads.py): split floor/ceil where there are at least as
+    many as ranks, else every rank of a contiguous run holds the same K/V head, the one its query heads attend.
+    `head_dim` is an int or a callable of the model config.
     """
 
     kind: ClassVar[str] = "colwise"
     head_dim: int | Callable[[Any], int] = 0
 
-    def shard_spec(self, param: str, full_shape: Sequence[int], rank: int, size: int, config: Any, where: str):
+    def shard_spec(self, param: str, full_shape: Sequence[int], rank: int, size: int, config: Any, where: str,
+                   heads: HeadSplit | None = None):
         head_dim = int(self.head_dim(config) if callable(self.head_dim) else self.head_dim)
         full = full_shape[0]
         if head_dim <= 0 or full % head_dim != 0:
             raise PlanError(f"{where}.{param}: ColwiseHeads(head_dim={head_dim}) must divide its {full} output features.")
-        heads = full // head_dim
-        if heads % size == 0:
-            local = full // size
-            return ShardSpec(dim=0, pieces=((rank * local, local),))
-        if size % heads != 0:
-            raise PlanError(
-                f"{where}: {heads} key/value heads cannot be spread over tp_degree={size}; use a tp_degree that "
-                f"divides {heads} or is a multiple of it."
-            )
-        head = rank * heads // size
-        return ShardSpec(dim=0, pieces=((head * head_dim, head_dim),))
+        kv_heads = full // head_dim
+        if heads is not None and heads.kv_heads == kv_heads:
+            start, count = heads.kv[rank]
+        elif kv_heads >= size:  # no attention module known: the K/V heads alone, split floor/ceil
+            start, count = uneven_piece(kv_heads, rank, size)
+        else:
+            start, count = rank * kv_heads // size, 1
+        return ShardSpec(dim=0, pieces=((start * head_dim, count * head_dim),))
 
 
 @dataclass(frozen=True)
 class SplitParameter(Style):
-    """A bare parameter holding one value (or row) per head, e.g. Lumina-Next's per-head gate: split along `dim` in
-    tp equal blocks, rank r keeping the r-th, the heads its colwise projections hold. The plan key names the
+    """A bare parameter holding one value (or row) per head, e.g. Lumina-Next's per-head gate: split along `dim` by
+    whole heads, each rank keeping the heads its colwise projections hold. The plan key names the
     parameter ('layers.*.gate'), not a module. Also a mixture-of-experts bank's 3-D weights (experts x in x out):
     the inner features split like a colwise / rowwise pair, each rank's output a partial sum
     (`TensorParallelPlan.reduce_outputs`)."""
@@ -193,18 +201,11 @@ class SplitParameter(Style):
     # split on its own, as PackedColwise does
     blocks: BlockSizes = None
 
-    def shard_spec(self, param: str, full_shape: Sequence[int], rank: int, size: int, config: Any, where: str):
+    def shard_spec(self, param: str, full_shape: Sequence[int], rank: int, size: int, config: Any, where: str,
+                   heads: HeadSplit | None = None):
         full = full_shape[self.dim]
         sizes = [full] if self.blocks is None else _Packed(self.blocks).block_sizes_for(full, config, where)
-        pieces, offset = [], 0
-        for block in sizes:
-            if block % size != 0:
-                what = f"{block} heads" if self.blocks is None else f"a packed block of {block}"
-                raise PlanError(f"{where}: dim {self.dim} of shape {tuple(full_shape)} ({what}) is not divisible by "
-                                f"tp_degree={size}; choose a tp_degree that divides {block}.")
-            pieces.append((offset + rank * (block // size), block // size))
-            offset += block
-        return ShardSpec(dim=self.dim, pieces=tuple(pieces))
+        return ShardSpec(dim=self.dim, pieces=_block_pieces(sizes, rank, size, heads, where, self.dim, full_shape))
 
 
 @dataclass(frozen=True)
@@ -217,17 +218,12 @@ class Vocab(Style):
 
     kind: ClassVar[str] = "vocab"
 
-    def shard_spec(self, param: str, full_shape: Sequence[int], rank: int, size: int, config: Any, where: str):
+    def shard_spec(self, param: str, full_shape: Sequence[int], rank: int, size: int, config: Any, where: str,
+                   heads: HeadSplit | None = None):
         start, length = uneven_piece(full_shape[0], rank, size)
         if length == 0:
             raise PlanError(f"{where}.{param}: {full_shape[0]} vocabulary rows cannot be split over {size} ranks.")
         return ShardSpec(dim=0, pieces=((start, length),))
-
-
-def uneven_piece(total: int, rank: int, size: int) -> tuple[int, int]:
-    """(start, length) of `rank`'s contiguous share when `total` items are split as evenly as possible."""
-    base, extra = divmod(total, size)
-    return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
 
 
 def PackedColwiseParallel(blocks: BlockSizes = None) -> PackedColwise:  # noqa: N802 - diffusers-compatible name

@@ -13,6 +13,7 @@ MODES = {  # mode -> (tp, ring, ulysses)
     "tp2xulysses2": (2, 1, 2),
     "unified2x2": (1, 2, 2),
     "tp4": (4, 1, 1),
+    "tp3": (3, 1, 1),
 }
 
 
@@ -22,18 +23,20 @@ def parallel_config(mode: str):
 
 
 def family_modes(family: str, example: str, modes: list[str], checkpoint: str | None = None,
-                 plan: str | None = None) -> dict:
+                 plan: str | None = None, config_overrides: dict | None = None) -> dict:
     """{mode: relative difference, share of the single-process block FLOPs and block parameter bytes}.
 
-    With `checkpoint`, each mode is also loaded shard-on-read through from_pretrained (no plan argument)."""
-    reference = examples.build_example(family, example)
+    With `checkpoint`, each mode is also loaded shard-on-read through from_pretrained (no plan argument).
+    `config_overrides` change the example's config (e.g. a head count the TP degree does not divide)."""
+    reference = examples.build_example(family, example, config_overrides=config_overrides)
     inputs = examples.example_inputs(family, example, reference.config)
     expected, single_flops = examples.forward_with_flops(reference, inputs)
     single_bytes = examples.block_parameter_bytes(reference)
     results = {}
     for mode in modes:
         loaders = {"enable_parallelism": lambda: paradiff.enable_parallelism(
-            examples.build_example(family, example), parallel_config(mode), plan=plan, cp_plan=plan)}
+            examples.build_example(family, example, config_overrides=config_overrides), parallel_config(mode),
+            plan=plan, cp_plan=plan)}
         if checkpoint:
             loaders["from_pretrained"] = lambda: paradiff.from_pretrained(
                 type(reference), checkpoint, parallel_config=parallel_config(mode))
@@ -44,8 +47,67 @@ def family_modes(family: str, example: str, modes: list[str], checkpoint: str | 
                 "diff": examples.relative_difference(actual, expected),
                 "flop_share": flops / single_flops,
                 "bytes_share": examples.block_parameter_bytes(model) / single_bytes,
+                "wrong_slices": wrong_slices(model, reference),
             }
     return results
+
+
+def wrong_slices(model, reference) -> list[str]:
+    """The split parameters of `model` that are not exactly the slice their spec names of `reference`'s full
+    tensor (empty when every rank holds its own whole heads / features)."""
+    import torch
+
+    from paradiff.runtime.state import get_state
+    from paradiff.tensor_parallel.shard import slice_tensor
+
+    state = get_state(model)
+    resolved = None if state is None else state.tp_plan
+    if resolved is None:
+        return []
+    full = dict(reference.named_parameters())
+    local = dict(model.named_parameters())
+    wrong = []
+    for module_name, linear in resolved.linears.items():
+        for leaf, spec in linear.specs.items():
+            name = f"{module_name}.{leaf}" if module_name else leaf
+            if spec is None or name not in full or name not in local:
+                continue
+            if not torch.equal(local[name].detach(), slice_tensor(full[name].detach(), spec)):
+                wrong.append(name)
+    return wrong
+
+
+def uneven_head_overrides(family: str, example: str, heads: int = 3) -> dict | None:
+    """Config overrides giving the example `heads` attention heads (one K/V head where it groups them), or None
+    where its config ties other widths to its head count (those are checked at tp3 with their 4 heads)."""
+    import torch
+
+    from paradiff.tensor_parallel.plan import as_plan
+
+    module = examples.family_module(family)
+    _, config = module.examples[example]
+    try:
+        key = as_plan(module.tensor_parallel_plan(examples.build_example(family, example).config)).heads_config_key
+        overrides = {key: heads}
+        for kv_key in ("num_key_value_heads", "num_kv_heads", "kv_heads"):
+            if config.get(kv_key) not in (None, config.get(key)):
+                overrides[kv_key] = 1
+        model = examples.build_example(family, example, config_overrides=overrides)
+        with torch.no_grad():
+            examples.forward(model, examples.example_inputs(family, example, model.config))
+    except Exception:  # noqa: BLE001 - any failure means the config does not take this head count
+        return None
+    return overrides
+
+
+def family_modes_or_refusal(family: str, example: str, modes: list[str], **kwargs) -> dict:
+    """family_modes, or {"refused": message} where the plan refuses the degree (more ranks than some heads)."""
+    from paradiff.errors import PlanError
+
+    try:
+        return family_modes(family, example, modes, **kwargs)
+    except PlanError as exc:
+        return {"refused": str(exc)}
 
 
 def unplanned_modes(modes: list[str], plan: str = "auto") -> dict:
