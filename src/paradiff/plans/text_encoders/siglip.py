@@ -1,0 +1,22 @@
+"""SigLIP encoders: the vision towers of SD3.5 (IP-Adapter), HunyuanVideo / 1.5 I2V and Framepack
+(`SiglipVisionModel`), SD3 ControlNet inpainting (`SiglipModel`, both towers) and Z-Image Omni (`Siglip2VisionModel`).
+The attention-pooling head (a torch MultiheadAttention) stays whole."""
+
+from paradiff.plans.family import Family
+from paradiff.plans.text_encoders.common import clip_style_tower
+from paradiff.tensor_parallel.plan import TensorParallelPlan
+
+MODEL_CLASSES = ("SiglipVisionModel", "SiglipModel", "Siglip2VisionModel")
+
+
+def tensor_parallel_plan(config, model_class: str) -> TensorParallelPlan:
+    if model_class != "SiglipModel":
+        styles, attention = clip_style_tower("", config)
+        return TensorParallelPlan(styles=styles, attention=attention)
+    styles, attention = clip_style_tower("vision_model.", config.vision_config)
+    text_styles, text_attention = clip_style_tower("text_model.", config.text_config)
+    styles.update(text_styles, **{"text_model.embeddings.token_embedding": "vocab"})
+    return TensorParallelPlan(styles=styles, attention=attention | text_attention)
+
+
+FAMILY = Family(name="siglip", model_classes=MODEL_CLASSES, tensor_parallel_plan=tensor_parallel_plan)

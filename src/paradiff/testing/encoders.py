@@ -1,0 +1,129 @@
+"""Tiny `transformers` text and image encoders with random weights, saved as real checkpoints, and batch-2 inputs
+for them (text padded to different lengths): one per encoder class a diffusers DiT pipeline loads that paradiff
+has a plan for. Used by tests/test_encoder_classes.py; nothing is downloaded.
+
+Head counts divide 2 and 3 (12 query and 6 K/V heads for the decoders, 6 heads for BERT / CLIP / SigLIP), so every
+class runs at tp2 and tp3, the decoders with grouped K/V heads split (not replicated) at both.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+VOCAB = 99  # does not divide 2 or 3: the vocabulary splits unevenly
+TEXT_LENGTHS = (7, 4)  # the second prompt is right-padded
+IMAGE_SIZE, PATCH = 16, 4
+
+# a Llama-style decoder: 12 query heads of 8, 6 K/V heads
+_DECODER = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=96, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=12, num_key_value_heads=6, head_dim=8)
+_MROPE = dict(rope_type="default", mrope_section=[2, 1, 1], rope_theta=10000.0)  # sums to head_dim / 2
+# a BERT / CLIP / SigLIP tower: 6 heads of 4
+_TOWER = dict(hidden_size=24, num_hidden_layers=2, num_attention_heads=6, intermediate_size=48)
+_VISION = dict(_TOWER, image_size=IMAGE_SIZE, patch_size=PATCH)
+_SMALL_VISION = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+
+
+def _configs() -> dict[str, Callable[[], Any]]:
+    import transformers as tf
+
+    return {
+        "BertModel": lambda: tf.BertConfig(vocab_size=VOCAB, pad_token_id=0, **_TOWER),
+        "GlmModel": lambda: tf.GlmConfig(**_DECODER, partial_rotary_factor=0.5),
+        "GemmaModel": lambda: tf.GemmaConfig(**_DECODER),
+        "SmolLM3ForCausalLM": lambda: tf.SmolLM3Config(**_DECODER, no_rope_layer_interval=2),
+        "T5GemmaEncoderModel": lambda: tf.T5GemmaConfig(encoder=dict(_DECODER), decoder=dict(_DECODER),
+                                                        is_encoder_decoder=False, vocab_size=VOCAB),
+        "Qwen2VLForConditionalGeneration": lambda: tf.Qwen2VLConfig(
+            text_config=dict(_DECODER, rope_parameters=_MROPE),
+            vision_config=dict(depth=1, embed_dim=16, num_heads=2, hidden_size=96, patch_size=2, spatial_merge_size=1,
+                               temporal_patch_size=1, mlp_ratio=2)),
+        "Qwen3VLForConditionalGeneration": lambda: tf.Qwen3VLConfig(
+            text_config=dict(_DECODER, rope_parameters=_MROPE),
+            vision_config=dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=96,
+                               patch_size=2, spatial_merge_size=1, temporal_patch_size=1, num_position_embeddings=16,
+                               deepstack_visual_indexes=[0])),
+        "Qwen3VLModel": lambda: _configs()["Qwen3VLForConditionalGeneration"](),
+        "LlavaForConditionalGeneration": lambda: tf.LlavaConfig(
+            text_config=dict(_DECODER, model_type="llama"),
+            vision_config=dict(_SMALL_VISION, model_type="clip_vision_model", image_size=8, patch_size=4),
+            image_token_index=VOCAB - 1),
+        "CLIPVisionModel": lambda: tf.CLIPVisionConfig(**_VISION),
+        "CLIPVisionModelWithProjection": lambda: tf.CLIPVisionConfig(**_VISION, projection_dim=12),
+        "SiglipVisionModel": lambda: tf.SiglipVisionConfig(**_VISION),
+        "SiglipModel": lambda: tf.SiglipConfig(text_config=dict(_TOWER, vocab_size=VOCAB, max_position_embeddings=16, bos_token_id=1, eos_token_id=2),
+                                               vision_config=_VISION),
+        "Siglip2VisionModel": lambda: tf.Siglip2VisionConfig(**_TOWER, patch_size=PATCH,
+                                                             num_patches=(IMAGE_SIZE // PATCH) ** 2),
+    }
+
+
+ENCODER_CLASSES = tuple(_configs())
+
+
+def encoder_class(name: str) -> type:
+    import transformers
+
+    return getattr(transformers, name)
+
+
+def build_encoder(name: str, seed: int = 0) -> nn.Module:
+    """The class with its tiny config and random weights; norms and biases perturbed too, so a wrong slice cannot
+    hide behind ones and zeros."""
+    torch.manual_seed(seed)
+    model = encoder_class(name)(_configs()[name]())
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    return model.eval()
+
+
+def save_encoder(name: str, folder: Path, seed: int = 0) -> Path:
+    build_encoder(name, seed).save_pretrained(folder, safe_serialization=True)
+    return Path(folder)
+
+
+def encoder_inputs(name: str, config: Any, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Batch-2 forward kwargs: token ids with an attention mask of two lengths for text encoders, pixels for image
+    encoders (SigLIP 2: patches with a patch mask of two lengths), both for SiglipModel."""
+    generator = torch.Generator().manual_seed(seed)
+    longest = max(TEXT_LENGTHS)
+    mask = torch.tensor([[1] * n + [0] * (longest - n) for n in TEXT_LENGTHS])
+    ids = torch.randint(1, VOCAB - 1, (2, longest), generator=generator) * mask  # padding is token 0
+    pixels = torch.randn(2, 3, IMAGE_SIZE, IMAGE_SIZE, generator=generator)
+    if name == "Siglip2VisionModel":
+        side = IMAGE_SIZE // PATCH
+        patches = torch.randn(2, side * side, 3 * PATCH * PATCH, generator=generator)
+        patch_mask = torch.ones(2, side * side, dtype=torch.long)
+        patch_mask[1, side * (side - 1):] = 0  # the second image is one row of patches shorter
+        shapes = torch.tensor([[side, side], [side - 1, side]])
+        return dict(pixel_values=patches, pixel_attention_mask=patch_mask, spatial_shapes=shapes)
+    if name.startswith(("CLIPVision", "SiglipVision")):
+        return dict(pixel_values=pixels)
+    if name == "SiglipModel":
+        return dict(input_ids=ids, pixel_values=pixels)  # SigLIP's text tower is trained without a mask
+    return dict(input_ids=ids, attention_mask=mask)
+
+
+def encoder_outputs(model: nn.Module, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Every tensor a pipeline could read: all hidden states (pipelines pick layers), the last hidden state, the
+    pooled / projected outputs and the logits, whichever the class returns."""
+    with torch.no_grad():
+        output = model(**inputs, output_hidden_states=True, return_dict=True)
+    tensors = []
+
+    def collect(value) -> None:
+        if torch.is_tensor(value):
+            tensors.append(value)
+        elif isinstance(value, (tuple, list)):
+            for item in value:
+                collect(item)
+        elif hasattr(value, "to_tuple"):
+            collect(value.to_tuple())
+
+    collect(output.to_tuple())
+    return tensors

@@ -1,0 +1,38 @@
+"""Every encoder class a diffusers DiT pipeline loads and paradiff has a plan for (docs/pipelines.md, "Encoder
+classes"), loaded alone through paradiff at tp2 and tp3: batch 2 (text padded to two lengths, the mask passed),
+float32, every output equal to transformers' single-process model to 1e-5 relative, and each rank holding exactly
+the slices of the full tensors its resolved plan names."""
+
+from __future__ import annotations
+
+import pytest
+
+import rank_cases_encoder_classes as cases
+from paradiff.plans import builtin_plan, family_of
+from paradiff.testing.encoders import ENCODER_CLASSES, encoder_class, save_encoder
+
+TOLERANCE = 1e-5  # relative
+
+
+@pytest.fixture(scope="session")
+def encoder_folders(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("encoder-classes")
+    return {name: str(save_encoder(name, root / name)) for name in ENCODER_CLASSES}
+
+
+def test_every_tested_class_has_a_builtin_plan():
+    for name in ENCODER_CLASSES:
+        assert family_of(encoder_class(name)) is not None, name
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_encoder_classes_match_single_process(pools, encoder_folders, tp):
+    results = pools.get(tp).run(cases.encoder_classes_match, folders=encoder_folders, tp=tp, timeout_s=600)
+    assert len(results) == tp
+    for result in results:
+        assert set(result["classes"]) == set(ENCODER_CLASSES), result["rank"]
+        for name, figures in result["classes"].items():
+            assert figures["diff"] <= TOLERANCE, (tp, result["rank"], name, figures)
+            assert figures["split_tensors"] > 0, (tp, result["rank"], name, figures)
+            # norms, embeddings of positions and vision towers of the VLMs stay whole
+            assert figures["share"] < 0.8 if tp == 2 else figures["share"] < 0.65, (tp, result["rank"], name, figures)
