@@ -34,5 +34,6 @@ def test_encoder_classes_match_single_process(pools, encoder_folders, tp):
         for name, figures in result["classes"].items():
             assert figures["diff"] <= TOLERANCE, (tp, result["rank"], name, figures)
             assert figures["split_tensors"] > 0, (tp, result["rank"], name, figures)
-            # norms, embeddings of positions and vision towers of the VLMs stay whole
-            assert figures["share"] < 0.8 if tp == 2 else figures["share"] < 0.65, (tp, result["rank"], name, figures)
+            # norms, position embeddings, pooling heads and the VLMs' vision towers stay whole: in these tiny
+            # models they are a large part, so a rank holds up to ~0.3 more than 1/tp
+            assert figures["share"] < 1 / tp + 0.3, (tp, result["rank"], name, figures)

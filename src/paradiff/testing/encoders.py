@@ -32,7 +32,7 @@ def _configs() -> dict[str, Callable[[], Any]]:
     import transformers as tf
 
     return {
-        "BertModel": lambda: tf.BertConfig(vocab_size=VOCAB, pad_token_id=0, **_TOWER),
+        "BertModel": lambda: tf.BertConfig(vocab_size=VOCAB, pad_token_id=0, max_position_embeddings=16, **_TOWER),
         "GlmModel": lambda: tf.GlmConfig(**_DECODER, partial_rotary_factor=0.5),
         "GemmaModel": lambda: tf.GemmaConfig(**_DECODER),
         "SmolLM3ForCausalLM": lambda: tf.SmolLM3Config(**_DECODER, no_rope_layer_interval=2),
