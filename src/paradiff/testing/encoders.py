@@ -22,6 +22,12 @@ IMAGE_SIZE, PATCH = 16, 4
 _DECODER = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=96, intermediate_size=96, num_hidden_layers=2,
                 num_attention_heads=12, num_key_value_heads=6, head_dim=8)
 _MROPE = dict(rope_type="default", mrope_section=[2, 1, 1], rope_theta=10000.0)  # sums to head_dim / 2
+# Gemma 4: global layers with their own head size and no V projection (V is K), the last two layers reusing the
+# K/V of the first two, double-wide MLPs there, per-layer token embeddings
+_GEMMA4_TEXT = dict(_DECODER, num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                    sliding_window=4, global_head_dim=16, num_global_key_value_heads=6, attention_k_eq_v=True,
+                    num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=8,
+                    vocab_size_per_layer_input=VOCAB)
 # a BERT / CLIP / SigLIP tower: 6 heads of 4
 _TOWER = dict(hidden_size=24, num_hidden_layers=2, num_attention_heads=6, intermediate_size=48)
 _VISION = dict(_TOWER, image_size=IMAGE_SIZE, patch_size=PATCH)
@@ -33,8 +39,15 @@ def _configs() -> dict[str, Callable[[], Any]]:
 
     return {
         "BertModel": lambda: tf.BertConfig(vocab_size=VOCAB, pad_token_id=0, max_position_embeddings=16, **_TOWER),
+        "Gemma4UnifiedForConditionalGeneration": lambda: tf.Gemma4UnifiedConfig(text_config={
+            k: v for k, v in _GEMMA4_TEXT.items() if "per_layer_input" not in k}),
+        "Gemma4TextModel": lambda: tf.Gemma4TextConfig(**_GEMMA4_TEXT),
         "GlmModel": lambda: tf.GlmConfig(**_DECODER, partial_rotary_factor=0.5),
         "GemmaModel": lambda: tf.GemmaConfig(**_DECODER),
+        "Gemma3ForConditionalGeneration": lambda: tf.Gemma3Config(
+            text_config=dict(_DECODER, sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+            vision_config=dict(_SMALL_VISION, image_size=8, patch_size=4), mm_tokens_per_image=4,
+            image_token_index=VOCAB - 1, boi_token_index=VOCAB - 2, eoi_token_index=VOCAB - 3),
         "SmolLM3ForCausalLM": lambda: tf.SmolLM3Config(**_DECODER, no_rope_layer_interval=2),
         "T5GemmaEncoderModel": lambda: tf.T5GemmaConfig(encoder=dict(_DECODER), decoder=dict(_DECODER),
                                                         is_encoder_decoder=False, vocab_size=VOCAB),
