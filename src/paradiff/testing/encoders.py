@@ -19,8 +19,8 @@ TEXT_LENGTHS = (7, 4)  # the second prompt is right-padded
 IMAGE_SIZE, PATCH = 16, 4
 
 # a Llama-style decoder: 12 query heads of 8, 6 K/V heads
-_DECODER = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=96, intermediate_size=96, num_hidden_layers=2,
-                num_attention_heads=12, num_key_value_heads=6, head_dim=8)
+_DECODER = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=96, intermediate_size=96,
+                num_hidden_layers=2, num_attention_heads=12, num_key_value_heads=6, head_dim=8)
 _MROPE = dict(rope_type="default", mrope_section=[2, 1, 1], rope_theta=10000.0)  # sums to head_dim / 2
 # Gemma 4: global layers with their own head size and no V projection (V is K), the last two layers reusing the
 # K/V of the first two, double-wide MLPs there, per-layer token embeddings
@@ -51,6 +51,9 @@ def _configs() -> dict[str, Callable[[], Any]]:
         "SmolLM3ForCausalLM": lambda: tf.SmolLM3Config(**_DECODER, no_rope_layer_interval=2),
         "T5GemmaEncoderModel": lambda: tf.T5GemmaConfig(encoder=dict(_DECODER), decoder=dict(_DECODER),
                                                         is_encoder_decoder=False, vocab_size=VOCAB),
+        "T5Gemma2Encoder": lambda: tf.T5Gemma2EncoderConfig(
+            text_config=dict(_DECODER, dropout_rate=0.0), vision_config=dict(_SMALL_VISION, image_size=8, patch_size=4),
+            mm_tokens_per_image=4, image_token_index=VOCAB - 1, boi_token_index=VOCAB - 2, eoi_token_index=VOCAB - 3),
         "Qwen2VLForConditionalGeneration": lambda: tf.Qwen2VLConfig(
             text_config=dict(_DECODER, rope_parameters=_MROPE),
             vision_config=dict(depth=1, embed_dim=16, num_heads=2, hidden_size=96, patch_size=2, spatial_merge_size=1,
@@ -68,8 +71,9 @@ def _configs() -> dict[str, Callable[[], Any]]:
         "CLIPVisionModel": lambda: tf.CLIPVisionConfig(**_VISION),
         "CLIPVisionModelWithProjection": lambda: tf.CLIPVisionConfig(**_VISION, projection_dim=12),
         "SiglipVisionModel": lambda: tf.SiglipVisionConfig(**_VISION),
-        "SiglipModel": lambda: tf.SiglipConfig(text_config=dict(_TOWER, vocab_size=VOCAB, max_position_embeddings=16, bos_token_id=1, eos_token_id=2),
-                                               vision_config=_VISION),
+        "SiglipModel": lambda: tf.SiglipConfig(
+            text_config=dict(_TOWER, vocab_size=VOCAB, max_position_embeddings=16, bos_token_id=1, eos_token_id=2),
+            vision_config=_VISION),
         "Siglip2VisionModel": lambda: tf.Siglip2VisionConfig(**_TOWER, patch_size=PATCH,
                                                              num_patches=(IMAGE_SIZE // PATCH) ** 2),
     }

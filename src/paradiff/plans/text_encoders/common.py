@@ -13,6 +13,7 @@ def decoder_text_model(
     attention_attrs: dict[str, tuple[str, ...]] | None = None,
     fused_gate_up: bool = False,
     text_config=None,
+    split_vocab: bool = True,
 ) -> TensorParallelPlan:
     """A Llama-style decoder (Llama, Mistral, Qwen 2 / 2.5 / 3 and their VL text parts, Gemma 1 / 2 / 3, SmolLM3,
     GLM, T5Gemma's encoder) used as a text encoder.
@@ -23,7 +24,8 @@ def decoder_text_model(
     and up in one `gate_up_proj`, split as two blocks: `fused_gate_up`). Everything else (norms, rotary tables,
     vision towers and projectors) stays whole on every rank. `attention_attrs` names the head counters the attention
     class keeps (keys: per_query_head, per_kv_head, groups). `text_config` is the decoder's config where it is
-    neither the model's config nor its `text_config` (T5Gemma's `encoder`).
+    neither the model's config nor its `text_config` (T5Gemma's `encoder`). `split_vocab=False` keeps the token
+    table whole, for tables whose forward reads the token ids beyond the lookup.
     """
     text = text_config or getattr(config, "text_config", None) or config
     decoder, lm_head = paths[model_class]
@@ -31,13 +33,14 @@ def decoder_text_model(
     kv_heads = text.num_key_value_heads or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     styles: dict[str, str | Style] = {
-        f"{decoder}.embed_tokens" if decoder else "embed_tokens": "vocab",
         f"{layers}.*.self_attn.q_proj": "colwise",
         f"{layers}.*.self_attn.k_proj": ColwiseHeads(head_dim),
         f"{layers}.*.self_attn.v_proj": ColwiseHeads(head_dim),
         f"{layers}.*.self_attn.o_proj": "rowwise",
         f"{layers}.*.mlp.down_proj": "rowwise",
     }
+    if split_vocab:
+        styles[f"{decoder}.embed_tokens" if decoder else "embed_tokens"] = "vocab"
     if fused_gate_up:
         styles[f"{layers}.*.mlp.gate_up_proj"] = PackedColwise((1, 1))  # chunk(2): gate, then up
     else:

@@ -6,7 +6,8 @@ size and K/V head count (`per_layer_config`), global layers with `attention_k_eq
 and the last `num_kv_shared_layers` layers have no K/V projections at all, reusing the K/V of the last earlier
 layer of their type: under TP the stored K/V are the producer's local heads, which are the heads the consumer's
 local query heads use, since both layers split their heads the same way. The per-layer token table (vocabulary x
-layers * per-layer width; plain Gemma 4 only) splits by vocabulary like the main one; mixture-of-experts blocks stay whole.
+layers * per-layer width; plain Gemma 4 only) splits by vocabulary like the main one; mixture-of-experts blocks
+stay whole.
 """
 
 from paradiff.plans.family import Family
