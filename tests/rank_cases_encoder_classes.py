@@ -55,3 +55,25 @@ def encoder_classes_match(folders: dict[str, str], tp: int) -> dict:
             **_held_slices(model, reference),
         }
     return {"rank": dist.get_rank(), "classes": results}
+
+
+def image_encoder_in_pipeline(folder: str, modes: dict[str, dict]) -> dict:
+    """A Wan I2V pipeline folder: `encode_image` (two images) through load_pipeline per mode, against diffusers'
+    single-process pipeline, the image encoder's held slices and its share."""
+    from diffusers import DiffusionPipeline
+
+    from paradiff.testing.encoders import sample_images
+
+    torch.set_num_threads(1)
+    reference = DiffusionPipeline.from_pretrained(folder)
+    images = sample_images()
+    with torch.no_grad():
+        expected = reference.encode_image(images, device=torch.device("cpu"))
+    results = {}
+    for mode, degrees in modes.items():
+        pipeline = paradiff.load_pipeline(folder, parallel_config=paradiff.ParallelConfig.from_degrees(**degrees))
+        with torch.no_grad():
+            actual = pipeline.encode_image(images, device=torch.device("cpu"))
+        results[mode] = {"diff": _relative([actual], [expected]),
+                         **_held_slices(pipeline.image_encoder, reference.image_encoder)}
+    return {"rank": dist.get_rank(), "modes": results}

@@ -9,7 +9,7 @@ import pytest
 
 import rank_cases_encoder_classes as cases
 from paradiff.plans import builtin_plan, family_of
-from paradiff.testing.encoders import ENCODER_CLASSES, encoder_class, save_encoder
+from paradiff.testing.encoders import ENCODER_CLASSES, encoder_class, save_encoder, save_wan_i2v_encoders
 
 TOLERANCE = 1e-5  # relative
 
@@ -37,3 +37,14 @@ def test_encoder_classes_match_single_process(pools, encoder_folders, tp):
             # norms, position embeddings, pooling heads and the VLMs' vision towers stay whole: in these tiny
             # models they are a large part, so a rank holds up to ~0.3 more than 1/tp
             assert figures["share"] < 1 / tp + 0.3, (tp, result["rank"], name, figures)
+
+
+def test_image_encoder_splits_inside_a_pipeline(pools, tmp_path_factory):
+    """load_pipeline splits a pipeline's image encoder like its text encoders (the TP ranks; with no TP, the CP
+    ranks): Wan I2V's CLIP vision tower encodes two images as diffusers' single-process pipeline does."""
+    folder = str(save_wan_i2v_encoders(tmp_path_factory.mktemp("wan-i2v") / "pipeline"))
+    modes = {"tp2": dict(tp=2), "ulysses2": dict(ulysses=2)}
+    for result in pools.get(2).run(cases.image_encoder_in_pipeline, folder=folder, modes=modes, timeout_s=600):
+        for mode, figures in result["modes"].items():
+            assert figures["diff"] <= TOLERANCE, (mode, result["rank"], figures)
+            assert figures["split_tensors"] > 0 and figures["share"] < 0.5 + 0.3, (mode, result["rank"], figures)

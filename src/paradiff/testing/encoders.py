@@ -144,3 +144,33 @@ def encoder_outputs(model: nn.Module, inputs: dict[str, torch.Tensor]) -> list[t
 
     collect(output.to_tuple())
     return tensors
+
+
+def save_wan_i2v_encoders(folder: Path) -> Path:
+    """The tiny Wan pipeline as a `WanImageToVideoPipeline` folder, with the tiny `CLIPVisionModel` as its image
+    encoder and a CLIP image processor at IMAGE_SIZE: enough for `encode_prompt` and `encode_image` (its transformer
+    takes no image tokens, so it does not generate image-to-video)."""
+    import json
+
+    from transformers import CLIPImageProcessor
+
+    from paradiff.testing.pipelines import save_pipeline
+
+    folder = save_pipeline("wan", folder)
+    save_encoder("CLIPVisionModel", folder / "image_encoder")
+    CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+                       ).save_pretrained(folder / "image_processor")
+    index = json.loads((folder / "model_index.json").read_text())
+    index.update(_class_name="WanImageToVideoPipeline", image_encoder=["transformers", "CLIPVisionModel"],
+                 image_processor=["transformers", "CLIPImageProcessor"])
+    (folder / "model_index.json").write_text(json.dumps(index, indent=2))
+    return folder
+
+
+def sample_images(seed: int = 2) -> list:
+    """Two different RGB images, larger than IMAGE_SIZE (the processor resizes and crops them)."""
+    import numpy as np
+    from PIL import Image
+
+    generator = np.random.default_rng(seed)
+    return [Image.fromarray(generator.integers(0, 256, (24, 20, 3), dtype=np.uint8)) for _ in range(2)]
