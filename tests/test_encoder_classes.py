@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 import rank_cases_encoder_classes as cases
-from paradiff.plans import builtin_plan, family_of
+from paradiff.plans import family_of
 from paradiff.testing.encoders import ENCODER_CLASSES, encoder_class, save_encoder, save_wan_i2v_encoders
 
 TOLERANCE = 1e-5  # relative

@@ -15,7 +15,8 @@ def tensor_parallel_plan(config, model_class: str) -> TensorParallelPlan:
         return TensorParallelPlan(styles=styles, attention=attention)
     styles, attention = clip_style_tower("vision_model.", config.vision_config)
     text_styles, text_attention = clip_style_tower("text_model.", config.text_config)
-    styles.update(text_styles, **{"text_model.embeddings.token_embedding": "vocab"})
+    styles.update(text_styles)
+    styles["text_model.embeddings.token_embedding"] = "vocab"
     return TensorParallelPlan(styles=styles, attention=attention | text_attention)
 
 
