@@ -77,3 +77,33 @@ def image_encoder_in_pipeline(folder: str, modes: dict[str, dict]) -> dict:
         results[mode] = {"diff": _relative([actual], [expected]),
                          **_held_slices(pipeline.image_encoder, reference.image_encoder)}
     return {"rank": dist.get_rank(), "modes": results}
+
+
+def cogview4_pipeline_matches(folder: str, prompts: list[str], modes: dict[str, dict]) -> dict:
+    """CogView4 (GLM text encoder) through load_pipeline per mode: prompt embeddings and images against diffusers'
+    single-process pipeline, and the share of the text encoder this rank holds."""
+    import numpy as np
+    from diffusers import DiffusionPipeline
+
+    from paradiff.testing.encoders import COGVIEW4_CALL
+
+    torch.set_num_threads(1)
+    reference = DiffusionPipeline.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        expected_embeds = reference.encode_prompt(prompts, do_classifier_free_guidance=False)[0]
+    expected = np.asarray(reference(prompt=prompts, generator=torch.Generator().manual_seed(0), **COGVIEW4_CALL).images)
+    whole = sum(p.numel() for p in reference.text_encoder.parameters())
+    results = {}
+    for mode, degrees in modes.items():
+        pipeline = paradiff.load_pipeline(folder, parallel_config=paradiff.ParallelConfig.from_degrees(**degrees))
+        pipeline.set_progress_bar_config(disable=True)
+        with torch.no_grad():
+            embeds = pipeline.encode_prompt(prompts, do_classifier_free_guidance=False)[0]
+        images = np.asarray(pipeline(prompt=prompts, seed=0, **COGVIEW4_CALL).images)
+        results[mode] = {
+            "embeds": _relative([embeds], [expected_embeds]),
+            "image": float(np.abs(images - expected).max()),
+            "encoder_share": sum(p.numel() for p in pipeline.text_encoder.parameters()) / whole,
+        }
+    return {"rank": dist.get_rank(), "modes": results}

@@ -9,7 +9,8 @@ import pytest
 
 import rank_cases_encoder_classes as cases
 from paradiff.plans import family_of
-from paradiff.testing.encoders import ENCODER_CLASSES, encoder_class, save_encoder, save_wan_i2v_encoders
+from paradiff.testing.encoders import (ENCODER_CLASSES, encoder_class, save_cogview4_pipeline, save_encoder,
+                                      save_wan_i2v_encoders)
 
 TOLERANCE = 1e-5  # relative
 
@@ -48,3 +49,17 @@ def test_image_encoder_splits_inside_a_pipeline(pools, tmp_path_factory):
         for mode, figures in result["modes"].items():
             assert figures["diff"] <= TOLERANCE, (mode, result["rank"], figures)
             assert figures["split_tensors"] > 0 and figures["share"] < 0.5 + 0.3, (mode, result["rank"], figures)
+
+
+def test_cogview4_glm_encoder_splits_over_tp_and_cp_ranks(pools, tmp_path_factory):
+    """CogView4's GLM encoder (packed gate/up) splits at tp2 and, CP-only, over the ulysses2 ranks: the prompt
+    embeddings (batch 2, different lengths) and the images are diffusers' single-process ones."""
+    folder = str(save_cogview4_pipeline(tmp_path_factory.mktemp("cogview4") / "pipeline"))
+    prompts = ["a cat", "a lighthouse on a rocky coast during a storm, dramatic lighting"]
+    modes = {"tp2": dict(tp=2), "ulysses2": dict(ulysses=2)}
+    for result in pools.get(2).run(cases.cogview4_pipeline_matches, folder=folder, prompts=prompts, modes=modes,
+                                   timeout_s=600):
+        for mode, figures in result["modes"].items():
+            assert figures["embeds"] <= TOLERANCE, (mode, result["rank"], figures)
+            assert figures["image"] <= 1e-5, (mode, result["rank"], figures)  # pixels in [0, 1]
+            assert 0.45 <= figures["encoder_share"] <= 0.6, (mode, result["rank"], figures)

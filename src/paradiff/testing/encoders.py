@@ -174,3 +174,41 @@ def sample_images(seed: int = 2) -> list:
 
     generator = np.random.default_rng(seed)
     return [Image.fromarray(generator.integers(0, 256, (24, 20, 3), dtype=np.uint8)) for _ in range(2)]
+
+
+def save_cogview4_pipeline(folder: Path, seed: int = 0) -> Path:
+    """A tiny CogView4 pipeline (GLM text encoder of 4 query / 2 K/V heads, three layers as the pipeline reads the
+    second to last; the family's tiny transformer; a 4-block VAE), saved as a pipeline folder."""
+    import diffusers
+    from transformers import GlmConfig, GlmModel
+
+    from paradiff.plans.cogview4 import EXAMPLES
+    from paradiff.testing.pipelines import _qwen2_tokenizer
+
+    tokenizer = _qwen2_tokenizer()  # GLM-4's tokenizer is a byte-level BPE too
+    torch.manual_seed(seed)
+    text_encoder = GlmModel(GlmConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, partial_rotary_factor=0.5, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None, eos_token_id=None))
+    _, transformer_config = EXAMPLES["cogview4"]
+    transformer = diffusers.CogView4Transformer2DModel(**transformer_config)
+    vae = diffusers.AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 16, 16), layers_per_block=1,
+        latent_channels=transformer_config["in_channels"], norm_num_groups=4, sample_size=64)
+    for module in (text_encoder, transformer, vae):
+        with torch.no_grad():
+            for param in module.parameters():
+                param.add_(torch.randn_like(param) * 0.05)
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
+        base_shift=0.25, max_shift=0.75, base_image_seq_len=256, use_dynamic_shifting=True, time_shift_type="linear")
+    pipe = diffusers.CogView4Pipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
+                                      transformer=transformer, scheduler=scheduler)
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return Path(folder)
+
+
+# a negative prompt of its own: the tiny tokenizer adds no special tokens, so "" would be zero tokens
+COGVIEW4_CALL = dict(height=64, width=64, num_inference_steps=2, guidance_scale=4.0, output_type="np",
+                     negative_prompt=["blurry", "blurry, low quality"])
