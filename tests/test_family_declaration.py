@@ -33,7 +33,8 @@ def test_discovery_finds_every_declared_family_once():
     found = [family.name for family in families()]
     assert found == sorted(module.__name__.rpartition(".")[2] for module in plan_modules(plans))
     assert len(found) >= 70
-    assert [family.name for family in text_encoder_families()] == ["clip", "gemma", "llama", "mistral", "qwen", "t5"]
+    assert [family.name for family in text_encoder_families()] == [
+        "bert", "clip", "gemma", "gemma4", "glm", "llama", "mistral", "qwen", "siglip", "smollm3", "t5", "t5gemma"]
 
 
 @pytest.mark.parametrize("family", families() + text_encoder_families(), ids=lambda family: family.name)

@@ -67,11 +67,11 @@ def _components_paradiff_loads(folder, index, parallel, stages, shard_text_encod
     # for the single-transformer checkpoints): every transformer is split alike.
     own = [_Own(name, _component_class(index, name), "transformer") for name in transformer_names(index)]
     split_encoders = shard_text_encoders is not False and bool(text_encoder_dims(parallel))
-    unknown = sorted(set(plans) - {n for n in index if n.startswith("text_encoder")})
+    unknown = sorted(set(plans) - {n for n in index if is_encoder(n)})
     if unknown:
         raise ParallelConfigError(
-            f"text_encoder_plans names {unknown}, which are not text encoders of this pipeline; its text encoders are "
-            f"{sorted(n for n in index if n.startswith('text_encoder'))}."
+            f"text_encoder_plans names {unknown}, which are not text encoders (or image encoders) of this pipeline; "
+            f"its encoders are {sorted(n for n in index if is_encoder(n))}."
         )
     for name, entry in sorted(index.items()):
         if name.startswith("transformer") or not _is_component(entry):
@@ -80,7 +80,7 @@ def _components_paradiff_loads(folder, index, parallel, stages, shard_text_encod
         if not (isinstance(model_cls, type) and issubclass(model_cls, nn.Module)):
             continue
         known = name in plans or family_of(model_cls) is not None
-        if name.startswith("text_encoder") and split_encoders:
+        if is_encoder(name) and split_encoders:
             if known or shard_text_encoders:  # True: split, or say why it cannot be
                 own.append(_Own(name, model_cls, "text_encoder", plans.get(name)))
                 continue
@@ -89,11 +89,26 @@ def _components_paradiff_loads(folder, index, parallel, stages, shard_text_encod
             if is_main_rank():
                 logger.warning("%s (%s) has no built-in tensor-parallel plan: it stays whole on each rank (pass "
                                "text_encoder_plans={%r: ...} to split it)", name, model_cls.__name__, name)
-        if stages or (name.startswith("text_encoder") and shard_text_encoders is not False and known):
+        if stages or (is_encoder(name) and shard_text_encoders is not False and known):
             # paradiff reads the encoders it knows itself even when nothing splits them (single process, CFG- or
             # data-only meshes): into process memory, like every weight of a split run, never a mapped file
             own.append(_Own(name, model_cls, "whole"))
     return own
+
+
+
+# Components split over the encoder group like the text encoders: the text encoders, and the image encoders
+# image-conditioned pipelines load (Wan 2.1 I2V's CLIP vision tower, SD3.5's / HunyuanVideo I2V's SigLIP); they run
+# in the text-encoder stage.
+ENCODER_PREFIXES = ("text_encoder", "image_encoder")
+
+
+def is_encoder(name: str) -> bool:
+    return name.startswith(ENCODER_PREFIXES)
+
+
+def _encoder_kind(name: str) -> str:
+    return "image encoder" if name.startswith("image_encoder") else "text encoder"
 
 
 
@@ -185,7 +200,8 @@ def _text_encoder_plan(item: _Own, folder: Path):
     except PlanError:
         known = sorted(name for family in text_encoder_families() for name in family.model_classes)
         raise PlanError(
-            f"paradiff has no tensor-parallel plan for text encoder {item.name!r} ({item.model_cls.__name__}); it "
+            f"paradiff has no tensor-parallel plan for {_encoder_kind(item.name)} {item.name!r} "
+            f"({item.model_cls.__name__}); it "
             f"has plans for {', '.join(known)}. Pass one with load_pipeline(..., text_encoder_plans="
             f"{{{item.name!r}: {{'<module glob>': 'colwise', ...}}}}) (see docs/tensor-parallel.md, 'Writing a plan'), or keep the "
             "text encoders whole on every rank with shard_text_encoders=False."

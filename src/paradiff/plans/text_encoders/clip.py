@@ -1,27 +1,27 @@
-"""CLIP text encoders (FLUX.1, SD3, HunyuanVideo): small, but split like the rest so every encoder shrinks."""
+"""CLIP encoders: the text towers of FLUX.1, SD3, HunyuanVideo and HiDream, and the vision towers Wan 2.1 I2V,
+ChronoEdit, FLUX.1 / Chroma / Bria / SkyReels-V2 (IP-Adapter image encoders) load. Small, but split like the rest so
+every encoder shrinks."""
 
-from paradiff.tensor_parallel.plan import AttentionHeads, TensorParallelPlan
 from paradiff.plans.family import Family
+from paradiff.plans.text_encoders.common import clip_style_tower
+from paradiff.tensor_parallel.plan import TensorParallelPlan
 
-# where the text transformer sits: CLIPTextModel is it, CLIPTextModelWithProjection wraps it
-ROOTS = {"CLIPTextModel": "", "CLIPTextModelWithProjection": "text_model."}
+# where the transformer tower sits: the bare models are it, the WithProjection ones wrap it
+ROOTS = {
+    "CLIPTextModel": "",
+    "CLIPTextModelWithProjection": "text_model.",
+    "CLIPVisionModel": "",
+    "CLIPVisionModelWithProjection": "vision_model.",
+}
 MODEL_CLASSES = tuple(ROOTS)
 
 
 def tensor_parallel_plan(config, model_class: str) -> TensorParallelPlan:
     root = ROOTS[model_class]
-    layers = f"{root}encoder.layers.*"
-    styles = {
-        f"{root}embeddings.token_embedding": "vocab",
-        f"{layers}.self_attn.q_proj": "colwise",
-        f"{layers}.self_attn.k_proj": "colwise",
-        f"{layers}.self_attn.v_proj": "colwise",
-        f"{layers}.self_attn.out_proj": "rowwise",
-        f"{layers}.mlp.fc1": "colwise",
-        f"{layers}.mlp.fc2": "rowwise",
-    }
-    heads = AttentionHeads(config.num_attention_heads, per_query_head=("num_heads",))
-    return TensorParallelPlan(styles=styles, attention={f"{layers}.self_attn": heads})
+    styles, attention = clip_style_tower(root, config)
+    if model_class.startswith("CLIPText"):
+        styles[f"{root}embeddings.token_embedding"] = "vocab"
+    return TensorParallelPlan(styles=styles, attention=attention)
 
 
 FAMILY = Family(name="clip", model_classes=MODEL_CLASSES, tensor_parallel_plan=tensor_parallel_plan)
