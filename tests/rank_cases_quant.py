@@ -164,3 +164,23 @@ def refused_before_read(family: str, folder: str, scheme: str, mode: str) -> str
     finally:
         Checkpoint.read = original
     return "no error"
+
+
+def pipeline_quantized(folder: str) -> int:
+    """load_pipeline(tp2, a PipelineQuantizationConfig for the transformer): its shards are those of the model-level
+    quantized tp2 load. Returns how many quantized linears were compared."""
+    from diffusers import PipelineQuantizationConfig
+
+    config = PipelineQuantizationConfig(quant_mapping={"transformer": quant_config("int8")})
+    pipe = paradiff.load_pipeline(folder, parallel_config=parallel_config("tp2"), quantization_config=config,
+                                  device="cpu")
+    alone = paradiff.from_pretrained(type(pipe.transformer), f"{folder}/transformer", device="cpu",
+                                     parallel_config=parallel_config("tp2"), quantization_config=quant_config("int8"))
+    compared = 0
+    for name, module in pipe.transformer.named_modules():
+        if isinstance(module, nn.Linear):
+            held, expected = _held(module), _held(alone.get_submodule(name))
+            assert held is not None and held.keys() == expected.keys(), name
+            assert all(torch.equal(held[k], expected[k]) for k in held), name
+            compared += 1
+    return compared

@@ -120,3 +120,8 @@ def test_modules_to_not_convert_stay_in_full_precision(quant_checkpoints):
                 if isinstance(m, torch.nn.Linear)}
     assert held == expected
     assert not held["proj_out"] and not held["transformer_blocks.0.attn.to_q"] and held["transformer_blocks.0.ff.linear_in"]
+
+
+def test_pipeline_request_quantizes_the_transformer_shards(pools, tiny_pipeline_folders):
+    counts = pools.get(2).run(cases.pipeline_quantized, folder=str(tiny_pipeline_folders["flux2"]))
+    assert all(count > 10 for count in counts), counts
