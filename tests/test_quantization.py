@@ -125,3 +125,39 @@ def test_modules_to_not_convert_stay_in_full_precision(quant_checkpoints):
 def test_pipeline_request_quantizes_the_transformer_shards(pools, tiny_pipeline_folders):
     counts = pools.get(2).run(cases.pipeline_quantized, folder=str(tiny_pipeline_folders["flux2"]))
     assert all(count > 10 for count in counts), counts
+
+
+@pytest.mark.slow
+def test_generate_quantize_reports_each_ranks_quantized_bytes(tmp_path):
+    """`paradiff generate --tp 2 --quantize int8` on the embedded demo: each rank reports the quantized linears and
+    bytes it holds (about half of the single-process figure for the split layers)."""
+    import json
+    import subprocess
+    import sys
+
+    def generate(tp: str, out):
+        result = subprocess.run([sys.executable, "-m", "paradiff.cli", "generate", "--tp", tp, "--prompt", "a cat",
+                                 "--height", "32", "--width", "32", "--steps", "2", "--quantize", "int8",
+                                 "--out", str(out)], capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return json.loads((out / "report.json").read_text())
+
+    split, whole = generate("2", tmp_path / "tp2"), generate("1", tmp_path / "tp1")
+    assert split["config"]["quantize"] == "int8"
+    single = whole["ranks"][0]["quantization"]["transformer"]
+    assert single["quantized_linears"] > 0
+    for rank in split["ranks"]:
+        held = rank["quantization"]["transformer"]
+        assert held["scheme"] == "int8" and held["quantized_linears"] == single["quantized_linears"]
+        assert held["quantized_bytes"] < 0.75 * single["quantized_bytes"], (held, single)
+    assert (tmp_path / "tp2" / split["images"]["0"]).exists() or split["images"]["0"]
+
+
+def test_quantize_with_stages_is_one_line_and_non_zero(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "paradiff.cli", "generate", "--quantize", "nf4", "--stages",
+                             "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--quantize nf4 with --stages" in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr

@@ -141,3 +141,26 @@ def quantized_nbytes(tensor: Any) -> int:
     names = list(getattr(tensor, "tensor_data_names", [])) + list(getattr(tensor, "optional_tensor_data_names", []))
     inner = [getattr(tensor, name, None) for name in names]
     return sum(t.numel() * t.element_size() for t in inner if t is not None)
+
+
+def quantization_summary(model: nn.Module) -> dict[str, int]:
+    """What a rank holds of `model`: quantized linears, their bytes (data and scales), and the bytes of every other
+    parameter (the load dtype). Counted from the module tree, so it holds for any load path."""
+    quantized, quantized_bytes, other_bytes = 0, 0, 0
+    seen = set()
+    for module in model.modules():
+        for leaf, param in module._parameters.items():
+            if param is None or id(param) in seen:
+                continue
+            seen.add(id(param))
+            state = getattr(param, "quant_state", None)
+            if leaf == "weight" and state is not None:
+                quantized += 1
+                quantized_bytes += param.data.numel() * param.data.element_size()
+                quantized_bytes += state.absmax.numel() * state.absmax.element_size()
+            elif leaf == "weight" and hasattr(param, "tensor_data_names"):
+                quantized += 1
+                quantized_bytes += quantized_nbytes(param)
+            else:
+                other_bytes += param.numel() * param.element_size()
+    return {"quantized_linears": quantized, "quantized_bytes": quantized_bytes, "other_bytes": other_bytes}

@@ -154,3 +154,26 @@ def check_block_boundaries(scheme: QuantScheme, model: nn.Module, resolved: Any)
                 f"of the single-device quantized weight. Choose a tp_degree whose slices of {name} are multiples of "
                 f"{block} elements, or leave the layer unquantized (BitsAndBytesConfig(llm_int8_skip_modules=[...]))."
             )
+
+
+def model_config_for(scheme: str, compute_dtype: torch.dtype | None = None) -> Any:
+    """The diffusers config a user would write for `scheme` ("int8", "fp8", "nf4"): what `--quantize` passes."""
+    from diffusers import BitsAndBytesConfig, TorchAoConfig
+
+    if scheme == "nf4":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype)
+    from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig
+
+    if scheme == "int8":
+        return TorchAoConfig(Int8WeightOnlyConfig())
+    if scheme == "fp8":
+        return TorchAoConfig(Float8WeightOnlyConfig())
+    raise ParallelConfigError(f"unknown quantization scheme {scheme!r}; use one of {list(SCHEMES)}.")
+
+
+def pipeline_quantization_config(scheme: str, compute_dtype: torch.dtype | None = None) -> Any:
+    """A PipelineQuantizationConfig quantizing the transformer with `scheme` (the components diffusers loads stay
+    as they are)."""
+    from diffusers import PipelineQuantizationConfig
+
+    return PipelineQuantizationConfig(quant_mapping={"transformer": model_config_for(scheme, compute_dtype)})
