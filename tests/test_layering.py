@@ -1,6 +1,7 @@
 """Dependencies point down: the mechanisms know no model, and the product never needs the test helpers.
 
-The layers, lowest first: config / errors; distributed/; io/, tensor_parallel/, context_parallel/, vae/ (mechanisms);
+The layers, lowest first: config / errors; distributed/; io/, tensor_parallel/, context_parallel/, vae/, quant/
+(mechanisms);
 runtime/; plans/ (per-model and per-pipeline knowledge); plan_tools/; api/; cli/, demo/. testing/ sits beside the
 product and is never imported by it.
 """
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "paradiff"
-MECHANISMS = ("tensor_parallel", "context_parallel", "vae", "io")
+MECHANISMS = ("tensor_parallel", "context_parallel", "vae", "io", "quant")
 # What each low layer may import from paradiff: itself and the layers below it.
 ALLOWED_BELOW = {
     "distributed": ("paradiff.config", "paradiff.errors", "paradiff.distributed"),
@@ -80,3 +81,17 @@ def test_distributed_imports_nothing_above_it():
 def test_product_never_imports_paradiff_testing():
     files = [path for path in PACKAGE.rglob("*.py") if "testing" not in path.relative_to(PACKAGE).parts]
     assert offenders(files, "paradiff.testing") == []
+
+
+def test_quant_sits_on_the_tensor_parallel_layers_and_below():
+    """quant/ quantizes the slices the sharded layers hold: it may use distributed/ (its one collective lives in
+    comm.py) and tensor_parallel/, and nothing above; no other mechanism needs it (the load sequence calls it)."""
+    files = list((PACKAGE / "quant").rglob("*.py"))
+    assert len(files) >= 2
+    allowed = ("paradiff.config", "paradiff.errors", "paradiff.distributed", "paradiff.tensor_parallel", "paradiff.quant")
+    above = [f"{where}: {name}" for where, name in module_imports(files)
+             if name.startswith("paradiff") and not name.startswith(allowed)]
+    assert above == []
+    others = [path for mechanism in ("tensor_parallel", "context_parallel", "vae", "io", "distributed")
+              for path in (PACKAGE / mechanism).rglob("*.py")]
+    assert offenders(others, "paradiff.quant") == []

@@ -1,4 +1,5 @@
-"""A pipeline's quantization request is never silently ignored: a component paradiff loads itself is refused by
+"""A pipeline's quantization request is never silently ignored: the transformer paradiff loads is quantized on
+read; what paradiff cannot honour (another component it loads, stages=True, a scheme it cannot slice) is refused by
 name, before any weight is read (issue: the transformer used to stay in full precision without a word)."""
 
 from __future__ import annotations
@@ -35,26 +36,62 @@ def no_weight_read(monkeypatch):
     monkeypatch.setattr(Checkpoint, "read", refuse)
 
 
-@pytest.mark.parametrize("components, named", [
-    (["transformer"], "'transformer' (Flux2Transformer2DModel)"),
-    (None, "'transformer' (Flux2Transformer2DModel)"),  # no list: diffusers quantizes every component
-])
-def test_request_for_a_component_paradiff_loads_is_refused_by_name(tiny_pipeline_folders, no_weight_read,
-                                                                   components, named):
-    config = PipelineQuantizationConfig(quant_backend="bitsandbytes_4bit", quant_kwargs={"load_in_4bit": True},
-                                        components_to_quantize=components)
-    with pytest.raises(ParallelConfigError, match=r"ask.* to quantize .*" + named.replace("(", r"\(").replace(")", r"\)")) as caught:
-        paradiff.load_pipeline(tiny_pipeline_folders["flux2"], quantization_config=config)
-    assert "bitsandbytes_4bit" in str(caught.value) and "full precision" in str(caught.value)
+NF4 = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+
+
+def _quantized_linears(model) -> int:
+    return sum(hasattr(m.weight, "qdata") or getattr(m.weight, "quant_state", None) is not None
+               for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_transformer_paradiff_loads_is_quantized_on_read(tiny_pipeline_folders):
+    config = PipelineQuantizationConfig(quant_backend="bitsandbytes_4bit", quant_kwargs=NF4,
+                                        components_to_quantize=["transformer"])
+    pipe = paradiff.load_pipeline(tiny_pipeline_folders["flux2"], quantization_config=config)
+    assert _quantized_linears(pipe.transformer) == sum(isinstance(m, torch.nn.Linear) for m in pipe.transformer.modules())
+    assert _quantized_linears(pipe.transformer) > 10
+    assert _quantized_linears(pipe.vae) == 0
+
+
+def test_granular_torchao_request_equals_the_model_level_load(tiny_pipeline_folders):
+    from diffusers import TorchAoConfig
+    from torchao.quantization import Int8WeightOnlyConfig
+
+    folder = tiny_pipeline_folders["flux2"]
+    config = PipelineQuantizationConfig(quant_mapping={"transformer": TorchAoConfig(Int8WeightOnlyConfig())})
+    pipe = paradiff.load_pipeline(folder, quantization_config=config)
+    alone = paradiff.from_pretrained(type(pipe.transformer), f"{folder}/transformer", device="cpu",
+                                     quantization_config=TorchAoConfig(Int8WeightOnlyConfig()))
+    held = {n: m.weight for n, m in pipe.transformer.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert held and all(torch.equal(w.qdata, alone.get_submodule(n).weight.qdata) for n, w in held.items())
+
+
+@pytest.mark.parametrize("kwargs, fragments", [
+    (dict(quant_backend="bitsandbytes_4bit", quant_kwargs={"load_in_4bit": True},
+          components_to_quantize=["transformer"]),
+     ["'transformer' (Flux2Transformer2DModel)", "bnb_4bit_quant_type='fp4'", "'nf4'"]),
+    (dict(quant_backend="bitsandbytes_4bit", quant_kwargs=NF4, components_to_quantize=["transformer"]),
+     ["'transformer' (Flux2Transformer2DModel)", "stages=True", "full precision"]),
+    (dict(quant_backend="bitsandbytes_4bit", quant_kwargs=NF4),  # no list: every component, the text encoder too
+     ["'text_encoder' (Mistral3ForConditionalGeneration)", "only the transformer", "full precision"]),
+], ids=["fp4", "stages", "text-encoder"])
+def test_request_paradiff_cannot_honour_is_refused_by_name(tiny_pipeline_folders, no_weight_read, kwargs,
+                                                            fragments):
+    stages = "stages=True" in fragments
+    with pytest.raises(ParallelConfigError) as caught:
+        paradiff.load_pipeline(tiny_pipeline_folders["flux2"], quantization_config=PipelineQuantizationConfig(**kwargs),
+                               stages=stages)
+    assert all(fragment in str(caught.value) for fragment in fragments), str(caught.value)
 
 
 def test_granular_request_names_its_config_class(tiny_pipeline_folders, no_weight_read):
     # PipelineQuantizationConfig validates a granular mapping against the installed backends; the rule under test
     # reads only the mapping, so the object is built without that validation.
     config = object.__new__(PipelineQuantizationConfig)
-    config.quant_backend, config.components_to_quantize = None, None
+    config.quant_backend, config.components_to_quantize, config.config_mapping = None, None, {}
     config.quant_mapping = {"transformer": SimpleNamespace()}
-    with pytest.raises(ParallelConfigError, match=r"'transformer' \(Flux2Transformer2DModel\) \(transformer: SimpleNamespace\)"):
+    config.is_granular = True
+    with pytest.raises(ParallelConfigError, match=r"'transformer' \(Flux2Transformer2DModel\).*SimpleNamespace"):
         paradiff.load_pipeline(tiny_pipeline_folders["flux2"], quantization_config=config)
 
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from paradiff.distributed.agreement import agree
 from paradiff.distributed.mesh import build_mesh
+from paradiff.quant.apply import quantize_model
 from paradiff.tensor_parallel.shard import swap_in_sharded_linears
 
 
@@ -32,7 +33,9 @@ class Component:
     source: Any = None  # io weight source that reads `checkpoint` into `model`
     tp_dims: tuple[str, ...] = ("tp",)  # the mesh dimensions whose ranks hold its TP shards
     attach: bool = True  # record the parallel state, CP hooks and forward wrappers on it
+    quantization: Any = None  # quant.schemes.QuantScheme: quantize the weights this rank holds, after the swap
     read_s: float = field(default=0.0, init=False)
+    quantized: dict[str, int] = field(default_factory=dict, init=False)  # quant.apply.quantize_model's counts
 
 
 @dataclass
@@ -86,9 +89,12 @@ def run_load_sequence(stage: str, prepare: Callable[[], Prepared], *, distribute
     from paradiff.api.parallelize import attach
 
     for component in components.values():
+        group = None
         if component.resolved is not None:
             group = mesh.tp_group if component.tp_dims == ("tp",) else mesh.flat_group(component.tp_dims)
             swap_in_sharded_linears(component.model, component.resolved, group, weights_are_local=read == "all")
+        if component.quantization is not None and read == "all":
+            component.quantized = quantize_model(component.model, component.quantization, group)
         if eval_mode:
             component.model.eval()
         if mesh is not None and component.attach:

@@ -24,6 +24,7 @@ from paradiff.io.folders import resolve_folder
 from paradiff.distributed.mesh import build_mesh, default_device, rank_coordinates, require_distributed
 from paradiff.io.model_classes import checkpoint_keys, construct, keep_fp32_modules, load_config
 from paradiff.plans import plan_for
+from paradiff.quant.schemes import check_block_boundaries, scheme_from_config
 from paradiff.runtime.progress import byte_progress
 from paradiff.api.load_sequence import Component, Prepared, run_load_sequence
 from paradiff.tensor_parallel.plan import ResolvedPlan, as_plan, check_checkpoint_keys, resolve_plan
@@ -39,12 +40,6 @@ def check_loading_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
         raise ParallelConfigError(
             f"device_map={kwargs['device_map']!r} cannot be combined with paradiff loading: each rank places its own "
             "shard on its own device. Drop device_map (use it with plain diffusers for non-parallel components)."
-        )
-    if kwargs.get("quantization_config") is not None:
-        raise ParallelConfigError(
-            f"quantization_config={type(kwargs['quantization_config']).__name__}(...) is not supported with paradiff "
-            "loading: paradiff slices unquantized float weights. Drop quantization_config and load in float32, "
-            "float16 or bfloat16 (torch_dtype=...); a larger tp_degree lowers the memory per rank."
         )
     if kwargs.get("low_cpu_mem_usage", True) is False:
         raise ParallelConfigError(
@@ -152,7 +147,8 @@ def from_pretrained(
     """
     def prepare() -> Prepared:
         item = _prepare(model_cls, path, subfolder, torch_dtype, parallel_config, device, plan, cp_plan, kwargs)
-        component = Component(item.model, item.facts, item.resolved, item.cp_resolved, item.checkpoint, item.source)
+        component = Component(item.model, item.facts, item.resolved, item.cp_resolved, item.checkpoint, item.source,
+                              quantization=item.quantization)
         return Prepared({"": component}, item.parallel, item.device)
 
     prepared, _mesh = run_load_sequence("paradiff.from_pretrained", prepare, distributed=parallel_config is not None,
@@ -270,12 +266,15 @@ class _Prepared:
     device: torch.device
     facts: dict
     source: WeightSource
+    quantization: Any = None  # quant.schemes.QuantScheme: quantized on each rank's slice after the read
 
 
 def _prepare(model_cls, path, subfolder, torch_dtype, parallel_config, device, plan, cp_plan, kwargs) -> _Prepared:
     """All local validation: arguments, degrees, checkpoint headers, model config, plans. Reads no weight."""
     if "dtype" in kwargs:
         torch_dtype = torch_dtype or kwargs.pop("dtype")
+    quantization = kwargs.pop("quantization_config", None)
+    scheme = None if quantization is None else scheme_from_config(quantization)
     hub_kwargs = check_loading_kwargs(kwargs)
     dtype = check_dtype(torch_dtype)
     device = check_device(device)
@@ -292,7 +291,7 @@ def _prepare(model_cls, path, subfolder, torch_dtype, parallel_config, device, p
         tp_shard = (rank_coordinates(parallel).tp_rank, tp)
     context = parallel is not None and parallel.context_parallel_config is not None
     prepared = prepare_model(model_cls, folder, dtype=dtype, device=device, tp_shard=tp_shard, plan=plan,
-                             context=context, cp_plan=cp_plan)
+                             context=context, cp_plan=cp_plan, quantization=scheme)
     prepared.parallel = parallel
     prepared.facts["parallel degrees"] = parallel.degrees() if parallel else None
     return prepared
@@ -308,9 +307,12 @@ def prepare_model(
     plan: Any = None,
     context: bool = False,
     cp_plan: Any = None,
+    quantization: Any = None,
 ) -> _Prepared:
     """Build `model_cls` on the meta device from `folder`, resolve its plans for TP slice `tp_shard` = (rank, size),
-    and check everything against the checkpoint headers. Reads no weight; the checkpoint is left open."""
+    and check everything against the checkpoint headers. Reads no weight; the checkpoint is left open.
+    `quantization`: a quant.schemes.QuantScheme (`scheme_from_config` of the user's diffusers config), checked here
+    against the model and the plan's slices; the weights are quantized on each rank's slice after the read."""
     checkpoint = Checkpoint(folder)
     try:
         config = load_config(model_cls, folder)
@@ -318,12 +320,15 @@ def prepare_model(
             model = construct(model_cls, config, dtype)
         keys = checkpoint_keys(model, set(checkpoint.tensors))
         shapes = {name: tuple(checkpoint.tensors[key].shape) for name, key in keys.items()}
+        scheme = None if quantization is None else quantization.for_model(model)
         resolved = None
         if tp_shard is not None:
             rank, size = tp_shard
             tp_plan = as_plan(plan_for(model, plan, "tensor"))
             resolved = resolve_plan(model, tp_plan, rank, size)
             check_checkpoint_keys(resolved, set(keys), shapes)
+            if scheme is not None:
+                check_block_boundaries(scheme, model, resolved)
         cp_resolved = None
         if context:
             from paradiff.context_parallel.apply import resolve_cp_plan
@@ -348,8 +353,9 @@ def prepare_model(
             for name, info in checkpoint.tensors.items()
         )),
         "dtype": str(dtype),
+        "quantization": None if scheme is None else scheme.describe(),
     }
-    return _Prepared(model, checkpoint, None, resolved, cp_resolved, dtype, device, facts, source)
+    return _Prepared(model, checkpoint, None, resolved, cp_resolved, dtype, device, facts, source, scheme)
 
 
 def _check_model_against_checkpoint(model: nn.Module, checkpoint: Checkpoint, keys: dict[str, str]) -> None:

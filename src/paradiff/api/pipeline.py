@@ -16,7 +16,7 @@ from paradiff.runtime.cfg import install_cfg_parallel
 from paradiff.config import as_parallel_config
 from paradiff.errors import CheckpointError, ParallelConfigError
 from paradiff.api.model import check_dtype
-from paradiff.api.quantization import check_pipeline_quantization
+from paradiff.api.quantization import pipeline_quantization
 from paradiff.io.folders import resolve_folder
 from paradiff.distributed.mesh import default_device
 from paradiff.plans.pipelines import CFG_RULES
@@ -136,8 +136,11 @@ def load_pipeline(
     if parallel_vae:
         _check_parallel_vae(parallel, index, folder)
     own = _components_paradiff_loads(folder, index, parallel, stages, shard_text_encoders, text_encoder_plans or {})
-    check_pipeline_quantization(kwargs.get("quantization_config"), {item.name: item.model_cls for item in own})
-    loaded = _load_components(own, folder, parallel, dtype, device, stages, plan, cp_plan)
+    schemes, diffusers_quantizes = pipeline_quantization(
+        kwargs.get("quantization_config"), {item.name: (item.model_cls, item.kind) for item in own}, stages)
+    if not diffusers_quantizes:
+        kwargs.pop("quantization_config", None)  # every component it names is paradiff's, quantized on read
+    loaded = _load_components(own, folder, parallel, dtype, device, stages, plan, cp_plan, schemes)
     target_cls = pipeline_cls or getattr(diffusers, str(pipeline_name), DiffusionPipeline)
     expected_modules, _ = DiffusionPipeline._get_signature_keys(target_cls)
     # Pipelines whose transformer is an optional argument (Wan) would load it again from disk, whole, and drop the

@@ -132,9 +132,11 @@ def _component_class(index: dict, name: str) -> type:
 
 
 def _load_components(own: list[_Own], folder: Path, parallel, dtype, device, stages: bool, plan: Any = None,
-                     cp_plan: Any = None) -> dict[str, _Loaded]:
+                     cp_plan: Any = None, schemes: dict | None = None) -> dict[str, _Loaded]:
     """Prepare every component (meta models, plans, checkpoint headers) on every rank, agree, build the mesh once,
-    then read: everything now (all-resident), or only persistent buffers (staged; parameters come at their stage)."""
+    then read: everything now (all-resident), or only persistent buffers (staged; parameters come at their stage).
+    `schemes`: component name -> quant.schemes.QuantScheme, quantized on each rank's slice after the read."""
+    schemes = schemes or {}
     from paradiff.api.load_sequence import Component, Prepared, run_load_sequence
     from paradiff.api.model import prepare_model
 
@@ -177,11 +179,12 @@ def _load_components(own: list[_Own], folder: Path, parallel, dtype, device, sta
                 tp_shard, item_plan = None, None
         if one is None:
             one = prepare_model(item.model_cls, folder / item.name, dtype=dtype, device=device,
-                                tp_shard=tp_shard, plan=item_plan, context=context, cp_plan=item_cp_plan)
+                                tp_shard=tp_shard, plan=item_plan, context=context, cp_plan=item_cp_plan,
+                                quantization=schemes.get(item.name))
         components[item.name] = Component(
             one.model, one.facts, one.resolved, one.cp_resolved, one.checkpoint, one.source,
             tp_dims=("tp",) if item.name in transformers else (encoder_dims or ("tp",)),
-            attach=item.name in transformers or one.resolved is not None,
+            attach=item.name in transformers or one.resolved is not None, quantization=one.quantization,
         )
 
     prepared, _mesh = run_load_sequence("paradiff.load_pipeline", prepare, distributed=parallel is not None,

@@ -2,8 +2,9 @@
 
 diffusers applies a `PipelineQuantizationConfig` while it loads each component; the components paradiff loads
 (the transformer, the text encoders it splits or reads, every component under `stages=True`) never pass through
-that path, so a request naming them would be dropped and the weights would stay in full precision. Until paradiff
-quantizes on read, such a request is refused by name, before any weight is read.
+that path. paradiff quantizes the transformer on read (`paradiff.quant`); a request it would otherwise drop (a text
+encoder it loads, any component under `stages=True`, a scheme it cannot slice) is refused by name, before any
+weight is read.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from paradiff.errors import ParallelConfigError
+from paradiff.quant.schemes import QuantScheme, scheme_from_config
 
 
 def requested_components(config: Any, names: Iterable[str]) -> list[str]:
@@ -25,11 +27,15 @@ def requested_components(config: Any, names: Iterable[str]) -> list[str]:
     return [name for name in names if not listed or name in listed]
 
 
-def check_pipeline_quantization(config: Any, paradiff_loads: dict[str, type]) -> None:
-    """Refuse a quantization request that would be silently ignored. `paradiff_loads`: component name -> class of
-    every component paradiff reads itself."""
+def pipeline_quantization(config: Any, paradiff_loads: dict[str, tuple[type, str]], stages: bool
+                          ) -> tuple[dict[str, QuantScheme], bool]:
+    """What a pipeline's quantization request asks of the components paradiff loads itself.
+
+    `paradiff_loads`: component name -> (class, kind: "transformer", "text_encoder" or "whole"). Returns the scheme
+    of each component paradiff quantizes on read, and whether diffusers must still see the config (it names a
+    component diffusers loads). Anything paradiff would otherwise ignore is refused by name, before any read."""
     if config is None:
-        return
+        return {}, False
     from diffusers import PipelineQuantizationConfig
 
     if not isinstance(config, PipelineQuantizationConfig):
@@ -39,15 +45,39 @@ def check_pipeline_quantization(config: Any, paradiff_loads: dict[str, type]) ->
             "a model-level config such as this one goes to paradiff.from_pretrained or diffusers' own loaders."
         )
     asked = requested_components(config, sorted(paradiff_loads))
-    if asked:
-        scheme = config.quant_backend or ", ".join(
-            f"{name}: {type(config.quant_mapping[name]).__name__}" for name in asked
-        )
-        loaded = ", ".join(f"{name!r} ({paradiff_loads[name].__name__})" for name in asked)
+    unsupported = [name for name in asked if paradiff_loads[name][1] != "transformer"]
+    if unsupported or (asked and stages):
+        names = unsupported or asked
+        loaded = ", ".join(f"{name!r} ({paradiff_loads[name][0].__name__})" for name in names)
+        why = ("with stages=True paradiff reads each component again at its stage and does not quantize those "
+               "reads yet" if not unsupported else
+               "paradiff quantizes on read only the transformer for now; the text encoders it splits or reads "
+               "itself would stay")
         raise ParallelConfigError(
-            f"quantization_config asks to quantize {loaded} ({scheme}), but paradiff loads "
-            f"{'this component' if len(asked) == 1 else 'these components'} itself from unquantized float weights, "
-            "so the request would be ignored and the weights kept in full precision. Leave "
-            f"{'it' if len(asked) == 1 else 'them'} out of components_to_quantize / quant_mapping (the components "
-            "diffusers loads are quantized as asked), or load the pipeline with plain diffusers."
+            f"quantization_config asks to quantize {loaded} ({_scheme_name(config, names)}), but {why} in full "
+            "precision, so the request would be ignored. Leave "
+            f"{'it' if len(names) == 1 else 'them'} out of components_to_quantize / quant_mapping (the components "
+            "diffusers loads are quantized as asked), load without stages, or use plain diffusers."
         )
+    schemes = {}
+    for name in asked:
+        model_config = config._resolve_quant_config(is_diffusers=True, module_name=name)
+        try:
+            schemes[name] = scheme_from_config(model_config)
+        except ParallelConfigError as exc:
+            raise ParallelConfigError(f"quantization_config for {name!r} ({paradiff_loads[name][0].__name__}): {exc}") \
+                from None
+    others = [name for name in _all_components(config) if name not in paradiff_loads]
+    return schemes, bool(others) or (not config.quant_mapping and not config.components_to_quantize)
+
+
+def _scheme_name(config: Any, names: list[str]) -> str:
+    return config.quant_backend or ", ".join(f"{name}: {type(config.quant_mapping[name]).__name__}" for name in names)
+
+
+def _all_components(config: Any) -> list[str]:
+    mapping = getattr(config, "quant_mapping", None)
+    if mapping:
+        return list(mapping)
+    listed = getattr(config, "components_to_quantize", None)
+    return [listed] if isinstance(listed, str) else list(listed or [])

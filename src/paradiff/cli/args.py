@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stages", action="store_true",
                      help="staged execution: only the current stage's components hold weights (text encoders, then "
                           "the transformer, then the VAE); a replica's prompts run as one batch")
+    gen.add_argument("--quantize", choices=("int8", "fp8", "nf4"), default=None,
+                     help="quantize the transformer's weights on read, each rank its own shards: int8 / fp8 weight-only "
+                          "(torchao, per-row scales) or nf4 (bitsandbytes); docs/quantization.md")
     gen.add_argument("--whole-text-encoders", action="store_true",
                      help="keep the text encoders whole on every rank instead of splitting them over the mesh")
     gen.add_argument("--compile", action="store_true",
@@ -182,6 +185,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise CliError(f"--height {args.height} and --width {args.width} must be multiples of 16 (VAE x patch size)")
     if args.cfg > 2:
         raise CliError(f"--cfg must be 1 or 2, got {args.cfg}")
+    if getattr(args, "quantize", None) and (args.stages or args.compare):
+        flag = "--stages" if args.stages else "--compare"
+        raise CliError(f"--quantize {args.quantize} with {flag}: {'staged re-reads are not quantized yet' if args.stages else '--compare runs the unquantized single-process pipeline'}; drop one of the two")
     import torch
 
     world = world_size_of(args)

@@ -20,6 +20,8 @@ import paradiff
 
 from paradiff.distributed.comm import all_gather_object
 from paradiff.distributed.mesh import default_device
+from paradiff.quant.apply import quantization_summary
+from paradiff.quant.schemes import pipeline_quantization_config
 from paradiff.vae import get_vae_runtime
 from paradiff.cli.args import cache_config, read_prompts
 from paradiff.cli.compare import compare_single_process, write_compare_png
@@ -76,8 +78,10 @@ def generate(args: argparse.Namespace, device: torch.device,
     model = args.model if args.model is not None else str(embedded_default())
     dtype = getattr(torch, args.dtype)
     start = time.perf_counter()
+    quantize = getattr(args, "quantize", None)
+    extra = {} if not quantize else {"quantization_config": pipeline_quantization_config(quantize, dtype)}
     pipeline = paradiff.load_pipeline(model, parallel_config=parallel_config(args), torch_dtype=dtype, device=device,
-                                      plan=_plan_argument(args.plan, "tensor"),
+                                      **extra, plan=_plan_argument(args.plan, "tensor"),
                                       cp_plan=_plan_argument(args.cp_plan, "context"),
                                       parallel_vae=False if args.no_parallel_vae else None,
                                       stages=args.stages, shard_text_encoders=False if args.whole_text_encoders else None)
@@ -139,6 +143,8 @@ def generate(args: argparse.Namespace, device: torch.device,
         "outputs": outputs,
         "stages": pipeline.stage_report(),
         "cache_computed_steps": computed_steps,
+        "quantization": {name: {"scheme": quantize, **quantization_summary(module)}
+                         for name, module in transformers.items()} if quantize else None,
     }
     gathered = all_gather_object(stats)
     if rank == 0:

@@ -81,6 +81,14 @@ def all_reduce_metric(values: torch.Tensor, group: dist.ProcessGroup | None,
     return [float(v) for v in values.cpu().tolist()]
 
 
+def all_reduce_row_extrema(extrema: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The elementwise maximum over the TP group, in place: at load, the negated minima and the maxima of the rows of
+    every column-split weight, in one small float32 tensor, so that each rank quantizes its columns with the scale of
+    the whole row (per-output-channel int8 / fp8 scales depend on nothing else)."""
+    dist.all_reduce(extrema, op=dist.ReduceOp.MAX, group=group)
+    return extrema
+
+
 def group_name(group: dist.ProcessGroup | None) -> str:
     """The registered name of a process group ("" for none): how a group crosses a torch.library custom op."""
     return "" if group is None else group.group_name

@@ -42,12 +42,23 @@ def parameter_bytes(modules: Iterable[nn.Module]) -> int:
         for param in module.parameters():
             if param.device.type == "meta":
                 continue
-            storage = param.untyped_storage()
-            key = (str(param.device), storage.data_ptr())
-            if key not in seen:
-                seen.add(key)
-                total += storage.nbytes()
+            for tensor in _plain_tensors(param):
+                storage = tensor.untyped_storage()
+                key = (str(tensor.device), storage.data_ptr())
+                if key not in seen:
+                    seen.add(key)
+                    total += storage.nbytes()
     return total
+
+
+def _plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors holding `tensor`'s bytes: itself, or the inner tensors of a wrapper subclass (torchao's quantized
+    weights hold no storage of their own)."""
+    if not hasattr(tensor, "__tensor_flatten__"):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    inner = [getattr(tensor, name) for name in names]
+    return [t for item in inner if item is not None for t in _plain_tensors(item)]
 
 
 def release_freed_memory(device: torch.device) -> None:

@@ -12,7 +12,14 @@ from paradiff.tensor_parallel.styles import ShardSpec, Style
 
 
 class ShardedLinear(nn.Linear):
-    """Base for both kinds: remembers the full shape and the slice held, for saving and inspection."""
+    """Base for both kinds: remembers the full shape and the slice held, for saving and inspection.
+
+    `weight_linear(x, weight, bias)` is the product with the local weight: `F.linear`, which tensor-subclass weights
+    (torchao's int8 / fp8) dispatch themselves; a quantized weight that needs its own kernel (bitsandbytes 4-bit)
+    replaces it on the instance (`paradiff.quant`).
+    """
+
+    weight_linear = staticmethod(F.linear)
 
     def __init__(
         self,
@@ -44,7 +51,7 @@ class ColwiseLinear(ShardedLinear):
     """Computes a slice of the output features; no communication."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.weight_linear(x, self.weight, self.bias)
 
 
 class RowwiseLinear(ShardedLinear):
@@ -60,7 +67,7 @@ class RowwiseLinear(ShardedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.split_input:
             x = torch.cat([x.narrow(-1, start, length) for start, length in self.weight_spec.pieces], dim=-1)
-        out = F.linear(x, self.weight)
+        out = self.weight_linear(x, self.weight, None)
         out = all_reduce_tp(out, self.group, self.comm_stats)
         if self.bias is not None:
             out = out + self.bias
@@ -184,7 +191,7 @@ class VocabLinear(ShardedLinear):
         self.gather_sizes = list(gather_sizes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = self.weight_linear(x, self.weight, self.bias)
         return all_gather_uneven(out, -1, self.gather_sizes, self.group, self.comm_stats)
 
 

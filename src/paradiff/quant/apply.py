@@ -1,0 +1,166 @@
+"""Quantize, on each rank, the linear weights it holds: its slices of the planned ones and the whole others.
+
+A shard must equal the slice of what the single-device quantized model holds:
+
+- per-row int8 / fp8 (torchao): a row's scale depends only on the row's minimum and maximum. A slice of rows is
+  therefore exact on its own; a slice of columns takes the row extrema over the TP group (one all-reduce of a small
+  float32 tensor for all such weights together) and torchao's own scale function is run on them;
+- nf4 (bitsandbytes): each block of 64 consecutive elements has its own absmax, so a slice on block boundaries
+  (checked before any read, `schemes.check_block_boundaries`) quantizes locally to exactly its blocks.
+
+Weights are quantized from the rank's own slice in the load dtype; no rank ever holds a whole sharded tensor.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paradiff.distributed.comm import all_reduce_row_extrema
+from paradiff.quant.schemes import QuantScheme
+from paradiff.tensor_parallel.layers import ShardedLinear
+
+
+def quantize_model(model: nn.Module, scheme: QuantScheme, group: dist.ProcessGroup | None) -> dict[str, int]:
+    """Quantize every linear `scheme` covers, in place; returns {"quantized": n, "quantized_bytes": b}.
+
+    `group`: the TP group whose ranks hold slices of the planned linears (None: nothing is split). Every rank of it
+    runs this over the same plan, so the one all-reduce below is issued alike on all."""
+    targets = [(name, module) for name, module in model.named_modules() if scheme.quantizes(name, module)]
+    column_split = [(name, module) for name, module in targets
+                    if isinstance(module, ShardedLinear) and module.weight_spec.dim == 1]
+    extrema = _row_extrema(column_split, group) if scheme.name in ("int8", "fp8") else {}
+    nbytes = 0
+    for name, module in targets:
+        weight = module.weight.detach()
+        if scheme.name == "nf4":
+            nbytes += _to_nf4(model, name, module, weight, scheme)
+            continue
+        quantized = _to_torchao(weight, scheme, extrema.get(name))
+        module.weight = nn.Parameter(quantized, requires_grad=False)
+        nbytes += quantized_nbytes(quantized)
+    return {"quantized": len(targets), "quantized_bytes": nbytes}
+
+
+def _row_extrema(column_split: list[tuple[str, nn.Module]], group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
+    """name -> (rows, 2) float32 [row minimum, row maximum] over the whole row, for every column-split weight."""
+    if not column_split:
+        return {}
+    local = []
+    for _, module in column_split:
+        weight = module.weight.detach().float()
+        local.append(torch.stack([-weight.amin(dim=1), weight.amax(dim=1)], dim=1))
+    packed = torch.cat(local, dim=0).contiguous()
+    if group is not None and dist.get_world_size(group) > 1:
+        all_reduce_row_extrema(packed, group)
+    out, offset = {}, 0
+    for (name, _), part in zip(column_split, local):
+        rows = part.shape[0]
+        both = packed[offset:offset + rows]
+        out[name] = torch.stack([-both[:, 0], both[:, 1]], dim=1)
+        offset += rows
+    return out
+
+
+def _to_torchao(weight: torch.Tensor, scheme: QuantScheme, extrema: torch.Tensor | None) -> torch.Tensor:
+    """torchao's tensor for `weight` (a whole weight or a slice of rows: torchao's own `from_hp`; a slice of columns:
+    the scale of the whole row, computed by torchao's scale functions from the row's extrema)."""
+    from torchao.quantization import Float8Tensor, Int8Tensor, PerRow
+
+    if scheme.name == "int8":
+        if extrema is None:
+            return Int8Tensor.from_hp(weight, granularity=PerRow())
+        from torchao.quantization.quant_primitives import MappingType, choose_qparams_affine
+
+        scale, zero_point = choose_qparams_affine(
+            input=extrema.to(weight.dtype), mapping_type=MappingType.SYMMETRIC, block_size=[1, 2],
+            target_dtype=torch.int8, quant_min=-128, quant_max=127, scale_dtype=torch.float32,
+            zero_point_dtype=torch.int8, keepdim=True, eps=torch.finfo(torch.float32).eps,
+        )
+        return Int8Tensor.from_hp(weight, granularity=PerRow(), scale=scale, zero_point=zero_point)
+    if extrema is None:
+        return Float8Tensor.from_hp(weight, float8_dtype=scheme.float8_dtype, granularity=PerRow())
+    from torchao.quantization.quant_primitives import _choose_scale_float8, _quantize_affine_float8
+
+    scale = _choose_scale_float8(extrema.to(weight.dtype), block_size=[1, 2], float8_dtype=scheme.float8_dtype)
+    data = _quantize_affine_float8(weight, scale, scheme.float8_dtype)
+    return Float8Tensor(data, scale, block_size=[1, weight.shape[1]], dtype=weight.dtype)
+
+
+def _to_nf4(model: nn.Module, name: str, module: nn.Module, weight: torch.Tensor, scheme: QuantScheme) -> int:
+    """bitsandbytes' 4-bit weight for the slice held. A whole linear becomes bitsandbytes' Linear4bit, as diffusers
+    makes it; a sharded one keeps its class and computes through bitsandbytes' 4-bit product."""
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as bnb_functional
+
+    packed, state = bnb_functional.quantize_4bit(weight.contiguous(), blocksize=scheme.block, quant_type="nf4",
+                                                 compress_statistics=False, quant_storage=torch.uint8)
+    param = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, blocksize=scheme.block,
+                              compress_statistics=False, quant_type="nf4", quant_storage=torch.uint8,
+                              bnb_quantized=True)
+    if isinstance(module, ShardedLinear):
+        module.weight = param
+        module.weight_linear = partial(nf4_linear, compute_dtype=scheme.compute_dtype)
+    else:
+        linear = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
+                                   compute_dtype=scheme.compute_dtype, compress_statistics=False, quant_type="nf4",
+                                   quant_storage=torch.uint8, device="meta")
+        # bitsandbytes repacks a CPU weight for its avx512-bf16 kernel at the first forward, which fails for
+        # in_features below a block (a timestep MLP) and would leave the held bytes unlike the single-device slice
+        linear.support_avx512bf16_for_cpu = False
+        linear.weight = param
+        param.module = linear
+        linear.quant_state = state
+        if module.bias is not None:
+            linear.bias = nn.Parameter(module.bias.detach(), requires_grad=False)
+        linear.train(module.training)
+        parent_name, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, leaf, linear)
+    return packed.numel() * packed.element_size() + state.absmax.numel() * state.absmax.element_size()
+
+
+def nf4_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None,
+               compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The product of `x` with a bitsandbytes 4-bit slice, as Linear4bit computes it (input cast to the compute
+    dtype, output back to the input's)."""
+    import bitsandbytes as bnb
+
+    out_dtype = x.dtype
+    if compute_dtype is not None:
+        x = x.to(compute_dtype)
+    bias = None if bias is None else bias.to(x.dtype)
+    return bnb.matmul_4bit(x, weight, bias=bias, quant_state=weight.quant_state).to(out_dtype)
+
+
+def quantized_nbytes(tensor: Any) -> int:
+    """Bytes of a quantized weight's data and scales (torchao tensors list their inner tensors by name)."""
+    names = list(getattr(tensor, "tensor_data_names", [])) + list(getattr(tensor, "optional_tensor_data_names", []))
+    inner = [getattr(tensor, name, None) for name in names]
+    return sum(t.numel() * t.element_size() for t in inner if t is not None)
+
+
+def quantization_summary(model: nn.Module) -> dict[str, int]:
+    """What a rank holds of `model`: quantized linears, their bytes (data and scales), and the bytes of every other
+    parameter (the load dtype). Counted from the module tree, so it holds for any load path."""
+    quantized, quantized_bytes, other_bytes = 0, 0, 0
+    seen = set()
+    for module in model.modules():
+        for leaf, param in module._parameters.items():
+            if param is None or id(param) in seen:
+                continue
+            seen.add(id(param))
+            state = getattr(param, "quant_state", None)
+            if leaf == "weight" and state is not None:
+                quantized += 1
+                quantized_bytes += param.data.numel() * param.data.element_size()
+                quantized_bytes += state.absmax.numel() * state.absmax.element_size()
+            elif leaf == "weight" and hasattr(param, "tensor_data_names"):
+                quantized += 1
+                quantized_bytes += quantized_nbytes(param)
+            else:
+                other_bytes += param.numel() * param.element_size()
+    return {"quantized_linears": quantized, "quantized_bytes": quantized_bytes, "other_bytes": other_bytes}

@@ -1,0 +1,179 @@
+"""Which quantization a diffusers config asks for, which linears it covers, and whether a plan's slices allow it.
+
+Everything here runs before any weight is read: a config paradiff cannot honour exactly is refused by name, and so
+is a blockwise format whose blocks a rank's slice would cut.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from paradiff.errors import ParallelConfigError, PlanError
+
+SCHEMES = ("int8", "fp8", "nf4")
+SUPPORTED = (
+    "TorchAoConfig(Int8WeightOnlyConfig()) (per-row int8 weight-only), TorchAoConfig(Float8WeightOnlyConfig()) "
+    "(per-row float8 weight-only), BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')"
+)
+NF4_BLOCK = 64  # bitsandbytes' default blocksize on every device; diffusers passes no other
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """One weight quantization scheme as paradiff applies it, per linear weight, on each rank's slice."""
+
+    name: str  # "int8", "fp8" or "nf4"
+    skip: tuple[str, ...] = ()  # diffusers' modules_to_not_convert (+ the model's keep-in-fp32 modules)
+    float8_dtype: torch.dtype | None = None  # fp8 only
+    compute_dtype: torch.dtype | None = None  # nf4 only: the dtype bitsandbytes computes in (None: the input's)
+    block: int | None = None  # nf4: elements per absmax block along the flattened weight
+    config: Any = field(default=None, compare=False, hash=False)  # the user's config, for messages
+
+    def describe(self) -> str:
+        """What every rank must agree on."""
+        extra = f", {self.float8_dtype}" if self.float8_dtype is not None else ""
+        return f"{self.name}{extra}, skip={list(self.skip)}, compute={self.compute_dtype}"
+
+    def for_model(self, model: nn.Module) -> "QuantScheme":
+        """The scheme with the model's keep-in-fp32 modules added to `skip`, as diffusers' quantizers add them."""
+        keep = list(getattr(model, "_keep_in_fp32_modules", None) or [])
+        return replace(self, skip=_skip_list(list(self.skip), keep))
+
+    def quantizes(self, module_name: str, module: nn.Module) -> bool:
+        """diffusers' rule: the weight of every nn.Linear, unless a skip key names the module (`key.` inside the
+        parameter's name, or the name itself)."""
+        if not isinstance(module, nn.Linear):
+            return False
+        param = f"{module_name}.weight" if module_name else "weight"
+        return not any(f"{key}." in param or key == param for key in self.skip)
+
+
+def scheme_from_config(config: Any) -> QuantScheme:
+    """The scheme a diffusers quantization config asks for; anything paradiff does not slice exactly is refused,
+    naming the config and what is supported. Needs no model (`for_model` adds what the model keeps in fp32)."""
+    from diffusers import BitsAndBytesConfig, TorchAoConfig
+
+    keep: list[str] = []
+    if isinstance(config, TorchAoConfig):
+        return _torchao_scheme(config, keep)
+    if isinstance(config, BitsAndBytesConfig):
+        return _bnb_scheme(config, keep)
+    raise ParallelConfigError(
+        f"quantization_config={type(config).__name__}(...) is not supported by paradiff loading; supported: "
+        f"{SUPPORTED}. Pre-quantized checkpoints (GGUF, saved bitsandbytes / torchao weights) are not sliced yet."
+    )
+
+
+def _skip_list(value: Any, keep: list[str]) -> tuple[str, ...]:
+    listed = [] if value is None else [value] if isinstance(value, str) else list(value)
+    return tuple(dict.fromkeys(key for key in [*listed, *keep] if key))
+
+
+def _torchao_scheme(config: Any, keep: list[str]) -> QuantScheme:
+    from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, PerRow
+
+    quant_type = config.quant_type
+    granularity = getattr(quant_type, "granularity", None)
+    if isinstance(quant_type, (Int8WeightOnlyConfig, Float8WeightOnlyConfig)) and not isinstance(granularity, PerRow):
+        raise ParallelConfigError(
+            f"TorchAoConfig({type(quant_type).__name__}(granularity={granularity!r})): paradiff splits per-row "
+            "(per-output-channel) scales only; use the default granularity=PerRow()."
+        )
+    skip = _skip_list(config.modules_to_not_convert, keep)
+    if isinstance(quant_type, Int8WeightOnlyConfig):
+        return QuantScheme("int8", skip=skip, config=config)
+    if isinstance(quant_type, Float8WeightOnlyConfig):
+        return QuantScheme("fp8", skip=skip, float8_dtype=quant_type.weight_dtype, config=config)
+    raise ParallelConfigError(
+        f"TorchAoConfig({type(quant_type).__name__}(...)) is not supported by paradiff loading; supported: {SUPPORTED}. "
+        "(torchao's dynamic-activation and int4 configs also need CUDA kernels.)"
+    )
+
+
+def _bnb_scheme(config: Any, keep: list[str]) -> QuantScheme:
+    if not config.load_in_4bit:
+        raise ParallelConfigError(
+            "BitsAndBytesConfig(load_in_8bit=True) is not supported by paradiff loading (LLM.int8 outlier columns "
+            f"are chosen over whole rows); supported: {SUPPORTED}."
+        )
+    if config.bnb_4bit_quant_type != "nf4":
+        raise ParallelConfigError(
+            f"BitsAndBytesConfig(bnb_4bit_quant_type={config.bnb_4bit_quant_type!r}) is not supported by paradiff "
+            "loading; use bnb_4bit_quant_type='nf4'."
+        )
+    if config.bnb_4bit_use_double_quant:
+        raise ParallelConfigError(
+            "BitsAndBytesConfig(bnb_4bit_use_double_quant=True) is not supported by paradiff loading (the absmax "
+            "of every 256 blocks is quantized again, across slices); leave bnb_4bit_use_double_quant=False."
+        )
+    storage = getattr(config, "bnb_4bit_quant_storage", "uint8")
+    if str(storage).replace("torch.", "") != "uint8":
+        raise ParallelConfigError(
+            f"BitsAndBytesConfig(bnb_4bit_quant_storage={storage!r}) is not supported by paradiff loading; leave "
+            "the default uint8."
+        )
+    compute = getattr(config, "bnb_4bit_compute_dtype", None)
+    return QuantScheme("nf4", skip=_skip_list(config.llm_int8_skip_modules, keep), compute_dtype=compute,
+                       block=NF4_BLOCK, config=config)
+
+
+def check_block_boundaries(scheme: QuantScheme, model: nn.Module, resolved: Any) -> None:
+    """Refuse, by layer name, a blockwise scheme on a planned linear whose slice on this rank would cut a block.
+
+    bitsandbytes blocks the row-major flattened weight, 64 elements at a time. A slice of rows keeps whole blocks when
+    it starts and ends on a block boundary; a slice of columns needs every row to be whole blocks (in_features a
+    multiple of 64) and its column ranges to start and end on a block boundary. Checked on the plan's own pieces, so
+    uneven splits are covered as they are.
+    """
+    if scheme.block is None or resolved is None:
+        return
+    block = scheme.block
+    for name, linear in resolved.linears.items():
+        if linear.embedding or linear.style.target != "linear" or "weight" not in linear.specs:
+            continue
+        module = model.get_submodule(name) if name else model
+        spec = linear.specs["weight"]
+        if spec is None or not scheme.quantizes(name, module):
+            continue
+        rows, cols = linear.full_shapes["weight"][:2]
+        if spec.dim == 0:
+            cut = [(start, length) for start, length in spec.pieces
+                   if (start * cols) % block or ((start + length) * cols) % block and start + length != rows]
+        else:
+            cut = [(start, length) for start, length in spec.pieces
+                   if cols % block or start % block or length % block]
+        if cut:
+            what = "rows" if spec.dim == 0 else "columns"
+            raise PlanError(
+                f"{name}: nf4 quantizes blocks of {block} elements of the flattened weight {(rows, cols)}, but this "
+                f"rank's {what} {list(cut)} (start, length) would cut a block, so its shard could not equal the slice "
+                f"of the single-device quantized weight. Choose a tp_degree whose slices of {name} are multiples of "
+                f"{block} elements, or leave the layer unquantized (BitsAndBytesConfig(llm_int8_skip_modules=[...]))."
+            )
+
+
+def model_config_for(scheme: str, compute_dtype: torch.dtype | None = None) -> Any:
+    """The diffusers config a user would write for `scheme` ("int8", "fp8", "nf4"): what `--quantize` passes."""
+    from diffusers import BitsAndBytesConfig, TorchAoConfig
+
+    if scheme == "nf4":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype)
+    from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig
+
+    if scheme == "int8":
+        return TorchAoConfig(Int8WeightOnlyConfig())
+    if scheme == "fp8":
+        return TorchAoConfig(Float8WeightOnlyConfig())
+    raise ParallelConfigError(f"unknown quantization scheme {scheme!r}; use one of {list(SCHEMES)}.")
+
+
+def pipeline_quantization_config(scheme: str, compute_dtype: torch.dtype | None = None) -> Any:
+    """A PipelineQuantizationConfig quantizing the transformer with `scheme` (the components diffusers loads stay
+    as they are)."""
+    from diffusers import PipelineQuantizationConfig
+
+    return PipelineQuantizationConfig(quant_mapping={"transformer": model_config_for(scheme, compute_dtype)})

@@ -1,0 +1,186 @@
+"""Functions run on every rank of a pool by tests/test_quantization.py (gloo, CPU)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import paradiff
+from paradiff.io.checkpoint import Checkpoint
+from paradiff.runtime.state import get_state
+from paradiff.tensor_parallel.shard import slice_tensor
+from paradiff.testing.models import Lengths, make_inputs, model_class, run_forward
+
+NF4_BLOCK = 64
+
+
+def quant_config(scheme: str):
+    """The diffusers config a user passes for `scheme`."""
+    from diffusers import BitsAndBytesConfig, TorchAoConfig
+
+    if scheme == "nf4":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+    from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig
+
+    return TorchAoConfig(Int8WeightOnlyConfig() if scheme == "int8" else Float8WeightOnlyConfig())
+
+
+def parallel_config(mode: str):
+    if mode == "tp2":
+        return paradiff.TensorParallelConfig(tp_degree=2)
+    if mode == "ulysses2":
+        return paradiff.ContextParallelConfig(ulysses_degree=2)
+    raise ValueError(mode)
+
+
+def single_device_reference(cls, folder: str, scheme: str) -> dict[str, dict[str, torch.Tensor]]:
+    """linear name -> the quantized tensors the single-device model holds. int8 / fp8: diffusers' own quantized load
+    (TorchAoConfig). nf4: diffusers refuses bitsandbytes without a GPU, so the full fp32 weights quantized one by one
+    with bitsandbytes' own quantize_4bit, with the arguments diffusers' Linear4bit passes (blocksize 64, no double
+    quantization)."""
+    if scheme != "nf4":
+        model = cls.from_pretrained(folder, quantization_config=quant_config(scheme), torch_dtype=torch.float32)
+        return {name: _torchao_parts(module.weight) for name, module in model.named_modules()
+                if isinstance(module, nn.Linear) and hasattr(module.weight, "qdata")}
+    import bitsandbytes.functional as bnb_functional
+
+    model = cls.from_pretrained(folder)
+    keep = list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    out = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or any(f"{key}." in f"{name}.weight" for key in keep):
+            continue
+        packed, state = bnb_functional.quantize_4bit(module.weight.detach().contiguous(), blocksize=NF4_BLOCK,
+                                                     quant_type="nf4", compress_statistics=False)
+        out[name] = {"packed": packed.reshape(-1), "absmax": state.absmax, "shape": tuple(module.weight.shape)}
+    return out
+
+
+def _torchao_parts(weight) -> dict[str, torch.Tensor]:
+    parts = {"qdata": weight.qdata, "scale": weight.scale}
+    if getattr(weight, "zero_point", None) is not None:
+        parts["zero_point"] = weight.zero_point
+    return parts
+
+
+def _held(module: nn.Module) -> dict[str, torch.Tensor] | None:
+    weight = module.weight
+    if hasattr(weight, "qdata"):
+        return _torchao_parts(weight)
+    if getattr(weight, "quant_state", None) is not None:
+        return {"packed": weight.data.reshape(-1), "absmax": weight.quant_state.absmax}
+    return None
+
+
+def _nf4_expected(full: dict[str, torch.Tensor], spec) -> dict[str, torch.Tensor]:
+    """The slice of a single-device nf4 weight: blocks are row-major over the flattened weight, two values a byte."""
+    if spec is None:
+        return {"packed": full["packed"], "absmax": full["absmax"]}
+    rows, cols = full["shape"]
+    if spec.dim == 0:
+        packed = [full["packed"][start * cols // 2:(start + length) * cols // 2] for start, length in spec.pieces]
+        absmax = [full["absmax"][start * cols // NF4_BLOCK:-(-(start + length) * cols // NF4_BLOCK)]
+                  for start, length in spec.pieces]
+        return {"packed": torch.cat(packed), "absmax": torch.cat(absmax)}
+    packed = full["packed"].view(rows, cols // 2)
+    absmax = full["absmax"].view(rows, cols // NF4_BLOCK)
+    return {
+        "packed": torch.cat([packed[:, s // 2:(s + n) // 2] for s, n in spec.pieces], dim=1).reshape(-1),
+        "absmax": torch.cat([absmax[:, s // NF4_BLOCK:(s + n) // NF4_BLOCK] for s, n in spec.pieces], dim=1).reshape(-1),
+    }
+
+
+def _torchao_expected(full: dict[str, torch.Tensor], spec) -> dict[str, torch.Tensor]:
+    """The slice of a single-device per-row tensor: a slice of rows slices the scales; a slice of columns keeps the
+    whole row's scales."""
+    if spec is None:
+        return full
+    out = {"qdata": slice_tensor(full["qdata"], spec)}
+    for name in ("scale", "zero_point"):
+        if name in full:
+            out[name] = slice_tensor(full[name], spec) if spec.dim == 0 else full[name]
+    return out
+
+
+def quantized_equivalence(cases: list[dict]) -> list[dict]:
+    """For each case (family, folder, scheme, mode): every quantized shard equals the slice of the single-device
+    quantized tensor (data and scales), and the output matches the quantized single-process one."""
+    results = []
+    for case in cases:
+        family, folder, scheme, mode = case["family"], case["folder"], case["scheme"], case["mode"]
+        cls = model_class(family)
+        reference = single_device_reference(cls, folder, scheme)
+        single = paradiff.from_pretrained(cls, folder, quantization_config=quant_config(scheme), device="cpu")
+        model = paradiff.from_pretrained(cls, folder, quantization_config=quant_config(scheme),
+                                         parallel_config=parallel_config(mode), device="cpu")
+        plan = get_state(model).tp_plan
+        checked, column_split, local_bytes = 0, 0, 0
+        for name, module in model.named_modules():
+            if not isinstance(module, nn.Linear):
+                continue
+            held = _held(module)
+            assert (held is not None) == (name in reference), (name, type(module.weight))
+            if held is None:
+                continue
+            spec = plan.spec_for(f"{name}.weight") if plan is not None else None
+            column_split += spec is not None and spec.dim == 1
+            expected = (_nf4_expected if scheme == "nf4" else _torchao_expected)(reference[name], spec)
+            for part, tensor in expected.items():
+                assert held[part].shape == tensor.shape, (name, part, held[part].shape, tensor.shape)
+                assert torch.equal(held[part], tensor), (name, part)
+            local_bytes += sum(t.numel() * t.element_size() for t in held.values())
+            checked += 1
+        single_held = {name: _held(m) for name, m in single.named_modules() if isinstance(m, nn.Linear)}
+        for name, full in reference.items():
+            expected = (_nf4_expected if scheme == "nf4" else _torchao_expected)(full, None)
+            assert all(torch.equal(single_held[name][part], t) for part, t in expected.items()), name
+        diffs = []
+        for batch in (1, 2):
+            inputs = make_inputs(family, single.config, batch=batch, lengths=Lengths(height=4, width=4, text=6))
+            expected = run_forward(single, inputs)
+            actual = run_forward(model, inputs)
+            assert actual.shape == expected.shape
+            diffs.append(float((actual - expected).abs().max() / expected.abs().max()))
+        results.append({**{k: case[k] for k in ("family", "scheme", "mode")}, "rank": dist.get_rank(),
+                        "quantized": checked, "column_split": column_split, "relative_diff": max(diffs),
+                        "local_quantized_bytes": local_bytes, "counted": get_state(model) is not None})
+    return results
+
+
+def refused_before_read(family: str, folder: str, scheme: str, mode: str) -> str:
+    """The error a rank raises for a quantized load paradiff cannot do exactly; no weight may be read first."""
+    original = Checkpoint.read
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("a weight was read before the quantization request was checked")
+
+    Checkpoint.read = refuse
+    try:
+        paradiff.from_pretrained(model_class(family), folder, quantization_config=quant_config(scheme),
+                                 parallel_config=parallel_config(mode), device="cpu")
+    except Exception as exc:  # noqa: BLE001 - the error is what the test checks
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        Checkpoint.read = original
+    return "no error"
+
+
+def pipeline_quantized(folder: str) -> int:
+    """load_pipeline(tp2, a PipelineQuantizationConfig for the transformer): its shards are those of the model-level
+    quantized tp2 load. Returns how many quantized linears were compared."""
+    from diffusers import PipelineQuantizationConfig
+
+    config = PipelineQuantizationConfig(quant_mapping={"transformer": quant_config("int8")})
+    pipe = paradiff.load_pipeline(folder, parallel_config=parallel_config("tp2"), quantization_config=config,
+                                  device="cpu")
+    alone = paradiff.from_pretrained(type(pipe.transformer), f"{folder}/transformer", device="cpu",
+                                     parallel_config=parallel_config("tp2"), quantization_config=quant_config("int8"))
+    compared = 0
+    for name, module in pipe.transformer.named_modules():
+        if isinstance(module, nn.Linear):
+            held, expected = _held(module), _held(alone.get_submodule(name))
+            assert held is not None and held.keys() == expected.keys(), name
+            assert all(torch.equal(held[k], expected[k]) for k in held), name
+            compared += 1
+    return compared

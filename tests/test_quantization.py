@@ -1,0 +1,163 @@
+"""Quantize on read (docs/quantization.md): each rank quantizes the slice it reads, and every quantized shard equals
+the slice of the single-device quantized tensor (data and scales); outputs match the quantized single process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import BitsAndBytesConfig, GGUFQuantizationConfig, TorchAoConfig
+
+import paradiff
+from paradiff.errors import ParallelConfigError
+from paradiff.io.checkpoint import Checkpoint
+from paradiff.testing.models import build_model, model_class, save_model, tiny_config
+
+import rank_cases_quant as cases
+
+FAMILIES = ("flux2", "wan")
+SCHEMES = ("int8", "fp8", "nf4")
+MODES = ("tp2", "ulysses2")
+RELATIVE_TOLERANCE = 1e-5
+
+
+# widths of the inputs the plans split rowwise (text and timestep projections), so that at tp2 every slice of every
+# planned weight is whole nf4 blocks of 64
+BLOCK_WIDE = {"flux2": dict(joint_attention_dim=128, timestep_guidance_channels=128),
+              "wan": dict(text_dim=128, freq_dim=128, ffn_dim=256)}
+
+
+def block_wide_model(family: str) -> torch.nn.Module:
+    torch.manual_seed(3)
+    model = model_class(family)(**{**tiny_config(family, head_dim=64), **BLOCK_WIDE[family]})
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def quant_checkpoints(tmp_path_factory) -> dict[str, str]:
+    """Tiny checkpoints with 64-wide heads and inputs: at tp2 every planned slice of them is whole nf4 blocks."""
+    folders = {}
+    for family in FAMILIES:
+        folders[family] = str(save_model(block_wide_model(family), tmp_path_factory.mktemp(f"quant-{family}")))
+    folders["flux2-narrow"] = str(save_model(build_model("flux2", seed=3, head_dim=16),
+                                             tmp_path_factory.mktemp("quant-flux2-narrow")))
+    return folders
+
+
+def test_every_shard_is_the_slice_of_the_single_device_quantized_tensor(pools, quant_checkpoints):
+    """Flux2 and Wan x int8 / fp8 (torchao) / nf4 (bitsandbytes) x tp2 / ulysses2, in one pool run."""
+    runs = [dict(family=family, folder=quant_checkpoints[family], scheme=scheme, mode=mode)
+            for family in FAMILIES for scheme in SCHEMES for mode in MODES]
+    per_rank = pools.get(2).run(cases.quantized_equivalence, cases=runs, timeout_s=600)
+    for rank, results in enumerate(per_rank):
+        assert len(results) == len(runs)
+        for result in results:
+            where = f"rank {rank} {result['family']} {result['scheme']} {result['mode']}"
+            assert result["quantized"] > 10, where
+            assert result["relative_diff"] <= RELATIVE_TOLERANCE, (where, result["relative_diff"])
+            if result["mode"] == "tp2":
+                assert result["column_split"] > 0, where  # the rowwise path (whole-row scales) ran
+    tp2 = {(r["family"], r["scheme"]): r["local_quantized_bytes"] for r in per_rank[0] if r["mode"] == "tp2"}
+    cp2 = {(r["family"], r["scheme"]): r["local_quantized_bytes"] for r in per_rank[0] if r["mode"] == "ulysses2"}
+    assert all(tp2[key] < cp2[key] for key in tp2), (tp2, cp2)  # TP ranks hold their share; CP ranks everything
+
+
+def test_nf4_slice_cutting_a_block_is_refused_by_name_before_any_read(pools, quant_checkpoints):
+    errors = pools.get(2).run(cases.refused_before_read, family="flux2", folder=quant_checkpoints["flux2-narrow"],
+                              scheme="nf4", mode="tp2")
+    for error in errors:  # every rank raises, none hangs
+        assert error.startswith("PlanError"), error
+        assert "would cut a block" in error and "llm_int8_skip_modules" in error, error
+        assert "attn.to_out.0" in error or "attn.to_add_out" in error or "ff" in error, error
+
+
+@pytest.fixture
+def no_weight_read(monkeypatch):
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("a weight was read before the quantization request was checked")
+
+    monkeypatch.setattr(Checkpoint, "read", refuse)
+
+
+def _torchao(name: str, **kwargs):
+    import torchao.quantization as ao
+
+    return TorchAoConfig(getattr(ao, name)(**kwargs))
+
+
+@pytest.mark.parametrize("make_config, fragments", [
+    (lambda: _torchao("Int8DynamicActivationInt8WeightConfig"),
+     ["Int8DynamicActivationInt8WeightConfig", "not supported", "Int8WeightOnlyConfig"]),
+    (lambda: _torchao("Int8WeightOnlyConfig", granularity=__import__("torchao.quantization").quantization.PerTensor()),
+     ["granularity", "PerRow"]),
+    (lambda: BitsAndBytesConfig(load_in_8bit=True), ["load_in_8bit=True", "not supported"]),
+    (lambda: BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="fp4"), ["'fp4'", "'nf4'"]),
+    (lambda: BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True),
+     ["bnb_4bit_use_double_quant=True"]),
+    (lambda: GGUFQuantizationConfig(compute_dtype=torch.float32), ["GGUFQuantizationConfig", "not supported", "GGUF"]),
+    (lambda: {"load_in_4bit": True}, ["quantization_config=dict(...)", "BitsAndBytesConfig(load_in_4bit=True"]),
+], ids=["dynamic-activation", "per-tensor", "bnb-8bit", "bnb-fp4", "double-quant", "gguf", "dict"])
+def test_unsupported_scheme_is_one_clear_error_before_any_read(quant_checkpoints, no_weight_read, make_config,
+                                                                fragments):
+    with pytest.raises(ParallelConfigError) as caught:
+        paradiff.from_pretrained(model_class("flux2"), quant_checkpoints["flux2"], quantization_config=make_config(),
+                                 device="cpu")
+    assert all(fragment in str(caught.value) for fragment in fragments), str(caught.value)
+
+
+def test_modules_to_not_convert_stay_in_full_precision(quant_checkpoints):
+    skip = ["transformer_blocks.0.attn", "proj_out"]
+    config = cases.quant_config("int8")
+    config.modules_to_not_convert = skip
+    model = paradiff.from_pretrained(model_class("flux2"), quant_checkpoints["flux2"], quantization_config=config,
+                                     device="cpu")
+    reference = model_class("flux2").from_pretrained(quant_checkpoints["flux2"], quantization_config=config,
+                                                     torch_dtype=torch.float32)
+    held = {name: hasattr(m.weight, "qdata") for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    expected = {name: hasattr(m.weight, "qdata") for name, m in reference.named_modules()
+                if isinstance(m, torch.nn.Linear)}
+    assert held == expected
+    assert not held["proj_out"] and not held["transformer_blocks.0.attn.to_q"] and held["transformer_blocks.0.ff.linear_in"]
+
+
+def test_pipeline_request_quantizes_the_transformer_shards(pools, tiny_pipeline_folders):
+    counts = pools.get(2).run(cases.pipeline_quantized, folder=str(tiny_pipeline_folders["flux2"]))
+    assert all(count > 10 for count in counts), counts
+
+
+@pytest.mark.slow
+def test_generate_quantize_reports_each_ranks_quantized_bytes(tmp_path):
+    """`paradiff generate --tp 2 --quantize int8` on the embedded demo: each rank reports the quantized linears and
+    bytes it holds (about half of the single-process figure for the split layers)."""
+    import json
+    import subprocess
+    import sys
+
+    def generate(tp: str, out):
+        result = subprocess.run([sys.executable, "-m", "paradiff.cli", "generate", "--tp", tp, "--prompt", "a cat",
+                                 "--height", "32", "--width", "32", "--steps", "2", "--quantize", "int8",
+                                 "--out", str(out)], capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return json.loads((out / "report.json").read_text())
+
+    split, whole = generate("2", tmp_path / "tp2"), generate("1", tmp_path / "tp1")
+    assert split["config"]["quantize"] == "int8"
+    single = whole["ranks"][0]["quantization"]["transformer"]
+    assert single["quantized_linears"] > 0
+    for rank in split["ranks"]:
+        held = rank["quantization"]["transformer"]
+        assert held["scheme"] == "int8" and held["quantized_linears"] == single["quantized_linears"]
+        assert held["quantized_bytes"] < 0.75 * single["quantized_bytes"], (held, single)
+    assert (tmp_path / "tp2" / split["images"]["0"]).exists() or split["images"]["0"]
+
+
+def test_quantize_with_stages_is_one_line_and_non_zero(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "paradiff.cli", "generate", "--quantize", "nf4", "--stages",
+                             "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--quantize nf4 with --stages" in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
