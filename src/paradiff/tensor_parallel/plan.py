@@ -314,10 +314,18 @@ def _is_int(value: Any) -> bool:
 
 def _first_int(obj: Any, attrs: tuple[str, ...]) -> int | None:
     for attr in attrs:
-        value = getattr(obj, attr, None)
+        value = _safe_attr(obj, attr)
         if _is_int(value) and value > 0:
             return value
     return None
+
+
+def _safe_attr(obj: Any, attr: str) -> Any:
+    """getattr that also survives configs refusing a global read of a per-layer value (transformers' Gemma 4)."""
+    try:
+        return getattr(obj, attr, None)
+    except Exception:  # noqa: BLE001 - such a value is not one count for the whole model
+        return None
 
 
 QUERY_HEAD_ATTRS = ("heads", "num_heads", "n_heads", "num_attention_heads")
@@ -375,7 +383,7 @@ class _HeadOwners:
 
 def _model_heads(model: nn.Module, plan: TensorParallelPlan, size: int) -> HeadSplit | None:
     config = getattr(model, "config", None)
-    query = getattr(config, plan.heads_config_key, None)
+    query = _safe_attr(config, plan.heads_config_key)
     if not _is_int(query) or query <= 0:
         return None
     kv = _first_int(config, KV_HEAD_ATTRS)
@@ -526,7 +534,7 @@ def _check_target(module: nn.Module, style, name: str, key: str) -> None:
 def check_heads(model: nn.Module, plan: TensorParallelPlan, size: int) -> None:
     """Any head count splits (each rank holds floor or ceil of heads/tp whole heads), but every rank needs one."""
     config = getattr(model, "config", None)
-    heads = None if config is None else getattr(config, plan.heads_config_key, None)
+    heads = None if config is None else _safe_attr(config, plan.heads_config_key)
     if _is_int(heads) and 0 < heads < size:
         raise PlanError(
             f"tp_degree={size} is larger than the attention head count {plan.heads_config_key}={heads} of "
