@@ -388,7 +388,10 @@ def _model_heads(model: nn.Module, plan: TensorParallelPlan, size: int) -> HeadS
         return None
     kv = _first_int(config, KV_HEAD_ATTRS)
     kv = kv if kv is not None and query % kv == 0 else query
-    head_dim = _first_int(config, ("attention_head_dim", "head_dim"))
+    head_dim = _first_int(config, ("attention_head_dim", "head_dim", "d_kv"))
+    hidden = _first_int(config, ("hidden_size", "d_model"))
+    if head_dim is None and hidden is not None and hidden % query == 0:  # BERT-style: the hidden width is the heads'
+        head_dim = hidden // query
     return HeadSplit.of(query, kv, size, head_dim, where=type(model).__name__, counts_kv=False)
 
 

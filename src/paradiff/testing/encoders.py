@@ -34,10 +34,24 @@ _VISION = dict(_TOWER, image_size=IMAGE_SIZE, patch_size=PATCH)
 _SMALL_VISION = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
 
 
+# head counts and MLP widths no TP degree divides: 5 query heads over 1 K/V head, 6 over 3, a 37-wide MLP
+_UNEVEN_DECODER = dict(_DECODER, hidden_size=40, intermediate_size=37, num_attention_heads=5, num_key_value_heads=1)
+_UNEVEN_TOWER = dict(hidden_size=20, num_hidden_layers=2, num_attention_heads=5, intermediate_size=37)
+
+
 def _configs() -> dict[str, Callable[[], Any]]:
     import transformers as tf
 
     return {
+        # "<class>@uneven": the class with heads and widths split floor/ceil at tp2 and tp3
+        "Qwen3Model@uneven": lambda: tf.Qwen3Config(**_UNEVEN_DECODER),
+        "GlmModel@uneven": lambda: tf.GlmConfig(**dict(_UNEVEN_DECODER, hidden_size=48, num_attention_heads=6,
+                                                       num_key_value_heads=3), partial_rotary_factor=0.5),
+        "BertModel@uneven": lambda: tf.BertConfig(vocab_size=VOCAB, pad_token_id=0, max_position_embeddings=16,
+                                                 **_UNEVEN_TOWER),
+        "T5EncoderModel@uneven": lambda: tf.T5Config(vocab_size=VOCAB, d_model=20, d_kv=4, d_ff=37, num_layers=2,
+                                                     num_heads=5, feed_forward_proj="gated-gelu",
+                                                     is_encoder_decoder=False),
         "BertModel": lambda: tf.BertConfig(vocab_size=VOCAB, pad_token_id=0, max_position_embeddings=16, **_TOWER),
         "Gemma4UnifiedForConditionalGeneration": lambda: tf.Gemma4UnifiedConfig(text_config={
             k: v for k, v in _GEMMA4_TEXT.items() if "per_layer_input" not in k}),
@@ -85,7 +99,7 @@ ENCODER_CLASSES = tuple(_configs())
 def encoder_class(name: str) -> type:
     import transformers
 
-    return getattr(transformers, name)
+    return getattr(transformers, name.partition("@")[0])
 
 
 def build_encoder(name: str, seed: int = 0) -> nn.Module:
