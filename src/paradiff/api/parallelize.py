@@ -14,6 +14,7 @@ from paradiff.errors import UnsupportedModelError
 from paradiff.distributed.failures import guarded_call
 from paradiff.distributed.mesh import rank_coordinates, require_distributed
 from paradiff.api.load_sequence import Component, Prepared, run_load_sequence
+from paradiff.api.lora import install_lora_support
 from paradiff.plans import plan_for
 from paradiff.runtime.state import ParallelState, get_state, set_state
 from paradiff.runtime.wrappers import install_wrapper
@@ -113,4 +114,5 @@ def attach(model: nn.Module, mesh: Any, resolved: Any, cp_resolved: Any) -> nn.M
         apply_context_parallel(model, state, cp_resolved)
     install_wrapper(model, "failure_guard", guarded_call)
     install_agreed_caching(model, mesh.model_group)
+    install_lora_support(model)
     return model
