@@ -70,10 +70,17 @@ def lora_equivalence(family: str, folder: str, mode: str, loras: dict[str, str],
 
     compare("base")
     for name in names:
-        source = loras[name] if via == "file" else load_file(loras[name])
         # use_safetensors: diffusers then reads the adapter metadata (lora_alpha != r) from the file
-        reference.load_lora_adapter(loras[name], adapter_name=name, use_safetensors=True)
-        model.load_lora_adapter(source, adapter_name=name, use_safetensors=True)
+        extra, expected_source, source = {"use_safetensors": True}, loras[name], loras[name]
+        if name == "kohya":  # converted by diffusers' own FLUX loader, as load_lora_weights does
+            from diffusers import FluxPipeline
+
+            converted, alphas = FluxPipeline.lora_state_dict(loras[name], return_alphas=True)
+            expected_source, source, extra = converted, dict(converted), {"network_alphas": alphas}
+        elif via == "dict":
+            source = load_file(loras[name])
+        reference.load_lora_adapter(expected_source, adapter_name=name, **extra)
+        model.load_lora_adapter(source, adapter_name=name, **extra)
         if name == names[0]:
             compare(f"only {name}")
     report = model._paradiff_lora_load
@@ -108,3 +115,90 @@ def lora_equivalence(family: str, folder: str, mode: str, loras: dict[str, str],
             "layers": len(originals), "unfused_exact": unfused_exact, "bytes_read": report.bytes_read,
             "local_bytes": report.local_bytes, "tensors": report.tensors}
 
+
+
+def lora_cases(cases: list[dict]) -> list[dict]:
+    """Several `lora_equivalence` cases in one pool run (the pools are shared: fewer runs, a faster suite)."""
+    torch.set_num_threads(1)
+    return [dict(lora_equivalence(**case), case=case) for case in cases]
+
+
+def lora_errors(family: str, folder: str, good: str, truncated: str, seed_files: list[str]) -> dict:
+    """Bad adapters on a tp2 model that already holds one: each is one typed error on every rank, raised before the
+    adapter layers are built, and the model still generates what it did before."""
+    from safetensors.torch import load_file
+
+    cls = model_class(family)
+    model = paradiff.from_pretrained(cls, folder, parallel_config=paradiff.TensorParallelConfig(tp_degree=2))
+    inputs = make_inputs(family, model.config, batch=1, lengths=Lengths(height=4, width=4, text=6))
+    model.load_lora_adapter(good, adapter_name="style", use_safetensors=True)
+    before = run_forward(model, inputs)
+    full = load_file(good)
+    rank = dist.get_rank()
+    first = next(k for k in full if k.endswith("lora_A.weight"))
+    wrong_shape = dict(full, **{first: torch.zeros(full[first].shape[0], full[first].shape[1] + 8)})
+    unknown = dict(full)
+    unknown["transformer.transformer_blocks.0.attn.to_nowhere.lora_A.weight"] = full[first]
+    unknown["transformer.transformer_blocks.0.attn.to_nowhere.lora_B.weight"] = torch.zeros(8, full[first].shape[0])
+    attempts = {
+        "wrong shape": wrong_shape,
+        "unknown target": unknown,
+        "truncated": truncated,
+        "different files": seed_files[rank],
+        "only rank 1 wrong": wrong_shape if rank == 1 else full,
+        "name in use": full,
+    }
+    errors = {}
+    for what, source in attempts.items():
+        name = "style" if what == "name in use" else "extra"
+        try:
+            model.load_lora_adapter(source, adapter_name=name)
+            errors[what] = None
+        except Exception as exc:  # noqa: BLE001 - the test inspects type and message
+            errors[what] = (type(exc).__name__, str(exc))
+    after = run_forward(model, inputs)
+    return {"rank": rank, "errors": errors, "same_output": torch.equal(before, after),
+            "adapters": sorted(model.peft_config), "first_key": first.removeprefix("transformer.")}
+
+
+def pipeline_lora(family: str, folder: str, mode: str, loras: dict[str, str], steps: int = 2) -> dict:
+    """`pipe.load_lora_weights` on a paradiff pipeline (diffusers' format conversion included) against the
+    single-process diffusers pipeline: images with the adapters, fused, unfused, unloaded."""
+    import numpy as np
+    from diffusers import DiffusionPipeline
+
+    from paradiff.testing.pipelines import default_call_kwargs
+
+    torch.set_num_threads(1)
+    kwargs = dict(default_call_kwargs(family), num_inference_steps=steps)
+    reference = DiffusionPipeline.from_pretrained(folder)
+    pipeline = paradiff.load_pipeline(folder, parallel_config=ParallelConfig.from_degrees(**parse_mode(mode)))
+    for pipe in (reference, pipeline):
+        pipe.set_progress_bar_config(disable=True)
+
+    def images(pipe):
+        call = dict(kwargs, generator=torch.Generator().manual_seed(0)) if pipe is reference else dict(kwargs, seed=0)
+        return np.asarray(pipe(**call).images)
+
+    diffs = {}
+
+    def compare(step: str) -> None:
+        expected = images(reference)
+        diffs[step] = float(np.abs(images(pipeline) - expected).max() / max(np.abs(expected).max(), 1e-12))
+
+    base = images(pipeline)
+    for name, path in loras.items():
+        for pipe in (reference, pipeline):
+            pipe.load_lora_weights(path, adapter_name=name)
+    compare("loaded")
+    changed = float(np.abs(images(pipeline) - base).max())
+    active = (pipeline.get_active_adapters(), reference.get_active_adapters())
+    for pipe in (reference, pipeline):
+        pipe.fuse_lora(lora_scale=0.8)
+    compare("fused")
+    for pipe in (reference, pipeline):
+        pipe.unfuse_lora()
+        pipe.unload_lora_weights()
+    compare("unloaded")
+    return {"rank": dist.get_rank(), "diffs": diffs, "changed": changed, "active": active,
+            "back_to_base": bool(np.array_equal(images(pipeline), base))}

@@ -54,6 +54,23 @@ class ParallelPipelineMixin:
             splitter.finish()
         return output
 
+    # FLUX's load_lora_weights widens a transformer Linear (or zero-pads the adapter) whose shape differs from the
+    # adapter's (Control LoRAs): on a tensor-parallel transformer every split Linear would look "too small".
+    # paradiff checks the adapter against the full shapes itself (api/lora.py) and refuses a mismatch.
+    @classmethod
+    def _maybe_expand_transformer_param_shape_or_error_(cls, transformer, *args: Any, **kwargs: Any) -> bool:
+        state = get_state(transformer)
+        if state is not None and state.tp_plan is not None:
+            return False
+        return super()._maybe_expand_transformer_param_shape_or_error_(transformer, *args, **kwargs)
+
+    @classmethod
+    def _maybe_expand_lora_state_dict(cls, transformer, lora_state_dict: dict) -> dict:
+        state = get_state(transformer)
+        if state is not None and state.tp_plan is not None:
+            return lora_state_dict
+        return super()._maybe_expand_lora_state_dict(transformer, lora_state_dict)
+
     def stage_report(self) -> list[dict]:
         """Per stage on this rank (text_encoders, transformer, vae), summed over the calls since the last
         `reset_stage_report()`: load_s, run_s, peak_bytes (CUDA max allocated, or peak RssAnon on CPU),

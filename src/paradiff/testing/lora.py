@@ -61,10 +61,12 @@ def save_lora(path: Path, state_dict: dict[str, torch.Tensor], rank: int, alpha:
     return path
 
 
-# kohya (sd-scripts) names of FLUX.1 modules in BFL's layout, for block 0; qkv is one fused projection there
+# kohya (sd-scripts) names of FLUX.1 modules in BFL's layout, for block 0; qkv is one fused projection there, split
+# in three by the converter. (The single blocks' fused linear1 is left out: diffusers' converter splits it by
+# FLUX.1-dev's fixed widths, 3 x 3072 + 12288, which a tiny model does not have.)
 KOHYA_FLUX = ("double_blocks_0_img_attn_qkv", "double_blocks_0_img_attn_proj", "double_blocks_0_img_mlp_0",
               "double_blocks_0_img_mlp_2", "double_blocks_0_img_mod_lin", "double_blocks_0_txt_attn_proj",
-              "single_blocks_0_linear1", "single_blocks_0_linear2", "single_blocks_0_modulation_lin")
+              "double_blocks_0_txt_attn_qkv", "single_blocks_0_linear2", "single_blocks_0_modulation_lin")
 
 
 def save_kohya_flux_lora(path: Path, config, rank: int, alpha: float, seed: int, scale: float = 0.2) -> Path:
@@ -76,7 +78,7 @@ def save_kohya_flux_lora(path: Path, config, rank: int, alpha: float, seed: int,
         "double_blocks_0_img_attn_qkv": (dim, 3 * dim), "double_blocks_0_img_attn_proj": (dim, dim),
         "double_blocks_0_img_mlp_0": (dim, 4 * dim), "double_blocks_0_img_mlp_2": (4 * dim, dim),
         "double_blocks_0_img_mod_lin": (dim, 6 * dim), "double_blocks_0_txt_attn_proj": (dim, dim),
-        "single_blocks_0_linear1": (dim, 3 * dim + 4 * dim), "single_blocks_0_linear2": (dim + 4 * dim, dim),
+        "double_blocks_0_txt_attn_qkv": (dim, 3 * dim), "single_blocks_0_linear2": (dim + 4 * dim, dim),
         "single_blocks_0_modulation_lin": (dim, 3 * dim),
     }
     generator = torch.Generator().manual_seed(seed)

@@ -1,0 +1,195 @@
+"""LoRA adapters on paradiff models and pipelines: diffusers' own LoRA API, in TP, Ulysses, ring and TP x Ulysses,
+against diffusers' LoRA on the unsplit model; each rank holds the slices of the factors; fuse / unfuse exact; bad
+adapters refused with one typed error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import rank_cases_lora as cases
+from paradiff.errors import AdapterError
+from paradiff.tensor_parallel.lora import factor_specs
+from paradiff.tensor_parallel.plan import TensorParallelPlan, resolve_plan
+from paradiff.tensor_parallel.styles import ColwiseHeads, HeadNorm, PackedColwise, ShardSpec
+from paradiff.testing.lora import TARGETS, random_lora, save_kohya_flux_lora, save_lora
+from paradiff.testing.models import FAMILIES, build_model
+
+RTOL = 1e-5
+WEIGHTS = {"style": 0.7, "detail": 1.3}
+pytest.importorskip("peft")
+
+
+@pytest.fixture(scope="session")
+def lora_files(tmp_path_factory) -> dict[str, dict[str, Path]]:
+    """family -> adapter name -> file: 'style' rank 4 alpha 8 on every target (attention, FFN, AdaLN, the top-level
+    projection), 'detail' rank 16 alpha 6 on every other target, both in diffusers' format with its metadata."""
+    root = tmp_path_factory.mktemp("loras")
+    files = {}
+    for family in FAMILIES:
+        model = build_model(family)
+        files[family] = {
+            "style": save_lora(root / family / "style.safetensors", random_lora(model, TARGETS[family], 4, seed=1),
+                               rank=4, alpha=8),
+            "detail": save_lora(root / family / "detail.safetensors",
+                                random_lora(model, TARGETS[family][::2], 16, seed=2), rank=16, alpha=6),
+        }
+    files["flux"]["kohya"] = save_kohya_flux_lora(root / "flux" / "kohya.safetensors", build_model("flux").config,
+                                                  rank=4, alpha=2.0, seed=3)
+    return files
+
+
+def _cases(checkpoints, lora_files, mode: str, families=FAMILIES) -> list[dict]:
+    return [dict(family=family, folder=str(checkpoints[(family, "single")]), mode=mode,
+                 loras={name: str(lora_files[family][name]) for name in ("style", "detail")}, weights=WEIGHTS)
+            for family in families]
+
+
+def _check(results: list[list[dict]]) -> None:
+    for rank_results in results:
+        for result in rank_results:
+            where = (result["case"]["family"], result["case"]["mode"], result["rank"])
+            assert max(result["diffs"].values()) <= RTOL, (where, result["diffs"])
+            assert result["diffs"]["only style"] <= RTOL and result["diffs"]["mixed"] <= RTOL, where
+            assert result["fused_changed"] == result["layers"] > 0, where  # fusing changed every adapted shard
+            assert result["unfused_exact"], where
+
+
+def test_tp2_and_cp2_match_diffusers_lora(pools, checkpoints, lora_files):
+    """tp2, ulysses2 and ring2 on the four families in one pool run (plus one adapter given as a dict)."""
+    batch = _cases(checkpoints, lora_files, "tp2") + _cases(checkpoints, lora_files, "ulysses2")
+    batch += _cases(checkpoints, lora_files, "ring2", families=("flux",))
+    batch.append(dict(_cases(checkpoints, lora_files, "tp2", families=("qwenimage",))[0], via="dict"))
+    results = pools.get(2).run(cases.lora_cases, timeout_s=900, cases=batch)
+    _check(results)
+    for result in results[0]:
+        if result["case"]["mode"] == "tp2":
+            assert result["sliced"] > 0  # the factors of every split layer were checked against the full slices
+            if result["case"].get("via", "file") == "file":
+                assert 0 < result["bytes_read"] == result["local_bytes"]  # read exactly what the rank keeps
+        else:
+            assert result["sliced"] == 0
+
+
+def test_tp2_x_ulysses2_matches_diffusers_lora(pools, checkpoints, lora_files):
+    results = pools.get(4).run(cases.lora_cases, timeout_s=900, cases=_cases(checkpoints, lora_files, "tp2xulysses2"))
+    _check(results)
+    assert all(result["sliced"] > 0 for rank_results in results for result in rank_results)
+
+
+def test_tp_ranks_read_less_of_the_adapter_than_it_holds(pools, checkpoints, lora_files, tmp_path):
+    """The rank-16 adapter on tp2: each rank reads and keeps only its slices, well under the whole file's factors."""
+    from safetensors.torch import load_file
+
+    batch = [dict(case, loras={"detail": case["loras"]["detail"]}) for case in
+             _cases(checkpoints, lora_files, "tp2", families=("flux2",))]
+    results = pools.get(2).run(cases.lora_cases, timeout_s=600, cases=batch)
+    _check(results)
+    full = sum(t.numel() * t.element_size() for t in load_file(lora_files["flux2"]["detail"]).values())
+    for rank_results in results:
+        assert rank_results[0]["bytes_read"] < 0.8 * full, (rank_results[0]["bytes_read"], full)
+
+
+def test_bad_adapters_are_one_typed_error_and_the_model_still_generates(pools, checkpoints, lora_files, tmp_path):
+    good = lora_files["flux"]["style"]
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(good.read_bytes()[:-100])
+    model = build_model("flux")
+    seed_files = [str(save_lora(tmp_path / f"seed{seed}.safetensors", random_lora(model, TARGETS["flux"], 4, seed=seed),
+                                rank=4, alpha=8)) for seed in (10, 11)]
+    results = pools.get(2).run(cases.lora_errors, family="flux", folder=str(checkpoints[("flux", "single")]),
+                               good=str(good), truncated=str(truncated), seed_files=seed_files)
+    for result in results:
+        errors, rank = result["errors"], result["rank"]
+        assert errors["wrong shape"][0] == "AdapterError" and result["first_key"] in errors["wrong shape"][1]
+        assert "needs" in errors["wrong shape"][1]
+        assert errors["unknown target"][0] == "AdapterError" and "to_nowhere" in errors["unknown target"][1]
+        assert errors["truncated"][0] == "CheckpointError" and "truncated" in errors["truncated"][1]
+        assert errors["different files"][0] == "DistributedError"
+        assert "ranks disagree on adapter content" in errors["different files"][1]
+        if rank == 1:
+            assert errors["only rank 1 wrong"][0] == "AdapterError"
+        else:
+            assert errors["only rank 1 wrong"][0] == "DistributedError"
+            assert "rank 1: AdapterError" in errors["only rank 1 wrong"][1]
+        assert errors["name in use"][0] == "AdapterError" and "already loaded" in errors["name in use"][1]
+        assert result["adapters"] == ["style"]
+        assert result["same_output"]
+
+
+def test_kohya_flux_lora_converted_by_diffusers_matches(pools, checkpoints, lora_files):
+    """A kohya `lora_unet_*` file, converted by diffusers' FluxPipeline.lora_state_dict, loaded at tp2 x ulysses2."""
+    batch = [dict(family="flux", folder=str(checkpoints[("flux", "single")]), mode=mode, via="kohya",
+                  loras={"kohya": str(lora_files["flux"]["kohya"]), "style": str(lora_files["flux"]["style"])},
+                  weights={"kohya": 1.0, "style": 0.5}) for mode in ("tp2xulysses2",)]
+    _check(pools.get(4).run(cases.lora_cases, timeout_s=600, cases=batch))
+
+
+@pytest.fixture(scope="module")
+def pipeline_loras(tiny_pipeline_folders, tmp_path_factory) -> dict[str, Path]:
+    from diffusers import FluxTransformer2DModel
+
+    root = tmp_path_factory.mktemp("pipeline-loras")
+    transformer = FluxTransformer2DModel.from_pretrained(tiny_pipeline_folders["flux"] / "transformer")
+    return {
+        "style": save_lora(root / "style.safetensors", random_lora(transformer, TARGETS["flux"], 4, seed=5),
+                           rank=4, alpha=8),
+        "kohya": save_kohya_flux_lora(root / "kohya.safetensors", transformer.config, rank=4, alpha=2.0, seed=6),
+    }
+
+
+@pytest.mark.parametrize("mode", ["tp2", "ulysses2"])
+def test_pipeline_load_lora_weights(pools, tiny_pipeline_folders, pipeline_loras, mode):
+    results = pools.get(2).run(cases.pipeline_lora, timeout_s=600, family="flux",
+                               folder=str(tiny_pipeline_folders["flux"]), mode=mode,
+                               loras={name: str(path) for name, path in pipeline_loras.items()})
+    for result in results:
+        assert max(result["diffs"].values()) <= 1e-4, result  # images in [0, 1] after the VAE, 2 steps
+        assert result["changed"] > 1e-3, result  # the adapters do change the image
+        assert result["active"][0] == result["active"][1]
+        assert result["back_to_base"]
+
+
+# --- which slice of each factor a rank holds, per style (no processes) ---
+
+def _resolved(model, styles: dict, rank: int, size: int = 2):
+    return resolve_plan(model, TensorParallelPlan(styles=styles), rank, size)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_factor_specs_follow_the_base_weight_spec(rank):
+    model = build_model("wan")
+    head_dim = model.config.attention_head_dim
+    resolved = _resolved(model, {
+        "blocks.0.attn1.to_q": "colwise", "blocks.0.attn1.to_k": ColwiseHeads(head_dim),
+        "blocks.0.ffn.net.0.proj": PackedColwise([1, 1]), "blocks.0.attn1.to_out.0": "rowwise",
+        "condition_embedder.time_proj": "rowwise_split_input"}, rank)
+    for name, linear in resolved.linears.items():
+        specs = factor_specs(name, linear)
+        weight = linear.specs["weight"]
+        if linear.style.kind == "colwise":
+            assert specs["lora_B.weight"] == ShardSpec(dim=0, pieces=weight.pieces) and specs["lora_A.weight"] is None
+            assert specs["lora_B.bias"] == specs["lora_B.weight"]
+        else:
+            assert specs["lora_A.weight"] == ShardSpec(dim=1, pieces=weight.pieces) and specs["lora_B.weight"] is None
+            assert specs["lora_B.bias"] is None  # added once, after the all-reduce
+    packed = factor_specs("blocks.0.ffn.net.0.proj", resolved.linears["blocks.0.ffn.net.0.proj"])["lora_B.weight"]
+    assert len(packed.pieces) == 2  # one piece per packed block, as the weight
+
+
+def test_factor_specs_refuse_norms_and_vocab_naming_the_layer():
+    model = build_model("wan")
+    resolved = _resolved(model, {"blocks.0.attn1.norm_q": HeadNorm(), "blocks.0.attn1.to_q": "colwise"}, 0)
+    with pytest.raises(AdapterError, match="blocks.0.attn1.norm_q"):
+        factor_specs("blocks.0.attn1.norm_q", resolved.linears["blocks.0.attn1.norm_q"])
+    resolved = _resolved(model, {"proj_out": "vocab"}, 0)
+    with pytest.raises(AdapterError, match="proj_out.*gathered"):
+        factor_specs("proj_out", resolved.linears["proj_out"])
+
+
+def test_random_lora_is_deterministic():
+    model = build_model("flux")
+    first, second = (random_lora(model, TARGETS["flux"], 4, seed=1) for _ in range(2))
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
