@@ -77,8 +77,8 @@ def lora_equivalence(family: str, folder: str, mode: str, loras: dict[str, str],
 
             converted, alphas = FluxPipeline.lora_state_dict(loras[name], return_alphas=True)
             expected_source, source, extra = converted, dict(converted), {"network_alphas": alphas}
-        elif via == "dict":
-            source = load_file(loras[name])
+        elif via == "dict":  # a dict carries no adapter metadata: both sides then take lora_alpha = r
+            expected_source, source = load_file(loras[name]), load_file(loras[name])
         reference.load_lora_adapter(expected_source, adapter_name=name, **extra)
         model.load_lora_adapter(source, adapter_name=name, **extra)
         if name == names[0]:

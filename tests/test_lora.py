@@ -52,7 +52,8 @@ def _check(results: list[list[dict]]) -> None:
         for result in rank_results:
             where = (result["case"]["family"], result["case"]["mode"], result["rank"])
             assert max(result["diffs"].values()) <= RTOL, (where, result["diffs"])
-            assert result["diffs"]["only style"] <= RTOL and result["diffs"]["mixed"] <= RTOL, where
+            first = next(iter(result["case"]["loras"]))
+            assert result["diffs"][f"only {first}"] <= RTOL and result["diffs"]["mixed"] <= RTOL, where
             assert result["fused_changed"] == result["layers"] > 0, where  # fusing changed every adapted shard
             assert result["unfused_exact"], where
 
@@ -65,31 +66,26 @@ def test_tp2_and_cp2_match_diffusers_lora(pools, checkpoints, lora_files):
     results = pools.get(2).run(cases.lora_cases, timeout_s=900, cases=batch)
     _check(results)
     for result in results[0]:
-        if result["case"]["mode"] == "tp2":
+        case = result["case"]
+        if case["mode"] == "tp2":
             assert result["sliced"] > 0  # the factors of every split layer were checked against the full slices
-            if result["case"].get("via", "file") == "file":
-                assert 0 < result["bytes_read"] == result["local_bytes"]  # read exactly what the rank keeps
+            if case.get("via", "file") == "file":
+                # the last adapter loaded: read exactly what the rank keeps, less than the file holds
+                assert 0 < result["bytes_read"] == result["local_bytes"] < _tensor_bytes(case["loras"]["detail"])
         else:
             assert result["sliced"] == 0
+
+
+def _tensor_bytes(path: str) -> int:
+    from safetensors.torch import load_file
+
+    return sum(t.numel() * t.element_size() for t in load_file(path).values())
 
 
 def test_tp2_x_ulysses2_matches_diffusers_lora(pools, checkpoints, lora_files):
     results = pools.get(4).run(cases.lora_cases, timeout_s=900, cases=_cases(checkpoints, lora_files, "tp2xulysses2"))
     _check(results)
     assert all(result["sliced"] > 0 for rank_results in results for result in rank_results)
-
-
-def test_tp_ranks_read_less_of_the_adapter_than_it_holds(pools, checkpoints, lora_files, tmp_path):
-    """The rank-16 adapter on tp2: each rank reads and keeps only its slices, well under the whole file's factors."""
-    from safetensors.torch import load_file
-
-    batch = [dict(case, loras={"detail": case["loras"]["detail"]}) for case in
-             _cases(checkpoints, lora_files, "tp2", families=("flux2",))]
-    results = pools.get(2).run(cases.lora_cases, timeout_s=600, cases=batch)
-    _check(results)
-    full = sum(t.numel() * t.element_size() for t in load_file(lora_files["flux2"]["detail"]).values())
-    for rank_results in results:
-        assert rank_results[0]["bytes_read"] < 0.8 * full, (rank_results[0]["bytes_read"], full)
 
 
 def test_bad_adapters_are_one_typed_error_and_the_model_still_generates(pools, checkpoints, lora_files, tmp_path):

@@ -67,7 +67,8 @@ def check_shardable(model: nn.Module) -> None:
                 found = "peft_config is set" if peft_config else "it has a 'lora_A' child"
             raise UnsupportedModelError(
                 f"{name or 'model'} carries LoRA adapters ({found}); paradiff splits plain nn.Linear weights only. "
-                "Fuse them into the base weights first (fuse_lora() then unload_lora_weights())."
+                "Parallelise first, then load the adapters (paradiff splits them: docs/lora.md), or fuse them into "
+                "the base weights first (fuse_lora() then unload_lora_weights())."
             )
 
 
