@@ -166,6 +166,7 @@ def pipeline_lora(family: str, folder: str, mode: str, loras: dict[str, str], st
     single-process diffusers pipeline: images with the adapters, fused, unfused, unloaded."""
     import numpy as np
     from diffusers import DiffusionPipeline
+    from safetensors.torch import load_file
 
     from paradiff.testing.pipelines import default_call_kwargs
 
@@ -200,5 +201,23 @@ def pipeline_lora(family: str, folder: str, mode: str, loras: dict[str, str], st
         pipe.unfuse_lora()
         pipe.unload_lora_weights()
     compare("unloaded")
+    back_to_base = bool(np.array_equal(images(pipeline), base))
+    # an adapter with text-encoder weights: refused on a split encoder, with the transformer's part taken out again
+    from paradiff.errors import AdapterError
+    from paradiff.tensor_parallel.layers import ShardedLinear
+
+    q_proj = next(name for name, _ in reference.text_encoder.named_modules() if name.endswith("q_proj"))
+    width = reference.text_encoder.get_submodule(q_proj).in_features
+    with_encoder = {f"text_encoder.{q_proj}.lora_A.weight": torch.ones(4, width),
+                    f"text_encoder.{q_proj}.lora_B.weight": torch.ones(width, 4)}
+    with_encoder.update({k: v for k, v in load_file(next(iter(loras.values()))).items()})
+    encoder_split = any(isinstance(m, ShardedLinear) for m in pipeline.text_encoder.modules())
+    try:
+        pipeline.load_lora_weights(with_encoder, adapter_name="with_encoder")
+        encoder_error = None
+    except AdapterError as exc:
+        encoder_error = str(exc)
     return {"rank": dist.get_rank(), "diffs": diffs, "changed": changed, "active": active,
-            "back_to_base": bool(np.array_equal(images(pipeline), base))}
+            "back_to_base": back_to_base, "encoder_split": encoder_split, "encoder_error": encoder_error,
+            "adapters_after": sorted(getattr(pipeline.transformer, "peft_config", None) or {}),
+            "still_base": bool(np.array_equal(images(pipeline), base)) if encoder_error else None}

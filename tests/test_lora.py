@@ -146,6 +146,9 @@ def test_pipeline_load_lora_weights(pools, tiny_pipeline_folders, pipeline_loras
         assert result["changed"] > 1e-3, result  # the adapters do change the image
         assert result["active"][0] == result["active"][1]
         assert result["back_to_base"]
+        if result["encoder_split"]:  # text-encoder weights on a split encoder: one clear error, nothing left loaded
+            assert "text encoder" in result["encoder_error"] and "shard_text_encoders=False" in result["encoder_error"]
+            assert result["adapters_after"] == [] and result["still_base"]
 
 
 # --- which slice of each factor a rank holds, per style (no processes) ---
