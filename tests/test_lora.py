@@ -192,3 +192,36 @@ def test_random_lora_is_deterministic():
     model = build_model("flux")
     first, second = (random_lora(model, TARGETS["flux"], 4, seed=1) for _ in range(2))
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+@pytest.mark.slow
+def test_cli_generate_with_loras(tiny_pipeline_folders, pipeline_loras, tmp_path):
+    """`paradiff generate MODEL --lora PATH[:SCALE]` (twice) at tp2, --compare against diffusers with the same
+    adapters; report.json lists them."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "paradiff.cli", "generate", str(tiny_pipeline_folders["flux"]), "--tp", "2",
+               "--prompt", "a cat", "--steps", "2", "--height", "32", "--width", "32", "--compare", "--out", str(out),
+               "--lora", f"{pipeline_loras['style']}:0.8", "--lora", str(pipeline_loras["kohya"])]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["loras"] == [
+        {"adapter_name": "lora0", "path": str(pipeline_loras["style"]), "scale": 0.8},
+        {"adapter_name": "lora1", "path": str(pipeline_loras["kohya"]), "scale": 1.0}]
+    assert report["max_abs_diff_vs_single_process"] < 1e-5
+
+
+def test_lora_spec_parsing():
+    import argparse
+
+    from paradiff.cli.args import lora_specs
+
+    specs = lora_specs(argparse.Namespace(lora=["a.safetensors:0.5", "org/repo", "c:/x.safetensors", "d:1e-1"]))
+    assert [(s["path"], s["scale"]) for s in specs] == [("a.safetensors", 0.5), ("org/repo", 1.0),
+                                                         ("c:/x.safetensors", 1.0), ("d", 0.1)]
+    assert [s["adapter_name"] for s in specs] == ["lora0", "lora1", "lora2", "lora3"]
