@@ -52,9 +52,10 @@ def _shards(model) -> dict[str, torch.Tensor]:
 
 
 def lora_equivalence(family: str, folder: str, mode: str, loras: dict[str, str], weights: dict[str, float],
-                     fuse_scale: float = 0.5, via: str = "file") -> dict:
+                     fuse_scale: float = 0.5, via: str = "file", swap: str | None = None) -> dict:
     """Load `loras` (adapter name -> file) into a paradiff model in `mode` and into diffusers' single-process model,
-    then compare outputs after: the first adapter; all mixed by `weights`; disable / enable; fuse (then the shards
+    then compare outputs after: the first adapter; all mixed by `weights`; `swap` hot-swapped into the first one's
+    layers (when given); disable / enable; fuse (then the shards
     against the originals after unfuse); delete of the last adapter; unload. Returns every relative difference."""
     from safetensors.torch import load_file
 
@@ -87,6 +88,10 @@ def lora_equivalence(family: str, folder: str, mode: str, loras: dict[str, str],
     reference.set_adapters(names, [weights[n] for n in names])
     model.set_adapters(names, [weights[n] for n in names])
     compare("mixed")
+    if swap is not None:  # another adapter of the same shape into the first one's layers, in place
+        for target in (reference, model):
+            target.load_lora_adapter(swap, adapter_name=names[0], hotswap=True, use_safetensors=True)
+        compare("hotswapped")
     sliced = _check_factor_slices(model, reference)
     assert model.active_adapters() == reference.active_adapters()
     reference.disable_lora()

@@ -31,6 +31,8 @@ def lora_files(tmp_path_factory) -> dict[str, dict[str, Path]]:
     for family in FAMILIES:
         model = build_model(family)
         files[family] = {
+            "swap": save_lora(root / family / "swap.safetensors", random_lora(model, TARGETS[family], 4, seed=3),
+                              rank=4, alpha=8),
             "style": save_lora(root / family / "style.safetensors", random_lora(model, TARGETS[family], 4, seed=1),
                                rank=4, alpha=8),
             "detail": save_lora(root / family / "detail.safetensors",
@@ -43,7 +45,8 @@ def lora_files(tmp_path_factory) -> dict[str, dict[str, Path]]:
 
 def _cases(checkpoints, lora_files, mode: str, families=FAMILIES) -> list[dict]:
     return [dict(family=family, folder=str(checkpoints[(family, "single")]), mode=mode,
-                 loras={name: str(lora_files[family][name]) for name in ("style", "detail")}, weights=WEIGHTS)
+                 loras={name: str(lora_files[family][name]) for name in ("style", "detail")}, weights=WEIGHTS,
+                 swap=str(lora_files[family]["swap"]))
             for family in families]
 
 
@@ -56,13 +59,15 @@ def _check(results: list[list[dict]]) -> None:
             assert result["diffs"][f"only {first}"] <= RTOL and result["diffs"]["mixed"] <= RTOL, where
             assert result["fused_changed"] == result["layers"] > 0, where  # fusing changed every adapted shard
             assert result["unfused_exact"], where
+            if result["case"].get("swap"):
+                assert result["diffs"]["hotswapped"] <= RTOL, where
 
 
 def test_tp2_and_cp2_match_diffusers_lora(pools, checkpoints, lora_files):
     """tp2, ulysses2 and ring2 on the four families in one pool run (plus one adapter given as a dict)."""
     batch = _cases(checkpoints, lora_files, "tp2") + _cases(checkpoints, lora_files, "ulysses2")
     batch += _cases(checkpoints, lora_files, "ring2", families=("flux",))
-    batch.append(dict(_cases(checkpoints, lora_files, "tp2", families=("qwenimage",))[0], via="dict"))
+    batch.append(dict(_cases(checkpoints, lora_files, "tp2", families=("qwenimage",))[0], via="dict", swap=None))
     results = pools.get(2).run(cases.lora_cases, timeout_s=900, cases=batch)
     _check(results)
     for result in results[0]:
@@ -82,10 +87,13 @@ def _tensor_bytes(path: str) -> int:
     return sum(t.numel() * t.element_size() for t in load_file(path).values())
 
 
-def test_tp2_x_ulysses2_matches_diffusers_lora(pools, checkpoints, lora_files):
-    results = pools.get(4).run(cases.lora_cases, timeout_s=900, cases=_cases(checkpoints, lora_files, "tp2xulysses2"))
+def test_tp2_x_ulysses2_and_unified_match_diffusers_lora(pools, checkpoints, lora_files):
+    batch = _cases(checkpoints, lora_files, "tp2xulysses2") + _cases(checkpoints, lora_files, "ring2xulysses2",
+                                                                       families=("flux",))
+    results = pools.get(4).run(cases.lora_cases, timeout_s=900, cases=batch)
     _check(results)
-    assert all(result["sliced"] > 0 for rank_results in results for result in rank_results)
+    assert all((result["sliced"] > 0) == (result["case"]["mode"] == "tp2xulysses2")
+               for rank_results in results for result in rank_results)
 
 
 def test_bad_adapters_are_one_typed_error_and_the_model_still_generates(pools, checkpoints, lora_files, tmp_path):

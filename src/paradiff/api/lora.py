@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from paradiff.distributed.agreement import agree, fingerprint, tensor_checksum
-from paradiff.errors import AdapterError, DistributedError
+from paradiff.errors import AdapterError
 from paradiff.io.checkpoint import Checkpoint
 from paradiff.runtime.state import get_state
 from paradiff.tensor_parallel.layers import ShardedLinear
@@ -140,10 +140,11 @@ def load_adapter(model: nn.Module, original: Callable, source: Any, prefix: str 
             error = exc
         try:
             agree(f"{stage} (building the adapter layers)", {"loaded": True}, error)
-        except DistributedError:
+        except Exception:
+            # this rank or another failed: every rank goes back to the adapters it had
             added = sorted(set(getattr(model, "peft_config", None) or {}) - before)
-            if added and error is None and not hotswap:
-                model.delete_adapters(added)  # another rank failed: leave every rank as it was
+            if added and not hotswap:
+                model.delete_adapters(added)
             raise
     finally:
         if adapter is not None:
