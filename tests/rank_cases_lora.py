@@ -226,3 +226,30 @@ def pipeline_lora(family: str, folder: str, mode: str, loras: dict[str, str], st
             "back_to_base": back_to_base, "encoder_split": encoder_split, "encoder_error": encoder_error,
             "adapters_after": sorted(getattr(pipeline.transformer, "peft_config", None) or {}),
             "still_base": bool(np.array_equal(images(pipeline), base)) if encoder_error else None}
+
+
+def wan22_two_transformers(folder: str, mode: str, high: str, low: str, steps: int = 2) -> dict:
+    """Wan 2.2 A14B: one adapter into `transformer` (high-noise steps), another into `transformer_2` with
+    `load_into_transformer_2=True`, as its distillation LoRAs come; videos against diffusers'."""
+    import numpy as np
+    from diffusers import DiffusionPipeline
+
+    from paradiff.testing.pipelines import default_call_kwargs
+
+    torch.set_num_threads(1)
+    kwargs = dict(default_call_kwargs("wan2.2-a14b"), num_inference_steps=steps)
+    reference = DiffusionPipeline.from_pretrained(folder)
+    pipeline = paradiff.load_pipeline(folder, parallel_config=ParallelConfig.from_degrees(**parse_mode(mode)))
+    for pipe in (reference, pipeline):
+        pipe.set_progress_bar_config(disable=True)
+        pipe.load_lora_weights(high, adapter_name="high")
+        pipe.load_lora_weights(low, adapter_name="low", load_into_transformer_2=True)
+    expected = np.asarray(reference(**kwargs, generator=torch.Generator().manual_seed(0)).frames)
+    actual = np.asarray(pipeline(**kwargs, seed=0).frames)
+    layers = {name: type(module).__name__ for name in ("transformer", "transformer_2")
+              for module in getattr(pipeline, name).modules() if hasattr(module, "lora_A")}
+    return {"rank": dist.get_rank(), "diff": float(np.abs(actual - expected).max() / np.abs(expected).max()),
+            "adapters": {name: sorted(getattr(pipeline, name).peft_config) for name in ("transformer", "transformer_2")},
+            "split_layers": sum(type(m).__name__ == "ShardedLoraLinear" and type(m.get_base_layer()).__name__ != "Linear"
+                                for name in ("transformer", "transformer_2") for m in getattr(pipeline, name).modules()),
+            "layer_classes": sorted(set(layers.values()))}

@@ -159,6 +159,25 @@ def test_pipeline_load_lora_weights(pools, tiny_pipeline_folders, pipeline_loras
             assert result["adapters_after"] == [] and result["still_base"]
 
 
+def test_wan22_second_transformer(pools, tiny_pipeline_folders, tmp_path):
+    """Wan 2.2 A14B at tp2: `load_into_transformer_2=True` reaches paradiff's loader on the second transformer."""
+    from diffusers import WanTransformer3DModel
+
+    folder = tiny_pipeline_folders["wan2.2-a14b"]
+    targets = ("blocks.0.attn1.to_q", "blocks.0.attn1.to_out.0", "blocks.0.ffn.net.0.proj", "blocks.0.ffn.net.2",
+               "proj_out")
+    files = {}
+    for seed, name in ((7, "high"), (8, "low")):
+        transformer = WanTransformer3DModel.from_pretrained(folder / ("transformer" if name == "high" else "transformer_2"))
+        files[name] = str(save_lora(tmp_path / f"{name}.safetensors", random_lora(transformer, targets, 4, seed=seed),
+                                    rank=4, alpha=8))
+    for result in pools.get(2).run(cases.wan22_two_transformers, timeout_s=600, folder=str(folder), mode="tp2",
+                                   **files):
+        assert result["diff"] <= 1e-4, result
+        assert result["adapters"] == {"transformer": ["high"], "transformer_2": ["low"]}
+        assert result["split_layers"] == 8, result  # 4 split Linears per transformer; proj_out stays whole
+
+
 # --- which slice of each factor a rank holds, per style (no processes) ---
 
 def _resolved(model, styles: dict, rank: int, size: int = 2):
