@@ -169,7 +169,7 @@ def open_adapter(source: Any, prefix: str | None, kwargs: dict[str, Any]) -> Ada
             weight_name is not None and weight_name.endswith(".safetensors"))
         # with its prefix: diffusers filters it
         metadata = _load_sft_state_dict_metadata(str(path)) if wants_metadata else None
-        if names and _is_peft(names):
+        if not names or _is_peft(names):  # nothing under the prefix: diffusers then only warns
             return AdapterSource(
                 names=names, shapes={n: tuple(checkpoint.tensors[k].shape) for n, k in names.items()},
                 dtypes={n: str(checkpoint.tensors[k].dtype) for n, k in names.items()}, identity=_file_digest(path),
