@@ -132,31 +132,72 @@ def test_kohya_flux_lora_converted_by_diffusers_matches(pools, checkpoints, lora
 
 
 @pytest.fixture(scope="module")
-def pipeline_loras(tiny_pipeline_folders, tmp_path_factory) -> dict[str, Path]:
-    from diffusers import FluxTransformer2DModel
+def pipeline_loras(tiny_pipeline_folders, tmp_path_factory) -> dict[str, dict[str, Path]]:
+    """family -> adapter name -> file, for the tiny pipelines' transformers (FLUX: also a kohya file)."""
+    from paradiff.testing.pipelines import transformer_class
 
     root = tmp_path_factory.mktemp("pipeline-loras")
-    transformer = FluxTransformer2DModel.from_pretrained(tiny_pipeline_folders["flux"] / "transformer")
-    return {
-        "style": save_lora(root / "style.safetensors", random_lora(transformer, TARGETS["flux"], 4, seed=5),
-                           rank=4, alpha=8),
-        "kohya": save_kohya_flux_lora(root / "kohya.safetensors", transformer.config, rank=4, alpha=2.0, seed=6),
-    }
+    files = {}
+    for family in ("flux", "qwenimage"):
+        transformer = transformer_class(family).from_pretrained(tiny_pipeline_folders[family] / "transformer")
+        names = {name for name, _ in transformer.named_modules()}
+        targets = tuple(target for target in TARGETS[family] if target in names)
+        files[family] = {"style": save_lora(root / family / "style.safetensors",
+                                            random_lora(transformer, targets, 4, seed=5), rank=4, alpha=8)}
+        if family == "flux":
+            files[family]["kohya"] = save_kohya_flux_lora(root / family / "kohya.safetensors", transformer.config,
+                                                          rank=4, alpha=2.0, seed=6)
+    return files
 
 
-@pytest.mark.parametrize("mode", ["tp2", "ulysses2"])
-def test_pipeline_load_lora_weights(pools, tiny_pipeline_folders, pipeline_loras, mode):
-    results = pools.get(2).run(cases.pipeline_lora, timeout_s=600, family="flux",
-                               folder=str(tiny_pipeline_folders["flux"]), mode=mode,
-                               loras={name: str(path) for name, path in pipeline_loras.items()})
+@pytest.mark.parametrize("family,mode", [("flux", "tp2"), ("flux", "ulysses2"), ("qwenimage", "tp2")])
+def test_pipeline_load_lora_weights(pools, tiny_pipeline_folders, pipeline_loras, family, mode):
+    results = pools.get(2).run(cases.pipeline_lora, timeout_s=600, family=family,
+                               folder=str(tiny_pipeline_folders[family]), mode=mode,
+                               loras={name: str(path) for name, path in pipeline_loras[family].items()})
     for result in results:
         assert max(result["diffs"].values()) <= 1e-4, result  # images in [0, 1] after the VAE, 2 steps
         assert result["changed"] > 1e-3, result  # the adapters do change the image
         assert result["active"][0] == result["active"][1]
         assert result["back_to_base"]
-        if result["encoder_split"]:  # text-encoder weights on a split encoder: one clear error, nothing left loaded
+        if family == "flux" and result["encoder_split"]:
+            # FLUX's loader adapts the text encoder too: on a split encoder, one clear error, nothing left loaded
             assert "text encoder" in result["encoder_error"] and "shard_text_encoders=False" in result["encoder_error"]
             assert result["adapters_after"] == [] and result["still_base"]
+
+
+@pytest.mark.slow
+def test_cli_generate_with_loras(tiny_pipeline_folders, pipeline_loras, tmp_path):
+    """`paradiff generate MODEL --lora PATH[:SCALE]` (twice) at tp2, --compare against diffusers with the same
+    adapters; report.json lists them."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    loras = pipeline_loras["flux"]
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "paradiff.cli", "generate", str(tiny_pipeline_folders["flux"]), "--tp", "2",
+               "--prompt", "a cat", "--steps", "2", "--height", "32", "--width", "32", "--compare", "--out", str(out),
+               "--lora", f"{loras['style']}:0.8", "--lora", str(loras["kohya"])]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["loras"] == [
+        {"adapter_name": "lora0", "path": str(loras["style"]), "scale": 0.8},
+        {"adapter_name": "lora1", "path": str(loras["kohya"]), "scale": 1.0}]
+    assert report["max_abs_diff_vs_single_process"] < 1e-5
+
+
+def test_lora_spec_parsing():
+    import argparse
+
+    from paradiff.cli.args import lora_specs
+
+    specs = lora_specs(argparse.Namespace(lora=["a.safetensors:0.5", "org/repo", "c:/x.safetensors", "d:1e-1"]))
+    assert [(s["path"], s["scale"]) for s in specs] == [("a.safetensors", 0.5), ("org/repo", 1.0),
+                                                         ("c:/x.safetensors", 1.0), ("d", 0.1)]
+    assert [s["adapter_name"] for s in specs] == ["lora0", "lora1", "lora2", "lora3"]
 
 
 def test_wan22_second_transformer(pools, tiny_pipeline_folders, tmp_path):
@@ -220,35 +261,3 @@ def test_random_lora_is_deterministic():
     first, second = (random_lora(model, TARGETS["flux"], 4, seed=1) for _ in range(2))
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
 
-
-@pytest.mark.slow
-def test_cli_generate_with_loras(tiny_pipeline_folders, pipeline_loras, tmp_path):
-    """`paradiff generate MODEL --lora PATH[:SCALE]` (twice) at tp2, --compare against diffusers with the same
-    adapters; report.json lists them."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    out = tmp_path / "out"
-    command = [sys.executable, "-m", "paradiff.cli", "generate", str(tiny_pipeline_folders["flux"]), "--tp", "2",
-               "--prompt", "a cat", "--steps", "2", "--height", "32", "--width", "32", "--compare", "--out", str(out),
-               "--lora", f"{pipeline_loras['style']}:0.8", "--lora", str(pipeline_loras["kohya"])]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=dict(os.environ))
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads((out / "report.json").read_text())
-    assert report["loras"] == [
-        {"adapter_name": "lora0", "path": str(pipeline_loras["style"]), "scale": 0.8},
-        {"adapter_name": "lora1", "path": str(pipeline_loras["kohya"]), "scale": 1.0}]
-    assert report["max_abs_diff_vs_single_process"] < 1e-5
-
-
-def test_lora_spec_parsing():
-    import argparse
-
-    from paradiff.cli.args import lora_specs
-
-    specs = lora_specs(argparse.Namespace(lora=["a.safetensors:0.5", "org/repo", "c:/x.safetensors", "d:1e-1"]))
-    assert [(s["path"], s["scale"]) for s in specs] == [("a.safetensors", 0.5), ("org/repo", 1.0),
-                                                         ("c:/x.safetensors", 1.0), ("d", 0.1)]
-    assert [s["adapter_name"] for s in specs] == ["lora0", "lora1", "lora2", "lora3"]
