@@ -26,3 +26,7 @@ class UnsupportedModelError(ParadiffError, ValueError):
 
 class DistributedError(ParadiffError, RuntimeError):
     """torch.distributed is missing, or ranks disagree."""
+
+
+class AdapterError(ParadiffError, ValueError):
+    """A LoRA adapter that does not fit the model (shape, unknown target), cannot be split, or differs between ranks."""

@@ -14,6 +14,7 @@ from paradiff.errors import UnsupportedModelError
 from paradiff.distributed.failures import guarded_call
 from paradiff.distributed.mesh import rank_coordinates, require_distributed
 from paradiff.api.load_sequence import Component, Prepared, run_load_sequence
+from paradiff.api.lora import install_lora_support
 from paradiff.plans import plan_for
 from paradiff.runtime.state import ParallelState, get_state, set_state
 from paradiff.runtime.wrappers import install_wrapper
@@ -66,7 +67,8 @@ def check_shardable(model: nn.Module) -> None:
                 found = "peft_config is set" if peft_config else "it has a 'lora_A' child"
             raise UnsupportedModelError(
                 f"{name or 'model'} carries LoRA adapters ({found}); paradiff splits plain nn.Linear weights only. "
-                "Fuse them into the base weights first (fuse_lora() then unload_lora_weights())."
+                "Parallelise first, then load the adapters (paradiff splits them: docs/lora.md), or fuse them into "
+                "the base weights first (fuse_lora() then unload_lora_weights())."
             )
 
 
@@ -113,4 +115,5 @@ def attach(model: nn.Module, mesh: Any, resolved: Any, cp_resolved: Any) -> nn.M
         apply_context_parallel(model, state, cp_resolved)
     install_wrapper(model, "failure_guard", guarded_call)
     install_agreed_caching(model, mesh.model_group)
+    install_lora_support(model)
     return model

@@ -54,6 +54,46 @@ class ParallelPipelineMixin:
             splitter.finish()
         return output
 
+    # FLUX's load_lora_weights widens a transformer Linear (or zero-pads the adapter) whose shape differs from the
+    # adapter's (Control LoRAs): on a tensor-parallel transformer every split Linear would look "too small".
+    # paradiff checks the adapter against the full shapes itself (api/lora.py) and refuses a mismatch.
+    @classmethod
+    def _maybe_expand_transformer_param_shape_or_error_(cls, transformer, *args: Any, **kwargs: Any) -> bool:
+        state = get_state(transformer)
+        if state is not None and state.tp_plan is not None:
+            return False
+        return super()._maybe_expand_transformer_param_shape_or_error_(transformer, *args, **kwargs)
+
+    @classmethod
+    def _maybe_expand_lora_state_dict(cls, transformer, lora_state_dict: dict) -> dict:
+        state = get_state(transformer)
+        if state is not None and state.tp_plan is not None:
+            return lora_state_dict
+        return super()._maybe_expand_lora_state_dict(transformer, lora_state_dict)
+
+    # peft builds a text encoder's LoRA layers from its Linears' shapes, which are shards when paradiff split the
+    # encoder: refuse that one clearly (the transformer's adapter of the same call is taken out again)
+    @classmethod
+    def load_lora_into_text_encoder(cls, state_dict, network_alphas, text_encoder, prefix=None, *args: Any,
+                                    **kwargs: Any):
+        from paradiff.errors import AdapterError
+        from paradiff.tensor_parallel.layers import ShardedLinear
+
+        keys = [key for key in state_dict if key.startswith(f"{prefix or 'text_encoder'}.")]
+        if keys and any(isinstance(module, ShardedLinear) for module in text_encoder.modules()):
+            adapter_name = kwargs.get("adapter_name")
+            pipeline = kwargs.get("_pipeline")
+            components = pipeline.components if pipeline is not None else {}
+            for name, transformer in components.items():
+                if name.startswith("transformer") and adapter_name in (getattr(transformer, "peft_config", None) or {}):
+                    transformer.delete_adapters(adapter_name)
+            raise AdapterError(
+                f"The LoRA holds {len(keys)} tensors for the text encoder {type(text_encoder).__name__} (e.g. "
+                f"{keys[0]!r}), which paradiff split across the ranks; LoRA on a split text encoder is not supported "
+                "yet. Load the pipeline with shard_text_encoders=False (the encoders whole on each rank), or use an "
+                "adapter without text-encoder weights.")
+        return super().load_lora_into_text_encoder(state_dict, network_alphas, text_encoder, prefix, *args, **kwargs)
+
     def stage_report(self) -> list[dict]:
         """Per stage on this rank (text_encoders, transformer, vae), summed over the calls since the last
         `reset_stage_report()`: load_s, run_s, peak_bytes (CUDA max allocated, or peak RssAnon on CPU),

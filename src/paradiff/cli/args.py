@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--compile", action="store_true",
                      help="torch.compile the transformer's blocks (paradiff.compile), in every parallel mode")
     gen.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --compile")
+    gen.add_argument("--lora", action="append", default=None, metavar="PATH[:SCALE]",
+                     help="a LoRA adapter for the transformer (a file, folder or Hub id, any format diffusers' "
+                          "load_lora_weights reads) at SCALE (default 1); repeatable: the adapters are mixed")
+    gen.add_argument("--lora-weight-name", default=None,
+                     help="which file of a --lora folder or Hub repo holding several")
     gen.add_argument("--cache", default=None, metavar="SPEC",
                      help="step cache, decisions agreed by all ranks: 'fbc:THRESHOLD' (first-block cache, e.g. "
                           "fbc:0.08) or 'taylorseer:INTERVAL[:WARMUP]' (e.g. taylorseer:3:2)")
@@ -124,6 +129,26 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
+def lora_specs(args: argparse.Namespace) -> list[dict]:
+    """--lora PATH[:SCALE] ... as [{"adapter_name", "path", "scale"}], in order (the names are lora0, lora1...).
+    A trailing ':NUMBER' is the scale; a path with other colons (a Hub id, a Windows drive) is left whole."""
+    specs = []
+    for index, spec in enumerate(getattr(args, "lora", None) or []):
+        path, sep, tail = spec.rpartition(":")
+        scale = 1.0
+        if sep:
+            try:
+                scale = float(tail)
+            except ValueError:
+                path = spec
+        else:
+            path = spec
+        if not path:
+            raise CliError(f"--lora {spec}: expected PATH[:SCALE], e.g. style.safetensors:0.8")
+        specs.append({"adapter_name": f"lora{index}", "path": path, "scale": scale})
+    return specs
+
+
 def cache_config(spec: str, model=None):
     """The diffusers cache config for a --cache SPEC, or a CliError saying what a valid SPEC looks like.
 
@@ -169,6 +194,10 @@ def check_args(args: argparse.Namespace) -> None:
         if (path.exists() or args.model.startswith((".", "/"))) and not (path / "model_index.json").is_file():
             raise CliError(f"model folder {args.model} does not exist or has no model_index.json")
     read_prompts(args)
+    for lora in lora_specs(args):
+        path = Path(lora["path"])
+        if (lora["path"].startswith((".", "/")) or path.suffix == ".safetensors") and not path.exists():
+            raise CliError(f"--lora {lora['path']}: no such file or folder")
     for flag, value in (("--plan", args.plan), ("--cp-plan", args.cp_plan)):
         if value not in (None, "auto") and not Path(value).is_file():
             raise CliError(f"{flag} {value}: expected 'auto' or a plan file (FILE.py); no such file")

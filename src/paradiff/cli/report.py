@@ -51,6 +51,9 @@ def write_report(args: argparse.Namespace, out: Path, model: str, prompts: list[
         if "max_abs_diff_audio" in compare:
             report["max_abs_diff_audio_vs_single_process"] = compare["max_abs_diff_audio"]
     report["compile"] = bool(getattr(args, "compile", False))
+    from paradiff.cli.args import lora_specs
+
+    report["loras"] = lora_specs(args)  # adapter name, path or repo, scale: the --lora adapters, in order
     if getattr(args, "cache", None):
         # the ranks of one forward agree by construction; under CFG parallelism each half holds one context
         per_image: dict[str, dict[str, list[int]]] = {}

@@ -23,7 +23,7 @@ from paradiff.distributed.mesh import default_device
 from paradiff.quant.apply import quantization_summary
 from paradiff.quant.schemes import pipeline_quantization_config
 from paradiff.vae import get_vae_runtime
-from paradiff.cli.args import cache_config, read_prompts
+from paradiff.cli.args import cache_config, lora_specs, read_prompts
 from paradiff.cli.compare import compare_single_process, write_compare_png
 from paradiff.cli.embedded import embedded_call_kwargs, embedded_default
 from paradiff.cli.outputs import Output, outputs_of, sampling_rate, save_output
@@ -85,6 +85,8 @@ def generate(args: argparse.Namespace, device: torch.device,
                                       cp_plan=_plan_argument(args.cp_plan, "context"),
                                       parallel_vae=False if args.no_parallel_vae else None,
                                       stages=args.stages, shard_text_encoders=False if args.whole_text_encoders else None)
+    loras = lora_specs(args)
+    load_adapters(pipeline, loras, args.lora_weight_name)
     load_s = time.perf_counter() - start
     # Wan 2.2 A14B has a second transformer (`transformer_2`, the low-noise steps): compile and cache each
     transformers = {name: module for name, module in pipeline.components.items()
@@ -152,7 +154,8 @@ def generate(args: argparse.Namespace, device: torch.device,
         compare = None
         if made:
             compare, references = compare_single_process(model, dtype, kwargs, args.seed, made,
-                                                         cache=args.cache)
+                                                         cache=args.cache, loras=loras,
+                                                         lora_weight_name=args.lora_weight_name)
             if all(output.kind == "image" for _, _, output in made):
                 compare["picture"] = str(out / "compare.png")
                 write_compare_png(out / "compare.png", [(reference.array, output.array) for reference, (_, _, output)
@@ -161,6 +164,20 @@ def generate(args: argparse.Namespace, device: torch.device,
                "parallel_vae": get_vae_runtime(pipeline.vae) is not None if hasattr(pipeline, "vae") else False}
         return write_report(args, out, model, prompts, run, gathered, compare)
     return None
+
+
+def load_adapters(pipeline: Any, loras: list[dict], weight_name: str | None) -> None:
+    """--lora: each adapter by diffusers' load_lora_weights (paradiff's on a split transformer), mixed by scale."""
+    if not loras:
+        return
+    if not hasattr(pipeline, "load_lora_weights"):
+        from paradiff.errors import AdapterError
+
+        raise AdapterError(f"--lora: {type(pipeline).__name__} has no LoRA loader in diffusers (no load_lora_weights);"
+                           " adapters work on pipelines whose class has one (FLUX, Qwen-Image, Wan, SD3 ...).")
+    for lora in loras:
+        pipeline.load_lora_weights(lora["path"], adapter_name=lora["adapter_name"], weight_name=weight_name)
+    pipeline.set_adapters([lora["adapter_name"] for lora in loras], [lora["scale"] for lora in loras])
 
 
 def _peak_memory_bytes(device: torch.device) -> int:

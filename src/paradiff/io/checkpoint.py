@@ -148,6 +148,14 @@ class Checkpoint:
                 return
         self._raise_missing()
 
+    @classmethod
+    def of_file(cls, path: Path) -> "Checkpoint":
+        """One safetensors file on its own (a LoRA adapter), read like a model folder's."""
+        checkpoint = cls.__new__(cls)
+        checkpoint.folder, checkpoint._fds = Path(path).parent, {}
+        checkpoint.tensors = read_header(Path(path))
+        return checkpoint
+
     def _load_index(self, index: Path) -> None:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]

@@ -64,10 +64,14 @@ class RowwiseLinear(ShardedLinear):
         super().__init__(*args, **kwargs)
         self.split_input = split_input
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def local_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The input features this rank's weight columns multiply (a LoRA adapter's A reads the same ones)."""
         if self.split_input:
-            x = torch.cat([x.narrow(-1, start, length) for start, length in self.weight_spec.pieces], dim=-1)
-        out = self.weight_linear(x, self.weight, None)
+            return torch.cat([x.narrow(-1, start, length) for start, length in self.weight_spec.pieces], dim=-1)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.weight_linear(self.local_input(x), self.weight, None)
         out = all_reduce_tp(out, self.group, self.comm_stats)
         if self.bias is not None:
             out = out + self.bias

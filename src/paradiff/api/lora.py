@@ -1,0 +1,334 @@
+"""diffusers' LoRA API on a paradiff model: `load_lora_adapter` reads each rank's slice of every factor, checks the
+adapter against the full model, makes the ranks agree, then lets diffusers and peft build the adapter layers from
+the local shapes; `unload_lora` gives the module hooks back to the base layers.
+
+Why around diffusers' own `load_lora_adapter` rather than beside it: the pipelines' `load_lora_weights` (with
+diffusers' conversions of kohya, BFL, XLabs... formats in `lora_state_dict`) ends in it, and everything after a load
+(`set_adapters`, `disable_lora`, `delete_adapters`, `fuse_lora`, `unload_lora`) is peft's work on the layers, which
+`tensor_parallel/lora.py` adapts to shards. Installed on the instance by `attach`, so a plain diffusers model of the
+same class is untouched.
+
+Order, as for a model load: prepare (headers or tensors, conversion to peft's keys, every check, nothing sliced) ->
+agree (adapter name, tensor names and full shapes, a checksum of the content) -> read each rank's slices -> build
+the layers -> agree again; a rank that failed there has its new adapter deleted on every rank, so the model and its
+other adapters stay as they were.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from paradiff.distributed.agreement import agree, fingerprint, tensor_checksum
+from paradiff.errors import AdapterError
+from paradiff.io.checkpoint import Checkpoint
+from paradiff.runtime.state import get_state
+from paradiff.tensor_parallel.layers import ShardedLinear
+from paradiff.tensor_parallel.lora import FACTORS, adopt, factor_specs
+from paradiff.tensor_parallel.shard import slice_tensor
+from paradiff.tensor_parallel.styles import ShardSpec
+
+# the keyword arguments diffusers' load_lora_adapter uses to find a file (dropped once paradiff has read it)
+FETCH_KWARGS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder",
+                "weight_name", "use_safetensors")
+DEFAULT_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+# the module hooks paradiff places (CP token split / gather, TP head slicing) travel from a base layer to the LoRA
+# layer wrapping it, and back on unload: the dicts move whole, so every RemovableHandle still finds its hook
+HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+              "_forward_hooks_always_called")
+
+
+def install_lora_support(model: nn.Module) -> None:
+    """Shadow diffusers' `load_lora_adapter` and `unload_lora` on this instance (a no-op for a class without them)."""
+    cls = type(model)
+    if not (hasattr(cls, "load_lora_adapter") and hasattr(cls, "unload_lora")):
+        return
+    original_load, original_unload = cls.load_lora_adapter, cls.unload_lora
+
+    def load_lora_adapter(pretrained_model_name_or_path_or_dict, prefix="transformer", hotswap=False, **kwargs):
+        return load_adapter(model, original_load, pretrained_model_name_or_path_or_dict, prefix, hotswap, kwargs)
+
+    def unload_lora():
+        for module in _lora_layers(model):
+            _move_hooks(module, module.base_layer)
+        return original_unload(model)
+
+    load_lora_adapter.__doc__ = original_load.__doc__
+    object.__setattr__(model, "load_lora_adapter", load_lora_adapter)
+    object.__setattr__(model, "unload_lora", unload_lora)
+
+
+@dataclass
+class AdapterSource:
+    """An adapter's tensors, by peft name without the prefix, before any is read: a safetensors file's header
+    (read by slices) or tensors in memory."""
+
+    names: dict[str, str]  # peft name -> key in the file / the dict
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, str]
+    identity: str  # a checksum of the content, which every rank must share
+    checkpoint: Checkpoint | None = None
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    metadata: Any = None
+    bytes_read: int = 0
+
+    def read(self, name: str, spec: ShardSpec | None) -> torch.Tensor:
+        key = self.names[name]
+        if self.checkpoint is not None:
+            tensor = self.checkpoint.read(key, spec)
+            self.bytes_read += tensor.numel() * tensor.element_size()
+            return tensor
+        return slice_tensor(self.tensors[key], spec)
+
+    def close(self) -> None:
+        if self.checkpoint is not None:
+            self.checkpoint.close()
+
+
+@dataclass
+class LoadReport:
+    """What the last `load_lora_adapter` did on this rank (kept on the model as `_paradiff_lora_load`)."""
+
+    adapter_name: str | None
+    tensors: int
+    sliced: int
+    bytes_read: int  # from the file (0 for tensors given in memory)
+    local_bytes: int  # of the factors this rank keeps
+
+
+def load_adapter(model: nn.Module, original: Callable, source: Any, prefix: str | None, hotswap: bool,
+                 kwargs: dict[str, Any]) -> None:
+    state = get_state(model)
+    resolved = state.tp_plan if state is not None else None
+    stage = "paradiff.load_lora_adapter"
+    adapter, specs, error = None, {}, None
+    try:
+        adapter = open_adapter(source, prefix, kwargs)
+        specs = check_adapter(model, resolved, adapter, kwargs.get("adapter_name"), hotswap)
+    except Exception as exc:  # noqa: BLE001 - shared with the other ranks, then re-raised
+        error = exc
+    try:
+        facts = None if adapter is None else {
+            "adapter name": kwargs.get("adapter_name"), "prefix": prefix, "hotswap": hotswap,
+            "adapter tensors": fingerprint(sorted((n, list(s), adapter.dtypes[n]) for n, s in adapter.shapes.items())),
+            "adapter content": adapter.identity,
+            "network alphas": fingerprint(kwargs.get("network_alphas")),
+            "adapter metadata": fingerprint(kwargs.get("metadata", adapter.metadata)),
+        }
+        agree(stage, facts, error)
+        before = set(getattr(model, "peft_config", None) or {})
+        error = None
+        try:
+            local = {(f"{prefix}.{name}" if prefix else name): adapter.read(name, spec) for name, spec in specs.items()}
+            call_kwargs = {k: v for k, v in kwargs.items() if k not in FETCH_KWARGS}
+            if adapter.metadata is not None and call_kwargs.get("metadata") is None:
+                call_kwargs["metadata"] = adapter.metadata
+            original(model, local, prefix=prefix, hotswap=hotswap, **call_kwargs)
+            for module in _lora_layers(model):
+                adopt(module)
+                _move_hooks(module.base_layer, module)
+            object.__setattr__(model, "_paradiff_lora_load", LoadReport(
+                kwargs.get("adapter_name"), len(local), sum(spec is not None for spec in specs.values()),
+                adapter.bytes_read, sum(t.numel() * t.element_size() for t in local.values())))
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+        try:
+            agree(f"{stage} (building the adapter layers)", {"loaded": True}, error)
+        except Exception:
+            # this rank or another failed: every rank goes back to the adapters it had
+            added = sorted(set(getattr(model, "peft_config", None) or {}) - before)
+            if added and not hotswap:
+                model.delete_adapters(added)
+            raise
+    finally:
+        if adapter is not None:
+            adapter.close()
+
+
+def open_adapter(source: Any, prefix: str | None, kwargs: dict[str, Any]) -> AdapterSource:
+    """The adapter's tensors under peft's names, prefix removed: a local safetensors file by its header (nothing
+    read yet, beyond the checksum), anything else (a dict, a Hub id, another format) through diffusers."""
+    from diffusers.utils import convert_unet_state_dict_to_peft
+
+    path = None if isinstance(source, dict) else _local_safetensors(source, kwargs)
+    if path is not None:
+        from diffusers.utils.state_dict_utils import _load_sft_state_dict_metadata
+
+        checkpoint = Checkpoint.of_file(path)
+        names = _strip_prefix(list(checkpoint.tensors), prefix)
+        # diffusers reads the adapter metadata only when asked for safetensors (use_safetensors=True or a
+        # .safetensors weight_name); otherwise it loads the file without it, and so does this
+        weight_name = kwargs.get("weight_name")
+        wants_metadata = (kwargs.get("use_safetensors") and weight_name is None) or (
+            weight_name is not None and weight_name.endswith(".safetensors"))
+        # with its prefix: diffusers filters it
+        metadata = _load_sft_state_dict_metadata(str(path)) if wants_metadata else None
+        if not names or _is_peft(names):  # nothing under the prefix: diffusers then only warns
+            return AdapterSource(
+                names=names, shapes={n: tuple(checkpoint.tensors[k].shape) for n, k in names.items()},
+                dtypes={n: str(checkpoint.tensors[k].dtype) for n, k in names.items()}, identity=_file_digest(path),
+                checkpoint=checkpoint, metadata=metadata)
+        # another key format: converted whole by diffusers, as its own load would
+        tensors = {key: checkpoint.read(key) for key in checkpoint.tensors}
+        checkpoint.close()
+    elif isinstance(source, dict):
+        tensors, metadata = source, None
+    else:
+        from diffusers.loaders.lora_base import _fetch_state_dict
+
+        fetch = {k: kwargs.get(k) for k in FETCH_KWARGS}
+        tensors, metadata = _fetch_state_dict(
+            pretrained_model_name_or_path_or_dict=source, user_agent={"file_type": "attn_procs_weights",
+                                                                      "framework": "pytorch"},
+            allow_pickle=False, metadata=kwargs.get("metadata"), **fetch)
+    names = _strip_prefix(list(tensors), prefix)
+    tensors = {name: tensors[key] for name, key in names.items()}
+    if tensors and not _is_peft(tensors):
+        tensors = convert_unet_state_dict_to_peft(tensors)
+    return AdapterSource(
+        names={name: name for name in tensors}, shapes={n: tuple(t.shape) for n, t in tensors.items()},
+        dtypes={n: str(t.dtype) for n, t in tensors.items()}, identity=_tensors_digest(tensors), tensors=tensors,
+        metadata=metadata)
+
+
+def check_adapter(model: nn.Module, resolved: Any, adapter: AdapterSource, adapter_name: str | None,
+                  hotswap: bool) -> dict[str, ShardSpec | None]:
+    """Every tensor against the full model (not the shards); returns each tensor's slice for this rank."""
+    loaded = getattr(model, "peft_config", None) or {}
+    if adapter_name is not None and adapter_name in loaded and not hotswap:
+        raise AdapterError(f"An adapter named {adapter_name!r} is already loaded (loaded: {sorted(loaded)}); choose "
+                           "another adapter_name, delete_adapters it first, or pass hotswap=True to replace it.")
+    targets: dict[str, dict[str, tuple[int, ...]]] = {}
+    for name, shape in adapter.shapes.items():
+        module_name, factor = _split_name(name)
+        targets.setdefault(module_name, {})[factor] = shape
+    specs: dict[str, ShardSpec | None] = {}
+    for module_name, factors in targets.items():
+        module = _target(model, module_name, next(iter(factors)))
+        base = getattr(module, "base_layer", module)
+        planned = resolved.linears.get(module_name) if resolved is not None else None
+        local = factor_specs(module_name, planned) if planned is not None else {}
+        for factor, shape in factors.items():
+            if planned is not None and factor not in FACTORS:
+                raise AdapterError(
+                    f"LoRA tensor {module_name}.{factor} (shape {list(shape)}) is not a plain LoRA factor, on "
+                    f"{module_name!r}, which tensor parallelism splits; only {list(FACTORS)} split exactly (DoRA and "
+                    "other peft variants are refused on split layers). Load without tensor parallelism.")
+            specs[f"{module_name}.{factor}"] = local.get(factor)
+        if isinstance(base, nn.Linear):
+            _check_linear_shapes(module_name, base, factors)
+    return specs
+
+
+def _check_linear_shapes(module_name: str, base: nn.Linear, factors: dict[str, tuple[int, ...]]) -> None:
+    if isinstance(base, ShardedLinear):
+        out_features, in_features = base.full_out_features, base.full_in_features
+    else:
+        out_features, in_features = base.out_features, base.in_features
+    rank = factors.get("lora_A.weight", (None,))[0]
+    expected = {"lora_A.weight": (rank, in_features), "lora_B.weight": (out_features, rank),
+                "lora_B.bias": (out_features,)}
+    for factor, shape in factors.items():
+        if factor in expected and tuple(shape) != expected[factor]:
+            raise AdapterError(
+                f"LoRA tensor {module_name}.{factor} has shape {list(shape)}, but {module_name!r} is a Linear "
+                f"{in_features} -> {out_features}, which needs {list(expected[factor])}; the adapter was made for "
+                "another model (or another configuration of it).")
+    if "lora_A.weight" in factors and "lora_B.weight" not in factors or "lora_B.weight" in factors and \
+            "lora_A.weight" not in factors:
+        raise AdapterError(f"LoRA for {module_name!r} has {sorted(factors)} but needs both lora_A.weight and "
+                           "lora_B.weight; the adapter file is incomplete.")
+
+
+def _split_name(name: str) -> tuple[str, str]:
+    """('blocks.0.attn.to_q', 'lora_A.weight') from a peft tensor name: the module is what precedes 'lora_*'."""
+    parts = name.split(".")
+    for index, part in enumerate(parts):
+        if part.startswith("lora_") and index:
+            return ".".join(parts[:index]), ".".join(parts[index:])
+    raise AdapterError(f"Adapter tensor {name!r} is not a LoRA tensor (no 'lora_A' / 'lora_B' part in its name); "
+                       "paradiff loads LoRA adapters in the formats diffusers' load_lora_weights accepts.")
+
+
+def _target(model: nn.Module, module_name: str, factor: str) -> nn.Module:
+    try:
+        return model.get_submodule(module_name)
+    except AttributeError:
+        pass
+    parts = module_name.split(".")
+    for cut in range(len(parts) - 1, -1, -1):
+        try:
+            parent = model.get_submodule(".".join(parts[:cut]))
+        except AttributeError:
+            continue
+        where = repr(".".join(parts[:cut])) if cut else type(model).__name__
+        children = [child for child, _ in parent.named_children()]
+        raise AdapterError(
+            f"LoRA tensor {module_name}.{factor} targets {module_name!r}, which {type(model).__name__} does not have "
+            f"({where} has children {children[:16]}); the adapter was made for another model.")
+    raise AdapterError(f"LoRA tensor {module_name}.{factor} targets {module_name!r}, which does not exist.")
+
+
+def _lora_layers(model: nn.Module) -> list[nn.Module]:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [module for module in model.modules() if isinstance(module, BaseTunerLayer) and hasattr(module, "base_layer")]
+
+
+def _move_hooks(source: nn.Module, target: nn.Module) -> None:
+    if not any(getattr(source, attr) for attr in HOOK_DICTS):
+        return
+    if any(getattr(target, attr) for attr in HOOK_DICTS):
+        raise AdapterError(f"{type(target).__name__} has hooks of its own; paradiff cannot move its hooks onto it.")
+    for attr in HOOK_DICTS:
+        moved, empty = getattr(source, attr), getattr(target, attr)
+        setattr(target, attr, moved)  # nn.Module.__setattr__ stores dicts as plain attributes
+        setattr(source, attr, empty)
+
+
+def _local_safetensors(source: Any, kwargs: dict[str, Any]) -> Path | None:
+    """The local safetensors file diffusers would load for `source`, or None (then diffusers fetches it)."""
+    if not isinstance(source, (str, os.PathLike)):
+        return None
+    path = Path(source)
+    if kwargs.get("subfolder"):
+        path = path / kwargs["subfolder"]
+    if path.is_file():
+        return path if path.suffix == ".safetensors" else None
+    if not path.is_dir():
+        return None
+    if kwargs.get("weight_name"):
+        named = path / kwargs["weight_name"]
+        return named if named.is_file() and named.suffix == ".safetensors" else None
+    if (path / DEFAULT_WEIGHT_NAME).is_file():
+        return path / DEFAULT_WEIGHT_NAME
+    files = sorted(path.glob("*.safetensors"))
+    return files[0] if len(files) == 1 else None
+
+
+def _strip_prefix(keys: list[str], prefix: str | None) -> dict[str, str]:
+    if prefix is None:
+        return {key: key for key in keys}
+    return {key.removeprefix(f"{prefix}."): key for key in keys if key.startswith(f"{prefix}.")}
+
+
+def _is_peft(names) -> bool:
+    return "lora_A" in next(iter(names))  # diffusers' own test for its peft conversion
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
+def _tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    return fingerprint(sorted((name, tensor_checksum(tensor)) for name, tensor in tensors.items()))

@@ -1,0 +1,141 @@
+"""LoRA factors on a split Linear: which slice of each factor a rank holds, and how the adapted layer runs.
+
+A LoRA adapter adds `scaling * B @ A` to a weight W (out x in), A being r x in and B out x r. A rank holding rows
+of W (colwise, packed colwise, whole heads) needs the same rows of B and all of A: its output slice is
+`W_rows x + B_rows (A x)`. A rank holding columns of W (rowwise, rowwise on a replicated input) needs the same
+columns of A and all of B: `B (A_cols x_cols)` is its share of the adapter's output, a partial sum like
+`W_cols x_cols`, so both join before the layer's one all-reduce and the adapter costs no extra collective. Every
+slice is the base weight's own `ShardSpec` (`ResolvedLinear.specs`), so uneven or packed splits carry over.
+
+The adapted layer is peft's `lora.Linear` (so diffusers' set_adapters / disable / delete / fuse keep working on
+it) with a forward for column-split bases and an exact merge: fusing adds each rank's slice of `B @ A` to its
+shard in fp32 and keeps the original shard, so unfusing restores it bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paradiff.distributed.comm import all_reduce_tp
+from paradiff.errors import AdapterError
+from paradiff.tensor_parallel.layers import RowwiseLinear
+from paradiff.tensor_parallel.styles import ShardSpec
+
+# the LoRA tensors of one target module, as peft names them after the module path
+FACTORS = ("lora_A.weight", "lora_B.weight", "lora_B.bias")
+
+
+def factor_specs(module_name: str, linear) -> dict[str, ShardSpec | None]:
+    """This rank's slice of each factor of an adapter on the planned module `linear` (a ResolvedLinear)."""
+    style = linear.style
+    weight = linear.specs.get("weight")
+    if style.target != "linear" or linear.embedding or weight is None:
+        raise AdapterError(
+            f"A LoRA adapter targets {module_name!r}, which the tensor-parallel plan splits as {style.kind!r} "
+            f"({type(style).__name__}); LoRA on a split module works on Linears split colwise or rowwise only. "
+            "Leave this module out of the adapter, or load without tensor parallelism."
+        )
+    if style.kind == "colwise":
+        rows = ShardSpec(dim=0, pieces=weight.pieces)
+        return {"lora_A.weight": None, "lora_B.weight": rows, "lora_B.bias": rows}
+    if style.kind in ("rowwise", "rowwise_split_input"):
+        return {"lora_A.weight": ShardSpec(dim=1, pieces=weight.pieces), "lora_B.weight": None, "lora_B.bias": None}
+    raise AdapterError(
+        f"A LoRA adapter targets {module_name!r}, split as {style.kind!r} ({type(style).__name__}): its output is "
+        "gathered across the ranks inside the layer, where an adapter cannot join it exactly. Leave this module out "
+        "of the adapter, or load without tensor parallelism."
+    )
+
+
+@functools.cache
+def sharded_lora_class() -> type:
+    """peft's LoRA Linear for a ShardedLinear base (built on first use: peft is imported only with LoRA)."""
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.tuners_utils import check_adapters_to_merge
+
+    class ShardedLoraLinear(LoraLinear):
+        """A LoRA Linear over a colwise or rowwise shard (see the module docstring)."""
+
+        _paradiff_original: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+        def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            base = self.get_base_layer()
+            if not isinstance(base, RowwiseLinear) or self.disable_adapters or self.merged:
+                return super().forward(x, *args, **kwargs)
+            if kwargs.get("adapter_names") is not None:
+                raise AdapterError("Per-sample adapter_names are not supported on a tensor-parallel rowwise layer.")
+            self._check_forward_args(x, *args, **kwargs)
+            local = base.local_input(x)
+            out = F.linear(local, base.weight)
+            dtype = out.dtype
+            biases = []
+            for name in self.active_adapters:
+                if name not in self.lora_A.keys():
+                    continue
+                lora_A, lora_B = self.lora_A[name], self.lora_B[name]
+                hidden = lora_A(self.lora_dropout[name](self._cast_input_dtype(local, lora_A.weight.dtype)))
+                out = out + F.linear(hidden, lora_B.weight) * self.scaling[name]
+                if lora_B.bias is not None:  # whole on every rank: added once, after the sum
+                    biases.append(lora_B.bias * self.scaling[name])
+            out = all_reduce_tp(out.to(dtype), base.group, base.comm_stats)
+            if base.bias is not None:
+                out = out + base.bias
+            for bias in biases:
+                out = out + bias.to(dtype)
+            return out
+
+        def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+            names = [n for n in check_adapters_to_merge(self, adapter_names) if n in self.lora_A.keys()]
+            if not names:
+                return
+            base = self.get_base_layer()
+            if self._paradiff_original is None:
+                bias = None if base.bias is None else base.bias.data.clone()
+                self._paradiff_original = (base.weight.data.clone(), bias)
+            weight = base.weight.data.float()
+            bias = None if base.bias is None else base.bias.data.float()
+            for name in names:
+                weight = weight + self.get_delta_weight(name).float()
+                lora_bias = self.lora_B[name].bias
+                if lora_bias is not None:
+                    if bias is None:
+                        raise AdapterError(f"{name}: a LoRA with lora_bias needs a base layer with a bias to fuse.")
+                    bias = bias + lora_bias.float() * self.scaling[name]
+            if safe_merge and not (torch.isfinite(weight).all() and (bias is None or torch.isfinite(bias).all())):
+                raise ValueError(f"NaNs detected in the merged weights; the adapter(s) {names} seem broken.")
+            base.weight.data = weight.to(base.weight.dtype)
+            if bias is not None:
+                base.bias.data = bias.to(base.bias.dtype)
+            self.merged_adapters.extend(names)
+
+        def unmerge(self) -> None:
+            if not self.merged:
+                return
+            base = self.get_base_layer()
+            weight, bias = self._paradiff_original
+            base.weight.data = weight
+            if bias is not None:
+                base.bias.data = bias
+            self._paradiff_original = None
+            self.merged_adapters.clear()
+
+        def get_delta_weight(self, adapter: str) -> torch.Tensor:
+            # in fp32 whatever the factors' dtype: the fused shard is cast once, after the sum
+            weight_A = self.lora_A[adapter].weight.float()
+            weight_B = self.lora_B[adapter].weight.float()
+            return (weight_B @ weight_A) * self.scaling[adapter]
+
+    return ShardedLoraLinear
+
+
+def adopt(layer) -> None:
+    """Make a peft LoRA Linear on a paradiff model run as a ShardedLoraLinear (a class swap: its state stays as it
+    is). Unsplit Linears get it too, for the exact fuse / unfuse; other peft layers (convolutions) stay peft's."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    if type(layer) is LoraLinear and isinstance(layer.get_base_layer(), nn.Linear):
+        layer.__class__ = sharded_lora_class()
