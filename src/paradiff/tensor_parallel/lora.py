@@ -70,7 +70,7 @@ def sharded_lora_class() -> type:
                 raise AdapterError("Per-sample adapter_names are not supported on a tensor-parallel rowwise layer.")
             self._check_forward_args(x, *args, **kwargs)
             local = base.local_input(x)
-            out = F.linear(local, base.weight)
+            out = base.weight_linear(local, base.weight, None)
             dtype = out.dtype
             biases = []
             for name in self.active_adapters:
