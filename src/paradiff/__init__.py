@@ -1,5 +1,10 @@
 """paradiff: tensor, context, CFG and data parallelism for diffusers transformers, on GPUs (NCCL) and CPUs (gloo)."""
 
+from paradiff.runtime.import_noise import quiet_optional_backend_imports
+
+quiet_optional_backend_imports()  # before diffusers (and through it peft, torchao, bitsandbytes) is imported
+
+
 from paradiff.runtime.repeated_blocks import block_identifiers
 from paradiff.runtime.caching import CacheMonitor, cache_monitor, enable_cache
 from paradiff.runtime.compilation import compile
