@@ -36,17 +36,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from paradiff.config import mode_world_size  # noqa: E402
 from _common import LoadWindow, foreign_cpu, machine_line, markdown_table, run_ranks, wait_for_quiet  # noqa: E402
 from bench_cp import MODEL_CONFIG, build_inputs, build_model  # noqa: E402
 
 VARIANTS = ("eager", "compiled", "cached", "compiled+cached")
-MODES = {"single": (1, {}), "tp2": (2, {"tp": 2}), "ulysses2": (2, {"ulysses": 2})}
-
-
-def parallel_config(degrees: dict):
-    import paradiff
-
-    return paradiff.ParallelConfig.from_degrees(tp=degrees.get("tp", 1), ulysses=degrees.get("ulysses", 1))
+MODES = ("single", "tp2", "ulysses2")
 
 
 def denoise(model, inputs: dict, steps: int):
@@ -64,7 +59,7 @@ def denoise(model, inputs: dict, steps: int):
     return latents
 
 
-def case_worker(rank: int, world_size: int, degrees: dict, variant: str, grid: tuple[int, int, int], steps: int,
+def case_worker(rank: int, world_size: int, mode: str, variant: str, grid: tuple[int, int, int], steps: int,
                 threshold: float | None, backend: str, cache_spec: str | None = None) -> dict:
     import torch
     import torch.distributed as dist
@@ -76,7 +71,7 @@ def case_worker(rank: int, world_size: int, degrees: dict, variant: str, grid: t
     model = build_model(MODEL_CONFIG)
     inputs = build_inputs(model, grid)
     if world_size > 1:
-        paradiff.enable_parallelism(model, parallel_config(degrees))
+        paradiff.enable_parallelism(model, paradiff.ParallelConfig.from_mode(mode))
     if "compiled" in variant:
         paradiff.compile(model, backend=backend)
     monitor = None
@@ -126,9 +121,8 @@ def psnr(actual, reference) -> float:
 
 def run_case(mode: str, variant: str, grid, steps: int, threshold, backend: str, quiet_wait: float,
              cache_spec: str | None = None) -> dict:
-    world, degrees = MODES[mode]
     busy_before = wait_for_quiet(timeout_s=quiet_wait)
-    results = run_ranks(case_worker, world, timeout_s=3600, degrees=degrees, variant=variant, grid=grid,
+    results = run_ranks(case_worker, mode_world_size(mode), timeout_s=3600, mode=mode, variant=variant, grid=grid,
                         steps=steps, threshold=threshold, backend=backend, cache_spec=cache_spec)
     return {
         "mode": mode, "variant": variant,

@@ -27,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from paradiff.config import mode_world_size  # noqa: E402
 from _common import (  # noqa: E402
     GB, LoadWindow, MemorySampler, cpu_seconds, foreign_cpu, machine_line, markdown_table, quiet_diffusers,
     read_status, run_ranks,
@@ -52,7 +53,7 @@ QUICK = {
                        axes_dims_rope=(16, 8, 8)),
     "Z-Image": dict(dim=192, n_heads=4, n_kv_heads=4, cap_feat_dim=32, axes_dims=[16, 16, 16]),
 }
-MODES = {"single": (1, None), "tp2": (2, "tp"), "ulysses2": (2, "ulysses")}
+MODES = ("single", "tp2", "ulysses2")
 
 
 def build_checkpoint(rank: int, world_size: int, cls_name: str, config: dict, folder: str) -> dict:
@@ -107,12 +108,7 @@ def run_mode(rank: int, world_size: int, cls_name: str, folder: str, mode: str, 
 
     quiet_diffusers()
     cls = getattr(diffusers, cls_name)
-    kind = MODES[mode][1]
-    config = None
-    if kind == "tp":
-        config = paradiff.TensorParallelConfig(2)
-    elif kind == "ulysses":
-        config = paradiff.ContextParallelConfig(ulysses_degree=2)
+    config = None if mode == "single" else paradiff.ParallelConfig.from_mode(mode)
     gc.collect()
     if world_size > 1:
         dist.barrier()
@@ -166,7 +162,7 @@ def main() -> None:
             marker.write_text(json.dumps(config))
             print(f"{family}: built {info['params'] / 1e9:.2f}B params in {folder}", flush=True)
         results = {}
-        for mode, (world, _) in MODES.items():
+        for mode, world in ((mode, mode_world_size(mode)) for mode in MODES):
             results[mode] = run_ranks(run_mode, world, timeout_s=1800, cls_name=cls_name, folder=str(folder),
                                       mode=mode, grid=args.grid, text=args.text, steps=args.steps)
             r = results[mode]

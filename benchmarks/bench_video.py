@@ -23,14 +23,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from paradiff.config import mode_world_size  # noqa: E402
 from _common import (  # noqa: E402
     LoadWindow, cpu_seconds, foreign_cpu, machine_line, markdown_table, quiet_diffusers, run_ranks,
 )
 
 CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
               text_dim=1536, freq_dim=256, ffn_dim=8960, num_layers=2, rope_max_seq_len=1024)
-MODES = {"single": (1, {}), "ulysses2": (2, {"ulysses_degree": 2}), "ring2": (2, {"ring_degree": 2}),
-         "tp2": (2, {"tp_degree": 2})}
+MODES = ("single", "ulysses2", "ring2", "tp2")
 
 
 def run_mode(rank: int, world_size: int, mode: str, steps: int, frames: int, height: int, width: int) -> dict:
@@ -45,11 +45,8 @@ def run_mode(rank: int, world_size: int, mode: str, steps: int, frames: int, hei
     torch.manual_seed(0)
     model = WanTransformer3DModel(**CONFIG).eval()
     full_bytes = sum(p.numel() * p.element_size() for p in model.blocks.parameters())
-    degrees = MODES[mode][1]
-    if "tp_degree" in degrees:
-        paradiff.enable_parallelism(model, paradiff.TensorParallelConfig(**degrees))
-    elif degrees:
-        paradiff.enable_parallelism(model, paradiff.ContextParallelConfig(**degrees))
+    if mode != "single":
+        paradiff.enable_parallelism(model, paradiff.ParallelConfig.from_mode(mode))
     generator = torch.Generator().manual_seed(1)
     inputs = dict(hidden_states=torch.randn(1, 16, frames, 2 * height, 2 * width, generator=generator),
                   encoder_hidden_states=torch.randn(1, 512, CONFIG["text_dim"], generator=generator),
@@ -99,7 +96,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=33)
     args = parser.parse_args()
     results = {}
-    for mode, (world, _) in MODES.items():
+    for mode, world in ((mode, mode_world_size(mode)) for mode in MODES):
         print(f"running {mode} ...", flush=True)
         results[mode] = run_ranks(run_mode, world, timeout_s=3600, mode=mode, steps=args.steps, frames=args.frames,
                                   height=args.height, width=args.width)

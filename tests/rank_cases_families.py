@@ -6,6 +6,7 @@ from paradiff.testing.families import (  # noqa: F401
     family_modes,
     family_modes_or_refusal,
     parallel_config,
+    world_size,
     unplanned_modes,
     unsupported_input_message,
 )

@@ -7,17 +7,14 @@ import torch
 
 import paradiff
 import rank_cases_cp as cases
+from paradiff.config import mode_world_size, parse_mode
 
 ATOL = 1e-5
 # (height, width, text): an even split at 2 and 4 ranks, and one that divides neither (15 image, 7 text tokens)
 EVEN, UNEVEN = (4, 4, 8), (3, 5, 7)
-MODES = {  # id: (world, ring, ulysses)
-    "ring2": (2, 2, 1),
-    "ring4": (4, 4, 1),
-    "ulysses2": (2, 1, 2),
-    "ulysses4": (4, 1, 4),
-    "unified2x2": (4, 2, 2),
-}
+MODES = {name: (mode_world_size(mode), parse_mode(mode)["ring"], parse_mode(mode)["ulysses"])  # id: (world, ring, ulysses)
+         for name, mode in {"ring2": "ring2", "ring4": "ring4", "ulysses2": "ulysses2", "ulysses4": "ulysses4",
+                            "unified2x2": "ring2xulysses2"}.items()}
 EXPECTED_COMM = {"ring2": "ring_pass", "ring4": "ring_pass", "ulysses2": "all_to_all_ulysses",
                  "ulysses4": "all_to_all_ulysses", "unified2x2": "ring_pass"}
 

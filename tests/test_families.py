@@ -86,7 +86,7 @@ def test_tp2_x_ulysses2_with_heads_uneven_on_both(pools, name):
 
 @pytest.mark.parametrize("family,example,mode", EXTRA, ids=[f"{f}:{e}:{m}" for f, e, m in EXTRA])
 def test_extra_modes_loaded_shard_on_read(pools, tmp_path, family, example, mode):
-    tp, ring, ulysses = cases.MODES[mode]
+    world = cases.world_size(mode)
     examples.build_example(family, example).save_pretrained(tmp_path, safe_serialization=True)
-    check(pools.get(tp * ring * ulysses).run(cases.family_modes, family=family, example=example, modes=[mode],
+    check(pools.get(world).run(cases.family_modes, family=family, example=example, modes=[mode],
                                              checkpoint=str(tmp_path)))

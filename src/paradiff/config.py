@@ -118,6 +118,13 @@ class ParallelConfig:
                                      else None),
             cfg_degree=cfg, data_degree=data, mesh=mesh)
 
+    @classmethod
+    def from_mode(cls, mode: str, mesh: "DeviceMesh | None" = None) -> "ParallelConfig":
+        """The config of a mode spelled as parse_mode reads it ("tp2xulysses2", "single", "dp2 x tp2")."""
+        degrees = parse_mode(mode)
+        return cls.from_degrees(tp=degrees["tp"], ulysses=degrees["ulysses"], ring=degrees["ring"],
+                                cfg=degrees["cfg"], data=degrees["data"], mesh=mesh)
+
     @property
     def tp_degree(self) -> int:
         return self.tensor_parallel_config.tp_degree if self.tensor_parallel_config else 1
@@ -175,6 +182,14 @@ def parse_mode(mode: str) -> dict[str, int]:
         named.add(name)
         degrees[name] = int(number)
     return degrees
+
+
+def mode_world_size(mode: str) -> int:
+    """How many ranks a mode spans (the product of its degrees)."""
+    size = 1
+    for degree in parse_mode(mode).values():
+        size *= degree
+    return size
 
 
 def mode_name(degrees: dict[str, int], order: tuple[str, ...] = MODE_DIMENSIONS, separator: str = "x") -> str:

@@ -4,22 +4,20 @@ single-process forward of the same weights and inputs."""
 from __future__ import annotations
 
 import paradiff
+from paradiff.config import mode_world_size
 from paradiff.plan_tools import family_examples as examples
 
-MODES = {  # mode -> (tp, ring, ulysses)
-    "tp2": (2, 1, 1),
-    "ulysses2": (1, 1, 2),
-    "ring2": (1, 2, 1),
-    "tp2xulysses2": (2, 1, 2),
-    "unified2x2": (1, 2, 2),
-    "tp4": (4, 1, 1),
-    "tp3": (3, 1, 1),
-}
+# the family examples' modes: a label (the coverage table's column) -> the mode in parse_mode's spelling
+MODES = {"tp2": "tp2", "ulysses2": "ulysses2", "ring2": "ring2", "tp2xulysses2": "tp2xulysses2",
+         "unified2x2": "ring2xulysses2", "tp4": "tp4", "tp3": "tp3"}
+
+
+def world_size(mode: str) -> int:
+    return mode_world_size(MODES.get(mode, mode))
 
 
 def parallel_config(mode: str):
-    tp, ring, ulysses = MODES[mode]
-    return paradiff.ParallelConfig.from_degrees(tp=tp, ring=ring, ulysses=ulysses)
+    return paradiff.ParallelConfig.from_mode(MODES.get(mode, mode))
 
 
 def family_modes(family: str, example: str, modes: list[str], checkpoint: str | None = None,
