@@ -14,11 +14,7 @@ SHAPE = Lengths(height=3, width=5, text=7)  # 15 image + 7 text tokens: divisibl
 
 
 def parallel_config(tp: int = 1, ring: int = 1, ulysses: int = 1) -> paradiff.ParallelConfig:
-    return paradiff.ParallelConfig(
-        tensor_parallel_config=paradiff.TensorParallelConfig(tp) if tp > 1 else None,
-        context_parallel_config=(paradiff.ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses)
-                                 if ring * ulysses > 1 else None),
-    )
+    return paradiff.ParallelConfig.from_degrees(tp=tp, ring=ring, ulysses=ulysses)
 
 
 def compiled_vs_eager(cases: list[dict], backend: str = "aot_eager", batch: int = 2) -> dict:

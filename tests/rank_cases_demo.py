@@ -11,12 +11,7 @@ from paradiff.demo import CALL_KWARGS
 
 
 def _config(tp: int = 1, ring: int = 1, ulysses: int = 1, dp: int = 1) -> paradiff.ParallelConfig:
-    return paradiff.ParallelConfig(
-        tensor_parallel_config=paradiff.TensorParallelConfig(tp) if tp > 1 else None,
-        context_parallel_config=(paradiff.ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses)
-                                 if ring * ulysses > 1 else None),
-        data_degree=dp,
-    )
+    return paradiff.ParallelConfig.from_degrees(tp=tp, ring=ring, ulysses=ulysses, data=dp)
 
 
 def generate_batch(folder: str, degrees: dict, prompts: list[str], steps: int, seed: int) -> dict:

@@ -22,11 +22,7 @@ PROMPTS = ["a cat", "a lighthouse on a rocky coast during a storm, dramatic ligh
 
 
 def _config(tp: int = 1, ulysses: int = 1, dp: int = 1) -> paradiff.ParallelConfig:
-    return paradiff.ParallelConfig(
-        tensor_parallel_config=paradiff.TensorParallelConfig(tp) if tp > 1 else None,
-        context_parallel_config=paradiff.ContextParallelConfig(ulysses_degree=ulysses) if ulysses > 1 else None,
-        data_degree=dp,
-    )
+    return paradiff.ParallelConfig.from_degrees(tp=tp, ulysses=ulysses, data=dp)
 
 
 def _pixels(output) -> np.ndarray:
@@ -177,6 +173,11 @@ def unplanned_encoder(folder: str, scratch: str) -> dict:
         out["default_vs_whole"] = _relative(default.encode_prompt(**kwargs), whole.encode_prompt(**kwargs))
         out["default_cp_vs_whole"] = _relative(default_cp.encode_prompt(**kwargs), whole.encode_prompt(**kwargs))
     out["default_cp_share"] = parameter_bytes([default_cp.text_encoder]) / out["whole_share"]
+    expected = reference("wan", str(target))  # diffusers' single-process pipeline on the same folder
+    for name, pipeline in (("default", default), ("default_cp", default_cp)):
+        pipeline.set_progress_bar_config(disable=True)
+        image = _pixels(pipeline(**expected["kwargs"], seed=0))
+        out[f"{name}_image_vs_single"] = float(np.abs(image.astype(np.float64) - expected["image"]).max())
     return out
 
 

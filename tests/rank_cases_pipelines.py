@@ -18,13 +18,7 @@ def _pixels(output) -> np.ndarray:
 
 
 def _config(tp: int = 1, ring: int = 1, ulysses: int = 1, cfg: int = 1, dp: int = 1) -> paradiff.ParallelConfig:
-    return paradiff.ParallelConfig(
-        tensor_parallel_config=paradiff.TensorParallelConfig(tp) if tp > 1 else None,
-        context_parallel_config=(paradiff.ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses)
-                                 if ring * ulysses > 1 else None),
-        cfg_degree=cfg,
-        data_degree=dp,
-    )
+    return paradiff.ParallelConfig.from_degrees(tp=tp, ring=ring, ulysses=ulysses, cfg=cfg, data=dp)
 
 
 def pipeline_equivalence(family: str, folder: str, degrees: dict, seeds=(0,), steps: int = 3) -> dict:

@@ -14,12 +14,8 @@ def run_example(family: str, heads: int, tp: int, ring: int, ulysses: int, heigh
     try:
         model = build_model(family, heads=heads)
         reference = build_model(family, heads=heads)
-        cp = paradiff.ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses) if ring * ulysses > 1 else None
-        config = paradiff.ParallelConfig(
-            tensor_parallel_config=paradiff.TensorParallelConfig(tp) if tp > 1 else None,
-            context_parallel_config=cp,
-            data_degree=max(1, dist.get_world_size() // (tp * ring * ulysses)),
-        )
+        config = paradiff.ParallelConfig.from_degrees(tp=tp, ring=ring, ulysses=ulysses,
+                                                      data=max(1, dist.get_world_size() // (tp * ring * ulysses)))
         paradiff.enable_parallelism(model, config)
     except paradiff.ParadiffError as exc:
         return {"outcome": "refused", "error": f"{type(exc).__name__}: {exc}", "stage": "setup"}
