@@ -30,7 +30,7 @@ def _expected_refusal(example) -> str | None:
     degree = example["tp"] * example["ring"] * example["ulysses"]
     if degree > WORLD or WORLD % degree:
         return "setup"
-    if example["tp"] > 1 and example["heads"] % example["tp"]:
+    if example["tp"] > example["heads"]:  # any head count splits into whole heads, but each rank needs one
         return "setup"
     cp = example["ring"] * example["ulysses"]
     tokens = example["height"] * example["width"]

@@ -102,6 +102,9 @@ def test_encoder_without_plan_stays_whole_by_default_and_is_refused_when_require
         assert result["default_cp_share"] == 1.0 and result["default_cp_vs_whole"] == 0.0, result
         assert result["default_share"] == 1.0, result  # whole on each rank
         assert result["default_vs_whole"] == 0.0, result
+        # the images of the tp2 and ulysses2 pipelines are diffusers' single-process ones
+        assert result["default_image_vs_single"] <= IMAGE_TOLERANCE, result
+        assert result["default_cp_image_vs_single"] <= IMAGE_TOLERANCE, result
         message = result["error"]
         assert message.startswith("PlanError: "), message
         for part in ("'text_encoder'", "MT5EncoderModel", "text_encoder_plans=", "shard_text_encoders=False"):
