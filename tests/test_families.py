@@ -84,6 +84,14 @@ def test_tp2_x_ulysses2_with_heads_uneven_on_both(pools, name):
                            config_overrides=overrides))
 
 
+@pytest.mark.parametrize("mode", ["tp2", "tp2xulysses2"])
+def test_grouped_heads_six_over_three_kv_heads_split_by_whole_groups(pools, mode):
+    """6 query heads over 3 K/V heads at tp2: 2 + 1 K/V heads, each with its 2 query heads; then Ulysses on top."""
+    overrides = {"num_attention_heads": 6, "num_key_value_heads": 3}
+    check(pools.get(cases.world_size(mode)).run(cases.family_modes, family="nucleusmoe", example="nucleus-moe",
+                                                modes=[mode], config_overrides=overrides))
+
+
 @pytest.mark.parametrize("family,example,mode", EXTRA, ids=[f"{f}:{e}:{m}" for f, e, m in EXTRA])
 def test_extra_modes_loaded_shard_on_read(pools, tmp_path, family, example, mode):
     world = cases.world_size(mode)
