@@ -23,7 +23,7 @@ from paradiff.errors import CheckpointError, ParallelConfigError
 from paradiff.io.folders import resolve_folder
 from paradiff.distributed.mesh import build_mesh, default_device, rank_coordinates, require_distributed
 from paradiff.io.model_classes import checkpoint_keys, construct, keep_fp32_modules, load_config
-from paradiff.plans import plan_for
+from paradiff.plans import model_config, plan_for
 from paradiff.quant.schemes import check_block_boundaries, scheme_from_config
 from paradiff.runtime.progress import byte_progress
 from paradiff.api.load_sequence import Component, Prepared, run_load_sequence
@@ -315,7 +315,7 @@ def prepare_model(
     against the model and the plan's slices; the weights are quantized on each rank's slice after the read."""
     checkpoint = Checkpoint(folder)
     try:
-        config = load_config(model_cls, folder)
+        config = model_config(model_cls, load_config(model_cls, folder))
         with parameters_on_meta():
             model = construct(model_cls, config, dtype)
         keys = checkpoint_keys(model, set(checkpoint.tensors))

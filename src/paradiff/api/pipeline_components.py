@@ -196,10 +196,11 @@ def _load_components(own: list[_Own], folder: Path, parallel, dtype, device, sta
 def _text_encoder_plan(item: _Own, folder: Path):
     from paradiff.errors import PlanError
     from paradiff.io.model_classes import load_config
-    from paradiff.plans import builtin_plan, text_encoder_families
+    from paradiff.plans import builtin_plan, model_config, text_encoder_families
 
     try:
-        return builtin_plan(item.model_cls, load_config(item.model_cls, folder / item.name), "tensor")
+        config = model_config(item.model_cls, load_config(item.model_cls, folder / item.name))
+        return builtin_plan(item.model_cls, config, "tensor")
     except PlanError:
         known = sorted(name for family in text_encoder_families() for name in family.model_classes)
         raise PlanError(

@@ -83,6 +83,12 @@ def supported(kind: str) -> list[str]:
     return sorted(name for family in families() if family.plan(kind) is not None for name in family.model_classes)
 
 
+def model_config(model_cls: type, config: Any) -> Any:
+    """The config `model_cls` is built from: its family's `model_config` of the folder's config, or that config."""
+    family, known_class = _match(model_cls)
+    return config if family is None or family.model_config is None else family.model_config(config, known_class)
+
+
 def builtin_plan(model_or_cls: nn.Module | type, config, kind: str):
     """The built-in `kind` ("tensor" or "context") plan for this model, or a PlanError saying how to write one."""
     family, known_class = _match(model_or_cls)

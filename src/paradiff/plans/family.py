@@ -27,6 +27,9 @@ class Family:
     prepare_example: Callable[..., Any] | None = None
     # run_example(model, inputs): the example forward where one call is not the whole story (a cache-filling pass)
     run_example: Callable[..., Any] | None = None
+    # model_config(config, class name): the config the class is built from, given the one its folder holds, where they differ
+    # (PRX's T5GemmaEncoder is built from the `encoder` part of the encoder-decoder config its checkpoint keeps)
+    model_config: Callable[[Any], Any] | None = None
     # {example name: modes beyond tp2 / ulysses2 / ring2 / tp2 x ulysses2, e.g. ("tp4",)} the test suite also runs
     extra_modes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 

@@ -63,6 +63,9 @@ def _configs() -> dict[str, Callable[[], Any]]:
             vision_config=dict(_SMALL_VISION, image_size=8, patch_size=4), mm_tokens_per_image=4,
             image_token_index=VOCAB - 1, boi_token_index=VOCAB - 2, eoi_token_index=VOCAB - 3),
         "SmolLM3ForCausalLM": lambda: tf.SmolLM3Config(**_DECODER, no_rope_layer_interval=2),
+        # PRX's text encoder: diffusers' wrapper of the bare encoder, whose folder keeps the encoder-decoder config
+        "T5GemmaEncoder": lambda: tf.T5GemmaConfig(encoder=dict(_DECODER), decoder=dict(_DECODER),
+                                                   is_encoder_decoder=False, vocab_size=VOCAB),
         "T5GemmaEncoderModel": lambda: tf.T5GemmaConfig(encoder=dict(_DECODER), decoder=dict(_DECODER),
                                                         is_encoder_decoder=False, vocab_size=VOCAB),
         "T5Gemma2Encoder": lambda: tf.T5Gemma2EncoderConfig(
@@ -99,14 +102,22 @@ ENCODER_CLASSES = tuple(_configs())
 def encoder_class(name: str) -> type:
     import transformers
 
-    return getattr(transformers, name.partition("@")[0])
+    name = name.partition("@")[0]
+    if name == "T5GemmaEncoder":  # defined by diffusers' PRX pipeline package, not exported by transformers
+        from diffusers.pipelines.prx import T5GemmaEncoder
+
+        return T5GemmaEncoder
+    return getattr(transformers, name)
 
 
 def build_encoder(name: str, seed: int = 0) -> nn.Module:
     """The class with its tiny config and random weights; norms and biases perturbed too, so a wrong slice cannot
     hide behind ones and zeros."""
+    from paradiff.plans import model_config
+
     torch.manual_seed(seed)
-    model = encoder_class(name)(_configs()[name]())
+    cls = encoder_class(name)
+    model = cls(model_config(cls, _configs()[name]()))
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
@@ -115,6 +126,8 @@ def build_encoder(name: str, seed: int = 0) -> nn.Module:
 
 def save_encoder(name: str, folder: Path, seed: int = 0) -> Path:
     build_encoder(name, seed).save_pretrained(folder, safe_serialization=True)
+    if name == "T5GemmaEncoder":  # as PRX ships it: the encoder-decoder config beside the encoder's weights
+        _configs()[name]().save_pretrained(folder)
     return Path(folder)
 
 
