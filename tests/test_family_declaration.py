@@ -39,6 +39,8 @@ def test_discovery_finds_every_declared_family_once():
 
 @pytest.mark.parametrize("family", families() + text_encoder_families(), ids=lambda family: family.name)
 def test_model_classes_are_real_library_classes(family):
+    import diffusers.pipelines.prx  # noqa: F401 - puts PRX's T5GemmaEncoder wrapper on transformers, as it ships
+
     library = transformers if family in text_encoder_families() else diffusers
     for class_name in family.model_classes:
         cls = getattr(library, class_name, None)
