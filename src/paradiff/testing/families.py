@@ -77,7 +77,10 @@ def wrong_slices(model, reference) -> list[str]:
 
 def uneven_head_overrides(family: str, example: str, heads: int = 3) -> dict | None:
     """Config overrides giving the example `heads` attention heads (one K/V head where it groups them), or None
-    where its config ties other widths to its head count (those are checked at tp3 with their 4 heads)."""
+    where no such config builds and runs (those are checked at tp3 with their 4 heads).
+
+    First the head count alone; then also every config width equal to 1, 2 or 4 times the old inner width
+    (heads x head width: hidden sizes, cross-attention and caption widths), scaled to the new head count."""
     import torch
 
     from paradiff.tensor_parallel.plan import as_plan
@@ -85,17 +88,38 @@ def uneven_head_overrides(family: str, example: str, heads: int = 3) -> dict | N
     module = examples.family_module(family)
     _, config = module.examples[example]
     try:
-        key = as_plan(module.tensor_parallel_plan(examples.build_example(family, example).config)).heads_config_key
-        overrides = {key: heads}
-        for kv_key in ("num_key_value_heads", "num_kv_heads", "kv_heads"):
-            if config.get(kv_key) not in (None, config.get(key)):
-                overrides[kv_key] = 1
-        model = examples.build_example(family, example, config_overrides=overrides)
-        with torch.no_grad():
-            examples.forward(model, examples.example_inputs(family, example, model.config))
-    except Exception:  # noqa: BLE001 - any failure means the config does not take this head count
+        built = examples.build_example(family, example).config
+        key = as_plan(module.tensor_parallel_plan(built)).heads_config_key
+    except Exception:  # noqa: BLE001 - an example whose plan needs more than its config (none today)
         return None
-    return overrides
+    old = config.get(key, getattr(built, key, None))
+    if not isinstance(old, int):
+        return None
+    overrides = {key: heads}
+    for kv_key in ("num_key_value_heads", "num_kv_heads", "kv_heads"):
+        if config.get(kv_key) not in (None, old):
+            overrides[kv_key] = 1
+    candidates = [overrides]
+    head_dim = next((config[k] for k in ("attention_head_dim", "head_dim", "dim_head") if isinstance(config.get(k), int)),
+                    None)
+    if head_dim is None:
+        hidden = next((config[k] for k in ("hidden_size", "dim", "inner_dim", "d_model")
+                       if isinstance(config.get(k), int)), None)
+        head_dim = hidden // old if hidden and hidden % old == 0 else None
+    if head_dim is not None:
+        inner = old * head_dim
+        scaled = {k: v // inner * heads * head_dim for k, v in config.items()
+                  if isinstance(v, int) and not isinstance(v, bool) and k != key and v in (inner, 2 * inner, 4 * inner)}
+        candidates.append({**overrides, **scaled})
+    for candidate in candidates:
+        try:
+            model = examples.build_example(family, example, config_overrides=candidate)
+            with torch.no_grad():
+                examples.forward(model, examples.example_inputs(family, example, model.config))
+        except Exception:  # noqa: BLE001 - any failure means the config does not take this head count
+            continue
+        return candidate
+    return None
 
 
 def family_modes_or_refusal(family: str, example: str, modes: list[str], **kwargs) -> dict:
