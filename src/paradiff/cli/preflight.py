@@ -24,11 +24,11 @@ def check_model_folder(args: argparse.Namespace) -> None:
     index = json.loads((path / "model_index.json").read_text())
     pipeline_name = str(index.get("_class_name"))
     if args.cfg > 1:
-        from paradiff.plans.pipelines import CFG_RULES
+        from paradiff.plans.pipelines import cfg_refusal
 
-        if pipeline_name not in CFG_RULES:
-            raise CliError(f"--cfg {args.cfg}: CFG parallelism is supported for {', '.join(sorted(CFG_RULES))}; "
-                           f"{args.model} is a {pipeline_name}. Use --cfg 1")
+        refusal = cfg_refusal(pipeline_name)
+        if refusal is not None:
+            raise CliError(f"--cfg {args.cfg}: {args.model}: {refusal}. Use --cfg 1")
     if args.tp > 1:
         _check_transformers_split(args, path, index)
 
