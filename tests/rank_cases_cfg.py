@@ -36,7 +36,8 @@ def cfg_pairs(family: str = "flux2", steps: int = 3, meta: bool = True, compiled
     return {"rank": dist.get_rank(), "computed": splitter.computed, "diff": max(diffs)}
 
 
-def pipeline_cfg(family: str, folder: str, degrees: dict, steps: int = 3) -> dict:
+def pipeline_cfg(family: str, folder: str, degrees: dict, steps: int = 3, pipeline_class: str | None = None,
+                 call: dict | None = None) -> dict:
     """A whole pipeline at cfg2 (x tp2 on 4 ranks) against diffusers' single-process call, same seed; with what the
     first transformer block of this rank computed on (its batch, and its input against the reference's)."""
     from diffusers import DiffusionPipeline
@@ -44,14 +45,19 @@ def pipeline_cfg(family: str, folder: str, degrees: dict, steps: int = 3) -> dic
     from paradiff.testing.pipelines import default_call_kwargs
 
     torch.set_num_threads(1)
-    kwargs = dict(default_call_kwargs(family), num_inference_steps=steps)
-    reference = DiffusionPipeline.from_pretrained(folder)
+    import diffusers
+
+    kwargs = dict(default_call_kwargs(family), num_inference_steps=steps, **(call or {}))
+    cls = getattr(diffusers, pipeline_class) if pipeline_class else DiffusionPipeline
+    reference = cls.from_pretrained(folder)
     reference.set_progress_bar_config(disable=True)
-    pipeline = paradiff.load_pipeline(folder, parallel_config=paradiff.ParallelConfig.from_degrees(**degrees))
+    pipeline = paradiff.load_pipeline(folder, parallel_config=paradiff.ParallelConfig.from_degrees(**degrees),
+                                      pipeline_cls=getattr(diffusers, pipeline_class) if pipeline_class else None)
     pipeline.set_progress_bar_config(disable=True)
     seen: dict[str, list[torch.Tensor]] = {"reference": [], "parallel": []}
     for name, pipe in (("reference", reference), ("parallel", pipeline)):
-        pipe.transformer.transformer_blocks[0].register_forward_pre_hook(
+        blocks = getattr(pipe.transformer, "transformer_blocks", None) or pipe.transformer.layers  # Lumina 2: layers
+        blocks[0].register_forward_pre_hook(
             lambda _module, args, kw, name=name: seen[name].append(
                 (args[0] if args else kw["hidden_states"]).detach().clone()), with_kwargs=True)
     expected = _pixels(reference(**kwargs, generator=torch.Generator().manual_seed(0)))

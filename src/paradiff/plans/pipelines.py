@@ -39,6 +39,9 @@ class CfgRule:
     batched: tuple[str, ...] = ()  # "batch": the transformer's arguments that hold the branches' batch
     batch_order: tuple[str, ...] = ("uncond", "cond")  # "batch": the branches in batch order
     disabled_by_config: str | None = None
+    # an argument that stops guidance after that fraction of the steps (Lumina 2's cfg_trunc_ratio, default 1): the
+    # steps after it make one call, which the two-call pairing cannot follow, so CFG parallelism needs it at 1
+    truncation_argument: str | None = None
 
     def __post_init__(self) -> None:
         if self.style not in (TWO_CALLS, BATCH):
@@ -51,6 +54,8 @@ class CfgRule:
             return False
         if self.disabled_by_config and getattr(pipeline_config, self.disabled_by_config, False):
             return False
+        if self.truncation_argument and call_kwargs.get(self.truncation_argument, 1.0) < 1:
+            return False
         if not self.needs_negative_prompt:
             return True
         return call_kwargs.get("negative_prompt") is not None or call_kwargs.get("negative_prompt_embeds") is not None
@@ -58,7 +63,8 @@ class CfgRule:
     def how(self) -> str:
         """How to make a call guide, for error messages."""
         negative = " and a negative_prompt" if self.needs_negative_prompt else ""
-        return f"{self.scale_argument} > 1{negative}"
+        truncation = f", {self.truncation_argument} = 1" if self.truncation_argument else ""
+        return f"{self.scale_argument} > 1{negative}{truncation}"
 
 
 CFG_RULES: dict[str, CfgRule] = {
@@ -67,9 +73,14 @@ CFG_RULES: dict[str, CfgRule] = {
     "WanPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
     "Flux2KleinPipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False,
                                   disabled_by_config="is_distilled"),
+    "HunyuanVideoPipeline": CfgRule("true_cfg_scale", 1.0, needs_negative_prompt=True),
+    "Lumina2Pipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False,
+                               truncation_argument="cfg_trunc_ratio"),
     "StableDiffusion3Pipeline": CfgRule("guidance_scale", 7.0, needs_negative_prompt=False, style=BATCH,
                                         batched=_WITH_POOLED),
     "SanaPipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, style=BATCH, batched=_WITH_TEXT_MASK),
+    "PixArtAlphaPipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, style=BATCH,
+                                   batched=_WITH_TEXT_MASK),
     "PixArtSigmaPipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, style=BATCH,
                                    batched=_WITH_TEXT_MASK),
     "LTXPipeline": CfgRule("guidance_scale", 3.0, needs_negative_prompt=False, style=BATCH, batched=_WITH_TEXT_MASK),
