@@ -32,11 +32,12 @@ def test_without_a_meta_run_the_first_call_is_learned_once(pools):
 
 RELATIVE = 1e-5
 BATCH_FAMILIES = ("sd3", "pixart_sigma", "sana", "ltx", "pixart_alpha")  # one transformer call on [uncond, cond]
-TWO_CALL_FAMILIES = ("flux2_klein", "lumina2", "hunyuanvideo")  # (Flux / Qwen / Wan: tests/test_pipelines.py)
+TWO_CALL_FAMILIES = ("flux", "flux2_klein", "lumina2", "hunyuanvideo")  # (Qwen, Wan: tests/test_pipelines.py)
 NO_META_RUN = ("lumina2",)  # its forward reads the caption lengths off the mask: no meta run
 # family -> (tiny folder, pipeline class run on it, call arguments beyond the family's defaults)
 VARIANTS = {
     "pixart_alpha": ("pixart_sigma", "PixArtAlphaPipeline", dict(clean_caption=False)),
+    "flux": ("flux", None, dict(negative_prompt="blurry, low quality", true_cfg_scale=4.0)),
     "hunyuanvideo": ("hunyuanvideo", None, dict(negative_prompt="blurry, low quality", true_cfg_scale=4.0)),
 }
 
@@ -123,3 +124,13 @@ def test_a_rule_declares_its_style_completely():
         CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, style=BATCH)
     with pytest.raises(ValueError, match="style must be"):
         CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, style="three_calls")
+
+
+def test_docs_table_is_generated_from_the_rules():
+    from pathlib import Path
+
+    from paradiff.plan_tools.cfg_rules import cfg_rules_table
+
+    docs = (Path(__file__).parents[1] / "docs" / "pipelines.md").read_text()
+    table = "\n".join("  " + line for line in cfg_rules_table().splitlines())
+    assert table in docs, "docs/pipelines.md's CFG table is stale: paste cfg_rules_table() (indented two spaces)"
