@@ -56,7 +56,8 @@ def pipeline_cfg(family: str, folder: str, degrees: dict, steps: int = 3, pipeli
     pipeline.set_progress_bar_config(disable=True)
     seen: dict[str, list[torch.Tensor]] = {"reference": [], "parallel": []}
     for name, pipe in (("reference", reference), ("parallel", pipeline)):
-        blocks = getattr(pipe.transformer, "transformer_blocks", None) or pipe.transformer.layers  # Lumina 2: layers
+        blocks = next(getattr(pipe.transformer, name) for name in ("transformer_blocks", "joint_transformer_blocks",
+                                                                    "layers") if hasattr(pipe.transformer, name))
         blocks[0].register_forward_pre_hook(
             lambda _module, args, kw, name=name: seen[name].append(
                 (args[0] if args else kw["hidden_states"]).detach().clone()), with_kwargs=True)

@@ -31,8 +31,10 @@ def test_without_a_meta_run_the_first_call_is_learned_once(pools):
 # --- whole pipelines --------------------------------------------------------------------------------------------
 
 RELATIVE = 1e-5
-BATCH_FAMILIES = ("sd3", "pixart_sigma", "sana", "ltx", "pixart_alpha")  # one transformer call on [uncond, cond]
-TWO_CALL_FAMILIES = ("flux", "flux2_klein", "lumina2", "hunyuanvideo")  # (Qwen, Wan: tests/test_pipelines.py)
+# one transformer call per step on [uncond, cond]
+BATCH_FAMILIES = ("sd3", "pixart_sigma", "sana", "ltx", "pixart_alpha", "auraflow")
+# two calls per step (Qwen-Image and Wan: tests/test_pipelines.py)
+TWO_CALL_FAMILIES = ("flux", "flux2_klein", "lumina2", "hunyuanvideo", "chroma")
 NO_META_RUN = ("lumina2",)  # its forward reads the caption lengths off the mask: no meta run
 # family -> (tiny folder, pipeline class run on it, call arguments beyond the family's defaults)
 VARIANTS = {

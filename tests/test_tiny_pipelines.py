@@ -34,6 +34,8 @@ EXPECTED_TRANSFORMERS = {
     "sd3": "SD3Transformer2DModel",
     "pixart_sigma": "PixArtTransformer2DModel",
     "sana": "SanaTransformer2DModel",
+    "auraflow": "AuraFlowTransformer2DModel",
+    "chroma": "ChromaTransformer2DModel",
 }
 
 

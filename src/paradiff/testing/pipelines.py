@@ -27,7 +27,8 @@ from typing import Any, Iterator
 import torch
 
 PIPELINE_FAMILIES = ("flux", "flux2", "qwenimage", "wan", "wan2.2", "wan2.2-a14b", "hunyuanvideo", "ltx",
-                     "flux2_klein", "lumina2", "sd3", "pixart_sigma", "sana")
+                     "flux2_klein", "lumina2", "sd3", "pixart_sigma", "sana", "auraflow",
+                     "chroma")
 # The families whose pipelines return videos (`.frames`) and take `num_frames`.
 VIDEO_FAMILIES = ("wan", "wan2.2", "wan2.2-a14b", "hunyuanvideo", "ltx")
 
@@ -46,6 +47,8 @@ PIPELINE_CLASSES = {
     "sd3": "StableDiffusion3Pipeline",
     "pixart_sigma": "PixArtSigmaPipeline",
     "sana": "SanaPipeline",
+    "auraflow": "AuraFlowPipeline",
+    "chroma": "ChromaPipeline",
 }
 TRANSFORMER_CLASSES = {
     "flux": "FluxTransformer2DModel",
@@ -61,6 +64,8 @@ TRANSFORMER_CLASSES = {
     "sd3": "SD3Transformer2DModel",
     "pixart_sigma": "PixArtTransformer2DModel",
     "sana": "SanaTransformer2DModel",
+    "auraflow": "AuraFlowTransformer2DModel",
+    "chroma": "ChromaTransformer2DModel",
 }
 
 # Transformer config keys that other components depend on (latent channels, text width, packing):
@@ -80,6 +85,8 @@ _COUPLED_KEYS = {
     "sd3": ("in_channels", "out_channels", "joint_attention_dim", "pooled_projection_dim"),
     "pixart_sigma": ("in_channels", "out_channels", "caption_channels", "sample_size"),
     "sana": ("in_channels", "out_channels", "caption_channels"),
+    "auraflow": ("in_channels", "out_channels", "joint_attention_dim"),
+    "chroma": ("in_channels", "out_channels", "joint_attention_dim", "patch_size"),
 }
 
 # Text width of every text encoder; the transformers' text projections are sized from these.
@@ -239,6 +246,20 @@ def transformer_config(family: str, overrides: dict | None = None) -> dict:
             cross_attention_head_dim=head_dim, cross_attention_dim=heads * head_dim, caption_channels=_TEXT_WIDTH,
             sample_size=16,
         )
+    elif family == "auraflow":
+        config = dict(
+            sample_size=16, patch_size=2, in_channels=_LATENT_CHANNELS, out_channels=_LATENT_CHANNELS,
+            num_mmdit_layers=1, num_single_dit_layers=1, attention_head_dim=head_dim, num_attention_heads=heads,
+            joint_attention_dim=_TEXT_WIDTH, caption_projection_dim=heads * head_dim, pos_embed_max_size=64,
+        )
+    elif family == "chroma":
+        # FLUX.1 packing (2 x 2 latents per token); the modulation approximator replaces FLUX's per-block MLPs
+        config = dict(
+            patch_size=1, in_channels=4 * _LATENT_CHANNELS, out_channels=None, num_layers=1, num_single_layers=1,
+            attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=_TEXT_WIDTH,
+            axes_dims_rope=_rope_axes(head_dim, 3), approximator_num_channels=16, approximator_hidden_dim=32,
+            approximator_layers=1,
+        )
     elif family == "qwenimage":
         config = dict(
             patch_size=2, in_channels=4 * _LATENT_CHANNELS, out_channels=_LATENT_CHANNELS, num_layers=2,
@@ -279,7 +300,8 @@ def build_pipeline(family: str, seed: int = 0, transformer_overrides: dict | Non
                 "wan2.2": _build_wan22, "wan2.2-a14b": _build_wan22_a14b, "hunyuanvideo": _build_hunyuanvideo,
                 "ltx": _build_ltx,
                 "flux2_klein": _build_flux2_klein, "lumina2": _build_lumina2, "sd3": _build_sd3,
-                "pixart_sigma": _build_pixart_sigma, "sana": _build_sana}
+                "pixart_sigma": _build_pixart_sigma, "sana": _build_sana, "auraflow": _build_auraflow,
+                "chroma": _build_chroma}
     components = builders[family](seed)
     with _seeded(seed, 0):
         transformer = transformer_class(family)(**transformer_config(family, transformer_overrides))
@@ -356,6 +378,12 @@ def default_call_kwargs(family: str) -> dict[str, Any]:
         return dict(prompt="a small red fox running through the snow", guidance_scale=4.0,
                     max_sequence_length=64, **dict(common, height=64, width=64))
     if family == "sd3":  # batch CFG: [uncond, cond] in one transformer call
+        return dict(prompt="a small red fox running through the snow", negative_prompt="blurry, low quality",
+                    guidance_scale=5.0, max_sequence_length=32, **common)
+    if family == "auraflow":  # batch CFG
+        return dict(prompt="a small red fox running through the snow", negative_prompt="blurry, low quality",
+                    guidance_scale=3.5, max_sequence_length=32, **common)
+    if family == "chroma":  # two calls: the prompt, then the negative prompt
         return dict(prompt="a small red fox running through the snow", negative_prompt="blurry, low quality",
                     guidance_scale=5.0, max_sequence_length=32, **common)
     if family in ("pixart_sigma", "sana"):  # batch CFG; no resolution binning at 32 x 32
@@ -736,6 +764,35 @@ def _build_sd3(seed: int) -> dict:
     return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                 text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, text_encoder_3=text_encoder_3,
                 tokenizer_3=tokenizer_3, image_encoder=None, feature_extractor=None)
+
+
+def _build_auraflow(seed: int) -> dict:
+    import diffusers
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tokenizer = _t5_tokenizer()
+    with _seeded(seed, 1):
+        text_encoder = UMT5EncoderModel(_t5_config(UMT5Config, tokenizer, feed_forward_proj="gated-gelu"))
+    vae = _small_vae(seed, scaling_factor=0.13025)
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.73)
+    return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
+
+
+def _build_chroma(seed: int) -> dict:
+    import diffusers
+    from transformers import T5Config, T5EncoderModel
+
+    tokenizer = _t5_tokenizer()
+    with _seeded(seed, 1):
+        text_encoder = T5EncoderModel(_t5_config(T5Config, tokenizer, feed_forward_proj="gated-gelu"))
+    vae = _small_vae(seed, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False,
+                     use_post_quant_conv=False)
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=256, max_image_seq_len=4096,
+    )
+    return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, image_encoder=None,
+                feature_extractor=None)
 
 
 def _build_pixart_sigma(seed: int) -> dict:
