@@ -32,7 +32,7 @@ def test_without_a_meta_run_the_first_call_is_learned_once(pools):
 
 RELATIVE = 1e-5
 # one transformer call per step on [uncond, cond]
-BATCH_FAMILIES = ("sd3", "pixart_sigma", "sana", "ltx", "pixart_alpha", "auraflow")
+BATCH_FAMILIES = ("sd3", "pixart_sigma", "sana", "ltx", "pixart_alpha", "auraflow", "cogview3plus", "cogvideox")
 # two calls per step (Qwen-Image and Wan: tests/test_pipelines.py)
 TWO_CALL_FAMILIES = ("flux", "flux2_klein", "lumina2", "hunyuanvideo", "chroma")
 NO_META_RUN = ("lumina2",)  # its forward reads the caption lengths off the mask: no meta run

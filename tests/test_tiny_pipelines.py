@@ -36,6 +36,8 @@ EXPECTED_TRANSFORMERS = {
     "sana": "SanaTransformer2DModel",
     "auraflow": "AuraFlowTransformer2DModel",
     "chroma": "ChromaTransformer2DModel",
+    "cogview3plus": "CogView3PlusTransformer2DModel",
+    "cogvideox": "CogVideoXTransformer3DModel",
 }
 
 

@@ -28,9 +28,9 @@ import torch
 
 PIPELINE_FAMILIES = ("flux", "flux2", "qwenimage", "wan", "wan2.2", "wan2.2-a14b", "hunyuanvideo", "ltx",
                      "flux2_klein", "lumina2", "sd3", "pixart_sigma", "sana", "auraflow",
-                     "chroma")
+                     "chroma", "cogview3plus", "cogvideox")
 # The families whose pipelines return videos (`.frames`) and take `num_frames`.
-VIDEO_FAMILIES = ("wan", "wan2.2", "wan2.2-a14b", "hunyuanvideo", "ltx")
+VIDEO_FAMILIES = ("wan", "wan2.2", "wan2.2-a14b", "hunyuanvideo", "ltx", "cogvideox")
 
 # What each family's pipeline and transformer classes are called in diffusers.
 PIPELINE_CLASSES = {
@@ -49,6 +49,8 @@ PIPELINE_CLASSES = {
     "sana": "SanaPipeline",
     "auraflow": "AuraFlowPipeline",
     "chroma": "ChromaPipeline",
+    "cogview3plus": "CogView3PlusPipeline",
+    "cogvideox": "CogVideoXPipeline",
 }
 TRANSFORMER_CLASSES = {
     "flux": "FluxTransformer2DModel",
@@ -66,6 +68,8 @@ TRANSFORMER_CLASSES = {
     "sana": "SanaTransformer2DModel",
     "auraflow": "AuraFlowTransformer2DModel",
     "chroma": "ChromaTransformer2DModel",
+    "cogview3plus": "CogView3PlusTransformer2DModel",
+    "cogvideox": "CogVideoXTransformer3DModel",
 }
 
 # Transformer config keys that other components depend on (latent channels, text width, packing):
@@ -87,6 +91,9 @@ _COUPLED_KEYS = {
     "sana": ("in_channels", "out_channels", "caption_channels"),
     "auraflow": ("in_channels", "out_channels", "joint_attention_dim"),
     "chroma": ("in_channels", "out_channels", "joint_attention_dim", "patch_size"),
+    "cogview3plus": ("in_channels", "out_channels", "text_embed_dim"),
+    "cogvideox": ("in_channels", "out_channels", "text_embed_dim", "max_text_seq_length",
+                  "temporal_compression_ratio"),
 }
 
 # Text width of every text encoder; the transformers' text projections are sized from these.
@@ -260,6 +267,21 @@ def transformer_config(family: str, overrides: dict | None = None) -> dict:
             axes_dims_rope=_rope_axes(head_dim, 3), approximator_num_channels=16, approximator_hidden_dim=32,
             approximator_layers=1,
         )
+    elif family == "cogview3plus":
+        config = dict(
+            patch_size=2, in_channels=_LATENT_CHANNELS, out_channels=_LATENT_CHANNELS, num_layers=2,
+            attention_head_dim=head_dim, num_attention_heads=heads, text_embed_dim=_TEXT_WIDTH, time_embed_dim=16,
+            condition_dim=4, pos_embed_max_size=16, sample_size=16,
+        )
+    elif family == "cogvideox":
+        # the text length is fixed by the config (the pipeline's max_sequence_length must equal it); 9 frames are 3
+        # latent frames through the VAE's temporal factor 4, 32 pixels 4 latents (factor 8), 2 x 2 patches
+        config = dict(
+            num_attention_heads=heads, attention_head_dim=head_dim, in_channels=_LATENT_CHANNELS,
+            out_channels=_LATENT_CHANNELS, time_embed_dim=8, text_embed_dim=_TEXT_WIDTH, num_layers=2,
+            sample_width=4, sample_height=4, sample_frames=9, patch_size=2, temporal_compression_ratio=4,
+            max_text_seq_length=16,
+        )
     elif family == "qwenimage":
         config = dict(
             patch_size=2, in_channels=4 * _LATENT_CHANNELS, out_channels=_LATENT_CHANNELS, num_layers=2,
@@ -301,7 +323,7 @@ def build_pipeline(family: str, seed: int = 0, transformer_overrides: dict | Non
                 "ltx": _build_ltx,
                 "flux2_klein": _build_flux2_klein, "lumina2": _build_lumina2, "sd3": _build_sd3,
                 "pixart_sigma": _build_pixart_sigma, "sana": _build_sana, "auraflow": _build_auraflow,
-                "chroma": _build_chroma}
+                "chroma": _build_chroma, "cogview3plus": _build_cogview3plus, "cogvideox": _build_cogvideox}
     components = builders[family](seed)
     with _seeded(seed, 0):
         transformer = transformer_class(family)(**transformer_config(family, transformer_overrides))
@@ -380,6 +402,12 @@ def default_call_kwargs(family: str) -> dict[str, Any]:
     if family == "sd3":  # batch CFG: [uncond, cond] in one transformer call
         return dict(prompt="a small red fox running through the snow", negative_prompt="blurry, low quality",
                     guidance_scale=5.0, max_sequence_length=32, **common)
+    if family == "cogview3plus":  # batch CFG, with the size conditions batched too
+        return dict(prompt="a small red fox running through the snow", negative_prompt="blurry, low quality",
+                    guidance_scale=5.0, max_sequence_length=32, **common)
+    if family == "cogvideox":  # batch CFG; the text length is the transformer's max_text_seq_length
+        return dict(prompt="a small red fox running through the snow", negative_prompt="blurry, low quality",
+                    guidance_scale=6.0, num_frames=9, max_sequence_length=16, use_dynamic_cfg=False, **common)
     if family == "auraflow":  # batch CFG
         return dict(prompt="a small red fox running through the snow", negative_prompt="blurry, low quality",
                     guidance_scale=3.5, max_sequence_length=32, **common)
@@ -764,6 +792,39 @@ def _build_sd3(seed: int) -> dict:
     return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                 text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, text_encoder_3=text_encoder_3,
                 tokenizer_3=tokenizer_3, image_encoder=None, feature_extractor=None)
+
+
+def _build_cogview3plus(seed: int) -> dict:
+    import diffusers
+    from transformers import T5Config, T5EncoderModel
+
+    tokenizer = _t5_tokenizer()
+    with _seeded(seed, 1):
+        text_encoder = T5EncoderModel(_t5_config(T5Config, tokenizer, feed_forward_proj="gated-gelu"))
+    vae = _small_vae(seed, scaling_factor=0.18215)
+    scheduler = diffusers.CogVideoXDDIMScheduler(num_train_timesteps=1000, timestep_spacing="trailing",
+                                                 rescale_betas_zero_snr=True, snr_shift_scale=1.0,
+                                                 prediction_type="v_prediction")
+    return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
+
+
+def _build_cogvideox(seed: int) -> dict:
+    import diffusers
+    from transformers import T5Config, T5EncoderModel
+
+    tokenizer = _t5_tokenizer()
+    with _seeded(seed, 1):
+        text_encoder = T5EncoderModel(_t5_config(T5Config, tokenizer, feed_forward_proj="gated-gelu"))
+    with _seeded(seed, 3):
+        vae = diffusers.AutoencoderKLCogVideoX(
+            in_channels=3, out_channels=3, down_block_types=("CogVideoXDownBlock3D",) * 4,
+            up_block_types=("CogVideoXUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8),
+            latent_channels=_LATENT_CHANNELS, layers_per_block=1, norm_num_groups=2, temporal_compression_ratio=4,
+        )
+    scheduler = diffusers.CogVideoXDDIMScheduler(num_train_timesteps=1000, timestep_spacing="trailing",
+                                                 rescale_betas_zero_snr=True, snr_shift_scale=1.0,
+                                                 prediction_type="v_prediction")
+    return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
 
 
 def _build_auraflow(seed: int) -> dict:
