@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import rank_cases_cfg as cases
@@ -24,3 +26,113 @@ def test_without_a_meta_run_the_first_call_is_learned_once(pools):
     assert [r["computed"] for r in results] == [STEPS, STEPS + 1], results
     for result in results:
         assert result["diff"] <= ATOL, result
+
+
+# --- whole pipelines --------------------------------------------------------------------------------------------
+
+RELATIVE = 1e-5
+# one transformer call per step on [uncond, cond]
+BATCH_FAMILIES = ("sd3", "pixart_sigma", "sana", "ltx", "pixart_alpha", "auraflow", "cogview3plus", "cogvideox")
+# two calls per step (Qwen-Image and Wan: tests/test_pipelines.py)
+TWO_CALL_FAMILIES = ("flux", "flux2_klein", "lumina2", "hunyuanvideo", "chroma")
+NO_META_RUN = ("lumina2",)  # its forward reads the caption lengths off the mask: no meta run
+# family -> (tiny folder, pipeline class run on it, call arguments beyond the family's defaults)
+VARIANTS = {
+    "pixart_alpha": ("pixart_sigma", "PixArtAlphaPipeline", dict(clean_caption=False)),
+    "flux": ("flux", None, dict(negative_prompt="blurry, low quality", true_cfg_scale=4.0)),
+    "hunyuanvideo": ("hunyuanvideo", None, dict(negative_prompt="blurry, low quality", true_cfg_scale=4.0)),
+}
+
+
+def _run(pools, ranks: int, family: str, folders, degrees: dict):
+    folder, pipeline_class, call = VARIANTS.get(family, (family, None, {}))
+    return pools.get(ranks).run(cases.pipeline_cfg, family=folder, folder=str(folders[folder]), degrees=degrees,
+                                steps=STEPS, pipeline_class=pipeline_class, call=call)
+
+
+def _check_pipeline(result: dict, family: str, steps: int = STEPS) -> None:
+    assert result["diff"] <= RELATIVE * max(result["scale"], 1.0), result
+    if family in BATCH_FAMILIES:
+        assert result["style"] == "BatchCfgSplitter", result
+        assert result["reference_batches"] == [2] * steps, result  # diffusers: the whole [uncond, cond] batch
+        assert result["batches"] == [1] * steps, result  # each cfg rank: its half, once per step
+    else:
+        assert result["style"] == "CfgSplitter", result
+        assert result["reference_batches"] == [1] * (2 * steps), result
+        # one of the two calls per step; cfg rank 1 of a transformer whose forward cannot run on the meta device
+        # computes the first call once more, to learn its output's structure
+        calls = steps + 1 if family in NO_META_RUN and result["cfg_rank"] == 1 else steps
+        assert result["batches"] == [1] * calls, result
+        assert result["computed"] == calls, result
+        return
+    assert result["computed"] == steps, result
+
+
+@pytest.mark.parametrize("family", BATCH_FAMILIES + TWO_CALL_FAMILIES)
+def test_pipeline_at_cfg2_matches_single_process(pools, tiny_pipeline_folders, family):
+    results = _run(pools, 2, family, tiny_pipeline_folders, dict(cfg=2))
+    assert sorted(r["cfg_rank"] for r in results) == [0, 1]
+    for result in results:
+        _check_pipeline(result, family)
+        if family in BATCH_FAMILIES:  # cfg rank r's first block ran on exactly half r of diffusers' batch
+            assert result["block_diff"] <= RELATIVE, result
+
+
+@pytest.mark.parametrize("family", ("sd3", "pixart_sigma", "sana", "flux2_klein"))
+def test_pipeline_at_cfg2_x_tp2_matches_single_process(pools, tiny_pipeline_folders, family):
+    results = _run(pools, 4, family, tiny_pipeline_folders, dict(cfg=2, tp=2))
+    assert sorted(r["cfg_rank"] for r in results) == [0, 0, 1, 1]
+    for result in results:
+        _check_pipeline(result, family)
+
+
+def unclassified_folder(tmp_path) -> str:
+    """A pipeline folder of a class CFG_RULES does not list: refused from its model_index.json, nothing else read."""
+    (tmp_path / "model_index.json").write_text(json.dumps({
+        "_class_name": "AllegroPipeline", "transformer": ["diffusers", "AllegroTransformer3DModel"]}))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("family,reason", [
+    ("flux2", "Flux2Pipeline never runs classifier-free guidance (guidance-distilled"),
+    (None, "AllegroPipeline is not classified for CFG parallelism yet (classified: "),
+], ids=["never-guides", "not-classified"])
+def test_cfg2_refusals_say_why(pools, tiny_pipeline_folders, tmp_path, family, reason):
+    folder = str(tiny_pipeline_folders[family]) if family else unclassified_folder(tmp_path)
+    for message in pools.get(2).run(cases.load_refusal, folder=folder, degrees=dict(cfg=2)):
+        assert message.startswith(f"ParallelConfigError: cfg_degree=2: {reason}"), message
+        assert message.endswith("; use cfg_degree=1."), message
+
+
+# --- the rules ---------------------------------------------------------------------------------------------------
+
+def test_rules_say_when_a_call_guides():
+    from types import SimpleNamespace
+
+    from paradiff.plans.pipelines import CFG_RULES
+
+    lumina, klein, flux = CFG_RULES["Lumina2Pipeline"], CFG_RULES["Flux2KleinPipeline"], CFG_RULES["FluxPipeline"]
+    assert lumina.runs_cfg({}) and not lumina.runs_cfg({"cfg_trunc_ratio": 0.5})  # truncated: not every step
+    assert klein.runs_cfg({}, SimpleNamespace(is_distilled=False))
+    assert not klein.runs_cfg({}, SimpleNamespace(is_distilled=True))
+    assert not flux.runs_cfg({"true_cfg_scale": 4.0}) and flux.runs_cfg({"true_cfg_scale": 4.0, "negative_prompt": ""})
+    assert not CFG_RULES["SanaPipeline"].runs_cfg({"guidance_scale": 1.0})
+
+
+def test_a_rule_declares_its_style_completely():
+    from paradiff.plans.pipelines import BATCH, CfgRule
+
+    with pytest.raises(ValueError, match="names its batched arguments"):
+        CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, style=BATCH)
+    with pytest.raises(ValueError, match="style must be"):
+        CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, style="three_calls")
+
+
+def test_docs_table_is_generated_from_the_rules():
+    from pathlib import Path
+
+    from paradiff.plan_tools.cfg_rules import cfg_rules_table
+
+    docs = (Path(__file__).parents[1] / "docs" / "pipelines.md").read_text()
+    table = "\n".join("  " + line for line in cfg_rules_table().splitlines())
+    assert table in docs, "docs/pipelines.md's CFG table is stale: paste cfg_rules_table() (indented two spaces)"

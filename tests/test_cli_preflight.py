@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import paradiff.cli
@@ -28,11 +30,39 @@ def test_missing_folder_that_is_no_hub_id(tmp_path, capsys, no_worker, monkeypat
                            "form 'owner/name')")
 
 
-def test_cfg_on_a_pipeline_paradiff_cannot_split_by_cfg(tiny_pipeline_folders, tmp_path, capsys, no_worker):
-    code, err = run(capsys, "generate", str(tiny_pipeline_folders["flux2"]), "--cfg", "2", "--out", str(tmp_path))
+@pytest.mark.parametrize("family,reason", [
+    ("flux2", "Flux2Pipeline never runs classifier-free guidance (guidance-distilled"),
+    (None, "AllegroPipeline is not classified for CFG parallelism yet (classified: "),
+], ids=["never-guides", "not-classified"])
+def test_cfg_on_a_pipeline_paradiff_cannot_split_by_cfg(tiny_pipeline_folders, tmp_path, capsys, no_worker, family,
+                                                         reason):
+    if family is None:
+        (tmp_path / "allegro").mkdir()
+        (tmp_path / "allegro" / "model_index.json").write_text(json.dumps({
+            "_class_name": "AllegroPipeline", "transformer": ["diffusers", "AllegroTransformer3DModel"]}))
+    folder = str(tiny_pipeline_folders[family]) if family else str(tmp_path / "allegro")
+    code, err = run(capsys, "generate", folder, "--cfg", "2", "--out", str(tmp_path))
     assert (code, no_worker) == (2, [])
-    assert "--cfg 2: CFG parallelism is supported for" in err and "is a Flux2Pipeline. Use --cfg 1" in err
+    assert err.startswith(f"paradiff: error: --cfg 2: {folder}: {reason}") and err.strip().endswith(". Use --cfg 1")
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("family,options,need", [
+    ("qwenimage", [], "--true-cfg-scale above 1 and --negative-prompt"),
+    ("sd3", ["--guidance-scale", "1"], "--guidance-scale above 1"),
+], ids=["two-calls-without-negative-prompt", "batch-at-scale-1"])
+def test_cfg_on_a_call_that_does_not_guide(tiny_pipeline_folders, tmp_path, capsys, no_worker, family, options,
+                                           need):
+    code, err = run(capsys, "generate", str(tiny_pipeline_folders[family]), "--cfg", "2", *options,
+                    "--out", str(tmp_path))
+    assert (code, no_worker) == (2, [])
+    assert f"runs no classifier-free guidance with these options (it needs {need};" in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_cfg_on_a_guiding_call_passes_preflight(tiny_pipeline_folders, tmp_path, capsys, no_worker):
+    code, err = run(capsys, "generate", str(tiny_pipeline_folders["sana"]), "--cfg", "2", "--out", str(tmp_path))
+    assert (code, err) == (0, "") and len(no_worker) == 1
 
 
 def test_tp_beyond_the_head_count(tiny_pipeline_folders, tmp_path, capsys, no_worker):

@@ -31,6 +31,13 @@ EXPECTED_TRANSFORMERS = {
     "ltx": "LTXVideoTransformer3DModel",
     "flux2_klein": "Flux2Transformer2DModel",
     "lumina2": "Lumina2Transformer2DModel",
+    "sd3": "SD3Transformer2DModel",
+    "pixart_sigma": "PixArtTransformer2DModel",
+    "sana": "SanaTransformer2DModel",
+    "auraflow": "AuraFlowTransformer2DModel",
+    "chroma": "ChromaTransformer2DModel",
+    "cogview3plus": "CogView3PlusTransformer2DModel",
+    "cogvideox": "CogVideoXTransformer3DModel",
 }
 
 

@@ -166,7 +166,9 @@ def test_tiny_pipelines_same_images_with_and_without_split_vae(pools, tmp_path_f
     from paradiff.testing.pipelines import PIPELINE_FAMILIES, save_pipeline
 
     root = tmp_path_factory.mktemp("vae-pipelines")
-    folders = {family: str(save_pipeline(family, root / family)) for family in PIPELINE_FAMILIES}
+    # Sana's AutoencoderDC and CogVideoX's VAE are not split yet (issue 22 item 5)
+    folders = {family: str(save_pipeline(family, root / family)) for family in PIPELINE_FAMILIES
+               if family not in ("sana", "cogvideox")}
     results = pools.get(2).run(cases.pipelines_with_and_without_split_vae, folders=folders, timeout_s=600)
     for result in results:
         for family, outcome in result.items():

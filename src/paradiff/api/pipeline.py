@@ -19,7 +19,7 @@ from paradiff.api.model import check_dtype
 from paradiff.api.quantization import pipeline_quantization
 from paradiff.io.folders import resolve_folder
 from paradiff.distributed.mesh import default_device
-from paradiff.plans.pipelines import CFG_RULES
+from paradiff.plans.pipelines import CFG_RULES, cfg_refusal
 from paradiff.api.pipeline_components import _components_paradiff_loads, _load_components, transformer_names
 from paradiff.api.pipeline_wiring import _check_parallel_vae, _install_latent_check, _parallelize_vae, _stage_runner
 from paradiff.runtime.state import PipelineState, get_state
@@ -38,12 +38,11 @@ class ParallelPipelineMixin:
         state = self._paradiff_pipeline
         splitters = state.cfgs
         if splitters:
-            rule = CFG_RULES.get(state.base_name)
-            if rule is None or not rule.runs_cfg(kwargs):
+            rule = CFG_RULES[state.base_name]
+            if not rule.runs_cfg(kwargs, getattr(self, "config", None)):
                 raise ParallelConfigError(
                     f"cfg_degree=2 needs a call that runs classifier-free guidance; {state.base_name} "
-                    "with these arguments does not (give a negative_prompt and true_cfg_scale > 1 for Qwen-Image / "
-                    "FLUX.1, guidance_scale > 1 for Wan), or use cfg_degree=1."
+                    f"with these arguments does not (give {rule.how()}), or use cfg_degree=1."
                 )
             for splitter in splitters:
                 splitter.reset()
@@ -160,19 +159,15 @@ def load_pipeline(
 
             require_distributed()
         parallel = as_parallel_config(parallel_config, dist.get_world_size())
-        if parallel.cfg_degree > 1 and pipeline_cls is not None and pipeline_cls.__name__ not in CFG_RULES:
-            raise ParallelConfigError(
-                f"cfg_degree=2 is supported for {sorted(CFG_RULES)}; {pipeline_cls.__name__} runs no true CFG."
-            )
+        if parallel.cfg_degree > 1 and pipeline_cls is not None:
+            _check_cfg_classified(pipeline_cls.__name__)
     folder = resolve_folder(path, pipeline=True)
     index = json.loads((folder / "model_index.json").read_text())
     if "transformer" not in index:
         raise CheckpointError(f"{folder}/model_index.json has no 'transformer' component.")
     pipeline_name = index.get("_class_name")
-    if parallel is not None and parallel.cfg_degree > 1 and pipeline_cls is None and pipeline_name not in CFG_RULES:
-        raise ParallelConfigError(
-            f"cfg_degree=2 is supported for {sorted(CFG_RULES)}; {pipeline_name} runs no true CFG."
-        )
+    if parallel is not None and parallel.cfg_degree > 1 and pipeline_cls is None:
+        _check_cfg_classified(str(pipeline_name))
     if parallel_vae:
         _check_parallel_vae(parallel, index, folder)
     own = _components_paradiff_loads(folder, index, parallel, stages, shard_text_encoders, text_encoder_plans or {})
@@ -201,7 +196,7 @@ def load_pipeline(
     pipeline._paradiff_pipeline = PipelineState(base_name=base.__name__)
     if parallel is not None and parallel.cfg_degree > 1:
         pipeline._paradiff_pipeline.cfgs = tuple(
-            install_cfg_parallel(model, get_state(model).mesh.group("cfg"))
+            install_cfg_parallel(model, get_state(model).mesh.group("cfg"), CFG_RULES[base.__name__])
             for model in (getattr(pipeline, name) for name in transformer_names(index))
         )
     if parallel is not None:
@@ -210,6 +205,12 @@ def load_pipeline(
             _parallelize_vae(pipeline, required=bool(parallel_vae))
     pipeline._paradiff_pipeline.stages = _stage_runner(pipeline, loaded, device, stages)
     return pipeline
+
+
+def _check_cfg_classified(pipeline_name: str) -> None:
+    refusal = cfg_refusal(pipeline_name)
+    if refusal is not None:
+        raise ParallelConfigError(f"cfg_degree=2: {refusal}; use cfg_degree=1.")
 
 
 def _check_pipeline_options(stages: Any, shard_text_encoders: Any, text_encoder_plans: Any, kwargs: dict) -> None:

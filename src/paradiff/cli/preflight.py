@@ -1,5 +1,6 @@
 """What a model folder's configs already decide, checked by the launcher before any worker starts: a folder that
-is not there, a pipeline asked for CFG parallelism that never guides, a TP degree the transformer's heads cannot
+is not there, a pipeline asked for CFG parallelism that never guides (or is not classified yet, or is called without
+guidance), a TP degree the transformer's heads cannot
 take. Reads configs and checkpoint headers, no weight; every worker would otherwise start, build its process group
 and then fail the same way on each rank."""
 
@@ -24,13 +25,34 @@ def check_model_folder(args: argparse.Namespace) -> None:
     index = json.loads((path / "model_index.json").read_text())
     pipeline_name = str(index.get("_class_name"))
     if args.cfg > 1:
-        from paradiff.plans.pipelines import CFG_RULES
+        from paradiff.plans.pipelines import cfg_refusal
 
-        if pipeline_name not in CFG_RULES:
-            raise CliError(f"--cfg {args.cfg}: CFG parallelism is supported for {', '.join(sorted(CFG_RULES))}; "
-                           f"{args.model} is a {pipeline_name}. Use --cfg 1")
+        refusal = cfg_refusal(pipeline_name)
+        if refusal is not None:
+            raise CliError(f"--cfg {args.cfg}: {args.model}: {refusal}. Use --cfg 1")
+        _check_call_guides(args, pipeline_name, index)
     if args.tp > 1:
         _check_transformers_split(args, path, index)
+
+
+def _check_call_guides(args: argparse.Namespace, pipeline_name: str, index: dict) -> None:
+    """--cfg 2 splits the guidance branches: the call the options make must run them (the pipeline's CfgRule)."""
+    from types import SimpleNamespace
+
+    from paradiff.plans.pipelines import CFG_RULES
+
+    rule = CFG_RULES[pipeline_name]
+    options = {"guidance_scale": args.guidance_scale, "true_cfg_scale": args.true_cfg_scale,
+               "negative_prompt": args.negative_prompt}
+    call = {name: value for name, value in options.items() if value is not None}
+    config = SimpleNamespace(**{key: value for key, value in index.items() if not key.startswith("_")})
+    if not rule.runs_cfg(call, config):
+        scale = "--" + rule.scale_argument.replace("_", "-")
+        need = f"{scale} above 1" + (" and --negative-prompt" if rule.needs_negative_prompt else "")
+        if rule.disabled_by_config and getattr(config, rule.disabled_by_config, False):
+            need = f"a checkpoint without {rule.disabled_by_config}"
+        raise CliError(f"--cfg {args.cfg}: {pipeline_name} runs no classifier-free guidance with these options "
+                       f"(it needs {need}; {rule.scale_argument} defaults to {rule.default_scale:g}). Use --cfg 1")
 
 
 def _looks_like_hub_id(name: str) -> bool:

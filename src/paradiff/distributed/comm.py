@@ -204,6 +204,14 @@ def all_gather_pieces(tensor: torch.Tensor, group: dist.ProcessGroup, dim: int =
     return [piece.narrow(dim, 0, size) for piece, size in zip(pieces, sizes)]
 
 
+def all_gather_cfg_batch(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The whole batch of a batch-CFG transformer call: every cfg rank's share (equal sizes), concatenated along the
+    batch in rank order."""
+    pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, tensor.contiguous(), group=group)
+    return torch.cat(pieces, dim=0)
+
+
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     dist.barrier(group=group)
 

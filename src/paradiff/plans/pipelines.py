@@ -1,7 +1,16 @@
-"""Per-pipeline knowledge: which diffusers pipeline calls run classifier-free guidance (two transformer calls per step).
+"""Per-pipeline knowledge: how each diffusers pipeline runs classifier-free guidance, which is what cfg_degree=2
+splits over the two halves of the mesh's cfg dimension.
 
-cfg_degree=2 splits those two calls over two ranks, so it is only valid for a pipeline listed here, called with
-arguments that make it run true CFG.
+Two styles (`CfgRule.style`):
+- "two_calls": the pipeline calls the transformer twice per step (one branch each, in either order) and combines
+  the predictions after the second call. Each cfg half computes one of the two calls.
+- "batch": the pipeline calls the transformer once per step on the branches concatenated along the batch
+  (`batch_order`, e.g. [uncond, cond]); the arguments in `batched` carry that batch. Each cfg half computes its
+  half of the batch, and the outputs are gathered back into the whole batch.
+
+A pipeline listed in NEVER_GUIDES cannot use cfg_degree=2 (one transformer call per step on the conditional batch,
+guidance distilled into the transformer); one in neither table is not classified yet. Only pipelines whose
+cfg2 output was checked against the single-process pipeline (tests/test_cfg_pipelines.py) are listed here.
 """
 
 from __future__ import annotations
@@ -9,26 +18,94 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+TWO_CALLS, BATCH = "two_calls", "batch"
+
+# The transformer arguments the batch-CFG pipelines concatenate over the branches, by what they pass.
+_LATENTS_TEXT_TIME = ("hidden_states", "encoder_hidden_states", "timestep")
+_WITH_TEXT_MASK = _LATENTS_TEXT_TIME + ("encoder_attention_mask",)
+_WITH_POOLED = _LATENTS_TEXT_TIME + ("pooled_projections",)
+
 
 @dataclass(frozen=True)
 class CfgRule:
-    """A call runs CFG when `scale_argument` (diffusers' default `default_scale`) is above 1 and, where the pipeline
-    needs one for CFG, a negative prompt (or its embeddings) is given."""
+    """A call runs CFG when `scale_argument` (diffusers' default `default_scale`) is above 1, where the pipeline
+    needs one for CFG a negative prompt (or its embeddings) is given, and the pipeline's config flag
+    `disabled_by_config` (a distilled checkpoint of a guiding class) is not set."""
 
     scale_argument: str
     default_scale: float
     needs_negative_prompt: bool
+    style: str = TWO_CALLS
+    batched: tuple[str, ...] = ()  # "batch": the transformer's arguments that hold the branches' batch
+    batch_order: tuple[str, ...] = ("uncond", "cond")  # "batch": the branches in batch order
+    disabled_by_config: str | None = None
+    # an argument that stops guidance after that fraction of the steps (Lumina 2's cfg_trunc_ratio, default 1): the
+    # steps after it make one call, which the two-call pairing cannot follow, so CFG parallelism needs it at 1
+    truncation_argument: str | None = None
 
-    def runs_cfg(self, call_kwargs: dict[str, Any]) -> bool:
+    def __post_init__(self) -> None:
+        if self.style not in (TWO_CALLS, BATCH):
+            raise ValueError(f"CfgRule.style must be {TWO_CALLS!r} or {BATCH!r}, got {self.style!r}")
+        if (self.style == BATCH) != bool(self.batched):
+            raise ValueError("a 'batch' CfgRule names its batched arguments, a 'two_calls' one names none")
+
+    def runs_cfg(self, call_kwargs: dict[str, Any], pipeline_config: Any = None) -> bool:
         if call_kwargs.get(self.scale_argument, self.default_scale) <= 1:
+            return False
+        if self.disabled_by_config and getattr(pipeline_config, self.disabled_by_config, False):
+            return False
+        if self.truncation_argument and call_kwargs.get(self.truncation_argument, 1.0) < 1:
             return False
         if not self.needs_negative_prompt:
             return True
         return call_kwargs.get("negative_prompt") is not None or call_kwargs.get("negative_prompt_embeds") is not None
+
+    def how(self) -> str:
+        """How to make a call guide, for error messages."""
+        negative = " and a negative_prompt" if self.needs_negative_prompt else ""
+        truncation = f", {self.truncation_argument} = 1" if self.truncation_argument else ""
+        return f"{self.scale_argument} > 1{negative}{truncation}"
 
 
 CFG_RULES: dict[str, CfgRule] = {
     "QwenImagePipeline": CfgRule("true_cfg_scale", 4.0, needs_negative_prompt=True),
     "FluxPipeline": CfgRule("true_cfg_scale", 1.0, needs_negative_prompt=True),
     "WanPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
+    "Flux2KleinPipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False,
+                                  disabled_by_config="is_distilled"),
+    "ChromaPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
+    "AuraFlowPipeline": CfgRule("guidance_scale", 3.5, needs_negative_prompt=False, style=BATCH,
+                                batched=_LATENTS_TEXT_TIME),
+    "CogView3PlusPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
+                                    batched=_LATENTS_TEXT_TIME + ("original_size", "target_size", "crop_coords")),
+    "CogVideoXPipeline": CfgRule("guidance_scale", 6.0, needs_negative_prompt=False, style=BATCH,
+                                 batched=_LATENTS_TEXT_TIME),
+    "HunyuanVideoPipeline": CfgRule("true_cfg_scale", 1.0, needs_negative_prompt=True),
+    "Lumina2Pipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False,
+                               truncation_argument="cfg_trunc_ratio"),
+    "StableDiffusion3Pipeline": CfgRule("guidance_scale", 7.0, needs_negative_prompt=False, style=BATCH,
+                                        batched=_WITH_POOLED),
+    "SanaPipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, style=BATCH, batched=_WITH_TEXT_MASK),
+    "PixArtAlphaPipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, style=BATCH,
+                                   batched=_WITH_TEXT_MASK),
+    "PixArtSigmaPipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, style=BATCH,
+                                   batched=_WITH_TEXT_MASK),
+    "LTXPipeline": CfgRule("guidance_scale", 3.0, needs_negative_prompt=False, style=BATCH, batched=_WITH_TEXT_MASK),
 }
+
+# Pipelines that make one transformer call per step on the conditional batch only: guidance is distilled into the
+# transformer (its `guidance` input), and the call takes no negative prompt.
+NEVER_GUIDES: tuple[str, ...] = (
+    "Flux2Pipeline", "FluxFillPipeline", "FluxControlPipeline", "FluxControlImg2ImgPipeline",
+    "FluxControlInpaintPipeline", "SanaSprintPipeline", "SanaSprintImg2ImgPipeline",
+)
+
+
+def cfg_refusal(pipeline_name: str) -> str | None:
+    """Why `pipeline_name` cannot run with cfg_degree=2, or None when it can (it is in CFG_RULES)."""
+    if pipeline_name in CFG_RULES:
+        return None
+    if pipeline_name in NEVER_GUIDES:
+        return (f"{pipeline_name} never runs classifier-free guidance (guidance-distilled: one transformer call per "
+                "step, no negative prompt), so there is no second branch to split")
+    return (f"{pipeline_name} is not classified for CFG parallelism yet (classified: {', '.join(sorted(CFG_RULES))})")

@@ -1,7 +1,12 @@
-"""CFG parallelism: the conditional and unconditional transformer calls of one denoising step run at the same time
-on the two halves of the mesh's cfg dimension, and the predictions are exchanged.
+"""CFG parallelism: the conditional and unconditional branches of one denoising step run at the same time on the
+two halves of the mesh's cfg dimension, and the predictions are exchanged. Which way a pipeline runs its branches
+is per-pipeline knowledge (plans/pipelines.py `CfgRule.style`); this module holds the two mechanisms.
 
-Pipelines call the transformer twice per step (first the conditional branch, then the unconditional one), and use
+Batch style (BatchCfgSplitter): the pipeline makes one call on the branches concatenated along the batch. Each cfg
+rank takes its half of every batched argument (the rule names them), computes it, and the halves of the output are
+all-gathered back into the whole batch. Nothing has to be known in advance.
+
+Two-call style (CfgSplitter): pipelines call the transformer twice per step (first the conditional branch, then the unconditional one), and use
 the first prediction only after the second call returns. So cfg rank 0 computes the first call while cfg rank 1
 returns a placeholder and computes the second call; at the end of the second call the two predictions are exchanged
 and the placeholder is filled in place.
@@ -15,6 +20,7 @@ back to computing that first call for real on cfg rank 1 (once per signature).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -23,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from paradiff.distributed.comm import all_gather_pieces
+from paradiff.distributed.comm import all_gather_cfg_batch, all_gather_pieces
 from paradiff.errors import ParallelConfigError
 from paradiff.runtime.wrappers import install_wrapper
 
@@ -164,11 +170,75 @@ def _device_of(args: tuple, kwargs: dict) -> torch.device:
     return tensors[0].device if tensors else torch.device("cpu")
 
 
-def install_cfg_parallel(model: nn.Module, group: dist.ProcessGroup) -> CfgSplitter:
-    """Put a CfgSplitter on `group` (size 2) into `model`'s forward, as its "cfg_exchange" wrapper."""
-    if dist.get_world_size(group) != 2:
-        raise ParallelConfigError(f"the cfg group must have 2 ranks, it has {dist.get_world_size(group)}.")
+@dataclass
+class BatchCfgSplitter:
+    """One call per step on the branches' batch: this cfg rank computes its share of the batch of every argument
+    named in `batched` (keyword names; positional arguments are matched to the forward's parameter names)."""
+
+    group: dist.ProcessGroup
+    cfg_rank: int
+    cfg_degree: int
+    batched: tuple[str, ...]
+    parameter_names: tuple[str, ...]  # the forward's positional parameters, in order
+    calls: int = 0
+    computed: int = 0
+    batch_sizes: list[int] = field(default_factory=list)  # the batch this rank computed, per call (for reports)
+
+    def reset(self) -> None:
+        self.calls = 0
+
+    def finish(self) -> None:
+        """Nothing to pair: every call exchanged its own output."""
+
+    def _share(self, name: str, value: Any, whole: int) -> Any:
+        if not torch.is_tensor(value) or value.ndim == 0:
+            return value
+        if value.shape[0] != whole:
+            raise ParallelConfigError(
+                f"CFG parallelism (batch style): the transformer argument {name!r} has batch {value.shape[0]} but "
+                f"hidden_states has {whole}; the pipeline's CfgRule in plans/pipelines.py names it as batched."
+            )
+        share = whole // self.cfg_degree
+        return value.narrow(0, self.cfg_rank * share, share)
+
+    def __call__(self, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        self.calls += 1
+        named = dict(zip(self.parameter_names, args))
+        named.update(kwargs)
+        latents = named.get("hidden_states")
+        if not torch.is_tensor(latents):
+            raise ParallelConfigError("CFG parallelism (batch style) needs the transformer's hidden_states tensor "
+                                      f"as an argument; the call passed {sorted(named)}.")
+        whole = latents.shape[0]
+        if whole % self.cfg_degree:
+            raise ParallelConfigError(
+                f"CFG parallelism (batch style): the transformer was called on a batch of {whole}, which the "
+                f"{self.cfg_degree} cfg ranks cannot share; the call does not run CFG (use cfg_degree=1).")
+        args = tuple(self._share(name, value, whole) if name in self.batched else value
+                     for name, value in zip(self.parameter_names, args))
+        kwargs = {name: self._share(name, value, whole) if name in self.batched else value
+                  for name, value in kwargs.items()}
+        self.computed += 1
+        self.batch_sizes.append(whole // self.cfg_degree)
+        output = forward(*args, **kwargs)
+        return _with_sample(output, all_gather_cfg_batch(_sample_of(output), self.group))
+
+
+def install_cfg_parallel(model: nn.Module, group: dist.ProcessGroup, rule: Any = None
+                         ) -> CfgSplitter | BatchCfgSplitter:
+    """Put the splitter of `rule`'s style (a plans.pipelines.CfgRule; None: two calls) on `group` into `model`'s
+    forward, as its "cfg_exchange" wrapper."""
+    cfg_degree = dist.get_world_size(group)
     cfg_rank = dist.get_rank(group)
-    splitter = CfgSplitter(group=group, cfg_rank=cfg_rank, structure=MetaStructure(model) if cfg_rank == 1 else None)
+    if rule is not None and rule.style == "batch":
+        parameters = list(inspect.signature(type(model).forward).parameters)[1:]  # without self
+        splitter: CfgSplitter | BatchCfgSplitter = BatchCfgSplitter(
+            group=group, cfg_rank=cfg_rank, cfg_degree=cfg_degree, batched=rule.batched,
+            parameter_names=tuple(parameters))
+    else:
+        if cfg_degree != 2:
+            raise ParallelConfigError(f"the cfg group must have 2 ranks, it has {cfg_degree}.")
+        splitter = CfgSplitter(group=group, cfg_rank=cfg_rank,
+                               structure=MetaStructure(model) if cfg_rank == 1 else None)
     install_wrapper(model, "cfg_exchange", splitter)
     return splitter

@@ -27,9 +27,10 @@ from typing import Any, Iterator
 import torch
 
 PIPELINE_FAMILIES = ("flux", "flux2", "qwenimage", "wan", "wan2.2", "wan2.2-a14b", "hunyuanvideo", "ltx",
-                     "flux2_klein", "lumina2")
+                     "flux2_klein", "lumina2", "sd3", "pixart_sigma", "sana", "auraflow",
+                     "chroma", "cogview3plus", "cogvideox")
 # The families whose pipelines return videos (`.frames`) and take `num_frames`.
-VIDEO_FAMILIES = ("wan", "wan2.2", "wan2.2-a14b", "hunyuanvideo", "ltx")
+VIDEO_FAMILIES = ("wan", "wan2.2", "wan2.2-a14b", "hunyuanvideo", "ltx", "cogvideox")
 
 # What each family's pipeline and transformer classes are called in diffusers.
 PIPELINE_CLASSES = {
@@ -43,6 +44,13 @@ PIPELINE_CLASSES = {
     "ltx": "LTXPipeline",
     "flux2_klein": "Flux2KleinPipeline",
     "lumina2": "Lumina2Pipeline",
+    "sd3": "StableDiffusion3Pipeline",
+    "pixart_sigma": "PixArtSigmaPipeline",
+    "sana": "SanaPipeline",
+    "auraflow": "AuraFlowPipeline",
+    "chroma": "ChromaPipeline",
+    "cogview3plus": "CogView3PlusPipeline",
+    "cogvideox": "CogVideoXPipeline",
 }
 TRANSFORMER_CLASSES = {
     "flux": "FluxTransformer2DModel",
@@ -55,6 +63,13 @@ TRANSFORMER_CLASSES = {
     "ltx": "LTXVideoTransformer3DModel",
     "flux2_klein": "Flux2Transformer2DModel",
     "lumina2": "Lumina2Transformer2DModel",
+    "sd3": "SD3Transformer2DModel",
+    "pixart_sigma": "PixArtTransformer2DModel",
+    "sana": "SanaTransformer2DModel",
+    "auraflow": "AuraFlowTransformer2DModel",
+    "chroma": "ChromaTransformer2DModel",
+    "cogview3plus": "CogView3PlusTransformer2DModel",
+    "cogvideox": "CogVideoXTransformer3DModel",
 }
 
 # Transformer config keys that other components depend on (latent channels, text width, packing):
@@ -71,6 +86,14 @@ _COUPLED_KEYS = {
     "ltx": ("in_channels", "out_channels", "caption_channels", "patch_size", "patch_size_t"),
     "flux2_klein": ("in_channels", "out_channels", "joint_attention_dim", "patch_size"),
     "lumina2": ("in_channels", "out_channels", "cap_feat_dim", "patch_size"),
+    "sd3": ("in_channels", "out_channels", "joint_attention_dim", "pooled_projection_dim"),
+    "pixart_sigma": ("in_channels", "out_channels", "caption_channels", "sample_size"),
+    "sana": ("in_channels", "out_channels", "caption_channels"),
+    "auraflow": ("in_channels", "out_channels", "joint_attention_dim"),
+    "chroma": ("in_channels", "out_channels", "joint_attention_dim", "patch_size"),
+    "cogview3plus": ("in_channels", "out_channels", "text_embed_dim"),
+    "cogvideox": ("in_channels", "out_channels", "text_embed_dim", "max_text_seq_length",
+                  "temporal_compression_ratio"),
 }
 
 # Text width of every text encoder; the transformers' text projections are sized from these.
@@ -207,6 +230,58 @@ def transformer_config(family: str, overrides: dict | None = None) -> dict:
             num_refiner_layers=1, num_attention_heads=heads, num_kv_heads=max(heads // 2, 1), multiple_of=16,
             cap_feat_dim=_TEXT_WIDTH, axes_dim_rope=_rope_axes(head_dim, 3), axes_lens=(300, 64, 64),
         )
+    elif family == "sd3":
+        # the two CLIP encoders' hidden states (32 + 32) are cut to the T5 width (32); their pooled outputs concatenate
+        config = dict(
+            sample_size=16, patch_size=2, in_channels=_LATENT_CHANNELS, out_channels=_LATENT_CHANNELS, num_layers=2,
+            attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=_TEXT_WIDTH,
+            caption_projection_dim=heads * head_dim, pooled_projection_dim=2 * _TEXT_WIDTH, pos_embed_max_size=32,
+        )
+    elif family == "pixart_sigma":
+        # learnt sigma (twice the latent channels out); sample_size 16 = 32 pixels through the VAE's factor 2, which
+        # also turns off the 1024-pixel checkpoints' resolution conditioning
+        config = dict(
+            sample_size=16, num_layers=2, patch_size=2, attention_head_dim=head_dim, num_attention_heads=heads,
+            caption_channels=_TEXT_WIDTH, in_channels=_LATENT_CHANNELS, cross_attention_dim=heads * head_dim,
+            out_channels=2 * _LATENT_CHANNELS, attention_bias=True, activation_fn="gelu-approximate",
+            num_embeds_ada_norm=1000, norm_type="ada_norm_single", norm_elementwise_affine=False, norm_eps=1e-6,
+        )
+    elif family == "sana":
+        config = dict(
+            patch_size=2, in_channels=_LATENT_CHANNELS, out_channels=_LATENT_CHANNELS, num_layers=2,
+            num_attention_heads=heads, attention_head_dim=head_dim, num_cross_attention_heads=heads,
+            cross_attention_head_dim=head_dim, cross_attention_dim=heads * head_dim, caption_channels=_TEXT_WIDTH,
+            sample_size=16,
+        )
+    elif family == "auraflow":
+        config = dict(
+            sample_size=16, patch_size=2, in_channels=_LATENT_CHANNELS, out_channels=_LATENT_CHANNELS,
+            num_mmdit_layers=1, num_single_dit_layers=1, attention_head_dim=head_dim, num_attention_heads=heads,
+            joint_attention_dim=_TEXT_WIDTH, caption_projection_dim=heads * head_dim, pos_embed_max_size=64,
+        )
+    elif family == "chroma":
+        # FLUX.1 packing (2 x 2 latents per token); the modulation approximator replaces FLUX's per-block MLPs
+        config = dict(
+            patch_size=1, in_channels=4 * _LATENT_CHANNELS, out_channels=None, num_layers=1, num_single_layers=1,
+            attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=_TEXT_WIDTH,
+            axes_dims_rope=_rope_axes(head_dim, 3), approximator_num_channels=16, approximator_hidden_dim=32,
+            approximator_layers=1,
+        )
+    elif family == "cogview3plus":
+        config = dict(
+            patch_size=2, in_channels=_LATENT_CHANNELS, out_channels=_LATENT_CHANNELS, num_layers=2,
+            attention_head_dim=head_dim, num_attention_heads=heads, text_embed_dim=_TEXT_WIDTH, time_embed_dim=16,
+            condition_dim=4, pos_embed_max_size=16, sample_size=16,
+        )
+    elif family == "cogvideox":
+        # the text length is fixed by the config (the pipeline's max_sequence_length must equal it); 9 frames are 3
+        # latent frames through the VAE's temporal factor 4, 32 pixels 4 latents (factor 8), 2 x 2 patches
+        config = dict(
+            num_attention_heads=heads, attention_head_dim=head_dim, in_channels=_LATENT_CHANNELS,
+            out_channels=_LATENT_CHANNELS, time_embed_dim=8, text_embed_dim=_TEXT_WIDTH, num_layers=2,
+            sample_width=4, sample_height=4, sample_frames=9, patch_size=2, temporal_compression_ratio=4,
+            max_text_seq_length=16,
+        )
     elif family == "qwenimage":
         config = dict(
             patch_size=2, in_channels=4 * _LATENT_CHANNELS, out_channels=_LATENT_CHANNELS, num_layers=2,
@@ -246,7 +321,9 @@ def build_pipeline(family: str, seed: int = 0, transformer_overrides: dict | Non
     builders = {"flux": _build_flux, "flux2": _build_flux2, "qwenimage": _build_qwenimage, "wan": _build_wan,
                 "wan2.2": _build_wan22, "wan2.2-a14b": _build_wan22_a14b, "hunyuanvideo": _build_hunyuanvideo,
                 "ltx": _build_ltx,
-                "flux2_klein": _build_flux2_klein, "lumina2": _build_lumina2}
+                "flux2_klein": _build_flux2_klein, "lumina2": _build_lumina2, "sd3": _build_sd3,
+                "pixart_sigma": _build_pixart_sigma, "sana": _build_sana, "auraflow": _build_auraflow,
+                "chroma": _build_chroma, "cogview3plus": _build_cogview3plus, "cogvideox": _build_cogvideox}
     components = builders[family](seed)
     with _seeded(seed, 0):
         transformer = transformer_class(family)(**transformer_config(family, transformer_overrides))
@@ -322,6 +399,26 @@ def default_call_kwargs(family: str) -> dict[str, Any]:
         # Lumina 2's VAE scale factor is fixed at 8: 64 x 64 pixels are 8 x 8 latents, 16 patches
         return dict(prompt="a small red fox running through the snow", guidance_scale=4.0,
                     max_sequence_length=64, **dict(common, height=64, width=64))
+    if family == "sd3":  # batch CFG: [uncond, cond] in one transformer call
+        return dict(prompt="a small red fox running through the snow", negative_prompt="blurry, low quality",
+                    guidance_scale=5.0, max_sequence_length=32, **common)
+    if family == "cogview3plus":  # batch CFG, with the size conditions batched too
+        return dict(prompt="a small red fox running through the snow", negative_prompt="blurry, low quality",
+                    guidance_scale=5.0, max_sequence_length=32, **common)
+    if family == "cogvideox":  # batch CFG; the text length is the transformer's max_text_seq_length
+        return dict(prompt="a small red fox running through the snow", negative_prompt="blurry, low quality",
+                    guidance_scale=6.0, num_frames=9, max_sequence_length=16, use_dynamic_cfg=False, **common)
+    if family == "auraflow":  # batch CFG
+        return dict(prompt="a small red fox running through the snow", negative_prompt="blurry, low quality",
+                    guidance_scale=3.5, max_sequence_length=32, **common)
+    if family == "chroma":  # two calls: the prompt, then the negative prompt
+        return dict(prompt="a small red fox running through the snow", negative_prompt="blurry, low quality",
+                    guidance_scale=5.0, max_sequence_length=32, **common)
+    if family in ("pixart_sigma", "sana"):  # batch CFG; no resolution binning at 32 x 32
+        extra = dict(complex_human_instruction=None) if family == "sana" else {}
+        extra["clean_caption"] = False  # needs bs4 and ftfy; the corpus has nothing to clean
+        return dict(prompt="a small red fox running through the snow", negative_prompt="blurry, low quality",
+                    guidance_scale=4.5, max_sequence_length=32, use_resolution_binning=False, **extra, **common)
     return dict(prompt="a small red fox running through the snow", negative_prompt="blurry, low quality",
                 guidance_scale=3.0, num_frames=5, max_sequence_length=32, **common)
 
@@ -652,6 +749,148 @@ def _build_lumina2(seed: int) -> dict:
             shift_factor=0.1159,
         )
     scheduler = diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=6.0)
+    return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
+
+
+def _small_vae(seed: int, **overrides: Any):
+    """A two-level AutoencoderKL: VAE scale factor 2."""
+    import diffusers
+
+    config = dict(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
+        latent_channels=_LATENT_CHANNELS, norm_num_groups=4, sample_size=32,
+    )
+    config.update(overrides)
+    with _seeded(seed, 3):
+        return diffusers.AutoencoderKL(**config)
+
+
+def _clip_with_projection(tokenizer, seed: int, component: int):
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    with _seeded(seed, component):
+        return CLIPTextModelWithProjection(CLIPTextConfig(
+            vocab_size=len(tokenizer), hidden_size=_TEXT_WIDTH, intermediate_size=64, projection_dim=_TEXT_WIDTH,
+            num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=77, hidden_act="quick_gelu",
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        ))
+
+
+def _build_sd3(seed: int) -> dict:
+    import diffusers
+    from transformers import T5Config, T5EncoderModel
+
+    tokenizer, tokenizer_2, tokenizer_3 = _clip_tokenizer(), _clip_tokenizer(), _t5_tokenizer()
+    text_encoder = _clip_with_projection(tokenizer, seed, 1)
+    text_encoder_2 = _clip_with_projection(tokenizer_2, seed, 2)
+    with _seeded(seed, 5):
+        text_encoder_3 = T5EncoderModel(_t5_config(T5Config, tokenizer_3, feed_forward_proj="gated-gelu"))
+    vae = _small_vae(seed, scaling_factor=1.5305, shift_factor=0.0609)
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+    return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, text_encoder_3=text_encoder_3,
+                tokenizer_3=tokenizer_3, image_encoder=None, feature_extractor=None)
+
+
+def _build_cogview3plus(seed: int) -> dict:
+    import diffusers
+    from transformers import T5Config, T5EncoderModel
+
+    tokenizer = _t5_tokenizer()
+    with _seeded(seed, 1):
+        text_encoder = T5EncoderModel(_t5_config(T5Config, tokenizer, feed_forward_proj="gated-gelu"))
+    vae = _small_vae(seed, scaling_factor=0.18215)
+    scheduler = diffusers.CogVideoXDDIMScheduler(num_train_timesteps=1000, timestep_spacing="trailing",
+                                                 rescale_betas_zero_snr=True, snr_shift_scale=1.0,
+                                                 prediction_type="v_prediction")
+    return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
+
+
+def _build_cogvideox(seed: int) -> dict:
+    import diffusers
+    from transformers import T5Config, T5EncoderModel
+
+    tokenizer = _t5_tokenizer()
+    with _seeded(seed, 1):
+        text_encoder = T5EncoderModel(_t5_config(T5Config, tokenizer, feed_forward_proj="gated-gelu"))
+    with _seeded(seed, 3):
+        vae = diffusers.AutoencoderKLCogVideoX(
+            in_channels=3, out_channels=3, down_block_types=("CogVideoXDownBlock3D",) * 4,
+            up_block_types=("CogVideoXUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8),
+            latent_channels=_LATENT_CHANNELS, layers_per_block=1, norm_num_groups=2, temporal_compression_ratio=4,
+        )
+    scheduler = diffusers.CogVideoXDDIMScheduler(num_train_timesteps=1000, timestep_spacing="trailing",
+                                                 rescale_betas_zero_snr=True, snr_shift_scale=1.0,
+                                                 prediction_type="v_prediction")
+    return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
+
+
+def _build_auraflow(seed: int) -> dict:
+    import diffusers
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tokenizer = _t5_tokenizer()
+    with _seeded(seed, 1):
+        text_encoder = UMT5EncoderModel(_t5_config(UMT5Config, tokenizer, feed_forward_proj="gated-gelu"))
+    vae = _small_vae(seed, scaling_factor=0.13025)
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.73)
+    return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
+
+
+def _build_chroma(seed: int) -> dict:
+    import diffusers
+    from transformers import T5Config, T5EncoderModel
+
+    tokenizer = _t5_tokenizer()
+    with _seeded(seed, 1):
+        text_encoder = T5EncoderModel(_t5_config(T5Config, tokenizer, feed_forward_proj="gated-gelu"))
+    vae = _small_vae(seed, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False,
+                     use_post_quant_conv=False)
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=256, max_image_seq_len=4096,
+    )
+    return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, image_encoder=None,
+                feature_extractor=None)
+
+
+def _build_pixart_sigma(seed: int) -> dict:
+    import diffusers
+    from transformers import T5Config, T5EncoderModel
+
+    tokenizer = _t5_tokenizer()
+    with _seeded(seed, 1):
+        text_encoder = T5EncoderModel(_t5_config(T5Config, tokenizer, feed_forward_proj="gated-gelu"))
+    vae = _small_vae(seed, scaling_factor=0.13025)
+    scheduler = diffusers.DPMSolverMultistepScheduler(num_train_timesteps=1000)
+    return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
+
+
+def _build_sana(seed: int) -> dict:
+    import diffusers
+    from transformers import Gemma2Config, Gemma2Model
+
+    tokenizer = _gemma_tokenizer()
+    with _seeded(seed, 1):
+        text_encoder = Gemma2Model(Gemma2Config(
+            vocab_size=len(tokenizer), hidden_size=_TEXT_WIDTH, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=1024,
+            query_pre_attn_scalar=8, sliding_window=16, pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        ))
+    with _seeded(seed, 3):
+        # two stages: VAE scale factor 2
+        vae = diffusers.AutoencoderDC(
+            in_channels=3, latent_channels=_LATENT_CHANNELS, attention_head_dim=2,
+            encoder_block_types=("ResBlock", "EfficientViTBlock"), decoder_block_types=("ResBlock", "EfficientViTBlock"),
+            encoder_block_out_channels=(8, 8), decoder_block_out_channels=(8, 8),
+            encoder_qkv_multiscales=((), (5,)), decoder_qkv_multiscales=((), (5,)), encoder_layers_per_block=(1, 1),
+            decoder_layers_per_block=(1, 1), downsample_block_type="conv", upsample_block_type="interpolate",
+            decoder_norm_types="rms_norm", decoder_act_fns="silu", scaling_factor=0.41407,
+        )
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
     return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
 
 

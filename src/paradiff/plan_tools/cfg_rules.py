@@ -1,0 +1,29 @@
+"""The CFG section's table in docs/pipelines.md, generated from plans/pipelines.py (tests/test_cfg.py checks it):
+
+    python -c "from paradiff.plan_tools.cfg_rules import cfg_rules_table; print(cfg_rules_table())"
+"""
+
+from __future__ import annotations
+
+from paradiff.plans.pipelines import BATCH, CFG_RULES, NEVER_GUIDES
+
+
+def cfg_rules_table() -> str:
+    rows = ["| Pipeline | CFG style | Guides when | Batched transformer arguments |", "|---|---|---|---|"]
+    for name, rule in sorted(CFG_RULES.items()):
+        if rule.style == BATCH:
+            style = f"one call on [{', '.join(rule.batch_order)}]"
+            batched = ", ".join(f"`{argument}`" for argument in rule.batched)
+        else:
+            style, batched = "two calls", "-"
+        when = f"`{rule.scale_argument}` > 1 (default {rule.default_scale:g})"
+        if rule.needs_negative_prompt:
+            when += ", a negative prompt"
+        if rule.truncation_argument:
+            when += f", `{rule.truncation_argument}` = 1"
+        if rule.disabled_by_config:
+            when += f", not `{rule.disabled_by_config}`"
+        rows.append(f"| `{name}` | {style} | {when} | {batched} |")
+    for name in sorted(NEVER_GUIDES):
+        rows.append(f"| `{name}` | never guides (guidance-distilled) | - | - |")
+    return "\n".join(rows)
