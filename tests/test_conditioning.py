@@ -23,3 +23,99 @@ def test_conditioned_pipeline_under_cp_equals_single_process(pools, tiny_pipelin
     for result in results:
         for mode, outcome in result["modes"].items():
             assert outcome["max_abs_diff"] <= RTOL * max(outcome["scale"], 1.0), (case, mode, outcome)
+
+
+# --- the command line: conditioning flags checked before any worker starts ---------------------------------------
+
+import numpy as np  # noqa: E402
+from PIL import Image  # noqa: E402
+
+import paradiff.cli  # noqa: E402
+from paradiff.cli import main  # noqa: E402
+from paradiff.cli.args import build_parser  # noqa: E402
+from paradiff.cli.worker import call_kwargs  # noqa: E402
+
+
+@pytest.fixture
+def no_worker(monkeypatch):
+    started = []
+    monkeypatch.setattr(paradiff.cli, "launch", lambda *args, **kwargs: started.append(args) or 0)
+    return started
+
+
+@pytest.fixture
+def pictures(tmp_path):
+    """A 32x32 image, a 32x32 mask, a 16x32 mask and a file that is no image."""
+    rng = np.random.default_rng(0)
+    paths = {"image": tmp_path / "image.png", "mask": tmp_path / "mask.png", "small_mask": tmp_path / "small.png",
+             "text": tmp_path / "notes.png"}
+    Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(paths["image"])
+    Image.fromarray(np.full((32, 32), 255, dtype=np.uint8)).save(paths["mask"])
+    Image.fromarray(np.full((16, 32), 255, dtype=np.uint8)).save(paths["small_mask"])
+    paths["text"].write_text("not a picture")
+    return {name: str(path) for name, path in paths.items()}
+
+
+def _error(capsys, no_worker, *argv) -> str:
+    code = main(["generate", *argv])
+    err = capsys.readouterr().err
+    assert (code, no_worker) == (2, []), err
+    assert len(err.strip().splitlines()) == 1, err
+    return err.strip()
+
+
+def test_image_on_a_pipeline_that_takes_none(tiny_pipeline_folders, tmp_path, pictures, capsys, no_worker):
+    err = _error(capsys, no_worker, str(tiny_pipeline_folders["flux"]), "--image", pictures["image"],
+                 "--out", str(tmp_path / "out"))
+    assert err.startswith("paradiff: error: --image: FluxPipeline's __call__ takes no image")
+    assert "--pipeline" in err
+
+
+def test_missing_image_file(tiny_pipeline_folders, tmp_path, capsys, no_worker):
+    err = _error(capsys, no_worker, str(tiny_pipeline_folders["flux"]), "--pipeline", "FluxImg2ImgPipeline",
+                 "--image", str(tmp_path / "absent.png"), "--out", str(tmp_path / "out"))
+    assert err == f"paradiff: error: --image {tmp_path / 'absent.png'}: no such file"
+
+
+def test_unreadable_image(tiny_pipeline_folders, tmp_path, pictures, capsys, no_worker):
+    err = _error(capsys, no_worker, str(tiny_pipeline_folders["flux"]), "--pipeline", "FluxImg2ImgPipeline",
+                 "--image", pictures["text"], "--out", str(tmp_path / "out"))
+    assert err.startswith(f"paradiff: error: --image {pictures['text']}: not a readable image")
+
+
+def test_mask_of_another_size_than_the_image(tiny_pipeline_folders, tmp_path, pictures, capsys, no_worker):
+    err = _error(capsys, no_worker, str(tiny_pipeline_folders["flux"]), "--pipeline", "FluxInpaintPipeline",
+                 "--image", pictures["image"], "--mask", pictures["small_mask"], "--out", str(tmp_path / "out"))
+    assert err == (f"paradiff: error: --mask {pictures['small_mask']} is 32x16 but --image {pictures['image']} is "
+                   "32x32; the mask must be as large as the image")
+
+
+def test_unknown_pipeline_class_lists_close_names(tiny_pipeline_folders, tmp_path, capsys, no_worker):
+    err = _error(capsys, no_worker, str(tiny_pipeline_folders["flux"]), "--pipeline", "FluxKontexPipeline",
+                 "--out", str(tmp_path / "out"))
+    assert err.startswith("paradiff: error: --pipeline FluxKontexPipeline: diffusers ")
+    assert "close names: " in err and "FluxKontextPipeline" in err
+
+
+def test_strength_out_of_range(tiny_pipeline_folders, tmp_path, pictures, capsys, no_worker):
+    err = _error(capsys, no_worker, str(tiny_pipeline_folders["flux"]), "--pipeline", "FluxImg2ImgPipeline",
+                 "--image", pictures["image"], "--strength", "1.5", "--out", str(tmp_path / "out"))
+    assert err == "paradiff: error: --strength 1.5: expected a number from 0 to 1"
+
+
+def test_valid_conditioning_reaches_the_launcher_and_the_call(tiny_pipeline_folders, tmp_path, pictures, capsys,
+                                                              no_worker):
+    argv = ["generate", str(tiny_pipeline_folders["flux"]), "--pipeline", "FluxInpaintPipeline", "--image",
+            pictures["image"], "--mask", pictures["mask"], "--strength", "0.7", "--ulysses", "2",
+            "--out", str(tmp_path / "out")]
+    assert main(argv) == 0 and len(no_worker) == 1
+    kwargs = call_kwargs(build_parser().parse_args(argv))
+    assert kwargs["strength"] == 0.7 and kwargs["image"].size == (32, 32) and kwargs["mask_image"].mode == "L"
+    assert np.array_equal(np.asarray(kwargs["image"]), np.asarray(Image.open(pictures["image"]).convert("RGB")))
+
+
+def test_repeated_image_is_a_list_of_references(tiny_pipeline_folders, tmp_path, pictures):
+    argv = ["generate", str(tiny_pipeline_folders["flux2"]), "--image", pictures["image"], "--image",
+            pictures["mask"], "--out", str(tmp_path / "out")]
+    kwargs = call_kwargs(build_parser().parse_args(argv))
+    assert isinstance(kwargs["image"], list) and len(kwargs["image"]) == 2

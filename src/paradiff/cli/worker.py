@@ -24,6 +24,7 @@ from paradiff.quant.apply import quantization_summary
 from paradiff.quant.schemes import pipeline_quantization_config
 from paradiff.vae import get_vae_runtime
 from paradiff.cli.args import cache_config, lora_specs, read_prompts
+from paradiff.cli.conditioning import conditioning_kwargs, requested_pipeline_class
 from paradiff.cli.compare import compare_single_process, write_compare_png
 from paradiff.cli.embedded import embedded_call_kwargs, embedded_default
 from paradiff.cli.outputs import Output, outputs_of, sampling_rate, save_output
@@ -64,6 +65,7 @@ def call_kwargs(args: argparse.Namespace) -> dict:
         kwargs["num_frames"] = args.frames
     if args.model is None:
         kwargs.update(embedded_call_kwargs())
+    kwargs.update(conditioning_kwargs(args))
     return kwargs
 
 
@@ -80,7 +82,9 @@ def generate(args: argparse.Namespace, device: torch.device,
     start = time.perf_counter()
     quantize = getattr(args, "quantize", None)
     extra = {} if not quantize else {"quantization_config": pipeline_quantization_config(quantize, dtype)}
-    pipeline = paradiff.load_pipeline(model, parallel_config=parallel_config(args), torch_dtype=dtype, device=device,
+    pipeline_cls = requested_pipeline_class(args)
+    pipeline = paradiff.load_pipeline(model, pipeline_cls=pipeline_cls, parallel_config=parallel_config(args),
+                                      torch_dtype=dtype, device=device,
                                       **extra, plan=_plan_argument(args.plan, "tensor"),
                                       cp_plan=_plan_argument(args.cp_plan, "context"),
                                       parallel_vae=False if args.no_parallel_vae else None,
@@ -155,7 +159,8 @@ def generate(args: argparse.Namespace, device: torch.device,
         if made:
             compare, references = compare_single_process(model, dtype, kwargs, args.seed, made,
                                                          cache=args.cache, loras=loras,
-                                                         lora_weight_name=args.lora_weight_name)
+                                                         lora_weight_name=args.lora_weight_name,
+                                                         pipeline_cls=pipeline_cls)
             if all(output.kind == "image" for _, _, output in made):
                 compare["picture"] = str(out / "compare.png")
                 write_compare_png(out / "compare.png", [(reference.array, output.array) for reference, (_, _, output)
