@@ -119,3 +119,52 @@ def test_repeated_image_is_a_list_of_references(tiny_pipeline_folders, tmp_path,
             pictures["mask"], "--out", str(tmp_path / "out")]
     kwargs = call_kwargs(build_parser().parse_args(argv))
     assert isinstance(kwargs["image"], list) and len(kwargs["image"]) == 2
+
+
+# --- audio: a Stable Audio pipeline's sound written as WAV by the CLI -----------------------------------------------
+
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import wave  # noqa: E402
+
+
+def _wav_samples(path) -> tuple[int, np.ndarray]:
+    with wave.open(str(path), "rb") as handle:
+        assert handle.getsampwidth() == 2
+        pcm = np.frombuffer(handle.readframes(handle.getnframes()), dtype="<i2")
+        return handle.getframerate(), pcm.reshape(-1, handle.getnchannels()).T
+
+
+def test_cli_writes_stable_audio_wav_equal_to_single_process(tmp_path):
+    """ulysses2 over the 1 global + 8 audio tokens (uneven shares): the WAV's samples equal diffusers' single-process
+    sound within one 16-bit step."""
+    import torch
+    from diffusers import StableAudioPipeline
+
+    from paradiff.cli.outputs import write_wav
+    from paradiff.testing.audio import CALL_KWARGS, SAMPLING_RATE, save_stable_audio
+
+    folder = save_stable_audio(tmp_path / "stable-audio")
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-m", "paradiff.cli", "generate", str(folder), "--ulysses", "2", "--prompt",
+         CALL_KWARGS["prompt"], "--negative-prompt", CALL_KWARGS["negative_prompt"], "--guidance-scale",
+         str(CALL_KWARGS["guidance_scale"]), "--steps", str(CALL_KWARGS["num_inference_steps"]), "--out", str(out)],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    entry = report["outputs"]["0"]
+    assert entry["kind"] == "audio" and entry["sampling_rate"] == SAMPLING_RATE and entry["seconds"] == 2.0
+    assert report["audios"] == {"0": entry["path"]} and report["images"] == {}
+    rate, written = _wav_samples(entry["path"])
+    reference = StableAudioPipeline.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    kwargs = {key: value for key, value in CALL_KWARGS.items() if key != "audio_end_in_s"}  # the default: 2 s
+    expected = np.asarray(reference(**kwargs, generator=torch.Generator("cpu").manual_seed(0)).audios[0])
+    write_wav(expected, tmp_path / "reference.wav", SAMPLING_RATE)
+    _, expected_pcm = _wav_samples(tmp_path / "reference.wav")
+    assert rate == SAMPLING_RATE and written.shape == expected_pcm.shape == (2, 32)
+    assert np.abs(written.astype(np.int32) - expected_pcm.astype(np.int32)).max() <= 1
+    assert np.abs(expected_pcm).max() > 1000  # a real sound, not silence

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import logging
 import os
 import resource
@@ -69,6 +70,25 @@ def call_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
+def accepted_kwargs(kwargs: dict, pipeline: Any) -> dict:
+    """The call's arguments without the image size where the pipeline makes no image: audio pipelines (Stable
+    Audio) take a length in seconds, not --height / --width."""
+    parameters = inspect.signature(type(pipeline).__call__).parameters
+    return {key: value for key, value in kwargs.items() if key not in ("height", "width") or key in parameters}
+
+
+def step_callback(pipeline: Any, on_step: Callable) -> dict:
+    """`on_step` as the pipeline takes a per-step callback: callback_on_step_end, or the older callback(step,
+    timestep, latents) with callback_steps=1 (Stable Audio); none when it takes neither."""
+    parameters = inspect.signature(type(pipeline).__call__).parameters
+    if "callback_on_step_end" in parameters:
+        return {"callback_on_step_end": on_step}
+    if "callback" in parameters:
+        return {"callback": lambda step, timestep, latents: on_step(pipeline, step, timestep, {}),
+                "callback_steps": 1}
+    return {}
+
+
 def generate(args: argparse.Namespace, device: torch.device,
              on_pipeline_loaded: PipelineHook | None = None) -> dict | None:
     """`paradiff generate` on this rank, in the initialised default process group; the report on rank 0."""
@@ -109,7 +129,7 @@ def generate(args: argparse.Namespace, device: torch.device,
     step_times: list[float] = []
     outputs: dict[int, dict] = {}
     out = Path(args.out)
-    kwargs = call_kwargs(args)
+    kwargs = accepted_kwargs(call_kwargs(args), pipeline)
     made: list[tuple[int, str, Output]] = []  # rank 0's outputs, for --compare
     computed_steps: dict[int, dict[str, list[int]]] = {}  # prompt index -> cache context -> steps computed
     with paradiff.split_between_processes(indexed, pipeline) as share:
@@ -125,10 +145,10 @@ def generate(args: argparse.Namespace, device: torch.device,
             if args.stages:
                 generators = [torch.Generator("cpu").manual_seed(args.seed + index) for index, _ in batch]
                 result = pipeline(prompt=[prompt for _, prompt in batch], generator=generators,
-                                  callback_on_step_end=on_step, **kwargs)
+                                  **step_callback(pipeline, on_step), **kwargs)
             else:
                 (index, prompt), = batch
-                result = pipeline(prompt=prompt, seed=args.seed + index, callback_on_step_end=on_step, **kwargs)
+                result = pipeline(prompt=prompt, seed=args.seed + index, **step_callback(pipeline, on_step), **kwargs)
             step_times += [b - a for a, b in zip(stamps, stamps[1:])]
             for name, monitor in monitors.items():
                 for context in sorted({decision.context for decision in monitor.decisions}):
