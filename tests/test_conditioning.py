@@ -168,3 +168,19 @@ def test_cli_writes_stable_audio_wav_equal_to_single_process(tmp_path):
     assert rate == SAMPLING_RATE and written.shape == expected_pcm.shape == (2, 32)
     assert np.abs(written.astype(np.int32) - expected_pcm.astype(np.int32)).max() <= 1
     assert np.abs(expected_pcm).max() > 1000  # a real sound, not silence
+
+
+def test_cli_inpaints_with_another_pipeline_class_at_ulysses2(tiny_pipeline_folders, tmp_path, pictures):
+    """--pipeline FluxInpaintPipeline on the FLUX.1 text-to-image folder, with --image, --mask and --strength, at
+    ulysses2: --compare (diffusers' FluxInpaintPipeline, same inputs, one process) finds the same image."""
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-m", "paradiff.cli", "generate", str(tiny_pipeline_folders["flux"]), "--pipeline",
+         "FluxInpaintPipeline", "--image", pictures["image"], "--mask", pictures["mask"], "--strength", "0.75",
+         "--ulysses", "2", "--steps", "4", "--height", "32", "--width", "32", "--guidance-scale", "3.5",
+         "--compare", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["config"]["ulysses"] == 2 and report["outputs"]["0"]["kind"] == "image"
+    assert report["max_abs_diff_vs_single_process"] <= 1e-5

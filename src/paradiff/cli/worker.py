@@ -71,10 +71,14 @@ def call_kwargs(args: argparse.Namespace) -> dict:
 
 
 def accepted_kwargs(kwargs: dict, pipeline: Any) -> dict:
-    """The call's arguments without the image size where the pipeline makes no image: audio pipelines (Stable
-    Audio) take a length in seconds, not --height / --width."""
+    """The call's arguments as the pipeline takes them: no image size where it makes no image (audio pipelines such
+    as Stable Audio take a length in seconds, not --height / --width), and a max_area of the size asked for."""
     parameters = inspect.signature(type(pipeline).__call__).parameters
-    return {key: value for key, value in kwargs.items() if key not in ("height", "width") or key in parameters}
+    accepted = {key: value for key, value in kwargs.items() if key not in ("height", "width") or key in parameters}
+    if "max_area" in parameters and "height" in accepted and "width" in accepted:
+        # FLUX.1 Kontext scales the requested size up to max_area (1024^2 by default): keep --height x --width
+        accepted["max_area"] = accepted["height"] * accepted["width"]
+    return accepted
 
 
 def step_callback(pipeline: Any, on_step: Callable) -> dict:
