@@ -9,6 +9,7 @@ from PIL import Image
 
 import diffusers
 import paradiff
+from paradiff.distributed.comm import all_gather_object
 from paradiff.testing.pipelines import default_call_kwargs
 
 # What each case runs: the family's tiny folder loaded as another pipeline class, and the call's extra inputs.
@@ -71,26 +72,31 @@ def conditioned_equivalence(case: str, folder: str, modes: dict[str, dict]) -> d
     kwargs = case_kwargs(case)
     reference = pipeline_cls.from_pretrained(folder)
     reference.set_progress_bar_config(disable=True)
-    seen: list[int] = []
+    seen: list[torch.Tensor] = []  # the first block's input at every step
     _first_block(reference.transformer).register_forward_pre_hook(
-        lambda _module, args, kw: seen.append(kw.get("hidden_states", args[0] if args else None).shape[1]),
+        lambda _module, args, kw: seen.append(kw.get("hidden_states", args[0] if args else None).detach().clone()),
         with_kwargs=True)
     expected = _array(reference(**kwargs, generator=torch.Generator().manual_seed(0)))
     results = {}
     for mode, degrees in modes.items():
         pipeline = paradiff.load_pipeline(folder, pipeline_cls=pipeline_cls, parallel_config=_config(**degrees))
         pipeline.set_progress_bar_config(disable=True)
-        local: list[int] = []
+        local: list[torch.Tensor] = []
         block = _first_block(pipeline.transformer)
         block.register_forward_pre_hook(
-            lambda _module, args, kw: local.append(kw.get("hidden_states", args[0] if args else None).shape[1]),
+            lambda _module, args, kw: local.append(kw.get("hidden_states", args[0] if args else None).detach().clone()),
             with_kwargs=True)
         actual = _array(pipeline(**kwargs, seed=0))
         scale = float(np.abs(expected).max())
+        # what this rank's first block got at the first step: its own run of the full sequence's tokens
+        share = local[0].shape[1]
+        offsets = all_gather_object(share)
+        start = sum(offsets[: dist.get_rank()])
+        held = float((local[0] - seen[0][:, start:start + share]).abs().max())
         results[mode] = {"max_abs_diff": float(np.abs(actual - expected).max()), "scale": scale,
-                         "local_tokens": sorted(set(local))}
+                         "local_tokens": sorted({tensor.shape[1] for tensor in local}), "share_diff": held}
         del pipeline
-    return {"rank": dist.get_rank(), "type": type(reference).__name__, "tokens": sorted(set(seen)),
+    return {"rank": dist.get_rank(), "type": type(reference).__name__, "tokens": sorted({t.shape[1] for t in seen}),
             "shape": list(expected.shape), "modes": results}
 
 

@@ -22,7 +22,9 @@ def test_conditioned_pipeline_under_cp_equals_single_process(pools, tiny_pipelin
         assert all(len(share) == 1 for share in shares) and sum(share[0] for share in shares) == tokens, shares
     for result in results:
         for mode, outcome in result["modes"].items():
+            print(case, mode, result["rank"], outcome)
             assert outcome["max_abs_diff"] <= RTOL * max(outcome["scale"], 1.0), (case, mode, outcome)
+            assert outcome["share_diff"] <= 1e-6, (case, mode, outcome)  # its slice of the whole sequence
 
 
 # --- the command line: conditioning flags checked before any worker starts ---------------------------------------
