@@ -186,3 +186,20 @@ def test_cli_inpaints_with_another_pipeline_class_at_ulysses2(tiny_pipeline_fold
     report = json.loads((out / "report.json").read_text())
     assert report["config"]["ulysses"] == 2 and report["outputs"]["0"]["kind"] == "image"
     assert report["max_abs_diff_vs_single_process"] <= 1e-5
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("FluxPipeline", {"height": 32, "width": 48, "num_inference_steps": 2}),
+    ("FluxKontextPipeline", {"height": 32, "width": 48, "num_inference_steps": 2, "max_area": 32 * 48}),
+    ("StableAudioPipeline", {"num_inference_steps": 2}),  # a length in seconds, no image size
+])
+def test_call_arguments_follow_the_pipeline_class(name, expected):
+    import diffusers
+
+    from paradiff.api.pipeline import ParallelPipelineMixin
+    from paradiff.cli.worker import accepted_kwargs
+
+    base = getattr(diffusers, name)
+    parallel = type(f"Parallel{name}", (ParallelPipelineMixin, base), {})  # as load_pipeline makes it
+    pipeline = parallel.__new__(parallel)
+    assert accepted_kwargs(dict(height=32, width=48, num_inference_steps=2), pipeline) == expected

@@ -70,10 +70,20 @@ def call_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
+def call_parameters(pipeline: Any) -> dict:
+    """The parameters of the diffusers pipeline class's own __call__ (past paradiff's mixin, which takes **kwargs)."""
+    from paradiff.api.pipeline import ParallelPipelineMixin
+
+    for cls in type(pipeline).__mro__:
+        if "__call__" in vars(cls) and cls is not ParallelPipelineMixin:
+            return dict(inspect.signature(vars(cls)["__call__"]).parameters)
+    return {}
+
+
 def accepted_kwargs(kwargs: dict, pipeline: Any) -> dict:
     """The call's arguments as the pipeline takes them: no image size where it makes no image (audio pipelines such
     as Stable Audio take a length in seconds, not --height / --width), and a max_area of the size asked for."""
-    parameters = inspect.signature(type(pipeline).__call__).parameters
+    parameters = call_parameters(pipeline)
     accepted = {key: value for key, value in kwargs.items() if key not in ("height", "width") or key in parameters}
     if "max_area" in parameters and "height" in accepted and "width" in accepted:
         # FLUX.1 Kontext scales the requested size up to max_area (1024^2 by default): keep --height x --width
@@ -84,7 +94,7 @@ def accepted_kwargs(kwargs: dict, pipeline: Any) -> dict:
 def step_callback(pipeline: Any, on_step: Callable) -> dict:
     """`on_step` as the pipeline takes a per-step callback: callback_on_step_end, or the older callback(step,
     timestep, latents) with callback_steps=1 (Stable Audio); none when it takes neither."""
-    parameters = inspect.signature(type(pipeline).__call__).parameters
+    parameters = call_parameters(pipeline)
     if "callback_on_step_end" in parameters:
         return {"callback_on_step_end": on_step}
     if "callback" in parameters:
