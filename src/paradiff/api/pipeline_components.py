@@ -76,7 +76,7 @@ def _components_paradiff_loads(folder, index, parallel, stages, shard_text_encod
     for name, entry in sorted(index.items()):
         if name.startswith("transformer") or not _is_component(entry):
             continue
-        model_cls = getattr(importlib.import_module(entry[0]), entry[1], None)
+        model_cls = getattr(library_module(entry[0]), entry[1], None)
         if not (isinstance(model_cls, type) and issubclass(model_cls, nn.Module)):
             continue
         known = name in plans or family_of(model_cls) is not None
@@ -124,10 +124,19 @@ def _is_component(entry: Any) -> bool:
 
 
 def _component_class(index: dict, name: str) -> type:
+    library, class_name = index[name]
+    return getattr(library_module(library), class_name)
+
+
+def library_module(library: str):
+    """The module a model_index.json entry names: a library ("diffusers", "transformers"), or a diffusers pipeline
+    folder's own module ("stable_audio" for StableAudioProjectionModel), as diffusers itself resolves it."""
     import importlib
 
-    library, class_name = index[name]
-    return getattr(importlib.import_module(library), class_name)
+    try:
+        return importlib.import_module(library)
+    except ModuleNotFoundError:
+        return importlib.import_module(f"diffusers.pipelines.{library}")
 
 
 

@@ -83,6 +83,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--cache", default=None, metavar="SPEC",
                      help="step cache, decisions agreed by all ranks: 'fbc:THRESHOLD' (first-block cache, e.g. "
                           "fbc:0.08) or 'taylorseer:INTERVAL[:WARMUP]' (e.g. taylorseer:3:2)")
+    cond = gen.add_argument_group("conditioning inputs", "passed to the pipeline call where its __call__ takes them "
+                                  "(docs/cli.md); --pipeline picks another class for the same folder")
+    cond.add_argument("--image", action="append", default=None, metavar="PATH",
+                      help="image= of the call: an init / reference / first-frame image; repeatable (a list: "
+                           "multi-reference editing)")
+    cond.add_argument("--mask", default=None, metavar="PATH", help="mask_image= (inpainting; white is repainted), "
+                                                                   "as large as the first --image")
+    cond.add_argument("--control-image", default=None, metavar="PATH", help="control_image= (ControlNet, Control)")
+    cond.add_argument("--video", default=None, metavar="PATH", help="video= (video-to-video), read with PyAV")
+    cond.add_argument("--strength", type=float, default=None, help="strength= (img2img / inpaint), 0 to 1")
+    cond.add_argument("--pipeline", default=None, metavar="CLASS",
+                      help="run this diffusers pipeline class on the model folder instead of its own, e.g. "
+                           "FluxKontextPipeline or FluxInpaintPipeline on a FLUX.1 text-to-image folder")
     bench = commands.add_parser("bench", help="time a list of configurations on one model")
     bench.add_argument("model", nargs="?", default=None)
     bench.add_argument("--configs", default="single,tp=2,ulysses=2,ring=2",
@@ -202,6 +215,9 @@ def check_args(args: argparse.Namespace) -> None:
         if value not in (None, "auto") and not Path(value).is_file():
             raise CliError(f"{flag} {value}: expected 'auto' or a plan file (FILE.py); no such file")
     _check_video(args)
+    from paradiff.cli.conditioning import check_conditioning
+
+    check_conditioning(args)
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)

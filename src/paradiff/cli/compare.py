@@ -17,10 +17,12 @@ AMPLIFY = 50
 def compare_single_process(model: str, dtype: torch.dtype, kwargs: dict, seed: int,
                            made: list[tuple[int, str, Output]], cache: str | None = None,
                            loras: list[dict] | None = None,
-                           lora_weight_name: str | None = None) -> tuple[dict, list[Output]]:
+                           lora_weight_name: str | None = None,
+                           pipeline_cls: type | None = None) -> tuple[dict, list[Output]]:
     """Differences between each (index, prompt, image, video or sound) of `made` and diffusers' single-process
     result for that prompt (seed `seed + index`, as in the parallel run), with the same step cache on every
-    transformer (`cache`, a --cache spec) when one is given, and the same LoRA adapters (`loras`, from --lora).
+    transformer (`cache`, a --cache spec) when one is given, the same LoRA adapters (`loras`, from --lora), and the
+    same pipeline class (`pipeline_cls`, from --pipeline; None: the folder's own).
 
     Returns ({"max_abs_diff": float over all of them, "compared": count}, for videos also "max_abs_diff_per_frame"
     (every frame is compared), and "max_abs_diff_audio" when they have a soundtrack; the single-process outputs in
@@ -30,7 +32,7 @@ def compare_single_process(model: str, dtype: torch.dtype, kwargs: dict, seed: i
 
     import paradiff
 
-    reference = DiffusionPipeline.from_pretrained(model, dtype=dtype)
+    reference = (pipeline_cls or DiffusionPipeline).from_pretrained(model, dtype=dtype)
     reference.set_progress_bar_config(disable=True)
     if loras:  # the same adapters, by diffusers alone
         from paradiff.cli.worker import load_adapters

@@ -23,7 +23,7 @@ def check_model_folder(args: argparse.Namespace) -> None:
             return  # fetched by the workers; nothing local to read yet
         raise CliError(f"model folder {args.model} does not exist (and is not a Hub id of the form 'owner/name')")
     index = json.loads((path / "model_index.json").read_text())
-    pipeline_name = str(index.get("_class_name"))
+    pipeline_name = getattr(args, "pipeline", None) or str(index.get("_class_name"))
     if args.cfg > 1:
         from paradiff.plans.pipelines import cfg_refusal
 

@@ -19,7 +19,8 @@ def write_report(args: argparse.Namespace, out: Path, model: str, prompts: list[
     """Write report.json from every rank's statistics (`gathered`) and print the summary lines; returns the report.
 
     `outputs` maps each prompt's index to what was written for it: kind ("image" or "video"), frame count, the PNG
-    or MP4 path and, for a video, every frame's PNG. `images` (index -> PNG) lists the image outputs alone.
+    or MP4 path and, for a video, every frame's PNG; for a sound its WAV path, sampling rate and length in seconds.
+    `images` (index -> PNG) and `audios` (index -> WAV) list the image and the sound outputs alone.
     """
     import numpy as np
 
@@ -40,6 +41,7 @@ def write_report(args: argparse.Namespace, out: Path, model: str, prompts: list[
         "ranks": gathered,
         "outputs": outputs,
         "images": {index: entry["path"] for index, entry in outputs.items() if entry["kind"] == "image"},
+        "audios": {index: entry["path"] for index, entry in outputs.items() if entry["kind"] == "audio"},
     }
     if compare is not None:
         report["max_abs_diff_vs_single_process"] = compare["max_abs_diff"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import logging
 import os
 import resource
@@ -24,6 +25,7 @@ from paradiff.quant.apply import quantization_summary
 from paradiff.quant.schemes import pipeline_quantization_config
 from paradiff.vae import get_vae_runtime
 from paradiff.cli.args import cache_config, lora_specs, read_prompts
+from paradiff.cli.conditioning import conditioning_kwargs, requested_pipeline_class
 from paradiff.cli.compare import compare_single_process, write_compare_png
 from paradiff.cli.embedded import embedded_call_kwargs, embedded_default
 from paradiff.cli.outputs import Output, outputs_of, sampling_rate, save_output
@@ -64,7 +66,41 @@ def call_kwargs(args: argparse.Namespace) -> dict:
         kwargs["num_frames"] = args.frames
     if args.model is None:
         kwargs.update(embedded_call_kwargs())
+    kwargs.update(conditioning_kwargs(args))
     return kwargs
+
+
+def call_parameters(pipeline: Any) -> dict:
+    """The parameters of the diffusers pipeline class's own __call__ (past paradiff's mixin, which takes **kwargs)."""
+    from paradiff.api.pipeline import ParallelPipelineMixin
+
+    for cls in type(pipeline).__mro__:
+        if "__call__" in vars(cls) and cls is not ParallelPipelineMixin:
+            return dict(inspect.signature(vars(cls)["__call__"]).parameters)
+    return {}
+
+
+def accepted_kwargs(kwargs: dict, pipeline: Any) -> dict:
+    """The call's arguments as the pipeline takes them: no image size where it makes no image (audio pipelines such
+    as Stable Audio take a length in seconds, not --height / --width), and a max_area of the size asked for."""
+    parameters = call_parameters(pipeline)
+    accepted = {key: value for key, value in kwargs.items() if key not in ("height", "width") or key in parameters}
+    if "max_area" in parameters and "height" in accepted and "width" in accepted:
+        # FLUX.1 Kontext scales the requested size up to max_area (1024^2 by default): keep --height x --width
+        accepted["max_area"] = accepted["height"] * accepted["width"]
+    return accepted
+
+
+def step_callback(pipeline: Any, on_step: Callable) -> dict:
+    """`on_step` as the pipeline takes a per-step callback: callback_on_step_end, or the older callback(step,
+    timestep, latents) with callback_steps=1 (Stable Audio); none when it takes neither."""
+    parameters = call_parameters(pipeline)
+    if "callback_on_step_end" in parameters:
+        return {"callback_on_step_end": on_step}
+    if "callback" in parameters:
+        return {"callback": lambda step, timestep, latents: on_step(pipeline, step, timestep, {}),
+                "callback_steps": 1}
+    return {}
 
 
 def generate(args: argparse.Namespace, device: torch.device,
@@ -80,7 +116,9 @@ def generate(args: argparse.Namespace, device: torch.device,
     start = time.perf_counter()
     quantize = getattr(args, "quantize", None)
     extra = {} if not quantize else {"quantization_config": pipeline_quantization_config(quantize, dtype)}
-    pipeline = paradiff.load_pipeline(model, parallel_config=parallel_config(args), torch_dtype=dtype, device=device,
+    pipeline_cls = requested_pipeline_class(args)
+    pipeline = paradiff.load_pipeline(model, pipeline_cls=pipeline_cls, parallel_config=parallel_config(args),
+                                      torch_dtype=dtype, device=device,
                                       **extra, plan=_plan_argument(args.plan, "tensor"),
                                       cp_plan=_plan_argument(args.cp_plan, "context"),
                                       parallel_vae=False if args.no_parallel_vae else None,
@@ -105,7 +143,7 @@ def generate(args: argparse.Namespace, device: torch.device,
     step_times: list[float] = []
     outputs: dict[int, dict] = {}
     out = Path(args.out)
-    kwargs = call_kwargs(args)
+    kwargs = accepted_kwargs(call_kwargs(args), pipeline)
     made: list[tuple[int, str, Output]] = []  # rank 0's outputs, for --compare
     computed_steps: dict[int, dict[str, list[int]]] = {}  # prompt index -> cache context -> steps computed
     with paradiff.split_between_processes(indexed, pipeline) as share:
@@ -121,10 +159,10 @@ def generate(args: argparse.Namespace, device: torch.device,
             if args.stages:
                 generators = [torch.Generator("cpu").manual_seed(args.seed + index) for index, _ in batch]
                 result = pipeline(prompt=[prompt for _, prompt in batch], generator=generators,
-                                  callback_on_step_end=on_step, **kwargs)
+                                  **step_callback(pipeline, on_step), **kwargs)
             else:
                 (index, prompt), = batch
-                result = pipeline(prompt=prompt, seed=args.seed + index, callback_on_step_end=on_step, **kwargs)
+                result = pipeline(prompt=prompt, seed=args.seed + index, **step_callback(pipeline, on_step), **kwargs)
             step_times += [b - a for a, b in zip(stamps, stamps[1:])]
             for name, monitor in monitors.items():
                 for context in sorted({decision.context for decision in monitor.decisions}):
@@ -155,7 +193,8 @@ def generate(args: argparse.Namespace, device: torch.device,
         if made:
             compare, references = compare_single_process(model, dtype, kwargs, args.seed, made,
                                                          cache=args.cache, loras=loras,
-                                                         lora_weight_name=args.lora_weight_name)
+                                                         lora_weight_name=args.lora_weight_name,
+                                                         pipeline_cls=pipeline_cls)
             if all(output.kind == "image" for _, _, output in made):
                 compare["picture"] = str(out / "compare.png")
                 write_compare_png(out / "compare.png", [(reference.array, output.array) for reference, (_, _, output)

@@ -1,0 +1,152 @@
+"""The conditioning inputs of `paradiff generate` (--image, --mask, --control-image, --video, --strength) and the
+pipeline class they go to (--pipeline): checked before any process starts, read into the pipeline call's arguments
+on every rank.
+
+Each flag becomes the keyword diffusers' pipelines use for it, and only where the pipeline's `__call__` takes it:
+--image -> image= (one image, or a list when repeated: multi-reference editing), --mask -> mask_image=,
+--control-image -> control_image=, --video -> video= (a list of PIL frames), --strength -> strength=.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import inspect
+import json
+from pathlib import Path
+
+from paradiff.cli.args import CliError
+
+# flag -> (the args attribute, the pipeline call's keyword)
+FLAGS = {
+    "--image": ("image", "image"),
+    "--mask": ("mask", "mask_image"),
+    "--control-image": ("control_image", "control_image"),
+    "--video": ("video", "video"),
+    "--strength": ("strength", "strength"),
+}
+
+
+def pipeline_class_name(args: argparse.Namespace) -> str | None:
+    """The class `paradiff generate` runs: --pipeline, else the folder's model_index.json; None when unknown (a Hub
+    id not yet fetched)."""
+    if getattr(args, "pipeline", None):
+        return args.pipeline
+    if args.model is None:
+        from paradiff.cli.embedded import embedded_default
+
+        folder = embedded_default()
+    else:
+        folder = Path(args.model)
+    index = folder / "model_index.json"
+    if not index.is_file():
+        return None
+    return str(json.loads(index.read_text()).get("_class_name"))
+
+
+def pipeline_class(name: str) -> type:
+    """The diffusers pipeline class called `name`, or a CliError listing the closest names."""
+    import diffusers
+    from diffusers import DiffusionPipeline
+
+    candidate = getattr(diffusers, name, None)
+    if isinstance(candidate, type) and issubclass(candidate, DiffusionPipeline):
+        return candidate
+    known = [entry for entry in dir(diffusers) if entry.endswith("Pipeline") and entry != "DiffusionPipeline"]
+    close = difflib.get_close_matches(name, known, n=5, cutoff=0.5)
+    hint = f"; close names: {', '.join(close)}" if close else ""
+    raise CliError(f"--pipeline {name}: diffusers {diffusers.__version__} has no pipeline class of that name{hint}")
+
+
+def check_conditioning(args: argparse.Namespace) -> None:
+    """--pipeline names a diffusers pipeline; each conditioning flag is one its __call__ takes; every file is there
+    and reads as an image (or video); a mask is as large as the (first) image."""
+    name = pipeline_class_name(args)
+    if getattr(args, "pipeline", None):
+        cls = pipeline_class(name)
+    else:  # the folder's own class; unknown (a custom or Hub pipeline): its signature is not checked here
+        import diffusers
+
+        cls = getattr(diffusers, name, None) if name is not None else None
+    given = [flag for flag, (attribute, _) in FLAGS.items() if getattr(args, attribute, None) is not None]
+    if cls is not None:
+        parameters = inspect.signature(cls.__call__).parameters
+        for flag in given:
+            keyword = FLAGS[flag][1]
+            if keyword not in parameters:
+                takes = [f for f, (_, k) in FLAGS.items() if k in parameters]
+                what = f"it takes {', '.join(takes)}" if takes else "it takes no conditioning input"
+                raise CliError(f"{flag}: {name}'s __call__ takes no {keyword} ({what}); pick a pipeline class that "
+                               "does with --pipeline, e.g. an Img2Img, Inpaint or Kontext class on the same folder")
+    if getattr(args, "strength", None) is not None and not 0.0 <= args.strength <= 1.0:
+        raise CliError(f"--strength {args.strength}: expected a number from 0 to 1")
+    sizes = {"--image": [_image_size("--image", path) for path in args.image or []]}
+    if args.control_image is not None:
+        _image_size("--control-image", args.control_image)
+    if args.mask is not None:
+        mask_size = _image_size("--mask", args.mask)
+        if sizes["--image"] and mask_size != sizes["--image"][0]:
+            (width, height), (image_width, image_height) = mask_size, sizes["--image"][0]
+            raise CliError(f"--mask {args.mask} is {width}x{height} but --image {args.image[0]} is "
+                           f"{image_width}x{image_height}; the mask must be as large as the image")
+    if args.video is not None:
+        _exists("--video", args.video)
+        _read_video(args.video, frames_only=False)
+
+
+def requested_pipeline_class(args: argparse.Namespace) -> type | None:
+    """--pipeline's class; None when the folder's own class is to be used."""
+    return pipeline_class(args.pipeline) if getattr(args, "pipeline", None) else None
+
+
+def conditioning_kwargs(args: argparse.Namespace) -> dict:
+    """The pipeline call's conditioning arguments, read from the files (every rank reads the same ones)."""
+    from PIL import Image
+
+    kwargs: dict = {}
+    if args.image:
+        images = [Image.open(path).convert("RGB") for path in args.image]
+        kwargs["image"] = images[0] if len(images) == 1 else images
+    if args.mask is not None:
+        kwargs["mask_image"] = Image.open(args.mask).convert("L")
+    if args.control_image is not None:
+        kwargs["control_image"] = Image.open(args.control_image).convert("RGB")
+    if args.video is not None:
+        kwargs["video"] = _read_video(args.video, frames_only=True)
+    if args.strength is not None:
+        kwargs["strength"] = args.strength
+    return kwargs
+
+
+def _exists(flag: str, path: str) -> None:
+    if not Path(path).is_file():
+        raise CliError(f"{flag} {path}: no such file")
+
+
+def _image_size(flag: str, path: str) -> tuple[int, int]:
+    """(width, height) of an image file, read from its header; a CliError when it is not there or not an image."""
+    from PIL import Image, UnidentifiedImageError
+
+    _exists(flag, path)
+    try:
+        with Image.open(path) as image:
+            image.verify()
+            return image.size
+    except (UnidentifiedImageError, OSError, SyntaxError) as exc:
+        raise CliError(f"{flag} {path}: not a readable image ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'unreadable'})") from None
+
+
+def _read_video(path: str, frames_only: bool):
+    """The frames of a video file as PIL images (PyAV); a CliError when it is not readable."""
+    try:
+        import av
+    except ImportError:
+        raise CliError(f"--video {path}: reading videos needs PyAV: pip install 'paradiff[video]'") from None
+    try:
+        with av.open(path) as container:
+            frames = [frame.to_image() for frame in container.decode(video=0)]
+    except (av.error.FFmpegError, OSError, ValueError) as exc:
+        raise CliError(f"--video {path}: not a readable video ({type(exc).__name__})") from None
+    if not frames:
+        raise CliError(f"--video {path}: holds no video frame")
+    return frames

@@ -1,0 +1,205 @@
+"""Conditioning inputs (reference images, masks, image-to-video) on split pipelines, the CLI flags that pass them,
+and audio pipelines' WAV files."""
+
+from __future__ import annotations
+
+import pytest
+
+import rank_cases_conditioning as cases
+
+RTOL = 1e-5
+CP_MODES = {"ulysses2": dict(ulysses=2), "ring2": dict(ring=2)}
+
+
+@pytest.mark.parametrize("case", sorted(cases.CASES))
+def test_conditioned_pipeline_under_cp_equals_single_process(pools, tiny_pipeline_folders, case):
+    folder = str(tiny_pipeline_folders[cases.CASES[case]["family"]])
+    results = pools.get(2).run(cases.conditioned_equivalence, case=case, folder=folder, modes=CP_MODES)
+    (tokens,) = results[0]["tokens"]
+    assert tokens % 2 == 1, results[0]  # the ranks' shares are uneven
+    for mode in CP_MODES:  # each rank holds its own share of the image + condition tokens, together all of them
+        shares = [result["modes"][mode]["local_tokens"] for result in results]
+        assert all(len(share) == 1 for share in shares) and sum(share[0] for share in shares) == tokens, shares
+    for result in results:
+        for mode, outcome in result["modes"].items():
+            print(case, mode, result["rank"], outcome)
+            assert outcome["max_abs_diff"] <= RTOL * max(outcome["scale"], 1.0), (case, mode, outcome)
+            assert outcome["share_diff"] <= 1e-6, (case, mode, outcome)  # its slice of the whole sequence
+
+
+# --- the command line: conditioning flags checked before any worker starts ---------------------------------------
+
+import numpy as np  # noqa: E402
+from PIL import Image  # noqa: E402
+
+import paradiff.cli  # noqa: E402
+from paradiff.cli import main  # noqa: E402
+from paradiff.cli.args import build_parser  # noqa: E402
+from paradiff.cli.worker import call_kwargs  # noqa: E402
+
+
+@pytest.fixture
+def no_worker(monkeypatch):
+    started = []
+    monkeypatch.setattr(paradiff.cli, "launch", lambda *args, **kwargs: started.append(args) or 0)
+    return started
+
+
+@pytest.fixture
+def pictures(tmp_path):
+    """A 32x32 image, a 32x32 mask, a 16x32 mask and a file that is no image."""
+    rng = np.random.default_rng(0)
+    paths = {"image": tmp_path / "image.png", "mask": tmp_path / "mask.png", "small_mask": tmp_path / "small.png",
+             "text": tmp_path / "notes.png"}
+    Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(paths["image"])
+    Image.fromarray(np.full((32, 32), 255, dtype=np.uint8)).save(paths["mask"])
+    Image.fromarray(np.full((16, 32), 255, dtype=np.uint8)).save(paths["small_mask"])
+    paths["text"].write_text("not a picture")
+    return {name: str(path) for name, path in paths.items()}
+
+
+def _error(capsys, no_worker, *argv) -> str:
+    code = main(["generate", *argv])
+    err = capsys.readouterr().err
+    assert (code, no_worker) == (2, []), err
+    assert len(err.strip().splitlines()) == 1, err
+    return err.strip()
+
+
+def test_image_on_a_pipeline_that_takes_none(tiny_pipeline_folders, tmp_path, pictures, capsys, no_worker):
+    err = _error(capsys, no_worker, str(tiny_pipeline_folders["flux"]), "--image", pictures["image"],
+                 "--out", str(tmp_path / "out"))
+    assert err.startswith("paradiff: error: --image: FluxPipeline's __call__ takes no image")
+    assert "--pipeline" in err
+
+
+def test_missing_image_file(tiny_pipeline_folders, tmp_path, capsys, no_worker):
+    err = _error(capsys, no_worker, str(tiny_pipeline_folders["flux"]), "--pipeline", "FluxImg2ImgPipeline",
+                 "--image", str(tmp_path / "absent.png"), "--out", str(tmp_path / "out"))
+    assert err == f"paradiff: error: --image {tmp_path / 'absent.png'}: no such file"
+
+
+def test_unreadable_image(tiny_pipeline_folders, tmp_path, pictures, capsys, no_worker):
+    err = _error(capsys, no_worker, str(tiny_pipeline_folders["flux"]), "--pipeline", "FluxImg2ImgPipeline",
+                 "--image", pictures["text"], "--out", str(tmp_path / "out"))
+    assert err.startswith(f"paradiff: error: --image {pictures['text']}: not a readable image")
+
+
+def test_mask_of_another_size_than_the_image(tiny_pipeline_folders, tmp_path, pictures, capsys, no_worker):
+    err = _error(capsys, no_worker, str(tiny_pipeline_folders["flux"]), "--pipeline", "FluxInpaintPipeline",
+                 "--image", pictures["image"], "--mask", pictures["small_mask"], "--out", str(tmp_path / "out"))
+    assert err == (f"paradiff: error: --mask {pictures['small_mask']} is 32x16 but --image {pictures['image']} is "
+                   "32x32; the mask must be as large as the image")
+
+
+def test_unknown_pipeline_class_lists_close_names(tiny_pipeline_folders, tmp_path, capsys, no_worker):
+    err = _error(capsys, no_worker, str(tiny_pipeline_folders["flux"]), "--pipeline", "FluxKontexPipeline",
+                 "--out", str(tmp_path / "out"))
+    assert err.startswith("paradiff: error: --pipeline FluxKontexPipeline: diffusers ")
+    assert "close names: " in err and "FluxKontextPipeline" in err
+
+
+def test_strength_out_of_range(tiny_pipeline_folders, tmp_path, pictures, capsys, no_worker):
+    err = _error(capsys, no_worker, str(tiny_pipeline_folders["flux"]), "--pipeline", "FluxImg2ImgPipeline",
+                 "--image", pictures["image"], "--strength", "1.5", "--out", str(tmp_path / "out"))
+    assert err == "paradiff: error: --strength 1.5: expected a number from 0 to 1"
+
+
+def test_valid_conditioning_reaches_the_launcher_and_the_call(tiny_pipeline_folders, tmp_path, pictures, capsys,
+                                                              no_worker):
+    argv = ["generate", str(tiny_pipeline_folders["flux"]), "--pipeline", "FluxInpaintPipeline", "--image",
+            pictures["image"], "--mask", pictures["mask"], "--strength", "0.7", "--ulysses", "2",
+            "--out", str(tmp_path / "out")]
+    assert main(argv) == 0 and len(no_worker) == 1
+    kwargs = call_kwargs(build_parser().parse_args(argv))
+    assert kwargs["strength"] == 0.7 and kwargs["image"].size == (32, 32) and kwargs["mask_image"].mode == "L"
+    assert np.array_equal(np.asarray(kwargs["image"]), np.asarray(Image.open(pictures["image"]).convert("RGB")))
+
+
+def test_repeated_image_is_a_list_of_references(tiny_pipeline_folders, tmp_path, pictures):
+    argv = ["generate", str(tiny_pipeline_folders["flux2"]), "--image", pictures["image"], "--image",
+            pictures["mask"], "--out", str(tmp_path / "out")]
+    kwargs = call_kwargs(build_parser().parse_args(argv))
+    assert isinstance(kwargs["image"], list) and len(kwargs["image"]) == 2
+
+
+# --- audio: a Stable Audio pipeline's sound written as WAV by the CLI -----------------------------------------------
+
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import wave  # noqa: E402
+
+
+def _wav_samples(path) -> tuple[int, np.ndarray]:
+    with wave.open(str(path), "rb") as handle:
+        assert handle.getsampwidth() == 2
+        pcm = np.frombuffer(handle.readframes(handle.getnframes()), dtype="<i2")
+        return handle.getframerate(), pcm.reshape(-1, handle.getnchannels()).T
+
+
+def test_cli_writes_stable_audio_wav_equal_to_single_process(tmp_path):
+    """ulysses2 over the 1 global + 8 audio tokens (uneven shares): the WAV's samples equal diffusers' single-process
+    sound within one 16-bit step."""
+    import torch
+    from diffusers import StableAudioPipeline
+
+    from paradiff.cli.outputs import write_wav
+    from paradiff.testing.audio import CALL_KWARGS, SAMPLING_RATE, save_stable_audio
+
+    folder = save_stable_audio(tmp_path / "stable-audio")
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-m", "paradiff.cli", "generate", str(folder), "--ulysses", "2", "--prompt",
+         CALL_KWARGS["prompt"], "--negative-prompt", CALL_KWARGS["negative_prompt"], "--guidance-scale",
+         str(CALL_KWARGS["guidance_scale"]), "--steps", str(CALL_KWARGS["num_inference_steps"]), "--out", str(out)],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    entry = report["outputs"]["0"]
+    assert entry["kind"] == "audio" and entry["sampling_rate"] == SAMPLING_RATE and entry["seconds"] == 2.0
+    assert report["audios"] == {"0": entry["path"]} and report["images"] == {}
+    rate, written = _wav_samples(entry["path"])
+    reference = StableAudioPipeline.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    kwargs = {key: value for key, value in CALL_KWARGS.items() if key != "audio_end_in_s"}  # the default: 2 s
+    expected = np.asarray(reference(**kwargs, generator=torch.Generator("cpu").manual_seed(0)).audios[0])
+    write_wav(expected, tmp_path / "reference.wav", SAMPLING_RATE)
+    _, expected_pcm = _wav_samples(tmp_path / "reference.wav")
+    assert rate == SAMPLING_RATE and written.shape == expected_pcm.shape == (2, 32)
+    assert np.abs(written.astype(np.int32) - expected_pcm.astype(np.int32)).max() <= 1
+    assert np.abs(expected_pcm).max() > 1000  # a real sound, not silence
+
+
+def test_cli_inpaints_with_another_pipeline_class_at_ulysses2(tiny_pipeline_folders, tmp_path, pictures):
+    """--pipeline FluxInpaintPipeline on the FLUX.1 text-to-image folder, with --image, --mask and --strength, at
+    ulysses2: --compare (diffusers' FluxInpaintPipeline, same inputs, one process) finds the same image."""
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-m", "paradiff.cli", "generate", str(tiny_pipeline_folders["flux"]), "--pipeline",
+         "FluxInpaintPipeline", "--image", pictures["image"], "--mask", pictures["mask"], "--strength", "0.75",
+         "--ulysses", "2", "--steps", "4", "--height", "32", "--width", "32", "--guidance-scale", "3.5",
+         "--compare", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["config"]["ulysses"] == 2 and report["outputs"]["0"]["kind"] == "image"
+    assert report["max_abs_diff_vs_single_process"] <= 1e-5
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("FluxPipeline", {"height": 32, "width": 48, "num_inference_steps": 2}),
+    ("FluxKontextPipeline", {"height": 32, "width": 48, "num_inference_steps": 2, "max_area": 32 * 48}),
+    ("StableAudioPipeline", {"num_inference_steps": 2}),  # a length in seconds, no image size
+])
+def test_call_arguments_follow_the_pipeline_class(name, expected):
+    import diffusers
+
+    from paradiff.api.pipeline import ParallelPipelineMixin
+    from paradiff.cli.worker import accepted_kwargs
+
+    base = getattr(diffusers, name)
+    parallel = type(f"Parallel{name}", (ParallelPipelineMixin, base), {})  # as load_pipeline makes it
+    pipeline = parallel.__new__(parallel)
+    assert accepted_kwargs(dict(height=32, width=48, num_inference_steps=2), pipeline) == expected
