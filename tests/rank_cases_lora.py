@@ -253,3 +253,35 @@ def wan22_two_transformers(folder: str, mode: str, high: str, low: str, steps: i
             "split_layers": sum(type(m).__name__ == "ShardedLoraLinear" and type(m.get_base_layer()).__name__ != "Linear"
                                 for name in ("transformer", "transformer_2") for m in getattr(pipeline, name).modules()),
             "layer_classes": sorted(set(layers.values()))}
+
+
+def compiled_hotswap(family: str, folder: str, mode: str, first: str, swaps: dict[str, str], target_rank: int) -> dict:
+    """`enable_lora_hotswap(target_rank)` before the first load, then `paradiff.compile`, then each of `swaps`
+    (label -> file) hot-swapped into the first adapter's layers: how many graphs Dynamo compiled before and after
+    every swap, and the compiled output against diffusers' unsplit model with the swapped adapter freshly loaded."""
+    from paradiff.testing.compile import RecordingBackend
+
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    cls = model_class(family)
+    model = paradiff.from_pretrained(cls, folder, parallel_config=ParallelConfig.from_degrees(**parse_mode(mode)))
+    inputs = make_inputs(family, model.config, batch=1, lengths=Lengths(height=4, width=4, text=6))
+    model.enable_lora_hotswap(target_rank=target_rank)
+    model.load_lora_adapter(first, adapter_name="style", use_safetensors=True)
+    recorder = RecordingBackend()
+    paradiff.compile(model, backend=recorder)
+
+    def fresh(path: str) -> torch.Tensor:
+        reference = cls.from_pretrained(folder).eval()
+        reference.load_lora_adapter(path, adapter_name="style", use_safetensors=True)
+        return run_forward(reference, inputs)
+
+    diffs = {"first": _rel(run_forward(model, inputs), fresh(first))}
+    graphs = {"first": len(recorder.graphs)}
+    for label, path in swaps.items():
+        model.load_lora_adapter(path, adapter_name="style", hotswap=True, use_safetensors=True)
+        diffs[label] = _rel(run_forward(model, inputs), fresh(path))
+        graphs[label] = len(recorder.graphs)
+    shapes = sorted({tuple(layer.lora_A["style"].weight.shape[:1]) for layer in _lora_layers(model).values()})
+    torch._dynamo.reset()
+    return {"rank": dist.get_rank(), "diffs": diffs, "graphs": graphs, "padded": shapes}

@@ -261,3 +261,20 @@ def test_random_lora_is_deterministic():
     first, second = (random_lora(model, TARGETS["flux"], 4, seed=1) for _ in range(2))
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
 
+
+
+def test_hotswap_on_compiled_tp2_model_does_not_recompile(pools, checkpoints, lora_files, tmp_path):
+    """enable_lora_hotswap(target_rank=8) before compiling a tp2 FLUX.2: swapping in an adapter of the same rank and
+    one of a lower rank (peft pads it to 8) compiles no new graph, and the output equals diffusers' unsplit model
+    with that adapter freshly loaded."""
+    model = build_model("flux2")
+    lower = save_lora(tmp_path / "rank2.safetensors", random_lora(model, TARGETS["flux2"], 2, seed=5), rank=2,
+                      alpha=3)
+    files = lora_files["flux2"]
+    results = pools.get(2).run(cases.compiled_hotswap, timeout_s=600, family="flux2",
+                               folder=str(checkpoints[("flux2", "single")]), mode="tp2", first=str(files["style"]),
+                               swaps={"same rank": str(files["swap"]), "lower rank": str(lower)}, target_rank=8)
+    for result in results:
+        assert set(result["graphs"].values()) == {result["graphs"]["first"]} and result["graphs"]["first"] > 0, result
+        assert max(result["diffs"].values()) <= RTOL, result
+        assert result["padded"] == [(8,)], result  # every layer's A is padded to the target rank
