@@ -19,6 +19,8 @@ def test_kernel_load_failures_of_optional_backends_are_dropped():
     assert not _shown("bitsandbytes.backends.cpu.ops",
                       "Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure ...")
     assert not _shown("torch.utils._pytree", "%s is an Enum subclass and is now natively supported by torch.compile")
+    assert not _shown("diffusers.quantizers.torchao.torchao_quantizer",
+                      "Unable to import `torchao` Tensor objects. This may affect loading checkpoints serialized")
 
 
 def test_other_messages_of_those_loggers_still_show():
