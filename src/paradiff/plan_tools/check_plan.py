@@ -134,6 +134,23 @@ def _is_layer_count(key: str, value: Any) -> bool:
         key.startswith("num_") and key.endswith("layers") or key in ("depth", "num_blocks"))
 
 
+def _check_builtin_split(target: Target, tp: int) -> None:
+    """Resolve the built-in TP plan for every rank on a meta-device copy: a degree the config already refuses (more
+    ranks than heads) is reported before any rank process starts."""
+    from paradiff.plan_tools.family_examples import model_class
+    from paradiff.plans import builtin_plan
+    from paradiff.tensor_parallel.plan import as_plan, resolve_plan
+
+    try:
+        with torch.device("meta"):
+            model = model_class(target.class_name)(**target.config)
+    except Exception:  # noqa: BLE001 - a class that cannot be built on meta: the ranks check it themselves
+        return
+    plan = as_plan(builtin_plan(model, getattr(model, "config", None), "tensor"))
+    for rank in range(tp):
+        resolve_plan(model, plan, rank, tp)
+
+
 def _build(target: Target, seed: int = 0) -> nn.Module:
     from paradiff.plan_tools.family_examples import model_class
 
@@ -306,6 +323,8 @@ def check_plan(model: str, *, tp: int = 1, ulysses: int = 1, ring: int = 1, plan
     target = resolve_target(model, example, inputs)
     degrees = {"tp": tp, "ulysses": ulysses, "ring": ring}
     plan_files = {"tensor": plan, "context": cp_plan}
+    if tp > 1 and plan is None:
+        _check_builtin_split(target, tp)
     try:
         outcomes = run_ranks(_rank_main, world, kwargs=dict(target=target, degrees=degrees, plan_files=plan_files,
                                                             batch=batch, tolerance=tolerance),
