@@ -139,6 +139,7 @@ def _wav_samples(path) -> tuple[int, np.ndarray]:
         return handle.getframerate(), pcm.reshape(-1, handle.getnchannels()).T
 
 
+@pytest.mark.slow  # runs the `paradiff` command as a subprocess
 def test_cli_writes_stable_audio_wav_equal_to_single_process(tmp_path):
     """ulysses2 over the 1 global + 8 audio tokens (uneven shares): the WAV's samples equal diffusers' single-process
     sound within one 16-bit step."""
@@ -172,6 +173,7 @@ def test_cli_writes_stable_audio_wav_equal_to_single_process(tmp_path):
     assert np.abs(expected_pcm).max() > 1000  # a real sound, not silence
 
 
+@pytest.mark.slow  # runs the `paradiff` command as a subprocess
 def test_cli_inpaints_with_another_pipeline_class_at_ulysses2(tiny_pipeline_folders, tmp_path, pictures):
     """--pipeline FluxInpaintPipeline on the FLUX.1 text-to-image folder, with --image, --mask and --strength, at
     ulysses2: --compare (diffusers' FluxInpaintPipeline, same inputs, one process) finds the same image."""
