@@ -61,14 +61,17 @@ def pipeline_class(name: str) -> type:
 def check_conditioning(args: argparse.Namespace) -> None:
     """--pipeline names a diffusers pipeline; each conditioning flag is one its __call__ takes; every file is there
     and reads as an image (or video); a mask is as large as the (first) image."""
+    given = [flag for flag, (attribute, _) in FLAGS.items() if getattr(args, attribute, None) is not None]
     name = pipeline_class_name(args)
+    cls = None
     if getattr(args, "pipeline", None):
         cls = pipeline_class(name)
-    else:  # the folder's own class; unknown (a custom or Hub pipeline): its signature is not checked here
+    elif given and name is not None:
+        # the folder's own class; unknown (a custom or Hub pipeline): its signature is not checked here. Without a
+        # conditioning flag there is nothing to check, and the launcher does not import diffusers for nothing.
         import diffusers
 
-        cls = getattr(diffusers, name, None) if name is not None else None
-    given = [flag for flag, (attribute, _) in FLAGS.items() if getattr(args, attribute, None) is not None]
+        cls = getattr(diffusers, name, None)
     if cls is not None:
         parameters = inspect.signature(cls.__call__).parameters
         for flag in given:
