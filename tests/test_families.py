@@ -11,8 +11,9 @@ import pytest
 
 import rank_cases_families as cases
 from paradiff.plan_tools import family_examples as examples
-from paradiff.tensor_parallel.plan import QUERY_HEAD_ATTRS
-from paradiff.testing.families import uneven_head_overrides
+from paradiff.plans import builtin_plan
+from paradiff.tensor_parallel.plan import QUERY_HEAD_ATTRS, as_plan, resolve_plan
+from paradiff.testing.families import UNEVEN_HEAD_CONFIGS, uneven_head_overrides
 
 TOLERANCE = 1e-5
 MAX_SHARE = 0.75
@@ -64,10 +65,23 @@ def test_tp3_splits_four_heads_into_whole_heads(pools, family, example, class_na
 def test_tp2_splits_three_heads_into_whole_heads(pools, family, example, class_name):
     """3 heads over 2 ranks (1 K/V head where the example groups them): 2 + 1 whole heads."""
     overrides = uneven_head_overrides(family, example)
-    if overrides is None:
-        pytest.skip("the example's config ties its widths to its 4 heads (uneven heads are checked at tp3)")
+    assert overrides is not None, "add the example's 3-head config to UNEVEN_HEAD_CONFIGS (testing/families.py)"
     check(pools.get(2).run(cases.family_modes, family=family, example=example, modes=["tp2"],
                            config_overrides=overrides))
+
+
+@pytest.mark.parametrize("family,example", sorted(UNEVEN_HEAD_CONFIGS),
+                         ids=[f"{family}:{example}" for family, example in sorted(UNEVEN_HEAD_CONFIGS)])
+def test_uneven_head_configs_give_every_split_attention_three_heads(family, example):
+    """The hand-written 3-head configs leave no attention the plan splits at an even count (both streams of a
+    two-stream model, perceiver and face cross-attentions): every one holds 2 + 1 heads at tp2."""
+    model = examples.build_example(family, example, config_overrides=UNEVEN_HEAD_CONFIGS[(family, example)])
+    plan = as_plan(builtin_plan(model, model.config, "tensor"))
+    per_rank = [resolve_plan(model, plan, rank, 2).local_head_counts for rank in range(2)]
+    assert per_rank[0], (family, example)
+    held = {name: [next(counts[name][attr] for attr in QUERY_HEAD_ATTRS if attr in counts[name]) for counts in per_rank]
+            for name in per_rank[0]}
+    assert {name: heads for name, heads in held.items() if heads != [2, 1]} == {}
 
 
 UNEVEN_ON_BOTH = ["flux:flux.1-dev", "flux2:flux.2-dev", "wan:wan2.1-t2v", "qwenimage:qwen-image",

@@ -75,30 +75,72 @@ def wrong_slices(model, reference) -> list[str]:
     return wrong
 
 
+# 3-head configs of the examples whose config ties the head count to other widths in ways the generic search of
+# uneven_head_overrides cannot guess: every attention the plan splits gets 3 heads (one K/V head where the example
+# groups them), each entry naming the keys that must move with the heads and why (read from diffusers 0.42.1).
+UNEVEN_HEAD_CONFIGS: dict[tuple[str, str], dict] = {
+    # the head width is sum(axes_dims) = 16 (the rotary axes): 3 heads need a 48-wide model; Kandinsky 6's audio
+    # stream has its own width (32: 2 heads, which tp3 refuses), also 48
+    ("kandinsky5", "kandinsky-5"): dict(model_dim=48),
+    ("kandinsky6", "kandinsky6"): dict(model_dim=48, model_dim_a=48),
+    ("kandinsky6", "kandinsky6-video"): dict(model_dim=48, model_dim_a=48),
+    ("kandinsky6_sr", "kandinsky6-sr"): dict(model_dim=48),
+    # dim = heads x sum(axes_dims) (16); Z-Image's K/V heads equal its query heads (no grouping), so they move too
+    ("z_image", "z-image"): dict(n_heads=3, n_kv_heads=3, dim=48),
+    # the same Z-Image blocks; the Perceiver's and the injected cross-attentions take n_heads too
+    ("bria_fibo2", "bria-fibo2"): dict(n_heads=3, dim=48),
+    # the model width names no head width key (dit_dim = heads x 16)
+    ("longcat_audio", "longcat-audio-dit"): dict(dit_heads=3, dit_dim=48),
+    # two streams, each with its own heads: video attn1/attn2/audio_to_video_attn, audio audio_attn1/audio_attn2/
+    # video_to_audio_attn. cross_attention_dim is the caption width the caption projection makes (= video inner
+    # width, 3 x 8); audio_cross_attention_dim sizes the audio-video cross-attentions' rotary tables (= audio inner)
+    ("ltx2", "ltx-2"): dict(num_attention_heads=3, audio_num_attention_heads=3, cross_attention_dim=24,
+                            audio_cross_attention_dim=24),
+    ("ltx2", "ltx-2.3"): dict(num_attention_heads=3, audio_num_attention_heads=3, cross_attention_dim=24,
+                              audio_cross_attention_dim=24),
+    # head width = hidden_size / heads (16; the rope factors cover 8 = 16 / 2); K/V heads equal the query heads
+    ("omnigen", "omnigen"): dict(num_attention_heads=3, num_key_value_heads=3, hidden_size=48),
+    # the CogVideoX blocks (heads x attention_head_dim) and the perceiver cross-attentions (cross_attn_num_heads, 2
+    # in the example, which tp3 refuses); their K/V input is 2/3 of the inner width, which the face extractor's
+    # output (LFE_output_dim) must match: 2/3 x 48 = 32. The face extractor itself is not split.
+    ("consisid", "consisid"): dict(num_attention_heads=3, cross_attn_num_heads=3, LFE_output_dim=32),
+    # hidden_size = heads x attention_head_dim (the generic search moves the heads alone or hidden_size only with a
+    # head width key it reads from the config, which the ControlNet's class computes instead)
+    ("hunyuandit", "hunyuandit-controlnet"): dict(num_attention_heads=3, hidden_size=48),
+    # the cross-attention groups 4 query heads over 2 K/V heads (num_key_value_attention_heads): 3 over 1
+    ("stable_audio", "stable-audio-open"): dict(num_attention_heads=3, num_key_value_attention_heads=1),
+    # embed_dim = heads x 16 (the differential attention's packed q1/q2/k1/k2/v each 3 heads)
+    ("stable_audio3", "stable-audio-3"): dict(num_heads=3, embed_dim=48),
+}
+
+
 def uneven_head_overrides(family: str, example: str, heads: int = 3) -> dict | None:
     """Config overrides giving the example `heads` attention heads (one K/V head where it groups them), or None
-    where no such config builds and runs (those are checked at tp3 with their 4 heads).
+    where no such config builds and runs.
 
-    First the head count alone; then also every config width equal to 1, 2 or 4 times the old inner width
-    (heads x head width: hidden sizes, cross-attention and caption widths), scaled to the new head count."""
+    For 3 heads, UNEVEN_HEAD_CONFIGS first. Then the head count alone; then also every config width equal to 1, 2
+    or 4 times the old inner width (heads x head width: hidden sizes, cross-attention and caption widths), scaled
+    to the new head count."""
     import torch
 
+    from paradiff.plans import builtin_plan
     from paradiff.tensor_parallel.plan import as_plan
 
+    if heads == 3 and (family, example) in UNEVEN_HEAD_CONFIGS:
+        return dict(UNEVEN_HEAD_CONFIGS[(family, example)])
     module = examples.family_module(family)
     _, config = module.examples[example]
-    try:
-        built = examples.build_example(family, example).config
-        key = as_plan(module.tensor_parallel_plan(built)).heads_config_key
-    except Exception:  # noqa: BLE001 - an example whose plan needs more than its config (none today)
-        return None
-    old = config.get(key, getattr(built, key, None))
+    # the plan as the product builds it: a family serving several classes (HunyuanDiT and its ControlNet) is told
+    # which one, its config keys differing
+    built = examples.build_example(family, example)
+    key = as_plan(builtin_plan(built, built.config, "tensor")).heads_config_key
+    old = config.get(key, getattr(built.config, key, None))
     if not isinstance(old, int):
         return None
     overrides = {key: heads}
-    for kv_key in ("num_key_value_heads", "num_kv_heads", "kv_heads"):
-        if config.get(kv_key) not in (None, old):
-            overrides[kv_key] = 1
+    for kv_key in ("num_key_value_heads", "num_kv_heads", "kv_heads", "num_key_value_attention_heads"):
+        if config.get(kv_key) is not None:  # grouped: one K/V head; not grouped: as many as the query heads
+            overrides[kv_key] = heads if config[kv_key] == old else 1
     candidates = [overrides]
     head_dim = next((config[k] for k in ("attention_head_dim", "head_dim", "dim_head") if isinstance(config.get(k), int)),
                     None)
