@@ -111,6 +111,19 @@ UNEVEN_HEAD_CONFIGS: dict[tuple[str, str], dict] = {
     ("stable_audio", "stable-audio-open"): dict(num_attention_heads=3, num_key_value_attention_heads=1),
     # embed_dim = heads x 16 (the differential attention's packed q1/q2/k1/k2/v each 3 heads)
     ("stable_audio3", "stable-audio-3"): dict(num_heads=3, embed_dim=48),
+    # The generic search builds these, but leaves a second attention at an even count:
+    # Krea 2's text-fusion blocks count their own heads (text_num_attention_heads, head width text_hidden_dim / 4)
+    ("krea2", "krea2"): dict(num_attention_heads=3, num_key_value_heads=1, text_hidden_dim=24,
+                             text_num_attention_heads=3, text_num_key_value_heads=1),
+    # Sana's cross-attention has its own heads and head width (2 x 32): 3 x 16, the 48-wide inner width
+    **{("sana", name): dict(num_attention_heads=3, cross_attention_dim=48, num_cross_attention_heads=3,
+                            cross_attention_head_dim=16) for name in ("sana-1.0", "sana-sprint")},
+    **{("sana_video", name): dict(num_attention_heads=3, cross_attention_dim=48, num_cross_attention_heads=3,
+                                  cross_attention_head_dim=16) for name in ("sana-video-t2v", "sana-video-i2v")},
+    # SANA-WM's refiner is LTX-2's two-stream transformer: the audio heads too
+    **{("sana_wm_refiner", name): dict(num_attention_heads=3, audio_num_attention_heads=3, cross_attention_dim=24,
+                                       audio_cross_attention_dim=24)
+       for name in ("sana-wm-refiner", "sana-wm-refiner-split-rope")},
 }
 
 
