@@ -287,3 +287,26 @@ def _padded_to(tensor: torch.Tensor, dim: int, length: int) -> torch.Tensor:
         pad_shape[dim] = length - tensor.shape[dim]
         tensor = torch.cat([tensor, tensor.new_zeros(pad_shape)], dim=dim)
     return tensor.contiguous()
+
+
+def broadcast_object(obj: object, src: int = 0, group: dist.ProcessGroup | None = None) -> object:
+    """`obj` of rank `src` (global rank) on every rank of `group`; the other ranks pass anything (ignored)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def abort_process_groups() -> None:
+    """End this rank's part of every process group at once, so peers blocked in a collective with it fail now instead
+    of at their timeout (a server recovering from a fault; `destroy_process_group` keeps the connections open while
+    any group object is referenced). The default group can be initialised again afterwards."""
+    if not dist.is_initialized():
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None:
+        try:
+            abort(None)
+            return
+        except Exception:  # noqa: BLE001 - an abort that fails leaves the destroy below
+            pass
+    dist.destroy_process_group()
