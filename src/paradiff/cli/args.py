@@ -26,17 +26,12 @@ def _positive(value: str) -> int:
     return number
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="paradiff", description="Parallel diffusion inference with diffusers models.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="generate images (PNG) or videos (MP4 + a PNG per frame) and a JSON "
-                                               "run report")
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """What `generate` and `serve` share: the model, the mesh, how it is loaded and the generation defaults."""
+    gen = parser
     gen.add_argument("model", nargs="?", default=None,
                      help="pipeline folder or Hub id; omitted: the embedded tiny FLUX.2 pipeline, trained to draw "
                           "captioned shapes (64x64)")
-    gen.add_argument("--prompt", action="append", default=None,
-                     help="a prompt (repeatable); default: the embedded pipeline's demo prompts")
-    gen.add_argument("--prompts-file", default=None, help="a text file with one prompt per line")
     gen.add_argument("--negative-prompt", default=None)
     gen.add_argument("--tp", type=_positive, default=1)
     gen.add_argument("--ulysses", type=_positive, default=1)
@@ -50,14 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--frames", type=_positive, default=None,
                      help="frames per video (video pipelines only; default: the pipeline's own)")
     gen.add_argument("--fps", type=_positive, default=16, help="frame rate of the MP4 files")
-    gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--guidance-scale", type=float, default=None)
     gen.add_argument("--true-cfg-scale", type=float, default=None)
     gen.add_argument("--dtype", choices=DTYPES, default="float32")
-    gen.add_argument("--out", default="out", help="output folder (PNG/MP4 files and report.json)")
-    gen.add_argument("--compare", action="store_true",
-                     help="also run the single-process pipeline for rank 0's images, print the max difference and "
-                          "write compare.png (single process | parallel | |difference| amplified)")
     gen.add_argument("--timeout", type=float, default=600.0, help="collective timeout in seconds")
     gen.add_argument("--plan", default=None,
                      help="transformer TP plan: 'auto' (derived from its structure) or FILE.py; default built-in")
@@ -83,6 +73,29 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--cache", default=None, metavar="SPEC",
                      help="step cache, decisions agreed by all ranks: 'fbc:THRESHOLD' (first-block cache, e.g. "
                           "fbc:0.08) or 'taylorseer:INTERVAL[:WARMUP]' (e.g. taylorseer:3:2)")
+
+
+def _port(value: str) -> int:
+    number = _positive(value)
+    if number > 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port from 1 to 65535, got {number}")
+    return number
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paradiff", description="Parallel diffusion inference with diffusers models.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="generate images (PNG) or videos (MP4 + a PNG per frame) and a JSON "
+                                               "run report")
+    add_model_options(gen)
+    gen.add_argument("--prompt", action="append", default=None,
+                     help="a prompt (repeatable); default: the embedded pipeline's demo prompts")
+    gen.add_argument("--prompts-file", default=None, help="a text file with one prompt per line")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--out", default="out", help="output folder (PNG/MP4 files and report.json)")
+    gen.add_argument("--compare", action="store_true",
+                     help="also run the single-process pipeline for rank 0's images, print the max difference and "
+                          "write compare.png (single process | parallel | |difference| amplified)")
     cond = gen.add_argument_group("conditioning inputs", "passed to the pipeline call where its __call__ takes them "
                                   "(docs/cli.md); --pipeline picks another class for the same folder")
     cond.add_argument("--image", action="append", default=None, metavar="PATH",
@@ -96,6 +109,32 @@ def build_parser() -> argparse.ArgumentParser:
     cond.add_argument("--pipeline", default=None, metavar="CLASS",
                       help="run this diffusers pipeline class on the model folder instead of its own, e.g. "
                            "FluxKontextPipeline or FluxInpaintPipeline on a FLUX.1 text-to-image folder")
+    serve = commands.add_parser("serve", help="load the pipeline once on the mesh and serve HTTP requests "
+                                              "(OpenAI-style /v1/images/generations; docs/serve.md)")
+    add_model_options(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=_port, default=8000)
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: the "
+                            "PARADIFF_API_KEY environment variable, if set)")
+    serve.add_argument("--max-batch", type=_positive, default=1,
+                       help="images per pipeline call: waiting requests of the same size, steps and guidance are "
+                            "run together up to this many images (each keeps its own seed)")
+    serve.add_argument("--batch-window", type=float, default=0.01,
+                       help="seconds an idle server waits after a request for others to join its round (other "
+                            "replicas, a batch); only with --dp > 1 or --max-batch > 1")
+    serve.add_argument("--max-queue", type=_positive, default=64, help="waiting requests before new ones get 503")
+    serve.add_argument("--request-timeout", type=float, default=600.0,
+                       help="seconds from acceptance to answer; a request past it gets 504")
+    serve.add_argument("--max-steps", type=_positive, default=50, help="the most steps a request may ask")
+    serve.add_argument("--max-n", type=_positive, default=4, help="the most images one request may ask")
+    serve.add_argument("--max-side", type=_positive, default=2048, help="the largest width or height a request may ask")
+    serve.add_argument("--max-body-bytes", type=_positive, default=1 << 20, help="largest request body (413 above)")
+    serve.add_argument("--out", default="out/serve",
+                       help="the server's folder: requests.jsonl, one line per answered request (nothing else is "
+                            "written there, and no request names a path)")
+    serve.set_defaults(prompt=None, prompts_file=None, seed=0, compare=False, image=None, mask=None,
+                       control_image=None, video=None, strength=None, pipeline=None)
     bench = commands.add_parser("bench", help="time a list of configurations on one model")
     bench.add_argument("model", nargs="?", default=None)
     bench.add_argument("--configs", default="single,tp=2,ulysses=2,ring=2",

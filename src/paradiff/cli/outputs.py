@@ -81,6 +81,17 @@ def to_uint8(array: np.ndarray) -> np.ndarray:
     return (np.clip(array, 0, 1) * 255).round().astype("uint8")
 
 
+def png_bytes(array: np.ndarray) -> bytes:
+    """The PNG file of one image (H, W, C) in [0, 1], as `paradiff generate` writes it and `paradiff serve` sends it."""
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(to_uint8(array)).save(buffer, format="png")
+    return buffer.getvalue()
+
+
 def save_output(output: Output, out: Path, index: int, fps: int, rate: int | None = None) -> dict:
     """Write one output of prompt `index` under `out`; returns its report entry (kind, frame count, paths)."""
     from PIL import Image
@@ -96,7 +107,7 @@ def save_output(output: Output, out: Path, index: int, fps: int, rate: int | Non
                 "seconds": output.array.shape[-1] / rate}
     if output.kind == "image":
         path = out / f"{index:04d}.png"
-        Image.fromarray(to_uint8(output.array)).save(path)
+        path.write_bytes(png_bytes(output.array))
         return {"kind": "image", "frames": 1, "path": str(path)}
     frames = to_uint8(output.array)
     folder = out / f"{index:04d}_frames"
@@ -115,15 +126,26 @@ def save_output(output: Output, out: Path, index: int, fps: int, rate: int | Non
     return entry
 
 
-def write_mp4(frames: np.ndarray, path: Path, fps: int) -> None:
-    """Encode uint8 RGB frames (F, H, W, 3) as an H.264 MP4 (yuv420p, which most players need)."""
+def mp4_bytes(frames: np.ndarray, fps: int) -> bytes:
+    """The MP4 file of float frames (F, H, W, 3) in [0, 1], in memory (what `paradiff serve` sends)."""
+    import io
+
+    buffer = io.BytesIO()
+    write_mp4(to_uint8(frames), buffer, fps)
+    return buffer.getvalue()
+
+
+def write_mp4(frames: np.ndarray, path: Any, fps: int) -> None:
+    """Encode uint8 RGB frames (F, H, W, 3) as an H.264 MP4 (yuv420p, which most players need) into a file path or a
+    binary buffer."""
     import av
 
     codec = next((name for name in _CODECS if name in av.codecs_available), None)
     if codec is None:
         raise RuntimeError(f"no MP4 video encoder in this PyAV build; tried {list(_CODECS)}")
     height, width = frames.shape[1:3]
-    with av.open(str(path), mode="w") as container:
+    target = str(path) if isinstance(path, (str, Path)) else path
+    with av.open(target, mode="w", format="mp4") as container:
         stream = container.add_stream(codec, rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         if codec == "libx264":

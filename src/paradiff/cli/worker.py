@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import inspect
 import logging
@@ -107,33 +108,14 @@ def generate(args: argparse.Namespace, device: torch.device,
              on_pipeline_loaded: PipelineHook | None = None) -> dict | None:
     """`paradiff generate` on this rank, in the initialised default process group; the report on rank 0."""
     rank = dist.get_rank()
-    if rank != 0 or not _console_is_terminal():
-        _quiet_libraries()
-    if rank != 0:  # every rank takes the same fallbacks (VAE or text encoder kept whole): rank 0 says so, once
-        logging.getLogger("paradiff").setLevel(logging.ERROR)
-    model = args.model if args.model is not None else str(embedded_default())
+    quiet_other_ranks(rank)
+    model = model_of(args)
     dtype = getattr(torch, args.dtype)
-    start = time.perf_counter()
     quantize = getattr(args, "quantize", None)
-    extra = {} if not quantize else {"quantization_config": pipeline_quantization_config(quantize, dtype)}
     pipeline_cls = requested_pipeline_class(args)
-    pipeline = paradiff.load_pipeline(model, pipeline_cls=pipeline_cls, parallel_config=parallel_config(args),
-                                      torch_dtype=dtype, device=device,
-                                      **extra, plan=_plan_argument(args.plan, "tensor"),
-                                      cp_plan=_plan_argument(args.cp_plan, "context"),
-                                      parallel_vae=False if args.no_parallel_vae else None,
-                                      stages=args.stages, shard_text_encoders=False if args.whole_text_encoders else None)
-    loras = lora_specs(args)
-    load_adapters(pipeline, loras, args.lora_weight_name)
-    load_s = time.perf_counter() - start
-    # Wan 2.2 A14B has a second transformer (`transformer_2`, the low-noise steps): compile and cache each
-    transformers = {name: module for name, module in pipeline.components.items()
-                    if name.startswith("transformer") and isinstance(module, torch.nn.Module)}
-    if args.compile:
-        for module in transformers.values():
-            paradiff.compile(module, backend=args.compile_backend)
-    monitors = ({name: paradiff.enable_cache(module, cache_config(args.cache, module)) for name, module in transformers.items()}
-                if args.cache else {})
+    loaded = load_from_args(args, device)
+    pipeline, loras, transformers, monitors, load_s = (loaded.pipeline, loaded.loras, loaded.transformers,
+                                                       loaded.monitors, loaded.load_s)
     pipeline.set_progress_bar_config(disable=rank != 0 or not _console_is_terminal())
     rate = sampling_rate(pipeline)
     if on_pipeline_loaded is not None:
@@ -205,6 +187,45 @@ def generate(args: argparse.Namespace, device: torch.device,
     return None
 
 
+def model_of(args: argparse.Namespace) -> str:
+    return args.model if args.model is not None else str(embedded_default())
+
+
+@dataclasses.dataclass
+class Loaded:
+    pipeline: Any
+    loras: list[dict]
+    transformers: dict[str, torch.nn.Module]  # the transformer(s): Wan 2.2 A14B has `transformer_2` too
+    monitors: dict[str, Any]  # --cache: each transformer's cache monitor
+    load_s: float
+
+
+def load_from_args(args: argparse.Namespace, device: torch.device) -> Loaded:
+    """The pipeline of `generate` / `serve` on the mesh, as the flags ask: loaded (quantized, split), its adapters
+    loaded and mixed, its transformers compiled and cached."""
+    dtype = getattr(torch, args.dtype)
+    start = time.perf_counter()
+    quantize = getattr(args, "quantize", None)
+    extra = {} if not quantize else {"quantization_config": pipeline_quantization_config(quantize, dtype)}
+    pipeline = paradiff.load_pipeline(model_of(args), pipeline_cls=requested_pipeline_class(args),
+                                      parallel_config=parallel_config(args), torch_dtype=dtype, device=device,
+                                      **extra, plan=_plan_argument(args.plan, "tensor"),
+                                      cp_plan=_plan_argument(args.cp_plan, "context"),
+                                      parallel_vae=False if args.no_parallel_vae else None,
+                                      stages=args.stages, shard_text_encoders=False if args.whole_text_encoders else None)
+    loras = lora_specs(args)
+    load_adapters(pipeline, loras, args.lora_weight_name)
+    load_s = time.perf_counter() - start
+    transformers = {name: module for name, module in pipeline.components.items()
+                    if name.startswith("transformer") and isinstance(module, torch.nn.Module)}
+    if args.compile:
+        for module in transformers.values():
+            paradiff.compile(module, backend=args.compile_backend)
+    monitors = ({name: paradiff.enable_cache(module, cache_config(args.cache, module))
+                 for name, module in transformers.items()} if args.cache else {})
+    return Loaded(pipeline, loras, transformers, monitors, load_s)
+
+
 def load_adapters(pipeline: Any, loras: list[dict], weight_name: str | None) -> None:
     """--lora: each adapter by diffusers' load_lora_weights (paradiff's on a split transformer), mixed by scale."""
     if not loras:
@@ -217,6 +238,18 @@ def load_adapters(pipeline: Any, loras: list[dict], weight_name: str | None) -> 
     for lora in loras:
         pipeline.load_lora_weights(lora["path"], adapter_name=lora["adapter_name"], weight_name=weight_name)
     pipeline.set_adapters([lora["adapter_name"] for lora in loras], [lora["scale"] for lora in loras])
+
+
+def quiet_other_ranks(rank: int) -> None:
+    """Library messages and progress bars once, from rank 0 (and only on a terminal)."""
+    if rank != 0 or not _console_is_terminal():
+        _quiet_libraries()
+    if rank != 0:  # every rank takes the same fallbacks (VAE or text encoder kept whole): rank 0 says so, once
+        logging.getLogger("paradiff").setLevel(logging.ERROR)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    return _peak_memory_bytes(device)
 
 
 def _peak_memory_bytes(device: torch.device) -> int:
