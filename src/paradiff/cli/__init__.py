@@ -1,4 +1,5 @@
-"""The `paradiff` command: `generate` images or videos on the mesh, `bench` a list of configurations.
+"""The `paradiff` command: `generate` images or videos on the mesh, `serve` them over HTTP, `bench` a list of
+configurations.
 
 Outside torchrun, `generate` launches and supervises its own worker processes (the product of the degrees) and ends
 every worker when one fails; under torchrun (multi-node included) it uses the given ranks.
@@ -8,6 +9,7 @@ every worker when one fails; under torchrun (multi-node included) it uses the gi
     launcher.py  starts and supervises the local workers
     relay.py     the workers' stderr to the console, without native (C++) backtraces
     worker.py    one rank: process group, pipeline on the mesh, generation
+    serve.py     `paradiff serve`: its checks, and each rank's entry into paradiff.serve
     outputs.py   what a pipeline returned (images or video frames) and the PNG / MP4 files written for it
     report.py    console lines and report.json
     compare.py   `--compare`: the single-process reference
@@ -50,6 +52,10 @@ def main(argv: list[str] | None = None, *, worker_module: str = WORKER_MODULE,
             return bench(args, lambda run_argv: main(run_argv, worker_module=worker_module,
                                                      on_pipeline_loaded=on_pipeline_loaded))
         check_args(args)
+        if args.command == "serve":
+            from paradiff.cli.serve import check_serve_args
+
+            check_serve_args(args)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             if int(os.environ["WORLD_SIZE"]) != world_size_of(args):
                 raise CliError(
@@ -65,6 +71,8 @@ def main(argv: list[str] | None = None, *, worker_module: str = WORKER_MODULE,
             except FileNotFoundError as exc:
                 raise CliError(str(exc)) from None
         check_model_folder(args)
+        if args.command == "serve":  # the launcher forwards SIGTERM / SIGINT to rank 0, which drains
+            return launch(argv, world_size_of(args), worker_module, dead_grace_s=10.0, forward_signals=True)
         return launch(argv, world_size_of(args), worker_module)
     except CliError as exc:
         say(f"paradiff: error: {exc}")
@@ -76,7 +84,12 @@ def _run_worker_and_exit(args, on_pipeline_loaded) -> None:
 
     code = 0
     try:
-        run_worker(args, on_pipeline_loaded)
+        if args.command == "serve":
+            from paradiff.cli.serve import run_serve_worker
+
+            code = run_serve_worker(args, on_pipeline_loaded)
+        else:
+            run_worker(args, on_pipeline_loaded)
     except Exception as exc:  # noqa: BLE001 - one line per failing rank; PARADIFF_DEBUG=1 for tracebacks
         if os.environ.get("PARADIFF_DEBUG"):
             raise

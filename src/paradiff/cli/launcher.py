@@ -21,7 +21,7 @@ USER_ERROR = 2  # a CliError, printed by the worker as well
 
 
 def launch(argv: list[str], world: int, worker_module: str = WORKER_MODULE, grace_s: float = 10.0,
-           dead_grace_s: float = 1.0) -> int:
+           dead_grace_s: float = 1.0, forward_signals: bool = False) -> int:
     """Start `world` local workers (`python -m worker_module argv`) and supervise them; 0, or 1 if any failed.
 
     When one worker fails (exit code WORKER_REPORTED_FAILURE), the others get `grace_s` to notice (their collectives
@@ -29,6 +29,9 @@ def launch(argv: list[str], world: int, worker_module: str = WORKER_MODULE, grac
     (SIGTERM, then SIGKILL), so a failure never leaves processes behind or peers waiting in a collective. A worker
     that dies without reporting leaves its peers nothing to say but "a peer died", which this launcher says itself:
     they get only `dead_grace_s`.
+
+    `forward_signals` (a server): SIGTERM to the launcher goes to rank 0, which drains and then stops every rank
+    (Ctrl-C reaches rank 0 from the terminal); the launcher waits for them.
     """
     debug = bool(os.environ.get("PARADIFF_DEBUG"))
     # The workers write to a pipe; rank 0 still shows progress bars when the console is a terminal.
@@ -52,6 +55,15 @@ def launch(argv: list[str], world: int, worker_module: str = WORKER_MODULE, grac
                 sys.stderr.flush()
 
     relays = [StderrRelay(worker.stderr, to_console, filtered=not debug) for worker in workers]
+    previous = {}
+    if forward_signals:
+        def forward(number, _frame):
+            if workers[0].poll() is None:
+                workers[0].send_signal(number)
+
+        # SIGINT (Ctrl-C) reaches every worker from the terminal itself: forwarding it too would count twice
+        previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, forward),
+                    signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN)}
     failed: tuple[int, int] | None = None
     try:
         while any(worker.poll() is None for worker in workers):
@@ -67,6 +79,8 @@ def launch(argv: list[str], world: int, worker_module: str = WORKER_MODULE, grac
                 break
             time.sleep(0.05)
     finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
         stop_commands(workers, 5.0)
         for relay in relays:
             relay.join(timeout=5.0)

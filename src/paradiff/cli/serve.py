@@ -1,0 +1,56 @@
+"""`paradiff serve`: the checks made before any worker starts, and each worker's entry (paradiff.serve.ranks)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any, Callable
+
+from paradiff.cli.args import CliError
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """What `generate`'s checks do not cover: the address, the limits, and flags that make no sense for a server."""
+    import importlib.util
+
+    missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise CliError(f"paradiff serve needs {' and '.join(missing)}: pip install 'paradiff[serve]'")
+    if args.compare:
+        raise CliError("--compare is a `generate` flag; compare a server's answers with `paradiff generate`")
+    if not 0 <= args.batch_window <= 10:
+        raise CliError(f"--batch-window {args.batch_window}: expected seconds from 0 to 10")
+    if args.request_timeout <= 0:
+        raise CliError(f"--request-timeout {args.request_timeout}: expected a number of seconds > 0")
+    if args.steps > args.max_steps:
+        raise CliError(f"--steps {args.steps} is above --max-steps {args.max_steps}")
+    if max(args.width, args.height) > args.max_side:
+        raise CliError(f"--width {args.width} / --height {args.height}: above --max-side {args.max_side}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise CliError("--api-key is empty; give a key, or leave the flag out for a server without one")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not (args.api_key or os.environ.get("PARADIFF_API_KEY")):
+        from paradiff.cli.report import say
+
+        say(f"paradiff serve: warning: listening on {args.host} without --api-key: anyone who can reach it can use it")
+    if "RANK" not in os.environ:  # the launcher, before its workers start
+        from paradiff.serve.app import check_listen_address
+
+        problem = check_listen_address(args.host, args.port)
+        if problem:
+            raise CliError(f"--host {args.host} --port {args.port}: {problem}")
+
+
+def run_serve_worker(args: argparse.Namespace, on_pipeline_loaded: Callable[[Any, int], None] | None) -> int:
+    import torch
+
+    from paradiff.cli.worker import model_of
+    from paradiff.distributed.mesh import default_device
+    from paradiff.serve.app import Frontend
+    from paradiff.serve.ranks import serve_rank
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    device = default_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    name = "paradiff-demo" if args.model is None else os.path.basename(os.path.normpath(model_of(args)))
+    return serve_rank(args, device, lambda: Frontend(args, name).start(), on_pipeline_loaded)

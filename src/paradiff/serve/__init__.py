@@ -1,0 +1,11 @@
+"""`paradiff serve`: the pipeline loaded once on the mesh, serving many requests over HTTP.
+
+    protocol.py   what a request may ask (OpenAI's image fields plus paradiff's) and its checks, as 4xx errors
+    scheduler.py  the bounded queue: deadlines, batching of compatible requests, one batch per replica per round
+    metrics.py    counters and the latency histogram, as Prometheus text
+    app.py        the HTTP endpoints (FastAPI), on rank 0
+    ranks.py      the loop every rank runs: rank 0 decides each round and broadcasts it; recovery after a fault
+
+Every scheduling decision is rank 0's and reaches the other ranks through one broadcast per round
+(paradiff.distributed.comm.broadcast_object); the other ranks never decide on their own clocks.
+"""

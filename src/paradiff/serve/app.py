@@ -1,0 +1,290 @@
+"""The HTTP side of `paradiff serve`, on rank 0: FastAPI endpoints in a uvicorn thread, the scheduler they feed, and
+what rank 0's loop asks of them (the next round, the answers of a finished round, a fault's outcome).
+
+    POST /v1/images/generations   OpenAI's image request (prompt, n, size, response_format b64_json) + paradiff's
+                                  fields (seed, steps, guidance, negative_prompt, true_cfg_scale)
+    POST /v1/videos               the same for video pipelines (+ frames, fps), answered with base64 MP4 files
+    GET  /v1/models               the one model served
+    GET  /health                  {"status": "loading" | "ready" | "draining" | "failed"}; never needs the API key
+    GET  /metrics                 Prometheus text
+    GET  /openapi.json, /docs     the schema
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import hmac
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from paradiff.cli.report import say
+from paradiff.serve.metrics import Metrics
+from paradiff.serve.protocol import IMAGE_FIELDS, VIDEO_FIELDS, Limits, RequestError, parse_image_request
+from paradiff.serve.scheduler import Job, Scheduler
+
+OPEN_PATHS = ("/health",)
+
+
+def check_listen_address(host: str, port: int) -> str | None:
+    """Why the server could not listen on host:port (None when it can), checked before any worker starts."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError as exc:
+        return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return None
+
+
+class Frontend:
+    """Rank 0's server: HTTP endpoints, scheduler, metrics and the request log."""
+
+    def __init__(self, args: argparse.Namespace, model_name: str) -> None:
+        self.args = args
+        self.api_key = args.api_key or os.environ.get("PARADIFF_API_KEY") or None
+        self.model_name = model_name
+        self.health = "loading"
+        self.closing = False
+        self.generation = 0
+        self.metrics = Metrics()
+        self.limits: Limits | None = None
+        self.scheduler = Scheduler(max_queue=args.max_queue, max_batch=args.max_batch,
+                                   request_timeout_s=args.request_timeout, on_finish=self._on_finish,
+                                   window_s=args.batch_window if args.max_batch > 1 or args.dp > 1 else 0.0)
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._log = (self.out / "requests.jsonl").open("a", buffering=1)
+        self._log_lock = threading.Lock()
+        self._server = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifetime -----------------------------------------------------------------------------------------------
+    def start(self) -> "Frontend":
+        import uvicorn
+
+        config = uvicorn.Config(build_app(self), host=self.args.host, port=self.args.port, log_level="warning",
+                                access_log=False, lifespan="off", timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="paradiff-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the HTTP server did not start on {self.args.host}:{self.args.port}")
+            time.sleep(0.02)
+        say(f"paradiff serve: listening on http://{self.args.host}:{self.args.port} (loading the pipeline)")
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            if self._thread is not None:
+                self._thread.join(timeout=10)
+        self._log.close()
+
+    def ready(self, info: dict, summaries: list[dict], generation: int) -> None:
+        args = self.args
+        steps = args.steps
+        self.limits = Limits(max_n=args.max_n, max_steps=max(args.max_steps, steps), max_side=args.max_side,
+                             default_size=(args.width, args.height), default_steps=steps,
+                             default_guidance=args.guidance_scale, default_true_cfg=args.true_cfg_scale,
+                             default_frames=args.frames, default_fps=args.fps, model_name=self.model_name,
+                             kind=info["kind"], accepts=info["accepts"])
+        self.replicas = info["replicas"]
+        self.metrics.memory({s["rank"]: s["memory"] for s in summaries})
+        self.generation = generation
+        self.health = "draining" if self.scheduler.draining else "ready"
+        again = " again, after a fault" if generation else ""
+        say(f"paradiff serve: ready{again}: {self.model_name} ({info['kind']}s) on {len(summaries)} rank(s), "
+            f"{self.replicas} replica(s), at http://{args.host}:{args.port}")
+
+    def drain(self) -> None:
+        self.health = "draining"
+        self.scheduler.drain()
+
+    # -- rank 0's loop ------------------------------------------------------------------------------------------
+    def next_round(self, replicas: int, wait_s: float) -> dict:
+        decision = self.scheduler.next_round(replicas, wait_s)
+        if decision["kind"] == "work":
+            self._current = decision  # answered by finish_round, or by fault() if the round fails
+        return decision
+
+    def finish_round(self, decision: dict, channel, summaries: list[dict]) -> None:
+        self.metrics.memory({s["rank"]: s["memory"] for s in summaries})
+        self.metrics.pipeline_time(max(s["seconds"] for s in summaries))
+        self._answer_round(decision, channel, None)
+
+    def fault(self, channel, cause: str, decision: str) -> None:
+        """A round (or a load) ended in a fault: answer its requests; on "stop" answer every other request too."""
+        say(f"paradiff serve: fault: {cause}; " + ("recovering: loading the pipeline again" if decision == "recover"
+                                                   else "stopping"))
+        self._answer_round(self._current, channel, cause)
+        if decision == "stop":
+            self.health = "failed"
+            self.closing = True
+            self.scheduler.close(cause)
+        else:
+            self.health = "loading"
+
+    _current: dict | None = None
+
+    def _answer_round(self, decision: dict | None, channel, cause: str | None) -> None:
+        if not decision or decision.get("kind") != "work":
+            return
+        for batch in decision["batches"]:
+            for item in batch:
+                if channel.has("result", item["id"]):
+                    result = channel.get("result", item["id"])
+                    self.scheduler.complete(item["id"], 200, result)
+                else:
+                    self.scheduler.complete(item["id"], 500, f"the request failed in the pipeline: {cause}")
+        self._current = None
+
+    # -- the HTTP side ------------------------------------------------------------------------------------------
+    def _on_finish(self, job: Job) -> None:
+        latency = job.finished - job.accepted
+        images = job.request.n if job.status == 200 else 0
+        self.metrics.request_done(job.status, latency if job.status == 200 else None, images,
+                                  job.request.steps * images)
+        entry = {"id": job.id, "status": job.status, "kind": job.request.kind, "images": job.request.n,
+                 "steps": job.request.steps, "seed": job.request.seed, "accepted": job.accepted_wall,
+                 "latency_s": round(latency, 6)}
+        if job.status == 200:
+            entry.update(replica=job.result["replica"], started=job.result["started"],
+                         finished=job.result["finished"])
+        else:
+            entry["error"] = str(job.result)
+        with self._log_lock:
+            self._log.write(json.dumps(entry) + "\n")
+        say(f"paradiff serve: request {job.id}: {job.status} in {latency:.2f} s"
+            + (f" (replica {entry['replica']})" if job.status == 200 else f": {entry['error']}"))
+
+    async def generate(self, body: Any, kind: str) -> tuple[int, dict]:
+        if self.health != "ready" or self.limits is None:
+            return _error(503, f"the server is {self.health}; retry when GET /health says ready")
+        try:
+            request = parse_image_request(body, self.limits, kind)
+            job = self.scheduler.submit(request)
+        except RequestError as exc:
+            self.metrics.request_done(exc.status)
+            return _error(exc.status, str(exc))
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        job.add_done_callback(lambda: loop.call_soon_threadsafe(_settle, done))
+        try:
+            await asyncio.wait_for(asyncio.shield(done), timeout=max(0.0, job.deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            self.scheduler.time_out(job)
+        if job.status != 200:
+            return _error(job.status, str(job.result))
+        data = [{"b64_json": base64.b64encode(file["data"]).decode(), **({"mime_type": file["mime"]}
+                                                                         if kind == "video" else {})}
+                for file in job.result["files"]]
+        return 200, {"created": int(job.accepted_wall), "data": data}
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "paradiff"}]}
+
+    def render_metrics(self) -> str:
+        queued, running = self.scheduler.depth()
+        return self.metrics.render(queued, running, self.health)
+
+
+def _settle(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _error(status: int, message: str) -> tuple[int, dict]:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return status, {"error": {"message": message, "type": kind, "code": status}}
+
+
+def _schema(fields: set[str], video: bool) -> dict:
+    """The request body's JSON schema, for the OpenAPI document (the checks themselves are protocol.py's)."""
+    types = {"prompt": "string", "negative_prompt": "string", "model": "string", "size": "string",
+             "response_format": "string", "user": "string", "n": "integer", "seed": "integer", "steps": "integer",
+             "frames": "integer", "fps": "integer", "guidance": "number", "true_cfg_scale": "number"}
+    return {"type": "object", "required": ["prompt"], "additionalProperties": False,
+            "properties": {name: {"type": types[name]} for name in sorted(fields)},
+            "description": "size is 'WIDTHxHEIGHT'; response_format only 'b64_json'" + (
+                "; answered with base64 MP4 files" if video else "")}
+
+
+def build_app(frontend: Frontend) -> FastAPI:
+    import paradiff
+
+    app = FastAPI(title="paradiff serve", version=getattr(paradiff, "__version__", "0"),
+                  description="A diffusers pipeline split over a device mesh, loaded once.")
+    max_body = frontend.args.max_body_bytes
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if frontend.api_key and request.url.path not in OPEN_PATHS:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {frontend.api_key}".encode()):
+                frontend.metrics.request_done(401)
+                status, body = _error(401, "missing or wrong API key: send 'Authorization: Bearer KEY'")
+                return JSONResponse(body, status_code=status)
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > max_body):
+            frontend.metrics.request_done(413)
+            status, body = _error(413, f"the request body ({length} bytes) is larger than --max-body-bytes {max_body}")
+            return JSONResponse(body, status_code=status)
+        return await call_next(request)
+
+    async def body_of(request: Request) -> Any:
+        raw = b""
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > max_body:
+                raise RequestError(413, f"the request body is larger than --max-body-bytes {max_body}")
+        try:
+            return json.loads(raw)
+        except ValueError as exc:
+            raise RequestError(400, f"the body is not JSON: {exc}") from None
+
+    async def answer(request: Request, kind: str):
+        try:
+            body = await body_of(request)
+        except RequestError as exc:
+            frontend.metrics.request_done(exc.status)
+            status, payload = _error(exc.status, str(exc))
+            return JSONResponse(payload, status_code=status)
+        status, payload = await frontend.generate(body, kind)
+        return JSONResponse(payload, status_code=status)
+
+    @app.post("/v1/images/generations", openapi_extra={"requestBody": {"required": True, "content": {
+        "application/json": {"schema": _schema(IMAGE_FIELDS, False)}}}})
+    async def images(request: Request):
+        return await answer(request, "image")
+
+    @app.post("/v1/videos", openapi_extra={"requestBody": {"required": True, "content": {
+        "application/json": {"schema": _schema(VIDEO_FIELDS, True)}}}})
+    async def videos(request: Request):
+        return await answer(request, "video")
+
+    @app.get("/v1/models")
+    async def models():
+        return frontend.models()
+
+    @app.get("/health")
+    async def health():
+        return JSONResponse({"status": frontend.health}, status_code=200 if frontend.health == "ready" else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(frontend.render_metrics(), media_type="text/plain; version=0.0.4")
+
+    return app

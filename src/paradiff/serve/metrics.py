@@ -1,0 +1,72 @@
+"""Counters and the latency histogram of `paradiff serve`, rendered as Prometheus text (GET /metrics)."""
+
+from __future__ import annotations
+
+import threading
+
+LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests: dict[int, int] = {}  # HTTP status -> count
+        self.images = 0
+        self.steps = 0
+        self.pipeline_seconds = 0.0
+        self.latency_counts = [0] * (len(LATENCY_BUCKETS_S) + 1)
+        self.latency_sum = 0.0
+        self.rank_memory: dict[int, int] = {}
+
+    def request_done(self, status: int, latency_s: float | None = None, images: int = 0, steps: int = 0) -> None:
+        with self._lock:
+            self.requests[status] = self.requests.get(status, 0) + 1
+            self.images += images
+            self.steps += steps
+            if latency_s is not None:
+                index = next((i for i, bound in enumerate(LATENCY_BUCKETS_S) if latency_s <= bound),
+                             len(LATENCY_BUCKETS_S))
+                self.latency_counts[index] += 1
+                self.latency_sum += latency_s
+
+    def pipeline_time(self, seconds: float) -> None:
+        with self._lock:
+            self.pipeline_seconds += seconds
+
+    def memory(self, per_rank: dict[int, int]) -> None:
+        with self._lock:
+            self.rank_memory.update(per_rank)
+
+    def render(self, queued: int, running: int, health: str) -> str:
+        with self._lock:
+            lines = ["# HELP paradiff_requests_total Requests answered, by HTTP status.",
+                     "# TYPE paradiff_requests_total counter"]
+            lines += [f'paradiff_requests_total{{status="{status}"}} {count}'
+                      for status, count in sorted(self.requests.items())]
+            lines += ["# HELP paradiff_queue_depth Requests waiting for a replica.", "# TYPE paradiff_queue_depth gauge",
+                      f"paradiff_queue_depth {queued}",
+                      "# HELP paradiff_requests_running Requests a replica is running.",
+                      "# TYPE paradiff_requests_running gauge", f"paradiff_requests_running {running}",
+                      "# HELP paradiff_images_total Images generated.", "# TYPE paradiff_images_total counter",
+                      f"paradiff_images_total {self.images}",
+                      "# HELP paradiff_steps_total Denoising steps run (rate() of it is steps/s).",
+                      "# TYPE paradiff_steps_total counter", f"paradiff_steps_total {self.steps}",
+                      "# HELP paradiff_pipeline_seconds_total Seconds the replicas spent in pipeline calls.",
+                      "# TYPE paradiff_pipeline_seconds_total counter",
+                      f"paradiff_pipeline_seconds_total {self.pipeline_seconds:.6f}",
+                      "# HELP paradiff_request_latency_seconds Time from acceptance to answer of successful requests.",
+                      "# TYPE paradiff_request_latency_seconds histogram"]
+            cumulative = 0
+            for bound, count in zip(LATENCY_BUCKETS_S + (float("inf"),), self.latency_counts):
+                cumulative += count
+                label = "+Inf" if bound == float("inf") else f"{bound:g}"
+                lines.append(f'paradiff_request_latency_seconds_bucket{{le="{label}"}} {cumulative}')
+            lines += [f"paradiff_request_latency_seconds_sum {self.latency_sum:.6f}",
+                      f"paradiff_request_latency_seconds_count {cumulative}",
+                      "# HELP paradiff_rank_peak_memory_bytes Peak memory of each rank.",
+                      "# TYPE paradiff_rank_peak_memory_bytes gauge"]
+            lines += [f'paradiff_rank_peak_memory_bytes{{rank="{rank}"}} {value}'
+                      for rank, value in sorted(self.rank_memory.items())]
+            lines += ["# HELP paradiff_up 1 while the server is ready.", "# TYPE paradiff_up gauge",
+                      f"paradiff_up {1 if health == 'ready' else 0}"]
+            return "\n".join(lines) + "\n"
