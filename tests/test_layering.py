@@ -95,3 +95,9 @@ def test_quant_sits_on_the_tensor_parallel_layers_and_below():
     others = [path for mechanism in ("tensor_parallel", "context_parallel", "vae", "io", "distributed")
               for path in (PACKAGE / mechanism).rglob("*.py")]
     assert offenders(others, "paradiff.quant") == []
+
+
+def test_only_the_serve_command_imports_the_server():
+    """paradiff.serve sits on top (it uses the command's loading); below it only cli/serve.py reaches it, lazily."""
+    files = [path for path in PACKAGE.rglob("*.py") if "serve" not in path.relative_to(PACKAGE).parts[:1]]
+    assert [entry for entry in offenders(files, "paradiff.serve") if not entry.startswith("cli/serve.py")] == []

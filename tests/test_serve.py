@@ -1,0 +1,226 @@
+"""`paradiff serve` as users run it: a real server (the command, its launcher and ranks) on 127.0.0.1, a real HTTP
+client, bounded waits. Outputs are compared with `paradiff generate` run single-process."""
+
+from __future__ import annotations
+
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+
+from paradiff.testing.serve import ServerProcess, images_of
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["a red circle on a blue background, top left", "a yellow square on a green background, bottom right"]
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+pngs = images_of
+
+
+def pixels(png: bytes) -> np.ndarray:
+    import io
+
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(png)), dtype=np.int16)
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory) -> dict[tuple[str, int, int], bytes]:
+    """(prompt, seed, steps) -> PNG bytes: at 4 steps from `paradiff generate` run single-process (the answers must
+    be these bytes); at 2 and 1 steps from diffusers' own pipeline in this process (for batched answers, compared
+    within one level of 255)."""
+    import torch
+    from diffusers import DiffusionPipeline
+
+    from paradiff.cli.embedded import embedded_call_kwargs, embedded_default
+    from paradiff.cli.outputs import png_bytes
+
+    out = tmp_path_factory.mktemp("generate")
+    command = [sys.executable, "-m", "paradiff.cli", "generate", "--steps", "4", "--seed", "5", "--out", str(out)]
+    for prompt in PROMPTS:
+        command += ["--prompt", prompt]
+    subprocess.run(command, check=True, capture_output=True, timeout=300)
+    found = {(prompt, 5 + index, 4): (out / f"{index:04d}.png").read_bytes() for index, prompt in enumerate(PROMPTS)}
+    pipeline = DiffusionPipeline.from_pretrained(str(embedded_default()))
+    pipeline.set_progress_bar_config(disable=True)
+    for index, prompt in enumerate(PROMPTS):
+        image = pipeline(prompt=prompt, generator=torch.Generator("cpu").manual_seed(5 + index), height=64, width=64,
+                         num_inference_steps=2, output_type="np", **embedded_call_kwargs()).images[0]
+        found[(prompt, 5 + index, 2)] = png_bytes(image)
+    return found
+
+
+@pytest.fixture(scope="module")
+def dp_server(tmp_path_factory):
+    """Two data-parallel replicas of two TP ranks each, batching up to 2 images, with an API key."""
+    server = ServerProcess(tmp_path_factory.mktemp("dp2tp2"), "--dp", "2", "--tp", "2", "--max-batch", "2",
+                    "--steps", "4", "--api-key", KEY, "--max-n", "2", "--max-steps", "10", "--batch-window", "0.2")
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        code = server.stop()
+        assert code == 0, server.text()
+
+
+def test_dp2_tp2_answers_are_byte_identical_to_generate(dp_server, generated):
+    for index, prompt in enumerate(PROMPTS):
+        assert pngs(dp_server.generate(AUTH, prompt=prompt, seed=5 + index)) == [generated[(prompt, 5 + index, 4)]]
+    # a request of n=2 draws seeds 5 and 6 (as generate's prompts 0 and 1), batched into one call of the replica
+    both = pngs(dp_server.generate(AUTH, prompt=PROMPTS[1], seed=5, n=2, steps=2))
+    assert len(both) == 2
+    assert both[1] != both[0]
+    reference = [pixels(generated[(PROMPTS[0], 5, 2)]), pixels(generated[(PROMPTS[1], 6, 2)])]
+    assert np.abs(pixels(both[1]) - reference[1]).max() <= 1  # prompt 1 with seed 6, in a batch of two
+
+
+def test_two_replicas_run_two_requests_at_once_and_waiting_requests_are_batched(dp_server, generated):
+    before = {entry["id"] for entry in dp_server.log()}
+    bodies = [dict(prompt=PROMPTS[index % 2], seed=5 + index % 2, steps=2) for index in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda body: dp_server.generate(AUTH, **body), bodies))
+    for body, answer in zip(bodies, answers):
+        image, = pngs(answer)
+        expected = pixels(generated[(body["prompt"], body["seed"], 2)])
+        assert np.abs(pixels(image) - expected).max() <= 1  # its own prompt and seed, batched or not
+    entries = [entry for entry in dp_server.log() if entry["id"] not in before]
+    assert len(entries) == 4 and {entry["status"] for entry in entries} == {200}
+    by_replica = {replica: [e for e in entries if e["replica"] == replica] for replica in (0, 1)}
+    assert by_replica[0] and by_replica[1], entries
+    a, b = by_replica[0][0], by_replica[1][0]
+    assert a["started"] < b["finished"] and b["started"] < a["finished"], (a, b)  # their spans overlap
+    calls = {(e["replica"], e["started"]) for e in entries}
+    assert len(calls) < len(entries), entries  # at least two requests shared one pipeline call
+
+
+def test_bad_requests_between_good_ones_get_4xx_and_the_server_goes_on(dp_server, generated):
+    expected = [generated[(PROMPTS[0], 5, 4)]]
+    assert pngs(dp_server.generate(AUTH, prompt=PROMPTS[0], seed=5)) == expected
+    bad = [({"prompt": PROMPTS[0], "size": "50x64"}, 400, "multiples of 16"),
+           ({"prompt": PROMPTS[0], "n": 3}, 400, "n 3 is out of bounds: expected 1 to 2"),
+           ({"prompt": PROMPTS[0], "steps": 11}, 400, "steps 11 is out of bounds"),
+           ({"prompt": PROMPTS[0], "colour": "red"}, 400, "unknown field(s) ['colour']"),
+           ({"prompt": "x" * 2001}, 400, "at most 2000"),
+           ({"prompt": PROMPTS[0], "model": "flux"}, 404, "is not served here")]
+    for body, status, words in bad:
+        answer = dp_server.client.post("/v1/images/generations", json=body, headers=AUTH)
+        assert answer.status_code == status and words in answer.json()["error"]["message"], answer.text
+    video = dp_server.client.post("/v1/videos", json={"prompt": "x"}, headers=AUTH)
+    assert video.status_code == 400 and "use /v1/images/generations" in video.text
+    not_json = dp_server.client.post("/v1/images/generations", content=b"{prompt", headers=AUTH)
+    assert not_json.status_code == 400 and "not JSON" in not_json.text
+    huge = dp_server.client.post("/v1/images/generations", content=b"x" * (2 << 20), headers=AUTH)
+    assert huge.status_code == 413 and "--max-body-bytes" in huge.text
+    assert pngs(dp_server.generate(AUTH, prompt=PROMPTS[0], seed=5)) == expected
+
+
+def test_the_api_key_guards_every_endpoint_but_health(dp_server):
+    assert dp_server.generate(prompt=PROMPTS[0]).status_code == 401
+    wrong = dp_server.generate({"Authorization": "Bearer nope"}, prompt=PROMPTS[0])
+    assert wrong.status_code == 401 and "API key" in wrong.json()["error"]["message"]
+    for path in ("/metrics", "/v1/models", "/openapi.json"):
+        assert dp_server.client.get(path).status_code == 401
+        assert dp_server.client.get(path, headers=AUTH).status_code == 200
+    assert dp_server.client.get("/health").json() == {"status": "ready"}
+    assert dp_server.client.get("/v1/models", headers=AUTH).json()["data"][0]["id"] == "paradiff-demo"
+    schema = dp_server.client.get("/openapi.json", headers=AUTH).json()
+    assert {"/v1/images/generations", "/v1/videos", "/health", "/metrics"} <= set(schema["paths"])
+
+
+def test_four_clients_of_ten_requests_are_all_answered_once(dp_server):
+    before = {entry["id"] for entry in dp_server.log()}
+    latencies: list[float] = []
+    answers: dict[tuple[int, int], bytes] = {}
+    lock = threading.Lock()
+
+    def client(number: int) -> None:
+        with httpx.Client(base_url=dp_server.url, timeout=120, headers=AUTH) as http:
+            for index in range(10):
+                started = time.monotonic()
+                response = http.post("/v1/images/generations",
+                                     json={"prompt": PROMPTS[index % 2], "seed": index, "steps": 1})
+                image, = pngs(response)
+                with lock:
+                    latencies.append(time.monotonic() - started)
+                    answers[(number, index)] = image
+
+    threads = [threading.Thread(target=client, args=(number,)) for number in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not any(thread.is_alive() for thread in threads)
+    assert len(answers) == 40
+    for index in range(10):  # the four clients asked the same (prompt, seed): the same picture, whatever the batch
+        first = pixels(answers[(0, index)])
+        assert all(np.abs(pixels(answers[(number, index)]) - first).max() <= 1 for number in range(1, 4))
+    assert answers[(0, 0)] != answers[(0, 2)]
+    entries = [entry for entry in dp_server.log() if entry["id"] not in before]
+    assert len(entries) == 40 and len({entry["id"] for entry in entries}) == 40
+    assert {entry["status"] for entry in entries} == {200}
+    p50, p95 = statistics.median(latencies), float(np.percentile(latencies, 95))
+    print(f"\n40 requests from 4 clients: p50 {p50:.2f} s, p95 {p95:.2f} s")
+    metrics = dp_server.client.get("/metrics", headers=AUTH).text
+    assert 'paradiff_request_latency_seconds_count' in metrics and 'paradiff_rank_peak_memory_bytes{rank="3"}' in metrics
+
+
+def test_a_fault_on_one_rank_fails_that_request_and_the_next_one_succeeds_then_sigterm_drains(tmp_path, generated):
+    """tp2 x ulysses2; rank 1 raises inside its second transformer block call (the first request's second step)."""
+    server = ServerProcess(tmp_path, "--tp", "2", "--ulysses", "2", "--steps", "4",
+                    env={"PARADIFF_INJECT_FAULT": "1:raise"}, module="paradiff.testing.faults")
+    try:
+        server.wait_ready()
+        failed = server.generate(prompt=PROMPTS[0], seed=5)
+        assert failed.status_code == 500, failed.text
+        assert "rank 1: RuntimeError: injected fault on rank 1" in failed.json()["error"]["message"]
+        server.wait_ready()  # the ranks joined a new process group and loaded the pipeline again
+        assert pngs(server.generate(prompt=PROMPTS[0], seed=5)) == [generated[(PROMPTS[0], 5, 4)]]
+        # SIGTERM with requests in flight: they are answered, the next is refused, the server exits 0
+        with ThreadPoolExecutor(3) as pool:
+            pending = [pool.submit(server.generate, prompt=PROMPTS[1], seed=6) for _ in range(3)]
+            deadline = time.monotonic() + 30
+            while "paradiff_requests_running 1" not in server.client.get("/metrics").text:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            server.process.send_signal(signal.SIGTERM)
+            answers = [future.result(timeout=120) for future in pending]
+        assert [pngs(answer) for answer in answers] == [[generated[(PROMPTS[1], 6, 4)]]] * 3
+        assert server.process.wait(timeout=60) == 0, server.text()
+        assert "SIGTERM: finishing the requests in flight" in server.text()
+        statuses = [entry["status"] for entry in server.log()]
+        assert statuses == [500, 200, 200, 200, 200]
+    finally:
+        server.stop()
+
+
+def test_a_killed_worker_fails_the_server_and_answers_every_client(tmp_path):
+    """Rank 1 dies (os._exit) in the middle of a request; another request waits behind it."""
+    server = ServerProcess(tmp_path, "--tp", "2", "--steps", "4", env={"PARADIFF_INJECT_FAULT": "1:exit"},
+                    module="paradiff.testing.faults")
+    try:
+        server.wait_ready()
+        started = time.monotonic()
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(server.generate, prompt=PROMPTS[0], seed=5)
+            time.sleep(0.2)
+            second = pool.submit(server.generate, prompt=PROMPTS[1], seed=6)
+            answers = [first.result(timeout=60), second.result(timeout=60)]
+        assert [answer.status_code for answer in answers] == [500, 503]
+        assert all("rank(s) [1] stopped answering" in answer.text for answer in answers)
+        code = server.process.wait(timeout=30)
+        assert code != 0
+        assert time.monotonic() - started < 20
+        assert "rank 1 exited with code 9 first" in server.text()
+    finally:
+        server.stop()

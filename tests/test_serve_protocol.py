@@ -1,0 +1,159 @@
+"""`paradiff serve`'s request checks and scheduler, in this process (the servers themselves: test_serve.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from paradiff.serve.metrics import Metrics
+from paradiff.serve.protocol import Limits, RequestError, parse_image_request
+from paradiff.serve.scheduler import Scheduler
+
+LIMITS = Limits(max_n=4, max_steps=20, max_prompt_chars=100, max_side=256, default_size=(64, 64), default_steps=8,
+                accepts=frozenset({"prompt", "guidance_scale", "num_inference_steps"}))
+
+
+def test_a_good_request_gets_the_defaults_and_its_seeds():
+    request = parse_image_request({"prompt": "a red circle", "n": 3, "seed": 7, "size": "128x64"}, LIMITS)
+    assert (request.width, request.height, request.steps, request.n) == (128, 64, 8, 3)
+    assert request.seeds() == [7, 8, 9]
+    assert parse_image_request({"prompt": "x"}, LIMITS).seeds() == [0]
+
+
+@pytest.mark.parametrize("body, status, words", [
+    ({"prompt": "x", "bogus": 1}, 400, "unknown field(s) ['bogus']"),
+    ({"prompt": ""}, 400, "prompt: expected a non-empty string"),
+    ({"prompt": "x" * 101}, 400, "101 characters long; at most 100"),
+    ({"prompt": "x", "size": "50x64"}, 400, "multiples of 16"),
+    ({"prompt": "x", "size": "512x512"}, 400, "to 256"),
+    ({"prompt": "x", "size": 64}, 400, "WIDTHxHEIGHT"),
+    ({"prompt": "x", "n": 5}, 400, "n 5 is out of bounds: expected 1 to 4"),
+    ({"prompt": "x", "n": True}, 400, "n: expected an integer"),
+    ({"prompt": "x", "steps": 21}, 400, "steps 21 is out of bounds: expected 1 to 20"),
+    ({"prompt": "x", "seed": -1}, 400, "seed: expected an integer from 0"),
+    ({"prompt": "x", "guidance": "high"}, 400, "guidance: expected a number"),
+    ({"prompt": "x", "negative_prompt": "blurry"}, 400, "takes no negative_prompt"),
+    ({"prompt": "x", "response_format": "url"}, 400, "only 'b64_json'"),
+    ({"prompt": "x", "model": "other"}, 404, "model 'other' is not served here"),
+    (["x"], 400, "must be a JSON object, got list"),
+])
+def test_bad_requests_name_the_field_and_what_is_valid(body, status, words):
+    with pytest.raises(RequestError) as caught:
+        parse_image_request(body, LIMITS)
+    assert caught.value.status == status
+    assert words in str(caught.value)
+
+
+def test_the_wrong_endpoint_for_the_pipeline_is_refused():
+    with pytest.raises(RequestError, match="makes images; use /v1/images/generations"):
+        parse_image_request({"prompt": "x"}, LIMITS, kind="video")
+    video = Limits(kind="video", accepts=frozenset({"num_frames"}), default_frames=9)
+    request = parse_image_request({"prompt": "x", "frames": 5, "fps": 8}, video, kind="video")
+    assert (request.frames, request.fps, request.kind) == (5, 8, "video")
+    with pytest.raises(RequestError, match="makes videos; use /v1/videos"):
+        parse_image_request({"prompt": "x"}, video)
+
+
+def request(**fields):
+    return parse_image_request({"prompt": "p", **fields}, LIMITS)
+
+
+def test_each_replica_takes_a_request_before_any_batch_grows():
+    scheduler = Scheduler(max_batch=2)
+    jobs = [scheduler.submit(request(seed=i)) for i in range(3)]
+    round_ = scheduler.next_round(replicas=2, wait_s=0)
+    assert [[item["id"] for item in batch] for batch in round_["batches"]] == [[jobs[0].id, jobs[2].id], [jobs[1].id]]
+    assert [job.replica for job in jobs] == [0, 1, 0]
+
+
+def test_only_compatible_requests_share_a_batch_and_the_batch_holds_max_batch_images():
+    scheduler = Scheduler(max_batch=3)
+    a = scheduler.submit(request(n=2))
+    scheduler.submit(request(steps=4))       # other steps: not with a
+    scheduler.submit(request(size="128x64"))  # other size: not with a
+    d = scheduler.submit(request(n=2))        # 2 + 2 > 3 images
+    e = scheduler.submit(request())
+    first = scheduler.next_round(replicas=1, wait_s=0)["batches"][0]
+    assert [item["id"] for item in first] == [a.id, e.id]
+    assert first[0]["seeds"] == [0, 1]
+    for item in first:
+        scheduler.complete(item["id"], 200, {"files": []})
+    assert [item["id"] for item in scheduler.next_round(1, 0)["batches"][0]] == [2]
+    scheduler.complete(2, 200, {"files": []})
+    assert [item["id"] for item in scheduler.next_round(1, 0)["batches"][0]] == [3]
+    scheduler.complete(3, 200, {"files": []})
+    assert [item["id"] for item in scheduler.next_round(1, 0)["batches"][0]] == [d.id]
+
+
+def test_a_full_queue_a_deadline_and_a_drain():
+    finished = []
+    scheduler = Scheduler(max_queue=2, request_timeout_s=0.05, on_finish=finished.append)
+    old = scheduler.submit(request())
+    scheduler.submit(request())
+    with pytest.raises(RequestError, match="queue is full") as caught:
+        scheduler.submit(request())
+    assert caught.value.status == 503
+    time.sleep(0.1)
+    assert scheduler.next_round(1, 0) == {"kind": "idle"}  # both expired in the queue, never run
+    assert old.status == 504 and "--request-timeout of 0.05 s" in old.result
+    assert len(finished) == 2
+    scheduler.drain()
+    with pytest.raises(RequestError, match="shutting down"):
+        scheduler.submit(request())
+    assert scheduler.next_round(1, 0) == {"kind": "stop"}
+
+
+def test_a_request_is_answered_once_and_close_answers_everyone():
+    finished = []
+    scheduler = Scheduler(on_finish=finished.append)
+    running = scheduler.submit(request())
+    scheduler.next_round(1, 0)
+    waiting = scheduler.submit(request())
+    scheduler.time_out(running)  # the HTTP side gave up at the deadline
+    scheduler.complete(running.id, 200, {"files": []})  # the late result is dropped
+    assert running.status == 504
+    scheduler.close("rank 1 died")
+    assert waiting.status == 503 and "rank 1 died" in waiting.result
+    assert [job.id for job in finished] == [running.id, waiting.id]
+    with pytest.raises(RequestError, match="not serving: rank 1 died"):
+        scheduler.submit(request())
+
+
+def test_a_round_waits_for_a_request_without_polling():
+    scheduler = Scheduler()
+    threading.Timer(0.05, lambda: scheduler.submit(request())).start()
+    started = time.monotonic()
+    assert scheduler.next_round(1, wait_s=5)["kind"] == "work"
+    assert time.monotonic() - started < 2
+
+
+def test_metrics_render_counters_and_a_cumulative_histogram():
+    metrics = Metrics()
+    metrics.request_done(200, 0.3, images=2, steps=16)
+    metrics.request_done(200, 7.0, images=1, steps=8)
+    metrics.request_done(400)
+    metrics.memory({0: 10, 1: 20})
+    text = metrics.render(queued=3, running=1, health="ready")
+    for line in ['paradiff_requests_total{status="200"} 2', 'paradiff_requests_total{status="400"} 1',
+                 "paradiff_queue_depth 3", "paradiff_images_total 3", "paradiff_steps_total 24",
+                 'paradiff_request_latency_seconds_bucket{le="0.25"} 0',
+                 'paradiff_request_latency_seconds_bucket{le="0.5"} 1',
+                 'paradiff_request_latency_seconds_bucket{le="+Inf"} 2', "paradiff_request_latency_seconds_count 2",
+                 'paradiff_rank_peak_memory_bytes{rank="1"} 20', "paradiff_up 1"]:
+        assert line in text.splitlines()
+
+
+def test_an_idle_round_waits_its_window_for_requests_sent_together():
+    scheduler = Scheduler(max_batch=2, window_s=0.3)
+    first = scheduler.submit(request())
+    threading.Timer(0.05, lambda: scheduler.submit(request(seed=1))).start()
+    round_ = scheduler.next_round(replicas=2, wait_s=0)
+    assert [len(batch) for batch in round_["batches"]] == [1, 1]  # the second joined: one per replica
+    assert round_["batches"][0][0]["id"] == first.id
+    full = Scheduler(max_batch=1, window_s=30)
+    full.submit(request())
+    started = time.monotonic()
+    assert full.next_round(replicas=1, wait_s=0)["kind"] == "work"  # already as many images as fit: no wait
+    assert time.monotonic() - started < 1
