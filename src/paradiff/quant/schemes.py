@@ -85,10 +85,10 @@ def gguf_scheme(config: Any) -> QuantScheme:
     from diffusers import GGUFQuantizationConfig
 
     if not isinstance(config, GGUFQuantizationConfig):
-        name = "dict" if isinstance(config, dict) else type(config).__name__
+        given = "no quantization_config" if config is None else f"quantization_config={type(config).__name__}(...)"
         raise ParallelConfigError(
-            f"a .gguf file holds pre-quantized weights; quantization_config={name}(...) cannot apply to it. Pass "
-            "quantization_config=GGUFQuantizationConfig(compute_dtype=...)."
+            f"a .gguf file holds pre-quantized weights, and {given} cannot load it; pass "
+            "quantization_config=GGUFQuantizationConfig(compute_dtype=...) (diffusers' from_single_file needs it too)."
         )
     return QuantScheme("gguf", skip=_skip_list(config.modules_to_not_convert, []), compute_dtype=config.compute_dtype,
                        config=config)
