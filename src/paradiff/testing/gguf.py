@@ -122,7 +122,6 @@ def write_gguf(path: Path, tensors: dict[str, torch.Tensor], type_of: Callable[[
 
 
 def save_flux2_gguf(model: nn.Module, path: Path, type_of: Callable[[str, torch.Tensor], str]) -> dict[str, str]:
-    """A tiny Flux2Transformer2DModel as an original-format GGUF file (1-D tensors stay F32, as GGUF converters
-    keep them); returns original name -> type written."""
-    return write_gguf(path, flux2_original_state_dict(model),
-                      lambda name, tensor: "F32" if tensor.dim() < 2 else type_of(name, tensor))
+    """A tiny Flux2Transformer2DModel as an original-format GGUF file, each tensor (by its original name) in
+    `type_of(name, tensor)` (GGUF converters keep 1-D tensors F32); returns original name -> type written."""
+    return write_gguf(path, flux2_original_state_dict(model), type_of)
