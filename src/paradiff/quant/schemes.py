@@ -67,10 +67,10 @@ def scheme_from_config(config: Any) -> QuantScheme:
     if isinstance(config, GGUFQuantizationConfig):
         raise ParallelConfigError(
             "quantization_config=GGUFQuantizationConfig(...) is not supported for a folder of safetensors weights: "
-            "GGUF weights come pre-quantized in a single file; pass that file instead, "
+            "GGUF weights come pre-quantized in a single file; load that file, "
             "paradiff.from_pretrained(ModelClass, 'model.gguf', config=<diffusers model folder or Hub id>, "
-            "quantization_config=GGUFQuantizationConfig(compute_dtype=...)). In load_pipeline, load the GGUF "
-            "transformer with from_pretrained and pass it in."
+            "quantization_config=GGUFQuantizationConfig(compute_dtype=...)). load_pipeline does not take GGUF "
+            "files yet."
         )
     raise ParallelConfigError(
         f"quantization_config={type(config).__name__}(...) is not supported by paradiff loading; supported: "
