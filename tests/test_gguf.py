@@ -178,3 +178,21 @@ def test_bad_gguf_requests_are_one_clear_error_before_any_read(gguf_files, monke
     with pytest.raises(error) as caught:
         paradiff.from_pretrained(model_class("flux2"), call.pop("path"), device="cpu", **call)
     assert all(fragment in str(caught.value) for fragment in fragments), str(caught.value)
+
+
+def test_without_config_the_repository_is_the_one_diffusers_infers(gguf_files, monkeypatch):
+    """As from_single_file does: the repository from the file's names and shapes, the class's default subfolder;
+    only its config.json is fetched (here answered with the tiny model's)."""
+    import huggingface_hub
+
+    asked = []
+
+    def fake_download(repo_id, filename, subfolder=None, **kwargs):
+        asked.append((repo_id, filename, subfolder))
+        return f"{gguf_files['config']}/config.json"
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    model = paradiff.from_single_file(model_class("flux2"), gguf_files["mixed"], device="cpu",
+                                      quantization_config=GGUFQuantizationConfig(compute_dtype=torch.float32))
+    assert asked == [("black-forest-labs/FLUX.2-dev", "config.json", "transformer")]
+    assert model.config.num_attention_heads == CONFIG["heads"]
