@@ -196,3 +196,64 @@ def test_without_config_the_repository_is_the_one_diffusers_infers(gguf_files, m
                                       quantization_config=GGUFQuantizationConfig(compute_dtype=torch.float32))
     assert asked == [("black-forest-labs/FLUX.2-dev", "config.json", "transformer")]
     assert model.config.num_attention_heads == CONFIG["heads"]
+
+
+READER_TYPES = {"a": "Q8_0", "b": "Q4_K", "c": "F16", "d": "F32", "e": "BF16", "f": "Q6_K"}
+
+
+@pytest.fixture(scope="module")
+def small_file(tmp_path_factory):
+    torch.manual_seed(0)
+    tensors = {name: torch.randn(6, 512) for name in READER_TYPES}
+    tensors["v"] = torch.randn(40)
+    path = tmp_path_factory.mktemp("reader") / "small.gguf"
+    write_gguf(path, tensors, lambda name, tensor: READER_TYPES.get(name, "F32"))
+    return path
+
+
+@pytest.mark.parametrize("rows, spec", [
+    (None, None), ((2, 3), None), (None, (0, ((0, 2), (4, 1)))), ((1, 4), (1, ((256, 256),))),
+    (None, (1, ((0, 256), (512 - 256, 256)))),
+], ids=["whole", "rows", "row-pieces", "rows-then-columns", "column-pieces"])
+def test_reader_slices_are_the_bytes_of_gguf_py_reader(small_file, rows, spec):
+    """Each read is the slice of what gguf-py's own reader maps for the tensor: rows as they are, columns as the bytes
+    of the whole blocks they cover; the bytes counted are exactly the slice's."""
+    import gguf
+    from paradiff.tensor_parallel.styles import ShardSpec
+
+    reader = {tensor.name: tensor for tensor in gguf.GGUFReader(str(small_file)).tensors}
+    shard = None if spec is None else ShardSpec(*spec)
+    with GGUFFile(small_file) as gguf_file:
+        for name, type_name in READER_TYPES.items():
+            info = gguf_file.tensors[name]
+            full = torch.from_numpy(reader[name].data.copy()).view(torch.uint8).reshape(info.byte_shape)
+            expected = full if rows is None else full[rows[0]:rows[0] + rows[1]]
+            if shard is not None:
+                pieces = shard.pieces if shard.dim == 0 else [
+                    (s // info.block * info.type_size, n // info.block * info.type_size) for s, n in shard.pieces]
+                expected = torch.cat([expected.narrow(shard.dim, s, n) for s, n in pieces], dim=shard.dim)
+            before = gguf_file.bytes_read
+            got = gguf_file.read(name, rows, shard)
+            assert gguf_file.bytes_read - before == expected.numel(), name
+            assert torch.equal(got.reshape(-1).view(torch.uint8), expected.reshape(-1)), (name, type_name)
+            assert got.dtype == ({"F16": torch.float16, "F32": torch.float32}.get(type_name, torch.uint8)), name
+
+
+def test_reader_refuses_a_piece_of_a_block(small_file):
+    from paradiff.tensor_parallel.styles import ShardSpec
+
+    with GGUFFile(small_file) as gguf_file, pytest.raises(CheckpointError, match="cut a block of 256"):
+        gguf_file.read("b", spec=ShardSpec(1, ((0, 128),)))
+
+
+@pytest.mark.parametrize("damage, fragment", [
+    (lambda data: data[: len(data) - 100], "truncated"),
+    (lambda data: data[:40], "runs past the end"),
+    (lambda data: b"GGML" + data[4:], "not a GGUF file"),
+    (lambda data: data[:4] + (9).to_bytes(4, "little") + data[8:], "GGUF version 9"),
+], ids=["data", "header", "magic", "version"])
+def test_damaged_gguf_file_is_refused_before_any_read(small_file, tmp_path, damage, fragment):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(damage(small_file.read_bytes()))
+    with pytest.raises(CheckpointError, match=fragment):
+        GGUFFile(broken)

@@ -97,10 +97,6 @@ class GGUFWeightSource:
             raise CheckpointError(f"{self.path}: tensor {changed[0]!r} changed since the model was loaded.")
         return gguf_file
 
-    def local_nbytes(self, gguf_file: GGUFFile) -> int:
-        """Bytes of the file this rank reads: its slices of the planned tensors and the whole of the others."""
-        return sum(self._local_nbytes(name, gguf_file) for name in self.runs)
-
     def _local_nbytes(self, name: str, gguf_file: GGUFFile) -> int:
         total = 0
         for run, rows, spec in self._pieces(name):
@@ -143,15 +139,15 @@ class GGUFWeightSource:
                 tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
                 advance(tensor.numel() * tensor.element_size())
                 info = gguf_file.tensors[self.runs[name][0].source]
-                dtype = torch.float32 if _skipped(name, tuple(self.keep_fp32)) else self.dtype
-                if info.quantized and name not in self.scheme.packed:  # modules_to_not_convert: dequantized
-                    packed = GGUFParameter(tensor, quant_type=gguf.GGMLQuantizationType(info.type_id))
-                    tensor = dequantize_gguf_tensor(packed)
-                    dtype = torch.float32 if _skipped(name, tuple(self.keep_fp32)) else self.scheme.compute_dtype
-                if not info.quantized or name not in self.scheme.packed:
-                    tensor = tensor.to(device=self.device, dtype=dtype)
-                else:
+                keep_fp32 = _skipped(name, tuple(self.keep_fp32))
+                if name in self.scheme.packed:  # held packed, wrapped as GGUFParameter after the swap
                     tensor = tensor.to(device=self.device)
+                elif info.quantized:  # in modules_to_not_convert: dequantized (its slice), as diffusers does
+                    packed = GGUFParameter(tensor, quant_type=gguf.GGMLQuantizationType(info.type_id))
+                    tensor = dequantize_gguf_tensor(packed).to(
+                        device=self.device, dtype=torch.float32 if keep_fp32 else self.scheme.compute_dtype)
+                else:
+                    tensor = tensor.to(device=self.device, dtype=torch.float32 if keep_fp32 else self.dtype)
                 if is_parameter:
                     module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
                 else:

@@ -213,13 +213,15 @@ class GGUFFile:
                                   f"{info.block}.")
         shape = list(info.shape) if info.shape else [1]
         begin = info.begin
-        row_bytes = _numel(info.byte_shape[1:]) if len(info.shape) > 1 else info.type_size * (shape[0] // info.block)
         if rows is not None:
             start, length = rows
-            if len(info.shape) == 1:
+            if len(shape) == 1:  # the rows of a 1-D tensor are its elements: whole blocks only
+                if start % info.block or length % info.block:
+                    raise CheckpointError(f"{self.path}: elements {rows} of 1-D tensor {name!r} ({info.type_name}) "
+                                          f"cut a block of {info.block}.")
                 begin += start // info.block * info.type_size
             else:
-                begin += start * row_bytes
+                begin += start * _numel(info.byte_shape[1:])
             shape[0] = length
         byte_shape = [*shape[:-1], shape[-1] // info.block * info.type_size]
         byte_spec = None
