@@ -25,6 +25,8 @@ def parallel_config(mode: str):
         return paradiff.TensorParallelConfig(tp_degree=2)
     if mode == "ulysses2":
         return paradiff.ContextParallelConfig(ulysses_degree=2)
+    if mode == "tp2xulysses2":
+        return paradiff.ParallelConfig.from_degrees(tp=2, ulysses=2)
     raise ValueError(mode)
 
 

@@ -83,6 +83,16 @@ def test_every_shard_is_the_slice_of_diffusers_single_file_gguf_model(pools, ggu
         assert set(cp2["splits"]) >= set(REQUIRED) and all(v == ["whole"] for v in cp2["splits"].values())
 
 
+def test_tp2_x_ulysses2_shards_and_output(pools, gguf_files):
+    """TP inside each Ulysses group: the same shards as tp2, the output of diffusers' single process."""
+    runs = [dict(file=gguf_files["mixed"], config=gguf_files["config"], mode="tp2xulysses2",
+                 plain_itemsize=PLAIN_ITEMSIZE)]
+    for (result,) in pools.get(4).run(cases.gguf_equivalence, cases=runs, timeout_s=600):
+        assert result["relative_diff"] <= RELATIVE_TOLERANCE, result
+        assert result["share"] < 0.55 * result["total"], result
+        assert result["packed_bytes"] <= result["read"] <= result["share"] + result["header"] + 256 * 1024, result
+
+
 def test_a_split_cutting_a_block_is_refused_by_name_before_any_read(pools, gguf_files):
     errors = pools.get(2).run(cases.refused_before_read, file=gguf_files["cutting"], config=gguf_files["config"])
     for error in errors:  # every rank raises, none hangs
