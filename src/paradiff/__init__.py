@@ -36,6 +36,7 @@ _EXPORTS = {
     "PlanError": "paradiff.errors",
     "UnsupportedModelError": "paradiff.errors",
     "from_pretrained": "paradiff.api.model",
+    "from_single_file": "paradiff.api.model",
     "enable_parallelism": "paradiff.api.parallelize",
     "split_between_processes": "paradiff.api.data_parallel",
     "load_pipeline": "paradiff.api.pipeline",

@@ -24,9 +24,10 @@ from paradiff.io.folders import resolve_folder
 from paradiff.distributed.mesh import build_mesh, default_device, rank_coordinates, require_distributed
 from paradiff.io.model_classes import checkpoint_keys, construct, keep_fp32_modules, load_config
 from paradiff.plans import model_config, plan_for
-from paradiff.quant.schemes import check_block_boundaries, scheme_from_config
+from paradiff.quant.schemes import check_block_boundaries, gguf_scheme, scheme_from_config
 from paradiff.runtime.progress import byte_progress
 from paradiff.api.load_sequence import Component, Prepared, run_load_sequence
+from paradiff.api.single_file import is_gguf_path, prepare_gguf_model
 from paradiff.tensor_parallel.plan import ResolvedPlan, as_plan, check_checkpoint_keys, resolve_plan
 from paradiff.tensor_parallel.styles import ShardSpec
 
@@ -142,6 +143,10 @@ def from_pretrained(
     """Load a diffusers model class (or a `transformers` one, e.g. a text encoder); with a parallel config, each rank
     reads only its own shard of each weight.
 
+    `path` may also be a GGUF single file (`model.gguf`, with `quantization_config=GGUFQuantizationConfig(...)` and
+    `config=` the diffusers model folder or Hub id to build it from, as in diffusers' `from_single_file`): each rank
+    reads only the rows / whole-block columns of its shards, and holds them packed (`api/single_file.py`).
+
     Every check runs first on each rank; then the ranks agree (through the store, not a collective) that all passed
     and that they load the same thing, and only then is the mesh built and any weight read.
     """
@@ -154,6 +159,15 @@ def from_pretrained(
     prepared, _mesh = run_load_sequence("paradiff.from_pretrained", prepare, distributed=parallel_config is not None,
                                         progress=progress)
     return prepared.components[""].model
+
+
+def from_single_file(model_cls: type, path: str | os.PathLike, **kwargs: Any) -> nn.Module:
+    """diffusers' spelling for a single file: `from_pretrained(model_cls, "model.gguf", config=...,
+    quantization_config=GGUFQuantizationConfig(...), parallel_config=...)`. GGUF files only."""
+    if not is_gguf_path(path):
+        raise CheckpointError(f"paradiff.from_single_file reads GGUF files (*.gguf); got {str(path)!r}. Load a "
+                              "diffusers model folder with paradiff.from_pretrained.")
+    return from_pretrained(model_cls, path, **kwargs)
 
 
 @dataclass
@@ -274,9 +288,18 @@ def _prepare(model_cls, path, subfolder, torch_dtype, parallel_config, device, p
     if "dtype" in kwargs:
         torch_dtype = torch_dtype or kwargs.pop("dtype")
     quantization = kwargs.pop("quantization_config", None)
-    scheme = None if quantization is None else scheme_from_config(quantization)
+    single_file = is_gguf_path(path)
+    if "config" in kwargs and not single_file:
+        raise TypeError(f"from_pretrained got config={kwargs['config']!r}, which only a single .gguf file takes "
+                        f"(the diffusers config to build it from); {str(path)!r} is a model folder.")
+    single_file_config = kwargs.pop("config", None)
+    scheme = None
+    if single_file:
+        scheme = gguf_scheme(quantization)
+    elif quantization is not None:
+        scheme = scheme_from_config(quantization)
     hub_kwargs = check_loading_kwargs(kwargs)
-    dtype = check_dtype(torch_dtype)
+    dtype = None if single_file and torch_dtype is None else check_dtype(torch_dtype)
     device = check_device(device)
     parallel = None
     if parallel_config is not None:
@@ -284,12 +307,19 @@ def _prepare(model_cls, path, subfolder, torch_dtype, parallel_config, device, p
         parallel = as_parallel_config(parallel_config, dist.get_world_size())
         if parallel.world_size != dist.get_world_size() and parallel.mesh is None:
             build_mesh(parallel, device)  # raises the degree mismatch error before any collective
-    folder = resolve_folder(path, subfolder, hub_kwargs)
     tp = parallel.tp_degree if parallel else 1
     tp_shard = None
     if tp > 1:
         tp_shard = (rank_coordinates(parallel).tp_rank, tp)
     context = parallel is not None and parallel.context_parallel_config is not None
+    if single_file:
+        prepared = prepare_gguf_model(model_cls, Path(path), config=single_file_config, subfolder=subfolder,
+                                      hub_kwargs=hub_kwargs, dtype=dtype, device=device, tp_shard=tp_shard, plan=plan,
+                                      context=context, cp_plan=cp_plan, scheme=scheme)
+        prepared.parallel = parallel
+        prepared.facts["parallel degrees"] = parallel.degrees() if parallel else None
+        return prepared
+    folder = resolve_folder(path, subfolder, hub_kwargs)
     prepared = prepare_model(model_cls, folder, dtype=dtype, device=device, tp_shard=tp_shard, plan=plan,
                              context=context, cp_plan=cp_plan, quantization=scheme)
     prepared.parallel = parallel

@@ -30,6 +30,8 @@ def quantize_model(model: nn.Module, scheme: QuantScheme, group: dist.ProcessGro
 
     `group`: the TP group whose ranks hold slices of the planned linears (None: nothing is split). Every rank of it
     runs this over the same plan, so the one all-reduce below is issued alike on all."""
+    if scheme.name == "gguf":
+        return hold_gguf_weights(model, scheme)
     targets = [(name, module) for name, module in model.named_modules() if scheme.quantizes(name, module)]
     column_split = [(name, module) for name, module in targets
                     if isinstance(module, ShardedLinear) and module.weight_spec.dim == 1]
@@ -136,6 +138,50 @@ def nf4_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None,
     return bnb.matmul_4bit(x, weight, bias=bias, quant_state=weight.quant_state).to(out_dtype)
 
 
+def hold_gguf_weights(model: nn.Module, scheme: QuantScheme) -> dict[str, int]:
+    """Wrap the packed GGUF bytes each linear holds (its slice, read from the file) as diffusers' GGUFParameter. A
+    whole linear becomes diffusers' GGUFLinear, as diffusers' GGUF loading makes it; a sharded one keeps its class,
+    takes the logical width of its slice and computes through the same dequantize-then-linear product."""
+    import gguf
+    from diffusers.quantizers.gguf.utils import GGUFLinear, GGUFParameter
+
+    nbytes = 0
+    for param_name, type_id in scheme.packed.items():
+        name = param_name.rpartition(".")[0]
+        module = model.get_submodule(name)
+        data = module.weight.data
+        weight = GGUFParameter(data, requires_grad=False, quant_type=gguf.GGMLQuantizationType(type_id))
+        nbytes += data.numel() * data.element_size()
+        if isinstance(module, ShardedLinear):
+            module.weight = weight
+            module.out_features, module.in_features = weight.quant_shape
+            module.weight_linear = partial(gguf_linear, compute_dtype=scheme.compute_dtype)
+            continue
+        with torch.device("meta"):
+            linear = GGUFLinear(weight.quant_shape[1], weight.quant_shape[0], module.bias is not None,
+                                compute_dtype=scheme.compute_dtype)
+        linear.source_cls = type(module)
+        linear.weight = weight
+        if module.bias is not None:
+            linear.bias = nn.Parameter(module.bias.detach(), requires_grad=False)
+        linear.requires_grad_(False)
+        linear.train(module.training)
+        parent_name, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, leaf, linear)
+    return {"quantized": len(scheme.packed), "quantized_bytes": nbytes}
+
+
+def gguf_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None,
+                compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The product of `x` with a GGUF slice, as diffusers' GGUFLinear computes it on every device without its
+    optional CUDA kernels: the weight dequantized block by block, cast to the compute dtype, then F.linear."""
+    import torch.nn.functional as F
+    from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
+
+    dense = dequantize_gguf_tensor(weight).to(compute_dtype)
+    return F.linear(x, dense, None if bias is None else bias.to(compute_dtype))
+
+
 def quantized_nbytes(tensor: Any) -> int:
     """Bytes of a quantized weight's data and scales (torchao tensors list their inner tensors by name)."""
     names = list(getattr(tensor, "tensor_data_names", [])) + list(getattr(tensor, "optional_tensor_data_names", []))
@@ -161,6 +207,9 @@ def quantization_summary(model: nn.Module) -> dict[str, int]:
             elif leaf == "weight" and hasattr(param, "tensor_data_names"):
                 quantized += 1
                 quantized_bytes += quantized_nbytes(param)
+            elif leaf == "weight" and getattr(param, "quant_type", None) is not None:  # GGUF, packed bytes
+                quantized += 1
+                quantized_bytes += param.numel() * param.element_size()
             else:
                 other_bytes += param.numel() * param.element_size()
     return {"quantized_linears": quantized, "quantized_bytes": quantized_bytes, "other_bytes": other_bytes}

@@ -26,12 +26,14 @@ NF4_BLOCK = 64  # bitsandbytes' default blocksize on every device; diffusers pas
 class QuantScheme:
     """One weight quantization scheme as paradiff applies it, per linear weight, on each rank's slice."""
 
-    name: str  # "int8", "fp8" or "nf4"
+    name: str  # "int8", "fp8", "nf4" or "gguf" (pre-quantized GGUF weights, held as read)
     skip: tuple[str, ...] = ()  # diffusers' modules_to_not_convert (+ the model's keep-in-fp32 modules)
     float8_dtype: torch.dtype | None = None  # fp8 only
     compute_dtype: torch.dtype | None = None  # nf4 only: the dtype bitsandbytes computes in (None: the input's)
     block: int | None = None  # nf4: elements per absmax block along the flattened weight
     config: Any = field(default=None, compare=False, hash=False)  # the user's config, for messages
+    # gguf: parameter name -> ggml type id of every weight held packed (set at prepare, from the file)
+    packed: dict[str, int] = field(default_factory=dict, compare=False, hash=False)
 
     def describe(self) -> str:
         """What every rank must agree on."""
@@ -55,17 +57,41 @@ class QuantScheme:
 def scheme_from_config(config: Any) -> QuantScheme:
     """The scheme a diffusers quantization config asks for; anything paradiff does not slice exactly is refused,
     naming the config and what is supported. Needs no model (`for_model` adds what the model keeps in fp32)."""
-    from diffusers import BitsAndBytesConfig, TorchAoConfig
+    from diffusers import BitsAndBytesConfig, GGUFQuantizationConfig, TorchAoConfig
 
     keep: list[str] = []
     if isinstance(config, TorchAoConfig):
         return _torchao_scheme(config, keep)
     if isinstance(config, BitsAndBytesConfig):
         return _bnb_scheme(config, keep)
+    if isinstance(config, GGUFQuantizationConfig):
+        raise ParallelConfigError(
+            "quantization_config=GGUFQuantizationConfig(...) is not supported for a folder of safetensors weights: "
+            "GGUF weights come pre-quantized in a single file; load that file, "
+            "paradiff.from_pretrained(ModelClass, 'model.gguf', config=<diffusers model folder or Hub id>, "
+            "quantization_config=GGUFQuantizationConfig(compute_dtype=...)). load_pipeline does not take GGUF "
+            "files yet."
+        )
     raise ParallelConfigError(
         f"quantization_config={type(config).__name__}(...) is not supported by paradiff loading; supported: "
-        f"{SUPPORTED}. Pre-quantized checkpoints (GGUF, saved bitsandbytes / torchao weights) are not sliced yet."
+        f"{SUPPORTED}; GGUF single files with GGUFQuantizationConfig. Saved bitsandbytes / torchao weights are not "
+        "sliced yet."
     )
+
+
+def gguf_scheme(config: Any) -> QuantScheme:
+    """The scheme of a GGUFQuantizationConfig: weights stay in the file's types and are dequantized at each
+    forward to `compute_dtype`, as diffusers' GGUF linear does; `modules_to_not_convert` are dequantized at read."""
+    from diffusers import GGUFQuantizationConfig
+
+    if not isinstance(config, GGUFQuantizationConfig):
+        given = "no quantization_config" if config is None else f"quantization_config={type(config).__name__}(...)"
+        raise ParallelConfigError(
+            f"a .gguf file holds pre-quantized weights, and {given} cannot load it; pass "
+            "quantization_config=GGUFQuantizationConfig(compute_dtype=...) (diffusers' from_single_file needs it too)."
+        )
+    return QuantScheme("gguf", skip=_skip_list(config.modules_to_not_convert, []), compute_dtype=config.compute_dtype,
+                       config=config)
 
 
 def _skip_list(value: Any, keep: list[str]) -> tuple[str, ...]:
