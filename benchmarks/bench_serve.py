@@ -36,7 +36,7 @@ from paradiff.testing.serve import ServerProcess, images_of
 
 CONFIGS = {
     "1 replica": ["--max-batch", "1"],
-    "1 replica, batch 2": ["--max-batch", "2", "--batch-window", "0.02"],
+    "1 replica, batch 2": ["--max-batch", "2"],
     "dp2": ["--dp", "2"],
     "tp2": ["--tp", "2"],
 }

@@ -224,3 +224,37 @@ def test_a_killed_worker_fails_the_server_and_answers_every_client(tmp_path):
         assert "rank 1 exited with code 9 first" in server.text()
     finally:
         server.stop()
+
+
+def test_a_video_pipeline_answers_mp4_files_on_v1_videos(tmp_path):
+    """A tiny Wan 2.2 pipeline at ulysses2: /v1/videos gives the frames `generate` writes single-process."""
+    import av
+
+    from paradiff.testing.pipelines import save_pipeline
+
+    folder = str(save_pipeline("wan2.2", tmp_path / "wan"))
+    video = ["--frames", "5", "--steps", "2", "--height", "32", "--width", "32"]
+    subprocess.run([sys.executable, "-m", "paradiff.cli", "generate", folder, *video, "--prompt", "a fox", "--seed", "3",
+                    "--out", str(tmp_path / "generate")], check=True, capture_output=True, timeout=300)
+    expected = np.stack([pixels((tmp_path / "generate" / "0000_frames" / f"{i:04d}.png").read_bytes())
+                         for i in range(5)])
+    server = ServerProcess(tmp_path, folder, "--ulysses", "2", *video)
+    try:
+        server.wait_ready()
+        answer = server.client.post("/v1/videos", json={"prompt": "a fox", "seed": 3, "size": "32x32", "fps": 8})
+        mp4, = images_of(answer)
+        assert answer.json()["data"][0]["mime_type"] == "video/mp4"
+        (tmp_path / "answer.mp4").write_bytes(mp4)
+        with av.open(str(tmp_path / "answer.mp4")) as container:
+            stream = container.streams.video[0]
+            assert stream.average_rate == 8
+            frames = np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)])
+        assert frames.shape == (5, 32, 32, 3)
+        luma = np.array([0.299, 0.587, 0.114])
+        assert np.abs(frames @ luma - expected.astype(np.float64) @ luma).mean() < 8  # lossy H.264 of those frames
+        wrong = server.generate(prompt="a fox")
+        assert wrong.status_code == 400 and "makes videos; use /v1/videos" in wrong.text
+        frames_bad = server.client.post("/v1/videos", json={"prompt": "a fox", "frames": 0})
+        assert frames_bad.status_code == 400 and "frames 0 is out of bounds" in frames_bad.text
+    finally:
+        assert server.stop() == 0, server.text()

@@ -120,9 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch", type=_positive, default=1,
                        help="images per pipeline call: waiting requests of the same size, steps and guidance are "
                             "run together up to this many images (each keeps its own seed)")
-    serve.add_argument("--batch-window", type=float, default=0.01,
+    serve.add_argument("--batch-window", type=float, default=0.0,
                        help="seconds an idle server waits after a request for others to join its round (other "
-                            "replicas, a batch); only with --dp > 1 or --max-batch > 1")
+                            "replicas, a batch); default 0: under load requests wait together anyway, and an idle "
+                            "server adds no latency")
     serve.add_argument("--max-queue", type=_positive, default=64, help="waiting requests before new ones get 503")
     serve.add_argument("--request-timeout", type=float, default=600.0,
                        help="seconds from acceptance to answer; a request past it gets 504")

@@ -60,7 +60,7 @@ class Frontend:
         self.limits: Limits | None = None
         self.scheduler = Scheduler(max_queue=args.max_queue, max_batch=args.max_batch,
                                    request_timeout_s=args.request_timeout, on_finish=self._on_finish,
-                                   window_s=args.batch_window if args.max_batch > 1 or args.dp > 1 else 0.0)
+                                   window_s=args.batch_window)
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self._log = (self.out / "requests.jsonl").open("a", buffering=1)
