@@ -157,3 +157,18 @@ def test_an_idle_round_waits_its_window_for_requests_sent_together():
     started = time.monotonic()
     assert full.next_round(replicas=1, wait_s=0)["kind"] == "work"  # already as many images as fit: no wait
     assert time.monotonic() - started < 1
+
+
+def test_a_request_picks_among_the_servers_adapters():
+    limits = Limits(adapters=(("lora0", 1.0), ("lora1", 0.5)))
+    assert parse_image_request({"prompt": "x"}, limits).loras == (("lora0", 1.0), ("lora1", 0.5))
+    assert parse_image_request({"prompt": "x", "loras": {}}, limits).loras == ()
+    assert parse_image_request({"prompt": "x", "loras": {"lora1": 2}}, limits).loras == (("lora1", 2.0),)
+    with pytest.raises(RequestError, match=r"no adapter\(s\) \['style'\] on this server; adapters here: \['lora0'"):
+        parse_image_request({"prompt": "x", "loras": {"style": 1}}, limits)
+    with pytest.raises(RequestError, match="scale of 'lora0' must be a number"):
+        parse_image_request({"prompt": "x", "loras": {"lora0": "high"}}, limits)
+    scheduler = Scheduler(max_batch=4)
+    scheduler.submit(parse_image_request({"prompt": "x", "loras": {}}, limits))
+    scheduler.submit(parse_image_request({"prompt": "x"}, limits))
+    assert [len(batch) for batch in scheduler.next_round(1, 0)["batches"]] == [1]  # other adapters: no shared call

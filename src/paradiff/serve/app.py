@@ -99,7 +99,7 @@ class Frontend:
                              default_size=(args.width, args.height), default_steps=steps,
                              default_guidance=args.guidance_scale, default_true_cfg=args.true_cfg_scale,
                              default_frames=args.frames, default_fps=args.fps, model_name=self.model_name,
-                             kind=info["kind"], accepts=info["accepts"])
+                             kind=info["kind"], accepts=info["accepts"], adapters=info["adapters"])
         self.replicas = info["replicas"]
         self.metrics.memory({s["rank"]: s["memory"] for s in summaries})
         self.generation = generation
@@ -193,8 +193,9 @@ class Frontend:
         return 200, {"created": int(job.accepted_wall), "data": data}
 
     def models(self) -> dict:
+        adapters = [{"name": name, "scale": scale} for name, scale in (self.limits.adapters if self.limits else ())]
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "paradiff"}]}
+                                            "owned_by": "paradiff", "adapters": adapters}]}
 
     def render_metrics(self) -> str:
         queued, running = self.scheduler.depth()
@@ -215,7 +216,8 @@ def _schema(fields: set[str], video: bool) -> dict:
     """The request body's JSON schema, for the OpenAPI document (the checks themselves are protocol.py's)."""
     types = {"prompt": "string", "negative_prompt": "string", "model": "string", "size": "string",
              "response_format": "string", "user": "string", "n": "integer", "seed": "integer", "steps": "integer",
-             "frames": "integer", "fps": "integer", "guidance": "number", "true_cfg_scale": "number"}
+             "frames": "integer", "fps": "integer", "guidance": "number", "true_cfg_scale": "number",
+             "loras": "object"}
     return {"type": "object", "required": ["prompt"], "additionalProperties": False,
             "properties": {name: {"type": types[name]} for name in sorted(fields)},
             "description": "size is 'WIDTHxHEIGHT'; response_format only 'b64_json'" + (

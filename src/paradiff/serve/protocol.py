@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 IMAGE_FIELDS = {"model", "prompt", "n", "size", "response_format", "seed", "steps", "guidance", "negative_prompt",
-                "true_cfg_scale", "user"}
+                "true_cfg_scale", "user", "loras"}
 VIDEO_FIELDS = IMAGE_FIELDS | {"frames", "fps"}
 # request field -> the pipeline call's parameter it sets (refused where the pipeline's __call__ lacks it)
 CALL_PARAMETERS = {"guidance": "guidance_scale", "true_cfg_scale": "true_cfg_scale",
@@ -39,6 +39,7 @@ class Limits:
     model_name: str = "paradiff"
     kind: str = "image"  # what the pipeline makes: "image" or "video"
     accepts: frozenset = frozenset()  # the parameters of the pipeline's __call__
+    adapters: tuple = ()  # ((name, scale at start), ...): the LoRA adapters loaded with --lora
 
 
 @dataclass(frozen=True)
@@ -55,11 +56,12 @@ class ImageRequest:
     kind: str = "image"
     frames: int | None = None
     fps: int = 16
+    loras: tuple = ()  # ((adapter name, scale), ...) active for this request; () = none
 
     def batch_key(self) -> tuple:
         """Requests with equal keys can share one pipeline call (each keeps its own prompt and seeds)."""
         return (self.kind, self.width, self.height, self.steps, self.guidance, self.negative_prompt,
-                self.true_cfg_scale, self.frames)
+                self.true_cfg_scale, self.frames, self.loras)
 
     def seeds(self) -> list[int]:
         """Image i of the request uses seed + i, as `paradiff generate` does for prompt i."""
@@ -118,6 +120,7 @@ def parse_image_request(body: Any, limits: Limits, kind: str = "image") -> Image
     seed = body.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise RequestError(400, f"seed: expected an integer from 0 to 2**63 - 1, got {seed!r}")
+    loras = _loras(body.get("loras"), limits)
     frames = fps = None
     if kind == "video":
         frames = body.get("frames", limits.default_frames)
@@ -128,7 +131,25 @@ def parse_image_request(body: Any, limits: Limits, kind: str = "image") -> Image
                         seed=seed, steps=_integer(body, "steps", limits.default_steps, 1, limits.max_steps),
                         guidance=_number(body, "guidance", limits.default_guidance), negative_prompt=negative,
                         true_cfg_scale=_number(body, "true_cfg_scale", limits.default_true_cfg), kind=kind,
-                        frames=frames, fps=fps or limits.default_fps)
+                        frames=frames, fps=fps or limits.default_fps, loras=loras)
+
+
+def _loras(value: Any, limits: Limits) -> tuple:
+    """`loras`: {adapter name: scale} among the adapters the server loaded (--lora); absent: those, at their start
+    scales; {}: none."""
+    if value is None:
+        return tuple(limits.adapters)
+    available = [name for name, _ in limits.adapters]
+    if not isinstance(value, dict):
+        raise RequestError(400, f"loras: expected an object {{adapter name: scale}}; adapters here: {available}")
+    unknown = sorted(set(value) - set(available))
+    if unknown:
+        raise RequestError(400, f"loras: no adapter(s) {unknown} on this server; adapters here: {available} "
+                                "(loaded at start with --lora)")
+    for name, scale in value.items():
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not -10 <= scale <= 10:
+            raise RequestError(400, f"loras: the scale of {name!r} must be a number from -10 to 10, got {scale!r}")
+    return tuple((name, float(value[name])) for name in available if name in value)
 
 
 def _size(value: Any, limits: Limits) -> tuple[int, int]:

@@ -86,10 +86,24 @@ class Replica:
         self.max_batch = max_batch
         self.replica, self.replicas = data_coordinates(self.pipeline)
         self.parameters = set(call_parameters(self.pipeline))
+        self.adapters = tuple((lora["adapter_name"], lora["scale"]) for lora in loaded.loras)
+        self._active: tuple | None = self.adapters  # load_from_args mixed them at their start scales
 
     def describe(self) -> dict:
         return {"kind": "video" if "num_frames" in self.parameters else "image",
-                "accepts": frozenset(self.parameters), "replicas": self.replicas}
+                "accepts": frozenset(self.parameters), "replicas": self.replicas, "adapters": self.adapters}
+
+    def use_adapters(self, loras: tuple) -> None:
+        """The request's adapters and scales (every rank of the replica gets the same, from the broadcast round)."""
+        loras = tuple((name, float(scale)) for name, scale in loras)
+        if loras == self._active or not self.adapters:
+            return
+        if loras:
+            self.pipeline.enable_lora()
+            self.pipeline.set_adapters([name for name, _ in loras], [scale for _, scale in loras])
+        else:
+            self.pipeline.disable_lora()
+        self._active = loras
 
     def call_kwargs(self, item: dict) -> dict:
         kwargs = call_kwargs(self.args)
@@ -110,6 +124,7 @@ class Replica:
         for start in range(0, len(images), self.max_batch):
             chunk = images[start:start + self.max_batch]
             kwargs = self.call_kwargs(chunk[0][0])
+            self.use_adapters(tuple(chunk[0][0].get("loras", ())))
             if len(chunk) == 1:  # as `paradiff generate` calls it: byte-identical outputs
                 (item, seed), = chunk
                 result = self.pipeline(prompt=item["prompt"], seed=seed, **kwargs)

@@ -56,7 +56,8 @@ class Job:
         r = self.request
         return {"id": self.id, "prompt": r.prompt, "seeds": r.seeds(), "width": r.width, "height": r.height,
                 "steps": r.steps, "guidance": r.guidance, "negative_prompt": r.negative_prompt,
-                "true_cfg_scale": r.true_cfg_scale, "kind": r.kind, "frames": r.frames, "fps": r.fps}
+                "true_cfg_scale": r.true_cfg_scale, "kind": r.kind, "frames": r.frames, "fps": r.fps,
+                "loras": list(r.loras)}
 
 
 class Scheduler:
