@@ -26,9 +26,10 @@ def offload_equivalence(cases: list[dict]) -> list[dict]:
         single = cls.from_pretrained(case["folder"]).eval()
         resident = paradiff.from_pretrained(cls, case["folder"], parallel_config=parallel_config(case["mode"]))
         offloaded = paradiff.from_pretrained(cls, case["folder"], parallel_config=parallel_config(case["mode"]))
-        path = os.path.join(case["disk"], f"{case['mode']}-{case['offload_type']}-rank{dist.get_rank()}")
+        path = os.path.join(case["disk"], f"{case['mode']}-{case['offload_type']}")  # one path for every rank
         offloaded.enable_group_offload(torch.device("cpu"), offload_type=case["offload_type"], num_blocks_per_group=1,
                                        offload_to_disk_path=path)
+        path = os.path.join(path, f"paradiff-rank{dist.get_rank()}")
         diffs = []
         for batch in (1, 2):
             inputs = make_inputs(case["family"], single.config, batch=batch, lengths=Lengths(height=4, width=4, text=6))
@@ -37,8 +38,46 @@ def offload_equivalence(cases: list[dict]) -> list[dict]:
             actual = run_forward(offloaded, inputs)
             diffs.append(float((actual - parallel).abs().max() / parallel.abs().max()))
             diffs.append(float((actual - expected).abs().max() / expected.abs().max()))
-        results.append({**case, "diffs": diffs, "files": sorted(os.listdir(path))})
+        files = [name for name in os.listdir(path) if name.startswith("group_")]
+        results.append({**case, "diffs": diffs, "files": len(files)})
     return results
+
+
+def offload_before_split_refused(folder: str, family: str, disk: str) -> str:
+    model = model_class(family).from_pretrained(folder).eval()
+    model.enable_group_offload(torch.device("cpu"), offload_type="block_level", num_blocks_per_group=1,
+                               offload_to_disk_path=os.path.join(disk, f"before-{dist.get_rank()}"))
+    try:
+        paradiff.enable_parallelism(model, parallel_config("tp2"))
+    except Exception as exc:  # noqa: BLE001 - the error is what the test checks
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def pipeline_offload(folder: str, family: str, disk: str) -> dict:
+    """tp2 pipeline images with group offloading to one shared disk path, and with model CPU offload, equal the
+    resident tp2 pipeline's."""
+    import numpy as np
+
+    from paradiff.testing.pipelines import default_call_kwargs
+
+    torch.set_num_threads(1)
+    kwargs = dict(default_call_kwargs(family), num_inference_steps=2)
+    config = parallel_config("tp2")
+    outputs = {}
+    for how in ("resident", "group", "model"):
+        pipe = paradiff.load_pipeline(folder, parallel_config=config)
+        pipe.set_progress_bar_config(disable=True)
+        if how == "group":
+            pipe.enable_group_offload(torch.device("cpu"), offload_type="block_level", num_blocks_per_group=1,
+                                      offload_to_disk_path=os.path.join(disk, "pipeline"))
+        if how == "model":
+            pipe.enable_model_cpu_offload()
+        output = pipe(**kwargs, seed=0)
+        outputs[how] = np.asarray(output.frames if hasattr(output, "frames") else output.images)
+    own = os.path.join(disk, "pipeline", f"paradiff-rank{dist.get_rank()}")
+    return {"diffs": {how: float(np.abs(out - outputs["resident"]).max()) for how, out in outputs.items()},
+            "components": sorted(os.listdir(own))}
 
 
 def _resident_bytes(tensor: torch.Tensor) -> int:
