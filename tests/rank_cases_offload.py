@@ -54,7 +54,7 @@ def offload_before_split_refused(folder: str, family: str, disk: str) -> str:
     return "no error"
 
 
-def pipeline_offload(folder: str, family: str, disk: str) -> dict:
+def pipeline_offload(folder: str, family: str, disk: str, exclude: list[str] | None = None) -> dict:
     """tp2 pipeline images with group offloading to one shared disk path, and with model CPU offload, equal the
     resident tp2 pipeline's."""
     import numpy as np
@@ -70,7 +70,7 @@ def pipeline_offload(folder: str, family: str, disk: str) -> dict:
         pipe.set_progress_bar_config(disable=True)
         if how == "group":
             pipe.enable_group_offload(torch.device("cpu"), offload_type="block_level", num_blocks_per_group=1,
-                                      offload_to_disk_path=os.path.join(disk, "pipeline"))
+                                      offload_to_disk_path=os.path.join(disk, "pipeline"), exclude_modules=exclude)
         if how == "model":
             pipe.enable_model_cpu_offload()
         output = pipe(**kwargs, seed=0)

@@ -41,7 +41,9 @@ def test_pipeline_group_and_model_cpu_offload_give_the_resident_images(pools, ti
     for result in pools.get(2).run(cases.pipeline_offload, folder=str(tiny_pipeline_folders["flux2"]),
                                    family="flux2", disk=str(tmp_path), timeout_s=600):
         assert all(diff <= 1e-5 for diff in result["diffs"].values()), result
-        assert "transformer" in result["components"] and "vae" in result["components"], result
+        # the split VAE stays resident (its decode under group offloading is not supported yet)
+        assert "transformer" in result["components"] and "text_encoder" in result["components"], result
+        assert "vae" not in result["components"], result
 
 
 def test_offloading_before_the_split_is_refused_and_says_to_enable_it_after(pools, checkpoints, tmp_path):

@@ -15,6 +15,7 @@ would keep the full weights they captured.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any
 
@@ -24,6 +25,8 @@ from torch import nn
 
 from paradiff.distributed.agreement import fingerprint
 from paradiff.errors import ParallelConfigError
+
+logger = logging.getLogger(__name__)
 
 RANK_FOLDER = "paradiff-rank{rank}"
 NOTE = "paradiff-offload.json"
@@ -124,8 +127,15 @@ def pipeline_group_offload(pipeline: Any, onload_device: Any, kwargs: dict[str, 
     exclude = [exclude] if isinstance(exclude, str) else list(exclude)
     path = kwargs.pop("offload_to_disk_path", None)
     root = rank_offload_path(path)
+    from paradiff.vae.apply import get_vae_runtime
+
     for name, component in pipeline.components.items():
         if name in exclude or not isinstance(component, nn.Module):
+            continue
+        if get_vae_runtime(component) is not None:
+            # the row-split VAE's decode gives NaN under group offloading (not yet understood): it stays resident
+            logger.warning("%s is split across ranks by paradiff and stays resident (group offloading of a split "
+                           "VAE is not supported yet; load with parallel_vae=False to offload it)", name)
             continue
         own = None if root is None else os.path.join(root, name)
         if own is not None:
