@@ -51,3 +51,21 @@ def test_offloading_before_the_split_is_refused_and_says_to_enable_it_after(pool
                                   family="flux2", disk=str(tmp_path)):
         assert error.startswith("UnsupportedModelError"), error
         assert "diffusers offloading" in error and "after paradiff split" in error, error
+
+
+def test_an_offload_folder_written_for_other_shards_is_refused(tmp_path):
+    import pytest
+    import torch
+
+    from paradiff.api.offload import rank_offload_path
+    from paradiff.errors import ParallelConfigError
+
+    folder = rank_offload_path(tmp_path / "offload", torch.nn.Linear(4, 4))
+    assert folder.endswith("paradiff-rank0") and rank_offload_path(folder) == folder  # marked once, kept
+    with pytest.raises(ParallelConfigError, match="another split of Linear"):
+        rank_offload_path(tmp_path / "offload", torch.nn.Linear(4, 8))
+    foreign = tmp_path / "foreign" / "paradiff-rank0"
+    foreign.mkdir(parents=True)
+    (foreign / "group_0123.safetensors").write_bytes(b"")
+    with pytest.raises(ParallelConfigError, match="1 group files paradiff did not write"):
+        rank_offload_path(tmp_path / "foreign", torch.nn.Linear(4, 4))
