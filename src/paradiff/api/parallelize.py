@@ -48,8 +48,9 @@ def check_shardable(model: nn.Module) -> None:
         if hasattr(module, "_hf_hook"):
             raise UnsupportedModelError(
                 f"{name or 'model'} has an accelerate hook ({type(module._hf_hook).__name__}), e.g. from CPU "
-                "offloading; paradiff needs the weights resident. Remove it first (pipe.remove_all_hooks() or "
-                "accelerate.hooks.remove_hook_from_module(model, recurse=True)) and do not enable offloading."
+                "offloading; paradiff splits resident weights. Remove it first (pipe.remove_all_hooks() or "
+                "accelerate.hooks.remove_hook_from_module(model, recurse=True)) and enable offloading after "
+                "paradiff split the model (pipe.enable_model_cpu_offload() on the paradiff pipeline)."
             )
         registry = getattr(module, "_diffusers_hook", None)
         hooks = getattr(registry, "hooks", {}) if registry is not None else {}
