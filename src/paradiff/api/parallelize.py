@@ -15,6 +15,7 @@ from paradiff.distributed.failures import guarded_call
 from paradiff.distributed.mesh import rank_coordinates, require_distributed
 from paradiff.api.load_sequence import Component, Prepared, run_load_sequence
 from paradiff.api.lora import install_lora_support
+from paradiff.api.offload import install_offload_support
 from paradiff.plans import plan_for
 from paradiff.runtime.state import ParallelState, get_state, set_state
 from paradiff.runtime.wrappers import install_wrapper
@@ -47,17 +48,19 @@ def check_shardable(model: nn.Module) -> None:
         if hasattr(module, "_hf_hook"):
             raise UnsupportedModelError(
                 f"{name or 'model'} has an accelerate hook ({type(module._hf_hook).__name__}), e.g. from CPU "
-                "offloading; paradiff needs the weights resident. Remove it first (pipe.remove_all_hooks() or "
-                "accelerate.hooks.remove_hook_from_module(model, recurse=True)) and do not enable offloading."
+                "offloading; paradiff splits resident weights. Remove it first (pipe.remove_all_hooks() or "
+                "accelerate.hooks.remove_hook_from_module(model, recurse=True)) and enable offloading after "
+                "paradiff split the model (pipe.enable_model_cpu_offload() on the paradiff pipeline)."
             )
         registry = getattr(module, "_diffusers_hook", None)
         hooks = getattr(registry, "hooks", {}) if registry is not None else {}
         offload = [str(key) for key in hooks if "offload" in str(key)]
         if offload:
             raise UnsupportedModelError(
-                f"{name or 'model'} uses diffusers offloading (hooks {offload}); paradiff needs the weights "
-                f"resident. Remove it first (module._diffusers_hook.remove_hook({offload[0]!r}, recurse=True)) or "
-                "load the model without offloading."
+                f"{name or 'model'} uses diffusers offloading (hooks {offload}); paradiff splits resident "
+                f"weights. Remove it first (module._diffusers_hook.remove_hook({offload[0]!r}, recurse=True)) and "
+                "enable offloading after paradiff split the model (model.enable_group_offload(...) on the parallel "
+                "model or pipeline: each rank offloads its own shards)."
             )
         peft_config = getattr(module, "peft_config", None)
         if "lora_A" in dict(module.named_children()) or peft_config:
@@ -116,4 +119,5 @@ def attach(model: nn.Module, mesh: Any, resolved: Any, cp_resolved: Any) -> nn.M
     install_wrapper(model, "failure_guard", guarded_call)
     install_agreed_caching(model, mesh.model_group)
     install_lora_support(model)
+    install_offload_support(model)
     return model
