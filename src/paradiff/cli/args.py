@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "load_lora_weights reads) at SCALE (default 1); repeatable: the adapters are mixed")
     gen.add_argument("--lora-weight-name", default=None,
                      help="which file of a --lora folder or Hub repo holding several")
+    gen.add_argument("--also-without-lora", action="store_true",
+                     help="with --lora: draw every prompt twice on the one loaded pipeline, with the adapters "
+                          "switched off (NNNN-without-lora.png) and on (NNNN.png), same seed; --compare checks both")
     gen.add_argument("--cache", default=None, metavar="SPEC",
                      help="step cache, decisions agreed by all ranks: 'fbc:THRESHOLD' (first-block cache, e.g. "
                           "fbc:0.08) or 'taylorseer:INTERVAL[:WARMUP]' (e.g. taylorseer:3:2)")
@@ -211,6 +214,11 @@ def check_args(args: argparse.Namespace) -> None:
         path = Path(lora["path"])
         if (lora["path"].startswith((".", "/")) or path.suffix == ".safetensors") and not path.exists():
             raise CliError(f"--lora {lora['path']}: no such file or folder")
+    if getattr(args, "also_without_lora", False) and not lora_specs(args):
+        raise CliError("--also-without-lora draws each prompt without and with the --lora adapters: give --lora too")
+    if getattr(args, "also_without_lora", False) and args.stages:
+        raise CliError("--also-without-lora with --stages: a staged run draws its prompts as one batch with one set "
+                       "of adapters; drop one of the two")
     for flag, value in (("--plan", args.plan), ("--cp-plan", args.cp_plan)):
         if value not in (None, "auto") and not Path(value).is_file():
             raise CliError(f"{flag} {value}: expected 'auto' or a plan file (FILE.py); no such file")
