@@ -45,7 +45,7 @@ SINGLE_BLOCK_LINEARS = ("attn.to_qkv_mlp_proj", "attn.to_out")
 
 PROFILES = {
     # images, steps, batch, peak learning rate
-    "full": dict(pool=4096, steps=1500, batch=32, lr=3e-3),
+    "full": dict(pool=4096, steps=600, batch=32, lr=3e-3),
     "quick": dict(pool=16, steps=6, batch=4, lr=3e-3),
 }
 
