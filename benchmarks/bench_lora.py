@@ -22,6 +22,7 @@ import argparse
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -81,6 +82,8 @@ def lora_worker(rank: int, world_size: int, folder: str, loras: dict[str, str], 
     import paradiff
 
     quiet_diffusers()
+    # peft warns on every second adapter that the model already has one: that is the point here
+    warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
     config = paradiff.TensorParallelConfig(world_size) if world_size > 1 else None
     model = paradiff.from_pretrained(Flux2Transformer2DModel, folder, torch_dtype=torch.float32, progress=False,
                                      parallel_config=config).eval()
