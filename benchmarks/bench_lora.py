@@ -10,10 +10,11 @@ single blocks' fused projection in and out: 40 Linears), saved once as diffusers
 Each configuration runs in fresh processes; inside them the variants are interleaved, round after round: no
 adapter, load the first (timed), one adapter, load the second and `set_adapters` both (timed), two adapters,
 `fuse_lora` (timed), fused, `unfuse_lora` and `unload_lora`. Each variant's step time is the median over every
-round's timed steps (a step is timed between barriers; the slowest rank counts), so the ratios compare steps taken
-minutes apart at most, on the same loaded model.
+round's timed steps (a step is timed between barriers; the slowest rank counts) in which other processes used under
+0.1 core on average ("quiet steps"; all of them when fewer than 2 were), so the ratios compare steps taken minutes
+apart at most, on the same loaded model. The machine is shared: each configuration first waits for it to go quiet.
 
-    .venv/bin/python benchmarks/bench_lora.py [--rounds 3] [--steps 2] [--warmup 1]
+    .venv/bin/python benchmarks/bench_lora.py [--rounds 3] [--steps 3] [--warmup 1]
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
     LoadWindow,
+    cpu_seconds,
     foreign_cpu,
     machine_line,
     markdown_table,
     quiet_diffusers,
     run_ranks,
+    system_busy_seconds,
     wait_for_quiet,
 )
 from bench_tp_step import CONFIG, DEFAULT_FOLDER, _inputs, ensure_checkpoint  # noqa: E402
@@ -105,6 +108,8 @@ def lora_worker(rank: int, world_size: int, folder: str, loras: dict[str, str], 
             return model(**inputs, return_dict=False)[0]
 
     times = {variant: [] for variant in VARIANTS}
+    # per timed step: (machine busy CPU-s, this rank's CPU-s), to tell the steps other processes disturbed
+    loads = {variant: [] for variant in VARIANTS}
     outputs, actions = {}, {"load first": [], "load second + set_adapters": [], "set_adapters switch": [],
                             "fuse_lora": [], "unfuse_lora": []}
     held, read = {}, {}
@@ -113,7 +118,9 @@ def lora_worker(rank: int, world_size: int, folder: str, loras: dict[str, str], 
         for _ in range(warmup):
             forward()
         for _ in range(steps):
+            busy, own = system_busy_seconds(), cpu_seconds()
             times[variant].append(timed(forward))
+            loads[variant].append((system_busy_seconds() - busy, cpu_seconds() - own))
         if variant not in outputs:
             outputs[variant] = forward().numpy().copy()
 
@@ -146,7 +153,7 @@ def lora_worker(rank: int, world_size: int, folder: str, loras: dict[str, str], 
             model.unload_lora()
             if round_index == 0:
                 print(f"  rank {rank}: round 1 done", flush=True)
-    return dict(rank=rank, times=times, actions=actions, outputs=outputs, held=held, read=read,
+    return dict(rank=rank, times=times, loads=loads, actions=actions, outputs=outputs, held=held, read=read,
                 window=dict(system=window.system, own=window.own, wall=window.wall))
 
 
@@ -154,7 +161,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--folder", default=str(DEFAULT_FOLDER))
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=2, help="timed steps per variant per round")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per variant per round")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before each variant's timed ones")
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--no-wait", action="store_true", help="do not wait for other processes to go quiet")
@@ -181,28 +188,38 @@ def main() -> None:
     def slowest(ranks: list[dict], key: str, variant: str) -> list[float]:
         return [max(r[key][variant][i] for r in ranks) for i in range(len(ranks[0][key][variant]))]
 
-    medians = {which: {v: statistics.median(slowest(results[which], "times", v)) for v in VARIANTS}
+    def quiet_steps(ranks: list[dict], variant: str) -> list[float]:
+        """The variant's step times (slowest rank) in which other processes used under 0.1 core on average (the
+        machine's busy CPU time minus every rank's own); all of them when fewer than 2 were that quiet."""
+        times = slowest(ranks, "times", variant)
+        foreign = [max(0.0, ranks[0]["loads"][variant][i][0] - sum(r["loads"][variant][i][1] for r in ranks))
+                   for i in range(len(times))]
+        quiet = [t for t, f in zip(times, foreign) if f < 0.1 * t]
+        return quiet if len(quiet) >= 2 else times
+
+    medians = {which: {v: statistics.median(quiet_steps(results[which], v)) for v in VARIANTS}
                for which in configs}
     rows = []
     for which in configs:
         base = medians[which]["no adapter"]
         reference = results["single"][0]["outputs"] if "single" in results else None
         for variant in VARIANTS:
-            times = slowest(results[which], "times", variant)
+            every = slowest(results[which], "times", variant)
+            times = quiet_steps(results[which], variant)
             out = results[which][0]["outputs"][variant]
             diff = "n/a"
             if reference is not None:
                 expected = reference[variant]
                 diff = f"{float(abs(out - expected).max() / abs(expected).max()):.1e}"
             rows.append([CONFIGS[which][0], variant, f"{medians[which][variant]:.3f}",
-                         f"{min(times):.3f}–{max(times):.3f}", f"{100 * (medians[which][variant] / base - 1):+.1f}%",
-                         diff])
+                         f"{min(times):.3f}–{max(times):.3f}", f"{len(times)} of {len(every)}",
+                         f"{100 * (medians[which][variant] / base - 1):+.1f}%", diff])
     print()
     print(f"machine: {machine_line()}")
     print(f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; {args.rounds} round(s) x ({args.warmup} warm-up + "
           f"{args.steps} timed steps) per variant; total {time.time() - started:.0f}s")
     print()
-    print(markdown_table(["configuration", "variant", "step s (median)", "min–max s", "vs no adapter",
+    print(markdown_table(["configuration", "variant", "step s (median)", "min–max s", "quiet steps", "vs no adapter",
                           "rel max diff vs single process"], rows))
     print()
     byte_rows = []
