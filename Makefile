@@ -14,8 +14,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $(STAMP)
 
+# The demo prompts drawn on a tp2 x ulysses2 mesh without and with the demo LoRA (it swaps the two colours),
+# each against diffusers in one process (out/demo/compare.png: without on the left, with on the right).
+DEMO_LORA := src/paradiff/assets/demo/lora/colour_swap.safetensors
+
 demo: $(STAMP)
-	$(VENV)/bin/paradiff generate --tp 2 --ulysses 2 --compare --out out/demo
+	$(VENV)/bin/paradiff generate --tp 2 --ulysses 2 --compare --lora $(DEMO_LORA) --also-without-lora --out out/demo
 	$(PY) -m paradiff.demo
 
 test: $(STAMP)

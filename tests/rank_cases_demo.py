@@ -46,3 +46,27 @@ def generate_in_modes(folder: str, modes: list[dict], prompts: list[str], steps:
                         "transformer_params": sum(p.numel() for p in pipeline.transformer.parameters()),
                         "text_encoder_params": sum(p.numel() for p in pipeline.text_encoder.parameters())})
     return results
+
+
+def lora_forward(folder: str, lora: str, degrees: dict) -> dict:
+    """One forward of the demo transformer on the mesh with the demo LoRA loaded from its file, against diffusers'
+    LoRA on the unsplit transformer (seeded inputs at the demo's size); and what this rank read of the file."""
+    from diffusers import Flux2Transformer2DModel
+
+    from paradiff.demo.tp_check import _inputs
+
+    torch.set_num_threads(1)
+    model = paradiff.from_pretrained(Flux2Transformer2DModel, folder, subfolder="transformer",
+                                     parallel_config=_config(**degrees))
+    reference = Flux2Transformer2DModel.from_pretrained(folder, subfolder="transformer").eval()
+    inputs = _inputs(reference.config)
+    with torch.no_grad():
+        plain = reference(**inputs)[0]
+        for module in (model, reference):
+            module.load_lora_adapter(lora, adapter_name="swap", use_safetensors=True)
+        actual, expected = model(**inputs)[0], reference(**inputs)[0]
+    report = model._paradiff_lora_load
+    return {"rank": dist.get_rank(),
+            "rel_diff": float((actual - expected).abs().max() / expected.abs().max()),
+            "lora_effect": float((expected - plain).abs().max() / plain.abs().max()),
+            "bytes_read": report.bytes_read, "local_bytes": report.local_bytes, "sliced": report.sliced}

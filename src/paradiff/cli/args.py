@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompts-file", default=None, help="a text file with one prompt per line")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--out", default="out", help="output folder (PNG/MP4 files and report.json)")
+    gen.add_argument("--also-without-lora", action="store_true",
+                     help="with --lora: draw every prompt twice on the one loaded pipeline, with the adapters "
+                          "switched off (NNNN-without-lora.png) and on (NNNN.png), same seed; --compare checks both")
     gen.add_argument("--compare", action="store_true",
                      help="also run the single-process pipeline for rank 0's images, print the max difference and "
                           "write compare.png (single process | parallel | |difference| amplified)")
@@ -251,6 +254,11 @@ def check_args(args: argparse.Namespace) -> None:
         path = Path(lora["path"])
         if (lora["path"].startswith((".", "/")) or path.suffix == ".safetensors") and not path.exists():
             raise CliError(f"--lora {lora['path']}: no such file or folder")
+    if getattr(args, "also_without_lora", False) and not lora_specs(args):
+        raise CliError("--also-without-lora draws each prompt without and with the --lora adapters: give --lora too")
+    if getattr(args, "also_without_lora", False) and args.stages:
+        raise CliError("--also-without-lora with --stages: a staged run draws its prompts as one batch with one set "
+                       "of adapters; drop one of the two")
     for flag, value in (("--plan", args.plan), ("--cp-plan", args.cp_plan)):
         if value not in (None, "auto") and not Path(value).is_file():
             raise CliError(f"{flag} {value}: expected 'auto' or a plan file (FILE.py); no such file")

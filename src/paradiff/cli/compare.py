@@ -18,15 +18,19 @@ def compare_single_process(model: str, dtype: torch.dtype, kwargs: dict, seed: i
                            made: list[tuple[int, str, Output]], cache: str | None = None,
                            loras: list[dict] | None = None,
                            lora_weight_name: str | None = None,
-                           pipeline_cls: type | None = None) -> tuple[dict, list[Output]]:
+                           pipeline_cls: type | None = None,
+                           without_lora: list[tuple[int, str, Output]] | None = None) -> tuple[dict, list[Output]]:
     """Differences between each (index, prompt, image, video or sound) of `made` and diffusers' single-process
     result for that prompt (seed `seed + index`, as in the parallel run), with the same step cache on every
     transformer (`cache`, a --cache spec) when one is given, the same LoRA adapters (`loras`, from --lora), and the
     same pipeline class (`pipeline_cls`, from --pipeline; None: the folder's own).
 
+    `without_lora` (--also-without-lora): more (index, prompt, output) drawn with the adapters switched off; the
+    reference draws them with its adapters off too.
+
     Returns ({"max_abs_diff": float over all of them, "compared": count}, for videos also "max_abs_diff_per_frame"
-    (every frame is compared), and "max_abs_diff_audio" when they have a soundtrack; the single-process outputs in
-    the order of `made`).
+    (every frame is compared), "max_abs_diff_audio" when they have a soundtrack, "max_abs_diff_without_lora" over
+    `without_lora`; the single-process outputs in the order of `made`, then of `without_lora`).
     """
     from diffusers import DiffusionPipeline
 
@@ -45,13 +49,13 @@ def compare_single_process(model: str, dtype: torch.dtype, kwargs: dict, seed: i
             if name.startswith("transformer") and isinstance(module, torch.nn.Module):
                 # one process: no reduction, the same decisions
                 paradiff.enable_cache(module, cache_config(cache, module))
-    summary: dict = {"max_abs_diff": 0.0, "compared": len(made)}
-    expected_outputs = []
-    for index, prompt, output in made:
+    summary: dict = {"max_abs_diff": 0.0, "compared": len(made) + len(without_lora or [])}
+
+    def check(index: int, prompt: str, output: Output) -> tuple[Output, float]:
         result = reference(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed + index), **kwargs)
         expected = first_output(result)
-        summary["max_abs_diff"] = max(summary["max_abs_diff"],
-                                      _max_difference(expected.array, output.array, expected.kind))
+        worst = _max_difference(expected.array, output.array, expected.kind)
+        summary["max_abs_diff"] = max(summary["max_abs_diff"], worst)
         if expected.kind == "video":
             difference = np.abs(expected.array.astype(np.float64) - output.array.astype(np.float64))
             frames = [float(frame.max()) for frame in difference]
@@ -60,7 +64,17 @@ def compare_single_process(model: str, dtype: torch.dtype, kwargs: dict, seed: i
         if expected.audio is not None and output.audio is not None:
             summary["max_abs_diff_audio"] = max(summary.get("max_abs_diff_audio", 0.0),
                                                 _max_difference(expected.audio, output.audio, "soundtrack"))
-        expected_outputs.append(expected)
+        return expected, worst
+
+    expected_outputs = [check(*item)[0] for item in made]
+    if without_lora:
+        reference.disable_lora()
+        summary["max_abs_diff_without_lora"] = 0.0
+        for item in without_lora:
+            expected, worst = check(*item)
+            expected_outputs.append(expected)
+            summary["max_abs_diff_without_lora"] = max(summary["max_abs_diff_without_lora"], worst)
+        reference.enable_lora()
     return summary, expected_outputs
 
 
@@ -71,9 +85,11 @@ def _max_difference(expected: np.ndarray, actual: np.ndarray, kind: str) -> floa
     return float(np.abs(expected.astype(np.float64) - actual.astype(np.float64)).max())
 
 
-def write_compare_png(path: Path, pairs: list[tuple[np.ndarray, np.ndarray]], scale: int = 3) -> None:
+def write_compare_png(path: Path, pairs: list[tuple[np.ndarray, np.ndarray]], scale: int = 3,
+                      column_titles: tuple[str, str] | None = None) -> None:
     """Per image: single process | parallel | |difference| x AMPLIFY, enlarged `scale` times; one such triple per
-    row, in two columns of triples from five images on."""
+    row, in two columns of triples from five images on (or whenever `column_titles` name the two columns: the
+    first half of `pairs` goes left, the second right)."""
     from PIL import Image, ImageDraw
 
     def pixels(array: np.ndarray) -> np.ndarray:
@@ -85,7 +101,7 @@ def write_compare_png(path: Path, pairs: list[tuple[np.ndarray, np.ndarray]], sc
         difference = np.clip(np.abs(single.astype(np.float64) - parallel) * AMPLIFY, 0, 1)
         gap = np.full((height, 2, 3), 255, np.uint8)
         triples.append(np.concatenate([pixels(single), gap, pixels(parallel), gap, pixels(difference), gap], axis=1))
-    columns = 2 if len(triples) > 4 else 1
+    columns = 2 if len(triples) > 4 or column_titles else 1
     rows_per_column = -(-len(triples) // columns)
     blank = np.full_like(triples[0], 255)
     triples += [blank] * (rows_per_column * columns - len(triples))
@@ -95,11 +111,14 @@ def write_compare_png(path: Path, pairs: list[tuple[np.ndarray, np.ndarray]], sc
                      for c in range(columns)]
     grid = np.concatenate(column_images, axis=1)
     image = Image.fromarray(grid).resize((grid.shape[1] * scale, grid.shape[0] * scale), Image.NEAREST)
-    page = Image.new("RGB", (image.width, image.height + 14), "white")
-    page.paste(image, (0, 14))
+    top = 28 if column_titles else 14
+    page = Image.new("RGB", (image.width, image.height + top), "white")
+    page.paste(image, (0, top))
     draw = ImageDraw.Draw(page)
     panel = (width + 2) * scale
     for column in range(columns):
+        if column_titles:
+            draw.text((column * 3 * panel + 2, 2), column_titles[column], fill="black")
         for position, label in enumerate(("single process", "parallel", f"|difference| x{AMPLIFY}")):
-            draw.text((column * 3 * panel + position * panel + 2, 2), label, fill="black")
+            draw.text((column * 3 * panel + position * panel + 2, top - 12), label, fill="black")
     page.save(path)

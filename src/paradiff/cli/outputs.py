@@ -92,35 +92,38 @@ def png_bytes(array: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def save_output(output: Output, out: Path, index: int, fps: int, rate: int | None = None) -> dict:
-    """Write one output of prompt `index` under `out`; returns its report entry (kind, frame count, paths)."""
+def save_output(output: Output, out: Path, index: int, fps: int, rate: int | None = None,
+                suffix: str = "") -> dict:
+    """Write one output of prompt `index` under `out` (files named NNNN`suffix`.png ...); returns its report entry
+    (kind, frame count, paths)."""
     from PIL import Image
 
+    stem = f"{index:04d}{suffix}"
     if output.kind == "audio" or output.audio is not None:
         if rate is None:
             raise RuntimeError("the pipeline returned sound but names no sampling rate (no audio_sampling_rate, and "
                                "no sampling_rate in its vocoder's or VAE's config)")
     if output.kind == "audio":
-        path = out / f"{index:04d}.wav"
+        path = out / f"{stem}.wav"
         write_wav(output.array, path, rate)
         return {"kind": "audio", "path": str(path), "sampling_rate": rate,
                 "seconds": output.array.shape[-1] / rate}
     if output.kind == "image":
-        path = out / f"{index:04d}.png"
+        path = out / f"{stem}.png"
         path.write_bytes(png_bytes(output.array))
         return {"kind": "image", "frames": 1, "path": str(path)}
     frames = to_uint8(output.array)
-    folder = out / f"{index:04d}_frames"
+    folder = out / f"{stem}_frames"
     folder.mkdir(exist_ok=True)
     frame_files = []
     for number, frame in enumerate(frames):
         frame_files.append(str(folder / f"{number:04d}.png"))
         Image.fromarray(frame).save(frame_files[-1])
-    video = out / f"{index:04d}.mp4"
+    video = out / f"{stem}.mp4"
     write_mp4(frames, video, fps)
     entry = {"kind": "video", "frames": len(frames), "path": str(video), "fps": fps, "frame_files": frame_files}
     if output.audio is not None:
-        entry["audio_path"] = str(out / f"{index:04d}.wav")
+        entry["audio_path"] = str(out / f"{stem}.wav")
         entry["sampling_rate"] = rate
         write_wav(output.audio, Path(entry["audio_path"]), rate)
     return entry

@@ -43,6 +43,8 @@ def write_report(args: argparse.Namespace, out: Path, model: str, prompts: list[
         "images": {index: entry["path"] for index, entry in outputs.items() if entry["kind"] == "image"},
         "audios": {index: entry["path"] for index, entry in outputs.items() if entry["kind"] == "audio"},
     }
+    if any("without_lora" in entry for entry in outputs.values()):  # --also-without-lora
+        report["without_lora"] = {index: entry["without_lora"]["path"] for index, entry in outputs.items()}
     if compare is not None:
         report["max_abs_diff_vs_single_process"] = compare["max_abs_diff"]
         report["compared_outputs"] = compare["compared"]
@@ -52,6 +54,8 @@ def write_report(args: argparse.Namespace, out: Path, model: str, prompts: list[
             report["max_abs_diff_per_frame_vs_single_process"] = compare["max_abs_diff_per_frame"]
         if "max_abs_diff_audio" in compare:
             report["max_abs_diff_audio_vs_single_process"] = compare["max_abs_diff_audio"]
+        if "max_abs_diff_without_lora" in compare:
+            report["max_abs_diff_without_lora_vs_single_process"] = compare["max_abs_diff_without_lora"]
     report["compile"] = bool(getattr(args, "compile", False))
     from paradiff.cli.args import lora_specs
 
@@ -76,7 +80,8 @@ def write_report(args: argparse.Namespace, out: Path, model: str, prompts: list[
           f"median step {np.median(steps):.3f} s; world {run['world_size']} "
           f"(tp={args.tp} ulysses={args.ulysses} ring={args.ring} cfg={args.cfg} dp={args.dp})")
     for index, entry in outputs.items():
-        print(f"paradiff:   {Path(entry['path']).name}  {prompts[int(index)]}")
+        plain = f" (without LoRA: {Path(entry['without_lora']['path']).name})" if "without_lora" in entry else ""
+        print(f"paradiff:   {Path(entry['path']).name}  {prompts[int(index)]}{plain}")
     if compare is not None:
         what = "video (every frame)" if "max_abs_diff_per_frame" in compare else "image" if counts["image"] else "sound"
         worst = compare["max_abs_diff"]

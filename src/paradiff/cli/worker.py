@@ -127,6 +127,8 @@ def generate(args: argparse.Namespace, device: torch.device,
     out = Path(args.out)
     kwargs = accepted_kwargs(call_kwargs(args), pipeline)
     made: list[tuple[int, str, Output]] = []  # rank 0's outputs, for --compare
+    made_without_lora: list[tuple[int, str, Output]] = []  # --also-without-lora: the same with the adapters off
+    without_lora = bool(getattr(args, "also_without_lora", False))
     computed_steps: dict[int, dict[str, list[int]]] = {}  # prompt index -> cache context -> steps computed
     with paradiff.split_between_processes(indexed, pipeline) as share:
         # staged: the replica's prompts form one batch (each with its own seed), so each stage loads once
@@ -144,6 +146,16 @@ def generate(args: argparse.Namespace, device: torch.device,
                                   **step_callback(pipeline, on_step), **kwargs)
             else:
                 (index, prompt), = batch
+                if without_lora:  # the same prompt and seed first with the adapters off, on the same pipeline
+                    pipeline.disable_lora()
+                    plain = pipeline(prompt=prompt, seed=args.seed + index, **step_callback(pipeline, on_step),
+                                     **kwargs)
+                    pipeline.enable_lora()
+                    step_times += [b - a for a, b in zip(stamps, stamps[1:])]
+                    stamps[:] = [time.perf_counter()]
+                    (plain_output,) = outputs_of(plain)
+                    if args.compare and rank == 0:
+                        made_without_lora.append((index, prompt, plain_output))
                 result = pipeline(prompt=prompt, seed=args.seed + index, **step_callback(pipeline, on_step), **kwargs)
             step_times += [b - a for a, b in zip(stamps, stamps[1:])]
             for name, monitor in monitors.items():
@@ -157,6 +169,9 @@ def generate(args: argparse.Namespace, device: torch.device,
                     made.append((index, prompt, output))
                 if pipeline.is_output_rank:
                     outputs[index] = {"prompt": prompt, **save_output(output, out, index, args.fps, rate)}
+                    if without_lora:
+                        outputs[index]["without_lora"] = save_output(plain_output, out, index, args.fps, rate,
+                                                                     suffix="-without-lora")
     stats = {
         "rank": rank,
         "load_s": load_s,
@@ -176,11 +191,16 @@ def generate(args: argparse.Namespace, device: torch.device,
             compare, references = compare_single_process(model, dtype, kwargs, args.seed, made,
                                                          cache=args.cache, loras=loras,
                                                          lora_weight_name=args.lora_weight_name,
-                                                         pipeline_cls=pipeline_cls)
+                                                         pipeline_cls=pipeline_cls,
+                                                         without_lora=made_without_lora if without_lora else None)
             if all(output.kind == "image" for _, _, output in made):
                 compare["picture"] = str(out / "compare.png")
+                # --also-without-lora: the adapters off in the left column, on in the right
+                ordered = made_without_lora + made if without_lora else made
+                references = references[len(made):] + references[:len(made)] if without_lora else references
                 write_compare_png(out / "compare.png", [(reference.array, output.array) for reference, (_, _, output)
-                                                        in zip(references, made)])
+                                                        in zip(references, ordered)],
+                                  column_titles=("without LoRA", "with LoRA") if without_lora else None)
         run = {"world_size": dist.get_world_size(), "backend": dist.get_backend(), "device": device.type,
                "parallel_vae": get_vae_runtime(pipeline.vae) is not None if hasattr(pipeline, "vae") else False}
         return write_report(args, out, model, prompts, run, gathered, compare)

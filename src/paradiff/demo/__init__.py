@@ -12,13 +12,16 @@ from pathlib import Path
 from paradiff.demo.shapes import DEFAULT_PROMPTS
 
 PIPELINE_DIR = Path(__file__).resolve().parents[1] / "assets" / "demo"
+# The demo LoRA (tools/train_demo_lora.py): swaps the shape's colour and the background's, "a red circle on a blue
+# background" drawing a blue circle on red. A diffusers-format file, loaded by `--lora` or `load_lora_weights`.
+LORA_FILE = PIPELINE_DIR / "lora" / "colour_swap.safetensors"
 
 # What the pipeline was trained for, beyond diffusers' FLUX.2 defaults (which are for FLUX.2-dev at 1024x1024):
 # 64x64 images, prompts padded to 20 tokens. Eight Euler steps draw clean shapes.
 CALL_KWARGS = dict(height=64, width=64, max_sequence_length=20)
 DEFAULT_STEPS = 8
 
-__all__ = ["CALL_KWARGS", "DEFAULT_PROMPTS", "DEFAULT_STEPS", "PIPELINE_DIR", "pipeline_path"]
+__all__ = ["CALL_KWARGS", "DEFAULT_PROMPTS", "DEFAULT_STEPS", "LORA_FILE", "PIPELINE_DIR", "pipeline_path"]
 
 
 def pipeline_path() -> Path:
