@@ -1138,3 +1138,52 @@ def _seeded(seed: int, component: int) -> Iterator[None]:
 def _check_family(family: str) -> None:
     if family not in PIPELINE_FAMILIES:
         raise ValueError(f"unknown pipeline family {family!r}; known: {PIPELINE_FAMILIES}")
+
+
+# --- ControlNet pipelines ---------------------------------------------------------------------------------------
+
+# The ControlNet's residual projections and condition embedder come zero-initialised from diffusers (a fresh
+# ControlNet changes nothing); the tiny one draws them at this scale, so its residuals are as large as the tokens they
+# are added to and a residual added to the wrong tokens changes the image far beyond any tolerance.
+CONTROLNET_RESIDUAL_STD = 0.2
+
+
+def build_controlnet_pipeline(seed: int = 0):
+    """A tiny FluxControlNetPipeline: the FLUX.1 family's components and transformer, and a FluxControlNetModel of
+    the transformer's width (one double- and one single-stream block, guidance embedded) with random weights."""
+    import diffusers
+
+    components = _build_flux(seed)
+    with _seeded(seed, 0):
+        components["transformer"] = transformer_class("flux")(**transformer_config("flux"))
+        with torch.no_grad():
+            for param in components["transformer"].parameters():
+                param.add_(torch.randn_like(param) * 0.05)
+    config = {key: value for key, value in transformer_config("flux").items() if key != "out_channels"}
+    with _seeded(seed, 6):
+        controlnet = diffusers.FluxControlNetModel(**config)
+        with torch.no_grad():
+            for name, param in controlnet.named_parameters():
+                residual = name.startswith(("controlnet_blocks", "controlnet_single_blocks", "controlnet_x_embedder"))
+                param.add_(torch.randn_like(param) * (CONTROLNET_RESIDUAL_STD if residual else 0.05))
+    pipe = diffusers.FluxControlNetPipeline(**components, controlnet=controlnet)
+    pipe.set_progress_bar_config(disable=True)
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
+            module.eval()
+    return pipe
+
+
+def save_controlnet_pipeline(folder: str | Path, seed: int = 0) -> Path:
+    """Write `build_controlnet_pipeline(seed)` as a pipeline folder; does nothing if it is there already."""
+    folder = Path(folder)
+    if (folder / "model_index.json").is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        build_controlnet_pipeline(seed).save_pretrained(staging, safe_serialization=True)
+        os.rename(staging, folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
