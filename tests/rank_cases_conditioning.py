@@ -106,3 +106,89 @@ def _first_block(transformer) -> torch.nn.Module:
         if blocks is not None:
             return blocks[0]
     raise AttributeError(f"{type(transformer).__name__} has no transformer_blocks / blocks")
+
+
+# --- ControlNet: FluxControlNetPipeline, its ControlNet split like the transformer --------------------------------
+
+# 44 x 36 pixels -> 22 x 18 latents -> 11 x 9 = 99 packed image tokens: the ranks' shares are uneven (50 / 49)
+CONTROLNET_CALL = dict(prompt="a small red fox running through the snow", guidance_scale=3.5, max_sequence_length=32,
+                       height=44, width=36, num_inference_steps=2, output_type="np", controlnet_conditioning_scale=0.8)
+
+
+def controlnet_kwargs() -> dict:
+    return dict(CONTROLNET_CALL, control_image=condition_image((44, 36), seed=11))
+
+
+def _recorder(module: torch.nn.Module, into: list, argument: str = "hidden_states") -> None:
+    module.register_forward_pre_hook(
+        lambda _module, args, kw: into.append(kw.get(argument, args[0] if args else None).detach().clone()),
+        with_kwargs=True)
+
+
+def controlnet_equivalence(folder: str, modes: dict[str, dict]) -> dict:
+    """FluxControlNetPipeline on the mesh, for each mode, against diffusers' single-process call (same seed):
+    the images; the residuals the ControlNet returns at the first step (whole in every mode); what the first single
+    block receives at the first step, the double block's output plus its residual, against this rank's slice of the
+    single-process one; and at TP, each ControlNet weight against the slice its shard spec names."""
+    from paradiff.context_parallel.attention import even_sizes
+    from paradiff.tensor_parallel.layers import ShardedLinear
+
+    torch.set_num_threads(1)
+    kwargs = controlnet_kwargs()
+    reference = diffusers.FluxControlNetPipeline.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    seen_residuals: list = []
+    reference.controlnet.register_forward_hook(lambda _m, _a, out: seen_residuals.append(out))
+    seen: list[torch.Tensor] = []
+    _recorder(reference.transformer.single_transformer_blocks[0], seen)
+    expected = _array(reference(**kwargs, generator=torch.Generator().manual_seed(0)))
+    # the same call without the ControlNet's residuals: how much they change the image
+    unconditioned = _array(reference(**dict(kwargs, controlnet_conditioning_scale=0.0),
+                                     generator=torch.Generator().manual_seed(0)))
+    full_weights = {name: param.detach() for name, param in reference.controlnet.named_parameters()}
+    full_bytes = sum(param.numel() * param.element_size() for param in full_weights.values())
+    results = {}
+    for mode, degrees in modes.items():
+        pipeline = paradiff.load_pipeline(folder, parallel_config=_config(**degrees))
+        pipeline.set_progress_bar_config(disable=True)
+        residuals: list = []
+        pipeline.controlnet.register_forward_hook(lambda _m, _a, out: residuals.append(out))
+        local: list[torch.Tensor] = []
+        _recorder(pipeline.transformer.single_transformer_blocks[0], local)
+        actual = _array(pipeline(**kwargs, seed=0))
+        share = local[0].shape[1]
+        rank, ranks = _token_rank(pipeline.transformer)
+        assert even_sizes(seen[0].shape[1], ranks)[rank] == share, (share, ranks)
+        start = sum(even_sizes(seen[0].shape[1], ranks)[:rank])
+        residual_diff = max(float((mine - theirs).abs().max())
+                            for kind in range(2) for mine, theirs in zip(residuals[0][kind], seen_residuals[0][kind]))
+        sharded = {name: module for name, module in pipeline.controlnet.named_modules()
+                   if isinstance(module, ShardedLinear)}
+        shard_diff = 0.0
+        for name, module in sharded.items():
+            full = full_weights[f"{name}.weight"]
+            spec = module.weight_spec
+            expected_slice = torch.cat([full.narrow(spec.dim, s, n) for s, n in spec.pieces], dim=spec.dim)
+            shard_diff = max(shard_diff, float((module.weight - expected_slice).abs().max()))
+        held = sum(param.numel() * param.element_size() for param in pipeline.controlnet.parameters())
+        results[mode] = {
+            "max_abs_diff": float(np.abs(actual - expected).max()), "scale": float(np.abs(expected).max()),
+            "residual_shapes": [list(t.shape) for t in residuals[0][0]] + [list(t.shape) for t in residuals[0][1]],
+            "residual_diff": residual_diff, "local_tokens": share,
+            "share_diff": float((local[0] - seen[0][:, start:start + share]).abs().max()),
+            "sharded_linears": sorted(sharded), "shard_diff": shard_diff, "held_fraction": held / full_bytes,
+            "rows_split": sorted(name for name, module in sharded.items() if module.weight_spec.dim == 0)}
+        del pipeline
+    return {"rank": dist.get_rank(), "tokens": seen[0].shape[1],
+            "residual_effect": float(np.abs(expected - unconditioned).max()),
+            "residual_scale": max(float(t.abs().max()) for kind in range(2) for t in seen_residuals[0][kind]),
+            "full_residual_shapes": [list(t.shape) for kind in range(2) for t in seen_residuals[0][kind]],
+            "modes": results}
+
+
+def _token_rank(transformer) -> tuple[int, int]:
+    """This rank's index among the ranks splitting the tokens, and their count (one CP dimension in these modes)."""
+    from paradiff.runtime.state import get_state
+
+    mesh = get_state(transformer).mesh
+    return mesh.local_rank("ring") * mesh.size("ulysses") + mesh.local_rank("ulysses"), mesh.size("ring") * mesh.size("ulysses")

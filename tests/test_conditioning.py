@@ -27,6 +27,51 @@ def test_conditioned_pipeline_under_cp_equals_single_process(pools, tiny_pipelin
             assert outcome["share_diff"] <= 1e-6, (case, mode, outcome)  # its slice of the whole sequence
 
 
+# --- ControlNet: its residuals reach the transformer's blocks split like the tokens they are added to -------------
+
+CONTROLNET_MODES = {2: {"tp2": dict(tp=2), "ulysses2": dict(ulysses=2), "ring2": dict(ring=2)},
+                    4: {"tp2xulysses2": dict(tp=2, ulysses=2)}}
+
+
+@pytest.fixture(scope="module")
+def controlnet_folder(tmp_path_factory):
+    from paradiff.testing.pipelines import save_controlnet_pipeline
+
+    return str(save_controlnet_pipeline(tmp_path_factory.mktemp("controlnet") / "flux-controlnet"))
+
+
+@pytest.mark.parametrize("world", sorted(CONTROLNET_MODES))
+def test_controlnet_pipeline_equals_single_process_with_residuals_split_like_tokens(pools, controlnet_folder, world):
+    """FluxControlNetPipeline at tp2, ulysses2, ring2 and tp2 x ulysses2 over 99 image tokens (uneven shares): the
+    images equal diffusers' single process; the ControlNet's residuals change the image far beyond the tolerance
+    (so residuals added to the wrong tokens, or left out, fail); each rank's first single block receives its own
+    slice of the single-process tokens (double block + residual); at TP each rank holds its shard of the ControlNet."""
+    results = pools.get(world).run(cases.controlnet_equivalence, folder=controlnet_folder,
+                                   modes=CONTROLNET_MODES[world], timeout_s=400)
+    for result in results:
+        # the residuals are large next to the block outputs they are added to, and change the image
+        assert result["tokens"] == 99 and result["residual_effect"] > 0.1 and result["residual_scale"] > 1.0, result
+        for mode, outcome in result["modes"].items():
+            print(mode, result["rank"], {k: v for k, v in outcome.items() if k not in ("sharded_linears",)})
+            assert outcome["max_abs_diff"] <= RTOL * max(outcome["scale"], 1.0), (mode, outcome)
+            # the residuals come back whole from the ControlNet in every mode, equal to the unsplit ones
+            assert outcome["residual_shapes"] == result["full_residual_shapes"], (mode, outcome)
+            assert outcome["residual_diff"] <= RTOL * result["residual_scale"], (mode, outcome)
+            assert outcome["share_diff"] <= 1e-5, (mode, outcome)
+            if "tp" in mode:  # every block linear split, residual projections by their input features
+                assert outcome["shard_diff"] == 0.0 and outcome["held_fraction"] < 0.6, (mode, outcome)
+                assert "controlnet_blocks.0" in outcome["sharded_linears"], outcome["sharded_linears"]
+                assert "transformer_blocks.0.attn.to_q" in outcome["rows_split"], outcome["rows_split"]
+            else:
+                assert outcome["sharded_linears"] == [] and outcome["held_fraction"] == 1.0, (mode, outcome)
+    for mode in CONTROLNET_MODES[world]:
+        shares = [result["modes"][mode]["local_tokens"] for result in results]
+        if mode in ("ulysses2", "ring2"):
+            assert sorted(shares) == [49, 50], shares
+        elif mode == "tp2xulysses2":
+            assert sorted(shares) == [49, 49, 50, 50], shares
+
+
 # --- the command line: conditioning flags checked before any worker starts ---------------------------------------
 
 import numpy as np  # noqa: E402
