@@ -161,6 +161,27 @@ def test_valid_conditioning_reaches_the_launcher_and_the_call(tiny_pipeline_fold
     assert np.array_equal(np.asarray(kwargs["image"]), np.asarray(Image.open(pictures["image"]).convert("RGB")))
 
 
+def test_controlnet_scale_on_a_pipeline_without_a_controlnet(tiny_pipeline_folders, tmp_path, capsys, no_worker):
+    err = _error(capsys, no_worker, str(tiny_pipeline_folders["flux"]), "--controlnet-scale", "0.5",
+                 "--out", str(tmp_path / "out"))
+    assert err.startswith("paradiff: error: --controlnet-scale: FluxPipeline's __call__ takes no "
+                          "controlnet_conditioning_scale"), err
+    assert "FluxControlNetPipeline" in err
+
+
+def test_controlnet_scale_not_a_finite_number(controlnet_folder, tmp_path, capsys, no_worker):
+    err = _error(capsys, no_worker, controlnet_folder, "--controlnet-scale", "nan", "--out", str(tmp_path / "out"))
+    assert err == "paradiff: error: --controlnet-scale nan: expected a finite number (1.0: the residuals as trained)"
+
+
+def test_controlnet_scale_and_control_image_reach_the_call(controlnet_folder, tmp_path, pictures, no_worker):
+    argv = ["generate", controlnet_folder, "--control-image", pictures["image"], "--controlnet-scale", "0.6",
+            "--tp", "2", "--out", str(tmp_path / "out")]
+    assert main(argv) == 0 and len(no_worker) == 1
+    kwargs = call_kwargs(build_parser().parse_args(argv))
+    assert kwargs["controlnet_conditioning_scale"] == 0.6 and kwargs["control_image"].size == (32, 32)
+
+
 def test_repeated_image_is_a_list_of_references(tiny_pipeline_folders, tmp_path, pictures):
     argv = ["generate", str(tiny_pipeline_folders["flux2"]), "--image", pictures["image"], "--image",
             pictures["mask"], "--out", str(tmp_path / "out")]
