@@ -105,15 +105,22 @@ def flux_context_plan(inputs: dict[str, Split] | None = None, **extra) -> Contex
                                **extra)
 
 
-EXAMPLES = {"flux.1-dev": ("FluxTransformer2DModel", dict(
-    patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=4,
-    joint_attention_dim=32, pooled_projection_dim=16, guidance_embeds=True, axes_dims_rope=(4, 6, 6)))}
+_TINY = dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+             num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=16, guidance_embeds=True,
+             axes_dims_rope=(4, 6, 6))
+EXAMPLES = {
+    "flux.1-dev": ("FluxTransformer2DModel", _TINY),
+    "flux.1-controlnet": (CONTROLNET, _TINY),
+}
 
 
 def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
     inputs = flux_inputs(config, batch, grid, generator)
     inputs["guidance"] = torch.full((batch,), 3.5)
     inputs["pooled_projections"] = torch.randn(batch, config.pooled_projection_dim, generator=generator)
+    if name == "flux.1-controlnet":  # the control image's packed latents, one per image token
+        inputs["controlnet_cond"] = torch.randn(batch, grid.height * grid.width, config.in_channels,
+                                                generator=generator)
     return inputs
 
 
