@@ -10,7 +10,11 @@ from PIL import Image
 import diffusers
 import paradiff
 from paradiff.distributed.comm import all_gather_object
-from paradiff.testing.pipelines import default_call_kwargs
+from paradiff.testing.pipelines import CONTROLNET_FAMILIES, default_call_kwargs
+
+
+def pipeline_class_name(family: str) -> str:
+    return CONTROLNET_FAMILIES[family]
 
 # What each case runs: the family's tiny folder loaded as another pipeline class, and the call's extra inputs.
 # The condition images have sizes whose token counts the two ranks do not divide (see the test module).
@@ -110,13 +114,28 @@ def _first_block(transformer) -> torch.nn.Module:
 
 # --- ControlNet: FluxControlNetPipeline, its ControlNet split like the transformer --------------------------------
 
-# 44 x 36 pixels -> 22 x 18 latents -> 11 x 9 = 99 packed image tokens: the ranks' shares are uneven (50 / 49)
-CONTROLNET_CALL = dict(prompt="a small red fox running through the snow", guidance_scale=3.5, max_sequence_length=32,
-                       height=44, width=36, num_inference_steps=2, output_type="np", controlnet_conditioning_scale=0.8)
+# 44 x 36 pixels -> 22 x 18 latents -> 11 x 9 = 99 image tokens (FLUX.1's 2 x 2 packing, SD3's 2 x 2 patches): the
+# ranks' shares are uneven (50 / 49)
+CONTROLNET_CALL = dict(prompt="a small red fox running through the snow", max_sequence_length=32, height=44,
+                       width=36, num_inference_steps=2, output_type="np", controlnet_conditioning_scale=0.8)
+CONTROLNET_GUIDANCE = {
+    "flux": dict(guidance_scale=3.5),  # guidance-distilled
+    "sd3": dict(guidance_scale=5.0, negative_prompt="blurry, low quality"),  # batch CFG through both models
+}
+# where each family's transformer receives the tokens after its first residual was added
+_AFTER_FIRST_RESIDUAL = {"flux": "single_transformer_blocks.0", "sd3": "transformer_blocks.1"}
 
 
-def controlnet_kwargs() -> dict:
-    return dict(CONTROLNET_CALL, control_image=condition_image((44, 36), seed=11))
+# SD3's ControlNet pipeline takes multiples of 8 pixels: 40 x 56 through its tiny factor-4 VAE -> 10 x 14 latents
+# -> 5 x 7 = 35 tokens (shares 18 / 17)
+CONTROLNET_SIZES = {"flux": (44, 36), "sd3": (40, 56)}
+CONTROLNET_TOKENS = {"flux": 99, "sd3": 35}
+
+
+def controlnet_kwargs(family: str) -> dict:
+    height, width = CONTROLNET_SIZES[family]
+    return dict(CONTROLNET_CALL, **CONTROLNET_GUIDANCE[family], height=height, width=width,
+                control_image=condition_image((height, width), seed=11))
 
 
 def _recorder(module: torch.nn.Module, into: list, argument: str = "hidden_states") -> None:
@@ -125,24 +144,29 @@ def _recorder(module: torch.nn.Module, into: list, argument: str = "hidden_state
         with_kwargs=True)
 
 
-def controlnet_equivalence(folder: str, modes: dict[str, dict]) -> dict:
-    """FluxControlNetPipeline on the mesh, for each mode, against diffusers' single-process call (same seed):
-    the images; the residuals the ControlNet returns at the first step (whole in every mode); what the first single
-    block receives at the first step, the double block's output plus its residual, against this rank's slice of the
-    single-process one; and at TP, each ControlNet weight against the slice its shard spec names."""
+def controlnet_equivalence(family: str, folder: str, modes: dict[str, dict]) -> dict:
+    """The family's ControlNet pipeline on the mesh, for each mode, against diffusers' single-process call (same
+    seed): the images; the residuals the ControlNet returns at the first step (whole in every mode); what the block
+    after the first residual receives at the first step (a block's output plus its residual) against this rank's
+    slice of the single-process one; and at TP, each ControlNet weight against the slice its shard spec names.
+    (SD3's pipeline samples the control image's latents from the global generator: seeded alike before each call.)"""
     from paradiff.context_parallel.attention import even_sizes
     from paradiff.tensor_parallel.layers import ShardedLinear
 
     torch.set_num_threads(1)
-    kwargs = controlnet_kwargs()
-    reference = diffusers.FluxControlNetPipeline.from_pretrained(folder)
+    kwargs = controlnet_kwargs(family)
+    pipeline_cls = getattr(diffusers, pipeline_class_name(family))
+    reference = pipeline_cls.from_pretrained(folder)
     reference.set_progress_bar_config(disable=True)
     seen_residuals: list = []
     reference.controlnet.register_forward_hook(lambda _m, _a, out: seen_residuals.append(out))
     seen: list[torch.Tensor] = []
-    _recorder(reference.transformer.single_transformer_blocks[0], seen)
+    after_residual = _AFTER_FIRST_RESIDUAL[family]
+    _recorder(reference.transformer.get_submodule(after_residual), seen)
+    torch.manual_seed(0)
     expected = _array(reference(**kwargs, generator=torch.Generator().manual_seed(0)))
     # the same call without the ControlNet's residuals: how much they change the image
+    torch.manual_seed(0)
     unconditioned = _array(reference(**dict(kwargs, controlnet_conditioning_scale=0.0),
                                      generator=torch.Generator().manual_seed(0)))
     full_weights = {name: param.detach() for name, param in reference.controlnet.named_parameters()}
@@ -154,14 +178,15 @@ def controlnet_equivalence(folder: str, modes: dict[str, dict]) -> dict:
         residuals: list = []
         pipeline.controlnet.register_forward_hook(lambda _m, _a, out: residuals.append(out))
         local: list[torch.Tensor] = []
-        _recorder(pipeline.transformer.single_transformer_blocks[0], local)
+        _recorder(pipeline.transformer.get_submodule(after_residual), local)
+        torch.manual_seed(0)
         actual = _array(pipeline(**kwargs, seed=0))
         share = local[0].shape[1]
         rank, ranks = _token_rank(pipeline.transformer)
         assert even_sizes(seen[0].shape[1], ranks)[rank] == share, (share, ranks)
         start = sum(even_sizes(seen[0].shape[1], ranks)[:rank])
-        residual_diff = max(float((mine - theirs).abs().max())
-                            for kind in range(2) for mine, theirs in zip(residuals[0][kind], seen_residuals[0][kind]))
+        residual_diff = max(float((mine - theirs).abs().max()) for kind in range(len(seen_residuals[0]))
+                            for mine, theirs in zip(residuals[0][kind], seen_residuals[0][kind]))
         sharded = {name: module for name, module in pipeline.controlnet.named_modules()
                    if isinstance(module, ShardedLinear)}
         shard_diff = 0.0
@@ -173,7 +198,7 @@ def controlnet_equivalence(folder: str, modes: dict[str, dict]) -> dict:
         held = sum(param.numel() * param.element_size() for param in pipeline.controlnet.parameters())
         results[mode] = {
             "max_abs_diff": float(np.abs(actual - expected).max()), "scale": float(np.abs(expected).max()),
-            "residual_shapes": [list(t.shape) for t in residuals[0][0]] + [list(t.shape) for t in residuals[0][1]],
+            "residual_shapes": [list(t.shape) for kind in residuals[0] for t in kind],
             "residual_diff": residual_diff, "local_tokens": share,
             "share_diff": float((local[0] - seen[0][:, start:start + share]).abs().max()),
             "sharded_linears": sorted(sharded), "shard_diff": shard_diff, "held_fraction": held / full_bytes,
@@ -181,8 +206,8 @@ def controlnet_equivalence(folder: str, modes: dict[str, dict]) -> dict:
         del pipeline
     return {"rank": dist.get_rank(), "tokens": seen[0].shape[1],
             "residual_effect": float(np.abs(expected - unconditioned).max()),
-            "residual_scale": max(float(t.abs().max()) for kind in range(2) for t in seen_residuals[0][kind]),
-            "full_residual_shapes": [list(t.shape) for kind in range(2) for t in seen_residuals[0][kind]],
+            "residual_scale": max(float(t.abs().max()) for kind in seen_residuals[0] for t in kind),
+            "full_residual_shapes": [list(t.shape) for kind in seen_residuals[0] for t in kind],
             "modes": results}
 
 

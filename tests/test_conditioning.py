@@ -34,23 +34,33 @@ CONTROLNET_MODES = {2: {"tp2": dict(tp=2), "ulysses2": dict(ulysses=2), "ring2":
 
 
 @pytest.fixture(scope="module")
-def controlnet_folder(tmp_path_factory):
-    from paradiff.testing.pipelines import save_controlnet_pipeline
+def controlnet_folders(tmp_path_factory):
+    from paradiff.testing.pipelines import CONTROLNET_FAMILIES, save_controlnet_pipeline
 
-    return str(save_controlnet_pipeline(tmp_path_factory.mktemp("controlnet") / "flux-controlnet"))
+    root = tmp_path_factory.mktemp("controlnet")
+    return {family: str(save_controlnet_pipeline(root / family, family)) for family in CONTROLNET_FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def controlnet_folder(controlnet_folders):
+    return controlnet_folders["flux"]
 
 
 @pytest.mark.parametrize("world", sorted(CONTROLNET_MODES))
-def test_controlnet_pipeline_equals_single_process_with_residuals_split_like_tokens(pools, controlnet_folder, world):
-    """FluxControlNetPipeline at tp2, ulysses2, ring2 and tp2 x ulysses2 over 99 image tokens (uneven shares): the
-    images equal diffusers' single process; the ControlNet's residuals change the image far beyond the tolerance
-    (so residuals added to the wrong tokens, or left out, fail); each rank's first single block receives its own
-    slice of the single-process tokens (double block + residual); at TP each rank holds its shard of the ControlNet."""
-    results = pools.get(world).run(cases.controlnet_equivalence, folder=controlnet_folder,
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_controlnet_pipeline_equals_single_process_with_residuals_split_like_tokens(pools, controlnet_folders, family,
+                                                                                    world):
+    """FluxControlNetPipeline and StableDiffusion3ControlNetPipeline at tp2, ulysses2, ring2 and tp2 x ulysses2 over
+    99 image tokens (uneven shares): the images equal diffusers' single process; the ControlNet's residuals change the
+    image far beyond the tolerance (so residuals added to the wrong tokens, or left out, fail); each rank's block after
+    the first residual receives its own slice of the single-process tokens (block output + residual); at TP each rank
+    holds its shard of the ControlNet."""
+    results = pools.get(world).run(cases.controlnet_equivalence, family=family, folder=controlnet_folders[family],
                                    modes=CONTROLNET_MODES[world], timeout_s=400)
     for result in results:
         # the residuals are large next to the block outputs they are added to, and change the image
-        assert result["tokens"] == 99 and result["residual_effect"] > 0.1 and result["residual_scale"] > 1.0, result
+        assert result["tokens"] == cases.CONTROLNET_TOKENS[family] and result["residual_effect"] > 0.1 and result["residual_scale"] > 1.0, (
+            {k: v for k, v in result.items() if k != "modes"})
         for mode, outcome in result["modes"].items():
             print(mode, result["rank"], {k: v for k, v in outcome.items() if k not in ("sharded_linears",)})
             assert outcome["max_abs_diff"] <= RTOL * max(outcome["scale"], 1.0), (mode, outcome)
@@ -64,12 +74,13 @@ def test_controlnet_pipeline_equals_single_process_with_residuals_split_like_tok
                 assert "transformer_blocks.0.attn.to_q" in outcome["rows_split"], outcome["rows_split"]
             else:
                 assert outcome["sharded_linears"] == [] and outcome["held_fraction"] == 1.0, (mode, outcome)
+    tokens = cases.CONTROLNET_TOKENS[family]
     for mode in CONTROLNET_MODES[world]:
         shares = [result["modes"][mode]["local_tokens"] for result in results]
         if mode in ("ulysses2", "ring2"):
-            assert sorted(shares) == [49, 50], shares
+            assert sorted(shares) == [tokens // 2, tokens - tokens // 2], shares
         elif mode == "tp2xulysses2":
-            assert sorted(shares) == [49, 49, 50, 50], shares
+            assert sorted(shares) == [tokens // 2] * 2 + [tokens - tokens // 2] * 2, shares
 
 
 # --- the command line: conditioning flags checked before any worker starts ---------------------------------------

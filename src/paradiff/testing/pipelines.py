@@ -1148,25 +1148,38 @@ def _check_family(family: str) -> None:
 CONTROLNET_RESIDUAL_STD = 0.2
 
 
-def build_controlnet_pipeline(seed: int = 0):
-    """A tiny FluxControlNetPipeline: the FLUX.1 family's components and transformer, and a FluxControlNetModel of
-    the transformer's width (one double- and one single-stream block, guidance embedded) with random weights."""
+CONTROLNET_FAMILIES = {"flux": "FluxControlNetPipeline", "sd3": "StableDiffusion3ControlNetPipeline"}
+
+
+def build_controlnet_pipeline(family: str = "flux", seed: int = 0):
+    """A tiny ControlNet pipeline of `family` (CONTROLNET_FAMILIES): the family's components and transformer, and a
+    ControlNet of the transformer's configuration (FLUX.1: FluxControlNetModel, guidance embedded; SD3:
+    SD3ControlNetModel) with random weights."""
     import diffusers
 
-    components = _build_flux(seed)
+    components = {"flux": _build_flux, "sd3": _build_sd3}[family](seed)
+    if family == "sd3":
+        # SD3's ControlNet pipeline takes sizes in multiples of 8 pixels only: with a three-level VAE (factor 4) and
+        # 2 x 2 patches, 40 x 56 pixels are 5 x 7 = 35 tokens, a count two ranks do not divide
+        levels = 3
+        components["vae"] = _small_vae(seed, scaling_factor=1.5305, shift_factor=0.0609,
+                                       down_block_types=("DownEncoderBlock2D",) * levels,
+                                       up_block_types=("UpDecoderBlock2D",) * levels, block_out_channels=(8, 16, 16))
     with _seeded(seed, 0):
-        components["transformer"] = transformer_class("flux")(**transformer_config("flux"))
+        components["transformer"] = transformer_class(family)(**transformer_config(family))
         with torch.no_grad():
             for param in components["transformer"].parameters():
                 param.add_(torch.randn_like(param) * 0.05)
-    config = {key: value for key, value in transformer_config("flux").items() if key != "out_channels"}
+    config = transformer_config(family)
+    if family == "flux":
+        config.pop("out_channels")
     with _seeded(seed, 6):
-        controlnet = diffusers.FluxControlNetModel(**config)
+        controlnet = {"flux": diffusers.FluxControlNetModel, "sd3": diffusers.SD3ControlNetModel}[family](**config)
         with torch.no_grad():
             for name, param in controlnet.named_parameters():
-                residual = name.startswith(("controlnet_blocks", "controlnet_single_blocks", "controlnet_x_embedder"))
+                residual = name.startswith(("controlnet_", "pos_embed_input"))
                 param.add_(torch.randn_like(param) * (CONTROLNET_RESIDUAL_STD if residual else 0.05))
-    pipe = diffusers.FluxControlNetPipeline(**components, controlnet=controlnet)
+    pipe = getattr(diffusers, CONTROLNET_FAMILIES[family])(**components, controlnet=controlnet)
     pipe.set_progress_bar_config(disable=True)
     for module in pipe.components.values():
         if isinstance(module, torch.nn.Module):
@@ -1174,15 +1187,15 @@ def build_controlnet_pipeline(seed: int = 0):
     return pipe
 
 
-def save_controlnet_pipeline(folder: str | Path, seed: int = 0) -> Path:
-    """Write `build_controlnet_pipeline(seed)` as a pipeline folder; does nothing if it is there already."""
+def save_controlnet_pipeline(folder: str | Path, family: str = "flux", seed: int = 0) -> Path:
+    """Write `build_controlnet_pipeline(family, seed)` as a pipeline folder; does nothing if it is there already."""
     folder = Path(folder)
     if (folder / "model_index.json").is_file():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
-        build_controlnet_pipeline(seed).save_pretrained(staging, safe_serialization=True)
+        build_controlnet_pipeline(family, seed).save_pretrained(staging, safe_serialization=True)
         os.rename(staging, folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
