@@ -173,10 +173,19 @@ def controlnet_equivalence(family: str, folder: str, modes: dict[str, dict]) -> 
     full_bytes = sum(param.numel() * param.element_size() for param in full_weights.values())
     results = {}
     for mode, degrees in modes.items():
-        pipeline = paradiff.load_pipeline(folder, parallel_config=_config(**degrees))
+        degrees = dict(degrees)
+        stages = degrees.pop("stages", False)
+        pipeline = paradiff.load_pipeline(folder, parallel_config=_config(**degrees), stages=stages)
         pipeline.set_progress_bar_config(disable=True)
         residuals: list = []
-        pipeline.controlnet.register_forward_hook(lambda _m, _a, out: residuals.append(out))
+        held_weights: dict = {}  # at the ControlNet's first call: staged, it holds its weights only in its stage
+
+        def record(module, _args, out):
+            residuals.append(out)
+            if not held_weights:
+                held_weights.update({name: param.detach().clone() for name, param in module.named_parameters()})
+
+        pipeline.controlnet.register_forward_hook(record)
         local: list[torch.Tensor] = []
         _recorder(pipeline.transformer.get_submodule(after_residual), local)
         torch.manual_seed(0)
@@ -194,8 +203,8 @@ def controlnet_equivalence(family: str, folder: str, modes: dict[str, dict]) -> 
             full = full_weights[f"{name}.weight"]
             spec = module.weight_spec
             expected_slice = torch.cat([full.narrow(spec.dim, s, n) for s, n in spec.pieces], dim=spec.dim)
-            shard_diff = max(shard_diff, float((module.weight - expected_slice).abs().max()))
-        held = sum(param.numel() * param.element_size() for param in pipeline.controlnet.parameters())
+            shard_diff = max(shard_diff, float((held_weights[f"{name}.weight"] - expected_slice).abs().max()))
+        held = sum(param.numel() * param.element_size() for param in held_weights.values())
         results[mode] = {
             "max_abs_diff": float(np.abs(actual - expected).max()), "scale": float(np.abs(expected).max()),
             "residual_shapes": [list(t.shape) for kind in residuals[0] for t in kind],

@@ -29,8 +29,9 @@ def test_conditioned_pipeline_under_cp_equals_single_process(pools, tiny_pipelin
 
 # --- ControlNet: its residuals reach the transformer's blocks split like the tokens they are added to -------------
 
+# tp2 x ulysses2 staged: the ControlNet is freed and read again, shard-on-read, with the transformer at its stage
 CONTROLNET_MODES = {2: {"tp2": dict(tp=2), "ulysses2": dict(ulysses=2), "ring2": dict(ring=2)},
-                    4: {"tp2xulysses2": dict(tp=2, ulysses=2)}}
+                    4: {"tp2xulysses2-staged": dict(tp=2, ulysses=2, stages=True)}}
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +51,8 @@ def controlnet_folder(controlnet_folders):
 @pytest.mark.parametrize("family", ["flux", "sd3"])
 def test_controlnet_pipeline_equals_single_process_with_residuals_split_like_tokens(pools, controlnet_folders, family,
                                                                                     world):
-    """FluxControlNetPipeline and StableDiffusion3ControlNetPipeline at tp2, ulysses2, ring2 and tp2 x ulysses2 over
-    99 image tokens (uneven shares): the images equal diffusers' single process; the ControlNet's residuals change the
+    """FluxControlNetPipeline (99 image tokens) and StableDiffusion3ControlNetPipeline (35) at tp2, ulysses2, ring2 and
+    tp2 x ulysses2 (staged), uneven shares: the images equal diffusers' single process; the ControlNet's residuals change the
     image far beyond the tolerance (so residuals added to the wrong tokens, or left out, fail); each rank's block after
     the first residual receives its own slice of the single-process tokens (block output + residual); at TP each rank
     holds its shard of the ControlNet."""
@@ -79,7 +80,7 @@ def test_controlnet_pipeline_equals_single_process_with_residuals_split_like_tok
         shares = [result["modes"][mode]["local_tokens"] for result in results]
         if mode in ("ulysses2", "ring2"):
             assert sorted(shares) == [tokens // 2, tokens - tokens // 2], shares
-        elif mode == "tp2xulysses2":
+        elif mode == "tp2xulysses2-staged":
             assert sorted(shares) == [tokens // 2] * 2 + [tokens - tokens // 2] * 2, shares
 
 
