@@ -10,7 +10,11 @@ from PIL import Image
 import diffusers
 import paradiff
 from paradiff.distributed.comm import all_gather_object
-from paradiff.testing.pipelines import default_call_kwargs
+from paradiff.testing.pipelines import CONTROLNET_FAMILIES, default_call_kwargs
+
+
+def pipeline_class_name(family: str) -> str:
+    return CONTROLNET_FAMILIES[family]
 
 # What each case runs: the family's tiny folder loaded as another pipeline class, and the call's extra inputs.
 # The condition images have sizes whose token counts the two ranks do not divide (see the test module).
@@ -106,3 +110,119 @@ def _first_block(transformer) -> torch.nn.Module:
         if blocks is not None:
             return blocks[0]
     raise AttributeError(f"{type(transformer).__name__} has no transformer_blocks / blocks")
+
+
+# --- ControlNet: FluxControlNetPipeline, its ControlNet split like the transformer --------------------------------
+
+# 44 x 36 pixels -> 22 x 18 latents -> 11 x 9 = 99 image tokens (FLUX.1's 2 x 2 packing, SD3's 2 x 2 patches): the
+# ranks' shares are uneven (50 / 49)
+CONTROLNET_CALL = dict(prompt="a small red fox running through the snow", max_sequence_length=32, height=44,
+                       width=36, num_inference_steps=2, output_type="np", controlnet_conditioning_scale=0.8)
+CONTROLNET_GUIDANCE = {
+    "flux": dict(guidance_scale=3.5),  # guidance-distilled
+    "sd3": dict(guidance_scale=5.0, negative_prompt="blurry, low quality"),  # batch CFG through both models
+}
+# where each family's transformer receives the tokens after its first residual was added
+_AFTER_FIRST_RESIDUAL = {"flux": "single_transformer_blocks.0", "sd3": "transformer_blocks.1"}
+
+
+# SD3's ControlNet pipeline takes multiples of 8 pixels: 40 x 56 through its tiny factor-4 VAE -> 10 x 14 latents
+# -> 5 x 7 = 35 tokens (shares 18 / 17)
+CONTROLNET_SIZES = {"flux": (44, 36), "sd3": (40, 56)}
+CONTROLNET_TOKENS = {"flux": 99, "sd3": 35}
+
+
+def controlnet_kwargs(family: str) -> dict:
+    height, width = CONTROLNET_SIZES[family]
+    return dict(CONTROLNET_CALL, **CONTROLNET_GUIDANCE[family], height=height, width=width,
+                control_image=condition_image((height, width), seed=11))
+
+
+def _recorder(module: torch.nn.Module, into: list, argument: str = "hidden_states") -> None:
+    module.register_forward_pre_hook(
+        lambda _module, args, kw: into.append(kw.get(argument, args[0] if args else None).detach().clone()),
+        with_kwargs=True)
+
+
+def controlnet_equivalence(family: str, folder: str, modes: dict[str, dict]) -> dict:
+    """The family's ControlNet pipeline on the mesh, for each mode, against diffusers' single-process call (same
+    seed): the images; the residuals the ControlNet returns at the first step (whole in every mode); what the block
+    after the first residual receives at the first step (a block's output plus its residual) against this rank's
+    slice of the single-process one; and at TP, each ControlNet weight against the slice its shard spec names.
+    (SD3's pipeline samples the control image's latents from the global generator: seeded alike before each call.)"""
+    from paradiff.context_parallel.attention import even_sizes
+    from paradiff.tensor_parallel.layers import ShardedLinear
+
+    torch.set_num_threads(1)
+    kwargs = controlnet_kwargs(family)
+    pipeline_cls = getattr(diffusers, pipeline_class_name(family))
+    reference = pipeline_cls.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    seen_residuals: list = []
+    reference.controlnet.register_forward_hook(lambda _m, _a, out: seen_residuals.append(out))
+    seen: list[torch.Tensor] = []
+    after_residual = _AFTER_FIRST_RESIDUAL[family]
+    _recorder(reference.transformer.get_submodule(after_residual), seen)
+    torch.manual_seed(0)
+    expected = _array(reference(**kwargs, generator=torch.Generator().manual_seed(0)))
+    # the same call without the ControlNet's residuals: how much they change the image
+    torch.manual_seed(0)
+    unconditioned = _array(reference(**dict(kwargs, controlnet_conditioning_scale=0.0),
+                                     generator=torch.Generator().manual_seed(0)))
+    full_weights = {name: param.detach() for name, param in reference.controlnet.named_parameters()}
+    full_bytes = sum(param.numel() * param.element_size() for param in full_weights.values())
+    results = {}
+    for mode, degrees in modes.items():
+        degrees = dict(degrees)
+        stages = degrees.pop("stages", False)
+        pipeline = paradiff.load_pipeline(folder, parallel_config=_config(**degrees), stages=stages)
+        pipeline.set_progress_bar_config(disable=True)
+        residuals: list = []
+        held_weights: dict = {}  # at the ControlNet's first call: staged, it holds its weights only in its stage
+
+        def record(module, _args, out):
+            residuals.append(out)
+            if not held_weights:
+                held_weights.update({name: param.detach().clone() for name, param in module.named_parameters()})
+
+        pipeline.controlnet.register_forward_hook(record)
+        local: list[torch.Tensor] = []
+        _recorder(pipeline.transformer.get_submodule(after_residual), local)
+        torch.manual_seed(0)
+        actual = _array(pipeline(**kwargs, seed=0))
+        share = local[0].shape[1]
+        rank, ranks = _token_rank(pipeline.transformer)
+        assert even_sizes(seen[0].shape[1], ranks)[rank] == share, (share, ranks)
+        start = sum(even_sizes(seen[0].shape[1], ranks)[:rank])
+        residual_diff = max(float((mine - theirs).abs().max()) for kind in range(len(seen_residuals[0]))
+                            for mine, theirs in zip(residuals[0][kind], seen_residuals[0][kind]))
+        sharded = {name: module for name, module in pipeline.controlnet.named_modules()
+                   if isinstance(module, ShardedLinear)}
+        shard_diff = 0.0
+        for name, module in sharded.items():
+            full = full_weights[f"{name}.weight"]
+            spec = module.weight_spec
+            expected_slice = torch.cat([full.narrow(spec.dim, s, n) for s, n in spec.pieces], dim=spec.dim)
+            shard_diff = max(shard_diff, float((held_weights[f"{name}.weight"] - expected_slice).abs().max()))
+        held = sum(param.numel() * param.element_size() for param in held_weights.values())
+        results[mode] = {
+            "max_abs_diff": float(np.abs(actual - expected).max()), "scale": float(np.abs(expected).max()),
+            "residual_shapes": [list(t.shape) for kind in residuals[0] for t in kind],
+            "residual_diff": residual_diff, "local_tokens": share,
+            "share_diff": float((local[0] - seen[0][:, start:start + share]).abs().max()),
+            "sharded_linears": sorted(sharded), "shard_diff": shard_diff, "held_fraction": held / full_bytes,
+            "rows_split": sorted(name for name, module in sharded.items() if module.weight_spec.dim == 0)}
+        del pipeline
+    return {"rank": dist.get_rank(), "tokens": seen[0].shape[1],
+            "residual_effect": float(np.abs(expected - unconditioned).max()),
+            "residual_scale": max(float(t.abs().max()) for kind in seen_residuals[0] for t in kind),
+            "full_residual_shapes": [list(t.shape) for kind in seen_residuals[0] for t in kind],
+            "modes": results}
+
+
+def _token_rank(transformer) -> tuple[int, int]:
+    """This rank's index among the ranks splitting the tokens, and their count (one CP dimension in these modes)."""
+    from paradiff.runtime.state import get_state
+
+    mesh = get_state(transformer).mesh
+    return mesh.local_rank("ring") * mesh.size("ulysses") + mesh.local_rank("ulysses"), mesh.size("ring") * mesh.size("ulysses")

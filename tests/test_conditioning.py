@@ -27,6 +27,63 @@ def test_conditioned_pipeline_under_cp_equals_single_process(pools, tiny_pipelin
             assert outcome["share_diff"] <= 1e-6, (case, mode, outcome)  # its slice of the whole sequence
 
 
+# --- ControlNet: its residuals reach the transformer's blocks split like the tokens they are added to -------------
+
+# tp2 x ulysses2 staged: the ControlNet is freed and read again, shard-on-read, with the transformer at its stage
+CONTROLNET_MODES = {2: {"tp2": dict(tp=2), "ulysses2": dict(ulysses=2), "ring2": dict(ring=2)},
+                    4: {"tp2xulysses2-staged": dict(tp=2, ulysses=2, stages=True)}}
+
+
+@pytest.fixture(scope="module")
+def controlnet_folders(tmp_path_factory):
+    from paradiff.testing.pipelines import CONTROLNET_FAMILIES, save_controlnet_pipeline
+
+    root = tmp_path_factory.mktemp("controlnet")
+    return {family: str(save_controlnet_pipeline(root / family, family)) for family in CONTROLNET_FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def controlnet_folder(controlnet_folders):
+    return controlnet_folders["flux"]
+
+
+@pytest.mark.parametrize("world", sorted(CONTROLNET_MODES))
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_controlnet_pipeline_equals_single_process_with_residuals_split_like_tokens(pools, controlnet_folders, family,
+                                                                                    world):
+    """FluxControlNetPipeline (99 image tokens) and StableDiffusion3ControlNetPipeline (35) at tp2, ulysses2, ring2 and
+    tp2 x ulysses2 (staged), uneven shares: the images equal diffusers' single process; the ControlNet's residuals change the
+    image far beyond the tolerance (so residuals added to the wrong tokens, or left out, fail); each rank's block after
+    the first residual receives its own slice of the single-process tokens (block output + residual); at TP each rank
+    holds its shard of the ControlNet."""
+    results = pools.get(world).run(cases.controlnet_equivalence, family=family, folder=controlnet_folders[family],
+                                   modes=CONTROLNET_MODES[world], timeout_s=400)
+    for result in results:
+        # the residuals are large next to the block outputs they are added to, and change the image
+        assert result["tokens"] == cases.CONTROLNET_TOKENS[family] and result["residual_effect"] > 0.1 and result["residual_scale"] > 1.0, (
+            {k: v for k, v in result.items() if k != "modes"})
+        for mode, outcome in result["modes"].items():
+            print(mode, result["rank"], {k: v for k, v in outcome.items() if k not in ("sharded_linears",)})
+            assert outcome["max_abs_diff"] <= RTOL * max(outcome["scale"], 1.0), (mode, outcome)
+            # the residuals come back whole from the ControlNet in every mode, equal to the unsplit ones
+            assert outcome["residual_shapes"] == result["full_residual_shapes"], (mode, outcome)
+            assert outcome["residual_diff"] <= RTOL * result["residual_scale"], (mode, outcome)
+            assert outcome["share_diff"] <= 1e-5, (mode, outcome)
+            if "tp" in mode:  # every block linear split, residual projections by their input features
+                assert outcome["shard_diff"] == 0.0 and outcome["held_fraction"] < 0.6, (mode, outcome)
+                assert "controlnet_blocks.0" in outcome["sharded_linears"], outcome["sharded_linears"]
+                assert "transformer_blocks.0.attn.to_q" in outcome["rows_split"], outcome["rows_split"]
+            else:
+                assert outcome["sharded_linears"] == [] and outcome["held_fraction"] == 1.0, (mode, outcome)
+    tokens = cases.CONTROLNET_TOKENS[family]
+    for mode in CONTROLNET_MODES[world]:
+        shares = [result["modes"][mode]["local_tokens"] for result in results]
+        if mode in ("ulysses2", "ring2"):
+            assert sorted(shares) == [tokens // 2, tokens - tokens // 2], shares
+        elif mode == "tp2xulysses2-staged":
+            assert sorted(shares) == [tokens // 2] * 2 + [tokens - tokens // 2] * 2, shares
+
+
 # --- the command line: conditioning flags checked before any worker starts ---------------------------------------
 
 import numpy as np  # noqa: E402
@@ -114,6 +171,27 @@ def test_valid_conditioning_reaches_the_launcher_and_the_call(tiny_pipeline_fold
     kwargs = call_kwargs(build_parser().parse_args(argv))
     assert kwargs["strength"] == 0.7 and kwargs["image"].size == (32, 32) and kwargs["mask_image"].mode == "L"
     assert np.array_equal(np.asarray(kwargs["image"]), np.asarray(Image.open(pictures["image"]).convert("RGB")))
+
+
+def test_controlnet_scale_on_a_pipeline_without_a_controlnet(tiny_pipeline_folders, tmp_path, capsys, no_worker):
+    err = _error(capsys, no_worker, str(tiny_pipeline_folders["flux"]), "--controlnet-scale", "0.5",
+                 "--out", str(tmp_path / "out"))
+    assert err.startswith("paradiff: error: --controlnet-scale: FluxPipeline's __call__ takes no "
+                          "controlnet_conditioning_scale"), err
+    assert "FluxControlNetPipeline" in err
+
+
+def test_controlnet_scale_not_a_finite_number(controlnet_folder, tmp_path, capsys, no_worker):
+    err = _error(capsys, no_worker, controlnet_folder, "--controlnet-scale", "nan", "--out", str(tmp_path / "out"))
+    assert err == "paradiff: error: --controlnet-scale nan: expected a finite number (1.0: the residuals as trained)"
+
+
+def test_controlnet_scale_and_control_image_reach_the_call(controlnet_folder, tmp_path, pictures, no_worker):
+    argv = ["generate", controlnet_folder, "--control-image", pictures["image"], "--controlnet-scale", "0.6",
+            "--tp", "2", "--out", str(tmp_path / "out")]
+    assert main(argv) == 0 and len(no_worker) == 1
+    kwargs = call_kwargs(build_parser().parse_args(argv))
+    assert kwargs["controlnet_conditioning_scale"] == 0.6 and kwargs["control_image"].size == (32, 32)
 
 
 def test_repeated_image_is_a_list_of_references(tiny_pipeline_folders, tmp_path, pictures):

@@ -45,7 +45,7 @@ class _Own:
 
     name: str
     model_cls: type
-    kind: str  # "transformer", "text_encoder" (split) or "whole"
+    kind: str  # "transformer", "controlnet" (split like a transformer, built-in plans), "text_encoder" (split) or "whole"
     plan: Any = None
 
 
@@ -80,6 +80,10 @@ def _components_paradiff_loads(folder, index, parallel, stages, shard_text_encod
         if not (isinstance(model_cls, type) and issubclass(model_cls, nn.Module)):
             continue
         known = name in plans or family_of(model_cls) is not None
+        if is_controlnet(name) and parallel is not None and family_of(model_cls) is not None:
+            # its residuals are added to the transformer's tokens: split on the transformer's mesh, by its own plans
+            own.append(_Own(name, model_cls, "controlnet"))
+            continue
         if is_encoder(name) and split_encoders:
             if known or shard_text_encoders:  # True: split, or say why it cannot be
                 own.append(_Own(name, model_cls, "text_encoder", plans.get(name)))
@@ -101,6 +105,11 @@ def _components_paradiff_loads(folder, index, parallel, stages, shard_text_encod
 # image-conditioned pipelines load (Wan 2.1 I2V's CLIP vision tower, SD3.5's / HunyuanVideo I2V's SigLIP); they run
 # in the text-encoder stage.
 ENCODER_PREFIXES = ("text_encoder", "image_encoder")
+
+
+def is_controlnet(name: str) -> bool:
+    """A ControlNet component (`controlnet` in FLUX.1, SD3, Qwen-Image, HunyuanDiT ... pipelines)."""
+    return name.startswith("controlnet")
 
 
 def is_encoder(name: str) -> bool:
@@ -150,7 +159,7 @@ def _load_components(own: list[_Own], folder: Path, parallel, dtype, device, sta
     from paradiff.api.model import prepare_model
 
     encoder_dims = text_encoder_dims(parallel)
-    transformers = {item.name for item in own if item.kind == "transformer"}
+    transformers = {item.name for item in own if item.kind in ("transformer", "controlnet")}
 
     def prepare() -> Prepared:
         components: dict[str, Component] = {}
@@ -166,11 +175,12 @@ def _load_components(own: list[_Own], folder: Path, parallel, dtype, device, sta
 
     def _prepare_component(item: _Own, components: dict[str, Component]) -> None:
         tp_shard, context, item_plan, item_cp_plan, one = None, False, item.plan, None, None
-        if item.kind == "transformer" and parallel is not None:
+        if item.kind in ("transformer", "controlnet") and parallel is not None:
             if parallel.tp_degree > 1:
                 tp_shard = _encoder_shard(parallel, ("tp",))
             context = parallel.context_parallel_config is not None
-            item_plan, item_cp_plan = plan, cp_plan
+            if item.kind == "transformer":  # the caller's plans are the transformer's; a ControlNet takes its own
+                item_plan, item_cp_plan = plan, cp_plan
         elif item.kind == "text_encoder":
             tp_shard = _encoder_shard(parallel, encoder_dims)
             builtin = item_plan is None

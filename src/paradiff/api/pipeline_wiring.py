@@ -116,4 +116,7 @@ def _install_latent_check(pipeline) -> None:
         if torch.is_tensor(latents):
             agree("generation start", {"initial latents": tensor_checksum(latents)}, ranks=replica_ranks)
 
-    install_wrapper(pipeline.transformer, "latent_check", check)
+    # a ControlNet runs before the transformer at each step, and its collectives too: whichever is called first checks
+    for name, module in pipeline.components.items():
+        if (name == "transformer" or name.startswith("controlnet")) and get_state(module) is not None:
+            install_wrapper(module, "latent_check", check)

@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     cond.add_argument("--control-image", default=None, metavar="PATH", help="control_image= (ControlNet, Control)")
     cond.add_argument("--video", default=None, metavar="PATH", help="video= (video-to-video), read with PyAV")
     cond.add_argument("--strength", type=float, default=None, help="strength= (img2img / inpaint), 0 to 1")
+    cond.add_argument("--controlnet-scale", type=float, default=None, metavar="FLOAT",
+                      help="controlnet_conditioning_scale= (ControlNet pipelines: how strongly its residuals are added)")
     cond.add_argument("--pipeline", default=None, metavar="CLASS",
                       help="run this diffusers pipeline class on the model folder instead of its own, e.g. "
                            "FluxKontextPipeline or FluxInpaintPipeline on a FLUX.1 text-to-image folder")
@@ -138,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the server's folder: requests.jsonl, one line per answered request (nothing else is "
                             "written there, and no request names a path)")
     serve.set_defaults(prompt=None, prompts_file=None, seed=0, compare=False, image=None, mask=None,
-                       control_image=None, video=None, strength=None, pipeline=None)
+                       control_image=None, video=None, strength=None, controlnet_scale=None, pipeline=None)
     bench = commands.add_parser("bench", help="time a list of configurations on one model")
     bench.add_argument("model", nargs="?", default=None)
     bench.add_argument("--configs", default="single,tp=2,ulysses=2,ring=2",

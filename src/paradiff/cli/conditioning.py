@@ -1,10 +1,12 @@
-"""The conditioning inputs of `paradiff generate` (--image, --mask, --control-image, --video, --strength) and the
+"""The conditioning inputs of `paradiff generate` (--image, --mask, --control-image, --video, --strength,
+--controlnet-scale) and the
 pipeline class they go to (--pipeline): checked before any process starts, read into the pipeline call's arguments
 on every rank.
 
 Each flag becomes the keyword diffusers' pipelines use for it, and only where the pipeline's `__call__` takes it:
 --image -> image= (one image, or a list when repeated: multi-reference editing), --mask -> mask_image=,
---control-image -> control_image=, --video -> video= (a list of PIL frames), --strength -> strength=.
+--control-image -> control_image=, --video -> video= (a list of PIL frames), --strength -> strength=,
+--controlnet-scale -> controlnet_conditioning_scale= (how strongly a ControlNet's residuals are added).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import difflib
 import inspect
 import json
+import math
 from pathlib import Path
 
 from paradiff.cli.args import CliError
@@ -24,6 +27,7 @@ FLAGS = {
     "--control-image": ("control_image", "control_image"),
     "--video": ("video", "video"),
     "--strength": ("strength", "strength"),
+    "--controlnet-scale": ("controlnet_scale", "controlnet_conditioning_scale"),
 }
 
 
@@ -79,10 +83,16 @@ def check_conditioning(args: argparse.Namespace) -> None:
             if keyword not in parameters:
                 takes = [f for f, (_, k) in FLAGS.items() if k in parameters]
                 what = f"it takes {', '.join(takes)}" if takes else "it takes no conditioning input"
+                example = ("a ControlNet pipeline (a folder with a controlnet component, e.g. FluxControlNetPipeline)"
+                           if flag == "--controlnet-scale" else
+                           "with --pipeline, e.g. an Img2Img, Inpaint or Kontext class on the same folder")
                 raise CliError(f"{flag}: {name}'s __call__ takes no {keyword} ({what}); pick a pipeline class that "
-                               "does with --pipeline, e.g. an Img2Img, Inpaint or Kontext class on the same folder")
+                               f"does: {example}")
     if getattr(args, "strength", None) is not None and not 0.0 <= args.strength <= 1.0:
         raise CliError(f"--strength {args.strength}: expected a number from 0 to 1")
+    scale = getattr(args, "controlnet_scale", None)
+    if scale is not None and not math.isfinite(scale):
+        raise CliError(f"--controlnet-scale {scale}: expected a finite number (1.0: the residuals as trained)")
     sizes = {"--image": [_image_size("--image", path) for path in args.image or []]}
     if args.control_image is not None:
         _image_size("--control-image", args.control_image)
@@ -118,6 +128,8 @@ def conditioning_kwargs(args: argparse.Namespace) -> dict:
         kwargs["video"] = _read_video(args.video, frames_only=True)
     if args.strength is not None:
         kwargs["strength"] = args.strength
+    if getattr(args, "controlnet_scale", None) is not None:
+        kwargs["controlnet_conditioning_scale"] = args.controlnet_scale
     return kwargs
 
 

@@ -1,4 +1,6 @@
-"""FLUX.1 (`FluxTransformer2DModel`): how it splits under tensor and context parallelism."""
+"""FLUX.1 (`FluxTransformer2DModel`) and its ControlNet (`FluxControlNetModel`: the same double- and single-stream
+blocks, each block's image tokens projected by its own Linear into a residual the transformer adds after its block of
+the same depth): how they split under tensor and context parallelism."""
 
 import torch
 
@@ -8,7 +10,8 @@ from paradiff.tensor_parallel.styles import PackedColwise, PackedRowwise
 from paradiff.plans.common import Grid, joint_attention
 from paradiff.plans.family import Family
 
-MODEL_CLASSES = ("FluxTransformer2DModel",)
+MODEL_CLASSES = ("FluxTransformer2DModel", "FluxControlNetModel")
+CONTROLNET = "FluxControlNetModel"
 
 
 def flux_blocks(gated: bool = False, modulation: bool = True) -> dict:
@@ -39,17 +42,23 @@ def flux_blocks(gated: bool = False, modulation: bool = True) -> dict:
     return styles
 
 
-def tensor_parallel_plan(config) -> TensorParallelPlan:
+def tensor_parallel_plan(config, model_class: str = "FluxTransformer2DModel") -> TensorParallelPlan:
     styles = {
         **flux_blocks(),
-        # embeddings and the final modulation
+        # embeddings
         "context_embedder": "rowwise_split_input",
         "time_text_embed.timestep_embedder.linear_1": "colwise",
         "time_text_embed.timestep_embedder.linear_2": "rowwise",
         "time_text_embed.text_embedder.linear_1": "colwise",
         "time_text_embed.text_embedder.linear_2": "rowwise",
-        "norm_out.linear": "rowwise_split_input",
     }
+    if model_class == CONTROLNET:
+        # each residual projection reads its block's replicated output: the residuals come out whole on every rank,
+        # as the transformer's replicated tokens they are added to (the condition's x_embedder stays whole)
+        styles["controlnet_blocks.*"] = "rowwise_split_input"
+        styles["controlnet_single_blocks.*"] = "rowwise_split_input"
+    else:
+        styles["norm_out.linear"] = "rowwise_split_input"  # the final modulation
     if config.guidance_embeds:
         styles["time_text_embed.guidance_embedder.linear_1"] = "colwise"
         styles["time_text_embed.guidance_embedder.linear_2"] = "rowwise"
@@ -61,35 +70,57 @@ def _single_out_blocks(config) -> list[int]:
     return [inner, 4 * inner]  # FLUX.1-style single blocks use mlp_ratio 4
 
 
-def context_parallel_plan(config) -> ContextParallelPlan:
-    return flux_context_plan()
+def context_parallel_plan(config, model_class: str = "FluxTransformer2DModel") -> ContextParallelPlan:
+    if model_class == CONTROLNET:
+        return ContextParallelPlan(
+            split_inputs={
+                "": dict(_TOKEN_SPLITS),
+                # the condition's packed latents (or, with an input hint block, its patches) go in at the embedder,
+                # one per image token: split there like the image tokens
+                "controlnet_x_embedder": {"input": Split(1)},
+            },
+            # every residual is gathered whole: a transformer on any mesh (or none) takes them as a plain model does
+            gather_outputs={"controlnet_blocks.*": 1, "controlnet_single_blocks.*": 1},
+            unsupported_inputs={"": {"controlnet_mode": (
+                "the union ControlNet prepends its mode token to the text after the split, so every rank would add "
+                "one; run union ControlNets without context parallelism")}},
+        )
+    # the ControlNet's residuals (whole, one per image token) are added to the image tokens after each block: each
+    # rank adds its own tokens' slice
+    return flux_context_plan({"controlnet_block_samples": Split(1), "controlnet_single_block_samples": Split(1)})
 
 
-def flux_context_plan(**extra) -> ContextParallelPlan:
-    """Image and text tokens split at the model's input with their position ids; gathered at `proj_out`."""
-    return ContextParallelPlan(
-        split_inputs={
-            "": {
-                "hidden_states": Split(1),
-                "encoder_hidden_states": Split(1),
-                "img_ids": Split(-2),
-                "txt_ids": Split(-2),
-            }
-        },
-        gather_outputs={"proj_out": 1},
-        **extra,
-    )
+_TOKEN_SPLITS = {
+    "hidden_states": Split(1),
+    "encoder_hidden_states": Split(1),
+    "img_ids": Split(-2),
+    "txt_ids": Split(-2),
+}
 
 
-EXAMPLES = {"flux.1-dev": ("FluxTransformer2DModel", dict(
-    patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=4,
-    joint_attention_dim=32, pooled_projection_dim=16, guidance_embeds=True, axes_dims_rope=(4, 6, 6)))}
+def flux_context_plan(inputs: dict[str, Split] | None = None, **extra) -> ContextParallelPlan:
+    """Image and text tokens split at the model's input with their position ids (and `inputs`, more of the model's
+    arguments); gathered at `proj_out`."""
+    return ContextParallelPlan(split_inputs={"": {**_TOKEN_SPLITS, **(inputs or {})}}, gather_outputs={"proj_out": 1},
+                               **extra)
+
+
+_TINY = dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+             num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=16, guidance_embeds=True,
+             axes_dims_rope=(4, 6, 6))
+EXAMPLES = {
+    "flux.1-dev": ("FluxTransformer2DModel", _TINY),
+    "flux.1-controlnet": (CONTROLNET, _TINY),
+}
 
 
 def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
     inputs = flux_inputs(config, batch, grid, generator)
     inputs["guidance"] = torch.full((batch,), 3.5)
     inputs["pooled_projections"] = torch.randn(batch, config.pooled_projection_dim, generator=generator)
+    if name == "flux.1-controlnet":  # the control image's packed latents, one per image token
+        inputs["controlnet_cond"] = torch.randn(batch, grid.height * grid.width, config.in_channels,
+                                                generator=generator)
     return inputs
 
 

@@ -30,7 +30,7 @@ def stage_of(component: str) -> str | None:
     """The stage a pipeline component belongs to, by its name in model_index.json; None: always resident."""
     if component.startswith(("text_encoder", "image_encoder")):
         return "text_encoders"
-    if component.startswith("transformer"):
+    if component.startswith(("transformer", "controlnet")):  # a ControlNet runs once per step, beside the transformer
         return "transformer"
     if component.startswith("vae"):
         return "vae"

@@ -1138,3 +1138,65 @@ def _seeded(seed: int, component: int) -> Iterator[None]:
 def _check_family(family: str) -> None:
     if family not in PIPELINE_FAMILIES:
         raise ValueError(f"unknown pipeline family {family!r}; known: {PIPELINE_FAMILIES}")
+
+
+# --- ControlNet pipelines ---------------------------------------------------------------------------------------
+
+# The ControlNet's residual projections and condition embedder come zero-initialised from diffusers (a fresh
+# ControlNet changes nothing); the tiny one draws them at this scale, so its residuals are as large as the tokens they
+# are added to and a residual added to the wrong tokens changes the image far beyond any tolerance.
+CONTROLNET_RESIDUAL_STD = 0.2
+
+
+CONTROLNET_FAMILIES = {"flux": "FluxControlNetPipeline", "sd3": "StableDiffusion3ControlNetPipeline"}
+
+
+def build_controlnet_pipeline(family: str = "flux", seed: int = 0):
+    """A tiny ControlNet pipeline of `family` (CONTROLNET_FAMILIES): the family's components and transformer, and a
+    ControlNet of the transformer's configuration (FLUX.1: FluxControlNetModel, guidance embedded; SD3:
+    SD3ControlNetModel) with random weights."""
+    import diffusers
+
+    components = {"flux": _build_flux, "sd3": _build_sd3}[family](seed)
+    if family == "sd3":
+        # SD3's ControlNet pipeline takes sizes in multiples of 8 pixels only: with a three-level VAE (factor 4) and
+        # 2 x 2 patches, 40 x 56 pixels are 5 x 7 = 35 tokens, a count two ranks do not divide
+        levels = 3
+        components["vae"] = _small_vae(seed, scaling_factor=1.5305, shift_factor=0.0609,
+                                       down_block_types=("DownEncoderBlock2D",) * levels,
+                                       up_block_types=("UpDecoderBlock2D",) * levels, block_out_channels=(8, 16, 16))
+    with _seeded(seed, 0):
+        components["transformer"] = transformer_class(family)(**transformer_config(family))
+        with torch.no_grad():
+            for param in components["transformer"].parameters():
+                param.add_(torch.randn_like(param) * 0.05)
+    config = transformer_config(family)
+    if family == "flux":
+        config.pop("out_channels")
+    with _seeded(seed, 6):
+        controlnet = {"flux": diffusers.FluxControlNetModel, "sd3": diffusers.SD3ControlNetModel}[family](**config)
+        with torch.no_grad():
+            for name, param in controlnet.named_parameters():
+                residual = name.startswith(("controlnet_", "pos_embed_input"))
+                param.add_(torch.randn_like(param) * (CONTROLNET_RESIDUAL_STD if residual else 0.05))
+    pipe = getattr(diffusers, CONTROLNET_FAMILIES[family])(**components, controlnet=controlnet)
+    pipe.set_progress_bar_config(disable=True)
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
+            module.eval()
+    return pipe
+
+
+def save_controlnet_pipeline(folder: str | Path, family: str = "flux", seed: int = 0) -> Path:
+    """Write `build_controlnet_pipeline(family, seed)` as a pipeline folder; does nothing if it is there already."""
+    folder = Path(folder)
+    if (folder / "model_index.json").is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        build_controlnet_pipeline(family, seed).save_pretrained(staging, safe_serialization=True)
+        os.rename(staging, folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
