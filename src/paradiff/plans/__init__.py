@@ -25,6 +25,7 @@ import importlib
 import inspect
 import pkgutil
 from functools import lru_cache
+from typing import Any
 from torch import nn
 
 from paradiff.errors import PlanError
