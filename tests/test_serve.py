@@ -35,10 +35,20 @@ def pixels(png: bytes) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(png)), dtype=np.int16)
 
 
+def assert_same_picture(png: bytes, reference: bytes) -> None:
+    """The picture of `reference` up to rounding: a split run sums in another order than one process (about 1e-7
+    relative here), which can move a value across a rounding boundary of the 8-bit PNG, so a few values may differ
+    by one level (on one machine tp2 x ulysses2 flipped 1 of 12288); anything else is a different picture."""
+    got, expected = pixels(png), pixels(reference)
+    assert got.shape == expected.shape
+    difference = np.abs(got - expected)
+    assert difference.max() <= 1 and (difference > 0).mean() <= 0.005, (difference.max(), (difference > 0).sum())
+
+
 @pytest.fixture(scope="module")
 def generated(tmp_path_factory) -> dict[tuple[str, int, int], bytes]:
     """(prompt, seed, steps) -> PNG bytes: at 4 steps from `paradiff generate` run single-process (the answers must
-    be these bytes); at 2 and 1 steps from diffusers' own pipeline in this process (for batched answers, compared
+    be these pictures); at 2 and 1 steps from diffusers' own pipeline in this process (for batched answers, compared
     within one level of 255)."""
     import torch
     from diffusers import DiffusionPipeline
@@ -74,9 +84,11 @@ def dp_server(tmp_path_factory):
         assert code == 0, server.text()
 
 
-def test_dp2_tp2_answers_are_byte_identical_to_generate(dp_server, generated):
+def test_dp2_tp2_answers_equal_generate_and_repeat_byte_for_byte(dp_server, generated):
     for index, prompt in enumerate(PROMPTS):
-        assert pngs(dp_server.generate(AUTH, prompt=prompt, seed=5 + index)) == [generated[(prompt, 5 + index, 4)]]
+        first, = pngs(dp_server.generate(AUTH, prompt=prompt, seed=5 + index))
+        assert_same_picture(first, generated[(prompt, 5 + index, 4)])
+        assert pngs(dp_server.generate(AUTH, prompt=prompt, seed=5 + index)) == [first]  # reproducible
     # a request of n=2 draws seeds 5 and 6 (as generate's prompts 0 and 1), batched into one call of the replica
     both = pngs(dp_server.generate(AUTH, prompt=PROMPTS[1], seed=5, n=2, steps=2))
     assert len(both) == 2
@@ -105,8 +117,8 @@ def test_two_replicas_run_two_requests_at_once_and_waiting_requests_are_batched(
 
 
 def test_bad_requests_between_good_ones_get_4xx_and_the_server_goes_on(dp_server, generated):
-    expected = [generated[(PROMPTS[0], 5, 4)]]
-    assert pngs(dp_server.generate(AUTH, prompt=PROMPTS[0], seed=5)) == expected
+    before, = pngs(dp_server.generate(AUTH, prompt=PROMPTS[0], seed=5))
+    assert_same_picture(before, generated[(PROMPTS[0], 5, 4)])
     bad = [({"prompt": PROMPTS[0], "size": "50x64"}, 400, "multiples of 16"),
            ({"prompt": PROMPTS[0], "n": 3}, 400, "n 3 is out of bounds: expected 1 to 2"),
            ({"prompt": PROMPTS[0], "steps": 11}, 400, "steps 11 is out of bounds"),
@@ -122,7 +134,7 @@ def test_bad_requests_between_good_ones_get_4xx_and_the_server_goes_on(dp_server
     assert not_json.status_code == 400 and "not JSON" in not_json.text
     huge = dp_server.client.post("/v1/images/generations", content=b"x" * (2 << 20), headers=AUTH)
     assert huge.status_code == 413 and "--max-body-bytes" in huge.text
-    assert pngs(dp_server.generate(AUTH, prompt=PROMPTS[0], seed=5)) == expected
+    assert pngs(dp_server.generate(AUTH, prompt=PROMPTS[0], seed=5)) == [before]
 
 
 def test_the_api_key_guards_every_endpoint_but_health(dp_server):
@@ -185,7 +197,8 @@ def test_a_fault_on_one_rank_fails_that_request_and_the_next_one_succeeds_then_s
         assert failed.status_code == 500, failed.text
         assert "rank 1: RuntimeError: injected fault on rank 1" in failed.json()["error"]["message"]
         server.wait_ready()  # the ranks joined a new process group and loaded the pipeline again
-        assert pngs(server.generate(prompt=PROMPTS[0], seed=5)) == [generated[(PROMPTS[0], 5, 4)]]
+        recovered, = pngs(server.generate(prompt=PROMPTS[0], seed=5))
+        assert_same_picture(recovered, generated[(PROMPTS[0], 5, 4)])
         # SIGTERM with requests in flight: they are answered, the next is refused, the server exits 0
         with ThreadPoolExecutor(3) as pool:
             pending = [pool.submit(server.generate, prompt=PROMPTS[1], seed=6) for _ in range(3)]
@@ -195,7 +208,9 @@ def test_a_fault_on_one_rank_fails_that_request_and_the_next_one_succeeds_then_s
                 time.sleep(0.02)
             server.process.send_signal(signal.SIGTERM)
             answers = [future.result(timeout=120) for future in pending]
-        assert [pngs(answer) for answer in answers] == [[generated[(PROMPTS[1], 6, 4)]]] * 3
+        drained = [pngs(answer) for answer in answers]
+        assert drained[0] == drained[1] == drained[2] and len(drained[0]) == 1  # byte for byte: one server
+        assert_same_picture(drained[0][0], generated[(PROMPTS[1], 6, 4)])
         assert server.process.wait(timeout=60) == 0, server.text()
         assert "SIGTERM: finishing the requests in flight" in server.text()
         statuses = [entry["status"] for entry in server.log()]
