@@ -19,6 +19,11 @@ def fail_on_rank_one(rank: int, world_size: int, pid_file: str) -> int:
     with open(f"{pid_file}.{rank}", "w") as handle:
         handle.write(str(os.getpid()))
     if rank == 1:
+        # only once rank 0 has written its pid (on a loaded machine it may not have started yet): the test must
+        # see which process the spawner had to stop
+        deadline = time.monotonic() + 60
+        while not os.path.exists(f"{pid_file}.0") and time.monotonic() < deadline:
+            time.sleep(0.01)
         raise ValueError("rank one breaks")
     time.sleep(600)  # a peer stuck waiting: the spawner must kill it
     return rank
