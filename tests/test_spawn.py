@@ -16,8 +16,9 @@ def report_env(rank: int, world_size: int) -> tuple:
 
 
 def fail_on_rank_one(rank: int, world_size: int, pid_file: str) -> int:
-    with open(f"{pid_file}.{rank}", "w") as handle:
+    with open(f"{pid_file}.{rank}.part", "w") as handle:
         handle.write(str(os.getpid()))
+    os.rename(f"{pid_file}.{rank}.part", f"{pid_file}.{rank}")  # whole or absent, whenever the rank is stopped
     if rank == 1:
         # only once rank 0 has written its pid (on a loaded machine it may not have started yet): the test must
         # see which process the spawner had to stop
