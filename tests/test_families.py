@@ -5,6 +5,7 @@ work really split (projection FLOPs inside the block stacks <= 0.75 of single on
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -13,7 +14,7 @@ import rank_cases_families as cases
 from paradiff.plan_tools import family_examples as examples
 from paradiff.plans import builtin_plan
 from paradiff.tensor_parallel.plan import QUERY_HEAD_ATTRS, as_plan, resolve_plan
-from paradiff.testing.families import UNEVEN_HEAD_CONFIGS, uneven_head_overrides
+from paradiff.testing.families import UNEVEN_HEAD_CONFIGS, single_process_figures, uneven_head_overrides
 
 TOLERANCE = 1e-5
 MAX_SHARE = 0.75
@@ -22,6 +23,16 @@ IDS = [f"{family}:{example}" for family, example, _ in EXAMPLES]
 # modes a family asks for beyond the four, e.g. tp4 where K/V heads (2) are fewer than the ranks and get replicated
 EXTRA = [(family, example, mode) for family, example, _ in EXAMPLES
          for mode in examples.family_module(family).extra_modes.get(example, ())]
+
+
+@functools.lru_cache(maxsize=None)  # each test function walks every example: keep them all (small outputs)
+def _single(family: str, example: str, overrides: tuple = ()) -> dict:
+    return single_process_figures(family, example, dict(overrides) or None)
+
+
+def single(family: str, example: str, overrides: dict | None = None) -> dict:
+    """The example's single-process figures, computed once here instead of on every rank of every test."""
+    return _single(family, example, tuple(sorted((overrides or {}).items())))
 
 
 def check(results: list[dict]) -> None:
@@ -36,21 +47,26 @@ def check(results: list[dict]) -> None:
 
 @pytest.mark.parametrize("family,example,class_name", EXAMPLES, ids=IDS)
 def test_two_ranks_tp_ulysses_ring(pools, family, example, class_name):
-    check(pools.get(2).run(cases.family_modes, family=family, example=example, modes=["tp2", "ulysses2", "ring2"]))
+    check(pools.get(2).run(cases.family_modes, family=family, example=example, modes=["tp2", "ulysses2", "ring2"],
+                           single=single(family, example)))
 
 
 @pytest.mark.parametrize("family,example,class_name", EXAMPLES, ids=IDS)
 def test_four_ranks_tp2_x_ulysses2_loaded_shard_on_read(pools, tmp_path, family, example, class_name):
+    """Loaded shard-on-read (from_pretrained); enable_parallelism, the other way in, runs in the two-rank modes."""
     examples.build_example(family, example).save_pretrained(tmp_path, safe_serialization=True)
-    check(pools.get(4).run(cases.family_modes, family=family, example=example, modes=["tp2xulysses2"],
-                           checkpoint=str(tmp_path)))
+    results = pools.get(4).run(cases.family_modes, family=family, example=example, modes=["tp2xulysses2"],
+                               checkpoint=str(tmp_path), loaders=("from_pretrained",), single=single(family, example))
+    assert all(list(by_mode) == ["tp2xulysses2/from_pretrained"] for by_mode in results), results
+    check(results)
 
 
 @pytest.mark.parametrize("family,example,class_name", EXAMPLES, ids=IDS)
 def test_tp3_splits_four_heads_into_whole_heads(pools, family, example, class_name):
     """The examples' 4 heads over 3 ranks: 2 + 1 + 1 whole heads (K/V heads with their query heads), feed-forward
     widths floor/ceil; refused, naming the module, only where an attention has fewer heads than ranks."""
-    results = pools.get(3).run(cases.family_modes_or_refusal, family=family, example=example, modes=["tp3"])
+    results = pools.get(3).run(cases.family_modes_or_refusal, family=family, example=example, modes=["tp3"],
+                               single=single(family, example))
     if any("refused" in result for result in results):
         for result in results:
             found = re.match(r"(\S+): tp_degree=3 is larger than the (\d) attention heads", result.get("refused", ""))
@@ -67,7 +83,7 @@ def test_tp2_splits_three_heads_into_whole_heads(pools, family, example, class_n
     overrides = uneven_head_overrides(family, example)
     assert overrides is not None, "add the example's 3-head config to UNEVEN_HEAD_CONFIGS (testing/families.py)"
     check(pools.get(2).run(cases.family_modes, family=family, example=example, modes=["tp2"],
-                           config_overrides=overrides))
+                           config_overrides=overrides, single=single(family, example, overrides)))
 
 
 @pytest.mark.parametrize("family,example", sorted(UNEVEN_HEAD_CONFIGS),
@@ -95,7 +111,7 @@ def test_tp2_x_ulysses2_with_heads_uneven_on_both(pools, name):
     overrides = uneven_head_overrides(family, example)
     assert overrides is not None, name
     check(pools.get(4).run(cases.family_modes, family=family, example=example, modes=["tp2xulysses2"],
-                           config_overrides=overrides))
+                           config_overrides=overrides, single=single(family, example, overrides)))
 
 
 @pytest.mark.parametrize("mode", ["tp2", "tp2xulysses2"])
@@ -103,7 +119,8 @@ def test_grouped_heads_six_over_three_kv_heads_split_by_whole_groups(pools, mode
     """6 query heads over 3 K/V heads at tp2: 2 + 1 K/V heads, each with its 2 query heads; then Ulysses on top."""
     overrides = {"num_attention_heads": 6, "num_key_value_heads": 3}
     check(pools.get(cases.world_size(mode)).run(cases.family_modes, family="nucleusmoe", example="nucleus-moe",
-                                                modes=[mode], config_overrides=overrides))
+                                                modes=[mode], config_overrides=overrides,
+                                                single=single("nucleusmoe", "nucleus-moe", overrides)))
 
 
 @pytest.mark.parametrize("family,example,mode", EXTRA, ids=[f"{f}:{e}:{m}" for f, e, m in EXTRA])
@@ -111,4 +128,4 @@ def test_extra_modes_loaded_shard_on_read(pools, tmp_path, family, example, mode
     world = cases.world_size(mode)
     examples.build_example(family, example).save_pretrained(tmp_path, safe_serialization=True)
     check(pools.get(world).run(cases.family_modes, family=family, example=example, modes=[mode],
-                                             checkpoint=str(tmp_path)))
+                               checkpoint=str(tmp_path), single=single(family, example)))

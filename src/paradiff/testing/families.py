@@ -20,25 +20,38 @@ def parallel_config(mode: str):
     return paradiff.ParallelConfig.from_mode(MODES.get(mode, mode))
 
 
-def family_modes(family: str, example: str, modes: list[str], checkpoint: str | None = None,
-                 plan: str | None = None, config_overrides: dict | None = None) -> dict:
-    """{mode: relative difference, share of the single-process block FLOPs and block parameter bytes}.
-
-    With `checkpoint`, each mode is also loaded shard-on-read through from_pretrained (no plan argument).
-    `config_overrides` change the example's config (e.g. a head count the TP degree does not divide)."""
+def single_process_figures(family: str, example: str, config_overrides: dict | None = None) -> dict:
+    """The single-process forward of an example: its outputs, its projection FLOPs inside the block stacks and its
+    block parameter bytes. The same on every rank, so a test computes it once and hands it to family_modes."""
     reference = examples.build_example(family, example, config_overrides=config_overrides)
     inputs = examples.example_inputs(family, example, reference.config)
-    expected, single_flops = examples.forward_with_flops(reference, inputs)
-    single_bytes = examples.block_parameter_bytes(reference)
+    expected, flops = examples.forward_with_flops(reference, inputs)
+    return {"expected": expected, "flops": flops, "bytes": examples.block_parameter_bytes(reference)}
+
+
+def family_modes(family: str, example: str, modes: list[str], checkpoint: str | None = None,
+                 plan: str | None = None, config_overrides: dict | None = None, single: dict | None = None,
+                 loaders: tuple[str, ...] = ("enable_parallelism", "from_pretrained")) -> dict:
+    """{mode: relative difference, share of the single-process block FLOPs and block parameter bytes}.
+
+    With `checkpoint`, each mode is also loaded shard-on-read through from_pretrained (no plan argument); `loaders`
+    chooses which of the two ways run. `config_overrides` change the example's config (e.g. a head count the TP
+    degree does not divide). `single`: single_process_figures of the same example, computed here when not given."""
+    reference = examples.build_example(family, example, config_overrides=config_overrides)
+    inputs = examples.example_inputs(family, example, reference.config)
+    if single is None:
+        single = single_process_figures(family, example, config_overrides)
+    expected, single_flops, single_bytes = single["expected"], single["flops"], single["bytes"]
     results = {}
     for mode in modes:
-        loaders = {"enable_parallelism": lambda: paradiff.enable_parallelism(
+        ways = {"enable_parallelism": lambda: paradiff.enable_parallelism(
             examples.build_example(family, example, config_overrides=config_overrides), parallel_config(mode),
             plan=plan, cp_plan=plan)}
         if checkpoint:
-            loaders["from_pretrained"] = lambda: paradiff.from_pretrained(
+            ways["from_pretrained"] = lambda: paradiff.from_pretrained(
                 type(reference), checkpoint, parallel_config=parallel_config(mode))
-        for how, load in loaders.items():
+        ways = {how: load for how, load in ways.items() if how in loaders}
+        for how, load in ways.items():
             model = load()
             actual, flops = examples.forward_with_flops(model, inputs)
             results[f"{mode}/{how}" if checkpoint else mode] = {
