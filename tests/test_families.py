@@ -91,7 +91,7 @@ def test_tp2_splits_three_heads_into_whole_heads(pools, family, example, class_n
 def test_uneven_head_configs_give_every_split_attention_three_heads(family, example):
     """The hand-written 3-head configs leave no attention the plan splits at an even count (both streams of a
     two-stream model, perceiver and face cross-attentions): every one holds 2 + 1 heads at tp2."""
-    model = examples.build_example(family, example, config_overrides=UNEVEN_HEAD_CONFIGS[(family, example)])
+    model = examples.build_example(family, example, config_overrides=UNEVEN_HEAD_CONFIGS[(family, example)](3))
     plan = as_plan(builtin_plan(model, model.config, "tensor"))
     per_rank = [resolve_plan(model, plan, rank, 2).local_head_counts for rank in range(2)]
     assert per_rank[0], (family, example)

@@ -35,6 +35,7 @@ def coverage_table(markdown: bool = False) -> str:
                 return "yes" if modes[mode] <= 1e-5 else f"FAIL {modes[mode]:.0e}"
 
             worst = max(modes.values()) if modes else None
+            uneven, share = uneven_heads(record.get("uneven"))
             rows.append([
                 class_name, family.name,
                 mark("tp2", "tensor"), mark("ulysses2", "context"),
@@ -42,12 +43,13 @@ def coverage_table(markdown: bool = False) -> str:
                 mark("tp2xulysses2", "context"), "yes",
                 record.get("auto", "-"),
                 "-" if worst is None else f"{worst:.1e}",
+                uneven, share,
             ])
     planned = {row[0] for row in rows}
     for class_name in unplanned_transformers(planned):
-        rows.append([class_name, "none", "no", "no", "no", "no", "no", "yes", "-", "-"])
+        rows.append([class_name, "none", "no", "no", "no", "no", "no", "yes", "-", "-", "-", "-"])
     header = ["class", "plan file", "TP", "Ulysses", "ring", "unified", "TP x CP", "CFG", "auto TP = built-in",
-              "max diff"]
+              "max diff", "uneven heads tp2 / tp3", "FLOP share"]
     when = verified.get("date", "never")
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -59,13 +61,36 @@ def coverage_table(markdown: bool = False) -> str:
                      "every model (it splits the pipeline's two transformer calls). \"auto TP = built-in\": of the "
                      "built-in TP plan's entries in the block stacks, how many `plan=\"auto\"` derives identically. "
                      "Plan file \"none\": no built-in plan; try `plan=\"auto\"` / `cp_plan=\"auto\"` and check "
-                     "the result with `paradiff check-plan`.")
+                     "the result with `paradiff check-plan`. \"uneven heads\": the head counts verified at tp2 "
+                     "(of 3, 5, 7) and at tp3 (of 4, 5, 7), each rank holding whole heads, on "
+                     f"{verified.get('uneven_date', 'never')} (`python tools/verify_plans.py --uneven`); a count "
+                     "missing is one no config of the tiny example takes, or that the plan refuses (an attention "
+                     "with fewer heads than ranks); \"FLOP share\": the largest per-rank share of the single "
+                     "process's projection FLOPs in the block stacks over those runs.")
         return "\n".join(lines)
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths))]
     lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows]
     lines.append(f"{len(rows)} classes; verified {when}.")
     return "\n".join(lines)
+
+
+def uneven_heads(record: dict | None) -> tuple[str, str]:
+    """The uneven-head sweep's cell ("3,5,7 / 4,5,7": the head counts verified at tp2 / tp3) and FLOP share."""
+    if not record:
+        return "-", "-"
+    cells, failed = [], False
+    for mode in ("tp2", "tp3"):
+        counts = []
+        for label, value in sorted(record.items()):
+            if label.startswith(f"{mode}@"):
+                if isinstance(value, float) and value <= 1e-5:
+                    counts.append(label.split("@")[1])
+                elif isinstance(value, float) or value.startswith(("failed", "wrong")):
+                    failed = True
+        cells.append(",".join(counts) or "none")
+    share = record.get("flop_share")
+    return ("FAIL " if failed else "") + " / ".join(cells), "-" if share is None else f"{share:.2f}"
 
 
 def unplanned_transformers(planned: set[str]) -> list[str]:

@@ -3,6 +3,8 @@ single-process forward of the same weights and inputs."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import paradiff
 from paradiff.config import mode_world_size
 from paradiff.plan_tools import family_examples as examples
@@ -88,54 +90,54 @@ def wrong_slices(model, reference) -> list[str]:
     return wrong
 
 
-# 3-head configs of the examples whose config ties the head count to other widths in ways the generic search of
-# uneven_head_overrides cannot guess: every attention the plan splits gets 3 heads (one K/V head where the example
+# Head-count configs of the examples whose config ties the head count to other widths in ways the generic search of
+# uneven_head_overrides cannot guess: `h` heads for every attention the plan splits (one K/V head where the example
 # groups them), each entry naming the keys that must move with the heads and why (read from diffusers 0.42.1).
-UNEVEN_HEAD_CONFIGS: dict[tuple[str, str], dict] = {
-    # the head width is sum(axes_dims) = 16 (the rotary axes): 3 heads need a 48-wide model; Kandinsky 6's audio
-    # stream has its own width (32: 2 heads, which tp3 refuses), also 48
-    ("kandinsky5", "kandinsky-5"): dict(model_dim=48),
-    ("kandinsky6", "kandinsky6"): dict(model_dim=48, model_dim_a=48),
-    ("kandinsky6", "kandinsky6-video"): dict(model_dim=48, model_dim_a=48),
-    ("kandinsky6_sr", "kandinsky6-sr"): dict(model_dim=48),
+UNEVEN_HEAD_CONFIGS: dict[tuple[str, str], Callable[[int], dict]] = {
+    # the head width is sum(axes_dims) = 16 (the rotary axes): h heads need a 16h-wide model; Kandinsky 6's audio
+    # stream has its own width (32: 2 heads, which tp3 refuses), also 16h
+    ("kandinsky5", "kandinsky-5"): lambda h: dict(model_dim=16 * h),
+    ("kandinsky6", "kandinsky6"): lambda h: dict(model_dim=16 * h, model_dim_a=16 * h),
+    ("kandinsky6", "kandinsky6-video"): lambda h: dict(model_dim=16 * h, model_dim_a=16 * h),
+    ("kandinsky6_sr", "kandinsky6-sr"): lambda h: dict(model_dim=16 * h),
     # dim = heads x sum(axes_dims) (16); Z-Image's K/V heads equal its query heads (no grouping), so they move too
-    ("z_image", "z-image"): dict(n_heads=3, n_kv_heads=3, dim=48),
+    ("z_image", "z-image"): lambda h: dict(n_heads=h, n_kv_heads=h, dim=16 * h),
     # the same Z-Image blocks; the Perceiver's and the injected cross-attentions take n_heads too
-    ("bria_fibo2", "bria-fibo2"): dict(n_heads=3, dim=48),
+    ("bria_fibo2", "bria-fibo2"): lambda h: dict(n_heads=h, dim=16 * h),
     # the model width names no head width key (dit_dim = heads x 16)
-    ("longcat_audio", "longcat-audio-dit"): dict(dit_heads=3, dit_dim=48),
+    ("longcat_audio", "longcat-audio-dit"): lambda h: dict(dit_heads=h, dit_dim=16 * h),
     # two streams, each with its own heads: video attn1/attn2/audio_to_video_attn, audio audio_attn1/audio_attn2/
     # video_to_audio_attn. cross_attention_dim is the caption width the caption projection makes (= video inner
-    # width, 3 x 8); audio_cross_attention_dim sizes the audio-video cross-attentions' rotary tables (= audio inner)
-    ("ltx2", "ltx-2"): dict(num_attention_heads=3, audio_num_attention_heads=3, cross_attention_dim=24,
-                            audio_cross_attention_dim=24),
-    ("ltx2", "ltx-2.3"): dict(num_attention_heads=3, audio_num_attention_heads=3, cross_attention_dim=24,
-                              audio_cross_attention_dim=24),
+    # width, h x 8); audio_cross_attention_dim sizes the audio-video cross-attentions' rotary tables (= audio inner)
+    **{("ltx2", name): lambda h: dict(num_attention_heads=h, audio_num_attention_heads=h, cross_attention_dim=8 * h,
+                                      audio_cross_attention_dim=8 * h) for name in ("ltx-2", "ltx-2.3")},
     # head width = hidden_size / heads (16; the rope factors cover 8 = 16 / 2); K/V heads equal the query heads
-    ("omnigen", "omnigen"): dict(num_attention_heads=3, num_key_value_heads=3, hidden_size=48),
+    ("omnigen", "omnigen"): lambda h: dict(num_attention_heads=h, num_key_value_heads=h, hidden_size=16 * h),
     # the CogVideoX blocks (heads x attention_head_dim) and the perceiver cross-attentions (cross_attn_num_heads, 2
-    # in the example, which tp3 refuses); their K/V input is 2/3 of the inner width, which the face extractor's
-    # output (LFE_output_dim) must match: 2/3 x 48 = 32. The face extractor itself is not split.
-    ("consisid", "consisid"): dict(num_attention_heads=3, cross_attn_num_heads=3, LFE_output_dim=32),
+    # in the example, which tp3 refuses); their K/V input is 2/3 of the inner width (16h), which the face
+    # extractor's output (LFE_output_dim) must match (32 for 3 heads; no whole width for 5 or 7). The face extractor
+    # itself is not split.
+    ("consisid", "consisid"): lambda h: dict(num_attention_heads=h, cross_attn_num_heads=h,
+                                             LFE_output_dim=32 * h // 3),
     # hidden_size = heads x attention_head_dim (the generic search moves the heads alone or hidden_size only with a
     # head width key it reads from the config, which the ControlNet's class computes instead)
-    ("hunyuandit", "hunyuandit-controlnet"): dict(num_attention_heads=3, hidden_size=48),
-    # the cross-attention groups 4 query heads over 2 K/V heads (num_key_value_attention_heads): 3 over 1
-    ("stable_audio", "stable-audio-open"): dict(num_attention_heads=3, num_key_value_attention_heads=1),
-    # embed_dim = heads x 16 (the differential attention's packed q1/q2/k1/k2/v each 3 heads)
-    ("stable_audio3", "stable-audio-3"): dict(num_heads=3, embed_dim=48),
+    ("hunyuandit", "hunyuandit-controlnet"): lambda h: dict(num_attention_heads=h, hidden_size=16 * h),
+    # the cross-attention groups 4 query heads over 2 K/V heads (num_key_value_attention_heads): h over 1
+    ("stable_audio", "stable-audio-open"): lambda h: dict(num_attention_heads=h, num_key_value_attention_heads=1),
+    # embed_dim = heads x 16 (the differential attention's packed q1/q2/k1/k2/v each h heads)
+    ("stable_audio3", "stable-audio-3"): lambda h: dict(num_heads=h, embed_dim=16 * h),
     # The generic search builds these, but leaves a second attention at an even count:
-    # Krea 2's text-fusion blocks count their own heads (text_num_attention_heads, head width text_hidden_dim / 4)
-    ("krea2", "krea2"): dict(num_attention_heads=3, num_key_value_heads=1, text_hidden_dim=24,
-                             text_num_attention_heads=3, text_num_key_value_heads=1),
-    # Sana's cross-attention has its own heads and head width (2 x 32): 3 x 16, the 48-wide inner width
-    **{("sana", name): dict(num_attention_heads=3, cross_attention_dim=48, num_cross_attention_heads=3,
-                            cross_attention_head_dim=16) for name in ("sana-1.0", "sana-sprint")},
-    **{("sana_video", name): dict(num_attention_heads=3, cross_attention_dim=48, num_cross_attention_heads=3,
-                                  cross_attention_head_dim=16) for name in ("sana-video-t2v", "sana-video-i2v")},
+    # Krea 2's text-fusion blocks count their own heads (text_num_attention_heads, head width 8)
+    ("krea2", "krea2"): lambda h: dict(num_attention_heads=h, num_key_value_heads=1, text_hidden_dim=8 * h,
+                                       text_num_attention_heads=h, text_num_key_value_heads=1),
+    # Sana's cross-attention has its own heads and head width (2 x 32): h x 16, the 16h-wide inner width
+    **{(family, name): lambda h: dict(num_attention_heads=h, cross_attention_dim=16 * h, num_cross_attention_heads=h,
+                                      cross_attention_head_dim=16)
+       for family, name in (("sana", "sana-1.0"), ("sana", "sana-sprint"), ("sana_video", "sana-video-t2v"),
+                            ("sana_video", "sana-video-i2v"))},
     # SANA-WM's refiner is LTX-2's two-stream transformer: the audio heads too
-    **{("sana_wm_refiner", name): dict(num_attention_heads=3, audio_num_attention_heads=3, cross_attention_dim=24,
-                                       audio_cross_attention_dim=24)
+    **{("sana_wm_refiner", name): lambda h: dict(num_attention_heads=h, audio_num_attention_heads=h,
+                                                 cross_attention_dim=8 * h, audio_cross_attention_dim=8 * h)
        for name in ("sana-wm-refiner", "sana-wm-refiner-split-rope")},
 }
 
@@ -144,16 +146,15 @@ def uneven_head_overrides(family: str, example: str, heads: int = 3) -> dict | N
     """Config overrides giving the example `heads` attention heads (one K/V head where it groups them), or None
     where no such config builds and runs.
 
-    For 3 heads, UNEVEN_HEAD_CONFIGS first. Then the head count alone; then also every config width equal to 1, 2
-    or 4 times the old inner width (heads x head width: hidden sizes, cross-attention and caption widths), scaled
-    to the new head count."""
-    import torch
-
+    UNEVEN_HEAD_CONFIGS first (taken as it is for 3 heads, which the suite checks; tried for other counts). Then the
+    head count alone; then also every config width equal to 1, 2 or 4 times the old inner width (heads x head width:
+    hidden sizes, cross-attention and caption widths), scaled to the new head count."""
     from paradiff.plans import builtin_plan
     from paradiff.tensor_parallel.plan import as_plan
 
-    if heads == 3 and (family, example) in UNEVEN_HEAD_CONFIGS:
-        return dict(UNEVEN_HEAD_CONFIGS[(family, example)])
+    if (family, example) in UNEVEN_HEAD_CONFIGS:
+        candidate = UNEVEN_HEAD_CONFIGS[(family, example)](heads)
+        return candidate if heads == 3 or _runs(family, example, candidate) else None
     module = examples.family_module(family)
     _, config = module.examples[example]
     # the plan as the product builds it: a family serving several classes (HunyuanDiT and its ControlNet) is told
@@ -179,15 +180,20 @@ def uneven_head_overrides(family: str, example: str, heads: int = 3) -> dict | N
         scaled = {k: v // inner * heads * head_dim for k, v in config.items()
                   if isinstance(v, int) and not isinstance(v, bool) and k != key and v in (inner, 2 * inner, 4 * inner)}
         candidates.append({**overrides, **scaled})
-    for candidate in candidates:
-        try:
-            model = examples.build_example(family, example, config_overrides=candidate)
-            with torch.no_grad():
-                examples.forward(model, examples.example_inputs(family, example, model.config))
-        except Exception:  # noqa: BLE001 - any failure means the config does not take this head count
-            continue
-        return candidate
-    return None
+    return next((candidate for candidate in candidates if _runs(family, example, candidate)), None)
+
+
+def _runs(family: str, example: str, overrides: dict) -> bool:
+    """Whether the example builds and runs a forward with these config overrides."""
+    import torch
+
+    try:
+        model = examples.build_example(family, example, config_overrides=overrides)
+        with torch.no_grad():
+            examples.forward(model, examples.example_inputs(family, example, model.config))
+    except Exception:  # noqa: BLE001 - any failure means the config does not take this head count
+        return False
+    return True
 
 
 def family_modes_or_refusal(family: str, example: str, modes: list[str], **kwargs) -> dict:
