@@ -114,6 +114,22 @@ def test_tp2_x_ulysses2_with_heads_uneven_on_both(pools, name):
                            config_overrides=overrides, single=single(family, example, overrides)))
 
 
+# 5 and 7 heads on a sample (every example: tools/verify_plans.py --uneven, docs/coverage.md): two-stream, video,
+# grouped-query (1 K/V head) and hand-configured examples
+FIVE_AND_SEVEN = [("flux:flux.1-dev", "tp3", 5), ("wan:wan2.2-ti2v", "tp2", 7), ("lumina2:lumina2", "tp3", 7),
+                  ("z_image:z-image", "tp2", 5), ("ltx2:ltx-2", "tp3", 5)]
+
+
+@pytest.mark.parametrize("name,mode,heads", FIVE_AND_SEVEN, ids=[f"{n}:{m}@{h}" for n, m, h in FIVE_AND_SEVEN])
+def test_five_and_seven_heads_split_into_whole_heads(pools, name, mode, heads):
+    family, example = name.split(":")
+    overrides = uneven_head_overrides(family, example, heads)
+    assert overrides is not None, name
+    check(pools.get(cases.world_size(mode)).run(cases.family_modes, family=family, example=example, modes=[mode],
+                                                config_overrides=overrides,
+                                                single=single(family, example, overrides)))
+
+
 @pytest.mark.parametrize("mode", ["tp2", "tp2xulysses2"])
 def test_grouped_heads_six_over_three_kv_heads_split_by_whole_groups(pools, mode):
     """6 query heads over 3 K/V heads at tp2: 2 + 1 K/V heads, each with its 2 query heads; then Ulysses on top."""
