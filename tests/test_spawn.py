@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
 
-from paradiff.distributed.spawn import RankFailed, RankTimeout, free_port, rank_env, run_ranks
+from paradiff.distributed import spawn
+from paradiff.distributed.spawn import RankFailed, RankTimeout, can_fork_workers, free_port, rank_env, run_ranks
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def report_env(rank: int, world_size: int) -> tuple:
@@ -75,3 +81,48 @@ def test_a_hang_times_out_naming_the_ranks():
     with pytest.raises(RankTimeout) as timeout:
         run_ranks(sleep_forever, 2, timeout_s=3)
     assert timeout.value.missing == [0, 1]
+
+
+STARTER = """
+import json, os, sys
+from paradiff.distributed import spawn
+spawn.WORKER_PRELOAD = ("xml.dom.minidom",)  # light, and absent from a fresh interpreter
+envs = [dict(os.environ, PROBE_RANK=str(rank)) for rank in range(2)]
+workers = spawn.start_commands("spawn_probe", sys.argv[1:], envs)
+kinds = [type(worker).__name__ for worker in workers]
+if sys.argv[1] == "sleep":
+    for worker in workers:
+        assert worker.poll() is None
+        worker.kill()
+print(json.dumps({"kinds": kinds, "codes": [worker.wait(timeout=120) for worker in workers],
+                  "said": [worker.stderr.read().decode() for worker in workers]}))
+"""
+
+
+@pytest.mark.parametrize("how", ["fork", "exec"])
+def test_started_commands_run_the_module_with_their_environment_and_stderr_pipe(how):
+    """The launcher's workers (in a fresh process, as the launcher is): forked from it after its preload (no
+    accelerator here) or fresh interpreters, the same module, arguments, environment, stderr pipe and exit codes."""
+    env = dict(os.environ, PARADIFF_START_WORKERS=how, PYTHONPATH=os.pathsep.join([TESTS, *sys.path]))
+    done = subprocess.run([sys.executable, "-c", STARTER, "3", "x"], env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["kinds"] == ["ForkedCommand" if how == "fork" else "Popen"] * 2
+    assert result["codes"] == [3, 4]
+    for rank, said in enumerate(result["said"]):
+        assert said.startswith(f"rank {rank} argv 3 x preloaded {how == 'fork'}"), said
+
+
+def test_a_forked_command_killed_reports_the_signal():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, *sys.path]))
+    done = subprocess.run([sys.executable, "-c", STARTER, "sleep"], env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["codes"] == [-9, -9]
+
+
+def test_workers_start_fresh_where_an_accelerator_device_exists(monkeypatch):
+    monkeypatch.delenv("PARADIFF_START_WORKERS", raising=False)
+    assert can_fork_workers()  # this machine has none
+    monkeypatch.setattr(spawn, "ACCELERATOR_NODES", (os.devnull,))
+    assert not can_fork_workers()

@@ -30,15 +30,12 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _rank_and_rss_anon(pid: int) -> tuple[int, int] | None:
+def _rss_anon(pid: int) -> int | None:
     try:
-        environ = dict(item.split("=", 1) for item in (Path(f"/proc/{pid}/environ").read_text().split("\0"))
-                       if "=" in item)
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return None
-    anon = next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("RssAnon:"))
-    return int(environ.get("RANK", "-1")), anon
+    return next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("RssAnon:")), None)
 
 
 def _weights(folder: Path) -> int:
@@ -59,15 +56,15 @@ def test_staged_tp2_peak_is_below_the_resident_single_process_peak(tmp_path_fact
     launchers = {name: subprocess.Popen([sys.executable, "-m", "paradiff.cli", *argv], stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, text=True, env=dict(os.environ))
                  for name, argv in runs.items()}
-    measured: dict[tuple[str, int], int] = {}
+    by_pid: dict[tuple[str, int], int] = {}  # the launchers' children (the workers) by pid; report.json names ranks
     deadline = time.monotonic() + 420
     while any(p.poll() is None for p in launchers.values()) and time.monotonic() < deadline:
         for name, launcher in launchers.items():
             for pid in _children(launcher.pid):
-                sample = _rank_and_rss_anon(pid)
-                if sample is not None and sample[0] >= 0:
-                    measured[(name, sample[0])] = max(measured.get((name, sample[0]), 0), sample[1])
-        time.sleep(0.005)
+                sample = _rss_anon(pid)
+                if sample is not None:
+                    by_pid[(name, pid)] = max(by_pid.get((name, pid), 0), sample)
+        time.sleep(0.02)
     outputs = {}
     for name, launcher in launchers.items():
         if launcher.poll() is None:
@@ -76,6 +73,9 @@ def test_staged_tp2_peak_is_below_the_resident_single_process_peak(tmp_path_fact
         assert launcher.returncode == 0, (name, outputs[name][1][-3000:])
     single = json.loads((root / "single" / "report.json").read_text())["ranks"]
     staged = json.loads((root / "staged" / "report.json").read_text())["ranks"]
+    ranks = {(name, entry["pid"]): entry["rank"] for name, run in (("single", single), ("staged", staged))
+             for entry in run}
+    measured = {(name, ranks[(name, pid)]): peak for (name, pid), peak in by_pid.items() if (name, pid) in ranks}
     assert "per-stage figures" in outputs["staged"][0] and "text_encoders" in outputs["staged"][0]
 
     encoder, transformer, vae = (_weights(folder / name) for name in ("text_encoder", "transformer", "vae"))

@@ -339,6 +339,10 @@ def _train_transformer_rank(rank: int, world_size: int, result: Path, transforme
     ema = _train_transformer(rank, world_size, copy.deepcopy(transformer), *args)
     if rank == 0:
         torch.save(ema.state_dict(), result)
+        log = args[8]  # the TrainingLog, in _train_transformer's order
+        # before the result reaches the parent: once it has every result it stops ranks slow to exit (a loaded
+        # machine), and the buffered loss records of this process would be lost with it
+        log.close()
 
 
 def _train_transformer(rank: int, ranks: int, transformer, latents, caption_index, embeddings, token_weights, steps,

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
 
 from paradiff.cli.relay import StderrRelay
 from paradiff.cli.report import say
-from paradiff.distributed.spawn import free_port, rank_env, stop_commands
+from paradiff.distributed.spawn import free_port, rank_env, start_commands, stop_commands
 
 WORKER_MODULE = "paradiff.cli"
 # A worker that fails exits with this code after printing its line and recording the cause for its peers (who then
@@ -38,11 +37,8 @@ def launch(argv: list[str], world: int, worker_module: str = WORKER_MODULE, grac
     base_env = dict(os.environ, PARADIFF_WORKER="1", PARADIFF_CONSOLE_TTY="1" if sys.stderr.isatty() else "0",
                     OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     port = free_port()
-    workers = [
-        subprocess.Popen([sys.executable, "-m", worker_module, *argv], stderr=subprocess.PIPE,
-                         env=dict(base_env, **rank_env(rank, world, port)))
-        for rank in range(world)
-    ]
+    workers = start_commands(worker_module, argv, [dict(base_env, **rank_env(rank, world, port))
+                                                   for rank in range(world)])
     lock = threading.Lock()
 
     def to_console(data: bytes) -> None:

@@ -174,6 +174,7 @@ def generate(args: argparse.Namespace, device: torch.device,
                                                                      suffix="-without-lora")
     stats = {
         "rank": rank,
+        "pid": os.getpid(),
         "load_s": load_s,
         "step_s_median": float(np.median(step_times)) if step_times else None,
         "peak_memory_bytes": _peak_memory_bytes(device),

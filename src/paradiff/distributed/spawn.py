@@ -7,10 +7,14 @@ Every caller that starts N local ranks (the CLI launcher, check_plan, the demo, 
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import queue
+import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -143,7 +147,111 @@ def run_ranks(target: Callable[..., Any], world_size: int, *, kwargs: dict | Non
     return [results[rank] for rank in range(world_size)]
 
 
-def stop_commands(workers: list[subprocess.Popen], grace_s: float) -> None:
+# What a local worker imports before its first step: loaded once by the parent that forks the workers, where that is
+# safe (start_commands). A fresh process spends about 3 s of CPU importing torch, diffusers and transformers and
+# as much again on first use (diffusers' transformer package pulls in peft, transformers' modeling code,
+# bitsandbytes, which compiles its ops on import, and scipy): per worker, before it has done anything.
+WORKER_PRELOAD = ("torch", "torch.distributed", "diffusers", "diffusers.models.transformers",
+                  "diffusers.models.autoencoders", "diffusers.pipelines.pipeline_utils", "transformers.modeling_utils",
+                  "peft", "paradiff.api.model", "paradiff.api.pipeline")
+# Device nodes of accelerators: where one exists, workers start as fresh interpreters. A library imported in the
+# parent may ask whether CUDA is available, which initialises the driver, and a forked child cannot use a driver
+# its parent initialised.
+ACCELERATOR_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg", "/dev/accel0", "/dev/neuron0")
+
+
+def can_fork_workers() -> bool:
+    """Whether local workers may be forked from a parent that imported WORKER_PRELOAD: on a machine without
+    accelerators, where the OS forks, unless PARADIFF_START_WORKERS=exec asks for fresh interpreters."""
+    if os.environ.get("PARADIFF_START_WORKERS", "fork") == "exec" or not hasattr(os, "fork"):
+        return False
+    return not any(os.path.exists(node) for node in ACCELERATOR_NODES)
+
+
+class ForkedCommand:
+    """A worker forked from this process, with the part of subprocess.Popen's interface the launcher uses."""
+
+    def __init__(self, pid: int, stderr: Any) -> None:
+        self.pid, self.stderr, self.returncode = pid, stderr, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def send_signal(self, number: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, number)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def start_commands(module: str, argv: list[str], envs: list[dict[str, str]]) -> list:
+    """Start one worker per environment in `envs`, each running `python -m module argv` with its stderr in a pipe
+    (`.stderr`); the Popen-like handles by rank. On a machine without accelerators the workers are forked from this
+    process once it has imported WORKER_PRELOAD (a fraction of a second each instead of seconds of imports);
+    otherwise, or if an import left a thread running (a fork would copy a process in the middle of its work), they
+    are fresh interpreters."""
+    if can_fork_workers():
+        for name in WORKER_PRELOAD:
+            try:
+                importlib.import_module(name)
+            except ImportError:  # an optional dependency: the worker imports what it needs itself
+                pass
+        if threading.active_count() == 1:
+            return [_fork_command(module, argv, env) for env in envs]
+    return [subprocess.Popen([sys.executable, "-m", module, *argv], stderr=subprocess.PIPE, env=env) for env in envs]
+
+
+def _fork_command(module: str, argv: list[str], env: dict[str, str]) -> ForkedCommand:
+    import runpy
+
+    read_end, write_end = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        os.close(write_end)
+        return ForkedCommand(pid, os.fdopen(read_end, "rb"))
+    code = 1
+    try:  # the worker: what `python -m module argv` with this environment would run
+        os.close(read_end)
+        os.dup2(write_end, 2)
+        os.close(write_end)
+        os.environ.clear()
+        os.environ.update(env)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        sys.argv = [module, *argv]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - as an interpreter would: the traceback, exit code 1
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def stop_commands(workers: list, grace_s: float) -> None:
     """Terminate every worker still running, and kill those not gone after `grace_s`."""
     for worker in workers:
         if worker.poll() is None:

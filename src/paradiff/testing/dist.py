@@ -42,8 +42,15 @@ def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any, time
     os.environ.update(rank_env(rank, world_size, port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
+    parent = os.getppid()
     while True:
-        task = inbox.get()
+        try:
+            task = inbox.get(timeout=2.0)
+        except queue.Empty:
+            # a pool whose test process was killed would otherwise live on, its gloo threads polling forever
+            if os.getppid() != parent:
+                os._exit(0)
+            continue
         if task is None:
             break
         module_name, function_name, kwargs = task
@@ -78,10 +85,27 @@ def release_groups() -> None:
             dist.destroy_process_group(group)
 
 
+# What a rank imports before its first case, loaded once by the fork server every pool's ranks are forked from: a
+# fresh process spent 3 s importing torch and diffusers and 5 more on first use (diffusers' transformer package pulls
+# in peft, transformers' modeling code, bitsandbytes, which compiles its ops on import, and scipy); forked from the
+# server a rank starts in milliseconds, its first case as cheap as any other. The server itself runs no torch op,
+# so no thread pool or device state is forked.
+PRELOAD = ["torch", "torch.distributed", "diffusers", "diffusers.models.transformers", "diffusers.models.autoencoders",
+           "diffusers.pipelines.pipeline_utils", "transformers.modeling_utils", "peft", "paradiff.api.model",
+           "paradiff.api.pipeline", "paradiff.plan_tools.family_examples", "paradiff.testing.families"]
+
+
+def rank_context():
+    """The multiprocessing context pool ranks start from: forked from a server that preloaded PRELOAD."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    return context
+
+
 class RankPool:
     def __init__(self, world_size: int, collective_timeout_s: float = 60.0) -> None:
         self.world_size = world_size
-        context = mp.get_context("spawn")
+        context = rank_context()
         self.inboxes = [context.Queue() for _ in range(world_size)]
         self.outbox = context.Queue()
         port = free_port()
