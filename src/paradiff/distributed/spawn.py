@@ -87,7 +87,7 @@ def _rank_entry(target: Callable[..., Any], rank: int, world_size: int, port: in
 def run_ranks(target: Callable[..., Any], world_size: int, *, kwargs: dict | None = None,
               env: dict[str, str] | None = None, timeout_s: float = 600.0, grace_s: float = 15.0,
               gloo_timeout_s: float | None = None, hard_exit: bool = False) -> list[Any]:
-    """Run `target(rank=, world_size=, **kwargs)` in `world_size` fresh spawned processes; its results by rank.
+    """Run `target(rank=, world_size=, **kwargs)` in `world_size` new processes (local_context); its results by rank.
 
     Each rank gets `env` plus MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK, one torch thread, and with
     `gloo_timeout_s` a gloo process group (destroyed after `target`). `target` must be importable (spawn pickles it
@@ -95,9 +95,7 @@ def run_ranks(target: Callable[..., Any], world_size: int, *, kwargs: dict | Non
     every process still alive is killed and RankFailed names the first failing rank; after `timeout_s` RankTimeout
     names the ranks without a result. No process outlives this call.
     """
-    import torch.multiprocessing as mp
-
-    context = mp.get_context("spawn")
+    context = local_context()
     out = context.Queue()
     port = free_port()
     processes = [context.Process(target=_rank_entry, args=(target, rank, world_size, port, dict(env or {}),
@@ -166,6 +164,19 @@ def can_fork_workers() -> bool:
     if os.environ.get("PARADIFF_START_WORKERS", "fork") == "exec" or not hasattr(os, "fork"):
         return False
     return not any(os.path.exists(node) for node in ACCELERATOR_NODES)
+
+
+def local_context(preload: tuple[str, ...] = ()):
+    """The multiprocessing context local ranks start from: where workers may be forked (can_fork_workers), a fork
+    server that imported WORKER_PRELOAD (and `preload`) once, each rank forked from it in milliseconds; otherwise
+    fresh interpreters ("spawn"). The server is one per process: the preload of whichever caller starts it wins."""
+    import torch.multiprocessing as mp
+
+    if not can_fork_workers():
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload([*WORKER_PRELOAD, *preload])
+    return context
 
 
 class ForkedCommand:

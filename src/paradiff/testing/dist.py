@@ -1,6 +1,6 @@
 """A pool of gloo ranks started once and reused for many test cases.
 
-Starting a process that imports torch and diffusers costs seconds, so each world size gets one pool. A case is an
+Each world size gets one pool (ranks forked from a server that preloaded torch and diffusers: local_context). A case is an
 importable function run on every rank; its return values come back as a list by rank. A rank that raises reports
 its traceback; a case that does not finish in time kills the pool (it is restarted for the next case), so a hang
 can never stall the suite.
@@ -16,9 +16,8 @@ import time
 import traceback
 from typing import Any, Callable
 
-import torch.multiprocessing as mp
 
-from paradiff.distributed.spawn import free_port, rank_env
+from paradiff.distributed.spawn import free_port, local_context, rank_env
 
 
 class RankFailure(AssertionError):
@@ -85,27 +84,14 @@ def release_groups() -> None:
             dist.destroy_process_group(group)
 
 
-# What a rank imports before its first case, loaded once by the fork server every pool's ranks are forked from: a
-# fresh process spent 3 s importing torch and diffusers and 5 more on first use (diffusers' transformer package pulls
-# in peft, transformers' modeling code, bitsandbytes, which compiles its ops on import, and scipy); forked from the
-# server a rank starts in milliseconds, its first case as cheap as any other. The server itself runs no torch op,
-# so no thread pool or device state is forked.
-PRELOAD = ["torch", "torch.distributed", "diffusers", "diffusers.models.transformers", "diffusers.models.autoencoders",
-           "diffusers.pipelines.pipeline_utils", "transformers.modeling_utils", "peft", "paradiff.api.model",
-           "paradiff.api.pipeline", "paradiff.plan_tools.family_examples", "paradiff.testing.families"]
-
-
-def rank_context():
-    """The multiprocessing context pool ranks start from: forked from a server that preloaded PRELOAD."""
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)
-    return context
+# Besides what every local worker preloads (distributed/spawn.py: WORKER_PRELOAD), what the cases import.
+PRELOAD = ("paradiff.plan_tools.family_examples", "paradiff.testing.families")
 
 
 class RankPool:
     def __init__(self, world_size: int, collective_timeout_s: float = 60.0) -> None:
         self.world_size = world_size
-        context = rank_context()
+        context = local_context(PRELOAD)
         self.inboxes = [context.Queue() for _ in range(world_size)]
         self.outbox = context.Queue()
         port = free_port()
