@@ -6,7 +6,9 @@ height, norms, attention) before being listed; see paradiff/vae/__init__.py for 
 
 from __future__ import annotations
 
-from paradiff.vae.plan import PrePadded, VaePlan
+import math
+
+from paradiff.vae.plan import FramePieces, PrePadded, VaePlan
 
 
 def _downsamplings(count: int):
@@ -64,6 +66,92 @@ LTX_VIDEO = VaePlan(
     frame_noise=("LTXVideoResnetBlock3d",),
 )
 
+# Sana's DC-AE: ReLU linear attention (token sums over every rank), channel <-> space reshapes that keep a row's
+# pixels in its rows (pixel (un)shuffle, nearest upsampling, channel means / repeats), norms over channels only
+DC = VaePlan(
+    regions={"encoder": lambda vae: vae.spatial_compression_ratio, "decoder": _DECODER},
+    row_local=("Encoder", "Decoder", "ResBlock", "EfficientViTBlock", "GLUMBConv", "DCDownBlock2d", "DCUpBlock2d",
+               "SanaMultiscaleAttentionProjection", "RMSNorm", "LayerNorm", "BatchNorm2d"),
+    eval_only=("BatchNorm2d",),  # "batch_norm" blocks: per-channel running statistics in eval mode
+    attention={"SanaMultiscaleLinearAttention": "linear"},
+    processors=("SanaMultiscaleAttnProcessor2_0",),
+)
+
+
+def _safe_conv_pieces(conv, shape) -> int:
+    """CogVideoXSafeConv3d: above 2 GiB of input (counted at 2 bytes a value), int(GiB / 2) + 1 frame pieces."""
+    gib = math.prod(shape) * 2 / 1024**3
+    return int(gib / 2) + 1 if gib > 2 else 1
+
+
+_SAFE_CONV = FramePieces(count=_safe_conv_pieces, overlap=lambda conv: conv.kernel_size[0] - 1)
+# CogVideoXCausalConv3d: "replicate" pads every side itself (Mochi); other modes leave the rows to the conv's zeros
+_CAUSAL_CONV = PrePadded("conv", lambda m: (m.height_pad, m.height_pad) if m.pad_mode == "replicate" else None,
+                         lambda m: m.pad_mode)
+
+# CogVideoX: causal 3-D convs with a frame cache (each rank keeps its rows'), frame batches, spatial norms that
+# upsample the latent band by powers of 2 (nearest: a row's own rows), frames pooled per pixel
+COGVIDEOX = VaePlan(
+    regions={"encoder": _downsamplings(lambda c: len(c.block_out_channels) - 1), "decoder": _DECODER},
+    row_local=("CogVideoXEncoder3D", "CogVideoXDecoder3D", "CogVideoXCausalConv3d", "CogVideoXDownBlock3D",
+               "CogVideoXUpBlock3D", "CogVideoXMidBlock3D", "CogVideoXResnetBlock3D", "CogVideoXSpatialNorm3D",
+               "CogVideoXDownsample3D", "CogVideoXUpsample3D"),
+    prepadded={"CogVideoXCausalConv3d": _CAUSAL_CONV,
+               # pads one zero row at the bottom (and column at the right) before its stride-2 conv
+               "CogVideoXDownsample3D": PrePadded("conv", lambda m: (0, 1))},
+    frame_pieces={"CogVideoXSafeConv3d": _SAFE_CONV},
+)
+
+# Mochi: CogVideoX's causal convs in replicate mode, per-frame group norms, depth-to-space upsampling through a
+# linear layer; the encoder's attention runs over the frames of each pixel (row-local)
+MOCHI = VaePlan(
+    regions={"encoder": lambda vae: vae.spatial_compression_ratio, "decoder": _DECODER},
+    row_local=("MochiEncoder3D", "MochiDecoder3D", "MochiMidBlock3D", "MochiDownBlock3D", "MochiUpBlock3D",
+               "MochiResnetBlock3D", "MochiChunkedGroupNorm3D", "CogVideoXCausalConv3d", "FourierFeatures",
+               "Attention", "LpNorm"),
+    processors=("MochiVaeAttnProcessor2_0",),
+    prepadded={"CogVideoXCausalConv3d": _CAUSAL_CONV},
+    frame_pieces={"CogVideoXSafeConv3d": _SAFE_CONV},
+)
+
+# Allegro: 2-D blocks over frames folded into the batch, temporal convs (kernel 1 along the height, or 3 with zero
+# padding in the up/down layers); decodes and encodes only through its tiles, each tile split by rows
+ALLEGRO = VaePlan(
+    regions={"encoder": _downsamplings(lambda c: len(c.block_out_channels) - 1), "decoder": _DECODER},
+    row_local=("AllegroEncoder3D", "AllegroDecoder3D", "AllegroDownBlock3D", "AllegroUpBlock3D",
+               "AllegroMidBlock3DConv", "AllegroTemporalConvLayer", "ResnetBlock2D", "Downsample2D", "Upsample2D",
+               "Attention"),
+    prepadded=KL.prepadded,
+    attention={"Attention": "tokens"},  # per frame, over the frame's rows
+)
+
+# EasyAnimate's MagVit: causal 3-D convs run one output frame at a time (with a per-module frame cache: each rank
+# keeps its rows'), downsamplers that pad a zero row at the bottom, nearest / per-frame upsampling
+MAGVIT = VaePlan(
+    regions={"encoder": lambda vae: vae.spatial_compression_ratio, "decoder": _DECODER},
+    row_local=("EasyAnimateEncoder", "EasyAnimateDecoder", "EasyAnimateCausalConv3d", "EasyAnimateResidualBlock3D",
+               "EasyAnimateDownBlock3D", "EasyAnimateUpBlock3d", "EasyAnimateMidBlock3d", "EasyAnimateDownsampler3D",
+               "EasyAnimateUpsampler3D"),
+    prepadded={"EasyAnimateDownsampler3D": PrePadded("conv", lambda m: (0, 1))},
+)
+
+# Cosmos: Haar wavelet patching (stride-2 row pairs, whole on each rank at the encoder's alignment), causal convs
+# that zero-pad themselves, spatial attention per frame over its rows, temporal attention per pixel (row-local)
+COSMOS = VaePlan(
+    regions={"encoder": lambda vae: vae.config.spatial_compression_ratio, "decoder": _DECODER},
+    row_local=("CosmosEncoder3d", "CosmosDecoder3d", "CosmosPatchEmbed3d", "CosmosUnpatcher3d",
+               "CosmosConvProjection3d", "CosmosCausalConv3d", "CosmosResnetBlock3d", "CosmosCausalGroupNorm",
+               "CosmosDownBlock3d", "CosmosUpBlock3d", "CosmosMidBlock3d", "CosmosDownsample3d", "CosmosUpsample3d",
+               "CosmosCausalAttention"),
+    prepadded={
+        "CosmosCausalConv3d": PrePadded("", lambda m: (m.spatial_pad[2], m.spatial_pad[3]), lambda m: m.pad_mode),
+        # pads one zero row at the bottom before its stride-2 conv (which pads nothing more) and its 2 x 2 pooling
+        "CosmosDownsample3d": PrePadded("conv1", lambda m: (0, 1) if m.spatial_downsample else None),
+    },
+    attention={"CosmosSpatialAttentionProcessor2_0": "tokens"},
+    processors=("CosmosSpatialAttentionProcessor2_0", "CosmosTemporalAttentionProcessor2_0"),
+)
+
 VAE_PLANS = {
     "AutoencoderKL": KL,
     "AutoencoderKLFlux2": KL,
@@ -71,6 +159,12 @@ VAE_PLANS = {
     "AutoencoderKLWan": _wan_like("Wan", extra=("WanResidualDownBlock", "AvgDown3D", "WanResidualUpBlock", "DupUp3D")),
     "AutoencoderKLHunyuanVideo": HUNYUAN_VIDEO,
     "AutoencoderKLLTXVideo": LTX_VIDEO,
+    "AutoencoderDC": DC,
+    "AutoencoderKLCogVideoX": COGVIDEOX,
+    "AutoencoderKLMochi": MOCHI,
+    "AutoencoderKLAllegro": ALLEGRO,
+    "AutoencoderKLMagvit": MAGVIT,
+    "AutoencoderKLCosmos": COSMOS,
 }
 
 

@@ -46,8 +46,51 @@ CONFIGS: dict[str, tuple[str, dict]] = {
 }
 # LTX-Video 0.9.1 layout: noise injected after the decoder's convolutions (drawn from the global generator)
 CONFIGS["ltxvideo-noise"] = ("AutoencoderKLLTXVideo", dict(CONFIGS["ltxvideo"][1], decoder_inject_noise=(True,) * 3))
+CONFIGS.update({
+    # Sana's DC-AE layout: stride-2 conv downsampling, nearest upsampling, linear attention in the last stage (head
+    # size 8: a band of 1 latent row x 6 holds 6 tokens, the model's quadratic form there, 30 tokens in all)
+    "dc": ("AutoencoderDC", dict(
+        in_channels=3, latent_channels=4, attention_head_dim=8,
+        encoder_block_types=("ResBlock", "ResBlock", "EfficientViTBlock"),
+        decoder_block_types=("ResBlock", "ResBlock", "EfficientViTBlock"),
+        encoder_block_out_channels=(8, 16, 16), decoder_block_out_channels=(8, 16, 16),
+        encoder_layers_per_block=(1, 1, 1), decoder_layers_per_block=(1, 1, 1),
+        encoder_qkv_multiscales=((), (), (5,)), decoder_qkv_multiscales=((), (), (5,)),
+        downsample_block_type="Conv", upsample_block_type="interpolate",
+        decoder_norm_types=("batch_norm", "rms_norm", "rms_norm"), decoder_act_fns=("relu", "silu", "silu"))),
+    # pixel (un)shuffle up/downsampling and a first stage without layers (DCDownBlock2d / DCUpBlock2d at the ends)
+    "dc-shuffle": ("AutoencoderDC", dict(
+        in_channels=3, latent_channels=4, attention_head_dim=8,
+        encoder_block_types=("ResBlock", "ResBlock", "EfficientViTBlock"),
+        decoder_block_types=("ResBlock", "ResBlock", "EfficientViTBlock"),
+        encoder_block_out_channels=(8, 16, 16), decoder_block_out_channels=(8, 16, 16),
+        encoder_layers_per_block=(0, 1, 1), decoder_layers_per_block=(0, 1, 1),
+        encoder_qkv_multiscales=((), (), (3,)), decoder_qkv_multiscales=((), (), (3,)),
+        downsample_block_type="pixel_unshuffle", upsample_block_type="pixel_shuffle")),
+    "cogvideox": ("AutoencoderKLCogVideoX", dict(
+        in_channels=3, out_channels=3, down_block_types=("CogVideoXDownBlock3D",) * 3,
+        up_block_types=("CogVideoXUpBlock3D",) * 3, block_out_channels=(8, 8, 16), latent_channels=4,
+        layers_per_block=1, norm_num_groups=4, temporal_compression_ratio=4)),
+    # Mochi's attention has out_channels // 32 heads and its group norms 32 groups: 32 channels at least
+    "mochi": ("AutoencoderKLMochi", dict(
+        in_channels=15, out_channels=3, latent_channels=4, encoder_block_out_channels=(32,) * 4,
+        decoder_block_out_channels=(32,) * 4, layers_per_block=(1,) * 5)),
+    "allegro": ("AutoencoderKLAllegro", dict(
+        block_out_channels=(8, 8, 16, 16), latent_channels=4, layers_per_block=1, norm_num_groups=4)),
+    "magvit": ("AutoencoderKLMagvit", dict(
+        block_out_channels=(8, 8, 8, 8), latent_channels=4, layers_per_block=1, norm_num_groups=4,
+        spatial_group_norm=False)),
+    "cosmos": ("AutoencoderKLCosmos", dict(
+        in_channels=3, out_channels=3, latent_channels=4, encoder_block_out_channels=(8, 8, 8, 8),
+        decode_block_out_channels=(8, 8, 8, 8), attention_resolutions=(8,), resolution=64, num_layers=1,
+        patch_size=4, patch_type="haar", spatial_compression_ratio=4, temporal_compression_ratio=4)),
+})
 VAE_NAMES = tuple(CONFIGS)
-VIDEO = {"wan", "wan22", "hunyuanvideo", "ltxvideo", "ltxvideo-noise"}
+VIDEO = {"wan", "wan22", "hunyuanvideo", "ltxvideo", "ltxvideo-noise", "cogvideox", "mochi", "allegro", "magvit",
+         "cosmos"}
+# Allegro decodes and encodes only through its tiles (24 frames x 320 pixels, batch 1): tiles of 8 frames x 40 x 48
+# pixels, 2 along the frames of the test inputs, each tile one split call
+_ALLEGRO_TILES = dict(kernel=(8, 40, 48), stride=(4, 40, 48))
 
 
 def build_vae(name: str, seed: int = 0, config: dict | None = None):
@@ -64,6 +107,9 @@ def build_vae(name: str, seed: int = 0, config: dict | None = None):
         with torch.no_grad():
             for param in vae.parameters():
                 param.add_(torch.randn_like(param) * 0.05)
+    if class_name == "AutoencoderKLAllegro":
+        vae.enable_tiling()
+        vae.kernel, vae.stride = _ALLEGRO_TILES["kernel"], _ALLEGRO_TILES["stride"]
     return vae.eval()
 
 
@@ -73,14 +119,18 @@ def latent_channels(vae) -> int:
 
 
 def image_channels(vae) -> int:
+    if type(vae).__name__ == "AutoencoderKLMochi":  # its in_channels count the Fourier features of 3 colours
+        return vae.config.out_channels
     patch = vae.config.get("patch_size") if type(vae).__name__ == "AutoencoderKLWan" else None
     return vae.config.get("in_channels", 3) // (patch or 1) ** 2
 
 
-def sample_input(name: str, vae, kind: str, height: int, width: int, frames: int = 1, batch: int = 2,
+def sample_input(name: str, vae, kind: str, height: int, width: int, frames: int = 1, batch: int | None = None,
                  seed: int = 1) -> torch.Tensor:
     """A random latent (kind "decode", height x width latent rows) or image/video (kind "encode", in pixels)."""
     generator = torch.Generator().manual_seed(seed)
+    if batch is None:  # Allegro's tiles hold one sample
+        batch = 1 if CONFIGS[name][0] == "AutoencoderKLAllegro" else 2
     channels = latent_channels(vae) if kind == "decode" else image_channels(vae)
     five_d = name in VIDEO or name == "qwenimage"
     shape = (batch, channels, frames, height, width) if five_d else (batch, channels, height, width)
@@ -88,7 +138,7 @@ def sample_input(name: str, vae, kind: str, height: int, width: int, frames: int
 
 
 def run_vae(vae, kind: str, sample: torch.Tensor) -> torch.Tensor:
-    """decode(z).sample or the encoder's posterior mean, the call a pipeline makes. The global generator is seeded
+    """decode(z).sample or the encoder's posterior mode (its mean; DC-AE's latent), the call a pipeline makes. The global generator is seeded
     first, for VAEs that draw noise while decoding."""
     torch.manual_seed(0)
     with torch.no_grad():
@@ -97,4 +147,5 @@ def run_vae(vae, kind: str, sample: torch.Tensor) -> torch.Tensor:
                 temb = torch.linspace(0.02, 0.05, sample.shape[0])
                 return vae.decode(sample, temb).sample
             return vae.decode(sample).sample
-        return vae.encode(sample).latent_dist.mean
+        encoded = vae.encode(sample)
+        return encoded.latent if hasattr(encoded, "latent") else encoded.latent_dist.mode()

@@ -16,8 +16,9 @@ from paradiff.distributed.comm import CommStats, all_gather_ints, all_gather_une
 from paradiff.errors import DistributedError, ParallelConfigError, UnsupportedModelError
 from paradiff.distributed.mesh import ParallelMesh, replica_group, require_distributed
 from paradiff.vae.attention import KINDS, RowAttention
-from paradiff.vae.conv import HaloConv, needs_halo
+from paradiff.vae.conv import AgreedFramePieces, HaloConv, needs_halo
 from paradiff.vae.layout import split_rows
+from paradiff.vae.linear import SplitLinearAttention
 from paradiff.vae.noise import FrameNoise
 from paradiff.vae.norm import SplitGroupNorm
 from paradiff.vae.plan import VaePlan
@@ -85,7 +86,7 @@ def _resolve_group(mesh_or_group) -> dist.ProcessGroup:
 
 
 def _check_region(vae: nn.Module, region_name: str, region: nn.Module, plan: VaePlan) -> None:
-    known = _ROW_LOCAL | set(plan.row_local) | set(plan.prepadded) | set(plan.attention)
+    known = _ROW_LOCAL | set(plan.row_local) | set(plan.prepadded) | set(plan.attention) | set(plan.frame_pieces)
     what = f"{type(vae).__name__}.{region_name}"
     for name, module in region.named_modules():
         cls = type(module).__name__
@@ -102,10 +103,13 @@ def _check_region(vae: nn.Module, region_name: str, region: nn.Module, plan: Vae
                     f"{module.padding!r}, padding_mode={module.padding_mode!r}."
                 )
         processor = getattr(module, "processor", None)
-        if processor is not None and type(processor).__name__ != "AttnProcessor2_0":
+        if processor is not None and type(processor).__name__ not in plan.processors:
+            fix = (" Call vae.set_attn_processor(AttnProcessor2_0())." if "AttnProcessor2_0" in plan.processors
+                   else "")
             raise UnsupportedModelError(
-                f"{path} uses {type(processor).__name__}; paradiff spreads a VAE's attention over ranks through "
-                "AttnProcessor2_0 (scaled_dot_product_attention). Call vae.set_attn_processor(AttnProcessor2_0())."
+                f"{path} uses {type(processor).__name__}; paradiff has checked {list(plan.processors)} for "
+                f"{type(vae).__name__} (its attention spread over ranks through scaled_dot_product_attention where "
+                f"it attends across rows).{fix}"
             )
     for cls, kind in plan.attention.items():
         if kind not in KINDS:
@@ -113,22 +117,30 @@ def _check_region(vae: nn.Module, region_name: str, region: nn.Module, plan: Vae
 
 
 def _install(runtime: VaeRuntime, region_name: str, region: nn.Module, plan: VaePlan, unit: int) -> None:
-    prepadded = {}
+    prepadded: dict[int, tuple[tuple[int, int], str]] = {}
     for name, module in region.named_modules():
         spec = plan.prepadded.get(type(module).__name__)
         rows = spec.rows(module) if spec is not None else None
-        if rows is not None:
+        if rows is not None and any(rows):
             conv = module.get_submodule(spec.conv) if spec.conv else module
-            prepadded[id(conv)] = (tuple(rows), spec.mode(module))
+            before, mode = prepadded.get(id(conv), ((0, 0), spec.mode(module)))
+            if any(before) and mode != spec.mode(module):
+                raise UnsupportedModelError(
+                    f"{region_name}.{name}: two pads of one convolution with different modes ({mode!r}, "
+                    f"{spec.mode(module)!r}); paradiff rebuilds one mode at the image's edges.")
+            prepadded[id(conv)] = ((before[0] + rows[0], before[1] + rows[1]), mode)
     for name, module in region.named_modules():
         path = f"{region_name}.{name}" if name else region_name
         if isinstance(module, (nn.Conv2d, nn.Conv3d)):
             rows, mode = prepadded.get(id(module), ((0, 0), "constant"))
             if needs_halo(module, rows):
                 module._conv_forward = HaloConv(runtime, path, module, rows, mode)
+            pieces = plan.frame_pieces.get(type(module).__name__)
+            if pieces is not None:
+                module.forward = AgreedFramePieces(runtime, path, module, pieces.count, pieces.overlap)
         elif isinstance(module, nn.GroupNorm):
             module.forward = SplitGroupNorm(runtime, module)
-        kind = plan.attention.get(type(module).__name__)
+        kind = _attention_kind(module, plan)
         if kind == "tokens":
             interceptor = RowAttention(runtime, kind, path)
             module.register_forward_pre_hook(interceptor.enter)
@@ -141,21 +153,34 @@ def _install(runtime: VaeRuntime, region_name: str, region: nn.Module, plan: Vae
                     module.register_forward_pre_hook(interceptor.frames_from)
                     attention.register_forward_pre_hook(interceptor.enter)
                     attention.register_forward_hook(interceptor.leave, always_call=True)
+        elif kind == "linear":
+            SplitLinearAttention(runtime, module).install()
         if type(module).__name__ in plan.frame_noise:
             noise = FrameNoise(runtime)
             module.register_forward_pre_hook(noise.enter)
             module.register_forward_hook(noise.leave, always_call=True)
-    region.forward = _SplitRegion(runtime, region_name, region.forward, unit)
+    eval_only = [module for module in region.modules() if type(module).__name__ in plan.eval_only]
+    region.forward = _SplitRegion(runtime, region_name, region.forward, unit, eval_only)
+
+
+def _attention_kind(module: nn.Module, plan: VaePlan) -> str | None:
+    """A module's attention kind, declared for its class or for its processor's."""
+    kind = plan.attention.get(type(module).__name__)
+    processor = getattr(module, "processor", None)
+    if kind is None and processor is not None:
+        kind = plan.attention.get(type(processor).__name__)
+    return kind
 
 
 class _SplitRegion:
     """Stands in for a region's forward: keep this rank's rows of the input, run, gather the output rows."""
 
-    def __init__(self, runtime: VaeRuntime, name: str, forward, unit: int) -> None:
+    def __init__(self, runtime: VaeRuntime, name: str, forward, unit: int, eval_only: list[nn.Module]) -> None:
         self.runtime = runtime
         self.name = name
         self.forward = forward
         self.unit = max(1, unit)
+        self.eval_only = eval_only
         self.first_argument = next(iter(inspect.signature(forward).parameters))
 
     def __call__(self, *args, **kwargs):
@@ -167,6 +192,12 @@ class _SplitRegion:
 
     def _split(self, sample: torch.Tensor, *args, **kwargs):
         runtime = self.runtime
+        training = [type(module).__name__ for module in self.eval_only if module.training]
+        if training:  # every rank holds the same modules in the same mode, so every rank raises here alike
+            raise ParallelConfigError(
+                f"The split VAE {self.name} has {training[0]} in training mode (batch statistics over the whole "
+                "image); paradiff splits it with its running statistics only. Call vae.eval()."
+            )
         self._agree(sample)
         height = sample.shape[-2]
         if height < self.unit * runtime.size:
@@ -178,13 +209,17 @@ class _SplitRegion:
                 local = self.forward(sample.narrow(-2, start, stop - start), *args, **kwargs)
         finally:
             runtime.active = None
+        # a region may also return per-rank state of its own rows (a frame cache): passed back as this rank has it
+        local, state = (local[0], local[1:]) if isinstance(local, tuple) else (local, None)
         runtime.last_split[self.name] = (stop - start, local.shape[-2])
         sizes = [row[0] for row in all_gather_ints([local.shape[-2]], runtime.group, local.device, runtime.stats,
                                                    "all_gather_heights")]
         if runtime.output_rank is None:
-            return all_gather_uneven(local, -2, sizes, runtime.group, runtime.stats, "gather_rows")
-        full = gather_uneven_to(local, -2, sizes, runtime.output_rank, runtime.group, runtime.stats)
-        return local.narrow(-2, 0, 0) if full is None else full
+            full = all_gather_uneven(local, -2, sizes, runtime.group, runtime.stats, "gather_rows")
+        else:
+            full = gather_uneven_to(local, -2, sizes, runtime.output_rank, runtime.group, runtime.stats)
+            full = local.narrow(-2, 0, 0) if full is None else full
+        return full if state is None else (full, *state)
 
     def _agree(self, sample: torch.Tensor) -> None:
         """Every rank must call with the same shape (and dtype), or the bands would not fit together."""

@@ -6,6 +6,7 @@ paradiff's ring attention, so no rank holds more than two ranks' keys at once.
 "causal_frames": tokens ordered (frame, row, column) where a query sees keys of its own and earlier frames
 (HunyuanVideo's mid block). The model's mask was built from the local shape and is replaced: keys and values are
 gathered, regrouped frame by frame, and each query frame attends to the prefix of frames it may see.
+"linear" (DC-AE's ReLU linear attention, no SDPA) is `paradiff.vae.linear`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from paradiff.context_parallel.kernels import BACKENDS, default_scale
 from paradiff.errors import ParadiffError
 from paradiff.vae.runtime import VaeRuntime
 
-KINDS = ("tokens", "causal_frames")
+KINDS = ("tokens", "causal_frames", "linear")  # "linear": paradiff/vae/linear.py
 
 
 class RowAttention(TorchFunctionMode):

@@ -138,3 +138,39 @@ def _with_rows(row: torch.Tensor, count: int) -> tuple[int, ...]:
     shape = list(row.shape)
     shape[-2] = count
     return tuple(shape)
+
+
+class AgreedFramePieces:
+    """Stands in for the forward of a convolution that runs its frames in pieces (`paradiff.vae.plan.FramePieces`):
+    while split, the piece count is the one of the whole input (every rank's rows), so every rank convolves as many
+    pieces, overlapping as the model overlaps them, as one device would."""
+
+    def __init__(self, runtime: VaeRuntime, name: str, conv: nn.Module, count, overlap) -> None:
+        self.runtime = runtime
+        self.name = name
+        self.conv = conv
+        self.count = count
+        self.overlap = overlap
+        self.original = conv.forward
+        # the convolution itself, without the model's piecewise forward
+        self.convolve = next(cls.forward for cls in type(conv).__mro__ if cls in _FUNCTIONAL).__get__(conv)
+
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:
+        if self.runtime.active is None:
+            return self.original(input)
+        full = list(input.shape)
+        full[-2] = sum(self.runtime.band_heights(self.name, input.shape[-2], input.device))
+        count = self.count(self.conv, tuple(full))
+        if count <= 1:
+            return self.convolve(input)
+        pieces = torch.chunk(input, count, dim=2)
+        overlap = self.overlap(self.conv)
+        if overlap > 0:
+            pieces = [pieces[0]] + [torch.cat([_last_frames(before, overlap), piece], dim=2)
+                                    for before, piece in zip(pieces, pieces[1:])]
+        return torch.cat([self.convolve(piece) for piece in pieces], dim=2)
+
+
+def _last_frames(piece: torch.Tensor, count: int) -> torch.Tensor:
+    count = min(count, piece.shape[2])
+    return piece.narrow(2, piece.shape[2] - count, count)
