@@ -152,6 +152,70 @@ COSMOS = VaePlan(
     processors=("CosmosSpatialAttentionProcessor2_0", "CosmosTemporalAttentionProcessor2_0"),
 )
 
+# HunyuanImage 2.1: 2-D, space-to-depth (2 x 2) down / depth-to-space up with channel-mean / repeat shortcuts, one
+# single-head attention over the image's tokens in the mid blocks
+HUNYUAN_IMAGE = VaePlan(
+    regions={"encoder": lambda vae: vae.config.spatial_compression_ratio, "decoder": _DECODER},
+    row_local=("HunyuanImageEncoder2D", "HunyuanImageDecoder2D", "HunyuanImageResnetBlock",
+               "HunyuanImageDownsample", "HunyuanImageUpsample", "HunyuanImageMidBlock"),
+    attention={"HunyuanImageAttentionBlock": "tokens"},
+)
+
+
+def _hunyuan_dcae(prefix: str, resample: tuple[str, str], attention: str) -> VaePlan:
+    """HunyuanVideo 1.5 and the HunyuanImage 2.1 refiner: causal 3-D convs that pad themselves (replicate), RMS norms
+    over channels, DC-AE style space-to-depth resampling, one attention over every (frame, row, column) token."""
+    return VaePlan(
+        regions={"encoder": lambda vae: vae.config.spatial_compression_ratio, "decoder": _DECODER},
+        row_local=tuple(f"{prefix}{name}" for name in (
+            "Encoder3D", "Decoder3D", "CausalConv3d", "RMS_norm", "ResnetBlock", "MidBlock", "DownBlock3D",
+            "UpBlock3D")) + resample,
+        prepadded={f"{prefix}CausalConv3d": PrePadded(
+            "conv", lambda m: (m.time_causal_padding[2], m.time_causal_padding[3]), lambda m: m.pad_mode)},
+        attention={f"{prefix}AttnBlock": attention},
+    )
+
+
+# a query sees the keys of its own and earlier frames (the block builds that mask from its input)
+HUNYUAN_VIDEO15 = _hunyuan_dcae("HunyuanVideo15", ("HunyuanVideo15Downsample", "HunyuanVideo15Upsample"),
+                                "causal_frames")
+HUNYUAN_IMAGE_REFINER = _hunyuan_dcae(
+    "HunyuanImageRefiner", ("HunyuanImageRefinerDownsampleDCAE", "HunyuanImageRefinerUpsampleDCAE"), "tokens")
+
+# LTX-2: LTX-Video's layout; the decoder pads by reflection (rebuilt from the image's own rows at its edges)
+LTX2_VIDEO = VaePlan(
+    regions={"encoder": lambda vae: vae.spatial_compression_ratio, "decoder": _DECODER},
+    row_local=("LTX2VideoEncoder3d", "LTX2VideoDecoder3d", "LTX2VideoCausalConv3d", "LTX2VideoResnetBlock3d",
+               "LTX2VideoDownsampler3d", "LTX2VideoUpsampler3d", "LTX2VideoDownBlock3D", "LTX2VideoMidBlock3d",
+               "LTX2VideoUpBlock3d", "PerChannelRMSNorm", "LayerNorm",  # both over channels only
+               "PixArtAlphaCombinedTimestepSizeEmbeddings", "Timesteps", "TimestepEmbedding"),
+    frame_noise=("LTX2VideoResnetBlock3d",),
+)
+
+
+def _kandinsky_pieces(conv, shape) -> int:
+    """Kandinsky6SRSafeConv3d: above 2e9 values, ceil(values / 2e9) frame pieces; where a piece would hold fewer
+    frames than the kernel, the model convolves window by window, here in as many pieces as keep the kernel's frames
+    (the same convolution either way)."""
+    values = math.prod(shape)
+    if values <= 2 * 10**9:
+        return 1
+    return max(1, min(math.ceil(values / (2 * 10**9)), shape[2] // conv.kernel_size[0]))
+
+
+# Kandinsky 6 super-resolution K-VAE: CogVideoX-like spatial norms (nearest upsampled latent bands), causal convs
+# that zero-pad themselves and carry their frame padding in a per-rank cache across segments
+KANDINSKY6_SR = VaePlan(
+    regions={"encoder": lambda vae: vae.spatial_compression_ratio, "decoder": _DECODER},
+    row_local=("Kandinsky6SREncoder3D", "Kandinsky6SRDecoder3D", "Kandinsky6SRCausalConv3d",
+               "Kandinsky6SRResnetBlock3D", "Kandinsky6VAERMSNorm", "Kandinsky6SRSpatialNorm3D",
+               "Kandinsky6SRDownsample", "Kandinsky6SRUpsample", "PixelUnshuffle",
+               "Module"),  # plain containers (down[i], up[i], mid)
+    prepadded={"Kandinsky6SRCausalConv3d": PrePadded("conv", lambda m: (m.height_pad, m.height_pad))},
+    frame_pieces={"Kandinsky6SRSafeConv3d": FramePieces(count=_kandinsky_pieces,
+                                                        overlap=lambda conv: conv.kernel_size[0] - 1)},
+)
+
 VAE_PLANS = {
     "AutoencoderKL": KL,
     "AutoencoderKLFlux2": KL,
@@ -165,6 +229,13 @@ VAE_PLANS = {
     "AutoencoderKLAllegro": ALLEGRO,
     "AutoencoderKLMagvit": MAGVIT,
     "AutoencoderKLCosmos": COSMOS,
+    "AutoencoderKLHunyuanImage": HUNYUAN_IMAGE,
+    "AutoencoderKLHunyuanImageRefiner": HUNYUAN_IMAGE_REFINER,
+    "AutoencoderKLHunyuanVideo15": HUNYUAN_VIDEO15,
+    "AutoencoderKLQwenImage21": _wan_like("QwenImage21", extra=(
+        "QwenImage21ResidualDownBlock", "QwenImage21AvgDown3D", "QwenImage21ResidualUpBlock", "QwenImage21DupUp3D")),
+    "AutoencoderKLLTX2Video": LTX2_VIDEO,
+    "Kandinsky6SRVAE": KANDINSKY6_SR,
 }
 
 

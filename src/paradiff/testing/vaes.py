@@ -84,13 +84,41 @@ CONFIGS.update({
         in_channels=3, out_channels=3, latent_channels=4, encoder_block_out_channels=(8, 8, 8, 8),
         decode_block_out_channels=(8, 8, 8, 8), attention_resolutions=(8,), resolution=64, num_layers=1,
         patch_size=4, patch_type="haar", spatial_compression_ratio=4, temporal_compression_ratio=4)),
+    # GroupNorms of 32 groups: 32 channels at least
+    "hunyuanimage": ("AutoencoderKLHunyuanImage", dict(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(32, 32, 64, 64), layers_per_block=1,
+        spatial_compression_ratio=8, sample_size=128)),
+    "hunyuanimage-refiner": ("AutoencoderKLHunyuanImageRefiner", dict(
+        latent_channels=4, block_out_channels=(8, 8, 16, 16), layers_per_block=1, spatial_compression_ratio=8,
+        temporal_compression_ratio=4)),
+    "hunyuanvideo15": ("AutoencoderKLHunyuanVideo15", dict(
+        latent_channels=4, block_out_channels=(8, 8, 16, 16), layers_per_block=1, spatial_compression_ratio=8,
+        temporal_compression_ratio=4)),
+    # Qwen-Image 2.1: Wan 2.2's residual layout specialised to single images (patchified input)
+    "qwenimage21": ("AutoencoderKLQwenImage21", dict(
+        base_dim=8, decoder_base_dim=8, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1,
+        temperal_downsample=[False, True], is_residual=True, in_channels=12, out_channels=12, patch_size=2,
+        scale_factor_temporal=2, scale_factor_spatial=8, latents_mean=[0.0] * 4, latents_std=[1.0] * 4)),
+    # LTX-2 with its released padding: zeros in the encoder, reflection in the decoder; noise injected in decoding
+    "ltx2video": ("AutoencoderKLLTX2Video", dict(
+        in_channels=3, out_channels=3, latent_channels=8, block_out_channels=(8, 8, 8, 8),
+        decoder_block_out_channels=(16, 32, 64), layers_per_block=(1, 1, 1, 1, 1),
+        decoder_layers_per_block=(1, 1, 1, 1), spatio_temporal_scaling=(True, True, True, True),
+        decoder_spatio_temporal_scaling=(True, True, True), decoder_inject_noise=(False, True, False, True),
+        downsample_type=("spatial", "temporal", "spatiotemporal", "spatiotemporal"),
+        upsample_residual=(True, True, True), upsample_factor=(2, 2, 2), timestep_conditioning=False,
+        patch_size=1, patch_size_t=1, encoder_causal=True, decoder_causal=False,
+        encoder_spatial_padding_mode="zeros", decoder_spatial_padding_mode="reflect")),
+    "kandinsky6-sr": ("Kandinsky6SRVAE", dict(
+        latent_channels=4, encoder_block_out_channels=(8, 8, 16), decoder_block_out_channels=(8, 8, 16),
+        layers_per_block=1, temporal_compression_ratio=2, temporal_compression_start_level=1)),
 })
 VAE_NAMES = tuple(CONFIGS)
 VIDEO = {"wan", "wan22", "hunyuanvideo", "ltxvideo", "ltxvideo-noise", "cogvideox", "mochi", "allegro", "magvit",
-         "cosmos"}
+         "cosmos", "hunyuanimage-refiner", "hunyuanvideo15", "qwenimage21", "ltx2video", "kandinsky6-sr"}
 # Allegro decodes and encodes only through its tiles (24 frames x 320 pixels, batch 1): tiles of 8 frames x 40 x 48
-# pixels, 2 along the frames of the test inputs, each tile one split call
-_ALLEGRO_TILES = dict(kernel=(8, 40, 48), stride=(4, 40, 48))
+# pixels here, each tile one split call
+_ALLEGRO_TILES = dict(kernel=(8, 40, 48), stride=(8, 40, 48))
 
 
 def build_vae(name: str, seed: int = 0, config: dict | None = None):
@@ -121,7 +149,7 @@ def latent_channels(vae) -> int:
 def image_channels(vae) -> int:
     if type(vae).__name__ == "AutoencoderKLMochi":  # its in_channels count the Fourier features of 3 colours
         return vae.config.out_channels
-    patch = vae.config.get("patch_size") if type(vae).__name__ == "AutoencoderKLWan" else None
+    patch = vae.config.get("patch_size") if type(vae).__name__ in ("AutoencoderKLWan", "AutoencoderKLQwenImage21") else None
     return vae.config.get("in_channels", 3) // (patch or 1) ** 2
 
 
@@ -129,8 +157,9 @@ def sample_input(name: str, vae, kind: str, height: int, width: int, frames: int
                  seed: int = 1) -> torch.Tensor:
     """A random latent (kind "decode", height x width latent rows) or image/video (kind "encode", in pixels)."""
     generator = torch.Generator().manual_seed(seed)
-    if batch is None:  # Allegro's tiles hold one sample
-        batch = 1 if CONFIGS[name][0] == "AutoencoderKLAllegro" else 2
+    if batch is None:  # Allegro's tiles hold one sample; HunyuanVideo 1.5's (batch, tokens, tokens) causal mask
+        # broadcasts against its (batch, 1 head, tokens, dim) queries for one sample only
+        batch = 1 if CONFIGS[name][0] in ("AutoencoderKLAllegro", "AutoencoderKLHunyuanVideo15") else 2
     channels = latent_channels(vae) if kind == "decode" else image_channels(vae)
     five_d = name in VIDEO or name == "qwenimage"
     shape = (batch, channels, frames, height, width) if five_d else (batch, channels, height, width)

@@ -28,6 +28,8 @@ from paradiff.vae.runtime import RegionCall, VaeRuntime, get_vae_runtime, set_va
 _ROW_LOCAL = {"Conv2d", "Conv3d", "GroupNorm", "SiLU", "Mish", "GELU", "ReLU", "Dropout", "Identity",
               "Linear", "ModuleList", "Sequential"}
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# convolution padding modes whose rows paradiff rebuilds at the image's edges (circular would need the far edge's)
+_PAD_MODES = ("zeros", "replicate", "reflect")
 
 
 def split_vae(vae: nn.Module, plan: VaePlan, mesh_or_group=None, *, output_rank: int | None = None,
@@ -50,15 +52,17 @@ def split_vae(vae: nn.Module, plan: VaePlan, mesh_or_group=None, *, output_rank:
     if get_vae_runtime(vae) is not None:
         raise ParallelConfigError(f"This {type(vae).__name__} is already split across ranks by parallelize_vae.")
     regions = {name: getattr(vae, name) for name in plan.regions if isinstance(getattr(vae, name, None), nn.Module)}
+    prepads = {}
     for name, region in regions.items():
         _check_region(vae, name, region, plan)
+        prepads[name] = _prepads(name, region, plan)
     group = _resolve_group(mesh_or_group)
     size = dist.get_world_size(group)
     if output_rank is not None and not (isinstance(output_rank, int) and 0 <= output_rank < size):
         raise ParallelConfigError(f"output_rank must be None or a rank of the group, 0..{size - 1}; got {output_rank!r}.")
     runtime = VaeRuntime(group=group, output_rank=output_rank, stats=stats)
     for name, region in regions.items():
-        _install(runtime, name, region, plan, unit=int(plan.regions[name](vae)))
+        _install(runtime, name, region, plan, prepads[name], unit=int(plan.regions[name](vae)))
     set_vae_runtime(vae, runtime)
     return vae
 
@@ -97,10 +101,10 @@ def _check_region(vae: nn.Module, region_name: str, region: nn.Module, plan: Vae
                 f"it cannot split this VAE exactly. Leave the VAE unsplit (it decodes whole on each rank)."
             )
         if isinstance(module, (nn.Conv2d, nn.Conv3d)):
-            if isinstance(module.padding, str) or (module.padding_mode != "zeros" and needs_halo(module, (0, 0))):
+            if isinstance(module.padding, str) or (module.padding_mode not in _PAD_MODES and needs_halo(module, (0, 0))):
                 raise UnsupportedModelError(
-                    f"{path}: paradiff splits convolutions with integer zero padding; this one has padding="
-                    f"{module.padding!r}, padding_mode={module.padding_mode!r}."
+                    f"{path}: paradiff splits convolutions with integer padding in modes {_PAD_MODES}; this one has "
+                    f"padding={module.padding!r}, padding_mode={module.padding_mode!r}."
                 )
         processor = getattr(module, "processor", None)
         if processor is not None and type(processor).__name__ not in plan.processors:
@@ -116,19 +120,33 @@ def _check_region(vae: nn.Module, region_name: str, region: nn.Module, plan: Vae
             raise UnsupportedModelError(f"VAE plan attention kind {kind!r} for {cls}; valid kinds: {KINDS}.")
 
 
-def _install(runtime: VaeRuntime, region_name: str, region: nn.Module, plan: VaePlan, unit: int) -> None:
+def _prepads(region_name: str, region: nn.Module, plan: VaePlan) -> dict[int, tuple[tuple[int, int], str]]:
+    """Convolution id -> the (top, bottom) rows the model pads its input with just before the call, and their mode.
+    Checked here, before anything is changed: pads paradiff cannot rebuild at the image's edges are refused."""
     prepadded: dict[int, tuple[tuple[int, int], str]] = {}
     for name, module in region.named_modules():
         spec = plan.prepadded.get(type(module).__name__)
         rows = spec.rows(module) if spec is not None else None
         if rows is not None and any(rows):
             conv = module.get_submodule(spec.conv) if spec.conv else module
-            before, mode = prepadded.get(id(conv), ((0, 0), spec.mode(module)))
-            if any(before) and mode != spec.mode(module):
+            mode = spec.mode(module)
+            before, before_mode = prepadded.get(id(conv), ((0, 0), mode))
+            if mode not in ("constant", "replicate", "reflect") or (any(before) and before_mode != mode):
                 raise UnsupportedModelError(
-                    f"{region_name}.{name}: two pads of one convolution with different modes ({mode!r}, "
-                    f"{spec.mode(module)!r}); paradiff rebuilds one mode at the image's edges.")
+                    f"{region_name}.{name}: pads rows in mode {mode!r}"
+                    + (f" over a pad in mode {before_mode!r}" if any(before) and before_mode != mode else "")
+                    + "; paradiff rebuilds one pad of the modes constant, replicate or reflect at the image's edges.")
             prepadded[id(conv)] = ((before[0] + rows[0], before[1] + rows[1]), mode)
+    for name, module in region.named_modules():
+        if isinstance(module, (nn.Conv2d, nn.Conv3d)) and module.padding_mode != "zeros" and id(module) in prepadded:
+            raise UnsupportedModelError(
+                f"{region_name}.{name}: the model pads its input and the convolution pads again in mode "
+                f"{module.padding_mode!r}; paradiff rebuilds one pad at the image's edges.")
+    return prepadded
+
+
+def _install(runtime: VaeRuntime, region_name: str, region: nn.Module, plan: VaePlan,
+             prepadded: dict[int, tuple[tuple[int, int], str]], unit: int) -> None:
     for name, module in region.named_modules():
         path = f"{region_name}.{name}" if name else region_name
         if isinstance(module, (nn.Conv2d, nn.Conv3d)):
@@ -146,13 +164,16 @@ def _install(runtime: VaeRuntime, region_name: str, region: nn.Module, plan: Vae
             module.register_forward_pre_hook(interceptor.enter)
             module.register_forward_hook(interceptor.leave, always_call=True)
         elif kind == "causal_frames":
-            # the block knows the frame count; its attention modules (none when the model was built without) attend
-            for inner, attention in module.named_modules():
-                if hasattr(attention, "processor"):
-                    interceptor = RowAttention(runtime, kind, f"{path}.{inner}")
-                    module.register_forward_pre_hook(interceptor.frames_from)
-                    attention.register_forward_pre_hook(interceptor.enter)
-                    attention.register_forward_hook(interceptor.leave, always_call=True)
+            # the block knows the frame count; its attention modules (none when the model was built without) attend,
+            # or the block itself when it calls the attention (it has no attention modules with a processor)
+            attentions = [(inner, attention) for inner, attention in module.named_modules()
+                          if hasattr(attention, "processor")]
+            for inner, attention in attentions or [("", module)]:
+                interceptor = RowAttention(runtime, kind, f"{path}.{inner}" if inner else path,
+                                           require_call=bool(attentions))
+                module.register_forward_pre_hook(interceptor.frames_from)
+                attention.register_forward_pre_hook(interceptor.enter)
+                attention.register_forward_hook(interceptor.leave, always_call=True)
         elif kind == "linear":
             SplitLinearAttention(runtime, module).install()
         if type(module).__name__ in plan.frame_noise:
