@@ -239,5 +239,23 @@ VAE_PLANS = {
 }
 
 
+# The other VAE classes of diffusers 0.42.1's DiT pipelines, with what blocks a split by rows (they decode whole on
+# each rank). Any class in neither table is refused as not reviewed.
+VAE_REFUSALS = {
+    "AutoencoderKLMiniMaxH3": "its decoder is a ViT over every patch token plus learnt register and class tokens, "
+                              "with rotary positions normalised by the whole grid's size: a band of rows would get "
+                              "other positions and no shared tokens (and it tiles by default)",
+    "AutoencoderOobleck": "an audio VAE (Stable Audio, ACE-Step): a 1-D waveform has no image rows to split",
+    "AutoencoderSAME": "an audio VAE (Stable Audio 3): a 1-D signal has no image rows to split",
+    "LongCatAudioDiTVae": "an audio VAE (LongCat audio): a 1-D waveform has no image rows to split",
+    "RFD4ProteinaAutoencoder": "a protein-structure autoencoder: residues and atom coordinates, no image rows",
+}
+
+
+def vae_refusal(class_name: str) -> str:
+    """Why paradiff does not split a VAE class (one without a plan)."""
+    return VAE_REFUSALS.get(class_name, "paradiff has not reviewed its layers for operations that mix rows")
+
+
 def vae_plan(vae) -> VaePlan | None:
     return VAE_PLANS.get(type(vae).__name__)
