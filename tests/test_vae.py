@@ -251,3 +251,20 @@ def test_local_norm_moments_stay_exact_with_millions_of_values_per_group():
     mean, m2 = _local_moments(values)
     assert float(((mean - exact_mean).abs() / exact_mean.abs()).max()) <= 1e-12
     assert float(((m2 - exact_m2).abs() / exact_m2).max()) <= 1e-12
+
+
+def test_every_pipeline_vae_in_the_docs_table_is_split_or_refused_with_its_reason():
+    """docs/vae.md lists the VAE class of every DiT pipeline (tools/list_pipeline_vaes.py writes it); each is split by
+    a plan or refused with a reason, and the table says which, as plans/vae.py does now."""
+    from pathlib import Path
+
+    from paradiff.plan_tools.vae_coverage import MARKERS, unclassified, vae_status
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "vae.md").read_text()
+    table = text[text.index(MARKERS[0]):text.index(MARKERS[1])]
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| `")]
+    classes = [row[0].strip("| `") for row in rows]
+    assert len(classes) >= 20 and {"AutoencoderDC", "AutoencoderKLCogVideoX", "AutoencoderKLMochi"} <= set(classes)
+    assert unclassified(classes) == []
+    for name, row in zip(classes, rows):
+        assert row[-1].rstrip(" |") == vae_status(name), name

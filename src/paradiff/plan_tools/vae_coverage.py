@@ -36,10 +36,8 @@ def pipeline_vaes() -> dict[str, list[str]]:
             continue
         if not any("transformer" in parameter for parameter in parameters) or "vae" not in parameters:
             continue
-        annotation = parameters["vae"].annotation
-        for option in typing.get_args(annotation) or (annotation,):
-            if isinstance(option, type) and option is not type(None):
-                found[option.__name__].add(name)
+        for vae in _class_names(parameters["vae"].annotation):
+            found[vae].add(name)
     for module in _modular_modules():
         for _, block in inspect.getmembers(module, inspect.isclass):
             if block.__module__ != module.__name__ or not isinstance(
@@ -53,6 +51,14 @@ def pipeline_vaes() -> dict[str, list[str]]:
                 if spec.name == "vae" and isinstance(spec.type_hint, type):
                     found[spec.type_hint.__name__].add(f"modular {module.__name__.split('.')[2]}")
     return {vae: sorted(pipelines) for vae, pipelines in sorted(found.items())}
+
+
+def _class_names(annotation) -> list[str]:
+    """The classes an annotation names (a postponed one is a string: "AutoencoderKL | None")."""
+    if isinstance(annotation, str):
+        return [part.strip() for part in annotation.split("|") if part.strip() not in ("None", "")]
+    return [option.__name__ for option in typing.get_args(annotation) or (annotation,)
+            if isinstance(option, type) and option is not type(None)]
 
 
 def _modular_modules():
