@@ -149,7 +149,8 @@ def latent_channels(vae) -> int:
 def image_channels(vae) -> int:
     if type(vae).__name__ == "AutoencoderKLMochi":  # its in_channels count the Fourier features of 3 colours
         return vae.config.out_channels
-    patch = vae.config.get("patch_size") if type(vae).__name__ in ("AutoencoderKLWan", "AutoencoderKLQwenImage21") else None
+    patchified = type(vae).__name__ in ("AutoencoderKLWan", "AutoencoderKLQwenImage21")
+    patch = vae.config.get("patch_size") if patchified else None
     return vae.config.get("in_channels", 3) // (patch or 1) ** 2
 
 
@@ -167,8 +168,8 @@ def sample_input(name: str, vae, kind: str, height: int, width: int, frames: int
 
 
 def run_vae(vae, kind: str, sample: torch.Tensor) -> torch.Tensor:
-    """decode(z).sample or the encoder's posterior mode (its mean; DC-AE's latent), the call a pipeline makes. The global generator is seeded
-    first, for VAEs that draw noise while decoding."""
+    """decode(z).sample or the encoder's posterior mode (its mean; DC-AE's latent), the call a pipeline makes. The
+    global generator is seeded first, for VAEs that draw noise while decoding."""
     torch.manual_seed(0)
     with torch.no_grad():
         if kind == "decode":

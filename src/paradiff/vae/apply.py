@@ -101,7 +101,8 @@ def _check_region(vae: nn.Module, region_name: str, region: nn.Module, plan: Vae
                 f"it cannot split this VAE exactly. Leave the VAE unsplit (it decodes whole on each rank)."
             )
         if isinstance(module, (nn.Conv2d, nn.Conv3d)):
-            if isinstance(module.padding, str) or (module.padding_mode not in _PAD_MODES and needs_halo(module, (0, 0))):
+            unsupported_mode = module.padding_mode not in _PAD_MODES and needs_halo(module, (0, 0))
+            if isinstance(module.padding, str) or unsupported_mode:
                 raise UnsupportedModelError(
                     f"{path}: paradiff splits convolutions with integer padding in modes {_PAD_MODES}; this one has "
                     f"padding={module.padding!r}, padding_mode={module.padding_mode!r}."
