@@ -42,7 +42,6 @@ class HaloConv:
         # model's, or those of a convolution that pads in a mode itself (the two never stack: see the check)
         zeros = conv.padding_mode == "zeros"
         self.edge_rows, self.edge_mode = (prepad, prepad_mode) if zeros else ((padding, padding), conv.padding_mode)
-        self.zero_rows = padding if zeros else 0  # beyond those, the convolution's own zero padding
         other = tuple(conv.padding[:-2]) + (0, conv.padding[-1])
         self.window_padding = other if zeros else (0,) * len(other)
         # a convolution padding in a mode pads the other axes of a window in that mode itself, as its forward does
