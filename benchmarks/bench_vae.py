@@ -5,6 +5,11 @@ Models (random weights, seeded; the architecture and widths are what decides tim
   channels, 32 norm groups), decoding one image (`--kl-size`, pixels; latent = size / 8).
 - "wan": `AutoencoderKLWan` at Wan 2.1's widths (base_dim 96, z_dim 16, dim_mult 1/2/4/4, 2 res blocks), decoding one
   clip (`--wan-size` HxW pixels, `--wan-frames` output frames = 1 + 4 * (latent frames - 1)).
+- "dc": Sana's `AutoencoderDC` (DC-AE f32c32: widths 128 ... 1024, 3 layers per stage, linear attention in the last
+  three stages, 32 latent channels), decoding one image (`--dc-size`, pixels; latent = size / 32).
+- "cogvideox": `AutoencoderKLCogVideoX` at CogVideoX-2b's widths (128/256/256/512, 3 layers per block, 16 latent
+  channels), decoding one clip (`--cogvideox-size` HxW pixels, `--cogvideox-frames` = 1 + 4 * (latent frames - 1);
+  up to 3 latent frames are one frame batch of its decoder, more are batches of 2 through its frame cache).
 
 fp32, batch 1, one torch thread per rank, gloo on 127.0.0.1, every world size in freshly spawned processes. Per case:
 the median decode time over --repeats timed decodes after one warm-up (per decode the slowest rank counts), and the
@@ -19,6 +24,7 @@ and reports the CPU-seconds other processes used while it ran.
     nice -n 10 .venv/bin/python benchmarks/bench_vae.py                         # defaults below
     nice -n 10 .venv/bin/python benchmarks/bench_vae.py --kl-size 1024 --models flux-kl
     .venv/bin/python benchmarks/bench_vae.py --models flux-kl --kl-size 2048 --single-pass    # one decode per case
+    nice -n 10 .venv/bin/python benchmarks/bench_vae.py --models dc,cogvideox --worlds 1,2
     .venv/bin/python benchmarks/bench_vae.py --quick                             # checks the script (seconds)
 """
 
@@ -56,11 +62,30 @@ MODELS = {
         latent_channels=16, norm_num_groups=32, use_quant_conv=False, use_post_quant_conv=False)),
     "wan": ("AutoencoderKLWan", dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
                                      temperal_downsample=[False, True, True])),
+    "dc": ("AutoencoderDC", dict(
+        in_channels=3, latent_channels=32, attention_head_dim=32,
+        encoder_block_types=("ResBlock",) * 3 + ("EfficientViTBlock",) * 3,
+        decoder_block_types=("ResBlock",) * 3 + ("EfficientViTBlock",) * 3,
+        encoder_block_out_channels=(128, 256, 512, 512, 1024, 1024),
+        decoder_block_out_channels=(128, 256, 512, 512, 1024, 1024),
+        encoder_layers_per_block=(2, 2, 2, 3, 3, 3), decoder_layers_per_block=(3, 3, 3, 3, 3, 3),
+        encoder_qkv_multiscales=((), (), (), (5,), (5,), (5,)), decoder_qkv_multiscales=((), (), (), (5,), (5,), (5,)),
+        upsample_block_type="interpolate", downsample_block_type="Conv", decoder_norm_types="rms_norm",
+        decoder_act_fns="silu", scaling_factor=0.41407)),
+    "cogvideox": ("AutoencoderKLCogVideoX", dict(
+        in_channels=3, out_channels=3, down_block_types=("CogVideoXDownBlock3D",) * 4,
+        up_block_types=("CogVideoXUpBlock3D",) * 4, block_out_channels=(128, 256, 256, 512), latent_channels=16,
+        layers_per_block=3, norm_num_groups=32, temporal_compression_ratio=4)),
 }
 QUICK = {
     "flux-kl": ("AutoencoderKL", dict(MODELS["flux-kl"][1], block_out_channels=(16, 32, 32, 32), norm_num_groups=8)),
     "wan": ("AutoencoderKLWan", dict(MODELS["wan"][1], base_dim=8)),
+    "dc": ("AutoencoderDC", dict(MODELS["dc"][1], encoder_block_out_channels=(8, 16, 16, 16, 32, 32),
+                                 decoder_block_out_channels=(8, 16, 16, 16, 32, 32), attention_head_dim=8)),
+    "cogvideox": ("AutoencoderKLCogVideoX", dict(MODELS["cogvideox"][1], block_out_channels=(8, 16, 16, 32),
+                                                 norm_num_groups=4)),
 }
+VIDEO_MODELS = ("wan", "cogvideox")
 
 
 def _latent(model: str, config: dict, height: int, width: int, frames: int):
@@ -69,6 +94,10 @@ def _latent(model: str, config: dict, height: int, width: int, frames: int):
     generator = torch.Generator().manual_seed(1)
     if model == "wan":
         shape = (1, config["z_dim"], 1 + (frames - 1) // 4, height // 8, width // 8)
+    elif model == "cogvideox":
+        shape = (1, config["latent_channels"], 1 + (frames - 1) // 4, height // 8, width // 8)
+    elif model == "dc":
+        shape = (1, config["latent_channels"], height // 32, width // 32)
     else:
         shape = (1, config["latent_channels"], height // 8, width // 8)
     return torch.randn(shape, generator=generator)
@@ -180,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kl-size", type=int, default=512, help="FLUX KL output side in pixels (multiple of 8)")
     parser.add_argument("--wan-size", default="240x416", help="Wan output HxW in pixels (multiples of 8)")
     parser.add_argument("--wan-frames", type=int, default=5, help="Wan output frames, 1 + 4k")
+    parser.add_argument("--dc-size", type=int, default=512, help="DC-AE output side in pixels (multiple of 32)")
+    parser.add_argument("--cogvideox-size", default="120x176", help="CogVideoX output HxW in pixels (multiples of 8)")
+    parser.add_argument("--cogvideox-frames", type=int, default=9, help="CogVideoX output frames, 1 + 4k")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--wait-quiet", type=float, default=60.0, help="seconds to wait for a quiet machine per case")
     parser.add_argument("--single-pass", action="store_true",
@@ -190,9 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     models = QUICK if args.quick else MODELS
     wan_height, wan_width = (int(v) for v in args.wan_size.lower().split("x"))
-    sizes = {"flux-kl": (args.kl_size, args.kl_size, 1), "wan": (wan_height, wan_width, args.wan_frames)}
+    cog_height, cog_width = (int(v) for v in args.cogvideox_size.lower().split("x"))
+    sizes = {"flux-kl": (args.kl_size, args.kl_size, 1), "wan": (wan_height, wan_width, args.wan_frames),
+             "dc": (args.dc_size, args.dc_size, 1), "cogvideox": (cog_height, cog_width, args.cogvideox_frames)}
     if args.quick:
-        sizes = {"flux-kl": (64, 64, 1), "wan": (48, 64, 5)}
+        sizes = {"flux-kl": (64, 64, 1), "wan": (48, 64, 5), "dc": (128, 128, 1), "cogvideox": (48, 64, 5)}
     worlds = [int(w) for w in args.worlds.split(",")]
     print(f"# bench_vae {datetime.datetime.now().isoformat(timespec='seconds')}\n# {machine_line()}", flush=True)
     report, rows = {}, []
@@ -215,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             case["max_abs_output"] = scale
         for case in cases:
             diff = case.pop("max_abs_diff")
-            rows.append([model, f"{height}x{width}" + (f"x{frames}" if model == "wan" else ""), case["world"],
+            rows.append([model, f"{height}x{width}" + (f"x{frames}" if model in VIDEO_MODELS else ""), case["world"],
                          f"{case['median_s']:.2f}", f"{case['median_s'] / base['median_s']:.2f}",
                          f"{case['median_cpu_s']:.2f}", f"{case['median_cpu_s'] / base['median_cpu_s']:.2f}",
                          f"{case['peak_tensor_bytes'] / MB:.0f}",

@@ -38,16 +38,45 @@ def case_id(case: dict) -> str:
     return f"{case['name']}-{case['kind']}-{case['height']}x{case['width']}x{case.get('frames', 1)}"
 
 
-def decode_peak_memory(name: str, height: int, width: int, frames: int = 1) -> dict:
-    """Peak bytes of the tensors one split decode creates on this rank (its gathered output included)."""
+def decode_peak_memory(cases: list[dict]) -> dict:
+    """Per case {name, height, width, frames}: peak bytes of the tensors one split decode creates on this rank (its
+    gathered output included)."""
     torch.set_num_threads(1)
-    vae = paradiff.parallelize_vae(build_vae(name))
-    sample = sample_input(name, vae, "decode", height, width, frames)
-    run_vae(vae, "decode", sample)  # the first call also learns the halo plans
-    gc.collect()
-    with PeakTensorMemory() as memory:
-        out = run_vae(vae, "decode", sample)
-    return {"rank": dist.get_rank(), "peak": memory.peak, "shape": tuple(out.shape)}
+    peaks = {}
+    for case in cases:
+        vae = paradiff.parallelize_vae(build_vae(case["name"]))
+        sample = sample_input(case["name"], vae, "decode", case["height"], case["width"], case["frames"])
+        run_vae(vae, "decode", sample)  # the first call also learns the halo plans
+        gc.collect()
+        with PeakTensorMemory() as memory:
+            run_vae(vae, "decode", sample)
+        peaks[case["name"]] = memory.peak
+    return {"rank": dist.get_rank(), "peaks": peaks}
+
+
+def frame_pieces_outputs(name: str, height: int, width: int, frames: int, pieces: int) -> dict:
+    """CogVideoX's frame-piece convolutions forced to `pieces` pieces wherever each piece keeps at least 3 frames
+    (its causal kernel's, as the 2 GiB rule does for real inputs): the output, how many calls were cut, and the input
+    heights the piece count was asked for (every rank must ask for the whole input's, never its own band's)."""
+    import dataclasses
+
+    from paradiff.plans.vae import COGVIDEOX
+    from paradiff.vae import split_vae
+    from paradiff.vae.plan import FramePieces
+
+    torch.set_num_threads(1)
+    asked = []
+
+    def count(conv, shape):
+        asked.append((shape[-2], pieces if shape[2] >= 3 * pieces else 1))
+        return asked[-1][1]
+
+    plan = dataclasses.replace(COGVIDEOX, frame_pieces={"CogVideoXSafeConv3d": FramePieces(
+        count=count, overlap=COGVIDEOX.frame_pieces["CogVideoXSafeConv3d"].overlap)})
+    vae = split_vae(build_vae(name), plan)
+    output = run_vae(vae, "decode", sample_input(name, vae, "decode", height, width, frames))
+    return {"rank": dist.get_rank(), "output": output, "asked_heights": sorted({height for height, _ in asked}),
+            "cut": sum(1 for _, count in asked if count > 1), "rows": get_vae_runtime(vae).last_split["decoder"]}
 
 
 def replica_outputs(data: int) -> dict:
@@ -109,8 +138,14 @@ def vae_errors(index_folder: str) -> dict:
     attempt("output_rank", lambda: paradiff.parallelize_vae(build_vae("kl"), output_rank=dist.get_world_size()))
     attempt("bad_group", lambda: paradiff.parallelize_vae(build_vae("kl"), "world"))
     attempt("twice", twice)
+    def batch_norm_training():
+        vae = paradiff.parallelize_vae(build_vae("dc"))
+        vae.train()
+        run_vae(vae, "decode", sample_input("dc", vae, "decode", 5, 6))
+
     attempt("mismatched_shapes", mismatched_shapes)
     attempt("requires_grad", requires_grad)
+    attempt("batch_norm_training", batch_norm_training)
     attempt("pipeline_uncovered_vae", lambda: paradiff.load_pipeline(
         index_folder, parallel_config=paradiff.TensorParallelConfig(dist.get_world_size()), parallel_vae=True))
     return messages

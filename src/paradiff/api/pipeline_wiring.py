@@ -68,6 +68,7 @@ def _reader(module: nn.Module, source) -> Callable[[], None]:
 def _check_parallel_vae(parallel, index: dict, folder: Path) -> None:
     """parallel_vae=True: refuse, before any weight is read, what cannot split the VAE."""
     from paradiff.api.vae import supported_vaes
+    from paradiff.plans.vae import vae_refusal
 
     if parallel is None or parallel.world_size // parallel.data_degree < 2:
         raise ParallelConfigError(
@@ -77,7 +78,8 @@ def _check_parallel_vae(parallel, index: dict, folder: Path) -> None:
     vae_class = (index.get("vae") or [None, None])[1]
     if vae_class not in supported_vaes():
         raise UnsupportedModelError(
-            f"parallel_vae=True, but {folder}'s VAE is {vae_class}; paradiff splits {supported_vaes()}. "
+            f"parallel_vae=True, but {folder}'s VAE is {vae_class}, which paradiff cannot split: "
+            f"{vae_refusal(str(vae_class))}; paradiff splits {supported_vaes()}. "
             "Use parallel_vae=None to decode it whole on each rank."
         )
 

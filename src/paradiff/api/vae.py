@@ -7,7 +7,7 @@ from torch import nn
 
 from paradiff.distributed.comm import CommStats
 from paradiff.errors import UnsupportedModelError
-from paradiff.plans.vae import VAE_PLANS, vae_plan
+from paradiff.plans.vae import VAE_PLANS, vae_plan, vae_refusal
 from paradiff.vae import split_vae
 
 
@@ -29,7 +29,7 @@ def parallelize_vae(vae: nn.Module, mesh_or_group=None, *, output_rank: int | No
     plan = vae_plan(vae)
     if plan is None:
         raise UnsupportedModelError(
-            f"paradiff cannot split {type(vae).__name__} across ranks yet; covered VAEs: {supported_vaes()}. "
-            "Leave it as it is: it decodes whole on each rank."
+            f"paradiff cannot split {type(vae).__name__} across ranks: {vae_refusal(type(vae).__name__)}; covered "
+            f"VAEs: {supported_vaes()}. Leave it as it is: it decodes whole on each rank."
         )
     return split_vae(vae, plan, mesh_or_group, output_rank=output_rank, stats=stats)

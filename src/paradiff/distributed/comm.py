@@ -67,6 +67,15 @@ def all_reduce_cp_sums(tensor: torch.Tensor, group: dist.ProcessGroup, stats: Co
     return tensor
 
 
+def all_reduce_token_sums(tensor: torch.Tensor, group: dist.ProcessGroup,
+                          stats: CommStats | None = None) -> torch.Tensor:
+    """Sum per-rank partial sums over the tokens of a VAE split by rows (linear attention's V K^T), in place."""
+    tensor = tensor.contiguous()
+    _record(stats, "all_reduce_token_sums", tensor)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
 def all_reduce_metric(values: torch.Tensor, group: dist.ProcessGroup | None,
                       stats: CommStats | None = None) -> list[float]:
     """Sum a few float64 scalars over `group` (one small all-reduce) and return them as Python floats.

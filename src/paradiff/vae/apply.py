@@ -16,8 +16,9 @@ from paradiff.distributed.comm import CommStats, all_gather_ints, all_gather_une
 from paradiff.errors import DistributedError, ParallelConfigError, UnsupportedModelError
 from paradiff.distributed.mesh import ParallelMesh, replica_group, require_distributed
 from paradiff.vae.attention import KINDS, RowAttention
-from paradiff.vae.conv import HaloConv, needs_halo
+from paradiff.vae.conv import AgreedFramePieces, HaloConv, needs_halo
 from paradiff.vae.layout import split_rows
+from paradiff.vae.linear import SplitLinearAttention
 from paradiff.vae.noise import FrameNoise
 from paradiff.vae.norm import SplitGroupNorm
 from paradiff.vae.plan import VaePlan
@@ -27,6 +28,8 @@ from paradiff.vae.runtime import RegionCall, VaeRuntime, get_vae_runtime, set_va
 _ROW_LOCAL = {"Conv2d", "Conv3d", "GroupNorm", "SiLU", "Mish", "GELU", "ReLU", "Dropout", "Identity",
               "Linear", "ModuleList", "Sequential"}
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# convolution padding modes whose rows paradiff rebuilds at the image's edges (circular would need the far edge's)
+_PAD_MODES = ("zeros", "replicate", "reflect")
 
 
 def split_vae(vae: nn.Module, plan: VaePlan, mesh_or_group=None, *, output_rank: int | None = None,
@@ -49,15 +52,17 @@ def split_vae(vae: nn.Module, plan: VaePlan, mesh_or_group=None, *, output_rank:
     if get_vae_runtime(vae) is not None:
         raise ParallelConfigError(f"This {type(vae).__name__} is already split across ranks by parallelize_vae.")
     regions = {name: getattr(vae, name) for name in plan.regions if isinstance(getattr(vae, name, None), nn.Module)}
+    prepads = {}
     for name, region in regions.items():
         _check_region(vae, name, region, plan)
+        prepads[name] = _prepads(name, region, plan)
     group = _resolve_group(mesh_or_group)
     size = dist.get_world_size(group)
     if output_rank is not None and not (isinstance(output_rank, int) and 0 <= output_rank < size):
         raise ParallelConfigError(f"output_rank must be None or a rank of the group, 0..{size - 1}; got {output_rank!r}.")
     runtime = VaeRuntime(group=group, output_rank=output_rank, stats=stats)
     for name, region in regions.items():
-        _install(runtime, name, region, plan, unit=int(plan.regions[name](vae)))
+        _install(runtime, name, region, plan, prepads[name], unit=int(plan.regions[name](vae)))
     set_vae_runtime(vae, runtime)
     return vae
 
@@ -85,7 +90,7 @@ def _resolve_group(mesh_or_group) -> dist.ProcessGroup:
 
 
 def _check_region(vae: nn.Module, region_name: str, region: nn.Module, plan: VaePlan) -> None:
-    known = _ROW_LOCAL | set(plan.row_local) | set(plan.prepadded) | set(plan.attention)
+    known = _ROW_LOCAL | set(plan.row_local) | set(plan.prepadded) | set(plan.attention) | set(plan.frame_pieces)
     what = f"{type(vae).__name__}.{region_name}"
     for name, module in region.named_modules():
         cls = type(module).__name__
@@ -96,66 +101,108 @@ def _check_region(vae: nn.Module, region_name: str, region: nn.Module, plan: Vae
                 f"it cannot split this VAE exactly. Leave the VAE unsplit (it decodes whole on each rank)."
             )
         if isinstance(module, (nn.Conv2d, nn.Conv3d)):
-            if isinstance(module.padding, str) or (module.padding_mode != "zeros" and needs_halo(module, (0, 0))):
+            unsupported_mode = module.padding_mode not in _PAD_MODES and needs_halo(module, (0, 0))
+            if isinstance(module.padding, str) or unsupported_mode:
                 raise UnsupportedModelError(
-                    f"{path}: paradiff splits convolutions with integer zero padding; this one has padding="
-                    f"{module.padding!r}, padding_mode={module.padding_mode!r}."
+                    f"{path}: paradiff splits convolutions with integer padding in modes {_PAD_MODES}; this one has "
+                    f"padding={module.padding!r}, padding_mode={module.padding_mode!r}."
                 )
         processor = getattr(module, "processor", None)
-        if processor is not None and type(processor).__name__ != "AttnProcessor2_0":
+        if processor is not None and type(processor).__name__ not in plan.processors:
+            fix = (" Call vae.set_attn_processor(AttnProcessor2_0())." if "AttnProcessor2_0" in plan.processors
+                   else "")
             raise UnsupportedModelError(
-                f"{path} uses {type(processor).__name__}; paradiff spreads a VAE's attention over ranks through "
-                "AttnProcessor2_0 (scaled_dot_product_attention). Call vae.set_attn_processor(AttnProcessor2_0())."
+                f"{path} uses {type(processor).__name__}; paradiff has checked {list(plan.processors)} for "
+                f"{type(vae).__name__} (its attention spread over ranks through scaled_dot_product_attention where "
+                f"it attends across rows).{fix}"
             )
     for cls, kind in plan.attention.items():
         if kind not in KINDS:
             raise UnsupportedModelError(f"VAE plan attention kind {kind!r} for {cls}; valid kinds: {KINDS}.")
 
 
-def _install(runtime: VaeRuntime, region_name: str, region: nn.Module, plan: VaePlan, unit: int) -> None:
-    prepadded = {}
+def _prepads(region_name: str, region: nn.Module, plan: VaePlan) -> dict[int, tuple[tuple[int, int], str]]:
+    """Convolution id -> the (top, bottom) rows the model pads its input with just before the call, and their mode.
+    Checked here, before anything is changed: pads paradiff cannot rebuild at the image's edges are refused."""
+    prepadded: dict[int, tuple[tuple[int, int], str]] = {}
     for name, module in region.named_modules():
         spec = plan.prepadded.get(type(module).__name__)
         rows = spec.rows(module) if spec is not None else None
-        if rows is not None:
+        if rows is not None and any(rows):
             conv = module.get_submodule(spec.conv) if spec.conv else module
-            prepadded[id(conv)] = (tuple(rows), spec.mode(module))
+            mode = spec.mode(module)
+            before, before_mode = prepadded.get(id(conv), ((0, 0), mode))
+            if mode not in ("constant", "replicate", "reflect") or (any(before) and before_mode != mode):
+                raise UnsupportedModelError(
+                    f"{region_name}.{name}: pads rows in mode {mode!r}"
+                    + (f" over a pad in mode {before_mode!r}" if any(before) and before_mode != mode else "")
+                    + "; paradiff rebuilds one pad of the modes constant, replicate or reflect at the image's edges.")
+            prepadded[id(conv)] = ((before[0] + rows[0], before[1] + rows[1]), mode)
+    for name, module in region.named_modules():
+        if isinstance(module, (nn.Conv2d, nn.Conv3d)) and module.padding_mode != "zeros" and id(module) in prepadded:
+            raise UnsupportedModelError(
+                f"{region_name}.{name}: the model pads its input and the convolution pads again in mode "
+                f"{module.padding_mode!r}; paradiff rebuilds one pad at the image's edges.")
+    return prepadded
+
+
+def _install(runtime: VaeRuntime, region_name: str, region: nn.Module, plan: VaePlan,
+             prepadded: dict[int, tuple[tuple[int, int], str]], unit: int) -> None:
     for name, module in region.named_modules():
         path = f"{region_name}.{name}" if name else region_name
         if isinstance(module, (nn.Conv2d, nn.Conv3d)):
             rows, mode = prepadded.get(id(module), ((0, 0), "constant"))
             if needs_halo(module, rows):
                 module._conv_forward = HaloConv(runtime, path, module, rows, mode)
+            pieces = plan.frame_pieces.get(type(module).__name__)
+            if pieces is not None:
+                module.forward = AgreedFramePieces(runtime, path, module, pieces.count, pieces.overlap)
         elif isinstance(module, nn.GroupNorm):
             module.forward = SplitGroupNorm(runtime, module)
-        kind = plan.attention.get(type(module).__name__)
+        kind = _attention_kind(module, plan)
         if kind == "tokens":
             interceptor = RowAttention(runtime, kind, path)
             module.register_forward_pre_hook(interceptor.enter)
             module.register_forward_hook(interceptor.leave, always_call=True)
         elif kind == "causal_frames":
-            # the block knows the frame count; its attention modules (none when the model was built without) attend
-            for inner, attention in module.named_modules():
-                if hasattr(attention, "processor"):
-                    interceptor = RowAttention(runtime, kind, f"{path}.{inner}")
-                    module.register_forward_pre_hook(interceptor.frames_from)
-                    attention.register_forward_pre_hook(interceptor.enter)
-                    attention.register_forward_hook(interceptor.leave, always_call=True)
+            # the block knows the frame count; its attention modules (none when the model was built without) attend,
+            # or the block itself when it calls the attention (it has no attention modules with a processor)
+            attentions = [(inner, attention) for inner, attention in module.named_modules()
+                          if hasattr(attention, "processor")]
+            for inner, attention in attentions or [("", module)]:
+                interceptor = RowAttention(runtime, kind, f"{path}.{inner}" if inner else path,
+                                           require_call=bool(attentions))
+                module.register_forward_pre_hook(interceptor.frames_from)
+                attention.register_forward_pre_hook(interceptor.enter)
+                attention.register_forward_hook(interceptor.leave, always_call=True)
+        elif kind == "linear":
+            SplitLinearAttention(runtime, module).install()
         if type(module).__name__ in plan.frame_noise:
             noise = FrameNoise(runtime)
             module.register_forward_pre_hook(noise.enter)
             module.register_forward_hook(noise.leave, always_call=True)
-    region.forward = _SplitRegion(runtime, region_name, region.forward, unit)
+    eval_only = [module for module in region.modules() if type(module).__name__ in plan.eval_only]
+    region.forward = _SplitRegion(runtime, region_name, region.forward, unit, eval_only)
+
+
+def _attention_kind(module: nn.Module, plan: VaePlan) -> str | None:
+    """A module's attention kind, declared for its class or for its processor's."""
+    kind = plan.attention.get(type(module).__name__)
+    processor = getattr(module, "processor", None)
+    if kind is None and processor is not None:
+        kind = plan.attention.get(type(processor).__name__)
+    return kind
 
 
 class _SplitRegion:
     """Stands in for a region's forward: keep this rank's rows of the input, run, gather the output rows."""
 
-    def __init__(self, runtime: VaeRuntime, name: str, forward, unit: int) -> None:
+    def __init__(self, runtime: VaeRuntime, name: str, forward, unit: int, eval_only: list[nn.Module]) -> None:
         self.runtime = runtime
         self.name = name
         self.forward = forward
         self.unit = max(1, unit)
+        self.eval_only = eval_only
         self.first_argument = next(iter(inspect.signature(forward).parameters))
 
     def __call__(self, *args, **kwargs):
@@ -167,6 +214,12 @@ class _SplitRegion:
 
     def _split(self, sample: torch.Tensor, *args, **kwargs):
         runtime = self.runtime
+        training = [type(module).__name__ for module in self.eval_only if module.training]
+        if training:  # every rank holds the same modules in the same mode, so every rank raises here alike
+            raise ParallelConfigError(
+                f"The split VAE {self.name} has {training[0]} in training mode (batch statistics over the whole "
+                "image); paradiff splits it with its running statistics only. Call vae.eval()."
+            )
         self._agree(sample)
         height = sample.shape[-2]
         if height < self.unit * runtime.size:
@@ -178,13 +231,17 @@ class _SplitRegion:
                 local = self.forward(sample.narrow(-2, start, stop - start), *args, **kwargs)
         finally:
             runtime.active = None
+        # a region may also return per-rank state of its own rows (a frame cache): passed back as this rank has it
+        local, state = (local[0], local[1:]) if isinstance(local, tuple) else (local, None)
         runtime.last_split[self.name] = (stop - start, local.shape[-2])
         sizes = [row[0] for row in all_gather_ints([local.shape[-2]], runtime.group, local.device, runtime.stats,
                                                    "all_gather_heights")]
         if runtime.output_rank is None:
-            return all_gather_uneven(local, -2, sizes, runtime.group, runtime.stats, "gather_rows")
-        full = gather_uneven_to(local, -2, sizes, runtime.output_rank, runtime.group, runtime.stats)
-        return local.narrow(-2, 0, 0) if full is None else full
+            full = all_gather_uneven(local, -2, sizes, runtime.group, runtime.stats, "gather_rows")
+        else:
+            full = gather_uneven_to(local, -2, sizes, runtime.output_rank, runtime.group, runtime.stats)
+            full = local.narrow(-2, 0, 0) if full is None else full
+        return full if state is None else (full, *state)
 
     def _agree(self, sample: torch.Tensor) -> None:
         """Every rank must call with the same shape (and dtype), or the bands would not fit together."""

@@ -6,6 +6,7 @@ paradiff's ring attention, so no rank holds more than two ranks' keys at once.
 "causal_frames": tokens ordered (frame, row, column) where a query sees keys of its own and earlier frames
 (HunyuanVideo's mid block). The model's mask was built from the local shape and is replaced: keys and values are
 gathered, regrouped frame by frame, and each query frame attends to the prefix of frames it may see.
+"linear" (DC-AE's ReLU linear attention, no SDPA) is `paradiff.vae.linear`.
 """
 
 from __future__ import annotations
@@ -20,17 +21,19 @@ from paradiff.context_parallel.kernels import BACKENDS, default_scale
 from paradiff.errors import ParadiffError
 from paradiff.vae.runtime import VaeRuntime
 
-KINDS = ("tokens", "causal_frames")
+KINDS = ("tokens", "causal_frames", "linear")  # "linear": paradiff/vae/linear.py
 
 
 class RowAttention(TorchFunctionMode):
     """Active only while its module runs inside a split region."""
 
-    def __init__(self, runtime: VaeRuntime, kind: str, name: str) -> None:
+    def __init__(self, runtime: VaeRuntime, kind: str, name: str, require_call: bool = True) -> None:
         super().__init__()
         self.runtime = runtime
         self.kind = kind
         self.name = name
+        # a module with a processor must attend through SDPA, or it would attend to this rank's rows only
+        self.require_call = require_call
         self.frames = 0
         self.calls = 0
 
@@ -48,7 +51,7 @@ class RowAttention(TorchFunctionMode):
         if self.runtime.active is None:
             return
         self.__exit__(None, None, None)
-        if self.calls == 0 and output is not None:  # output is None when the forward raised
+        if self.require_call and self.calls == 0 and output is not None:  # None when the forward raised
             # a processor that does not end in SDPA would have attended to this rank's rows only
             raise ParadiffError(
                 f"{self.name} ran without calling torch.nn.functional.scaled_dot_product_attention, so paradiff "
@@ -70,6 +73,10 @@ class RowAttention(TorchFunctionMode):
                 f"dropout_p={dropout_p}, is_causal={is_causal}, enable_gqa={enable_gqa}."
             )
         scale = default_scale(query.shape[-1]) if scale is None else scale
+        if query.dim() == 3:  # (batch, tokens, dim): one head
+            mask = None if attn_mask is None else attn_mask.unsqueeze(-3)
+            return self.attention(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), mask, scale=scale
+                                  ).squeeze(1)
         if self.kind == "tokens":
             if attn_mask is not None:
                 raise NotImplementedError(f"{self.name}: a masked attention was declared as unmasked ('tokens').")

@@ -25,20 +25,28 @@ def needs_halo(conv: nn.Module, prepad: tuple[int, int]) -> bool:
 
 
 class HaloConv:
-    """Stands in for one convolution's `_conv_forward` (which receives the input after the model's own padding)."""
+    """Stands in for one convolution's `_conv_forward` (which receives the input after the model's own padding, and
+    pads it itself when the convolution's padding_mode is not "zeros")."""
 
     def __init__(self, runtime: VaeRuntime, name: str, conv: nn.Module, prepad: tuple[int, int], prepad_mode: str):
         self.runtime = runtime
         self.name = name
         self.conv = conv
         self.original = conv._conv_forward
-        self.prepad = prepad
-        self.prepad_mode = prepad_mode
+        self.prepad = prepad  # rows the model padded before the call: part of the input
         kernel, dilation, stride, padding = (conv.kernel_size[-2], conv.dilation[-2], conv.stride[-2],
                                              conv.padding[-2])
         self.rows = ConvRows(extent=dilation * (kernel - 1) + 1, stride=stride, pad_top=prepad[0] + padding,
                              pad_bottom=prepad[1] + padding)
-        self.window_padding = tuple(conv.padding[:-2]) + (0, conv.padding[-1])
+        # the rows next to the image's edges made in a mode (zeros, copies or mirror images of image rows): the
+        # model's, or those of a convolution that pads in a mode itself (the two never stack: see the check)
+        zeros = conv.padding_mode == "zeros"
+        self.edge_rows, self.edge_mode = (prepad, prepad_mode) if zeros else ((padding, padding), conv.padding_mode)
+        other = tuple(conv.padding[:-2]) + (0, conv.padding[-1])
+        self.window_padding = other if zeros else (0,) * len(other)
+        # a convolution padding in a mode pads the other axes of a window in that mode itself, as its forward does
+        self.window_pad = None if zeros else tuple(
+            amount for axis in reversed(range(len(other))) for amount in (other[axis], other[axis]))
         self.functional = next(fn for cls, fn in _FUNCTIONAL.items() if isinstance(conv, cls))
 
     def __call__(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -81,43 +89,51 @@ class HaloConv:
             else:
                 held, block = halos[rank]
                 blocks.append(block.narrow(-2, rows[0] - held[0], rows[1] - rows[0]))
-        top, bottom = self.prepad
-        window = self._edge_padding(blocks[0], low, min(high, 0), top, first=True)
-        window += blocks
-        window += self._edge_padding(blocks[-1], max(low, plan.height), high, bottom, first=False,
-                                     height=plan.height)
-        out = self.functional(torch.cat(window, dim=-2), weight, bias, self.conv.stride, self.window_padding,
-                              self.conv.dilation, self.conv.groups)
+        real = torch.cat(blocks, dim=-2)
+        above = self._edge_padding(real, low, min(high, 0), first=True)
+        below = self._edge_padding(real, max(low, plan.height), high, first=False, height=plan.height)
+        window = torch.cat(above + [real] + below, dim=-2)
+        if self.window_pad is not None:
+            window = F.pad(window, self.window_pad, mode=self.edge_mode)
+        out = self.functional(window, weight, bias, self.conv.stride, self.window_padding, self.conv.dilation,
+                              self.conv.groups)
         if out.shape[-2] != fix[1] - fix[0]:
             raise AssertionError(f"{self.name}: window gave {out.shape[-2]} rows for {fix}")
         return out
 
-    def _edge_padding(self, edge: torch.Tensor, low: int, high: int, prepad: int, first: bool,
+    def _edge_padding(self, real: torch.Tensor, low: int, high: int, first: bool,
                       height: int = 0) -> list[torch.Tensor]:
-        """The padding rows [low, high) past the image's top (first) or bottom edge: the model's own pad rows
-        (zeros, or copies of the edge row) next to the image, the convolution's zero padding beyond."""
+        """The padding rows [low, high) past the image's top (first) or bottom edge, next to the window's image rows
+        `real`: the rows made in a mode next to the image (zeros, copies of the edge row, or its mirror images), the
+        convolution's zero padding beyond."""
         if high <= low:
             return []
+        moded = self.edge_rows[0 if first else 1]
         if first:
-            own_rows = max(0, min(high, -prepad) - low)  # rows above -prepad: the convolution's zeros
-            model_rows = high - low - own_rows
+            zero_rows = max(0, min(high, -moded) - low)  # rows above -moded: the convolution's zeros
+            mode_rows = high - low - zero_rows
         else:
-            model_rows = max(0, min(high, height + prepad) - low)
-            own_rows = high - low - model_rows
-        row = edge.narrow(-2, 0 if first else edge.shape[-2] - 1, 1)
-        if self.prepad_mode == "replicate":
-            model = row.expand(_with_rows(row, model_rows))
+            mode_rows = max(0, min(high, height + moded) - low)
+            zero_rows = high - low - mode_rows
+        edge = real.narrow(-2, 0 if first else real.shape[-2] - 1, 1)
+        if self.edge_mode == "replicate":
+            made = edge.expand(_with_rows(edge, mode_rows))
+        elif self.edge_mode == "reflect":  # row -j is row j, row height - 1 + j is row height - 1 - j
+            made = real.narrow(-2, 1 if first else real.shape[-2] - 1 - mode_rows, mode_rows).flip(-2)
         else:
-            model = row.new_zeros(_with_rows(row, model_rows))
-        zeros = row.new_zeros(_with_rows(row, own_rows))
-        return [zeros, model] if first else [model, zeros]
+            made = edge.new_zeros(_with_rows(edge, mode_rows))
+        zeros = edge.new_zeros(_with_rows(edge, zero_rows))
+        return [zeros, made] if first else [made, zeros]
 
     def _assemble(self, plan: HaloPlan, local, fixed, input, weight, bias) -> torch.Tensor:
         mine = plan.mine
         first, last = mine.out_rows
         if first == last:  # no output rows here (only when a layer has fewer rows than ranks)
-            out = self.functional(input.new_zeros(_with_rows(input, self.rows.extent)), weight, bias, self.conv.stride, self.window_padding,
-                                  self.conv.dilation, self.conv.groups)
+            window = input.new_zeros(_with_rows(input, self.rows.extent))
+            if self.window_pad is not None:
+                window = F.pad(window, self.window_pad)
+            out = self.functional(window, weight, bias, self.conv.stride, self.window_padding, self.conv.dilation,
+                                  self.conv.groups)
             return out.narrow(-2, 0, 0)
         covered = (mine.local_first, mine.local_first + mine.local_out)
         inside = local is not None and covered[0] <= first and last <= covered[1]
@@ -138,3 +154,39 @@ def _with_rows(row: torch.Tensor, count: int) -> tuple[int, ...]:
     shape = list(row.shape)
     shape[-2] = count
     return tuple(shape)
+
+
+class AgreedFramePieces:
+    """Stands in for the forward of a convolution that runs its frames in pieces (`paradiff.vae.plan.FramePieces`):
+    while split, the piece count is the one of the whole input (every rank's rows), so every rank convolves as many
+    pieces, overlapping as the model overlaps them, as one device would."""
+
+    def __init__(self, runtime: VaeRuntime, name: str, conv: nn.Module, count, overlap) -> None:
+        self.runtime = runtime
+        self.name = name
+        self.conv = conv
+        self.count = count
+        self.overlap = overlap
+        self.original = conv.forward
+        # the convolution itself, without the model's piecewise forward
+        self.convolve = next(cls.forward for cls in type(conv).__mro__ if cls in _FUNCTIONAL).__get__(conv)
+
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:
+        if self.runtime.active is None:
+            return self.original(input)
+        full = list(input.shape)
+        full[-2] = sum(self.runtime.band_heights(self.name, input.shape[-2], input.device))
+        count = self.count(self.conv, tuple(full))
+        if count <= 1:
+            return self.convolve(input)
+        pieces = torch.chunk(input, count, dim=2)
+        overlap = self.overlap(self.conv)
+        if overlap > 0:
+            pieces = [pieces[0]] + [torch.cat([_last_frames(before, overlap), piece], dim=2)
+                                    for before, piece in zip(pieces, pieces[1:])]
+        return torch.cat([self.convolve(piece) for piece in pieces], dim=2)
+
+
+def _last_frames(piece: torch.Tensor, count: int) -> torch.Tensor:
+    count = min(count, piece.shape[2])
+    return piece.narrow(2, piece.shape[2] - count, count)

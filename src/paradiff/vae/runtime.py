@@ -46,7 +46,8 @@ class VaeRuntime:
     active: RegionCall | None = None
     # region -> (rows of its input, rows of its output) this rank held in its last split call
     last_split: dict[str, tuple[int, int]] = field(default_factory=dict)
-    _plans: dict[tuple[str, int], dict[tuple[str, int], HaloPlan]] = field(default_factory=dict)
+    # (region, input height) -> (module name, run) -> its halo plan or every rank's rows
+    _plans: dict[tuple[str, int], dict[tuple[str, int], object]] = field(default_factory=dict)
 
     @property
     def rank(self) -> int:
@@ -60,27 +61,40 @@ class VaeRuntime:
         """The exchange for this run of convolution `name`: learnt from every rank's local height the first time
         the region runs at this input height, then reused (every rank misses and hits together, since every rank
         runs the same sequence of convolutions for the same full input)."""
+        run, plan = self._learnt(name, local_height, device, lambda heights: plan_halo(conv, heights, self.rank))
+        start, stop = plan.in_ranges[self.rank]
+        self._check_height(name, run, local_height, stop - start)
+        return plan
+
+    def band_heights(self, name: str, local_height: int, device: torch.device) -> tuple[int, ...]:
+        """Every rank's rows of the input of this run of module `name`, learnt and reused like the halo plans."""
+        run, heights = self._learnt(f"{name}:rows", local_height, device, tuple)
+        self._check_height(name, run, local_height, heights[self.rank])
+        return heights
+
+    def _learnt(self, name: str, local_height: int, device: torch.device, build):
         call = self.active
         key = (name, call.next_run(name))
         shape_key = (call.region, call.height)
-        plans = self._plans.get(shape_key)
-        if plans is None:
+        learnt = self._plans.get(shape_key)
+        if learnt is None:
             if len(self._plans) >= _KEPT_SHAPES:
                 self._plans.pop(next(iter(self._plans)))
-            plans = self._plans[shape_key] = {}
-        plan = plans.get(key)
-        if plan is None:
+            learnt = self._plans[shape_key] = {}
+        value = learnt.get(key)
+        if value is None:
             heights = [row[0] for row in all_gather_ints([local_height], self.group, device, self.stats,
                                                          "all_gather_heights")]
-            plan = plans[key] = plan_halo(conv, heights, self.rank)
-        start, stop = plan.in_ranges[self.rank]
-        if stop - start != local_height:
+            value = learnt[key] = build(heights)
+        return key[1], value
+
+    def _check_height(self, name: str, run: int, local_height: int, learnt_height: int) -> None:
+        if learnt_height != local_height:
             raise ParadiffError(
-                f"{name}: this rank holds {local_height} rows where run {key[1]} of the same region at height "
-                f"{call.height} held {stop - start}; the module's input height changed between runs of one call, "
-                "which paradiff's split VAE does not support."
+                f"{name}: this rank holds {local_height} rows where run {run} of the same region at height "
+                f"{self.active.height} held {learnt_height}; the module's input height changed between runs of one "
+                "call, which paradiff's split VAE does not support."
             )
-        return plan
 
 
 def get_vae_runtime(vae) -> VaeRuntime | None:
