@@ -9,6 +9,7 @@ import torch.distributed as dist
 import paradiff
 from paradiff.config import ParallelConfig, parse_mode
 from paradiff.runtime.state import get_state
+from paradiff.tensor_parallel.layers import ShardedLinear
 from paradiff.tensor_parallel.shard import slice_tensor
 from paradiff.tensor_parallel.styles import ShardSpec
 from paradiff.testing.models import Lengths, make_inputs, model_class, run_forward
@@ -166,66 +167,121 @@ def lora_errors(family: str, folder: str, good: str, truncated: str, seed_files:
             "adapters": sorted(model.peft_config), "first_key": first.removeprefix("transformer.")}
 
 
-def pipeline_lora(family: str, folder: str, mode: str, loras: dict[str, str], steps: int = 2) -> dict:
-    """`pipe.load_lora_weights` on a paradiff pipeline (diffusers' format conversion included) against the
-    single-process diffusers pipeline: images with the adapters, fused, unfused, unloaded."""
-    import numpy as np
+def pipeline_lora_cases(cases: list[dict]) -> list[dict]:
+    """Several `pipeline_lora` cases in one pool run."""
+    torch.set_num_threads(1)
+    return [dict(pipeline_lora(**case), case=case) for case in cases]
+
+
+def _lora_components(pipe) -> dict:
+    """The pipeline's components that diffusers' loaders put adapters into (transformer, text encoders)."""
+    return {name: getattr(pipe, name) for name in pipe._lora_loadable_modules if getattr(pipe, name, None) is not None}
+
+
+def _resident_shards(pipe) -> dict[tuple[str, str], torch.Tensor]:
+    """Every adapted layer's base weight (this rank's shard) whose stage holds it now (staged pipelines free them)."""
+    return {(component, name): layer.get_base_layer().weight.detach().clone()
+            for component, model in _lora_components(pipe).items() for name, layer in _lora_layers(model).items()
+            if layer.get_base_layer().weight.numel()}
+
+
+def pipeline_lora(family: str, folder: str, mode: str, loras: dict[str, str], weights: dict[str, float],
+                  stages: bool = False, steps: int = 2, bad_text_encoder: bool = False) -> dict:
+    """`pipe.load_lora_weights` on a paradiff pipeline (diffusers' format conversions included; adapters with
+    text-encoder parts go into split encoders too) against diffusers' single-process pipeline: the denoised latents
+    after loading every adapter, mixed by `set_adapters(weights)`, fused into every component (then each rank's
+    shards against the originals after unfusing), unfused, unloaded; each rank's factors against the slices of the
+    full ones. Data parallel: each replica draws its own prompt. `bad_text_encoder`: an adapter whose text-encoder
+    part does not fit, refused on every rank with its transformer part taken out again."""
     from diffusers import DiffusionPipeline
-    from safetensors.torch import load_file
 
     from paradiff.testing.pipelines import default_call_kwargs
 
-    torch.set_num_threads(1)
-    kwargs = dict(default_call_kwargs(family), num_inference_steps=steps)
+    kwargs = dict(default_call_kwargs(family), num_inference_steps=steps, output_type="latent")
     reference = DiffusionPipeline.from_pretrained(folder)
-    pipeline = paradiff.load_pipeline(folder, parallel_config=ParallelConfig.from_degrees(**parse_mode(mode)))
+    config = ParallelConfig.from_degrees(**parse_mode(mode))
+    pipeline = paradiff.load_pipeline(folder, parallel_config=config, stages=stages)
     for pipe in (reference, pipeline):
         pipe.set_progress_bar_config(disable=True)
+    if config.data_degree > 1:
+        prompts = [kwargs["prompt"], "a blue bird on a branch"]
+        with paradiff.split_between_processes(prompts, pipeline) as share:
+            kwargs["prompt"] = share[0]
 
-    def images(pipe):
+    def latents(pipe) -> torch.Tensor:
         call = dict(kwargs, generator=torch.Generator().manual_seed(0)) if pipe is reference else dict(kwargs, seed=0)
-        return np.asarray(pipe(**call).images)
+        output = pipe(**call)
+        return torch.as_tensor(output.frames if hasattr(output, "frames") else output.images)
 
     diffs = {}
 
-    def compare(step: str) -> None:
-        expected = images(reference)
-        diffs[step] = float(np.abs(images(pipeline) - expected).max() / max(np.abs(expected).max(), 1e-12))
+    def compare(step: str) -> torch.Tensor:
+        actual = latents(pipeline)
+        diffs[step] = _rel(actual, latents(reference))
+        return actual
 
-    base = images(pipeline)
-    for name, path in loras.items():
+    base = latents(pipeline)
+    names = list(loras)
+    for name in names:
         for pipe in (reference, pipeline):
-            pipe.load_lora_weights(path, adapter_name=name)
-    compare("loaded")
-    changed = float(np.abs(images(pipeline) - base).max())
+            pipe.load_lora_weights(loras[name], adapter_name=name)
+    changed = float((compare("loaded") - base).abs().max())
     active = (pipeline.get_active_adapters(), reference.get_active_adapters())
     for pipe in (reference, pipeline):
-        pipe.fuse_lora(lora_scale=0.8)
-    compare("fused")
+        pipe.set_adapters(names, [weights[n] for n in names])
+    compare("mixed")
+    components = _lora_components(pipeline)
+    adapters = {name: sorted(getattr(model, "peft_config", None) or {}) for name, model in components.items()}
+    sliced = {name: _check_factor_slices(model, getattr(reference, name)) for name, model in components.items()
+              if _lora_layers(model)}
+    split_layers = {name: sum(isinstance(layer.get_base_layer(), ShardedLinear) for layer in _lora_layers(model).values())
+                    for name, model in components.items()}
+    packed = sorted(name for name, layer in _lora_layers(pipeline.transformer).items()
+                    if len(getattr(layer.get_base_layer(), "weight_spec", ShardSpec(0, ())).pieces) > 1)
+    originals = _resident_shards(pipeline)
+    fuse = [name for name, model in components.items() if _lora_layers(model)]
     for pipe in (reference, pipeline):
-        pipe.unfuse_lora()
+        pipe.fuse_lora(components=fuse, lora_scale=0.8)
+    compare("fused")
+    fused = _resident_shards(pipeline)
+    fused_changed = sum(not torch.equal(tensor, originals[key]) for key, tensor in fused.items() if key in originals)
+    for pipe in (reference, pipeline):
+        pipe.unfuse_lora(components=fuse)
+    compare("unfused")
+    unfused = _resident_shards(pipeline)
+    unfused_exact = all(torch.equal(tensor, originals[key]) for key, tensor in unfused.items() if key in originals)
+    checked_shards = sum(key in originals for key in unfused)
+    for pipe in (reference, pipeline):
         pipe.unload_lora_weights()
-    compare("unloaded")
-    back_to_base = bool(np.array_equal(images(pipeline), base))
-    # an adapter with text-encoder weights: refused on a split encoder, with the transformer's part taken out again
-    from paradiff.errors import AdapterError
-    from paradiff.tensor_parallel.layers import ShardedLinear
+    back_to_base = bool(torch.equal(compare("unloaded"), base))
+    result = {"rank": dist.get_rank(), "diffs": diffs, "changed": changed, "active": active, "adapters": adapters,
+              "sliced": sliced, "split_layers": split_layers, "packed": packed, "fused_changed": fused_changed,
+              "shards": len(originals), "checked_shards": checked_shards, "unfused_exact": unfused_exact,
+              "back_to_base": back_to_base,
+              "stage_entries": {item["stage"]: item["entries"] for item in pipeline.stage_report()}}
+    if bad_text_encoder:
+        result.update(_bad_text_encoder_part(pipeline, loras[names[0]], latents, base))
+    return result
 
-    q_proj = next(name for name, _ in reference.text_encoder.named_modules() if name.endswith("q_proj"))
-    width = reference.text_encoder.get_submodule(q_proj).in_features
-    with_encoder = {f"text_encoder.{q_proj}.lora_A.weight": torch.ones(4, width),
-                    f"text_encoder.{q_proj}.lora_B.weight": torch.ones(width, 4)}
-    with_encoder.update({k: v for k, v in load_file(next(iter(loras.values()))).items()})
-    encoder_split = any(isinstance(m, ShardedLinear) for m in pipeline.text_encoder.modules())
+
+def _bad_text_encoder_part(pipeline, good: str, latents, base: torch.Tensor) -> dict:
+    """The first adapter with its text encoder's first lora_A one column too wide."""
+    from safetensors.torch import load_file
+
+    from paradiff.errors import AdapterError
+
+    tensors = load_file(good)
+    key = next(k for k in tensors if k.startswith("text_encoder.") and k.endswith("lora_A.weight"))
+    tensors[key] = torch.zeros(tensors[key].shape[0], tensors[key].shape[1] + 1)
     try:
-        pipeline.load_lora_weights(with_encoder, adapter_name="with_encoder")
-        encoder_error = None
+        pipeline.load_lora_weights(tensors, adapter_name="bad")
+        error = None
     except AdapterError as exc:
-        encoder_error = str(exc)
-    return {"rank": dist.get_rank(), "diffs": diffs, "changed": changed, "active": active,
-            "back_to_base": back_to_base, "encoder_split": encoder_split, "encoder_error": encoder_error,
-            "adapters_after": sorted(getattr(pipeline.transformer, "peft_config", None) or {}),
-            "still_base": bool(np.array_equal(images(pipeline), base)) if encoder_error else None}
+        error = str(exc)
+    return {"bad_key": key, "bad_error": error,
+            "adapters_after_bad": sorted(name for model in _lora_components(pipeline).values()
+                                         for name in (getattr(model, "peft_config", None) or {})),
+            "still_base": bool(torch.equal(latents(pipeline), base))}
 
 
 def wan22_two_transformers(folder: str, mode: str, high: str, low: str, steps: int = 2) -> dict:

@@ -84,27 +84,41 @@ class ParallelPipelineMixin:
         return super()._maybe_expand_lora_state_dict(transformer, lora_state_dict)
 
     # peft builds a text encoder's LoRA layers from its Linears' shapes, which are shards when paradiff split the
-    # encoder: refuse that one clearly (the transformer's adapter of the same call is taken out again)
+    # encoder: each rank hands diffusers its slices of the encoder's factors (api/lora.py)
     @classmethod
     def load_lora_into_text_encoder(cls, state_dict, network_alphas, text_encoder, prefix=None, *args: Any,
                                     **kwargs: Any):
-        from paradiff.errors import AdapterError
-        from paradiff.tensor_parallel.layers import ShardedLinear
+        original = super().load_lora_into_text_encoder
+        state = get_state(text_encoder) if text_encoder is not None else None
+        if state is None or state.tp_plan is None:
+            return original(state_dict, network_alphas, text_encoder, prefix, *args, **kwargs)
+        from paradiff.api.lora import load_text_encoder_adapter
 
-        keys = [key for key in state_dict if key.startswith(f"{prefix or 'text_encoder'}.")]
-        if keys and any(isinstance(module, ShardedLinear) for module in text_encoder.modules()):
-            adapter_name = kwargs.get("adapter_name")
-            pipeline = kwargs.get("_pipeline")
-            components = pipeline.components if pipeline is not None else {}
-            for name, transformer in components.items():
-                if name.startswith("transformer") and adapter_name in (getattr(transformer, "peft_config", None) or {}):
-                    transformer.delete_adapters(adapter_name)
-            raise AdapterError(
-                f"The LoRA holds {len(keys)} tensors for the text encoder {type(text_encoder).__name__} (e.g. "
-                f"{keys[0]!r}), which paradiff split across the ranks; LoRA on a split text encoder is not supported "
-                "yet. Load the pipeline with shard_text_encoders=False (the encoders whole on each rank), or use an "
-                "adapter without text-encoder weights.")
-        return super().load_lora_into_text_encoder(state_dict, network_alphas, text_encoder, prefix, *args, **kwargs)
+        prefix = prefix or "text_encoder"
+        return load_text_encoder_adapter(
+            text_encoder, lambda local: original(local, network_alphas, text_encoder, prefix, *args, **kwargs),
+            state_dict, network_alphas, prefix, kwargs)
+
+    def load_lora_weights(self, *args: Any, **kwargs: Any):
+        """diffusers' `load_lora_weights`; if any component's part fails (on any rank: the ranks agree on each
+        part), the adapters the call added to the other components are deleted again, on every rank."""
+        from paradiff.api.lora import delete_added_adapters, loaded_adapters
+
+        before = loaded_adapters(self)
+        try:
+            return super().load_lora_weights(*args, **kwargs)
+        except BaseException:
+            if not kwargs.get("hotswap"):
+                delete_added_adapters(self, before)
+            raise
+
+    def unload_lora_weights(self, *args: Any, **kwargs: Any):
+        from paradiff.api.lora import return_hooks
+
+        for component in self.components.values():
+            if isinstance(component, nn.Module):
+                return_hooks(component)
+        return super().unload_lora_weights(*args, **kwargs)
 
     def stage_report(self) -> list[dict]:
         """Per stage on this rank (text_encoders, transformer, vae), summed over the calls since the last
