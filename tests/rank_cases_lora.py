@@ -28,7 +28,8 @@ def _lora_layers(model):
 
 def _check_factor_slices(model, reference) -> int:
     """Each rank's LoRA factors equal the slices of the full factors its base weight's ShardSpec names."""
-    plan = get_state(model).tp_plan
+    state = get_state(model)
+    plan = state.tp_plan if state is not None else None  # None: a component paradiff keeps whole
     full_layers = _lora_layers(reference)
     checked = 0
     for name, layer in _lora_layers(model).items():

@@ -63,6 +63,12 @@ def install_lora_support(model: nn.Module) -> None:
     object.__setattr__(model, "unload_lora", unload_lora)
 
 
+def adopt_layers(model: nn.Module) -> None:
+    """Every peft LoRA Linear of the model becomes paradiff's (split forward, exact fuse / unfuse)."""
+    for module in _lora_layers(model):
+        adopt(module)
+
+
 def return_hooks(model: nn.Module) -> None:
     """Give the hooks paradiff moved onto LoRA layers back to their base layers (before peft removes the layers)."""
     for module in _lora_layers(model):
@@ -248,8 +254,8 @@ def _load_slices(model: nn.Module, stage: str, adapter: "AdapterSource | None", 
     try:
         local = {name: adapter.read(name, spec) for name, spec in specs.items()}
         build(local)
+        adopt_layers(model)
         for module in _lora_layers(model):
-            adopt(module)
             _move_hooks(module.base_layer, module)
         object.__setattr__(model, "_paradiff_lora_load", LoadReport(
             facts["adapter name"], len(local), sum(spec is not None for spec in specs.values()),

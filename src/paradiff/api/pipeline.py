@@ -88,11 +88,16 @@ class ParallelPipelineMixin:
     @classmethod
     def load_lora_into_text_encoder(cls, state_dict, network_alphas, text_encoder, prefix=None, *args: Any,
                                     **kwargs: Any):
+        from paradiff.api.lora import adopt_layers, load_text_encoder_adapter
+
         original = super().load_lora_into_text_encoder
         state = get_state(text_encoder) if text_encoder is not None else None
         if state is None or state.tp_plan is None:
-            return original(state_dict, network_alphas, text_encoder, prefix, *args, **kwargs)
-        from paradiff.api.lora import load_text_encoder_adapter
+            # a whole encoder: diffusers' own load; its layers get paradiff's exact fuse / unfuse all the same
+            result = original(state_dict, network_alphas, text_encoder, prefix, *args, **kwargs)
+            if text_encoder is not None:
+                adopt_layers(text_encoder)
+            return result
 
         prefix = prefix or "text_encoder"
         return load_text_encoder_adapter(
