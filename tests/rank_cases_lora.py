@@ -8,49 +8,12 @@ import torch.distributed as dist
 
 import paradiff
 from paradiff.config import ParallelConfig, parse_mode
-from paradiff.runtime.state import get_state
-from paradiff.tensor_parallel.layers import ShardedLinear
-from paradiff.tensor_parallel.shard import slice_tensor
-from paradiff.tensor_parallel.styles import ShardSpec
+from paradiff.testing.lora import check_factor_slices, lora_layers, pipeline_lora, relative_difference
 from paradiff.testing.models import Lengths, make_inputs, model_class, run_forward
 
 
-def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    return float((actual - expected).abs().max() / expected.abs().max())
-
-
-def _lora_layers(model):
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    return {name: module for name, module in model.named_modules() if isinstance(module, BaseTunerLayer)}
-
-
-def _check_factor_slices(model, reference) -> int:
-    """Each rank's LoRA factors equal the slices of the full factors its base weight's ShardSpec names."""
-    state = get_state(model)
-    plan = state.tp_plan if state is not None else None  # None: a component paradiff keeps whole
-    full_layers = _lora_layers(reference)
-    checked = 0
-    for name, layer in _lora_layers(model).items():
-        full = full_layers[name]
-        planned = plan.linears.get(name) if plan is not None else None
-        for adapter in layer.lora_A:
-            a, b = full.lora_A[adapter].weight, full.lora_B[adapter].weight
-            if planned is not None:
-                pieces = planned.specs["weight"].pieces
-                if planned.style.kind == "colwise":
-                    b = slice_tensor(b, ShardSpec(dim=0, pieces=pieces))
-                else:
-                    a = slice_tensor(a, ShardSpec(dim=1, pieces=pieces))
-                checked += 1
-            assert torch.equal(layer.lora_A[adapter].weight, a), (name, adapter, "lora_A")
-            assert torch.equal(layer.lora_B[adapter].weight, b), (name, adapter, "lora_B")
-    return checked
-
-
 def _shards(model) -> dict[str, torch.Tensor]:
-    return {name: module.get_base_layer().weight.detach().clone() for name, module in _lora_layers(model).items()}
+    return {name: module.get_base_layer().weight.detach().clone() for name, module in lora_layers(model).items()}
 
 
 def lora_equivalence(family: str, folder: str, mode: str, loras: dict[str, str], weights: dict[str, float],
@@ -69,7 +32,7 @@ def lora_equivalence(family: str, folder: str, mode: str, loras: dict[str, str],
     diffs, names = {}, list(loras)
 
     def compare(step: str) -> None:
-        diffs[step] = _rel(run_forward(model, inputs), run_forward(reference, inputs))
+        diffs[step] = relative_difference(run_forward(model, inputs), run_forward(reference, inputs))
 
     compare("base")
     for name in names:
@@ -94,7 +57,7 @@ def lora_equivalence(family: str, folder: str, mode: str, loras: dict[str, str],
         for target in (reference, model):
             target.load_lora_adapter(swap, adapter_name=names[0], hotswap=True, use_safetensors=True)
         compare("hotswapped")
-    sliced = _check_factor_slices(model, reference)
+    sliced = check_factor_slices(model, reference)
     assert model.active_adapters() == reference.active_adapters()
     reference.disable_lora()
     model.disable_lora()
@@ -116,7 +79,7 @@ def lora_equivalence(family: str, folder: str, mode: str, loras: dict[str, str],
     compare("deleted")
     reference.unload_lora()
     model.unload_lora()
-    assert not _lora_layers(model)
+    assert not lora_layers(model)
     compare("unloaded")
     return {"rank": dist.get_rank(), "diffs": diffs, "sliced": sliced, "fused_changed": fused_changed,
             "layers": len(originals), "unfused_exact": unfused_exact, "bytes_read": report.bytes_read,
@@ -174,117 +137,6 @@ def pipeline_lora_cases(cases: list[dict]) -> list[dict]:
     return [dict(pipeline_lora(**case), case=case) for case in cases]
 
 
-def _lora_components(pipe) -> dict:
-    """The pipeline's components that diffusers' loaders put adapters into (transformer, text encoders)."""
-    return {name: getattr(pipe, name) for name in pipe._lora_loadable_modules if getattr(pipe, name, None) is not None}
-
-
-def _resident_shards(pipe) -> dict[tuple[str, str], torch.Tensor]:
-    """Every adapted layer's base weight (this rank's shard) whose stage holds it now (staged pipelines free them)."""
-    return {(component, name): layer.get_base_layer().weight.detach().clone()
-            for component, model in _lora_components(pipe).items() for name, layer in _lora_layers(model).items()
-            if layer.get_base_layer().weight.numel()}
-
-
-def pipeline_lora(family: str, folder: str, mode: str, loras: dict[str, str], weights: dict[str, float],
-                  stages: bool = False, steps: int = 2, bad_text_encoder: bool = False) -> dict:
-    """`pipe.load_lora_weights` on a paradiff pipeline (diffusers' format conversions included; adapters with
-    text-encoder parts go into split encoders too) against diffusers' single-process pipeline: the denoised latents
-    after loading every adapter, mixed by `set_adapters(weights)`, fused into every component (then each rank's
-    shards against the originals after unfusing), unfused, unloaded; each rank's factors against the slices of the
-    full ones. Data parallel: each replica draws its own prompt. `bad_text_encoder`: an adapter whose text-encoder
-    part does not fit, refused on every rank with its transformer part taken out again."""
-    from diffusers import DiffusionPipeline
-
-    from paradiff.testing.pipelines import default_call_kwargs
-
-    kwargs = dict(default_call_kwargs(family), num_inference_steps=steps, output_type="latent")
-    reference = DiffusionPipeline.from_pretrained(folder)
-    config = ParallelConfig.from_degrees(**parse_mode(mode))
-    pipeline = paradiff.load_pipeline(folder, parallel_config=config, stages=stages)
-    for pipe in (reference, pipeline):
-        pipe.set_progress_bar_config(disable=True)
-    if config.data_degree > 1:
-        prompts = [kwargs["prompt"], "a blue bird on a branch"]
-        with paradiff.split_between_processes(prompts, pipeline) as share:
-            kwargs["prompt"] = share[0]
-
-    def latents(pipe) -> torch.Tensor:
-        call = dict(kwargs, generator=torch.Generator().manual_seed(0)) if pipe is reference else dict(kwargs, seed=0)
-        output = pipe(**call)
-        return torch.as_tensor(output.frames if hasattr(output, "frames") else output.images)
-
-    diffs = {}
-
-    def compare(step: str) -> torch.Tensor:
-        actual = latents(pipeline)
-        diffs[step] = _rel(actual, latents(reference))
-        return actual
-
-    base = latents(pipeline)
-    names = list(loras)
-    for name in names:
-        for pipe in (reference, pipeline):
-            pipe.load_lora_weights(loras[name], adapter_name=name)
-    changed = float((compare("loaded") - base).abs().max())
-    active = (pipeline.get_active_adapters(), reference.get_active_adapters())
-    for pipe in (reference, pipeline):
-        pipe.set_adapters(names, [weights[n] for n in names])
-    compare("mixed")
-    components = _lora_components(pipeline)
-    adapters = {name: sorted(getattr(model, "peft_config", None) or {}) for name, model in components.items()}
-    sliced = {name: _check_factor_slices(model, getattr(reference, name)) for name, model in components.items()
-              if _lora_layers(model)}
-    split_layers = {name: sum(isinstance(layer.get_base_layer(), ShardedLinear) for layer in _lora_layers(model).values())
-                    for name, model in components.items()}
-    packed = sorted(name for name, layer in _lora_layers(pipeline.transformer).items()
-                    if len(getattr(layer.get_base_layer(), "weight_spec", ShardSpec(0, ())).pieces) > 1)
-    originals = _resident_shards(pipeline)
-    fuse = [name for name, model in components.items() if _lora_layers(model)]
-    for pipe in (reference, pipeline):
-        pipe.fuse_lora(components=fuse, lora_scale=0.8)
-    compare("fused")
-    fused = _resident_shards(pipeline)
-    fused_changed = sum(not torch.equal(tensor, originals[key]) for key, tensor in fused.items() if key in originals)
-    for pipe in (reference, pipeline):
-        pipe.unfuse_lora(components=fuse)
-    compare("unfused")
-    unfused = _resident_shards(pipeline)
-    unfused_exact = all(torch.equal(tensor, originals[key]) for key, tensor in unfused.items() if key in originals)
-    checked_shards = sum(key in originals for key in unfused)
-    for pipe in (reference, pipeline):
-        pipe.unload_lora_weights()
-    back_to_base = bool(torch.equal(compare("unloaded"), base))
-    result = {"rank": dist.get_rank(), "diffs": diffs, "changed": changed, "active": active, "adapters": adapters,
-              "sliced": sliced, "split_layers": split_layers, "packed": packed, "fused_changed": fused_changed,
-              "shards": len(originals), "checked_shards": checked_shards, "unfused_exact": unfused_exact,
-              "back_to_base": back_to_base,
-              "stage_entries": {item["stage"]: item["entries"] for item in pipeline.stage_report()}}
-    if bad_text_encoder:
-        result.update(_bad_text_encoder_part(pipeline, loras[names[0]], latents, base))
-    return result
-
-
-def _bad_text_encoder_part(pipeline, good: str, latents, base: torch.Tensor) -> dict:
-    """The first adapter with its text encoder's first lora_A one column too wide."""
-    from safetensors.torch import load_file
-
-    from paradiff.errors import AdapterError
-
-    tensors = load_file(good)
-    key = next(k for k in tensors if k.startswith("text_encoder.") and k.endswith("lora_A.weight"))
-    tensors[key] = torch.zeros(tensors[key].shape[0], tensors[key].shape[1] + 1)
-    try:
-        pipeline.load_lora_weights(tensors, adapter_name="bad")
-        error = None
-    except AdapterError as exc:
-        error = str(exc)
-    return {"bad_key": key, "bad_error": error,
-            "adapters_after_bad": sorted(name for model in _lora_components(pipeline).values()
-                                         for name in (getattr(model, "peft_config", None) or {})),
-            "still_base": bool(torch.equal(latents(pipeline), base))}
-
-
 def wan22_two_transformers(folder: str, mode: str, high: str, low: str, steps: int = 2) -> dict:
     """Wan 2.2 A14B: one adapter into `transformer` (high-noise steps), another into `transformer_2` with
     `load_into_transformer_2=True`, as its distillation LoRAs come; videos against diffusers'."""
@@ -333,12 +185,12 @@ def compiled_hotswap(family: str, folder: str, mode: str, first: str, swaps: dic
         reference.load_lora_adapter(path, adapter_name="style", use_safetensors=True)
         return run_forward(reference, inputs)
 
-    diffs = {"first": _rel(run_forward(model, inputs), fresh(first))}
+    diffs = {"first": relative_difference(run_forward(model, inputs), fresh(first))}
     graphs = {"first": len(recorder.graphs)}
     for label, path in swaps.items():
         model.load_lora_adapter(path, adapter_name="style", hotswap=True, use_safetensors=True)
-        diffs[label] = _rel(run_forward(model, inputs), fresh(path))
+        diffs[label] = relative_difference(run_forward(model, inputs), fresh(path))
         graphs[label] = len(recorder.graphs)
-    shapes = sorted({tuple(layer.lora_A["style"].weight.shape[:1]) for layer in _lora_layers(model).values()})
+    shapes = sorted({tuple(layer.lora_A["style"].weight.shape[:1]) for layer in lora_layers(model).values()})
     torch._dynamo.reset()
     return {"rank": dist.get_rank(), "diffs": diffs, "graphs": graphs, "padded": shapes}

@@ -14,15 +14,7 @@ from paradiff.errors import AdapterError
 from paradiff.tensor_parallel.lora import factor_specs
 from paradiff.tensor_parallel.plan import TensorParallelPlan, resolve_plan
 from paradiff.tensor_parallel.styles import ColwiseHeads, HeadNorm, PackedColwise, ShardSpec
-from paradiff.testing.lora import (
-    TARGETS,
-    first_block_targets,
-    random_lora,
-    save_kohya_flux_lora,
-    save_lora,
-    save_original_hunyuan_video_lora,
-    text_encoder_targets,
-)
+from paradiff.testing.lora import TARGETS, random_lora, save_kohya_flux_lora, save_lora, save_pipeline_loras
 from paradiff.testing.models import FAMILIES, build_model
 
 RTOL = 1e-5
@@ -141,42 +133,10 @@ def test_kohya_flux_lora_converted_by_diffusers_matches(pools, checkpoints, lora
 
 @pytest.fixture(scope="module")
 def pipeline_loras(tiny_pipeline_folders, tmp_path_factory) -> dict[str, dict[str, Path]]:
-    """family -> adapter name -> file for the tiny pipelines, in diffusers' format with its metadata: 'style' (rank 4,
-    alpha 8) on the first blocks' and the top-level Linears of the transformer and on the first layer of every text
-    encoder diffusers' loader adapts, 'detail' (rank 8, alpha 4) on every other one of those; and in the formats
-    diffusers converts: kohya (FLUX.1, with CLIP tensors), HunyuanVideo's original layout."""
-    from paradiff.testing.pipelines import pipeline_class, transformer_class
-
+    """family -> adapter name -> file (paradiff.testing.lora.save_pipeline_loras)."""
     root = tmp_path_factory.mktemp("pipeline-loras")
-    files = {}
-    for family in ("flux", "sd3", "qwenimage", "hunyuanvideo"):
-        folder = tiny_pipeline_folders[family]
-        transformer = transformer_class(family).from_pretrained(folder / "transformer")
-        encoders = {name: _encoder(folder, name) for name in pipeline_class(family)._lora_loadable_modules
-                    if name.startswith("text_encoder")}
-        parts = {"style": {}, "detail": {}}
-        for seed, (prefix, model) in enumerate([("transformer", transformer), *encoders.items()]):
-            targets = first_block_targets(model) if prefix == "transformer" else text_encoder_targets(model)
-            parts["style"].update(random_lora(model, targets, 4, seed=10 + seed, prefix=prefix))
-            parts["detail"].update(random_lora(model, targets[1::2], 8, seed=20 + seed, prefix=prefix))
-        files[family] = {"style": save_lora(root / family / "style.safetensors", parts["style"], rank=4, alpha=8),
-                         "detail": save_lora(root / family / "detail.safetensors", parts["detail"], rank=8, alpha=4)}
-        if family == "flux":
-            files[family]["kohya"] = save_kohya_flux_lora(root / family / "kohya.safetensors", transformer.config,
-                                                          rank=4, alpha=2.0, seed=6, clip_width=32)
-        if family == "hunyuanvideo":
-            files[family]["original"] = save_original_hunyuan_video_lora(
-                root / family / "original.safetensors", transformer.config, rank=4, seed=7)
-    return files
-
-
-def _encoder(folder: Path, name: str):
-    import json
-
-    import transformers
-
-    class_name = json.loads((folder / "model_index.json").read_text())[name][1]
-    return getattr(transformers, class_name).from_pretrained(folder / name)
+    return {family: save_pipeline_loras(family, tiny_pipeline_folders[family], root / family)
+            for family in ("flux", "sd3", "qwenimage", "hunyuanvideo")}
 
 
 def _pipeline_cases(tiny_pipeline_folders, pipeline_loras, specs) -> list[dict]:
