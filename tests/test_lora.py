@@ -162,12 +162,11 @@ def _check_pipeline(results: list[list[dict]]) -> None:
 
 
 def test_pipeline_lora_on_split_text_encoders(pools, tiny_pipeline_folders, pipeline_loras):
-    """FLUX.1 (a diffusers file and a kohya one, both with CLIP tensors) at tp2 and ulysses2 (the encoders split over
-    the TP, then the CP ranks) and SD3 (both CLIP encoders) at tp2: the encoders' factors sliced like their shards,
-    everything within 1e-5 of diffusers; an adapter whose encoder part does not fit is refused on every rank."""
+    """FLUX.1 (a diffusers file and a kohya one, both with CLIP tensors) and SD3 (both CLIP encoders) at tp2: the
+    encoders' factors sliced like their shards, everything within 1e-5 of diffusers; an adapter whose encoder part
+    does not fit is refused on every rank. (Encoders split over CP ranks, and every other mode: tools/verify_lora.py.)"""
     batch = _pipeline_cases(tiny_pipeline_folders, pipeline_loras, [
         ("flux", "tp2", ("style", "kohya"), dict(bad_text_encoder=True)),
-        ("flux", "ulysses2", ("style", "kohya"), {}),
         ("sd3", "tp2", ("style", "detail"), {}),
     ])
     results = pools.get(2).run(cases.pipeline_lora_cases, timeout_s=900, cases=batch)
@@ -178,9 +177,9 @@ def test_pipeline_lora_on_split_text_encoders(pools, tiny_pipeline_folders, pipe
         assert encoders == (["text_encoder"] if case["family"] == "flux" else ["text_encoder", "text_encoder_2"])
         for name in encoders:
             # the 6 Linears of the first CLIP layer, all split; each (layer, adapter) factor pair its slice
-            assert result["split_layers"][name] == 6, (case["mode"], name, result)
-            assert result["sliced"][name] == {"flux": 12, "sd3": 9}[case["family"]], (case["mode"], name, result)
-        assert (result["split_layers"]["transformer"] > 0) == (case["mode"] == "tp2"), result
+            assert result["split_layers"][name] == 6, (case["family"], name, result)
+            assert result["sliced"][name] == {"flux": 12, "sd3": 9}[case["family"]], (case["family"], name, result)
+        assert result["split_layers"]["transformer"] > 0, result
         if case.get("bad_text_encoder"):
             assert result["bad_key"].removeprefix("text_encoder.").split(".lora_A")[0] in result["bad_error"]
             assert "needs" in result["bad_error"], result["bad_error"]
@@ -203,12 +202,11 @@ def test_pipeline_lora_in_cfg_and_data_modes(pools, tiny_pipeline_folders, pipel
 
 
 def test_pipeline_lora_on_staged_pipelines(pools, tiny_pipeline_folders, pipeline_loras):
-    """stages=True at tp2: the adapters are loaded and fused while the components' weights are freed, their factors
-    stay resident while each stage frees and reads its shards again, and fused layers are fused again after each
-    read; FLUX.1 (CLIP adapted too) and SD3."""
+    """stages=True at tp2 (FLUX.1, CLIP adapted too): the adapters are loaded and fused while the components'
+    weights are freed, their factors stay resident while each stage frees and reads its shards again, and fused
+    layers are fused again after each read."""
     batch = _pipeline_cases(tiny_pipeline_folders, pipeline_loras, [
         ("flux", "tp2", ("style", "kohya"), dict(stages=True)),
-        ("sd3", "tp2", ("style", "detail"), dict(stages=True)),
     ])
     results = pools.get(2).run(cases.pipeline_lora_cases, timeout_s=900, cases=batch)
     _check_pipeline(results)

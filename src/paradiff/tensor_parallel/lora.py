@@ -9,7 +9,9 @@ slice is the base weight's own `ShardSpec` (`ResolvedLinear.specs`), so uneven o
 
 The adapted layer is peft's `lora.Linear` (so diffusers' set_adapters / disable / delete / fuse keep working on
 it) with a forward for column-split bases and an exact merge: fusing adds each rank's slice of `B @ A` to its
-shard in fp32 and keeps the original shard, so unfusing restores it bit for bit.
+shard in fp32 and keeps the original shard, so unfusing restores it bit for bit. A staged pipeline frees and reads
+the shard again between its stages: the layer then drops the copy and fuses again into what was read, with the
+scalings it fused with (`weights_dropped` / `weights_read`); fusing while the shard is freed is applied at the read.
 """
 
 from __future__ import annotations
