@@ -318,6 +318,17 @@ def test_factor_specs_refuse_norms_and_vocab_naming_the_layer():
         factor_specs("proj_out", resolved.linears["proj_out"])
 
 
+def test_only_pipelines_with_a_lora_loader_get_paradiffs():
+    from diffusers import DiTPipeline, FluxPipeline
+
+    from paradiff.api.pipeline import parallel_pipeline_class
+
+    assert not hasattr(parallel_pipeline_class(DiTPipeline), "load_lora_weights")  # --lora refuses it by this
+    flux = parallel_pipeline_class(FluxPipeline)
+    assert flux.load_lora_weights.__qualname__ == "LoraPipelineMixin.load_lora_weights"
+    assert flux.load_lora_into_text_encoder.__qualname__ == "LoraPipelineMixin.load_lora_into_text_encoder"
+
+
 def test_random_lora_is_deterministic():
     model = build_model("flux")
     first, second = (random_lora(model, TARGETS["flux"], 4, seed=1) for _ in range(2))

@@ -83,6 +83,28 @@ class ParallelPipelineMixin:
             return lora_state_dict
         return super()._maybe_expand_lora_state_dict(transformer, lora_state_dict)
 
+    def stage_report(self) -> list[dict]:
+        """Per stage on this rank (text_encoders, transformer, vae), summed over the calls since the last
+        `reset_stage_report()`: load_s, run_s, peak_bytes (CUDA max allocated, or peak RssAnon on CPU),
+        parameter_bytes held (all components), entries (times the stage started)."""
+        return self._paradiff_pipeline.stages.report()
+
+    def reset_stage_report(self) -> None:
+        self._paradiff_pipeline.stages.reset()
+
+    @property
+    def is_output_rank(self) -> bool:
+        """True on the one rank of each data-parallel replica that should save its outputs."""
+        state = get_state(self.transformer)
+        if state is None:
+            return not dist.is_initialized() or dist.get_rank() == 0
+        mesh = state.mesh
+        return all(mesh.local_rank(dim) == 0 for dim in ("cfg", "ring", "ulysses", "tp"))
+
+
+class LoraPipelineMixin:
+    """Mixed in (after ParallelPipelineMixin) into pipelines whose diffusers class has a LoRA loader."""
+
     # peft builds a text encoder's LoRA layers from its Linears' shapes, which are shards when paradiff split the
     # encoder: each rank hands diffusers its slices of the encoder's factors (api/lora.py)
     @classmethod
@@ -124,24 +146,6 @@ class ParallelPipelineMixin:
             if isinstance(component, nn.Module):
                 return_hooks(component)
         return super().unload_lora_weights(*args, **kwargs)
-
-    def stage_report(self) -> list[dict]:
-        """Per stage on this rank (text_encoders, transformer, vae), summed over the calls since the last
-        `reset_stage_report()`: load_s, run_s, peak_bytes (CUDA max allocated, or peak RssAnon on CPU),
-        parameter_bytes held (all components), entries (times the stage started)."""
-        return self._paradiff_pipeline.stages.report()
-
-    def reset_stage_report(self) -> None:
-        self._paradiff_pipeline.stages.reset()
-
-    @property
-    def is_output_rank(self) -> bool:
-        """True on the one rank of each data-parallel replica that should save its outputs."""
-        state = get_state(self.transformer)
-        if state is None:
-            return not dist.is_initialized() or dist.get_rank() == 0
-        mesh = state.mesh
-        return all(mesh.local_rank(dim) == 0 for dim in ("cfg", "ring", "ulysses", "tp"))
 
 
 def load_pipeline(
@@ -224,7 +228,7 @@ def load_pipeline(
             if isinstance(component, nn.Module) and name not in loaded:
                 component.to(device)
     base = type(pipeline)
-    pipeline.__class__ = type(f"Parallel{base.__name__}", (ParallelPipelineMixin, base), {})
+    pipeline.__class__ = parallel_pipeline_class(base)
     pipeline._paradiff_pipeline = PipelineState(base_name=base.__name__)
     if parallel is not None and parallel.cfg_degree > 1:
         pipeline._paradiff_pipeline.cfgs = tuple(
@@ -237,6 +241,13 @@ def load_pipeline(
             _parallelize_vae(pipeline, required=bool(parallel_vae))
     pipeline._paradiff_pipeline.stages = _stage_runner(pipeline, loaded, device, stages)
     return pipeline
+
+
+def parallel_pipeline_class(base: type) -> type:
+    """The class a loaded pipeline becomes: paradiff's mixins over diffusers' class; the LoRA one only where
+    diffusers' class has a LoRA loader (the CLI tells the others apart by `load_lora_weights`)."""
+    mixins = (ParallelPipelineMixin, LoraPipelineMixin) if hasattr(base, "load_lora_weights") else (ParallelPipelineMixin,)
+    return type(f"Parallel{base.__name__}", (*mixins, base), {})
 
 
 def _check_cfg_classified(pipeline_name: str) -> None:
