@@ -27,6 +27,7 @@ from paradiff.plans import model_config, plan_for
 from paradiff.quant.schemes import check_block_boundaries, gguf_scheme, scheme_from_config
 from paradiff.runtime.progress import byte_progress
 from paradiff.api.load_sequence import Component, Prepared, run_load_sequence
+from paradiff.api.lora import adapter_layout, weights_dropped
 from paradiff.api.single_file import is_gguf_path, prepare_gguf_model
 from paradiff.tensor_parallel.plan import ResolvedPlan, as_plan, check_checkpoint_keys, resolve_plan
 from paradiff.tensor_parallel.styles import ShardSpec
@@ -205,8 +206,6 @@ class WeightSource:
         """Read every parameter (this rank's slice of planned ones) and/or persistent buffer into place. Tensors tied
         in the model (stored once) are read once and shared. LoRA adapters' factors are not in the checkpoint and
         stay as they are; the base layers they wrap are read under their own names."""
-        from paradiff.api.lora import adapter_layout
-
         resident, renamed = adapter_layout(model)
         wanted = [n for n in model.state_dict().keys()
                   if n not in resident and (parameters if _is_parameter(model, n) else buffers)]
@@ -255,8 +254,6 @@ def free_parameters(model: nn.Module, device: torch.device) -> None:
     tree, its hooks, attributes and buffers stay, and so do `.dtype` and `.device`, which pipelines read (e.g. to move
     latents to the VAE) before the stage that reads the weights again. LoRA adapters' factors stay: they are not in
     the checkpoint the stage reads again (docs/lora.md, 'Staged pipelines')."""
-    from paradiff.api.lora import adapter_layout, weights_dropped
-
     resident, _ = adapter_layout(model)
     keep = {id(tensor) for name, tensor in model.named_parameters(remove_duplicate=False) if name in resident}
     weights_dropped(model)
