@@ -114,10 +114,12 @@ def write_docs_table() -> None:
         lines.append(f"| {family} ({', '.join(names)}) | " + " | ".join(row) + " |")
     table = "\n".join(lines) + f"\n\n(`{data['command']}`, {data['date']}; — : the family's call runs no CFG.)"
     text = DOCS.read_text()
-    start, end = "<!-- lora-verified:start -->\n", "\n<!-- lora-verified:end -->"
+    start, end = "<!-- lora-verified:start -->", "<!-- lora-verified:end -->"
+    if text.count(start) != 1 or text.count(end) != 1:
+        raise SystemExit(f"{DOCS} needs one {start} and one {end} line; left as it is.")
     head, _, rest = text.partition(start)
     _, _, tail = rest.partition(end)
-    DOCS.write_text(head + start + table + end + tail)
+    DOCS.write_text(f"{head}{start}\n{table}\n{end}{tail}")
 
 
 if __name__ == "__main__":
