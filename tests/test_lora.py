@@ -1,6 +1,7 @@
 """LoRA adapters on paradiff models and pipelines: diffusers' own LoRA API, in TP, Ulysses, ring and TP x Ulysses,
-against diffusers' LoRA on the unsplit model; each rank holds the slices of the factors; fuse / unfuse exact; bad
-adapters refused with one typed error."""
+against diffusers' LoRA on the unsplit model; on pipelines also split text encoders, CFG, data and staged modes;
+each rank holds the slices of the factors; fuse / unfuse exact; bad adapters refused with one typed error. (Every
+family's pipeline in every mode: tools/verify_lora.py.)"""
 
 from __future__ import annotations
 
