@@ -8,47 +8,12 @@ import torch.distributed as dist
 
 import paradiff
 from paradiff.config import ParallelConfig, parse_mode
-from paradiff.runtime.state import get_state
-from paradiff.tensor_parallel.shard import slice_tensor
-from paradiff.tensor_parallel.styles import ShardSpec
+from paradiff.testing.lora import check_factor_slices, lora_layers, pipeline_lora, relative_difference
 from paradiff.testing.models import Lengths, make_inputs, model_class, run_forward
 
 
-def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    return float((actual - expected).abs().max() / expected.abs().max())
-
-
-def _lora_layers(model):
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    return {name: module for name, module in model.named_modules() if isinstance(module, BaseTunerLayer)}
-
-
-def _check_factor_slices(model, reference) -> int:
-    """Each rank's LoRA factors equal the slices of the full factors its base weight's ShardSpec names."""
-    plan = get_state(model).tp_plan
-    full_layers = _lora_layers(reference)
-    checked = 0
-    for name, layer in _lora_layers(model).items():
-        full = full_layers[name]
-        planned = plan.linears.get(name) if plan is not None else None
-        for adapter in layer.lora_A:
-            a, b = full.lora_A[adapter].weight, full.lora_B[adapter].weight
-            if planned is not None:
-                pieces = planned.specs["weight"].pieces
-                if planned.style.kind == "colwise":
-                    b = slice_tensor(b, ShardSpec(dim=0, pieces=pieces))
-                else:
-                    a = slice_tensor(a, ShardSpec(dim=1, pieces=pieces))
-                checked += 1
-            assert torch.equal(layer.lora_A[adapter].weight, a), (name, adapter, "lora_A")
-            assert torch.equal(layer.lora_B[adapter].weight, b), (name, adapter, "lora_B")
-    return checked
-
-
 def _shards(model) -> dict[str, torch.Tensor]:
-    return {name: module.get_base_layer().weight.detach().clone() for name, module in _lora_layers(model).items()}
+    return {name: module.get_base_layer().weight.detach().clone() for name, module in lora_layers(model).items()}
 
 
 def lora_equivalence(family: str, folder: str, mode: str, loras: dict[str, str], weights: dict[str, float],
@@ -67,7 +32,7 @@ def lora_equivalence(family: str, folder: str, mode: str, loras: dict[str, str],
     diffs, names = {}, list(loras)
 
     def compare(step: str) -> None:
-        diffs[step] = _rel(run_forward(model, inputs), run_forward(reference, inputs))
+        diffs[step] = relative_difference(run_forward(model, inputs), run_forward(reference, inputs))
 
     compare("base")
     for name in names:
@@ -92,7 +57,7 @@ def lora_equivalence(family: str, folder: str, mode: str, loras: dict[str, str],
         for target in (reference, model):
             target.load_lora_adapter(swap, adapter_name=names[0], hotswap=True, use_safetensors=True)
         compare("hotswapped")
-    sliced = _check_factor_slices(model, reference)
+    sliced = check_factor_slices(model, reference)
     assert model.active_adapters() == reference.active_adapters()
     reference.disable_lora()
     model.disable_lora()
@@ -114,7 +79,7 @@ def lora_equivalence(family: str, folder: str, mode: str, loras: dict[str, str],
     compare("deleted")
     reference.unload_lora()
     model.unload_lora()
-    assert not _lora_layers(model)
+    assert not lora_layers(model)
     compare("unloaded")
     return {"rank": dist.get_rank(), "diffs": diffs, "sliced": sliced, "fused_changed": fused_changed,
             "layers": len(originals), "unfused_exact": unfused_exact, "bytes_read": report.bytes_read,
@@ -166,66 +131,10 @@ def lora_errors(family: str, folder: str, good: str, truncated: str, seed_files:
             "adapters": sorted(model.peft_config), "first_key": first.removeprefix("transformer.")}
 
 
-def pipeline_lora(family: str, folder: str, mode: str, loras: dict[str, str], steps: int = 2) -> dict:
-    """`pipe.load_lora_weights` on a paradiff pipeline (diffusers' format conversion included) against the
-    single-process diffusers pipeline: images with the adapters, fused, unfused, unloaded."""
-    import numpy as np
-    from diffusers import DiffusionPipeline
-    from safetensors.torch import load_file
-
-    from paradiff.testing.pipelines import default_call_kwargs
-
+def pipeline_lora_cases(cases: list[dict]) -> list[dict]:
+    """Several `pipeline_lora` cases in one pool run."""
     torch.set_num_threads(1)
-    kwargs = dict(default_call_kwargs(family), num_inference_steps=steps)
-    reference = DiffusionPipeline.from_pretrained(folder)
-    pipeline = paradiff.load_pipeline(folder, parallel_config=ParallelConfig.from_degrees(**parse_mode(mode)))
-    for pipe in (reference, pipeline):
-        pipe.set_progress_bar_config(disable=True)
-
-    def images(pipe):
-        call = dict(kwargs, generator=torch.Generator().manual_seed(0)) if pipe is reference else dict(kwargs, seed=0)
-        return np.asarray(pipe(**call).images)
-
-    diffs = {}
-
-    def compare(step: str) -> None:
-        expected = images(reference)
-        diffs[step] = float(np.abs(images(pipeline) - expected).max() / max(np.abs(expected).max(), 1e-12))
-
-    base = images(pipeline)
-    for name, path in loras.items():
-        for pipe in (reference, pipeline):
-            pipe.load_lora_weights(path, adapter_name=name)
-    compare("loaded")
-    changed = float(np.abs(images(pipeline) - base).max())
-    active = (pipeline.get_active_adapters(), reference.get_active_adapters())
-    for pipe in (reference, pipeline):
-        pipe.fuse_lora(lora_scale=0.8)
-    compare("fused")
-    for pipe in (reference, pipeline):
-        pipe.unfuse_lora()
-        pipe.unload_lora_weights()
-    compare("unloaded")
-    back_to_base = bool(np.array_equal(images(pipeline), base))
-    # an adapter with text-encoder weights: refused on a split encoder, with the transformer's part taken out again
-    from paradiff.errors import AdapterError
-    from paradiff.tensor_parallel.layers import ShardedLinear
-
-    q_proj = next(name for name, _ in reference.text_encoder.named_modules() if name.endswith("q_proj"))
-    width = reference.text_encoder.get_submodule(q_proj).in_features
-    with_encoder = {f"text_encoder.{q_proj}.lora_A.weight": torch.ones(4, width),
-                    f"text_encoder.{q_proj}.lora_B.weight": torch.ones(width, 4)}
-    with_encoder.update({k: v for k, v in load_file(next(iter(loras.values()))).items()})
-    encoder_split = any(isinstance(m, ShardedLinear) for m in pipeline.text_encoder.modules())
-    try:
-        pipeline.load_lora_weights(with_encoder, adapter_name="with_encoder")
-        encoder_error = None
-    except AdapterError as exc:
-        encoder_error = str(exc)
-    return {"rank": dist.get_rank(), "diffs": diffs, "changed": changed, "active": active,
-            "back_to_base": back_to_base, "encoder_split": encoder_split, "encoder_error": encoder_error,
-            "adapters_after": sorted(getattr(pipeline.transformer, "peft_config", None) or {}),
-            "still_base": bool(np.array_equal(images(pipeline), base)) if encoder_error else None}
+    return [dict(pipeline_lora(**case), case=case) for case in cases]
 
 
 def wan22_two_transformers(folder: str, mode: str, high: str, low: str, steps: int = 2) -> dict:
@@ -276,12 +185,12 @@ def compiled_hotswap(family: str, folder: str, mode: str, first: str, swaps: dic
         reference.load_lora_adapter(path, adapter_name="style", use_safetensors=True)
         return run_forward(reference, inputs)
 
-    diffs = {"first": _rel(run_forward(model, inputs), fresh(first))}
+    diffs = {"first": relative_difference(run_forward(model, inputs), fresh(first))}
     graphs = {"first": len(recorder.graphs)}
     for label, path in swaps.items():
         model.load_lora_adapter(path, adapter_name="style", hotswap=True, use_safetensors=True)
-        diffs[label] = _rel(run_forward(model, inputs), fresh(path))
+        diffs[label] = relative_difference(run_forward(model, inputs), fresh(path))
         graphs[label] = len(recorder.graphs)
-    shapes = sorted({tuple(layer.lora_A["style"].weight.shape[:1]) for layer in _lora_layers(model).values()})
+    shapes = sorted({tuple(layer.lora_A["style"].weight.shape[:1]) for layer in lora_layers(model).values()})
     torch._dynamo.reset()
     return {"rank": dist.get_rank(), "diffs": diffs, "graphs": graphs, "padded": shapes}

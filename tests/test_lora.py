@@ -1,6 +1,7 @@
 """LoRA adapters on paradiff models and pipelines: diffusers' own LoRA API, in TP, Ulysses, ring and TP x Ulysses,
-against diffusers' LoRA on the unsplit model; each rank holds the slices of the factors; fuse / unfuse exact; bad
-adapters refused with one typed error."""
+against diffusers' LoRA on the unsplit model; on pipelines also split text encoders, CFG, data and staged modes;
+each rank holds the slices of the factors; fuse / unfuse exact; bad adapters refused with one typed error. (Every
+family's pipeline in every mode: tools/verify_lora.py.)"""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from paradiff.errors import AdapterError
 from paradiff.tensor_parallel.lora import factor_specs
 from paradiff.tensor_parallel.plan import TensorParallelPlan, resolve_plan
 from paradiff.tensor_parallel.styles import ColwiseHeads, HeadNorm, PackedColwise, ShardSpec
-from paradiff.testing.lora import TARGETS, random_lora, save_kohya_flux_lora, save_lora
+from paradiff.testing.lora import TARGETS, random_lora, save_kohya_flux_lora, save_lora, save_pipeline_loras
 from paradiff.testing.models import FAMILIES, build_model
 
 RTOL = 1e-5
@@ -133,37 +134,99 @@ def test_kohya_flux_lora_converted_by_diffusers_matches(pools, checkpoints, lora
 
 @pytest.fixture(scope="module")
 def pipeline_loras(tiny_pipeline_folders, tmp_path_factory) -> dict[str, dict[str, Path]]:
-    """family -> adapter name -> file, for the tiny pipelines' transformers (FLUX: also a kohya file)."""
-    from paradiff.testing.pipelines import transformer_class
-
+    """family -> adapter name -> file (paradiff.testing.lora.save_pipeline_loras)."""
     root = tmp_path_factory.mktemp("pipeline-loras")
-    files = {}
-    for family in ("flux", "qwenimage"):
-        transformer = transformer_class(family).from_pretrained(tiny_pipeline_folders[family] / "transformer")
-        names = {name for name, _ in transformer.named_modules()}
-        targets = tuple(target for target in TARGETS[family] if target in names)
-        files[family] = {"style": save_lora(root / family / "style.safetensors",
-                                            random_lora(transformer, targets, 4, seed=5), rank=4, alpha=8)}
-        if family == "flux":
-            files[family]["kohya"] = save_kohya_flux_lora(root / family / "kohya.safetensors", transformer.config,
-                                                          rank=4, alpha=2.0, seed=6)
-    return files
+    return {family: save_pipeline_loras(family, tiny_pipeline_folders[family], root / family)
+            for family in ("flux", "sd3", "qwenimage", "hunyuanvideo")}
 
 
-@pytest.mark.parametrize("family,mode", [("flux", "tp2"), ("flux", "ulysses2"), ("qwenimage", "tp2")])
-def test_pipeline_load_lora_weights(pools, tiny_pipeline_folders, pipeline_loras, family, mode):
-    results = pools.get(2).run(cases.pipeline_lora, timeout_s=600, family=family,
-                               folder=str(tiny_pipeline_folders[family]), mode=mode,
-                               loras={name: str(path) for name, path in pipeline_loras[family].items()})
-    for result in results:
-        assert max(result["diffs"].values()) <= 1e-4, result  # images in [0, 1] after the VAE, 2 steps
-        assert result["changed"] > 1e-3, result  # the adapters do change the image
-        assert result["active"][0] == result["active"][1]
-        assert result["back_to_base"]
-        if family == "flux" and result["encoder_split"]:
-            # FLUX's loader adapts the text encoder too: on a split encoder, one clear error, nothing left loaded
-            assert "text encoder" in result["encoder_error"] and "shard_text_encoders=False" in result["encoder_error"]
-            assert result["adapters_after"] == [] and result["still_base"]
+def _pipeline_cases(tiny_pipeline_folders, pipeline_loras, specs) -> list[dict]:
+    cases = []
+    for family, mode, names, extra in specs:
+        loras = {name: str(pipeline_loras[family][name]) for name in names}
+        cases.append(dict(family=family, folder=str(tiny_pipeline_folders[family]), mode=mode, loras=loras,
+                          weights=dict(zip(names, (0.7, 1.3))), **extra))
+    return cases
+
+
+def _check_pipeline(results: list[list[dict]]) -> None:
+    for rank_results in results:
+        for result in rank_results:
+            case = result["case"]
+            where = (case["family"], case["mode"], case.get("stages", False), result["rank"])
+            assert max(result["diffs"].values()) <= RTOL, (where, result["diffs"])
+            assert result["changed"] > 1e-3, where  # the adapters do change the latents
+            assert result["active"][0] == result["active"][1], where
+            assert result["shards"] > 0 and result["fused_changed"] == result["checked_shards"] > 0, (where, result)
+            assert result["unfused_exact"] and result["back_to_base"], where
+            assert all(names == sorted(case["loras"]) for names in result["adapters"].values()), (where, result)
+
+
+def test_pipeline_lora_on_split_text_encoders(pools, tiny_pipeline_folders, pipeline_loras):
+    """FLUX.1 (a diffusers file and a kohya one, both with CLIP tensors) and SD3 (both CLIP encoders) at tp2: the
+    encoders' factors sliced like their shards, everything within 1e-5 of diffusers; an adapter whose encoder part
+    does not fit is refused on every rank. (Encoders split over CP ranks, and every other mode: tools/verify_lora.py.)"""
+    batch = _pipeline_cases(tiny_pipeline_folders, pipeline_loras, [
+        ("flux", "tp2", ("style", "kohya"), dict(bad_text_encoder=True)),
+        ("sd3", "tp2", ("style", "detail"), {}),
+    ])
+    results = pools.get(2).run(cases.pipeline_lora_cases, timeout_s=900, cases=batch)
+    _check_pipeline(results)
+    for result in results[0] + results[1]:
+        case = result["case"]
+        encoders = [name for name in result["adapters"] if name.startswith("text_encoder")]
+        assert encoders == (["text_encoder"] if case["family"] == "flux" else ["text_encoder", "text_encoder_2"])
+        for name in encoders:
+            # the 6 Linears of the first CLIP layer, all split; each (layer, adapter) factor pair its slice
+            assert result["split_layers"][name] == 6, (case["family"], name, result)
+            assert result["sliced"][name] == {"flux": 12, "sd3": 9}[case["family"]], (case["family"], name, result)
+        assert result["split_layers"]["transformer"] > 0, result
+        if case.get("bad_text_encoder"):
+            assert result["bad_key"].removeprefix("text_encoder.").split(".lora_A")[0] in result["bad_error"]
+            assert "needs" in result["bad_error"], result["bad_error"]
+            assert result["adapters_after_bad"] == [] and result["still_base"]
+
+
+def test_pipeline_lora_in_cfg_and_data_modes(pools, tiny_pipeline_folders, pipeline_loras):
+    """cfg2 in both CFG styles (Qwen-Image: two transformer calls per step; SD3: one call on the batched branches,
+    its CLIP encoders whole and adapted by diffusers) and dp2 (FLUX.1, each replica its own prompt): every step
+    within 1e-5 of diffusers' single process."""
+    batch = _pipeline_cases(tiny_pipeline_folders, pipeline_loras, [
+        ("qwenimage", "cfg2", ("style", "detail"), {}),
+        ("sd3", "cfg2", ("style", "detail"), {}),
+        ("flux", "dp2", ("style", "kohya"), {}),
+    ])
+    results = pools.get(2).run(cases.pipeline_lora_cases, timeout_s=900, cases=batch)
+    _check_pipeline(results)
+    for result in results[0] + results[1]:
+        assert sum(result["split_layers"].values()) == 0, result  # nothing is split in these modes
+
+
+def test_pipeline_lora_on_staged_pipelines(pools, tiny_pipeline_folders, pipeline_loras):
+    """stages=True at tp2 (FLUX.1, CLIP adapted too): the adapters are loaded and fused while the components'
+    weights are freed, their factors stay resident while each stage frees and reads its shards again, and fused
+    layers are fused again after each read."""
+    batch = _pipeline_cases(tiny_pipeline_folders, pipeline_loras, [
+        ("flux", "tp2", ("style", "kohya"), dict(stages=True)),
+    ])
+    results = pools.get(2).run(cases.pipeline_lora_cases, timeout_s=900, cases=batch)
+    _check_pipeline(results)
+    for result in results[0] + results[1]:
+        assert result["stage_entries"]["text_encoders"] >= 6, result  # freed and read again at every call
+        assert all(count > 0 for count in result["split_layers"].values()), result
+
+
+def test_hunyuan_video_lora_with_packed_projections(pools, tiny_pipeline_folders, pipeline_loras):
+    """HunyuanVideo at tp2: a diffusers-format adapter on every Linear of the first blocks (the single block's
+    output projection is split as two packed column blocks: [attention, MLP]) and one in the original repository's
+    layout (fused q/k/v), converted by diffusers."""
+    batch = _pipeline_cases(tiny_pipeline_folders, pipeline_loras, [
+        ("hunyuanvideo", "tp2", ("style", "original"), {}),
+    ])
+    results = pools.get(2).run(cases.pipeline_lora_cases, timeout_s=900, cases=batch)
+    _check_pipeline(results)
+    for result in results[0] + results[1]:
+        assert result["packed"] == ["single_transformer_blocks.0.proj_out"], result
 
 
 @pytest.mark.slow
@@ -254,6 +317,17 @@ def test_factor_specs_refuse_norms_and_vocab_naming_the_layer():
     resolved = _resolved(model, {"proj_out": "vocab"}, 0)
     with pytest.raises(AdapterError, match="proj_out.*gathered"):
         factor_specs("proj_out", resolved.linears["proj_out"])
+
+
+def test_only_pipelines_with_a_lora_loader_get_paradiffs():
+    from diffusers import DiTPipeline, FluxPipeline
+
+    from paradiff.api.pipeline import parallel_pipeline_class
+
+    assert not hasattr(parallel_pipeline_class(DiTPipeline), "load_lora_weights")  # --lora refuses it by this
+    flux = parallel_pipeline_class(FluxPipeline)
+    assert flux.load_lora_weights.__qualname__ == "LoraPipelineMixin.load_lora_weights"
+    assert flux.load_lora_into_text_encoder.__qualname__ == "LoraPipelineMixin.load_lora_into_text_encoder"
 
 
 def test_random_lora_is_deterministic():

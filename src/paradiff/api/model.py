@@ -27,6 +27,7 @@ from paradiff.plans import model_config, plan_for
 from paradiff.quant.schemes import check_block_boundaries, gguf_scheme, scheme_from_config
 from paradiff.runtime.progress import byte_progress
 from paradiff.api.load_sequence import Component, Prepared, run_load_sequence
+from paradiff.api.lora import adapter_layout, weights_dropped
 from paradiff.api.single_file import is_gguf_path, prepare_gguf_model
 from paradiff.tensor_parallel.plan import ResolvedPlan, as_plan, check_checkpoint_keys, resolve_plan
 from paradiff.tensor_parallel.styles import ShardSpec
@@ -203,25 +204,28 @@ class WeightSource:
     def read(self, model: nn.Module, checkpoint: Checkpoint, progress: bool | None = None,
              parameters: bool = True, buffers: bool = True) -> None:
         """Read every parameter (this rank's slice of planned ones) and/or persistent buffer into place. Tensors tied
-        in the model (stored once) are read once and shared."""
+        in the model (stored once) are read once and shared. LoRA adapters' factors are not in the checkpoint and
+        stay as they are; the base layers they wrap are read under their own names."""
+        resident, renamed = adapter_layout(model)
         wanted = [n for n in model.state_dict().keys()
-                  if (parameters if _is_parameter(model, n) else buffers)]
+                  if n not in resident and (parameters if _is_parameter(model, n) else buffers)]
+        source = {name: renamed.get(name, name) for name in wanted}  # the name the checkpoint and plan know
         first_of: dict[tuple, str] = {}
         for name in wanted:
-            first_of.setdefault((self.keys[name], self.spec(name)), name)
+            first_of.setdefault((self.keys[source[name]], self.spec(source[name])), source[name])
         total = sum(self._nbytes(name, checkpoint) for name in first_of.values())
         shared: dict[tuple, torch.Tensor] = {}
         with byte_progress(total, "paradiff: loading", progress) as advance:
             for name in wanted:
-                key = self.keys[name]
+                key = self.keys[source[name]]
                 info = checkpoint.tensors[key]
-                spec = self.spec(name)
+                spec = self.spec(source[name])
                 module_name, _, leaf = name.rpartition(".")
                 module = model.get_submodule(module_name) if module_name else model
                 if leaf in module._parameters:
                     dtype = info.dtype
                     if info.dtype.is_floating_point:
-                        dtype = target_dtype(name, self.dtype, self.keep_fp32)
+                        dtype = target_dtype(source[name], self.dtype, self.keep_fp32)
                     cache_key = (key, spec, dtype)
                     if cache_key not in shared:
                         tensor = checkpoint.read(key, spec)
@@ -248,10 +252,14 @@ class WeightSource:
 def free_parameters(model: nn.Module, device: torch.device) -> None:
     """Drop every parameter's storage. Each is replaced by an empty tensor of its dtype on `device`, so the module
     tree, its hooks, attributes and buffers stay, and so do `.dtype` and `.device`, which pipelines read (e.g. to move
-    latents to the VAE) before the stage that reads the weights again."""
+    latents to the VAE) before the stage that reads the weights again. LoRA adapters' factors stay: they are not in
+    the checkpoint the stage reads again (docs/lora.md, 'Staged pipelines')."""
+    resident, _ = adapter_layout(model)
+    keep = {id(tensor) for name, tensor in model.named_parameters(remove_duplicate=False) if name in resident}
+    weights_dropped(model)
     for module in model.modules():
         for leaf, param in list(module._parameters.items()):
-            if param is not None:
+            if param is not None and id(param) not in keep:
                 placeholder = torch.empty(0, dtype=param.dtype, device=device)
                 module._parameters[leaf] = nn.Parameter(placeholder, requires_grad=False)
 

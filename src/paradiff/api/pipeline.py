@@ -83,29 +83,6 @@ class ParallelPipelineMixin:
             return lora_state_dict
         return super()._maybe_expand_lora_state_dict(transformer, lora_state_dict)
 
-    # peft builds a text encoder's LoRA layers from its Linears' shapes, which are shards when paradiff split the
-    # encoder: refuse that one clearly (the transformer's adapter of the same call is taken out again)
-    @classmethod
-    def load_lora_into_text_encoder(cls, state_dict, network_alphas, text_encoder, prefix=None, *args: Any,
-                                    **kwargs: Any):
-        from paradiff.errors import AdapterError
-        from paradiff.tensor_parallel.layers import ShardedLinear
-
-        keys = [key for key in state_dict if key.startswith(f"{prefix or 'text_encoder'}.")]
-        if keys and any(isinstance(module, ShardedLinear) for module in text_encoder.modules()):
-            adapter_name = kwargs.get("adapter_name")
-            pipeline = kwargs.get("_pipeline")
-            components = pipeline.components if pipeline is not None else {}
-            for name, transformer in components.items():
-                if name.startswith("transformer") and adapter_name in (getattr(transformer, "peft_config", None) or {}):
-                    transformer.delete_adapters(adapter_name)
-            raise AdapterError(
-                f"The LoRA holds {len(keys)} tensors for the text encoder {type(text_encoder).__name__} (e.g. "
-                f"{keys[0]!r}), which paradiff split across the ranks; LoRA on a split text encoder is not supported "
-                "yet. Load the pipeline with shard_text_encoders=False (the encoders whole on each rank), or use an "
-                "adapter without text-encoder weights.")
-        return super().load_lora_into_text_encoder(state_dict, network_alphas, text_encoder, prefix, *args, **kwargs)
-
     def stage_report(self) -> list[dict]:
         """Per stage on this rank (text_encoders, transformer, vae), summed over the calls since the last
         `reset_stage_report()`: load_s, run_s, peak_bytes (CUDA max allocated, or peak RssAnon on CPU),
@@ -123,6 +100,52 @@ class ParallelPipelineMixin:
             return not dist.is_initialized() or dist.get_rank() == 0
         mesh = state.mesh
         return all(mesh.local_rank(dim) == 0 for dim in ("cfg", "ring", "ulysses", "tp"))
+
+
+class LoraPipelineMixin:
+    """Mixed in (after ParallelPipelineMixin) into pipelines whose diffusers class has a LoRA loader."""
+
+    # peft builds a text encoder's LoRA layers from its Linears' shapes, which are shards when paradiff split the
+    # encoder: each rank hands diffusers its slices of the encoder's factors (api/lora.py)
+    @classmethod
+    def load_lora_into_text_encoder(cls, state_dict, network_alphas, text_encoder, prefix=None, *args: Any,
+                                    **kwargs: Any):
+        from paradiff.api.lora import adopt_layers, load_text_encoder_adapter
+
+        original = super().load_lora_into_text_encoder
+        state = get_state(text_encoder) if text_encoder is not None else None
+        if state is None or state.tp_plan is None:
+            # a whole encoder: diffusers' own load; its layers get paradiff's exact fuse / unfuse all the same
+            result = original(state_dict, network_alphas, text_encoder, prefix, *args, **kwargs)
+            if text_encoder is not None:
+                adopt_layers(text_encoder)
+            return result
+
+        prefix = prefix or "text_encoder"
+        return load_text_encoder_adapter(
+            text_encoder, lambda local: original(local, network_alphas, text_encoder, prefix, *args, **kwargs),
+            state_dict, network_alphas, prefix, kwargs)
+
+    def load_lora_weights(self, *args: Any, **kwargs: Any):
+        """diffusers' `load_lora_weights`; if any component's part fails (on any rank: the ranks agree on each
+        part), the adapters the call added to the other components are deleted again, on every rank."""
+        from paradiff.api.lora import delete_added_adapters, loaded_adapters
+
+        before = loaded_adapters(self)
+        try:
+            return super().load_lora_weights(*args, **kwargs)
+        except BaseException:
+            if not kwargs.get("hotswap"):
+                delete_added_adapters(self, before)
+            raise
+
+    def unload_lora_weights(self, *args: Any, **kwargs: Any):
+        from paradiff.api.lora import return_hooks
+
+        for component in self.components.values():
+            if isinstance(component, nn.Module):
+                return_hooks(component)
+        return super().unload_lora_weights(*args, **kwargs)
 
 
 def load_pipeline(
@@ -205,7 +228,7 @@ def load_pipeline(
             if isinstance(component, nn.Module) and name not in loaded:
                 component.to(device)
     base = type(pipeline)
-    pipeline.__class__ = type(f"Parallel{base.__name__}", (ParallelPipelineMixin, base), {})
+    pipeline.__class__ = parallel_pipeline_class(base)
     pipeline._paradiff_pipeline = PipelineState(base_name=base.__name__)
     if parallel is not None and parallel.cfg_degree > 1:
         pipeline._paradiff_pipeline.cfgs = tuple(
@@ -218,6 +241,13 @@ def load_pipeline(
             _parallelize_vae(pipeline, required=bool(parallel_vae))
     pipeline._paradiff_pipeline.stages = _stage_runner(pipeline, loaded, device, stages)
     return pipeline
+
+
+def parallel_pipeline_class(base: type) -> type:
+    """The class a loaded pipeline becomes: paradiff's mixins over diffusers' class; the LoRA one only where
+    diffusers' class has a LoRA loader (the CLI tells the others apart by `load_lora_weights`)."""
+    mixins = (ParallelPipelineMixin, LoraPipelineMixin) if hasattr(base, "load_lora_weights") else (ParallelPipelineMixin,)
+    return type(f"Parallel{base.__name__}", (*mixins, base), {})
 
 
 def _check_cfg_classified(pipeline_name: str) -> None:

@@ -55,11 +55,14 @@ def _stage_runner(pipeline, loaded: dict[str, _Loaded], device: torch.device, st
 
 def _reader(module: nn.Module, source) -> Callable[[], None]:
     def load() -> None:
+        from paradiff.api.lora import weights_read
+
         checkpoint = source.open()
         try:
             source.read(module, checkpoint, buffers=False)
         finally:
             checkpoint.close()
+        weights_read(module)  # adapters fused before the stage freed the weights are fused again
 
     return load
 

@@ -9,7 +9,9 @@ slice is the base weight's own `ShardSpec` (`ResolvedLinear.specs`), so uneven o
 
 The adapted layer is peft's `lora.Linear` (so diffusers' set_adapters / disable / delete / fuse keep working on
 it) with a forward for column-split bases and an exact merge: fusing adds each rank's slice of `B @ A` to its
-shard in fp32 and keeps the original shard, so unfusing restores it bit for bit.
+shard in fp32 and keeps the original shard, so unfusing restores it bit for bit. A staged pipeline frees and reads
+the shard again between its stages: the layer then drops the copy and fuses again into what was read, with the
+scalings it fused with (`weights_dropped` / `weights_read`); fusing while the shard is freed is applied at the read.
 """
 
 from __future__ import annotations
@@ -60,7 +62,9 @@ def sharded_lora_class() -> type:
     class ShardedLoraLinear(LoraLinear):
         """A LoRA Linear over a colwise or rowwise shard (see the module docstring)."""
 
+        # the shard (and bias) before fusing, and the adapters fused with the scalings they had then
         _paradiff_original: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        _paradiff_fused: dict[str, float] | None = None
 
         def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             base = self.get_base_layer()
@@ -92,44 +96,76 @@ def sharded_lora_class() -> type:
             names = [n for n in check_adapters_to_merge(self, adapter_names) if n in self.lora_A.keys()]
             if not names:
                 return
+            fused = dict(self._paradiff_fused or {})
+            fused.update({name: _number(self.scaling[name]) for name in names})
+            if not self.weights_freed():
+                self._fuse(fused, safe_merge)
+            self._paradiff_fused = fused
+            self.merged_adapters.extend(names)
+
+        def weights_freed(self) -> bool:
+            """True while a staged pipeline has dropped this layer's weights (its stage is not running)."""
+            weight = self.get_base_layer().weight
+            return weight.numel() == 0 and self.out_features * self.in_features > 0
+
+        def _fuse(self, fused: dict[str, float], safe_merge: bool = False) -> None:
+            """The shard (kept as it was, the first time) plus the fp32 sum of every fused adapter's delta with the
+            scaling it had when it was fused, cast once."""
             base = self.get_base_layer()
             if self._paradiff_original is None:
                 bias = None if base.bias is None else base.bias.data.clone()
                 self._paradiff_original = (base.weight.data.clone(), bias)
-            weight = base.weight.data.float()
-            bias = None if base.bias is None else base.bias.data.float()
-            for name in names:
-                weight = weight + self.get_delta_weight(name).float()
+            original_weight, original_bias = self._paradiff_original
+            weight = original_weight.float()
+            bias = None if original_bias is None else original_bias.float()
+            for name, scaling in fused.items():
+                weight = weight + self.get_delta_weight(name, scaling)
                 lora_bias = self.lora_B[name].bias
                 if lora_bias is not None:
                     if bias is None:
                         raise AdapterError(f"{name}: a LoRA with lora_bias needs a base layer with a bias to fuse.")
-                    bias = bias + lora_bias.float() * self.scaling[name]
+                    bias = bias + lora_bias.float() * scaling
             if safe_merge and not (torch.isfinite(weight).all() and (bias is None or torch.isfinite(bias).all())):
-                raise ValueError(f"NaNs detected in the merged weights; the adapter(s) {names} seem broken.")
-            base.weight.data = weight.to(base.weight.dtype)
+                raise ValueError(f"NaNs detected in the merged weights; the adapter(s) {list(fused)} seem broken.")
+            base.weight.data = weight.to(original_weight.dtype)
             if bias is not None:
-                base.bias.data = bias.to(base.bias.dtype)
-            self.merged_adapters.extend(names)
+                base.bias.data = bias.to(original_bias.dtype)
 
         def unmerge(self) -> None:
             if not self.merged:
                 return
-            base = self.get_base_layer()
-            weight, bias = self._paradiff_original
-            base.weight.data = weight
-            if bias is not None:
-                base.bias.data = bias
+            if self._paradiff_original is not None:
+                base = self.get_base_layer()
+                weight, bias = self._paradiff_original
+                base.weight.data = weight
+                if bias is not None:
+                    base.bias.data = bias
             self._paradiff_original = None
+            self._paradiff_fused = None
             self.merged_adapters.clear()
 
-        def get_delta_weight(self, adapter: str) -> torch.Tensor:
+        def weights_dropped(self) -> None:
+            """The stage freed the shard: the copy kept for unfusing goes too (the stage reads the shard again)."""
+            self._paradiff_original = None
+
+        def weights_read(self) -> None:
+            """The stage read the original shard again: fuse the fused adapters into it again, exactly as before."""
+            if self._paradiff_fused:
+                self._paradiff_original = None
+                self._fuse(self._paradiff_fused)
+
+        def get_delta_weight(self, adapter: str, scaling: float | None = None) -> torch.Tensor:
             # in fp32 whatever the factors' dtype: the fused shard is cast once, after the sum
             weight_A = self.lora_A[adapter].weight.float()
             weight_B = self.lora_B[adapter].weight.float()
-            return (weight_B @ weight_A) * self.scaling[adapter]
+            return (weight_B @ weight_A) * (self.scaling[adapter] if scaling is None else scaling)
 
     return ShardedLoraLinear
+
+
+def _number(scaling) -> float:
+    # a hot-swap-ready layer keeps its scalings as tensors that a swap overwrites in place: fuse with today's value
+    return float(scaling) if torch.is_tensor(scaling) else scaling
 
 
 def adopt(layer) -> None:
