@@ -185,7 +185,7 @@ def load_pipeline(
         _check_parallel_vae(parallel, index, folder)
     own = _components_paradiff_loads(folder, index, parallel, stages, shard_text_encoders, text_encoder_plans or {})
     schemes, diffusers_quantizes = pipeline_quantization(
-        kwargs.get("quantization_config"), {item.name: (item.model_cls, item.kind) for item in own}, stages)
+        kwargs.get("quantization_config"), {item.name: (item.model_cls, item.kind) for item in own})
     if not diffusers_quantizes:
         kwargs.pop("quantization_config", None)  # every component it names is paradiff's, quantized on read
     loaded = _load_components(own, folder, parallel, dtype, device, stages, plan, cp_plan, schemes)

@@ -29,10 +29,13 @@ def _stage_runner(pipeline, loaded: dict[str, _Loaded], device: torch.device, st
         stage = stage_of(name)
         if not isinstance(module, nn.Module) or stage is None:
             continue
-        load = free = None
+        load = free = settle = None
         if staged and name in loaded:
             load, free = _reader(module, loaded[name].source), (lambda m=module: free_parameters(m, device))
-        components.append(StagedComponent(name, module, stage, load, free))
+            component = loaded[name].component
+            if component is not None and component.quantization is not None:
+                settle = component.quantize  # each stage's read is quantized again, as at a resident load
+        components.append(StagedComponent(name, module, stage, load, free, settle))
     modules = [m for m in pipeline.components.values() if isinstance(m, nn.Module)]
     state = get_state(pipeline.transformer)
     replica = None

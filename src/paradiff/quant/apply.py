@@ -107,6 +107,10 @@ def _to_nf4(model: nn.Module, name: str, module: nn.Module, weight: torch.Tensor
     if isinstance(module, ShardedLinear):
         module.weight = param
         module.weight_linear = partial(nf4_linear, compute_dtype=scheme.compute_dtype)
+    elif isinstance(module, bnb.nn.Linear4bit):  # read again at its stage: quantized in place
+        module.weight = param
+        param.module = module
+        module.quant_state = state
     else:
         linear = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
                                    compute_dtype=scheme.compute_dtype, compress_statistics=False, quant_type="nf4",
@@ -156,6 +160,9 @@ def hold_gguf_weights(model: nn.Module, scheme: QuantScheme) -> dict[str, int]:
             module.weight = weight
             module.out_features, module.in_features = weight.quant_shape
             module.weight_linear = partial(gguf_linear, compute_dtype=scheme.compute_dtype)
+            continue
+        if isinstance(module, GGUFLinear):  # read again at its stage
+            module.weight = weight
             continue
         with torch.device("meta"):
             linear = GGUFLinear(weight.quant_shape[1], weight.quant_shape[0], module.bias is not None,

@@ -44,6 +44,9 @@ class StagedComponent:
     stage: str
     load: Callable[[], None] | None = None  # reads the weights again (staged components only)
     free: Callable[[], None] | None = None
+    # after every rank of the replica read its stage's weights: quantize what was read (a quantized component; its
+    # rowwise shards take a collective in their TP group, so it runs only once all ranks agreed the read)
+    settle: Callable[[], None] | None = None
 
 
 @dataclass
@@ -109,6 +112,9 @@ class StageRunner:
             agree(f"paradiff stage {stage} (reading weights)", {"loaded": True}, error, ranks=self.replica_ranks)
         elif error is not None:
             raise error
+        for component in self.components:
+            if component.stage == stage and component.settle is not None:
+                component.settle()
 
     def _close(self) -> None:
         if self.current is None:
