@@ -184,3 +184,167 @@ def pipeline_quantized(folder: str) -> int:
             assert all(torch.equal(held[k], expected[k]) for k in held), name
             compared += 1
     return compared
+
+
+def transformers_quant_config(scheme: str):
+    """transformers' config for `scheme`: what a PipelineQuantizationConfig resolves for a text encoder."""
+    import transformers
+
+    if scheme == "nf4":
+        return transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+    from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig
+
+    return transformers.TorchAoConfig(Int8WeightOnlyConfig() if scheme == "int8" else Float8WeightOnlyConfig())
+
+
+def _reference_parts(module: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The quantized tensors a single-device quantized linear holds (copies: a CPU forward may repack them)."""
+    weight = module.weight
+    if hasattr(weight, "qdata"):
+        return {k: v.clone() for k, v in _torchao_parts(weight).items()}
+    if getattr(weight, "quant_state", None) is not None:
+        return {"packed": weight.data.reshape(-1).clone(), "absmax": weight.quant_state.absmax.clone(),
+                "shape": tuple(weight.quant_state.shape)}
+    return None
+
+
+def _relative_outputs(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> float:
+    assert len(actual) == len(expected) and actual, (len(actual), len(expected))
+    worst = 0.0
+    for a, e in zip(actual, expected):
+        assert a.shape == e.shape, (a.shape, e.shape)
+        worst = max(worst, float((a.double() - e.double()).abs().max()) / max(float(e.double().abs().max()), 1e-30))
+    return worst
+
+
+def text_encoders_quantized(folders: dict[str, str], schemes: dict[str, list[str]], tp: int) -> list[dict]:
+    """Each text encoder class x scheme, loaded alone through paradiff at tp with transformers' config: every
+    quantized shard equals the slice of what transformers' own single-device quantized load holds (data and scales),
+    the linears transformers keeps in full precision (the LM head, T5's `wo`) are kept here too, and every output
+    (all hidden states, logits) matches transformers' quantized model."""
+    from paradiff.testing.encoders import encoder_class, encoder_inputs, encoder_outputs
+
+    torch.set_num_threads(1)
+    results = []
+    for name, folder in folders.items():
+        cls = encoder_class(name)
+        for scheme in schemes[name]:
+            reference = cls.from_pretrained(folder, quantization_config=transformers_quant_config(scheme),
+                                            dtype=torch.float32).eval()
+            expected_parts = {n: _reference_parts(m) for n, m in reference.named_modules() if isinstance(m, nn.Linear)}
+            model = paradiff.from_pretrained(cls, folder, quantization_config=transformers_quant_config(scheme),
+                                             parallel_config=paradiff.TensorParallelConfig(tp), device="cpu")
+            plan = get_state(model).tp_plan
+            held_names = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+            assert held_names == set(expected_parts), sorted(held_names ^ set(expected_parts))
+            checked, column_split, kept = 0, 0, []
+            for module_name in sorted(held_names):
+                held, full = _held(model.get_submodule(module_name)), expected_parts[module_name]
+                assert (held is None) == (full is None), (name, scheme, module_name)
+                if full is None:
+                    kept.append(module_name)
+                    continue
+                spec = plan.spec_for(f"{module_name}.weight")
+                column_split += spec is not None and spec.dim == 1
+                expected = (_nf4_expected if scheme == "nf4" else _torchao_expected)(full, spec)
+                for part, tensor in expected.items():
+                    assert held[part].shape == tensor.shape, (name, module_name, part, held[part].shape, tensor.shape)
+                    assert torch.equal(held[part], tensor), (name, scheme, module_name, part)
+                checked += 1
+            inputs = encoder_inputs(name, reference.config)
+            results.append({"encoder": name, "scheme": scheme, "rank": dist.get_rank(), "quantized": checked,
+                            "column_split": column_split, "kept": kept,
+                            "diff": _relative_outputs(encoder_outputs(model, inputs),
+                                                      encoder_outputs(reference, inputs))})
+    return results
+
+
+def pipeline_request(schemes: dict[str, str]):
+    """A PipelineQuantizationConfig mapping each component to `scheme`: diffusers' config for the transformer,
+    transformers' for a text encoder (what diffusers resolves for each)."""
+    from diffusers import PipelineQuantizationConfig
+
+    config = object.__new__(PipelineQuantizationConfig)  # a mixed mapping, built without diffusers' backend check
+    config.quant_backend, config.components_to_quantize, config.config_mapping = None, None, {}
+    config.quant_mapping = {name: transformers_quant_config(scheme) if name.startswith("text_encoder")
+                            else quant_config(scheme) for name, scheme in schemes.items()}
+    config.is_granular = True
+    return config
+
+
+def _snapshot_at_first_call(module: nn.Module, into: dict) -> None:
+    """Keep, at the module's first forward (after a staged read and its quantization), the quantized tensors each
+    linear holds: a staged pipeline frees them again after its stage."""
+    def record(_module, _args, _kwargs):
+        if not into:
+            into.update({name: _held(m) for name, m in module.named_modules() if isinstance(m, nn.Linear)})
+
+    module.register_forward_pre_hook(record, with_kwargs=True)
+
+
+def _quantized_pipeline_reference(family: str, folder: str, schemes: dict[str, str], kwargs: dict) -> dict:
+    """The single-process paradiff pipeline with the same request: its image and every quantized tensor it holds
+    (each equal to diffusers' / transformers' own quantized load: tests above)."""
+    pipeline = paradiff.load_pipeline(folder, quantization_config=pipeline_request(schemes))
+    pipeline.set_progress_bar_config(disable=True)
+    parts = {name: {n: _reference_parts(m) for n, m in getattr(pipeline, name).named_modules()
+                    if isinstance(m, nn.Linear)} for name in schemes}
+    image = _pipeline_pixels(pipeline(**kwargs, seed=0))
+    return {"image": image, "parts": parts}
+
+
+def _pipeline_pixels(output):
+    import numpy as np
+
+    return np.asarray(output.frames if hasattr(output, "frames") else output.images)
+
+
+def pipeline_modes(folders: dict[str, str], runs: list[dict]) -> list[dict]:
+    """Each run (family, mode, stages, schemes: component -> int8 / fp8 / nf4): load_pipeline on the mesh with that
+    request; every quantized shard of the transformer and the text encoders (captured at their first call, so also
+    under stages) equals the slice of the single-process quantized tensor, and the image equals the single-process
+    quantized pipeline's (the VAE split beside them where the replica has more than one rank)."""
+    import numpy as np
+
+    from paradiff.testing.pipelines import default_call_kwargs
+    from paradiff.vae import get_vae_runtime
+
+    torch.set_num_threads(1)
+    references, results = {}, []
+    for run in runs:
+        family, schemes = run["family"], run["schemes"]
+        kwargs = dict(default_call_kwargs(family), num_inference_steps=2)
+        key = (family, tuple(sorted(schemes.items())))
+        if key not in references:
+            references[key] = _quantized_pipeline_reference(family, folders[family], schemes, kwargs)
+        reference = references[key]
+        pipeline = paradiff.load_pipeline(folders[family], parallel_config=paradiff.ParallelConfig.from_mode(run["mode"]),
+                                          quantization_config=pipeline_request(schemes), stages=run["stages"])
+        pipeline.set_progress_bar_config(disable=True)
+        held = {name: {} for name in schemes}
+        for name in schemes:
+            _snapshot_at_first_call(getattr(pipeline, name), held[name])
+        image = _pipeline_pixels(pipeline(**kwargs, seed=0))
+        checked, split = {}, {}
+        for name, scheme in schemes.items():
+            state = get_state(getattr(pipeline, name))
+            plan = state.tp_plan if state is not None else None
+            assert held[name] and held[name].keys() == reference["parts"][name].keys(), (family, name)
+            checked[name] = split[name] = 0
+            for module_name, full in reference["parts"][name].items():
+                parts = held[name][module_name]
+                assert (parts is None) == (full is None), (family, run["mode"], name, module_name)
+                if full is None:
+                    continue
+                spec = plan.spec_for(f"{module_name}.weight") if plan is not None else None
+                split[name] += spec is not None
+                expected = (_nf4_expected if scheme == "nf4" else _torchao_expected)(full, spec)
+                for part, tensor in expected.items():
+                    assert torch.equal(parts[part], tensor), (family, run["mode"], name, module_name, part)
+                checked[name] += 1
+        results.append({**run, "rank": dist.get_rank(), "checked": checked, "split": split,
+                        "image": float(np.abs(image - reference["image"]).max()),
+                        "split_vae": get_vae_runtime(pipeline.vae) is not None,
+                        "stage_names": [s["stage"] for s in pipeline.stage_report()]})
+        del pipeline
+    return results

@@ -169,3 +169,82 @@ def test_quantize_with_stages_is_one_line_and_non_zero(tmp_path):
                              "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "--quantize nf4 with --stages" in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+@pytest.fixture(scope="module")
+def block_wide_encoders(tmp_path_factory) -> dict[str, str]:
+    from paradiff.testing.encoders import BLOCK_WIDE_ENCODERS, save_encoder
+
+    root = tmp_path_factory.mktemp("quant-encoders")
+    return {name: str(save_encoder(name, root / name, block_wide=True)) for name in BLOCK_WIDE_ENCODERS}
+
+
+def test_text_encoders_split_by_tp_are_slices_of_transformers_quantized_load(pools, block_wide_encoders):
+    """FLUX.2's Mistral-3, Qwen-Image's Qwen2.5-VL and Wan's UMT5 at tp2, 4-bit (NF4) and int8 (fp8 for Mistral):
+    each shard is the slice of transformers' own quantized load, transformers' kept linears stay full precision, and
+    the outputs match transformers' quantized single-process model."""
+    schemes = {name: ["nf4", "int8"] for name in block_wide_encoders}
+    schemes["Mistral3ForConditionalGeneration"].append("fp8")
+    per_rank = pools.get(2).run(cases.text_encoders_quantized, folders=block_wide_encoders, schemes=schemes, tp=2,
+                                timeout_s=600)
+    kept = {"Mistral3ForConditionalGeneration": ["lm_head"], "Qwen2_5_VLForConditionalGeneration": ["lm_head"]}
+    for results in per_rank:
+        assert len(results) == sum(len(s) for s in schemes.values())
+        for result in results:
+            where = (result["rank"], result["encoder"], result["scheme"])
+            assert result["quantized"] >= 12 and result["column_split"] >= 2, (where, result)
+            assert result["diff"] <= RELATIVE_TOLERANCE, (where, result["diff"])
+            if result["encoder"] == "UMT5EncoderModel":
+                # T5 keeps `wo` in fp32: transformers' bitsandbytes rule matches the module name's suffix and leaves
+                # it unquantized; its torchao rule matches the parameter's name ("...wo.weight") and quantizes it
+                wo = [name for name in result["kept"] if name.endswith(".wo")]
+                assert result["kept"] == wo and len(wo) == (2 if result["scheme"] == "nf4" else 0), (where, result)
+            else:
+                assert result["kept"] == kept[result["encoder"]], (where, result)
+
+
+PIXEL_TOLERANCE = 1e-5  # absolute, on pixel values in [0, 1]
+BOTH = {"transformer": "int8", "text_encoder": "int8"}
+
+
+def check_pipeline_modes(per_rank: list[list[dict]], runs: list[dict]) -> None:
+    for results in per_rank:
+        assert len(results) == len(runs)
+        for result in results:
+            where = (result["rank"], result["family"], result["mode"], result["stages"])
+            assert result["image"] <= PIXEL_TOLERANCE, (where, result["image"])
+            assert all(count > 5 for count in result["checked"].values()), (where, result["checked"])
+            assert result["stage_names"] == ["text_encoders", "transformer", "vae"], where
+            replica = paradiff.ParallelConfig.from_mode(result["mode"])
+            ranks_per_replica = replica.world_size // replica.data_degree
+            assert result["split_vae"] == (ranks_per_replica > 1), where  # the split VAE beside the quantized models
+            if replica.tp_degree > 1:  # the shards really are split (the text encoder over the TP ranks too)
+                assert all(count > 0 for count in result["split"].values()), (where, result["split"])
+            elif "ulysses" in result["mode"] and "text_encoder" in result["split"]:  # split over the CP ranks
+                assert result["split"]["text_encoder"] > 0, (where, result["split"])
+
+
+def test_quantized_pipelines_in_every_mode_on_two_ranks(pools, tiny_pipeline_folders):
+    """FLUX.2 (Mistral-3), Qwen-Image (Qwen2.5-VL), Wan (UMT5) and Lumina 2 (grouped-query attention, Gemma 2):
+    transformer and text encoder quantized on read at tp2 (staged: re-read and re-quantized at each stage), cfg2,
+    ulysses2 (the encoder split over the CP ranks), dp2, and NF4 under stages (bitsandbytes' layers re-quantized in
+    place): shards and images equal the single-process quantized pipeline's."""
+    runs = [
+        dict(family="flux2", mode="tp2", stages=True, schemes=BOTH),
+        dict(family="qwenimage", mode="cfg2", stages=False, schemes={"transformer": "fp8", "text_encoder": "fp8"}),
+        dict(family="wan", mode="ulysses2", stages=False, schemes=BOTH),
+        dict(family="lumina2", mode="tp2", stages=False, schemes=BOTH),
+        dict(family="lumina2", mode="dp2", stages=True, schemes=BOTH),
+        dict(family="flux2", mode="ulysses2", stages=True, schemes={"transformer": "nf4"}),
+    ]
+    folders = {run["family"]: str(tiny_pipeline_folders[run["family"]]) for run in runs}
+    check_pipeline_modes(pools.get(2).run(cases.pipeline_modes, folders=folders, runs=runs, timeout_s=900), runs)
+
+
+def test_quantized_pipelines_at_tp3_and_tp2_x_ulysses2(pools, tiny_pipeline_folders):
+    """tp3 (4 heads split 2 / 1 / 1) and tp2 x ulysses2 on 4 ranks, staged."""
+    folders = {family: str(tiny_pipeline_folders[family]) for family in ("flux2", "qwenimage")}
+    runs3 = [dict(family="flux2", mode="tp3", stages=False, schemes=BOTH)]
+    runs4 = [dict(family="qwenimage", mode="tp2xulysses2", stages=True, schemes=BOTH)]
+    check_pipeline_modes(pools.get(3).run(cases.pipeline_modes, folders=folders, runs=runs3, timeout_s=900), runs3)
+    check_pipeline_modes(pools.get(4).run(cases.pipeline_modes, folders=folders, runs=runs4, timeout_s=900), runs4)
