@@ -123,9 +123,7 @@ def _to_nf4(model: nn.Module, name: str, module: nn.Module, weight: torch.Tensor
         linear.quant_state = state
         if module.bias is not None:
             linear.bias = nn.Parameter(module.bias.detach(), requires_grad=False)
-        linear.train(module.training)
-        parent_name, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, leaf, linear)
+        _replace(model, name, module, linear)
     return packed.numel() * packed.element_size() + state.absmax.numel() * state.absmax.element_size()
 
 
@@ -172,10 +170,24 @@ def hold_gguf_weights(model: nn.Module, scheme: QuantScheme) -> dict[str, int]:
         if module.bias is not None:
             linear.bias = nn.Parameter(module.bias.detach(), requires_grad=False)
         linear.requires_grad_(False)
-        linear.train(module.training)
-        parent_name, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, leaf, linear)
+        _replace(model, name, module, linear)
     return {"quantized": len(scheme.packed), "quantized_bytes": nbytes}
+
+
+# the forward hooks a module carries (context parallelism's token split / gather, a stage's hooks): they move whole
+# to the module that replaces it, so every RemovableHandle still finds its hook
+HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+              "_forward_hooks_always_called")
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module, linear: nn.Module) -> None:
+    """Put the quantized `linear` in the place of `module` (named `name` in `model`), with its mode and hooks: a
+    staged component is quantized after its hooks were placed."""
+    linear.train(module.training)
+    for attr in HOOK_DICTS:
+        setattr(linear, attr, getattr(module, attr))
+    parent_name, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, leaf, linear)
 
 
 def gguf_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None,
@@ -194,6 +206,13 @@ def quantized_nbytes(tensor: Any) -> int:
     names = list(getattr(tensor, "tensor_data_names", [])) + list(getattr(tensor, "optional_tensor_data_names", []))
     inner = [getattr(tensor, name, None) for name in names]
     return sum(t.numel() * t.element_size() for t in inner if t is not None)
+
+
+def is_quantized_weight(param: Any) -> bool:
+    """Whether a parameter holds quantized data: torchao's tensors, bitsandbytes' 4-bit weights, GGUF's packed ones."""
+    return param is not None and (getattr(param, "quant_state", None) is not None
+                                  or hasattr(param, "tensor_data_names")
+                                  or getattr(param, "quant_type", None) is not None)
 
 
 def quantization_summary(model: nn.Module) -> dict[str, int]:
