@@ -166,26 +166,6 @@ def refused_before_read(family: str, folder: str, scheme: str, mode: str) -> str
     return "no error"
 
 
-def pipeline_quantized(folder: str) -> int:
-    """load_pipeline(tp2, a PipelineQuantizationConfig for the transformer): its shards are those of the model-level
-    quantized tp2 load. Returns how many quantized linears were compared."""
-    from diffusers import PipelineQuantizationConfig
-
-    config = PipelineQuantizationConfig(quant_mapping={"transformer": quant_config("int8")})
-    pipe = paradiff.load_pipeline(folder, parallel_config=parallel_config("tp2"), quantization_config=config,
-                                  device="cpu")
-    alone = paradiff.from_pretrained(type(pipe.transformer), f"{folder}/transformer", device="cpu",
-                                     parallel_config=parallel_config("tp2"), quantization_config=quant_config("int8"))
-    compared = 0
-    for name, module in pipe.transformer.named_modules():
-        if isinstance(module, nn.Linear):
-            held, expected = _held(module), _held(alone.get_submodule(name))
-            assert held is not None and held.keys() == expected.keys(), name
-            assert all(torch.equal(held[k], expected[k]) for k in held), name
-            compared += 1
-    return compared
-
-
 def transformers_quant_config(scheme: str):
     """transformers' config for `scheme`: what a PipelineQuantizationConfig resolves for a text encoder."""
     import transformers
@@ -282,15 +262,22 @@ def _snapshot_at_first_call(module: nn.Module, into: dict) -> None:
     module.register_forward_pre_hook(record, with_kwargs=True)
 
 
-def _quantized_pipeline_reference(family: str, folder: str, schemes: dict[str, str], kwargs: dict) -> dict:
-    """The single-process paradiff pipeline with the same request: its image and every quantized tensor it holds
-    (each equal to diffusers' / transformers' own quantized load: tests above)."""
+def pipeline_reference_key(family: str, schemes: dict[str, str]) -> str:
+    return f"{family}:" + ",".join(f"{name}={scheme}" for name, scheme in sorted(schemes.items()))
+
+
+def quantized_pipeline_reference(family: str, folder: str, schemes: dict[str, str]) -> dict:
+    """The single-process paradiff pipeline with the same request (computed once, in the test process): its image
+    and every quantized tensor it holds (each equal to diffusers' / transformers' own quantized load: tests above)."""
+    from paradiff.testing.pipelines import default_call_kwargs
+
+    kwargs = dict(default_call_kwargs(family), num_inference_steps=2)
     pipeline = paradiff.load_pipeline(folder, quantization_config=pipeline_request(schemes))
     pipeline.set_progress_bar_config(disable=True)
     parts = {name: {n: _reference_parts(m) for n, m in getattr(pipeline, name).named_modules()
                     if isinstance(m, nn.Linear)} for name in schemes}
     image = _pipeline_pixels(pipeline(**kwargs, seed=0))
-    return {"image": image, "parts": parts}
+    return {"kwargs": kwargs, "image": image, "parts": parts}
 
 
 def _pipeline_pixels(output):
@@ -299,25 +286,21 @@ def _pipeline_pixels(output):
     return np.asarray(output.frames if hasattr(output, "frames") else output.images)
 
 
-def pipeline_modes(folders: dict[str, str], runs: list[dict]) -> list[dict]:
+def pipeline_modes(folders: dict[str, str], runs: list[dict], references: dict[str, dict]) -> list[dict]:
     """Each run (family, mode, stages, schemes: component -> int8 / fp8 / nf4): load_pipeline on the mesh with that
     request; every quantized shard of the transformer and the text encoders (captured at their first call, so also
     under stages) equals the slice of the single-process quantized tensor, and the image equals the single-process
     quantized pipeline's (the VAE split beside them where the replica has more than one rank)."""
     import numpy as np
 
-    from paradiff.testing.pipelines import default_call_kwargs
     from paradiff.vae import get_vae_runtime
 
     torch.set_num_threads(1)
-    references, results = {}, []
+    results = []
     for run in runs:
         family, schemes = run["family"], run["schemes"]
-        kwargs = dict(default_call_kwargs(family), num_inference_steps=2)
-        key = (family, tuple(sorted(schemes.items())))
-        if key not in references:
-            references[key] = _quantized_pipeline_reference(family, folders[family], schemes, kwargs)
-        reference = references[key]
+        reference = references[pipeline_reference_key(family, schemes)]
+        kwargs = reference["kwargs"]
         pipeline = paradiff.load_pipeline(folders[family], parallel_config=paradiff.ParallelConfig.from_mode(run["mode"]),
                                           quantization_config=pipeline_request(schemes), stages=run["stages"])
         pipeline.set_progress_bar_config(disable=True)
@@ -342,9 +325,104 @@ def pipeline_modes(folders: dict[str, str], runs: list[dict]) -> list[dict]:
                 for part, tensor in expected.items():
                     assert torch.equal(parts[part], tensor), (family, run["mode"], name, module_name, part)
                 checked[name] += 1
+        report = pipeline.quantization_report()
+        held_bytes = {name: sum(t.numel() * t.element_size() for parts in held[name].values() if parts is not None
+                                for t in parts.values()) for name in schemes}
         results.append({**run, "rank": dist.get_rank(), "checked": checked, "split": split,
+                        "reported": {name: report[name] for name in schemes}, "held_bytes": held_bytes,
                         "image": float(np.abs(image - reference["image"]).max()),
                         "split_vae": get_vae_runtime(pipeline.vae) is not None,
                         "stage_names": [s["stage"] for s in pipeline.stage_report()]})
         del pipeline
     return results
+
+
+def quantized_lora(folder: str, lora: str, schemes: list[str], modes: list[str]) -> list[dict]:
+    """A LoRA adapter unfused on a quantized base (QLoRA style), per scheme and mode: the output equals the
+    single-process quantized model with the same adapter (diffusers' and peft's own load), with the adapter
+    active, disabled and re-enabled; fusing is refused on every rank before any layer merges (outputs unchanged)."""
+    from paradiff.errors import AdapterError
+    from paradiff.tensor_parallel.layers import ColwiseLinear, RowwiseLinear
+
+    torch.set_num_threads(1)
+    cls = model_class("flux2")
+    results = []
+    for scheme in schemes:
+        reference = paradiff.from_pretrained(cls, folder, quantization_config=quant_config(scheme), device="cpu")
+        inputs = make_inputs("flux2", reference.config, batch=2, lengths=Lengths(height=4, width=4, text=6))
+        plain = run_forward(reference, inputs)
+        reference.load_lora_adapter(lora, adapter_name="a", use_safetensors=True)
+        adapted = run_forward(reference, inputs)
+        for mode in modes:
+            model = paradiff.from_pretrained(cls, folder, quantization_config=quant_config(scheme), device="cpu",
+                                             parallel_config=paradiff.ParallelConfig.from_mode(mode))
+            model.load_lora_adapter(lora, adapter_name="a", use_safetensors=True)
+            diffs = {"adapted": _relative_outputs([run_forward(model, inputs)], [adapted])}
+            model.disable_lora()
+            diffs["disabled"] = _relative_outputs([run_forward(model, inputs)], [plain])
+            model.enable_lora()
+            try:
+                model.fuse_lora()
+                refusal = "no error"
+            except AdapterError as exc:
+                refusal = str(exc)
+            diffs["after refused fuse"] = _relative_outputs([run_forward(model, inputs)], [adapted])
+            bases = [m.base_layer for m in model.modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")]
+            results.append({"scheme": scheme, "mode": mode, "rank": dist.get_rank(), "diffs": diffs,
+                            "refusal": refusal, "changed": float((adapted - plain).abs().max() / plain.abs().max()),
+                            "quantized_bases": sum(_held(base) is not None for base in bases),
+                            "colwise": sum(isinstance(b, ColwiseLinear) and _held(b) is not None for b in bases),
+                            "rowwise": sum(isinstance(b, RowwiseLinear) and _held(b) is not None for b in bases)})
+    return results
+
+
+def compiled_quantized(folder: str, schemes: list[str], mode: str) -> list[dict]:
+    """Per scheme: the quantized parallel model eager, then compiled by paradiff.compile (aot_eager: Dynamo and
+    AOTAutograd, without inductor's C++ build), on the same inputs."""
+    import torch._dynamo
+
+    from paradiff.runtime.repeated_blocks import COMPILED_ATTR, repeated_blocks
+
+    torch.set_num_threads(1)
+    cls = model_class("flux2")
+    results = []
+    for scheme in schemes:
+        torch._dynamo.reset()
+        model = paradiff.from_pretrained(cls, folder, quantization_config=quant_config(scheme), device="cpu",
+                                         parallel_config=paradiff.ParallelConfig.from_mode(mode))
+        inputs = make_inputs("flux2", model.config, batch=2, lengths=Lengths(height=4, width=4, text=6))
+        eager = run_forward(model, inputs)
+        paradiff.compile(model, backend="aot_eager")
+        compiled = run_forward(model, inputs)
+        results.append({"scheme": scheme, "rank": dist.get_rank(), "diff": _relative_outputs([compiled], [eager]),
+                        "compiled_blocks": len({type(block) for _, block in repeated_blocks(model)
+                                                if getattr(block, COMPILED_ATTR, False)})})
+    return results
+
+
+def pipeline_requests_refused(folder: str, mode: str) -> list[str]:
+    """load_pipeline on the mesh with requests paradiff cannot honour: the error each rank raises, with no weight
+    read first (a mapping mixing a supported scheme with an unsupported one; NF4 on a text encoder whose split would
+    cut a block)."""
+    import transformers
+
+    original = Checkpoint.read
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("a weight was read before the quantization request was checked")
+
+    requests = [pipeline_request({"transformer": "int8"}), pipeline_request({"text_encoder": "nf4"})]
+    requests[0].quant_mapping["text_encoder"] = transformers.BitsAndBytesConfig(load_in_8bit=True)
+    errors = []
+    Checkpoint.read = refuse
+    try:
+        for request in requests:
+            try:
+                paradiff.load_pipeline(folder, parallel_config=paradiff.ParallelConfig.from_mode(mode),
+                                       quantization_config=request)
+                errors.append("no error")
+            except Exception as exc:  # noqa: BLE001 - the error is what the test checks
+                errors.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        Checkpoint.read = original
+    return errors

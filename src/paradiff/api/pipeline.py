@@ -115,6 +115,12 @@ class ParallelPipelineMixin:
     def reset_stage_report(self) -> None:
         self._paradiff_pipeline.stages.reset()
 
+    def quantization_report(self) -> dict[str, dict]:
+        """Per component this rank ran (transformer, text encoders, VAE ...), as held while its stage ran in the
+        last call: `scheme` (the quantization paradiff applied on read, or None), `quantized_linears`,
+        `quantized_bytes` (data and scales) and `full_precision_bytes` (every other parameter)."""
+        return self._paradiff_pipeline.stages.quantization()
+
     @property
     def is_output_rank(self) -> bool:
         """True on the one rank of each data-parallel replica that should save its outputs."""

@@ -217,7 +217,7 @@ def is_quantized_weight(param: Any) -> bool:
 
 def quantization_summary(model: nn.Module) -> dict[str, int]:
     """What a rank holds of `model`: quantized linears, their bytes (data and scales), and the bytes of every other
-    parameter (the load dtype). Counted from the module tree, so it holds for any load path."""
+    parameter (full precision: the load dtype). Counted from the module tree, so it holds for any load path."""
     quantized, quantized_bytes, other_bytes = 0, 0, 0
     seen = set()
     for module in model.modules():
@@ -238,4 +238,4 @@ def quantization_summary(model: nn.Module) -> dict[str, int]:
                 quantized_bytes += param.numel() * param.element_size()
             else:
                 other_bytes += param.numel() * param.element_size()
-    return {"quantized_linears": quantized, "quantized_bytes": quantized_bytes, "other_bytes": other_bytes}
+    return {"quantized_linears": quantized, "quantized_bytes": quantized_bytes, "full_precision_bytes": other_bytes}

@@ -249,9 +249,28 @@ def model_config_for(scheme: str, compute_dtype: torch.dtype | None = None) -> A
     raise ParallelConfigError(f"unknown quantization scheme {scheme!r}; use one of {list(SCHEMES)}.")
 
 
-def pipeline_quantization_config(scheme: str, compute_dtype: torch.dtype | None = None) -> Any:
-    """A PipelineQuantizationConfig quantizing the transformer with `scheme` (the components diffusers loads stay
-    as they are)."""
+def pipeline_quantization_config(scheme: str, compute_dtype: torch.dtype | None = None,
+                                 components: tuple[str, ...] = ("transformer",)) -> Any:
+    """A PipelineQuantizationConfig quantizing `components` with `scheme` (the others stay as they are): diffusers'
+    config for a diffusers model, transformers' for a text encoder (`text_encoder*`), as diffusers resolves them."""
     from diffusers import PipelineQuantizationConfig
 
-    return PipelineQuantizationConfig(quant_mapping={"transformer": model_config_for(scheme, compute_dtype)})
+    mapping = {name: text_encoder_config_for(scheme, compute_dtype) if name.startswith("text_encoder")
+               else model_config_for(scheme, compute_dtype) for name in components}
+    return PipelineQuantizationConfig(quant_mapping=mapping)
+
+
+def text_encoder_config_for(scheme: str, compute_dtype: torch.dtype | None = None) -> Any:
+    """transformers' config for `scheme` ("int8", "fp8", "nf4"), which a text encoder's own loader takes."""
+    import transformers
+
+    if scheme == "nf4":
+        return transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                               bnb_4bit_compute_dtype=compute_dtype)
+    from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig
+
+    if scheme == "int8":
+        return transformers.TorchAoConfig(Int8WeightOnlyConfig())
+    if scheme == "fp8":
+        return transformers.TorchAoConfig(Float8WeightOnlyConfig())
+    raise ParallelConfigError(f"unknown quantization scheme {scheme!r}; use one of {list(SCHEMES)}.")
