@@ -27,11 +27,7 @@ def quant_config(scheme: str):
 
 
 def parallel_config(mode: str):
-    if mode == "tp2":
-        return paradiff.TensorParallelConfig(tp_degree=2)
-    if mode == "ulysses2":
-        return paradiff.ContextParallelConfig(ulysses_degree=2)
-    raise ValueError(mode)
+    return paradiff.ParallelConfig.from_mode(mode)
 
 
 def single_device_reference(cls, folder: str, scheme: str) -> dict[str, dict[str, torch.Tensor]]:
