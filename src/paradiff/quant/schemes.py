@@ -48,12 +48,11 @@ class QuantScheme:
         chosen = "" if self.targets is None else f", {self.rule} rule: {len(self.targets)} linears"
         return f"{self.name}{extra}, skip={list(self.skip)}, compute={self.compute_dtype}{chosen}"
 
-    def for_model(self, model: nn.Module) -> "QuantScheme":
+    def for_model(self, model: nn.Module, transformers_model: bool = False) -> "QuantScheme":
         """The scheme for `model`: which of its linears are quantized, by the rule of the library that would load
-        it (diffusers for diffusers models, transformers for text encoders), as that library's quantizer decides."""
-        from paradiff.io.model_classes import is_transformers_class
-
-        if is_transformers_class(type(model)):
+        it (`transformers_model`: a transformers class, such as a text encoder; otherwise diffusers), as that
+        library's quantizer decides."""
+        if transformers_model:
             return self._transformers_rule(model)
         keep = list(getattr(model, "_keep_in_fp32_modules", None) or [])
         skip = _skip_list(list(self.skip), keep)
