@@ -27,11 +27,7 @@ def quant_config(scheme: str):
 
 
 def parallel_config(mode: str):
-    if mode == "tp2":
-        return paradiff.TensorParallelConfig(tp_degree=2)
-    if mode == "ulysses2":
-        return paradiff.ContextParallelConfig(ulysses_degree=2)
-    raise ValueError(mode)
+    return paradiff.ParallelConfig.from_mode(mode)
 
 
 def single_device_reference(cls, folder: str, scheme: str) -> dict[str, dict[str, torch.Tensor]]:
@@ -166,21 +162,263 @@ def refused_before_read(family: str, folder: str, scheme: str, mode: str) -> str
     return "no error"
 
 
-def pipeline_quantized(folder: str) -> int:
-    """load_pipeline(tp2, a PipelineQuantizationConfig for the transformer): its shards are those of the model-level
-    quantized tp2 load. Returns how many quantized linears were compared."""
+def transformers_quant_config(scheme: str):
+    """transformers' config for `scheme`: what a PipelineQuantizationConfig resolves for a text encoder."""
+    import transformers
+
+    if scheme == "nf4":
+        return transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+    from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig
+
+    return transformers.TorchAoConfig(Int8WeightOnlyConfig() if scheme == "int8" else Float8WeightOnlyConfig())
+
+
+def _reference_parts(module: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The quantized tensors a single-device quantized linear holds (copies: a CPU forward may repack them)."""
+    weight = module.weight
+    if hasattr(weight, "qdata"):
+        return {k: v.clone() for k, v in _torchao_parts(weight).items()}
+    if getattr(weight, "quant_state", None) is not None:
+        return {"packed": weight.data.reshape(-1).clone(), "absmax": weight.quant_state.absmax.clone(),
+                "shape": tuple(weight.quant_state.shape)}
+    return None
+
+
+def _relative_outputs(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> float:
+    assert len(actual) == len(expected) and actual, (len(actual), len(expected))
+    worst = 0.0
+    for a, e in zip(actual, expected):
+        assert a.shape == e.shape, (a.shape, e.shape)
+        worst = max(worst, float((a.double() - e.double()).abs().max()) / max(float(e.double().abs().max()), 1e-30))
+    return worst
+
+
+def text_encoders_quantized(folders: dict[str, str], schemes: dict[str, list[str]], tp: int) -> list[dict]:
+    """Each text encoder class x scheme, loaded alone through paradiff at tp with transformers' config: every
+    quantized shard equals the slice of what transformers' own single-device quantized load holds (data and scales),
+    the linears transformers keeps in full precision (the LM head, T5's `wo`) are kept here too, and every output
+    (all hidden states, logits) matches transformers' quantized model."""
+    from paradiff.testing.encoders import encoder_class, encoder_inputs, encoder_outputs
+
+    torch.set_num_threads(1)
+    results = []
+    for name, folder in folders.items():
+        cls = encoder_class(name)
+        for scheme in schemes[name]:
+            reference = cls.from_pretrained(folder, quantization_config=transformers_quant_config(scheme),
+                                            dtype=torch.float32).eval()
+            expected_parts = {n: _reference_parts(m) for n, m in reference.named_modules() if isinstance(m, nn.Linear)}
+            model = paradiff.from_pretrained(cls, folder, quantization_config=transformers_quant_config(scheme),
+                                             parallel_config=paradiff.TensorParallelConfig(tp), device="cpu")
+            plan = get_state(model).tp_plan
+            held_names = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+            assert held_names == set(expected_parts), sorted(held_names ^ set(expected_parts))
+            checked, column_split, kept = 0, 0, []
+            for module_name in sorted(held_names):
+                held, full = _held(model.get_submodule(module_name)), expected_parts[module_name]
+                assert (held is None) == (full is None), (name, scheme, module_name)
+                if full is None:
+                    kept.append(module_name)
+                    continue
+                spec = plan.spec_for(f"{module_name}.weight")
+                column_split += spec is not None and spec.dim == 1
+                expected = (_nf4_expected if scheme == "nf4" else _torchao_expected)(full, spec)
+                for part, tensor in expected.items():
+                    assert held[part].shape == tensor.shape, (name, module_name, part, held[part].shape, tensor.shape)
+                    assert torch.equal(held[part], tensor), (name, scheme, module_name, part)
+                checked += 1
+            inputs = encoder_inputs(name, reference.config)
+            results.append({"encoder": name, "scheme": scheme, "rank": dist.get_rank(), "quantized": checked,
+                            "column_split": column_split, "kept": kept,
+                            "diff": _relative_outputs(encoder_outputs(model, inputs),
+                                                      encoder_outputs(reference, inputs))})
+    return results
+
+
+def pipeline_request(schemes: dict[str, str]):
+    """A PipelineQuantizationConfig mapping each component to `scheme`: diffusers' config for the transformer,
+    transformers' for a text encoder (what diffusers resolves for each)."""
     from diffusers import PipelineQuantizationConfig
 
-    config = PipelineQuantizationConfig(quant_mapping={"transformer": quant_config("int8")})
-    pipe = paradiff.load_pipeline(folder, parallel_config=parallel_config("tp2"), quantization_config=config,
-                                  device="cpu")
-    alone = paradiff.from_pretrained(type(pipe.transformer), f"{folder}/transformer", device="cpu",
-                                     parallel_config=parallel_config("tp2"), quantization_config=quant_config("int8"))
-    compared = 0
-    for name, module in pipe.transformer.named_modules():
-        if isinstance(module, nn.Linear):
-            held, expected = _held(module), _held(alone.get_submodule(name))
-            assert held is not None and held.keys() == expected.keys(), name
-            assert all(torch.equal(held[k], expected[k]) for k in held), name
-            compared += 1
-    return compared
+    config = object.__new__(PipelineQuantizationConfig)  # a mixed mapping, built without diffusers' backend check
+    config.quant_backend, config.components_to_quantize, config.config_mapping = None, None, {}
+    config.quant_mapping = {name: transformers_quant_config(scheme) if name.startswith("text_encoder")
+                            else quant_config(scheme) for name, scheme in schemes.items()}
+    config.is_granular = True
+    return config
+
+
+def _snapshot_at_first_call(module: nn.Module, into: dict) -> None:
+    """Keep, at the module's first forward (after a staged read and its quantization), the quantized tensors each
+    linear holds: a staged pipeline frees them again after its stage."""
+    def record(_module, _args, _kwargs):
+        if not into:
+            into.update({name: _held(m) for name, m in module.named_modules() if isinstance(m, nn.Linear)})
+
+    module.register_forward_pre_hook(record, with_kwargs=True)
+
+
+def pipeline_reference_key(family: str, schemes: dict[str, str]) -> str:
+    return f"{family}:" + ",".join(f"{name}={scheme}" for name, scheme in sorted(schemes.items()))
+
+
+def quantized_pipeline_reference(family: str, folder: str, schemes: dict[str, str]) -> dict:
+    """The single-process paradiff pipeline with the same request (computed once, in the test process): its image
+    and every quantized tensor it holds (each equal to diffusers' / transformers' own quantized load: tests above)."""
+    from paradiff.testing.pipelines import default_call_kwargs
+
+    kwargs = dict(default_call_kwargs(family), num_inference_steps=2)
+    pipeline = paradiff.load_pipeline(folder, quantization_config=pipeline_request(schemes))
+    pipeline.set_progress_bar_config(disable=True)
+    parts = {name: {n: _reference_parts(m) for n, m in getattr(pipeline, name).named_modules()
+                    if isinstance(m, nn.Linear)} for name in schemes}
+    image = _pipeline_pixels(pipeline(**kwargs, seed=0))
+    return {"kwargs": kwargs, "image": image, "parts": parts}
+
+
+def _pipeline_pixels(output):
+    import numpy as np
+
+    return np.asarray(output.frames if hasattr(output, "frames") else output.images)
+
+
+def pipeline_modes(folders: dict[str, str], runs: list[dict], references: dict[str, dict]) -> list[dict]:
+    """Each run (family, mode, stages, schemes: component -> int8 / fp8 / nf4): load_pipeline on the mesh with that
+    request; every quantized shard of the transformer and the text encoders (captured at their first call, so also
+    under stages) equals the slice of the single-process quantized tensor, and the image equals the single-process
+    quantized pipeline's (the VAE split beside them where the replica has more than one rank)."""
+    import numpy as np
+
+    from paradiff.vae import get_vae_runtime
+
+    torch.set_num_threads(1)
+    results = []
+    for run in runs:
+        family, schemes = run["family"], run["schemes"]
+        reference = references[pipeline_reference_key(family, schemes)]
+        kwargs = reference["kwargs"]
+        pipeline = paradiff.load_pipeline(folders[family], parallel_config=paradiff.ParallelConfig.from_mode(run["mode"]),
+                                          quantization_config=pipeline_request(schemes), stages=run["stages"])
+        pipeline.set_progress_bar_config(disable=True)
+        held = {name: {} for name in schemes}
+        for name in schemes:
+            _snapshot_at_first_call(getattr(pipeline, name), held[name])
+        image = _pipeline_pixels(pipeline(**kwargs, seed=0))
+        checked, split = {}, {}
+        for name, scheme in schemes.items():
+            state = get_state(getattr(pipeline, name))
+            plan = state.tp_plan if state is not None else None
+            assert held[name] and held[name].keys() == reference["parts"][name].keys(), (family, name)
+            checked[name] = split[name] = 0
+            for module_name, full in reference["parts"][name].items():
+                parts = held[name][module_name]
+                assert (parts is None) == (full is None), (family, run["mode"], name, module_name)
+                if full is None:
+                    continue
+                spec = plan.spec_for(f"{module_name}.weight") if plan is not None else None
+                split[name] += spec is not None
+                expected = (_nf4_expected if scheme == "nf4" else _torchao_expected)(full, spec)
+                for part, tensor in expected.items():
+                    assert torch.equal(parts[part], tensor), (family, run["mode"], name, module_name, part)
+                checked[name] += 1
+        report = pipeline.quantization_report()
+        held_bytes = {name: sum(t.numel() * t.element_size() for parts in held[name].values() if parts is not None
+                                for t in parts.values()) for name in schemes}
+        results.append({**run, "rank": dist.get_rank(), "checked": checked, "split": split,
+                        "reported": {name: report[name] for name in schemes}, "held_bytes": held_bytes,
+                        "image": float(np.abs(image - reference["image"]).max()),
+                        "split_vae": get_vae_runtime(pipeline.vae) is not None,
+                        "stage_names": [s["stage"] for s in pipeline.stage_report()]})
+        del pipeline
+    return results
+
+
+def quantized_lora(folder: str, lora: str, schemes: list[str], modes: list[str]) -> list[dict]:
+    """A LoRA adapter unfused on a quantized base (QLoRA style), per scheme and mode: the output equals the
+    single-process quantized model with the same adapter (diffusers' and peft's own load), with the adapter
+    active, disabled and re-enabled; fusing is refused on every rank before any layer merges (outputs unchanged)."""
+    from paradiff.errors import AdapterError
+    from paradiff.tensor_parallel.layers import ColwiseLinear, RowwiseLinear
+
+    torch.set_num_threads(1)
+    cls = model_class("flux2")
+    results = []
+    for scheme in schemes:
+        reference = paradiff.from_pretrained(cls, folder, quantization_config=quant_config(scheme), device="cpu")
+        inputs = make_inputs("flux2", reference.config, batch=2, lengths=Lengths(height=4, width=4, text=6))
+        plain = run_forward(reference, inputs)
+        reference.load_lora_adapter(lora, adapter_name="a", use_safetensors=True)
+        adapted = run_forward(reference, inputs)
+        for mode in modes:
+            model = paradiff.from_pretrained(cls, folder, quantization_config=quant_config(scheme), device="cpu",
+                                             parallel_config=paradiff.ParallelConfig.from_mode(mode))
+            model.load_lora_adapter(lora, adapter_name="a", use_safetensors=True)
+            diffs = {"adapted": _relative_outputs([run_forward(model, inputs)], [adapted])}
+            model.disable_lora()
+            diffs["disabled"] = _relative_outputs([run_forward(model, inputs)], [plain])
+            model.enable_lora()
+            try:
+                model.fuse_lora()
+                refusal = "no error"
+            except AdapterError as exc:
+                refusal = str(exc)
+            diffs["after refused fuse"] = _relative_outputs([run_forward(model, inputs)], [adapted])
+            bases = [m.base_layer for m in model.modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")]
+            results.append({"scheme": scheme, "mode": mode, "rank": dist.get_rank(), "diffs": diffs,
+                            "refusal": refusal, "changed": float((adapted - plain).abs().max() / plain.abs().max()),
+                            "quantized_bases": sum(_held(base) is not None for base in bases),
+                            "colwise": sum(isinstance(b, ColwiseLinear) and _held(b) is not None for b in bases),
+                            "rowwise": sum(isinstance(b, RowwiseLinear) and _held(b) is not None for b in bases)})
+    return results
+
+
+def compiled_quantized(folder: str, schemes: list[str], mode: str) -> list[dict]:
+    """Per scheme: the quantized parallel model eager, then compiled by paradiff.compile (aot_eager: Dynamo and
+    AOTAutograd, without inductor's C++ build), on the same inputs."""
+    import torch._dynamo
+
+    from paradiff.runtime.repeated_blocks import COMPILED_ATTR, repeated_blocks
+
+    torch.set_num_threads(1)
+    cls = model_class("flux2")
+    results = []
+    for scheme in schemes:
+        torch._dynamo.reset()
+        model = paradiff.from_pretrained(cls, folder, quantization_config=quant_config(scheme), device="cpu",
+                                         parallel_config=paradiff.ParallelConfig.from_mode(mode))
+        inputs = make_inputs("flux2", model.config, batch=2, lengths=Lengths(height=4, width=4, text=6))
+        eager = run_forward(model, inputs)
+        paradiff.compile(model, backend="aot_eager")
+        compiled = run_forward(model, inputs)
+        results.append({"scheme": scheme, "rank": dist.get_rank(), "diff": _relative_outputs([compiled], [eager]),
+                        "compiled_blocks": len({type(block) for _, block in repeated_blocks(model)
+                                                if getattr(block, COMPILED_ATTR, False)})})
+    return results
+
+
+def pipeline_requests_refused(folder: str, mode: str) -> list[str]:
+    """load_pipeline on the mesh with requests paradiff cannot honour: the error each rank raises, with no weight
+    read first (a mapping mixing a supported scheme with an unsupported one; NF4 on a text encoder whose split would
+    cut a block)."""
+    import transformers
+
+    original = Checkpoint.read
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("a weight was read before the quantization request was checked")
+
+    requests = [pipeline_request({"transformer": "int8"}), pipeline_request({"text_encoder": "nf4"})]
+    requests[0].quant_mapping["text_encoder"] = transformers.BitsAndBytesConfig(load_in_8bit=True)
+    errors = []
+    Checkpoint.read = refuse
+    try:
+        for request in requests:
+            try:
+                paradiff.load_pipeline(folder, parallel_config=paradiff.ParallelConfig.from_mode(mode),
+                                       quantization_config=request)
+                errors.append("no error")
+            except Exception as exc:  # noqa: BLE001 - the error is what the test checks
+                errors.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        Checkpoint.read = original
+    return errors

@@ -10,6 +10,7 @@ from diffusers import BitsAndBytesConfig, GGUFQuantizationConfig, TorchAoConfig
 import paradiff
 from paradiff.errors import ParallelConfigError
 from paradiff.io.checkpoint import Checkpoint
+from paradiff.testing.lora import TARGETS
 from paradiff.testing.models import build_model, model_class, save_model, tiny_config
 
 import rank_cases_quant as cases
@@ -68,9 +69,30 @@ def test_nf4_slice_cutting_a_block_is_refused_by_name_before_any_read(pools, qua
     errors = pools.get(2).run(cases.refused_before_read, family="flux2", folder=quant_checkpoints["flux2-narrow"],
                               scheme="nf4", mode="tp2")
     for error in errors:  # every rank raises, none hangs
-        assert error.startswith("PlanError"), error
+        assert error.startswith("BlockSplitError"), error  # a PlanError
         assert "would cut a block" in error and "llm_int8_skip_modules" in error, error
         assert "attn.to_out.0" in error or "attn.to_add_out" in error or "ff" in error, error
+
+
+def test_pipeline_requests_refused_on_every_rank_before_any_read(pools, tiny_pipeline_folders):
+    """At tp2, a mapping mixing int8 (transformer) with bitsandbytes 8-bit (text encoder), and NF4 on the tiny
+    FLUX.2's Mistral-3 (32 wide: its rowwise slices of 16 columns would cut 64-element blocks): every rank raises the
+    same one error, naming the component or the layer, and none hangs."""
+    per_rank = pools.get(2).run(cases.pipeline_requests_refused, folder=str(tiny_pipeline_folders["flux2"]),
+                                mode="tp2")
+    assert per_rank[0][0] == per_rank[1][0]
+    for mixed, cut in per_rank:  # the cut names each rank's own columns
+        assert mixed.startswith("ParallelConfigError") and "'text_encoder' (Mistral3ForConditionalGeneration)" \
+            in mixed and "load_in_8bit=True" in mixed, mixed
+        assert cut.startswith("BlockSplitError") and "language_model.layers.0.self_attn.o_proj" in cut \
+            and "would cut a block" in cut, cut
+
+
+def test_unknown_scheme_names_the_valid_ones():
+    from paradiff.quant.schemes import pipeline_quantization_config
+
+    with pytest.raises(ParallelConfigError, match=r"unknown quantization scheme 'int4'.*\['int8', 'fp8', 'nf4'\]"):
+        pipeline_quantization_config("int4", components=("transformer", "text_encoder"))
 
 
 @pytest.fixture
@@ -122,50 +144,218 @@ def test_modules_to_not_convert_stay_in_full_precision(quant_checkpoints):
     assert not held["proj_out"] and not held["transformer_blocks.0.attn.to_q"] and held["transformer_blocks.0.ff.linear_in"]
 
 
-def test_pipeline_request_quantizes_the_transformer_shards(pools, tiny_pipeline_folders):
-    counts = pools.get(2).run(cases.pipeline_quantized, folder=str(tiny_pipeline_folders["flux2"]))
-    assert all(count > 10 for count in counts), counts
-
-
 @pytest.mark.slow
 def test_generate_quantize_reports_each_ranks_quantized_bytes(tmp_path):
-    """`paradiff generate --tp 2 --quantize int8` on the embedded demo: each rank reports the quantized linears and
-    bytes it holds: as many linears as diffusers' own single-process int8 transformer, about half its bytes."""
+    """`paradiff generate --tp 2 --quantize int8 --quantize-text-encoders --stages` on the embedded demo: each rank
+    reports, per component, the scheme, the quantized linears and bytes and the full-precision bytes it held while
+    its stage ran (re-read and re-quantized at the stage): as many linears as diffusers' / transformers' own
+    single-process int8 models, about half their bytes; the per-stage table prints them."""
     import json
     import subprocess
     import sys
 
     import diffusers
+    import transformers
 
     from paradiff.demo import pipeline_path
     from paradiff.quant.apply import quantization_summary
-    from paradiff.quant.schemes import model_config_for
+    from paradiff.quant.schemes import model_config_for, text_encoder_config_for
 
     out = tmp_path / "tp2"
     result = subprocess.run([sys.executable, "-m", "paradiff.cli", "generate", "--tp", "2", "--prompt", "a cat",
                              "--height", "32", "--width", "32", "--steps", "2", "--quantize", "int8",
-                             "--out", str(out)], capture_output=True, text=True, timeout=600)
+                             "--quantize-text-encoders", "--stages", "--out", str(out)],
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     split = json.loads((out / "report.json").read_text())
-    assert split["config"]["quantize"] == "int8"
+    assert split["config"]["quantize"] == "int8" and split["config"]["quantize_text_encoders"]
     folder = pipeline_path()
-    _, class_name = json.loads((folder / "model_index.json").read_text())["transformer"]
-    whole = getattr(diffusers, class_name).from_pretrained(
-        folder / "transformer", quantization_config=model_config_for("int8", torch.float32), torch_dtype=torch.float32)
-    single = quantization_summary(whole)
-    assert single["quantized_linears"] > 0
+    index = json.loads((folder / "model_index.json").read_text())
+    single = {
+        "transformer": quantization_summary(getattr(diffusers, index["transformer"][1]).from_pretrained(
+            folder / "transformer", quantization_config=model_config_for("int8", torch.float32),
+            torch_dtype=torch.float32)),
+        "text_encoder": quantization_summary(getattr(transformers, index["text_encoder"][1]).from_pretrained(
+            folder / "text_encoder", quantization_config=text_encoder_config_for("int8"), dtype=torch.float32)),
+    }
     for rank in split["ranks"]:
-        held = rank["quantization"]["transformer"]
-        assert held["scheme"] == "int8" and held["quantized_linears"] == single["quantized_linears"]
-        assert held["quantized_bytes"] < 0.75 * single["quantized_bytes"], (held, single)
+        for name, whole in single.items():
+            held = rank["quantization"][name]
+            assert whole["quantized_linears"] > 0, (name, whole)
+            assert held["scheme"] == "int8" and held["quantized_linears"] == whole["quantized_linears"], (name, held)
+            assert held["quantized_bytes"] < 0.75 * whole["quantized_bytes"], (name, held, whole)
+            assert 0 < held["full_precision_bytes"] <= whole["full_precision_bytes"], (name, held, whole)
+        assert rank["quantization"]["vae"]["scheme"] is None and rank["quantization"]["vae"]["quantized_bytes"] == 0
+        stages = {stage["stage"]: stage for stage in rank["stages"]}
+        assert stages["transformer"]["quantized_bytes"] == rank["quantization"]["transformer"]["quantized_bytes"]
+        assert stages["text_encoders"]["components"]["text_encoder"]["scheme"] == "int8"
+    assert "quant MiB" in result.stdout and "transformer=int8" in result.stdout and "text_encoder=int8" in result.stdout
     assert (out / split["images"]["0"]).exists() or split["images"]["0"]
 
 
-def test_quantize_with_stages_is_one_line_and_non_zero(tmp_path):
+def test_quantize_text_encoders_without_a_scheme_is_one_line_and_non_zero(tmp_path):
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-m", "paradiff.cli", "generate", "--quantize", "nf4", "--stages",
+    result = subprocess.run([sys.executable, "-m", "paradiff.cli", "generate", "--quantize-text-encoders",
                              "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "--quantize nf4 with --stages" in result.stderr, result.stderr[-2000:]
-    assert "Traceback" not in result.stderr
+    assert result.returncode == 2 and "--quantize-text-encoders" in result.stderr and "--quantize int8|fp8|nf4" \
+        in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.fixture(scope="module")
+def block_wide_encoders(tmp_path_factory) -> dict[str, str]:
+    from paradiff.testing.encoders import BLOCK_WIDE_ENCODERS, save_encoder
+
+    root = tmp_path_factory.mktemp("quant-encoders")
+    return {name: str(save_encoder(name, root / name, block_wide=True)) for name in BLOCK_WIDE_ENCODERS}
+
+
+def test_text_encoders_split_by_tp_are_slices_of_transformers_quantized_load(pools, block_wide_encoders):
+    """FLUX.2's Mistral-3, Qwen-Image's Qwen2.5-VL and Wan's UMT5 at tp2, 4-bit (NF4), and UMT5 in int8 too (the
+    two libraries' rules differ there): each shard is the slice of transformers' own quantized load, transformers'
+    kept linears stay full precision, and the outputs match transformers' quantized single-process model. (int8 and
+    fp8 text encoders run in the pipeline tests below.)"""
+    schemes = {name: ["nf4"] for name in block_wide_encoders}
+    schemes["UMT5EncoderModel"].append("int8")
+    per_rank = pools.get(2).run(cases.text_encoders_quantized, folders=block_wide_encoders, schemes=schemes, tp=2,
+                                timeout_s=600)
+    kept = {"Mistral3ForConditionalGeneration": ["lm_head"], "Qwen2_5_VLForConditionalGeneration": ["lm_head"]}
+    for results in per_rank:
+        assert len(results) == sum(len(s) for s in schemes.values())
+        for result in results:
+            where = (result["rank"], result["encoder"], result["scheme"])
+            assert result["quantized"] >= 12 and result["column_split"] >= 2, (where, result)
+            assert result["diff"] <= RELATIVE_TOLERANCE, (where, result["diff"])
+            if result["encoder"] == "UMT5EncoderModel":
+                # T5 keeps `wo` in fp32: transformers' bitsandbytes rule matches the module name's suffix and leaves
+                # it unquantized; its torchao rule matches the parameter's name ("...wo.weight") and quantizes it
+                wo = [name for name in result["kept"] if name.endswith(".wo")]
+                assert result["kept"] == wo and len(wo) == (2 if result["scheme"] == "nf4" else 0), (where, result)
+            else:
+                assert result["kept"] == kept[result["encoder"]], (where, result)
+
+
+PIXEL_TOLERANCE = 1e-5  # absolute, on pixel values in [0, 1]
+BOTH = {"transformer": "int8", "text_encoder": "int8"}
+
+
+def check_pipeline_modes(per_rank: list[list[dict]], runs: list[dict]) -> None:
+    for results in per_rank:
+        assert len(results) == len(runs)
+        for result in results:
+            where = (result["rank"], result["family"], result["mode"], result["stages"])
+            assert result["image"] <= PIXEL_TOLERANCE, (where, result["image"])
+            assert all(count > 5 for count in result["checked"].values()), (where, result["checked"])
+            assert result["stage_names"] == ["text_encoders", "transformer", "vae"], where
+            for name, scheme in result["schemes"].items():  # pipeline.quantization_report(): what this rank held
+                reported = result["reported"][name]
+                assert reported["scheme"] == scheme and reported["quantized_linears"] == result["checked"][name], where
+                assert reported["quantized_bytes"] == result["held_bytes"][name] > 0, (where, name, reported)
+                assert reported["full_precision_bytes"] > 0, (where, name, reported)
+            replica = paradiff.ParallelConfig.from_mode(result["mode"])
+            ranks_per_replica = replica.world_size // replica.data_degree
+            assert result["split_vae"] == (ranks_per_replica > 1), where  # the split VAE beside the quantized models
+            if replica.tp_degree > 1:  # the shards really are split (the text encoder over the TP ranks too)
+                assert all(count > 0 for count in result["split"].values()), (where, result["split"])
+            elif "ulysses" in result["mode"] and "text_encoder" in result["split"]:  # split over the CP ranks
+                assert result["split"]["text_encoder"] > 0, (where, result["split"])
+
+
+PIPELINE_RUNS = {
+    2: [dict(family="flux2", mode="tp2", stages=True, schemes=BOTH),
+        dict(family="wan", mode="cfg2", stages=False, schemes={"transformer": "fp8", "text_encoder": "fp8"}),
+        dict(family="qwenimage", mode="ulysses2", stages=False, schemes=BOTH),
+        dict(family="lumina2", mode="dp2", stages=False, schemes=BOTH),
+        dict(family="flux2", mode="ulysses2", stages=True, schemes={"transformer": "nf4"})],
+    4: [dict(family="lumina2", mode="tp2xulysses2", stages=True, schemes=BOTH)],
+}
+
+
+@pytest.fixture(scope="module")
+def pipeline_references(tiny_pipeline_folders) -> dict[str, dict]:
+    """The single-process quantized pipelines every mode is compared with, computed once here for all ranks."""
+    references = {}
+    for run in (run for runs in PIPELINE_RUNS.values() for run in runs):
+        key = cases.pipeline_reference_key(run["family"], run["schemes"])
+        if key not in references:
+            references[key] = cases.quantized_pipeline_reference(
+                run["family"], str(tiny_pipeline_folders[run["family"]]), run["schemes"])
+    return references
+
+
+def run_pipeline_modes(pools, tiny_pipeline_folders, references, world_size: int) -> None:
+    runs = PIPELINE_RUNS[world_size]
+    folders = {run["family"]: str(tiny_pipeline_folders[run["family"]]) for run in runs}
+    needed = {key: references[key] for key in (cases.pipeline_reference_key(r["family"], r["schemes"]) for r in runs)}
+    check_pipeline_modes(pools.get(world_size).run(cases.pipeline_modes, folders=folders, runs=runs,
+                                                   references=needed, timeout_s=900), runs)
+
+
+def test_quantized_pipelines_in_every_mode_on_two_ranks(pools, tiny_pipeline_folders, pipeline_references):
+    """FLUX.2 (Mistral-3) at tp2 staged (re-read and re-quantized at each stage), Wan (UMT5) at cfg2 in fp8, Qwen-Image
+    (Qwen2.5-VL) at ulysses2 (the encoder split over the CP ranks), Lumina 2 at dp2, FLUX.2 at ulysses2 staged in
+    NF4 (bitsandbytes' whole layers re-quantized in place, under CP's gather hook): transformer and text encoder
+    quantized on read; shards and images equal the single-process quantized pipeline's."""
+    run_pipeline_modes(pools, tiny_pipeline_folders, pipeline_references, 2)
+
+
+def test_quantized_pipeline_at_tp2_x_ulysses2(pools, tiny_pipeline_folders, pipeline_references):
+    """Lumina 2 (grouped-query attention, Gemma 2) at tp2 x ulysses2 on 4 ranks, staged."""
+    run_pipeline_modes(pools, tiny_pipeline_folders, pipeline_references, 4)
+
+
+def test_tp3_shards_with_uneven_heads(pools, quant_checkpoints):
+    """Flux2 at tp3: its 4 heads of 64 split 2 / 1 / 1 and its 128-wide inputs 43 / 43 / 42, so int8 and fp8 rowwise
+    slices take whole-row scales from unequal column ranges; shards and outputs as at tp2. (NF4 is refused there:
+    43 columns cut a block; FLUX.2-dev's widths split on blocks at tp3.)"""
+    runs = [dict(family="flux2", folder=quant_checkpoints["flux2"], scheme=scheme, mode="tp3")
+            for scheme in ("int8", "fp8")]
+    per_rank = pools.get(3).run(cases.quantized_equivalence, cases=runs, timeout_s=600)
+    widths = set()
+    for results in per_rank:
+        for result in results:
+            assert result["quantized"] > 10 and result["column_split"] > 0, result
+            assert result["relative_diff"] <= RELATIVE_TOLERANCE, result
+            widths.add((result["scheme"], result["local_quantized_bytes"]))
+    assert len(widths) > 2, widths  # the ranks' shares differ: the split is uneven
+
+
+@pytest.fixture(scope="module")
+def flux2_lora(quant_checkpoints, tmp_path_factory) -> str:
+    from paradiff.testing.lora import random_lora, save_lora
+
+    model = model_class("flux2").from_pretrained(quant_checkpoints["flux2"])
+    path = tmp_path_factory.mktemp("quant-lora") / "lora.safetensors"
+    return str(save_lora(path, random_lora(model, TARGETS["flux2"], rank=4, seed=5), rank=4, alpha=8.0))
+
+
+def test_lora_unfused_on_quantized_shards(pools, quant_checkpoints, flux2_lora):
+    """QLoRA style on Flux2 at tp2, int8 and NF4: colwise, rowwise and whole quantized bases carry the adapter
+    unfused; outputs equal the single-process quantized model with the same adapter (and without it once disabled);
+    fuse_lora is refused by name on every rank and leaves the model as it was."""
+    per_rank = pools.get(2).run(cases.quantized_lora, folder=quant_checkpoints["flux2"], lora=flux2_lora,
+                                schemes=["int8", "nf4"], modes=["tp2"], timeout_s=600)
+    for results in per_rank:
+        assert len(results) == 2
+        for result in results:
+            where = (result["rank"], result["scheme"], result["mode"])
+            assert result["changed"] > 0.05, where  # the adapter matters
+            assert all(diff <= RELATIVE_TOLERANCE for diff in result["diffs"].values()), (where, result["diffs"])
+            assert result["quantized_bases"] == len(TARGETS["flux2"]), (where, result)
+            if result["mode"] == "tp2":
+                assert result["colwise"] >= 3 and result["rowwise"] >= 3, (where, result)
+            assert result["refusal"].startswith("fuse_lora:") and "quantized" in result["refusal"], where
+
+
+def test_compiled_quantized_shards(pools, quant_checkpoints):
+    """paradiff.compile (aot_eager, fullgraph blocks) of a tp2 Flux2 quantized int8 (torchao's tensor subclass) and
+    NF4 (bitsandbytes' 4-bit product): no graph break inside a block, outputs equal the eager quantized model."""
+    per_rank = pools.get(2).run(cases.compiled_quantized, folder=quant_checkpoints["flux2"], schemes=["int8", "nf4"],
+                                mode="tp2", timeout_s=600)
+    for results in per_rank:
+        assert [r["scheme"] for r in results] == ["int8", "nf4"]
+        for result in results:
+            assert result["compiled_blocks"] == 2, result
+            assert result["diff"] <= RELATIVE_TOLERANCE, result

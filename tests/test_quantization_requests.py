@@ -66,22 +66,69 @@ def test_granular_torchao_request_equals_the_model_level_load(tiny_pipeline_fold
     assert held and all(torch.equal(w.qdata, alone.get_submodule(n).weight.qdata) for n, w in held.items())
 
 
-@pytest.mark.parametrize("kwargs, fragments", [
-    (dict(quant_backend="bitsandbytes_4bit", quant_kwargs={"load_in_4bit": True},
-          components_to_quantize=["transformer"]),
-     ["'transformer' (Flux2Transformer2DModel)", "bnb_4bit_quant_type='fp4'", "'nf4'"]),
-    (dict(quant_backend="bitsandbytes_4bit", quant_kwargs=NF4, components_to_quantize=["transformer"]),
-     ["'transformer' (Flux2Transformer2DModel)", "stages=True", "full precision"]),
-    (dict(quant_backend="bitsandbytes_4bit", quant_kwargs=NF4),  # no list: every component, the text encoder too
-     ["'text_encoder' (Mistral3ForConditionalGeneration)", "only the transformer", "full precision"]),
-], ids=["fp4", "stages", "text-encoder"])
-def test_request_paradiff_cannot_honour_is_refused_by_name(tiny_pipeline_folders, no_weight_read, kwargs,
-                                                            fragments):
-    stages = "stages=True" in fragments
+def test_request_paradiff_cannot_honour_is_refused_by_name(tiny_pipeline_folders, no_weight_read):
+    config = PipelineQuantizationConfig(quant_backend="bitsandbytes_4bit", quant_kwargs={"load_in_4bit": True},
+                                        components_to_quantize=["transformer"])
     with pytest.raises(ParallelConfigError) as caught:
-        paradiff.load_pipeline(tiny_pipeline_folders["flux2"], quantization_config=PipelineQuantizationConfig(**kwargs),
-                               stages=stages)
+        paradiff.load_pipeline(tiny_pipeline_folders["flux2"], quantization_config=config)
+    fragments = ["'transformer' (Flux2Transformer2DModel)", "bnb_4bit_quant_type='fp4'", "'nf4'"]
     assert all(fragment in str(caught.value) for fragment in fragments), str(caught.value)
+
+
+def _transformers_int8(**kwargs):
+    import transformers
+    from torchao.quantization import Int8WeightOnlyConfig
+
+    return transformers.TorchAoConfig(Int8WeightOnlyConfig(), **kwargs)
+
+
+@pytest.mark.parametrize("make_encoder_config, fragments", [
+    (lambda: __import__("transformers").BitsAndBytesConfig(load_in_8bit=True),
+     ["'text_encoder' (Mistral3ForConditionalGeneration)", "load_in_8bit=True", "not supported"]),
+    (lambda: _transformers_int8(include_input_output_embeddings=True),
+     ["'text_encoder' (Mistral3ForConditionalGeneration)", "include_input_output_embeddings=True"]),
+    (lambda: SimpleNamespace(), ["'text_encoder' (Mistral3ForConditionalGeneration)", "SimpleNamespace",
+                                 "not supported"]),
+], ids=["bnb-8bit", "torchao-embeddings", "unknown"])
+def test_mapping_with_one_unsupported_scheme_is_refused_by_component(tiny_pipeline_folders, no_weight_read,
+                                                                      make_encoder_config, fragments):
+    """A mapping that combines a supported scheme (the transformer) with one paradiff cannot slice (the text
+    encoder): one error naming the component, before any weight is read."""
+    from diffusers import TorchAoConfig
+    from torchao.quantization import Int8WeightOnlyConfig
+
+    config = object.__new__(PipelineQuantizationConfig)  # without diffusers' check of the mapping's classes
+    config.quant_backend, config.components_to_quantize, config.config_mapping = None, None, {}
+    config.quant_mapping = {"transformer": TorchAoConfig(Int8WeightOnlyConfig()), "text_encoder": make_encoder_config()}
+    config.is_granular = True
+    with pytest.raises(ParallelConfigError) as caught:
+        paradiff.load_pipeline(tiny_pipeline_folders["flux2"], quantization_config=config)
+    assert all(fragment in str(caught.value) for fragment in fragments), str(caught.value)
+
+
+def test_text_encoder_is_quantized_on_read_by_transformers_rule(tiny_pipeline_folders):
+    """A text encoder paradiff reads is quantized as transformers' own quantized load holds it (its rule: the LM
+    head stays in full precision), the transformer as diffusers' would, in one request."""
+    from diffusers import TorchAoConfig
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import Mistral3ForConditionalGeneration
+
+    folder = tiny_pipeline_folders["flux2"]
+    config = PipelineQuantizationConfig(quant_mapping={"transformer": TorchAoConfig(Int8WeightOnlyConfig()),
+                                                       "text_encoder": _transformers_int8()})
+    pipe = paradiff.load_pipeline(folder, quantization_config=config)
+    reference = Mistral3ForConditionalGeneration.from_pretrained(
+        f"{folder}/text_encoder", quantization_config=_transformers_int8(), dtype=torch.float32)
+    expected = {n: m.weight for n, m in reference.named_modules() if isinstance(m, torch.nn.Linear)}
+    held = {n: m.weight for n, m in pipe.text_encoder.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert held.keys() == expected.keys()
+    quantized = [n for n, w in expected.items() if hasattr(w, "qdata")]
+    assert len(quantized) == len(expected) - 1 and not hasattr(held["lm_head"], "qdata")
+    for name in quantized:
+        assert torch.equal(held[name].qdata, expected[name].qdata) and torch.equal(held[name].scale,
+                                                                                 expected[name].scale), name
+    assert _quantized_linears(pipe.transformer) == sum(isinstance(m, torch.nn.Linear)
+                                                       for m in pipe.transformer.modules())
 
 
 def test_granular_request_names_its_config_class(tiny_pipeline_folders, no_weight_read):

@@ -16,6 +16,10 @@ class PlanError(ParadiffError, ValueError):
     """A parallel plan that does not match the model (unknown style, bad glob, indivisible sizes...)."""
 
 
+class BlockSplitError(PlanError):
+    """A blockwise quantized format (NF4 blocks of 64) whose blocks a rank's slice of a layer would cut."""
+
+
 class CheckpointError(ParadiffError, ValueError):
     """A checkpoint that is missing, not safetensors, truncated, or disagrees with the model."""
 

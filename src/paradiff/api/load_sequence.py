@@ -36,6 +36,14 @@ class Component:
     quantization: Any = None  # quant.schemes.QuantScheme: quantize the weights this rank holds, after the swap
     read_s: float = field(default=0.0, init=False)
     quantized: dict[str, int] = field(default_factory=dict, init=False)  # quant.apply.quantize_model's counts
+    group: Any = field(default=None, init=False)  # the process group holding its TP shards (None: not split)
+
+    def quantize(self) -> None:
+        """Quantize the weights this rank read (its slices and the whole others). Every rank of `group` calls it
+        after the ranks agreed that all read their weights: rowwise shards take one all-reduce of row extrema.
+        Run after the load's read, and again after every staged re-read."""
+        if self.quantization is not None:
+            self.quantized = quantize_model(self.model, self.quantization, self.group)
 
 
 @dataclass
@@ -89,12 +97,12 @@ def run_load_sequence(stage: str, prepare: Callable[[], Prepared], *, distribute
     from paradiff.api.parallelize import attach
 
     for component in components.values():
-        group = None
         if component.resolved is not None:
             group = mesh.tp_group if component.tp_dims == ("tp",) else mesh.flat_group(component.tp_dims)
+            component.group = group
             swap_in_sharded_linears(component.model, component.resolved, group, weights_are_local=read == "all")
-        if component.quantization is not None and read == "all":
-            component.quantized = quantize_model(component.model, component.quantization, group)
+        if read == "all":  # staged: quantized after each stage's read (api/pipeline_wiring.py)
+            component.quantize()
         if eval_mode:
             component.model.eval()
         if mesh is not None and component.attach:

@@ -62,6 +62,33 @@ def install_lora_support(model: nn.Module) -> None:
     load_lora_adapter.__doc__ = original_load.__doc__
     object.__setattr__(model, "load_lora_adapter", load_lora_adapter)
     object.__setattr__(model, "unload_lora", unload_lora)
+    if hasattr(cls, "fuse_lora"):
+        original_fuse = cls.fuse_lora
+
+        def fuse_lora(*args: Any, **kwargs: Any):
+            check_fusable(model)
+            return original_fuse(model, *args, **kwargs)
+
+        fuse_lora.__doc__ = original_fuse.__doc__
+        object.__setattr__(model, "fuse_lora", fuse_lora)
+
+
+def check_fusable(model: nn.Module) -> None:
+    """Refuse, before any layer is merged, to fuse adapters into quantized weights: the sum would have to be
+    quantized again (with new scales, different from a single device's if done per slice), and the exact unfuse
+    keeps the original shards only for plain weights. Unfused, the adapters run on the quantized shards as they are."""
+    from paradiff.quant.apply import is_quantized_weight
+
+    quantized = [name for name, module in model.named_modules() if name.endswith(".base_layer")
+                 and is_quantized_weight(getattr(module, "weight", None))]
+    if quantized:
+        layer = quantized[0].removesuffix(".base_layer")
+        raise AdapterError(
+            f"fuse_lora: {len(quantized)} adapted layer(s) hold quantized weights (e.g. {layer!r}, "
+            f"{type(model.get_submodule(quantized[0]).weight).__name__}); paradiff does not fuse adapters into "
+            "quantized shards (they would be re-quantized, not fused exactly). Keep the adapters unfused (they run "
+            "on the quantized base as loaded), or load the model without quantization_config to fuse."
+        )
 
 
 def adopt_layers(model: nn.Module) -> None:

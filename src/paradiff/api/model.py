@@ -22,7 +22,8 @@ from paradiff.config import as_parallel_config
 from paradiff.errors import CheckpointError, ParallelConfigError
 from paradiff.io.folders import resolve_folder
 from paradiff.distributed.mesh import build_mesh, default_device, rank_coordinates, require_distributed
-from paradiff.io.model_classes import checkpoint_keys, construct, keep_fp32_modules, load_config
+from paradiff.io.model_classes import (checkpoint_keys, construct, is_transformers_class, keep_fp32_modules,
+                                       load_config)
 from paradiff.plans import model_config, plan_for
 from paradiff.quant.schemes import check_block_boundaries, gguf_scheme, scheme_from_config
 from paradiff.runtime.progress import byte_progress
@@ -358,7 +359,7 @@ def prepare_model(
             model = construct(model_cls, config, dtype)
         keys = checkpoint_keys(model, set(checkpoint.tensors))
         shapes = {name: tuple(checkpoint.tensors[key].shape) for name, key in keys.items()}
-        scheme = None if quantization is None else quantization.for_model(model)
+        scheme = None if quantization is None else quantization.for_model(model, is_transformers_class(model_cls))
         resolved = None
         if tp_shard is not None:
             rank, size = tp_shard

@@ -92,6 +92,12 @@ class ParallelPipelineMixin:
     def reset_stage_report(self) -> None:
         self._paradiff_pipeline.stages.reset()
 
+    def quantization_report(self) -> dict[str, dict]:
+        """Per component this rank ran (transformer, text encoders, VAE ...), as held while its stage ran in the
+        last call: `scheme` (the quantization paradiff applied on read, or None), `quantized_linears`,
+        `quantized_bytes` (data and scales) and `full_precision_bytes` (every other parameter)."""
+        return self._paradiff_pipeline.stages.quantization()
+
     @property
     def is_output_rank(self) -> bool:
         """True on the one rank of each data-parallel replica that should save its outputs."""
@@ -208,7 +214,7 @@ def load_pipeline(
         _check_parallel_vae(parallel, index, folder)
     own = _components_paradiff_loads(folder, index, parallel, stages, shard_text_encoders, text_encoder_plans or {})
     schemes, diffusers_quantizes = pipeline_quantization(
-        kwargs.get("quantization_config"), {item.name: (item.model_cls, item.kind) for item in own}, stages)
+        kwargs.get("quantization_config"), {item.name: (item.model_cls, item.kind) for item in own})
     if not diffusers_quantizes:
         kwargs.pop("quantization_config", None)  # every component it names is paradiff's, quantized on read
     loaded = _load_components(own, folder, parallel, dtype, device, stages, plan, cp_plan, schemes)

@@ -11,7 +11,7 @@ from typing import Any
 from torch import nn
 
 from paradiff.distributed.mesh import rank_coordinates
-from paradiff.errors import ParallelConfigError, PlanError
+from paradiff.errors import BlockSplitError, ParallelConfigError, PlanError
 from paradiff.runtime.progress import is_main_rank
 
 logger = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ class _Loaded:
     model: nn.Module
     source: Any  # loading.WeightSource
     load_s: float
+    component: Any = None  # its api.load_sequence.Component (quantization scheme, TP group)
 
 
 
@@ -187,9 +188,11 @@ def _load_components(own: list[_Own], folder: Path, parallel, dtype, device, sta
             item_plan = item_plan if item_plan is not None else _text_encoder_plan(item, folder)
             try:
                 one = prepare_model(item.model_cls, folder / item.name, dtype=dtype, device=device,
-                                    tp_shard=tp_shard, plan=item_plan)
+                                    tp_shard=tp_shard, plan=item_plan, quantization=schemes.get(item.name))
             except PlanError as exc:
-                if not builtin:  # the caller's own plan: their error to see
+                # the caller's own plan: their error to see; a quantized slice that would cut a block: refused as
+                # for the transformer (keeping the encoder whole instead would drop the split they asked for)
+                if not builtin or isinstance(exc, BlockSplitError):
                     raise
                 # The built-in plan cannot split this encoder that many ways (e.g. 2 heads over 4 ranks): the
                 # config decides it, so every rank falls back alike, before any read or collective.
@@ -208,7 +211,7 @@ def _load_components(own: list[_Own], folder: Path, parallel, dtype, device, sta
 
     prepared, _mesh = run_load_sequence("paradiff.load_pipeline", prepare, distributed=parallel is not None,
                                         read="buffers" if stages else "all")
-    return {name: _Loaded(c.model, c.source, c.read_s) for name, c in prepared.components.items()}
+    return {name: _Loaded(c.model, c.source, c.read_s, c) for name, c in prepared.components.items()}
 
 
 

@@ -29,10 +29,15 @@ def _stage_runner(pipeline, loaded: dict[str, _Loaded], device: torch.device, st
         stage = stage_of(name)
         if not isinstance(module, nn.Module) or stage is None:
             continue
-        load = free = None
+        load = free = settle = None
+        component = loaded[name].component if name in loaded else None
+        scheme = component.quantization if component is not None else None
         if staged and name in loaded:
             load, free = _reader(module, loaded[name].source), (lambda m=module: free_parameters(m, device))
-        components.append(StagedComponent(name, module, stage, load, free))
+            if scheme is not None:
+                settle = component.quantize  # each stage's read is quantized again, as at a resident load
+        components.append(StagedComponent(name, module, stage, load, free, settle,
+                                          scheme=None if scheme is None else scheme.name))
     modules = [m for m in pipeline.components.values() if isinstance(m, nn.Module)]
     state = get_state(pipeline.transformer)
     replica = None

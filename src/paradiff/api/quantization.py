@@ -1,10 +1,11 @@
 """A pipeline's quantization request, held against the components paradiff reads itself.
 
 diffusers applies a `PipelineQuantizationConfig` while it loads each component; the components paradiff loads
-(the transformer, the text encoders it splits or reads, every component under `stages=True`) never pass through
-that path. paradiff quantizes the transformer on read (`paradiff.quant`); a request it would otherwise drop (a text
-encoder it loads, any component under `stages=True`, a scheme it cannot slice) is refused by name, before any
-weight is read.
+(the transformers, ControlNets, the text encoders it splits or reads, every component under `stages=True`) never
+pass through that path. paradiff quantizes each of them on read (`paradiff.quant`), with the config diffusers would
+have resolved for it (diffusers' config class for a diffusers model, transformers' for a text encoder) and that
+library's rule for which linears; a request it cannot honour exactly (a scheme it cannot slice) is refused by name,
+before any weight is read.
 """
 
 from __future__ import annotations
@@ -27,16 +28,19 @@ def requested_components(config: Any, names: Iterable[str]) -> list[str]:
     return [name for name in names if not listed or name in listed]
 
 
-def pipeline_quantization(config: Any, paradiff_loads: dict[str, tuple[type, str]], stages: bool
+def pipeline_quantization(config: Any, paradiff_loads: dict[str, tuple[type, str]]
                           ) -> tuple[dict[str, QuantScheme], bool]:
     """What a pipeline's quantization request asks of the components paradiff loads itself.
 
-    `paradiff_loads`: component name -> (class, kind: "transformer", "text_encoder" or "whole"). Returns the scheme
-    of each component paradiff quantizes on read, and whether diffusers must still see the config (it names a
-    component diffusers loads). Anything paradiff would otherwise ignore is refused by name, before any read."""
+    `paradiff_loads`: component name -> (class, kind: "transformer", "controlnet", "text_encoder" or "whole").
+    Returns the scheme of each component paradiff quantizes on read, and whether diffusers must still see the config
+    (it names a component diffusers loads). A component asked for with a scheme paradiff cannot slice is refused by
+    name, before any read."""
     if config is None:
         return {}, False
     from diffusers import PipelineQuantizationConfig
+
+    from paradiff.io.model_classes import is_transformers_class
 
     if not isinstance(config, PipelineQuantizationConfig):
         raise ParallelConfigError(
@@ -44,35 +48,18 @@ def pipeline_quantization(config: Any, paradiff_loads: dict[str, tuple[type, str
             "diffusers.PipelineQuantizationConfig (quant_backend=..., quant_kwargs=..., components_to_quantize=[...]); "
             "a model-level config such as this one goes to paradiff.from_pretrained or diffusers' own loaders."
         )
-    asked = requested_components(config, sorted(paradiff_loads))
-    unsupported = [name for name in asked if paradiff_loads[name][1] != "transformer"]
-    if unsupported or (asked and stages):
-        names = unsupported or asked
-        loaded = ", ".join(f"{name!r} ({paradiff_loads[name][0].__name__})" for name in names)
-        why = ("with stages=True paradiff reads each component again at its stage and does not quantize those "
-               "reads yet" if not unsupported else
-               "paradiff quantizes on read only the transformer for now; the text encoders it splits or reads "
-               "itself would stay")
-        raise ParallelConfigError(
-            f"quantization_config asks to quantize {loaded} ({_scheme_name(config, names)}), but {why} in full "
-            "precision, so the request would be ignored. Leave "
-            f"{'it' if len(names) == 1 else 'them'} out of components_to_quantize / quant_mapping (the components "
-            "diffusers loads are quantized as asked), load without stages, or use plain diffusers."
-        )
     schemes = {}
-    for name in asked:
-        model_config = config._resolve_quant_config(is_diffusers=True, module_name=name)
+    for name in requested_components(config, sorted(paradiff_loads)):
+        model_cls = paradiff_loads[name][0]
+        # the config class diffusers would hand to the component's own loader: transformers' for a text encoder
+        model_config = config._resolve_quant_config(is_diffusers=not is_transformers_class(model_cls),
+                                                    module_name=name)
         try:
             schemes[name] = scheme_from_config(model_config)
         except ParallelConfigError as exc:
-            raise ParallelConfigError(f"quantization_config for {name!r} ({paradiff_loads[name][0].__name__}): {exc}") \
-                from None
+            raise ParallelConfigError(f"quantization_config for {name!r} ({model_cls.__name__}): {exc}") from None
     others = [name for name in _all_components(config) if name not in paradiff_loads]
     return schemes, bool(others) or (not config.quant_mapping and not config.components_to_quantize)
-
-
-def _scheme_name(config: Any, names: list[str]) -> str:
-    return config.quant_backend or ", ".join(f"{name}: {type(config.quant_mapping[name]).__name__}" for name in names)
 
 
 def _all_components(config: Any) -> list[str]:

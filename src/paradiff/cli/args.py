@@ -60,6 +60,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     gen.add_argument("--quantize", choices=("int8", "fp8", "nf4"), default=None,
                      help="quantize the transformer's weights on read, each rank its own shards: int8 / fp8 weight-only "
                           "(torchao, per-row scales) or nf4 (bitsandbytes); docs/quantization.md")
+    gen.add_argument("--quantize-text-encoders", action="store_true",
+                     help="with --quantize: quantize the text encoders paradiff loads too (transformers' rule: the LM "
+                          "head stays in --dtype), split like the rest")
     gen.add_argument("--whole-text-encoders", action="store_true",
                      help="keep the text encoders whole on every rank instead of splitting them over the mesh")
     gen.add_argument("--compile", action="store_true",
@@ -280,9 +283,12 @@ def check_args(args: argparse.Namespace) -> None:
         raise CliError(f"--height {args.height} and --width {args.width} must be multiples of 16 (VAE x patch size)")
     if args.cfg > 2:
         raise CliError(f"--cfg must be 1 or 2, got {args.cfg}")
-    if getattr(args, "quantize", None) and (args.stages or args.compare):
-        flag = "--stages" if args.stages else "--compare"
-        raise CliError(f"--quantize {args.quantize} with {flag}: {'staged re-reads are not quantized yet' if args.stages else '--compare runs the unquantized single-process pipeline'}; drop one of the two")
+    if getattr(args, "quantize", None) and args.compare:
+        raise CliError(f"--quantize {args.quantize} with --compare: --compare runs the unquantized single-process "
+                       "pipeline; drop one of the two")
+    if getattr(args, "quantize_text_encoders", False) and not getattr(args, "quantize", None):
+        raise CliError("--quantize-text-encoders quantizes the text encoders with the --quantize scheme: give "
+                       "--quantize int8|fp8|nf4 too")
     import torch
 
     world = world_size_of(args)

@@ -31,7 +31,8 @@ def write_report(args: argparse.Namespace, out: Path, model: str, prompts: list[
         "model": model,
         "config": {"tp": args.tp, "ulysses": args.ulysses, "ring": args.ring, "cfg": args.cfg, "dp": args.dp,
                    "stages": args.stages, "whole_text_encoders": args.whole_text_encoders,
-                   "quantize": getattr(args, "quantize", None), **run},
+                   "quantize": getattr(args, "quantize", None),
+                   "quantize_text_encoders": bool(getattr(args, "quantize_text_encoders", False)), **run},
         "resolution": [args.height, args.width],
         "frames": args.frames,
         "steps": args.steps,
@@ -99,12 +100,19 @@ def write_report(args: argparse.Namespace, out: Path, model: str, prompts: list[
 
 
 def stage_table(gathered: list[dict], device: str) -> str:
-    """Per rank and stage: load and run time, peak memory, parameter bytes held (report.json's `stages`)."""
+    """Per rank and stage: load and run time, peak memory, parameter bytes held (report.json's `stages`), and what
+    the stage's components held while it ran: quantized bytes, full-precision bytes, each component's scheme."""
     peak = "CUDA max allocated" if device == "cuda" else "peak RssAnon"
-    lines = [f"paradiff: per-stage figures (peak: {peak})",
-             f"{'rank':>4}  {'stage':<14}{'load s':>8}{'run s':>8}{'peak MiB':>10}{'params MiB':>12}"]
+    lines = [f"paradiff: per-stage figures (peak: {peak}; quant / full: the stage's own components, quantized and "
+             "full-precision bytes)",
+             f"{'rank':>4}  {'stage':<14}{'load s':>8}{'run s':>8}{'peak MiB':>10}{'params MiB':>12}"
+             f"{'quant MiB':>11}{'full MiB':>10}  schemes"]
     for stats in gathered:
         for stage in stats.get("stages", []):
+            components = stage.get("components", {})
+            schemes = " ".join(f"{name}={entry['scheme'] or '-'}" for name, entry in sorted(components.items()))
             lines.append(f"{stats['rank']:>4}  {stage['stage']:<14}{stage['load_s']:>8.2f}{stage['run_s']:>8.2f}"
-                         f"{stage['peak_bytes'] / 2**20:>10.1f}{stage['parameter_bytes'] / 2**20:>12.2f}")
+                         f"{stage['peak_bytes'] / 2**20:>10.1f}{stage['parameter_bytes'] / 2**20:>12.2f}"
+                         f"{stage.get('quantized_bytes', 0) / 2**20:>11.2f}"
+                         f"{stage.get('full_precision_bytes', 0) / 2**20:>10.2f}  {schemes}")
     return "\n".join(lines)

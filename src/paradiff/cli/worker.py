@@ -22,7 +22,6 @@ import paradiff
 
 from paradiff.distributed.comm import all_gather_object
 from paradiff.distributed.mesh import default_device
-from paradiff.quant.apply import quantization_summary
 from paradiff.quant.schemes import pipeline_quantization_config
 from paradiff.vae import get_vae_runtime
 from paradiff.cli.args import cache_config, lora_specs, read_prompts
@@ -181,8 +180,9 @@ def generate(args: argparse.Namespace, device: torch.device,
         "outputs": outputs,
         "stages": pipeline.stage_report(),
         "cache_computed_steps": computed_steps,
-        "quantization": {name: {"scheme": quantize, **quantization_summary(module)}
-                         for name, module in transformers.items()} if quantize else None,
+        # per component (transformers, text encoders, VAE), as held while its stage ran: scheme, quantized and
+        # full-precision bytes
+        "quantization": pipeline.quantization_report(),
     }
     gathered = all_gather_object(stats)
     if rank == 0:
@@ -227,7 +227,8 @@ def load_from_args(args: argparse.Namespace, device: torch.device) -> Loaded:
     dtype = getattr(torch, args.dtype)
     start = time.perf_counter()
     quantize = getattr(args, "quantize", None)
-    extra = {} if not quantize else {"quantization_config": pipeline_quantization_config(quantize, dtype)}
+    extra = {} if not quantize else {"quantization_config": pipeline_quantization_config(
+        quantize, dtype, quantized_components(args))}
     pipeline = paradiff.load_pipeline(model_of(args), pipeline_cls=requested_pipeline_class(args),
                                       parallel_config=parallel_config(args), torch_dtype=dtype, device=device,
                                       **extra, plan=_plan_argument(args.plan, "tensor"),
@@ -245,6 +246,19 @@ def load_from_args(args: argparse.Namespace, device: torch.device) -> Loaded:
     monitors = ({name: paradiff.enable_cache(module, cache_config(args.cache, module))
                  for name, module in transformers.items()} if args.cache else {})
     return Loaded(pipeline, loras, transformers, monitors, load_s)
+
+
+def quantized_components(args: argparse.Namespace) -> tuple[str, ...]:
+    """--quantize: every transformer of the pipeline (Wan 2.2 A14B has two); --quantize-text-encoders: its text
+    encoders too."""
+    import json
+
+    from paradiff.io.folders import resolve_folder
+
+    index = json.loads((resolve_folder(model_of(args), pipeline=True) / "model_index.json").read_text())
+    prefixes = ("transformer", "text_encoder") if getattr(args, "quantize_text_encoders", False) else ("transformer",)
+    return tuple(sorted(name for name, entry in index.items()
+                        if name.startswith(prefixes) and isinstance(entry, list) and None not in entry))
 
 
 def load_adapters(pipeline: Any, loras: list[dict], weight_name: str | None) -> None:

@@ -107,6 +107,10 @@ def _to_nf4(model: nn.Module, name: str, module: nn.Module, weight: torch.Tensor
     if isinstance(module, ShardedLinear):
         module.weight = param
         module.weight_linear = partial(nf4_linear, compute_dtype=scheme.compute_dtype)
+    elif isinstance(module, bnb.nn.Linear4bit):  # read again at its stage: quantized in place
+        module.weight = param
+        param.module = module
+        module.quant_state = state
     else:
         linear = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
                                    compute_dtype=scheme.compute_dtype, compress_statistics=False, quant_type="nf4",
@@ -119,9 +123,7 @@ def _to_nf4(model: nn.Module, name: str, module: nn.Module, weight: torch.Tensor
         linear.quant_state = state
         if module.bias is not None:
             linear.bias = nn.Parameter(module.bias.detach(), requires_grad=False)
-        linear.train(module.training)
-        parent_name, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, leaf, linear)
+        _replace(model, name, module, linear)
     return packed.numel() * packed.element_size() + state.absmax.numel() * state.absmax.element_size()
 
 
@@ -157,6 +159,9 @@ def hold_gguf_weights(model: nn.Module, scheme: QuantScheme) -> dict[str, int]:
             module.out_features, module.in_features = weight.quant_shape
             module.weight_linear = partial(gguf_linear, compute_dtype=scheme.compute_dtype)
             continue
+        if isinstance(module, GGUFLinear):  # read again at its stage
+            module.weight = weight
+            continue
         with torch.device("meta"):
             linear = GGUFLinear(weight.quant_shape[1], weight.quant_shape[0], module.bias is not None,
                                 compute_dtype=scheme.compute_dtype)
@@ -165,10 +170,24 @@ def hold_gguf_weights(model: nn.Module, scheme: QuantScheme) -> dict[str, int]:
         if module.bias is not None:
             linear.bias = nn.Parameter(module.bias.detach(), requires_grad=False)
         linear.requires_grad_(False)
-        linear.train(module.training)
-        parent_name, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, leaf, linear)
+        _replace(model, name, module, linear)
     return {"quantized": len(scheme.packed), "quantized_bytes": nbytes}
+
+
+# the forward hooks a module carries (context parallelism's token split / gather, a stage's hooks): they move whole
+# to the module that replaces it, so every RemovableHandle still finds its hook
+HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+              "_forward_hooks_always_called")
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module, linear: nn.Module) -> None:
+    """Put the quantized `linear` in the place of `module` (named `name` in `model`), with its mode and hooks: a
+    staged component is quantized after its hooks were placed."""
+    linear.train(module.training)
+    for attr in HOOK_DICTS:
+        setattr(linear, attr, getattr(module, attr))
+    parent_name, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, leaf, linear)
 
 
 def gguf_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None,
@@ -189,9 +208,16 @@ def quantized_nbytes(tensor: Any) -> int:
     return sum(t.numel() * t.element_size() for t in inner if t is not None)
 
 
+def is_quantized_weight(param: Any) -> bool:
+    """Whether a parameter holds quantized data: torchao's tensors, bitsandbytes' 4-bit weights, GGUF's packed ones."""
+    return param is not None and (getattr(param, "quant_state", None) is not None
+                                  or hasattr(param, "tensor_data_names")
+                                  or getattr(param, "quant_type", None) is not None)
+
+
 def quantization_summary(model: nn.Module) -> dict[str, int]:
     """What a rank holds of `model`: quantized linears, their bytes (data and scales), and the bytes of every other
-    parameter (the load dtype). Counted from the module tree, so it holds for any load path."""
+    parameter (full precision: the load dtype). Counted from the module tree, so it holds for any load path."""
     quantized, quantized_bytes, other_bytes = 0, 0, 0
     seen = set()
     for module in model.modules():
@@ -212,4 +238,4 @@ def quantization_summary(model: nn.Module) -> dict[str, int]:
                 quantized_bytes += param.numel() * param.element_size()
             else:
                 other_bytes += param.numel() * param.element_size()
-    return {"quantized_linears": quantized, "quantized_bytes": quantized_bytes, "other_bytes": other_bytes}
+    return {"quantized_linears": quantized, "quantized_bytes": quantized_bytes, "full_precision_bytes": other_bytes}

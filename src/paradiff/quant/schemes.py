@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paradiff.errors import ParallelConfigError, PlanError
+from paradiff.errors import BlockSplitError, ParallelConfigError
 
 SCHEMES = ("int8", "fp8", "nf4")
 SUPPORTED = (
@@ -27,43 +27,85 @@ class QuantScheme:
     """One weight quantization scheme as paradiff applies it, per linear weight, on each rank's slice."""
 
     name: str  # "int8", "fp8", "nf4" or "gguf" (pre-quantized GGUF weights, held as read)
-    skip: tuple[str, ...] = ()  # diffusers' modules_to_not_convert (+ the model's keep-in-fp32 modules)
+    skip: tuple[str, ...] = ()  # the config's modules_to_not_convert / llm_int8_skip_modules (+ keep-in-fp32 modules)
     float8_dtype: torch.dtype | None = None  # fp8 only
     compute_dtype: torch.dtype | None = None  # nf4 only: the dtype bitsandbytes computes in (None: the input's)
     block: int | None = None  # nf4: elements per absmax block along the flattened weight
     config: Any = field(default=None, compare=False, hash=False)  # the user's config, for messages
     # gguf: parameter name -> ggml type id of every weight held packed (set at prepare, from the file)
     packed: dict[str, int] = field(default_factory=dict, compare=False, hash=False)
+    # whether the config named its skip list itself (transformers adds its default skips only when it did not)
+    skip_given: bool = False
+    backend: str = ""  # "torchao" or "bitsandbytes" (each library's rule for which linears differs slightly)
+    # set by `for_model`: whose rule chose the linears ("diffusers" or "transformers": the library that would load
+    # the model) and the names of the linears it quantizes, chosen on the model as built, before any split
+    rule: str = ""
+    targets: frozenset[str] | None = field(default=None, compare=False, hash=False)
 
     def describe(self) -> str:
         """What every rank must agree on."""
         extra = f", {self.float8_dtype}" if self.float8_dtype is not None else ""
-        return f"{self.name}{extra}, skip={list(self.skip)}, compute={self.compute_dtype}"
+        chosen = "" if self.targets is None else f", {self.rule} rule: {len(self.targets)} linears"
+        return f"{self.name}{extra}, skip={list(self.skip)}, compute={self.compute_dtype}{chosen}"
 
-    def for_model(self, model: nn.Module) -> "QuantScheme":
-        """The scheme with the model's keep-in-fp32 modules added to `skip`, as diffusers' quantizers add them."""
+    def for_model(self, model: nn.Module, transformers_model: bool = False) -> "QuantScheme":
+        """The scheme for `model`: which of its linears are quantized, by the rule of the library that would load
+        it (`transformers_model`: a transformers class, such as a text encoder; otherwise diffusers), as that
+        library's quantizer decides."""
+        if transformers_model:
+            return self._transformers_rule(model)
         keep = list(getattr(model, "_keep_in_fp32_modules", None) or [])
-        return replace(self, skip=_skip_list(list(self.skip), keep))
+        skip = _skip_list(list(self.skip), keep)
+        # diffusers' rule: the weight of every nn.Linear, unless a skip key names the module (`key.` inside the
+        # parameter's name, or the name itself)
+        targets = frozenset(
+            name for name, module in model.named_modules() if isinstance(module, nn.Linear)
+            and not any(f"{key}." in f"{name}.weight" or key == f"{name}.weight" for key in skip))
+        return replace(self, skip=skip, rule="diffusers", targets=targets)
+
+    def _transformers_rule(self, model: nn.Module) -> "QuantScheme":
+        """transformers' rule, with its own functions: the skips are the config's list (or, without one, its
+        default: tied weights, the last parameter's module, the output embeddings such as `lm_head`) plus the
+        model's keep-in-fp32 modules, matched as transformers matches them; torchao quantizes every nn.Linear's
+        weight, bitsandbytes every module whose type is exactly nn.Linear."""
+        from transformers.quantizers.base import HfQuantizer
+        from transformers.quantizers.quantizers_utils import should_convert_module
+
+        keep = list(getattr(model, "_keep_in_fp32_modules", None) or [])
+        skip = HfQuantizer.get_modules_to_not_convert(model, list(self.skip) if self.skip_given else None, keep)
+        if self.backend == "bitsandbytes":
+            targets = frozenset(name for name, module in model.named_modules()
+                                if type(module) is nn.Linear and should_convert_module(name, skip))
+        else:
+            targets = frozenset(name for name, module in model.named_modules()
+                                if isinstance(module, nn.Linear) and should_convert_module(f"{name}.weight", skip))
+        return replace(self, skip=tuple(sorted(skip)), rule="transformers", targets=targets)
 
     def quantizes(self, module_name: str, module: nn.Module) -> bool:
-        """diffusers' rule: the weight of every nn.Linear, unless a skip key names the module (`key.` inside the
-        parameter's name, or the name itself)."""
-        if not isinstance(module, nn.Linear):
-            return False
-        param = f"{module_name}.weight" if module_name else "weight"
-        return not any(f"{key}." in param or key == param for key in self.skip)
+        """Whether the linear `module_name` is one the rule chose (`for_model`); a split linear keeps its name."""
+        if self.targets is None:
+            raise RuntimeError("QuantScheme.quantizes needs the scheme for a model (QuantScheme.for_model)")
+        return isinstance(module, nn.Linear) and module_name in self.targets
 
 
 def scheme_from_config(config: Any) -> QuantScheme:
-    """The scheme a diffusers quantization config asks for; anything paradiff does not slice exactly is refused,
-    naming the config and what is supported. Needs no model (`for_model` adds what the model keeps in fp32)."""
+    """The scheme a quantization config asks for: diffusers' own config classes, or transformers' (what a
+    PipelineQuantizationConfig resolves for a text encoder); anything paradiff does not slice exactly is refused,
+    naming the config and what is supported. Needs no model (`for_model` chooses the linears)."""
     from diffusers import BitsAndBytesConfig, GGUFQuantizationConfig, TorchAoConfig
 
-    keep: list[str] = []
-    if isinstance(config, TorchAoConfig):
-        return _torchao_scheme(config, keep)
-    if isinstance(config, BitsAndBytesConfig):
-        return _bnb_scheme(config, keep)
+    torchao_configs, bnb_configs = [TorchAoConfig], [BitsAndBytesConfig]
+    try:
+        import transformers
+    except ImportError:  # without transformers there are no text encoders to quantize either
+        transformers = None
+    if transformers is not None:
+        torchao_configs.append(transformers.TorchAoConfig)
+        bnb_configs.append(transformers.BitsAndBytesConfig)
+    if isinstance(config, tuple(torchao_configs)):
+        return _torchao_scheme(config)
+    if isinstance(config, tuple(bnb_configs)):
+        return _bnb_scheme(config)
     if isinstance(config, GGUFQuantizationConfig):
         raise ParallelConfigError(
             "quantization_config=GGUFQuantizationConfig(...) is not supported for a folder of safetensors weights: "
@@ -74,8 +116,8 @@ def scheme_from_config(config: Any) -> QuantScheme:
         )
     raise ParallelConfigError(
         f"quantization_config={type(config).__name__}(...) is not supported by paradiff loading; supported: "
-        f"{SUPPORTED}; GGUF single files with GGUFQuantizationConfig. Saved bitsandbytes / torchao weights are not "
-        "sliced yet."
+        f"{SUPPORTED} (diffusers' or transformers' config classes); GGUF single files with GGUFQuantizationConfig. "
+        "Saved bitsandbytes / torchao weights are not sliced yet."
     )
 
 
@@ -99,7 +141,7 @@ def _skip_list(value: Any, keep: list[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(key for key in [*listed, *keep] if key))
 
 
-def _torchao_scheme(config: Any, keep: list[str]) -> QuantScheme:
+def _torchao_scheme(config: Any) -> QuantScheme:
     from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, PerRow
 
     quant_type = config.quant_type
@@ -109,18 +151,26 @@ def _torchao_scheme(config: Any, keep: list[str]) -> QuantScheme:
             f"TorchAoConfig({type(quant_type).__name__}(granularity={granularity!r})): paradiff splits per-row "
             "(per-output-channel) scales only; use the default granularity=PerRow()."
         )
-    skip = _skip_list(config.modules_to_not_convert, keep)
+    if getattr(config, "include_input_output_embeddings", False):
+        raise ParallelConfigError(
+            "TorchAoConfig(include_input_output_embeddings=True) is not supported by paradiff loading (token tables "
+            "split by vocabulary are not quantized on read yet); leave it False: the embeddings stay in the load "
+            "dtype, the linears are quantized."
+        )
+    skip = _skip_list(config.modules_to_not_convert, [])
+    given = config.modules_to_not_convert is not None
     if isinstance(quant_type, Int8WeightOnlyConfig):
-        return QuantScheme("int8", skip=skip, config=config)
+        return QuantScheme("int8", skip=skip, config=config, skip_given=given, backend="torchao")
     if isinstance(quant_type, Float8WeightOnlyConfig):
-        return QuantScheme("fp8", skip=skip, float8_dtype=quant_type.weight_dtype, config=config)
+        return QuantScheme("fp8", skip=skip, float8_dtype=quant_type.weight_dtype, config=config, skip_given=given,
+                           backend="torchao")
     raise ParallelConfigError(
         f"TorchAoConfig({type(quant_type).__name__}(...)) is not supported by paradiff loading; supported: {SUPPORTED}. "
         "(torchao's dynamic-activation and int4 configs also need CUDA kernels.)"
     )
 
 
-def _bnb_scheme(config: Any, keep: list[str]) -> QuantScheme:
+def _bnb_scheme(config: Any) -> QuantScheme:
     if not config.load_in_4bit:
         raise ParallelConfigError(
             "BitsAndBytesConfig(load_in_8bit=True) is not supported by paradiff loading (LLM.int8 outlier columns "
@@ -143,8 +193,9 @@ def _bnb_scheme(config: Any, keep: list[str]) -> QuantScheme:
             "the default uint8."
         )
     compute = getattr(config, "bnb_4bit_compute_dtype", None)
-    return QuantScheme("nf4", skip=_skip_list(config.llm_int8_skip_modules, keep), compute_dtype=compute,
-                       block=NF4_BLOCK, config=config)
+    return QuantScheme("nf4", skip=_skip_list(config.llm_int8_skip_modules, []), compute_dtype=compute,
+                       block=NF4_BLOCK, config=config, skip_given=config.llm_int8_skip_modules is not None,
+                       backend="bitsandbytes")
 
 
 def check_block_boundaries(scheme: QuantScheme, model: nn.Module, resolved: Any) -> None:
@@ -174,7 +225,7 @@ def check_block_boundaries(scheme: QuantScheme, model: nn.Module, resolved: Any)
                    if cols % block or start % block or length % block]
         if cut:
             what = "rows" if spec.dim == 0 else "columns"
-            raise PlanError(
+            raise BlockSplitError(
                 f"{name}: nf4 quantizes blocks of {block} elements of the flattened weight {(rows, cols)}, but this "
                 f"rank's {what} {list(cut)} (start, length) would cut a block, so its shard could not equal the slice "
                 f"of the single-device quantized weight. Choose a tp_degree whose slices of {name} are multiples of "
@@ -197,9 +248,28 @@ def model_config_for(scheme: str, compute_dtype: torch.dtype | None = None) -> A
     raise ParallelConfigError(f"unknown quantization scheme {scheme!r}; use one of {list(SCHEMES)}.")
 
 
-def pipeline_quantization_config(scheme: str, compute_dtype: torch.dtype | None = None) -> Any:
-    """A PipelineQuantizationConfig quantizing the transformer with `scheme` (the components diffusers loads stay
-    as they are)."""
+def pipeline_quantization_config(scheme: str, compute_dtype: torch.dtype | None = None,
+                                 components: tuple[str, ...] = ("transformer",)) -> Any:
+    """A PipelineQuantizationConfig quantizing `components` with `scheme` (the others stay as they are): diffusers'
+    config for a diffusers model, transformers' for a text encoder (`text_encoder*`), as diffusers resolves them."""
     from diffusers import PipelineQuantizationConfig
 
-    return PipelineQuantizationConfig(quant_mapping={"transformer": model_config_for(scheme, compute_dtype)})
+    mapping = {name: text_encoder_config_for(scheme, compute_dtype) if name.startswith("text_encoder")
+               else model_config_for(scheme, compute_dtype) for name in components}
+    return PipelineQuantizationConfig(quant_mapping=mapping)
+
+
+def text_encoder_config_for(scheme: str, compute_dtype: torch.dtype | None = None) -> Any:
+    """transformers' config for `scheme` ("int8", "fp8", "nf4"), which a text encoder's own loader takes."""
+    import transformers
+
+    if scheme == "nf4":
+        return transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                               bnb_4bit_compute_dtype=compute_dtype)
+    from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig
+
+    if scheme == "int8":
+        return transformers.TorchAoConfig(Int8WeightOnlyConfig())
+    if scheme == "fp8":
+        return transformers.TorchAoConfig(Float8WeightOnlyConfig())
+    raise ParallelConfigError(f"unknown quantization scheme {scheme!r}; use one of {list(SCHEMES)}.")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
@@ -21,6 +21,7 @@ from torch import nn
 
 from paradiff.runtime.wrappers import install_wrapper
 from paradiff.distributed.agreement import agree
+from paradiff.quant.apply import quantization_summary
 from paradiff.runtime.memory import PeakMemory, parameter_bytes, release_freed_memory
 
 STAGE_ORDER = ("text_encoders", "transformer", "vae")
@@ -44,6 +45,10 @@ class StagedComponent:
     stage: str
     load: Callable[[], None] | None = None  # reads the weights again (staged components only)
     free: Callable[[], None] | None = None
+    # after every rank of the replica read its stage's weights: quantize what was read (a quantized component; its
+    # rowwise shards take a collective in their TP group, so it runs only once all ranks agreed the read)
+    settle: Callable[[], None] | None = None
+    scheme: str | None = None  # the quantization paradiff applied on read ("int8", "nf4" ...), for the report
 
 
 @dataclass
@@ -56,6 +61,12 @@ class StageFigures:
     peak_bytes: int = 0
     parameter_bytes: int = 0
     entries: int = 0
+    # what the stage's own components held while it ran (their weights are all in place then, staged or not):
+    # quantized bytes (data and scales), full-precision bytes (every other parameter), and per component its
+    # scheme with quant.apply.quantization_summary's counts
+    quantized_bytes: int = 0
+    full_precision_bytes: int = 0
+    components: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 class StageRunner:
@@ -109,6 +120,9 @@ class StageRunner:
             agree(f"paradiff stage {stage} (reading weights)", {"loaded": True}, error, ranks=self.replica_ranks)
         elif error is not None:
             raise error
+        for component in self.components:
+            if component.stage == stage and component.settle is not None:
+                component.settle()
 
     def _close(self) -> None:
         if self.current is None:
@@ -117,6 +131,13 @@ class StageRunner:
         figures.run_s += time.perf_counter() - self.entered_at
         figures.peak_bytes = max(figures.peak_bytes, self.memory.peak())
         figures.parameter_bytes = max(figures.parameter_bytes, parameter_bytes(self.modules))
+        for component in self.components:
+            if component.stage == self.current:
+                figures.components[component.name] = {"scheme": component.scheme,
+                                                      **quantization_summary(component.module)}
+        held = figures.components.values()
+        figures.quantized_bytes = sum(entry["quantized_bytes"] for entry in held)
+        figures.full_precision_bytes = sum(entry["full_precision_bytes"] for entry in held)
         self.current = None
 
     @contextmanager
@@ -129,6 +150,11 @@ class StageRunner:
 
     def report(self) -> list[dict[str, Any]]:
         return [asdict(self.figures[stage]) for stage in STAGE_ORDER if self.figures[stage].entries]
+
+    def quantization(self) -> dict[str, dict[str, Any]]:
+        """Per component, what it held while its stage ran (the latest call): its scheme (None: not quantized by
+        paradiff), quantized linears, quantized and full-precision bytes."""
+        return {name: entry for stage in STAGE_ORDER for name, entry in self.figures[stage].components.items()}
 
     def reset(self) -> None:
         loads = {stage: figures.load_s for stage, figures in self.figures.items()} if not self.staged else {}

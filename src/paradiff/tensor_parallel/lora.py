@@ -112,6 +112,10 @@ def sharded_lora_class() -> type:
             """The shard (kept as it was, the first time) plus the fp32 sum of every fused adapter's delta with the
             scaling it had when it was fused, cast once."""
             base = self.get_base_layer()
+            if type(base.weight.data) is not torch.Tensor or not base.weight.dtype.is_floating_point:
+                # quantized data (torchao, bitsandbytes, GGUF): api/lora.py refuses the fuse before any layer
+                raise AdapterError(f"cannot fuse a LoRA adapter into the quantized weight of "
+                                   f"{type(base).__name__} ({type(base.weight).__name__}); keep it unfused.")
             if self._paradiff_original is None:
                 bias = None if base.bias is None else base.bias.data.clone()
                 self._paradiff_original = (base.weight.data.clone(), bias)
@@ -172,6 +176,9 @@ def adopt(layer) -> None:
     """Make a peft LoRA Linear on a paradiff model run as a ShardedLoraLinear (a class swap: its state stays as it
     is). Unsplit Linears get it too, for the exact fuse / unfuse; other peft layers (convolutions) stay peft's."""
     from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora.torchao import TorchaoLoraLinear
 
-    if type(layer) is LoraLinear and isinstance(layer.get_base_layer(), nn.Linear):
+    # peft's torchao layer (chosen for a torchao-quantized base) computes like its plain Linear; only its merge
+    # differs (re-quantizing), which paradiff refuses on a quantized base
+    if type(layer) in (LoraLinear, TorchaoLoraLinear) and isinstance(layer.get_base_layer(), nn.Linear):
         layer.__class__ = sharded_lora_class()

@@ -110,22 +110,53 @@ def encoder_class(name: str) -> type:
     return getattr(transformers, name)
 
 
-def build_encoder(name: str, seed: int = 0) -> nn.Module:
-    """The class with its tiny config and random weights; norms and biases perturbed too, so a wrong slice cannot
-    hide behind ones and zeros."""
+# The text encoders of FLUX.2, Qwen-Image and Wan with 64-wide heads and 128-wide inputs: at tp2 every slice of every
+# linear they split (rows or columns) is whole NF4 blocks of 64 elements (docs/quantization.md). Mistral keeps one
+# K/V head (replicated at tp2), Qwen2.5-VL two (split).
+_BLOCK_DECODER = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=128,
+                      intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, head_dim=64)
+
+
+def _block_wide_configs() -> dict[str, Callable[[], Any]]:
+    import transformers as tf
+
+    return {
+        "Mistral3ForConditionalGeneration": lambda: tf.Mistral3Config(
+            text_config=dict(_BLOCK_DECODER, model_type="mistral", num_key_value_heads=1, sliding_window=None),
+            vision_config=dict(_SMALL_VISION, model_type="pixtral", image_size=8, patch_size=4),
+            image_token_index=VOCAB - 1, spatial_merge_size=2, multimodal_projector_bias=False,
+            tie_word_embeddings=False),
+        "Qwen2_5_VLForConditionalGeneration": lambda: tf.Qwen2_5_VLConfig(
+            text_config=dict(_BLOCK_DECODER, num_key_value_heads=2,
+                             rope_parameters=dict(rope_type="default", mrope_section=[8, 12, 12], rope_theta=1e4)),
+            vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=2,
+                               spatial_merge_size=1, temporal_patch_size=1, out_hidden_size=128,
+                               fullatt_block_indexes=[0])),
+        "UMT5EncoderModel": lambda: tf.UMT5Config(vocab_size=VOCAB, d_model=128, d_kv=64, d_ff=256, num_layers=2,
+                                                  num_heads=2, feed_forward_proj="gated-gelu",
+                                                  is_encoder_decoder=False),
+    }
+
+
+BLOCK_WIDE_ENCODERS = tuple(_block_wide_configs())
+
+
+def build_encoder(name: str, seed: int = 0, block_wide: bool = False) -> nn.Module:
+    """The class with its tiny config (`block_wide`: the one of BLOCK_WIDE_ENCODERS) and random weights; norms and
+    biases perturbed too, so a wrong slice cannot hide behind ones and zeros."""
     from paradiff.plans import model_config
 
     torch.manual_seed(seed)
     cls = encoder_class(name)
-    model = cls(model_config(cls, _configs()[name]()))
+    model = cls(model_config(cls, (_block_wide_configs() if block_wide else _configs())[name]()))
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
     return model.eval()
 
 
-def save_encoder(name: str, folder: Path, seed: int = 0) -> Path:
-    build_encoder(name, seed).save_pretrained(folder, safe_serialization=True)
+def save_encoder(name: str, folder: Path, seed: int = 0, block_wide: bool = False) -> Path:
+    build_encoder(name, seed, block_wide).save_pretrained(folder, safe_serialization=True)
     if name == "T5GemmaEncoder":  # as PRX ships it: the encoder-decoder config beside the encoder's weights
         _configs()[name]().save_pretrained(folder)
     return Path(folder)
