@@ -42,12 +42,15 @@ class CfgRule:
     # an argument that stops guidance after that fraction of the steps (Lumina 2's cfg_trunc_ratio, default 1): the
     # steps after it make one call, which the two-call pairing cannot follow, so CFG parallelism needs it at 1
     truncation_argument: str | None = None
+    branches: int = 2  # guidance branches per step: the cfg_degree that gives each cfg rank one
 
     def __post_init__(self) -> None:
         if self.style not in (TWO_CALLS, BATCH):
             raise ValueError(f"CfgRule.style must be {TWO_CALLS!r} or {BATCH!r}, got {self.style!r}")
         if (self.style == BATCH) != bool(self.batched):
             raise ValueError("a 'batch' CfgRule names its batched arguments, a 'two_calls' one names none")
+        if self.style == TWO_CALLS and self.branches != 2:
+            raise ValueError("a 'two_calls' CfgRule pairs two calls per step: it has 2 branches")
 
     def runs_cfg(self, call_kwargs: dict[str, Any], pipeline_config: Any = None) -> bool:
         if call_kwargs.get(self.scale_argument, self.default_scale) <= 1:
@@ -99,6 +102,34 @@ NEVER_GUIDES: tuple[str, ...] = (
     "Flux2Pipeline", "FluxFillPipeline", "FluxControlPipeline", "FluxControlImg2ImgPipeline",
     "FluxControlInpaintPipeline", "SanaSprintPipeline", "SanaSprintImg2ImgPipeline",
 )
+
+
+# Modular Diffusers pipelines guide through their guider component: each step the guider prepares one batch per
+# branch, the denoise step calls the transformer once per batch and the guider combines the predictions. CFG
+# parallelism follows that protocol for any modular pipeline (runtime/cfg.py, "Guider style"; cfg_degree up to the
+# guider's branch count), so only the modular pipelines that guide some other way are listed, with the reason. One
+# with no guider component never guides (guidance-distilled: FLUX.1, Krea 2 Turbo, FLUX.3 distilled, MiniMax-H3).
+_TWO_GUIDERS = ("its denoise step runs the branches of two guiders at once (video and audio, cond / uncond / "
+                "spatio-temporal / modality) and combines a different subset of them per modality")
+MODULAR_CFG_REFUSALS: dict[str, str] = {
+    "LTX2ModularPipeline": _TWO_GUIDERS,
+    "LTX25ModularPipeline": _TWO_GUIDERS,
+    "Cosmos3OmniModularPipeline": ("it guides without a guider component: its denoise step makes its own "
+                                   "conditional and unconditional calls from guidance_scale"),
+    "Ideogram4ModularPipeline": ("it guides without a guider component (asymmetric CFG: a second transformer, "
+                                 "`unconditional_transformer`, makes the unconditional call)"),
+}
+
+
+def modular_cfg_refusal(pipeline_name: str, has_guider: bool) -> str | None:
+    """Why the modular pipeline `pipeline_name` cannot run with cfg_degree > 1, or None when its guider's branches
+    can be split (`has_guider`: its blocks expect a guider component)."""
+    if pipeline_name in MODULAR_CFG_REFUSALS:
+        return f"{pipeline_name} is not supported with CFG parallelism yet: {MODULAR_CFG_REFUSALS[pipeline_name]}"
+    if not has_guider:
+        return (f"{pipeline_name} never runs classifier-free guidance (its blocks have no guider component: "
+                "guidance-distilled), so there is no second branch to split")
+    return None
 
 
 def cfg_refusal(pipeline_name: str) -> str | None:
