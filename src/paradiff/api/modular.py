@@ -92,12 +92,15 @@ def check_guided_call(pipeline, branches: GuidedBranches, pipeline_name: str) ->
     for name, guider in present.items():
         count = guider_branch_count(guider)
         if count is not None and count < degree:
-            what = "no guidance (one branch)" if count == 1 else f"{count} guidance branches"
+            if count == 1:
+                fix = "give it guidance (e.g. guidance_scale > 1)"
+            else:
+                fix = "use a guider with more branches (SkipLayerGuidance runs 3)"
             raise ParallelConfigError(
-                f"cfg_degree={degree} needs {degree} guidance branches per step, but {pipeline_name}'s {name} "
-                f"({type(guider).__name__}, {_settings(guider)}) runs {what}; give it guidance (e.g. "
-                f"guidance_scale > 1{', or a guider with more branches such as SkipLayerGuidance (3)' if degree > 2 else ''}) "
-                f"or use a cfg_degree of at most {count}.")
+                f"cfg_degree={degree} needs {degree} guidance branches per step, one per cfg rank, but "
+                f"{pipeline_name}'s {name} ({type(guider).__name__}, {_settings(guider)}) runs "
+                f"{'no guidance (one branch)' if count == 1 else f'{count} branches'}; {fix}, or use "
+                f"{'cfg_degree=1' if count == 1 else f'a cfg_degree of at most {count}'}.")
         attach_guider(guider, branches)
 
 
