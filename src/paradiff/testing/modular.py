@@ -34,9 +34,10 @@ OUTPUTS = {"flux2": "images", "qwenimage": "images", "wan": "videos", "krea2-tur
 GUIDED = ("qwenimage", "wan")
 
 
-def save_modular_pipeline(family: str, folder: str | Path, seed: int = 0) -> Path:
+def save_modular_pipeline(family: str, folder: str | Path, seed: int = 0, standard: str | Path | None = None) -> Path:
     """Write the tiny modular pipeline of `family` as a modular pipeline folder; does nothing if
-    `folder/modular_model_index.json` exists."""
+    `folder/modular_model_index.json` exists. `standard`: the family's tiny standard pipeline folder, when one is
+    saved already (`paradiff.testing.pipelines.save_pipeline`; else it is made here)."""
     from diffusers import ModularPipeline
 
     folder = Path(folder)
@@ -52,7 +53,7 @@ def save_modular_pipeline(family: str, folder: str | Path, seed: int = 0) -> Pat
         if family == "krea2-turbo":
             pipe = _krea2_turbo(seed)
         else:
-            standard = save_pipeline(family, staging / "standard", seed=seed)
+            standard = standard or save_pipeline(family, staging / "standard", seed=seed)
             pipe = ModularPipeline.from_pretrained(str(standard))
             pipe.load_components(dtype=torch.float32)
         target = staging / "modular"

@@ -1,0 +1,138 @@
+"""Modular Diffusers pipelines (modular_model_index.json, blocks, a guider): load_pipeline splits their transformer,
+text encoders and VAE like a standard pipeline's, and the images equal diffusers' single-process modular call.
+
+The sample here: Qwen-Image (guided: tp2, ulysses2, cfg2), Krea 2 Turbo (modular-only, guidance-distilled:
+tp2 x ulysses2), Wan (a 3-branch SkipLayerGuidance guider at cfg3 and at cfg2), the refusals, the folder's index and
+`paradiff generate` on a modular folder. Every family in every mode: tools/verify_modular.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import rank_cases_cli as cli_cases
+import rank_cases_modular as cases
+from paradiff.io.folders import read_pipeline_index
+from paradiff.testing.modular import MODULAR_CLASSES, save_modular_pipeline
+
+RTOL = 1e-5
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def modular_folders(tiny_pipeline_folders, tmp_path_factory):
+    root = tmp_path_factory.mktemp("modular")
+    return {family: str(save_modular_pipeline(family, root / family, standard=tiny_pipeline_folders.get(family)))
+            for family in ("qwenimage", "wan", "krea2-turbo")}
+
+
+def _check(results: list[dict], modes: dict[str, dict]) -> None:
+    """Every rank's output equals the single-process one; TP ranks hold their slices, CP ranks their token share."""
+    for result in results:
+        for mode, outcome in result["modes"].items():
+            assert outcome["max_abs_diff"] <= RTOL * max(outcome["scale"], 1.0), (mode, outcome)
+            degrees = modes[mode]
+            if degrees.get("tp", 1) > 1:
+                assert outcome["wrong_slices"] == [] and outcome["param_share"] < 0.75, (mode, outcome)
+            cp = degrees.get("ulysses", 1) * degrees.get("ring", 1)
+            if cp > 1:  # each CP rank's first block saw its own share; the shares make up the sequence
+                assert outcome["tokens"] < result["tokens"], (mode, outcome)
+                copies = len(results) // cp
+                assert sum(outcome["token_shares"]) == copies * result["tokens"], (mode, outcome)
+
+
+QWEN_MODES = {"tp2": dict(tp=2), "ulysses2": dict(ulysses=2), "cfg2": dict(cfg=2)}
+
+
+def test_guided_modular_pipeline_equals_single_process(pools, modular_folders):
+    """QwenImageModularPipeline (its ClassifierFreeGuidance guider: two transformer calls per step) at tp2, ulysses2
+    and cfg2: at cfg2 each rank computes one branch per step and the guider gets both predictions."""
+    results = pools.get(2).run(cases.modular_equivalence, family="qwenimage", folder=modular_folders["qwenimage"],
+                               modes=QWEN_MODES, steps=STEPS, timeout_s=400)
+    _check(results, QWEN_MODES)
+    for result in results:
+        cfg2 = result["modes"]["cfg2"]
+        assert cfg2["type"] == "ParallelQwenImageModularPipeline", cfg2
+        assert cfg2["computed"] == STEPS and cfg2["branch_counts"] == [2] * STEPS, cfg2
+        assert "cfg_exchange" in cfg2["wrappers"] and "cfg_exchange" not in result["modes"]["tp2"]["wrappers"]
+
+
+def test_modular_only_pipeline_at_tp2_x_ulysses2(pools, modular_folders):
+    """Krea2TurboModularPipeline, which diffusers ships only as a modular pipeline, on 4 ranks."""
+    modes = {"tp2xulysses2": dict(tp=2, ulysses=2)}
+    results = pools.get(4).run(cases.modular_equivalence, family="krea2-turbo", folder=modular_folders["krea2-turbo"],
+                               modes=modes, steps=STEPS, timeout_s=400)
+    _check(results, modes)
+    assert results[0]["modes"]["tp2xulysses2"]["type"] == "ParallelKrea2TurboModularPipeline"
+
+
+def test_three_branch_guider_splits_over_three_cfg_ranks(pools, modular_folders):
+    """WanModularPipeline with SkipLayerGuidance (cond, uncond, cond with a block skipped: 3 transformer calls per
+    step from the second step on, 2 on the first): at cfg3 each rank computes branch i of each step, and the
+    video equals the single process; cfg3 with the pipeline's 2-branch CFG guider is refused."""
+    steps = 3
+    results = pools.get(3).run(cases.modular_equivalence, family="wan", folder=modular_folders["wan"],
+                               modes={"cfg3": dict(cfg=3)}, guider="skip_layer", steps=steps, timeout_s=400)
+    _check(results, {"cfg3": dict(cfg=3)})
+    counts = results[0]["modes"]["cfg3"]["branch_counts"]
+    assert counts == [2, 3, 3], counts
+    computed = sorted(result["modes"]["cfg3"]["computed"] for result in results)
+    assert computed == [2, 3, 3] and sum(computed) == sum(counts), computed
+    messages = pools.get(3).run(cases.modular_cfg_too_wide, folder=modular_folders["wan"])
+    for message in messages:
+        assert message.startswith("ParallelConfigError: cfg_degree=3 needs 3 guidance branches per step"), message
+        assert "ClassifierFreeGuidance" in message and "runs 2 branches" in message, message
+
+
+def test_three_branch_guider_on_two_cfg_ranks(pools, modular_folders):
+    """3 branches over cfg2: rank 0 computes branches 0 and 2, rank 1 branch 1."""
+    results = pools.get(2).run(cases.modular_equivalence, family="wan", folder=modular_folders["wan"],
+                               modes={"cfg2": dict(cfg=2)}, guider="skip_layer", steps=3, timeout_s=400)
+    _check(results, {"cfg2": dict(cfg=2)})
+    assert sorted(r["modes"]["cfg2"]["computed"] for r in results) == [3, 5]
+
+
+def test_modular_refusals(pools, modular_folders):
+    messages = pools.get(2).run(cases.modular_refusals, folders=modular_folders)
+    for distilled, no_guidance, no_guider in messages:
+        assert distilled.startswith("ParallelConfigError: cfg_degree=2: Krea2TurboModularPipeline never runs "
+                                    "classifier-free guidance (its blocks have no guider component"), distilled
+        assert no_guidance.startswith("ParallelConfigError: cfg_degree=2 needs 2 guidance branches per step"), \
+            no_guidance
+        assert "runs no guidance (one branch)" in no_guidance and "guidance_scale=1.0" in no_guidance, no_guidance
+        assert no_guider.startswith("ParallelConfigError: cfg_degree=2 splits the guidance branches of "
+                                    "QwenImageModularPipeline's guider, but its guider is None"), no_guider
+
+
+def test_modular_index_names_components_and_where_they_are(modular_folders, tmp_path):
+    """A modular folder's index: each component's class and repository; a copy of the folder elsewhere (its index
+    still naming the original) reads its components from the copy, as Modular Diffusers does."""
+    import shutil
+
+    folder = modular_folders["krea2-turbo"]
+    index = read_pipeline_index(folder)
+    assert index.modular and index.class_name == MODULAR_CLASSES["krea2-turbo"]
+    assert index.components["transformer"] == ("diffusers", "Krea2Transformer2DModel")
+    assert index.components["text_encoder"] == ("transformers", "Qwen3VLModel")
+    assert index.location("transformer") == (folder, "transformer")
+    copy = shutil.copytree(folder, tmp_path / "copy")
+    entries = json.loads((copy / "modular_model_index.json").read_text())
+    assert entries["vae"][2]["pretrained_model_name_or_path"] == folder  # still the original
+    assert read_pipeline_index(copy).location("vae") == (str(copy), "vae")
+
+
+def test_generate_on_a_modular_folder(pools, modular_folders, tmp_path):
+    """`paradiff generate` on a modular folder (no model_index.json) at ulysses2, --compare against diffusers' own
+    modular call; --guidance-scale sets the guider's scale, on both sides."""
+    out = tmp_path / "out"
+    argv = ["generate", modular_folders["qwenimage"], "--ulysses", "2", "--height", "32", "--width", "32", "--steps",
+            "2", "--prompt", "a small red fox", "--negative-prompt", "blurry", "--guidance-scale", "3.0", "--compare",
+            "--out", str(out)]
+    (rank0, rank1) = pools.get(2).run(cli_cases.generate_each, runs=[argv], timeout_s=400)
+    report = rank0[0]["report"]
+    assert rank1[0]["report"] is None
+    assert report["max_abs_diff_vs_single_process"] <= 1e-5, report
+    assert report["config"]["ulysses"] == 2 and len(report["images"]) == 1, report
+    assert (out / "0.png").is_file() or all(Path(path).is_file() for path in report["images"].values()), report
