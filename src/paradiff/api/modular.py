@@ -5,7 +5,8 @@ load sequence and registered into it, and diffusers' `load_components` loads the
 A modular pipeline is saved as a folder with a modular_model_index.json (each component's class and where to load
 it from: this folder, another folder or a Hub repository) and, for custom blocks, their code; its call runs the
 blocks (`pipe(prompt=..., output="images")`). Guidance runs through a guider component (ClassifierFreeGuidance,
-SkipLayerGuidance, ...), which CFG parallelism splits by branch (runtime/cfg.py, "Guider style").
+SkipLayerGuidance, ...), which CFG parallelism splits by branch (runtime/cfg.py, "Guider style"); the guider
+helpers here serve the standard pipelines that guide through a guider too (HunyuanVideo 1.5, ...).
 """
 
 from __future__ import annotations
@@ -63,13 +64,14 @@ def fill_modular(pipeline, own: dict[str, torch.nn.Module], dtype: torch.dtype |
 
 
 def guider_names(pipeline) -> list[str]:
-    """The pipeline's guider components ("guider"; Wan 2.2 also has "guider_2")."""
-    return sorted(name for name in pipeline._component_specs if name.startswith("guider"))
+    """The pipeline's guider components: "guider" (Wan 2.2 modular also "guider_2", HunyuanImage "ocr_guider")."""
+    return sorted(name for name in pipeline.components if name.startswith("guider") or name.endswith("_guider"))
 
 
-def install_modular_cfg(pipeline, transformers: list[torch.nn.Module], group: dist.ProcessGroup) -> GuidedBranches:
-    """CFG parallelism on a modular pipeline: every transformer's calls inside a guider step run as branches of one
-    GuidedBranches; the guiders are attached at each call (the user may have replaced them)."""
+def install_guided_cfg(transformers: list[torch.nn.Module], group: dist.ProcessGroup) -> GuidedBranches:
+    """CFG parallelism on a pipeline that guides through guider components (every modular pipeline, and the
+    standard ones of plans.pipelines.GUIDER_PIPELINES): every transformer's calls inside a guider step run as branches
+    of one GuidedBranches; the guiders are attached at each call (the user may have replaced them)."""
     branches = GuidedBranches(group=group, cfg_rank=dist.get_rank(group), cfg_degree=dist.get_world_size(group))
     for model in transformers:
         install_guided_branches(model, branches)

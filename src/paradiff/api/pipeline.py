@@ -18,9 +18,9 @@ from paradiff.api.model import check_dtype
 from paradiff.api.quantization import pipeline_quantization
 from paradiff.io.folders import has_modular_index_only, read_pipeline_index, resolve_folder
 from paradiff.distributed.mesh import default_device
-from paradiff.plans.pipelines import CFG_RULES, cfg_refusal, modular_cfg_refusal
+from paradiff.plans.pipelines import CFG_RULES, GUIDER_PIPELINES, cfg_refusal, modular_cfg_refusal
 from paradiff.api.pipeline_components import _components_paradiff_loads, _load_components, transformer_names
-from paradiff.api.modular import (check_guided_call, fill_modular, guider_names, install_modular_cfg,
+from paradiff.api.modular import (check_guided_call, fill_modular, guider_names, install_guided_cfg,
                                   is_modular_class, modular_skeleton, pretrained_names)
 from paradiff.api.pipeline_wiring import _check_parallel_vae, _install_latent_check, _parallelize_vae, _stage_runner
 from paradiff.runtime.state import PipelineState, get_state
@@ -38,7 +38,7 @@ class ParallelPipelineMixin:
             # every rank must draw identical initial latents; a CPU generator is identical on every device
             kwargs["generator"] = torch.Generator("cpu").manual_seed(0 if seed is None else seed)
         splitters = state.cfgs
-        if splitters and state.modular:
+        if splitters and state.guided:
             check_guided_call(self, splitters[0], state.base_name)
         elif splitters:
             rule = CFG_RULES[state.base_name]
@@ -187,6 +187,7 @@ def load_pipeline(
         base_name = type(skeleton).__name__
     else:
         base_name = pipeline_cls.__name__ if pipeline_cls is not None else str(pipeline_index.class_name)
+    guided = modular or base_name in GUIDER_PIPELINES  # guidance through a guider component
     if parallel is not None and parallel.cfg_degree > 1:
         _check_cfg_classified(base_name, parallel.cfg_degree,
                               modular=modular, has_guider=modular and bool(guider_names(skeleton)))
@@ -217,13 +218,13 @@ def load_pipeline(
                 component.to(device)
     base = type(pipeline)
     pipeline.__class__ = type(f"Parallel{base.__name__}", (ParallelPipelineMixin, base), {})
-    pipeline._paradiff_pipeline = PipelineState(base_name=base.__name__, modular=modular)
+    pipeline._paradiff_pipeline = PipelineState(base_name=base.__name__, modular=modular, guided=guided)
     transformers = [getattr(pipeline, name) for name in transformer_names(index)
                     if isinstance(getattr(pipeline, name, None), nn.Module)]
     if parallel is not None and parallel.cfg_degree > 1:
         group = get_state(transformers[0]).mesh.group("cfg")
-        if modular:
-            pipeline._paradiff_pipeline.cfgs = (install_modular_cfg(pipeline, transformers, group),)
+        if guided:
+            pipeline._paradiff_pipeline.cfgs = (install_guided_cfg(transformers, group),)
         else:
             pipeline._paradiff_pipeline.cfgs = tuple(
                 install_cfg_parallel(model, group, CFG_RULES[base.__name__]) for model in transformers)
@@ -258,7 +259,7 @@ def _check_cfg_classified(pipeline_name: str, degree: int, modular: bool = False
     refusal = modular_cfg_refusal(pipeline_name, has_guider) if modular else cfg_refusal(pipeline_name)
     if refusal is not None:
         raise ParallelConfigError(f"cfg_degree={degree}: {refusal}; use cfg_degree=1.")
-    if not modular and CFG_RULES[pipeline_name].branches != degree:
+    if pipeline_name in CFG_RULES and CFG_RULES[pipeline_name].branches != degree:
         branches = CFG_RULES[pipeline_name].branches
         raise ParallelConfigError(
             f"cfg_degree={degree}: {pipeline_name} runs {branches} guidance branches per step, one per cfg rank; use "

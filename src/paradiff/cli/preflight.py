@@ -15,7 +15,14 @@ from paradiff.cli.args import CliError
 
 
 def check_model_folder(args: argparse.Namespace) -> None:
-    if args.model is None:
+    if args.model is None:  # the embedded demo pipeline: only whether it takes --cfg
+        if args.cfg > 1:
+            from paradiff.cli.conditioning import pipeline_class_name
+            from paradiff.plans.pipelines import cfg_refusal
+
+            refusal = cfg_refusal(str(pipeline_class_name(args)))
+            if refusal is not None:
+                raise CliError(f"--cfg {args.cfg}: the embedded demo pipeline: {refusal}. Use --cfg 1")
         return
     path = Path(args.model)
     if not path.exists():
@@ -34,6 +41,8 @@ def check_model_folder(args: argparse.Namespace) -> None:
         refusal = cfg_refusal(pipeline_name)
         if refusal is not None:
             raise CliError(f"--cfg {args.cfg}: {args.model}: {refusal}. Use --cfg 1")
+        if pipeline_name not in CFG_RULES:  # guidance through a guider component: checked at the call
+            return
         branches = CFG_RULES[pipeline_name].branches
         if args.cfg != branches:
             raise CliError(f"--cfg {args.cfg}: {pipeline_name} runs {branches} guidance branches per step, one per "

@@ -104,6 +104,16 @@ NEVER_GUIDES: tuple[str, ...] = (
 )
 
 
+# Standard pipelines that guide through a guider component (`self.guider`, diffusers' guiders: prepare_inputs -> one
+# transformer call per branch -> guider(batches)), as modular pipelines do: CFG parallelism splits the guider's
+# branches (runtime/cfg.py, "Guider style"), so any guider works, 3-branch ones (SkipLayerGuidance,
+# PerturbedAttentionGuidance) at cfg_degree=3. HunyuanImage uses `ocr_guider` instead of `guider` for prompts with
+# text to render; with neither it makes a disabled guider of its own (distilled checkpoints), which is refused.
+GUIDER_PIPELINES: tuple[str, ...] = (
+    "HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline", "MotifVideoPipeline",
+    "MotifVideoImageToVideoPipeline", "HunyuanImagePipeline", "HunyuanImageRefinerPipeline",
+)
+
 # Modular Diffusers pipelines guide through their guider component: each step the guider prepares one batch per
 # branch, the denoise step calls the transformer once per batch and the guider combines the predictions. CFG
 # parallelism follows that protocol for any modular pipeline (runtime/cfg.py, "Guider style"; cfg_degree up to the
@@ -133,10 +143,12 @@ def modular_cfg_refusal(pipeline_name: str, has_guider: bool) -> str | None:
 
 
 def cfg_refusal(pipeline_name: str) -> str | None:
-    """Why `pipeline_name` cannot run with cfg_degree=2, or None when it can (it is in CFG_RULES)."""
-    if pipeline_name in CFG_RULES:
+    """Why `pipeline_name` cannot run with cfg_degree > 1, or None when it can (it is in CFG_RULES or
+    GUIDER_PIPELINES)."""
+    if pipeline_name in CFG_RULES or pipeline_name in GUIDER_PIPELINES:
         return None
     if pipeline_name in NEVER_GUIDES:
         return (f"{pipeline_name} never runs classifier-free guidance (guidance-distilled: one transformer call per "
                 "step, no negative prompt), so there is no second branch to split")
-    return (f"{pipeline_name} is not classified for CFG parallelism yet (classified: {', '.join(sorted(CFG_RULES))})")
+    return (f"{pipeline_name} is not classified for CFG parallelism yet (classified: "
+            f"{', '.join(sorted((*CFG_RULES, *GUIDER_PIPELINES)))})")

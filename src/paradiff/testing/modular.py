@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from paradiff.testing.pipelines import _qwen2_tokenizer, _seeded, default_call_kwargs, save_pipeline
@@ -79,6 +80,77 @@ def modular_call_kwargs(family: str) -> dict[str, Any]:
         kwargs.pop("guidance_scale", None)
         kwargs.pop("true_cfg_scale", None)
     return kwargs
+
+
+def skip_layer_guider(family: str):
+    """A 3-branch guider: CFG plus skip-layer guidance (the second block skipped), from the second step on (diffusers'
+    SkipLayerGuidance starts strictly after the start step)."""
+    from diffusers.guiders import SkipLayerGuidance
+    from diffusers.hooks import LayerSkipConfig
+
+    # an explicit fqn: "auto" picks from a set, whose order differs between processes
+    blocks = "blocks" if family == "wan" else "transformer_blocks"
+    return SkipLayerGuidance(guidance_scale=4.0, skip_layer_guidance_scale=2.0, skip_layer_guidance_start=0.0,
+                             skip_layer_guidance_stop=1.0, skip_layer_config=LayerSkipConfig(indices=[1], fqn=blocks))
+
+
+def _first_block(transformer) -> torch.nn.Module:
+    for name in ("transformer_blocks", "blocks"):
+        if getattr(transformer, name, None) is not None:
+            return getattr(transformer, name)[0]
+    raise AttributeError(f"{type(transformer).__name__} has no transformer_blocks / blocks")
+
+
+def _tokens_seen(transformer, into: list) -> None:
+    _first_block(transformer).register_forward_pre_hook(
+        lambda _m, args, kw: into.append(int(kw.get("hidden_states", args[0] if args else None).shape[1])),
+        with_kwargs=True)
+
+
+def modular_equivalence(family: str, folder: str, modes: dict[str, dict], guider: str | None = None,
+                        steps: int = 2) -> dict:
+    """diffusers' single-process modular call, then paradiff's load_pipeline of the same folder in each mode (a
+    ParallelConfig.from_degrees dict), same seed: the output, what each rank holds and what its first block saw."""
+    import torch.distributed as dist
+    from diffusers import ModularPipeline
+
+    import paradiff
+    from paradiff.distributed.comm import all_gather_object
+    from paradiff.runtime.wrappers import wrappers
+    from paradiff.testing.families import wrong_slices
+
+    torch.set_num_threads(1)
+    kwargs = dict(modular_call_kwargs(family), num_inference_steps=steps)
+    output = OUTPUTS[family]
+    reference = ModularPipeline.from_pretrained(folder)
+    reference.load_components(dtype=torch.float32)
+    if guider == "skip_layer":
+        reference.update_components(guider=skip_layer_guider(family))
+    seen: list[int] = []
+    _tokens_seen(reference.transformer, seen)
+    expected = np.asarray(reference(**kwargs, generator=torch.Generator().manual_seed(0), output=output))
+    whole = sum(p.numel() for p in reference.transformer.parameters())
+    results = {}
+    for mode, degrees in modes.items():
+        pipeline = paradiff.load_pipeline(folder, parallel_config=paradiff.ParallelConfig.from_degrees(**degrees))
+        if guider == "skip_layer":
+            pipeline.update_components(guider=skip_layer_guider(family))
+        local: list[int] = []
+        _tokens_seen(pipeline.transformer, local)
+        actual = np.asarray(pipeline(**kwargs, seed=0, output=output))
+        branches = pipeline._paradiff_pipeline.cfgs
+        results[mode] = {
+            "type": type(pipeline).__name__,
+            "max_abs_diff": float(np.abs(actual - expected).max()), "scale": float(np.abs(expected).max()),
+            "wrong_slices": wrong_slices(pipeline.transformer, reference.transformer),
+            "param_share": sum(p.numel() for p in pipeline.transformer.parameters()) / whole,
+            "tokens": local[0], "token_shares": all_gather_object(local[0]),
+            "computed": branches[0].computed if branches else None,
+            "branch_counts": branches[0].branch_counts if branches else None,
+            "wrappers": wrappers(pipeline.transformer),
+        }
+        del pipeline
+    return {"rank": dist.get_rank(), "tokens": seen[0], "shape": list(expected.shape), "modes": results}
 
 
 def _point_index_at(saved: Path, final: Path) -> None:
