@@ -47,3 +47,32 @@ def modular_cfg_too_wide(folder: str) -> str:
     except Exception as exc:  # noqa: BLE001
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+def guided_standard_equivalence(folder: str, modes: dict[str, dict]) -> dict:
+    """HunyuanVideo15Pipeline, a standard pipeline guiding through its `guider` component: diffusers' single-process
+    call, then paradiff's in each mode, same seed."""
+    import numpy as np
+    import torch.distributed as dist
+    from diffusers import DiffusionPipeline
+
+    from paradiff.testing.guiders import guided_call_kwargs, shorten_text
+
+    torch.set_num_threads(1)
+    kwargs = guided_call_kwargs()
+    reference = DiffusionPipeline.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    shorten_text(reference)
+    expected = np.asarray(reference(**kwargs, generator=torch.Generator().manual_seed(0)).frames)
+    results = {}
+    for mode, degrees in modes.items():
+        pipeline = paradiff.load_pipeline(folder, parallel_config=paradiff.ParallelConfig.from_degrees(**degrees))
+        pipeline.set_progress_bar_config(disable=True)
+        shorten_text(pipeline)
+        actual = np.asarray(pipeline(**kwargs, seed=0).frames)
+        branches = pipeline._paradiff_pipeline.cfgs
+        results[mode] = {"max_abs_diff": float(np.abs(actual - expected).max()),
+                         "scale": float(np.abs(expected).max()),
+                         "branch_counts": branches[0].branch_counts if branches else None,
+                         "computed": branches[0].computed if branches else None}
+    return {"rank": dist.get_rank(), "modes": results}

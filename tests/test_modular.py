@@ -94,6 +94,23 @@ def test_three_branch_guider_on_two_cfg_ranks(pools, modular_folders):
     assert sorted(r["modes"]["cfg2"]["computed"] for r in results) == [3, 5]
 
 
+def test_standard_pipeline_with_a_guider_splits_its_branches(pools, tmp_path_factory):
+    """HunyuanVideo15Pipeline guides through its ClassifierFreeGuidance component, one transformer call per branch:
+    at cfg2 each rank computes one branch per step, and the video equals the single process. Its transformer
+    cannot run on the meta device, so each rank also computes the first call of the other branch once (for the
+    output's structure, remembered per argument shapes): 2 steps, 3 forwards per rank instead of 4."""
+    from paradiff.testing.guiders import save_guided_pipeline
+
+    folder = str(save_guided_pipeline("hunyuanvideo15", tmp_path_factory.mktemp("guided") / "hv15"))
+    results = pools.get(2).run(cases.guided_standard_equivalence, folder=folder, modes={"cfg2": dict(cfg=2)},
+                               timeout_s=400)
+    for result in results:
+        outcome = result["modes"]["cfg2"]
+        assert outcome["max_abs_diff"] <= RTOL * max(outcome["scale"], 1.0), outcome
+        assert outcome["branch_counts"] == [2, 2], outcome
+        assert outcome["computed"] == 3, outcome
+
+
 def test_modular_refusals(pools, modular_folders):
     messages = pools.get(2).run(cases.modular_refusals, folders=modular_folders)
     for distilled, no_guidance, no_guider in messages:

@@ -92,6 +92,13 @@ def save_guided_pipeline(family: str, folder: str | Path, seed: int = 0) -> Path
     return folder
 
 
+def shorten_text(pipe) -> None:
+    """HunyuanVideo 1.5 pads every prompt to 1000 Qwen tokens (after its 108-token system part) and 256 ByT5 ones:
+    the pipeline's own `tokenizer_max_length` / `tokenizer_2_max_length`, set shorter here for quick tests (do the
+    same on every pipeline compared)."""
+    pipe.tokenizer_max_length, pipe.tokenizer_2_max_length = 24, 8
+
+
 def guided_call_kwargs(family: str = "hunyuanvideo15") -> dict[str, Any]:
     """A quick generation: 5 frames of 16 x 16 (3 x 4 x 4 latents, 48 tokens), the guider's guidance scale."""
     return dict(prompt="a small red fox running through the snow", negative_prompt="blurry, low quality",
