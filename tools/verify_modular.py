@@ -100,8 +100,9 @@ def main() -> int:
 
 def write_table() -> None:
     data = json.loads(RESULTS.read_text())
+    order = [mode.split(" ")[0] for modes in WORLDS.values() for mode in modes]
     modes = sorted({mode for record in data["pipelines"].values() for mode in record},
-                   key=lambda mode: (len(mode), mode))
+                   key=lambda mode: (mode.startswith("cfg"), "(" in mode, order.index(mode.split(" ")[0])))
     lines = ["| modular pipeline | " + " | ".join(modes) + " |", "|---" * (len(modes) + 1) + "|"]
     for pipeline, record in sorted(data["pipelines"].items()):
         cells = []

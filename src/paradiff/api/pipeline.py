@@ -42,6 +42,9 @@ class ParallelPipelineMixin:
             check_guided_call(self, splitters[0], state.base_name)
         elif splitters:
             rule = CFG_RULES[state.base_name]
+            refusal = rule.refusal(kwargs)
+            if refusal is not None:
+                raise ParallelConfigError(f"CFG parallelism on {state.base_name}: {refusal}; use cfg_degree=1.")
             if not rule.runs_cfg(kwargs, getattr(self, "config", None)):
                 raise ParallelConfigError(
                     f"cfg_degree={get_state(self.transformer).mesh.size('cfg')} needs a call that runs "

@@ -43,6 +43,8 @@ class CfgRule:
     # steps after it make one call, which the two-call pairing cannot follow, so CFG parallelism needs it at 1
     truncation_argument: str | None = None
     branches: int = 2  # guidance branches per step: the cfg_degree that gives each cfg rank one
+    # call arguments that make the pipeline guide in a way this style cannot split (argument -> why), refused
+    refused_arguments: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.style not in (TWO_CALLS, BATCH):
@@ -62,6 +64,13 @@ class CfgRule:
         if not self.needs_negative_prompt:
             return True
         return call_kwargs.get("negative_prompt") is not None or call_kwargs.get("negative_prompt_embeds") is not None
+
+    def refusal(self, call_kwargs: dict[str, Any]) -> str | None:
+        """Why a call with these arguments cannot be split by this rule, or None."""
+        for argument, why in self.refused_arguments:
+            if call_kwargs.get(argument) is not None:
+                return f"{argument}={call_kwargs[argument]!r}: {why}"
+        return None
 
     def how(self) -> str:
         """How to make a call guide, for error messages."""
@@ -86,8 +95,11 @@ CFG_RULES: dict[str, CfgRule] = {
     "HunyuanVideoPipeline": CfgRule("true_cfg_scale", 1.0, needs_negative_prompt=True),
     "Lumina2Pipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False,
                                truncation_argument="cfg_trunc_ratio"),
-    "StableDiffusion3Pipeline": CfgRule("guidance_scale", 7.0, needs_negative_prompt=False, style=BATCH,
-                                        batched=_WITH_POOLED),
+    "StableDiffusion3Pipeline": CfgRule(
+        "guidance_scale", 7.0, needs_negative_prompt=False, style=BATCH, batched=_WITH_POOLED,
+        refused_arguments=(("skip_guidance_layers", "skip-layer guidance adds a third branch, a separate transformer "
+                            "call on the conditional batch alone in some of the steps, which CFG parallelism does "
+                            "not split yet"),)),
     "SanaPipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, style=BATCH, batched=_WITH_TEXT_MASK),
     "PixArtAlphaPipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, style=BATCH,
                                    batched=_WITH_TEXT_MASK),
@@ -103,6 +115,22 @@ NEVER_GUIDES: tuple[str, ...] = (
     "FluxControlInpaintPipeline", "SanaSprintPipeline", "SanaSprintImg2ImgPipeline",
 )
 
+
+# DiT pipelines of diffusers 0.42.1 that run more than two guidance branches in ways not split yet, with the reason
+# (GUIDER_PIPELINES and modular pipelines run any number of branches through their guider: split up to that number).
+_PAG = ("perturbed-attention guidance runs [uncond, cond, perturbed] as one batch that its attention processors cut "
+        "in three inside every attention, so a cfg rank's share of the batch cannot go through them")
+_LTX2 = ("it runs up to four branches per step: one call on [uncond, cond], then a spatio-temporal-guidance call and "
+         "a modality-isolation call on the conditional batch alone")
+CFG_NOT_SPLIT: dict[str, str] = {
+    "OmniGenPipeline": ("with input images it runs three branches (text, unconditional, image) as one call on a batch "
+                        "of 3 whose input-image latents are a list indexed by batch row, which the batch split does "
+                        "not follow yet"),
+    **dict.fromkeys(("HunyuanDiTPAGPipeline", "StableDiffusion3PAGPipeline", "StableDiffusion3PAGImg2ImgPipeline",
+                     "PixArtSigmaPAGPipeline", "SanaPAGPipeline"), _PAG),
+    **dict.fromkeys(("LTX2Pipeline", "LTX2ConditionPipeline", "LTX2DFRPipeline", "LTX2DFRTemporalRefinePipeline",
+                     "LTX2HDRPipeline", "LTX2InContextPipeline", "LTX2ImageToVideoPipeline"), _LTX2),
+}
 
 # Standard pipelines that guide through a guider component (`self.guider`, diffusers' guiders: prepare_inputs -> one
 # transformer call per branch -> guider(batches)), as modular pipelines do: CFG parallelism splits the guider's
@@ -147,6 +175,8 @@ def cfg_refusal(pipeline_name: str) -> str | None:
     GUIDER_PIPELINES)."""
     if pipeline_name in CFG_RULES or pipeline_name in GUIDER_PIPELINES:
         return None
+    if pipeline_name in CFG_NOT_SPLIT:
+        return f"{pipeline_name} is not supported with CFG parallelism yet: {CFG_NOT_SPLIT[pipeline_name]}"
     if pipeline_name in NEVER_GUIDES:
         return (f"{pipeline_name} never runs classifier-free guidance (guidance-distilled: one transformer call per "
                 "step, no negative prompt), so there is no second branch to split")
