@@ -29,6 +29,8 @@ def modular_refusals(folders: dict[str, str]) -> list[str]:
     pipeline = paradiff.load_pipeline(folders["qwenimage"], parallel_config=cfg2)
     pipeline.set_progress_bar_config(disable=True)
     kwargs = dict(modular_call_kwargs("qwenimage"), num_inference_steps=1)
+    # another seed on rank 1: the ranks refuse before the first collective of the generation
+    attempt(lambda: pipeline(**kwargs, seed=torch.distributed.get_rank(), output="images"))
     # a guider that does not guide (scale 1): one branch per step, nothing for the second cfg rank
     pipeline.update_components(guider=ClassifierFreeGuidance(guidance_scale=1.0))
     attempt(lambda: pipeline(**kwargs, output="images"))

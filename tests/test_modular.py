@@ -34,8 +34,12 @@ def _check(results: list[dict], modes: dict[str, dict]) -> None:
         for mode, outcome in result["modes"].items():
             assert outcome["max_abs_diff"] <= RTOL * max(outcome["scale"], 1.0), (mode, outcome)
             degrees = modes[mode]
-            if degrees.get("tp", 1) > 1:
+            assert outcome["vae_split"], (mode, outcome)  # decoded by rows across the replica's ranks
+            if degrees.get("tp", 1) > 1:  # the transformer and the text encoder split over the TP ranks
                 assert outcome["wrong_slices"] == [] and outcome["param_share"] < 0.75, (mode, outcome)
+                assert outcome["encoder_share"] < 0.75, (mode, outcome)
+            if degrees.get("stages"):  # each stage entered once, its weights read again at its start
+                assert outcome["stages"] == ["text_encoders", "transformer", "vae"], (mode, outcome)
             cp = degrees.get("ulysses", 1) * degrees.get("ring", 1)
             if cp > 1:  # each CP rank's first block saw its own share; the shares make up the sequence
                 assert outcome["tokens"] < result["tokens"], (mode, outcome)
@@ -43,12 +47,13 @@ def _check(results: list[dict], modes: dict[str, dict]) -> None:
                 assert sum(outcome["token_shares"]) == copies * result["tokens"], (mode, outcome)
 
 
-QWEN_MODES = {"tp2": dict(tp=2), "ulysses2": dict(ulysses=2), "cfg2": dict(cfg=2)}
+QWEN_MODES = {"tp2-staged": dict(tp=2, stages=True), "ulysses2": dict(ulysses=2), "cfg2": dict(cfg=2)}
 
 
 def test_guided_modular_pipeline_equals_single_process(pools, modular_folders):
-    """QwenImageModularPipeline (its ClassifierFreeGuidance guider: two transformer calls per step) at tp2, ulysses2
-    and cfg2: at cfg2 each rank computes one branch per step and the guider gets both predictions."""
+    """QwenImageModularPipeline (its ClassifierFreeGuidance guider: two transformer calls per step) at tp2 (staged:
+    text encoder, transformer and VAE each read at their stage), ulysses2 and cfg2: at cfg2 each rank computes one
+    branch per step and the guider gets both predictions."""
     results = pools.get(2).run(cases.modular_equivalence, family="qwenimage", folder=modular_folders["qwenimage"],
                                modes=QWEN_MODES, steps=STEPS, timeout_s=400)
     _check(results, QWEN_MODES)
@@ -56,7 +61,7 @@ def test_guided_modular_pipeline_equals_single_process(pools, modular_folders):
         cfg2 = result["modes"]["cfg2"]
         assert cfg2["type"] == "ParallelQwenImageModularPipeline", cfg2
         assert cfg2["computed"] == STEPS and cfg2["branch_counts"] == [2] * STEPS, cfg2
-        assert "cfg_exchange" in cfg2["wrappers"] and "cfg_exchange" not in result["modes"]["tp2"]["wrappers"]
+        assert "cfg_exchange" in cfg2["wrappers"] and "cfg_exchange" not in result["modes"]["ulysses2"]["wrappers"]
 
 
 def test_modular_only_pipeline_at_tp2_x_ulysses2(pools, modular_folders):
@@ -113,7 +118,9 @@ def test_standard_pipeline_with_a_guider_splits_its_branches(pools, tmp_path_fac
 
 def test_modular_refusals(pools, modular_folders):
     messages = pools.get(2).run(cases.modular_refusals, folders=modular_folders)
-    for distilled, no_guidance, no_guider in messages:
+    for distilled, other_seed, no_guidance, no_guider in messages:
+        assert other_seed.startswith("DistributedError: generation start: ranks disagree on initial latents"), \
+            other_seed
         assert distilled.startswith("ParallelConfigError: cfg_degree=2: Krea2TurboModularPipeline never runs "
                                     "classifier-free guidance (its blocks have no guider component"), distilled
         assert no_guidance.startswith("ParallelConfigError: cfg_degree=2 needs 2 guidance branches per step"), \

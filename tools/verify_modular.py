@@ -6,8 +6,9 @@ tools/verify_modular.json and the table between the `modular:start` / `modular:e
     .venv/bin/python tools/verify_modular.py --table   # only rewrite the docs table from the JSON
 
 A mode passes when every rank's output is within 1e-5 of the single process (relative to the output's scale), the
-TP ranks hold exactly the slices their plan names (and well under the whole transformer), the context-parallel ranks'
-first blocks saw their own shares of the tokens, and at cfg N each rank computed its branches.
+VAE was split, the TP ranks hold exactly the slices their plan names (and well under the whole transformer and text
+encoder), the context-parallel ranks' first blocks saw their own shares of the tokens, at cfg N each rank computed
+its branches, and a staged load entered each stage once.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ STEPS = 2
 # world size -> mode -> degrees; "(guided)" modes run only on the families with a guider, "(skip-layer)" with a
 # 3-branch SkipLayerGuidance guider (Wan: diffusers' skip hook returns Qwen-Image's joint block outputs swapped)
 WORLDS = {
-    2: {"tp2": dict(tp=2), "ulysses2": dict(ulysses=2), "ring2": dict(ring=2), "cfg2 (guided)": dict(cfg=2)},
+    2: {"tp2": dict(tp=2), "tp2-staged": dict(tp=2, stages=True), "ulysses2": dict(ulysses=2),
+        "ring2": dict(ring=2), "cfg2 (guided)": dict(cfg=2)},
     3: {"cfg3 (skip-layer)": dict(cfg=3)},
-    4: {"tp2xulysses2": dict(tp=2, ulysses=2), "cfg2xtp2 (guided)": dict(cfg=2, tp=2),
+    4: {"tp2xulysses2": dict(tp=2, ulysses=2), "dp2xtp2": dict(data=2, tp=2), "cfg2xtp2 (guided)": dict(cfg=2, tp=2),
         "cfg2xulysses2 (guided)": dict(cfg=2, ulysses=2)},
 }
 SKIP_LAYER = ("wan",)
@@ -57,8 +59,12 @@ def verdict(results: list[dict], mode: str, degrees: dict) -> dict:
     checks = []
     for result in results:
         outcome = result["modes"][mode]
+        checks.append(outcome["vae_split"])
         if degrees.get("tp", 1) > 1:
-            checks.append(outcome["wrong_slices"] == [] and outcome["param_share"] < 0.75)
+            checks.append(outcome["wrong_slices"] == [] and outcome["param_share"] < 0.75
+                          and outcome["encoder_share"] < 0.75)
+        if degrees.get("stages"):
+            checks.append(outcome["stages"] == ["text_encoders", "transformer", "vae"])
         cp = degrees.get("ulysses", 1) * degrees.get("ring", 1)
         if cp > 1:
             checks.append(outcome["tokens"] < result["tokens"]

@@ -110,7 +110,8 @@ def _tokens_seen(transformer, into: list) -> None:
 def modular_equivalence(family: str, folder: str, modes: dict[str, dict], guider: str | None = None,
                         steps: int = 2) -> dict:
     """diffusers' single-process modular call, then paradiff's load_pipeline of the same folder in each mode (a
-    ParallelConfig.from_degrees dict), same seed: the output, what each rank holds and what its first block saw."""
+    ParallelConfig.from_degrees dict, with `stages=True` for a staged load), same seed: the output, what each rank
+    holds (transformer and text encoder), what its first block saw, whether the VAE was split."""
     import torch.distributed as dist
     from diffusers import ModularPipeline
 
@@ -118,6 +119,7 @@ def modular_equivalence(family: str, folder: str, modes: dict[str, dict], guider
     from paradiff.distributed.comm import all_gather_object
     from paradiff.runtime.wrappers import wrappers
     from paradiff.testing.families import wrong_slices
+    from paradiff.vae import get_vae_runtime
 
     torch.set_num_threads(1)
     kwargs = dict(modular_call_kwargs(family), num_inference_steps=steps)
@@ -131,8 +133,12 @@ def modular_equivalence(family: str, folder: str, modes: dict[str, dict], guider
     expected = np.asarray(reference(**kwargs, generator=torch.Generator().manual_seed(0), output=output))
     whole = sum(p.numel() for p in reference.transformer.parameters())
     results = {}
+    encoder_whole = sum(p.numel() for p in reference.text_encoder.parameters())
     for mode, degrees in modes.items():
-        pipeline = paradiff.load_pipeline(folder, parallel_config=paradiff.ParallelConfig.from_degrees(**degrees))
+        degrees = dict(degrees)
+        stages = degrees.pop("stages", False)
+        pipeline = paradiff.load_pipeline(folder, parallel_config=paradiff.ParallelConfig.from_degrees(**degrees),
+                                          stages=stages)
         if guider == "skip_layer":
             pipeline.update_components(guider=skip_layer_guider(family))
         local: list[int] = []
@@ -148,6 +154,9 @@ def modular_equivalence(family: str, folder: str, modes: dict[str, dict], guider
             "computed": branches[0].computed if branches else None,
             "branch_counts": branches[0].branch_counts if branches else None,
             "wrappers": wrappers(pipeline.transformer),
+            "encoder_share": sum(p.numel() for p in pipeline.text_encoder.parameters()) / encoder_whole,
+            "vae_split": get_vae_runtime(pipeline.vae) is not None,
+            "stages": [row["stage"] for row in pipeline.stage_report() if row["entries"]],
         }
         del pipeline
     return {"rank": dist.get_rank(), "tokens": seen[0], "shape": list(expected.shape), "modes": results}
