@@ -143,18 +143,32 @@ def modular_equivalence(family: str, folder: str, modes: dict[str, dict], guider
             pipeline.update_components(guider=skip_layer_guider(family))
         local: list[int] = []
         _tokens_seen(pipeline.transformer, local)
+        held: dict = {}  # measured at each model's first forward, while its weights are there (staged or not)
+
+        def measure(name: str, model, measurement) -> None:
+            def hook(*_) -> None:  # a pre-hook returning something would replace the arguments
+                if name not in held:
+                    held[name] = measurement()
+
+            model.register_forward_pre_hook(hook)
+
+        measure("wrong_slices", pipeline.transformer,
+                lambda: wrong_slices(pipeline.transformer, reference.transformer))
+        measure("param_share", pipeline.transformer,
+                lambda: sum(p.numel() for p in pipeline.transformer.parameters()) / whole)
+        measure("encoder_share", pipeline.text_encoder,
+                lambda: sum(p.numel() for p in pipeline.text_encoder.parameters()) / encoder_whole)
         actual = np.asarray(pipeline(**kwargs, seed=0, output=output))
         branches = pipeline._paradiff_pipeline.cfgs
         results[mode] = {
             "type": type(pipeline).__name__,
             "max_abs_diff": float(np.abs(actual - expected).max()), "scale": float(np.abs(expected).max()),
-            "wrong_slices": wrong_slices(pipeline.transformer, reference.transformer),
-            "param_share": sum(p.numel() for p in pipeline.transformer.parameters()) / whole,
+            "wrong_slices": held["wrong_slices"], "param_share": held["param_share"],
             "tokens": local[0], "token_shares": all_gather_object(local[0]),
             "computed": branches[0].computed if branches else None,
             "branch_counts": branches[0].branch_counts if branches else None,
             "wrappers": wrappers(pipeline.transformer),
-            "encoder_share": sum(p.numel() for p in pipeline.text_encoder.parameters()) / encoder_whole,
+            "encoder_share": held["encoder_share"],
             "vae_split": get_vae_runtime(pipeline.vae) is not None,
             "stages": [row["stage"] for row in pipeline.stage_report() if row["entries"]],
         }
