@@ -160,3 +160,26 @@ def test_generate_on_a_modular_folder(pools, modular_folders, tmp_path):
     assert report["max_abs_diff_vs_single_process"] <= 1e-5, report
     assert report["config"]["ulysses"] == 2 and len(report["images"]) == 1, report
     assert (out / "0.png").is_file() or all(Path(path).is_file() for path in report["images"].values()), report
+
+
+def test_a_standard_folder_run_by_its_modular_class(tiny_pipeline_folders):
+    """`pipeline_cls=QwenImageModularPipeline` on a standard (model_index.json) folder: the components paradiff reads
+    itself come from the folder, the blocks are the class's defaults; one process, equal to diffusers' modular
+    pipeline of that folder."""
+    import numpy as np
+    import torch
+    from diffusers import ModularPipeline, QwenImageModularPipeline
+
+    import paradiff
+    from paradiff.testing.modular import modular_call_kwargs
+
+    folder = str(tiny_pipeline_folders["qwenimage"])
+    kwargs = dict(modular_call_kwargs("qwenimage"), num_inference_steps=1)
+    pipeline = paradiff.load_pipeline(folder, pipeline_cls=QwenImageModularPipeline)
+    assert type(pipeline).__name__ == "ParallelQwenImageModularPipeline"
+    reference = ModularPipeline.from_pretrained(folder)
+    reference.load_components(dtype=torch.float32)
+    assert type(reference) is QwenImageModularPipeline
+    actual = np.asarray(pipeline(**kwargs, seed=0, output="images"))
+    expected = np.asarray(reference(**kwargs, generator=torch.Generator().manual_seed(0), output="images"))
+    assert np.abs(actual - expected).max() <= RTOL

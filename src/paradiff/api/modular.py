@@ -11,6 +11,7 @@ helpers here serve the standard pipelines that guide through a guider too (Hunyu
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,8 +41,23 @@ def modular_skeleton(pipeline_cls: type | None, folder, kwargs: dict) -> tuple[A
 
     skeleton_kwargs = {key: kwargs[key] for key in (*_SKELETON_ONLY, *_HUB) if key in kwargs}
     rest = {key: value for key, value in kwargs.items() if key not in _SKELETON_ONLY}
-    pipeline = (pipeline_cls or ModularPipeline).from_pretrained(str(folder), **skeleton_kwargs)
-    return pipeline, rest
+    return modular_pipeline_object(pipeline_cls, folder, **skeleton_kwargs), rest
+
+
+def modular_pipeline_object(pipeline_cls: type | None, folder, **kwargs: Any):
+    """diffusers' modular pipeline of `folder`, no component loaded: `ModularPipeline.from_pretrained` (the class
+    its modular_model_index.json names, or `pipeline_cls`; a standard folder maps to its modular class), except for a
+    given modular class on a standard folder, which diffusers' from_pretrained does not resolve: that class is built
+    on the folder directly, with its default blocks."""
+    from diffusers import ModularPipeline
+
+    from paradiff.io.folders import MODULAR_INDEX
+
+    folder = str(folder)
+    if pipeline_cls is None or pipeline_cls is ModularPipeline or (Path(folder) / MODULAR_INDEX).is_file():
+        return (pipeline_cls or ModularPipeline).from_pretrained(folder, **kwargs)
+    return pipeline_cls(pretrained_model_name_or_path=folder,
+                        **{key: value for key, value in kwargs.items() if key != "trust_remote_code"})
 
 
 def pretrained_names(pipeline) -> set[str]:

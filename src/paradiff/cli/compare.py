@@ -23,7 +23,9 @@ def single_process_pipeline(model: str, dtype: torch.dtype, pipeline_cls: type |
 
     if (pipeline_cls is None and has_modular_index_only(model)) or (
             pipeline_cls is not None and issubclass(pipeline_cls, ModularPipeline)):
-        reference = (pipeline_cls or ModularPipeline).from_pretrained(model)
+        from paradiff.api.modular import modular_pipeline_object
+
+        reference = modular_pipeline_object(pipeline_cls, model)
         reference.load_components(dtype=dtype)
         return reference
     return (pipeline_cls or DiffusionPipeline).from_pretrained(model, dtype=dtype)
