@@ -174,7 +174,7 @@ def test_a_standard_folder_run_by_its_modular_class(tiny_pipeline_folders):
     from paradiff.testing.modular import modular_call_kwargs
 
     folder = str(tiny_pipeline_folders["qwenimage"])
-    kwargs = dict(modular_call_kwargs("qwenimage"), num_inference_steps=1)
+    kwargs = dict(modular_call_kwargs("qwenimage"), num_inference_steps=STEPS)
     pipeline = paradiff.load_pipeline(folder, pipeline_cls=QwenImageModularPipeline)
     assert type(pipeline).__name__ == "ParallelQwenImageModularPipeline"
     reference = ModularPipeline.from_pretrained(folder)
