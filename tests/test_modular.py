@@ -183,3 +183,27 @@ def test_a_standard_folder_run_by_its_modular_class(tiny_pipeline_folders):
     actual = np.asarray(pipeline(**kwargs, seed=0, output="images"))
     expected = np.asarray(reference(**kwargs, generator=torch.Generator().manual_seed(0), output="images"))
     assert np.abs(actual - expected).max() <= RTOL
+
+
+@pytest.mark.parametrize("family,argv,message", [
+    ("krea2-turbo", ["--cfg", "2"], "--cfg 2: {folder}: Krea2TurboModularPipeline never runs classifier-free guidance"),
+    ("qwenimage", ["--cfg", "3"], "--cfg 3: QwenImageModularPipeline's guider (ClassifierFreeGuidance, guidance_scale "
+                                  "4.0) runs 2 guidance branches per step; each cfg rank computes one. Use --cfg 2"),
+    ("qwenimage", ["--cfg", "2", "--guidance-scale", "1"], "--cfg 2: QwenImageModularPipeline's guider "
+                                                           "(ClassifierFreeGuidance, guidance_scale 1.0) runs no guidance"),
+    ("krea2-turbo", ["--negative-prompt", "blurry"], "--negative-prompt: Krea2TurboModularPipeline (a modular "
+                                                      "pipeline) takes no negative_prompt; its blocks take "),
+], ids=["no-guider", "cfg3-on-two-branches", "no-guidance", "flag-not-taken"])
+def test_cli_refuses_on_a_modular_folder_before_any_worker(modular_folders, tmp_path, capsys, monkeypatch, family,
+                                                           argv, message):
+    """What a modular folder's index and blocks decide is refused by the launcher: one line, exit 2, no worker."""
+    import paradiff.cli
+
+    started = []
+    monkeypatch.setattr(paradiff.cli, "launch", lambda *args, **kwargs: started.append(args) or 0)
+    folder = modular_folders[family]
+    code = paradiff.cli.main(["generate", folder, *argv, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert (code, started) == (2, []), err
+    assert err.startswith("paradiff: error: " + message.format(folder=folder)), err
+    assert len(err.strip().splitlines()) == 1, err

@@ -33,6 +33,8 @@ def check_model_folder(args: argparse.Namespace) -> None:
 
     index = folder_index(args)
     pipeline_name = getattr(args, "pipeline", None) or str(index.class_name)
+    if index.modular:
+        _check_modular_flags(args, pipeline_name, path)
     if args.cfg > 1 and index.modular:
         _check_modular_guides(args, pipeline_name, path)
     elif args.cfg > 1:
@@ -50,6 +52,26 @@ def check_model_folder(args: argparse.Namespace) -> None:
         _check_call_guides(args, pipeline_name, index.entries())
     if args.tp > 1:
         _check_transformers_split(args, index)
+
+
+def _check_modular_flags(args: argparse.Namespace, pipeline_name: str, folder: Path) -> None:
+    """A Modular Diffusers pipeline takes its blocks' inputs: a flag they do not take (and, for the guidance scale,
+    no guider takes either) is refused by name, as the workers would."""
+    from paradiff.cli.conditioning import modular_blocks, pipeline_class
+
+    blocks = modular_blocks(pipeline_class(pipeline_name), folder)
+    if blocks is None:
+        return
+    inputs = set(blocks.input_names)
+    has_guider = any(spec.name.startswith("guider") for spec in blocks.expected_components)
+    for flag, key, value in (("--negative-prompt", "negative_prompt", args.negative_prompt),
+                             ("--guidance-scale", "guidance_scale", args.guidance_scale),
+                             ("--true-cfg-scale", "true_cfg_scale", args.true_cfg_scale)):
+        guider_takes = key != "negative_prompt" and has_guider
+        if value is not None and key not in inputs and not guider_takes:
+            raise CliError(f"{flag}: {pipeline_name} (a modular pipeline) takes no {key}"
+                           f"{' and has no guider' if key != 'negative_prompt' else ''}; its blocks take "
+                           f"{', '.join(sorted(inputs))}")
 
 
 def _check_modular_guides(args: argparse.Namespace, pipeline_name: str, folder: Path) -> None:
