@@ -124,12 +124,12 @@ def write_table() -> None:
     lines.append(f"\n(max relative difference vs diffusers' single-process modular call, {data['date']}, "
                  f"`{data['command']}`; `-`: not applicable, no guider or no 3-branch guider for that family)")
     text = DOCS.read_text()
-    start, end = "<!-- modular:start -->\n", "\n<!-- modular:end -->"
-    if start not in text:
-        return
+    start, end = "<!-- modular:start -->", "<!-- modular:end -->"
+    if text.count(start) != 1 or text.count(end) != 1 or text.index(start) > text.index(end):
+        raise SystemExit(f"{DOCS} needs one {start} ... {end} pair")
     head, _, rest = text.partition(start)
     _, _, tail = rest.partition(end)
-    DOCS.write_text(head + start + "\n".join(lines) + end + tail)
+    DOCS.write_text(head + start + "\n" + "\n".join(lines) + "\n" + end + tail)
 
 
 if __name__ == "__main__":
