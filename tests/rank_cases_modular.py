@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import paradiff
-from paradiff.testing.modular import modular_call_kwargs, modular_equivalence  # noqa: F401 - run by the pools
+from paradiff.testing.modular import modular_call_kwargs
 
 
 def modular_refusals(folders: dict[str, str]) -> list[str]:

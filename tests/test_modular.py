@@ -15,7 +15,7 @@ import pytest
 import rank_cases_cli as cli_cases
 import rank_cases_modular as cases
 from paradiff.io.folders import read_pipeline_index
-from paradiff.testing.modular import MODULAR_CLASSES, save_modular_pipeline
+from paradiff.testing.modular import MODULAR_CLASSES, modular_equivalence, save_modular_pipeline
 
 RTOL = 1e-5
 STEPS = 2
@@ -54,7 +54,7 @@ def test_guided_modular_pipeline_equals_single_process(pools, modular_folders):
     """QwenImageModularPipeline (its ClassifierFreeGuidance guider: two transformer calls per step) at tp2 (staged:
     text encoder, transformer and VAE each read at their stage), ulysses2 and cfg2: at cfg2 each rank computes one
     branch per step and the guider gets both predictions."""
-    results = pools.get(2).run(cases.modular_equivalence, family="qwenimage", folder=modular_folders["qwenimage"],
+    results = pools.get(2).run(modular_equivalence, family="qwenimage", folder=modular_folders["qwenimage"],
                                modes=QWEN_MODES, steps=STEPS, timeout_s=400)
     _check(results, QWEN_MODES)
     for result in results:
@@ -67,7 +67,7 @@ def test_guided_modular_pipeline_equals_single_process(pools, modular_folders):
 def test_modular_only_pipeline_at_tp2_x_ulysses2(pools, modular_folders):
     """Krea2TurboModularPipeline, which diffusers ships only as a modular pipeline, on 4 ranks."""
     modes = {"tp2xulysses2": dict(tp=2, ulysses=2)}
-    results = pools.get(4).run(cases.modular_equivalence, family="krea2-turbo", folder=modular_folders["krea2-turbo"],
+    results = pools.get(4).run(modular_equivalence, family="krea2-turbo", folder=modular_folders["krea2-turbo"],
                                modes=modes, steps=STEPS, timeout_s=400)
     _check(results, modes)
     assert results[0]["modes"]["tp2xulysses2"]["type"] == "ParallelKrea2TurboModularPipeline"
@@ -78,7 +78,7 @@ def test_three_branch_guider_splits_over_three_cfg_ranks(pools, modular_folders)
     step from the second step on, 2 on the first): at cfg3 each rank computes branch i of each step, and the
     video equals the single process; cfg3 with the pipeline's 2-branch CFG guider is refused."""
     steps = 3
-    results = pools.get(3).run(cases.modular_equivalence, family="wan", folder=modular_folders["wan"],
+    results = pools.get(3).run(modular_equivalence, family="wan", folder=modular_folders["wan"],
                                modes={"cfg3": dict(cfg=3)}, guider="skip_layer", steps=steps, timeout_s=400)
     _check(results, {"cfg3": dict(cfg=3)})
     counts = results[0]["modes"]["cfg3"]["branch_counts"]
@@ -93,7 +93,7 @@ def test_three_branch_guider_splits_over_three_cfg_ranks(pools, modular_folders)
 
 def test_three_branch_guider_on_two_cfg_ranks(pools, modular_folders):
     """3 branches over cfg2: rank 0 computes branches 0 and 2, rank 1 branch 1."""
-    results = pools.get(2).run(cases.modular_equivalence, family="wan", folder=modular_folders["wan"],
+    results = pools.get(2).run(modular_equivalence, family="wan", folder=modular_folders["wan"],
                                modes={"cfg2": dict(cfg=2)}, guider="skip_layer", steps=3, timeout_s=400)
     _check(results, {"cfg2": dict(cfg=2)})
     assert sorted(r["modes"]["cfg2"]["computed"] for r in results) == [3, 5]

@@ -37,8 +37,6 @@ def is_modular_class(pipeline_cls: type | None) -> bool:
 def modular_skeleton(pipeline_cls: type | None, folder, kwargs: dict) -> tuple[Any, dict]:
     """The modular pipeline of `folder` (its class from modular_model_index.json, or `pipeline_cls`) with its blocks
     and component specs and no component loaded; and the keyword arguments left for load_components."""
-    from diffusers import ModularPipeline
-
     skeleton_kwargs = {key: kwargs[key] for key in (*_SKELETON_ONLY, *_HUB) if key in kwargs}
     rest = {key: value for key, value in kwargs.items() if key not in _SKELETON_ONLY}
     return modular_pipeline_object(pipeline_cls, folder, **skeleton_kwargs), rest

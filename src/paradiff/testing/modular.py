@@ -152,12 +152,10 @@ def modular_equivalence(family: str, folder: str, modes: dict[str, dict], guider
 
             model.register_forward_pre_hook(hook)
 
-        measure("wrong_slices", pipeline.transformer,
-                lambda: wrong_slices(pipeline.transformer, reference.transformer))
-        measure("param_share", pipeline.transformer,
-                lambda: sum(p.numel() for p in pipeline.transformer.parameters()) / whole)
-        measure("encoder_share", pipeline.text_encoder,
-                lambda: sum(p.numel() for p in pipeline.text_encoder.parameters()) / encoder_whole)
+        transformer, encoder = pipeline.transformer, pipeline.text_encoder
+        measure("wrong_slices", transformer, lambda: wrong_slices(transformer, reference.transformer))
+        measure("param_share", transformer, lambda: sum(p.numel() for p in transformer.parameters()) / whole)
+        measure("encoder_share", encoder, lambda: sum(p.numel() for p in encoder.parameters()) / encoder_whole)
         actual = np.asarray(pipeline(**kwargs, seed=0, output=output))
         branches = pipeline._paradiff_pipeline.cfgs
         results[mode] = {
@@ -172,7 +170,6 @@ def modular_equivalence(family: str, folder: str, modes: dict[str, dict], guider
             "vae_split": get_vae_runtime(pipeline.vae) is not None,
             "stages": [row["stage"] for row in pipeline.stage_report() if row["entries"]],
         }
-        del pipeline
     return {"rank": dist.get_rank(), "tokens": seen[0], "shape": list(expected.shape), "modes": results}
 
 
