@@ -78,6 +78,20 @@ def pipeline_cfg(family: str, folder: str, degrees: dict, steps: int = 3, pipeli
             "block_diff": max(block_diffs, default=None)}
 
 
+def call_refusal(family: str, folder: str, degrees: dict, call: dict) -> str:
+    """A call the pipeline's CFG rule refuses: the error, raised before the transformer runs."""
+    from paradiff.testing.pipelines import default_call_kwargs
+
+    pipeline = paradiff.load_pipeline(folder, parallel_config=paradiff.ParallelConfig.from_degrees(**degrees))
+    calls = []
+    pipeline.transformer.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        pipeline(**default_call_kwargs(family), **call)
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}" + (" (after a transformer call)" if calls else "")
+    return "no error"
+
+
 def load_refusal(folder: str, degrees: dict) -> str:
     try:
         paradiff.load_pipeline(folder, parallel_config=paradiff.ParallelConfig.from_degrees(**degrees))

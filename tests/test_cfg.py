@@ -86,22 +86,52 @@ def test_pipeline_at_cfg2_x_tp2_matches_single_process(pools, tiny_pipeline_fold
         _check_pipeline(result, family)
 
 
-def unclassified_folder(tmp_path) -> str:
+def unclassified_folder(tmp_path, pipeline: str = "AllegroPipeline", transformer: str = "AllegroTransformer3DModel"
+                        ) -> str:
     """A pipeline folder of a class CFG_RULES does not list: refused from its model_index.json, nothing else read."""
     (tmp_path / "model_index.json").write_text(json.dumps({
-        "_class_name": "AllegroPipeline", "transformer": ["diffusers", "AllegroTransformer3DModel"]}))
+        "_class_name": pipeline, "transformer": ["diffusers", transformer]}))
     return str(tmp_path)
 
 
 @pytest.mark.parametrize("family,reason", [
     ("flux2", "Flux2Pipeline never runs classifier-free guidance (guidance-distilled"),
     (None, "AllegroPipeline is not classified for CFG parallelism yet (classified: "),
-], ids=["never-guides", "not-classified"])
+    ("SanaPAGPipeline", "SanaPAGPipeline is not supported with CFG parallelism yet: perturbed-attention guidance"),
+    ("LTX2Pipeline", "LTX2Pipeline is not supported with CFG parallelism yet: it runs up to four branches"),
+], ids=["never-guides", "not-classified", "pag", "ltx2"])
 def test_cfg2_refusals_say_why(pools, tiny_pipeline_folders, tmp_path, family, reason):
-    folder = str(tiny_pipeline_folders[family]) if family else unclassified_folder(tmp_path)
+    if family in (None, "SanaPAGPipeline", "LTX2Pipeline"):
+        transformer = {"SanaPAGPipeline": "SanaTransformer2DModel", "LTX2Pipeline": "LTX2VideoTransformer3DModel"}
+        folder = (unclassified_folder(tmp_path, family, transformer[family]) if family
+                  else unclassified_folder(tmp_path))
+    else:
+        folder = str(tiny_pipeline_folders[family])
     for message in pools.get(2).run(cases.load_refusal, folder=folder, degrees=dict(cfg=2)):
         assert message.startswith(f"ParallelConfigError: cfg_degree=2: {reason}"), message
         assert message.endswith("; use cfg_degree=1."), message
+
+
+def test_a_call_guiding_in_a_way_not_split_is_refused(pools, tiny_pipeline_folders):
+    """SD3 with skip-layer guidance adds a third branch, a separate call on the conditional batch: refused at cfg2
+    before any transformer call, naming the argument."""
+    call = dict(skip_guidance_layers=[1])
+    for message in pools.get(2).run(cases.call_refusal, family="sd3", folder=str(tiny_pipeline_folders["sd3"]),
+                                    degrees=dict(cfg=2), call=call):
+        assert message.startswith("ParallelConfigError: CFG parallelism on StableDiffusion3Pipeline: "
+                                  "skip_guidance_layers=[1]: skip-layer guidance adds a third branch"), message
+        assert message.endswith("; use cfg_degree=1."), message
+
+
+def test_cfg_degree_must_be_the_branch_count():
+    """A batch or two-call pipeline runs 2 branches: cfg_degree=3 is refused by name, before anything is read."""
+    from paradiff.api.pipeline import _check_cfg_classified
+    from paradiff.errors import ParallelConfigError
+
+    with pytest.raises(ParallelConfigError, match=r"cfg_degree=3: SanaPipeline runs 2 guidance branches per step, one "
+                                                  r"per cfg rank; use cfg_degree=2 \(or cfg_degree=1\)"):
+        _check_cfg_classified("SanaPipeline", 3)
+    _check_cfg_classified("HunyuanVideo15Pipeline", 3)  # a guider's branches: checked against its guider at the call
 
 
 # --- the rules ---------------------------------------------------------------------------------------------------

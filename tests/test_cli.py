@@ -113,7 +113,7 @@ def test_data_parallel_prompts_file_one_png_per_prompt(tmp_path):
         (["generate", "/nonexistent/model"], "model folder /nonexistent/model does not exist"),
         (["generate", "--prompts-file", "/nonexistent/prompts.txt"], "cannot read --prompts-file"),
         (["generate", "--height", "40"], "--height 40 and --width 64 must be multiples of 16"),
-        (["generate", "--cfg", "3"], "--cfg must be 1 or 2, got 3"),
+        (["generate", "--cfg", "3"], "--cfg 3: the embedded demo pipeline: Flux2Pipeline never runs classifier-free"),
         (["generate", "--tp", "0"], "expected a positive integer, got 0"),
         (["generate", "--cache", "teacache:0.1"], "--cache teacache:0.1: use fbc:THRESHOLD"),
     ],

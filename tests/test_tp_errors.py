@@ -283,13 +283,13 @@ def test_bin_only_single_process(folders):
         (lambda: paradiff.TensorParallelConfig(tp_degree="2"), "ParallelConfigError", ["int >= 1", "'2'", "str"]),
         (lambda: paradiff.TensorParallelConfig(tp_degree=True), "ParallelConfigError", ["True", "bool"]),
         (lambda: paradiff.ContextParallelConfig(), "ParallelConfigError", ["ring_degree=1, ulysses_degree=1"]),
-        (lambda: paradiff.ParallelConfig(cfg_degree=3), "ParallelConfigError", ["cfg_degree", "1 or 2", "got 3"]),
+        (lambda: paradiff.ParallelConfig(cfg_degree=0), "ParallelConfigError", ["cfg_degree", ">= 1", "got 0"]),
         (lambda: paradiff.ParallelConfig(tensor_parallel_config=2), "ParallelConfigError",
          ["TensorParallelConfig", "got int"]),
         (lambda: paradiff.config.as_parallel_config({"tp_degree": 2}, 2), "ParallelConfigError",
          ["TensorParallelConfig, ContextParallelConfig or ParallelConfig", "got dict"]),
     ],
-    ids=["tp0", "tp-str", "tp-bool", "cp-1x1", "cfg3", "tp-config-int", "config-dict"],
+    ids=["tp0", "tp-str", "tp-bool", "cp-1x1", "cfg0", "tp-config-int", "config-dict"],
 )
 def test_config_errors(build, kind, fragments):
     check_error(single_process_error(build), kind, fragments)

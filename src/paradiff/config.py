@@ -88,10 +88,6 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         _check_degree("cfg_degree", self.cfg_degree)
         _check_degree("data_degree", self.data_degree)
-        if self.cfg_degree > 2:
-            raise ParallelConfigError(
-                f"cfg_degree must be 1 or 2 (a conditional and an unconditional branch), got {self.cfg_degree}."
-            )
         if self.tensor_parallel_config is not None and not isinstance(
             self.tensor_parallel_config, TensorParallelConfig
         ):

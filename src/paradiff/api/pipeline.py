@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 from typing import Any
@@ -17,10 +16,12 @@ from paradiff.config import as_parallel_config
 from paradiff.errors import CheckpointError, ParallelConfigError
 from paradiff.api.model import check_dtype
 from paradiff.api.quantization import pipeline_quantization
-from paradiff.io.folders import resolve_folder
+from paradiff.io.folders import has_modular_index_only, read_pipeline_index, resolve_folder
 from paradiff.distributed.mesh import default_device
-from paradiff.plans.pipelines import CFG_RULES, cfg_refusal
+from paradiff.plans.pipelines import CFG_RULES, GUIDER_PIPELINES, cfg_refusal, modular_cfg_refusal
 from paradiff.api.pipeline_components import _components_paradiff_loads, _load_components, transformer_names
+from paradiff.api.modular import (check_guided_call, fill_modular, guider_names, install_guided_cfg,
+                                  is_modular_class, modular_skeleton, pretrained_names)
 from paradiff.api.pipeline_wiring import _check_parallel_vae, _install_latent_check, _parallelize_vae, _stage_runner
 from paradiff.runtime.state import PipelineState, get_state
 
@@ -32,20 +33,26 @@ class ParallelPipelineMixin:
     _paradiff_pipeline: PipelineState
 
     def __call__(self, *args: Any, seed: int | None = None, **kwargs: Any):
-        if kwargs.get("generator") is None:
+        state = self._paradiff_pipeline
+        if kwargs.get("generator") is None and (not state.modular or "generator" in self._blocks.input_names):
             # every rank must draw identical initial latents; a CPU generator is identical on every device
             kwargs["generator"] = torch.Generator("cpu").manual_seed(0 if seed is None else seed)
-        state = self._paradiff_pipeline
         splitters = state.cfgs
-        if splitters:
+        if splitters and state.guided:
+            check_guided_call(self, splitters[0], state.base_name)
+        elif splitters:
             rule = CFG_RULES[state.base_name]
+            refusal = rule.refusal(kwargs)
+            if refusal is not None:
+                raise ParallelConfigError(f"CFG parallelism on {state.base_name}: {refusal}; use cfg_degree=1.")
             if not rule.runs_cfg(kwargs, getattr(self, "config", None)):
                 raise ParallelConfigError(
-                    f"cfg_degree=2 needs a call that runs classifier-free guidance; {state.base_name} "
-                    f"with these arguments does not (give {rule.how()}), or use cfg_degree=1."
+                    f"cfg_degree={get_state(self.transformer).mesh.size('cfg')} needs a call that runs "
+                    f"classifier-free guidance; {state.base_name} with these arguments does not (give {rule.how()}), "
+                    "or use cfg_degree=1."
                 )
-            for splitter in splitters:
-                splitter.reset()
+        for splitter in splitters:
+            splitter.reset()
         state.check_latents = True
         with state.stages.call() if state.stages else contextlib.nullcontext():
             output = super().__call__(*args, **kwargs)
@@ -188,9 +195,6 @@ def load_pipeline(
     is covered, otherwise the VAE decodes whole on each rank; True: required (an uncovered VAE is an error); False:
     off.
     """
-    from diffusers import DiffusionPipeline
-    import diffusers
-
     dtype = check_dtype(torch_dtype)
     device = torch.device(device) if device is not None else default_device()
     _check_pipeline_options(stages, shard_text_encoders, text_encoder_plans, kwargs)
@@ -201,24 +205,75 @@ def load_pipeline(
 
             require_distributed()
         parallel = as_parallel_config(parallel_config, dist.get_world_size())
-        if parallel.cfg_degree > 1 and pipeline_cls is not None:
-            _check_cfg_classified(pipeline_cls.__name__)
     folder = resolve_folder(path, pipeline=True)
-    index = json.loads((folder / "model_index.json").read_text())
-    if "transformer" not in index:
-        raise CheckpointError(f"{folder}/model_index.json has no 'transformer' component.")
-    pipeline_name = index.get("_class_name")
-    if parallel is not None and parallel.cfg_degree > 1 and pipeline_cls is None:
-        _check_cfg_classified(str(pipeline_name))
+    modular = is_modular_class(pipeline_cls) or has_modular_index_only(folder)
+    pipeline_index = read_pipeline_index(folder, modular)
+    if "transformer" not in pipeline_index.components:
+        index_file = "modular_model_index.json" if modular and not (folder / "model_index.json").is_file() \
+            else "model_index.json"
+        raise CheckpointError(f"{folder}/{index_file} has no 'transformer' component.")
+    skeleton, names = None, None
+    if modular:  # the blocks and component specs, no weight: which components the pipeline uses, its guiders
+        skeleton, kwargs = modular_skeleton(pipeline_cls, folder, kwargs)
+        names = pretrained_names(skeleton)
+        base_name = type(skeleton).__name__
+    else:
+        base_name = pipeline_cls.__name__ if pipeline_cls is not None else str(pipeline_index.class_name)
+    guided = modular or base_name in GUIDER_PIPELINES  # guidance through a guider component
+    if parallel is not None and parallel.cfg_degree > 1:
+        _check_cfg_classified(base_name, parallel.cfg_degree,
+                              modular=modular, has_guider=modular and bool(guider_names(skeleton)))
+    index = pipeline_index.entries()
     if parallel_vae:
         _check_parallel_vae(parallel, index, folder)
-    own = _components_paradiff_loads(folder, index, parallel, stages, shard_text_encoders, text_encoder_plans or {})
+    own = _components_paradiff_loads(pipeline_index, parallel, stages, shard_text_encoders, text_encoder_plans or {},
+                                     names)
     schemes, diffusers_quantizes = pipeline_quantization(
         kwargs.get("quantization_config"), {item.name: (item.model_cls, item.kind) for item in own})
     if not diffusers_quantizes:
         kwargs.pop("quantization_config", None)  # every component it names is paradiff's, quantized on read
-    loaded = _load_components(own, folder, parallel, dtype, device, stages, plan, cp_plan, schemes)
-    target_cls = pipeline_cls or getattr(diffusers, str(pipeline_name), DiffusionPipeline)
+    elif modular:
+        raise ParallelConfigError(
+            "quantization_config asks diffusers to quantize components of a Modular Diffusers pipeline, whose "
+            "load_components takes no PipelineQuantizationConfig; list only the components paradiff loads "
+            f"({', '.join(item.name for item in own)}) in components_to_quantize, or quantize the others yourself "
+            "and pass them with pipe.update_components(...).")
+    loaded = _load_components(own, parallel, dtype, device, stages, plan, cp_plan, schemes)
+    if modular:
+        pipeline = skeleton
+        fill_modular(pipeline, {name: item.model for name, item in loaded.items()}, dtype, kwargs)
+    else:
+        pipeline = _standard_pipeline(pipeline_cls, pipeline_index, folder, loaded, dtype, kwargs)
+    if kwargs.get("device_map") is None:
+        for name, component in pipeline.components.items():
+            if isinstance(component, nn.Module) and name not in loaded:
+                component.to(device)
+    base = type(pipeline)
+    pipeline.__class__ = parallel_pipeline_class(base)
+    pipeline._paradiff_pipeline = PipelineState(base_name=base.__name__, modular=modular, guided=guided)
+    transformers = [getattr(pipeline, name) for name in transformer_names(index)
+                    if isinstance(getattr(pipeline, name, None), nn.Module)]
+    if parallel is not None and parallel.cfg_degree > 1:
+        group = get_state(transformers[0]).mesh.group("cfg")
+        if guided:
+            pipeline._paradiff_pipeline.cfgs = (install_guided_cfg(transformers, group),)
+        else:
+            pipeline._paradiff_pipeline.cfgs = tuple(
+                install_cfg_parallel(model, group, CFG_RULES[base.__name__]) for model in transformers)
+    if parallel is not None:
+        _install_latent_check(pipeline)
+        if parallel_vae is not False and parallel.world_size // parallel.data_degree > 1:
+            _parallelize_vae(pipeline, required=bool(parallel_vae))
+    pipeline._paradiff_pipeline.stages = _stage_runner(pipeline, loaded, device, stages)
+    return pipeline
+
+
+def _standard_pipeline(pipeline_cls: type | None, pipeline_index, folder, loaded: dict, dtype, kwargs: dict):
+    """The diffusers pipeline of a model_index.json folder, built around the components paradiff loaded."""
+    import diffusers
+    from diffusers import DiffusionPipeline
+
+    target_cls = pipeline_cls or getattr(diffusers, str(pipeline_index.class_name), DiffusionPipeline)
     expected_modules, _ = DiffusionPipeline._get_signature_keys(target_cls)
     # Pipelines whose transformer is an optional argument (Wan) would load it again from disk, whole, and drop the
     # one passed in: load without it, then register the parallel one.
@@ -229,23 +284,6 @@ def load_pipeline(
             pipeline.register_modules(**{name: component.model})
         if getattr(pipeline, name) is not component.model:
             raise RuntimeError(f"{target_cls.__name__} replaced the paradiff-loaded {name} while loading.")
-    if kwargs.get("device_map") is None:
-        for name, component in pipeline.components.items():
-            if isinstance(component, nn.Module) and name not in loaded:
-                component.to(device)
-    base = type(pipeline)
-    pipeline.__class__ = parallel_pipeline_class(base)
-    pipeline._paradiff_pipeline = PipelineState(base_name=base.__name__)
-    if parallel is not None and parallel.cfg_degree > 1:
-        pipeline._paradiff_pipeline.cfgs = tuple(
-            install_cfg_parallel(model, get_state(model).mesh.group("cfg"), CFG_RULES[base.__name__])
-            for model in (getattr(pipeline, name) for name in transformer_names(index))
-        )
-    if parallel is not None:
-        _install_latent_check(pipeline)
-        if parallel_vae is not False and parallel.world_size // parallel.data_degree > 1:
-            _parallelize_vae(pipeline, required=bool(parallel_vae))
-    pipeline._paradiff_pipeline.stages = _stage_runner(pipeline, loaded, device, stages)
     return pipeline
 
 
@@ -256,10 +294,15 @@ def parallel_pipeline_class(base: type) -> type:
     return type(f"Parallel{base.__name__}", (*mixins, base), {})
 
 
-def _check_cfg_classified(pipeline_name: str) -> None:
-    refusal = cfg_refusal(pipeline_name)
+def _check_cfg_classified(pipeline_name: str, degree: int, modular: bool = False, has_guider: bool = False) -> None:
+    refusal = modular_cfg_refusal(pipeline_name, has_guider) if modular else cfg_refusal(pipeline_name)
     if refusal is not None:
-        raise ParallelConfigError(f"cfg_degree=2: {refusal}; use cfg_degree=1.")
+        raise ParallelConfigError(f"cfg_degree={degree}: {refusal}; use cfg_degree=1.")
+    if pipeline_name in CFG_RULES and CFG_RULES[pipeline_name].branches != degree:
+        branches = CFG_RULES[pipeline_name].branches
+        raise ParallelConfigError(
+            f"cfg_degree={degree}: {pipeline_name} runs {branches} guidance branches per step, one per cfg rank; use "
+            f"cfg_degree={branches} (or cfg_degree=1).")
 
 
 def _check_pipeline_options(stages: Any, shard_text_encoders: Any, text_encoder_plans: Any, kwargs: dict) -> None:

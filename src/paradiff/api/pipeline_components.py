@@ -46,6 +46,7 @@ class _Own:
     name: str
     model_cls: type
     kind: str  # "transformer", "controlnet" (split like a transformer, built-in plans), "text_encoder" (split) or "whole"
+    folder: Path  # where its config and weights are
     plan: Any = None
 
 
@@ -59,14 +60,21 @@ class _Loaded:
 
 
 
-def _components_paradiff_loads(folder, index, parallel, stages, shard_text_encoders, plans) -> list[_Own]:
-    import importlib
-
+def _components_paradiff_loads(pipeline_index, parallel, stages, shard_text_encoders, plans,
+                               names: set[str] | None = None) -> list[_Own]:
+    """`pipeline_index`: io.folders.PipelineIndex; `names`: the components the pipeline uses (None: all of the
+    index; a modular pipeline run as one workflow uses fewer)."""
     from paradiff.plans import family_of
+
+    index = {name: entry for name, entry in pipeline_index.entries().items() if names is None or name in names
+             or not _is_component(entry)}
+
+    def place(name: str) -> Path:
+        return component_folder(pipeline_index, name)
 
     # Wan 2.2 A14B has a second transformer for the low-noise steps (`transformer_2`; null in model_index.json
     # for the single-transformer checkpoints): every transformer is split alike.
-    own = [_Own(name, _component_class(index, name), "transformer") for name in transformer_names(index)]
+    own = [_Own(name, _component_class(index, name), "transformer", place(name)) for name in transformer_names(index)]
     split_encoders = shard_text_encoders is not False and bool(text_encoder_dims(parallel))
     unknown = sorted(set(plans) - {n for n in index if is_encoder(n)})
     if unknown:
@@ -83,11 +91,11 @@ def _components_paradiff_loads(folder, index, parallel, stages, shard_text_encod
         known = name in plans or family_of(model_cls) is not None
         if is_controlnet(name) and parallel is not None and family_of(model_cls) is not None:
             # its residuals are added to the transformer's tokens: split on the transformer's mesh, by its own plans
-            own.append(_Own(name, model_cls, "controlnet"))
+            own.append(_Own(name, model_cls, "controlnet", place(name)))
             continue
         if is_encoder(name) and split_encoders:
             if known or shard_text_encoders:  # True: split, or say why it cannot be
-                own.append(_Own(name, model_cls, "text_encoder", plans.get(name)))
+                own.append(_Own(name, model_cls, "text_encoder", place(name), plans.get(name)))
                 continue
             # the class decides it, so every rank keeps it whole alike, before any read or collective; one
             # console line, from the first rank
@@ -97,7 +105,7 @@ def _components_paradiff_loads(folder, index, parallel, stages, shard_text_encod
         if stages or (is_encoder(name) and shard_text_encoders is not False and known):
             # paradiff reads the encoders it knows itself even when nothing splits them (single process, CFG- or
             # data-only meshes): into process memory, like every weight of a split run, never a mapped file
-            own.append(_Own(name, model_cls, "whole"))
+            own.append(_Own(name, model_cls, "whole", place(name)))
     return own
 
 
@@ -120,6 +128,15 @@ def is_encoder(name: str) -> bool:
 def _encoder_kind(name: str) -> str:
     return "image encoder" if name.startswith("image_encoder") else "text encoder"
 
+
+
+def component_folder(pipeline_index, name: str) -> Path:
+    """The local folder of component `name` of a pipeline (io.folders.PipelineIndex): in the pipeline's folder, or,
+    for a modular pipeline whose index points elsewhere, in another local folder or a Hub repository (fetched)."""
+    from paradiff.io.folders import resolve_folder
+
+    repository, subfolder = pipeline_index.location(name)
+    return resolve_folder(repository, subfolder)
 
 
 def transformer_names(index: dict) -> list[str]:
@@ -150,7 +167,7 @@ def library_module(library: str):
 
 
 
-def _load_components(own: list[_Own], folder: Path, parallel, dtype, device, stages: bool, plan: Any = None,
+def _load_components(own: list[_Own], parallel, dtype, device, stages: bool, plan: Any = None,
                      cp_plan: Any = None, schemes: dict | None = None) -> dict[str, _Loaded]:
     """Prepare every component (meta models, plans, checkpoint headers) on every rank, agree, build the mesh once,
     then read: everything now (all-resident), or only persistent buffers (staged; parameters come at their stage).
@@ -185,9 +202,9 @@ def _load_components(own: list[_Own], folder: Path, parallel, dtype, device, sta
         elif item.kind == "text_encoder":
             tp_shard = _encoder_shard(parallel, encoder_dims)
             builtin = item_plan is None
-            item_plan = item_plan if item_plan is not None else _text_encoder_plan(item, folder)
+            item_plan = item_plan if item_plan is not None else _text_encoder_plan(item)
             try:
-                one = prepare_model(item.model_cls, folder / item.name, dtype=dtype, device=device,
+                one = prepare_model(item.model_cls, item.folder, dtype=dtype, device=device,
                                     tp_shard=tp_shard, plan=item_plan, quantization=schemes.get(item.name))
             except PlanError as exc:
                 # the caller's own plan: their error to see; a quantized slice that would cut a block: refused as
@@ -200,7 +217,7 @@ def _load_components(own: list[_Own], folder: Path, parallel, dtype, device, sta
                                item.name, item.model_cls.__name__, tp_shard[1], exc)
                 tp_shard, item_plan = None, None
         if one is None:
-            one = prepare_model(item.model_cls, folder / item.name, dtype=dtype, device=device,
+            one = prepare_model(item.model_cls, item.folder, dtype=dtype, device=device,
                                 tp_shard=tp_shard, plan=item_plan, context=context, cp_plan=item_cp_plan,
                                 quantization=schemes.get(item.name))
         components[item.name] = Component(
@@ -215,13 +232,13 @@ def _load_components(own: list[_Own], folder: Path, parallel, dtype, device, sta
 
 
 
-def _text_encoder_plan(item: _Own, folder: Path):
+def _text_encoder_plan(item: _Own):
     from paradiff.errors import PlanError
     from paradiff.io.model_classes import load_config
     from paradiff.plans import builtin_plan, model_config, text_encoder_families
 
     try:
-        config = model_config(item.model_cls, load_config(item.model_cls, folder / item.name))
+        config = model_config(item.model_cls, load_config(item.model_cls, item.folder))
         return builtin_plan(item.model_cls, config, "tensor")
     except PlanError:
         known = sorted(name for family in text_encoder_families() for name in family.model_classes)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import inspect
-import json
 import os
 from pathlib import Path
 
@@ -252,8 +250,12 @@ def check_args(args: argparse.Namespace) -> None:
         cache_config(args.cache)
     if args.model is not None:
         path = Path(args.model)
-        if (path.exists() or args.model.startswith((".", "/"))) and not (path / "model_index.json").is_file():
-            raise CliError(f"model folder {args.model} does not exist or has no model_index.json")
+        from paradiff.io.folders import INDEX_FILES
+
+        if (path.exists() or args.model.startswith((".", "/"))) and not any((path / name).is_file()
+                                                                             for name in INDEX_FILES):
+            raise CliError(f"model folder {args.model} does not exist or has no model_index.json (nor a Modular "
+                           "Diffusers modular_model_index.json)")
     read_prompts(args)
     for lora in lora_specs(args):
         path = Path(lora["path"])
@@ -281,8 +283,6 @@ def check_args(args: argparse.Namespace) -> None:
         raise CliError(f"output folder {args.out} is not writable: {exc.strerror}") from None
     if args.height % 16 or args.width % 16:
         raise CliError(f"--height {args.height} and --width {args.width} must be multiples of 16 (VAE x patch size)")
-    if args.cfg > 2:
-        raise CliError(f"--cfg must be 1 or 2, got {args.cfg}")
     if getattr(args, "quantize", None) and args.compare:
         raise CliError(f"--quantize {args.quantize} with --compare: --compare runs the unquantized single-process "
                        "pipeline; drop one of the two")
@@ -312,16 +312,20 @@ def _check_video(args: argparse.Namespace) -> None:
 
 
 def _makes_video(model: str | None) -> bool | None:
-    """Whether the pipeline in folder `model` makes videos (its __call__ takes `num_frames`), read from its
-    model_index.json before any weight; None when unknown (a Hub id, a custom pipeline class)."""
+    """Whether the pipeline in folder `model` makes videos (its call takes `num_frames`), read from its index before
+    any weight; None when unknown (a Hub id, a custom pipeline class)."""
     if model is None:
         return False
-    index = Path(model) / "model_index.json"
-    if not index.is_file():
+    from paradiff.io.folders import INDEX_FILES, read_pipeline_index
+
+    if not any((Path(model) / name).is_file() for name in INDEX_FILES):
         return None
     import diffusers
 
-    pipeline_class = getattr(diffusers, str(json.loads(index.read_text()).get("_class_name")), None)
+    from paradiff.cli.conditioning import call_parameter_names
+
+    pipeline_class = getattr(diffusers, str(read_pipeline_index(model).class_name), None)
     if pipeline_class is None:
         return None
-    return "num_frames" in inspect.signature(pipeline_class.__call__).parameters
+    parameters = call_parameter_names(pipeline_class, Path(model))
+    return None if parameters is None else "num_frames" in parameters

@@ -14,16 +14,35 @@ from paradiff.cli.outputs import Output, first_output
 AMPLIFY = 50
 
 
+def single_process_pipeline(model: str, dtype: torch.dtype, pipeline_cls: type | None = None):
+    """diffusers' own pipeline of folder `model`, loaded whole in this process: a DiffusionPipeline, or a Modular
+    Diffusers pipeline (modular_model_index.json, or a ModularPipeline class) with every component loaded."""
+    from diffusers import DiffusionPipeline, ModularPipeline
+
+    from paradiff.io.folders import has_modular_index_only
+
+    if (pipeline_cls is None and has_modular_index_only(model)) or (
+            pipeline_cls is not None and issubclass(pipeline_cls, ModularPipeline)):
+        from paradiff.api.modular import modular_pipeline_object
+
+        reference = modular_pipeline_object(pipeline_cls, model)
+        reference.load_components(dtype=dtype)
+        return reference
+    return (pipeline_cls or DiffusionPipeline).from_pretrained(model, dtype=dtype)
+
+
 def compare_single_process(model: str, dtype: torch.dtype, kwargs: dict, seed: int,
                            made: list[tuple[int, str, Output]], cache: str | None = None,
                            loras: list[dict] | None = None,
                            lora_weight_name: str | None = None,
                            pipeline_cls: type | None = None,
-                           without_lora: list[tuple[int, str, Output]] | None = None) -> tuple[dict, list[Output]]:
+                           without_lora: list[tuple[int, str, Output]] | None = None,
+                           guider: dict | None = None) -> tuple[dict, list[Output]]:
     """Differences between each (index, prompt, image, video or sound) of `made` and diffusers' single-process
     result for that prompt (seed `seed + index`, as in the parallel run), with the same step cache on every
     transformer (`cache`, a --cache spec) when one is given, the same LoRA adapters (`loras`, from --lora), and the
-    same pipeline class (`pipeline_cls`, from --pipeline; None: the folder's own).
+    same pipeline class (`pipeline_cls`, from --pipeline; None: the folder's own), and for a Modular Diffusers
+    pipeline the same guider settings (`guider`, e.g. the --guidance-scale its guider takes).
 
     `without_lora` (--also-without-lora): more (index, prompt, output) drawn with the adapters switched off; the
     reference draws them with its adapters off too.
@@ -32,12 +51,14 @@ def compare_single_process(model: str, dtype: torch.dtype, kwargs: dict, seed: i
     (every frame is compared), "max_abs_diff_audio" when they have a soundtrack, "max_abs_diff_without_lora" over
     `without_lora`; the single-process outputs in the order of `made`, then of `without_lora`).
     """
-    from diffusers import DiffusionPipeline
-
     import paradiff
 
-    reference = (pipeline_cls or DiffusionPipeline).from_pretrained(model, dtype=dtype)
+    reference = single_process_pipeline(model, dtype, pipeline_cls)
     reference.set_progress_bar_config(disable=True)
+    if guider:
+        from paradiff.cli.worker import set_guider
+
+        set_guider(reference, guider)
     if loras:  # the same adapters, by diffusers alone
         from paradiff.cli.worker import load_adapters
 

@@ -32,34 +32,78 @@ FLAGS = {
 
 
 def pipeline_class_name(args: argparse.Namespace) -> str | None:
-    """The class `paradiff generate` runs: --pipeline, else the folder's model_index.json; None when unknown (a Hub
-    id not yet fetched)."""
+    """The class `paradiff generate` runs: --pipeline, else the folder's model_index.json (or, for a Modular
+    Diffusers pipeline, its modular_model_index.json); None when unknown (a Hub id not yet fetched)."""
     if getattr(args, "pipeline", None):
         return args.pipeline
+    index = folder_index(args)
+    return None if index is None else str(index.class_name)
+
+
+def model_folder(args: argparse.Namespace) -> Path:
     if args.model is None:
         from paradiff.cli.embedded import embedded_default
 
-        folder = embedded_default()
-    else:
-        folder = Path(args.model)
-    index = folder / "model_index.json"
-    if not index.is_file():
+        return embedded_default()
+    return Path(args.model)
+
+
+def folder_index(args: argparse.Namespace):
+    """The pipeline index (io.folders.PipelineIndex) of the model folder, as `paradiff.load_pipeline` reads it; None
+    when there is no local folder (a Hub id)."""
+    from paradiff.io.folders import INDEX_FILES, read_pipeline_index
+
+    folder = model_folder(args)
+    if not any((folder / name).is_file() for name in INDEX_FILES):
         return None
-    return str(json.loads(index.read_text()).get("_class_name"))
+    modular = True if getattr(args, "pipeline", None) and is_modular(pipeline_class(args.pipeline)) else None
+    return read_pipeline_index(folder, modular)
 
 
 def pipeline_class(name: str) -> type:
-    """The diffusers pipeline class called `name`, or a CliError listing the closest names."""
+    """The diffusers pipeline class called `name` (a DiffusionPipeline or a ModularPipeline), or a CliError listing
+    the closest names."""
     import diffusers
-    from diffusers import DiffusionPipeline
+    from diffusers import DiffusionPipeline, ModularPipeline
 
     candidate = getattr(diffusers, name, None)
-    if isinstance(candidate, type) and issubclass(candidate, DiffusionPipeline):
+    if isinstance(candidate, type) and issubclass(candidate, (DiffusionPipeline, ModularPipeline)):
         return candidate
-    known = [entry for entry in dir(diffusers) if entry.endswith("Pipeline") and entry != "DiffusionPipeline"]
+    known = [entry for entry in dir(diffusers)
+             if entry.endswith("Pipeline") and entry not in ("DiffusionPipeline", "ModularPipeline")]
     close = difflib.get_close_matches(name, known, n=5, cutoff=0.5)
     hint = f"; close names: {', '.join(close)}" if close else ""
     raise CliError(f"--pipeline {name}: diffusers {diffusers.__version__} has no pipeline class of that name{hint}")
+
+
+def is_modular(cls: type | None) -> bool:
+    from diffusers import ModularPipeline
+
+    return isinstance(cls, type) and issubclass(cls, ModularPipeline)
+
+
+def call_parameter_names(cls: type, folder: Path | None = None) -> set[str] | None:
+    """The keyword arguments a pipeline class's call takes: its __call__'s parameters, or for a Modular Diffusers
+    pipeline its blocks' inputs; None when they cannot be known here (custom blocks, loaded with their own code)."""
+    if not is_modular(cls):
+        return set(inspect.signature(cls.__call__).parameters)
+    blocks = modular_blocks(cls, folder)
+    return None if blocks is None else set(blocks.input_names)
+
+
+def modular_blocks(cls: type, folder: Path | None = None):
+    """The blocks a Modular Diffusers pipeline of class `cls` runs: those `folder`'s modular_model_index.json names,
+    else the class's default blocks (as ModularPipeline falls back); None when they are custom code."""
+    import diffusers
+
+    blocks_name = None
+    index = folder / "modular_model_index.json" if folder is not None else None
+    if index is not None and index.is_file():
+        blocks_name = json.loads(index.read_text()).get("_blocks_class_name")
+    blocks_cls = getattr(diffusers, blocks_name or "", None)
+    if blocks_cls is None or not getattr(blocks_cls, "block_classes", None):
+        blocks_cls = getattr(diffusers, cls.default_blocks_name or "", None)
+    return None if blocks_cls is None else blocks_cls()
 
 
 def check_conditioning(args: argparse.Namespace) -> None:
@@ -76,8 +120,8 @@ def check_conditioning(args: argparse.Namespace) -> None:
         import diffusers
 
         cls = getattr(diffusers, name, None)
-    if cls is not None:
-        parameters = inspect.signature(cls.__call__).parameters
+    parameters = call_parameter_names(cls, model_folder(args)) if cls is not None else None
+    if parameters is not None:
         for flag in given:
             keyword = FLAGS[flag][1]
             if keyword not in parameters:

@@ -4,7 +4,8 @@ video; a WAV per sound (audio pipelines, and the soundtrack of audio + video pip
 A pipeline's result is told apart by its fields, not by its class: diffusers' video pipelines (Wan, HunyuanVideo,
 LTX, CogVideoX, ...) return `.frames`, shaped (batch, frames, height, width, channels) with output_type="np"; image
 pipelines return `.images`; audio pipelines (Stable Audio, ...) `.audios`, shaped (batch, channels, samples); LTX-2
-returns `.frames` and `.audio`.
+returns `.frames` and `.audio`. Modular Diffusers pipelines return their state, whose `images` or `videos` (same
+layouts) are read alike.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def _numpy(value: Any) -> np.ndarray:
 def outputs_of(result) -> list[Output]:
     """Every item of a pipeline result (one per prompt of a batched call)."""
     frames = getattr(result, "frames", None)
+    if frames is None:  # a Modular Diffusers pipeline's state holds them as `videos`
+        frames = getattr(result, "videos", None)
     if frames is not None:
         sound = getattr(result, "audio", None)
         return [Output("video", _numpy(item), None if sound is None else _numpy(sound[number]))

@@ -15,24 +15,94 @@ from paradiff.cli.args import CliError
 
 
 def check_model_folder(args: argparse.Namespace) -> None:
-    if args.model is None:
+    if args.model is None:  # the embedded demo pipeline: only whether it takes --cfg
+        if args.cfg > 1:
+            from paradiff.cli.conditioning import pipeline_class_name
+            from paradiff.plans.pipelines import cfg_refusal
+
+            refusal = cfg_refusal(str(pipeline_class_name(args)))
+            if refusal is not None:
+                raise CliError(f"--cfg {args.cfg}: the embedded demo pipeline: {refusal}. Use --cfg 1")
         return
     path = Path(args.model)
     if not path.exists():
         if _looks_like_hub_id(args.model):
             return  # fetched by the workers; nothing local to read yet
         raise CliError(f"model folder {args.model} does not exist (and is not a Hub id of the form 'owner/name')")
-    index = json.loads((path / "model_index.json").read_text())
-    pipeline_name = getattr(args, "pipeline", None) or str(index.get("_class_name"))
-    if args.cfg > 1:
-        from paradiff.plans.pipelines import cfg_refusal
+    from paradiff.cli.conditioning import folder_index
+
+    index = folder_index(args)
+    pipeline_name = getattr(args, "pipeline", None) or str(index.class_name)
+    if index.modular:
+        _check_modular_flags(args, pipeline_name, path)
+    if args.cfg > 1 and index.modular:
+        _check_modular_guides(args, pipeline_name, path)
+    elif args.cfg > 1:
+        from paradiff.plans.pipelines import CFG_RULES, cfg_refusal
 
         refusal = cfg_refusal(pipeline_name)
         if refusal is not None:
             raise CliError(f"--cfg {args.cfg}: {args.model}: {refusal}. Use --cfg 1")
-        _check_call_guides(args, pipeline_name, index)
+        if pipeline_name not in CFG_RULES:  # guidance through a guider component: checked at the call
+            return
+        branches = CFG_RULES[pipeline_name].branches
+        if args.cfg != branches:
+            raise CliError(f"--cfg {args.cfg}: {pipeline_name} runs {branches} guidance branches per step, one per "
+                           f"cfg rank. Use --cfg {branches} or --cfg 1")
+        _check_call_guides(args, pipeline_name, index.entries())
     if args.tp > 1:
-        _check_transformers_split(args, path, index)
+        _check_transformers_split(args, index)
+
+
+def _check_modular_flags(args: argparse.Namespace, pipeline_name: str, folder: Path) -> None:
+    """A Modular Diffusers pipeline takes its blocks' inputs: a flag they do not take (and, for the guidance scale,
+    no guider takes either) is refused by name, as the workers would."""
+    from paradiff.cli.conditioning import modular_blocks, pipeline_class
+
+    blocks = modular_blocks(pipeline_class(pipeline_name), folder)
+    if blocks is None:
+        return
+    inputs = set(blocks.input_names)
+    has_guider = any(spec.name.startswith("guider") for spec in blocks.expected_components)
+    for flag, key, value in (("--negative-prompt", "negative_prompt", args.negative_prompt),
+                             ("--guidance-scale", "guidance_scale", args.guidance_scale),
+                             ("--true-cfg-scale", "true_cfg_scale", args.true_cfg_scale)):
+        guider_takes = key != "negative_prompt" and has_guider
+        if value is not None and key not in inputs and not guider_takes:
+            raise CliError(f"{flag}: {pipeline_name} (a modular pipeline) takes no {key}"
+                           f"{' and has no guider' if key != 'negative_prompt' else ''}; its blocks take "
+                           f"{', '.join(sorted(inputs))}")
+
+
+def _check_modular_guides(args: argparse.Namespace, pipeline_name: str, folder: Path) -> None:
+    """--cfg N on a Modular Diffusers pipeline splits its guider's branches: it must have a guider, guide the way CFG
+    parallelism follows, and (for the default guider its blocks create) run at least N branches per step."""
+    from paradiff.cli.conditioning import modular_blocks, pipeline_class
+    from paradiff.plans.pipelines import modular_cfg_refusal
+
+    blocks = modular_blocks(pipeline_class(pipeline_name), folder)
+    if blocks is None:
+        return  # custom blocks: the workers check the guider at the call
+    specs = {spec.name: spec for spec in blocks.expected_components if spec.name.startswith("guider")}
+    refusal = modular_cfg_refusal(pipeline_name, bool(specs))
+    if refusal is not None:
+        raise CliError(f"--cfg {args.cfg}: {args.model}: {refusal}. Use --cfg 1")
+    index = json.loads((folder / "modular_model_index.json").read_text()) \
+        if (folder / "modular_model_index.json").is_file() else {}
+    for name, spec in specs.items():
+        if name in index or spec.default_creation_method != "from_config":
+            continue  # a guider saved with the pipeline: the workers check it at the call
+        from paradiff.runtime.cfg import guider_branch_count
+
+        guider = spec.create()
+        if args.guidance_scale is not None and "guidance_scale" in guider.config:
+            guider = guider.new(guidance_scale=args.guidance_scale)
+        count = guider_branch_count(guider)
+        if count is not None and count < args.cfg:
+            what = "no guidance (one branch)" if count == 1 else f"{count} guidance branches"
+            raise CliError(f"--cfg {args.cfg}: {pipeline_name}'s {name} ({type(guider).__name__}, guidance_scale "
+                           f"{guider.config.get('guidance_scale')}) runs {what} per step; each cfg rank computes one. "
+                           f"Use --cfg {count if count > 1 else 1}")
 
 
 def _check_call_guides(args: argparse.Namespace, pipeline_name: str, index: dict) -> None:
@@ -60,7 +130,7 @@ def _looks_like_hub_id(name: str) -> bool:
     return bool(slash and owner and repo and "/" not in repo and not name.startswith((".", "/", "~")))
 
 
-def _check_transformers_split(args: argparse.Namespace, folder: Path, index: dict) -> None:
+def _check_transformers_split(args: argparse.Namespace, index) -> None:
     """Resolve each transformer's TP plan for the first TP rank on the meta device, as every worker will."""
     import torch
 
@@ -69,14 +139,17 @@ def _check_transformers_split(args: argparse.Namespace, folder: Path, index: dic
     from paradiff.errors import ParadiffError
 
     plan = _plan_argument(args.plan, "tensor")
-    for name, entry in sorted(index.items()):
-        if not (name.startswith("transformer") and isinstance(entry, list) and len(entry) == 2
-                and all(isinstance(part, str) for part in entry)):
+    for name, (library, class_name) in sorted(index.components.items()):
+        if not name.startswith("transformer"):
             continue
-        model_cls = getattr(importlib.import_module(entry[0]), entry[1])
+        repository, subfolder = index.location(name)
+        folder = Path(repository) / (subfolder or "")
+        if not folder.is_dir():
+            continue  # a modular component on the Hub: fetched by the workers
+        model_cls = getattr(importlib.import_module(library), class_name)
         try:
-            prepared = prepare_model(model_cls, folder / name, dtype=torch.float32, device=torch.device("cpu"),
+            prepared = prepare_model(model_cls, folder, dtype=torch.float32, device=torch.device("cpu"),
                                      tp_shard=(0, args.tp), plan=plan)
         except ParadiffError as exc:
-            raise CliError(f"--tp {args.tp}: {name} ({entry[1]}): {str(exc).splitlines()[0]}") from None
+            raise CliError(f"--tp {args.tp}: {name} ({class_name}): {str(exc).splitlines()[0]}") from None
         prepared.checkpoint.close()

@@ -30,6 +30,7 @@ from paradiff.cli.compare import compare_single_process, write_compare_png
 from paradiff.cli.embedded import embedded_call_kwargs, embedded_default
 from paradiff.cli.outputs import Output, outputs_of, sampling_rate, save_output
 from paradiff.cli.report import write_report
+from paradiff.errors import ParallelConfigError
 
 # Called with (pipeline, rank) once the pipeline is loaded, before the first generation.
 PipelineHook = Callable[[Any, int], None]
@@ -71,20 +72,66 @@ def call_kwargs(args: argparse.Namespace) -> dict:
 
 
 def call_parameters(pipeline: Any) -> dict:
-    """The parameters of the diffusers pipeline class's own __call__ (past paradiff's mixin, which takes **kwargs)."""
+    """The parameters of the diffusers pipeline class's own __call__ (past paradiff's mixin, which takes **kwargs);
+    for a Modular Diffusers pipeline, its blocks' inputs (name -> None)."""
     from paradiff.api.pipeline import ParallelPipelineMixin
 
+    if is_modular_pipeline(pipeline):
+        return dict.fromkeys(pipeline._blocks.input_names)
     for cls in type(pipeline).__mro__:
         if "__call__" in vars(cls) and cls is not ParallelPipelineMixin:
             return dict(inspect.signature(vars(cls)["__call__"]).parameters)
     return {}
 
 
+def is_modular_pipeline(pipeline: Any) -> bool:
+    from diffusers import ModularPipeline
+
+    return isinstance(pipeline, ModularPipeline)
+
+
+# the guidance options a Modular Diffusers pipeline takes as its guider's settings, not as call arguments
+GUIDER_OPTIONS = {"guidance_scale": "--guidance-scale", "true_cfg_scale": "--true-cfg-scale"}
+
+
+def guider_settings(kwargs: dict, pipeline: Any) -> dict:
+    """The guidance options of `kwargs` that a modular pipeline's guider takes (its call does not): popped from
+    `kwargs`, returned as the guider's settings. A modular pipeline without a guider refuses them."""
+    if not is_modular_pipeline(pipeline):
+        return {}
+    inputs = set(pipeline._blocks.input_names)
+    settings = {}
+    for key, flag in GUIDER_OPTIONS.items():
+        if key in kwargs and key not in inputs:
+            if getattr(pipeline, "guider", None) is None:
+                raise ParallelConfigError(f"{flag}: {type(pipeline).__name__} has no guider and its call takes no "
+                                          f"{key} (guidance-distilled); drop {flag}")
+            settings["guidance_scale"] = kwargs.pop(key)
+    return settings
+
+
+def set_guider(pipeline: Any, settings: dict) -> None:
+    """Give a modular pipeline's guider(s) these settings (a new guider of the same class and config)."""
+    for name in [name for name in pipeline.components if name.startswith("guider")] if settings else []:
+        guider = getattr(pipeline, name)
+        if guider is not None:
+            pipeline.update_components(**{name: guider.new(**settings)})
+
+
 def accepted_kwargs(kwargs: dict, pipeline: Any) -> dict:
     """The call's arguments as the pipeline takes them: no image size where it makes no image (audio pipelines such
-    as Stable Audio take a length in seconds, not --height / --width), and a max_area of the size asked for."""
+    as Stable Audio take a length in seconds, not --height / --width), and a max_area of the size asked for. A
+    modular pipeline's call takes its blocks' inputs; an option it does not take is refused by flag."""
     parameters = call_parameters(pipeline)
-    accepted = {key: value for key, value in kwargs.items() if key not in ("height", "width") or key in parameters}
+    if is_modular_pipeline(pipeline):
+        flags = {"negative_prompt": "--negative-prompt", "num_frames": "--frames"}
+        ignored = [flags.get(key, key) for key in kwargs
+                   if key not in parameters and key not in ("height", "width", "output_type")]
+        if ignored:
+            raise ParallelConfigError(f"{type(pipeline).__name__} (a modular pipeline) takes no {', '.join(ignored)};"
+                                      f" its blocks take {', '.join(sorted(parameters))}")
+    accepted = {key: value for key, value in kwargs.items()
+                if key not in ("height", "width", "output_type") or key in parameters}
     if "max_area" in parameters and "height" in accepted and "width" in accepted:
         # FLUX.1 Kontext scales the requested size up to max_area (1024^2 by default): keep --height x --width
         accepted["max_area"] = accepted["height"] * accepted["width"]
@@ -124,7 +171,10 @@ def generate(args: argparse.Namespace, device: torch.device,
     step_times: list[float] = []
     outputs: dict[int, dict] = {}
     out = Path(args.out)
-    kwargs = accepted_kwargs(call_kwargs(args), pipeline)
+    kwargs = call_kwargs(args)
+    guidance = guider_settings(kwargs, pipeline)  # a modular pipeline's guider takes the guidance scale
+    set_guider(pipeline, guidance)
+    kwargs = accepted_kwargs(kwargs, pipeline)
     made: list[tuple[int, str, Output]] = []  # rank 0's outputs, for --compare
     made_without_lora: list[tuple[int, str, Output]] = []  # --also-without-lora: the same with the adapters off
     without_lora = bool(getattr(args, "also_without_lora", False))
@@ -192,7 +242,7 @@ def generate(args: argparse.Namespace, device: torch.device,
             compare, references = compare_single_process(model, dtype, kwargs, args.seed, made,
                                                          cache=args.cache, loras=loras,
                                                          lora_weight_name=args.lora_weight_name,
-                                                         pipeline_cls=pipeline_cls,
+                                                         pipeline_cls=pipeline_cls, guider=guidance,
                                                          without_lora=made_without_lora if without_lora else None)
             if all(output.kind == "image" for _, _, output in made):
                 compare["picture"] = str(out / "compare.png")

@@ -221,6 +221,14 @@ def all_gather_cfg_batch(tensor: torch.Tensor, group: dist.ProcessGroup) -> torc
     return torch.cat(pieces, dim=0)
 
 
+def broadcast_cfg_branch(tensor: torch.Tensor, owner: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """The prediction of one guidance branch, from the cfg rank `owner` (its rank in `group`) that computed it, to
+    every cfg rank; the others pass a tensor of the same shape and dtype. Returns the (contiguous) received tensor."""
+    tensor = tensor.contiguous()
+    dist.broadcast(tensor, src=dist.get_global_rank(group, owner), group=group)
+    return tensor
+
+
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     dist.barrier(group=group)
 

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from paradiff.plans.pipelines import BATCH, CFG_RULES, NEVER_GUIDES
+from paradiff.plans.pipelines import BATCH, CFG_RULES, GUIDER_PIPELINES, NEVER_GUIDES
 
 
 def cfg_rules_table() -> str:
@@ -24,6 +24,9 @@ def cfg_rules_table() -> str:
         if rule.disabled_by_config:
             when += f", not `{rule.disabled_by_config}`"
         rows.append(f"| `{name}` | {style} | {when} | {batched} |")
+    for name in sorted(GUIDER_PIPELINES):
+        rows.append(f"| `{name}` | its guider: one call per branch (2, or 3 with SkipLayerGuidance ...) | the guider "
+                    "runs more than one branch | - |")
     for name in sorted(NEVER_GUIDES):
         rows.append(f"| `{name}` | never guides (guidance-distilled) | - | - |")
     return "\n".join(rows)

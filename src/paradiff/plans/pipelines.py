@@ -42,12 +42,17 @@ class CfgRule:
     # an argument that stops guidance after that fraction of the steps (Lumina 2's cfg_trunc_ratio, default 1): the
     # steps after it make one call, which the two-call pairing cannot follow, so CFG parallelism needs it at 1
     truncation_argument: str | None = None
+    branches: int = 2  # guidance branches per step: the cfg_degree that gives each cfg rank one
+    # call arguments that make the pipeline guide in a way this style cannot split (argument -> why), refused
+    refused_arguments: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.style not in (TWO_CALLS, BATCH):
             raise ValueError(f"CfgRule.style must be {TWO_CALLS!r} or {BATCH!r}, got {self.style!r}")
         if (self.style == BATCH) != bool(self.batched):
             raise ValueError("a 'batch' CfgRule names its batched arguments, a 'two_calls' one names none")
+        if self.style == TWO_CALLS and self.branches != 2:
+            raise ValueError("a 'two_calls' CfgRule pairs two calls per step: it has 2 branches")
 
     def runs_cfg(self, call_kwargs: dict[str, Any], pipeline_config: Any = None) -> bool:
         if call_kwargs.get(self.scale_argument, self.default_scale) <= 1:
@@ -59,6 +64,13 @@ class CfgRule:
         if not self.needs_negative_prompt:
             return True
         return call_kwargs.get("negative_prompt") is not None or call_kwargs.get("negative_prompt_embeds") is not None
+
+    def refusal(self, call_kwargs: dict[str, Any]) -> str | None:
+        """Why a call with these arguments cannot be split by this rule, or None."""
+        for argument, why in self.refused_arguments:
+            if call_kwargs.get(argument) is not None:
+                return f"{argument}={call_kwargs[argument]!r}: {why}"
+        return None
 
     def how(self) -> str:
         """How to make a call guide, for error messages."""
@@ -83,8 +95,11 @@ CFG_RULES: dict[str, CfgRule] = {
     "HunyuanVideoPipeline": CfgRule("true_cfg_scale", 1.0, needs_negative_prompt=True),
     "Lumina2Pipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False,
                                truncation_argument="cfg_trunc_ratio"),
-    "StableDiffusion3Pipeline": CfgRule("guidance_scale", 7.0, needs_negative_prompt=False, style=BATCH,
-                                        batched=_WITH_POOLED),
+    "StableDiffusion3Pipeline": CfgRule(
+        "guidance_scale", 7.0, needs_negative_prompt=False, style=BATCH, batched=_WITH_POOLED,
+        refused_arguments=(("skip_guidance_layers", "skip-layer guidance adds a third branch, a separate transformer "
+                            "call on the conditional batch alone in some of the steps, which CFG parallelism does "
+                            "not split yet"),)),
     "SanaPipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, style=BATCH, batched=_WITH_TEXT_MASK),
     "PixArtAlphaPipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, style=BATCH,
                                    batched=_WITH_TEXT_MASK),
@@ -101,11 +116,69 @@ NEVER_GUIDES: tuple[str, ...] = (
 )
 
 
+# DiT pipelines of diffusers 0.42.1 that run more than two guidance branches in ways not split yet, with the reason
+# (GUIDER_PIPELINES and modular pipelines run any number of branches through their guider: split up to that number).
+_PAG = ("perturbed-attention guidance runs [uncond, cond, perturbed] as one batch that its attention processors cut "
+        "in three inside every attention, so a cfg rank's share of the batch cannot go through them")
+_LTX2 = ("it runs up to four branches per step: one call on [uncond, cond], then a spatio-temporal-guidance call and "
+         "a modality-isolation call on the conditional batch alone")
+CFG_NOT_SPLIT: dict[str, str] = {
+    "OmniGenPipeline": ("with input images it runs three branches (text, unconditional, image) as one call on a batch "
+                        "of 3 whose input-image latents are a list indexed by batch row, which the batch split does "
+                        "not follow yet"),
+    **dict.fromkeys(("HunyuanDiTPAGPipeline", "StableDiffusion3PAGPipeline", "StableDiffusion3PAGImg2ImgPipeline",
+                     "PixArtSigmaPAGPipeline", "SanaPAGPipeline"), _PAG),
+    **dict.fromkeys(("LTX2Pipeline", "LTX2ConditionPipeline", "LTX2DFRPipeline", "LTX2DFRTemporalRefinePipeline",
+                     "LTX2HDRPipeline", "LTX2InContextPipeline", "LTX2ImageToVideoPipeline"), _LTX2),
+}
+
+# Standard pipelines that guide through a guider component (`self.guider`, diffusers' guiders: prepare_inputs -> one
+# transformer call per branch -> guider(batches)), as modular pipelines do: CFG parallelism splits the guider's
+# branches (runtime/cfg.py, "Guider style"), so any guider works, 3-branch ones (SkipLayerGuidance,
+# PerturbedAttentionGuidance) at cfg_degree=3. HunyuanImage uses `ocr_guider` instead of `guider` for prompts with
+# text to render; with neither it makes a disabled guider of its own (distilled checkpoints), which is refused.
+GUIDER_PIPELINES: tuple[str, ...] = (
+    "HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline", "MotifVideoPipeline",
+    "MotifVideoImageToVideoPipeline", "HunyuanImagePipeline", "HunyuanImageRefinerPipeline",
+)
+
+# Modular Diffusers pipelines guide through their guider component: each step the guider prepares one batch per
+# branch, the denoise step calls the transformer once per batch and the guider combines the predictions. CFG
+# parallelism follows that protocol for any modular pipeline (runtime/cfg.py, "Guider style"; cfg_degree up to the
+# guider's branch count), so only the modular pipelines that guide some other way are listed, with the reason. One
+# with no guider component never guides (guidance-distilled: FLUX.1, Krea 2 Turbo, FLUX.3 distilled, MiniMax-H3).
+_TWO_GUIDERS = ("its denoise step runs the branches of two guiders at once (video and audio, cond / uncond / "
+                "spatio-temporal / modality) and combines a different subset of them per modality")
+MODULAR_CFG_REFUSALS: dict[str, str] = {
+    "LTX2ModularPipeline": _TWO_GUIDERS,
+    "LTX25ModularPipeline": _TWO_GUIDERS,
+    "Cosmos3OmniModularPipeline": ("it guides without a guider component: its denoise step makes its own "
+                                   "conditional and unconditional calls from guidance_scale"),
+    "Ideogram4ModularPipeline": ("it guides without a guider component (asymmetric CFG: a second transformer, "
+                                 "`unconditional_transformer`, makes the unconditional call)"),
+}
+
+
+def modular_cfg_refusal(pipeline_name: str, has_guider: bool) -> str | None:
+    """Why the modular pipeline `pipeline_name` cannot run with cfg_degree > 1, or None when its guider's branches
+    can be split (`has_guider`: its blocks expect a guider component)."""
+    if pipeline_name in MODULAR_CFG_REFUSALS:
+        return f"{pipeline_name} is not supported with CFG parallelism yet: {MODULAR_CFG_REFUSALS[pipeline_name]}"
+    if not has_guider:
+        return (f"{pipeline_name} never runs classifier-free guidance (its blocks have no guider component: "
+                "guidance-distilled), so there is no second branch to split")
+    return None
+
+
 def cfg_refusal(pipeline_name: str) -> str | None:
-    """Why `pipeline_name` cannot run with cfg_degree=2, or None when it can (it is in CFG_RULES)."""
-    if pipeline_name in CFG_RULES:
+    """Why `pipeline_name` cannot run with cfg_degree > 1, or None when it can (it is in CFG_RULES or
+    GUIDER_PIPELINES)."""
+    if pipeline_name in CFG_RULES or pipeline_name in GUIDER_PIPELINES:
         return None
+    if pipeline_name in CFG_NOT_SPLIT:
+        return f"{pipeline_name} is not supported with CFG parallelism yet: {CFG_NOT_SPLIT[pipeline_name]}"
     if pipeline_name in NEVER_GUIDES:
         return (f"{pipeline_name} never runs classifier-free guidance (guidance-distilled: one transformer call per "
                 "step, no negative prompt), so there is no second branch to split")
-    return (f"{pipeline_name} is not classified for CFG parallelism yet (classified: {', '.join(sorted(CFG_RULES))})")
+    return (f"{pipeline_name} is not classified for CFG parallelism yet (classified: "
+            f"{', '.join(sorted((*CFG_RULES, *GUIDER_PIPELINES)))})")

@@ -16,6 +16,15 @@ shape, dtype) in advance. It learns it from a meta-device run: the model's class
 device with the real parameters' dtypes, run on meta copies of the call's arguments. That costs no arithmetic and no
 communication, and is remembered per argument signature. A model whose forward cannot run on meta tensors falls
 back to computing that first call for real on cfg rank 1 (once per signature).
+
+Guider style (GuidedBranches): Modular Diffusers pipelines run guidance through a guider component. Each step the
+guider turns the step's inputs into one batch per branch (`prepare_inputs`: 2 for ClassifierFreeGuidance, 3 for
+SkipLayerGuidance or PerturbedAttentionGuidance ...), the denoise step calls the transformer once per batch, and the
+guider combines the batches' predictions (`guider(batches)` -> `forward(pred_cond=..., pred_uncond=..., ...)`).
+Branch i is computed by cfg rank i % cfg_degree; on the other ranks the call returns zeros of the output's structure
+(the meta-device run above), and when the guider combines the predictions each branch's is broadcast from the rank
+that computed it. What is exchanged is what the denoise step stored for each branch, after its own handling of the
+transformer's output (slicing, sign), so nothing is assumed about views, and any number of branches works.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from paradiff.distributed.comm import all_gather_cfg_batch, all_gather_pieces
+from paradiff.distributed.comm import all_gather_cfg_batch, all_gather_pieces, broadcast_cfg_branch
 from paradiff.errors import ParallelConfigError
 from paradiff.runtime.wrappers import install_wrapper
 
@@ -222,6 +231,151 @@ class BatchCfgSplitter:
         self.batch_sizes.append(whole // self.cfg_degree)
         output = forward(*args, **kwargs)
         return _with_sample(output, all_gather_cfg_batch(_sample_of(output), self.group))
+
+
+@dataclass
+class GuidedBranches:
+    """CFG parallelism over a guider's branches (module docstring, "Guider style"), shared by every transformer and
+    guider of one pipeline (Wan 2.2 has two of each)."""
+
+    group: dist.ProcessGroup
+    cfg_rank: int
+    cfg_degree: int
+    identifiers: list[str] | None = None  # the current step's branches, in the guider's order; None between steps
+    calls: int = 0  # transformer calls in the current step
+    computed: int = 0  # forwards this rank really ran (for tests and reports)
+    branch_counts: list[int] = field(default_factory=list)  # branches per step, for reports
+
+    def reset(self) -> None:
+        self.identifiers, self.calls = None, 0
+        self.branch_counts = []
+
+    def finish(self) -> None:
+        if self.identifiers is not None and self.calls:
+            identifiers, self.identifiers = self.identifiers, None
+            raise ParallelConfigError(
+                f"CFG parallelism: the transformer ran the guidance branches {identifiers} of a step, but the guider "
+                "never combined their predictions through its forward, so each cfg rank kept only its own; this "
+                "pipeline's denoise step does not use its guider the way CFG parallelism follows (use cfg_degree=1).")
+
+    def owner(self, index: int) -> int:
+        return index % self.cfg_degree
+
+    def begin(self, batches: list[Any], identifier_key: str) -> None:
+        """The guider prepared this step's batches, one per branch, in the order the transformer will run them."""
+        if self.identifiers is not None and self.calls:
+            raise ParallelConfigError(
+                f"CFG parallelism: the guider prepared new branches before it combined the {self.calls} predictions "
+                f"of the branches {self.identifiers}; use cfg_degree=1 for this pipeline.")
+        self.identifiers = [getattr(batch, identifier_key, None) for batch in batches]
+        self.calls = 0
+        self.branch_counts.append(len(batches))
+
+    def transformer_call(self, structure: MetaStructure, forward: Callable[..., Any], args: tuple, kwargs: dict
+                         ) -> Any:
+        if self.identifiers is None:  # not a guided call (e.g. a step without guider): every rank computes it
+            return forward(*args, **kwargs)
+        index = self.calls
+        self.calls += 1
+        if index >= len(self.identifiers):
+            raise ParallelConfigError(
+                f"CFG parallelism: the guider prepared {len(self.identifiers)} branches ({self.identifiers}) but the "
+                f"transformer was called {index + 1} times in this step; use cfg_degree=1 for this pipeline.")
+        if self.owner(index) == self.cfg_rank:
+            self.computed += 1
+            return forward(*args, **kwargs)
+        template = structure(args, kwargs)
+        if template is None:  # no meta run possible: compute it (the exchange then brings the owner's same values)
+            self.computed += 1
+            output = forward(*args, **kwargs)
+            structure.remember(args, kwargs, output)
+            return output
+        device = _device_of(args, kwargs)
+        return pytree.tree_map_only(torch.Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device),
+                                    template)
+
+    def combine(self, predictions: dict[str, Any]) -> dict[str, Any]:
+        """The guider's forward arguments (branch identifier -> prediction), each the one its owner computed."""
+        if self.identifiers is None:
+            return predictions
+        identifiers, calls = self.identifiers, self.calls
+        self.identifiers, self.calls = None, 0
+        if calls != len(identifiers) or sorted(predictions, key=str) != sorted(identifiers, key=str):
+            raise ParallelConfigError(
+                f"CFG parallelism: the guider prepared the branches {identifiers} and the transformer ran {calls} of "
+                f"them, but the guider combines {sorted(predictions)}; use cfg_degree=1 for this pipeline.")
+        combined = dict(predictions)
+        for index, identifier in enumerate(identifiers):
+            owner = self.owner(index)
+            combined[identifier] = pytree.tree_map_only(
+                torch.Tensor, lambda t, owner=owner: broadcast_cfg_branch(t, owner, self.group), predictions[identifier])
+        return combined
+
+
+@dataclass
+class GuidedTransformer:
+    """The "cfg_exchange" wrapper of one transformer of a guided (modular) pipeline."""
+
+    branches: GuidedBranches
+    structure: MetaStructure
+
+    def __call__(self, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        return self.branches.transformer_call(self.structure, forward, args, kwargs)
+
+
+_GUIDER_METHODS = ("prepare_inputs", "prepare_inputs_from_block_state", "forward")
+
+
+def install_guided_branches(model: nn.Module, branches: GuidedBranches) -> GuidedTransformer:
+    """Run `model`'s calls inside a guider's steps as branches of `branches` (its "cfg_exchange" wrapper)."""
+    wrapper = GuidedTransformer(branches, MetaStructure(model))
+    install_wrapper(model, "cfg_exchange", wrapper)
+    return wrapper
+
+
+def attach_guider(guider: Any, branches: GuidedBranches) -> None:
+    """Make `guider` (a diffusers BaseGuidance) announce each step's branches to `branches` and combine the
+    predictions `branches` exchanged. On the instance: another guider put in the pipeline later is attached at its
+    first call, and a copy made by `guider.new()` is a plain guider."""
+    if guider.__dict__.get("_paradiff_branches") is branches:
+        return
+    plain = guider.__dict__.get("_paradiff_plain") or {name: getattr(guider, name) for name in _GUIDER_METHODS}
+    key = guider._identifier_key
+
+    def prepare_inputs(*args: Any, **kwargs: Any) -> list[Any]:
+        batches = plain["prepare_inputs"](*args, **kwargs)
+        branches.begin(batches, key)
+        return batches
+
+    def prepare_inputs_from_block_state(*args: Any, **kwargs: Any) -> list[Any]:
+        batches = plain["prepare_inputs_from_block_state"](*args, **kwargs)
+        branches.begin(batches, key)
+        return batches
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if args:
+            raise ParallelConfigError(f"CFG parallelism: {type(guider).__name__}.forward was called with positional "
+                                      "predictions; it combines branches by name (pred_cond=..., ...).")
+        return plain["forward"](**branches.combine(kwargs))
+
+    for name, method in (("prepare_inputs", prepare_inputs),
+                         ("prepare_inputs_from_block_state", prepare_inputs_from_block_state), ("forward", forward)):
+        setattr(guider, name, method)
+    guider._paradiff_plain = plain
+    guider._paradiff_branches = branches
+
+
+def guider_branch_count(guider: Any) -> int | None:
+    """How many branches `guider` runs per step at most with its settings (a copy with no step set: ranges such as
+    start / stop count as on); None when its `num_conditions` cannot be read without a step."""
+    import copy
+
+    probe = copy.copy(guider)
+    probe._step = probe._num_inference_steps = probe._timestep = None
+    try:
+        return int(probe.num_conditions)
+    except Exception:  # noqa: BLE001 - a guider whose count needs a step: known only while it runs
+        return None
 
 
 def install_cfg_parallel(model: nn.Module, group: dist.ProcessGroup, rule: Any = None

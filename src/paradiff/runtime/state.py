@@ -42,7 +42,11 @@ class PipelineState:
     """What paradiff keeps on a loaded pipeline (`ParallelPipelineMixin`)."""
 
     base_name: str  # the diffusers pipeline class it was loaded as (picks the CFG rule)
-    cfgs: tuple[Any, ...] = ()  # runtime.cfg.CfgSplitter, one per transformer (Wan 2.2 A14B has two)
+    modular: bool = False  # a Modular Diffusers pipeline (blocks, guider components)
+    guided: bool = False  # guidance through guider components (modular pipelines, plans.pipelines.GUIDER_PIPELINES)
+    # runtime.cfg.CfgSplitter / BatchCfgSplitter, one per transformer (Wan 2.2 A14B has two); a guided pipeline's
+    # one runtime.cfg.GuidedBranches
+    cfgs: tuple[Any, ...] = ()
     check_latents: bool = False  # set at each call: the next transformer call compares the initial latents
     stages: Any = None  # runtime.stages.StageRunner
 

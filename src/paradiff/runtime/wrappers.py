@@ -16,6 +16,7 @@ at most one forward pre-hook; removing the last wrapper of a kind takes them awa
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -116,6 +117,9 @@ def _registry_forward(module: nn.Module, registry: WrapperRegistry) -> Callable[
             call = _bound(wrapper, call)
         return call(*args, **kwargs)
 
+    # Modular Diffusers' denoise steps pass the transformer only the arguments `inspect.signature(model.forward)`
+    # names (Qwen-Image's img_shapes, ...): the registry's forward keeps the model's own signature.
+    forward.__signature__ = inspect.signature(plain)
     return forward
 
 
