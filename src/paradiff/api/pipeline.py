@@ -19,7 +19,7 @@ from paradiff.api.model import check_dtype
 from paradiff.api.quantization import pipeline_quantization
 from paradiff.io.folders import resolve_folder
 from paradiff.distributed.mesh import default_device
-from paradiff.plans.pipelines import CFG_RULES, cfg_refusal
+from paradiff.plans.pipelines import CFG_RULES, cfg_refusal, cp_refusal
 from paradiff.api.pipeline_components import _components_paradiff_loads, _load_components, transformer_names
 from paradiff.api.pipeline_wiring import _check_parallel_vae, _install_latent_check, _parallelize_vae, _stage_runner
 from paradiff.runtime.state import PipelineState, get_state
@@ -172,15 +172,15 @@ def load_pipeline(
 
             require_distributed()
         parallel = as_parallel_config(parallel_config, dist.get_world_size())
-        if parallel.cfg_degree > 1 and pipeline_cls is not None:
-            _check_cfg_classified(pipeline_cls.__name__)
+        if pipeline_cls is not None:
+            _check_pipeline_splits(pipeline_cls.__name__, parallel)
     folder = resolve_folder(path, pipeline=True)
     index = json.loads((folder / "model_index.json").read_text())
     if "transformer" not in index:
         raise CheckpointError(f"{folder}/model_index.json has no 'transformer' component.")
     pipeline_name = index.get("_class_name")
-    if parallel is not None and parallel.cfg_degree > 1 and pipeline_cls is None:
-        _check_cfg_classified(str(pipeline_name))
+    if parallel is not None and pipeline_cls is None:
+        _check_pipeline_splits(str(pipeline_name), parallel)
     if parallel_vae:
         _check_parallel_vae(parallel, index, folder)
     own = _components_paradiff_loads(folder, index, parallel, stages, shard_text_encoders, text_encoder_plans or {})
@@ -220,10 +220,14 @@ def load_pipeline(
     return pipeline
 
 
-def _check_cfg_classified(pipeline_name: str) -> None:
-    refusal = cfg_refusal(pipeline_name)
+def _check_pipeline_splits(pipeline_name: str, parallel) -> None:
+    """What the pipeline class alone decides about the mode (plans/pipelines.py), before anything is read."""
+    refusal = cfg_refusal(pipeline_name) if parallel.cfg_degree > 1 else None
     if refusal is not None:
         raise ParallelConfigError(f"cfg_degree=2: {refusal}; use cfg_degree=1.")
+    refusal = cp_refusal(pipeline_name) if parallel.ring_degree * parallel.ulysses_degree > 1 else None
+    if refusal is not None:
+        raise ParallelConfigError(f"context parallelism: {refusal}.")
 
 
 def _check_pipeline_options(stages: Any, shard_text_encoders: Any, text_encoder_plans: Any, kwargs: dict) -> None:

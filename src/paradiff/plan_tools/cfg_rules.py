@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from paradiff.plans.pipelines import BATCH, CFG_RULES, NEVER_GUIDES
+from paradiff.plans.pipelines import BATCH, CFG_RULES, NEVER_GUIDES, NOT_SPLITTABLE
 
 
 def cfg_rules_table() -> str:
@@ -26,4 +26,7 @@ def cfg_rules_table() -> str:
         rows.append(f"| `{name}` | {style} | {when} | {batched} |")
     for name in sorted(NEVER_GUIDES):
         rows.append(f"| `{name}` | never guides (guidance-distilled) | - | - |")
+    for name in sorted(NOT_SPLITTABLE):
+        rows.append(f"| `{name}` | refused: perturbed-attention guidance, [uncond, cond, perturbed] taken apart inside "
+                    "the transformer | - | - |")
     return "\n".join(rows)
