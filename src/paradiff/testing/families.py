@@ -117,7 +117,7 @@ UNEVEN_HEAD_CONFIGS: dict[tuple[str, str], dict] = {
                              text_num_attention_heads=3, text_num_key_value_heads=1),
     # Sana's cross-attention has its own heads and head width (2 x 32): 3 x 16, the 48-wide inner width
     **{("sana", name): dict(num_attention_heads=3, cross_attention_dim=48, num_cross_attention_heads=3,
-                            cross_attention_head_dim=16) for name in ("sana-1.0", "sana-sprint")},
+                            cross_attention_head_dim=16) for name in ("sana-1.0", "sana-sprint", "sana-controlnet")},
     **{("sana_video", name): dict(num_attention_heads=3, cross_attention_dim=48, num_cross_attention_heads=3,
                                   cross_attention_head_dim=16) for name in ("sana-video-t2v", "sana-video-i2v")},
     # SANA-WM's refiner is LTX-2's two-stream transformer: the audio heads too
