@@ -96,7 +96,7 @@ def unclassified_folder(tmp_path, pipeline: str = "AllegroPipeline", transformer
 
 @pytest.mark.parametrize("family,reason", [
     ("flux2", "Flux2Pipeline never runs classifier-free guidance (guidance-distilled"),
-    (None, "AllegroPipeline is not classified for CFG parallelism yet (classified: "),
+    (None, "AllegroPipeline is not classified for CFG parallelism yet ("),
     ("SanaPAGPipeline", "SanaPAGPipeline is not supported with CFG parallelism yet: perturbed-attention guidance"),
     ("LTX2Pipeline", "LTX2Pipeline is not supported with CFG parallelism yet: it runs up to four branches"),
 ], ids=["never-guides", "not-classified", "pag", "ltx2"])

@@ -18,7 +18,7 @@ from paradiff.api.model import check_dtype
 from paradiff.api.quantization import pipeline_quantization
 from paradiff.io.folders import has_modular_index_only, read_pipeline_index, resolve_folder
 from paradiff.distributed.mesh import default_device
-from paradiff.plans.pipelines import CFG_RULES, GUIDER_PIPELINES, cfg_refusal, modular_cfg_refusal
+from paradiff.plans.pipelines import CFG_RULES, GUIDER_PIPELINES, cfg_refusal, cp_refusal, modular_cfg_refusal
 from paradiff.api.pipeline_components import _components_paradiff_loads, _load_components, transformer_names
 from paradiff.api.modular import (check_guided_call, fill_modular, guider_names, install_guided_cfg,
                                   is_modular_class, modular_skeleton, pretrained_names)
@@ -223,6 +223,8 @@ def load_pipeline(
     if parallel is not None and parallel.cfg_degree > 1:
         _check_cfg_classified(base_name, parallel.cfg_degree,
                               modular=modular, has_guider=modular and bool(guider_names(skeleton)))
+    if parallel is not None and parallel.ring_degree * parallel.ulysses_degree > 1 and cp_refusal(base_name):
+        raise ParallelConfigError(f"context parallelism: {cp_refusal(base_name)}.")
     index = pipeline_index.entries()
     if parallel_vae:
         _check_parallel_vae(parallel, index, folder)

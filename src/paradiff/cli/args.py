@@ -166,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     plans.add_argument("model", nargs="?", default=None, help="a diffusers class name")
     plans.add_argument("--auto", action="store_true", help="derive the plan from the structure (plan='auto')")
     plans.add_argument("--markdown", action="store_true", help="the coverage table as Markdown (docs/coverage.md)")
+    plans.add_argument("--pipelines", action="store_true",
+                       help="the pipeline coverage table instead (docs/pipeline-coverage.md)")
     return parser
 
 

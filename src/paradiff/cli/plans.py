@@ -33,6 +33,14 @@ def check_plan_command(args: argparse.Namespace) -> int:
 def plans_command(args: argparse.Namespace) -> int:
     from paradiff.plan_tools.coverage import coverage_table
 
+    if args.pipelines:
+        if args.model is not None or args.auto:
+            raise CliError("paradiff plans --pipelines takes no class name and no --auto: it prints the pipeline "
+                           "coverage table (add --markdown for docs/pipeline-coverage.md's form).")
+        from paradiff.plan_tools.pipeline_coverage import pipeline_coverage_table
+
+        print(pipeline_coverage_table(markdown=args.markdown))
+        return 0
     if args.model is None:
         print(coverage_table(markdown=args.markdown))
         return 0

@@ -1,6 +1,6 @@
 """What a model folder's configs already decide, checked by the launcher before any worker starts: a folder that
 is not there, a pipeline asked for CFG parallelism that never guides (or is not classified yet, or is called without
-guidance), a TP degree the transformer's heads cannot
+guidance), context parallelism on a pipeline whose call replaces the attention it splits, a TP degree the transformer's heads cannot
 take. Reads configs and checkpoint headers, no weight; every worker would otherwise start, build its process group
 and then fail the same way on each rank."""
 
@@ -43,13 +43,18 @@ def check_model_folder(args: argparse.Namespace) -> None:
         refusal = cfg_refusal(pipeline_name)
         if refusal is not None:
             raise CliError(f"--cfg {args.cfg}: {args.model}: {refusal}. Use --cfg 1")
-        if pipeline_name not in CFG_RULES:  # guidance through a guider component: checked at the call
-            return
-        branches = CFG_RULES[pipeline_name].branches
-        if args.cfg != branches:
-            raise CliError(f"--cfg {args.cfg}: {pipeline_name} runs {branches} guidance branches per step, one per "
-                           f"cfg rank. Use --cfg {branches} or --cfg 1")
-        _check_call_guides(args, pipeline_name, index.entries())
+        if pipeline_name in CFG_RULES:  # else guidance through a guider component: checked at the call
+            branches = CFG_RULES[pipeline_name].branches
+            if args.cfg != branches:
+                raise CliError(f"--cfg {args.cfg}: {pipeline_name} runs {branches} guidance branches per step, one "
+                               f"per cfg rank. Use --cfg {branches} or --cfg 1")
+            _check_call_guides(args, pipeline_name, index.entries())
+    if args.ulysses * args.ring > 1:
+        from paradiff.plans.pipelines import cp_refusal
+
+        refusal = cp_refusal(pipeline_name)
+        if refusal is not None:
+            raise CliError(f"--ulysses / --ring: {args.model}: {refusal}")
     if args.tp > 1:
         _check_transformers_split(args, index)
 

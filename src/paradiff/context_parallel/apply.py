@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from paradiff.distributed.comm import all_gather_int, all_gather_uneven
-from paradiff.errors import PlanError
+from paradiff.errors import ParallelConfigError, PlanError
 from paradiff.runtime.state import ParallelState
 from paradiff.tensor_parallel.plan import expand_key
 from paradiff.context_parallel.attention import even_sizes, local_chunk
@@ -140,7 +141,25 @@ def _submodule(model: nn.Module, name: str, what: str) -> nn.Module:
                         f"{type(model).__name__}.") from exc
 
 
+class _SplitOnRead(Sequence):
+    """A list argument whose items are split when read (`Split(deferred=True)`): the split they follow is made by a
+    module the model calls after receiving the list."""
+
+    def __init__(self, items: Sequence, split: Split, runtime: ContextParallelRuntime, what: str) -> None:
+        self.items, self.split, self.runtime, self.what = items, split, runtime, what
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return _split(self.items[index], self.split, self.runtime, f"{self.what}[{index}]")
+
+
 def _split(value: Any, split: Split | dict, runtime: ContextParallelRuntime, what: str) -> Any:
+    if isinstance(split, Split) and split.deferred and isinstance(value, (tuple, list)):
+        return _SplitOnRead(value, replace(split, deferred=False), runtime, what)
     if isinstance(split, dict):  # {item index: Split or nested dict}: only those items of a tuple argument
         items = list(value)
         for index, item_split in split.items():
@@ -319,8 +338,8 @@ def _input_refuser(module: nn.Module, arguments: dict[str, str], name: str):
             if key:
                 value = value.get(key) if isinstance(value, dict) else None
             if value is not None:
-                raise ValueError(f"{name or type(module).__name__}: {entry!r} is not supported under context "
-                                 f"parallelism: {why}")
+                raise ParallelConfigError(f"{name or type(module).__name__}: {entry!r} is not supported under "
+                                          f"context parallelism: {why}")
 
     return hook
 

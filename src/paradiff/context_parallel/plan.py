@@ -25,6 +25,10 @@ class Split:
     # split as the named stream's grid was last split (GridSplit): for per-token tensors a module without the grid's
     # size arguments reads (Sana-Video's per-token modulation at norm_out); tensors of another length pass unchanged
     like: str | None = None
+    # a list / tuple argument whose items are split when the model reads them, not when the module is called: for
+    # per-token tensors the model adds between its blocks, after a later module split the stream they follow (`like`)
+    # -- Sana's ControlNet residuals, whose grid is known only at the blocks
+    deferred: bool = False
 
 
 @dataclass(frozen=True)

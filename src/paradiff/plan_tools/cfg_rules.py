@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from paradiff.plans.pipelines import BATCH, CFG_RULES, GUIDER_PIPELINES, NEVER_GUIDES
+from paradiff.plans.pipelines import BATCH, CFG_NOT_SPLIT, CFG_RULES, GUIDER_PIPELINES, NEVER_GUIDES
 
 
 def cfg_rules_table() -> str:
@@ -29,4 +29,6 @@ def cfg_rules_table() -> str:
                     "runs more than one branch | - |")
     for name in sorted(NEVER_GUIDES):
         rows.append(f"| `{name}` | never guides (guidance-distilled) | - | - |")
+    for name in sorted(CFG_NOT_SPLIT):
+        rows.append(f"| `{name}` | refused: {CFG_NOT_SPLIT[name]} | - | - |")
     return "\n".join(rows)

@@ -56,6 +56,12 @@ def context_parallel_plan(config) -> ContextParallelPlan:
             }
         },
         gather_outputs={"proj_out": 1},
+        # FLUX.2 [klein] KV: the reference image's tokens lead the sequence at the first step, attend to themselves
+        # only and leave their keys and values in a cache the later steps attend to; split across the ranks, neither
+        # the block structure nor the cache holds
+        unsupported_inputs={"": {"kv_cache_mode": (
+            "the reference tokens' K/V cache (Flux2KleinKVPipeline with an image) needs the whole sequence on each "
+            "rank; run it without context parallelism, or without reference images")}},
     )
 
 

@@ -10,7 +10,8 @@ Two styles (`CfgRule.style`):
 
 A pipeline listed in NEVER_GUIDES cannot use cfg_degree=2 (one transformer call per step on the conditional batch,
 guidance distilled into the transformer); one in neither table is not classified yet. Only pipelines whose
-cfg2 output was checked against the single-process pipeline (tests/test_cfg_pipelines.py) are listed here.
+cfg2 output was checked against the single-process pipeline (tests/test_cfg.py, and every rule at cfg2 and
+cfg2 x tp2 by tools/verify_pipelines.py: docs/pipeline-coverage.md) are listed here.
 """
 
 from __future__ import annotations
@@ -81,11 +82,24 @@ class CfgRule:
 
 CFG_RULES: dict[str, CfgRule] = {
     "QwenImagePipeline": CfgRule("true_cfg_scale", 4.0, needs_negative_prompt=True),
+    # Qwen-Image's variants: the same two calls (a ControlNet's residuals, computed once a step, go to both)
+    **{name: CfgRule("true_cfg_scale", 4.0, needs_negative_prompt=True) for name in (
+        "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline", "QwenImageEditPipeline",
+        "QwenImageEditInpaintPipeline", "QwenImageEditPlusPipeline", "QwenImageLayeredPipeline",
+        "QwenImageControlNetPipeline", "QwenImageControlNetInpaintPipeline")},
     "FluxPipeline": CfgRule("true_cfg_scale", 1.0, needs_negative_prompt=True),
+    # FLUX.1's true CFG: the conditional call, then the negative prompt's (a ControlNet's residuals, computed once
+    # a step from the conditional inputs, go to both)
+    **{name: CfgRule("true_cfg_scale", 1.0, needs_negative_prompt=True) for name in (
+        "FluxImg2ImgPipeline", "FluxInpaintPipeline", "FluxKontextPipeline", "FluxKontextInpaintPipeline",
+        "FluxControlNetPipeline")},
     "WanPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
     "Flux2KleinPipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False,
                                   disabled_by_config="is_distilled"),
+    "Flux2KleinInpaintPipeline": CfgRule("guidance_scale", 8.0, needs_negative_prompt=False,
+                                         disabled_by_config="is_distilled"),
     "ChromaPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
+    "ChromaImg2ImgPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
     "AuraFlowPipeline": CfgRule("guidance_scale", 3.5, needs_negative_prompt=False, style=BATCH,
                                 batched=_LATENTS_TEXT_TIME),
     "CogView3PlusPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
@@ -95,12 +109,19 @@ CFG_RULES: dict[str, CfgRule] = {
     "HunyuanVideoPipeline": CfgRule("true_cfg_scale", 1.0, needs_negative_prompt=True),
     "Lumina2Pipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False,
                                truncation_argument="cfg_trunc_ratio"),
-    "StableDiffusion3Pipeline": CfgRule(
+    **{name: CfgRule(
         "guidance_scale", 7.0, needs_negative_prompt=False, style=BATCH, batched=_WITH_POOLED,
         refused_arguments=(("skip_guidance_layers", "skip-layer guidance adds a third branch, a separate transformer "
                             "call on the conditional batch alone in some of the steps, which CFG parallelism does "
-                            "not split yet"),)),
+                            "not split yet"),))
+       for name in ("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline", "StableDiffusion3InpaintPipeline")},
+    # the ControlNet runs on the whole [uncond, cond] batch; its residuals reach the transformer batched
+    **{name: CfgRule("guidance_scale", 7.0, needs_negative_prompt=False, style=BATCH,
+                     batched=_WITH_POOLED + ("block_controlnet_hidden_states",))
+       for name in ("StableDiffusion3ControlNetPipeline", "StableDiffusion3ControlNetInpaintingPipeline")},
     "SanaPipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, style=BATCH, batched=_WITH_TEXT_MASK),
+    "SanaControlNetPipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, style=BATCH,
+                                      batched=_WITH_TEXT_MASK + ("controlnet_block_samples",)),
     "PixArtAlphaPipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, style=BATCH,
                                    batched=_WITH_TEXT_MASK),
     "PixArtSigmaPipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, style=BATCH,
@@ -112,7 +133,8 @@ CFG_RULES: dict[str, CfgRule] = {
 # transformer (its `guidance` input), and the call takes no negative prompt.
 NEVER_GUIDES: tuple[str, ...] = (
     "Flux2Pipeline", "FluxFillPipeline", "FluxControlPipeline", "FluxControlImg2ImgPipeline",
-    "FluxControlInpaintPipeline", "SanaSprintPipeline", "SanaSprintImg2ImgPipeline",
+    "FluxControlInpaintPipeline", "FluxControlNetImg2ImgPipeline", "FluxControlNetInpaintPipeline",
+    "SanaSprintPipeline", "SanaSprintImg2ImgPipeline", "Flux2KleinKVPipeline",
 )
 
 
@@ -170,6 +192,26 @@ def modular_cfg_refusal(pipeline_name: str, has_guider: bool) -> str | None:
     return None
 
 
+# Pipelines context parallelism cannot split, and why: their call puts attention processors of their own on the
+# transformer, in place of the ones that split the attention over the ranks.
+_PAG_SELF_ATTENTION = ("its perturbed-attention guidance replaces the self-attention of its perturbed layers during "
+                       "the call with a processor that builds {what} from the tokens it holds, which under context "
+                       "parallelism are one rank's share; load the folder as {base} (no PAG) to split the tokens")
+CP_REFUSALS: dict[str, str] = {
+    "StableDiffusion3PAGPipeline": _PAG_SELF_ATTENTION.format(what="a token-by-token mask",
+                                                              base="StableDiffusion3Pipeline"),
+    "StableDiffusion3PAGImg2ImgPipeline": _PAG_SELF_ATTENTION.format(what="a token-by-token mask",
+                                                                     base="StableDiffusion3Img2ImgPipeline"),
+    "SanaPAGPipeline": _PAG_SELF_ATTENTION.format(what="linear attention's sums over the keys", base="SanaPipeline"),
+}
+
+
+def cp_refusal(pipeline_name: str) -> str | None:
+    """Why `pipeline_name` cannot run with context parallelism (ring / Ulysses), or None when it can."""
+    reason = CP_REFUSALS.get(pipeline_name)
+    return None if reason is None else f"{pipeline_name}: {reason}"
+
+
 def cfg_refusal(pipeline_name: str) -> str | None:
     """Why `pipeline_name` cannot run with cfg_degree > 1, or None when it can (it is in CFG_RULES or
     GUIDER_PIPELINES)."""
@@ -180,5 +222,5 @@ def cfg_refusal(pipeline_name: str) -> str | None:
     if pipeline_name in NEVER_GUIDES:
         return (f"{pipeline_name} never runs classifier-free guidance (guidance-distilled: one transformer call per "
                 "step, no negative prompt), so there is no second branch to split")
-    return (f"{pipeline_name} is not classified for CFG parallelism yet (classified: "
-            f"{', '.join(sorted((*CFG_RULES, *GUIDER_PIPELINES)))})")
+    return (f"{pipeline_name} is not classified for CFG parallelism yet ({len(CFG_RULES) + len(GUIDER_PIPELINES)} "
+            "pipelines are: see the CFG table in docs/pipelines.md)")

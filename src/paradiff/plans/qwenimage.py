@@ -1,4 +1,6 @@
-"""Qwen-Image (`QwenImageTransformer2DModel`): how it splits under tensor and context parallelism."""
+"""Qwen-Image (`QwenImageTransformer2DModel`) and its ControlNet (`QwenImageControlNetModel`: the same blocks, each
+block's image tokens projected by its own Linear into a residual the transformer adds after its blocks of that
+depth): how they split under tensor and context parallelism."""
 
 import torch
 
@@ -7,10 +9,11 @@ from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans.common import Grid, joint_attention
 from paradiff.plans.family import Family
 
-MODEL_CLASSES = ("QwenImageTransformer2DModel",)
+MODEL_CLASSES = ("QwenImageTransformer2DModel", "QwenImageControlNetModel")
+CONTROLNET = "QwenImageControlNetModel"
 
 
-def tensor_parallel_plan(config) -> TensorParallelPlan:
+def tensor_parallel_plan(config, model_class: str = "QwenImageTransformer2DModel") -> TensorParallelPlan:
     styles = {
         **joint_attention("transformer_blocks.*.attn"),
         "transformer_blocks.*.img_mlp.net.0.proj": "colwise",
@@ -23,33 +26,45 @@ def tensor_parallel_plan(config) -> TensorParallelPlan:
         "txt_in": "rowwise_split_input",
         "time_text_embed.timestep_embedder.linear_1": "colwise",
         "time_text_embed.timestep_embedder.linear_2": "rowwise",
-        "norm_out.linear": "rowwise_split_input",
     }
+    if model_class == CONTROLNET:
+        # each residual projection reads its block's replicated output: the residuals come out whole on every rank,
+        # as the transformer's replicated tokens they are added to (the condition's embedder stays whole)
+        styles["controlnet_blocks.*"] = "rowwise_split_input"
+    else:
+        styles["norm_out.linear"] = "rowwise_split_input"
     return TensorParallelPlan(styles=styles)
 
 
-def context_parallel_plan(config) -> ContextParallelPlan:
+def context_parallel_plan(config, model_class: str = "QwenImageTransformer2DModel") -> ContextParallelPlan:
     # The rotary tables are computed from the full text length, so the text is split at the first block, not at the
     # model's input; the text mask and the per-token modulation index travel with every block.
-    return ContextParallelPlan(
-        split_inputs={
-            "transformer_blocks.0": {"hidden_states": Split(1), "encoder_hidden_states": Split(1)},
-            "transformer_blocks.*": {"encoder_hidden_states_mask": Split(1), "modulate_index": Split(1)},
-        },
-        split_outputs={"pos_embed": {0: Split(0), 1: Split(0)}},
-        gather_outputs={"proj_out": 1},
-    )
+    split_inputs = {
+        "transformer_blocks.0": {"hidden_states": Split(1), "encoder_hidden_states": Split(1)},
+        "transformer_blocks.*": {"encoder_hidden_states_mask": Split(1), "modulate_index": Split(1)},
+    }
+    if model_class == CONTROLNET:
+        # the condition was added to the image tokens before the first block, where they are split; every residual
+        # is gathered whole: a transformer on any mesh (or none) takes them as a plain model does
+        return ContextParallelPlan(split_inputs=split_inputs, split_outputs={"pos_embed": {0: Split(0), 1: Split(0)}},
+                                   gather_outputs={"controlnet_blocks.*": 1})
+    # the ControlNet's residuals (whole, one per image token) are added to the image tokens after the blocks: each
+    # rank adds its own tokens' slice, split like the image tokens at the first block
+    split_inputs[""] = {"controlnet_block_samples": Split(1)}
+    return ContextParallelPlan(split_inputs=split_inputs, split_outputs={"pos_embed": {0: Split(0), 1: Split(0)}},
+                               gather_outputs={"proj_out": 1})
 
 
-EXAMPLES = {"qwen-image": ("QwenImageTransformer2DModel", dict(
-    patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=4,
-    joint_attention_dim=32, axes_dims_rope=(4, 6, 6)))}
+_TINY = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=4,
+             joint_attention_dim=32, axes_dims_rope=(4, 6, 6))
+EXAMPLES = {"qwen-image": ("QwenImageTransformer2DModel", _TINY),
+            "qwen-image-controlnet": (CONTROLNET, {k: v for k, v in _TINY.items() if k != "out_channels"})}
 
 
 def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
     mask = torch.ones(batch, grid.text, dtype=torch.long)
     mask[-1, -2:] = 0  # the last prompt is padded: exercises the text mask
-    return dict(
+    inputs = dict(
         hidden_states=torch.randn(batch, grid.height * grid.width, config.in_channels, generator=generator),
         encoder_hidden_states=torch.randn(batch, grid.text, config.joint_attention_dim, generator=generator),
         encoder_hidden_states_mask=mask,
@@ -57,6 +72,10 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
         img_shapes=[[(1, grid.height, grid.width)]] * batch,
         return_dict=False,
     )
+    if name == "qwen-image-controlnet":  # the control image's packed latents, one per image token
+        inputs["controlnet_cond"] = torch.randn(batch, grid.height * grid.width, config.in_channels,
+                                                generator=generator)
+    return inputs
 
 
 FAMILY = Family(

@@ -200,6 +200,8 @@ class BatchCfgSplitter:
         """Nothing to pair: every call exchanged its own output."""
 
     def _share(self, name: str, value: Any, whole: int) -> Any:
+        if isinstance(value, (list, tuple)):  # a ControlNet's residuals: one batched tensor per block
+            return type(value)(self._share(name, item, whole) for item in value)
         if not torch.is_tensor(value) or value.ndim == 0:
             return value
         if value.shape[0] != whole:

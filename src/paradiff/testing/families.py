@@ -133,7 +133,7 @@ UNEVEN_HEAD_CONFIGS: dict[tuple[str, str], Callable[[int], dict]] = {
     # Sana's cross-attention has its own heads and head width (2 x 32): h x 16, the 16h-wide inner width
     **{(family, name): lambda h: dict(num_attention_heads=h, cross_attention_dim=16 * h, num_cross_attention_heads=h,
                                       cross_attention_head_dim=16)
-       for family, name in (("sana", "sana-1.0"), ("sana", "sana-sprint"), ("sana_video", "sana-video-t2v"),
+       for family, name in (("sana", "sana-1.0"), ("sana", "sana-sprint"), ("sana", "sana-controlnet"), ("sana_video", "sana-video-t2v"),
                             ("sana_video", "sana-video-i2v"))},
     # SANA-WM's refiner is LTX-2's two-stream transformer: the audio heads too
     **{("sana_wm_refiner", name): lambda h: dict(num_attention_heads=h, audio_num_attention_heads=h,

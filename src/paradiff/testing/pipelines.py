@@ -322,6 +322,14 @@ def build_pipeline(family: str, seed: int = 0, transformer_overrides: dict | Non
     Each component draws its weights from its own seed (derived from `seed`), so overriding the transformer's
     config leaves the text encoders and the VAE unchanged. The caller's global RNG state is left untouched.
     """
+    components = family_components(family, seed)
+    components.update(family_transformers(family, seed, transformer_config(family, transformer_overrides)))
+    return finish_pipeline(pipeline_class(family)(**components))
+
+
+def family_components(family: str, seed: int = 0) -> dict[str, Any]:
+    """Every component of the family's tiny pipeline but its transformer(s): scheduler, VAE, text encoders,
+    tokenizers (and the pipeline's config arguments, e.g. Wan 2.2's `expand_timesteps`)."""
     _check_family(family)
     builders = {"flux": _build_flux, "flux2": _build_flux2, "qwenimage": _build_qwenimage, "wan": _build_wan,
                 "wan2.2": _build_wan22, "wan2.2-a14b": _build_wan22_a14b, "hunyuanvideo": _build_hunyuanvideo,
@@ -329,21 +337,34 @@ def build_pipeline(family: str, seed: int = 0, transformer_overrides: dict | Non
                 "flux2_klein": _build_flux2_klein, "lumina2": _build_lumina2, "sd3": _build_sd3,
                 "pixart_sigma": _build_pixart_sigma, "sana": _build_sana, "auraflow": _build_auraflow,
                 "chroma": _build_chroma, "cogview3plus": _build_cogview3plus, "cogvideox": _build_cogvideox}
-    components = builders[family](seed)
-    with _seeded(seed, 0):
-        transformer = transformer_class(family)(**transformer_config(family, transformer_overrides))
+    return builders[family](seed)
+
+
+def family_transformers(family: str, seed: int, config: dict) -> dict[str, Any]:
+    """The family's transformer(s) of this config, random weights (Wan 2.2 A14B: `transformer` and `transformer_2`,
+    the low-noise expert with the same config and its own weights)."""
+    transformers = {"transformer": random_model(transformer_class(family), config, seed, 0)}
+    if family == "wan2.2-a14b":
+        transformers["transformer_2"] = random_model(transformer_class(family), config, seed, 4)
+    return transformers
+
+
+def random_model(cls: type, config: dict, seed: int, component: int, std: float = 0.05,
+                 std_of: Any = None) -> torch.nn.Module:
+    """`cls(**config)` drawn from its own seed (`seed`, `component`), every parameter perturbed by `std` (diffusers
+    zero-initialises some projections: no weight stays trivially zero); `std_of(name)` may give a parameter its
+    own scale. The caller's global RNG state is left untouched."""
+    with _seeded(seed, component):
+        model = cls(**config)
         with torch.no_grad():
-            # Diffusers zero-initialises some projections; perturb everything so no weight is trivially zero.
-            for param in transformer.parameters():
-                param.add_(torch.randn_like(param) * 0.05)
-    components["transformer"] = transformer
-    if family == "wan2.2-a14b":  # the low-noise expert: same config, its own weights
-        with _seeded(seed, 4):
-            components["transformer_2"] = transformer_class(family)(**transformer_config(family, transformer_overrides))
-            with torch.no_grad():
-                for param in components["transformer_2"].parameters():
-                    param.add_(torch.randn_like(param) * 0.05)
-    pipe = pipeline_class(family)(**components)
+            for name, param in model.named_parameters():
+                scale = std_of(name) if std_of is not None else None
+                param.add_(torch.randn_like(param) * (std if scale is None else scale))
+    return model
+
+
+def finish_pipeline(pipe):
+    """No progress bars, every module in eval mode."""
     pipe.set_progress_bar_config(disable=True)
     for module in pipe.components.values():
         if isinstance(module, torch.nn.Module):

@@ -1,0 +1,299 @@
+"""Tiny, random, fully local, seeded instances of any diffusers DiT pipeline class, from declarative recipes.
+
+A recipe (`Recipe`) is data: which tiny family's components to start from (`paradiff.testing.pipelines`' families:
+scheduler, VAE, text encoders, tokenizers) or which other recipe to extend, the transformer's config changes, the
+components to add or replace, the pipeline's config arguments and the call's keyword arguments (images, masks,
+control images as `Picture` / `Mask` specs). The generic code here reads the pipeline class's `__init__`: it passes
+the components the class takes, leaves out the ones it does not, and builds a ControlNet the class's annotation names
+from the transformer's config. A variant of a pipeline (Img2Img, Inpaint, Kontext, ControlNet ...) is one recipe
+line on top of its base.
+
+    from paradiff.testing import zoo
+    folder = zoo.save("FluxKontextPipeline", "/tmp/tiny-kontext")      # a real pipeline folder
+    pipe = diffusers.FluxKontextPipeline.from_pretrained(folder)
+    out = pipe(**zoo.call_kwargs("FluxKontextPipeline"), generator=torch.Generator().manual_seed(0))
+
+Recipes live in `zoo/recipes/<group>.py` (each a `RECIPES` dict, found by name); a recipe's key is the pipeline
+class name, or "Class@variant" for a second configuration of the same class. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import pkgutil
+import shutil
+import tempfile
+import typing
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from paradiff.testing import pipelines as tiny
+
+
+@dataclass(frozen=True)
+class Picture:
+    """A seeded random RGB picture of `height` x `width` pixels (a call's `image` / `control_image` ...)."""
+
+    height: int
+    width: int
+    seed: int = 7
+
+    def make(self):
+        import numpy as np
+        from PIL import Image
+
+        pixels = np.random.default_rng(self.seed).integers(0, 256, size=(self.height, self.width, 3), dtype=np.uint8)
+        return Image.fromarray(pixels)
+
+
+@dataclass(frozen=True)
+class Mask:
+    """A mask of `height` x `width`: white (repaint) on the right half, black (keep) elsewhere."""
+
+    height: int
+    width: int
+
+    def make(self):
+        import numpy as np
+        from PIL import Image
+
+        mask = np.zeros((self.height, self.width), dtype=np.uint8)
+        mask[:, self.width // 2:] = 255
+        return Image.fromarray(mask)
+
+
+# A component factory: (seed, the components built so far, the transformer's config) -> the component.
+Factory = Callable[[int, dict, dict], Any]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How to build one tiny pipeline and call it. Either `family` (a testing.pipelines family) or `extends`
+    (another recipe's key) gives the starting point; the other fields are applied on top, in order."""
+
+    family: str | None = None
+    extends: str | None = None
+    transformer: dict = field(default_factory=dict)  # changes to the transformer's config
+    components: dict[str, Factory | None] = field(default_factory=dict)  # added or replaced (None: left out)
+    controlnet: dict = field(default_factory=dict)  # changes to the ControlNet's config (taken from the transformer's)
+    init: dict = field(default_factory=dict)  # the pipeline's non-module __init__ arguments
+    call: dict = field(default_factory=dict)  # the call's keyword arguments, over the base's
+    drop: tuple[str, ...] = ()  # the base's call arguments this pipeline does not take
+    note: str = ""  # why the recipe looks the way it does, where it is not obvious
+
+    def __post_init__(self) -> None:
+        if (self.family is None) == (self.extends is None):
+            raise ValueError("a Recipe names either a family or the recipe it extends")
+
+
+def _recipe_modules() -> list[str]:
+    import paradiff.testing.zoo.recipes as package
+
+    return [f"{package.__name__}.{info.name}" for info in pkgutil.iter_modules(package.__path__)]
+
+
+@lru_cache(maxsize=1)
+def _registry() -> dict[str, Recipe]:
+    recipes: dict[str, Recipe] = {}
+    for module_name in _recipe_modules():
+        for key, recipe in importlib.import_module(module_name).RECIPES.items():
+            if key in recipes:
+                raise ValueError(f"recipe {key!r} is defined twice (again in {module_name})")
+            recipes[key] = recipe
+    return recipes
+
+
+def names() -> list[str]:
+    """Every recipe's key, sorted."""
+    return sorted(_registry())
+
+
+def pipeline_name(key: str) -> str:
+    """The diffusers pipeline class a recipe builds ("WanPipeline@wan2.2" -> "WanPipeline")."""
+    return key.partition("@")[0]
+
+
+def pipeline_class(key: str) -> type:
+    import diffusers
+
+    return getattr(diffusers, pipeline_name(key))
+
+
+def recipe(key: str) -> Recipe:
+    """The recipe with everything it extends folded in: family, transformer / ControlNet / init changes, components
+    and call arguments merged, the later recipe winning."""
+    registry = _registry()
+    if key not in registry:
+        close = [name for name in registry if pipeline_name(key).lower()[:8] in name.lower()]
+        raise KeyError(f"no tiny-pipeline recipe {key!r}; close: {close or sorted(registry)[:10]}")
+    own = registry[key]
+    if own.extends is None:
+        return own
+    base = recipe(own.extends)
+    call = {k: v for k, v in base.call.items() if k not in own.drop}
+    call.update(own.call)
+    return replace(base, transformer={**base.transformer, **own.transformer},
+                   components={**base.components, **own.components},
+                   controlnet={**base.controlnet, **own.controlnet}, init={**base.init, **own.init}, call=call,
+                   drop=tuple(dict.fromkeys(base.drop + own.drop)), note=own.note or base.note)
+
+
+def transformer_config(key: str) -> dict:
+    resolved = recipe(key)
+    return {**tiny.transformer_config(resolved.family), **resolved.transformer}
+
+
+def fingerprint(key: str) -> str:
+    """A short digest of what the recipe builds (its resolved fields, factories by name): a folder saved under
+    another fingerprint holds another pipeline."""
+    import hashlib
+
+    def plain(value: Any) -> Any:
+        if callable(value) and not isinstance(value, type):
+            return f"{value.__module__}.{value.__qualname__}"
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in sorted(value.items())}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value
+
+    resolved = recipe(key)
+    text = repr(plain({"family": resolved.family, "transformer": transformer_config(key),
+                       "components": resolved.components, "controlnet": resolved.controlnet, "init": resolved.init}))
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+def build(key: str, seed: int = 0):
+    """The tiny pipeline of recipe `key`, random weights, the same for the same seed; the caller's global RNG state
+    is left untouched."""
+    resolved = recipe(key)
+    cls = pipeline_class(key)
+    config = transformer_config(key)
+    parts = tiny.family_components(resolved.family, seed)
+    parts.update(tiny.family_transformers(resolved.family, seed, config))
+    for name, factory in resolved.components.items():
+        if factory is None:
+            parts.pop(name, None)
+        else:
+            parts[name] = factory(seed, parts, config)
+    parameters = dict(list(inspect.signature(cls.__init__).parameters.items())[1:])
+    taken = {name: value for name, value in parts.items() if name in parameters}
+    for name, parameter in parameters.items():
+        if name in taken or parameter.kind in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL):
+            continue
+        if name in resolved.init:
+            taken[name] = resolved.init[name]
+        elif _controlnet_class(parameter.annotation) is not None:
+            taken[name] = controlnet_from_transformer(_controlnet_class(parameter.annotation), config, seed,
+                                                      resolved.controlnet)
+        elif parameter.default is inspect.Parameter.empty:
+            raise TypeError(f"recipe {key!r}: {cls.__name__} needs a {name!r} component "
+                            f"({_annotation_name(parameter.annotation)}) the recipe does not make")
+    return tiny.finish_pipeline(cls(**taken))
+
+
+def save(key: str, folder: str | Path, seed: int = 0) -> Path:
+    """Write `build(key, seed)` as a pipeline folder; does nothing if `folder/model_index.json` exists. Written
+    beside the target and renamed into place, so concurrent savers never see half a folder."""
+    folder = Path(folder)
+    if (folder / "model_index.json").is_file():
+        return folder
+    pipe = build(key, seed)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    os.chmod(staging, 0o755)
+    try:
+        pipe.save_pretrained(staging, safe_serialization=True)
+        try:
+            os.rename(staging, folder)
+        except OSError:
+            if not (folder / "model_index.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def call_kwargs(key: str) -> dict[str, Any]:
+    """The recipe's call arguments, with its pictures and masks made (pass a generator or `seed=` along)."""
+    def make(value: Any) -> Any:
+        if isinstance(value, (Picture, Mask)):
+            return value.make()
+        if isinstance(value, list):
+            return [make(item) for item in value]
+        return value
+
+    resolved = recipe(key)
+    base = {k: v for k, v in tiny.default_call_kwargs(resolved.family).items() if k not in resolved.drop}
+    return {name: make(value) for name, value in {**base, **resolved.call}.items()}
+
+
+# --- ControlNets from their transformer's config -------------------------------------------------------------------
+
+def _controlnet_class(annotation: Any) -> type | None:
+    """The ControlNet model class an `__init__` annotation names (a Union of it, lists of it and a Multi wrapper:
+    the single model)."""
+    from diffusers import ModelMixin
+
+    candidates = typing.get_args(annotation) or (annotation,)
+    for candidate in candidates:
+        if (isinstance(candidate, type) and issubclass(candidate, ModelMixin) and "ControlNet" in candidate.__name__
+                and "Multi" not in candidate.__name__):
+            return candidate
+    return None
+
+
+def _annotation_name(annotation: Any) -> str:
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def controlnet_from_transformer(cls: type, transformer_config: dict, seed: int, changes: dict) -> torch.nn.Module:
+    """A ControlNet of `cls` with the transformer's config where the class takes the same keys, then `changes`.
+    diffusers zero-initialises a ControlNet's residual projections and condition embedders (a fresh one changes
+    nothing): those draw at tiny.CONTROLNET_RESIDUAL_STD, so residuals added to the wrong tokens change the image
+    far beyond any tolerance."""
+    accepted = inspect.signature(cls.__init__).parameters
+    config = {k: v for k, v in transformer_config.items() if k in accepted}
+    config.update(changes)
+    zero: set[str] = set()
+
+    def std_of(name: str) -> float | None:
+        return tiny.CONTROLNET_RESIDUAL_STD if name in zero else None
+
+    # which parameters the class zero-initialises: read from a real initialisation of the same config
+    with tiny._seeded(seed, 6):
+        probe = cls(**config)
+    zero.update(name for name, param in probe.named_parameters() if not param.detach().any())
+    del probe
+    return tiny.random_model(cls, config, seed, 6, std_of=std_of)
+
+
+# --- the DiT pipeline classes of the installed diffusers ----------------------------------------------------------
+
+def dit_pipeline_classes() -> list[str]:
+    """Every pipeline class diffusers exports whose `__init__` takes a `transformer` (imports every pipeline)."""
+    import diffusers
+
+    found = []
+    for name in dir(diffusers):
+        if "Pipeline" not in name:
+            continue
+        try:
+            value = getattr(diffusers, name)
+        except Exception:  # noqa: BLE001 - an optional dependency missing: not installed, not listed
+            continue
+        if not isinstance(value, type):
+            continue
+        try:
+            parameters = inspect.signature(value.__init__).parameters
+        except (TypeError, ValueError):
+            continue
+        if "transformer" in parameters:
+            found.append(name)
+    return sorted(found)

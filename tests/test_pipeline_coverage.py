@@ -1,0 +1,139 @@
+"""The pipeline coverage table (docs/pipeline-coverage.md, `paradiff plans --pipelines`), the record it is made from
+(plans/pipelines_verified.json, written by tools/verify_pipelines.py) and the tiny-pipeline zoo behind it; a small
+sample of the verification run on the rank pool."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from paradiff.plan_tools.pipeline_coverage import MODES, load_verified, pipeline_coverage_table, summary
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_doc_table_is_generated_from_the_code_and_the_record():
+    doc = (ROOT / "docs" / "pipeline-coverage.md").read_text()
+    assert pipeline_coverage_table(markdown=True) in doc, (
+        "docs/pipeline-coverage.md's table is stale: run `python tools/verify_pipelines.py --table`")
+
+
+def test_record_lists_every_dit_pipeline_class_of_the_installed_diffusers():
+    import diffusers
+
+    from paradiff.testing import zoo
+
+    record = load_verified()
+    assert record["diffusers"] == diffusers.__version__, "run `python tools/verify_pipelines.py --classes`"
+    classes = set(record["classes"])
+    assert len(classes) >= 150 and {"FluxPipeline", "QwenImageEditPlusPipeline", "SanaSprintPipeline"} <= classes
+    assert {zoo.pipeline_name(key) for key in zoo.names()} <= classes
+
+
+def test_every_recipe_has_a_record_in_every_mode():
+    from paradiff.testing import zoo
+
+    pipelines = load_verified()["pipelines"]
+    missing = {key: sorted(set(MODES) - set(pipelines.get(key, {}).get("modes", {}))) for key in zoo.names()}
+    assert not {key: modes for key, modes in missing.items() if modes}, (
+        "recipes without a verification record: run `python tools/verify_pipelines.py --only KEY`")
+    for key in zoo.names():
+        for mode, outcome in pipelines[key]["modes"].items():
+            assert outcome["status"] in ("verified", "n/a", "refused", "mismatch", "failed"), (key, mode, outcome)
+            assert outcome["status"] != "verified" or outcome["diff"] <= 1e-5, (key, mode, outcome)
+            assert outcome["status"] in ("verified",) or outcome.get("reason"), (key, mode, outcome)
+
+
+def test_the_summary_counts_classes_verified_in_every_applicable_mode():
+    record = {"classes": ["A", "B", "C"], "pipelines": {
+        "A": {"modes": {mode: {"status": "verified", "diff": 0.0} for mode in MODES}},
+        "B": {"modes": {**{mode: {"status": "verified", "diff": 0.0} for mode in MODES},
+                        "cfg2": {"status": "n/a", "reason": "never guides"}}},
+        "C": {"modes": {**{mode: {"status": "verified", "diff": 0.0} for mode in MODES},
+                        "ring2": {"status": "refused", "reason": "PlanError: ..."}}}}}
+    assert summary(record) == {"classes": 3, "with recipe": 3, "verified in every mode": 2}
+
+
+def test_plans_command_prints_the_pipeline_table(capsys):
+    from paradiff.cli import main
+
+    assert main(["plans", "--pipelines"]) == 0
+    out = capsys.readouterr().out
+    assert "FluxKontextPipeline" in out and "DiT pipeline classes in diffusers" in out
+    assert main(["plans", "FluxPipeline", "--pipelines"]) == 2
+    assert "takes no class name" in capsys.readouterr().err
+
+
+def test_a_recipe_missing_a_required_component_says_which(monkeypatch):
+    from paradiff.testing import zoo
+
+    # the family's components as names only: the builder's reading of the pipeline's __init__ is what is tested
+    monkeypatch.setattr(zoo, "_registry", lambda: {"QwenImageEditPipeline": zoo.Recipe(family="qwenimage")})
+    monkeypatch.setattr(zoo.tiny, "family_components", lambda family, seed: dict.fromkeys(
+        ("scheduler", "vae", "text_encoder", "tokenizer")))
+    monkeypatch.setattr(zoo.tiny, "family_transformers", lambda family, seed, config: {"transformer": None})
+    with pytest.raises(TypeError, match="QwenImageEditPipeline needs a 'processor' component"):
+        zoo.build("QwenImageEditPipeline")
+
+
+# --- a sample of tools/verify_pipelines.py on the rank pool -------------------------------------------------------
+
+# batch CFG with a ControlNet's residual lists batched, two-call CFG on an edit pipeline (Kontext under CP:
+# tests/test_conditioning.py)
+SAMPLE = (("StableDiffusion3ControlNetPipeline", "cfg2"), ("FluxKontextPipeline", "cfg2"))
+
+
+@pytest.fixture(scope="module")
+def sample_jobs(tmp_path_factory, tiny_pipeline_folders):
+    from paradiff.testing import zoo
+    from paradiff.testing.zoo.check import reference
+
+    root = tmp_path_factory.mktemp("zoo")
+    jobs, expected = [], {}
+    for key, mode in SAMPLE:
+        recipe = zoo.recipe(key)
+        unchanged = not (recipe.transformer or recipe.components or recipe.controlnet or recipe.init)
+        # a recipe that only calls its family's pipeline another way reads the family's folder, saved for the session
+        folder = str(tiny_pipeline_folders[recipe.family] if unchanged else zoo.save(key, root / key))
+        if key not in expected:
+            expected[key] = reference(key, folder)
+        jobs.append(dict(key=key, folder=folder, mode=mode, expected=expected[key]))
+    return jobs
+
+
+def test_sample_pipelines_equal_single_process_in_their_modes(pools, sample_jobs):
+    from paradiff.testing.zoo.check import check_modes
+
+    results = pools.get(2).run(check_modes, jobs=sample_jobs, timeout_s=400)
+    for rank, outcomes in enumerate(results):
+        for job, outcome in zip(sample_jobs, outcomes):
+            print(rank, job["key"], job["mode"], outcome)
+            assert outcome["status"] == "verified" and outcome["diff"] <= 1e-5, (job["key"], job["mode"], outcome)
+    # the sample is conditioned and uneven: SD3's 35 tokens, Kontext's 99 noise + 63 reference tokens
+    assert [job["expected"]["blocks"][0][1] for job in sample_jobs] == [35, 162]
+
+
+# --- what the pipeline class alone decides, refused before any worker starts --------------------------------------
+
+@pytest.mark.parametrize("pipeline,flags,reason", [
+    ("SanaPAGPipeline", ["--ulysses", "2"], "SanaPAGPipeline: its perturbed-attention guidance replaces the "
+                                            "self-attention of its perturbed layers"),
+    ("StableDiffusion3PAGPipeline", ["--ring", "2"], "load the folder as StableDiffusion3Pipeline (no PAG)"),
+    ("PixArtSigmaPAGPipeline", ["--cfg", "2"], "runs perturbed-attention guidance: one transformer call on "
+                                               "[uncond, cond, perturbed]"),
+])
+def test_pipelines_a_mode_cannot_split_are_refused_before_any_worker(tmp_path, capsys, monkeypatch, pipeline, flags,
+                                                                      reason):
+    import json
+
+    import paradiff.cli
+    from paradiff.cli import main
+
+    started = []
+    monkeypatch.setattr(paradiff.cli, "launch", lambda *args, **kwargs: started.append(args) or 0)
+    (tmp_path / "model_index.json").write_text(json.dumps({
+        "_class_name": pipeline, "transformer": ["diffusers", "SD3Transformer2DModel"]}))
+    assert main(["generate", str(tmp_path), *flags, "--prompt", "a cat"]) == 2
+    err = capsys.readouterr().err
+    assert reason in err and len(err.strip().splitlines()) == 1 and not started, err
