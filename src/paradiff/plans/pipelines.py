@@ -127,6 +127,13 @@ CFG_RULES: dict[str, CfgRule] = {
     "PixArtSigmaPipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, style=BATCH,
                                    batched=_WITH_TEXT_MASK),
     "LTXPipeline": CfgRule("guidance_scale", 3.0, needs_negative_prompt=False, style=BATCH, batched=_WITH_TEXT_MASK),
+    # Sana-Video: [uncond, cond] in one call; image-to-video's per-token timesteps are batched the same way
+    **{name: CfgRule("guidance_scale", 6.0, needs_negative_prompt=False, style=BATCH, batched=_WITH_TEXT_MASK)
+       for name in ("SanaVideoPipeline", "SanaImageToVideoPipeline")},
+    # Kandinsky 5: the prompt's call, then the negative prompt's (a default one when none is given)
+    **{name: CfgRule("guidance_scale", scale, needs_negative_prompt=False) for name, scale in (
+        ("Kandinsky5T2VPipeline", 5.0), ("Kandinsky5I2VPipeline", 5.0), ("Kandinsky5T2IPipeline", 3.5),
+        ("Kandinsky5I2IPipeline", 3.5))},
 }
 
 # Pipelines that make one transformer call per step on the conditional batch only: guidance is distilled into the
