@@ -134,6 +134,10 @@ CFG_RULES: dict[str, CfgRule] = {
     **{name: CfgRule("guidance_scale", scale, needs_negative_prompt=False) for name, scale in (
         ("Kandinsky5T2VPipeline", 5.0), ("Kandinsky5I2VPipeline", 5.0), ("Kandinsky5T2IPipeline", 3.5),
         ("Kandinsky5I2IPipeline", 3.5))},
+    # Cosmos 1.0: the prompt's call, then the negative prompt's (a default one when none is given); Video2World's
+    # two calls differ in their condition masks and inputs as well
+    **{name: CfgRule("guidance_scale", 7.0, needs_negative_prompt=False) for name in (
+        "CosmosTextToWorldPipeline", "CosmosVideoToWorldPipeline")},
 }
 
 # Pipelines that make one transformer call per step on the conditional batch only: guidance is distilled into the
@@ -151,7 +155,12 @@ _PAG = ("perturbed-attention guidance runs [uncond, cond, perturbed] as one batc
         "in three inside every attention, so a cfg rank's share of the batch cannot go through them")
 _LTX2 = ("it runs up to four branches per step: one call on [uncond, cond], then a spatio-temporal-guidance call and "
          "a modality-isolation call on the conditional batch alone")
+_FIRST_PREDICTION_USED = ("it computes with the first call's prediction (preconditioning, or the conditioning frames' "
+                          "velocity put in) before it makes the second call, so the second cfg rank has no prediction "
+                          "to hand back for the first call: both branches would have to be computed on every rank")
 CFG_NOT_SPLIT: dict[str, str] = {
+    **dict.fromkeys(("Cosmos2TextToImagePipeline", "Cosmos2VideoToWorldPipeline", "Cosmos2_5_PredictBasePipeline",
+                     "Cosmos2_5_TransferPipeline"), _FIRST_PREDICTION_USED),
     "OmniGenPipeline": ("with input images it runs three branches (text, unconditional, image) as one call on a batch "
                         "of 3 whose input-image latents are a list indexed by batch row, which the batch split does "
                         "not follow yet"),

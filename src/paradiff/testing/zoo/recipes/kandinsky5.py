@@ -4,7 +4,8 @@ prompt). Video: the HunyuanVideo VAE (factor 4 in space and time: 5 frames -> 2 
 4 x 6 tokens of 1 x 2 x 2 patches a frame, 48 in all). Image: the pipelines snap every size to their list of
 resolutions (1024 x 1024 the smallest) and assume a VAE factor of 8, so a four-level AutoencoderKL at 1024 x 1024:
 64 x 64 tokens. Image-to-video and image-to-image condition the visual tokens on the image's latents and a mask
-(`visual_cond`: 2 x 4 + 1 input channels)."""
+(`visual_cond`: 2 x 4 + 1 input channels); image-to-video renormalises its first four latent frames by the next
+ones, so it takes 17 frames (5 latent frames, 120 tokens)."""
 
 from paradiff.testing import pipelines as tiny
 from paradiff.testing.zoo import Picture, Recipe, TinyFamily
@@ -63,7 +64,7 @@ FAMILIES = {
 RECIPES = {
     "Kandinsky5T2VPipeline": Recipe(family="kandinsky5_video"),
     "Kandinsky5I2VPipeline": Recipe(family="kandinsky5_video", transformer=dict(visual_cond=True),
-                                    call=dict(image=Picture(32, 48))),
+                                    call=dict(image=Picture(32, 48), num_frames=17)),
     "Kandinsky5T2IPipeline": Recipe(family="kandinsky5_image"),
     "Kandinsky5I2IPipeline": Recipe(family="kandinsky5_image", transformer=dict(visual_cond=True),
                                     call=dict(image=Picture(64, 64))),
