@@ -59,6 +59,22 @@ def cosmos1_components(seed: int) -> dict:
     return dict(text_encoder=text["text_encoder"], tokenizer=text["tokenizer"], vae=vae, scheduler=scheduler)
 
 
+_CHAT = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% for part in message['content'] %}"
+         "{{ part['text'] }}{% endfor %}<|im_end|>\n{% endfor %}")
+
+
+def predict2_5_components(seed: int) -> dict:
+    """Predict2.5 / Transfer2.5: a Qwen2.5-VL whose every layer's normalised hidden states are concatenated (2
+    layers of 32: 64 text channels), the prompt in a chat of the tokenizer's template, UniPC sampling."""
+    import diffusers
+
+    qwen = tiny.family_components("qwenimage", seed)
+    tokenizer = qwen["tokenizer"]
+    tokenizer.chat_template = _CHAT
+    return dict(text_encoder=qwen["text_encoder"], tokenizer=tokenizer,
+                vae=tiny.family_components("wan", seed)["vae"], scheduler=diffusers.UniPCMultistepScheduler())
+
+
 _TRANSFORMER = dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=2,
                     mlp_ratio=2, text_embed_dim=32, adaln_lora_dim=4, max_size=(4, 32, 32), patch_size=(1, 2, 2),
                     rope_scale=(2.0, 1.0, 1.0), concat_padding_mask=False, extra_pos_embed_type="learnable")
@@ -72,6 +88,9 @@ FAMILIES = {
                           components=predict2_components, call=dict(_CALL, height=32, width=48)),
     "cosmos1": TinyFamily(transformer_class="CosmosTransformer3DModel", transformer=_TRANSFORMER,
                           components=cosmos1_components, call=dict(_CALL, height=32, width=48, num_frames=9)),
+    "cosmos2_5": TinyFamily(transformer_class="CosmosTransformer3DModel",
+                            transformer=dict(_TRANSFORMER, in_channels=5, text_embed_dim=64),
+                            components=predict2_5_components, call=dict(_CALL, height=32, width=48, num_frames=5)),
 }
 
 RECIPES = {
@@ -79,6 +98,8 @@ RECIPES = {
     # the image is the first latent frame (a condition-mask channel marks it), then 2 frames to generate
     "Cosmos2VideoToWorldPipeline": Recipe(extends="Cosmos2TextToImagePipeline", transformer=dict(in_channels=5),
                                           call=dict(image=Picture(32, 48), num_frames=5)),
+    # Predict2.5 Text2World (its image and video inputs go through torchvision, not installed here)
+    "Cosmos2_5_PredictBasePipeline": Recipe(family="cosmos2_5", components=dict(safety_checker=guardrail)),
     # Cosmos 1.0: the Cosmos VAE and EDM sampling; 9 frames are 3 latent frames of 4 x 6 tokens
     "CosmosTextToWorldPipeline": Recipe(family="cosmos1", components=dict(safety_checker=guardrail)),
     "CosmosVideoToWorldPipeline": Recipe(extends="CosmosTextToWorldPipeline", transformer=dict(in_channels=5),
