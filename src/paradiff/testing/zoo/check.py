@@ -33,7 +33,7 @@ _BLOCK_STACKS = ("transformer_blocks", "blocks", "layers", "joint_transformer_bl
 
 def output_array(output: Any) -> np.ndarray:
     """A pipeline output's images, frames or audio as one float array."""
-    for name in ("images", "frames", "audios", "audio"):
+    for name in ("images", "frames", "image", "audios", "audio"):  # Kandinsky 5's image pipelines: `image`
         value = getattr(output, name, None)
         if value is not None:
             break

@@ -67,5 +67,6 @@ RECIPES = {
                                     call=dict(image=Picture(32, 48), num_frames=17)),
     "Kandinsky5T2IPipeline": Recipe(family="kandinsky5_image"),
     "Kandinsky5I2IPipeline": Recipe(family="kandinsky5_image", transformer=dict(visual_cond=True),
-                                    call=dict(image=Picture(64, 64))),
+                                    # the processor shows the encoder the image at half size: 16 image tokens
+                                    call=dict(image=Picture(64, 64), max_sequence_length=48)),
 }
