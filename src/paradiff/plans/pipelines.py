@@ -130,10 +130,10 @@ CFG_RULES: dict[str, CfgRule] = {
     # Sana-Video: [uncond, cond] in one call; image-to-video's per-token timesteps are batched the same way
     **{name: CfgRule("guidance_scale", 6.0, needs_negative_prompt=False, style=BATCH, batched=_WITH_TEXT_MASK)
        for name in ("SanaVideoPipeline", "SanaImageToVideoPipeline")},
-    # Kandinsky 5: the prompt's call, then the negative prompt's (a default one when none is given)
+    # Kandinsky 5 and 6: the prompt's call, then the negative prompt's (a default one when none is given)
     **{name: CfgRule("guidance_scale", scale, needs_negative_prompt=False) for name, scale in (
         ("Kandinsky5T2VPipeline", 5.0), ("Kandinsky5I2VPipeline", 5.0), ("Kandinsky5T2IPipeline", 3.5),
-        ("Kandinsky5I2IPipeline", 3.5))},
+        ("Kandinsky5I2IPipeline", 3.5), ("Kandinsky6TI2VAPipeline", 5.0))},
     # Cosmos 1.0: the prompt's call, then the negative prompt's (a default one when none is given); Video2World's
     # two calls differ in their condition masks and inputs as well
     **{name: CfgRule("guidance_scale", 7.0, needs_negative_prompt=False) for name in (

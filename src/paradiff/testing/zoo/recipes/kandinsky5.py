@@ -67,6 +67,7 @@ RECIPES = {
                                     call=dict(image=Picture(32, 48), num_frames=17)),
     "Kandinsky5T2IPipeline": Recipe(family="kandinsky5_image"),
     "Kandinsky5I2IPipeline": Recipe(family="kandinsky5_image", transformer=dict(visual_cond=True),
-                                    # the processor shows the encoder the image at half size: 16 image tokens
-                                    call=dict(image=Picture(64, 64), max_sequence_length=48)),
+                                    # the tiny tokenizer spells the long system text in many tokens: a text
+                                    # length that keeps the user turn, where the image's 16 tokens are
+                                    call=dict(image=Picture(64, 64), max_sequence_length=1024)),
 }
