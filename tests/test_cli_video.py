@@ -14,7 +14,6 @@ from PIL import Image
 import rank_cases_cli as cases
 from paradiff.cli.args import CliError, build_parser, check_args
 from paradiff.cli.embedded import embedded_default
-from paradiff.testing.pipelines import save_pipeline
 from paradiff.testing import command
 
 VIDEO = ["--frames", "5", "--steps", "2", "--height", "32", "--width", "32"]
@@ -22,9 +21,8 @@ FAMILIES = ("wan2.2", "hunyuanvideo", "ltx")
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("video-pipelines")
-    return {family: str(save_pipeline(family, root / family)) for family in FAMILIES}
+def folders(tiny_pipeline_folders):
+    return {family: str(tiny_pipeline_folders[family]) for family in FAMILIES}
 
 
 def _luma(frames: np.ndarray) -> np.ndarray:

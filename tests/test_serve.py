@@ -241,13 +241,11 @@ def test_a_killed_worker_fails_the_server_and_answers_every_client(tmp_path):
         server.stop()
 
 
-def test_a_video_pipeline_answers_mp4_files_on_v1_videos(tmp_path):
+def test_a_video_pipeline_answers_mp4_files_on_v1_videos(tmp_path, tiny_pipeline_folders):
     """A tiny Wan 2.2 pipeline at ulysses2: /v1/videos gives the frames `generate` writes single-process."""
     import av
 
-    from paradiff.testing.pipelines import save_pipeline
-
-    folder = str(save_pipeline("wan2.2", tmp_path / "wan"))
+    folder = str(tiny_pipeline_folders["wan2.2"])
     video = ["--frames", "5", "--steps", "2", "--height", "32", "--width", "32"]
     done = command.run(["-m", "paradiff.cli", "generate", folder, *video, "--prompt", "a fox", "--seed", "3",
                         "--out", str(tmp_path / "generate")], timeout=300)
