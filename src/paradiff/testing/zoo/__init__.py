@@ -73,8 +73,21 @@ Factory = Callable[[int, dict, dict], Any]
 
 
 @dataclass(frozen=True)
+class TinyFamily:
+    """A tiny family a recipe module declares itself (`FAMILIES = {name: TinyFamily(...)}`), for pipelines whose
+    components `paradiff.testing.pipelines` does not make: the transformer's class and config, every other
+    component from a seed, and the call's base arguments. Recipes name it as they name testing.pipelines' families."""
+
+    transformer_class: str
+    transformer: dict
+    components: Callable[[int], dict]  # seed -> every component but the transformer
+    call: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Recipe:
-    """How to build one tiny pipeline and call it. Either `family` (a testing.pipelines family) or `extends`
+    """How to build one tiny pipeline and call it. Either `family` (a testing.pipelines family, or a recipe module's
+    `TinyFamily`) or `extends`
     (another recipe's key) gives the starting point; the other fields are applied on top, in order."""
 
     family: str | None = None
@@ -107,6 +120,41 @@ def _registry() -> dict[str, Recipe]:
                 raise ValueError(f"recipe {key!r} is defined twice (again in {module_name})")
             recipes[key] = recipe
     return recipes
+
+
+@lru_cache(maxsize=1)
+def _families() -> dict[str, TinyFamily]:
+    families: dict[str, TinyFamily] = {}
+    for module_name in _recipe_modules():
+        for name, family in getattr(importlib.import_module(module_name), "FAMILIES", {}).items():
+            if name in families or name in tiny.PIPELINE_FAMILIES:
+                raise ValueError(f"tiny family {name!r} is defined twice (again in {module_name})")
+            families[name] = family
+    return families
+
+
+def _family_config(family: str) -> dict:
+    own = _families().get(family)
+    return dict(own.transformer) if own is not None else tiny.transformer_config(family)
+
+
+def _family_parts(family: str, seed: int, config: dict) -> dict:
+    """Every component of the family's tiny pipeline, the transformer(s) of `config` included."""
+    own = _families().get(family)
+    if own is None:
+        parts = tiny.family_components(family, seed)
+        parts.update(tiny.family_transformers(family, seed, config))
+        return parts
+    import diffusers
+
+    parts = own.components(seed)
+    parts["transformer"] = tiny.random_model(getattr(diffusers, own.transformer_class), config, seed, 0)
+    return parts
+
+
+def _family_call(family: str) -> dict:
+    own = _families().get(family)
+    return dict(own.call) if own is not None else tiny.default_call_kwargs(family)
 
 
 def names() -> list[str]:
@@ -146,7 +194,7 @@ def recipe(key: str) -> Recipe:
 
 def transformer_config(key: str) -> dict:
     resolved = recipe(key)
-    return {**tiny.transformer_config(resolved.family), **resolved.transformer}
+    return {**_family_config(resolved.family), **resolved.transformer}
 
 
 def fingerprint(key: str) -> str:
@@ -175,8 +223,7 @@ def build(key: str, seed: int = 0):
     resolved = recipe(key)
     cls = pipeline_class(key)
     config = transformer_config(key)
-    parts = tiny.family_components(resolved.family, seed)
-    parts.update(tiny.family_transformers(resolved.family, seed, config))
+    parts = _family_parts(resolved.family, seed, config)
     for name, factory in resolved.components.items():
         if factory is None:
             parts.pop(name, None)
@@ -230,7 +277,7 @@ def call_kwargs(key: str) -> dict[str, Any]:
         return value
 
     resolved = recipe(key)
-    base = {k: v for k, v in tiny.default_call_kwargs(resolved.family).items() if k not in resolved.drop}
+    base = {k: v for k, v in _family_call(resolved.family).items() if k not in resolved.drop}
     return {name: make(value) for name, value in {**base, **resolved.call}.items()}
 
 
