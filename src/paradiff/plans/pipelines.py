@@ -39,6 +39,8 @@ class CfgRule:
     style: str = TWO_CALLS
     batched: tuple[str, ...] = ()  # "batch": the transformer's arguments that hold the branches' batch
     batch_order: tuple[str, ...] = ("uncond", "cond")  # "batch": the branches in batch order
+    # "batch": the batched arguments that are lists of one tensor per batch row (the first one the latents)
+    sample_lists: tuple[str, ...] = ()
     disabled_by_config: str | None = None
     # an argument that stops guidance after that fraction of the steps (Lumina 2's cfg_trunc_ratio, default 1): the
     # steps after it make one call, which the two-call pairing cannot follow, so CFG parallelism needs it at 1
@@ -127,6 +129,16 @@ CFG_RULES: dict[str, CfgRule] = {
     "PixArtSigmaPipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, style=BATCH,
                                    batched=_WITH_TEXT_MASK),
     "LTXPipeline": CfgRule("guidance_scale", 3.0, needs_negative_prompt=False, style=BATCH, batched=_WITH_TEXT_MASK),
+    # Z-Image: one call on [cond..., uncond...] given as per-sample lists (latents, captions of their own lengths);
+    # cfg_truncation < 1 stops guiding after that fraction of the steps
+    **{name: CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH, batched=("x", "t", "cap_feats"),
+                     batch_order=("cond", "uncond"), sample_lists=("x", "cap_feats"),
+                     truncation_argument="cfg_truncation")
+       for name in ("ZImagePipeline", "ZImageImg2ImgPipeline", "ZImageInpaintPipeline")},
+    "LuminaPipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False, style=BATCH,
+                              batched=_LATENTS_TEXT_TIME + ("encoder_mask",), batch_order=("cond", "uncond")),
+    "OvisImagePipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
+    "CogView4Pipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
 }
 
 # Pipelines that make one transformer call per step on the conditional batch only: guidance is distilled into the
