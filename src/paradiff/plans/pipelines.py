@@ -25,6 +25,8 @@ TWO_CALLS, BATCH = "two_calls", "batch"
 _LATENTS_TEXT_TIME = ("hidden_states", "encoder_hidden_states", "timestep")
 _WITH_TEXT_MASK = _LATENTS_TEXT_TIME + ("encoder_attention_mask",)
 _WITH_POOLED = _LATENTS_TEXT_TIME + ("pooled_projections",)
+_HUNYUANDIT = _LATENTS_TEXT_TIME + ("text_embedding_mask", "encoder_hidden_states_t5", "text_embedding_mask_t5",
+                                    "image_meta_size", "style")
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,12 @@ CFG_RULES: dict[str, CfgRule] = {
        for name in ("ZImagePipeline", "ZImageImg2ImgPipeline", "ZImageInpaintPipeline")},
     "LuminaPipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False, style=BATCH,
                               batched=_LATENTS_TEXT_TIME + ("encoder_mask",), batch_order=("cond", "uncond")),
+    # Hunyuan-DiT: one call on [uncond, cond] with both prompts' embeddings and masks, the size and style
+    # conditions; the ControlNet runs on the whole batch and its residuals reach the transformer batched
+    "HunyuanDiTPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
+                                  batched=_HUNYUANDIT),
+    "HunyuanDiTControlNetPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
+                                            batched=_HUNYUANDIT + ("controlnet_block_samples",)),
     "OvisImagePipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
     "CogView4Pipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
 }
