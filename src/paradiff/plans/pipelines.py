@@ -137,6 +137,11 @@ CFG_RULES: dict[str, CfgRule] = {
                      batch_order=("cond", "uncond"), sample_lists=("x", "cap_feats"),
                      truncation_argument="cfg_truncation")
        for name in ("ZImagePipeline", "ZImageImg2ImgPipeline", "ZImageInpaintPipeline")},
+    # the ControlNet runs on the whole batch; its residuals (by layer index) reach the transformer batched
+    **{name: CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
+                     batched=("x", "t", "cap_feats", "controlnet_block_samples"), batch_order=("cond", "uncond"),
+                     sample_lists=("x", "cap_feats"), truncation_argument="cfg_truncation")
+       for name in ("ZImageControlNetPipeline", "ZImageControlNetInpaintPipeline")},
     "LuminaPipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False, style=BATCH,
                               batched=_LATENTS_TEXT_TIME + ("encoder_mask",), batch_order=("cond", "uncond")),
     # Hunyuan-DiT: one call on [uncond, cond] with both prompts' embeddings and masks, the size and style
@@ -147,6 +152,7 @@ CFG_RULES: dict[str, CfgRule] = {
                                             batched=_HUNYUANDIT + ("controlnet_block_samples",)),
     "OvisImagePipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
     "CogView4Pipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
+    "CogView4ControlPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
 }
 
 # Pipelines that make one transformer call per step on the conditional batch only: guidance is distilled into the

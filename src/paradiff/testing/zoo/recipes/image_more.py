@@ -10,7 +10,7 @@ tokenizers testing.pipelines learns locally.
 """
 
 from paradiff.testing import pipelines as tiny
-from paradiff.testing.zoo import Recipe, TinyFamily
+from paradiff.testing.zoo import Picture, Recipe, TinyFamily
 from paradiff.testing.zoo.recipes.z_image import TEXT_WIDTH, qwen3_text_encoder
 
 PROMPTS = dict(prompt="a small red fox running through the snow", negative_prompt="blurry, low quality")
@@ -89,3 +89,9 @@ RECIPES = {
     "OvisImagePipeline": Recipe(family="ovis_image"),
     "CogView4Pipeline": Recipe(family="cogview4"),
 }
+
+# the control image's latents concatenated to the noise on the channels: twice the transformer's input channels
+RECIPES["CogView4ControlPipeline"] = Recipe(extends="CogView4Pipeline", transformer=dict(in_channels=8),
+                                            call=dict(control_image=Picture(32, 48, seed=11)))
+
+

@@ -47,4 +47,13 @@ RECIPES = {
     "ZImagePipeline": Recipe(family="z_image"),
     "ZImageImg2ImgPipeline": Recipe(extends="ZImagePipeline", call=dict(image=IMAGE, **PARTIAL)),
     "ZImageInpaintPipeline": Recipe(extends="ZImageImg2ImgPipeline", call=dict(mask_image=MASK)),
+    # a ZImageControlNetModel sharing the transformer's embedders; residuals into both of its layers
+    "ZImageControlNetPipeline": Recipe(
+        extends="ZImagePipeline", controlnet=dict(control_layers_places=[0, 1], control_refiner_layers_places=[0],
+                                                  control_in_dim=4),
+        call=dict(control_image=Picture(**SIZE, seed=11), controlnet_conditioning_scale=0.8)),
+    # the 2.0 ControlNet: the control latents, the mask and the masked image's latents (4 + 1 + 4 channels)
+    "ZImageControlNetInpaintPipeline": Recipe(
+        extends="ZImageControlNetPipeline", controlnet=dict(control_in_dim=9),
+        call=dict(image=IMAGE, mask_image=MASK)),
 }
