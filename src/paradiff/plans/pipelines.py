@@ -43,6 +43,8 @@ class CfgRule:
     batch_order: tuple[str, ...] = ("uncond", "cond")  # "batch": the branches in batch order
     # "batch": the batched arguments that are lists of one tensor per batch row (the first one the latents)
     sample_lists: tuple[str, ...] = ()
+    # "batch": (argument, dimension) for the batched arguments whose batch is not their first dimension
+    batch_dims: tuple[tuple[str, int], ...] = ()
     disabled_by_config: str | None = None
     # an argument that stops guidance after that fraction of the steps (Lumina 2's cfg_trunc_ratio, default 1): the
     # steps after it make one call, which the two-call pairing cannot follow, so CFG parallelism needs it at 1
@@ -150,6 +152,11 @@ CFG_RULES: dict[str, CfgRule] = {
                                   batched=_HUNYUANDIT),
     "HunyuanDiTControlNetPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
                                             batched=_HUNYUANDIT + ("controlnet_block_samples",)),
+    # HiDream-I1: one call on [uncond, cond]; the Llama hidden states are stacked [layer, batch, token, width]
+    "HiDreamImagePipeline": CfgRule(
+        "guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
+        batched=("hidden_states", "timesteps", "encoder_hidden_states_t5", "encoder_hidden_states_llama3",
+                 "pooled_embeds"), batch_dims=(("encoder_hidden_states_llama3", 1),)),
     "OvisImagePipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
     "CogView4Pipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
     "CogView4ControlPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),

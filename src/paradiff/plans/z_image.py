@@ -43,6 +43,9 @@ def context_parallel_plan(config) -> ContextParallelPlan:
         split_inputs[f"{stack}.*"] = {"attn_mask": Split(1), "freqs_cis": Split(1), "noise_mask": Split(1)}
         depth = config.n_layers if stack == "layers" else config.n_refiner_layers
         gather_outputs[f"{stack}.{depth - 1}"] = 1
+    # a ControlNet's residuals (ZImageControlNetModel: layer index -> the joined sequence's) are added to the joined
+    # sequence between its layers: split with it
+    split_inputs[""] = {"controlnet_block_samples": Split(1)}
     return ContextParallelPlan(split_inputs=split_inputs, gather_outputs=gather_outputs)
 
 

@@ -190,6 +190,7 @@ class BatchCfgSplitter:
     batched: tuple[str, ...]
     parameter_names: tuple[str, ...]  # the forward's positional parameters, in order
     sample_lists: tuple[str, ...] = ()  # batched arguments that are lists of one tensor per batch row (Z-Image)
+    batch_dims: dict[str, int] = field(default_factory=dict)  # batched arguments whose batch is not dimension 0
     calls: int = 0
     computed: int = 0
     batch_sizes: list[int] = field(default_factory=list)  # the batch this rank computed, per call (for reports)
@@ -214,13 +215,15 @@ class BatchCfgSplitter:
             return type(value)(self._share(name, item, whole) for item in value)
         if not torch.is_tensor(value) or value.ndim == 0:
             return value
-        if value.shape[0] != whole:
+        dim = self.batch_dims.get(name, 0)
+        if value.shape[dim] != whole:
             raise ParallelConfigError(
-                f"CFG parallelism (batch style): the transformer argument {name!r} has batch {value.shape[0]} but "
-                f"hidden_states has {whole}; the pipeline's CfgRule in plans/pipelines.py names it as batched."
+                f"CFG parallelism (batch style): the transformer argument {name!r} has batch {value.shape[dim]} "
+                f"(dimension {dim}) but the latents have {whole}; the pipeline's CfgRule in plans/pipelines.py "
+                "names it as batched."
             )
         share = whole // self.cfg_degree
-        return value.narrow(0, self.cfg_rank * share, share)
+        return value.narrow(dim, self.cfg_rank * share, share)
 
     def __call__(self, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         self.calls += 1
@@ -407,7 +410,7 @@ def install_cfg_parallel(model: nn.Module, group: dist.ProcessGroup, rule: Any =
         parameters = list(inspect.signature(type(model).forward).parameters)[1:]  # without self
         splitter: CfgSplitter | BatchCfgSplitter = BatchCfgSplitter(
             group=group, cfg_rank=cfg_rank, cfg_degree=cfg_degree, batched=rule.batched,
-            parameter_names=tuple(parameters), sample_lists=rule.sample_lists)
+            parameter_names=tuple(parameters), sample_lists=rule.sample_lists, batch_dims=dict(rule.batch_dims))
     else:
         if cfg_degree != 2:
             raise ParallelConfigError(f"the cfg group must have 2 ranks, it has {cfg_degree}.")

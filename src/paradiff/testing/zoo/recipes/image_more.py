@@ -95,3 +95,39 @@ RECIPES["CogView4ControlPipeline"] = Recipe(extends="CogView4Pipeline", transfor
                                             call=dict(control_image=Picture(32, 48, seed=11)))
 
 
+
+
+def hidream_components(seed: int) -> dict:
+    """HiDream-I1: two CLIPs with projections (pooled), T5 and a Llama whose every layer's hidden states the
+    transformer reads."""
+    import diffusers
+    from transformers import LlamaConfig, LlamaForCausalLM, T5Config, T5EncoderModel
+
+    clip, t5, llama = tiny._clip_tokenizer(), tiny._t5_tokenizer(), tiny._llama3_tokenizer()
+    with tiny._seeded(seed, 4):
+        text_encoder_3 = T5EncoderModel(tiny._t5_config(T5Config, t5, feed_forward_proj="gated-gelu"))
+    with tiny._seeded(seed, 5):
+        text_encoder_4 = LlamaForCausalLM(LlamaConfig(
+            vocab_size=len(llama), hidden_size=TEXT_WIDTH, intermediate_size=64, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+            bos_token_id=llama.bos_token_id, eos_token_id=llama.eos_token_id))
+    return dict(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+                vae=tiny._small_vae(seed, scaling_factor=0.3611, shift_factor=0.1159),
+                text_encoder=tiny._clip_with_projection(clip, seed, 1), tokenizer=clip,
+                text_encoder_2=tiny._clip_with_projection(clip, seed, 2), tokenizer_2=clip,
+                text_encoder_3=text_encoder_3, tokenizer_3=t5, text_encoder_4=text_encoder_4, tokenizer_4=llama)
+
+
+# HiDream-I1: the pipeline rescales every image to 128 x 128 latents' area (its default_sample_size), 40 x 56 to
+# 216 x 300 pixels (scale factor 2, 2 x 2 patches: 54 x 75 = 4050 tokens, within max_resolution's count); one call
+# on [uncond, cond], the Llama states batched on their second dimension
+FAMILIES["hidream"] = TinyFamily(
+    transformer_class="HiDreamImageTransformer2DModel",
+    transformer=dict(patch_size=2, in_channels=4, out_channels=4, num_layers=1, num_single_layers=2,
+                     attention_head_dim=16, num_attention_heads=4, caption_channels=[TEXT_WIDTH, TEXT_WIDTH],
+                     text_emb_dim=2 * TEXT_WIDTH, num_routed_experts=4, num_activated_experts=2,
+                     axes_dims_rope=(8, 4, 4), max_resolution=(128, 128), llama_layers=[0, 1, 2]),
+    components=hidream_components,
+    call=dict(PROMPTS, guidance_scale=5.0, num_inference_steps=2, max_sequence_length=32, height=40, width=56,
+              output_type="np"))
+RECIPES["HiDreamImagePipeline"] = Recipe(family="hidream")
