@@ -25,6 +25,8 @@ TWO_CALLS, BATCH = "two_calls", "batch"
 _LATENTS_TEXT_TIME = ("hidden_states", "encoder_hidden_states", "timestep")
 _WITH_TEXT_MASK = _LATENTS_TEXT_TIME + ("encoder_attention_mask",)
 _WITH_POOLED = _LATENTS_TEXT_TIME + ("pooled_projections",)
+_HUNYUANDIT = _LATENTS_TEXT_TIME + ("text_embedding_mask", "encoder_hidden_states_t5", "text_embedding_mask_t5",
+                                    "image_meta_size", "style")
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,10 @@ class CfgRule:
     style: str = TWO_CALLS
     batched: tuple[str, ...] = ()  # "batch": the transformer's arguments that hold the branches' batch
     batch_order: tuple[str, ...] = ("uncond", "cond")  # "batch": the branches in batch order
+    # "batch": the batched arguments that are lists of one tensor per batch row (the first one the latents)
+    sample_lists: tuple[str, ...] = ()
+    # "batch": (argument, dimension) for the batched arguments whose batch is not their first dimension
+    batch_dims: tuple[tuple[str, int], ...] = ()
     disabled_by_config: str | None = None
     # an argument that stops guidance after that fraction of the steps (Lumina 2's cfg_trunc_ratio, default 1): the
     # steps after it make one call, which the two-call pairing cannot follow, so CFG parallelism needs it at 1
@@ -127,6 +133,33 @@ CFG_RULES: dict[str, CfgRule] = {
     "PixArtSigmaPipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, style=BATCH,
                                    batched=_WITH_TEXT_MASK),
     "LTXPipeline": CfgRule("guidance_scale", 3.0, needs_negative_prompt=False, style=BATCH, batched=_WITH_TEXT_MASK),
+    # Z-Image: one call on [cond..., uncond...] given as per-sample lists (latents, captions of their own lengths);
+    # cfg_truncation < 1 stops guiding after that fraction of the steps
+    **{name: CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH, batched=("x", "t", "cap_feats"),
+                     batch_order=("cond", "uncond"), sample_lists=("x", "cap_feats"),
+                     truncation_argument="cfg_truncation")
+       for name in ("ZImagePipeline", "ZImageImg2ImgPipeline", "ZImageInpaintPipeline")},
+    # the ControlNet runs on the whole batch; its residuals (by layer index) reach the transformer batched
+    **{name: CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
+                     batched=("x", "t", "cap_feats", "controlnet_block_samples"), batch_order=("cond", "uncond"),
+                     sample_lists=("x", "cap_feats"), truncation_argument="cfg_truncation")
+       for name in ("ZImageControlNetPipeline", "ZImageControlNetInpaintPipeline")},
+    "LuminaPipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False, style=BATCH,
+                              batched=_LATENTS_TEXT_TIME + ("encoder_mask",), batch_order=("cond", "uncond")),
+    # Hunyuan-DiT: one call on [uncond, cond] with both prompts' embeddings and masks, the size and style
+    # conditions; the ControlNet runs on the whole batch and its residuals reach the transformer batched
+    "HunyuanDiTPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
+                                  batched=_HUNYUANDIT),
+    "HunyuanDiTControlNetPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
+                                            batched=_HUNYUANDIT + ("controlnet_block_samples",)),
+    # HiDream-I1: one call on [uncond, cond]; the Llama hidden states are stacked [layer, batch, token, width]
+    "HiDreamImagePipeline": CfgRule(
+        "guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
+        batched=("hidden_states", "timesteps", "encoder_hidden_states_t5", "encoder_hidden_states_llama3",
+                 "pooled_embeds"), batch_dims=(("encoder_hidden_states_llama3", 1),)),
+    "OvisImagePipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
+    "CogView4Pipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
+    "CogView4ControlPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
 }
 
 # Pipelines that make one transformer call per step on the conditional batch only: guidance is distilled into the
