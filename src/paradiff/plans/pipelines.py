@@ -127,6 +127,22 @@ CFG_RULES: dict[str, CfgRule] = {
     "PixArtSigmaPipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, style=BATCH,
                                    batched=_WITH_TEXT_MASK),
     "LTXPipeline": CfgRule("guidance_scale", 3.0, needs_negative_prompt=False, style=BATCH, batched=_WITH_TEXT_MASK),
+    # LTX I2V: the per-token timesteps (the clean first frame's at 0) carry the batch too; Condition: the rotary
+    # coordinates as well
+    "LTXImageToVideoPipeline": CfgRule("guidance_scale", 3.0, needs_negative_prompt=False, style=BATCH,
+                                       batched=_WITH_TEXT_MASK),
+    "LTXConditionPipeline": CfgRule("guidance_scale", 3.0, needs_negative_prompt=False, style=BATCH,
+                                    batched=_WITH_TEXT_MASK + ("video_coords",)),
+    # SkyReels V1 I2V: HunyuanVideo's true CFG (the prompt's call, then the negative prompt's)
+    "HunyuanSkyreelsImageToVideoPipeline": CfgRule("true_cfg_scale", 6.0, needs_negative_prompt=True),
+    # CogVideoX's variants: the image / control latents are concatenated to the batched noise latents
+    **{name: CfgRule("guidance_scale", 6.0, needs_negative_prompt=False, style=BATCH, batched=_LATENTS_TEXT_TIME)
+       for name in ("CogVideoXImageToVideoPipeline", "CogVideoXVideoToVideoPipeline", "CogVideoXFunControlPipeline")},
+    "AllegroPipeline": CfgRule("guidance_scale", 7.5, needs_negative_prompt=False, style=BATCH,
+                               batched=_WITH_TEXT_MASK),
+    "LattePipeline": CfgRule("guidance_scale", 7.5, needs_negative_prompt=False, style=BATCH,
+                             batched=_LATENTS_TEXT_TIME),
+    "MochiPipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, style=BATCH, batched=_WITH_TEXT_MASK),
 }
 
 # Pipelines that make one transformer call per step on the conditional batch only: guidance is distilled into the

@@ -1,0 +1,40 @@
+"""Image- and video-conditioned variants of the tiny HunyuanVideo, LTX-Video and CogVideoX pipelines (their
+text-to-video recipes are in others.py): the conditioning latents reach the transformer concatenated to the noise
+latents along the channels (SkyReels, CogVideoX I2V / Fun Control), as clean first-frame tokens with their own
+per-token timestep (LTX I2V, LTX Condition), or as the start of the noised latents (CogVideoX video-to-video)."""
+
+from paradiff.testing.zoo import Picture, Recipe
+
+
+def fixed_shift_scheduler(seed: int, parts: dict, config: dict):
+    # LTX Condition sets its own sigmas and passes no `mu`: a scheduler without dynamic shifting
+    import diffusers
+
+    return diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0)
+
+LATENT_CHANNELS = 4
+# the tiny LTX VAE: 4 in space, 2 in time; LTX pipelines take multiples of 32 pixels
+LTX_IMAGE = Picture(32, 32)
+# the tiny CogVideoX VAE: 8 in space, 4 in time
+COGVIDEOX_VIDEO = [Picture(32, 32, seed=20 + i) for i in range(9)]
+
+RECIPES = {
+    # SkyReels V1 I2V: the HunyuanVideo transformer reads the image's latents beside the noise (twice the channels),
+    # true CFG against the negative prompt (two calls)
+    "HunyuanSkyreelsImageToVideoPipeline": Recipe(
+        extends="HunyuanVideoPipeline", transformer=dict(in_channels=2 * LATENT_CHANNELS),
+        call=dict(image=Picture(32, 32), guidance_scale=1.0)),
+    # the first latent frame is the image's, clean (timestep 0 on its tokens), the rest noise
+    "LTXImageToVideoPipeline": Recipe(extends="LTXPipeline", call=dict(image=LTX_IMAGE)),
+    # a conditioning image at frame 0: its latents replace the first frame's, with their own timestep and coordinates
+    "LTXConditionPipeline": Recipe(extends="LTXPipeline", components=dict(scheduler=fixed_shift_scheduler), call=dict(image=LTX_IMAGE, frame_rate=25)),
+    "CogVideoXImageToVideoPipeline": Recipe(
+        extends="CogVideoXPipeline", transformer=dict(in_channels=2 * LATENT_CHANNELS),
+        call=dict(image=Picture(32, 32))),
+    "CogVideoXVideoToVideoPipeline": Recipe(
+        extends="CogVideoXPipeline", drop=("num_frames",), call=dict(video=COGVIDEOX_VIDEO, strength=0.6,
+                                                                     num_inference_steps=4)),
+    "CogVideoXFunControlPipeline": Recipe(
+        extends="CogVideoXPipeline", transformer=dict(in_channels=2 * LATENT_CHANNELS), drop=("num_frames",),
+        call=dict(control_video=COGVIDEOX_VIDEO)),
+}
