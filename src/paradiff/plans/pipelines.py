@@ -143,6 +143,14 @@ CFG_RULES: dict[str, CfgRule] = {
     "LattePipeline": CfgRule("guidance_scale", 7.5, needs_negative_prompt=False, style=BATCH,
                              batched=_LATENTS_TEXT_TIME),
     "MochiPipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, style=BATCH, batched=_WITH_TEXT_MASK),
+    # EasyAnimate: the inpaint latents (mask and masked video) are concatenated over the branches like the noise
+    "EasyAnimatePipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
+                                   batched=_LATENTS_TEXT_TIME),
+    "EasyAnimateInpaintPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
+                                          batched=_LATENTS_TEXT_TIME + ("inpaint_latents",)),
+    # ConsisID: the face features stay one row, which the transformer broadcasts over the batch
+    "ConsisIDPipeline": CfgRule("guidance_scale", 6.0, needs_negative_prompt=False, style=BATCH,
+                                batched=_LATENTS_TEXT_TIME),
 }
 
 # Pipelines that make one transformer call per step on the conditional batch only: guidance is distilled into the
