@@ -133,8 +133,13 @@ CFG_RULES: dict[str, CfgRule] = {
                                        batched=_WITH_TEXT_MASK),
     "LTXConditionPipeline": CfgRule("guidance_scale", 3.0, needs_negative_prompt=False, style=BATCH,
                                     batched=_WITH_TEXT_MASK + ("video_coords",)),
+    # per temporal window, one call on [uncond, cond] (the window's rotary coordinates are one row, broadcast)
+    "LTXI2VLongMultiPromptPipeline": CfgRule("guidance_scale", 1.0, needs_negative_prompt=False, style=BATCH,
+                                             batched=_WITH_TEXT_MASK),
     # SkyReels V1 I2V: HunyuanVideo's true CFG (the prompt's call, then the negative prompt's)
     "HunyuanSkyreelsImageToVideoPipeline": CfgRule("true_cfg_scale", 6.0, needs_negative_prompt=True),
+    "HunyuanVideoFramepackPipeline": CfgRule("true_cfg_scale", 1.0, needs_negative_prompt=True),
+    "HunyuanVideoImageToVideoPipeline": CfgRule("true_cfg_scale", 1.0, needs_negative_prompt=True),
     # CogVideoX's variants: the image / control latents are concatenated to the batched noise latents
     **{name: CfgRule("guidance_scale", 6.0, needs_negative_prompt=False, style=BATCH, batched=_LATENTS_TEXT_TIME)
        for name in ("CogVideoXImageToVideoPipeline", "CogVideoXVideoToVideoPipeline", "CogVideoXFunControlPipeline")},
@@ -159,6 +164,8 @@ NEVER_GUIDES: tuple[str, ...] = (
     "Flux2Pipeline", "FluxFillPipeline", "FluxControlPipeline", "FluxControlImg2ImgPipeline",
     "FluxControlInpaintPipeline", "FluxControlNetImg2ImgPipeline", "FluxControlNetInpaintPipeline",
     "SanaSprintPipeline", "SanaSprintImg2ImgPipeline", "Flux2KleinKVPipeline",
+    # LTX-2's distilled-sigma pipelines: no negative branch, no guidance argument
+    "LTX2DFRPipeline", "LTX2DFRTemporalRefinePipeline",
 )
 
 
@@ -174,8 +181,8 @@ CFG_NOT_SPLIT: dict[str, str] = {
                         "not follow yet"),
     **dict.fromkeys(("HunyuanDiTPAGPipeline", "StableDiffusion3PAGPipeline", "StableDiffusion3PAGImg2ImgPipeline",
                      "PixArtSigmaPAGPipeline", "SanaPAGPipeline"), _PAG),
-    **dict.fromkeys(("LTX2Pipeline", "LTX2ConditionPipeline", "LTX2DFRPipeline", "LTX2DFRTemporalRefinePipeline",
-                     "LTX2HDRPipeline", "LTX2InContextPipeline", "LTX2ImageToVideoPipeline"), _LTX2),
+    **dict.fromkeys(("LTX2Pipeline", "LTX2ConditionPipeline", "LTX2HDRPipeline", "LTX2InContextPipeline",
+                     "LTX2ImageToVideoPipeline"), _LTX2),
 }
 
 # Standard pipelines that guide through a guider component (`self.guider`, diffusers' guiders: prepare_inputs -> one

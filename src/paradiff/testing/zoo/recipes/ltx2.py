@@ -59,7 +59,8 @@ def components(seed: int) -> dict:
                              bos_token_id=2),
             vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                                image_size=8, patch_size=4),
-            mm_tokens_per_image=4, image_token_index=vocab + 2, boi_token_index=vocab + 1, eoi_token_index=vocab)).eval()
+            mm_tokens_per_image=4, image_token_index=vocab + 2, boi_token_index=vocab + 1,
+            eoi_token_index=vocab)).eval()
     with tiny._seeded(seed, 2):
         connectors = LTX2TextConnectors(
             caption_channels=TEXT_WIDTH, text_proj_in_factor=TEXT_LAYERS + 1, video_connector_num_attention_heads=4,
@@ -93,7 +94,7 @@ CFG_ONLY = dict(guidance_scale=3.0, stg_scale=0.0, modality_scale=1.0, guidance_
                 audio_stg_scale=0.0, audio_modality_scale=1.0, audio_guidance_rescale=0.0,
                 spatio_temporal_guidance_blocks=None, use_cross_timestep=False)
 
-# the STG / modality / rescale knobs the in-context, HDR and DFR pipelines do not take
+# the STG / modality / rescale knobs the HDR and DFR pipelines do not take
 NO_CFG_SCALES = ("stg_scale", "modality_scale", "guidance_rescale", "audio_guidance_scale", "audio_stg_scale",
                  "audio_modality_scale", "audio_guidance_rescale")
 
@@ -115,11 +116,12 @@ RECIPES = {
     "LTX2ImageToVideoPipeline": Recipe(extends="LTX2Pipeline", call=dict(image=Picture(32, 32), image_crf=0)),
     "LTX2ConditionPipeline": Recipe(extends="LTX2Pipeline", call=dict(conditions=[FrameCondition(32, 32)])),
     # a reference video's tokens join the noise tokens (in-context LoRA), and a first-frame condition
-    "LTX2InContextPipeline": Recipe(extends="LTX2Pipeline", drop=NO_CFG_SCALES, call=dict(
+    "LTX2InContextPipeline": Recipe(extends="LTX2Pipeline", call=dict(
         reference_conditions=[ReferenceVideo(32, 32, seed=40)], conditions=[FrameCondition(32, 32)])),
     "LTX2HDRPipeline": Recipe(extends="LTX2Pipeline", drop=NO_CFG_SCALES, call=dict(
         reference_conditions=[ReferenceVideo(32, 32, seed=40, hdr=True)])),
-    # distilled: its own sigma schedule, no negative branch (never guides)
-    "LTX2DFRPipeline": Recipe(extends="LTX2Pipeline", drop=("negative_prompt", "num_inference_steps") + tuple(CFG_ONLY),
+    # distilled: its own sigma schedule, no negative branch (never guides); keyframe slots need the learnt marker
+    "LTX2DFRPipeline": Recipe(extends="LTX2Pipeline", transformer=dict(use_keyframes_abs_pos_embedding=True),
+                              drop=("negative_prompt", "num_inference_steps") + tuple(CFG_ONLY),
                               call=dict(use_cross_timestep=False)),
 }

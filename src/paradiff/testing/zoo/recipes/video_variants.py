@@ -18,6 +18,13 @@ LTX_IMAGE = Picture(32, 32)
 # the tiny CogVideoX VAE: 8 in space, 4 in time
 COGVIDEOX_VIDEO = [Picture(32, 32, seed=20 + i) for i in range(9)]
 
+def rf_ancestral_scheduler(seed: int, parts: dict, config: dict):
+    # the long multi-prompt pipeline's own sampler (it warns with any other)
+    import diffusers
+
+    return diffusers.LTXEulerAncestralRFScheduler()
+
+
 RECIPES = {
     # SkyReels V1 I2V: the HunyuanVideo transformer reads the image's latents beside the noise (twice the channels),
     # true CFG against the negative prompt (two calls)
@@ -27,7 +34,14 @@ RECIPES = {
     # the first latent frame is the image's, clean (timestep 0 on its tokens), the rest noise
     "LTXImageToVideoPipeline": Recipe(extends="LTXPipeline", call=dict(image=LTX_IMAGE)),
     # a conditioning image at frame 0: its latents replace the first frame's, with their own timestep and coordinates
-    "LTXConditionPipeline": Recipe(extends="LTXPipeline", components=dict(scheduler=fixed_shift_scheduler), call=dict(image=LTX_IMAGE, frame_rate=25)),
+    "LTXConditionPipeline": Recipe(extends="LTXPipeline", components=dict(scheduler=fixed_shift_scheduler),
+                                   call=dict(image=LTX_IMAGE, frame_rate=25)),
+    # sliding temporal windows (one here: the tile is longer than the video), a conditioning image at the head,
+    # batch CFG per window; the decode tiled 1 x 1
+    "LTXI2VLongMultiPromptPipeline": Recipe(
+        extends="LTXPipeline", components=dict(scheduler=rf_ancestral_scheduler),
+        call=dict(cond_image=LTX_IMAGE, num_frames=9, temporal_tile_size=16, temporal_overlap=8, frame_rate=25,
+                  decode_horizontal_tiles=1, decode_vertical_tiles=1)),
     "CogVideoXImageToVideoPipeline": Recipe(
         extends="CogVideoXPipeline", transformer=dict(in_channels=2 * LATENT_CHANNELS),
         call=dict(image=Picture(32, 32))),
