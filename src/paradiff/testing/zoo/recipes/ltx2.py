@@ -43,6 +43,26 @@ class ReferenceVideo(Picture):
         return (LTX2HDRReferenceCondition if self.hdr else LTX2ReferenceCondition)(frames=frames, strength=1.0)
 
 
+def temporal_upsampler(seed: int, parts: dict, config: dict):
+    from diffusers.pipelines.ltx2 import LTX2LatentUpsamplerModel
+
+    with tiny._seeded(seed, 6):  # its GroupNorms take 32 groups
+        return LTX2LatentUpsamplerModel(in_channels=4, mid_channels=32, num_blocks_per_stage=1, dims=3,
+                                        spatial_upsample=False, temporal_upsample=True).eval()
+
+
+def rf_ancestral_scheduler(seed: int, parts: dict, config: dict):
+    import diffusers
+
+    return diffusers.LTXEulerAncestralRFScheduler(eta=0.5)
+
+
+def _seeded(shape: tuple[int, ...], seed: int):
+    import torch
+
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
 def components(seed: int) -> dict:
     import diffusers
     from diffusers.pipelines.ltx2 import LTX2TextConnectors, LTX2Vocoder
@@ -120,6 +140,14 @@ RECIPES = {
         reference_conditions=[ReferenceVideo(32, 32, seed=40)], conditions=[FrameCondition(32, 32)])),
     "LTX2HDRPipeline": Recipe(extends="LTX2Pipeline", drop=NO_CFG_SCALES, call=dict(
         reference_conditions=[ReferenceVideo(32, 32, seed=40, hdr=True)])),
+    # one temporal refine round on a prior DFR pass's output (seeded stand-ins of its shapes: the 32 x 32 canvas of
+    # 4 latent frames, one carried keyframe at pixel frame 6, the frozen audio latents)
+    "LTX2DFRTemporalRefinePipeline": Recipe(
+        extends="LTX2DFRPipeline", components=dict(temporal_latent_upsampler=temporal_upsampler,
+                                                   scheduler=rf_ancestral_scheduler),
+        drop=("num_frames", "frame_rate"),
+        call=dict(latents=_seeded((1, 4, 4, 16, 16), 50), keyframes_latents=_seeded((1, 4, 1, 16, 16), 51),
+                  keyframe_positions=[6], audio_latents=_seeded((1, 2, 7, 2), 52), num_frames=7, frame_rate=25.0)),
     # distilled: its own sigma schedule, no negative branch (never guides); keyframe slots need the learnt marker
     "LTX2DFRPipeline": Recipe(extends="LTX2Pipeline", transformer=dict(use_keyframes_abs_pos_embedding=True),
                               drop=("negative_prompt", "num_inference_steps") + tuple(CFG_ONLY),
