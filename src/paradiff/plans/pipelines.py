@@ -158,6 +158,19 @@ CFG_RULES: dict[str, CfgRule] = {
                                 batched=_LATENTS_TEXT_TIME),
 }
 
+# Pipelines whose call takes a conditioning input under another keyword than diffusers' usual one (what `paradiff
+# generate`'s --image / --video pass: image=, video=): {pipeline: {usual keyword: the pipeline's keyword}}
+CALL_KEYWORDS: dict[str, dict[str, str]] = {
+    "CogVideoXFunControlPipeline": {"video": "control_video"},
+    "LTXI2VLongMultiPromptPipeline": {"image": "cond_image"},
+}
+
+
+def call_keyword(pipeline_name: str | None, keyword: str) -> str:
+    """The keyword `pipeline_name`'s call takes the conditioning input usually passed as `keyword` under."""
+    return CALL_KEYWORDS.get(pipeline_name or "", {}).get(keyword, keyword)
+
+
 # Pipelines that make one transformer call per step on the conditional batch only: guidance is distilled into the
 # transformer (its `guidance` input), and the call takes no negative prompt.
 NEVER_GUIDES: tuple[str, ...] = (
