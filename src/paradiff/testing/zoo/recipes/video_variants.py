@@ -45,6 +45,14 @@ RECIPES = {
     "CogVideoXImageToVideoPipeline": Recipe(
         extends="CogVideoXPipeline", transformer=dict(in_channels=2 * LATENT_CHANNELS),
         call=dict(image=Picture(32, 32))),
+    # CogVideoX-5b I2V's layout: a 3-D rotary table over the video tokens (split with them) and learnt positions
+    "CogVideoXImageToVideoPipeline@5b": Recipe(
+        extends="CogVideoXImageToVideoPipeline",
+        transformer=dict(use_rotary_positional_embeddings=True, use_learned_positional_embeddings=True)),
+    # CogVideoX 1.5 I2V: 2-frame temporal patches (3 latent frames padded to 4), the ofs embedding, rotary
+    "CogVideoXImageToVideoPipeline@1.5": Recipe(
+        extends="CogVideoXImageToVideoPipeline",
+        transformer=dict(use_rotary_positional_embeddings=True, patch_size_t=2, ofs_embed_dim=8, patch_bias=False)),
     "CogVideoXVideoToVideoPipeline": Recipe(
         extends="CogVideoXPipeline", drop=("num_frames",), call=dict(video=COGVIDEOX_VIDEO, strength=0.6,
                                                                      num_inference_steps=4)),
