@@ -86,8 +86,8 @@ def test_pipeline_at_cfg2_x_tp2_matches_single_process(pools, tiny_pipeline_fold
         _check_pipeline(result, family)
 
 
-def unclassified_folder(tmp_path, pipeline: str = "AllegroPipeline", transformer: str = "AllegroTransformer3DModel"
-                        ) -> str:
+def unclassified_folder(tmp_path, pipeline: str = "EasyAnimateControlPipeline",
+                        transformer: str = "EasyAnimateTransformer3DModel") -> str:
     """A pipeline folder of a class CFG_RULES does not list: refused from its model_index.json, nothing else read."""
     (tmp_path / "model_index.json").write_text(json.dumps({
         "_class_name": pipeline, "transformer": ["diffusers", transformer]}))
@@ -96,7 +96,8 @@ def unclassified_folder(tmp_path, pipeline: str = "AllegroPipeline", transformer
 
 @pytest.mark.parametrize("family,reason", [
     ("flux2", "Flux2Pipeline never runs classifier-free guidance (guidance-distilled"),
-    (None, "AllegroPipeline is not classified for CFG parallelism yet ("),
+    # (EasyAnimate Control fails in diffusers 0.42.1 itself, so nothing verifies a rule for it)
+    (None, "EasyAnimateControlPipeline is not classified for CFG parallelism yet ("),
     ("SanaPAGPipeline", "SanaPAGPipeline is not supported with CFG parallelism yet: perturbed-attention guidance"),
     ("LTX2Pipeline", "LTX2Pipeline is not supported with CFG parallelism yet: it runs up to four branches"),
 ], ids=["never-guides", "not-classified", "pag", "ltx2"])

@@ -174,6 +174,16 @@ def test_valid_conditioning_reaches_the_launcher_and_the_call(tiny_pipeline_fold
     assert np.array_equal(np.asarray(kwargs["image"]), np.asarray(Image.open(pictures["image"]).convert("RGB")))
 
 
+def test_a_pipeline_naming_the_input_otherwise_gets_it_under_its_keyword(tiny_pipeline_folders, tmp_path, pictures,
+                                                                         no_worker):
+    # LTX's long multi-prompt I2V takes its image as cond_image= (plans/pipelines.py, CALL_KEYWORDS)
+    argv = ["generate", str(tiny_pipeline_folders["ltx"]), "--pipeline", "LTXI2VLongMultiPromptPipeline", "--image",
+            pictures["image"], "--out", str(tmp_path / "out")]
+    assert main(argv) == 0 and len(no_worker) == 1
+    kwargs = call_kwargs(build_parser().parse_args(argv))
+    assert "image" not in kwargs and kwargs["cond_image"].size == (32, 32)
+
+
 def test_controlnet_scale_on_a_pipeline_without_a_controlnet(tiny_pipeline_folders, tmp_path, capsys, no_worker):
     err = _error(capsys, no_worker, str(tiny_pipeline_folders["flux"]), "--controlnet-scale", "0.5",
                  "--out", str(tmp_path / "out"))

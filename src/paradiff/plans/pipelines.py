@@ -160,7 +160,49 @@ CFG_RULES: dict[str, CfgRule] = {
     "OvisImagePipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
     "CogView4Pipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
     "CogView4ControlPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
+    # LTX I2V: the per-token timesteps (the clean first frame's at 0) carry the batch too; Condition: the rotary
+    # coordinates as well
+    "LTXImageToVideoPipeline": CfgRule("guidance_scale", 3.0, needs_negative_prompt=False, style=BATCH,
+                                       batched=_WITH_TEXT_MASK),
+    "LTXConditionPipeline": CfgRule("guidance_scale", 3.0, needs_negative_prompt=False, style=BATCH,
+                                    batched=_WITH_TEXT_MASK + ("video_coords",)),
+    # per temporal window, one call on [uncond, cond] (the window's rotary coordinates are one row, broadcast)
+    "LTXI2VLongMultiPromptPipeline": CfgRule("guidance_scale", 1.0, needs_negative_prompt=False, style=BATCH,
+                                             batched=_WITH_TEXT_MASK),
+    # SkyReels V1 I2V: HunyuanVideo's true CFG (the prompt's call, then the negative prompt's)
+    "HunyuanSkyreelsImageToVideoPipeline": CfgRule("true_cfg_scale", 6.0, needs_negative_prompt=True),
+    "HunyuanVideoFramepackPipeline": CfgRule("true_cfg_scale", 1.0, needs_negative_prompt=True),
+    "HunyuanVideoImageToVideoPipeline": CfgRule("true_cfg_scale", 1.0, needs_negative_prompt=True),
+    # CogVideoX's variants: the image / control latents are concatenated to the batched noise latents
+    **{name: CfgRule("guidance_scale", 6.0, needs_negative_prompt=False, style=BATCH, batched=_LATENTS_TEXT_TIME)
+       for name in ("CogVideoXImageToVideoPipeline", "CogVideoXVideoToVideoPipeline", "CogVideoXFunControlPipeline")},
+    "AllegroPipeline": CfgRule("guidance_scale", 7.5, needs_negative_prompt=False, style=BATCH,
+                               batched=_WITH_TEXT_MASK),
+    "LattePipeline": CfgRule("guidance_scale", 7.5, needs_negative_prompt=False, style=BATCH,
+                             batched=_LATENTS_TEXT_TIME),
+    "MochiPipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, style=BATCH, batched=_WITH_TEXT_MASK),
+    # EasyAnimate: the inpaint latents (mask and masked video) are concatenated over the branches like the noise
+    "EasyAnimatePipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
+                                   batched=_LATENTS_TEXT_TIME),
+    "EasyAnimateInpaintPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
+                                          batched=_LATENTS_TEXT_TIME + ("inpaint_latents",)),
+    # ConsisID: the face features stay one row, which the transformer broadcasts over the batch
+    "ConsisIDPipeline": CfgRule("guidance_scale", 6.0, needs_negative_prompt=False, style=BATCH,
+                                batched=_LATENTS_TEXT_TIME),
 }
+
+# Pipelines whose call takes a conditioning input under another keyword than diffusers' usual one (what `paradiff
+# generate`'s --image / --video pass: image=, video=): {pipeline: {usual keyword: the pipeline's keyword}}
+CALL_KEYWORDS: dict[str, dict[str, str]] = {
+    "CogVideoXFunControlPipeline": {"video": "control_video"},
+    "LTXI2VLongMultiPromptPipeline": {"image": "cond_image"},
+}
+
+
+def call_keyword(pipeline_name: str | None, keyword: str) -> str:
+    """The keyword `pipeline_name`'s call takes the conditioning input usually passed as `keyword` under."""
+    return CALL_KEYWORDS.get(pipeline_name or "", {}).get(keyword, keyword)
+
 
 # Pipelines that make one transformer call per step on the conditional batch only: guidance is distilled into the
 # transformer (its `guidance` input), and the call takes no negative prompt.
@@ -168,6 +210,8 @@ NEVER_GUIDES: tuple[str, ...] = (
     "Flux2Pipeline", "FluxFillPipeline", "FluxControlPipeline", "FluxControlImg2ImgPipeline",
     "FluxControlInpaintPipeline", "FluxControlNetImg2ImgPipeline", "FluxControlNetInpaintPipeline",
     "SanaSprintPipeline", "SanaSprintImg2ImgPipeline", "Flux2KleinKVPipeline",
+    # LTX-2's distilled-sigma pipelines: no negative branch, no guidance argument
+    "LTX2DFRPipeline", "LTX2DFRTemporalRefinePipeline",
 )
 
 
@@ -183,8 +227,8 @@ CFG_NOT_SPLIT: dict[str, str] = {
                         "not follow yet"),
     **dict.fromkeys(("HunyuanDiTPAGPipeline", "StableDiffusion3PAGPipeline", "StableDiffusion3PAGImg2ImgPipeline",
                      "PixArtSigmaPAGPipeline", "SanaPAGPipeline"), _PAG),
-    **dict.fromkeys(("LTX2Pipeline", "LTX2ConditionPipeline", "LTX2DFRPipeline", "LTX2DFRTemporalRefinePipeline",
-                     "LTX2HDRPipeline", "LTX2InContextPipeline", "LTX2ImageToVideoPipeline"), _LTX2),
+    **dict.fromkeys(("LTX2Pipeline", "LTX2ConditionPipeline", "LTX2HDRPipeline", "LTX2InContextPipeline",
+                     "LTX2ImageToVideoPipeline"), _LTX2),
 }
 
 # Standard pipelines that guide through a guider component (`self.guider`, diffusers' guiders: prepare_inputs -> one
