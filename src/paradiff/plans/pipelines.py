@@ -46,6 +46,7 @@ class CfgRule:
     branches: int = 2  # guidance branches per step: the cfg_degree that gives each cfg rank one
     # call arguments that make the pipeline guide in a way this style cannot split (argument -> why), refused
     refused_arguments: tuple[tuple[str, str], ...] = ()
+    threshold: float = 1.0  # the scale above which the pipeline guides (Krea 2: above 0, its scale counts from 0)
 
     def __post_init__(self) -> None:
         if self.style not in (TWO_CALLS, BATCH):
@@ -56,7 +57,7 @@ class CfgRule:
             raise ValueError("a 'two_calls' CfgRule pairs two calls per step: it has 2 branches")
 
     def runs_cfg(self, call_kwargs: dict[str, Any], pipeline_config: Any = None) -> bool:
-        if call_kwargs.get(self.scale_argument, self.default_scale) <= 1:
+        if call_kwargs.get(self.scale_argument, self.default_scale) <= self.threshold:
             return False
         if self.disabled_by_config and getattr(pipeline_config, self.disabled_by_config, False):
             return False
@@ -77,7 +78,7 @@ class CfgRule:
         """How to make a call guide, for error messages."""
         negative = " and a negative_prompt" if self.needs_negative_prompt else ""
         truncation = f", {self.truncation_argument} = 1" if self.truncation_argument else ""
-        return f"{self.scale_argument} > 1{negative}{truncation}"
+        return f"{self.scale_argument} > {self.threshold:g}{negative}{truncation}"
 
 
 CFG_RULES: dict[str, CfgRule] = {
@@ -127,6 +128,16 @@ CFG_RULES: dict[str, CfgRule] = {
     "PixArtSigmaPipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, style=BATCH,
                                    batched=_WITH_TEXT_MASK),
     "LTXPipeline": CfgRule("guidance_scale", 3.0, needs_negative_prompt=False, style=BATCH, batched=_WITH_TEXT_MASK),
+    # Stable Audio Open: [uncond, cond] with the duration conditioning batched (the timestep is one value)
+    "StableAudioPipeline": CfgRule("guidance_scale", 7.0, needs_negative_prompt=False, style=BATCH,
+                                   batched=("hidden_states", "encoder_hidden_states", "global_hidden_states")),
+    # DiT: [cond, uncond] (the null class, 1000, second)
+    "DiTPipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False, style=BATCH,
+                           batched=("hidden_states", "timestep", "class_labels"), batch_order=("cond", "uncond")),
+    "BriaPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
+                            batched=_LATENTS_TEXT_TIME),
+    # Krea 2: the prompt's call, then the negative prompt's; it guides at any scale above 0
+    "Krea2Pipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, threshold=0.0),
 }
 
 # Pipelines that make one transformer call per step on the conditional batch only: guidance is distilled into the
