@@ -136,6 +136,9 @@ CFG_RULES: dict[str, CfgRule] = {
                            batched=("hidden_states", "timestep", "class_labels"), batch_order=("cond", "uncond")),
     "BriaPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
                             batched=_LATENTS_TEXT_TIME),
+    # LongCat-Image: the prompt's call, then the negative prompt's (the empty prompt when none is given)
+    **{name: CfgRule("guidance_scale", 4.5, needs_negative_prompt=False) for name in (
+        "LongCatImagePipeline", "LongCatImageEditPipeline")},
     # Krea 2: the prompt's call, then the negative prompt's; it guides at any scale above 0
     "Krea2Pipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, threshold=0.0),
 }
@@ -146,6 +149,8 @@ NEVER_GUIDES: tuple[str, ...] = (
     "Flux2Pipeline", "FluxFillPipeline", "FluxControlPipeline", "FluxControlImg2ImgPipeline",
     "FluxControlInpaintPipeline", "FluxControlNetImg2ImgPipeline", "FluxControlNetInpaintPipeline",
     "SanaSprintPipeline", "SanaSprintImg2ImgPipeline", "Flux2KleinKVPipeline",
+    # VisualCloze: FLUX.1-dev fine-tuned (embedded guidance), its in-context grid in one call a step
+    "VisualClozeGenerationPipeline", "VisualClozePipeline",
 )
 
 

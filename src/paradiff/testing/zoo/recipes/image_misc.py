@@ -100,7 +100,27 @@ FAMILIES = {
                   max_sequence_length=16, output_type="np", **SIZE)),
 }
 
+def cloze_vae(seed: int, parts: dict, config: dict):
+    # one level (scale factor 1) and one latent channel, as in diffusers' own test: the transformer's input is the
+    # packed latents, the packed condition latents and the packed mask (4 + 4 + 4 channels)
+    return tiny._small_vae(seed, down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",),
+                           block_out_channels=(8,), latent_channels=1, scaling_factor=1.5035, shift_factor=0.0609)
+
+
+# one in-context example (two images) and the query (its first image; the second is generated): a 2 x 2 grid of
+# 16 x 16 images, 4 x 64 tokens
+CLOZE_IMAGES = [[Picture(16, 16, seed=1), Picture(16, 16, seed=2)], [Picture(16, 16, seed=3), None]]
+CLOZE_CALL = dict(task_prompt="Each row outlines a logical process, from [IMAGE1] a depth map to [IMAGE2] a photo.",
+                  content_prompt=PROMPT, image=CLOZE_IMAGES, num_inference_steps=2, guidance_scale=30.0,
+                  max_sequence_length=32, output_type="np")
+
 RECIPES = {
+    "VisualClozeGenerationPipeline": Recipe(
+        family="flux", components=dict(vae=cloze_vae), transformer=dict(in_channels=12, out_channels=4),
+        init=dict(resolution=16), drop=("prompt", "height", "width"), call=CLOZE_CALL),
+    # the generation, then the generated image upsampled (SDEdit with FLUX Fill's inputs) to 24 x 20 pixels
+    "VisualClozePipeline": Recipe(extends="VisualClozeGenerationPipeline", call=dict(
+        upsampling_height=24, upsampling_width=20, upsampling_strength=0.6, num_inference_steps=4)),
     "DiTPipeline": Recipe(family="dit"),
     "BriaPipeline": Recipe(family="bria"),
     "Krea2Pipeline": Recipe(family="krea2"),
