@@ -136,6 +136,11 @@ CFG_RULES: dict[str, CfgRule] = {
                            batched=("hidden_states", "timestep", "class_labels"), batch_order=("cond", "uncond")),
     "BriaPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
                             batched=_LATENTS_TEXT_TIME),
+    # Stable Audio 3 (the base checkpoint): [uncond, cond], the duration conditioning and the text mask batched
+    "StableAudio3Pipeline": CfgRule("guidance_scale", 1.0, needs_negative_prompt=False, style=BATCH, batched=(
+        "hidden_states", "timestep", "encoder_hidden_states", "global_hidden_states", "encoder_attention_mask")),
+    # LongCat-AudioDiT: the prompt's call, then the negative prompt's
+    "LongCatAudioDiTPipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False),
     # LongCat-Image: the prompt's call, then the negative prompt's (the empty prompt when none is given)
     **{name: CfgRule("guidance_scale", 4.5, needs_negative_prompt=False) for name in (
         "LongCatImagePipeline", "LongCatImageEditPipeline")},
@@ -151,6 +156,8 @@ NEVER_GUIDES: tuple[str, ...] = (
     "SanaSprintPipeline", "SanaSprintImg2ImgPipeline", "Flux2KleinKVPipeline",
     # VisualCloze: FLUX.1-dev fine-tuned (embedded guidance), its in-context grid in one call a step
     "VisualClozeGenerationPipeline", "VisualClozePipeline",
+    # Stable Audio 3's audio-to-audio and inpainting pipelines take no guidance scale (the distilled checkpoint)
+    "StableAudio3AudioToAudioPipeline", "StableAudio3InpaintPipeline",
 )
 
 

@@ -30,3 +30,67 @@ FAMILIES = {
 RECIPES = {
     "StableAudioPipeline": Recipe(family="stable_audio"),
 }
+
+
+# --- Stable Audio 3 --------------------------------------------------------------------------------------------------
+# A T5Gemma encoder (Gemma's tokenizer, learnt locally; the pipeline pads prompts to 256 tokens), the SAME
+# autoencoder (patches of 2 samples, one stride-2 level: 4 samples per latent step, 16 Hz), 3 learnt memory tokens
+# in front of the audio. 2.5 seconds are 40 samples, 10 latent steps: 13 tokens, which two ranks do not divide.
+SA3_TEXT_WIDTH = 32
+
+
+def stable_audio3_components(seed: int) -> dict:
+    import diffusers
+    from transformers import T5GemmaConfig, T5GemmaEncoderModel, T5GemmaModuleConfig
+
+    from paradiff.testing import pipelines as tiny
+
+    tokenizer = tiny._gemma_tokenizer()
+    module = T5GemmaModuleConfig(
+        vocab_size=len(tokenizer), hidden_size=SA3_TEXT_WIDTH, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=512, sliding_window=512,
+        layer_types=["full_attention", "full_attention"], pad_token_id=tokenizer.pad_token_id)
+    with tiny._seeded(seed, 1):
+        text_encoder = T5GemmaEncoderModel(T5GemmaConfig(encoder=module.to_dict(), decoder=module.to_dict(),
+                                                         is_encoder_decoder=False))
+    # every weight perturbed: the autoencoder zero-initialises layers that would make its output ignore the latents
+    vae = tiny.random_model(diffusers.AutoencoderSAME, dict(
+        audio_channels=2, patch_size=2, encoder_channels=8, encoder_c_mults=(2,), encoder_strides=(2,),
+        encoder_transformer_depths=(1,), latent_dim=8, use_differential_attention=False, dim_heads=4, ff_mult=2,
+        sampling_rate=16), seed, 3, std=0.2)
+    with tiny._seeded(seed, 2):
+        duration_embedder = diffusers.StableAudio3DurationEmbedder(output_dim=SA3_TEXT_WIDTH, fourier_dim=16)
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1, shift=1.0,
+                                                          stochastic_sampling=False)
+    return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                duration_embedder=duration_embedder)
+
+
+def _waveform(seconds: float, seed: int):
+    import torch
+
+    return torch.randn(1, 2, int(16 * seconds), generator=torch.Generator().manual_seed(seed)) * 0.3
+
+
+SA3_SECONDS = 2.5
+FAMILIES["stable_audio3"] = TinyFamily(
+    transformer_class="StableAudio3DiTModel",
+    transformer=dict(io_channels=8, patch_size=1, embed_dim=64, depth=2, num_heads=4, cond_token_dim=SA3_TEXT_WIDTH,
+                     global_cond_dim=SA3_TEXT_WIDTH, local_add_cond_dim=9, timestep_features_dim=16, ff_mult=2.0,
+                     num_memory_tokens=3, use_differential_attention=True),
+    components=stable_audio3_components,
+    call=dict(prompt="a dog barking in the rain", negative_prompt="noise", guidance_scale=3.0, duration=SA3_SECONDS,
+              num_inference_steps=2, output_type="np"))
+
+RECIPES.update({
+    "StableAudio3Pipeline": Recipe(family="stable_audio3"),
+    # audio to audio: the reference waveform's latents mixed with noise (distilled: no guidance)
+    "StableAudio3AudioToAudioPipeline": Recipe(
+        extends="StableAudio3Pipeline", drop=("negative_prompt", "guidance_scale"),
+        call=dict(audio=_waveform(SA3_SECONDS, 5), init_noise_level=0.7)),
+    # inpainting: the reference outside [0.5 s, 1.5 s) kept, its latents and the mask added to every block's audio
+    # positions (local_add_cond: 8 latent channels + the mask)
+    "StableAudio3InpaintPipeline": Recipe(
+        extends="StableAudio3Pipeline", drop=("negative_prompt", "guidance_scale"),
+        call=dict(audio=_waveform(SA3_SECONDS, 5), mask_start_seconds=0.5, mask_end_seconds=1.5)),
+})

@@ -31,8 +31,8 @@ def text_processor(seed: int, parts: dict, config: dict):
 
 def edit_vae(seed: int, parts: dict, config: dict):
     return tiny._small_vae(seed, latent_channels=LATENT_CHANNELS, scaling_factor=0.3611, shift_factor=0.1159,
-                           down_block_types=("DownEncoderBlock2D",) * 5, up_block_types=("UpDecoderBlock2D",) * 5,
-                           block_out_channels=(8,) * 5)
+                           down_block_types=("DownEncoderBlock2D",) * 6, up_block_types=("UpDecoderBlock2D",) * 6,
+                           block_out_channels=(8,) * 6)
 
 
 FAMILIES = {
