@@ -139,6 +139,17 @@ CFG_RULES: dict[str, CfgRule] = {
     # Stable Audio 3 (the base checkpoint): [uncond, cond], the duration conditioning and the text mask batched
     "StableAudio3Pipeline": CfgRule("guidance_scale", 1.0, needs_negative_prompt=False, style=BATCH, batched=(
         "hidden_states", "timestep", "encoder_hidden_states", "global_hidden_states", "encoder_attention_mask")),
+    # ACE-Step 1.5: [cond, uncond] (the condition encoder's null embedding), combined by APG. Steps outside the
+    # cfg interval, and a cover task's extra call, make one call on the conditional batch alone
+    "AceStepPipeline": CfgRule(
+        "guidance_scale", 7.0, needs_negative_prompt=False, style=BATCH, batch_order=("cond", "uncond"),
+        batched=("hidden_states", "timestep", "timestep_r", "encoder_hidden_states", "context_latents"),
+        refused_arguments=tuple((name, "steps outside the cfg interval make one call on the conditional batch "
+                                       "alone, which the batch split cannot share") for name in (
+            "cfg_interval_start", "cfg_interval_end")) + (
+            ("audio_cover_strength", "a cover task's blend makes a third call on the conditional batch alone"),)),
+    # NucleusMoE-Image: the prompt's call, then the negative prompt's (the empty prompt when none is given)
+    "NucleusMoEImagePipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False),
     # LongCat-AudioDiT: the prompt's call, then the negative prompt's
     "LongCatAudioDiTPipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False),
     # LongCat-Image: the prompt's call, then the negative prompt's (the empty prompt when none is given)

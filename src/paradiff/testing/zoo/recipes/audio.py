@@ -94,3 +94,72 @@ RECIPES.update({
         extends="StableAudio3Pipeline", drop=("negative_prompt", "guidance_scale"),
         call=dict(audio=_waveform(SA3_SECONDS, 5), mask_start_seconds=0.5, mask_end_seconds=1.5)),
 })
+
+
+# --- LongCat-AudioDiT ------------------------------------------------------------------------------------------------
+# A UMT5 encoder (the T5 tokenizer), the LongCat audio VAE at 16 Hz with one stride-2 level; CFG as two calls (the
+# prompt's, then the negative prompt's). 1.4 seconds are 11 latent steps, which two ranks do not divide.
+def longcat_audio_components(seed: int) -> dict:
+    import diffusers
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from paradiff.testing import pipelines as tiny
+
+    tokenizer = tiny._t5_tokenizer()
+    with tiny._seeded(seed, 1):
+        text_encoder = UMT5EncoderModel(tiny._t5_config(UMT5Config, tokenizer, feed_forward_proj="gated-gelu"))
+    vae = tiny.random_model(diffusers.LongCatAudioDiTVae, dict(
+        in_channels=1, channels=16, c_mults=[1, 2], strides=[2], latent_dim=8, encoder_latent_dim=16,
+        downsampling_ratio=2, sample_rate=16), seed, 3)
+    return dict(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=1.0, invert_sigmas=True))
+
+
+FAMILIES["longcat_audio"] = TinyFamily(
+    transformer_class="LongCatAudioDiTTransformer",
+    transformer=dict(dit_dim=64, dit_depth=2, dit_heads=4, dit_text_dim=32, latent_dim=8, text_conv=False),
+    components=longcat_audio_components,
+    call=dict(prompt="a dog barking in the rain", negative_prompt="noise", guidance_scale=3.0, audio_duration_s=1.4,
+              num_inference_steps=2, output_type="np"))
+RECIPES["LongCatAudioDiTPipeline"] = Recipe(family="longcat_audio")
+
+
+# --- ACE-Step 1.5 ----------------------------------------------------------------------------------------------------
+# A Qwen3 text encoder (the Qwen3 chat tokenizer, learnt locally) for the prompt and the lyrics, the condition
+# encoder (lyrics and timbre encoders, the learnt null condition), the Oobleck VAE at 50 Hz with one stride-2 level
+# (25 latent steps a second), patches of 2 latent steps; batch CFG on [cond, uncond] with the null condition
+# (APG). The audio tokenizer and detokenizer only serve cover / audio-code tasks: left out.
+def ace_step_components(seed: int) -> dict:
+    import diffusers
+    from transformers import Qwen3Config, Qwen3Model
+
+    from paradiff.testing import pipelines as tiny
+
+    tokenizer = tiny._qwen3_chat_tokenizer()
+    with tiny._seeded(seed, 1):
+        text_encoder = Qwen3Model(Qwen3Config(
+            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=4096,
+            pad_token_id=tokenizer.pad_token_id))
+    condition_encoder = tiny.random_model(diffusers.AceStepConditionEncoder, dict(
+        hidden_size=32, intermediate_size=64, text_hidden_dim=32, timbre_hidden_dim=8,
+        num_lyric_encoder_hidden_layers=2, num_timbre_encoder_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, rope_theta=10000.0, sliding_window=16), seed, 2)
+    with tiny._seeded(seed, 3):
+        vae = diffusers.AutoencoderOobleck(
+            encoder_hidden_size=6, downsampling_ratios=[1, 2], decoder_channels=6, decoder_input_channels=8,
+            audio_channels=2, channel_multiples=[2, 4], sampling_rate=50)
+    return dict(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, condition_encoder=condition_encoder,
+                scheduler=diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1, shift=1.0),
+                audio_tokenizer=None, audio_token_detokenizer=None)
+
+
+FAMILIES["ace_step"] = TinyFamily(
+    transformer_class="AceStepTransformer1DModel",
+    transformer=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=8, in_channels=24, audio_acoustic_hidden_dim=8, patch_size=2,
+                     rope_theta=10000.0, sliding_window=16),
+    components=ace_step_components,
+    call=dict(prompt="a beautiful piano piece", lyrics="[verse]\nsoft notes in the morning", audio_duration=0.88,
+              guidance_scale=3.0, num_inference_steps=2, max_text_length=32, output_type="np"))
+RECIPES["AceStepPipeline"] = Recipe(family="ace_step")

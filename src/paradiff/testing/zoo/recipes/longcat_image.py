@@ -4,8 +4,8 @@ tokens and always make 16-channel latents, packed 2 x 2 (64 transformer channels
 
 - LongCatImagePipeline: a two-level VAE (scale factor 2): 44 x 36 pixels are 11 x 9 = 99 image tokens.
 - LongCatImageEditPipeline: the input image is resized to a 1024 x 1024 area (and half that for the vision tower)
-  whatever its size, and the output takes that size: a five-level VAE (factor 16) makes it 32 x 32 = 1024 tokens,
-  and the reference image's 1024 tokens follow them; the Qwen2-VL processor's pixel budget keeps the vision tower's
+  whatever its size, and the output takes that size (1120 x 928 for a 48 x 40 input): a six-level VAE (factor 32)
+  makes it 35 x 29 = 1015 tokens, and the reference image's 1015 tokens follow them; the Qwen2-VL processor's pixel budget keeps the vision tower's
   input small (the Qwen-Image edit recipes' processor).
 """
 
