@@ -148,6 +148,8 @@ CFG_RULES: dict[str, CfgRule] = {
                                        "alone, which the batch split cannot share") for name in (
             "cfg_interval_start", "cfg_interval_end")) + (
             ("audio_cover_strength", "a cover task's blend makes a third call on the conditional batch alone"),)),
+    # Qwen-Image 2.1: the prompt's call, then the negative prompt's
+    "QwenImage21Pipeline": CfgRule("true_cfg_scale", 1.0, needs_negative_prompt=True),
     # NucleusMoE-Image: the prompt's call, then the negative prompt's (the empty prompt when none is given)
     "NucleusMoEImagePipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False),
     # LongCat-AudioDiT: the prompt's call, then the negative prompt's

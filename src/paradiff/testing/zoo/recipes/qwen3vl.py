@@ -5,6 +5,9 @@ Qwen-VL's chat template), the tokenizer the Qwen2 BPE of paradiff.testing.pipeli
 - NucleusMoE-Image: a mixture-of-experts image transformer (expert-choice routing, a dense first block), the text
   encoder's hidden states `return_index` layers from the top; true CFG as two calls (the prompt's, then the negative
   prompt's). A one-level Qwen-Image VAE (factor 2) and 2 x 2 patches: 44 x 36 pixels are 11 x 9 = 99 tokens.
+- Qwen-Image 2.1: the pipeline fixes the VAE's factor at 16 (one token a 16 x 16 tile): a three-level
+  AutoencoderKLQwenImage21 on 2 x 2 patchified pixels; true CFG as two calls. Sizes are multiples of 32: 160 x 128
+  pixels are 10 x 8 = 80 image tokens after the prompt's (97 and 93 joint tokens with the two prompts).
 """
 
 import torch
@@ -74,7 +77,27 @@ def nucleus_transformer(seed: int, parts: dict, config: dict):
     return model
 
 
+def qwenimage21_components(seed: int) -> dict:
+    import diffusers
+
+    tokenizer = tiny._qwen2_tokenizer()
+    with tiny._seeded(seed, 3):
+        vae = diffusers.AutoencoderKLQwenImage21(
+            base_dim=8, decoder_base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+            temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12, patch_size=2,
+            scale_factor_temporal=4, scale_factor_spatial=16, latents_mean=[0.0] * 16, latents_std=[1.0] * 16)
+    return dict(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=vae,
+                text_encoder=qwen3vl_encoder(seed, tokenizer), processor=qwen3vl_processor(tokenizer))
+
+
 FAMILIES = {
+    "qwenimage21": TinyFamily(
+        transformer_class="QwenImage21Transformer2DModel",
+        transformer=dict(patch_size=1, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16,
+                         num_attention_heads=4, context_in_dim=TEXT_WIDTH, mlp_ratio=3, axes_dims_rope=(4, 6, 6)),
+        components=qwenimage21_components,
+        call=dict(prompt=PROMPT, negative_prompt="blurry, low quality", true_cfg_scale=4.0, num_inference_steps=2,
+                  output_type="np", height=160, width=128)),
     "nucleusmoe": TinyFamily(
         transformer_class="NucleusMoEImageTransformer2DModel",
         transformer=dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
@@ -87,5 +110,6 @@ FAMILIES = {
 }
 
 RECIPES = {
+    "QwenImage21Pipeline": Recipe(family="qwenimage21"),
     "NucleusMoEImagePipeline": Recipe(family="nucleusmoe", components=dict(transformer=nucleus_transformer)),
 }
