@@ -242,6 +242,26 @@ CP_REFUSALS: dict[str, str] = {
 }
 
 
+# Pipelines whose `__init__` takes a `transformer` but that are not diffusion-transformer generators of images, video
+# or audio tokens that paradiff splits, with the reason (refused by load_pipeline in any parallel mode).
+_AMUSED = ("aMUSEd is a masked-token (MaskGIT-style) generator: its UVit2DModel predicts VQ codebook indices with "
+           "convolutional down / up blocks around a few transformer layers, and paradiff has no plan for UVit2DModel")
+NOT_DIT_PIPELINES: dict[str, str] = {
+    **dict.fromkeys(("AmusedPipeline", "AmusedImg2ImgPipeline", "AmusedInpaintPipeline"), _AMUSED),
+    "VQDiffusionPipeline": ("VQ-Diffusion is a discrete diffusion over VQ codebook indices (a deprecated pipeline): "
+                            "its Transformer2DModel takes vector-quantized classes and predicts log-probabilities "
+                            "over the codebook, a path paradiff's Transformer2DModel plans were never checked on"),
+    "RFD4ProteinaPipeline": ("RFD4-Proteina generates protein structures (residue frames and atom coordinates), "
+                             "not image, video or audio tokens; paradiff has no plan for RFD4ProteinaTransformer"),
+}
+
+
+def not_dit_refusal(pipeline_name: str) -> str | None:
+    """Why `pipeline_name` is no pipeline paradiff splits (not a DiT generator), or None."""
+    reason = NOT_DIT_PIPELINES.get(pipeline_name)
+    return None if reason is None else f"{pipeline_name} is not split by paradiff: {reason}"
+
+
 def cp_refusal(pipeline_name: str) -> str | None:
     """Why `pipeline_name` cannot run with context parallelism (ring / Ulysses), or None when it can."""
     reason = CP_REFUSALS.get(pipeline_name)
