@@ -157,6 +157,10 @@ CFG_RULES: dict[str, CfgRule] = {
     # LongCat-Image: the prompt's call, then the negative prompt's (the empty prompt when none is given)
     **{name: CfgRule("guidance_scale", 4.5, needs_negative_prompt=False) for name in (
         "LongCatImagePipeline", "LongCatImageEditPipeline")},
+    # Bria FIBO: [uncond, cond] with the text-encoder layers and, when a prompt is padded, the joint key mask
+    # (joint_attention_kwargs["attention_mask"]) batched
+    "BriaFiboPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
+                                batched=_LATENTS_TEXT_TIME + ("text_encoder_layers", "joint_attention_kwargs")),
     # Krea 2: the prompt's call, then the negative prompt's; it guides at any scale above 0
     "Krea2Pipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, threshold=0.0),
 }
