@@ -161,6 +161,9 @@ CFG_RULES: dict[str, CfgRule] = {
     # (joint_attention_kwargs["attention_mask"]) batched
     "BriaFiboPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
                                 batched=_LATENTS_TEXT_TIME + ("text_encoder_layers", "joint_attention_kwargs")),
+    # ERNIE-Image: [uncond, cond], the padded texts and their lengths batched
+    "ErnieImagePipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False, style=BATCH,
+                                  batched=("hidden_states", "timestep", "text_bth", "text_lens")),
     # Krea 2: the prompt's call, then the negative prompt's; it guides at any scale above 0
     "Krea2Pipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, threshold=0.0),
 }
