@@ -159,8 +159,11 @@ CFG_RULES: dict[str, CfgRule] = {
         "LongCatImagePipeline", "LongCatImageEditPipeline")},
     # Bria FIBO: [uncond, cond] with the text-encoder layers and, when a prompt is padded, the joint key mask
     # (joint_attention_kwargs["attention_mask"]) batched
-    "BriaFiboPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
-                                batched=_LATENTS_TEXT_TIME + ("text_encoder_layers", "joint_attention_kwargs")),
+    **{name: CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
+                     batched=_LATENTS_TEXT_TIME + ("text_encoder_layers", "joint_attention_kwargs"))
+       for name in ("BriaFiboPipeline", "BriaFiboEditPipeline")},
+    # Bria FIBO 2: the prompt's call, then the negative prompt's (its default negative prompt when none is given)
+    "BriaFibo2Pipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
     # ERNIE-Image: [uncond, cond], the padded texts and their lengths batched
     "ErnieImagePipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False, style=BATCH,
                                   batched=("hidden_states", "timestep", "text_bth", "text_lens")),

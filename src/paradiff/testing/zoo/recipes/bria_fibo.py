@@ -4,7 +4,7 @@ mask batched. The pipeline fixes the VAE's factor at 16: a Wan 2.2-style VAE on 
 spatial levels (z 16), unpatched latents: 176 x 144 pixels are 11 x 9 = 99 tokens."""
 
 from paradiff.testing import pipelines as tiny
-from paradiff.testing.zoo import Recipe, TinyFamily
+from paradiff.testing.zoo import Picture, Recipe, TinyFamily
 
 
 def components(seed: int) -> dict:
@@ -38,4 +38,9 @@ FAMILIES = {
                   height=176, width=144)),
 }
 
-RECIPES = {"BriaFiboPipeline": Recipe(family="bria_fibo")}
+RECIPES = {
+    "BriaFiboPipeline": Recipe(family="bria_fibo"),
+    # the reference image's 99 tokens follow the 99 noise tokens (its own RoPE time plane), the mask left out
+    "BriaFiboEditPipeline": Recipe(extends="BriaFiboPipeline", call=dict(
+        prompt='{"text": "a small red fox", "edit_instruction": "make the fox red"}', image=Picture(176, 144))),
+}

@@ -20,18 +20,18 @@ TEXT_WIDTH = 32
 PROMPT = "a small red fox running through the snow"
 
 
-def qwen3vl_encoder(seed: int, tokenizer, layers: int = 4):
+def qwen3vl_encoder(seed: int, tokenizer, layers: int = 4, width: int = TEXT_WIDTH):
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     ids = tokenizer.convert_tokens_to_ids
     with tiny._seeded(seed, 1):
         return Qwen3VLForConditionalGeneration(Qwen3VLConfig(
-            text_config=dict(vocab_size=len(tokenizer), hidden_size=TEXT_WIDTH, intermediate_size=32,
+            text_config=dict(vocab_size=len(tokenizer), hidden_size=width, intermediate_size=32,
                              num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                              max_position_embeddings=4096,
                              rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0,
                                               "mrope_section": [4, 2, 2], "mrope_interleaved": True}),
-            vision_config=dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=TEXT_WIDTH,
+            vision_config=dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=width,
                                patch_size=4, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
                                deepstack_visual_indexes=[0]),
             image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
@@ -91,7 +91,31 @@ def qwenimage21_components(seed: int) -> dict:
                 text_encoder=qwen3vl_encoder(seed, tokenizer), processor=qwen3vl_processor(tokenizer))
 
 
+def bria_fibo2_components(seed: int) -> dict:
+    import diffusers
+    from diffusers.pipelines.bria_fibo2.pipeline_bria_fibo2 import TEXT_ENCODER_OUT_LAYERS
+
+    tokenizer = tiny._qwen2_tokenizer()
+    layers = max(layer for bundle in TEXT_ENCODER_OUT_LAYERS for layer in bundle)  # hidden_states[0]: embeddings
+    return dict(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=tiny.family_components("flux2", seed)["vae"],
+                text_encoder=qwen3vl_encoder(seed, tokenizer, layers=layers, width=8),
+                processor=qwen3vl_processor(tokenizer))
+
+
 FAMILIES = {
+    # Bria FIBO 2: Z-Image-style blocks with a Perceiver over six bundles of three Qwen3-VL layers (36 layers, 8
+    # wide: 24 features a bundle); CFG as two calls; the FLUX.2 VAE (factor 2) and 2 x 2 patches: 44 x 36 pixels are
+    # 99 tokens. The caption's text is not rendered to images (no fonts here)
+    "bria_fibo2": TinyFamily(
+        transformer_class="BriaFibo2Transformer2DModel",
+        transformer=dict(in_channels=4, patch_size=2, dim=64, n_layers=2, n_refiner_layers=1, n_heads=4,
+                         cap_feat_dim=24, injection_layer_ids=(1,), perceiver_num_layers=1, min_num_gist_tokens=2,
+                         max_num_gist_tokens=4, gist_step=1, gist_min_text_len=2, gist_max_text_len=8,
+                         axes_dims=(4, 6, 6), axes_lens=(256, 64, 64)),
+        components=bria_fibo2_components,
+        call=dict(prompt='{"short_description": "a small red fox running through the snow"}',
+                  negative_prompt="blurry", guidance_scale=4.0, num_inference_steps=2, render_text_images=False,
+                  output_type="np", height=44, width=36)),
     "qwenimage21": TinyFamily(
         transformer_class="QwenImage21Transformer2DModel",
         transformer=dict(patch_size=1, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16,
@@ -114,6 +138,7 @@ FAMILIES = {
 }
 
 RECIPES = {
+    "BriaFibo2Pipeline": Recipe(family="bria_fibo2"),
     "QwenImage21Pipeline": Recipe(family="qwenimage21"),
     "NucleusMoEImagePipeline": Recipe(family="nucleusmoe", components=dict(transformer=nucleus_transformer)),
 }
