@@ -191,6 +191,9 @@ _PAG = ("perturbed-attention guidance runs [uncond, cond, perturbed] as one batc
 _LTX2 = ("it runs up to four branches per step: one call on [uncond, cond], then a spatio-temporal-guidance call and "
          "a modality-isolation call on the conditional batch alone")
 CFG_NOT_SPLIT: dict[str, str] = {
+    "Ideogram4Pipeline": ("it guides asymmetrically: the unconditional branch is a second transformer "
+                          "(`unconditional_transformer`) on the image tokens alone, which the two-call pairing of one "
+                          "transformer cannot follow"),
     "OmniGenPipeline": ("with input images it runs three branches (text, unconditional, image) as one call on a batch "
                         "of 3 whose input-image latents are a list indexed by batch row, which the batch split does "
                         "not follow yet"),
