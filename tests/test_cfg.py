@@ -21,6 +21,11 @@ def test_first_step_is_not_computed_twice(pools, family, compiled):
         assert result["computed"] == STEPS, result
 
 
+def test_the_two_predictions_are_exchanged_whatever_their_shapes(pools):
+    for result in pools.get(2).run(cases.cfg_pair_of_different_shapes):
+        assert result["first"] and result["second"], result
+
+
 def test_without_a_meta_run_the_first_call_is_learned_once(pools):
     results = pools.get(2).run(cases.cfg_pairs, steps=STEPS, meta=False)
     assert [r["computed"] for r in results] == [STEPS, STEPS + 1], results

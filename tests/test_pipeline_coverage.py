@@ -126,6 +126,8 @@ def test_sample_pipelines_equal_single_process_in_their_modes(pools, sample_jobs
     ("StableDiffusion3PAGPipeline", ["--ring", "2"], "load the folder as StableDiffusion3Pipeline (no PAG)"),
     ("PixArtSigmaPAGPipeline", ["--cfg", "2"], "not supported with CFG parallelism yet: perturbed-attention guidance "
                                                "runs [uncond, cond, perturbed] as one batch"),
+    # a pipeline that takes a transformer but is no DiT generator, in any mode
+    ("AmusedPipeline", ["--tp", "2"], "AmusedPipeline is not split by paradiff: aMUSEd is a masked-token"),
 ])
 def test_pipelines_a_mode_cannot_split_are_refused_before_any_worker(tmp_path, capsys, monkeypatch, pipeline, flags,
                                                                       reason):

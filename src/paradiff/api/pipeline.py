@@ -18,7 +18,8 @@ from paradiff.api.model import check_dtype
 from paradiff.api.quantization import pipeline_quantization
 from paradiff.io.folders import has_modular_index_only, read_pipeline_index, resolve_folder
 from paradiff.distributed.mesh import default_device
-from paradiff.plans.pipelines import CFG_RULES, GUIDER_PIPELINES, cfg_refusal, cp_refusal, modular_cfg_refusal
+from paradiff.plans.pipelines import (CFG_RULES, GUIDER_PIPELINES, cfg_refusal, cp_refusal, modular_cfg_refusal,
+                                     not_dit_refusal)
 from paradiff.api.pipeline_components import _components_paradiff_loads, _load_components, transformer_names
 from paradiff.api.modular import (check_guided_call, fill_modular, guider_names, install_guided_cfg,
                                   is_modular_class, modular_skeleton, pretrained_names)
@@ -219,6 +220,8 @@ def load_pipeline(
         base_name = type(skeleton).__name__
     else:
         base_name = pipeline_cls.__name__ if pipeline_cls is not None else str(pipeline_index.class_name)
+    if parallel is not None and not_dit_refusal(base_name):
+        raise ParallelConfigError(f"{not_dit_refusal(base_name)}.")
     guided = modular or base_name in GUIDER_PIPELINES  # guidance through a guider component
     if parallel is not None and parallel.cfg_degree > 1:
         _check_cfg_classified(base_name, parallel.cfg_degree,

@@ -140,8 +140,11 @@ def component_folder(pipeline_index, name: str) -> Path:
 
 
 def transformer_names(index: dict) -> list[str]:
-    """The pipeline's transformer components present in model_index.json: "transformer", then e.g. "transformer_2"."""
-    return sorted(name for name, entry in index.items() if name.startswith("transformer") and _is_component(entry))
+    """The pipeline's transformer components present in model_index.json: "transformer", then e.g. "transformer_2",
+    then e.g. "unconditional_transformer" (Ideogram 4's unconditional branch)."""
+    names = [name for name, entry in index.items() if _is_component(entry)
+             and (name.startswith("transformer") or name.endswith("_transformer"))]
+    return sorted(names, key=lambda name: (not name.startswith("transformer"), name))
 
 
 

@@ -35,6 +35,11 @@ def check_model_folder(args: argparse.Namespace) -> None:
     pipeline_name = getattr(args, "pipeline", None) or str(index.class_name)
     if index.modular:
         _check_modular_flags(args, pipeline_name, path)
+    if args.tp * args.ulysses * args.ring * args.cfg > 1:
+        from paradiff.plans.pipelines import not_dit_refusal
+
+        if not_dit_refusal(pipeline_name) is not None:
+            raise CliError(f"{args.model}: {not_dit_refusal(pipeline_name)}")
     if args.cfg > 1 and index.modular:
         _check_modular_guides(args, pipeline_name, path)
     elif args.cfg > 1:

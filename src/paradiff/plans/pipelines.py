@@ -52,6 +52,7 @@ class CfgRule:
     branches: int = 2  # guidance branches per step: the cfg_degree that gives each cfg rank one
     # call arguments that make the pipeline guide in a way this style cannot split (argument -> why), refused
     refused_arguments: tuple[tuple[str, str], ...] = ()
+    threshold: float = 1.0  # the scale above which the pipeline guides (Krea 2: above 0, its scale counts from 0)
 
     def __post_init__(self) -> None:
         if self.style not in (TWO_CALLS, BATCH):
@@ -62,7 +63,7 @@ class CfgRule:
             raise ValueError("a 'two_calls' CfgRule pairs two calls per step: it has 2 branches")
 
     def runs_cfg(self, call_kwargs: dict[str, Any], pipeline_config: Any = None) -> bool:
-        if call_kwargs.get(self.scale_argument, self.default_scale) <= 1:
+        if call_kwargs.get(self.scale_argument, self.default_scale) <= self.threshold:
             return False
         if self.disabled_by_config and getattr(pipeline_config, self.disabled_by_config, False):
             return False
@@ -83,7 +84,7 @@ class CfgRule:
         """How to make a call guide, for error messages."""
         negative = " and a negative_prompt" if self.needs_negative_prompt else ""
         truncation = f", {self.truncation_argument} = 1" if self.truncation_argument else ""
-        return f"{self.scale_argument} > 1{negative}{truncation}"
+        return f"{self.scale_argument} > {self.threshold:g}{negative}{truncation}"
 
 
 CFG_RULES: dict[str, CfgRule] = {
@@ -189,6 +190,47 @@ CFG_RULES: dict[str, CfgRule] = {
     # ConsisID: the face features stay one row, which the transformer broadcasts over the batch
     "ConsisIDPipeline": CfgRule("guidance_scale", 6.0, needs_negative_prompt=False, style=BATCH,
                                 batched=_LATENTS_TEXT_TIME),
+    # Stable Audio Open: [uncond, cond] with the duration conditioning batched (the timestep is one value)
+    "StableAudioPipeline": CfgRule("guidance_scale", 7.0, needs_negative_prompt=False, style=BATCH,
+                                   batched=("hidden_states", "encoder_hidden_states", "global_hidden_states")),
+    # DiT: [cond, uncond] (the null class, 1000, second)
+    "DiTPipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False, style=BATCH,
+                           batched=("hidden_states", "timestep", "class_labels"), batch_order=("cond", "uncond")),
+    "BriaPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
+                            batched=_LATENTS_TEXT_TIME),
+    # Stable Audio 3 (the base checkpoint): [uncond, cond], the duration conditioning and the text mask batched
+    "StableAudio3Pipeline": CfgRule("guidance_scale", 1.0, needs_negative_prompt=False, style=BATCH, batched=(
+        "hidden_states", "timestep", "encoder_hidden_states", "global_hidden_states", "encoder_attention_mask")),
+    # ACE-Step 1.5: [cond, uncond] (the condition encoder's null embedding), combined by APG. Steps outside the
+    # cfg interval, and a cover task's extra call, make one call on the conditional batch alone
+    "AceStepPipeline": CfgRule(
+        "guidance_scale", 7.0, needs_negative_prompt=False, style=BATCH, batch_order=("cond", "uncond"),
+        batched=("hidden_states", "timestep", "timestep_r", "encoder_hidden_states", "context_latents"),
+        refused_arguments=tuple((name, "steps outside the cfg interval make one call on the conditional batch "
+                                       "alone, which the batch split cannot share") for name in (
+            "cfg_interval_start", "cfg_interval_end")) + (
+            ("audio_cover_strength", "a cover task's blend makes a third call on the conditional batch alone"),)),
+    # Qwen-Image 2.1: the prompt's call, then the negative prompt's
+    "QwenImage21Pipeline": CfgRule("true_cfg_scale", 1.0, needs_negative_prompt=True),
+    # NucleusMoE-Image: the prompt's call, then the negative prompt's (the empty prompt when none is given)
+    "NucleusMoEImagePipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False),
+    # LongCat-AudioDiT: the prompt's call, then the negative prompt's
+    "LongCatAudioDiTPipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False),
+    # LongCat-Image: the prompt's call, then the negative prompt's (the empty prompt when none is given)
+    **{name: CfgRule("guidance_scale", 4.5, needs_negative_prompt=False) for name in (
+        "LongCatImagePipeline", "LongCatImageEditPipeline")},
+    # Bria FIBO: [uncond, cond] with the text-encoder layers and, when a prompt is padded, the joint key mask
+    # (joint_attention_kwargs["attention_mask"]) batched
+    **{name: CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
+                     batched=_LATENTS_TEXT_TIME + ("text_encoder_layers", "joint_attention_kwargs"))
+       for name in ("BriaFiboPipeline", "BriaFiboEditPipeline")},
+    # Bria FIBO 2: the prompt's call, then the negative prompt's (its default negative prompt when none is given)
+    "BriaFibo2Pipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
+    # ERNIE-Image: [uncond, cond], the padded texts and their lengths batched
+    "ErnieImagePipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False, style=BATCH,
+                                  batched=("hidden_states", "timestep", "text_bth", "text_lens")),
+    # Krea 2: the prompt's call, then the negative prompt's; it guides at any scale above 0
+    "Krea2Pipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, threshold=0.0),
 }
 
 # Pipelines whose call takes a conditioning input under another keyword than diffusers' usual one (what `paradiff
@@ -212,6 +254,10 @@ NEVER_GUIDES: tuple[str, ...] = (
     "SanaSprintPipeline", "SanaSprintImg2ImgPipeline", "Flux2KleinKVPipeline",
     # LTX-2's distilled-sigma pipelines: no negative branch, no guidance argument
     "LTX2DFRPipeline", "LTX2DFRTemporalRefinePipeline",
+    # VisualCloze: FLUX.1-dev fine-tuned (embedded guidance), its in-context grid in one call a step
+    "VisualClozeGenerationPipeline", "VisualClozePipeline",
+    # Stable Audio 3's audio-to-audio and inpainting pipelines take no guidance scale (the distilled checkpoint)
+    "StableAudio3AudioToAudioPipeline", "StableAudio3InpaintPipeline",
 )
 
 
@@ -222,6 +268,9 @@ _PAG = ("perturbed-attention guidance runs [uncond, cond, perturbed] as one batc
 _LTX2 = ("it runs up to four branches per step: one call on [uncond, cond], then a spatio-temporal-guidance call and "
          "a modality-isolation call on the conditional batch alone")
 CFG_NOT_SPLIT: dict[str, str] = {
+    "Ideogram4Pipeline": ("it guides asymmetrically: the unconditional branch is a second transformer "
+                          "(`unconditional_transformer`) on the image tokens alone, which the two-call pairing of one "
+                          "transformer cannot follow"),
     "OmniGenPipeline": ("with input images it runs three branches (text, unconditional, image) as one call on a batch "
                         "of 3 whose input-image latents are a list indexed by batch row, which the batch split does "
                         "not follow yet"),
@@ -281,6 +330,26 @@ CP_REFUSALS: dict[str, str] = {
                                                                      base="StableDiffusion3Img2ImgPipeline"),
     "SanaPAGPipeline": _PAG_SELF_ATTENTION.format(what="linear attention's sums over the keys", base="SanaPipeline"),
 }
+
+
+# Pipelines whose `__init__` takes a `transformer` but that are not diffusion-transformer generators of images, video
+# or audio tokens that paradiff splits, with the reason (refused by load_pipeline in any parallel mode).
+_AMUSED = ("aMUSEd is a masked-token (MaskGIT-style) generator: its UVit2DModel predicts VQ codebook indices with "
+           "convolutional down / up blocks around a few transformer layers, and paradiff has no plan for UVit2DModel")
+NOT_DIT_PIPELINES: dict[str, str] = {
+    **dict.fromkeys(("AmusedPipeline", "AmusedImg2ImgPipeline", "AmusedInpaintPipeline"), _AMUSED),
+    "VQDiffusionPipeline": ("VQ-Diffusion is a discrete diffusion over VQ codebook indices (a deprecated pipeline): "
+                            "its Transformer2DModel takes vector-quantized classes and predicts log-probabilities "
+                            "over the codebook, a path paradiff's Transformer2DModel plans were never checked on"),
+    "RFD4ProteinaPipeline": ("RFD4-Proteina generates protein structures (residue frames and atom coordinates), "
+                             "not image, video or audio tokens; paradiff has no plan for RFD4ProteinaTransformer"),
+}
+
+
+def not_dit_refusal(pipeline_name: str) -> str | None:
+    """Why `pipeline_name` is no pipeline paradiff splits (not a DiT generator), or None."""
+    reason = NOT_DIT_PIPELINES.get(pipeline_name)
+    return None if reason is None else f"{pipeline_name} is not split by paradiff: {reason}"
 
 
 def cp_refusal(pipeline_name: str) -> str | None:

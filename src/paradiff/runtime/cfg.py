@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from paradiff.distributed.comm import all_gather_cfg_batch, all_gather_pieces, broadcast_cfg_branch
+from paradiff.distributed.comm import all_gather_any_shape, all_gather_cfg_batch, broadcast_cfg_branch
 from paradiff.errors import ParallelConfigError
 from paradiff.runtime.wrappers import install_wrapper
 
@@ -162,7 +162,8 @@ class CfgSplitter:
             mine, template = _sample_of(output), output
         else:
             mine, template, self.first_output = self.first_output, self.template, None
-        first, second = all_gather_pieces(mine, self.group)
+        # the two predictions may differ in shape where the output carries the prompt's tokens (Qwen-Image 2.1)
+        first, second = all_gather_any_shape(mine, self.group)
         if self.placeholder is not None:
             placeholder, self.placeholder = self.placeholder, None
             if placeholder.shape != first.shape or placeholder.dtype != first.dtype:
@@ -213,6 +214,8 @@ class BatchCfgSplitter:
             return {key: self._share(name, item, whole) for key, item in value.items()}
         if isinstance(value, (list, tuple)):  # a ControlNet's residuals: one batched tensor per block
             return type(value)(self._share(name, item, whole) for item in value)
+        if isinstance(value, dict):  # keyword arguments for the attention processors (a batched key mask)
+            return {key: self._share(f"{name}[{key!r}]", item, whole) for key, item in value.items()}
         if not torch.is_tensor(value) or value.ndim == 0:
             return value
         dim = self.batch_dims.get(name, 0)

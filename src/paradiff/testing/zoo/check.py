@@ -155,7 +155,9 @@ def _split_problems(pipe, mode: str, seen: list, reference_blocks: list, folder:
     problems = []
     if not seen:
         return ["the transformer's first block never ran"]
-    if degrees["ring"] * degrees["ulysses"] > 1 and seen[0][1] >= reference_blocks[0][1]:
+    # batch x tokens, whichever comes first (ERNIE-Image's blocks take the sequence first)
+    cp_split = seen[0][0] * seen[0][1] < reference_blocks[0][0] * reference_blocks[0][1]
+    if degrees["ring"] * degrees["ulysses"] > 1 and not cp_split:
         problems.append(f"the first block saw {seen[0][1]} tokens, as many as the single process")
     if degrees["cfg"] > 1:
         # its share of the rows; a model whose forward cannot run on the meta device computes one first call more
