@@ -94,6 +94,11 @@ CFG_RULES: dict[str, CfgRule] = {
         "FluxImg2ImgPipeline", "FluxInpaintPipeline", "FluxKontextPipeline", "FluxKontextInpaintPipeline",
         "FluxControlNetPipeline")},
     "WanPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
+    # Wan's conditioned pipelines and those built on its transformer: the conditional call, then the unconditional
+    # one (the same image / video / VACE conditions in both)
+    **{name: CfgRule("guidance_scale", 5.0, needs_negative_prompt=False) for name in (
+        "WanImageToVideoPipeline", "WanVideoToVideoPipeline", "WanVACEPipeline", "LucyEditPipeline",
+        "ChronoEditPipeline")},
     "Flux2KleinPipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False,
                                   disabled_by_config="is_distilled"),
     "Flux2KleinInpaintPipeline": CfgRule("guidance_scale", 8.0, needs_negative_prompt=False,
