@@ -99,6 +99,14 @@ CFG_RULES: dict[str, CfgRule] = {
     **{name: CfgRule("guidance_scale", 5.0, needs_negative_prompt=False) for name in (
         "WanImageToVideoPipeline", "WanVideoToVideoPipeline", "WanVACEPipeline", "LucyEditPipeline",
         "ChronoEditPipeline")},
+    # Wan-Animate's unconditional call blanks the face frames (the pipeline computes both calls' inputs)
+    "WanAnimatePipeline": CfgRule("guidance_scale", 1.0, needs_negative_prompt=False),
+    # SkyReels-V2 and Helios (history latents, diffusion forcing: the same inputs in both calls but the text)
+    **{name: CfgRule("guidance_scale", scale, needs_negative_prompt=False) for name, scale in (
+        ("SkyReelsV2Pipeline", 6.0), ("SkyReelsV2ImageToVideoPipeline", 5.0),
+        ("SkyReelsV2DiffusionForcingPipeline", 6.0), ("SkyReelsV2DiffusionForcingImageToVideoPipeline", 5.0),
+        ("SkyReelsV2DiffusionForcingVideoToVideoPipeline", 6.0), ("HeliosPipeline", 5.0),
+        ("HeliosPyramidPipeline", 5.0))},
     "Flux2KleinPipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False,
                                   disabled_by_config="is_distilled"),
     "Flux2KleinInpaintPipeline": CfgRule("guidance_scale", 8.0, needs_negative_prompt=False,
@@ -131,6 +139,9 @@ CFG_RULES: dict[str, CfgRule] = {
                                    batched=_WITH_TEXT_MASK),
     "PixArtSigmaPipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, style=BATCH,
                                    batched=_WITH_TEXT_MASK),
+    # AnyFlow: [uncond, cond] in one call, the two timesteps of every frame batched too
+    "AnyFlowPipeline": CfgRule("guidance_scale", 1.0, needs_negative_prompt=False, style=BATCH,
+                               batched=_LATENTS_TEXT_TIME + ("r_timestep",)),
     "LTXPipeline": CfgRule("guidance_scale", 3.0, needs_negative_prompt=False, style=BATCH, batched=_WITH_TEXT_MASK),
 }
 
@@ -166,7 +177,7 @@ CFG_NOT_SPLIT: dict[str, str] = {
 # text to render; with neither it makes a disabled guider of its own (distilled checkpoints), which is refused.
 GUIDER_PIPELINES: tuple[str, ...] = (
     "HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline", "MotifVideoPipeline",
-    "MotifVideoImageToVideoPipeline", "HunyuanImagePipeline", "HunyuanImageRefinerPipeline",
+    "MotifVideoImage2VideoPipeline", "HunyuanImagePipeline", "HunyuanImageRefinerPipeline",
 )
 
 # Modular Diffusers pipelines guide through their guider component: each step the guider prepares one batch per
