@@ -164,6 +164,9 @@ CFG_NOT_SPLIT: dict[str, str] = {
     "OmniGenPipeline": ("with input images it runs three branches (text, unconditional, image) as one call on a batch "
                         "of 3 whose input-image latents are a list indexed by batch row, which the batch split does "
                         "not follow yet"),
+    "AnyFlowFARPipeline": ("it runs [uncond, cond] as one call whose KV cache, allocated by the pipeline for the whole "
+                           "batch, is filled by a separate cache-encoding call per chunk that returns no prediction; "
+                           "the batch split does not follow the cache's rows yet"),
     **dict.fromkeys(("HunyuanDiTPAGPipeline", "StableDiffusion3PAGPipeline", "StableDiffusion3PAGImg2ImgPipeline",
                      "PixArtSigmaPAGPipeline", "SanaPAGPipeline"), _PAG),
     **dict.fromkeys(("LTX2Pipeline", "LTX2ConditionPipeline", "LTX2DFRPipeline", "LTX2DFRTemporalRefinePipeline",
