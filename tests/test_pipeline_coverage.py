@@ -80,8 +80,10 @@ def test_a_recipe_missing_a_required_component_says_which(monkeypatch):
 # --- a sample of tools/verify_pipelines.py on the rank pool -------------------------------------------------------
 
 # batch CFG with a ControlNet's residual lists batched, two-call CFG on an edit pipeline (Kontext under CP:
-# tests/test_conditioning.py)
-SAMPLE = (("StableDiffusion3ControlNetPipeline", "cfg2"), ("FluxKontextPipeline", "cfg2"))
+# tests/test_conditioning.py), image-to-video under Ulysses (the image's latents beside the noise, its CLIP tokens
+# before the text; 27 video tokens over 2 ranks)
+SAMPLE = (("StableDiffusion3ControlNetPipeline", "cfg2"), ("FluxKontextPipeline", "cfg2"),
+          ("WanImageToVideoPipeline", "ulysses2"))
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +112,8 @@ def test_sample_pipelines_equal_single_process_in_their_modes(pools, sample_jobs
         for job, outcome in zip(sample_jobs, outcomes):
             print(rank, job["key"], job["mode"], outcome)
             assert outcome["status"] == "verified" and outcome["diff"] <= 1e-5, (job["key"], job["mode"], outcome)
-    # the sample is conditioned and uneven: SD3's 35 tokens, Kontext's 99 noise + 63 reference tokens
-    assert [job["expected"]["blocks"][0][1] for job in sample_jobs] == [35, 162]
+    # the sample is conditioned and uneven: SD3's 35 tokens, Kontext's 99 noise + 63 reference tokens, Wan I2V's 27
+    assert [job["expected"]["blocks"][0][1] for job in sample_jobs] == [35, 162, 27]
 
 
 # --- what the pipeline class alone decides, refused before any worker starts --------------------------------------
