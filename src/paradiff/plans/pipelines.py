@@ -39,6 +39,8 @@ class CfgRule:
     style: str = TWO_CALLS
     batched: tuple[str, ...] = ()  # "batch": the transformer's arguments that hold the branches' batch
     batch_order: tuple[str, ...] = ("uncond", "cond")  # "batch": the branches in batch order
+    # "batch": batched arguments whose tensors hold the branches along another dim than 0 (argument, dim)
+    batch_dims: tuple[tuple[str, int], ...] = ()
     disabled_by_config: str | None = None
     # an argument that stops guidance after that fraction of the steps (Lumina 2's cfg_trunc_ratio, default 1): the
     # steps after it make one call, which the two-call pairing cannot follow, so CFG parallelism needs it at 1
@@ -142,6 +144,11 @@ CFG_RULES: dict[str, CfgRule] = {
     # AnyFlow: [uncond, cond] in one call, the two timesteps of every frame batched too
     "AnyFlowPipeline": CfgRule("guidance_scale", 1.0, needs_negative_prompt=False, style=BATCH,
                                batched=_LATENTS_TEXT_TIME + ("r_timestep",)),
+    # AnyFlow FAR: the same, and each block's KV cache (2, batch, heads, tokens, head_dim), which the pipeline
+    # allocates for both branches and a cache-encoding call per chunk fills, holds the branches along dim 1
+    "AnyFlowFARPipeline": CfgRule("guidance_scale", 1.0, needs_negative_prompt=False, style=BATCH,
+                                  batched=_LATENTS_TEXT_TIME + ("r_timestep", "kv_cache"),
+                                  batch_dims=(("kv_cache", 1),)),
     "LTXPipeline": CfgRule("guidance_scale", 3.0, needs_negative_prompt=False, style=BATCH, batched=_WITH_TEXT_MASK),
 }
 
@@ -164,9 +171,6 @@ CFG_NOT_SPLIT: dict[str, str] = {
     "OmniGenPipeline": ("with input images it runs three branches (text, unconditional, image) as one call on a batch "
                         "of 3 whose input-image latents are a list indexed by batch row, which the batch split does "
                         "not follow yet"),
-    "AnyFlowFARPipeline": ("it runs [uncond, cond] as one call whose KV cache, allocated by the pipeline for the whole "
-                           "batch, is filled by a separate cache-encoding call per chunk that returns no prediction; "
-                           "the batch split does not follow the cache's rows yet"),
     **dict.fromkeys(("HunyuanDiTPAGPipeline", "StableDiffusion3PAGPipeline", "StableDiffusion3PAGImg2ImgPipeline",
                      "PixArtSigmaPAGPipeline", "SanaPAGPipeline"), _PAG),
     **dict.fromkeys(("LTX2Pipeline", "LTX2ConditionPipeline", "LTX2DFRPipeline", "LTX2DFRTemporalRefinePipeline",

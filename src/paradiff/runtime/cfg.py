@@ -192,6 +192,7 @@ class BatchCfgSplitter:
     calls: int = 0
     computed: int = 0
     batch_sizes: list[int] = field(default_factory=list)  # the batch this rank computed, per call (for reports)
+    batch_dims: dict[str, int] = field(default_factory=dict)  # batched arguments whose batch is not dim 0
 
     def reset(self) -> None:
         self.calls = 0
@@ -202,15 +203,19 @@ class BatchCfgSplitter:
     def _share(self, name: str, value: Any, whole: int) -> Any:
         if isinstance(value, (list, tuple)):  # a ControlNet's residuals: one batched tensor per block
             return type(value)(self._share(name, item, whole) for item in value)
+        if isinstance(value, dict):  # a KV cache's tensors per block: views, so the model's writes reach them
+            return {key: self._share(name, item, whole) for key, item in value.items()}
         if not torch.is_tensor(value) or value.ndim == 0:
             return value
-        if value.shape[0] != whole:
+        dim = self.batch_dims.get(name, 0)
+        if value.shape[dim] != whole:
             raise ParallelConfigError(
-                f"CFG parallelism (batch style): the transformer argument {name!r} has batch {value.shape[0]} but "
-                f"hidden_states has {whole}; the pipeline's CfgRule in plans/pipelines.py names it as batched."
+                f"CFG parallelism (batch style): the transformer argument {name!r} has batch {value.shape[dim]} "
+                f"(dim {dim}) but hidden_states has {whole}; the pipeline's CfgRule in plans/pipelines.py names it "
+                "as batched."
             )
         share = whole // self.cfg_degree
-        return value.narrow(0, self.cfg_rank * share, share)
+        return value.narrow(dim, self.cfg_rank * share, share)
 
     def __call__(self, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         self.calls += 1
@@ -225,14 +230,26 @@ class BatchCfgSplitter:
             raise ParallelConfigError(
                 f"CFG parallelism (batch style): the transformer was called on a batch of {whole}, which the "
                 f"{self.cfg_degree} cfg ranks cannot share; the call does not run CFG (use cfg_degree=1).")
-        args = tuple(self._share(name, value, whole) if name in self.batched else value
-                     for name, value in zip(self.parameter_names, args))
-        kwargs = {name: self._share(name, value, whole) if name in self.batched else value
-                  for name, value in kwargs.items()}
+        whole_of: dict[int, Any] = {}  # id(this rank's share) -> the argument it was cut from
+
+        def share(name: str, value: Any) -> Any:
+            if name not in self.batched:
+                return value
+            mine = self._share(name, value, whole)
+            whole_of[id(mine)] = value
+            return mine
+
+        args = tuple(share(name, value) for name, value in zip(self.parameter_names, args))
+        kwargs = {name: share(name, value) for name, value in kwargs.items()}
         self.computed += 1
         self.batch_sizes.append(whole // self.cfg_degree)
         output = forward(*args, **kwargs)
-        return _with_sample(output, all_gather_cfg_batch(_sample_of(output), self.group))
+        if type(output) is tuple:  # a batched argument handed back (AnyFlow FAR's KV cache): the caller's own
+            output = tuple(whole_of.get(id(item), item) for item in output)
+        sample = _sample_of(output)
+        if sample is None:  # a call that only fills a cache (AnyFlow FAR's cache-encoding call): nothing to gather
+            return output
+        return _with_sample(output, all_gather_cfg_batch(sample, self.group))
 
 
 @dataclass
@@ -390,7 +407,7 @@ def install_cfg_parallel(model: nn.Module, group: dist.ProcessGroup, rule: Any =
         parameters = list(inspect.signature(type(model).forward).parameters)[1:]  # without self
         splitter: CfgSplitter | BatchCfgSplitter = BatchCfgSplitter(
             group=group, cfg_rank=cfg_rank, cfg_degree=cfg_degree, batched=rule.batched,
-            parameter_names=tuple(parameters))
+            parameter_names=tuple(parameters), batch_dims=dict(rule.batch_dims))
     else:
         if cfg_degree != 2:
             raise ParallelConfigError(f"the cfg group must have 2 ranks, it has {cfg_degree}.")
