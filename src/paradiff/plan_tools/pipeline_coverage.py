@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from paradiff.plans.pipelines import BATCH, CFG_RULES, NEVER_GUIDES, CFG_NOT_SPLIT
+from paradiff.plans.pipelines import BATCH, CFG_RULES, NEVER_GUIDES, CFG_NOT_SPLIT, GUIDER_PIPELINES
 
 VERIFIED = Path(__file__).parents[1] / "plans" / "pipelines_verified.json"
 MODES = ("tp2", "ulysses2", "ring2", "tp2xulysses2", "cfg2", "cfg2xtp2")
@@ -25,8 +25,10 @@ def cfg_style(pipeline: str) -> str:
     if rule is not None:
         return "batch" if rule.style == BATCH else "two calls"
     name = pipeline.partition("@")[0]
+    if name in GUIDER_PIPELINES:
+        return "its guider"
     if name in CFG_NOT_SPLIT:
-        return "PAG (not split)"
+        return "PAG (not split)" if "PAG" in name else "not split yet"
     return "never guides" if name in NEVER_GUIDES else "not classified"
 
 
