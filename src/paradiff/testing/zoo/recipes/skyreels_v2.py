@@ -24,7 +24,8 @@ WITH_FPS = dict(inject_sample_info=True)
 
 RECIPES = {
     "SkyReelsV2Pipeline": Recipe(family="skyreels_v2", call=dict(SIZE, guidance_scale=6.0)),
-    # the image's latents and a first-frame mask beside the noise, its CLIP tokens (with projection) before the text
+    # the image's latents and a first-frame mask beside the noise, its CLIP tokens (with projection) before the text;
+    # the class annotates a CLIPProcessor, of which the call uses only the image processor (given here alone)
     "SkyReelsV2ImageToVideoPipeline": Recipe(
         family="skyreels_v2", components=dict(image_encoder=clip_vision_projection,
                                       image_processor=clip_image_processor),
