@@ -99,7 +99,7 @@ def main() -> int:
             for name, flags in CONFIGS.items():
                 folder = Path(tmp) / f"{round_number}-{len(results[name])}-{name.replace(' ', '_').replace(',', '')}"
                 folder.mkdir()
-                server = ServerProcess(folder, *flags)
+                server = ServerProcess(folder, *flags, fresh=True)  # a user's start, imports included
                 try:
                     started = time.monotonic()
                     server.wait_ready(600)

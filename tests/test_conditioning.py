@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 import rank_cases_conditioning as cases
+from paradiff.testing import command
 
 RTOL = 1e-5
 CP_MODES = {"ulysses2": dict(ulysses=2), "ring2": dict(ring=2)}
@@ -222,9 +223,6 @@ def test_repeated_image_is_a_list_of_references(tiny_pipeline_folders, tmp_path,
 # --- audio: a Stable Audio pipeline's sound written as WAV by the CLI -----------------------------------------------
 
 import json  # noqa: E402
-import os  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 import wave  # noqa: E402
 
 
@@ -247,11 +245,11 @@ def test_cli_writes_stable_audio_wav_equal_to_single_process(tmp_path):
 
     folder = save_stable_audio(tmp_path / "stable-audio")
     out = tmp_path / "out"
-    result = subprocess.run(
-        [sys.executable, "-m", "paradiff.cli", "generate", str(folder), "--ulysses", "2", "--prompt",
+    result = command.run(
+        ["-m", "paradiff.cli", "generate", str(folder), "--ulysses", "2", "--prompt",
          CALL_KWARGS["prompt"], "--negative-prompt", CALL_KWARGS["negative_prompt"], "--guidance-scale",
          str(CALL_KWARGS["guidance_scale"]), "--steps", str(CALL_KWARGS["num_inference_steps"]), "--out", str(out)],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ))
+        timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     entry = report["outputs"]["0"]
@@ -274,12 +272,12 @@ def test_cli_inpaints_with_another_pipeline_class_at_ulysses2(tiny_pipeline_fold
     """--pipeline FluxInpaintPipeline on the FLUX.1 text-to-image folder, with --image, --mask and --strength, at
     ulysses2: --compare (diffusers' FluxInpaintPipeline, same inputs, one process) finds the same image."""
     out = tmp_path / "out"
-    result = subprocess.run(
-        [sys.executable, "-m", "paradiff.cli", "generate", str(tiny_pipeline_folders["flux"]), "--pipeline",
+    result = command.run(
+        ["-m", "paradiff.cli", "generate", str(tiny_pipeline_folders["flux"]), "--pipeline",
          "FluxInpaintPipeline", "--image", pictures["image"], "--mask", pictures["mask"], "--strength", "0.75",
          "--ulysses", "2", "--steps", "4", "--height", "32", "--width", "32", "--guidance-scale", "3.5",
          "--compare", "--out", str(out)],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ))
+        timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["config"]["ulysses"] == 2 and report["outputs"]["0"]["kind"] == "image"

@@ -14,6 +14,7 @@ from paradiff.testing.lora import TARGETS
 from paradiff.testing.models import build_model, model_class, save_model, tiny_config
 
 import rank_cases_quant as cases
+from paradiff.testing import command
 
 FAMILIES = ("flux2", "wan")
 SCHEMES = ("int8", "fp8", "nf4")
@@ -151,8 +152,6 @@ def test_generate_quantize_reports_each_ranks_quantized_bytes(tmp_path):
     its stage ran (re-read and re-quantized at the stage): as many linears as diffusers' / transformers' own
     single-process int8 models, about half their bytes; the per-stage table prints them."""
     import json
-    import subprocess
-    import sys
 
     import diffusers
     import transformers
@@ -162,10 +161,9 @@ def test_generate_quantize_reports_each_ranks_quantized_bytes(tmp_path):
     from paradiff.quant.schemes import model_config_for, text_encoder_config_for
 
     out = tmp_path / "tp2"
-    result = subprocess.run([sys.executable, "-m", "paradiff.cli", "generate", "--tp", "2", "--prompt", "a cat",
-                             "--height", "32", "--width", "32", "--steps", "2", "--quantize", "int8",
-                             "--quantize-text-encoders", "--stages", "--out", str(out)],
-                            capture_output=True, text=True, timeout=600)
+    result = command.run(["-m", "paradiff.cli", "generate", "--tp", "2", "--prompt", "a cat",
+                          "--height", "32", "--width", "32", "--steps", "2", "--quantize", "int8",
+                          "--quantize-text-encoders", "--stages", "--out", str(out)], timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     split = json.loads((out / "report.json").read_text())
     assert split["config"]["quantize"] == "int8" and split["config"]["quantize_text_encoders"]
@@ -194,11 +192,8 @@ def test_generate_quantize_reports_each_ranks_quantized_bytes(tmp_path):
 
 
 def test_quantize_text_encoders_without_a_scheme_is_one_line_and_non_zero(tmp_path):
-    import subprocess
-    import sys
-
-    result = subprocess.run([sys.executable, "-m", "paradiff.cli", "generate", "--quantize-text-encoders",
-                             "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    result = command.run(["-m", "paradiff.cli", "generate", "--quantize-text-encoders", "--out", str(tmp_path / "out")],
+                         timeout=120)
     assert result.returncode == 2 and "--quantize-text-encoders" in result.stderr and "--quantize int8|fp8|nf4" \
         in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
