@@ -205,6 +205,24 @@ def test_controlnet_scale_and_control_image_reach_the_call(controlnet_folder, tm
     assert kwargs["controlnet_conditioning_scale"] == 0.6 and kwargs["control_image"].size == (32, 32)
 
 
+def test_last_and_reference_images_reach_the_call_where_the_pipeline_takes_them(tiny_pipeline_folders, tmp_path,
+                                                                                  pictures, capsys, no_worker):
+    wan = str(tiny_pipeline_folders["wan"])
+    err = _error(capsys, no_worker, wan, "--last-image", pictures["image"], "--out", str(tmp_path / "out"))
+    assert err.startswith("paradiff: error: --last-image: WanPipeline's __call__ takes no last_image"), err
+    err = _error(capsys, no_worker, wan, "--pipeline", "WanVACEPipeline", "--reference-image", pictures["text"],
+                 "--out", str(tmp_path / "out"))
+    assert err.startswith(f"paradiff: error: --reference-image {pictures['text']}: not a readable image"), err
+    argv = ["generate", wan, "--pipeline", "WanImageToVideoPipeline", "--image", pictures["image"], "--last-image",
+            pictures["mask"], "--ulysses", "2", "--out", str(tmp_path / "out")]
+    assert main(argv) == 0 and len(no_worker) == 1
+    kwargs = call_kwargs(build_parser().parse_args(argv))
+    assert kwargs["last_image"].mode == "RGB" and kwargs["image"].size == kwargs["last_image"].size == (32, 32)
+    vace = ["generate", wan, "--pipeline", "WanVACEPipeline", "--reference-image", pictures["image"],
+            "--reference-image", pictures["mask"], "--out", str(tmp_path / "out")]
+    assert len(call_kwargs(build_parser().parse_args(vace))["reference_images"]) == 2
+
+
 def test_repeated_image_is_a_list_of_references(tiny_pipeline_folders, tmp_path, pictures):
     argv = ["generate", str(tiny_pipeline_folders["flux2"]), "--image", pictures["image"], "--image",
             pictures["mask"], "--out", str(tmp_path / "out")]

@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                                    "as large as the first --image")
     cond.add_argument("--control-image", default=None, metavar="PATH", help="control_image= (ControlNet, Control)")
     cond.add_argument("--video", default=None, metavar="PATH", help="video= (video-to-video), read with PyAV")
+    cond.add_argument("--last-image", default=None, metavar="PATH",
+                      help="last_image= (first-last-frame video: Wan 2.1 FLF2V, SkyReels-V2 I2V; --image is the first)")
+    cond.add_argument("--reference-image", action="append", default=None, metavar="PATH",
+                      help="reference_images= (Wan VACE), repeatable")
     cond.add_argument("--strength", type=float, default=None, help="strength= (img2img / inpaint), 0 to 1")
     cond.add_argument("--controlnet-scale", type=float, default=None, metavar="FLOAT",
                       help="controlnet_conditioning_scale= (ControlNet pipelines: how strongly its residuals are added)")

@@ -44,6 +44,7 @@ class CfgRule:
     # "batch": the batched arguments that are lists of one tensor per batch row (the first one the latents)
     sample_lists: tuple[str, ...] = ()
     # "batch": (argument, dimension) for the batched arguments whose batch is not their first dimension
+    # "batch": batched arguments whose tensors hold the branches along another dim than 0 (argument, dim)
     batch_dims: tuple[tuple[str, int], ...] = ()
     disabled_by_config: str | None = None
     # an argument that stops guidance after that fraction of the steps (Lumina 2's cfg_trunc_ratio, default 1): the
@@ -101,6 +102,19 @@ CFG_RULES: dict[str, CfgRule] = {
         "FluxImg2ImgPipeline", "FluxInpaintPipeline", "FluxKontextPipeline", "FluxKontextInpaintPipeline",
         "FluxControlNetPipeline")},
     "WanPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
+    # Wan's conditioned pipelines and those built on its transformer: the conditional call, then the unconditional
+    # one (the same image / video / VACE conditions in both)
+    **{name: CfgRule("guidance_scale", 5.0, needs_negative_prompt=False) for name in (
+        "WanImageToVideoPipeline", "WanVideoToVideoPipeline", "WanVACEPipeline", "LucyEditPipeline",
+        "ChronoEditPipeline")},
+    # Wan-Animate's unconditional call blanks the face frames (the pipeline computes both calls' inputs)
+    "WanAnimatePipeline": CfgRule("guidance_scale", 1.0, needs_negative_prompt=False),
+    # SkyReels-V2 and Helios (history latents, diffusion forcing: the same inputs in both calls but the text)
+    **{name: CfgRule("guidance_scale", scale, needs_negative_prompt=False) for name, scale in (
+        ("SkyReelsV2Pipeline", 6.0), ("SkyReelsV2ImageToVideoPipeline", 5.0),
+        ("SkyReelsV2DiffusionForcingPipeline", 6.0), ("SkyReelsV2DiffusionForcingImageToVideoPipeline", 5.0),
+        ("SkyReelsV2DiffusionForcingVideoToVideoPipeline", 6.0), ("HeliosPipeline", 5.0),
+        ("HeliosPyramidPipeline", 5.0))},
     "Flux2KleinPipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False,
                                   disabled_by_config="is_distilled"),
     "Flux2KleinInpaintPipeline": CfgRule("guidance_scale", 8.0, needs_negative_prompt=False,
@@ -133,6 +147,14 @@ CFG_RULES: dict[str, CfgRule] = {
                                    batched=_WITH_TEXT_MASK),
     "PixArtSigmaPipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, style=BATCH,
                                    batched=_WITH_TEXT_MASK),
+    # AnyFlow: [uncond, cond] in one call, the two timesteps of every frame batched too
+    "AnyFlowPipeline": CfgRule("guidance_scale", 1.0, needs_negative_prompt=False, style=BATCH,
+                               batched=_LATENTS_TEXT_TIME + ("r_timestep",)),
+    # AnyFlow FAR: the same, and each block's KV cache (2, batch, heads, tokens, head_dim), which the pipeline
+    # allocates for both branches and a cache-encoding call per chunk fills, holds the branches along dim 1
+    "AnyFlowFARPipeline": CfgRule("guidance_scale", 1.0, needs_negative_prompt=False, style=BATCH,
+                                  batched=_LATENTS_TEXT_TIME + ("r_timestep", "kv_cache"),
+                                  batch_dims=(("kv_cache", 1),)),
     "LTXPipeline": CfgRule("guidance_scale", 3.0, needs_negative_prompt=False, style=BATCH, batched=_WITH_TEXT_MASK),
     # Z-Image: one call on [cond..., uncond...] given as per-sample lists (latents, captions of their own lengths);
     # cfg_truncation < 1 stops guiding after that fraction of the steps
@@ -287,7 +309,7 @@ CFG_NOT_SPLIT: dict[str, str] = {
 # text to render; with neither it makes a disabled guider of its own (distilled checkpoints), which is refused.
 GUIDER_PIPELINES: tuple[str, ...] = (
     "HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline", "MotifVideoPipeline",
-    "MotifVideoImageToVideoPipeline", "HunyuanImagePipeline", "HunyuanImageRefinerPipeline",
+    "MotifVideoImage2VideoPipeline", "HunyuanImagePipeline", "HunyuanImageRefinerPipeline",
 )
 
 # Modular Diffusers pipelines guide through their guider component: each step the guider prepares one batch per
