@@ -253,6 +253,17 @@ CFG_RULES: dict[str, CfgRule] = {
                                   batched=("hidden_states", "timestep", "text_bth", "text_lens")),
     # Krea 2: the prompt's call, then the negative prompt's; it guides at any scale above 0
     "Krea2Pipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, threshold=0.0),
+    # Sana-Video: [uncond, cond] in one call; image-to-video's per-token timesteps are batched the same way
+    **{name: CfgRule("guidance_scale", 6.0, needs_negative_prompt=False, style=BATCH, batched=_WITH_TEXT_MASK)
+       for name in ("SanaVideoPipeline", "SanaImageToVideoPipeline")},
+    # Kandinsky 5: the prompt's call, then the negative prompt's (a default one when none is given)
+    **{name: CfgRule("guidance_scale", scale, needs_negative_prompt=False) for name, scale in (
+        ("Kandinsky5T2VPipeline", 5.0), ("Kandinsky5I2VPipeline", 5.0), ("Kandinsky5T2IPipeline", 3.5),
+        ("Kandinsky5I2IPipeline", 3.5))},
+    # Cosmos 1.0: the prompt's call, then the negative prompt's (a default one when none is given); Video2World's
+    # two calls differ in their condition masks and inputs as well
+    **{name: CfgRule("guidance_scale", 7.0, needs_negative_prompt=False) for name in (
+        "CosmosTextToWorldPipeline", "CosmosVideoToWorldPipeline")},
 }
 
 # Pipelines whose call takes a conditioning input under another keyword than diffusers' usual one (what `paradiff
@@ -289,10 +300,15 @@ _PAG = ("perturbed-attention guidance runs [uncond, cond, perturbed] as one batc
         "in three inside every attention, so a cfg rank's share of the batch cannot go through them")
 _LTX2 = ("it runs up to four branches per step: one call on [uncond, cond], then a spatio-temporal-guidance call and "
          "a modality-isolation call on the conditional batch alone")
+_FIRST_PREDICTION_USED = ("it computes with the first call's prediction (preconditioning, or the conditioning frames' "
+                          "velocity put in) before it makes the second call, so the second cfg rank has no prediction "
+                          "to hand back for the first call: both branches would have to be computed on every rank")
 CFG_NOT_SPLIT: dict[str, str] = {
     "Ideogram4Pipeline": ("it guides asymmetrically: the unconditional branch is a second transformer "
                           "(`unconditional_transformer`) on the image tokens alone, which the two-call pairing of one "
                           "transformer cannot follow"),
+    **dict.fromkeys(("Cosmos2TextToImagePipeline", "Cosmos2VideoToWorldPipeline", "Cosmos2_5_PredictBasePipeline",
+                     "Cosmos2_5_TransferPipeline"), _FIRST_PREDICTION_USED),
     "OmniGenPipeline": ("with input images it runs three branches (text, unconditional, image) as one call on a batch "
                         "of 3 whose input-image latents are a list indexed by batch row, which the batch split does "
                         "not follow yet"),

@@ -139,7 +139,9 @@ def _check(key: str, folder: str, mode: str, expected: dict) -> dict:
         return {"status": "mismatch", "reason": f"output shape {actual.shape}, single process {want.shape}"}
     diff = float(np.abs(actual - want).max() / max(float(np.abs(want).max()), 1.0))
     problems = _split_problems(pipe, mode, seen, expected["blocks"], folder)
-    if diff > TOLERANCE:
+    if not np.isfinite(want).all():  # NaN compares as no difference: a recipe whose output is not finite proves nothing
+        problems.insert(0, "the single-process output is not finite (NaN or inf): the recipe proves nothing")
+    elif not diff <= TOLERANCE:
         problems.insert(0, f"outputs differ by {diff:.2e} (relative)")
     outcome = {"status": "mismatch" if problems else "verified", "diff": diff}
     if problems:
