@@ -47,11 +47,11 @@ from bench_pipelines import LARGE_FLUX2, build_folder  # noqa: E402
 from paradiff.testing.serve import ServerProcess, images_of  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIGS = {
-    "1 replica": ["--max-batch", "1"],
-    "1 replica, batch 2": ["--max-batch", "2"],
-    "dp2": ["--dp", "2"],
-    "tp2": ["--tp", "2"],
+CONFIGS = {  # --configs key: (label, server flags)
+    "single": ("1 replica", ["--max-batch", "1"]),
+    "batch2": ("1 replica, batch 2", ["--max-batch", "2"]),
+    "dp2": ("dp2", ["--dp", "2"]),
+    "tp2": ("tp2", ["--tp", "2"]),
 }
 PROMPTS = ["a red circle on a blue background, top left", "a yellow square on a green background, bottom right"]
 # model: (size, steps); the demo's are the server's defaults for the embedded pipeline
@@ -146,7 +146,7 @@ def main() -> int:
     parser.add_argument("--quiet-wait", type=float, default=30.0,
                         help="seconds to wait at most, before each configuration, for the machine to go quiet")
     args = parser.parse_args()
-    configs = {name: CONFIGS[name] for name in args.configs.split(",")}
+    configs = dict(CONFIGS[key.strip()] for key in args.configs.split(","))
     (width, height), steps = MODELS[args.model]
     model_args = ["--height", str(height), "--width", str(width), "--steps", str(steps)]
     if args.model == "flux2":
