@@ -16,7 +16,8 @@ Configurations, each a real server on 127.0.0.1 asked by 4 concurrent httpx clie
 Per configuration and round: requests per minute over the load, p50 / p95 latency (client side), and the server's
 overhead per request, from a separate run of sequential requests (one client, nothing queued): the client's latency
 minus the pipeline call's own time (the output rank's span in requests.jsonl), over that span; the server-side figure
-(the server's accepted -> answered time instead of the client's) is given too. `generate` per request = the whole
+(the server's accepted -> answered time instead of the client's) is given too. Batching: the pipeline calls of a load that drew 2 images (requests with the same span in requests.jsonl) against
+twice the single-image call. `generate` per request = the whole
 `paradiff generate` command for one prompt (start, load, one image). Rounds are interleaved (every configuration
 once per round, then one `generate`); medians over rounds. Before each configuration the script waits (at most
 `--quiet-wait` s) for the machine to go quiet, and it records the CPU-seconds other processes used during each load
@@ -98,6 +99,7 @@ def load(server: ServerProcess, clients: int, requests: int) -> dict:
                     latencies.append(time.monotonic() - started)
 
     threads = [threading.Thread(target=client, args=(number,)) for number in range(clients)]
+    before = len(server.log())
     busy0, tree0, own0 = system_busy_seconds(), tree_cpu_seconds(server.process.pid), cpu_seconds()
     started = time.monotonic()
     for thread in threads:
@@ -107,8 +109,15 @@ def load(server: ServerProcess, clients: int, requests: int) -> dict:
     wall = time.monotonic() - started
     ours = tree_cpu_seconds(server.process.pid) - tree0 + cpu_seconds() - own0
     foreign = max(0.0, system_busy_seconds() - busy0 - ours)
+    # pipeline calls of the load: the requests that shared one call have the same replica and span
+    calls: dict[tuple, int] = {}
+    for entry in server.log()[before:]:
+        key = (entry["replica"], entry["started"], entry["finished"])
+        calls[key] = calls.get(key, 0) + 1
+    pairs = [finished - started for (_, started, finished), count in calls.items() if count == 2]
     return {"rpm": 60 * len(latencies) / wall, "p50": statistics.median(latencies),
-            "p95": float(np.percentile(latencies, 95)), "foreign_cores": foreign / wall, "ours_cores": ours / wall}
+            "p95": float(np.percentile(latencies, 95)), "foreign_cores": foreign / wall, "ours_cores": ours / wall,
+            "calls": len(calls), "pair_calls": len(pairs), "pair_span_s": statistics.median(pairs) if pairs else 0.0}
 
 
 def overhead(server: ServerProcess, count: int) -> dict:
@@ -195,6 +204,14 @@ def main() -> int:
               f"{m['span_s']:.2f} | {100 * m['overhead']:.1f}% / {100 * m['overhead_server']:.1f}% | "
               f"{m['ready_s']:.1f} | {m['foreign_cores']:.2f} |")
     per_request = statistics.median(generate_s)
+    for name, runs in results.items():
+        pairs = [r for r in runs if r["pair_calls"]]
+        if pairs:
+            pair = statistics.median(r["pair_span_s"] for r in pairs)
+            single = statistics.median(r["span_s"] for r in pairs)
+            print(f"batching ({name}): {sum(r['pair_calls'] for r in runs)} of {sum(r['calls'] for r in runs)} "
+                  f"pipeline calls under load drew 2 images, median {pair:.2f} s, against 2 x {single:.2f} s for "
+                  f"a single-image call (sequential, same server): {pair / (2 * single):.2f}x the two single calls")
     print(f"| `paradiff generate` per request (1 process, start + load + 1 image) | {60 / per_request:.1f} | "
           f"{60 / per_request / base:.2f}x | {per_request:.2f} | | | | | |")
     print("\nevery round (rpm; other processes' cores):")
