@@ -21,8 +21,10 @@ twice the single-image call. `generate` per request = the whole
 `paradiff generate` command for one prompt (start, load, one image). Rounds are interleaved (every configuration
 once per round, then one `generate`); medians over rounds. Before each configuration the script waits (at most
 `--quiet-wait` s) for the machine to go quiet, and it records the CPU-seconds other processes used during each load
-(machine busy time from /proc/stat minus the server's process tree and this script): on a shared machine read the
-ratios, not the rates.
+(machine busy time from /proc/stat minus the server's process tree and this script), and the CPU the server's
+processes and this script's clients used: requests per CPU-minute (requests per minute / cores used) compares the
+configurations' work per request when the share of the cores each got differs. On a shared machine read the ratios,
+not the rates.
 """
 
 from __future__ import annotations
@@ -197,12 +199,12 @@ def main() -> int:
           f"{args.requests} requests; overhead from {args.overhead_requests} sequential requests")
     print("| configuration | requests/min | vs 1 replica | p50 latency (s) | p95 latency (s) | pipeline call (s) | "
           "server overhead per request (client / server side) | ready after (s) | other processes' cores during "
-          "the load |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "the load | requests per CPU-minute of the server's processes |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, m in median.items():
         print(f"| serve, {name} | {m['rpm']:.1f} | {m['rpm'] / base:.2f}x | {m['p50']:.2f} | {m['p95']:.2f} | "
               f"{m['span_s']:.2f} | {100 * m['overhead']:.1f}% / {100 * m['overhead_server']:.1f}% | "
-              f"{m['ready_s']:.1f} | {m['foreign_cores']:.2f} |")
+              f"{m['ready_s']:.1f} | {m['foreign_cores']:.2f} | {m['rpm'] / m['ours_cores']:.1f} |")
     per_request = statistics.median(generate_s)
     for name, runs in results.items():
         pairs = [r for r in runs if r["pair_calls"]]
@@ -213,7 +215,7 @@ def main() -> int:
                   f"pipeline calls under load drew 2 images, median {pair:.2f} s, against 2 x {single:.2f} s for "
                   f"a single-image call (sequential, same server): {pair / (2 * single):.2f}x the two single calls")
     print(f"| `paradiff generate` per request (1 process, start + load + 1 image) | {60 / per_request:.1f} | "
-          f"{60 / per_request / base:.2f}x | {per_request:.2f} | | | | | |")
+          f"{60 / per_request / base:.2f}x | {per_request:.2f} | | | | | | |")
     print("\nevery round (rpm; other processes' cores):")
     for name, runs in results.items():
         print(f"  {name}: " + "; ".join(f"{r['rpm']:.1f} ({r['foreign_cores']:.2f})" for r in runs))
