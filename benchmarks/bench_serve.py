@@ -199,7 +199,7 @@ def main() -> int:
           f"{args.requests} requests; overhead from {args.overhead_requests} sequential requests")
     print("| configuration | requests/min | vs 1 replica | p50 latency (s) | p95 latency (s) | pipeline call (s) | "
           "server overhead per request (client / server side) | ready after (s) | other processes' cores during "
-          "the load | requests per CPU-minute of the server's processes |")
+          "the load | requests per CPU-minute (server and clients) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, m in median.items():
         print(f"| serve, {name} | {m['rpm']:.1f} | {m['rpm'] / base:.2f}x | {m['p50']:.2f} | {m['p95']:.2f} | "
