@@ -201,9 +201,10 @@ class WeightSource:
         return checkpoint
 
     def read(self, model: nn.Module, checkpoint: Checkpoint, progress: bool | None = None,
-             parameters: bool = True, buffers: bool = True) -> None:
+             parameters: bool = True, buffers: bool = True, quantizer: Any = None) -> None:
         """Read every parameter (this rank's slice of planned ones) and/or persistent buffer into place. Tensors tied
-        in the model (stored once) are read once and shared."""
+        in the model (stored once) are read once and shared. `quantizer` (quant.apply.ReadQuantizer): each weight it
+        covers is handed to it as soon as it is read, and the model keeps a meta placeholder until its `install`."""
         wanted = [n for n in model.state_dict().keys()
                   if (parameters if _is_parameter(model, n) else buffers)]
         first_of: dict[tuple, str] = {}
@@ -222,6 +223,13 @@ class WeightSource:
                     dtype = info.dtype
                     if info.dtype.is_floating_point:
                         dtype = target_dtype(name, self.dtype, self.keep_fp32)
+                    if quantizer is not None and quantizer.covers(model, name):
+                        tensor = checkpoint.read(key, spec)
+                        advance(tensor.numel() * tensor.element_size())
+                        tensor = tensor.to(device=self.device, dtype=dtype)
+                        module._parameters[leaf] = nn.Parameter(quantizer.quantize(name, tensor), requires_grad=False)
+                        del tensor  # the next weight's read reuses its memory: one weight in the load dtype at a time
+                        continue
                     cache_key = (key, spec, dtype)
                     if cache_key not in shared:
                         tensor = checkpoint.read(key, spec)
@@ -237,6 +245,21 @@ class WeightSource:
                 for leaf, buffer in list(module._buffers.items()):
                     if buffer is not None and buffer.device != self.device:
                         module._buffers[leaf] = buffer.to(self.device)
+
+    def read_in_rows(self, checkpoint: Checkpoint, name: str, max_bytes: int = 8 << 20) -> Iterator[torch.Tensor]:
+        """This rank's slice of parameter `name`, in the load dtype on its device, as consecutive pieces of its rows
+        of at most about `max_bytes` in the file: the slice is never held whole (a pass over a weight's values
+        before the read that keeps it)."""
+        key = self.keys[name]
+        info = checkpoint.tensors[key]
+        spec = self.spec(name)
+        local = info.shape if spec is None else spec.local_shape(info.shape)
+        row_bytes = max(1, _numel(local[1:]) * torch.empty((), dtype=info.dtype).element_size())
+        step = max(1, max_bytes // row_bytes)
+        dtype = target_dtype(name, self.dtype, self.keep_fp32)
+        for start in range(0, info.shape[0], step):
+            piece = checkpoint.read(key, spec, rows=(start, min(step, info.shape[0] - start)))
+            yield piece.to(device=self.device, dtype=dtype)
 
     def _nbytes(self, name: str, checkpoint: Checkpoint) -> int:
         info = checkpoint.tensors[self.keys[name]]

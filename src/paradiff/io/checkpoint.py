@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -200,9 +200,19 @@ class Checkpoint:
             self._fds[path] = os.open(path, os.O_RDONLY)
         return self._fds[path]
 
-    def read(self, name: str, spec: ShardSpec | None = None) -> torch.Tensor:
-        """The tensor, or only the slice `spec` names, read straight into a fresh CPU tensor of the file dtype."""
+    def read(self, name: str, spec: ShardSpec | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor, or only the slice `spec` names, read straight into a fresh CPU tensor of the file dtype.
+        `rows` = (start, length): only those rows (first dimension) of it, `spec` then applying to them (a slice
+        read in pieces, without holding all of it)."""
         info = self.tensors[name]
+        if rows is not None:
+            start, length = rows
+            if not info.shape or start < 0 or length < 0 or start + length > info.shape[0]:
+                raise CheckpointError(f"{info.file}: rows {rows} of tensor {name!r} of shape {list(info.shape)}.")
+            if spec is not None and spec.dim == 0:
+                raise CheckpointError(f"{info.file}: rows {rows} of tensor {name!r} with a slice of its rows.")
+            row_bytes = _numel(info.shape[1:]) * _itemsize(info.dtype)
+            info = replace(info, shape=(length, *info.shape[1:]), begin=info.begin + start * row_bytes)
         shape = info.shape if spec is None else spec.local_shape(info.shape)
         out = torch.empty(shape, dtype=info.dtype)
         if out.numel() == 0:
