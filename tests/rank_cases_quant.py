@@ -184,3 +184,52 @@ def pipeline_quantized(folder: str) -> int:
             assert all(torch.equal(held[k], expected[k]) for k in held), name
             compared += 1
     return compared
+
+
+def load_memory(family: str, folder: str, schemes: list[str]) -> list[dict]:
+    """For each scheme, a tp2 quantized load on fresh memory: the peak growth of this rank's anonymous resident memory
+    during `from_pretrained`, the bytes it holds after (quantized weights and scales, other parameters), the bytes it
+    read from the checkpoint and the largest slice it reads of one weight (in the load dtype)."""
+    import ctypes
+    import gc
+
+    from paradiff.quant.apply import quantization_summary
+    from paradiff.runtime.memory import PeakMemory, release_freed_memory, rss_anon_bytes
+
+    # a fixed mmap threshold: every weight-sized block comes from mmap and goes back to the system when freed, so
+    # the peak counts what is held, not glibc's growing heap (its threshold otherwise rises after each large free)
+    ctypes.CDLL(None).mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+    cpu = torch.device("cpu")
+    # the first load in a process also pays for diffusers' and the backends' lazy imports (80 MB here): not measured
+    paradiff.from_pretrained(model_class(family), folder, quantization_config=quant_config(schemes[0]),
+                             parallel_config=parallel_config("tp2"), device="cpu", progress=False)
+    results = []
+    original = Checkpoint.read
+    for scheme in schemes:
+        counted = {"bytes": 0, "largest": 0}
+
+        def counting_read(self, *args, **kwargs):
+            tensor = original(self, *args, **kwargs)
+            counted["bytes"] += tensor.numel() * tensor.element_size()
+            counted["largest"] = max(counted["largest"], tensor.numel() * tensor.element_size())
+            return tensor
+
+        gc.collect()
+        release_freed_memory(cpu)
+        memory = PeakMemory(cpu)
+        Checkpoint.read = counting_read
+        try:
+            with memory.active():
+                memory.reset()
+                baseline = rss_anon_bytes()
+                model = paradiff.from_pretrained(model_class(family), folder, quantization_config=quant_config(scheme),
+                                                 parallel_config=parallel_config("tp2"), device="cpu", progress=False)
+                peak = memory.peak()
+        finally:
+            Checkpoint.read = original
+        held = quantization_summary(model)
+        results.append({"scheme": scheme, "growth": peak - baseline, "quantized_bytes": held["quantized_bytes"],
+                        "other_bytes": held["other_bytes"], "quantized_linears": held["quantized_linears"],
+                        "read_bytes": counted["bytes"], "largest_read": counted["largest"]})
+        del model
+    return results

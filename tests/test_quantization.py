@@ -169,3 +169,39 @@ def test_quantize_with_stages_is_one_line_and_non_zero(tmp_path):
                              "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "--quantize nf4 with --stages" in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+MIB = 2**20
+LOAD_CONSTANT = 8 * MIB  # the process groups, the meta model, Python objects: what a load adds besides weights
+
+
+@pytest.fixture(scope="module")
+def deep_checkpoint(tmp_path_factory) -> str:
+    """A Flux2 deep enough (6 double + 12 single blocks, 20M parameters, 80 MB in fp32) that a rank's fp32 share is
+    several times its quantized share plus one weight's slice."""
+    torch.manual_seed(5)
+    config = {**tiny_config("flux2", head_dim=64, layers=6, single_layers=12), **BLOCK_WIDE["flux2"]}
+    model = model_class("flux2")(**config).eval()
+    return str(save_model(model, tmp_path_factory.mktemp("quant-deep")))
+
+
+def test_load_peak_grows_by_the_quantized_share_not_the_full_precision_one(pools, deep_checkpoint):
+    """tp2 int8 (column slices: extrema pass, then the quantizing read) and nf4: each rank's peak memory growth
+    during the load is at most what it holds after it (quantized weights and scales, other parameters) plus the
+    largest slice of one weight, twice (read, then quantized), and a small constant. Its fp32 share would not fit."""
+    with Checkpoint(deep_checkpoint) as checkpoint:
+        full = sum(info.nbytes for info in checkpoint.tensors.values())
+    per_rank = pools.get(2).run(cases.load_memory, family="flux2", folder=deep_checkpoint, schemes=["int8", "nf4"])
+    for rank, results in enumerate(per_rank):
+        for result in results:
+            where = f"rank {rank} {result['scheme']}: " + ", ".join(
+                f"{key} {value / MIB:.1f} MiB" for key, value in result.items() if key.endswith(("bytes", "growth",
+                                                                                                  "read")))
+            held = result["quantized_bytes"] + result["other_bytes"]
+            limit = held + 2 * result["largest_read"] + LOAD_CONSTANT
+            assert result["quantized_linears"] > 50, where
+            assert result["growth"] <= limit, where
+            assert 0.5 * full > limit + 4 * MIB, where  # a rank's fp32 share, held before quantizing, would not fit
+        reads = {result["scheme"]: result["read_bytes"] for result in results}
+        assert reads["nf4"] <= 0.52 * full, reads  # its share, once (plus the small replicated tensors)
+        assert reads["nf4"] < reads["int8"] <= 0.52 * full + 0.5 * reads["nf4"], reads  # column slices read twice
