@@ -233,3 +233,99 @@ def load_memory(family: str, folder: str, schemes: list[str]) -> list[dict]:
                         "read_bytes": counted["bytes"], "largest_read": counted["largest"]})
         del model
     return results
+
+
+def _saved_reference(cls, folder: str, kind: str) -> nn.Module:
+    """The single-device model diffusers builds from a pre-quantized folder: its own torchao load; for
+    bitsandbytes 4-bit (diffusers needs a GPU for it) the same steps on CPU (paradiff.testing.quant)."""
+    if kind.startswith("bnb"):
+        from paradiff.testing.quant import reference_bnb_4bit
+
+        return reference_bnb_4bit(cls, folder)
+    model = cls.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    # fresh storage for its plain tensors (diffusers may keep views of the file's buffer, 8-byte aligned: a GEMM over
+    # an unaligned weight may round differently, which is no property of the weights)
+    for module in model.modules():
+        for leaf, param in list(module._parameters.items()):
+            if param is not None and type(param) is nn.Parameter and type(param.data) is torch.Tensor:
+                module._parameters[leaf] = nn.Parameter(param.data.clone(), requires_grad=False)
+    return model
+
+
+def _bnb_held(weight, dequantize: bool) -> dict[str, torch.Tensor]:
+    """A bitsandbytes 4-bit weight's packed codes and absmax (float32: the double-quantized absmax dequantized as
+    bitsandbytes does before each product; else as held, with the nested absmax)."""
+    import bitsandbytes.functional as bnb_functional
+
+    state = weight.quant_state
+    parts = {"packed": weight.data.reshape(-1)}
+    if state.nested and dequantize:
+        parts["absmax"] = bnb_functional.dequantize_blockwise(state.absmax, state.state2) + state.offset
+    else:
+        parts["absmax"] = state.absmax
+        if state.nested:
+            parts["nested_absmax"] = state.state2.absmax
+    return parts
+
+
+def saved_equivalence(cases: list[dict]) -> list[dict]:
+    """For each pre-quantized checkpoint (family, folder, kind, mode): every shard is the slice of what the
+    single-device model diffusers builds holds (bnb: packed codes and absmax; torchao: data and scales), paradiff's
+    single process holds exactly that model's tensors, and the outputs match it. Returns the bytes this rank read."""
+    results = []
+    original = Checkpoint.read
+    for case in cases:
+        family, folder, kind, mode = case["family"], case["folder"], case["kind"], case["mode"]
+        cls = model_class(family)
+        reference = _saved_reference(cls, folder, kind)
+        single = paradiff.from_pretrained(cls, folder, device="cpu", progress=False)
+        counted = {"bytes": 0}
+
+        def counting_read(self, *args, **kwargs):
+            tensor = original(self, *args, **kwargs)
+            counted["bytes"] += tensor.numel() * tensor.element_size()
+            return tensor
+
+        Checkpoint.read = counting_read
+        try:
+            model = paradiff.from_pretrained(cls, folder, parallel_config=parallel_config(mode), device="cpu",
+                                             progress=False)
+        finally:
+            Checkpoint.read = original
+        plan = get_state(model).tp_plan
+        checked, split = 0, 0
+        for name, module in reference.named_modules():
+            weight = getattr(module, "weight", None)
+            if not isinstance(module, nn.Linear) or not (hasattr(weight, "qdata") or hasattr(weight, "quant_state")):
+                continue
+            spec = plan.spec_for(f"{name}.weight") if plan is not None else None
+            alone = single.get_submodule(name).weight
+            held = model.get_submodule(name).weight
+            if kind.startswith("bnb"):
+                whole = _bnb_held(weight, dequantize=False)
+                assert all(torch.equal(t, _bnb_held(alone, False)[k]) for k, t in whole.items()), name
+                assert alone.quant_state.nested == weight.quant_state.nested, name
+                full = {**_bnb_held(weight, dequantize=True), "shape": tuple(weight.quant_state.shape)}
+                expected = _nf4_expected(full, spec)
+                actual = _bnb_held(held, dequantize=True)
+                assert tuple(held.quant_state.shape) == tuple(full["shape"] if spec is None
+                                                              else spec.local_shape(full["shape"])), name
+            else:
+                whole = _torchao_parts(weight)
+                assert all(torch.equal(t, _torchao_parts(alone)[k]) for k, t in whole.items()), name
+                expected = _torchao_expected(whole, spec)
+                actual = _torchao_parts(held)
+            for part, tensor in expected.items():
+                assert actual[part].shape == tensor.shape and torch.equal(actual[part], tensor), (name, part)
+            checked += 1
+            split += spec is not None
+        diffs, single_diffs = [], []
+        for batch in (1, 2):
+            inputs = make_inputs(family, reference.config, batch=batch, lengths=Lengths(height=4, width=4, text=6))
+            expected = run_forward(reference, inputs)
+            scale = expected.abs().max()
+            diffs.append(float((run_forward(model, inputs) - expected).abs().max() / scale))
+            single_diffs.append(float((run_forward(single, inputs) - expected).abs().max() / scale))
+        results.append({**{k: case[k] for k in ("family", "kind", "mode")}, "checked": checked, "split": split,
+                        "relative_diff": max(diffs), "single_diff": max(single_diffs), "read_bytes": counted["bytes"]})
+    return results

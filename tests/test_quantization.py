@@ -205,3 +205,62 @@ def test_load_peak_grows_by_the_quantized_share_not_the_full_precision_one(pools
         reads = {result["scheme"]: result["read_bytes"] for result in results}
         assert reads["nf4"] <= 0.52 * full, reads  # its share, once (plus the small replicated tensors)
         assert reads["nf4"] < reads["int8"] <= 0.52 * full + 0.5 * reads["nf4"], reads  # column slices read twice
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoints(tmp_path_factory) -> dict[tuple[str, str], str]:
+    """(family, kind) -> a pre-quantized folder, as diffusers saves it: bitsandbytes nf4, nf4 / fp4 with double
+    quantization (written on CPU by paradiff.testing.quant), torchao int8 / fp8 (diffusers' own save)."""
+    from diffusers import BitsAndBytesConfig
+
+    from paradiff.testing.quant import save_bnb_4bit
+
+    folders = {}
+    kinds = {"flux2": ("bnb-nf4", "bnb-fp4-double", "torchao-int8", "torchao-fp8"),
+             "wan": ("bnb-nf4-double", "torchao-int8")}
+    for family in FAMILIES:
+        model = block_wide_model(family)
+        plain = save_model(model, tmp_path_factory.mktemp(f"plain-{family}"))
+        for kind in kinds[family]:
+            if not kind.startswith("bnb"):
+                continue
+            config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind.split("-")[1],
+                                        bnb_4bit_use_double_quant=kind.endswith("double"),
+                                        bnb_4bit_compute_dtype=torch.float32)
+            folders[family, kind] = str(save_bnb_4bit(model, tmp_path_factory.mktemp(f"{kind}-{family}"), config))
+        for scheme in [kind.split("-")[1] for kind in kinds[family] if kind.startswith("torchao")]:
+            quantized = model_class(family).from_pretrained(plain, quantization_config=cases.quant_config(scheme),
+                                                            torch_dtype=torch.float32)
+            folder = tmp_path_factory.mktemp(f"ao-{scheme}-{family}")
+            quantized.save_pretrained(folder)
+            folders[family, f"torchao-{scheme}"] = str(folder)
+    return folders
+
+
+def _weights_bytes(folder: str) -> int:
+    with Checkpoint(folder) as checkpoint:
+        return sum(info.nbytes for info in checkpoint.tensors.values())
+
+
+def test_pre_quantized_checkpoints_are_sliced_on_read(pools, saved_checkpoints):
+    """bitsandbytes 4-bit (nf4; nf4 and fp4 with double quantization) and torchao int8 / fp8 checkpoints saved by
+    diffusers: each tp2 rank reads about half the file and holds the slices of what diffusers' single-device model
+    holds (bnb: packed codes and absmax; torchao: data and scales); paradiff's single process holds exactly that
+    model's tensors; outputs within 1e-5 (single process: bit-equal). ulysses2 holds the whole weights."""
+    runs = [dict(family="flux2", kind=kind, mode="tp2") for kind in
+            ("bnb-nf4", "bnb-fp4-double", "torchao-int8", "torchao-fp8")]
+    runs += [dict(family="wan", kind=kind, mode="tp2") for kind in ("bnb-nf4-double", "torchao-int8")]
+    runs += [dict(family="flux2", kind="bnb-fp4-double", mode="ulysses2")]
+    for run in runs:
+        run["folder"] = saved_checkpoints[run["family"], run["kind"]]
+    per_rank = pools.get(2).run(cases.saved_equivalence, cases=runs, timeout_s=600)
+    for rank, results in enumerate(per_rank):
+        for run, result in zip(runs, results):
+            where = f"rank {rank} {result}"
+            assert result["checked"] > 10, where
+            assert result["relative_diff"] <= RELATIVE_TOLERANCE and result["single_diff"] == 0.0, where
+            share = result["read_bytes"] / _weights_bytes(run["folder"])
+            if run["mode"] == "tp2":
+                assert result["split"] > 10 and share <= 0.56, (where, share)
+            else:
+                assert result["split"] == 0 and share >= 0.99, (where, share)

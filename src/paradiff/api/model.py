@@ -22,8 +22,9 @@ from paradiff.config import as_parallel_config
 from paradiff.errors import CheckpointError, ParallelConfigError
 from paradiff.io.folders import resolve_folder
 from paradiff.distributed.mesh import build_mesh, default_device, rank_coordinates, require_distributed
-from paradiff.io.model_classes import checkpoint_keys, construct, keep_fp32_modules, load_config
+from paradiff.io.model_classes import checkpoint_keys, construct, is_transformers_class, keep_fp32_modules, load_config
 from paradiff.plans import model_config, plan_for
+from paradiff.quant.saved import check_saved_blocks, saved_quantization, saved_weights
 from paradiff.quant.schemes import check_block_boundaries, gguf_scheme, scheme_from_config
 from paradiff.runtime.progress import byte_progress
 from paradiff.api.load_sequence import Component, Prepared, run_load_sequence
@@ -182,6 +183,8 @@ class WeightSource:
     dtype: torch.dtype
     device: torch.device
     keep_fp32: list[str] = field(default_factory=list)
+    # weights stored quantized (a pre-quantized checkpoint, quant/saved.py): parameter name -> how they are stored
+    saved: dict[str, Any] = field(default_factory=dict)
 
     def spec(self, name: str) -> ShardSpec | None:
         return self.resolved.spec_for(name) if self.resolved else None
@@ -219,6 +222,15 @@ class WeightSource:
                 spec = self.spec(name)
                 module_name, _, leaf = name.rpartition(".")
                 module = model.get_submodule(module_name) if module_name else model
+                if name in self.saved:  # stored quantized: this rank's part of each stored tensor, held as read
+                    weight = self.saved[name]
+                    parts = {role: checkpoint.read(piece.key, piece.spec, shape=piece.shape)
+                             for role, piece in weight.pieces(spec).items()}
+                    advance(sum(part.numel() * part.element_size() for part in parts.values()))
+                    placeholder = quantizer.hold(name, weight.build(parts, spec, self.device), weight.local_shape(spec),
+                                                 self.dtype)
+                    module._parameters[leaf] = nn.Parameter(placeholder, requires_grad=False)
+                    continue
                 if leaf in module._parameters:
                     dtype = info.dtype
                     if info.dtype.is_floating_point:
@@ -262,6 +274,14 @@ class WeightSource:
             yield piece.to(device=self.device, dtype=dtype)
 
     def _nbytes(self, name: str, checkpoint: Checkpoint) -> int:
+        if name in self.saved:
+            total = 0
+            for piece in self.saved[name].pieces(self.spec(name)).values():
+                info = checkpoint.tensors[piece.key]
+                shape = piece.shape or info.shape
+                shape = shape if piece.spec is None else piece.spec.local_shape(shape)
+                total += _numel(shape) * torch.empty((), dtype=info.dtype).element_size()
+            return total
         info = checkpoint.tensors[self.keys[name]]
         spec = self.spec(name)
         shape = info.shape if spec is None else spec.local_shape(info.shape)
@@ -368,11 +388,17 @@ def prepare_model(
     against the model and the plan's slices; the weights are quantized on each rank's slice after the read."""
     checkpoint = Checkpoint(folder)
     try:
-        config = model_config(model_cls, load_config(model_cls, folder))
+        raw_config = load_config(model_cls, folder)
+        config = model_config(model_cls, raw_config)
         with parameters_on_meta():
             model = construct(model_cls, config, dtype)
+        saved: dict[str, Any] = {}
+        if saved_quantization(raw_config) is not None:
+            quantization, saved = _saved_weights(model, raw_config, checkpoint, quantization)
         keys = checkpoint_keys(model, set(checkpoint.tensors))
-        shapes = {name: tuple(checkpoint.tensors[key].shape) for name, key in keys.items()}
+        keys.update({name: weight.keys.get("packed") or weight.keys["qdata"] for name, weight in saved.items()})
+        shapes = {name: saved[name].shape if name in saved else tuple(checkpoint.tensors[key].shape)
+                  for name, key in keys.items()}
         scheme = None if quantization is None else quantization.for_model(model)
         resolved = None
         if tp_shard is not None:
@@ -380,20 +406,22 @@ def prepare_model(
             tp_plan = as_plan(plan_for(model, plan, "tensor"))
             resolved = resolve_plan(model, tp_plan, rank, size)
             check_checkpoint_keys(resolved, set(keys), shapes)
-            if scheme is not None:
+            if saved:
+                check_saved_blocks(saved, resolved)
+            elif scheme is not None:
                 check_block_boundaries(scheme, model, resolved)
         cp_resolved = None
         if context:
             from paradiff.context_parallel.apply import resolve_cp_plan
 
             cp_resolved = resolve_cp_plan(model, plan_for(model, cp_plan, "context"))
-        _check_model_against_checkpoint(model, checkpoint, keys)
+        _check_model_against_checkpoint(model, checkpoint, keys, set(saved))
     except BaseException:
         checkpoint.close()
         raise
     source = WeightSource(
-        folder=Path(folder), keys=keys, shapes={keys[n]: shapes[n] for n in keys}, resolved=resolved, dtype=dtype,
-        device=device, keep_fp32=keep_fp32_modules(model, dtype),
+        folder=Path(folder), keys=keys, shapes={keys[n]: tuple(checkpoint.tensors[keys[n]].shape) for n in keys},
+        resolved=resolved, dtype=dtype, device=device, keep_fp32=keep_fp32_modules(model, dtype), saved=saved,
     )
     facts = {
         "model class": model_cls.__name__,
@@ -411,8 +439,32 @@ def prepare_model(
     return _Prepared(model, checkpoint, None, resolved, cp_resolved, dtype, device, facts, source, scheme)
 
 
-def _check_model_against_checkpoint(model: nn.Module, checkpoint: Checkpoint, keys: dict[str, str]) -> None:
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+def _saved_weights(model: nn.Module, raw_config: Any, checkpoint: Checkpoint, requested: Any):
+    """The scheme and the quantized weights of a checkpoint saved quantized (its config.json records how), checked
+    against the model; reads only the small quant-state records."""
+    saved_config = saved_quantization(raw_config)
+    what = saved_config.get("quant_method")
+    if requested is not None:
+        raise ParallelConfigError(
+            f"{checkpoint.folder} was saved quantized ({what}: its config.json has a quantization_config), and "
+            f"quantization_config={type(requested.config).__name__}(...) asks to quantize it again; drop "
+            "quantization_config (the saved quantization is used, as diffusers does), or load the unquantized "
+            "weights.")
+    if is_transformers_class(type(model)):
+        raise CheckpointError(
+            f"{checkpoint.folder}: {type(model).__name__} was saved quantized ({what}); paradiff does not slice "
+            "pre-quantized transformers checkpoints (text encoders) yet. Load the unquantized encoder.")
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    stored = {name: (info.dtype, tuple(info.shape)) for name, info in checkpoint.tensors.items()}
+    return saved_weights(saved_config, stored, checkpoint.metadata, expected,
+                         lambda key: checkpoint.read(key).numpy().tobytes(), compute_dtype=None)
+
+
+def _check_model_against_checkpoint(model: nn.Module, checkpoint: Checkpoint, keys: dict[str, str],
+                                    saved: set[str] = frozenset()) -> None:
+    """Every tensor of the model is in the checkpoint with its shape (`saved`: weights stored quantized, checked by
+    quant/saved.py instead)."""
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items() if name not in saved}
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     missing = sorted(name for name in expected if name not in keys)
     if missing:

@@ -34,7 +34,7 @@ def column_split_weights(model: nn.Module, resolved: Any, scheme: QuantScheme) -
     """Parameter name -> this rank's slice, for every weight `scheme` quantizes with whole-row scales (int8 / fp8)
     of which this rank holds a slice of the columns (read before the swap: the model still has its nn.Linear
     modules). Every rank of the TP group gets the same names, in the same order, from the agreed plan."""
-    if scheme.name not in ("int8", "fp8") or resolved is None:
+    if scheme.name not in ("int8", "fp8") or scheme.saved or resolved is None:
         return {}
     out = {}
     for name, linear in resolved.linears.items():
@@ -99,13 +99,19 @@ class ReadQuantizer:
             self.held[name] = _to_torchao(weight, self.scheme, self.extrema.get(name))
         return torch.empty(weight.shape, dtype=weight.dtype, device="meta")
 
+    def hold(self, name: str, held: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Keep a weight read already quantized (a pre-quantized checkpoint's slice, `quant/saved.py`); returns the
+        meta placeholder of its logical `shape` the model holds until `install`."""
+        self.held[name] = held
+        return torch.empty(shape, dtype=dtype, device="meta")
+
     def install(self, model: nn.Module) -> dict[str, int]:
         """Put every held weight in its module (after the swap); returns {"quantized": n, "quantized_bytes": b}."""
         nbytes = 0
         for name, held in self.held.items():
             module_name = name.rpartition(".")[0]
             module = model.get_submodule(module_name) if module_name else model
-            if self.scheme.name == "nf4":
+            if isinstance(held, tuple):  # bitsandbytes 4-bit: (packed codes, quant state)
                 nbytes += _install_nf4(model, module_name, module, *held, self.scheme)
             else:
                 module.weight = nn.Parameter(held, requires_grad=False)
@@ -147,14 +153,14 @@ def _install_nf4(model: nn.Module, name: str, module: nn.Module, packed: torch.T
     import bitsandbytes as bnb
 
     param = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, blocksize=state.blocksize,
-                              compress_statistics=False, quant_type=state.quant_type, quant_storage=torch.uint8,
-                              bnb_quantized=True)
+                              compress_statistics=state.nested, quant_type=state.quant_type,
+                              quant_storage=torch.uint8, bnb_quantized=True)
     if isinstance(module, ShardedLinear):
         module.weight = param
         module.weight_linear = partial(nf4_linear, compute_dtype=scheme.compute_dtype)
     else:
         linear = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
-                                   compute_dtype=scheme.compute_dtype, compress_statistics=False,
+                                   compute_dtype=scheme.compute_dtype, compress_statistics=state.nested,
                                    quant_type=state.quant_type, quant_storage=torch.uint8, device="meta")
         # bitsandbytes repacks a CPU weight for its avx512-bf16 kernel at the first forward, which fails for
         # in_features below a block (a timestep MLP) and would leave the held bytes unlike the single-device slice
@@ -167,7 +173,8 @@ def _install_nf4(model: nn.Module, name: str, module: nn.Module, packed: torch.T
         linear.train(module.training)
         parent_name, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, leaf, linear)
-    return packed.numel() * packed.element_size() + state.absmax.numel() * state.absmax.element_size()
+    nested = [state.state2.absmax] if state.nested else []
+    return sum(t.numel() * t.element_size() for t in [packed, state.absmax, *nested])
 
 
 def nf4_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None,
@@ -249,6 +256,8 @@ def quantization_summary(model: nn.Module) -> dict[str, int]:
                 quantized += 1
                 quantized_bytes += param.data.numel() * param.data.element_size()
                 quantized_bytes += state.absmax.numel() * state.absmax.element_size()
+                if state.nested:
+                    quantized_bytes += state.state2.absmax.numel() * state.state2.absmax.element_size()
             elif leaf == "weight" and hasattr(param, "tensor_data_names"):
                 quantized += 1
                 quantized_bytes += quantized_nbytes(param)

@@ -34,11 +34,15 @@ class QuantScheme:
     config: Any = field(default=None, compare=False, hash=False)  # the user's config, for messages
     # gguf: parameter name -> ggml type id of every weight held packed (set at prepare, from the file)
     packed: dict[str, int] = field(default_factory=dict, compare=False, hash=False)
+    # the weights come quantized from the checkpoint ("bitsandbytes 4-bit", "torchao": `quant/saved.py`) and are
+    # read as stored, sliced; None: quantized on read from full-precision weights
+    saved: str | None = None
 
     def describe(self) -> str:
         """What every rank must agree on."""
         extra = f", {self.float8_dtype}" if self.float8_dtype is not None else ""
-        return f"{self.name}{extra}, skip={list(self.skip)}, compute={self.compute_dtype}"
+        origin = f", saved {self.saved}" if self.saved else ""
+        return f"{self.name}{extra}, skip={list(self.skip)}, compute={self.compute_dtype}{origin}"
 
     def for_model(self, model: nn.Module) -> "QuantScheme":
         """The scheme with the model's keep-in-fp32 modules added to `skip`, as diffusers' quantizers add them."""
@@ -166,12 +170,7 @@ def check_block_boundaries(scheme: QuantScheme, model: nn.Module, resolved: Any)
         if spec is None or not scheme.quantizes(name, module):
             continue
         rows, cols = linear.full_shapes["weight"][:2]
-        if spec.dim == 0:
-            cut = [(start, length) for start, length in spec.pieces
-                   if (start * cols) % block or ((start + length) * cols) % block and start + length != rows]
-        else:
-            cut = [(start, length) for start, length in spec.pieces
-                   if cols % block or start % block or length % block]
+        cut = block_cuts(spec, rows, cols, block)
         if cut:
             what = "rows" if spec.dim == 0 else "columns"
             raise PlanError(
@@ -180,6 +179,15 @@ def check_block_boundaries(scheme: QuantScheme, model: nn.Module, resolved: Any)
                 f"of the single-device quantized weight. Choose a tp_degree whose slices of {name} are multiples of "
                 f"{block} elements, or leave the layer unquantized (BitsAndBytesConfig(llm_int8_skip_modules=[...]))."
             )
+
+
+def block_cuts(spec: Any, rows: int, cols: int, block: int) -> list[tuple[int, int]]:
+    """The pieces (start, length) of a slice `spec` of a (rows, cols) weight that would cut one of its blocks of
+    `block` elements of the row-major flattened weight."""
+    if spec.dim == 0:
+        return [(start, length) for start, length in spec.pieces
+                if (start * cols) % block or ((start + length) * cols) % block and start + length != rows]
+    return [(start, length) for start, length in spec.pieces if cols % block or start % block or length % block]
 
 
 def model_config_for(scheme: str, compute_dtype: torch.dtype | None = None) -> Any:
