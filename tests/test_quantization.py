@@ -8,7 +8,7 @@ import torch
 from diffusers import BitsAndBytesConfig, GGUFQuantizationConfig, TorchAoConfig
 
 import paradiff
-from paradiff.errors import ParallelConfigError
+from paradiff.errors import CheckpointError, ParallelConfigError
 from paradiff.io.checkpoint import Checkpoint
 from paradiff.testing.models import build_model, model_class, save_model, tiny_config
 
@@ -264,3 +264,81 @@ def test_pre_quantized_checkpoints_are_sliced_on_read(pools, saved_checkpoints):
                 assert result["split"] > 10 and share <= 0.56, (where, share)
             else:
                 assert result["split"] == 0 and share >= 0.99, (where, share)
+
+
+@pytest.fixture
+def only_quant_state_records(monkeypatch):
+    """Reading a weight fails the test; the small bitsandbytes quant-state records (read while checking) pass."""
+    original = Checkpoint.read
+
+    def read(self, name, *args, **kwargs):
+        if ".quant_state.bitsandbytes__" not in name:
+            raise AssertionError(f"weight {name!r} was read before the checkpoint was checked")
+        return original(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(Checkpoint, "read", read)
+
+
+def _rewritten(source: str, target, config_change=None, metadata_change=None):
+    """A copy of a pre-quantized folder with its config.json's quantization_config or its file metadata changed."""
+    import json
+    import shutil
+
+    import safetensors
+    import safetensors.torch
+
+    shutil.copytree(source, target)
+    if config_change is not None:
+        record = json.loads((target / "config.json").read_text())
+        config_change(record["quantization_config"])
+        (target / "config.json").write_text(json.dumps(record))
+    if metadata_change is not None:
+        path = target / "diffusion_pytorch_model.safetensors"
+        with safetensors.safe_open(str(path), framework="pt") as handle:
+            metadata = dict(handle.metadata())
+        tensors = safetensors.torch.load_file(str(path))
+        metadata_change(metadata)
+        safetensors.torch.save_file(tensors, str(path), metadata=metadata)
+    return str(target)
+
+
+def test_pre_quantized_checkpoints_paradiff_cannot_slice_are_refused_by_tensor_and_type(
+        saved_checkpoints, tmp_path, only_quant_state_records):
+    import json
+
+    cls = model_class("flux2")
+    bnb8 = _rewritten(saved_checkpoints["flux2", "bnb-nf4"], tmp_path / "bnb8",
+                      config_change=lambda q: q.update(load_in_4bit=False, load_in_8bit=True))
+
+    def int4(metadata):
+        record = json.loads(metadata["transformer_blocks.0.attn.to_q.weight"])
+        metadata["transformer_blocks.0.attn.to_q.weight"] = json.dumps({**record, "_type": "Int4Tensor"})
+
+    torchao_int4 = _rewritten(saved_checkpoints["flux2", "torchao-int8"], tmp_path / "int4", metadata_change=int4)
+    cases_ = [
+        (bnb8, CheckpointError, ["bitsandbytes 8-bit", "tensor 'context_embedder.weight', torch.uint8",
+                                 "cannot slice"]),
+        (torchao_int4, CheckpointError, ["'transformer_blocks.0.attn.to_q.weight'", "torchao Int4Tensor",
+                                         "cannot slice", "Int8Tensor / Float8Tensor"]),
+    ]
+    for folder, error, fragments in cases_:
+        with pytest.raises(error) as caught:
+            paradiff.from_pretrained(cls, folder, device="cpu")
+        assert all(fragment in str(caught.value) for fragment in fragments), str(caught.value)
+    with pytest.raises(ParallelConfigError) as caught:  # quantizing a quantized checkpoint again: refused
+        paradiff.from_pretrained(cls, saved_checkpoints["flux2", "bnb-nf4"], device="cpu",
+                                 quantization_config=cases.quant_config("int8"))
+    assert "saved quantized (bitsandbytes" in str(caught.value) and "drop quantization_config" in str(caught.value)
+
+
+def test_pre_quantized_slice_cutting_a_block_is_refused_by_name_before_any_read(pools, tmp_path):
+    from diffusers import BitsAndBytesConfig
+
+    from paradiff.testing.quant import save_bnb_4bit
+
+    folder = save_bnb_4bit(build_model("flux2", seed=3, head_dim=16), tmp_path / "narrow",
+                           BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"))
+    errors = pools.get(2).run(cases.refused_before_read, family="flux2", folder=str(folder), scheme=None, mode="tp2")
+    for error in errors:  # every rank raises, none hangs
+        assert error.startswith("PlanError") and "bitsandbytes 4-bit in blocks of 64" in error, error
+        assert "would cut a block" in error and "tp_degree" in error, error

@@ -172,8 +172,8 @@ def _bnb_weights(saved, stored, expected, read_record, compute_dtype) -> tuple[Q
             record = json.loads(read_record(key).decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CheckpointError(f"tensor {key!r}: not a bitsandbytes quant-state record ({exc}).") from None
-        keys = {"packed": name, **{role: f"{name}.{role}" for role in ("absmax", "quant_map", "nested_absmax",
-                                                                         "nested_quant_map") if f"{name}.{role}" in stored}}
+        roles = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
+        keys = {"packed": name, **{role: f"{name}.{role}" for role in roles if f"{name}.{role}" in stored}}
         weight = SavedWeight(name, "bnb4", keys, tuple(expected[name]), record)
         _check_bnb(weight, kind, stored)
         weights[name] = weight
