@@ -267,3 +267,43 @@ def test_damaged_gguf_file_is_refused_before_any_read(small_file, tmp_path, dama
     broken.write_bytes(damage(small_file.read_bytes()))
     with pytest.raises(CheckpointError, match=fragment):
         GGUFFile(broken)
+
+
+def pipeline_gguf_type(name: str, tensor: torch.Tensor) -> str:
+    """Q8_0 for the 2-D weights whose tp2 column slices are whole 32-blocks, Q4_0 for the MLPs', BF16 otherwise."""
+    if tensor.dim() != 2 or tensor.shape[-1] % 64:
+        return "BF16" if tensor.dim() == 2 else "F32"
+    return "Q4_0" if "mlp" in name or "linear1" in name else "Q8_0"
+
+
+def test_load_pipeline_reads_the_transformer_from_a_gguf_file(pools, tiny_pipeline_folders, tmp_path):
+    """load_pipeline(tp2, transformer_file=...) over the tiny FLUX.2 pipeline with its transformer as a GGUF file:
+    the transformer's shards are those of from_pretrained(file) at tp2, the images those of diffusers' pipeline
+    with the file's from_single_file transformer."""
+    folder = tiny_pipeline_folders["flux2"]
+    transformer = model_class("flux2").from_pretrained(folder / "transformer")
+    file = tmp_path / "transformer.gguf"
+    types = save_flux2_gguf(transformer, file, pipeline_gguf_type)
+    assert {"Q8_0", "Q4_0", "BF16"} <= set(types.values()), types
+    results = pools.get(2).run(cases.pipeline_gguf, folder=str(folder), file=str(file), timeout_s=600)
+    for result in results:
+        assert result["packed"] > 10 and result["spread"] > 0.05, result
+        assert result["diff"] <= 1e-5, result
+
+
+def test_load_pipeline_gguf_file_without_its_config_is_refused_before_any_read(tiny_pipeline_folders, tmp_path,
+                                                                               monkeypatch):
+    from diffusers import PipelineQuantizationConfig
+
+    folder = tiny_pipeline_folders["flux2"]
+    monkeypatch.setattr(GGUFFile, "read", lambda *a, **k: (_ for _ in ()).throw(AssertionError("read")))
+    file = tmp_path / "t.gguf"
+    save_flux2_gguf(model_class("flux2").from_pretrained(folder / "transformer"), file, pipeline_gguf_type)
+    int8 = PipelineQuantizationConfig(quant_mapping={"transformer": BitsAndBytesConfig(load_in_4bit=True)})
+    for config, fragments in ((None, ["no quantization_config", "GGUFQuantizationConfig(compute_dtype=...)"]),
+                              (int8, ["BitsAndBytesConfig(...)", "quant_mapping={'transformer': GGUF"])):
+        with pytest.raises(ParallelConfigError) as caught:
+            paradiff.load_pipeline(folder, transformer_file=str(file), quantization_config=config, device="cpu")
+        assert all(fragment in str(caught.value) for fragment in fragments), str(caught.value)
+    with pytest.raises(ParallelConfigError, match="'transformer_9', which is not a transformer"):
+        paradiff.load_pipeline(folder, transformer_file={"transformer_9": str(file)}, device="cpu")

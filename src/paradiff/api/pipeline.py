@@ -138,6 +138,7 @@ def load_pipeline(
     shard_text_encoders: bool | None = None,
     text_encoder_plans: dict[str, Any] | None = None,
     parallel_vae: bool | None = None,
+    transformer_file: str | os.PathLike | dict[str, str | os.PathLike] | None = None,
     **kwargs: Any,
 ):
     """A diffusers pipeline whose transformer is parallelised (shard-on-read for TP) and whose text encoders are
@@ -158,6 +159,10 @@ def load_pipeline(
     (`paradiff.parallelize_vae`; same images). None (default): on when a replica has more than one rank and the VAE
     is covered, otherwise the VAE decodes whole on each rank; True: required (an uncovered VAE is an error); False:
     off.
+    `transformer_file`: the transformer's weights from a GGUF file instead of the folder (a local `.gguf` path, or
+    {component: path} for pipelines with several transformers, e.g. Wan 2.2's "transformer_2"), built from the
+    folder's transformer config.json and read sliced like `paradiff.from_pretrained` of the file; pass
+    `quantization_config=PipelineQuantizationConfig(quant_mapping={"transformer": GGUFQuantizationConfig(...)})`.
     """
     from diffusers import DiffusionPipeline
     import diffusers
@@ -183,12 +188,14 @@ def load_pipeline(
         _check_cfg_classified(str(pipeline_name))
     if parallel_vae:
         _check_parallel_vae(parallel, index, folder)
+    single_files = _single_files(transformer_file, index)
     own = _components_paradiff_loads(folder, index, parallel, stages, shard_text_encoders, text_encoder_plans or {})
     schemes, diffusers_quantizes = pipeline_quantization(
-        kwargs.get("quantization_config"), {item.name: (item.model_cls, item.kind) for item in own}, stages)
+        kwargs.get("quantization_config"), {item.name: (item.model_cls, item.kind) for item in own}, stages,
+        single_files)
     if not diffusers_quantizes:
         kwargs.pop("quantization_config", None)  # every component it names is paradiff's, quantized on read
-    loaded = _load_components(own, folder, parallel, dtype, device, stages, plan, cp_plan, schemes)
+    loaded = _load_components(own, folder, parallel, dtype, device, stages, plan, cp_plan, schemes, single_files)
     target_cls = pipeline_cls or getattr(diffusers, str(pipeline_name), DiffusionPipeline)
     expected_modules, _ = DiffusionPipeline._get_signature_keys(target_cls)
     # Pipelines whose transformer is an optional argument (Wan) would load it again from disk, whole, and drop the
@@ -218,6 +225,34 @@ def load_pipeline(
             _parallelize_vae(pipeline, required=bool(parallel_vae))
     pipeline._paradiff_pipeline.stages = _stage_runner(pipeline, loaded, device, stages)
     return pipeline
+
+
+def _single_files(transformer_file: Any, index: dict) -> dict[str, "Path"]:
+    """load_pipeline's `transformer_file` as {transformer component: local .gguf path}, checked before any read."""
+    from pathlib import Path
+
+    from paradiff.api.single_file import is_gguf_path
+
+    if transformer_file is None:
+        return {}
+    files = transformer_file if isinstance(transformer_file, dict) else {"transformer": transformer_file}
+    names = transformer_names(index)
+    out = {}
+    for name, path in files.items():
+        if name not in names:
+            raise ParallelConfigError(
+                f"transformer_file names {name!r}, which is not a transformer of this pipeline; its transformers are "
+                f"{names}.")
+        if not is_gguf_path(path):
+            raise ParallelConfigError(
+                f"transformer_file={str(path)!r} for {name!r}: paradiff reads a transformer from a GGUF file "
+                "(*.gguf); a diffusers folder's own weights need no transformer_file.")
+        if not Path(path).is_file():
+            raise CheckpointError(
+                f"transformer_file={str(path)!r} for {name!r} is not a local file; paradiff reads a GGUF file from "
+                "disk (download it first, e.g. huggingface_hub.hf_hub_download(repo, filename)).")
+        out[name] = Path(path)
+    return out
 
 
 def _check_cfg_classified(pipeline_name: str) -> None:

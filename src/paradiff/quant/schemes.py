@@ -73,8 +73,9 @@ def scheme_from_config(config: Any) -> QuantScheme:
             "quantization_config=GGUFQuantizationConfig(...) is not supported for a folder of safetensors weights: "
             "GGUF weights come pre-quantized in a single file; load that file, "
             "paradiff.from_pretrained(ModelClass, 'model.gguf', config=<diffusers model folder or Hub id>, "
-            "quantization_config=GGUFQuantizationConfig(compute_dtype=...)). load_pipeline does not take GGUF "
-            "files yet."
+            "quantization_config=GGUFQuantizationConfig(compute_dtype=...)), or in a pipeline "
+            "paradiff.load_pipeline(folder, transformer_file='model.gguf', quantization_config="
+            "PipelineQuantizationConfig(quant_mapping={'transformer': GGUFQuantizationConfig(compute_dtype=...)}))."
         )
     raise ParallelConfigError(
         f"quantization_config={type(config).__name__}(...) is not supported by paradiff loading; supported: "
