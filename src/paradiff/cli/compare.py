@@ -19,14 +19,16 @@ def compare_single_process(model: str, dtype: torch.dtype, kwargs: dict, seed: i
                            loras: list[dict] | None = None,
                            lora_weight_name: str | None = None,
                            pipeline_cls: type | None = None,
-                           without_lora: list[tuple[int, str, Output]] | None = None) -> tuple[dict, list[Output]]:
+                           without_lora: list[tuple[int, str, Output]] | None = None,
+                           gguf: dict[str, str] | None = None) -> tuple[dict, list[Output]]:
     """Differences between each (index, prompt, image, video or sound) of `made` and diffusers' single-process
     result for that prompt (seed `seed + index`, as in the parallel run), with the same step cache on every
     transformer (`cache`, a --cache spec) when one is given, the same LoRA adapters (`loras`, from --lora), and the
     same pipeline class (`pipeline_cls`, from --pipeline; None: the folder's own).
 
     `without_lora` (--also-without-lora): more (index, prompt, output) drawn with the adapters switched off; the
-    reference draws them with its adapters off too.
+    reference draws them with its adapters off too. `gguf` (--gguf): {transformer component: GGUF file}; the
+    reference's transformers are diffusers' `from_single_file` of those files, computing in `dtype`.
 
     Returns ({"max_abs_diff": float over all of them, "compared": count}, for videos also "max_abs_diff_per_frame"
     (every frame is compared), "max_abs_diff_audio" when they have a soundtrack, "max_abs_diff_without_lora" over
@@ -36,7 +38,18 @@ def compare_single_process(model: str, dtype: torch.dtype, kwargs: dict, seed: i
 
     import paradiff
 
-    reference = (pipeline_cls or DiffusionPipeline).from_pretrained(model, dtype=dtype)
+    transformers = {}
+    if gguf:
+        import diffusers
+        from diffusers import GGUFQuantizationConfig
+
+        index = DiffusionPipeline.load_config(model)
+        for name, file in gguf.items():
+            model_cls = getattr(diffusers, index[name][1])
+            transformers[name] = model_cls.from_single_file(
+                file, config=model, subfolder=name, torch_dtype=dtype,
+                quantization_config=GGUFQuantizationConfig(compute_dtype=dtype))
+    reference = (pipeline_cls or DiffusionPipeline).from_pretrained(model, dtype=dtype, **transformers)
     reference.set_progress_bar_config(disable=True)
     if loras:  # the same adapters, by diffusers alone
         from paradiff.cli.worker import load_adapters

@@ -31,7 +31,7 @@ def check_model_folder(args: argparse.Namespace) -> None:
         if refusal is not None:
             raise CliError(f"--cfg {args.cfg}: {args.model}: {refusal}. Use --cfg 1")
         _check_call_guides(args, pipeline_name, index)
-    if args.tp > 1:
+    if args.tp > 1 or getattr(args, "gguf", None):
         _check_transformers_split(args, path, index)
 
 
@@ -61,22 +61,45 @@ def _looks_like_hub_id(name: str) -> bool:
 
 
 def _check_transformers_split(args: argparse.Namespace, folder: Path, index: dict) -> None:
-    """Resolve each transformer's TP plan for the first TP rank on the meta device, as every worker will."""
+    """Resolve each transformer's TP plan for the first TP rank on the meta device, as every worker will; a
+    transformer read from a --gguf file is checked against the file (its types, names and blocks)."""
     import torch
 
     from paradiff.api.model import prepare_model
+    from paradiff.cli.args import gguf_files
     from paradiff.cli.worker import _plan_argument
     from paradiff.errors import ParadiffError
 
     plan = _plan_argument(args.plan, "tensor")
-    for name, entry in sorted(index.items()):
-        if not (name.startswith("transformer") and isinstance(entry, list) and len(entry) == 2
-                and all(isinstance(part, str) for part in entry)):
-            continue
+    files = gguf_files(args)
+    names = [name for name, entry in sorted(index.items()) if name.startswith("transformer")
+             and isinstance(entry, list) and len(entry) == 2 and all(isinstance(part, str) for part in entry)]
+    unknown = sorted(set(files) - set(names))
+    if unknown:
+        raise CliError(f"--gguf {unknown[0]}=...: {args.model} has no such transformer; its transformers are {names}")
+    for name in names:
+        entry = index[name]
         model_cls = getattr(importlib.import_module(entry[0]), entry[1])
+        tp_shard = (0, args.tp) if args.tp > 1 else None
         try:
-            prepared = prepare_model(model_cls, folder / name, dtype=torch.float32, device=torch.device("cpu"),
-                                     tp_shard=(0, args.tp), plan=plan)
+            if name in files:
+                from diffusers import GGUFQuantizationConfig
+
+                from paradiff.api.single_file import prepare_gguf_model
+                from paradiff.quant.schemes import gguf_scheme
+
+                scheme = gguf_scheme(GGUFQuantizationConfig(compute_dtype=getattr(torch, args.dtype)))
+                prepared = prepare_gguf_model(model_cls, Path(files[name]), config=str(folder), subfolder=name,
+                                              hub_kwargs={}, dtype=getattr(torch, args.dtype),
+                                              device=torch.device("cpu"), tp_shard=tp_shard, plan=plan, context=False,
+                                              cp_plan=None, scheme=scheme)
+            elif tp_shard is None:
+                continue
+            else:
+                prepared = prepare_model(model_cls, folder / name, dtype=torch.float32, device=torch.device("cpu"),
+                                         tp_shard=tp_shard, plan=plan)
         except ParadiffError as exc:
-            raise CliError(f"--tp {args.tp}: {name} ({entry[1]}): {str(exc).splitlines()[0]}") from None
+            flag = f"--gguf {files[name]}" if name in files else f"--tp {args.tp}"
+            where = f" at --tp {args.tp}" if name in files and args.tp > 1 else ""
+            raise CliError(f"{flag}{where}: {name} ({entry[1]}): {str(exc).splitlines()[0]}") from None
         prepared.checkpoint.close()

@@ -31,7 +31,7 @@ def write_report(args: argparse.Namespace, out: Path, model: str, prompts: list[
         "model": model,
         "config": {"tp": args.tp, "ulysses": args.ulysses, "ring": args.ring, "cfg": args.cfg, "dp": args.dp,
                    "stages": args.stages, "whole_text_encoders": args.whole_text_encoders,
-                   "quantize": getattr(args, "quantize", None), **run},
+                   "quantize": getattr(args, "quantize", None), "gguf": getattr(args, "gguf", None), **run},
         "resolution": [args.height, args.width],
         "frames": args.frames,
         "steps": args.steps,
