@@ -17,7 +17,7 @@ Parts (--parts, default all):
   paper    FLUX.2-dev at tp=4 with NF4 and int8: per-GPU bytes of transformer + text encoder (Mistral-Small-3.1
            24B) + VAE from the real configs on the meta device and paradiff's plans, next to one GPU.
 
-    .venv/bin/python benchmarks/bench_quant.py [--parts load,step,quality,paper] [--rounds 2] [--steps 2]
+    .venv/bin/python benchmarks/bench_quant.py [--parts load,step,quality,paper] [--rounds 2] [--steps 2] [--cut small]
 """
 
 from __future__ import annotations
@@ -47,7 +47,11 @@ from _common import (  # noqa: E402
 )
 from bench_tp_load import CONFIG, DEFAULT_FOLDER, ensure_checkpoint, touch_pages, warm_page_cache  # noqa: E402
 
-GGUF_FILE = DEFAULT_FOLDER.with_name("flux2-wide-q4k.gguf")
+# --cut small: FLUX.2-dev's head width and depth cut, half its heads and text width (0.70B parameters), for runs the
+# shared 2-core machine cannot finish at 2.78B within 20 minutes (bitsandbytes quantizes ~7M weights a second here)
+CUTS = {"full": CONFIG, "small": {**CONFIG, "num_attention_heads": 24, "joint_attention_dim": 7680}}
+FOLDERS = {"full": DEFAULT_FOLDER, "small": DEFAULT_FOLDER.with_name("flux2-wide-small")}
+GGUF_FILE = DEFAULT_FOLDER.with_name("flux2-wide-q4k.gguf")  # set for the chosen cut in main()
 METHODS = {
     "paradiff_tp2_bf16": ("paradiff tp=2 bf16", 2, "bf16"),
     "paradiff_tp2_int8": ("paradiff tp=2 int8", 2, "int8"),
@@ -64,7 +68,26 @@ METHODS = {
 # the GGUF file
 
 
-def build_gguf(rank: int, world_size: int, path: str) -> dict:
+def build_cut(rank: int, world_size: int, folder: str, config: dict) -> dict:
+    """bench_tp_load.py's checkpoint builder for another config."""
+    import bench_tp_load
+
+    bench_tp_load.CONFIG = config
+    return bench_tp_load.build_checkpoint(rank, world_size, folder)
+
+
+def ensure_cut(folder: Path, config: dict) -> dict:
+    marker = folder / "BENCH_COMPLETE.json"
+    if marker.is_file() and json.loads(marker.read_text()).get("config") == json.loads(json.dumps(config)):
+        return json.loads(marker.read_text())
+    if config == CONFIG:
+        return ensure_checkpoint(folder)
+    print(f"building the checkpoint {folder} (once) ...", flush=True)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    return run_ranks(build_cut, 1, timeout_s=1800, folder=str(folder), config=config)[0]
+
+
+def build_gguf(rank: int, world_size: int, path: str, config: dict) -> dict:
     """The cut under BFL's original names (diffusers' converter maps them back), every 2-D weight whose rows are
     whole 256-blocks in Q4_K (seeded random codes with small super-block scales), the others F16 / F32."""
     import gguf
@@ -75,7 +98,7 @@ def build_gguf(rank: int, world_size: int, path: str) -> dict:
     from paradiff.testing.gguf import _K_SCALES, flux2_original_state_dict
 
     with torch.device("meta"):
-        model = Flux2Transformer2DModel(**CONFIG)
+        model = Flux2Transformer2DModel(**config)
     shapes = {name: tuple(t.shape) for name, t in flux2_original_state_dict(model).items()}
     writer = gguf.GGUFWriter(path + ".partial", arch="flux")
     generator = np.random.default_rng(0)
@@ -103,10 +126,10 @@ def build_gguf(rank: int, world_size: int, path: str) -> dict:
     return {"types": {kind: sum(1 for t in types.values() if t == kind) for kind in set(types.values())}}
 
 
-def ensure_gguf(path: Path) -> None:
+def ensure_gguf(path: Path, config: dict) -> None:
     if not path.is_file():
         print(f"building the Q4_K GGUF file {path} (once) ...", flush=True)
-        print(run_ranks(build_gguf, 1, timeout_s=1800, path=str(path))[0], flush=True)
+        print(run_ranks(build_gguf, 1, timeout_s=1800, path=str(path), config=config)[0], flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -445,19 +468,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--folder", default=str(DEFAULT_FOLDER))
+    parser.add_argument("--cut", choices=sorted(CUTS), default="full")
     parser.add_argument("--no-wait", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     print(f"machine: {machine_line()}")
     print(f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
-    folder = Path(args.folder)
+    global GGUF_FILE
+    folder = FOLDERS[args.cut]
+    GGUF_FILE = folder.with_name(folder.name + "-q4k.gguf")
     started = time.time()
     runs = None
     if "load" in parts or "step" in parts:
-        info = ensure_checkpoint(folder)
-        ensure_gguf(GGUF_FILE)
+        info = ensure_cut(folder, CUTS[args.cut])
+        ensure_gguf(GGUF_FILE, CUTS[args.cut])
         warm = warm_page_cache(folder)
         with open(GGUF_FILE, "rb", buffering=0) as handle:
             while handle.read(64 << 20):
@@ -470,7 +495,7 @@ def main() -> None:
     if "step" in parts:
         run_step(folder, args.steps, not args.no_wait)
     if "quality" in parts:
-        run_quality(Path(args.folder).with_name("quant-quality"))
+        run_quality(DEFAULT_FOLDER.with_name("quant-quality"))
     if "paper" in parts:
         run_paper()
     print(f"total {time.time() - started:.0f} s")
