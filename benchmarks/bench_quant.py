@@ -7,7 +7,9 @@ Parts (--parts, default all):
            to diffusers loading the same quantized model in one process (int8: TorchAoConfig; NF4: its
            BitsAndBytesConfig path with the GPU check patched out, as on a CPU-only machine it refuses; Q4_K:
            from_single_file). Fresh processes, round-robin over --rounds rounds; tp=2 ranks one thread each, one
-           process two threads (the same two cores).
+           process two threads (the same two cores). Every process imports the quantization backends before the
+           measured window (their first import is not the load's memory). --cut small: a 0.70B-parameter cut for a
+           machine that cannot load the 2.78B one quantized in time.
   step     one transformer forward at tp=2 on the same cut (16 image + 16 text tokens: weight-bound, as a step at
            small batch is), bf16 vs the three quantized forms; median of --steps after one warm-up.
   quality  the trained demo pipeline (paradiff.demo, 8 prompts, 8 steps, one process: a tp=2 run holds the slices of
@@ -174,13 +176,28 @@ def _plain_tensors(model) -> list:
     """Every tensor holding the model's bytes: quantized weights' inner tensors and states included."""
     from paradiff.runtime.memory import _plain_tensors as inner
 
+    import torch
+
     out = []
     for tensor in list(model.parameters()) + list(model.buffers()):
-        out += inner(tensor.data if type(tensor).__name__ in ("Params4bit", "GGUFParameter") else tensor)
+        if type(tensor).__name__ in ("Params4bit", "GGUFParameter"):  # their bytes, as a plain tensor
+            out.append(tensor.data.as_subclass(torch.Tensor))
+        else:
+            out += inner(tensor)
         state = getattr(tensor, "quant_state", None)
         if state is not None:
             out.append(state.absmax)
     return out
+
+
+def _import_backends() -> None:
+    """Import every quantization backend and the loaders' lazily imported modules before the measured window."""
+    import importlib
+
+    for name in ("bitsandbytes", "bitsandbytes.functional", "gguf", "torchao.quantization",
+                 "diffusers.quantizers.bitsandbytes", "diffusers.quantizers.gguf", "diffusers.quantizers.torchao",
+                 "paradiff.api.single_file", "paradiff.quant.apply", "paradiff.quant.saved"):
+        importlib.import_module(name)
 
 
 def load_worker(rank: int, world_size: int, method: str, folder: str, gguf_file: str) -> dict:
@@ -194,6 +211,7 @@ def load_worker(rank: int, world_size: int, method: str, folder: str, gguf_file:
     torch.set_num_threads(1 if world_size > 1 else 2)
     quiet_diffusers()
     patches = [_patch_diffusers_bnb_for_cpu()] if method == "diffusers_nf4" else []
+    _import_backends()  # their first import (~0.3 GB of RssAnon for torchao + bitsandbytes) is not the load's
     gc.collect()
     if world_size > 1:
         dist.barrier()
@@ -444,7 +462,8 @@ def run_paper(tp: int = 4) -> None:
              "text_encoder": resolve_plan(encoder, as_plan(plan_for(encoder, None, "tensor")), 0, tp)}
     # which linears each loader quantizes: diffusers' rule for the transformer (every Linear); transformers' for the
     # encoder (every Linear but the output head, which it keeps); the VAE is never quantized (convolutions)
-    rules = {"transformer": lambda name: True, "text_encoder": lambda name: name != "lm_head", "vae": lambda name: False}
+    rules = {"transformer": lambda name: True, "text_encoder": lambda name: name != "lm_head",
+             "vae": lambda name: False}
     rows = []
     for scheme in ("bf16", "int8", "nf4"):
         totals = [0, 0]
