@@ -211,7 +211,7 @@ def load_worker(rank: int, world_size: int, method: str, folder: str, gguf_file:
     torch.set_num_threads(1 if world_size > 1 else 2)
     quiet_diffusers()
     patches = [_patch_diffusers_bnb_for_cpu()] if method == "diffusers_nf4" else []
-    _import_backends()  # their first import (~0.3 GB of RssAnon for torchao + bitsandbytes) is not the load's
+    _import_backends()  # their first import (up to 0.2 GB of RssAnon) is not the load's
     gc.collect()
     if world_size > 1:
         dist.barrier()
