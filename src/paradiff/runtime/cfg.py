@@ -201,6 +201,9 @@ class BatchCfgSplitter:
         """Nothing to pair: every call exchanged its own output."""
 
     def _share(self, name: str, value: Any, whole: int) -> Any:
+        if isinstance(value, list) and len(value) == whole and not any(torch.is_tensor(item) for item in value):
+            share = whole // self.cfg_degree  # one entry per batch row (JoyImage Edit Plus's shape_list)
+            return value[self.cfg_rank * share:(self.cfg_rank + 1) * share]
         if isinstance(value, (list, tuple)):  # a ControlNet's residuals: one batched tensor per block
             return type(value)(self._share(name, item, whole) for item in value)
         if isinstance(value, dict):  # keyword arguments for the attention processors (a batched key mask)
