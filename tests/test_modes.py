@@ -62,4 +62,6 @@ def test_from_degrees_rejects_bad_degrees():
     with pytest.raises(ParallelConfigError):
         ParallelConfig.from_degrees(tp=0)
     with pytest.raises(ParallelConfigError):
-        ParallelConfig.from_degrees(cfg=3)
+        ParallelConfig.from_degrees(cfg=0)
+    # a guider with three branches (SkipLayerGuidance) splits over 3 cfg ranks: checked against the pipeline at load
+    assert ParallelConfig.from_degrees(cfg=3).cfg_degree == 3

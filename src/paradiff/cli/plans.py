@@ -6,7 +6,6 @@ import argparse
 
 from paradiff.errors import ParadiffError
 from paradiff.cli.args import CliError
-from paradiff.cli.report import say
 
 
 def check_plan_command(args: argparse.Namespace) -> int:

@@ -10,7 +10,6 @@ combined what it learnt rather than recalled a picture.
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass
 

@@ -11,15 +11,12 @@ Sizes follow diffusers' own HunyuanVideo 1.5 test (2 heads of 8, a factor-4 VAE)
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from paradiff.testing.pipelines import _QWEN3_CHAT_TEMPLATE, _qwen2_tokenizer, _seeded
+from paradiff.testing.pipelines import _QWEN3_CHAT_TEMPLATE, _qwen2_tokenizer, _seeded, save_pipeline_folder
 
 GUIDED_FAMILIES = ("hunyuanvideo15",)
 
@@ -73,23 +70,7 @@ def build_guided_pipeline(family: str = "hunyuanvideo15", seed: int = 0, guidanc
 
 def save_guided_pipeline(family: str, folder: str | Path, seed: int = 0) -> Path:
     """Write the tiny pipeline of `family` as a pipeline folder; does nothing if `folder/model_index.json` exists."""
-    folder = Path(folder)
-    if (folder / "model_index.json").is_file():
-        return folder
-    pipe = build_guided_pipeline(family, seed=seed)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    os.chmod(staging, 0o755)
-    try:
-        pipe.save_pretrained(staging, safe_serialization=True)
-        try:
-            os.rename(staging, folder)
-        except OSError:
-            if not (folder / "model_index.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return folder
+    return save_pipeline_folder(folder, lambda: build_guided_pipeline(family, seed=seed))
 
 
 def shorten_text(pipe) -> None:

@@ -16,13 +16,12 @@ transformer still has 4 heads (divisible by 2 and 4) and enough image tokens (48
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -374,13 +373,19 @@ def finish_pipeline(pipe):
 
 def save_pipeline(family: str, folder: str | Path, seed: int = 0) -> Path:
     """Write the tiny pipeline of `family` as a pipeline folder; does nothing if `folder/model_index.json` exists."""
+    return save_pipeline_folder(folder, lambda: build_pipeline(family, seed=seed))
+
+
+def save_pipeline_folder(folder: str | Path, build: Callable[[], Any]) -> Path:
+    """Write the pipeline `build()` makes as a pipeline folder; does nothing if `folder/model_index.json` exists.
+
+    Written beside the target and renamed into place, so that processes saving the same folder at once (one per
+    rank, say) never see a half-written pipeline: the first rename wins, the others find it there."""
     folder = Path(folder)
     if (folder / "model_index.json").is_file():
         return folder
-    pipe = build_pipeline(family, seed=seed)
+    pipe = build()
     folder.parent.mkdir(parents=True, exist_ok=True)
-    # Written beside the target and renamed into place, so that processes saving the same folder at once (one per
-    # rank, say) never see a half-written pipeline: the first rename wins, the others find it there.
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     os.chmod(staging, 0o755)
     try:
@@ -736,7 +741,6 @@ def _build_ltx(seed: int) -> dict:
 
 
 def _build_flux2_klein(seed: int) -> dict:
-    import diffusers
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = _qwen3_chat_tokenizer()

@@ -21,10 +21,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import os
 import pkgutil
-import shutil
-import tempfile
 import typing
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -246,25 +243,9 @@ def build(key: str, seed: int = 0):
 
 
 def save(key: str, folder: str | Path, seed: int = 0) -> Path:
-    """Write `build(key, seed)` as a pipeline folder; does nothing if `folder/model_index.json` exists. Written
-    beside the target and renamed into place, so concurrent savers never see half a folder."""
-    folder = Path(folder)
-    if (folder / "model_index.json").is_file():
-        return folder
-    pipe = build(key, seed)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    os.chmod(staging, 0o755)
-    try:
-        pipe.save_pretrained(staging, safe_serialization=True)
-        try:
-            os.rename(staging, folder)
-        except OSError:
-            if not (folder / "model_index.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return folder
+    """Write `build(key, seed)` as a pipeline folder (testing.pipelines.save_pipeline_folder: renamed into place);
+    does nothing if `folder/model_index.json` exists."""
+    return tiny.save_pipeline_folder(folder, lambda: build(key, seed))
 
 
 def call_kwargs(key: str) -> dict[str, Any]:
