@@ -248,6 +248,12 @@ CFG_RULES: dict[str, CfgRule] = {
        for name in ("BriaFiboPipeline", "BriaFiboEditPipeline")},
     # Bria FIBO 2: the prompt's call, then the negative prompt's (its default negative prompt when none is given)
     "BriaFibo2Pipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
+    # JoyImage Edit: the prompt's call, then the negative prompt's (both with the image)
+    "JoyImageEditPipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False),
+    # JoyImage Edit Plus: [uncond, cond] in one call, the per-row list of latent shapes batched too
+    "JoyImageEditPlusPipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False, style=BATCH, batched=(
+        "hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_mask", "shape_list"),
+        sample_lists=("shape_list",)),
     # ERNIE-Image: [uncond, cond], the padded texts and their lengths batched
     "ErnieImagePipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False, style=BATCH,
                                   batched=("hidden_states", "timestep", "text_bth", "text_lens")),
