@@ -111,8 +111,9 @@ def test_sample_pipelines_equal_single_process_in_their_modes(pools, sample_jobs
         for job, outcome in zip(sample_jobs, outcomes):
             print(rank, job["key"], job["mode"], outcome)
             assert outcome["status"] == "verified" and outcome["diff"] <= 1e-5, (job["key"], job["mode"], outcome)
-    # the sample is conditioned and uneven: SD3's 35 tokens, Kontext's 99 noise + 63 reference tokens
-    assert [job["expected"]["blocks"][0][1] for job in sample_jobs] == [35, 162]
+    # the sample is conditioned and uneven: SD3's 35 tokens, Kontext's 99 noise + 63 reference tokens; Z-Image's
+    # batch of per-sample lists (160 image + 32 caption tokens, padded by the model), [cond, uncond] in one call
+    assert [job["expected"]["blocks"][0] for job in sample_jobs] == [(2, 35), (1, 162), (2, 192)]
 
 
 # --- what the pipeline class alone decides, refused before any worker starts --------------------------------------
