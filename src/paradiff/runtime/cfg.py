@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from paradiff.distributed.comm import all_gather_cfg_batch, all_gather_pieces, broadcast_cfg_branch
+from paradiff.distributed.comm import all_gather_any_shape, all_gather_cfg_batch, broadcast_cfg_branch
 from paradiff.errors import ParallelConfigError
 from paradiff.runtime.wrappers import install_wrapper
 
@@ -162,7 +162,8 @@ class CfgSplitter:
             mine, template = _sample_of(output), output
         else:
             mine, template, self.first_output = self.first_output, self.template, None
-        first, second = all_gather_pieces(mine, self.group)
+        # the two predictions may differ in shape where the output carries the prompt's tokens (Qwen-Image 2.1)
+        first, second = all_gather_any_shape(mine, self.group)
         if self.placeholder is not None:
             placeholder, self.placeholder = self.placeholder, None
             if placeholder.shape != first.shape or placeholder.dtype != first.dtype:
@@ -194,6 +195,7 @@ class BatchCfgSplitter:
     calls: int = 0
     computed: int = 0
     batch_sizes: list[int] = field(default_factory=list)  # the batch this rank computed, per call (for reports)
+    batch_dims: dict[str, int] = field(default_factory=dict)  # batched arguments whose batch is not dim 0
 
     def reset(self) -> None:
         self.calls = 0
@@ -209,7 +211,9 @@ class BatchCfgSplitter:
                     f"but the batch has {whole}; the pipeline's CfgRule in plans/pipelines.py names it a sample list.")
             share = whole // self.cfg_degree
             return type(value)(value[self.cfg_rank * share:(self.cfg_rank + 1) * share])
-        if isinstance(value, dict):  # a ControlNet's residuals by block index
+        # a ControlNet's residuals by block index, attention-processor keyword arguments (a batched key mask), a KV
+        # cache's tensors per block (views: the model's writes reach them)
+        if isinstance(value, dict):
             return {key: self._share(name, item, whole) for key, item in value.items()}
         if isinstance(value, (list, tuple)):  # a ControlNet's residuals: one batched tensor per block
             return type(value)(self._share(name, item, whole) for item in value)
@@ -242,14 +246,25 @@ class BatchCfgSplitter:
             raise ParallelConfigError(
                 f"CFG parallelism (batch style): the transformer was called on a batch of {whole}, which the "
                 f"{self.cfg_degree} cfg ranks cannot share; the call does not run CFG (use cfg_degree=1).")
-        args = tuple(self._share(name, value, whole) if name in self.batched else value
-                     for name, value in zip(self.parameter_names, args))
-        kwargs = {name: self._share(name, value, whole) if name in self.batched else value
-                  for name, value in kwargs.items()}
+        whole_of: dict[int, Any] = {}  # id(this rank's share) -> the argument it was cut from
+
+        def share(name: str, value: Any) -> Any:
+            if name not in self.batched:
+                return value
+            mine = self._share(name, value, whole)
+            whole_of[id(mine)] = value
+            return mine
+
+        args = tuple(share(name, value) for name, value in zip(self.parameter_names, args))
+        kwargs = {name: share(name, value) for name, value in kwargs.items()}
         self.computed += 1
         self.batch_sizes.append(whole // self.cfg_degree)
         output = forward(*args, **kwargs)
+        if type(output) is tuple:  # a batched argument handed back (AnyFlow FAR's KV cache): the caller's own
+            output = tuple(whole_of.get(id(item), item) for item in output)
         sample = _sample_of(output)
+        if sample is None:  # a call that only fills a cache (AnyFlow FAR's cache-encoding call): nothing to gather
+            return output
         if isinstance(sample, (list, tuple)):  # one prediction per batch row (the rows of a call share a shape)
             return _with_sample(output, list(all_gather_cfg_batch(torch.stack(list(sample)), self.group).unbind(0)))
         return _with_sample(output, all_gather_cfg_batch(sample, self.group))
