@@ -19,7 +19,7 @@ def cfg_rules_table() -> str:
                                 for argument in rule.batched)
         else:
             style, batched = "two calls", "-"
-        when = f"`{rule.scale_argument}` > 1 (default {rule.default_scale:g})"
+        when = f"`{rule.scale_argument}` > {rule.threshold:g} (default {rule.default_scale:g})"
         if rule.needs_negative_prompt:
             when += ", a negative prompt"
         if rule.truncation_argument:
