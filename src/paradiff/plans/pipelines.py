@@ -156,16 +156,17 @@ CFG_RULES: dict[str, CfgRule] = {
                                   batched=_LATENTS_TEXT_TIME + ("r_timestep", "kv_cache"),
                                   batch_dims=(("kv_cache", 1),)),
     "LTXPipeline": CfgRule("guidance_scale", 3.0, needs_negative_prompt=False, style=BATCH, batched=_WITH_TEXT_MASK),
-    # Z-Image: one call on [cond..., uncond...] given as per-sample lists (latents, captions of their own lengths);
+    # Z-Image: one call on [cond..., uncond...] given as per-sample lists (latents, captions of their own lengths),
+    # whenever guidance_scale > 0 (its scale counts from 0: pred = cond + scale * (cond - uncond));
     # cfg_truncation < 1 stops guiding after that fraction of the steps
     **{name: CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH, batched=("x", "t", "cap_feats"),
                      batch_order=("cond", "uncond"), sample_lists=("x", "cap_feats"),
-                     truncation_argument="cfg_truncation")
+                     truncation_argument="cfg_truncation", threshold=0.0)
        for name in ("ZImagePipeline", "ZImageImg2ImgPipeline", "ZImageInpaintPipeline")},
     # the ControlNet runs on the whole batch; its residuals (by layer index) reach the transformer batched
     **{name: CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
                      batched=("x", "t", "cap_feats", "controlnet_block_samples"), batch_order=("cond", "uncond"),
-                     sample_lists=("x", "cap_feats"), truncation_argument="cfg_truncation")
+                     sample_lists=("x", "cap_feats"), truncation_argument="cfg_truncation", threshold=0.0)
        for name in ("ZImageControlNetPipeline", "ZImageControlNetInpaintPipeline")},
     "LuminaPipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False, style=BATCH,
                               batched=_LATENTS_TEXT_TIME + ("encoder_mask",), batch_order=("cond", "uncond")),

@@ -195,7 +195,6 @@ class BatchCfgSplitter:
     calls: int = 0
     computed: int = 0
     batch_sizes: list[int] = field(default_factory=list)  # the batch this rank computed, per call (for reports)
-    batch_dims: dict[str, int] = field(default_factory=dict)  # batched arguments whose batch is not dim 0
 
     def reset(self) -> None:
         self.calls = 0
@@ -223,7 +222,7 @@ class BatchCfgSplitter:
         if value.shape[dim] != whole:
             raise ParallelConfigError(
                 f"CFG parallelism (batch style): the transformer argument {name!r} has batch {value.shape[dim]} "
-                f"(dimension {dim}) but the latents have {whole}; the pipeline's CfgRule in plans/pipelines.py "
+                f"(dim {dim}) but the latents have {whole}; the pipeline's CfgRule in plans/pipelines.py "
                 "names it as batched."
             )
         share = whole // self.cfg_degree
@@ -233,7 +232,8 @@ class BatchCfgSplitter:
         self.calls += 1
         named = dict(zip(self.parameter_names, args))
         named.update(kwargs)
-        first = self.batched[0]  # the latents: the batch every other batched argument follows
+        # the latents, whose batch every other batched argument follows: hidden_states, or the rule's first
+        first = "hidden_states" if torch.is_tensor(named.get("hidden_states")) else self.batched[0]
         latents = named.get(first)
         if first in self.sample_lists and isinstance(latents, (list, tuple)):
             whole = len(latents)
