@@ -102,3 +102,22 @@ def load_refusal(folder: str, degrees: dict) -> str:
 
 def _pixels(output) -> np.ndarray:
     return np.asarray(output.frames if hasattr(output, "frames") else output.images)
+
+
+def cfg_pair_of_different_shapes() -> dict:
+    """Two calls whose outputs differ in length (an output carrying the prompt's tokens, Qwen-Image 2.1's): each cfg
+    rank computes one, and both get both predictions whole."""
+    from torch import nn
+
+    class Echo(nn.Module):
+        def forward(self, hidden_states):
+            return (hidden_states * 2 + 1,)
+
+    model = Echo()
+    splitter = install_cfg_parallel(model, dist.new_group([0, 1]))
+    cond = torch.arange(14, dtype=torch.float32).view(1, 7, 2)  # 7 tokens (a prompt of 3 + 4 image tokens)
+    uncond = torch.arange(10, dtype=torch.float32).view(1, 5, 2) + 100  # 5 tokens (a prompt of 1)
+    first = model(hidden_states=cond)[0]
+    second = model(hidden_states=uncond)[0]
+    return {"first": torch.equal(first, cond * 2 + 1), "second": torch.equal(second, uncond * 2 + 1),
+            "computed": splitter.computed}

@@ -123,3 +123,47 @@ def refused_before_read(file: str, config: str) -> str:
     finally:
         GGUFFile.read = original
     return "no error"
+
+
+def pipeline_gguf(folder: str, file: str) -> dict:
+    """load_pipeline(tp2, transformer_file=the GGUF file) holds the transformer shards `from_pretrained` of the file
+    gives at tp2, and its images equal those of diffusers' pipeline with the same file's single-device
+    `from_single_file` transformer; then the same staged (`stages=True`: the slices read again at the transformer's
+    stage). Returns the largest pixel differences and how many packed weights it holds."""
+    import numpy as np
+    from diffusers import DiffusionPipeline, PipelineQuantizationConfig
+
+    from paradiff.testing.pipelines import default_call_kwargs
+
+    torch.set_num_threads(1)
+    config = PipelineQuantizationConfig(quant_mapping={"transformer": gguf_config()})
+    pipe = paradiff.load_pipeline(folder, parallel_config=parallel_config("tp2"), transformer_file=file,
+                                  quantization_config=config, device="cpu")
+    pipe.set_progress_bar_config(disable=True)
+    cls = type(pipe.transformer)
+    alone = paradiff.from_pretrained(cls, file, config=folder, subfolder="transformer",
+                                     quantization_config=gguf_config(), parallel_config=parallel_config("tp2"),
+                                     device="cpu")
+    held = dict(pipe.transformer.named_parameters())
+    expected = dict(alone.named_parameters())
+    assert held.keys() == expected.keys()
+    packed = 0
+    for name, param in expected.items():
+        assert type(held[name]) is type(param) and torch.equal(held[name].data, param.data), name
+        packed += getattr(param, "quant_type", None) is not None
+    transformer = cls.from_single_file(file, config=folder, subfolder="transformer", quantization_config=gguf_config(),
+                                       torch_dtype=torch.float32)
+    reference = DiffusionPipeline.from_pretrained(folder, transformer=transformer)
+    reference.set_progress_bar_config(disable=True)
+    kwargs = default_call_kwargs("flux2")
+    actual = np.asarray(pipe(**kwargs, seed=0).images)
+    wanted = np.asarray(reference(**kwargs, generator=torch.Generator().manual_seed(0)).images)
+    del pipe
+    # staged: the file's slices read again at the transformer's stage and wrapped in place
+    staged = paradiff.load_pipeline(folder, parallel_config=parallel_config("tp2"), transformer_file=file,
+                                    quantization_config=config, device="cpu", stages=True)
+    staged.set_progress_bar_config(disable=True)
+    staged_image = np.asarray(staged(**kwargs, seed=0).images)
+    return {"diff": float(np.abs(actual - wanted).max()), "packed": packed, "spread": float(wanted.std()),
+            "staged_diff": float(np.abs(staged_image - wanted).max()),
+            "staged_packed": staged.quantization_report()["transformer"]["quantized_linears"]}

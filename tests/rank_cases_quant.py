@@ -144,17 +144,23 @@ def quantized_equivalence(cases: list[dict]) -> list[dict]:
     return results
 
 
-def refused_before_read(family: str, folder: str, scheme: str, mode: str) -> str:
-    """The error a rank raises for a quantized load paradiff cannot do exactly; no weight may be read first."""
+def refused_before_read(family: str, folder: str, scheme: str | None, mode: str) -> str:
+    """The error a rank raises for a quantized load paradiff cannot do exactly; no weight may be read first.
+    `scheme` None: the folder is pre-quantized."""
     original = Checkpoint.read
 
     def refuse(*_args, **_kwargs):
         raise AssertionError("a weight was read before the quantization request was checked")
 
-    Checkpoint.read = refuse
+    def refuse_weights(self, name, *args, **kwargs):  # a pre-quantized file's quant-state records may be read
+        if ".quant_state.bitsandbytes__" in name:
+            return original(self, name, *args, **kwargs)
+        return refuse()
+
+    Checkpoint.read = refuse_weights
     try:
-        paradiff.from_pretrained(model_class(family), folder, quantization_config=quant_config(scheme),
-                                 parallel_config=parallel_config(mode), device="cpu")
+        paradiff.from_pretrained(model_class(family), folder, parallel_config=parallel_config(mode), device="cpu",
+                                 quantization_config=None if scheme is None else quant_config(scheme))
     except Exception as exc:  # noqa: BLE001 - the error is what the test checks
         return f"{type(exc).__name__}: {exc}"
     finally:
@@ -422,3 +428,187 @@ def pipeline_requests_refused(folder: str, mode: str) -> list[str]:
     finally:
         Checkpoint.read = original
     return errors
+
+
+def load_memory(family: str, folder: str, schemes: list[str]) -> list[dict]:
+    """For each scheme, a tp2 quantized load on fresh memory: the peak growth of this rank's anonymous resident memory
+    during `from_pretrained`, the bytes it holds after (quantized weights and scales, other parameters), the bytes it
+    read from the checkpoint and the largest slice it reads of one weight (in the load dtype)."""
+    import ctypes
+    import gc
+
+    from paradiff.quant.apply import quantization_summary
+    from paradiff.runtime.memory import PeakMemory, release_freed_memory, rss_anon_bytes
+
+    # a fixed mmap threshold: every weight-sized block comes from mmap and goes back to the system when freed, so
+    # the peak counts what is held, not glibc's growing heap (its threshold otherwise rises after each large free)
+    ctypes.CDLL(None).mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+    cpu = torch.device("cpu")
+    # the first load in a process also pays for diffusers' and the backends' lazy imports (80 MB here): not measured
+    paradiff.from_pretrained(model_class(family), folder, quantization_config=quant_config(schemes[0]),
+                             parallel_config=parallel_config("tp2"), device="cpu", progress=False)
+    results = []
+    original = Checkpoint.read
+    for scheme in schemes:
+        counted = {"bytes": 0, "largest": 0}
+
+        def counting_read(self, *args, **kwargs):
+            tensor = original(self, *args, **kwargs)
+            counted["bytes"] += tensor.numel() * tensor.element_size()
+            counted["largest"] = max(counted["largest"], tensor.numel() * tensor.element_size())
+            return tensor
+
+        gc.collect()
+        release_freed_memory(cpu)
+        memory = PeakMemory(cpu)
+        Checkpoint.read = counting_read
+        try:
+            with memory.active():
+                memory.reset()
+                baseline = rss_anon_bytes()
+                model = paradiff.from_pretrained(model_class(family), folder, quantization_config=quant_config(scheme),
+                                                 parallel_config=parallel_config("tp2"), device="cpu", progress=False)
+                peak = memory.peak()
+        finally:
+            Checkpoint.read = original
+        held = quantization_summary(model)
+        results.append({"scheme": scheme, "growth": peak - baseline, "quantized_bytes": held["quantized_bytes"],
+                        "full_precision_bytes": held["full_precision_bytes"], "quantized_linears": held["quantized_linears"],
+                        "read_bytes": counted["bytes"], "largest_read": counted["largest"]})
+        del model
+    return results
+
+
+def load_memory_fresh(rank: int, world_size: int, family: str, folder: str, schemes: list[str]) -> list[dict]:
+    """`load_memory` in a freshly spawned rank (paradiff.distributed.spawn.run_ranks): what earlier cases left in a
+    pool process (its allocator's state, gloo groups, compiled code) would count in the growth."""
+    return load_memory(family, folder, schemes)
+
+
+def _saved_reference(cls, folder: str, kind: str) -> nn.Module:
+    """The single-device model diffusers builds from a pre-quantized folder: its own torchao load; for
+    bitsandbytes 4-bit (diffusers needs a GPU for it) the same steps on CPU (paradiff.testing.quant)."""
+    if kind.startswith("bnb"):
+        from paradiff.testing.quant import reference_bnb_4bit
+
+        return reference_bnb_4bit(cls, folder)
+    model = cls.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    # fresh storage for its plain tensors (diffusers may keep views of the file's buffer, 8-byte aligned: a GEMM over
+    # an unaligned weight may round differently, which is no property of the weights)
+    for module in model.modules():
+        for leaf, param in list(module._parameters.items()):
+            if param is not None and type(param) is nn.Parameter and type(param.data) is torch.Tensor:
+                module._parameters[leaf] = nn.Parameter(param.data.clone(), requires_grad=False)
+    return model
+
+
+def _bnb_held(weight, dequantize: bool) -> dict[str, torch.Tensor]:
+    """A bitsandbytes 4-bit weight's packed codes and absmax (float32: the double-quantized absmax dequantized as
+    bitsandbytes does before each product; else as held, with the nested absmax)."""
+    import bitsandbytes.functional as bnb_functional
+
+    state = weight.quant_state
+    parts = {"packed": weight.data.reshape(-1)}
+    if state.nested and dequantize:
+        parts["absmax"] = bnb_functional.dequantize_blockwise(state.absmax, state.state2) + state.offset
+    else:
+        parts["absmax"] = state.absmax
+        if state.nested:
+            parts["nested_absmax"] = state.state2.absmax
+    return parts
+
+
+def saved_equivalence(cases: list[dict]) -> list[dict]:
+    """For each pre-quantized checkpoint (family, folder, kind, mode): every shard is the slice of what the
+    single-device model diffusers builds holds (bnb: packed codes and absmax; torchao: data and scales), paradiff's
+    single process holds exactly that model's tensors, and the outputs match it. Returns the bytes this rank read."""
+    results = []
+    original = Checkpoint.read
+    for case in cases:
+        family, folder, kind, mode = case["family"], case["folder"], case["kind"], case["mode"]
+        cls = model_class(family)
+        reference = _saved_reference(cls, folder, kind)
+        single = paradiff.from_pretrained(cls, folder, device="cpu", progress=False)
+        counted = {"bytes": 0}
+
+        def counting_read(self, *args, **kwargs):
+            tensor = original(self, *args, **kwargs)
+            counted["bytes"] += tensor.numel() * tensor.element_size()
+            return tensor
+
+        Checkpoint.read = counting_read
+        try:
+            model = paradiff.from_pretrained(cls, folder, parallel_config=parallel_config(mode), device="cpu",
+                                             progress=False)
+        finally:
+            Checkpoint.read = original
+        plan = get_state(model).tp_plan
+        checked, split = 0, 0
+        for name, module in reference.named_modules():
+            weight = getattr(module, "weight", None)
+            if not isinstance(module, nn.Linear) or not (hasattr(weight, "qdata") or hasattr(weight, "quant_state")):
+                continue
+            spec = plan.spec_for(f"{name}.weight") if plan is not None else None
+            alone = single.get_submodule(name).weight
+            held = model.get_submodule(name).weight
+            if kind.startswith("bnb"):
+                whole = _bnb_held(weight, dequantize=False)
+                assert all(torch.equal(t, _bnb_held(alone, False)[k]) for k, t in whole.items()), name
+                assert alone.quant_state.nested == weight.quant_state.nested, name
+                full = {**_bnb_held(weight, dequantize=True), "shape": tuple(weight.quant_state.shape)}
+                expected = _nf4_expected(full, spec)
+                actual = _bnb_held(held, dequantize=True)
+                assert tuple(held.quant_state.shape) == tuple(full["shape"] if spec is None
+                                                              else spec.local_shape(full["shape"])), name
+            else:
+                whole = _torchao_parts(weight)
+                assert all(torch.equal(t, _torchao_parts(alone)[k]) for k, t in whole.items()), name
+                expected = _torchao_expected(whole, spec)
+                actual = _torchao_parts(held)
+            for part, tensor in expected.items():
+                assert actual[part].shape == tensor.shape and torch.equal(actual[part], tensor), (name, part)
+            checked += 1
+            split += spec is not None
+        diffs, single_diffs = [], []
+        for batch in (1, 2):
+            inputs = make_inputs(family, reference.config, batch=batch, lengths=Lengths(height=4, width=4, text=6))
+            expected = run_forward(reference, inputs)
+            scale = expected.abs().max()
+            diffs.append(float((run_forward(model, inputs) - expected).abs().max() / scale))
+            single_diffs.append(float((run_forward(single, inputs) - expected).abs().max() / scale))
+        results.append({**{k: case[k] for k in ("family", "kind", "mode")}, "checked": checked, "split": split,
+                        "relative_diff": max(diffs), "single_diff": max(single_diffs), "read_bytes": counted["bytes"]})
+    return results
+
+
+def saved_pipeline_image(folder: str, mode: str | None = None, stages: bool = False) -> dict:
+    """A pipeline whose transformer folder was saved quantized, loaded by paradiff (on the mesh with `mode`, or one
+    process), one seeded image and what the transformer held at its stage."""
+    import numpy as np
+
+    from paradiff.testing.pipelines import default_call_kwargs
+
+    torch.set_num_threads(1)
+    parallel = None if mode is None else paradiff.ParallelConfig.from_mode(mode)
+    pipe = paradiff.load_pipeline(folder, parallel_config=parallel, stages=stages, device="cpu")
+    pipe.set_progress_bar_config(disable=True)
+    image = np.asarray(pipe(**dict(default_call_kwargs("flux2"), num_inference_steps=2), seed=0).images)
+    state = get_state(pipe.transformer)
+    split = 0 if state is None or state.tp_plan is None else sum(
+        state.tp_plan.spec_for(f"{name}.weight") is not None for name, m in pipe.transformer.named_modules()
+        if isinstance(m, nn.Linear))
+    return {"image": image, "transformer": pipe.quantization_report()["transformer"], "split": split}
+
+
+def saved_pipelines_staged(runs: list[dict], references: dict[str, object]) -> list[dict]:
+    """Each run (kind, folder, mode): the staged pipeline on the mesh (the transformer's stored parts read again at
+    its stage, held as read) against the single-process resident pipeline of the same folder."""
+    import numpy as np
+
+    results = []
+    for run in runs:
+        got = saved_pipeline_image(run["folder"], run["mode"], stages=True)
+        results.append({**{k: v for k, v in run.items() if k != "folder"}, "rank": dist.get_rank(),
+                        "image": float(np.abs(got["image"] - references[run["kind"]]).max()),
+                        "transformer": got["transformer"], "split": got["split"]})
+    return results

@@ -21,6 +21,11 @@ def test_first_step_is_not_computed_twice(pools, family, compiled):
         assert result["computed"] == STEPS, result
 
 
+def test_the_two_predictions_are_exchanged_whatever_their_shapes(pools):
+    for result in pools.get(2).run(cases.cfg_pair_of_different_shapes):
+        assert result["first"] and result["second"], result
+
+
 def test_without_a_meta_run_the_first_call_is_learned_once(pools):
     results = pools.get(2).run(cases.cfg_pairs, steps=STEPS, meta=False)
     assert [r["computed"] for r in results] == [STEPS, STEPS + 1], results
@@ -86,8 +91,8 @@ def test_pipeline_at_cfg2_x_tp2_matches_single_process(pools, tiny_pipeline_fold
         _check_pipeline(result, family)
 
 
-def unclassified_folder(tmp_path, pipeline: str = "AllegroPipeline", transformer: str = "AllegroTransformer3DModel"
-                        ) -> str:
+def unclassified_folder(tmp_path, pipeline: str = "EasyAnimateControlPipeline",
+                        transformer: str = "EasyAnimateTransformer3DModel") -> str:
     """A pipeline folder of a class CFG_RULES does not list: refused from its model_index.json, nothing else read."""
     (tmp_path / "model_index.json").write_text(json.dumps({
         "_class_name": pipeline, "transformer": ["diffusers", transformer]}))
@@ -96,7 +101,8 @@ def unclassified_folder(tmp_path, pipeline: str = "AllegroPipeline", transformer
 
 @pytest.mark.parametrize("family,reason", [
     ("flux2", "Flux2Pipeline never runs classifier-free guidance (guidance-distilled"),
-    (None, "AllegroPipeline is not classified for CFG parallelism yet ("),
+    # (EasyAnimate Control fails in diffusers 0.42.1 itself, so nothing verifies a rule for it)
+    (None, "EasyAnimateControlPipeline is not classified for CFG parallelism yet ("),
     ("SanaPAGPipeline", "SanaPAGPipeline is not supported with CFG parallelism yet: perturbed-attention guidance"),
     ("LTX2Pipeline", "LTX2Pipeline is not supported with CFG parallelism yet: it runs up to four branches"),
 ], ids=["never-guides", "not-classified", "pag", "ltx2"])
@@ -166,3 +172,28 @@ def test_docs_table_is_generated_from_the_rules():
     docs = (Path(__file__).parents[1] / "docs" / "pipelines.md").read_text()
     table = "\n".join("  " + line for line in cfg_rules_table().splitlines())
     assert table in docs, "docs/pipelines.md's CFG table is stale: paste cfg_rules_table() (indented two spaces)"
+
+
+def test_batch_split_cuts_a_cache_along_its_batch_dim_and_hands_the_callers_cache_back():
+    # AnyFlow FAR: each block's KV cache (2, batch, heads, tokens, head_dim) holds the branches along dim 1; the
+    # cache-encoding call returns no prediction, only the cache (the caller's, not this rank's view of it)
+    import torch
+
+    from paradiff.errors import ParallelConfigError
+    from paradiff.runtime.cfg import BatchCfgSplitter
+
+    splitter = BatchCfgSplitter(group=None, cfg_rank=1, cfg_degree=2, batched=("hidden_states", "kv_cache"),
+                                parameter_names=("hidden_states", "kv_cache"), batch_dims={"kv_cache": 1})
+    cache = {0: {"full": torch.zeros(2, 4, 3)}}
+
+    def fill(hidden_states, kv_cache):
+        assert hidden_states.shape[0] == 2 and kv_cache[0]["full"].shape == (2, 2, 3)
+        kv_cache[0]["full"].fill_(1.0)
+        return None, kv_cache
+
+    sample, returned = splitter(fill, (torch.zeros(4, 5),), {"kv_cache": cache})
+    assert sample is None and returned is cache
+    assert cache[0]["full"][:, 2:].eq(1).all() and cache[0]["full"][:, :2].eq(0).all()
+    with pytest.raises(ParallelConfigError, match=r"'kv_cache' has batch 2 \(dim 0\)"):
+        BatchCfgSplitter(group=None, cfg_rank=0, cfg_degree=2, batched=("kv_cache",),
+                         parameter_names=("hidden_states",))(fill, (torch.zeros(4, 5),), {"kv_cache": cache})

@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -15,14 +13,14 @@ from PIL import Image
 from paradiff.cli.embedded import embedded_default
 from paradiff.cli.relay import NativeTraceFilter
 from paradiff.distributed.spawn import free_port
+from paradiff.testing import command
 
 SMALL = ["--steps", "2", "--height", "32", "--width", "32"]
 
 
 def paradiff(*args: str, env: dict | None = None, timeout: float = 300,
              module: str = "paradiff.cli") -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, **(env or {})))
+    return command.run(["-m", module, *args], timeout=timeout, env=dict(os.environ, **(env or {})))
 
 
 def _no_workers_left(marker: str) -> bool:
@@ -200,11 +198,10 @@ def test_two_nodes_on_loopback(tmp_path):
     """Two torchrun 'nodes' (--nnodes 2), one process each, form one tp=2 mesh."""
     port = free_port()
     out = tmp_path / "out"
-    common = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+    common = ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0",
               "-m", "paradiff.cli", "generate", "--tp", "2", *SMALL, "--out", str(out)]
-    nodes = [subprocess.Popen(common[:3] + ["--node-rank", str(rank)] + common[3:], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    nodes = [command.start(common[:2] + ["--node-rank", str(rank)] + common[2:]) for rank in range(2)]
     outputs = [node.communicate(timeout=300) for node in nodes]
     assert all(node.returncode == 0 for node in nodes), [o[1][-2000:] for o in outputs]
     report = json.loads((out / "report.json").read_text())

@@ -32,15 +32,16 @@ def test_missing_folder_that_is_no_hub_id(tmp_path, capsys, no_worker, monkeypat
 
 @pytest.mark.parametrize("family,reason", [
     ("flux2", "Flux2Pipeline never runs classifier-free guidance (guidance-distilled"),
-    (None, "AllegroPipeline is not classified for CFG parallelism yet ("),
+    (None, "EasyAnimateControlPipeline is not classified for CFG parallelism yet ("),
 ], ids=["never-guides", "not-classified"])
 def test_cfg_on_a_pipeline_paradiff_cannot_split_by_cfg(tiny_pipeline_folders, tmp_path, capsys, no_worker, family,
                                                          reason):
     if family is None:
-        (tmp_path / "allegro").mkdir()
-        (tmp_path / "allegro" / "model_index.json").write_text(json.dumps({
-            "_class_name": "AllegroPipeline", "transformer": ["diffusers", "AllegroTransformer3DModel"]}))
-    folder = str(tiny_pipeline_folders[family]) if family else str(tmp_path / "allegro")
+        (tmp_path / "unclassified").mkdir()
+        (tmp_path / "unclassified" / "model_index.json").write_text(json.dumps({
+            "_class_name": "EasyAnimateControlPipeline",
+            "transformer": ["diffusers", "EasyAnimateTransformer3DModel"]}))
+    folder = str(tiny_pipeline_folders[family]) if family else str(tmp_path / "unclassified")
     code, err = run(capsys, "generate", folder, "--cfg", "2", "--out", str(tmp_path))
     assert (code, no_worker) == (2, [])
     assert err.startswith(f"paradiff: error: --cfg 2: {folder}: {reason}") and err.strip().endswith(". Use --cfg 1")

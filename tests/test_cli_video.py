@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import av
 import numpy as np
@@ -16,16 +14,15 @@ from PIL import Image
 import rank_cases_cli as cases
 from paradiff.cli.args import CliError, build_parser, check_args
 from paradiff.cli.embedded import embedded_default
-from paradiff.testing.pipelines import save_pipeline
+from paradiff.testing import command
 
 VIDEO = ["--frames", "5", "--steps", "2", "--height", "32", "--width", "32"]
 FAMILIES = ("wan2.2", "hunyuanvideo", "ltx")
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("video-pipelines")
-    return {family: str(save_pipeline(family, root / family)) for family in FAMILIES}
+def folders(tiny_pipeline_folders):
+    return {family: str(tiny_pipeline_folders[family]) for family in FAMILIES}
 
 
 def _luma(frames: np.ndarray) -> np.ndarray:
@@ -76,8 +73,8 @@ def test_videos_under_tp2_ulysses2_equal_the_single_process_videos(pools, folder
 def test_paradiff_generate_command_writes_a_video(folders, tmp_path):
     """The real command (launcher, two workers) on a video pipeline folder."""
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "paradiff.cli", "generate", folders["wan2.2"], "--ulysses", "2",
-                             *VIDEO, "--fps", "8", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    result = command.run(["-m", "paradiff.cli", "generate", folders["wan2.2"], "--ulysses", "2",
+                          *VIDEO, "--fps", "8", "--out", str(out)], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "1 video(s) (5 frames)" in result.stdout
     report = json.loads((out / "report.json").read_text())

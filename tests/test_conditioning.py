@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 import rank_cases_conditioning as cases
+from paradiff.testing import command
 
 RTOL = 1e-5
 CP_MODES = {"ulysses2": dict(ulysses=2), "ring2": dict(ring=2)}
@@ -173,6 +174,16 @@ def test_valid_conditioning_reaches_the_launcher_and_the_call(tiny_pipeline_fold
     assert np.array_equal(np.asarray(kwargs["image"]), np.asarray(Image.open(pictures["image"]).convert("RGB")))
 
 
+def test_a_pipeline_naming_the_input_otherwise_gets_it_under_its_keyword(tiny_pipeline_folders, tmp_path, pictures,
+                                                                         no_worker):
+    # LTX's long multi-prompt I2V takes its image as cond_image= (plans/pipelines.py, CALL_KEYWORDS)
+    argv = ["generate", str(tiny_pipeline_folders["ltx"]), "--pipeline", "LTXI2VLongMultiPromptPipeline", "--image",
+            pictures["image"], "--out", str(tmp_path / "out")]
+    assert main(argv) == 0 and len(no_worker) == 1
+    kwargs = call_kwargs(build_parser().parse_args(argv))
+    assert "image" not in kwargs and kwargs["cond_image"].size == (32, 32)
+
+
 def test_controlnet_scale_on_a_pipeline_without_a_controlnet(tiny_pipeline_folders, tmp_path, capsys, no_worker):
     err = _error(capsys, no_worker, str(tiny_pipeline_folders["flux"]), "--controlnet-scale", "0.5",
                  "--out", str(tmp_path / "out"))
@@ -194,6 +205,24 @@ def test_controlnet_scale_and_control_image_reach_the_call(controlnet_folder, tm
     assert kwargs["controlnet_conditioning_scale"] == 0.6 and kwargs["control_image"].size == (32, 32)
 
 
+def test_last_and_reference_images_reach_the_call_where_the_pipeline_takes_them(tiny_pipeline_folders, tmp_path,
+                                                                                  pictures, capsys, no_worker):
+    wan = str(tiny_pipeline_folders["wan"])
+    err = _error(capsys, no_worker, wan, "--last-image", pictures["image"], "--out", str(tmp_path / "out"))
+    assert err.startswith("paradiff: error: --last-image: WanPipeline's __call__ takes no last_image"), err
+    err = _error(capsys, no_worker, wan, "--pipeline", "WanVACEPipeline", "--reference-image", pictures["text"],
+                 "--out", str(tmp_path / "out"))
+    assert err.startswith(f"paradiff: error: --reference-image {pictures['text']}: not a readable image"), err
+    argv = ["generate", wan, "--pipeline", "WanImageToVideoPipeline", "--image", pictures["image"], "--last-image",
+            pictures["mask"], "--ulysses", "2", "--out", str(tmp_path / "out")]
+    assert main(argv) == 0 and len(no_worker) == 1
+    kwargs = call_kwargs(build_parser().parse_args(argv))
+    assert kwargs["last_image"].mode == "RGB" and kwargs["image"].size == kwargs["last_image"].size == (32, 32)
+    vace = ["generate", wan, "--pipeline", "WanVACEPipeline", "--reference-image", pictures["image"],
+            "--reference-image", pictures["mask"], "--out", str(tmp_path / "out")]
+    assert len(call_kwargs(build_parser().parse_args(vace))["reference_images"]) == 2
+
+
 def test_repeated_image_is_a_list_of_references(tiny_pipeline_folders, tmp_path, pictures):
     argv = ["generate", str(tiny_pipeline_folders["flux2"]), "--image", pictures["image"], "--image",
             pictures["mask"], "--out", str(tmp_path / "out")]
@@ -204,9 +233,6 @@ def test_repeated_image_is_a_list_of_references(tiny_pipeline_folders, tmp_path,
 # --- audio: a Stable Audio pipeline's sound written as WAV by the CLI -----------------------------------------------
 
 import json  # noqa: E402
-import os  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 import wave  # noqa: E402
 
 
@@ -229,11 +255,11 @@ def test_cli_writes_stable_audio_wav_equal_to_single_process(tmp_path):
 
     folder = save_stable_audio(tmp_path / "stable-audio")
     out = tmp_path / "out"
-    result = subprocess.run(
-        [sys.executable, "-m", "paradiff.cli", "generate", str(folder), "--ulysses", "2", "--prompt",
+    result = command.run(
+        ["-m", "paradiff.cli", "generate", str(folder), "--ulysses", "2", "--prompt",
          CALL_KWARGS["prompt"], "--negative-prompt", CALL_KWARGS["negative_prompt"], "--guidance-scale",
          str(CALL_KWARGS["guidance_scale"]), "--steps", str(CALL_KWARGS["num_inference_steps"]), "--out", str(out)],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ))
+        timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     entry = report["outputs"]["0"]
@@ -256,12 +282,12 @@ def test_cli_inpaints_with_another_pipeline_class_at_ulysses2(tiny_pipeline_fold
     """--pipeline FluxInpaintPipeline on the FLUX.1 text-to-image folder, with --image, --mask and --strength, at
     ulysses2: --compare (diffusers' FluxInpaintPipeline, same inputs, one process) finds the same image."""
     out = tmp_path / "out"
-    result = subprocess.run(
-        [sys.executable, "-m", "paradiff.cli", "generate", str(tiny_pipeline_folders["flux"]), "--pipeline",
+    result = command.run(
+        ["-m", "paradiff.cli", "generate", str(tiny_pipeline_folders["flux"]), "--pipeline",
          "FluxInpaintPipeline", "--image", pictures["image"], "--mask", pictures["mask"], "--strength", "0.75",
          "--ulysses", "2", "--steps", "4", "--height", "32", "--width", "32", "--guidance-scale", "3.5",
          "--compare", "--out", str(out)],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ))
+        timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["config"]["ulysses"] == 2 and report["outputs"]["0"]["kind"] == "image"

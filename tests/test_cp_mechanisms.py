@@ -32,6 +32,11 @@ def test_split_with_ndim_leaves_other_ranks_whole_inside_containers():
     per_sample, per_token = torch.ones(2, 5), torch.ones(2, 6, 5, 4)
     out = _split((per_sample, per_token), Split(2, ndim=4), rank_of(1, 2), "temb")
     assert out[0] is per_sample and out[1].shape == (2, 6, 2, 4)
+    # several ranks: LTX's timestep, per sample (batch,), per token (batch, tokens) or (batch, tokens, 1)
+    timesteps = torch.ones(2), torch.arange(14.0).view(2, 7), torch.arange(14.0).view(2, 7, 1)
+    out = _split(timesteps, Split(1, ndim=(2, 3)), rank_of(1, 2), "timestep")
+    assert out[0] is timesteps[0]
+    assert torch.equal(out[1], timesteps[1][:, 4:]) and torch.equal(out[2], timesteps[2][:, 4:])
 
 
 def test_split_names_items_of_a_tuple_argument():

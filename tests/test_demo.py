@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
 import rank_cases_demo as cases
 from demo_judge import judge, parse, score
 from paradiff.demo import CALL_KWARGS, DEFAULT_PROMPTS, DEFAULT_STEPS, pipeline_path
 from paradiff.demo.shapes import HELD_OUT, combinations
+from paradiff.testing import command
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -167,13 +165,12 @@ def test_training_script_runs_deterministically_and_its_losses_fall(tmp_path):
     runs = []
     try:
         for name in ("a", "b"):
-            command = [sys.executable, str(REPO / "tools" / "train_demo.py"), "--quick", "--out",
-                       str(tmp_path / name), "--work", str(tmp_path / f"work-{name}")]
-            runs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                         env=dict(os.environ, PYTHONPATH=str(REPO / "src"))))
+            runs.append(command.start([str(REPO / "tools" / "train_demo.py"), "--quick", "--out", str(tmp_path / name),
+                                       "--work", str(tmp_path / f"work-{name}")],
+                                      env=dict(os.environ, PYTHONPATH=str(REPO / "src"))))
         for run in runs:
-            output, _ = run.communicate(timeout=600)
-            assert run.returncode == 0, output[-3000:]
+            output, errors = run.communicate(timeout=600)
+            assert run.returncode == 0, (output + errors)[-3000:]
     finally:
         for run in runs:
             if run.poll() is None:

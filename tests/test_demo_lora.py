@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +17,7 @@ import rank_cases_demo as cases
 from demo_judge import judge, parse
 from paradiff.cli.args import CliError, build_parser, check_args
 from paradiff.demo import LORA_FILE, pipeline_path
+from paradiff.testing import command
 
 REPO = Path(__file__).resolve().parents[1]
 RTOL = 1e-5
@@ -111,13 +110,11 @@ def test_lora_training_script_runs_deterministically(tmp_path):
     runs = []
     try:
         for name in ("a", "b"):
-            command = [sys.executable, str(REPO / "tools" / "train_demo_lora.py"), "--quick", "--out",
-                       str(tmp_path / name)]
-            runs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                         env=dict(os.environ, PYTHONPATH=str(REPO / "src"))))
+            runs.append(command.start([str(REPO / "tools" / "train_demo_lora.py"), "--quick", "--out",
+                                       str(tmp_path / name)], env=dict(os.environ, PYTHONPATH=str(REPO / "src"))))
         for run in runs:
-            output, _ = run.communicate(timeout=300)
-            assert run.returncode == 0, output[-3000:]
+            output, errors = run.communicate(timeout=300)
+            assert run.returncode == 0, (output + errors)[-3000:]
     finally:
         for run in runs:
             if run.poll() is None:

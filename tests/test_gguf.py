@@ -267,3 +267,75 @@ def test_damaged_gguf_file_is_refused_before_any_read(small_file, tmp_path, dama
     broken.write_bytes(damage(small_file.read_bytes()))
     with pytest.raises(CheckpointError, match=fragment):
         GGUFFile(broken)
+
+
+def pipeline_gguf_type(name: str, tensor: torch.Tensor) -> str:
+    """Q8_0 for the 2-D weights whose tp2 column slices are whole 32-blocks, Q4_0 for the MLPs', BF16 otherwise."""
+    if tensor.dim() != 2 or tensor.shape[-1] % 64:
+        return "BF16" if tensor.dim() == 2 else "F32"
+    return "Q4_0" if "mlp" in name or "linear1" in name else "Q8_0"
+
+
+def test_load_pipeline_reads_the_transformer_from_a_gguf_file(pools, tiny_pipeline_folders, tmp_path):
+    """load_pipeline(tp2, transformer_file=...) over the tiny FLUX.2 pipeline with its transformer as a GGUF file:
+    the transformer's shards are those of from_pretrained(file) at tp2, the images those of diffusers' pipeline
+    with the file's from_single_file transformer; the same staged (the slices read again at their stage)."""
+    folder = tiny_pipeline_folders["flux2"]
+    transformer = model_class("flux2").from_pretrained(folder / "transformer")
+    file = tmp_path / "transformer.gguf"
+    types = save_flux2_gguf(transformer, file, pipeline_gguf_type)
+    assert {"Q8_0", "Q4_0", "BF16"} <= set(types.values()), types
+    results = pools.get(2).run(cases.pipeline_gguf, folder=str(folder), file=str(file), timeout_s=600)
+    for result in results:
+        assert result["packed"] > 10 and result["spread"] > 0.05, result
+        assert result["diff"] <= 1e-5 and result["staged_diff"] <= 1e-5, result
+        assert result["staged_packed"] == result["packed"], result
+
+
+def test_load_pipeline_gguf_file_without_its_config_is_refused_before_any_read(tiny_pipeline_folders, tmp_path,
+                                                                               monkeypatch):
+    from diffusers import PipelineQuantizationConfig
+
+    folder = tiny_pipeline_folders["flux2"]
+    monkeypatch.setattr(GGUFFile, "read", lambda *a, **k: (_ for _ in ()).throw(AssertionError("read")))
+    file = tmp_path / "t.gguf"
+    save_flux2_gguf(model_class("flux2").from_pretrained(folder / "transformer"), file, pipeline_gguf_type)
+    int8 = PipelineQuantizationConfig(quant_mapping={"transformer": BitsAndBytesConfig(load_in_4bit=True)})
+    for config, fragments in ((None, ["no quantization_config", "GGUFQuantizationConfig(compute_dtype=...)"]),
+                              (int8, ["BitsAndBytesConfig(...)", "quant_mapping={'transformer': GGUF"])):
+        with pytest.raises(ParallelConfigError) as caught:
+            paradiff.load_pipeline(folder, transformer_file=str(file), quantization_config=config, device="cpu")
+        assert all(fragment in str(caught.value) for fragment in fragments), str(caught.value)
+    with pytest.raises(ParallelConfigError, match="'transformer_9', which is not a transformer"):
+        paradiff.load_pipeline(folder, transformer_file={"transformer_9": str(file)}, device="cpu")
+
+
+@pytest.mark.slow
+def test_generate_gguf_splits_the_file_and_checks_it_before_any_worker(tiny_pipeline_folders, tmp_path):
+    """`paradiff generate FOLDER --tp 2 --gguf FILE --compare`: each rank reports the packed weights it holds, and
+    the image equals diffusers' pipeline with the file's from_single_file transformer; at --tp 4 the file's Q8_0
+    blocks would be cut (16 of a 64-column weight a rank): one line, exit code 2, before any worker starts."""
+    import json
+    import subprocess
+    import sys
+
+    folder = tiny_pipeline_folders["flux2"]
+    good = tmp_path / "good.gguf"
+    save_flux2_gguf(model_class("flux2").from_pretrained(folder / "transformer"), good, pipeline_gguf_type)
+    common = [sys.executable, "-m", "paradiff.cli", "generate", str(folder), "--prompt", "a red fox",
+              "--height", "32", "--width", "32", "--steps", "2"]
+    refused = subprocess.run([*common, "--tp", "4", "--gguf", str(good), "--out", str(tmp_path / "bad")],
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    line = refused.stderr.strip().splitlines()[-1]
+    assert "--gguf" in line and "--tp 4" in line and "Q8_0" in line and "would cut" in line, line
+    assert not (tmp_path / "bad" / "report.json").exists()
+    out = tmp_path / "run"
+    result = subprocess.run([*common, "--tp", "2", "--gguf", f"transformer={good}", "--compare", "--out", str(out)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["config"]["gguf"] == [f"transformer={good}"]
+    assert report["compared_outputs"] == 1 and report["max_abs_diff_vs_single_process"] <= 1e-5, report
+    held = [rank["quantization"]["transformer"] for rank in report["ranks"]]
+    assert len(held) == 2 and all(item["scheme"] == "gguf" and item["quantized_linears"] > 10 for item in held), held

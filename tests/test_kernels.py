@@ -12,6 +12,7 @@ from paradiff.context_parallel.kernels import (
     available_backends,
     check_backend,
     math_attention,
+    aligned_bias,
     merge_lse,
 )
 from paradiff.errors import ParallelConfigError
@@ -139,3 +140,13 @@ def test_backend_checks():
     if "flash" not in available_backends():
         with pytest.raises(ParallelConfigError, match="'flash' is not available here"):
             check_backend("flash", "ring")
+
+
+def test_a_mask_bias_is_handed_to_cuda_kernels_with_aligned_strides():
+    """CUDA's memory-efficient attention refuses a bias whose strides (but the last) are not multiples of 8 (found
+    on an H200 with 131 keys); the bias keeps its values and shape, as a view into padded rows."""
+    bias = torch.randn(2, 1, 7, 131)
+    aligned = aligned_bias(bias)
+    assert aligned.shape == bias.shape and torch.equal(aligned, bias)
+    assert all(stride % 16 == 0 for stride in aligned.stride()[:-1]) and aligned.stride(-1) == 1
+    assert aligned_bias(torch.zeros(2, 1, 1, 32)).stride() == (32, 32, 32, 1)

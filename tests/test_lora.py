@@ -17,6 +17,7 @@ from paradiff.tensor_parallel.plan import TensorParallelPlan, resolve_plan
 from paradiff.tensor_parallel.styles import ColwiseHeads, HeadNorm, PackedColwise, ShardSpec
 from paradiff.testing.lora import TARGETS, random_lora, save_kohya_flux_lora, save_lora, save_pipeline_loras
 from paradiff.testing.models import FAMILIES, build_model
+from paradiff.testing import command
 
 RTOL = 1e-5
 WEIGHTS = {"style": 0.7, "detail": 1.3}
@@ -234,16 +235,13 @@ def test_cli_generate_with_loras(tiny_pipeline_folders, pipeline_loras, tmp_path
     """`paradiff generate MODEL --lora PATH[:SCALE]` (twice) at tp2, --compare against diffusers with the same
     adapters; report.json lists them."""
     import json
-    import os
-    import subprocess
-    import sys
 
     loras = pipeline_loras["flux"]
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "paradiff.cli", "generate", str(tiny_pipeline_folders["flux"]), "--tp", "2",
+    argv = ["-m", "paradiff.cli", "generate", str(tiny_pipeline_folders["flux"]), "--tp", "2",
                "--prompt", "a cat", "--steps", "2", "--height", "32", "--width", "32", "--compare", "--out", str(out),
                "--lora", f"{loras['style']}:0.8", "--lora", str(loras["kohya"])]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    result = command.run(argv, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["loras"] == [

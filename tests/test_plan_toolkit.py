@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ from paradiff.plan_tools import family_examples as examples
 from paradiff.plans.auto import auto_tensor_plan
 from paradiff.plan_tools.check_plan import check_plan
 from paradiff.plan_tools.coverage import coverage_table
+from paradiff.testing import command
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-5
@@ -76,8 +75,8 @@ def test_check_plan_points_at_the_first_wrong_module(tmp_path):
 def test_check_plan_command_passes_a_builtin_plan_and_reports_every_module(tmp_path):
     """`paradiff check-plan` at tp2 x ulysses2: exit 0, one row per module with its difference and plan; a degree
     the heads refuse: exit 2 and the reason."""
-    command = [sys.executable, "-m", "paradiff.cli", "check-plan", "WanTransformer3DModel", "--tp", "2"]
-    passed = subprocess.run(command + ["--ulysses", "2"], capture_output=True, text=True, timeout=240)
+    argv = ["-m", "paradiff.cli", "check-plan", "WanTransformer3DModel", "--tp", "2"]
+    passed = command.run(argv + ["--ulysses", "2"], timeout=240)
     assert passed.returncode == 0, passed.stdout[-2000:] + passed.stderr[-2000:]
     assert "PASS: WanTransformer3DModel at tp2 x ulysses2" in passed.stdout, passed.stdout[-2000:]
     rows = {line.split()[0]: line.split()[2:] for line in passed.stdout.splitlines()[1:-1]}
@@ -85,13 +84,12 @@ def test_check_plan_command_passes_a_builtin_plan_and_reports_every_module(tmp_p
     compared = [name for name, rest in rows.items() if rest[0] != "-"]
     assert len(compared) > 0.8 * len(rows)  # shards and token chunks were aligned, not skipped
     assert "norm_across_heads" in " ".join(rows["blocks.0.attn1.norm_q"])
-    bad = subprocess.run(command[:-2] + ["--tp", "5"], capture_output=True, text=True, timeout=240)
+    bad = command.run(argv[:-2] + ["--tp", "5"], timeout=240)
     assert bad.returncode == 2 and "tp_degree=5 is larger than the attention head count" in bad.stdout + bad.stderr
 
 
 def test_plans_command_prints_a_plan_module_that_loads(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "paradiff.cli", "plans", "WanTransformer3DModel", "--auto"],
-                         capture_output=True, text=True, timeout=120)
+    out = command.run(["-m", "paradiff.cli", "plans", "WanTransformer3DModel", "--auto"], timeout=120)
     assert out.returncode == 0, out.stderr
     tensor_source = out.stdout.split('"""Plan for')[1]
     (tmp_path / "plan.py").write_text('"""Plan for' + tensor_source)

@@ -8,12 +8,13 @@ import torch
 from diffusers import BitsAndBytesConfig, GGUFQuantizationConfig, TorchAoConfig
 
 import paradiff
-from paradiff.errors import ParallelConfigError
+from paradiff.errors import CheckpointError, ParallelConfigError
 from paradiff.io.checkpoint import Checkpoint
 from paradiff.testing.lora import TARGETS
 from paradiff.testing.models import build_model, model_class, save_model, tiny_config
 
 import rank_cases_quant as cases
+from paradiff.testing import command
 
 FAMILIES = ("flux2", "wan")
 SCHEMES = ("int8", "fp8", "nf4")
@@ -151,8 +152,6 @@ def test_generate_quantize_reports_each_ranks_quantized_bytes(tmp_path):
     its stage ran (re-read and re-quantized at the stage): as many linears as diffusers' / transformers' own
     single-process int8 models, about half their bytes; the per-stage table prints them."""
     import json
-    import subprocess
-    import sys
 
     import diffusers
     import transformers
@@ -162,10 +161,9 @@ def test_generate_quantize_reports_each_ranks_quantized_bytes(tmp_path):
     from paradiff.quant.schemes import model_config_for, text_encoder_config_for
 
     out = tmp_path / "tp2"
-    result = subprocess.run([sys.executable, "-m", "paradiff.cli", "generate", "--tp", "2", "--prompt", "a cat",
-                             "--height", "32", "--width", "32", "--steps", "2", "--quantize", "int8",
-                             "--quantize-text-encoders", "--stages", "--out", str(out)],
-                            capture_output=True, text=True, timeout=600)
+    result = command.run(["-m", "paradiff.cli", "generate", "--tp", "2", "--prompt", "a cat",
+                          "--height", "32", "--width", "32", "--steps", "2", "--quantize", "int8",
+                          "--quantize-text-encoders", "--stages", "--out", str(out)], timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     split = json.loads((out / "report.json").read_text())
     assert split["config"]["quantize"] == "int8" and split["config"]["quantize_text_encoders"]
@@ -194,11 +192,8 @@ def test_generate_quantize_reports_each_ranks_quantized_bytes(tmp_path):
 
 
 def test_quantize_text_encoders_without_a_scheme_is_one_line_and_non_zero(tmp_path):
-    import subprocess
-    import sys
-
-    result = subprocess.run([sys.executable, "-m", "paradiff.cli", "generate", "--quantize-text-encoders",
-                             "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    result = command.run(["-m", "paradiff.cli", "generate", "--quantize-text-encoders", "--out", str(tmp_path / "out")],
+                         timeout=120)
     assert result.returncode == 2 and "--quantize-text-encoders" in result.stderr and "--quantize int8|fp8|nf4" \
         in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
@@ -359,3 +354,225 @@ def test_compiled_quantized_shards(pools, quant_checkpoints):
         for result in results:
             assert result["compiled_blocks"] == 2, result
             assert result["diff"] <= RELATIVE_TOLERANCE, result
+
+
+MIB = 2**20
+LOAD_CONSTANT = 8 * MIB  # the process groups, the meta model, Python objects: what a load adds besides weights
+
+
+@pytest.fixture(scope="module")
+def deep_checkpoint(tmp_path_factory) -> str:
+    """A Flux2 deep enough (6 double + 12 single blocks, 20M parameters, 80 MB in fp32) that a rank's fp32 share is
+    several times its quantized share plus one weight's slice."""
+    torch.manual_seed(5)
+    config = {**tiny_config("flux2", head_dim=64, layers=6, single_layers=12), **BLOCK_WIDE["flux2"]}
+    model = model_class("flux2")(**config).eval()
+    return str(save_model(model, tmp_path_factory.mktemp("quant-deep")))
+
+
+@pytest.mark.slow
+def test_load_peak_grows_by_the_quantized_share_not_the_full_precision_one(deep_checkpoint):
+    """tp2 int8 (column slices: extrema pass, then the quantizing read) and nf4: each rank's peak memory growth
+    during the load is at most what it holds after it (quantized weights and scales, other parameters) plus the
+    largest slice of one weight, twice (read, then quantized), and a small constant. Its fp32 share would not fit.
+    Fresh ranks, not the shared pool: a pool process that ran the cases above grows by up to 27 MiB more here."""
+    from paradiff.distributed.spawn import run_ranks
+
+    with Checkpoint(deep_checkpoint) as checkpoint:
+        full = sum(info.nbytes for info in checkpoint.tensors.values())
+    per_rank = run_ranks(cases.load_memory_fresh, 2, timeout_s=600, gloo_timeout_s=300,
+                         kwargs=dict(family="flux2", folder=deep_checkpoint, schemes=["int8", "nf4"]))
+    for rank, results in enumerate(per_rank):
+        for result in results:
+            where = f"rank {rank} {result['scheme']}: " + ", ".join(
+                f"{key} {value / MIB:.1f} MiB" for key, value in result.items() if key.endswith(("bytes", "growth",
+                                                                                                  "read")))
+            held = result["quantized_bytes"] + result["full_precision_bytes"]
+            limit = held + 2 * result["largest_read"] + LOAD_CONSTANT
+            assert result["quantized_linears"] > 50, where
+            assert result["growth"] <= limit, where
+            assert 0.5 * full > limit + 4 * MIB, where  # a rank's fp32 share, held before quantizing, would not fit
+        reads = {result["scheme"]: result["read_bytes"] for result in results}
+        assert reads["nf4"] <= 0.52 * full, reads  # its share, once (plus the small replicated tensors)
+        assert reads["nf4"] < reads["int8"] <= 0.52 * full + 0.5 * reads["nf4"], reads  # column slices read twice
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoints(tmp_path_factory) -> dict[tuple[str, str], str]:
+    """(family, kind) -> a pre-quantized folder, as diffusers saves it: bitsandbytes nf4, nf4 / fp4 with double
+    quantization (written on CPU by paradiff.testing.quant), torchao int8 / fp8 (diffusers' own save)."""
+    from diffusers import BitsAndBytesConfig
+
+    from paradiff.testing.quant import save_bnb_4bit
+
+    folders = {}
+    kinds = {"flux2": ("bnb-nf4", "bnb-fp4-double", "torchao-int8", "torchao-fp8"),
+             "wan": ("bnb-nf4-double", "torchao-int8")}
+    for family in FAMILIES:
+        model = block_wide_model(family)
+        plain = save_model(model, tmp_path_factory.mktemp(f"plain-{family}"))
+        for kind in kinds[family]:
+            if not kind.startswith("bnb"):
+                continue
+            config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind.split("-")[1],
+                                        bnb_4bit_use_double_quant=kind.endswith("double"),
+                                        bnb_4bit_compute_dtype=torch.float32)
+            folders[family, kind] = str(save_bnb_4bit(model, tmp_path_factory.mktemp(f"{kind}-{family}"), config))
+        for scheme in [kind.split("-")[1] for kind in kinds[family] if kind.startswith("torchao")]:
+            quantized = model_class(family).from_pretrained(plain, quantization_config=cases.quant_config(scheme),
+                                                            torch_dtype=torch.float32)
+            folder = tmp_path_factory.mktemp(f"ao-{scheme}-{family}")
+            quantized.save_pretrained(folder)
+            folders[family, f"torchao-{scheme}"] = str(folder)
+    return folders
+
+
+def _weights_bytes(folder: str) -> int:
+    with Checkpoint(folder) as checkpoint:
+        return sum(info.nbytes for info in checkpoint.tensors.values())
+
+
+def test_pre_quantized_checkpoints_are_sliced_on_read(pools, saved_checkpoints):
+    """bitsandbytes 4-bit (nf4; nf4 and fp4 with double quantization) and torchao int8 / fp8 checkpoints saved by
+    diffusers: each tp2 rank reads about half the file and holds the slices of what diffusers' single-device model
+    holds (bnb: packed codes and absmax; torchao: data and scales); paradiff's single process holds exactly that
+    model's tensors; outputs within 1e-5 (single process: bit-equal). ulysses2 holds the whole weights."""
+    runs = [dict(family="flux2", kind=kind, mode="tp2") for kind in
+            ("bnb-nf4", "bnb-fp4-double", "torchao-int8", "torchao-fp8")]
+    runs += [dict(family="wan", kind=kind, mode="tp2") for kind in ("bnb-nf4-double", "torchao-int8")]
+    runs += [dict(family="flux2", kind="bnb-fp4-double", mode="ulysses2")]
+    for run in runs:
+        run["folder"] = saved_checkpoints[run["family"], run["kind"]]
+    per_rank = pools.get(2).run(cases.saved_equivalence, cases=runs, timeout_s=600)
+    for rank, results in enumerate(per_rank):
+        for run, result in zip(runs, results):
+            where = f"rank {rank} {result}"
+            assert result["checked"] > 10, where
+            assert result["relative_diff"] <= RELATIVE_TOLERANCE and result["single_diff"] == 0.0, where
+            share = result["read_bytes"] / _weights_bytes(run["folder"])
+            if run["mode"] == "tp2":
+                assert result["split"] > 10 and share <= 0.56, (where, share)
+            else:
+                assert result["split"] == 0 and share >= 0.99, (where, share)
+
+
+@pytest.fixture
+def only_quant_state_records(monkeypatch):
+    """Reading a weight fails the test; the small bitsandbytes quant-state records (read while checking) pass."""
+    original = Checkpoint.read
+
+    def read(self, name, *args, **kwargs):
+        if ".quant_state.bitsandbytes__" not in name:
+            raise AssertionError(f"weight {name!r} was read before the checkpoint was checked")
+        return original(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(Checkpoint, "read", read)
+
+
+def _rewritten(source: str, target, config_change=None, metadata_change=None):
+    """A copy of a pre-quantized folder with its config.json's quantization_config or its file metadata changed."""
+    import json
+    import shutil
+
+    import safetensors
+    import safetensors.torch
+
+    shutil.copytree(source, target)
+    if config_change is not None:
+        record = json.loads((target / "config.json").read_text())
+        config_change(record["quantization_config"])
+        (target / "config.json").write_text(json.dumps(record))
+    if metadata_change is not None:
+        path = target / "diffusion_pytorch_model.safetensors"
+        with safetensors.safe_open(str(path), framework="pt") as handle:
+            metadata = dict(handle.metadata())
+        tensors = safetensors.torch.load_file(str(path))
+        metadata_change(metadata)
+        safetensors.torch.save_file(tensors, str(path), metadata=metadata)
+    return str(target)
+
+
+def test_pre_quantized_checkpoints_paradiff_cannot_slice_are_refused_by_tensor_and_type(
+        saved_checkpoints, tmp_path, only_quant_state_records):
+    import json
+
+    cls = model_class("flux2")
+    bnb8 = _rewritten(saved_checkpoints["flux2", "bnb-nf4"], tmp_path / "bnb8",
+                      config_change=lambda q: q.update(load_in_4bit=False, load_in_8bit=True))
+
+    def int4(metadata):
+        record = json.loads(metadata["transformer_blocks.0.attn.to_q.weight"])
+        metadata["transformer_blocks.0.attn.to_q.weight"] = json.dumps({**record, "_type": "Int4Tensor"})
+
+    torchao_int4 = _rewritten(saved_checkpoints["flux2", "torchao-int8"], tmp_path / "int4", metadata_change=int4)
+    cases_ = [
+        (bnb8, CheckpointError, ["bitsandbytes 8-bit", "tensor 'context_embedder.weight', torch.uint8",
+                                 "cannot slice"]),
+        (torchao_int4, CheckpointError, ["'transformer_blocks.0.attn.to_q.weight'", "torchao Int4Tensor",
+                                         "cannot slice", "Int8Tensor / Float8Tensor"]),
+    ]
+    for folder, error, fragments in cases_:
+        with pytest.raises(error) as caught:
+            paradiff.from_pretrained(cls, folder, device="cpu")
+        assert all(fragment in str(caught.value) for fragment in fragments), str(caught.value)
+    with pytest.raises(ParallelConfigError) as caught:  # quantizing a quantized checkpoint again: refused
+        paradiff.from_pretrained(cls, saved_checkpoints["flux2", "bnb-nf4"], device="cpu",
+                                 quantization_config=cases.quant_config("int8"))
+    assert "saved quantized (bitsandbytes" in str(caught.value) and "drop quantization_config" in str(caught.value)
+
+
+def test_pre_quantized_slice_cutting_a_block_is_refused_by_name_before_any_read(pools, tmp_path):
+    from diffusers import BitsAndBytesConfig
+
+    from paradiff.testing.quant import save_bnb_4bit
+
+    folder = save_bnb_4bit(build_model("flux2", seed=3, head_dim=16), tmp_path / "narrow",
+                           BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"))
+    errors = pools.get(2).run(cases.refused_before_read, family="flux2", folder=str(folder), scheme=None, mode="tp2")
+    for error in errors:  # every rank raises, none hangs
+        assert error.startswith("PlanError") and "bitsandbytes 4-bit in blocks of 64" in error, error
+        assert "would cut a block" in error and "tp_degree" in error, error
+
+
+@pytest.fixture(scope="module")
+def saved_pipelines(tiny_pipeline_folders, tmp_path_factory) -> dict[str, str]:
+    """kind -> the tiny FLUX.2 pipeline with its transformer saved quantized (torchao int8 by diffusers' own save;
+    bitsandbytes NF4 with double quantization as diffusers writes it)."""
+    import shutil
+
+    from paradiff.testing.quant import save_bnb_4bit
+
+    source = tiny_pipeline_folders["flux2"]
+    transformer = model_class("flux2").from_pretrained(source / "transformer")
+    folders = {}
+    for kind in ("torchao-int8", "bnb-nf4-double"):
+        folder = tmp_path_factory.mktemp(f"saved-pipeline-{kind}")
+        shutil.copytree(source, folder, dirs_exist_ok=True)
+        shutil.rmtree(folder / "transformer")
+        if kind == "torchao-int8":
+            model_class("flux2").from_pretrained(source / "transformer", quantization_config=cases.quant_config("int8"),
+                                                 torch_dtype=torch.float32).save_pretrained(folder / "transformer")
+        else:
+            save_bnb_4bit(transformer, folder / "transformer", BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=torch.float32))
+        folders[kind] = str(folder)
+    return folders
+
+
+def test_pre_quantized_transformer_in_a_staged_pipeline(pools, saved_pipelines):
+    """A pipeline folder whose transformer was saved quantized, loaded with stages=True on two ranks (torchao int8 at
+    tp2: its stored rows / columns read again at the transformer's stage; NF4 double-quantized at ulysses2): the
+    images equal the single-process resident pipeline's, and the transformer holds the saved scheme at its stage."""
+    references = {kind: cases.saved_pipeline_image(folder)["image"] for kind, folder in saved_pipelines.items()}
+    runs = [dict(kind="torchao-int8", folder=saved_pipelines["torchao-int8"], mode="tp2"),
+            dict(kind="bnb-nf4-double", folder=saved_pipelines["bnb-nf4-double"], mode="ulysses2")]
+    per_rank = pools.get(2).run(cases.saved_pipelines_staged, runs=runs, references=references, timeout_s=600)
+    for results in per_rank:
+        assert [r["kind"] for r in results] == ["torchao-int8", "bnb-nf4-double"]
+        for result in results:
+            scheme = "int8" if result["kind"] == "torchao-int8" else "nf4"
+            assert result["image"] <= PIXEL_TOLERANCE, result
+            assert result["transformer"]["scheme"] == scheme, result
+            assert result["transformer"]["quantized_linears"] > 10, result
+            assert (result["split"] > 10) == (result["mode"] == "tp2"), result

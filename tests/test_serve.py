@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import signal
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +14,7 @@ import numpy as np
 import pytest
 
 from paradiff.testing.serve import ServerProcess, images_of
+from paradiff.testing import command
 
 pytestmark = pytest.mark.slow
 
@@ -57,10 +56,11 @@ def generated(tmp_path_factory) -> dict[tuple[str, int, int], bytes]:
     from paradiff.cli.outputs import png_bytes
 
     out = tmp_path_factory.mktemp("generate")
-    command = [sys.executable, "-m", "paradiff.cli", "generate", "--steps", "4", "--seed", "5", "--out", str(out)]
+    argv = ["-m", "paradiff.cli", "generate", "--steps", "4", "--seed", "5", "--out", str(out)]
     for prompt in PROMPTS:
-        command += ["--prompt", prompt]
-    subprocess.run(command, check=True, capture_output=True, timeout=300)
+        argv += ["--prompt", prompt]
+    done = command.run(argv, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
     found = {(prompt, 5 + index, 4): (out / f"{index:04d}.png").read_bytes() for index, prompt in enumerate(PROMPTS)}
     pipeline = DiffusionPipeline.from_pretrained(str(embedded_default()))
     pipeline.set_progress_bar_config(disable=True)
@@ -241,16 +241,15 @@ def test_a_killed_worker_fails_the_server_and_answers_every_client(tmp_path):
         server.stop()
 
 
-def test_a_video_pipeline_answers_mp4_files_on_v1_videos(tmp_path):
+def test_a_video_pipeline_answers_mp4_files_on_v1_videos(tmp_path, tiny_pipeline_folders):
     """A tiny Wan 2.2 pipeline at ulysses2: /v1/videos gives the frames `generate` writes single-process."""
     import av
 
-    from paradiff.testing.pipelines import save_pipeline
-
-    folder = str(save_pipeline("wan2.2", tmp_path / "wan"))
+    folder = str(tiny_pipeline_folders["wan2.2"])
     video = ["--frames", "5", "--steps", "2", "--height", "32", "--width", "32"]
-    subprocess.run([sys.executable, "-m", "paradiff.cli", "generate", folder, *video, "--prompt", "a fox", "--seed", "3",
-                    "--out", str(tmp_path / "generate")], check=True, capture_output=True, timeout=300)
+    done = command.run(["-m", "paradiff.cli", "generate", folder, *video, "--prompt", "a fox", "--seed", "3",
+                        "--out", str(tmp_path / "generate")], timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
     expected = np.stack([pixels((tmp_path / "generate" / "0000_frames" / f"{i:04d}.png").read_bytes())
                          for i in range(5)])
     server = ServerProcess(tmp_path, folder, "--ulysses", "2", *video)

@@ -131,6 +131,17 @@ def test_head_inputs_keep_the_rank_s_block_of_heads_of_positional_and_keyword_ar
     _, tables, local_scale = module(torch.zeros(1), (cos, sin), scale=scale)
     assert torch.equal(tables[0], cos[..., 2:]) and torch.equal(tables[1], sin[..., 2:])
     assert local_scale.shape == (2, 2)
+    # a dict's items by key (AnyFlow FAR's KV cache): views of the rank's heads, so writes reach the caller's tensor
+    plan = TensorParallelPlan(styles={}, head_inputs={"": {"tables": {"full": 1}}})
+    resolved = resolve_plan(TakesTables(), plan, rank=1, size=2)
+    module = TakesTables()
+    module.register_forward_pre_hook(_local_heads_of_inputs(module, resolved.head_inputs[""], 1, 2,
+                                                            resolved.head_splits[""], ""), with_kwargs=True)
+    cache = {"full": torch.zeros(2, 4, 3), "steps": 5}
+    _, local, _ = module(torch.zeros(1), tables=cache)
+    local["full"].fill_(1.0)
+    assert local["steps"] == 5 and local["full"].shape == (2, 2, 3)
+    assert cache["full"][:, 2:].eq(1).all() and cache["full"][:, :2].eq(0).all()
     with pytest.raises(PlanError, match=r"names arguments \['rope'\] of TakesTables, whose forward takes"):
         resolve_plan(TakesTables(), TensorParallelPlan(styles={}, head_inputs={"": {"rope": {0: 1}}}), rank=0, size=2)
 

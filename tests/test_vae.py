@@ -227,11 +227,8 @@ def test_parallel_vae_needs_a_replica_of_several_ranks(tmp_path):
         paradiff.load_pipeline(tmp_path, parallel_vae=True)
 
 
-def test_tiny_pipelines_same_images_with_and_without_split_vae(pools, tmp_path_factory):
-    from paradiff.testing.pipelines import PIPELINE_FAMILIES, save_pipeline
-
-    root = tmp_path_factory.mktemp("vae-pipelines")
-    folders = {family: str(save_pipeline(family, root / family)) for family in PIPELINE_FAMILIES}
+def test_tiny_pipelines_same_images_with_and_without_split_vae(pools, tiny_pipeline_folders):
+    folders = {family: str(folder) for family, folder in tiny_pipeline_folders.items()}
     results = pools.get(2).run(cases.pipelines_with_and_without_split_vae, folders=folders, timeout_s=600)
     for result in results:
         for family, outcome in result.items():

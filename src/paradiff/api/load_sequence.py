@@ -1,4 +1,5 @@
-"""The one load-and-attach sequence every entry point runs: prepare -> agree -> mesh -> read -> agree -> swap ->
+"""The one load-and-attach sequence every entry point runs: prepare -> agree -> mesh -> [row extrema -> agree ->
+all-reduce] -> read (quantizing each weight as it is read) -> agree -> swap (+ install the quantized weights) ->
 attach (`from_pretrained`: one component; `load_pipeline`: every component it loads; `enable_parallelism`: a model
 already in memory, so nothing is read).
 
@@ -17,7 +18,8 @@ from torch import nn
 
 from paradiff.distributed.agreement import agree
 from paradiff.distributed.mesh import build_mesh
-from paradiff.quant.apply import quantize_model
+from paradiff.quant.apply import (ReadQuantizer, column_split_weights, quantize_model, reduce_row_extrema,
+                                  row_extrema)
 from paradiff.tensor_parallel.shard import swap_in_sharded_linears
 
 
@@ -33,15 +35,16 @@ class Component:
     source: Any = None  # io weight source that reads `checkpoint` into `model`
     tp_dims: tuple[str, ...] = ("tp",)  # the mesh dimensions whose ranks hold its TP shards
     attach: bool = True  # record the parallel state, CP hooks and forward wrappers on it
-    quantization: Any = None  # quant.schemes.QuantScheme: quantize the weights this rank holds, after the swap
+    quantization: Any = None  # quant.schemes.QuantScheme: quantize each weight this rank reads
     read_s: float = field(default=0.0, init=False)
-    quantized: dict[str, int] = field(default_factory=dict, init=False)  # quant.apply.quantize_model's counts
+    quantized: dict[str, int] = field(default_factory=dict, init=False)  # quant.apply's counts (quantized, bytes)
     group: Any = field(default=None, init=False)  # the process group holding its TP shards (None: not split)
 
     def quantize(self) -> None:
-        """Quantize the weights this rank read (its slices and the whole others). Every rank of `group` calls it
-        after the ranks agreed that all read their weights: rowwise shards take one all-reduce of row extrema.
-        Run after the load's read, and again after every staged re-read."""
+        """Quantize the weights this rank holds in the load dtype (its slices and the whole others): after every
+        staged re-read (a resident load quantizes each weight as it reads it, `run_load_sequence`), and to wrap
+        GGUF weights read packed. Every rank of `group` calls it after the ranks agreed that all read their
+        weights: column slices take one all-reduce of row extrema."""
         if self.quantization is not None:
             self.quantized = quantize_model(self.model, self.quantization, self.group)
 
@@ -66,6 +69,7 @@ def run_load_sequence(stage: str, prepare: Callable[[], Prepared], *, distribute
     except Exception as exc:  # noqa: BLE001 - shared with the other ranks, then re-raised
         error = exc
     components = prepared.components if prepared is not None else {}
+    quantizers: dict[str, ReadQuantizer] = {}
     try:
         if distributed:
             agree(stage, _facts(prepared) if error is None else None, error)
@@ -73,13 +77,18 @@ def run_load_sequence(stage: str, prepare: Callable[[], Prepared], *, distribute
             raise error
         mesh = build_mesh(prepared.parallel, prepared.device) if prepared.parallel is not None else None
         if read != "none":
+            if read == "all":
+                quantizers = _row_extrema_pass(stage, components, mesh, distributed)
             error = None
             try:
-                for component in components.values():
+                for name, component in components.items():
                     if component.checkpoint is None:
                         continue
                     started = time.perf_counter()
-                    if read == "all":
+                    if name in quantizers:
+                        component.source.read(component.model, component.checkpoint, progress,
+                                              quantizer=quantizers[name])
+                    elif read == "all":
                         component.source.read(component.model, component.checkpoint, progress)
                     else:
                         component.source.read(component.model, component.checkpoint, parameters=False)
@@ -96,18 +105,58 @@ def run_load_sequence(stage: str, prepare: Callable[[], Prepared], *, distribute
                 component.checkpoint.close()
     from paradiff.api.parallelize import attach
 
-    for component in components.values():
+    for name, component in components.items():
+        group = _tp_group(component, mesh)
+        component.group = group
         if component.resolved is not None:
-            group = mesh.tp_group if component.tp_dims == ("tp",) else mesh.flat_group(component.tp_dims)
-            component.group = group
             swap_in_sharded_linears(component.model, component.resolved, group, weights_are_local=read == "all")
-        if read == "all":  # staged: quantized after each stage's read (api/pipeline_wiring.py)
-            component.quantize()
+        if name in quantizers:  # quantized as read: the held weights put in place
+            component.quantized = quantizers[name].install(component.model)
+        elif read == "all":  # GGUF weights wrapped as read; staged: quantized after each stage's read
+            component.quantize()  # (api/pipeline_wiring.py)
         if eval_mode:
             component.model.eval()
         if mesh is not None and component.attach:
             attach(component.model, mesh, component.resolved, component.cp_resolved)
     return prepared, mesh
+
+
+def _tp_group(component: Component, mesh: Any) -> Any:
+    """The process group whose ranks hold the component's TP shards (None: not split)."""
+    if component.resolved is None:
+        return None
+    return mesh.tp_group if component.tp_dims == ("tp",) else mesh.flat_group(component.tp_dims)
+
+
+def _row_extrema_pass(stage: str, components: dict[str, Component], mesh: Any,
+                      distributed: bool) -> dict[str, ReadQuantizer]:
+    """A quantizer for every component read with a quantization scheme (GGUF weights are read packed: none).
+
+    Per-row int8 / fp8 scales of a column-split weight need the whole row's extrema before its quantizing read, so
+    each rank first reads its column slices once, in pieces (nothing kept), and the ranks agree that every rank
+    read them before the one all-reduce of each component's TP group: a rank that failed to read is reported on
+    every rank instead of leaving the others in the collective. Whether the pass runs follows from the agreed
+    scheme and plan, so every rank runs the same agreement and collectives."""
+    splits = {name: column_split_weights(component.model, component.resolved, component.quantization)
+              for name, component in components.items()
+              if component.checkpoint is not None and component.quantization is not None
+              and component.quantization.name != "gguf"}
+    local: dict[str, dict[str, torch.Tensor]] = {name: {} for name in splits}
+    if any(splits.values()):
+        error = None
+        try:
+            for name, split in splits.items():
+                source, checkpoint = components[name].source, components[name].checkpoint
+                local[name] = {param: row_extrema(source.read_in_rows(checkpoint, param)) for param in split}
+        except Exception as exc:  # noqa: BLE001 - shared with the other ranks, then re-raised
+            error = exc
+        if distributed:
+            agree(f"{stage} (reading row extrema)", {"row extrema": True}, error)
+        elif error is not None:
+            raise error
+    return {name: ReadQuantizer(components[name].quantization,
+                                reduce_row_extrema(extrema, _tp_group(components[name], mesh)))
+            for name, extrema in local.items()}
 
 
 def _facts(prepared: Prepared) -> dict[str, Any]:

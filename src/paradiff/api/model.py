@@ -25,6 +25,7 @@ from paradiff.distributed.mesh import build_mesh, default_device, rank_coordinat
 from paradiff.io.model_classes import (checkpoint_keys, construct, is_transformers_class, keep_fp32_modules,
                                        load_config)
 from paradiff.plans import model_config, plan_for
+from paradiff.quant.saved import check_saved_blocks, saved_quantization, saved_weights
 from paradiff.quant.schemes import check_block_boundaries, gguf_scheme, scheme_from_config
 from paradiff.runtime.progress import byte_progress
 from paradiff.api.load_sequence import Component, Prepared, run_load_sequence
@@ -184,6 +185,8 @@ class WeightSource:
     dtype: torch.dtype
     device: torch.device
     keep_fp32: list[str] = field(default_factory=list)
+    # weights stored quantized (a pre-quantized checkpoint, quant/saved.py): parameter name -> how they are stored
+    saved: dict[str, Any] = field(default_factory=dict)
 
     def spec(self, name: str) -> ShardSpec | None:
         return self.resolved.spec_for(name) if self.resolved else None
@@ -203,10 +206,12 @@ class WeightSource:
         return checkpoint
 
     def read(self, model: nn.Module, checkpoint: Checkpoint, progress: bool | None = None,
-             parameters: bool = True, buffers: bool = True) -> None:
+             parameters: bool = True, buffers: bool = True, quantizer: Any = None) -> None:
         """Read every parameter (this rank's slice of planned ones) and/or persistent buffer into place. Tensors tied
         in the model (stored once) are read once and shared. LoRA adapters' factors are not in the checkpoint and
-        stay as they are; the base layers they wrap are read under their own names."""
+        stay as they are; the base layers they wrap are read under their own names. `quantizer`
+        (quant.apply.ReadQuantizer): each weight it covers is handed to it as soon as it is read, and the model keeps
+        a meta placeholder until its `install`."""
         resident, renamed = adapter_layout(model)
         wanted = [n for n in model.state_dict().keys()
                   if n not in resident and (parameters if _is_parameter(model, n) else buffers)]
@@ -223,10 +228,26 @@ class WeightSource:
                 spec = self.spec(source[name])
                 module_name, _, leaf = name.rpartition(".")
                 module = model.get_submodule(module_name) if module_name else model
+                if source[name] in self.saved:  # stored quantized: this rank's part of each stored tensor, held as read
+                    weight = self.saved[source[name]]
+                    parts = {role: checkpoint.read(piece.key, piece.spec, shape=piece.shape)
+                             for role, piece in weight.pieces(spec).items()}
+                    advance(sum(part.numel() * part.element_size() for part in parts.values()))
+                    placeholder = quantizer.hold(name, weight.build(parts, spec, self.device), weight.local_shape(spec),
+                                                 self.dtype)
+                    module._parameters[leaf] = nn.Parameter(placeholder, requires_grad=False)
+                    continue
                 if leaf in module._parameters:
                     dtype = info.dtype
                     if info.dtype.is_floating_point:
                         dtype = target_dtype(source[name], self.dtype, self.keep_fp32)
+                    if quantizer is not None and quantizer.covers(model, name):
+                        tensor = checkpoint.read(key, spec)
+                        advance(tensor.numel() * tensor.element_size())
+                        tensor = tensor.to(device=self.device, dtype=dtype)
+                        module._parameters[leaf] = nn.Parameter(quantizer.quantize(name, tensor), requires_grad=False)
+                        del tensor  # the next weight's read reuses its memory: one weight in the load dtype at a time
+                        continue
                     cache_key = (key, spec, dtype)
                     if cache_key not in shared:
                         tensor = checkpoint.read(key, spec)
@@ -243,7 +264,30 @@ class WeightSource:
                     if buffer is not None and buffer.device != self.device:
                         module._buffers[leaf] = buffer.to(self.device)
 
+    def read_in_rows(self, checkpoint: Checkpoint, name: str, max_bytes: int = 8 << 20) -> Iterator[torch.Tensor]:
+        """This rank's slice of parameter `name`, in the load dtype on its device, as consecutive pieces of its rows
+        of at most about `max_bytes` in the file: the slice is never held whole (a pass over a weight's values
+        before the read that keeps it)."""
+        key = self.keys[name]
+        info = checkpoint.tensors[key]
+        spec = self.spec(name)
+        local = info.shape if spec is None else spec.local_shape(info.shape)
+        row_bytes = max(1, _numel(local[1:]) * torch.empty((), dtype=info.dtype).element_size())
+        step = max(1, max_bytes // row_bytes)
+        dtype = target_dtype(name, self.dtype, self.keep_fp32)
+        for start in range(0, info.shape[0], step):
+            piece = checkpoint.read(key, spec, rows=(start, min(step, info.shape[0] - start)))
+            yield piece.to(device=self.device, dtype=dtype)
+
     def _nbytes(self, name: str, checkpoint: Checkpoint) -> int:
+        if name in self.saved:
+            total = 0
+            for piece in self.saved[name].pieces(self.spec(name)).values():
+                info = checkpoint.tensors[piece.key]
+                shape = piece.shape or info.shape
+                shape = shape if piece.spec is None else piece.spec.local_shape(shape)
+                total += _numel(shape) * torch.empty((), dtype=info.dtype).element_size()
+            return total
         info = checkpoint.tensors[self.keys[name]]
         spec = self.spec(name)
         shape = info.shape if spec is None else spec.local_shape(info.shape)
@@ -354,11 +398,17 @@ def prepare_model(
     against the model and the plan's slices; the weights are quantized on each rank's slice after the read."""
     checkpoint = Checkpoint(folder)
     try:
-        config = model_config(model_cls, load_config(model_cls, folder))
+        raw_config = load_config(model_cls, folder)
+        config = model_config(model_cls, raw_config)
         with parameters_on_meta():
             model = construct(model_cls, config, dtype)
+        saved: dict[str, Any] = {}
+        if saved_quantization(raw_config) is not None:
+            quantization, saved = _saved_weights(model, raw_config, checkpoint, quantization)
         keys = checkpoint_keys(model, set(checkpoint.tensors))
-        shapes = {name: tuple(checkpoint.tensors[key].shape) for name, key in keys.items()}
+        keys.update({name: weight.keys.get("packed") or weight.keys["qdata"] for name, weight in saved.items()})
+        shapes = {name: saved[name].shape if name in saved else tuple(checkpoint.tensors[key].shape)
+                  for name, key in keys.items()}
         scheme = None if quantization is None else quantization.for_model(model, is_transformers_class(model_cls))
         resolved = None
         if tp_shard is not None:
@@ -366,20 +416,22 @@ def prepare_model(
             tp_plan = as_plan(plan_for(model, plan, "tensor"))
             resolved = resolve_plan(model, tp_plan, rank, size)
             check_checkpoint_keys(resolved, set(keys), shapes)
-            if scheme is not None:
+            if saved:
+                check_saved_blocks(saved, resolved)
+            elif scheme is not None:
                 check_block_boundaries(scheme, model, resolved)
         cp_resolved = None
         if context:
             from paradiff.context_parallel.apply import resolve_cp_plan
 
             cp_resolved = resolve_cp_plan(model, plan_for(model, cp_plan, "context"))
-        _check_model_against_checkpoint(model, checkpoint, keys)
+        _check_model_against_checkpoint(model, checkpoint, keys, set(saved))
     except BaseException:
         checkpoint.close()
         raise
     source = WeightSource(
-        folder=Path(folder), keys=keys, shapes={keys[n]: shapes[n] for n in keys}, resolved=resolved, dtype=dtype,
-        device=device, keep_fp32=keep_fp32_modules(model, dtype),
+        folder=Path(folder), keys=keys, shapes={keys[n]: tuple(checkpoint.tensors[keys[n]].shape) for n in keys},
+        resolved=resolved, dtype=dtype, device=device, keep_fp32=keep_fp32_modules(model, dtype), saved=saved,
     )
     facts = {
         "model class": model_cls.__name__,
@@ -397,8 +449,32 @@ def prepare_model(
     return _Prepared(model, checkpoint, None, resolved, cp_resolved, dtype, device, facts, source, scheme)
 
 
-def _check_model_against_checkpoint(model: nn.Module, checkpoint: Checkpoint, keys: dict[str, str]) -> None:
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+def _saved_weights(model: nn.Module, raw_config: Any, checkpoint: Checkpoint, requested: Any):
+    """The scheme and the quantized weights of a checkpoint saved quantized (its config.json records how), checked
+    against the model; reads only the small quant-state records."""
+    saved_config = saved_quantization(raw_config)
+    what = saved_config.get("quant_method")
+    if requested is not None:
+        raise ParallelConfigError(
+            f"{checkpoint.folder} was saved quantized ({what}: its config.json has a quantization_config), and "
+            f"quantization_config={type(requested.config).__name__}(...) asks to quantize it again; drop "
+            "quantization_config (the saved quantization is used, as diffusers does), or load the unquantized "
+            "weights.")
+    if is_transformers_class(type(model)):
+        raise CheckpointError(
+            f"{checkpoint.folder}: {type(model).__name__} was saved quantized ({what}); paradiff does not slice "
+            "pre-quantized transformers checkpoints (text encoders) yet. Load the unquantized encoder.")
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    stored = {name: (info.dtype, tuple(info.shape)) for name, info in checkpoint.tensors.items()}
+    return saved_weights(saved_config, stored, checkpoint.metadata, expected,
+                         lambda key: checkpoint.read(key).numpy().tobytes(), compute_dtype=None)
+
+
+def _check_model_against_checkpoint(model: nn.Module, checkpoint: Checkpoint, keys: dict[str, str],
+                                    saved: set[str] = frozenset()) -> None:
+    """Every tensor of the model is in the checkpoint with its shape (`saved`: weights stored quantized, checked by
+    quant/saved.py instead)."""
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items() if name not in saved}
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     missing = sorted(name for name in expected if name not in keys)
     if missing:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,7 +19,8 @@ from paradiff.api.model import check_dtype
 from paradiff.api.quantization import pipeline_quantization
 from paradiff.io.folders import has_modular_index_only, read_pipeline_index, resolve_folder
 from paradiff.distributed.mesh import default_device
-from paradiff.plans.pipelines import CFG_RULES, GUIDER_PIPELINES, cfg_refusal, cp_refusal, modular_cfg_refusal
+from paradiff.plans.pipelines import (CFG_RULES, GUIDER_PIPELINES, cfg_refusal, cp_refusal, modular_cfg_refusal,
+                                     not_dit_refusal)
 from paradiff.api.pipeline_components import _components_paradiff_loads, _load_components, transformer_names
 from paradiff.api.modular import (check_guided_call, fill_modular, guider_names, install_guided_cfg,
                                   is_modular_class, modular_skeleton, pretrained_names)
@@ -174,6 +176,7 @@ def load_pipeline(
     shard_text_encoders: bool | None = None,
     text_encoder_plans: dict[str, Any] | None = None,
     parallel_vae: bool | None = None,
+    transformer_file: str | os.PathLike | dict[str, str | os.PathLike] | None = None,
     **kwargs: Any,
 ):
     """A diffusers pipeline whose transformer is parallelised (shard-on-read for TP) and whose text encoders are
@@ -194,6 +197,10 @@ def load_pipeline(
     (`paradiff.parallelize_vae`; same images). None (default): on when a replica has more than one rank and the VAE
     is covered, otherwise the VAE decodes whole on each rank; True: required (an uncovered VAE is an error); False:
     off.
+    `transformer_file`: the transformer's weights from a GGUF file instead of the folder (a local `.gguf` path, or
+    {component: path} for pipelines with several transformers, e.g. Wan 2.2's "transformer_2"), built from the
+    folder's transformer config.json and read sliced like `paradiff.from_pretrained` of the file; pass
+    `quantization_config=PipelineQuantizationConfig(quant_mapping={"transformer": GGUFQuantizationConfig(...)})`.
     """
     dtype = check_dtype(torch_dtype)
     device = torch.device(device) if device is not None else default_device()
@@ -219,6 +226,8 @@ def load_pipeline(
         base_name = type(skeleton).__name__
     else:
         base_name = pipeline_cls.__name__ if pipeline_cls is not None else str(pipeline_index.class_name)
+    if parallel is not None and not_dit_refusal(base_name):
+        raise ParallelConfigError(f"{not_dit_refusal(base_name)}.")
     guided = modular or base_name in GUIDER_PIPELINES  # guidance through a guider component
     if parallel is not None and parallel.cfg_degree > 1:
         _check_cfg_classified(base_name, parallel.cfg_degree,
@@ -228,10 +237,11 @@ def load_pipeline(
     index = pipeline_index.entries()
     if parallel_vae:
         _check_parallel_vae(parallel, index, folder)
+    single_files = _single_files(transformer_file, index)
     own = _components_paradiff_loads(pipeline_index, parallel, stages, shard_text_encoders, text_encoder_plans or {},
                                      names)
     schemes, diffusers_quantizes = pipeline_quantization(
-        kwargs.get("quantization_config"), {item.name: (item.model_cls, item.kind) for item in own})
+        kwargs.get("quantization_config"), {item.name: (item.model_cls, item.kind) for item in own}, single_files)
     if not diffusers_quantizes:
         kwargs.pop("quantization_config", None)  # every component it names is paradiff's, quantized on read
     elif modular:
@@ -240,7 +250,7 @@ def load_pipeline(
             "load_components takes no PipelineQuantizationConfig; list only the components paradiff loads "
             f"({', '.join(item.name for item in own)}) in components_to_quantize, or quantize the others yourself "
             "and pass them with pipe.update_components(...).")
-    loaded = _load_components(own, parallel, dtype, device, stages, plan, cp_plan, schemes)
+    loaded = _load_components(own, parallel, dtype, device, stages, plan, cp_plan, schemes, single_files)
     if modular:
         pipeline = skeleton
         fill_modular(pipeline, {name: item.model for name, item in loaded.items()}, dtype, kwargs)
@@ -287,6 +297,32 @@ def _standard_pipeline(pipeline_cls: type | None, pipeline_index, folder, loaded
         if getattr(pipeline, name) is not component.model:
             raise RuntimeError(f"{target_cls.__name__} replaced the paradiff-loaded {name} while loading.")
     return pipeline
+
+
+def _single_files(transformer_file: Any, index: dict) -> dict[str, Path]:
+    """load_pipeline's `transformer_file` as {transformer component: local .gguf path}, checked before any read."""
+    from paradiff.api.single_file import is_gguf_path
+
+    if transformer_file is None:
+        return {}
+    files = transformer_file if isinstance(transformer_file, dict) else {"transformer": transformer_file}
+    names = transformer_names(index)
+    out = {}
+    for name, path in files.items():
+        if name not in names:
+            raise ParallelConfigError(
+                f"transformer_file names {name!r}, which is not a transformer of this pipeline; its transformers are "
+                f"{names}.")
+        if not is_gguf_path(path):
+            raise ParallelConfigError(
+                f"transformer_file={str(path)!r} for {name!r}: paradiff reads a transformer from a GGUF file "
+                "(*.gguf); a diffusers folder's own weights need no transformer_file.")
+        if not Path(path).is_file():
+            raise CheckpointError(
+                f"transformer_file={str(path)!r} for {name!r} is not a local file; paradiff reads a GGUF file from "
+                "disk (download it first, e.g. huggingface_hub.hf_hub_download(repo, filename)).")
+        out[name] = Path(path)
+    return out
 
 
 def parallel_pipeline_class(base: type) -> type:

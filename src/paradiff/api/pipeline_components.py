@@ -140,8 +140,11 @@ def component_folder(pipeline_index, name: str) -> Path:
 
 
 def transformer_names(index: dict) -> list[str]:
-    """The pipeline's transformer components present in model_index.json: "transformer", then e.g. "transformer_2"."""
-    return sorted(name for name, entry in index.items() if name.startswith("transformer") and _is_component(entry))
+    """The pipeline's transformer components present in model_index.json: "transformer", then e.g. "transformer_2",
+    then e.g. "unconditional_transformer" (Ideogram 4's unconditional branch)."""
+    names = [name for name, entry in index.items() if _is_component(entry)
+             and (name.startswith("transformer") or name.endswith("_transformer"))]
+    return sorted(names, key=lambda name: (not name.startswith("transformer"), name))
 
 
 
@@ -168,11 +171,14 @@ def library_module(library: str):
 
 
 def _load_components(own: list[_Own], parallel, dtype, device, stages: bool, plan: Any = None,
-                     cp_plan: Any = None, schemes: dict | None = None) -> dict[str, _Loaded]:
+                     cp_plan: Any = None, schemes: dict | None = None,
+                     single_files: dict[str, Path] | None = None) -> dict[str, _Loaded]:
     """Prepare every component (meta models, plans, checkpoint headers) on every rank, agree, build the mesh once,
     then read: everything now (all-resident), or only persistent buffers (staged; parameters come at their stage).
-    `schemes`: component name -> quant.schemes.QuantScheme, quantized on each rank's slice after the read."""
+    `schemes`: component name -> quant.schemes.QuantScheme, quantized on each rank's slice as it is read.
+    `single_files`: transformer name -> the GGUF file its weights are read from (with its "gguf" scheme)."""
     schemes = schemes or {}
+    single_files = single_files or {}
     from paradiff.api.load_sequence import Component, Prepared, run_load_sequence
     from paradiff.api.model import prepare_model
 
@@ -216,6 +222,12 @@ def _load_components(own: list[_Own], parallel, dtype, device, stages: bool, pla
                 logger.warning("%s (%s) is not split across the %d ranks (it stays whole on each rank): %s",
                                item.name, item.model_cls.__name__, tp_shard[1], exc)
                 tp_shard, item_plan = None, None
+        if one is None and item.name in single_files:
+            from paradiff.api.single_file import prepare_gguf_model
+
+            one = prepare_gguf_model(item.model_cls, single_files[item.name], config=str(item.folder),
+                                     subfolder=None, hub_kwargs={}, dtype=dtype, device=device, tp_shard=tp_shard, plan=item_plan,
+                                     context=context, cp_plan=item_cp_plan, scheme=schemes[item.name])
         if one is None:
             one = prepare_model(item.model_cls, item.folder, dtype=dtype, device=device,
                                 tp_shard=tp_shard, plan=item_plan, context=context, cp_plan=item_cp_plan,

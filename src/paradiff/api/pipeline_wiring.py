@@ -33,9 +33,12 @@ def _stage_runner(pipeline, loaded: dict[str, _Loaded], device: torch.device, st
         component = loaded[name].component if name in loaded else None
         scheme = component.quantization if component is not None else None
         if staged and name in loaded:
-            load, free = _reader(module, loaded[name].source), (lambda m=module: free_parameters(m, device))
-            if scheme is not None:
-                settle = component.quantize  # each stage's read is quantized again, as at a resident load
+            # a checkpoint saved quantized is read as stored, each weight held as read (as at a resident load); the
+            # others are quantized again once the replica agreed the read (rowwise shards then take a collective)
+            saved = scheme if scheme is not None and scheme.saved else None
+            load, free = _reader(module, loaded[name].source, saved), (lambda m=module: free_parameters(m, device))
+            if scheme is not None and saved is None:
+                settle = component.quantize
         components.append(StagedComponent(name, module, stage, load, free, settle,
                                           scheme=None if scheme is None else scheme.name))
     modules = [m for m in pipeline.components.values() if isinstance(m, nn.Module)]
@@ -58,15 +61,21 @@ def _stage_runner(pipeline, loaded: dict[str, _Loaded], device: torch.device, st
 
 
 
-def _reader(module: nn.Module, source) -> Callable[[], None]:
+def _reader(module: nn.Module, source, saved=None) -> Callable[[], None]:
+    """The stage's read of `module`; `saved`: the scheme of a checkpoint saved quantized, whose weights are held as
+    read and put in place after it (quant.apply.ReadQuantizer)."""
     def load() -> None:
         from paradiff.api.lora import weights_read
+        from paradiff.quant.apply import ReadQuantizer
 
+        quantizer = ReadQuantizer(saved) if saved is not None else None
         checkpoint = source.open()
         try:
-            source.read(module, checkpoint, buffers=False)
+            source.read(module, checkpoint, buffers=False, **({} if quantizer is None else {"quantizer": quantizer}))
         finally:
             checkpoint.close()
+        if quantizer is not None:
+            quantizer.install(module)
         weights_read(module)  # adapters fused before the stage freed the weights are fused again
 
     return load

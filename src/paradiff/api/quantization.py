@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from paradiff.errors import ParallelConfigError
-from paradiff.quant.schemes import QuantScheme, scheme_from_config
+from paradiff.quant.schemes import QuantScheme, gguf_scheme, scheme_from_config
 
 
 def requested_components(config: Any, names: Iterable[str]) -> list[str]:
@@ -28,17 +28,21 @@ def requested_components(config: Any, names: Iterable[str]) -> list[str]:
     return [name for name in names if not listed or name in listed]
 
 
-def pipeline_quantization(config: Any, paradiff_loads: dict[str, tuple[type, str]]
-                          ) -> tuple[dict[str, QuantScheme], bool]:
+def pipeline_quantization(config: Any, paradiff_loads: dict[str, tuple[type, str]],
+                          single_files: Iterable[str] = ()) -> tuple[dict[str, QuantScheme], bool]:
     """What a pipeline's quantization request asks of the components paradiff loads itself.
 
     `paradiff_loads`: component name -> (class, kind: "transformer", "controlnet", "text_encoder" or "whole").
-    Returns the scheme of each component paradiff quantizes on read, and whether diffusers must still see the config
-    (it names a component diffusers loads). A component asked for with a scheme paradiff cannot slice is refused by
-    name, before any read."""
+    `single_files`: the transformers read from a GGUF file (`load_pipeline(transformer_file=...)`), which need a
+    GGUFQuantizationConfig. Returns the scheme of each component paradiff quantizes on read (or holds as the GGUF
+    file stores it), and whether diffusers must still see the config (it names a component diffusers loads). A
+    component asked for with a scheme paradiff cannot slice is refused by name, before any read."""
+    single_files = sorted(single_files)
     if config is None:
+        if single_files:
+            raise ParallelConfigError(_gguf_needs_config(single_files, "no quantization_config"))
         return {}, False
-    from diffusers import PipelineQuantizationConfig
+    from diffusers import GGUFQuantizationConfig, PipelineQuantizationConfig
 
     from paradiff.io.model_classes import is_transformers_class
 
@@ -49,7 +53,16 @@ def pipeline_quantization(config: Any, paradiff_loads: dict[str, tuple[type, str
             "a model-level config such as this one goes to paradiff.from_pretrained or diffusers' own loaders."
         )
     schemes = {}
+    for name in single_files:
+        model_config = (config._resolve_quant_config(is_diffusers=True, module_name=name)
+                        if name in requested_components(config, [name]) else None)
+        if not isinstance(model_config, GGUFQuantizationConfig):
+            given = "no quantization for it" if model_config is None else f"{type(model_config).__name__}(...)"
+            raise ParallelConfigError(_gguf_needs_config([name], f"quantization_config gives {given}"))
+        schemes[name] = gguf_scheme(model_config)
     for name in requested_components(config, sorted(paradiff_loads)):
+        if name in schemes:
+            continue
         model_cls = paradiff_loads[name][0]
         # the config class diffusers would hand to the component's own loader: transformers' for a text encoder
         model_config = config._resolve_quant_config(is_diffusers=not is_transformers_class(model_cls),
@@ -60,6 +73,14 @@ def pipeline_quantization(config: Any, paradiff_loads: dict[str, tuple[type, str
             raise ParallelConfigError(f"quantization_config for {name!r} ({model_cls.__name__}): {exc}") from None
     others = [name for name in _all_components(config) if name not in paradiff_loads]
     return schemes, bool(others) or (not config.quant_mapping and not config.components_to_quantize)
+
+
+def _gguf_needs_config(names: list[str], given: str) -> str:
+    files = ", ".join(repr(name) for name in names)
+    mapping = ", ".join(f"{name!r}: GGUFQuantizationConfig(compute_dtype=...)" for name in names)
+    return (f"transformer_file gives {files} as a GGUF file, whose weights are pre-quantized, and {given}; pass "
+            f"quantization_config=PipelineQuantizationConfig(quant_mapping={{{mapping}}}) (diffusers' "
+            "from_single_file needs GGUFQuantizationConfig too).")
 
 
 def _all_components(config: Any) -> list[str]:

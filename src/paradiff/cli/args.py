@@ -61,6 +61,10 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     gen.add_argument("--quantize-text-encoders", action="store_true",
                      help="with --quantize: quantize the text encoders paradiff loads too (transformers' rule: the LM "
                           "head stays in --dtype), split like the rest")
+    gen.add_argument("--gguf", action="append", default=None, metavar="[COMPONENT=]FILE",
+                     help="read the transformer's weights from a GGUF file (e.g. a Q4_K_M file of city96's) instead "
+                          "of the model folder, each rank only its shards, held packed; COMPONENT= names another "
+                          "transformer (transformer_2 of Wan 2.2); repeatable; docs/quantization.md")
     gen.add_argument("--whole-text-encoders", action="store_true",
                      help="keep the text encoders whole on every rank instead of splitting them over the mesh")
     gen.add_argument("--compile", action="store_true",
@@ -109,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                                    "as large as the first --image")
     cond.add_argument("--control-image", default=None, metavar="PATH", help="control_image= (ControlNet, Control)")
     cond.add_argument("--video", default=None, metavar="PATH", help="video= (video-to-video), read with PyAV")
+    cond.add_argument("--last-image", default=None, metavar="PATH",
+                      help="last_image= (first-last-frame video: Wan 2.1 FLF2V, SkyReels-V2 I2V; --image is the first)")
+    cond.add_argument("--reference-image", action="append", default=None, metavar="PATH",
+                      help="reference_images= (Wan VACE), repeatable")
     cond.add_argument("--strength", type=float, default=None, help="strength= (img2img / inpaint), 0 to 1")
     cond.add_argument("--controlnet-scale", type=float, default=None, metavar="FLOAT",
                       help="controlnet_conditioning_scale= (ControlNet pipelines: how strongly its residuals are added)")
@@ -210,6 +218,30 @@ def lora_specs(args: argparse.Namespace) -> list[dict]:
     return specs
 
 
+def gguf_files(args: argparse.Namespace) -> dict[str, str]:
+    """--gguf [COMPONENT=]FILE ... as {component: file} (COMPONENT defaults to "transformer"), each a local .gguf file
+    that starts with GGUF's magic; a component given twice is an error."""
+    files: dict[str, str] = {}
+    for spec in getattr(args, "gguf", None) or []:
+        name, sep, path = spec.partition("=")
+        if not sep or not name.startswith("transformer"):
+            name, path = "transformer", spec
+        if name in files:
+            raise CliError(f"--gguf {spec}: {name} already reads {files[name]}; give one file per transformer "
+                           "(COMPONENT=FILE for another one, e.g. transformer_2=low_noise.gguf)")
+        if not path.lower().endswith(".gguf"):
+            raise CliError(f"--gguf {spec}: expected a .gguf file")
+        try:
+            with open(path, "rb") as handle:
+                magic = handle.read(4)
+        except OSError as exc:
+            raise CliError(f"--gguf {spec}: cannot read {path} ({exc.strerror}); download the file first") from None
+        if magic != b"GGUF":
+            raise CliError(f"--gguf {spec}: {path} is not a GGUF file (no 'GGUF' magic)")
+        files[name] = path
+    return files
+
+
 def cache_config(spec: str, model=None):
     """The diffusers cache config for a --cache SPEC, or a CliError saying what a valid SPEC looks like.
 
@@ -291,6 +323,9 @@ def check_args(args: argparse.Namespace) -> None:
     if getattr(args, "quantize_text_encoders", False) and not getattr(args, "quantize", None):
         raise CliError("--quantize-text-encoders quantizes the text encoders with the --quantize scheme: give "
                        "--quantize int8|fp8|nf4 too")
+    if gguf_files(args) and getattr(args, "quantize", None):
+        raise CliError(f"--gguf with --quantize {args.quantize}: a GGUF file's weights are already quantized "
+                       "(in the file's own types); drop --quantize")
     import torch
 
     world = world_size_of(args)

@@ -14,21 +14,40 @@ from paradiff.cli.outputs import Output, first_output
 AMPLIFY = 50
 
 
-def single_process_pipeline(model: str, dtype: torch.dtype, pipeline_cls: type | None = None):
+def single_process_pipeline(model: str, dtype: torch.dtype, pipeline_cls: type | None = None,
+                            gguf: dict[str, str] | None = None):
     """diffusers' own pipeline of folder `model`, loaded whole in this process: a DiffusionPipeline, or a Modular
-    Diffusers pipeline (modular_model_index.json, or a ModularPipeline class) with every component loaded."""
+    Diffusers pipeline (modular_model_index.json, or a ModularPipeline class) with every component loaded. `gguf`:
+    {transformer component: GGUF file}, those transformers being diffusers' `from_single_file` of the files,
+    computing in `dtype`."""
     from diffusers import DiffusionPipeline, ModularPipeline
 
-    from paradiff.io.folders import has_modular_index_only
+    from paradiff.io.folders import has_modular_index_only, read_pipeline_index
 
-    if (pipeline_cls is None and has_modular_index_only(model)) or (
-            pipeline_cls is not None and issubclass(pipeline_cls, ModularPipeline)):
+    modular = (pipeline_cls is None and has_modular_index_only(model)) or (
+        pipeline_cls is not None and issubclass(pipeline_cls, ModularPipeline))
+    transformers = {}
+    if gguf:
+        import importlib
+
+        from diffusers import GGUFQuantizationConfig
+
+        index = read_pipeline_index(model, modular if modular else None)
+        for name, file in gguf.items():
+            library, class_name = index.components[name][:2]
+            repository, subfolder = index.location(name)
+            transformers[name] = getattr(importlib.import_module(library), class_name).from_single_file(
+                file, config=repository, subfolder=subfolder, torch_dtype=dtype,
+                quantization_config=GGUFQuantizationConfig(compute_dtype=dtype))
+    if modular:
         from paradiff.api.modular import modular_pipeline_object
 
         reference = modular_pipeline_object(pipeline_cls, model)
         reference.load_components(dtype=dtype)
+        if transformers:
+            reference.update_components(**transformers)
         return reference
-    return (pipeline_cls or DiffusionPipeline).from_pretrained(model, dtype=dtype)
+    return (pipeline_cls or DiffusionPipeline).from_pretrained(model, dtype=dtype, **transformers)
 
 
 def compare_single_process(model: str, dtype: torch.dtype, kwargs: dict, seed: int,
@@ -37,7 +56,8 @@ def compare_single_process(model: str, dtype: torch.dtype, kwargs: dict, seed: i
                            lora_weight_name: str | None = None,
                            pipeline_cls: type | None = None,
                            without_lora: list[tuple[int, str, Output]] | None = None,
-                           guider: dict | None = None) -> tuple[dict, list[Output]]:
+                           guider: dict | None = None,
+                           gguf: dict[str, str] | None = None) -> tuple[dict, list[Output]]:
     """Differences between each (index, prompt, image, video or sound) of `made` and diffusers' single-process
     result for that prompt (seed `seed + index`, as in the parallel run), with the same step cache on every
     transformer (`cache`, a --cache spec) when one is given, the same LoRA adapters (`loras`, from --lora), and the
@@ -45,7 +65,8 @@ def compare_single_process(model: str, dtype: torch.dtype, kwargs: dict, seed: i
     pipeline the same guider settings (`guider`, e.g. the --guidance-scale its guider takes).
 
     `without_lora` (--also-without-lora): more (index, prompt, output) drawn with the adapters switched off; the
-    reference draws them with its adapters off too.
+    reference draws them with its adapters off too. `gguf` (--gguf): {transformer component: GGUF file}; the
+    reference's transformers are diffusers' `from_single_file` of those files, computing in `dtype`.
 
     Returns ({"max_abs_diff": float over all of them, "compared": count}, for videos also "max_abs_diff_per_frame"
     (every frame is compared), "max_abs_diff_audio" when they have a soundtrack, "max_abs_diff_without_lora" over
@@ -53,7 +74,7 @@ def compare_single_process(model: str, dtype: torch.dtype, kwargs: dict, seed: i
     """
     import paradiff
 
-    reference = single_process_pipeline(model, dtype, pipeline_cls)
+    reference = single_process_pipeline(model, dtype, pipeline_cls, gguf)
     reference.set_progress_bar_config(disable=True)
     if guider:
         from paradiff.cli.worker import set_guider

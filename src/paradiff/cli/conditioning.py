@@ -5,8 +5,11 @@ on every rank.
 
 Each flag becomes the keyword diffusers' pipelines use for it, and only where the pipeline's `__call__` takes it:
 --image -> image= (one image, or a list when repeated: multi-reference editing), --mask -> mask_image=,
---control-image -> control_image=, --video -> video= (a list of PIL frames), --strength -> strength=,
---controlnet-scale -> controlnet_conditioning_scale= (how strongly a ControlNet's residuals are added).
+--control-image -> control_image=, --video -> video= (a list of PIL frames), --last-image -> last_image= (the
+last frame of first-last-frame video: Wan 2.1 FLF2V, SkyReels-V2 I2V), --reference-image -> reference_images= (a
+list: Wan VACE), --strength -> strength=, --controlnet-scale -> controlnet_conditioning_scale= (how strongly a
+ControlNet's residuals are added); a pipeline that names one of them otherwise gets it under its own keyword
+(plans/pipelines.py, CALL_KEYWORDS).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ FLAGS = {
     "--mask": ("mask", "mask_image"),
     "--control-image": ("control_image", "control_image"),
     "--video": ("video", "video"),
+    "--last-image": ("last_image", "last_image"),
+    "--reference-image": ("reference_image", "reference_images"),
     "--strength": ("strength", "strength"),
     "--controlnet-scale": ("controlnet_scale", "controlnet_conditioning_scale"),
 }
@@ -120,12 +125,14 @@ def check_conditioning(args: argparse.Namespace) -> None:
         import diffusers
 
         cls = getattr(diffusers, name, None)
+    from paradiff.plans.pipelines import call_keyword
+
     parameters = call_parameter_names(cls, model_folder(args)) if cls is not None else None
     if parameters is not None:
         for flag in given:
-            keyword = FLAGS[flag][1]
+            keyword = call_keyword(name, FLAGS[flag][1])
             if keyword not in parameters:
-                takes = [f for f, (_, k) in FLAGS.items() if k in parameters]
+                takes = [f for f, (_, k) in FLAGS.items() if call_keyword(name, k) in parameters]
                 what = f"it takes {', '.join(takes)}" if takes else "it takes no conditioning input"
                 example = ("a ControlNet pipeline (a folder with a controlnet component, e.g. FluxControlNetPipeline)"
                            if flag == "--controlnet-scale" else
@@ -140,6 +147,10 @@ def check_conditioning(args: argparse.Namespace) -> None:
     sizes = {"--image": [_image_size("--image", path) for path in args.image or []]}
     if args.control_image is not None:
         _image_size("--control-image", args.control_image)
+    if getattr(args, "last_image", None) is not None:
+        _image_size("--last-image", args.last_image)
+    for path in getattr(args, "reference_image", None) or []:
+        _image_size("--reference-image", path)
     if args.mask is not None:
         mask_size = _image_size("--mask", args.mask)
         if sizes["--image"] and mask_size != sizes["--image"][0]:
@@ -157,8 +168,11 @@ def requested_pipeline_class(args: argparse.Namespace) -> type | None:
 
 
 def conditioning_kwargs(args: argparse.Namespace) -> dict:
-    """The pipeline call's conditioning arguments, read from the files (every rank reads the same ones)."""
+    """The pipeline call's conditioning arguments, read from the files (every rank reads the same ones), under the
+    keywords the pipeline class takes them by (plans/pipelines.py, CALL_KEYWORDS: e.g. --video -> control_video=)."""
     from PIL import Image
+
+    from paradiff.plans.pipelines import call_keyword
 
     kwargs: dict = {}
     if args.image:
@@ -170,11 +184,18 @@ def conditioning_kwargs(args: argparse.Namespace) -> dict:
         kwargs["control_image"] = Image.open(args.control_image).convert("RGB")
     if args.video is not None:
         kwargs["video"] = _read_video(args.video, frames_only=True)
+    if getattr(args, "last_image", None) is not None:
+        kwargs["last_image"] = Image.open(args.last_image).convert("RGB")
+    if getattr(args, "reference_image", None):
+        kwargs["reference_images"] = [Image.open(path).convert("RGB") for path in args.reference_image]
     if args.strength is not None:
         kwargs["strength"] = args.strength
     if getattr(args, "controlnet_scale", None) is not None:
         kwargs["controlnet_conditioning_scale"] = args.controlnet_scale
-    return kwargs
+    if not kwargs:
+        return kwargs
+    name = pipeline_class_name(args)
+    return {call_keyword(name, keyword): value for keyword, value in kwargs.items()}
 
 
 def _exists(flag: str, path: str) -> None:

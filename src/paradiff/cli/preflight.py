@@ -35,6 +35,11 @@ def check_model_folder(args: argparse.Namespace) -> None:
     pipeline_name = getattr(args, "pipeline", None) or str(index.class_name)
     if index.modular:
         _check_modular_flags(args, pipeline_name, path)
+    if args.tp * args.ulysses * args.ring * args.cfg > 1:
+        from paradiff.plans.pipelines import not_dit_refusal
+
+        if not_dit_refusal(pipeline_name) is not None:
+            raise CliError(f"{args.model}: {not_dit_refusal(pipeline_name)}")
     if args.cfg > 1 and index.modular:
         _check_modular_guides(args, pipeline_name, path)
     elif args.cfg > 1:
@@ -55,7 +60,7 @@ def check_model_folder(args: argparse.Namespace) -> None:
         refusal = cp_refusal(pipeline_name)
         if refusal is not None:
             raise CliError(f"--ulysses / --ring: {args.model}: {refusal}")
-    if args.tp > 1:
+    if args.tp > 1 or getattr(args, "gguf", None):
         _check_transformers_split(args, index)
 
 
@@ -136,25 +141,48 @@ def _looks_like_hub_id(name: str) -> bool:
 
 
 def _check_transformers_split(args: argparse.Namespace, index) -> None:
-    """Resolve each transformer's TP plan for the first TP rank on the meta device, as every worker will."""
+    """Resolve each transformer's TP plan for the first TP rank on the meta device, as every worker will; a
+    transformer read from a --gguf file is checked against the file (its types, names and blocks)."""
     import torch
 
     from paradiff.api.model import prepare_model
+    from paradiff.cli.args import gguf_files
     from paradiff.cli.worker import _plan_argument
     from paradiff.errors import ParadiffError
 
     plan = _plan_argument(args.plan, "tensor")
-    for name, (library, class_name) in sorted(index.components.items()):
-        if not name.startswith("transformer"):
-            continue
+    files = gguf_files(args)
+    names = sorted(name for name in index.components if name.startswith("transformer"))
+    unknown = sorted(set(files) - set(names))
+    if unknown:
+        raise CliError(f"--gguf {unknown[0]}=...: {args.model} has no such transformer; its transformers are {names}")
+    for name in names:
+        library, class_name = index.components[name][:2]
         repository, subfolder = index.location(name)
         folder = Path(repository) / (subfolder or "")
         if not folder.is_dir():
             continue  # a modular component on the Hub: fetched by the workers
         model_cls = getattr(importlib.import_module(library), class_name)
+        tp_shard = (0, args.tp) if args.tp > 1 else None
         try:
-            prepared = prepare_model(model_cls, folder, dtype=torch.float32, device=torch.device("cpu"),
-                                     tp_shard=(0, args.tp), plan=plan)
+            if name in files:
+                from diffusers import GGUFQuantizationConfig
+
+                from paradiff.api.single_file import prepare_gguf_model
+                from paradiff.quant.schemes import gguf_scheme
+
+                scheme = gguf_scheme(GGUFQuantizationConfig(compute_dtype=getattr(torch, args.dtype)))
+                prepared = prepare_gguf_model(model_cls, Path(files[name]), config=str(folder), subfolder=None,
+                                              hub_kwargs={}, dtype=getattr(torch, args.dtype),
+                                              device=torch.device("cpu"), tp_shard=tp_shard, plan=plan, context=False,
+                                              cp_plan=None, scheme=scheme)
+            elif tp_shard is None:
+                continue
+            else:
+                prepared = prepare_model(model_cls, folder, dtype=torch.float32, device=torch.device("cpu"),
+                                         tp_shard=tp_shard, plan=plan)
         except ParadiffError as exc:
-            raise CliError(f"--tp {args.tp}: {name} ({class_name}): {str(exc).splitlines()[0]}") from None
+            flag = f"--gguf {files[name]}" if name in files else f"--tp {args.tp}"
+            where = f" at --tp {args.tp}" if name in files and args.tp > 1 else ""
+            raise CliError(f"{flag}{where}: {name} ({class_name}): {str(exc).splitlines()[0]}") from None
         prepared.checkpoint.close()

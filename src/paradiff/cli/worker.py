@@ -24,7 +24,7 @@ from paradiff.distributed.comm import all_gather_object
 from paradiff.distributed.mesh import default_device
 from paradiff.quant.schemes import pipeline_quantization_config
 from paradiff.vae import get_vae_runtime
-from paradiff.cli.args import cache_config, lora_specs, read_prompts
+from paradiff.cli.args import cache_config, gguf_files, lora_specs, read_prompts
 from paradiff.cli.conditioning import conditioning_kwargs, requested_pipeline_class
 from paradiff.cli.compare import compare_single_process, write_compare_png
 from paradiff.cli.embedded import embedded_call_kwargs, embedded_default
@@ -157,7 +157,7 @@ def generate(args: argparse.Namespace, device: torch.device,
     quiet_other_ranks(rank)
     model = model_of(args)
     dtype = getattr(torch, args.dtype)
-    quantize = getattr(args, "quantize", None)
+    quantize = getattr(args, "quantize", None) or ("gguf" if gguf_files(args) else None)
     pipeline_cls = requested_pipeline_class(args)
     loaded = load_from_args(args, device)
     pipeline, loras, transformers, monitors, load_s = (loaded.pipeline, loaded.loras, loaded.transformers,
@@ -240,6 +240,7 @@ def generate(args: argparse.Namespace, device: torch.device,
         compare = None
         if made:
             compare, references = compare_single_process(model, dtype, kwargs, args.seed, made,
+                                                         gguf=gguf_files(args),
                                                          cache=args.cache, loras=loras,
                                                          lora_weight_name=args.lora_weight_name,
                                                          pipeline_cls=pipeline_cls, guider=guidance,
@@ -279,6 +280,12 @@ def load_from_args(args: argparse.Namespace, device: torch.device) -> Loaded:
     quantize = getattr(args, "quantize", None)
     extra = {} if not quantize else {"quantization_config": pipeline_quantization_config(
         quantize, dtype, quantized_components(args))}
+    files = gguf_files(args)
+    if files:  # the transformers' weights from GGUF files, held packed, computing in --dtype
+        from diffusers import GGUFQuantizationConfig, PipelineQuantizationConfig
+
+        extra = {"transformer_file": files, "quantization_config": PipelineQuantizationConfig(
+            quant_mapping={name: GGUFQuantizationConfig(compute_dtype=dtype) for name in files})}
     pipeline = paradiff.load_pipeline(model_of(args), pipeline_cls=requested_pipeline_class(args),
                                       parallel_config=parallel_config(args), torch_dtype=dtype, device=device,
                                       **extra, plan=_plan_argument(args.plan, "tensor"),

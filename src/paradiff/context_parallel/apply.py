@@ -169,7 +169,8 @@ def _split(value: Any, split: Split | dict, runtime: ContextParallelRuntime, wha
         return type(value)(_split(item, split, runtime, f"{what}[{index}]") for index, item in enumerate(value))
     if isinstance(value, dict):  # e.g. AnyFlow's {"query": freqs, "key": freqs}
         return {key: _split(item, split, runtime, f"{what}[{key!r}]") for key, item in value.items()}
-    if not torch.is_tensor(value) or (split.ndim is not None and value.dim() != split.ndim):
+    if not torch.is_tensor(value) or (split.ndim is not None and value.dim() not in (
+            split.ndim if isinstance(split.ndim, tuple) else (split.ndim,))):
         return value
     dim = split.dim % value.dim()
     if split.like is not None:

@@ -62,6 +62,18 @@ def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | N
     return bias.masked_fill(~mask, float("-inf"))
 
 
+def aligned_bias(bias: torch.Tensor, multiple: int = 16) -> torch.Tensor:
+    """`bias` as a view into a buffer whose rows are padded to `multiple` elements: CUDA's memory-efficient kernel
+    needs every stride but the last to be a multiple of 8 (half) or 4 (fp32), which a mask over, say, 131 keys is
+    not (found on an H200: "attn_bias is not correctly aligned (strideB)")."""
+    keys = bias.shape[-1]
+    if keys % multiple == 0:
+        return bias
+    padded = bias.new_zeros(*bias.shape[:-1], keys + (-keys) % multiple)
+    padded[..., :keys] = bias
+    return padded[..., :keys]
+
+
 def native_attention(q, k, v, mask, scale):
     """PyTorch's own SDPA kernels that expose the LSE: flash-for-CPU on CPU; flash / memory-efficient on CUDA."""
     if q.shape[-2] == 0 or k.shape[-2] == 0:
@@ -81,7 +93,7 @@ def native_attention(q, k, v, mask, scale):
             return result[0].float(), result[1].float()
         bias = _additive(mask, q.dtype)
         if bias is not None:
-            bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+            bias = aligned_bias(bias).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         result = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, False, scale=scale)
         out, lse = result[0].float(), result[1][..., : q.shape[-2]].float()
         return _zero_dead_rows(out, lse)

@@ -8,15 +8,15 @@ from typing import Any, Callable
 
 @dataclass(frozen=True)
 class Split:
-    """Split a tensor along `dim` over the CP ranks; when `ndim` is set, only tensors of that rank are split. A
-    tuple, list or dict of tensors (rotary tables) has each of its tensors split.
+    """Split a tensor along `dim` over the CP ranks; when `ndim` is set, only tensors of that rank (or of those ranks,
+    a tuple) are split. A tuple, list or dict of tensors (rotary tables) has each of its tensors split.
 
     `parts` names the token streams `dim` concatenates, in order (e.g. ("hidden_states", "encoder_hidden_states")
     for a key mask over [image, text]): each part is split on its own and the local pieces concatenated, as joint
     attention holds them. Their full lengths are those of the streams where the plan splits them."""
 
     dim: int
-    ndim: int | None = None
+    ndim: int | tuple[int, ...] | None = None
     # split each consecutive run of this many entries along `dim` alike, where the count is the full length of the
     # named token stream (e.g. "hidden_states" once split): for rows flattened as (batch x tokens), as Latte's
     # per-location timesteps are

@@ -5,6 +5,8 @@ Keeping them here makes the communication of a step countable (see `CommStats`) 
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 import torch
@@ -211,6 +213,27 @@ def all_gather_pieces(tensor: torch.Tensor, group: dist.ProcessGroup, dim: int =
     pieces = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(pieces, padded, group=group)
     return [piece.narrow(dim, 0, size) for piece, size in zip(pieces, sizes)]
+
+
+def all_gather_any_shape(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """Every rank's `tensor` in rank order, whatever its shape (the same dtype and number of dimensions): the shapes
+    are gathered first, then the data, flattened and padded to the largest where they differ (two CFG branches
+    whose outputs carry prompts of different lengths)."""
+    world = dist.get_world_size(group)
+    shape = torch.tensor(tensor.shape, dtype=torch.int64, device=tensor.device)
+    shapes = [torch.empty_like(shape) for _ in range(world)]
+    dist.all_gather(shapes, shape, group=group)
+    sizes = [tuple(int(n) for n in item.tolist()) for item in shapes]
+    if len(set(sizes)) == 1:
+        pieces = [torch.empty_like(tensor) for _ in range(world)]
+        dist.all_gather(pieces, tensor.contiguous(), group=group)
+        return pieces
+    counts = [math.prod(size) for size in sizes]
+    flat = tensor.contiguous().reshape(-1)
+    padded = torch.cat([flat, flat.new_zeros(max(counts) - flat.numel())])
+    pieces = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(pieces, padded, group=group)
+    return [piece[:count].reshape(size) for piece, count, size in zip(pieces, counts, sizes)]
 
 
 def all_gather_cfg_batch(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

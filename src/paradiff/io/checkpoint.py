@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -67,8 +67,10 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def read_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse and validate one file's header: every tensor's bytes must lie inside the file and match its shape."""
+def read_header(path: Path, metadata: dict[str, str] | None = None) -> dict[str, TensorInfo]:
+    """Parse and validate one file's header: every tensor's bytes must lie inside the file and match its shape.
+    `metadata`: a dict the file's `__metadata__` strings are added to (pre-quantized checkpoints describe their
+    tensors there)."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as handle:
@@ -93,6 +95,8 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     tensors: dict[str, TensorInfo] = {}
     for name, entry in header.items():
         if name == "__metadata__":
+            if metadata is not None and isinstance(entry, dict):
+                metadata.update({str(key): str(value) for key, value in entry.items()})
             continue
         try:
             dtype_name = entry["dtype"]
@@ -137,6 +141,7 @@ class Checkpoint:
     def __init__(self, folder: Path) -> None:
         self.folder = Path(folder)
         self.tensors: dict[str, TensorInfo] = {}
+        self.metadata: dict[str, str] = {}  # the files' `__metadata__`, merged
         self._fds: dict[Path, int] = {}
         for index_name, single_name in ((INDEX_FILE, SINGLE_FILE), (TRANSFORMERS_INDEX_FILE, TRANSFORMERS_SINGLE_FILE)):
             index, single = self.folder / index_name, self.folder / single_name
@@ -144,7 +149,7 @@ class Checkpoint:
                 self._load_index(index)
                 return
             if single.is_file():
-                self.tensors = read_header(single)
+                self.tensors = read_header(single, self.metadata)
                 return
         self._raise_missing()
 
@@ -152,8 +157,8 @@ class Checkpoint:
     def of_file(cls, path: Path) -> "Checkpoint":
         """One safetensors file on its own (a LoRA adapter), read like a model folder's."""
         checkpoint = cls.__new__(cls)
-        checkpoint.folder, checkpoint._fds = Path(path).parent, {}
-        checkpoint.tensors = read_header(Path(path))
+        checkpoint.folder, checkpoint._fds, checkpoint.metadata = Path(path).parent, {}, {}
+        checkpoint.tensors = read_header(Path(path), checkpoint.metadata)
         return checkpoint
 
     def _load_index(self, index: Path) -> None:
@@ -166,7 +171,7 @@ class Checkpoint:
             path = self.folder / file_name
             if not path.is_file():
                 raise CheckpointError(f"{index} names {file_name!r}, which does not exist in {self.folder}.")
-            headers[file_name] = read_header(path)
+            headers[file_name] = read_header(path, self.metadata)
         for name, file_name in weight_map.items():
             if name not in headers[file_name]:
                 raise CheckpointError(f"{index} maps tensor {name!r} to {file_name!r}, but that file has no such tensor.")
@@ -200,9 +205,26 @@ class Checkpoint:
             self._fds[path] = os.open(path, os.O_RDONLY)
         return self._fds[path]
 
-    def read(self, name: str, spec: ShardSpec | None = None) -> torch.Tensor:
-        """The tensor, or only the slice `spec` names, read straight into a fresh CPU tensor of the file dtype."""
+    def read(self, name: str, spec: ShardSpec | None = None, rows: tuple[int, int] | None = None,
+             shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """The tensor, or only the slice `spec` names, read straight into a fresh CPU tensor of the file dtype.
+        `rows` = (start, length): only those rows (first dimension) of it, `spec` then applying to them (a slice
+        read in pieces, without holding all of it). `shape`: the stored row-major data taken as this shape (the same
+        number of elements) before slicing, e.g. a packed 4-bit weight stored flat, sliced by rows of bytes."""
         info = self.tensors[name]
+        if shape is not None:
+            if _numel(shape) != _numel(info.shape):
+                raise CheckpointError(f"{info.file}: tensor {name!r} of shape {list(info.shape)} cannot be read as "
+                                      f"shape {list(shape)}.")
+            info = replace(info, shape=tuple(shape))
+        if rows is not None:
+            start, length = rows
+            if not info.shape or start < 0 or length < 0 or start + length > info.shape[0]:
+                raise CheckpointError(f"{info.file}: rows {rows} of tensor {name!r} of shape {list(info.shape)}.")
+            if spec is not None and spec.dim == 0:
+                raise CheckpointError(f"{info.file}: rows {rows} of tensor {name!r} with a slice of its rows.")
+            row_bytes = _numel(info.shape[1:]) * _itemsize(info.dtype)
+            info = replace(info, shape=(length, *info.shape[1:]), begin=info.begin + start * row_bytes)
         shape = info.shape if spec is None else spec.local_shape(info.shape)
         out = torch.empty(shape, dtype=info.dtype)
         if out.numel() == 0:

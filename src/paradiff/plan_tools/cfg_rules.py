@@ -13,10 +13,13 @@ def cfg_rules_table() -> str:
     for name, rule in sorted(CFG_RULES.items()):
         if rule.style == BATCH:
             style = f"one call on [{', '.join(rule.batch_order)}]"
-            batched = ", ".join(f"`{argument}`" for argument in rule.batched)
+            dims = dict(rule.batch_dims)
+            batched = ", ".join(f"`{argument}`" + (" (one tensor per sample)" if argument in rule.sample_lists else "")
+                                + (f" (batch on dimension {dims[argument]})" if argument in dims else "")
+                                for argument in rule.batched)
         else:
             style, batched = "two calls", "-"
-        when = f"`{rule.scale_argument}` > 1 (default {rule.default_scale:g})"
+        when = f"`{rule.scale_argument}` > {rule.threshold:g} (default {rule.default_scale:g})"
         if rule.needs_negative_prompt:
             when += ", a negative prompt"
         if rule.truncation_argument:

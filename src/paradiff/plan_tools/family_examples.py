@@ -10,7 +10,8 @@ from typing import Any, Iterable
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from paradiff.errors import PlanError
 from paradiff.plans import families, family_of
@@ -117,29 +118,54 @@ def forward(model: nn.Module, inputs: dict) -> list[torch.Tensor]:
 
 def forward_with_flops(model: nn.Module, inputs: dict) -> tuple[list[torch.Tensor], int]:
     """The forward's outputs and the projection FLOPs this process spent inside the block stacks."""
-    try:
-        with FlopCounterMode(display=False) as counter:
-            outputs = forward(model, inputs)
-    except (RuntimeError, AssertionError):  # AssertionError("Expected gradient function to be set")
-        # torch's module tracker (inside the counter) fails on a module input that is a view of a parameter
-        # requiring grad under no_grad (Bria FIBO 2's Perceiver queries): count again with the parameters frozen.
-        # Only then: frozen, the tracker attributes some models' block ops to the wrong module (ACE-Step).
-        requires_grad = [(param, param.requires_grad) for param in model.parameters()]
-        model.requires_grad_(False)
-        try:
-            with FlopCounterMode(display=False) as counter:
-                outputs = forward(model, inputs)
-        finally:
-            for param, flag in requires_grad:
-                param.requires_grad_(flag)
-    root = type(model).__name__
-    stacks = {f"{root}.{name}" for name in block_stacks(model)}
-    flops = 0
-    for module_name, ops in counter.get_flop_counts().items():
-        parent, _, index = module_name.rpartition(".")
-        if parent in stacks and index.isdigit():
-            flops += sum(count for op, count in ops.items() if str(op).split(".")[1] in PROJECTION_OPS)
-    return outputs, flops
+    with BlockProjectionFlops(model) as counter:
+        outputs = forward(model, inputs)
+    return outputs, counter.flops
+
+
+class BlockProjectionFlops(TorchDispatchMode):
+    """The FLOPs of the projection ops (PROJECTION_OPS, by torch's own FLOP formulas) run while a block of one of
+    the model's block stacks is in its forward, an op inside n such blocks at once counted n times: what torch's
+    FlopCounterMode attributes to those blocks, without its tracking of every module (which cost more than the
+    forward itself on the tiny examples)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.flops = 0
+        self._active = 0
+        self._blocks = [block for name in block_stacks(model) for block in model.get_submodule(name)]
+        self._handles: list = []
+
+    def __enter__(self):
+        for block in self._blocks:
+            self._handles.append(block.register_forward_pre_hook(self._enter))
+            self._handles.append(block.register_forward_hook(self._leave, always_call=True))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        return super().__exit__(*exc)
+
+    def _enter(self, module, args) -> None:
+        self._active += 1
+
+    def _leave(self, module, args, output) -> None:
+        self._active -= 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self._active:
+            count = _PROJECTION_FLOPS.get(func.overloadpacket)
+            if count is not None:
+                self.flops += self._active * count(*args, **kwargs, out_val=out)
+        return out
+
+
+_PROJECTION_FLOPS = {getattr(torch.ops.aten, name): flop_registry[getattr(torch.ops.aten, name)]
+                     for name in PROJECTION_OPS}
 
 
 def parameter_bytes(model: nn.Module) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from paradiff.plans.pipelines import BATCH, CFG_RULES, NEVER_GUIDES, CFG_NOT_SPLIT, GUIDER_PIPELINES
+from paradiff.plans.pipelines import BATCH, CFG_RULES, NEVER_GUIDES, CFG_NOT_SPLIT, not_dit_refusal, GUIDER_PIPELINES
 
 VERIFIED = Path(__file__).parents[1] / "plans" / "pipelines_verified.json"
 MODES = ("tp2", "ulysses2", "ring2", "tp2xulysses2", "cfg2", "cfg2xtp2")
@@ -68,6 +68,10 @@ def pipeline_coverage_table(markdown: bool = False) -> str:
     keys = sorted(set(record.get("classes", [])) | {key.partition("@")[0] for key in pipelines})
     for name in keys:
         variants = sorted(key for key in pipelines if key.partition("@")[0] == name)
+        if not variants and not_dit_refusal(name):  # refused in every mode by load_pipeline, from plans/pipelines.py
+            refused = cell({"status": "refused", "reason": not_dit_refusal(name)}, name)
+            rows.append([name, "not a DiT"] + [refused] * len(MODES))
+            continue
         if not variants:
             rows.append([name, cfg_style(name)] + ["not verified yet"] + [""] * (len(MODES) - 1))
             continue

@@ -1,7 +1,7 @@
 """AnyFlow FAR (`AnyFlowFARTransformer3DModel`): AnyFlow's blocks over a chunk-causal sequence of FAR-compressed
 context frames then full-resolution frames, with a flex-attention BlockMask. The cache-free forward is covered; its
 KV-cache paths (prefill, autoregressive steps) index the cache by whole-sequence token counts and are refused under
-context parallelism."""
+context parallelism; under tensor parallelism each rank uses its heads' block of the cache."""
 
 import torch
 
@@ -16,7 +16,11 @@ MODEL_CLASSES = ("AnyFlowFARTransformer3DModel",)
 
 
 def tensor_parallel_plan(config) -> TensorParallelPlan:
-    return anyflow.tensor_parallel_plan(config)
+    plan = anyflow.tensor_parallel_plan(config)
+    # the pipeline allocates each block's KV cache, (2, batch, heads, tokens, head_dim), for every head: a rank
+    # writes and reads its own heads' block of it
+    plan.head_inputs = {"blocks.*": {"kv_cache": {"full_cache": 2, "compressed_cache": 2}}}
+    return plan
 
 
 def context_parallel_plan(config) -> ContextParallelPlan:

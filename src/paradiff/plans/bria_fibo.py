@@ -27,6 +27,8 @@ def tensor_parallel_plan(config) -> TensorParallelPlan:
 def context_parallel_plan(config) -> ContextParallelPlan:
     plan = flux_context_plan()
     plan.split_inputs[""]["text_encoder_layers"] = Split(1)  # a list: each layer's text tokens split like the text
+    # the pipeline's [text, image] key mask (batch, 1, 1, keys) when a prompt is padded: each stream's part split
+    plan.split_inputs[""]["joint_attention_kwargs"] = Split(3, parts=("encoder_hidden_states", "hidden_states"))
     return plan
 
 

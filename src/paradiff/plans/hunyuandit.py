@@ -44,9 +44,13 @@ def _shared_styles() -> dict:
 
 def context_parallel_plan(config, model_class: str = "HunyuanDiT2DModel") -> ContextParallelPlan:
     # The caller's rotary tables cover the whole image: split with the image tokens (attn2 rotates its queries too).
-    # The ControlNet returns every block's projected output: each is gathered.
+    # The ControlNet returns every block's projected output: each is gathered, and the transformer splits the
+    # residuals it is given with the image tokens they add to.
+    root = {"image_rotary_emb": Split(0)}
+    if model_class != CONTROLNET:
+        root["controlnet_block_samples"] = Split(1)
     return ContextParallelPlan(
-        split_inputs={"blocks.0": {"hidden_states": Split(1)}, "": {"image_rotary_emb": Split(0)}},
+        split_inputs={"blocks.0": {"hidden_states": Split(1)}, "": root},
         gather_outputs={"controlnet_blocks.*": 1} if model_class == CONTROLNET else {"proj_out": 1},
         local_attention=("blocks.*.attn2",),  # cross-attention to the replicated text
     )

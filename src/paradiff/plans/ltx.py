@@ -29,7 +29,9 @@ def tensor_parallel_plan(config) -> TensorParallelPlan:
 
 def context_parallel_plan(config) -> ContextParallelPlan:
     return ContextParallelPlan(
-        split_inputs={"": {"hidden_states": Split(1), "timestep": Split(1, ndim=2)}},  # tokens come patchified
+        # tokens come patchified; per-token timesteps come as (batch, tokens), or (batch, tokens, 1) from the long
+        # multi-prompt pipeline
+        split_inputs={"": {"hidden_states": Split(1), "timestep": Split(1, ndim=(2, 3))}},
         split_outputs={"rope": {0: Split(1), 1: Split(1)}},
         gather_outputs={"proj_out": 1},
         local_attention=("transformer_blocks.*.attn2",),

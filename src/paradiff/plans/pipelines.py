@@ -25,6 +25,8 @@ TWO_CALLS, BATCH = "two_calls", "batch"
 _LATENTS_TEXT_TIME = ("hidden_states", "encoder_hidden_states", "timestep")
 _WITH_TEXT_MASK = _LATENTS_TEXT_TIME + ("encoder_attention_mask",)
 _WITH_POOLED = _LATENTS_TEXT_TIME + ("pooled_projections",)
+_HUNYUANDIT = _LATENTS_TEXT_TIME + ("text_embedding_mask", "encoder_hidden_states_t5", "text_embedding_mask_t5",
+                                    "image_meta_size", "style")
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,11 @@ class CfgRule:
     style: str = TWO_CALLS
     batched: tuple[str, ...] = ()  # "batch": the transformer's arguments that hold the branches' batch
     batch_order: tuple[str, ...] = ("uncond", "cond")  # "batch": the branches in batch order
+    # "batch": the batched arguments that are lists of one tensor per batch row (the first one the latents)
+    sample_lists: tuple[str, ...] = ()
+    # "batch": (argument, dimension) for the batched arguments whose batch is not their first dimension
+    # "batch": batched arguments whose tensors hold the branches along another dim than 0 (argument, dim)
+    batch_dims: tuple[tuple[str, int], ...] = ()
     disabled_by_config: str | None = None
     # an argument that stops guidance after that fraction of the steps (Lumina 2's cfg_trunc_ratio, default 1): the
     # steps after it make one call, which the two-call pairing cannot follow, so CFG parallelism needs it at 1
@@ -46,6 +53,7 @@ class CfgRule:
     branches: int = 2  # guidance branches per step: the cfg_degree that gives each cfg rank one
     # call arguments that make the pipeline guide in a way this style cannot split (argument -> why), refused
     refused_arguments: tuple[tuple[str, str], ...] = ()
+    threshold: float = 1.0  # the scale above which the pipeline guides (Krea 2: above 0, its scale counts from 0)
 
     def __post_init__(self) -> None:
         if self.style not in (TWO_CALLS, BATCH):
@@ -56,7 +64,7 @@ class CfgRule:
             raise ValueError("a 'two_calls' CfgRule pairs two calls per step: it has 2 branches")
 
     def runs_cfg(self, call_kwargs: dict[str, Any], pipeline_config: Any = None) -> bool:
-        if call_kwargs.get(self.scale_argument, self.default_scale) <= 1:
+        if call_kwargs.get(self.scale_argument, self.default_scale) <= self.threshold:
             return False
         if self.disabled_by_config and getattr(pipeline_config, self.disabled_by_config, False):
             return False
@@ -77,7 +85,7 @@ class CfgRule:
         """How to make a call guide, for error messages."""
         negative = " and a negative_prompt" if self.needs_negative_prompt else ""
         truncation = f", {self.truncation_argument} = 1" if self.truncation_argument else ""
-        return f"{self.scale_argument} > 1{negative}{truncation}"
+        return f"{self.scale_argument} > {self.threshold:g}{negative}{truncation}"
 
 
 CFG_RULES: dict[str, CfgRule] = {
@@ -94,6 +102,19 @@ CFG_RULES: dict[str, CfgRule] = {
         "FluxImg2ImgPipeline", "FluxInpaintPipeline", "FluxKontextPipeline", "FluxKontextInpaintPipeline",
         "FluxControlNetPipeline")},
     "WanPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
+    # Wan's conditioned pipelines and those built on its transformer: the conditional call, then the unconditional
+    # one (the same image / video / VACE conditions in both)
+    **{name: CfgRule("guidance_scale", 5.0, needs_negative_prompt=False) for name in (
+        "WanImageToVideoPipeline", "WanVideoToVideoPipeline", "WanVACEPipeline", "LucyEditPipeline",
+        "ChronoEditPipeline")},
+    # Wan-Animate's unconditional call blanks the face frames (the pipeline computes both calls' inputs)
+    "WanAnimatePipeline": CfgRule("guidance_scale", 1.0, needs_negative_prompt=False),
+    # SkyReels-V2 and Helios (history latents, diffusion forcing: the same inputs in both calls but the text)
+    **{name: CfgRule("guidance_scale", scale, needs_negative_prompt=False) for name, scale in (
+        ("SkyReelsV2Pipeline", 6.0), ("SkyReelsV2ImageToVideoPipeline", 5.0),
+        ("SkyReelsV2DiffusionForcingPipeline", 6.0), ("SkyReelsV2DiffusionForcingImageToVideoPipeline", 5.0),
+        ("SkyReelsV2DiffusionForcingVideoToVideoPipeline", 6.0), ("HeliosPipeline", 5.0),
+        ("HeliosPyramidPipeline", 5.0))},
     "Flux2KleinPipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False,
                                   disabled_by_config="is_distilled"),
     "Flux2KleinInpaintPipeline": CfgRule("guidance_scale", 8.0, needs_negative_prompt=False,
@@ -126,7 +147,119 @@ CFG_RULES: dict[str, CfgRule] = {
                                    batched=_WITH_TEXT_MASK),
     "PixArtSigmaPipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, style=BATCH,
                                    batched=_WITH_TEXT_MASK),
+    # AnyFlow: [uncond, cond] in one call, the two timesteps of every frame batched too
+    "AnyFlowPipeline": CfgRule("guidance_scale", 1.0, needs_negative_prompt=False, style=BATCH,
+                               batched=_LATENTS_TEXT_TIME + ("r_timestep",)),
+    # AnyFlow FAR: the same, and each block's KV cache (2, batch, heads, tokens, head_dim), which the pipeline
+    # allocates for both branches and a cache-encoding call per chunk fills, holds the branches along dim 1
+    "AnyFlowFARPipeline": CfgRule("guidance_scale", 1.0, needs_negative_prompt=False, style=BATCH,
+                                  batched=_LATENTS_TEXT_TIME + ("r_timestep", "kv_cache"),
+                                  batch_dims=(("kv_cache", 1),)),
     "LTXPipeline": CfgRule("guidance_scale", 3.0, needs_negative_prompt=False, style=BATCH, batched=_WITH_TEXT_MASK),
+    # Z-Image: one call on [cond..., uncond...] given as per-sample lists (latents, captions of their own lengths),
+    # whenever guidance_scale > 0 (its scale counts from 0: pred = cond + scale * (cond - uncond));
+    # cfg_truncation < 1 stops guiding after that fraction of the steps
+    **{name: CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH, batched=("x", "t", "cap_feats"),
+                     batch_order=("cond", "uncond"), sample_lists=("x", "cap_feats"),
+                     truncation_argument="cfg_truncation", threshold=0.0)
+       for name in ("ZImagePipeline", "ZImageImg2ImgPipeline", "ZImageInpaintPipeline")},
+    # the ControlNet runs on the whole batch; its residuals (by layer index) reach the transformer batched
+    **{name: CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
+                     batched=("x", "t", "cap_feats", "controlnet_block_samples"), batch_order=("cond", "uncond"),
+                     sample_lists=("x", "cap_feats"), truncation_argument="cfg_truncation", threshold=0.0)
+       for name in ("ZImageControlNetPipeline", "ZImageControlNetInpaintPipeline")},
+    "LuminaPipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False, style=BATCH,
+                              batched=_LATENTS_TEXT_TIME + ("encoder_mask",), batch_order=("cond", "uncond")),
+    # Hunyuan-DiT: one call on [uncond, cond] with both prompts' embeddings and masks, the size and style
+    # conditions; the ControlNet runs on the whole batch and its residuals reach the transformer batched
+    "HunyuanDiTPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
+                                  batched=_HUNYUANDIT),
+    "HunyuanDiTControlNetPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
+                                            batched=_HUNYUANDIT + ("controlnet_block_samples",)),
+    # HiDream-I1: one call on [uncond, cond]; the Llama hidden states are stacked [layer, batch, token, width]
+    "HiDreamImagePipeline": CfgRule(
+        "guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
+        batched=("hidden_states", "timesteps", "encoder_hidden_states_t5", "encoder_hidden_states_llama3",
+                 "pooled_embeds"), batch_dims=(("encoder_hidden_states_llama3", 1),)),
+    "OvisImagePipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
+    "CogView4Pipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
+    "CogView4ControlPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
+    # LTX I2V: the per-token timesteps (the clean first frame's at 0) carry the batch too; Condition: the rotary
+    # coordinates as well
+    "LTXImageToVideoPipeline": CfgRule("guidance_scale", 3.0, needs_negative_prompt=False, style=BATCH,
+                                       batched=_WITH_TEXT_MASK),
+    "LTXConditionPipeline": CfgRule("guidance_scale", 3.0, needs_negative_prompt=False, style=BATCH,
+                                    batched=_WITH_TEXT_MASK + ("video_coords",)),
+    # per temporal window, one call on [uncond, cond] (the window's rotary coordinates are one row, broadcast)
+    "LTXI2VLongMultiPromptPipeline": CfgRule("guidance_scale", 1.0, needs_negative_prompt=False, style=BATCH,
+                                             batched=_WITH_TEXT_MASK),
+    # SkyReels V1 I2V: HunyuanVideo's true CFG (the prompt's call, then the negative prompt's)
+    "HunyuanSkyreelsImageToVideoPipeline": CfgRule("true_cfg_scale", 6.0, needs_negative_prompt=True),
+    "HunyuanVideoFramepackPipeline": CfgRule("true_cfg_scale", 1.0, needs_negative_prompt=True),
+    "HunyuanVideoImageToVideoPipeline": CfgRule("true_cfg_scale", 1.0, needs_negative_prompt=True),
+    # CogVideoX's variants: the image / control latents are concatenated to the batched noise latents
+    **{name: CfgRule("guidance_scale", 6.0, needs_negative_prompt=False, style=BATCH, batched=_LATENTS_TEXT_TIME)
+       for name in ("CogVideoXImageToVideoPipeline", "CogVideoXVideoToVideoPipeline", "CogVideoXFunControlPipeline")},
+    "AllegroPipeline": CfgRule("guidance_scale", 7.5, needs_negative_prompt=False, style=BATCH,
+                               batched=_WITH_TEXT_MASK),
+    "LattePipeline": CfgRule("guidance_scale", 7.5, needs_negative_prompt=False, style=BATCH,
+                             batched=_LATENTS_TEXT_TIME),
+    "MochiPipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, style=BATCH, batched=_WITH_TEXT_MASK),
+    # EasyAnimate: the inpaint latents (mask and masked video) are concatenated over the branches like the noise
+    "EasyAnimatePipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
+                                   batched=_LATENTS_TEXT_TIME),
+    "EasyAnimateInpaintPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
+                                          batched=_LATENTS_TEXT_TIME + ("inpaint_latents",)),
+    # ConsisID: the face features stay one row, which the transformer broadcasts over the batch
+    "ConsisIDPipeline": CfgRule("guidance_scale", 6.0, needs_negative_prompt=False, style=BATCH,
+                                batched=_LATENTS_TEXT_TIME),
+    # Stable Audio Open: [uncond, cond] with the duration conditioning batched (the timestep is one value)
+    "StableAudioPipeline": CfgRule("guidance_scale", 7.0, needs_negative_prompt=False, style=BATCH,
+                                   batched=("hidden_states", "encoder_hidden_states", "global_hidden_states")),
+    # DiT: [cond, uncond] (the null class, 1000, second)
+    "DiTPipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False, style=BATCH,
+                           batched=("hidden_states", "timestep", "class_labels"), batch_order=("cond", "uncond")),
+    "BriaPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
+                            batched=_LATENTS_TEXT_TIME),
+    # Stable Audio 3 (the base checkpoint): [uncond, cond], the duration conditioning and the text mask batched
+    "StableAudio3Pipeline": CfgRule("guidance_scale", 1.0, needs_negative_prompt=False, style=BATCH, batched=(
+        "hidden_states", "timestep", "encoder_hidden_states", "global_hidden_states", "encoder_attention_mask")),
+    # ACE-Step 1.5: [cond, uncond] (the condition encoder's null embedding), combined by APG. Steps outside the
+    # cfg interval, and a cover task's extra call, make one call on the conditional batch alone
+    "AceStepPipeline": CfgRule(
+        "guidance_scale", 7.0, needs_negative_prompt=False, style=BATCH, batch_order=("cond", "uncond"),
+        batched=("hidden_states", "timestep", "timestep_r", "encoder_hidden_states", "context_latents"),
+        refused_arguments=tuple((name, "steps outside the cfg interval make one call on the conditional batch "
+                                       "alone, which the batch split cannot share") for name in (
+            "cfg_interval_start", "cfg_interval_end")) + (
+            ("audio_cover_strength", "a cover task's blend makes a third call on the conditional batch alone"),)),
+    # Qwen-Image 2.1: the prompt's call, then the negative prompt's
+    "QwenImage21Pipeline": CfgRule("true_cfg_scale", 1.0, needs_negative_prompt=True),
+    # NucleusMoE-Image: the prompt's call, then the negative prompt's (the empty prompt when none is given)
+    "NucleusMoEImagePipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False),
+    # LongCat-AudioDiT: the prompt's call, then the negative prompt's
+    "LongCatAudioDiTPipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False),
+    # LongCat-Image: the prompt's call, then the negative prompt's (the empty prompt when none is given)
+    **{name: CfgRule("guidance_scale", 4.5, needs_negative_prompt=False) for name in (
+        "LongCatImagePipeline", "LongCatImageEditPipeline")},
+    # Bria FIBO: [uncond, cond] with the text-encoder layers and, when a prompt is padded, the joint key mask
+    # (joint_attention_kwargs["attention_mask"]) batched
+    **{name: CfgRule("guidance_scale", 5.0, needs_negative_prompt=False, style=BATCH,
+                     batched=_LATENTS_TEXT_TIME + ("text_encoder_layers", "joint_attention_kwargs"))
+       for name in ("BriaFiboPipeline", "BriaFiboEditPipeline")},
+    # Bria FIBO 2: the prompt's call, then the negative prompt's (its default negative prompt when none is given)
+    "BriaFibo2Pipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
+    # JoyImage Edit: the prompt's call, then the negative prompt's (both with the image)
+    "JoyImageEditPipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False),
+    # JoyImage Edit Plus: [uncond, cond] in one call, the per-row list of latent shapes batched too
+    "JoyImageEditPlusPipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False, style=BATCH, batched=(
+        "hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_mask", "shape_list"),
+        sample_lists=("shape_list",)),
+    # ERNIE-Image: [uncond, cond], the padded texts and their lengths batched
+    "ErnieImagePipeline": CfgRule("guidance_scale", 4.0, needs_negative_prompt=False, style=BATCH,
+                                  batched=("hidden_states", "timestep", "text_bth", "text_lens")),
+    # Krea 2: the prompt's call, then the negative prompt's; it guides at any scale above 0
+    "Krea2Pipeline": CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, threshold=0.0),
     # Sana-Video: [uncond, cond] in one call; image-to-video's per-token timesteps are batched the same way
     **{name: CfgRule("guidance_scale", 6.0, needs_negative_prompt=False, style=BATCH, batched=_WITH_TEXT_MASK)
        for name in ("SanaVideoPipeline", "SanaImageToVideoPipeline")},
@@ -140,12 +273,31 @@ CFG_RULES: dict[str, CfgRule] = {
         "CosmosTextToWorldPipeline", "CosmosVideoToWorldPipeline")},
 }
 
+# Pipelines whose call takes a conditioning input under another keyword than diffusers' usual one (what `paradiff
+# generate`'s --image / --video pass: image=, video=): {pipeline: {usual keyword: the pipeline's keyword}}
+CALL_KEYWORDS: dict[str, dict[str, str]] = {
+    "CogVideoXFunControlPipeline": {"video": "control_video"},
+    "LTXI2VLongMultiPromptPipeline": {"image": "cond_image"},
+}
+
+
+def call_keyword(pipeline_name: str | None, keyword: str) -> str:
+    """The keyword `pipeline_name`'s call takes the conditioning input usually passed as `keyword` under."""
+    return CALL_KEYWORDS.get(pipeline_name or "", {}).get(keyword, keyword)
+
+
 # Pipelines that make one transformer call per step on the conditional batch only: guidance is distilled into the
 # transformer (its `guidance` input), and the call takes no negative prompt.
 NEVER_GUIDES: tuple[str, ...] = (
     "Flux2Pipeline", "FluxFillPipeline", "FluxControlPipeline", "FluxControlImg2ImgPipeline",
     "FluxControlInpaintPipeline", "FluxControlNetImg2ImgPipeline", "FluxControlNetInpaintPipeline",
     "SanaSprintPipeline", "SanaSprintImg2ImgPipeline", "Flux2KleinKVPipeline",
+    # LTX-2's distilled-sigma pipelines: no negative branch, no guidance argument
+    "LTX2DFRPipeline", "LTX2DFRTemporalRefinePipeline",
+    # VisualCloze: FLUX.1-dev fine-tuned (embedded guidance), its in-context grid in one call a step
+    "VisualClozeGenerationPipeline", "VisualClozePipeline",
+    # Stable Audio 3's audio-to-audio and inpainting pipelines take no guidance scale (the distilled checkpoint)
+    "StableAudio3AudioToAudioPipeline", "StableAudio3InpaintPipeline",
 )
 
 
@@ -159,6 +311,9 @@ _FIRST_PREDICTION_USED = ("it computes with the first call's prediction (precond
                           "velocity put in) before it makes the second call, so the second cfg rank has no prediction "
                           "to hand back for the first call: both branches would have to be computed on every rank")
 CFG_NOT_SPLIT: dict[str, str] = {
+    "Ideogram4Pipeline": ("it guides asymmetrically: the unconditional branch is a second transformer "
+                          "(`unconditional_transformer`) on the image tokens alone, which the two-call pairing of one "
+                          "transformer cannot follow"),
     **dict.fromkeys(("Cosmos2TextToImagePipeline", "Cosmos2VideoToWorldPipeline", "Cosmos2_5_PredictBasePipeline",
                      "Cosmos2_5_TransferPipeline"), _FIRST_PREDICTION_USED),
     "OmniGenPipeline": ("with input images it runs three branches (text, unconditional, image) as one call on a batch "
@@ -166,8 +321,8 @@ CFG_NOT_SPLIT: dict[str, str] = {
                         "not follow yet"),
     **dict.fromkeys(("HunyuanDiTPAGPipeline", "StableDiffusion3PAGPipeline", "StableDiffusion3PAGImg2ImgPipeline",
                      "PixArtSigmaPAGPipeline", "SanaPAGPipeline"), _PAG),
-    **dict.fromkeys(("LTX2Pipeline", "LTX2ConditionPipeline", "LTX2DFRPipeline", "LTX2DFRTemporalRefinePipeline",
-                     "LTX2HDRPipeline", "LTX2InContextPipeline", "LTX2ImageToVideoPipeline"), _LTX2),
+    **dict.fromkeys(("LTX2Pipeline", "LTX2ConditionPipeline", "LTX2HDRPipeline", "LTX2InContextPipeline",
+                     "LTX2ImageToVideoPipeline"), _LTX2),
 }
 
 # Standard pipelines that guide through a guider component (`self.guider`, diffusers' guiders: prepare_inputs -> one
@@ -177,7 +332,7 @@ CFG_NOT_SPLIT: dict[str, str] = {
 # text to render; with neither it makes a disabled guider of its own (distilled checkpoints), which is refused.
 GUIDER_PIPELINES: tuple[str, ...] = (
     "HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline", "MotifVideoPipeline",
-    "MotifVideoImageToVideoPipeline", "HunyuanImagePipeline", "HunyuanImageRefinerPipeline",
+    "MotifVideoImage2VideoPipeline", "HunyuanImagePipeline", "HunyuanImageRefinerPipeline",
 )
 
 # Modular Diffusers pipelines guide through their guider component: each step the guider prepares one batch per
@@ -220,6 +375,26 @@ CP_REFUSALS: dict[str, str] = {
                                                                      base="StableDiffusion3Img2ImgPipeline"),
     "SanaPAGPipeline": _PAG_SELF_ATTENTION.format(what="linear attention's sums over the keys", base="SanaPipeline"),
 }
+
+
+# Pipelines whose `__init__` takes a `transformer` but that are not diffusion-transformer generators of images, video
+# or audio tokens that paradiff splits, with the reason (refused by load_pipeline in any parallel mode).
+_AMUSED = ("aMUSEd is a masked-token (MaskGIT-style) generator: its UVit2DModel predicts VQ codebook indices with "
+           "convolutional down / up blocks around a few transformer layers, and paradiff has no plan for UVit2DModel")
+NOT_DIT_PIPELINES: dict[str, str] = {
+    **dict.fromkeys(("AmusedPipeline", "AmusedImg2ImgPipeline", "AmusedInpaintPipeline"), _AMUSED),
+    "VQDiffusionPipeline": ("VQ-Diffusion is a discrete diffusion over VQ codebook indices (a deprecated pipeline): "
+                            "its Transformer2DModel takes vector-quantized classes and predicts log-probabilities "
+                            "over the codebook, a path paradiff's Transformer2DModel plans were never checked on"),
+    "RFD4ProteinaPipeline": ("RFD4-Proteina generates protein structures (residue frames and atom coordinates), "
+                             "not image, video or audio tokens; paradiff has no plan for RFD4ProteinaTransformer"),
+}
+
+
+def not_dit_refusal(pipeline_name: str) -> str | None:
+    """Why `pipeline_name` is no pipeline paradiff splits (not a DiT generator), or None."""
+    reason = NOT_DIT_PIPELINES.get(pipeline_name)
+    return None if reason is None else f"{pipeline_name} is not split by paradiff: {reason}"
 
 
 def cp_refusal(pipeline_name: str) -> str | None:

@@ -41,8 +41,15 @@ def context_parallel_plan(config) -> ContextParallelPlan:
     for stack in _stacks(config):
         split_inputs[f"{stack}.0"] = {"x": Split(1)}
         split_inputs[f"{stack}.*"] = {"attn_mask": Split(1), "freqs_cis": Split(1), "noise_mask": Split(1)}
-        depth = config.n_layers if stack == "layers" else config.n_refiner_layers
-        gather_outputs[f"{stack}.{depth - 1}"] = 1
+        if stack != "layers":
+            gather_outputs[f"{stack}.{config.n_refiner_layers - 1}"] = 1
+    # The joined sequence stays split through the (token-wise) final layer, gathered after it: a ControlNet's
+    # residuals (ZImageControlNetModel: layer index -> the joined sequence's) are added after a layer, the last one
+    # too, and are split with the sequence.
+    for patch, frames in zip(config.all_patch_size, config.all_f_patch_size):
+        split_inputs[f"all_final_layer.{patch}-{frames}"] = {"noise_mask": Split(1)}
+        gather_outputs[f"all_final_layer.{patch}-{frames}"] = 1
+    split_inputs[""] = {"controlnet_block_samples": Split(1)}
     return ContextParallelPlan(split_inputs=split_inputs, gather_outputs=gather_outputs)
 
 

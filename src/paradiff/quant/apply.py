@@ -1,20 +1,25 @@
-"""Quantize, on each rank, the linear weights it holds: its slices of the planned ones and the whole others.
+"""Quantize, on each rank, the linear weights it holds: its slices of the planned ones and the whole others, each
+one as soon as it is read (`ReadQuantizer`), so that a rank never holds more than one weight in the load dtype.
 
 A shard must equal the slice of what the single-device quantized model holds:
 
 - per-row int8 / fp8 (torchao): a row's scale depends only on the row's minimum and maximum. A slice of rows is
-  therefore exact on its own; a slice of columns takes the row extrema over the TP group (one all-reduce of a small
-  float32 tensor for all such weights together) and torchao's own scale function is run on them;
+  therefore exact on its own; a slice of columns needs the extrema of the whole row. Before the quantizing read,
+  each rank reads its column slices once in pieces of rows (`row_extrema` of each piece; nothing is kept), the TP
+  group takes one all-reduce(max) of all of them together (`reduce_row_extrema`, a small float32 tensor), and
+  torchao's own scale function is run on the whole-row extrema;
 - nf4 (bitsandbytes): each block of 64 consecutive elements has its own absmax, so a slice on block boundaries
   (checked before any read, `schemes.check_block_boundaries`) quantizes locally to exactly its blocks.
 
-Weights are quantized from the rank's own slice in the load dtype; no rank ever holds a whole sharded tensor.
+Until the sharded linears are swapped in, a quantized weight's parameter is a meta placeholder of its logical shape;
+`ReadQuantizer.install` then puts the quantized tensors in place. A staged component's re-read (its parameters read
+again in the load dtype at its stage) is quantized afterwards, all at once, by `quantize_model`.
 """
 
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -23,49 +28,118 @@ from torch import nn
 from paradiff.distributed.comm import all_reduce_row_extrema
 from paradiff.quant.schemes import QuantScheme
 from paradiff.tensor_parallel.layers import ShardedLinear
+from paradiff.tensor_parallel.styles import ShardSpec
 
 
-def quantize_model(model: nn.Module, scheme: QuantScheme, group: dist.ProcessGroup | None) -> dict[str, int]:
-    """Quantize every linear `scheme` covers, in place; returns {"quantized": n, "quantized_bytes": b}.
-
-    `group`: the TP group whose ranks hold slices of the planned linears (None: nothing is split). Every rank of it
-    runs this over the same plan, so the one all-reduce below is issued alike on all."""
-    if scheme.name == "gguf":
-        return hold_gguf_weights(model, scheme)
-    targets = [(name, module) for name, module in model.named_modules() if scheme.quantizes(name, module)]
-    column_split = [(name, module) for name, module in targets
-                    if isinstance(module, ShardedLinear) and module.weight_spec.dim == 1]
-    extrema = _row_extrema(column_split, group) if scheme.name in ("int8", "fp8") else {}
-    nbytes = 0
-    for name, module in targets:
-        weight = module.weight.detach()
-        if scheme.name == "nf4":
-            nbytes += _to_nf4(model, name, module, weight, scheme)
-            continue
-        quantized = _to_torchao(weight, scheme, extrema.get(name))
-        module.weight = nn.Parameter(quantized, requires_grad=False)
-        nbytes += quantized_nbytes(quantized)
-    return {"quantized": len(targets), "quantized_bytes": nbytes}
-
-
-def _row_extrema(column_split: list[tuple[str, nn.Module]], group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
-    """name -> (rows, 2) float32 [row minimum, row maximum] over the whole row, for every column-split weight."""
-    if not column_split:
+def column_split_weights(model: nn.Module, resolved: Any, scheme: QuantScheme) -> dict[str, ShardSpec]:
+    """Parameter name -> this rank's slice, for every weight `scheme` quantizes with whole-row scales (int8 / fp8)
+    of which this rank holds a slice of the columns (read before the swap: the model still has its nn.Linear
+    modules). Every rank of the TP group gets the same names, in the same order, from the agreed plan."""
+    if scheme.name not in ("int8", "fp8") or scheme.saved or resolved is None:
         return {}
-    local = []
-    for _, module in column_split:
-        weight = module.weight.detach().float()
-        local.append(torch.stack([-weight.amin(dim=1), weight.amax(dim=1)], dim=1))
-    packed = torch.cat(local, dim=0).contiguous()
+    out = {}
+    for name, linear in resolved.linears.items():
+        spec = linear.specs.get("weight")
+        if linear.embedding or linear.style.target != "linear" or spec is None or spec.dim != 1:
+            continue
+        if scheme.quantizes(name, model.get_submodule(name) if name else model):
+            out[f"{name}.weight" if name else "weight"] = spec
+    return out
+
+
+def row_extrema(pieces: Iterable[torch.Tensor]) -> torch.Tensor:
+    """(rows, 2) float32 [-row minimum, row maximum] of a weight slice given as consecutive pieces of its rows."""
+    parts = []
+    for piece in pieces:
+        piece = piece.float()
+        parts.append(torch.stack([-piece.amin(dim=1), piece.amax(dim=1)], dim=1))
+    return torch.cat(parts, dim=0)
+
+
+def reduce_row_extrema(local: dict[str, torch.Tensor], group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
+    """Name -> (rows, 2) float32 [row minimum, row maximum] over the whole row: one all-reduce(max) over the TP group
+    of every column-split weight's local extrema together. Every rank of `group` calls it with the same names."""
+    if not local:
+        return {}
+    packed = torch.cat(list(local.values()), dim=0).contiguous()
     if group is not None and dist.get_world_size(group) > 1:
         all_reduce_row_extrema(packed, group)
     out, offset = {}, 0
-    for (name, _), part in zip(column_split, local):
-        rows = part.shape[0]
-        both = packed[offset:offset + rows]
+    for name, part in local.items():
+        both = packed[offset:offset + part.shape[0]]
         out[name] = torch.stack([-both[:, 0], both[:, 1]], dim=1)
-        offset += rows
+        offset += part.shape[0]
     return out
+
+
+class ReadQuantizer:
+    """Quantizes each weight `scheme` covers as the read hands it over, and holds the result until `install`.
+
+    `extrema`: the whole-row extrema of the column-split weights (`reduce_row_extrema`), needed by int8 / fp8."""
+
+    def __init__(self, scheme: QuantScheme, extrema: dict[str, torch.Tensor] | None = None) -> None:
+        self.scheme = scheme
+        self.extrema = extrema or {}
+        self.held: dict[str, Any] = {}  # parameter name -> torchao tensor, or (packed, quant state) for nf4
+
+    def covers(self, model: nn.Module, name: str) -> bool:
+        module_name, _, leaf = name.rpartition(".")
+        return leaf == "weight" and self.scheme.quantizes(module_name, model.get_submodule(module_name)
+                                                          if module_name else model)
+
+    def quantize(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """Quantize the weight just read (this rank's slice, in the load dtype, on its device) and keep it; returns
+        the meta placeholder the model holds until `install`. The caller drops `weight` at once."""
+        if self.scheme.name == "nf4":
+            import bitsandbytes.functional as bnb_functional
+
+            self.held[name] = bnb_functional.quantize_4bit(
+                weight.contiguous(), blocksize=self.scheme.block, quant_type="nf4", compress_statistics=False,
+                quant_storage=torch.uint8)
+        else:
+            self.held[name] = _to_torchao(weight, self.scheme, self.extrema.get(name))
+        return torch.empty(weight.shape, dtype=weight.dtype, device="meta")
+
+    def hold(self, name: str, held: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Keep a weight read already quantized (a pre-quantized checkpoint's slice, `quant/saved.py`); returns the
+        meta placeholder of its logical `shape` the model holds until `install`."""
+        self.held[name] = held
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    def install(self, model: nn.Module) -> dict[str, int]:
+        """Put every held weight in its module (after the swap); returns {"quantized": n, "quantized_bytes": b}."""
+        nbytes = 0
+        for name, held in self.held.items():
+            module_name = name.rpartition(".")[0]
+            module = model.get_submodule(module_name) if module_name else model
+            if isinstance(held, tuple):  # bitsandbytes 4-bit: (packed codes, quant state)
+                nbytes += _install_nf4(model, module_name, module, *held, self.scheme)
+            else:
+                module.weight = nn.Parameter(held, requires_grad=False)
+                nbytes += quantized_nbytes(held)
+        count = len(self.held)
+        self.held = {}
+        return {"quantized": count, "quantized_bytes": nbytes}
+
+
+def quantize_model(model: nn.Module, scheme: QuantScheme, group: dist.ProcessGroup | None) -> dict[str, int]:
+    """Quantize, in place, every linear `scheme` covers whose weight the model holds in the load dtype (a staged
+    component's re-read, `api/pipeline_wiring.py`; GGUF weights are wrapped as read); returns {"quantized": n,
+    "quantized_bytes": b}. `group`: the TP group whose ranks hold slices of the planned linears (None: nothing is
+    split); every rank of it runs this over the same plan after the ranks agreed the read, so the one all-reduce of
+    the column slices' row extrema is issued alike on all."""
+    if scheme.name == "gguf":
+        return hold_gguf_weights(model, scheme)
+    targets = [(f"{name}.weight" if name else "weight", module)
+               for name, module in model.named_modules() if scheme.quantizes(name, module)]
+    local = {}
+    if scheme.name in ("int8", "fp8"):
+        local = {name: row_extrema([module.weight.detach()]) for name, module in targets
+                 if isinstance(module, ShardedLinear) and module.weight_spec.dim == 1}
+    quantizer = ReadQuantizer(scheme, reduce_row_extrema(local, group))
+    for name, module in targets:
+        quantizer.quantize(name, module.weight.detach())
+    return quantizer.install(model)
 
 
 def _to_torchao(weight: torch.Tensor, scheme: QuantScheme, extrema: torch.Tensor | None) -> torch.Tensor:
@@ -93,17 +167,15 @@ def _to_torchao(weight: torch.Tensor, scheme: QuantScheme, extrema: torch.Tensor
     return Float8Tensor(data, scale, block_size=[1, weight.shape[1]], dtype=weight.dtype)
 
 
-def _to_nf4(model: nn.Module, name: str, module: nn.Module, weight: torch.Tensor, scheme: QuantScheme) -> int:
+def _install_nf4(model: nn.Module, name: str, module: nn.Module, packed: torch.Tensor, state: Any,
+                 scheme: QuantScheme) -> int:
     """bitsandbytes' 4-bit weight for the slice held. A whole linear becomes bitsandbytes' Linear4bit, as diffusers
     makes it; a sharded one keeps its class and computes through bitsandbytes' 4-bit product."""
     import bitsandbytes as bnb
-    import bitsandbytes.functional as bnb_functional
 
-    packed, state = bnb_functional.quantize_4bit(weight.contiguous(), blocksize=scheme.block, quant_type="nf4",
-                                                 compress_statistics=False, quant_storage=torch.uint8)
-    param = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, blocksize=scheme.block,
-                              compress_statistics=False, quant_type="nf4", quant_storage=torch.uint8,
-                              bnb_quantized=True)
+    param = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, blocksize=state.blocksize,
+                              compress_statistics=state.nested, quant_type=state.quant_type,
+                              quant_storage=torch.uint8, bnb_quantized=True)
     if isinstance(module, ShardedLinear):
         module.weight = param
         module.weight_linear = partial(nf4_linear, compute_dtype=scheme.compute_dtype)
@@ -113,8 +185,8 @@ def _to_nf4(model: nn.Module, name: str, module: nn.Module, weight: torch.Tensor
         module.quant_state = state
     else:
         linear = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
-                                   compute_dtype=scheme.compute_dtype, compress_statistics=False, quant_type="nf4",
-                                   quant_storage=torch.uint8, device="meta")
+                                   compute_dtype=scheme.compute_dtype, compress_statistics=state.nested,
+                                   quant_type=state.quant_type, quant_storage=torch.uint8, device="meta")
         # bitsandbytes repacks a CPU weight for its avx512-bf16 kernel at the first forward, which fails for
         # in_features below a block (a timestep MLP) and would leave the held bytes unlike the single-device slice
         linear.support_avx512bf16_for_cpu = False
@@ -124,7 +196,8 @@ def _to_nf4(model: nn.Module, name: str, module: nn.Module, weight: torch.Tensor
         if module.bias is not None:
             linear.bias = nn.Parameter(module.bias.detach(), requires_grad=False)
         _replace(model, name, module, linear)
-    return packed.numel() * packed.element_size() + state.absmax.numel() * state.absmax.element_size()
+    nested = [state.state2.absmax] if state.nested else []
+    return sum(t.numel() * t.element_size() for t in [packed, state.absmax, *nested])
 
 
 def nf4_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None,
@@ -230,6 +303,8 @@ def quantization_summary(model: nn.Module) -> dict[str, int]:
                 quantized += 1
                 quantized_bytes += param.data.numel() * param.data.element_size()
                 quantized_bytes += state.absmax.numel() * state.absmax.element_size()
+                if state.nested:
+                    quantized_bytes += state.state2.absmax.numel() * state.state2.absmax.element_size()
             elif leaf == "weight" and hasattr(param, "tensor_data_names"):
                 quantized += 1
                 quantized_bytes += quantized_nbytes(param)

@@ -41,12 +41,16 @@ class QuantScheme:
     # the model) and the names of the linears it quantizes, chosen on the model as built, before any split
     rule: str = ""
     targets: frozenset[str] | None = field(default=None, compare=False, hash=False)
+    # the weights come quantized from the checkpoint ("bitsandbytes 4-bit", "torchao": `quant/saved.py`) and are
+    # read as stored, sliced; None: quantized on read from full-precision weights
+    saved: str | None = None
 
     def describe(self) -> str:
         """What every rank must agree on."""
         extra = f", {self.float8_dtype}" if self.float8_dtype is not None else ""
         chosen = "" if self.targets is None else f", {self.rule} rule: {len(self.targets)} linears"
-        return f"{self.name}{extra}, skip={list(self.skip)}, compute={self.compute_dtype}{chosen}"
+        origin = f", saved {self.saved}" if self.saved else ""
+        return f"{self.name}{extra}, skip={list(self.skip)}, compute={self.compute_dtype}{chosen}{origin}"
 
     def for_model(self, model: nn.Module, transformers_model: bool = False) -> "QuantScheme":
         """The scheme for `model`: which of its linears are quantized, by the rule of the library that would load
@@ -111,13 +115,15 @@ def scheme_from_config(config: Any) -> QuantScheme:
             "quantization_config=GGUFQuantizationConfig(...) is not supported for a folder of safetensors weights: "
             "GGUF weights come pre-quantized in a single file; load that file, "
             "paradiff.from_pretrained(ModelClass, 'model.gguf', config=<diffusers model folder or Hub id>, "
-            "quantization_config=GGUFQuantizationConfig(compute_dtype=...)). load_pipeline does not take GGUF "
-            "files yet."
+            "quantization_config=GGUFQuantizationConfig(compute_dtype=...)), or in a pipeline "
+            "paradiff.load_pipeline(folder, transformer_file='model.gguf', quantization_config="
+            "PipelineQuantizationConfig(quant_mapping={'transformer': GGUFQuantizationConfig(compute_dtype=...)}))."
         )
     raise ParallelConfigError(
         f"quantization_config={type(config).__name__}(...) is not supported by paradiff loading; supported: "
         f"{SUPPORTED} (diffusers' or transformers' config classes); GGUF single files with GGUFQuantizationConfig. "
-        "Saved bitsandbytes / torchao weights are not sliced yet."
+        "A folder saved quantized (bitsandbytes 4-bit, per-row torchao int8 / float8) loads without a "
+        "quantization_config."
     )
 
 
@@ -217,12 +223,7 @@ def check_block_boundaries(scheme: QuantScheme, model: nn.Module, resolved: Any)
         if spec is None or not scheme.quantizes(name, module):
             continue
         rows, cols = linear.full_shapes["weight"][:2]
-        if spec.dim == 0:
-            cut = [(start, length) for start, length in spec.pieces
-                   if (start * cols) % block or ((start + length) * cols) % block and start + length != rows]
-        else:
-            cut = [(start, length) for start, length in spec.pieces
-                   if cols % block or start % block or length % block]
+        cut = block_cuts(spec, rows, cols, block)
         if cut:
             what = "rows" if spec.dim == 0 else "columns"
             raise BlockSplitError(
@@ -231,6 +232,15 @@ def check_block_boundaries(scheme: QuantScheme, model: nn.Module, resolved: Any)
                 f"of the single-device quantized weight. Choose a tp_degree whose slices of {name} are multiples of "
                 f"{block} elements, or leave the layer unquantized (BitsAndBytesConfig(llm_int8_skip_modules=[...]))."
             )
+
+
+def block_cuts(spec: Any, rows: int, cols: int, block: int) -> list[tuple[int, int]]:
+    """The pieces (start, length) of a slice `spec` of a (rows, cols) weight that would cut one of its blocks of
+    `block` elements of the row-major flattened weight."""
+    if spec.dim == 0:
+        return [(start, length) for start, length in spec.pieces
+                if (start * cols) % block or ((start + length) * cols) % block and start + length != rows]
+    return [(start, length) for start, length in spec.pieces if cols % block or start % block or length % block]
 
 
 def model_config_for(scheme: str, compute_dtype: torch.dtype | None = None) -> Any:

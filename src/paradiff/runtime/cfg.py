@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from paradiff.distributed.comm import all_gather_cfg_batch, all_gather_pieces, broadcast_cfg_branch
+from paradiff.distributed.comm import all_gather_any_shape, all_gather_cfg_batch, broadcast_cfg_branch
 from paradiff.errors import ParallelConfigError
 from paradiff.runtime.wrappers import install_wrapper
 
@@ -162,7 +162,8 @@ class CfgSplitter:
             mine, template = _sample_of(output), output
         else:
             mine, template, self.first_output = self.first_output, self.template, None
-        first, second = all_gather_pieces(mine, self.group)
+        # the two predictions may differ in shape where the output carries the prompt's tokens (Qwen-Image 2.1)
+        first, second = all_gather_any_shape(mine, self.group)
         if self.placeholder is not None:
             placeholder, self.placeholder = self.placeholder, None
             if placeholder.shape != first.shape or placeholder.dtype != first.dtype:
@@ -189,6 +190,8 @@ class BatchCfgSplitter:
     cfg_degree: int
     batched: tuple[str, ...]
     parameter_names: tuple[str, ...]  # the forward's positional parameters, in order
+    sample_lists: tuple[str, ...] = ()  # batched arguments that are lists of one tensor per batch row (Z-Image)
+    batch_dims: dict[str, int] = field(default_factory=dict)  # batched arguments whose batch is not dimension 0
     calls: int = 0
     computed: int = 0
     batch_sizes: list[int] = field(default_factory=list)  # the batch this rank computed, per call (for reports)
@@ -200,39 +203,71 @@ class BatchCfgSplitter:
         """Nothing to pair: every call exchanged its own output."""
 
     def _share(self, name: str, value: Any, whole: int) -> Any:
+        if name in self.sample_lists:  # one item per batch row
+            if len(value) != whole:
+                raise ParallelConfigError(
+                    f"CFG parallelism (batch style): the transformer argument {name!r} holds {len(value)} samples "
+                    f"but the batch has {whole}; the pipeline's CfgRule in plans/pipelines.py names it a sample list.")
+            share = whole // self.cfg_degree
+            return type(value)(value[self.cfg_rank * share:(self.cfg_rank + 1) * share])
+        # a ControlNet's residuals by block index, attention-processor keyword arguments (a batched key mask), a KV
+        # cache's tensors per block (views: the model's writes reach them)
+        if isinstance(value, dict):
+            return {key: self._share(name, item, whole) for key, item in value.items()}
         if isinstance(value, (list, tuple)):  # a ControlNet's residuals: one batched tensor per block
             return type(value)(self._share(name, item, whole) for item in value)
         if not torch.is_tensor(value) or value.ndim == 0:
             return value
-        if value.shape[0] != whole:
+        dim = self.batch_dims.get(name, 0)
+        if value.shape[dim] != whole:
             raise ParallelConfigError(
-                f"CFG parallelism (batch style): the transformer argument {name!r} has batch {value.shape[0]} but "
-                f"hidden_states has {whole}; the pipeline's CfgRule in plans/pipelines.py names it as batched."
+                f"CFG parallelism (batch style): the transformer argument {name!r} has batch {value.shape[dim]} "
+                f"(dim {dim}) but the latents have {whole}; the pipeline's CfgRule in plans/pipelines.py "
+                "names it as batched."
             )
         share = whole // self.cfg_degree
-        return value.narrow(0, self.cfg_rank * share, share)
+        return value.narrow(dim, self.cfg_rank * share, share)
 
     def __call__(self, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         self.calls += 1
         named = dict(zip(self.parameter_names, args))
         named.update(kwargs)
-        latents = named.get("hidden_states")
-        if not torch.is_tensor(latents):
-            raise ParallelConfigError("CFG parallelism (batch style) needs the transformer's hidden_states tensor "
-                                      f"as an argument; the call passed {sorted(named)}.")
-        whole = latents.shape[0]
+        # the latents, whose batch every other batched argument follows: hidden_states, or the rule's first
+        first = "hidden_states" if torch.is_tensor(named.get("hidden_states")) else self.batched[0]
+        latents = named.get(first)
+        if first in self.sample_lists and isinstance(latents, (list, tuple)):
+            whole = len(latents)
+        elif torch.is_tensor(latents):
+            whole = latents.shape[0]
+        else:
+            raise ParallelConfigError(f"CFG parallelism (batch style) needs the transformer's {first} argument "
+                                      f"(its latents); the call passed {sorted(named)}.")
         if whole % self.cfg_degree:
             raise ParallelConfigError(
                 f"CFG parallelism (batch style): the transformer was called on a batch of {whole}, which the "
                 f"{self.cfg_degree} cfg ranks cannot share; the call does not run CFG (use cfg_degree=1).")
-        args = tuple(self._share(name, value, whole) if name in self.batched else value
-                     for name, value in zip(self.parameter_names, args))
-        kwargs = {name: self._share(name, value, whole) if name in self.batched else value
-                  for name, value in kwargs.items()}
+        whole_of: dict[int, Any] = {}  # id(this rank's share) -> the argument it was cut from
+
+        def share(name: str, value: Any) -> Any:
+            if name not in self.batched:
+                return value
+            mine = self._share(name, value, whole)
+            whole_of[id(mine)] = value
+            return mine
+
+        args = tuple(share(name, value) for name, value in zip(self.parameter_names, args))
+        kwargs = {name: share(name, value) for name, value in kwargs.items()}
         self.computed += 1
         self.batch_sizes.append(whole // self.cfg_degree)
         output = forward(*args, **kwargs)
-        return _with_sample(output, all_gather_cfg_batch(_sample_of(output), self.group))
+        if type(output) is tuple:  # a batched argument handed back (AnyFlow FAR's KV cache): the caller's own
+            output = tuple(whole_of.get(id(item), item) for item in output)
+        sample = _sample_of(output)
+        if sample is None:  # a call that only fills a cache (AnyFlow FAR's cache-encoding call): nothing to gather
+            return output
+        if isinstance(sample, (list, tuple)):  # one prediction per batch row (the rows of a call share a shape)
+            return _with_sample(output, list(all_gather_cfg_batch(torch.stack(list(sample)), self.group).unbind(0)))
+        return _with_sample(output, all_gather_cfg_batch(sample, self.group))
 
 
 @dataclass
@@ -390,7 +425,7 @@ def install_cfg_parallel(model: nn.Module, group: dist.ProcessGroup, rule: Any =
         parameters = list(inspect.signature(type(model).forward).parameters)[1:]  # without self
         splitter: CfgSplitter | BatchCfgSplitter = BatchCfgSplitter(
             group=group, cfg_rank=cfg_rank, cfg_degree=cfg_degree, batched=rule.batched,
-            parameter_names=tuple(parameters))
+            parameter_names=tuple(parameters), sample_lists=rule.sample_lists, batch_dims=dict(rule.batch_dims))
     else:
         if cfg_degree != 2:
             raise ParallelConfigError(f"the cfg group must have 2 ranks, it has {cfg_degree}.")

@@ -86,9 +86,10 @@ class TensorParallelPlan:
     # module glob -> {output index: dim}: per-head tensors a module computes for all heads (Mochi's rotary table
     # has a frequency per head), cut to this rank's contiguous block of heads, the block colwise projections hold
     head_outputs: Mapping[str, Mapping[int, int]] = field(default_factory=dict)
-    # module glob ("" the model) -> {forward argument: {item index: dim}} (a tensor argument is item 0): per-head
-    # tensors given as inputs for all heads (SANA-WM refiner's rotary tables), cut to this rank's block of heads
-    head_inputs: Mapping[str, Mapping[str, Mapping[int, int]]] = field(default_factory=dict)
+    # module glob ("" the model) -> {forward argument: {item index: dim}} (a tensor argument is item 0, a dict's
+    # items are keyed by name): per-head tensors given as inputs for all heads (SANA-WM refiner's rotary tables,
+    # AnyFlow FAR's KV cache), cut to this rank's block of heads (views: in-place writes reach the caller's tensor)
+    head_inputs: Mapping[str, Mapping[str, Mapping[int | str, int]]] = field(default_factory=dict)
     # module glob -> {output index: dim}: outputs left split by heads that the model reads whole (EasyAnimate's
     # shared-weight blocks add the text's attention output unprojected), all-gathered over the TP group
     gather_heads: Mapping[str, Mapping[int, int]] = field(default_factory=dict)
@@ -125,7 +126,7 @@ class ResolvedPlan:
     attention_modules: list[str] = field(default_factory=list)
     head_attrs: tuple[str, ...] = DEFAULT_HEAD_ATTRS
     head_outputs: dict[str, dict[int, int]] = field(default_factory=dict)
-    head_inputs: dict[str, dict[str, dict[int, int]]] = field(default_factory=dict)
+    head_inputs: dict[str, dict[str, dict[int | str, int]]] = field(default_factory=dict)
     gather_heads: dict[str, dict[int, int]] = field(default_factory=dict)
     reduce_outputs: list[str] = field(default_factory=list)
     local_head_counts: dict[str, dict[str, int]] = field(default_factory=dict)  # module -> attribute -> local value

@@ -132,6 +132,9 @@ def _local_heads_of_inputs(module: nn.Module, arguments: dict[str, dict[int, int
                 continue
             if torch.is_tensor(value):
                 value = local_heads(value, items[0], f"{name or 'model'} argument {argument}")
+            elif isinstance(value, dict):  # keyed items (a KV cache's tensors): views, so writes reach the caller's
+                value = {key: local_heads(item, items[key], f"{name or 'model'} argument {argument}[{key!r}]")
+                         if key in items else item for key, item in value.items()}
             else:
                 value = list(value)
                 for item, dim in items.items():

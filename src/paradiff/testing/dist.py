@@ -84,8 +84,10 @@ def release_groups() -> None:
             dist.destroy_process_group(group)
 
 
-# Besides what every local worker preloads (distributed/spawn.py: WORKER_PRELOAD), what the cases import.
-PRELOAD = ("paradiff.plan_tools.family_examples", "paradiff.testing.families")
+# Besides what every local worker preloads (distributed/spawn.py: WORKER_PRELOAD), what the cases import and what
+# the commands tests run import (testing/command.py forks them from the same server: whichever starts it first,
+# both find what they need).
+PRELOAD = ("paradiff.plan_tools.family_examples", "paradiff.testing.families", "paradiff.cli", "paradiff.cli.worker")
 
 
 class RankPool:

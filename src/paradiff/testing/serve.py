@@ -1,4 +1,4 @@
-"""A `paradiff serve` command in a subprocess, for the server tests and the serve benchmark: started on a free port,
+"""A `paradiff serve` command in a process of its own (testing/command.py), for the server tests and the serve benchmark: started on a free port,
 waited for (bounded), asked, stopped with SIGTERM."""
 
 from __future__ import annotations
@@ -8,27 +8,28 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from paradiff.distributed.spawn import free_port
+from paradiff.testing import command
 
 
 class ServerProcess:
-    """`python -m MODULE serve ARGS --port P --out FOLDER/serve`; the console goes to FOLDER/console.txt."""
+    """`python -m MODULE serve ARGS --port P --out FOLDER/serve`; the console goes to FOLDER/console.txt. Forked
+    from the tests' preloaded server (testing/command.py) unless `fresh` (a new interpreter, as a user starts it)."""
 
-    def __init__(self, folder: Path, *args: str, env: dict | None = None, module: str = "paradiff.cli") -> None:
+    def __init__(self, folder: Path, *args: str, env: dict | None = None, module: str = "paradiff.cli",
+                 fresh: bool = False) -> None:
         import httpx
 
         self.port = free_port()
         self.out = Path(folder) / "serve"
         self.console = Path(folder) / "console.txt"
         self.url = f"http://127.0.0.1:{self.port}"
-        with self.console.open("wb") as console:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", module, "serve", "--port", str(self.port), "--out", str(self.out), *args],
-                stderr=console, stdout=console, env=dict(os.environ, **(env or {})))
+        self.console.write_bytes(b"")
+        self.process = command.start(["-m", module, "serve", "--port", str(self.port), "--out", str(self.out), *args],
+                                     env=dict(os.environ, **(env or {})), output=self.console, fresh=fresh)
         self.client = httpx.Client(base_url=self.url, timeout=120)
 
     def wait_ready(self, timeout_s: float = 240) -> None:

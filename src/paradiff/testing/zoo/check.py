@@ -157,12 +157,15 @@ def _split_problems(pipe, mode: str, seen: list, reference_blocks: list, folder:
     problems = []
     if not seen:
         return ["the transformer's first block never ran"]
-    if degrees["ring"] * degrees["ulysses"] > 1 and seen[0][1] >= reference_blocks[0][1]:
+    # batch x tokens, whichever comes first (ERNIE-Image's blocks take the sequence first)
+    cp_split = seen[0][0] * seen[0][1] < reference_blocks[0][0] * reference_blocks[0][1]
+    if degrees["ring"] * degrees["ulysses"] > 1 and not cp_split:
         problems.append(f"the first block saw {seen[0][1]} tokens, as many as the single process")
     if degrees["cfg"] > 1:
         # its share of the rows; a model whose forward cannot run on the meta device computes one first call more
+        # per input shape (Helios' pyramid: one per stage's resolution)
         rows, whole = sum(batch for batch, _ in seen), sum(batch for batch, _ in reference_blocks)
-        if rows > whole // degrees["cfg"] + reference_blocks[0][0]:
+        if rows > whole // degrees["cfg"] + sum(batch for batch, _ in set(reference_blocks)):
             problems.append(f"the transformer computed {rows} batch rows, the single process {whole}")
     if degrees["tp"] > 1:
         for name in ("transformer", "controlnet"):
