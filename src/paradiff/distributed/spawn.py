@@ -229,8 +229,6 @@ def start_commands(module: str, argv: list[str], envs: list[dict[str, str]]) -> 
 
 
 def _fork_command(module: str, argv: list[str], env: dict[str, str]) -> ForkedCommand:
-    import runpy
-
     read_end, write_end = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -238,17 +236,30 @@ def _fork_command(module: str, argv: list[str], env: dict[str, str]) -> ForkedCo
     if pid:
         os.close(write_end)
         return ForkedCommand(pid, os.fdopen(read_end, "rb"))
+    os.close(read_end)
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    exit_as_main(["-m", module, *argv], env)
+
+
+def exit_as_main(target: list[str], env: dict[str, str]) -> None:
+    """In a forked child: run `python *target` (["-m", MODULE, *ARGS] or [SCRIPT, *ARGS]) with environment `env` as
+    a fresh interpreter would, and exit with its status (SystemExit's code; 1 and the traceback on an exception)."""
+    import runpy
+
     code = 1
-    try:  # the worker: what `python -m module argv` with this environment would run
-        os.close(read_end)
-        os.dup2(write_end, 2)
-        os.close(write_end)
+    try:
         os.environ.clear()
         os.environ.update(env)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        sys.argv = [module, *argv]
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        if target[0] == "-m":
+            sys.argv = [target[1], *target[2:]]
+            runpy.run_module(target[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(target)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target[0])))
+            runpy.run_path(target[0], run_name="__main__")
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

@@ -19,53 +19,31 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
-from paradiff.distributed.spawn import can_fork_workers, local_context
+from paradiff.distributed.spawn import can_fork_workers, exit_as_main, local_context
 from paradiff.testing.dist import PRELOAD
 
 
 def _run_in_fork(target: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
-    """The forked command: `python -m MODULE ARGS` (target ["-m", MODULE, *ARGS]) or `python SCRIPT ARGS`."""
-    import runpy
-
+    """The forked command: `python -m MODULE ARGS` (target ["-m", MODULE, *ARGS]) or `python SCRIPT ARGS`, in a
+    process group of its own, stdin from /dev/null, stdout and stderr to `out` / `err` (one file when equal)."""
     os.setpgrp()
-    code = 1
     try:
-        for fds, path, flags in (((0,), os.devnull, os.O_RDONLY), ((1, 2), out, os.O_WRONLY | os.O_APPEND),
-                                 ((2,), err, os.O_WRONLY | os.O_APPEND)):
-            if fds == (1, 2) and err != out:
-                fds = (1,)
-            elif fds == (2,) and err == out:
-                continue
+        streams = [((0,), os.devnull, os.O_RDONLY)]
+        if out == err:
+            streams.append(((1, 2), out, os.O_WRONLY | os.O_APPEND))
+        else:
+            streams += [((1,), out, os.O_WRONLY | os.O_APPEND), ((2,), err, os.O_WRONLY | os.O_APPEND)]
+        for fds, path, flags in streams:
             opened = os.open(path, flags)
             for fd in fds:
                 os.dup2(opened, fd)
             os.close(opened)
-        os.environ.clear()
-        os.environ.update(env)
         os.chdir(cwd)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        if target[0] == "-m":
-            sys.argv = [target[1], *target[2:]]
-            runpy.run_module(target[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = list(target)
-            sys.path.insert(0, str(Path(target[0]).resolve().parent))
-            runpy.run_path(target[0], run_name="__main__")
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if not isinstance(exc.code, (int, type(None))):
-            print(exc.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - as an interpreter would: the traceback, exit code 1
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    except BaseException:  # noqa: BLE001 - nowhere to report it but the exit status
+        os._exit(1)
+    exit_as_main(target, env)
 
 
 class ForkedRun:
