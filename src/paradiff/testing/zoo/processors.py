@@ -14,7 +14,9 @@ from transformers import AutoTokenizer, ProcessorMixin, Qwen2VLImageProcessor, Q
 __all__ = ["TinyQwen2VLProcessor", "TinyQwen3VLProcessor", "ProcessorMixin"]  # diffusers finds the loading methods through ProcessorMixin
 
 
-class TinyQwen2VLProcessor(Qwen2VLProcessor):
+class _WithoutVideoProcessor:
+    """A Qwen-VL processor made and saved without its video processor: its tokenizer and image processor only."""
+
     def check_argument_for_proper_class(self, argument_name, argument):
         if argument is None:  # no video processor
             return None
@@ -29,6 +31,10 @@ class TinyQwen2VLProcessor(Qwen2VLProcessor):
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
         return cls(image_processor=Qwen2VLImageProcessor.from_pretrained(pretrained_model_name_or_path),
                    tokenizer=AutoTokenizer.from_pretrained(pretrained_model_name_or_path))
+
+
+class TinyQwen2VLProcessor(_WithoutVideoProcessor, Qwen2VLProcessor):
+    pass
 
 
 # Qwen-VL's chat layout: a message's content is a string or a list of {"type": "text" | "image", ...} parts
@@ -46,25 +52,10 @@ QWEN_VL_CHAT_TEMPLATE = (
 )
 
 
-class TinyQwen3VLProcessor(Qwen3VLProcessor):
+class TinyQwen3VLProcessor(_WithoutVideoProcessor, Qwen3VLProcessor):
     """A Qwen3VLProcessor without a video processor (the same reason as TinyQwen2VLProcessor's), with Qwen-VL's chat
     template; saved and loaded as its tokenizer and image processor."""
 
     def __init__(self, image_processor=None, tokenizer=None, video_processor=None, chat_template=None, **kwargs):
         super().__init__(image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
                          chat_template=chat_template or QWEN_VL_CHAT_TEMPLATE, **kwargs)
-
-    def check_argument_for_proper_class(self, argument_name, argument):
-        if argument is None:  # no video processor
-            return None
-        return super().check_argument_for_proper_class(argument_name, argument)
-
-    def save_pretrained(self, save_directory, **kwargs):
-        self.tokenizer.save_pretrained(save_directory)
-        self.image_processor.save_pretrained(save_directory)
-        return [str(save_directory)]
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        return cls(image_processor=Qwen2VLImageProcessor.from_pretrained(pretrained_model_name_or_path),
-                   tokenizer=AutoTokenizer.from_pretrained(pretrained_model_name_or_path))
