@@ -24,12 +24,14 @@ def test_offloaded_shards_equal_the_resident_and_single_process_runs(pools, chec
             assert result["files"] > 0, where  # the shards went to this rank's own folder
 
 
-def test_per_rank_parameter_bytes_during_a_forward_fall_below_the_resident_run(pools, tmp_path):
+def test_per_rank_parameter_bytes_during_a_forward_fall_below_the_resident_run(tmp_path):
     """A 51 MB-per-rank Flux2 at tp2: block-level offloading holds one block's shards at a time, leaf-level one
     layer's (resident pages of the parameters, counted with mincore, sampled after each layer's forward)."""
     folder = str(save_model(build_model("flux2", heads=8, head_dim=64, layers=2, single_layers=2), tmp_path / "f"))
-    for figures in pools.get(2).run(cases.offload_memory, folder=folder, family="flux2", mode="tp2",
-                                    disk=str(tmp_path), timeout_s=600):
+    from paradiff.distributed.spawn import run_ranks
+
+    for figures in run_ranks(cases.offload_memory_fresh, 2, timeout_s=600, gloo_timeout_s=300,
+                             kwargs=dict(folder=folder, family="flux2", mode="tp2", disk=str(tmp_path))):
         resident = figures["resident"]["peak"]
         assert resident >= 0.95 * figures["resident"]["total"], figures
         assert figures["block_level"]["peak"] < 0.6 * resident, figures
