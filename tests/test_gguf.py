@@ -316,23 +316,22 @@ def test_generate_gguf_splits_the_file_and_checks_it_before_any_worker(tiny_pipe
     the image equals diffusers' pipeline with the file's from_single_file transformer; at --tp 4 the file's Q8_0
     blocks would be cut (16 of a 64-column weight a rank): one line, exit code 2, before any worker starts."""
     import json
-    import subprocess
-    import sys
+
+    from paradiff.testing import command
 
     folder = tiny_pipeline_folders["flux2"]
     good = tmp_path / "good.gguf"
     save_flux2_gguf(model_class("flux2").from_pretrained(folder / "transformer"), good, pipeline_gguf_type)
-    common = [sys.executable, "-m", "paradiff.cli", "generate", str(folder), "--prompt", "a red fox",
+    common = ["-m", "paradiff.cli", "generate", str(folder), "--prompt", "a red fox",
               "--height", "32", "--width", "32", "--steps", "2"]
-    refused = subprocess.run([*common, "--tp", "4", "--gguf", str(good), "--out", str(tmp_path / "bad")],
-                             capture_output=True, text=True, timeout=300)
+    refused = command.run([*common, "--tp", "4", "--gguf", str(good), "--out", str(tmp_path / "bad")], timeout=300)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
     line = refused.stderr.strip().splitlines()[-1]
     assert "--gguf" in line and "--tp 4" in line and "Q8_0" in line and "would cut" in line, line
     assert not (tmp_path / "bad" / "report.json").exists()
     out = tmp_path / "run"
-    result = subprocess.run([*common, "--tp", "2", "--gguf", f"transformer={good}", "--compare", "--out", str(out)],
-                            capture_output=True, text=True, timeout=600)
+    result = command.run([*common, "--tp", "2", "--gguf", f"transformer={good}", "--compare", "--out", str(out)],
+                         timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["config"]["gguf"] == [f"transformer={good}"]
