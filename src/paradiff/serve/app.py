@@ -128,13 +128,12 @@ class Frontend:
         """A round (or a load) ended in a fault: answer its requests; on "stop" answer every other request too."""
         say(f"paradiff serve: fault: {cause}; " + ("recovering: loading the pipeline again" if decision == "recover"
                                                    else "stopping"))
+        # the state first: a client answered 500 below and asking /health at once must not still read "ready"
+        self.health = "failed" if decision == "stop" else "loading"
         self._answer_round(self._current, channel, cause)
         if decision == "stop":
-            self.health = "failed"
             self.closing = True
             self.scheduler.close(cause)
-        else:
-            self.health = "loading"
 
     _current: dict | None = None
 
