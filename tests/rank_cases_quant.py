@@ -11,6 +11,7 @@ from paradiff.io.checkpoint import Checkpoint
 from paradiff.runtime.state import get_state
 from paradiff.tensor_parallel.shard import slice_tensor
 from paradiff.testing.models import Lengths, make_inputs, model_class, run_forward
+from rank_cases_encoder_classes import _relative as _relative_outputs  # per output, relative to its largest
 
 NF4_BLOCK = 64
 
@@ -190,13 +191,6 @@ def _reference_parts(module: nn.Module) -> dict[str, torch.Tensor] | None:
     return None
 
 
-def _relative_outputs(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> float:
-    assert len(actual) == len(expected) and actual, (len(actual), len(expected))
-    worst = 0.0
-    for a, e in zip(actual, expected):
-        assert a.shape == e.shape, (a.shape, e.shape)
-        worst = max(worst, float((a.double() - e.double()).abs().max()) / max(float(e.double().abs().max()), 1e-30))
-    return worst
 
 
 def text_encoders_quantized(folders: dict[str, str], schemes: dict[str, list[str]], tp: int) -> list[dict]:
