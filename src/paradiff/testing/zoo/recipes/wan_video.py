@@ -74,6 +74,14 @@ def vace_transformer(seed: int, parts: dict, config: dict):
     return tiny.random_model(diffusers.WanVACETransformer3DModel, vace, seed, 0)
 
 
+def vace_transformer_2(seed: int, parts: dict, config: dict):
+    """Wan 2.2 VACE (A14B): the low-noise expert, a second VACE transformer of the same config (other weights)."""
+    import diffusers
+
+    vace = dict(config, vace_layers=[0, 1], vace_in_channels=2 * LATENT + 8 * 8)
+    return tiny.random_model(diffusers.WanVACETransformer3DModel, vace, seed, 4)
+
+
 def chronoedit_transformer(seed: int, parts: dict, config: dict):
     import diffusers
 
@@ -97,6 +105,8 @@ WAN21 = dict(vae=factor8_vae)
 IMAGE_TOKENS = dict(in_channels=I2V_IN, image_dim=24, added_kv_proj_dim=64)
 WAN21_I2V = dict(WAN21, image_encoder=clip_vision, image_processor=clip_image_processor)
 GUIDED = dict(negative_prompt="blurry, low quality", guidance_scale=5.0)
+VACE_CALL = dict(SIZE, video=VIDEO, mask=[Mask(48, 48)] * 5, reference_images=[Picture(48, 48, seed=9)],
+                 conditioning_scale=0.8)
 
 RECIPES = {
     # Wan 2.1 I2V: the image's latents and a first-frame mask beside the noise (10 channels), the image's CLIP
@@ -109,13 +119,20 @@ RECIPES = {
                                             call=dict(last_image=Picture(48, 48, seed=9))),
     # Wan 2.2 TI2V: the image is the first latent frame (per-token timesteps 0 there), no image encoder
     "WanImageToVideoPipeline@wan2.2": Recipe(family="wan2.2", call=dict(SIZE, image=IMAGE)),
+    # Wan 2.2 I2V (A14B): Wan 2.1 I2V's latent condition (mask and image latents beside the noise) on the two experts,
+    # no image encoder
+    "WanImageToVideoPipeline@wan2.2-a14b": Recipe(family="wan2.2-a14b", components=WAN21,
+                                                  transformer=dict(in_channels=I2V_IN),
+                                                  call=dict(SIZE, image=IMAGE, num_inference_steps=3)),
     "WanVideoToVideoPipeline": Recipe(family="wan", components=WAN21,
                                       drop=("num_frames",), call=dict(SIZE_2D, video=VIDEO, strength=0.6,
                                                                       num_inference_steps=4)),
     # VACE: a reference image (one more latent frame before the video's: 36 tokens) and a control video with a mask
-    "WanVACEPipeline": Recipe(family="wan", components=dict(WAN21, transformer=vace_transformer), call=dict(
-        SIZE, video=VIDEO, mask=[Mask(48, 48)] * 5, reference_images=[Picture(48, 48, seed=9)],
-        conditioning_scale=0.8)),
+    "WanVACEPipeline": Recipe(family="wan", components=dict(WAN21, transformer=vace_transformer), call=VACE_CALL),
+    # Wan 2.2 VACE (A14B): VACE on both experts
+    "WanVACEPipeline@wan2.2-a14b": Recipe(
+        family="wan2.2-a14b", components=dict(WAN21, transformer=vace_transformer, transformer_2=vace_transformer_2),
+        call=dict(VACE_CALL, num_inference_steps=3)),
     # Lucy Edit: the source video's latents beside the noise (8 channels)
     "LucyEditPipeline": Recipe(family="wan", components=WAN21, transformer=dict(in_channels=2 * LATENT),
                                call=dict(SIZE, video=VIDEO)),
