@@ -28,15 +28,31 @@ def test_record_lists_every_dit_pipeline_class_of_the_installed_diffusers():
     assert record["diffusers"] == diffusers.__version__, "run `python tools/verify_pipelines.py --classes`"
     classes = set(record["classes"])
     assert len(classes) >= 150 and {"FluxPipeline", "QwenImageEditPlusPipeline", "SanaSprintPipeline"} <= classes
-    # the modular keys join the class list and the record in the next step (verify_pipelines.py runs them)
-    assert {zoo.pipeline_name(key) for key in zoo.names() if not zoo.is_modular(key)} <= classes
+    assert {zoo.pipeline_name(key) for key in zoo.names()} <= classes
+
+
+def test_the_table_lists_the_modular_dit_classes_with_their_guidance():
+    """The Modular Diffusers classes are rows too: each one whose blocks expect a transformer (SDXL's, a UNet's, is
+    not listed), its CFG style from its blocks' guider components, counted in the footer."""
+    from paradiff.plan_tools.pipeline_coverage import cfg_style
+
+    record = load_verified()
+    modular = record["modular"]
+    assert len(modular) >= 35 and set(modular) <= set(record["classes"])
+    assert "StableDiffusionXLModularPipeline" not in record["classes"]
+    assert modular["QwenImageModularPipeline"] == ["guider"] and modular["FluxModularPipeline"] == []
+    assert cfg_style("QwenImageModularPipeline") == "its guider" and cfg_style("FluxModularPipeline") == "never guides"
+    assert cfg_style("Ideogram4ModularPipeline") == "not split yet"  # plans/pipelines.py: MODULAR_CFG_REFUSALS
+    table = pipeline_coverage_table(markdown=True)
+    assert "| `Krea2TurboModularPipeline` | never guides |" in table
+    assert f"({len(modular)} of them Modular Diffusers pipelines)" in table
 
 
 def test_every_recipe_has_a_record_in_every_mode():
     from paradiff.testing import zoo
 
     pipelines = load_verified()["pipelines"]
-    keys = [key for key in zoo.names() if not zoo.is_modular(key)]  # the modular keys: next step
+    keys = zoo.names()
     missing = {key: sorted(set(MODES) - set(pipelines.get(key, {}).get("modes", {}))) for key in keys}
     assert not {key: modes for key, modes in missing.items() if modes}, (
         "recipes without a verification record: run `python tools/verify_pipelines.py --only KEY`")
@@ -48,13 +64,13 @@ def test_every_recipe_has_a_record_in_every_mode():
 
 
 def test_the_summary_counts_classes_verified_in_every_applicable_mode():
-    record = {"classes": ["A", "B", "C"], "pipelines": {
+    record = {"classes": ["A", "B", "C"], "modular": {"B": []}, "pipelines": {
         "A": {"modes": {mode: {"status": "verified", "diff": 0.0} for mode in MODES}},
         "B": {"modes": {**{mode: {"status": "verified", "diff": 0.0} for mode in MODES},
                         "cfg2": {"status": "n/a", "reason": "never guides"}}},
         "C": {"modes": {**{mode: {"status": "verified", "diff": 0.0} for mode in MODES},
                         "ring2": {"status": "refused", "reason": "PlanError: ..."}}}}}
-    assert summary(record) == {"classes": 3, "with recipe": 3, "verified in every mode": 2}
+    assert summary(record) == {"classes": 3, "modular": 1, "with recipe": 3, "verified in every mode": 2}
 
 
 def test_plans_command_prints_the_pipeline_table(capsys):

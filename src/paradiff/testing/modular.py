@@ -1,78 +1,40 @@
-"""Tiny, random-weight, fully local Modular Diffusers pipelines, saved as modular pipeline folders
-(modular_model_index.json and one subfolder per component, no model_index.json).
+"""Modular Diffusers pipelines checked on the mesh beyond the zoo's modes: the tiny modular pipelines are the zoo's
+(`paradiff.testing.zoo`, `ModularRecipe` keys such as "QwenImageModularPipeline"; tools/verify_pipelines.py verifies
+them in the coverage table's modes); `modular_equivalence` runs one in extra modes (a staged load, data parallel x
+TP, a 3-branch SkipLayerGuidance guider) against diffusers' single-process modular call and reports what each rank
+held and computed (tools/verify_modular.py, tests/test_modular.py).
 
-    folder = save_modular_pipeline("qwenimage", "/tmp/tiny-qwen-modular")
+    folder = zoo.save("QwenImageModularPipeline", "/tmp/tiny-qwen-modular")
     pipe = ModularPipeline.from_pretrained(folder); pipe.load_components()
-    images = pipe(**modular_call_kwargs("qwenimage"), generator=torch.Generator().manual_seed(0), output="images")
-
-"flux2", "qwenimage" and "wan" are the tiny standard pipelines of `paradiff.testing.pipelines` run through their
-modular classes (Flux2ModularPipeline, QwenImageModularPipeline, WanModularPipeline) and saved as modular folders.
-"krea2-turbo" is a model diffusers ships only as a modular pipeline (Krea2TurboModularPipeline): built by its zoo
-recipe (paradiff.testing.zoo.recipes.modular), as every family is when no standard folder is given.
+    images = pipe(**zoo.call_kwargs("QwenImageModularPipeline"), generator=torch.Generator().manual_seed(0),
+                  output="images")
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 import numpy as np
 import torch
 
-from paradiff.testing.pipelines import default_call_kwargs, save_pipeline_folder
+from paradiff.testing import zoo
 
-MODULAR_FAMILIES = ("flux2", "qwenimage", "wan", "krea2-turbo")
-# the class each family's folder names, and what its call returns
-MODULAR_CLASSES = {"flux2": "Flux2ModularPipeline", "qwenimage": "QwenImageModularPipeline",
-                   "wan": "WanModularPipeline", "krea2-turbo": "Krea2TurboModularPipeline"}
-OUTPUTS = {"flux2": "images", "qwenimage": "images", "wan": "videos", "krea2-turbo": "images"}
-# The modular families that run guidance through a guider (the others are guidance-distilled).
-GUIDED = ("qwenimage", "wan")
+# the modular keys verify_modular.py runs its extra modes on: two from standard recipes that guide through a guider
+# (Qwen-Image, Wan), one guidance-distilled (FLUX.2), one modular-only (Krea 2 Turbo)
+MODULAR_KEYS = ("Flux2ModularPipeline", "QwenImageModularPipeline", "WanModularPipeline", "Krea2TurboModularPipeline")
 
 
-def save_modular_pipeline(family: str, folder: str | Path, seed: int = 0, standard: str | Path | None = None) -> Path:
-    """Write the tiny modular pipeline of `family` as a modular pipeline folder (its zoo recipe,
-    `MODULAR_CLASSES[family]`); does nothing if the folder holds a pipeline. `standard`: the family's tiny standard
-    pipeline folder, when one is saved already (`paradiff.testing.pipelines.save_pipeline`), loaded through its
-    modular class instead of saving the zoo's standard pipeline again."""
-    from diffusers import ModularPipeline
-
-    from paradiff.testing import zoo
-
-    if family not in MODULAR_FAMILIES:
-        raise ValueError(f"unknown modular family {family!r}; known: {MODULAR_FAMILIES}")
-    if standard is None or zoo.recipe(MODULAR_CLASSES[family]).standard is None:
-        return zoo.save(MODULAR_CLASSES[family], folder, seed)
-
-    def load():
-        pipe = ModularPipeline.from_pretrained(str(standard))
-        pipe.load_components(dtype=torch.float32)
-        return pipe
-
-    return save_pipeline_folder(folder, load)
+def guided(key: str) -> bool:
+    """Whether the modular pipeline of `key` guides through a guider component."""
+    return bool(zoo.modular_guiders(zoo.pipeline_name(key)))
 
 
-def modular_call_kwargs(family: str) -> dict[str, Any]:
-    """Keyword arguments for a quick generation by the family's modular pipeline (pass a `generator` along)."""
-    if family == "krea2-turbo":
-        from paradiff.testing import zoo
-
-        return zoo.call_kwargs(MODULAR_CLASSES[family])
-    kwargs = dict(default_call_kwargs(family))
-    if family in GUIDED:  # their guidance scale is the guider component's, not an argument of the call
-        kwargs.pop("guidance_scale", None)
-        kwargs.pop("true_cfg_scale", None)
-    return kwargs
-
-
-def skip_layer_guider(family: str):
+def skip_layer_guider(key: str):
     """A 3-branch guider: CFG plus skip-layer guidance (the second block skipped), from the second step on (diffusers'
     SkipLayerGuidance starts strictly after the start step)."""
     from diffusers.guiders import SkipLayerGuidance
     from diffusers.hooks import LayerSkipConfig
 
     # an explicit fqn: "auto" picks from a set, whose order differs between processes
-    blocks = "blocks" if family == "wan" else "transformer_blocks"
+    blocks = "blocks" if zoo.pipeline_name(key).startswith("Wan") else "transformer_blocks"
     return SkipLayerGuidance(guidance_scale=4.0, skip_layer_guidance_scale=2.0, skip_layer_guidance_start=0.0,
                              skip_layer_guidance_stop=1.0, skip_layer_config=LayerSkipConfig(indices=[1], fqn=blocks))
 
@@ -90,7 +52,7 @@ def _tokens_seen(transformer, into: list) -> None:
         with_kwargs=True)
 
 
-def modular_equivalence(family: str, folder: str, modes: dict[str, dict], guider: str | None = None,
+def modular_equivalence(key: str, folder: str, modes: dict[str, dict], guider: str | None = None,
                         steps: int = 2) -> dict:
     """diffusers' single-process modular call, then paradiff's load_pipeline of the same folder in each mode (a
     ParallelConfig.from_degrees dict, with `stages=True` for a staged load), same seed: the output, what each rank
@@ -105,12 +67,13 @@ def modular_equivalence(family: str, folder: str, modes: dict[str, dict], guider
     from paradiff.vae import get_vae_runtime
 
     torch.set_num_threads(1)
-    kwargs = dict(modular_call_kwargs(family), num_inference_steps=steps)
-    output = OUTPUTS[family]
+    kwargs = dict(zoo.call_kwargs(key), num_inference_steps=steps)
+    output = zoo.recipe(key).output
     reference = ModularPipeline.from_pretrained(folder)
     reference.load_components(dtype=torch.float32)
+    zoo.configure(reference, key)
     if guider == "skip_layer":
-        reference.update_components(guider=skip_layer_guider(family))
+        reference.update_components(guider=skip_layer_guider(key))
     seen: list[int] = []
     _tokens_seen(reference.transformer, seen)
     expected = np.asarray(reference(**kwargs, generator=torch.Generator().manual_seed(0), output=output))
@@ -122,8 +85,9 @@ def modular_equivalence(family: str, folder: str, modes: dict[str, dict], guider
         stages = degrees.pop("stages", False)
         pipeline = paradiff.load_pipeline(folder, parallel_config=paradiff.ParallelConfig.from_degrees(**degrees),
                                           stages=stages)
+        zoo.configure(pipeline, key)
         if guider == "skip_layer":
-            pipeline.update_components(guider=skip_layer_guider(family))
+            pipeline.update_components(guider=skip_layer_guider(key))
         local: list[int] = []
         _tokens_seen(pipeline.transformer, local)
         held: dict = {}  # measured at each model's first forward, while its weights are there (staged or not)

@@ -29,11 +29,11 @@ import torch
 PIPELINE_FAMILIES = ("flux", "flux2", "qwenimage", "wan", "wan2.2", "wan2.2-a14b", "hunyuanvideo", "ltx",
                      "flux2_klein", "lumina2", "sd3", "pixart_sigma", "sana", "auraflow",
                      "chroma", "cogview3plus", "cogvideox")
-# modular: Modular Diffusers pipelines (modular_model_index.json) have their tiny folders in
-# paradiff.testing.modular (FLUX.2 / Qwen-Image / Wan saved through their modular classes, Krea 2 Turbo built there;
-# `modular_equivalence` is the pool case checking one against diffusers' single-process modular call), and the
-# standard pipelines that guide through a guider component in paradiff.testing.guiders (HunyuanVideo 1.5);
-# tools/verify_modular.py / tools/verify_modular.json hold the modes verified for them.
+# modular: Modular Diffusers pipelines (modular_model_index.json) are zoo keys (paradiff.testing.zoo's ModularRecipe:
+# a standard recipe's tiny pipeline loaded through its modular class, or a modular-only builder), verified by
+# tools/verify_pipelines.py; paradiff.testing.modular's `modular_equivalence` checks one in the extra modes of
+# tools/verify_modular.py. The standard pipelines that guide through a guider component: paradiff.testing.guiders
+# (HunyuanVideo 1.5).
 # The families whose pipelines return videos (`.frames`) and take `num_frames`.
 VIDEO_FAMILIES = ("wan", "wan2.2", "wan2.2-a14b", "hunyuanvideo", "ltx", "cogvideox")
 

@@ -126,6 +126,9 @@ class ModularRecipe:
     drop: tuple[str, ...] = ()  # the standard recipe's call arguments the modular blocks do not take
     output: str = "images"  # what the call returns (`pipe(..., output=...)`): "images", "videos", "audio" ...
     note: str = ""
+    # changes to the guider component's config, made after every load (`configure`): a modular folder does not keep
+    # its guider's config (diffusers makes it from the blocks' defaults, which for some disable guidance)
+    guider: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if (self.standard is None) == (self.build is None):
@@ -257,12 +260,13 @@ def fingerprint(key: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
-def build(key: str, seed: int = 0):
+def build(key: str, seed: int = 0, standard_folder: str | Path | None = None):
     """The tiny pipeline of recipe `key`, random weights, the same for the same seed; the caller's global RNG state
-    is left untouched."""
+    is left untouched. `standard_folder`: for a modular key built from a standard recipe, that recipe's folder when
+    it is saved already (with the same seed)."""
     resolved = recipe(key)
     if isinstance(resolved, ModularRecipe):
-        return _build_modular(key, resolved, seed)
+        return _build_modular(key, resolved, seed, standard_folder)
     cls = pipeline_class(key)
     config = transformer_config(key)
     parts = _family_parts(resolved.family, seed, config)
@@ -287,13 +291,22 @@ def build(key: str, seed: int = 0):
     return tiny.finish_pipeline(cls(**taken))
 
 
-def save(key: str, folder: str | Path, seed: int = 0) -> Path:
-    """Write `build(key, seed)` as a pipeline folder, a modular one for a modular key
+def save(key: str, folder: str | Path, seed: int = 0, standard_folder: str | Path | None = None) -> Path:
+    """Write `build(key, seed, standard_folder)` as a pipeline folder, a modular one for a modular key
     (testing.pipelines.save_pipeline_folder: renamed into place); does nothing if the folder holds a pipeline."""
-    return tiny.save_pipeline_folder(folder, lambda: build(key, seed))
+    return tiny.save_pipeline_folder(folder, lambda: build(key, seed, standard_folder))
 
 
-def _build_modular(key: str, resolved: ModularRecipe, seed: int):
+def configure(pipe, key: str):
+    """What a loaded pipeline of recipe `key` needs before its call: a modular recipe's guider changes (on diffusers'
+    pipeline and on paradiff's alike)."""
+    resolved = recipe(key)
+    if isinstance(resolved, ModularRecipe) and resolved.guider:
+        pipe.update_components(guider=pipe.guider.new(**resolved.guider))
+    return pipe
+
+
+def _build_modular(key: str, resolved: ModularRecipe, seed: int, standard_folder: str | Path | None):
     """The tiny modular pipeline of `key`, every component loaded in float32."""
     import tempfile
 
@@ -304,7 +317,8 @@ def _build_modular(key: str, resolved: ModularRecipe, seed: int):
         pipe = resolved.build(seed)
     else:
         with tempfile.TemporaryDirectory(prefix="paradiff-zoo-standard-") as scratch:
-            pipe = ModularPipeline.from_pretrained(str(save(resolved.standard, Path(scratch) / "standard", seed)))
+            standard = standard_folder or save(resolved.standard, Path(scratch) / "standard", seed)
+            pipe = ModularPipeline.from_pretrained(str(standard))
             pipe.load_components(dtype=torch.float32)
         if type(pipe) is not cls:  # diffusers maps the standard class to another modular class: this one's blocks
             mapped, pipe = pipe, cls()
@@ -379,7 +393,8 @@ def controlnet_from_transformer(cls: type, transformer_config: dict, seed: int, 
 # --- the DiT pipeline classes of the installed diffusers ----------------------------------------------------------
 
 def dit_pipeline_classes() -> list[str]:
-    """Every pipeline class diffusers exports whose `__init__` takes a `transformer` (imports every pipeline)."""
+    """Every pipeline class diffusers exports whose `__init__` takes a `transformer` (imports every pipeline), and
+    every Modular Diffusers class whose default blocks expect a `transformer` component (`modular_dit_classes`)."""
     import diffusers
 
     found = []
@@ -398,4 +413,50 @@ def dit_pipeline_classes() -> list[str]:
             continue
         if "transformer" in parameters:
             found.append(name)
-    return sorted(found)
+    return sorted(found + list(modular_dit_classes()))
+
+
+def modular_dit_classes() -> dict[str, list[str]]:
+    """Every Modular Diffusers pipeline class diffusers exports that is a DiT pipeline, with its guider components
+    (`modular_guiders`)."""
+    import diffusers
+    from diffusers import ModularPipeline
+
+    found = {}
+    for name in dir(diffusers):
+        if not name.endswith("ModularPipeline") or name == "ModularPipeline":
+            continue
+        try:
+            cls = getattr(diffusers, name)
+        except Exception:  # noqa: BLE001 - an optional dependency missing: not installed, not listed
+            continue
+        if isinstance(cls, type) and issubclass(cls, ModularPipeline):
+            guiders = modular_guiders(name)
+            if guiders is not None:
+                found[name] = guiders
+    return found
+
+
+def modular_guiders(name: str) -> list[str] | None:
+    """The guider components of the Modular Diffusers class `name`'s default blocks, or None when it is no DiT
+    pipeline. A modular class is a DiT pipeline when the components its default blocks expect include a
+    `transformer` (so StableDiffusionXLModularPipeline, a UNet's, is not one); the blocks are built, no component
+    is. A class with no guider component never guides (guidance-distilled)."""
+    import warnings
+
+    import diffusers
+    from diffusers.utils import logging
+
+    from paradiff.runtime.cfg import is_guider_component
+
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # "Guiders are currently an experimental feature ..."
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            specs = getattr(diffusers, name)()._component_specs
+    finally:
+        logging.set_verbosity(verbosity)
+    if "transformer" not in specs:
+        return None
+    return sorted(component for component in specs if is_guider_component(component))

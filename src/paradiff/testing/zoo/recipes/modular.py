@@ -4,14 +4,16 @@ modular pipeline (built here at the sizes of diffusers' own Krea 2 tests, with a
 the layers the modular text step stacks).
 
 A guided modular pipeline's guidance scale is its guider component's (ClassifierFreeGuidance), not an argument of
-the call: the standard call's `guidance_scale` / `true_cfg_scale` are dropped there; a guidance-distilled one (FLUX.2)
-keeps `guidance_scale`, the scale embedded into its transformer."""
+the call: the standard call's `guidance_scale` / `true_cfg_scale` are dropped there (and `guider=` sets the guider
+where the blocks' default does not guide); a guidance-distilled one (FLUX.1, FLUX.2, Klein) keeps `guidance_scale`
+where its transformer embeds it, and takes no negative prompt."""
 
 import torch
 
 from paradiff.testing.zoo import ModularRecipe
 
 GUIDER_SCALES = ("guidance_scale", "true_cfg_scale")
+NO_TRUE_CFG = ("negative_prompt", "true_cfg_scale")
 
 
 def krea2_turbo(seed: int):
@@ -64,8 +66,33 @@ def krea2_turbo(seed: int):
 
 
 RECIPES = {
+    # FLUX.1 [dev] style: the embedded guidance scale, no true CFG
+    "FluxModularPipeline": ModularRecipe(standard="FluxPipeline", drop=NO_TRUE_CFG),
+    # the reference image's 63 packed tokens after the 99 noise tokens
+    "FluxKontextModularPipeline": ModularRecipe(standard="FluxKontextPipeline", drop=NO_TRUE_CFG),
     "Flux2ModularPipeline": ModularRecipe(standard="Flux2Pipeline"),
+    # FLUX.2 Klein: the distilled class runs no guidance, the base class guides through its guider (scale 4)
+    "Flux2KleinModularPipeline": ModularRecipe(standard="Flux2KleinPipeline", drop=GUIDER_SCALES),
+    "Flux2KleinBaseModularPipeline": ModularRecipe(standard="Flux2KleinPipeline", drop=GUIDER_SCALES),
     "QwenImageModularPipeline": ModularRecipe(standard="QwenImagePipeline", drop=GUIDER_SCALES),
+    "QwenImageEditModularPipeline": ModularRecipe(standard="QwenImageEditPipeline",
+                                                  drop=GUIDER_SCALES + ("max_sequence_length",)),
+    "QwenImageEditPlusModularPipeline": ModularRecipe(standard="QwenImageEditPlusPipeline",
+                                                      drop=GUIDER_SCALES + ("max_sequence_length",)),
+    "QwenImageLayeredModularPipeline": ModularRecipe(standard="QwenImageLayeredPipeline", drop=GUIDER_SCALES),
+    # its guider's default scale is 1 (no guidance)
+    "QwenImage21ModularPipeline": ModularRecipe(standard="QwenImage21Pipeline", drop=GUIDER_SCALES,
+                                                guider=dict(guidance_scale=4.0)),
+    "StableDiffusion3ModularPipeline": ModularRecipe(standard="StableDiffusion3Pipeline", drop=GUIDER_SCALES),
+    # its guider is disabled by default (Z-Image Turbo); its size check reads the default image processor's factor
+    # (16), whatever the VAE's
+    "ZImageModularPipeline": ModularRecipe(standard="ZImagePipeline", drop=GUIDER_SCALES,
+                                           call=dict(height=48, width=64),
+                                           guider=dict(enabled=True, guidance_scale=5.0)),
+    "ErnieImageModularPipeline": ModularRecipe(standard="ErnieImagePipeline", drop=GUIDER_SCALES + ("use_pe",)),
+    # asymmetric CFG through a second transformer, no guider: CFG parallelism refuses it (plans/pipelines.py)
+    "Ideogram4ModularPipeline": ModularRecipe(standard="Ideogram4Pipeline", drop=GUIDER_SCALES),
+    "Krea2ModularPipeline": ModularRecipe(standard="Krea2Pipeline", drop=GUIDER_SCALES),
     "WanModularPipeline": ModularRecipe(standard="WanPipeline", drop=GUIDER_SCALES, output="videos"),
     "Krea2TurboModularPipeline": ModularRecipe(build=krea2_turbo, call=dict(
         prompt="a small red fox running through the snow", height=32, width=32, num_inference_steps=2,
