@@ -98,14 +98,16 @@ def test_a_recipe_missing_a_required_component_says_which(monkeypatch):
 # --- a sample of tools/verify_pipelines.py on the rank pool -------------------------------------------------------
 
 # batch CFG with a ControlNet's residual lists batched, two-call CFG on an edit pipeline (Kontext under CP:
-# tests/test_conditioning.py), batch CFG over per-sample lists (Z-Image), image-to-video under Ulysses (LTX I2V: the
-# clean first frame's tokens carry their own timestep, split with the tokens; Wan I2V: the image's latents beside the
-# noise, its CLIP tokens before the text, 27 video tokens over 2 ranks)
-SAMPLE = (("StableDiffusion3ControlNetPipeline", "cfg2"), ("FluxKontextPipeline", "cfg2"), ("ZImagePipeline", "cfg2"),
+# tests/test_conditioning.py), the same Kontext pipeline as a Modular Diffusers pipeline under Ulysses (the modular
+# folder made from the standard one), batch CFG over per-sample lists (Z-Image), image-to-video under Ulysses (LTX
+# I2V: the clean first frame's tokens carry their own timestep, split with the tokens; Wan I2V: the image's latents
+# beside the noise, its CLIP tokens before the text, 27 video tokens over 2 ranks)
+SAMPLE = (("StableDiffusion3ControlNetPipeline", "cfg2"), ("FluxKontextPipeline", "cfg2"),
+          ("FluxKontextModularPipeline", "ulysses2"), ("ZImagePipeline", "cfg2"),
           ("LTXImageToVideoPipeline", "ulysses2"), ("WanImageToVideoPipeline", "ulysses2"))
 # the tokens the first block sees in the single process: conditioned and uneven where the pipeline allows it
 FIRST_BLOCK_TOKENS = {"StableDiffusion3ControlNetPipeline": 35, "FluxKontextPipeline": 162,
-                      "LTXImageToVideoPipeline": 192, "WanImageToVideoPipeline": 27}
+                      "FluxKontextModularPipeline": 131, "LTXImageToVideoPipeline": 192, "WanImageToVideoPipeline": 27}
 
 
 @pytest.fixture(scope="module")
@@ -114,13 +116,18 @@ def sample_jobs(tmp_path_factory, tiny_pipeline_folders):
     from paradiff.testing.zoo.check import reference
 
     root = tmp_path_factory.mktemp("zoo")
-    jobs, expected = [], {}
+    jobs, expected, folders = [], {}, {}
     for key, mode in SAMPLE:
         recipe = zoo.recipe(key)
-        unchanged = (not (recipe.transformer or recipe.components or recipe.controlnet or recipe.init)
-                     and recipe.family in tiny_pipeline_folders)  # not a recipe module's own family
-        # a recipe that only calls its family's pipeline another way reads the family's folder, saved for the session
-        folder = str(tiny_pipeline_folders[recipe.family] if unchanged else zoo.save(key, root / key))
+        if zoo.is_modular(key):  # made from its standard recipe's folder, saved above
+            folders[key] = str(zoo.save(key, root / key, standard_folder=folders[recipe.standard]))
+        else:
+            unchanged = (not (recipe.transformer or recipe.components or recipe.controlnet or recipe.init)
+                         and recipe.family in tiny_pipeline_folders)  # not a recipe module's own family
+            # a recipe that only calls its family's pipeline another way reads the family's folder, saved for the
+            # session
+            folders[key] = str(tiny_pipeline_folders[recipe.family] if unchanged else zoo.save(key, root / key))
+        folder = folders[key]
         if key not in expected:
             expected[key] = reference(key, folder)
         jobs.append(dict(key=key, folder=folder, mode=mode, expected=expected[key]))
@@ -135,7 +142,8 @@ def test_sample_pipelines_equal_single_process_in_their_modes(pools, sample_jobs
         for job, outcome in zip(sample_jobs, outcomes):
             print(rank, job["key"], job["mode"], outcome)
             assert outcome["status"] == "verified" and outcome["diff"] <= 1e-5, (job["key"], job["mode"], outcome)
-    # the sample is conditioned and uneven: SD3's 35 tokens, Kontext's 99 noise + 63 reference tokens, LTX I2V's 3
+    # the sample is conditioned and uneven: SD3's 35 tokens, Kontext's 99 noise + 63 reference tokens (the modular
+    # Kontext's default image processor resizes the 36 x 28 reference to 32 x 16: 99 + 32), LTX I2V's 3
     # latent frames of 8 x 8, Wan I2V's 27 (Z-Image pads its own tokens to multiples of 32)
     assert {job["key"]: job["expected"]["blocks"][0][1] for job in sample_jobs
             if job["key"] in FIRST_BLOCK_TOKENS} == FIRST_BLOCK_TOKENS

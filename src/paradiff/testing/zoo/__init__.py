@@ -116,8 +116,8 @@ class Recipe:
 class ModularRecipe:
     """How to build one tiny Modular Diffusers pipeline (the key names its modular class) and call it: either
     `standard`, the key of a standard recipe whose tiny pipeline is saved and loaded through
-    `ModularPipeline.from_pretrained` (built as the key's class from its default blocks where diffusers maps the
-    standard class to another modular class), or `build`, seed -> the ModularPipeline with every component set
+    `ModularPipeline.from_pretrained` (the key's class built on that folder with its default blocks where diffusers
+    maps the standard class to another modular class, or to none), or `build`, seed -> the ModularPipeline with every component set
     (models diffusers ships only as modular pipelines)."""
 
     standard: str | None = None
@@ -317,13 +317,21 @@ def _build_modular(key: str, resolved: ModularRecipe, seed: int, standard_folder
         pipe = resolved.build(seed)
     else:
         with tempfile.TemporaryDirectory(prefix="paradiff-zoo-standard-") as scratch:
-            standard = standard_folder or save(resolved.standard, Path(scratch) / "standard", seed)
-            pipe = ModularPipeline.from_pretrained(str(standard))
+            standard = str(standard_folder or save(resolved.standard, Path(scratch) / "standard", seed))
+            try:
+                pipe = ModularPipeline.from_pretrained(standard)
+            except ValueError:  # a standard class diffusers maps to no modular class (ERNIE-Image)
+                pipe = None
+            if type(pipe) is not cls:  # mapped to another class, or none: the key's class, its default blocks
+                pipe = cls(pretrained_model_name_or_path=standard)
             pipe.load_components(dtype=torch.float32)
-        if type(pipe) is not cls:  # diffusers maps the standard class to another modular class: this one's blocks
-            mapped, pipe = pipe, cls()
-            pipe.update_components(**{name: component for name, component in mapped.components.items()
-                                      if name in pipe._component_specs and component is not None})
+            # diffusers logs a component it fails to load and goes on without it
+            lost = [name for name, spec in pipe._component_specs.items()
+                    if spec.default_creation_method == "from_pretrained" and getattr(pipe, name, None) is None
+                    and (Path(standard) / name).is_dir()]
+            if lost:
+                raise RuntimeError(f"recipe {key!r}: {cls.__name__} did not load {lost} from {resolved.standard}'s "
+                                   "folder")
     if type(pipe) is not cls:
         raise TypeError(f"recipe {key!r} built a {type(pipe).__name__}, not a {cls.__name__}")
     for component in pipe.components.values():

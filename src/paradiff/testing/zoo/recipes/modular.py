@@ -17,8 +17,21 @@ NO_TRUE_CFG = ("negative_prompt", "true_cfg_scale")
 
 
 def krea2_turbo(seed: int):
-    import diffusers
     from diffusers.modular_pipelines import Krea2TurboModularPipeline
+
+    return _krea2(seed, Krea2TurboModularPipeline)
+
+
+def krea2(seed: int):
+    from diffusers.modular_pipelines import Krea2ModularPipeline
+
+    return _krea2(seed, Krea2ModularPipeline)
+
+
+def _krea2(seed: int, cls: type):
+    """Krea 2 at the sizes of diffusers' own tests: the modular text step stacks fixed layers of the Qwen3-VL text
+    encoder (up to the 35th), deeper than the standard Krea 2 recipe's."""
+    import diffusers
     from diffusers.modular_pipelines.krea2.encoders import KREA2_TEXT_ENCODER_SELECT_LAYERS
     from transformers import Qwen3VLConfig, Qwen3VLModel
 
@@ -59,7 +72,7 @@ def krea2_turbo(seed: int):
         ).eval()
     scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
         use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=6400)
-    pipe = Krea2TurboModularPipeline()  # its default blocks: Krea2TurboAutoBlocks
+    pipe = cls()  # its default blocks
     pipe.update_components(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                            scheduler=scheduler)
     return pipe
@@ -90,9 +103,14 @@ RECIPES = {
                                            call=dict(height=48, width=64),
                                            guider=dict(enabled=True, guidance_scale=5.0)),
     "ErnieImageModularPipeline": ModularRecipe(standard="ErnieImagePipeline", drop=GUIDER_SCALES + ("use_pe",)),
-    # asymmetric CFG through a second transformer, no guider: CFG parallelism refuses it (plans/pipelines.py)
-    "Ideogram4ModularPipeline": ModularRecipe(standard="Ideogram4Pipeline", drop=GUIDER_SCALES),
-    "Krea2ModularPipeline": ModularRecipe(standard="Krea2Pipeline", drop=GUIDER_SCALES),
+    # asymmetric CFG through a second transformer, no guider: CFG parallelism refuses it (plans/pipelines.py); its
+    # guidance scale is a schedule, one per step
+    "Ideogram4ModularPipeline": ModularRecipe(standard="Ideogram4Pipeline", drop=GUIDER_SCALES,
+                                              call=dict(guidance_schedule=[3.0, 3.0])),
+    # its guider: ClassifierFreeGuidance at 4.5
+    "Krea2ModularPipeline": ModularRecipe(build=krea2, call=dict(
+        prompt="a small red fox running through the snow", negative_prompt="blurry, low quality", height=32,
+        width=32, num_inference_steps=2, max_sequence_length=16, output_type="np")),
     "WanModularPipeline": ModularRecipe(standard="WanPipeline", drop=GUIDER_SCALES, output="videos"),
     "Krea2TurboModularPipeline": ModularRecipe(build=krea2_turbo, call=dict(
         prompt="a small red fox running through the snow", height=32, width=32, num_inference_steps=2,
