@@ -8,12 +8,20 @@ the call: the standard call's scales are dropped. Wan 2.1 FLF2V's modular blocks
 torchvision, which this environment lacks: no recipe for it."""
 
 from paradiff.testing.zoo import ModularRecipe
+from paradiff.testing.zoo.recipes.ltx2 import CFG_ONLY
 
 GUIDER_SCALES = ("guidance_scale",)
 VIDEOS = dict(drop=GUIDER_SCALES, output="videos")
 
 RECIPES = {
     "Wan22ModularPipeline": ModularRecipe(standard="WanPipeline@wan2.2-a14b", **VIDEOS),
+    "WanImage2VideoModularPipeline": ModularRecipe(standard="WanImageToVideoPipeline", **VIDEOS),
     "Wan22Image2VideoModularPipeline": ModularRecipe(standard="WanImageToVideoPipeline@wan2.2-a14b", **VIDEOS),
     "Wan22VaceModularPipeline": ModularRecipe(standard="WanVACEPipeline@wan2.2-a14b", **VIDEOS),
+    "LTXModularPipeline": ModularRecipe(standard="LTXPipeline", **VIDEOS),
+    # its guiders (LTX2Guidance, video and audio) run CFG, spatio-temporal guidance and modality isolation: the
+    # standard call's knobs for them are the guiders' config here; STG perturbs block 1 of the tiny 2 (default: 28)
+    "LTX2ModularPipeline": ModularRecipe(
+        standard="LTX2Pipeline", drop=tuple(key for key in CFG_ONLY if key != "use_cross_timestep"),
+        output="videos", guider=dict(spatio_temporal_guidance_blocks=[1])),
 }
