@@ -24,4 +24,7 @@ RECIPES = {
     "LTX2ModularPipeline": ModularRecipe(
         standard="LTX2Pipeline", drop=tuple(key for key in CFG_ONLY if key != "use_cross_timestep"),
         output="videos", guider=dict(spatio_temporal_guidance_blocks=[1])),
+    "HunyuanVideo15ModularPipeline": ModularRecipe(standard="HunyuanVideo15Pipeline", **VIDEOS),
+    "HeliosModularPipeline": ModularRecipe(standard="HeliosPipeline", **VIDEOS),
+    "HeliosPyramidModularPipeline": ModularRecipe(standard="HeliosPyramidPipeline", **VIDEOS),
 }
