@@ -19,12 +19,22 @@ RECIPES = {
     "Wan22Image2VideoModularPipeline": ModularRecipe(standard="WanImageToVideoPipeline@wan2.2-a14b", **VIDEOS),
     "Wan22VaceModularPipeline": ModularRecipe(standard="WanVACEPipeline@wan2.2-a14b", **VIDEOS),
     "LTXModularPipeline": ModularRecipe(standard="LTXPipeline", **VIDEOS),
+    # image-to-video through the same class (its auto blocks switch on `image`): the clean first frame's tokens
+    "LTXModularPipeline@image": ModularRecipe(standard="LTXImageToVideoPipeline", **VIDEOS),
     # its guiders (LTX2Guidance, video and audio) run CFG, spatio-temporal guidance and modality isolation: the
     # standard call's knobs for them are the guiders' config here; STG perturbs block 1 of the tiny 2 (default: 28)
     "LTX2ModularPipeline": ModularRecipe(
         standard="LTX2Pipeline", drop=tuple(key for key in CFG_ONLY if key != "use_cross_timestep"),
         output="videos", guider=dict(spatio_temporal_guidance_blocks=[1])),
+    "LTX2ModularPipeline@image": ModularRecipe(
+        standard="LTX2ImageToVideoPipeline", drop=tuple(key for key in CFG_ONLY if key != "use_cross_timestep"),
+        output="videos", guider=dict(spatio_temporal_guidance_blocks=[1])),
     "HunyuanVideo15ModularPipeline": ModularRecipe(standard="HunyuanVideo15Pipeline", **VIDEOS),
+    # image-to-video: the SigLIP image tokens and the image's latents
+    "HunyuanVideo15ModularPipeline@image": ModularRecipe(standard="HunyuanVideo15ImageToVideoPipeline", **VIDEOS),
     "HeliosModularPipeline": ModularRecipe(standard="HeliosPipeline", **VIDEOS),
+    # the image's latents as history; a video's latents as history
+    "HeliosModularPipeline@image": ModularRecipe(standard="HeliosPipeline@image", **VIDEOS),
+    "HeliosModularPipeline@video": ModularRecipe(standard="HeliosPipeline@video", **VIDEOS),
     "HeliosPyramidModularPipeline": ModularRecipe(standard="HeliosPyramidPipeline", **VIDEOS),
 }
