@@ -42,16 +42,16 @@ def bria_components(seed: int) -> dict:
 KREA2_TEXT_LAYERS = 3
 
 
-def krea2_components(seed: int) -> dict:
-    import diffusers
+def krea2_text_encoder(seed: int, tokenizer, layers: int):
+    """Krea 2's Qwen3-VL text encoder at the sizes of diffusers' own tests, `layers` deep (the pipeline stacks the
+    hidden states of chosen layers: the standard recipe's 3, the modular text step's fixed ones)."""
     from transformers import Qwen3VLConfig, Qwen3VLModel
 
-    tokenizer = tiny._qwen2_tokenizer()
     ids = tokenizer.convert_tokens_to_ids
     with tiny._seeded(seed, 1):
-        text_encoder = Qwen3VLModel(Qwen3VLConfig(
+        return Qwen3VLModel(Qwen3VLConfig(
             text_config=dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=16,
-                             num_hidden_layers=KREA2_TEXT_LAYERS - 1, num_attention_heads=2, num_key_value_heads=1,
+                             num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
                              head_dim=8, max_position_embeddings=1024,
                              rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0,
                                               "mrope_section": [2, 1, 1], "mrope_interleaved": True}),
@@ -59,7 +59,14 @@ def krea2_components(seed: int) -> dict:
                                patch_size=2, spatial_merge_size=1, temporal_patch_size=1, num_position_embeddings=16,
                                deepstack_visual_indexes=[0]),
             image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
-            vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>")))
+            vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))).eval()
+
+
+def krea2_components(seed: int) -> dict:
+    import diffusers
+
+    tokenizer = tiny._qwen2_tokenizer()
+    text_encoder = krea2_text_encoder(seed, tokenizer, KREA2_TEXT_LAYERS - 1)
     with tiny._seeded(seed, 3):
         vae = diffusers.AutoencoderKLQwenImage(
             base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, attn_scales=[], temperal_downsample=[False],

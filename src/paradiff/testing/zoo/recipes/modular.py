@@ -33,26 +33,13 @@ def _krea2(seed: int, cls: type):
     encoder (up to the 35th), deeper than the standard Krea 2 recipe's."""
     import diffusers
     from diffusers.modular_pipelines.krea2.encoders import KREA2_TEXT_ENCODER_SELECT_LAYERS
-    from transformers import Qwen3VLConfig, Qwen3VLModel
 
     from paradiff.testing.pipelines import _qwen2_tokenizer, _seeded
+    from paradiff.testing.zoo.recipes.image_misc import krea2_text_encoder
 
     tokenizer = _qwen2_tokenizer()
-    ids = tokenizer.convert_tokens_to_ids
-    text_layers = max(KREA2_TEXT_ENCODER_SELECT_LAYERS)  # hidden_states[0] is the embedding output
-    with _seeded(seed, 1):
-        text_encoder = Qwen3VLModel(Qwen3VLConfig(
-            text_config=dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=16,
-                             num_hidden_layers=text_layers, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                             max_position_embeddings=1024,
-                             rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0,
-                                              "mrope_section": [2, 1, 1], "mrope_interleaved": True}),
-            vision_config=dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=16,
-                               patch_size=2, spatial_merge_size=1, temporal_patch_size=1, num_position_embeddings=16,
-                               deepstack_visual_indexes=[0]),
-            image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
-            vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
-        )).eval()
+    # hidden_states[0] is the embedding output
+    text_encoder = krea2_text_encoder(seed, tokenizer, max(KREA2_TEXT_ENCODER_SELECT_LAYERS))
     with _seeded(seed, 0):
         transformer = diffusers.Krea2Transformer2DModel(
             in_channels=16, num_layers=2, attention_head_dim=8, num_attention_heads=4, num_key_value_heads=2,
