@@ -9,6 +9,8 @@ processor, the same `__call__`; saved and loaded as those two parts.
 
 from __future__ import annotations
 
+import os
+
 from transformers import AutoTokenizer, ProcessorMixin, Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen3VLProcessor
 
 __all__ = ["TinyQwen2VLProcessor", "TinyQwen3VLProcessor", "ProcessorMixin"]  # diffusers finds the loading methods through ProcessorMixin
@@ -28,9 +30,11 @@ class _WithoutVideoProcessor:
         return [str(save_directory)]
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        return cls(image_processor=Qwen2VLImageProcessor.from_pretrained(pretrained_model_name_or_path),
-                   tokenizer=AutoTokenizer.from_pretrained(pretrained_model_name_or_path))
+    def from_pretrained(cls, pretrained_model_name_or_path, subfolder=None, **kwargs):
+        # a standard pipeline passes the component's folder; a modular one the pipeline's folder and a subfolder
+        path = os.path.join(pretrained_model_name_or_path, subfolder) if subfolder else pretrained_model_name_or_path
+        return cls(image_processor=Qwen2VLImageProcessor.from_pretrained(path),
+                   tokenizer=AutoTokenizer.from_pretrained(path))
 
 
 class TinyQwen2VLProcessor(_WithoutVideoProcessor, Qwen2VLProcessor):
