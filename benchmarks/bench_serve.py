@@ -5,6 +5,7 @@ parameters, 128x128, 3 steps; the pipeline of BENCHMARKS.md's "End-to-end pipeli
     .venv/bin/python benchmarks/bench_serve.py                  # demo pipeline, ~4 min on 2 cores
     .venv/bin/python benchmarks/bench_serve.py --rounds 3 --requests 8
     .venv/bin/python benchmarks/bench_serve.py --model flux2 --rounds 2 --requests 3   # ~20 min on 2 cores
+    .venv/bin/python benchmarks/bench_serve.py --cores     # how two busy processes share the cores (dp2 ceiling)
 
 Configurations, each a real server on 127.0.0.1 asked by 4 concurrent httpx clients:
 
@@ -122,6 +123,41 @@ def load(server: ServerProcess, clients: int, requests: int) -> dict:
             "calls": len(calls), "pair_calls": len(pairs), "pair_span_s": statistics.median(pairs) if pairs else 0.0}
 
 
+def _matmul_rate(size: int, queue) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    for _ in range(3):
+        a @ b
+    started, count = time.perf_counter(), 0
+    while time.perf_counter() - started < 6:
+        a @ b
+        count += 1
+    queue.put(count / (time.perf_counter() - started))
+
+
+def cores_check(rounds: int = 2) -> None:
+    """What two replicas could give on this machine at best: matmuls on one torch thread, in one process, then in
+    two processes at once (a machine whose cores slow each other down caps dp2 below 2x)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    for size in (256, 1024):
+        for number in range(rounds):
+            rates = {}
+            for processes in (1, 2):
+                queue = context.Queue()
+                workers = [context.Process(target=_matmul_rate, args=(size, queue)) for _ in range(processes)]
+                for worker in workers:
+                    worker.start()
+                rates[processes] = statistics.mean(queue.get() for _ in workers)
+                for worker in workers:
+                    worker.join()
+            print(f"{size} x {size} matmuls, round {number}: one process {rates[1]:.1f}/s, each of two at once "
+                  f"{rates[2]:.1f}/s: two give {2 * rates[2] / rates[1]:.2f}x one", flush=True)
+
+
 def overhead(server: ServerProcess, count: int) -> dict:
     """Medians over `count` sequential requests: the pipeline call's span, and (latency - span) / span with the
     client's latency and with the server's own (accepted -> answered)."""
@@ -154,9 +190,17 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=6, help="per client")
     parser.add_argument("--overhead-requests", type=int, default=6, help="sequential requests for the overhead")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {list(CONFIGS)}")
+    parser.add_argument("--batch-window", type=float, default=0.0,
+                        help="the servers' --batch-window (s): how long a round waits for requests sent together to "
+                             "join it (more replicas, or a batch); it changes nothing for 1 replica at batch 1")
     parser.add_argument("--quiet-wait", type=float, default=30.0,
                         help="seconds to wait at most, before each configuration, for the machine to go quiet")
+    parser.add_argument("--cores", action="store_true",
+                        help="only check how two busy processes share this machine's cores (dp2's ceiling), ~50 s")
     args = parser.parse_args()
+    if args.cores:
+        cores_check()
+        return 0
     configs = dict(CONFIGS[key.strip()] for key in args.configs.split(","))
     (width, height), steps = MODELS[args.model]
     model_args = ["--height", str(height), "--width", str(width), "--steps", str(steps)]
@@ -173,7 +217,8 @@ def main() -> int:
                 folder = Path(tmp) / f"{round_number}-{len(results[name])}-{name.replace(' ', '_').replace(',', '')}"
                 folder.mkdir()
                 quiet = wait_for_quiet(timeout_s=args.quiet_wait)
-                server = ServerProcess(folder, *model_args, *flags, fresh=True)  # a user's start, imports included
+                server = ServerProcess(folder, *model_args, *flags, "--batch-window", str(args.batch_window),
+                                       fresh=True)  # a user's start, imports included
                 try:
                     started = time.monotonic()
                     server.wait_ready(900)
@@ -196,7 +241,8 @@ def main() -> int:
     print(f"\n{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC (began "
           f"{datetime.datetime.fromtimestamp(began, datetime.timezone.utc):%H:%M}); {machine_line()}")
     print(f"model {args.model} {width}x{height}, {steps} steps; {args.rounds} rounds, {args.clients} clients x "
-          f"{args.requests} requests; overhead from {args.overhead_requests} sequential requests")
+          f"{args.requests} requests; overhead from {args.overhead_requests} sequential requests; "
+          f"--batch-window {args.batch_window:g}")
     print("| configuration | requests/min | vs 1 replica | p50 latency (s) | p95 latency (s) | pipeline call (s) | "
           "server overhead per request (client / server side) | ready after (s) | other processes' cores during "
           "the load | requests per CPU-minute (server and clients) |")

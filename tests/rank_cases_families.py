@@ -4,6 +4,7 @@ tools/verify_plans.py)."""
 from paradiff.testing.families import (  # noqa: F401
     MODES,
     family_modes,
+    family_modes_runs,
     family_modes_or_refusal,
     parallel_config,
     world_size,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import paradiff
-from paradiff.testing.modular import modular_call_kwargs
+from paradiff.testing import zoo
 
 
 def modular_refusals(folders: dict[str, str]) -> list[str]:
@@ -25,10 +25,10 @@ def modular_refusals(folders: dict[str, str]) -> list[str]:
 
     cfg2 = paradiff.ParallelConfig.from_degrees(cfg=2)
     # a guidance-distilled modular pipeline (no guider): refused at load, before any weight is read
-    attempt(lambda: paradiff.load_pipeline(folders["krea2-turbo"], parallel_config=cfg2))
-    pipeline = paradiff.load_pipeline(folders["qwenimage"], parallel_config=cfg2)
+    attempt(lambda: paradiff.load_pipeline(folders["Krea2TurboModularPipeline"], parallel_config=cfg2))
+    pipeline = paradiff.load_pipeline(folders["QwenImageModularPipeline"], parallel_config=cfg2)
     pipeline.set_progress_bar_config(disable=True)
-    kwargs = dict(modular_call_kwargs("qwenimage"), num_inference_steps=1)
+    kwargs = dict(zoo.call_kwargs("QwenImageModularPipeline"), num_inference_steps=1)
     # another seed on rank 1: the ranks refuse before the first collective of the generation
     attempt(lambda: pipeline(**kwargs, seed=torch.distributed.get_rank(), output="images"))
     # a guider that does not guide (scale 1): one branch per step, nothing for the second cfg rank
@@ -45,7 +45,7 @@ def modular_cfg_too_wide(folder: str) -> str:
     torch.set_num_threads(1)
     pipeline = paradiff.load_pipeline(folder, parallel_config=paradiff.ParallelConfig.from_degrees(cfg=3))
     try:
-        pipeline(**dict(modular_call_kwargs("wan"), num_inference_steps=1), output="videos")
+        pipeline(**dict(zoo.call_kwargs("WanModularPipeline"), num_inference_steps=1), output="videos")
     except Exception as exc:  # noqa: BLE001
         return f"{type(exc).__name__}: {exc}"
     return "no error"

@@ -46,9 +46,17 @@ def check(results: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("family,example,class_name", EXAMPLES, ids=IDS)
-def test_two_ranks_tp_ulysses_ring(pools, family, example, class_name):
-    check(pools.get(2).run(cases.family_modes, family=family, example=example, modes=["tp2", "ulysses2", "ring2"],
-                           single=single(family, example)))
+def test_two_ranks_tp_ulysses_ring_and_three_heads_at_tp2(pools, family, example, class_name):
+    """tp2, ulysses2 and ring2; then 3 heads over 2 ranks (1 K/V head where the example groups them): 2 + 1 whole
+    heads. Both in one case on the 2-rank pool."""
+    overrides = uneven_head_overrides(family, example)
+    assert overrides is not None, "add the example's 3-head config to UNEVEN_HEAD_CONFIGS (testing/families.py)"
+    results = pools.get(2).run(cases.family_modes_runs, runs=[
+        dict(family=family, example=example, modes=["tp2", "ulysses2", "ring2"], single=single(family, example)),
+        dict(family=family, example=example, modes=["tp2"], config_overrides=overrides,
+             single=single(family, example, overrides))])
+    for run in range(2):
+        check([by_run[run] for by_run in results])
 
 
 @pytest.mark.parametrize("family,example,class_name", EXAMPLES, ids=IDS)
@@ -75,15 +83,6 @@ def test_tp3_splits_four_heads_into_whole_heads(pools, family, example, class_na
             assert int(found[2]) < 3 and int(found[2]) in {getattr(module, attr, None) for attr in QUERY_HEAD_ATTRS}
         return
     check(results)
-
-
-@pytest.mark.parametrize("family,example,class_name", EXAMPLES, ids=IDS)
-def test_tp2_splits_three_heads_into_whole_heads(pools, family, example, class_name):
-    """3 heads over 2 ranks (1 K/V head where the example groups them): 2 + 1 whole heads."""
-    overrides = uneven_head_overrides(family, example)
-    assert overrides is not None, "add the example's 3-head config to UNEVEN_HEAD_CONFIGS (testing/families.py)"
-    check(pools.get(2).run(cases.family_modes, family=family, example=example, modes=["tp2"],
-                           config_overrides=overrides, single=single(family, example, overrides)))
 
 
 @pytest.mark.parametrize("family,example", sorted(UNEVEN_HEAD_CONFIGS),

@@ -3,7 +3,8 @@ text encoders and VAE like a standard pipeline's, and the images equal diffusers
 
 The sample here: Qwen-Image (guided: tp2, ulysses2, cfg2), Krea 2 Turbo (modular-only, guidance-distilled:
 tp2 x ulysses2), Wan (a 3-branch SkipLayerGuidance guider at cfg3 and at cfg2), the refusals, the folder's index and
-`paradiff generate` on a modular folder. Every family in every mode: tools/verify_modular.py."""
+`paradiff generate` on a modular folder. Every modular zoo key in the coverage table's modes:
+tools/verify_pipelines.py; the extra modes: tools/verify_modular.py."""
 
 from __future__ import annotations
 
@@ -15,17 +16,23 @@ import pytest
 import rank_cases_cli as cli_cases
 import rank_cases_modular as cases
 from paradiff.io.folders import read_pipeline_index
-from paradiff.testing.modular import MODULAR_CLASSES, modular_equivalence, save_modular_pipeline
+from paradiff.testing import zoo
+from paradiff.testing.modular import modular_equivalence
 
 RTOL = 1e-5
 STEPS = 2
 
 
+QWEN, WAN, KREA = "QwenImageModularPipeline", "WanModularPipeline", "Krea2TurboModularPipeline"
+
+
 @pytest.fixture(scope="module")
 def modular_folders(tiny_pipeline_folders, tmp_path_factory):
+    """The zoo's modular pipelines; Qwen-Image's and Wan's from the session's standard family folders (their zoo
+    standard recipes are those families unchanged)."""
     root = tmp_path_factory.mktemp("modular")
-    return {family: str(save_modular_pipeline(family, root / family, standard=tiny_pipeline_folders.get(family)))
-            for family in ("qwenimage", "wan", "krea2-turbo")}
+    standard = {QWEN: tiny_pipeline_folders["qwenimage"], WAN: tiny_pipeline_folders["wan"]}
+    return {key: str(zoo.save(key, root / key, standard_folder=standard.get(key))) for key in (QWEN, WAN, KREA)}
 
 
 def _check(results: list[dict], modes: dict[str, dict]) -> None:
@@ -54,7 +61,7 @@ def test_guided_modular_pipeline_equals_single_process(pools, modular_folders):
     """QwenImageModularPipeline (its ClassifierFreeGuidance guider: two transformer calls per step) at tp2 (staged:
     text encoder, transformer and VAE each read at their stage), ulysses2 and cfg2: at cfg2 each rank computes one
     branch per step and the guider gets both predictions."""
-    results = pools.get(2).run(modular_equivalence, family="qwenimage", folder=modular_folders["qwenimage"],
+    results = pools.get(2).run(modular_equivalence, key=QWEN, folder=modular_folders[QWEN],
                                modes=QWEN_MODES, steps=STEPS, timeout_s=400)
     _check(results, QWEN_MODES)
     for result in results:
@@ -67,7 +74,7 @@ def test_guided_modular_pipeline_equals_single_process(pools, modular_folders):
 def test_modular_only_pipeline_at_tp2_x_ulysses2(pools, modular_folders):
     """Krea2TurboModularPipeline, which diffusers ships only as a modular pipeline, on 4 ranks."""
     modes = {"tp2xulysses2": dict(tp=2, ulysses=2)}
-    results = pools.get(4).run(modular_equivalence, family="krea2-turbo", folder=modular_folders["krea2-turbo"],
+    results = pools.get(4).run(modular_equivalence, key=KREA, folder=modular_folders[KREA],
                                modes=modes, steps=STEPS, timeout_s=400)
     _check(results, modes)
     assert results[0]["modes"]["tp2xulysses2"]["type"] == "ParallelKrea2TurboModularPipeline"
@@ -78,14 +85,14 @@ def test_three_branch_guider_splits_over_three_cfg_ranks(pools, modular_folders)
     step from the second step on, 2 on the first): at cfg3 each rank computes branch i of each step, and the
     video equals the single process; cfg3 with the pipeline's 2-branch CFG guider is refused."""
     steps = 3
-    results = pools.get(3).run(modular_equivalence, family="wan", folder=modular_folders["wan"],
+    results = pools.get(3).run(modular_equivalence, key=WAN, folder=modular_folders[WAN],
                                modes={"cfg3": dict(cfg=3)}, guider="skip_layer", steps=steps, timeout_s=400)
     _check(results, {"cfg3": dict(cfg=3)})
     counts = results[0]["modes"]["cfg3"]["branch_counts"]
     assert counts == [2, 3, 3], counts
     computed = sorted(result["modes"]["cfg3"]["computed"] for result in results)
     assert computed == [2, 3, 3] and sum(computed) == sum(counts), computed
-    messages = pools.get(3).run(cases.modular_cfg_too_wide, folder=modular_folders["wan"])
+    messages = pools.get(3).run(cases.modular_cfg_too_wide, folder=modular_folders[WAN])
     for message in messages:
         assert message.startswith("ParallelConfigError: cfg_degree=3 needs 3 guidance branches per step"), message
         assert "ClassifierFreeGuidance" in message and "runs 2 branches" in message, message
@@ -93,7 +100,7 @@ def test_three_branch_guider_splits_over_three_cfg_ranks(pools, modular_folders)
 
 def test_three_branch_guider_on_two_cfg_ranks(pools, modular_folders):
     """3 branches over cfg2: rank 0 computes branches 0 and 2, rank 1 branch 1."""
-    results = pools.get(2).run(modular_equivalence, family="wan", folder=modular_folders["wan"],
+    results = pools.get(2).run(modular_equivalence, key=WAN, folder=modular_folders[WAN],
                                modes={"cfg2": dict(cfg=2)}, guider="skip_layer", steps=3, timeout_s=400)
     _check(results, {"cfg2": dict(cfg=2)})
     assert sorted(r["modes"]["cfg2"]["computed"] for r in results) == [3, 5]
@@ -135,9 +142,9 @@ def test_modular_index_names_components_and_where_they_are(modular_folders, tmp_
     still naming the original) reads its components from the copy, as Modular Diffusers does."""
     import shutil
 
-    folder = modular_folders["krea2-turbo"]
+    folder = modular_folders[KREA]
     index = read_pipeline_index(folder)
-    assert index.modular and index.class_name == MODULAR_CLASSES["krea2-turbo"]
+    assert index.modular and index.class_name == KREA
     assert index.components["transformer"] == ("diffusers", "Krea2Transformer2DModel")
     assert index.components["text_encoder"] == ("transformers", "Qwen3VLModel")
     assert index.location("transformer") == (folder, "transformer")
@@ -151,7 +158,7 @@ def test_generate_on_a_modular_folder(pools, modular_folders, tmp_path):
     """`paradiff generate` on a modular folder (no model_index.json) at ulysses2, --compare against diffusers' own
     modular call; --guidance-scale sets the guider's scale, on both sides."""
     out = tmp_path / "out"
-    argv = ["generate", modular_folders["qwenimage"], "--ulysses", "2", "--height", "32", "--width", "32", "--steps",
+    argv = ["generate", modular_folders[QWEN], "--ulysses", "2", "--height", "32", "--width", "32", "--steps",
             "2", "--prompt", "a small red fox", "--negative-prompt", "blurry", "--guidance-scale", "3.0", "--compare",
             "--out", str(out)]
     (rank0, rank1) = pools.get(2).run(cli_cases.generate_each, runs=[argv], timeout_s=400)
@@ -171,10 +178,8 @@ def test_a_standard_folder_run_by_its_modular_class(tiny_pipeline_folders):
     from diffusers import ModularPipeline, QwenImageModularPipeline
 
     import paradiff
-    from paradiff.testing.modular import modular_call_kwargs
-
     folder = str(tiny_pipeline_folders["qwenimage"])
-    kwargs = dict(modular_call_kwargs("qwenimage"), num_inference_steps=STEPS)
+    kwargs = dict(zoo.call_kwargs(QWEN), num_inference_steps=STEPS)
     pipeline = paradiff.load_pipeline(folder, pipeline_cls=QwenImageModularPipeline)
     assert type(pipeline).__name__ == "ParallelQwenImageModularPipeline"
     reference = ModularPipeline.from_pretrained(folder)
@@ -185,23 +190,23 @@ def test_a_standard_folder_run_by_its_modular_class(tiny_pipeline_folders):
     assert np.abs(actual - expected).max() <= RTOL
 
 
-@pytest.mark.parametrize("family,argv,message", [
-    ("krea2-turbo", ["--cfg", "2"], "--cfg 2: {folder}: Krea2TurboModularPipeline never runs classifier-free guidance"),
-    ("qwenimage", ["--cfg", "3"], "--cfg 3: QwenImageModularPipeline's guider (ClassifierFreeGuidance, guidance_scale "
+@pytest.mark.parametrize("key,argv,message", [
+    (KREA, ["--cfg", "2"], "--cfg 2: {folder}: Krea2TurboModularPipeline never runs classifier-free guidance"),
+    (QWEN, ["--cfg", "3"], "--cfg 3: QwenImageModularPipeline's guider (ClassifierFreeGuidance, guidance_scale "
                                   "4.0) runs 2 guidance branches per step; each cfg rank computes one. Use --cfg 2"),
-    ("qwenimage", ["--cfg", "2", "--guidance-scale", "1"], "--cfg 2: QwenImageModularPipeline's guider "
+    (QWEN, ["--cfg", "2", "--guidance-scale", "1"], "--cfg 2: QwenImageModularPipeline's guider "
                                                            "(ClassifierFreeGuidance, guidance_scale 1.0) runs no guidance"),
-    ("krea2-turbo", ["--negative-prompt", "blurry"], "--negative-prompt: Krea2TurboModularPipeline (a modular "
+    (KREA, ["--negative-prompt", "blurry"], "--negative-prompt: Krea2TurboModularPipeline (a modular "
                                                       "pipeline) takes no negative_prompt; its blocks take "),
 ], ids=["no-guider", "cfg3-on-two-branches", "no-guidance", "flag-not-taken"])
-def test_cli_refuses_on_a_modular_folder_before_any_worker(modular_folders, tmp_path, capsys, monkeypatch, family,
+def test_cli_refuses_on_a_modular_folder_before_any_worker(modular_folders, tmp_path, capsys, monkeypatch, key,
                                                            argv, message):
     """What a modular folder's index and blocks decide is refused by the launcher: one line, exit 2, no worker."""
     import paradiff.cli
 
     started = []
     monkeypatch.setattr(paradiff.cli, "launch", lambda *args, **kwargs: started.append(args) or 0)
-    folder = modular_folders[family]
+    folder = modular_folders[key]
     code = paradiff.cli.main(["generate", folder, *argv, "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert (code, started) == (2, []), err

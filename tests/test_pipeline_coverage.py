@@ -31,14 +31,32 @@ def test_record_lists_every_dit_pipeline_class_of_the_installed_diffusers():
     assert {zoo.pipeline_name(key) for key in zoo.names()} <= classes
 
 
+def test_the_table_lists_the_modular_dit_classes_with_their_guidance():
+    """The Modular Diffusers classes are rows too: each one whose blocks expect a transformer (SDXL's, a UNet's, is
+    not listed), its CFG style from its blocks' guider components, counted in the footer."""
+    from paradiff.plan_tools.pipeline_coverage import cfg_style
+
+    record = load_verified()
+    modular = record["modular"]
+    assert len(modular) >= 35 and set(modular) <= set(record["classes"])
+    assert "StableDiffusionXLModularPipeline" not in record["classes"]
+    assert modular["QwenImageModularPipeline"] == ["guider"] and modular["FluxModularPipeline"] == []
+    assert cfg_style("QwenImageModularPipeline") == "its guider" and cfg_style("FluxModularPipeline") == "never guides"
+    assert cfg_style("Ideogram4ModularPipeline") == "not split yet"  # plans/pipelines.py: MODULAR_CFG_REFUSALS
+    table = pipeline_coverage_table(markdown=True)
+    assert "| `Krea2TurboModularPipeline` | never guides |" in table
+    assert f"({len(modular)} of them Modular Diffusers pipelines)" in table
+
+
 def test_every_recipe_has_a_record_in_every_mode():
     from paradiff.testing import zoo
 
     pipelines = load_verified()["pipelines"]
-    missing = {key: sorted(set(MODES) - set(pipelines.get(key, {}).get("modes", {}))) for key in zoo.names()}
+    keys = zoo.names()
+    missing = {key: sorted(set(MODES) - set(pipelines.get(key, {}).get("modes", {}))) for key in keys}
     assert not {key: modes for key, modes in missing.items() if modes}, (
         "recipes without a verification record: run `python tools/verify_pipelines.py --only KEY`")
-    for key in zoo.names():
+    for key in keys:
         for mode, outcome in pipelines[key]["modes"].items():
             assert outcome["status"] in ("verified", "n/a", "refused", "mismatch", "failed"), (key, mode, outcome)
             assert outcome["status"] != "verified" or outcome["diff"] <= 1e-5, (key, mode, outcome)
@@ -46,13 +64,13 @@ def test_every_recipe_has_a_record_in_every_mode():
 
 
 def test_the_summary_counts_classes_verified_in_every_applicable_mode():
-    record = {"classes": ["A", "B", "C"], "pipelines": {
+    record = {"classes": ["A", "B", "C"], "modular": {"B": []}, "pipelines": {
         "A": {"modes": {mode: {"status": "verified", "diff": 0.0} for mode in MODES}},
         "B": {"modes": {**{mode: {"status": "verified", "diff": 0.0} for mode in MODES},
                         "cfg2": {"status": "n/a", "reason": "never guides"}}},
         "C": {"modes": {**{mode: {"status": "verified", "diff": 0.0} for mode in MODES},
                         "ring2": {"status": "refused", "reason": "PlanError: ..."}}}}}
-    assert summary(record) == {"classes": 3, "with recipe": 3, "verified in every mode": 2}
+    assert summary(record) == {"classes": 3, "modular": 1, "with recipe": 3, "verified in every mode": 2}
 
 
 def test_plans_command_prints_the_pipeline_table(capsys):
@@ -80,14 +98,16 @@ def test_a_recipe_missing_a_required_component_says_which(monkeypatch):
 # --- a sample of tools/verify_pipelines.py on the rank pool -------------------------------------------------------
 
 # batch CFG with a ControlNet's residual lists batched, two-call CFG on an edit pipeline (Kontext under CP:
-# tests/test_conditioning.py), batch CFG over per-sample lists (Z-Image), image-to-video under Ulysses (LTX I2V: the
-# clean first frame's tokens carry their own timestep, split with the tokens; Wan I2V: the image's latents beside the
-# noise, its CLIP tokens before the text, 27 video tokens over 2 ranks)
-SAMPLE = (("StableDiffusion3ControlNetPipeline", "cfg2"), ("FluxKontextPipeline", "cfg2"), ("ZImagePipeline", "cfg2"),
+# tests/test_conditioning.py), the same Kontext pipeline as a Modular Diffusers pipeline under Ulysses (the modular
+# folder made from the standard one), batch CFG over per-sample lists (Z-Image), image-to-video under Ulysses (LTX
+# I2V: the clean first frame's tokens carry their own timestep, split with the tokens; Wan I2V: the image's latents
+# beside the noise, its CLIP tokens before the text, 27 video tokens over 2 ranks)
+SAMPLE = (("StableDiffusion3ControlNetPipeline", "cfg2"), ("FluxKontextPipeline", "cfg2"),
+          ("FluxKontextModularPipeline", "ulysses2"), ("ZImagePipeline", "cfg2"),
           ("LTXImageToVideoPipeline", "ulysses2"), ("WanImageToVideoPipeline", "ulysses2"))
 # the tokens the first block sees in the single process: conditioned and uneven where the pipeline allows it
 FIRST_BLOCK_TOKENS = {"StableDiffusion3ControlNetPipeline": 35, "FluxKontextPipeline": 162,
-                      "LTXImageToVideoPipeline": 192, "WanImageToVideoPipeline": 27}
+                      "FluxKontextModularPipeline": 131, "LTXImageToVideoPipeline": 192, "WanImageToVideoPipeline": 27}
 
 
 @pytest.fixture(scope="module")
@@ -96,13 +116,18 @@ def sample_jobs(tmp_path_factory, tiny_pipeline_folders):
     from paradiff.testing.zoo.check import reference
 
     root = tmp_path_factory.mktemp("zoo")
-    jobs, expected = [], {}
+    jobs, expected, folders = [], {}, {}
     for key, mode in SAMPLE:
         recipe = zoo.recipe(key)
-        unchanged = (not (recipe.transformer or recipe.components or recipe.controlnet or recipe.init)
-                     and recipe.family in tiny_pipeline_folders)  # not a recipe module's own family
-        # a recipe that only calls its family's pipeline another way reads the family's folder, saved for the session
-        folder = str(tiny_pipeline_folders[recipe.family] if unchanged else zoo.save(key, root / key))
+        if zoo.is_modular(key):  # made from its standard recipe's folder, saved above
+            folders[key] = str(zoo.save(key, root / key, standard_folder=folders[recipe.standard]))
+        else:
+            unchanged = (not (recipe.transformer or recipe.components or recipe.controlnet or recipe.init)
+                         and recipe.family in tiny_pipeline_folders)  # not a recipe module's own family
+            # a recipe that only calls its family's pipeline another way reads the family's folder, saved for the
+            # session
+            folders[key] = str(tiny_pipeline_folders[recipe.family] if unchanged else zoo.save(key, root / key))
+        folder = folders[key]
         if key not in expected:
             expected[key] = reference(key, folder)
         jobs.append(dict(key=key, folder=folder, mode=mode, expected=expected[key]))
@@ -117,7 +142,8 @@ def test_sample_pipelines_equal_single_process_in_their_modes(pools, sample_jobs
         for job, outcome in zip(sample_jobs, outcomes):
             print(rank, job["key"], job["mode"], outcome)
             assert outcome["status"] == "verified" and outcome["diff"] <= 1e-5, (job["key"], job["mode"], outcome)
-    # the sample is conditioned and uneven: SD3's 35 tokens, Kontext's 99 noise + 63 reference tokens, LTX I2V's 3
+    # the sample is conditioned and uneven: SD3's 35 tokens, Kontext's 99 noise + 63 reference tokens (the modular
+    # Kontext's default image processor resizes the 36 x 28 reference to 32 x 16: 99 + 32), LTX I2V's 3
     # latent frames of 8 x 8, Wan I2V's 27 (Z-Image pads its own tokens to multiples of 32)
     assert {job["key"]: job["expected"]["blocks"][0][1] for job in sample_jobs
             if job["key"] in FIRST_BLOCK_TOKENS} == FIRST_BLOCK_TOKENS

@@ -1,8 +1,11 @@
-"""Verify Modular Diffusers pipelines on the mesh: every tiny modular family (paradiff.testing.modular) in every mode,
-each output against diffusers' single-process modular call of the same folder and seed (fp32). Writes
-tools/verify_modular.json and the table between the `modular:start` / `modular:end` markers of docs/pipelines.md.
+"""Verify Modular Diffusers pipelines on the mesh in the modes beyond the coverage table's (which
+tools/verify_pipelines.py verifies for every modular zoo key): a staged tp2 load, data parallel x TP, cfg2 x ulysses2
+and a 3-branch SkipLayerGuidance guider at cfg3, on four zoo keys (paradiff.testing.modular.MODULAR_KEYS), each
+output against diffusers' single-process modular call of the same folder and seed (fp32), with what each rank held
+and computed. Writes tools/verify_modular.json and the table between the `modular:start` / `modular:end` markers of
+docs/pipelines.md.
 
-    .venv/bin/python tools/verify_modular.py           # ~10 minutes on 2 busy CPU cores
+    .venv/bin/python tools/verify_modular.py           # ~5 minutes on 2 busy CPU cores
     .venv/bin/python tools/verify_modular.py --table   # only rewrite the docs table from the JSON
 
 A mode passes when every rank's output is within 1e-5 of the single process (relative to the output's scale), the
@@ -19,34 +22,33 @@ import sys
 import tempfile
 from pathlib import Path
 
+from paradiff.testing import zoo
 from paradiff.testing.dist import RankFailure, RankPool, RankTimeout
-from paradiff.testing.modular import GUIDED, MODULAR_CLASSES, MODULAR_FAMILIES, modular_equivalence, \
-    save_modular_pipeline
+from paradiff.testing.modular import MODULAR_KEYS, guided, modular_equivalence
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "tools" / "verify_modular.json"
 DOCS = ROOT / "docs" / "pipelines.md"
 STEPS = 2
-# world size -> mode -> degrees; "(guided)" modes run only on the families with a guider, "(skip-layer)" with a
-# 3-branch SkipLayerGuidance guider (Wan: diffusers' skip hook returns Qwen-Image's joint block outputs swapped)
+# world size -> mode -> degrees (the coverage table's tp2 / ulysses2 / ring2 / tp2 x ulysses2 / cfg2 / cfg2 x tp2:
+# tools/verify_pipelines.py); "(guided)" modes run only on the keys with a guider, "(skip-layer)" with a 3-branch
+# SkipLayerGuidance guider (Wan: diffusers' skip hook returns Qwen-Image's joint block outputs swapped)
 WORLDS = {
-    2: {"tp2": dict(tp=2), "tp2-staged": dict(tp=2, stages=True), "ulysses2": dict(ulysses=2),
-        "ring2": dict(ring=2), "cfg2 (guided)": dict(cfg=2)},
+    2: {"tp2-staged": dict(tp=2, stages=True)},
     3: {"cfg3 (skip-layer)": dict(cfg=3)},
-    4: {"tp2xulysses2": dict(tp=2, ulysses=2), "dp2xtp2": dict(data=2, tp=2), "cfg2xtp2 (guided)": dict(cfg=2, tp=2),
-        "cfg2xulysses2 (guided)": dict(cfg=2, ulysses=2)},
+    4: {"dp2xtp2": dict(data=2, tp=2), "cfg2xulysses2 (guided)": dict(cfg=2, ulysses=2)},
 }
-SKIP_LAYER = ("wan",)
+SKIP_LAYER = ("WanModularPipeline",)
 
 
-def _runs(family: str, modes: dict[str, dict]) -> dict[str | None, dict[str, dict]]:
-    """guider -> the modes run with it, for this family."""
+def _runs(key: str, modes: dict[str, dict]) -> dict[str | None, dict[str, dict]]:
+    """guider -> the modes run with it, for this key."""
     runs: dict[str | None, dict[str, dict]] = {}
     for mode, degrees in modes.items():
-        if mode.endswith("(guided)") and family not in GUIDED:
+        if mode.endswith("(guided)") and not guided(key):
             continue
         if mode.endswith("(skip-layer)"):
-            if family in SKIP_LAYER:
+            if key in SKIP_LAYER:
                 runs.setdefault("skip_layer", {})[mode.split(" ")[0]] = degrees
             continue
         runs.setdefault(None, {})[mode.split(" ")[0]] = degrees
@@ -77,25 +79,25 @@ def verdict(results: list[dict], mode: str, degrees: dict) -> dict:
 
 def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="verify-modular-"))
-    folders = {family: str(save_modular_pipeline(family, root / family)) for family in MODULAR_FAMILIES}
-    records: dict[str, dict] = {MODULAR_CLASSES[family]: {} for family in MODULAR_FAMILIES}
+    folders = {key: str(zoo.save(key, root / key)) for key in MODULAR_KEYS}
+    records: dict[str, dict] = {zoo.pipeline_name(key): {} for key in MODULAR_KEYS}
     for world, modes in WORLDS.items():
         pool = RankPool(world)
-        for family in MODULAR_FAMILIES:
-            for guider, run in _runs(family, modes).items():
+        for key in MODULAR_KEYS:
+            for guider, run in _runs(key, modes).items():
                 try:
-                    results = pool.run(modular_equivalence, timeout_s=900, family=family, folder=folders[family],
+                    results = pool.run(modular_equivalence, timeout_s=900, key=key, folder=folders[key],
                                        modes=run, guider=guider, steps=3 if guider else STEPS)
                     for mode, degrees in run.items():
                         name = f"{mode} (SkipLayerGuidance)" if guider else mode
-                        records[MODULAR_CLASSES[family]][name] = verdict(results, mode, degrees)
+                        records[zoo.pipeline_name(key)][name] = verdict(results, mode, degrees)
                 except (RankFailure, RankTimeout) as exc:
                     for mode in run:
-                        records[MODULAR_CLASSES[family]][mode] = {"passed": False,
-                                                                  "error": str(exc).splitlines()[-1][:300]}
+                        records[zoo.pipeline_name(key)][mode] = {"passed": False,
+                                                                 "error": str(exc).splitlines()[-1][:300]}
                     if not pool.alive:
                         pool = RankPool(world)
-                print(f"world {world}: {family} {sorted(run)} done", flush=True)
+                print(f"world {world}: {key} {sorted(run)} done", flush=True)
         pool.close()
     RESULTS.write_text(json.dumps({"date": datetime.date.today().isoformat(),
                                    "command": "python tools/verify_modular.py", "steps": STEPS,
@@ -122,7 +124,8 @@ def write_table() -> None:
                 cells.append("fails")
         lines.append(f"| `{pipeline}` | " + " | ".join(cells) + " |")
     lines.append(f"\n(max relative difference vs diffusers' single-process modular call, {data['date']}, "
-                 f"`{data['command']}`; `-`: not applicable, no guider or no 3-branch guider for that family)")
+                 f"`{data['command']}`; `-`: not applicable, no guider or no 3-branch guider for that pipeline; the coverage "
+                 "table's modes: docs/pipeline-coverage.md)")
     text = DOCS.read_text()
     start, end = "<!-- modular:start -->", "<!-- modular:end -->"
     if text.count(start) != 1 or text.count(end) != 1 or text.index(start) > text.index(end):

@@ -10,14 +10,16 @@ docs/pipeline-coverage.md's table show.
 
 Each recipe is built and saved once (under --folders DIR, default a temporary folder), run single-process here,
 then loaded with `paradiff.load_pipeline` on a 2-rank pool (tp2, ulysses2, ring2, cfg2) and a 4-rank pool
-(tp2 x ulysses2, cfg2 x tp2). The cfg modes are "n/a" where the pipeline never guides (plans/pipelines.py); a
-pipeline paradiff has not classified is still run, so its refusal is recorded.
+(tp2 x ulysses2, cfg2 x tp2). The cfg modes are "n/a" where the pipeline never guides (plans/pipelines.py; a modular
+pipeline: its blocks have no guider component); a pipeline paradiff has not classified is still run, so its refusal
+is recorded. Modular keys (zoo.ModularRecipe) run the same way on modular pipeline folders.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import sys
 import tempfile
@@ -41,19 +43,30 @@ def write_doc_table() -> None:
 def not_applicable(key: str, mode: str) -> dict | None:
     """The outcome of a cfg mode on a pipeline that never guides ("n/a"), or on a recipe whose call does not guide
     though the pipeline can (a defect of the recipe: "failed"); None where the mode is to be run."""
-    from paradiff.plans.pipelines import CFG_RULES, NEVER_GUIDES
+    from paradiff.plans.pipelines import CFG_RULES, MODULAR_CFG_REFUSALS, NEVER_GUIDES
     from paradiff.testing import zoo
     from paradiff.testing.zoo.check import CFG_MODES
 
     if mode not in CFG_MODES:
         return None
     name = zoo.pipeline_name(key)
+    if zoo.is_modular(key):
+        if name not in MODULAR_CFG_REFUSALS and not zoo.modular_guiders(name):
+            return {"status": "n/a", "reason": "never guides (no guider component: guidance-distilled)"}
+        return None
     if name in NEVER_GUIDES:
         return {"status": "n/a", "reason": "never guides (guidance-distilled: one transformer call a step)"}
     rule = CFG_RULES.get(name)
     if rule is not None and not rule.runs_cfg(zoo.call_kwargs(key), SimpleNamespace(**zoo.recipe(key).init)):
         return {"status": "failed", "reason": f"the recipe's call does not guide (give it {rule.how()})"}
     return None
+
+
+@functools.lru_cache(maxsize=1)
+def _modular_guiders() -> dict[str, list[str]]:
+    from paradiff.testing import zoo
+
+    return zoo.modular_dit_classes()
 
 
 def folder_of(folders: Path, key: str) -> Path:
@@ -128,8 +141,8 @@ def main(only: list[str] | None, modes: list[str] | None, folders: Path) -> int:
 
     record.update(diffusers=diffusers.__version__, date=datetime.date.today().isoformat(),
                   command="python tools/verify_pipelines.py", pipelines=pipelines)
-    if not record.get("classes"):
-        record["classes"] = zoo.dit_pipeline_classes()
+    if not record.get("classes") or not record.get("modular"):
+        record.update(classes=zoo.dit_pipeline_classes(), modular=_modular_guiders())
     VERIFIED.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     print(f"wrote {VERIFIED}")
     write_doc_table()
@@ -143,9 +156,10 @@ def refresh_classes() -> None:
     import diffusers
 
     record = load_verified()
-    record.update(classes=zoo.dit_pipeline_classes(), diffusers=diffusers.__version__)
+    record.update(classes=zoo.dit_pipeline_classes(), modular=_modular_guiders(), diffusers=diffusers.__version__)
     VERIFIED.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
-    print(f"{len(record['classes'])} DiT pipeline classes in diffusers {diffusers.__version__}")
+    print(f"{len(record['classes'])} DiT pipeline classes in diffusers {diffusers.__version__} "
+          f"({len(record['modular'])} of them modular)")
 
 
 if __name__ == "__main__":

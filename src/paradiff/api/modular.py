@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from paradiff.errors import ParallelConfigError
-from paradiff.runtime.cfg import GuidedBranches, attach_guider, guider_branch_count, install_guided_branches
+from paradiff.runtime.cfg import (GuidedBranches, attach_guider, guider_branch_count, install_guided_branches,
+                                  is_guider_component)
 
 # load_pipeline's keyword arguments that build the modular pipeline (its blocks and specs); the Hub ones go to
 # load_components too, every other one only there (dtype, variant, device_map ...)
@@ -78,8 +79,8 @@ def fill_modular(pipeline, own: dict[str, torch.nn.Module], dtype: torch.dtype |
 
 
 def guider_names(pipeline) -> list[str]:
-    """The pipeline's guider components: "guider" (Wan 2.2 modular also "guider_2", HunyuanImage "ocr_guider")."""
-    return sorted(name for name in pipeline.components if name.startswith("guider") or name.endswith("_guider"))
+    """The pipeline's guider components (runtime.cfg.is_guider_component)."""
+    return sorted(name for name in pipeline.components if is_guider_component(name))
 
 
 def install_guided_cfg(transformers: list[torch.nn.Module], group: dist.ProcessGroup) -> GuidedBranches:

@@ -1,5 +1,6 @@
 """The pipeline coverage table: every DiT pipeline class of diffusers (each class whose `__init__` takes a
-`transformer`), its CFG style (plans/pipelines.py), and per parallel mode whether paradiff's `load_pipeline` gives
+`transformer`, and each Modular Diffusers class whose blocks expect a `transformer` component), its CFG style
+(plans/pipelines.py; a modular class: its guider, or never guides when its blocks have no guider component), and per parallel mode whether paradiff's `load_pipeline` gives
 diffusers' single-process output on a tiny pipeline of that class, was refused (with paradiff's reason), failed, or
 was not verified yet. `tools/verify_pipelines.py` writes `plans/pipelines_verified.json`; `paradiff plans
 --pipelines` prints the table; docs/pipeline-coverage.md carries it (a test keeps them in step)."""
@@ -9,7 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from paradiff.plans.pipelines import BATCH, CFG_RULES, NEVER_GUIDES, CFG_NOT_SPLIT, not_dit_refusal, GUIDER_PIPELINES
+from paradiff.plans.pipelines import (BATCH, CFG_NOT_SPLIT, CFG_RULES, GUIDER_PIPELINES, MODULAR_CFG_REFUSALS,
+                                      NEVER_GUIDES, not_dit_refusal)
 
 VERIFIED = Path(__file__).parents[1] / "plans" / "pipelines_verified.json"
 MODES = ("tp2", "ulysses2", "ring2", "tp2xulysses2", "cfg2", "cfg2xtp2")
@@ -20,7 +22,14 @@ def load_verified() -> dict:
     return json.loads(VERIFIED.read_text()) if VERIFIED.is_file() else {"classes": [], "pipelines": {}}
 
 
-def cfg_style(pipeline: str) -> str:
+def cfg_style(pipeline: str, modular: dict[str, list[str]] | None = None) -> str:
+    """How the pipeline guides; `modular`: the record's modular classes and their guider components."""
+    modular = load_verified().get("modular", {}) if modular is None else modular
+    if pipeline.partition("@")[0] in modular:
+        name = pipeline.partition("@")[0]
+        if name in MODULAR_CFG_REFUSALS:
+            return "not split yet"
+        return "its guider" if modular[name] else "never guides"
     rule = CFG_RULES.get(pipeline.partition("@")[0])
     if rule is not None:
         return "batch" if rule.style == BATCH else "two calls"
@@ -41,13 +50,14 @@ def fully_verified(entry: dict) -> bool:
 def summary(record: dict | None = None) -> dict[str, int]:
     record = record or load_verified()
     classes, pipelines = record.get("classes", []), record.get("pipelines", {})
-    return {"classes": len(classes), "with recipe": sum(name in pipelines for name in classes),
+    return {"classes": len(classes), "modular": sum(name in record.get("modular", {}) for name in classes),
+            "with recipe": sum(name in pipelines for name in classes),
             "verified in every mode": sum(name in pipelines and fully_verified(pipelines[name]) for name in classes)}
 
 
 def pipeline_coverage_table(markdown: bool = False) -> str:
     record = load_verified()
-    pipelines = record.get("pipelines", {})
+    pipelines, modular = record.get("pipelines", {}), record.get("modular", {})
     reasons: dict[str, int] = {}
 
     def cell(outcome: dict | None, name: str) -> str:
@@ -73,13 +83,14 @@ def pipeline_coverage_table(markdown: bool = False) -> str:
             rows.append([name, "not a DiT"] + [refused] * len(MODES))
             continue
         if not variants:
-            rows.append([name, cfg_style(name)] + ["not verified yet"] + [""] * (len(MODES) - 1))
+            rows.append([name, cfg_style(name, modular)] + ["not verified yet"] + [""] * (len(MODES) - 1))
             continue
         for key in variants:
             label = name if key == name else f"{name} ({key.partition('@')[2]})"
-            rows.append([label, cfg_style(key)] + [cell(pipelines[key]["modes"].get(mode), name) for mode in MODES])
+            rows.append([label, cfg_style(key, modular)] + [cell(pipelines[key]["modes"].get(mode), name) for mode in MODES])
     counts = summary(record)
-    foot = (f"{counts['classes']} DiT pipeline classes in diffusers {record.get('diffusers', '?')}; "
+    foot = (f"{counts['classes']} DiT pipeline classes in diffusers {record.get('diffusers', '?')} "
+            f"({counts['modular']} of them Modular Diffusers pipelines); "
             f"{counts['with recipe']} with a tiny-pipeline recipe; {counts['verified in every mode']} verified in every "
             f"applicable mode (verified {record.get('date', 'never')} by `{record.get('command', 'tools/verify_pipelines.py')}`).")
     notes = [f"[{number}] {reason}" for reason, number in reasons.items()]

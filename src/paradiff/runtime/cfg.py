@@ -402,6 +402,12 @@ def attach_guider(guider: Any, branches: GuidedBranches) -> None:
     guider._paradiff_branches = branches
 
 
+def is_guider_component(name: str) -> bool:
+    """Whether a pipeline component of this name is a guider: "guider" (Wan 2.2 also "guider_2", LTX-2 "audio_guider",
+    HunyuanImage "ocr_guider")."""
+    return name.startswith("guider") or name.endswith("_guider")
+
+
 def guider_branch_count(guider: Any) -> int | None:
     """How many branches `guider` runs per step at most with its settings (a copy with no step set: ranges such as
     start / stop count as on); None when its `num_conditions` cannot be read without a step."""

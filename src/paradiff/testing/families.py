@@ -65,6 +65,11 @@ def family_modes(family: str, example: str, modes: list[str], checkpoint: str | 
     return results
 
 
+def family_modes_runs(runs: list[dict]) -> list[dict]:
+    """family_modes for each keyword set of `runs`, in order: several configurations in one rank-pool case."""
+    return [family_modes(**run) for run in runs]
+
+
 def wrong_slices(model, reference) -> list[str]:
     """The split parameters of `model` that are not exactly the slice their spec names of `reference`'s full
     tensor (empty when every rank holds its own whole heads / features)."""

@@ -16,6 +16,7 @@ transformer still has 4 heads (divisible by 2 and 4) and enough image tokens (48
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -28,11 +29,11 @@ import torch
 PIPELINE_FAMILIES = ("flux", "flux2", "qwenimage", "wan", "wan2.2", "wan2.2-a14b", "hunyuanvideo", "ltx",
                      "flux2_klein", "lumina2", "sd3", "pixart_sigma", "sana", "auraflow",
                      "chroma", "cogview3plus", "cogvideox")
-# modular: Modular Diffusers pipelines (modular_model_index.json) have their tiny folders in
-# paradiff.testing.modular (FLUX.2 / Qwen-Image / Wan saved through their modular classes, Krea 2 Turbo built there;
-# `modular_equivalence` is the pool case checking one against diffusers' single-process modular call), and the
-# standard pipelines that guide through a guider component in paradiff.testing.guiders (HunyuanVideo 1.5);
-# tools/verify_modular.py / tools/verify_modular.json hold the modes verified for them.
+# modular: Modular Diffusers pipelines (modular_model_index.json) are zoo keys (paradiff.testing.zoo's ModularRecipe:
+# a standard recipe's tiny pipeline loaded through its modular class, or a modular-only builder), verified by
+# tools/verify_pipelines.py; paradiff.testing.modular's `modular_equivalence` checks one in the extra modes of
+# tools/verify_modular.py. The standard pipelines that guide through a guider component: paradiff.testing.guiders
+# (HunyuanVideo 1.5).
 # The families whose pipelines return videos (`.frames`) and take `num_frames`.
 VIDEO_FAMILIES = ("wan", "wan2.2", "wan2.2-a14b", "hunyuanvideo", "ltx", "cogvideox")
 
@@ -377,27 +378,57 @@ def save_pipeline(family: str, folder: str | Path, seed: int = 0) -> Path:
 
 
 def save_pipeline_folder(folder: str | Path, build: Callable[[], Any]) -> Path:
-    """Write the pipeline `build()` makes as a pipeline folder; does nothing if `folder/model_index.json` exists.
+    """Write the pipeline `build()` makes as a pipeline folder (a Modular Diffusers pipeline as a modular folder:
+    modular_model_index.json naming this folder); does nothing if the folder holds either index already.
 
     Written beside the target and renamed into place, so that processes saving the same folder at once (one per
     rank, say) never see a half-written pipeline: the first rename wins, the others find it there."""
     folder = Path(folder)
-    if (folder / "model_index.json").is_file():
+    if _holds_pipeline(folder):
         return folder
     pipe = build()
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     os.chmod(staging, 0o755)
+
+    def write(into: Path) -> None:
+        if _is_modular(pipe):
+            pipe.save_pretrained(str(into), overwrite_modular_index=True)
+            _point_index_at(into, folder)
+        else:
+            pipe.save_pretrained(into, safe_serialization=True)
+
     try:
-        pipe.save_pretrained(staging, safe_serialization=True)
+        write(staging)
         try:
             os.rename(staging, folder)  # also replaces an empty folder
         except OSError:
-            if not (folder / "model_index.json").is_file():  # a non-empty folder without a pipeline in it
-                pipe.save_pretrained(folder, safe_serialization=True)
+            if not _holds_pipeline(folder):  # a non-empty folder without a pipeline in it
+                write(folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return folder
+
+
+def _holds_pipeline(folder: Path) -> bool:
+    return (folder / "model_index.json").is_file() or (folder / "modular_model_index.json").is_file()
+
+
+def _is_modular(pipe) -> bool:
+    from diffusers import ModularPipeline
+
+    return isinstance(pipe, ModularPipeline)
+
+
+def _point_index_at(saved: Path, final: Path) -> None:
+    """A modular index names the folder it was written to as its components' source; make it name `final`."""
+    index = saved / "modular_model_index.json"
+    entries = json.loads(index.read_text())
+    for entry in entries.values():
+        if isinstance(entry, list) and len(entry) == 3 and isinstance(entry[2], dict):
+            if entry[2].get("pretrained_model_name_or_path") == str(saved):
+                entry[2]["pretrained_model_name_or_path"] = str(final)
+    index.write_text(json.dumps(entries, indent=2, sort_keys=True) + "\n")
 
 
 def default_call_kwargs(family: str) -> dict[str, Any]:

@@ -15,6 +15,16 @@ line on top of its base.
 
 Recipes live in `zoo/recipes/<group>.py` (each a `RECIPES` dict, found by name); a recipe's key is the pipeline
 class name, or "Class@variant" for a second configuration of the same class. Nothing is downloaded.
+
+A Modular Diffusers pipeline class is a key too, with a `ModularRecipe` (in `zoo/recipes/modular*.py`): either the
+tiny standard pipeline of another recipe loaded through `ModularPipeline.from_pretrained` (diffusers maps the
+standard class to its modular one) or, for models diffusers ships only as modular pipelines, a builder of its own;
+`save` writes it as a modular pipeline folder (modular_model_index.json), its call returns `output`:
+
+    folder = zoo.save("FluxModularPipeline", "/tmp/tiny-flux-modular")
+    pipe = diffusers.ModularPipeline.from_pretrained(folder); pipe.load_components(dtype=torch.float32)
+    images = pipe(**zoo.call_kwargs("FluxModularPipeline"), generator=torch.Generator().manual_seed(0),
+                  output=zoo.recipe("FluxModularPipeline").output)
 """
 
 from __future__ import annotations
@@ -102,6 +112,29 @@ class Recipe:
             raise ValueError("a Recipe names either a family or the recipe it extends")
 
 
+@dataclass(frozen=True)
+class ModularRecipe:
+    """How to build one tiny Modular Diffusers pipeline (the key names its modular class) and call it: either
+    `standard`, the key of a standard recipe whose tiny pipeline is saved and loaded through
+    `ModularPipeline.from_pretrained` (the key's class built on that folder with its default blocks where diffusers
+    maps the standard class to another modular class, or to none), or `build`, seed -> the ModularPipeline with every component set
+    (models diffusers ships only as modular pipelines)."""
+
+    standard: str | None = None
+    build: Callable[[int], Any] | None = None
+    call: dict = field(default_factory=dict)  # over the standard recipe's call (with `build`: the whole call)
+    drop: tuple[str, ...] = ()  # the standard recipe's call arguments the modular blocks do not take
+    output: str = "images"  # what the call returns (`pipe(..., output=...)`): "images", "videos", "audio" ...
+    note: str = ""
+    # changes to the guider component's config, made after every load (`configure`): a modular folder does not keep
+    # its guider's config (diffusers makes it from the blocks' defaults, which for some disable guidance)
+    guider: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if (self.standard is None) == (self.build is None):
+            raise ValueError("a ModularRecipe names either the standard recipe it loads or a build function")
+
+
 def _recipe_modules() -> list[str]:
     import paradiff.testing.zoo.recipes as package
 
@@ -109,8 +142,8 @@ def _recipe_modules() -> list[str]:
 
 
 @lru_cache(maxsize=1)
-def _registry() -> dict[str, Recipe]:
-    recipes: dict[str, Recipe] = {}
+def _registry() -> dict[str, Recipe | ModularRecipe]:
+    recipes: dict[str, Recipe | ModularRecipe] = {}
     for module_name in _recipe_modules():
         for key, recipe in importlib.import_module(module_name).RECIPES.items():
             if key in recipes:
@@ -170,15 +203,24 @@ def pipeline_class(key: str) -> type:
     return getattr(diffusers, pipeline_name(key))
 
 
-def recipe(key: str) -> Recipe:
-    """The recipe with everything it extends folded in: family, transformer / ControlNet / init changes, components
-    and call arguments merged, the later recipe winning."""
+def is_modular(key: str) -> bool:
+    """Whether recipe `key` builds a Modular Diffusers pipeline (a `ModularRecipe`)."""
+    return isinstance(_recipe_entry(key), ModularRecipe)
+
+
+def _recipe_entry(key: str) -> Recipe | ModularRecipe:
     registry = _registry()
     if key not in registry:
         close = [name for name in registry if pipeline_name(key).lower()[:8] in name.lower()]
         raise KeyError(f"no tiny-pipeline recipe {key!r}; close: {close or sorted(registry)[:10]}")
-    own = registry[key]
-    if own.extends is None:
+    return registry[key]
+
+
+def recipe(key: str) -> Recipe | ModularRecipe:
+    """The recipe with everything it extends folded in: family, transformer / ControlNet / init changes, components
+    and call arguments merged, the later recipe winning (a `ModularRecipe` as it is written)."""
+    own = _recipe_entry(key)
+    if isinstance(own, ModularRecipe) or own.extends is None:
         return own
     base = recipe(own.extends)
     call = {k: v for k, v in base.call.items() if k not in own.drop}
@@ -209,15 +251,22 @@ def fingerprint(key: str) -> str:
         return value
 
     resolved = recipe(key)
+    if isinstance(resolved, ModularRecipe):
+        what = {"class": pipeline_name(key), "build": resolved.build,
+                "standard": resolved.standard and fingerprint(resolved.standard)}
+        return hashlib.sha256(repr(plain(what)).encode()).hexdigest()[:10]
     text = repr(plain({"family": resolved.family, "transformer": transformer_config(key),
                        "components": resolved.components, "controlnet": resolved.controlnet, "init": resolved.init}))
     return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
-def build(key: str, seed: int = 0):
+def build(key: str, seed: int = 0, standard_folder: str | Path | None = None):
     """The tiny pipeline of recipe `key`, random weights, the same for the same seed; the caller's global RNG state
-    is left untouched."""
+    is left untouched. `standard_folder`: for a modular key built from a standard recipe, that recipe's folder when
+    it is saved already (with the same seed)."""
     resolved = recipe(key)
+    if isinstance(resolved, ModularRecipe):
+        return _build_modular(key, resolved, seed, standard_folder)
     cls = pipeline_class(key)
     config = transformer_config(key)
     parts = _family_parts(resolved.family, seed, config)
@@ -242,10 +291,53 @@ def build(key: str, seed: int = 0):
     return tiny.finish_pipeline(cls(**taken))
 
 
-def save(key: str, folder: str | Path, seed: int = 0) -> Path:
-    """Write `build(key, seed)` as a pipeline folder (testing.pipelines.save_pipeline_folder: renamed into place);
-    does nothing if `folder/model_index.json` exists."""
-    return tiny.save_pipeline_folder(folder, lambda: build(key, seed))
+def save(key: str, folder: str | Path, seed: int = 0, standard_folder: str | Path | None = None) -> Path:
+    """Write `build(key, seed, standard_folder)` as a pipeline folder, a modular one for a modular key
+    (testing.pipelines.save_pipeline_folder: renamed into place); does nothing if the folder holds a pipeline."""
+    return tiny.save_pipeline_folder(folder, lambda: build(key, seed, standard_folder))
+
+
+def configure(pipe, key: str):
+    """What a loaded pipeline of recipe `key` needs before its call: a modular recipe's guider changes (on diffusers'
+    pipeline and on paradiff's alike)."""
+    resolved = recipe(key)
+    if isinstance(resolved, ModularRecipe) and resolved.guider:
+        pipe.update_components(guider=pipe.guider.new(**resolved.guider))
+    return pipe
+
+
+def _build_modular(key: str, resolved: ModularRecipe, seed: int, standard_folder: str | Path | None):
+    """The tiny modular pipeline of `key`, every component loaded in float32."""
+    import tempfile
+
+    from diffusers import ModularPipeline
+
+    cls = pipeline_class(key)
+    if resolved.build is not None:
+        pipe = resolved.build(seed)
+    else:
+        with tempfile.TemporaryDirectory(prefix="paradiff-zoo-standard-") as scratch:
+            standard = str(standard_folder or save(resolved.standard, Path(scratch) / "standard", seed))
+            try:
+                pipe = ModularPipeline.from_pretrained(standard)
+            except ValueError:  # a standard class diffusers maps to no modular class (ERNIE-Image)
+                pipe = None
+            if type(pipe) is not cls:  # mapped to another class, or none: the key's class, its default blocks
+                pipe = cls(pretrained_model_name_or_path=standard)
+            pipe.load_components(dtype=torch.float32)
+            # diffusers logs a component it fails to load and goes on without it
+            lost = [name for name, spec in pipe._component_specs.items()
+                    if spec.default_creation_method == "from_pretrained" and getattr(pipe, name, None) is None
+                    and (Path(standard) / name).is_dir()]
+            if lost:
+                raise RuntimeError(f"recipe {key!r}: {cls.__name__} did not load {lost} from {resolved.standard}'s "
+                                   "folder")
+    if type(pipe) is not cls:
+        raise TypeError(f"recipe {key!r} built a {type(pipe).__name__}, not a {cls.__name__}")
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            component.eval()
+    return pipe
 
 
 def call_kwargs(key: str) -> dict[str, Any]:
@@ -258,7 +350,11 @@ def call_kwargs(key: str) -> dict[str, Any]:
         return value
 
     resolved = recipe(key)
-    base = {k: v for k, v in _family_call(resolved.family).items() if k not in resolved.drop}
+    if isinstance(resolved, ModularRecipe):
+        base = {} if resolved.standard is None else call_kwargs(resolved.standard)
+        base = {k: v for k, v in base.items() if k not in resolved.drop}
+    else:
+        base = {k: v for k, v in _family_call(resolved.family).items() if k not in resolved.drop}
     return {name: make(value) for name, value in {**base, **resolved.call}.items()}
 
 
@@ -305,7 +401,8 @@ def controlnet_from_transformer(cls: type, transformer_config: dict, seed: int, 
 # --- the DiT pipeline classes of the installed diffusers ----------------------------------------------------------
 
 def dit_pipeline_classes() -> list[str]:
-    """Every pipeline class diffusers exports whose `__init__` takes a `transformer` (imports every pipeline)."""
+    """Every pipeline class diffusers exports whose `__init__` takes a `transformer` (imports every pipeline), and
+    every Modular Diffusers class whose default blocks expect a `transformer` component (`modular_dit_classes`)."""
     import diffusers
 
     found = []
@@ -324,4 +421,50 @@ def dit_pipeline_classes() -> list[str]:
             continue
         if "transformer" in parameters:
             found.append(name)
-    return sorted(found)
+    return sorted(found + list(modular_dit_classes()))
+
+
+def modular_dit_classes() -> dict[str, list[str]]:
+    """Every Modular Diffusers pipeline class diffusers exports that is a DiT pipeline, with its guider components
+    (`modular_guiders`)."""
+    import diffusers
+    from diffusers import ModularPipeline
+
+    found = {}
+    for name in dir(diffusers):
+        if not name.endswith("ModularPipeline") or name == "ModularPipeline":
+            continue
+        try:
+            cls = getattr(diffusers, name)
+        except Exception:  # noqa: BLE001 - an optional dependency missing: not installed, not listed
+            continue
+        if isinstance(cls, type) and issubclass(cls, ModularPipeline):
+            guiders = modular_guiders(name)
+            if guiders is not None:
+                found[name] = guiders
+    return found
+
+
+def modular_guiders(name: str) -> list[str] | None:
+    """The guider components of the Modular Diffusers class `name`'s default blocks, or None when it is no DiT
+    pipeline. A modular class is a DiT pipeline when the components its default blocks expect include a
+    `transformer` (so StableDiffusionXLModularPipeline, a UNet's, is not one); the blocks are built, no component
+    is. A class with no guider component never guides (guidance-distilled)."""
+    import warnings
+
+    import diffusers
+    from diffusers.utils import logging
+
+    from paradiff.runtime.cfg import is_guider_component
+
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # "Guiders are currently an experimental feature ..."
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            specs = getattr(diffusers, name)()._component_specs
+    finally:
+        logging.set_verbosity(verbosity)
+    if "transformer" not in specs:
+        return None
+    return sorted(component for component in specs if is_guider_component(component))

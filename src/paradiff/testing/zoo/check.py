@@ -3,13 +3,16 @@ tests/test_pipeline_coverage.py run.
 
 `reference(key, folder)` runs in one process: diffusers' pipeline class from the folder, the recipe's call, seed 0
 (the global generator seeded too, for pipelines that draw from it), and what the transformer's first block saw at
-each call (batch and token counts). `check_modes(jobs)` runs on every rank of a pool: for each job, the pipeline
+each call (batch and token counts). A modular key (`zoo.is_modular`) runs diffusers' modular call:
+`ModularPipeline.from_pretrained(folder)`, `load_components(dtype=float32)`, `pipe(**call, output=recipe.output)`. `check_modes(jobs)` runs on every rank of a pool: for each job, the pipeline
 through `paradiff.load_pipeline` in the job's mode, the same call, and the outcome:
 
 - "verified": every image / frame / sample within TOLERANCE of the single-process output (relative to its largest
   magnitude, at least 1: pixels in [0, 1] compare absolutely), and the work was split: under TP every split
   parameter of the transformer (and ControlNet) is exactly its slice of the full tensor; under CP the first block
-  saw fewer tokens than the single process; under CFG it computed half the batch rows of the single process;
+  saw fewer tokens than the single process; under CFG it computed half the batch rows of the single process (a
+  pipeline guiding through a guider component, every modular one: it ran fewer of the guider's branches than there
+  were);
 - "mismatch": it ran, but the outputs differ, or the work was not split (`reason` says which);
 - "refused": paradiff raised its own typed error (`reason`: its message), before or during the call;
 - "failed": any other exception (`reason`: its type and message).
@@ -88,12 +91,43 @@ def reference(key: str, folder: str) -> dict:
     from paradiff.testing import zoo
 
     quiet()
+    if zoo.is_modular(key):
+        return _modular_reference(key, folder)
     pipe = zoo.pipeline_class(key).from_pretrained(folder)
     pipe.set_progress_bar_config(disable=True)
     seen = record_block_inputs(pipe.transformer)
     torch.manual_seed(0)
     output = pipe(**zoo.call_kwargs(key), generator=torch.Generator().manual_seed(0))
     return {"output": output_array(output), "blocks": seen}
+
+
+def _modular_reference(key: str, folder: str) -> dict:
+    from diffusers import ModularPipeline
+
+    from paradiff.testing import zoo
+
+    pipe = ModularPipeline.from_pretrained(folder)
+    if type(pipe) is not zoo.pipeline_class(key):
+        raise TypeError(f"{folder} loads as {type(pipe).__name__}, not {zoo.pipeline_name(key)}")
+    pipe.load_components(dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    zoo.configure(pipe, key)
+    kwargs = zoo.call_kwargs(key)
+    ignored = sorted(set(kwargs) - set(pipe._blocks.input_names))
+    if ignored:  # diffusers would warn and drop them: a recipe that passes them tests less than it says
+        raise TypeError(f"{zoo.pipeline_name(key)}'s blocks take no {ignored} (drop them from recipe {key!r})")
+    seen = record_block_inputs(pipe.transformer)
+    torch.manual_seed(0)
+    output = pipe(**kwargs, generator=torch.Generator().manual_seed(0), output=zoo.recipe(key).output)
+    return {"output": output_array(output), "blocks": seen}
+
+
+def _call(pipe, key: str) -> Any:
+    """paradiff's pipeline called with the recipe's arguments, seed 0 (a modular one asked for the recipe's output)."""
+    from paradiff.testing import zoo
+
+    extra = {"output": zoo.recipe(key).output} if zoo.is_modular(key) else {}
+    return pipe(**zoo.call_kwargs(key), seed=0, **extra)
 
 
 def _parallel_config(mode: str):
@@ -126,9 +160,10 @@ def _check(key: str, folder: str, mode: str, expected: dict) -> dict:
         pipe = paradiff.load_pipeline(folder, pipeline_cls=zoo.pipeline_class(key),
                                       parallel_config=_parallel_config(mode))
         pipe.set_progress_bar_config(disable=True)
+        zoo.configure(pipe, key)
         seen = record_block_inputs(pipe.transformer)
         torch.manual_seed(0)
-        actual = output_array(pipe(**zoo.call_kwargs(key), seed=0))
+        actual = output_array(_call(pipe, key))
     except ParadiffError as exc:
         return {"status": "refused", "reason": _reason(exc)}
     except Exception as exc:  # noqa: BLE001 - recorded with where it came from
@@ -167,6 +202,11 @@ def _split_problems(pipe, mode: str, seen: list, reference_blocks: list, folder:
         rows, whole = sum(batch for batch, _ in seen), sum(batch for batch, _ in reference_blocks)
         if rows > whole // degrees["cfg"] + sum(batch for batch, _ in set(reference_blocks)):
             problems.append(f"the transformer computed {rows} batch rows, the single process {whole}")
+        branches = pipe._paradiff_pipeline.cfgs
+        if pipe._paradiff_pipeline.guided and branches:  # the guider's branches: this rank ran only its share
+            computed, total = branches[0].computed, sum(branches[0].branch_counts)
+            if not 0 < computed < total:
+                problems.append(f"the rank computed {computed} of the guider's {total} branch calls")
     if degrees["tp"] > 1:
         for name in ("transformer", "controlnet"):
             module = getattr(pipe, name, None)

@@ -30,11 +30,10 @@ class _WithoutVideoProcessor:
         return [str(save_directory)]
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, subfolder=None, **kwargs):
-        # a standard pipeline passes the component's folder; a modular one the pipeline's folder and a subfolder
+    def from_pretrained(cls, pretrained_model_name_or_path, subfolder: str | None = None, **kwargs):
+        # a standard pipeline names the processor's own folder; Modular Diffusers names the pipeline's and a subfolder
         path = os.path.join(pretrained_model_name_or_path, subfolder) if subfolder else pretrained_model_name_or_path
-        return cls(image_processor=Qwen2VLImageProcessor.from_pretrained(path),
-                   tokenizer=AutoTokenizer.from_pretrained(path))
+        return cls(image_processor=Qwen2VLImageProcessor.from_pretrained(path), tokenizer=AutoTokenizer.from_pretrained(path))
 
 
 class TinyQwen2VLProcessor(_WithoutVideoProcessor, Qwen2VLProcessor):
