@@ -1,12 +1,11 @@
 """Models diffusers 0.42.1 ships only as Modular Diffusers pipelines: each builder makes the pipeline class from its
-default blocks and sets every component its blocks expect (`update_components`), tiny, seeded, nothing downloaded.
-Where the zoo has a standard pipeline of the same model (Qwen-Image 2.1, Helios pyramid ...), its tiny components
-are reused (`zoo.build` of that recipe), so the modular row runs the very weights the standard row verified.
-
-- Qwen-Image 2.1 Turbo: the Qwen-Image 2.1 family (Qwen3-VL encoder through a Qwen3VLProcessor, the three-level
-  Qwen-Image 2.1 VAE); few steps, no guider (guidance-distilled); its KV cache off, as the standard recipe runs it.
-- Helios pyramid distilled: the Helios pyramid family with the DMD scheduler the distilled checkpoint ships
-  (HeliosDMDScheduler); its guider is disabled by default (guidance 1).
+default blocks and sets every component its blocks load (`update_components`), tiny, seeded, nothing downloaded.
+Where the zoo has the model's standard pipeline (Qwen-Image 2.1, Helios pyramid, LTX-2), its tiny components are
+reused (`zoo.build` of that recipe); the others are built here at the sizes of paradiff's family examples
+(plans/<family>.py `EXAMPLES`), their text encoders from the tokenizers paradiff.testing.pipelines learns locally.
+Each builder's docstring says what its model needs; the distilled checkpoints whose blocks keep a disabled guider
+(Helios pyramid, Wan-Animate 2) run with it on (`guider=`), so that the cfg modes have branches to split.
+LTX-2.5 has no recipe: it decodes with LTX-2.5's diffusion decoder, which nothing here builds yet.
 """
 
 from __future__ import annotations
@@ -22,6 +21,10 @@ WAN_ANIMATE2_CALL = dict(
     prompt=PROMPT, image=Picture(48, 64), driving_video=[Picture(48, 64, seed=20 + frame) for frame in range(9)],
     height=48, width=64, segment_frame_length=5, prev_segment_conditioning_frames=1, num_inference_steps=2,
     max_sequence_length=16, output_type="np")
+# a distilled checkpoint's guider is made disabled (guidance 1): the recipe turns it on, so the cfg modes have two
+# branches to split
+DISTILLED_GUIDANCE = dict(guidance_scale=3.0)
+DISTILLED_NOTE = "guider on (guidance 3) though the distilled checkpoint runs without"
 FLUX3_CALL = dict(prompt=PROMPT, height=44, width=36, num_inference_steps=2, max_new_tokens=4,
                   text_encoder_out_layers=(2, 4), max_sequence_length=64, output_type="np")
 
@@ -50,8 +53,10 @@ def _standard_parts(key: str, seed: int) -> dict:
 
 
 def qwenimage21_turbo(seed: int):
-    """The zoo's Qwen-Image 2.1 components, but a VAE whose four downsamplings are its whole 16x compression: the
-    modular blocks read the factor as 2 ** len(temperal_downsample) (the standard pipeline fixes it at 16)."""
+    """The zoo's Qwen-Image 2.1 components (a Qwen3-VL encoder read through a Qwen3VLProcessor), but a VAE whose four
+    downsamplings are its whole 16x compression: the modular blocks read the factor as 2 ** len(temperal_downsample)
+    (the standard pipeline fixes it at 16). Guidance-distilled (no guider); the KV cache off, as in the standard
+    recipe."""
     import diffusers
 
     from paradiff.testing import pipelines as tiny
@@ -67,6 +72,7 @@ def qwenimage21_turbo(seed: int):
 
 
 def helios_pyramid_distilled(seed: int):
+    """The zoo's Helios pyramid components with the DMD scheduler of the distilled checkpoint."""
     import diffusers
 
     parts = _standard_parts("HeliosPyramidPipeline", seed)
@@ -302,7 +308,8 @@ RECIPES = {
     "QwenImage21TurboModularPipeline": ModularRecipe(build=qwenimage21_turbo, call=dict(
         prompt=PROMPT, height=96, width=160, num_inference_steps=2, use_kv_cache=False, output_type="np")),
     # two chunks of 2 latent frames, the second with the first as history; stages of 1 x 1, 2 x 2 and 4 x 4 tokens
-    "HeliosPyramidDistilledModularPipeline": ModularRecipe(build=helios_pyramid_distilled, output="videos", call=dict(
+    "HeliosPyramidDistilledModularPipeline": ModularRecipe(
+        build=helios_pyramid_distilled, output="videos", guider=DISTILLED_GUIDANCE, note=DISTILLED_NOTE, call=dict(
         prompt=PROMPT, height=64, width=64, num_frames=9, history_sizes=[4, 2, 1], num_latent_frames_per_chunk=2,
         pyramid_num_inference_steps_list=[1, 1, 1], max_sequence_length=32, output_type="np")),
     # CFG through its guider (guidance 4); 36 x 44 pixels are 18 x 22 latents, 9 x 11 = 99 tokens of 2 x 2 patches
@@ -332,6 +339,8 @@ RECIPES = {
     # of 2 latent frames (and the reference's slot) of 3 x 4 tokens
     "WanAnimate2ModularPipeline": ModularRecipe(build=wan_animate2, output="videos", call=dict(
         WAN_ANIMATE2_CALL, negative_prompt="blurry, low quality")),
+    # the distilled checkpoints' guiders are off (guidance 1); on here, so that the cfg modes split two branches
     "WanAnimate2DistilledModularPipeline": ModularRecipe(build=wan_animate2_distilled, output="videos",
-                                                         call=WAN_ANIMATE2_CALL),
+                                                         call=WAN_ANIMATE2_CALL, guider=DISTILLED_GUIDANCE,
+                                                         note=DISTILLED_NOTE),
 }
