@@ -22,8 +22,11 @@ demo: $(STAMP)
 	$(VENV)/bin/paradiff generate --tp 2 --ulysses 2 --compare --lora $(DEMO_LORA) --also-without-lora --out out/demo
 	$(PY) -m paradiff.demo
 
+# Two pytest workers, a test file each at a time (--dist loadfile: a file's module fixtures and rank cases stay on
+# one worker): while one worker's ranks wait on each other or its own process computes a reference, the other's use
+# the second core. Each worker starts its own rank pools and fork server.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # The development lane: everything that runs in this one process (no rank pools, no subprocesses).
 test-fast: $(STAMP)

@@ -140,9 +140,9 @@ def _matmul_rate(size: int, queue) -> None:
 def cores_check(rounds: int = 2) -> None:
     """What two replicas could give on this machine at best: matmuls on one torch thread, in one process, then in
     two processes at once (a machine whose cores slow each other down caps dp2 below 2x)."""
-    import multiprocessing
+    from paradiff.distributed.spawn import local_context
 
-    context = multiprocessing.get_context("spawn")
+    context = local_context()  # the processes local ranks start as
     for size in (256, 1024):
         for number in range(rounds):
             rates = {}

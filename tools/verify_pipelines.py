@@ -149,6 +149,16 @@ def main(only: list[str] | None, modes: list[str] | None, folders: Path) -> int:
     return 0
 
 
+def _importable(name: str) -> bool:
+    import diffusers
+
+    try:
+        getattr(diffusers, name)
+    except Exception:  # noqa: BLE001 - what an optional dependency's absence raises varies
+        return False
+    return True
+
+
 def refresh_classes() -> None:
     from paradiff.plan_tools.pipeline_coverage import VERIFIED, load_verified
     from paradiff.testing import zoo
@@ -156,7 +166,13 @@ def refresh_classes() -> None:
     import diffusers
 
     record = load_verified()
-    record.update(classes=zoo.dit_pipeline_classes(), modular=_modular_guiders(), diffusers=diffusers.__version__)
+    classes = zoo.dit_pipeline_classes()
+    # a class listed before that this environment cannot import (an optional dependency of its module missing, e.g.
+    # OpenCV for ConsisID) stays listed: the list is diffusers', not this environment's
+    unimportable = [name for name in record.get("classes", []) if name not in classes and not _importable(name)]
+    if unimportable:
+        print(f"kept, not importable here: {', '.join(unimportable)}")
+    record.update(classes=sorted(classes + unimportable), modular=_modular_guiders(), diffusers=diffusers.__version__)
     VERIFIED.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     print(f"{len(record['classes'])} DiT pipeline classes in diffusers {diffusers.__version__} "
           f"({len(record['modular'])} of them modular)")
