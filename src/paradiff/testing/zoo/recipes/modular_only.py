@@ -5,7 +5,6 @@ reused (`zoo.build` of that recipe); the others are built here at the sizes of p
 (plans/<family>.py `EXAMPLES`), their text encoders from the tokenizers paradiff.testing.pipelines learns locally.
 Each builder's docstring says what its model needs; the distilled checkpoints whose blocks keep a disabled guider
 (Helios pyramid, Wan-Animate 2) run with it on (`guider=`), so that the cfg modes have branches to split.
-LTX-2.5 has no recipe: it decodes with LTX-2.5's diffusion decoder, which nothing here builds yet.
 """
 
 from __future__ import annotations
@@ -290,7 +289,8 @@ def _wan_animate2(class_name: str, seed: int):
             hidden_size=1280, intermediate_size=64, num_hidden_layers=2, num_attention_heads=16, image_size=224,
             patch_size=32, projection_dim=32)).eval()
     return _modular(class_name, dict(
-        transformer=tiny.random_model(diffusers.WanAnimate2Transformer3DModel, dict(config, text_len=16, in_dim=12), seed, 0),
+        transformer=tiny.random_model(diffusers.WanAnimate2Transformer3DModel, dict(config, text_len=16, in_dim=12),
+                                      seed, 0),
         text_encoder=text["text_encoder"], tokenizer=text["tokenizer"], image_encoder=image_encoder,
         vae=temporal4_vae(seed, {}, {}), scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=5.0)))
 
@@ -301,6 +301,29 @@ def wan_animate2(seed: int):
 
 def wan_animate2_distilled(seed: int):
     return _wan_animate2("WanAnimate2DistilledModularPipeline", seed)
+
+
+def ltx25(seed: int):
+    """LTX-2.5: the zoo's LTX-2 components; an LTX-2.3-style transformer (gated attention, cross-attention modulation,
+    perturbed attention for its spatio-temporal guidance); the LTX-2.5 diffusion decoder at the tiny VAE's factors
+    (2 in space and time: one spatial and one temporal upsampling, patch 1)."""
+    import diffusers
+    from diffusers.models.autoencoders.ltx2_diffusion_decoder import LTX2VideoDiffusionDecoderModel
+
+    from paradiff.testing import pipelines as tiny
+    from paradiff.testing import zoo
+
+    parts = _standard_parts("LTX2Pipeline", seed)
+    config = dict(zoo.transformer_config("LTX2Pipeline"), gated_attn=True, audio_gated_attn=True, cross_attn_mod=True,
+                  audio_cross_attn_mod=True, perturbed_attn=True)
+    parts["transformer"] = tiny.random_model(diffusers.LTX2VideoTransformer3DModel, config, seed, 0)
+    parts["diffusion_decoder"] = tiny.random_model(LTX2VideoDiffusionDecoderModel, dict(
+        latent_channels=4, patch_size=1, decoder_head_dim=8, decoder_stage_channels=(16, 8, 8, 8, 8),
+        decoder_stage_depths=(1, 1, 1, 1, 1), decoder_stage_kernels=((3, 3, 3),) * 4,
+        decoder_upsample_strides=((1, 2, 2), (2, 1, 1), (1, 1, 1), (1, 1, 1)),
+        decoder_upsample_channel_reductions=(2, 1, 1, 1), decoder_stage5_kernel=(3, 3, 3), decoder_t_emb_dim=16,
+        spatial_compression_ratio=2, temporal_compression_ratio=2), seed, 6)
+    return _modular("LTX25ModularPipeline", parts, optional=("prompt_enhancer", "processor", "duration_head"))
 
 
 RECIPES = {
@@ -320,6 +343,11 @@ RECIPES = {
     "EchoModularPipeline": ModularRecipe(build=echo, output="videos", call=dict(
         prompt=PROMPT, height=32, width=32, num_frames=5, frame_rate=25.0, sigmas=(1.0, 0.6, 0.0),
         max_sequence_length=16, output_type="np")),
+    # guided by its two LTX2Guidance guiders (CFG, spatio-temporal and modality branches); num_frames given, so no
+    # duration head
+    "LTX25ModularPipeline": ModularRecipe(build=ltx25, output="videos", call=dict(
+        prompt=PROMPT, negative_prompt="blurry, low quality", height=32, width=32, num_frames=5, frame_rate=25.0,
+        num_inference_steps=2, max_sequence_length=16, output_type="np")),
     # the upsampler writes at most 4 tokens; 44 x 36 pixels are 11 x 9 = 99 tokens of 4 x 4 pixels
     "Flux3ModularPipeline": ModularRecipe(build=flux3, call=dict(FLUX3_CALL, negative_prompt="blurry, low quality")),
     "Flux3DistilledModularPipeline": ModularRecipe(build=flux3_distilled, call=FLUX3_CALL),
