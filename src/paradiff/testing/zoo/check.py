@@ -62,16 +62,43 @@ def first_block(transformer: torch.nn.Module) -> torch.nn.Module:
 
 
 def record_block_inputs(transformer: torch.nn.Module) -> list[tuple[int, int]]:
-    """(batch, tokens) of the first block's hidden states at every call it makes from now on."""
+    """(batch, tokens) of the first block's hidden states at every call it makes from now on: the stream the
+    transformer's context-parallel plan splits at that block where it names one (Cosmos 3's blocks take the text
+    prefix first, kept whole, and the generation tokens, split, as `gen_seq`), else `hidden_states` or the first
+    argument."""
+    import inspect
+
+    block = first_block(transformer)
+    stream = _split_stream(transformer, block)
+    parameters = inspect.signature(block.forward).parameters
     seen: list[tuple[int, int]] = []
 
     def hook(_module, args, kwargs):
-        value = kwargs.get("hidden_states", args[0] if args else None)
+        bound = dict(zip(parameters, args), **kwargs)
+        value = bound.get(stream) if stream else None
+        if value is None:
+            value = kwargs.get("hidden_states", args[0] if args else None)
         if torch.is_tensor(value) and value.ndim >= 2:
             seen.append((int(value.shape[0]), int(value.shape[1])))
 
-    first_block(transformer).register_forward_pre_hook(hook, with_kwargs=True)
+    block.register_forward_pre_hook(hook, with_kwargs=True)
     return seen
+
+
+def _split_stream(transformer: torch.nn.Module, block: torch.nn.Module) -> str | None:
+    """The argument of `block` the transformer's built-in context-parallel plan splits there, if it names one."""
+    from paradiff.context_parallel.plan import Split
+    from paradiff.plans import family_of
+
+    family = family_of(transformer)
+    if family is None or family.context_parallel_plan is None:
+        return None
+    path = next((name for name, module in transformer.named_modules() if module is block), None)
+    try:
+        split_inputs = family.context_parallel_plan(transformer.config).split_inputs
+    except Exception:  # noqa: BLE001 - a plan that needs more than the config: fall back to hidden_states
+        return None
+    return next((name for name, spec in split_inputs.get(path, {}).items() if isinstance(spec, Split)), None)
 
 
 def quiet() -> None:
@@ -199,14 +226,18 @@ def _split_problems(pipe, mode: str, seen: list, reference_blocks: list, folder:
     if degrees["cfg"] > 1:
         # its share of the rows; a model whose forward cannot run on the meta device computes one first call more
         # per input shape (Helios' pyramid: one per stage's resolution)
-        rows, whole = sum(batch for batch, _ in seen), sum(batch for batch, _ in reference_blocks)
-        if rows > whole // degrees["cfg"] + sum(batch for batch, _ in set(reference_blocks)):
-            problems.append(f"the transformer computed {rows} batch rows, the single process {whole}")
         branches = pipe._paradiff_pipeline.cfgs
         if pipe._paradiff_pipeline.guided and branches:  # the guider's branches: this rank ran only its share
+            # (counted by the branches, not the block's rows: calls outside the guider's steps, such as Wan-Animate
+            # 2's reference pass, run on every rank, and a first call of each signature runs on both)
             computed, total = branches[0].computed, sum(branches[0].branch_counts)
             if not 0 < computed < total:
                 problems.append(f"the rank computed {computed} of the guider's {total} branch calls")
+        else:  # its share of the rows; a model whose forward cannot run on the meta device computes one first call
+            # more per input shape
+            rows, whole = sum(batch for batch, _ in seen), sum(batch for batch, _ in reference_blocks)
+            if rows > whole // degrees["cfg"] + sum(batch for batch, _ in set(reference_blocks)):
+                problems.append(f"the transformer computed {rows} batch rows, the single process {whole}")
     if degrees["tp"] > 1:
         for name in ("transformer", "controlnet"):
             module = getattr(pipe, name, None)
