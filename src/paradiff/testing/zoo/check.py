@@ -33,7 +33,8 @@ _BLOCK_STACKS = ("transformer_blocks", "blocks", "layers", "joint_transformer_bl
 
 def output_array(output: Any) -> np.ndarray:
     """A pipeline output's images, frames or audio as one float array."""
-    for name in ("images", "frames", "image", "audios", "audio"):  # Kandinsky 5's image pipelines: `image`
+    # Kandinsky 5's image pipelines: `image`; Cosmos 3 Omni: `video`
+    for name in ("images", "frames", "image", "video", "audios", "audio"):
         value = getattr(output, name, None)
         if value is not None:
             break
@@ -90,10 +91,20 @@ def reference(key: str, folder: str) -> dict:
     quiet()
     pipe = zoo.pipeline_class(key).from_pretrained(folder)
     pipe.set_progress_bar_config(disable=True)
+    _numerics(key, pipe)
     seen = record_block_inputs(pipe.transformer)
     torch.manual_seed(0)
     output = pipe(**zoo.call_kwargs(key), generator=torch.Generator().manual_seed(0))
     return {"output": output_array(output), "blocks": seen}
+
+
+def _numerics(key: str, pipe) -> None:
+    """The recipe's float32 numerics (zoo.Recipe.numerics), on both sides alike."""
+    from paradiff.testing import zoo
+
+    numerics = zoo.recipe(key).numerics
+    if numerics is not None:
+        numerics(pipe)
 
 
 def _parallel_config(mode: str):
@@ -126,6 +137,7 @@ def _check(key: str, folder: str, mode: str, expected: dict) -> dict:
         pipe = paradiff.load_pipeline(folder, pipeline_cls=zoo.pipeline_class(key),
                                       parallel_config=_parallel_config(mode))
         pipe.set_progress_bar_config(disable=True)
+        _numerics(key, pipe)
         seen = record_block_inputs(pipe.transformer)
         torch.manual_seed(0)
         actual = output_array(pipe(**zoo.call_kwargs(key), seed=0))
