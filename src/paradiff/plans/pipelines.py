@@ -122,9 +122,6 @@ CFG_RULES: dict[str, CfgRule] = {
     "ChromaPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
     "ChromaImg2ImgPipeline": CfgRule("guidance_scale", 5.0, needs_negative_prompt=False),
     "ChromaInpaintPipeline": CfgRule("guidance_scale", 7.0, needs_negative_prompt=False),
-    # Cosmos 3 Omni: the prompt's packed sequence, then the negative prompt's (each call returns vision, sound and
-    # action predictions)
-    "Cosmos3OmniPipeline": CfgRule("guidance_scale", 6.0, needs_negative_prompt=False),
     # PRX: [uncond, cond] in one call, the text mask batched with the text
     **{name: CfgRule("guidance_scale", 4.0, needs_negative_prompt=False, style=BATCH,
                      batched=_LATENTS_TEXT_TIME + ("attention_mask",))

@@ -38,7 +38,8 @@ def prx_components(seed: int) -> dict:
     import diffusers
 
     tokenizer = tiny._gemma_tokenizer()
-    return dict(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0), vae=tiny._small_vae(seed, scaling_factor=0.3611, shift_factor=0.1159),
+    vae = tiny._small_vae(seed, scaling_factor=0.3611, shift_factor=0.1159)
+    return dict(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
                 text_encoder=t5gemma_encoder(seed, tokenizer), tokenizer=tokenizer)
 
 
