@@ -59,16 +59,29 @@ def first_block(transformer: torch.nn.Module) -> torch.nn.Module:
     return next(iter(stacks.values()))[0]
 
 
+# the first block's argument holding the tokens it computes, by name (else its first argument): Cosmos 3 Omni's layers
+# take the whole text prefix first and the generation tokens, which context parallelism splits, second
+_TOKEN_ARGUMENTS = ("hidden_states", "gen_seq")
+
+
 def record_block_inputs(transformer: torch.nn.Module) -> list[tuple[int, int]]:
     """(batch, tokens) of the first block's hidden states at every call it makes from now on."""
+    import inspect
+
     seen: list[tuple[int, int]] = []
+    block = first_block(transformer)
+    parameters = list(inspect.signature(block.forward).parameters)
+    name = next((name for name in _TOKEN_ARGUMENTS if name in parameters), None)
 
     def hook(_module, args, kwargs):
-        value = kwargs.get("hidden_states", args[0] if args else None)
+        value = args[0] if args else None
+        if name is not None:
+            index = parameters.index(name)
+            value = kwargs.get(name, args[index] if index < len(args) else value)
         if torch.is_tensor(value) and value.ndim >= 2:
             seen.append((int(value.shape[0]), int(value.shape[1])))
 
-    first_block(transformer).register_forward_pre_hook(hook, with_kwargs=True)
+    block.register_forward_pre_hook(hook, with_kwargs=True)
     return seen
 
 
