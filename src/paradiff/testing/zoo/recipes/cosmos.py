@@ -102,8 +102,11 @@ RECIPES = {
     "Cosmos2_5_PredictBasePipeline": Recipe(family="cosmos2_5", components=dict(safety_checker=guardrail)),
     # Cosmos 1.0: the Cosmos VAE and EDM sampling; 9 frames are 3 latent frames of 4 x 6 tokens
     "CosmosTextToWorldPipeline": Recipe(family="cosmos1", components=dict(safety_checker=guardrail)),
+    # 4 steps: with 2, EDM jumps from sigma 80 straight to 0.002 and the conditioned latents come out as the
+    # difference of values ~200 times their size, whose float32 resolution (2^-16 = 1.5e-5) is above the tolerance:
+    # scaling the transformer's weights by 1 + 1e-7 moved them by 1.5e-5 in one process (1.4e-6 with 4 steps)
     "CosmosVideoToWorldPipeline": Recipe(extends="CosmosTextToWorldPipeline", transformer=dict(in_channels=5),
-                                         call=dict(image=Picture(32, 48))),
+                                         call=dict(image=Picture(32, 48), num_inference_steps=4)),
 }
 
 
