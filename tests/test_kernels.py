@@ -60,6 +60,18 @@ def test_backend_matches_math(backend, masked, dtype):
         assert lse is None
 
 
+@pytest.mark.parametrize("backend", ["native", "sdpa"])
+def test_backend_reads_features_strided_in_memory(backend):
+    # heads cut from a channels-first activation (Cosmos' VAE attention at batch 1): the features are the
+    # outermost dim in memory, stride(-1) != 1; the fused CPU kernel read other memory for them
+    q, k, v = (t.permute(3, 0, 1, 2).contiguous().permute(1, 2, 3, 0) for t in _qkv())
+    assert q.stride(-1) != 1
+    mask, scale = _mask(), q.shape[-1] ** -0.5
+    out, _ = BACKENDS[backend](q, k, v, mask, scale)
+    ref_out, _ = math_attention(q.contiguous(), k.contiguous(), v.contiguous(), mask, scale)
+    torch.testing.assert_close(out.float(), ref_out, atol=1e-5, rtol=1e-5)
+
+
 def _query_masks(batch=2, heads=3, queries=7, keys=11):
     """Query-dependent masks: a bool (batch, 1, q, k) mask and a per-head additive bias with -inf entries, one row of
     each fully masked."""

@@ -74,10 +74,19 @@ def aligned_bias(bias: torch.Tensor, multiple: int = 16) -> torch.Tensor:
     return padded[..., :keys]
 
 
+def _unit_last_stride(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor with its features (last dim) adjacent in memory. The fused kernels below read rows of the last dim
+    as dense vectors and are called directly (F.scaled_dot_product_attention checks this and falls back to its math
+    path; these ops do not check): a view whose features are strided, e.g. heads cut from a channels-first VAE
+    activation, would be read as other memory."""
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
 def native_attention(q, k, v, mask, scale):
     """PyTorch's own SDPA kernels that expose the LSE: flash-for-CPU on CPU; flash / memory-efficient on CUDA."""
     if q.shape[-2] == 0 or k.shape[-2] == 0:
         return _empty_result(q, v)
+    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, False, attn_mask=_additive(mask, q.dtype), scale=scale

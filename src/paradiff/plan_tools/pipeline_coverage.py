@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from paradiff.plans.pipelines import (BATCH, CFG_NOT_SPLIT, CFG_RULES, GUIDER_PIPELINES, MODULAR_CFG_REFUSALS,
-                                      NEVER_GUIDES, not_dit_refusal)
+from paradiff.plans.pipelines import (BATCH, CFG_NOT_SPLIT, CFG_RULES, FAILS_IN_DIFFUSERS, GUIDER_PIPELINES,
+                                      MODULAR_CFG_REFUSALS, NEVER_GUIDES, not_dit_refusal)
 
 VERIFIED = Path(__file__).parents[1] / "plans" / "pipelines_verified.json"
 MODES = ("tp2", "ulysses2", "ring2", "tp2xulysses2", "cfg2", "cfg2xtp2")
@@ -34,6 +34,8 @@ def cfg_style(pipeline: str, modular: dict[str, list[str]] | None = None) -> str
     if rule is not None:
         return "batch" if rule.style == BATCH else "two calls"
     name = pipeline.partition("@")[0]
+    if name in FAILS_IN_DIFFUSERS:
+        return "fails in diffusers"
     if name in GUIDER_PIPELINES:
         return "its guider"
     if name in CFG_NOT_SPLIT:
@@ -70,8 +72,10 @@ def pipeline_coverage_table(markdown: bool = False) -> str:
             return "-"
         # the same reason for many pipelines is one note: the pipeline's own name reads "<pipeline>" there
         reason = outcome.get("reason", "").replace(name, "<pipeline>")
-        number = reasons.setdefault(reason, len(reasons) + 1)
         label = {"refused": "refused", "mismatch": "FAIL", "failed": "FAIL"}[status]
+        if status == "failed" and name in FAILS_IN_DIFFUSERS and "single-process call failed" in reason:
+            label, reason = "fails in diffusers itself", FAILS_IN_DIFFUSERS[name]
+        number = reasons.setdefault(reason, len(reasons) + 1)
         return f"{label} [{number}]"
 
     rows = []

@@ -106,6 +106,10 @@ class Recipe:
     call: dict = field(default_factory=dict)  # the call's keyword arguments, over the base's
     drop: tuple[str, ...] = ()  # the base's call arguments this pipeline does not take
     note: str = ""  # why the recipe looks the way it does, where it is not obvious
+    # applied to the loaded pipeline on both sides of a comparison (diffusers' single process and every rank, after
+    # paradiff split it): a step diffusers computes in reduced precision, run in float32 (the same formula), so
+    # float32 reassociation noise is not magnified into a rounding flip; the recipe's note says which step
+    numerics: Callable[[Any], None] | None = None
 
     def __post_init__(self) -> None:
         if (self.family is None) == (self.extends is None):
@@ -228,7 +232,8 @@ def recipe(key: str) -> Recipe | ModularRecipe:
     return replace(base, transformer={**base.transformer, **own.transformer},
                    components={**base.components, **own.components},
                    controlnet={**base.controlnet, **own.controlnet}, init={**base.init, **own.init}, call=call,
-                   drop=tuple(dict.fromkeys(base.drop + own.drop)), note=own.note or base.note)
+                   drop=tuple(dict.fromkeys(base.drop + own.drop)), note=own.note or base.note,
+                   numerics=own.numerics or base.numerics)
 
 
 def transformer_config(key: str) -> dict:

@@ -36,7 +36,8 @@ _BLOCK_STACKS = ("transformer_blocks", "blocks", "layers", "joint_transformer_bl
 
 def output_array(output: Any) -> np.ndarray:
     """A pipeline output's images, frames or audio as one float array."""
-    for name in ("images", "frames", "image", "audios", "audio"):  # Kandinsky 5's image pipelines: `image`
+    # Kandinsky 5's image pipelines: `image`; Cosmos 3 Omni: `video`
+    for name in ("images", "frames", "image", "video", "audios", "audio"):
         value = getattr(output, name, None)
         if value is not None:
             break
@@ -122,6 +123,7 @@ def reference(key: str, folder: str) -> dict:
         return _modular_reference(key, folder)
     pipe = zoo.pipeline_class(key).from_pretrained(folder)
     pipe.set_progress_bar_config(disable=True)
+    _numerics(key, pipe)
     seen = record_block_inputs(pipe.transformer)
     torch.manual_seed(0)
     output = pipe(**zoo.call_kwargs(key), generator=torch.Generator().manual_seed(0))
@@ -157,6 +159,15 @@ def _call(pipe, key: str) -> Any:
     return pipe(**zoo.call_kwargs(key), seed=0, **extra)
 
 
+def _numerics(key: str, pipe) -> None:
+    """The recipe's float32 numerics (zoo.Recipe.numerics), on both sides alike."""
+    from paradiff.testing import zoo
+
+    numerics = getattr(zoo.recipe(key), "numerics", None)  # a ModularRecipe has none
+    if numerics is not None:
+        numerics(pipe)
+
+
 def _parallel_config(mode: str):
     import paradiff
 
@@ -188,6 +199,7 @@ def _check(key: str, folder: str, mode: str, expected: dict) -> dict:
                                       parallel_config=_parallel_config(mode))
         pipe.set_progress_bar_config(disable=True)
         zoo.configure(pipe, key)
+        _numerics(key, pipe)
         seen = record_block_inputs(pipe.transformer)
         torch.manual_seed(0)
         actual = output_array(_call(pipe, key))

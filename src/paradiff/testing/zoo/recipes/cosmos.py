@@ -102,6 +102,42 @@ RECIPES = {
     "Cosmos2_5_PredictBasePipeline": Recipe(family="cosmos2_5", components=dict(safety_checker=guardrail)),
     # Cosmos 1.0: the Cosmos VAE and EDM sampling; 9 frames are 3 latent frames of 4 x 6 tokens
     "CosmosTextToWorldPipeline": Recipe(family="cosmos1", components=dict(safety_checker=guardrail)),
+    # 4 steps: with 2, EDM jumps from sigma 80 straight to 0.002 and the conditioned latents come out as the
+    # difference of values ~200 times their size, whose float32 resolution (2^-16 = 1.5e-5) is above the tolerance:
+    # scaling the transformer's weights by 1 + 1e-7 moved them by 1.5e-5 in one process (1.4e-6 with 4 steps)
     "CosmosVideoToWorldPipeline": Recipe(extends="CosmosTextToWorldPipeline", transformer=dict(in_channels=5),
-                                         call=dict(image=Picture(32, 48))),
+                                         call=dict(image=Picture(32, 48), num_inference_steps=4)),
 }
+
+
+# --- Cosmos 3 Omni ----------------------------------------------------------------------------------------------------
+# One packed sequence per call ([text, video], no batch axis), two calls a step (the prompt's pack, then the negative
+# prompt's), the Wan VAE (factor 4 in space, 2 in time: 5 frames are 3 latent frames of 8 x 12 latents, 2 x 2
+# patches: 4 x 6 tokens a frame), the tokenizer alone (the transformer embeds the token ids itself). Its guardrail
+# is switched off by the pipeline's own flag (`enable_safety_checker=False`).
+def cosmos3_components(seed: int) -> dict:
+    import diffusers
+
+    tokenizer = tiny._qwen2_tokenizer()
+    tokenizer.chat_template = _COSMOS3_CHAT
+    if len(tokenizer) > COSMOS3_VOCAB:
+        raise ValueError(f"the tiny Qwen tokenizer has {len(tokenizer)} tokens, the transformer embeds {COSMOS3_VOCAB}")
+    return dict(text_tokenizer=tokenizer, vae=tiny.family_components("wan", seed)["vae"],
+                scheduler=diffusers.UniPCMultistepScheduler())
+
+
+COSMOS3_VOCAB = 1024  # at least the tiny Qwen tokenizer's
+# Qwen's chat layout, the message contents plain text
+_COSMOS3_CHAT = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+FAMILIES["cosmos3"] = TinyFamily(
+    transformer_class="Cosmos3OmniTransformer",
+    transformer=dict(head_dim=16, hidden_size=64, intermediate_size=128, latent_channel=4, latent_patch_size=2,
+                     num_attention_heads=4, num_hidden_layers=2, num_key_value_heads=2, patch_latent_dim=16,
+                     rope_theta=10000.0, vocab_size=COSMOS3_VOCAB, sound_gen=False, rope_axes_dim=[4, 2, 2]),
+    components=cosmos3_components,
+    call=dict(prompt="a small red fox running through the snow", negative_prompt="blurry, low quality",
+              guidance_scale=3.0, num_inference_steps=2, height=32, width=48, num_frames=5, output_type="latent"))
+RECIPES["Cosmos3OmniPipeline"] = Recipe(family="cosmos3", init=dict(enable_safety_checker=False))

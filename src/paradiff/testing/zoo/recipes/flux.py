@@ -13,6 +13,18 @@ PARTIAL = dict(strength=0.6, num_inference_steps=4)
 TRUE_CFG = dict(negative_prompt="blurry, low quality", true_cfg_scale=2.0)
 NO_TRUE_CFG = ("negative_prompt", "true_cfg_scale")
 
+
+
+def chroma_transformer_saying_no_guidance_embeds(seed: int, parts: dict, config: dict):
+    """The family's Chroma transformer whose config also says `guidance_embeds: false`. diffusers 0.42.1's
+    ChromaInpaintPipeline reads `transformer.config.guidance_embeds`, a key ChromaTransformer2DModel's config does
+    not define (the call raises AttributeError without it); diffusers keeps a config.json key the class does not
+    take as a hidden config entry, so a folder whose transformer config carries it (as this one's does) runs."""
+    transformer = parts["transformer"]
+    transformer.register_to_config(guidance_embeds=False)
+    return transformer
+
+
 RECIPES = {
     "FluxPipeline": Recipe(family="flux", call=dict(SIZE, **TRUE_CFG)),
     "FluxImg2ImgPipeline": Recipe(extends="FluxPipeline", call=dict(image=IMAGE, **PARTIAL)),
@@ -43,5 +55,6 @@ RECIPES = {
     # Chroma: FLUX.1 packing, real CFG against the negative prompt (two calls)
     "ChromaPipeline": Recipe(family="chroma", call=SIZE),
     "ChromaImg2ImgPipeline": Recipe(extends="ChromaPipeline", call=dict(image=IMAGE, **PARTIAL)),
-    "ChromaInpaintPipeline": Recipe(extends="ChromaImg2ImgPipeline", call=dict(mask_image=MASK, true_cfg_scale=2.0)),
+    "ChromaInpaintPipeline": Recipe(extends="ChromaImg2ImgPipeline", call=dict(mask_image=MASK, true_cfg_scale=2.0),
+                                    components={"transformer": chroma_transformer_saying_no_guidance_embeds}),
 }
