@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Callable, Iterator
 
 from paradiff.plans import families
 
@@ -93,20 +94,28 @@ def uneven_heads(record: dict | None) -> tuple[str, str]:
     return ("FAIL " if failed else "") + " / ".join(cells), "-" if share is None else f"{share:.2f}"
 
 
-def unplanned_transformers(planned: set[str]) -> list[str]:
-    """The installed diffusers' transformer model classes (name with Transformer or DiT, a ModelMixin, not a VAE)
-    that no plan module names."""
+def diffusers_classes(keep: Callable[[str], bool]) -> Iterator[tuple[str, type]]:
+    """(name, class) of every class the installed diffusers exports under a name `keep` accepts; a name whose import
+    fails (an optional dependency missing here) is left out."""
     import diffusers
-    from diffusers import ModelMixin
 
-    names = []
     for name in dir(diffusers):
-        if name in planned or not re.search(r"Transformer|DiT", name) or re.search(r"Vae|VAE", name):
+        if not keep(name):
             continue
         try:
             value = getattr(diffusers, name)
-        except Exception:  # noqa: BLE001 - an optional dependency missing: not installed, not listed
+        except Exception:  # noqa: BLE001 - what an optional dependency's absence raises varies
             continue
-        if isinstance(value, type) and issubclass(value, ModelMixin):
-            names.append(name)
-    return sorted(names)
+        if isinstance(value, type):
+            yield name, value
+
+
+def unplanned_transformers(planned: set[str]) -> list[str]:
+    """The installed diffusers' transformer model classes (name with Transformer or DiT, a ModelMixin, not a VAE)
+    that no plan module names."""
+    from diffusers import ModelMixin
+
+    def candidate(name: str) -> bool:
+        return name not in planned and bool(re.search(r"Transformer|DiT", name)) and not re.search(r"Vae|VAE", name)
+
+    return sorted(name for name, value in diffusers_classes(candidate) if issubclass(value, ModelMixin))

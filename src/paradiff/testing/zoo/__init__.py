@@ -408,18 +408,10 @@ def controlnet_from_transformer(cls: type, transformer_config: dict, seed: int, 
 def dit_pipeline_classes() -> list[str]:
     """Every pipeline class diffusers exports whose `__init__` takes a `transformer` (imports every pipeline), and
     every Modular Diffusers class whose default blocks expect a `transformer` component (`modular_dit_classes`)."""
-    import diffusers
+    from paradiff.plan_tools.coverage import diffusers_classes
 
     found = []
-    for name in dir(diffusers):
-        if "Pipeline" not in name:
-            continue
-        try:
-            value = getattr(diffusers, name)
-        except Exception:  # noqa: BLE001 - an optional dependency missing: not installed, not listed
-            continue
-        if not isinstance(value, type):
-            continue
+    for name, value in diffusers_classes(lambda name: "Pipeline" in name):
         try:
             parameters = inspect.signature(value.__init__).parameters
         except (TypeError, ValueError):
@@ -432,18 +424,13 @@ def dit_pipeline_classes() -> list[str]:
 def modular_dit_classes() -> dict[str, list[str]]:
     """Every Modular Diffusers pipeline class diffusers exports that is a DiT pipeline, with its guider components
     (`modular_guiders`)."""
-    import diffusers
     from diffusers import ModularPipeline
 
+    from paradiff.plan_tools.coverage import diffusers_classes
+
     found = {}
-    for name in dir(diffusers):
-        if not name.endswith("ModularPipeline") or name == "ModularPipeline":
-            continue
-        try:
-            cls = getattr(diffusers, name)
-        except Exception:  # noqa: BLE001 - an optional dependency missing: not installed, not listed
-            continue
-        if isinstance(cls, type) and issubclass(cls, ModularPipeline):
+    for name, cls in diffusers_classes(lambda name: name.endswith("ModularPipeline") and name != "ModularPipeline"):
+        if issubclass(cls, ModularPipeline):
             guiders = modular_guiders(name)
             if guiders is not None:
                 found[name] = guiders
