@@ -35,7 +35,9 @@ from paradiff.distributed.comm import abort_process_groups, all_gather_object, b
 from paradiff.distributed.failures import is_comm_error
 
 PREFIX = "paradiff/serve"
-ALIVE_WAIT_S = 2.0  # after a fault, how long rank 0 waits for every rank to say it is alive
+# after a fault, how long rank 0 waits for every rank to say it is alive: a rank that has not by then is taken for dead
+# (each learns of the fault at its next collective; a chain of aborts on an overloaded machine took more than 2 s)
+ALIVE_WAIT_S = 5.0
 IDLE_WAIT_S = 0.2  # an idle round every this often: it is also how a rank that died is noticed while idle
 
 
