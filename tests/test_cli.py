@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -195,13 +196,15 @@ def test_native_backtraces_are_dropped_and_everything_else_kept():
 
 
 def test_two_nodes_on_loopback(tmp_path):
-    """Two torchrun 'nodes' (--nnodes 2), one process each, form one tp=2 mesh."""
+    """Two torchrun 'nodes' (--nnodes 2), one process each, form one tp=2 mesh (torchrun's launch code, its workers
+    forked: tests/torchrun_node.py)."""
     port = free_port()
     out = tmp_path / "out"
-    common = ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0",
-              "-m", "paradiff.cli", "generate", "--tp", "2", *SMALL, "--out", str(out)]
-    nodes = [command.start(common[:2] + ["--node-rank", str(rank)] + common[2:]) for rank in range(2)]
+    nodes = [command.start([str(Path(__file__).with_name("torchrun_node.py")), "--nnodes", "2", "--nproc-per-node",
+                            "1", "--node-rank", str(rank), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                            f"127.0.0.1:{port}", "--max-restarts", "0", "-m", "paradiff.cli", "generate", "--tp", "2",
+                            *SMALL, "--prompt", "a red circle on a blue background", "--out", str(out)])
+             for rank in range(2)]
     outputs = [node.communicate(timeout=300) for node in nodes]
     assert all(node.returncode == 0 for node in nodes), [o[1][-2000:] for o in outputs]
     report = json.loads((out / "report.json").read_text())
