@@ -20,6 +20,17 @@ settings.register_profile("explore", deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+# Under pytest-xdist (`make test`: two workers on this 2-core machine) each worker computes on one thread, and so do
+# the processes it starts (fresh interpreters read OMP_NUM_THREADS; rank processes set one thread themselves): two
+# workers of two OpenMP threads each contend for the two cores and spin-wait on each other (measured: test_families,
+# test_demo and test_vae under two workers, 176-186 s with two threads each, 168-170 s with one).
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
 # The fast lane (`make test-fast`, -m "not slow") leaves out what starts processes: tests on the rank pools and the
 # files that run the `paradiff` command or whole trainings as subprocesses.
 SUBPROCESS_FILES = {"test_cli.py", "test_cli_video.py", "test_demo.py", "test_reliability.py", "test_stage_memory.py"}
