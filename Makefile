@@ -1,7 +1,7 @@
 # Every target creates .venv from nothing when it is missing: CPU torch first, by pip (it reads the machine's pip
 # settings, which point it at the CPU build; uv would not), then paradiff with its test extras by uv, which resolves
 # and installs them in seconds where pip took about 35 s (torch, already there, is kept). Both write the bytecode
-# up front: where PYTHONDONTWRITEBYTECODE is set (it is on CI's machine) nothing is cached at import time, and every
+# up front: where PYTHONDONTWRITEBYTECODE is set (it is on this machine) nothing is cached at import time, and every
 # process the suite starts would compile torch, diffusers and transformers from source again.
 PYTHON ?= python3
 VENV := .venv
