@@ -12,6 +12,10 @@ from paradiff.testing.zoo.recipes.ltx2 import CFG_ONLY
 
 GUIDER_SCALES = ("guidance_scale",)
 VIDEOS = dict(drop=GUIDER_SCALES, output="videos")
+# LTX-2's guiders (LTX2Guidance, video and audio) run CFG, spatio-temporal guidance and modality isolation: the
+# standard call's knobs for them are the guiders' config here; STG perturbs block 1 of the tiny 2 (default: 28)
+LTX2_GUIDED = dict(drop=tuple(key for key in CFG_ONLY if key != "use_cross_timestep"), output="videos",
+                   guider=dict(spatio_temporal_guidance_blocks=[1]))
 
 RECIPES = {
     "Wan22ModularPipeline": ModularRecipe(standard="WanPipeline@wan2.2-a14b", **VIDEOS),
@@ -21,14 +25,8 @@ RECIPES = {
     "LTXModularPipeline": ModularRecipe(standard="LTXPipeline", **VIDEOS),
     # image-to-video through the same class (its auto blocks switch on `image`): the clean first frame's tokens
     "LTXModularPipeline@image": ModularRecipe(standard="LTXImageToVideoPipeline", **VIDEOS),
-    # its guiders (LTX2Guidance, video and audio) run CFG, spatio-temporal guidance and modality isolation: the
-    # standard call's knobs for them are the guiders' config here; STG perturbs block 1 of the tiny 2 (default: 28)
-    "LTX2ModularPipeline": ModularRecipe(
-        standard="LTX2Pipeline", drop=tuple(key for key in CFG_ONLY if key != "use_cross_timestep"),
-        output="videos", guider=dict(spatio_temporal_guidance_blocks=[1])),
-    "LTX2ModularPipeline@image": ModularRecipe(
-        standard="LTX2ImageToVideoPipeline", drop=tuple(key for key in CFG_ONLY if key != "use_cross_timestep"),
-        output="videos", guider=dict(spatio_temporal_guidance_blocks=[1])),
+    "LTX2ModularPipeline": ModularRecipe(standard="LTX2Pipeline", **LTX2_GUIDED),
+    "LTX2ModularPipeline@image": ModularRecipe(standard="LTX2ImageToVideoPipeline", **LTX2_GUIDED),
     "HunyuanVideo15ModularPipeline": ModularRecipe(standard="HunyuanVideo15Pipeline", **VIDEOS),
     # image-to-video: the SigLIP image tokens and the image's latents
     "HunyuanVideo15ModularPipeline@image": ModularRecipe(standard="HunyuanVideo15ImageToVideoPipeline", **VIDEOS),
