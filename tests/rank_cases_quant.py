@@ -180,6 +180,51 @@ def transformers_quant_config(scheme: str):
     return transformers.TorchAoConfig(Int8WeightOnlyConfig() if scheme == "int8" else Float8WeightOnlyConfig())
 
 
+# On a CPU with AVX512-BF16 (Intel Xeon since Cooper Lake; not the AMD EPYC CI has also run on) bitsandbytes 0.50's
+# Linear4bit repacks its weight at the first eval forward and computes the product in bfloat16 (input and absmax
+# cast to bf16, backends/cpu/ops.py's gemv_4bit), whatever the compute dtype: transformers' NF4 Mistral-3 then
+# differed from paradiff's float32 product by 8.5e-3 on such a CPU. paradiff turns that kernel off on every
+# Linear4bit it builds (quant/apply.py), so its NF4 product is the float32 dequantize-and-multiply on every CPU, and
+# a whole model and its TP split agree to float32 rounding. The reference is computed the same way.
+def computed_in_float32(model: nn.Module) -> nn.Module:
+    """`model` with bitsandbytes' CPU bf16 4-bit kernel turned off on each of its Linear4bit (float32 products)."""
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+    return model
+
+
+def loaded_as_on_avx512_bf16(load):
+    """`load()` run as on an AVX512-BF16 CPU, whatever this machine is: bitsandbytes' capability probe, which each
+    Linear4bit asks when it is built, answers yes."""
+    import bitsandbytes as bnb
+    from unittest import mock
+
+    with mock.patch.object(bnb.nn.modules, "has_avx512bf16", return_value=True):
+        return load()
+
+
+def bf16_kernel_linears(model: nn.Module) -> list[str]:
+    """The Linear4bit of `model` that take bitsandbytes' bf16 CPU kernel where the CPU has one."""
+    import bitsandbytes as bnb
+
+    return [name for name, module in model.named_modules()
+            if isinstance(module, bnb.nn.Linear4bit) and module.support_avx512bf16_for_cpu]
+
+
+def float32_precision() -> dict[str, str]:
+    """torch's settings that let a float32 product run in reduced precision (oneDNN's bf16 / AMX kernels on an
+    Intel CPU, TF32 on CUDA): every exactness test in this suite assumes full float32 ("highest" / "ieee" / "none")."""
+    mkldnn = torch.backends.mkldnn
+    return {"matmul_precision": torch.get_float32_matmul_precision(), "backends": torch.backends.fp32_precision,
+            "mkldnn.matmul": mkldnn.matmul.fp32_precision, "mkldnn.conv": mkldnn.conv.fp32_precision}
+
+
+FULL_FLOAT32 = {"highest", "ieee", "none"}
+
+
 def _reference_parts(module: nn.Module) -> dict[str, torch.Tensor] | None:
     """The quantized tensors a single-device quantized linear holds (copies: a CPU forward may repack them)."""
     weight = module.weight
@@ -205,11 +250,12 @@ def text_encoders_quantized(folders: dict[str, str], schemes: dict[str, list[str
     for name, folder in folders.items():
         cls = encoder_class(name)
         for scheme in schemes[name]:
-            reference = cls.from_pretrained(folder, quantization_config=transformers_quant_config(scheme),
-                                            dtype=torch.float32).eval()
+            reference = computed_in_float32(cls.from_pretrained(
+                folder, quantization_config=transformers_quant_config(scheme), dtype=torch.float32).eval())
             expected_parts = {n: _reference_parts(m) for n, m in reference.named_modules() if isinstance(m, nn.Linear)}
-            model = paradiff.from_pretrained(cls, folder, quantization_config=transformers_quant_config(scheme),
-                                             parallel_config=paradiff.TensorParallelConfig(tp), device="cpu")
+            model = loaded_as_on_avx512_bf16(lambda: paradiff.from_pretrained(
+                cls, folder, quantization_config=transformers_quant_config(scheme),
+                parallel_config=paradiff.TensorParallelConfig(tp), device="cpu"))
             plan = get_state(model).tp_plan
             held_names = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
             assert held_names == set(expected_parts), sorted(held_names ^ set(expected_parts))
@@ -229,7 +275,8 @@ def text_encoders_quantized(folders: dict[str, str], schemes: dict[str, list[str
                 checked += 1
             inputs = encoder_inputs(name, reference.config)
             results.append({"encoder": name, "scheme": scheme, "rank": dist.get_rank(), "quantized": checked,
-                            "column_split": column_split, "kept": kept,
+                            "column_split": column_split, "kept": kept, "bf16_linears": bf16_kernel_linears(model),
+                            "float32_precision": float32_precision(),
                             "diff": _relative_outputs(encoder_outputs(model, inputs),
                                                       encoder_outputs(reference, inputs))})
     return results

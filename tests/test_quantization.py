@@ -223,6 +223,9 @@ def test_text_encoders_split_by_tp_are_slices_of_transformers_quantized_load(poo
             where = (result["rank"], result["encoder"], result["scheme"])
             assert result["quantized"] >= 12 and result["column_split"] >= 2, (where, result)
             assert result["diff"] <= RELATIVE_TOLERANCE, (where, result["diff"])
+            # loaded as on an AVX512-BF16 CPU: no Linear4bit takes bitsandbytes' bf16 kernel (rank_cases_quant)
+            assert result["bf16_linears"] == [], (where, result["bf16_linears"])
+            assert set(result["float32_precision"].values()) <= cases.FULL_FLOAT32, (where, result["float32_precision"])
             if result["encoder"] == "UMT5EncoderModel":
                 # T5 keeps `wo` in fp32: transformers' bitsandbytes rule matches the module name's suffix and leaves
                 # it unquantized; its torchao rule matches the parameter's name ("...wo.weight") and quantizes it
@@ -230,6 +233,20 @@ def test_text_encoders_split_by_tp_are_slices_of_transformers_quantized_load(poo
                 assert result["kept"] == wo and len(wo) == (2 if result["scheme"] == "nf4" else 0), (where, result)
             else:
                 assert result["kept"] == kept[result["encoder"]], (where, result)
+
+
+def test_float32_products_stay_full_precision_once_every_library_is_imported():
+    """No library the suite and the product import (diffusers, transformers, torchao, bitsandbytes, peft) turns on
+    torch's reduced-precision float32 products, which oneDNN would run as bf16 on an AMX CPU: the rank processes check
+    the same in the text-encoder case above."""
+    import bitsandbytes  # noqa: F401
+    import peft  # noqa: F401
+    import torchao  # noqa: F401
+    import transformers  # noqa: F401
+
+    import paradiff.quant.apply  # noqa: F401
+
+    assert set(cases.float32_precision().values()) <= cases.FULL_FLOAT32, cases.float32_precision()
 
 
 PIXEL_TOLERANCE = 1e-5  # absolute, on pixel values in [0, 1]
