@@ -201,11 +201,12 @@ def test_a_fault_on_one_rank_fails_that_request_and_the_next_one_succeeds_then_s
         assert_same_picture(recovered, generated[(PROMPTS[0], 5, 4)])
         # SIGTERM with requests in flight: they are answered, the next is refused, the server exits 0
         with ThreadPoolExecutor(3) as pool:
+            answered = server.metrics()['paradiff_requests_total{status="200"}']
             pending = [pool.submit(server.generate, prompt=PROMPTS[1], seed=6) for _ in range(3)]
-            deadline = time.monotonic() + 30
-            while "paradiff_requests_running 1" not in server.client.get("/metrics").text:
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            # all three reached the server (queued, running or answered) before SIGTERM: a request that arrives after
+            # it is refused, rightly
+            server.wait_for(lambda m: m["paradiff_queue_depth"] + m["paradiff_requests_running"]
+                            + m['paradiff_requests_total{status="200"}'] - answered == 3)
             server.process.send_signal(signal.SIGTERM)
             answers = [future.result(timeout=120) for future in pending]
         drained = [pngs(answer) for answer in answers]
@@ -221,15 +222,19 @@ def test_a_fault_on_one_rank_fails_that_request_and_the_next_one_succeeds_then_s
 
 def test_a_killed_worker_fails_the_server_and_answers_every_client(tmp_path):
     """Rank 1 dies (os._exit) in the middle of a request; another request waits behind it."""
-    server = ServerProcess(tmp_path, "--tp", "2", "--steps", "4", env={"PARADIFF_INJECT_FAULT": "1:exit"},
-                    module="paradiff.testing.faults")
+    gate = tmp_path / "fault-gate"
+    server = ServerProcess(tmp_path, "--tp", "2", "--steps", "4", module="paradiff.testing.faults",
+                           env={"PARADIFF_INJECT_FAULT": "1:exit", "PARADIFF_FAULT_GATE": str(gate)})
     try:
         server.wait_ready()
-        started = time.monotonic()
         with ThreadPoolExecutor(2) as pool:
             first = pool.submit(server.generate, prompt=PROMPTS[0], seed=5)
-            time.sleep(0.2)
+            server.wait_for(lambda m: m["paradiff_requests_running"] == 1)
             second = pool.submit(server.generate, prompt=PROMPTS[1], seed=6)
+            # the second waits behind the first (held at its fault by the gate): now rank 1 dies
+            server.wait_for(lambda m: m["paradiff_requests_running"] == 1 and m["paradiff_queue_depth"] == 1)
+            started = time.monotonic()
+            gate.write_text("")
             answers = [first.result(timeout=60), second.result(timeout=60)]
         assert [answer.status_code for answer in answers] == [500, 503]
         assert all("rank(s) [1] stopped answering" in answer.text for answer in answers)

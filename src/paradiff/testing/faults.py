@@ -8,6 +8,8 @@ below on its loaded pipeline and then runs the normal worker code. The variables
 - PARADIFF_INJECT_FAULT="RANK:raise|exit": that rank fails in its second transformer forward, inside the first block
   (raise: a RuntimeError; exit: os._exit(9), as if killed); "RANK:seed": it starts from other latents.
 - PARADIFF_FAULT_STAMP=FILE: the rank writes the moment of the fault (time.time()) there.
+- PARADIFF_FAULT_GATE=FILE: the rank fails only once FILE exists (waiting at most 120 s), so that a test can first
+  bring the server to the state it means to fault in (a second request queued, say).
 """
 
 from __future__ import annotations
@@ -31,11 +33,17 @@ def install_fault_from_env(pipeline, rank: int) -> None:
     if kind not in FAULT_KINDS or not target.isdigit():
         raise ValueError(f"PARADIFF_INJECT_FAULT={spec!r}: expected RANK:KIND with KIND one of {FAULT_KINDS}")
     if int(target) == rank:
-        install_fault(pipeline.transformer, rank, kind, os.environ.get("PARADIFF_FAULT_STAMP"))
+        install_fault(pipeline.transformer, rank, kind, os.environ.get("PARADIFF_FAULT_STAMP"),
+                      os.environ.get("PARADIFF_FAULT_GATE"))
 
 
-def install_fault(transformer: torch.nn.Module, rank: int, kind: str, stamp_file: str | None = None) -> None:
+def install_fault(transformer: torch.nn.Module, rank: int, kind: str, stamp_file: str | None = None,
+                  gate_file: str | None = None) -> None:
     def stamp() -> None:
+        if gate_file:
+            deadline = time.monotonic() + 120
+            while not Path(gate_file).exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
         if stamp_file:
             Path(stamp_file).write_text(repr(time.time()))
 

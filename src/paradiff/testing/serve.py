@@ -47,6 +47,28 @@ class ServerProcess:
             time.sleep(0.1)
         raise AssertionError(f"not ready within {timeout_s:.0f} s: {self.text()}")
 
+    def metrics(self) -> dict[str, float]:
+        """/metrics' samples by name, labels included: `paradiff_queue_depth`, `paradiff_requests_total{status="200"}`."""
+        samples = {}
+        for line in self.client.get("/metrics").text.splitlines():
+            name, _, value = line.rpartition(" ")
+            if name and not line.startswith("#"):
+                samples[name] = float(value)
+        return samples
+
+    def wait_for(self, condition, timeout_s: float = 60) -> dict[str, float]:
+        """Poll /metrics (bounded) until `condition(samples)` holds: a test acts on a state of the server it has seen,
+        not on a guess of how long the server takes to get there."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            samples = self.metrics()
+            if condition(samples):
+                return samples
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"the server never reached the state awaited within {timeout_s:.0f} s (last "
+                                     f"metrics: {samples}): {self.text()}")
+            time.sleep(0.02)
+
     def generate(self, headers: dict | None = None, **body):
         return self.client.post("/v1/images/generations", json=body, headers=headers)
 
