@@ -45,9 +45,10 @@ def test_generate_embedded_default_with_compare(tmp_path):
     assert report["config"]["parallel_vae"] is True  # the VAE's rows were split over the two ranks
     assert Image.open(out / "0000.png").size == (32, 32)
     assert "max |difference| to the single-process image" in result.stdout
-    # compare.png: one row (single process | parallel | difference), each panel 32 px + 2 px gap, enlarged 3x
+    # compare.png: one row (single process | parallel | difference), each panel 32 px + 2 px gap, enlarged 3x,
+    # under its prompt (12 px) and the panels' titles (14 px)
     assert report["compared_outputs"] == 1 and report["compare_png"] == str(out / "compare.png")
-    assert Image.open(out / "compare.png").size == (3 * 34 * 3, 34 * 3 + 14)
+    assert Image.open(out / "compare.png").size == (3 * 34 * 3, 34 * 3 + 12 + 14)
     assert "0000.png  a cat" in result.stdout and "compare.png" in result.stdout
 
 
