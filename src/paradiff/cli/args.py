@@ -142,8 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --lora: draw every prompt twice on the one loaded pipeline, with the adapters "
                           "switched off (NNNN-without-lora.png) and on (NNNN.png), same seed; --compare checks both")
     gen.add_argument("--compare", action="store_true",
-                     help="also run the single-process pipeline for rank 0's images, print the max difference and "
-                          "write compare.png (single process | parallel | |difference| amplified)")
+                     help="also run the single-process pipeline for rank 0's outputs, print the max difference and "
+                          "write compare.png (single process | parallel | |difference| amplified; a row per image, "
+                          "the first, middle and last frames of a video)")
     cond = gen.add_argument_group("conditioning inputs", "passed to the pipeline call where its __call__ takes them "
                                   "(docs/cli.md); --pipeline picks another class for the same folder")
     cond.add_argument("--image", action="append", default=None, metavar="PATH",
