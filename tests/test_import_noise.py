@@ -25,6 +25,9 @@ def test_kernel_load_failures_of_optional_backends_are_dropped():
     assert not _shown("transformers.utils.import_utils",
                       "`CLIPImageProcessor` requires torchvision (not installed); falling back to "
                       "`CLIPImageProcessorPil` for backward compatibility. Install torchvision to use ...")
+    assert not _shown("transformers.utils.import_utils",
+                      "`SiglipImageProcessor` requires torchvision (not installed); falling back to "
+                      "`SiglipImageProcessorPil` for backward compatibility. Install torchvision to use ...")
 
 
 def test_the_fork_server_installs_the_filters_before_the_libraries_it_preloads():
