@@ -51,9 +51,10 @@ def test_generate_embedded_default_with_compare(tmp_path):
     assert report["config"]["parallel_vae"] is True  # the VAE's rows were split over the two ranks
     assert Image.open(out / "0000.png").size == (32, 32)
     assert "max |difference| to the single-process image" in result.stdout
-    # compare.png: one row (single process | parallel | difference), each panel 32 px + 2 px gap, enlarged 3x
+    # compare.png: one row (single process | parallel | difference), each panel 32 px + 2 px gap, enlarged 3x,
+    # under its prompt (12 px) and the panels' titles (14 px)
     assert report["compared_outputs"] == 1 and report["compare_png"] == str(out / "compare.png")
-    assert Image.open(out / "compare.png").size == (3 * 34 * 3, 34 * 3 + 14)
+    assert Image.open(out / "compare.png").size == (3 * 34 * 3, 34 * 3 + 12 + 14)
     assert "0000.png  a cat" in result.stdout and "compare.png" in result.stdout
 
 
@@ -168,6 +169,46 @@ def test_failing_worker_ends_the_run_non_zero_with_no_process_left(tmp_path, fau
     assert lines and all(line.startswith("paradiff: ") for line in lines), result.stderr[-3000:]
     assert fault_to_exit < 30, fault_to_exit
     assert _no_workers_left(marker)
+
+
+# What a console must not show on a failing run without --debug: Python tracebacks, native (C++) frames, and the
+# warnings libraries print while they are imported (runtime/import_noise.py)
+NOT_ON_A_CONSOLE = ("Traceback (most recent call last)", "Exception raised from", "frame #", "Failed to load",
+                    "Unable to import", "requires torchvision", "is an Enum subclass", "Warning:")
+
+
+def test_failing_runs_print_only_paradiffs_lines(tmp_path):
+    """Ten ways to fail, from a bad flag to a plan every rank refuses after loading: each exits non-zero and its
+    console holds paradiff's one-line messages and nothing else. Run four at a time: each is a forked command."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    embedded_default()  # built here, so that its saving progress bar is not part of the consoles checked below
+    bad_lora = tmp_path / "style.safetensors"
+    bad_lora.write_bytes(bytes(range(256)) * 2)  # not a safetensors file
+    bad_plan = tmp_path / "plan.py"
+    bad_plan.write_text("def tensor_parallel_plan(config):\n    return {'no_such_module.*': 'colwise'}\n")
+    cases = [
+        ["generate", "--steps", "-3"],
+        ["generate", "--tp", "0"],
+        ["generate", "--quantize", "int4"],
+        ["generate", "/nonexistent/model"],
+        ["generate", "--lora", str(tmp_path / "missing.safetensors")],
+        ["generate", "--lora", str(bad_lora), *SMALL],  # a worker fails while loading
+        ["generate", "--plan", str(bad_plan), "--tp", "2", *SMALL],  # both ranks fail while loading
+        ["check-plan", "NoSuchTransformer", "--tp", "2"],
+        ["plans", "NoSuchTransformer"],
+        ["serve", "--port", "0"],
+    ]
+    env = {key: value for key, value in os.environ.items() if key != "PARADIFF_DEBUG"}
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda argv: command.run(["-m", "paradiff.cli", *argv, "--out",
+                                                          str(tmp_path / f"out{cases.index(argv)}")],
+                                                         env=env, timeout=300), cases))
+    for argv, result in zip(cases, results):
+        assert result.returncode not in (0, None), (argv, result.stderr[-3000:])
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert lines and all(line.startswith("paradiff") for line in lines), (argv, result.stderr[-3000:])
+        assert not [text for text in NOT_ON_A_CONSOLE if text in result.stderr + result.stdout], (argv, result.stderr)
 
 
 NATIVE_NOISE = b"""paradiff: rank 1 failed: DistributedError: a collective failed on rank 1

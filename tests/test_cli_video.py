@@ -55,6 +55,10 @@ def test_videos_under_tp2_ulysses2_equal_the_single_process_videos(pools, folder
         per_frame = report["max_abs_diff_per_frame_vs_single_process"]
         assert len(per_frame) == 5 and max(per_frame) == report["max_abs_diff_vs_single_process"], family
         assert report["images"] == {}
+        # compare.png: rank 0's one video as three rows (first, middle, last frame), each 32 px + 2 px gap enlarged
+        # 3x under its 12 px caption, below the 14 px of panel titles
+        assert report["compare_png"] == str(tmp_path / family / "compare.png")
+        assert Image.open(report["compare_png"]).size == (3 * 34 * 3, 14 + 3 * (12 + 34 * 3)), family
         assert sorted(report["outputs"]) == [str(i) for i in range(len(report["prompts"]))]
         written = json.loads((tmp_path / family / "report.json").read_text())
         for index, entry in report["outputs"].items():

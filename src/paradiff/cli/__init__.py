@@ -21,6 +21,7 @@ every worker when one fails; under torchrun (multi-node included) it uses the gi
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from typing import Any, Callable
 
@@ -41,42 +42,72 @@ def main(argv: list[str] | None = None, *, worker_module: str = WORKER_MODULE,
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if args.debug:  # the workers this process starts inherit it
+        os.environ["PARADIFF_DEBUG"] = "1"
     try:
-        if args.command in ("check-plan", "plans"):
-            from paradiff.cli.plans import check_plan_command, plans_command
-
-            return check_plan_command(args) if args.command == "check-plan" else plans_command(args)
-        if args.command == "bench":
-            from paradiff.cli.bench import bench
-
-            return bench(args, lambda run_argv: main(run_argv, worker_module=worker_module,
-                                                     on_pipeline_loaded=on_pipeline_loaded))
-        check_args(args)
-        if args.command == "serve":
-            from paradiff.cli.serve import check_serve_args
-
-            check_serve_args(args)
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            if int(os.environ["WORLD_SIZE"]) != world_size_of(args):
-                raise CliError(
-                    f"the degrees multiply to {world_size_of(args)} but torchrun started {os.environ['WORLD_SIZE']} "
-                    "processes; they must match"
-                )
-            _run_worker_and_exit(args, on_pipeline_loaded)
-        if args.model is None:
-            from paradiff.cli.embedded import embedded_default
-
-            try:
-                embedded_default()
-            except FileNotFoundError as exc:
-                raise CliError(str(exc)) from None
-        check_model_folder(args)
-        if args.command == "serve":  # the launcher forwards SIGTERM / SIGINT to rank 0, which drains
-            return launch(argv, world_size_of(args), worker_module, dead_grace_s=10.0, forward_signals=True)
-        return launch(argv, world_size_of(args), worker_module)
+        code = _run(args, argv, worker_module, on_pipeline_loaded)
+        sys.stdout.flush()  # here, where a reader that went away is caught, not at the interpreter's exit
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
     except CliError as exc:
         say(f"paradiff: error: {exc}")
         return USER_ERROR
+    except Exception as exc:  # noqa: BLE001 - one line, not a traceback, unless --debug / PARADIFF_DEBUG=1
+        if os.environ.get("PARADIFF_DEBUG"):
+            raise
+        say(f"paradiff: error: {type(exc).__name__}: {_first_line(exc)} (paradiff --debug shows the traceback)")
+        return WORKER_REPORTED_FAILURE
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else ""
+
+
+def _reader_gone() -> int:
+    """What a command whose stdout was closed early (`paradiff plans | head`) ends with: no traceback, no "Exception
+    ignored" at exit (stdout now goes to /dev/null), and the status of a process ended by SIGPIPE, as `yes | head`
+    has it."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
+
+
+def _run(args, argv: list[str], worker_module: str, on_pipeline_loaded) -> int:
+    """The command of `args`; its exit code (a CliError propagates)."""
+    if args.command in ("check-plan", "plans"):
+        from paradiff.cli.plans import check_plan_command, plans_command
+
+        return check_plan_command(args) if args.command == "check-plan" else plans_command(args)
+    if args.command == "bench":
+        from paradiff.cli.bench import bench
+
+        return bench(args, lambda run_argv: main(run_argv, worker_module=worker_module,
+                                                 on_pipeline_loaded=on_pipeline_loaded))
+    check_args(args)
+    if args.command == "serve":
+        from paradiff.cli.serve import check_serve_args
+
+        check_serve_args(args)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if int(os.environ["WORLD_SIZE"]) != world_size_of(args):
+            raise CliError(
+                f"the degrees multiply to {world_size_of(args)} but torchrun started {os.environ['WORLD_SIZE']} "
+                "processes; they must match"
+            )
+        _run_worker_and_exit(args, on_pipeline_loaded)
+    if args.model is None:
+        from paradiff.cli.embedded import embedded_default
+
+        try:
+            embedded_default()
+        except FileNotFoundError as exc:
+            raise CliError(str(exc)) from None
+    check_model_folder(args)
+    if args.command == "serve":  # the launcher forwards SIGTERM / SIGINT to rank 0, which drains
+        return launch(argv, world_size_of(args), worker_module, dead_grace_s=10.0, forward_signals=True)
+    return launch(argv, world_size_of(args), worker_module)
 
 
 def _run_worker_and_exit(args, on_pipeline_loaded) -> None:
@@ -93,8 +124,7 @@ def _run_worker_and_exit(args, on_pipeline_loaded) -> None:
     except Exception as exc:  # noqa: BLE001 - one line per failing rank; PARADIFF_DEBUG=1 for tracebacks
         if os.environ.get("PARADIFF_DEBUG"):
             raise
-        first_line = str(exc).splitlines()[0] if str(exc) else ""
-        say(f"paradiff: rank {os.environ.get('RANK')} failed: {type(exc).__name__}: {first_line}")
+        say(f"paradiff: rank {os.environ.get('RANK')} failed: {type(exc).__name__}: {_first_line(exc)}")
         code = WORKER_REPORTED_FAILURE
     # Skip interpreter finalisation: gloo's background threads may still release Python objects of the last
     # collectives, and doing that while the interpreter shuts down aborts the process (seen in ~5% of runs).

@@ -8,10 +8,38 @@ import os
 from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "float16")
+DEBUG_HELP = ("show Python tracebacks, native (C++) stack traces and libraries' warnings on failures, as "
+              "PARADIFF_DEBUG=1 does")
 
 
 class CliError(Exception):
     """A user error: printed as one line, exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser with one-line errors: `paradiff generate: error: --steps: expected a positive integer, got
+    -3; see paradiff generate --help` and exit 2, instead of the whole usage before the one useful line. Its
+    sub-commands' parsers are of this class too, and show each option's default in --help."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        message = message.removeprefix("argument ")  # "argument --steps: ..." -> "--steps: ..."
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" to an option's help, unless the help already says its default or there is none to say
+    (None, or False for a switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or action.default is False or action.default == argparse.SUPPRESS \
+                or "default" in text.lower():
+            return text
+        return super()._get_help_string(action)
 
 
 def _positive(value: str) -> int:
@@ -30,22 +58,30 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     gen.add_argument("model", nargs="?", default=None,
                      help="pipeline folder or Hub id; omitted: the embedded tiny FLUX.2 pipeline, trained to draw "
                           "captioned shapes (64x64)")
-    gen.add_argument("--negative-prompt", default=None)
-    gen.add_argument("--tp", type=_positive, default=1)
-    gen.add_argument("--ulysses", type=_positive, default=1)
-    gen.add_argument("--ring", type=_positive, default=1)
-    gen.add_argument("--cfg", type=_positive, default=1)
-    gen.add_argument("--dp", type=_positive, default=1)
+    gen.add_argument("--negative-prompt", default=None,
+                     help="what to steer away from (pipelines whose __call__ takes negative_prompt; true CFG)")
+    gen.add_argument("--tp", type=_positive, default=1,
+                     help="tensor-parallel degree: each transformer layer's weights split over this many ranks")
+    gen.add_argument("--ulysses", type=_positive, default=1,
+                     help="Ulysses context-parallel degree: the tokens split, attention heads exchanged (all-to-all)")
+    gen.add_argument("--ring", type=_positive, default=1,
+                     help="ring-attention context-parallel degree: the tokens split, keys/values passed around a ring")
+    gen.add_argument("--cfg", type=_positive, default=1,
+                     help="CFG-parallel degree: 2 runs the conditional and unconditional branches on different ranks")
+    gen.add_argument("--dp", type=_positive, default=1,
+                     help="data-parallel replicas: the prompts are shared out among this many copies of the mesh")
     gen.add_argument("--steps", type=_positive, default=None,
                      help="denoising steps (default 4; 8 for the embedded pipeline)")
-    gen.add_argument("--height", type=_positive, default=64)
-    gen.add_argument("--width", type=_positive, default=64)
+    gen.add_argument("--height", type=_positive, default=64, help="image height in pixels (a multiple of 16)")
+    gen.add_argument("--width", type=_positive, default=64, help="image width in pixels (a multiple of 16)")
     gen.add_argument("--frames", type=_positive, default=None,
                      help="frames per video (video pipelines only; default: the pipeline's own)")
     gen.add_argument("--fps", type=_positive, default=16, help="frame rate of the MP4 files")
-    gen.add_argument("--guidance-scale", type=float, default=None)
-    gen.add_argument("--true-cfg-scale", type=float, default=None)
-    gen.add_argument("--dtype", choices=DTYPES, default="float32")
+    gen.add_argument("--guidance-scale", type=float, default=None,
+                     help="guidance_scale= of the pipeline call (default: the pipeline's own)")
+    gen.add_argument("--true-cfg-scale", type=float, default=None,
+                     help="true_cfg_scale= of the pipeline call, where it takes one (default: the pipeline's own)")
+    gen.add_argument("--dtype", choices=DTYPES, default="float32", help="the dtype weights are loaded and run in")
     gen.add_argument("--timeout", type=float, default=600.0, help="collective timeout in seconds")
     gen.add_argument("--plan", default=None,
                      help="transformer TP plan: 'auto' (derived from its structure) or FILE.py; default built-in")
@@ -88,7 +124,11 @@ def _port(value: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="paradiff", description="Parallel diffusion inference with diffusers models.")
+    from paradiff import __version__
+
+    parser = Parser(prog="paradiff", description="Parallel diffusion inference with diffusers models.")
+    parser.add_argument("--version", action="version", version=f"paradiff {__version__}")
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="generate images (PNG) or videos (MP4 + a PNG per frame) and a JSON "
                                                "run report")
@@ -96,14 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", action="append", default=None,
                      help="a prompt (repeatable); default: the embedded pipeline's demo prompts")
     gen.add_argument("--prompts-file", default=None, help="a text file with one prompt per line")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0, help="random seed of the first prompt; prompt i uses seed + i")
     gen.add_argument("--out", default="out", help="output folder (PNG/MP4 files and report.json)")
     gen.add_argument("--also-without-lora", action="store_true",
                      help="with --lora: draw every prompt twice on the one loaded pipeline, with the adapters "
                           "switched off (NNNN-without-lora.png) and on (NNNN.png), same seed; --compare checks both")
     gen.add_argument("--compare", action="store_true",
-                     help="also run the single-process pipeline for rank 0's images, print the max difference and "
-                          "write compare.png (single process | parallel | |difference| amplified)")
+                     help="also run the single-process pipeline for rank 0's outputs, print the max difference and "
+                          "write compare.png (single process | parallel | |difference| amplified; a row per image, "
+                          "the first, middle and last frames of a video)")
     cond = gen.add_argument_group("conditioning inputs", "passed to the pipeline call where its __call__ takes them "
                                   "(docs/cli.md); --pipeline picks another class for the same folder")
     cond.add_argument("--image", action="append", default=None, metavar="PATH",
@@ -127,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
                                               "(OpenAI-style /v1/images/generations; docs/serve.md)")
     add_model_options(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    serve.add_argument("--port", type=_port, default=8000)
+    serve.add_argument("--port", type=_port, default=8000, help="TCP port to listen on")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: the "
                             "PARADIFF_API_KEY environment variable, if set)")
@@ -151,24 +192,25 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(prompt=None, prompts_file=None, seed=0, compare=False, image=None, mask=None,
                        control_image=None, video=None, strength=None, controlnet_scale=None, pipeline=None)
     bench = commands.add_parser("bench", help="time a list of configurations on one model")
-    bench.add_argument("model", nargs="?", default=None)
+    bench.add_argument("model", nargs="?", default=None, help="pipeline folder or Hub id; omitted: the embedded one")
     bench.add_argument("--configs", default="single,tp=2,ulysses=2,ring=2",
                        help="comma-separated list of configs; each is '+'-joined degrees, e.g. tp=2+ulysses=2")
-    bench.add_argument("--steps", type=_positive, default=4)
-    bench.add_argument("--height", type=_positive, default=64)
-    bench.add_argument("--width", type=_positive, default=64)
+    bench.add_argument("--steps", type=_positive, default=4, help="denoising steps per run")
+    bench.add_argument("--height", type=_positive, default=64, help="image height in pixels")
+    bench.add_argument("--width", type=_positive, default=64, help="image width in pixels")
     bench.add_argument("--frames", type=_positive, default=None, help="frames per video (video pipelines only)")
-    bench.add_argument("--out", default="out/bench")
+    bench.add_argument("--out", default="out/bench", help="output folder of the runs")
     check = commands.add_parser("check-plan", help="run a plan single-process vs parallel, module by module")
     check.add_argument("model", help="a diffusers class name (its built-in example) or a checkpoint folder")
     check.add_argument("--plan", default=None, help="'auto' or FILE.py defining tensor_parallel_plan(config)")
     check.add_argument("--cp-plan", default=None, help="'auto' or FILE.py defining context_parallel_plan(config)")
-    check.add_argument("--tp", type=_positive, default=1)
-    check.add_argument("--ulysses", type=_positive, default=1)
-    check.add_argument("--ring", type=_positive, default=1)
+    check.add_argument("--tp", type=_positive, default=1, help="tensor-parallel degree")
+    check.add_argument("--ulysses", type=_positive, default=1, help="Ulysses context-parallel degree")
+    check.add_argument("--ring", type=_positive, default=1, help="ring-attention context-parallel degree")
     check.add_argument("--example", default=None, help="which built-in example of the class")
     check.add_argument("--inputs", default=None, help="FILE.py defining example_inputs(config, batch, grid, generator)")
-    check.add_argument("--tolerance", type=float, default=1e-5)
+    check.add_argument("--tolerance", type=float, default=1e-5,
+                       help="largest max |difference| of a module's output that passes")
     check.add_argument("--all", action="store_true", help="print every module, not only the first 40 and the end")
     plans = commands.add_parser("plans", help="the coverage table, or a class's plan as a plan module")
     plans.add_argument("model", nargs="?", default=None, help="a diffusers class name")
@@ -176,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     plans.add_argument("--markdown", action="store_true", help="the coverage table as Markdown (docs/coverage.md)")
     plans.add_argument("--pipelines", action="store_true",
                        help="the pipeline coverage table instead (docs/pipeline-coverage.md)")
+    for command in (gen, serve, bench, check, plans):  # after the command too; SUPPRESS keeps `paradiff --debug CMD`
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     return parser
 
 

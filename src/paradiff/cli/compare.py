@@ -127,11 +127,30 @@ def _max_difference(expected: np.ndarray, actual: np.ndarray, kind: str) -> floa
     return float(np.abs(expected.astype(np.float64) - actual.astype(np.float64)).max())
 
 
+def picture_rows(references: list[Output], made: list[tuple[int, str, Output]]
+                 ) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[str]]:
+    """compare.png's rows for `made` (index, prompt, output) and their single-process `references`: (single process,
+    parallel) image pairs and each row's caption. An image is one row captioned with its prompt; a video three, its
+    first, middle and last frames ("frame 12/24: prompt"); a sound none."""
+    pairs, captions = [], []
+    for reference, (_, prompt, output) in zip(references, made):
+        if output.kind == "image":
+            pairs.append((reference.array, output.array))
+            captions.append(prompt)
+        elif output.kind == "video":
+            count = len(output.array)
+            for frame in sorted({0, count // 2, count - 1}):
+                pairs.append((reference.array[frame], output.array[frame]))
+                captions.append(f"frame {frame}/{count - 1}: {prompt}")
+    return pairs, captions
+
+
 def write_compare_png(path: Path, pairs: list[tuple[np.ndarray, np.ndarray]], scale: int = 3,
-                      column_titles: tuple[str, str] | None = None) -> None:
+                      column_titles: tuple[str, str] | None = None, captions: list[str] | None = None) -> None:
     """Per image: single process | parallel | |difference| x AMPLIFY, enlarged `scale` times; one such triple per
     row, in two columns of triples from five images on (or whenever `column_titles` name the two columns: the
-    first half of `pairs` goes left, the second right)."""
+    first half of `pairs` goes left, the second right). `captions` (one per pair, e.g. its prompt) are written above
+    their rows, cut to the row's width."""
     from PIL import Image, ImageDraw
 
     def pixels(array: np.ndarray) -> np.ndarray:
@@ -142,21 +161,22 @@ def write_compare_png(path: Path, pairs: list[tuple[np.ndarray, np.ndarray]], sc
     for single, parallel in pairs:
         difference = np.clip(np.abs(single.astype(np.float64) - parallel) * AMPLIFY, 0, 1)
         gap = np.full((height, 2, 3), 255, np.uint8)
-        triples.append(np.concatenate([pixels(single), gap, pixels(parallel), gap, pixels(difference), gap], axis=1))
+        triple = np.concatenate([pixels(single), gap, pixels(parallel), gap, pixels(difference), gap], axis=1)
+        triple = np.concatenate([triple, np.full((2, triple.shape[1], 3), 255, np.uint8)])
+        triples.append(Image.fromarray(triple).resize((triple.shape[1] * scale, triple.shape[0] * scale),
+                                                      Image.NEAREST))
     columns = 2 if len(triples) > 4 or column_titles else 1
     rows_per_column = -(-len(triples) // columns)
-    blank = np.full_like(triples[0], 255)
-    triples += [blank] * (rows_per_column * columns - len(triples))
-    gap = np.full((2, triples[0].shape[1], 3), 255, np.uint8)
-    column_images = [np.concatenate([np.concatenate([t, gap]) for t in triples[c * rows_per_column:
-                                                                                (c + 1) * rows_per_column]])
-                     for c in range(columns)]
-    grid = np.concatenate(column_images, axis=1)
-    image = Image.fromarray(grid).resize((grid.shape[1] * scale, grid.shape[0] * scale), Image.NEAREST)
+    caption = 12 if captions else 0  # one line of PIL's default font above each row
+    row_width, row_height = triples[0].width, triples[0].height + caption
     top = 28 if column_titles else 14
-    page = Image.new("RGB", (image.width, image.height + top), "white")
-    page.paste(image, (0, top))
+    page = Image.new("RGB", (row_width * columns, top + row_height * rows_per_column), "white")
     draw = ImageDraw.Draw(page)
+    for number, triple in enumerate(triples):
+        x, y = number // rows_per_column * row_width, top + number % rows_per_column * row_height
+        page.paste(triple, (x, y + caption))
+        if captions:
+            draw.text((x + 2, y), _fit(draw, captions[number], row_width - 4), fill="black")
     panel = (width + 2) * scale
     for column in range(columns):
         if column_titles:
@@ -164,3 +184,12 @@ def write_compare_png(path: Path, pairs: list[tuple[np.ndarray, np.ndarray]], sc
         for position, label in enumerate(("single process", "parallel", f"|difference| x{AMPLIFY}")):
             draw.text((column * 3 * panel + position * panel + 2, top - 12), label, fill="black")
     page.save(path)
+
+
+def _fit(draw, text: str, width: float) -> str:
+    """`text`, cut and ended with "..." where it is wider than `width` pixels."""
+    if draw.textlength(text) <= width:
+        return text
+    while text and draw.textlength(text + "...") > width:
+        text = text[:-1]
+    return text + "..."

@@ -26,7 +26,7 @@ from paradiff.quant.schemes import pipeline_quantization_config
 from paradiff.vae import get_vae_runtime
 from paradiff.cli.args import cache_config, gguf_files, lora_specs, read_prompts
 from paradiff.cli.conditioning import conditioning_kwargs, requested_pipeline_class
-from paradiff.cli.compare import compare_single_process, write_compare_png
+from paradiff.cli.compare import compare_single_process, picture_rows, write_compare_png
 from paradiff.cli.embedded import embedded_call_kwargs, embedded_default
 from paradiff.cli.outputs import Output, outputs_of, sampling_rate, save_output
 from paradiff.cli.report import write_report
@@ -245,13 +245,13 @@ def generate(args: argparse.Namespace, device: torch.device,
                                                          lora_weight_name=args.lora_weight_name,
                                                          pipeline_cls=pipeline_cls, guider=guidance,
                                                          without_lora=made_without_lora if without_lora else None)
-            if all(output.kind == "image" for _, _, output in made):
+            # --also-without-lora: the adapters off in the left column, on in the right
+            ordered = made_without_lora + made if without_lora else made
+            references = references[len(made):] + references[:len(made)] if without_lora else references
+            pairs, captions = picture_rows(references, ordered)
+            if pairs:  # images, or a video's first, middle and last frames; none for sounds
                 compare["picture"] = str(out / "compare.png")
-                # --also-without-lora: the adapters off in the left column, on in the right
-                ordered = made_without_lora + made if without_lora else made
-                references = references[len(made):] + references[:len(made)] if without_lora else references
-                write_compare_png(out / "compare.png", [(reference.array, output.array) for reference, (_, _, output)
-                                                        in zip(references, ordered)],
+                write_compare_png(out / "compare.png", pairs, captions=captions,
                                   column_titles=("without LoRA", "with LoRA") if without_lora else None)
         run = {"world_size": dist.get_world_size(), "backend": dist.get_backend(), "device": device.type,
                "parallel_vae": get_vae_runtime(pipeline.vae) is not None if hasattr(pipeline, "vae") else False}

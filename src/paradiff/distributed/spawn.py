@@ -149,7 +149,9 @@ def run_ranks(target: Callable[..., Any], world_size: int, *, kwargs: dict | Non
 # safe (start_commands). A fresh process spends about 3 s of CPU importing torch, diffusers and transformers and
 # as much again on first use (diffusers' transformer package pulls in peft, transformers' modeling code,
 # bitsandbytes, which compiles its ops on import, and scipy): per worker, before it has done anything.
-WORKER_PRELOAD = ("torch", "torch.distributed", "diffusers", "diffusers.models.transformers",
+# `paradiff` comes first: importing it installs the filters of optional backends' import-time warnings
+# (runtime/import_noise.py), which must precede torch and diffusers in the fork server, a fresh interpreter.
+WORKER_PRELOAD = ("paradiff", "torch", "torch.distributed", "diffusers", "diffusers.models.transformers",
                   "diffusers.models.autoencoders", "diffusers.pipelines.pipeline_utils", "transformers.modeling_utils",
                   "peft", "paradiff.api.model", "paradiff.api.pipeline")
 # Device nodes of accelerators: where one exists, workers start as fresh interpreters. A library imported in the
