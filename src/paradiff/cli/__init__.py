@@ -71,12 +71,25 @@ def main(argv: list[str] | None = None, *, worker_module: str = WORKER_MODULE,
             except FileNotFoundError as exc:
                 raise CliError(str(exc)) from None
         check_model_folder(args)
+        if args.command == "generate":
+            _warn_idle_replicas(args)
         if args.command == "serve":  # the launcher forwards SIGTERM / SIGINT to rank 0, which drains
             return launch(argv, world_size_of(args), worker_module, dead_grace_s=10.0, forward_signals=True)
         return launch(argv, world_size_of(args), worker_module)
     except CliError as exc:
         say(f"paradiff: error: {exc}")
         return USER_ERROR
+
+
+def _warn_idle_replicas(args) -> None:
+    """--dp N with fewer than N prompts: the replicas without one load the whole pipeline and wait (said once)."""
+    from paradiff.cli.args import read_prompts
+
+    count = len(read_prompts(args))
+    if args.dp > count:
+        say(f"paradiff: warning: --dp {args.dp} with {count} prompt(s): {args.dp - count} replica(s) will load the "
+            f"pipeline and draw nothing; give at least {args.dp} prompts (--prompt repeated, --prompts-file) or a "
+            "smaller --dp")
 
 
 def _run_worker_and_exit(args, on_pipeline_loaded) -> None:

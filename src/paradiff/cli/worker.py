@@ -24,7 +24,7 @@ from paradiff.distributed.comm import all_gather_object
 from paradiff.distributed.mesh import default_device
 from paradiff.quant.schemes import pipeline_quantization_config
 from paradiff.vae import get_vae_runtime
-from paradiff.cli.args import cache_config, gguf_files, lora_specs, read_prompts
+from paradiff.cli.args import cache_config, gguf_files, lora_specs, quantize_skip, read_prompts
 from paradiff.cli.conditioning import conditioning_kwargs, requested_pipeline_class
 from paradiff.cli.compare import compare_single_process, write_compare_png
 from paradiff.cli.embedded import embedded_call_kwargs, embedded_default
@@ -241,6 +241,8 @@ def generate(args: argparse.Namespace, device: torch.device,
         if made:
             compare, references = compare_single_process(model, dtype, kwargs, args.seed, made,
                                                          gguf=gguf_files(args),
+                                                         quantization=quantization_config(args)
+                                                         if getattr(args, "quantize", None) else None,
                                                          cache=args.cache, loras=loras,
                                                          lora_weight_name=args.lora_weight_name,
                                                          pipeline_cls=pipeline_cls, guider=guidance,
@@ -278,8 +280,7 @@ def load_from_args(args: argparse.Namespace, device: torch.device) -> Loaded:
     dtype = getattr(torch, args.dtype)
     start = time.perf_counter()
     quantize = getattr(args, "quantize", None)
-    extra = {} if not quantize else {"quantization_config": pipeline_quantization_config(
-        quantize, dtype, quantized_components(args))}
+    extra = {} if not quantize else {"quantization_config": quantization_config(args)}
     files = gguf_files(args)
     if files:  # the transformers' weights from GGUF files, held packed, computing in --dtype
         from diffusers import GGUFQuantizationConfig, PipelineQuantizationConfig
@@ -299,10 +300,17 @@ def load_from_args(args: argparse.Namespace, device: torch.device) -> Loaded:
                     if name.startswith("transformer") and isinstance(module, torch.nn.Module)}
     if args.compile:
         for module in transformers.values():
-            paradiff.compile(module, backend=args.compile_backend)
+            paradiff.compile(module, backend=args.compile_backend or "inductor")
     monitors = ({name: paradiff.enable_cache(module, cache_config(args.cache, module))
                  for name, module in transformers.items()} if args.cache else {})
     return Loaded(pipeline, loras, transformers, monitors, load_s)
+
+
+def quantization_config(args: argparse.Namespace) -> Any:
+    """--quantize (with --quantize-skip, --quantize-text-encoders) as diffusers' PipelineQuantizationConfig: what
+    the workers load with, and what --compare's single-process reference loads with."""
+    return pipeline_quantization_config(args.quantize, getattr(torch, args.dtype), quantized_components(args),
+                                        quantize_skip(args))
 
 
 def quantized_components(args: argparse.Namespace) -> tuple[str, ...]:
