@@ -177,3 +177,16 @@ def test_hub_id_not_to_be_had_is_one_line_naming_the_repo(tmp_path, capsys, no_w
         "someone/tiny-pipeline: not in the local Hub cache and HF_HUB_OFFLINE is set; download it where the Hub is "
         "reachable (huggingface-cli download someone/tiny-pipeline) and run with the local copy (its folder, or the "
         "id with HF_HUB_OFFLINE=1)")
+
+
+@pytest.mark.slow
+def test_quantize_with_compare_equals_diffusers_quantized_load(pools, tmp_path):
+    """`paradiff generate --tp 2 --quantize int8 --compare` on the demo (its workers in the 2-rank pool): the
+    reference is diffusers' own single-process int8 load, which the split int8 shards equal (docs/quantization.md)."""
+    import rank_cases_cli as cli_cases
+
+    argv = ["generate", "--tp", "2", "--quantize", "int8", "--compare", "--prompt", "a red circle on a blue background",
+            "--height", "32", "--width", "32", "--steps", "2", "--out", str(tmp_path)]
+    report = pools.get(2).run(cli_cases.generate_each, timeout_s=600, runs=[argv])[0][0]["report"]
+    assert report["config"]["quantize"] == "int8" and report["compared_outputs"] == 1
+    assert report["max_abs_diff_vs_single_process"] <= 1e-5, report["max_abs_diff_vs_single_process"]
