@@ -99,13 +99,16 @@ def one_error_line(err: str) -> str:
     (["--compile-backend", "eager"], "--compile-backend eager without --compile"),
     (["--lora-weight-name", "style.safetensors"], "--lora-weight-name style.safetensors picks a file of a --lora"),
     (["--quantize-skip", "context_embedder"], "--quantize-skip context_embedder names modules --quantize leaves"),
+    (["--quantize", "int8", "--quantize-skip", "context_embeder"], "--quantize-skip context_embeder: the embedded "
+                                                                   "demo pipeline's transformer (Flux2Transformer2DModel) "
+                                                                   "has no module of that name"),
 ], ids=["embedded-tp8", "negative-prompt", "true-cfg-scale", "nf4-block-cut", "empty-prompt", "negative-seed",
-        "compile-backend-alone", "lora-weight-name-alone", "quantize-skip-alone"])
+        "compile-backend-alone", "lora-weight-name-alone", "quantize-skip-alone", "quantize-skip-unknown"])
 def test_embedded_default_refused_up_front(tmp_path, capsys, no_worker, argv, message):
     code, err = run(capsys, "generate", "--prompt", "x", *argv, "--out", str(tmp_path))
     assert (code, no_worker) == (2, [])
     assert one_error_line(err).startswith(message), err
-    if argv[0] == "--quantize":
+    if argv[:2] == ["--quantize", "nf4"]:
         assert "--quantize-skip context_embedder" in err
 
 

@@ -64,6 +64,8 @@ def check_model_folder(args: argparse.Namespace) -> None:
     if getattr(args, "quantize", None) and args.compare and index.modular:
         raise CliError(f"--quantize {args.quantize} with --compare: {label} is a Modular Diffusers pipeline, whose "
                        "single-process reference paradiff does not load quantized; drop one of the two")
+    if getattr(args, "quantize_skip", None):
+        _check_quantize_skip(args, index, label)
     if getattr(args, "quantize", None) == "nf4" and args.tp > 1:
         _check_nf4_blocks(args, index, label)
 
@@ -332,6 +334,24 @@ def _check_transformers_split(args: argparse.Namespace, index, label: str) -> No
             where = f" at --tp {args.tp}" if name in files and args.tp > 1 else ""
             raise CliError(f"{flag}{where}: {name} ({class_name}): {str(exc).splitlines()[0]}") from None
         prepared.checkpoint.close()
+
+
+def _check_quantize_skip(args: argparse.Namespace, index, label: str) -> None:
+    """Each --quantize-skip name matches a module of the transformer (diffusers' matching: the name, or a prefix of
+    it ending at a dot), else it would skip nothing without a word."""
+    from paradiff.cli.args import quantize_skip
+
+    if "transformer" not in index.components:
+        return
+    model = _meta_transformer(index)
+    if model is None:
+        return
+    names = [f"{name}." for name, _ in model.named_modules() if name]
+    for key in quantize_skip(args):
+        if not any(f"{key}." in name for name in names):
+            top = [name for name, _ in model.named_children()]
+            raise CliError(f"--quantize-skip {key}: {label}'s transformer ({type(model).__name__}) has no module of "
+                           f"that name; its top-level modules are {', '.join(top)}")
 
 
 def _check_nf4_blocks(args: argparse.Namespace, index, label: str) -> None:
