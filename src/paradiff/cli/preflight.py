@@ -208,8 +208,13 @@ def _meta_transformer(index):
     model_cls = getattr(importlib.import_module(library), class_name, None)
     if model_cls is None or not (folder / "config.json").is_file():
         return None
-    with parameters_on_meta():
-        return construct(model_cls, model_config(model_cls, load_config(model_cls, folder)), torch.float32)
+    from paradiff.errors import ParadiffError
+
+    try:
+        with parameters_on_meta():
+            return construct(model_cls, model_config(model_cls, load_config(model_cls, folder)), torch.float32)
+    except (ParadiffError, ValueError, TypeError, OSError):
+        return None  # a config this process cannot build: the workers' load names what is wrong
 
 
 def _check_modular_flags(args: argparse.Namespace, pipeline_name: str, folder: Path) -> None:
@@ -363,6 +368,7 @@ def _check_nf4_blocks(args: argparse.Namespace, index, label: str) -> None:
     from paradiff.api.model import prepare_model
     from paradiff.cli.args import quantize_skip
     from paradiff.cli.worker import _plan_argument
+    from paradiff.errors import ParadiffError
     from paradiff.quant.schemes import block_cut_layers, model_config_for, scheme_from_config
 
     skip = quantize_skip(args)
@@ -377,8 +383,11 @@ def _check_nf4_blocks(args: argparse.Namespace, index, label: str) -> None:
             continue
         model_cls = getattr(importlib.import_module(library), class_name)
         for rank in sorted({0, args.tp - 1}):
-            prepared = prepare_model(model_cls, folder, dtype=torch.float32, device=torch.device("cpu"),
-                                     tp_shard=(rank, args.tp), plan=plan)
+            try:
+                prepared = prepare_model(model_cls, folder, dtype=torch.float32, device=torch.device("cpu"),
+                                         tp_shard=(rank, args.tp), plan=plan)
+            except ParadiffError:
+                return  # not this check's to say (a folder saved quantized ...): the workers name it
             prepared.checkpoint.close()
             layers = block_cut_layers(scheme.for_model(prepared.model), prepared.model, prepared.resolved)
             for layer in layers:
