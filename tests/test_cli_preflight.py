@@ -182,7 +182,6 @@ def test_hub_id_not_to_be_had_is_one_line_naming_the_repo(tmp_path, capsys, no_w
         "id with HF_HUB_OFFLINE=1)")
 
 
-@pytest.mark.slow
 def test_quantize_with_compare_equals_diffusers_quantized_load(pools, tmp_path):
     """`paradiff generate --tp 2 --quantize int8 --compare` on the demo (its workers in the 2-rank pool): the
     reference is diffusers' own single-process int8 load, which the split int8 shards equal (docs/quantization.md)."""
@@ -207,3 +206,16 @@ def test_quantize_with_compare_equals_diffusers_quantized_load(pools, tmp_path):
     held = {rank["quantization"]["transformer"]["quantized_linears"] for rank in report["ranks"]}
     assert held == {whole["quantized_linears"]}, (held, whole)
     assert report["max_abs_diff_vs_single_process"] <= 1e-5, report["max_abs_diff_vs_single_process"]
+
+
+def test_hub_id_under_torchrun_is_fetched_by_one_rank_per_node(pools, tmp_path):
+    """Under torchrun (no launcher): local rank 0 tries the fetch, the other rank waits and tries nothing; offline
+    with an empty cache, rank 0 names the repository and how to get it, and both stop before loading."""
+    import rank_cases_cli as cli_cases
+
+    results = pools.get(2).run(cli_cases.fetch_offline, repo="someone/tiny-pipeline", cache=str(tmp_path / "hub"))
+    by_rank = {result["rank"]: result for result in results}
+    assert by_rank[0]["tried"] == ["someone/tiny-pipeline"] and by_rank[1]["tried"] == []
+    assert by_rank[0]["error"].startswith("someone/tiny-pipeline: not in the local Hub cache and HF_HUB_OFFLINE is "
+                                          "set; download it where the Hub is reachable (huggingface-cli download ")
+    assert by_rank[1]["error"].startswith("someone/tiny-pipeline: not fetched; the first rank of a node could not")

@@ -18,7 +18,7 @@ def check_model_folder(args: argparse.Namespace) -> None:
     """Every check below, on the model folder given or, without one, on the embedded demo pipeline's folder."""
     label = args.model if args.model is not None else "the embedded demo pipeline"
     if args.model is not None and not Path(args.model).exists():
-        if not _looks_like_hub_id(args.model):
+        if not looks_like_hub_id(args.model):
             raise CliError(f"model folder {args.model} does not exist (and is not a Hub id of the form "
                            "'owner/name')")
         # the launcher fetches the repository once (the workers then find it in the Hub cache) and checks the copy
@@ -288,7 +288,7 @@ def _check_call_guides(args: argparse.Namespace, pipeline_name: str, index: dict
                        f"(it needs {need}; {rule.scale_argument} defaults to {rule.default_scale:g}). Use --cfg 1")
 
 
-def _looks_like_hub_id(name: str) -> bool:
+def looks_like_hub_id(name: str) -> bool:
     owner, slash, repo = name.partition("/")
     return bool(slash and owner and repo and "/" not in repo and not name.startswith((".", "/", "~")))
 

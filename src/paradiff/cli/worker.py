@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import paradiff
 
-from paradiff.distributed.comm import all_gather_object
+from paradiff.distributed.comm import all_gather_object, all_true
 from paradiff.distributed.mesh import default_device
 from paradiff.quant.schemes import pipeline_quantization_config
 from paradiff.vae import get_vae_runtime
@@ -45,9 +45,31 @@ def run_worker(args: argparse.Namespace, on_pipeline_loaded: PipelineHook | None
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
     try:
+        if not os.environ.get("PARADIFF_WORKER"):  # started by torchrun: no launcher fetched a Hub id before
+            fetch_hub_model_once(args, device)
         generate(args, device, on_pipeline_loaded)
     finally:
         dist.destroy_process_group()
+
+
+def fetch_hub_model_once(args: argparse.Namespace, device: torch.device) -> None:
+    """A Hub id under torchrun: each node's local rank 0 fetches the repository while the other ranks wait, then
+    they all read the node's cached copy; a fetch that fails is said by that rank, in one line naming the repository
+    and how to get it, and every rank stops before loading."""
+    from paradiff.cli import preflight
+    from paradiff.cli.args import CliError
+
+    if args.model is None or Path(args.model).exists() or not preflight.looks_like_hub_id(args.model):
+        return
+    error = None
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        try:
+            preflight.fetch_hub_pipeline(args.model)
+        except CliError as exc:
+            error = exc
+    if not all_true(error is None, None, device):
+        raise error or CliError(f"{args.model}: not fetched; the first rank of a node could not fetch it (its line "
+                                "says why)")
 
 
 def parallel_config(args: argparse.Namespace) -> paradiff.ParallelConfig:
