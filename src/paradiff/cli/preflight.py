@@ -1,8 +1,11 @@
 """What a model folder's configs already decide, checked by the launcher before any worker starts: a folder that
-is not there, a pipeline asked for CFG parallelism that never guides (or is not classified yet, or is called without
-guidance), context parallelism on a pipeline whose call replaces the attention it splits, a TP degree the transformer's heads cannot
-take. Reads configs and checkpoint headers, no weight; every worker would otherwise start, build its process group
-and then fail the same way on each rank."""
+is not there, or a Hub id that cannot be fetched (fetched here, once); a pipeline asked for CFG parallelism that never
+guides (or is not classified yet, or is called without guidance), context parallelism on a pipeline whose call
+replaces the attention it splits, a TP degree the transformer's heads cannot take; a guidance flag its call does not
+take, a frame count its VAE cannot make; a --lora file that is corrupt or made for another model; NF4 slices that
+would cut a block, a --quantize-skip naming no module. For the embedded demo pipeline as for a folder given. Reads
+configs and checkpoint headers, no weight; every worker would otherwise start, build its process group and then fail
+the same way on each rank."""
 
 from __future__ import annotations
 
@@ -27,6 +30,9 @@ def check_model_folder(args: argparse.Namespace) -> None:
 
     path = model_folder(args)
     index = folder_index(args)
+    if index is None:
+        raise CliError(f"{label} has no model_index.json (nor a Modular Diffusers modular_model_index.json): not a "
+                       "diffusers pipeline")
     pipeline_name = getattr(args, "pipeline", None) or str(index.class_name)
     if not index.modular:
         _check_call_flags(args, pipeline_name, path)
