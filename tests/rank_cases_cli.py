@@ -28,3 +28,28 @@ def generate_each(runs: list[list[str]]) -> list[dict]:
         report = generate(args, torch.device("cpu"), on_pipeline_loaded=measure)
         results.append({"rank": dist.get_rank(), "report": report, **loaded})
     return results
+
+
+def fetch_offline(repo: str, cache: str) -> dict:
+    """`fetch_hub_model_once` for Hub id `repo` with the Hub offline and an empty cache `cache`, as under torchrun:
+    which ranks tried to fetch, and what each raised."""
+    from huggingface_hub import constants
+
+    from paradiff.cli import preflight
+    from paradiff.cli.args import CliError
+    from paradiff.cli.worker import fetch_hub_model_once
+
+    before = constants.HF_HUB_OFFLINE, constants.HF_HUB_CACHE  # the pool's processes serve other tests after
+    constants.HF_HUB_OFFLINE, constants.HF_HUB_CACHE = True, cache
+    tried = []
+    fetch = preflight.fetch_hub_pipeline
+    preflight.fetch_hub_pipeline = lambda name: tried.append(name) or fetch(name)
+    try:
+        args = build_parser().parse_args(["generate", repo])
+        fetch_hub_model_once(args, torch.device("cpu"))
+        return {"rank": dist.get_rank(), "tried": tried, "error": None}
+    except CliError as exc:
+        return {"rank": dist.get_rank(), "tried": tried, "error": str(exc)}
+    finally:
+        preflight.fetch_hub_pipeline = fetch
+        constants.HF_HUB_OFFLINE, constants.HF_HUB_CACHE = before

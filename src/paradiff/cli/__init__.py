@@ -105,9 +105,22 @@ def _run(args, argv: list[str], worker_module: str, on_pipeline_loaded) -> int:
         except FileNotFoundError as exc:
             raise CliError(str(exc)) from None
     check_model_folder(args)
+    if args.command == "generate":
+        _warn_idle_replicas(args)
     if args.command == "serve":  # the launcher forwards SIGTERM / SIGINT to rank 0, which drains
         return launch(argv, world_size_of(args), worker_module, dead_grace_s=10.0, forward_signals=True)
     return launch(argv, world_size_of(args), worker_module)
+
+
+def _warn_idle_replicas(args) -> None:
+    """--dp N with fewer than N prompts: the replicas without one load the whole pipeline and wait (said once)."""
+    from paradiff.cli.args import read_prompts
+
+    count = len(read_prompts(args))
+    if args.dp > count:
+        say(f"paradiff: warning: --dp {args.dp} with {count} prompt(s): {args.dp - count} replica(s) will load the "
+            f"pipeline and draw nothing; give at least {args.dp} prompts (--prompt repeated, --prompts-file) or a "
+            "smaller --dp")
 
 
 def _run_worker_and_exit(args, on_pipeline_loaded) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 DTYPES = ("float32", "bfloat16", "float16")
 DEBUG_HELP = ("show Python tracebacks, native (C++) stack traces and libraries' warnings on failures, as "
               "PARADIFF_DEBUG=1 does")
+SEED_MAX = 2**63 - 1  # as serve's seed field: torch's generators take 64-bit seeds
 
 
 class CliError(Exception):
@@ -52,6 +53,16 @@ def _positive(value: str) -> int:
     return number
 
 
+def _seconds(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {value!r}") from None
+    if not 0 < number < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0 (and finite), got {value}")
+    return number
+
+
 def add_model_options(parser: argparse.ArgumentParser) -> None:
     """What `generate` and `serve` share: the model, the mesh, how it is loaded and the generation defaults."""
     gen = parser
@@ -82,7 +93,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     gen.add_argument("--true-cfg-scale", type=float, default=None,
                      help="true_cfg_scale= of the pipeline call, where it takes one (default: the pipeline's own)")
     gen.add_argument("--dtype", choices=DTYPES, default="float32", help="the dtype weights are loaded and run in")
-    gen.add_argument("--timeout", type=float, default=600.0, help="collective timeout in seconds")
+    gen.add_argument("--timeout", type=_seconds, default=600.0, help="collective timeout in seconds")
     gen.add_argument("--plan", default=None,
                      help="transformer TP plan: 'auto' (derived from its structure) or FILE.py; default built-in")
     gen.add_argument("--cp-plan", default=None, help="transformer CP plan: 'auto' or FILE.py; default built-in")
@@ -94,6 +105,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     gen.add_argument("--quantize", choices=("int8", "fp8", "nf4"), default=None,
                      help="quantize the transformer's weights on read, each rank its own shards: int8 / fp8 weight-only "
                           "(torchao, per-row scales) or nf4 (bitsandbytes); docs/quantization.md")
+    gen.add_argument("--quantize-skip", default=None, metavar="MODULE[,MODULE]",
+                     help="with --quantize: the transformer's modules left unquantized, by name (llm_int8_skip_modules "
+                          "/ modules_to_not_convert), e.g. context_embedder; docs/quantization.md")
     gen.add_argument("--quantize-text-encoders", action="store_true",
                      help="with --quantize: quantize the text encoders paradiff loads too (transformers' rule: the LM "
                           "head stays in --dtype), split like the rest")
@@ -105,7 +119,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                      help="keep the text encoders whole on every rank instead of splitting them over the mesh")
     gen.add_argument("--compile", action="store_true",
                      help="torch.compile the transformer's blocks (paradiff.compile), in every parallel mode")
-    gen.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --compile")
+    gen.add_argument("--compile-backend", default=None, help="torch.compile backend for --compile (default inductor)")
     gen.add_argument("--lora", action="append", default=None, metavar="PATH[:SCALE]",
                      help="a LoRA adapter for the transformer (a file, folder or Hub id, any format diffusers' "
                           "load_lora_weights reads) at SCALE (default 1); repeatable: the adapters are mixed")
@@ -262,6 +276,11 @@ def lora_specs(args: argparse.Namespace) -> list[dict]:
     return specs
 
 
+def quantize_skip(args: argparse.Namespace) -> tuple[str, ...]:
+    """--quantize-skip MODULE[,MODULE] as a tuple of module names (empty without it)."""
+    return tuple(name.strip() for name in (getattr(args, "quantize_skip", None) or "").split(",") if name.strip())
+
+
 def gguf_files(args: argparse.Namespace) -> dict[str, str]:
     """--gguf [COMPONENT=]FILE ... as {component: file} (COMPONENT defaults to "transformer"), each a local .gguf file
     that starts with GGUF's magic; a component given twice is an error."""
@@ -334,7 +353,19 @@ def check_args(args: argparse.Namespace) -> None:
                                                                              for name in INDEX_FILES):
             raise CliError(f"model folder {args.model} does not exist or has no model_index.json (nor a Modular "
                            "Diffusers modular_model_index.json)")
-    read_prompts(args)
+    prompts = read_prompts(args)
+    if any(not prompt.strip() for prompt in prompts):
+        raise CliError("--prompt '': expected a non-empty prompt (an empty one draws noise, and serve refuses it too)")
+    seed = getattr(args, "seed", 0)
+    if not 0 <= seed <= SEED_MAX - (len(prompts) - 1):
+        raise CliError(f"--seed {seed}: expected an integer from 0 to 2**63 - {len(prompts)} (prompt i uses seed + i, "
+                       "which torch's generators take up to 2**63 - 1, as serve does)")
+    if getattr(args, "compile_backend", None) is not None and not args.compile:
+        raise CliError(f"--compile-backend {args.compile_backend} without --compile: nothing is compiled; give "
+                       "--compile too, or drop --compile-backend")
+    if getattr(args, "lora_weight_name", None) is not None and not lora_specs(args):
+        raise CliError(f"--lora-weight-name {args.lora_weight_name} picks a file of a --lora folder or repo: give "
+                       "--lora too, or drop --lora-weight-name")
     for lora in lora_specs(args):
         path = Path(lora["path"])
         if (lora["path"].startswith((".", "/")) or path.suffix == ".safetensors") and not path.exists():
@@ -361,9 +392,12 @@ def check_args(args: argparse.Namespace) -> None:
         raise CliError(f"output folder {args.out} is not writable: {exc.strerror}") from None
     if args.height % 16 or args.width % 16:
         raise CliError(f"--height {args.height} and --width {args.width} must be multiples of 16 (VAE x patch size)")
-    if getattr(args, "quantize", None) and args.compare:
-        raise CliError(f"--quantize {args.quantize} with --compare: --compare runs the unquantized single-process "
-                       "pipeline; drop one of the two")
+    if getattr(args, "quantize_skip", None) is not None and not getattr(args, "quantize", None):
+        raise CliError(f"--quantize-skip {args.quantize_skip} names modules --quantize leaves unquantized: give "
+                       "--quantize int8|fp8|nf4 too")
+    if getattr(args, "quantize_skip", None) is not None and not quantize_skip(args):
+        raise CliError(f"--quantize-skip {args.quantize_skip!r}: expected module names, e.g. context_embedder or "
+                       "context_embedder,x_embedder")
     if getattr(args, "quantize_text_encoders", False) and not getattr(args, "quantize", None):
         raise CliError("--quantize-text-encoders quantizes the text encoders with the --quantize scheme: give "
                        "--quantize int8|fp8|nf4 too")

@@ -4,6 +4,7 @@ picture of both with their difference (compare.png)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -15,11 +16,12 @@ AMPLIFY = 50
 
 
 def single_process_pipeline(model: str, dtype: torch.dtype, pipeline_cls: type | None = None,
-                            gguf: dict[str, str] | None = None):
+                            gguf: dict[str, str] | None = None, quantization: Any = None):
     """diffusers' own pipeline of folder `model`, loaded whole in this process: a DiffusionPipeline, or a Modular
     Diffusers pipeline (modular_model_index.json, or a ModularPipeline class) with every component loaded. `gguf`:
     {transformer component: GGUF file}, those transformers being diffusers' `from_single_file` of the files,
-    computing in `dtype`."""
+    computing in `dtype`. `quantization` (--quantize): a PipelineQuantizationConfig, diffusers' own quantized load
+    (docs/quantization.md: what paradiff's quantized shards equal)."""
     from diffusers import DiffusionPipeline, ModularPipeline
 
     from paradiff.io.folders import has_modular_index_only, read_pipeline_index
@@ -47,7 +49,8 @@ def single_process_pipeline(model: str, dtype: torch.dtype, pipeline_cls: type |
         if transformers:
             reference.update_components(**transformers)
         return reference
-    return (pipeline_cls or DiffusionPipeline).from_pretrained(model, dtype=dtype, **transformers)
+    extra = {"quantization_config": quantization} if quantization is not None else {}
+    return (pipeline_cls or DiffusionPipeline).from_pretrained(model, dtype=dtype, **transformers, **extra)
 
 
 def compare_single_process(model: str, dtype: torch.dtype, kwargs: dict, seed: int,
@@ -57,7 +60,8 @@ def compare_single_process(model: str, dtype: torch.dtype, kwargs: dict, seed: i
                            pipeline_cls: type | None = None,
                            without_lora: list[tuple[int, str, Output]] | None = None,
                            guider: dict | None = None,
-                           gguf: dict[str, str] | None = None) -> tuple[dict, list[Output]]:
+                           gguf: dict[str, str] | None = None,
+                           quantization: Any = None) -> tuple[dict, list[Output]]:
     """Differences between each (index, prompt, image, video or sound) of `made` and diffusers' single-process
     result for that prompt (seed `seed + index`, as in the parallel run), with the same step cache on every
     transformer (`cache`, a --cache spec) when one is given, the same LoRA adapters (`loras`, from --lora), and the
@@ -67,6 +71,7 @@ def compare_single_process(model: str, dtype: torch.dtype, kwargs: dict, seed: i
     `without_lora` (--also-without-lora): more (index, prompt, output) drawn with the adapters switched off; the
     reference draws them with its adapters off too. `gguf` (--gguf): {transformer component: GGUF file}; the
     reference's transformers are diffusers' `from_single_file` of those files, computing in `dtype`.
+    `quantization` (--quantize): the reference is diffusers' own load with this PipelineQuantizationConfig.
 
     Returns ({"max_abs_diff": float over all of them, "compared": count}, for videos also "max_abs_diff_per_frame"
     (every frame is compared), "max_abs_diff_audio" when they have a soundtrack, "max_abs_diff_without_lora" over
@@ -74,7 +79,7 @@ def compare_single_process(model: str, dtype: torch.dtype, kwargs: dict, seed: i
     """
     import paradiff
 
-    reference = single_process_pipeline(model, dtype, pipeline_cls, gguf)
+    reference = single_process_pipeline(model, dtype, pipeline_cls, gguf, quantization)
     reference.set_progress_bar_config(disable=True)
     if guider:
         from paradiff.cli.worker import set_guider

@@ -32,6 +32,7 @@ def write_report(args: argparse.Namespace, out: Path, model: str, prompts: list[
         "config": {"tp": args.tp, "ulysses": args.ulysses, "ring": args.ring, "cfg": args.cfg, "dp": args.dp,
                    "stages": args.stages, "whole_text_encoders": args.whole_text_encoders,
                    "quantize": getattr(args, "quantize", None),
+                   "quantize_skip": [name for name in (getattr(args, "quantize_skip", None) or "").split(",") if name],
                    "quantize_text_encoders": bool(getattr(args, "quantize_text_encoders", False)),
                    "gguf": getattr(args, "gguf", None), **run},
         "resolution": [args.height, args.width],

@@ -20,11 +20,11 @@ import torch.distributed as dist
 
 import paradiff
 
-from paradiff.distributed.comm import all_gather_object
+from paradiff.distributed.comm import all_gather_object, all_true
 from paradiff.distributed.mesh import default_device
 from paradiff.quant.schemes import pipeline_quantization_config
 from paradiff.vae import get_vae_runtime
-from paradiff.cli.args import cache_config, gguf_files, lora_specs, read_prompts
+from paradiff.cli.args import cache_config, gguf_files, lora_specs, quantize_skip, read_prompts
 from paradiff.cli.conditioning import conditioning_kwargs, requested_pipeline_class
 from paradiff.cli.compare import compare_single_process, picture_rows, write_compare_png
 from paradiff.cli.embedded import embedded_call_kwargs, embedded_default
@@ -45,9 +45,31 @@ def run_worker(args: argparse.Namespace, on_pipeline_loaded: PipelineHook | None
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
     try:
+        if not os.environ.get("PARADIFF_WORKER"):  # started by torchrun: no launcher fetched a Hub id before
+            fetch_hub_model_once(args, device)
         generate(args, device, on_pipeline_loaded)
     finally:
         dist.destroy_process_group()
+
+
+def fetch_hub_model_once(args: argparse.Namespace, device: torch.device) -> None:
+    """A Hub id under torchrun: each node's local rank 0 fetches the repository while the other ranks wait, then
+    they all read the node's cached copy; a fetch that fails is said by that rank, in one line naming the repository
+    and how to get it, and every rank stops before loading."""
+    from paradiff.cli import preflight
+    from paradiff.cli.args import CliError
+
+    if args.model is None or Path(args.model).exists() or not preflight.looks_like_hub_id(args.model):
+        return
+    error = None
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        try:
+            preflight.fetch_hub_pipeline(args.model)
+        except CliError as exc:
+            error = exc
+    if not all_true(error is None, None, device):
+        raise error or CliError(f"{args.model}: not fetched; the first rank of a node could not fetch it (its line "
+                                "says why)")
 
 
 def parallel_config(args: argparse.Namespace) -> paradiff.ParallelConfig:
@@ -241,6 +263,8 @@ def generate(args: argparse.Namespace, device: torch.device,
         if made:
             compare, references = compare_single_process(model, dtype, kwargs, args.seed, made,
                                                          gguf=gguf_files(args),
+                                                         quantization=quantization_config(args)
+                                                         if getattr(args, "quantize", None) else None,
                                                          cache=args.cache, loras=loras,
                                                          lora_weight_name=args.lora_weight_name,
                                                          pipeline_cls=pipeline_cls, guider=guidance,
@@ -278,8 +302,7 @@ def load_from_args(args: argparse.Namespace, device: torch.device) -> Loaded:
     dtype = getattr(torch, args.dtype)
     start = time.perf_counter()
     quantize = getattr(args, "quantize", None)
-    extra = {} if not quantize else {"quantization_config": pipeline_quantization_config(
-        quantize, dtype, quantized_components(args))}
+    extra = {} if not quantize else {"quantization_config": quantization_config(args)}
     files = gguf_files(args)
     if files:  # the transformers' weights from GGUF files, held packed, computing in --dtype
         from diffusers import GGUFQuantizationConfig, PipelineQuantizationConfig
@@ -299,10 +322,17 @@ def load_from_args(args: argparse.Namespace, device: torch.device) -> Loaded:
                     if name.startswith("transformer") and isinstance(module, torch.nn.Module)}
     if args.compile:
         for module in transformers.values():
-            paradiff.compile(module, backend=args.compile_backend)
+            paradiff.compile(module, backend=args.compile_backend or "inductor")
     monitors = ({name: paradiff.enable_cache(module, cache_config(args.cache, module))
                  for name, module in transformers.items()} if args.cache else {})
     return Loaded(pipeline, loras, transformers, monitors, load_s)
+
+
+def quantization_config(args: argparse.Namespace) -> Any:
+    """--quantize (with --quantize-skip, --quantize-text-encoders) as diffusers' PipelineQuantizationConfig: what
+    the workers load with, and what --compare's single-process reference loads with."""
+    return pipeline_quantization_config(args.quantize, getattr(torch, args.dtype), quantized_components(args),
+                                        quantize_skip(args))
 
 
 def quantized_components(args: argparse.Namespace) -> tuple[str, ...]:

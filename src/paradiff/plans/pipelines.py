@@ -291,6 +291,30 @@ def call_keyword(pipeline_name: str | None, keyword: str) -> str:
     return CALL_KEYWORDS.get(pipeline_name or "", {}).get(keyword, keyword)
 
 
+# Video pipelines whose VAE packs T frames into one latent frame (T: its config's `scale_factor_temporal`, or
+# `temporal_compression_ratio`, or LTX's computed ratio) and whose call makes T*k + 1 frames: another num_frames is rounded (Wan, SkyReels-V2,
+# ... warn in the log) or cut down (HunyuanVideo, LTX) without a word on the command line.
+FRAMES_STEP_PIPELINES: tuple[str, ...] = (
+    "WanPipeline", "WanImageToVideoPipeline", "WanVACEPipeline", "SkyReelsV2Pipeline", "SkyReelsV2ImageToVideoPipeline",
+    "SkyReelsV2DiffusionForcingPipeline", "SkyReelsV2DiffusionForcingImageToVideoPipeline",
+    "SkyReelsV2DiffusionForcingVideoToVideoPipeline", "ChronoEditPipeline", "LucyEditPipeline", "AnyFlowPipeline",
+    "AnyFlowFARPipeline", "Kandinsky5T2VPipeline", "Kandinsky5I2VPipeline", "Kandinsky6TI2VAPipeline",
+    "HunyuanVideoPipeline", "LTXPipeline", "LTXImageToVideoPipeline",
+)
+_TEMPORAL_KEYS = ("scale_factor_temporal", "temporal_compression_ratio")
+
+
+def frames_step(pipeline_name: str, vae_config: dict) -> int | None:
+    """T when `pipeline_name` makes T*k + 1 frames with a VAE of config `vae_config`; None when it is not known to."""
+    if pipeline_name not in FRAMES_STEP_PIPELINES:
+        return None
+    step = next((vae_config[key] for key in _TEMPORAL_KEYS if isinstance(vae_config.get(key), int)), None)
+    if step is None and isinstance(vae_config.get("spatio_temporal_scaling"), list):
+        # LTX's VAE computes its ratio when the config leaves it None: patch_size_t x 2 per time-downsampling block
+        step = int(vae_config.get("patch_size_t") or 1) * 2 ** sum(map(bool, vae_config["spatio_temporal_scaling"]))
+    return step if step is not None and step > 1 else None
+
+
 # Pipelines that make one transformer call per step on the conditional batch only: guidance is distilled into the
 # transformer (its `guidance` input), and the call takes no negative prompt.
 NEVER_GUIDES: tuple[str, ...] = (

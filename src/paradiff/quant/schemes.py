@@ -212,9 +212,23 @@ def check_block_boundaries(scheme: QuantScheme, model: nn.Module, resolved: Any)
     multiple of 64) and its column ranges to start and end on a block boundary. Checked on the plan's own pieces, so
     uneven splits are covered as they are.
     """
+    for name, (spec, rows, cols, cut) in block_cut_layers(scheme, model, resolved).items():
+        what = "rows" if spec.dim == 0 else "columns"
+        raise BlockSplitError(
+            f"{name}: nf4 quantizes blocks of {scheme.block} elements of the flattened weight {(rows, cols)}, but "
+            f"this rank's {what} {list(cut)} (start, length) would cut a block, so its shard could not equal the "
+            f"slice of the single-device quantized weight. Choose a tp_degree whose slices of {name} are multiples "
+            f"of {scheme.block} elements, or leave the layer unquantized (BitsAndBytesConfig(llm_int8_skip_modules="
+            "[...]); paradiff generate: --quantize-skip)."
+        )
+
+
+def block_cut_layers(scheme: QuantScheme, model: nn.Module, resolved: Any) -> dict[str, tuple[Any, int, int, list]]:
+    """The planned linears a blockwise `scheme` quantizes whose slice on this rank would cut a block: name -> (its
+    slice spec, rows, columns, the cutting pieces), in the plan's order; empty for a scheme without blocks."""
     if scheme.block is None or resolved is None:
-        return
-    block = scheme.block
+        return {}
+    cuts = {}
     for name, linear in resolved.linears.items():
         if linear.embedding or linear.style.target != "linear" or "weight" not in linear.specs:
             continue
@@ -223,15 +237,10 @@ def check_block_boundaries(scheme: QuantScheme, model: nn.Module, resolved: Any)
         if spec is None or not scheme.quantizes(name, module):
             continue
         rows, cols = linear.full_shapes["weight"][:2]
-        cut = block_cuts(spec, rows, cols, block)
+        cut = block_cuts(spec, rows, cols, scheme.block)
         if cut:
-            what = "rows" if spec.dim == 0 else "columns"
-            raise BlockSplitError(
-                f"{name}: nf4 quantizes blocks of {block} elements of the flattened weight {(rows, cols)}, but this "
-                f"rank's {what} {list(cut)} (start, length) would cut a block, so its shard could not equal the slice "
-                f"of the single-device quantized weight. Choose a tp_degree whose slices of {name} are multiples of "
-                f"{block} elements, or leave the layer unquantized (BitsAndBytesConfig(llm_int8_skip_modules=[...]))."
-            )
+            cuts[name] = (spec, rows, cols, cut)
+    return cuts
 
 
 def block_cuts(spec: Any, rows: int, cols: int, block: int) -> list[tuple[int, int]]:
@@ -243,29 +252,33 @@ def block_cuts(spec: Any, rows: int, cols: int, block: int) -> list[tuple[int, i
     return [(start, length) for start, length in spec.pieces if cols % block or start % block or length % block]
 
 
-def model_config_for(scheme: str, compute_dtype: torch.dtype | None = None) -> Any:
-    """The diffusers config a user would write for `scheme` ("int8", "fp8", "nf4"): what `--quantize` passes."""
+def model_config_for(scheme: str, compute_dtype: torch.dtype | None = None, skip: tuple[str, ...] = ()) -> Any:
+    """The diffusers config a user would write for `scheme` ("int8", "fp8", "nf4"): what `--quantize` passes.
+    `skip` (--quantize-skip): modules left unquantized (`llm_int8_skip_modules` / `modules_to_not_convert`)."""
     from diffusers import BitsAndBytesConfig, TorchAoConfig
 
+    skipped = list(skip) if skip else None
     if scheme == "nf4":
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype)
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype,
+                                  llm_int8_skip_modules=skipped)
     from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig
 
     if scheme == "int8":
-        return TorchAoConfig(Int8WeightOnlyConfig())
+        return TorchAoConfig(Int8WeightOnlyConfig(), modules_to_not_convert=skipped)
     if scheme == "fp8":
-        return TorchAoConfig(Float8WeightOnlyConfig())
+        return TorchAoConfig(Float8WeightOnlyConfig(), modules_to_not_convert=skipped)
     raise ParallelConfigError(f"unknown quantization scheme {scheme!r}; use one of {list(SCHEMES)}.")
 
 
 def pipeline_quantization_config(scheme: str, compute_dtype: torch.dtype | None = None,
-                                 components: tuple[str, ...] = ("transformer",)) -> Any:
+                                 components: tuple[str, ...] = ("transformer",), skip: tuple[str, ...] = ()) -> Any:
     """A PipelineQuantizationConfig quantizing `components` with `scheme` (the others stay as they are): diffusers'
-    config for a diffusers model, transformers' for a text encoder (`text_encoder*`), as diffusers resolves them."""
+    config for a diffusers model, transformers' for a text encoder (`text_encoder*`), as diffusers resolves them.
+    `skip`: modules of the diffusers models (the transformers) left unquantized."""
     from diffusers import PipelineQuantizationConfig
 
     mapping = {name: text_encoder_config_for(scheme, compute_dtype) if name.startswith("text_encoder")
-               else model_config_for(scheme, compute_dtype) for name in components}
+               else model_config_for(scheme, compute_dtype, skip) for name in components}
     return PipelineQuantizationConfig(quant_mapping=mapping)
 
 
