@@ -8,6 +8,7 @@ from torch import nn
 
 import paradiff
 from paradiff.io.checkpoint import Checkpoint
+from paradiff.quant.apply import float32_4bit_products
 from paradiff.runtime.state import get_state
 from paradiff.tensor_parallel.shard import slice_tensor
 from paradiff.testing.models import Lengths, make_inputs, model_class, run_forward
@@ -180,22 +181,6 @@ def transformers_quant_config(scheme: str):
     return transformers.TorchAoConfig(Int8WeightOnlyConfig() if scheme == "int8" else Float8WeightOnlyConfig())
 
 
-# On a CPU with AVX512-BF16 (Intel Xeon since Cooper Lake; not the AMD EPYC CI has also run on) bitsandbytes 0.50's
-# Linear4bit repacks its weight at the first eval forward and computes the product in bfloat16 (input and absmax
-# cast to bf16, backends/cpu/ops.py's gemv_4bit), whatever the compute dtype: transformers' NF4 Mistral-3 then
-# differed from paradiff's float32 product by 8.5e-3 on such a CPU. paradiff turns that kernel off on every
-# Linear4bit it builds (quant/apply.py), so its NF4 product is the float32 dequantize-and-multiply on every CPU, and
-# a whole model and its TP split agree to float32 rounding. The reference is computed the same way.
-def computed_in_float32(model: nn.Module) -> nn.Module:
-    """`model` with bitsandbytes' CPU bf16 4-bit kernel turned off on each of its Linear4bit (float32 products)."""
-    import bitsandbytes as bnb
-
-    for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit):
-            module.support_avx512bf16_for_cpu = False
-    return model
-
-
 def loaded_as_on_avx512_bf16(load):
     """`load()` run as on an AVX512-BF16 CPU, whatever this machine is: bitsandbytes' capability probe, which each
     Linear4bit asks when it is built, answers yes."""
@@ -250,7 +235,8 @@ def text_encoders_quantized(folders: dict[str, str], schemes: dict[str, list[str
     for name, folder in folders.items():
         cls = encoder_class(name)
         for scheme in schemes[name]:
-            reference = computed_in_float32(cls.from_pretrained(
+            # computed as paradiff computes NF4 (float32 products; quant.apply.float32_4bit_products says why)
+            reference = float32_4bit_products(cls.from_pretrained(
                 folder, quantization_config=transformers_quant_config(scheme), dtype=torch.float32).eval())
             expected_parts = {n: _reference_parts(m) for n, m in reference.named_modules() if isinstance(m, nn.Linear)}
             model = loaded_as_on_avx512_bf16(lambda: paradiff.from_pretrained(

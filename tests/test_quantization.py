@@ -593,3 +593,24 @@ def test_pre_quantized_transformer_in_a_staged_pipeline(pools, saved_pipelines):
             assert result["transformer"]["scheme"] == scheme, result
             assert result["transformer"]["quantized_linears"] > 10, result
             assert (result["split"] > 10) == (result["mode"] == "tp2"), result
+
+
+def test_compare_reference_computes_bitsandbytes_4bit_in_float32_as_paradiff_does(monkeypatch):
+    """`--compare --quantize`'s reference (diffusers' quantized load) multiplies NF4 as paradiff does on every CPU,
+    not with bitsandbytes' bf16 kernel where the CPU has AVX512-BF16 (quant.apply.float32_4bit_products)."""
+    import bitsandbytes as bnb
+    from diffusers import DiffusionPipeline
+
+    from paradiff.cli.compare import single_process_pipeline
+
+    with monkeypatch.context() as patched:
+        patched.setattr(bnb.nn.modules, "has_avx512bf16", lambda: True)  # built as on such a CPU
+        encoder = torch.nn.Sequential(bnb.nn.Linear4bit(64, 64, quant_type="nf4"))
+    assert encoder[0].support_avx512bf16_for_cpu
+
+    class Loaded:
+        components = {"text_encoder": encoder, "scheduler": object()}
+
+    monkeypatch.setattr(DiffusionPipeline, "from_pretrained", lambda *args, **kwargs: Loaded())
+    single_process_pipeline("folder", torch.float32, quantization=object())
+    assert not encoder[0].support_avx512bf16_for_cpu

@@ -50,7 +50,14 @@ def single_process_pipeline(model: str, dtype: torch.dtype, pipeline_cls: type |
             reference.update_components(**transformers)
         return reference
     extra = {"quantization_config": quantization} if quantization is not None else {}
-    return (pipeline_cls or DiffusionPipeline).from_pretrained(model, dtype=dtype, **transformers, **extra)
+    reference = (pipeline_cls or DiffusionPipeline).from_pretrained(model, dtype=dtype, **transformers, **extra)
+    if quantization is not None:  # bitsandbytes' 4-bit products as paradiff computes them, on every CPU
+        from paradiff.quant.apply import float32_4bit_products
+
+        for component in reference.components.values():
+            if isinstance(component, torch.nn.Module):
+                float32_4bit_products(component)
+    return reference
 
 
 def compare_single_process(model: str, dtype: torch.dtype, kwargs: dict, seed: int,

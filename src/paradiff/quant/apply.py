@@ -187,9 +187,7 @@ def _install_nf4(model: nn.Module, name: str, module: nn.Module, packed: torch.T
         linear = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
                                    compute_dtype=scheme.compute_dtype, compress_statistics=state.nested,
                                    quant_type=state.quant_type, quant_storage=torch.uint8, device="meta")
-        # bitsandbytes repacks a CPU weight for its avx512-bf16 kernel at the first forward, which fails for
-        # in_features below a block (a timestep MLP) and would leave the held bytes unlike the single-device slice
-        linear.support_avx512bf16_for_cpu = False
+        float32_4bit_products(linear)
         linear.weight = param
         param.module = linear
         linear.quant_state = state
@@ -198,6 +196,22 @@ def _install_nf4(model: nn.Module, name: str, module: nn.Module, packed: torch.T
         _replace(model, name, module, linear)
     nested = [state.state2.absmax] if state.nested else []
     return sum(t.numel() * t.element_size() for t in [packed, state.absmax, *nested])
+
+
+def float32_4bit_products(module: nn.Module) -> nn.Module:
+    """Every bitsandbytes Linear4bit in `module` computes its product in the compute dtype on every CPU. On a CPU
+    with AVX512-BF16 (Intel Xeon since Cooper Lake) bitsandbytes 0.50 repacks the weight at the first eval forward
+    and multiplies with the input and scales cast to bfloat16, whatever the compute dtype: transformers' NF4 Mistral-3
+    differed by 8.5e-3 from the float32 product there, so a model and its split would agree only to bf16 rounding,
+    and on one CPU kind only. The repacking also fails for in_features below a block (a timestep MLP), and would leave
+    the held bytes unlike the single-device slice. paradiff's own Linear4bit and the references it compares against
+    (`--compare`) are made so."""
+    import bitsandbytes as bnb
+
+    for linear in module.modules():
+        if isinstance(linear, bnb.nn.Linear4bit):
+            linear.support_avx512bf16_for_cpu = False
+    return module
 
 
 def nf4_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None,
