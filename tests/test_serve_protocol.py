@@ -9,6 +9,7 @@ import pytest
 
 from paradiff.serve.metrics import Metrics
 from paradiff.serve.protocol import Limits, RequestError, parse_image_request
+from paradiff.serve.safety import RequestGuard, public_message
 from paradiff.serve.scheduler import Scheduler
 
 LIMITS = Limits(max_n=4, max_steps=20, max_prompt_chars=100, max_side=256, default_size=(64, 64), default_steps=8,
@@ -172,3 +173,62 @@ def test_a_request_picks_among_the_servers_adapters():
     scheduler.submit(parse_image_request({"prompt": "x", "loras": {}}, limits))
     scheduler.submit(parse_image_request({"prompt": "x"}, limits))
     assert [len(batch) for batch in scheduler.next_round(1, 0)["batches"]] == [1]  # other adapters: no shared call
+
+
+def test_integral_json_numbers_are_integers():
+    request = parse_image_request({"prompt": "x", "n": 2.0, "steps": 3.0, "seed": 7.0}, LIMITS)
+    assert (request.n, request.steps, request.seed) == (2, 3, 7) and isinstance(request.n, int)
+    with pytest.raises(RequestError, match="n: expected an integer"):
+        parse_image_request({"prompt": "x", "n": 1.5}, LIMITS)
+    with pytest.raises(RequestError, match="user: expected a string"):
+        parse_image_request({"prompt": "x", "user": 5}, LIMITS)
+
+
+def test_the_header_guard_refuses_foreign_hosts_origins_and_bodies():
+    guard = RequestGuard("127.0.0.1", 8000, ["proxy.internal"], ["https://app.example.com"])
+    good = {"host": "127.0.0.1:8000", "content-type": "application/json; charset=utf-8"}
+    for headers in (good, {**good, "host": "localhost:8000"}, {**good, "host": "[::1]:8000"},
+                    {**good, "host": "proxy.internal"}, {**good, "origin": "https://app.example.com"},
+                    {**good, "origin": "http://127.0.0.1:8000"}):
+        guard.check("POST", "/v1/images/generations", headers)
+    for headers, status, words in [({**good, "host": "evil.example:8000"}, 403, "Host 'evil.example:8000'"),
+                                   ({**good, "host": "127.0.0.1:9999"}, 403, "not served"),
+                                   ({**good, "origin": "http://evil.example"}, 403, "--allow-origin"),
+                                   ({**good, "origin": "null"}, 403, "Origin 'null'"),
+                                   ({**good, "content-type": "text/plain"}, 415, "'text/plain'"),
+                                   ({"host": "127.0.0.1:8000"}, 415, "'missing'")]:
+        with pytest.raises(RequestError, match=words) as caught:
+            guard.check("POST", "/v1/images/generations", headers)
+        assert caught.value.status == status
+    guard.check("GET", "/health", {"host": "127.0.0.1:8000"})  # no body: no Content-Type needed
+    anywhere = RequestGuard("0.0.0.0", 8000, None, None)  # not on loopback: no Host check (the Origin one stays)
+    anywhere.check("GET", "/health", {"host": "gpu-box.example:8000"})
+    with pytest.raises(RequestError, match="not allowed"):
+        anywhere.check("GET", "/health", {"host": "gpu-box.example:8000", "origin": "http://evil.example"})
+
+
+def test_a_client_gets_one_line_of_an_internal_error_without_paths():
+    cause = ("rank 1: FileNotFoundError: [Errno 2] No such file or directory: '/home/me/models/flux/vae/x.bin'\n"
+             '  File "/usr/lib/python3.11/site-packages/diffusers/x.py", line 3')
+    assert public_message(cause) == "rank 1: FileNotFoundError: [Errno 2] No such file or directory: '.../x.bin'"
+    assert public_message("rank 1: RuntimeError: injected fault on rank 1") == \
+        "rank 1: RuntimeError: injected fault on rank 1"
+    assert len(public_message("x" * 5000)) == 300
+
+
+def test_the_limits_default_to_twice_what_the_server_was_started_for():
+    from paradiff.cli.args import build_parser, check_args
+    from paradiff.serve.app import server_max_frames, server_max_side, server_max_steps
+
+    def serve_args(*argv: str):
+        args = build_parser().parse_args(["serve", *argv])
+        check_args(args)
+        return args
+
+    demo = serve_args()
+    assert (server_max_side(demo), server_max_steps(demo), demo.max_n) == (128, 2 * demo.steps, 4)
+    video = build_parser().parse_args(["serve", "--frames", "9", "--width", "104", "--height", "64"])
+    assert (server_max_side(video), server_max_frames(video)) == (208, 18)
+    given = serve_args("--max-side", "1024", "--max-steps", "50")
+    assert (server_max_side(given), server_max_steps(given)) == (1024, 50)
+    assert "1024x1024" not in "".join(f"{side}x{side}" for side in range(16, server_max_side(demo) + 1, 16))
