@@ -385,6 +385,10 @@ def test_a_video_pipeline_answers_mp4_files_on_v1_videos(tmp_path, tiny_pipeline
         assert np.abs(frames @ luma - expected.astype(np.float64) @ luma).mean() < 8  # lossy H.264 of those frames
         wrong = server.generate(prompt="a fox")
         assert wrong.status_code == 400 and "makes videos; use /v1/videos" in wrong.text
+        paths = server.client.get("/openapi.json").json()["paths"]
+        assert "/v1/videos" in paths and "/v1/images/generations" not in paths  # only what the pipeline serves
+        assert paths["/v1/videos"]["post"]["requestBody"]["content"]["application/json"]["schema"]["properties"][
+            "frames"]["maximum"] == 10  # twice --frames 5
         frames_bad = server.client.post("/v1/videos", json={"prompt": "a fox", "frames": 0})
         assert frames_bad.status_code == 400 and "frames 0 is out of bounds" in frames_bad.text
     finally:
