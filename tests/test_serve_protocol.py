@@ -232,3 +232,37 @@ def test_the_limits_default_to_twice_what_the_server_was_started_for():
     given = serve_args("--max-side", "1024", "--max-steps", "50")
     assert (server_max_side(given), server_max_steps(given)) == (1024, 50)
     assert "1024x1024" not in "".join(f"{side}x{side}" for side in range(16, server_max_side(demo) + 1, 16))
+
+
+def test_an_error_no_endpoint_answers_is_a_counted_json_500_and_one_console_line(tmp_path, capsys):
+    import asyncio
+    import json
+
+    import httpx
+
+    from paradiff.cli.args import build_parser
+    from paradiff.serve.app import Frontend, HttpGuard, build_app
+
+    args = build_parser().parse_args(["serve", "--out", str(tmp_path)])
+    frontend = Frontend(args, "paradiff-demo")
+    app = build_app(frontend)
+
+    @app.get("/v1/broken")
+    async def broken():
+        raise RuntimeError("internal detail at /home/me/secret.py")
+
+    async def ask() -> httpx.Response:
+        transport = httpx.ASGITransport(app=HttpGuard(app, frontend))
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8000") as client:
+            return await client.get("/v1/broken")
+
+    answer = asyncio.run(ask())
+    frontend.stop()
+    assert answer.status_code == 500 and answer.headers["content-type"] == "application/json"
+    assert "secret" not in answer.text and answer.json()["error"]["type"] == "server_error"
+    assert 'paradiff_requests_total{status="500"} 1' in frontend.render_metrics()
+    logged = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    assert [(entry["status"], entry["request"]) for entry in logged] == [(500, "GET /v1/broken")]
+    console = capsys.readouterr().err
+    assert console.strip().splitlines() == [
+        "paradiff serve: internal error on GET /v1/broken: RuntimeError: internal detail at /home/me/secret.py"]
