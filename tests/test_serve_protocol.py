@@ -190,7 +190,8 @@ def test_the_header_guard_refuses_foreign_hosts_origins_and_bodies():
     for headers in (good, {**good, "host": "localhost:8000"}, {**good, "host": "[::1]:8000"},
                     {**good, "host": "proxy.internal"}, {**good, "origin": "https://app.example.com"},
                     {**good, "origin": "http://127.0.0.1:8000"}):
-        guard.check("POST", "/v1/images/generations", headers)
+        guard.check_sender(headers)
+        guard.check_body("POST", "/v1/images/generations", headers)
     for headers, status, words in [({**good, "host": "evil.example:8000"}, 403, "Host 'evil.example:8000'"),
                                    ({**good, "host": "127.0.0.1:9999"}, 403, "not served"),
                                    ({**good, "origin": "http://evil.example"}, 403, "--allow-origin"),
@@ -198,13 +199,14 @@ def test_the_header_guard_refuses_foreign_hosts_origins_and_bodies():
                                    ({**good, "content-type": "text/plain"}, 415, "'text/plain'"),
                                    ({"host": "127.0.0.1:8000"}, 415, "'missing'")]:
         with pytest.raises(RequestError, match=words) as caught:
-            guard.check("POST", "/v1/images/generations", headers)
+            guard.check_sender(headers)
+            guard.check_body("POST", "/v1/images/generations", headers)
         assert caught.value.status == status
-    guard.check("GET", "/health", {"host": "127.0.0.1:8000"})  # no body: no Content-Type needed
+    guard.check_body("GET", "/health", {"host": "127.0.0.1:8000"})  # no body: no Content-Type needed
     anywhere = RequestGuard("0.0.0.0", 8000, None, None)  # not on loopback: no Host check (the Origin one stays)
-    anywhere.check("GET", "/health", {"host": "gpu-box.example:8000"})
+    anywhere.check_sender({"host": "gpu-box.example:8000"})
     with pytest.raises(RequestError, match="not allowed"):
-        anywhere.check("GET", "/health", {"host": "gpu-box.example:8000", "origin": "http://evil.example"})
+        anywhere.check_sender({"host": "gpu-box.example:8000", "origin": "http://evil.example"})
 
 
 def test_a_client_gets_one_line_of_an_internal_error_without_paths():

@@ -278,7 +278,7 @@ class HttpGuard:
         preflight = method == "OPTIONS" and "access-control-request-method" in headers \
             and frontend.guard.allows_origin(headers.get("origin", ""))
         try:
-            frontend.guard.check(method, path, headers)
+            frontend.guard.check_sender(headers)
             if frontend.api_key and path not in OPEN_PATHS and not preflight:
                 given = headers.get("authorization", "")
                 if not hmac.compare_digest(given.encode(), f"Bearer {frontend.api_key}".encode()):
@@ -288,6 +288,7 @@ class HttpGuard:
             if length is not None and (not length.isdigit() or int(length) > max_body):
                 raise RequestError(413, f"the request body ({length} bytes) is larger than --max-body-bytes "
                                         f"{max_body}")
+            frontend.guard.check_body(method, path, headers)
         except RequestError as exc:
             return await frontend.refusal(exc.status, str(exc), f"{method} {path}")(scope, receive, send)
         try:

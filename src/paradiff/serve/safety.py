@@ -36,8 +36,8 @@ class RequestGuard:
         # a Host header is NAME or NAME:PORT; an --allow-host given with a port matches only that port
         self.hosts = names | {f"{name}:{port}" for name in names if not _has_port(name)}
 
-    def check(self, method: str, path: str, headers: dict[str, str]) -> None:
-        """RequestError (403 or 415) for a request that must not be served; None for one that may."""
+    def check_sender(self, headers: dict[str, str]) -> None:
+        """RequestError (403) for a request from a foreign Host or Origin; None for one that may be served."""
         host = headers.get("host", "").lower()
         if self.check_host and host not in self.hosts:
             raise RequestError(403, f"Host {host!r} is not served: this server answers on "
@@ -48,6 +48,10 @@ class RequestGuard:
                 and origin.rstrip("/").lower() not in self.allow_origins:
             raise RequestError(403, f"Origin {origin!r} is not allowed: a page of another site may not use this "
                                     "server (allow it with --allow-origin ORIGIN)")
+
+    @staticmethod
+    def check_body(method: str, path: str, headers: dict[str, str]) -> None:
+        """RequestError (415) for a body a JSON endpoint does not take."""
         if method == "POST" and path in JSON_ENDPOINTS:
             kind = headers.get("content-type", "").split(";")[0].strip().lower()
             if kind != "application/json":
