@@ -268,3 +268,39 @@ def test_an_error_no_endpoint_answers_is_a_counted_json_500_and_one_console_line
     console = capsys.readouterr().err
     assert console.strip().splitlines() == [
         "paradiff serve: internal error on GET /v1/broken: RuntimeError: internal detail at /home/me/secret.py"]
+
+
+def test_an_allowed_origin_gets_cors_answers_and_its_preflight_needs_no_key(tmp_path):
+    import asyncio
+
+    import httpx
+
+    from paradiff.cli.args import build_parser
+    from paradiff.serve.app import Frontend, HttpGuard, build_app
+
+    args = build_parser().parse_args(["serve", "--out", str(tmp_path), "--api-key", "k", "--allow-origin",
+                                      "https://app.example.com", "--allow-host", "proxy.internal"])
+    frontend = Frontend(args, "paradiff-demo")
+    allowed = {"Origin": "https://app.example.com"}
+
+    async def ask() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=HttpGuard(build_app(frontend), frontend))
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8000") as client:
+            preflight = {**allowed, "Access-Control-Request-Method": "POST",
+                         "Access-Control-Request-Headers": "authorization, content-type"}
+            return [await client.options("/v1/images/generations", headers=preflight),
+                    await client.get("/v1/models", headers={**allowed, "Authorization": "Bearer k"}),
+                    await client.get("/v1/models", headers={"Origin": "https://other.example",
+                                                            "Authorization": "Bearer k"}),
+                    await client.get("/health", headers={"Host": "proxy.internal"}),
+                    await client.options("/v1/images/generations", headers={"Origin": "https://other.example",
+                                                                            "Access-Control-Request-Method": "POST"})]
+
+    preflight, models, foreign, proxied, foreign_preflight = asyncio.run(ask())
+    frontend.stop()
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "https://app.example.com"
+    assert models.status_code == 200 and models.headers["access-control-allow-origin"] == "https://app.example.com"
+    assert foreign.status_code == 403 and "access-control-allow-origin" not in foreign.headers
+    assert proxied.status_code == 503 and proxied.json() == {"status": "loading"}  # served; nothing loaded here
+    assert foreign_preflight.status_code == 403
