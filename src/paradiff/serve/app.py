@@ -7,7 +7,10 @@ what rank 0's loop asks of them (the next round, the answers of a finished round
     GET  /v1/models               the one model served
     GET  /health                  {"status": "loading" | "ready" | "draining" | "failed"}; never needs the API key
     GET  /metrics                 Prometheus text
-    GET  /openapi.json, /docs     the schema
+    GET  /openapi.json, /docs     the schema of the loaded pipeline (schema.py)
+
+Every answer that is not a 200 is JSON in OpenAI's error shape, counted in /metrics and one line of requests.jsonl;
+HttpGuard refuses foreign hosts and origins, missing keys, large and non-JSON bodies before FastAPI reads them.
 """
 
 from __future__ import annotations
