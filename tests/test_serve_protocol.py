@@ -304,3 +304,18 @@ def test_an_allowed_origin_gets_cors_answers_and_its_preflight_needs_no_key(tmp_
     assert foreign.status_code == 403 and "access-control-allow-origin" not in foreign.headers
     assert proxied.status_code == 503 and proxied.json() == {"status": "loading"}  # served; nothing loaded here
     assert foreign_preflight.status_code == 403
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--allow-origin", "app.example.com"], "--allow-origin 'app.example.com': expected a page origin"),
+    (["--allow-origin", "https://app.example.com/page"], "SCHEME://HOST[:PORT] with no path"),
+    (["--read-timeout", "0"], "--read-timeout 0.0: expected seconds above 0"),
+    (["--steps", "9", "--max-steps", "8"], "--steps 9 is above --max-steps 8"),
+    (["--width", "256", "--max-side", "128"], "above --max-side 128"),
+])
+def test_the_server_flags_are_checked_before_anything_starts(argv, words):
+    from paradiff.cli.args import CliError, build_parser
+    from paradiff.cli.serve import check_serve_args
+
+    with pytest.raises(CliError, match=words.replace("[", r"\[").replace("(", r"\(")):
+        check_serve_args(build_parser().parse_args(["serve", *argv]))

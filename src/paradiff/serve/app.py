@@ -9,7 +9,7 @@ what rank 0's loop asks of them (the next round, the answers of a finished round
     GET  /metrics                 Prometheus text
     GET  /openapi.json, /docs     the schema of the loaded pipeline (schema.py)
 
-Every answer that is not a 200 is JSON in OpenAI's error shape, counted in /metrics and one line of requests.jsonl;
+Every error answer is JSON in OpenAI's error shape, counted in /metrics and one line of requests.jsonl;
 HttpGuard refuses foreign hosts and origins, missing keys, large and non-JSON bodies before FastAPI reads them.
 """
 
