@@ -9,6 +9,7 @@ import pytest
 
 from paradiff.serve.metrics import Metrics
 from paradiff.serve.protocol import Limits, RequestError, parse_image_request
+from paradiff.serve.safety import RequestGuard, public_message
 from paradiff.serve.scheduler import Scheduler
 
 LIMITS = Limits(max_n=4, max_steps=20, max_prompt_chars=100, max_side=256, default_size=(64, 64), default_steps=8,
@@ -172,3 +173,149 @@ def test_a_request_picks_among_the_servers_adapters():
     scheduler.submit(parse_image_request({"prompt": "x", "loras": {}}, limits))
     scheduler.submit(parse_image_request({"prompt": "x"}, limits))
     assert [len(batch) for batch in scheduler.next_round(1, 0)["batches"]] == [1]  # other adapters: no shared call
+
+
+def test_integral_json_numbers_are_integers():
+    request = parse_image_request({"prompt": "x", "n": 2.0, "steps": 3.0, "seed": 7.0}, LIMITS)
+    assert (request.n, request.steps, request.seed) == (2, 3, 7) and isinstance(request.n, int)
+    with pytest.raises(RequestError, match="n: expected an integer"):
+        parse_image_request({"prompt": "x", "n": 1.5}, LIMITS)
+    with pytest.raises(RequestError, match="user: expected a string"):
+        parse_image_request({"prompt": "x", "user": 5}, LIMITS)
+
+
+def test_the_header_guard_refuses_foreign_hosts_origins_and_bodies():
+    guard = RequestGuard("127.0.0.1", 8000, ["proxy.internal"], ["https://app.example.com"])
+    good = {"host": "127.0.0.1:8000", "content-type": "application/json; charset=utf-8"}
+    for headers in (good, {**good, "host": "localhost:8000"}, {**good, "host": "[::1]:8000"},
+                    {**good, "host": "proxy.internal"}, {**good, "origin": "https://app.example.com"},
+                    {**good, "origin": "http://127.0.0.1:8000"}):
+        guard.check_sender(headers)
+        guard.check_body("POST", "/v1/images/generations", headers)
+    for headers, status, words in [({**good, "host": "evil.example:8000"}, 403, "Host 'evil.example:8000'"),
+                                   ({**good, "host": "127.0.0.1:9999"}, 403, "not served"),
+                                   ({**good, "origin": "http://evil.example"}, 403, "--allow-origin"),
+                                   ({**good, "origin": "null"}, 403, "Origin 'null'"),
+                                   ({**good, "content-type": "text/plain"}, 415, "'text/plain'"),
+                                   ({"host": "127.0.0.1:8000"}, 415, "'missing'")]:
+        with pytest.raises(RequestError, match=words) as caught:
+            guard.check_sender(headers)
+            guard.check_body("POST", "/v1/images/generations", headers)
+        assert caught.value.status == status
+    guard.check_body("GET", "/health", {"host": "127.0.0.1:8000"})  # no body: no Content-Type needed
+    anywhere = RequestGuard("0.0.0.0", 8000, None, None)  # not on loopback: no Host check (the Origin one stays)
+    anywhere.check_sender({"host": "gpu-box.example:8000"})
+    with pytest.raises(RequestError, match="not allowed"):
+        anywhere.check_sender({"host": "gpu-box.example:8000", "origin": "http://evil.example"})
+
+
+def test_a_client_gets_one_line_of_an_internal_error_without_paths():
+    cause = ("rank 1: FileNotFoundError: [Errno 2] No such file or directory: '/home/me/models/flux/vae/x.bin'\n"
+             '  File "/usr/lib/python3.11/site-packages/diffusers/x.py", line 3')
+    assert public_message(cause) == "rank 1: FileNotFoundError: [Errno 2] No such file or directory: '.../x.bin'"
+    assert public_message("rank 1: RuntimeError: injected fault on rank 1") == \
+        "rank 1: RuntimeError: injected fault on rank 1"
+    assert len(public_message("x" * 5000)) == 300
+
+
+def test_the_limits_default_to_twice_what_the_server_was_started_for():
+    from paradiff.cli.args import build_parser, check_args
+    from paradiff.serve.app import server_max_frames, server_max_side, server_max_steps
+
+    def serve_args(*argv: str):
+        args = build_parser().parse_args(["serve", *argv])
+        check_args(args)
+        return args
+
+    demo = serve_args()
+    assert (server_max_side(demo), server_max_steps(demo), demo.max_n) == (128, 2 * demo.steps, 4)
+    video = build_parser().parse_args(["serve", "--frames", "9", "--width", "104", "--height", "64"])
+    assert (server_max_side(video), server_max_frames(video)) == (208, 18)
+    given = serve_args("--max-side", "1024", "--max-steps", "50")
+    assert (server_max_side(given), server_max_steps(given)) == (1024, 50)
+    assert "1024x1024" not in "".join(f"{side}x{side}" for side in range(16, server_max_side(demo) + 1, 16))
+
+
+def test_an_error_no_endpoint_answers_is_a_counted_json_500_and_one_console_line(tmp_path, capsys):
+    import asyncio
+    import json
+
+    import httpx
+
+    from paradiff.cli.args import build_parser
+    from paradiff.serve.app import Frontend, HttpGuard, build_app
+
+    args = build_parser().parse_args(["serve", "--out", str(tmp_path)])
+    frontend = Frontend(args, "paradiff-demo")
+    app = build_app(frontend)
+
+    @app.get("/v1/broken")
+    async def broken():
+        raise RuntimeError("internal detail at /home/me/secret.py")
+
+    async def ask() -> httpx.Response:
+        transport = httpx.ASGITransport(app=HttpGuard(app, frontend))
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8000") as client:
+            return await client.get("/v1/broken")
+
+    answer = asyncio.run(ask())
+    frontend.stop()
+    assert answer.status_code == 500 and answer.headers["content-type"] == "application/json"
+    assert "secret" not in answer.text and answer.json()["error"]["type"] == "server_error"
+    assert 'paradiff_requests_total{status="500"} 1' in frontend.render_metrics()
+    logged = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    assert [(entry["status"], entry["request"]) for entry in logged] == [(500, "GET /v1/broken")]
+    console = capsys.readouterr().err
+    assert console.strip().splitlines() == [
+        "paradiff serve: internal error on GET /v1/broken: RuntimeError: internal detail at /home/me/secret.py"]
+
+
+def test_an_allowed_origin_gets_cors_answers_and_its_preflight_needs_no_key(tmp_path):
+    import asyncio
+
+    import httpx
+
+    from paradiff.cli.args import build_parser
+    from paradiff.serve.app import Frontend, HttpGuard, build_app
+
+    args = build_parser().parse_args(["serve", "--out", str(tmp_path), "--api-key", "k", "--allow-origin",
+                                      "https://app.example.com", "--allow-host", "proxy.internal"])
+    frontend = Frontend(args, "paradiff-demo")
+    allowed = {"Origin": "https://app.example.com"}
+
+    async def ask() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=HttpGuard(build_app(frontend), frontend))
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8000") as client:
+            preflight = {**allowed, "Access-Control-Request-Method": "POST",
+                         "Access-Control-Request-Headers": "authorization, content-type"}
+            return [await client.options("/v1/images/generations", headers=preflight),
+                    await client.get("/v1/models", headers={**allowed, "Authorization": "Bearer k"}),
+                    await client.get("/v1/models", headers={"Origin": "https://other.example",
+                                                            "Authorization": "Bearer k"}),
+                    await client.get("/health", headers={"Host": "proxy.internal"}),
+                    await client.options("/v1/images/generations", headers={"Origin": "https://other.example",
+                                                                            "Access-Control-Request-Method": "POST"})]
+
+    preflight, models, foreign, proxied, foreign_preflight = asyncio.run(ask())
+    frontend.stop()
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "https://app.example.com"
+    assert models.status_code == 200 and models.headers["access-control-allow-origin"] == "https://app.example.com"
+    assert foreign.status_code == 403 and "access-control-allow-origin" not in foreign.headers
+    assert proxied.status_code == 503 and proxied.json() == {"status": "loading"}  # served; nothing loaded here
+    assert foreign_preflight.status_code == 403
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--allow-origin", "app.example.com"], "--allow-origin 'app.example.com': expected a page origin"),
+    (["--allow-origin", "https://app.example.com/page"], "SCHEME://HOST[:PORT] with no path"),
+    (["--read-timeout", "0"], "--read-timeout 0.0: expected seconds above 0"),
+    (["--steps", "9", "--max-steps", "8"], "--steps 9 is above --max-steps 8"),
+    (["--width", "256", "--max-side", "128"], "above --max-side 128"),
+])
+def test_the_server_flags_are_checked_before_anything_starts(argv, words):
+    from paradiff.cli.args import CliError, build_parser
+    from paradiff.cli.serve import check_serve_args
+
+    with pytest.raises(CliError, match=words.replace("[", r"\[").replace("(", r"\(")):
+        check_serve_args(build_parser().parse_args(["serve", *argv]))

@@ -196,10 +196,26 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", type=_positive, default=64, help="waiting requests before new ones get 503")
     serve.add_argument("--request-timeout", type=float, default=600.0,
                        help="seconds from acceptance to answer; a request past it gets 504")
-    serve.add_argument("--max-steps", type=_positive, default=50, help="the most steps a request may ask")
-    serve.add_argument("--max-n", type=_positive, default=4, help="the most images one request may ask")
-    serve.add_argument("--max-side", type=_positive, default=2048, help="the largest width or height a request may ask")
-    serve.add_argument("--max-body-bytes", type=_positive, default=1 << 20, help="largest request body (413 above)")
+    serve.add_argument("--max-steps", type=_positive, default=None,
+                       help="the most steps a request may ask (default: twice --steps)")
+    serve.add_argument("--max-n", type=_positive, default=4, help="the most images one request may ask (default 4)")
+    serve.add_argument("--max-side", type=_positive, default=None,
+                       help="the largest width or height a request may ask (default: twice the larger of --width "
+                            "and --height, 128 for the embedded pipeline)")
+    serve.add_argument("--max-frames", type=_positive, default=None,
+                       help="the most frames a video request may ask (default: twice --frames; 257 without --frames)")
+    serve.add_argument("--max-body-bytes", type=_positive, default=1 << 20,
+                       help="largest request body (413 above; default 1 MiB)")
+    serve.add_argument("--read-timeout", type=float, default=10.0,
+                       help="seconds a client has to send a request's headers, and then its body (default 10): a "
+                            "slower connection is closed, a slower body answered 408")
+    serve.add_argument("--allow-origin", action="append", default=None, metavar="ORIGIN",
+                       help="a web page origin (e.g. https://app.example.com) whose browser requests are served, "
+                            "with CORS headers; repeatable; by default requests that name another site's Origin "
+                            "get 403")
+    serve.add_argument("--allow-host", action="append", default=None, metavar="NAME[:PORT]",
+                       help="a Host name served besides localhost, 127.0.0.1 and [::1] when bound to loopback (a "
+                            "reverse proxy's name); repeatable; other Host headers get 403 (DNS rebinding)")
     serve.add_argument("--out", default="out/serve",
                        help="the server's folder: requests.jsonl, one line per answered request (nothing else is "
                             "written there, and no request names a path)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from typing import Any, Callable
 
 from paradiff.cli.args import CliError
@@ -22,10 +23,18 @@ def check_serve_args(args: argparse.Namespace) -> None:
         raise CliError(f"--batch-window {args.batch_window}: expected seconds from 0 to 10")
     if args.request_timeout <= 0:
         raise CliError(f"--request-timeout {args.request_timeout}: expected a number of seconds > 0")
-    if args.steps > args.max_steps:
+    if args.max_steps is not None and args.steps > args.max_steps:
         raise CliError(f"--steps {args.steps} is above --max-steps {args.max_steps}")
-    if max(args.width, args.height) > args.max_side:
+    if args.max_side is not None and max(args.width, args.height) > args.max_side:
         raise CliError(f"--width {args.width} / --height {args.height}: above --max-side {args.max_side}")
+    if args.max_frames is not None and args.frames is not None and args.frames > args.max_frames:
+        raise CliError(f"--frames {args.frames} is above --max-frames {args.max_frames}")
+    if not 0 < args.read_timeout <= 600:
+        raise CliError(f"--read-timeout {args.read_timeout}: expected seconds above 0, at most 600")
+    for origin in args.allow_origin or ():
+        if not re.fullmatch(r"https?://[^/\s]+", origin):
+            raise CliError(f"--allow-origin {origin!r}: expected a page origin, SCHEME://HOST[:PORT] with no path, "
+                           "e.g. https://app.example.com")
     if args.api_key is not None and not args.api_key.strip():
         raise CliError("--api-key is empty; give a key, or leave the flag out for a server without one")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not (args.api_key or os.environ.get("PARADIFF_API_KEY")):

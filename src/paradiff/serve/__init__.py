@@ -3,6 +3,9 @@
     protocol.py   what a request may ask (OpenAI's image fields plus paradiff's) and its checks, as 4xx errors
     scheduler.py  the bounded queue: deadlines, batching of compatible requests, one batch per replica per round
     metrics.py    counters and the latency histogram, as Prometheus text
+    safety.py     what is refused before a body is read (Host, Origin, Content-Type, slow clients); error messages
+                  without internal details
+    schema.py     the OpenAPI document of the loaded pipeline (bounds, patterns, error answers)
     app.py        the HTTP endpoints (FastAPI), on rank 0
     ranks.py      the loop every rank runs: rank 0 decides each round and broadcasts it; recovery after a fault
 

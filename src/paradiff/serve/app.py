@@ -7,7 +7,10 @@ what rank 0's loop asks of them (the next round, the answers of a finished round
     GET  /v1/models               the one model served
     GET  /health                  {"status": "loading" | "ready" | "draining" | "failed"}; never needs the API key
     GET  /metrics                 Prometheus text
-    GET  /openapi.json, /docs     the schema
+    GET  /openapi.json, /docs     the schema of the loaded pipeline (schema.py)
+
+Every error answer is JSON in OpenAI's error shape, counted in /metrics and one line of requests.jsonl;
+HttpGuard refuses foreign hosts and origins, missing keys, large and non-JSON bodies before FastAPI reads them.
 """
 
 from __future__ import annotations
@@ -26,10 +29,14 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from paradiff.cli.report import say
 from paradiff.serve.metrics import Metrics
-from paradiff.serve.protocol import IMAGE_FIELDS, VIDEO_FIELDS, Limits, RequestError, parse_image_request
+from paradiff.serve.protocol import Limits, RequestError, parse_image_request
+from paradiff.serve.safety import RequestGuard, public_message, timed_h11_protocol
+from paradiff.serve.schema import openapi_document
 from paradiff.serve.scheduler import Job, Scheduler
 
 OPEN_PATHS = ("/health",)
@@ -57,6 +64,7 @@ class Frontend:
         self.closing = False
         self.generation = 0
         self.metrics = Metrics()
+        self.guard = RequestGuard(args.host, args.port, args.allow_host, args.allow_origin)
         self.limits: Limits | None = None
         self.scheduler = Scheduler(max_queue=args.max_queue, max_batch=args.max_batch,
                                    request_timeout_s=args.request_timeout, on_finish=self._on_finish,
@@ -72,8 +80,10 @@ class Frontend:
     def start(self) -> "Frontend":
         import uvicorn
 
-        config = uvicorn.Config(build_app(self), host=self.args.host, port=self.args.port, log_level="warning",
-                                access_log=False, lifespan="off", timeout_graceful_shutdown=5)
+        config = uvicorn.Config(HttpGuard(build_app(self), self), host=self.args.host, port=self.args.port,
+                                log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5,
+                                http=timed_h11_protocol(self.args.read_timeout), timeout_keep_alive=5,
+                                h11_max_incomplete_event_size=MAX_HEADER_BYTES)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="paradiff-http", daemon=True)
         self._thread.start()
@@ -95,11 +105,12 @@ class Frontend:
     def ready(self, info: dict, summaries: list[dict], generation: int) -> None:
         args = self.args
         steps = args.steps
-        self.limits = Limits(max_n=args.max_n, max_steps=max(args.max_steps, steps), max_side=args.max_side,
-                             default_size=(args.width, args.height), default_steps=steps,
-                             default_guidance=args.guidance_scale, default_true_cfg=args.true_cfg_scale,
-                             default_frames=args.frames, default_fps=args.fps, model_name=self.model_name,
-                             kind=info["kind"], accepts=info["accepts"], adapters=info["adapters"])
+        self.limits = Limits(max_n=args.max_n, max_side=server_max_side(args), max_steps=server_max_steps(args),
+                             max_frames=server_max_frames(args), default_size=(args.width, args.height),
+                             default_steps=steps, default_guidance=args.guidance_scale,
+                             default_true_cfg=args.true_cfg_scale, default_frames=args.frames, default_fps=args.fps,
+                             model_name=self.model_name, kind=info["kind"], accepts=info["accepts"],
+                             adapters=info["adapters"])
         self.replicas = info["replicas"]
         self.metrics.memory({s["rank"]: s["memory"] for s in summaries})
         self.generation = generation
@@ -146,7 +157,9 @@ class Frontend:
                     result = channel.get("result", item["id"])
                     self.scheduler.complete(item["id"], 200, result)
                 else:
-                    self.scheduler.complete(item["id"], 500, f"the request failed in the pipeline: {cause}")
+                    # the whole cause is on the console (fault() above); the client gets its first line, paths cut
+                    self.scheduler.complete(item["id"], 500,
+                                            f"the request failed in the pipeline: {public_message(cause)}")
         self._current = None
 
     # -- the HTTP side ------------------------------------------------------------------------------------------
@@ -170,13 +183,13 @@ class Frontend:
 
     async def generate(self, body: Any, kind: str) -> tuple[int, dict]:
         if self.health != "ready" or self.limits is None:
-            return _error(503, f"the server is {self.health}; retry when GET /health says ready")
+            return self.refused(503, f"the server is {self.health}; retry when GET /health says ready",
+                                f"POST {_endpoint(kind)}")
         try:
             request = parse_image_request(body, self.limits, kind)
             job = self.scheduler.submit(request)
         except RequestError as exc:
-            self.metrics.request_done(exc.status)
-            return _error(exc.status, str(exc))
+            return self.refused(exc.status, str(exc), f"POST {_endpoint(kind)}")
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         job.add_done_callback(lambda: loop.call_soon_threadsafe(_settle, done))
@@ -190,6 +203,20 @@ class Frontend:
                                                                          if kind == "video" else {})}
                 for file in job.result["files"]]
         return 200, {"created": int(job.accepted_wall), "data": data}
+
+    def refused(self, status: int, message: str, what: str) -> tuple[int, dict]:
+        """A request answered with an error before it reached the queue: counted in /metrics, one line of
+        requests.jsonl (`what`: "METHOD PATH"), and the JSON error answer."""
+        self.metrics.request_done(status)
+        entry = {"id": None, "status": status, "request": what, "accepted": time.time(), "error": message}
+        with self._log_lock:
+            if not self._log.closed:
+                self._log.write(json.dumps(entry) + "\n")
+        return _error(status, message)
+
+    def refusal(self, status: int, message: str, what: str, headers: dict | None = None) -> JSONResponse:
+        status, body = self.refused(status, message, what)
+        return JSONResponse(body, status_code=status, headers=headers)
 
     def models(self) -> dict:
         adapters = [{"name": name, "scale": scale} for name, scale in (self.limits.adapters if self.limits else ())]
@@ -207,52 +234,117 @@ def _settle(future: asyncio.Future) -> None:
 
 
 def _error(status: int, message: str) -> tuple[int, dict]:
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}} (code: the HTTP status)."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return status, {"error": {"message": message, "type": kind, "code": status}}
+    return status, {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
 
-def _schema(fields: set[str], video: bool) -> dict:
-    """The request body's JSON schema, for the OpenAPI document (the checks themselves are protocol.py's)."""
-    types = {"prompt": "string", "negative_prompt": "string", "model": "string", "size": "string",
-             "response_format": "string", "user": "string", "n": "integer", "seed": "integer", "steps": "integer",
-             "frames": "integer", "fps": "integer", "guidance": "number", "true_cfg_scale": "number",
-             "loras": "object"}
-    return {"type": "object", "required": ["prompt"], "additionalProperties": False,
-            "properties": {name: {"type": types[name]} for name in sorted(fields)},
-            "description": "size is 'WIDTHxHEIGHT'; response_format only 'b64_json'" + (
-                "; answered with base64 MP4 files" if video else "")}
+def _endpoint(kind: str) -> str:
+    return "/v1/images/generations" if kind == "image" else "/v1/videos"
+
+
+MAX_HEADER_BYTES = 16 * 1024  # the request line and headers; above it uvicorn answers 400 and closes
+
+
+def server_max_side(args: argparse.Namespace) -> int:
+    """--max-side, or twice the server's default size (rounded down to a multiple of 16): a request may not ask for
+    more than four times the pixels the server was started for."""
+    return args.max_side if args.max_side is not None else max(16, 2 * max(args.width, args.height) // 16 * 16)
+
+
+def server_max_steps(args: argparse.Namespace) -> int:
+    """--max-steps, or twice the server's default steps."""
+    return args.max_steps if args.max_steps is not None else 2 * args.steps
+
+
+def server_max_frames(args: argparse.Namespace) -> int:
+    """--max-frames, or twice --frames (257 where the pipeline's own default count is used)."""
+    if args.max_frames is not None:
+        return args.max_frames
+    return 2 * args.frames if args.frames else 257
+
+
+class HttpGuard:
+    """The ASGI application uvicorn runs: the header checks (safety.py), the API key and the body's announced size
+    before FastAPI sees a request; and an error no endpoint answered as one console line instead of a traceback
+    (FastAPI has answered it already, with the JSON of `internal_error`)."""
+
+    def __init__(self, app: FastAPI, frontend: Frontend) -> None:
+        self.app, self.frontend = app, frontend
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        frontend = self.frontend
+        headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
+        method, path = scope["method"], scope["path"]
+        preflight = method == "OPTIONS" and "access-control-request-method" in headers \
+            and frontend.guard.allows_origin(headers.get("origin", ""))
+        try:
+            frontend.guard.check_sender(headers)
+            if frontend.api_key and path not in OPEN_PATHS and not preflight:
+                given = headers.get("authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {frontend.api_key}".encode()):
+                    raise RequestError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'")
+            length = headers.get("content-length")
+            max_body = frontend.args.max_body_bytes
+            if length is not None and (not length.isdigit() or int(length) > max_body):
+                raise RequestError(413, f"the request body ({length} bytes) is larger than --max-body-bytes "
+                                        f"{max_body}")
+            frontend.guard.check_body(method, path, headers)
+        except RequestError as exc:
+            return await frontend.refusal(exc.status, str(exc), f"{method} {path}")(scope, receive, send)
+        try:
+            await self.app(scope, receive, send)
+        except Exception as exc:  # noqa: BLE001 - answered (500, JSON) by internal_error; said once, here
+            say(f"paradiff serve: internal error on {method} {path}: {type(exc).__name__}: {exc}")
 
 
 def build_app(frontend: Frontend) -> FastAPI:
     import paradiff
 
-    app = FastAPI(title="paradiff serve", version=getattr(paradiff, "__version__", "0"),
+    version = getattr(paradiff, "__version__", "0")
+    app = FastAPI(title="paradiff serve", version=version,
                   description="A diffusers pipeline split over a device mesh, loaded once.")
-    max_body = frontend.args.max_body_bytes
+    # the schema of the loaded pipeline: its one generation endpoint, its bounds (schema.py)
+    app.openapi = lambda: openapi_document(frontend.limits, app.title, version, bool(frontend.api_key))
+    max_body, read_timeout = frontend.args.max_body_bytes, frontend.args.read_timeout
+    if frontend.args.allow_origin:
+        from starlette.middleware.cors import CORSMiddleware
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if frontend.api_key and request.url.path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {frontend.api_key}".encode()):
-                frontend.metrics.request_done(401)
-                status, body = _error(401, "missing or wrong API key: send 'Authorization: Bearer KEY'")
-                return JSONResponse(body, status_code=status)
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > max_body):
-            frontend.metrics.request_done(413)
-            status, body = _error(413, f"the request body ({length} bytes) is larger than --max-body-bytes {max_body}")
-            return JSONResponse(body, status_code=status)
-        return await call_next(request)
+        app.add_middleware(CORSMiddleware, allow_origins=frontend.args.allow_origin, allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):  # no such path (404), another method (405)
+        message = {404: f"no endpoint {request.url.path}; docs/serve.md lists them",
+                   405: f"{request.url.path} does not take {request.method}"}.get(exc.status_code, str(exc.detail))
+        return frontend.refusal(exc.status_code, message, f"{request.method} {request.url.path}", exc.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):  # said on the console by HttpGuard
+        return frontend.refusal(500, "internal server error (the server's console names it)",
+                                f"{request.method} {request.url.path}")
 
     async def body_of(request: Request) -> Any:
-        raw = b""
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > max_body:
-                raise RequestError(413, f"the request body is larger than --max-body-bytes {max_body}")
+        raw = bytearray()
+
+        async def read() -> None:
+            async for chunk in request.stream():
+                raw.extend(chunk)
+                if len(raw) > max_body:
+                    raise RequestError(413, f"the request body is larger than --max-body-bytes {max_body}")
+
+        try:
+            await asyncio.wait_for(read(), timeout=read_timeout)
+        except asyncio.TimeoutError:
+            raise RequestError(408, f"the body was not received within --read-timeout {read_timeout:g} s") from None
+        except ClientDisconnect:
+            raise RequestError(499, "the client disconnected before its body was received") from None
         try:
             return json.loads(raw)
+        except RecursionError:
+            raise RequestError(400, "the body is not JSON this server reads: nested too deeply") from None
         except ValueError as exc:
             raise RequestError(400, f"the body is not JSON: {exc}") from None
 
@@ -260,19 +352,15 @@ def build_app(frontend: Frontend) -> FastAPI:
         try:
             body = await body_of(request)
         except RequestError as exc:
-            frontend.metrics.request_done(exc.status)
-            status, payload = _error(exc.status, str(exc))
-            return JSONResponse(payload, status_code=status)
+            return frontend.refusal(exc.status, str(exc), f"POST {_endpoint(kind)}")
         status, payload = await frontend.generate(body, kind)
         return JSONResponse(payload, status_code=status)
 
-    @app.post("/v1/images/generations", openapi_extra={"requestBody": {"required": True, "content": {
-        "application/json": {"schema": _schema(IMAGE_FIELDS, False)}}}})
+    @app.post("/v1/images/generations")
     async def images(request: Request):
         return await answer(request, "image")
 
-    @app.post("/v1/videos", openapi_extra={"requestBody": {"required": True, "content": {
-        "application/json": {"schema": _schema(VIDEO_FIELDS, True)}}}})
+    @app.post("/v1/videos")
     async def videos(request: Request):
         return await answer(request, "video")
 

@@ -68,8 +68,16 @@ class ImageRequest:
         return [self.seed + i for i in range(self.n)]
 
 
+def _whole(value: Any) -> Any:
+    """An integral JSON number as an int (JSON, and JSON Schema's "integer", make no difference between 1 and 1.0);
+    anything else as it is."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
 def _integer(body: dict, name: str, default: int, low: int, high: int) -> int:
-    value = body.get(name, default)
+    value = _whole(body.get(name, default))
     if isinstance(value, bool) or not isinstance(value, int):
         raise RequestError(400, f"{name}: expected an integer from {low} to {high}, got {value!r}")
     if not low <= value <= high:
@@ -110,6 +118,9 @@ def parse_image_request(body: Any, limits: Limits, kind: str = "image") -> Image
     model = body.get("model")
     if model is not None and model != limits.model_name:
         raise RequestError(404, f"model {model!r} is not served here; this server serves {limits.model_name!r}")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise RequestError(400, f"user: expected a string, got {user!r}")
     response_format = body.get("response_format", "b64_json")
     if response_format != "b64_json":
         raise RequestError(400, f"response_format {response_format!r}: only 'b64_json' is served (no URLs)")
@@ -117,7 +128,7 @@ def parse_image_request(body: Any, limits: Limits, kind: str = "image") -> Image
     negative = body.get("negative_prompt")
     if negative is not None and (not isinstance(negative, str) or len(negative) > limits.max_prompt_chars):
         raise RequestError(400, f"negative_prompt: expected a string of at most {limits.max_prompt_chars} characters")
-    seed = body.get("seed", 0)
+    seed = _whole(body.get("seed", 0))
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise RequestError(400, f"seed: expected an integer from 0 to 2**63 - 1, got {seed!r}")
     loras = _loras(body.get("loras"), limits)

@@ -1,0 +1,116 @@
+"""The OpenAPI document of `paradiff serve`, from the loaded pipeline's limits: the generation endpoint it serves
+(images or videos, not both), each field's bounds and pattern as protocol.py checks them, and every error answer.
+A client (or a fuzzer) that sends what the schema allows gets 200; anything else gets a documented 4xx."""
+
+from __future__ import annotations
+
+from paradiff.serve.protocol import CALL_PARAMETERS, IMAGE_FIELDS, VIDEO_FIELDS, Limits
+
+ERRORS = {400: "a field is missing, of the wrong type or out of bounds (the message names it and what is valid)",
+          401: "missing or wrong API key", 403: "a foreign Host or Origin", 404: "no such path, or another model",
+          405: "the path takes another method", 408: "the body was not sent within --read-timeout",
+          413: "the body is larger than --max-body-bytes", 415: "the body is not application/json",
+          500: "the pipeline failed on this request", 503: "loading, draining, failed, or the queue is full",
+          504: "not answered within --request-timeout"}
+GENERATION_ERRORS = (400, 401, 403, 404, 405, 408, 413, 415, 500, 503, 504)
+READ_ERRORS = (401, 403, 404, 405)
+NULLABLE = ("negative_prompt", "model", "size", "guidance", "true_cfg_scale", "loras", "frames", "user")
+
+
+def size_pattern(limits: Limits) -> str:
+    """'WIDTHxHEIGHT', each a multiple of size_multiple up to max_side, as a regular expression."""
+    sides = "|".join(str(side) for side in range(limits.size_multiple, limits.max_side + 1, limits.size_multiple))
+    return f"^({sides})x({sides})$"
+
+
+def request_schema(limits: Limits, kind: str) -> dict:
+    """The body of POST /v1/images/generations (kind "image") or /v1/videos ("video")."""
+    fields = IMAGE_FIELDS if kind == "image" else VIDEO_FIELDS
+    fields = {name for name in fields if name not in CALL_PARAMETERS or CALL_PARAMETERS[name] in limits.accepts}
+    text = {"type": "string", "maxLength": limits.max_prompt_chars}
+    adapters = [name for name, _ in limits.adapters]
+    properties = {
+        "prompt": {**text, "minLength": 1, "pattern": r"\S", "description": "at least one non-space character"},
+        "negative_prompt": text,
+        "model": {"type": "string", "enum": [limits.model_name]},
+        "n": {"type": "integer", "minimum": 1, "maximum": limits.max_n, "default": 1},
+        "size": {"type": "string", "pattern": size_pattern(limits),
+                 "default": f"{limits.default_size[0]}x{limits.default_size[1]}",
+                 "description": f"WIDTHxHEIGHT, multiples of {limits.size_multiple} up to {limits.max_side}"},
+        "response_format": {"type": "string", "enum": ["b64_json"]},
+        "user": {"type": "string"},
+        "seed": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1, "default": 0,
+                 "description": "image i of the request uses seed + i"},
+        "steps": {"type": "integer", "minimum": 1, "maximum": limits.max_steps, "default": limits.default_steps},
+        "guidance": {"type": "number", "minimum": 0, "maximum": 100},
+        "true_cfg_scale": {"type": "number", "minimum": 0, "maximum": 100},
+        "loras": {"type": "object", "additionalProperties": {"type": "number", "minimum": -10, "maximum": 10},
+                  **({"propertyNames": {"enum": adapters}} if adapters else {"maxProperties": 0}),
+                  "description": "{adapter: scale} among the adapters loaded with --lora; absent: all of them"},
+        "frames": {"type": "integer", "minimum": 1, "maximum": limits.max_frames},
+        "fps": {"type": "integer", "minimum": 1, "maximum": 120, "default": limits.default_fps},
+    }
+    for name in NULLABLE:  # null is the default, as in OpenAI's API
+        properties[name] = {**properties[name], "type": [properties[name]["type"], "null"]}
+        if "enum" in properties[name]:
+            properties[name]["enum"] = [*properties[name]["enum"], None]
+    return {"type": "object", "required": ["prompt"], "additionalProperties": False,
+            "properties": {name: properties[name] for name in sorted(fields)}}
+
+
+def _error_schema() -> dict:
+    return {"type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}}
+
+
+def _responses(ok: dict, errors: tuple[int, ...], secured: bool) -> dict:
+    answers = {"200": ok}
+    for status in errors:
+        if status != 401 or secured:
+            answers[str(status)] = {"description": ERRORS[status], "content": {
+                "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    return answers
+
+
+def openapi_document(limits: Limits | None, title: str, version: str, secured: bool) -> dict:
+    """The schema; before the pipeline is loaded (limits None) it lists only the endpoints that need no pipeline."""
+    files = {"type": "object", "required": ["created", "data"], "properties": {
+        "created": {"type": "integer"},
+        "data": {"type": "array", "items": {"type": "object", "required": ["b64_json"], "properties": {
+            "b64_json": {"type": "string"}, "mime_type": {"type": "string"}}}}}}
+    status = {"type": "object", "required": ["status"], "properties": {
+        "status": {"type": "string", "enum": ["loading", "ready", "draining", "failed"]}}}
+    models = {"type": "object", "required": ["object", "data"], "properties": {
+        "object": {"type": "string"}, "data": {"type": "array", "items": {"type": "object"}}}}
+    json_of = {"content": {"application/json": {"schema": status}}}
+    paths = {
+        "/health": {"get": {"summary": "ready, loading, draining or failed (never needs the key)", "security": [],
+                            "responses": {"200": {"description": "ready", **json_of},
+                                          "503": {"description": "loading, draining or failed", **json_of},
+                                          **{k: v for k, v in _responses({}, (403, 405), False).items()
+                                             if k != "200"}}}},
+        "/metrics": {"get": {"summary": "Prometheus text", "responses": _responses(
+            {"description": "counters, gauges and the latency histogram",
+             "content": {"text/plain": {"schema": {"type": "string"}}}}, READ_ERRORS, secured)}},
+        "/v1/models": {"get": {"summary": "the one model served", "responses": _responses(
+            {"description": "the model and its adapters", "content": {"application/json": {"schema": models}}},
+            READ_ERRORS, secured)}},
+    }
+    if limits is not None:
+        path = "/v1/images/generations" if limits.kind == "image" else "/v1/videos"
+        what = "PNG images" if limits.kind == "image" else "MP4 videos"
+        paths[path] = {"post": {
+            "summary": f"generate {what} (base64)",
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": request_schema(limits, limits.kind)}}},
+            "responses": _responses({"description": f"the {what}, base64",
+                                     "content": {"application/json": {"schema": files}}},
+                                    GENERATION_ERRORS, secured)}}
+    document = {"openapi": "3.1.0", "info": {"title": title, "version": version}, "paths": paths,
+                "components": {"schemas": {"Error": _error_schema()}}}
+    if secured:
+        document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        document["security"] = [{"bearer": []}]
+    return document
