@@ -43,9 +43,11 @@ def test_generate_help_describes_each_option_with_its_default(capsys, option, de
 
 def test_serve_help_shows_the_defaults(capsys):
     text = _help(capsys, "serve")
-    for option, default in (("--port", "8000"), ("--max-queue", "64"), ("--max-steps", "50"), ("--max-n", "4"),
-                            ("--max-side", "2048"), ("--request-timeout", "600.0"), ("--out", "out/serve")):
+    for option, default in (("--port", "8000"), ("--max-queue", "64"), ("--max-n", "4"),
+                            ("--request-timeout", "600.0"), ("--out", "out/serve")):
         assert f"(default: {default})" in _option_help(text, option), option
+    for option in ("--max-steps", "--max-side", "--max-frames"):  # from what the server was started with
+        assert "(default: twice" in _option_help(text, option), option
 
 
 def test_version(capsys):

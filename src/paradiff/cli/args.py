@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds from acceptance to answer; a request past it gets 504")
     serve.add_argument("--max-steps", type=_positive, default=None,
                        help="the most steps a request may ask (default: twice --steps)")
-    serve.add_argument("--max-n", type=_positive, default=4, help="the most images one request may ask (default 4)")
+    serve.add_argument("--max-n", type=_positive, default=4, help="the most images one request may ask")
     serve.add_argument("--max-side", type=_positive, default=None,
                        help="the largest width or height a request may ask (default: twice the larger of --width "
                             "and --height, 128 for the embedded pipeline)")
