@@ -15,6 +15,7 @@ every worker when one fails; under torchrun (multi-node included) it uses the gi
     compare.py   `--compare`: the single-process reference
     bench.py     `paradiff bench`
     plans.py     `paradiff check-plan` and `paradiff plans`
+    plan.py      `paradiff plan`: predicted meshes from the cost model
     embedded.py  the pipeline used when no model is given
 """
 
@@ -46,6 +47,10 @@ def main(argv: list[str] | None = None, *, worker_module: str = WORKER_MODULE,
             from paradiff.cli.plans import check_plan_command, plans_command
 
             return check_plan_command(args) if args.command == "check-plan" else plans_command(args)
+        if args.command == "plan":
+            from paradiff.cli.plan import plan_command
+
+            return plan_command(args)
         if args.command == "bench":
             from paradiff.cli.bench import bench
 

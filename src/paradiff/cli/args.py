@@ -176,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     plans.add_argument("--markdown", action="store_true", help="the coverage table as Markdown (docs/coverage.md)")
     plans.add_argument("--pipelines", action="store_true",
                        help="the pipeline coverage table instead (docs/pipeline-coverage.md)")
+    from paradiff.cli.plan import add_plan_parser
+
+    add_plan_parser(commands)
     return parser
 
 
