@@ -200,7 +200,7 @@ def _reason(feasible: list[Prediction], every: list[Prediction]) -> str:
     runner = next((p for p in feasible[1:] if p.mesh.fsdp == 1 or best.mesh.fsdp > 1), None)
     if runner is not None:
         parts.append(f"next {runner.mesh.name} at {runner.latency_s:.2f} s "
-                     f"(+{(runner.latency_s / best.latency_s - 1) * 100:.0f}%)")
+                     f"(+{max(0.0, runner.latency_s / best.latency_s - 1) * 100:.0f}%)")
     compute_share = best.compute_s / (best.compute_s + best.comm_s) if best.compute_s + best.comm_s else 1.0
     parts.append(f"{compute_share:.0%} of its forward is compute")
     excluded = len(every) - len(feasible)
