@@ -189,3 +189,25 @@ def test_calibration_measures_every_collective_through_comm(pools):
     profile = profile_from(results, world=2, device="cpu", dtypes=("float32",), notes="tiny")
     assert profile.link("all_reduce", 2).bandwidth == min(r["links"]["all_reduce"]["bandwidth"] for r in results)
     assert HardwareProfile.from_dict(json.loads(profile.to_json())) == profile
+
+
+def test_parallel_auto_writes_the_recommended_degrees_into_the_workers_argv(capsys):
+    from paradiff.cli.args import CliError, build_parser
+    from paradiff.cli.embedded import embedded_default
+    from paradiff.cli.plan import resolve_auto_parallel
+    from paradiff.plan_tools.hardware import load_profile
+
+    argv = ["generate", "--parallel", "auto", "--world", "2", "--steps", "3", "--profile=rtx4090"]
+    args = build_parser().parse_args(argv)
+    out = resolve_auto_parallel(args, argv)
+    expected = plan(str(embedded_default()), height=64, width=64, steps=3, world=2, profile=load_profile("rtx4090"))
+    mesh = next(p.mesh for p in expected.predictions if p.feasible and p.mesh.fsdp == 1)
+    assert out == ["generate", "--steps", "3", "--tp", str(mesh.tp), "--ulysses", str(mesh.ulysses), "--ring",
+                   str(mesh.ring), "--cfg", str(mesh.cfg), "--dp", str(mesh.data)]
+    assert (args.tp, args.ulysses, args.ring, args.cfg, args.dp) == (mesh.tp, mesh.ulysses, mesh.ring, mesh.cfg,
+                                                                     mesh.data)
+    assert f"--parallel auto on 2 ranks (rtx4090): {mesh.name}" in capsys.readouterr().err
+    with pytest.raises(CliError, match=r"picks the degrees itself: drop --tp 2"):
+        resolve_auto_parallel(build_parser().parse_args(["generate", "--parallel", "auto", "--tp", "2"]), [])
+    with pytest.raises(CliError, match=r"needs the number of ranks: add --world N"):
+        resolve_auto_parallel(build_parser().parse_args(["generate", "--parallel", "auto"]), [])

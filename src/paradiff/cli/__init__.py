@@ -56,6 +56,10 @@ def main(argv: list[str] | None = None, *, worker_module: str = WORKER_MODULE,
 
             return bench(args, lambda run_argv: main(run_argv, worker_module=worker_module,
                                                      on_pipeline_loaded=on_pipeline_loaded))
+        if getattr(args, "parallel", None) == "auto":
+            from paradiff.cli.plan import resolve_auto_parallel
+
+            argv = resolve_auto_parallel(args, argv)
         check_args(args)
         if args.command == "serve":
             from paradiff.cli.serve import check_serve_args

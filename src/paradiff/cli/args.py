@@ -36,6 +36,13 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     gen.add_argument("--ring", type=_positive, default=1)
     gen.add_argument("--cfg", type=_positive, default=1)
     gen.add_argument("--dp", type=_positive, default=1)
+    gen.add_argument("--parallel", choices=("auto",), default=None,
+                     help="'auto': take the degrees `paradiff plan` recommends for this model, size and --world "
+                          "(docs/plan.md)")
+    gen.add_argument("--world", type=_positive, default=None,
+                     help="with --parallel auto: how many ranks (default: torchrun's WORLD_SIZE)")
+    gen.add_argument("--profile", default="h100-sxm",
+                     help="with --parallel auto: the hardware profile to plan with (a built-in name or a file)")
     gen.add_argument("--steps", type=_positive, default=None,
                      help="denoising steps (default 4; 8 for the embedded pipeline)")
     gen.add_argument("--height", type=_positive, default=64)

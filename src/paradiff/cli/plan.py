@@ -117,3 +117,61 @@ def plan_json(result) -> dict:
                     "compute_s": p.compute_s, "comm_s": p.comm_s, "step_s": p.step_s, "latency_s": p.latency_s,
                     "images_per_s": p.images_per_s} for p in result.predictions],
     }
+
+
+def resolve_auto_parallel(args: argparse.Namespace, argv: list[str]) -> list[str]:
+    """`--parallel auto` of generate / serve: set the degrees `paradiff plan` recommends for the model folder, the
+    size, the guidance and --world, and return the argv the workers get, with the degrees written out (so every
+    worker runs the same mesh without planning again). Under torchrun each rank plans from the same files and
+    arguments: a pure function of them, so every rank picks the same mesh."""
+    import os
+
+    from paradiff.plan_tools.cost import CostModelError
+    from paradiff.plan_tools.hardware import load_profile
+    from paradiff.plan_tools.planner import plan
+
+    given = [f"--{name} {getattr(args, name)}" for name in ("tp", "ulysses", "ring", "cfg", "dp")
+             if getattr(args, name) != 1]
+    if given:
+        raise CliError(f"--parallel auto picks the degrees itself: drop {', '.join(given)} (or drop --parallel auto)")
+    world = args.world or (int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
+    if world is None:
+        raise CliError("--parallel auto needs the number of ranks: add --world N (under torchrun, its WORLD_SIZE)")
+    if args.model is None:
+        from paradiff.cli.embedded import embedded_default
+
+        model = str(embedded_default())
+    else:
+        model = args.model
+    try:
+        result = plan(model, height=args.height, width=args.width, frames=args.frames, steps=args.steps or 4,
+                      world=world, profile=load_profile(args.profile), dtype=args.dtype,
+                      guidance_scale=args.true_cfg_scale if args.true_cfg_scale is not None else args.guidance_scale,
+                      negative_prompt=args.negative_prompt is not None)
+    except CostModelError as exc:
+        raise CliError(f"--parallel auto: {exc}") from None
+    # FSDP is not a degree of generate / serve yet: the best mesh without it
+    choice = next((p for p in result.predictions if p.feasible and p.mesh.fsdp == 1), None)
+    if choice is None:
+        raise CliError(f"--parallel auto: no mesh of {world} ranks fits: {result.reason}")
+    mesh = choice.mesh
+    args.tp, args.ulysses, args.ring, args.cfg, args.dp = mesh.tp, mesh.ulysses, mesh.ring, mesh.cfg, mesh.data
+    args.parallel = None
+    if os.environ.get("RANK", "0") == "0":
+        from paradiff.cli.report import say
+
+        say(f"paradiff: --parallel auto on {world} ranks ({result.profile.name}): {mesh.name}, predicted "
+            f"{choice.step_s:.3g} s per step, {choice.memory.total / 1e9:.3g} GB per rank")
+    kept, skip = [], 0
+    for index, item in enumerate(argv):
+        if skip:
+            skip -= 1
+            continue
+        if item in ("--parallel", "--world", "--profile"):
+            skip = 1
+            continue
+        if item.startswith(("--parallel=", "--world=", "--profile=")):
+            continue
+        kept.append(item)
+    return kept + ["--tp", str(mesh.tp), "--ulysses", str(mesh.ulysses), "--ring", str(mesh.ring),
+                   "--cfg", str(mesh.cfg), "--dp", str(mesh.data)]
