@@ -39,7 +39,7 @@ def _timed(fn, repeats: int, sync) -> float:
 
 
 def measure_local(device: str, dtypes: tuple[str, ...], gemm_size: int, attention_tokens: int,
-                  repeats: int) -> dict[str, Any]:
+                  repeats: int, copy_numel: int | None = None) -> dict[str, Any]:
     """GEMM and attention FLOP/s per dtype and the copy bandwidth of this process's device."""
     import torch
     import torch.nn.functional as F
@@ -56,7 +56,8 @@ def measure_local(device: str, dtypes: tuple[str, ...], gemm_size: int, attentio
                    for _ in range(3))
         out["attention"][name] = 4 * attention_tokens ** 2 * heads * head_dim / _timed(
             lambda: F.scaled_dot_product_attention(q, k, v), repeats, sync)
-    source = torch.randn(16 * 2 ** 20 if device == "cpu" else 256 * 2 ** 20, device=device, generator=generator)
+    source = torch.randn(copy_numel or (16 * 2 ** 20 if device == "cpu" else 256 * 2 ** 20), device=device,
+                         generator=generator)
     target = torch.empty_like(source)
     out["memory_bandwidth"] = 2 * source.numel() * 4 / _timed(lambda: target.copy_(source), repeats, sync)
     return out
@@ -88,7 +89,8 @@ def _wire(op: str, world: int, numel: int) -> float:
 
 
 def calibrate_rank(rank: int, world_size: int, *, device: str, dtypes: tuple[str, ...], gemm_size: int,
-                   attention_tokens: int, sizes: tuple[int, int], repeats: int) -> dict[str, Any]:
+                   attention_tokens: int, sizes: tuple[int, int], repeats: int, copy_numel: int | None = None
+                   ) -> dict[str, Any]:
     """One rank's measurements (run by run_ranks: the process group exists when world_size > 1)."""
     import torch
     import torch.distributed as dist
@@ -102,7 +104,7 @@ def calibrate_rank(rank: int, world_size: int, *, device: str, dtypes: tuple[str
         dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=torch.device(device))
     if world_size > 1:
         comm.barrier()  # every rank computes at once, as the ranks of a mesh will
-    result = measure_local(device, dtypes, gemm_size, attention_tokens, repeats)
+    result = measure_local(device, dtypes, gemm_size, attention_tokens, repeats, copy_numel)
     result["links"] = {}
     if world_size > 1:
         sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
