@@ -72,7 +72,8 @@ def test_one_flux_block_communication_per_mode_counted_by_hand():
 
 def _tiny_flux_config(**changes) -> dict:
     return dict({"_class_name": "FluxTransformer2DModel", "num_layers": 1, "num_single_layers": 1,
-                 "num_attention_heads": 2, "attention_head_dim": 4, "in_channels": 16, "joint_attention_dim": 8}, **changes)
+                 "num_attention_heads": 2, "attention_head_dim": 4, "in_channels": 16, "joint_attention_dim": 8},
+                **changes)
 
 
 def test_forward_memory_and_fsdp_of_a_small_flux():

@@ -267,7 +267,8 @@ def _short(value: dict) -> str:
 
 
 def table(results: dict) -> str:
-    lines = [f"device: {results['device']}  (GEMM {'fp32 (dry run)' if results['dry_run'] else 'bf16'} measured {results['gemm_bf16_flops'] / 1e12:.0f} TFLOP/s, "
+    kind = "fp32 (dry run)" if results["dry_run"] else "bf16"
+    lines = [f"device: {results['device']}  (GEMM {kind} measured {results['gemm_bf16_flops'] / 1e12:.0f} TFLOP/s, "
              f"datasheet {(results['datasheet_bf16_flops'] or 0) / 1e12:.0f})",
              f"{'model':<16} {'variant':<30} {'ms/fwd':>9} {'s/50 steps':>11} {'MFU':>6} {'SGLang':>7}"]
     for row in results["models"]:

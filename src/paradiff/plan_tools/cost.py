@@ -6,7 +6,7 @@ come from a hardware profile (`plan_tools/hardware.py`), the mesh choice from `p
 How each quantity is counted (b = bytes per element of the compute dtype, d = heads x head_dim, S = tokens that
 attend together, N = latent (image / video) tokens, T = text tokens):
 - a linear of `p` weights applied to `n` tokens: 2·n·p FLOPs (one multiply and one add per weight per token);
-- attention over S queries and S keys: QK^T and AV, 2·S·S·d FLOPs each, 4·S²·d in all (cross attention: 4·N·T·d);
+- attention over S queries and S keys: QK^T and AV, 2·S·S·d FLOPs each, 4·S²·d in all (cross: 4·N·T·d);
 - adaLN modulation linears act on one vector per sample, not per token: counted in parameters, not in FLOPs;
 - bytes per block: every weight read once, and each linear's input and output and attention's q, k, v, o moved
   once; elementwise ops (norms, gates, RoPE) are left out (they are small next to the GEMMs at these sizes).
@@ -109,8 +109,9 @@ class ModelShape:
         pt, ph, pw = self.patch
         for name, value in (("height", height), ("width", width)):
             if value % (spatial * ph):
-                raise CostModelError(f"{name} {value} is not a multiple of {spatial * ph} (the VAE's {spatial}x "
-                                     f"times the {ph}x patch of {self.family}); try {value // (spatial * ph) * spatial * ph or spatial * ph}.")
+                unit = spatial * ph
+                raise CostModelError(f"{name} {value} is not a multiple of {unit} (the VAE's {spatial}x times the "
+                                     f"{ph}x patch of {self.family}); try {value // unit * unit or unit}.")
         latent_frames = 1
         if self.video:
             frames = frames or 1
@@ -321,7 +322,8 @@ def block_cost(block: BlockShape, latent: int, text: int, dtype_bytes: int = 2, 
     local = self_tokens / seq
     if t > 1:
         if block.kind == "joint":
-            cost.traffic += [Traffic("all_reduce", t, 2, latent / seq * d * b), Traffic("all_reduce", t, 2, text / seq * d * b)]
+            cost.traffic += [Traffic("all_reduce", t, 2, latent / seq * d * b),
+                             Traffic("all_reduce", t, 2, text / seq * d * b)]
         else:
             calls = 1 if block.kind == "single" else 3
             cost.traffic.append(Traffic("all_reduce", t, calls, local * d * b))
