@@ -173,6 +173,7 @@ def test_plan_command_prints_the_meshes_and_the_recommendation(capsys):
     assert main(["plan", "flux.1-dev", "--world", "2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["recommended"] in {mesh["mesh"] for mesh in data["meshes"] if mesh["feasible"]}
+    assert all(mesh["step_flops"] == mesh["forward_flops"] for mesh in data["meshes"])  # FLUX.1-dev: no CFG
     assert main(["plan", "no-such-model"]) == 2
     assert "is not a reference name (flux.1-dev" in capsys.readouterr().err + capsys.readouterr().out
 

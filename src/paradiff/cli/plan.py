@@ -113,7 +113,8 @@ def plan_json(result) -> dict:
         "meshes": [{"mesh": p.mesh.name, "feasible": p.feasible, "problems": p.problems,
                     "memory_bytes": {"weights": p.memory.weights, "gathered": p.memory.gathered,
                                      "activations": p.memory.activations, "total": p.memory.total},
-                    "forward_flops": p.forward.flops, "wire_bytes_per_forward": p.forward.wire_bytes(),
+                    "forward_flops": p.forward.flops, "forward_bytes": p.forward.bytes,
+                    "step_flops": p.forward.flops * p.forwards, "wire_bytes_per_forward": p.forward.wire_bytes(),
                     "compute_s": p.compute_s, "comm_s": p.comm_s, "step_s": p.step_s, "latency_s": p.latency_s,
                     "images_per_s": p.images_per_s} for p in result.predictions],
     }

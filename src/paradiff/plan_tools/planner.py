@@ -30,6 +30,7 @@ class Prediction:
     mesh: Mesh
     memory: Memory
     forward: ForwardCost
+    forwards: float = 1.0  # transformer forwards per step on one rank
     compute_s: float = 0.0  # one forward's compute on one rank
     comm_s: float = 0.0  # one forward's exposed communication
     step_s: float = 0.0
@@ -125,7 +126,7 @@ def predict(shape: ModelShape, latent: int, mesh: Mesh, profile: HardwareProfile
         else:
             exposed += seconds
     prediction.compute_s, prediction.comm_s = compute, exposed
-    forwards = branches / mesh.cfg if mesh.cfg <= branches else 1
+    prediction.forwards = forwards = branches / mesh.cfg if mesh.cfg <= branches else 1
     prediction.step_s = forwards * (compute + exposed)
     prediction.latency_s = steps * prediction.step_s
     prediction.images_per_s = mesh.data / prediction.latency_s if prediction.latency_s else 0.0
