@@ -15,6 +15,7 @@ every worker when one fails; under torchrun (multi-node included) it uses the gi
     compare.py   `--compare`: the single-process reference
     bench.py     `paradiff bench`
     plans.py     `paradiff check-plan` and `paradiff plans`
+    plan.py      `paradiff plan`: predicted meshes from the cost model
     embedded.py  the pipeline used when no model is given
 """
 
@@ -80,11 +81,19 @@ def _run(args, argv: list[str], worker_module: str, on_pipeline_loaded) -> int:
         from paradiff.cli.plans import check_plan_command, plans_command
 
         return check_plan_command(args) if args.command == "check-plan" else plans_command(args)
+    if args.command == "plan":
+        from paradiff.cli.plan import plan_command
+
+        return plan_command(args)
     if args.command == "bench":
         from paradiff.cli.bench import bench
 
         return bench(args, lambda run_argv: main(run_argv, worker_module=worker_module,
                                                  on_pipeline_loaded=on_pipeline_loaded))
+    if getattr(args, "parallel", None) == "auto":
+        from paradiff.cli.plan import resolve_auto_parallel
+
+        argv = resolve_auto_parallel(args, argv)
     check_args(args)
     if args.command == "serve":
         from paradiff.cli.serve import check_serve_args

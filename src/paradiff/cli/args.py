@@ -81,6 +81,13 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                      help="CFG-parallel degree: 2 runs the conditional and unconditional branches on different ranks")
     gen.add_argument("--dp", type=_positive, default=1,
                      help="data-parallel replicas: the prompts are shared out among this many copies of the mesh")
+    gen.add_argument("--parallel", choices=("auto",), default=None,
+                     help="'auto': take the degrees `paradiff plan` recommends for this model, size and --world "
+                          "(docs/plan.md)")
+    gen.add_argument("--world", type=_positive, default=None,
+                     help="with --parallel auto: how many ranks (default: torchrun's WORLD_SIZE)")
+    gen.add_argument("--profile", default="h100-sxm",
+                     help="with --parallel auto: the hardware profile to plan with (a built-in name or a file)")
     gen.add_argument("--steps", type=_positive, default=None,
                      help="denoising steps (default 4; 8 for the embedded pipeline)")
     gen.add_argument("--height", type=_positive, default=64, help="image height in pixels (a multiple of 16)")
@@ -248,7 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     plans.add_argument("--markdown", action="store_true", help="the coverage table as Markdown (docs/coverage.md)")
     plans.add_argument("--pipelines", action="store_true",
                        help="the pipeline coverage table instead (docs/pipeline-coverage.md)")
-    for command in (gen, serve, bench, check, plans):  # after the command too; SUPPRESS keeps `paradiff --debug CMD`
+    from paradiff.cli.plan import add_plan_parser
+
+    plan = add_plan_parser(commands)
+    for command in (gen, serve, bench, check, plans, plan):  # after the command too; SUPPRESS keeps `paradiff --debug CMD`
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     return parser
 

@@ -1,0 +1,227 @@
+"""The cost model against this machine (issue 42, items 2 and 4): calibrate, then predict and measure step time and
+per-rank memory of single, tp2, ulysses2, ring2, cfg2 and tp2 x ulysses2, for two model shapes and two token counts,
+and the efficiency table (a step's FLOPs over step time x ranks x the GEMM rate measured in the same run).
+
+    .venv/bin/python benchmarks/bench_cost_model.py            # full size (make bench)
+    .venv/bin/python benchmarks/bench_cost_model.py --quick    # small shapes, one round: checks the script
+
+Models (random weights, fp32, batch 1, one torch thread per rank, gloo on 127.0.0.1): a FLUX.2-architecture
+Flux2Transformer2DModel (joint + single blocks) and a Wan-architecture WanTransformer3DModel (self + cross attention),
+8 heads x 64 (quick: 4 x 64), 2 + 2 blocks / 4 blocks. A step is the two calls of a guided pipeline (cond and uncond):
+two forwards per rank, except cfg2 (one forward per rank, each its branch, and the exchange).
+
+Measured per mesh, in fresh rank processes: the slowest rank's step time (median of --repeats after a warm-up step),
+and per rank the parameter bytes it holds plus the peak rise of anonymous memory during a step (glibc's mmap
+threshold fixed at 128 KiB so freed activations go back to the OS and the peak is visible). Predicted: the same by
+`plan_tools/planner.predict` with the profile `plan_tools/calibrate.calibrate` measured at the start of the run
+(2 ranks; tp2 x ulysses2's 4 ranks share the 2 cores, which the profile's concurrent_ranks accounts for).
+Writes benchmarks/results/cost_model.json and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import system_busy_seconds, wait_for_quiet  # noqa: E402
+
+from paradiff.distributed.spawn import run_ranks  # noqa: E402
+from paradiff.plan_tools.calibrate import calibrate  # noqa: E402
+from paradiff.plan_tools.cost import Mesh, forward_cost, model_shape  # noqa: E402
+from paradiff.plan_tools.planner import predict  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+MESHES = ("single", "tp2", "ulysses2", "ring2", "cfg2", "ulysses2xtp2")
+EFFICIENCY_MESHES = ("single", "tp2", "ulysses2", "ring2")
+
+
+def configs(quick: bool) -> dict[str, tuple[str, dict]]:
+    heads, head_dim = (4, 64) if quick else (8, 64)
+    d = heads * head_dim
+    return {
+        "flux2": ("Flux2Transformer2DModel", dict(
+            patch_size=1, in_channels=64, num_layers=2, num_single_layers=2, attention_head_dim=head_dim,
+            num_attention_heads=heads, joint_attention_dim=d, timestep_guidance_channels=64,
+            axes_dims_rope=(head_dim // 4,) * 4, guidance_embeds=True)),
+        "wan": ("WanTransformer3DModel", dict(
+            patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim, in_channels=16,
+            out_channels=16, text_dim=d, freq_dim=64, ffn_dim=3 * d, num_layers=4, rope_max_seq_len=256)),
+    }
+
+
+def grids(quick: bool) -> dict[str, tuple[int, int, int, int]]:
+    """name -> (frames, height, width, text tokens), in tokens."""
+    return {"small": (1, 16, 32, 64), "large": (1, 32, 32, 64)} if quick else \
+        {"small": (1, 32, 32, 128), "large": (1, 64, 64, 128)}
+
+
+def _set_mmap_threshold() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+    except OSError:
+        pass
+
+
+def step_worker(rank: int, world_size: int, family: str, class_name: str, config: dict, grid: tuple, mesh: str,
+                repeats: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import paradiff
+    from paradiff.distributed import comm
+    from paradiff.runtime.memory import PeakSampler
+    from paradiff.testing.models import Lengths, make_inputs, model_class
+
+    _set_mmap_threshold()
+    torch.manual_seed(0)
+    model = model_class(family)(**config).eval()
+    frames, height, width, text = grid
+    inputs = make_inputs(family, model.config, lengths=Lengths(height=height, width=width, text=text, frames=frames))
+    degrees = Mesh.parse(mesh)
+    if degrees.cfg > 1:
+        from paradiff.runtime.cfg import install_cfg_parallel
+
+        install_cfg_parallel(model, dist.new_group(list(range(world_size))))
+        calls = 2  # both calls; each cfg rank computes one of them
+    elif world_size > 1:
+        paradiff.enable_parallelism(model, paradiff.ParallelConfig.from_degrees(
+            tp=degrees.tp, ulysses=degrees.ulysses, ring=degrees.ring))
+        calls = 2
+    else:
+        calls = 2
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    uncond = dict(inputs, encoder_hidden_states=inputs["encoder_hidden_states"] * 0.5)
+
+    def step():
+        with torch.no_grad():
+            for call in range(calls):
+                model(**(inputs if call == 0 else uncond), return_dict=False)
+
+    def barrier():
+        if world_size > 1:
+            comm.barrier()
+
+    barrier()
+    step()
+    times, peaks = [], []
+    for _ in range(repeats):
+        barrier()
+        sampler = PeakSampler(interval_s=0.002)
+        sampler.reset()
+        before = sampler.peak.get("RssAnon", 0)
+        with sampler:
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        peaks.append(max(sampler.peak.values()) - before)
+    return {"rank": rank, "times": times, "weights": held, "activation_peak": max(peaks)}
+
+
+def measure(family, class_name, config, grid, mesh: str, repeats: int) -> dict:
+    world = Mesh.parse(mesh).world
+    busy = system_busy_seconds()
+    started = time.monotonic()
+    ranks = run_ranks(step_worker, world, kwargs=dict(family=family, class_name=class_name, config=config, grid=grid,
+                                                      mesh=mesh, repeats=repeats),
+                      gloo_timeout_s=300.0 if world > 1 else None, timeout_s=1800)
+    wall = time.monotonic() - started
+    steps = [max(rank["times"][i] for rank in ranks) for i in range(repeats)]
+    return {"step_s": statistics.median(steps), "steps": steps,
+            "memory": max(rank["weights"] + rank["activation_peak"] for rank in ranks),
+            "weights": max(rank["weights"] for rank in ranks),
+            "activations": max(rank["activation_peak"] for rank in ranks),
+            "machine_busy_cores": (system_busy_seconds() - busy) / wall}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--meshes", default=",".join(MESHES))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cost_model.json"))
+    parser.add_argument("--no-wait", action="store_true", help="do not wait for the machine to go quiet")
+    args = parser.parse_args()
+    repeats = args.repeats or (2 if args.quick else 5)
+    if not args.no_wait:
+        wait_for_quiet(timeout_s=120.0)
+    profile = calibrate(2, dtypes=("float32",), gemm_size=512, attention_tokens=1024, repeats=5)
+    print(f"profile: {profile.source}; GEMM {profile.gemm_flops['float32'] / 1e9:.1f} GFLOP/s per rank, attention "
+          f"{profile.attention_flops['float32'] / 1e9:.1f} GFLOP/s, concurrent ranks {profile.concurrent_ranks}",
+          flush=True)
+    rows = []
+    for family, (class_name, config) in configs(args.quick).items():
+        for size, grid in grids(args.quick).items():
+            frames, height, width, text = grid
+            shape_t = model_shape(dict(config, _class_name=class_name), text_tokens=text)
+            latent = frames * height * width  # make_inputs' grid is in tokens (after the patch)
+            for mesh in args.meshes.split(","):
+                predicted = predict(shape_t, latent, Mesh.parse(mesh), profile, steps=1, dtype="float32",
+                                    branches=2)
+                try:
+                    measured = measure(family, class_name, config, grid, mesh, repeats)
+                except Exception as exc:  # noqa: BLE001 - recorded, the others still run
+                    measured = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                row = {"model": family, "size": size, "latent_tokens": latent, "text_tokens": text, "mesh": mesh,
+                       "predicted_step_s": predicted.step_s, "predicted_memory": predicted.memory.total,
+                       "predicted_weights": predicted.memory.weights,
+                       "predicted_activations": predicted.memory.activations,
+                       "step_flops": 2 * forward_cost(shape_t, latent, 4).flops, **measured}
+                rows.append(row)
+                print(_line(row), flush=True)
+    single = {(r["model"], r["size"]): r for r in rows if r["mesh"] == "single" and "step_s" in r}
+    for row in rows:
+        if "step_s" in row:
+            world = Mesh.parse(row["mesh"]).world
+            row["efficiency"] = row["step_flops"] / (row["step_s"] * world * profile.gemm_flops["float32"])
+            base = single.get((row["model"], row["size"]))
+            row["efficiency_vs_single"] = row["efficiency"] / base["efficiency"] if base else None
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "quick": args.quick, "repeats": repeats, "cpus": len(os.sched_getaffinity(0)),
+              "profile": json.loads(profile.to_json()), "rows": rows}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(tables(rows))
+    print(f"written: {out}")
+    return 0
+
+
+def _line(row: dict) -> str:
+    if "error" in row:
+        return f"{row['model']} {row['size']} {row['mesh']}: {row['error']}"
+    return (f"{row['model']} {row['size']} {row['mesh']}: step {row['step_s']:.3f} s (predicted "
+            f"{row['predicted_step_s']:.3f}), memory {row['memory'] / 1e6:.1f} MB (predicted "
+            f"{row['predicted_memory'] / 1e6:.1f}), machine busy {row['machine_busy_cores']:.1f} cores")
+
+
+def tables(rows: list[dict]) -> str:
+    lines = ["| model | tokens | mesh | step s measured | predicted | ratio | MB/rank measured | predicted | ratio | "
+             "busy cores |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "step_s" not in r:
+            lines.append(f"| {r['model']} | {r['latent_tokens']}+{r['text_tokens']} | {r['mesh']} | "
+                         f"{r.get('error', '')} |||||||")
+            continue
+        lines.append(f"| {r['model']} | {r['latent_tokens']}+{r['text_tokens']} | {r['mesh']} | {r['step_s']:.3f} | "
+                     f"{r['predicted_step_s']:.3f} | {r['predicted_step_s'] / r['step_s']:.2f} | "
+                     f"{r['memory'] / 1e6:.1f} | {r['predicted_memory'] / 1e6:.1f} | "
+                     f"{r['predicted_memory'] / r['memory']:.2f} | {r['machine_busy_cores']:.1f} |")
+    lines += ["", "| model | tokens | mesh | efficiency | vs single |", "|---|---|---|---|---|"]
+    for r in rows:
+        if r["mesh"] in EFFICIENCY_MESHES and "efficiency" in r:
+            lines.append(f"| {r['model']} | {r['latent_tokens']}+{r['text_tokens']} | {r['mesh']} | "
+                         f"{r['efficiency']:.2f} | {r['efficiency_vs_single']:.2f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""`paradiff plan --calibrate`: measure the devices at hand with short micro-benchmarks and make a hardware profile.
+
+Measured, on every rank at once (so that ranks sharing a CPU's cores or a host's links measure what they will get):
+- the GEMM rate per dtype (square products of --gemm-size), the attention rate (torch's SDPA, `heads` x tokens of
+  head dim 64 or 128), the memory bandwidth (a large copy, bytes read + written);
+- with world > 1, each collective the cost model uses, through `distributed/comm.py` (all-reduce as TP sums,
+  all-to-all as Ulysses exchanges, all-gather as FSDP / CFG gathers, ring passes as p2p) at a small and a large
+  size: the small one's time is the latency, the difference the bandwidth (wire bytes as `cost.Traffic` counts).
+
+On CPU the ranks are gloo processes spawned on 127.0.0.1 (`distributed/spawn.run_ranks`), one torch thread each; on
+CUDA one NCCL rank per device. The rates are medians of a few repeats; a loaded machine gives a slow profile.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import time
+from typing import Any
+
+from paradiff.plan_tools.cost import Traffic
+from paradiff.plan_tools.hardware import HardwareProfile, Link
+
+OPS = ("all_reduce", "all_to_all", "all_gather", "p2p")
+
+
+def _timed(fn, repeats: int, sync) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_local(device: str, dtypes: tuple[str, ...], gemm_size: int, attention_tokens: int,
+                  repeats: int, copy_numel: int | None = None) -> dict[str, Any]:
+    """GEMM and attention FLOP/s per dtype and the copy bandwidth of this process's device."""
+    import torch
+    import torch.nn.functional as F
+
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    generator = torch.Generator(device=device).manual_seed(0)
+    out: dict[str, Any] = {"gemm": {}, "attention": {}}
+    for name in dtypes:
+        dtype = getattr(torch, name)
+        a, b = (torch.randn(gemm_size, gemm_size, device=device, generator=generator).to(dtype) for _ in range(2))
+        out["gemm"][name] = 2 * gemm_size ** 3 / _timed(lambda: a @ b, repeats, sync)
+        heads, head_dim = 8, 64
+        q, k, v = (torch.randn(1, heads, attention_tokens, head_dim, device=device, generator=generator).to(dtype)
+                   for _ in range(3))
+        out["attention"][name] = 4 * attention_tokens ** 2 * heads * head_dim / _timed(
+            lambda: F.scaled_dot_product_attention(q, k, v), repeats, sync)
+    source = torch.randn(copy_numel or (16 * 2 ** 20 if device == "cpu" else 256 * 2 ** 20), device=device,
+                         generator=generator)
+    target = torch.empty_like(source)
+    out["memory_bandwidth"] = 2 * source.numel() * 4 / _timed(lambda: target.copy_(source), repeats, sync)
+    return out
+
+
+def _collective(op: str, numel: int, group, device: str):
+    """A closure issuing one `op` of `numel` float32 elements per rank, through paradiff's named collectives."""
+    import torch
+    import torch.distributed as dist
+
+    from paradiff.distributed import comm
+
+    world = dist.get_world_size(group)
+    tensor = torch.ones(numel, device=device)
+    if op == "all_reduce":
+        return lambda: comm.all_reduce_tp(tensor, group)
+    if op == "all_to_all":
+        piece = numel // world
+        send = torch.ones(piece * world, device=device)
+        return lambda: comm.all_to_all_uneven(send, [piece] * world, [(piece,)] * world, group)
+    if op == "all_gather":
+        piece = torch.ones(numel // world, device=device)
+        return lambda: comm.all_gather_pieces(piece, group)
+    return lambda: comm.ring_pass_wait(comm.ring_pass_start([tensor], group)[1])
+
+
+def _wire(op: str, world: int, numel: int) -> float:
+    return Traffic(op, world, 1, numel * 4).wire
+
+
+def calibrate_rank(rank: int, world_size: int, *, device: str, dtypes: tuple[str, ...], gemm_size: int,
+                   attention_tokens: int, sizes: tuple[int, int], repeats: int, copy_numel: int | None = None
+                   ) -> dict[str, Any]:
+    """One rank's measurements (run by run_ranks: the process group exists when world_size > 1)."""
+    import torch
+    import torch.distributed as dist
+
+    from paradiff.distributed import comm
+
+    if device == "cuda":
+        device = f"cuda:{rank}"
+        torch.cuda.set_device(device)
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=torch.device(device))
+    if world_size > 1:
+        comm.barrier()  # every rank computes at once, as the ranks of a mesh will
+    result = measure_local(device, dtypes, gemm_size, attention_tokens, repeats, copy_numel)
+    result["links"] = {}
+    if world_size > 1:
+        sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+        group = dist.group.WORLD
+        for op in OPS:
+            small, large = sizes
+            timed = {}
+            for numel in (small, large):
+                issue = _collective(op, numel, group, device)
+                comm.barrier()
+                timed[numel] = _timed(issue, repeats, sync)
+            latency = timed[small]
+            extra = timed[large] - timed[small]
+            steps = {"all_reduce": 2 * (world_size - 1), "all_gather": world_size - 1}.get(op, 1)
+            # where noise hides the difference (a loaded machine), the whole large call's time: a lower bound
+            bandwidth = ((_wire(op, world_size, large) - _wire(op, world_size, small)) / extra
+                         if extra > 0.1 * timed[large] else _wire(op, world_size, large) / timed[large])
+            result["links"][op] = {"latency_s": latency / steps, "bandwidth": bandwidth}
+    return result
+
+
+def calibrate(world: int = 2, *, device: str | None = None, dtypes: tuple[str, ...] | None = None,
+              gemm_size: int | None = None, attention_tokens: int | None = None,
+              sizes: tuple[int, int] | None = None, repeats: int = 3, name: str | None = None) -> HardwareProfile:
+    """Measure `world` ranks on this machine's devices; a profile whose links hold the measured world size."""
+    import torch
+
+    from paradiff.distributed.spawn import run_ranks
+
+    cuda = torch.cuda.is_available() if device is None else device == "cuda"
+    device = "cuda" if cuda else "cpu"
+    dtypes = dtypes or (("bfloat16", "float16", "float32") if cuda else ("float32", "bfloat16"))
+    gemm_size = gemm_size or (8192 if cuda else 256)  # CPUs without bf16 units take seconds on larger bf16 GEMMs
+    attention_tokens = attention_tokens or (8192 if cuda else 512)
+    sizes = sizes or ((1024, 64 * 2 ** 20) if cuda else (256, 2 ** 20))
+    kwargs = dict(device=device, dtypes=tuple(dtypes), gemm_size=gemm_size, attention_tokens=attention_tokens,
+                  sizes=sizes, repeats=repeats)
+    if world == 1:
+        results = [calibrate_rank(0, 1, **kwargs)]
+    else:
+        results = run_ranks(calibrate_rank, world, kwargs=kwargs, gloo_timeout_s=120.0 if not cuda else None,
+                            timeout_s=600.0)
+    notes = (f"GEMM {gemm_size}^3, attention {attention_tokens} tokens x 8 heads x 64, collectives at {sizes[0]} "
+             f"and {sizes[1]} float32 elements, median of {repeats}; one torch thread per rank on CPU")
+    return profile_from(results, world=world, device=device, dtypes=tuple(dtypes), notes=notes, name=name)
+
+
+def profile_from(results: list[dict[str, Any]], *, world: int, device: str, dtypes: tuple[str, ...], notes: str,
+                 name: str | None = None) -> HardwareProfile:
+    """The profile of every rank's measurements: the slowest rank's rates, the worst latency and bandwidth."""
+    import torch
+
+    cuda = device == "cuda"
+    slowest = {kind: {dtype: min(r[kind][dtype] for r in results) for dtype in dtypes}
+               for kind in ("gemm", "attention")}
+    links = {op: Link(max(r["links"][op]["latency_s"] for r in results),
+                      min(r["links"][op]["bandwidth"] for r in results)) for op in results[0]["links"]}
+    if cuda:
+        label, memory = torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory
+        concurrent = torch.cuda.device_count()
+    else:
+        label = platform.processor() or platform.machine()
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        concurrent = len(os.sched_getaffinity(0))
+    return HardwareProfile(
+        name=name or f"calibrated-{device}", peak_flops=dict(slowest["gemm"]), gemm_flops=dict(slowest["gemm"]),
+        source=f"calibrated {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on {label}, "
+               f"{world} rank(s)",
+        attention_flops=dict(slowest["attention"]), memory_bytes=float(memory),
+        memory_bandwidth=min(r["memory_bandwidth"] for r in results),
+        links=links or {op: Link(0.0, float("inf")) for op in OPS},
+        link_by_world={str(world): links} if links else {}, concurrent_ranks=concurrent, notes=notes)

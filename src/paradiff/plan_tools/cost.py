@@ -1,0 +1,388 @@
+"""A cost model of a diffusion transformer step on a mesh: FLOPs, bytes, communication and per-rank memory.
+
+Pure arithmetic from the model's config (a diffusers config dict) and the token count; no torch, no weights. Times
+come from a hardware profile (`plan_tools/hardware.py`), the mesh choice from `plan_tools/planner.py`.
+
+How each quantity is counted (b = bytes per element of the compute dtype, d = heads x head_dim, S = tokens that
+attend together, N = latent (image / video) tokens, T = text tokens):
+- a linear of `p` weights applied to `n` tokens: 2·n·p FLOPs (one multiply and one add per weight per token);
+- attention over S queries and S keys: QK^T and AV, 2·S·S·d FLOPs each, 4·S²·d in all (cross: 4·N·T·d);
+- adaLN modulation linears act on one vector per sample, not per token: counted in parameters, not in FLOPs;
+- bytes per block: every weight read once, and each linear's input and output and attention's q, k, v, o moved
+  once; elementwise ops (norms, gates, RoPE) are left out (they are small next to the GEMMs at these sizes).
+
+Block kinds, by family (the keys read from the config are in `model_shape`):
+- "joint": two streams (latent, text) with their own weights, attention over both (FLUX.1 / FLUX.2 double blocks,
+  Qwen-Image, HunyuanVideo double blocks);
+- "single": one stream over the concatenated tokens, the MLP fused beside attention (FLUX.1 / FLUX.2 / HunyuanVideo
+  single blocks);
+- "cross": self attention over the latent tokens, then cross attention to the text (Wan 2.x, LTX).
+
+Communication per forward, per rank (sizes in bytes; `wire` is what a ring algorithm puts on each rank's link):
+- tp (degree t): the rowwise outputs are summed: joint blocks 2 all-reduces per stream, single blocks 1 (the fused
+  output projection), cross blocks 3 (self, cross, FFN); all-reduce wire 2(t-1)/t · size;
+- ulysses (u): q, k, v, and the output, each all-to-all'd once per self attention; wire (u-1)/u · local size. Cross
+  attention needs none: each rank keeps every text key and its own queries;
+- ring (r): keys and values passed r-1 times around the ring per self attention, overlapped with the attention on
+  the block just received;
+- cfg: the branch predictions exchanged once per step (the output latent), no per-block traffic;
+- data: nothing;
+- fsdp (f; the layout of issue 41: weights sharded over f ranks of the mesh's sequence / data ranks): every block's
+  weights all-gathered once per forward, one block ahead of use (overlapped with compute); wire (f-1)/f · weights.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
+MESH_DIMENSIONS = ("tp", "ulysses", "ring", "cfg", "data", "fsdp")
+
+
+class CostModelError(ValueError):
+    """A config or size the cost model cannot describe; the message names the bad value and what would be valid."""
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """`count` blocks of one kind (module docstring); `modulation` parameters act once per sample."""
+
+    kind: str
+    count: int
+    heads: int
+    head_dim: int
+    ffn_dim: int
+    gated: bool = False  # SwiGLU: the FFN's input projection is 2 x ffn_dim wide
+    modulation: int = 0
+    context_dim: int = 0  # "cross": the width of the text the keys and values are projected from
+
+    @property
+    def dim(self) -> int:
+        return self.heads * self.head_dim
+
+    def linear_params(self) -> dict[str, int]:
+        """Token-wise linear weights by the tokens they act on: "latent", "text" or "all" (a single stream)."""
+        d, f, g = self.dim, self.ffn_dim, 2 if self.gated else 1
+        ffn = d * f * g + f * d
+        if self.kind == "joint":
+            return {"latent": 4 * d * d + ffn, "text": 4 * d * d + ffn}
+        if self.kind == "single":  # q, k, v and the MLP input side by side; one output over [attention, MLP]
+            return {"all": 3 * d * d + d * f * g + (d + f) * d}
+        if self.kind == "cross":  # self q k v o, cross q o, FFN on the latent; cross k v on the text
+            return {"latent": 4 * d * d + 2 * d * d + ffn, "text": 2 * self.context_dim * d}
+        raise CostModelError(f"block kind {self.kind!r}: valid kinds are 'joint', 'single', 'cross'.")
+
+    @property
+    def params(self) -> int:
+        return sum(self.linear_params().values()) + self.modulation
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the cost model needs of a transformer; built from a diffusers config by `model_shape`."""
+
+    family: str
+    blocks: tuple[BlockShape, ...]
+    other_params: int  # embedders, final layer, shared modulation: replicated on every rank
+    in_channels: int  # latent channels per token (after patching)
+    patch: tuple[int, int, int]  # (frames, height, width) latent patch
+    compression: tuple[int, int]  # the VAE's (temporal, spatial) compression
+    text_tokens: int
+    video: bool
+
+    @property
+    def heads(self) -> int:
+        return self.blocks[0].heads
+
+    @property
+    def block_params(self) -> int:
+        return sum(block.params * block.count for block in self.blocks)
+
+    @property
+    def params(self) -> int:
+        return self.block_params + self.other_params
+
+    def latent_tokens(self, height: int, width: int, frames: int | None = None) -> int:
+        temporal, spatial = self.compression
+        pt, ph, pw = self.patch
+        for name, value in (("height", height), ("width", width)):
+            if value % (spatial * ph):
+                unit = spatial * ph
+                raise CostModelError(f"{name} {value} is not a multiple of {unit} (the VAE's {spatial}x times the "
+                                     f"{ph}x patch of {self.family}); try {value // unit * unit or unit}.")
+        latent_frames = 1
+        if self.video:
+            frames = frames or 1
+            if (frames - 1) % temporal:
+                raise CostModelError(f"frames {frames}: {self.family} takes 1 + a multiple of {temporal} frames, "
+                                     f"e.g. {(frames - 1) // temporal * temporal + 1}.")
+            latent_frames = (frames - 1) // temporal + 1
+        elif frames not in (None, 1):
+            raise CostModelError(f"frames {frames}: {self.family} is an image model; leave --frames out.")
+        return math.ceil(latent_frames / pt) * (height // (spatial * ph)) * (width // (spatial * pw))
+
+
+def _get(config: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    for key in keys:
+        if config.get(key) is not None:
+            return config[key]
+    if default is None:
+        raise CostModelError(f"the config has none of {list(keys)}; it does not look like the class it names.")
+    return default
+
+
+def _patch(value: Any, temporal: int = 1) -> tuple[int, int, int]:
+    if isinstance(value, (list, tuple)):
+        return (int(value[0]), int(value[1]), int(value[2])) if len(value) == 3 else (temporal, value[0], value[1])
+    return (temporal, int(value), int(value))
+
+
+def model_shape(config: dict[str, Any], text_tokens: int | None = None) -> ModelShape:
+    """The shape of a transformer from its diffusers config (`_class_name` names the family).
+
+    Families: FluxTransformer2DModel (FLUX.1), Flux2Transformer2DModel, QwenImageTransformer2DModel,
+    WanTransformer3DModel (Wan 2.x), HunyuanVideoTransformer3DModel, LTXVideoTransformer3DModel. `text_tokens`:
+    the prompt length the pipeline pads to (default: each family's pipeline default).
+    """
+    cls = config.get("_class_name")
+    heads = _get(config, "num_attention_heads")
+    head_dim = _get(config, "attention_head_dim")
+    d = heads * head_dim
+    in_channels = _get(config, "in_channels", default=16)
+    if cls == "FluxTransformer2DModel":
+        joint = BlockShape("joint", _get(config, "num_layers"), heads, head_dim, 4 * d, modulation=2 * 6 * d * d)
+        single = BlockShape("single", _get(config, "num_single_layers"), heads, head_dim, 4 * d, modulation=3 * d * d)
+        other = in_channels * d + _get(config, "joint_attention_dim") * d + (256 + 768 + 2 * 256) * d + 3 * d * d \
+            + 2 * d * d + d * in_channels
+        return ModelShape("FLUX.1", (joint, single), other, in_channels, (1, 2, 2), (1, 8),
+                          text_tokens or 512, video=False)
+    if cls == "Flux2Transformer2DModel":
+        ffn = int(d * float(config.get("mlp_ratio", 3.0)))
+        joint = BlockShape("joint", _get(config, "num_layers"), heads, head_dim, ffn, gated=True)
+        single = BlockShape("single", _get(config, "num_single_layers"), heads, head_dim, ffn, gated=True)
+        shared_modulation = (6 + 6 + 3) * d * d  # FLUX.2 modulates every block from three shared linears
+        other = in_channels * d + _get(config, "joint_attention_dim") * d + 2 * 256 * d + 2 * d * d \
+            + shared_modulation + 2 * d * d + d * in_channels
+        return ModelShape("FLUX.2", (joint, single), other, in_channels, (1, 2, 2), (1, 8),
+                          text_tokens or 512, video=False)
+    if cls == "QwenImageTransformer2DModel":
+        joint = BlockShape("joint", _get(config, "num_layers"), heads, head_dim, 4 * d, modulation=2 * 6 * d * d)
+        other = in_channels * d + _get(config, "joint_attention_dim") * d + 256 * d + d * d + 2 * d * d \
+            + d * _get(config, "out_channels", default=in_channels // 4) * 4
+        return ModelShape("Qwen-Image", (joint,), other, in_channels, (1, 2, 2), (1, 8),
+                          text_tokens or 512, video=False)
+    if cls == "WanTransformer3DModel":
+        cross = BlockShape("cross", _get(config, "num_layers"), heads, head_dim, _get(config, "ffn_dim"),
+                           modulation=6 * d, context_dim=d)
+        patch = _patch(_get(config, "patch_size", default=(1, 2, 2)))
+        text_dim = _get(config, "text_dim", default=4096)
+        other = in_channels * d * patch[0] * patch[1] * patch[2] + text_dim * d + d * d + 256 * d + d * d + 6 * d * d \
+            + d * _get(config, "out_channels", default=16) * patch[0] * patch[1] * patch[2]
+        if config.get("image_dim"):  # I2V: image tokens get their own cross keys and values (counted as text)
+            cross = replace(cross, modulation=cross.modulation + 2 * d * d)
+        spatial = 16 if in_channels == 48 else 8  # Wan 2.2 TI2V-5B's VAE compresses 16x
+        return ModelShape("Wan", (cross,), other, in_channels, patch, (4, spatial), text_tokens or 512, video=True)
+    if cls == "HunyuanVideoTransformer3DModel":
+        ratio = float(config.get("mlp_ratio", 4.0))
+        joint = BlockShape("joint", _get(config, "num_layers"), heads, head_dim, int(d * ratio),
+                           modulation=2 * 6 * d * d)
+        single = BlockShape("single", _get(config, "num_single_layers"), heads, head_dim, int(d * ratio),
+                            modulation=3 * d * d)
+        p = _get(config, "patch_size", default=2)
+        patch = (_get(config, "patch_size_t", default=1), p, p)
+        refiner = _get(config, "num_refiner_layers", default=2) * 14 * d * d  # the text token refiner's blocks
+        other = in_channels * d * p * p + _get(config, "text_embed_dim", default=4096) * d + 2 * 256 * d \
+            + 3 * d * d + d * in_channels * p * p + refiner
+        return ModelShape("HunyuanVideo", (joint, single), other, in_channels, patch, (4, 8),
+                          text_tokens or 256, video=True)
+    if cls == "LTXVideoTransformer3DModel":
+        cross = BlockShape("cross", _get(config, "num_layers"), heads, head_dim, 4 * d, modulation=6 * d,
+                           context_dim=_get(config, "cross_attention_dim", default=d))
+        p = _get(config, "patch_size", default=1)
+        patch = (_get(config, "patch_size_t", default=1), p, p)
+        other = in_channels * d + _get(config, "caption_channels", default=4096) * d + 256 * d + 6 * d * d \
+            + d * in_channels
+        return ModelShape("LTX", (cross,), other, in_channels, patch, (8, 32), text_tokens or 128, video=True)
+    known = ("FluxTransformer2DModel", "Flux2Transformer2DModel", "QwenImageTransformer2DModel",
+             "WanTransformer3DModel", "HunyuanVideoTransformer3DModel", "LTXVideoTransformer3DModel")
+    raise CostModelError(f"no cost model for transformer class {cls!r}; known: {', '.join(known)}.")
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The degrees of a mesh: tp x ulysses x ring x cfg x data ranks, and fsdp sharding weights over `fsdp` of the
+    sequence / data ranks (it adds no ranks)."""
+
+    tp: int = 1
+    ulysses: int = 1
+    ring: int = 1
+    cfg: int = 1
+    data: int = 1
+    fsdp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.ulysses * self.ring * self.cfg * self.data
+
+    @property
+    def sequence(self) -> int:
+        return self.ulysses * self.ring
+
+    @property
+    def name(self) -> str:
+        parts = [f"{dim}{getattr(self, dim)}" for dim in ("data", "cfg", "ring", "ulysses", "tp")
+                 if getattr(self, dim) > 1]
+        return ("x".join(parts) or "single") + (f"+fsdp{self.fsdp}" if self.fsdp > 1 else "")
+
+    @classmethod
+    def parse(cls, text: str) -> "Mesh":
+        """A mesh spelled like the CLI's modes ("tp2xulysses2", "dp2", "single"), "+fsdpN" for FSDP over them."""
+        degrees: dict[str, int] = {}
+        base, _, fsdp = text.partition("+")
+        for part in ([] if base.strip() in ("", "single") else base.split("x")) + ([fsdp] if fsdp else []):
+            name = part.strip().rstrip("0123456789")
+            number = part.strip()[len(name):]
+            name = {"dp": "data"}.get(name, name)
+            if name not in MESH_DIMENSIONS or not number or int(number) < 1 or name in degrees:
+                raise CostModelError(f"mesh {text!r}: bad part {part!r}; write parts like 'tp2' joined by 'x' from "
+                                     f"{', '.join(MESH_DIMENSIONS)} (dp for data), or 'single'.")
+            degrees[name] = int(number)
+        return cls(**degrees)
+
+
+@dataclass
+class Traffic:
+    """One kind of collective in a forward: `calls` of it, each moving `size` bytes per rank, on a group of `group`."""
+
+    op: str  # "all_reduce", "all_to_all", "all_gather", "p2p"
+    group: int
+    calls: int
+    size: float
+    overlapped: bool = False  # hidden behind compute where the compute is longer (ring passes, FSDP prefetch)
+
+    @property
+    def wire(self) -> float:
+        """Bytes each rank sends per call, by the ring algorithms' counts."""
+        g = self.group
+        return {"all_reduce": 2 * (g - 1) / g, "all_gather": (g - 1) / g, "all_to_all": (g - 1) / g,
+                "p2p": 1.0}[self.op] * self.size
+
+
+@dataclass
+class ForwardCost:
+    """One transformer forward on one rank of a mesh."""
+
+    linear_flops: float
+    attention_flops: float
+    bytes: float
+    traffic: list[Traffic] = field(default_factory=list)
+
+    @property
+    def flops(self) -> float:
+        return self.linear_flops + self.attention_flops
+
+    def wire_bytes(self) -> float:
+        return sum(item.wire * item.calls for item in self.traffic)
+
+
+def block_cost(block: BlockShape, latent: int, text: int, dtype_bytes: int = 2, mesh: Mesh = Mesh()) -> ForwardCost:
+    """One block's cost on one rank: `latent` and `text` are the whole sequence's token counts (the mesh splits them).
+
+    Counted for the whole sequence, then divided: TP splits every token-wise linear and the heads, the sequence
+    ranks split the tokens; attention FLOPs divide by both.
+    """
+    t, seq = mesh.tp, mesh.sequence
+    d, b = block.dim, dtype_bytes
+    params = block.linear_params()
+    tokens = {"latent": latent, "text": text, "all": latent + text}
+    linear = sum(2 * tokens[kind] * p for kind, p in params.items())
+    weights = sum(params.values())
+    moved = 0.0
+    d_ffn = block.ffn_dim * (2 if block.gated else 1)
+    for kind, n in (("latent", latent), ("text", text), ("all", latent + text)):
+        if kind not in params:
+            continue
+        if block.kind == "joint" or block.kind == "single":  # qkv, o, ffn in, ffn out: inputs and outputs
+            moved += n * ((d + 3 * d) + (d + d) + (d + d_ffn) + (block.ffn_dim + d))
+        elif kind == "latent":
+            moved += n * ((d + 3 * d) + (d + d) + (d + d) + (d + d) + (d + d_ffn) + (block.ffn_dim + d))
+        else:
+            moved += n * (block.context_dim + 2 * d)
+    if block.kind == "cross":
+        attn = 4 * latent * latent * d + 4 * latent * text * d
+        moved += 4 * latent * d + 2 * text * d
+    else:
+        attn = 4 * (latent + text) ** 2 * d
+        moved += 4 * (latent + text) * d
+    cost = ForwardCost(linear / (t * seq), attn / (t * seq), (weights * b) / t + moved * b / (t * seq))
+    # communication; sizes are this rank's tensors
+    self_tokens = latent + text if block.kind != "cross" else latent
+    local = self_tokens / seq
+    if t > 1:
+        if block.kind == "joint":
+            cost.traffic += [Traffic("all_reduce", t, 2, latent / seq * d * b),
+                             Traffic("all_reduce", t, 2, text / seq * d * b)]
+        else:
+            calls = 1 if block.kind == "single" else 3
+            cost.traffic.append(Traffic("all_reduce", t, calls, local * d * b))
+    heads_width = d / t
+    if mesh.ulysses > 1:
+        cost.traffic.append(Traffic("all_to_all", mesh.ulysses, 4, local * heads_width * b))
+    if mesh.ring > 1:  # after Ulysses' exchange a rank holds self_tokens / ring tokens of d / (t u) features
+        kv = 2 * (self_tokens / mesh.ring) * (heads_width / mesh.ulysses) * b
+        cost.traffic.append(Traffic("p2p", mesh.ring, mesh.ring - 1, kv, overlapped=True))
+    return cost
+
+
+def forward_cost(shape: ModelShape, latent: int, dtype_bytes: int = 2, mesh: Mesh = Mesh()) -> ForwardCost:
+    """One transformer forward (all blocks) on one rank of `mesh`; FSDP's all-gathers and CFG's exchange included."""
+    total = ForwardCost(0.0, 0.0, 0.0)
+    for block in shape.blocks:
+        one = block_cost(block, latent, shape.text_tokens, dtype_bytes, mesh)
+        total.linear_flops += one.linear_flops * block.count
+        total.attention_flops += one.attention_flops * block.count
+        total.bytes += one.bytes * block.count
+        total.traffic += [replace(item, calls=item.calls * block.count) for item in one.traffic]
+    if mesh.fsdp > 1:
+        total.traffic.append(Traffic("all_gather", mesh.fsdp, 1, shape.block_params * dtype_bytes / mesh.tp,
+                                     overlapped=True))
+    if mesh.cfg > 1:  # the other branch's prediction, once per step
+        total.traffic.append(Traffic("all_gather", mesh.cfg, 1, latent * shape.in_channels * dtype_bytes * mesh.cfg
+                                     / mesh.sequence))
+    return total
+
+
+@dataclass
+class Memory:
+    """Per-rank bytes: the weights this rank holds, FSDP's gathered blocks, and the peak activations of a forward."""
+
+    weights: float
+    gathered: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gathered + self.activations
+
+
+# Activation widths held at a block's peak, per token, in units of the block's dims: the residual stream in and
+# out (2 d), the normed input (d), q, k, v and the attention output (4 d / t), and the FFN's hidden (its input
+# projection's output and the activation of it, (g + 1) ffn / t). Measured on CPU fp32 (benchmarks/bench_cost_model.py).
+def activation_bytes(block: BlockShape, tokens: float, dtype_bytes: int, tp: int) -> float:
+    width = 3 * block.dim + 4 * block.dim / tp + ((2 if block.gated else 1) + 1) * block.ffn_dim / tp
+    return tokens * width * dtype_bytes
+
+
+def memory(shape: ModelShape, latent: int, dtype_bytes: int = 2, mesh: Mesh = Mesh()) -> Memory:
+    """Per-rank memory of the transformer on `mesh` (modulation, embedders, norms replicated; block linears split by
+    tp, then sharded by fsdp, which holds two gathered blocks at a time: the one running and the one prefetched)."""
+    linear = sum(sum(block.linear_params().values()) * block.count for block in shape.blocks)
+    modulation = sum(block.modulation * block.count for block in shape.blocks)
+    weights = (linear / mesh.tp / mesh.fsdp + (modulation + shape.other_params) / mesh.fsdp) * dtype_bytes
+    largest = max(block.params for block in shape.blocks)
+    gathered = 2 * largest / mesh.tp * dtype_bytes if mesh.fsdp > 1 else 0.0
+    tokens = (latent + shape.text_tokens) / mesh.sequence
+    activations = max(activation_bytes(block, tokens, dtype_bytes, mesh.tp) for block in shape.blocks)
+    return Memory(weights, gathered, activations)

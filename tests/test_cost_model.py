@@ -1,0 +1,215 @@
+"""The cost model's arithmetic (counted by hand for one small FLUX.1 block), `paradiff plan`'s feasibility rules and
+its command, and calibration's collectives on two gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from paradiff.plan_tools import cost
+from paradiff.plan_tools.cost import BlockShape, CostModelError, Mesh, Traffic, block_cost, model_shape
+from paradiff.plan_tools.hardware import BUILT_IN, HardwareProfile, load_profile
+from paradiff.plan_tools.planner import meshes, plan
+
+# One FLUX.1 double-stream block: 2 heads x head dim 4 (d = 8), FFN 4 d = 32; 16 latent and 4 text tokens.
+D, FFN, LATENT, TEXT = 8, 32, 16, 4
+FLUX_BLOCK = BlockShape("joint", 1, heads=2, head_dim=4, ffn_dim=FFN, modulation=2 * 6 * D * D)
+# Per stream: q, k, v, o (4 x 8x8 = 256 weights) and the FFN (8x32 + 32x8 = 512): 768.
+STREAM_WEIGHTS = 4 * 8 * 8 + 8 * 32 + 32 * 8
+
+
+def test_one_flux_block_flops_bytes_and_weights_counted_by_hand():
+    one = block_cost(FLUX_BLOCK, LATENT, TEXT, dtype_bytes=2)
+    assert STREAM_WEIGHTS == 768
+    assert one.linear_flops == 2 * LATENT * 768 + 2 * TEXT * 768 == 30720
+    assert one.attention_flops == 4 * (LATENT + TEXT) ** 2 * D == 12800  # QK^T and AV over 20 tokens
+    # weights read once (2 x 768 x 2 bytes) + per token and stream: q k v in/out 8 + 24, o 8 + 8, FFN 8 + 32 and
+    # 32 + 8 (128 elements) + attention's q, k, v, o (4 x 8) per token, at 2 bytes
+    assert one.bytes == 2 * 768 * 2 + (20 * 128 + 4 * 20 * 8) * 2 == 9472
+    assert FLUX_BLOCK.params == 2 * 768 + 768
+    assert one.traffic == []
+
+
+def test_the_hand_count_is_diffusers_flux_block():
+    from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
+    from torch.utils.flop_counter import FlopCounterMode
+
+    block = FluxTransformerBlock(dim=D, num_attention_heads=2, attention_head_dim=4)
+    linears = {name: module.weight.numel() for name, module in block.named_modules()
+               if isinstance(module, torch.nn.Linear)}
+    modulation = linears.pop("norm1.linear") + linears.pop("norm1_context.linear")
+    assert (sum(linears.values()), modulation) == (2 * STREAM_WEIGHTS, FLUX_BLOCK.modulation)
+    generator = torch.Generator().manual_seed(0)
+    with FlopCounterMode(display=False) as counter:
+        block(hidden_states=torch.randn(1, LATENT, D, generator=generator),
+              encoder_hidden_states=torch.randn(1, TEXT, D, generator=generator),
+              temb=torch.randn(1, D, generator=generator))
+    # the modulation linears act once on the time embedding: 2 x 768 FLOPs, not per token
+    assert counter.get_total_flops() == block_cost(FLUX_BLOCK, LATENT, TEXT).linear_flops + 2 * modulation
+
+
+def test_one_flux_block_communication_per_mode_counted_by_hand():
+    b = 2
+    tp = block_cost(FLUX_BLOCK, LATENT, TEXT, b, Mesh(tp=2))
+    # attention output and FFN output summed per stream: 2 x 16 x 8 x 2 bytes and 2 x 4 x 8 x 2 bytes
+    assert tp.traffic == [Traffic("all_reduce", 2, 2, 256), Traffic("all_reduce", 2, 2, 64)]
+    assert tp.wire_bytes() == 2 * 256 + 2 * 64  # ring all-reduce on 2 ranks: 2 (g-1)/g = 1 x the tensor
+    assert tp.linear_flops == 30720 / 2 and tp.attention_flops == 12800 / 2
+    ulysses = block_cost(FLUX_BLOCK, LATENT, TEXT, b, Mesh(ulysses=2))
+    # q, k, v and the output of this rank's 10 tokens x 8 features, each half sent away
+    assert ulysses.traffic == [Traffic("all_to_all", 2, 4, 10 * 8 * 2)] and ulysses.wire_bytes() == 4 * 80
+    ring = block_cost(FLUX_BLOCK, LATENT, TEXT, b, Mesh(ring=2))
+    assert ring.traffic == [Traffic("p2p", 2, 1, 2 * 10 * 8 * 2, overlapped=True)]  # k and v passed once
+    unified = block_cost(FLUX_BLOCK, LATENT, TEXT, b, Mesh(ring=2, ulysses=2))
+    # 5 tokens x 8 features all-to-all'd; then k, v of 10 tokens x 4 features passed once
+    assert unified.traffic == [Traffic("all_to_all", 2, 4, 5 * 8 * 2), Traffic("p2p", 2, 1, 2 * 10 * 4 * 2, True)]
+    for mesh in (Mesh(cfg=2), Mesh(data=2)):
+        assert block_cost(FLUX_BLOCK, LATENT, TEXT, b, mesh).traffic == []
+
+
+def _tiny_flux_config(**changes) -> dict:
+    return dict({"_class_name": "FluxTransformer2DModel", "num_layers": 1, "num_single_layers": 1,
+                 "num_attention_heads": 2, "attention_head_dim": 4, "in_channels": 16, "joint_attention_dim": 8},
+                **changes)
+
+
+def test_forward_memory_and_fsdp_of_a_small_flux():
+    shape = model_shape(_tiny_flux_config(), text_tokens=TEXT)
+    latent = shape.latent_tokens(64, 64)  # 64 / (8 x 2) = 4 per side
+    assert latent == 16
+    whole = cost.forward_cost(shape, latent, 2)
+    single_block = BlockShape("single", 1, 2, 4, FFN, modulation=3 * D * D)
+    assert whole.linear_flops == 30720 + 2 * 20 * (3 * 64 + 8 * 32 + 40 * 8)
+    fsdp = cost.forward_cost(shape, latent, 2, Mesh(fsdp=2, data=2))
+    assert fsdp.traffic == [Traffic("all_gather", 2, 1, (FLUX_BLOCK.params + single_block.params) * 2, True)]
+    single, sharded = cost.memory(shape, latent, 2), cost.memory(shape, latent, 2, Mesh(tp=2))
+    linear = 2 * STREAM_WEIGHTS + (3 * 64 + 8 * 32 + 40 * 8)
+    assert single.weights - sharded.weights == linear * 2 / 2
+    gathered = cost.memory(shape, latent, 2, Mesh(data=2, fsdp=2))
+    assert gathered.weights == single.weights / 2 and gathered.gathered == 2 * FLUX_BLOCK.params * 2
+
+
+@pytest.mark.parametrize("name, billions", [("flux.1-dev", 11.90), ("flux.2-dev", 32.22), ("qwen-image", 20.43),
+                                            ("wan2.1-t2v-14b", 14.29), ("hunyuan-video", 12.82),
+                                            ("ltx-video", 1.92)])
+def test_parameter_counts_of_the_published_configs(name, billions):
+    from paradiff.plans.reference_configs import REFERENCE_CONFIGS
+
+    # the counts diffusers' classes give for these configs (built on the meta device once, 2026-12-06)
+    assert model_shape(REFERENCE_CONFIGS[name][1]).params / 1e9 == pytest.approx(billions, rel=0.01)
+
+
+def test_sizes_the_model_cannot_take_are_refused_with_the_valid_values():
+    shape = model_shape(_tiny_flux_config())
+    with pytest.raises(CostModelError, match=r"height 100 is not a multiple of 16.*try 96"):
+        shape.latent_tokens(100, 64)
+    with pytest.raises(CostModelError, match="image model"):
+        shape.latent_tokens(64, 64, frames=5)
+    with pytest.raises(CostModelError, match=r"no cost model for transformer class 'Foo'; known: Flux"):
+        model_shape({"_class_name": "Foo", "num_attention_heads": 1, "attention_head_dim": 1})
+    from paradiff.plans.reference_configs import REFERENCE_CONFIGS
+
+    with pytest.raises(CostModelError, match=r"frames 80: .* 1 \+ a multiple of 4 frames, e.g. 77"):
+        model_shape(REFERENCE_CONFIGS["wan2.1-t2v-14b"][1]).latent_tokens(480, 832, 80)
+    with pytest.raises(CostModelError, match="bad part 'tq2'"):
+        Mesh.parse("tq2")
+    assert Mesh.parse("cfg2xring2+fsdp2") == Mesh(ring=2, cfg=2, fsdp=2)
+    with pytest.raises(CostModelError, match="unknown profile 'h900'.*h100-sxm"):
+        load_profile("h900")
+
+
+def test_every_mesh_of_a_world_is_enumerated_once():
+    found = meshes(4)
+    assert len(found) == len(set(found))
+    assert all(mesh.world == 4 for mesh in found)
+    assert {Mesh(tp=2, ulysses=2), Mesh(ring=4, fsdp=4), Mesh(cfg=2, data=2, fsdp=2)} <= set(found)
+    assert Mesh(tp=4, fsdp=2) not in found  # fsdp shards over sequence / data ranks only
+
+
+def test_plan_feasibility_heads_cfg_and_memory(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(_tiny_flux_config(num_attention_heads=3)))
+    cpu = BUILT_IN["h100-sxm"]
+    result = plan(str(config), height=64, width=64, steps=2, world=2, profile=cpu)
+    by_mesh = {p.mesh.name: p for p in result.predictions}
+    assert by_mesh["tp2"].problems == ["3 heads do not split evenly over tp x ulysses = 2"]
+    assert by_mesh["ulysses2"].problems == ["3 heads do not split evenly over tp x ulysses = 2"]
+    assert "cfg needs a pipeline that guides" in by_mesh["cfg2"].problems[0]  # a bare config: no pipeline
+    assert by_mesh["ring2"].feasible and by_mesh["data2"].feasible
+    assert result.recommended is not None and result.recommended.feasible
+    assert result.recommended.latency_s == min(p.latency_s for p in result.predictions if p.feasible)
+    starved = plan(str(config), height=64, width=64, steps=2, world=2, profile=cpu, device_memory_gb=1e-9)
+    assert starved.recommended is None and "needs" in starved.reason
+    # Wan guides by default: cfg2 is feasible there and halves the forwards of a step
+    wan = plan("wan2.1-t2v-14b", height=480, width=832, frames=81, steps=50, world=2, profile=cpu)
+    by_mesh = {p.mesh.name: p for p in wan.predictions}
+    assert wan.branches == 2 and by_mesh["cfg2"].feasible
+    assert by_mesh["cfg2"].step_s < 0.55 * plan("wan2.1-t2v-14b", height=480, width=832, frames=81, steps=50,
+                                                world=1, profile=cpu).predictions[0].step_s
+    flux = plan("flux.1-dev", height=1024, width=1024, steps=50, world=2, profile=cpu, guidance_scale=1.0)
+    assert not {p.mesh.name: p for p in flux.predictions}["cfg2"].feasible
+
+
+def test_profiles_round_trip_through_json(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(BUILT_IN["rtx4090"].to_json())
+    assert load_profile(str(path)) == BUILT_IN["rtx4090"]
+    assert all("public specs" in profile.source for profile in BUILT_IN.values())
+    path.write_text("{}")
+    with pytest.raises(CostModelError, match="not a paradiff hardware profile"):
+        load_profile(str(path))
+
+
+def test_plan_command_prints_the_meshes_and_the_recommendation(capsys):
+    from paradiff.cli import main
+
+    assert main(["plan", "wan2.1-i2v-14b", "--height", "480", "--width", "832", "--frames", "81", "--world", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "Wan, 16.38 B parameters, 32760 latent + 512 text tokens, 2 transformer call(s) per step" in out
+    assert "recommended: " in out and "from public specs" in out
+    assert main(["plan", "flux.1-dev", "--world", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["recommended"] in {mesh["mesh"] for mesh in data["meshes"] if mesh["feasible"]}
+    assert all(mesh["step_flops"] == mesh["forward_flops"] for mesh in data["meshes"])  # FLUX.1-dev: no CFG
+    assert main(["plan", "no-such-model"]) == 2
+    assert "is not a reference name (flux.1-dev" in capsys.readouterr().err + capsys.readouterr().out
+
+
+def test_calibration_measures_every_collective_through_comm(pools):
+    import rank_cases_cost as cases
+    from paradiff.plan_tools.calibrate import profile_from
+
+    results = pools.get(2).run(cases.calibrate_tiny)
+    for result in results:
+        assert set(result["links"]) == {"all_reduce", "all_to_all", "all_gather", "p2p"}
+        assert all(link["latency_s"] > 0 and math.isfinite(link["bandwidth"]) and link["bandwidth"] > 0
+                   for link in result["links"].values())
+        assert result["gemm"]["float32"] > 0 and result["attention"]["float32"] > 0
+    profile = profile_from(results, world=2, device="cpu", dtypes=("float32",), notes="tiny")
+    assert profile.link("all_reduce", 2).bandwidth == min(r["links"]["all_reduce"]["bandwidth"] for r in results)
+    assert HardwareProfile.from_dict(json.loads(profile.to_json())) == profile
+
+
+def test_parallel_auto_writes_the_recommended_degrees_into_the_workers_argv(capsys):
+    from paradiff.cli.args import CliError, build_parser
+    from paradiff.cli.embedded import embedded_default
+    from paradiff.cli.plan import resolve_auto_parallel
+    from paradiff.plan_tools.hardware import load_profile
+
+    argv = ["generate", "--parallel", "auto", "--world", "2", "--steps", "3", "--profile=rtx4090"]
+    args = build_parser().parse_args(argv)
+    out = resolve_auto_parallel(args, argv)
+    expected = plan(str(embedded_default()), height=64, width=64, steps=3, world=2, profile=load_profile("rtx4090"))
+    mesh = next(p.mesh for p in expected.predictions if p.feasible and p.mesh.fsdp == 1)
+    assert out == ["generate", "--steps", "3", "--tp", str(mesh.tp), "--ulysses", str(mesh.ulysses), "--ring",
+                   str(mesh.ring), "--cfg", str(mesh.cfg), "--dp", str(mesh.data)]
+    assert (args.tp, args.ulysses, args.ring, args.cfg, args.dp) == (mesh.tp, mesh.ulysses, mesh.ring, mesh.cfg,
+                                                                     mesh.data)
+    assert f"--parallel auto on 2 ranks (rtx4090): {mesh.name}" in capsys.readouterr().err
+    with pytest.raises(CliError, match=r"picks the degrees itself: drop --tp 2"):
+        resolve_auto_parallel(build_parser().parse_args(["generate", "--parallel", "auto", "--tp", "2"]), [])
+    with pytest.raises(CliError, match=r"needs the number of ranks: add --world N"):
+        resolve_auto_parallel(build_parser().parse_args(["generate", "--parallel", "auto"]), [])
