@@ -99,6 +99,46 @@ def test_plans_command_prints_a_plan_module_that_loads(tmp_path):
     assert plan.styles["blocks.*.attn1.norm_q"] == "norm_across_heads"
 
 
+def test_plans_command_prints_every_listed_class(tmp_path):
+    """`paradiff plans CLASS` for every class the coverage table lists: a built-in plan prints as plan modules that
+    load (styles computed from the config, e.g. FLUX's packed single-stream projections, printed as their values),
+    a class without one, or that its default arguments cannot build, gives its one-line error; nothing ends in a
+    traceback."""
+    import argparse
+    import contextlib
+    import io
+
+    from paradiff.cli.args import CliError
+    from paradiff.cli.plans import plans_command
+    from paradiff.plan_tools.check_plan import load_plan_file
+    from paradiff.plan_tools.coverage import unplanned_transformers
+    from paradiff.plans import families
+
+    planned = [name for family in families() for name in family.model_classes]
+    refused = []
+    for class_name in planned + unplanned_transformers(set(planned)):
+        out = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out):
+                plans_command(argparse.Namespace(model=class_name, auto=False, pipelines=False, markdown=False))
+        except CliError as exc:
+            assert "\n" not in str(exc) and class_name in str(exc), str(exc)
+            refused.append(class_name)
+            continue
+        text = out.getvalue()
+        assert "<function" not in text and "<lambda" not in text, class_name
+        modules = text.split('"""Plan for')[1:]
+        assert len(modules) == 2, class_name
+        for kind, source in zip(("tensor", "context"), modules):
+            path = tmp_path / f"{class_name}_{kind}.py"
+            path.write_text('"""Plan for' + source)
+            assert load_plan_file(str(path), kind)(None) is not None, class_name
+    # planned, but diffusers' defaults build no model (control_layers_places=None) and no tiny example names it
+    assert set(refused) - set(unplanned_transformers(set(planned))) == {"ZImageControlNetModel"}
+    flux2 = load_plan_file(str(tmp_path / "Flux2Transformer2DModel_tensor.py"), "tensor")(None)
+    assert flux2.styles["single_transformer_blocks.*.attn.to_qkv_mlp_proj"].blocks == [1, 1, 1, 3, 3]
+
+
 def test_readme_coverage_table_is_generated_from_the_code():
     readme = (ROOT / "docs" / "coverage.md").read_text()
     table = coverage_table(markdown=True)
