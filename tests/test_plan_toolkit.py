@@ -72,6 +72,28 @@ def test_check_plan_points_at_the_first_wrong_module(tmp_path):
     assert "first divergence" in result.table()
 
 
+def test_check_plan_aligns_heads_and_tokens_under_tp_x_cp(tmp_path):
+    """At tp2 x ulysses2 a per-head Q/K norm's output ([batch, tokens, heads, head_dim]) is cut in both tokens and
+    heads by the same factor: each rank's output is compared with its own heads of its own token chunk (the demo's
+    FLUX.2 once reported a false divergence there), and a deliberately wrong plan is still found."""
+    right = check_plan("Flux2Transformer2DModel", tp=2, ulysses=2)
+    assert right.ok and right.first_divergent is None, right.table()
+    rows = {row.name: row for row in right.rows}
+    assert rows["transformer_blocks.0.attn.norm_q"].diff is not None  # compared, not skipped
+    wrong = tmp_path / "wrong_plan.py"
+    wrong.write_text(
+        "from paradiff import TensorParallelPlan\n"
+        "from paradiff.plans.flux2 import tensor_parallel_plan as builtin\n"
+        "def tensor_parallel_plan(config):\n"
+        "    styles = dict(builtin(config).styles)\n"
+        "    styles['transformer_blocks.*.ff.linear_in'] = 'colwise'  # SwiGLU's value and gate halves: packed\n"
+        "    return TensorParallelPlan(styles=styles)\n"
+    )
+    result = check_plan("Flux2Transformer2DModel", tp=2, ulysses=2, plan=str(wrong))
+    assert not result.ok and result.first_divergent.name == "transformer_blocks.0.ff.act_fn.gate_fn", result.table()
+    assert result.table().splitlines()[-1].endswith("(it runs whole on what the modules before it give it)")
+
+
 def test_check_plan_command_passes_a_builtin_plan_and_reports_every_module(tmp_path):
     """`paradiff check-plan` at tp2 x ulysses2: exit 0, one row per module with its difference and plan; a degree
     the heads refuse: exit 2 and the reason."""
