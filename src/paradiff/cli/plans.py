@@ -63,7 +63,8 @@ def plans_command(args: argparse.Namespace) -> int:
                     model = cls(**_small_config(cls))
             except Exception as exc:  # diffusers' constructors check their defaults with asserts and TypeErrors
                 raise CliError(f"{args.model} cannot be built from its default arguments ({type(exc).__name__}: "
-                               f"{exc}); give a checkpoint folder of it instead: paradiff plans path/to/model") from None
+                               f"{exc}); give a checkpoint folder of it instead: paradiff plans path/to/model"
+                               ) from None
         else:
             model = _build(target)
         given = "auto" if args.auto else None

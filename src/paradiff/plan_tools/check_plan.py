@@ -241,8 +241,8 @@ def _aligned_reference(actual: torch.Tensor, expected: torch.Tensor, module: nn.
 
 def _head_pieces(name: str, reference_modules: dict[str, nn.Module], state, tp: tuple[int, int]
                  ) -> tuple[tuple[int, int, int], ...]:
-    """(full count, this rank's first, its count) of the query and K/V heads of the attention module `name` is in (itself or
-    its nearest enclosing one the TP plan cut heads of), for `_aligned_reference`."""
+    """(full count, this rank's first, its count) of the query and K/V heads of the attention module `name` is in
+    (itself or its nearest enclosing one the TP plan cut heads of), for `_aligned_reference`."""
     from paradiff.tensor_parallel.heads import split_heads
 
     if tp[1] == 1 or state is None or state.tp_plan is None:
