@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -37,12 +38,13 @@ def main(folder: str) -> int:
         port = store.get(f"doc-snippet/{index}/port").decode()
         env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_USE_AGENT_STORE"}
         env["MASTER_PORT"] = port
+        started = time.monotonic()
         pid = os.fork()
         if pid == 0:
             os.chdir(script.parent)
             exit_as_main([str(script)], env)
         code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-        print(f"doc snippet {script.name} rank {rank}: exit {code}", flush=True)
+        print(f"doc snippet {script.name} rank {rank}: exit {code} ({time.monotonic() - started:.1f} s)", flush=True)
         if code != 0:
             failed.append(script.name)
     return 1 if failed else 0
