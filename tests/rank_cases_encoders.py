@@ -203,3 +203,26 @@ def device_map_for_whole_components(family: str, folder: str) -> dict:
     expected = _pixels(reference(**kwargs, generator=torch.Generator().manual_seed(0)))
     return {"device_map": getattr(pipeline, "hf_device_map", None), "diff": float(np.abs(image - expected).max()),
             "encoder_whole": parameter_bytes([pipeline.text_encoder]) == parameter_bytes([reference.text_encoder])}
+
+
+def staged_matches_unstaged_in_dtypes(family: str, folder: str, degrees: dict, dtypes: list[str]) -> dict:
+    """In each half-precision dtype: the pipeline staged against the same pipeline unstaged (same dtype, same mesh),
+    and the dtype every component reports after the load, and after a staged call freed all but the VAE."""
+    torch.set_num_threads(1)
+    kwargs = dict(default_call_kwargs(family), num_inference_steps=1, output_type="pt")
+    parallel = _config(**degrees) if degrees else None
+    results = {}
+    for name in dtypes:
+        dtype = getattr(torch, name)
+        images, reported = {}, {}
+        for stages in (False, True):
+            pipeline = paradiff.load_pipeline(folder, parallel_config=parallel, torch_dtype=dtype, stages=stages)
+            pipeline.set_progress_bar_config(disable=True)
+            modules = {n: m for n, m in pipeline.components.items() if isinstance(m, torch.nn.Module)}
+            reported[f"stages={stages} loaded"] = {n: str(m.dtype) for n, m in modules.items()}
+            output = pipeline(**kwargs, seed=0)
+            images[stages] = torch.stack(list(output.images)).double() if "images" in output else output.frames.double()
+            reported[f"stages={stages} called"] = {n: str(m.dtype) for n, m in modules.items()}
+            del pipeline
+        results[name] = {"diff": float((images[True] - images[False]).abs().max()), "dtypes": reported}
+    return results

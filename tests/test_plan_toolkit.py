@@ -72,6 +72,28 @@ def test_check_plan_points_at_the_first_wrong_module(tmp_path):
     assert "first divergence" in result.table()
 
 
+def test_check_plan_aligns_heads_and_tokens_under_tp_x_cp(tmp_path):
+    """At tp2 x ulysses2 a per-head Q/K norm's output ([batch, tokens, heads, head_dim]) is cut in both tokens and
+    heads by the same factor: each rank's output is compared with its own heads of its own token chunk (the demo's
+    FLUX.2 once reported a false divergence there), and a deliberately wrong plan is still found."""
+    right = check_plan("Flux2Transformer2DModel", tp=2, ulysses=2)
+    assert right.ok and right.first_divergent is None, right.table()
+    rows = {row.name: row for row in right.rows}
+    assert rows["transformer_blocks.0.attn.norm_q"].diff is not None  # compared, not skipped
+    wrong = tmp_path / "wrong_plan.py"
+    wrong.write_text(
+        "from paradiff import TensorParallelPlan\n"
+        "from paradiff.plans.flux2 import tensor_parallel_plan as builtin\n"
+        "def tensor_parallel_plan(config):\n"
+        "    styles = dict(builtin(config).styles)\n"
+        "    styles['transformer_blocks.*.ff.linear_in'] = 'colwise'  # SwiGLU's value and gate halves: packed\n"
+        "    return TensorParallelPlan(styles=styles)\n"
+    )
+    result = check_plan("Flux2Transformer2DModel", tp=2, ulysses=2, plan=str(wrong))
+    assert not result.ok and result.first_divergent.name == "transformer_blocks.0.ff.act_fn.gate_fn", result.table()
+    assert result.table().splitlines()[-1].endswith("(it runs whole on what the modules before it give it)")
+
+
 def test_check_plan_command_passes_a_builtin_plan_and_reports_every_module(tmp_path):
     """`paradiff check-plan` at tp2 x ulysses2: exit 0, one row per module with its difference and plan; a degree
     the heads refuse: exit 2 and the reason."""
@@ -97,6 +119,46 @@ def test_plans_command_prints_a_plan_module_that_loads(tmp_path):
 
     plan = load_plan_file(str(tmp_path / "plan.py"), "tensor")(None)
     assert plan.styles["blocks.*.attn1.norm_q"] == "norm_across_heads"
+
+
+def test_plans_command_prints_every_listed_class(tmp_path):
+    """`paradiff plans CLASS` for every class the coverage table lists: a built-in plan prints as plan modules that
+    load (styles computed from the config, e.g. FLUX's packed single-stream projections, printed as their values),
+    a class without one, or that its default arguments cannot build, gives its one-line error; nothing ends in a
+    traceback."""
+    import argparse
+    import contextlib
+    import io
+
+    from paradiff.cli.args import CliError
+    from paradiff.cli.plans import plans_command
+    from paradiff.plan_tools.check_plan import load_plan_file
+    from paradiff.plan_tools.coverage import unplanned_transformers
+    from paradiff.plans import families
+
+    planned = [name for family in families() for name in family.model_classes]
+    refused = []
+    for class_name in planned + unplanned_transformers(set(planned)):
+        out = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out):
+                plans_command(argparse.Namespace(model=class_name, auto=False, pipelines=False, markdown=False))
+        except CliError as exc:
+            assert "\n" not in str(exc) and class_name in str(exc), str(exc)
+            refused.append(class_name)
+            continue
+        text = out.getvalue()
+        assert "<function" not in text and "<lambda" not in text, class_name
+        modules = text.split('"""Plan for')[1:]
+        assert len(modules) == 2, class_name
+        for kind, source in zip(("tensor", "context"), modules):
+            path = tmp_path / f"{class_name}_{kind}.py"
+            path.write_text('"""Plan for' + source)
+            assert load_plan_file(str(path), kind)(None) is not None, class_name
+    # planned, but diffusers' defaults build no model (control_layers_places=None) and no tiny example names it
+    assert set(refused) - set(unplanned_transformers(set(planned))) == {"ZImageControlNetModel"}
+    flux2 = load_plan_file(str(tmp_path / "Flux2Transformer2DModel_tensor.py"), "tensor")(None)
+    assert flux2.styles["single_transformer_blocks.*.attn.to_qkv_mlp_proj"].blocks == [1, 1, 1, 3, 3]
 
 
 def test_readme_coverage_table_is_generated_from_the_code():

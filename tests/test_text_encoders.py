@@ -132,3 +132,20 @@ def test_bad_pipeline_options_are_refused(encoder_pipelines, kwargs, expected):
     with pytest.raises(ParallelConfigError) as info:
         paradiff.load_pipeline(encoder_pipelines["flux"], **kwargs)
     assert expected in str(info.value)
+
+
+def test_staged_half_precision_equals_unstaged(pools, encoder_pipelines):
+    """Stages in bfloat16 / float16 (the dtypes users run): every component reports the requested dtype after the
+    load and after a staged call freed it (placeholders once said float32, and FLUX.2's latents, made in the
+    transformer's dtype before its stage, then met bf16 weights), and the image equals the unstaged pipeline's in the
+    same dtype: in one process (bf16 and fp16) and at tp2 with split encoders (bf16)."""
+    folder = encoder_pipelines["flux2"]
+    results = {"single": cases.staged_matches_unstaged_in_dtypes("flux2", folder, {}, ["bfloat16", "float16"])}
+    for rank, result in enumerate(pools.get(2).run(cases.staged_matches_unstaged_in_dtypes, family="flux2",
+                                                   folder=folder, degrees=dict(tp=2), dtypes=["bfloat16"])):
+        results[f"tp2 rank {rank}"] = result
+    for where, by_dtype in results.items():
+        for name, figures in by_dtype.items():
+            assert figures["diff"] == 0.0, (where, name, figures)
+            for when, reported in figures["dtypes"].items():
+                assert set(reported.values()) == {f"torch.{name}"}, (where, name, when, reported)

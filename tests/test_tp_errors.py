@@ -249,6 +249,31 @@ def test_distributed_not_initialised(checkpoints):
     assert not dist.is_initialized()
 
 
+def test_process_group_from_torchrun_environment(checkpoints, monkeypatch):
+    """Started by torchrun (its RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT) without init_process_group, as
+    README's snippets are: paradiff initialises the group itself (gloo on CPU); with part of that environment, the
+    error names what is missing instead of telling a torchrun user to use torchrun."""
+    from paradiff.distributed.spawn import free_port
+
+    folder = checkpoints[("flux2", "single")]
+    monkeypatch.setenv("RANK", "0")
+    error = single_process_error(
+        lambda: paradiff.from_pretrained(FLUX2, folder, parallel_config=paradiff.TensorParallelConfig(1))
+    )
+    check_error(error, "DistributedError", ["not started by torchrun", "lacks WORLD_SIZE, MASTER_ADDR, MASTER_PORT"])
+    for name, value in (("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", str(free_port()))):
+        monkeypatch.setenv(name, value)
+    assert not dist.is_initialized()
+    try:
+        model = paradiff.from_pretrained(FLUX2, folder, parallel_config=paradiff.TensorParallelConfig(1))
+        assert dist.is_initialized() and dist.get_backend() == "gloo" and dist.get_world_size() == 1
+        assert paradiff.runtime.state.get_state(model) is not None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_without_parallel_config_no_distributed_needed(checkpoints):
     """A plain load (no parallel_config) works in one process without init_process_group, like diffusers."""
     folder = checkpoints[("flux2", "single")]

@@ -254,15 +254,39 @@ class WeightSource:
                         advance(tensor.numel() * tensor.element_size())
                         shared[cache_key] = tensor.to(device=self.device, dtype=dtype)
                     module._parameters[leaf] = nn.Parameter(shared[cache_key], requires_grad=False)
-                else:
+                else:  # a persistent buffer (a BatchNorm's running statistics): in the load dtype, as diffusers does
                     tensor = checkpoint.read(key, spec)
                     advance(tensor.numel() * tensor.element_size())
-                    module._buffers[leaf] = tensor.to(device=self.device)
+                    dtype = target_dtype(source[name], self.dtype, self.keep_fp32) \
+                        if info.dtype.is_floating_point and self.dtype is not None else info.dtype
+                    module._buffers[leaf] = tensor.to(device=self.device, dtype=dtype)
         if buffers:
             for module in model.modules():
                 for leaf, buffer in list(module._buffers.items()):
                     if buffer is not None and buffer.device != self.device:
                         module._buffers[leaf] = buffer.to(self.device)
+        if not parameters:
+            self._placeholders_in_load_dtype(model, checkpoint, resident, renamed)
+
+    def _placeholders_in_load_dtype(self, model: nn.Module, checkpoint: Checkpoint, resident: set[str],
+                                    renamed: dict[str, str]) -> None:
+        """The parameters left unread (a staged component's, read at its stage) get the dtype their read will give
+        them: a diffusers model is built in float32, and its placeholders must not say so until its stage, since
+        pipelines read `.dtype` before it (e.g. FLUX's latents are made in the transformer's dtype)."""
+        cast: dict[int, nn.Parameter] = {}  # tied parameters stay one
+        for name, param in list(model.named_parameters(remove_duplicate=False)):
+            source = renamed.get(name, name)
+            key = self.keys.get(source)
+            if name in resident or param.device.type != "meta" or key is None or source in self.saved:
+                continue
+            stored = checkpoint.tensors[key].dtype
+            dtype = target_dtype(source, self.dtype, self.keep_fp32) if stored.is_floating_point else stored
+            if dtype is not None and dtype != param.dtype:
+                module_name, _, leaf = name.rpartition(".")
+                module = model.get_submodule(module_name) if module_name else model
+                if id(param) not in cast:
+                    cast[id(param)] = nn.Parameter(param.to(dtype), requires_grad=False)
+                module._parameters[leaf] = cast[id(param)]
 
     def read_in_rows(self, checkpoint: Checkpoint, name: str, max_bytes: int = 8 << 20) -> Iterator[torch.Tensor]:
         """This rank's slice of parameter `name`, in the load dtype on its device, as consecutive pieces of its rows

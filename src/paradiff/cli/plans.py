@@ -58,13 +58,18 @@ def plans_command(args: argparse.Namespace) -> int:
             cls = model_class(args.model)
             import torch
 
-            with torch.device("meta"):
-                model = cls(**_small_config(cls))
+            try:
+                with torch.device("meta"):
+                    model = cls(**_small_config(cls))
+            except Exception as exc:  # diffusers' constructors check their defaults with asserts and TypeErrors
+                raise CliError(f"{args.model} cannot be built from its default arguments ({type(exc).__name__}: "
+                               f"{exc}); give a checkpoint folder of it instead: paradiff plans path/to/model"
+                               ) from None
         else:
             model = _build(target)
         given = "auto" if args.auto else None
         for kind in ("tensor", "context"):
-            print(plan_source(plan_for(model, given, kind), kind, args.model))
+            print(plan_source(plan_for(model, given, kind), kind, args.model, model.config))
     except ParadiffError as exc:
         raise CliError(str(exc)) from None
     return 0

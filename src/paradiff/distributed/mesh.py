@@ -15,6 +15,7 @@ Anything else raises ParallelConfigError naming the mesh's dimensions and the de
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass, field
 
@@ -120,12 +121,36 @@ def rank_coordinates(config: ParallelConfig, rank: int | None = None) -> MeshCoo
     return coordinates_from_degrees(config.degrees(), dist.get_rank() if rank is None else rank)
 
 
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def require_distributed() -> None:
-    if not (dist.is_available() and dist.is_initialized()):
+    """The default process group, initialised here from torchrun's environment when the script did not: `gloo` on
+    CPU, `nccl` with the CUDA device LOCAL_RANK where CUDA is usable; without that environment, an error saying how to
+    start the script."""
+    if dist.is_available() and dist.is_initialized():
+        return
+    present = [name for name in TORCHRUN_VARIABLES if os.environ.get(name)]
+    if not dist.is_available() or len(present) < len(TORCHRUN_VARIABLES):
+        missing = [name for name in TORCHRUN_VARIABLES if name not in present]
+        started = f"; the environment lacks {', '.join(missing)}" if present else ""
         raise DistributedError(
-            "torch.distributed is not initialised. Call torch.distributed.init_process_group(backend=...) first "
-            "(\"gloo\" on CPU, \"nccl\" on CUDA), or start the script with torchrun."
+            "torch.distributed is not initialised and this process was not started by torchrun"
+            f"{started}. Start the script with `torchrun --nproc-per-node N script.py`, or call "
+            "torch.distributed.init_process_group(backend=...) first (\"gloo\" on CPU, \"nccl\" on CUDA)."
         )
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    else:
+        dist.init_process_group("gloo")
+    atexit.register(_destroy_default_group)
+
+
+def _destroy_default_group() -> None:
+    """At exit, the group require_distributed made (NCCL warns of one left behind), unless the script destroyed it."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def default_device() -> torch.device:

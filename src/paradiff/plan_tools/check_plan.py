@@ -61,7 +61,9 @@ class CheckResult:
         lines.append(f"{verdict}: {self.model} at {degrees}: output max relative difference {self.output_diff:.2e} "
                      f"(tolerance {self.tolerance:.0e})")
         if first is not None:
-            lines.append(f"first module over the tolerance: {first.name} ({first.kind}); the plan says: {first.plan}")
+            says = f"the plan says: {first.plan}" if first.plan else \
+                "the plan names it nowhere (it runs whole on what the modules before it give it)"
+            lines.append(f"first module over the tolerance: {first.name} ({first.kind}); {says}")
         return "\n".join(lines)
 
 
@@ -204,10 +206,13 @@ def _record_outputs(model: nn.Module) -> tuple[list[tuple[str, str, torch.Tensor
 
 
 def _aligned_reference(actual: torch.Tensor, expected: torch.Tensor, module: nn.Module | None, tp: tuple[int, int],
-                       cp: tuple[int, int]) -> torch.Tensor | None:
+                       cp: tuple[int, int], heads: tuple[tuple[int, int, int], ...] = ()) -> torch.Tensor | None:
     """The part of the single-process output this rank's module output corresponds to, or None. Features (the last
     dim) split by TP: the module's own shard, else this rank's contiguous chunk (activations after a colwise
-    projection); any other dim split by CP: this rank's token chunk."""
+    projection); inside an attention module, a dim as long as its heads (query or K/V: `heads` holds (full, this
+    rank's first, its count) for each) and cut to that count: this rank's heads (a per-head Q/K norm's output,
+    [batch, tokens, heads, head_dim]); any other dim split by CP: this rank's token chunk. Under TP x CP both a heads
+    dim and a token dim shrink, by the same factor at tp2 x ulysses2, so the shapes alone cannot tell them apart."""
     from paradiff.context_parallel.attention import even_sizes
 
     spec = getattr(module, "weight_spec", None)
@@ -215,15 +220,44 @@ def _aligned_reference(actual: torch.Tensor, expected: torch.Tensor, module: nn.
         expected = torch.cat([expected.narrow(-1, start, length) for start, length in spec.pieces], dim=-1)
     if actual.dim() != expected.dim():
         return None
+    last = expected.dim() - 1
+    # the heads dim is searched from the features backwards: diffusers' per-head tensors are [..., heads, head_dim]
+    for dim in range(last - 1, 0, -1):
+        piece = next(((first, count) for full, first, count in heads
+                      if expected.shape[dim] == full and actual.shape[dim] == count < full), None)
+        if piece is not None:
+            expected = expected.narrow(dim, *piece)
+            break
     for dim in range(expected.dim()):
         if actual.shape[dim] == expected.shape[dim]:
             continue
-        rank, size = tp if dim == expected.dim() - 1 else cp
+        rank, size = tp if dim == last else cp
         sizes = even_sizes(expected.shape[dim], size)
         if actual.shape[dim] != sizes[rank]:
             return None
         expected = expected.narrow(dim, sum(sizes[:rank]), sizes[rank])
     return expected
+
+
+def _head_pieces(name: str, reference_modules: dict[str, nn.Module], state, tp: tuple[int, int]
+                 ) -> tuple[tuple[int, int, int], ...]:
+    """(full count, this rank's first, its count) of the query and K/V heads of the attention module `name` is in
+    (itself or its nearest enclosing one the TP plan cut heads of), for `_aligned_reference`."""
+    from paradiff.tensor_parallel.heads import split_heads
+
+    if tp[1] == 1 or state is None or state.tp_plan is None:
+        return ()
+    parts = name.split(".")
+    owner = next((".".join(parts[:n]) for n in range(len(parts), 0, -1)
+                  if ".".join(parts[:n]) in state.tp_plan.local_head_counts), None)
+    attention = reference_modules.get(owner) if owner is not None else None
+    query = getattr(attention, "heads", None)
+    if not isinstance(query, int) or query < tp[1]:
+        return ()
+    kv = getattr(attention, "kv_heads", None)
+    kv = kv if isinstance(kv, int) and kv > 0 and query % kv == 0 else query
+    query_pieces, kv_pieces = split_heads(query, kv, tp[1])
+    return ((query, *query_pieces[tp[0]]),) + (((kv, *kv_pieces[tp[0]]),) if kv != query else ())
 
 
 def _plan_notes(model: nn.Module) -> dict[str, str]:
@@ -286,6 +320,7 @@ def _rank_main(rank: int, world_size: int, target: Target, degrees: dict, plan_f
         where, kind = open_modules[-1] if open_modules else ("(model)", type(model).__name__)
         raised = (where, kind, f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
     modules = dict(model.named_modules())
+    reference_modules = dict(reference.named_modules())
     by_name: dict[str, list] = {}
     for name, kind, tensor in expected_records:
         by_name.setdefault(name, []).append(tensor)
@@ -297,7 +332,8 @@ def _rank_main(rank: int, world_size: int, target: Target, degrees: dict, plan_f
         reference_tensor = by_name.get(name, [None] * (index + 1))[index] if index < len(by_name.get(name, [])) else None
         diff = None
         if tensor is not None and reference_tensor is not None:
-            aligned = _aligned_reference(tensor, reference_tensor, modules.get(name), tp_ranks, cp_ranks)
+            aligned = _aligned_reference(tensor, reference_tensor, modules.get(name), tp_ranks, cp_ranks,
+                                         _head_pieces(name, reference_modules, state, tp_ranks))
             if aligned is not None:
                 diff = relative_difference([tensor], [aligned])
         rows.append((name, kind, diff))

@@ -211,32 +211,87 @@ def auto_plan(model: nn.Module, kind: str):
     return auto_tensor_plan(model) if kind == "tensor" else auto_context_plan(model)
 
 
-def plan_source(plan, kind: str, model_name: str) -> str:
-    """A plan as a plan module a user can save, edit and pass back."""
-    from paradiff.tensor_parallel.styles import _Packed
+def plan_source(plan, kind: str, model_name: str, config=None) -> str:
+    """A plan as a plan module a user can save, edit and pass back.
+
+    A style field the built-in plan computes from the model config (a packing's block sizes, a K/V head_dim) is
+    printed as its value for `config`, the config the plan was made for, with a comment saying so; block sizes as
+    their smallest proportions, which hold for any config of the same width ratios."""
+    import dataclasses
+    import math
+
+    def field_text(name: str, value) -> tuple[str, bool]:
+        computed = callable(value)
+        if computed:
+            value = value(config)
+        if name == "blocks" and value is not None:
+            sizes = [int(size) for size in value]
+            unit = math.gcd(*sizes)
+            value = [size // unit for size in sizes]
+        return repr(value), computed
 
     def style_text(style) -> str:
-        if isinstance(style, str):
+        if isinstance(style, str) or not dataclasses.is_dataclass(style):
             return repr(style)
-        if isinstance(style, ColwiseHeads):
-            return f"ColwiseHeads(head_dim={style.head_dim})"
-        if isinstance(style, _Packed):
-            return f"{type(style).__name__}({list(style.blocks)})"
-        return repr(style)
+        args, computed = [], False
+        for field in dataclasses.fields(style):
+            value = getattr(style, field.name)
+            if field.default is not dataclasses.MISSING and value == field.default and not callable(value):
+                continue
+            text, from_config = field_text(field.name, value)
+            computed |= from_config
+            args.append(text if field.name == "blocks" and not args else f"{field.name}={text}")
+        line = f"{type(style).__name__}({', '.join(args)}),"
+        return line + ("  # computed from this model's config by the built-in plan" if computed else "")
 
-    lines = [f'"""Plan for {model_name}, derived by `paradiff plans {model_name} --auto`; edit freely."""', ""]
+    lines = [f'"""Plan for {model_name}, printed by `paradiff plans`; edit freely."""', ""]
     if kind == "tensor":
-        lines += ["from paradiff import ColwiseHeads, PackedColwise, PackedRowwise, TensorParallelPlan", "",
+        body = [f"        {key!r}: {style_text(style) if not isinstance(style, str) else repr(style) + ','}"
+                for key, style in plan.styles.items()]
+        names = sorted({type(style).__name__ for style in plan.styles.values() if not isinstance(style, str)})
+        lines += [f"from paradiff import {', '.join(names + ['TensorParallelPlan'])}", "",
                   "", "def tensor_parallel_plan(config) -> TensorParallelPlan:",
-                  "    return TensorParallelPlan(styles={"]
-        lines += [f"        {key!r}: {style_text(style)}," for key, style in plan.styles.items()]
-        lines += ["    })"]
+                  "    return TensorParallelPlan(", "        styles={"]
+        lines += ["    " + line for line in body]
+        lines += ["        },"] + _other_fields(plan, skip=("styles",)) + ["    )"]
     else:
-        lines += ["from paradiff import ContextParallelPlan, Split", "", "",
+        lines += ["from paradiff import ContextParallelPlan, Count, Split, TokenGroups", "", "",
                   "def context_parallel_plan(config) -> ContextParallelPlan:", "    return ContextParallelPlan("]
-        for field in ("split_inputs", "split_outputs", "gather_outputs", "local_attention", "split_token_arguments"):
-            value = getattr(plan, field)
-            if value:
-                lines.append(f"        {field}={value!r},")
-        lines += ["    )"]
+        lines += _other_fields(plan) + ["    )"]
     return "\n".join(lines) + "\n"
+
+
+def _other_fields(plan, skip: tuple[str, ...] = ()) -> list[str]:
+    """A plan's fields other than their defaults, as keyword arguments; a field holding what source cannot spell
+    (functions of the built-in plan, classes paradiff does not export) as a comment naming it."""
+    import dataclasses
+
+    import paradiff
+
+    lines = []
+    for field in dataclasses.fields(plan):
+        if field.name in skip:
+            continue
+        value = getattr(plan, field.name)
+        if value == (field.default if field.default is not dataclasses.MISSING else field.default_factory()):
+            continue
+        if _printable(value, set(paradiff.__all__)):
+            lines.append(f"        {field.name}={value!r},")
+        else:
+            lines.append(f"        # {field.name}=...: set by the built-in plan ({type(plan).__name__}.{field.name}) "
+                         "with functions or classes not printable here")
+    return lines
+
+
+def _printable(value, exported: set[str]) -> bool:
+    import dataclasses
+
+    if isinstance(value, (str, int, float, bool, type(None))):
+        return True
+    if isinstance(value, dict) or hasattr(value, "items"):
+        return all(_printable(k, exported) and _printable(v, exported) for k, v in value.items())
+    if isinstance(value, (tuple, list, set, frozenset)):
+        return all(_printable(item, exported) for item in value)
+    if dataclasses.is_dataclass(value) and type(value).__name__ in exported:
+        return all(_printable(getattr(value, f.name), exported) for f in dataclasses.fields(value))
+    return False
