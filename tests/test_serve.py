@@ -188,11 +188,16 @@ def test_four_clients_of_ten_requests_are_all_answered_once(dp_server):
 
 
 def test_a_fault_on_one_rank_fails_that_request_and_the_next_one_succeeds_then_sigterm_drains(tmp_path, generated):
-    """tp2 x ulysses2; rank 1 raises inside its second transformer block call (the first request's second step)."""
+    """tp2 x ulysses2. First every rank raises the same error in the first request's second step (the request's own
+    fault: a 500, no reload); then rank 1 alone raises in the next request's second step (a rank's fault: a reload)."""
     server = ServerProcess(tmp_path, "--tp", "2", "--ulysses", "2", "--steps", "4",
-                    env={"PARADIFF_INJECT_FAULT": "1:raise"}, module="paradiff.testing.faults")
+                    env={"PARADIFF_INJECT_FAULT": "all:alike,1:raise@4"}, module="paradiff.testing.faults")
     try:
         server.wait_ready()
+        own = server.generate(prompt=PROMPTS[0], seed=5)
+        assert own.status_code == 500 and "injected request fault" in own.json()["error"]["message"], own.text
+        assert server.client.get("/health").json() == {"status": "ready"}  # no reload: the ranks agreed
+        assert "fault:" not in server.text() and "ready again" not in server.text()
         failed = server.generate(prompt=PROMPTS[0], seed=5)
         assert failed.status_code == 500, failed.text
         assert "rank 1: RuntimeError: injected fault on rank 1" in failed.json()["error"]["message"]
@@ -214,7 +219,7 @@ def test_a_fault_on_one_rank_fails_that_request_and_the_next_one_succeeds_then_s
         assert server.process.wait(timeout=60) == 0, server.text()
         assert "SIGTERM: finishing the requests in flight" in server.text()
         statuses = [entry["status"] for entry in server.log()]
-        assert statuses == [500, 200, 200, 200, 200]
+        assert statuses == [500, 500, 200, 200, 200, 200]
     finally:
         server.stop()
 

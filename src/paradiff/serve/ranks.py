@@ -56,7 +56,7 @@ ALIVE_WAIT_S = 5.0
 IDLE_WAIT_S = 0.2  # an idle round every this often: it is also how a rank that died is noticed while idle
 # how long the ranks of a replica whose pipeline call raised wait for each other to say they raised alike (a request's
 # own fault); past it, the error is a rank's fault. A fault on one rank costs this much more before the recovery.
-AGREE_WAIT_S = 3.0
+AGREE_WAIT_S = 2.0
 POLL_S = (0.001, 0.01)  # store polls: the first wait, and the longest (doubling in between)
 
 SUMMARY = {"rank": int, "seconds": float, "images": int, "steps": int, "memory": int, "rss": int, "failed": dict,
@@ -324,7 +324,7 @@ class Replica:
         verdict = ("round", number, "verdict", self.replica, chunk)
         deadline = time.monotonic() + AGREE_WAIT_S
         if channel.rank != self.members[0]:
-            if channel.wait_for(*verdict, deadline=deadline + AGREE_WAIT_S):
+            if channel.wait_for(*verdict, deadline=deadline + 0.5):
                 return channel.get(str, *verdict)
             return channel.settle("fault", *verdict)
         everyone = all(channel.wait_for("round", number, "fail", chunk, r, deadline=deadline) for r in self.members)
