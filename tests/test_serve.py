@@ -26,6 +26,62 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 pngs = images_of
 
 
+def metric(server: ServerProcess, name: str, headers: dict | None = None) -> dict[str, float]:
+    """The samples of one /metrics family: {labels text or "": value}."""
+    found = {}
+    for line in server.client.get("/metrics", headers=headers).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            labels, _, value = line[len(name):].rpartition(" ")
+            found[labels] = float(value)
+    return found
+
+
+def wait_for_metric(server: ServerProcess, name: str, value: float, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while metric(server, name).get("") != value:
+        assert time.monotonic() < deadline, (name, metric(server, name), server.text()[-2000:])
+        time.sleep(0.02)
+
+
+def listeners_beyond_loopback(pid: int) -> list[str]:
+    """The TCP listening sockets of process `pid` and its descendants bound elsewhere than 127.0.0.1 / ::1 (what
+    `ss -ltnp` shows, read from /proc)."""
+    import os
+
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parents[int(entry)] = int(stat.read().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    tree, grew = {pid}, True
+    while grew:
+        more = {child for child, parent in parents.items() if parent in tree} - tree
+        tree |= more
+        grew = bool(more)
+    inodes = set()
+    for member in tree:
+        try:
+            for fd in os.listdir(f"/proc/{member}/fd"):
+                target = os.readlink(f"/proc/{member}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            pass
+    loopback = {"0100007F", "00000000000000000000000001000000"}
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as rows:
+            for row in list(rows)[1:]:
+                fields = row.split()
+                address, state, inode = fields[1], fields[3], fields[9]
+                if state == "0A" and inode in inodes and address.split(":")[0] not in loopback:
+                    found.append(f"{table}: {address}")
+    return found
+
+
 def pixels(png: bytes) -> np.ndarray:
     import io
 
@@ -124,7 +180,8 @@ def test_bad_requests_between_good_ones_get_4xx_and_the_server_goes_on(dp_server
            ({"prompt": PROMPTS[0], "steps": 11}, 400, "steps 11 is out of bounds"),
            ({"prompt": PROMPTS[0], "colour": "red"}, 400, "unknown field(s) ['colour']"),
            ({"prompt": "x" * 2001}, 400, "at most 2000"),
-           ({"prompt": PROMPTS[0], "model": "flux"}, 404, "is not served here")]
+           ({"prompt": PROMPTS[0], "model": "flux"}, 404, "is not served here"),
+           ({"prompt": "\ud800", "steps": 1}, 400, "prompt: not valid Unicode text")]  # passed JSON, no tokenizer reads it
     for body, status, words in bad:
         answer = dp_server.client.post("/v1/images/generations", json=body, headers=AUTH)
         assert answer.status_code == status and words in answer.json()["error"]["message"], answer.text
@@ -135,9 +192,12 @@ def test_bad_requests_between_good_ones_get_4xx_and_the_server_goes_on(dp_server
     huge = dp_server.client.post("/v1/images/generations", content=b"x" * (2 << 20), headers=AUTH)
     assert huge.status_code == 413 and "--max-body-bytes" in huge.text
     assert pngs(dp_server.generate(AUTH, prompt=PROMPTS[0], seed=5)) == [before]
+    assert "fault" not in dp_server.text()  # none of them reached a rank: no reload
 
 
 def test_the_api_key_guards_every_endpoint_but_health(dp_server):
+    # and the server's process tree (launcher, 4 ranks: HTTP, store, gloo) listens on loopback only
+    assert listeners_beyond_loopback(dp_server.process.pid) == []
     assert dp_server.generate(prompt=PROMPTS[0]).status_code == 401
     wrong = dp_server.generate({"Authorization": "Bearer nope"}, prompt=PROMPTS[0])
     assert wrong.status_code == 401 and "API key" in wrong.json()["error"]["message"]
@@ -151,7 +211,9 @@ def test_the_api_key_guards_every_endpoint_but_health(dp_server):
 
 
 def test_four_clients_of_ten_requests_are_all_answered_once(dp_server):
+    """Also: the store holds as many keys and every rank about as much memory after the 40 requests as before."""
     before = {entry["id"] for entry in dp_server.log()}
+    keys, rss = metric(dp_server, "paradiff_store_keys", AUTH), metric(dp_server, "paradiff_rank_rss_bytes", AUTH)
     latencies: list[float] = []
     answers: dict[tuple[int, int], bytes] = {}
     lock = threading.Lock()
@@ -185,6 +247,51 @@ def test_four_clients_of_ten_requests_are_all_answered_once(dp_server):
     print(f"\n40 requests from 4 clients: p50 {p50:.2f} s, p95 {p95:.2f} s")
     metrics = dp_server.client.get("/metrics", headers=AUTH).text
     assert 'paradiff_request_latency_seconds_count' in metrics and 'paradiff_rank_peak_memory_bytes{rank="3"}' in metrics
+    assert metric(dp_server, "paradiff_store_keys", AUTH) == keys  # every result read once and deleted
+    grown = {rank: value - rss[rank] for rank, value in metric(dp_server, "paradiff_rank_rss_bytes", AUTH).items()}
+    print("RSS growth over 40 requests (MB):", {rank: round(value / 2**20, 1) for rank, value in grown.items()})
+    assert len(grown) == 4 and max(grown.values()) < 8 * 2**20, grown
+
+
+def test_dp2_long_requests_neither_fault_the_idle_replica_nor_run_past_their_answer(tmp_path):
+    """--dp 2 with a collective --timeout of 5 s: a request of 5000 steps runs past 5 s while the other replica
+    idles, without a fault; at its --request-timeout (504) it stops at the next step; so does one whose client hangs
+    up (499); the next request starts at once."""
+    import json
+    import socket
+
+    server = ServerProcess(tmp_path, "--dp", "2", "--steps", "1", "--max-steps", "5000", "--timeout", "5",
+                           "--request-timeout", "9")
+    try:
+        server.wait_ready()
+        with ThreadPoolExecutor(1) as pool:
+            long = pool.submit(server.generate, prompt=PROMPTS[0], steps=5000)
+            wait_for_metric(server, "paradiff_requests_running", 1)
+            running_since = time.monotonic()
+            while time.monotonic() - running_since < 6.5:  # the idle replica has waited past --timeout 5
+                assert server.client.get("/health").json() == {"status": "ready"}, server.text()[-2000:]
+                assert metric(server, "paradiff_requests_running") == {"": 1}
+                time.sleep(0.1)
+            answer = long.result(timeout=120)
+        assert answer.status_code == 504, answer.text
+        wait_for_metric(server, "paradiff_requests_cancelled_total", 1)
+        assert 0 < metric(server, "paradiff_cancelled_steps_total")[""] < 5000
+        assert pngs(server.generate(prompt=PROMPTS[0], steps=1))
+
+        body = json.dumps({"prompt": PROMPTS[1], "steps": 5000}).encode()
+        with socket.create_connection(("127.0.0.1", server.port)) as client:  # a client that hangs up
+            client.sendall(f"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
+                           f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+            wait_for_metric(server, "paradiff_requests_running", 1)
+            hung_up = time.monotonic()
+        wait_for_metric(server, "paradiff_requests_cancelled_total", 2)
+        started = time.monotonic()
+        assert pngs(server.generate(prompt=PROMPTS[0], steps=1))
+        print(f"\nhang-up -> cancelled {started - hung_up:.2f} s; next 1-step request {time.monotonic() - started:.2f} s")
+        assert [entry["status"] for entry in server.log()] == [504, 200, 499, 200]
+        assert "fault" not in server.text() and metric(server, "paradiff_up") == {"": 1}
+    finally:
+        assert server.stop() == 0, server.text()
 
 
 def test_a_fault_on_one_rank_fails_that_request_and_the_next_one_succeeds_then_sigterm_drains(tmp_path, generated):

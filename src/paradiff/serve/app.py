@@ -270,6 +270,8 @@ def build_app(frontend: Frontend) -> FastAPI:
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
+        # the endpoint's request reads through this middleware, which hides a client's hang-up from it: this one sees it
+        request.scope["paradiff.disconnected"] = request.is_disconnected
         if frontend.api_key and request.url.path not in OPEN_PATHS:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {frontend.api_key}".encode()):
@@ -301,7 +303,8 @@ def build_app(frontend: Frontend) -> FastAPI:
             frontend.metrics.request_done(exc.status)
             status, payload = _error(exc.status, str(exc))
             return JSONResponse(payload, status_code=status)
-        status, payload = await frontend.generate(body, kind, request.is_disconnected)
+        status, payload = await frontend.generate(body, kind, request.scope.get("paradiff.disconnected",
+                                                                                request.is_disconnected))
         return JSONResponse(payload, status_code=status)
 
     @app.post("/v1/images/generations", openapi_extra={"requestBody": {"required": True, "content": {
