@@ -3,6 +3,7 @@ client, bounded waits. Outputs are compared with `paradiff generate` run single-
 
 from __future__ import annotations
 
+import json
 import signal
 import statistics
 import threading
@@ -182,8 +183,9 @@ def test_bad_requests_between_good_ones_get_4xx_and_the_server_goes_on(dp_server
            ({"prompt": "x" * 2001}, 400, "at most 2000"),
            ({"prompt": PROMPTS[0], "model": "flux"}, 404, "is not served here"),
            ({"prompt": "\ud800", "steps": 1}, 400, "prompt: not valid Unicode text")]  # passed JSON, no tokenizer reads it
-    for body, status, words in bad:
-        answer = dp_server.client.post("/v1/images/generations", json=body, headers=AUTH)
+    for body, status, words in bad:  # JSON text as a client sends it (ASCII escapes: "\\ud800" is valid JSON)
+        answer = dp_server.client.post("/v1/images/generations", content=json.dumps(body),
+                                       headers={**AUTH, "Content-Type": "application/json"})
         assert answer.status_code == status and words in answer.json()["error"]["message"], answer.text
     video = dp_server.client.post("/v1/videos", json={"prompt": "x"}, headers=AUTH)
     assert video.status_code == 400 and "use /v1/images/generations" in video.text
@@ -257,7 +259,6 @@ def test_dp2_long_requests_neither_fault_the_idle_replica_nor_run_past_their_ans
     """--dp 2 with a collective --timeout of 5 s: a request of 5000 steps runs past 5 s while the other replica
     idles, without a fault; at its --request-timeout (504) it stops at the next step; so does one whose client hangs
     up (499); the next request starts at once."""
-    import json
     import socket
 
     server = ServerProcess(tmp_path, "--dp", "2", "--steps", "1", "--max-steps", "5000", "--timeout", "5",
