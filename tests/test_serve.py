@@ -255,17 +255,31 @@ def test_four_clients_of_ten_requests_are_all_answered_once(dp_server):
     assert len(grown) == 4 and max(grown.values()) < 8 * 2**20, grown
 
 
+def hang_up_once_running(server: ServerProcess, body: dict, queued: int = 0) -> float:
+    """Send `body` as a client that hangs up once the server says a request runs (and `queued` wait behind it); the
+    moment it hung up."""
+    import socket
+
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as client:
+        client.sendall(f"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
+                       f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+        wait_for_metric(server, "paradiff_requests_running", 1)
+        wait_for_metric(server, "paradiff_queue_depth", queued)
+        return time.monotonic()
+
+
 def test_dp2_long_requests_neither_fault_the_idle_replica_nor_run_past_their_answer(tmp_path):
     """--dp 2 with a collective --timeout of 5 s: a request of 5000 steps runs past 5 s while the other replica
     idles, without a fault; at its --request-timeout (504) it stops at the next step; so does one whose client hangs
-    up (499); the next request starts at once."""
-    import socket
-
+    up (499); the next request starts at once. Last, rank 1 dies in its first call while rank 0 waits in the store
+    for it: rank 0 sees the process gone, answers, and the server stops."""
     server = ServerProcess(tmp_path, "--dp", "2", "--steps", "1", "--max-steps", "5000", "--timeout", "5",
-                           "--request-timeout", "9")
+                           "--request-timeout", "9", env={"PARADIFF_INJECT_FAULT": "1:exit@1"},
+                           module="paradiff.testing.faults")
     try:
         server.wait_ready()
-        with ThreadPoolExecutor(1) as pool:
+        with ThreadPoolExecutor(2) as pool:
             long = pool.submit(server.generate, prompt=PROMPTS[0], steps=5000)
             wait_for_metric(server, "paradiff_requests_running", 1)
             running_since = time.monotonic()
@@ -279,20 +293,25 @@ def test_dp2_long_requests_neither_fault_the_idle_replica_nor_run_past_their_ans
         assert 0 < metric(server, "paradiff_cancelled_steps_total")[""] < 5000
         assert pngs(server.generate(prompt=PROMPTS[0], steps=1))
 
-        body = json.dumps({"prompt": PROMPTS[1], "steps": 5000}).encode()
-        with socket.create_connection(("127.0.0.1", server.port)) as client:  # a client that hangs up
-            client.sendall(f"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
-                           f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-            wait_for_metric(server, "paradiff_requests_running", 1)
-            hung_up = time.monotonic()
+        hung_up = hang_up_once_running(server, {"prompt": PROMPTS[1], "steps": 5000})
         wait_for_metric(server, "paradiff_requests_cancelled_total", 2)
         started = time.monotonic()
         assert pngs(server.generate(prompt=PROMPTS[0], steps=1))
         print(f"\nhang-up -> cancelled {started - hung_up:.2f} s; next 1-step request {time.monotonic() - started:.2f} s")
         assert [entry["status"] for entry in server.log()] == [504, 200, 499, 200]
         assert "fault" not in server.text() and metric(server, "paradiff_up") == {"": 1}
+
+        with ThreadPoolExecutor(3) as pool:  # two requests wait behind a long one, then run on both replicas
+            hang_up_thread = pool.submit(hang_up_once_running, server, {"prompt": PROMPTS[1], "steps": 5000}, 2)
+            wait_for_metric(server, "paradiff_requests_running", 1)
+            waiting = [pool.submit(server.generate, prompt=PROMPTS[i], steps=1) for i in range(2)]
+            hang_up_thread.result(timeout=60)
+            answers = [future.result(timeout=60) for future in waiting]
+        assert sorted(a.status_code for a in answers) == [200, 500], [a.text for a in answers]
+        assert any("rank(s) [1] stopped answering" in a.text for a in answers)
+        assert server.process.wait(timeout=60) != 0
     finally:
-        assert server.stop() == 0, server.text()
+        server.stop()
 
 
 def test_a_fault_on_one_rank_fails_that_request_and_the_next_one_succeeds_then_sigterm_drains(tmp_path, generated):

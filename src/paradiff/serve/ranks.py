@@ -34,6 +34,7 @@ import gc
 import json
 import os
 import signal
+import socket
 import time
 from typing import Any, Callable
 
@@ -152,7 +153,7 @@ class Channel:
     def forget_generation(self, generation: int) -> None:
         """Rank 0, once every rank runs a later generation: the fault keys of `generation` go."""
         keys = [f"{PREFIX}/gen{generation}/{part}" for part in
-                ["decision", *(f"{kind}/{r}" for kind in ("error", "alive") for r in range(self.world))]]
+                ["decision", "fault", *(f"{kind}/{r}" for kind in ("error", "alive") for r in range(self.world))]]
         for key in keys:
             self.store.delete_key(key)
 
@@ -274,7 +275,7 @@ class Replica:
                 steps += stop.step * len(chunk)
                 continue
             except Exception as exc:  # noqa: BLE001 - the request's own fault when every rank of the replica agrees
-                if is_comm_error(exc) or isinstance(exc, DistributedError):
+                if is_comm_error(exc) or isinstance(exc, DistributedError) or _device_fault(exc):
                     raise
                 agreements.append(chunk_index)
                 if self._agree_on_request_fault(exc, channel, number, chunk_index) != "request":
@@ -332,6 +333,16 @@ class Replica:
         return channel.settle("request" if alike else "fault", *verdict)
 
 
+DEVICE_FAULT_MARKERS = ("cuda error", "device-side assert", "illegal memory access", "cublas", "cudnn", "hip error",
+                        "ecc error", "xpu error")
+
+
+def _device_fault(exc: BaseException) -> bool:
+    """An error of the device itself (sticky on CUDA: every later call fails too): a rank's fault, reloaded, even when
+    every rank of the replica hit it (a replica of one rank always agrees with itself)."""
+    return any(marker in str(exc).lower() for marker in DEVICE_FAULT_MARKERS)
+
+
 def _encode(output, item: dict) -> dict:
     if output.kind == "video":
         return {"mime": "video/mp4", "data": mp4_bytes(output.array, item["fps"]), "frames": len(output.array)}
@@ -373,14 +384,17 @@ def serve_rank(args: argparse.Namespace, device: torch.device, frontend_factory:
                 replica = Replica(loaded, args, args.max_batch)
                 del loaded
                 summary = all_gather_json({"rank": rank, "memory": peak_memory_bytes(device), "rss": rss_bytes(),
-                                           "replica": replica.replica}, control)
+                                           "replica": replica.replica, "pid": os.getpid(),
+                                           "host": socket.gethostname()}, control)
                 replica.members, replica.group = replica_groups([s["replica"] for s in summary])[replica.replica]
                 if frontend is not None:
                     if channel.generation:
                         channel.forget_generation(channel.generation - 1)
                     replica.on_step = lambda: _publish_cancellations(channel, frontend)
                     frontend.ready(replica.describe(), summary, channel.generation)
-                _rounds(channel, replica, frontend, control, device)
+                # the ranks on this machine, whose death rank 0 sees while it waits in the store for their round
+                peers = {s["rank"]: s["pid"] for s in summary if s["host"] == socket.gethostname() and s["rank"] != rank}
+                _rounds(channel, replica, frontend, control, device, peers)
                 dist.destroy_process_group()
                 return 0
             except Exception as exc:  # noqa: BLE001 - every fault ends in one agreed decision
@@ -401,7 +415,8 @@ def serve_rank(args: argparse.Namespace, device: torch.device, frontend_factory:
             frontend.stop()
 
 
-def _rounds(channel: Channel, replica: Replica, frontend, control, device: torch.device) -> None:
+def _rounds(channel: Channel, replica: Replica, frontend, control, device: torch.device,
+            peers: dict[int, int]) -> None:
     number = 0
     last_go = None
     while True:
@@ -417,11 +432,19 @@ def _rounds(channel: Channel, replica: Replica, frontend, control, device: torch
         summary.update(memory=peak_memory_bytes(device), rss=rss_bytes())
         channel.put(summary, "round", number, "summary", channel.rank)
         if frontend is None:  # wait in the store, not in a collective, for the round's slowest replica
-            channel.wait_for("round", number, "go")
+            channel.wait_for("round", number, "go", between=lambda: _raise_on_fault(channel))
             continue
+
+        def between():
+            _publish_cancellations(channel, frontend)
+            _raise_on_fault(channel)
+            dead = [r for r, pid in peers.items() if not _alive(pid)]
+            if dead:  # no collective is there to fail: a rank that died is seen by its process
+                raise DistributedError(f"rank(s) {dead} stopped answering (the process died or was killed)")
+
         summaries = []
         for r in range(channel.world):
-            channel.wait_for("round", number, "summary", r, between=lambda: _publish_cancellations(channel, frontend))
+            channel.wait_for("round", number, "summary", r, between=between)
             summaries.append(channel.take(SUMMARY, "round", number, "summary", r))
         frontend.finish_round(decision, channel, summaries)
         _forget_round(channel, number, decision, summaries)
@@ -430,6 +453,24 @@ def _rounds(channel: Channel, replica: Replica, frontend, control, device: torch
         channel.put(True, "round", number, "go")
         last_go = number
         frontend.metrics.store_keys(channel.keys())
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` (a rank on this machine) still runs: not gone, not a zombie."""
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except ProcessLookupError:
+        return False
+    except (OSError, IndexError):
+        return True  # no /proc here: the signal check said it exists
+
+
+def _raise_on_fault(channel: Channel) -> None:
+    """A rank waiting in the store (not in a collective, where an abort would reach it) learns of a peer's fault."""
+    if channel.has("fault"):
+        raise DistributedError("a peer rank failed while this rank waited for the round to end")
 
 
 def _publish_cancellations(channel: Channel, frontend) -> None:
@@ -455,6 +496,7 @@ def _record_error(channel: Channel, exc: BaseException, loading: bool) -> bool:
         channel.put({"error": f"{type(exc).__name__}: {lines[0] if lines else ''}",
                      "comm": is_comm_error(exc) or type(exc).__name__ == "DistributedError",
                      "loading": loading}, "error", channel.rank)
+        channel.put(True, "fault")  # for the ranks that wait in the store: no abort reaches them
     except Exception:  # noqa: BLE001
         return False
     return True
