@@ -182,7 +182,8 @@ def test_bad_requests_between_good_ones_get_4xx_and_the_server_goes_on(dp_server
            ({"prompt": PROMPTS[0], "colour": "red"}, 400, "unknown field(s) ['colour']"),
            ({"prompt": "x" * 2001}, 400, "at most 2000"),
            ({"prompt": PROMPTS[0], "model": "flux"}, 404, "is not served here"),
-           ({"prompt": "\ud800", "steps": 1}, 400, "prompt: not valid Unicode text")]  # passed JSON, no tokenizer reads it
+           # valid JSON, but no tokenizer reads it
+           ({"prompt": "\ud800", "steps": 1}, 400, "prompt: not valid Unicode text")]
     for body, status, words in bad:  # JSON text as a client sends it (ASCII escapes: "\\ud800" is valid JSON)
         answer = dp_server.client.post("/v1/images/generations", content=json.dumps(body),
                                        headers={**AUTH, "Content-Type": "application/json"})
@@ -297,7 +298,8 @@ def test_dp2_long_requests_neither_fault_the_idle_replica_nor_run_past_their_ans
         wait_for_metric(server, "paradiff_requests_cancelled_total", 2)
         started = time.monotonic()
         assert pngs(server.generate(prompt=PROMPTS[0], steps=1))
-        print(f"\nhang-up -> cancelled {started - hung_up:.2f} s; next 1-step request {time.monotonic() - started:.2f} s")
+        print(f"\nhang-up -> cancelled {started - hung_up:.2f} s; "
+              f"next 1-step request {time.monotonic() - started:.2f} s")
         assert [entry["status"] for entry in server.log()] == [504, 200, 499, 200]
         assert "fault" not in server.text() and metric(server, "paradiff_up") == {"": 1}
 

@@ -138,7 +138,8 @@ def parse_image_request(body: Any, limits: Limits, kind: str = "image") -> Image
 
 
 def _unicode(name: str, text: str) -> None:
-    """JSON can carry a lone UTF-16 surrogate ("\\ud800"), which no tokenizer reads: the request's error, not a rank's."""
+    """JSON can carry a lone UTF-16 surrogate ("\\ud800"), which no tokenizer reads: the request's error, not a
+    rank's."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:

@@ -393,7 +393,8 @@ def serve_rank(args: argparse.Namespace, device: torch.device, frontend_factory:
                     replica.on_step = lambda: _publish_cancellations(channel, frontend)
                     frontend.ready(replica.describe(), summary, channel.generation)
                 # the ranks on this machine, whose death rank 0 sees while it waits in the store for their round
-                peers = {s["rank"]: s["pid"] for s in summary if s["host"] == socket.gethostname() and s["rank"] != rank}
+                peers = {s["rank"]: s["pid"] for s in summary
+                         if s["host"] == socket.gethostname() and s["rank"] != rank}
                 _rounds(channel, replica, frontend, control, device, peers)
                 dist.destroy_process_group()
                 return 0
