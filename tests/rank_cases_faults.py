@@ -65,3 +65,36 @@ def load_truncated(folder: str) -> str:
     except Exception as exc:  # noqa: BLE001
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+def agreement_store_stays_data(planted_file: str) -> dict:
+    """Agreement rounds read JSON only and delete what they read: the key count after many rounds equals the count
+    after two; a pickle planted where a rank's failure report goes is refused, never run."""
+    import pickle
+
+    from paradiff.distributed.agreement import agree
+    from paradiff.distributed.failures import KEY, read_failures
+    from paradiff.distributed.store import StoreValueError, get_json
+
+    store = dist.distributed_c10d._get_default_store()
+    counts = []
+    for _ in range(8):
+        agree("serve-like calls", {"latents": "same"})
+        counts.append(store.num_keys())
+
+    class Planted:
+        def __reduce__(self):
+            return (open, (planted_file, "w"))
+
+    key = KEY.format(rank=dist.get_world_size() + 5)  # a key no rank writes
+    if dist.get_rank() == 0:
+        store.set(key, pickle.dumps(Planted()))
+    agree("planted", {"ok": True})
+    try:
+        get_json(store, key, {"time": float, "error": str})
+        refused = "read"
+    except StoreValueError as exc:
+        refused = str(exc)
+    found = read_failures(0.0, wait_s=0.0)
+    agree("read", {"ok": True})
+    return {"counts": counts, "refused": refused, "found": found, "ran": os.path.exists(planted_file)}

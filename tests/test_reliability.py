@@ -55,6 +55,17 @@ def test_bad_input_on_one_rank_stops_every_rank(agree_pool):
     assert "rank 1: PlanError: Unknown tensor-parallel style 'diagonal'" in messages[0]
 
 
+def test_agreements_keep_the_store_flat_and_read_only_json(agree_pool, tmp_path):
+    """Many agreement rounds leave as many store keys as two; a pickle planted in the store is refused, not run."""
+    planted = tmp_path / "planted"
+    for result in agree_pool.run(cases.agreement_store_stays_data, timeout_s=60, planted_file=str(planted)):
+        # at most two rounds of keys (a peer may already be one round ahead); without deletion +2 per round
+        assert max(result["counts"]) <= result["counts"][1] + 2, result["counts"]
+        assert "not JSON" in result["refused"], result
+        assert result["found"] == {} and not result["ran"], result
+    assert not planted.exists()
+
+
 def test_ranks_with_different_models_refuse_to_start(agree_pool):
     messages = [value for ok, value in agree_pool.run_outcomes(cases.mismatched_model, timeout_s=60)]
     for message in messages:

@@ -319,3 +319,66 @@ def test_the_server_flags_are_checked_before_anything_starts(argv, words):
 
     with pytest.raises(CliError, match=words.replace("[", r"\[").replace("(", r"\(")):
         check_serve_args(build_parser().parse_args(["serve", *argv]))
+
+
+def test_the_channel_reads_results_once_and_refuses_what_is_not_its_json(tmp_path):
+    """Results cross the store as raw bytes plus checked JSON and are deleted when read; a planted pickle is refused
+    without being unpickled."""
+    import pickle
+
+    import torch.distributed as dist
+
+    from paradiff.distributed.store import StoreValueError
+    from paradiff.serve.ranks import Channel
+
+    store = dist.HashStore()
+    channel = Channel(store, 0, 1)
+    empty = store.num_keys()
+    for item_id in range(20):
+        channel.put_result(item_id, [{"mime": "image/png", "data": b"\x89PNG" + bytes([item_id])}],
+                           {"replica": 0, "started": 1.0, "finished": 2.0})
+        result = channel.take_result(item_id)
+        assert result["files"] == [{"mime": "image/png", "frames": None, "data": b"\x89PNG" + bytes([item_id])}]
+    assert store.num_keys() == empty and channel.take_result(3) is None
+
+    class Planted:
+        def __reduce__(self):
+            return (open, (str(tmp_path / "planted"), "w"))
+
+    store.set(channel.key("result", 7), pickle.dumps(Planted()))
+    with pytest.raises(StoreValueError, match="not JSON"):
+        channel.take_result(7)
+    store.set(channel.key("summary"), '{"rank": "0"}')
+    with pytest.raises(StoreValueError, match="expected an object with fields"):
+        channel.get({"rank": int, "seconds": float}, "summary")
+    assert not (tmp_path / "planted").exists()
+    assert channel.settle("request", "verdict") == "request" and channel.settle("fault", "verdict") == "request"
+
+
+def test_a_request_whose_client_left_is_answered_and_its_work_is_marked_for_cancellation():
+    scheduler = Scheduler(max_queue=4, max_batch=1)
+    waiting, running = scheduler.submit(request()), scheduler.submit(request())
+    assert scheduler.next_round(1)["batches"] == [[waiting.work_item()]]
+    scheduler.cancel(running, 499, "the client closed the connection")  # still queued: it leaves the queue
+    assert running.status == 499 and scheduler.depth() == (0, 1) and scheduler.answered_running() == []
+    scheduler.time_out(waiting)  # running: answered 504, its work no longer wanted
+    assert waiting.status == 504 and scheduler.answered_running() == [waiting.id]
+    scheduler.complete(waiting.id, 200, "late")
+    assert waiting.status == 504 and scheduler.answered_running() == []
+
+
+def test_the_api_key_comes_from_a_file_so_it_is_not_on_the_command_line(tmp_path):
+    from paradiff.cli.args import CliError, build_parser
+    from paradiff.cli.serve import check_serve_args
+
+    SIZE = ["--steps", "4", "--width", "64", "--height", "64"]  # what check_args fills in before
+    (tmp_path / "key").write_text("s3cret\n")
+    args = build_parser().parse_args(["serve", *SIZE, "--api-key-file", str(tmp_path / "key")])
+    check_serve_args(args)
+    assert args.api_key == "s3cret"
+    (tmp_path / "empty").write_text("\n")
+    for argv, words in ((["--api-key-file", str(tmp_path / "empty")], "first line is empty"),
+                        (["--api-key-file", str(tmp_path / "missing")], "cannot read it"),
+                        (["--api-key", "k", "--api-key-file", str(tmp_path / "key")], "give one of them")):
+        with pytest.raises(CliError, match=words):
+            check_serve_args(build_parser().parse_args(["serve", *SIZE, *argv]))

@@ -192,7 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=_port, default=8000, help="TCP port to listen on")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: the "
-                            "PARADIFF_API_KEY environment variable, if set)")
+                            "PARADIFF_API_KEY environment variable, if set); a key given here shows in `ps`: prefer "
+                            "--api-key-file or the variable")
+    serve.add_argument("--api-key-file", default=None, metavar="PATH",
+                       help="read the API key from this file (its first line), so it is not on the command line")
     serve.add_argument("--max-batch", type=_positive, default=1,
                        help="images per pipeline call: waiting requests of the same size, steps and guidance are "
                             "run together up to this many images (each keeps its own seed)")

@@ -35,6 +35,17 @@ def check_serve_args(args: argparse.Namespace) -> None:
         if not re.fullmatch(r"https?://[^/\s]+", origin):
             raise CliError(f"--allow-origin {origin!r}: expected a page origin, SCHEME://HOST[:PORT] with no path, "
                            "e.g. https://app.example.com")
+    if getattr(args, "api_key_file", None) is not None:
+        if args.api_key is not None:
+            raise CliError("--api-key and --api-key-file: give one of them")
+        try:
+            with open(args.api_key_file, encoding="utf-8") as file:
+                args.api_key = file.readline().strip() or None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CliError(f"--api-key-file {args.api_key_file}: cannot read it "
+                           f"({getattr(exc, 'strerror', None) or exc})") from None
+        if args.api_key is None:
+            raise CliError(f"--api-key-file {args.api_key_file}: the file's first line is empty; expected the key")
     if args.api_key is not None and not args.api_key.strip():
         raise CliError("--api-key is empty; give a key, or leave the flag out for a server without one")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not (args.api_key or os.environ.get("PARADIFF_API_KEY")):

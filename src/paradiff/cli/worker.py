@@ -21,6 +21,7 @@ import torch.distributed as dist
 import paradiff
 
 from paradiff.distributed.comm import all_gather_object, all_true
+from paradiff.distributed.store import open_store
 from paradiff.distributed.mesh import default_device
 from paradiff.quant.schemes import pipeline_quantization_config
 from paradiff.vae import get_vae_runtime
@@ -43,7 +44,10 @@ def run_worker(args: argparse.Namespace, on_pipeline_loaded: PipelineHook | None
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
+    # the store as env:// would open it, but on 127.0.0.1 only under the local launcher (distributed/store.py)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(backend, store=open_store(rank, world, args.timeout), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=args.timeout))
     try:
         if not os.environ.get("PARADIFF_WORKER"):  # started by torchrun: no launcher fetched a Hub id before
             fetch_hub_model_once(args, device)

@@ -13,19 +13,20 @@ import hashlib
 import itertools
 import json
 import os
-import pickle
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from paradiff.distributed.store import get_json, put_json
 from paradiff.errors import DistributedError
 
 # Keys must be unique per agreement round and identical on every participating rank: the ranks of one group run the
 # same rounds in the same order, so a per-process counter per (stage, group) numbers every round alike everywhere.
 _ROUNDS: dict[tuple, itertools.count] = {}
 DEFAULT_TIMEOUT_S = 300.0
+ENTRY = {"error": (str, None), "facts": (dict, None)}  # what each rank publishes, checked on read
 
 
 def fingerprint(value: Any) -> str:
@@ -68,7 +69,7 @@ def agree(stage: str, facts: dict[str, Any] | None, error: BaseException | None 
     group_id = fingerprint(members)
     store = dist.PrefixStore(f"paradiff/agree/{stage}/{group_id}/{round_id}/", _store())
     payload = {"error": None if error is None else f"{type(error).__name__}: {error}", "facts": facts}
-    store.set(str(rank), pickle.dumps(payload))
+    put_json(store, str(rank), payload)  # JSON (non-JSON facts as their repr, which is what is compared)
     if error is not None:
         raise error
     timeout = timeout_s if timeout_s is not None else _group_timeout()
@@ -84,7 +85,11 @@ def agree(stage: str, facts: dict[str, Any] | None, error: BaseException | None 
             )
         if missing:
             time.sleep(0.01)
-    entries = {int(key): pickle.loads(store.get(key)) for key in keys}
+    entries = {int(key): get_json(store, key, ENTRY) for key in keys}
+    if round_id:
+        # every member published this round, so every member has read the previous one: this rank's entry of it
+        # goes, and the store holds at most two rounds of each agreement point however many calls a server runs
+        dist.PrefixStore(f"paradiff/agree/{stage}/{group_id}/{round_id - 1}/", _store()).delete_key(str(rank))
     failed = {r: e["error"] for r, e in entries.items() if e["error"]}
     if failed:
         detail = "; ".join(f"rank {r}: {message}" for r, message in sorted(failed.items()))

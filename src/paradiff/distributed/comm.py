@@ -5,6 +5,7 @@ Keeping them here makes the communication of a step countable (see `CommStats`) 
 
 from __future__ import annotations
 
+import json
 import math
 
 from dataclasses import dataclass, field
@@ -327,6 +328,42 @@ def _padded_to(tensor: torch.Tensor, dim: int, length: int) -> torch.Tensor:
         pad_shape[dim] = length - tensor.shape[dim]
         tensor = torch.cat([tensor, tensor.new_zeros(pad_shape)], dim=dim)
     return tensor.contiguous()
+
+
+def broadcast_json(value: object, src: int = 0, group: dist.ProcessGroup | None = None) -> object:
+    """`value` (JSON data) of global rank `src` on every rank of `group`, as its UTF-8 JSON text in a uint8 tensor
+    (length first): what crosses is data, never pickle. The other ranks pass anything (ignored). CPU tensors: `group`
+    is a gloo group."""
+    data = json.dumps(value).encode() if dist.get_rank() == src else b""
+    length = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(length, src=src, group=group)
+    buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data
+              else torch.empty(int(length.item()), dtype=torch.uint8))
+    dist.broadcast(buffer, src=src, group=group)
+    return json.loads(buffer.numpy().tobytes())
+
+
+def all_gather_json(value: object, group: dist.ProcessGroup | None = None) -> list[object]:
+    """Every rank's `value` (JSON data) in rank order, as UTF-8 JSON text (no pickle); `group` is a gloo group."""
+    data = json.dumps(value).encode()
+    size = dist.get_world_size(group)
+    length = torch.tensor([len(data)], dtype=torch.int64)
+    lengths = [torch.empty_like(length) for _ in range(size)]
+    dist.all_gather(lengths, length, group=group)
+    longest = max(int(item.item()) for item in lengths)
+    buffer = torch.zeros(longest, dtype=torch.uint8)
+    buffer[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    pieces = [torch.empty_like(buffer) for _ in range(size)]
+    dist.all_gather(pieces, buffer, group=group)
+    return [json.loads(piece[:int(n.item())].numpy().tobytes()) for piece, n in zip(pieces, lengths)]
+
+
+def broadcast_flag(flag: bool, src: int, group: dist.ProcessGroup | None) -> bool:
+    """Global rank `src`'s `flag` on every rank of `group` (a gloo group): a decision one rank takes for all, such as
+    stopping a cancelled request at this denoising step."""
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.broadcast(value, src=src, group=group)
+    return bool(value.item())
 
 
 def broadcast_object(obj: object, src: int = 0, group: dist.ProcessGroup | None = None) -> object:

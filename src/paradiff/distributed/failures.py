@@ -7,12 +7,12 @@ timeout otherwise); they then read the store and raise a DistributedError naming
 
 from __future__ import annotations
 
-import pickle
 import time
 from typing import Any, Callable
 
 import torch.distributed as dist
 
+from paradiff.distributed.store import get_json, put_json
 from paradiff.errors import DistributedError
 
 KEY = "paradiff/failed/{rank}"
@@ -34,7 +34,7 @@ def report_failure(exc: BaseException) -> None:
     """Record this rank's failure for its peers (best effort: the store may be gone too)."""
     try:
         payload = {"time": time.time(), "error": f"{type(exc).__name__}: {exc}"}
-        _store().set(KEY.format(rank=dist.get_rank()), pickle.dumps(payload))
+        put_json(_store(), KEY.format(rank=dist.get_rank()), payload)
     except Exception:  # noqa: BLE001 - reporting must never mask the original error
         pass
 
@@ -48,7 +48,7 @@ def read_failures(since: float, wait_s: float = 3.0) -> dict[int, str]:
             key = KEY.format(rank=rank)
             try:
                 if rank != dist.get_rank() and _store().check([key]):
-                    payload = pickle.loads(_store().get(key))
+                    payload = get_json(_store(), key, {"time": float, "error": str})
                     if payload["time"] >= since:
                         found[rank] = payload["error"]
             except Exception:  # noqa: BLE001 - a dead store means no report can come

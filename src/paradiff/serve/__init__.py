@@ -9,6 +9,7 @@
     app.py        the HTTP endpoints (FastAPI), on rank 0
     ranks.py      the loop every rank runs: rank 0 decides each round and broadcasts it; recovery after a fault
 
-Every scheduling decision is rank 0's and reaches the other ranks through one broadcast per round
-(paradiff.distributed.comm.broadcast_object); the other ranks never decide on their own clocks.
+Every scheduling decision is rank 0's and reaches the other ranks through one broadcast per round (JSON,
+paradiff.distributed.comm.broadcast_json); the other ranks never decide on their own clocks. Nothing that crosses
+the store or a collective is unpickled (paradiff.distributed.store).
 """

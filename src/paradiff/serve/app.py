@@ -40,6 +40,7 @@ from paradiff.serve.schema import openapi_document
 from paradiff.serve.scheduler import Job, Scheduler
 
 OPEN_PATHS = ("/health",)
+DISCONNECT_POLL_S = 0.1  # how often a waiting request checks that its client is still there
 
 
 def check_listen_address(host: str, port: int) -> str | None:
@@ -75,6 +76,7 @@ class Frontend:
         self._log_lock = threading.Lock()
         self._server = None
         self._thread: threading.Thread | None = None
+        self._cancelled: set[int] = set()  # running requests rank 0 cancelled (their round not answered yet)
 
     # -- lifetime -----------------------------------------------------------------------------------------------
     def start(self) -> "Frontend":
@@ -124,16 +126,39 @@ class Frontend:
         self.scheduler.drain()
 
     # -- rank 0's loop ------------------------------------------------------------------------------------------
-    def next_round(self, replicas: int, wait_s: float) -> dict:
+    def next_round(self, replicas: int, wait_s: float, check=None) -> dict:
+        """The next round; `check(item)` (the pipeline's own checks, on rank 0) answers 400 to a request the pipeline
+        could not take, before the round is broadcast."""
         decision = self.scheduler.next_round(replicas, wait_s)
+        if decision["kind"] == "work" and check is not None:
+            for batch in decision["batches"]:
+                for item in list(batch):
+                    problem = check(item)
+                    if problem is not None:
+                        batch.remove(item)
+                        self.scheduler.complete(item["id"], 400, problem)
+            if not any(decision["batches"]):
+                return {"kind": "idle"}
         if decision["kind"] == "work":
             self._current = decision  # answered by finish_round, or by fault() if the round fails
         return decision
 
+    def to_cancel(self) -> list[int]:
+        """The running requests already answered (504, or the client hung up) not yet cancelled: rank 0 cancels them."""
+        ids = [job_id for job_id in self.scheduler.answered_running() if job_id not in self._cancelled]
+        self._cancelled.update(ids)
+        return ids
+
     def finish_round(self, decision: dict, channel, summaries: list[dict]) -> None:
         self.metrics.memory({s["rank"]: s["memory"] for s in summaries})
+        self.metrics.rss({s["rank"]: s["rss"] for s in summaries})
         self.metrics.pipeline_time(max(s["seconds"] for s in summaries))
-        self._answer_round(decision, channel, None)
+        failed = {int(k): v for s in summaries for k, v in s["failed"].items()}
+        cancelled = {int(k): v for s in summaries for k, v in s["cancelled"].items()}
+        items = {item["id"]: item for batch in decision["batches"] for item in batch}
+        self.metrics.cancelled(len(cancelled), sum((items[i]["steps"] - ran) * len(items[i]["seeds"])
+                                                   for i, ran in cancelled.items()))
+        self._answer_round(decision, channel, None, failed)
 
     def fault(self, channel, cause: str, decision: str) -> None:
         """A round (or a load) ended in a fault: answer its requests; on "stop" answer every other request too."""
@@ -148,18 +173,20 @@ class Frontend:
 
     _current: dict | None = None
 
-    def _answer_round(self, decision: dict | None, channel, cause: str | None) -> None:
+    def _answer_round(self, decision: dict | None, channel, cause: str | None, failed: dict | None = None) -> None:
+        """Every item of the round is answered and its result read out of the store (deleted), answered or not."""
         if not decision or decision.get("kind") != "work":
             return
         for batch in decision["batches"]:
             for item in batch:
-                if channel.has("result", item["id"]):
-                    result = channel.get("result", item["id"])
+                result = channel.take_result(item["id"])
+                self._cancelled.discard(item["id"])
+                if result is not None:
                     self.scheduler.complete(item["id"], 200, result)
                 else:
                     # the whole cause is on the console (fault() above); the client gets its first line, paths cut
-                    self.scheduler.complete(item["id"], 500,
-                                            f"the request failed in the pipeline: {public_message(cause)}")
+                    why = (failed or {}).get(item["id"], cause)
+                    self.scheduler.complete(item["id"], 500, f"the request failed in the pipeline: {public_message(why)}")
         self._current = None
 
     # -- the HTTP side ------------------------------------------------------------------------------------------
@@ -181,7 +208,9 @@ class Frontend:
         say(f"paradiff serve: request {job.id}: {job.status} in {latency:.2f} s"
             + (f" (replica {entry['replica']})" if job.status == 200 else f": {entry['error']}"))
 
-    async def generate(self, body: Any, kind: str) -> tuple[int, dict]:
+    async def generate(self, body: Any, kind: str, disconnected=None) -> tuple[int, dict]:
+        """`disconnected()`: an awaitable check that the client hung up; then the request is answered 499 and, if it
+        runs, cancelled at the next denoising step."""
         if self.health != "ready" or self.limits is None:
             return self.refused(503, f"the server is {self.health}; retry when GET /health says ready",
                                 f"POST {_endpoint(kind)}")
@@ -193,10 +222,18 @@ class Frontend:
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         job.add_done_callback(lambda: loop.call_soon_threadsafe(_settle, done))
-        try:
-            await asyncio.wait_for(asyncio.shield(done), timeout=max(0.0, job.deadline - time.monotonic()))
-        except asyncio.TimeoutError:
-            self.scheduler.time_out(job)
+        while not done.done():
+            left = job.deadline - time.monotonic()
+            if left <= 0:
+                self.scheduler.time_out(job)
+                break
+            try:
+                await asyncio.wait_for(asyncio.shield(done), timeout=min(left, DISCONNECT_POLL_S) if disconnected
+                                       else left)
+            except asyncio.TimeoutError:
+                if disconnected is not None and await disconnected():
+                    self.scheduler.cancel(job, 499, "the client closed the connection before the answer")
+                    break
         if job.status != 200:
             return _error(job.status, str(job.result))
         data = [{"b64_json": base64.b64encode(file["data"]).decode(), **({"mime_type": file["mime"]}
@@ -353,7 +390,7 @@ def build_app(frontend: Frontend) -> FastAPI:
             body = await body_of(request)
         except RequestError as exc:
             return frontend.refusal(exc.status, str(exc), f"POST {_endpoint(kind)}")
-        status, payload = await frontend.generate(body, kind)
+        status, payload = await frontend.generate(body, kind, request.is_disconnected)
         return JSONResponse(payload, status_code=status)
 
     @app.post("/v1/images/generations")

@@ -17,6 +17,10 @@ class Metrics:
         self.latency_counts = [0] * (len(LATENCY_BUCKETS_S) + 1)
         self.latency_sum = 0.0
         self.rank_memory: dict[int, int] = {}
+        self.rank_rss: dict[int, int] = {}
+        self.cancelled_requests = 0
+        self.cancelled_steps = 0  # denoising steps not run thanks to cancellations
+        self.keys = 0
 
     def request_done(self, status: int, latency_s: float | None = None, images: int = 0, steps: int = 0) -> None:
         with self._lock:
@@ -36,6 +40,19 @@ class Metrics:
     def memory(self, per_rank: dict[int, int]) -> None:
         with self._lock:
             self.rank_memory.update(per_rank)
+
+    def rss(self, per_rank: dict[int, int]) -> None:
+        with self._lock:
+            self.rank_rss.update(per_rank)
+
+    def cancelled(self, requests: int, steps_skipped: int) -> None:
+        with self._lock:
+            self.cancelled_requests += requests
+            self.cancelled_steps += steps_skipped
+
+    def store_keys(self, count: int) -> None:
+        with self._lock:
+            self.keys = count
 
     def render(self, queued: int, running: int, health: str) -> str:
         with self._lock:
@@ -67,6 +84,18 @@ class Metrics:
                       "# TYPE paradiff_rank_peak_memory_bytes gauge"]
             lines += [f'paradiff_rank_peak_memory_bytes{{rank="{rank}"}} {value}'
                       for rank, value in sorted(self.rank_memory.items())]
+            lines += ["# HELP paradiff_rank_rss_bytes Resident memory of each rank after its last round.",
+                      "# TYPE paradiff_rank_rss_bytes gauge"]
+            lines += [f'paradiff_rank_rss_bytes{{rank="{rank}"}} {value}'
+                      for rank, value in sorted(self.rank_rss.items())]
+            lines += ["# HELP paradiff_requests_cancelled_total Requests whose work stopped early (504, client gone).",
+                      "# TYPE paradiff_requests_cancelled_total counter",
+                      f"paradiff_requests_cancelled_total {self.cancelled_requests}",
+                      "# HELP paradiff_cancelled_steps_total Denoising steps not run because their request was "
+                      "cancelled.", "# TYPE paradiff_cancelled_steps_total counter",
+                      f"paradiff_cancelled_steps_total {self.cancelled_steps}",
+                      "# HELP paradiff_store_keys Keys in the ranks' coordination store after the last round.",
+                      "# TYPE paradiff_store_keys gauge", f"paradiff_store_keys {self.keys}"]
             lines += ["# HELP paradiff_up 1 while the server is ready.", "# TYPE paradiff_up gauge",
                       f"paradiff_up {1 if health == 'ready' else 0}"]
             return "\n".join(lines) + "\n"

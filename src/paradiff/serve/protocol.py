@@ -113,6 +113,7 @@ def parse_image_request(body: Any, limits: Limits, kind: str = "image") -> Image
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         raise RequestError(400, "prompt: expected a non-empty string")
+    _unicode("prompt", prompt)
     if len(prompt) > limits.max_prompt_chars:
         raise RequestError(400, f"prompt is {len(prompt)} characters long; at most {limits.max_prompt_chars}")
     model = body.get("model")
@@ -128,6 +129,8 @@ def parse_image_request(body: Any, limits: Limits, kind: str = "image") -> Image
     negative = body.get("negative_prompt")
     if negative is not None and (not isinstance(negative, str) or len(negative) > limits.max_prompt_chars):
         raise RequestError(400, f"negative_prompt: expected a string of at most {limits.max_prompt_chars} characters")
+    if negative is not None:
+        _unicode("negative_prompt", negative)
     seed = _whole(body.get("seed", 0))
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise RequestError(400, f"seed: expected an integer from 0 to 2**63 - 1, got {seed!r}")
@@ -143,6 +146,16 @@ def parse_image_request(body: Any, limits: Limits, kind: str = "image") -> Image
                         guidance=_number(body, "guidance", limits.default_guidance), negative_prompt=negative,
                         true_cfg_scale=_number(body, "true_cfg_scale", limits.default_true_cfg), kind=kind,
                         frames=frames, fps=fps or limits.default_fps, loras=loras)
+
+
+def _unicode(name: str, text: str) -> None:
+    """JSON can carry a lone UTF-16 surrogate ("\\ud800"), which no tokenizer reads: the request's error, not a
+    rank's."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(400, f"{name}: not valid Unicode text (a lone surrogate at character {exc.start}); "
+                                "send UTF-8 text") from None
 
 
 def _loras(value: Any, limits: Limits) -> tuple:

@@ -1,9 +1,22 @@
 """The loop every rank of `paradiff serve` runs, and how the ranks recover from a fault together.
 
-Each round, rank 0 takes the next batch of every data-parallel replica from the scheduler and broadcasts the round
-over the control group; every rank runs its replica's batch; the replica's output rank puts the encoded outputs in
-the store; an all-gather of small summaries ends the round. Ranks decide nothing alone: what runs, and whether the
-server goes on after a fault, is rank 0's decision, read from the broadcast or the store.
+Each round, rank 0 takes the next batch of every data-parallel replica from the scheduler, checks what each request
+carries (the pipeline's tokenizers read its prompts) and broadcasts the round over the control group as JSON; every
+rank runs its replica's batch; the replica's output rank puts the encoded outputs in the store (raw bytes, one key
+per file, read and deleted by rank 0). The round ends in the store, not in a collective: each rank puts its summary
+(JSON) there and waits for rank 0's "go", which rank 0 gives once it has every summary and has answered the round.
+So an idle replica waits for a busy one in the store, never in a collective whose timeout would count the other
+replica's request; the next broadcast starts when every rank is there. Ranks decide nothing alone: what runs,
+whether a request is cancelled, and whether the server goes on after a fault is rank 0's decision, read from the
+broadcast or the store; every value read from the store is JSON checked against its schema, or raw bytes.
+
+Cancellation: a request answered before its round ended (a 504, a client that hung up) is cancelled. Rank 0 puts a
+key for it in the store; at every denoising step the replica's first rank reads those keys and broadcasts the flag to
+its replica, so all of them stop at the same step boundary.
+
+A request's own fault: when a pipeline call raises on every rank of its replica alike (the same error, not a
+collective's), the ranks agree on it through the store (the replica's first rank decides, compare-and-set, so they
+all read one verdict) and its requests get a 500 while the server goes on without a reload.
 
 A fault (an exception on any rank, or a rank that died) ends the round on every rank: each writes its error to the
 store and aborts its process groups, so peers blocked in a collective with it fail at once; each then says it is
@@ -18,9 +31,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import json
 import os
-import pickle
 import signal
+import socket
 import time
 from typing import Any, Callable
 
@@ -31,18 +45,39 @@ from paradiff.cli.outputs import mp4_bytes, outputs_of, png_bytes
 from paradiff.cli.report import say
 from paradiff.cli.worker import (Loaded, accepted_kwargs, call_kwargs, call_parameters, load_from_args,
                                  peak_memory_bytes, quiet_other_ranks)
-from paradiff.distributed.comm import abort_process_groups, all_gather_object, broadcast_object
+from paradiff.distributed.comm import abort_process_groups, all_gather_json, broadcast_flag, broadcast_json
 from paradiff.distributed.failures import is_comm_error
+from paradiff.distributed.store import checked, get_json, open_store, put_json
+from paradiff.errors import DistributedError
 
 PREFIX = "paradiff/serve"
 # after a fault, how long rank 0 waits for every rank to say it is alive: a rank that has not by then is taken for dead
 # (each learns of the fault at its next collective; a chain of aborts on an overloaded machine took more than 2 s)
 ALIVE_WAIT_S = 5.0
 IDLE_WAIT_S = 0.2  # an idle round every this often: it is also how a rank that died is noticed while idle
+# how long the ranks of a replica whose pipeline call raised wait for each other to say they raised alike (a request's
+# own fault); past it, the error is a rank's fault. A fault on one rank costs this much more before the recovery.
+AGREE_WAIT_S = 2.0
+POLL_S = (0.001, 0.01)  # store polls: the first wait, and the longest (doubling in between)
+
+SUMMARY = {"rank": int, "seconds": float, "images": int, "steps": int, "memory": int, "rss": int, "failed": dict,
+           "cancelled": dict, "agreements": list}
+RESULT = {"files": list, "replica": int, "started": float, "finished": float}
+FILE = {"mime": str, "frames": (int, None)}
+ERROR = {"error": str, "comm": bool, "loading": bool}
+
+
+class Cancelled(Exception):
+    """Raised at a step boundary on every rank of a replica whose requests rank 0 cancelled."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"cancelled at step {step}")
+        self.step = step
 
 
 class Channel:
-    """The store shared by every rank, with keys of the current generation (one per process group)."""
+    """The store shared by every rank, with keys of the current generation (one per process group). Values are JSON
+    (checked against a schema on read) or raw bytes."""
 
     def __init__(self, store: dist.Store, rank: int, world: int) -> None:
         self.store, self.rank, self.world, self.generation = store, rank, world, 0
@@ -51,20 +86,76 @@ class Channel:
         return "/".join([PREFIX, f"gen{self.generation}", *map(str, parts)])
 
     def put(self, value: Any, *parts: Any) -> None:
-        self.store.set(self.key(*parts), pickle.dumps(value))
+        put_json(self.store, self.key(*parts), value)
 
-    def get(self, *parts: Any) -> Any:
-        return pickle.loads(self.store.get(self.key(*parts)))
+    def get(self, schema: Any, *parts: Any) -> Any:
+        return get_json(self.store, self.key(*parts), schema)
+
+    def take(self, schema: Any, *parts: Any) -> Any:
+        """get, then delete: a slot is read once."""
+        value = self.get(schema, *parts)
+        self.delete(*parts)
+        return value
+
+    def put_bytes(self, data: bytes, *parts: Any) -> None:
+        self.store.set(self.key(*parts), data)
+
+    def take_bytes(self, *parts: Any) -> bytes:
+        data = self.store.get(self.key(*parts))
+        self.delete(*parts)
+        return data
 
     def has(self, *parts: Any) -> bool:
         return self.store.check([self.key(*parts)])
 
+    def delete(self, *parts: Any) -> None:
+        self.store.delete_key(self.key(*parts))
 
-def open_store(rank: int, world: int, timeout_s: float) -> dist.Store:
-    """The job's TCP store: rank 0 hosts it under paradiff's launcher; under torchrun the agent does."""
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                         is_master=rank == 0 and not agent, timeout=datetime.timedelta(seconds=timeout_s))
+    def settle(self, proposal: str, *parts: Any) -> str:
+        """The value of a one-time decision: `proposal` if nobody set it first (compare-and-set), else theirs."""
+        value = self.store.compare_set(self.key(*parts), "", json.dumps(proposal))
+        return checked(json.loads(value), str, self.key(*parts))
+
+    def keys(self) -> int:
+        """How many keys the store holds (all generations, process groups included): flat over time while serving."""
+        return int(self.store.num_keys())
+
+    def wait_for(self, *parts: Any, deadline: float | None = None, between: Callable | None = None) -> bool:
+        """Poll until the key exists (True) or `deadline` (time.monotonic()) passes (False); `between()` runs
+        between polls. A store that is gone (rank 0 died) raises."""
+        pause = POLL_S[0]
+        while not self.has(*parts):
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            if between is not None:
+                between()
+            time.sleep(pause)
+            pause = min(POLL_S[1], pause * 2)
+        return True
+
+    def put_result(self, item_id: int, files: list[dict], meta: dict) -> None:
+        """The output rank: each file's bytes under its own key, then the JSON that says they are all there."""
+        for index, file in enumerate(files):
+            self.put_bytes(file["data"], "result", item_id, index)
+        self.put({**meta, "files": [{"mime": f["mime"], "frames": f.get("frames")} for f in files]},
+                 "result", item_id)
+
+    def take_result(self, item_id: int) -> dict | None:
+        """Rank 0: the item's result, its keys deleted (None when the item has none)."""
+        if not self.has("result", item_id):
+            return None
+        result = self.take(RESULT, "result", item_id)
+        result["files"] = [{**checked(file, FILE, self.key("result", item_id)),
+                            "data": self.take_bytes("result", item_id, index)}
+                           for index, file in enumerate(result["files"])]
+        return result
+
+    def forget_generation(self, generation: int) -> None:
+        """Rank 0, once every rank runs a later generation: the fault keys of `generation` go."""
+        keys = [f"{PREFIX}/gen{generation}/{part}" for part in
+                ["decision", "fault", *(f"{kind}/{r}" for kind in ("error", "alive") for r in range(self.world))]]
+        for key in keys:
+            self.store.delete_key(key)
 
 
 def join_group(channel: Channel, backend: str, timeout_s: float) -> dist.ProcessGroup | None:
@@ -73,6 +164,16 @@ def join_group(channel: Channel, backend: str, timeout_s: float) -> dist.Process
     dist.init_process_group(backend, store=store, rank=channel.rank, world_size=channel.world,
                             timeout=datetime.timedelta(seconds=timeout_s))
     return None if backend == "gloo" else dist.new_group(backend="gloo")
+
+
+def replica_groups(replicas: list[int]) -> dict[int, tuple[list[int], Any]]:
+    """replica -> (its ranks, a gloo group of them): where a replica's ranks agree on a step's cancellation. Every
+    rank creates every group, in the same order (torch's rule for new_group)."""
+    groups = {}
+    for replica in sorted(set(replicas)):
+        members = [rank for rank, r in enumerate(replicas) if r == replica]
+        groups[replica] = (members, dist.new_group(ranks=members, backend="gloo") if len(members) > 1 else None)
+    return groups
 
 
 class Replica:
@@ -90,10 +191,35 @@ class Replica:
         self.parameters = set(call_parameters(self.pipeline))
         self.adapters = tuple((lora["adapter_name"], lora["scale"]) for lora in loaded.loras)
         self._active: tuple | None = self.adapters  # load_from_args mixed them at their start scales
+        self.members: list[int] = [dist.get_rank()]  # this replica's ranks (set by serve_rank once groups exist)
+        self.group = None  # a gloo group of them (None for a replica of one rank)
+        self.on_step: Callable[[], None] | None = None  # rank 0: publish cancellations at every step
 
     def describe(self) -> dict:
         return {"kind": "video" if "num_frames" in self.parameters else "image",
                 "accepts": frozenset(self.parameters), "replicas": self.replicas, "adapters": self.adapters}
+
+    def check(self, item: dict) -> str | None:
+        """Rank 0, before a round is broadcast: why the pipeline could not take `item` (None when it can). Every
+        tokenizer of the pipeline reads the item's texts, so a text no tokenizer can read is the request's error
+        (400) and never reaches a rank."""
+        texts = [item["prompt"]] + ([item["negative_prompt"]] if item.get("negative_prompt") else [])
+        for text in texts:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                return f"the prompt is not valid Unicode text ({exc.reason} at character {exc.start})"
+        for name in ("tokenizer", "tokenizer_2", "tokenizer_3"):
+            tokenizer = getattr(self.pipeline, name, None)
+            if tokenizer is None or not callable(tokenizer):
+                continue
+            try:
+                tokenizer(texts, truncation=True, max_length=min(int(getattr(tokenizer, "model_max_length", 512)),
+                                                                 1 << 20))
+            except Exception as exc:  # noqa: BLE001 - the tokenizer's refusal is the request's error
+                line = (str(exc).splitlines() or [""])[0][:200]
+                return f"the pipeline's {name} cannot read the prompt ({type(exc).__name__}: {line})"
+        return None
 
     def use_adapters(self, loras: tuple) -> None:
         """The request's adapters and scales (every rank of the replica gets the same, from the broadcast round)."""
@@ -116,38 +242,105 @@ class Replica:
                 kwargs[parameter] = item[field]
         return accepted_kwargs(kwargs, self.pipeline)
 
-    def run(self, items: list[dict], channel: Channel) -> dict:
-        """Run `items` (one replica's batch: same size, steps, guidance); the output rank stores each item's result.
-        Returns this rank's summary of the round."""
+    def run(self, items: list[dict], channel: Channel, number: int) -> dict:
+        """Run `items` (one replica's batch: same size, steps, guidance) in round `number`; the output rank stores each
+        item's result. Returns this rank's summary of the round (failed: item id -> error, for a request's own fault;
+        cancelled: item id -> the steps its call ran)."""
         started = time.perf_counter()
         images = [(item, seed) for item in items for seed in item["seeds"]]
-        outputs: list[Any] = []
+        files: dict[int, list[dict]] = {item["id"]: [] for item in items}
+        failed: dict[int, str] = {}
+        cancelled: dict[int, int] = {}
+        agreements: list[int] = []
         stamps = time.time()
-        for start in range(0, len(images), self.max_batch):
+        steps = 0
+        for chunk_index, start in enumerate(range(0, len(images), self.max_batch)):
             chunk = images[start:start + self.max_batch]
+            ids = sorted({item["id"] for item, _ in chunk})
             kwargs = self.call_kwargs(chunk[0][0])
+            if "callback_on_step_end" in self.parameters:
+                kwargs["callback_on_step_end"] = self._step_end(ids, channel)
             self.use_adapters(tuple(chunk[0][0].get("loras", ())))
-            if len(chunk) == 1:  # as `paradiff generate` calls it: byte-identical outputs
-                (item, seed), = chunk
-                result = self.pipeline(prompt=item["prompt"], seed=seed, **kwargs)
-            else:
-                result = self.pipeline(prompt=[item["prompt"] for item, _ in chunk],
-                                       generator=[torch.Generator("cpu").manual_seed(seed) for _, seed in chunk],
-                                       **kwargs)
-            for monitor in self.monitors.values():
-                monitor.clear()
+            try:
+                if len(chunk) == 1:  # as `paradiff generate` calls it: byte-identical outputs
+                    (item, seed), = chunk
+                    result = self.pipeline(prompt=item["prompt"], seed=seed, **kwargs)
+                else:
+                    result = self.pipeline(prompt=[item["prompt"] for item, _ in chunk],
+                                           generator=[torch.Generator("cpu").manual_seed(seed) for _, seed in chunk],
+                                           **kwargs)
+                steps += chunk[0][0]["steps"] * len(chunk)
+            except Cancelled as stop:
+                cancelled.update(dict.fromkeys(ids, stop.step))
+                steps += stop.step * len(chunk)
+                continue
+            except Exception as exc:  # noqa: BLE001 - the request's own fault when every rank of the replica agrees
+                if is_comm_error(exc) or isinstance(exc, DistributedError) or _device_fault(exc):
+                    raise
+                agreements.append(chunk_index)
+                if self._agree_on_request_fault(exc, channel, number, chunk_index) != "request":
+                    raise
+                line = (str(exc).splitlines() or [""])[0][:300]
+                failed.update(dict.fromkeys(ids, f"{type(exc).__name__}: {line}"))
+                continue
+            finally:
+                for monitor in self.monitors.values():
+                    monitor.clear()
             if self.pipeline.is_output_rank:
-                outputs += [_encode(output, item) for (item, _), output in zip(chunk, outputs_of(result))]
+                for (item, _), output in zip(chunk, outputs_of(result)):
+                    files[item["id"]].append(_encode(output, item))
         finished = time.time()
-        if self.pipeline.is_output_rank and items:
-            position = 0
+        if self.pipeline.is_output_rank:
             for item in items:
-                count = len(item["seeds"])
-                channel.put({"files": outputs[position:position + count], "replica": self.replica,
-                             "started": stamps, "finished": finished}, "result", item["id"])
-                position += count
+                if item["id"] not in failed and item["id"] not in cancelled:
+                    channel.put_result(item["id"], files[item["id"]], {"replica": self.replica, "started": stamps,
+                                                                      "finished": finished})
         return {"rank": channel.rank, "seconds": time.perf_counter() - started if items else 0.0,
-                "images": len(images), "steps": sum(item["steps"] * len(item["seeds"]) for item in items)}
+                "images": len(images), "steps": steps, "failed": {str(k): v for k, v in failed.items()},
+                "cancelled": {str(k): v for k, v in cancelled.items()}, "agreements": agreements}
+
+    def _step_end(self, ids: list[int], channel: Channel) -> Callable:
+        """diffusers' callback_on_step_end: the replica's first rank reads whether rank 0 cancelled any of `ids` and
+        broadcasts it to the replica; every rank raises Cancelled at the same step."""
+        lead = self.members[0]
+
+        def step_end(_pipeline, step, _timestep, _kwargs):
+            if self.on_step is not None:
+                self.on_step()
+            flag = channel.rank == lead and any(channel.has("cancel", i) for i in ids)
+            if self.group is not None:
+                flag = broadcast_flag(flag, src=lead, group=self.group)
+            if flag:
+                raise Cancelled(step + 1)
+            return {}
+
+        return step_end
+
+    def _agree_on_request_fault(self, exc: BaseException, channel: Channel, number: int, chunk: int) -> str:
+        """"request" when every rank of this replica raised the same error in this call (the request's own fault),
+        "fault" otherwise (a rank's fault; also when a peer does not say so within AGREE_WAIT_S: it may be blocked in a
+        collective). The replica's first rank proposes; one compare-and-set makes every rank read the same verdict."""
+        message = f"{type(exc).__name__}: {exc}"[:2000]
+        channel.put(message, "round", number, "fail", chunk, channel.rank)
+        verdict = ("round", number, "verdict", self.replica, chunk)
+        deadline = time.monotonic() + AGREE_WAIT_S
+        if channel.rank != self.members[0]:
+            if channel.wait_for(*verdict, deadline=deadline + 0.5):
+                return channel.get(str, *verdict)
+            return channel.settle("fault", *verdict)
+        everyone = all(channel.wait_for("round", number, "fail", chunk, r, deadline=deadline) for r in self.members)
+        alike = everyone and all(channel.get(str, "round", number, "fail", chunk, r) == message for r in self.members)
+        return channel.settle("request" if alike else "fault", *verdict)
+
+
+DEVICE_FAULT_MARKERS = ("cuda error", "device-side assert", "illegal memory access", "cublas", "cudnn", "hip error",
+                        "ecc error", "xpu error")
+
+
+def _device_fault(exc: BaseException) -> bool:
+    """An error of the device itself (sticky on CUDA: every later call fails too): a rank's fault, reloaded, even when
+    every rank of the replica hit it (a replica of one rank always agrees with itself)."""
+    return any(marker in str(exc).lower() for marker in DEVICE_FAULT_MARKERS)
 
 
 def _encode(output, item: dict) -> dict:
@@ -156,6 +349,15 @@ def _encode(output, item: dict) -> dict:
     if output.kind != "image":
         raise RuntimeError(f"the pipeline returned {output.kind}; paradiff serve sends images and videos")
     return {"mime": "image/png", "data": png_bytes(output.array)}
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (0 where /proc is absent)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def serve_rank(args: argparse.Namespace, device: torch.device, frontend_factory: Callable | None,
@@ -181,10 +383,19 @@ def serve_rank(args: argparse.Namespace, device: torch.device, frontend_factory:
                     hook = None  # a fault injected for a test happens once, not again after recovery
                 replica = Replica(loaded, args, args.max_batch)
                 del loaded
-                summary = all_gather_object({"rank": rank, "memory": peak_memory_bytes(device)}, control)
+                summary = all_gather_json({"rank": rank, "memory": peak_memory_bytes(device), "rss": rss_bytes(),
+                                           "replica": replica.replica, "pid": os.getpid(),
+                                           "host": socket.gethostname()}, control)
+                replica.members, replica.group = replica_groups([s["replica"] for s in summary])[replica.replica]
                 if frontend is not None:
+                    if channel.generation:
+                        channel.forget_generation(channel.generation - 1)
+                    replica.on_step = lambda: _publish_cancellations(channel, frontend)
                     frontend.ready(replica.describe(), summary, channel.generation)
-                _rounds(channel, replica, frontend, control, device)
+                # the ranks on this machine, whose death rank 0 sees while it waits in the store for their round
+                peers = {s["rank"]: s["pid"] for s in summary
+                         if s["host"] == socket.gethostname() and s["rank"] != rank}
+                _rounds(channel, replica, frontend, control, device, peers)
                 dist.destroy_process_group()
                 return 0
             except Exception as exc:  # noqa: BLE001 - every fault ends in one agreed decision
@@ -205,21 +416,80 @@ def serve_rank(args: argparse.Namespace, device: torch.device, frontend_factory:
             frontend.stop()
 
 
-def _rounds(channel: Channel, replica: Replica, frontend, control, device: torch.device) -> None:
+def _rounds(channel: Channel, replica: Replica, frontend, control, device: torch.device,
+            peers: dict[int, int]) -> None:
+    number = 0
+    last_go = None
     while True:
-        decision = frontend.next_round(replica.replicas, IDLE_WAIT_S) if frontend is not None else None
-        decision = broadcast_object(decision, src=0, group=control)
+        decision = (frontend.next_round(replica.replicas, IDLE_WAIT_S, replica.check)
+                    if frontend is not None else None)
+        decision = broadcast_json(decision, src=0, group=control)
         if decision["kind"] == "stop":
             return
         if decision["kind"] == "idle":
             continue
-        summary = replica.run(decision["batches"][replica.replica], channel)
-        summary["memory"] = peak_memory_bytes(device)
-        summaries = all_gather_object(summary, control)
-        if frontend is not None:
-            frontend.finish_round(decision, channel, summaries)
+        number += 1
+        summary = replica.run(decision["batches"][replica.replica], channel, number)
+        summary.update(memory=peak_memory_bytes(device), rss=rss_bytes())
+        channel.put(summary, "round", number, "summary", channel.rank)
+        if frontend is None:  # wait in the store, not in a collective, for the round's slowest replica
+            channel.wait_for("round", number, "go", between=lambda: _raise_on_fault(channel))
+            continue
+
+        def between():
+            _publish_cancellations(channel, frontend)
+            _raise_on_fault(channel)
+            dead = [r for r, pid in peers.items() if not _alive(pid)]
+            if dead:  # no collective is there to fail: a rank that died is seen by its process
+                raise DistributedError(f"rank(s) {dead} stopped answering (the process died or was killed)")
+
+        summaries = []
+        for r in range(channel.world):
+            channel.wait_for("round", number, "summary", r, between=between)
+            summaries.append(channel.take(SUMMARY, "round", number, "summary", r))
+        frontend.finish_round(decision, channel, summaries)
+        _forget_round(channel, number, decision, summaries)
+        if last_go is not None:
+            channel.delete("round", last_go, "go")  # every rank put a summary of this round: all went past it
+        channel.put(True, "round", number, "go")
+        last_go = number
+        frontend.metrics.store_keys(channel.keys())
 
 
+def _alive(pid: int) -> bool:
+    """Whether process `pid` (a rank on this machine) still runs: not gone, not a zombie."""
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except ProcessLookupError:
+        return False
+    except (OSError, IndexError):
+        return True  # no /proc here: the signal check said it exists
+
+
+def _raise_on_fault(channel: Channel) -> None:
+    """A rank waiting in the store (not in a collective, where an abort would reach it) learns of a peer's fault."""
+    if channel.has("fault"):
+        raise DistributedError("a peer rank failed while this rank waited for the round to end")
+
+
+def _publish_cancellations(channel: Channel, frontend) -> None:
+    """Rank 0: a key in the store for each running request already answered (504, or its client hung up)."""
+    for job_id in frontend.to_cancel():
+        channel.put(True, "cancel", job_id)
+
+
+def _forget_round(channel: Channel, number: int, decision: dict, summaries: list[dict]) -> None:
+    """Rank 0, every summary of the round read: the round's cancel keys and request-fault agreement keys go."""
+    for batch in decision["batches"]:
+        for item in batch:
+            channel.delete("cancel", item["id"])
+    for chunk in {c for s in summaries for c in s["agreements"]}:
+        for r in range(channel.world):
+            channel.delete("round", number, "fail", chunk, r)
+        for replica in range(len(decision["batches"])):
+            channel.delete("round", number, "verdict", replica, chunk)
 def _record_error(channel: Channel, exc: BaseException, loading: bool) -> bool:
     """Put this rank's error in the store for rank 0; False when the store is gone (rank 0 died)."""
     lines = str(exc).splitlines()
@@ -227,6 +497,7 @@ def _record_error(channel: Channel, exc: BaseException, loading: bool) -> bool:
         channel.put({"error": f"{type(exc).__name__}: {lines[0] if lines else ''}",
                      "comm": is_comm_error(exc) or type(exc).__name__ == "DistributedError",
                      "loading": loading}, "error", channel.rank)
+        channel.put(True, "fault")  # for the ranks that wait in the store: no abort reaches them
     except Exception:  # noqa: BLE001
         return False
     return True
@@ -241,14 +512,14 @@ def _after_fault(channel: Channel, recorded: bool, frontend) -> str:
         channel.put(True, "alive", channel.rank)
         if frontend is None:
             channel.store.wait([channel.key("decision")], datetime.timedelta(seconds=60))
-            return channel.get("decision")
+            return channel.get(str, "decision")
     except Exception:  # noqa: BLE001 - the store is gone: rank 0 died, nobody is left to decide
         return "stop"
     deadline = time.monotonic() + ALIVE_WAIT_S
     while time.monotonic() < deadline and not all(channel.has("alive", r) for r in range(channel.world)):
         time.sleep(0.02)
     alive = [r for r in range(channel.world) if channel.has("alive", r)]
-    errors = {r: channel.get("error", r) for r in range(channel.world) if channel.has("error", r)}
+    errors = {r: channel.get(ERROR, "error", r) for r in range(channel.world) if channel.has("error", r)}
     root = [f"rank {r}: {e['error']}" for r, e in sorted(errors.items()) if not e["comm"]]
     dead = sorted(set(range(channel.world)) - set(alive))
     if dead:

@@ -156,6 +156,19 @@ class Scheduler:
             self._answer(job, 504, f"the request was not finished within the server's --request-timeout of "
                                    f"{self.request_timeout_s:g} s")
 
+    def cancel(self, job: Job, status: int, message: str) -> None:
+        """Answer `job` now with `status` (its client hung up): a waiting job leaves the queue; a running one is
+        answered, and rank 0 cancels its work (answered_running)."""
+        with self._lock:
+            if job in self._waiting:
+                self._waiting.remove(job)
+            self._answer(job, status, message)
+
+    def answered_running(self) -> list[int]:
+        """The running jobs already answered (504, or cancelled): their work is no longer wanted."""
+        with self._lock:
+            return [job.id for job in self._running.values() if job.done.is_set()]
+
     def running_ids(self) -> list[int]:
         with self._lock:
             return sorted(self._running)

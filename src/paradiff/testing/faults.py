@@ -6,7 +6,9 @@ runs the real command, whose launcher starts its workers through this module too
 below on its loaded pipeline and then runs the normal worker code. The variables:
 
 - PARADIFF_INJECT_FAULT="RANK:raise|exit": that rank fails in its second transformer forward, inside the first block
-  (raise: a RuntimeError; exit: os._exit(9), as if killed); "RANK:seed": it starts from other latents.
+  (raise: a RuntimeError; exit: os._exit(9), as if killed); "RANK:seed": it starts from other latents;
+  "all:alike": every rank raises the same ValueError there (a request's own fault, as bad inputs would). "@N" after
+  the kind moves the fault to the Nth forward; several faults are separated by commas ("all:alike,1:raise@4").
 - PARADIFF_FAULT_STAMP=FILE: the rank writes the moment of the fault (time.time()) there.
 - PARADIFF_FAULT_GATE=FILE: the rank fails only once FILE exists (waiting at most 120 s), so that a test can first
   bring the server to the state it means to fault in (a second request queued, say).
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-FAULT_KINDS = ("raise", "exit", "seed")
+FAULT_KINDS = ("raise", "exit", "seed", "alike")
 
 
 def install_fault_from_env(pipeline, rank: int) -> None:
@@ -29,16 +31,19 @@ def install_fault_from_env(pipeline, rank: int) -> None:
     spec = os.environ.get("PARADIFF_INJECT_FAULT")
     if not spec:
         return
-    target, _, kind = spec.partition(":")
-    if kind not in FAULT_KINDS or not target.isdigit():
-        raise ValueError(f"PARADIFF_INJECT_FAULT={spec!r}: expected RANK:KIND with KIND one of {FAULT_KINDS}")
-    if int(target) == rank:
-        install_fault(pipeline.transformer, rank, kind, os.environ.get("PARADIFF_FAULT_STAMP"),
-                      os.environ.get("PARADIFF_FAULT_GATE"))
+    for one in spec.split(","):
+        target, _, kind = one.partition(":")
+        kind, _, call = kind.partition("@")
+        if kind not in FAULT_KINDS or not (target.isdigit() or target == "all") or not (call.isdigit() or not call):
+            raise ValueError(f"PARADIFF_INJECT_FAULT={spec!r}: expected RANK:KIND[@N] (RANK a number or 'all', KIND "
+                             f"one of {FAULT_KINDS}), separated by commas")
+        if target == "all" or int(target) == rank:
+            install_fault(pipeline.transformer, rank, kind, os.environ.get("PARADIFF_FAULT_STAMP"), int(call or 2),
+                          os.environ.get("PARADIFF_FAULT_GATE"))
 
 
 def install_fault(transformer: torch.nn.Module, rank: int, kind: str, stamp_file: str | None = None,
-                  gate_file: str | None = None) -> None:
+                  call: int = 2, gate_file: str | None = None) -> None:
     def stamp() -> None:
         if gate_file:
             deadline = time.monotonic() + 120
@@ -61,10 +66,12 @@ def install_fault(transformer: torch.nn.Module, rank: int, kind: str, stamp_file
     def fail_in_block(_module, _args):
         # inside the forward (first transformer block), where a real fault would happen
         block_calls.append(1)
-        if len(block_calls) == 2:
+        if len(block_calls) == call:
             stamp()
             if kind == "exit":
                 os._exit(9)
+            if kind == "alike":
+                raise ValueError("injected request fault (the same on every rank)")
             raise RuntimeError(f"injected fault on rank {rank}")
 
     if kind == "seed":
