@@ -184,8 +184,9 @@ class Frontend:
                 if result is not None:
                     self.scheduler.complete(item["id"], 200, result)
                 else:
-                    # the whole cause is on the console (fault() above); the client gets its first line, paths cut
-                    why = (failed or {}).get(item["id"], cause)
+                    # the whole cause is on the console (fault() above); the client gets its first line, paths cut.
+                    # No cause: a request cancelled after its answer (504, hang-up); completing it again is a no-op
+                    why = (failed or {}).get(item["id"], cause) or "cancelled"
                     self.scheduler.complete(item["id"], 500, f"the request failed in the pipeline: {public_message(why)}")
         self._current = None
 

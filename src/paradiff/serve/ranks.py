@@ -22,8 +22,9 @@ A fault (an exception on any rank, or a rank that died) ends the round on every 
 store and aborts its process groups, so peers blocked in a collective with it fail at once; each then says it is
 alive. When all are, rank 0 answers the round's requests (those whose outputs reached the store succeed; the others
 get a 500 naming the cause) and decides "recover": the ranks join a new process group (the next generation of
-store keys) and load the pipeline again, and the server goes on. When a rank is missing after ALIVE_WAIT_S, the
-decision is "stop": every waiting request is answered 503, /health says failed and the ranks exit non-zero.
+store keys) and load the pipeline again, and the server goes on. When a rank is missing (its process on this machine
+is gone, or a rank elsewhere has not answered within ALIVE_WAIT_S), the decision is "stop": every waiting request is
+answered 503, /health says failed and the ranks exit non-zero.
 """
 
 from __future__ import annotations
@@ -51,8 +52,10 @@ from paradiff.distributed.store import checked, get_json, open_store, put_json
 from paradiff.errors import DistributedError
 
 PREFIX = "paradiff/serve"
-# after a fault, how long rank 0 waits for every rank to say it is alive: a rank that has not by then is taken for dead
-# (each learns of the fault at its next collective; a chain of aborts on an overloaded machine took more than 2 s)
+# after a fault, how long rank 0 waits for a rank on another machine to say it is alive, before it takes it for dead
+# (each learns of the fault at its next collective; a chain of aborts on an overloaded machine took more than 2 s). A
+# rank on rank 0's machine is waited for while its process runs, up to the collective timeout: it is dead only once
+# its process is seen gone (a wait of 5 s took a live rank for dead at a load average of 40).
 ALIVE_WAIT_S = 5.0
 IDLE_WAIT_S = 0.2  # an idle round every this often: it is also how a rank that died is noticed while idle
 # how long the ranks of a replica whose pipeline call raised wait for each other to say they raised alike (a request's
@@ -371,6 +374,7 @@ def serve_rank(args: argparse.Namespace, device: torch.device, frontend_factory:
     frontend = frontend_factory() if rank == 0 else None
     _handle_signals(frontend)
     hook = on_pipeline_loaded
+    peers: dict[int, int] = {}  # rank -> pid of the other ranks on this machine, once a load has told them
     try:
         while True:
             control = join_group(channel, backend, args.timeout)
@@ -407,7 +411,7 @@ def serve_rank(args: argparse.Namespace, device: torch.device, frontend_factory:
             replica = control = None
             abort_process_groups()
             gc.collect()
-            decision = _after_fault(channel, fault, frontend)
+            decision = _after_fault(channel, fault, frontend, peers, args.timeout)
             if decision == "stop":
                 return 1
             channel.generation += 1
@@ -503,9 +507,11 @@ def _record_error(channel: Channel, exc: BaseException, loading: bool) -> bool:
     return True
 
 
-def _after_fault(channel: Channel, recorded: bool, frontend) -> str:
+def _after_fault(channel: Channel, recorded: bool, frontend, peers: dict[int, int], timeout_s: float) -> str:
     """Every rank, its groups aborted: say it is alive; rank 0 decides "recover" or "stop" and answers the
-    round's requests; the others wait for the decision."""
+    round's requests; the others wait for the decision. Rank 0 waits for each rank on its machine (`peers`: rank ->
+    pid) until it says it is alive or its process is gone (at most `timeout_s`, the collective timeout, by which a
+    live rank has learnt of the fault), and for any other rank ALIVE_WAIT_S."""
     if not recorded:
         return "stop"
     try:
@@ -515,8 +521,16 @@ def _after_fault(channel: Channel, recorded: bool, frontend) -> str:
             return channel.get(str, "decision")
     except Exception:  # noqa: BLE001 - the store is gone: rank 0 died, nobody is left to decide
         return "stop"
-    deadline = time.monotonic() + ALIVE_WAIT_S
-    while time.monotonic() < deadline and not all(channel.has("alive", r) for r in range(channel.world)):
+    started = time.monotonic()
+
+    def settled(r: int) -> bool:
+        if channel.has("alive", r):
+            return True
+        if r in peers:
+            return not _alive(peers[r]) or time.monotonic() > started + timeout_s
+        return time.monotonic() > started + ALIVE_WAIT_S
+
+    while not all(settled(r) for r in range(channel.world)):
         time.sleep(0.02)
     alive = [r for r in range(channel.world) if channel.has("alive", r)]
     errors = {r: channel.get(ERROR, "error", r) for r in range(channel.world) if channel.has("error", r)}
