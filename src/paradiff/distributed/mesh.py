@@ -1,14 +1,15 @@
-"""One DeviceMesh with named dimensions (data, cfg, ring, ulysses, tp), the process groups cut from it, and each rank's
-coordinates along those dimensions.
+"""One DeviceMesh with named dimensions (data, cfg, fsdp, ring, ulysses, tp), the process groups cut from it, and
+each rank's coordinates along those dimensions.
 
 Ulysses sits inside ring and tp innermost: the dimensions that talk the most get neighbouring ranks, which on one node
 means the fastest links.
 
 A user-given DeviceMesh maps onto paradiff's dimensions by name:
-- a dimension named `data`, `cfg`, `ring`, `ulysses` or `tp` is that dimension;
+- a dimension named `data`, `cfg`, `fsdp`, `ring`, `ulysses` or `tp` is that dimension;
 - dimensions with other names are taken, in their order, as the paradiff dimensions of degree > 1 that no mesh
-  dimension names, in paradiff's order (data, cfg, ring, ulysses, tp); their sizes must agree. So a 1-D mesh of size N
-  with tp_degree=N is the TP dimension, and a ("replicas", "model") mesh with data_degree=2, tp_degree=2 is data x tp;
+  dimension names, in paradiff's order (data, cfg, fsdp, ring, ulysses, tp); their sizes must agree. So a 1-D mesh
+  of size N with tp_degree=N is the TP dimension, and a ("replicas", "model") mesh with data_degree=2, tp_degree=2
+  is data x tp;
 - user dimensions of size 1 that no degree needs are ignored, and paradiff dimensions the mesh lacks have size 1.
 Anything else raises ParallelConfigError naming the mesh's dimensions and the degrees it must carry.
 """
@@ -25,14 +26,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from paradiff.config import ParallelConfig
 from paradiff.errors import DistributedError, ParallelConfigError
 
-MESH_DIMS = ("data", "cfg", "ring", "ulysses", "tp")
+MESH_DIMS = ("data", "cfg", "fsdp", "ring", "ulysses", "tp")
 CP_DIMS = ("ring", "ulysses")
-REPLICA_DIMS = ("cfg", "ring", "ulysses", "tp")
+REPLICA_DIMS = ("cfg", "fsdp", "ring", "ulysses", "tp")
 
 
 @dataclass(frozen=True)
 class MeshCoordinates:
-    """One rank's index and the size along each of paradiff's five dimensions.
+    """One rank's index and the size along each of paradiff's six dimensions.
 
     A group of dimensions numbers its ranks row-major over the dimensions as given (the first outermost), the order
     `dist.new_group` receives them in `_add_flat_groups`.
@@ -68,7 +69,8 @@ class MeshCoordinates:
 
 
 def coordinates_from_degrees(degrees: dict[str, int], rank: int) -> MeshCoordinates:
-    """Coordinates before any mesh exists: world ranks are laid out data x cfg x ring x ulysses x tp, innermost last."""
+    """Coordinates before any mesh exists: world ranks are laid out data x cfg x fsdp x ring x ulysses x tp, innermost
+    last."""
     indices = {}
     remainder = rank
     for dim in reversed(MESH_DIMS):
@@ -205,6 +207,21 @@ class ParallelMesh:
 
     def describe(self) -> dict[str, int]:
         return {name: self.size(name) for name in MESH_DIMS}
+
+    @property
+    def fsdp_group(self) -> dist.ProcessGroup | None:
+        """The ranks that share one FSDP group's weight shards (None: no FSDP)."""
+        dims = self.config.fsdp_dims
+        if not dims:
+            return None
+        return self.group("fsdp") if dims == ("fsdp",) else self.flat_group(dims)
+
+    def fsdp_mesh(self) -> DeviceMesh | None:
+        """A 1-D DeviceMesh over the FSDP group, the form `fully_shard` takes (None: no FSDP)."""
+        dims = self.config.fsdp_dims
+        if not dims:
+            return None
+        return DeviceMesh.from_group(self.fsdp_group, self.device_mesh.device_type, mesh_dim_names=("fsdp",))
 
 
 def build_mesh(config: ParallelConfig, device: torch.device | None = None) -> ParallelMesh:
