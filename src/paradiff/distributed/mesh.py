@@ -29,6 +29,7 @@ from paradiff.errors import DistributedError, ParallelConfigError
 MESH_DIMS = ("data", "cfg", "fsdp", "ring", "ulysses", "tp")
 CP_DIMS = ("ring", "ulysses")
 REPLICA_DIMS = ("cfg", "fsdp", "ring", "ulysses", "tp")
+FSDP_GROUP = ("fsdp weights",)  # flat_groups' key of the FSDP group (its dims are config.fsdp_dims)
 
 
 @dataclass(frozen=True)
@@ -210,18 +211,16 @@ class ParallelMesh:
 
     @property
     def fsdp_group(self) -> dist.ProcessGroup | None:
-        """The ranks that share one FSDP group's weight shards (None: no FSDP)."""
-        dims = self.config.fsdp_dims
-        if not dims:
-            return None
-        return self.group("fsdp") if dims == ("fsdp",) else self.flat_group(dims)
+        """The ranks that share one FSDP group's weight shards (None: no FSDP). A group of its own even where it
+        holds the CP ranks, so the weights' all-gathers never queue behind (or interleave with) the sequence's."""
+        return self.flat_groups.get(FSDP_GROUP)
 
     def fsdp_mesh(self) -> DeviceMesh | None:
         """A 1-D DeviceMesh over the FSDP group, the form `fully_shard` takes (None: no FSDP)."""
-        dims = self.config.fsdp_dims
-        if not dims:
+        group = self.fsdp_group
+        if group is None:
             return None
-        return DeviceMesh.from_group(self.fsdp_group, self.device_mesh.device_type, mesh_dim_names=("fsdp",))
+        return DeviceMesh.from_group(group, self.device_mesh.device_type, mesh_dim_names=("fsdp",))
 
 
 def build_mesh(config: ParallelConfig, device: torch.device | None = None) -> ParallelMesh:
@@ -255,6 +254,11 @@ def _add_flat_groups(parallel_mesh: ParallelMesh) -> None:
             group = dist.new_group(row)
             if me in row:
                 parallel_mesh.flat_groups[dims] = group
+    if parallel_mesh.config.fsdp_dims:
+        for row in parallel_mesh.ranks_along(parallel_mesh.config.fsdp_dims):
+            group = dist.new_group(row)
+            if me in row:
+                parallel_mesh.flat_groups[FSDP_GROUP] = group
 
 
 def replica_group(parallel_mesh: ParallelMesh) -> dist.ProcessGroup:
