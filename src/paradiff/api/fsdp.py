@@ -47,6 +47,8 @@ def shard_component(component: Any, mesh: Any, group: Any, weights_on_meta: bool
     """TP first (a planned Linear becomes its sharded form holding this rank's slice: empty on meta, or sliced
     from the weights in memory), then FSDP2 over the FSDP group, each block a unit (`fsdp/apply.py`)."""
     model, resolved = component.model, component.resolved
+    if weights_on_meta:
+        _load_dtypes_on_meta(model, component.source)
     if resolved is not None:
         if weights_on_meta:
             _tp_shapes_on_meta(model, resolved)
@@ -63,4 +65,19 @@ def _tp_shapes_on_meta(model: nn.Module, resolved: Any) -> None:
             if param is not None and spec is not None:
                 shape = spec.local_shape(param.shape)
                 module._parameters[leaf] = nn.Parameter(torch.empty(shape, dtype=param.dtype, device="meta"),
+                                                        requires_grad=False)
+
+
+def _load_dtypes_on_meta(model: nn.Module, source: Any) -> None:
+    """Parameters take the dtype the read gives them (the load dtype, float32 for the modules kept so) before FSDP
+    makes them real: its shards are filled in place."""
+    from paradiff.api.model import target_dtype
+
+    for name, param in list(model.named_parameters()):
+        if param.is_meta and param.dtype.is_floating_point:
+            dtype = target_dtype(name, source.dtype, source.keep_fp32)
+            if dtype != param.dtype:
+                module_name, _, leaf = name.rpartition(".")
+                module = model.get_submodule(module_name) if module_name else model
+                module._parameters[leaf] = nn.Parameter(torch.empty(param.shape, dtype=dtype, device="meta"),
                                                         requires_grad=False)
