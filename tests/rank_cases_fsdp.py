@@ -15,6 +15,9 @@ import paradiff
 from paradiff.config import ParallelConfig
 from paradiff.fsdp.apply import held_weight_bytes
 from paradiff.io.checkpoint import Checkpoint
+from paradiff.plan_tools.memory import meta_model, per_rank_bytes
+from paradiff.plans import plan_for
+from paradiff.tensor_parallel.plan import as_plan, resolve_plan
 from paradiff.runtime.state import get_state
 from paradiff.testing.models import Lengths, make_inputs, model_class, run_forward
 from paradiff.testing.pipelines import default_call_kwargs
@@ -97,7 +100,14 @@ def fsdp_models(runs: list[dict]) -> list[dict]:
         (file_dtype,) = {info.dtype for info in checkpoint.tensors.values()}
         checkpoint.close()
         itemsize = torch.empty((), dtype=file_dtype).element_size()
+        parallel = ParallelConfig.from_mode(mode)
+        tp_plan = None
+        if parallel.tp_degree > 1:
+            tp_plan = resolve_plan(meta_model(cls, reference.config), as_plan(plan_for(reference, None, "tensor")),
+                                   get_state(model).mesh.coordinates.tp_rank, parallel.tp_degree)
+        predicted = per_rank_bytes(meta_model(cls, reference.config), parallel, dtype, tp_plan=tp_plan)
         results.append({
+            "predicted_weights": predicted.weights, "held": held_weight_bytes(model),
             "run": run, "rank": dist.get_rank(), "blocks": len(blocks),
             "diff": float((actual - expected).abs().max() / expected.abs().max()),
             "repeat_diff": float((again - actual).abs().max()),

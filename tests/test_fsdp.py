@@ -33,6 +33,8 @@ def test_fsdp_is_exact_holds_its_share_and_reads_only_its_rows(pools, checkpoint
         assert result["gathered_peak"] <= 2 * result["largest_block"], result
         assert result["gathered_peak"] > 0, result
         assert result["read"] == result["share"], result  # its rows of each weight, each read once
+        if result["rank"] == 0:  # --dry-run's figure (rank 0's rows, the larger) is what the load holds
+            assert result["predicted_weights"] == result["held"], result
         assert result["share"] < 0.6 * result["full"], result
 
 
@@ -43,6 +45,8 @@ def test_fsdp_composes_with_tp_and_cfg(pools, checkpoints, tiny_pipeline_folders
         assert result["diff"] <= RTOL, result
         assert result["held_blocks"] <= result["full_blocks"] / 4 + 0.02 * result["full_blocks"], result
         assert result["read"] == result["share"], result
+        if result["rank"] == 0:
+            assert result["predicted_weights"] == result["held"], result
     for result in pool.run(cases.fsdp_pipeline, family="wan2.2-a14b", folder=str(tiny_pipeline_folders["wan2.2-a14b"]),
                            mode="cfg2xfsdp2"):
         assert result["diff"] <= 1e-5, result
@@ -68,3 +72,25 @@ def test_fsdp_refuses_what_it_cannot_hold_by_name():
     assert "staged execution" in _refusal(stages=True)
     with pytest.raises(UnsupportedModelError, match="no repeated blocks"):
         check_fsdp(torch.nn.Linear(2, 2), ParallelConfig.from_degrees(fsdp=2))
+
+
+def test_dry_run_prints_the_mesh_memory_and_the_flag_that_makes_it_fit(capsys, tmp_path):
+    from paradiff.cli import main
+
+    assert main(["generate", "--dry-run", "--device-memory", "0.000001", "--out", str(tmp_path)]) == 0
+    single = capsys.readouterr().out
+    assert "weights held" in single and "activations" in single and "does not fit --device-memory" in single
+    assert main(["generate", "--dry-run", "--fsdp", "2", "--out", str(tmp_path)]) == 0
+    sharded = capsys.readouterr().out
+    assert "per rank of 2 (fsdp=2" in sharded and "gathered (FSDP)" in sharded
+
+
+def test_dry_run_suggests_the_fsdp_degree_that_fits():
+    from paradiff.plan_tools.memory import fsdp_to_fit, meta_model, per_rank_bytes
+    from paradiff.testing.models import model_class, tiny_config
+
+    model = meta_model(model_class("wan"), tiny_config("wan", layers=6, single_layers=6))
+    single = per_rank_bytes(model, ParallelConfig(), torch.float32, image_tokens=64)
+    four = per_rank_bytes(model, ParallelConfig.from_degrees(fsdp=4), torch.float32, image_tokens=64)
+    assert four.weights < single.weights / 3 and four.gathered > 0
+    assert fsdp_to_fit(model, ParallelConfig(), four.peak, dtype=torch.float32, image_tokens=64) == 4

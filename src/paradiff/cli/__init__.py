@@ -52,6 +52,10 @@ def main(argv: list[str] | None = None, *, worker_module: str = WORKER_MODULE,
             return bench(args, lambda run_argv: main(run_argv, worker_module=worker_module,
                                                      on_pipeline_loaded=on_pipeline_loaded))
         check_args(args)
+        if getattr(args, "dry_run", False):
+            from paradiff.cli.dry_run import dry_run
+
+            return dry_run(args)
         if args.command == "serve":
             from paradiff.cli.serve import check_serve_args
 
