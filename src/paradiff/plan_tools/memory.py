@@ -93,7 +93,7 @@ def per_rank_bytes(model: nn.Module, parallel: ParallelConfig, dtype: torch.dtyp
     config = getattr(model, "config", {})
     heads = config.get("num_attention_heads", 1)
     hidden = heads * config.get("attention_head_dim", 64)
-    mlp = config.get("ffn_dim") or 4 * hidden
+    mlp = config.get("ffn_dim") or int(config.get("mlp_ratio", 4.0) * hidden)
     cp = parallel.ring_degree * parallel.ulysses_degree
     tokens = -(-image_tokens // cp) + text_tokens
     tp = parallel.tp_degree
@@ -103,8 +103,11 @@ def per_rank_bytes(model: nn.Module, parallel: ParallelConfig, dtype: torch.dtyp
 
 def image_tokens_of(config: dict, height: int, width: int, frames: int | None, vae_scale: int = 8,
                     temporal_scale: int = 4) -> int:
-    """Latent tokens the transformer sees at this resolution and frame count (patch size from the config)."""
+    """Latent tokens the transformer sees at this resolution and frame count (patch size from the config; a model
+    with patch_size 1 and 64 or more input channels takes latents packed 2x2 by its pipeline, as FLUX does)."""
     patch = config.get("patch_size", 1)
+    if patch == 1 and config.get("in_channels", 0) >= 64:
+        patch = 2
     patch_t, patch_h, patch_w = (tuple(patch) if isinstance(patch, (list, tuple)) else (1, patch, patch))
     latent_frames = 1 if not frames else (frames - 1) // temporal_scale + 1
     return (-(-latent_frames // patch_t)) * (height // vae_scale // patch_h) * (width // vae_scale // patch_w)
