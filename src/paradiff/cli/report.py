@@ -30,6 +30,7 @@ def write_report(args: argparse.Namespace, out: Path, model: str, prompts: list[
     report = {
         "model": model,
         "config": {"tp": args.tp, "ulysses": args.ulysses, "ring": args.ring, "cfg": args.cfg, "dp": args.dp,
+                   "fsdp": getattr(args, "fsdp", 1),
                    "stages": args.stages, "whole_text_encoders": args.whole_text_encoders,
                    "quantize": getattr(args, "quantize", None),
                    "quantize_text_encoders": bool(getattr(args, "quantize_text_encoders", False)),
