@@ -108,6 +108,7 @@ def fsdp_models(runs: list[dict]) -> list[dict]:
         predicted = per_rank_bytes(meta_model(cls, reference.config), parallel, dtype, tp_plan=tp_plan)
         results.append({
             "predicted_weights": predicted.weights, "held": held_weight_bytes(model),
+            "model_group": 1 if state.mesh.model_group is None else dist.get_world_size(state.mesh.model_group),
             "run": run, "rank": dist.get_rank(), "blocks": len(blocks),
             "diff": float((actual - expected).abs().max() / expected.abs().max()),
             "repeat_diff": float((again - actual).abs().max()),

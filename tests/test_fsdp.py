@@ -27,6 +27,7 @@ def test_fsdp_is_exact_holds_its_share_and_reads_only_its_rows(pools, checkpoint
         assert result["diff"] <= (BF16_RTOL if bf16 else RTOL), result
         assert result["repeat_diff"] == 0.0, result  # resharded after forward, gathered again: the same weights
         assert result["blocks"] >= 2, result
+        assert result["model_group"] == 2, result  # fsdp2's ranks gather together, so they decide together too
         # its rows of every block weight (torch.chunk's: at most one row each over half), and while running at
         # most the block running plus the next one, prefetched
         assert result["held_blocks"] <= result["full_blocks"] / 2 + 0.02 * result["full_blocks"], result

@@ -198,7 +198,12 @@ class ParallelMesh:
 
     @property
     def model_group(self) -> dist.ProcessGroup | None:
-        """The ranks that compute one forward together (ring x ulysses x tp); None when that is this rank alone."""
+        """The ranks that compute one forward together (fsdp x ring x ulysses x tp: FSDP ranks of their own
+        dimension gather each block together, so they must take every decision together); None when that is this
+        rank alone."""
+        if self.size("fsdp") > 1:
+            dims = ("fsdp", "tp") if self.size("tp") > 1 else ("fsdp",)
+            return self.flat_group(dims) if len(dims) > 1 else self.group("fsdp")
         cp, tp = self.cp_degree > 1, self.size("tp") > 1
         if cp and tp:
             return self.flat_group(("ring", "ulysses", "tp"))
@@ -248,6 +253,8 @@ def _add_flat_groups(parallel_mesh: ParallelMesh) -> None:
     wanted = [("ring", "ulysses")] if parallel_mesh.cp_degree > 1 else []
     if parallel_mesh.cp_degree > 1 and parallel_mesh.size("tp") > 1:
         wanted.append(("ring", "ulysses", "tp"))
+    if parallel_mesh.size("fsdp") > 1 and parallel_mesh.size("tp") > 1:
+        wanted.append(("fsdp", "tp"))  # (fsdp has no CP beside it: it would share the CP ranks)
     me = dist.get_rank()
     for dims in wanted:
         for row in parallel_mesh.ranks_along(dims):
