@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-MODEL = dict(layers=2, single_layers=6, head_dim=64, heads=8)
+MODEL = dict(layers=2, single_layers=22, head_dim=64, heads=8)
 CASES = {"single": (1, "single"), "fsdp2": (2, "fsdp2"), "ulysses2": (2, "ulysses2"),
          "fsdp2xulysses2": (2, "fsdp2xulysses2")}
 
