@@ -28,9 +28,10 @@ def check_fsdp(model: nn.Module, parallel: Any, *, quantization: Any = None, sav
     if saved or quantization is not None:
         scheme = "a pre-quantized checkpoint" if saved else f"{quantization.name} quantization"
         raise ParallelConfigError(
-            f"{what} with {scheme}: paradiff's FSDP shards unquantized float weights only (FSDP2 all-gathers plain "
-            "tensors; int8 / fp8 (torchao) and NF4 (bitsandbytes) weights are tensor subclasses or packed bytes it "
-            "does not gather here). Drop the quantization, or quantize with tp / ulysses / ring and fsdp_degree=1.")
+            f"{what} with {scheme}: paradiff's FSDP shards unquantized float weights only (fully_shard cannot split "
+            "torchao's int8 / fp8 weight tensors: they do not implement aten.split, checked with torchao 0.18; NF4 "
+            "and GGUF weights are packed blocks). Drop the quantization, or quantize with tp / ulysses / ring and "
+            "fsdp_degree=1.")
     if stages:
         raise ParallelConfigError(
             f"{what} with staged execution (stages=True / --stages): a staged load frees and re-reads whole "
