@@ -1,7 +1,7 @@
 """Dependencies point down: the mechanisms know no model, and the product never needs the test helpers.
 
-The layers, lowest first: config / errors; distributed/; io/, tensor_parallel/, context_parallel/, vae/, quant/
-(mechanisms);
+The layers, lowest first: config / errors; distributed/; io/, tensor_parallel/, context_parallel/, vae/, quant/,
+fsdp/ (mechanisms);
 runtime/; plans/ (per-model and per-pipeline knowledge); plan_tools/; api/; cli/, demo/. testing/ sits beside the
 product and is never imported by it.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "paradiff"
-MECHANISMS = ("tensor_parallel", "context_parallel", "vae", "io", "quant")
+MECHANISMS = ("tensor_parallel", "context_parallel", "vae", "io", "quant", "fsdp")
 # What each low layer may import from paradiff: itself and the layers below it.
 ALLOWED_BELOW = {
     "distributed": ("paradiff.config", "paradiff.errors", "paradiff.distributed"),

@@ -42,7 +42,7 @@ def _degrees(**given: int) -> dict[str, int]:
 @pytest.mark.parametrize("rank", range(8))
 def test_coordinates_of_every_rank_of_a_2x2x2_layout(rank):
     coordinates = coordinates_from_degrees(_degrees(data=2, ring=2, tp=2), rank)
-    expected = {"data": rank // 4, "cfg": 0, "ring": rank // 2 % 2, "ulysses": 0, "tp": rank % 2}
+    expected = {"data": rank // 4, "cfg": 0, "fsdp": 0, "ring": rank // 2 % 2, "ulysses": 0, "tp": rank % 2}
     assert coordinates.indices == expected
     assert coordinates.tp_rank == rank % 2
     assert coordinates.cp_rank == rank // 2 % 2
@@ -54,7 +54,8 @@ def test_coordinates_of_every_rank_of_a_2x2x2_layout(rank):
 @pytest.mark.parametrize("rank", range(8))
 def test_coordinates_of_a_2x2x2_cfg_ulysses_tp_layout(rank):
     coordinates = coordinates_from_degrees(_degrees(cfg=2, ulysses=2, tp=2), rank)
-    assert coordinates.indices == {"data": 0, "cfg": rank // 4, "ring": 0, "ulysses": rank // 2 % 2, "tp": rank % 2}
+    assert coordinates.indices == {"data": 0, "cfg": rank // 4, "fsdp": 0, "ring": 0, "ulysses": rank // 2 % 2,
+                                   "tp": rank % 2}
     assert coordinates.index("ring", "ulysses") == rank // 2 % 2
 
 

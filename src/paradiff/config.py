@@ -74,9 +74,12 @@ class ContextParallelConfig:
 
 @dataclass
 class ParallelConfig:
-    """Every parallelism on one mesh: data x cfg x ring x ulysses x tp (outermost to innermost).
+    """Every parallelism on one mesh: data x cfg x fsdp x ring x ulysses x tp (outermost to innermost).
 
-    The product of all degrees must equal the world size.
+    `fsdp_degree` shards the transformer blocks' weights (FSDP2, docs/fsdp.md). With context parallelism it shares
+    the CP ranks (it must equal ring x ulysses: the usual sequence-parallel + FSDP layout) and adds no rank; without
+    it, it is a dimension of its own whose ranks compute the same forward, each holding 1/fsdp of the weights.
+    The product of the mesh's dimensions (`degrees()`) must equal the world size.
     """
 
     tensor_parallel_config: TensorParallelConfig | None = None
@@ -84,10 +87,12 @@ class ParallelConfig:
     cfg_degree: int = 1
     data_degree: int = 1
     mesh: "DeviceMesh | None" = field(default=None, repr=False)
+    fsdp_degree: int = 1
 
     def __post_init__(self) -> None:
         _check_degree("cfg_degree", self.cfg_degree)
         _check_degree("data_degree", self.data_degree)
+        _check_degree("fsdp_degree", self.fsdp_degree)
         if self.tensor_parallel_config is not None and not isinstance(
             self.tensor_parallel_config, TensorParallelConfig
         ):
@@ -101,10 +106,16 @@ class ParallelConfig:
                 "context_parallel_config must be a ContextParallelConfig, got "
                 f"{type(self.context_parallel_config).__name__}."
             )
+        cp = self.ring_degree * self.ulysses_degree
+        if self.fsdp_degree > 1 and cp > 1 and self.fsdp_degree != cp:
+            raise ParallelConfigError(
+                f"fsdp_degree={self.fsdp_degree} with context parallelism of {cp} ranks (ring={self.ring_degree} x "
+                f"ulysses={self.ulysses_degree}): FSDP shards over the CP ranks, so fsdp must equal {cp} (or be 1). "
+                "Use a separate fsdp dimension only without ring / ulysses.")
 
     @classmethod
     def from_degrees(cls, tp: int = 1, ulysses: int = 1, ring: int = 1, cfg: int = 1, data: int = 1,
-                     mesh: "DeviceMesh | None" = None) -> "ParallelConfig":
+                     mesh: "DeviceMesh | None" = None, fsdp: int = 1) -> "ParallelConfig":
         """The config of these degrees: a TensorParallelConfig only when tp > 1, a ContextParallelConfig only when
         ring or ulysses > 1 (each with 1 would be rejected or mean nothing)."""
         return cls(
@@ -112,14 +123,14 @@ class ParallelConfig:
             context_parallel_config=(ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses)
                                      if _check_degree("ring", ring) * _check_degree("ulysses", ulysses) > 1
                                      else None),
-            cfg_degree=cfg, data_degree=data, mesh=mesh)
+            cfg_degree=cfg, data_degree=data, mesh=mesh, fsdp_degree=_check_degree("fsdp", fsdp))
 
     @classmethod
     def from_mode(cls, mode: str, mesh: "DeviceMesh | None" = None) -> "ParallelConfig":
-        """The config of a mode spelled as parse_mode reads it ("tp2xulysses2", "single", "dp2 x tp2")."""
+        """The config of a mode spelled as parse_mode reads it ("tp2xulysses2", "fsdp2xulysses2", "single")."""
         degrees = parse_mode(mode)
         return cls.from_degrees(tp=degrees["tp"], ulysses=degrees["ulysses"], ring=degrees["ring"],
-                                cfg=degrees["cfg"], data=degrees["data"], mesh=mesh)
+                                cfg=degrees["cfg"], data=degrees["data"], mesh=mesh, fsdp=degrees["fsdp"])
 
     @property
     def tp_degree(self) -> int:
@@ -133,11 +144,19 @@ class ParallelConfig:
     def ulysses_degree(self) -> int:
         return self.context_parallel_config.ulysses_degree if self.context_parallel_config else 1
 
+    @property
+    def fsdp_dims(self) -> tuple[str, ...]:
+        """The mesh dimensions whose ranks share one FSDP group: none, the CP ranks, or its own dimension."""
+        if self.fsdp_degree == 1:
+            return ()
+        return ("ring", "ulysses") if self.ring_degree * self.ulysses_degree > 1 else ("fsdp",)
+
     def degrees(self) -> dict[str, int]:
-        """Mesh dimension sizes, outermost first."""
+        """Mesh dimension sizes, outermost first (fsdp is 1 here when it shares the CP ranks: `fsdp_dims`)."""
         return {
             "data": self.data_degree,
             "cfg": self.cfg_degree,
+            "fsdp": self.fsdp_degree if self.fsdp_dims == ("fsdp",) else 1,
             "ring": self.ring_degree,
             "ulysses": self.ulysses_degree,
             "tp": self.tp_degree,
@@ -152,7 +171,7 @@ class ParallelConfig:
 
 
 # Outermost to innermost, as ParallelConfig.degrees() orders the mesh.
-MODE_DIMENSIONS = ("data", "cfg", "ring", "ulysses", "tp")
+MODE_DIMENSIONS = ("data", "cfg", "fsdp", "ring", "ulysses", "tp")
 NO_PARALLELISM = "single"
 MODE_ALIASES = {"dp": "data"}  # the CLI's --dp
 
@@ -181,11 +200,9 @@ def parse_mode(mode: str) -> dict[str, int]:
 
 
 def mode_world_size(mode: str) -> int:
-    """How many ranks a mode spans (the product of its degrees)."""
-    size = 1
-    for degree in parse_mode(mode).values():
-        size *= degree
-    return size
+    """How many ranks a mode spans (the product of its mesh's dimensions: fsdp adds none when it shares the CP
+    ranks)."""
+    return ParallelConfig.from_mode(mode).world_size
 
 
 def mode_name(degrees: dict[str, int], order: tuple[str, ...] = MODE_DIMENSIONS, separator: str = "x") -> str:

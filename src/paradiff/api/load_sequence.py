@@ -18,6 +18,7 @@ from torch import nn
 
 from paradiff.distributed.agreement import agree
 from paradiff.distributed.mesh import build_mesh
+from paradiff.api.fsdp import shard_component
 from paradiff.quant.apply import (ReadQuantizer, column_split_weights, quantize_model, reduce_row_extrema,
                                   row_extrema)
 from paradiff.tensor_parallel.shard import swap_in_sharded_linears
@@ -39,6 +40,9 @@ class Component:
     read_s: float = field(default=0.0, init=False)
     quantized: dict[str, int] = field(default_factory=dict, init=False)  # quant.apply's counts (quantized, bytes)
     group: Any = field(default=None, init=False)  # the process group holding its TP shards (None: not split)
+    # FSDP (api/fsdp.py): the repeated blocks it shards one unit each (None: not sharded), then their names
+    blocks: list[tuple[str, nn.Module]] | None = None
+    fsdp_blocks: list[str] = field(default_factory=list, init=False)
 
     def quantize(self) -> None:
         """Quantize the weights this rank holds in the load dtype (its slices and the whole others): after every
@@ -76,6 +80,9 @@ def run_load_sequence(stage: str, prepare: Callable[[], Prepared], *, distribute
         elif error is not None:
             raise error
         mesh = build_mesh(prepared.parallel, prepared.device) if prepared.parallel is not None else None
+        for component in components.values():
+            if component.blocks is not None:  # on the meta device (read next) or in memory: no collective yet
+                shard_component(component, mesh, _tp_group(component, mesh), read == "all", prepared.device)
         if read != "none":
             if read == "all":
                 quantizers = _row_extrema_pass(stage, components, mesh, distributed)
@@ -108,7 +115,7 @@ def run_load_sequence(stage: str, prepare: Callable[[], Prepared], *, distribute
     for name, component in components.items():
         group = _tp_group(component, mesh)
         component.group = group
-        if component.resolved is not None:
+        if component.resolved is not None and component.blocks is None:  # (FSDP's were swapped before it)
             swap_in_sharded_linears(component.model, component.resolved, group, weights_are_local=read == "all")
         if name in quantizers:  # quantized as read: the held weights put in place
             component.quantized = quantizers[name].install(component.model)
@@ -117,7 +124,7 @@ def run_load_sequence(stage: str, prepare: Callable[[], Prepared], *, distribute
         if eval_mode:
             component.model.eval()
         if mesh is not None and component.attach:
-            attach(component.model, mesh, component.resolved, component.cp_resolved)
+            attach(component.model, mesh, component.resolved, component.cp_resolved, component.fsdp_blocks)
     return prepared, mesh
 
 

@@ -20,6 +20,8 @@ from paradiff.distributed.agreement import config_fingerprint, fingerprint
 from paradiff.io.checkpoint import Checkpoint
 from paradiff.config import as_parallel_config
 from paradiff.errors import CheckpointError, ParallelConfigError
+from paradiff.fsdp.apply import is_sharded, local_rows
+from paradiff.fsdp.shard import read_plan
 from paradiff.io.folders import resolve_folder
 from paradiff.distributed.mesh import build_mesh, default_device, rank_coordinates, require_distributed
 from paradiff.io.model_classes import (checkpoint_keys, construct, is_transformers_class, keep_fp32_modules,
@@ -28,6 +30,7 @@ from paradiff.plans import model_config, plan_for
 from paradiff.quant.saved import check_saved_blocks, saved_quantization, saved_weights
 from paradiff.quant.schemes import check_block_boundaries, gguf_scheme, scheme_from_config
 from paradiff.runtime.progress import byte_progress
+from paradiff.api.fsdp import check_fsdp
 from paradiff.api.load_sequence import Component, Prepared, run_load_sequence
 from paradiff.api.lora import adapter_layout, weights_dropped
 from paradiff.api.single_file import is_gguf_path, prepare_gguf_model
@@ -155,8 +158,16 @@ def from_pretrained(
     """
     def prepare() -> Prepared:
         item = _prepare(model_cls, path, subfolder, torch_dtype, parallel_config, device, plan, cp_plan, kwargs)
+        blocks = None
+        if item.parallel is not None and item.parallel.fsdp_degree > 1:
+            try:
+                blocks = check_fsdp(item.model, item.parallel, quantization=item.quantization,
+                                    saved=bool(getattr(item.source, "saved", None)), single_file=is_gguf_path(path))
+            except BaseException:
+                item.checkpoint.close()
+                raise
         component = Component(item.model, item.facts, item.resolved, item.cp_resolved, item.checkpoint, item.source,
-                              quantization=item.quantization)
+                              quantization=item.quantization, blocks=blocks)
         return Prepared({"": component}, item.parallel, item.device)
 
     prepared, _mesh = run_load_sequence("paradiff.from_pretrained", prepare, distributed=parallel_config is not None,
@@ -241,6 +252,14 @@ class WeightSource:
                     dtype = info.dtype
                     if info.dtype.is_floating_point:
                         dtype = target_dtype(source[name], self.dtype, self.keep_fp32)
+                    if is_sharded(module._parameters[leaf]):  # FSDP: only this rank's rows of its (TP) slice
+                        local = module._parameters[leaf].to_local()
+                        read_spec, rows = read_plan(spec, *local_rows(module._parameters[leaf]))
+                        tensor = checkpoint.read(key, read_spec, rows=rows)
+                        advance(tensor.numel() * tensor.element_size())
+                        with torch.no_grad():
+                            local.copy_(tensor)
+                        continue
                     if quantizer is not None and quantizer.covers(model, name):
                         tensor = checkpoint.read(key, spec)
                         advance(tensor.numel() * tensor.element_size())

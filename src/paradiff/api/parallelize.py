@@ -13,6 +13,7 @@ from paradiff.config import as_parallel_config
 from paradiff.errors import UnsupportedModelError
 from paradiff.distributed.failures import guarded_call
 from paradiff.distributed.mesh import rank_coordinates, require_distributed
+from paradiff.api.fsdp import check_fsdp
 from paradiff.api.load_sequence import Component, Prepared, run_load_sequence
 from paradiff.api.lora import install_lora_support
 from paradiff.api.offload import install_offload_support
@@ -102,15 +103,16 @@ def enable_parallelism(model: nn.Module, config: Any, *, plan: Any = None, cp_pl
             "parameters": fingerprint([(n, list(p.shape), str(p.dtype)) for n, p in model.named_parameters()]),
         }
         device = next(model.parameters()).device
-        return Prepared({"": Component(model, facts, resolved, cp_resolved)}, parallel, device)
+        blocks = check_fsdp(model, parallel) if parallel.fsdp_degree > 1 else None
+        return Prepared({"": Component(model, facts, resolved, cp_resolved, blocks=blocks)}, parallel, device)
 
     run_load_sequence("paradiff.enable_parallelism", prepare, distributed=True, read="none", eval_mode=False)
     return model
 
 
-def attach(model: nn.Module, mesh: Any, resolved: Any, cp_resolved: Any) -> nn.Module:
+def attach(model: nn.Module, mesh: Any, resolved: Any, cp_resolved: Any, fsdp_blocks: list[str] = ()) -> nn.Module:
     """Record the parallel state on the model, hook CP in, and guard its forward against peer failures."""
-    state = ParallelState(mesh=mesh, tp_plan=resolved)
+    state = ParallelState(mesh=mesh, tp_plan=resolved, fsdp_blocks=list(fsdp_blocks))
     set_state(model, state)
     if cp_resolved is not None:
         from paradiff.context_parallel.apply import apply_context_parallel

@@ -232,10 +232,22 @@ def _load_components(own: list[_Own], parallel, dtype, device, stages: bool, pla
             one = prepare_model(item.model_cls, item.folder, dtype=dtype, device=device,
                                 tp_shard=tp_shard, plan=item_plan, context=context, cp_plan=item_cp_plan,
                                 quantization=schemes.get(item.name))
+        blocks = None
+        if item.name in transformers and parallel is not None and parallel.fsdp_degree > 1:
+            from paradiff.api.fsdp import check_fsdp
+
+            try:
+                blocks = check_fsdp(one.model, parallel, quantization=one.quantization,
+                                    saved=bool(getattr(one.source, "saved", None)),
+                                    single_file=item.name in single_files, stages=stages)
+            except BaseException:
+                one.checkpoint.close()
+                raise
         components[item.name] = Component(
             one.model, one.facts, one.resolved, one.cp_resolved, one.checkpoint, one.source,
             tp_dims=("tp",) if item.name in transformers else (encoder_dims or ("tp",)),
             attach=item.name in transformers or one.resolved is not None, quantization=one.quantization,
+            blocks=blocks,
         )
 
     prepared, _mesh = run_load_sequence("paradiff.load_pipeline", prepare, distributed=parallel is not None,

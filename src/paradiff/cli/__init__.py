@@ -95,6 +95,10 @@ def _run(args, argv: list[str], worker_module: str, on_pipeline_loaded) -> int:
 
         argv = resolve_auto_parallel(args, argv)
     check_args(args)
+    if getattr(args, "dry_run", False):
+        from paradiff.cli.dry_run import dry_run
+
+        return dry_run(args)
     if args.command == "serve":
         from paradiff.cli.serve import check_serve_args
 

@@ -81,6 +81,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                      help="CFG-parallel degree: 2 runs the conditional and unconditional branches on different ranks")
     gen.add_argument("--dp", type=_positive, default=1,
                      help="data-parallel replicas: the prompts are shared out among this many copies of the mesh")
+    gen.add_argument("--fsdp", type=_positive, default=1,
+                     help="shard the transformers' block weights over N ranks (FSDP2, docs/fsdp.md): with --ulysses / "
+                          "--ring it must equal their product and adds no rank; without them it adds N ranks")
     gen.add_argument("--parallel", choices=("auto",), default=None,
                      help="'auto': take the degrees `paradiff plan` recommends for this model, size and --world "
                           "(docs/plan.md)")
@@ -158,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a prompt (repeatable); default: the embedded pipeline's demo prompts")
     gen.add_argument("--prompts-file", default=None, help="a text file with one prompt per line")
     gen.add_argument("--seed", type=int, default=0, help="random seed of the first prompt; prompt i uses seed + i")
+    gen.add_argument("--dry-run", action="store_true",
+                     help="print each rank's memory for this mesh (weights held, FSDP gathers, activations) from the "
+                          "transformers' configs, without reading a weight or starting a rank; docs/fsdp.md")
+    gen.add_argument("--device-memory", type=float, default=None, metavar="GB",
+                     help="with --dry-run: say whether a device of GB holds it, and which flag to add if not")
     gen.add_argument("--out", default="out", help="output folder (PNG/MP4 files and report.json)")
     gen.add_argument("--also-without-lora", action="store_true",
                      help="with --lora: draw every prompt twice on the one loaded pipeline, with the adapters "
@@ -267,7 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def world_size_of(args: argparse.Namespace) -> int:
-    return args.tp * args.ulysses * args.ring * args.cfg * args.dp
+    fsdp = getattr(args, "fsdp", 1) if args.ulysses * args.ring == 1 else 1  # FSDP shares the CP ranks
+    return args.tp * args.ulysses * args.ring * args.cfg * args.dp * fsdp
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -433,11 +442,26 @@ def check_args(args: argparse.Namespace) -> None:
     if gguf_files(args) and getattr(args, "quantize", None):
         raise CliError(f"--gguf with --quantize {args.quantize}: a GGUF file's weights are already quantized "
                        "(in the file's own types); drop --quantize")
+    _check_fsdp(args)
     import torch
 
     world = world_size_of(args)
     if torch.cuda.is_available() and "RANK" not in os.environ and world > torch.cuda.device_count():
         raise CliError(f"{world} processes requested but only {torch.cuda.device_count()} GPU(s) are visible")
+
+
+def _check_fsdp(args: argparse.Namespace) -> None:
+    fsdp, cp = getattr(args, "fsdp", 1), args.ulysses * args.ring
+    if fsdp == 1:
+        return
+    if cp > 1 and fsdp != cp:
+        raise CliError(f"--fsdp {fsdp} with --ulysses {args.ulysses} --ring {args.ring}: FSDP shards over the "
+                       f"sequence-parallel ranks, so --fsdp must be {cp} (or 1)")
+    for flag, value in (("--quantize", getattr(args, "quantize", None)), ("--gguf", gguf_files(args) or None),
+                        ("--stages", args.stages or None)):
+        if value:
+            raise CliError(f"--fsdp {fsdp} with {flag}: FSDP shards unquantized, resident weights only "
+                           "(docs/fsdp.md); drop one of the two")
 
 
 def _check_video(args: argparse.Namespace) -> None:

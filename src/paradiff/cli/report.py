@@ -30,6 +30,7 @@ def write_report(args: argparse.Namespace, out: Path, model: str, prompts: list[
     report = {
         "model": model,
         "config": {"tp": args.tp, "ulysses": args.ulysses, "ring": args.ring, "cfg": args.cfg, "dp": args.dp,
+                   "fsdp": getattr(args, "fsdp", 1),
                    "stages": args.stages, "whole_text_encoders": args.whole_text_encoders,
                    "quantize": getattr(args, "quantize", None),
                    "quantize_skip": [name for name in (getattr(args, "quantize_skip", None) or "").split(",") if name],
@@ -81,7 +82,8 @@ def write_report(args: argparse.Namespace, out: Path, model: str, prompts: list[
     made = " and ".join(made)
     print(f"paradiff: {made} in {out}; load {load_s:.2f} s; "
           f"median step {np.median(steps):.3f} s; world {run['world_size']} "
-          f"(tp={args.tp} ulysses={args.ulysses} ring={args.ring} cfg={args.cfg} dp={args.dp})")
+          f"(tp={args.tp} ulysses={args.ulysses} ring={args.ring} cfg={args.cfg} dp={args.dp}"
+          f"{f' fsdp={args.fsdp}' if getattr(args, 'fsdp', 1) > 1 else ''})")
     for index, entry in outputs.items():
         plain = f" (without LoRA: {Path(entry['without_lora']['path']).name})" if "without_lora" in entry else ""
         print(f"paradiff:   {Path(entry['path']).name}  {prompts[int(index)]}{plain}")

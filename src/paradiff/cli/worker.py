@@ -78,7 +78,7 @@ def fetch_hub_model_once(args: argparse.Namespace, device: torch.device) -> None
 
 def parallel_config(args: argparse.Namespace) -> paradiff.ParallelConfig:
     return paradiff.ParallelConfig.from_degrees(tp=args.tp, ulysses=args.ulysses, ring=args.ring, cfg=args.cfg,
-                                                data=args.dp)
+                                                data=args.dp, fsdp=getattr(args, "fsdp", 1))
 
 
 def call_kwargs(args: argparse.Namespace) -> dict:

@@ -1,14 +1,15 @@
-"""One DeviceMesh with named dimensions (data, cfg, ring, ulysses, tp), the process groups cut from it, and each rank's
-coordinates along those dimensions.
+"""One DeviceMesh with named dimensions (data, cfg, fsdp, ring, ulysses, tp), the process groups cut from it, and
+each rank's coordinates along those dimensions.
 
 Ulysses sits inside ring and tp innermost: the dimensions that talk the most get neighbouring ranks, which on one node
 means the fastest links.
 
 A user-given DeviceMesh maps onto paradiff's dimensions by name:
-- a dimension named `data`, `cfg`, `ring`, `ulysses` or `tp` is that dimension;
+- a dimension named `data`, `cfg`, `fsdp`, `ring`, `ulysses` or `tp` is that dimension;
 - dimensions with other names are taken, in their order, as the paradiff dimensions of degree > 1 that no mesh
-  dimension names, in paradiff's order (data, cfg, ring, ulysses, tp); their sizes must agree. So a 1-D mesh of size N
-  with tp_degree=N is the TP dimension, and a ("replicas", "model") mesh with data_degree=2, tp_degree=2 is data x tp;
+  dimension names, in paradiff's order (data, cfg, fsdp, ring, ulysses, tp); their sizes must agree. So a 1-D mesh
+  of size N with tp_degree=N is the TP dimension, and a ("replicas", "model") mesh with data_degree=2, tp_degree=2
+  is data x tp;
 - user dimensions of size 1 that no degree needs are ignored, and paradiff dimensions the mesh lacks have size 1.
 Anything else raises ParallelConfigError naming the mesh's dimensions and the degrees it must carry.
 """
@@ -26,14 +27,15 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from paradiff.config import ParallelConfig
 from paradiff.errors import DistributedError, ParallelConfigError
 
-MESH_DIMS = ("data", "cfg", "ring", "ulysses", "tp")
+MESH_DIMS = ("data", "cfg", "fsdp", "ring", "ulysses", "tp")
 CP_DIMS = ("ring", "ulysses")
-REPLICA_DIMS = ("cfg", "ring", "ulysses", "tp")
+REPLICA_DIMS = ("cfg", "fsdp", "ring", "ulysses", "tp")
+FSDP_GROUP = ("fsdp weights",)  # flat_groups' key of the FSDP group (its dims are config.fsdp_dims)
 
 
 @dataclass(frozen=True)
 class MeshCoordinates:
-    """One rank's index and the size along each of paradiff's five dimensions.
+    """One rank's index and the size along each of paradiff's six dimensions.
 
     A group of dimensions numbers its ranks row-major over the dimensions as given (the first outermost), the order
     `dist.new_group` receives them in `_add_flat_groups`.
@@ -69,7 +71,8 @@ class MeshCoordinates:
 
 
 def coordinates_from_degrees(degrees: dict[str, int], rank: int) -> MeshCoordinates:
-    """Coordinates before any mesh exists: world ranks are laid out data x cfg x ring x ulysses x tp, innermost last."""
+    """Coordinates before any mesh exists: world ranks are laid out data x cfg x fsdp x ring x ulysses x tp, innermost
+    last."""
     indices = {}
     remainder = rank
     for dim in reversed(MESH_DIMS):
@@ -220,7 +223,12 @@ class ParallelMesh:
 
     @property
     def model_group(self) -> dist.ProcessGroup | None:
-        """The ranks that compute one forward together (ring x ulysses x tp); None when that is this rank alone."""
+        """The ranks that compute one forward together (fsdp x ring x ulysses x tp: FSDP ranks of their own
+        dimension gather each block together, so they must take every decision together); None when that is this
+        rank alone."""
+        if self.size("fsdp") > 1:
+            dims = ("fsdp", "tp") if self.size("tp") > 1 else ("fsdp",)
+            return self.flat_group(dims) if len(dims) > 1 else self.group("fsdp")
         cp, tp = self.cp_degree > 1, self.size("tp") > 1
         if cp and tp:
             return self.flat_group(("ring", "ulysses", "tp"))
@@ -230,6 +238,19 @@ class ParallelMesh:
 
     def describe(self) -> dict[str, int]:
         return {name: self.size(name) for name in MESH_DIMS}
+
+    @property
+    def fsdp_group(self) -> dist.ProcessGroup | None:
+        """The ranks that share one FSDP group's weight shards (None: no FSDP). A group of its own even where it
+        holds the CP ranks, so the weights' all-gathers never queue behind (or interleave with) the sequence's."""
+        return self.flat_groups.get(FSDP_GROUP)
+
+    def fsdp_mesh(self) -> DeviceMesh | None:
+        """A 1-D DeviceMesh over the FSDP group, the form `fully_shard` takes (None: no FSDP)."""
+        group = self.fsdp_group
+        if group is None:
+            return None
+        return DeviceMesh.from_group(group, self.device_mesh.device_type, mesh_dim_names=("fsdp",))
 
 
 def build_mesh(config: ParallelConfig, device: torch.device | None = None) -> ParallelMesh:
@@ -257,12 +278,19 @@ def _add_flat_groups(parallel_mesh: ParallelMesh) -> None:
     wanted = [("ring", "ulysses")] if parallel_mesh.cp_degree > 1 else []
     if parallel_mesh.cp_degree > 1 and parallel_mesh.size("tp") > 1:
         wanted.append(("ring", "ulysses", "tp"))
+    if parallel_mesh.size("fsdp") > 1 and parallel_mesh.size("tp") > 1:
+        wanted.append(("fsdp", "tp"))  # (fsdp has no CP beside it: it would share the CP ranks)
     me = dist.get_rank()
     for dims in wanted:
         for row in parallel_mesh.ranks_along(dims):
             group = dist.new_group(row)
             if me in row:
                 parallel_mesh.flat_groups[dims] = group
+    if parallel_mesh.config.fsdp_dims:
+        for row in parallel_mesh.ranks_along(parallel_mesh.config.fsdp_dims):
+            group = dist.new_group(row)
+            if me in row:
+                parallel_mesh.flat_groups[FSDP_GROUP] = group
 
 
 def replica_group(parallel_mesh: ParallelMesh) -> dist.ProcessGroup:

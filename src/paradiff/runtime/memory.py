@@ -58,7 +58,8 @@ def _plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
         return [tensor]
     names, _ = tensor.__tensor_flatten__()
     inner = [getattr(tensor, name) for name in names]
-    return [t for item in inner if item is not None for t in _plain_tensors(item)]
+    # (an FSDP2 DTensor names its device mesh too: only tensors hold bytes)
+    return [t for item in inner if isinstance(item, torch.Tensor) for t in _plain_tensors(item)]
 
 
 def release_freed_memory(device: torch.device) -> None:

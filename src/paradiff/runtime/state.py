@@ -28,6 +28,7 @@ class ParallelState:
     context: Any = None  # context_parallel.runtime.ContextParallelRuntime when CP is on
     cp_plan: Any = None  # context_parallel.apply.ResolvedContextPlan when CP is on
     cp_hooks: list[RemovableHandle] = field(default_factory=list)
+    fsdp_blocks: list[str] = field(default_factory=list)  # the blocks FSDP2 shards, one unit each (fsdp/apply.py)
 
 
 @dataclass

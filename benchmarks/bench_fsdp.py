@@ -1,0 +1,96 @@
+"""FSDP2 on CPU: per-rank peak RSS of fsdp2 against one process, and the step time of fsdp2 x ulysses2 against
+ulysses2 alone (is the all-gather overlapped?).
+
+Model: a FLUX.2-architecture `Flux2Transformer2DModel` with random weights (MODEL below), fp32, saved once to a
+temporary folder and loaded shard-on-read by each case; batch 1, a 32x32 latent grid + 64 text tokens, one torch
+thread per rank, gloo on 127.0.0.1, each case in the ranks of one pool (paradiff.testing.dist.RankPool).
+
+Per case: peak anonymous RSS of each rank over the load and the forwards (max over ranks, and its rise over the
+process before the load), and the median time per forward over --repeats after one warm-up (the slowest rank).
+
+    python benchmarks/bench_fsdp.py [--repeats 5] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+MODEL = dict(layers=2, single_layers=22, head_dim=64, heads=8)
+CASES = {"single": (1, "single"), "fsdp2": (2, "fsdp2"), "ulysses2": (2, "ulysses2"),
+         "fsdp2xulysses2": (2, "fsdp2xulysses2")}
+
+
+def run_case(folder: str, mode: str, repeats: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import paradiff
+    from paradiff.runtime.memory import PeakSampler, rss_anon_reading
+    from paradiff.testing.models import Lengths, make_inputs, model_class, run_forward
+
+    torch.set_num_threads(1)
+    cls = model_class("flux2")
+    before = rss_anon_reading()
+    with PeakSampler() as sampler:
+        config = None if mode == "single" else paradiff.ParallelConfig.from_mode(mode)
+        model = paradiff.from_pretrained(cls, folder, parallel_config=config)
+        inputs = make_inputs("flux2", model.config, batch=1, lengths=Lengths(height=32, width=32, text=64))
+        run_forward(model, inputs)
+        times = []
+        for _ in range(repeats):
+            if dist.is_initialized():
+                dist.barrier()
+            started = time.perf_counter()
+            run_forward(model, inputs)
+            times.append(time.perf_counter() - started)
+    peak = max(sampler.peak.values())
+    return {"peak_rss": peak, "rise": peak - max(before.values()), "times": times}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    from paradiff.testing.dist import RankPool
+    from paradiff.testing.models import build_model, save_model
+
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = str(save_model(build_model("flux2", **MODEL), Path(tmp) / "flux2"))
+        for name, (world, mode) in CASES.items():
+            pool = RankPool(world)
+            try:
+                per_rank = pool.run(run_case, timeout_s=900, folder=folder, mode=mode, repeats=args.repeats)
+            finally:
+                pool.close()
+            step = [max(rank["times"][i] for rank in per_rank) for i in range(args.repeats)]
+            results[name] = {"ranks": world, "peak_rss_mb": max(r["peak_rss"] for r in per_rank) / 1e6,
+                             "rise_mb": max(r["rise"] for r in per_rank) / 1e6,
+                             "step_s": statistics.median(step)}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    print(f"bench_fsdp: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.node()}, "
+          f"{platform.processor() or platform.machine()}, commit {commit}")
+    print("| case | ranks | peak RSS / rank | rise / rank | step |")
+    print("|---|---|---|---|---|")
+    for name, row in results.items():
+        print(f"| {name} | {row['ranks']} | {row['peak_rss_mb']:.0f} MB | {row['rise_mb']:.0f} MB | "
+              f"{row['step_s'] * 1000:.0f} ms |")
+    single, fsdp = results["single"], results["fsdp2"]
+    print(f"fsdp2 / single peak-RSS rise: {fsdp['rise_mb'] / single['rise_mb']:.2f} (goal <= 0.6); "
+          f"fsdp2xulysses2 / ulysses2 step: {results['fsdp2xulysses2']['step_s'] / results['ulysses2']['step_s']:.2f}"
+          " (goal <= 1.1)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

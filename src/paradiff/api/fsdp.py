@@ -1,0 +1,84 @@
+"""What a load with `fsdp_degree > 1` checks before anything is read, and the sharding step of the load sequence
+(`api/load_sequence.py`): mechanism in `fsdp/`, docs/fsdp.md."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from paradiff.errors import ParallelConfigError, UnsupportedModelError
+from paradiff.fsdp.apply import shard_weights
+from paradiff.runtime.repeated_blocks import repeated_blocks
+from paradiff.tensor_parallel.shard import swap_in_sharded_linears
+
+
+def check_fsdp(model: nn.Module, parallel: Any, *, quantization: Any = None, saved: bool = False,
+               single_file: bool = False, stages: bool = False) -> list[tuple[str, nn.Module]]:
+    """The blocks FSDP shards one at a time; refuses, naming what to change, whatever FSDP2 cannot hold here. Runs
+    while preparing: before any weight is read or any collective issued."""
+    degree = parallel.fsdp_degree
+    what = f"fsdp_degree={degree}"
+    if single_file or (quantization is not None and getattr(quantization, "name", None) == "gguf"):
+        raise ParallelConfigError(
+            f"{what} with GGUF weights: FSDP2 shards plain tensors along their rows, and a GGUF file's weights are "
+            "held packed in quantized blocks it cannot cut or gather. Load the diffusers folder (unquantized) with "
+            "FSDP, or the GGUF file with tp / ulysses / ring instead of fsdp.")
+    if saved or quantization is not None:
+        scheme = "a pre-quantized checkpoint" if saved else f"{quantization.name} quantization"
+        raise ParallelConfigError(
+            f"{what} with {scheme}: paradiff's FSDP shards unquantized float weights only (fully_shard cannot split "
+            "torchao's int8 / fp8 weight tensors: they do not implement aten.split, checked with torchao 0.18; NF4 "
+            "and GGUF weights are packed blocks). Drop the quantization, or quantize with tp / ulysses / ring and "
+            "fsdp_degree=1.")
+    if stages:
+        raise ParallelConfigError(
+            f"{what} with staged execution (stages=True / --stages): a staged load frees and re-reads whole "
+            "components, FSDP keeps each rank's rows resident. Use one of the two.")
+    blocks = repeated_blocks(model)
+    if not blocks:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no repeated blocks (no `_repeated_blocks`, no top-level nn.ModuleList), so "
+            f"FSDP has no unit to gather one at a time; use fsdp_degree=1 ({what} was asked).")
+    return blocks
+
+
+def shard_component(component: Any, mesh: Any, group: Any, weights_on_meta: bool, device: torch.device) -> None:
+    """TP first (a planned Linear becomes its sharded form holding this rank's slice: empty on meta, or sliced
+    from the weights in memory), then FSDP2 over the FSDP group, each block a unit (`fsdp/apply.py`)."""
+    model, resolved = component.model, component.resolved
+    if weights_on_meta:
+        _load_dtypes_on_meta(model, component.source)
+    if resolved is not None:
+        if weights_on_meta:
+            _tp_shapes_on_meta(model, resolved)
+        swap_in_sharded_linears(model, resolved, group, weights_are_local=weights_on_meta)
+    component.fsdp_blocks = shard_weights(model, component.blocks, mesh.fsdp_mesh(), device)
+
+
+def _tp_shapes_on_meta(model: nn.Module, resolved: Any) -> None:
+    """Planned parameters take their TP slice's shape on the meta device, so FSDP shards the slice."""
+    for name, linear in resolved.linears.items():
+        module = model.get_submodule(name) if name else model
+        for leaf, spec in linear.specs.items():
+            param = module._parameters.get(leaf)
+            if param is not None and spec is not None:
+                shape = spec.local_shape(param.shape)
+                module._parameters[leaf] = nn.Parameter(torch.empty(shape, dtype=param.dtype, device="meta"),
+                                                        requires_grad=False)
+
+
+def _load_dtypes_on_meta(model: nn.Module, source: Any) -> None:
+    """Parameters take the dtype the read gives them (the load dtype, float32 for the modules kept so) before FSDP
+    makes them real: its shards are filled in place."""
+    from paradiff.api.model import target_dtype
+
+    for name, param in list(model.named_parameters()):
+        if param.is_meta and param.dtype.is_floating_point:
+            dtype = target_dtype(name, source.dtype, source.keep_fp32)
+            if dtype != param.dtype:
+                module_name, _, leaf = name.rpartition(".")
+                module = model.get_submodule(module_name) if module_name else model
+                module._parameters[leaf] = nn.Parameter(torch.empty(param.shape, dtype=dtype, device="meta"),
+                                                        requires_grad=False)

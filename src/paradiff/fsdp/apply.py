@@ -1,0 +1,91 @@
+"""Fully sharded weights with PyTorch's own FSDP2: `fully_shard` on each repeated block and on the root.
+
+Inference only: every rank holds 1/N of each block's weights (its rows, `shard.chunk_rows`), and a block's weights are
+all-gathered just before its forward and freed after it (`reshard_after_forward=True`); each block asks FSDP2 to
+start the next block's all-gather as it begins (`set_modules_to_forward_prefetch`), so the gather overlaps the
+current block's compute. The root holds what is outside the blocks (embeddings, the final norm and projection).
+
+A model is sharded on the meta device, then its sharded parameters are made real but empty on the load device, and
+the loader fills each rank's rows from the checkpoint (`api/model.py: WeightSource.read`): no rank ever holds a whole
+weight. Buffers (rotary tables computed at construction, persistent buffers read whole) are kept as they are.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+from paradiff.fsdp.shard import chunk_rows
+
+
+def shard_weights(model: nn.Module, blocks: list[tuple[str, nn.Module]], mesh: DeviceMesh,
+                  device: torch.device) -> list[str]:
+    """`fully_shard` every block (in the order they run) and then the root over `mesh`, with forward prefetch of the
+    next block; parameters on the meta device become this rank's empty rows on `device` (to be read). Returns the
+    blocks' names."""
+    model.requires_grad_(False)
+    on_meta = any(p.is_meta for p in model.parameters())
+    buffers = {(id(module), leaf): buffer for module in model.modules()
+               for leaf, buffer in module._buffers.items() if buffer is not None}
+    for _name, block in blocks:
+        _shard_mixed_dtypes(block, mesh)
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    _shard_mixed_dtypes(model, mesh)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    for (_name, block), (_next_name, following) in zip(blocks, blocks[1:]):
+        block.set_modules_to_forward_prefetch([following])
+    if on_meta:
+        model.to_empty(device=device)  # the sharded parameters only: buffers are put back as they were
+        for module in model.modules():
+            for leaf in module._buffers:
+                kept = buffers.get((id(module), leaf))
+                if kept is not None:
+                    module._buffers[leaf] = kept.to(device)
+    return [name for name, _block in blocks]
+
+
+def _shard_mixed_dtypes(module: nn.Module, mesh: DeviceMesh) -> None:
+    """FSDP2 gathers one unit's parameters as one buffer of one dtype: a unit whose parameters mix dtypes (float32
+    norms kept in a bfloat16 model) gets each submodule of a minority dtype sharded as a unit of its own first."""
+    dtypes = Counter(p.dtype for p in _unit_parameters(module))
+    if len(dtypes) < 2:
+        return
+    main = dtypes.most_common(1)[0][0]
+    for child in module.modules():
+        if child is module or isinstance(child, FSDPModule):
+            continue
+        own = [p for p in child.parameters(recurse=False)]
+        if own and any(p.dtype != main for p in own) and not any(isinstance(m, FSDPModule) for m in child.modules()):
+            if len({p.dtype for p in child.parameters()}) == 1:
+                fully_shard(child, mesh=mesh, reshard_after_forward=True)
+
+
+def _unit_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters a `fully_shard(module)` would own: those not in an already sharded submodule."""
+    inside = {id(p) for child in module.modules() if child is not module and isinstance(child, FSDPModule)
+              for p in child.parameters()}
+    return [p for p in module.parameters() if id(p) not in inside]
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, DTensor)
+
+
+def local_rows(param: torch.Tensor) -> tuple[int, int]:
+    """(start, length) of the rows of an FSDP-sharded parameter this rank holds."""
+    mesh = param.device_mesh
+    return chunk_rows(param.shape[0], mesh.get_local_rank(), mesh.size())
+
+
+def held_weight_bytes(model: nn.Module) -> int:
+    """The bytes of weights this rank holds: its local rows of the sharded parameters, the whole of any other."""
+    total = 0
+    for param in model.parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        total += local.numel() * local.element_size()
+    return total

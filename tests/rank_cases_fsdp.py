@@ -1,0 +1,141 @@
+"""FSDP2 cases run on every rank by tests/test_fsdp.py (gloo, CPU)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from diffusers import DiffusionPipeline
+from torch.distributed.tensor import DTensor
+
+import paradiff
+from paradiff.config import ParallelConfig
+from paradiff.fsdp.apply import held_weight_bytes
+from paradiff.io.checkpoint import Checkpoint
+from paradiff.plan_tools.memory import meta_model, per_rank_bytes
+from paradiff.plans import plan_for
+from paradiff.tensor_parallel.plan import as_plan, resolve_plan
+from paradiff.runtime.state import get_state
+from paradiff.testing.models import Lengths, make_inputs, model_class, run_forward
+from paradiff.testing.pipelines import default_call_kwargs
+
+
+@contextlib.contextmanager
+def _recorded_reads():
+    """The (offset, length) of every tensor-data read the checkpoint reader makes (it reads with os.preadv only)."""
+    ranges: list[tuple[int, int]] = []
+    original = os.preadv
+
+    def preadv(fd, buffers, offset, *args):
+        count = original(fd, buffers, offset, *args)
+        ranges.append((offset, count))
+        return count
+
+    os.preadv = preadv
+    try:
+        yield ranges
+    finally:
+        os.preadv = original
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _gathered_peak(model) -> list[int]:
+    """Hooks recording, as each block starts, the bytes of block weights held gathered (plain tensors: FSDP2 swaps
+    a unit's DTensor parameters for the gathered ones while it is unsharded)."""
+    blocks = [model.get_submodule(name) for name in get_state(model).fsdp_blocks]
+    peak = [0]
+
+    def record(*_):
+        held = sum(_nbytes(p) for block in blocks for p in block.parameters() if not isinstance(p, DTensor))
+        peak[0] = max(peak[0], held)
+
+    for block in blocks:
+        block.register_forward_pre_hook(record)
+    return peak
+
+
+def _persistent_buffers(model) -> list[str]:
+    parameters = {name for name, _ in model.named_parameters()}
+    return [name for name in model.state_dict() if name not in parameters]
+
+
+def fsdp_models(runs: list[dict]) -> list[dict]:
+    """For each run {family, folder, mode, dtype}: the relative difference to the single-process forward, the block
+    weights this rank holds and holds gathered at most, and the bytes its load read against its share."""
+    torch.set_num_threads(1)
+    from paradiff.plans import families
+
+    families()  # imports every plan module now: the measured read below is then the load's own
+    results = []
+    for run in runs:
+        family, folder, mode = run["family"], run["folder"], run["mode"]
+        dtype = getattr(torch, run.get("dtype", "float32"))
+        cls = model_class(family)
+        reference = cls.from_pretrained(folder, torch_dtype=dtype).eval()
+        dist.barrier()
+        with _recorded_reads() as ranges:
+            model = paradiff.from_pretrained(cls, folder, torch_dtype=dtype,
+                                             parallel_config=ParallelConfig.from_mode(mode))
+        read = sum(length for _offset, length in ranges)
+        state = get_state(model)
+        blocks = [model.get_submodule(name) for name in state.fsdp_blocks]
+        full_blocks = [sum(_nbytes(p) for p in reference.get_submodule(name).parameters())
+                       for name in state.fsdp_blocks]
+        held_blocks = sum(_nbytes(p.to_local()) for block in blocks for p in block.parameters())
+        peak = _gathered_peak(model)
+        inputs = make_inputs(family, reference.config, batch=2, lengths=Lengths(height=3, width=4, text=6))
+        inputs = {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in inputs.items()}
+        expected = run_forward(reference, inputs).float()
+        actual = run_forward(model, inputs).float()
+        again = run_forward(model, inputs).float()
+        checkpoint = Checkpoint(folder)
+        headers = sum(8 + int.from_bytes(open(path, "rb").read(8), "little")
+                      for path in {info.file for info in checkpoint.tensors.values()})
+        (file_dtype,) = {info.dtype for info in checkpoint.tensors.values()}
+        checkpoint.close()
+        itemsize = torch.empty((), dtype=file_dtype).element_size()
+        parallel = ParallelConfig.from_mode(mode)
+        tp_plan = None
+        if parallel.tp_degree > 1:
+            tp_plan = resolve_plan(meta_model(cls, reference.config), as_plan(plan_for(reference, None, "tensor")),
+                                   get_state(model).mesh.coordinates.tp_rank, parallel.tp_degree)
+        predicted = per_rank_bytes(meta_model(cls, reference.config), parallel, dtype, tp_plan=tp_plan)
+        results.append({
+            "predicted_weights": predicted.weights, "held": held_weight_bytes(model),
+            "model_group": 1 if state.mesh.model_group is None else dist.get_world_size(state.mesh.model_group),
+            "run": run, "rank": dist.get_rank(), "blocks": len(blocks),
+            "diff": float((actual - expected).abs().max() / expected.abs().max()),
+            "repeat_diff": float((again - actual).abs().max()),
+            "held_blocks": held_blocks, "full_blocks": sum(full_blocks), "largest_block": max(full_blocks),
+            "gathered_peak": peak[0], "read": read, "headers": headers,
+            # what this rank's rows and the persistent buffers take in the file
+            "share": sum((p.to_local() if isinstance(p, DTensor) else p).numel() * itemsize
+                         for p in model.parameters())
+                     + sum(model.get_buffer(name).numel() * itemsize for name in _persistent_buffers(model)),
+            "full": sum(p.numel() * itemsize for p in reference.parameters()),
+        })
+    return results
+
+
+def fsdp_pipeline(family: str, folder: str, mode: str, steps: int = 3) -> dict:
+    """A whole pipeline with FSDP transformers: images equal the single-process ones, same seed."""
+    torch.set_num_threads(1)
+    kwargs = dict(default_call_kwargs(family), num_inference_steps=steps)
+    reference = DiffusionPipeline.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    pipeline = paradiff.load_pipeline(folder, parallel_config=ParallelConfig.from_mode(mode))
+    pipeline.set_progress_bar_config(disable=True)
+    expected = np.asarray(reference(**kwargs, generator=torch.Generator().manual_seed(0)).frames)
+    actual = np.asarray(pipeline(**kwargs, seed=0).frames)
+    transformers = {name: module for name, module in pipeline.components.items()
+                    if name.startswith("transformer") and module is not None}
+    return {"rank": dist.get_rank(), "diff": float(np.abs(actual - expected).max()),
+            "fsdp_blocks": {name: len(get_state(module).fsdp_blocks) for name, module in transformers.items()},
+            "held": {name: (held_weight_bytes(module), sum(_nbytes(p) for p in getattr(reference, name).parameters()))
+                     for name, module in transformers.items()}}

@@ -1,0 +1,97 @@
+"""FSDP2 weight sharding (docs/fsdp.md): exact against one process, 1/N of the block weights per rank, sharded on
+read, and the combinations it cannot hold refused by name before any read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rank_cases_fsdp as cases
+from paradiff.api.fsdp import check_fsdp
+from paradiff.config import ParallelConfig
+from paradiff.errors import ParallelConfigError, UnsupportedModelError
+from paradiff.testing.models import build_model
+
+RTOL = 1e-5
+BF16_RTOL = 2e-2  # bfloat16 on both sides: the parallel run reduces in another order
+
+
+def test_fsdp_is_exact_holds_its_share_and_reads_only_its_rows(pools, checkpoints):
+    runs = [dict(family=family, folder=str(checkpoints[(family, "sharded")]), mode=mode)
+            for family in ("flux2", "wan") for mode in ("fsdp2", "fsdp2xulysses2")]
+    runs.append(dict(family="flux2", folder=str(checkpoints[("flux2", "single")]), mode="fsdp2xulysses2",
+                     dtype="bfloat16"))
+    results = [r for rank in pools.get(2).run(cases.fsdp_models, runs=runs) for r in rank]
+    for result in results:
+        bf16 = result["run"].get("dtype") == "bfloat16"
+        assert result["diff"] <= (BF16_RTOL if bf16 else RTOL), result
+        assert result["repeat_diff"] == 0.0, result  # resharded after forward, gathered again: the same weights
+        assert result["blocks"] >= 2, result
+        assert result["model_group"] == 2, result  # fsdp2's ranks gather together, so they decide together too
+        # its rows of every block weight (torch.chunk's: at most one row each over half), and while running at
+        # most the block running plus the next one, prefetched
+        assert result["held_blocks"] <= result["full_blocks"] / 2 + 0.02 * result["full_blocks"], result
+        assert result["gathered_peak"] <= 2 * result["largest_block"], result
+        assert result["gathered_peak"] > 0, result
+        assert result["read"] == result["share"], result  # its rows of each weight, each read once
+        if result["rank"] == 0:  # --dry-run's figure (rank 0's rows, the larger) is what the load holds
+            assert result["predicted_weights"] == result["held"], result
+        assert result["share"] < 0.6 * result["full"], result
+
+
+def test_fsdp_composes_with_tp_and_cfg(pools, checkpoints, tiny_pipeline_folders):
+    pool = pools.get(4)
+    runs = [dict(family="flux2", folder=str(checkpoints[("flux2", "sharded")]), mode="fsdp2xtp2")]
+    for result in (r for rank in pool.run(cases.fsdp_models, runs=runs) for r in rank):
+        assert result["diff"] <= RTOL, result
+        assert result["held_blocks"] <= result["full_blocks"] / 4 + 0.02 * result["full_blocks"], result
+        assert result["read"] == result["share"], result
+        if result["rank"] == 0:
+            assert result["predicted_weights"] == result["held"], result
+    for result in pool.run(cases.fsdp_pipeline, family="wan2.2-a14b", folder=str(tiny_pipeline_folders["wan2.2-a14b"]),
+                           mode="cfg2xfsdp2"):
+        assert result["diff"] <= 1e-5, result
+        assert set(result["fsdp_blocks"]) == {"transformer", "transformer_2"}, result
+        for held, whole in result["held"].values():
+            assert held < 0.6 * whole, result
+
+
+def _refusal(**kwargs) -> str:
+    with pytest.raises((ParallelConfigError, UnsupportedModelError)) as error:
+        check_fsdp(build_model("flux2"), ParallelConfig.from_degrees(fsdp=2), **kwargs)
+    return str(error.value)
+
+
+def test_fsdp_refuses_what_it_cannot_hold_by_name():
+    from types import SimpleNamespace
+
+    assert "GGUF" in _refusal(single_file=True) and "fsdp_degree=2" in _refusal(single_file=True)
+    for scheme in ("nf4", "int8", "fp8"):
+        message = _refusal(quantization=SimpleNamespace(name=scheme))
+        assert f"{scheme} quantization" in message and "fsdp_degree=1" in message, message
+    assert "pre-quantized checkpoint" in _refusal(saved=True)
+    assert "staged execution" in _refusal(stages=True)
+    with pytest.raises(UnsupportedModelError, match="no repeated blocks"):
+        check_fsdp(torch.nn.Linear(2, 2), ParallelConfig.from_degrees(fsdp=2))
+
+
+def test_dry_run_prints_the_mesh_memory_and_the_flag_that_makes_it_fit(capsys, tmp_path):
+    from paradiff.cli import main
+
+    assert main(["generate", "--dry-run", "--device-memory", "0.000001", "--out", str(tmp_path)]) == 0
+    single = capsys.readouterr().out
+    assert "weights held" in single and "activations" in single and "does not fit --device-memory" in single
+    assert main(["generate", "--dry-run", "--fsdp", "2", "--out", str(tmp_path)]) == 0
+    sharded = capsys.readouterr().out
+    assert "per rank of 2 (fsdp=2" in sharded and "gathered (FSDP)" in sharded
+
+
+def test_dry_run_suggests_the_fsdp_degree_that_fits():
+    from paradiff.plan_tools.memory import fsdp_to_fit, meta_model, per_rank_bytes
+    from paradiff.testing.models import model_class, tiny_config
+
+    model = meta_model(model_class("wan"), tiny_config("wan", layers=6, single_layers=6))
+    single = per_rank_bytes(model, ParallelConfig(), torch.float32, image_tokens=64)
+    four = per_rank_bytes(model, ParallelConfig.from_degrees(fsdp=4), torch.float32, image_tokens=64)
+    assert four.weights < single.weights / 3 and four.gathered > 0
+    assert fsdp_to_fit(model, ParallelConfig(), four.peak, dtype=torch.float32, image_tokens=64) == 4
