@@ -125,8 +125,9 @@ def test_every_mesh_of_a_world_is_enumerated_once():
     found = meshes(4)
     assert len(found) == len(set(found))
     assert all(mesh.world == 4 for mesh in found)
-    assert {Mesh(tp=2, ulysses=2), Mesh(ring=4, fsdp=4), Mesh(cfg=2, data=2, fsdp=2)} <= set(found)
-    assert Mesh(tp=4, fsdp=2) not in found  # fsdp shards over sequence / data ranks only
+    # as --fsdp makes them: over the ulysses x ring ranks (adding none), or on ranks of its own without them
+    assert {Mesh(tp=2, ulysses=2), Mesh(ring=4, fsdp=4), Mesh(cfg=2, fsdp=2), Mesh(tp=2, fsdp=2)} <= set(found)
+    assert Mesh(ulysses=4, fsdp=2) not in found and Mesh(ring=2, cfg=2, fsdp=4) not in found
 
 
 def test_plan_feasibility_heads_cfg_and_memory(tmp_path):
@@ -203,11 +204,13 @@ def test_parallel_auto_writes_the_recommended_degrees_into_the_workers_argv(caps
     args = build_parser().parse_args(argv)
     out = resolve_auto_parallel(args, argv)
     expected = plan(str(embedded_default()), height=64, width=64, steps=3, world=2, profile=load_profile("rtx4090"))
-    mesh = next(p.mesh for p in expected.predictions if p.feasible and p.mesh.fsdp == 1)
+    mesh = next(p.mesh for p in expected.predictions if p.feasible)
     assert out == ["generate", "--steps", "3", "--tp", str(mesh.tp), "--ulysses", str(mesh.ulysses), "--ring",
-                   str(mesh.ring), "--cfg", str(mesh.cfg), "--dp", str(mesh.data)]
-    assert (args.tp, args.ulysses, args.ring, args.cfg, args.dp) == (mesh.tp, mesh.ulysses, mesh.ring, mesh.cfg,
-                                                                     mesh.data)
+                   str(mesh.ring), "--cfg", str(mesh.cfg), "--dp", str(mesh.data), "--fsdp", str(mesh.fsdp)]
+    assert (args.tp, args.ulysses, args.ring, args.cfg, args.dp, args.fsdp) == (
+        mesh.tp, mesh.ulysses, mesh.ring, mesh.cfg, mesh.data, mesh.fsdp)
+    quantized = build_parser().parse_args(argv + ["--quantize", "int8"])  # --fsdp refuses quantized bases
+    assert "--fsdp" in resolve_auto_parallel(quantized, argv) and quantized.fsdp == 1
     assert f"--parallel auto on 2 ranks (rtx4090): {mesh.name}" in capsys.readouterr().err
     with pytest.raises(CliError, match=r"picks the degrees itself: drop --tp 2"):
         resolve_auto_parallel(build_parser().parse_args(["generate", "--parallel", "auto", "--tp", "2"]), [])

@@ -132,7 +132,7 @@ def resolve_auto_parallel(args: argparse.Namespace, argv: list[str]) -> list[str
     from paradiff.plan_tools.hardware import load_profile
     from paradiff.plan_tools.planner import plan
 
-    given = [f"--{name} {getattr(args, name)}" for name in ("tp", "ulysses", "ring", "cfg", "dp")
+    given = [f"--{name} {getattr(args, name)}" for name in ("tp", "ulysses", "ring", "cfg", "dp", "fsdp")
              if getattr(args, name) != 1]
     if given:
         raise CliError(f"--parallel auto picks the degrees itself: drop {', '.join(given)} (or drop --parallel auto)")
@@ -152,12 +152,14 @@ def resolve_auto_parallel(args: argparse.Namespace, argv: list[str]) -> list[str
                       negative_prompt=args.negative_prompt is not None)
     except CostModelError as exc:
         raise CliError(f"--parallel auto: {exc}") from None
-    # FSDP is not a degree of generate / serve yet: the best mesh without it
-    choice = next((p for p in result.predictions if p.feasible and p.mesh.fsdp == 1), None)
+    # --fsdp refuses quantized bases and --stages (docs/fsdp.md): then the best mesh without it
+    fsdp_ok = not (getattr(args, "quantize", None) or getattr(args, "gguf", None) or getattr(args, "stages", False))
+    choice = next((p for p in result.predictions if p.feasible and (p.mesh.fsdp == 1 or fsdp_ok)), None)
     if choice is None:
         raise CliError(f"--parallel auto: no mesh of {world} ranks fits: {result.reason}")
     mesh = choice.mesh
     args.tp, args.ulysses, args.ring, args.cfg, args.dp = mesh.tp, mesh.ulysses, mesh.ring, mesh.cfg, mesh.data
+    args.fsdp = mesh.fsdp
     args.parallel = None
     if os.environ.get("RANK", "0") == "0":
         from paradiff.cli.report import say
@@ -176,4 +178,4 @@ def resolve_auto_parallel(args: argparse.Namespace, argv: list[str]) -> list[str
             continue
         kept.append(item)
     return kept + ["--tp", str(mesh.tp), "--ulysses", str(mesh.ulysses), "--ring", str(mesh.ring),
-                   "--cfg", str(mesh.cfg), "--dp", str(mesh.data)]
+                   "--cfg", str(mesh.cfg), "--dp", str(mesh.data), "--fsdp", str(mesh.fsdp)]

@@ -27,7 +27,8 @@ Communication per forward, per rank (sizes in bytes; `wire` is what a ring algor
   the block just received;
 - cfg: the branch predictions exchanged once per step (the output latent), no per-block traffic;
 - data: nothing;
-- fsdp (f; the layout of issue 41: weights sharded over f ranks of the mesh's sequence / data ranks): every block's
+- fsdp (f; paradiff's `--fsdp`, docs/fsdp.md: with ulysses / ring, the weights sharded over the same f = ulysses x
+  ring ranks, adding none; without them, f ranks of their own, each computing the same forward): every block's
   weights all-gathered once per forward, one block ahead of use (overlapped with compute); wire (f-1)/f · weights.
 """
 
@@ -212,8 +213,8 @@ def model_shape(config: dict[str, Any], text_tokens: int | None = None) -> Model
 
 @dataclass(frozen=True)
 class Mesh:
-    """The degrees of a mesh: tp x ulysses x ring x cfg x data ranks, and fsdp sharding weights over `fsdp` of the
-    sequence / data ranks (it adds no ranks)."""
+    """The degrees of a mesh: tp x ulysses x ring x cfg x data ranks, and fsdp sharding the weights as `--fsdp` does:
+    over the sequence ranks (fsdp = ulysses x ring, adding no rank), or over fsdp ranks of its own without them."""
 
     tp: int = 1
     ulysses: int = 1
@@ -224,7 +225,8 @@ class Mesh:
 
     @property
     def world(self) -> int:
-        return self.tp * self.ulysses * self.ring * self.cfg * self.data
+        own = self.fsdp if self.sequence == 1 else 1  # without ulysses / ring, fsdp's ranks are its own
+        return self.tp * self.ulysses * self.ring * self.cfg * self.data * own
 
     @property
     def sequence(self) -> int:
@@ -234,7 +236,8 @@ class Mesh:
     def name(self) -> str:
         parts = [f"{dim}{getattr(self, dim)}" for dim in ("data", "cfg", "ring", "ulysses", "tp")
                  if getattr(self, dim) > 1]
-        return ("x".join(parts) or "single") + (f"+fsdp{self.fsdp}" if self.fsdp > 1 else "")
+        fsdp = f"fsdp{self.fsdp}" if self.fsdp > 1 else ""
+        return "+".join(filter(None, ["x".join(parts), fsdp])) or "single"
 
     @classmethod
     def parse(cls, text: str) -> "Mesh":

@@ -9,8 +9,8 @@ Times come from the cost model (`cost.py`) and a hardware profile (`hardware.py`
 - latency = steps x step (the text encoders and the VAE are left out).
 
 Feasibility: heads split evenly over tp x ulysses (the plans keep head splits even); cfg only where the pipeline
-guides (its CFG rule, `plans/pipelines.py`, at the given scale) and only at its branch count; fsdp divides the
-sequence x data ranks it shards over; the per-rank memory fits the device.
+guides (its CFG rule, `plans/pipelines.py`, at the given scale) and only at its branch count; fsdp equals ulysses x
+ring where they are on (`--fsdp` shards over the same ranks); the per-rank memory fits the device.
 """
 
 from __future__ import annotations
@@ -95,15 +95,18 @@ def _divisors(n: int) -> list[int]:
 
 
 def meshes(world: int) -> list[Mesh]:
-    """Every tp x ulysses x ring x cfg x data factorisation of `world`, each with every fsdp degree it admits."""
+    """Every tp x ulysses x ring x cfg x data x fsdp mesh of `world` ranks that `--fsdp` can make: fsdp 1, or equal to
+    ulysses x ring (over the same ranks), or, without them, a factor of its own."""
     found = []
     for tp in _divisors(world):
         for ulysses in _divisors(world // tp):
             for ring in _divisors(world // tp // ulysses):
                 for cfg in _divisors(world // tp // ulysses // ring):
-                    data = world // tp // ulysses // ring // cfg
-                    for fsdp in _divisors(ulysses * ring * data):
-                        found.append(Mesh(tp, ulysses, ring, cfg, data, fsdp))
+                    rest = world // tp // ulysses // ring // cfg
+                    if ulysses * ring > 1:
+                        found += [Mesh(tp, ulysses, ring, cfg, rest), Mesh(tp, ulysses, ring, cfg, rest, ulysses * ring)]
+                        continue
+                    found += [Mesh(tp, 1, 1, cfg, rest // fsdp, fsdp) for fsdp in _divisors(rest)]
     return found
 
 
@@ -146,9 +149,9 @@ def problems(shape: ModelShape, latent: int, mesh: Mesh, branches: int, used: Me
                      "transformer call per step")
     elif mesh.cfg > 1 and mesh.cfg != branches:
         found.append(f"cfg{mesh.cfg}: the pipeline makes {branches} calls per step; cfg must be {branches}")
-    if (mesh.ulysses * mesh.ring * mesh.data) % mesh.fsdp:
-        found.append(f"fsdp{mesh.fsdp} does not divide the sequence x data ranks "
-                     f"({mesh.ulysses * mesh.ring * mesh.data})")
+    if mesh.fsdp > 1 and mesh.sequence > 1 and mesh.fsdp != mesh.sequence:
+        found.append(f"fsdp{mesh.fsdp} with ulysses x ring = {mesh.sequence}: fsdp shards over the same ranks and "
+                     f"must equal it")
     if latent < mesh.sequence:
         found.append(f"{latent} tokens cannot be split over {mesh.sequence} sequence ranks")
     if used.total > device_memory:
