@@ -165,4 +165,6 @@ class RankPool:
         for process in self.processes:
             if process.is_alive():
                 process.kill()
-                process.join(timeout=5)
+                # returns as soon as it is gone; a killed process with a large heap, on a loaded machine, took over
+                # 5 s to be reaped (the load lane: "a worker process was left running")
+                process.join(timeout=60)
