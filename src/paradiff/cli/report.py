@@ -24,6 +24,8 @@ def write_report(args: argparse.Namespace, out: Path, model: str, prompts: list[
     """
     import numpy as np
 
+    from paradiff.cli.args import quantize_skip
+
     # keyed by the prompt's index as a string, as JSON has it
     outputs = {str(index): entry for index, entry in sorted(
         (int(index), entry) for stats in gathered for index, entry in stats["outputs"].items())}
@@ -33,7 +35,7 @@ def write_report(args: argparse.Namespace, out: Path, model: str, prompts: list[
                    "fsdp": getattr(args, "fsdp", 1),
                    "stages": args.stages, "whole_text_encoders": args.whole_text_encoders,
                    "quantize": getattr(args, "quantize", None),
-                   "quantize_skip": [name for name in (getattr(args, "quantize_skip", None) or "").split(",") if name],
+                   "quantize_skip": list(quantize_skip(args)),
                    "quantize_text_encoders": bool(getattr(args, "quantize_text_encoders", False)),
                    "gguf": getattr(args, "gguf", None), **run},
         "resolution": [args.height, args.width],
