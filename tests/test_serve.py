@@ -422,6 +422,10 @@ def test_dp2_long_requests_neither_fault_the_idle_replica_nor_run_past_their_ans
         assert pngs(server.generate(prompt=PROMPTS[0], steps=1))
         print(f"\nhang-up -> cancelled {started - hung_up:.2f} s; "
               f"next 1-step request {time.monotonic() - started:.2f} s")
+        deadline = time.monotonic() + 30  # the answer can reach the client before its line reaches the log
+        while len(server.log()) < 4:
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.02)
         assert [entry["status"] for entry in server.log()] == [504, 200, 499, 200]
         assert "fault" not in server.text() and metric(server, "paradiff_up") == {"": 1}
 
