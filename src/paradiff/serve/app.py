@@ -83,8 +83,8 @@ class Frontend:
         import uvicorn
 
         config = uvicorn.Config(HttpGuard(build_app(self), self), host=self.args.host, port=self.args.port,
-                                log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5, loop="asyncio",
-                                http=timed_h11_protocol(self.args.read_timeout), timeout_keep_alive=5,
+                                log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5,
+                                loop="asyncio", http=timed_h11_protocol(self.args.read_timeout), timeout_keep_alive=5,
                                 h11_max_incomplete_event_size=MAX_HEADER_BYTES)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="paradiff-http", daemon=True)
