@@ -42,6 +42,7 @@ class Component:
     group: Any = field(default=None, init=False)  # the process group holding its TP shards (None: not split)
     # FSDP (api/fsdp.py): the repeated blocks it shards one unit each (None: not sharded), then their names
     blocks: list[tuple[str, nn.Module]] | None = None
+    prefetch_across_lists: bool = True  # False for a text encoder (fsdp/apply.py: shard_weights)
     fsdp_blocks: list[str] = field(default_factory=list, init=False)
 
     def quantize(self) -> None:
