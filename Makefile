@@ -15,7 +15,7 @@ TORCH := torch==2.13.0
 UV := uv==0.13.9
 LOCK := requirements.lock
 
-.PHONY: demo test test-fast test-load test-latest lock bench clean
+.PHONY: demo test test-fast test-load test-latest lock bench bench-report clean
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -66,6 +66,11 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
+	$(PY) benchmarks/report.py
+
+# BENCHMARKS.md from benchmarks/results/*.json (each benchmark writes its own file; benchmarks/README.md)
+bench-report:
+	$(PY) benchmarks/report.py
 
 clean:
 	rm -rf $(VENV) .venv-latest .cache

@@ -15,7 +15,8 @@ and per rank the parameter bytes it holds plus the peak rise of anonymous memory
 threshold fixed at 128 KiB so freed activations go back to the OS and the peak is visible). Predicted: the same by
 `plan_tools/planner.predict` with the profile `plan_tools/calibrate.calibrate` measured at the start of the run
 (2 ranks; tp2 x ulysses2's 4 ranks share the 2 cores, which the profile's concurrent_ranks accounts for).
-Writes benchmarks/results/cost_model.json and prints the tables.
+Writes every row to benchmarks/results/raw/cost_model.json, the headline figures to
+benchmarks/results/bench_cost_model.json, and prints the tables.
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--meshes", default=",".join(MESHES))
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cost_model.json"))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "raw" / "cost_model.json"))
     parser.add_argument("--no-wait", action="store_true", help="do not wait for the machine to go quiet")
     args = parser.parse_args()
     repeats = args.repeats or (2 if args.quick else 5)
