@@ -34,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import system_busy_seconds, wait_for_quiet  # noqa: E402
+from results import figure, write_result  # noqa: E402
 
 from paradiff.distributed.spawn import run_ranks  # noqa: E402
 from paradiff.plan_tools.calibrate import calibrate  # noqa: E402
@@ -193,6 +194,18 @@ def main() -> int:
     out.write_text(json.dumps(result, indent=1))
     print(tables(rows))
     print(f"written: {out}")
+    measured = [r for r in rows if "step_s" in r]
+    if measured:
+        busy = max(r["machine_busy_cores"] for r in measured)
+        load = f"measured under load: up to {busy:.1f} busy cores" if busy > 1.2 else "quiet machine"
+        memory = sum(abs(r["predicted_memory"] / r["memory"] - 1) <= 0.1 for r in measured)
+        step = sum(abs(r["predicted_step_s"] / r["step_s"] - 1) <= 0.2 for r in measured)
+        write_result("bench_cost_model", "Cost model: predicted vs measured step time and memory, "
+                     f"{len(measured)} rows", [
+                         figure("memory rows predicted within 10%", memory, f"of {len(measured)}",
+                                f">= {len(measured)}", note=f"rows: {args.out}"),
+                         figure("step-time rows predicted within 20%", step, f"of {len(measured)}",
+                                f">= {len(measured)}", note=load)])
     return 0
 
 

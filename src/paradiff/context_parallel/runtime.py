@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from paradiff.distributed.comm import CommStats, all_gather_int, all_gather_uneven, group_name
+from paradiff.distributed.comm import CommStats, all_gather_int, all_gather_uneven, all_true, group_name
 from paradiff.errors import ParallelConfigError
 from paradiff.context_parallel.attention import ring_attention, ulysses_attention
 from paradiff.context_parallel.dispatch import (  # noqa: F401 - attend's masks, still importable from here
