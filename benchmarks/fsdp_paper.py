@@ -59,7 +59,7 @@ def main() -> None:
             figures.append(figure(f"{label}: peak per GPU, {mode}, bf16", round(peak, 1), "GiB",
                                   note=f"held {held:.1f} GiB, gathered {gathered:.1f} GiB"))
     write_result("fsdp_paper", "Per-GPU memory on paper with FSDP: Wan 2.2 A14B and FLUX.2-dev (bf16)", figures,
-                 device="none (on paper, meta device)")
+                 device="none (on paper, meta device)", timed=False)
 
 
 if __name__ == "__main__":

@@ -181,11 +181,19 @@ def this_command() -> str:
 
 
 def write_result(benchmark: str, title: str, figures: list[dict], *, command: str | None = None,
-                 device: str = "cpu", folder: Path = RESULTS, **extra: Any) -> Path:
-    """Write `results/<benchmark>.json` for this run (this machine, HEAD, now, this command), validated first."""
+                 device: str = "cpu", folder: Path = RESULTS, timed: bool = True, **extra: Any) -> Path:
+    """Write `results/<benchmark>.json` for this run (this machine, HEAD, now, this command), validated first. When
+    the machine's load average exceeded its cores, each figure's note of a `timed` run says it was measured under
+    load."""
+    here = machine(device)
+    load = os.getloadavg()[1]  # over the last 5 minutes: more runnable processes than cores means others ran too
+    if timed and load > here["cores"]:
+        figures = [dict(item, note="; ".join(filter(None, [item["note"], f"measured under load (load average "
+                                                                        f"{load:.0f} on {here['cores']} cores)"])))
+                   for item in figures]
     result = {"benchmark": benchmark, "title": title, "command": command or this_command(), "commit": commit(),
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-              "machine": machine(device), "figures": figures, **extra}
+              "machine": here, "figures": figures, **extra}
     found = problems(result, f"{benchmark}.json")
     if found:
         raise ResultError("\n".join(found))
