@@ -48,7 +48,8 @@ def render(results: list[dict]) -> str:
         key = (result["machine"]["cpu"], result["machine"]["cores"], result["machine"]["device"])
         machines.setdefault(key, f"M{len(machines) + 1}")
     lines = [HEADER, "## Machines", "", "| id | CPU | cores | device |", "|---|---|---|---|"]
-    lines += [f"| {label} | {cell(cpu)} | {cores} | {cell(device)} |" for (cpu, cores, device), label in machines.items()]
+    lines += [f"| {label} | {cell(cpu)} | {cores} | {cell(device)} |"
+              for (cpu, cores, device), label in machines.items()]
     lines += ["", "## Goals", "", "| benchmark | run | goals met |", "|---|---|---|"]
     for result in results:
         goals = [figure for figure in result["figures"] if figure["met"] is not None]

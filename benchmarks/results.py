@@ -188,9 +188,9 @@ def write_result(benchmark: str, title: str, figures: list[dict], *, command: st
     here = machine(device)
     load = os.getloadavg()[1]  # over the last 5 minutes: more runnable processes than cores means others ran too
     if timed and load > here["cores"]:
-        figures = [dict(item, note="; ".join(filter(None, [item["note"], f"measured under load (load average "
-                                                                        f"{load:.0f} on {here['cores']} cores)"])))
-                   for item in figures]
+        said = f"measured under load (load average {load:.0f} on {here['cores']} cores)"
+        figures = [item if "under load" in item["note"]
+                   else dict(item, note="; ".join(filter(None, [item["note"], said]))) for item in figures]
     result = {"benchmark": benchmark, "title": title, "command": command or this_command(), "commit": commit(),
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
               "machine": here, "figures": figures, **extra}
