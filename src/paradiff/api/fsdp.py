@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from paradiff.errors import ParallelConfigError, UnsupportedModelError
+from paradiff.api.building import target_dtype
 from paradiff.fsdp.apply import shard_weights
 from paradiff.runtime.repeated_blocks import layer_blocks, repeated_blocks
 from paradiff.tensor_parallel.shard import swap_in_sharded_linears
@@ -114,8 +115,6 @@ def _tp_shapes_on_meta(model: nn.Module, resolved: Any) -> None:
 def _load_dtypes_on_meta(model: nn.Module, source: Any) -> None:
     """Parameters take the dtype the read gives them (the load dtype, float32 for the modules kept so) before FSDP
     makes them real: its shards are filled in place."""
-    from paradiff.api.model import target_dtype
-
     for name, param in list(model.named_parameters()):
         if param.is_meta and param.dtype.is_floating_point:
             dtype = target_dtype(name, source.dtype, source.keep_fp32)

@@ -18,6 +18,7 @@ from torch import nn
 
 from paradiff.distributed.agreement import agree
 from paradiff.distributed.mesh import build_mesh
+from paradiff.api.attach import attach
 from paradiff.api.fsdp import shard_component
 from paradiff.quant.apply import (ReadQuantizer, column_split_weights, quantize_model, reduce_row_extrema,
                                   row_extrema)
@@ -111,8 +112,6 @@ def run_load_sequence(stage: str, prepare: Callable[[], Prepared], *, distribute
         for component in components.values():
             if component.checkpoint is not None:
                 component.checkpoint.close()
-    from paradiff.api.parallelize import attach
-
     for name, component in components.items():
         group = _tp_group(component, mesh)
         component.group = group

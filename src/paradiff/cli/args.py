@@ -7,14 +7,13 @@ import importlib.util
 import os
 from pathlib import Path
 
-DTYPES = ("float32", "bfloat16", "float16")
+from paradiff.cli.common import DTYPES, CliError, _positive, lora_specs, quantize_skip  # noqa: F401 - public here
+from paradiff.cli.conditioning import call_parameter_names, check_conditioning
+from paradiff.cli.plan import add_plan_parser
+
 DEBUG_HELP = ("show Python tracebacks, native (C++) stack traces and libraries' warnings on failures, as "
               "PARADIFF_DEBUG=1 does")
 SEED_MAX = 2**63 - 1  # as serve's seed field: torch's generators take 64-bit seeds
-
-
-class CliError(Exception):
-    """A user error: printed as one line, exit code 2."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -41,16 +40,6 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
                 or "default" in text.lower():
             return text
         return super()._get_help_string(action)
-
-
-def _positive(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {number}")
-    return number
 
 
 def _seconds(value: str) -> float:
@@ -266,8 +255,6 @@ def build_parser() -> argparse.ArgumentParser:
     plans.add_argument("--markdown", action="store_true", help="the coverage table as Markdown (docs/coverage.md)")
     plans.add_argument("--pipelines", action="store_true",
                        help="the pipeline coverage table instead (docs/pipeline-coverage.md)")
-    from paradiff.cli.plan import add_plan_parser
-
     plan = add_plan_parser(commands)
     for command in (gen, serve, bench, check, plans, plan):  # after the command too; SUPPRESS keeps `paradiff --debug CMD`
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
@@ -292,31 +279,6 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
         prompts = list(DEFAULT_PROMPTS) if args.model is None else ["a red cube on a blue table"]
     return prompts
-
-
-def lora_specs(args: argparse.Namespace) -> list[dict]:
-    """--lora PATH[:SCALE] ... as [{"adapter_name", "path", "scale"}], in order (the names are lora0, lora1...).
-    A trailing ':NUMBER' is the scale; a path with other colons (a Hub id, a Windows drive) is left whole."""
-    specs = []
-    for index, spec in enumerate(getattr(args, "lora", None) or []):
-        path, sep, tail = spec.rpartition(":")
-        scale = 1.0
-        if sep:
-            try:
-                scale = float(tail)
-            except ValueError:
-                path = spec
-        else:
-            path = spec
-        if not path:
-            raise CliError(f"--lora {spec}: expected PATH[:SCALE], e.g. style.safetensors:0.8")
-        specs.append({"adapter_name": f"lora{index}", "path": path, "scale": scale})
-    return specs
-
-
-def quantize_skip(args: argparse.Namespace) -> tuple[str, ...]:
-    """--quantize-skip MODULE[,MODULE] as a tuple of module names (empty without it)."""
-    return tuple(name.strip() for name in (getattr(args, "quantize_skip", None) or "").split(",") if name.strip())
 
 
 def gguf_files(args: argparse.Namespace) -> dict[str, str]:
@@ -417,8 +379,6 @@ def check_args(args: argparse.Namespace) -> None:
         if value not in (None, "auto") and not Path(value).is_file():
             raise CliError(f"{flag} {value}: expected 'auto' or a plan file (FILE.py); no such file")
     _check_video(args)
-    from paradiff.cli.conditioning import check_conditioning
-
     check_conditioning(args)
     out = Path(args.out)
     try:
@@ -489,8 +449,6 @@ def _makes_video(model: str | None) -> bool | None:
     if not any((Path(model) / name).is_file() for name in INDEX_FILES):
         return None
     import diffusers
-
-    from paradiff.cli.conditioning import call_parameter_names
 
     pipeline_class = getattr(diffusers, str(read_pipeline_index(model).class_name), None)
     if pipeline_class is None:

@@ -21,7 +21,7 @@ import json
 import math
 from pathlib import Path
 
-from paradiff.cli.args import CliError
+from paradiff.cli.common import CliError
 
 # flag -> (the args attribute, the pipeline call's keyword)
 FLAGS = {

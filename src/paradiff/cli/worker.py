@@ -26,10 +26,12 @@ from paradiff.distributed.mesh import default_device
 from paradiff.quant.schemes import pipeline_quantization_config
 from paradiff.vae import get_vae_runtime
 from paradiff.cli.args import cache_config, gguf_files, lora_specs, quantize_skip, read_prompts
+from paradiff.cli.common import _plan_argument
 from paradiff.cli.conditioning import conditioning_kwargs, requested_pipeline_class
 from paradiff.cli.compare import compare_single_process, picture_rows, write_compare_png
 from paradiff.cli.embedded import embedded_call_kwargs, embedded_default
 from paradiff.cli.outputs import Output, outputs_of, sampling_rate, save_output
+from paradiff.cli.pipeline_options import load_adapters, set_guider  # noqa: F401 - public here
 from paradiff.cli.report import write_report
 from paradiff.errors import ParallelConfigError
 
@@ -134,14 +136,6 @@ def guider_settings(kwargs: dict, pipeline: Any) -> dict:
                                           f"{key} (guidance-distilled); drop {flag}")
             settings["guidance_scale"] = kwargs.pop(key)
     return settings
-
-
-def set_guider(pipeline: Any, settings: dict) -> None:
-    """Give a modular pipeline's guider(s) these settings (a new guider of the same class and config)."""
-    for name in [name for name in pipeline.components if name.startswith("guider")] if settings else []:
-        guider = getattr(pipeline, name)
-        if guider is not None:
-            pipeline.update_components(**{name: guider.new(**settings)})
 
 
 def accepted_kwargs(kwargs: dict, pipeline: Any) -> dict:
@@ -352,20 +346,6 @@ def quantized_components(args: argparse.Namespace) -> tuple[str, ...]:
                         if name.startswith(prefixes) and isinstance(entry, list) and None not in entry))
 
 
-def load_adapters(pipeline: Any, loras: list[dict], weight_name: str | None) -> None:
-    """--lora: each adapter by diffusers' load_lora_weights (paradiff's on a split transformer), mixed by scale."""
-    if not loras:
-        return
-    if not hasattr(pipeline, "load_lora_weights"):
-        from paradiff.errors import AdapterError
-
-        raise AdapterError(f"--lora: {type(pipeline).__name__} has no LoRA loader in diffusers (no load_lora_weights);"
-                           " adapters work on pipelines whose class has one (FLUX, Qwen-Image, Wan, SD3 ...).")
-    for lora in loras:
-        pipeline.load_lora_weights(lora["path"], adapter_name=lora["adapter_name"], weight_name=weight_name)
-    pipeline.set_adapters([lora["adapter_name"] for lora in loras], [lora["scale"] for lora in loras])
-
-
 def quiet_other_ranks(rank: int) -> None:
     """Library messages and progress bars once, from rank 0 (and only on a terminal)."""
     if rank != 0 or not _console_is_terminal():
@@ -399,12 +379,3 @@ def _quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     diffusers.utils.logging.set_verbosity_error()
-
-
-def _plan_argument(value: str | None, kind: str):
-    """--plan / --cp-plan: None (built-in), "auto", or a plan file."""
-    if value in (None, "auto"):
-        return value
-    from paradiff.plan_tools.check_plan import load_plan_file
-
-    return load_plan_file(value, kind)

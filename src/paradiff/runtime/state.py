@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from paradiff.distributed.mesh import ParallelMesh
-from paradiff.runtime.wrappers import WrapperRegistry
+from paradiff.runtime.wrapper_registry import WrapperRegistry
 from paradiff.tensor_parallel.plan import ResolvedPlan
 
 STATE_ATTR = "_paradiff_state"
