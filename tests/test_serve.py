@@ -228,7 +228,7 @@ def test_every_error_is_json_counted_and_logged_and_no_traceback_reaches_the_con
     assert deep.status_code == 400 and "nested too deeply" in deep.json()["error"]["message"]
     assert set(deep.json()["error"]) == {"message", "type", "param", "code"}
     missing = dp_server.client.get("/v1/nothing", headers=AUTH)
-    assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
     method = dp_server.client.delete("/v1/images/generations", headers=AUTH)
     assert method.status_code == 405 and method.headers["allow"] == "POST" and "does not take DELETE" in method.text
     gone = raw_request(dp_server, post_head(dp_server, 100), b'{"prompt": "a re')

@@ -382,3 +382,47 @@ def test_the_api_key_comes_from_a_file_so_it_is_not_on_the_command_line(tmp_path
                         (["--api-key", "k", "--api-key-file", str(tmp_path / "key")], "give one of them")):
         with pytest.raises(CliError, match=words):
             check_serve_args(build_parser().parse_args(["serve", *SIZE, *argv]))
+
+
+def test_every_error_is_in_openais_shape_with_a_string_code_and_the_field_at_fault(tmp_path):
+    """Errors of the request checks, the header checks (safety.py), the key, and FastAPI's own 404 / 405: OpenAI's
+    {"error": {"message", "type", "param", "code"}}, `code` a string, `param` the field at fault."""
+    import asyncio
+
+    import httpx
+
+    from paradiff.cli.args import build_parser
+    from paradiff.serve.app import Frontend, HttpGuard, build_app
+
+    args = build_parser().parse_args(["serve", "--out", str(tmp_path), "--api-key", "k"])
+    frontend = Frontend(args, "paradiff-demo")
+    frontend.limits = LIMITS
+    frontend.health = "ready"
+    key = {"Authorization": "Bearer k"}
+
+    async def ask() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=HttpGuard(build_app(frontend), frontend))
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8000") as client:
+            post = "/v1/images/generations"
+            return [await client.post(post, json={"prompt": "x", "size": "50x64"}, headers=key),
+                    await client.post(post, json={"prompt": "x", "colour": 1}, headers=key),
+                    await client.post(post, json={"prompt": "x", "model": "other"}, headers=key),
+                    await client.get("/v1/nothing", headers=key),
+                    await client.delete(post, headers=key),
+                    await client.post(post, json={"prompt": "x"}),
+                    await client.post(post, content=b"{}", headers={**key, "Content-Type": "text/plain"}),
+                    await client.get("/v1/models", headers={**key, "Origin": "https://other.example"})]
+
+    answers = asyncio.run(ask())
+    frontend.stop()
+    shapes = [(answer.status_code, answer.json()["error"]["param"], answer.json()["error"]["code"],
+               answer.json()["error"]["type"]) for answer in answers]
+    assert shapes == [(400, "size", "invalid_request", "invalid_request_error"),
+                      (400, "colour", "unknown_parameter", "invalid_request_error"),
+                      (404, "model", "model_not_found", "not_found_error"),
+                      (404, None, "not_found", "not_found_error"),
+                      (405, None, "method_not_allowed", "invalid_request_error"),
+                      (401, None, "invalid_api_key", "authentication_error"),
+                      (415, None, "unsupported_media_type", "invalid_request_error"),
+                      (403, None, "forbidden", "permission_error")]
+    assert all(set(answer.json()["error"]) == {"message", "type", "param", "code"} for answer in answers)

@@ -34,7 +34,7 @@ from starlette.requests import ClientDisconnect
 
 from paradiff.cli.report import say
 from paradiff.serve.metrics import Metrics
-from paradiff.serve.protocol import Limits, RequestError, parse_image_request
+from paradiff.serve.protocol import Limits, RequestError, error_body, parse_image_request
 from paradiff.serve.safety import RequestGuard, public_message, timed_h11_protocol
 from paradiff.serve.schema import openapi_document
 from paradiff.serve.scheduler import Job, Scheduler
@@ -219,7 +219,7 @@ class Frontend:
             request = parse_image_request(body, self.limits, kind)
             job = self.scheduler.submit(request)
         except RequestError as exc:
-            return self.refused(exc.status, str(exc), f"POST {_endpoint(kind)}")
+            return self.refused(exc.status, str(exc), f"POST {_endpoint(kind)}", exc.param, exc.code)
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         job.add_done_callback(lambda: loop.call_soon_threadsafe(_settle, done))
@@ -242,7 +242,8 @@ class Frontend:
                 for file in job.result["files"]]
         return 200, {"created": int(job.accepted_wall), "data": data}
 
-    def refused(self, status: int, message: str, what: str) -> tuple[int, dict]:
+    def refused(self, status: int, message: str, what: str, param: str | None = None,
+                code: str | None = None) -> tuple[int, dict]:
         """A request answered with an error before it reached the queue: counted in /metrics, one line of
         requests.jsonl (`what`: "METHOD PATH"), and the JSON error answer."""
         self.metrics.request_done(status)
@@ -250,10 +251,11 @@ class Frontend:
         with self._log_lock:
             if not self._log.closed:
                 self._log.write(json.dumps(entry) + "\n")
-        return _error(status, message)
+        return _error(status, message, param, code)
 
-    def refusal(self, status: int, message: str, what: str, headers: dict | None = None) -> JSONResponse:
-        status, body = self.refused(status, message, what)
+    def refusal(self, status: int, message: str, what: str, headers: dict | None = None, param: str | None = None,
+                code: str | None = None) -> JSONResponse:
+        status, body = self.refused(status, message, what, param, code)
         return JSONResponse(body, status_code=status, headers=headers)
 
     def models(self) -> dict:
@@ -271,10 +273,9 @@ def _settle(future: asyncio.Future) -> None:
         future.set_result(None)
 
 
-def _error(status: int, message: str) -> tuple[int, dict]:
-    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}} (code: the HTTP status)."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return status, {"error": {"message": message, "type": kind, "param": None, "code": status}}
+def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> tuple[int, dict]:
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}} (code: a string, protocol.error_body)."""
+    return status, error_body(status, message, param, code)
 
 
 def _endpoint(kind: str) -> str:
@@ -331,7 +332,8 @@ class HttpGuard:
                                         f"{max_body}")
             frontend.guard.check_body(method, path, headers)
         except RequestError as exc:
-            return await frontend.refusal(exc.status, str(exc), f"{method} {path}")(scope, receive, send)
+            return await frontend.refusal(exc.status, str(exc), f"{method} {path}", param=exc.param,
+                                          code=exc.code)(scope, receive, send)
         try:
             await self.app(scope, receive, send)
         except Exception as exc:  # noqa: BLE001 - answered (500, JSON) by internal_error; said once, here
@@ -390,7 +392,7 @@ def build_app(frontend: Frontend) -> FastAPI:
         try:
             body = await body_of(request)
         except RequestError as exc:
-            return frontend.refusal(exc.status, str(exc), f"POST {_endpoint(kind)}")
+            return frontend.refusal(exc.status, str(exc), f"POST {_endpoint(kind)}", param=exc.param, code=exc.code)
         status, payload = await frontend.generate(body, kind, request.is_disconnected)
         return JSONResponse(payload, status_code=status)
 

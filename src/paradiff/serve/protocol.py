@@ -15,11 +15,28 @@ CALL_PARAMETERS = {"guidance": "guidance_scale", "true_cfg_scale": "true_cfg_sca
 
 
 class RequestError(Exception):
-    """A request the server refuses: `status` is the HTTP code, the message says what is wrong and what is valid."""
+    """A request the server refuses: `status` is the HTTP code, the message says what is wrong and what is valid,
+    `param` the request field at fault (None when no one field is), `code` a short string (default: the status's)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
-        self.status = status
+        self.status, self.param, self.code = status, param, code
+
+
+# OpenAI's error shape: {"error": {"message", "type", "param", "code"}}; type and code (strings) from the status
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+               503: "service_unavailable_error", 504: "timeout_error"}
+ERROR_CODES = {400: "invalid_request", 401: "invalid_api_key", 403: "forbidden", 404: "not_found",
+               405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large",
+               415: "unsupported_media_type", 499: "client_closed_request", 500: "server_error",
+               503: "service_unavailable", 504: "request_timeout"}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """The JSON body of an error answer, in OpenAI's shape (`code` a string, as OpenAI's)."""
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param,
+                      "code": code or ERROR_CODES.get(status, str(status))}}
 
 
 @dataclass(frozen=True)
@@ -79,9 +96,9 @@ def _whole(value: Any) -> Any:
 def _integer(body: dict, name: str, default: int, low: int, high: int) -> int:
     value = _whole(body.get(name, default))
     if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(400, f"{name}: expected an integer from {low} to {high}, got {value!r}")
+        raise RequestError(400, f"{name}: expected an integer from {low} to {high}, got {value!r}", name)
     if not low <= value <= high:
-        raise RequestError(400, f"{name} {value} is out of bounds: expected {low} to {high}")
+        raise RequestError(400, f"{name} {value} is out of bounds: expected {low} to {high}", name)
     return value
 
 
@@ -90,7 +107,7 @@ def _number(body: dict, name: str, default: float | None) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 100:
-        raise RequestError(400, f"{name}: expected a number from 0 to 100, got {value!r}")
+        raise RequestError(400, f"{name}: expected a number from 0 to 100, got {value!r}", name)
     return float(value)
 
 
@@ -106,34 +123,37 @@ def parse_image_request(body: Any, limits: Limits, kind: str = "image") -> Image
     fields = IMAGE_FIELDS if kind == "image" else VIDEO_FIELDS
     unknown = sorted(set(body) - fields)
     if unknown:
-        raise RequestError(400, f"unknown field(s) {unknown}; valid fields: {sorted(fields)}")
+        raise RequestError(400, f"unknown field(s) {unknown}; valid fields: {sorted(fields)}", unknown[0],
+                           "unknown_parameter")
     for name, parameter in CALL_PARAMETERS.items():
         if body.get(name) is not None and parameter not in limits.accepts:
-            raise RequestError(400, f"{name}: this pipeline's call takes no {parameter}")
+            raise RequestError(400, f"{name}: this pipeline's call takes no {parameter}", name)
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
-        raise RequestError(400, "prompt: expected a non-empty string")
+        raise RequestError(400, "prompt: expected a non-empty string", "prompt")
     _unicode("prompt", prompt)
     if len(prompt) > limits.max_prompt_chars:
-        raise RequestError(400, f"prompt is {len(prompt)} characters long; at most {limits.max_prompt_chars}")
+        raise RequestError(400, f"prompt is {len(prompt)} characters long; at most {limits.max_prompt_chars}", "prompt")
     model = body.get("model")
     if model is not None and model != limits.model_name:
-        raise RequestError(404, f"model {model!r} is not served here; this server serves {limits.model_name!r}")
+        raise RequestError(404, f"model {model!r} is not served here; this server serves {limits.model_name!r}", "model",
+                           "model_not_found")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
-        raise RequestError(400, f"user: expected a string, got {user!r}")
+        raise RequestError(400, f"user: expected a string, got {user!r}", "user")
     response_format = body.get("response_format", "b64_json")
     if response_format != "b64_json":
-        raise RequestError(400, f"response_format {response_format!r}: only 'b64_json' is served (no URLs)")
+        raise RequestError(400, f"response_format {response_format!r}: only 'b64_json' is served (no URLs)", "response_format")
     width, height = _size(body.get("size"), limits)
     negative = body.get("negative_prompt")
     if negative is not None and (not isinstance(negative, str) or len(negative) > limits.max_prompt_chars):
-        raise RequestError(400, f"negative_prompt: expected a string of at most {limits.max_prompt_chars} characters")
+        raise RequestError(400, f"negative_prompt: expected a string of at most {limits.max_prompt_chars} characters",
+                           "negative_prompt")
     if negative is not None:
         _unicode("negative_prompt", negative)
     seed = _whole(body.get("seed", 0))
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise RequestError(400, f"seed: expected an integer from 0 to 2**63 - 1, got {seed!r}")
+        raise RequestError(400, f"seed: expected an integer from 0 to 2**63 - 1, got {seed!r}", "seed")
     loras = _loras(body.get("loras"), limits)
     frames = fps = None
     if kind == "video":
@@ -155,7 +175,7 @@ def _unicode(name: str, text: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise RequestError(400, f"{name}: not valid Unicode text (a lone surrogate at character {exc.start}); "
-                                "send UTF-8 text") from None
+                                "send UTF-8 text", name) from None
 
 
 def _loras(value: Any, limits: Limits) -> tuple:
@@ -165,14 +185,14 @@ def _loras(value: Any, limits: Limits) -> tuple:
         return tuple(limits.adapters)
     available = [name for name, _ in limits.adapters]
     if not isinstance(value, dict):
-        raise RequestError(400, f"loras: expected an object {{adapter name: scale}}; adapters here: {available}")
+        raise RequestError(400, f"loras: expected an object {{adapter name: scale}}; adapters here: {available}", "loras")
     unknown = sorted(set(value) - set(available))
     if unknown:
         raise RequestError(400, f"loras: no adapter(s) {unknown} on this server; adapters here: {available} "
-                                "(loaded at start with --lora)")
+                                "(loaded at start with --lora)", "loras")
     for name, scale in value.items():
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not -10 <= scale <= 10:
-            raise RequestError(400, f"loras: the scale of {name!r} must be a number from -10 to 10, got {scale!r}")
+            raise RequestError(400, f"loras: the scale of {name!r} must be a number from -10 to 10, got {scale!r}", "loras")
     return tuple((name, float(value[name])) for name in available if name in value)
 
 
@@ -182,12 +202,12 @@ def _size(value: Any, limits: Limits) -> tuple[int, int]:
     usage = (f"expected 'WIDTHxHEIGHT' with both multiples of {limits.size_multiple} from {limits.size_multiple} "
              f"to {limits.max_side}, e.g. '{limits.default_size[0]}x{limits.default_size[1]}'")
     if not isinstance(value, str) or value.count("x") != 1:
-        raise RequestError(400, f"size {value!r}: {usage}")
+        raise RequestError(400, f"size {value!r}: {usage}", "size")
     try:
         width, height = (int(part) for part in value.split("x"))
     except ValueError:
-        raise RequestError(400, f"size {value!r}: {usage}") from None
+        raise RequestError(400, f"size {value!r}: {usage}", "size") from None
     for side in (width, height):
         if side < limits.size_multiple or side > limits.max_side or side % limits.size_multiple:
-            raise RequestError(400, f"size {value!r}: {usage}")
+            raise RequestError(400, f"size {value!r}: {usage}", "size")
     return width, height

@@ -62,7 +62,7 @@ def _error_schema() -> dict:
     return {"type": "object", "required": ["error"], "properties": {"error": {
         "type": "object", "required": ["message", "type", "code"],
         "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                       "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}}
+                       "param": {"type": ["string", "null"]}, "code": {"type": "string"}}}}}
 
 
 def _responses(ok: dict, errors: tuple[int, ...], secured: bool) -> dict:
