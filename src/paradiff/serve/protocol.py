@@ -6,9 +6,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-IMAGE_FIELDS = {"model", "prompt", "n", "size", "response_format", "seed", "steps", "guidance", "negative_prompt",
-                "true_cfg_scale", "user", "loras"}
-VIDEO_FIELDS = IMAGE_FIELDS | {"frames", "fps"}
+BASE_FIELDS = {"model", "prompt", "n", "size", "response_format", "seed", "steps", "guidance", "negative_prompt",
+               "true_cfg_scale", "user", "loras"}
+# OpenAI's image fields that change nothing here (docs/serve.md), with the values OpenAI takes: another is a 400
+IGNORED_FIELDS = {"quality": ("auto", "standard", "hd", "low", "medium", "high", "xhigh", "max"),
+                  "style": ("vivid", "natural"), "background": ("auto", "opaque", "transparent"),
+                  "moderation": ("auto", "low"), "complexity": ("low", "medium", "high"),
+                  "input_fidelity": ("low", "high"), "safety_identifier": None}
+OUTPUT_FORMATS = ("png", "jpeg", "webp")
+IMAGE_FIELDS = BASE_FIELDS | set(IGNORED_FIELDS) | {"output_format", "output_compression"}
+EDIT_FIELDS = IMAGE_FIELDS | {"strength"}  # and the files: image (or image[]), mask
+VIDEO_FIELDS = BASE_FIELDS | {"frames", "fps"}
+ENDPOINTS = {"image": "/v1/images/generations", "edit": "/v1/images/edits", "video": "/v1/videos"}
+MAX_SEED = 2**63 - 1
 # request field -> the pipeline call's parameter it sets (refused where the pipeline's __call__ lacks it)
 CALL_PARAMETERS = {"guidance": "guidance_scale", "true_cfg_scale": "true_cfg_scale",
                    "negative_prompt": "negative_prompt", "frames": "num_frames"}
@@ -57,6 +67,8 @@ class Limits:
     kind: str = "image"  # what the pipeline makes: "image" or "video"
     accepts: frozenset = frozenset()  # the parameters of the pipeline's __call__
     adapters: tuple = ()  # ((name, scale at start), ...): the LoRA adapters loaded with --lora
+    inputs: frozenset = frozenset()  # which of "image", "mask", "strength" the pipeline's call takes (edits)
+    pipeline: str = ""  # the pipeline's class name
 
 
 @dataclass(frozen=True)
@@ -65,7 +77,7 @@ class ImageRequest:
     n: int
     width: int
     height: int
-    seed: int
+    seed: int | None  # None: the frontend draws one (app.Frontend.generate) before the request is queued
     steps: int
     guidance: float | None
     negative_prompt: str | None
@@ -74,11 +86,16 @@ class ImageRequest:
     frames: int | None = None
     fps: int = 16
     loras: tuple = ()  # ((adapter name, scale), ...) active for this request; () = none
+    output_format: str = "png"  # png, jpeg or webp: rank 0 re-encodes the ranks' PNG (serve/images.py)
+    output_compression: int = 100  # the JPEG / WebP quality
+    images: tuple = ()  # an edit's uploaded images (bytes, checked by serve/images.py)
+    mask: bytes | None = None
+    strength: float | None = None
 
     def batch_key(self) -> tuple:
         """Requests with equal keys can share one pipeline call (each keeps its own prompt and seeds)."""
         return (self.kind, self.width, self.height, self.steps, self.guidance, self.negative_prompt,
-                self.true_cfg_scale, self.frames, self.loras)
+                self.true_cfg_scale, self.frames, self.loras, self.images, self.mask, self.strength)
 
     def seeds(self) -> list[int]:
         """Image i of the request uses seed + i, as `paradiff generate` does for prompt i."""
@@ -112,15 +129,16 @@ def _number(body: dict, name: str, default: float | None) -> float | None:
 
 
 def parse_image_request(body: Any, limits: Limits, kind: str = "image") -> ImageRequest:
-    """A POST /v1/images/generations (kind "image") or /v1/videos (kind "video") body as an ImageRequest, or a
-    RequestError naming the field and what is valid."""
-    endpoint = "/v1/images/generations" if kind == "image" else "/v1/videos"
-    if kind != limits.kind:
-        other = "/v1/images/generations" if limits.kind == "image" else "/v1/videos"
+    """A POST /v1/images/generations (kind "image"), /v1/images/edits' fields but its files ("edit": their checks
+    are serve/images.py's) or /v1/videos ("video") body as an ImageRequest, or a RequestError naming the field and
+    what is valid."""
+    endpoint = ENDPOINTS[kind]
+    if ("video" if kind == "video" else "image") != limits.kind:
+        other = ENDPOINTS["image" if limits.kind == "image" else "video"]
         raise RequestError(400, f"{endpoint}: this server's pipeline makes {limits.kind}s; use {other}")
     if not isinstance(body, dict):
         raise RequestError(400, f"the body must be a JSON object, got {type(body).__name__}")
-    fields = IMAGE_FIELDS if kind == "image" else VIDEO_FIELDS
+    fields = {"image": IMAGE_FIELDS, "edit": EDIT_FIELDS, "video": VIDEO_FIELDS}[kind]
     unknown = sorted(set(body) - fields)
     if unknown:
         raise RequestError(400, f"unknown field(s) {unknown}; valid fields: {sorted(fields)}", unknown[0],
@@ -133,17 +151,30 @@ def parse_image_request(body: Any, limits: Limits, kind: str = "image") -> Image
         raise RequestError(400, "prompt: expected a non-empty string", "prompt")
     _unicode("prompt", prompt)
     if len(prompt) > limits.max_prompt_chars:
-        raise RequestError(400, f"prompt is {len(prompt)} characters long; at most {limits.max_prompt_chars}", "prompt")
+        raise RequestError(400, f"prompt is {len(prompt)} characters long; at most {limits.max_prompt_chars}",
+                           "prompt")
     model = body.get("model")
     if model is not None and model != limits.model_name:
-        raise RequestError(404, f"model {model!r} is not served here; this server serves {limits.model_name!r}", "model",
-                           "model_not_found")
+        raise RequestError(404, f"model {model!r} is not served here; this server serves {limits.model_name!r}",
+                           "model", "model_not_found")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise RequestError(400, f"user: expected a string, got {user!r}", "user")
     response_format = body.get("response_format", "b64_json")
     if response_format != "b64_json":
-        raise RequestError(400, f"response_format {response_format!r}: only 'b64_json' is served (no URLs)", "response_format")
+        raise RequestError(400, f"response_format {response_format!r}: only 'b64_json' is served (no URLs)",
+                           "response_format")
+    for name, valid in IGNORED_FIELDS.items():
+        value = body.get(name)
+        if value is not None and not (isinstance(value, str) and (valid is None or value in valid)):
+            raise RequestError(400, f"{name} {value!r}: expected one of {list(valid) if valid else 'a string'} "
+                                    "(accepted, and ignored here: docs/serve.md)", name)
+    output_format = body.get("output_format") or "png"
+    if output_format not in OUTPUT_FORMATS:
+        raise RequestError(400, f"output_format {output_format!r}: expected one of {list(OUTPUT_FORMATS)}",
+                           "output_format")
+    compression = 100 if body.get("output_compression") is None else _integer(body, "output_compression", 100, 0,
+                                                                                100)
     width, height = _size(body.get("size"), limits)
     negative = body.get("negative_prompt")
     if negative is not None and (not isinstance(negative, str) or len(negative) > limits.max_prompt_chars):
@@ -151,8 +182,8 @@ def parse_image_request(body: Any, limits: Limits, kind: str = "image") -> Image
                            "negative_prompt")
     if negative is not None:
         _unicode("negative_prompt", negative)
-    seed = _whole(body.get("seed", 0))
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+    seed = _whole(body.get("seed"))
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
         raise RequestError(400, f"seed: expected an integer from 0 to 2**63 - 1, got {seed!r}", "seed")
     loras = _loras(body.get("loras"), limits)
     frames = fps = None
@@ -161,11 +192,18 @@ def parse_image_request(body: Any, limits: Limits, kind: str = "image") -> Image
         if frames is not None:
             frames = _integer(body, "frames", limits.default_frames, 1, limits.max_frames)
         fps = _integer(body, "fps", limits.default_fps, 1, 120)
-    return ImageRequest(prompt=prompt, n=_integer(body, "n", 1, 1, limits.max_n), width=width, height=height,
-                        seed=seed, steps=_integer(body, "steps", limits.default_steps, 1, limits.max_steps),
+    n = _integer(body, "n", 1, 1, limits.max_n)
+    if seed is not None and seed + n - 1 > MAX_SEED:  # image i uses seed + i
+        raise RequestError(400, f"seed {seed}: image {n - 1} would use seed {seed + n - 1}, above 2**63 - 1", "seed")
+    strength = _number(body, "strength", None) if kind == "edit" else None
+    if strength is not None and not 0 <= strength <= 1:
+        raise RequestError(400, f"strength {strength:g}: expected a number from 0 to 1", "strength")
+    return ImageRequest(prompt=prompt, n=n, width=width, height=height, seed=seed,
+                        steps=_integer(body, "steps", limits.default_steps, 1, limits.max_steps),
                         guidance=_number(body, "guidance", limits.default_guidance), negative_prompt=negative,
                         true_cfg_scale=_number(body, "true_cfg_scale", limits.default_true_cfg), kind=kind,
-                        frames=frames, fps=fps or limits.default_fps, loras=loras)
+                        frames=frames, fps=fps or limits.default_fps, loras=loras, output_format=output_format,
+                        output_compression=compression, strength=strength)
 
 
 def _unicode(name: str, text: str) -> None:
@@ -185,19 +223,21 @@ def _loras(value: Any, limits: Limits) -> tuple:
         return tuple(limits.adapters)
     available = [name for name, _ in limits.adapters]
     if not isinstance(value, dict):
-        raise RequestError(400, f"loras: expected an object {{adapter name: scale}}; adapters here: {available}", "loras")
+        raise RequestError(400, f"loras: expected an object {{adapter name: scale}}; adapters here: {available}",
+                           "loras")
     unknown = sorted(set(value) - set(available))
     if unknown:
         raise RequestError(400, f"loras: no adapter(s) {unknown} on this server; adapters here: {available} "
                                 "(loaded at start with --lora)", "loras")
     for name, scale in value.items():
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not -10 <= scale <= 10:
-            raise RequestError(400, f"loras: the scale of {name!r} must be a number from -10 to 10, got {scale!r}", "loras")
+            raise RequestError(400, f"loras: the scale of {name!r} must be a number from -10 to 10, got {scale!r}",
+                               "loras")
     return tuple((name, float(value[name])) for name in available if name in value)
 
 
 def _size(value: Any, limits: Limits) -> tuple[int, int]:
-    if value is None:
+    if value is None or value == "auto":  # OpenAI's "auto": the server's default size
         return limits.default_size
     usage = (f"expected 'WIDTHxHEIGHT' with both multiples of {limits.size_multiple} from {limits.size_multiple} "
              f"to {limits.max_side}, e.g. '{limits.default_size[0]}x{limits.default_size[1]}'")
