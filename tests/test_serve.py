@@ -294,13 +294,20 @@ def test_the_schema_holds_against_a_fuzzer(dp_server, tmp_path):
     assert "/v1/videos" not in schema["paths"]
     assert list(schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
     assert pngs(dp_server.generate(AUTH, prompt=PROMPTS[0], n=1.0, steps=1.0))  # integral JSON numbers
+    # an edit's image must be at least 16 pixels a side, which JSON Schema cannot say: the fuzzer's 1x1 PNG is rightly
+    # a 400 there (test_serve_protocol.py), so its schema-valid data may get 400 (not 5xx), and mostly does: the one
+    # warning allowed (schemathesis 4.32 does not take a warnings setting per operation)
+    (tmp_path / "schemathesis.toml").write_text('[[operations]]\ninclude-path = "/v1/images/edits"\n'
+                                                'checks.positive_data_acceptance.expected-statuses = ["2XX", 400]\n')
     done = subprocess.run(
         [sys.executable, "-c", "import sys; from schemathesis.cli import schemathesis; sys.exit(schemathesis())",
          "run", f"{dp_server.url}/openapi.json", "--header", f"Authorization: Bearer {KEY}", "--checks", "all",
          "--phases", "examples,fuzzing", "--max-examples", "5", "--generation-deterministic", "--no-color",
          "--request-timeout", "60"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
-    assert "No issues found" in done.stdout
+    edits_mostly_400 = ("mostly rejected generated data" in done.stdout and "- POST /v1/images/edits" in done.stdout
+                        and "1 warning in" in done.stdout)
+    assert "No issues found" in done.stdout or edits_mostly_400, done.stdout[-3000:]
 
 
 def listening_addresses(root: int) -> list[tuple[str, int]]:

@@ -90,6 +90,7 @@ def test_an_edit_form_is_read_and_its_uploads_are_bounded():
     refused = [([("prompt", "x")], "image", "expected one image file"),
                ([("prompt", "x"), ("image", b"GIF89a junk")], "image", "not a readable image"),
                ([("prompt", "x"), ("image", png(200, 100))], "image", "20000 pixels; at most 16384"),
+               ([("prompt", "x"), ("image", png(1, 1))], "image", "1x1; each side at least 16 pixels"),
                ([("prompt", "x"), ("image", png(32, 32)), ("mask", png(16, 16))], "mask", "as large as the"),
                ([("prompt", "x"), ("image", png(32, 32)), ("n", "two")], "n", "n: expected an integer"),
                ([("prompt", "x"), ("image", "text")], "image", "expected an image file")]

@@ -52,6 +52,9 @@ def check_upload(field: str, data: bytes, limits: Limits) -> tuple[int, int]:
             if image.format not in UPLOAD_FORMATS:
                 raise RequestError(400, f"{field}: a {image.format} image; send PNG, JPEG or WebP", field)
             width, height = image.size
+            if min(width, height) < limits.size_multiple:  # a pipeline rounds a side down to its multiple: to 0
+                raise RequestError(400, f"{field}: {width}x{height}; each side at least {limits.size_multiple} "
+                                        "pixels", field)
             if width * height > limit:
                 raise RequestError(400, f"{field}: {width}x{height} is {width * height} pixels; at most {limit} here "
                                         f"(four times --max-side {limits.max_side} squared)", field)

@@ -123,7 +123,8 @@ def openapi_document(limits: Limits | None, title: str, version: str, secured: b
             READ_ERRORS, secured)}},
         "/v1/models/{model_id}": {"get": {
             "summary": "the model, by its id (404 for another)",
-            "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"},
+                            **({"example": limits.model_name} if limits is not None else {})}],
             "responses": _responses({"description": "the model and its adapters",
                                      "content": {"application/json": {"schema": {"type": "object"}}}},
                                     READ_ERRORS, secured)}},
