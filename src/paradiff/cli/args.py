@@ -226,8 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--out", default="out/serve",
                        help="the server's folder: requests.jsonl, one line per answered request (nothing else is "
                             "written there, and no request names a path)")
+    serve.add_argument("--pipeline", default=None, metavar="CLASS",
+                       help="serve this diffusers pipeline class on the model folder instead of its own, e.g. "
+                            "FluxImg2ImgPipeline or FluxInpaintPipeline: edits with a mask / strength "
+                            "(POST /v1/images/edits)")
     serve.set_defaults(prompt=None, prompts_file=None, seed=0, compare=False, image=None, mask=None,
-                       control_image=None, video=None, strength=None, controlnet_scale=None, pipeline=None)
+                       control_image=None, video=None, strength=None, controlnet_scale=None)
     bench = commands.add_parser("bench", help="time a list of configurations on one model")
     bench.add_argument("model", nargs="?", default=None, help="pipeline folder or Hub id; omitted: the embedded one")
     bench.add_argument("--configs", default="single,tp=2,ulysses=2,ring=2",

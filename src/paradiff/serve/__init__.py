@@ -1,6 +1,7 @@
 """`paradiff serve`: the pipeline loaded once on the mesh, serving many requests over HTTP.
 
     protocol.py   what a request may ask (OpenAI's image fields plus paradiff's) and its checks, as 4xx errors
+    images.py     output formats (PNG from the ranks, re-encoded on rank 0), the edits' multipart form and uploads
     scheduler.py  the bounded queue: deadlines, batching of compatible requests, one batch per replica per round
     metrics.py    counters and the latency histogram, as Prometheus text
     safety.py     what is refused before a body is read (Host, Origin, Content-Type, slow clients); error messages

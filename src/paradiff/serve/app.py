@@ -3,8 +3,11 @@ what rank 0's loop asks of them (the next round, the answers of a finished round
 
     POST /v1/images/generations   OpenAI's image request (prompt, n, size, response_format b64_json) + paradiff's
                                   fields (seed, steps, guidance, negative_prompt, true_cfg_scale)
+    POST /v1/images/edits         OpenAI's edit (multipart: image or image[], mask, prompt, n, size, ...) on a pipeline
+                                  whose call takes an image (images.py)
+    POST /v1/images/variations    answered 400: not served (edits are)
     POST /v1/videos               the same for video pipelines (+ frames, fps), answered with base64 MP4 files
-    GET  /v1/models               the one model served
+    GET  /v1/models, /v1/models/{id}   the one model served
     GET  /health                  {"status": "loading" | "ready" | "draining" | "failed"}; never needs the API key
     GET  /metrics                 Prometheus text
     GET  /openapi.json, /docs     the schema of the loaded pipeline (schema.py)
@@ -21,10 +24,12 @@ import base64
 import hmac
 import json
 import os
+import secrets
 import socket
 import threading
 import time
 from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -33,8 +38,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from paradiff.cli.report import say
+from paradiff.serve.images import MIME_TYPES, encode_output, parse_edit_request
 from paradiff.serve.metrics import Metrics
-from paradiff.serve.protocol import Limits, RequestError, parse_image_request
+from paradiff.serve.protocol import ENDPOINTS, ImageRequest, Limits, RequestError, error_body, parse_image_request
 from paradiff.serve.safety import RequestGuard, public_message, timed_h11_protocol
 from paradiff.serve.schema import openapi_document
 from paradiff.serve.scheduler import Job, Scheduler
@@ -77,6 +83,7 @@ class Frontend:
         self._server = None
         self._thread: threading.Thread | None = None
         self._cancelled: set[int] = set()  # running requests rank 0 cancelled (their round not answered yet)
+        self.loaded_at = int(time.time())  # the pipeline's load time: /v1/models' `created`
 
     # -- lifetime -----------------------------------------------------------------------------------------------
     def start(self) -> "Frontend":
@@ -112,7 +119,9 @@ class Frontend:
                              default_steps=steps, default_guidance=args.guidance_scale,
                              default_true_cfg=args.true_cfg_scale, default_frames=args.frames, default_fps=args.fps,
                              model_name=self.model_name, kind=info["kind"], accepts=info["accepts"],
-                             adapters=info["adapters"])
+                             adapters=info["adapters"], inputs=info.get("inputs", frozenset()),
+                             pipeline=info.get("pipeline", ""))
+        self.loaded_at = int(time.time())
         self.replicas = info["replicas"]
         self.metrics.memory({s["rank"]: s["memory"] for s in summaries})
         self.generation = generation
@@ -211,15 +220,17 @@ class Frontend:
 
     async def generate(self, body: Any, kind: str, disconnected=None) -> tuple[int, dict]:
         """`disconnected()`: an awaitable check that the client hung up; then the request is answered 499 and, if it
-        runs, cancelled at the next denoising step."""
+        runs, cancelled at the next denoising step. `kind` "edit": `body` is the multipart form's (field, value)
+        pairs."""
         if self.health != "ready" or self.limits is None:
             return self.refused(503, f"the server is {self.health}; retry when GET /health says ready",
                                 f"POST {_endpoint(kind)}")
         try:
-            request = parse_image_request(body, self.limits, kind)
-            job = self.scheduler.submit(request)
+            request = (parse_edit_request(body, self.limits) if kind == "edit"
+                       else parse_image_request(body, self.limits, kind))
+            job = self.scheduler.submit(with_seed(request))
         except RequestError as exc:
-            return self.refused(exc.status, str(exc), f"POST {_endpoint(kind)}")
+            return self.refused(exc.status, str(exc), f"POST {_endpoint(kind)}", exc.param, exc.code)
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         job.add_done_callback(lambda: loop.call_soon_threadsafe(_settle, done))
@@ -237,12 +248,10 @@ class Frontend:
                     break
         if job.status != 200:
             return _error(job.status, str(job.result))
-        data = [{"b64_json": base64.b64encode(file["data"]).decode(), **({"mime_type": file["mime"]}
-                                                                         if kind == "video" else {})}
-                for file in job.result["files"]]
-        return 200, {"created": int(job.accepted_wall), "data": data}
+        return 200, answer_of(job)
 
-    def refused(self, status: int, message: str, what: str) -> tuple[int, dict]:
+    def refused(self, status: int, message: str, what: str, param: str | None = None,
+                code: str | None = None) -> tuple[int, dict]:
         """A request answered with an error before it reached the queue: counted in /metrics, one line of
         requests.jsonl (`what`: "METHOD PATH"), and the JSON error answer."""
         self.metrics.request_done(status)
@@ -250,20 +259,50 @@ class Frontend:
         with self._log_lock:
             if not self._log.closed:
                 self._log.write(json.dumps(entry) + "\n")
-        return _error(status, message)
+        return _error(status, message, param, code)
 
-    def refusal(self, status: int, message: str, what: str, headers: dict | None = None) -> JSONResponse:
-        status, body = self.refused(status, message, what)
+    def refusal(self, status: int, message: str, what: str, headers: dict | None = None, param: str | None = None,
+                code: str | None = None) -> JSONResponse:
+        status, body = self.refused(status, message, what, param, code)
         return JSONResponse(body, status_code=status, headers=headers)
 
     def models(self) -> dict:
+        return {"object": "list", "data": [self.model()]}
+
+    def model(self) -> dict:
+        """OpenAI's model object (`created`: when the pipeline was loaded) and the adapters loaded with it."""
         adapters = [{"name": name, "scale": scale} for name, scale in (self.limits.adapters if self.limits else ())]
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "paradiff", "adapters": adapters}]}
+        return {"id": self.model_name, "object": "model", "created": self.loaded_at, "owned_by": "paradiff",
+                "adapters": adapters}
 
     def render_metrics(self) -> str:
         queued, running = self.scheduler.depth()
         return self.metrics.render(queued, running, self.health)
+
+
+def with_seed(request: ImageRequest) -> ImageRequest:
+    """A request without a seed gets a fresh random one, drawn here on rank 0 before it is queued (so every rank runs
+    the same), and returned in the answer (each image's `seed`) so that any image can be drawn again."""
+    return request if request.seed is not None else replace(request, seed=secrets.randbelow(2**32))
+
+
+def answer_of(job: Job) -> dict:
+    """A finished job's 200 answer: OpenAI's ImagesResponse, each item with its seed (image i: seed + i) and, for a
+    video, its mime type; images in the asked output format."""
+    request = job.request
+    data = []
+    for file, seed in zip(job.result["files"], request.seeds()):
+        item = {"b64_json": None, "seed": seed}
+        if request.kind == "video":
+            item.update(b64_json=base64.b64encode(file["data"]).decode(), mime_type=file["mime"])
+        else:
+            encoded = encode_output(file["data"], request.output_format, request.output_compression)
+            item["b64_json"] = base64.b64encode(encoded).decode()
+        data.append(item)
+    answer = {"created": int(job.accepted_wall), "data": data, "size": f"{request.width}x{request.height}"}
+    if request.kind != "video":
+        answer.update(output_format=request.output_format, mime_type=MIME_TYPES[request.output_format])
+    return answer
 
 
 def _settle(future: asyncio.Future) -> None:
@@ -271,14 +310,13 @@ def _settle(future: asyncio.Future) -> None:
         future.set_result(None)
 
 
-def _error(status: int, message: str) -> tuple[int, dict]:
-    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}} (code: the HTTP status)."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return status, {"error": {"message": message, "type": kind, "param": None, "code": status}}
+def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> tuple[int, dict]:
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}} (code: a string, protocol.error_body)."""
+    return status, error_body(status, message, param, code)
 
 
 def _endpoint(kind: str) -> str:
-    return "/v1/images/generations" if kind == "image" else "/v1/videos"
+    return ENDPOINTS[kind]
 
 
 MAX_HEADER_BYTES = 16 * 1024  # the request line and headers; above it uvicorn answers 400 and closes
@@ -331,7 +369,8 @@ class HttpGuard:
                                         f"{max_body}")
             frontend.guard.check_body(method, path, headers)
         except RequestError as exc:
-            return await frontend.refusal(exc.status, str(exc), f"{method} {path}")(scope, receive, send)
+            return await frontend.refusal(exc.status, str(exc), f"{method} {path}", param=exc.param,
+                                          code=exc.code)(scope, receive, send)
         try:
             await self.app(scope, receive, send)
         except Exception as exc:  # noqa: BLE001 - answered (500, JSON) by internal_error; said once, here
@@ -365,6 +404,16 @@ def build_app(frontend: Frontend) -> FastAPI:
                                 f"{request.method} {request.url.path}")
 
     async def body_of(request: Request) -> Any:
+        raw = await bytes_of(request)
+        try:
+            return json.loads(raw)
+        except RecursionError:
+            raise RequestError(400, "the body is not JSON this server reads: nested too deeply") from None
+        except ValueError as exc:
+            raise RequestError(400, f"the body is not JSON: {exc}") from None
+
+    async def bytes_of(request: Request) -> bytes:
+        """The body, within --max-body-bytes and --read-timeout."""
         raw = bytearray()
 
         async def read() -> None:
@@ -379,18 +428,13 @@ def build_app(frontend: Frontend) -> FastAPI:
             raise RequestError(408, f"the body was not received within --read-timeout {read_timeout:g} s") from None
         except ClientDisconnect:
             raise RequestError(499, "the client disconnected before its body was received") from None
-        try:
-            return json.loads(raw)
-        except RecursionError:
-            raise RequestError(400, "the body is not JSON this server reads: nested too deeply") from None
-        except ValueError as exc:
-            raise RequestError(400, f"the body is not JSON: {exc}") from None
+        return bytes(raw)
 
     async def answer(request: Request, kind: str):
         try:
             body = await body_of(request)
         except RequestError as exc:
-            return frontend.refusal(exc.status, str(exc), f"POST {_endpoint(kind)}")
+            return frontend.refusal(exc.status, str(exc), f"POST {_endpoint(kind)}", param=exc.param, code=exc.code)
         status, payload = await frontend.generate(body, kind, request.is_disconnected)
         return JSONResponse(payload, status_code=status)
 
@@ -406,6 +450,8 @@ def build_app(frontend: Frontend) -> FastAPI:
     async def models():
         return frontend.models()
 
+    add_openai_routes(app, frontend, bytes_of)
+
     @app.get("/health")
     async def health():
         return JSONResponse({"status": frontend.health}, status_code=200 if frontend.health == "ready" else 503)
@@ -415,3 +461,51 @@ def build_app(frontend: Frontend) -> FastAPI:
         return PlainTextResponse(frontend.render_metrics(), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def add_openai_routes(app: FastAPI, frontend: Frontend, bytes_of) -> None:
+    """OpenAI's routes beyond generations: edits (multipart), variations (refused), one model by id.
+    `bytes_of(request)`: the body within --max-body-bytes and --read-timeout."""
+
+    @app.post("/v1/images/edits")
+    async def edits(request: Request):
+        try:
+            fields = await form_of(request, await bytes_of(request))
+        except RequestError as exc:
+            return frontend.refusal(exc.status, str(exc), "POST /v1/images/edits", param=exc.param, code=exc.code)
+        status, payload = await frontend.generate(fields, "edit", request.is_disconnected)
+        return JSONResponse(payload, status_code=status)
+
+    @app.post("/v1/images/variations")
+    async def variations():
+        return frontend.refusal(400, "/v1/images/variations is not served: no pipeline here draws variations without "
+                                     "a prompt; send the image and a prompt to POST /v1/images/edits",
+                                "POST /v1/images/variations", code="unsupported_endpoint")
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != frontend.model_name:
+            return frontend.refusal(404, f"model {model_id!r} is not served here; this server serves "
+                                         f"{frontend.model_name!r}", f"GET /v1/models/{model_id}", param="model",
+                                    code="model_not_found")
+        return frontend.model()
+
+
+async def form_of(request: Request, body: bytes) -> list[tuple[str, Any]]:
+    """A multipart/form-data body (already read, bounded) as (field, text or file bytes) pairs."""
+    from starlette.datastructures import UploadFile
+    from starlette.formparsers import MultiPartException, MultiPartParser
+
+    async def chunks():
+        yield body
+
+    try:
+        form = await MultiPartParser(request.headers, chunks(), max_files=16, max_fields=64,
+                                     max_part_size=len(body) + 1).parse()
+    except MultiPartException as exc:
+        raise RequestError(400, f"the body is not a multipart form this server reads: {exc.message}") from None
+    fields = []
+    for name, value in form.multi_items():
+        fields.append((name, await value.read() if isinstance(value, UploadFile) else value))
+    await form.close()
+    return fields

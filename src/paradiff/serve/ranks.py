@@ -30,7 +30,9 @@ answered 503, /health says failed and the ranks exit non-zero.
 from __future__ import annotations
 
 import argparse
+import base64
 import datetime
+import io
 import gc
 import json
 import os
@@ -42,6 +44,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from paradiff.cli.conditioning import image_kwargs, pipeline_class_name
 from paradiff.cli.outputs import mp4_bytes, outputs_of, png_bytes
 from paradiff.cli.report import say
 from paradiff.cli.worker import (Loaded, accepted_kwargs, call_kwargs, call_parameters, load_from_args,
@@ -192,6 +195,7 @@ class Replica:
         self.max_batch = max_batch
         self.replica, self.replicas = data_coordinates(self.pipeline)
         self.parameters = set(call_parameters(self.pipeline))
+        self.pipeline_name = pipeline_class_name(args)
         self.adapters = tuple((lora["adapter_name"], lora["scale"]) for lora in loaded.loras)
         self._active: tuple | None = self.adapters  # load_from_args mixed them at their start scales
         self.members: list[int] = [dist.get_rank()]  # this replica's ranks (set by serve_rank once groups exist)
@@ -199,8 +203,14 @@ class Replica:
         self.on_step: Callable[[], None] | None = None  # rank 0: publish cancellations at every step
 
     def describe(self) -> dict:
+        from paradiff.plans.pipelines import call_keyword
+
+        # what an edit may carry: the conditioning inputs the call takes (under the pipeline's own keywords)
+        inputs = {name for name, keyword in (("image", "image"), ("mask", "mask_image"), ("strength", "strength"))
+                  if call_keyword(self.pipeline_name, keyword) in self.parameters}
         return {"kind": "video" if "num_frames" in self.parameters else "image",
-                "accepts": frozenset(self.parameters), "replicas": self.replicas, "adapters": self.adapters}
+                "accepts": frozenset(self.parameters), "replicas": self.replicas, "adapters": self.adapters,
+                "inputs": frozenset(inputs), "pipeline": self.pipeline_name or type(self.pipeline).__name__}
 
     def check(self, item: dict) -> str | None:
         """Rank 0, before a round is broadcast: why the pipeline could not take `item` (None when it can). Every
@@ -243,7 +253,19 @@ class Replica:
                                  ("negative_prompt", "negative_prompt"), ("frames", "num_frames")):
             if item.get(field) is not None:
                 kwargs[parameter] = item[field]
+        if item.get("images"):
+            kwargs.update(self.edit_inputs(item))
         return accepted_kwargs(kwargs, self.pipeline)
+
+    def edit_inputs(self, item: dict) -> dict:
+        """An edit's images (and mask, strength) as the call takes them, decoded from the round's bytes as `paradiff
+        generate` reads its --image / --mask files."""
+        from PIL import Image
+
+        images = [Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB") for data in item["images"]]
+        mask = (Image.open(io.BytesIO(base64.b64decode(item["mask"]))).convert("L") if item.get("mask") is not None
+                else None)
+        return image_kwargs(images, mask, item.get("strength"), self.pipeline_name)
 
     def run(self, items: list[dict], channel: Channel, number: int) -> dict:
         """Run `items` (one replica's batch: same size, steps, guidance) in round `number`; the output rank stores each
@@ -257,8 +279,9 @@ class Replica:
         agreements: list[int] = []
         stamps = time.time()
         steps = 0
-        for chunk_index, start in enumerate(range(0, len(images), self.max_batch)):
-            chunk = images[start:start + self.max_batch]
+        per_call = 1 if any(item.get("images") for item in items) else self.max_batch  # an edit: one image a call
+        for chunk_index, start in enumerate(range(0, len(images), per_call)):
+            chunk = images[start:start + per_call]
             ids = sorted({item["id"] for item, _ in chunk})
             kwargs = self.call_kwargs(chunk[0][0])
             if "callback_on_step_end" in self.parameters:

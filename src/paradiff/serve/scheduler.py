@@ -8,6 +8,7 @@ broadcasts; a request waiting past its deadline is answered 504 instead of being
 
 from __future__ import annotations
 
+import base64
 import itertools
 import threading
 import time
@@ -57,7 +58,14 @@ class Job:
         return {"id": self.id, "prompt": r.prompt, "seeds": r.seeds(), "width": r.width, "height": r.height,
                 "steps": r.steps, "guidance": r.guidance, "negative_prompt": r.negative_prompt,
                 "true_cfg_scale": r.true_cfg_scale, "kind": r.kind, "frames": r.frames, "fps": r.fps,
-                "loras": list(r.loras)}
+                "loras": list(r.loras), **(_edit_inputs(r) if r.images else {})}
+
+
+def _edit_inputs(request: ImageRequest) -> dict:
+    """An edit's uploaded files (base64 in the round's JSON: every rank decodes the same bytes) and strength."""
+    return {"images": [base64.b64encode(data).decode() for data in request.images],
+            "mask": base64.b64encode(request.mask).decode() if request.mask is not None else None,
+            "strength": request.strength}
 
 
 class Scheduler:

@@ -4,7 +4,8 @@ A client (or a fuzzer) that sends what the schema allows gets 200; anything else
 
 from __future__ import annotations
 
-from paradiff.serve.protocol import CALL_PARAMETERS, IMAGE_FIELDS, VIDEO_FIELDS, Limits
+from paradiff.serve.protocol import (CALL_PARAMETERS, EDIT_FIELDS, IGNORED_FIELDS, IMAGE_FIELDS, MAX_SEED,
+                                     OUTPUT_FORMATS, VIDEO_FIELDS, Limits)
 
 ERRORS = {400: "a field is missing, of the wrong type or out of bounds (the message names it and what is valid)",
           401: "missing or wrong API key", 403: "a foreign Host or Origin", 404: "no such path, or another model",
@@ -14,7 +15,8 @@ ERRORS = {400: "a field is missing, of the wrong type or out of bounds (the mess
           504: "not answered within --request-timeout"}
 GENERATION_ERRORS = (400, 401, 403, 404, 405, 408, 413, 415, 500, 503, 504)
 READ_ERRORS = (401, 403, 404, 405)
-NULLABLE = ("negative_prompt", "model", "size", "guidance", "true_cfg_scale", "loras", "frames", "user")
+NULLABLE = ("negative_prompt", "model", "size", "guidance", "true_cfg_scale", "loras", "frames", "user", "seed",
+            "output_format", "output_compression", "strength", *IGNORED_FIELDS)
 
 
 def size_pattern(limits: Limits) -> str:
@@ -24,8 +26,10 @@ def size_pattern(limits: Limits) -> str:
 
 
 def request_schema(limits: Limits, kind: str) -> dict:
-    """The body of POST /v1/images/generations (kind "image") or /v1/videos ("video")."""
-    fields = IMAGE_FIELDS if kind == "image" else VIDEO_FIELDS
+    """The body of POST /v1/images/generations (kind "image"), /v1/images/edits' form ("edit") or /v1/videos
+    ("video")."""
+    fields = {"image": IMAGE_FIELDS, "edit": EDIT_FIELDS, "video": VIDEO_FIELDS}[kind]
+    fields = {name for name in fields if name != "strength" or "strength" in limits.inputs}
     fields = {name for name in fields if name not in CALL_PARAMETERS or CALL_PARAMETERS[name] in limits.accepts}
     text = {"type": "string", "maxLength": limits.max_prompt_chars}
     adapters = [name for name, _ in limits.adapters]
@@ -34,13 +38,20 @@ def request_schema(limits: Limits, kind: str) -> dict:
         "negative_prompt": text,
         "model": {"type": "string", "enum": [limits.model_name]},
         "n": {"type": "integer", "minimum": 1, "maximum": limits.max_n, "default": 1},
-        "size": {"type": "string", "pattern": size_pattern(limits),
+        "size": {"type": "string", "pattern": f"^({size_pattern(limits)[1:-1]}|auto)$",
                  "default": f"{limits.default_size[0]}x{limits.default_size[1]}",
                  "description": f"WIDTHxHEIGHT, multiples of {limits.size_multiple} up to {limits.max_side}"},
         "response_format": {"type": "string", "enum": ["b64_json"]},
         "user": {"type": "string"},
-        "seed": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1, "default": 0,
-                 "description": "image i of the request uses seed + i"},
+        "seed": {"type": "integer", "minimum": 0, "maximum": MAX_SEED - limits.max_n + 1,
+                 "description": "image i of the request uses seed + i; absent: a random seed, returned with each "
+                                "image"},
+        "output_format": {"type": "string", "enum": list(OUTPUT_FORMATS), "default": "png"},
+        "output_compression": {"type": "integer", "minimum": 0, "maximum": 100, "default": 100,
+                               "description": "the JPEG / WebP quality"},
+        "strength": {"type": "number", "minimum": 0, "maximum": 1},
+        **{name: {"type": "string", **({"enum": list(valid)} if valid else {}), "description": "accepted, ignored"}
+           for name, valid in IGNORED_FIELDS.items()},
         "steps": {"type": "integer", "minimum": 1, "maximum": limits.max_steps, "default": limits.default_steps},
         "guidance": {"type": "number", "minimum": 0, "maximum": 100},
         "true_cfg_scale": {"type": "number", "minimum": 0, "maximum": 100},
@@ -58,11 +69,23 @@ def request_schema(limits: Limits, kind: str) -> dict:
             "properties": {name: properties[name] for name in sorted(fields)}}
 
 
+def edit_schema(limits: Limits) -> dict:
+    """POST /v1/images/edits' multipart form: the generation fields (loras as `loras[NAME]` fields, not listed), the
+    image file(s) and a mask where the pipeline takes one."""
+    schema = request_schema(limits, "edit")
+    properties = {name: value for name, value in schema["properties"].items() if name != "loras"}
+    properties["image"] = {"type": "string", "format": "binary", "description": "an image (PNG, JPEG or WebP); "
+                           "several as image[] fields"}
+    if "mask" in limits.inputs:
+        properties["mask"] = {"type": "string", "format": "binary", "description": "as large as the image"}
+    return {**schema, "required": ["image", "prompt"], "properties": properties}
+
+
 def _error_schema() -> dict:
     return {"type": "object", "required": ["error"], "properties": {"error": {
         "type": "object", "required": ["message", "type", "code"],
         "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                       "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}}
+                       "param": {"type": ["string", "null"]}, "code": {"type": "string"}}}}}
 
 
 def _responses(ok: dict, errors: tuple[int, ...], secured: bool) -> dict:
@@ -79,7 +102,8 @@ def openapi_document(limits: Limits | None, title: str, version: str, secured: b
     files = {"type": "object", "required": ["created", "data"], "properties": {
         "created": {"type": "integer"},
         "data": {"type": "array", "items": {"type": "object", "required": ["b64_json"], "properties": {
-            "b64_json": {"type": "string"}, "mime_type": {"type": "string"}}}}}}
+            "b64_json": {"type": "string"}, "mime_type": {"type": "string"}, "seed": {"type": "integer"}}}},
+        "size": {"type": "string"}, "output_format": {"type": "string"}, "mime_type": {"type": "string"}}}
     status = {"type": "object", "required": ["status"], "properties": {
         "status": {"type": "string", "enum": ["loading", "ready", "draining", "failed"]}}}
     models = {"type": "object", "required": ["object", "data"], "properties": {
@@ -97,7 +121,22 @@ def openapi_document(limits: Limits | None, title: str, version: str, secured: b
         "/v1/models": {"get": {"summary": "the one model served", "responses": _responses(
             {"description": "the model and its adapters", "content": {"application/json": {"schema": models}}},
             READ_ERRORS, secured)}},
+        "/v1/models/{model_id}": {"get": {
+            "summary": "the model, by its id (404 for another)",
+            "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"},
+                            **({"example": limits.model_name} if limits is not None else {})}],
+            "responses": _responses({"description": "the model and its adapters",
+                                     "content": {"application/json": {"schema": {"type": "object"}}}},
+                                    READ_ERRORS, secured)}},
     }
+    if limits is not None and "image" in limits.inputs:
+        paths["/v1/images/edits"] = {"post": {
+            "summary": "edit images: the pipeline's call takes them (base64 answers, as generations')",
+            "requestBody": {"required": True, "content": {"multipart/form-data": {
+                "schema": edit_schema(limits)}}},
+            "responses": _responses({"description": "the images, base64",
+                                     "content": {"application/json": {"schema": files}}},
+                                    GENERATION_ERRORS, secured)}}
     if limits is not None:
         path = "/v1/images/generations" if limits.kind == "image" else "/v1/videos"
         what = "PNG images" if limits.kind == "image" else "MP4 videos"
