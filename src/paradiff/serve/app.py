@@ -38,6 +38,7 @@ from paradiff.serve.protocol import Limits, RequestError, parse_image_request
 from paradiff.serve.safety import RequestGuard, public_message, timed_h11_protocol
 from paradiff.serve.schema import openapi_document
 from paradiff.serve.scheduler import Job, Scheduler
+from paradiff.serve.stream import ProgressRouter, stream_images
 
 OPEN_PATHS = ("/health",)
 DISCONNECT_POLL_S = 0.1  # how often a waiting request checks that its client is still there
@@ -77,6 +78,8 @@ class Frontend:
         self._server = None
         self._thread: threading.Thread | None = None
         self._cancelled: set[int] = set()  # running requests rank 0 cancelled (their round not answered yet)
+        self.replicas = 1
+        self.progress = ProgressRouter(self._step_progress, self._preview)  # step events and previews (stream.py)
 
     # -- lifetime -----------------------------------------------------------------------------------------------
     def start(self) -> "Frontend":
@@ -119,7 +122,7 @@ class Frontend:
         self.health = "draining" if self.scheduler.draining else "ready"
         again = " again, after a fault" if generation else ""
         say(f"paradiff serve: ready{again}: {self.model_name} ({info['kind']}s) on {len(summaries)} rank(s), "
-            f"{self.replicas} replica(s), at http://{args.host}:{args.port}")
+            f"{self.replicas} replica(s), at http://{args.host}:{args.port}; {info.get('previews', 'no previews')}")
 
     def drain(self) -> None:
         self.health = "draining"
@@ -150,6 +153,10 @@ class Frontend:
         return ids
 
     def finish_round(self, decision: dict, channel, summaries: list[dict]) -> None:
+        self.progress.finish_round(channel, self.replicas)  # every preview is sent before its final image
+        for summary in summaries:
+            if summary["step_s"]:
+                self.metrics.replica_steps(summary["replica"], summary["step_s"])
         self.metrics.memory({s["rank"]: s["memory"] for s in summaries})
         self.metrics.rss({s["rank"]: s["rss"] for s in summaries})
         self.metrics.pipeline_time(max(s["seconds"] for s in summaries))
@@ -166,6 +173,10 @@ class Frontend:
                                                    else "stopping"))
         # the state first: a client answered 500 below and asking /health at once must not still read "ready"
         self.health = "failed" if decision == "stop" else "loading"
+        try:
+            self.progress.finish_round(channel, self.replicas)
+        except Exception:  # noqa: BLE001 - the store may be gone with the fault; its previews are lost with it
+            pass
         self._answer_round(self._current, channel, cause)
         if decision == "stop":
             self.closing = True
@@ -191,6 +202,19 @@ class Frontend:
         self._current = None
 
     # -- the HTTP side ------------------------------------------------------------------------------------------
+    def _step_progress(self, replica: int, progress: dict) -> None:
+        if progress["elapsed_s"] > 0:
+            self.metrics.replica_rate(replica, progress["step"] / progress["elapsed_s"])
+        for job_id in progress["ids"]:
+            job = self.scheduler.running(job_id)
+            if job is not None:
+                job.emit({"type": "step", "step": progress["step"], "steps": progress["steps"]})
+
+    def _preview(self, job_id: int, index: int, png: bytes) -> None:
+        job = self.scheduler.running(job_id)
+        if job is not None:
+            job.emit({"type": "partial_image", "index": index, "data": png})
+
     def _on_finish(self, job: Job) -> None:
         latency = job.finished - job.accepted
         images = job.request.n if job.status == 200 else 0
@@ -391,6 +415,8 @@ def build_app(frontend: Frontend) -> FastAPI:
             body = await body_of(request)
         except RequestError as exc:
             return frontend.refusal(exc.status, str(exc), f"POST {_endpoint(kind)}")
+        if kind == "image" and isinstance(body, dict) and body.get("stream") is True:  # server-sent events
+            return await stream_images(frontend, body, _error)
         status, payload = await frontend.generate(body, kind, request.is_disconnected)
         return JSONResponse(payload, status_code=status)
 

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 IMAGE_FIELDS = {"model", "prompt", "n", "size", "response_format", "seed", "steps", "guidance", "negative_prompt",
-                "true_cfg_scale", "user", "loras"}
-VIDEO_FIELDS = IMAGE_FIELDS | {"frames", "fps"}
+                "true_cfg_scale", "user", "loras", "stream", "partial_images"}
+VIDEO_FIELDS = (IMAGE_FIELDS - {"stream", "partial_images"}) | {"frames", "fps"}
+MAX_PARTIAL_IMAGES = 3  # OpenAI's bound on partial_images
 # request field -> the pipeline call's parameter it sets (refused where the pipeline's __call__ lacks it)
 CALL_PARAMETERS = {"guidance": "guidance_scale", "true_cfg_scale": "true_cfg_scale",
                    "negative_prompt": "negative_prompt", "frames": "num_frames"}
@@ -57,6 +58,8 @@ class ImageRequest:
     frames: int | None = None
     fps: int = 16
     loras: tuple = ()  # ((adapter name, scale), ...) active for this request; () = none
+    stream: bool = False  # answered as server-sent events (serve/stream.py)
+    partial_images: int = 0  # previews streamed while it is denoised
 
     def batch_key(self) -> tuple:
         """Requests with equal keys can share one pipeline call (each keeps its own prompt and seeds)."""
@@ -141,11 +144,33 @@ def parse_image_request(body: Any, limits: Limits, kind: str = "image") -> Image
         if frames is not None:
             frames = _integer(body, "frames", limits.default_frames, 1, limits.max_frames)
         fps = _integer(body, "fps", limits.default_fps, 1, 120)
-    return ImageRequest(prompt=prompt, n=_integer(body, "n", 1, 1, limits.max_n), width=width, height=height,
+    stream, partial_images = _stream(body)
+    n = _integer(body, "n", 1, 1, limits.max_n)
+    if stream and n != 1:
+        raise RequestError(400, f"n {n} with stream: a streamed request makes one image; send n 1 (or several "
+                                "requests)")
+    return ImageRequest(prompt=prompt, n=n, width=width, height=height,
                         seed=seed, steps=_integer(body, "steps", limits.default_steps, 1, limits.max_steps),
                         guidance=_number(body, "guidance", limits.default_guidance), negative_prompt=negative,
                         true_cfg_scale=_number(body, "true_cfg_scale", limits.default_true_cfg), kind=kind,
-                        frames=frames, fps=fps or limits.default_fps, loras=loras)
+                        frames=frames, fps=fps or limits.default_fps, loras=loras, stream=stream,
+                        partial_images=partial_images)
+
+
+def _stream(body: dict) -> tuple[bool, int]:
+    """`stream` (a boolean) and `partial_images` (0 to 3, only with stream), as OpenAI's images.generate takes them."""
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise RequestError(400, f"stream: expected true or false, got {stream!r}")
+    if body.get("partial_images") is None:
+        return stream, 0
+    partial = _integer(body, "partial_images", 0, 0, MAX_PARTIAL_IMAGES)
+    if partial and not stream:
+        raise RequestError(400, f"partial_images {partial} needs stream true: previews are sent as server-sent "
+                                "events")
+    return stream, partial
 
 
 def _unicode(name: str, text: str) -> None:
