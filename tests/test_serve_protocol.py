@@ -38,6 +38,10 @@ def test_a_good_request_gets_the_defaults_and_its_seeds():
     ({"prompt": "x", "negative_prompt": "blurry"}, 400, "takes no negative_prompt"),
     ({"prompt": "x", "response_format": "url"}, 400, "only 'b64_json'"),
     ({"prompt": "x", "model": "other"}, 404, "model 'other' is not served here"),
+    ({"prompt": "x", "stream": "yes"}, 400, "stream: expected true or false"),
+    ({"prompt": "x", "stream": True, "n": 2}, 400, "n 2 with stream: a streamed request makes one image"),
+    ({"prompt": "x", "partial_images": 2}, 400, "partial_images 2 needs stream true"),
+    ({"prompt": "x", "stream": True, "partial_images": 4}, 400, "partial_images 4 is out of bounds: expected 0 to 3"),
     (["x"], 400, "must be a JSON object, got list"),
 ])
 def test_bad_requests_name_the_field_and_what_is_valid(body, status, words):
