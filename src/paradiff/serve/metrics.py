@@ -111,7 +111,7 @@ class Metrics:
                       f"paradiff_cancelled_steps_total {self.cancelled_steps}",
                       "# HELP paradiff_store_keys Keys in the ranks' coordination store after the last round.",
                       "# TYPE paradiff_store_keys gauge", f"paradiff_store_keys {self.keys}"]
-            lines += ["# HELP paradiff_replica_steps_total Denoising steps each replica ran (requests cancelled included).",
+            lines += ["# HELP paradiff_replica_steps_total Denoising steps each replica ran (cancelled requests' too).",
                       "# TYPE paradiff_replica_steps_total counter"]
             lines += [f'paradiff_replica_steps_total{{replica="{r}"}} {v}'
                       for r, v in sorted(self.replica_step_count.items())]

@@ -66,8 +66,8 @@ IDLE_WAIT_S = 0.2  # an idle round every this often: it is also how a rank that 
 AGREE_WAIT_S = 2.0
 POLL_S = (0.001, 0.01)  # store polls: the first wait, and the longest (doubling in between)
 
-SUMMARY = {"rank": int, "replica": int, "step_s": list, "seconds": float, "images": int, "steps": int, "memory": int, "rss": int, "failed": dict,
-           "cancelled": dict, "agreements": list}
+SUMMARY = {"rank": int, "replica": int, "step_s": list, "seconds": float, "images": int, "steps": int, "memory": int,
+           "rss": int, "failed": dict, "cancelled": dict, "agreements": list}
 RESULT = {"files": list, "replica": int, "started": float, "finished": float}
 FILE = {"mime": str, "frames": (int, None)}
 ERROR = {"error": str, "comm": bool, "loading": bool}
