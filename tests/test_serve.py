@@ -148,8 +148,8 @@ def test_a_stream_sends_its_previews_then_the_image_the_same_request_gets_unstre
     assert sum(steps.values()) >= 8, steps  # the two requests' 4 steps each, at least
     import openai
 
-    with pytest.raises(openai.BadRequestError, match="a streamed request makes one image"):
-        client.images.generate(prompt=PROMPTS[1], stream=True, n=2)
+    with pytest.raises(openai.BadRequestError, match="partial_images 4 is out of bounds"):
+        client.images.generate(prompt=PROMPTS[1], stream=True, partial_images=4)
 
 
 def test_two_replicas_run_two_requests_at_once_and_waiting_requests_are_batched(dp_server, generated):

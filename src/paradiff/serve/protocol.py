@@ -145,11 +145,7 @@ def parse_image_request(body: Any, limits: Limits, kind: str = "image") -> Image
             frames = _integer(body, "frames", limits.default_frames, 1, limits.max_frames)
         fps = _integer(body, "fps", limits.default_fps, 1, 120)
     stream, partial_images = _stream(body)
-    n = _integer(body, "n", 1, 1, limits.max_n)
-    if stream and n != 1:
-        raise RequestError(400, f"n {n} with stream: a streamed request makes one image; send n 1 (or several "
-                                "requests)")
-    return ImageRequest(prompt=prompt, n=n, width=width, height=height,
+    return ImageRequest(prompt=prompt, n=_integer(body, "n", 1, 1, limits.max_n), width=width, height=height,
                         seed=seed, steps=_integer(body, "steps", limits.default_steps, 1, limits.max_steps),
                         guidance=_number(body, "guidance", limits.default_guidance), negative_prompt=negative,
                         true_cfg_scale=_number(body, "true_cfg_scale", limits.default_true_cfg), kind=kind,
@@ -158,7 +154,8 @@ def parse_image_request(body: Any, limits: Limits, kind: str = "image") -> Image
 
 
 def _stream(body: dict) -> tuple[bool, int]:
-    """`stream` (a boolean) and `partial_images` (0 to 3, only with stream), as OpenAI's images.generate takes them."""
+    """`stream` (a boolean) and `partial_images` (0 to 3; without stream it asks nothing), as OpenAI's
+    images.generate takes them."""
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -167,10 +164,7 @@ def _stream(body: dict) -> tuple[bool, int]:
     if body.get("partial_images") is None:
         return stream, 0
     partial = _integer(body, "partial_images", 0, 0, MAX_PARTIAL_IMAGES)
-    if partial and not stream:
-        raise RequestError(400, f"partial_images {partial} needs stream true: previews are sent as server-sent "
-                                "events")
-    return stream, partial
+    return stream, partial if stream else 0
 
 
 def _unicode(name: str, text: str) -> None:

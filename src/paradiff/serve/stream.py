@@ -10,8 +10,8 @@ is sent before its final image.
 
 `POST /v1/images/generations` with `"stream": true` answers server-sent events as OpenAI's client reads them
 (openai.types.ImageGenStreamEvent): `image_generation.partial_image` (b64_json, partial_image_index) for each of
-`partial_images` previews, then `image_generation.completed` with the image the same request without `stream` gets,
-byte for byte. An error after the stream started is an event `{"error": {...}}` (the client raises it).
+`partial_images` previews (of the first image where `n` > 1), then `image_generation.completed` with the image the
+same request without `stream` gets, byte for byte (one event per image). An error after the stream started is an event `{"error": {...}}` (the client raises it).
 """
 
 from __future__ import annotations
@@ -90,7 +90,10 @@ class StepPublisher:
             if self.previews is not None:
                 self.previews.reset()
         self._elapsed += event.seconds
-        wanted = [(row, item) for row, item in enumerate(context["items"])
+        firsts = {}  # a request of n images previews its first one
+        for row, item in enumerate(context["items"]):
+            firsts.setdefault(item["id"], (row, item))
+        wanted = [(row, item) for row, item in firsts.values()
                   if event.step in preview_steps(event.steps, item["partial_images"])]
         if wanted and self.previews is not None and event.latents is not None and self.previews.can_render():
             pictures = self.previews.render(event.latents, context["height"], context["width"])
@@ -183,9 +186,10 @@ async def stream_images(frontend, body: Any, error_body: Callable):
                 return
             usage = {"input_tokens": 0, "input_tokens_details": {"image_tokens": 0, "text_tokens": 0},
                      "output_tokens": 0, "total_tokens": 0}  # no tokens are counted here
-            yield _event({"type": "image_generation.completed", **common, "created_at": int(time.time()),
-                          "b64_json": base64.b64encode(job.result["files"][0]["data"]).decode(), "usage": usage,
-                          "seed": request.seed})
+            for index, file in enumerate(job.result["files"]):  # one per image: image i has seed + i
+                yield _event({"type": "image_generation.completed", **common, "created_at": int(time.time()),
+                              "b64_json": base64.b64encode(file["data"]).decode(), "usage": usage,
+                              "seed": request.seed + index})
         finally:  # the client went away (the response task is cancelled): its work stops at the next step
             if not job.done.is_set():
                 frontend.scheduler.cancel(job, 499, "the client closed the stream before the answer")
