@@ -410,7 +410,8 @@ def serve_rank(args: argparse.Namespace, device: torch.device, frontend_factory:
                     hook = None  # a fault injected for a test happens once, not again after recovery
                 replica = Replica(loaded, args, args.max_batch)
                 del loaded
-                maker, replica.previews = preview_maker(replica.pipeline, args.previews, Path(args.out) / "previews")
+                maker, replica.previews = preview_maker(replica.pipeline, args.previews, Path(args.out) / "previews",
+                                                        staged=args.stages)
                 if replica.pipeline.is_output_rank:
                     replica.step_listeners.append(StepPublisher(channel, replica.replica, maker))
                 summary = all_gather_json({"rank": rank, "memory": peak_memory_bytes(device), "rss": rss_bytes(),

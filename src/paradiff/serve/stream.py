@@ -41,7 +41,7 @@ def preview_steps(steps: int, count: int) -> list[int]:
     return [available[round((i + 1) * (len(available) + 1) / (count + 1)) - 1] for i in range(count)]
 
 
-def preview_maker(pipeline, mode: str, cache_dir: Path | None) -> tuple[Any, str]:
+def preview_maker(pipeline, mode: str, cache_dir: Path | None, staged: bool = False) -> tuple[Any, str]:
     """(this rank's PreviewMaker or None, a line saying what previews this server makes). The linear map is fitted
     at load on the output rank; where the VAE is split over ranks its decoder runs collectives, so every rank fits
     (the same random latents, the same calls, no cache read: no rank may skip a decode the others run)."""
@@ -60,6 +60,9 @@ def preview_maker(pipeline, mode: str, cache_dir: Path | None) -> tuple[Any, str
         return None, f"no previews: {why}"
     split = get_vae_runtime(pipeline.vae) is not None
     if mode == "vae":
+        if staged:
+            return None, ("no previews: with --stages a VAE preview would swap the transformer out at every preview "
+                          "(use --previews linear)")
         if split:
             return None, ("no previews: --previews vae decodes on the output rank alone, and this VAE is split over "
                           "ranks (add --no-parallel-vae, or use --previews linear)")
