@@ -51,8 +51,8 @@ from paradiff.distributed.comm import abort_process_groups, all_gather_json, bro
 from paradiff.distributed.failures import is_comm_error
 from paradiff.distributed.store import checked, get_json, open_store, put_json
 from paradiff.errors import DistributedError
-from paradiff.serve.stream import StepPublisher, preview_maker
 from paradiff.runtime.progress import StepClock, StepEvent
+from paradiff.serve.stream import StepPublisher, preview_maker
 
 PREFIX = "paradiff/serve"
 # after a fault, how long rank 0 waits for a rank on another machine to say it is alive, before it takes it for dead
@@ -327,8 +327,7 @@ class Replica:
         def step_end(pipeline, step, _timestep, callback_kwargs):
             if self.step_listeners and self.pipeline.is_output_rank:
                 event = StepEvent(step + 1, int(getattr(pipeline, "num_timesteps", 0) or context["steps"]),
-                                  self._clock.tick(),
-                                  callback_kwargs.get("latents"), context)
+                                  self._clock.tick(), callback_kwargs.get("latents"), context)
                 for listener in self.step_listeners:
                     listener(event)
             if self.on_step is not None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from paradiff.cli.outputs import png_bytes
+from paradiff.cli.report import say
 from paradiff.serve.protocol import RequestError, parse_image_request
 from paradiff.runtime.progress import StepEvent
 
@@ -99,7 +100,11 @@ class StepPublisher:
         wanted = [(row, item) for row, item in firsts.values()
                   if event.step in preview_steps(event.steps, item["partial_images"])]
         if wanted and self.previews is not None and event.latents is not None and self.previews.can_render():
-            pictures = self.previews.render(event.latents, context["height"], context["width"])
+            try:
+                pictures = self.previews.render(event.latents, context["height"], context["width"])
+            except Exception as exc:  # noqa: BLE001 - a preview is never worth a request: this rank stops making them
+                say(f"paradiff serve: previews stopped on rank {self.channel.rank}: {type(exc).__name__}: {exc}")
+                self.previews, pictures, wanted = None, [], []
             for row, item in wanted:
                 index = self._counts.get(item["id"], 0)
                 self.channel.put_bytes(png_bytes(pictures[row]), "preview", item["id"], index)
