@@ -488,6 +488,13 @@ def test_a_fault_on_one_rank_fails_that_request_and_the_next_one_succeeds_then_s
         server.wait_ready()  # the ranks joined a new process group and loaded the pipeline again
         recovered, = pngs(server.generate(prompt=PROMPTS[0], seed=5))
         assert_same_picture(recovered, generated[(PROMPTS[0], 5, 4)])
+        # streamed at tp2 x ulysses2, after the reload (previews fitted again): two previews, then the same bytes
+        from openai import OpenAI
+
+        events = list(OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0).images.generate(
+            prompt=PROMPTS[0], stream=True, partial_images=2, extra_body={"seed": 5}))
+        assert [event.type for event in events].count("image_generation.partial_image") == 2
+        assert base64.b64decode(events[-1].b64_json) == recovered
         # SIGTERM with requests in flight: they are answered, the next is refused, the server exits 0
         with ThreadPoolExecutor(3) as pool:
             answered = server.metrics()['paradiff_requests_total{status="200"}']
@@ -504,7 +511,7 @@ def test_a_fault_on_one_rank_fails_that_request_and_the_next_one_succeeds_then_s
         assert server.process.wait(timeout=60) == 0, server.text()
         assert "SIGTERM: finishing the requests in flight" in server.text()
         statuses = [entry["status"] for entry in server.log()]
-        assert statuses == [500, 500, 200, 200, 200, 200]
+        assert statuses == [500, 500, 200, 200, 200, 200, 200]
     finally:
         server.stop()
 
