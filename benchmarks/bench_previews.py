@@ -117,7 +117,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {"benchmark": "bench_previews",
               "title": "x0 preview cost per step: linear latent-to-RGB map vs the VAE (demo FLUX.2, 1 process)",
-              "command": "python benchmarks/bench_previews.py " + " ".join(sys.argv[1:]),
+              "command": " ".join(["python benchmarks/bench_previews.py", *sys.argv[1:]]),
               "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "device": "cpu"}, "figures": figures}
     for figure in figures:
