@@ -135,6 +135,34 @@ def test_dp2_tp2_answers_equal_generate_and_repeat_byte_for_byte(dp_server, gene
     assert np.abs(pixels(both[1]) - reference[1]).max() <= 1  # prompt 1 with seed 6, in a batch of two
 
 
+def test_a_stream_sends_its_previews_then_the_image_the_same_request_gets_unstreamed(dp_server):
+    """OpenAI's own client, streaming at tp2 (each replica of dp_server): partial_images previews (x0 at steps 2
+    and 3 of 4, 64x64 PNGs), then the completed image, byte for byte the non-streamed answer of the same seed;
+    /metrics has each replica's steps per second."""
+    import io
+
+    from openai import OpenAI
+    from PIL import Image
+
+    client = OpenAI(base_url=dp_server.url + "/v1", api_key=KEY, max_retries=0)
+    events = list(client.images.generate(prompt=PROMPTS[1], stream=True, partial_images=2, extra_body={"seed": 9}))
+    assert [event.type for event in events] == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
+    assert [event.partial_image_index for event in events[:2]] == [0, 1]
+    previews = [base64.b64decode(event.b64_json) for event in events[:2]]
+    assert all(Image.open(io.BytesIO(png)).size == (64, 64) for png in previews) and previews[0] != previews[1]
+    final = base64.b64decode(events[-1].b64_json)
+    assert events[-1].size == "64x64" and events[-1].usage.total_tokens == 0
+    assert pngs(dp_server.generate(AUTH, prompt=PROMPTS[1], seed=9)) == [final]
+    rates = metric(dp_server, "paradiff_replica_steps_per_second", AUTH)
+    assert rates and all(value > 0 for value in rates.values()), rates
+    steps = metric(dp_server, "paradiff_replica_steps_total", AUTH)
+    assert sum(steps.values()) >= 8, steps  # the two requests' 4 steps each, at least
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="partial_images 4 is out of bounds"):
+        client.images.generate(prompt=PROMPTS[1], stream=True, partial_images=4)
+
+
 def test_two_replicas_run_two_requests_at_once_and_waiting_requests_are_batched(dp_server, generated):
     before = {entry["id"] for entry in dp_server.log()}
     bodies = [dict(prompt=PROMPTS[index % 2], seed=5 + index % 2, steps=2) for index in range(4)]
@@ -482,6 +510,13 @@ def test_a_fault_on_one_rank_fails_that_request_and_the_next_one_succeeds_then_s
         assert_same_picture(recovered, generated[(PROMPTS[0], 5, 4)])
         edited = edit_of(openai_client(server), generated, 1)
         assert_same_picture(decoded(edited.data[0]), generated[("edit", 1)])
+        # streamed at tp2 x ulysses2, after the reload (previews fitted again): two previews, then the same bytes
+        from openai import OpenAI
+
+        events = list(OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0).images.generate(
+            prompt=PROMPTS[0], stream=True, partial_images=2, extra_body={"seed": 5}))
+        assert [event.type for event in events].count("image_generation.partial_image") == 2
+        assert base64.b64decode(events[-1].b64_json) == recovered
         # SIGTERM with requests in flight: they are answered, the next is refused, the server exits 0
         with ThreadPoolExecutor(3) as pool:
             answered = server.metrics()['paradiff_requests_total{status="200"}']

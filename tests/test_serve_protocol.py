@@ -21,6 +21,9 @@ def test_a_good_request_gets_the_defaults_and_its_seeds():
     assert (request.width, request.height, request.steps, request.n) == (128, 64, 8, 3)
     assert request.seeds() == [7, 8, 9]
     assert parse_image_request({"prompt": "x"}, LIMITS).seed is None  # the frontend draws one (app.with_seed)
+    streamed = parse_image_request({"prompt": "x", "stream": True, "partial_images": 2}, LIMITS)
+    assert (streamed.stream, streamed.partial_images) == (True, 2)
+    assert parse_image_request({"prompt": "x", "partial_images": 2}, LIMITS).partial_images == 0  # no stream: none
 
 
 @pytest.mark.parametrize("body, status, words", [
@@ -44,6 +47,8 @@ def test_a_good_request_gets_the_defaults_and_its_seeds():
     ({"prompt": "x", "output_compression": 101}, 400, "output_compression 101 is out of bounds: expected 0 to 100"),
     ({"prompt": "x", "seed": 2**63 - 1, "n": 2}, 400, "image 1 would use seed 9223372036854775808"),
     ({"prompt": "x", "strength": 0.5}, 400, "unknown field(s) ['strength']"),  # edits only
+    ({"prompt": "x", "stream": "yes"}, 400, "stream: expected true or false"),
+    ({"prompt": "x", "stream": True, "partial_images": 4}, 400, "partial_images 4 is out of bounds: expected 0 to 3"),
     (["x"], 400, "must be a JSON object, got list"),
 ])
 def test_bad_requests_name_the_field_and_what_is_valid(body, status, words):

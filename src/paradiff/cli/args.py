@@ -213,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the most frames a video request may ask (default: twice --frames; 257 without --frames)")
     serve.add_argument("--max-body-bytes", type=_positive, default=1 << 20,
                        help="largest request body (413 above; default 1 MiB)")
+    serve.add_argument("--previews", choices=("linear", "vae", "off"), default="linear",
+                       help="x0 previews of streamed images: a linear latent-to-RGB map fitted to the VAE at start "
+                            "(default), the VAE itself (exact, a decoder call per preview), or none (docs/serve.md)")
     serve.add_argument("--read-timeout", type=float, default=10.0,
                        help="seconds a client has to send a request's headers, and then its body (default 10): a "
                             "slower connection is closed, a slower body answered 408")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import inspect
@@ -34,6 +35,7 @@ from paradiff.cli.outputs import Output, outputs_of, sampling_rate, save_output
 from paradiff.cli.pipeline_options import load_adapters, set_guider  # noqa: F401 - public here
 from paradiff.cli.report import write_report
 from paradiff.errors import ParallelConfigError
+from paradiff.runtime.progress import step_progress
 
 # Called with (pipeline, rank) once the pipeline is loaded, before the first generation.
 PipelineHook = Callable[[Any, int], None]
@@ -182,7 +184,7 @@ def generate(args: argparse.Namespace, device: torch.device,
     loaded = load_from_args(args, device)
     pipeline, loras, transformers, monitors, load_s = (loaded.pipeline, loaded.loras, loaded.transformers,
                                                        loaded.monitors, loaded.load_s)
-    pipeline.set_progress_bar_config(disable=rank != 0 or not _console_is_terminal())
+    pipeline.set_progress_bar_config(disable=True)  # paradiff's bar of steps (below) over every call instead
     rate = sampling_rate(pipeline)
     if on_pipeline_loaded is not None:
         on_pipeline_loaded(pipeline, rank)
@@ -199,14 +201,19 @@ def generate(args: argparse.Namespace, device: torch.device,
     made_without_lora: list[tuple[int, str, Output]] = []  # --also-without-lora: the same with the adapters off
     without_lora = bool(getattr(args, "also_without_lora", False))
     computed_steps: dict[int, dict[str, list[int]]] = {}  # prompt index -> cache context -> steps computed
+    bar = contextlib.ExitStack()
     with paradiff.split_between_processes(indexed, pipeline) as share:
         # staged: the replica's prompts form one batch (each with its own seed), so each stage loads once
         batches = [list(share)] if args.stages and share else [[item] for item in share]
+        calls = len(batches) * (2 if without_lora else 1)
+        advance = bar.enter_context(step_progress(calls * args.steps if args.steps else None, "paradiff: denoising",
+                                                  _console_is_terminal()))
         for batch in batches:
             stamps = [time.perf_counter()]
 
             def on_step(_pipe, _step, _timestep, callback_kwargs):
                 stamps.append(time.perf_counter())
+                advance(1)
                 return callback_kwargs
 
             if args.stages:
@@ -241,11 +248,13 @@ def generate(args: argparse.Namespace, device: torch.device,
                     if without_lora:
                         outputs[index]["without_lora"] = save_output(plain_output, out, index, args.fps, rate,
                                                                      suffix="-without-lora")
+    bar.close()
     stats = {
         "rank": rank,
         "pid": os.getpid(),
         "load_s": load_s,
         "step_s_median": float(np.median(step_times)) if step_times else None,
+        "step_s": [round(seconds, 6) for seconds in step_times],  # every denoising step's wall time, in order
         "peak_memory_bytes": _peak_memory_bytes(device),
         "outputs": outputs,
         "stages": pipeline.stage_report(),

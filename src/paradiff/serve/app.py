@@ -24,12 +24,10 @@ import base64
 import hmac
 import json
 import os
-import secrets
 import socket
 import threading
 import time
 from pathlib import Path
-from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -40,10 +38,12 @@ from starlette.requests import ClientDisconnect
 from paradiff.cli.report import say
 from paradiff.serve.images import MIME_TYPES, encode_output, parse_edit_request
 from paradiff.serve.metrics import Metrics
-from paradiff.serve.protocol import ENDPOINTS, ImageRequest, Limits, RequestError, error_body, parse_image_request
+from paradiff.serve.protocol import (ENDPOINTS, ImageRequest, Limits, RequestError, error_body, parse_image_request,
+                                     with_seed)
 from paradiff.serve.safety import RequestGuard, public_message, timed_h11_protocol
 from paradiff.serve.schema import openapi_document
 from paradiff.serve.scheduler import Job, Scheduler
+from paradiff.serve.stream import ProgressRouter, stream_images
 
 OPEN_PATHS = ("/health",)
 DISCONNECT_POLL_S = 0.1  # how often a waiting request checks that its client is still there
@@ -84,6 +84,8 @@ class Frontend:
         self._thread: threading.Thread | None = None
         self._cancelled: set[int] = set()  # running requests rank 0 cancelled (their round not answered yet)
         self.loaded_at = int(time.time())  # the pipeline's load time: /v1/models' `created`
+        self.replicas = 1
+        self.progress = ProgressRouter(self._step_progress, self._preview)  # step events and previews (stream.py)
 
     # -- lifetime -----------------------------------------------------------------------------------------------
     def start(self) -> "Frontend":
@@ -128,7 +130,7 @@ class Frontend:
         self.health = "draining" if self.scheduler.draining else "ready"
         again = " again, after a fault" if generation else ""
         say(f"paradiff serve: ready{again}: {self.model_name} ({info['kind']}s) on {len(summaries)} rank(s), "
-            f"{self.replicas} replica(s), at http://{args.host}:{args.port}")
+            f"{self.replicas} replica(s), at http://{args.host}:{args.port}; {info.get('previews', 'no previews')}")
 
     def drain(self) -> None:
         self.health = "draining"
@@ -159,6 +161,10 @@ class Frontend:
         return ids
 
     def finish_round(self, decision: dict, channel, summaries: list[dict]) -> None:
+        self.progress.finish_round(channel, self.replicas)  # every preview is sent before its final image
+        for summary in summaries:
+            if summary["step_s"]:
+                self.metrics.replica_steps(summary["replica"], summary["step_s"])
         self.metrics.memory({s["rank"]: s["memory"] for s in summaries})
         self.metrics.rss({s["rank"]: s["rss"] for s in summaries})
         self.metrics.pipeline_time(max(s["seconds"] for s in summaries))
@@ -175,6 +181,10 @@ class Frontend:
                                                    else "stopping"))
         # the state first: a client answered 500 below and asking /health at once must not still read "ready"
         self.health = "failed" if decision == "stop" else "loading"
+        try:
+            self.progress.finish_round(channel, self.replicas)
+        except Exception:  # noqa: BLE001 - the store may be gone with the fault; its previews are lost with it
+            pass
         self._answer_round(self._current, channel, cause)
         if decision == "stop":
             self.closing = True
@@ -200,6 +210,19 @@ class Frontend:
         self._current = None
 
     # -- the HTTP side ------------------------------------------------------------------------------------------
+    def _step_progress(self, replica: int, progress: dict) -> None:
+        if progress["elapsed_s"] > 0:
+            self.metrics.replica_rate(replica, progress["step"] / progress["elapsed_s"])
+        for job_id in progress["ids"]:
+            job = self.scheduler.running(job_id)
+            if job is not None:
+                job.emit({"type": "step", "step": progress["step"], "steps": progress["steps"]})
+
+    def _preview(self, job_id: int, index: int, png: bytes) -> None:
+        job = self.scheduler.running(job_id)
+        if job is not None:
+            job.emit({"type": "partial_image", "index": index, "data": png})
+
     def _on_finish(self, job: Job) -> None:
         latency = job.finished - job.accepted
         images = job.request.n if job.status == 200 else 0
@@ -278,12 +301,6 @@ class Frontend:
     def render_metrics(self) -> str:
         queued, running = self.scheduler.depth()
         return self.metrics.render(queued, running, self.health)
-
-
-def with_seed(request: ImageRequest) -> ImageRequest:
-    """A request without a seed gets a fresh random one, drawn here on rank 0 before it is queued (so every rank runs
-    the same), and returned in the answer (each image's `seed`) so that any image can be drawn again."""
-    return request if request.seed is not None else replace(request, seed=secrets.randbelow(2**32))
 
 
 def answer_of(job: Job) -> dict:
@@ -435,6 +452,8 @@ def build_app(frontend: Frontend) -> FastAPI:
             body = await body_of(request)
         except RequestError as exc:
             return frontend.refusal(exc.status, str(exc), f"POST {_endpoint(kind)}", param=exc.param, code=exc.code)
+        if kind == "image" and isinstance(body, dict) and body.get("stream") is True:  # server-sent events
+            return await stream_images(frontend, body, _error)
         status, payload = await frontend.generate(body, kind, request.is_disconnected)
         return JSONResponse(payload, status_code=status)
 

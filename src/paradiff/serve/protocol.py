@@ -14,11 +14,13 @@ IGNORED_FIELDS = {"quality": ("auto", "standard", "hd", "low", "medium", "high",
                   "moderation": ("auto", "low"), "complexity": ("low", "medium", "high"),
                   "input_fidelity": ("low", "high"), "safety_identifier": None}
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
-IMAGE_FIELDS = BASE_FIELDS | set(IGNORED_FIELDS) | {"output_format", "output_compression"}
-EDIT_FIELDS = IMAGE_FIELDS | {"strength"}  # and the files: image (or image[]), mask
+STREAM_FIELDS = {"stream", "partial_images"}  # generations streamed with previews (serve/stream.py)
+IMAGE_FIELDS = BASE_FIELDS | set(IGNORED_FIELDS) | {"output_format", "output_compression"} | STREAM_FIELDS
+EDIT_FIELDS = (IMAGE_FIELDS - STREAM_FIELDS) | {"strength"}  # and the files: image (or image[]), mask
 VIDEO_FIELDS = BASE_FIELDS | {"frames", "fps"}
 ENDPOINTS = {"image": "/v1/images/generations", "edit": "/v1/images/edits", "video": "/v1/videos"}
 MAX_SEED = 2**63 - 1
+MAX_PARTIAL_IMAGES = 3  # OpenAI's bound on partial_images
 # request field -> the pipeline call's parameter it sets (refused where the pipeline's __call__ lacks it)
 CALL_PARAMETERS = {"guidance": "guidance_scale", "true_cfg_scale": "true_cfg_scale",
                    "negative_prompt": "negative_prompt", "frames": "num_frames"}
@@ -91,6 +93,8 @@ class ImageRequest:
     images: tuple = ()  # an edit's uploaded images (bytes, checked by serve/images.py)
     mask: bytes | None = None
     strength: float | None = None
+    stream: bool = False  # answered as server-sent events (serve/stream.py)
+    partial_images: int = 0  # previews streamed while it is denoised
 
     def batch_key(self) -> tuple:
         """Requests with equal keys can share one pipeline call (each keeps its own prompt and seeds)."""
@@ -198,12 +202,28 @@ def parse_image_request(body: Any, limits: Limits, kind: str = "image") -> Image
     strength = _number(body, "strength", None) if kind == "edit" else None
     if strength is not None and not 0 <= strength <= 1:
         raise RequestError(400, f"strength {strength:g}: expected a number from 0 to 1", "strength")
+    stream, partial_images = _stream(body) if kind == "image" else (False, 0)
     return ImageRequest(prompt=prompt, n=n, width=width, height=height, seed=seed,
                         steps=_integer(body, "steps", limits.default_steps, 1, limits.max_steps),
                         guidance=_number(body, "guidance", limits.default_guidance), negative_prompt=negative,
                         true_cfg_scale=_number(body, "true_cfg_scale", limits.default_true_cfg), kind=kind,
                         frames=frames, fps=fps or limits.default_fps, loras=loras, output_format=output_format,
-                        output_compression=compression, strength=strength)
+                        output_compression=compression, strength=strength, stream=stream,
+                        partial_images=partial_images)
+
+
+def _stream(body: dict) -> tuple[bool, int]:
+    """`stream` (a boolean) and `partial_images` (0 to 3; without stream it asks nothing), as OpenAI's
+    images.generate takes them."""
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise RequestError(400, f"stream: expected true or false, got {stream!r}", "stream")
+    if body.get("partial_images") is None:
+        return stream, 0
+    partial = _integer(body, "partial_images", 0, 0, MAX_PARTIAL_IMAGES)
+    return stream, partial if stream else 0
 
 
 def _unicode(name: str, text: str) -> None:
@@ -251,3 +271,12 @@ def _size(value: Any, limits: Limits) -> tuple[int, int]:
         if side < limits.size_multiple or side > limits.max_side or side % limits.size_multiple:
             raise RequestError(400, f"size {value!r}: {usage}", "size")
     return width, height
+
+
+def with_seed(request: ImageRequest) -> ImageRequest:
+    """A request without a seed gets a fresh random one, drawn on rank 0 before it is queued (so every rank runs the
+    same), and returned in the answer (each image's `seed`) so that any image can be drawn again."""
+    import secrets
+    from dataclasses import replace
+
+    return request if request.seed is not None else replace(request, seed=secrets.randbelow(2**32))

@@ -39,6 +39,7 @@ import os
 import signal
 import socket
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -53,6 +54,8 @@ from paradiff.distributed.comm import abort_process_groups, all_gather_json, bro
 from paradiff.distributed.failures import is_comm_error
 from paradiff.distributed.store import checked, get_json, open_store, put_json
 from paradiff.errors import DistributedError
+from paradiff.runtime.progress import StepClock, StepEvent
+from paradiff.serve.stream import StepPublisher, preview_maker
 
 PREFIX = "paradiff/serve"
 # after a fault, how long rank 0 waits for a rank on another machine to say it is alive, before it takes it for dead
@@ -66,8 +69,8 @@ IDLE_WAIT_S = 0.2  # an idle round every this often: it is also how a rank that 
 AGREE_WAIT_S = 2.0
 POLL_S = (0.001, 0.01)  # store polls: the first wait, and the longest (doubling in between)
 
-SUMMARY = {"rank": int, "seconds": float, "images": int, "steps": int, "memory": int, "rss": int, "failed": dict,
-           "cancelled": dict, "agreements": list}
+SUMMARY = {"rank": int, "replica": int, "step_s": list, "seconds": float, "images": int, "steps": int, "memory": int,
+           "rss": int, "failed": dict, "cancelled": dict, "agreements": list}
 RESULT = {"files": list, "replica": int, "started": float, "finished": float}
 FILE = {"mime": str, "frames": (int, None)}
 ERROR = {"error": str, "comm": bool, "loading": bool}
@@ -201,6 +204,10 @@ class Replica:
         self.members: list[int] = [dist.get_rank()]  # this replica's ranks (set by serve_rank once groups exist)
         self.group = None  # a gloo group of them (None for a replica of one rank)
         self.on_step: Callable[[], None] | None = None  # rank 0: publish cancellations at every step
+        # the output rank: called at every step end (serve/stream.py's StepPublisher: progress and previews)
+        self.step_listeners: list[Callable[[StepEvent], None]] = []
+        self.previews = "no previews"  # what previews this server makes (serve_rank sets it)
+        self._clock = StepClock()
 
     def describe(self) -> dict:
         from paradiff.plans.pipelines import call_keyword
@@ -210,7 +217,8 @@ class Replica:
                   if call_keyword(self.pipeline_name, keyword) in self.parameters}
         return {"kind": "video" if "num_frames" in self.parameters else "image",
                 "accepts": frozenset(self.parameters), "replicas": self.replicas, "adapters": self.adapters,
-                "inputs": frozenset(inputs), "pipeline": self.pipeline_name or type(self.pipeline).__name__}
+                "inputs": frozenset(inputs), "pipeline": self.pipeline_name or type(self.pipeline).__name__,
+                "previews": self.previews}
 
     def check(self, item: dict) -> str | None:
         """Rank 0, before a round is broadcast: why the pipeline could not take `item` (None when it can). Every
@@ -279,13 +287,19 @@ class Replica:
         agreements: list[int] = []
         stamps = time.time()
         steps = 0
+        self._clock = StepClock()
         per_call = 1 if any(item.get("images") for item in items) else self.max_batch  # an edit: one image a call
         for chunk_index, start in enumerate(range(0, len(images), per_call)):
             chunk = images[start:start + per_call]
             ids = sorted({item["id"] for item, _ in chunk})
             kwargs = self.call_kwargs(chunk[0][0])
             if "callback_on_step_end" in self.parameters:
-                kwargs["callback_on_step_end"] = self._step_end(ids, channel)
+                context = {"round": number, "ids": ids, "steps": chunk[0][0]["steps"], "height": kwargs.get("height"),
+                           "width": kwargs.get("width"),
+                           "items": [{"id": item["id"], "partial_images": item.get("partial_images", 0)}
+                                     for item, _ in chunk]}
+                kwargs["callback_on_step_end"] = self._step_end(ids, channel, context)
+                self._clock.begin()
             self.use_adapters(tuple(chunk[0][0].get("loras", ())))
             try:
                 if len(chunk) == 1:  # as `paradiff generate` calls it: byte-identical outputs
@@ -321,16 +335,24 @@ class Replica:
                 if item["id"] not in failed and item["id"] not in cancelled:
                     channel.put_result(item["id"], files[item["id"]], {"replica": self.replica, "started": stamps,
                                                                       "finished": finished})
-        return {"rank": channel.rank, "seconds": time.perf_counter() - started if items else 0.0,
+        step_s = self._clock.times if self.pipeline.is_output_rank else []
+        return {"rank": channel.rank, "replica": self.replica, "step_s": step_s,
+                "seconds": time.perf_counter() - started if items else 0.0,
                 "images": len(images), "steps": steps, "failed": {str(k): v for k, v in failed.items()},
                 "cancelled": {str(k): v for k, v in cancelled.items()}, "agreements": agreements}
 
-    def _step_end(self, ids: list[int], channel: Channel) -> Callable:
-        """diffusers' callback_on_step_end: the replica's first rank reads whether rank 0 cancelled any of `ids` and
-        broadcasts it to the replica; every rank raises Cancelled at the same step."""
+    def _step_end(self, ids: list[int], channel: Channel, context: dict) -> Callable:
+        """diffusers' callback_on_step_end: the output rank's step listeners get the step's event (nothing else
+        runs them: they take no decision and run no collective); the replica's first rank reads whether rank 0
+        cancelled any of `ids` and broadcasts it to the replica; every rank raises Cancelled at the same step."""
         lead = self.members[0]
 
-        def step_end(_pipeline, step, _timestep, _kwargs):
+        def step_end(pipeline, step, _timestep, callback_kwargs):
+            if self.step_listeners and self.pipeline.is_output_rank:
+                event = StepEvent(step + 1, int(getattr(pipeline, "num_timesteps", 0) or context["steps"]),
+                                  self._clock.tick(), callback_kwargs.get("latents"), context)
+                for listener in self.step_listeners:
+                    listener(event)
             if self.on_step is not None:
                 self.on_step()
             flag = channel.rank == lead and any(channel.has("cancel", i) for i in ids)
@@ -410,6 +432,10 @@ def serve_rank(args: argparse.Namespace, device: torch.device, frontend_factory:
                     hook = None  # a fault injected for a test happens once, not again after recovery
                 replica = Replica(loaded, args, args.max_batch)
                 del loaded
+                maker, replica.previews = preview_maker(replica.pipeline, args.previews, Path(args.out) / "previews",
+                                                        staged=args.stages)
+                if replica.pipeline.is_output_rank:
+                    replica.step_listeners.append(StepPublisher(channel, replica.replica, maker))
                 summary = all_gather_json({"rank": rank, "memory": peak_memory_bytes(device), "rss": rss_bytes(),
                                            "replica": replica.replica, "pid": os.getpid(),
                                            "host": socket.gethostname()}, control)
@@ -417,7 +443,7 @@ def serve_rank(args: argparse.Namespace, device: torch.device, frontend_factory:
                 if frontend is not None:
                     if channel.generation:
                         channel.forget_generation(channel.generation - 1)
-                    replica.on_step = lambda: _publish_cancellations(channel, frontend)
+                    replica.on_step = lambda: _exchange(channel, frontend)
                     frontend.ready(replica.describe(), summary, channel.generation)
                 # the ranks on this machine, whose death rank 0 sees while it waits in the store for their round
                 peers = {s["rank"]: s["pid"] for s in summary
@@ -464,7 +490,7 @@ def _rounds(channel: Channel, replica: Replica, frontend, control, device: torch
             continue
 
         def between():
-            _publish_cancellations(channel, frontend)
+            _exchange(channel, frontend)
             _raise_on_fault(channel)
             dead = [r for r, pid in peers.items() if not _alive(pid)]
             if dead:  # no collective is there to fail: a rank that died is seen by its process
@@ -499,6 +525,12 @@ def _raise_on_fault(channel: Channel) -> None:
     """A rank waiting in the store (not in a collective, where an abort would reach it) learns of a peer's fault."""
     if channel.has("fault"):
         raise DistributedError("a peer rank failed while this rank waited for the round to end")
+
+
+def _exchange(channel: Channel, frontend) -> None:
+    """Rank 0, between its steps and while it waits for a round: cancellations out, progress and previews in."""
+    _publish_cancellations(channel, frontend)
+    frontend.progress.poll(channel, frontend.replicas)
 
 
 def _publish_cancellations(channel: Channel, frontend) -> None:

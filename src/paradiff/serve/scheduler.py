@@ -33,6 +33,8 @@ class Job:
     accepted_wall: float = field(default_factory=time.time)
     _callbacks: list = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _events: list = field(default_factory=list)  # what happened while it ran (steps, previews), for listeners
+    _listeners: list = field(default_factory=list)
 
     def finish(self, status: int, result: Any) -> bool:
         with self._lock:
@@ -53,12 +55,30 @@ class Job:
                 return
         callback()
 
+    def emit(self, event: dict) -> None:
+        """An event of the running job (a step ended, a preview is ready): kept, and given to every listener.
+        Listeners run under the job's lock, so each sees the events in order: they must only hand them on."""
+        with self._lock:
+            if self.done.is_set():
+                return
+            self._events.append(event)
+            for listener in self._listeners:
+                listener(event)
+
+    def add_listener(self, listener) -> None:
+        """`listener(event)` for each event of the job, those already emitted first."""
+        with self._lock:
+            for event in self._events:
+                listener(event)
+            self._listeners.append(listener)
+
     def work_item(self) -> dict:
         r = self.request
         return {"id": self.id, "prompt": r.prompt, "seeds": r.seeds(), "width": r.width, "height": r.height,
                 "steps": r.steps, "guidance": r.guidance, "negative_prompt": r.negative_prompt,
                 "true_cfg_scale": r.true_cfg_scale, "kind": r.kind, "frames": r.frames, "fps": r.fps,
-                "loras": list(r.loras), **(_edit_inputs(r) if r.images else {})}
+                "loras": list(r.loras), "partial_images": r.partial_images,
+                **(_edit_inputs(r) if r.images else {})}
 
 
 def _edit_inputs(request: ImageRequest) -> dict:
@@ -176,6 +196,10 @@ class Scheduler:
         """The running jobs already answered (504, or cancelled): their work is no longer wanted."""
         with self._lock:
             return [job.id for job in self._running.values() if job.done.is_set()]
+
+    def running(self, job_id: int) -> Job | None:
+        with self._lock:
+            return self._running.get(job_id)
 
     def running_ids(self) -> list[int]:
         with self._lock:

@@ -4,8 +4,8 @@ A client (or a fuzzer) that sends what the schema allows gets 200; anything else
 
 from __future__ import annotations
 
-from paradiff.serve.protocol import (CALL_PARAMETERS, EDIT_FIELDS, IGNORED_FIELDS, IMAGE_FIELDS, MAX_SEED,
-                                     OUTPUT_FORMATS, VIDEO_FIELDS, Limits)
+from paradiff.serve.protocol import (CALL_PARAMETERS, EDIT_FIELDS, IGNORED_FIELDS, IMAGE_FIELDS, MAX_PARTIAL_IMAGES,
+                                     MAX_SEED, OUTPUT_FORMATS, VIDEO_FIELDS, Limits)
 
 ERRORS = {400: "a field is missing, of the wrong type or out of bounds (the message names it and what is valid)",
           401: "missing or wrong API key", 403: "a foreign Host or Origin", 404: "no such path, or another model",
@@ -16,7 +16,8 @@ ERRORS = {400: "a field is missing, of the wrong type or out of bounds (the mess
 GENERATION_ERRORS = (400, 401, 403, 404, 405, 408, 413, 415, 500, 503, 504)
 READ_ERRORS = (401, 403, 404, 405)
 NULLABLE = ("negative_prompt", "model", "size", "guidance", "true_cfg_scale", "loras", "frames", "user", "seed",
-            "output_format", "output_compression", "strength", *IGNORED_FIELDS)
+            "output_format", "output_compression", "strength", "stream",
+            "partial_images", *IGNORED_FIELDS)
 
 
 def size_pattern(limits: Limits) -> str:
@@ -60,6 +61,10 @@ def request_schema(limits: Limits, kind: str) -> dict:
                   "description": "{adapter: scale} among the adapters loaded with --lora; absent: all of them"},
         "frames": {"type": "integer", "minimum": 1, "maximum": limits.max_frames},
         "fps": {"type": "integer", "minimum": 1, "maximum": 120, "default": limits.default_fps},
+        "stream": {"type": "boolean", "default": False,
+                   "description": "answer as server-sent events (image_generation.partial_image, .completed)"},
+        "partial_images": {"type": "integer", "minimum": 0, "maximum": MAX_PARTIAL_IMAGES, "default": 0,
+                           "description": "x0 previews streamed while denoising (with stream)"},
     }
     for name in NULLABLE:  # null is the default, as in OpenAI's API
         properties[name] = {**properties[name], "type": [properties[name]["type"], "null"]}
@@ -144,8 +149,11 @@ def openapi_document(limits: Limits | None, title: str, version: str, secured: b
             "summary": f"generate {what} (base64)",
             "requestBody": {"required": True, "content": {"application/json": {
                 "schema": request_schema(limits, limits.kind)}}},
-            "responses": _responses({"description": f"the {what}, base64",
-                                     "content": {"application/json": {"schema": files}}},
+            "responses": _responses({"description": f"the {what}, base64" + (
+                                         "; server-sent events with stream" if limits.kind == "image" else ""),
+                                     "content": {"application/json": {"schema": files}, **(
+                                         {"text/event-stream": {"schema": {"type": "string"}}}
+                                         if limits.kind == "image" else {})}},
                                     GENERATION_ERRORS, secured)}}
     document = {"openapi": "3.1.0", "info": {"title": title, "version": version}, "paths": paths,
                 "components": {"schemas": {"Error": _error_schema()}}}
