@@ -52,6 +52,12 @@ def check_serve_args(args: argparse.Namespace) -> None:
         from paradiff.cli.report import say
 
         say(f"paradiff serve: warning: listening on {args.host} without --api-key: anyone who can reach it can use it")
+    from paradiff.serve.jobs import keep_results
+
+    try:
+        keep_results(args.keep_results)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     if "RANK" not in os.environ:  # the launcher, before its workers start
         from paradiff.serve.app import check_listen_address
 

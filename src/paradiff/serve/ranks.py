@@ -68,6 +68,7 @@ SUMMARY = {"rank": int, "seconds": float, "images": int, "steps": int, "memory":
 RESULT = {"files": list, "replica": int, "started": float, "finished": float}
 FILE = {"mime": str, "frames": (int, None)}
 ERROR = {"error": str, "comm": bool, "loading": bool}
+PROGRESS = {"done": int, "total": int}
 
 
 class Cancelled(Exception):
@@ -257,12 +258,18 @@ class Replica:
         agreements: list[int] = []
         stamps = time.time()
         steps = 0
-        for chunk_index, start in enumerate(range(0, len(images), self.max_batch)):
+        starts = range(0, len(images), self.max_batch)
+        calls = {item["id"]: 0 for item in items}  # how many calls each item's images take, and have taken
+        for start in starts:
+            for item_id in {item["id"] for item, _ in images[start:start + self.max_batch]}:
+                calls[item_id] += 1
+        progress = {item_id: [0, count * items[0]["steps"]] for item_id, count in calls.items()} if items else {}
+        for chunk_index, start in enumerate(starts):
             chunk = images[start:start + self.max_batch]
             ids = sorted({item["id"] for item, _ in chunk})
             kwargs = self.call_kwargs(chunk[0][0])
             if "callback_on_step_end" in self.parameters:
-                kwargs["callback_on_step_end"] = self._step_end(ids, channel)
+                kwargs["callback_on_step_end"] = self._step_end(ids, channel, progress)
             self.use_adapters(tuple(chunk[0][0].get("loras", ())))
             try:
                 if len(chunk) == 1:  # as `paradiff generate` calls it: byte-identical outputs
@@ -289,9 +296,11 @@ class Replica:
             finally:
                 for monitor in self.monitors.values():
                     monitor.clear()
+                for item_id in ids:
+                    progress[item_id][0] = min(progress[item_id][1], progress[item_id][0] + chunk[0][0]["steps"])
             if self.pipeline.is_output_rank:
                 for (item, _), output in zip(chunk, outputs_of(result)):
-                    files[item["id"]].append(_encode(output, item))
+                    files[item["id"]] += _encode(output, item)
         finished = time.time()
         if self.pipeline.is_output_rank:
             for item in items:
@@ -302,12 +311,17 @@ class Replica:
                 "images": len(images), "steps": steps, "failed": {str(k): v for k, v in failed.items()},
                 "cancelled": {str(k): v for k, v in cancelled.items()}, "agreements": agreements}
 
-    def _step_end(self, ids: list[int], channel: Channel) -> Callable:
-        """diffusers' callback_on_step_end: the replica's first rank reads whether rank 0 cancelled any of `ids` and
-        broadcasts it to the replica; every rank raises Cancelled at the same step."""
+    def _step_end(self, ids: list[int], channel: Channel, progress: dict[int, list[int]]) -> Callable:
+        """diffusers' callback_on_step_end: the replica's first rank puts each item's progress in the store ([steps
+        done, steps in all], read by rank 0 for the job's progress) and reads whether rank 0 cancelled any of `ids`,
+        which it broadcasts to the replica; every rank raises Cancelled at the same step."""
         lead = self.members[0]
 
         def step_end(_pipeline, step, _timestep, _kwargs):
+            if channel.rank == lead:
+                for item_id in ids:
+                    done, total = progress[item_id]
+                    channel.put({"done": min(total, done + step + 1), "total": total}, "progress", item_id)
             if self.on_step is not None:
                 self.on_step()
             flag = channel.rank == lead and any(channel.has("cancel", i) for i in ids)
@@ -346,12 +360,15 @@ def _device_fault(exc: BaseException) -> bool:
     return any(marker in str(exc).lower() for marker in DEVICE_FAULT_MARKERS)
 
 
-def _encode(output, item: dict) -> dict:
+def _encode(output, item: dict) -> list[dict]:
+    """An output's files: a PNG image; or an MP4 video and its first frame as PNG (the job's thumbnail, exactly the
+    frame `paradiff generate` writes)."""
     if output.kind == "video":
-        return {"mime": "video/mp4", "data": mp4_bytes(output.array, item["fps"]), "frames": len(output.array)}
+        return [{"mime": "video/mp4", "data": mp4_bytes(output.array, item["fps"]), "frames": len(output.array)},
+                {"mime": "image/png", "data": png_bytes(output.array[0])}]
     if output.kind != "image":
         raise RuntimeError(f"the pipeline returned {output.kind}; paradiff serve sends images and videos")
-    return {"mime": "image/png", "data": png_bytes(output.array)}
+    return [{"mime": "image/png", "data": png_bytes(output.array)}]
 
 
 def rss_bytes() -> int:
@@ -394,7 +411,7 @@ def serve_rank(args: argparse.Namespace, device: torch.device, frontend_factory:
                 if frontend is not None:
                     if channel.generation:
                         channel.forget_generation(channel.generation - 1)
-                    replica.on_step = lambda: _publish_cancellations(channel, frontend)
+                    replica.on_step = lambda: _step_news(channel, frontend)
                     frontend.ready(replica.describe(), summary, channel.generation)
                 # the ranks on this machine, whose death rank 0 sees while it waits in the store for their round
                 peers = {s["rank"]: s["pid"] for s in summary
@@ -441,7 +458,7 @@ def _rounds(channel: Channel, replica: Replica, frontend, control, device: torch
             continue
 
         def between():
-            _publish_cancellations(channel, frontend)
+            _step_news(channel, frontend)
             _raise_on_fault(channel)
             dead = [r for r, pid in peers.items() if not _alive(pid)]
             if dead:  # no collective is there to fail: a rank that died is seen by its process
@@ -484,11 +501,21 @@ def _publish_cancellations(channel: Channel, frontend) -> None:
         channel.put(True, "cancel", job_id)
 
 
+def _step_news(channel: Channel, frontend) -> None:
+    """Rank 0, at its replica's steps and while it waits for the others: cancellations out, progress in."""
+    _publish_cancellations(channel, frontend)
+    for job_id in frontend.scheduler.running_ids():
+        if channel.has("progress", job_id):
+            news = channel.get(PROGRESS, "progress", job_id)
+            frontend.progress(job_id, news["done"], news["total"])
+
+
 def _forget_round(channel: Channel, number: int, decision: dict, summaries: list[dict]) -> None:
-    """Rank 0, every summary of the round read: the round's cancel keys and request-fault agreement keys go."""
+    """Rank 0, every summary of the round read: the round's cancel, progress and request-fault agreement keys go."""
     for batch in decision["batches"]:
         for item in batch:
             channel.delete("cancel", item["id"])
+            channel.delete("progress", item["id"])
     for chunk in {c for s in summaries for c in s["agreements"]}:
         for r in range(channel.world):
             channel.delete("round", number, "fail", chunk, r)

@@ -6,7 +6,8 @@
 - `Origin`: a browser names the page that sent a request; another site's page is refused unless `--allow-origin`
   names it (a page of the server itself, /docs, has the server's own origin).
 - `Content-Type`: a JSON endpoint takes `application/json` only, so a page cannot send a "simple" cross-site request
-  (text/plain, form data) that skips the browser's CORS preflight.
+  (text/plain, form data) that skips the browser's CORS preflight. POST /v1/videos also takes multipart/form-data,
+  as OpenAI's client sends it; a browser names the page of such a request in `Origin`, checked above.
 - Read timeouts: a connection that has not sent its request headers within `--read-timeout` seconds is closed
   (uvicorn only times out idle keep-alive connections), and a body not read within it gets 408.
 - An internal error's message (paths, source lines) goes to the server's console, and a short form to the client.
@@ -22,6 +23,7 @@ from paradiff.serve.protocol import RequestError
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
 JSON_ENDPOINTS = ("/v1/images/generations", "/v1/videos")
+FORM_ENDPOINTS = ("/v1/videos",)  # multipart/form-data besides JSON
 _PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][\w.@+-]+){2,}[\\/]?")
 
 
@@ -54,8 +56,11 @@ class RequestGuard:
         """RequestError (415) for a body a JSON endpoint does not take."""
         if method == "POST" and path in JSON_ENDPOINTS:
             kind = headers.get("content-type", "").split(";")[0].strip().lower()
+            if kind == "multipart/form-data" and path in FORM_ENDPOINTS:
+                return
             if kind != "application/json":
-                raise RequestError(415, f"Content-Type {kind or 'missing'!r}: {path} takes 'application/json'")
+                also = " or 'multipart/form-data'" if path in FORM_ENDPOINTS else ""
+                raise RequestError(415, f"Content-Type {kind or 'missing'!r}: {path} takes 'application/json'{also}")
 
     @staticmethod
     def _same_origin(origin: str, host: str) -> bool:
