@@ -103,3 +103,182 @@ def test_forms_and_retention_flags_are_read_as_documented():
         keep_results("0")
     with pytest.raises(ValueError, match="--keep-results 'a week'"):
         keep_results("a week")
+
+
+# -- a real server ---------------------------------------------------------------------------------------------------
+VIDEO = ["--frames", "5", "--steps", "2", "--height", "32", "--width", "32", "--fps", "8", "--max-steps", "1000"]
+
+
+def _pixels(png: bytes) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.int16)
+
+
+def _wait(what, condition, timeout_s: float = 120):
+    """Poll `condition()` (bounded) until it returns something truthy; that value."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"never {what}"
+        time.sleep(0.02)
+
+
+def _status(client, video_id: str) -> str:
+    return client.videos.retrieve(video_id).status
+
+
+def _states(db: Path) -> dict[str, str]:
+    with sqlite3.connect(db) as connection:
+        return dict(connection.execute("SELECT id, status FROM jobs WHERE deleted_at IS NULL"))
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory) -> dict:
+    """A tiny Wan 2.2 pipeline folder and the frames `paradiff generate` writes for 'a fox', seed 3, single-process."""
+    from paradiff.testing import command
+    from paradiff.testing.pipelines import save_pipeline
+
+    root = tmp_path_factory.mktemp("wan-jobs")
+    folder = save_pipeline("wan2.2", root / "wan2.2")
+    done = command.run(["-m", "paradiff.cli", "generate", str(folder), *VIDEO[:8], "--prompt", "a fox", "--seed",
+                        "3", "--out", str(root / "generate")], timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    frames = np.stack([_pixels((root / "generate" / "0000_frames" / f"{i:04d}.png").read_bytes()) for i in range(5)])
+    return {"folder": str(folder), "frames": frames, "root": root}
+
+
+@pytest.fixture(scope="module")
+def history(wan, tmp_path_factory):
+    """The jobs' life over three starts of one server folder, driven by OpenAI's client; yields the last server
+    (still running, for the page) and what was seen."""
+    import openai
+
+    from paradiff.testing.serve import ServerProcess
+
+    seen: dict = {}
+    root = tmp_path_factory.mktemp("jobs-server")
+    out = root / "serve"
+
+    def start(*flags: str) -> tuple[ServerProcess, "openai.OpenAI"]:
+        server = ServerProcess(root, wan["folder"], *VIDEO, *flags)
+        server.wait_ready()
+        return server, openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+    # 1. tp2: create, follow, list, delete a running job, download; then SIGTERM with one job running, two queued
+    server, client = start("--tp", "2")
+    try:
+        long = client.videos.create(model="wan2.2", prompt="a long fox", size="32x32", extra_body={"steps": 1000})
+        fox = client.videos.create(prompt="a fox", size="32x32", extra_body={"seed": 3})
+        seen["created"] = (long, fox)
+        rising = [_wait("long in progress", lambda: (v := client.videos.retrieve(long.id)).status == "in_progress"
+                        and v.progress >= 1 and v)]
+        seen["fox while long runs"] = _status(client, fox.id)  # one replica, busy: the fox waits
+        rising.append(_wait("progress rising", lambda: (v := client.videos.retrieve(long.id)).progress
+                            > rising[0].progress and v))
+        seen["rising"] = rising
+        seen["first page"] = client.videos.list(limit=1)
+        seen["all pages"] = [video.id for video in client.videos.list(limit=1, order="asc")]
+        seen["deleted"] = client.videos.delete(long.id)
+        server.wait_for(lambda m: m["paradiff_requests_cancelled_total"] == 1)
+        seen["cancelled steps"] = server.metrics()["paradiff_cancelled_steps_total"]
+        with pytest.raises(openai.NotFoundError) as gone:
+            client.videos.retrieve(long.id)
+        seen["deleted retrieve"] = str(gone.value)
+        seen["fox"] = _wait("fox completed", lambda: (v := client.videos.retrieve(fox.id)).status == "completed" and v)
+        seen["mp4"] = client.videos.download_content(fox.id).read()
+        seen["thumbnail"] = client.videos.download_content(fox.id, variant="thumbnail").read()
+        with pytest.raises(openai.BadRequestError) as sheet:
+            client.videos.download_content(fox.id, variant="spritesheet")
+        seen["spritesheet"] = str(sheet.value)
+        with pytest.raises(openai.NotFoundError) as unknown:
+            client.videos.retrieve("video_unknown")
+        seen["unknown"] = str(unknown.value)
+        running = client.videos.create(prompt="a fox", size="32x32", extra_body={"seed": 4, "steps": 40})
+        queued = [client.videos.create(prompt="a fox", size="32x32", extra_body={"seed": 3}) for _ in range(2)]
+        _wait("running", lambda: _status(client, running.id) == "in_progress")
+        seen["sigterm"] = (running.id, [video.id for video in queued])
+        seen["sigterm exit"] = server.stop()
+        seen["after sigterm"] = _states(out / "jobs.db")
+    finally:
+        server.stop()
+
+    # 2. the restart runs the queued jobs; a job runs when the server is killed (kill -9, every process)
+    server, client = start("--tp", "2")
+    try:
+        for video_id in seen["sigterm"][1]:
+            _wait("queued job completed", lambda: _status(client, video_id) == "completed")
+        seen["after restart"] = {video_id: _status(client, video_id) for video_id in [seen["sigterm"][0],
+                                                                                       *seen["sigterm"][1]]}
+        seen["restart mp4"] = client.videos.download_content(seen["sigterm"][1][0]).read()
+        killed = client.videos.create(prompt="a fox", size="32x32", extra_body={"steps": 1000})
+        waiting = client.videos.create(prompt="a fox", size="32x32", extra_body={"seed": 5})
+        _wait("killed job running", lambda: _status(client, killed.id) == "in_progress")
+        seen["killed"] = (killed.id, waiting.id)
+    finally:
+        server.process.kill()
+        server.client.close()
+
+    # 3. after kill -9: the running job failed (server_restarted), the waiting one runs; --keep-results 2
+    server, client = start("--tp", "2", "--keep-results", "2")
+    try:
+        _wait("waiting job completed", lambda: _status(client, seen["killed"][1]) == "completed")
+        seen["after kill"] = {video.id: video for video in client.videos.list(limit=100)}
+        with pytest.raises(openai.APIStatusError) as expired:
+            client.videos.download_content(fox.id)
+        seen["expired"] = expired.value
+        seen["server"] = server
+        yield seen
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_openai_videos_api_jobs_at_tp2_across_sigterm_and_kill(history, wan):
+    long, fox = history["created"]
+    assert (long.status, long.progress, long.object, long.model, long.size) == ("queued", 0, "video", "wan2.2",
+                                                                                "32x32")
+    assert fox.status == "queued" and fox.seconds == "0.625"  # 5 frames at 8 fps
+    assert history["fox while long runs"] == "queued"
+    first, second = history["rising"]
+    assert 1 <= first.progress < second.progress < 100  # by denoising steps: 1000 of them
+    page = history["first page"]
+    assert [video.id for video in page.data] == [fox.id] and page.has_more and page.last_id == fox.id
+    assert history["all pages"] == [long.id, fox.id]  # the client followed `after` page by page
+    assert history["deleted"].deleted and history["deleted"].object == "video.deleted"
+    assert 0 < history["cancelled steps"] < 1000  # the running job stopped at a step
+    assert "was deleted" in history["deleted retrieve"] and "no video 'video_unknown'" in history["unknown"]
+    assert "spritesheet" in history["spritesheet"]
+
+    # the job's MP4 holds the frames `paradiff generate` writes; its thumbnail is the first of them exactly
+    import av
+
+    assert history["fox"].progress == 100 and history["fox"].completed_at >= history["fox"].created_at
+    path = wan["root"] / "answer.mp4"
+    path.write_bytes(history["mp4"])
+    with av.open(str(path)) as container:
+        assert container.streams.video[0].average_rate == 8
+        frames = np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)])
+    assert frames.shape == (5, 32, 32, 3)
+    luma = np.array([0.299, 0.587, 0.114])
+    assert np.abs(frames @ luma - wan["frames"].astype(np.float64) @ luma).mean() < 8  # lossy H.264 of those
+    difference = np.abs(_pixels(history["thumbnail"]) - wan["frames"][0])
+    assert difference.max() <= 1 and (difference > 0).mean() <= 0.005
+
+    # SIGTERM: the running job finished, the queued ones stayed queued; the restart ran them
+    running, queued = history["sigterm"]
+    assert history["sigterm exit"] == 0
+    assert history["after sigterm"] == {fox.id: "completed", running: "completed", **dict.fromkeys(queued, "queued")}
+    assert set(history["after restart"].values()) == {"completed"}
+    assert history["restart mp4"] == history["mp4"]  # the same request, the same bytes
+    # kill -9: every id is known, none queued or in progress; the killed job says why
+    killed, waiting = history["killed"]
+    states = {video_id: video.status for video_id, video in history["after kill"].items()}
+    assert states == {fox.id: "completed", running: "completed", **dict.fromkeys(queued, "completed"),
+                      killed: "failed", waiting: "completed"}
+    error = history["after kill"][killed].error
+    assert error.code == "server_restarted" and "stopped while this job ran" in error.message
+    # --keep-results 2: the oldest results expired (still listed), their content answers 410
+    assert history["expired"].status_code == 410 and "expired" in str(history["expired"])
