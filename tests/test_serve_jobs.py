@@ -17,6 +17,9 @@ from paradiff.serve.jobs import Jobs, JobStore, form_fields, keep_results, video
 from paradiff.serve.protocol import Limits, RequestError
 from paradiff.serve.scheduler import Scheduler
 
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")  # the client's, on every call
+
 LIMITS = Limits(kind="video", model_name="wan", default_size=(32, 32), default_frames=5, max_frames=10,
                 accepts=frozenset({"num_frames"}))
 
@@ -162,15 +165,19 @@ def history(wan, tmp_path_factory):
     root = tmp_path_factory.mktemp("jobs-server")
     out = root / "serve"
 
+    began = time.monotonic()
+
     def start(*flags: str) -> tuple[ServerProcess, "openai.OpenAI"]:
+        print(f"\n{time.monotonic() - began:.1f} s: start {flags}")
         server = ServerProcess(root, wan["folder"], *VIDEO, *flags)
         server.wait_ready()
+        print(f"{time.monotonic() - began:.1f} s: ready")
         return server, openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
     # 1. tp2: create, follow, list, delete a running job, download; then SIGTERM with one job running, two queued
     server, client = start("--tp", "2")
     try:
-        long = client.videos.create(model="wan2.2", prompt="a long fox", size="32x32", extra_body={"steps": 1000})
+        long = client.videos.create(model="wan2.2", prompt="a long fox", size="32x32", extra_body={"steps": 300})
         fox = client.videos.create(prompt="a fox", size="32x32", extra_body={"seed": 3})
         seen["created"] = (long, fox)
         rising = [_wait("long in progress", lambda: (v := client.videos.retrieve(long.id)).status == "in_progress"
@@ -196,7 +203,7 @@ def history(wan, tmp_path_factory):
         with pytest.raises(openai.NotFoundError) as unknown:
             client.videos.retrieve("video_unknown")
         seen["unknown"] = str(unknown.value)
-        running = client.videos.create(prompt="a fox", size="32x32", extra_body={"seed": 4, "steps": 40})
+        running = client.videos.create(prompt="a fox", size="32x32", extra_body={"seed": 4, "steps": 20})
         queued = [client.videos.create(prompt="a fox", size="32x32", extra_body={"seed": 3}) for _ in range(2)]
         _wait("running", lambda: _status(client, running.id) == "in_progress")
         seen["sigterm"] = (running.id, [video.id for video in queued])
@@ -221,14 +228,20 @@ def history(wan, tmp_path_factory):
         server.process.kill()
         server.client.close()
 
-    # 3. after kill -9: the running job failed (server_restarted), the waiting one runs; --keep-results 2
-    server, client = start("--tp", "2", "--keep-results", "2")
+    # 3. after kill -9 (one rank now: the store does not care): the running job failed (server_restarted), the
+    # waiting one runs; --keep-results 2
+    server, client = start("--keep-results", "2")
     try:
         _wait("waiting job completed", lambda: _status(client, seen["killed"][1]) == "completed")
         seen["after kill"] = {video.id: video for video in client.videos.list(limit=100)}
         with pytest.raises(openai.APIStatusError) as expired:
             client.videos.download_content(fox.id)
         seen["expired"] = expired.value
+        seen["image request"] = server.generate(prompt="a fox")
+        with pytest.raises(openai.BadRequestError) as frames:
+            client.videos.create(prompt="a fox", extra_body={"frames": 0})
+        seen["frames 0"] = str(frames.value)
+        seen["paths"] = server.client.get("/openapi.json").json()["paths"]
         seen["server"] = server
         yield seen
     finally:
@@ -243,12 +256,12 @@ def test_openai_videos_api_jobs_at_tp2_across_sigterm_and_kill(history, wan):
     assert fox.status == "queued" and fox.seconds == "0.625"  # 5 frames at 8 fps
     assert history["fox while long runs"] == "queued"
     first, second = history["rising"]
-    assert 1 <= first.progress < second.progress < 100  # by denoising steps: 1000 of them
+    assert 1 <= first.progress < second.progress < 100  # by denoising steps: 300 of them
     page = history["first page"]
     assert [video.id for video in page.data] == [fox.id] and page.has_more and page.last_id == fox.id
     assert history["all pages"] == [long.id, fox.id]  # the client followed `after` page by page
     assert history["deleted"].deleted and history["deleted"].object == "video.deleted"
-    assert 0 < history["cancelled steps"] < 1000  # the running job stopped at a step
+    assert 0 < history["cancelled steps"] < 300  # the running job stopped at a step
     assert "was deleted" in history["deleted retrieve"] and "no video 'video_unknown'" in history["unknown"]
     assert "spritesheet" in history["spritesheet"]
 
@@ -282,3 +295,47 @@ def test_openai_videos_api_jobs_at_tp2_across_sigterm_and_kill(history, wan):
     assert error.code == "server_restarted" and "stopped while this job ran" in error.message
     # --keep-results 2: the oldest results expired (still listed), their content answers 410
     assert history["expired"].status_code == 410 and "expired" in str(history["expired"])
+    # what a video server refuses, and the schema of what it serves
+    refused = history["image request"]
+    assert refused.status_code == 400 and "makes videos; use /v1/videos" in refused.text
+    assert "frames 0 is out of bounds" in history["frames 0"]
+    paths = history["paths"]
+    assert {"/v1/videos", "/v1/videos/{video_id}", "/v1/videos/{video_id}/content"} <= set(paths)
+    assert "/v1/images/generations" not in paths  # only what the pipeline serves
+    assert paths["/v1/videos"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]["properties"][
+        "frames"]["maximum"] == 10  # twice --frames 5
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="no chromium here (Debian: apt-get install chromium)")
+def test_the_web_page_generates_a_video_with_a_progress_bar_in_a_real_browser(history, tmp_path):
+    """Debian's chromium, headless, driven by playwright: the page at / lists the pipeline's choices; a prompt typed
+    and Generate clicked show the progress bar (fed by the job's progress) and then the video and its first frame."""
+    from playwright.sync_api import sync_playwright
+
+    server = history["server"]
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 900, "height": 640})
+            page.goto(server.url + "/")
+            page.get_by_text("wan2.2: videos").wait_for(timeout=30_000)
+            assert page.locator("#size option").all_inner_texts()[0] == "32x32"
+            page.get_by_label("Prompt").fill("a fox in the snow")
+            page.get_by_label("Seed").fill("3")
+            page.get_by_label("Steps").fill("6")
+            page.get_by_role("button", name="Generate").click()
+            bar = page.get_by_role("progressbar")
+            bar.wait_for(state="visible", timeout=120_000)
+            page.wait_for_function("document.querySelector('[role=progressbar]').getAttribute('aria-valuenow')"
+                                   " === '100'", timeout=120_000)
+            image = page.locator("#gallery figure img").first
+            image.wait_for(state="visible", timeout=60_000)
+            assert page.evaluate("(image) => image.complete && image.naturalWidth", image.element_handle()) == 32
+            assert page.locator("#gallery figure video").count() >= 1
+            assert "a fox in the snow" in page.locator("#gallery figcaption").first.inner_text()
+            assert page.locator("#status").inner_text() == "done"
+            page.screenshot(path=str(tmp_path / "web-page.png"))
+        finally:
+            browser.close()
+    print(f"\nscreenshot: {tmp_path / 'web-page.png'}")

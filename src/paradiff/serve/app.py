@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from paradiff.cli.report import say
-from paradiff.serve.jobs import LIST_LIMIT, Jobs, JobStore, form_fields, keep_results, video_object
+from paradiff.serve.jobs import LIST_LIMIT, Jobs, form_fields, keep_results, open_store, video_object
 from paradiff.serve.metrics import Metrics
 from paradiff.serve.protocol import Limits, RequestError, parse_image_request
 from paradiff.serve.safety import RequestGuard, public_message, timed_h11_protocol
@@ -83,8 +83,7 @@ class Frontend:
         self._server = None
         self._thread: threading.Thread | None = None
         self._cancelled: set[int] = set()  # running requests rank 0 cancelled (their round not answered yet)
-        self.jobs = Jobs(JobStore(Path(args.jobs_db) if args.jobs_db else self.out / "jobs.db"), self.out / "jobs",
-                         keep_results(args.keep_results), self.scheduler)
+        self.jobs = Jobs(open_store(args), self.out / "jobs", keep_results(args.keep_results), self.scheduler)
 
     # -- lifetime -----------------------------------------------------------------------------------------------
     def start(self) -> "Frontend":
@@ -288,7 +287,8 @@ class Frontend:
         if limits is None:
             return {"status": self.health, "pipeline": None}
         return {"status": self.health, "pipeline": {
-            "model": limits.model_name, "kind": limits.kind, "size": f"{limits.default_size[0]}x{limits.default_size[1]}",
+            "model": limits.model_name, "kind": limits.kind,
+            "size": f"{limits.default_size[0]}x{limits.default_size[1]}",
             "size_multiple": limits.size_multiple, "max_side": limits.max_side, "steps": limits.default_steps,
             "max_steps": limits.max_steps, "frames": limits.default_frames, "max_frames": limits.max_frames,
             "fps": limits.default_fps, "max_n": limits.max_n, "guidance": limits.default_guidance,
@@ -398,7 +398,8 @@ def build_app(frontend: Frontend) -> FastAPI:
     if frontend.args.allow_origin:
         from starlette.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=frontend.args.allow_origin, allow_methods=["GET", "POST", "DELETE"],
+        app.add_middleware(CORSMiddleware, allow_origins=frontend.args.allow_origin,
+                           allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=["authorization", "content-type"])
 
     @app.exception_handler(HTTPException)

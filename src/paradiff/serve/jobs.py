@@ -173,6 +173,11 @@ class JobStore:
         return [_row(row) for row in rows]
 
 
+def open_store(args) -> JobStore:
+    """The store `paradiff serve`'s flags name: --jobs-db, or jobs.db in --out."""
+    return JobStore(Path(args.jobs_db) if args.jobs_db else Path(args.out) / "jobs.db")
+
+
 def _row(row: sqlite3.Row) -> dict:
     job = dict(row)
     job["params"] = json.loads(job["params"])
