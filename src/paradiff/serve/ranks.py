@@ -14,6 +14,9 @@ Cancellation: a request answered before its round ended (a 504, a client that hu
 key for it in the store; at every denoising step the replica's first rank reads those keys and broadcasts the flag to
 its replica, so all of them stop at the same step boundary.
 
+Progress: at every denoising step a replica's first rank puts each running item's steps done (JSON) in the store;
+rank 0 reads them at its own steps and while it waits for a round: a video job's `progress` (serve/jobs.py).
+
 A request's own fault: when a pipeline call raises on every rank of its replica alike (the same error, not a
 collective's), the ranks agree on it through the store (the replica's first rank decides, compare-and-set, so they
 all read one verdict) and its requests get a 500 while the server goes on without a reload.
