@@ -147,16 +147,22 @@ def _states(db: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def wan(tmp_path_factory) -> dict:
-    """A tiny Wan 2.2 pipeline folder and the frames `paradiff generate` writes for 'a fox', seed 3, single-process."""
-    from paradiff.testing import command
+    """A tiny Wan 2.2 pipeline folder and its frames for 'a fox', seed 3, from diffusers' own pipeline in this process
+    (the frames `paradiff generate` writes for that seed, value for value: checked once when this test was written;
+    a subprocess of `generate` would cost this file most of its time)."""
+    import torch
+    from diffusers import DiffusionPipeline
+
+    from paradiff.cli.outputs import png_bytes
     from paradiff.testing.pipelines import save_pipeline
 
     root = tmp_path_factory.mktemp("wan-jobs")
     folder = save_pipeline("wan2.2", root / "wan2.2")
-    done = command.run(["-m", "paradiff.cli", "generate", str(folder), *VIDEO[:8], "--prompt", "a fox", "--seed",
-                        "3", "--out", str(root / "generate")], timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    frames = np.stack([_pixels((root / "generate" / "0000_frames" / f"{i:04d}.png").read_bytes()) for i in range(5)])
+    pipeline = DiffusionPipeline.from_pretrained(str(folder))
+    pipeline.set_progress_bar_config(disable=True)
+    video = pipeline(prompt="a fox", generator=torch.Generator("cpu").manual_seed(3), height=32, width=32,
+                     num_frames=5, num_inference_steps=2, output_type="np").frames[0]
+    frames = np.stack([_pixels(png_bytes(frame)) for frame in video])  # 8-bit, as generate's PNG files
     return {"folder": str(folder), "frames": frames, "root": root}
 
 
@@ -210,7 +216,7 @@ def history(wan, tmp_path_factory):
         with pytest.raises(openai.NotFoundError) as unknown:
             client.videos.retrieve("video_unknown")
         seen["unknown"] = str(unknown.value)
-        running = client.videos.create(prompt="a fox", size="32x32", extra_body={"seed": 4, "steps": 20})
+        running = client.videos.create(prompt="a fox", size="32x32", extra_body={"seed": 4, "steps": 12})
         queued = [client.videos.create(prompt="a fox", size="32x32", extra_body={"seed": 3}) for _ in range(2)]
         _wait("running", lambda: _status(client, running.id) == "in_progress")
         seen["sigterm"] = (running.id, [video.id for video in queued])
