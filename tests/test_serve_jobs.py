@@ -85,6 +85,10 @@ def test_job_store_keeps_jobs_across_restarts_and_expires_results_by_count(tmp_p
     assert jobs.delete(fourth["id"])
     with pytest.raises(RequestError, match="was deleted"):
         jobs.known(fourth["id"])
+    waiting = jobs.create({"prompt": "a hare"}, LIMITS, max_queue=8)
+    assert scheduler.depth() == (1, 0)
+    assert jobs.delete(waiting["id"]) and scheduler.depth() == (0, 0)  # a queued job leaves the queue
+    assert not jobs.delete(waiting["id"]) and jobs.store.get(waiting["id"])["status"] == "queued"  # as it was
     with pytest.raises(RequestError, match="no video 'video_x'"):
         jobs.known("video_x")
     with pytest.raises(RequestError, match="queue is full"):
