@@ -564,62 +564,6 @@ def test_a_killed_worker_fails_the_server_and_answers_every_client(tmp_path):
         server.stop()
 
 
-def test_a_video_pipeline_answers_mp4_files_on_v1_videos(tmp_path, tiny_pipeline_folders):
-    """A tiny Wan 2.2 pipeline at ulysses2: /v1/videos gives the frames `generate` writes single-process."""
-    import av
-
-    folder = str(tiny_pipeline_folders["wan2.2"])
-    video = ["--frames", "5", "--steps", "2", "--height", "32", "--width", "32"]
-    done = command.run(["-m", "paradiff.cli", "generate", folder, *video, "--prompt", "a fox", "--seed", "3",
-                        "--out", str(tmp_path / "generate")], timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    expected = np.stack([pixels((tmp_path / "generate" / "0000_frames" / f"{i:04d}.png").read_bytes())
-                         for i in range(5)])
-    server = ServerProcess(tmp_path, folder, "--ulysses", "2", *video)
-    try:
-        server.wait_ready()
-        answer = server.client.post("/v1/videos", json={"prompt": "a fox", "seed": 3, "size": "32x32", "fps": 8})
-        mp4, = images_of(answer)
-        assert answer.json()["data"][0]["mime_type"] == "video/mp4"
-        (tmp_path / "answer.mp4").write_bytes(mp4)
-        with av.open(str(tmp_path / "answer.mp4")) as container:
-            stream = container.streams.video[0]
-            assert stream.average_rate == 8
-            frames = np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)])
-        assert frames.shape == (5, 32, 32, 3)
-        luma = np.array([0.299, 0.587, 0.114])
-        assert np.abs(frames @ luma - expected.astype(np.float64) @ luma).mean() < 8  # lossy H.264 of those frames
-        wrong = server.generate(prompt="a fox")
-        assert wrong.status_code == 400 and "makes videos; use /v1/videos" in wrong.text
-        paths = server.client.get("/openapi.json").json()["paths"]
-        assert "/v1/videos" in paths and "/v1/images/generations" not in paths  # only what the pipeline serves
-        assert paths["/v1/videos"]["post"]["requestBody"]["content"]["application/json"]["schema"]["properties"][
-            "frames"]["maximum"] == 10  # twice --frames 5
-        frames_bad = server.client.post("/v1/videos", json={"prompt": "a fox", "frames": 0})
-        assert frames_bad.status_code == 400 and "frames 0 is out of bounds" in frames_bad.text
-    finally:
-        assert server.stop() == 0, server.text()
-
-
-# -- OpenAI's own client (the `openai` package) against the servers above ---------------------------------------------
-def openai_client(server: ServerProcess, key: str = "none"):
-    from openai import OpenAI
-
-    return OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=120)
-
-
-def decoded(item) -> bytes:
-    return base64.b64decode(item.b64_json)
-
-
-def edit_of(client, generated: dict, count: int, **fields):
-    """PROMPTS[1] with `count` copies of the picture of PROMPTS[0] (seed 5, 4 steps) as the edit's images (the
-    openai client sends one as `image`, several as `image[]`)."""
-    upload = ("ref.png", generated[(PROMPTS[0], 5, 4)], "image/png")
-    return client.images.edit(image=upload if count == 1 else [upload] * count, prompt=PROMPTS[1], size="64x64",
-                              extra_body={"seed": EDIT_SEED, "steps": 2, **fields.pop("extra_body", {})}, **fields)
-
-
 def test_openais_client_generates_with_every_standard_field_and_every_image_has_its_seed(dp_server, generated):
     """images.generate with OpenAI's standard fields (accepted; output_format and output_compression honoured);
     without a seed each call draws its own, returned with the image, which that seed draws again byte for byte."""

@@ -227,8 +227,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a Host name served besides localhost, 127.0.0.1 and [::1] when bound to loopback (a "
                             "reverse proxy's name); repeatable; other Host headers get 403 (DNS rebinding)")
     serve.add_argument("--out", default="out/serve",
-                       help="the server's folder: requests.jsonl, one line per answered request (nothing else is "
-                            "written there, and no request names a path)")
+                       help="the server's folder: requests.jsonl, one line per answered request; jobs.db and "
+                            "jobs/<id>/, the video jobs and their files (no request names a path)")
+    serve.add_argument("--jobs-db", default=None, metavar="PATH",
+                       help="the SQLite file of the asynchronous video jobs (default: jobs.db in --out); it survives "
+                            "restarts (docs/serve.md)")
+    serve.add_argument("--keep-results", default="100", metavar="N|AGE",
+                       help="how long finished jobs' files are kept: a count of the newest (default 100) or an age "
+                            "(30m, 12h, 7d); an expired job stays listed, its content answers 410")
     serve.add_argument("--pipeline", default=None, metavar="CLASS",
                        help="serve this diffusers pipeline class on the model folder instead of its own, e.g. "
                             "FluxImg2ImgPipeline or FluxInpaintPipeline: edits with a mask / strength "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sqlite3
 from typing import Any, Callable
 
 from paradiff.cli.args import CliError
@@ -52,7 +53,18 @@ def check_serve_args(args: argparse.Namespace) -> None:
         from paradiff.cli.report import say
 
         say(f"paradiff serve: warning: listening on {args.host} without --api-key: anyone who can reach it can use it")
+    from paradiff.serve.jobs import keep_results, open_store
+
+    try:
+        keep_results(args.keep_results)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     if "RANK" not in os.environ:  # the launcher, before its workers start
+        try:
+            open_store(args).close()
+        except (OSError, sqlite3.Error) as exc:
+            raise CliError(f"--jobs-db {args.jobs_db or os.path.join(args.out, 'jobs.db')}: cannot open it as a "
+                           f"SQLite database ({exc}); give a writable file path") from None
         from paradiff.serve.app import check_listen_address
 
         problem = check_listen_address(args.host, args.port)

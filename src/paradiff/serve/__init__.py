@@ -7,6 +7,8 @@
     safety.py     what is refused before a body is read (Host, Origin, Content-Type, slow clients); error messages
                   without internal details
     schema.py     the OpenAPI document of the loaded pipeline (bounds, patterns, error answers)
+    jobs.py       the asynchronous video jobs (/v1/videos) and their SQLite store, which survives restarts
+    static/       the web page at GET / (plain HTML and JavaScript over the public API)
     app.py        the HTTP endpoints (FastAPI), on rank 0
     ranks.py      the loop every rank runs: rank 0 decides each round and broadcasts it; recovery after a fault
 

@@ -6,7 +6,11 @@ what rank 0's loop asks of them (the next round, the answers of a finished round
     POST /v1/images/edits         OpenAI's edit (multipart: image or image[], mask, prompt, n, size, ...) on a pipeline
                                   whose call takes an image (images.py)
     POST /v1/images/variations    answered 400: not served (edits are)
-    POST /v1/videos               the same for video pipelines (+ frames, fps), answered with base64 MP4 files
+    POST /v1/videos               an asynchronous video job (OpenAI's videos API; jobs.py): GET /v1/videos lists,
+                                  GET /v1/videos/{id} follows, GET /v1/videos/{id}/content downloads (MP4, thumbnail),
+                                  DELETE /v1/videos/{id} cancels and deletes
+    GET  /v1/info                 what the loaded pipeline takes (kind, sizes, steps, frames, adapters): for the page
+    GET  /                        the web page (static/index.html), which uses the routes above and nothing else
     GET  /v1/models, /v1/models/{id}   the one model served
     GET  /health                  {"status": "loading" | "ready" | "draining" | "failed"}; never needs the API key
     GET  /metrics                 Prometheus text
@@ -31,12 +35,13 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from paradiff.cli.report import say
 from paradiff.serve.images import MIME_TYPES, encode_output, parse_edit_request
+from paradiff.serve.jobs import LIST_LIMIT, Jobs, form_fields, keep_results, open_store, video_object
 from paradiff.serve.metrics import Metrics
 from paradiff.serve.protocol import (ENDPOINTS, ImageRequest, Limits, RequestError, error_body, parse_image_request,
                                      with_seed)
@@ -45,7 +50,8 @@ from paradiff.serve.schema import openapi_document
 from paradiff.serve.scheduler import Job, Scheduler
 from paradiff.serve.stream import ProgressRouter, stream_images
 
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/health", "/")  # the page holds no data: it asks for the key when the server has one
+STATIC = Path(__file__).parent / "static"
 DISCONNECT_POLL_S = 0.1  # how often a waiting request checks that its client is still there
 
 
@@ -86,6 +92,7 @@ class Frontend:
         self.loaded_at = int(time.time())  # the pipeline's load time: /v1/models' `created`
         self.replicas = 1
         self.progress = ProgressRouter(self._step_progress, self._preview)  # step events and previews (stream.py)
+        self.jobs = Jobs(open_store(args), self.out / "jobs", keep_results(args.keep_results), self.scheduler)
 
     # -- lifetime -----------------------------------------------------------------------------------------------
     def start(self) -> "Frontend":
@@ -112,6 +119,7 @@ class Frontend:
             if self._thread is not None:
                 self._thread.join(timeout=10)
         self._log.close()
+        self.jobs.store.close()
 
     def ready(self, info: dict, summaries: list[dict], generation: int) -> None:
         args = self.args
@@ -131,9 +139,15 @@ class Frontend:
         again = " again, after a fault" if generation else ""
         say(f"paradiff serve: ready{again}: {self.model_name} ({info['kind']}s) on {len(summaries)} rank(s), "
             f"{self.replicas} replica(s), at http://{args.host}:{args.port}; {info.get('previews', 'no previews')}")
+        if self.jobs.interrupted and not generation:
+            say(f"paradiff serve: {len(self.jobs.interrupted)} video job(s) ran when the server last stopped without "
+                "a drain: marked failed (server_restarted)")
+        if info["kind"] == "video":
+            self.jobs.ready(self.limits)  # the jobs still queued (from before a restart too) run now
 
     def drain(self) -> None:
         self.health = "draining"
+        self.jobs.hold()  # the queued video jobs stay queued in the store: they run after the restart
         self.scheduler.drain()
 
     # -- rank 0's loop ------------------------------------------------------------------------------------------
@@ -152,7 +166,12 @@ class Frontend:
                 return {"kind": "idle"}
         if decision["kind"] == "work":
             self._current = decision  # answered by finish_round, or by fault() if the round fails
+            self.jobs.started([item["id"] for batch in decision["batches"] for item in batch])
         return decision
+
+    def job_progress(self, job_id: int, done: int, total: int) -> None:
+        """A running request's denoising steps (rank 0 reads them from the store at each step)."""
+        self.jobs.progress(job_id, done, total)
 
     def to_cancel(self) -> list[int]:
         """The running requests already answered (504, or the client hung up) not yet cancelled: rank 0 cancels them."""
@@ -188,6 +207,7 @@ class Frontend:
         self._answer_round(self._current, channel, cause)
         if decision == "stop":
             self.closing = True
+            self.jobs.hold()  # queued video jobs run after the restart
             self.scheduler.close(cause)
 
     _current: dict | None = None
@@ -298,6 +318,34 @@ class Frontend:
         return {"id": self.model_name, "object": "model", "created": self.loaded_at, "owned_by": "paradiff",
                 "adapters": adapters}
 
+    def info(self) -> dict:
+        """What the loaded pipeline takes, for the web page (null while it loads)."""
+        limits = self.limits
+        if limits is None:
+            return {"status": self.health, "pipeline": None}
+        return {"status": self.health, "pipeline": {
+            "model": limits.model_name, "kind": limits.kind,
+            "size": f"{limits.default_size[0]}x{limits.default_size[1]}",
+            "size_multiple": limits.size_multiple, "max_side": limits.max_side, "steps": limits.default_steps,
+            "max_steps": limits.max_steps, "frames": limits.default_frames, "max_frames": limits.max_frames,
+            "fps": limits.default_fps, "max_n": limits.max_n, "guidance": limits.default_guidance,
+            "negative_prompt": "negative_prompt" in limits.accepts,
+            "adapters": [{"name": name, "scale": scale} for name, scale in limits.adapters]}}
+
+    def create_video(self, body: Any) -> tuple[int, dict]:
+        """POST /v1/videos: the job, queued (its Video object), or an error answer."""
+        if self.health != "ready" or self.limits is None:
+            return self.refused(503, f"the server is {self.health}; retry when GET /health says ready",
+                                "POST /v1/videos")
+        try:
+            if self.limits.kind != "video":
+                raise RequestError(400, "/v1/videos: this server's pipeline makes images; use "
+                                        "/v1/images/generations")
+            job = self.jobs.create(body, self.limits, self.args.max_queue)
+        except RequestError as exc:
+            return self.refused(exc.status, str(exc), "POST /v1/videos")
+        return 200, video_object(job)
+
     def render_metrics(self) -> str:
         queued, running = self.scheduler.depth()
         return self.metrics.render(queued, running, self.health)
@@ -406,7 +454,8 @@ def build_app(frontend: Frontend) -> FastAPI:
     if frontend.args.allow_origin:
         from starlette.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=frontend.args.allow_origin, allow_methods=["GET", "POST"],
+        app.add_middleware(CORSMiddleware, allow_origins=frontend.args.allow_origin,
+                           allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=["authorization", "content-type"])
 
     @app.exception_handler(HTTPException)
@@ -421,7 +470,10 @@ def build_app(frontend: Frontend) -> FastAPI:
                                 f"{request.method} {request.url.path}")
 
     async def body_of(request: Request) -> Any:
+        """JSON, or (POST /v1/videos, as OpenAI's client sends it) a multipart form read as the JSON it stands for."""
         raw = await bytes_of(request)
+        if request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
+            return form_fields(await form_of(request, raw))
         try:
             return json.loads(raw)
         except RecursionError:
@@ -463,7 +515,67 @@ def build_app(frontend: Frontend) -> FastAPI:
 
     @app.post("/v1/videos")
     async def videos(request: Request):
-        return await answer(request, "video")
+        try:
+            body = await body_of(request)
+        except RequestError as exc:
+            return frontend.refusal(exc.status, str(exc), "POST /v1/videos")
+        status, payload = frontend.create_video(body)
+        return JSONResponse(payload, status_code=status)
+
+    def job_call(what: str, call):
+        try:
+            return call()
+        except RequestError as exc:
+            return frontend.refusal(exc.status, str(exc), what)
+
+    @app.get("/v1/videos")
+    async def video_list(request: Request):
+        query = request.query_params
+
+        def page():
+            limit, order = query.get("limit", str(LIST_LIMIT[0])), query.get("order", "desc")
+            if not limit.isdigit() or not 1 <= int(limit) <= LIST_LIMIT[1]:
+                raise RequestError(400, f"limit {limit!r}: expected an integer from 1 to {LIST_LIMIT[1]}")
+            if order not in ("asc", "desc"):
+                raise RequestError(400, f"order {order!r}: expected 'asc' or 'desc'")
+            after = query.get("after")
+            if after is not None:
+                frontend.jobs.known(after)
+            jobs, more = frontend.jobs.store.page(after, int(limit), order)
+            data = [video_object(job) for job in jobs]
+            return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                    "last_id": data[-1]["id"] if data else None, "has_more": more}
+
+        return job_call("GET /v1/videos", page)
+
+    @app.get("/v1/videos/{video_id}")
+    async def video(video_id: str):
+        return job_call("GET /v1/videos/{id}", lambda: video_object(frontend.jobs.known(video_id)))
+
+    @app.get("/v1/videos/{video_id}/content")
+    async def video_content(video_id: str, variant: str = "video"):
+        def content():
+            path, mime = frontend.jobs.content(video_id, variant)
+            return FileResponse(path, media_type=mime)
+
+        return job_call("GET /v1/videos/{id}/content", content)
+
+    @app.delete("/v1/videos/{video_id}")
+    async def video_delete(video_id: str):
+        def delete():
+            frontend.jobs.known(video_id)
+            frontend.jobs.delete(video_id)
+            return {"id": video_id, "object": "video.deleted", "deleted": True}
+
+        return job_call("DELETE /v1/videos/{id}", delete)
+
+    @app.get("/v1/info")
+    async def info():
+        return frontend.info()
+
+    @app.get("/")
+    async def page():
+        return FileResponse(STATIC / "index.html", media_type="text/html")
 
     @app.get("/v1/models")
     async def models():

@@ -14,6 +14,9 @@ Cancellation: a request answered before its round ended (a 504, a client that hu
 key for it in the store; at every denoising step the replica's first rank reads those keys and broadcasts the flag to
 its replica, so all of them stop at the same step boundary.
 
+Progress: at every denoising step a replica's first rank puts each running item's steps done (JSON) in the store;
+rank 0 reads them at its own steps and while it waits for a round: a video job's `progress` (serve/jobs.py).
+
 A request's own fault: when a pipeline call raises on every rank of its replica alike (the same error, not a
 collective's), the ranks agree on it through the store (the replica's first rank decides, compare-and-set, so they
 all read one verdict) and its requests get a 500 while the server goes on without a reload.
@@ -74,6 +77,7 @@ SUMMARY = {"rank": int, "replica": int, "step_s": list, "seconds": float, "image
 RESULT = {"files": list, "replica": int, "started": float, "finished": float}
 FILE = {"mime": str, "frames": (int, None)}
 ERROR = {"error": str, "comm": bool, "loading": bool}
+PROGRESS = {"done": int, "total": int}
 
 
 class Cancelled(Exception):
@@ -289,7 +293,13 @@ class Replica:
         steps = 0
         self._clock = StepClock()
         per_call = 1 if any(item.get("images") for item in items) else self.max_batch  # an edit: one image a call
-        for chunk_index, start in enumerate(range(0, len(images), per_call)):
+        starts = range(0, len(images), per_call)
+        calls = {item["id"]: 0 for item in items}  # how many calls each item's images take, and have taken
+        for start in starts:
+            for item_id in {item["id"] for item, _ in images[start:start + per_call]}:
+                calls[item_id] += 1
+        progress = {item_id: [0, count * items[0]["steps"]] for item_id, count in calls.items()} if items else {}
+        for chunk_index, start in enumerate(starts):
             chunk = images[start:start + per_call]
             ids = sorted({item["id"] for item, _ in chunk})
             kwargs = self.call_kwargs(chunk[0][0])
@@ -298,7 +308,7 @@ class Replica:
                            "width": kwargs.get("width"),
                            "items": [{"id": item["id"], "partial_images": item.get("partial_images", 0)}
                                      for item, _ in chunk]}
-                kwargs["callback_on_step_end"] = self._step_end(ids, channel, context)
+                kwargs["callback_on_step_end"] = self._step_end(ids, channel, context, progress)
                 self._clock.begin()
             self.use_adapters(tuple(chunk[0][0].get("loras", ())))
             try:
@@ -326,9 +336,11 @@ class Replica:
             finally:
                 for monitor in self.monitors.values():
                     monitor.clear()
+                for item_id in ids:
+                    progress[item_id][0] = min(progress[item_id][1], progress[item_id][0] + chunk[0][0]["steps"])
             if self.pipeline.is_output_rank:
                 for (item, _), output in zip(chunk, outputs_of(result)):
-                    files[item["id"]].append(_encode(output, item))
+                    files[item["id"]] += _encode(output, item)
         finished = time.time()
         if self.pipeline.is_output_rank:
             for item in items:
@@ -341,10 +353,11 @@ class Replica:
                 "images": len(images), "steps": steps, "failed": {str(k): v for k, v in failed.items()},
                 "cancelled": {str(k): v for k, v in cancelled.items()}, "agreements": agreements}
 
-    def _step_end(self, ids: list[int], channel: Channel, context: dict) -> Callable:
+    def _step_end(self, ids: list[int], channel: Channel, context: dict, progress: dict[int, list[int]]) -> Callable:
         """diffusers' callback_on_step_end: the output rank's step listeners get the step's event (nothing else
-        runs them: they take no decision and run no collective); the replica's first rank reads whether rank 0
-        cancelled any of `ids` and broadcasts it to the replica; every rank raises Cancelled at the same step."""
+        runs them: they take no decision and run no collective); the replica's first rank puts each item's progress
+        in the store ([steps done, steps in all], read by rank 0 for a job's progress) and reads whether rank 0
+        cancelled any of `ids`, which it broadcasts to the replica; every rank raises Cancelled at the same step."""
         lead = self.members[0]
 
         def step_end(pipeline, step, _timestep, callback_kwargs):
@@ -353,6 +366,10 @@ class Replica:
                                   self._clock.tick(), callback_kwargs.get("latents"), context)
                 for listener in self.step_listeners:
                     listener(event)
+            if channel.rank == lead:
+                for item_id in ids:
+                    done, total = progress[item_id]
+                    channel.put({"done": min(total, done + step + 1), "total": total}, "progress", item_id)
             if self.on_step is not None:
                 self.on_step()
             flag = channel.rank == lead and any(channel.has("cancel", i) for i in ids)
@@ -391,12 +408,15 @@ def _device_fault(exc: BaseException) -> bool:
     return any(marker in str(exc).lower() for marker in DEVICE_FAULT_MARKERS)
 
 
-def _encode(output, item: dict) -> dict:
+def _encode(output, item: dict) -> list[dict]:
+    """An output's files: a PNG image; or an MP4 video and its first frame as PNG (the job's thumbnail, exactly the
+    frame `paradiff generate` writes)."""
     if output.kind == "video":
-        return {"mime": "video/mp4", "data": mp4_bytes(output.array, item["fps"]), "frames": len(output.array)}
+        return [{"mime": "video/mp4", "data": mp4_bytes(output.array, item["fps"]), "frames": len(output.array)},
+                {"mime": "image/png", "data": png_bytes(output.array[0])}]
     if output.kind != "image":
         raise RuntimeError(f"the pipeline returned {output.kind}; paradiff serve sends images and videos")
-    return {"mime": "image/png", "data": png_bytes(output.array)}
+    return [{"mime": "image/png", "data": png_bytes(output.array)}]
 
 
 def rss_bytes() -> int:
@@ -528,9 +548,11 @@ def _raise_on_fault(channel: Channel) -> None:
 
 
 def _exchange(channel: Channel, frontend) -> None:
-    """Rank 0, between its steps and while it waits for a round: cancellations out, progress and previews in."""
+    """Rank 0, between its steps and while it waits for a round: cancellations out, step events, previews and jobs'
+    progress in."""
     _publish_cancellations(channel, frontend)
     frontend.progress.poll(channel, frontend.replicas)
+    _step_news(channel, frontend)
 
 
 def _publish_cancellations(channel: Channel, frontend) -> None:
@@ -539,11 +561,20 @@ def _publish_cancellations(channel: Channel, frontend) -> None:
         channel.put(True, "cancel", job_id)
 
 
+def _step_news(channel: Channel, frontend) -> None:
+    """Rank 0: the running jobs' progress in (`_exchange`)."""
+    for job_id in frontend.scheduler.running_ids():
+        if channel.has("progress", job_id):
+            news = channel.get(PROGRESS, "progress", job_id)
+            frontend.job_progress(job_id, news["done"], news["total"])
+
+
 def _forget_round(channel: Channel, number: int, decision: dict, summaries: list[dict]) -> None:
-    """Rank 0, every summary of the round read: the round's cancel keys and request-fault agreement keys go."""
+    """Rank 0, every summary of the round read: the round's cancel, progress and request-fault agreement keys go."""
     for batch in decision["batches"]:
         for item in batch:
             channel.delete("cancel", item["id"])
+            channel.delete("progress", item["id"])
     for chunk in {c for s in summaries for c in s["agreements"]}:
         for r in range(channel.world):
             channel.delete("round", number, "fail", chunk, r)

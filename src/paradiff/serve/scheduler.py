@@ -102,7 +102,9 @@ class Scheduler:
         self._on_finish = on_finish  # called as on_finish(job) once per answered job
 
     # -- the HTTP side ------------------------------------------------------------------------------------------
-    def submit(self, request: ImageRequest) -> Job:
+    def submit(self, request: ImageRequest, deadline: bool = True) -> Job:
+        """Queue `request`; its deadline is --request-timeout from now (`deadline` False: none, for an asynchronous
+        job that waits for its turn however long the queue is)."""
         with self._lock:
             if self._closed is not None:
                 raise RequestError(503, f"the server is not serving: {self._closed}")
@@ -111,7 +113,7 @@ class Scheduler:
             if len(self._waiting) >= self.max_queue:
                 raise RequestError(503, f"the queue is full ({self.max_queue} waiting requests); retry later")
             now = time.monotonic()
-            job = Job(next(self._ids), request, now, now + self.request_timeout_s)
+            job = Job(next(self._ids), request, now, now + self.request_timeout_s if deadline else float("inf"))
             self._waiting.append(job)
             self._lock.notify_all()
             return job
@@ -191,6 +193,14 @@ class Scheduler:
             if job in self._waiting:
                 self._waiting.remove(job)
             self._answer(job, status, message)
+
+    def withdraw(self, job: Job) -> bool:
+        """Take `job` out of the queue unanswered if it still waits (True); False once it runs or was answered."""
+        with self._lock:
+            if job in self._waiting:
+                self._waiting.remove(job)
+                return True
+            return False
 
     def answered_running(self) -> list[int]:
         """The running jobs already answered (504, or cancelled): their work is no longer wanted."""

@@ -8,6 +8,7 @@ from paradiff.serve.protocol import (CALL_PARAMETERS, EDIT_FIELDS, IGNORED_FIELD
                                      MAX_SEED, OUTPUT_FORMATS, VIDEO_FIELDS, Limits)
 
 ERRORS = {400: "a field is missing, of the wrong type or out of bounds (the message names it and what is valid)",
+          409: "the job is not completed yet", 410: "the job's result expired (--keep-results)",
           401: "missing or wrong API key", 403: "a foreign Host or Origin", 404: "no such path, or another model",
           405: "the path takes another method", 408: "the body was not sent within --read-timeout",
           413: "the body is larger than --max-body-bytes", 415: "the body is not application/json",
@@ -102,6 +103,50 @@ def _responses(ok: dict, errors: tuple[int, ...], secured: bool) -> dict:
     return answers
 
 
+def _video_paths(limits: Limits, secured: bool) -> dict:
+    """OpenAI's videos API as jobs.py serves it: a job is created at once and followed until it completes."""
+    body = request_schema(limits, "video")
+    body["properties"].update(seconds={"type": ["number", "string", "null"], "exclusiveMinimum": 0,
+                                       "description": "sets frames (seconds * fps + 1) when frames is not given"})
+    video = {"type": "object", "required": ["id", "object", "status", "progress", "created_at", "model", "size",
+                                             "seconds"], "properties": {
+        "id": {"type": "string"}, "object": {"const": "video"},
+        "status": {"enum": ["queued", "in_progress", "completed", "failed"]},
+        "progress": {"type": "integer", "minimum": 0, "maximum": 100}, "created_at": {"type": "integer"},
+        "completed_at": {"type": ["integer", "null"]}, "expires_at": {"type": ["integer", "null"]},
+        "model": {"type": "string"}, "size": {"type": "string"}, "seconds": {"type": "string"},
+        "prompt": {"type": ["string", "null"]}, "error": {"type": ["object", "null"]},
+        "parameters": {"type": "object"}}}
+    one = {"description": "the job", "content": {"application/json": {"schema": video}}}
+    listed = {"description": "a page of jobs, newest first", "content": {"application/json": {"schema": {
+        "type": "object", "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": video},
+                                         "first_id": {"type": ["string", "null"]},
+                                         "last_id": {"type": ["string", "null"]}, "has_more": {"type": "boolean"}}}}}}
+    job_id = [{"name": "video_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    content = {"description": "the MP4 (variant video) or its first frame as PNG (variant thumbnail)",
+               "content": {"video/mp4": {}, "image/png": {}}}
+    gone = (400, 401, 403, 404, 405)
+    return {
+        "/v1/videos": {
+            "post": {"summary": "create a video job (answered at once, queued)", "requestBody": {
+                "required": True, "content": {"application/json": {"schema": body},
+                                              "multipart/form-data": {"schema": body}}},
+                     "responses": _responses(one, (400, 401, 403, 405, 408, 413, 415, 503), secured)},
+            "get": {"summary": "list the jobs", "parameters": [
+                {"name": "after", "in": "query", "schema": {"type": "string"}},
+                {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+                {"name": "order", "in": "query", "schema": {"enum": ["asc", "desc"]}}],
+                    "responses": _responses(listed, gone, secured)}},
+        "/v1/videos/{video_id}": {
+            "get": {"summary": "the job", "parameters": job_id, "responses": _responses(one, gone, secured)},
+            "delete": {"summary": "cancel (at the next denoising step) and delete", "parameters": job_id,
+                       "responses": _responses({"description": "deleted"}, gone, secured)}},
+        "/v1/videos/{video_id}/content": {"get": {
+            "summary": "the result", "parameters": [*job_id, {"name": "variant", "in": "query", "schema": {
+                "enum": ["video", "thumbnail"]}}], "responses": _responses(content, (*gone, 409, 410), secured)}},
+    }
+
+
 def openapi_document(limits: Limits | None, title: str, version: str, secured: bool) -> dict:
     """The schema; before the pipeline is loaded (limits None) it lists only the endpoints that need no pipeline."""
     files = {"type": "object", "required": ["created", "data"], "properties": {
@@ -142,9 +187,10 @@ def openapi_document(limits: Limits | None, title: str, version: str, secured: b
             "responses": _responses({"description": "the images, base64",
                                      "content": {"application/json": {"schema": files}}},
                                     GENERATION_ERRORS, secured)}}
-    if limits is not None:
-        path = "/v1/images/generations" if limits.kind == "image" else "/v1/videos"
-        what = "PNG images" if limits.kind == "image" else "MP4 videos"
+    if limits is not None and limits.kind == "video":
+        paths.update(_video_paths(limits, secured))
+    elif limits is not None:
+        path, what = "/v1/images/generations", "PNG images"
         paths[path] = {"post": {
             "summary": f"generate {what} (base64)",
             "requestBody": {"required": True, "content": {"application/json": {
