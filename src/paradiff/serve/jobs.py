@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from paradiff.serve.protocol import Limits, RequestError, parse_image_request
+from paradiff.serve.protocol import Limits, RequestError, parse_image_request, with_seed
 
 STATES = ("queued", "in_progress", "completed", "failed")
 AGES = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -256,7 +256,7 @@ class Jobs:
                 raise RequestError(400, f"seconds: expected a positive number, got {seconds!r}")
             if isinstance(fps, int) and not isinstance(fps, bool):
                 body["frames"] = int(round(seconds * fps)) + 1
-        request = parse_image_request(body, limits, "video")
+        request = with_seed(parse_image_request(body, limits, "video"))  # a drawn seed is kept: a re-run redraws it
         if self.store.count_queued() >= max_queue:
             raise RequestError(503, f"the queue is full ({max_queue} queued jobs); retry later")
         params = {k: v for k, v in body.items() if k not in ("model", "user", "n", "response_format")}
