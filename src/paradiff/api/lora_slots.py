@@ -135,11 +135,11 @@ def disable_adapter_slots(model: nn.Module) -> None:
 
 def load_slot_adapter(model: nn.Module, name: str, source: Any, prefix: str | None = "transformer",
                       network_alphas: dict[str, float] | None = None, metadata: dict[str, Any] | None = None,
-                      identity: str | None = None, **kwargs: Any) -> SlotAdapter:
+                      identity: str | None = None, ranks: list[int] | None = None, **kwargs: Any) -> SlotAdapter:
     """Load an adapter into a free slot under `name`. `source` is what `load_lora_adapter` takes (a local
     safetensors file in peft format is read by slices; a dict, e.g. from a pipeline's `lora_state_dict` with
     `network_alphas`, as diffusers converted it). `identity` (e.g. the file's sha256) replaces the content checksum
-    the ranks agree on. Called on every rank with the same arguments."""
+    the ranks agree on. Called on every rank (of `ranks`, default all) with the same arguments."""
     bank = adapter_bank(model)
     if bank is None:
         raise AdapterError(f"{type(model).__name__} has no adapter slots; call enable_adapter_slots first.")
@@ -165,7 +165,7 @@ def load_slot_adapter(model: nn.Module, name: str, source: Any, prefix: str | No
         "adapter content": identity or adapter.identity, "scalings": fingerprint(scalings),
     }
     try:
-        agree(stage, facts, error)
+        agree(stage, facts, error, ranks=ranks)
         error, written = None, []
         try:
             local = {tensor: adapter.read(tensor, spec) for tensor, spec in specs.items()}
@@ -178,7 +178,7 @@ def load_slot_adapter(model: nn.Module, name: str, source: Any, prefix: str | No
         except Exception as exc:  # noqa: BLE001
             error = exc
         try:
-            agree(f"{stage} (writing the slots)", {"loaded": True}, error)
+            agree(f"{stage} (writing the slots)", {"loaded": True}, error, ranks=ranks)
         except Exception:
             for module in written:
                 bank.layers[module].clear(slot)

@@ -234,6 +234,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allow-host", action="append", default=None, metavar="NAME[:PORT]",
                        help="a Host name served besides localhost, 127.0.0.1 and [::1] when bound to loopback (a "
                             "reverse proxy's name); repeatable; other Host headers get 403 (DNS rebinding)")
+    serve.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
+                       help="adapters served per request, as vLLM takes them: each is a model id of its own "
+                            "(\"model\": NAME); requests with different adapters still run in one call")
+    serve.add_argument("--allow-runtime-lora", action="store_true",
+                       help="take POST /v1/load_lora_adapter and /v1/unload_lora_adapter (files under --lora-root)")
+    serve.add_argument("--lora-root", default=None, metavar="DIR",
+                       help="the folder runtime adapter loads may read from (nothing outside it is read)")
+    serve.add_argument("--max-loras", type=_positive, default=4,
+                       help="adapters resident on the ranks at once (least recently used out first); also the most "
+                            "distinct adapters in one pipeline call")
+    serve.add_argument("--max-lora-rank", type=_positive, default=64, help="the largest adapter rank served")
     serve.add_argument("--out", default="out/serve",
                        help="the server's folder: requests.jsonl, one line per answered request (nothing else is "
                             "written there, and no request names a path)")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import dataclasses
 import hmac
 import json
 import os
@@ -33,6 +34,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from paradiff.cli.report import say
+from paradiff.serve.adapters import adapter_endpoint, adapter_registry
 from paradiff.serve.metrics import Metrics
 from paradiff.serve.protocol import Limits, RequestError, parse_image_request
 from paradiff.serve.safety import RequestGuard, public_message, timed_h11_protocol
@@ -77,6 +79,7 @@ class Frontend:
         self._server = None
         self._thread: threading.Thread | None = None
         self._cancelled: set[int] = set()  # running requests rank 0 cancelled (their round not answered yet)
+        self.adapters = adapter_registry(args, model_name)  # per-request adapters (serve/adapters.py), or None
 
     # -- lifetime -----------------------------------------------------------------------------------------------
     def start(self) -> "Frontend":
@@ -199,9 +202,10 @@ class Frontend:
         entry = {"id": job.id, "status": job.status, "kind": job.request.kind, "images": job.request.n,
                  "steps": job.request.steps, "seed": job.request.seed, "accepted": job.accepted_wall,
                  "latency_s": round(latency, 6)}
+        entry["adapter"] = job.request.adapter[0] if job.request.adapter else None
         if job.status == 200:
             entry.update(replica=job.result["replica"], started=job.result["started"],
-                         finished=job.result["finished"])
+                         finished=job.result["finished"], batch=job.result.get("batch"))
         else:
             entry["error"] = str(job.result)
         with self._log_lock:
@@ -216,7 +220,10 @@ class Frontend:
             return self.refused(503, f"the server is {self.health}; retry when GET /health says ready",
                                 f"POST {_endpoint(kind)}")
         try:
+            body, adapter = self.adapters.resolve_model(body) if self.adapters else (body, None)
             request = parse_image_request(body, self.limits, kind)
+            if adapter is not None:
+                request = dataclasses.replace(request, adapter=(adapter["name"], adapter["path"], adapter["sha256"]))
             job = self.scheduler.submit(request)
         except RequestError as exc:
             return self.refused(exc.status, str(exc), f"POST {_endpoint(kind)}")
@@ -259,7 +266,8 @@ class Frontend:
     def models(self) -> dict:
         adapters = [{"name": name, "scale": scale} for name, scale in (self.limits.adapters if self.limits else ())]
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "paradiff", "adapters": adapters}]}
+                                            "owned_by": "paradiff", "adapters": adapters},
+                                           *(self.adapters.model_entries() if self.adapters else [])]}
 
     def render_metrics(self) -> str:
         queued, running = self.scheduler.depth()
@@ -405,6 +413,14 @@ def build_app(frontend: Frontend) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return frontend.models()
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        return await adapter_endpoint(frontend, request, "load", body_of)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        return await adapter_endpoint(frontend, request, "unload", body_of)
 
     @app.get("/health")
     async def health():

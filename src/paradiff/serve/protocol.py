@@ -57,6 +57,7 @@ class ImageRequest:
     frames: int | None = None
     fps: int = 16
     loras: tuple = ()  # ((adapter name, scale), ...) active for this request; () = none
+    adapter: tuple = ()  # ("name", "path", "sha256") of the adapter `model` named (serve/adapters.py); () = none
 
     def batch_key(self) -> tuple:
         """Requests with equal keys can share one pipeline call (each keeps its own prompt and seeds)."""

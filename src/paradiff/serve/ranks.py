@@ -50,6 +50,7 @@ from paradiff.distributed.comm import abort_process_groups, all_gather_json, bro
 from paradiff.distributed.failures import is_comm_error
 from paradiff.distributed.store import checked, get_json, open_store, put_json
 from paradiff.errors import DistributedError
+from paradiff.serve.adapters import adapter_chunks
 
 PREFIX = "paradiff/serve"
 # after a fault, how long rank 0 waits for a rank on another machine to say it is alive, before it takes it for dead
@@ -65,7 +66,7 @@ POLL_S = (0.001, 0.01)  # store polls: the first wait, and the longest (doubling
 
 SUMMARY = {"rank": int, "seconds": float, "images": int, "steps": int, "memory": int, "rss": int, "failed": dict,
            "cancelled": dict, "agreements": list}
-RESULT = {"files": list, "replica": int, "started": float, "finished": float}
+RESULT = {"files": list, "replica": int, "started": float, "finished": float, "batch": str}
 FILE = {"mime": str, "frames": (int, None)}
 ERROR = {"error": str, "comm": bool, "loading": bool}
 
@@ -197,6 +198,11 @@ class Replica:
         self.members: list[int] = [dist.get_rank()]  # this replica's ranks (set by serve_rank once groups exist)
         self.group = None  # a gloo group of them (None for a replica of one rank)
         self.on_step: Callable[[], None] | None = None  # rank 0: publish cancellations at every step
+        self.adapter_cache = None  # per-request adapters (serve/adapters.py), with --lora-modules / runtime loads
+        if getattr(args, "lora_modules", None) or getattr(args, "allow_runtime_lora", False):
+            from paradiff.serve.adapters import AdapterCache
+
+            self.adapter_cache = AdapterCache(self.pipeline.transformer, args.max_loras, args.max_lora_rank)
 
     def describe(self) -> dict:
         return {"kind": "video" if "num_frames" in self.parameters else "image",
@@ -257,14 +263,17 @@ class Replica:
         agreements: list[int] = []
         stamps = time.time()
         steps = 0
-        for chunk_index, start in enumerate(range(0, len(images), self.max_batch)):
-            chunk = images[start:start + self.max_batch]
+        batches: dict[int, str] = {}
+        for chunk_index, chunk in enumerate(adapter_chunks(images, self.max_batch, getattr(self.args, "max_loras", 1))):
             ids = sorted({item["id"] for item, _ in chunk})
             kwargs = self.call_kwargs(chunk[0][0])
             if "callback_on_step_end" in self.parameters:
                 kwargs["callback_on_step_end"] = self._step_end(ids, channel)
             self.use_adapters(tuple(chunk[0][0].get("loras", ())))
             try:
+                if self.adapter_cache is not None:  # between calls: a load never stalls a running one
+                    self.adapter_cache.prepare([item.get("adapter") for item, _ in chunk], self.pipeline,
+                                               self.members)
                 if len(chunk) == 1:  # as `paradiff generate` calls it: byte-identical outputs
                     (item, seed), = chunk
                     result = self.pipeline(prompt=item["prompt"], seed=seed, **kwargs)
@@ -292,12 +301,14 @@ class Replica:
             if self.pipeline.is_output_rank:
                 for (item, _), output in zip(chunk, outputs_of(result)):
                     files[item["id"]].append(_encode(output, item))
+                    batches.setdefault(item["id"], f"{number}.{chunk_index}")
         finished = time.time()
         if self.pipeline.is_output_rank:
             for item in items:
                 if item["id"] not in failed and item["id"] not in cancelled:
                     channel.put_result(item["id"], files[item["id"]], {"replica": self.replica, "started": stamps,
-                                                                      "finished": finished})
+                                                                      "finished": finished,
+                                                                      "batch": batches.get(item["id"], "")})
         return {"rank": channel.rank, "seconds": time.perf_counter() - started if items else 0.0,
                 "images": len(images), "steps": steps, "failed": {str(k): v for k, v in failed.items()},
                 "cancelled": {str(k): v for k, v in cancelled.items()}, "agreements": agreements}

@@ -57,7 +57,8 @@ class Job:
         return {"id": self.id, "prompt": r.prompt, "seeds": r.seeds(), "width": r.width, "height": r.height,
                 "steps": r.steps, "guidance": r.guidance, "negative_prompt": r.negative_prompt,
                 "true_cfg_scale": r.true_cfg_scale, "kind": r.kind, "frames": r.frames, "fps": r.fps,
-                "loras": list(r.loras)}
+                "loras": list(r.loras),
+                "adapter": dict(zip(("name", "path", "sha256"), r.adapter)) if r.adapter else None}
 
 
 class Scheduler:
