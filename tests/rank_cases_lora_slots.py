@@ -100,5 +100,42 @@ def mixed_batch(family: str, folder: str, mode: str, loras: dict[str, dict], sam
 
 
 def mixed_batch_cases(cases: list[dict]) -> list[dict]:
-    """Several `mixed_batch` cases in one pool run."""
-    return [dict(mixed_batch(**case), case=case) for case in cases]
+    """Several `mixed_batch` (or, with "pipeline": True, `mixed_batch_pipeline`) cases in one pool run."""
+    return [dict(mixed_batch_pipeline(**{k: v for k, v in case.items() if k != "pipeline"}) if case.get("pipeline")
+                 else mixed_batch(**case), case=case) for case in cases]
+
+
+def mixed_batch_pipeline(family: str, folder: str, mode: str, loras: dict[str, str], samples: list[str | None],
+                         steps: int = 2) -> dict:
+    """A pipeline call on one prompt per sample, each sample with its adapter (None: the base), against diffusers'
+    single-process pipeline with only that adapter in its transformer: the denoised latents, sample by sample."""
+    from diffusers import DiffusionPipeline
+
+    from paradiff.testing.pipelines import default_call_kwargs
+
+    torch.set_num_threads(1)
+    kwargs = dict(default_call_kwargs(family), num_inference_steps=steps, output_type="latent")
+    kwargs["prompt"] = [f"{kwargs['prompt']} {index}" for index in range(len(samples))]
+    reference = DiffusionPipeline.from_pretrained(folder)
+    pipeline = paradiff.load_pipeline(folder, parallel_config=ParallelConfig.from_degrees(**parse_mode(mode)))
+    for pipe in (reference, pipeline):
+        pipe.set_progress_bar_config(disable=True)
+    enable_adapter_slots(pipeline.transformer, max_loras=len(loras), max_lora_rank=8)
+    for name, path in loras.items():
+        load_slot_adapter(pipeline.transformer, name, path, use_safetensors=True)
+    set_sample_adapters(pipeline.transformer, samples)
+
+    def generators() -> list[torch.Generator]:
+        return [torch.Generator().manual_seed(index) for index in range(len(samples))]
+
+    actual = torch.as_tensor(pipeline(**kwargs, generator=generators()).images)
+    diffs = {}
+    for name in dict.fromkeys(samples):
+        if name is not None:
+            reference.transformer.load_lora_adapter(loras[name], adapter_name=name, use_safetensors=True)
+        expected = torch.as_tensor(reference(**kwargs, generator=generators()).images)
+        if name is not None:
+            reference.transformer.delete_adapters(name)
+        diffs.update({f"{row} {name}": relative_difference(actual[row], expected[row])
+                      for row, sample in enumerate(samples) if sample == name})
+    return {"rank": dist.get_rank(), "diffs": diffs}

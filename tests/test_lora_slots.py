@@ -85,11 +85,24 @@ def test_mixed_batch_on_a_plain_model_and_bad_names(slot_loras, checkpoints):
         load_slot_adapter(model, "detail", slot_loras["detail"]["path"], use_safetensors=True)
 
 
-def test_mixed_batch_matches_diffusers_per_sample_in_every_mode(pools, checkpoints, slot_loras):
-    """tp2 compiled (the first call, then a switch and an unload compile no new graph), tp2 on an int8 base; then tp2 x ulysses2."""
+@pytest.fixture(scope="module")
+def sd3_loras(tiny_pipeline_folders, tmp_path_factory) -> dict[str, str]:
+    from paradiff.testing.lora import save_pipeline_loras
+
+    files = save_pipeline_loras("sd3", tiny_pipeline_folders["sd3"], tmp_path_factory.mktemp("sd3-loras"))
+    return {name: str(files[name]) for name in ("style", "detail")}
+
+
+def test_mixed_batch_matches_diffusers_per_sample_in_every_mode(pools, checkpoints, slot_loras, tiny_pipeline_folders,
+                                                               sd3_loras):
+    """tp2 compiled (the first call, then a switch and an unload compile no new graph), tp2 on an int8 base, SD3's
+    pipeline at cfg2 (one transformer call on the batched branches, each rank one branch: every row's adapter follows
+    its sample); then tp2 x ulysses2."""
     folder = str(checkpoints[("flux", "single")])
     base = dict(family="flux", folder=folder, loras=slot_loras, samples=SAMPLES)
-    two = [dict(base, mode="tp2", compiled=True), dict(base, mode="tp2", scheme="int8")]
+    two = [dict(base, mode="tp2", compiled=True), dict(base, mode="tp2", scheme="int8"),
+           dict(family="sd3", folder=str(tiny_pipeline_folders["sd3"]), mode="cfg2", loras=sd3_loras,
+                samples=["detail", None, "style"], pipeline=True)]
     results = pools.get(2).run(cases.mixed_batch_cases, timeout_s=900, cases=two)
     results += pools.get(4).run(cases.mixed_batch_cases, timeout_s=900, cases=[dict(base, mode="tp2xulysses2")])
     for rank_results in results:

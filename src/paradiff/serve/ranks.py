@@ -141,7 +141,7 @@ class Channel:
         """The output rank: each file's bytes under its own key, then the JSON that says they are all there."""
         for index, file in enumerate(files):
             self.put_bytes(file["data"], "result", item_id, index)
-        self.put({**meta, "files": [{"mime": f["mime"], "frames": f.get("frames")} for f in files]},
+        self.put({"batch": "", **meta, "files": [{"mime": f["mime"], "frames": f.get("frames")} for f in files]},
                  "result", item_id)
 
     def take_result(self, item_id: int) -> dict | None:
