@@ -114,3 +114,37 @@ def test_mixed_batch_matches_diffusers_per_sample_in_every_mode(pools, checkpoin
                 assert max(result["unloaded"].values()) <= RTOL, (where, result["unloaded"])
                 assert result["graphs"]["first"] > 0
                 assert result["graphs"]["after switch and unload"] == result["graphs"]["first"], where
+
+
+def test_generate_with_an_adapter_column_draws_mixed_batches(tmp_path):
+    """`paradiff generate --lora A --lora B --prompts-file` with an adapter column: the three prompts in one call, each
+    image as diffusers draws it with only its adapter (within one level of 255: batched sums round differently)."""
+    import json
+
+    import numpy as np
+    from diffusers import DiffusionPipeline
+
+    from paradiff.cli.embedded import embedded_call_kwargs, embedded_default
+    from paradiff.cli.outputs import png_bytes
+    from paradiff.demo import LORA_FILE
+    from paradiff.testing import command
+    from test_serve import assert_same_picture
+
+    prompt = "a red circle on a blue background, top left"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"lora0\t{prompt}\n-\t{prompt}\nlora1\t{prompt}\n")
+    out = tmp_path / "out"
+    done = command.run(["-m", "paradiff.cli", "generate", "--steps", "2", "--prompts-file", str(prompts), "--lora",
+                        str(LORA_FILE), "--lora", f"{LORA_FILE}:0.5", "--batch", "3", "--out", str(out)], timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert [report["outputs"][str(i)].get("adapter") for i in range(3)] == ["lora0", None, "lora1"], report["outputs"]
+    pipeline = DiffusionPipeline.from_pretrained(str(embedded_default()))
+    pipeline.set_progress_bar_config(disable=True)
+    pipeline.load_lora_weights(str(LORA_FILE), adapter_name="swap")
+    for index, scale in enumerate([1.0, 0.0, 0.5]):
+        pipeline.set_adapters(["swap"], [scale])
+        image = pipeline(prompt=prompt, generator=torch.Generator("cpu").manual_seed(index), height=64, width=64,
+                         num_inference_steps=2, output_type="np", **embedded_call_kwargs()).images[0]
+        assert_same_picture((out / f"{index:04d}.png").read_bytes(), png_bytes(image))
+    assert np.any(np.asarray(image) != 0)

@@ -135,11 +135,12 @@ def disable_adapter_slots(model: nn.Module) -> None:
 
 def load_slot_adapter(model: nn.Module, name: str, source: Any, prefix: str | None = "transformer",
                       network_alphas: dict[str, float] | None = None, metadata: dict[str, Any] | None = None,
-                      identity: str | None = None, ranks: list[int] | None = None, **kwargs: Any) -> SlotAdapter:
+                      identity: str | None = None, ranks: list[int] | None = None, scale: float = 1.0,
+                      **kwargs: Any) -> SlotAdapter:
     """Load an adapter into a free slot under `name`. `source` is what `load_lora_adapter` takes (a local
     safetensors file in peft format is read by slices; a dict, e.g. from a pipeline's `lora_state_dict` with
     `network_alphas`, as diffusers converted it). `identity` (e.g. the file's sha256) replaces the content checksum
-    the ranks agree on. Called on every rank (of `ranks`, default all) with the same arguments."""
+    the ranks agree on; `scale` multiplies every module's scaling (as set_adapters' weight). Called on every rank (of `ranks`, default all) with the same arguments."""
     bank = adapter_bank(model)
     if bank is None:
         raise AdapterError(f"{type(model).__name__} has no adapter slots; call enable_adapter_slots first.")
@@ -156,6 +157,7 @@ def load_slot_adapter(model: nn.Module, name: str, source: Any, prefix: str | No
         specs = check_adapter(model, _resolved(model), adapter, None, False)
         scalings = module_scalings(adapter.shapes, _strip(network_alphas, prefix),
                                    _strip(metadata if metadata is not None else adapter.metadata, prefix), name)
+        scalings = {module: scaling * scale for module, scaling in scalings.items()}
         _check_fits(bank, adapter.shapes, name)
     except Exception as exc:  # noqa: BLE001 - shared with the other ranks, then re-raised
         error = exc
@@ -254,3 +256,37 @@ def _strip(values: dict[str, Any] | None, prefix: str | None) -> dict[str, Any] 
         return values
     return {key.removeprefix(f"{prefix}."): value for key, value in values.items()
             if str(key).startswith(f"{prefix}.")} or None
+
+
+def slot_adapter_source(pipeline: Any, path: str) -> tuple[Any, dict]:
+    """`load_slot_adapter`'s source and keywords for a pipeline's LoRA file: a file in diffusers' own format is
+    read by slices (with its metadata); any other format goes through the pipeline's `lora_state_dict`, diffusers'
+    converters (kohya, BFL, XLabs...), as `load_lora_weights` would. Text-encoder tensors are refused by name:
+    adapters per sample adapt the transformer only (the text encoders run once for the whole batch)."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as handle:
+        keys = list(handle.keys())
+    encoder = [key for key in keys if key.startswith(("text_encoder", "lora_te"))]
+    if encoder:
+        raise AdapterError(f"{path}: {len(encoder)} text-encoder tensor(s) (e.g. {encoder[0]}); adapters per sample "
+                           "adapt the transformer only. Use a transformer-only file, or --lora to mix it into "
+                           "every sample.")
+    if keys and all(key.startswith("transformer.") and ".lora_" in key for key in keys):
+        return path, {"use_safetensors": True}
+    try:
+        state, alphas = pipeline.lora_state_dict(path, return_alphas=True)
+    except TypeError:  # loaders without network alphas
+        state, alphas = pipeline.lora_state_dict(path), None
+    return state, {"network_alphas": alphas} if alphas else {}
+
+
+def source_max_rank(source: Any) -> int:
+    """The largest rank of an adapter given as a safetensors path (its header only) or a state dict."""
+    if isinstance(source, dict):
+        return max((t.shape[0] for k, t in source.items() if "lora_A" in k or "lora_down" in k), default=1)
+    from safetensors import safe_open
+
+    with safe_open(source, "pt") as handle:
+        return max((handle.get_slice(k).get_shape()[0] for k in handle.keys() if "lora_A" in k or "lora_down" in k),
+                   default=1)

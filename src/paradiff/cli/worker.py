@@ -25,7 +25,7 @@ from paradiff.distributed.store import open_store
 from paradiff.distributed.mesh import default_device
 from paradiff.quant.schemes import pipeline_quantization_config
 from paradiff.vae import get_vae_runtime
-from paradiff.cli.args import cache_config, gguf_files, lora_specs, quantize_skip, read_prompts
+from paradiff.cli.args import cache_config, gguf_files, lora_specs, prompt_adapters, quantize_skip, read_prompts
 from paradiff.cli.conditioning import conditioning_kwargs, requested_pipeline_class
 from paradiff.cli.compare import compare_single_process, picture_rows, write_compare_png
 from paradiff.cli.embedded import embedded_call_kwargs, embedded_default
@@ -205,9 +205,14 @@ def generate(args: argparse.Namespace, device: torch.device,
     made_without_lora: list[tuple[int, str, Output]] = []  # --also-without-lora: the same with the adapters off
     without_lora = bool(getattr(args, "also_without_lora", False))
     computed_steps: dict[int, dict[str, list[int]]] = {}  # prompt index -> cache context -> steps computed
+    column = prompt_adapters(args) if getattr(args, "prompts_file", None) else None  # an adapter per prompt
     with paradiff.split_between_processes(indexed, pipeline) as share:
-        # staged: the replica's prompts form one batch (each with its own seed), so each stage loads once
-        batches = [list(share)] if args.stages and share else [[item] for item in share]
+        # staged: the replica's prompts form one batch (each with its own seed), so each stage loads once; with an
+        # adapter column, batches of --batch prompts, each prompt with its own adapter (or none)
+        share = list(share)
+        batches = [share] if args.stages and share else [[item] for item in share]
+        if column is not None:
+            batches = [share[start:start + args.batch] for start in range(0, len(share), args.batch)]
         for batch in batches:
             stamps = [time.perf_counter()]
 
@@ -215,7 +220,11 @@ def generate(args: argparse.Namespace, device: torch.device,
                 stamps.append(time.perf_counter())
                 return callback_kwargs
 
-            if args.stages:
+            if column is not None:
+                from paradiff.api.lora_slots import set_sample_adapters
+
+                set_sample_adapters(pipeline.transformer, [column[index] for index, _ in batch])
+            if args.stages or column is not None:
                 generators = [torch.Generator("cpu").manual_seed(args.seed + index) for index, _ in batch]
                 result = pipeline(prompt=[prompt for _, prompt in batch], generator=generators,
                                   **step_callback(pipeline, on_step), **kwargs)
@@ -244,6 +253,8 @@ def generate(args: argparse.Namespace, device: torch.device,
                     made.append((index, prompt, output))
                 if pipeline.is_output_rank:
                     outputs[index] = {"prompt": prompt, **save_output(output, out, index, args.fps, rate)}
+                    if column is not None:
+                        outputs[index]["adapter"] = column[index]
                     if without_lora:
                         outputs[index]["without_lora"] = save_output(plain_output, out, index, args.fps, rate,
                                                                      suffix="-without-lora")
@@ -320,7 +331,10 @@ def load_from_args(args: argparse.Namespace, device: torch.device) -> Loaded:
                                       parallel_vae=False if args.no_parallel_vae else None,
                                       stages=args.stages, shard_text_encoders=False if args.whole_text_encoders else None)
     loras = lora_specs(args)
-    load_adapters(pipeline, loras, args.lora_weight_name)
+    if getattr(args, "prompts_file", None) and prompt_adapters(args) is not None:
+        load_slot_adapters(pipeline, loras)  # an adapter column: each prompt its own adapter, in mixed batches
+    else:
+        load_adapters(pipeline, loras, args.lora_weight_name)
     load_s = time.perf_counter() - start
     transformers = {name: module for name, module in pipeline.components.items()
                     if name.startswith("transformer") and isinstance(module, torch.nn.Module)}
@@ -364,6 +378,18 @@ def load_adapters(pipeline: Any, loras: list[dict], weight_name: str | None) -> 
     for lora in loras:
         pipeline.load_lora_weights(lora["path"], adapter_name=lora["adapter_name"], weight_name=weight_name)
     pipeline.set_adapters([lora["adapter_name"] for lora in loras], [lora["scale"] for lora in loras])
+
+
+def load_slot_adapters(pipeline: Any, loras: list[dict]) -> None:
+    """--lora with an adapter column in --prompts-file: each adapter in its own slot of the transformer
+    (api/lora_slots.py), at its --lora scale; the slots as wide as the widest adapter."""
+    from paradiff.api.lora_slots import enable_adapter_slots, load_slot_adapter, slot_adapter_source, source_max_rank
+
+    sources = [slot_adapter_source(pipeline, lora["path"]) for lora in loras]
+    enable_adapter_slots(pipeline.transformer, max_loras=len(loras),
+                         max_lora_rank=max(source_max_rank(source) for source, _ in sources))
+    for lora, (source, extra) in zip(loras, sources):
+        load_slot_adapter(pipeline.transformer, lora["adapter_name"], source, scale=lora["scale"], **extra)
 
 
 def quiet_other_ranks(rank: int) -> None:

@@ -33,20 +33,15 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def lora_header_ranks(path: Path) -> list[int]:
-    """The ranks of a safetensors LoRA file's factors, from its header alone (no tensor is read)."""
+def lora_header_ranks(path: Path) -> dict[str, int]:
+    """A safetensors LoRA file's factors (tensor name -> rank), from its header alone (no tensor is read)."""
     with open(path, "rb") as handle:
         size = struct.unpack("<Q", handle.read(8))[0]
         if size > 100 << 20:
             raise ValueError(f"a header of {size} bytes")
         header = json.loads(handle.read(size))
-    ranks = []
-    for key, entry in header.items():
-        if key == "__metadata__":
-            continue
-        if any(part in key for part in ("lora_A.weight", "lora_down.weight", "lora.down.weight")):
-            ranks.append(int(entry["shape"][0]))
-    return ranks
+    return {key: int(entry["shape"][0]) for key, entry in header.items() if key != "__metadata__"
+            and any(part in key for part in ("lora_A.weight", "lora_down.weight", "lora.down.weight"))}
 
 
 class AdapterRegistry:
@@ -102,9 +97,13 @@ class AdapterRegistry:
             raise RequestError(400, f"lora_path {path!r} is not a readable safetensors file ({exc})") from None
         if not ranks:
             raise RequestError(400, f"lora_path {path!r} holds no LoRA factors (no lora_A / lora_down tensors)")
-        if max(ranks) > self.max_rank:
-            raise RequestError(400, f"lora_path {path!r} has rank {max(ranks)}, above --max-lora-rank "
+        if max(ranks.values()) > self.max_rank:
+            raise RequestError(400, f"lora_path {path!r} has rank {max(ranks.values())}, above --max-lora-rank "
                                     f"{self.max_rank}; restart with a larger --max-lora-rank")
+        encoder = [key for key in ranks if key.startswith(("text_encoder", "lora_te"))]
+        if encoder:
+            raise RequestError(400, f"lora_path {path!r} adapts a text encoder too ({encoder[0]}); adapters per "
+                                    "request adapt the transformer only: serve a transformer-only file")
         entry = {"path": str(resolved), "sha256": file_sha256(resolved)}
         with self._lock:
             if name in self._adapters:
@@ -154,7 +153,8 @@ class AdapterCache:
     def prepare(self, adapters: list[dict | None], pipeline: Any, ranks: list[int] | None = None) -> None:
         """Make every adapter of one pipeline call resident (evicting the least recently used others), then set each
         sample's slot. `adapters`: one per sample, {"name", "path", "sha256"} or None (the base model)."""
-        from paradiff.api.lora_slots import load_slot_adapter, set_sample_adapters, unload_slot_adapter
+        from paradiff.api.lora_slots import (load_slot_adapter, set_sample_adapters, slot_adapter_source,
+                                             unload_slot_adapter)
 
         needed = {a["name"]: a for a in adapters if a is not None}
         if len(needed) > self.max_loras:
@@ -170,7 +170,7 @@ class AdapterCache:
                 victim = next(n for n in self.resident if n not in needed)
                 unload_slot_adapter(self.transformer, victim)
                 del self.resident[victim]
-            source, extra = adapter_arguments(pipeline, adapter["path"])
+            source, extra = slot_adapter_source(pipeline, adapter["path"])
             # each rank hashes the file itself: the ranks agree on that sha256 (and it must be the one rank 0 took
             # when the adapter was named) before any rank writes a slot
             local = file_sha256(adapter["path"])
@@ -181,22 +181,6 @@ class AdapterCache:
             self.resident[name] = local
             self.loads += 1
         set_sample_adapters(self.transformer, [None if a is None else a["name"] for a in adapters])
-
-
-def adapter_arguments(pipeline: Any, path: str) -> tuple[Any, dict]:
-    """A file in diffusers' own format is read by slices (with its metadata); any other format goes through the
-    pipeline's `lora_state_dict`, diffusers' converters (kohya, BFL, XLabs...), as `load_lora_weights` would."""
-    from safetensors import safe_open
-
-    with safe_open(path, "pt") as handle:
-        keys = list(handle.keys())
-    if keys and all(key.startswith("transformer.") and ".lora_" in key for key in keys):
-        return path, {"use_safetensors": True}
-    try:
-        state, alphas = pipeline.lora_state_dict(path, return_alphas=True)
-    except TypeError:  # loaders without network alphas
-        state, alphas = pipeline.lora_state_dict(path), None
-    return state, {"network_alphas": alphas} if alphas else {}
 
 
 def adapter_chunks(images: list[tuple[dict, int]], max_batch: int, max_loras: int) -> list[list[tuple[dict, int]]]:
