@@ -148,3 +148,22 @@ def test_generate_with_an_adapter_column_draws_mixed_batches(tmp_path):
                          num_inference_steps=2, output_type="np", **embedded_call_kwargs()).images[0]
         assert_same_picture((out / f"{index:04d}.png").read_bytes(), png_bytes(image))
     assert np.any(np.asarray(image) != 0)
+
+
+def test_an_adapter_column_names_only_lora_adapters(tmp_path):
+    from paradiff.cli.args import CliError, build_parser, check_args, prompt_adapters
+    from paradiff.demo import LORA_FILE
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("colour_swap\ta fox\n-\ta cat\nlora0\ta dog\n")
+    args = build_parser().parse_args(["generate", "--prompt", "first", "--prompts-file", str(prompts),
+                                      "--lora", str(LORA_FILE)])
+    check_args(args)
+    assert prompt_adapters(args) == [None, "lora0", None, "lora0"]
+    prompts.write_text("turbo\ta fox\n")
+    with pytest.raises(CliError, match=r"line 1: adapter 'turbo' is not a --lora adapter; valid: \['colour_swap', "
+                                       r"'lora0', '-'\]"):
+        check_args(args)
+    args = build_parser().parse_args(["generate", "--prompts-file", str(prompts)])
+    with pytest.raises(CliError, match="adapter column: give the adapters with --lora"):
+        check_args(args)

@@ -323,6 +323,8 @@ def prompt_adapters(args: argparse.Namespace) -> list[str | None] | None:
     if not any("\t" in line for line in lines):
         return None
     loras = lora_specs(args)
+    if not loras:
+        raise CliError(f"--prompts-file {args.prompts_file} has an adapter column: give the adapters with --lora")
     names = {lora["adapter_name"]: lora["adapter_name"] for lora in loras}
     stems = [Path(lora["path"]).name.removesuffix(".safetensors") for lora in loras]
     # a file name given twice (the same file at two scales) names neither: loraN does
@@ -452,8 +454,6 @@ def check_args(args: argparse.Namespace) -> None:
         if (lora["path"].startswith((".", "/")) or path.suffix == ".safetensors") and not path.exists():
             raise CliError(f"--lora {lora['path']}: no such file or folder")
     if getattr(args, "prompts_file", None) and prompt_adapters(args) is not None:
-        if not lora_specs(args):
-            raise CliError(f"--prompts-file {args.prompts_file} has an adapter column: give the adapters with --lora")
         for flag in ("also_without_lora", "compare", "stages"):
             if getattr(args, flag, False):
                 raise CliError(f"--{flag.replace('_', '-')} with an adapter column in --prompts-file: not supported "
