@@ -148,7 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_options(gen)
     gen.add_argument("--prompt", action="append", default=None,
                      help="a prompt (repeatable); default: the embedded pipeline's demo prompts")
-    gen.add_argument("--prompts-file", default=None, help="a text file with one prompt per line")
+    gen.add_argument("--prompts-file", default=None,
+                     help="a text file with one prompt per line; a line 'ADAPTER<TAB>PROMPT' draws that prompt with "
+                          "one --lora adapter only (its file name without .safetensors, or loraN; '-' for none), "
+                          "prompts with different adapters in one call (docs/lora.md, adapters per sample)")
+    gen.add_argument("--batch", type=_positive, default=4,
+                     help="with an adapter column in --prompts-file: prompts per pipeline call (default 4)")
     gen.add_argument("--seed", type=int, default=0, help="random seed of the first prompt; prompt i uses seed + i")
     gen.add_argument("--dry-run", action="store_true",
                      help="print each rank's memory for this mesh (weights held, FSDP gathers, activations) from the "
@@ -226,6 +231,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allow-host", action="append", default=None, metavar="NAME[:PORT]",
                        help="a Host name served besides localhost, 127.0.0.1 and [::1] when bound to loopback (a "
                             "reverse proxy's name); repeatable; other Host headers get 403 (DNS rebinding)")
+    serve.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
+                       help="adapters served per request, as vLLM takes them: each is a model id of its own "
+                            "(\"model\": NAME); requests with different adapters still run in one call")
+    serve.add_argument("--allow-runtime-lora", action="store_true",
+                       help="take POST /v1/load_lora_adapter and /v1/unload_lora_adapter (files under --lora-root)")
+    serve.add_argument("--lora-root", default=None, metavar="DIR",
+                       help="the folder runtime adapter loads may read from (nothing outside it is read)")
+    serve.add_argument("--max-loras", type=_positive, default=4,
+                       help="adapters resident on the ranks at once (least recently used out first); also the most "
+                            "distinct adapters in one pipeline call")
+    serve.add_argument("--max-lora-rank", type=_positive, default=64, help="the largest adapter rank served")
     serve.add_argument("--out", default="out/serve",
                        help="the server's folder: requests.jsonl, one line per answered request; jobs.db and "
                             "jobs/<id>/, the video jobs and their files (no request names a path)")
@@ -286,12 +302,41 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
             text = Path(args.prompts_file).read_text()
         except OSError as exc:
             raise CliError(f"cannot read --prompts-file {args.prompts_file}: {exc.strerror}") from None
-        prompts += [line.strip() for line in text.splitlines() if line.strip()]
+        # a line ADAPTER<TAB>PROMPT: the prompt is after the tab (prompt_adapters reads the column)
+        prompts += [line.split("\t", 1)[-1].strip() for line in text.splitlines() if line.strip()]
     if not prompts:
         from paradiff.demo import DEFAULT_PROMPTS
 
         prompts = list(DEFAULT_PROMPTS) if args.model is None else ["a red cube on a blue table"]
     return prompts
+
+
+def prompt_adapters(args: argparse.Namespace) -> list[str | None] | None:
+    """The --prompts-file's adapter column, one entry per prompt of read_prompts (None: no adapter; --prompt ones
+    first, without), as --lora adapter names (lora0, lora1...); None when no line has the column."""
+    if not args.prompts_file:
+        return None
+    try:
+        lines = [line for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
+    except OSError as exc:
+        raise CliError(f"cannot read --prompts-file {args.prompts_file}: {exc.strerror}") from None
+    if not any("\t" in line for line in lines):
+        return None
+    loras = lora_specs(args)
+    if not loras:
+        raise CliError(f"--prompts-file {args.prompts_file} has an adapter column: give the adapters with --lora")
+    names = {lora["adapter_name"]: lora["adapter_name"] for lora in loras}
+    stems = [Path(lora["path"]).name.removesuffix(".safetensors") for lora in loras]
+    # a file name given twice (the same file at two scales) names neither: loraN does
+    names.update({stem: lora["adapter_name"] for stem, lora in zip(stems, loras) if stems.count(stem) == 1})
+    column: list[str | None] = [None] * len(args.prompt or [])
+    for number, line in enumerate(lines, 1):
+        label = line.split("\t", 1)[0].strip() if "\t" in line else "-"
+        if label != "-" and label not in names:
+            raise CliError(f"--prompts-file {args.prompts_file} line {number}: adapter {label!r} is not a --lora "
+                           f"adapter; valid: {sorted(names) + ['-']}")
+        column.append(None if label == "-" else names[label])
+    return column
 
 
 def gguf_files(args: argparse.Namespace) -> dict[str, str]:
@@ -383,6 +428,11 @@ def check_args(args: argparse.Namespace) -> None:
         path = Path(lora["path"])
         if (lora["path"].startswith((".", "/")) or path.suffix == ".safetensors") and not path.exists():
             raise CliError(f"--lora {lora['path']}: no such file or folder")
+    if getattr(args, "prompts_file", None) and prompt_adapters(args) is not None:
+        for flag in ("also_without_lora", "compare", "stages"):
+            if getattr(args, flag, False):
+                raise CliError(f"--{flag.replace('_', '-')} with an adapter column in --prompts-file: not supported "
+                               "(each prompt runs its own adapter in mixed batches); drop one of them")
     if getattr(args, "also_without_lora", False) and not lora_specs(args):
         raise CliError("--also-without-lora draws each prompt without and with the --lora adapters: give --lora too")
     if getattr(args, "also_without_lora", False) and args.stages:

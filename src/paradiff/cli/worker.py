@@ -26,7 +26,8 @@ from paradiff.distributed.store import open_store
 from paradiff.distributed.mesh import default_device
 from paradiff.quant.schemes import pipeline_quantization_config
 from paradiff.vae import get_vae_runtime
-from paradiff.cli.args import cache_config, gguf_files, lora_specs, quantize_skip, read_prompts
+from paradiff.cli.args import (cache_config, gguf_files, lora_specs, prompt_adapters, quantize_skip,
+                               read_prompts)
 from paradiff.cli.common import _plan_argument
 from paradiff.cli.conditioning import conditioning_kwargs, requested_pipeline_class
 from paradiff.cli.compare import compare_single_process, picture_rows, write_compare_png
@@ -202,9 +203,14 @@ def generate(args: argparse.Namespace, device: torch.device,
     without_lora = bool(getattr(args, "also_without_lora", False))
     computed_steps: dict[int, dict[str, list[int]]] = {}  # prompt index -> cache context -> steps computed
     bar = contextlib.ExitStack()
+    column = prompt_adapters(args) if getattr(args, "prompts_file", None) else None  # an adapter per prompt
     with paradiff.split_between_processes(indexed, pipeline) as share:
-        # staged: the replica's prompts form one batch (each with its own seed), so each stage loads once
-        batches = [list(share)] if args.stages and share else [[item] for item in share]
+        # staged: the replica's prompts form one batch (each with its own seed), so each stage loads once; with an
+        # adapter column, batches of --batch prompts, each prompt with its own adapter (or none)
+        share = list(share)
+        batches = [share] if args.stages and share else [[item] for item in share]
+        if column is not None:
+            batches = [share[start:start + args.batch] for start in range(0, len(share), args.batch)]
         calls = len(batches) * (2 if without_lora else 1)
         advance = bar.enter_context(step_progress(calls * args.steps if args.steps else None, "paradiff: denoising",
                                                   _console_is_terminal()))
@@ -216,7 +222,11 @@ def generate(args: argparse.Namespace, device: torch.device,
                 advance(1)
                 return callback_kwargs
 
-            if args.stages:
+            if column is not None:
+                from paradiff.api.lora_slots import set_sample_adapters
+
+                set_sample_adapters(pipeline.transformer, [column[index] for index, _ in batch])
+            if args.stages or column is not None:
                 generators = [torch.Generator("cpu").manual_seed(args.seed + index) for index, _ in batch]
                 result = pipeline(prompt=[prompt for _, prompt in batch], generator=generators,
                                   **step_callback(pipeline, on_step), **kwargs)
@@ -245,6 +255,8 @@ def generate(args: argparse.Namespace, device: torch.device,
                     made.append((index, prompt, output))
                 if pipeline.is_output_rank:
                     outputs[index] = {"prompt": prompt, **save_output(output, out, index, args.fps, rate)}
+                    if column is not None:
+                        outputs[index]["adapter"] = column[index]
                     if without_lora:
                         outputs[index]["without_lora"] = save_output(plain_output, out, index, args.fps, rate,
                                                                      suffix="-without-lora")
@@ -323,7 +335,10 @@ def load_from_args(args: argparse.Namespace, device: torch.device) -> Loaded:
                                       parallel_vae=False if args.no_parallel_vae else None,
                                       stages=args.stages, shard_text_encoders=False if args.whole_text_encoders else None)
     loras = lora_specs(args)
-    load_adapters(pipeline, loras, args.lora_weight_name)
+    if getattr(args, "prompts_file", None) and prompt_adapters(args) is not None:
+        load_slot_adapters(pipeline, loras)  # an adapter column: each prompt its own adapter, in mixed batches
+    else:
+        load_adapters(pipeline, loras, args.lora_weight_name)
     load_s = time.perf_counter() - start
     transformers = {name: module for name, module in pipeline.components.items()
                     if name.startswith("transformer") and isinstance(module, torch.nn.Module)}
@@ -353,6 +368,18 @@ def quantized_components(args: argparse.Namespace) -> tuple[str, ...]:
     prefixes = ("transformer", "text_encoder") if getattr(args, "quantize_text_encoders", False) else ("transformer",)
     return tuple(sorted(name for name, entry in index.items()
                         if name.startswith(prefixes) and isinstance(entry, list) and None not in entry))
+
+
+def load_slot_adapters(pipeline: Any, loras: list[dict]) -> None:
+    """--lora with an adapter column in --prompts-file: each adapter in its own slot of the transformer
+    (api/lora_slots.py), at its --lora scale; the slots as wide as the widest adapter."""
+    from paradiff.api.lora_slots import enable_adapter_slots, load_slot_adapter, slot_adapter_source, source_max_rank
+
+    sources = [slot_adapter_source(pipeline, lora["path"]) for lora in loras]
+    enable_adapter_slots(pipeline.transformer, max_loras=len(loras),
+                         max_lora_rank=max(source_max_rank(source) for source, _ in sources))
+    for lora, (source, extra) in zip(loras, sources):
+        load_slot_adapter(pipeline.transformer, lora["adapter_name"], source, scale=lora["scale"], **extra)
 
 
 def quiet_other_ranks(rank: int) -> None:

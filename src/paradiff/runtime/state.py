@@ -36,6 +36,7 @@ class ModelState:
     parallel: ParallelState | None = None
     cache_monitor: Any = None  # runtime.caching.CacheMonitor once a step cache went through paradiff
     wrappers: WrapperRegistry = field(default_factory=WrapperRegistry)
+    adapter_bank: Any = None  # api.lora_slots.AdapterBank once per-sample adapter slots are enabled
 
 
 @dataclass

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import dataclasses
 import hmac
 import json
 import os
@@ -42,6 +43,7 @@ from starlette.requests import ClientDisconnect
 from paradiff.cli.report import say
 from paradiff.serve.images import MIME_TYPES, encode_output, parse_edit_request
 from paradiff.serve.jobs import LIST_LIMIT, Jobs, form_fields, keep_results, open_store, video_object
+from paradiff.serve.adapters import adapter_endpoint, adapter_registry
 from paradiff.serve.metrics import Metrics
 from paradiff.serve.protocol import (ENDPOINTS, ImageRequest, Limits, RequestError, error_body, parse_image_request,
                                      with_seed)
@@ -93,6 +95,7 @@ class Frontend:
         self.replicas = 1
         self.progress = ProgressRouter(self._step_progress, self._preview)  # step events and previews (stream.py)
         self.jobs = Jobs(open_store(args), self.out / "jobs", keep_results(args.keep_results), self.scheduler)
+        self.adapters = adapter_registry(args, model_name)  # per-request adapters (serve/adapters.py), or None
 
     # -- lifetime -----------------------------------------------------------------------------------------------
     def start(self) -> "Frontend":
@@ -251,9 +254,10 @@ class Frontend:
         entry = {"id": job.id, "status": job.status, "kind": job.request.kind, "images": job.request.n,
                  "steps": job.request.steps, "seed": job.request.seed, "accepted": job.accepted_wall,
                  "latency_s": round(latency, 6)}
+        entry["adapter"] = job.request.adapter[0] if job.request.adapter else None
         if job.status == 200:
             entry.update(replica=job.result["replica"], started=job.result["started"],
-                         finished=job.result["finished"])
+                         finished=job.result["finished"], batch=job.result.get("batch"))
         else:
             entry["error"] = str(job.result)
         with self._log_lock:
@@ -269,8 +273,11 @@ class Frontend:
             return self.refused(503, f"the server is {self.health}; retry when GET /health says ready",
                                 f"POST {_endpoint(kind)}")
         try:
+            body, adapter = self.adapters.resolve_model(body) if self.adapters else (body, None)
             request = (parse_edit_request(body, self.limits) if kind == "edit"
                        else parse_image_request(body, self.limits, kind))
+            if adapter is not None:
+                request = dataclasses.replace(request, adapter=(adapter["name"], adapter["path"], adapter["sha256"]))
             job = self.scheduler.submit(with_seed(request))
         except RequestError as exc:
             return self.refused(exc.status, str(exc), f"POST {_endpoint(kind)}", exc.param, exc.code)
@@ -310,7 +317,7 @@ class Frontend:
         return JSONResponse(body, status_code=status, headers=headers)
 
     def models(self) -> dict:
-        return {"object": "list", "data": [self.model()]}
+        return {"object": "list", "data": [self.model(), *(self.adapters.model_entries() if self.adapters else [])]}
 
     def model(self) -> dict:
         """OpenAI's model object (`created`: when the pipeline was loaded) and the adapters loaded with it."""
@@ -582,6 +589,13 @@ def build_app(frontend: Frontend) -> FastAPI:
         return frontend.models()
 
     add_openai_routes(app, frontend, bytes_of)
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        return await adapter_endpoint(frontend, request, "load", body_of)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        return await adapter_endpoint(frontend, request, "unload", body_of)
 
     @app.get("/health")
     async def health():
@@ -615,6 +629,10 @@ def add_openai_routes(app: FastAPI, frontend: Frontend, bytes_of) -> None:
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
+        adapter = next((entry for entry in (frontend.adapters.model_entries() if frontend.adapters else [])
+                        if entry["id"] == model_id), None)
+        if adapter is not None:  # an adapter loaded per request (serve/adapters.py): a model id of its own
+            return adapter
         if model_id != frontend.model_name:
             return frontend.refusal(404, f"model {model_id!r} is not served here; this server serves "
                                          f"{frontend.model_name!r}", f"GET /v1/models/{model_id}", param="model",

@@ -95,6 +95,7 @@ class ImageRequest:
     strength: float | None = None
     stream: bool = False  # answered as server-sent events (serve/stream.py)
     partial_images: int = 0  # previews streamed while it is denoised
+    adapter: tuple = ()  # ("name", "path", "sha256") of the adapter `model` named (serve/adapters.py); () = none
 
     def batch_key(self) -> tuple:
         """Requests with equal keys can share one pipeline call (each keeps its own prompt and seeds)."""

@@ -59,6 +59,7 @@ from paradiff.distributed.store import checked, get_json, open_store, put_json
 from paradiff.errors import DistributedError
 from paradiff.runtime.progress import StepClock, StepEvent
 from paradiff.serve.stream import StepPublisher, preview_maker
+from paradiff.serve.adapters import adapter_chunks
 
 PREFIX = "paradiff/serve"
 # after a fault, how long rank 0 waits for a rank on another machine to say it is alive, before it takes it for dead
@@ -74,7 +75,7 @@ POLL_S = (0.001, 0.01)  # store polls: the first wait, and the longest (doubling
 
 SUMMARY = {"rank": int, "replica": int, "step_s": list, "seconds": float, "images": int, "steps": int, "memory": int,
            "rss": int, "failed": dict, "cancelled": dict, "agreements": list}
-RESULT = {"files": list, "replica": int, "started": float, "finished": float}
+RESULT = {"files": list, "replica": int, "started": float, "finished": float, "batch": str}
 FILE = {"mime": str, "frames": (int, None)}
 ERROR = {"error": str, "comm": bool, "loading": bool}
 PROGRESS = {"done": int, "total": int}
@@ -150,7 +151,7 @@ class Channel:
         """The output rank: each file's bytes under its own key, then the JSON that says they are all there."""
         for index, file in enumerate(files):
             self.put_bytes(file["data"], "result", item_id, index)
-        self.put({**meta, "files": [{"mime": f["mime"], "frames": f.get("frames")} for f in files]},
+        self.put({"batch": "", **meta, "files": [{"mime": f["mime"], "frames": f.get("frames")} for f in files]},
                  "result", item_id)
 
     def take_result(self, item_id: int) -> dict | None:
@@ -212,6 +213,11 @@ class Replica:
         self.step_listeners: list[Callable[[StepEvent], None]] = []
         self.previews = "no previews"  # what previews this server makes (serve_rank sets it)
         self._clock = StepClock()
+        self.adapter_cache = None  # per-request adapters (serve/adapters.py), with --lora-modules / runtime loads
+        if getattr(args, "lora_modules", None) or getattr(args, "allow_runtime_lora", False):
+            from paradiff.serve.adapters import AdapterCache
+
+            self.adapter_cache = AdapterCache(self.pipeline.transformer, args.max_loras, args.max_lora_rank)
 
     def describe(self) -> dict:
         from paradiff.plans.pipelines import call_keyword
@@ -293,14 +299,14 @@ class Replica:
         steps = 0
         self._clock = StepClock()
         per_call = 1 if any(item.get("images") for item in items) else self.max_batch  # an edit: one image a call
-        starts = range(0, len(images), per_call)
+        chunks = adapter_chunks(images, per_call, getattr(self.args, "max_loras", 1))
         calls = {item["id"]: 0 for item in items}  # how many calls each item's images take, and have taken
-        for start in starts:
-            for item_id in {item["id"] for item, _ in images[start:start + per_call]}:
+        for chunk in chunks:
+            for item_id in {item["id"] for item, _ in chunk}:
                 calls[item_id] += 1
         progress = {item_id: [0, count * items[0]["steps"]] for item_id, count in calls.items()} if items else {}
-        for chunk_index, start in enumerate(starts):
-            chunk = images[start:start + per_call]
+        batches: dict[int, str] = {}
+        for chunk_index, chunk in enumerate(chunks):
             ids = sorted({item["id"] for item, _ in chunk})
             kwargs = self.call_kwargs(chunk[0][0])
             if "callback_on_step_end" in self.parameters:
@@ -312,6 +318,9 @@ class Replica:
                 self._clock.begin()
             self.use_adapters(tuple(chunk[0][0].get("loras", ())))
             try:
+                if self.adapter_cache is not None:  # between calls: a load never stalls a running one
+                    self.adapter_cache.prepare([item.get("adapter") for item, _ in chunk], self.pipeline,
+                                               self.members)
                 if len(chunk) == 1:  # as `paradiff generate` calls it: byte-identical outputs
                     (item, seed), = chunk
                     result = self.pipeline(prompt=item["prompt"], seed=seed, **kwargs)
@@ -341,12 +350,14 @@ class Replica:
             if self.pipeline.is_output_rank:
                 for (item, _), output in zip(chunk, outputs_of(result)):
                     files[item["id"]] += _encode(output, item)
+                    batches.setdefault(item["id"], f"{number}.{chunk_index}")
         finished = time.time()
         if self.pipeline.is_output_rank:
             for item in items:
                 if item["id"] not in failed and item["id"] not in cancelled:
                     channel.put_result(item["id"], files[item["id"]], {"replica": self.replica, "started": stamps,
-                                                                      "finished": finished})
+                                                                      "finished": finished,
+                                                                      "batch": batches.get(item["id"], "")})
         step_s = self._clock.times if self.pipeline.is_output_rank else []
         return {"rank": channel.rank, "replica": self.replica, "step_s": step_s,
                 "seconds": time.perf_counter() - started if items else 0.0,

@@ -78,6 +78,7 @@ class Job:
                 "steps": r.steps, "guidance": r.guidance, "negative_prompt": r.negative_prompt,
                 "true_cfg_scale": r.true_cfg_scale, "kind": r.kind, "frames": r.frames, "fps": r.fps,
                 "loras": list(r.loras), "partial_images": r.partial_images,
+                "adapter": dict(zip(("name", "path", "sha256"), r.adapter)) if r.adapter else None,
                 **(_edit_inputs(r) if r.images else {})}
 
 
