@@ -380,7 +380,7 @@ class Replica:
             if channel.rank == lead:
                 for item_id in ids:
                     done, total = progress[item_id]
-                    channel.put({"done": min(total, done + step + 1), "total": total}, "progress", item_id)
+                    channel.put({"done": min(total, done + step + 1), "total": total}, "job progress", item_id)
             if self.on_step is not None:
                 self.on_step()
             flag = channel.rank == lead and any(channel.has("cancel", i) for i in ids)
@@ -575,8 +575,8 @@ def _publish_cancellations(channel: Channel, frontend) -> None:
 def _step_news(channel: Channel, frontend) -> None:
     """Rank 0: the running jobs' progress in (`_exchange`)."""
     for job_id in frontend.scheduler.running_ids():
-        if channel.has("progress", job_id):
-            news = channel.get(PROGRESS, "progress", job_id)
+        if channel.has("job progress", job_id):
+            news = channel.get(PROGRESS, "job progress", job_id)
             frontend.job_progress(job_id, news["done"], news["total"])
 
 
@@ -585,7 +585,7 @@ def _forget_round(channel: Channel, number: int, decision: dict, summaries: list
     for batch in decision["batches"]:
         for item in batch:
             channel.delete("cancel", item["id"])
-            channel.delete("progress", item["id"])
+            channel.delete("job progress", item["id"])
     for chunk in {c for s in summaries for c in s["agreements"]}:
         for r in range(channel.world):
             channel.delete("round", number, "fail", chunk, r)
