@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import gc
 import importlib
+import math
 import os
 import queue
 import signal
@@ -38,15 +39,20 @@ def host_store(timeout_s: float):
     `.port` as clients (rank_store); the store lives as long as this object."""
     import torch.distributed as dist
 
-    return dist.TCPStore(LOCALHOST, 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    return dist.TCPStore(LOCALHOST, 0, None, True, timeout=_store_timeout(timeout_s), wait_for_workers=False)
 
 
 def rank_store(port: int, timeout_s: float):
     """A rank's client of the store host_store serves on `port`."""
     import torch.distributed as dist
 
-    return dist.TCPStore(LOCALHOST, port, None, False, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.TCPStore(LOCALHOST, port, None, False, timeout=_store_timeout(timeout_s))
+
+
+def _store_timeout(timeout_s: float) -> datetime.timedelta:
+    # run_ranks(timeout_s=inf) (tools/train_demo.py) waits without limit; a store's timeout must be finite: torch's
+    # default process-group timeout, 30 minutes, then
+    return datetime.timedelta(seconds=timeout_s if math.isfinite(timeout_s) else 1800.0)
 
 
 def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
