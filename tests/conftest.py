@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 from pathlib import Path
 
@@ -35,14 +34,6 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
 # The fast lane (`make test-fast`, -m "not slow") leaves out what starts processes: tests on the rank pools and the
 # files that run the `paradiff` command or whole trainings as subprocesses.
 SUBPROCESS_FILES = {"test_cli.py", "test_cli_video.py", "test_demo.py", "test_reliability.py", "test_stage_memory.py"}
-
-
-def pytest_collection_finish(session):
-    """The test modules have imported torch, diffusers and transformers: their millions of objects leave the garbage
-    collector's reach (gc.freeze), so this process's full collections walk only what the tests make (measured on
-    test_pipelines + test_tiny_pipelines under load: 18 full collections, 17.7 s, most of it over the imports)."""
-    gc.collect()
-    gc.freeze()
 
 
 # Under `-n 2 --dist loadfile` a worker takes the next file as it finishes one: the longest files go first, so that
