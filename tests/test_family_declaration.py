@@ -12,7 +12,7 @@ from paradiff.plans import families, family_of, text_encoder_families
 from paradiff.plans import text_encoders
 from paradiff.plans.family import Family
 
-HELPERS = {"auto", "common", "family", "pipelines", "reference_configs", "vae"}  # helpers, per-pipeline rules, configs
+HELPERS = {"auto", "common", "family", "pipelines", "previews", "reference_configs", "vae"}  # helpers, per-pipeline rules, configs
 
 
 def plan_modules(package):
