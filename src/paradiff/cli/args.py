@@ -212,6 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "replicas, a batch); default 0: under load requests wait together anyway, and an idle "
                             "server adds no latency")
     serve.add_argument("--max-queue", type=_positive, default=64, help="waiting requests before new ones get 503")
+    serve.add_argument("--schedule", choices=("fair", "fifo"), default="fair",
+                       help="which waiting request a free replica takes: 'fair' (default) lets short requests pass "
+                            "long ones that arrived within 4x their own expected run time; 'fifo' the oldest")
+    serve.add_argument("--max-wait", type=float, default=None, metavar="SECONDS",
+                       help="refuse a request up front (503, Retry-After) when its expected wait is above this "
+                            "(default: no limit)")
     serve.add_argument("--request-timeout", type=float, default=600.0,
                        help="seconds from acceptance to answer; a request past it gets 504")
     serve.add_argument("--max-steps", type=_positive, default=None,

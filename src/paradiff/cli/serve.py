@@ -21,6 +21,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
         raise CliError("--compare is a `generate` flag; compare a server's answers with `paradiff generate`")
     if not 0 <= args.batch_window <= 10:
         raise CliError(f"--batch-window {args.batch_window}: expected seconds from 0 to 10")
+    if args.max_wait is not None and args.max_wait <= 0:
+        raise CliError(f"--max-wait {args.max_wait}: expected a number of seconds > 0")
     if args.request_timeout <= 0:
         raise CliError(f"--request-timeout {args.request_timeout}: expected a number of seconds > 0")
     if args.max_steps is not None and args.steps > args.max_steps:

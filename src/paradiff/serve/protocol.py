@@ -15,7 +15,10 @@ CALL_PARAMETERS = {"guidance": "guidance_scale", "true_cfg_scale": "true_cfg_sca
 
 
 class RequestError(Exception):
-    """A request the server refuses: `status` is the HTTP code, the message says what is wrong and what is valid."""
+    """A request the server refuses: `status` is the HTTP code, the message says what is wrong and what is valid;
+    `retry_after`: seconds worth waiting before a retry (sent as Retry-After), where known."""
+
+    retry_after: int | None = None
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)

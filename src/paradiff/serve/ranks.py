@@ -30,6 +30,7 @@ answered 503, /health says failed and the ranks exit non-zero.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import gc
 import json
@@ -64,7 +65,9 @@ AGREE_WAIT_S = 2.0
 POLL_S = (0.001, 0.01)  # store polls: the first wait, and the longest (doubling in between)
 
 SUMMARY = {"rank": int, "seconds": float, "images": int, "steps": int, "memory": int, "rss": int, "failed": dict,
-           "cancelled": dict, "agreements": list}
+           "cancelled": dict, "agreements": list, "refused": dict}
+WORK = {"kind": str, "items": list}
+READY = {"info": dict, "ranks": list}
 RESULT = {"files": list, "replica": int, "started": float, "finished": float}
 FILE = {"mime": str, "frames": (int, None)}
 ERROR = {"error": str, "comm": bool, "loading": bool}
@@ -82,11 +85,12 @@ class Channel:
     """The store shared by every rank, with keys of the current generation (one per process group). Values are JSON
     (checked against a schema on read) or raw bytes."""
 
-    def __init__(self, store: dist.Store, rank: int, world: int) -> None:
-        self.store, self.rank, self.world, self.generation = store, rank, world, 0
+    def __init__(self, store: dist.Store, rank: int, world: int, scope: str = "", generation: int = 0) -> None:
+        # rank and world: within the scope (a replica's own ranks, "r1"); "" the whole server
+        self.store, self.rank, self.world, self.scope, self.generation = store, rank, world, scope, generation
 
     def key(self, *parts: Any) -> str:
-        return "/".join([PREFIX, f"gen{self.generation}", *map(str, parts)])
+        return "/".join([PREFIX, *([self.scope] if self.scope else []), f"gen{self.generation}", *map(str, parts)])
 
     def put(self, value: Any, *parts: Any) -> None:
         put_json(self.store, self.key(*parts), value)
@@ -155,10 +159,9 @@ class Channel:
 
     def forget_generation(self, generation: int) -> None:
         """Rank 0, once every rank runs a later generation: the fault keys of `generation` go."""
-        keys = [f"{PREFIX}/gen{generation}/{part}" for part in
-                ["decision", "fault", *(f"{kind}/{r}" for kind in ("error", "alive") for r in range(self.world))]]
-        for key in keys:
-            self.store.delete_key(key)
+        old = Channel(self.store, self.rank, self.world, self.scope, generation)
+        for parts in [("decision",), ("fault",), *((kind, r) for kind in ("error", "alive") for r in range(self.world))]:
+            old.delete(*parts)
 
 
 def join_group(channel: Channel, backend: str, timeout_s: float) -> dist.ProcessGroup | None:
@@ -169,41 +172,31 @@ def join_group(channel: Channel, backend: str, timeout_s: float) -> dist.Process
     return None if backend == "gloo" else dist.new_group(backend="gloo")
 
 
-def replica_groups(replicas: list[int]) -> dict[int, tuple[list[int], Any]]:
-    """replica -> (its ranks, a gloo group of them): where a replica's ranks agree on a step's cancellation. Every
-    rank creates every group, in the same order (torch's rule for new_group)."""
-    groups = {}
-    for replica in sorted(set(replicas)):
-        members = [rank for rank, r in enumerate(replicas) if r == replica]
-        groups[replica] = (members, dist.new_group(ranks=members, backend="gloo") if len(members) > 1 else None)
-    return groups
-
-
 class Replica:
     """This rank's share of the serving: its replica's pipeline and how a batch of work items becomes calls."""
 
-    def __init__(self, loaded: Loaded, args: argparse.Namespace, max_batch: int) -> None:
-        from paradiff.api.data_parallel import data_coordinates
-
+    def __init__(self, loaded: Loaded, args: argparse.Namespace, max_batch: int, replica: int = 0,
+                 replicas: int = 1) -> None:
         self.pipeline = loaded.pipeline
         self.pipeline.set_progress_bar_config(disable=True)  # one log line per request instead
         self.monitors = loaded.monitors
         self.args = args
         self.max_batch = max_batch
-        self.replica, self.replicas = data_coordinates(self.pipeline)
+        self.replica, self.replicas = replica, replicas
         self.parameters = set(call_parameters(self.pipeline))
         self.adapters = tuple((lora["adapter_name"], lora["scale"]) for lora in loaded.loras)
         self._active: tuple | None = self.adapters  # load_from_args mixed them at their start scales
-        self.members: list[int] = [dist.get_rank()]  # this replica's ranks (set by serve_rank once groups exist)
-        self.group = None  # a gloo group of them (None for a replica of one rank)
-        self.on_step: Callable[[], None] | None = None  # rank 0: publish cancellations at every step
+        self.members: list[int] = list(range(dist.get_world_size()))  # this replica's ranks: its own world
+        self.group = None  # the gloo group they agree in (None: the default group, gloo on CPU)
 
     def describe(self) -> dict:
+        """What rank 0's frontend needs of the pipeline (JSON: it crosses the store)."""
         return {"kind": "video" if "num_frames" in self.parameters else "image",
-                "accepts": frozenset(self.parameters), "replicas": self.replicas, "adapters": self.adapters}
+                "accepts": sorted(self.parameters), "replicas": self.replicas,
+                "adapters": [list(adapter) for adapter in self.adapters]}
 
     def check(self, item: dict) -> str | None:
-        """Rank 0, before a round is broadcast: why the pipeline could not take `item` (None when it can). Every
+        """The replica's first rank, before a batch is broadcast: why the pipeline could not take `item` (None when it can). Every
         tokenizer of the pipeline reads the item's texts, so a text no tokenizer can read is the request's error
         (400) and never reaches a rank."""
         texts = [item["prompt"]] + ([item["negative_prompt"]] if item.get("negative_prompt") else [])
@@ -246,7 +239,7 @@ class Replica:
         return accepted_kwargs(kwargs, self.pipeline)
 
     def run(self, items: list[dict], channel: Channel, number: int) -> dict:
-        """Run `items` (one replica's batch: same size, steps, guidance) in round `number`; the output rank stores each
+        """Run `items` (one replica's batch: same size, steps, guidance), its batch `number`; the output rank stores each
         item's result. Returns this rank's summary of the round (failed: item id -> error, for a request's own fault;
         cancelled: item id -> the steps its call ran)."""
         started = time.perf_counter()
@@ -308,10 +301,8 @@ class Replica:
         lead = self.members[0]
 
         def step_end(_pipeline, step, _timestep, _kwargs):
-            if self.on_step is not None:
-                self.on_step()
             flag = channel.rank == lead and any(channel.has("cancel", i) for i in ids)
-            if self.group is not None:
+            if len(self.members) > 1:
                 flag = broadcast_flag(flag, src=lead, group=self.group)
             if flag:
                 raise Cancelled(step + 1)
@@ -366,42 +357,46 @@ def rss_bytes() -> int:
 def serve_rank(args: argparse.Namespace, device: torch.device, frontend_factory: Callable | None,
                on_pipeline_loaded: Callable | None = None) -> int:
     """One rank of the server until it stops; returns the exit code (0 after a drain, 1 after a fatal fault).
-    `frontend_factory()` (rank 0 only) starts the HTTP side (app.Frontend)."""
+    `frontend_factory()` (rank 0 only) starts the HTTP side (app.Frontend); rank 0 also runs the Dispatcher, in a
+    thread beside its own replica's loop."""
+    from paradiff.serve.dispatch import Dispatcher
+
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     quiet_other_ranks(rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    channel = Channel(open_store(rank, world, args.timeout), rank, world)
+    store = open_store(rank, world, args.timeout)
+    replicas = args.dp
+    size = world // replicas  # ranks per replica: replica r is ranks r * size ... (r + 1) * size - 1
+    index, local = divmod(rank, size)
+    channel = Channel(store, local, size, scope=f"r{index}")
     frontend = frontend_factory() if rank == 0 else None
     _handle_signals(frontend)
+    dispatcher = Dispatcher(store, frontend, replicas, size, args.timeout).start() if frontend is not None else None
+    own = copy.copy(args)
+    own.dp = 1  # each replica is a mesh of its own, in a process group of its own
     hook = on_pipeline_loaded
-    peers: dict[int, int] = {}  # rank -> pid of the other ranks on this machine, once a load has told them
     try:
         while True:
             control = join_group(channel, backend, args.timeout)
             replica = None
             fault = None
             try:
-                loaded = load_from_args(args, device)
+                loaded = load_from_args(own, device)
                 if hook is not None:
                     hook(loaded.pipeline, rank)
                     hook = None  # a fault injected for a test happens once, not again after recovery
-                replica = Replica(loaded, args, args.max_batch)
+                replica = Replica(loaded, args, args.max_batch, index, replicas)
+                replica.group = control
                 del loaded
                 summary = all_gather_json({"rank": rank, "memory": peak_memory_bytes(device), "rss": rss_bytes(),
-                                           "replica": replica.replica, "pid": os.getpid(),
-                                           "host": socket.gethostname()}, control)
-                replica.members, replica.group = replica_groups([s["replica"] for s in summary])[replica.replica]
-                if frontend is not None:
-                    if channel.generation:
-                        channel.forget_generation(channel.generation - 1)
-                    replica.on_step = lambda: _publish_cancellations(channel, frontend)
-                    frontend.ready(replica.describe(), summary, channel.generation)
-                # the ranks on this machine, whose death rank 0 sees while it waits in the store for their round
-                peers = {s["rank"]: s["pid"] for s in summary
-                         if s["host"] == socket.gethostname() and s["rank"] != rank}
-                _rounds(channel, replica, frontend, control, device, peers)
+                                           "pid": os.getpid(), "host": socket.gethostname()}, control)
+                if local == 0:
+                    channel.put({"info": replica.describe(), "ranks": summary}, "ready")
+                _serve_replica(channel, replica, control, device)
                 dist.destroy_process_group()
-                return 0
+                if dispatcher is not None:
+                    dispatcher.join()
+                return 0 if dispatcher is None or not dispatcher.failed else 1
             except Exception as exc:  # noqa: BLE001 - every fault ends in one agreed decision
                 if channel.generation == 0 and replica is None and not is_comm_error(exc):
                     raise  # the first load failed: the launcher's usual one-line failure
@@ -411,53 +406,57 @@ def serve_rank(args: argparse.Namespace, device: torch.device, frontend_factory:
             replica = control = None
             abort_process_groups()
             gc.collect()
-            decision = _after_fault(channel, fault, frontend, peers, args.timeout)
-            if decision == "stop":
+            if _await_decision(channel, fault) == "stop":
+                if dispatcher is not None:
+                    dispatcher.join()
                 return 1
             channel.generation += 1
     finally:
+        if dispatcher is not None:
+            dispatcher.stop()
         if frontend is not None:
             frontend.stop()
 
 
-def _rounds(channel: Channel, replica: Replica, frontend, control, device: torch.device,
-            peers: dict[int, int]) -> None:
+def _serve_replica(channel: Channel, replica: Replica, control, device: torch.device) -> None:
+    """This replica's loop: its first rank takes the next batch rank 0's dispatcher put in the store for it (or says
+    "idle" every IDLE_WAIT_S, so the other ranks never wait past a collective's timeout), checks its requests and
+    broadcasts it to the replica; every rank runs it and puts its summary in the store, where the dispatcher reads
+    it. No other replica is waited for."""
+    lead = channel.rank == 0
     number = 0
-    last_go = None
     while True:
-        decision = (frontend.next_round(replica.replicas, IDLE_WAIT_S, replica.check)
-                    if frontend is not None else None)
-        decision = broadcast_json(decision, src=0, group=control)
-        if decision["kind"] == "stop":
+        work = _next_work(channel, replica, number + 1) if lead else None
+        if len(replica.members) > 1:
+            work = broadcast_json(work, src=0, group=control)
+        if work["kind"] == "stop":
+            if lead:
+                channel.put(True, "stopped")
             return
-        if decision["kind"] == "idle":
+        if work["kind"] == "idle":
             continue
         number += 1
-        summary = replica.run(decision["batches"][replica.replica], channel, number)
-        summary.update(memory=peak_memory_bytes(device), rss=rss_bytes())
-        channel.put(summary, "round", number, "summary", channel.rank)
-        if frontend is None:  # wait in the store, not in a collective, for the round's slowest replica
-            channel.wait_for("round", number, "go", between=lambda: _raise_on_fault(channel))
-            continue
+        summary = replica.run(work["items"], channel, number)
+        summary.update(memory=peak_memory_bytes(device), rss=rss_bytes(), refused=work["refused"] if lead else {})
+        channel.put(summary, "batch", number, "summary", channel.rank)
 
-        def between():
-            _publish_cancellations(channel, frontend)
-            _raise_on_fault(channel)
-            dead = [r for r, pid in peers.items() if not _alive(pid)]
-            if dead:  # no collective is there to fail: a rank that died is seen by its process
-                raise DistributedError(f"rank(s) {dead} stopped answering (the process died or was killed)")
 
-        summaries = []
-        for r in range(channel.world):
-            channel.wait_for("round", number, "summary", r, between=between)
-            summaries.append(channel.take(SUMMARY, "round", number, "summary", r))
-        frontend.finish_round(decision, channel, summaries)
-        _forget_round(channel, number, decision, summaries)
-        if last_go is not None:
-            channel.delete("round", last_go, "go")  # every rank put a summary of this round: all went past it
-        channel.put(True, "round", number, "go")
-        last_go = number
-        frontend.metrics.store_keys(channel.keys())
+def _next_work(channel: Channel, replica: Replica, number: int) -> dict:
+    """The first rank: batch `number` from the store ({"kind": "work", "items", "refused"}), "stop", or "idle" when
+    none came within IDLE_WAIT_S. Items the pipeline cannot take (Replica.check) are refused here, never run."""
+    deadline = time.monotonic() + IDLE_WAIT_S
+    if not channel.wait_for("work", number, deadline=deadline, between=lambda: _raise_on_fault(channel)):
+        return {"kind": "idle"}
+    work = channel.take(WORK, "work", number)
+    if work["kind"] != "work":
+        return {"kind": "stop"}
+    refused = {}
+    for item in work["items"]:
+        problem = replica.check(item)
+        if problem is not None:
+            refused[str(item["id"])] = problem
+    return {"kind": "work", "items": [item for item in work["items"] if str(item["id"]) not in refused],
+            "refused": refused}
 
 
 def _alive(pid: int) -> bool:
@@ -478,22 +477,6 @@ def _raise_on_fault(channel: Channel) -> None:
         raise DistributedError("a peer rank failed while this rank waited for the round to end")
 
 
-def _publish_cancellations(channel: Channel, frontend) -> None:
-    """Rank 0: a key in the store for each running request already answered (504, or its client hung up)."""
-    for job_id in frontend.to_cancel():
-        channel.put(True, "cancel", job_id)
-
-
-def _forget_round(channel: Channel, number: int, decision: dict, summaries: list[dict]) -> None:
-    """Rank 0, every summary of the round read: the round's cancel keys and request-fault agreement keys go."""
-    for batch in decision["batches"]:
-        for item in batch:
-            channel.delete("cancel", item["id"])
-    for chunk in {c for s in summaries for c in s["agreements"]}:
-        for r in range(channel.world):
-            channel.delete("round", number, "fail", chunk, r)
-        for replica in range(len(decision["batches"])):
-            channel.delete("round", number, "verdict", replica, chunk)
 def _record_error(channel: Channel, exc: BaseException, loading: bool) -> bool:
     """Put this rank's error in the store for rank 0; False when the store is gone (rank 0 died)."""
     lines = str(exc).splitlines()
@@ -507,43 +490,17 @@ def _record_error(channel: Channel, exc: BaseException, loading: bool) -> bool:
     return True
 
 
-def _after_fault(channel: Channel, recorded: bool, frontend, peers: dict[int, int], timeout_s: float) -> str:
-    """Every rank, its groups aborted: say it is alive; rank 0 decides "recover" or "stop" and answers the
-    round's requests; the others wait for the decision. Rank 0 waits for each rank on its machine (`peers`: rank ->
-    pid) until it says it is alive or its process is gone (at most `timeout_s`, the collective timeout, by which a
-    live rank has learnt of the fault), and for any other rank ALIVE_WAIT_S."""
+def _await_decision(channel: Channel, recorded: bool) -> str:
+    """Every rank of a replica that failed, its groups aborted: say it is alive, then wait for rank 0's dispatcher
+    to decide "recover" (this replica alone joins a new process group and loads again) or "stop"."""
     if not recorded:
         return "stop"
     try:
         channel.put(True, "alive", channel.rank)
-        if frontend is None:
-            channel.store.wait([channel.key("decision")], datetime.timedelta(seconds=60))
-            return channel.get(str, "decision")
+        channel.store.wait([channel.key("decision")], datetime.timedelta(seconds=600))
+        return channel.get(str, "decision")
     except Exception:  # noqa: BLE001 - the store is gone: rank 0 died, nobody is left to decide
         return "stop"
-    started = time.monotonic()
-
-    def settled(r: int) -> bool:
-        if channel.has("alive", r):
-            return True
-        if r in peers:
-            return not _alive(peers[r]) or time.monotonic() > started + timeout_s
-        return time.monotonic() > started + ALIVE_WAIT_S
-
-    while not all(settled(r) for r in range(channel.world)):
-        time.sleep(0.02)
-    alive = [r for r in range(channel.world) if channel.has("alive", r)]
-    errors = {r: channel.get(ERROR, "error", r) for r in range(channel.world) if channel.has("error", r)}
-    root = [f"rank {r}: {e['error']}" for r, e in sorted(errors.items()) if not e["comm"]]
-    dead = sorted(set(range(channel.world)) - set(alive))
-    if dead:
-        root.append(f"rank(s) {dead} stopped answering (the process died or was killed)")
-    cause = "; ".join(root) or "; ".join(f"rank {r}: {e['error']}" for r, e in sorted(errors.items()))
-    reloading = any(e["loading"] for e in errors.values())  # the pipeline failed to load again: do not loop
-    decision = "stop" if dead or reloading or frontend.closing else "recover"
-    frontend.fault(channel, cause, decision)
-    channel.put(decision, "decision")
-    return decision
 
 
 def _handle_signals(frontend) -> None:
