@@ -240,6 +240,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allow-host", action="append", default=None, metavar="NAME[:PORT]",
                        help="a Host name served besides localhost, 127.0.0.1 and [::1] when bound to loopback (a "
                             "reverse proxy's name); repeatable; other Host headers get 403 (DNS rebinding)")
+    serve.add_argument("--ray", action="store_true",
+                       help="serve on Ray Serve: each Ray replica one mesh of these flags, Ray's HTTP proxy on "
+                            "--host:--port (a local Ray cluster, or RAY_ADDRESS / --ray-address; docs/serve.md)")
+    serve.add_argument("--ray-replicas", default="1", metavar="N|MIN:MAX",
+                       help="with --ray: N replicas, or autoscaled from MIN to MAX on queued requests")
+    serve.add_argument("--ray-route", choices=("none", "prompt-hash", "adapter"), default="none",
+                       help="with --ray: send requests of the same prompt (prompt-hash) or adapters (adapter) to "
+                            "the same replica while it is not overloaded")
+    serve.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                       help="with --ray: the Ray cluster to join (default: RAY_ADDRESS, else a local one)")
     serve.add_argument("--out", default="out/serve",
                        help="the server's folder: requests.jsonl, one line per answered request (nothing else is "
                             "written there, and no request names a path)")

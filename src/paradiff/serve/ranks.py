@@ -1,30 +1,28 @@
-"""The loop every rank of `paradiff serve` runs, and how the ranks recover from a fault together.
+"""The loop every rank of `paradiff serve` runs, and how a replica's ranks recover from a fault together.
 
-Each round, rank 0 takes the next batch of every data-parallel replica from the scheduler, checks what each request
-carries (the pipeline's tokenizers read its prompts) and broadcasts the round over the control group as JSON; every
-rank runs its replica's batch; the replica's output rank puts the encoded outputs in the store (raw bytes, one key
-per file, read and deleted by rank 0). The round ends in the store, not in a collective: each rank puts its summary
-(JSON) there and waits for rank 0's "go", which rank 0 gives once it has every summary and has answered the round.
-So an idle replica waits for a busy one in the store, never in a collective whose timeout would count the other
-replica's request; the next broadcast starts when every rank is there. Ranks decide nothing alone: what runs,
-whether a request is cancelled, and whether the server goes on after a fault is rank 0's decision, read from the
-broadcast or the store; every value read from the store is JSON checked against its schema, or raw bytes.
+Each data-parallel replica is a mesh of its own, in a process group of its own, with its own keys in the store
+(Channel's scope). Its first rank takes the replica's next batch from the store (put there by rank 0's dispatcher,
+dispatch.py, as soon as the replica is free), checks what each request carries (the pipeline's tokenizers read its
+prompts) and broadcasts it over the replica's group as JSON, or "idle" every IDLE_WAIT_S (so no rank waits in a
+collective long enough for its timeout); every rank runs it; the output rank puts the encoded outputs in the store
+(raw bytes, one key per file, read and deleted by rank 0) and every rank its summary (JSON). No replica waits for
+another. Ranks decide nothing alone: what runs, whether a request is cancelled, and what a fault leads to is the
+dispatcher's decision, read from the store or the broadcast; every value read from the store is JSON checked against
+its schema, or raw bytes.
 
-Cancellation: a request answered before its round ended (a 504, a client that hung up) is cancelled. Rank 0 puts a
-key for it in the store; at every denoising step the replica's first rank reads those keys and broadcasts the flag to
-its replica, so all of them stop at the same step boundary.
+Cancellation: a request answered before its batch ended (a 504, a client that hung up) is cancelled. The dispatcher
+puts a key for it in the store; at every denoising step the replica's first rank reads those keys and broadcasts the
+flag to its replica, so all of them stop at the same step boundary.
 
 A request's own fault: when a pipeline call raises on every rank of its replica alike (the same error, not a
-collective's), the ranks agree on it through the store (the replica's first rank decides, compare-and-set, so they
-all read one verdict) and its requests get a 500 while the server goes on without a reload.
+collective's or a device's), the ranks agree on it through the store (the replica's first rank decides,
+compare-and-set, so they all read one verdict) and its requests get a 500 while the replica goes on without a reload.
 
-A fault (an exception on any rank, or a rank that died) ends the round on every rank: each writes its error to the
-store and aborts its process groups, so peers blocked in a collective with it fail at once; each then says it is
-alive. When all are, rank 0 answers the round's requests (those whose outputs reached the store succeed; the others
-get a 500 naming the cause) and decides "recover": the ranks join a new process group (the next generation of
-store keys) and load the pipeline again, and the server goes on. When a rank is missing (its process on this machine
-is gone, or a rank elsewhere has not answered within ALIVE_WAIT_S), the decision is "stop": every waiting request is
-answered 503, /health says failed and the ranks exit non-zero.
+A fault (an exception on any rank, or a rank that died) ends the batch on every rank of its replica: each writes its
+error to the store and aborts its process group, so peers blocked in a collective with it fail at once; each then
+says it is alive and waits for the dispatcher's decision: "recover" (the replica's ranks join a new process group,
+the next generation of its keys, and load the pipeline again, while the other replicas serve) or "stop" (a rank is
+gone, or the load failed again: the ranks exit non-zero).
 """
 
 from __future__ import annotations
@@ -49,7 +47,7 @@ from paradiff.cli.worker import (Loaded, accepted_kwargs, call_kwargs, call_para
                                  peak_memory_bytes, quiet_other_ranks)
 from paradiff.distributed.comm import abort_process_groups, all_gather_json, broadcast_flag, broadcast_json
 from paradiff.distributed.failures import is_comm_error
-from paradiff.distributed.store import checked, get_json, open_store, put_json
+from paradiff.distributed.store import checked, get_json, open_store, put_json, store_client
 from paradiff.errors import DistributedError
 
 PREFIX = "paradiff/serve"
@@ -62,6 +60,7 @@ IDLE_WAIT_S = 0.2  # an idle round every this often: it is also how a rank that 
 # how long the ranks of a replica whose pipeline call raised wait for each other to say they raised alike (a request's
 # own fault); past it, the error is a rank's fault. A fault on one rank costs this much more before the recovery.
 AGREE_WAIT_S = 2.0
+DECISION_WAIT_S = 600.0  # how long a failed replica's ranks wait for the dispatcher's decision
 POLL_S = (0.001, 0.01)  # store polls: the first wait, and the longest (doubling in between)
 
 SUMMARY = {"rank": int, "seconds": float, "images": int, "steps": int, "memory": int, "rss": int, "failed": dict,
@@ -371,7 +370,8 @@ def serve_rank(args: argparse.Namespace, device: torch.device, frontend_factory:
     channel = Channel(store, local, size, scope=f"r{index}")
     frontend = frontend_factory() if rank == 0 else None
     _handle_signals(frontend)
-    dispatcher = Dispatcher(store, frontend, replicas, size, args.timeout).start() if frontend is not None else None
+    dispatcher = (Dispatcher(store_client(args.timeout), frontend, replicas, size, args.timeout).start()
+                  if frontend is not None else None)
     own = copy.copy(args)
     own.dp = 1  # each replica is a mesh of its own, in a process group of its own
     hook = on_pipeline_loaded
@@ -497,7 +497,9 @@ def _await_decision(channel: Channel, recorded: bool) -> str:
         return "stop"
     try:
         channel.put(True, "alive", channel.rank)
-        channel.store.wait([channel.key("decision")], datetime.timedelta(seconds=600))
+        # polled: on rank 0 a blocking wait would hold the store's connection, which the dispatcher's thread uses
+        if not channel.wait_for("decision", deadline=time.monotonic() + DECISION_WAIT_S):
+            return "stop"
         return channel.get(str, "decision")
     except Exception:  # noqa: BLE001 - the store is gone: rank 0 died, nobody is left to decide
         return "stop"
