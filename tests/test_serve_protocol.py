@@ -473,3 +473,11 @@ def test_free_replicas_take_work_alone():
     second = scheduler.next_round([0, 2], wait_s=0)
     assert [[item["id"] for item in batch] for batch in second["batches"]] == [[jobs[1].id], [jobs[2].id]]
     assert [job.replica for job in jobs] == [1, 0, 2]
+
+
+def test_ray_meshes_get_the_servers_flags_without_the_ray_and_address_ones():
+    from paradiff.cli.serve import mesh_argv
+
+    argv = ["--debug", "serve", "model", "--ray", "--tp", "2", "--ray-replicas", "1:3", "--host", "0.0.0.0",
+            "--port=9000", "--ray-route", "adapter", "--out", "o", "--steps", "4", "--ray-address=head:6379"]
+    assert mesh_argv(argv) == ["model", "--tp", "2", "--steps", "4"]

@@ -104,6 +104,13 @@ def run_ray_serve(args: argparse.Namespace, argv: list[str]) -> int:
     from paradiff.cli.args import world_size_of
     from paradiff.serve.ray import run
 
+    return run(mesh_argv(argv), world_size_of(args), ray_replicas(args), args.ray_route, args.host, args.port,
+               args.ray_address)
+
+
+def mesh_argv(argv: list[str]) -> list[str]:
+    """The flags of `paradiff serve ...` that each Ray replica's mesh takes: without the Ray flags, --host, --port
+    and --out (each mesh listens on a loopback port of its own and writes to a folder of its own)."""
     mesh: list[str] = []
     skip = 0
     for token in argv[argv.index("serve") + 1:]:
@@ -115,5 +122,4 @@ def run_ray_serve(args: argparse.Namespace, argv: list[str]) -> int:
             skip = RAY_ONLY[name] if "=" not in token else 0
             continue
         mesh.append(token)
-    return run(mesh, world_size_of(args), ray_replicas(args), args.ray_route, args.host, args.port,
-               args.ray_address)
+    return mesh

@@ -2,8 +2,8 @@
 local launcher and its N ranks, in a placement-group bundle of N CPUs, or GPUs), and Ray does the rest: the HTTP
 proxy (the same OpenAI API), routing, autoscaling on queue length, and starting a failed replica again.
 
-    paradiff serve --ray --ray-replicas 1:4 --ray-route prompt-hash --tp 2 ...     # a local Ray cluster, or
-    RAY_ADDRESS=auto paradiff serve --ray ...                                        # the one `ray start` runs
+    paradiff serve --ray --ray-replicas 1:4 --ray-route prompt-hash --tp 2 ...   # a local Ray cluster, or
+    RAY_ADDRESS=auto paradiff serve --ray ...                                      # the one `ray start` runs
 
     from paradiff.serve.ray import build_app          # the same, as an application for serve.run / a RayService
     serve.run(build_app(["--tp", "2", "--steps", "8"], ranks=2, replicas=(1, 4), route="adapter"))
@@ -18,11 +18,12 @@ health check is the server's /health, so a mesh whose rank died (the server stop
 The documented rule for a request in flight on a replica that fails: it fails (the client gets the server's 500, or
 a 500 when the server's process is gone mid-request); it is not retried, since it may have run. A request that
 reached no server (the replica's server is gone and Ray has not replaced it yet: the connection is refused) never
-ran: the Router sends it to another replica (up to RETRIES times, then 503). So no request is answered twice.
+ran: the Router sends it again (up to RETRIES times, a second apart, then 503). So no request is answered twice.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -39,7 +40,9 @@ from starlette.responses import Response
 
 ROUTES = ("prompt-hash", "adapter", "none")
 GONE = 0  # Mesh.forward's status when its server could not be reached (it never saw the request)
-RETRIES = 3  # other replicas a request that reached no server is sent to
+# a request that reached no server is sent again (Ray's router may choose the same replica until its health check,
+# every 2 s, takes it out): up to RETRIES times, RETRY_PAUSE_S apart
+RETRIES, RETRY_PAUSE_S = 10, 1.0
 READY_TIMEOUT_S = 600.0
 FORWARDED_HEADERS = ("authorization", "content-type", "origin")
 
@@ -150,6 +153,7 @@ class Router:
                                                                           body)
             if status != GONE:
                 return Response(content, status_code=status, headers=answer_headers)
+            await asyncio.sleep(RETRY_PAUSE_S)
         return Response(json.dumps({"error": {"message": "no paradiff mesh could be reached; retry later",
                                               "type": "server_error", "param": None, "code": 503}}),
                         status_code=503, headers={"content-type": "application/json", "retry-after": "5"})
@@ -175,6 +179,21 @@ def build_app(argv: list[str], ranks: int = 1, replicas: tuple[int, int] = (1, 1
     router = serve.deployment(Router, name="paradiff-router", ray_actor_options={"num_cpus": 0},
                               max_ongoing_requests=1000)
     return router.bind(mesh.bind(list(argv)), route)
+
+
+def app_from_env(args: dict | None = None) -> Any:
+    """build_app for a Ray Serve config file or a KubeRay RayService (`import_path: paradiff.serve.ray:app_from_env`,
+    an application builder): from the config's `args` (keys `args`, `ranks`, `replicas`, `route`, `device`), else
+    from PARADIFF_RAY_ARGS (the mesh's `paradiff serve` flags, split like a shell), PARADIFF_RAY_RANKS,
+    PARADIFF_RAY_REPLICAS (N or MIN:MAX), PARADIFF_RAY_ROUTE, PARADIFF_RAY_DEVICE (CPU or GPU)."""
+    import shlex
+
+    def get(name: str, default: str) -> str:
+        return str((args or {}).get(name, os.environ.get(f"PARADIFF_RAY_{name.upper()}", default)))
+
+    replicas = get("replicas", "1").split(":")
+    return build_app(shlex.split(get("args", "")), int(get("ranks", "1")), (int(replicas[0]), int(replicas[-1])),
+                     get("route", "none"), device=get("device", "CPU"))
 
 
 def run(argv: list[str], ranks: int, replicas: tuple[int, int], route: str, host: str, port: int,

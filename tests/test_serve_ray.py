@@ -1,0 +1,105 @@
+"""`paradiff serve` on Ray Serve (paradiff.serve.ray): a local Ray cluster (one node, loopback), meshes of one rank of
+the demo pipeline, bounded waits on states observed (Ray's replica states, the meshes' /metrics)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+ray = pytest.importorskip("ray", reason="ray[serve] is not installed (pip install 'paradiff[ray]')")
+
+
+def replica_states() -> dict[str, int]:
+    from ray import serve
+
+    application = serve.status().applications.get("paradiff")
+    if application is None or "paradiff-mesh" not in application.deployments:
+        return {}
+    return {str(state): count for state, count in application.deployments["paradiff-mesh"].replica_states.items()}
+
+
+def wait_until(condition, what: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} within {timeout_s:.0f} s: {replica_states()}"
+        time.sleep(0.1)
+
+
+def running(count: int) -> bool:
+    states = replica_states()
+    return states.get("RUNNING", 0) == count and sum(states.values()) == count
+
+
+def meshes() -> dict[int, dict]:
+    """The meshes' servers on this machine: launcher pid -> {"port", "ranks": [pids]}."""
+    found: dict[int, dict] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            words = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if b"paradiff.cli" not in words or b"serve" not in words or not any(b"paradiff-ray-" in w for w in words):
+            continue
+        port = int(words[words.index(b"--port") + 1])
+        if b"\0RANK=" in b"\0" + environ:
+            found.setdefault(("rank", port), []).append(int(entry.name))
+        else:
+            found[int(entry.name)] = {"port": port}
+    for launcher in [key for key in found if isinstance(key, int)]:
+        found[launcher]["ranks"] = found.pop(("rank", found[launcher]["port"]), [])
+    return {key: value for key, value in found.items() if isinstance(key, int)}
+
+
+def test_two_replicas_a_killed_rank_and_autoscaling():
+    """Autoscaled from 1 to 2 meshes under a burst; a rank of one mesh killed (SIGKILL) mid-request: that request
+    fails (500), the other mesh answers every other request, Ray starts a new mesh; back to 1 once idle."""
+    import httpx
+    from ray import serve
+
+    from paradiff.distributed.spawn import free_port
+    from paradiff.serve.ray import build_app
+
+    port = free_port()
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        app = build_app(["--steps", "1", "--max-steps", "2000"], ranks=1, replicas=(1, 2), route="prompt-hash",
+                        target_ongoing_requests=1, upscale_delay_s=0.5, downscale_delay_s=3)
+        serve.run(app, name="paradiff", route_prefix="/")
+        wait_until(lambda: running(1), "one mesh running")
+        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600)
+
+        def ask(prompt: str, steps: int) -> httpx.Response:
+            return client.post("/v1/images/generations", json={"prompt": prompt, "steps": steps})
+
+        with ThreadPoolExecutor(8) as pool:
+            burst = [pool.submit(ask, f"long {i}", 60) for i in range(4)]  # more ongoing than 1 per mesh
+            wait_until(lambda: running(2), "scaled to two meshes under the burst")
+            first = meshes()
+            assert len(first) == 2, first
+            burst += [pool.submit(ask, f"long {i}", 60) for i in range(4, 6)]  # the new mesh is the less busy one
+            wait_until(lambda: all("paradiff_requests_running 1" in httpx.get(
+                f"http://127.0.0.1:{server['port']}/metrics").text for server in meshes().values()),
+                "a request running on each mesh")
+            victim = max(first)  # the newer launcher: the mesh Ray added
+            os.kill(first[victim]["ranks"][0], signal.SIGKILL)
+            short = [ask(f"short {i}", 1) for i in range(3)]  # the other mesh answers (or its replacement)
+            wait_until(lambda: any(pid not in first for pid in meshes()), "Ray starting a new mesh")
+            answers = [future.result(timeout=600) for future in burst]
+        assert [answer.status_code for answer in short] == [200] * 3, [a.text[:300] for a in short]
+        statuses = [answer.status_code for answer in answers]
+        assert set(statuses) == {200, 500} and statuses.count(500) <= 2, [a.text[:300] for a in answers]
+        wait_until(lambda: running(1), "back to one mesh once idle")
+        assert ask("after", 1).status_code == 200
+    finally:
+        serve.shutdown()
+        ray.shutdown()
