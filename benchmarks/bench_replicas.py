@@ -3,7 +3,9 @@
 
 - dp2 against one replica, requests per minute, without a batch window (4 concurrent clients; goal >= 1.9x);
 - p95 wait (accepted -> started, from requests.jsonl) of short requests (1 step) while long ones (8x the steps, 4x
-  the pixels) keep the replica busy, under --schedule fifo and --schedule fair (one replica).
+  the pixels) keep the replica busy, under --schedule fifo and --schedule fair (one replica);
+- with --ray: Ray Serve's overhead per request (a local Ray cluster, one mesh): sequential requests through Ray's
+  HTTP proxy against the same requests sent to the mesh's own `paradiff serve` port, interleaved (goal <= 5%).
 
 Rounds are interleaved; medians over rounds. The result goes to benchmarks/results/bench_replicas.json.
 
@@ -35,6 +37,7 @@ PROMPTS = ["a red circle on a blue background, top left", "a yellow square on a 
 
 
 def start(folder: Path, model: list[str], *flags: str) -> ServerProcess:
+    folder.mkdir(parents=True, exist_ok=True)
     server = ServerProcess(folder, *model, *flags)
     server.wait_ready(timeout_s=600)
     return server
@@ -87,6 +90,43 @@ def short_waits(server: ServerProcess, steps: int, shorts: int) -> list[float]:
     return [entry["started"] - entry["accepted"] for entry in entries]
 
 
+def ray_overhead(requests: int, model: list[str], steps: int) -> tuple[float, float, float]:
+    """(median latency through Ray's proxy, median latency straight to the mesh's server, overhead ratio - 1)."""
+    import httpx
+    import ray
+    from ray import serve
+
+    from paradiff.distributed.spawn import free_port
+    from paradiff.serve.ray import build_app
+
+    port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app([*model, "--steps", str(steps)], ranks=1), name="paradiff", route_prefix="/")
+        mesh_port = None
+        for entry in Path("/proc").iterdir():
+            try:
+                words = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"paradiff.cli" in words and any(b"paradiff-ray-" in word for word in words):
+                mesh_port = int(words[words.index(b"--port") + 1])
+        through, direct = [], []
+        with httpx.Client(timeout=600) as http:
+            for index in range(requests + 1):
+                for url, sink in ((f"http://127.0.0.1:{port}", through), (f"http://127.0.0.1:{mesh_port}", direct)):
+                    started = time.monotonic()
+                    images_of(http.post(url + "/v1/images/generations", json={"prompt": PROMPTS[0], "seed": index}))
+                    if index:  # the first of each: warm-up
+                        sink.append(time.monotonic() - started)
+        ray_s, direct_s = statistics.median(through), statistics.median(direct)
+        return ray_s, direct_s, ray_s / direct_s - 1
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
@@ -94,6 +134,9 @@ def main() -> int:
     parser.add_argument("--shorts", type=int, default=8, help="short requests in the fifo / fair load")
     parser.add_argument("--model", choices=("demo", "flux2"), default="demo")
     parser.add_argument("--note", default="measured under load (7 agents on 2 cores)")
+    parser.add_argument("--ray", action="store_true", help="also Ray Serve's overhead per request")
+    parser.add_argument("--only-ray", action="store_true", help="only Ray Serve's overhead (figures kept from the "
+                                                                 "result file)")
     args = parser.parse_args()
     model: list[str] = []
     if args.model == "flux2":
@@ -102,6 +145,12 @@ def main() -> int:
         model = [str(build_folder(LARGE_FLUX2, Path(tempfile.mkdtemp()))), "--height", "128", "--width", "128",
                  "--steps", "3"]
     steps = 3 if args.model == "flux2" else 2
+    if args.only_ray:
+        result = json.loads(RESULT.read_text())
+        result["figures"] = [f for f in result["figures"] if "Ray Serve" not in f["name"]] + ray_figures(args, model, steps)
+        RESULT.write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps(result, indent=1))
+        return 0
     rpm = {"single": [], "dp2": []}
     waits = {"fifo": [], "fair": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -146,12 +195,20 @@ def main() -> int:
             {"name": "p95 wait of short requests under long ones, fair", "value": round(p95["fair"], 3), "unit": "s",
              "goal": "< fifo", "met": p95["fair"] < p95["fifo"],
              "note": f"one replica, {len(waits['fair'])} short requests; {args.note}"},
-        ],
+        ] + (ray_figures(args, model, steps) if args.ray else []),
     }
     RESULT.parent.mkdir(parents=True, exist_ok=True)
     RESULT.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
     return 0
+
+
+def ray_figures(args, model: list[str], steps: int) -> list[dict]:
+    ray_s, direct_s, overhead = ray_overhead(args.requests, model, steps)
+    return [{"name": "Ray Serve overhead per request (through Ray's proxy / straight to the mesh)",
+             "value": round(100 * overhead, 2), "unit": "%", "goal": "<= 5", "met": overhead <= 0.05,
+             "note": f"median of {args.requests} sequential requests each way, interleaved: {ray_s:.3f} s against "
+                     f"{direct_s:.3f} s ({args.model}, {steps} steps); {args.note}"}]
 
 
 if __name__ == "__main__":

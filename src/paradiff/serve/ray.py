@@ -64,6 +64,17 @@ def routing_key(body: bytes, route: str) -> str:
     return "prompt:" + hashlib.sha1(str(prompt).encode(errors="replace")).hexdigest()[:12]
 
 
+def _terminate_with_parent() -> None:
+    """In the mesh's launcher before it runs: SIGTERM when this replica's process dies (Ray may kill it without
+    running __del__); the launcher then stops its ranks as on any SIGTERM."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: __del__ stops it
+
+
 class Mesh:
     """One paradiff mesh: `paradiff serve ARGV` on a free loopback port, started by this Ray replica and stopped
     with it."""
@@ -77,7 +88,8 @@ class Mesh:
         self.out = tempfile.mkdtemp(prefix="paradiff-ray-")
         command = [sys.executable, "-m", "paradiff.cli", "serve", *argv, "--host", "127.0.0.1",
                    "--port", str(self.port), "--out", self.out]
-        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True,
+                                        preexec_fn=_terminate_with_parent)
         self.client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.port}", timeout=None)
         deadline = time.monotonic() + READY_TIMEOUT_S
         with httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=5) as probe:
@@ -161,7 +173,7 @@ class Router:
 
 def build_app(argv: list[str], ranks: int = 1, replicas: tuple[int, int] = (1, 1), route: str = "none",
               target_ongoing_requests: float = 2.0, upscale_delay_s: float = 30.0, downscale_delay_s: float = 600.0,
-              device: str = "CPU") -> Any:
+              look_back_period_s: float = 30.0, device: str = "CPU") -> Any:
     """The Ray Serve application: `replicas` = (min, max) meshes of `ranks` ranks each (one bundle of one `device`
     per rank, packed on one node), autoscaled on ongoing requests per replica, routed by `route`."""
     if route not in ROUTES:
@@ -170,7 +182,8 @@ def build_app(argv: list[str], ranks: int = 1, replicas: tuple[int, int] = (1, 1
     scaling = ({"num_replicas": low} if low == high else
                {"autoscaling_config": {"min_replicas": low, "max_replicas": high, "initial_replicas": low,
                                        "target_ongoing_requests": target_ongoing_requests,
-                                       "upscale_delay_s": upscale_delay_s, "downscale_delay_s": downscale_delay_s}})
+                                       "upscale_delay_s": upscale_delay_s, "downscale_delay_s": downscale_delay_s,
+                                       "look_back_period_s": look_back_period_s}})
     mesh = serve.deployment(Mesh, name="paradiff-mesh", max_ongoing_requests=64, health_check_period_s=2,
                             health_check_timeout_s=30, graceful_shutdown_timeout_s=30,
                             ray_actor_options={"num_cpus": 0},
