@@ -481,3 +481,41 @@ def test_ray_meshes_get_the_servers_flags_without_the_ray_and_address_ones():
     argv = ["--debug", "serve", "model", "--ray", "--tp", "2", "--ray-replicas", "1:3", "--host", "0.0.0.0",
             "--port=9000", "--ray-route", "adapter", "--out", "o", "--steps", "4", "--ray-address=head:6379"]
     assert mesh_argv(argv) == ["model", "--tp", "2", "--steps", "4"]
+
+
+def test_over_max_wait_is_a_503_with_retry_after_and_a_reloading_replica_is_degraded(tmp_path):
+    """In process, no rank: the HTTP answers of the queue's refusal and of /health per replica."""
+    import asyncio
+
+    import httpx
+
+    from paradiff.cli.args import build_parser
+    from paradiff.serve.app import Frontend, HttpGuard, build_app
+
+    args = build_parser().parse_args(["serve", "--out", str(tmp_path), "--max-wait", "1", "--dp", "2",
+                                                "--steps", "8"])
+    frontend = Frontend(args, "paradiff-demo")
+    frontend.replica_states = {0: "loading", 1: "loading"}
+    info = {"kind": "image", "accepts": ["prompt", "num_inference_steps"], "replicas": 2, "adapters": []}
+    frontend.replica_state(0, "ready")
+    frontend.replica_ready(0, info, [{"rank": 0, "memory": 1}], 0)
+    assert frontend.health == "loading"  # until every replica has loaded once
+    frontend.replica_state(1, "ready")
+    frontend.replica_ready(1, info, [{"rank": 1, "memory": 1}], 0)
+    app = HttpGuard(build_app(frontend), frontend)
+    frontend.scheduler.seconds_per_cost = 1e-3  # 64 x 64 x 8 steps: 33 s a request
+    frontend.scheduler.submit(request())
+
+    async def ask(method: str, path: str, **kwargs) -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1:8000") as c:
+            return await c.request(method, path, **kwargs)
+
+    answer = asyncio.run(ask("POST", "/v1/images/generations", json={"prompt": "x"}))
+    assert answer.status_code == 503 and answer.headers["retry-after"] == "16", answer.text  # 16.4 s over 1 s
+    assert "over the server's --max-wait of 1 s" in answer.json()["error"]["message"]
+    assert asyncio.run(ask("GET", "/health")).json() == {"status": "ready"}
+    frontend.replica_state(1, "loading")  # a fault: replica 1 loads again
+    degraded = asyncio.run(ask("GET", "/health"))
+    assert degraded.status_code == 200 and degraded.json() == {"status": "degraded"}
+    assert 'paradiff_replica_up{replica="1"} 0' in frontend.render_metrics()
+    frontend.stop()
