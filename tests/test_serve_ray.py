@@ -103,17 +103,18 @@ def test_two_replicas_a_killed_rank_and_autoscaling(fast_autoscaling_metrics):
 
         with ThreadPoolExecutor(4) as pool:
             clients = [pool.submit(burst, number) for number in range(4)]  # 4 ongoing, 1 wanted per mesh
-            wait_until(lambda: running(2), "scaled to two meshes under the burst")
-            first = meshes()
-            assert len(first) == 2, first
-            wait_until(lambda: all("paradiff_requests_running 1" in httpx.get(
-                f"http://127.0.0.1:{server['port']}/metrics").text for server in meshes().values()),
-                "a request running on each mesh")
-            victim = max(first)  # the newer launcher: the mesh Ray added
-            os.kill(first[victim]["ranks"][0], signal.SIGKILL)
-            killed = time.monotonic()
-            wait_until(lambda: any(pid not in first for pid in meshes()), "Ray starting a new mesh")
-            stop.set()
+            try:
+                wait_until(lambda: running(2) and len(meshes()) == 2, "scaled to two meshes under the burst")
+                first = meshes()
+                wait_until(lambda: all("paradiff_requests_running 1" in httpx.get(
+                    f"http://127.0.0.1:{server['port']}/metrics").text for server in first.values()),
+                    "a request running on each mesh")
+                victim = max(first)  # the newer launcher: the mesh Ray added
+                os.kill(first[victim]["ranks"][0], signal.SIGKILL)
+                killed = time.monotonic()
+                wait_until(lambda: any(pid not in first for pid in meshes()), "Ray starting a new mesh")
+            finally:
+                stop.set()
             for future in clients:
                 future.result(timeout=600)
         after = [status for when, status in answers if when > killed]
@@ -125,3 +126,16 @@ def test_two_replicas_a_killed_rank_and_autoscaling(fast_autoscaling_metrics):
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def test_routing_keys():
+    from paradiff.serve.ray import PROMPT_BUCKETS, routing_key
+
+    body = b'{"prompt": "a cat", "loras": {"lora1": 0.5, "lora0": 1}}'
+    assert routing_key(body, "none") == ""
+    assert routing_key(body, "adapter") == 'adapters:{"lora0": 1, "lora1": 0.5}'
+    assert routing_key(b'{"prompt": "a cat"}', "adapter") == "adapters:default"
+    assert routing_key(body, "prompt-hash") == routing_key(b'{"prompt": "a cat"}', "prompt-hash")
+    keys = {routing_key(f'{{"prompt": "p{i}"}}'.encode(), "prompt-hash") for i in range(200)}
+    assert len(keys) == PROMPT_BUCKETS
+    assert routing_key(b"not json", "prompt-hash") == routing_key(b"[1]", "adapter") == ""

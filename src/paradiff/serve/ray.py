@@ -10,7 +10,7 @@ proxy (the same OpenAI API), routing, autoscaling on queue length, and starting 
 
 Two deployments: `Router` (the ingress, one replica, no CPU of its own) reads each request's body and routes it by
 its routing key through Ray Serve's model multiplexing (requests with the same key go to the replica that served it
-last, while it is not overloaded): "prompt-hash" (a hash of the prompt: repeated prompts land together, for caches),
+last, while it is not overloaded): "prompt-hash" (a hash of the prompt, in PROMPT_BUCKETS buckets: repeated prompts land together, for caches),
 "adapter" (the request's `loras`: the replicas keep their adapters' state) or "none" (Ray's power-of-two choice).
 `Mesh` holds one paradiff server on a free loopback port of its node and forwards requests to it unchanged; its
 health check is the server's /health, so a mesh whose rank died (the server stops) is replaced by Ray.
@@ -39,6 +39,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 ROUTES = ("prompt-hash", "adapter", "none")
+# prompt-hash keys: a bounded number of buckets (Ray sends a key it has not seen to the replica with the fewest keys,
+# so a key per prompt would pile new prompts on the newest replica)
+PROMPT_BUCKETS = 16
 GONE = 0  # Mesh.forward's status when its server could not be reached (it never saw the request)
 # a request that reached no server is sent again (Ray's router may choose the same replica until its health check,
 # every 2 s, takes it out): up to RETRIES times, RETRY_PAUSE_S apart
@@ -61,7 +64,8 @@ def routing_key(body: bytes, route: str) -> str:
         loras = fields.get("loras")
         return "adapters:" + (json.dumps(loras, sort_keys=True) if isinstance(loras, dict) else "default")
     prompt = fields.get("prompt")
-    return "prompt:" + hashlib.sha1(str(prompt).encode(errors="replace")).hexdigest()[:12]
+    digest = hashlib.sha1(str(prompt).encode(errors="replace")).digest()
+    return f"prompt:{int.from_bytes(digest[:4], 'big') % PROMPT_BUCKETS}"
 
 
 def _terminate_with_parent() -> None:
