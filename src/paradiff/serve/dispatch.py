@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from paradiff.serve.ranks import ALIVE_WAIT_S, ERROR, READY, SUMMARY, Channel, _alive
 
 DISPATCH_POLL_S = 0.005  # how often an idle dispatcher looks at the replicas' keys
+PROCESS_CHECK_S = 0.1  # how often it looks whether the ranks' processes on this machine still run
 
 
 @dataclass
@@ -44,6 +45,7 @@ class Dispatcher:
         self.replicas = [ReplicaState(r, Channel(store, 0, size, scope=f"r{r}"), first_rank=r * size)
                          for r in range(replicas)]
         self.failed = False
+        self._checked_processes = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="paradiff-dispatch", daemon=True)
         frontend.replica_states = {r.index: r.state for r in self.replicas}
@@ -64,8 +66,11 @@ class Dispatcher:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
+                processes = time.monotonic() > self._checked_processes + PROCESS_CHECK_S
+                if processes:
+                    self._checked_processes = time.monotonic()
                 for replica in self.replicas:
-                    self._look_at(replica)
+                    self._look_at(replica, processes)
                 self._publish_cancellations()
                 if all(replica.state in ("stopped", "failed") for replica in self.replicas):
                     return
@@ -75,7 +80,7 @@ class Dispatcher:
                 self.frontend.fail(f"the dispatcher stopped: {type(exc).__name__}: {exc}")
                 self.failed = True
 
-    def _look_at(self, replica: ReplicaState) -> None:
+    def _look_at(self, replica: ReplicaState, processes: bool = True) -> None:
         channel = replica.channel
         if replica.state in ("failed", "stopped"):
             return
@@ -84,7 +89,7 @@ class Dispatcher:
                 channel.delete("stopped")
                 self._set(replica, "stopped")
             return
-        dead = [rank for rank, pid in replica.pids.items() if not _alive(pid)]
+        dead = [rank for rank, pid in replica.pids.items() if not _alive(pid)] if processes else []
         if channel.has("fault") or dead:
             self._fault(replica)
             return
