@@ -39,34 +39,21 @@ def running(count: int) -> bool:
 
 
 def meshes() -> dict[int, dict]:
-    """The meshes' servers on this machine: launcher pid -> {"port", "ranks": [pids]}."""
-    found: dict[int, dict] = {}
+    """The meshes' servers on this machine: launcher pid -> {"port", "ranks": [pids]} (the ranks are forked by their
+    launcher: its children)."""
+    found: dict[int, tuple[int, int]] = {}  # pid -> (parent pid, port)
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             words = (entry / "cmdline").read_bytes().split(b"\0")
-            environ = (entry / "environ").read_bytes()
-        except OSError:
+            parent = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
-        if b"paradiff.cli" not in words or b"serve" not in words or not any(b"paradiff-ray-" in w for w in words):
-            continue
-        port = int(words[words.index(b"--port") + 1])
-        if b"\0RANK=" in b"\0" + environ:
-            found.setdefault(("rank", port), []).append(int(entry.name))
-        else:
-            found[int(entry.name)] = {"port": port}
-    for launcher in [key for key in found if isinstance(key, int)]:
-        found[launcher]["ranks"] = found.pop(("rank", found[launcher]["port"]), [])
-    return {key: value for key, value in found.items() if isinstance(key, int)}
-
-
-@pytest.fixture
-def fast_autoscaling_metrics(monkeypatch):
-    """Ray Serve's replicas and handles push their queue lengths every 0.5 s instead of 10 (read when Ray starts)."""
-    for name in ("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S",
-                 "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S"):
-        monkeypatch.setenv(name, "0.5")
+        if b"paradiff.cli" in words and b"--port" in words and any(b"paradiff-ray-" in w for w in words):
+            found[int(entry.name)] = (parent, int(words[words.index(b"--port") + 1]))
+    return {pid: {"port": port, "ranks": [child for child, (up, _) in found.items() if up == pid]}
+            for pid, (parent, port) in found.items() if parent not in found}
 
 
 def test_two_replicas_a_killed_rank_and_autoscaling(fast_autoscaling_metrics):
@@ -82,7 +69,7 @@ def test_two_replicas_a_killed_rank_and_autoscaling(fast_autoscaling_metrics):
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        app = build_app(["--steps", "1", "--max-steps", "2000"], ranks=1, replicas=(1, 2), route="prompt-hash",
+        app = build_app(["--steps", "1", "--max-steps", "2000"], ranks=1, replicas=(1, 2), route="none",
                         target_ongoing_requests=1, upscale_delay_s=0.5, downscale_delay_s=3, look_back_period_s=2)
         serve.run(app, name="paradiff", route_prefix="/")
         wait_until(lambda: running(1), "one mesh running")
@@ -95,7 +82,7 @@ def test_two_replicas_a_killed_rank_and_autoscaling(fast_autoscaling_metrics):
             answers.append((time.monotonic(), status))
             return status
 
-        def burst(number: int) -> None:  # a new prompt each time: a new routing key, Ray's choice of mesh
+        def burst(number: int) -> None:  # route "none": Ray's power-of-two choice by queue length
             for index in itertools.count():
                 if stop.is_set():
                     return
