@@ -414,7 +414,8 @@ def test_dp2_long_requests_neither_fault_the_idle_replica_nor_run_past_their_ans
     idles, without a fault; at its --request-timeout (504) it stops at the next step; so does one whose client hangs
     up (499); the next request starts at once. Then the replicas run independently: while replica 0 runs a long
     request, replica 1 answers five short ones; its sixth call raises a device's error on rank 1 (its only rank):
-    that request gets a 500, replica 1 alone loads again (/health degraded, then ready) while replica 0 goes on; SIGTERM drains."""
+    that request gets a 500, replica 1 alone loads again (/health degraded, then ready) while replica 0 goes on;
+    SIGTERM drains."""
     server = ServerProcess(tmp_path, "--dp", "2", "--steps", "1", "--max-steps", "5000", "--timeout", "5",
                            "--request-timeout", "9", env={"PARADIFF_INJECT_FAULT": "1:device@6"},
                            module="paradiff.testing.faults")

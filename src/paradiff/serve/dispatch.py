@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from paradiff.serve.ranks import ALIVE_WAIT_S, ERROR, READY, SUMMARY, Channel, _alive
+from paradiff.serve.ranks import ALIVE_WAIT_S, ERROR, READY, SUMMARY, Channel, process_alive
 
 DISPATCH_POLL_S = 0.005  # how often an idle dispatcher looks at the replicas' keys
 PROCESS_CHECK_S = 0.1  # how often it looks whether the ranks' processes on this machine still run
@@ -89,7 +89,7 @@ class Dispatcher:
                 channel.delete("stopped")
                 self._set(replica, "stopped")
             return
-        dead = [rank for rank, pid in replica.pids.items() if not _alive(pid)] if processes else []
+        dead = [rank for rank, pid in replica.pids.items() if not process_alive(pid)] if processes else []
         if channel.has("fault") or dead:
             self._fault(replica)
             return
@@ -168,7 +168,7 @@ class Dispatcher:
             if channel.has("alive", rank):
                 return True
             if rank in replica.pids:
-                return not _alive(replica.pids[rank]) or time.monotonic() > started + self.timeout_s
+                return not process_alive(replica.pids[rank]) or time.monotonic() > started + self.timeout_s
             return time.monotonic() > started + ALIVE_WAIT_S
 
         while not all(settled(rank) for rank in range(self.size)):

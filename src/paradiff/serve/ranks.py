@@ -195,9 +195,9 @@ class Replica:
                 "adapters": [list(adapter) for adapter in self.adapters]}
 
     def check(self, item: dict) -> str | None:
-        """The replica's first rank, before a batch is broadcast: why the pipeline could not take `item` (None when it can). Every
-        tokenizer of the pipeline reads the item's texts, so a text no tokenizer can read is the request's error
-        (400) and never reaches a rank."""
+        """The replica's first rank, before a batch is broadcast: why the pipeline could not take `item` (None when it
+        can). Every tokenizer of the pipeline reads the item's texts, so a text no tokenizer can read is the
+        request's error (400) and never runs."""
         texts = [item["prompt"]] + ([item["negative_prompt"]] if item.get("negative_prompt") else [])
         for text in texts:
             try:
@@ -238,8 +238,8 @@ class Replica:
         return accepted_kwargs(kwargs, self.pipeline)
 
     def run(self, items: list[dict], channel: Channel, number: int) -> dict:
-        """Run `items` (one replica's batch: same size, steps, guidance), its batch `number`; the output rank stores each
-        item's result. Returns this rank's summary of the round (failed: item id -> error, for a request's own fault;
+        """Run `items` (one replica's batch: same size, steps, guidance), its batch `number`; the output rank stores
+        each item's result. Returns this rank's summary of the batch (failed: item id -> error, for a request's own fault;
         cancelled: item id -> the steps its call ran)."""
         started = time.perf_counter()
         images = [(item, seed) for item in items for seed in item["seeds"]]
@@ -459,7 +459,7 @@ def _next_work(channel: Channel, replica: Replica, number: int) -> dict:
             "refused": refused}
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """Whether process `pid` (a rank on this machine) still runs: not gone, not a zombie."""
     try:
         os.kill(pid, 0)

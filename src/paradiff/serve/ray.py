@@ -10,7 +10,8 @@ proxy (the same OpenAI API), routing, autoscaling on queue length, and starting 
 
 Two deployments: `Router` (the ingress, one replica, no CPU of its own) reads each request's body and routes it by
 its routing key through Ray Serve's model multiplexing (requests with the same key go to the replica that served it
-last, while it is not overloaded): "prompt-hash" (a hash of the prompt, in PROMPT_BUCKETS buckets: repeated prompts land together, for caches),
+last, while it is not overloaded): "prompt-hash" (a hash of the prompt, in PROMPT_BUCKETS buckets: repeated prompts
+land together, for caches),
 "adapter" (the request's `loras`: the replicas keep their adapters' state) or "none" (Ray's power-of-two choice).
 `Mesh` holds one paradiff server on a free loopback port of its node and forwards requests to it unchanged; its
 health check is the server's /health, so a mesh whose rank died (the server stops) is replaced by Ray.

@@ -8,8 +8,8 @@ below on its loaded pipeline and then runs the normal worker code. The variables
 - PARADIFF_INJECT_FAULT="RANK:raise|exit": that rank fails in its second transformer forward, inside the first block
   (raise: a RuntimeError; exit: os._exit(9), as if killed); "RANK:seed": it starts from other latents;
   "all:alike": every rank raises the same ValueError there (a request's own fault, as bad inputs would);
-  "RANK:device": it raises a device's error ("CUDA error: ..."), a rank's fault even in a replica of one rank. "@N" after
-  the kind moves the fault to the Nth forward; several faults are separated by commas ("all:alike,1:raise@4").
+  "RANK:device": it raises a device's error ("CUDA error: ..."), a rank's fault even in a replica of one rank.
+  "@N" after the kind moves the fault to the Nth forward; several faults are separated by commas ("all:alike,1:raise@4").
 - PARADIFF_FAULT_STAMP=FILE: the rank writes the moment of the fault (time.time()) there.
 - PARADIFF_FAULT_GATE=FILE: the rank fails only once FILE exists (waiting at most 120 s), so that a test can first
   bring the server to the state it means to fault in (a second request queued, say).
