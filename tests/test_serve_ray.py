@@ -56,6 +56,14 @@ def meshes() -> dict[int, dict]:
             for pid, (parent, port) in found.items() if parent not in found}
 
 
+@pytest.fixture
+def fast_autoscaling_metrics(monkeypatch):
+    """Ray Serve's replicas and handles push their queue lengths every 0.5 s instead of 10 (read when Ray starts)."""
+    for name in ("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S",
+                 "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S"):
+        monkeypatch.setenv(name, "0.5")
+
+
 def test_two_replicas_a_killed_rank_and_autoscaling(fast_autoscaling_metrics):
     """Autoscaled from 1 to 2 meshes under a burst; a rank of one mesh killed (SIGKILL) mid-request: that request
     fails (500), the other mesh answers every other request, Ray starts a new mesh; back to 1 once idle."""
