@@ -28,6 +28,7 @@ import asyncio
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -149,6 +150,7 @@ class Mesh:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
+        shutil.rmtree(self.out, ignore_errors=True)  # its requests.jsonl: the mesh's own log, gone with it
 
     def __del__(self) -> None:
         self._stop()
