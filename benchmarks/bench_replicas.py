@@ -149,6 +149,7 @@ def main() -> int:
         result = json.loads(RESULT.read_text())
         kept = [figure for figure in result["figures"] if "Ray Serve" not in figure["name"]]
         result["figures"] = kept + ray_figures(args, model, steps)
+        result["command"] += "; python benchmarks/bench_replicas.py " + " ".join(sys.argv[1:])
         RESULT.write_text(json.dumps(result, indent=1) + "\n")
         print(json.dumps(result, indent=1))
         return 0
