@@ -3,8 +3,9 @@ the demo pipeline, bounded waits on states observed (Ray's replica states, the m
 
 from __future__ import annotations
 
-import os
+import importlib.util
 import itertools
+import os
 import signal
 import threading
 import time
@@ -13,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
-ray = pytest.importorskip("ray", reason="ray[serve] is not installed (pip install 'paradiff[ray]')")
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+if importlib.util.find_spec("ray") is None:  # found, not imported: collecting this file stays cheap
+    pytest.skip("ray[serve] is not installed (pip install 'paradiff[ray]')", allow_module_level=True)
 
 
 def replica_states() -> dict[str, int]:
@@ -68,6 +70,7 @@ def test_two_replicas_a_killed_rank_and_autoscaling(fast_autoscaling_metrics):
     """Autoscaled from 1 to 2 meshes under a burst; a rank of one mesh killed (SIGKILL) mid-request: that request
     fails (500), the other mesh answers every other request, Ray starts a new mesh; back to 1 once idle."""
     import httpx
+    import ray
     from ray import serve
 
     from paradiff.distributed.spawn import free_port
