@@ -15,7 +15,7 @@ TORCH := torch==2.13.0
 UV := uv==0.13.9
 LOCK := requirements.lock
 
-.PHONY: demo test test-fast test-load test-latest lock bench clean
+.PHONY: demo test test-fast test-load test-latest lock bench bench-report docs-tables clean
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -66,6 +66,16 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
+	$(PY) benchmarks/report.py
+
+# BENCHMARKS.md from benchmarks/results/*.json (each benchmark writes its own file; benchmarks/README.md)
+bench-report:
+	$(PY) benchmarks/report.py
+
+# The docs pages generated from plans/ (docs/cfg-rules.md); the coverage tables: tools/verify_plans.py --readme,
+# tools/verify_pipelines.py --table
+docs-tables: $(STAMP)
+	$(PY) tools/docs_tables.py
 
 clean:
 	rm -rf $(VENV) .venv-latest .cache

@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import machine_line, markdown_table, quiet_diffusers, wait_for_quiet  # noqa: E402
+from results import figure, write_result  # noqa: E402
 
 DEFAULT_VARIANTS = "none,fbc:0.05,fbc:0.1,fbc:0.2,fbc:0.3,taylorseer:2:3,taylorseer:3:3"
 
@@ -82,6 +83,7 @@ def main() -> None:
     prompts = list(DEFAULT_PROMPTS)
     reference = None
     rows = []
+    figures = []
     original = pipeline.transformer
     for spec in args.variants.split(","):
         pipeline.transformer = original
@@ -99,11 +101,18 @@ def main() -> None:
             "identical" if not finite else f"{np.median(scores):.1f}",
         ])
         print(markdown_table(HEADER, rows[-1:]).splitlines()[-1], flush=True)
+        if spec != "none" and finite:
+            steps = f"{np.mean(computed):.1f} of {args.steps} steps computed" if computed is not None else ""
+            figures.append(figure(f"{spec} worst picture", round(min(finite), 1), "dB",
+                                  ">= 30" if spec.startswith("taylorseer") else None, note=steps))
     print()
     print(f"command: python benchmarks/bench_cache_quality.py {' '.join(sys.argv[1:])}")
     print(f"date: {started}; machine: {machine_line()}")
     print(f"{len(prompts)} default demo prompts, {args.steps} steps, 64x64, one thread")
     print(markdown_table(HEADER, rows))
+    if figures:
+        write_result("bench_cache_quality", f"Step caches on the trained demo pipeline: steps computed and picture "
+                     f"PSNR, {args.steps} steps", figures)
 
 
 HEADER = ["cache", "steps computed (mean)", "s / image", "x uncached", "PSNR min (dB)", "PSNR median (dB)"]

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from paradiff.config import mode_world_size  # noqa: E402
 from _common import LoadWindow, foreign_cpu, machine_line, markdown_table, run_ranks, wait_for_quiet  # noqa: E402
+from results import figure, write_result  # noqa: E402
 from bench_cp import MODEL_CONFIG, build_inputs, build_model  # noqa: E402
 
 VARIANTS = ("eager", "compiled", "cached", "compiled+cached")
@@ -171,6 +172,7 @@ def main() -> None:
 
     rows = []
     records = []
+    figures = []
     eager_s = {}
     for mode in modes:
         for variant in variants:
@@ -196,6 +198,12 @@ def main() -> None:
                 f"{result['foreign_cpu_s']:.1f}",
             ])
             records.append({k: v for k, v in result.items() if k != "latents"} | {"psnr_db": quality})
+            if variant in ("compiled", "compiled+cached") and mode in eager_s:
+                ratio = round(result["image_cpu_s"] / eager_s[mode][1], 3)
+                steps = "" if computed is None else f"{len(computed)} of {args.steps} steps computed; "
+                figures.append(figure(f"{variant} / eager, {mode} (CPU time)", ratio, "x",
+                                      "<= 0.5" if "cached" in variant else "<= 0.85",
+                                      note=f"{steps}PSNR {quality:.1f} dB vs single eager"))
             print(markdown_table(HEADER, rows[-1:]).splitlines()[-1], flush=True)
     print()
     print(f"command: python benchmarks/bench_compile_cache.py {' '.join(sys.argv[1:])}")
@@ -203,6 +211,9 @@ def main() -> None:
     print(f"grid {grid[0]}x{grid[1]} image + {grid[2]} text = {grid[0] * grid[1] + grid[2]} tokens, {args.steps} steps, "
           f"cache {args.cache or f'first-block, threshold {threshold:.4f}'}, backend {args.backend}")
     print(markdown_table(HEADER, rows))
+    if figures:
+        write_result("bench_compile_cache", f"torch.compile and step caching: FLUX.2-shaped transformer, {args.steps} "
+                     f"steps, {grid[0] * grid[1] + grid[2]} tokens", figures)
     if args.json:
         Path(args.json).write_text(json.dumps({"threshold": threshold, "records": records}, indent=2, default=str))
 

@@ -15,7 +15,8 @@ and per rank the parameter bytes it holds plus the peak rise of anonymous memory
 threshold fixed at 128 KiB so freed activations go back to the OS and the peak is visible). Predicted: the same by
 `plan_tools/planner.predict` with the profile `plan_tools/calibrate.calibrate` measured at the start of the run
 (2 ranks; tp2 x ulysses2's 4 ranks share the 2 cores, which the profile's concurrent_ranks accounts for).
-Writes benchmarks/results/cost_model.json and prints the tables.
+Writes every row to benchmarks/results/raw/cost_model.json, the headline figures to
+benchmarks/results/bench_cost_model.json, and prints the tables.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import system_busy_seconds, wait_for_quiet  # noqa: E402
+from results import figure, write_result  # noqa: E402
 
 from paradiff.distributed.spawn import run_ranks  # noqa: E402
 from paradiff.plan_tools.calibrate import calibrate  # noqa: E402
@@ -147,7 +149,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--meshes", default=",".join(MESHES))
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cost_model.json"))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "raw" / "cost_model.json"))
     parser.add_argument("--no-wait", action="store_true", help="do not wait for the machine to go quiet")
     args = parser.parse_args()
     repeats = args.repeats or (2 if args.quick else 5)
@@ -192,6 +194,18 @@ def main() -> int:
     out.write_text(json.dumps(result, indent=1))
     print(tables(rows))
     print(f"written: {out}")
+    measured = [r for r in rows if "step_s" in r]
+    if measured:
+        busy = max(r["machine_busy_cores"] for r in measured)
+        load = f"measured under load: up to {busy:.1f} busy cores" if busy > 1.2 else "quiet machine"
+        memory = sum(abs(r["predicted_memory"] / r["memory"] - 1) <= 0.1 for r in measured)
+        step = sum(abs(r["predicted_step_s"] / r["step_s"] - 1) <= 0.2 for r in measured)
+        write_result("bench_cost_model", "Cost model: predicted vs measured step time and memory, "
+                     f"{len(measured)} rows", [
+                         figure("memory rows predicted within 10%", memory, f"of {len(measured)}",
+                                f">= {len(measured)}", note=f"rows: {args.out}"),
+                         figure("step-time rows predicted within 20%", step, f"of {len(measured)}",
+                                f">= {len(measured)}", note=load)])
     return 0
 
 

@@ -47,6 +47,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import system_busy_seconds, wait_for_quiet  # noqa: E402
+from results import figure, write_result  # noqa: E402
 
 from paradiff.distributed.spawn import RankFailed, RankTimeout, run_ranks  # noqa: E402
 from paradiff.runtime.memory import PeakSampler, rss_anon_bytes  # noqa: E402
@@ -713,12 +714,16 @@ def main(argv: list[str] | None = None) -> int:
         return row.ms if row is not None and row.ms is not None else None
 
     print("Targets:")
+    figures = []
     ours_u, theirs_u = ms("paradiff ulysses 2"), ms("diffusers ulysses 2")
     ours_r = ms("paradiff ring 2")
     if ours_u and theirs_u:
         print(f"  paradiff ulysses / diffusers ulysses = {ours_u / theirs_u:.3f} (target <= 1)")
+        figures.append(figure("paradiff Ulysses / diffusers Ulysses (forward)", round(ours_u / theirs_u, 3), "x",
+                              "<= 1.0", note=f"median over {args.rounds} round(s)"))
     if ours_u and ours_r:
         print(f"  paradiff ring / paradiff ulysses = {ours_r / ours_u:.3f} (target <= 1.15)")
+        figures.append(figure("paradiff ring / paradiff Ulysses", round(ours_r / ours_u, 3), "x", "<= 1.15"))
     for name in ("single process", "paradiff ulysses 2", "paradiff ring 2", "paradiff unified 2x2",
                  "diffusers ulysses_anything 2 + gloo gather patch"):
         div, non = by.get((name, "div")), by.get((name, "nondiv"))
@@ -726,6 +731,9 @@ def main(argv: list[str] | None = None) -> int:
             per_token = (non.ms / non.tokens) / (div.ms / div.tokens)
             print(f"  {name}: non-divisible / divisible = {non.ms / div.ms:.3f} in time, {per_token:.3f} per token "
                   "(target within 5%)")
+            if name.startswith("paradiff"):
+                figures.append(figure(f"{name}: non-divisible / divisible, per token", round(per_token, 3), "x",
+                                      "<= 1.05"))
     if "div" in shapes:
         print("  K+V per attention layer and rank, beyond the processor's own local K/V (computed):")
         for line in kv_lines(config, shapes["div"]):
@@ -747,6 +755,8 @@ def main(argv: list[str] | None = None) -> int:
                             peak_mb=r.peak_mb, diff=r.diff, error=r.error, comm=r.comm, other_cpu_s=r.other_cpu_s)
                        for r in rows], handle,
                       indent=1)
+    if figures:
+        write_result("bench_cp", "Context parallelism: FLUX.2-shaped transformer, paradiff vs diffusers", figures)
     failed = [r for r in rows if r.error and not r.case.expect_failure
               and not (r.case.name == "diffusers ulysses 2" and r.shape_name == "nondiv")]  # refuses odd lengths
     return 1 if failed else 0

@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import ForeignLoad, foreign_benchmarks, wait_for_quiet  # noqa: E402
+from results import figure, write_result  # noqa: E402
 # the real command, with the fault hooks of paradiff.testing.faults installed in each worker
 PARADIFF = [sys.executable, "-m", "paradiff.testing.faults"]
 
@@ -211,6 +212,14 @@ def main() -> int:
             print(f"overlap: {row['case']} T={row['timeout_s']:g} ran next to {row['overlapping_benchmarks']}")
     if problems:
         print(f"\nunexpected: {problems} (worker left behind, or wrong exit status)")
+    figures = [figure(f"{name}: fault -> every rank exited, worst over --timeout {args.timeouts}",
+                      max(r["fault_to_exit_s"] for r in rows if r["case"] == name), "s",
+                      note=f"measured from {next(r['from'] for r in rows if r['case'] == name)}")
+               for name in dict.fromkeys(r["case"] for r in rows) if name != "none"]
+    left = sum(len(r["left_right_after"]) + len(r["left_after_2s"]) for r in rows)
+    figures.append(figure("worker processes left after any fault", left, "count", "== 0"))
+    write_result("bench_faults", "Fault injection: time from a rank's fault until every rank exited (tiny FLUX.2, "
+                 "paradiff generate)", figures)
     return 1 if problems else 0
 
 

@@ -20,8 +20,13 @@ import platform
 import statistics
 import subprocess
 import tempfile
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from results import figure, write_result  # noqa: E402
 
 MODEL = dict(layers=2, single_layers=22, head_dim=64, heads=8)
 CASES = {"single": (1, "single"), "fsdp2": (2, "fsdp2"), "ulysses2": (2, "ulysses2"),
@@ -88,6 +93,12 @@ def main() -> None:
     print(f"fsdp2 / single peak-RSS rise: {fsdp['rise_mb'] / single['rise_mb']:.2f} (goal <= 0.6); "
           f"fsdp2xulysses2 / ulysses2 step: {results['fsdp2xulysses2']['step_s'] / results['ulysses2']['step_s']:.2f}"
           " (goal <= 1.1)")
+    write_result("bench_fsdp", "FSDP2 on CPU: per-rank peak RSS and step time, FLUX.2-architecture 24 blocks", [
+        figure("peak RSS rise, fsdp2 / single", round(fsdp["rise_mb"] / single["rise_mb"], 3), "x", "<= 0.6"),
+        figure("step, fsdp2 x ulysses2 / ulysses2",
+               round(results["fsdp2xulysses2"]["step_s"] / results["ulysses2"]["step_s"], 3), "x", "<= 1.1",
+               note=f"median of {args.repeats} steps, slowest rank"),
+    ])
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -32,6 +32,7 @@ from _common import (  # noqa: E402
     GB, LoadWindow, MemorySampler, cpu_seconds, foreign_cpu, machine_line, markdown_table, quiet_diffusers,
     read_status, run_ranks,
 )
+from results import figure, write_result  # noqa: E402
 
 FAMILIES = {
     "SD3.5-large": ("SD3Transformer2DModel", dict(
@@ -149,6 +150,7 @@ def main() -> None:
     args = parser.parse_args()
     started = time.time()
     rows = []
+    figures = []
     for family in [f.strip() for f in args.families.split(",") if f.strip()]:
         if family not in FAMILIES:
             parser.error(f"unknown family {family!r}; known: {list(FAMILIES)}")
@@ -180,6 +182,9 @@ def main() -> None:
                          f"{max(r['local_bytes'] for r in by_rank) / GB:.2f}", f"{growth:.2f}",
                          f"{ms:.0f}", f"{ms / single['ms']:.2f}", f"{cpu:.2f}", f"{cpu / single['cpu_s']:.2f}",
                          f"{foreign_cpu([r['window'] for r in by_rank]):.1f}", f"{diff:.1e}"])
+            if mode != "single":
+                figures.append(figure(f"{family} {mode} / single", round(ms / single["ms"], 3), "x", "<= 0.6",
+                                      note=f"CPU {cpu / single['cpu_s']:.2f}x; max rel diff {diff:.1e}"))
     print(f"\n{time.strftime('%Y-%m-%d %H:%M %Z')}; {machine_line()}")
     print(f"fp32 compute (bf16 checkpoint), batch 1, {args.grid}x{args.grid} = {args.grid ** 2} image tokens + "
           f"{args.text} text tokens per stream, median of {args.steps} forwards after 1 warm-up; "
@@ -188,6 +193,9 @@ def main() -> None:
                           "peak RssAnon growth in load / local params", "ms / forward", "x single",
                           "CPU s / forward (busiest rank)", "CPU x single", "other processes' CPU s",
                           "max rel diff"], rows))
+    if not args.quick:
+        write_result("bench_image_families", f"Image transformers at real widths, {args.grid ** 2} image + "
+                     f"{args.text} text tokens", figures)
 
 
 if __name__ == "__main__":

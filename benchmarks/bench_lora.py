@@ -41,6 +41,7 @@ from _common import (  # noqa: E402
     system_busy_seconds,
     wait_for_quiet,
 )
+from results import figure, write_result  # noqa: E402
 from bench_tp_step import CONFIG, DEFAULT_FOLDER, _inputs, ensure_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -268,6 +269,7 @@ def main() -> None:
                                 " ".join(f"{v:.3f}" for v in values)])
     print(markdown_table(["configuration", "action", "s (median)", "every round"], action_rows))
     print()
+    figures = []
     for which in configs:
         ranks = results[which]
         reload = max(r["model_load_s"] for r in ranks) + statistics.median(slowest(ranks, "actions", "load first"))
@@ -276,6 +278,7 @@ def main() -> None:
             print(f"{CONFIGS[which][0]}: {action} = {share:.2f}% of a reload (model load "
                   f"{max(r['model_load_s'] for r in ranks):.1f} s + first adapter load) -> "
                   f"{'MET' if share < 1 else 'MISSED'} (goal < 1%)")
+            figures.append(figure(f"{action} / a reload, {CONFIGS[which][0]}", round(share, 2), "%", "< 1"))
     print()
     if set(configs) >= {"single", "tp2"}:
         for measure, table in (("wall", medians), ("CPU", cpu)):
@@ -284,6 +287,10 @@ def main() -> None:
                 tp2 = 100 * (table["tp2"][variant] / table["tp2"]["no adapter"] - 1)
                 print(f"target ({measure}): overhead of {variant} at tp2 <= single + 2 points: {tp2:+.1f}% vs "
                       f"{single:+.1f}% -> {'MET' if tp2 <= single + 2 else 'MISSED'}")
+                if measure == "CPU":
+                    figures.append(figure(f"unfused overhead of {variant}, tp2 minus single (CPU)",
+                                          round(tp2 - single, 1), "points", "<= 2",
+                                          note=f"{tp2:+.1f}% vs {single:+.1f}%"))
         held = [r["held"]["first"] for r in results["tp2"]]
         ratio = max(held) / results["single"][0]["held"]["first"]
         print(f"target: adapter bytes per rank at tp2 <= 0.6 x single: {ratio:.2f} -> "
@@ -294,10 +301,15 @@ def main() -> None:
         load = (statistics.median(slowest(results["tp2"], "actions", "load first"))
                 / statistics.median(slowest(results["single"], "actions", "load first")))
         print(f"target: adapter load time at tp2 <= 0.6 x single: {load:.2f} -> {'MET' if load <= 0.6 else 'MISSED'}")
+        figures += [figure("adapter bytes a rank, tp2 / single", round(ratio, 3), "x", "<= 0.6"),
+                    figure("adapter load time, tp2 / single", round(load, 3), "x", "<= 0.6")]
     for which in configs:
         fused = 100 * (medians[which]["2 fused"] / medians[which]["no adapter"] - 1)
         fused_cpu = 100 * (cpu[which]["2 fused"] / cpu[which]["no adapter"] - 1)
         print(f"{CONFIGS[which][0]}: fused vs no adapter {fused:+.1f}% wall, {fused_cpu:+.1f}% CPU")
+    if figures:
+        write_result("bench_lora", "LoRA adapters on a split FLUX.2-shaped transformer (294 M, rank-64 adapters)",
+                     figures)
 
 
 def _ensure_loras_rank(rank: int, world_size: int, folder: str) -> dict[str, str]:

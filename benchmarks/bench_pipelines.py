@@ -44,6 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import ForeignLoad, foreign_benchmarks, wait_for_quiet  # noqa: E402
+from results import figure, write_result  # noqa: E402
 
 from paradiff.config import parse_mode  # noqa: E402
 PARADIFF = [sys.executable, "-m", "paradiff.cli"]
@@ -343,6 +344,19 @@ def main() -> int:
               if "step_s" not in r or (not args.no_compare and r.get("compare_diff") is None)]
     if failed:
         print(f"failed runs: {failed}")
+    figures = []
+    for name, section in results.items():
+        base = next((r for r in section["rows"] if r["mode"] == "single" and "step_s" in r), None)
+        for row in section["rows"]:
+            if base is not None and row is not base and "step_s" in row:
+                ratio = row["step_s"] / degrees_of(row["mode"]).get("dp", 1) / base["step_s"]
+                figures.append(figure(f"{name}: {row['mode']} denoise per image / single", round(ratio, 3), "x"))
+    diffs = [r["compare_diff"] for sec in results.values() for r in sec["rows"] if r.get("compare_diff") is not None]
+    if diffs:
+        figures.append(figure("max abs diff vs single-process diffusers, any mode", float(f"{max(diffs):.2g}"), "abs",
+                              "<= 1e-05", note="on [0, 1] images"))
+    if figures:
+        write_result("bench_pipelines", f"End-to-end paradiff generate ({args.sections}) on 1, 2 and 4 ranks", figures)
     return 1 if failed or incidents else 0
 
 

@@ -47,6 +47,7 @@ from _common import (  # noqa: E402
     run_ranks,
     wait_for_quiet,
 )
+from results import figure, write_result  # noqa: E402
 from bench_tp_load import CONFIG, DEFAULT_FOLDER, ensure_checkpoint, touch_pages, warm_page_cache  # noqa: E402
 
 # --cut small: FLUX.2-dev's head width and depth cut, half its heads and text width (0.70B parameters), for runs the
@@ -234,7 +235,8 @@ def load_worker(rank: int, world_size: int, method: str, folder: str, gguf_file:
                 maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
-def run_load(folder: Path, rounds: int, methods: list[str], wait: bool) -> dict:
+def run_load(folder: Path, rounds: int, methods: list[str], wait: bool, figures: list[dict]) -> dict:
+    """Every load, by method; the goals' figures are appended to `figures`."""
     runs: dict[str, list[list[dict]]] = {method: [] for method in methods}
     for index in range(rounds):  # round-robin: slow phases of the shared machine hit every method alike
         for method in methods:
@@ -278,6 +280,10 @@ def run_load(folder: Path, rounds: int, methods: list[str], wait: bool) -> dict:
         print(f"{scheme}: tp=2 slowest-rank wall {ours['wall']:.1f}s / one process {theirs['wall']:.1f}s = "
               f"{ratio:.2f} (goal <= 0.5: {'MET' if ratio <= 0.5 else 'MISSED'}); per-rank held / one process "
               f"held = {share:.3f} (goal <= 0.55: {'MET' if share <= 0.55 else 'MISSED'})")
+        if scheme != "bf16":  # diffusers' bf16 load is a lazy mmap: no reference
+            figures += [figure(f"{scheme} load, tp=2 slowest rank / diffusers one process (wall)", round(ratio, 3),
+                               "x", "<= 0.5", note=f"{ours['wall']:.1f} s vs {theirs['wall']:.1f} s"),
+                        figure(f"{scheme}: bytes held a rank / one process", round(share, 3), "x", "<= 0.55")]
     patches = sorted({p for repeats in runs.values() for ranks in repeats for r in ranks for p in r["patches"]})
     if patches:
         print("patches: " + "; ".join(patches))
@@ -499,6 +505,7 @@ def main() -> None:
     GGUF_FILE = folder.with_name(folder.name + "-q4k.gguf")
     started = time.time()
     runs = None
+    figures: list[dict] = []
     if "load" in parts or "step" in parts:
         info = ensure_cut(folder, CUTS[args.cut])
         ensure_gguf(GGUF_FILE, CUTS[args.cut])
@@ -510,7 +517,10 @@ def main() -> None:
               f"GGUF {GGUF_FILE.stat().st_size / GB:.2f} GB; page cache warmed ({warm:.0f} s)", flush=True)
     if "load" in parts:
         runs = run_load(folder, args.rounds, [m.strip() for m in args.methods.split(",") if m.strip()],
-                        not args.no_wait)
+                        not args.no_wait, figures)
+        if figures:
+            write_result("bench_quant", f"Quantized loading at tp=2 vs diffusers in one process ({args.cut} cut)",
+                         figures)
     if "step" in parts:
         run_step(folder, args.steps, not args.no_wait)
     if "quality" in parts:

@@ -46,6 +46,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import cpu_seconds, machine_line, system_busy_seconds, wait_for_quiet  # noqa: E402
+from results import figure, write_result  # noqa: E402
 from bench_pipelines import LARGE_FLUX2, build_folder  # noqa: E402
 
 from paradiff.testing.serve import ServerProcess, images_of  # noqa: E402
@@ -266,6 +267,16 @@ def main() -> int:
     for name, runs in results.items():
         print(f"  {name}: " + "; ".join(f"{r['rpm']:.1f} ({r['foreign_cores']:.2f})" for r in runs))
     print(f"  generate: " + "; ".join(f"{s:.2f} s" for s in generate_s))
+    first = next(iter(median))
+    figures = [figure(f"server overhead per request, {name} (client side)", round(100 * m["overhead"], 1), "%",
+                      "<= 3", note=f"{100 * m['overhead_server']:.1f}% inside the server; call {m['span_s']:.2f} s")
+               for name, m in median.items()]
+    figures += [figure(f"{name} / {first}, requests per minute", round(m["rpm"] / base, 2), "x",
+                       ">= 1.8" if name.startswith("dp2") else None, note=f"median of {args.rounds} rounds")
+                for name, m in median.items() if name != first]
+    figures.append(figure(f"serve ({first}) / generate, requests per minute", round(base * per_request / 60, 1), "x"))
+    write_result("bench_serve", f"paradiff serve, {args.model} pipeline {width}x{height}, {steps} steps: "
+                 f"{', '.join(median)}", figures)
     return 0
 
 

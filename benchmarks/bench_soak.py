@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import machine_line  # noqa: E402
+from results import figure, write_result  # noqa: E402
 
 from paradiff.testing.serve import ServerProcess, images_of  # noqa: E402
 
@@ -108,6 +109,17 @@ def main() -> int:
                   f"{statistics.median(c['to_next_answer_s'] for c in cancels):.3f} s to answer")
         finally:
             server.stop()
+    last, first = max(result["marks"]), min(result["marks"])
+    rank = min(result["marks"][last]["rss_mb"])  # the lowest rank's label
+    write_result("bench_soak", f"paradiff serve soak: {args.requests} requests at tp2, and cancellation latency", [
+        figure(f"store keys after {last} requests", result["marks"][last]["keys"], "count",
+               note=f"at request {first}: {result['marks'][first]['keys']:.0f}"),
+        figure(f"RSS growth from request {first} to {last}, rank {rank}",
+               round(result["marks"][last]["rss_mb"][rank] - result["marks"][first]["rss_mb"][rank], 1), "MB"),
+        figure("hang-up to the next request's start, median",
+               round(statistics.median(c["to_next_start_s"] for c in cancels), 3), "s",
+               note=f"{len(cancels)} cancellations"),
+    ])
     return 0
 
 

@@ -42,6 +42,7 @@ from _common import (  # noqa: E402
     run_ranks,
     wait_for_quiet,
 )
+from results import figure, write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "bench" / "text-encoders"
@@ -250,6 +251,19 @@ def main() -> None:
     rows = run(args)
     Path(args.out).write_text(json.dumps(rows, indent=2, default=str))
     print(table(rows))
+    figures = []
+    for row in rows:
+        if row.get("method") == "paradiff_tp2" and row.get("rank") == 0 and not row.get("error"):
+            figures += [figure(f"{row['model']} tp=2: parameter bytes a rank / whole",
+                               round(row["local_bytes"] / row["total_bytes"], 3), "x"),
+                        figure(f"{row['model']} tp=2: peak RssAnon / local params",
+                               round(row["peak_anon"] / row["local_bytes"], 2), "x")]
+            if row["diff_vs_transformers_tp1"] is not None:
+                figures.append(figure(f"{row['model']} tp=2 vs transformers tp=1, relative",
+                                      float(f"{row['diff_vs_transformers_tp1']:.2g}"), "rel"))
+    if figures:
+        write_result("bench_text_encoders", f"Text encoders at real widths ({', '.join(args.models)}), "
+                     f"{args.layers} layer(s): paradiff TP vs transformers", figures)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from _common import (  # noqa: E402
     run_ranks,
     wait_for_quiet,
 )
+from results import figure, write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FOLDER = ROOT / ".cache" / "bench" / "flux2-wide"
@@ -335,7 +336,11 @@ def main() -> None:
         reference = [r["fingerprints"] for r in best[tp2[0]]["ranks"]]
         same = all([r["fingerprints"] for r in best[m]["ranks"]] == reference for m in tp2[1:])
         print(f"shard fingerprints of {len(FINGERPRINT)} split weights identical across {tp2}: {same}")
+    figures = []
     if "paradiff_tp2" in best:
+        grown = max(r["peak_anon"] - r["baseline_anon"] - r["local_bytes"] for r in best["paradiff_tp2"]["ranks"])
+        figures.append(figure("paradiff tp=2: peak RssAnon growth above local params", round(grown / GB, 2), "GB",
+                              "<= 0.3", note="worst rank"))
         for r in best["paradiff_tp2"]["ranks"]:
             limit = r["local_bytes"] + 0.3 * GB
             grown = r["peak_anon"] - r["baseline_anon"]
@@ -353,6 +358,12 @@ def main() -> None:
                       f"{ours['wall']:.2f}s / {theirs['wall']:.2f}s = {ratio:.2f} -> "
                       f"{'MET' if ratio <= 1 / 3 else 'MISSED'}; slowest-rank CPU {ours['cpu']:.2f}s / "
                       f"{theirs['cpu']:.2f}s = {cpu_ratio:.2f}")
+                figures.append(figure(f"paradiff tp=2 load / {METHODS[other][0]} (wall)", round(ratio, 3), "x",
+                                      "<= 0.333", note=f"{ours['wall']:.2f} s vs {theirs['wall']:.2f} s; CPU "
+                                      f"{cpu_ratio:.2f}x"))
+    if figures:
+        write_result("bench_tp_load", f"TP loading: {info['parameters'] / 1e9:.2f} B params, bf16, paradiff vs "
+                     "diffusers", figures)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(info=info, runs=runs), indent=1))
 

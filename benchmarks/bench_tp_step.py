@@ -34,6 +34,7 @@ from _common import (  # noqa: E402
     run_ranks,
     wait_for_quiet,
 )
+from results import figure, write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FOLDER = ROOT / ".cache" / "bench" / "flux2-step"
@@ -325,12 +326,21 @@ def main() -> None:
         print("expected all-reduces by linear (calls x bytes): " + "; ".join(
             f"{k}: {len(v)} x {v[0] / 1e3:.0f} kB" for k, v in groups.items()))
         print()
+    figures = []
     if "paradiff_tp2" in medians and "diffusers_tp2" in medians:
         ratio = medians["paradiff_tp2"] / medians["diffusers_tp2"]
         print(f"target paradiff tp=2 <= 0.85 x diffusers tp=2: {ratio:.2f} -> {'MET' if ratio <= 0.85 else 'MISSED'}")
+        figures.append(figure("paradiff tp=2 step / diffusers DTensor tp=2 step", round(ratio, 3), "x", "<= 0.85",
+                              note=f"{medians['paradiff_tp2']:.3f} s vs {medians['diffusers_tp2']:.3f} s"))
     if "paradiff_tp2" in medians and "tp1" in medians:
         ratio = medians["paradiff_tp2"] / medians["tp1"]
         print(f"target paradiff tp=2 <= 0.65 x tp=1: {ratio:.2f} -> {'MET' if ratio <= 0.65 else 'MISSED'}")
+        figures.append(figure("paradiff tp=2 step / tp=1 step", round(ratio, 3), "x", "<= 0.65"))
+        comm = runs["paradiff_tp2"][0][0]["comm"]
+        figures.append(figure("all-reduces per tp=2 step", comm["calls"].get("all_reduce_tp", 0), "count",
+                              note=f"the minimum of paradiff's plan: {len(runs['tp1'][0][0]['expected'])}"))
+    if figures:
+        write_result("bench_tp_step", "TP forward step: FLUX.2-shaped transformer, fp32", figures)
     patches = sorted({p for ranks in runs.get("diffusers_tp2", []) for r in ranks for p in r.get("patches", [])})
     if patches:
         print("in-process patches in the diffusers workers: " + "; ".join(patches))

@@ -53,6 +53,7 @@ from _common import (  # noqa: E402
     run_ranks,
     wait_for_quiet,
 )
+from results import figure, write_result  # noqa: E402
 
 MB = 1e6
 MODELS = {
@@ -229,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes = {"flux-kl": (64, 64, 1), "wan": (48, 64, 5), "dc": (128, 128, 1), "cogvideox": (48, 64, 5)}
     worlds = [int(w) for w in args.worlds.split(",")]
     print(f"# bench_vae {datetime.datetime.now().isoformat(timespec='seconds')}\n# {machine_line()}", flush=True)
-    report, rows = {}, []
+    report, rows, figures = {}, [], []
     for model in args.models.split(","):
         height, width, frames = sizes[model]
         config = models[model][1]
@@ -258,12 +259,23 @@ def main(argv: list[str] | None = None) -> int:
                          f"{case['other_cpu_s']:.1f}"])
             case["max_abs_diff"] = diff
             del case["output"]
+            if case["world"] == 2 and base["world"] == 1:
+                output = f"{height}x{width}" + (f"x{frames}" if model in VIDEO_MODELS else "")
+                figures += [
+                    figure(f"{model} {output}, 2 ranks / 1: time", round(case["median_s"] / base["median_s"], 3), "x",
+                           "<= 0.6", note=f"CPU a rank {case['median_cpu_s'] / base['median_cpu_s']:.2f}x"),
+                    figure(f"{model} {output}, 2 ranks / 1: peak tensor memory",
+                           round(case["peak_tensor_bytes"] / base["peak_tensor_bytes"], 3), "x", "<= 0.6"),
+                    figure(f"{model} {output}, 2 ranks vs 1: max difference relative to the output",
+                           float(f"{diff / scale:.2g}"), "rel", "<= 1e-05")]
         report[model] = {"size": [height, width, frames], "cases": cases}
     table = markdown_table(["model", "output", "ranks", "decode s (median)", "time vs 1", "CPU s/rank (median)",
                             "CPU vs 1", "peak tensors MB/rank",
                             "memory vs 1", "peak RSS rise MB/rank", "max abs diff vs 1 (relative to the largest output value)",
                             "other procs CPU s"], rows)
     print(table)
+    if figures and not args.quick:
+        write_result("bench_vae", f"Parallel VAE decode ({args.models}), 2 ranks against 1", figures)
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine_line(), "report": report}, indent=2, default=str))
     return 0

@@ -27,6 +27,7 @@ from paradiff.config import mode_world_size  # noqa: E402
 from _common import (  # noqa: E402
     LoadWindow, cpu_seconds, foreign_cpu, machine_line, markdown_table, quiet_diffusers, run_ranks,
 )
+from results import figure, write_result  # noqa: E402
 
 CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
               text_dim=1536, freq_dim=256, ffn_dim=8960, num_layers=2, rope_max_seq_len=1024)
@@ -103,6 +104,7 @@ def main() -> None:
     reference = results["single"][0]["output"]
     single_ms = results["single"][0]["ms"]
     rows = []
+    figures = []
     for mode, by_rank in results.items():
         worst = max(r["ms"] for r in by_rank)
         diff = float(abs(by_rank[0]["output"] - reference).max() / abs(reference).max())
@@ -111,12 +113,16 @@ def main() -> None:
                      f"{worst_cpu / results['single'][0]['cpu_ms']:.2f}",
                      f"{foreign_cpu([r['window'] for r in by_rank]):.1f}",
                      f"{by_rank[0]['block_bytes'] / by_rank[0]['full_block_bytes']:.3f}", f"{diff:.1e}"])
+        if mode != "single":
+            figures.append(figure(f"{mode} forward / single", round(worst / single_ms, 3), "x", "<= 0.6",
+                                  note=f"CPU of the busiest rank {worst_cpu / results['single'][0]['cpu_ms']:.2f}x"))
     tokens = args.frames * args.height * args.width
     print(f"\n{time.strftime('%Y-%m-%d')}; {machine_line()}")
     print(f"WanTransformer3DModel 12 x 128, ffn 8960, 2 blocks, fp32, {tokens} video + 512 text tokens, "
           f"median of {args.steps} forwards\n")
     print(markdown_table(["mode", "ms / forward", "x single", "CPU ms / forward (busiest rank)", "CPU x single",
                           "other processes' CPU s", "block bytes per rank / full", "max rel diff"], rows))
+    write_result("bench_video", f"Wan-shaped video transformer at {tokens + 512} tokens: 2-rank modes vs single", figures)
     tp = results["tp2"][0]
     layers = CONFIG["num_layers"]
     print(f"\nnorm-across-heads under tp2: {tp['norm_calls'] // layers} all-reduces and "

@@ -7,11 +7,18 @@ with the code `paradiff generate --dry-run` runs (plan_tools/memory.py).
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 from diffusers import Flux2Transformer2DModel, WanTransformer3DModel
 
 from paradiff.config import ParallelConfig
 from paradiff.plan_tools.memory import GIB, image_tokens_of, meta_model, per_rank_bytes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from results import figure, write_result  # noqa: E402
 
 # Wan-AI/Wan2.2-T2V-A14B-Diffusers transformer/config.json (transformer_2 is the same shape)
 WAN22_A14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
@@ -44,9 +51,15 @@ def rows():
 def main() -> None:
     print("| model | ranks | mesh | weights | held | gathered | activations | peak per GPU |")
     print("|---|---|---|---|---|---|---|---|")
+    figures = []
     for label, ranks, mode, weights, held, gathered, activations, peak in rows():
         print(f"| {label} | {ranks} | {mode} | {weights} | {held:.1f} GiB | {gathered:.1f} GiB | "
               f"{activations:.1f} GiB | **{peak:.1f} GiB** |")
+        if mode.startswith("fsdp") and weights == "bf16":
+            figures.append(figure(f"{label}: peak per GPU, {mode}, bf16", round(peak, 1), "GiB",
+                                  note=f"held {held:.1f} GiB, gathered {gathered:.1f} GiB"))
+    write_result("fsdp_paper", "Per-GPU memory on paper with FSDP: Wan 2.2 A14B and FLUX.2-dev (bf16)", figures,
+                 device="none (on paper, meta device)", timed=False)
 
 
 if __name__ == "__main__":

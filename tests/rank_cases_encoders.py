@@ -21,8 +21,8 @@ from paradiff.testing.pipelines import default_call_kwargs, encode_prompt_kwargs
 PROMPTS = ["a cat", "a lighthouse on a rocky coast during a storm, dramatic lighting"]
 
 
-def _config(tp: int = 1, ulysses: int = 1, dp: int = 1) -> paradiff.ParallelConfig:
-    return paradiff.ParallelConfig.from_degrees(tp=tp, ulysses=ulysses, data=dp)
+def _config(tp: int = 1, ulysses: int = 1, dp: int = 1, fsdp: int = 1) -> paradiff.ParallelConfig:
+    return paradiff.ParallelConfig.from_degrees(tp=tp, ulysses=ulysses, data=dp, fsdp=fsdp)
 
 
 def _pixels(output) -> np.ndarray:

@@ -138,4 +138,7 @@ def fsdp_pipeline(family: str, folder: str, mode: str, steps: int = 3) -> dict:
     return {"rank": dist.get_rank(), "diff": float(np.abs(actual - expected).max()),
             "fsdp_blocks": {name: len(get_state(module).fsdp_blocks) for name, module in transformers.items()},
             "held": {name: (held_weight_bytes(module), sum(_nbytes(p) for p in getattr(reference, name).parameters()))
-                     for name, module in transformers.items()}}
+                     for name, module in transformers.items()},
+            "encoders": {name: (held_weight_bytes(module), sum(_nbytes(p) for p in getattr(reference, name).parameters()))
+                         for name, module in pipeline.components.items()
+                         if name.startswith("text_encoder") and isinstance(module, torch.nn.Module)}}

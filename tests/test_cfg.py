@@ -167,11 +167,12 @@ def test_a_rule_declares_its_style_completely():
 def test_docs_table_is_generated_from_the_rules():
     from pathlib import Path
 
-    from paradiff.plan_tools.cfg_rules import cfg_rules_table
+    from paradiff.plan_tools.cfg_rules import cfg_rules_page, cfg_rules_table
 
-    docs = (Path(__file__).parents[1] / "docs" / "pipelines.md").read_text()
-    table = "\n".join("  " + line for line in cfg_rules_table().splitlines())
-    assert table in docs, "docs/pipelines.md's CFG table is stale: paste cfg_rules_table() (indented two spaces)"
+    docs = (Path(__file__).parents[1] / "docs" / "cfg-rules.md").read_text()
+    table = cfg_rules_table()
+    assert table in docs, "docs/cfg-rules.md's CFG table is stale: run python tools/docs_tables.py"
+    assert docs == cfg_rules_page(), "docs/cfg-rules.md is not the generator's output: run python tools/docs_tables.py"
 
 
 def test_batch_split_cuts_a_cache_along_its_batch_dim_and_hands_the_callers_cache_back():

@@ -47,6 +47,7 @@ def test_generate_embedded_default_with_compare(tmp_path):
     assert len(report["ranks"]) == 2
     for rank in report["ranks"]:
         assert rank["load_s"] > 0 and rank["step_s_median"] > 0 and rank["peak_memory_bytes"] > 10**7
+        assert len(rank["step_s"]) == 2 and all(seconds > 0 for seconds in rank["step_s"])  # each step's time
     assert report["max_abs_diff_vs_single_process"] < 1e-5
     assert report["config"]["parallel_vae"] is True  # the VAE's rows were split over the two ranks
     assert Image.open(out / "0000.png").size == (32, 32)

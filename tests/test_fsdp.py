@@ -54,6 +54,9 @@ def test_fsdp_composes_with_tp_and_cfg(pools, checkpoints, tiny_pipeline_folders
         assert set(result["fsdp_blocks"]) == {"transformer", "transformer_2"}, result
         for held, whole in result["held"].values():
             assert held < 0.6 * whole, result
+        assert set(result["encoders"]) == {"text_encoder"}, result  # UMT5: sharded by FSDP within each branch
+        for held, whole in result["encoders"].values():
+            assert held < 0.6 * whole, result
 
 
 def _refusal(**kwargs) -> str:

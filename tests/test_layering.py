@@ -1,19 +1,20 @@
 """Dependencies point down: the mechanisms know no model, and the product never needs the test helpers.
 
-The layers, lowest first: config / errors; distributed/; io/, tensor_parallel/, context_parallel/, vae/, quant/,
-fsdp/ (mechanisms);
-runtime/; plans/ (per-model and per-pipeline knowledge); plan_tools/; api/; cli/, demo/. testing/ sits beside the
-product and is never imported by it.
+The layers, lowest first, are the table in docs/architecture.md, which `test_every_import_points_down_the_layer_table`
+reads. Every import counts, module-level or inside a function: a deferred import is still a dependency.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
+import re
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "paradiff"
+ARCHITECTURE = PACKAGE.parents[1] / "docs" / "architecture.md"
 MECHANISMS = ("tensor_parallel", "context_parallel", "vae", "io", "quant", "fsdp")
 # What each low layer may import from paradiff: itself and the layers below it.
 ALLOWED_BELOW = {
@@ -35,9 +36,14 @@ def imports(source: str, where: str) -> list[str]:
     return found
 
 
+@functools.cache
+def file_imports(path: Path) -> tuple[str, ...]:
+    """`imports` of one file of the package, parsed once per session (every test here reads the same files)."""
+    return tuple(imports(path.read_text(), str(path.relative_to(PACKAGE))))
+
+
 def module_imports(files: list[Path]) -> list[tuple[str, str]]:
-    return [(str(path.relative_to(PACKAGE)), name) for path in files
-            for name in imports(path.read_text(), str(path.relative_to(PACKAGE)))]
+    return [(str(path.relative_to(PACKAGE)), name) for path in files for name in file_imports(path)]
 
 
 def offenders(files: list[Path], forbidden: str) -> list[str]:
@@ -101,3 +107,130 @@ def test_only_the_serve_command_imports_the_server():
     """paradiff.serve sits on top (it uses the command's loading); below it only cli/serve.py reaches it, lazily."""
     files = [path for path in PACKAGE.rglob("*.py") if "serve" not in path.relative_to(PACKAGE).parts[:1]]
     assert [entry for entry in offenders(files, "paradiff.serve") if not entry.startswith("cli/serve.py")] == []
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The module graph: no cycle, and the layer table of docs/architecture.md
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(["paradiff", *(parts[:-1] if parts[-1] == "__init__" else parts)])
+
+
+@functools.cache
+def module_graph() -> dict[str, frozenset[str]]:
+    """paradiff module -> the paradiff modules it imports anywhere in its file (at module level, in a function, under
+    TYPE_CHECKING). `from paradiff.a import b` is an edge to module paradiff.a.b where that module exists, else to
+    paradiff.a; importing a module's package (its __init__, which Python runs first) is not counted as an edge."""
+    files = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        targets = set()
+        for imported in file_imports(path):
+            while imported and imported not in files:
+                imported = imported.rpartition(".")[0]
+            if imported.startswith("paradiff") and imported != name:
+                targets.add(imported)
+        graph[name] = frozenset(targets)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_cycles_are_found_through_deferred_imports():
+    graph = {"paradiff.a": {"paradiff.b"}, "paradiff.b": {"paradiff.c"}, "paradiff.c": {"paradiff.a"},
+             "paradiff.d": {"paradiff.a"}}
+    assert cycles(graph) == [["paradiff.a", "paradiff.b", "paradiff.c"]]
+    source = "import torch\n\ndef later():\n    from paradiff.api.model import target_dtype\n"
+    assert imports(source, "api/fsdp.py") == ["torch", "paradiff.api.model.target_dtype"]
+
+
+def test_no_module_imports_itself_through_a_chain():
+    graph = module_graph()
+    assert len(graph) > 100
+    assert cycles(graph) == []
+
+
+def layer_table() -> dict[str, int]:
+    """docs/architecture.md's layer table: entry (`io`, `runtime.state`) -> its layer."""
+    layers = {}
+    for line in ARCHITECTURE.read_text().splitlines():
+        row = re.match(r"\| (\d+) \| ([^|]+) \|", line)
+        if row:
+            for entry in re.findall(r"`([^`]+)`", row.group(2)):
+                layers[entry.removesuffix("/").removesuffix(".py").replace("/", ".")] = int(row.group(1))
+    return layers
+
+
+def layer_of(module: str, layers: dict[str, int]) -> tuple[str, int] | None:
+    """The most specific entry holding `module` (paradiff.x.y) and its layer; None for the top package. A package's
+    own module (paradiff.cli) is its __init__.py: an entry `cli/__init__.py` places it, else the package's entry."""
+    parts = module.split(".")[1:]
+    if (PACKAGE.joinpath(*parts) / "__init__.py").exists() and ".".join([*parts, "__init__"]) in layers:
+        return ".".join([*parts, "__init__"]), layers[".".join([*parts, "__init__"])]
+    for end in range(len(parts), 0, -1):
+        entry = ".".join(parts[:end])
+        if entry in layers:
+            return entry, layers[entry]
+    return None
+
+
+def test_the_layer_table_names_every_package_once_in_order():
+    layers = layer_table()
+    assert list(layers.values()) == sorted(layers.values())
+    packages = {path.name for path in PACKAGE.iterdir() if path.is_dir() and (path / "__init__.py").exists()}
+    assert packages - {"assets"} <= set(layers), sorted(packages - set(layers))
+    assert {"config", "errors"} <= set(layers)
+    assert all(layer_of(name, layers) for name in module_graph() if name != "paradiff")
+
+
+def test_every_import_points_down_the_layer_table():
+    layers = layer_table()
+    graph = module_graph()
+    upward = []
+    for module, targets in sorted(graph.items()):
+        if module == "paradiff":
+            continue
+        entry, layer = layer_of(module, layers)
+        for target in sorted(targets):
+            if target == "paradiff":  # the public names: Python has run it before any module
+                continue
+            target_entry, target_layer = layer_of(target, layers)
+            if target_entry != entry and target_layer >= layer:
+                upward.append(f"{module} (layer {layer}) imports {target} (layer {target_layer})")
+    assert upward == []
+
+
+def test_the_top_package_imports_only_the_import_noise_filters():
+    assert module_graph()["paradiff"] == {"paradiff.runtime.import_noise"}

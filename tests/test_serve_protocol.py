@@ -20,7 +20,10 @@ def test_a_good_request_gets_the_defaults_and_its_seeds():
     request = parse_image_request({"prompt": "a red circle", "n": 3, "seed": 7, "size": "128x64"}, LIMITS)
     assert (request.width, request.height, request.steps, request.n) == (128, 64, 8, 3)
     assert request.seeds() == [7, 8, 9]
-    assert parse_image_request({"prompt": "x"}, LIMITS).seeds() == [0]
+    assert parse_image_request({"prompt": "x"}, LIMITS).seed is None  # the frontend draws one (app.with_seed)
+    streamed = parse_image_request({"prompt": "x", "stream": True, "partial_images": 2}, LIMITS)
+    assert (streamed.stream, streamed.partial_images) == (True, 2)
+    assert parse_image_request({"prompt": "x", "partial_images": 2}, LIMITS).partial_images == 0  # no stream: none
 
 
 @pytest.mark.parametrize("body, status, words", [
@@ -38,6 +41,14 @@ def test_a_good_request_gets_the_defaults_and_its_seeds():
     ({"prompt": "x", "negative_prompt": "blurry"}, 400, "takes no negative_prompt"),
     ({"prompt": "x", "response_format": "url"}, 400, "only 'b64_json'"),
     ({"prompt": "x", "model": "other"}, 404, "model 'other' is not served here"),
+    ({"prompt": "x", "quality": "ultra"}, 400, "quality 'ultra': expected one of ['auto', 'standard', 'hd'"),
+    ({"prompt": "x", "style": 3}, 400, "style 3: expected one of ['vivid', 'natural']"),
+    ({"prompt": "x", "output_format": "gif"}, 400, "output_format 'gif': expected one of ['png', 'jpeg', 'webp']"),
+    ({"prompt": "x", "output_compression": 101}, 400, "output_compression 101 is out of bounds: expected 0 to 100"),
+    ({"prompt": "x", "seed": 2**63 - 1, "n": 2}, 400, "image 1 would use seed 9223372036854775808"),
+    ({"prompt": "x", "strength": 0.5}, 400, "unknown field(s) ['strength']"),  # edits only
+    ({"prompt": "x", "stream": "yes"}, 400, "stream: expected true or false"),
+    ({"prompt": "x", "stream": True, "partial_images": 4}, 400, "partial_images 4 is out of bounds: expected 0 to 3"),
     (["x"], 400, "must be a JSON object, got list"),
 ])
 def test_bad_requests_name_the_field_and_what_is_valid(body, status, words):
@@ -45,6 +56,56 @@ def test_bad_requests_name_the_field_and_what_is_valid(body, status, words):
         parse_image_request(body, LIMITS)
     assert caught.value.status == status
     assert words in str(caught.value)
+
+
+def test_openais_standard_fields_are_accepted_and_a_missing_seed_is_drawn_on_rank_0():
+    from paradiff.serve.app import with_seed
+
+    body = {"prompt": "x", "quality": "hd", "style": "natural", "background": "transparent", "moderation": "low",
+            "user": "u", "safety_identifier": "s", "size": "auto", "output_format": "webp", "output_compression": 70}
+    request = parse_image_request(body, LIMITS)
+    assert (request.width, request.height, request.output_format, request.output_compression) == (64, 64, "webp", 70)
+    assert request.seed is None
+    drawn = {with_seed(request).seed for _ in range(4)}
+    assert len(drawn) == 4 and all(0 <= seed < 2**32 for seed in drawn)
+    assert with_seed(parse_image_request({"prompt": "x", "seed": 3}, LIMITS)).seed == 3
+
+
+def test_an_edit_form_is_read_and_its_uploads_are_bounded():
+    """The openai client's multipart fields (numbers as text, one `image` or several `image[]`, loras[NAME]) read
+    back; an upload that is no image, too many pixels, or a mask of another size is refused by name."""
+    import io
+
+    from PIL import Image
+
+    from paradiff.serve.images import parse_edit_request
+
+    def png(width: int, height: int) -> bytes:
+        buffer = io.BytesIO()
+        Image.new("RGB", (width, height)).save(buffer, format="PNG")
+        return buffer.getvalue()
+
+    edits = Limits(max_side=64, default_size=(64, 64), inputs=frozenset({"image", "mask", "strength"}),
+                   adapters=(("lora0", 1.0),), pipeline="FluxInpaintPipeline")
+    request = parse_edit_request([("prompt", "x"), ("image[]", png(32, 32)), ("image[]", png(16, 16)),
+                                  ("n", "2"), ("seed", "5"), ("strength", "0.6"), ("loras[lora0]", "0.5"),
+                                  ("size", "64x64"), ("quality", "")], edits)
+    assert (request.n, request.seed, request.strength, request.loras, len(request.images)) == (
+        2, 5, 0.6, (("lora0", 0.5),), 2)
+    refused = [([("prompt", "x")], "image", "expected one image file"),
+               ([("prompt", "x"), ("image", b"GIF89a junk")], "image", "not a readable image"),
+               ([("prompt", "x"), ("image", png(200, 100))], "image", "20000 pixels; at most 16384"),
+               ([("prompt", "x"), ("image", png(1, 1))], "image", "1x1; each side at least 16 pixels"),
+               ([("prompt", "x"), ("image", png(32, 32)), ("mask", png(16, 16))], "mask", "as large as the"),
+               ([("prompt", "x"), ("image", png(32, 32)), ("n", "two")], "n", "n: expected an integer"),
+               ([("prompt", "x"), ("image", "text")], "image", "expected an image file")]
+    for fields, param, words in refused:
+        with pytest.raises(RequestError) as caught:
+            parse_edit_request(fields, edits)
+        assert (caught.value.status, caught.value.param) == (400, param) and words in str(caught.value), caught.value
+    with pytest.raises(RequestError, match=r"takes no image; it serves POST /v1/images/generations") as caught:
+        parse_edit_request([("prompt", "x"), ("image", png(32, 32))], LIMITS)
+    assert caught.value.param == "image"
 
 
 def test_the_wrong_endpoint_for_the_pipeline_is_refused():
@@ -58,7 +119,7 @@ def test_the_wrong_endpoint_for_the_pipeline_is_refused():
 
 
 def request(**fields):
-    return parse_image_request({"prompt": "p", **fields}, LIMITS)
+    return parse_image_request({"prompt": "p", "seed": 0, **fields}, LIMITS)
 
 
 def test_each_replica_takes_a_request_before_any_batch_grows():
@@ -170,8 +231,8 @@ def test_a_request_picks_among_the_servers_adapters():
     with pytest.raises(RequestError, match="scale of 'lora0' must be a number"):
         parse_image_request({"prompt": "x", "loras": {"lora0": "high"}}, limits)
     scheduler = Scheduler(max_batch=4)
-    scheduler.submit(parse_image_request({"prompt": "x", "loras": {}}, limits))
-    scheduler.submit(parse_image_request({"prompt": "x"}, limits))
+    scheduler.submit(parse_image_request({"prompt": "x", "seed": 0, "loras": {}}, limits))
+    scheduler.submit(parse_image_request({"prompt": "x", "seed": 0}, limits))
     assert [len(batch) for batch in scheduler.next_round(1, 0)["batches"]] == [1]  # other adapters: no shared call
 
 
@@ -400,7 +461,8 @@ def simulated_waits(policy: str) -> tuple[dict[str, list[float]], list[int]]:
     while arrivals or running or scheduler.depth()[0]:
         while arrivals and arrivals[0][0] <= clock[0]:
             _, kind = arrivals.pop(0)
-            body = {"prompt": kind, "size": "256x256", "steps": 20} if kind == "long" else {"prompt": kind}
+            body = ({"prompt": kind, "size": "256x256", "steps": 20, "seed": 0} if kind == "long"
+                    else {"prompt": kind, "seed": 0})
             job = scheduler.submit(parse_image_request(body, limits))
             kinds[job.id] = kind
         if running is not None and clock[0] >= busy_until:
@@ -519,3 +581,48 @@ def test_over_max_wait_is_a_503_with_retry_after_and_a_reloading_replica_is_degr
     assert degraded.status_code == 200 and degraded.json() == {"status": "degraded"}
     assert 'paradiff_replica_up{replica="1"} 0' in frontend.render_metrics()
     frontend.stop()
+
+
+def test_every_error_is_in_openais_shape_with_a_string_code_and_the_field_at_fault(tmp_path):
+    """Errors of the request checks, the header checks (safety.py), the key, and FastAPI's own 404 / 405: OpenAI's
+    {"error": {"message", "type", "param", "code"}}, `code` a string, `param` the field at fault."""
+    import asyncio
+
+    import httpx
+
+    from paradiff.cli.args import build_parser
+    from paradiff.serve.app import Frontend, HttpGuard, build_app
+
+    args = build_parser().parse_args(["serve", "--out", str(tmp_path), "--api-key", "k"])
+    frontend = Frontend(args, "paradiff-demo")
+    frontend.limits = LIMITS
+    frontend.replica_state(0, "ready")  # health is computed: every replica loaded once and serving
+    frontend._loaded.add(0)
+    key = {"Authorization": "Bearer k"}
+
+    async def ask() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=HttpGuard(build_app(frontend), frontend))
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8000") as client:
+            post = "/v1/images/generations"
+            return [await client.post(post, json={"prompt": "x", "size": "50x64"}, headers=key),
+                    await client.post(post, json={"prompt": "x", "colour": 1}, headers=key),
+                    await client.post(post, json={"prompt": "x", "model": "other"}, headers=key),
+                    await client.get("/v1/nothing", headers=key),
+                    await client.delete(post, headers=key),
+                    await client.post(post, json={"prompt": "x"}),
+                    await client.post(post, content=b"{}", headers={**key, "Content-Type": "text/plain"}),
+                    await client.get("/v1/models", headers={**key, "Origin": "https://other.example"})]
+
+    answers = asyncio.run(ask())
+    frontend.stop()
+    shapes = [(answer.status_code, answer.json()["error"]["param"], answer.json()["error"]["code"],
+               answer.json()["error"]["type"]) for answer in answers]
+    assert shapes == [(400, "size", "invalid_request", "invalid_request_error"),
+                      (400, "colour", "unknown_parameter", "invalid_request_error"),
+                      (404, "model", "model_not_found", "not_found_error"),
+                      (404, None, "not_found", "not_found_error"),
+                      (405, None, "method_not_allowed", "invalid_request_error"),
+                      (401, None, "invalid_api_key", "authentication_error"),
+                      (415, None, "unsupported_media_type", "invalid_request_error"),
+                      (403, None, "forbidden", "permission_error")]
+    assert all(set(answer.json()["error"]) == {"message", "type", "param", "code"} for answer in answers)

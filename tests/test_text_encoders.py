@@ -65,6 +65,52 @@ def test_tp2_every_family_with_and_without_stages(pools, encoder_pipelines, refe
                                    degrees=dict(tp=2), stage_modes=modes, timeout_s=600))
 
 
+def test_fsdp2_shards_every_family_of_encoders(pools, encoder_pipelines, references):
+    """--fsdp 2 alone leaves no TP split for the encoders: FSDP shards their layers (`_no_split_modules`) too, each
+    rank reading and holding about half of every encoder, the vision towers included. (FLUX.1's CLIPTextModel, Lumina
+    2's Gemma2Model and HunyuanVideo's LlamaModel stay whole: `test_fsdp_leaves_encoders_that_record_..._whole`.)"""
+    # T5 + CLIP, Mistral3 and Qwen2.5-VL (vision towers); Wan's UMT5 is sharded in test_fsdp.py's cfg2 x fsdp2
+    # pipeline, and which classes stay whole is the next test
+    sharded = {family: encoder_pipelines[family] for family in ("flux", "flux2", "qwenimage")}
+    results = pools.get(2).run(cases.pipelines_match, folders=sharded, references=references, degrees=dict(fsdp=2),
+                               stage_modes={family: [False] for family in sharded}, timeout_s=600)
+    for rank, by_case in enumerate(results):
+        assert len(by_case) == len(sharded), by_case.keys()
+        for case, figures in by_case.items():
+            assert figures["embeds"] <= EMBED_TOLERANCE, (rank, case, figures)
+            assert figures["image"] <= IMAGE_TOLERANCE, (rank, case, figures)
+            for name, share in figures["encoder_shares"].items():
+                if (case, name) == ("flux/stages=False", "text_encoder"):  # CLIPTextModel: see the test below
+                    assert share == 1.0, (rank, case, name, share)
+                else:
+                    assert SHARE_RANGE[0] <= share <= SHARE_RANGE[1], (rank, case, name, share)
+
+
+def test_fsdp_leaves_encoders_that_record_outputs_by_class_whole():
+    """transformers 5 finds what a bare Gemma2Model / LlamaModel / CLIPTextModel records (the hidden states Lumina 2
+    and HunyuanVideo take) by the model's class, which fully_shard changes: FSDP leaves them whole (TP still splits them), and says
+    why; an encoder whose records live in an inner model (Qwen3ForCausalLM) is sharded."""
+    import transformers
+
+    from paradiff.api.fsdp import encoder_fsdp_blocks
+
+    parallel = paradiff.ParallelConfig.from_degrees(fsdp=2)
+    tiny = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=8)
+    with torch.device("meta"):
+        gemma = transformers.Gemma2Model(transformers.Gemma2Config(**tiny))
+        llama = transformers.LlamaModel(transformers.LlamaConfig(**tiny))
+        qwen3 = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**tiny))
+    assert encoder_fsdp_blocks("text_encoder", gemma, parallel, (), quantized=False) is None
+    assert encoder_fsdp_blocks("text_encoder", llama, parallel, (), quantized=False) is None
+    blocks = encoder_fsdp_blocks("text_encoder", qwen3, parallel, (), quantized=False)
+    assert [name for name, _ in blocks] == ["model.layers.0", "model.layers.1"]
+    # split by TP over the FSDP ranks themselves (CP without TP): already 1/N there
+    cp = paradiff.ParallelConfig.from_degrees(fsdp=2, ulysses=2)
+    assert encoder_fsdp_blocks("text_encoder", qwen3, cp, ("ring", "ulysses"), quantized=False) is None
+    assert encoder_fsdp_blocks("text_encoder", qwen3, parallel, (), quantized=True) is None
+
+
 def test_tp2_x_ulysses2_every_family(pools, encoder_pipelines, references):
     # klein's Qwen3 and HunyuanVideo's Llama run unstaged at tp=2 (and Qwen3 at tp=4)
     modes = _modes(UNSTAGED_ELSEWHERE | {"flux2_klein", "hunyuanvideo"})

@@ -21,6 +21,7 @@ _EXPORTS = {
     "cache_monitor": "paradiff.runtime.caching",
     "enable_cache": "paradiff.runtime.caching",
     "compile": "paradiff.runtime.compilation",
+    "describe": "paradiff.runtime.describe",
     "ContextParallelConfig": "paradiff.config",
     "ParallelConfig": "paradiff.config",
     "TensorParallelConfig": "paradiff.config",

@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from paradiff.errors import ParallelConfigError, UnsupportedModelError
+from paradiff.api.building import target_dtype
 from paradiff.fsdp.apply import shard_weights
-from paradiff.runtime.repeated_blocks import repeated_blocks
+from paradiff.runtime.repeated_blocks import layer_blocks, repeated_blocks
 from paradiff.tensor_parallel.shard import swap_in_sharded_linears
 
 
@@ -44,6 +45,47 @@ def check_fsdp(model: nn.Module, parallel: Any, *, quantization: Any = None, sav
     return blocks
 
 
+def encoder_fsdp_blocks(name: str, model: nn.Module, parallel: Any, split_dims: tuple[str, ...],
+                        quantized: bool) -> list[tuple[str, nn.Module]] | None:
+    """The layers FSDP shards in a text encoder (None: it stays as TP left it, and why is logged once). An encoder
+    split by TP over the FSDP ranks themselves (CP without TP: `fsdp` = ring x ulysses) already holds 1/N there; a
+    quantized one holds packed or subclassed weights that FSDP2 cannot cut (see `check_fsdp`)."""
+    import logging
+
+    from paradiff.runtime.progress import is_main_rank
+
+    why = None
+    if set(split_dims) & set(parallel.fsdp_dims):
+        why = f"it is split by TP over the same ranks ({' x '.join(split_dims)})"
+    elif quantized:
+        why = "it is quantized (FSDP2 shards unquantized float weights only)"
+    elif _records_outputs_by_class(model):
+        why = (f"transformers looks up which outputs {type(model).__name__} records (its hidden states) by the "
+               "model's class at every call, and FSDP2 gives the model it shards a class of its own")
+    blocks = layer_blocks(model) if why is None else []
+    if why is None and not blocks:
+        why = f"{type(model).__name__} names no repeated layers (`_no_split_modules`)"
+    if why is not None:
+        if is_main_rank():
+            logging.getLogger(__name__).info("%s is not FSDP-sharded: %s", name, why)
+        return None
+    return blocks
+
+
+def _records_outputs_by_class(model: nn.Module) -> bool:
+    """Whether the model's own forward is wrapped by transformers' output capturing (`capture_outputs`, transformers
+    5), which finds the model's recorder list by `str(model.__class__)`: a model used bare as an encoder (Gemma2Model,
+    LlamaModel). A model that holds such a model inside (Qwen3ForCausalLM) is not: FSDP2 changes only the classes of
+    the model and its blocks."""
+    function = type(model).forward
+    while function is not None:
+        code = getattr(function, "__code__", None)
+        if code is not None and code.co_filename.endswith("output_capturing.py"):
+            return True
+        function = getattr(function, "__wrapped__", None)
+    return False
+
+
 def shard_component(component: Any, mesh: Any, group: Any, weights_on_meta: bool, device: torch.device) -> None:
     """TP first (a planned Linear becomes its sharded form holding this rank's slice: empty on meta, or sliced
     from the weights in memory), then FSDP2 over the FSDP group, each block a unit (`fsdp/apply.py`)."""
@@ -54,7 +96,8 @@ def shard_component(component: Any, mesh: Any, group: Any, weights_on_meta: bool
         if weights_on_meta:
             _tp_shapes_on_meta(model, resolved)
         swap_in_sharded_linears(model, resolved, group, weights_are_local=weights_on_meta)
-    component.fsdp_blocks = shard_weights(model, component.blocks, mesh.fsdp_mesh(), device)
+    component.fsdp_blocks = shard_weights(model, component.blocks, mesh.fsdp_mesh(), device,
+                                          prefetch_across_lists=component.prefetch_across_lists)
 
 
 def _tp_shapes_on_meta(model: nn.Module, resolved: Any) -> None:
@@ -72,8 +115,6 @@ def _tp_shapes_on_meta(model: nn.Module, resolved: Any) -> None:
 def _load_dtypes_on_meta(model: nn.Module, source: Any) -> None:
     """Parameters take the dtype the read gives them (the load dtype, float32 for the modules kept so) before FSDP
     makes them real: its shards are filled in place."""
-    from paradiff.api.model import target_dtype
-
     for name, param in list(model.named_parameters()):
         if param.is_meta and param.dtype.is_floating_point:
             dtype = target_dtype(name, source.dtype, source.keep_fp32)

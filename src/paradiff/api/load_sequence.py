@@ -18,6 +18,7 @@ from torch import nn
 
 from paradiff.distributed.agreement import agree
 from paradiff.distributed.mesh import build_mesh
+from paradiff.api.attach import attach
 from paradiff.api.fsdp import shard_component
 from paradiff.quant.apply import (ReadQuantizer, column_split_weights, quantize_model, reduce_row_extrema,
                                   row_extrema)
@@ -42,6 +43,7 @@ class Component:
     group: Any = field(default=None, init=False)  # the process group holding its TP shards (None: not split)
     # FSDP (api/fsdp.py): the repeated blocks it shards one unit each (None: not sharded), then their names
     blocks: list[tuple[str, nn.Module]] | None = None
+    prefetch_across_lists: bool = True  # False for a text encoder (fsdp/apply.py: shard_weights)
     fsdp_blocks: list[str] = field(default_factory=list, init=False)
 
     def quantize(self) -> None:
@@ -110,8 +112,6 @@ def run_load_sequence(stage: str, prepare: Callable[[], Prepared], *, distribute
         for component in components.values():
             if component.checkpoint is not None:
                 component.checkpoint.close()
-    from paradiff.api.parallelize import attach
-
     for name, component in components.items():
         group = _tp_group(component, mesh)
         component.group = group

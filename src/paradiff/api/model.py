@@ -7,7 +7,6 @@ is read or any collective is issued.
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -30,6 +29,7 @@ from paradiff.plans import model_config, plan_for
 from paradiff.quant.saved import check_saved_blocks, saved_quantization, saved_weights
 from paradiff.quant.schemes import check_block_boundaries, gguf_scheme, scheme_from_config
 from paradiff.runtime.progress import byte_progress
+from paradiff.api.building import _Prepared, parameters_on_meta, target_dtype  # noqa: F401 - public here
 from paradiff.api.fsdp import check_fsdp
 from paradiff.api.load_sequence import Component, Prepared, run_load_sequence
 from paradiff.api.lora import adapter_layout, weights_dropped
@@ -65,36 +65,6 @@ def check_loading_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     if kwargs.get("variant"):
         raise CheckpointError(f"variant={kwargs['variant']!r} is not supported yet; point to a folder without variants.")
     return {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
-
-
-@contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Create parameters on the meta device while keeping buffers and tensor attributes real.
-
-    Rotary tables (Wan's `rope.freqs_*`, Qwen's `pos_freqs`) are computed in `__init__` and are not in the checkpoint,
-    so a plain `torch.device("meta")` context would lose them. This swaps `register_parameter` for the duration of
-    construction only (the same technique accelerate's init_empty_weights uses); construction is single-threaded.
-    """
-    original = nn.Module.register_parameter
-
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(module, name, param)
-        if param is not None and param.device.type != "meta":
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-
-    nn.Module.register_parameter = register
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original
-
-
-def target_dtype(name: str, dtype: torch.dtype, keep_fp32: list[str] | None) -> torch.dtype:
-    if keep_fp32 and dtype in (torch.float16, torch.bfloat16):
-        parts = name.split(".")
-        if any(pattern in parts for pattern in keep_fp32):
-            return torch.float32
-    return dtype
 
 
 def check_dtype(dtype: Any) -> torch.dtype:
@@ -363,20 +333,6 @@ def _numel(shape) -> int:
     for size in shape:
         count *= size
     return count
-
-
-@dataclass
-class _Prepared:
-    model: nn.Module
-    checkpoint: Checkpoint
-    parallel: Any
-    resolved: ResolvedPlan | None
-    cp_resolved: Any
-    dtype: torch.dtype
-    device: torch.device
-    facts: dict
-    source: WeightSource
-    quantization: Any = None  # quant.schemes.QuantScheme: quantized on each rank's slice after the read
 
 
 def _prepare(model_cls, path, subfolder, torch_dtype, parallel_config, device, plan, cp_plan, kwargs) -> _Prepared:

@@ -8,18 +8,15 @@ import torch.distributed as dist
 from torch import nn
 
 from paradiff.distributed.agreement import config_fingerprint, fingerprint
-from paradiff.runtime.caching import check_cache_config, install_agreed_caching
+from paradiff.runtime.caching import check_cache_config
 from paradiff.config import as_parallel_config
 from paradiff.errors import UnsupportedModelError
-from paradiff.distributed.failures import guarded_call
 from paradiff.distributed.mesh import rank_coordinates, require_distributed
+from paradiff.api.attach import attach  # noqa: F401 - public here
 from paradiff.api.fsdp import check_fsdp
 from paradiff.api.load_sequence import Component, Prepared, run_load_sequence
-from paradiff.api.lora import install_lora_support
-from paradiff.api.offload import install_offload_support
 from paradiff.plans import plan_for
-from paradiff.runtime.state import ParallelState, get_state, set_state
-from paradiff.runtime.wrappers import install_wrapper
+from paradiff.runtime.state import get_state
 from paradiff.tensor_parallel.plan import as_plan, resolve_plan
 
 
@@ -107,19 +104,4 @@ def enable_parallelism(model: nn.Module, config: Any, *, plan: Any = None, cp_pl
         return Prepared({"": Component(model, facts, resolved, cp_resolved, blocks=blocks)}, parallel, device)
 
     run_load_sequence("paradiff.enable_parallelism", prepare, distributed=True, read="none", eval_mode=False)
-    return model
-
-
-def attach(model: nn.Module, mesh: Any, resolved: Any, cp_resolved: Any, fsdp_blocks: list[str] = ()) -> nn.Module:
-    """Record the parallel state on the model, hook CP in, and guard its forward against peer failures."""
-    state = ParallelState(mesh=mesh, tp_plan=resolved, fsdp_blocks=list(fsdp_blocks))
-    set_state(model, state)
-    if cp_resolved is not None:
-        from paradiff.context_parallel.apply import apply_context_parallel
-
-        apply_context_parallel(model, state, cp_resolved)
-    install_wrapper(model, "failure_guard", guarded_call)
-    install_agreed_caching(model, mesh.model_group)
-    install_lora_support(model)
-    install_offload_support(model)
     return model

@@ -243,11 +243,18 @@ def _load_components(own: list[_Own], parallel, dtype, device, stages: bool, pla
             except BaseException:
                 one.checkpoint.close()
                 raise
+        elif (item.kind == "text_encoder" or (item.kind == "whole" and is_encoder(item.name))) \
+                and parallel is not None and parallel.fsdp_degree > 1:
+            from paradiff.api.fsdp import encoder_fsdp_blocks
+
+            blocks = encoder_fsdp_blocks(item.name, one.model, parallel,
+                                         encoder_dims if tp_shard and tp_shard[1] > 1 else (),
+                                         quantized=one.quantization is not None or item.name in single_files)
         components[item.name] = Component(
             one.model, one.facts, one.resolved, one.cp_resolved, one.checkpoint, one.source,
             tp_dims=("tp",) if item.name in transformers else (encoder_dims or ("tp",)),
             attach=item.name in transformers or one.resolved is not None, quantization=one.quantization,
-            blocks=blocks,
+            blocks=blocks, prefetch_across_lists=item.name in transformers,
         )
 
     prepared, _mesh = run_load_sequence("paradiff.load_pipeline", prepare, distributed=parallel is not None,

@@ -25,6 +25,7 @@ from paradiff.io.single_file import Run, parameter_runs
 from paradiff.plans import model_config, plan_for
 from paradiff.quant.schemes import QuantScheme
 from paradiff.runtime.progress import byte_progress
+from paradiff.api.building import _Prepared, parameters_on_meta
 from paradiff.tensor_parallel.plan import ResolvedPlan, as_plan, resolve_plan
 from paradiff.tensor_parallel.styles import ShardSpec
 
@@ -172,8 +173,6 @@ def prepare_gguf_model(model_cls: type, path: Path, *, config: Any, subfolder: s
                        scheme: QuantScheme):
     """`prepare_model` for a GGUF file: build the model on the meta device, map and check every tensor, resolve
     the plans and check their slices against the blocks. Reads no weight; the file is left open."""
-    from paradiff.api.model import _Prepared, parameters_on_meta
-
     if not path.is_file():
         raise CheckpointError(
             f"{str(path)!r} is not a local file; paradiff reads a GGUF file from disk (download it first, e.g. "

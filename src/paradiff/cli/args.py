@@ -7,14 +7,13 @@ import importlib.util
 import os
 from pathlib import Path
 
-DTYPES = ("float32", "bfloat16", "float16")
+from paradiff.cli.common import DTYPES, CliError, _positive, lora_specs, quantize_skip  # noqa: F401 - public here
+from paradiff.cli.conditioning import call_parameter_names, check_conditioning
+from paradiff.cli.plan import add_plan_parser
+
 DEBUG_HELP = ("show Python tracebacks, native (C++) stack traces and libraries' warnings on failures, as "
               "PARADIFF_DEBUG=1 does")
 SEED_MAX = 2**63 - 1  # as serve's seed field: torch's generators take 64-bit seeds
-
-
-class CliError(Exception):
-    """A user error: printed as one line, exit code 2."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -41,16 +40,6 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
                 or "default" in text.lower():
             return text
         return super()._get_help_string(action)
-
-
-def _positive(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {number}")
-    return number
 
 
 def _seconds(value: str) -> float:
@@ -159,7 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_options(gen)
     gen.add_argument("--prompt", action="append", default=None,
                      help="a prompt (repeatable); default: the embedded pipeline's demo prompts")
-    gen.add_argument("--prompts-file", default=None, help="a text file with one prompt per line")
+    gen.add_argument("--prompts-file", default=None,
+                     help="a text file with one prompt per line; a line 'ADAPTER<TAB>PROMPT' draws that prompt with "
+                          "one --lora adapter only (its file name without .safetensors, or loraN; '-' for none), "
+                          "prompts with different adapters in one call (docs/lora.md, adapters per sample)")
+    gen.add_argument("--batch", type=_positive, default=4,
+                     help="with an adapter column in --prompts-file: prompts per pipeline call (default 4)")
     gen.add_argument("--seed", type=int, default=0, help="random seed of the first prompt; prompt i uses seed + i")
     gen.add_argument("--dry-run", action="store_true",
                      help="print each rank's memory for this mesh (weights held, FSDP gathers, activations) from the "
@@ -230,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the most frames a video request may ask (default: twice --frames; 257 without --frames)")
     serve.add_argument("--max-body-bytes", type=_positive, default=1 << 20,
                        help="largest request body (413 above; default 1 MiB)")
+    serve.add_argument("--previews", choices=("linear", "vae", "off"), default="linear",
+                       help="x0 previews of streamed images: a linear latent-to-RGB map fitted to the VAE at start "
+                            "(default), the VAE itself (exact, a decoder call per preview), or none (docs/serve.md)")
     serve.add_argument("--read-timeout", type=float, default=10.0,
                        help="seconds a client has to send a request's headers, and then its body (default 10): a "
                             "slower connection is closed, a slower body answered 408")
@@ -250,11 +247,32 @@ def build_parser() -> argparse.ArgumentParser:
                             "the same replica while it is not overloaded")
     serve.add_argument("--ray-address", default=None, metavar="ADDRESS",
                        help="with --ray: the Ray cluster to join (default: RAY_ADDRESS, else a local one)")
+    serve.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
+                       help="adapters served per request, as vLLM takes them: each is a model id of its own "
+                            "(\"model\": NAME); requests with different adapters still run in one call")
+    serve.add_argument("--allow-runtime-lora", action="store_true",
+                       help="take POST /v1/load_lora_adapter and /v1/unload_lora_adapter (files under --lora-root)")
+    serve.add_argument("--lora-root", default=None, metavar="DIR",
+                       help="the folder runtime adapter loads may read from (nothing outside it is read)")
+    serve.add_argument("--max-loras", type=_positive, default=4,
+                       help="adapters resident on the ranks at once (least recently used out first); also the most "
+                            "distinct adapters in one pipeline call")
+    serve.add_argument("--max-lora-rank", type=_positive, default=64, help="the largest adapter rank served")
     serve.add_argument("--out", default="out/serve",
-                       help="the server's folder: requests.jsonl, one line per answered request (nothing else is "
-                            "written there, and no request names a path)")
+                       help="the server's folder: requests.jsonl, one line per answered request; jobs.db and "
+                            "jobs/<id>/, the video jobs and their files (no request names a path)")
+    serve.add_argument("--jobs-db", default=None, metavar="PATH",
+                       help="the SQLite file of the asynchronous video jobs (default: jobs.db in --out); it survives "
+                            "restarts (docs/serve.md)")
+    serve.add_argument("--keep-results", default="100", metavar="N|AGE",
+                       help="how long finished jobs' files are kept: a count of the newest (default 100) or an age "
+                            "(30m, 12h, 7d); an expired job stays listed, its content answers 410")
+    serve.add_argument("--pipeline", default=None, metavar="CLASS",
+                       help="serve this diffusers pipeline class on the model folder instead of its own, e.g. "
+                            "FluxImg2ImgPipeline or FluxInpaintPipeline: edits with a mask / strength "
+                            "(POST /v1/images/edits)")
     serve.set_defaults(prompt=None, prompts_file=None, seed=0, compare=False, image=None, mask=None,
-                       control_image=None, video=None, strength=None, controlnet_scale=None, pipeline=None)
+                       control_image=None, video=None, strength=None, controlnet_scale=None)
     bench = commands.add_parser("bench", help="time a list of configurations on one model")
     bench.add_argument("model", nargs="?", default=None, help="pipeline folder or Hub id; omitted: the embedded one")
     bench.add_argument("--configs", default="single,tp=2,ulysses=2,ring=2",
@@ -282,8 +300,6 @@ def build_parser() -> argparse.ArgumentParser:
     plans.add_argument("--markdown", action="store_true", help="the coverage table as Markdown (docs/coverage.md)")
     plans.add_argument("--pipelines", action="store_true",
                        help="the pipeline coverage table instead (docs/pipeline-coverage.md)")
-    from paradiff.cli.plan import add_plan_parser
-
     plan = add_plan_parser(commands)
     for command in (gen, serve, bench, check, plans, plan):  # after the command too; SUPPRESS keeps `paradiff --debug CMD`
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
@@ -302,7 +318,8 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
             text = Path(args.prompts_file).read_text()
         except OSError as exc:
             raise CliError(f"cannot read --prompts-file {args.prompts_file}: {exc.strerror}") from None
-        prompts += [line.strip() for line in text.splitlines() if line.strip()]
+        # a line ADAPTER<TAB>PROMPT: the prompt is after the tab (prompt_adapters reads the column)
+        prompts += [line.split("\t", 1)[-1].strip() for line in text.splitlines() if line.strip()]
     if not prompts:
         from paradiff.demo import DEFAULT_PROMPTS
 
@@ -310,29 +327,32 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def lora_specs(args: argparse.Namespace) -> list[dict]:
-    """--lora PATH[:SCALE] ... as [{"adapter_name", "path", "scale"}], in order (the names are lora0, lora1...).
-    A trailing ':NUMBER' is the scale; a path with other colons (a Hub id, a Windows drive) is left whole."""
-    specs = []
-    for index, spec in enumerate(getattr(args, "lora", None) or []):
-        path, sep, tail = spec.rpartition(":")
-        scale = 1.0
-        if sep:
-            try:
-                scale = float(tail)
-            except ValueError:
-                path = spec
-        else:
-            path = spec
-        if not path:
-            raise CliError(f"--lora {spec}: expected PATH[:SCALE], e.g. style.safetensors:0.8")
-        specs.append({"adapter_name": f"lora{index}", "path": path, "scale": scale})
-    return specs
-
-
-def quantize_skip(args: argparse.Namespace) -> tuple[str, ...]:
-    """--quantize-skip MODULE[,MODULE] as a tuple of module names (empty without it)."""
-    return tuple(name.strip() for name in (getattr(args, "quantize_skip", None) or "").split(",") if name.strip())
+def prompt_adapters(args: argparse.Namespace) -> list[str | None] | None:
+    """The --prompts-file's adapter column, one entry per prompt of read_prompts (None: no adapter; --prompt ones
+    first, without), as --lora adapter names (lora0, lora1...); None when no line has the column."""
+    if not args.prompts_file:
+        return None
+    try:
+        lines = [line for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
+    except OSError as exc:
+        raise CliError(f"cannot read --prompts-file {args.prompts_file}: {exc.strerror}") from None
+    if not any("\t" in line for line in lines):
+        return None
+    loras = lora_specs(args)
+    if not loras:
+        raise CliError(f"--prompts-file {args.prompts_file} has an adapter column: give the adapters with --lora")
+    names = {lora["adapter_name"]: lora["adapter_name"] for lora in loras}
+    stems = [Path(lora["path"]).name.removesuffix(".safetensors") for lora in loras]
+    # a file name given twice (the same file at two scales) names neither: loraN does
+    names.update({stem: lora["adapter_name"] for stem, lora in zip(stems, loras) if stems.count(stem) == 1})
+    column: list[str | None] = [None] * len(args.prompt or [])
+    for number, line in enumerate(lines, 1):
+        label = line.split("\t", 1)[0].strip() if "\t" in line else "-"
+        if label != "-" and label not in names:
+            raise CliError(f"--prompts-file {args.prompts_file} line {number}: adapter {label!r} is not a --lora "
+                           f"adapter; valid: {sorted(names) + ['-']}")
+        column.append(None if label == "-" else names[label])
+    return column
 
 
 def gguf_files(args: argparse.Namespace) -> dict[str, str]:
@@ -424,6 +444,11 @@ def check_args(args: argparse.Namespace) -> None:
         path = Path(lora["path"])
         if (lora["path"].startswith((".", "/")) or path.suffix == ".safetensors") and not path.exists():
             raise CliError(f"--lora {lora['path']}: no such file or folder")
+    if getattr(args, "prompts_file", None) and prompt_adapters(args) is not None:
+        for flag in ("also_without_lora", "compare", "stages"):
+            if getattr(args, flag, False):
+                raise CliError(f"--{flag.replace('_', '-')} with an adapter column in --prompts-file: not supported "
+                               "(each prompt runs its own adapter in mixed batches); drop one of them")
     if getattr(args, "also_without_lora", False) and not lora_specs(args):
         raise CliError("--also-without-lora draws each prompt without and with the --lora adapters: give --lora too")
     if getattr(args, "also_without_lora", False) and args.stages:
@@ -433,8 +458,6 @@ def check_args(args: argparse.Namespace) -> None:
         if value not in (None, "auto") and not Path(value).is_file():
             raise CliError(f"{flag} {value}: expected 'auto' or a plan file (FILE.py); no such file")
     _check_video(args)
-    from paradiff.cli.conditioning import check_conditioning
-
     check_conditioning(args)
     out = Path(args.out)
     try:
@@ -505,8 +528,6 @@ def _makes_video(model: str | None) -> bool | None:
     if not any((Path(model) / name).is_file() for name in INDEX_FILES):
         return None
     import diffusers
-
-    from paradiff.cli.conditioning import call_parameter_names
 
     pipeline_class = getattr(diffusers, str(read_pipeline_index(model).class_name), None)
     if pipeline_class is None:

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from paradiff.cli.outputs import Output, first_output
+from paradiff.cli.pipeline_options import load_adapters, set_guider
 
 # |difference| x AMPLIFY in compare.png: one level of 255 becomes a clearly visible grey, exact equality is black.
 AMPLIFY = 50
@@ -89,12 +90,8 @@ def compare_single_process(model: str, dtype: torch.dtype, kwargs: dict, seed: i
     reference = single_process_pipeline(model, dtype, pipeline_cls, gguf, quantization)
     reference.set_progress_bar_config(disable=True)
     if guider:
-        from paradiff.cli.worker import set_guider
-
         set_guider(reference, guider)
     if loras:  # the same adapters, by diffusers alone
-        from paradiff.cli.worker import load_adapters
-
         load_adapters(reference, loras, lora_weight_name)
     if cache is not None:
         from paradiff.cli.args import cache_config

@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from paradiff.cli.args import CliError, DTYPES, _positive
+from paradiff.cli.common import DTYPES, CliError, _positive
 
 
 def add_plan_parser(commands) -> argparse.ArgumentParser:

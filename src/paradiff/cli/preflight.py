@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from paradiff.cli.args import CliError
+from paradiff.cli.common import _plan_argument
 
 
 def check_model_folder(args: argparse.Namespace) -> None:
@@ -306,7 +307,6 @@ def _check_transformers_split(args: argparse.Namespace, index, label: str) -> No
 
     from paradiff.api.model import prepare_model
     from paradiff.cli.args import gguf_files
-    from paradiff.cli.worker import _plan_argument
     from paradiff.errors import ParadiffError
 
     plan = _plan_argument(args.plan, "tensor")
@@ -373,7 +373,6 @@ def _check_nf4_blocks(args: argparse.Namespace, index, label: str) -> None:
 
     from paradiff.api.model import prepare_model
     from paradiff.cli.args import quantize_skip
-    from paradiff.cli.worker import _plan_argument
     from paradiff.errors import ParadiffError
     from paradiff.quant.schemes import block_cut_layers, model_config_for, scheme_from_config
 

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from paradiff.cli.common import lora_specs, quantize_skip
+
 
 def say(line: str) -> None:
     """One write per line, so lines of concurrent ranks never interleave mid-line."""
@@ -23,8 +25,6 @@ def write_report(args: argparse.Namespace, out: Path, model: str, prompts: list[
     `images` (index -> PNG) and `audios` (index -> WAV) list the image and the sound outputs alone.
     """
     import numpy as np
-
-    from paradiff.cli.args import quantize_skip
 
     # keyed by the prompt's index as a string, as JSON has it
     outputs = {str(index): entry for index, entry in sorted(
@@ -63,8 +63,6 @@ def write_report(args: argparse.Namespace, out: Path, model: str, prompts: list[
         if "max_abs_diff_without_lora" in compare:
             report["max_abs_diff_without_lora_vs_single_process"] = compare["max_abs_diff_without_lora"]
     report["compile"] = bool(getattr(args, "compile", False))
-    from paradiff.cli.args import lora_specs
-
     report["loras"] = lora_specs(args)  # adapter name, path or repo, scale: the --lora adapters, in order
     if getattr(args, "cache", None):
         # the ranks of one forward agree by construction; under CFG parallelism each half holds one context

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sqlite3
 from typing import Any, Callable
 
 from paradiff.cli.args import CliError
@@ -56,7 +57,18 @@ def check_serve_args(args: argparse.Namespace) -> None:
         from paradiff.cli.report import say
 
         say(f"paradiff serve: warning: listening on {args.host} without --api-key: anyone who can reach it can use it")
+    from paradiff.serve.jobs import keep_results, open_store
+
+    try:
+        keep_results(args.keep_results)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     if "RANK" not in os.environ:  # the launcher, before its workers start
+        try:
+            open_store(args).close()
+        except (OSError, sqlite3.Error) as exc:
+            raise CliError(f"--jobs-db {args.jobs_db or os.path.join(args.out, 'jobs.db')}: cannot open it as a "
+                           f"SQLite database ({exc}); give a writable file path") from None
         from paradiff.serve.app import check_listen_address
 
         problem = check_listen_address(args.host, args.port)
@@ -70,6 +82,7 @@ def run_serve_worker(args: argparse.Namespace, on_pipeline_loaded: Callable[[Any
     from paradiff.cli.worker import model_of
     from paradiff.distributed.mesh import default_device
     from paradiff.serve.app import Frontend
+    from paradiff.serve.dispatch import Dispatcher
     from paradiff.serve.ranks import serve_rank
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -77,7 +90,7 @@ def run_serve_worker(args: argparse.Namespace, on_pipeline_loaded: Callable[[Any
     if device.type == "cuda":
         torch.cuda.set_device(device)
     name = "paradiff-demo" if args.model is None else os.path.basename(os.path.normpath(model_of(args)))
-    return serve_rank(args, device, lambda: Frontend(args, name).start(), on_pipeline_loaded)
+    return serve_rank(args, device, lambda: Frontend(args, name).start(), on_pipeline_loaded, Dispatcher)
 
 
 RAY_ONLY = {"--ray": 0, "--ray-replicas": 1, "--ray-route": 1, "--ray-address": 1, "--host": 1, "--port": 1,

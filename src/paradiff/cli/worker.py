@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import inspect
@@ -25,13 +26,17 @@ from paradiff.distributed.store import open_store
 from paradiff.distributed.mesh import default_device
 from paradiff.quant.schemes import pipeline_quantization_config
 from paradiff.vae import get_vae_runtime
-from paradiff.cli.args import cache_config, gguf_files, lora_specs, quantize_skip, read_prompts
+from paradiff.cli.args import (cache_config, gguf_files, lora_specs, prompt_adapters, quantize_skip,
+                               read_prompts)
+from paradiff.cli.common import _plan_argument
 from paradiff.cli.conditioning import conditioning_kwargs, requested_pipeline_class
 from paradiff.cli.compare import compare_single_process, picture_rows, write_compare_png
 from paradiff.cli.embedded import embedded_call_kwargs, embedded_default
 from paradiff.cli.outputs import Output, outputs_of, sampling_rate, save_output
+from paradiff.cli.pipeline_options import load_adapters, set_guider  # noqa: F401 - public here
 from paradiff.cli.report import write_report
 from paradiff.errors import ParallelConfigError
+from paradiff.runtime.progress import step_progress
 
 # Called with (pipeline, rank) once the pipeline is loaded, before the first generation.
 PipelineHook = Callable[[Any, int], None]
@@ -136,14 +141,6 @@ def guider_settings(kwargs: dict, pipeline: Any) -> dict:
     return settings
 
 
-def set_guider(pipeline: Any, settings: dict) -> None:
-    """Give a modular pipeline's guider(s) these settings (a new guider of the same class and config)."""
-    for name in [name for name in pipeline.components if name.startswith("guider")] if settings else []:
-        guider = getattr(pipeline, name)
-        if guider is not None:
-            pipeline.update_components(**{name: guider.new(**settings)})
-
-
 def accepted_kwargs(kwargs: dict, pipeline: Any) -> dict:
     """The call's arguments as the pipeline takes them: no image size where it makes no image (audio pipelines such
     as Stable Audio take a length in seconds, not --height / --width), and a max_area of the size asked for. A
@@ -188,7 +185,7 @@ def generate(args: argparse.Namespace, device: torch.device,
     loaded = load_from_args(args, device)
     pipeline, loras, transformers, monitors, load_s = (loaded.pipeline, loaded.loras, loaded.transformers,
                                                        loaded.monitors, loaded.load_s)
-    pipeline.set_progress_bar_config(disable=rank != 0 or not _console_is_terminal())
+    pipeline.set_progress_bar_config(disable=True)  # paradiff's bar of steps (below) over every call instead
     rate = sampling_rate(pipeline)
     if on_pipeline_loaded is not None:
         on_pipeline_loaded(pipeline, rank)
@@ -205,17 +202,31 @@ def generate(args: argparse.Namespace, device: torch.device,
     made_without_lora: list[tuple[int, str, Output]] = []  # --also-without-lora: the same with the adapters off
     without_lora = bool(getattr(args, "also_without_lora", False))
     computed_steps: dict[int, dict[str, list[int]]] = {}  # prompt index -> cache context -> steps computed
+    bar = contextlib.ExitStack()
+    column = prompt_adapters(args) if getattr(args, "prompts_file", None) else None  # an adapter per prompt
     with paradiff.split_between_processes(indexed, pipeline) as share:
-        # staged: the replica's prompts form one batch (each with its own seed), so each stage loads once
-        batches = [list(share)] if args.stages and share else [[item] for item in share]
+        # staged: the replica's prompts form one batch (each with its own seed), so each stage loads once; with an
+        # adapter column, batches of --batch prompts, each prompt with its own adapter (or none)
+        share = list(share)
+        batches = [share] if args.stages and share else [[item] for item in share]
+        if column is not None:
+            batches = [share[start:start + args.batch] for start in range(0, len(share), args.batch)]
+        calls = len(batches) * (2 if without_lora else 1)
+        advance = bar.enter_context(step_progress(calls * args.steps if args.steps else None, "paradiff: denoising",
+                                                  _console_is_terminal()))
         for batch in batches:
             stamps = [time.perf_counter()]
 
             def on_step(_pipe, _step, _timestep, callback_kwargs):
                 stamps.append(time.perf_counter())
+                advance(1)
                 return callback_kwargs
 
-            if args.stages:
+            if column is not None:
+                from paradiff.api.lora_slots import set_sample_adapters
+
+                set_sample_adapters(pipeline.transformer, [column[index] for index, _ in batch])
+            if args.stages or column is not None:
                 generators = [torch.Generator("cpu").manual_seed(args.seed + index) for index, _ in batch]
                 result = pipeline(prompt=[prompt for _, prompt in batch], generator=generators,
                                   **step_callback(pipeline, on_step), **kwargs)
@@ -244,14 +255,18 @@ def generate(args: argparse.Namespace, device: torch.device,
                     made.append((index, prompt, output))
                 if pipeline.is_output_rank:
                     outputs[index] = {"prompt": prompt, **save_output(output, out, index, args.fps, rate)}
+                    if column is not None:
+                        outputs[index]["adapter"] = column[index]
                     if without_lora:
                         outputs[index]["without_lora"] = save_output(plain_output, out, index, args.fps, rate,
                                                                      suffix="-without-lora")
+    bar.close()
     stats = {
         "rank": rank,
         "pid": os.getpid(),
         "load_s": load_s,
         "step_s_median": float(np.median(step_times)) if step_times else None,
+        "step_s": [round(seconds, 6) for seconds in step_times],  # every denoising step's wall time, in order
         "peak_memory_bytes": _peak_memory_bytes(device),
         "outputs": outputs,
         "stages": pipeline.stage_report(),
@@ -320,7 +335,10 @@ def load_from_args(args: argparse.Namespace, device: torch.device) -> Loaded:
                                       parallel_vae=False if args.no_parallel_vae else None,
                                       stages=args.stages, shard_text_encoders=False if args.whole_text_encoders else None)
     loras = lora_specs(args)
-    load_adapters(pipeline, loras, args.lora_weight_name)
+    if getattr(args, "prompts_file", None) and prompt_adapters(args) is not None:
+        load_slot_adapters(pipeline, loras)  # an adapter column: each prompt its own adapter, in mixed batches
+    else:
+        load_adapters(pipeline, loras, args.lora_weight_name)
     load_s = time.perf_counter() - start
     transformers = {name: module for name, module in pipeline.components.items()
                     if name.startswith("transformer") and isinstance(module, torch.nn.Module)}
@@ -352,18 +370,16 @@ def quantized_components(args: argparse.Namespace) -> tuple[str, ...]:
                         if name.startswith(prefixes) and isinstance(entry, list) and None not in entry))
 
 
-def load_adapters(pipeline: Any, loras: list[dict], weight_name: str | None) -> None:
-    """--lora: each adapter by diffusers' load_lora_weights (paradiff's on a split transformer), mixed by scale."""
-    if not loras:
-        return
-    if not hasattr(pipeline, "load_lora_weights"):
-        from paradiff.errors import AdapterError
+def load_slot_adapters(pipeline: Any, loras: list[dict]) -> None:
+    """--lora with an adapter column in --prompts-file: each adapter in its own slot of the transformer
+    (api/lora_slots.py), at its --lora scale; the slots as wide as the widest adapter."""
+    from paradiff.api.lora_slots import enable_adapter_slots, load_slot_adapter, slot_adapter_source, source_max_rank
 
-        raise AdapterError(f"--lora: {type(pipeline).__name__} has no LoRA loader in diffusers (no load_lora_weights);"
-                           " adapters work on pipelines whose class has one (FLUX, Qwen-Image, Wan, SD3 ...).")
-    for lora in loras:
-        pipeline.load_lora_weights(lora["path"], adapter_name=lora["adapter_name"], weight_name=weight_name)
-    pipeline.set_adapters([lora["adapter_name"] for lora in loras], [lora["scale"] for lora in loras])
+    sources = [slot_adapter_source(pipeline, lora["path"]) for lora in loras]
+    enable_adapter_slots(pipeline.transformer, max_loras=len(loras),
+                         max_lora_rank=max(source_max_rank(source) for source, _ in sources))
+    for lora, (source, extra) in zip(loras, sources):
+        load_slot_adapter(pipeline.transformer, lora["adapter_name"], source, scale=lora["scale"], **extra)
 
 
 def quiet_other_ranks(rank: int) -> None:
@@ -399,12 +415,3 @@ def _quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     diffusers.utils.logging.set_verbosity_error()
-
-
-def _plan_argument(value: str | None, kind: str):
-    """--plan / --cp-plan: None (built-in), "auto", or a plan file."""
-    if value in (None, "auto"):
-        return value
-    from paradiff.plan_tools.check_plan import load_plan_file
-
-    return load_plan_file(value, kind)

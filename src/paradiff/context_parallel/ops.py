@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from paradiff.distributed.comm import group_from_name
-from paradiff.context_parallel.runtime import attend
+from paradiff.context_parallel.dispatch import attend
 
 
 @torch.library.custom_op("paradiff::cp_attention", mutates_args=())

@@ -60,7 +60,7 @@ def read_failures(since: float, wait_s: float = 3.0) -> dict[int, str]:
 
 def guarded_call(call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """The "failure_guard" forward wrapper: report local failures; turn a cut-off collective into an error naming
-    the culprit. Installed by `paradiff.api.parallelize.attach` (runtime/wrappers.py sits above this layer)."""
+    the culprit. Installed by `paradiff.api.attach.attach` (runtime/wrappers.py sits above this layer)."""
     started = time.time() - 1.0
     try:
         return call(*args, **kwargs)

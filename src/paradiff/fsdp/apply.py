@@ -24,10 +24,11 @@ from paradiff.fsdp.shard import chunk_rows
 
 
 def shard_weights(model: nn.Module, blocks: list[tuple[str, nn.Module]], mesh: DeviceMesh,
-                  device: torch.device) -> list[str]:
+                  device: torch.device, prefetch_across_lists: bool = True) -> list[str]:
     """`fully_shard` every block (in the order they run) and then the root over `mesh`, with forward prefetch of the
     next block; parameters on the meta device become this rank's empty rows on `device` (to be read). Returns the
-    blocks' names."""
+    blocks' names. `prefetch_across_lists=False` (a text encoder): a block prefetches only the next one of its own list
+    (a vision tower and the language layers are separate lists, and a text prompt runs only the latter)."""
     model.requires_grad_(False)
     on_meta = any(p.is_meta for p in model.parameters())
     buffers = {(id(module), leaf): buffer for module in model.modules()
@@ -37,8 +38,9 @@ def shard_weights(model: nn.Module, blocks: list[tuple[str, nn.Module]], mesh: D
         fully_shard(block, mesh=mesh, reshard_after_forward=True)
     _shard_mixed_dtypes(model, mesh)
     fully_shard(model, mesh=mesh, reshard_after_forward=True)
-    for (_name, block), (_next_name, following) in zip(blocks, blocks[1:]):
-        block.set_modules_to_forward_prefetch([following])
+    for (name, block), (next_name, following) in zip(blocks, blocks[1:]):
+        if prefetch_across_lists or name.rpartition(".")[0] == next_name.rpartition(".")[0]:
+            block.set_modules_to_forward_prefetch([following])
     if on_meta:
         model.to_empty(device=device)  # the sharded parameters only: buffers are put back as they were
         for module in model.modules():

@@ -23,6 +23,17 @@ def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def layer_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """A transformers model's repeated layers (a text encoder's): the modules of the classes its `_no_split_modules`
+    names (the unit transformers itself never cuts), outermost only, in module order."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if type(module).__name__ in names and not any(name.startswith(f"{outer}.") for outer, _ in found):
+            found.append((name, module))
+    return found
+
+
 def block_identifiers(model: nn.Module) -> list[str]:
     """Patterns matching exactly the model's repeated blocks, for a step cache's module selection, e.g.
     `TaylorSeerCacheConfig(cache_identifiers=paradiff.block_identifiers(model))`: the cache then predicts whole

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from paradiff.distributed.mesh import ParallelMesh
-from paradiff.runtime.wrappers import WrapperRegistry
+from paradiff.runtime.wrapper_registry import WrapperRegistry
 from paradiff.tensor_parallel.plan import ResolvedPlan
 
 STATE_ATTR = "_paradiff_state"
@@ -36,6 +36,7 @@ class ModelState:
     parallel: ParallelState | None = None
     cache_monitor: Any = None  # runtime.caching.CacheMonitor once a step cache went through paradiff
     wrappers: WrapperRegistry = field(default_factory=WrapperRegistry)
+    adapter_bank: Any = None  # api.lora_slots.AdapterBank once per-sample adapter slots are enabled
 
 
 @dataclass

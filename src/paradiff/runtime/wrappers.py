@@ -17,47 +17,15 @@ at most one forward pre-hook; removing the last wrapper of a kind takes them awa
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
-BEFORE, AROUND = "before", "around"
-
-# Outermost first. The order is the one the installers produced before the registry existed: the stage switch and the
-# latent check were prepended forward pre-hooks (stage switch registered last, so first), CFG replaced the forward
-# after the failure guard (so outside it), and the default cache context only picks a context, so its place between
-# them changes nothing.
-ORDER: tuple[tuple[str, str], ...] = (
-    ("stage_switch", BEFORE),
-    ("latent_check", BEFORE),
-    ("cfg_exchange", AROUND),
-    ("cache_decisions", AROUND),
-    ("failure_guard", AROUND),
-)
-KINDS = dict(ORDER)
-
-
-@dataclass
-class WrapperRegistry:
-    """The wrappers installed on one model, and what the registry put on the model to run them."""
-
-    installed: dict[str, Callable[..., Any]] = field(default_factory=dict)
-    plain_forward: Callable[..., Any] | None = None  # the instance forward found at the first install (None: class's)
-    forward: Callable[..., Any] | None = None  # the registry's forward, while installed on the model
-    pre_hook: RemovableHandle | None = None
-
-    def names(self) -> list[str]:
-        return [name for name, _kind in ORDER if name in self.installed]
-
-    def of_kind(self, kind: str) -> list[Callable[..., Any]]:
-        return [self.installed[name] for name in self.names() if KINDS[name] == kind]
+from paradiff.runtime.state import model_state
+from paradiff.runtime.wrapper_registry import AROUND, BEFORE, KINDS, ORDER, WrapperRegistry  # noqa: F401 - public here
 
 
 def registry_of(module: nn.Module) -> WrapperRegistry:
-    from paradiff.runtime.state import model_state
-
     return model_state(module).wrappers
 
 
@@ -93,8 +61,6 @@ def remove_wrapper(module: nn.Module, name: str) -> None:
 
 def wrappers(module: nn.Module) -> list[str]:
     """The names of the wrappers on `module`'s forward, outermost first."""
-    from paradiff.runtime.state import model_state
-
     state = model_state(module, create=False)
     return state.wrappers.names() if state is not None else []
 

@@ -3,8 +3,15 @@ what rank 0's dispatcher (dispatch.py) asks of them (a replica ready, the answer
 
     POST /v1/images/generations   OpenAI's image request (prompt, n, size, response_format b64_json) + paradiff's
                                   fields (seed, steps, guidance, negative_prompt, true_cfg_scale)
-    POST /v1/videos               the same for video pipelines (+ frames, fps), answered with base64 MP4 files
-    GET  /v1/models               the one model served
+    POST /v1/images/edits         OpenAI's edit (multipart: image or image[], mask, prompt, n, size, ...) on a pipeline
+                                  whose call takes an image (images.py)
+    POST /v1/images/variations    answered 400: not served (edits are)
+    POST /v1/videos               an asynchronous video job (OpenAI's videos API; jobs.py): GET /v1/videos lists,
+                                  GET /v1/videos/{id} follows, GET /v1/videos/{id}/content downloads (MP4, thumbnail),
+                                  DELETE /v1/videos/{id} cancels and deletes
+    GET  /v1/info                 what the loaded pipeline takes (kind, sizes, steps, frames, adapters): for the page
+    GET  /                        the web page (static/index.html), which uses the routes above and nothing else
+    GET  /v1/models, /v1/models/{id}   the one model served
     GET  /health                  {"status": "loading" | "ready" | "degraded" | "draining" | "failed"}; never needs the
                                   API key
     GET  /metrics                 Prometheus text
@@ -19,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import dataclasses
 import hmac
 import json
 import os
@@ -29,18 +37,24 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from paradiff.cli.report import say
+from paradiff.serve.images import MIME_TYPES, encode_output, parse_edit_request
+from paradiff.serve.jobs import LIST_LIMIT, Jobs, form_fields, keep_results, open_store, video_object
+from paradiff.serve.adapters import adapter_endpoint, adapter_registry
 from paradiff.serve.metrics import Metrics
-from paradiff.serve.protocol import Limits, RequestError, parse_image_request
+from paradiff.serve.protocol import (ENDPOINTS, ImageRequest, Limits, RequestError, error_body, parse_image_request,
+                                     with_seed)
 from paradiff.serve.safety import RequestGuard, public_message, timed_h11_protocol
 from paradiff.serve.schema import openapi_document
 from paradiff.serve.scheduler import Job, Scheduler
+from paradiff.serve.stream import ProgressRouter, stream_images
 
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/health", "/")  # the page holds no data: it asks for the key when the server has one
+STATIC = Path(__file__).parent / "static"
 DISCONNECT_POLL_S = 0.1  # how often a waiting request checks that its client is still there
 
 
@@ -81,6 +95,11 @@ class Frontend:
         self._server = None
         self._thread: threading.Thread | None = None
         self._cancelled: set[int] = set()  # running requests rank 0 cancelled (their round not answered yet)
+        self.loaded_at = int(time.time())  # the pipeline's load time: /v1/models' `created`
+        self.replicas = 1
+        self.progress = ProgressRouter(self._step_progress, self._preview)  # step events and previews (stream.py)
+        self.jobs = Jobs(open_store(args), self.out / "jobs", keep_results(args.keep_results), self.scheduler)
+        self.adapters = adapter_registry(args, model_name)  # per-request adapters (serve/adapters.py), or None
 
     # -- lifetime -----------------------------------------------------------------------------------------------
     def start(self) -> "Frontend":
@@ -107,6 +126,7 @@ class Frontend:
             if self._thread is not None:
                 self._thread.join(timeout=10)
         self._log.close()
+        self.jobs.store.close()
 
     @property
     def health(self) -> str:
@@ -137,37 +157,62 @@ class Frontend:
                                  default_steps=args.steps, default_guidance=args.guidance_scale,
                                  default_true_cfg=args.true_cfg_scale, default_frames=args.frames,
                                  default_fps=args.fps, model_name=self.model_name, kind=info["kind"], accepts=accepts,
-                                 adapters=tuple((name, scale) for name, scale in info["adapters"]))
+                                 adapters=tuple((name, scale) for name, scale in info["adapters"]),
+                                 inputs=frozenset(info.get("inputs", ())), pipeline=info.get("pipeline", ""))
             # classic CFG (two branches when guidance > 1): a pipeline with a negative prompt and no true_cfg_scale
             self.scheduler.classic_cfg = "negative_prompt" in accepts and "true_cfg_scale" not in accepts
             self.replicas = info["replicas"]
+            self.loaded_at = int(time.time())
         self.generation = max(self.generation, generation)
         again = " again, after a fault" if generation else ""
         which = f"replica {index} " if self.replicas > 1 else ""
+        first = not generation and len(self._loaded) == self.replicas
         if generation or all(self.replica_states.get(r) in ("ready", "busy") for r in range(self.replicas)):
             say(f"paradiff serve: {which if generation else ''}ready{again}: {self.model_name} ({info['kind']}s) on "
-                f"{len(ranks) * self.replicas} rank(s), {self.replicas} replica(s), at http://{args.host}:{args.port}")
+                f"{len(ranks) * self.replicas} rank(s), {self.replicas} replica(s), at http://{args.host}:{args.port}; "
+                f"{info.get('previews', 'no previews')}")
+        if first and self.jobs.interrupted:
+            say(f"paradiff serve: {len(self.jobs.interrupted)} video job(s) ran when the server last stopped without "
+                "a drain: marked failed (server_restarted)")
+        if info["kind"] == "video" and not self.scheduler.draining and self.failed is None:
+            self.jobs.ready(self.limits)  # the jobs still queued (from before a restart too) run now
 
     replicas = 1
 
     def drain(self) -> None:
+        self.jobs.hold()  # the queued video jobs stay queued in the store: they run after the restart
         self.scheduler.drain()
 
     def fail(self, cause: str) -> None:
-        """The server stops: waiting requests get 503, running ones on healthy replicas finish."""
+        """The server stops: waiting requests get 503, running ones on healthy replicas finish; queued video jobs
+        stay queued in the store (they run after the restart)."""
         self.closing = True
         self.failed = cause
+        self.jobs.hold()
         self.scheduler.close(cause, keep_running=True)
 
     # -- rank 0's dispatcher ------------------------------------------------------------------------------------
+    def started(self, items: list[dict]) -> None:
+        """A replica was handed `items` (the dispatcher): the video jobs among them are in progress."""
+        self.jobs.started([item["id"] for item in items])
+
+    def job_progress(self, job_id: int, done: int, total: int) -> None:
+        """A running request's denoising steps (the dispatcher reads them from the store)."""
+        self.jobs.progress(job_id, done, total)
+
     def to_cancel(self) -> list[int]:
         """The running requests already answered (504, or the client hung up) not yet cancelled: rank 0 cancels them."""
         ids = [job_id for job_id in self.scheduler.answered_running() if job_id not in self._cancelled]
         self._cancelled.update(ids)
         return ids
 
-    def finish_batch(self, items: list[dict], channel, summaries: list[dict]) -> None:
+    def finish_batch(self, items: list[dict], channel, summaries: list[dict], replica: int = 0) -> None:
         """A replica ran `items`: answer each (its result from the store, a refusal, a request's own fault)."""
+        # every preview is sent before its final image
+        self.progress.finish_round(channel, [replica], [item["id"] for item in items])
+        for summary in summaries:
+            if summary["step_s"]:
+                self.metrics.replica_steps(replica, summary["step_s"])
         self.metrics.memory({s["rank"]: s["memory"] for s in summaries})
         self.metrics.rss({s["rank"]: s["rss"] for s in summaries})
         seconds = max(s["seconds"] for s in summaries)
@@ -184,7 +229,8 @@ class Frontend:
         ran = [item for item in items if item["id"] not in refused]
         self._answer_batch(ran, channel, None, failed, seconds)
 
-    def replica_fault(self, index: int, replicas: int, cause: str, decision: str) -> None:
+    def replica_fault(self, index: int, replicas: int, cause: str, decision: str, channel=None,
+                      items: list[dict] | None = None) -> None:
         which = f"replica {index}: " if replicas > 1 else ""
         say(f"paradiff serve: fault: {which}{cause}; " + (
             f"recovering: loading {'its' if replicas > 1 else 'the'} pipeline again" if decision == "recover"
@@ -193,6 +239,11 @@ class Frontend:
         self.replica_state(index, "loading" if decision == "recover" else "failed")
         if decision == "stop":
             self.failed = cause
+        if channel is not None:
+            try:
+                self.progress.finish_round(channel, [index], [item["id"] for item in items or []])
+            except Exception:  # noqa: BLE001 - the store may be gone with the fault; its previews are lost with it
+                pass
 
     def fail_batch(self, items: list[dict], channel, cause: str) -> None:
         self._answer_batch(items, channel, cause)
@@ -218,6 +269,19 @@ class Frontend:
         return self.scheduler.cost_of(job_id)
 
     # -- the HTTP side ------------------------------------------------------------------------------------------
+    def _step_progress(self, replica: int, progress: dict) -> None:
+        if progress["elapsed_s"] > 0:
+            self.metrics.replica_rate(replica, progress["step"] / progress["elapsed_s"])
+        for job_id in progress["ids"]:
+            job = self.scheduler.running(job_id)
+            if job is not None:
+                job.emit({"type": "step", "step": progress["step"], "steps": progress["steps"]})
+
+    def _preview(self, job_id: int, index: int, png: bytes) -> None:
+        job = self.scheduler.running(job_id)
+        if job is not None:
+            job.emit({"type": "partial_image", "index": index, "data": png})
+
     def _on_finish(self, job: Job) -> None:
         latency = job.finished - job.accepted
         images = job.request.n if job.status == 200 else 0
@@ -226,9 +290,10 @@ class Frontend:
         entry = {"id": job.id, "status": job.status, "kind": job.request.kind, "images": job.request.n,
                  "steps": job.request.steps, "seed": job.request.seed, "accepted": job.accepted_wall,
                  "latency_s": round(latency, 6)}
+        entry["adapter"] = job.request.adapter[0] if job.request.adapter else None
         if job.status == 200:
             entry.update(replica=job.result["replica"], started=job.result["started"],
-                         finished=job.result["finished"])
+                         finished=job.result["finished"], batch=job.result.get("batch"))
         else:
             entry["error"] = str(job.result)
         with self._log_lock:
@@ -238,17 +303,22 @@ class Frontend:
 
     async def generate(self, body: Any, kind: str, disconnected=None, headers: dict | None = None) -> tuple[int, dict]:
         """`disconnected()`: an awaitable check that the client hung up; then the request is answered 499 and, if it
-        runs, cancelled at the next denoising step. `headers`: filled with the answer's extra headers (Retry-After)."""
+        runs, cancelled at the next denoising step. `kind` "edit": `body` is the multipart form's (field, value)
+        pairs. `headers`: filled with the answer's extra headers (Retry-After)."""
         if self.health not in ("ready", "degraded") or self.limits is None:
             return self.refused(503, f"the server is {self.health}; retry when GET /health says ready",
                                 f"POST {_endpoint(kind)}")
         try:
-            request = parse_image_request(body, self.limits, kind)
-            job = self.scheduler.submit(request)
+            body, adapter = self.adapters.resolve_model(body) if self.adapters else (body, None)
+            request = (parse_edit_request(body, self.limits) if kind == "edit"
+                       else parse_image_request(body, self.limits, kind))
+            if adapter is not None:
+                request = dataclasses.replace(request, adapter=(adapter["name"], adapter["path"], adapter["sha256"]))
+            job = self.scheduler.submit(with_seed(request))
         except RequestError as exc:
             if exc.retry_after is not None and headers is not None:
                 headers["Retry-After"] = str(exc.retry_after)
-            return self.refused(exc.status, str(exc), f"POST {_endpoint(kind)}")
+            return self.refused(exc.status, str(exc), f"POST {_endpoint(kind)}", exc.param, exc.code)
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         job.add_done_callback(lambda: loop.call_soon_threadsafe(_settle, done))
@@ -266,12 +336,10 @@ class Frontend:
                     break
         if job.status != 200:
             return _error(job.status, str(job.result))
-        data = [{"b64_json": base64.b64encode(file["data"]).decode(), **({"mime_type": file["mime"]}
-                                                                         if kind == "video" else {})}
-                for file in job.result["files"]]
-        return 200, {"created": int(job.accepted_wall), "data": data}
+        return 200, answer_of(job)
 
-    def refused(self, status: int, message: str, what: str) -> tuple[int, dict]:
+    def refused(self, status: int, message: str, what: str, param: str | None = None,
+                code: str | None = None) -> tuple[int, dict]:
         """A request answered with an error before it reached the queue: counted in /metrics, one line of
         requests.jsonl (`what`: "METHOD PATH"), and the JSON error answer."""
         self.metrics.request_done(status)
@@ -279,16 +347,49 @@ class Frontend:
         with self._log_lock:
             if not self._log.closed:
                 self._log.write(json.dumps(entry) + "\n")
-        return _error(status, message)
+        return _error(status, message, param, code)
 
-    def refusal(self, status: int, message: str, what: str, headers: dict | None = None) -> JSONResponse:
-        status, body = self.refused(status, message, what)
+    def refusal(self, status: int, message: str, what: str, headers: dict | None = None, param: str | None = None,
+                code: str | None = None) -> JSONResponse:
+        status, body = self.refused(status, message, what, param, code)
         return JSONResponse(body, status_code=status, headers=headers)
 
     def models(self) -> dict:
+        return {"object": "list", "data": [self.model(), *(self.adapters.model_entries() if self.adapters else [])]}
+
+    def model(self) -> dict:
+        """OpenAI's model object (`created`: when the pipeline was loaded) and the adapters loaded with it."""
         adapters = [{"name": name, "scale": scale} for name, scale in (self.limits.adapters if self.limits else ())]
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "paradiff", "adapters": adapters}]}
+        return {"id": self.model_name, "object": "model", "created": self.loaded_at, "owned_by": "paradiff",
+                "adapters": adapters}
+
+    def info(self) -> dict:
+        """What the loaded pipeline takes, for the web page (null while it loads)."""
+        limits = self.limits
+        if limits is None:
+            return {"status": self.health, "pipeline": None}
+        return {"status": self.health, "pipeline": {
+            "model": limits.model_name, "kind": limits.kind,
+            "size": f"{limits.default_size[0]}x{limits.default_size[1]}",
+            "size_multiple": limits.size_multiple, "max_side": limits.max_side, "steps": limits.default_steps,
+            "max_steps": limits.max_steps, "frames": limits.default_frames, "max_frames": limits.max_frames,
+            "fps": limits.default_fps, "max_n": limits.max_n, "guidance": limits.default_guidance,
+            "negative_prompt": "negative_prompt" in limits.accepts,
+            "adapters": [{"name": name, "scale": scale} for name, scale in limits.adapters]}}
+
+    def create_video(self, body: Any) -> tuple[int, dict]:
+        """POST /v1/videos: the job, queued (its Video object), or an error answer."""
+        if self.health not in ("ready", "degraded") or self.limits is None:
+            return self.refused(503, f"the server is {self.health}; retry when GET /health says ready",
+                                "POST /v1/videos")
+        try:
+            if self.limits.kind != "video":
+                raise RequestError(400, "/v1/videos: this server's pipeline makes images; use "
+                                        "/v1/images/generations")
+            job = self.jobs.create(body, self.limits, self.args.max_queue)
+        except RequestError as exc:
+            return self.refused(exc.status, str(exc), "POST /v1/videos")
+        return 200, video_object(job)
 
     def render_metrics(self) -> str:
         queued, running = self.scheduler.depth()
@@ -298,19 +399,37 @@ class Frontend:
                                    replica_running={r: running_on.get(r, 0) for r in self.replica_states})
 
 
+def answer_of(job: Job) -> dict:
+    """A finished job's 200 answer: OpenAI's ImagesResponse, each item with its seed (image i: seed + i) and, for a
+    video, its mime type; images in the asked output format."""
+    request = job.request
+    data = []
+    for file, seed in zip(job.result["files"], request.seeds()):
+        item = {"b64_json": None, "seed": seed}
+        if request.kind == "video":
+            item.update(b64_json=base64.b64encode(file["data"]).decode(), mime_type=file["mime"])
+        else:
+            encoded = encode_output(file["data"], request.output_format, request.output_compression)
+            item["b64_json"] = base64.b64encode(encoded).decode()
+        data.append(item)
+    answer = {"created": int(job.accepted_wall), "data": data, "size": f"{request.width}x{request.height}"}
+    if request.kind != "video":
+        answer.update(output_format=request.output_format, mime_type=MIME_TYPES[request.output_format])
+    return answer
+
+
 def _settle(future: asyncio.Future) -> None:
     if not future.done():
         future.set_result(None)
 
 
-def _error(status: int, message: str) -> tuple[int, dict]:
-    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}} (code: the HTTP status)."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return status, {"error": {"message": message, "type": kind, "param": None, "code": status}}
+def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> tuple[int, dict]:
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}} (code: a string, protocol.error_body)."""
+    return status, error_body(status, message, param, code)
 
 
 def _endpoint(kind: str) -> str:
-    return "/v1/images/generations" if kind == "image" else "/v1/videos"
+    return ENDPOINTS[kind]
 
 
 MAX_HEADER_BYTES = 16 * 1024  # the request line and headers; above it uvicorn answers 400 and closes
@@ -363,7 +482,8 @@ class HttpGuard:
                                         f"{max_body}")
             frontend.guard.check_body(method, path, headers)
         except RequestError as exc:
-            return await frontend.refusal(exc.status, str(exc), f"{method} {path}")(scope, receive, send)
+            return await frontend.refusal(exc.status, str(exc), f"{method} {path}", param=exc.param,
+                                          code=exc.code)(scope, receive, send)
         try:
             await self.app(scope, receive, send)
         except Exception as exc:  # noqa: BLE001 - answered (500, JSON) by internal_error; said once, here
@@ -382,7 +502,8 @@ def build_app(frontend: Frontend) -> FastAPI:
     if frontend.args.allow_origin:
         from starlette.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=frontend.args.allow_origin, allow_methods=["GET", "POST"],
+        app.add_middleware(CORSMiddleware, allow_origins=frontend.args.allow_origin,
+                           allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=["authorization", "content-type"])
 
     @app.exception_handler(HTTPException)
@@ -397,6 +518,19 @@ def build_app(frontend: Frontend) -> FastAPI:
                                 f"{request.method} {request.url.path}")
 
     async def body_of(request: Request) -> Any:
+        """JSON, or (POST /v1/videos, as OpenAI's client sends it) a multipart form read as the JSON it stands for."""
+        raw = await bytes_of(request)
+        if request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
+            return form_fields(await form_of(request, raw))
+        try:
+            return json.loads(raw)
+        except RecursionError:
+            raise RequestError(400, "the body is not JSON this server reads: nested too deeply") from None
+        except ValueError as exc:
+            raise RequestError(400, f"the body is not JSON: {exc}") from None
+
+    async def bytes_of(request: Request) -> bytes:
+        """The body, within --max-body-bytes and --read-timeout."""
         raw = bytearray()
 
         async def read() -> None:
@@ -411,18 +545,15 @@ def build_app(frontend: Frontend) -> FastAPI:
             raise RequestError(408, f"the body was not received within --read-timeout {read_timeout:g} s") from None
         except ClientDisconnect:
             raise RequestError(499, "the client disconnected before its body was received") from None
-        try:
-            return json.loads(raw)
-        except RecursionError:
-            raise RequestError(400, "the body is not JSON this server reads: nested too deeply") from None
-        except ValueError as exc:
-            raise RequestError(400, f"the body is not JSON: {exc}") from None
+        return bytes(raw)
 
     async def answer(request: Request, kind: str):
         try:
             body = await body_of(request)
         except RequestError as exc:
-            return frontend.refusal(exc.status, str(exc), f"POST {_endpoint(kind)}")
+            return frontend.refusal(exc.status, str(exc), f"POST {_endpoint(kind)}", param=exc.param, code=exc.code)
+        if kind == "image" and isinstance(body, dict) and body.get("stream") is True:  # server-sent events
+            return await stream_images(frontend, body, _error)
         headers: dict = {}
         status, payload = await frontend.generate(body, kind, request.is_disconnected, headers)
         return JSONResponse(payload, status_code=status, headers=headers or None)
@@ -433,11 +564,80 @@ def build_app(frontend: Frontend) -> FastAPI:
 
     @app.post("/v1/videos")
     async def videos(request: Request):
-        return await answer(request, "video")
+        try:
+            body = await body_of(request)
+        except RequestError as exc:
+            return frontend.refusal(exc.status, str(exc), "POST /v1/videos")
+        status, payload = frontend.create_video(body)
+        return JSONResponse(payload, status_code=status)
+
+    def job_call(what: str, call):
+        try:
+            return call()
+        except RequestError as exc:
+            return frontend.refusal(exc.status, str(exc), what)
+
+    @app.get("/v1/videos")
+    async def video_list(request: Request):
+        query = request.query_params
+
+        def page():
+            limit, order = query.get("limit", str(LIST_LIMIT[0])), query.get("order", "desc")
+            if not limit.isdigit() or not 1 <= int(limit) <= LIST_LIMIT[1]:
+                raise RequestError(400, f"limit {limit!r}: expected an integer from 1 to {LIST_LIMIT[1]}")
+            if order not in ("asc", "desc"):
+                raise RequestError(400, f"order {order!r}: expected 'asc' or 'desc'")
+            after = query.get("after")
+            if after is not None:
+                frontend.jobs.known(after)
+            jobs, more = frontend.jobs.store.page(after, int(limit), order)
+            data = [video_object(job) for job in jobs]
+            return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                    "last_id": data[-1]["id"] if data else None, "has_more": more}
+
+        return job_call("GET /v1/videos", page)
+
+    @app.get("/v1/videos/{video_id}")
+    async def video(video_id: str):
+        return job_call("GET /v1/videos/{id}", lambda: video_object(frontend.jobs.known(video_id)))
+
+    @app.get("/v1/videos/{video_id}/content")
+    async def video_content(video_id: str, variant: str = "video"):
+        def content():
+            path, mime = frontend.jobs.content(video_id, variant)
+            return FileResponse(path, media_type=mime)
+
+        return job_call("GET /v1/videos/{id}/content", content)
+
+    @app.delete("/v1/videos/{video_id}")
+    async def video_delete(video_id: str):
+        def delete():
+            frontend.jobs.known(video_id)
+            frontend.jobs.delete(video_id)
+            return {"id": video_id, "object": "video.deleted", "deleted": True}
+
+        return job_call("DELETE /v1/videos/{id}", delete)
+
+    @app.get("/v1/info")
+    async def info():
+        return frontend.info()
+
+    @app.get("/")
+    async def page():
+        return FileResponse(STATIC / "index.html", media_type="text/html")
 
     @app.get("/v1/models")
     async def models():
         return frontend.models()
+
+    add_openai_routes(app, frontend, bytes_of)
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        return await adapter_endpoint(frontend, request, "load", body_of)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        return await adapter_endpoint(frontend, request, "unload", body_of)
 
     @app.get("/health")
     async def health():
@@ -449,3 +649,55 @@ def build_app(frontend: Frontend) -> FastAPI:
         return PlainTextResponse(frontend.render_metrics(), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def add_openai_routes(app: FastAPI, frontend: Frontend, bytes_of) -> None:
+    """OpenAI's routes beyond generations: edits (multipart), variations (refused), one model by id.
+    `bytes_of(request)`: the body within --max-body-bytes and --read-timeout."""
+
+    @app.post("/v1/images/edits")
+    async def edits(request: Request):
+        try:
+            fields = await form_of(request, await bytes_of(request))
+        except RequestError as exc:
+            return frontend.refusal(exc.status, str(exc), "POST /v1/images/edits", param=exc.param, code=exc.code)
+        status, payload = await frontend.generate(fields, "edit", request.is_disconnected)
+        return JSONResponse(payload, status_code=status)
+
+    @app.post("/v1/images/variations")
+    async def variations():
+        return frontend.refusal(400, "/v1/images/variations is not served: no pipeline here draws variations without "
+                                     "a prompt; send the image and a prompt to POST /v1/images/edits",
+                                "POST /v1/images/variations", code="unsupported_endpoint")
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        adapter = next((entry for entry in (frontend.adapters.model_entries() if frontend.adapters else [])
+                        if entry["id"] == model_id), None)
+        if adapter is not None:  # an adapter loaded per request (serve/adapters.py): a model id of its own
+            return adapter
+        if model_id != frontend.model_name:
+            return frontend.refusal(404, f"model {model_id!r} is not served here; this server serves "
+                                         f"{frontend.model_name!r}", f"GET /v1/models/{model_id}", param="model",
+                                    code="model_not_found")
+        return frontend.model()
+
+
+async def form_of(request: Request, body: bytes) -> list[tuple[str, Any]]:
+    """A multipart/form-data body (already read, bounded) as (field, text or file bytes) pairs."""
+    from starlette.datastructures import UploadFile
+    from starlette.formparsers import MultiPartException, MultiPartParser
+
+    async def chunks():
+        yield body
+
+    try:
+        form = await MultiPartParser(request.headers, chunks(), max_files=16, max_fields=64,
+                                     max_part_size=len(body) + 1).parse()
+    except MultiPartException as exc:
+        raise RequestError(400, f"the body is not a multipart form this server reads: {exc.message}") from None
+    fields = []
+    for name, value in form.multi_items():
+        fields.append((name, await value.read() if isinstance(value, UploadFile) else value))
+    await form.close()
+    return fields

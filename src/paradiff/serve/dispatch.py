@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from paradiff.serve.ranks import ALIVE_WAIT_S, ERROR, READY, SUMMARY, Channel, process_alive
+from paradiff.serve.ranks import ALIVE_WAIT_S, ERROR, READY, SUMMARY, Channel, process_alive, step_news
 
 DISPATCH_POLL_S = 0.005  # how often an idle dispatcher looks at the replicas' keys
 PROCESS_CHECK_S = 0.1  # how often it looks whether the ranks' processes on this machine still run
@@ -72,6 +72,7 @@ class Dispatcher:
                 for replica in self.replicas:
                     self._look_at(replica, processes)
                 self._publish_cancellations()
+                self._exchange()
                 if all(replica.state in ("stopped", "failed") for replica in self.replicas):
                     return
                 self._hand_out()
@@ -107,7 +108,8 @@ class Dispatcher:
             summaries = [channel.take(SUMMARY, "batch", replica.number, "summary", rank) for rank in range(self.size)]
             for summary in summaries:
                 summary["rank"] += replica.first_rank
-            self.frontend.finish_batch(replica.items, channel, summaries)
+            self._step_news(replica)
+            self.frontend.finish_batch(replica.items, channel, summaries, replica.index)
             self._forget_batch(replica, summaries)
             replica.items = []
             self._set(replica, "ready")
@@ -132,6 +134,7 @@ class Dispatcher:
                     replica.number += 1
                     replica.items = items
                     self._set(replica, "busy")
+                    self.frontend.started(items)
                     replica.channel.put({"kind": "work", "items": items}, "work", replica.number)
 
     def _publish_cancellations(self) -> None:
@@ -141,11 +144,24 @@ class Dispatcher:
                 if any(item["id"] == job_id for item in replica.items):
                     replica.channel.put(True, "cancel", job_id)
 
+    def _exchange(self) -> None:
+        """Between looks at the replicas: each busy one's step events and previews (stream.py's ProgressRouter) and
+        its video jobs' progress, from its keys to the frontend."""
+        for replica in self.replicas:
+            if replica.state == "busy":
+                self.frontend.progress.poll(replica.channel, [replica.index])
+                self._step_news(replica)
+
+    def _step_news(self, replica: ReplicaState) -> None:
+        for job_id, (done, total) in step_news(replica.channel, replica.items).items():
+            self.frontend.job_progress(job_id, done, total)
+
     def _forget_batch(self, replica: ReplicaState, summaries: list[dict]) -> None:
-        """Every summary of the batch read: its cancel keys and request-fault agreement keys go."""
+        """Every summary of the batch read: its cancel, progress and request-fault agreement keys go."""
         channel = replica.channel
         for item in replica.items:
             channel.delete("cancel", item["id"])
+            channel.delete("progress", "item", item["id"])
         for chunk in {c for s in summaries for c in s["agreements"]}:
             for rank in range(self.size):
                 channel.delete("round", replica.number, "fail", chunk, rank)
@@ -183,10 +199,11 @@ class Dispatcher:
         cause = "; ".join(root) or "; ".join(f"rank {first + r}: {e['error']}" for r, e in sorted(errors.items()))
         reloading = any(error["loading"] for error in errors.values())  # the load failed again: do not loop
         decision = "stop" if dead or reloading or self.frontend.closing else "recover"
-        self.frontend.replica_fault(replica.index, len(self.replicas), cause, decision)
+        self.frontend.replica_fault(replica.index, len(self.replicas), cause, decision, channel, replica.items)
         self.frontend.fail_batch(replica.items, channel, cause)
         for item in replica.items:
             channel.delete("cancel", item["id"])
+            channel.delete("progress", "item", item["id"])
         replica.items, replica.number = [], 0
         channel.put(decision, "decision")
         if decision == "stop":

@@ -21,6 +21,9 @@ class Metrics:
         self.cancelled_requests = 0
         self.cancelled_steps = 0  # denoising steps not run thanks to cancellations
         self.keys = 0
+        self.replica_step_count: dict[int, int] = {}  # replica -> denoising steps its output rank timed
+        self.replica_step_seconds: dict[int, float] = {}
+        self.replica_steps_per_s: dict[int, float] = {}  # the latest rate: live during a call, then the round's
 
     def request_done(self, status: int, latency_s: float | None = None, images: int = 0, steps: int = 0) -> None:
         with self._lock:
@@ -49,6 +52,18 @@ class Metrics:
         with self._lock:
             self.cancelled_requests += requests
             self.cancelled_steps += steps_skipped
+
+    def replica_rate(self, replica: int, steps_per_s: float) -> None:
+        with self._lock:
+            self.replica_steps_per_s[replica] = steps_per_s
+
+    def replica_steps(self, replica: int, step_s: list[float]) -> None:
+        """A round's per-step times of one replica (its output rank's step events)."""
+        with self._lock:
+            self.replica_step_count[replica] = self.replica_step_count.get(replica, 0) + len(step_s)
+            self.replica_step_seconds[replica] = self.replica_step_seconds.get(replica, 0.0) + sum(step_s)
+            if sum(step_s) > 0:
+                self.replica_steps_per_s[replica] = len(step_s) / sum(step_s)
 
     def store_keys(self, count: int) -> None:
         with self._lock:
@@ -113,6 +128,18 @@ class Metrics:
                       "# TYPE paradiff_replica_requests_running gauge"]
             lines += [f'paradiff_replica_requests_running{{replica="{r}"}} {count}'
                       for r, count in sorted((replica_running or {}).items())]
+            lines += ["# HELP paradiff_replica_steps_total Denoising steps each replica ran (cancelled requests' too).",
+                      "# TYPE paradiff_replica_steps_total counter"]
+            lines += [f'paradiff_replica_steps_total{{replica="{r}"}} {v}'
+                      for r, v in sorted(self.replica_step_count.items())]
+            lines += ["# HELP paradiff_replica_step_seconds_total Seconds each replica spent in denoising steps.",
+                      "# TYPE paradiff_replica_step_seconds_total counter"]
+            lines += [f'paradiff_replica_step_seconds_total{{replica="{r}"}} {v:.6f}'
+                      for r, v in sorted(self.replica_step_seconds.items())]
+            lines += ["# HELP paradiff_replica_steps_per_second Each replica's latest denoising rate (live during a "
+                      "call, then its last round's).", "# TYPE paradiff_replica_steps_per_second gauge"]
+            lines += [f'paradiff_replica_steps_per_second{{replica="{r}"}} {v:.6f}'
+                      for r, v in sorted(self.replica_steps_per_s.items())]
             lines += ["# HELP paradiff_up 1 while the server is ready.", "# TYPE paradiff_up gauge",
                       f"paradiff_up {1 if health in ('ready', 'degraded') else 0}"]
             return "\n".join(lines) + "\n"

@@ -6,23 +6,52 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-IMAGE_FIELDS = {"model", "prompt", "n", "size", "response_format", "seed", "steps", "guidance", "negative_prompt",
-                "true_cfg_scale", "user", "loras"}
-VIDEO_FIELDS = IMAGE_FIELDS | {"frames", "fps"}
+BASE_FIELDS = {"model", "prompt", "n", "size", "response_format", "seed", "steps", "guidance", "negative_prompt",
+               "true_cfg_scale", "user", "loras"}
+# OpenAI's image fields that change nothing here (docs/serve.md), with the values OpenAI takes: another is a 400
+IGNORED_FIELDS = {"quality": ("auto", "standard", "hd", "low", "medium", "high", "xhigh", "max"),
+                  "style": ("vivid", "natural"), "background": ("auto", "opaque", "transparent"),
+                  "moderation": ("auto", "low"), "complexity": ("low", "medium", "high"),
+                  "input_fidelity": ("low", "high"), "safety_identifier": None}
+OUTPUT_FORMATS = ("png", "jpeg", "webp")
+STREAM_FIELDS = {"stream", "partial_images"}  # generations streamed with previews (serve/stream.py)
+IMAGE_FIELDS = BASE_FIELDS | set(IGNORED_FIELDS) | {"output_format", "output_compression"} | STREAM_FIELDS
+EDIT_FIELDS = (IMAGE_FIELDS - STREAM_FIELDS) | {"strength"}  # and the files: image (or image[]), mask
+VIDEO_FIELDS = BASE_FIELDS | {"frames", "fps"}
+ENDPOINTS = {"image": "/v1/images/generations", "edit": "/v1/images/edits", "video": "/v1/videos"}
+MAX_SEED = 2**63 - 1
+MAX_PARTIAL_IMAGES = 3  # OpenAI's bound on partial_images
 # request field -> the pipeline call's parameter it sets (refused where the pipeline's __call__ lacks it)
 CALL_PARAMETERS = {"guidance": "guidance_scale", "true_cfg_scale": "true_cfg_scale",
                    "negative_prompt": "negative_prompt", "frames": "num_frames"}
 
 
 class RequestError(Exception):
-    """A request the server refuses: `status` is the HTTP code, the message says what is wrong and what is valid;
+    """A request the server refuses: `status` is the HTTP code, the message says what is wrong and what is valid,
+    `param` the request field at fault (None when no one field is), `code` a short string (default: the status's);
     `retry_after`: seconds worth waiting before a retry (sent as Retry-After), where known."""
 
     retry_after: int | None = None
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
-        self.status = status
+        self.status, self.param, self.code = status, param, code
+
+
+# OpenAI's error shape: {"error": {"message", "type", "param", "code"}}; type and code (strings) from the status
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+               503: "service_unavailable_error", 504: "timeout_error"}
+ERROR_CODES = {400: "invalid_request", 401: "invalid_api_key", 403: "forbidden", 404: "not_found",
+               405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large",
+               415: "unsupported_media_type", 499: "client_closed_request", 500: "server_error",
+               503: "service_unavailable", 504: "request_timeout"}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """The JSON body of an error answer, in OpenAI's shape (`code` a string, as OpenAI's)."""
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param,
+                      "code": code or ERROR_CODES.get(status, str(status))}}
 
 
 @dataclass(frozen=True)
@@ -43,6 +72,8 @@ class Limits:
     kind: str = "image"  # what the pipeline makes: "image" or "video"
     accepts: frozenset = frozenset()  # the parameters of the pipeline's __call__
     adapters: tuple = ()  # ((name, scale at start), ...): the LoRA adapters loaded with --lora
+    inputs: frozenset = frozenset()  # which of "image", "mask", "strength" the pipeline's call takes (edits)
+    pipeline: str = ""  # the pipeline's class name
 
 
 @dataclass(frozen=True)
@@ -51,7 +82,7 @@ class ImageRequest:
     n: int
     width: int
     height: int
-    seed: int
+    seed: int | None  # None: the frontend draws one (app.Frontend.generate) before the request is queued
     steps: int
     guidance: float | None
     negative_prompt: str | None
@@ -60,11 +91,19 @@ class ImageRequest:
     frames: int | None = None
     fps: int = 16
     loras: tuple = ()  # ((adapter name, scale), ...) active for this request; () = none
+    output_format: str = "png"  # png, jpeg or webp: rank 0 re-encodes the ranks' PNG (serve/images.py)
+    output_compression: int = 100  # the JPEG / WebP quality
+    images: tuple = ()  # an edit's uploaded images (bytes, checked by serve/images.py)
+    mask: bytes | None = None
+    strength: float | None = None
+    stream: bool = False  # answered as server-sent events (serve/stream.py)
+    partial_images: int = 0  # previews streamed while it is denoised
+    adapter: tuple = ()  # ("name", "path", "sha256") of the adapter `model` named (serve/adapters.py); () = none
 
     def batch_key(self) -> tuple:
         """Requests with equal keys can share one pipeline call (each keeps its own prompt and seeds)."""
         return (self.kind, self.width, self.height, self.steps, self.guidance, self.negative_prompt,
-                self.true_cfg_scale, self.frames, self.loras)
+                self.true_cfg_scale, self.frames, self.loras, self.images, self.mask, self.strength)
 
     def seeds(self) -> list[int]:
         """Image i of the request uses seed + i, as `paradiff generate` does for prompt i."""
@@ -82,9 +121,9 @@ def _whole(value: Any) -> Any:
 def _integer(body: dict, name: str, default: int, low: int, high: int) -> int:
     value = _whole(body.get(name, default))
     if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(400, f"{name}: expected an integer from {low} to {high}, got {value!r}")
+        raise RequestError(400, f"{name}: expected an integer from {low} to {high}, got {value!r}", name)
     if not low <= value <= high:
-        raise RequestError(400, f"{name} {value} is out of bounds: expected {low} to {high}")
+        raise RequestError(400, f"{name} {value} is out of bounds: expected {low} to {high}", name)
     return value
 
 
@@ -93,50 +132,67 @@ def _number(body: dict, name: str, default: float | None) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 100:
-        raise RequestError(400, f"{name}: expected a number from 0 to 100, got {value!r}")
+        raise RequestError(400, f"{name}: expected a number from 0 to 100, got {value!r}", name)
     return float(value)
 
 
 def parse_image_request(body: Any, limits: Limits, kind: str = "image") -> ImageRequest:
-    """A POST /v1/images/generations (kind "image") or /v1/videos (kind "video") body as an ImageRequest, or a
-    RequestError naming the field and what is valid."""
-    endpoint = "/v1/images/generations" if kind == "image" else "/v1/videos"
-    if kind != limits.kind:
-        other = "/v1/images/generations" if limits.kind == "image" else "/v1/videos"
+    """A POST /v1/images/generations (kind "image"), /v1/images/edits' fields but its files ("edit": their checks
+    are serve/images.py's) or /v1/videos ("video") body as an ImageRequest, or a RequestError naming the field and
+    what is valid."""
+    endpoint = ENDPOINTS[kind]
+    if ("video" if kind == "video" else "image") != limits.kind:
+        other = ENDPOINTS["image" if limits.kind == "image" else "video"]
         raise RequestError(400, f"{endpoint}: this server's pipeline makes {limits.kind}s; use {other}")
     if not isinstance(body, dict):
         raise RequestError(400, f"the body must be a JSON object, got {type(body).__name__}")
-    fields = IMAGE_FIELDS if kind == "image" else VIDEO_FIELDS
+    fields = {"image": IMAGE_FIELDS, "edit": EDIT_FIELDS, "video": VIDEO_FIELDS}[kind]
     unknown = sorted(set(body) - fields)
     if unknown:
-        raise RequestError(400, f"unknown field(s) {unknown}; valid fields: {sorted(fields)}")
+        raise RequestError(400, f"unknown field(s) {unknown}; valid fields: {sorted(fields)}", unknown[0],
+                           "unknown_parameter")
     for name, parameter in CALL_PARAMETERS.items():
         if body.get(name) is not None and parameter not in limits.accepts:
-            raise RequestError(400, f"{name}: this pipeline's call takes no {parameter}")
+            raise RequestError(400, f"{name}: this pipeline's call takes no {parameter}", name)
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
-        raise RequestError(400, "prompt: expected a non-empty string")
+        raise RequestError(400, "prompt: expected a non-empty string", "prompt")
     _unicode("prompt", prompt)
     if len(prompt) > limits.max_prompt_chars:
-        raise RequestError(400, f"prompt is {len(prompt)} characters long; at most {limits.max_prompt_chars}")
+        raise RequestError(400, f"prompt is {len(prompt)} characters long; at most {limits.max_prompt_chars}",
+                           "prompt")
     model = body.get("model")
     if model is not None and model != limits.model_name:
-        raise RequestError(404, f"model {model!r} is not served here; this server serves {limits.model_name!r}")
+        raise RequestError(404, f"model {model!r} is not served here; this server serves {limits.model_name!r}",
+                           "model", "model_not_found")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
-        raise RequestError(400, f"user: expected a string, got {user!r}")
+        raise RequestError(400, f"user: expected a string, got {user!r}", "user")
     response_format = body.get("response_format", "b64_json")
     if response_format != "b64_json":
-        raise RequestError(400, f"response_format {response_format!r}: only 'b64_json' is served (no URLs)")
+        raise RequestError(400, f"response_format {response_format!r}: only 'b64_json' is served (no URLs)",
+                           "response_format")
+    for name, valid in IGNORED_FIELDS.items():
+        value = body.get(name)
+        if value is not None and not (isinstance(value, str) and (valid is None or value in valid)):
+            raise RequestError(400, f"{name} {value!r}: expected one of {list(valid) if valid else 'a string'} "
+                                    "(accepted, and ignored here: docs/serve.md)", name)
+    output_format = body.get("output_format") or "png"
+    if output_format not in OUTPUT_FORMATS:
+        raise RequestError(400, f"output_format {output_format!r}: expected one of {list(OUTPUT_FORMATS)}",
+                           "output_format")
+    compression = 100 if body.get("output_compression") is None else _integer(body, "output_compression", 100, 0,
+                                                                                100)
     width, height = _size(body.get("size"), limits)
     negative = body.get("negative_prompt")
     if negative is not None and (not isinstance(negative, str) or len(negative) > limits.max_prompt_chars):
-        raise RequestError(400, f"negative_prompt: expected a string of at most {limits.max_prompt_chars} characters")
+        raise RequestError(400, f"negative_prompt: expected a string of at most {limits.max_prompt_chars} characters",
+                           "negative_prompt")
     if negative is not None:
         _unicode("negative_prompt", negative)
-    seed = _whole(body.get("seed", 0))
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise RequestError(400, f"seed: expected an integer from 0 to 2**63 - 1, got {seed!r}")
+    seed = _whole(body.get("seed"))
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
+        raise RequestError(400, f"seed: expected an integer from 0 to 2**63 - 1, got {seed!r}", "seed")
     loras = _loras(body.get("loras"), limits)
     frames = fps = None
     if kind == "video":
@@ -144,11 +200,34 @@ def parse_image_request(body: Any, limits: Limits, kind: str = "image") -> Image
         if frames is not None:
             frames = _integer(body, "frames", limits.default_frames, 1, limits.max_frames)
         fps = _integer(body, "fps", limits.default_fps, 1, 120)
-    return ImageRequest(prompt=prompt, n=_integer(body, "n", 1, 1, limits.max_n), width=width, height=height,
-                        seed=seed, steps=_integer(body, "steps", limits.default_steps, 1, limits.max_steps),
+    n = _integer(body, "n", 1, 1, limits.max_n)
+    if seed is not None and seed + n - 1 > MAX_SEED:  # image i uses seed + i
+        raise RequestError(400, f"seed {seed}: image {n - 1} would use seed {seed + n - 1}, above 2**63 - 1", "seed")
+    strength = _number(body, "strength", None) if kind == "edit" else None
+    if strength is not None and not 0 <= strength <= 1:
+        raise RequestError(400, f"strength {strength:g}: expected a number from 0 to 1", "strength")
+    stream, partial_images = _stream(body) if kind == "image" else (False, 0)
+    return ImageRequest(prompt=prompt, n=n, width=width, height=height, seed=seed,
+                        steps=_integer(body, "steps", limits.default_steps, 1, limits.max_steps),
                         guidance=_number(body, "guidance", limits.default_guidance), negative_prompt=negative,
                         true_cfg_scale=_number(body, "true_cfg_scale", limits.default_true_cfg), kind=kind,
-                        frames=frames, fps=fps or limits.default_fps, loras=loras)
+                        frames=frames, fps=fps or limits.default_fps, loras=loras, output_format=output_format,
+                        output_compression=compression, strength=strength, stream=stream,
+                        partial_images=partial_images)
+
+
+def _stream(body: dict) -> tuple[bool, int]:
+    """`stream` (a boolean) and `partial_images` (0 to 3; without stream it asks nothing), as OpenAI's
+    images.generate takes them."""
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise RequestError(400, f"stream: expected true or false, got {stream!r}", "stream")
+    if body.get("partial_images") is None:
+        return stream, 0
+    partial = _integer(body, "partial_images", 0, 0, MAX_PARTIAL_IMAGES)
+    return stream, partial if stream else 0
 
 
 def _unicode(name: str, text: str) -> None:
@@ -158,7 +237,7 @@ def _unicode(name: str, text: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise RequestError(400, f"{name}: not valid Unicode text (a lone surrogate at character {exc.start}); "
-                                "send UTF-8 text") from None
+                                "send UTF-8 text", name) from None
 
 
 def _loras(value: Any, limits: Limits) -> tuple:
@@ -168,29 +247,40 @@ def _loras(value: Any, limits: Limits) -> tuple:
         return tuple(limits.adapters)
     available = [name for name, _ in limits.adapters]
     if not isinstance(value, dict):
-        raise RequestError(400, f"loras: expected an object {{adapter name: scale}}; adapters here: {available}")
+        raise RequestError(400, f"loras: expected an object {{adapter name: scale}}; adapters here: {available}",
+                           "loras")
     unknown = sorted(set(value) - set(available))
     if unknown:
         raise RequestError(400, f"loras: no adapter(s) {unknown} on this server; adapters here: {available} "
-                                "(loaded at start with --lora)")
+                                "(loaded at start with --lora)", "loras")
     for name, scale in value.items():
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not -10 <= scale <= 10:
-            raise RequestError(400, f"loras: the scale of {name!r} must be a number from -10 to 10, got {scale!r}")
+            raise RequestError(400, f"loras: the scale of {name!r} must be a number from -10 to 10, got {scale!r}",
+                               "loras")
     return tuple((name, float(value[name])) for name in available if name in value)
 
 
 def _size(value: Any, limits: Limits) -> tuple[int, int]:
-    if value is None:
+    if value is None or value == "auto":  # OpenAI's "auto": the server's default size
         return limits.default_size
     usage = (f"expected 'WIDTHxHEIGHT' with both multiples of {limits.size_multiple} from {limits.size_multiple} "
              f"to {limits.max_side}, e.g. '{limits.default_size[0]}x{limits.default_size[1]}'")
     if not isinstance(value, str) or value.count("x") != 1:
-        raise RequestError(400, f"size {value!r}: {usage}")
+        raise RequestError(400, f"size {value!r}: {usage}", "size")
     try:
         width, height = (int(part) for part in value.split("x"))
     except ValueError:
-        raise RequestError(400, f"size {value!r}: {usage}") from None
+        raise RequestError(400, f"size {value!r}: {usage}", "size") from None
     for side in (width, height):
         if side < limits.size_multiple or side > limits.max_side or side % limits.size_multiple:
-            raise RequestError(400, f"size {value!r}: {usage}")
+            raise RequestError(400, f"size {value!r}: {usage}", "size")
     return width, height
+
+
+def with_seed(request: ImageRequest) -> ImageRequest:
+    """A request without a seed gets a fresh random one, drawn on rank 0 before it is queued (so every rank runs the
+    same), and returned in the answer (each image's `seed`) so that any image can be drawn again."""
+    import secrets
+    from dataclasses import replace
+
+    return request if request.seed is not None else replace(request, seed=secrets.randbelow(2**32))

@@ -14,6 +14,10 @@ Cancellation: a request answered before its batch ended (a 504, a client that hu
 puts a key for it in the store; at every denoising step the replica's first rank reads those keys and broadcasts the
 flag to its replica, so all of them stop at the same step boundary.
 
+Progress: at every denoising step a replica's first rank puts each running item's steps done (JSON) in the store
+("progress/item/<id>", apart from the replica's step events at "progress/<replica>", stream.py); rank 0's dispatcher
+reads them while the replica runs: a video job's `progress` (serve/jobs.py).
+
 A request's own fault: when a pipeline call raises on every rank of its replica alike (the same error, not a
 collective's or a device's), the ranks agree on it through the store (the replica's first rank decides,
 compare-and-set, so they all read one verdict) and its requests get a 500 while the replica goes on without a reload.
@@ -28,19 +32,23 @@ gone, or the load failed again: the ranks exit non-zero).
 from __future__ import annotations
 
 import argparse
+import base64
 import copy
 import datetime
+import io
 import gc
 import json
 import os
 import signal
 import socket
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from paradiff.cli.conditioning import image_kwargs, pipeline_class_name
 from paradiff.cli.outputs import mp4_bytes, outputs_of, png_bytes
 from paradiff.cli.report import say
 from paradiff.cli.worker import (Loaded, accepted_kwargs, call_kwargs, call_parameters, load_from_args,
@@ -49,6 +57,9 @@ from paradiff.distributed.comm import abort_process_groups, all_gather_json, bro
 from paradiff.distributed.failures import is_comm_error
 from paradiff.distributed.store import checked, get_json, open_store, put_json, store_client
 from paradiff.errors import DistributedError
+from paradiff.runtime.progress import StepClock, StepEvent
+from paradiff.serve.stream import StepPublisher, preview_maker
+from paradiff.serve.adapters import adapter_chunks
 
 PREFIX = "paradiff/serve"
 # after a fault, how long rank 0 waits for a rank on another machine to say it is alive, before it takes it for dead
@@ -63,13 +74,14 @@ AGREE_WAIT_S = 2.0
 DECISION_WAIT_S = 600.0  # how long a failed replica's ranks wait for the dispatcher's decision
 POLL_S = (0.001, 0.01)  # store polls: the first wait, and the longest (doubling in between)
 
-SUMMARY = {"rank": int, "seconds": float, "images": int, "steps": int, "memory": int, "rss": int, "failed": dict,
-           "cancelled": dict, "agreements": list, "refused": dict}
+SUMMARY = {"rank": int, "replica": int, "step_s": list, "seconds": float, "images": int, "steps": int, "memory": int,
+           "rss": int, "failed": dict, "cancelled": dict, "agreements": list, "refused": dict}
 WORK = {"kind": str, "items": list}
 READY = {"info": dict, "ranks": list}
-RESULT = {"files": list, "replica": int, "started": float, "finished": float}
+RESULT = {"files": list, "replica": int, "started": float, "finished": float, "batch": str}
 FILE = {"mime": str, "frames": (int, None)}
 ERROR = {"error": str, "comm": bool, "loading": bool}
+PROGRESS = {"done": int, "total": int}
 
 
 class Cancelled(Exception):
@@ -143,7 +155,7 @@ class Channel:
         """The output rank: each file's bytes under its own key, then the JSON that says they are all there."""
         for index, file in enumerate(files):
             self.put_bytes(file["data"], "result", item_id, index)
-        self.put({**meta, "files": [{"mime": f["mime"], "frames": f.get("frames")} for f in files]},
+        self.put({"batch": "", **meta, "files": [{"mime": f["mime"], "frames": f.get("frames")} for f in files]},
                  "result", item_id)
 
     def take_result(self, item_id: int) -> dict | None:
@@ -183,16 +195,33 @@ class Replica:
         self.max_batch = max_batch
         self.replica, self.replicas = replica, replicas
         self.parameters = set(call_parameters(self.pipeline))
+        self.pipeline_name = pipeline_class_name(args)
         self.adapters = tuple((lora["adapter_name"], lora["scale"]) for lora in loaded.loras)
         self._active: tuple | None = self.adapters  # load_from_args mixed them at their start scales
         self.members: list[int] = list(range(dist.get_world_size()))  # this replica's ranks: its own world
         self.group = None  # the gloo group they agree in (None: the default group, gloo on CPU)
+        self.on_step: Callable[[], None] | None = None  # called at every step end (None: rank 0's dispatcher polls)
+        # the output rank: called at every step end (serve/stream.py's StepPublisher: progress and previews)
+        self.step_listeners: list[Callable[[StepEvent], None]] = []
+        self.previews = "no previews"  # what previews this server makes (serve_rank sets it)
+        self._clock = StepClock()
+        self.adapter_cache = None  # per-request adapters (serve/adapters.py), with --lora-modules / runtime loads
+        if getattr(args, "lora_modules", None) or getattr(args, "allow_runtime_lora", False):
+            from paradiff.serve.adapters import AdapterCache
+
+            self.adapter_cache = AdapterCache(self.pipeline.transformer, args.max_loras, args.max_lora_rank)
 
     def describe(self) -> dict:
         """What rank 0's frontend needs of the pipeline (JSON: it crosses the store)."""
+        from paradiff.plans.pipelines import call_keyword
+
+        # what an edit may carry: the conditioning inputs the call takes (under the pipeline's own keywords)
+        inputs = {name for name, keyword in (("image", "image"), ("mask", "mask_image"), ("strength", "strength"))
+                  if call_keyword(self.pipeline_name, keyword) in self.parameters}
         return {"kind": "video" if "num_frames" in self.parameters else "image",
                 "accepts": sorted(self.parameters), "replicas": self.replicas,
-                "adapters": [list(adapter) for adapter in self.adapters]}
+                "adapters": [list(adapter) for adapter in self.adapters], "inputs": sorted(inputs), "pipeline": self.pipeline_name or type(self.pipeline).__name__,
+                "previews": self.previews}
 
     def check(self, item: dict) -> str | None:
         """The replica's first rank, before a batch is broadcast: why the pipeline could not take `item` (None when it
@@ -235,7 +264,19 @@ class Replica:
                                  ("negative_prompt", "negative_prompt"), ("frames", "num_frames")):
             if item.get(field) is not None:
                 kwargs[parameter] = item[field]
+        if item.get("images"):
+            kwargs.update(self.edit_inputs(item))
         return accepted_kwargs(kwargs, self.pipeline)
+
+    def edit_inputs(self, item: dict) -> dict:
+        """An edit's images (and mask, strength) as the call takes them, decoded from the round's bytes as `paradiff
+        generate` reads its --image / --mask files."""
+        from PIL import Image
+
+        images = [Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB") for data in item["images"]]
+        mask = (Image.open(io.BytesIO(base64.b64decode(item["mask"]))).convert("L") if item.get("mask") is not None
+                else None)
+        return image_kwargs(images, mask, item.get("strength"), self.pipeline_name)
 
     def run(self, items: list[dict], channel: Channel, number: int) -> dict:
         """Run `items` (one replica's batch: same size, steps, guidance), its batch `number`; the output rank stores
@@ -249,14 +290,30 @@ class Replica:
         agreements: list[int] = []
         stamps = time.time()
         steps = 0
-        for chunk_index, start in enumerate(range(0, len(images), self.max_batch)):
-            chunk = images[start:start + self.max_batch]
+        self._clock = StepClock()
+        per_call = 1 if any(item.get("images") for item in items) else self.max_batch  # an edit: one image a call
+        chunks = adapter_chunks(images, per_call, getattr(self.args, "max_loras", 1))
+        calls = {item["id"]: 0 for item in items}  # how many calls each item's images take, and have taken
+        for chunk in chunks:
+            for item_id in {item["id"] for item, _ in chunk}:
+                calls[item_id] += 1
+        progress = {item_id: [0, count * items[0]["steps"]] for item_id, count in calls.items()} if items else {}
+        batches: dict[int, str] = {}
+        for chunk_index, chunk in enumerate(chunks):
             ids = sorted({item["id"] for item, _ in chunk})
             kwargs = self.call_kwargs(chunk[0][0])
             if "callback_on_step_end" in self.parameters:
-                kwargs["callback_on_step_end"] = self._step_end(ids, channel)
+                context = {"round": number, "ids": ids, "steps": chunk[0][0]["steps"], "height": kwargs.get("height"),
+                           "width": kwargs.get("width"),
+                           "items": [{"id": item["id"], "partial_images": item.get("partial_images", 0)}
+                                     for item, _ in chunk]}
+                kwargs["callback_on_step_end"] = self._step_end(ids, channel, context, progress)
+                self._clock.begin()
             self.use_adapters(tuple(chunk[0][0].get("loras", ())))
             try:
+                if self.adapter_cache is not None:  # between calls: a load never stalls a running one
+                    self.adapter_cache.prepare([item.get("adapter") for item, _ in chunk], self.pipeline,
+                                               self.members)
                 if len(chunk) == 1:  # as `paradiff generate` calls it: byte-identical outputs
                     (item, seed), = chunk
                     result = self.pipeline(prompt=item["prompt"], seed=seed, **kwargs)
@@ -281,25 +338,44 @@ class Replica:
             finally:
                 for monitor in self.monitors.values():
                     monitor.clear()
+                for item_id in ids:
+                    progress[item_id][0] = min(progress[item_id][1], progress[item_id][0] + chunk[0][0]["steps"])
             if self.pipeline.is_output_rank:
                 for (item, _), output in zip(chunk, outputs_of(result)):
-                    files[item["id"]].append(_encode(output, item))
+                    files[item["id"]] += _encode(output, item)
+                    batches.setdefault(item["id"], f"{number}.{chunk_index}")
         finished = time.time()
         if self.pipeline.is_output_rank:
             for item in items:
                 if item["id"] not in failed and item["id"] not in cancelled:
                     channel.put_result(item["id"], files[item["id"]], {"replica": self.replica, "started": stamps,
-                                                                      "finished": finished})
-        return {"rank": channel.rank, "seconds": time.perf_counter() - started if items else 0.0,
+                                                                      "finished": finished,
+                                                                      "batch": batches.get(item["id"], "")})
+        step_s = self._clock.times if self.pipeline.is_output_rank else []
+        return {"rank": channel.rank, "replica": self.replica, "step_s": step_s,
+                "seconds": time.perf_counter() - started if items else 0.0,
                 "images": len(images), "steps": steps, "failed": {str(k): v for k, v in failed.items()},
                 "cancelled": {str(k): v for k, v in cancelled.items()}, "agreements": agreements}
 
-    def _step_end(self, ids: list[int], channel: Channel) -> Callable:
-        """diffusers' callback_on_step_end: the replica's first rank reads whether rank 0 cancelled any of `ids` and
-        broadcasts it to the replica; every rank raises Cancelled at the same step."""
+    def _step_end(self, ids: list[int], channel: Channel, context: dict, progress: dict[int, list[int]]) -> Callable:
+        """diffusers' callback_on_step_end: the output rank's step listeners get the step's event (nothing else
+        runs them: they take no decision and run no collective); the replica's first rank puts each item's progress
+        in the store ([steps done, steps in all], read by rank 0 for a job's progress) and reads whether rank 0
+        cancelled any of `ids`, which it broadcasts to the replica; every rank raises Cancelled at the same step."""
         lead = self.members[0]
 
-        def step_end(_pipeline, step, _timestep, _kwargs):
+        def step_end(pipeline, step, _timestep, callback_kwargs):
+            if self.step_listeners and self.pipeline.is_output_rank:
+                event = StepEvent(step + 1, int(getattr(pipeline, "num_timesteps", 0) or context["steps"]),
+                                  self._clock.tick(), callback_kwargs.get("latents"), context)
+                for listener in self.step_listeners:
+                    listener(event)
+            if channel.rank == lead:
+                for item_id in ids:
+                    done, total = progress[item_id]
+                    channel.put({"done": min(total, done + step + 1), "total": total}, "progress", "item", item_id)
+            if self.on_step is not None:
+                self.on_step()
             flag = channel.rank == lead and any(channel.has("cancel", i) for i in ids)
             if len(self.members) > 1:
                 flag = broadcast_flag(flag, src=lead, group=self.group)
@@ -336,12 +412,15 @@ def _device_fault(exc: BaseException) -> bool:
     return any(marker in str(exc).lower() for marker in DEVICE_FAULT_MARKERS)
 
 
-def _encode(output, item: dict) -> dict:
+def _encode(output, item: dict) -> list[dict]:
+    """An output's files: a PNG image; or an MP4 video and its first frame as PNG (the job's thumbnail, exactly the
+    frame `paradiff generate` writes)."""
     if output.kind == "video":
-        return {"mime": "video/mp4", "data": mp4_bytes(output.array, item["fps"]), "frames": len(output.array)}
+        return [{"mime": "video/mp4", "data": mp4_bytes(output.array, item["fps"]), "frames": len(output.array)},
+                {"mime": "image/png", "data": png_bytes(output.array[0])}]
     if output.kind != "image":
         raise RuntimeError(f"the pipeline returned {output.kind}; paradiff serve sends images and videos")
-    return {"mime": "image/png", "data": png_bytes(output.array)}
+    return [{"mime": "image/png", "data": png_bytes(output.array)}]
 
 
 def rss_bytes() -> int:
@@ -354,12 +433,11 @@ def rss_bytes() -> int:
 
 
 def serve_rank(args: argparse.Namespace, device: torch.device, frontend_factory: Callable | None,
-               on_pipeline_loaded: Callable | None = None) -> int:
+               on_pipeline_loaded: Callable | None = None, dispatcher_factory: Callable | None = None) -> int:
     """One rank of the server until it stops; returns the exit code (0 after a drain, 1 after a fatal fault).
-    `frontend_factory()` (rank 0 only) starts the HTTP side (app.Frontend); rank 0 also runs the Dispatcher, in a
-    thread beside its own replica's loop."""
-    from paradiff.serve.dispatch import Dispatcher
-
+    `frontend_factory()` (rank 0 only) starts the HTTP side (app.Frontend); rank 0 also runs
+    `dispatcher_factory(store, frontend, replicas, size, timeout_s)` (dispatch.Dispatcher, passed in by the serve
+    command: dispatch.py reads this module's channel), in a thread beside its own replica's loop."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     quiet_other_ranks(rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -370,7 +448,7 @@ def serve_rank(args: argparse.Namespace, device: torch.device, frontend_factory:
     channel = Channel(store, local, size, scope=f"r{index}")
     frontend = frontend_factory() if rank == 0 else None
     _handle_signals(frontend)
-    dispatcher = (Dispatcher(store_client(args.timeout), frontend, replicas, size, args.timeout).start()
+    dispatcher = (dispatcher_factory(store_client(args.timeout), frontend, replicas, size, args.timeout).start()
                   if frontend is not None else None)
     own = copy.copy(args)
     own.dp = 1  # each replica is a mesh of its own, in a process group of its own
@@ -388,8 +466,13 @@ def serve_rank(args: argparse.Namespace, device: torch.device, frontend_factory:
                 replica = Replica(loaded, args, args.max_batch, index, replicas)
                 replica.group = control
                 del loaded
+                maker, replica.previews = preview_maker(replica.pipeline, args.previews, Path(args.out) / "previews",
+                                                        staged=args.stages)
+                if replica.pipeline.is_output_rank:
+                    replica.step_listeners.append(StepPublisher(channel, replica.replica, maker))
                 summary = all_gather_json({"rank": rank, "memory": peak_memory_bytes(device), "rss": rss_bytes(),
-                                           "pid": os.getpid(), "host": socket.gethostname()}, control)
+                                           "replica": replica.replica, "pid": os.getpid(),
+                                           "host": socket.gethostname()}, control)
                 if local == 0:
                     channel.put({"info": replica.describe(), "ranks": summary}, "ready")
                 _serve_replica(channel, replica, control, device)
@@ -475,6 +558,17 @@ def _raise_on_fault(channel: Channel) -> None:
     """A rank waiting in the store (not in a collective, where an abort would reach it) learns of a peer's fault."""
     if channel.has("fault"):
         raise DistributedError("a peer rank failed while this rank waited for the round to end")
+
+
+def step_news(channel: Channel, items: list[dict]) -> dict[int, tuple[int, int]]:
+    """Rank 0's dispatcher: the running items' progress (steps done, steps in all) that their replica's first rank
+    put in the store at its last step."""
+    news = {}
+    for item in items:
+        if channel.has("progress", "item", item["id"]):
+            progress = channel.get(PROGRESS, "progress", "item", item["id"])
+            news[item["id"]] = (progress["done"], progress["total"])
+    return news
 
 
 def _record_error(channel: Channel, exc: BaseException, loading: bool) -> bool:

@@ -6,7 +6,8 @@
 - `Origin`: a browser names the page that sent a request; another site's page is refused unless `--allow-origin`
   names it (a page of the server itself, /docs, has the server's own origin).
 - `Content-Type`: a JSON endpoint takes `application/json` only, so a page cannot send a "simple" cross-site request
-  (text/plain, form data) that skips the browser's CORS preflight.
+  (text/plain, form data) that skips the browser's CORS preflight. The edits endpoint takes `multipart/form-data`
+  (OpenAI's), and POST /v1/videos takes it besides JSON, as OpenAI's client sends it; a browser sends `Origin` with any cross-site POST, so the Origin check refuses another site's form.
 - Read timeouts: a connection that has not sent its request headers within `--read-timeout` seconds is closed
   (uvicorn only times out idle keep-alive connections), and a body not read within it gets 408.
 - An internal error's message (paths, source lines) goes to the server's console, and a short form to the client.
@@ -22,6 +23,7 @@ from paradiff.serve.protocol import RequestError
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
 JSON_ENDPOINTS = ("/v1/images/generations", "/v1/videos")
+FORM_ENDPOINTS = ("/v1/images/edits", "/v1/videos")  # multipart/form-data, as OpenAI's (and its client's)
 _PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][\w.@+-]+){2,}[\\/]?")
 
 
@@ -51,11 +53,14 @@ class RequestGuard:
 
     @staticmethod
     def check_body(method: str, path: str, headers: dict[str, str]) -> None:
-        """RequestError (415) for a body a JSON endpoint does not take."""
-        if method == "POST" and path in JSON_ENDPOINTS:
+        """RequestError (415) for a body a JSON (or form) endpoint does not take."""
+        if method == "POST" and (path in JSON_ENDPOINTS or path in FORM_ENDPOINTS):
             kind = headers.get("content-type", "").split(";")[0].strip().lower()
-            if kind != "application/json":
-                raise RequestError(415, f"Content-Type {kind or 'missing'!r}: {path} takes 'application/json'")
+            takes = [t for t, paths in (("application/json", JSON_ENDPOINTS), ("multipart/form-data", FORM_ENDPOINTS))
+                     if path in paths]
+            if kind not in takes:
+                raise RequestError(415, f"Content-Type {kind or 'missing'!r}: {path} takes "
+                                        f"{' or '.join(repr(t) for t in takes)}")
 
     @staticmethod
     def _same_origin(origin: str, host: str) -> bool:

@@ -19,6 +19,7 @@ The expected wait of a new request is the cost queued and running, over the repl
 
 from __future__ import annotations
 
+import base64
 import itertools
 import math
 import threading
@@ -45,6 +46,8 @@ class Job:
     cost: float = 0.0  # request_cost
     _callbacks: list = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _events: list = field(default_factory=list)  # what happened while it ran (steps, previews), for listeners
+    _listeners: list = field(default_factory=list)
 
     def finish(self, status: int, result: Any) -> bool:
         with self._lock:
@@ -65,12 +68,38 @@ class Job:
                 return
         callback()
 
+    def emit(self, event: dict) -> None:
+        """An event of the running job (a step ended, a preview is ready): kept, and given to every listener.
+        Listeners run under the job's lock, so each sees the events in order: they must only hand them on."""
+        with self._lock:
+            if self.done.is_set():
+                return
+            self._events.append(event)
+            for listener in self._listeners:
+                listener(event)
+
+    def add_listener(self, listener) -> None:
+        """`listener(event)` for each event of the job, those already emitted first."""
+        with self._lock:
+            for event in self._events:
+                listener(event)
+            self._listeners.append(listener)
+
     def work_item(self) -> dict:
         r = self.request
         return {"id": self.id, "prompt": r.prompt, "seeds": r.seeds(), "width": r.width, "height": r.height,
                 "steps": r.steps, "guidance": r.guidance, "negative_prompt": r.negative_prompt,
                 "true_cfg_scale": r.true_cfg_scale, "kind": r.kind, "frames": r.frames, "fps": r.fps,
-                "loras": list(r.loras)}
+                "loras": list(r.loras), "partial_images": r.partial_images,
+                "adapter": dict(zip(("name", "path", "sha256"), r.adapter)) if r.adapter else None,
+                **(_edit_inputs(r) if r.images else {})}
+
+
+def _edit_inputs(request: ImageRequest) -> dict:
+    """An edit's uploaded files (base64 in the round's JSON: every rank decodes the same bytes) and strength."""
+    return {"images": [base64.b64encode(data).decode() for data in request.images],
+            "mask": base64.b64encode(request.mask).decode() if request.mask is not None else None,
+            "strength": request.strength}
 
 
 POLICIES = ("fair", "fifo")
@@ -110,7 +139,9 @@ class Scheduler:
         self._on_finish = on_finish  # called as on_finish(job) once per answered job
 
     # -- the HTTP side ------------------------------------------------------------------------------------------
-    def submit(self, request: ImageRequest) -> Job:
+    def submit(self, request: ImageRequest, deadline: bool = True) -> Job:
+        """Queue `request`; its deadline is --request-timeout from now (`deadline` False: none, for an asynchronous
+        job that waits for its turn however long the queue is)."""
         with self._lock:
             if self._closed is not None:
                 raise RequestError(503, f"the server is not serving: {self._closed}")
@@ -127,7 +158,7 @@ class Scheduler:
                     error.retry_after = max(1, math.ceil(wait - self.max_wait_s))
                     raise error
             now = self.clock()
-            job = Job(next(self._ids), request, now, now + self.request_timeout_s)
+            job = Job(next(self._ids), request, now, now + self.request_timeout_s if deadline else float("inf"))
             job.cost = cost
             self._waiting.append(job)
             self._lock.notify_all()
@@ -245,10 +276,22 @@ class Scheduler:
                 self._waiting.remove(job)
             self._answer(job, status, message)
 
+    def withdraw(self, job: Job) -> bool:
+        """Take `job` out of the queue unanswered if it still waits (True); False once it runs or was answered."""
+        with self._lock:
+            if job in self._waiting:
+                self._waiting.remove(job)
+                return True
+            return False
+
     def answered_running(self) -> list[int]:
         """The running jobs already answered (504, or cancelled): their work is no longer wanted."""
         with self._lock:
             return [job.id for job in self._running.values() if job.done.is_set()]
+
+    def running(self, job_id: int) -> Job | None:
+        with self._lock:
+            return self._running.get(job_id)
 
     def running_ids(self) -> list[int]:
         with self._lock:

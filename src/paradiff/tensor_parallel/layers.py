@@ -39,6 +39,9 @@ class ShardedLinear(nn.Linear):
         self.full_out_features, self.full_in_features = full_features
         self.group = group
         self.comm_stats: CommStats | None = None
+        # per-sample adapters (tensor_parallel/lora_slots.py): a rowwise layer adds their partial sum before its
+        # all-reduce; any other layer gets them from a forward hook
+        self.lora_slots: nn.Module | None = None
 
     def extra_repr(self) -> str:
         return (
@@ -71,7 +74,10 @@ class RowwiseLinear(ShardedLinear):
         return x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.weight_linear(self.local_input(x), self.weight, None)
+        local = self.local_input(x)
+        out = self.weight_linear(local, self.weight, None)
+        if self.lora_slots is not None:
+            out = out + self.lora_slots(local)
         out = all_reduce_tp(out, self.group, self.comm_stats)
         if self.bias is not None:
             out = out + self.bias

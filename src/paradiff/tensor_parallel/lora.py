@@ -75,6 +75,8 @@ def sharded_lora_class() -> type:
             self._check_forward_args(x, *args, **kwargs)
             local = base.local_input(x)
             out = base.weight_linear(local, base.weight, None)
+            if base.lora_slots is not None:  # per-sample adapters beside peft's (tensor_parallel/lora_slots.py)
+                out = out + base.lora_slots(local)
             dtype = out.dtype
             biases = []
             for name in self.active_adapters:

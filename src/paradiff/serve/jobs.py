@@ -1,0 +1,386 @@
+"""Asynchronous video jobs of `paradiff serve` (OpenAI's /v1/videos) and the SQLite file that keeps them.
+
+    POST   /v1/videos                 create a job (multipart/form-data as OpenAI's client sends it, or JSON): answered
+                                      at once with the Video object, status "queued", progress 0
+    GET    /v1/videos                 list (after, limit, order; newest first by default)
+    GET    /v1/videos/{id}            the job: queued -> in_progress (progress by denoising steps) -> completed | failed
+    GET    /v1/videos/{id}/content    the MP4 (variant=video), its first frame as PNG (variant=thumbnail)
+    DELETE /v1/videos/{id}            cancel (a running job stops at the next denoising step) and delete
+
+The store (JobStore) is one SQLite file in WAL mode, `--jobs-db` (default `<--out>/jobs.db`): every job's parameters,
+state, progress, error and where its result files are (under `<--out>/jobs/<id>/`). It survives restarts:
+- a job still queued when the server stopped (SIGTERM drains the running job and leaves the queued ones queued; a
+  fault that stops the server does the same) runs when the server is ready again;
+- a job that was running when the server died (kill -9, a machine lost) is marked failed, code "server_restarted",
+  on the next start: it is not run again (a job that killed the server would kill it again); create it anew, its
+  seed redraws the same video;
+- results are kept per `--keep-results` (a count of completed jobs, e.g. 100, or an age: 30m, 12h, 7d); an older
+  result's files are deleted, its job stays retrievable (`expires_at` says when) and its content answers 410;
+- a deleted job's id stays known: it answers 404 saying it was deleted, not that it never existed.
+
+Jobs (below) links the store to the scheduler: a queued job is submitted to it with no deadline; its round, steps and
+cancellation are the synchronous requests' own. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import shutil
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from paradiff.serve.protocol import Limits, RequestError, parse_image_request, with_seed
+
+STATES = ("queued", "in_progress", "completed", "failed")
+AGES = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+LIST_LIMIT = (20, 100)  # default and most items of one GET /v1/videos page
+# OpenAI's fields besides the request's own: `seconds` sets frames (seconds * fps + 1) when `frames` is not given;
+# `input_reference` (an image to start from) is refused: the video pipelines served here take none
+OPENAI_ONLY = ("seconds", "input_reference")
+INTEGER_FIELDS = ("n", "seed", "steps", "frames", "fps")
+NUMBER_FIELDS = ("guidance", "true_cfg_scale", "seconds")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT UNIQUE NOT NULL,
+    kind TEXT NOT NULL,
+    model TEXT NOT NULL,
+    params TEXT NOT NULL,
+    size TEXT NOT NULL,
+    seconds TEXT NOT NULL,
+    status TEXT NOT NULL,
+    progress INTEGER NOT NULL DEFAULT 0,
+    created_at INTEGER NOT NULL,
+    started_at REAL,
+    completed_at INTEGER,
+    error TEXT,
+    files TEXT,
+    expires_at INTEGER,
+    expired INTEGER NOT NULL DEFAULT 0,
+    deleted_at INTEGER
+)
+"""
+
+
+def keep_results(text: str) -> tuple[str, float]:
+    """--keep-results: ("count", N) for a plain number, ("age", seconds) for N followed by s, m, h or d."""
+    match = re.fullmatch(r"\s*(\d+)\s*([smhd]?)\s*", str(text))
+    if not match or int(match.group(1)) <= 0:
+        raise ValueError(f"--keep-results {text!r}: expected a positive count of results (e.g. 100) or an age "
+                         "(e.g. 30m, 12h, 7d)")
+    number, unit = int(match.group(1)), match.group(2)
+    return ("age", float(number * AGES[unit])) if unit else ("count", float(number))
+
+
+class JobStore:
+    """The jobs in one SQLite file (WAL), shared by the HTTP thread and rank 0's loop: one connection, one lock,
+    each method one short transaction."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._lock = threading.Lock()
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")  # WAL: a committed job survives a kill of the process
+            self._db.execute(SCHEMA)
+
+    def _run(self, sql: str, *values: Any) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, values).fetchall()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def journal_mode(self) -> str:
+        return self._run("PRAGMA journal_mode")[0][0]
+
+    def add(self, kind: str, model: str, params: dict, size: str, seconds: str) -> dict:
+        job_id = "video_" + secrets.token_hex(12)
+        self._run("INSERT INTO jobs (id, kind, model, params, size, seconds, status, created_at) "
+                  "VALUES (?, ?, ?, ?, ?, ?, 'queued', ?)", job_id, kind, model, json.dumps(params), size, seconds,
+                  int(time.time()))
+        return self.get(job_id)
+
+    def get(self, job_id: str) -> dict | None:
+        rows = self._run("SELECT * FROM jobs WHERE id = ?", job_id)
+        return _row(rows[0]) if rows else None
+
+    def page(self, after: str | None, limit: int, order: str) -> tuple[list[dict], bool]:
+        """Jobs not deleted, `order` "desc" (newest first) or "asc", after the job `after`; and whether more follow."""
+        sign, direction = ("<", "DESC") if order == "desc" else (">", "ASC")
+        where, values = "deleted_at IS NULL", []
+        if after is not None:
+            where += f" AND seq {sign} (SELECT seq FROM jobs WHERE id = ?)"
+            values.append(after)
+        rows = self._run(f"SELECT * FROM jobs WHERE {where} ORDER BY seq {direction} LIMIT ?", *values, limit + 1)
+        return [_row(row) for row in rows[:limit]], len(rows) > limit
+
+    def queued(self) -> list[dict]:
+        return [_row(row) for row in self._run("SELECT * FROM jobs WHERE status = 'queued' AND deleted_at IS NULL "
+                                               "ORDER BY seq")]
+
+    def count_queued(self) -> int:
+        return self._run("SELECT COUNT(*) FROM jobs WHERE status = 'queued' AND deleted_at IS NULL")[0][0]
+
+    def started(self, job_id: str) -> None:
+        self._run("UPDATE jobs SET status = 'in_progress', started_at = ? WHERE id = ? AND status = 'queued'",
+                  time.time(), job_id)
+
+    def progress(self, job_id: str, percent: int) -> None:
+        self._run("UPDATE jobs SET progress = ? WHERE id = ? AND status = 'in_progress' AND progress < ?",
+                  percent, job_id, percent)
+
+    def completed(self, job_id: str, files: list[dict], expires_at: int | None) -> None:
+        self._run("UPDATE jobs SET status = 'completed', progress = 100, completed_at = ?, files = ?, expires_at = ? "
+                  "WHERE id = ? AND deleted_at IS NULL", int(time.time()), json.dumps(files), expires_at, job_id)
+
+    def failed(self, job_id: str, code: str, message: str) -> None:
+        self._run("UPDATE jobs SET status = 'failed', completed_at = ?, error = ? WHERE id = ? AND deleted_at IS NULL",
+                  int(time.time()), json.dumps({"code": code, "message": message}), job_id)
+
+    def deleted(self, job_id: str) -> None:
+        self._run("UPDATE jobs SET deleted_at = ?, files = NULL WHERE id = ?", int(time.time()), job_id)
+
+    def interrupted(self, message: str) -> list[str]:
+        """At start: the jobs that were running when the server died, marked failed (code "server_restarted")."""
+        rows = self._run("SELECT id FROM jobs WHERE status = 'in_progress' AND deleted_at IS NULL")
+        for row in rows:
+            self.failed(row["id"], "server_restarted", message)
+        return [row["id"] for row in rows]
+
+    def expire(self, policy: tuple[str, float], now: float) -> list[dict]:
+        """Mark the completed results past the retention policy expired; returns them (their files go)."""
+        kind, value = policy
+        if kind == "count":
+            rows = self._run("SELECT * FROM jobs WHERE status = 'completed' AND expired = 0 AND deleted_at IS NULL "
+                             "ORDER BY completed_at DESC, seq DESC LIMIT -1 OFFSET ?", int(value))
+        else:
+            rows = self._run("SELECT * FROM jobs WHERE status = 'completed' AND expired = 0 AND deleted_at IS NULL "
+                             "AND completed_at <= ?", now - value)
+        for row in rows:
+            self._run("UPDATE jobs SET expired = 1, expires_at = ? WHERE id = ?",
+                      min(int(now), row["expires_at"] or int(now)), row["id"])
+        return [_row(row) for row in rows]
+
+
+def open_store(args) -> JobStore:
+    """The store `paradiff serve`'s flags name: --jobs-db, or jobs.db in --out."""
+    return JobStore(Path(args.jobs_db) if args.jobs_db else Path(args.out) / "jobs.db")
+
+
+def _row(row: sqlite3.Row) -> dict:
+    job = dict(row)
+    job["params"] = json.loads(job["params"])
+    job["error"] = json.loads(job["error"]) if job["error"] else None
+    job["files"] = json.loads(job["files"]) if job["files"] else []
+    return job
+
+
+def video_object(job: dict) -> dict:
+    """The job as OpenAI's Video object, plus paradiff's `parameters` (what was asked: seed, steps, frames...)."""
+    return {"id": job["id"], "object": "video", "created_at": job["created_at"], "status": job["status"],
+            "progress": job["progress"], "model": job["model"], "prompt": job["params"].get("prompt"),
+            "size": job["size"], "seconds": job["seconds"], "completed_at": job["completed_at"],
+            "expires_at": job["expires_at"], "error": job["error"], "remixed_from_video_id": None,
+            "parameters": {k: v for k, v in job["params"].items() if k != "prompt"}}
+
+
+def form_fields(form: list[tuple[str, Any]]) -> dict:
+    """A multipart form as the JSON body it stands for: OpenAI's client sends every field as text (extra_body's
+    numbers too, and an object as `name[key]` fields), so the numeric fields are read back as numbers."""
+    body: dict[str, Any] = {}
+    for name, value in form:
+        if not isinstance(value, str):  # an uploaded file
+            body[name] = value
+            continue
+        nested = re.fullmatch(r"([A-Za-z_]+)\[([^\]]*)\]", name)
+        if nested:
+            body.setdefault(nested.group(1), {})[nested.group(2)] = _number_text(nested.group(0), value)
+        elif name in INTEGER_FIELDS or name in NUMBER_FIELDS:
+            body[name] = _number_text(name, value)
+        else:
+            body[name] = value
+    return body
+
+
+def _number_text(name: str, value: str) -> Any:
+    try:
+        number = float(value)
+    except ValueError:
+        raise RequestError(400, f"{name}: expected a number, got {value!r}") from None
+    return int(number) if number.is_integer() else number
+
+
+class Jobs:
+    """The jobs of one server: the store, their result files under `folder`, and their scheduler tickets."""
+
+    def __init__(self, store: JobStore, folder: Path, policy: tuple[str, float], scheduler,
+                 on_done: Callable | None = None) -> None:
+        self.store, self.folder, self.policy, self.scheduler = store, folder, policy, scheduler
+        self.limits: Limits | None = None
+        self._lock = threading.RLock()
+        self._tickets: dict[str, Any] = {}  # video id -> its scheduler Job while it is submitted
+        self._ids: dict[int, str] = {}  # scheduler job id -> video id
+        self._held = False  # draining or stopping: nothing more is submitted
+        self.interrupted = store.interrupted(
+            "the server stopped while this job ran (it was killed or failed) and did not finish it; create it again "
+            "(the same seed redraws the same video)")
+        self._expire()
+
+    # -- the HTTP side ------------------------------------------------------------------------------------------
+    def create(self, body: Any, limits: Limits, max_queue: int) -> dict:
+        """The job of a POST /v1/videos body, queued (RequestError for a bad field or a full queue)."""
+        if not isinstance(body, dict):
+            raise RequestError(400, f"the body must be a JSON object or a form, got {type(body).__name__}")
+        body = dict(body)
+        if body.get("input_reference") not in (None, ""):
+            raise RequestError(400, "input_reference: this server's video pipeline starts from no image; send "
+                                    "the prompt alone")
+        body.pop("input_reference", None)
+        seconds = body.pop("seconds", None)
+        if body.get("n", 1) != 1:
+            raise RequestError(400, f"n: a video job makes one video, got {body['n']!r}")
+        fps = body.get("fps", limits.default_fps)
+        if seconds is not None and body.get("frames") is None:
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
+                raise RequestError(400, f"seconds: expected a positive number, got {seconds!r}")
+            if isinstance(fps, int) and not isinstance(fps, bool):
+                body["frames"] = int(round(seconds * fps)) + 1
+        request = with_seed(parse_image_request(body, limits, "video"))  # a drawn seed is kept: a re-run redraws it
+        if self.store.count_queued() >= max_queue:
+            raise RequestError(503, f"the queue is full ({max_queue} queued jobs); retry later")
+        params = {k: v for k, v in body.items() if k not in ("model", "user", "n", "response_format")}
+        params.update(seed=request.seed, steps=request.steps, fps=request.fps, size=f"{request.width}x{request.height}")
+        if request.frames is not None:
+            params["frames"] = request.frames
+        frames = request.frames or limits.default_frames
+        length = f"{frames / request.fps:g}" if frames else str(seconds or "")
+        job = self.store.add("video", limits.model_name, params, params["size"], length)
+        self.feed()
+        return job
+
+    def delete(self, job_id: str) -> bool:
+        """Cancel (a queued job leaves the queue, a running one stops at its next denoising step) and delete."""
+        job = self.store.get(job_id)
+        if job is None or job["deleted_at"] is not None:
+            return False
+        with self._lock:
+            ticket = self._tickets.pop(job_id, None)
+        self.store.deleted(job_id)  # first: the ticket's answer below changes nothing any more
+        if ticket is not None:
+            self.scheduler.cancel(ticket, 499, f"video {job_id} was deleted")
+        shutil.rmtree(self.folder / job_id, ignore_errors=True)
+        return True
+
+    # -- rank 0's side ------------------------------------------------------------------------------------------
+    def ready(self, limits: Limits) -> None:
+        self.limits = limits
+        self.feed()
+
+    def feed(self) -> None:
+        """Submit the queued jobs not submitted yet (in order), while the scheduler takes them."""
+        if self.limits is None or self._held:
+            return
+        for job in self.store.queued():
+            with self._lock:
+                if job["id"] in self._tickets or self._held:
+                    continue
+                try:
+                    request = parse_image_request(job["params"], self.limits, "video")
+                except RequestError as exc:  # the server restarted with other limits
+                    self.store.failed(job["id"], "invalid_request", f"the job no longer fits this server: {exc}")
+                    continue
+                try:
+                    ticket = self.scheduler.submit(request, deadline=False)
+                except RequestError:
+                    return  # the scheduler's queue is full or it is stopping: the job stays queued
+                self._tickets[job["id"]] = ticket
+                self._ids[ticket.id] = job["id"]
+            ticket.add_done_callback(lambda t=ticket, i=job["id"]: self._done(i, t))
+
+    def started(self, ticket_ids: list[int]) -> None:
+        """Rank 0 broadcasts a round with these scheduler jobs: theirs are in progress."""
+        for ticket_id in ticket_ids:
+            job_id = self._ids.get(ticket_id)
+            if job_id is not None:
+                self.store.started(job_id)
+
+    def progress(self, ticket_id: int, done: int, total: int) -> None:
+        job_id = self._ids.get(ticket_id)
+        if job_id is not None and total > 0:
+            self.store.progress(job_id, min(99, 100 * done // total))
+
+    def hold(self) -> None:
+        """Draining or stopping: the jobs still waiting in the scheduler leave it and stay queued in the store (they
+        run after the restart); a running job finishes."""
+        with self._lock:
+            self._held = True
+            for job_id, ticket in list(self._tickets.items()):
+                if self.scheduler.withdraw(ticket):
+                    del self._tickets[job_id]
+                    self._ids.pop(ticket.id, None)
+
+    def _done(self, job_id: str, ticket) -> None:
+        with self._lock:
+            if self._tickets.get(job_id) is not ticket:
+                return  # withdrawn or deleted
+            del self._tickets[job_id]
+            self._ids.pop(ticket.id, None)
+        if ticket.status == 200:
+            folder = self.folder / job_id
+            folder.mkdir(parents=True, exist_ok=True)
+            files = []
+            for file, variant in zip(ticket.result["files"], ("video", "thumbnail")):
+                name = "video.mp4" if variant == "video" else "thumbnail.png"
+                (folder / name).write_bytes(file["data"])
+                files.append({"variant": variant, "path": f"{job_id}/{name}", "mime": file["mime"]})
+            kind, value = self.policy
+            self.store.completed(job_id, files, int(time.time() + value) if kind == "age" else None)
+            self._expire()
+        else:
+            code = {499: "cancelled", 504: "timeout"}.get(ticket.status, "generation_failed" if ticket.status >= 500
+                                                          else "invalid_request")
+            self.store.failed(job_id, code, str(ticket.result))
+        self.feed()
+
+    def _expire(self) -> None:
+        for job in self.store.expire(self.policy, time.time()):
+            shutil.rmtree(self.folder / job["id"], ignore_errors=True)
+
+    def content(self, job_id: str, variant: str) -> tuple[Path, str]:
+        """The result file of a completed job: (path, mime), or a RequestError saying why there is none."""
+        if variant not in ("video", "thumbnail", "spritesheet"):
+            raise RequestError(400, f"variant {variant!r}: expected 'video' or 'thumbnail'")
+        job = self.known(job_id)
+        if variant == "spritesheet":
+            raise RequestError(400, "variant 'spritesheet': not made by this server; 'video' and 'thumbnail' are")
+        if job["status"] != "completed":
+            raise RequestError(409 if job["status"] != "failed" else 400,
+                               f"video {job_id} is {job['status']}: its content exists once it is completed")
+        if job["expired"]:
+            raise RequestError(410, f"the result of video {job_id} expired at {job['expires_at']} (--keep-results "
+                                    "keeps the newest results) and was deleted; create the job again")
+        for file in job["files"]:
+            if file["variant"] == variant:
+                return self.folder / file["path"], file["mime"]
+        raise RequestError(404, f"video {job_id} has no {variant}")
+
+    def known(self, job_id: str) -> dict:
+        job = self.store.get(job_id)
+        if job is None:
+            raise RequestError(404, f"no video {job_id!r} on this server (ids look like video_...; GET /v1/videos "
+                                    "lists them)")
+        if job["deleted_at"] is not None:
+            raise RequestError(404, f"video {job_id} was deleted at {job['deleted_at']}")
+        return job
+

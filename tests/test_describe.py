@@ -1,0 +1,51 @@
+"""`paradiff.describe(model)`: every change paradiff made to a model, read back from it (runtime/describe.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import paradiff
+import rank_cases_describe as cases
+from paradiff.distributed.failures import guarded_call
+from paradiff.runtime.wrappers import install_wrapper, remove_wrapper
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+def test_wrappers_and_their_hook_are_listed_in_order_and_gone_once_removed():
+    model = Tiny()
+    assert paradiff.describe(model).changes == []
+    assert str(paradiff.describe(model)) == "Tiny: no changes by paradiff"
+    model.proj.register_forward_hook(lambda *args: None)  # not paradiff's: not listed
+    install_wrapper(model, "failure_guard", guarded_call)
+    install_wrapper(model, "stage_switch", lambda args, kwargs: None)
+    lines = [str(change) for change in paradiff.describe(model).changes]
+    assert lines == ["(model): wrapper: stage_switch", "(model): wrapper: failure_guard",
+                     "(model): forward: _registry_forward.forward (paradiff.runtime.wrappers)",
+                     "(model): pre-hook: _before_hook.hook"]
+    remove_wrapper(model, "failure_guard")
+    remove_wrapper(model, "stage_switch")
+    assert paradiff.describe(model).changes == []
+    with pytest.raises(TypeError, match="takes an nn.Module, got str"):
+        paradiff.describe("model")
+
+
+def test_a_tp2_x_ulysses2_model_lists_its_state_sharded_classes_and_cp_hooks(pools, checkpoints):
+    results = pools.get(4).run(cases.describe_a_split_model, family="flux",
+                               folder=str(checkpoints[("flux", "single")]), mode="tp2xulysses2")
+    for result in results:
+        counts, lines = result["counts"], result["lines"]
+        assert lines[0] == "(model): state: parallel on a mesh of ulysses 2, tp 2", lines[:3]
+        assert "(model): wrapper: failure_guard" in lines
+        assert counts["class"] >= 4 and counts["pre-hook"] >= 1 and counts["hook"] >= 1, counts
+        assert any(": class: " in line and "over Linear" in line for line in lines), lines
+    assert len({tuple(result["lines"]) for result in results}) == 1  # every rank made the same changes

@@ -1,0 +1,57 @@
+"""`paradiff serve` with adapters per request (serve/adapters.py), in vLLM's convention: --lora-modules at start,
+/v1/load_lora_adapter and /v1/unload_lora_adapter at run time, each adapter its own model id."""
+
+from __future__ import annotations
+
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from paradiff.demo import LORA_FILE
+from paradiff.testing.serve import ServerProcess, images_of
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "a red circle on a blue background, top left"
+
+
+def test_adapters_load_and_unload_at_run_time_while_requests_run(tmp_path):
+    root = tmp_path / "loras"
+    root.mkdir()
+    shutil.copy(LORA_FILE, root / "swap2.safetensors")
+    (tmp_path / "outside.safetensors").write_bytes(LORA_FILE.read_bytes())
+    server = ServerProcess(tmp_path, "--steps", "2", "--max-batch", "4", "--batch-window", "0.5",
+                           "--lora-modules", f"swap={LORA_FILE}", "--allow-runtime-lora", "--lora-root", str(root),
+                           "--max-loras", "2")
+    try:
+        server.wait_ready()
+        base = server.client.get("/v1/models").json()["data"][0]["id"]
+        assert [m["id"] for m in server.client.get("/v1/models").json()["data"]] == [base, "swap"]
+        load = server.client.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": "swap2.safetensors"})
+        assert load.status_code == 200, load.text
+        outside = server.client.post("/v1/load_lora_adapter",
+                                     json={"lora_name": "x", "lora_path": "../outside.safetensors"})
+        assert outside.status_code == 403 and "outside --lora-root" in outside.json()["error"]["message"]
+        assert "late" in [m["id"] for m in server.client.get("/v1/models").json()["data"]]
+
+        models = [base, "swap", "late", "swap"]
+        with ThreadPoolExecutor(len(models)) as pool:
+            futures = [pool.submit(server.generate, prompt=PROMPT, seed=3, model=model) for model in models]
+            # unloaded while its request waits or runs: that request is still answered (it carries its file)
+            server.wait_for(lambda m: m.get("paradiff_queue_depth", 0) + m.get("paradiff_requests_running", 0) > 0)
+            unload = server.client.post("/v1/unload_lora_adapter", json={"lora_name": "late"})
+            answers = [images_of(future.result()) for future in futures]
+        assert unload.status_code == 200, unload.text
+        assert answers[1] == answers[3] and answers[1] != answers[0]  # the adapter changes the picture
+        assert answers[2] == answers[1]  # the same file under another name: the same picture
+        gone = server.generate(prompt=PROMPT, seed=3, model="late")
+        assert gone.status_code == 404, gone.text
+        again = server.client.post("/v1/unload_lora_adapter", json={"lora_name": "late"})
+        assert again.status_code == 404
+        log = [entry for entry in server.log() if entry.get("id") is not None and entry["status"] == 200]
+        assert sorted(entry["adapter"] or "" for entry in log) == ["", "late", "swap", "swap"]
+        assert all(entry["batch"] for entry in log)
+        assert server.text().count("ready") == 1  # loaded once: no reload for any adapter
+    finally:
+        assert server.stop() == 0, server.text()

@@ -1,0 +1,369 @@
+"""Asynchronous video jobs (serve/jobs.py): the SQLite store and its restart rules in-process with the real
+scheduler; then OpenAI's own client against a tiny Wan server at tp2, restarted after SIGTERM and after kill -9, and
+the web page in a real headless browser."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import sqlite3
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from paradiff.serve.jobs import Jobs, JobStore, form_fields, keep_results, video_object
+from paradiff.serve.protocol import Limits, RequestError
+from paradiff.serve.scheduler import Scheduler
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")  # the client's, on every call
+
+LIMITS = Limits(kind="video", model_name="wan", default_size=(32, 32), default_frames=5, max_frames=10,
+                accepts=frozenset({"num_frames"}))
+
+
+def _files(tag: bytes) -> dict:
+    return {"files": [{"mime": "video/mp4", "data": b"mp4" + tag}, {"mime": "image/png", "data": b"png" + tag}],
+            "replica": 0, "started": 0.0, "finished": 0.0}
+
+
+def test_job_store_keeps_jobs_across_restarts_and_expires_results_by_count(tmp_path):
+    """In-process, the real scheduler standing in for the ranks: a job runs, completes and is downloadable; at a drain
+    the waiting jobs leave the scheduler and stay queued; a reopened store fails the job that was running when the
+    process died (server_restarted) and submits the queued ones again; --keep-results 2 expires the oldest result
+    (listed, content 410); a deleted id says so."""
+    db = tmp_path / "jobs.db"
+    scheduler = Scheduler(max_queue=8)
+    jobs = Jobs(JobStore(db), tmp_path / "jobs", keep_results("2"), scheduler)
+    assert jobs.store.journal_mode() == "wal"
+    jobs.ready(LIMITS)
+    first = jobs.create({"prompt": "a fox", "seed": 3, "steps": 2}, LIMITS, max_queue=8)
+    assert video_object(first)["status"] == "queued" and first["progress"] == 0
+    second = jobs.create({"prompt": "a cat", "seconds": 1, "fps": 4}, LIMITS, max_queue=8)
+    assert second["params"]["frames"] == 5 and second["seconds"] == "1.25"  # seconds * fps + 1 frames
+    third = jobs.create({"prompt": "a dog"}, LIMITS, max_queue=8)
+    round_ = scheduler.next_round(1, 0)
+    (item,) = round_["batches"][0]
+    jobs.started([item["id"]])
+    jobs.progress(item["id"], 1, 2)
+    assert jobs.known(first["id"])["status"] == "in_progress" and jobs.known(first["id"])["progress"] == 50
+    scheduler.complete(item["id"], 200, _files(b"1"))
+    done = jobs.known(first["id"])
+    assert done["status"] == "completed" and done["progress"] == 100
+    path, mime = jobs.content(first["id"], "thumbnail")
+    assert path.read_bytes() == b"png1" and mime == "image/png"
+    round_ = scheduler.next_round(1, 0)  # the second job runs; the third waits
+    jobs.started([round_["batches"][0][0]["id"]])
+    jobs.hold()  # SIGTERM: the third leaves the scheduler, still queued
+    assert scheduler.depth() == (0, 1) and jobs.known(third["id"])["status"] == "queued"
+    jobs.store.close()  # killed here, the second job still running
+
+    scheduler = Scheduler(max_queue=8)
+    jobs = Jobs(JobStore(db), tmp_path / "jobs", keep_results("2"), scheduler)
+    assert jobs.interrupted == [second["id"]]
+    failed = video_object(jobs.known(second["id"]))
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_restarted"
+    jobs.ready(LIMITS)
+    (item,) = scheduler.next_round(1, 0)["batches"][0]
+    assert item["prompt"] == "a dog"
+    jobs.started([item["id"]])
+    scheduler.complete(item["id"], 200, _files(b"3"))
+    fourth = jobs.create({"prompt": "a bird"}, LIMITS, max_queue=8)
+    (item,) = scheduler.next_round(1, 0)["batches"][0]
+    scheduler.complete(item["id"], 200, _files(b"4"))
+    with pytest.raises(RequestError) as expired:  # three results, --keep-results 2: the oldest went
+        jobs.content(first["id"], "video")
+    assert expired.value.status == 410 and "expired" in str(expired.value)
+    assert not (tmp_path / "jobs" / first["id"]).exists() and jobs.known(first["id"])["expires_at"] is not None
+    page, more = jobs.store.page(None, 2, "desc")
+    assert [job["id"] for job in page] == [fourth["id"], third["id"]] and more
+    page, more = jobs.store.page(third["id"], 2, "desc")
+    assert [job["id"] for job in page] == [second["id"], first["id"]] and not more
+    assert jobs.delete(fourth["id"])
+    with pytest.raises(RequestError, match="was deleted"):
+        jobs.known(fourth["id"])
+    waiting = jobs.create({"prompt": "a hare"}, LIMITS, max_queue=8)
+    assert scheduler.depth() == (1, 0)
+    assert jobs.delete(waiting["id"]) and scheduler.depth() == (0, 0)  # a queued job leaves the queue
+    assert not jobs.delete(waiting["id"]) and jobs.store.get(waiting["id"])["status"] == "queued"  # as it was
+    with pytest.raises(RequestError, match="no video 'video_x'"):
+        jobs.known("video_x")
+    with pytest.raises(RequestError, match="queue is full"):
+        jobs.hold()
+        for _ in range(3):
+            jobs.create({"prompt": "x"}, LIMITS, max_queue=2)
+    with pytest.raises(RequestError, match="n: a video job makes one video"):
+        jobs.create({"prompt": "x", "n": 2}, LIMITS, max_queue=8)
+    jobs.store.close()
+
+
+def test_forms_and_retention_flags_are_read_as_documented():
+    assert form_fields([("prompt", "a fox"), ("seed", "3"), ("guidance", "4.5"), ("loras[style]", "0.5"),
+                        ("size", "32x32")]) == {"prompt": "a fox", "seed": 3, "guidance": 4.5,
+                                                "loras": {"style": 0.5}, "size": "32x32"}
+    with pytest.raises(RequestError, match="steps: expected a number, got 'many'"):
+        form_fields([("steps", "many")])
+    assert keep_results("100") == ("count", 100) and keep_results("12h") == ("age", 43200)
+    with pytest.raises(ValueError, match="--keep-results '0'"):
+        keep_results("0")
+    with pytest.raises(ValueError, match="--keep-results 'a week'"):
+        keep_results("a week")
+
+
+# -- a real server ---------------------------------------------------------------------------------------------------
+VIDEO = ["--frames", "5", "--steps", "2", "--height", "32", "--width", "32", "--fps", "8", "--max-steps", "1000"]
+
+
+def _pixels(png: bytes) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.int16)
+
+
+def _wait(what, condition, timeout_s: float = 120):
+    """Poll `condition()` (bounded) until it returns something truthy; that value."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"never {what}"
+        time.sleep(0.02)
+
+
+def assert_first_frame(png: bytes, frames: np.ndarray) -> None:
+    """`png` is the first of `frames` up to rounding (a split run sums in another order: tests/test_serve.py)."""
+    difference = np.abs(_pixels(png) - frames[0])
+    assert difference.max() <= 1 and (difference > 0).mean() <= 0.005, (difference.max(), (difference > 0).sum())
+
+
+def _status(client, video_id: str) -> str:
+    return client.videos.retrieve(video_id).status
+
+
+def _states(db: Path) -> dict[str, str]:
+    with sqlite3.connect(db) as connection:
+        return dict(connection.execute("SELECT id, status FROM jobs WHERE deleted_at IS NULL"))
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory) -> dict:
+    """A tiny Wan 2.2 pipeline folder and its frames for 'a fox', seed 3, from diffusers' own pipeline in this process
+    (the frames `paradiff generate` writes for that seed, value for value: checked once when this test was written;
+    a subprocess of `generate` would cost this file most of its time)."""
+    import torch
+    from diffusers import DiffusionPipeline
+
+    from paradiff.cli.outputs import png_bytes
+    from paradiff.testing.pipelines import save_pipeline
+
+    root = tmp_path_factory.mktemp("wan-jobs")
+    folder = save_pipeline("wan2.2", root / "wan2.2")
+    pipeline = DiffusionPipeline.from_pretrained(str(folder))
+    pipeline.set_progress_bar_config(disable=True)
+    video = pipeline(prompt="a fox", generator=torch.Generator("cpu").manual_seed(3), height=32, width=32,
+                     num_frames=5, num_inference_steps=2, output_type="np").frames[0]
+    frames = np.stack([_pixels(png_bytes(frame)) for frame in video])  # 8-bit, as generate's PNG files
+    return {"folder": str(folder), "frames": frames, "root": root}
+
+
+@pytest.fixture(scope="module")
+def history(wan, tmp_path_factory):
+    """The jobs' life over three starts of one server folder, driven by OpenAI's client; yields the last server
+    (still running, for the page) and what was seen."""
+    import openai
+
+    from paradiff.testing.serve import ServerProcess
+
+    seen: dict = {}
+    root = tmp_path_factory.mktemp("jobs-server")
+    out = root / "serve"
+
+    began = time.monotonic()
+
+    def start(*flags: str) -> tuple[ServerProcess, "openai.OpenAI"]:
+        print(f"\n{time.monotonic() - began:.1f} s: start {flags}")
+        for attempt in range(3):
+            server = ServerProcess(root, wan["folder"], *VIDEO, *flags)
+            try:
+                server.wait_ready()
+                break
+            except AssertionError:
+                # the free port was taken between its choice and the bind (by another process of a loaded
+                # machine): seen in the console, then another port; any other failure stands
+                if attempt == 2 or "address already in use" not in server.text():
+                    raise
+                server.stop()
+        print(f"{time.monotonic() - began:.1f} s: ready")
+        return server, openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+    # 1. tp2: create, follow, list, delete a running job, download; then SIGTERM with one job running, two queued
+    server, client = start("--tp", "2")
+    try:
+        long = client.videos.create(model="wan2.2", prompt="a long fox", size="32x32", extra_body={"steps": 300})
+        fox = client.videos.create(prompt="a fox", size="32x32", extra_body={"seed": 3})
+        seen["created"] = (long, fox)
+        rising = [_wait("long in progress", lambda: (v := client.videos.retrieve(long.id)).status == "in_progress"
+                        and v.progress >= 1 and v)]
+        seen["fox while long runs"] = _status(client, fox.id)  # one replica, busy: the fox waits
+        rising.append(_wait("progress rising", lambda: (v := client.videos.retrieve(long.id)).progress
+                            > rising[0].progress and v))
+        seen["rising"] = rising
+        seen["first page"] = client.videos.list(limit=1)
+        seen["all pages"] = [video.id for video in client.videos.list(limit=1, order="asc")]
+        seen["deleted"] = client.videos.delete(long.id)
+        server.wait_for(lambda m: m["paradiff_requests_cancelled_total"] == 1)
+        seen["cancelled steps"] = server.metrics()["paradiff_cancelled_steps_total"]
+        with pytest.raises(openai.NotFoundError) as gone:
+            client.videos.retrieve(long.id)
+        seen["deleted retrieve"] = str(gone.value)
+        seen["fox"] = _wait("fox completed", lambda: (v := client.videos.retrieve(fox.id)).status == "completed" and v)
+        seen["mp4"] = client.videos.download_content(fox.id).read()
+        seen["thumbnail"] = client.videos.download_content(fox.id, variant="thumbnail").read()
+        with pytest.raises(openai.BadRequestError) as sheet:
+            client.videos.download_content(fox.id, variant="spritesheet")
+        seen["spritesheet"] = str(sheet.value)
+        with pytest.raises(openai.NotFoundError) as unknown:
+            client.videos.retrieve("video_unknown")
+        seen["unknown"] = str(unknown.value)
+        running = client.videos.create(prompt="a fox", size="32x32", extra_body={"seed": 4, "steps": 12})
+        queued = [client.videos.create(prompt="a fox", size="32x32", extra_body={"seed": 3}) for _ in range(2)]
+        _wait("running", lambda: _status(client, running.id) == "in_progress")
+        seen["sigterm"] = (running.id, [video.id for video in queued])
+        seen["sigterm exit"] = server.stop()
+        seen["after sigterm"] = _states(out / "jobs.db")
+    finally:
+        server.stop()
+
+    # 2. the restart (one rank now: the store does not care) runs the queued jobs; a job runs when the server is
+    # killed (kill -9, every process)
+    server, client = start()
+    try:
+        for video_id in seen["sigterm"][1]:
+            _wait("queued job completed", lambda: _status(client, video_id) == "completed")
+        seen["after restart"] = {video_id: _status(client, video_id) for video_id in [seen["sigterm"][0],
+                                                                                       *seen["sigterm"][1]]}
+        seen["restart thumbnail"] = client.videos.download_content(seen["sigterm"][1][0], variant="thumbnail").read()
+        killed = client.videos.create(prompt="a fox", size="32x32", extra_body={"steps": 1000})
+        waiting = client.videos.create(prompt="a fox", size="32x32", extra_body={"seed": 5})
+        _wait("killed job running", lambda: _status(client, killed.id) == "in_progress")
+        seen["killed"] = (killed.id, waiting.id)
+    finally:
+        server.process.kill()
+        server.client.close()
+
+    # 3. after kill -9: the running job failed (server_restarted), the waiting one runs; --keep-results 2
+    server, client = start("--keep-results", "2")
+    try:
+        _wait("waiting job completed", lambda: _status(client, seen["killed"][1]) == "completed")
+        seen["after kill"] = {video.id: video for video in client.videos.list(limit=100)}
+        with pytest.raises(openai.APIStatusError) as expired:
+            client.videos.download_content(fox.id)
+        seen["expired"] = expired.value
+        seen["image request"] = server.generate(prompt="a fox")
+        with pytest.raises(openai.BadRequestError) as frames:
+            client.videos.create(prompt="a fox", extra_body={"frames": 0})
+        seen["frames 0"] = str(frames.value)
+        seen["paths"] = server.client.get("/openapi.json").json()["paths"]
+        seen["server"] = server
+        yield seen
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_openai_videos_api_jobs_at_tp2_across_sigterm_and_kill(history, wan):
+    long, fox = history["created"]
+    assert (long.status, long.progress, long.object, long.model, long.size) == ("queued", 0, "video", "wan2.2",
+                                                                                "32x32")
+    assert fox.status == "queued" and fox.seconds == "0.625"  # 5 frames at 8 fps
+    assert history["fox while long runs"] == "queued"
+    first, second = history["rising"]
+    assert 1 <= first.progress < second.progress < 100  # by denoising steps: 300 of them
+    page = history["first page"]
+    assert [video.id for video in page.data] == [fox.id] and page.has_more and page.last_id == fox.id
+    assert history["all pages"] == [long.id, fox.id]  # the client followed `after` page by page
+    assert history["deleted"].deleted and history["deleted"].object == "video.deleted"
+    assert 0 < history["cancelled steps"] < 300  # the running job stopped at a step
+    assert "was deleted" in history["deleted retrieve"] and "no video 'video_unknown'" in history["unknown"]
+    assert "spritesheet" in history["spritesheet"]
+
+    # the job's MP4 holds the frames `paradiff generate` writes; its thumbnail is the first of them exactly
+    import av
+
+    assert history["fox"].progress == 100 and history["fox"].completed_at >= history["fox"].created_at
+    path = wan["root"] / "answer.mp4"
+    path.write_bytes(history["mp4"])
+    with av.open(str(path)) as container:
+        assert container.streams.video[0].average_rate == 8
+        frames = np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)])
+    assert frames.shape == (5, 32, 32, 3)
+    luma = np.array([0.299, 0.587, 0.114])
+    assert np.abs(frames @ luma - wan["frames"].astype(np.float64) @ luma).mean() < 8  # lossy H.264 of those
+    assert_first_frame(history["thumbnail"], wan["frames"])
+
+    # SIGTERM: the running job finished, the queued ones stayed queued; the restart ran them
+    running, queued = history["sigterm"]
+    assert history["sigterm exit"] == 0
+    assert history["after sigterm"] == {fox.id: "completed", running: "completed", **dict.fromkeys(queued, "queued")}
+    assert set(history["after restart"].values()) == {"completed"}
+    assert_first_frame(history["restart thumbnail"], wan["frames"])  # the same request, the same video
+    # kill -9: every id is known, none queued or in progress; the killed job says why
+    killed, waiting = history["killed"]
+    states = {video_id: video.status for video_id, video in history["after kill"].items()}
+    assert states == {fox.id: "completed", running: "completed", **dict.fromkeys(queued, "completed"),
+                      killed: "failed", waiting: "completed"}
+    error = history["after kill"][killed].error
+    assert error.code == "server_restarted" and "stopped while this job ran" in error.message
+    # --keep-results 2: the oldest results expired (still listed), their content answers 410
+    assert history["expired"].status_code == 410 and "expired" in str(history["expired"])
+    # what a video server refuses, and the schema of what it serves
+    refused = history["image request"]
+    assert refused.status_code == 400 and "makes videos; use /v1/videos" in refused.text
+    assert "frames 0 is out of bounds" in history["frames 0"]
+    paths = history["paths"]
+    assert {"/v1/videos", "/v1/videos/{video_id}", "/v1/videos/{video_id}/content"} <= set(paths)
+    assert "/v1/images/generations" not in paths  # only what the pipeline serves
+    assert paths["/v1/videos"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]["properties"][
+        "frames"]["maximum"] == 10  # twice --frames 5
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="no chromium here (Debian: apt-get install chromium)")
+def test_the_web_page_generates_a_video_with_a_progress_bar_in_a_real_browser(history, tmp_path):
+    """Debian's chromium, headless, driven by playwright: the page at / lists the pipeline's choices; a prompt typed
+    and Generate clicked show the progress bar (fed by the job's progress) and then the video and its first frame."""
+    from playwright.sync_api import sync_playwright
+
+    server = history["server"]
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 900, "height": 640})
+            page.goto(server.url + "/")
+            page.get_by_text("wan2.2: videos").wait_for(timeout=30_000)
+            assert page.locator("#size option").all_inner_texts()[0] == "32x32"
+            page.get_by_label("Prompt").fill("a fox in the snow")
+            page.get_by_label("Seed").fill("3")
+            page.get_by_label("Steps").fill("2")
+            page.get_by_role("button", name="Generate").click()
+            bar = page.get_by_role("progressbar")
+            bar.wait_for(state="visible", timeout=120_000)
+            page.wait_for_function("document.querySelector('[role=progressbar]').getAttribute('aria-valuenow')"
+                                   " === '100'", timeout=120_000)
+            image = page.locator("#gallery figure img").first
+            image.wait_for(state="visible", timeout=60_000)
+            assert page.evaluate("(image) => image.complete && image.naturalWidth", image.element_handle()) == 32
+            assert page.locator("#gallery figure video").count() >= 1
+            assert "a fox in the snow" in page.locator("#gallery figcaption").first.inner_text()
+            assert page.locator("#status").inner_text() == "done"
+            assert not page.locator("#keybox").is_visible()  # no --api-key: no key asked
+            page.locator("#gallery figure").nth(1).wait_for(timeout=30_000)  # the jobs done before, listed
+            # docs/web-page.png: PARADIFF_SCREENSHOT=docs/web-page.png pytest tests/test_serve_jobs.py -k web_page
+            shot = os.environ.get("PARADIFF_SCREENSHOT") or str(tmp_path / "web-page.png")
+            page.screenshot(path=shot, full_page=True)
+        finally:
+            browser.close()
