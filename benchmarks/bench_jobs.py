@@ -9,20 +9,19 @@ benchmarks/results/bench_jobs.json.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from paradiff.serve.jobs import Jobs, JobStore, keep_results
-from paradiff.serve.protocol import Limits
-from paradiff.serve.scheduler import Scheduler
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from results import figure, write_result  # noqa: E402
+
+from paradiff.serve.jobs import Jobs, JobStore, keep_results  # noqa: E402
+from paradiff.serve.protocol import Limits  # noqa: E402
+from paradiff.serve.scheduler import Scheduler  # noqa: E402
 
 LIMITS = Limits(kind="video", model_name="wan", default_size=(32, 32), default_frames=5, max_frames=10,
                 accepts=frozenset({"num_frames"}), max_steps=1000)
@@ -59,24 +58,13 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as folder:
             per_job.append(one_round(Path(folder), args.jobs, args.steps))
     median_ms = statistics.median(per_job) * 1000
-    cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(["lscpu"], capture_output=True, text=True)
-                .stdout.splitlines() if line.startswith("Model name")), platform.processor())
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
-    result = {"benchmark": "bench_jobs", "title": "the job store's cost per video job (SQLite, WAL)",
-              "command": f"python benchmarks/bench_jobs.py --jobs {args.jobs} --steps {args.steps} "
-                         f"--rounds {args.rounds}",
-              "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": {"cpu": cpu, "cores": os.cpu_count(), "device": "cpu"},
-              "figures": [{"name": f"job store writes per video job ({args.steps} steps: create, start, a progress "
-                                   "write per step, result files, retention)",
-                           "value": round(median_ms, 2), "unit": "ms", "goal": "<= 30",
-                           "met": median_ms <= 30,
-                           "note": f"median of {args.rounds} rounds of {args.jobs} jobs; goal: 1% of a {args.steps}-step job "
-                                   "at 0.1 s per step; measured under load (7 agents on 2 cores)"}]}
-    out = Path(__file__).parent / "results" / "bench_jobs.json"
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    json.dump(result, sys.stdout, indent=1)
+    name = (f"job store writes per video job ({args.steps} steps: create, start, a progress write per step, "
+            "result files, retention)")
+    print(f"{name}: {median_ms:.2f} ms")
+    write_result("bench_jobs", "the job store's cost per video job (SQLite, WAL)", [
+        figure(name, round(median_ms, 2), "ms", "<= 30",
+               note=f"median of {args.rounds} rounds of {args.jobs} jobs; goal: 1% of a {args.steps}-step job "
+                    "at 0.1 s per step")])
 
 
 if __name__ == "__main__":

@@ -8,43 +8,31 @@ Model: FLUX.2 with 8 heads x 64 (512 wide), 2 double + 2 single blocks, saved on
 single block and `proj_out`, diffusers-format safetensors files. Slots: max_loras 4, max_lora_rank 32.
 
 Rounds interleave the three variants (mixed, same adapter, 4 singles); each figure is the median over rounds of the
-per-round ratio. The machine is shared by other work (7 agents on 2 cores when this was written): say so.
+per-round ratio. Written to benchmarks/results/bench_lora_batch.json (results.py: write_result, which notes a machine
+under load).
 
-    python benchmarks/bench_lora_batch.py [--rounds 5] [--out benchmarks/results/bench_lora_batch.json]
+    python benchmarks/bench_lora_batch.py [--rounds 5] [--no-write]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
+from results import figure, write_result  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_lora_batch.json"))
+    parser.add_argument("--no-write", action="store_true", help="print, do not write benchmarks/results")
     args = parser.parse_args()
-
-    import os
 
     import torch
 
@@ -118,38 +106,24 @@ def main() -> None:
     run_forward(model, batch)
     recompiles = len(recorder.graphs) - graphs_before
 
-    load = os.getloadavg()[0]
-    note = f"measured under load (load average {load:.1f} on {os.cpu_count()} cores, other agents' work)"
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    result = {
-        "benchmark": "bench_lora_batch",
-        "title": "Adapters per sample: a mixed batch of 4 adapters in one call (small FLUX.2, CPU, fp32)",
-        "command": "python benchmarks/bench_lora_batch.py " + " ".join(sys.argv[1:]),
-        "commit": commit,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "device": "cpu"},
-        "figures": [
-            {"name": "mixed batch of 4 / same-adapter batch of 4", "value": round(vs_same, 3), "unit": "x",
-             "goal": "<= 1.15", "met": vs_same <= 1.15,
-             "note": f"median of {args.rounds} interleaved rounds; {note}"},
-            {"name": "mixed batch of 4 / 4 single calls", "value": round(vs_singles, 3), "unit": "x",
-             "goal": "<= 0.7", "met": vs_singles <= 0.7,
-             "note": f"median of {args.rounds} interleaved rounds, one thread; {note}"},
-            {"name": "adapter load into a slot / transformer load", "value": round(100 * load_ratio, 2), "unit": "%",
-             "goal": "< 2", "met": load_ratio < 0.02,
-             "note": f"median of 4 adapter loads ({statistics.median(load_times):.3f} s) against one "
-                     f"from_pretrained of the transformer ({model_load_s:.2f} s): a small transformer (2 + 2 "
-                     "blocks, 512 wide), not a pipeline of gigabytes, so this ratio overstates the share; "
-                     f"{note}"},
-            {"name": "graphs compiled on an adapter switch (compiled)", "value": recompiles, "unit": "graphs",
-             "goal": "0", "met": recompiles == 0,
-             "note": f"paradiff.compile, a recording aot_eager backend: {graphs_before} graphs for the first call, "
-                     "then every sample switched and two set to no adapter"},
-        ],
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result["figures"], indent=1))
+    figures = [
+        figure("mixed batch of 4 / same-adapter batch of 4", round(vs_same, 3), "x", "<= 1.15",
+               note=f"median of {args.rounds} interleaved rounds"),
+        figure("mixed batch of 4 / 4 single calls", round(vs_singles, 3), "x", "<= 0.7",
+               note=f"median of {args.rounds} interleaved rounds, one thread"),
+        figure("adapter load into a slot / transformer load", round(100 * load_ratio, 2), "%", "< 2",
+               note=f"median of 4 adapter loads ({statistics.median(load_times):.3f} s) against one "
+                    f"from_pretrained of the transformer ({model_load_s:.2f} s): a small transformer (2 + 2 "
+                    "blocks, 512 wide), not a pipeline of gigabytes, so this ratio overstates the share"),
+        figure("graphs compiled on an adapter switch (compiled)", recompiles, "graphs", "== 0",
+               note=f"paradiff.compile, a recording aot_eager backend: {graphs_before} graphs for the first call, "
+                    "then every sample switched and two set to no adapter"),
+    ]
+    for item in figures:
+        print(f"{item['name']:<52} {item['value']:>10} {item['unit']}")
+    if not args.no_write:
+        write_result("bench_lora_batch",
+                     "Adapters per sample: a mixed batch of 4 adapters in one call (small FLUX.2, CPU, fp32)", figures)
 
 
 if __name__ == "__main__":

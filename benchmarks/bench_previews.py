@@ -13,10 +13,7 @@ against their VAE decode, per latent cell). Single process: the server renders p
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,15 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import quiet_diffusers  # noqa: E402
-
-RESULT = Path(__file__).resolve().parent / "results" / "bench_previews.json"
-
-
-def cpu_name() -> str:
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
+from results import figure, write_result  # noqa: E402
 
 
 def main() -> None:
@@ -97,35 +86,25 @@ def main() -> None:
         pooled = F.avg_pool2d(previews._decode(pipeline.vae, layout, grid), cell)
     real_error = float((linear(grid).clamp(0, 1) - pooled).pow(2).mean().sqrt())
     step, lin, vae = (statistics.median(values) for values in (step_s, linear_s, vae_s))
-    note = (f"median over {args.rounds} interleaved rounds of {args.steps} steps at {args.size}x{args.size}; "
-            "measured under load")
+    note = f"median over {args.rounds} interleaved rounds of {args.steps} steps at {args.size}x{args.size}"
+    fit_note = "per latent cell against the VAE decode's cell mean, RGB in [0, 1]"
     figures = [
-        {"name": "denoising step (no previews)", "value": round(step * 1e3, 3), "unit": "ms", "note": note},
-        {"name": "linear-map preview", "value": round(lin * 1e3, 3), "unit": "ms", "note": note},
-        {"name": "VAE preview", "value": round(vae * 1e3, 3), "unit": "ms", "note": note},
-        {"name": "linear-map preview / step", "value": round(lin / step, 4), "unit": "x", "goal": "<= 0.05",
-         "met": lin / step <= 0.05, "note": note},
-        {"name": "VAE preview / step", "value": round(vae / step, 4), "unit": "x", "note": note},
-        {"name": "linear map fit at load", "value": round(fit_s, 3), "unit": "s",
-         "note": f"{previews.FIT_SAMPLES} VAE decodes of {previews.FIT_CELLS}x{previews.FIT_CELLS}-cell random "
-                 "latents; measured under load"},
-        {"name": "linear map RMS error, held-out random latent", "value": linear.fit_error, "unit": "of 1",
-         "note": "per latent cell against the VAE decode's cell mean, RGB in [0, 1]"},
-        {"name": "linear map RMS error, final latents of the prompt", "value": round(real_error, 4), "unit": "of 1",
-         "note": "per latent cell against the VAE decode's cell mean, RGB in [0, 1]"},
+        figure("denoising step (no previews)", round(step * 1e3, 3), "ms", note=note),
+        figure("linear-map preview", round(lin * 1e3, 3), "ms", note=note),
+        figure("VAE preview", round(vae * 1e3, 3), "ms", note=note),
+        figure("linear-map preview / step", round(lin / step, 4), "x", "<= 0.05", note=note),
+        figure("VAE preview / step", round(vae / step, 4), "x", note=note),
+        figure("linear map fit at load", round(fit_s, 3), "s",
+               note=f"{previews.FIT_SAMPLES} VAE decodes of {previews.FIT_CELLS}x{previews.FIT_CELLS}-cell random "
+                    "latents"),
+        figure("linear map RMS error, held-out random latent", linear.fit_error, "of 1", note=fit_note),
+        figure("linear map RMS error, final latents of the prompt", round(real_error, 4), "of 1", note=fit_note),
     ]
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = {"benchmark": "bench_previews",
-              "title": "x0 preview cost per step: linear latent-to-RGB map vs the VAE (demo FLUX.2, 1 process)",
-              "command": " ".join(["python benchmarks/bench_previews.py", *sys.argv[1:]]),
-              "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "device": "cpu"}, "figures": figures}
-    for figure in figures:
-        print(f"{figure['name']:<52} {figure['value']:>10} {figure['unit']}")
+    for item in figures:
+        print(f"{item['name']:<52} {item['value']:>10} {item['unit']}")
     if not args.no_write:
-        RESULT.parent.mkdir(exist_ok=True)
-        RESULT.write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {RESULT}")
+        write_result("bench_previews",
+                     "x0 preview cost per step: linear latent-to-RGB map vs the VAE (demo FLUX.2, 1 process)", figures)
 
 
 if __name__ == "__main__":

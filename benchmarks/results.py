@@ -131,10 +131,15 @@ def load(path: Path) -> dict:
     return result
 
 
+def load_files(folder: Path = RESULTS) -> list[tuple[str, dict]]:
+    """Every results file of `folder` (not `raw/`) as (file name, result), validated, by benchmark then date."""
+    named = [(path.name, load(path)) for path in sorted(folder.glob("*.json"))]
+    return sorted(named, key=lambda item: (item[1]["benchmark"], item[1]["date"]))
+
+
 def load_all(folder: Path = RESULTS) -> list[dict]:
     """Every results file of `folder` (not `raw/`), validated, by benchmark then date."""
-    results = [load(path) for path in sorted(folder.glob("*.json"))]
-    return sorted(results, key=lambda result: (result["benchmark"], result["date"]))
+    return [result for _, result in load_files(folder)]
 
 
 def figure(name: str, value: float, unit: str, goal: str | None = None, met: bool | None = None,

@@ -36,7 +36,27 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
 SUBPROCESS_FILES = {"test_cli.py", "test_cli_video.py", "test_demo.py", "test_reliability.py", "test_stage_memory.py"}
 
 
+# Under `-n 2 --dist loadfile` a worker takes the next file as it finishes one: the longest files go first, so that
+# the run does not end with one worker idle while the other runs a long file (xdist's own order, most tests first,
+# sent test_demo (6 tests, 139 s) and test_stage_memory (1 test, 48 s) near the end). Measured per-file seconds of
+# a full run on 2 cores (2026-12-06, under load), longest first; files not listed follow in collection order.
+LONGEST_FILES_FIRST = (
+    "test_families.py", "test_demo.py", "test_compile.py", "test_quantization.py", "test_cli.py", "test_serve.py",
+    "test_vae.py", "test_pipelines.py", "test_text_encoders.py", "test_conditioning.py", "test_demo_lora.py",
+    "test_lora.py", "test_stage_memory.py", "test_cfg.py", "test_encoder_classes.py", "test_plan_toolkit.py",
+    "test_cache.py", "test_doc_snippets.py", "test_offload.py", "test_tiny_pipelines.py", "test_modular.py",
+    "test_reliability.py", "test_gguf.py", "test_tensor_parallel.py", "test_cli_video.py",
+)
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order below
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: position for position, name in enumerate(LONGEST_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order is kept
     for item in items:
         if "pools" in getattr(item, "fixturenames", ()) or item.path.name in SUBPROCESS_FILES:
             item.add_marker(pytest.mark.slow)

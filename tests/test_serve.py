@@ -562,7 +562,8 @@ def test_a_fault_on_one_rank_fails_that_request_and_the_next_one_succeeds_then_s
         assert server.process.wait(timeout=60) == 0, server.text()
         assert "SIGTERM: finishing the requests in flight" in server.text()
         statuses = [entry["status"] for entry in server.log()]
-        assert statuses == [500, 500, 200, 200, 200, 200, 200]
+        # the two faults, the recovered request, the edit, the stream, the three drained
+        assert statuses == [500, 500, 200, 200, 200, 200, 200, 200]
     finally:
         server.stop()
 
@@ -591,6 +592,27 @@ def test_a_killed_worker_fails_the_server_and_answers_every_client(tmp_path):
         assert "rank 1 exited with code 9 first" in server.text()
     finally:
         server.stop()
+
+
+# -- OpenAI's own client (the `openai` package) against the servers above ---------------------------------------------
+def openai_client(server: ServerProcess, key: str = "none"):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def decoded(item) -> bytes:
+    return base64.b64decode(item.b64_json)
+
+
+def edit_of(client, generated: dict, count: int, **fields):
+    """PROMPTS[1] with `count` copies of the picture of PROMPTS[0] (seed 5, 4 steps) as the edit's images (the
+    openai client sends one as `image`, several as `image[]`)."""
+    upload = ("ref.png", generated[(PROMPTS[0], 5, 4)], "image/png")
+    return client.images.edit(image=upload if count == 1 else [upload] * count, prompt=PROMPTS[1], size="64x64",
+                              extra_body={"seed": EDIT_SEED, "steps": 2, **fields.pop("extra_body", {})}, **fields)
+
+
 
 
 def test_openais_client_generates_with_every_standard_field_and_every_image_has_its_seed(dp_server, generated):

@@ -54,6 +54,53 @@ def test_free_port_can_be_bound():
         sock.bind(("127.0.0.1", port))
 
 
+def world_sum(rank: int | None = None, world_size: int | None = None, init: bool = False) -> float:
+    """The sum over the world of rank + 1, after an env:// init of its own where `init` (as run_ranks' targets
+    without gloo_timeout_s do)."""
+    import torch
+    import torch.distributed as dist
+
+    if init:
+        dist.init_process_group("gloo")
+    total = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(total)
+    if init:
+        dist.destroy_process_group()
+    return float(total)
+
+
+def test_ranks_meet_though_another_process_took_the_port_free_port_picked(monkeypatch):
+    """free_port's race, forced: the port it picks is bound and listened on by someone else before any rank starts.
+    run_ranks (with its gloo group, and with the target's own env:// init) and a RankPool still meet, on a store the
+    parent serves on a port it bound and kept (host_store)."""
+    from paradiff.testing import dist as pool_module
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(spawn, "free_port", lambda: taken.getsockname()[1])
+        monkeypatch.setattr(pool_module, "free_port", lambda: taken.getsockname()[1], raising=False)
+        assert run_ranks(world_sum, 2, timeout_s=120, grace_s=1.0, gloo_timeout_s=60) == [3.0, 3.0]
+        assert run_ranks(world_sum, 2, kwargs=dict(init=True), timeout_s=120, grace_s=1.0) == [3.0, 3.0]
+        pool = pool_module.RankPool(2)
+        try:
+            assert pool.run(world_sum, timeout_s=120) == [3.0, 3.0]
+        finally:
+            pool.close()
+
+
+def test_commands_forked_from_the_tests_server_start_with_its_heap_frozen(tmp_path):
+    """The fork server froze what it preloaded (distributed/frozen_heap.py): a forked command's collections walk
+    none of it, and touch none of its pages."""
+    from paradiff.testing import command
+
+    script = tmp_path / "frozen.py"
+    script.write_text("import gc\nprint(gc.get_freeze_count())\n")
+    done = command.run([str(script)], timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) > 100_000, done.stdout  # torch, diffusers and transformers make hundreds of thousands
+
+
 def test_rank_env_names_the_rank_and_world():
     assert rank_env(1, 2, 1234) == dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="1234", RANK="1", WORLD_SIZE="2",
                                         LOCAL_RANK="1", LOCAL_WORLD_SIZE="2")

@@ -7,7 +7,9 @@ Every caller that starts N local ranks (the CLI launcher, check_plan, the demo, 
 from __future__ import annotations
 
 import datetime
+import gc
 import importlib
+import math
 import os
 import queue
 import signal
@@ -23,10 +25,34 @@ LOCALHOST = "127.0.0.1"
 
 
 def free_port() -> int:
-    """A TCP port free on this machine now (the OS picks it; another process may still take it before we bind)."""
+    """A TCP port free on this machine now (the OS picks it; another process may still take it before we bind).
+    Where the port is for the ranks' rendezvous, host_store is race-free: it keeps the port it binds."""
     with socket.socket() as sock:
         sock.bind((LOCALHOST, 0))
         return sock.getsockname()[1]
+
+
+def host_store(timeout_s: float):
+    """A c10d TCPStore served by this process on a port the OS picks while binding it (127.0.0.1:0), as torchrun's
+    agent serves its workers' store. Nothing can take the port between choosing it and binding it (free_port's
+    race: a port picked, closed, then bound by rank 0 later, by when another process may hold it). Ranks connect to
+    `.port` as clients (rank_store); the store lives as long as this object."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(LOCALHOST, 0, None, True, timeout=_store_timeout(timeout_s), wait_for_workers=False)
+
+
+def rank_store(port: int, timeout_s: float):
+    """A rank's client of the store host_store serves on `port`."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(LOCALHOST, port, None, False, timeout=_store_timeout(timeout_s))
+
+
+def _store_timeout(timeout_s: float) -> datetime.timedelta:
+    # run_ranks(timeout_s=inf) (tools/train_demo.py) waits without limit; a store's timeout must be finite: torch's
+    # default process-group timeout, 30 minutes, then
+    return datetime.timedelta(seconds=timeout_s if math.isfinite(timeout_s) else 1800.0)
 
 
 def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
@@ -60,6 +86,9 @@ class RankTimeout(TimeoutError):
 def _rank_entry(target: Callable[..., Any], rank: int, world_size: int, port: int, env: dict[str, str],
                 kwargs: dict, gloo_timeout_s: float | None, hard_exit: bool, out: Any) -> None:
     os.environ.update(env, **rank_env(rank, world_size, port))
+    if gloo_timeout_s is None:
+        # the target's own env:// init connects to the parent's store (host_store) as a client, as under torchrun
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     try:
         import torch
 
@@ -67,8 +96,8 @@ def _rank_entry(target: Callable[..., Any], rank: int, world_size: int, port: in
         if gloo_timeout_s is not None:
             import torch.distributed as dist
 
-            dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=gloo_timeout_s))
+            dist.init_process_group("gloo", store=rank_store(port, gloo_timeout_s), rank=rank,
+                                    world_size=world_size, timeout=datetime.timedelta(seconds=gloo_timeout_s))
         try:
             out.put((rank, True, target(rank=rank, world_size=world_size, **kwargs)))
         finally:
@@ -90,14 +119,17 @@ def run_ranks(target: Callable[..., Any], world_size: int, *, kwargs: dict | Non
     """Run `target(rank=, world_size=, **kwargs)` in `world_size` new processes (local_context); its results by rank.
 
     Each rank gets `env` plus MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK, one torch thread, and with
-    `gloo_timeout_s` a gloo process group (destroyed after `target`). `target` must be importable (spawn pickles it
+    `gloo_timeout_s` a gloo process group (destroyed after `target`). The ranks' store is served by this process
+    (host_store, on the port MASTER_PORT names); without `gloo_timeout_s` the target's env:// init finds it through
+    TORCHELASTIC_USE_AGENT_STORE, as under torchrun. `target` must be importable (spawn pickles it
     by name). Once a rank raises or dies the others get `grace_s` (they may be blocked in a collective with it), then
     every process still alive is killed and RankFailed names the first failing rank; after `timeout_s` RankTimeout
     names the ranks without a result. No process outlives this call.
     """
     context = local_context()
     out = context.Queue()
-    port = free_port()
+    store = host_store(timeout_s)
+    port = store.port
     processes = [context.Process(target=_rank_entry, args=(target, rank, world_size, port, dict(env or {}),
                                                            dict(kwargs or {}), gloo_timeout_s, hard_exit, out))
                  for rank in range(world_size)]
@@ -135,6 +167,7 @@ def run_ranks(target: Callable[..., Any], world_size: int, *, kwargs: dict | Non
                 process.kill()
             process.join(timeout=5)
         out.close()
+        del store
     if first is not None:
         for rank in range(world_size):
             if rank not in results and rank not in failures:
@@ -171,13 +204,14 @@ def can_fork_workers() -> bool:
 def local_context(preload: tuple[str, ...] = ()):
     """The multiprocessing context local ranks start from: where workers may be forked (can_fork_workers), a fork
     server that imported WORKER_PRELOAD (and `preload`) once, each rank forked from it in milliseconds; otherwise
-    fresh interpreters ("spawn"). The server is one per process: the preload of whichever caller starts it wins."""
+    fresh interpreters ("spawn"). The server is one per process: the preload of whichever caller starts it wins. It
+    freezes what it imported out of its children's garbage collections last (frozen_heap)."""
     import torch.multiprocessing as mp
 
     if not can_fork_workers():
         return mp.get_context("spawn")
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload([*WORKER_PRELOAD, *preload])
+    context.set_forkserver_preload([*WORKER_PRELOAD, *preload, "paradiff.distributed.frozen_heap"])
     return context
 
 
@@ -226,6 +260,9 @@ def start_commands(module: str, argv: list[str], envs: list[dict[str, str]]) -> 
             except ImportError:  # an optional dependency: the worker imports what it needs itself
                 pass
         if threading.active_count() == 1:
+            # the workers' collections skip what the imports made, and do not copy its pages (frozen_heap)
+            gc.collect()
+            gc.freeze()
             return [_fork_command(module, argv, env) for env in envs]
     return [subprocess.Popen([sys.executable, "-m", module, *argv], stderr=subprocess.PIPE, env=env) for env in envs]
 

@@ -161,7 +161,7 @@ class Dispatcher:
         channel = replica.channel
         for item in replica.items:
             channel.delete("cancel", item["id"])
-            channel.delete("progress", "item", item["id"])
+            channel.delete("job progress", item["id"])
         for chunk in {c for s in summaries for c in s["agreements"]}:
             for rank in range(self.size):
                 channel.delete("round", replica.number, "fail", chunk, rank)
@@ -203,7 +203,7 @@ class Dispatcher:
         self.frontend.fail_batch(replica.items, channel, cause)
         for item in replica.items:
             channel.delete("cancel", item["id"])
-            channel.delete("progress", "item", item["id"])
+            channel.delete("job progress", item["id"])
         replica.items, replica.number = [], 0
         channel.put(decision, "decision")
         if decision == "stop":

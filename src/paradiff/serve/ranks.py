@@ -15,7 +15,7 @@ puts a key for it in the store; at every denoising step the replica's first rank
 flag to its replica, so all of them stop at the same step boundary.
 
 Progress: at every denoising step a replica's first rank puts each running item's steps done (JSON) in the store
-("progress/item/<id>", apart from the replica's step events at "progress/<replica>", stream.py); rank 0's dispatcher
+("job progress/<id>", apart from the replica's step events at "progress/<replica>", stream.py); rank 0's dispatcher
 reads them while the replica runs: a video job's `progress` (serve/jobs.py).
 
 A request's own fault: when a pipeline call raises on every rank of its replica alike (the same error, not a
@@ -373,7 +373,7 @@ class Replica:
             if channel.rank == lead:
                 for item_id in ids:
                     done, total = progress[item_id]
-                    channel.put({"done": min(total, done + step + 1), "total": total}, "progress", "item", item_id)
+                    channel.put({"done": min(total, done + step + 1), "total": total}, "job progress", item_id)
             if self.on_step is not None:
                 self.on_step()
             flag = channel.rank == lead and any(channel.has("cancel", i) for i in ids)
@@ -565,8 +565,8 @@ def step_news(channel: Channel, items: list[dict]) -> dict[int, tuple[int, int]]
     put in the store at its last step."""
     news = {}
     for item in items:
-        if channel.has("progress", "item", item["id"]):
-            progress = channel.get(PROGRESS, "progress", "item", item["id"])
+        if channel.has("job progress", item["id"]):
+            progress = channel.get(PROGRESS, "job progress", item["id"])
             news[item["id"]] = (progress["done"], progress["total"])
     return news
 

@@ -17,7 +17,7 @@ import traceback
 from typing import Any, Callable
 
 
-from paradiff.distributed.spawn import free_port, local_context, rank_env
+from paradiff.distributed.spawn import host_store, local_context, rank_env, rank_store
 
 
 class RankFailure(AssertionError):
@@ -39,7 +39,7 @@ def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any, time
 
     torch.set_num_threads(1)
     os.environ.update(rank_env(rank, world_size, port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+    dist.init_process_group("gloo", store=rank_store(port, timeout_s), rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     parent = os.getppid()
     while True:
@@ -96,11 +96,12 @@ class RankPool:
         context = local_context(PRELOAD)
         self.inboxes = [context.Queue() for _ in range(world_size)]
         self.outbox = context.Queue()
-        port = free_port()
+        # the ranks' store, served here on a port bound once and kept (no other process can take it in between)
+        self.store = host_store(collective_timeout_s)
         self.processes = [
             context.Process(
                 target=_worker,
-                args=(rank, world_size, port, self.inboxes[rank], self.outbox, collective_timeout_s),
+                args=(rank, world_size, self.store.port, self.inboxes[rank], self.outbox, collective_timeout_s),
                 daemon=True,
             )
             for rank in range(world_size)
