@@ -343,7 +343,7 @@ class Replica:
             if self.pipeline.is_output_rank:
                 for (item, _), output in zip(chunk, outputs_of(result)):
                     files[item["id"]] += _encode(output, item)
-                    batches.setdefault(item["id"], f"{number}.{chunk_index}")
+                    batches.setdefault(item["id"], f"{self.replica}.{channel.generation}.{number}.{chunk_index}")
         finished = time.time()
         if self.pipeline.is_output_rank:
             for item in items:
