@@ -220,8 +220,8 @@ class Replica:
                   if call_keyword(self.pipeline_name, keyword) in self.parameters}
         return {"kind": "video" if "num_frames" in self.parameters else "image",
                 "accepts": sorted(self.parameters), "replicas": self.replicas,
-                "adapters": [list(adapter) for adapter in self.adapters], "inputs": sorted(inputs), "pipeline": self.pipeline_name or type(self.pipeline).__name__,
-                "previews": self.previews}
+                "adapters": [list(adapter) for adapter in self.adapters], "inputs": sorted(inputs),
+                "pipeline": self.pipeline_name or type(self.pipeline).__name__, "previews": self.previews}
 
     def check(self, item: dict) -> str | None:
         """The replica's first rank, before a batch is broadcast: why the pipeline could not take `item` (None when it
