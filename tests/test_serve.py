@@ -440,13 +440,32 @@ def hang_up_once_running(server: ServerProcess, body: dict, queued: int = 0) -> 
         return time.monotonic()
 
 
+def wait_for_log(server: ServerProcess, count: int) -> None:
+    """The answer can reach the client before its line reaches requests.jsonl: wait (bounded) for `count` lines."""
+    deadline = time.monotonic() + 30
+    while len(server.log()) < count:
+        assert time.monotonic() < deadline, server.log()
+        time.sleep(0.02)
+
+
+def hold_request(server: ServerProcess, body: dict) -> socket.socket:
+    """Send `body` from a client that waits for its answer on the socket returned (closing it hangs up)."""
+    data = json.dumps(body).encode()
+    client = socket.create_connection(("127.0.0.1", server.port))
+    client.sendall(f"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
+                   f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    return client
+
+
 def test_dp2_long_requests_neither_fault_the_idle_replica_nor_run_past_their_answer(tmp_path):
     """--dp 2 with a collective --timeout of 5 s: a request of 5000 steps runs past 5 s while the other replica
     idles, without a fault; at its --request-timeout (504) it stops at the next step; so does one whose client hangs
-    up (499); the next request starts at once. Last, rank 1 dies in its first call while rank 0 waits in the store
-    for it: rank 0 sees the process gone, answers, and the server stops."""
+    up (499); the next request starts at once. Then the replicas run independently: while replica 0 runs a long
+    request, replica 1 answers five short ones; its sixth call raises a device's error on rank 1 (its only rank):
+    that request gets a 500, replica 1 alone loads again (/health degraded, then ready) while replica 0 goes on;
+    SIGTERM drains."""
     server = ServerProcess(tmp_path, "--dp", "2", "--steps", "1", "--max-steps", "5000", "--timeout", "5",
-                           "--request-timeout", "9", env={"PARADIFF_INJECT_FAULT": "1:exit@1"},
+                           "--request-timeout", "9", env={"PARADIFF_INJECT_FAULT": "1:device@6"},
                            module="paradiff.testing.faults")
     try:
         server.wait_ready()
@@ -470,22 +489,32 @@ def test_dp2_long_requests_neither_fault_the_idle_replica_nor_run_past_their_ans
         assert pngs(server.generate(prompt=PROMPTS[0], steps=1))
         print(f"\nhang-up -> cancelled {started - hung_up:.2f} s; "
               f"next 1-step request {time.monotonic() - started:.2f} s")
-        deadline = time.monotonic() + 30  # the answer can reach the client before its line reaches the log
-        while len(server.log()) < 4:
-            assert time.monotonic() < deadline, server.log()
-            time.sleep(0.02)
+        wait_for_log(server, 4)
         assert [entry["status"] for entry in server.log()] == [504, 200, 499, 200]
         assert "fault" not in server.text() and metric(server, "paradiff_up") == {"": 1}
 
-        with ThreadPoolExecutor(3) as pool:  # two requests wait behind a long one, then run on both replicas
-            hang_up_thread = pool.submit(hang_up_once_running, server, {"prompt": PROMPTS[1], "steps": 5000}, 2)
+        long_client = hold_request(server, {"prompt": PROMPTS[1], "steps": 5000})  # replica 0: both were free
+        try:
             wait_for_metric(server, "paradiff_requests_running", 1)
-            waiting = [pool.submit(server.generate, prompt=PROMPTS[i], steps=1) for i in range(2)]
-            hang_up_thread.result(timeout=60)
-            answers = [future.result(timeout=60) for future in waiting]
-        assert sorted(a.status_code for a in answers) == [200, 500], [a.text for a in answers]
-        assert any("rank(s) [1] stopped answering" in a.text for a in answers)
-        assert server.process.wait(timeout=60) != 0
+            for seed in range(5):  # one after the other, each answered while the long one runs
+                assert pngs(server.generate(prompt=PROMPTS[0], steps=1, seed=seed))
+            assert metric(server, "paradiff_replica_requests_running") == {'{replica="0"}': 1, '{replica="1"}': 0}
+            wait_for_log(server, 9)
+            assert [entry.get("replica") for entry in server.log()[4:]] == [1] * 5  # the long one: no line yet
+            failed = server.generate(prompt=PROMPTS[0], steps=1)  # replica 1's sixth call: a device's error
+            assert failed.status_code == 500 and "injected device fault on rank 1" in failed.text
+            # its state changed before the answer; its load takes seconds: replica 0 still runs the long one
+            assert server.client.get("/health").json() == {"status": "degraded"}
+            assert metric(server, "paradiff_replica_up") == {'{replica="0"}': 1, '{replica="1"}': 0}
+        finally:
+            long_client.close()  # the long one is cancelled
+        assert pngs(server.generate(prompt=PROMPTS[0], steps=1))  # served, degraded or not
+        server.wait_ready()
+        assert "replica 1 ready again, after a fault" in server.text()
+        assert pngs(server.generate(prompt=PROMPTS[0], steps=1))
+        assert server.stop() == 0, server.text()
+        statuses = [entry["status"] for entry in server.log()]
+        assert statuses[:10] == [504, 200, 499, 200] + [200] * 5 + [500] and sorted(statuses[10:]) == [200, 200, 499]
     finally:
         server.stop()
 

@@ -445,6 +445,144 @@ def test_the_api_key_comes_from_a_file_so_it_is_not_on_the_command_line(tmp_path
             check_serve_args(build_parser().parse_args(["serve", *SIZE, *argv]))
 
 
+def simulated_waits(policy: str) -> tuple[dict[str, list[float]], list[int]]:
+    """One replica on a fake clock: a burst of three long requests every 450 s (131 s each) and a short one
+    (0.8 s) every 10 s, for 1800 s. Returns each kind's waits (accepted -> started) and the order the long ones
+    started in."""
+    clock = [0.0]
+    limits = Limits(max_n=1, max_steps=20, max_side=256, default_size=(64, 64), default_steps=2,
+                    accepts=LIMITS.accepts)
+    scheduler = Scheduler(max_queue=1000, request_timeout_s=1e9, policy=policy, clock=lambda: clock[0])
+    rate = 1e-4  # seconds per unit of cost: a long one 256*256*20 units
+    arrivals = sorted([(t, "long") for burst in range(0, 1800, 450) for t in (burst,) * 3]
+                      + [(t + 5.0, "short") for t in range(0, 1800, 10)])
+    kinds, waits, long_order = {}, {"long": [], "short": []}, []
+    busy_until, running = None, None
+    while arrivals or running or scheduler.depth()[0]:
+        while arrivals and arrivals[0][0] <= clock[0]:
+            _, kind = arrivals.pop(0)
+            body = ({"prompt": kind, "size": "256x256", "steps": 20, "seed": 0} if kind == "long"
+                    else {"prompt": kind, "seed": 0})
+            job = scheduler.submit(parse_image_request(body, limits))
+            kinds[job.id] = kind
+        if running is not None and clock[0] >= busy_until:
+            scheduler.complete(running.id, 200, {"files": []}, seconds=running.cost * rate)
+            running = None
+        if running is None:
+            round_ = scheduler.next_round([0], wait_s=0)
+            if round_["kind"] == "work":
+                item, = round_["batches"][0]
+                running = scheduler._running[item["id"]]
+                waits[kinds[running.id]].append(clock[0] - running.accepted)
+                if kinds[running.id] == "long":
+                    long_order.append(running.id)
+                busy_until = clock[0] + running.cost * rate
+        events = ([busy_until] if running else []) + ([arrivals[0][0]] if arrivals else [])
+        if events:
+            clock[0] = min(events)
+    return waits, long_order
+
+
+def test_the_fair_queue_bounds_short_waits_under_a_stream_of_long_requests():
+    """p95 wait of short requests: under "fair" at most one long request's run (the one running when it came);
+    under "fifo" behind whole bursts. Long requests still run, in their order of arrival."""
+    import numpy as np
+
+    long_run = 256 * 256 * 20 * 1e-4
+    fair, fair_order = simulated_waits("fair")
+    fifo, fifo_order = simulated_waits("fifo")
+    assert len(fair["short"]) == len(fifo["short"]) == 180 and len(fair["long"]) == 12
+    fair_p95, fifo_p95 = (float(np.percentile(w["short"], 95)) for w in (fair, fifo))
+    assert fair_p95 <= long_run + 5, fair_p95
+    assert fifo_p95 > 2 * long_run, fifo_p95
+    assert fair_order == sorted(fair_order) and fifo_order == sorted(fifo_order)
+
+
+def test_expected_wait_refuses_past_max_wait_with_retry_after_and_metrics_show_the_queue():
+    clock = [0.0]
+    scheduler = Scheduler(max_batch=1, policy="fifo", max_wait_s=10, clock=lambda: clock[0])
+    scheduler.replicas = 2
+    first = scheduler.submit(request(size="128x128", steps=10))  # 163840 units
+    assert scheduler.expected_wait() is None  # no rate learnt yet: nobody is refused
+    scheduler.next_round([0], wait_s=0)
+    clock[0] = 4.0
+    scheduler.complete(first.id, 200, {"files": []}, seconds=4.0)
+    assert scheduler.seconds_per_cost == pytest.approx(4.0 / 163840)
+    for _ in range(4):  # 4 x 4 s queued over 2 replicas: 8 s
+        scheduler.submit(request(size="128x128", steps=10))
+    assert scheduler.expected_wait() == pytest.approx(8.0)
+    assert scheduler.queued_cost() == (4 * 163840.0, 0.0)
+    for _ in range(2):  # 8 s, then 10 s expected: not over
+        scheduler.submit(request(size="128x128", steps=10))
+    with pytest.raises(RequestError, match="expected wait is 12.0 s, over the server's --max-wait of 10 s") as caught:
+        scheduler.submit(request(size="128x128", steps=10))
+    assert caught.value.status == 503 and caught.value.retry_after == 2
+    metrics = Metrics()
+    text = metrics.render(6, 0, "ready", queued_cost=5 * 163840.0, expected_wait=10.0,
+                          replicas={0: "ready", 1: "loading"}, replica_running={0: 0, 1: 0})
+    for line in ["paradiff_queue_cost 819200", "paradiff_expected_wait_seconds 10",
+                 'paradiff_replica_up{replica="0"} 1', 'paradiff_replica_up{replica="1"} 0']:
+        assert line in text.splitlines(), text
+
+
+def test_free_replicas_take_work_alone():
+    """A replica that is free takes work at once, whatever the others run (independent replicas)."""
+    scheduler = Scheduler(max_batch=1)
+    jobs = [scheduler.submit(request(seed=i)) for i in range(3)]
+    first = scheduler.next_round([1], wait_s=0)
+    assert [[item["id"] for item in batch] for batch in first["batches"]] == [[jobs[0].id]]
+    assert jobs[0].replica == 1
+    second = scheduler.next_round([0, 2], wait_s=0)
+    assert [[item["id"] for item in batch] for batch in second["batches"]] == [[jobs[1].id], [jobs[2].id]]
+    assert [job.replica for job in jobs] == [1, 0, 2]
+
+
+def test_ray_meshes_get_the_servers_flags_without_the_ray_and_address_ones():
+    from paradiff.cli.serve import mesh_argv
+
+    argv = ["--debug", "serve", "model", "--ray", "--tp", "2", "--ray-replicas", "1:3", "--host", "0.0.0.0",
+            "--port=9000", "--ray-route", "adapter", "--out", "o", "--steps", "4", "--ray-address=head:6379"]
+    assert mesh_argv(argv) == ["model", "--tp", "2", "--steps", "4"]
+
+
+def test_over_max_wait_is_a_503_with_retry_after_and_a_reloading_replica_is_degraded(tmp_path):
+    """In process, no rank: the HTTP answers of the queue's refusal and of /health per replica."""
+    import asyncio
+
+    import httpx
+
+    from paradiff.cli.args import build_parser
+    from paradiff.serve.app import Frontend, HttpGuard, build_app
+
+    args = build_parser().parse_args(["serve", "--out", str(tmp_path), "--max-wait", "1", "--dp", "2",
+                                                "--steps", "8"])
+    frontend = Frontend(args, "paradiff-demo")
+    frontend.replica_states = {0: "loading", 1: "loading"}
+    info = {"kind": "image", "accepts": ["prompt", "num_inference_steps"], "replicas": 2, "adapters": []}
+    frontend.replica_state(0, "ready")
+    frontend.replica_ready(0, info, [{"rank": 0, "memory": 1}], 0)
+    assert frontend.health == "loading"  # until every replica has loaded once
+    frontend.replica_state(1, "ready")
+    frontend.replica_ready(1, info, [{"rank": 1, "memory": 1}], 0)
+    app = HttpGuard(build_app(frontend), frontend)
+    frontend.scheduler.seconds_per_cost = 1e-3  # 64 x 64 x 8 steps: 33 s a request
+    frontend.scheduler.submit(request())
+
+    async def ask(method: str, path: str, **kwargs) -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1:8000") as c:
+            return await c.request(method, path, **kwargs)
+
+    answer = asyncio.run(ask("POST", "/v1/images/generations", json={"prompt": "x"}))
+    assert answer.status_code == 503 and answer.headers["retry-after"] == "16", answer.text  # 16.4 s over 1 s
+    assert "over the server's --max-wait of 1 s" in answer.json()["error"]["message"]
+    assert asyncio.run(ask("GET", "/health")).json() == {"status": "ready"}
+    frontend.replica_state(1, "loading")  # a fault: replica 1 loads again
+    degraded = asyncio.run(ask("GET", "/health"))
+    assert degraded.status_code == 200 and degraded.json() == {"status": "degraded"}
+    assert 'paradiff_replica_up{replica="1"} 0' in frontend.render_metrics()
+    frontend.stop()
+
+
 def test_every_error_is_in_openais_shape_with_a_string_code_and_the_field_at_fault(tmp_path):
     """Errors of the request checks, the header checks (safety.py), the key, and FastAPI's own 404 / 405: OpenAI's
     {"error": {"message", "type", "param", "code"}}, `code` a string, `param` the field at fault."""
@@ -458,7 +596,8 @@ def test_every_error_is_in_openais_shape_with_a_string_code_and_the_field_at_fau
     args = build_parser().parse_args(["serve", "--out", str(tmp_path), "--api-key", "k"])
     frontend = Frontend(args, "paradiff-demo")
     frontend.limits = LIMITS
-    frontend.health = "ready"
+    frontend.replica_state(0, "ready")  # health is computed: every replica loaded once and serving
+    frontend._loaded.add(0)
     key = {"Authorization": "Bearer k"}
 
     async def ask() -> list[httpx.Response]:

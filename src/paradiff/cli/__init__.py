@@ -103,6 +103,10 @@ def _run(args, argv: list[str], worker_module: str, on_pipeline_loaded) -> int:
         from paradiff.cli.serve import check_serve_args
 
         check_serve_args(args)
+        if args.ray and "RANK" not in os.environ:
+            from paradiff.cli.serve import run_ray_serve
+
+            return run_ray_serve(args, argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if int(os.environ["WORLD_SIZE"]) != world_size_of(args):
             raise CliError(

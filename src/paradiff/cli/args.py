@@ -206,6 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "replicas, a batch); default 0: under load requests wait together anyway, and an idle "
                             "server adds no latency")
     serve.add_argument("--max-queue", type=_positive, default=64, help="waiting requests before new ones get 503")
+    serve.add_argument("--schedule", choices=("fair", "fifo"), default="fair",
+                       help="which waiting request a free replica takes: 'fair' (default) lets short requests pass "
+                            "long ones that arrived within 4x their own expected run time; 'fifo' the oldest")
+    serve.add_argument("--max-wait", type=float, default=None, metavar="SECONDS",
+                       help="refuse a request up front (503, Retry-After) when its expected wait is above this "
+                            "(default: no limit)")
     serve.add_argument("--request-timeout", type=float, default=600.0,
                        help="seconds from acceptance to answer; a request past it gets 504")
     serve.add_argument("--max-steps", type=_positive, default=None,
@@ -231,6 +237,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allow-host", action="append", default=None, metavar="NAME[:PORT]",
                        help="a Host name served besides localhost, 127.0.0.1 and [::1] when bound to loopback (a "
                             "reverse proxy's name); repeatable; other Host headers get 403 (DNS rebinding)")
+    serve.add_argument("--ray", action="store_true",
+                       help="serve on Ray Serve: each Ray replica one mesh of these flags, Ray's HTTP proxy on "
+                            "--host:--port (a local Ray cluster, or RAY_ADDRESS / --ray-address; docs/serve.md)")
+    serve.add_argument("--ray-replicas", default="1", metavar="N|MIN:MAX",
+                       help="with --ray: N replicas, or autoscaled from MIN to MAX on queued requests")
+    serve.add_argument("--ray-route", choices=("none", "prompt-hash", "adapter"), default="none",
+                       help="with --ray: send requests of the same prompt (prompt-hash) or adapters (adapter) to "
+                            "the same replica while it is not overloaded")
+    serve.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                       help="with --ray: the Ray cluster to join (default: RAY_ADDRESS, else a local one)")
     serve.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
                        help="adapters served per request, as vLLM takes them: each is a model id of its own "
                             "(\"model\": NAME); requests with different adapters still run in one call")

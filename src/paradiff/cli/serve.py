@@ -22,6 +22,10 @@ def check_serve_args(args: argparse.Namespace) -> None:
         raise CliError("--compare is a `generate` flag; compare a server's answers with `paradiff generate`")
     if not 0 <= args.batch_window <= 10:
         raise CliError(f"--batch-window {args.batch_window}: expected seconds from 0 to 10")
+    if getattr(args, "ray", False):
+        ray_replicas(args)
+    if args.max_wait is not None and args.max_wait <= 0:
+        raise CliError(f"--max-wait {args.max_wait}: expected a number of seconds > 0")
     if args.request_timeout <= 0:
         raise CliError(f"--request-timeout {args.request_timeout}: expected a number of seconds > 0")
     if args.max_steps is not None and args.steps > args.max_steps:
@@ -78,6 +82,7 @@ def run_serve_worker(args: argparse.Namespace, on_pipeline_loaded: Callable[[Any
     from paradiff.cli.worker import model_of
     from paradiff.distributed.mesh import default_device
     from paradiff.serve.app import Frontend
+    from paradiff.serve.dispatch import Dispatcher
     from paradiff.serve.ranks import serve_rank
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -85,4 +90,49 @@ def run_serve_worker(args: argparse.Namespace, on_pipeline_loaded: Callable[[Any
     if device.type == "cuda":
         torch.cuda.set_device(device)
     name = "paradiff-demo" if args.model is None else os.path.basename(os.path.normpath(model_of(args)))
-    return serve_rank(args, device, lambda: Frontend(args, name).start(), on_pipeline_loaded)
+    return serve_rank(args, device, lambda: Frontend(args, name).start(), on_pipeline_loaded, Dispatcher)
+
+
+RAY_ONLY = {"--ray": 0, "--ray-replicas": 1, "--ray-route": 1, "--ray-address": 1, "--host": 1, "--port": 1,
+            "--out": 1}
+
+
+def ray_replicas(args: argparse.Namespace) -> tuple[int, int]:
+    """--ray-replicas N or MIN:MAX as (min, max)."""
+    text = args.ray_replicas
+    parts = text.split(":")
+    if len(parts) not in (1, 2) or not all(part.isdigit() and int(part) > 0 for part in parts) \
+            or int(parts[0]) > int(parts[-1]):
+        raise CliError(f"--ray-replicas {text!r}: expected N or MIN:MAX, whole numbers from 1 with MIN <= MAX")
+    return int(parts[0]), int(parts[-1])
+
+
+def run_ray_serve(args: argparse.Namespace, argv: list[str]) -> int:
+    """`paradiff serve --ray`: the flags of one mesh (argv without the Ray flags and the address, which each
+    replica chooses on its node) given to paradiff.serve.ray."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise CliError("--ray needs Ray Serve: pip install 'paradiff[ray]'")
+    from paradiff.cli.args import world_size_of
+    from paradiff.serve.ray import run
+
+    return run(mesh_argv(argv), world_size_of(args), ray_replicas(args), args.ray_route, args.host, args.port,
+               args.ray_address)
+
+
+def mesh_argv(argv: list[str]) -> list[str]:
+    """The flags of `paradiff serve ...` that each Ray replica's mesh takes: without the Ray flags, --host, --port
+    and --out (each mesh listens on a loopback port of its own and writes to a folder of its own)."""
+    mesh: list[str] = []
+    skip = 0
+    for token in argv[argv.index("serve") + 1:]:
+        if skip:
+            skip -= 1
+            continue
+        name = token.split("=", 1)[0]
+        if name in RAY_ONLY:
+            skip = RAY_ONLY[name] if "=" not in token else 0
+            continue
+        mesh.append(token)
+    return mesh

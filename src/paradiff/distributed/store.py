@@ -41,6 +41,14 @@ def open_store(rank: int, world: int, timeout_s: float) -> dist.Store:
     return store
 
 
+def store_client(timeout_s: float) -> dist.Store:
+    """Another connection to the job's store (MASTER_ADDR / MASTER_PORT): a thread that polls the store while another
+    thread of the process blocks in it (a rendezvous, a wait) needs its own, since one client's operations run one
+    after the other."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
 def put_json(store: dist.Store, key: str, value: Any) -> None:
     store.set(key, json.dumps(value, default=repr))
 

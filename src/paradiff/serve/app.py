@@ -1,5 +1,5 @@
 """The HTTP side of `paradiff serve`, on rank 0: FastAPI endpoints in a uvicorn thread, the scheduler they feed, and
-what rank 0's loop asks of them (the next round, the answers of a finished round, a fault's outcome).
+what rank 0's dispatcher (dispatch.py) asks of them (a replica ready, the answers of its batch, a fault's outcome).
 
     POST /v1/images/generations   OpenAI's image request (prompt, n, size, response_format b64_json) + paradiff's
                                   fields (seed, steps, guidance, negative_prompt, true_cfg_scale)
@@ -12,7 +12,8 @@ what rank 0's loop asks of them (the next round, the answers of a finished round
     GET  /v1/info                 what the loaded pipeline takes (kind, sizes, steps, frames, adapters): for the page
     GET  /                        the web page (static/index.html), which uses the routes above and nothing else
     GET  /v1/models, /v1/models/{id}   the one model served
-    GET  /health                  {"status": "loading" | "ready" | "draining" | "failed"}; never needs the API key
+    GET  /health                  {"status": "loading" | "ready" | "degraded" | "draining" | "failed"}; never needs the
+                                  API key
     GET  /metrics                 Prometheus text
     GET  /openapi.json, /docs     the schema of the loaded pipeline (schema.py)
 
@@ -75,15 +76,18 @@ class Frontend:
         self.args = args
         self.api_key = args.api_key or os.environ.get("PARADIFF_API_KEY") or None
         self.model_name = model_name
-        self.health = "loading"
-        self.closing = False
+        self.closing = False  # a fault stopped the server: it finishes what runs and exits
+        self.failed: str | None = None
+        self.replica_states: dict[int, str] = {0: "loading"}  # replica -> its state (dispatch.py)
+        self._loaded: set[int] = set()  # the replicas that have been ready once
         self.generation = 0
         self.metrics = Metrics()
         self.guard = RequestGuard(args.host, args.port, args.allow_host, args.allow_origin)
         self.limits: Limits | None = None
         self.scheduler = Scheduler(max_queue=args.max_queue, max_batch=args.max_batch,
                                    request_timeout_s=args.request_timeout, on_finish=self._on_finish,
-                                   window_s=args.batch_window)
+                                   window_s=args.batch_window, policy=getattr(args, "schedule", "fair"),
+                                   max_wait_s=getattr(args, "max_wait", None))
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self._log = (self.out / "requests.jsonl").open("a", buffering=1)
@@ -124,56 +128,76 @@ class Frontend:
         self._log.close()
         self.jobs.store.close()
 
-    def ready(self, info: dict, summaries: list[dict], generation: int) -> None:
+    @property
+    def health(self) -> str:
+        """failed, draining; loading until every replica has loaded once; then ready when every replica serves,
+        degraded when some do while others load again after a fault, loading when none does."""
+        if self.failed is not None:
+            return "failed"
+        if self.scheduler.draining:
+            return "draining"
+        serving = [state in ("ready", "busy") for state in self.replica_states.values()]
+        if self.limits is None or not any(serving) or len(self._loaded) < len(self.replica_states):
+            return "loading"
+        return "ready" if all(serving) else "degraded"
+
+    def replica_state(self, index: int, state: str) -> None:
+        self.replica_states[index] = state
+        self.scheduler.replicas = max(1, sum(s in ("ready", "busy") for s in self.replica_states.values()))
+
+    def replica_ready(self, index: int, info: dict, ranks: list[dict], generation: int) -> None:
+        """Replica `index` loaded (again, when `generation` > 0); the first one sets the request limits."""
         args = self.args
-        steps = args.steps
-        self.limits = Limits(max_n=args.max_n, max_side=server_max_side(args), max_steps=server_max_steps(args),
-                             max_frames=server_max_frames(args), default_size=(args.width, args.height),
-                             default_steps=steps, default_guidance=args.guidance_scale,
-                             default_true_cfg=args.true_cfg_scale, default_frames=args.frames, default_fps=args.fps,
-                             model_name=self.model_name, kind=info["kind"], accepts=info["accepts"],
-                             adapters=info["adapters"], inputs=info.get("inputs", frozenset()),
-                             pipeline=info.get("pipeline", ""))
-        self.loaded_at = int(time.time())
-        self.replicas = info["replicas"]
-        self.metrics.memory({s["rank"]: s["memory"] for s in summaries})
-        self.generation = generation
-        self.health = "draining" if self.scheduler.draining else "ready"
+        self.metrics.memory({entry["rank"]: entry["memory"] for entry in ranks})
+        self._loaded.add(index)
+        if self.limits is None:
+            accepts = frozenset(info["accepts"])
+            self.limits = Limits(max_n=args.max_n, max_side=server_max_side(args), max_steps=server_max_steps(args),
+                                 max_frames=server_max_frames(args), default_size=(args.width, args.height),
+                                 default_steps=args.steps, default_guidance=args.guidance_scale,
+                                 default_true_cfg=args.true_cfg_scale, default_frames=args.frames,
+                                 default_fps=args.fps, model_name=self.model_name, kind=info["kind"], accepts=accepts,
+                                 adapters=tuple((name, scale) for name, scale in info["adapters"]),
+                                 inputs=frozenset(info.get("inputs", ())), pipeline=info.get("pipeline", ""))
+            # classic CFG (two branches when guidance > 1): a pipeline with a negative prompt and no true_cfg_scale
+            self.scheduler.classic_cfg = "negative_prompt" in accepts and "true_cfg_scale" not in accepts
+            self.replicas = info["replicas"]
+            self.loaded_at = int(time.time())
+        self.generation = max(self.generation, generation)
         again = " again, after a fault" if generation else ""
-        say(f"paradiff serve: ready{again}: {self.model_name} ({info['kind']}s) on {len(summaries)} rank(s), "
-            f"{self.replicas} replica(s), at http://{args.host}:{args.port}; {info.get('previews', 'no previews')}")
-        if self.jobs.interrupted and not generation:
+        which = f"replica {index} " if self.replicas > 1 else ""
+        first = not generation and len(self._loaded) == self.replicas
+        if generation or all(self.replica_states.get(r) in ("ready", "busy") for r in range(self.replicas)):
+            say(f"paradiff serve: {which if generation else ''}ready{again}: {self.model_name} ({info['kind']}s) on "
+                f"{len(ranks) * self.replicas} rank(s), {self.replicas} replica(s), at http://{args.host}:{args.port}; "
+                f"{info.get('previews', 'no previews')}")
+        if first and self.jobs.interrupted:
             say(f"paradiff serve: {len(self.jobs.interrupted)} video job(s) ran when the server last stopped without "
                 "a drain: marked failed (server_restarted)")
-        if info["kind"] == "video":
+        if info["kind"] == "video" and not self.scheduler.draining and self.failed is None:
             self.jobs.ready(self.limits)  # the jobs still queued (from before a restart too) run now
 
+    replicas = 1
+
     def drain(self) -> None:
-        self.health = "draining"
         self.jobs.hold()  # the queued video jobs stay queued in the store: they run after the restart
         self.scheduler.drain()
 
-    # -- rank 0's loop ------------------------------------------------------------------------------------------
-    def next_round(self, replicas: int, wait_s: float, check=None) -> dict:
-        """The next round; `check(item)` (the pipeline's own checks, on rank 0) answers 400 to a request the pipeline
-        could not take, before the round is broadcast."""
-        decision = self.scheduler.next_round(replicas, wait_s)
-        if decision["kind"] == "work" and check is not None:
-            for batch in decision["batches"]:
-                for item in list(batch):
-                    problem = check(item)
-                    if problem is not None:
-                        batch.remove(item)
-                        self.scheduler.complete(item["id"], 400, problem)
-            if not any(decision["batches"]):
-                return {"kind": "idle"}
-        if decision["kind"] == "work":
-            self._current = decision  # answered by finish_round, or by fault() if the round fails
-            self.jobs.started([item["id"] for batch in decision["batches"] for item in batch])
-        return decision
+    def fail(self, cause: str) -> None:
+        """The server stops: waiting requests get 503, running ones on healthy replicas finish; queued video jobs
+        stay queued in the store (they run after the restart)."""
+        self.closing = True
+        self.failed = cause
+        self.jobs.hold()
+        self.scheduler.close(cause, keep_running=True)
+
+    # -- rank 0's dispatcher ------------------------------------------------------------------------------------
+    def started(self, items: list[dict]) -> None:
+        """A replica was handed `items` (the dispatcher): the video jobs among them are in progress."""
+        self.jobs.started([item["id"] for item in items])
 
     def job_progress(self, job_id: int, done: int, total: int) -> None:
-        """A running request's denoising steps (rank 0 reads them from the store at each step)."""
+        """A running request's denoising steps (the dispatcher reads them from the store)."""
         self.jobs.progress(job_id, done, total)
 
     def to_cancel(self) -> list[int]:
@@ -182,55 +206,67 @@ class Frontend:
         self._cancelled.update(ids)
         return ids
 
-    def finish_round(self, decision: dict, channel, summaries: list[dict]) -> None:
-        self.progress.finish_round(channel, self.replicas)  # every preview is sent before its final image
+    def finish_batch(self, items: list[dict], channel, summaries: list[dict], replica: int = 0) -> None:
+        """A replica ran `items`: answer each (its result from the store, a refusal, a request's own fault)."""
+        # every preview is sent before its final image
+        self.progress.finish_round(channel, [replica], [item["id"] for item in items])
         for summary in summaries:
             if summary["step_s"]:
-                self.metrics.replica_steps(summary["replica"], summary["step_s"])
+                self.metrics.replica_steps(replica, summary["step_s"])
         self.metrics.memory({s["rank"]: s["memory"] for s in summaries})
         self.metrics.rss({s["rank"]: s["rss"] for s in summaries})
-        self.metrics.pipeline_time(max(s["seconds"] for s in summaries))
+        seconds = max(s["seconds"] for s in summaries)
+        self.metrics.pipeline_time(seconds)
         failed = {int(k): v for s in summaries for k, v in s["failed"].items()}
         cancelled = {int(k): v for s in summaries for k, v in s["cancelled"].items()}
-        items = {item["id"]: item for batch in decision["batches"] for item in batch}
-        self.metrics.cancelled(len(cancelled), sum((items[i]["steps"] - ran) * len(items[i]["seeds"])
+        refused = {int(k): v for s in summaries for k, v in s["refused"].items()}
+        by_id = {item["id"]: item for item in items}
+        self.metrics.cancelled(len(cancelled), sum((by_id[i]["steps"] - ran) * len(by_id[i]["seeds"])
                                                    for i, ran in cancelled.items()))
-        self._answer_round(decision, channel, None, failed)
+        for job_id, problem in refused.items():
+            self._cancelled.discard(job_id)
+            self.scheduler.complete(job_id, 400, problem)
+        ran = [item for item in items if item["id"] not in refused]
+        self._answer_batch(ran, channel, None, failed, seconds)
 
-    def fault(self, channel, cause: str, decision: str) -> None:
-        """A round (or a load) ended in a fault: answer its requests; on "stop" answer every other request too."""
-        say(f"paradiff serve: fault: {cause}; " + ("recovering: loading the pipeline again" if decision == "recover"
-                                                   else "stopping"))
-        # the state first: a client answered 500 below and asking /health at once must not still read "ready"
-        self.health = "failed" if decision == "stop" else "loading"
-        try:
-            self.progress.finish_round(channel, self.replicas)
-        except Exception:  # noqa: BLE001 - the store may be gone with the fault; its previews are lost with it
-            pass
-        self._answer_round(self._current, channel, cause)
+    def replica_fault(self, index: int, replicas: int, cause: str, decision: str, channel=None,
+                      items: list[dict] | None = None) -> None:
+        which = f"replica {index}: " if replicas > 1 else ""
+        say(f"paradiff serve: fault: {which}{cause}; " + (
+            f"recovering: loading {'its' if replicas > 1 else 'the'} pipeline again" if decision == "recover"
+            else "stopping"))
+        # the state first: a client answered 500 next and asking /health at once must not still read "ready"
+        self.replica_state(index, "loading" if decision == "recover" else "failed")
         if decision == "stop":
-            self.closing = True
-            self.jobs.hold()  # queued video jobs run after the restart
-            self.scheduler.close(cause)
+            self.failed = cause
+        if channel is not None:
+            try:
+                self.progress.finish_round(channel, [index], [item["id"] for item in items or []])
+            except Exception:  # noqa: BLE001 - the store may be gone with the fault; its previews are lost with it
+                pass
 
-    _current: dict | None = None
+    def fail_batch(self, items: list[dict], channel, cause: str) -> None:
+        self._answer_batch(items, channel, cause)
 
-    def _answer_round(self, decision: dict | None, channel, cause: str | None, failed: dict | None = None) -> None:
-        """Every item of the round is answered and its result read out of the store (deleted), answered or not."""
-        if not decision or decision.get("kind") != "work":
-            return
-        for batch in decision["batches"]:
-            for item in batch:
-                result = channel.take_result(item["id"])
-                self._cancelled.discard(item["id"])
-                if result is not None:
-                    self.scheduler.complete(item["id"], 200, result)
-                else:
-                    # the whole cause is on the console (fault() above); the client gets its first line, paths cut.
-                    # No cause: a request cancelled after its answer (504, hang-up); completing it again is a no-op
-                    why = (failed or {}).get(item["id"], cause) or "cancelled"
-                    self.scheduler.complete(item["id"], 500, f"the request failed in the pipeline: {public_message(why)}")
-        self._current = None
+    def _answer_batch(self, items: list[dict], channel, cause: str | None, failed: dict | None = None,
+                      seconds: float | None = None) -> None:
+        """Every item is answered and its result read out of the store (deleted), answered or not; `seconds` (the
+        batch's time) teaches the scheduler its rate, shared by cost."""
+        total = sum(self._cost(item["id"]) for item in items) or 1.0
+        for item in items:
+            result = channel.take_result(item["id"])
+            self._cancelled.discard(item["id"])
+            if result is not None:
+                share = None if seconds is None else seconds * self._cost(item["id"]) / total
+                self.scheduler.complete(item["id"], 200, result, seconds=share)
+            else:
+                # the whole cause is on the console (replica_fault); the client gets its first line, paths cut.
+                # No cause: a request cancelled after its answer (504, hang-up); completing it again is a no-op
+                why = (failed or {}).get(item["id"], cause) or "cancelled"
+                self.scheduler.complete(item["id"], 500, f"the request failed in the pipeline: {public_message(why)}")
+
+    def _cost(self, job_id: int) -> float:
+        return self.scheduler.cost_of(job_id)
 
     # -- the HTTP side ------------------------------------------------------------------------------------------
     def _step_progress(self, replica: int, progress: dict) -> None:
@@ -265,11 +301,11 @@ class Frontend:
         say(f"paradiff serve: request {job.id}: {job.status} in {latency:.2f} s"
             + (f" (replica {entry['replica']})" if job.status == 200 else f": {entry['error']}"))
 
-    async def generate(self, body: Any, kind: str, disconnected=None) -> tuple[int, dict]:
+    async def generate(self, body: Any, kind: str, disconnected=None, headers: dict | None = None) -> tuple[int, dict]:
         """`disconnected()`: an awaitable check that the client hung up; then the request is answered 499 and, if it
         runs, cancelled at the next denoising step. `kind` "edit": `body` is the multipart form's (field, value)
-        pairs."""
-        if self.health != "ready" or self.limits is None:
+        pairs. `headers`: filled with the answer's extra headers (Retry-After)."""
+        if self.health not in ("ready", "degraded") or self.limits is None:
             return self.refused(503, f"the server is {self.health}; retry when GET /health says ready",
                                 f"POST {_endpoint(kind)}")
         try:
@@ -280,6 +316,8 @@ class Frontend:
                 request = dataclasses.replace(request, adapter=(adapter["name"], adapter["path"], adapter["sha256"]))
             job = self.scheduler.submit(with_seed(request))
         except RequestError as exc:
+            if exc.retry_after is not None and headers is not None:
+                headers["Retry-After"] = str(exc.retry_after)
             return self.refused(exc.status, str(exc), f"POST {_endpoint(kind)}", exc.param, exc.code)
         loop = asyncio.get_running_loop()
         done = loop.create_future()
@@ -341,7 +379,7 @@ class Frontend:
 
     def create_video(self, body: Any) -> tuple[int, dict]:
         """POST /v1/videos: the job, queued (its Video object), or an error answer."""
-        if self.health != "ready" or self.limits is None:
+        if self.health not in ("ready", "degraded") or self.limits is None:
             return self.refused(503, f"the server is {self.health}; retry when GET /health says ready",
                                 "POST /v1/videos")
         try:
@@ -355,7 +393,10 @@ class Frontend:
 
     def render_metrics(self) -> str:
         queued, running = self.scheduler.depth()
-        return self.metrics.render(queued, running, self.health)
+        running_on = self.scheduler.running_on()
+        return self.metrics.render(queued, running, self.health, queued_cost=self.scheduler.queued_cost()[0],
+                                   expected_wait=self.scheduler.expected_wait(), replicas=dict(self.replica_states),
+                                   replica_running={r: running_on.get(r, 0) for r in self.replica_states})
 
 
 def answer_of(job: Job) -> dict:
@@ -513,8 +554,9 @@ def build_app(frontend: Frontend) -> FastAPI:
             return frontend.refusal(exc.status, str(exc), f"POST {_endpoint(kind)}", param=exc.param, code=exc.code)
         if kind == "image" and isinstance(body, dict) and body.get("stream") is True:  # server-sent events
             return await stream_images(frontend, body, _error)
-        status, payload = await frontend.generate(body, kind, request.is_disconnected)
-        return JSONResponse(payload, status_code=status)
+        headers: dict = {}
+        status, payload = await frontend.generate(body, kind, request.is_disconnected, headers)
+        return JSONResponse(payload, status_code=status, headers=headers or None)
 
     @app.post("/v1/images/generations")
     async def images(request: Request):
@@ -599,7 +641,8 @@ def build_app(frontend: Frontend) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return JSONResponse({"status": frontend.health}, status_code=200 if frontend.health == "ready" else 503)
+        health = frontend.health
+        return JSONResponse({"status": health}, status_code=200 if health in ("ready", "degraded") else 503)
 
     @app.get("/metrics")
     async def metrics():

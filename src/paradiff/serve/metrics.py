@@ -69,7 +69,11 @@ class Metrics:
         with self._lock:
             self.keys = count
 
-    def render(self, queued: int, running: int, health: str) -> str:
+    def render(self, queued: int, running: int, health: str, queued_cost: float = 0.0,
+               expected_wait: float | None = None, replicas: dict[int, str] | None = None,
+               replica_running: dict[int, int] | None = None) -> str:
+        """`replicas`: replica -> its state ("ready", "busy", "loading", "failed"); `replica_running`: replica -> the
+        requests it runs."""
         with self._lock:
             lines = ["# HELP paradiff_requests_total Requests answered, by HTTP status.",
                      "# TYPE paradiff_requests_total counter"]
@@ -111,6 +115,19 @@ class Metrics:
                       f"paradiff_cancelled_steps_total {self.cancelled_steps}",
                       "# HELP paradiff_store_keys Keys in the ranks' coordination store after the last round.",
                       "# TYPE paradiff_store_keys gauge", f"paradiff_store_keys {self.keys}"]
+            lines += ["# HELP paradiff_queue_cost The cost of the waiting requests (pixels x frames x steps x CFG "
+                      "branches x images).", "# TYPE paradiff_queue_cost gauge", f"paradiff_queue_cost {queued_cost:g}",
+                      "# HELP paradiff_expected_wait_seconds How long a request sent now is expected to wait (-1: not "
+                      "known yet).", "# TYPE paradiff_expected_wait_seconds gauge",
+                      f"paradiff_expected_wait_seconds {-1 if expected_wait is None else round(expected_wait, 3):g}"]
+            lines += ["# HELP paradiff_replica_up 1 while the replica serves (ready or running), 0 while it loads "
+                      "or failed.", "# TYPE paradiff_replica_up gauge"]
+            lines += [f'paradiff_replica_up{{replica="{r}"}} {1 if state in ("ready", "busy") else 0}'
+                      for r, state in sorted((replicas or {}).items())]
+            lines += ["# HELP paradiff_replica_requests_running Requests each replica runs.",
+                      "# TYPE paradiff_replica_requests_running gauge"]
+            lines += [f'paradiff_replica_requests_running{{replica="{r}"}} {count}'
+                      for r, count in sorted((replica_running or {}).items())]
             lines += ["# HELP paradiff_replica_steps_total Denoising steps each replica ran (cancelled requests' too).",
                       "# TYPE paradiff_replica_steps_total counter"]
             lines += [f'paradiff_replica_steps_total{{replica="{r}"}} {v}'
@@ -124,5 +141,5 @@ class Metrics:
             lines += [f'paradiff_replica_steps_per_second{{replica="{r}"}} {v:.6f}'
                       for r, v in sorted(self.replica_steps_per_s.items())]
             lines += ["# HELP paradiff_up 1 while the server is ready.", "# TYPE paradiff_up gauge",
-                      f"paradiff_up {1 if health == 'ready' else 0}"]
+                      f"paradiff_up {1 if health in ('ready', 'degraded') else 0}"]
             return "\n".join(lines) + "\n"

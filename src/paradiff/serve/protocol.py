@@ -28,7 +28,10 @@ CALL_PARAMETERS = {"guidance": "guidance_scale", "true_cfg_scale": "true_cfg_sca
 
 class RequestError(Exception):
     """A request the server refuses: `status` is the HTTP code, the message says what is wrong and what is valid,
-    `param` the request field at fault (None when no one field is), `code` a short string (default: the status's)."""
+    `param` the request field at fault (None when no one field is), `code` a short string (default: the status's);
+    `retry_after`: seconds worth waiting before a retry (sent as Retry-After), where known."""
+
+    retry_after: int | None = None
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)

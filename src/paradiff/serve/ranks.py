@@ -1,39 +1,39 @@
-"""The loop every rank of `paradiff serve` runs, and how the ranks recover from a fault together.
+"""The loop every rank of `paradiff serve` runs, and how a replica's ranks recover from a fault together.
 
-Each round, rank 0 takes the next batch of every data-parallel replica from the scheduler, checks what each request
-carries (the pipeline's tokenizers read its prompts) and broadcasts the round over the control group as JSON; every
-rank runs its replica's batch; the replica's output rank puts the encoded outputs in the store (raw bytes, one key
-per file, read and deleted by rank 0). The round ends in the store, not in a collective: each rank puts its summary
-(JSON) there and waits for rank 0's "go", which rank 0 gives once it has every summary and has answered the round.
-So an idle replica waits for a busy one in the store, never in a collective whose timeout would count the other
-replica's request; the next broadcast starts when every rank is there. Ranks decide nothing alone: what runs,
-whether a request is cancelled, and whether the server goes on after a fault is rank 0's decision, read from the
-broadcast or the store; every value read from the store is JSON checked against its schema, or raw bytes.
+Each data-parallel replica is a mesh of its own, in a process group of its own, with its own keys in the store
+(Channel's scope). Its first rank takes the replica's next batch from the store (put there by rank 0's dispatcher,
+dispatch.py, as soon as the replica is free), checks what each request carries (the pipeline's tokenizers read its
+prompts) and broadcasts it over the replica's group as JSON, or "idle" every IDLE_WAIT_S (so no rank waits in a
+collective long enough for its timeout); every rank runs it; the output rank puts the encoded outputs in the store
+(raw bytes, one key per file, read and deleted by rank 0) and every rank its summary (JSON). No replica waits for
+another. Ranks decide nothing alone: what runs, whether a request is cancelled, and what a fault leads to is the
+dispatcher's decision, read from the store or the broadcast; every value read from the store is JSON checked against
+its schema, or raw bytes.
 
-Cancellation: a request answered before its round ended (a 504, a client that hung up) is cancelled. Rank 0 puts a
-key for it in the store; at every denoising step the replica's first rank reads those keys and broadcasts the flag to
-its replica, so all of them stop at the same step boundary.
+Cancellation: a request answered before its batch ended (a 504, a client that hung up) is cancelled. The dispatcher
+puts a key for it in the store; at every denoising step the replica's first rank reads those keys and broadcasts the
+flag to its replica, so all of them stop at the same step boundary.
 
-Progress: at every denoising step a replica's first rank puts each running item's steps done (JSON) in the store;
-rank 0 reads them at its own steps and while it waits for a round: a video job's `progress` (serve/jobs.py).
+Progress: at every denoising step a replica's first rank puts each running item's steps done (JSON) in the store
+("job progress/<id>", apart from the replica's step events at "progress/<replica>", stream.py); rank 0's dispatcher
+reads them while the replica runs: a video job's `progress` (serve/jobs.py).
 
 A request's own fault: when a pipeline call raises on every rank of its replica alike (the same error, not a
-collective's), the ranks agree on it through the store (the replica's first rank decides, compare-and-set, so they
-all read one verdict) and its requests get a 500 while the server goes on without a reload.
+collective's or a device's), the ranks agree on it through the store (the replica's first rank decides,
+compare-and-set, so they all read one verdict) and its requests get a 500 while the replica goes on without a reload.
 
-A fault (an exception on any rank, or a rank that died) ends the round on every rank: each writes its error to the
-store and aborts its process groups, so peers blocked in a collective with it fail at once; each then says it is
-alive. When all are, rank 0 answers the round's requests (those whose outputs reached the store succeed; the others
-get a 500 naming the cause) and decides "recover": the ranks join a new process group (the next generation of
-store keys) and load the pipeline again, and the server goes on. When a rank is missing (its process on this machine
-is gone, or a rank elsewhere has not answered within ALIVE_WAIT_S), the decision is "stop": every waiting request is
-answered 503, /health says failed and the ranks exit non-zero.
+A fault (an exception on any rank, or a rank that died) ends the batch on every rank of its replica: each writes its
+error to the store and aborts its process group, so peers blocked in a collective with it fail at once; each then
+says it is alive and waits for the dispatcher's decision: "recover" (the replica's ranks join a new process group,
+the next generation of its keys, and load the pipeline again, while the other replicas serve) or "stop" (a rank is
+gone, or the load failed again: the ranks exit non-zero).
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import copy
 import datetime
 import io
 import gc
@@ -55,7 +55,7 @@ from paradiff.cli.worker import (Loaded, accepted_kwargs, call_kwargs, call_para
                                  peak_memory_bytes, quiet_other_ranks)
 from paradiff.distributed.comm import abort_process_groups, all_gather_json, broadcast_flag, broadcast_json
 from paradiff.distributed.failures import is_comm_error
-from paradiff.distributed.store import checked, get_json, open_store, put_json
+from paradiff.distributed.store import checked, get_json, open_store, put_json, store_client
 from paradiff.errors import DistributedError
 from paradiff.runtime.progress import StepClock, StepEvent
 from paradiff.serve.stream import StepPublisher, preview_maker
@@ -71,10 +71,13 @@ IDLE_WAIT_S = 0.2  # an idle round every this often: it is also how a rank that 
 # how long the ranks of a replica whose pipeline call raised wait for each other to say they raised alike (a request's
 # own fault); past it, the error is a rank's fault. A fault on one rank costs this much more before the recovery.
 AGREE_WAIT_S = 2.0
+DECISION_WAIT_S = 600.0  # how long a failed replica's ranks wait for the dispatcher's decision
 POLL_S = (0.001, 0.01)  # store polls: the first wait, and the longest (doubling in between)
 
 SUMMARY = {"rank": int, "replica": int, "step_s": list, "seconds": float, "images": int, "steps": int, "memory": int,
-           "rss": int, "failed": dict, "cancelled": dict, "agreements": list}
+           "rss": int, "failed": dict, "cancelled": dict, "agreements": list, "refused": dict}
+WORK = {"kind": str, "items": list}
+READY = {"info": dict, "ranks": list}
 RESULT = {"files": list, "replica": int, "started": float, "finished": float, "batch": str}
 FILE = {"mime": str, "frames": (int, None)}
 ERROR = {"error": str, "comm": bool, "loading": bool}
@@ -93,11 +96,12 @@ class Channel:
     """The store shared by every rank, with keys of the current generation (one per process group). Values are JSON
     (checked against a schema on read) or raw bytes."""
 
-    def __init__(self, store: dist.Store, rank: int, world: int) -> None:
-        self.store, self.rank, self.world, self.generation = store, rank, world, 0
+    def __init__(self, store: dist.Store, rank: int, world: int, scope: str = "", generation: int = 0) -> None:
+        # rank and world: within the scope (a replica's own ranks, "r1"); "" the whole server
+        self.store, self.rank, self.world, self.scope, self.generation = store, rank, world, scope, generation
 
     def key(self, *parts: Any) -> str:
-        return "/".join([PREFIX, f"gen{self.generation}", *map(str, parts)])
+        return "/".join([PREFIX, *([self.scope] if self.scope else []), f"gen{self.generation}", *map(str, parts)])
 
     def put(self, value: Any, *parts: Any) -> None:
         put_json(self.store, self.key(*parts), value)
@@ -166,10 +170,9 @@ class Channel:
 
     def forget_generation(self, generation: int) -> None:
         """Rank 0, once every rank runs a later generation: the fault keys of `generation` go."""
-        keys = [f"{PREFIX}/gen{generation}/{part}" for part in
-                ["decision", "fault", *(f"{kind}/{r}" for kind in ("error", "alive") for r in range(self.world))]]
-        for key in keys:
-            self.store.delete_key(key)
+        old = Channel(self.store, self.rank, self.world, self.scope, generation)
+        for parts in [("decision",), ("fault",), *((kind, r) for kind in ("error", "alive") for r in range(self.world))]:
+            old.delete(*parts)
 
 
 def join_group(channel: Channel, backend: str, timeout_s: float) -> dist.ProcessGroup | None:
@@ -180,35 +183,24 @@ def join_group(channel: Channel, backend: str, timeout_s: float) -> dist.Process
     return None if backend == "gloo" else dist.new_group(backend="gloo")
 
 
-def replica_groups(replicas: list[int]) -> dict[int, tuple[list[int], Any]]:
-    """replica -> (its ranks, a gloo group of them): where a replica's ranks agree on a step's cancellation. Every
-    rank creates every group, in the same order (torch's rule for new_group)."""
-    groups = {}
-    for replica in sorted(set(replicas)):
-        members = [rank for rank, r in enumerate(replicas) if r == replica]
-        groups[replica] = (members, dist.new_group(ranks=members, backend="gloo") if len(members) > 1 else None)
-    return groups
-
-
 class Replica:
     """This rank's share of the serving: its replica's pipeline and how a batch of work items becomes calls."""
 
-    def __init__(self, loaded: Loaded, args: argparse.Namespace, max_batch: int) -> None:
-        from paradiff.api.data_parallel import data_coordinates
-
+    def __init__(self, loaded: Loaded, args: argparse.Namespace, max_batch: int, replica: int = 0,
+                 replicas: int = 1) -> None:
         self.pipeline = loaded.pipeline
         self.pipeline.set_progress_bar_config(disable=True)  # one log line per request instead
         self.monitors = loaded.monitors
         self.args = args
         self.max_batch = max_batch
-        self.replica, self.replicas = data_coordinates(self.pipeline)
+        self.replica, self.replicas = replica, replicas
         self.parameters = set(call_parameters(self.pipeline))
         self.pipeline_name = pipeline_class_name(args)
         self.adapters = tuple((lora["adapter_name"], lora["scale"]) for lora in loaded.loras)
         self._active: tuple | None = self.adapters  # load_from_args mixed them at their start scales
-        self.members: list[int] = [dist.get_rank()]  # this replica's ranks (set by serve_rank once groups exist)
-        self.group = None  # a gloo group of them (None for a replica of one rank)
-        self.on_step: Callable[[], None] | None = None  # rank 0: publish cancellations at every step
+        self.members: list[int] = list(range(dist.get_world_size()))  # this replica's ranks: its own world
+        self.group = None  # the gloo group they agree in (None: the default group, gloo on CPU)
+        self.on_step: Callable[[], None] | None = None  # called at every step end (None: rank 0's dispatcher polls)
         # the output rank: called at every step end (serve/stream.py's StepPublisher: progress and previews)
         self.step_listeners: list[Callable[[StepEvent], None]] = []
         self.previews = "no previews"  # what previews this server makes (serve_rank sets it)
@@ -220,20 +212,21 @@ class Replica:
             self.adapter_cache = AdapterCache(self.pipeline.transformer, args.max_loras, args.max_lora_rank)
 
     def describe(self) -> dict:
+        """What rank 0's frontend needs of the pipeline (JSON: it crosses the store)."""
         from paradiff.plans.pipelines import call_keyword
 
         # what an edit may carry: the conditioning inputs the call takes (under the pipeline's own keywords)
         inputs = {name for name, keyword in (("image", "image"), ("mask", "mask_image"), ("strength", "strength"))
                   if call_keyword(self.pipeline_name, keyword) in self.parameters}
         return {"kind": "video" if "num_frames" in self.parameters else "image",
-                "accepts": frozenset(self.parameters), "replicas": self.replicas, "adapters": self.adapters,
-                "inputs": frozenset(inputs), "pipeline": self.pipeline_name or type(self.pipeline).__name__,
-                "previews": self.previews}
+                "accepts": sorted(self.parameters), "replicas": self.replicas,
+                "adapters": [list(adapter) for adapter in self.adapters], "inputs": sorted(inputs),
+                "pipeline": self.pipeline_name or type(self.pipeline).__name__, "previews": self.previews}
 
     def check(self, item: dict) -> str | None:
-        """Rank 0, before a round is broadcast: why the pipeline could not take `item` (None when it can). Every
-        tokenizer of the pipeline reads the item's texts, so a text no tokenizer can read is the request's error
-        (400) and never reaches a rank."""
+        """The replica's first rank, before a batch is broadcast: why the pipeline could not take `item` (None when it
+        can). Every tokenizer of the pipeline reads the item's texts, so a text no tokenizer can read is the
+        request's error (400) and never runs."""
         texts = [item["prompt"]] + ([item["negative_prompt"]] if item.get("negative_prompt") else [])
         for text in texts:
             try:
@@ -286,8 +279,8 @@ class Replica:
         return image_kwargs(images, mask, item.get("strength"), self.pipeline_name)
 
     def run(self, items: list[dict], channel: Channel, number: int) -> dict:
-        """Run `items` (one replica's batch: same size, steps, guidance) in round `number`; the output rank stores each
-        item's result. Returns this rank's summary of the round (failed: item id -> error, for a request's own fault;
+        """Run `items` (one replica's batch: same size, steps, guidance), its batch `number`; the output rank stores
+        each item's result. Returns this rank's summary of the batch (failed: item id -> error, for a request's own fault;
         cancelled: item id -> the steps its call ran)."""
         started = time.perf_counter()
         images = [(item, seed) for item in items for seed in item["seeds"]]
@@ -350,7 +343,7 @@ class Replica:
             if self.pipeline.is_output_rank:
                 for (item, _), output in zip(chunk, outputs_of(result)):
                     files[item["id"]] += _encode(output, item)
-                    batches.setdefault(item["id"], f"{number}.{chunk_index}")
+                    batches.setdefault(item["id"], f"{self.replica}.{channel.generation}.{number}.{chunk_index}")
         finished = time.time()
         if self.pipeline.is_output_rank:
             for item in items:
@@ -384,7 +377,7 @@ class Replica:
             if self.on_step is not None:
                 self.on_step()
             flag = channel.rank == lead and any(channel.has("cancel", i) for i in ids)
-            if self.group is not None:
+            if len(self.members) > 1:
                 flag = broadcast_flag(flag, src=lead, group=self.group)
             if flag:
                 raise Cancelled(step + 1)
@@ -440,28 +433,38 @@ def rss_bytes() -> int:
 
 
 def serve_rank(args: argparse.Namespace, device: torch.device, frontend_factory: Callable | None,
-               on_pipeline_loaded: Callable | None = None) -> int:
+               on_pipeline_loaded: Callable | None = None, dispatcher_factory: Callable | None = None) -> int:
     """One rank of the server until it stops; returns the exit code (0 after a drain, 1 after a fatal fault).
-    `frontend_factory()` (rank 0 only) starts the HTTP side (app.Frontend)."""
+    `frontend_factory()` (rank 0 only) starts the HTTP side (app.Frontend); rank 0 also runs
+    `dispatcher_factory(store, frontend, replicas, size, timeout_s)` (dispatch.Dispatcher, passed in by the serve
+    command: dispatch.py reads this module's channel), in a thread beside its own replica's loop."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     quiet_other_ranks(rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    channel = Channel(open_store(rank, world, args.timeout), rank, world)
+    store = open_store(rank, world, args.timeout)
+    replicas = args.dp
+    size = world // replicas  # ranks per replica: replica r is ranks r * size ... (r + 1) * size - 1
+    index, local = divmod(rank, size)
+    channel = Channel(store, local, size, scope=f"r{index}")
     frontend = frontend_factory() if rank == 0 else None
     _handle_signals(frontend)
+    dispatcher = (dispatcher_factory(store_client(args.timeout), frontend, replicas, size, args.timeout).start()
+                  if frontend is not None else None)
+    own = copy.copy(args)
+    own.dp = 1  # each replica is a mesh of its own, in a process group of its own
     hook = on_pipeline_loaded
-    peers: dict[int, int] = {}  # rank -> pid of the other ranks on this machine, once a load has told them
     try:
         while True:
             control = join_group(channel, backend, args.timeout)
             replica = None
             fault = None
             try:
-                loaded = load_from_args(args, device)
+                loaded = load_from_args(own, device)
                 if hook is not None:
                     hook(loaded.pipeline, rank)
                     hook = None  # a fault injected for a test happens once, not again after recovery
-                replica = Replica(loaded, args, args.max_batch)
+                replica = Replica(loaded, args, args.max_batch, index, replicas)
+                replica.group = control
                 del loaded
                 maker, replica.previews = preview_maker(replica.pipeline, args.previews, Path(args.out) / "previews",
                                                         staged=args.stages)
@@ -470,18 +473,13 @@ def serve_rank(args: argparse.Namespace, device: torch.device, frontend_factory:
                 summary = all_gather_json({"rank": rank, "memory": peak_memory_bytes(device), "rss": rss_bytes(),
                                            "replica": replica.replica, "pid": os.getpid(),
                                            "host": socket.gethostname()}, control)
-                replica.members, replica.group = replica_groups([s["replica"] for s in summary])[replica.replica]
-                if frontend is not None:
-                    if channel.generation:
-                        channel.forget_generation(channel.generation - 1)
-                    replica.on_step = lambda: _exchange(channel, frontend)
-                    frontend.ready(replica.describe(), summary, channel.generation)
-                # the ranks on this machine, whose death rank 0 sees while it waits in the store for their round
-                peers = {s["rank"]: s["pid"] for s in summary
-                         if s["host"] == socket.gethostname() and s["rank"] != rank}
-                _rounds(channel, replica, frontend, control, device, peers)
+                if local == 0:
+                    channel.put({"info": replica.describe(), "ranks": summary}, "ready")
+                _serve_replica(channel, replica, control, device)
                 dist.destroy_process_group()
-                return 0
+                if dispatcher is not None:
+                    dispatcher.join()
+                return 0 if dispatcher is None or not dispatcher.failed else 1
             except Exception as exc:  # noqa: BLE001 - every fault ends in one agreed decision
                 if channel.generation == 0 and replica is None and not is_comm_error(exc):
                     raise  # the first load failed: the launcher's usual one-line failure
@@ -491,56 +489,60 @@ def serve_rank(args: argparse.Namespace, device: torch.device, frontend_factory:
             replica = control = None
             abort_process_groups()
             gc.collect()
-            decision = _after_fault(channel, fault, frontend, peers, args.timeout)
-            if decision == "stop":
+            if _await_decision(channel, fault) == "stop":
+                if dispatcher is not None:
+                    dispatcher.join()
                 return 1
             channel.generation += 1
     finally:
+        if dispatcher is not None:
+            dispatcher.stop()
         if frontend is not None:
             frontend.stop()
 
 
-def _rounds(channel: Channel, replica: Replica, frontend, control, device: torch.device,
-            peers: dict[int, int]) -> None:
+def _serve_replica(channel: Channel, replica: Replica, control, device: torch.device) -> None:
+    """This replica's loop: its first rank takes the next batch rank 0's dispatcher put in the store for it (or says
+    "idle" every IDLE_WAIT_S, so the other ranks never wait past a collective's timeout), checks its requests and
+    broadcasts it to the replica; every rank runs it and puts its summary in the store, where the dispatcher reads
+    it. No other replica is waited for."""
+    lead = channel.rank == 0
     number = 0
-    last_go = None
     while True:
-        decision = (frontend.next_round(replica.replicas, IDLE_WAIT_S, replica.check)
-                    if frontend is not None else None)
-        decision = broadcast_json(decision, src=0, group=control)
-        if decision["kind"] == "stop":
+        work = _next_work(channel, replica, number + 1) if lead else None
+        if len(replica.members) > 1:
+            work = broadcast_json(work, src=0, group=control)
+        if work["kind"] == "stop":
+            if lead:
+                channel.put(True, "stopped")
             return
-        if decision["kind"] == "idle":
+        if work["kind"] == "idle":
             continue
         number += 1
-        summary = replica.run(decision["batches"][replica.replica], channel, number)
-        summary.update(memory=peak_memory_bytes(device), rss=rss_bytes())
-        channel.put(summary, "round", number, "summary", channel.rank)
-        if frontend is None:  # wait in the store, not in a collective, for the round's slowest replica
-            channel.wait_for("round", number, "go", between=lambda: _raise_on_fault(channel))
-            continue
-
-        def between():
-            _exchange(channel, frontend)
-            _raise_on_fault(channel)
-            dead = [r for r, pid in peers.items() if not _alive(pid)]
-            if dead:  # no collective is there to fail: a rank that died is seen by its process
-                raise DistributedError(f"rank(s) {dead} stopped answering (the process died or was killed)")
-
-        summaries = []
-        for r in range(channel.world):
-            channel.wait_for("round", number, "summary", r, between=between)
-            summaries.append(channel.take(SUMMARY, "round", number, "summary", r))
-        frontend.finish_round(decision, channel, summaries)
-        _forget_round(channel, number, decision, summaries)
-        if last_go is not None:
-            channel.delete("round", last_go, "go")  # every rank put a summary of this round: all went past it
-        channel.put(True, "round", number, "go")
-        last_go = number
-        frontend.metrics.store_keys(channel.keys())
+        summary = replica.run(work["items"], channel, number)
+        summary.update(memory=peak_memory_bytes(device), rss=rss_bytes(), refused=work["refused"] if lead else {})
+        channel.put(summary, "batch", number, "summary", channel.rank)
 
 
-def _alive(pid: int) -> bool:
+def _next_work(channel: Channel, replica: Replica, number: int) -> dict:
+    """The first rank: batch `number` from the store ({"kind": "work", "items", "refused"}), "stop", or "idle" when
+    none came within IDLE_WAIT_S. Items the pipeline cannot take (Replica.check) are refused here, never run."""
+    deadline = time.monotonic() + IDLE_WAIT_S
+    if not channel.wait_for("work", number, deadline=deadline, between=lambda: _raise_on_fault(channel)):
+        return {"kind": "idle"}
+    work = channel.take(WORK, "work", number)
+    if work["kind"] != "work":
+        return {"kind": "stop"}
+    refused = {}
+    for item in work["items"]:
+        problem = replica.check(item)
+        if problem is not None:
+            refused[str(item["id"])] = problem
+    return {"kind": "work", "items": [item for item in work["items"] if str(item["id"]) not in refused],
+            "refused": refused}
+
+
+def process_alive(pid: int) -> bool:
     """Whether process `pid` (a rank on this machine) still runs: not gone, not a zombie."""
     try:
         os.kill(pid, 0)
@@ -558,39 +560,17 @@ def _raise_on_fault(channel: Channel) -> None:
         raise DistributedError("a peer rank failed while this rank waited for the round to end")
 
 
-def _exchange(channel: Channel, frontend) -> None:
-    """Rank 0, between its steps and while it waits for a round: cancellations out, step events, previews and jobs'
-    progress in."""
-    _publish_cancellations(channel, frontend)
-    frontend.progress.poll(channel, frontend.replicas)
-    _step_news(channel, frontend)
+def step_news(channel: Channel, items: list[dict]) -> dict[int, tuple[int, int]]:
+    """Rank 0's dispatcher: the running items' progress (steps done, steps in all) that their replica's first rank
+    put in the store at its last step."""
+    news = {}
+    for item in items:
+        if channel.has("job progress", item["id"]):
+            progress = channel.get(PROGRESS, "job progress", item["id"])
+            news[item["id"]] = (progress["done"], progress["total"])
+    return news
 
 
-def _publish_cancellations(channel: Channel, frontend) -> None:
-    """Rank 0: a key in the store for each running request already answered (504, or its client hung up)."""
-    for job_id in frontend.to_cancel():
-        channel.put(True, "cancel", job_id)
-
-
-def _step_news(channel: Channel, frontend) -> None:
-    """Rank 0: the running jobs' progress in (`_exchange`)."""
-    for job_id in frontend.scheduler.running_ids():
-        if channel.has("job progress", job_id):
-            news = channel.get(PROGRESS, "job progress", job_id)
-            frontend.job_progress(job_id, news["done"], news["total"])
-
-
-def _forget_round(channel: Channel, number: int, decision: dict, summaries: list[dict]) -> None:
-    """Rank 0, every summary of the round read: the round's cancel, progress and request-fault agreement keys go."""
-    for batch in decision["batches"]:
-        for item in batch:
-            channel.delete("cancel", item["id"])
-            channel.delete("job progress", item["id"])
-    for chunk in {c for s in summaries for c in s["agreements"]}:
-        for r in range(channel.world):
-            channel.delete("round", number, "fail", chunk, r)
-        for replica in range(len(decision["batches"])):
-            channel.delete("round", number, "verdict", replica, chunk)
 def _record_error(channel: Channel, exc: BaseException, loading: bool) -> bool:
     """Put this rank's error in the store for rank 0; False when the store is gone (rank 0 died)."""
     lines = str(exc).splitlines()
@@ -604,43 +584,19 @@ def _record_error(channel: Channel, exc: BaseException, loading: bool) -> bool:
     return True
 
 
-def _after_fault(channel: Channel, recorded: bool, frontend, peers: dict[int, int], timeout_s: float) -> str:
-    """Every rank, its groups aborted: say it is alive; rank 0 decides "recover" or "stop" and answers the
-    round's requests; the others wait for the decision. Rank 0 waits for each rank on its machine (`peers`: rank ->
-    pid) until it says it is alive or its process is gone (at most `timeout_s`, the collective timeout, by which a
-    live rank has learnt of the fault), and for any other rank ALIVE_WAIT_S."""
+def _await_decision(channel: Channel, recorded: bool) -> str:
+    """Every rank of a replica that failed, its groups aborted: say it is alive, then wait for rank 0's dispatcher
+    to decide "recover" (this replica alone joins a new process group and loads again) or "stop"."""
     if not recorded:
         return "stop"
     try:
         channel.put(True, "alive", channel.rank)
-        if frontend is None:
-            channel.store.wait([channel.key("decision")], datetime.timedelta(seconds=60))
-            return channel.get(str, "decision")
+        # polled: on rank 0 a blocking wait would hold the store's connection, which the dispatcher's thread uses
+        if not channel.wait_for("decision", deadline=time.monotonic() + DECISION_WAIT_S):
+            return "stop"
+        return channel.get(str, "decision")
     except Exception:  # noqa: BLE001 - the store is gone: rank 0 died, nobody is left to decide
         return "stop"
-    started = time.monotonic()
-
-    def settled(r: int) -> bool:
-        if channel.has("alive", r):
-            return True
-        if r in peers:
-            return not _alive(peers[r]) or time.monotonic() > started + timeout_s
-        return time.monotonic() > started + ALIVE_WAIT_S
-
-    while not all(settled(r) for r in range(channel.world)):
-        time.sleep(0.02)
-    alive = [r for r in range(channel.world) if channel.has("alive", r)]
-    errors = {r: channel.get(ERROR, "error", r) for r in range(channel.world) if channel.has("error", r)}
-    root = [f"rank {r}: {e['error']}" for r, e in sorted(errors.items()) if not e["comm"]]
-    dead = sorted(set(range(channel.world)) - set(alive))
-    if dead:
-        root.append(f"rank(s) {dead} stopped answering (the process died or was killed)")
-    cause = "; ".join(root) or "; ".join(f"rank {r}: {e['error']}" for r, e in sorted(errors.items()))
-    reloading = any(e["loading"] for e in errors.values())  # the pipeline failed to load again: do not loop
-    decision = "stop" if dead or reloading or frontend.closing else "recover"
-    frontend.fault(channel, cause, decision)
-    channel.put(decision, "decision")
-    return decision
 
 
 def _handle_signals(frontend) -> None:

@@ -126,8 +126,9 @@ class ProgressRouter:
         self._seen: dict[int, tuple] = {}  # replica -> (round, ids, step) last handed on
         self._taken: dict[int, int] = {}  # item id -> previews taken
 
-    def poll(self, channel, replicas: int) -> None:
-        for replica in range(replicas):
+    def poll(self, channel, replicas: int | list[int]) -> None:
+        """`replicas`: how many (all in `channel`), or which ones (a replica's own channel holds its own)."""
+        for replica in (range(replicas) if isinstance(replicas, int) else replicas):
             if not channel.has("progress", replica):
                 continue
             progress = channel.get(PROGRESS, "progress", replica)
@@ -141,13 +142,16 @@ class ProgressRouter:
                 self._seen[replica] = mark
                 self.on_step(replica, progress)
 
-    def finish_round(self, channel, replicas: int) -> None:
-        """The round's ranks are done: what is left is handed on, the round's progress keys go."""
+    def finish_round(self, channel, replicas: int | list[int], items: list[int] | None = None) -> None:
+        """The round's (or one replica's batch's) ranks are done: what is left is handed on, its progress keys go.
+        `items`: the batch's item ids, when other replicas' batches still run (None: every item)."""
+        replicas = list(range(replicas) if isinstance(replicas, int) else replicas)
         self.poll(channel, replicas)
-        for replica in range(replicas):
+        for replica in replicas:
             channel.delete("progress", replica)
-        self._seen.clear()
-        self._taken.clear()
+            self._seen.pop(replica, None)
+        for item in (list(self._taken) if items is None else items):
+            self._taken.pop(item, None)
 
 
 # -- the HTTP side ------------------------------------------------------------------------------------------------
@@ -161,7 +165,7 @@ async def stream_images(frontend, body: Any, error_body: Callable):
     from fastapi.responses import StreamingResponse
 
     what = "POST /v1/images/generations"
-    if frontend.health != "ready" or frontend.limits is None:
+    if frontend.health not in ("ready", "degraded") or frontend.limits is None:
         return frontend.refusal(503, f"the server is {frontend.health}; retry when GET /health says ready", what)
     try:
         request = with_seed(parse_image_request(body, frontend.limits, "image"))

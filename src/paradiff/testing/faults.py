@@ -7,8 +7,9 @@ below on its loaded pipeline and then runs the normal worker code. The variables
 
 - PARADIFF_INJECT_FAULT="RANK:raise|exit": that rank fails in its second transformer forward, inside the first block
   (raise: a RuntimeError; exit: os._exit(9), as if killed); "RANK:seed": it starts from other latents;
-  "all:alike": every rank raises the same ValueError there (a request's own fault, as bad inputs would). "@N" after
-  the kind moves the fault to the Nth forward; several faults are separated by commas ("all:alike,1:raise@4").
+  "all:alike": every rank raises the same ValueError there (a request's own fault, as bad inputs would);
+  "RANK:device": it raises a device's error ("CUDA error: ..."), a rank's fault even in a replica of one rank.
+  "@N" after the kind moves the fault to the Nth forward; several faults are separated by commas ("all:alike,1:raise@4").
 - PARADIFF_FAULT_STAMP=FILE: the rank writes the moment of the fault (time.time()) there.
 - PARADIFF_FAULT_GATE=FILE: the rank fails only once FILE exists (waiting at most 120 s), so that a test can first
   bring the server to the state it means to fault in (a second request queued, say).
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-FAULT_KINDS = ("raise", "exit", "seed", "alike")
+FAULT_KINDS = ("raise", "exit", "seed", "alike", "device")
 
 
 def install_fault_from_env(pipeline, rank: int) -> None:
@@ -72,6 +73,8 @@ def install_fault(transformer: torch.nn.Module, rank: int, kind: str, stamp_file
                 os._exit(9)
             if kind == "alike":
                 raise ValueError("injected request fault (the same on every rank)")
+            if kind == "device":
+                raise RuntimeError(f"CUDA error: injected device fault on rank {rank}")
             raise RuntimeError(f"injected fault on rank {rank}")
 
     if kind == "seed":

@@ -1,0 +1,217 @@
+"""Independent data-parallel replicas and the cost-aware queue of `paradiff serve`, on the embedded demo pipeline
+(or `--model flux2`, the FLUX.2-shaped folder of bench_pipelines), each a real server on 127.0.0.1:
+
+- dp2 against one replica, requests per minute, without a batch window (4 concurrent clients; goal >= 1.9x);
+- p95 wait (accepted -> started, from requests.jsonl) of short requests (1 step) while long ones (8x the steps, 4x
+  the pixels) keep the replica busy, under --schedule fifo and --schedule fair (one replica);
+- with --ray: Ray Serve's overhead per request (a local Ray cluster, one mesh): sequential requests through Ray's
+  HTTP proxy against the same requests sent to the mesh's own `paradiff serve` port, interleaved (goal <= 5%).
+
+Rounds are interleaved; medians over rounds. The result goes to benchmarks/results/bench_replicas.json.
+
+    .venv/bin/python benchmarks/bench_replicas.py --rounds 1 --requests 6      # ~5 min on 2 loaded cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from paradiff.testing.serve import ServerProcess, images_of  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+RESULT = REPO / "benchmarks" / "results" / "bench_replicas.json"
+PROMPTS = ["a red circle on a blue background, top left", "a yellow square on a green background, bottom right"]
+
+
+def start(folder: Path, model: list[str], *flags: str) -> ServerProcess:
+    folder.mkdir(parents=True, exist_ok=True)
+    server = ServerProcess(folder, *model, *flags)
+    server.wait_ready(timeout_s=600)
+    return server
+
+
+def throughput(server: ServerProcess, clients: int, requests: int) -> float:
+    """Requests per minute of `clients` clients, each sending `requests` one after the other."""
+    def client(number: int) -> None:
+        import httpx
+
+        with httpx.Client(base_url=server.url, timeout=900) as http:
+            for index in range(requests):
+                images_of(http.post("/v1/images/generations",
+                                    json={"prompt": PROMPTS[index % 2], "seed": number * 100 + index}))
+
+    threads = [threading.Thread(target=client, args=(number,)) for number in range(clients)]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return 60 * clients * requests / (time.monotonic() - started)
+
+
+def short_waits(server: ServerProcess, steps: int, shorts: int) -> list[float]:
+    """Two clients send long requests back to back while a third sends `shorts` short ones, one every 0.2 s after
+    the previous answer; the short ones' waits in the queue."""
+    done = threading.Event()
+
+    def long_client() -> None:
+        import httpx
+
+        with httpx.Client(base_url=server.url, timeout=900) as http:
+            while not done.is_set():
+                images_of(http.post("/v1/images/generations",
+                                    json={"prompt": PROMPTS[0], "steps": 8 * steps, "size": "128x128"}))
+
+    threads = [threading.Thread(target=long_client) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    before = len(server.log())
+    time.sleep(0.5)
+    for index in range(shorts):
+        images_of(server.generate(prompt=PROMPTS[1], steps=steps, seed=index))
+        time.sleep(0.2)
+    done.set()
+    for thread in threads:
+        thread.join()
+    entries = [entry for entry in server.log()[before:] if entry["steps"] == steps and entry["status"] == 200]
+    return [entry["started"] - entry["accepted"] for entry in entries]
+
+
+def ray_overhead(requests: int, model: list[str], steps: int) -> tuple[float, float, float]:
+    """(median latency through Ray's proxy, median latency straight to the mesh's server, overhead ratio - 1)."""
+    import httpx
+    import ray
+    from ray import serve
+
+    from paradiff.distributed.spawn import free_port
+    from paradiff.serve.ray import build_app
+
+    port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app([*model, "--steps", str(steps)], ranks=1), name="paradiff", route_prefix="/")
+        mesh_port = None
+        for entry in Path("/proc").iterdir():
+            try:
+                words = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"paradiff.cli" in words and any(b"paradiff-ray-" in word for word in words):
+                mesh_port = int(words[words.index(b"--port") + 1])
+        through, direct = [], []
+        with httpx.Client(timeout=600) as http:
+            for index in range(requests + 1):
+                for url, sink in ((f"http://127.0.0.1:{port}", through), (f"http://127.0.0.1:{mesh_port}", direct)):
+                    started = time.monotonic()
+                    images_of(http.post(url + "/v1/images/generations", json={"prompt": PROMPTS[0], "seed": index}))
+                    if index:  # the first of each: warm-up
+                        sink.append(time.monotonic() - started)
+        ray_s, direct_s = statistics.median(through), statistics.median(direct)
+        return ray_s, direct_s, ray_s / direct_s - 1
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=8, help="requests per client in the throughput load")
+    parser.add_argument("--shorts", type=int, default=8, help="short requests in the fifo / fair load")
+    parser.add_argument("--model", choices=("demo", "flux2"), default="demo")
+    parser.add_argument("--note", default="measured under load (7 agents on 2 cores)")
+    parser.add_argument("--ray", action="store_true", help="also Ray Serve's overhead per request")
+    parser.add_argument("--only-ray", action="store_true", help="only Ray Serve's overhead (figures kept from the "
+                                                                 "result file)")
+    args = parser.parse_args()
+    model: list[str] = []
+    if args.model == "flux2":
+        from bench_pipelines import LARGE_FLUX2, build_folder
+
+        model = [str(build_folder(LARGE_FLUX2, Path(tempfile.mkdtemp()))), "--height", "128", "--width", "128",
+                 "--steps", "3"]
+    steps = 3 if args.model == "flux2" else 2
+    if args.only_ray:
+        result = json.loads(RESULT.read_text())
+        kept = [figure for figure in result["figures"] if "Ray Serve" not in figure["name"]]
+        result["figures"] = kept + ray_figures(args, model, steps)
+        result["command"] += "; python benchmarks/bench_replicas.py " + " ".join(sys.argv[1:])
+        RESULT.write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps(result, indent=1))
+        return 0
+    rpm = {"single": [], "dp2": []}
+    waits = {"fifo": [], "fair": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for number in range(args.rounds):
+            for name, flags in (("single", []), ("dp2", ["--dp", "2"])):
+                server = start(Path(tmp) / f"{name}{number}", model, *flags)
+                try:
+                    throughput(server, 4, 1)  # warm-up
+                    rpm[name].append(throughput(server, 4, args.requests))
+                finally:
+                    server.stop()
+            for policy in ("fifo", "fair"):
+                server = start(Path(tmp) / f"{policy}{number}", model, "--schedule", policy, "--max-steps",
+                               str(8 * steps), "--max-side", "128", "--steps", str(steps))
+                try:
+                    throughput(server, 1, 2)  # warm-up: the fair queue learns its rate from answers
+                    waits[policy] += short_waits(server, steps, args.shorts)
+                finally:
+                    server.stop()
+            print(f"round {number + 1}: rpm {rpm}, short waits p95 "
+                  f"{ {k: round(float(np.percentile(v, 95)), 2) for k, v in waits.items()} }", flush=True)
+    ratio = statistics.median(rpm["dp2"]) / statistics.median(rpm["single"])
+    p95 = {policy: float(np.percentile(values, 95)) for policy, values in waits.items()}
+    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model_name = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")),
+                      "unknown")
+    import os
+
+    result = {
+        "benchmark": "bench_replicas",
+        "title": "independent dp replicas (requests/min vs one replica) and the fair queue (p95 short wait)",
+        "command": "python benchmarks/bench_replicas.py " + " ".join(sys.argv[1:]),
+        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"cpu": model_name, "cores": os.cpu_count(), "device": "cpu"},
+        "figures": [
+            {"name": f"dp2 / one replica, requests per minute ({args.model}, no batch window)",
+             "value": round(ratio, 3), "unit": "x", "goal": ">= 1.9", "met": ratio >= 1.9,
+             "note": f"median of {args.rounds} round(s), 4 clients x {args.requests} requests; {args.note}"},
+            {"name": "p95 wait of short requests under long ones, fifo", "value": round(p95["fifo"], 3), "unit": "s",
+             "goal": "", "met": None, "note": f"one replica, {len(waits['fifo'])} short requests; {args.note}"},
+            {"name": "p95 wait of short requests under long ones, fair", "value": round(p95["fair"], 3), "unit": "s",
+             "goal": "< fifo", "met": p95["fair"] < p95["fifo"],
+             "note": f"one replica, {len(waits['fair'])} short requests; {args.note}"},
+        ] + (ray_figures(args, model, steps) if args.ray else []),
+    }
+    RESULT.parent.mkdir(parents=True, exist_ok=True)
+    RESULT.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+def ray_figures(args, model: list[str], steps: int) -> list[dict]:
+    ray_s, direct_s, overhead = ray_overhead(args.requests, model, steps)
+    return [{"name": "Ray Serve overhead per request (through Ray's proxy / straight to the mesh)",
+             "value": round(100 * overhead, 2), "unit": "%", "goal": "<= 5", "met": overhead <= 0.05,
+             "note": f"median of {args.requests} sequential requests each way, interleaved: {ray_s:.3f} s against "
+                     f"{direct_s:.3f} s ({args.model}, {steps} steps); {args.note}"}]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""`paradiff serve` on Ray Serve (paradiff.serve.ray): a local Ray cluster (one node, loopback), meshes of one rank of
+the demo pipeline, bounded waits on states observed (Ray's replica states, the meshes' /metrics)."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+if importlib.util.find_spec("ray") is None:  # found, not imported: collecting this file stays cheap
+    pytest.skip("ray[serve] is not installed (pip install 'paradiff[ray]')", allow_module_level=True)
+
+
+def replica_states() -> dict[str, int]:
+    from ray import serve
+
+    application = serve.status().applications.get("paradiff")
+    if application is None or "paradiff-mesh" not in application.deployments:
+        return {}
+    return {str(state): count for state, count in application.deployments["paradiff-mesh"].replica_states.items()}
+
+
+def wait_until(condition, what: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} within {timeout_s:.0f} s: {replica_states()}"
+        time.sleep(0.1)
+
+
+def running(count: int) -> bool:
+    states = replica_states()
+    return states.get("RUNNING", 0) == count and sum(states.values()) == count
+
+
+def meshes() -> dict[int, dict]:
+    """The meshes' servers on this machine: launcher pid -> {"port", "ranks": [pids]} (the ranks are forked by their
+    launcher: its children)."""
+    found: dict[int, tuple[int, int]] = {}  # pid -> (parent pid, port)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            words = (entry / "cmdline").read_bytes().split(b"\0")
+            parent = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if b"paradiff.cli" in words and b"--port" in words and any(b"paradiff-ray-" in w for w in words):
+            found[int(entry.name)] = (parent, int(words[words.index(b"--port") + 1]))
+    return {pid: {"port": port, "ranks": [child for child, (up, _) in found.items() if up == pid]}
+            for pid, (parent, port) in found.items() if parent not in found}
+
+
+@pytest.fixture
+def fast_autoscaling_metrics(monkeypatch):
+    """Ray Serve's replicas and handles push their queue lengths every 0.5 s instead of 10 (read when Ray starts)."""
+    for name in ("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S",
+                 "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S"):
+        monkeypatch.setenv(name, "0.5")
+
+
+def test_two_replicas_a_killed_rank_and_autoscaling(fast_autoscaling_metrics):
+    """Autoscaled from 1 to 2 meshes under a burst; a rank of one mesh killed (SIGKILL) mid-request: that request
+    fails (500), the other mesh answers every other request, Ray starts a new mesh; back to 1 once idle."""
+    import httpx
+    import ray
+    from ray import serve
+
+    from paradiff.distributed.spawn import free_port
+    from paradiff.serve.ray import build_app
+
+    port = free_port()
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        app = build_app(["--steps", "1", "--max-steps", "2000"], ranks=1, replicas=(1, 2), route="none",
+                        target_ongoing_requests=1, upscale_delay_s=0.5, downscale_delay_s=3, look_back_period_s=2)
+        serve.run(app, name="paradiff", route_prefix="/")
+        wait_until(lambda: running(1), "one mesh running")
+        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600)
+        answers: list[tuple[float, int]] = []  # (when answered, status) of every request
+        stop = threading.Event()
+
+        def ask(prompt: str, steps: int) -> int:
+            status = client.post("/v1/images/generations", json={"prompt": prompt, "steps": steps}).status_code
+            answers.append((time.monotonic(), status))
+            return status
+
+        def burst(number: int) -> None:  # route "none": Ray's power-of-two choice by queue length
+            for index in itertools.count():
+                if stop.is_set():
+                    return
+                ask(f"long {number} {index}", 100)
+
+        with ThreadPoolExecutor(4) as pool:
+            clients = [pool.submit(burst, number) for number in range(4)]  # 4 ongoing, 1 wanted per mesh
+            try:
+                wait_until(lambda: running(2) and len(meshes()) == 2, "scaled to two meshes under the burst")
+                first = meshes()
+                wait_until(lambda: all("paradiff_requests_running 1" in httpx.get(
+                    f"http://127.0.0.1:{server['port']}/metrics").text for server in first.values()),
+                    "a request running on each mesh")
+                victim = max(first)  # the newer launcher: the mesh Ray added
+                os.kill(first[victim]["ranks"][0], signal.SIGKILL)
+                killed = time.monotonic()
+                wait_until(lambda: any(pid not in first for pid in meshes()), "Ray starting a new mesh")
+            finally:
+                stop.set()
+            for future in clients:
+                future.result(timeout=600)
+        after = [status for when, status in answers if when > killed]
+        failed = [status for _, status in answers if status != 200]
+        assert failed and set(failed) == {500} and len(failed) <= 2, answers  # what ran on the killed mesh
+        assert after.count(200) >= 1, answers  # the other mesh answered meanwhile
+        wait_until(lambda: running(1), "back to one mesh once idle")
+        assert ask("after", 1) == 200
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def test_routing_keys():
+    from paradiff.serve.ray import PROMPT_BUCKETS, routing_key
+
+    body = b'{"prompt": "a cat", "loras": {"lora1": 0.5, "lora0": 1}}'
+    assert routing_key(body, "none") == ""
+    assert routing_key(body, "adapter") == 'adapters:{"lora0": 1, "lora1": 0.5}'
+    assert routing_key(b'{"prompt": "a cat"}', "adapter") == "adapters:default"
+    assert routing_key(body, "prompt-hash") == routing_key(b'{"prompt": "a cat"}', "prompt-hash")
+    keys = {routing_key(f'{{"prompt": "p{i}"}}'.encode(), "prompt-hash") for i in range(200)}
+    assert len(keys) == PROMPT_BUCKETS
+    assert routing_key(b"not json", "prompt-hash") == routing_key(b"[1]", "adapter") == ""
