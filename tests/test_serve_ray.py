@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray]
 if importlib.util.find_spec("ray") is None:  # found, not imported: collecting this file stays cheap
     pytest.skip("ray[serve] is not installed (pip install 'paradiff[ray]')", allow_module_level=True)
 
@@ -66,6 +65,8 @@ def fast_autoscaling_metrics(monkeypatch):
         monkeypatch.setenv(name, "0.5")
 
 
+@pytest.mark.slow
+@pytest.mark.ray
 def test_two_replicas_a_killed_rank_and_autoscaling(fast_autoscaling_metrics):
     """Autoscaled from 1 to 2 meshes under a burst; a rank of one mesh killed (SIGKILL) mid-request: that request
     fails (500), the other mesh answers every other request, Ray starts a new mesh; back to 1 once idle."""
