@@ -71,6 +71,8 @@ def agree(stage: str, facts: dict[str, Any] | None, error: BaseException | None 
     payload = {"error": None if error is None else f"{type(error).__name__}: {error}", "facts": facts}
     put_json(store, str(rank), payload)  # JSON (non-JSON facts as their repr, which is what is compared)
     if error is not None:
+        if rank != members[0]:
+            store.add("left", 1)  # it reads nothing more: the first member need not wait for it (_leave_together)
         raise error
     timeout = timeout_s if timeout_s is not None else _group_timeout()
     keys = [str(r) for r in members]
@@ -86,10 +88,14 @@ def agree(stage: str, facts: dict[str, Any] | None, error: BaseException | None 
         if missing:
             time.sleep(0.01)
     entries = {int(key): get_json(store, key, ENTRY) for key in keys}
+    _leave_together(store, rank, members, stage, deadline)
     if round_id:
         # every member published this round, so every member has read the previous one: this rank's entry of it
         # goes, and the store holds at most two rounds of each agreement point however many calls a server runs
-        dist.PrefixStore(f"paradiff/agree/{stage}/{group_id}/{round_id - 1}/", _store()).delete_key(str(rank))
+        previous = dist.PrefixStore(f"paradiff/agree/{stage}/{group_id}/{round_id - 1}/", _store())
+        previous.delete_key(str(rank))
+        if rank == members[0]:  # every member counted itself out of the previous round before publishing this one
+            previous.delete_key("left")
     failed = {r: e["error"] for r, e in entries.items() if e["error"]}
     if failed:
         detail = "; ".join(f"rank {r}: {message}" for r, message in sorted(failed.items()))
@@ -102,6 +108,20 @@ def agree(stage: str, facts: dict[str, Any] | None, error: BaseException | None 
                 f"{stage}: ranks disagree on {key}: " + ", ".join(f"rank {r}={v}" for r, v in sorted(values.items()))
                 + ". Every rank must run the same configuration on the same inputs."
             )
+
+
+def _leave_together(store: dist.Store, rank: int, members: tuple[int, ...], stage: str, deadline: float) -> None:
+    """The first member (the rank whose process serves the store when no agent does) returns only once every member
+    has read the entries: a rank that finished its script and exited at once could otherwise close the store under
+    a peer still reading it ("Connection reset by peer" in that peer). The others count themselves out and go."""
+    if rank != members[0]:
+        store.add("left", 1)
+        return
+    while store.add("left", 0) < len(members) - 1:
+        if time.monotonic() > deadline:
+            raise DistributedError(f"{stage}: rank(s) did not finish reading the agreement within the timeout "
+                                   "(crashed, killed, or stuck after publishing); stopping.")
+        time.sleep(0.005)
 
 
 def _group_timeout() -> float:

@@ -250,7 +250,11 @@ class ParallelMesh:
         group = self.fsdp_group
         if group is None:
             return None
-        return DeviceMesh.from_group(group, self.device_mesh.device_type, mesh_dim_names=("fsdp",))
+        # The dimension is named after the group: DeviceMesh equality (and the DTensor sharding caches keyed by it)
+        # ignores which process group a mesh uses, so a mesh of a later load over the same ranks (the groups of an
+        # earlier one destroyed: a server's reload, a test pool's next case) would otherwise be served the cached
+        # specs of the earlier mesh, whose group no longer resolves.
+        return DeviceMesh.from_group(group, self.device_mesh.device_type, mesh_dim_names=(f"fsdp-{group.group_name}",))
 
 
 def build_mesh(config: ParallelConfig, device: torch.device | None = None) -> ParallelMesh:
