@@ -89,18 +89,6 @@ def test_ranks_meet_though_another_process_took_the_port_free_port_picked(monkey
             pool.close()
 
 
-def test_commands_forked_from_the_tests_server_start_with_its_heap_frozen(tmp_path):
-    """The fork server froze what it preloaded (distributed/frozen_heap.py): a forked command's collections walk
-    none of it, and touch none of its pages."""
-    from paradiff.testing import command
-
-    script = tmp_path / "frozen.py"
-    script.write_text("import gc\nprint(gc.get_freeze_count())\n")
-    done = command.run([str(script)], timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert int(done.stdout) > 100_000, done.stdout  # torch, diffusers and transformers make hundreds of thousands
-
-
 def test_rank_env_names_the_rank_and_world():
     assert rank_env(1, 2, 1234) == dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="1234", RANK="1", WORLD_SIZE="2",
                                         LOCAL_RANK="1", LOCAL_WORLD_SIZE="2")

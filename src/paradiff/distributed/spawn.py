@@ -7,7 +7,6 @@ Every caller that starts N local ranks (the CLI launcher, check_plan, the demo, 
 from __future__ import annotations
 
 import datetime
-import gc
 import importlib
 import math
 import os
@@ -204,14 +203,13 @@ def can_fork_workers() -> bool:
 def local_context(preload: tuple[str, ...] = ()):
     """The multiprocessing context local ranks start from: where workers may be forked (can_fork_workers), a fork
     server that imported WORKER_PRELOAD (and `preload`) once, each rank forked from it in milliseconds; otherwise
-    fresh interpreters ("spawn"). The server is one per process: the preload of whichever caller starts it wins. It
-    freezes what it imported out of its children's garbage collections last (frozen_heap)."""
+    fresh interpreters ("spawn"). The server is one per process: the preload of whichever caller starts it wins."""
     import torch.multiprocessing as mp
 
     if not can_fork_workers():
         return mp.get_context("spawn")
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload([*WORKER_PRELOAD, *preload, "paradiff.distributed.frozen_heap"])
+    context.set_forkserver_preload([*WORKER_PRELOAD, *preload])
     return context
 
 
@@ -260,9 +258,6 @@ def start_commands(module: str, argv: list[str], envs: list[dict[str, str]]) -> 
             except ImportError:  # an optional dependency: the worker imports what it needs itself
                 pass
         if threading.active_count() == 1:
-            # the workers' collections skip what the imports made, and do not copy its pages (frozen_heap)
-            gc.collect()
-            gc.freeze()
             return [_fork_command(module, argv, env) for env in envs]
     return [subprocess.Popen([sys.executable, "-m", module, *argv], stderr=subprocess.PIPE, env=env) for env in envs]
 
