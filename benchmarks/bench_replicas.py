@@ -15,10 +15,7 @@ Rounds are interleaved; medians over rounds. The result goes to benchmarks/resul
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -30,9 +27,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from paradiff.testing.serve import ServerProcess, images_of  # noqa: E402
+from results import figure, load, this_command, write_result  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RESULT = REPO / "benchmarks" / "results" / "bench_replicas.json"
+TITLE = "independent dp replicas (requests/min vs one replica) and the fair queue (p95 short wait)"
 PROMPTS = ["a red circle on a blue background, top left", "a yellow square on a green background, bottom right"]
 
 
@@ -146,12 +145,10 @@ def main() -> int:
                  "--steps", "3"]
     steps = 3 if args.model == "flux2" else 2
     if args.only_ray:
-        result = json.loads(RESULT.read_text())
-        kept = [figure for figure in result["figures"] if "Ray Serve" not in figure["name"]]
-        result["figures"] = kept + ray_figures(args, model, steps)
-        result["command"] += "; python benchmarks/bench_replicas.py " + " ".join(sys.argv[1:])
-        RESULT.write_text(json.dumps(result, indent=1) + "\n")
-        print(json.dumps(result, indent=1))
+        earlier = load(RESULT)
+        kept = [item for item in earlier["figures"] if "Ray Serve" not in item["name"]]
+        write_result("bench_replicas", TITLE, kept + ray_figures(args, model, steps),
+                     command=f"{earlier['command']}; {this_command()}")
         return 0
     rpm = {"single": [], "dp2": []}
     waits = {"fifo": [], "fair": []}
@@ -176,41 +173,23 @@ def main() -> int:
                   f"{ {k: round(float(np.percentile(v, 95)), 2) for k, v in waits.items()} }", flush=True)
     ratio = statistics.median(rpm["dp2"]) / statistics.median(rpm["single"])
     p95 = {policy: float(np.percentile(values, 95)) for policy, values in waits.items()}
-    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model_name = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")),
-                      "unknown")
-    import os
-
-    result = {
-        "benchmark": "bench_replicas",
-        "title": "independent dp replicas (requests/min vs one replica) and the fair queue (p95 short wait)",
-        "command": "python benchmarks/bench_replicas.py " + " ".join(sys.argv[1:]),
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpu": model_name, "cores": os.cpu_count(), "device": "cpu"},
-        "figures": [
-            {"name": f"dp2 / one replica, requests per minute ({args.model}, no batch window)",
-             "value": round(ratio, 3), "unit": "x", "goal": ">= 1.9", "met": ratio >= 1.9,
-             "note": f"median of {args.rounds} round(s), 4 clients x {args.requests} requests; {args.note}"},
-            {"name": "p95 wait of short requests under long ones, fifo", "value": round(p95["fifo"], 3), "unit": "s",
-             "goal": None, "met": None, "note": f"one replica, {len(waits['fifo'])} short requests; {args.note}"},
-            {"name": "p95 wait of short requests under long ones, fair", "value": round(p95["fair"], 3), "unit": "s",
-             "goal": "< fifo", "met": p95["fair"] < p95["fifo"],
-             "note": f"one replica, {len(waits['fair'])} short requests; {args.note}"},
-        ] + (ray_figures(args, model, steps) if args.ray else []),
-    }
-    RESULT.parent.mkdir(parents=True, exist_ok=True)
-    RESULT.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result, indent=1))
+    write_result("bench_replicas", TITLE, [
+        figure(f"dp2 / one replica, requests per minute ({args.model}, no batch window)", round(ratio, 3), "x",
+               ">= 1.9", note=f"median of {args.rounds} round(s), 4 clients x {args.requests} requests; {args.note}"),
+        figure("p95 wait of short requests under long ones, fifo", round(p95["fifo"], 3), "s",
+               note=f"one replica, {len(waits['fifo'])} short requests; {args.note}"),
+        figure("p95 wait of short requests under long ones, fair", round(p95["fair"], 3), "s", "< fifo",
+               met=p95["fair"] < p95["fifo"], note=f"one replica, {len(waits['fair'])} short requests; {args.note}"),
+    ] + (ray_figures(args, model, steps) if args.ray else []))
     return 0
 
 
 def ray_figures(args, model: list[str], steps: int) -> list[dict]:
     ray_s, direct_s, overhead = ray_overhead(args.requests, model, steps)
-    return [{"name": "Ray Serve overhead per request (through Ray's proxy / straight to the mesh)",
-             "value": round(100 * overhead, 2), "unit": "%", "goal": "<= 5", "met": overhead <= 0.05,
-             "note": f"median of {args.requests} sequential requests each way, interleaved: {ray_s:.3f} s against "
-                     f"{direct_s:.3f} s ({args.model}, {steps} steps); {args.note}"}]
+    return [figure("Ray Serve overhead per request (through Ray's proxy / straight to the mesh)",
+                   round(100 * overhead, 2), "%", "<= 5",
+                   note=f"median of {args.requests} sequential requests each way, interleaved: {ray_s:.3f} s against "
+                        f"{direct_s:.3f} s ({args.model}, {steps} steps); {args.note}")]
 
 
 if __name__ == "__main__":
