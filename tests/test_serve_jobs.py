@@ -48,7 +48,7 @@ def test_job_store_keeps_jobs_across_restarts_and_expires_results_by_count(tmp_p
     round_ = scheduler.next_round(1, 0)
     (item,) = round_["batches"][0]
     jobs.started([item["id"]])
-    jobs.progress(item["id"], 1, 2)
+    scheduler.running(item["id"]).emit({"type": "step", "step": 1, "steps": 2, "done": 1, "total": 2})  # its progress
     assert jobs.known(first["id"])["status"] == "in_progress" and jobs.known(first["id"])["progress"] == 50
     scheduler.complete(item["id"], 200, _files(b"1"))
     done = jobs.known(first["id"])
