@@ -1,5 +1,5 @@
 """What the durable job store of `paradiff serve` (serve/jobs.py, SQLite in WAL mode) adds to a video job: the store's
-own writes for one job's life (create, submit, start, a progress write per denoising step, the result files
+own writes for one job's life (create, submit, start, a progress write per denoising step's event, the result files
 recorded, the retention pass), timed in-process with the real scheduler and no pipeline. Written to
 benchmarks/results/bench_jobs.json.
 
