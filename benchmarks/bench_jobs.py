@@ -1,5 +1,5 @@
 """What the durable job store of `paradiff serve` (serve/jobs.py, SQLite in WAL mode) adds to a video job: the store's
-own writes for one job's life (create, submit, start, a progress write per denoising step, the result files
+own writes for one job's life (create, submit, start, a progress write per denoising step's event, the result files
 recorded, the retention pass), timed in-process with the real scheduler and no pipeline. Written to
 benchmarks/results/bench_jobs.json.
 
@@ -39,8 +39,9 @@ def one_round(folder: Path, jobs_count: int, steps: int) -> float:
         jobs.create({"prompt": f"a fox {index}", "steps": steps}, LIMITS, max_queue=jobs_count + 1)
         (item,) = scheduler.next_round(1, 0)["batches"][0]
         jobs.started([item["id"]])
-        for step in range(steps):
-            jobs.progress(item["id"], step + 1, steps)
+        ticket = scheduler.running(item["id"])
+        for step in range(steps):  # each step's event, as rank 0 hands it on: the job store writes its progress
+            ticket.emit({"type": "step", "step": step + 1, "steps": steps, "done": step + 1, "total": steps})
         scheduler.complete(item["id"], 200, RESULT)
     seconds = (time.perf_counter() - started) / jobs_count
     jobs.store.close()

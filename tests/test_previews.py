@@ -110,6 +110,44 @@ def test_a_step_publisher_hands_previews_to_rank_0_before_the_round_ends_and_lea
     assert store.num_keys() == empty
 
 
+def test_a_video_jobs_progress_and_its_requests_events_are_the_same_step_events(tmp_path):
+    """One record per replica and step (the output rank's StepPublisher) is all rank 0 reads: a real Frontend hands it
+    to the running request as its "step" event (what a stream's answer reads), and the video job's progress in the
+    job store follows the same events, step for step; /metrics' rate comes from them; no other key is written."""
+    import torch.distributed as dist
+
+    from paradiff.cli.args import build_parser
+    from paradiff.serve.app import Frontend
+    from paradiff.serve.ranks import Channel
+
+    args = build_parser().parse_args(["serve", "--out", str(tmp_path), "--frames", "5", "--steps", "4"])
+    frontend = Frontend(args, "wan")
+    try:
+        frontend.replica_ready(0, {"kind": "video", "accepts": ["num_frames", "callback_on_step_end"], "adapters": [],
+                                   "replicas": 1}, [{"rank": 0, "memory": 0}], 0)
+        video = frontend.jobs.create({"prompt": "a fox", "size": "32x32"}, frontend.limits, max_queue=4)
+        (item,) = frontend.scheduler.next_round([0], 0)["batches"][0]
+        frontend.started([item])
+        request = frontend.scheduler.running(item["id"])
+        steps_seen, progress_seen = [], []
+        request.add_listener(lambda event: steps_seen.append((event["done"], event["total"])))
+        store = dist.HashStore()
+        channel = Channel(store, 0, 1, scope="r0")
+        publisher = StepPublisher(channel, 0, None)
+        context = {"round": 1, "ids": [item["id"]], "steps": 4, "height": 32, "width": 32,
+                   "items": [{"id": item["id"], "partial_images": 0}], "progress": {item["id"]: [0, 4]}}
+        for step in range(1, 5):
+            publisher(StepEvent(step, 4, 0.01, None, context))
+            assert store.num_keys() == 1  # the replica's one step record: no key per job
+            frontend.progress.poll(channel, [0])
+            progress_seen.append(frontend.jobs.known(video["id"])["progress"])
+        assert steps_seen == [(1, 4), (2, 4), (3, 4), (4, 4)]
+        assert progress_seen == [100 * done // total for done, total in steps_seen[:3]] + [99]  # 100 once completed
+        assert 'paradiff_replica_steps_per_second{replica="0"} 100.0' in frontend.render_metrics()
+    finally:
+        frontend.stop()
+
+
 def test_a_jobs_listener_gets_its_events_in_order_those_before_it_too():
     from paradiff.serve.protocol import ImageRequest
     from paradiff.serve.scheduler import Job

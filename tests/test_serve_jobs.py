@@ -1,6 +1,6 @@
 """Asynchronous video jobs (serve/jobs.py): the SQLite store and its restart rules in-process with the real
-scheduler; then OpenAI's own client against a tiny Wan server at tp2, restarted after SIGTERM and after kill -9, and
-the web page in a real headless browser."""
+scheduler; then OpenAI's own client against a tiny Wan server at tp2, restarted at tp2 x ulysses2 after SIGTERM and
+at one rank after kill -9, and the web page in a real headless browser."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def test_job_store_keeps_jobs_across_restarts_and_expires_results_by_count(tmp_p
     round_ = scheduler.next_round(1, 0)
     (item,) = round_["batches"][0]
     jobs.started([item["id"]])
-    jobs.progress(item["id"], 1, 2)
+    scheduler.running(item["id"]).emit({"type": "step", "step": 1, "steps": 2, "done": 1, "total": 2})  # its progress
     assert jobs.known(first["id"])["status"] == "in_progress" and jobs.known(first["id"])["progress"] == 50
     scheduler.complete(item["id"], 200, _files(b"1"))
     done = jobs.known(first["id"])
@@ -138,6 +138,20 @@ def assert_first_frame(png: bytes, frames: np.ndarray) -> None:
     """`png` is the first of `frames` up to rounding (a split run sums in another order: tests/test_serve.py)."""
     difference = np.abs(_pixels(png) - frames[0])
     assert difference.max() <= 1 and (difference > 0).mean() <= 0.005, (difference.max(), (difference > 0).sum())
+
+
+def assert_video(mp4: bytes, wan: dict, name: str) -> None:
+    """`mp4` is the H.264 of the 5 frames of 'a fox', seed 3, at 8 fps (lossy: compared by mean luma)."""
+    import av
+
+    path = wan["root"] / name
+    path.write_bytes(mp4)
+    with av.open(str(path)) as container:
+        assert container.streams.video[0].average_rate == 8
+        frames = np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)])
+    assert frames.shape == (5, 32, 32, 3)
+    luma = np.array([0.299, 0.587, 0.114])
+    assert np.abs(frames @ luma - wan["frames"].astype(np.float64) @ luma).mean() < 8  # lossy H.264 of those
 
 
 def _status(client, video_id: str) -> str:
@@ -238,15 +252,17 @@ def history(wan, tmp_path_factory):
     finally:
         server.stop()
 
-    # 2. the restart (one rank now: the store does not care) runs the queued jobs; a job runs when the server is
-    # killed (kill -9, every process)
-    server, client = start()
+    # 2. the restart, at tp2 x ulysses2 now (4 ranks: the store does not care), runs the queued jobs; a job runs
+    # when the server is killed (kill -9, every process)
+    server, client = start("--tp", "2", "--ulysses", "2")
     try:
         for video_id in seen["sigterm"][1]:
             _wait("queued job completed", lambda: _status(client, video_id) == "completed")
+        seen["restart ready"] = server.text()  # its ready line, printed by now
         seen["after restart"] = {video_id: _status(client, video_id) for video_id in [seen["sigterm"][0],
                                                                                        *seen["sigterm"][1]]}
         seen["restart thumbnail"] = client.videos.download_content(seen["sigterm"][1][0], variant="thumbnail").read()
+        seen["restart mp4"] = client.videos.download_content(seen["sigterm"][1][0]).read()
         killed = client.videos.create(prompt="a fox", size="32x32", extra_body={"steps": 1000})
         waiting = client.videos.create(prompt="a fox", size="32x32", extra_body={"seed": 5})
         _wait("killed job running", lambda: _status(client, killed.id) == "in_progress")
@@ -275,7 +291,7 @@ def history(wan, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_openai_videos_api_jobs_at_tp2_across_sigterm_and_kill(history, wan):
+def test_openai_videos_api_jobs_at_tp2_and_tp2_ulysses2_across_sigterm_and_kill(history, wan):
     long, fox = history["created"]
     assert (long.status, long.progress, long.object, long.model, long.size) == ("queued", 0, "video", "wan2.2",
                                                                                 "32x32")
@@ -292,17 +308,8 @@ def test_openai_videos_api_jobs_at_tp2_across_sigterm_and_kill(history, wan):
     assert "spritesheet" in history["spritesheet"]
 
     # the job's MP4 holds the frames `paradiff generate` writes; its thumbnail is the first of them exactly
-    import av
-
     assert history["fox"].progress == 100 and history["fox"].completed_at >= history["fox"].created_at
-    path = wan["root"] / "answer.mp4"
-    path.write_bytes(history["mp4"])
-    with av.open(str(path)) as container:
-        assert container.streams.video[0].average_rate == 8
-        frames = np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)])
-    assert frames.shape == (5, 32, 32, 3)
-    luma = np.array([0.299, 0.587, 0.114])
-    assert np.abs(frames @ luma - wan["frames"].astype(np.float64) @ luma).mean() < 8  # lossy H.264 of those
+    assert_video(history["mp4"], wan, "answer.mp4")
     assert_first_frame(history["thumbnail"], wan["frames"])
 
     # SIGTERM: the running job finished, the queued ones stayed queued; the restart ran them
@@ -310,7 +317,10 @@ def test_openai_videos_api_jobs_at_tp2_across_sigterm_and_kill(history, wan):
     assert history["sigterm exit"] == 0
     assert history["after sigterm"] == {fox.id: "completed", running: "completed", **dict.fromkeys(queued, "queued")}
     assert set(history["after restart"].values()) == {"completed"}
-    assert_first_frame(history["restart thumbnail"], wan["frames"])  # the same request, the same video
+    # run at tp2 x ulysses2 after the restart: the same request, the same video as single-process diffusers
+    assert "on 4 rank(s), 1 replica(s)" in history["restart ready"]
+    assert_video(history["restart mp4"], wan, "restart.mp4")
+    assert_first_frame(history["restart thumbnail"], wan["frames"])
     # kill -9: every id is known, none queued or in progress; the killed job says why
     killed, waiting = history["killed"]
     states = {video_id: video.status for video_id, video in history["after kill"].items()}

@@ -36,7 +36,7 @@ from paradiff.cli.outputs import Output, outputs_of, sampling_rate, save_output
 from paradiff.cli.pipeline_options import load_adapters, set_guider  # noqa: F401 - public here
 from paradiff.cli.report import write_report
 from paradiff.errors import ParallelConfigError
-from paradiff.runtime.progress import step_progress
+from paradiff.runtime.progress import StepClock, StepEvent, step_progress
 
 # Called with (pipeline, rank) once the pipeline is loaded, before the first generation.
 PipelineHook = Callable[[Any, int], None]
@@ -191,7 +191,6 @@ def generate(args: argparse.Namespace, device: torch.device,
         on_pipeline_loaded(pipeline, rank)
     prompts = read_prompts(args)
     indexed = list(enumerate(prompts))
-    step_times: list[float] = []
     outputs: dict[int, dict] = {}
     out = Path(args.out)
     kwargs = call_kwargs(args)
@@ -214,12 +213,18 @@ def generate(args: argparse.Namespace, device: torch.device,
         calls = len(batches) * (2 if without_lora else 1)
         advance = bar.enter_context(step_progress(calls * args.steps if args.steps else None, "paradiff: denoising",
                                                   _console_is_terminal()))
+        # every step's event (runtime/progress.py, as the server's replicas make them): the bar reads it, and its
+        # times are report.json's per-step times
+        clock = StepClock()
+        listeners = [lambda event: advance(1)]
         for batch in batches:
-            stamps = [time.perf_counter()]
+            clock.begin()
 
-            def on_step(_pipe, _step, _timestep, callback_kwargs):
-                stamps.append(time.perf_counter())
-                advance(1)
+            def on_step(pipe, step, _timestep, callback_kwargs):
+                event = StepEvent(step + 1, int(getattr(pipe, "num_timesteps", 0) or args.steps or 0), clock.tick(),
+                                  callback_kwargs.get("latents"))
+                for listener in listeners:
+                    listener(event)
                 return callback_kwargs
 
             if column is not None:
@@ -237,13 +242,11 @@ def generate(args: argparse.Namespace, device: torch.device,
                     plain = pipeline(prompt=prompt, seed=args.seed + index, **step_callback(pipeline, on_step),
                                      **kwargs)
                     pipeline.enable_lora()
-                    step_times += [b - a for a, b in zip(stamps, stamps[1:])]
-                    stamps[:] = [time.perf_counter()]
+                    clock.begin()
                     (plain_output,) = outputs_of(plain)
                     if args.compare and rank == 0:
                         made_without_lora.append((index, prompt, plain_output))
                 result = pipeline(prompt=prompt, seed=args.seed + index, **step_callback(pipeline, on_step), **kwargs)
-            step_times += [b - a for a, b in zip(stamps, stamps[1:])]
             for name, monitor in monitors.items():
                 for context in sorted({decision.context for decision in monitor.decisions}):
                     key = context if name == "transformer" else f"{name}:{context}"
@@ -261,6 +264,7 @@ def generate(args: argparse.Namespace, device: torch.device,
                         outputs[index]["without_lora"] = save_output(plain_output, out, index, args.fps, rate,
                                                                      suffix="-without-lora")
     bar.close()
+    step_times = clock.times
     stats = {
         "rank": rank,
         "pid": os.getpid(),

@@ -196,10 +196,6 @@ class Frontend:
         """A replica was handed `items` (the dispatcher): the video jobs among them are in progress."""
         self.jobs.started([item["id"] for item in items])
 
-    def job_progress(self, job_id: int, done: int, total: int) -> None:
-        """A running request's denoising steps (the dispatcher reads them from the store)."""
-        self.jobs.progress(job_id, done, total)
-
     def to_cancel(self) -> list[int]:
         """The running requests already answered (504, or the client hung up) not yet cancelled: rank 0 cancels them."""
         ids = [job_id for job_id in self.scheduler.answered_running() if job_id not in self._cancelled]
@@ -270,12 +266,16 @@ class Frontend:
 
     # -- the HTTP side ------------------------------------------------------------------------------------------
     def _step_progress(self, replica: int, progress: dict) -> None:
+        """A replica's step event (stream.py): its rate to /metrics, and to each running request as its "step" event,
+        which its listeners read (a video job's progress: serve/jobs.py)."""
         if progress["elapsed_s"] > 0:
             self.metrics.replica_rate(replica, progress["step"] / progress["elapsed_s"])
         for job_id in progress["ids"]:
             job = self.scheduler.running(job_id)
             if job is not None:
-                job.emit({"type": "step", "step": progress["step"], "steps": progress["steps"]})
+                done, total = progress["items"].get(str(job_id), (progress["step"], progress["steps"]))
+                job.emit({"type": "step", "step": progress["step"], "steps": progress["steps"], "done": done,
+                          "total": total})
 
     def _preview(self, job_id: int, index: int, png: bytes) -> None:
         job = self.scheduler.running(job_id)

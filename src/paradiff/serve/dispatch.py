@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from paradiff.serve.ranks import ALIVE_WAIT_S, ERROR, READY, SUMMARY, Channel, process_alive, step_news
+from paradiff.serve.ranks import ALIVE_WAIT_S, ERROR, READY, SUMMARY, Channel, process_alive
 
 DISPATCH_POLL_S = 0.005  # how often an idle dispatcher looks at the replicas' keys
 PROCESS_CHECK_S = 0.1  # how often it looks whether the ranks' processes on this machine still run
@@ -108,7 +108,6 @@ class Dispatcher:
             summaries = [channel.take(SUMMARY, "batch", replica.number, "summary", rank) for rank in range(self.size)]
             for summary in summaries:
                 summary["rank"] += replica.first_rank
-            self._step_news(replica)
             self.frontend.finish_batch(replica.items, channel, summaries, replica.index)
             self._forget_batch(replica, summaries)
             replica.items = []
@@ -145,23 +144,18 @@ class Dispatcher:
                     replica.channel.put(True, "cancel", job_id)
 
     def _exchange(self) -> None:
-        """Between looks at the replicas: each busy one's step events and previews (stream.py's ProgressRouter) and
-        its video jobs' progress, from its keys to the frontend."""
+        """Between looks at the replicas: each busy one's step events and previews (stream.py's ProgressRouter), from
+        its keys to the frontend, which hands them to the requests (a video job's progress, a stream's previews)."""
         for replica in self.replicas:
             if replica.state == "busy":
                 self.frontend.progress.poll(replica.channel, [replica.index])
-                self._step_news(replica)
-
-    def _step_news(self, replica: ReplicaState) -> None:
-        for job_id, (done, total) in step_news(replica.channel, replica.items).items():
-            self.frontend.job_progress(job_id, done, total)
 
     def _forget_batch(self, replica: ReplicaState, summaries: list[dict]) -> None:
-        """Every summary of the batch read: its cancel, progress and request-fault agreement keys go."""
+        """Every summary of the batch read: its cancel and request-fault agreement keys go (its step event went with
+        the round: Frontend.finish_batch)."""
         channel = replica.channel
         for item in replica.items:
             channel.delete("cancel", item["id"])
-            channel.delete("job progress", item["id"])
         for chunk in {c for s in summaries for c in s["agreements"]}:
             for rank in range(self.size):
                 channel.delete("round", replica.number, "fail", chunk, rank)
@@ -203,7 +197,6 @@ class Dispatcher:
         self.frontend.fail_batch(replica.items, channel, cause)
         for item in replica.items:
             channel.delete("cancel", item["id"])
-            channel.delete("job progress", item["id"])
         replica.items, replica.number = [], 0
         channel.put(decision, "decision")
         if decision == "stop":

@@ -19,7 +19,9 @@ state, progress, error and where its result files are (under `<--out>/jobs/<id>/
 - a deleted job's id stays known: it answers 404 saying it was deleted, not that it never existed.
 
 Jobs (below) links the store to the scheduler: a queued job is submitted to it with no deadline; its round, steps and
-cancellation are the synchronous requests' own. This module imports no torch.
+cancellation are the synchronous requests' own, and its `progress` is read from the "step" events of its scheduler
+job (the replica's step events, stream.py: the same events a streamed request's answer reads). This module imports
+no torch.
 """
 
 from __future__ import annotations
@@ -306,6 +308,7 @@ class Jobs:
                     return  # the scheduler's queue is full or it is stopping: the job stays queued
                 self._tickets[job["id"]] = ticket
                 self._ids[ticket.id] = job["id"]
+            ticket.add_listener(lambda event, i=job["id"]: self._on_event(i, event))
             ticket.add_done_callback(lambda t=ticket, i=job["id"]: self._done(i, t))
 
     def started(self, ticket_ids: list[int]) -> None:
@@ -315,10 +318,11 @@ class Jobs:
             if job_id is not None:
                 self.store.started(job_id)
 
-    def progress(self, ticket_id: int, done: int, total: int) -> None:
-        job_id = self._ids.get(ticket_id)
-        if job_id is not None and total > 0:
-            self.store.progress(job_id, min(99, 100 * done // total))
+    def _on_event(self, job_id: str, event: dict) -> None:
+        """An event of the job's scheduler ticket: a step's event is its progress (steps done of all, 0-99 until it
+        completes)."""
+        if event["type"] == "step" and event["total"] > 0:
+            self.store.progress(job_id, min(99, 100 * event["done"] // event["total"]))
 
     def hold(self) -> None:
         """Draining or stopping: the jobs still waiting in the scheduler leave it and stay queued in the store (they

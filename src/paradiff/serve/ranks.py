@@ -14,9 +14,10 @@ Cancellation: a request answered before its batch ended (a 504, a client that hu
 puts a key for it in the store; at every denoising step the replica's first rank reads those keys and broadcasts the
 flag to its replica, so all of them stop at the same step boundary.
 
-Progress: at every denoising step a replica's first rank puts each running item's steps done (JSON) in the store
-("job progress/<id>", apart from the replica's step events at "progress/<replica>", stream.py); rank 0's dispatcher
-reads them while the replica runs: a video job's `progress` (serve/jobs.py).
+Progress: at every denoising step the replica's output rank publishes one step event (stream.py's StepPublisher:
+one JSON key per replica, "progress/<replica>", with each running item's steps done and in all, and the previews
+made). It is the only record of progress: rank 0 reads it while the replica runs and hands it to the requests as
+events, from which a video job's `progress` (serve/jobs.py), a streamed request's previews and /metrics' rates come.
 
 A request's own fault: when a pipeline call raises on every rank of its replica alike (the same error, not a
 collective's or a device's), the ranks agree on it through the store (the replica's first rank decides,
@@ -81,7 +82,6 @@ READY = {"info": dict, "ranks": list}
 RESULT = {"files": list, "replica": int, "started": float, "finished": float, "batch": str}
 FILE = {"mime": str, "frames": (int, None)}
 ERROR = {"error": str, "comm": bool, "loading": bool}
-PROGRESS = {"done": int, "total": int}
 
 
 class Cancelled(Exception):
@@ -303,11 +303,13 @@ class Replica:
             ids = sorted({item["id"] for item, _ in chunk})
             kwargs = self.call_kwargs(chunk[0][0])
             if "callback_on_step_end" in self.parameters:
+                # what the step events say of each item: steps done before this call, and in all its calls
                 context = {"round": number, "ids": ids, "steps": chunk[0][0]["steps"], "height": kwargs.get("height"),
                            "width": kwargs.get("width"),
                            "items": [{"id": item["id"], "partial_images": item.get("partial_images", 0)}
-                                     for item, _ in chunk]}
-                kwargs["callback_on_step_end"] = self._step_end(ids, channel, context, progress)
+                                     for item, _ in chunk],
+                           "progress": {item_id: list(progress[item_id]) for item_id in ids}}
+                kwargs["callback_on_step_end"] = self._step_end(ids, channel, context)
                 self._clock.begin()
             self.use_adapters(tuple(chunk[0][0].get("loras", ())))
             try:
@@ -357,11 +359,11 @@ class Replica:
                 "images": len(images), "steps": steps, "failed": {str(k): v for k, v in failed.items()},
                 "cancelled": {str(k): v for k, v in cancelled.items()}, "agreements": agreements}
 
-    def _step_end(self, ids: list[int], channel: Channel, context: dict, progress: dict[int, list[int]]) -> Callable:
+    def _step_end(self, ids: list[int], channel: Channel, context: dict) -> Callable:
         """diffusers' callback_on_step_end: the output rank's step listeners get the step's event (nothing else
-        runs them: they take no decision and run no collective); the replica's first rank puts each item's progress
-        in the store ([steps done, steps in all], read by rank 0 for a job's progress) and reads whether rank 0
-        cancelled any of `ids`, which it broadcasts to the replica; every rank raises Cancelled at the same step."""
+        runs them: they take no decision and run no collective; its StepPublisher puts the event in the store, the one
+        record of progress rank 0 reads); the replica's first rank reads whether rank 0 cancelled any of `ids`,
+        which it broadcasts to the replica; every rank raises Cancelled at the same step."""
         lead = self.members[0]
 
         def step_end(pipeline, step, _timestep, callback_kwargs):
@@ -370,10 +372,6 @@ class Replica:
                                   self._clock.tick(), callback_kwargs.get("latents"), context)
                 for listener in self.step_listeners:
                     listener(event)
-            if channel.rank == lead:
-                for item_id in ids:
-                    done, total = progress[item_id]
-                    channel.put({"done": min(total, done + step + 1), "total": total}, "job progress", item_id)
             if self.on_step is not None:
                 self.on_step()
             flag = channel.rank == lead and any(channel.has("cancel", i) for i in ids)
@@ -558,17 +556,6 @@ def _raise_on_fault(channel: Channel) -> None:
     """A rank waiting in the store (not in a collective, where an abort would reach it) learns of a peer's fault."""
     if channel.has("fault"):
         raise DistributedError("a peer rank failed while this rank waited for the round to end")
-
-
-def step_news(channel: Channel, items: list[dict]) -> dict[int, tuple[int, int]]:
-    """Rank 0's dispatcher: the running items' progress (steps done, steps in all) that their replica's first rank
-    put in the store at its last step."""
-    news = {}
-    for item in items:
-        if channel.has("job progress", item["id"]):
-            progress = channel.get(PROGRESS, "job progress", item["id"])
-            news[item["id"]] = (progress["done"], progress["total"])
-    return news
 
 
 def _record_error(channel: Channel, exc: BaseException, loading: bool) -> bool:

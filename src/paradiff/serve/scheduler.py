@@ -70,7 +70,8 @@ class Job:
 
     def emit(self, event: dict) -> None:
         """An event of the running job (a step ended, a preview is ready): kept, and given to every listener.
-        Listeners run under the job's lock, so each sees the events in order: they must only hand them on."""
+        Listeners run under the job's lock, so each sees the events in order: they must only hand them on or record
+        them (a row of the job store), never wait."""
         with self._lock:
             if self.done.is_set():
                 return

@@ -1,12 +1,13 @@
 """Denoising progress from the ranks to the HTTP side: step events, x0 previews, and OpenAI's streamed images.
 
 On each replica's output rank a StepPublisher (one of the replica's step listeners) puts, at every step end, the
-step's progress in the store (JSON, one key per replica, overwritten) and, at the steps a streamed request asked a
-preview for, the preview's PNG (one key per preview, taken by rank 0). The other ranks do nothing extra. Rank 0's
-ProgressRouter reads them between its own steps and while it waits for a round, and hands them to the requests'
-jobs as events (`Job.emit`): a streamed request's SSE answer sends its previews as they come, /metrics counts each
-replica's steps per second. Before a round is answered the router reads what is left, so every preview of a request
-is sent before its final image.
+step's event in the store (JSON, one key per replica, overwritten: the call's step, each running item's steps done
+and in all, the previews made) and, at the steps a streamed request asked a preview for, the preview's PNG (one key
+per preview, taken by rank 0). The other ranks do nothing extra. This event is the one record of progress: rank 0's
+ProgressRouter reads it between its own steps and while it waits for a round, and hands it to the requests' jobs as
+events (`Job.emit`), from which everything else reads: a video job's `progress` in the job store (serve/jobs.py), a
+streamed request's previews in its SSE answer, each replica's steps per second in /metrics. Before a round is
+answered the router reads what is left, so every preview of a request is sent before its final image.
 
 `POST /v1/images/generations` with `"stream": true` answers server-sent events as OpenAI's client reads them
 (openai.types.ImageGenStreamEvent): `image_generation.partial_image` (b64_json, partial_image_index) for each of
@@ -29,7 +30,9 @@ from paradiff.serve.images import encode_output
 from paradiff.serve.protocol import RequestError, parse_image_request, with_seed
 from paradiff.runtime.progress import StepEvent
 
-PROGRESS = {"round": int, "ids": list, "step": int, "steps": int, "elapsed_s": float, "previews": dict}
+# a replica's step event: its call's step of steps, each item's [steps done, steps in all] over its calls
+PROGRESS = {"round": int, "ids": list, "step": int, "steps": int, "elapsed_s": float, "previews": dict,
+            "items": dict}
 PREVIEW_MODES = ("linear", "vae", "off")
 
 
@@ -78,7 +81,7 @@ def preview_maker(pipeline, mode: str, cache_dir: Path | None, staged: bool = Fa
 
 
 class StepPublisher:
-    """A step listener of a replica's output rank: the step's progress, and the previews asked for, into the store."""
+    """A step listener of a replica's output rank: the step's event, and the previews asked for, into the store."""
 
     def __init__(self, channel, replica: int, previews) -> None:
         self.channel, self.replica, self.previews = channel, replica, previews
@@ -112,9 +115,16 @@ class StepPublisher:
                 self._counts[item["id"]] = index + 1
         if self.previews is not None and event.latents is not None:
             self.previews.observe(event.latents)
+        # each item's steps over all its calls (a request of more images than a call takes runs several)
+        before = context.get("progress", {})
+        items = {}
+        for item_id in context["ids"]:
+            done, total = before.get(item_id, (0, event.steps))
+            items[str(item_id)] = [min(total, done + event.step), total]
         self.channel.put({"round": context["round"], "ids": context["ids"], "step": event.step,
                           "steps": event.steps, "elapsed_s": self._elapsed,
-                          "previews": {str(k): v for k, v in self._counts.items()}}, "progress", self.replica)
+                          "previews": {str(k): v for k, v in self._counts.items()}, "items": items},
+                         "progress", self.replica)
 
 
 class ProgressRouter:
@@ -137,7 +147,8 @@ class ProgressRouter:
                 for index in range(self._taken.get(item, 0), int(count)):
                     self.on_preview(item, index, channel.take_bytes("preview", item, index))
                 self._taken[item] = max(self._taken.get(item, 0), int(count))
-            mark = (progress["round"], tuple(progress["ids"]), progress["step"])
+            mark = (progress["round"], tuple(progress["ids"]), progress["step"],
+                    tuple(tuple(done) for done in progress["items"].values()))
             if self._seen.get(replica) != mark:
                 self._seen[replica] = mark
                 self.on_step(replica, progress)
