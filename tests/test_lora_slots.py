@@ -57,6 +57,39 @@ def test_slot_rows_follow_their_samples_and_a_rank_above_the_slots_is_refused():
         slots(torch.randn(3, 4))
 
 
+def test_an_adapter_load_costs_its_own_layers_and_bytes(slot_loras, monkeypatch):
+    """A load with the server's checksum takes no second one; an unload clears only the layers its adapter wrote; a
+    slot reused by a narrower adapter holds only that adapter (the wider one's rows and columns zeroed)."""
+    import paradiff.api.lora as lora_api
+
+    model = build_model("flux")
+    bank = enable_adapter_slots(model, max_loras=2, max_lora_rank=16)
+    monkeypatch.setattr(lora_api, "_file_digest", lambda path: pytest.fail(f"{path} checksummed again"))
+    load_slot_adapter(model, "detail", slot_loras["detail"]["path"], identity="sha256 given", use_safetensors=True)
+    assert bank.adapters["detail"].identity == "sha256 given"
+    monkeypatch.undo()
+    written = set(bank.adapters["detail"].ranks)
+    cleared = []
+    monkeypatch.setattr(LoraSlots, "clear", lambda layer, slot: cleared.append(layer))
+    from paradiff.api.lora_slots import unload_slot_adapter
+
+    unload_slot_adapter(model, "detail")
+    assert {id(layer) for layer in cleared} == {id(bank.layers[name]) for name in written} and \
+        len(written) < len(bank.layers) / 2, (len(written), len(bank.layers))
+    monkeypatch.undo()
+    layer = LoraSlots(4, 2, max_loras=1, max_rank=3, index=SlotIndex(2), dtype=torch.float32)
+    layer.write(1, torch.randn(3, 4), torch.randn(2, 3), 1.0)
+    a, b = torch.randn(1, 4), torch.randn(2, 1)
+    layer.write(1, a, b, 0.5)  # the same slot, rank 1 after rank 3
+    assert torch.equal(layer.lora_a[1, 1:], torch.zeros(2, 4)) and torch.equal(layer.lora_b[1, :, 1:],
+                                                                               torch.zeros(2, 2))
+    layer.index.set([1])
+    x = torch.randn(1, 3, 4)
+    torch.testing.assert_close(layer(x)[0], 0.5 * (x[0] @ a.T) @ b.T)
+    layer.clear(1)
+    assert not layer.lora_a.any() and not layer.lora_b.any() and not layer.scale.any()
+
+
 def test_scalings_are_diffusers_lora_config():
     shapes = {"a.lora_A.weight": (4, 8), "a.lora_B.weight": (8, 4), "b.lora_A.weight": (16, 8),
               "b.lora_B.weight": (8, 16)}

@@ -151,7 +151,8 @@ def load_slot_adapter(model: nn.Module, name: str, source: Any, prefix: str | No
             raise AdapterError(f"An adapter named {name!r} is already in a slot (loaded: {sorted(bank.adapters)}); "
                                "unload it first or choose another name.")
         slot = bank.free_slot()
-        adapter = open_adapter(source, prefix, kwargs)
+        # a given identity (the server's sha256) is what the ranks agree on: no second checksum of the file
+        adapter = open_adapter(source, prefix, kwargs, identity=identity)
         if not adapter.shapes:
             raise AdapterError(f"Adapter {name!r} has no tensors under the prefix {prefix!r}.")
         specs = check_adapter(model, _resolved(model), adapter, None, False)
@@ -164,7 +165,7 @@ def load_slot_adapter(model: nn.Module, name: str, source: Any, prefix: str | No
     facts = None if adapter is None else {
         "adapter name": name, "slot": slot, "prefix": prefix,
         "adapter tensors": fingerprint(sorted((n, list(s), adapter.dtypes[n]) for n, s in adapter.shapes.items())),
-        "adapter content": identity or adapter.identity, "scalings": fingerprint(scalings),
+        "adapter content": adapter.identity, "scalings": fingerprint(scalings),
     }
     try:
         agree(stage, facts, error, ranks=ranks)
@@ -199,8 +200,8 @@ def unload_slot_adapter(model: nn.Module, name: str) -> None:
         raise AdapterError(f"No adapter named {name!r} is in a slot (loaded: "
                            f"{sorted(bank.adapters) if bank else []}).")
     adapter = bank.adapters.pop(name)
-    for layer in bank.layers.values():
-        layer.clear(adapter.slot)
+    for module in adapter.ranks:  # only the layers it wrote: no walk over the model
+        bank.layers[module].clear(adapter.slot)
 
 
 def set_sample_adapters(model: nn.Module, names: Sequence[str | None]) -> list[int]:
