@@ -149,6 +149,51 @@ def test_mixed_batch_matches_diffusers_per_sample_in_every_mode(pools, checkpoin
                 assert result["graphs"]["after switch and unload"] == result["graphs"]["first"], where
 
 
+@pytest.fixture(scope="module")
+def quantized_slot_base(tmp_path_factory) -> dict:
+    """A tiny FLUX.2 whose planned slices at tp2 are whole nf4 blocks (64) and whole Q8_0 blocks (32): 64-wide heads
+    and inputs, as a folder (fp8, nf4) and as an original-format GGUF file (Q8_0 where a row is whole blocks, F32
+    elsewhere); two adapters, diffusers rank 4 (alpha 8) and rank 8 (alpha 4) on every other target."""
+    from paradiff.testing.gguf import save_flux2_gguf
+    from paradiff.testing.models import model_class, save_model, tiny_config
+
+    root = tmp_path_factory.mktemp("quantized-slot-base")
+    torch.manual_seed(3)
+    model = model_class("flux2")(**{**tiny_config("flux2", head_dim=64), "joint_attention_dim": 128,
+                                    "timestep_guidance_channels": 128}).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    model.save_config(root / "config")
+    save_flux2_gguf(model, root / "base.gguf", lambda name, tensor: "Q8_0" if tensor.dim() == 2 and
+                    tensor.shape[1] % 32 == 0 else "F32")
+    targets = TARGETS["flux2"]
+    return {"folder": str(save_model(model, root / "base")), "gguf": str(root / "base.gguf"),
+            "config": str(root / "config"), "loras": {
+                "style": {"path": str(save_lora(root / "style.safetensors", random_lora(model, targets, 4, seed=1),
+                                                rank=4, alpha=8))},
+                "detail": {"path": str(save_lora(root / "detail.safetensors",
+                                                 random_lora(model, targets[::2], 8, seed=2), rank=8, alpha=4))}}}
+
+
+def test_mixed_batch_on_fp8_nf4_and_gguf_bases_at_tp2(pools, quantized_slot_base):
+    """fp8 (torchao weight-only), NF4 (bitsandbytes) and GGUF (Q8_0) bases at tp2, one pool run: every sample of a
+    mixed batch (base, two adapters) equals the single-process model quantized alike with only that adapter (peft's
+    own load): diffusers' TorchAoConfig and from_single_file models; for NF4, bitsandbytes' weights in one process
+    (diffusers refuses bitsandbytes without a GPU)."""
+    base = quantized_slot_base
+    runs = [dict(family="flux2", folder=base["gguf"] if scheme == "gguf" else base["folder"], mode="tp2",
+                 scheme=scheme, loras=base["loras"], samples=["detail", None, "style"], max_lora_rank=8,
+                 gguf_config=base["config"] if scheme == "gguf" else None) for scheme in ("fp8", "nf4", "gguf")]
+    for rank_results in pools.get(2).run(cases.mixed_batch_cases, timeout_s=900, cases=runs):
+        assert [result["case"]["scheme"] for result in rank_results] == ["fp8", "nf4", "gguf"]
+        for result in rank_results:
+            where = (result["case"]["scheme"], result["rank"])
+            assert result["quantized"] >= 10, where
+            assert min(result["adapted"].values()) > 0.01, (where, result["adapted"])  # each adapter matters
+            assert max(result["diffs"].values()) <= RTOL, (where, result["diffs"])
+
+
 def test_generate_with_an_adapter_column_draws_mixed_batches(tmp_path):
     """`paradiff generate --lora A --lora B --prompts-file` with an adapter column: the three prompts in one call, each
     image as diffusers draws it with only its adapter (within one level of 255: batched sums round differently)."""
