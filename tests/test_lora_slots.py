@@ -88,6 +88,59 @@ def test_an_adapter_load_costs_its_own_layers_and_bytes(slot_loras, monkeypatch)
     torch.testing.assert_close(layer(x)[0], 0.5 * (x[0] @ a.T) @ b.T)
     layer.clear(1)
     assert not layer.lora_a.any() and not layer.lora_b.any() and not layer.scale.any()
+    # the server's path: the file read once (hashed), the slots filled from those bytes, as from the file itself
+    from paradiff.api.lora_slots import slot_adapter_source
+
+    path = slot_loras["style"]["path"]
+    source, extra = slot_adapter_source(None, path, Path(path).read_bytes())
+    assert isinstance(source, dict) and extra["metadata"]["transformer.lora_alpha"] == 8, extra
+    load_slot_adapter(model, "from bytes", source, identity="sha256 given", **extra)
+    other = build_model("flux")
+    from_file = enable_adapter_slots(other, max_loras=2, max_lora_rank=16)
+    load_slot_adapter(other, "from the file", path, use_safetensors=True)
+    for name, layer in bank.layers.items():
+        twin = from_file.layers[name]
+        assert torch.equal(layer.lora_a, twin.lora_a) and torch.equal(layer.lora_b, twin.lora_b) and \
+            torch.equal(layer.scale, twin.scale), name
+
+
+def test_a_text_encoder_lora_is_refused_by_name_with_its_keys(tmp_path):
+    """Adapters per sample / per request adapt the transformer only: a file with text-encoder tensors (diffusers'
+    or kohya's names) is refused naming the adapter, its file and the tensors, by the library, the server's
+    /v1/load_lora_adapter and the CLI's adapter column (before any worker starts)."""
+    from safetensors.torch import save_file
+
+    from paradiff.api.lora_slots import slot_adapter_source
+    from paradiff.cli.args import CliError, build_parser, check_args
+    from paradiff.serve.adapters import AdapterRegistry
+    from paradiff.serve.protocol import RequestError
+
+    factors = {"transformer.proj_out.lora_A.weight": torch.zeros(2, 8), "transformer.proj_out.lora_B.weight":
+               torch.zeros(8, 2), "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight": torch.zeros(2, 8),
+               "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_up.weight": torch.zeros(8, 2)}
+    for layer in range(3):
+        factors[f"text_encoder.text_model.encoder.layers.{layer}.self_attn.q_proj.lora_A.weight"] = torch.zeros(2, 8)
+    path = tmp_path / "both.safetensors"
+    save_file(factors, str(path))
+    fragments = ["'both'", str(path), "adapts a text encoder: 5 tensor(s)",
+                 "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight",
+                 "text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_A.weight", "and 2 more",
+                 "transformer only"]
+    with pytest.raises(AdapterError) as library:
+        slot_adapter_source(None, str(path), name="both")
+    registry = AdapterRegistry("base", [], str(tmp_path), True, max_rank=8)
+    with pytest.raises(RequestError) as served:
+        registry.add("both", "both.safetensors")
+    assert served.value.status == 400 and registry.names() == []
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("both\ta fox\n")
+    args = build_parser().parse_args(["generate", "--prompts-file", str(prompts), "--lora", str(path),
+                                      "--out", str(tmp_path / "out")])
+    with pytest.raises(CliError) as cli:
+        check_args(args)
+    for message in (str(library.value), str(served.value), str(cli.value)):
+        for fragment in fragments:
+            assert fragment in message.replace("'lora0'", "'both'"), (fragment, message)
 
 
 def test_scalings_are_diffusers_lora_config():
