@@ -12,9 +12,9 @@ encoders, VAE) weighs ~16.9 B parameters and a rank-16 LoRA on every Linear of i
 Lumina 2 pipeline 1024 wide (`save_medium_lumina2`: transformer 316 MB, Gemma 2 text encoder 241 MB, tiny VAE,
 float32) and adapters on every Linear of its transformer's blocks at the rank that makes them the same 0.51% of the
 pipeline's bytes. A pipeline load is `paradiff.load_pipeline(folder)`; an adapter load is what `paradiff serve` does
-when a request names an adapter not resident, every slot full: `AdapterCache.prepare` (the rank's sha256 of the file,
-its header, the checks against the model, the ranks' agreement, the slice reads, the slot writes, the least recently
-used adapter's slot cleared). Both read files the page cache holds (written just before). One process.
+when a request names an adapter not resident, every slot full: `AdapterCache.prepare` (the file read once and its sha256
+taken, its header, the checks against the model, the ranks' agreement, the slices taken, the slot writes, the least
+recently used adapter's slot cleared). Both read files the page cache holds (written just before). One process.
 
 Rounds interleave the three variants (mixed, same adapter, 4 singles); each figure is the median over rounds of the
 per-round ratio. Written to benchmarks/results/bench_lora_batch.json (results.py: write_result, which notes a machine
@@ -119,7 +119,7 @@ def main() -> None:
                note=f"median of {args.rounds} interleaved rounds, one thread"),
         figure("adapter load at run time / pipeline load", round(100 * load["ratio"], 2), "%", "< 2",
                note=f"median of {args.adapter_loads} adapter loads as paradiff serve makes them (AdapterCache.prepare: "
-                    f"sha256, header, checks, agreement, slice reads, slot writes, an LRU eviction; "
+                    f"one read of the file, its sha256, header, checks, agreement, slot writes, an LRU eviction; "
                     f"{1000 * load['adapter_s']:.0f} ms, {load['adapter_mb']:.1f} MB, rank {load['rank']}) against "
                     f"the median of {args.pipeline_loads} paradiff.load_pipeline of a Lumina 2 pipeline 1024 wide "
                     f"(transformer + Gemma 2 text encoder + VAE, {load['pipeline_mb']:.0f} MB float32; "
