@@ -168,3 +168,41 @@ def mixed_batch_pipeline(family: str, folder: str, mode: str, loras: dict[str, s
         diffs.update({f"{row} {name}": relative_difference(actual[row], expected[row])
                       for row, sample in enumerate(samples) if sample == name})
     return {"rank": dist.get_rank(), "diffs": diffs}
+
+
+def slot_checksums_disagree(path: str) -> dict:
+    """Every rank loads the same file into a slot, but rank 1 under another checksum (as if its copy differed): every
+    rank refuses before any writes a slot."""
+    from paradiff.testing.models import build_model
+
+    model = build_model("flux")
+    bank = enable_adapter_slots(model, max_loras=1, max_lora_rank=4)
+    try:
+        load_slot_adapter(model, "style", path, identity=f"sha256 {dist.get_rank() == 1:d}", use_safetensors=True)
+        error = "no error"
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        error = f"{type(exc).__name__}: {exc}"
+    result = {"error": error, "loaded": sorted(bank.adapters),
+              "written": any(layer.lora_a.any() or layer.lora_b.any() for layer in bank.layers.values())}
+    # the server's cache, rank 1's copy of the file changed since rank 0 named it: every rank refuses, none hangs
+    import hashlib
+    import shutil
+    from pathlib import Path
+
+    from paradiff.api.lora_slots import disable_adapter_slots
+    from paradiff.serve.adapters import AdapterCache
+
+    disable_adapter_slots(model)
+    cache = AdapterCache(model, max_loras=1, max_rank=4)
+    copy = Path(path).with_name(f"rank{dist.get_rank()}.safetensors")
+    shutil.copy(path, copy)
+    if dist.get_rank() == 1:
+        copy.write_bytes(copy.read_bytes() + b" ")
+    try:
+        cache.prepare([{"name": "style", "path": str(copy), "sha256": hashlib.sha256(Path(path).read_bytes())
+                        .hexdigest()}], None, ranks=[0, 1])
+        result["cache error"] = "no error"
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        result["cache error"] = f"{type(exc).__name__}: {getattr(exc, 'status', '')} {exc}"
+    result["cache loads"] = cache.loads
+    return result

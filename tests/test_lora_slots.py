@@ -104,6 +104,58 @@ def test_an_adapter_load_costs_its_own_layers_and_bytes(slot_loras, monkeypatch)
             torch.equal(layer.scale, twin.scale), name
 
 
+def test_the_adapter_cache_keeps_the_recently_used_and_checks_each_file(slot_loras, tmp_path, pools):
+    """The server's cache per rank: --max-loras resident, the least recently used evicted for a new one, a resident
+    adapter reused without a read; a file changed since it was named is refused (409) before any slot is written;
+    the ranks agree on the checksum before any writes a slot (two ranks with different checksums, or one rank's copy
+    changed: both refuse, none wrote, none hangs); a round's images go in calls of at most --max-loras distinct adapters."""
+    import shutil
+
+    from paradiff.serve.adapters import AdapterCache, adapter_chunks, file_sha256
+    from paradiff.serve.protocol import RequestError
+
+    model = build_model("flux")
+    cache = AdapterCache(model, max_loras=2, max_rank=16)
+    adapters = {}
+    for name in ("style", "detail"):
+        path = tmp_path / f"{name}.safetensors"
+        shutil.copy(slot_loras[name]["path"], path)
+        adapters[name] = {"name": name, "path": str(path), "sha256": file_sha256(path)}
+    adapters["third"] = dict(adapters["style"], name="third")
+    cache.prepare([adapters["style"], None], None)
+    cache.prepare([adapters["detail"]], None)
+    cache.prepare([adapters["style"]], None)  # resident: no load; now the most recently used
+    assert cache.loads == 2 and list(cache.resident) == ["detail", "style"]
+    cache.prepare([adapters["third"], adapters["style"]], None)  # detail, least recently used, out
+    assert cache.loads == 3 and list(cache.resident) == ["third", "style"]
+    assert bank_slots(model) == {"style": 1, "third": 2} and model_state_index(model) == [2, 1]
+    Path(adapters["detail"]["path"]).write_bytes(Path(slot_loras["style"]["path"]).read_bytes())
+    with pytest.raises(RequestError, match="detail.*changed since it was loaded") as changed:
+        cache.prepare([adapters["detail"]], None)
+    assert changed.value.status == 409 and list(cache.resident) == ["third", "style"]
+    images = [({"adapter": {"name": name}}, 0) for name in ("a", None, "b", "a", "c", None)]
+    assert [[image[0]["adapter"]["name"] for image in chunk] for chunk in adapter_chunks(images, 8, 2)] == \
+        [["a", None, "b", "a"], ["c", None]]
+    results = pools.get(2).run(cases.slot_checksums_disagree, path=slot_loras["style"]["path"])
+    for result in results:
+        assert "disagree" in result["error"] and "adapter content" in result["error"], result
+        assert not result["written"] and result["loaded"] == [], result
+        assert result["cache loads"] == 0 and "changed since it was loaded" in result["cache error"], result
+    assert [r["cache error"].split(":")[0] for r in results] == ["DistributedError", "RequestError"], results
+
+
+def bank_slots(model) -> dict[str, int]:
+    from paradiff.api.lora_slots import adapter_bank
+
+    return {name: adapter.slot for name, adapter in adapter_bank(model).adapters.items()}
+
+
+def model_state_index(model) -> list[int]:
+    from paradiff.api.lora_slots import adapter_bank
+
+    return adapter_bank(model).index.samples.tolist()
+
+
 def test_a_text_encoder_lora_is_refused_by_name_with_its_keys(tmp_path):
     """Adapters per sample / per request adapt the transformer only: a file with text-encoder tensors (diffusers'
     or kohya's names) is refused naming the adapter, its file and the tensors, by the library, the server's

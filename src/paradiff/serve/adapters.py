@@ -158,6 +158,7 @@ class AdapterCache:
         sample's slot. `adapters`: one per sample, {"name", "path", "sha256"} or None (the base model)."""
         from paradiff.api.lora_slots import (load_slot_adapter, set_sample_adapters, slot_adapter_source,
                                              unload_slot_adapter)
+        from paradiff.distributed.agreement import agree
 
         needed = {a["name"]: a for a in adapters if a is not None}
         if len(needed) > self.max_loras:
@@ -166,6 +167,16 @@ class AdapterCache:
             if self.resident.get(name) == adapter["sha256"]:
                 self.resident.move_to_end(name)
                 continue
+            # each rank reads the file once and hashes those bytes: the ranks agree on that sha256 (and it must be
+            # the one rank 0 took when the adapter was named) before any rank writes a slot from the same bytes
+            data = Path(adapter["path"]).read_bytes()
+            local = hashlib.sha256(data).hexdigest()
+            changed = None if local == adapter["sha256"] else RequestError(
+                409, f"adapter {name!r}: {adapter['path']} changed since it was loaded (sha256 {local[:12]}, loaded "
+                     f"as {adapter['sha256'][:12]}); load it again")
+            # decided together: a rank whose copy changed refuses, and so does every other (none goes on alone)
+            agree(f"paradiff serve: adapter {name!r} file", {"sha256": local}, changed, ranks=ranks)
+            # evicted only once the file is known good: a refused load leaves the cache as it was
             if name in self.resident:  # another file under the same name since
                 unload_slot_adapter(self.transformer, name)
                 del self.resident[name]
@@ -173,13 +184,6 @@ class AdapterCache:
                 victim = next(n for n in self.resident if n not in needed)
                 unload_slot_adapter(self.transformer, victim)
                 del self.resident[victim]
-            # each rank reads the file once and hashes those bytes: the ranks agree on that sha256 (and it must be
-            # the one rank 0 took when the adapter was named) before any rank writes a slot from the same bytes
-            data = Path(adapter["path"]).read_bytes()
-            local = hashlib.sha256(data).hexdigest()
-            if local != adapter["sha256"]:
-                raise RequestError(409, f"adapter {name!r}: {adapter['path']} changed since it was loaded (sha256 "
-                                        f"{local[:12]}, loaded as {adapter['sha256'][:12]}); load it again")
             source, extra = slot_adapter_source(pipeline, adapter["path"], data)
             del data
             load_slot_adapter(self.transformer, name, source, identity=f"sha256 {local}", ranks=ranks, **extra)
