@@ -108,7 +108,8 @@ def test_the_adapter_cache_keeps_the_recently_used_and_checks_each_file(slot_lor
     """The server's cache per rank: --max-loras resident, the least recently used evicted for a new one, a resident
     adapter reused without a read; a file changed since it was named is refused (409) before any slot is written;
     the ranks agree on the checksum before any writes a slot (two ranks with different checksums, or one rank's copy
-    changed: both refuse, none wrote, none hangs); a round's images go in calls of at most --max-loras distinct adapters."""
+    changed: both refuse, none wrote, none hangs); a round's images go in calls of at most --max-loras distinct
+    adapters."""
     import shutil
 
     from paradiff.serve.adapters import AdapterCache, adapter_chunks, file_sha256

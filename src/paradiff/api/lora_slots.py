@@ -268,7 +268,8 @@ def slot_adapter_source(pipeline: Any, path: str, data: bytes | None = None,
     read by slices (with its metadata), or, given `data` (the file's bytes, which the server has read once to hash
     them), taken from those bytes without reading the file again; any other format goes through the pipeline's
     `lora_state_dict`, diffusers' converters (kohya, BFL, XLabs...), as `load_lora_weights` would. Text-encoder
-    tensors are refused, naming the adapter (`name`, default the file's stem) and the tensors: `text_encoder_refusal`."""
+    tensors are refused, naming the adapter (`name`, default the file's stem) and the tensors:
+    `text_encoder_refusal`."""
     if data is not None:
         header = _safetensors_header(data, path)
         keys = [key for key in header if key != "__metadata__"]
