@@ -31,13 +31,19 @@ def _load_reference(reference, name: str, spec: dict) -> None:
     reference.load_lora_adapter(source.pop("source"), adapter_name=name, **source)
 
 
-def mixed_batch(family: str, folder: str, mode: str, loras: dict[str, dict], samples: list[str | None],
-                scheme: str | None = None, compiled: bool = False, max_lora_rank: int = 16) -> dict:
-    """One call on a batch whose samples run `samples` (adapter names, None for the base); each sample against
-    diffusers' model (quantized alike for `scheme`) with only that adapter loaded. Compiled: then every sample's
-    adapter switched to another slot's (and one unloaded), counting the graphs Dynamo compiled."""
-    torch.set_num_threads(1)
-    cls = model_class(family)
+def _loads(cls, folder: str, mode: str, scheme: str | None, gguf_config: str | None):
+    """The model under test (paradiff's load in `mode`; diffusers' own model for "single") and a function loading
+    the single-process reference, for a base quantized by `scheme` (None; "int8" / "fp8": torchao through diffusers'
+    TorchAoConfig; "nf4": bitsandbytes, whose diffusers load refuses a machine without a GPU, so the reference is
+    paradiff's single-process load, bitsandbytes' own 4-bit weights (test_quantization shows it equals
+    quantize_4bit); "gguf": `folder` a GGUF file, `gguf_config` its config folder, the reference diffusers'
+    `from_single_file`)."""
+    if scheme == "gguf":
+        from rank_cases_gguf import gguf_config as quantization
+
+        model = paradiff.from_pretrained(cls, folder, config=gguf_config, quantization_config=quantization(),
+                                         parallel_config=ParallelConfig.from_degrees(**parse_mode(mode)), device="cpu")
+        return model, lambda: cls.from_single_file(folder, config=gguf_config, quantization_config=quantization())
     quant = {}
     if scheme is not None:
         from rank_cases_quant import quant_config
@@ -48,6 +54,20 @@ def mixed_batch(family: str, folder: str, mode: str, loras: dict[str, dict], sam
     else:
         config = ParallelConfig.from_degrees(**parse_mode(mode))
         model = paradiff.from_pretrained(cls, folder, parallel_config=config, **quant)
+    if scheme == "nf4":
+        return model, lambda: paradiff.from_pretrained(cls, folder, device="cpu", **quant)
+    return model, lambda: cls.from_pretrained(folder, torch_dtype=torch.float32, **quant)
+
+
+def mixed_batch(family: str, folder: str, mode: str, loras: dict[str, dict], samples: list[str | None],
+                scheme: str | None = None, compiled: bool = False, max_lora_rank: int = 16,
+                gguf_config: str | None = None) -> dict:
+    """One call on a batch whose samples run `samples` (adapter names, None for the base); each sample against
+    diffusers' model (quantized alike for `scheme`: `_loads`) with only that adapter loaded. Compiled: then every
+    sample's adapter switched to another slot's (and one unloaded), counting the graphs Dynamo compiled."""
+    torch.set_num_threads(1)
+    cls = model_class(family)
+    model, load_reference = _loads(cls, folder, mode, scheme, gguf_config)
     enable_adapter_slots(model, max_loras=len(loras), max_lora_rank=max_lora_rank)
     for name, spec in loras.items():
         source = _adapter_source(spec["path"], spec.get("kohya", False))
@@ -63,7 +83,7 @@ def mixed_batch(family: str, folder: str, mode: str, loras: dict[str, dict], sam
     set_sample_adapters(model, samples)
     actual = run_forward(model, inputs)
 
-    reference = cls.from_pretrained(folder, torch_dtype=torch.float32, **quant).eval()
+    reference = load_reference().eval()
 
     def expected(order: list[str | None]) -> dict[str, torch.Tensor]:
         outputs = {}
@@ -78,7 +98,10 @@ def mixed_batch(family: str, folder: str, mode: str, loras: dict[str, dict], sam
     references = expected(samples)
     diffs = {f"{row} {name}": relative_difference(actual[row], references[name][row])
              for row, name in enumerate(samples)}
-    result = {"rank": dist.get_rank() if dist.is_initialized() else 0, "diffs": diffs}
+    result = {"rank": dist.get_rank() if dist.is_initialized() else 0, "diffs": diffs,
+              "adapted": {name: relative_difference(references[name], references[None]) for name in references
+                          if name is not None and None in references},
+              "quantized": sum(_quantized(module) for module in model.modules())}
     if compiled:
         graphs_before = len(recorder.graphs)
         switched = samples[1:] + samples[:1]  # every sample another adapter
@@ -97,6 +120,12 @@ def mixed_batch(family: str, folder: str, mode: str, loras: dict[str, dict], sam
         result["graphs"] = {"first": graphs_before, "after switch and unload": len(recorder.graphs)}
         torch._dynamo.reset()
     return result
+
+
+def _quantized(module: torch.nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return weight is not None and (hasattr(weight, "qdata") or getattr(weight, "quant_state", None) is not None
+                                   or getattr(weight, "quant_type", None) is not None)
 
 
 def mixed_batch_cases(cases: list[dict]) -> list[dict]:
@@ -139,3 +168,41 @@ def mixed_batch_pipeline(family: str, folder: str, mode: str, loras: dict[str, s
         diffs.update({f"{row} {name}": relative_difference(actual[row], expected[row])
                       for row, sample in enumerate(samples) if sample == name})
     return {"rank": dist.get_rank(), "diffs": diffs}
+
+
+def slot_checksums_disagree(path: str) -> dict:
+    """Every rank loads the same file into a slot, but rank 1 under another checksum (as if its copy differed): every
+    rank refuses before any writes a slot."""
+    from paradiff.testing.models import build_model
+
+    model = build_model("flux")
+    bank = enable_adapter_slots(model, max_loras=1, max_lora_rank=4)
+    try:
+        load_slot_adapter(model, "style", path, identity=f"sha256 {dist.get_rank() == 1:d}", use_safetensors=True)
+        error = "no error"
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        error = f"{type(exc).__name__}: {exc}"
+    result = {"error": error, "loaded": sorted(bank.adapters),
+              "written": any(layer.lora_a.any() or layer.lora_b.any() for layer in bank.layers.values())}
+    # the server's cache, rank 1's copy of the file changed since rank 0 named it: every rank refuses, none hangs
+    import hashlib
+    import shutil
+    from pathlib import Path
+
+    from paradiff.api.lora_slots import disable_adapter_slots
+    from paradiff.serve.adapters import AdapterCache
+
+    disable_adapter_slots(model)
+    cache = AdapterCache(model, max_loras=1, max_rank=4)
+    copy = Path(path).with_name(f"rank{dist.get_rank()}.safetensors")
+    shutil.copy(path, copy)
+    if dist.get_rank() == 1:
+        copy.write_bytes(copy.read_bytes() + b" ")
+    try:
+        cache.prepare([{"name": "style", "path": str(copy), "sha256": hashlib.sha256(Path(path).read_bytes())
+                        .hexdigest()}], None, ranks=[0, 1])
+        result["cache error"] = "no error"
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        result["cache error"] = f"{type(exc).__name__}: {getattr(exc, 'status', '')} {exc}"
+    result["cache loads"] = cache.loads
+    return result

@@ -57,6 +57,145 @@ def test_slot_rows_follow_their_samples_and_a_rank_above_the_slots_is_refused():
         slots(torch.randn(3, 4))
 
 
+def test_an_adapter_load_costs_its_own_layers_and_bytes(slot_loras, monkeypatch):
+    """A load with the server's checksum takes no second one; an unload clears only the layers its adapter wrote; a
+    slot reused by a narrower adapter holds only that adapter (the wider one's rows and columns zeroed)."""
+    import paradiff.api.lora as lora_api
+
+    model = build_model("flux")
+    bank = enable_adapter_slots(model, max_loras=2, max_lora_rank=16)
+    monkeypatch.setattr(lora_api, "_file_digest", lambda path: pytest.fail(f"{path} checksummed again"))
+    load_slot_adapter(model, "detail", slot_loras["detail"]["path"], identity="sha256 given", use_safetensors=True)
+    assert bank.adapters["detail"].identity == "sha256 given"
+    monkeypatch.undo()
+    written = set(bank.adapters["detail"].ranks)
+    cleared = []
+    monkeypatch.setattr(LoraSlots, "clear", lambda layer, slot: cleared.append(layer))
+    from paradiff.api.lora_slots import unload_slot_adapter
+
+    unload_slot_adapter(model, "detail")
+    assert {id(layer) for layer in cleared} == {id(bank.layers[name]) for name in written} and \
+        len(written) < len(bank.layers) / 2, (len(written), len(bank.layers))
+    monkeypatch.undo()
+    layer = LoraSlots(4, 2, max_loras=1, max_rank=3, index=SlotIndex(2), dtype=torch.float32)
+    layer.write(1, torch.randn(3, 4), torch.randn(2, 3), 1.0)
+    a, b = torch.randn(1, 4), torch.randn(2, 1)
+    layer.write(1, a, b, 0.5)  # the same slot, rank 1 after rank 3
+    assert torch.equal(layer.lora_a[1, 1:], torch.zeros(2, 4)) and torch.equal(layer.lora_b[1, :, 1:],
+                                                                               torch.zeros(2, 2))
+    layer.index.set([1])
+    x = torch.randn(1, 3, 4)
+    torch.testing.assert_close(layer(x)[0], 0.5 * (x[0] @ a.T) @ b.T)
+    layer.clear(1)
+    assert not layer.lora_a.any() and not layer.lora_b.any() and not layer.scale.any()
+    # the server's path: the file read once (hashed), the slots filled from those bytes, as from the file itself
+    from paradiff.api.lora_slots import slot_adapter_source
+
+    path = slot_loras["style"]["path"]
+    source, extra = slot_adapter_source(None, path, Path(path).read_bytes())
+    assert isinstance(source, dict) and extra["metadata"]["transformer.lora_alpha"] == 8, extra
+    load_slot_adapter(model, "from bytes", source, identity="sha256 given", **extra)
+    other = build_model("flux")
+    from_file = enable_adapter_slots(other, max_loras=2, max_lora_rank=16)
+    load_slot_adapter(other, "from the file", path, use_safetensors=True)
+    for name, layer in bank.layers.items():
+        twin = from_file.layers[name]
+        assert torch.equal(layer.lora_a, twin.lora_a) and torch.equal(layer.lora_b, twin.lora_b) and \
+            torch.equal(layer.scale, twin.scale), name
+
+
+def test_the_adapter_cache_keeps_the_recently_used_and_checks_each_file(slot_loras, tmp_path, pools):
+    """The server's cache per rank: --max-loras resident, the least recently used evicted for a new one, a resident
+    adapter reused without a read; a file changed since it was named is refused (409) before any slot is written;
+    the ranks agree on the checksum before any writes a slot (two ranks with different checksums, or one rank's copy
+    changed: both refuse, none wrote, none hangs); a round's images go in calls of at most --max-loras distinct
+    adapters."""
+    import shutil
+
+    from paradiff.serve.adapters import AdapterCache, adapter_chunks, file_sha256
+    from paradiff.serve.protocol import RequestError
+
+    model = build_model("flux")
+    cache = AdapterCache(model, max_loras=2, max_rank=16)
+    adapters = {}
+    for name in ("style", "detail"):
+        path = tmp_path / f"{name}.safetensors"
+        shutil.copy(slot_loras[name]["path"], path)
+        adapters[name] = {"name": name, "path": str(path), "sha256": file_sha256(path)}
+    adapters["third"] = dict(adapters["style"], name="third")
+    cache.prepare([adapters["style"], None], None)
+    cache.prepare([adapters["detail"]], None)
+    cache.prepare([adapters["style"]], None)  # resident: no load; now the most recently used
+    assert cache.loads == 2 and list(cache.resident) == ["detail", "style"]
+    cache.prepare([adapters["third"], adapters["style"]], None)  # detail, least recently used, out
+    assert cache.loads == 3 and list(cache.resident) == ["third", "style"]
+    assert bank_slots(model) == {"style": 1, "third": 2} and model_state_index(model) == [2, 1]
+    Path(adapters["detail"]["path"]).write_bytes(Path(slot_loras["style"]["path"]).read_bytes())
+    with pytest.raises(RequestError, match="detail.*changed since it was loaded") as changed:
+        cache.prepare([adapters["detail"]], None)
+    assert changed.value.status == 409 and list(cache.resident) == ["third", "style"]
+    images = [({"adapter": {"name": name}}, 0) for name in ("a", None, "b", "a", "c", None)]
+    assert [[image[0]["adapter"]["name"] for image in chunk] for chunk in adapter_chunks(images, 8, 2)] == \
+        [["a", None, "b", "a"], ["c", None]]
+    results = pools.get(2).run(cases.slot_checksums_disagree, path=slot_loras["style"]["path"])
+    for result in results:
+        assert "disagree" in result["error"] and "adapter content" in result["error"], result
+        assert not result["written"] and result["loaded"] == [], result
+        assert result["cache loads"] == 0 and "changed since it was loaded" in result["cache error"], result
+    assert [r["cache error"].split(":")[0] for r in results] == ["DistributedError", "RequestError"], results
+
+
+def bank_slots(model) -> dict[str, int]:
+    from paradiff.api.lora_slots import adapter_bank
+
+    return {name: adapter.slot for name, adapter in adapter_bank(model).adapters.items()}
+
+
+def model_state_index(model) -> list[int]:
+    from paradiff.api.lora_slots import adapter_bank
+
+    return adapter_bank(model).index.samples.tolist()
+
+
+def test_a_text_encoder_lora_is_refused_by_name_with_its_keys(tmp_path):
+    """Adapters per sample / per request adapt the transformer only: a file with text-encoder tensors (diffusers'
+    or kohya's names) is refused naming the adapter, its file and the tensors, by the library, the server's
+    /v1/load_lora_adapter and the CLI's adapter column (before any worker starts)."""
+    from safetensors.torch import save_file
+
+    from paradiff.api.lora_slots import slot_adapter_source
+    from paradiff.cli.args import CliError, build_parser, check_args
+    from paradiff.serve.adapters import AdapterRegistry
+    from paradiff.serve.protocol import RequestError
+
+    factors = {"transformer.proj_out.lora_A.weight": torch.zeros(2, 8), "transformer.proj_out.lora_B.weight":
+               torch.zeros(8, 2), "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight": torch.zeros(2, 8),
+               "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_up.weight": torch.zeros(8, 2)}
+    for layer in range(3):
+        factors[f"text_encoder.text_model.encoder.layers.{layer}.self_attn.q_proj.lora_A.weight"] = torch.zeros(2, 8)
+    path = tmp_path / "both.safetensors"
+    save_file(factors, str(path))
+    fragments = ["'both'", str(path), "adapts a text encoder: 5 tensor(s)",
+                 "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight",
+                 "text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_A.weight", "and 2 more",
+                 "transformer only"]
+    with pytest.raises(AdapterError) as library:
+        slot_adapter_source(None, str(path), name="both")
+    registry = AdapterRegistry("base", [], str(tmp_path), True, max_rank=8)
+    with pytest.raises(RequestError) as served:
+        registry.add("both", "both.safetensors")
+    assert served.value.status == 400 and registry.names() == []
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("both\ta fox\n")
+    args = build_parser().parse_args(["generate", "--prompts-file", str(prompts), "--lora", str(path),
+                                      "--out", str(tmp_path / "out")])
+    with pytest.raises(CliError) as cli:
+        check_args(args)
+    for message in (str(library.value), str(served.value), str(cli.value)):
+        for fragment in fragments:
+            assert fragment in message.replace("'lora0'", "'both'"), (fragment, message)
+
+
 def test_scalings_are_diffusers_lora_config():
     shapes = {"a.lora_A.weight": (4, 8), "a.lora_B.weight": (8, 4), "b.lora_A.weight": (16, 8),
               "b.lora_B.weight": (8, 16)}
@@ -114,6 +253,51 @@ def test_mixed_batch_matches_diffusers_per_sample_in_every_mode(pools, checkpoin
                 assert max(result["unloaded"].values()) <= RTOL, (where, result["unloaded"])
                 assert result["graphs"]["first"] > 0
                 assert result["graphs"]["after switch and unload"] == result["graphs"]["first"], where
+
+
+@pytest.fixture(scope="module")
+def quantized_slot_base(tmp_path_factory) -> dict:
+    """A tiny FLUX.2 whose planned slices at tp2 are whole nf4 blocks (64) and whole Q8_0 blocks (32): 64-wide heads
+    and inputs, as a folder (fp8, nf4) and as an original-format GGUF file (Q8_0 where a row is whole blocks, F32
+    elsewhere); two adapters, diffusers rank 4 (alpha 8) and rank 8 (alpha 4) on every other target."""
+    from paradiff.testing.gguf import save_flux2_gguf
+    from paradiff.testing.models import model_class, save_model, tiny_config
+
+    root = tmp_path_factory.mktemp("quantized-slot-base")
+    torch.manual_seed(3)
+    model = model_class("flux2")(**{**tiny_config("flux2", head_dim=64), "joint_attention_dim": 128,
+                                    "timestep_guidance_channels": 128}).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    model.save_config(root / "config")
+    save_flux2_gguf(model, root / "base.gguf", lambda name, tensor: "Q8_0" if tensor.dim() == 2 and
+                    tensor.shape[1] % 32 == 0 else "F32")
+    targets = TARGETS["flux2"]
+    return {"folder": str(save_model(model, root / "base")), "gguf": str(root / "base.gguf"),
+            "config": str(root / "config"), "loras": {
+                "style": {"path": str(save_lora(root / "style.safetensors", random_lora(model, targets, 4, seed=1),
+                                                rank=4, alpha=8))},
+                "detail": {"path": str(save_lora(root / "detail.safetensors",
+                                                 random_lora(model, targets[::2], 8, seed=2), rank=8, alpha=4))}}}
+
+
+def test_mixed_batch_on_fp8_nf4_and_gguf_bases_at_tp2(pools, quantized_slot_base):
+    """fp8 (torchao weight-only), NF4 (bitsandbytes) and GGUF (Q8_0) bases at tp2, one pool run: every sample of a
+    mixed batch (base, two adapters) equals the single-process model quantized alike with only that adapter (peft's
+    own load): diffusers' TorchAoConfig and from_single_file models; for NF4, bitsandbytes' weights in one process
+    (diffusers refuses bitsandbytes without a GPU)."""
+    base = quantized_slot_base
+    runs = [dict(family="flux2", folder=base["gguf"] if scheme == "gguf" else base["folder"], mode="tp2",
+                 scheme=scheme, loras=base["loras"], samples=["detail", None, "style"], max_lora_rank=8,
+                 gguf_config=base["config"] if scheme == "gguf" else None) for scheme in ("fp8", "nf4", "gguf")]
+    for rank_results in pools.get(2).run(cases.mixed_batch_cases, timeout_s=900, cases=runs):
+        assert [result["case"]["scheme"] for result in rank_results] == ["fp8", "nf4", "gguf"]
+        for result in rank_results:
+            where = (result["case"]["scheme"], result["rank"])
+            assert result["quantized"] >= 10, where
+            assert min(result["adapted"].values()) > 0.01, (where, result["adapted"])  # each adapter matters
+            assert max(result["diffs"].values()) <= RTOL, (where, result["diffs"])
 
 
 def test_generate_with_an_adapter_column_draws_mixed_batches(tmp_path):

@@ -300,9 +300,10 @@ def _load_slices(model: nn.Module, stage: str, adapter: "AdapterSource | None", 
         raise
 
 
-def open_adapter(source: Any, prefix: str | None, kwargs: dict[str, Any]) -> AdapterSource:
+def open_adapter(source: Any, prefix: str | None, kwargs: dict[str, Any], identity: str | None = None) -> AdapterSource:
     """The adapter's tensors under peft's names, prefix removed: a local safetensors file by its header (nothing
-    read yet, beyond the checksum), anything else (a dict, a Hub id, another format) through diffusers."""
+    read yet, beyond the checksum), anything else (a dict, a Hub id, another format) through diffusers. `identity`:
+    the content's checksum when the caller already took one (then none is computed here)."""
     from diffusers.utils import convert_unet_state_dict_to_peft
 
     path = None if isinstance(source, dict) else _local_safetensors(source, kwargs)
@@ -321,7 +322,8 @@ def open_adapter(source: Any, prefix: str | None, kwargs: dict[str, Any]) -> Ada
         if not names or _is_peft(names):  # nothing under the prefix: diffusers then only warns
             return AdapterSource(
                 names=names, shapes={n: tuple(checkpoint.tensors[k].shape) for n, k in names.items()},
-                dtypes={n: str(checkpoint.tensors[k].dtype) for n, k in names.items()}, identity=_file_digest(path),
+                dtypes={n: str(checkpoint.tensors[k].dtype) for n, k in names.items()},
+                identity=identity or _file_digest(path),
                 checkpoint=checkpoint, metadata=metadata)
         # another key format: converted whole by diffusers, as its own load would
         tensors = {key: checkpoint.read(key) for key in checkpoint.tensors}
@@ -342,8 +344,8 @@ def open_adapter(source: Any, prefix: str | None, kwargs: dict[str, Any]) -> Ada
         tensors = convert_unet_state_dict_to_peft(tensors)
     return AdapterSource(
         names={name: name for name in tensors}, shapes={n: tuple(t.shape) for n, t in tensors.items()},
-        dtypes={n: str(t.dtype) for n, t in tensors.items()}, identity=_tensors_digest(tensors), tensors=tensors,
-        metadata=metadata)
+        dtypes={n: str(t.dtype) for n, t in tensors.items()}, identity=identity or _tensors_digest(tensors),
+        tensors=tensors, metadata=metadata)
 
 
 def text_encoder_adapter(state_dict: dict[str, torch.Tensor], prefix: str, text_encoder: nn.Module) -> AdapterSource:

@@ -17,8 +17,11 @@ the slots and apply to every sample.
 
 from __future__ import annotations
 
+import json
 import math
+import struct
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -151,7 +154,8 @@ def load_slot_adapter(model: nn.Module, name: str, source: Any, prefix: str | No
             raise AdapterError(f"An adapter named {name!r} is already in a slot (loaded: {sorted(bank.adapters)}); "
                                "unload it first or choose another name.")
         slot = bank.free_slot()
-        adapter = open_adapter(source, prefix, kwargs)
+        # a given identity (the server's sha256) is what the ranks agree on: no second checksum of the file
+        adapter = open_adapter(source, prefix, kwargs, identity=identity)
         if not adapter.shapes:
             raise AdapterError(f"Adapter {name!r} has no tensors under the prefix {prefix!r}.")
         specs = check_adapter(model, _resolved(model), adapter, None, False)
@@ -164,7 +168,7 @@ def load_slot_adapter(model: nn.Module, name: str, source: Any, prefix: str | No
     facts = None if adapter is None else {
         "adapter name": name, "slot": slot, "prefix": prefix,
         "adapter tensors": fingerprint(sorted((n, list(s), adapter.dtypes[n]) for n, s in adapter.shapes.items())),
-        "adapter content": identity or adapter.identity, "scalings": fingerprint(scalings),
+        "adapter content": adapter.identity, "scalings": fingerprint(scalings),
     }
     try:
         agree(stage, facts, error, ranks=ranks)
@@ -199,8 +203,8 @@ def unload_slot_adapter(model: nn.Module, name: str) -> None:
         raise AdapterError(f"No adapter named {name!r} is in a slot (loaded: "
                            f"{sorted(bank.adapters) if bank else []}).")
     adapter = bank.adapters.pop(name)
-    for layer in bank.layers.values():
-        layer.clear(adapter.slot)
+    for module in adapter.ranks:  # only the layers it wrote: no walk over the model
+        bank.layers[module].clear(adapter.slot)
 
 
 def set_sample_adapters(model: nn.Module, names: Sequence[str | None]) -> list[int]:
@@ -258,27 +262,77 @@ def _strip(values: dict[str, Any] | None, prefix: str | None) -> dict[str, Any] 
             if str(key).startswith(f"{prefix}.")} or None
 
 
-def slot_adapter_source(pipeline: Any, path: str) -> tuple[Any, dict]:
+def slot_adapter_source(pipeline: Any, path: str, data: bytes | None = None,
+                        name: str | None = None) -> tuple[Any, dict]:
     """`load_slot_adapter`'s source and keywords for a pipeline's LoRA file: a file in diffusers' own format is
-    read by slices (with its metadata); any other format goes through the pipeline's `lora_state_dict`, diffusers'
-    converters (kohya, BFL, XLabs...), as `load_lora_weights` would. Text-encoder tensors are refused by name:
-    adapters per sample adapt the transformer only (the text encoders run once for the whole batch)."""
-    from safetensors import safe_open
+    read by slices (with its metadata), or, given `data` (the file's bytes, which the server has read once to hash
+    them), taken from those bytes without reading the file again; any other format goes through the pipeline's
+    `lora_state_dict`, diffusers' converters (kohya, BFL, XLabs...), as `load_lora_weights` would. Text-encoder
+    tensors are refused, naming the adapter (`name`, default the file's stem) and the tensors:
+    `text_encoder_refusal`."""
+    if data is not None:
+        header = _safetensors_header(data, path)
+        keys = [key for key in header if key != "__metadata__"]
+    else:
+        from safetensors import safe_open
 
-    with safe_open(path, "pt") as handle:
-        keys = list(handle.keys())
-    encoder = [key for key in keys if key.startswith(("text_encoder", "lora_te"))]
-    if encoder:
-        raise AdapterError(f"{path}: {len(encoder)} text-encoder tensor(s) (e.g. {encoder[0]}); adapters per sample "
-                           "adapt the transformer only. Use a transformer-only file, or --lora to mix it into "
-                           "every sample.")
+        with safe_open(path, "pt") as handle:
+            keys = list(handle.keys())
+    refusal = text_encoder_refusal(name or Path(path).stem, path, keys)
+    if refusal is not None:
+        raise AdapterError(refusal)
     if keys and all(key.startswith("transformer.") and ".lora_" in key for key in keys):
-        return path, {"use_safetensors": True}
+        if data is None:
+            return path, {"use_safetensors": True}
+        from safetensors.torch import load
+
+        # the adapter metadata diffusers' loader reads (r, lora_alpha, patterns), under the same key
+        raw = (header.get("__metadata__") or {}).get("lora_adapter_metadata")
+        return load(data), {"metadata": json.loads(raw)} if raw else {}
     try:
         state, alphas = pipeline.lora_state_dict(path, return_alphas=True)
     except TypeError:  # loaders without network alphas
         state, alphas = pipeline.lora_state_dict(path), None
     return state, {"network_alphas": alphas} if alphas else {}
+
+
+# where the LoRA formats diffusers reads keep a text encoder's factors: diffusers' `text_encoder.` / `text_encoder_2.`
+# prefixes, kohya's `lora_te_` / `lora_te1_` / `lora_te2_`
+TEXT_ENCODER_PREFIXES = ("text_encoder", "lora_te")
+
+
+def text_encoder_refusal(name: str, path: str, keys: Iterable[str]) -> str | None:
+    """Why an adapter file with text-encoder tensors cannot be an adapter per sample / per request (None when it has
+    none): naming the adapter, its file and those tensors. The text encoders run once for the whole batch, so an
+    adapter per sample adapts the transformer only; the file's transformer part, or `--lora` (every sample), do."""
+    encoder = sorted(key for key in keys if key.startswith(TEXT_ENCODER_PREFIXES))
+    if not encoder:
+        return None
+    shown = ", ".join(encoder[:3]) + (f" and {len(encoder) - 3} more" if len(encoder) > 3 else "")
+    return (f"adapter {name!r} ({path}) adapts a text encoder: {len(encoder)} tensor(s) {shown}. Adapters per "
+            "request or per sample adapt the transformer only (the text encoders run once for the whole batch): use "
+            "a file with only its transformer tensors, or --lora to apply it to every sample.")
+
+
+def safetensors_keys(path: str | Path) -> list[str]:
+    """A safetensors file's tensor names, from its header alone."""
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+        size = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        if not 0 < size <= 100 << 20:
+            raise ValueError(f"{path}: not a safetensors header")
+        return [key for key in _safetensors_header(head + handle.read(size), str(path)) if key != "__metadata__"]
+
+
+def _safetensors_header(data: bytes, path: str) -> dict[str, Any]:
+    try:
+        (size,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8:8 + size])
+        if not isinstance(header, dict):
+            raise ValueError("not a JSON object")
+    except (struct.error, ValueError, UnicodeDecodeError) as exc:
+        raise AdapterError(f"{path}: not a safetensors file (its header: {exc}).") from None
+    return header
 
 
 def source_max_rank(source: Any) -> int:

@@ -355,6 +355,24 @@ def prompt_adapters(args: argparse.Namespace) -> list[str | None] | None:
     return column
 
 
+def _check_slot_adapter_files(args: argparse.Namespace) -> None:
+    """An adapter column's --lora files adapt the transformer only: one with text-encoder tensors is refused here,
+    from its header, before any worker starts."""
+    from paradiff.api.lora_slots import safetensors_keys, text_encoder_refusal
+
+    for lora in lora_specs(args):
+        path = Path(lora["path"])
+        if path.suffix != ".safetensors" or not path.is_file():
+            continue
+        try:
+            keys = safetensors_keys(path)
+        except (OSError, ValueError):
+            continue  # not readable as safetensors: the load says why
+        refusal = text_encoder_refusal(lora["adapter_name"], lora["path"], keys)
+        if refusal is not None:
+            raise CliError(f"--lora with an adapter column in --prompts-file: {refusal}")
+
+
 def gguf_files(args: argparse.Namespace) -> dict[str, str]:
     """--gguf [COMPONENT=]FILE ... as {component: file} (COMPONENT defaults to "transformer"), each a local .gguf file
     that starts with GGUF's magic; a component given twice is an error."""
@@ -445,6 +463,7 @@ def check_args(args: argparse.Namespace) -> None:
         if (lora["path"].startswith((".", "/")) or path.suffix == ".safetensors") and not path.exists():
             raise CliError(f"--lora {lora['path']}: no such file or folder")
     if getattr(args, "prompts_file", None) and prompt_adapters(args) is not None:
+        _check_slot_adapter_files(args)
         for flag in ("also_without_lora", "compare", "stages"):
             if getattr(args, flag, False):
                 raise CliError(f"--{flag.replace('_', '-')} with an adapter column in --prompts-file: not supported "

@@ -64,7 +64,7 @@ def _numel(shape: Iterable[int]) -> int:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def read_header(path: Path, metadata: dict[str, str] | None = None) -> dict[str, TensorInfo]:

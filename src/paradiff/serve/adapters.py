@@ -101,10 +101,11 @@ class AdapterRegistry:
         if max(ranks.values()) > self.max_rank:
             raise RequestError(400, f"lora_path {path!r} has rank {max(ranks.values())}, above --max-lora-rank "
                                     f"{self.max_rank}; restart with a larger --max-lora-rank")
-        encoder = [key for key in ranks if key.startswith(("text_encoder", "lora_te"))]
-        if encoder:
-            raise RequestError(400, f"lora_path {path!r} adapts a text encoder too ({encoder[0]}); adapters per "
-                                    "request adapt the transformer only: serve a transformer-only file")
+        from paradiff.api.lora_slots import safetensors_keys, text_encoder_refusal
+
+        refusal = text_encoder_refusal(name, str(resolved), safetensors_keys(resolved))
+        if refusal is not None:
+            raise RequestError(400, f"lora_path: {refusal}")
         entry = {"path": str(resolved), "sha256": file_sha256(resolved)}
         with self._lock:
             if name in self._adapters:
@@ -157,6 +158,7 @@ class AdapterCache:
         sample's slot. `adapters`: one per sample, {"name", "path", "sha256"} or None (the base model)."""
         from paradiff.api.lora_slots import (load_slot_adapter, set_sample_adapters, slot_adapter_source,
                                              unload_slot_adapter)
+        from paradiff.distributed.agreement import agree
 
         needed = {a["name"]: a for a in adapters if a is not None}
         if len(needed) > self.max_loras:
@@ -165,6 +167,16 @@ class AdapterCache:
             if self.resident.get(name) == adapter["sha256"]:
                 self.resident.move_to_end(name)
                 continue
+            # each rank reads the file once and hashes those bytes: the ranks agree on that sha256 (and it must be
+            # the one rank 0 took when the adapter was named) before any rank writes a slot from the same bytes
+            data = Path(adapter["path"]).read_bytes()
+            local = hashlib.sha256(data).hexdigest()
+            changed = None if local == adapter["sha256"] else RequestError(
+                409, f"adapter {name!r}: {adapter['path']} changed since it was loaded (sha256 {local[:12]}, loaded "
+                     f"as {adapter['sha256'][:12]}); load it again")
+            # decided together: a rank whose copy changed refuses, and so does every other (none goes on alone)
+            agree(f"paradiff serve: adapter {name!r} file", {"sha256": local}, changed, ranks=ranks)
+            # evicted only once the file is known good: a refused load leaves the cache as it was
             if name in self.resident:  # another file under the same name since
                 unload_slot_adapter(self.transformer, name)
                 del self.resident[name]
@@ -172,13 +184,8 @@ class AdapterCache:
                 victim = next(n for n in self.resident if n not in needed)
                 unload_slot_adapter(self.transformer, victim)
                 del self.resident[victim]
-            source, extra = slot_adapter_source(pipeline, adapter["path"])
-            # each rank hashes the file itself: the ranks agree on that sha256 (and it must be the one rank 0 took
-            # when the adapter was named) before any rank writes a slot
-            local = file_sha256(adapter["path"])
-            if local != adapter["sha256"]:
-                raise RequestError(409, f"adapter {name!r}: {adapter['path']} changed since it was loaded (sha256 "
-                                        f"{local[:12]}, loaded as {adapter['sha256'][:12]}); load it again")
+            source, extra = slot_adapter_source(pipeline, adapter["path"], data)
+            del data
             load_slot_adapter(self.transformer, name, source, identity=f"sha256 {local}", ranks=ranks, **extra)
             self.resident[name] = local
             self.loads += 1

@@ -64,6 +64,8 @@ class LoraSlots(nn.Module):
                                                    device=device), persistent=False)
         self.register_buffer("scale", torch.zeros(max_loras + 1, dtype=dtype, device=device), persistent=False)
         object.__setattr__(self, "index", index)  # shared, not a submodule
+        # per slot, the rank written there: the rows of A and columns of B that may be nonzero (the rest are zeros)
+        self.filled = [0] * (max_loras + 1)
 
     def extra_repr(self) -> str:
         slots, rank, width = self.lora_a.shape
@@ -71,7 +73,9 @@ class LoraSlots(nn.Module):
 
     @torch.no_grad()
     def write(self, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> None:
-        """This rank's slices of one adapter's factors (A r x in_local, B out_local x r) into `slot`."""
+        """This rank's slices of one adapter's factors (A r x in_local, B out_local x r) into `slot`. Touches only
+        the rows and columns the adapter fills (and those a previous, wider adapter left): an adapter load costs its
+        own bytes, not the slots' size."""
         rank = lora_a.shape[0]
         if rank > self.max_rank:
             raise AdapterError(f"A LoRA factor of rank {rank} does not fit slots of max_lora_rank {self.max_rank}; "
@@ -79,16 +83,23 @@ class LoraSlots(nn.Module):
         if lora_a.shape[1] != self.in_features or lora_b.shape != (self.out_features, rank):
             raise AdapterError(f"LoRA factors {list(lora_a.shape)} / {list(lora_b.shape)} do not fit a slot of "
                                f"{self.in_features} -> {self.out_features} features.")
-        self.clear(slot)
+        left = self.filled[slot]
+        if left > rank:
+            self.lora_a[slot, rank:left].zero_()
+            self.lora_b[slot, :, rank:left].zero_()
         self.lora_a[slot, :rank].copy_(lora_a)
         self.lora_b[slot, :, :rank].copy_(lora_b)
         self.scale[slot] = scale
+        self.filled[slot] = rank
 
     @torch.no_grad()
     def clear(self, slot: int) -> None:
-        self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
+        filled = self.filled[slot]
+        if filled:
+            self.lora_a[slot, :filled].zero_()
+            self.lora_b[slot, :, :filled].zero_()
         self.scale[slot] = 0
+        self.filled[slot] = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
