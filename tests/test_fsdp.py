@@ -91,6 +91,10 @@ def test_dry_run_prints_the_mesh_memory_and_the_flag_that_makes_it_fit(capsys, t
     assert main(["generate", "--dry-run", "--fsdp", "2", "--out", str(tmp_path)]) == 0
     sharded = capsys.readouterr().out
     assert "per rank of 2 (fsdp=2" in sharded and "gathered (FSDP)" in sharded
+    assert main(["generate", "--dry-run", "--fsdp", "2", "--fsdp-offload", "--out", str(tmp_path)]) == 0
+    assert "CPU (offloaded)" in capsys.readouterr().out
+    assert main(["generate", "--dry-run", "--fsdp-offload", "--out", str(tmp_path)]) != 0
+    assert "--fsdp-offload without --fsdp" in capsys.readouterr().err
 
 
 def test_dry_run_suggests_the_fsdp_degree_that_fits():
@@ -102,6 +106,11 @@ def test_dry_run_suggests_the_fsdp_degree_that_fits():
     four = per_rank_bytes(model, ParallelConfig.from_degrees(fsdp=4), torch.float32, image_tokens=64)
     assert four.weights < single.weights / 3 and four.gathered > 0
     assert fsdp_to_fit(model, ParallelConfig(), four.peak, dtype=torch.float32, image_tokens=64) == 4
+    offloaded = per_rank_bytes(model, ParallelConfig.from_degrees(fsdp=4, fsdp_offload=True), torch.float32,
+                               image_tokens=64)
+    assert (offloaded.weights, offloaded.host, offloaded.gathered) == (0, four.weights, four.gathered)
+    with pytest.raises(ParallelConfigError, match="fsdp_offload=True with fsdp_degree=1"):
+        ParallelConfig.from_degrees(fsdp_offload=True)
 
 
 def test_fsdp_shards_quantized_bases_without_dequantizing(pools, checkpoints, gguf_files):
