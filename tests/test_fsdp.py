@@ -114,9 +114,10 @@ def test_dry_run_suggests_the_fsdp_degree_that_fits():
 
 
 def test_fsdp_shards_quantized_bases_without_dequantizing(pools, checkpoints, gguf_files):
-    """int8 (torchao, quantized on read) and GGUF's packed weights: each rank holds its rows of the quantized weights
-    only, and the forward equals the single-process quantized model's."""
+    """int8 / fp8 (torchao, quantized on read) and GGUF's packed weights: each rank holds its rows of the quantized
+    weights only, and the forward equals the single-process quantized model's (fp8 composed with ulysses)."""
     runs = [dict(family="flux2", folder=str(checkpoints[("flux2", "sharded")]), mode="fsdp2", scheme="int8"),
+            dict(family="wan", folder=str(checkpoints[("wan", "sharded")]), mode="fsdp2xulysses2", scheme="fp8"),
             dict(family="flux2", file=gguf_files["mixed"], config=gguf_files["config"], mode="fsdp2", scheme="gguf")]
     for result in (r for rank in pools.get(2).run(cases.fsdp_quantized, runs=runs) for r in rank):
         assert result["diff"] <= RTOL, result

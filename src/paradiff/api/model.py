@@ -221,7 +221,7 @@ class WeightSource:
                                                  self.dtype)
                     module._parameters[leaf] = nn.Parameter(placeholder, requires_grad=False)
                     continue
-                if isinstance(module, PackedLinear):  # its rows of the float weight, quantized into its parts
+                if isinstance(module, PackedLinear) and leaf == "weight":  # its rows, quantized into its parts
                     start, length = local_rows(getattr(module, module.part_names[0]))
                     tensor = checkpoint.read(key, spec, rows=(start, length))
                     advance(tensor.numel() * tensor.element_size())
