@@ -1,9 +1,9 @@
 """Fully sharded weights with PyTorch's own FSDP2: `fully_shard` on each repeated block and on the root.
 
 Inference only: every rank holds 1/N of each block's weights (its rows, `shard.chunk_rows`), and a block's weights are
-all-gathered just before its forward and freed after it (`reshard_after_forward=True`); each block asks FSDP2 to
-start the next block's all-gather as it begins (`set_modules_to_forward_prefetch`), so the gather overlaps the
-current block's compute. The root holds what is outside the blocks (embeddings, the final norm and projection).
+all-gathered just before its forward and freed after it (`reshard_after_forward=True`); each block starts the next
+block's all-gather as it begins, without waiting for it (`_gather_next`), so the gather overlaps the current block's
+compute. The root holds what is outside the blocks (embeddings, the final norm and projection).
 
 A model is sharded on the meta device, then its sharded parameters are made real but empty on the load device, and
 the loader fills each rank's rows from the checkpoint (`api/model.py: WeightSource.read`): no rank ever holds a whole
@@ -13,6 +13,7 @@ weight. Buffers (rotary tables computed at construction, persistent buffers read
 from __future__ import annotations
 
 from collections import Counter
+from functools import partial
 
 import torch
 from torch import nn
@@ -45,7 +46,7 @@ def shard_weights(model: nn.Module, blocks: list[tuple[str, nn.Module]], mesh: D
     fully_shard(model, **options)
     for (name, block), (next_name, following) in zip(blocks, blocks[1:]):
         if prefetch_across_lists or name.rpartition(".")[0] == next_name.rpartition(".")[0]:
-            block.set_modules_to_forward_prefetch([following])
+            block.register_forward_pre_hook(partial(_gather_next, following))
     if on_meta:
         # the sharded parameters only (in CPU memory when offloaded): buffers are put back as they were
         model.to_empty(device="cpu" if offload else device)
@@ -55,6 +56,18 @@ def shard_weights(model: nn.Module, blocks: list[tuple[str, nn.Module]], mesh: D
                 if kept is not None:
                     module._buffers[leaf] = kept.to(device)
     return [name for name, _block in blocks]
+
+
+def _gather_next(following: FSDPModule, _block: nn.Module, _args: tuple) -> None:
+    """Start the next block's all-gather and return at once; FSDP2 waits for it in that block's pre-forward.
+
+    Not FSDP2's own `set_modules_to_forward_prefetch`: that issues the prefetch with `async_op=False`, which over
+    gloo (CPU) runs the whole all-gather before the current block computes (nothing overlapped: fsdp2 x ulysses2 took
+    2.1x ulysses2's step in benchmarks/bench_fsdp.py), and a synchronous gather in forward keeps its gathered buffer
+    until the next block's copy-out, one more block's worth of memory held. An `async_op=True` unshard is waited for
+    in the next block's pre-forward and its buffer freed right after its copy-out. (Runs after FSDP2's own pre-forward
+    hook, which fully_shard put first: the current block is gathered by then.)"""
+    following.unshard(async_op=True)
 
 
 def _shard_mixed_dtypes(module: nn.Module, options: dict) -> None:
