@@ -167,6 +167,7 @@ def fsdp_quantized(runs: list[dict]) -> list[dict]:
     from rank_cases_quant import quant_config
 
     from paradiff.fsdp.packed import PackedLinear
+    from paradiff.quant.apply import quantization_summary
 
     torch.set_num_threads(1)
     results = []
@@ -200,6 +201,7 @@ def fsdp_quantized(runs: list[dict]) -> list[dict]:
             "file": sum(os.path.getsize(os.path.join(source, f)) for f in os.listdir(source)
                         if f.endswith(".safetensors")) if os.path.isdir(source) else os.path.getsize(source),
             "plain": all(type(getattr(m, part).to_local()) is torch.Tensor for m in packed for part in m.part_names),
+            "summary": quantization_summary(model),
         })
     return results
 

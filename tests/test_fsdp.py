@@ -124,6 +124,8 @@ def test_fsdp_shards_quantized_bases_without_dequantizing(pools, checkpoints, gg
         assert result["repeat_diff"] == 0.0, result
         assert result["packed"] == result["quantized"] > 0, result
         assert result["plain"], result  # rows of the packed data and scales: nothing dequantized, no subclass
+        summary = result["summary"]  # what a run reports (runtime/stages.py): its rows, counted as quantized
+        assert (summary["quantized_linears"], summary["quantized_bytes"]) == (result["packed"], result["held"]), result
         assert result["held"] <= 0.5 * result["whole"] + 0.02 * result["whole"], result
         assert result["read"] < 0.6 * result["file"], result
 

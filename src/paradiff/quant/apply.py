@@ -365,10 +365,16 @@ def quantization_summary(model: nn.Module) -> dict[str, int]:
     quantized, quantized_bytes, other_bytes = 0, 0, 0
     seen = set()
     for module in model.modules():
+        packed = getattr(module, "part_names", ())  # FSDP's PackedLinear (fsdp/packed.py): its rows, packed
+        if packed:
+            quantized += 1
+            quantized_bytes += sum(_local(getattr(module, part)).nbytes for part in packed)
+            seen.update(id(getattr(module, part)) for part in packed)
         for leaf, param in module._parameters.items():
             if param is None or id(param) in seen:
                 continue
             seen.add(id(param))
+            param = _local(param)
             state = getattr(param, "quant_state", None)
             if leaf == "weight" and state is not None:
                 quantized += 1
