@@ -123,22 +123,108 @@ def fsdp_models(runs: list[dict]) -> list[dict]:
     return results
 
 
-def fsdp_pipeline(family: str, folder: str, mode: str, steps: int = 3) -> dict:
+def _offloaded(module) -> bool:
+    """Whether FSDP2 keeps this sharded module's parameters offloaded to the CPU (its CPUOffloadPolicy)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    group = fully_shard.state(module)._fsdp_param_group
+    return group is not None and isinstance(group.offload_policy, CPUOffloadPolicy)
+
+
+def fsdp_pipeline(family: str, folder: str, mode: str, steps: int = 3, offload: bool = False) -> dict:
     """A whole pipeline with FSDP transformers: images equal the single-process ones, same seed."""
+    from paradiff.config import parse_mode
+
     torch.set_num_threads(1)
     kwargs = dict(default_call_kwargs(family), num_inference_steps=steps)
     reference = DiffusionPipeline.from_pretrained(folder)
     reference.set_progress_bar_config(disable=True)
-    pipeline = paradiff.load_pipeline(folder, parallel_config=ParallelConfig.from_mode(mode))
+    pipeline = paradiff.load_pipeline(folder, parallel_config=ParallelConfig.from_degrees(**parse_mode(mode),
+                                                                                          fsdp_offload=offload))
     pipeline.set_progress_bar_config(disable=True)
     expected = np.asarray(reference(**kwargs, generator=torch.Generator().manual_seed(0)).frames)
     actual = np.asarray(pipeline(**kwargs, seed=0).frames)
     transformers = {name: module for name, module in pipeline.components.items()
                     if name.startswith("transformer") and module is not None}
     return {"rank": dist.get_rank(), "diff": float(np.abs(actual - expected).max()),
+            "offloaded": {name: all(_offloaded(module.get_submodule(block))
+                                    for block in get_state(module).fsdp_blocks)
+                          for name, module in transformers.items()},
             "fsdp_blocks": {name: len(get_state(module).fsdp_blocks) for name, module in transformers.items()},
             "held": {name: (held_weight_bytes(module), sum(_nbytes(p) for p in getattr(reference, name).parameters()))
                      for name, module in transformers.items()},
             "encoders": {name: (held_weight_bytes(module), sum(_nbytes(p) for p in getattr(reference, name).parameters()))
                          for name, module in pipeline.components.items()
                          if name.startswith("text_encoder") and isinstance(module, torch.nn.Module)}}
+
+
+def fsdp_quantized(runs: list[dict]) -> list[dict]:
+    """For each run {family, folder (a float checkpoint) or file + config (GGUF), scheme, mode}: the relative
+    difference of the FSDP model's forward to the single-process quantized model's (diffusers' own load: TorchAoConfig,
+    or from_single_file of the GGUF file), the quantized bytes this rank holds against the whole model's, whether
+    every quantized linear is held as plain rows (no weight dequantized), and the bytes read against the file's."""
+    from rank_cases_gguf import gguf_config
+    from rank_cases_quant import quant_config
+
+    from paradiff.fsdp.packed import PackedLinear
+    from paradiff.quant.apply import quantization_summary
+
+    torch.set_num_threads(1)
+    results = []
+    for run in runs:
+        family, mode, scheme = run["family"], run["mode"], run["scheme"]
+        cls = model_class(family)
+        if scheme == "gguf":
+            source, kwargs = run["file"], dict(config=run["config"], quantization_config=gguf_config())
+            reference = cls.from_single_file(source, **kwargs).eval()
+        else:
+            source, kwargs = run["folder"], dict(quantization_config=quant_config(scheme))
+            reference = cls.from_pretrained(source, torch_dtype=torch.float32, **kwargs).eval()
+        dist.barrier()
+        with _recorded_reads() as ranges:
+            model = paradiff.from_pretrained(cls, source, parallel_config=ParallelConfig.from_mode(mode), **kwargs)
+        packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+        quantized = {name: m for name, m in reference.named_modules() if isinstance(m, torch.nn.Linear)
+                     and (hasattr(m.weight, "qdata") or getattr(m.weight, "quant_type", None) is not None)}
+        whole = sum(_nbytes(t) for m in quantized.values()
+                    for t in ([m.weight.qdata, m.weight.scale] if hasattr(m.weight, "qdata") else [m.weight]))
+        held = sum(_nbytes(getattr(m, part).to_local()) for m in packed for part in m.part_names)
+        inputs = make_inputs(family, reference.config, batch=2, lengths=Lengths(height=3, width=4, text=6))
+        expected = run_forward(reference, inputs).float()
+        actual = run_forward(model, inputs).float()
+        again = run_forward(model, inputs).float()
+        results.append({
+            "run": run, "rank": dist.get_rank(), "packed": len(packed), "quantized": len(quantized),
+            "diff": float((actual - expected).abs().max() / expected.abs().max()),
+            "repeat_diff": float((again - actual).abs().max()),
+            "held": held, "whole": whole, "read": sum(length for _offset, length in ranges),
+            "file": sum(os.path.getsize(os.path.join(source, f)) for f in os.listdir(source)
+                        if f.endswith(".safetensors")) if os.path.isdir(source) else os.path.getsize(source),
+            "plain": all(type(getattr(m, part).to_local()) is torch.Tensor for m in packed for part in m.part_names),
+            "summary": quantization_summary(model),
+        })
+    return results
+
+
+def fsdp_families(runs: list[dict]) -> list[dict]:
+    """For each run {family, example, modes} (the families' tiny examples, plan_tools/family_examples.py): per mode,
+    the relative difference of the FSDP model (enable_parallelism of the example in memory) to its single-process
+    forward, and the parameter bytes this rank holds against the whole model's."""
+    from paradiff.plan_tools import family_examples as examples
+
+    torch.set_num_threads(1)
+    results = []
+    for run in runs:
+        family, example = run["family"], run["example"]
+        reference = examples.build_example(family, example)
+        inputs = examples.example_inputs(family, example, reference.config)
+        expected, _flops = examples.forward_with_flops(reference, inputs)
+        for mode in run["modes"]:
+            model = paradiff.enable_parallelism(examples.build_example(family, example),
+                                                ParallelConfig.from_mode(mode))
+            actual, _flops = examples.forward_with_flops(model, inputs)
+            results.append({"family": family, "mode": mode, "rank": dist.get_rank(),
+                            "diff": examples.relative_difference(actual, expected),
+                            "blocks": len(get_state(model).fsdp_blocks), "held": held_weight_bytes(model),
+                            "whole": examples.parameter_bytes(reference)})
+    return results

@@ -11,6 +11,7 @@ from paradiff.api.fsdp import check_fsdp
 from paradiff.config import ParallelConfig
 from paradiff.errors import ParallelConfigError, UnsupportedModelError
 from paradiff.testing.models import build_model
+from test_gguf import gguf_files  # noqa: F401 - the GGUF file of mixed ggml types, for quantized FSDP
 
 RTOL = 1e-5
 BF16_RTOL = 2e-2  # bfloat16 on both sides: the parallel run reduces in another order
@@ -59,19 +60,22 @@ def test_fsdp_composes_with_tp_and_cfg(pools, checkpoints, tiny_pipeline_folders
             assert held < 0.6 * whole, result
 
 
-def _refusal(**kwargs) -> str:
+def _refusal(tp: int = 1, **kwargs) -> str:
     with pytest.raises((ParallelConfigError, UnsupportedModelError)) as error:
-        check_fsdp(build_model("flux2"), ParallelConfig.from_degrees(fsdp=2), **kwargs)
+        check_fsdp(build_model("flux2"), ParallelConfig.from_degrees(fsdp=2, tp=tp), **kwargs)
     return str(error.value)
 
 
 def test_fsdp_refuses_what_it_cannot_hold_by_name():
     from types import SimpleNamespace
 
-    assert "GGUF" in _refusal(single_file=True) and "fsdp_degree=2" in _refusal(single_file=True)
-    for scheme in ("nf4", "int8", "fp8"):
-        message = _refusal(quantization=SimpleNamespace(name=scheme))
-        assert f"{scheme} quantization" in message and "fsdp_degree=1" in message, message
+    message = _refusal(quantization=SimpleNamespace(name="nf4"))
+    assert "nf4 quantization" in message and "Params4bit" in message and "fsdp_degree=1" in message, message
+    for scheme in ("int8", "fp8"):  # held as rows (fsdp/packed.py), but not rows of a TP slice
+        check_fsdp(build_model("flux2"), ParallelConfig.from_degrees(fsdp=2), quantization=SimpleNamespace(name=scheme))
+        message = _refusal(tp=2, quantization=SimpleNamespace(name=scheme))
+        assert f"{scheme} quantization" in message and "tp_degree=2" in message, message
+    assert "GGUF weights" in _refusal(tp=2, single_file=True)
     assert "pre-quantized checkpoint" in _refusal(saved=True)
     assert "staged execution" in _refusal(stages=True)
     with pytest.raises(UnsupportedModelError, match="no repeated blocks"):
@@ -87,6 +91,10 @@ def test_dry_run_prints_the_mesh_memory_and_the_flag_that_makes_it_fit(capsys, t
     assert main(["generate", "--dry-run", "--fsdp", "2", "--out", str(tmp_path)]) == 0
     sharded = capsys.readouterr().out
     assert "per rank of 2 (fsdp=2" in sharded and "gathered (FSDP)" in sharded
+    assert main(["generate", "--dry-run", "--fsdp", "2", "--fsdp-offload", "--out", str(tmp_path)]) == 0
+    assert "CPU (offloaded)" in capsys.readouterr().out
+    assert main(["generate", "--dry-run", "--fsdp-offload", "--out", str(tmp_path)]) != 0
+    assert "--fsdp-offload without --fsdp" in capsys.readouterr().err
 
 
 def test_dry_run_suggests_the_fsdp_degree_that_fits():
@@ -98,3 +106,48 @@ def test_dry_run_suggests_the_fsdp_degree_that_fits():
     four = per_rank_bytes(model, ParallelConfig.from_degrees(fsdp=4), torch.float32, image_tokens=64)
     assert four.weights < single.weights / 3 and four.gathered > 0
     assert fsdp_to_fit(model, ParallelConfig(), four.peak, dtype=torch.float32, image_tokens=64) == 4
+    offloaded = per_rank_bytes(model, ParallelConfig.from_degrees(fsdp=4, fsdp_offload=True), torch.float32,
+                               image_tokens=64)
+    assert (offloaded.weights, offloaded.host, offloaded.gathered) == (0, four.weights, four.gathered)
+    with pytest.raises(ParallelConfigError, match="fsdp_offload=True with fsdp_degree=1"):
+        ParallelConfig.from_degrees(fsdp_offload=True)
+
+
+def test_fsdp_shards_quantized_bases_without_dequantizing(pools, checkpoints, gguf_files):
+    """int8 / fp8 (torchao, quantized on read) and GGUF's packed weights: each rank holds its rows of the quantized
+    weights only, and the forward equals the single-process quantized model's (fp8 composed with ulysses)."""
+    runs = [dict(family="flux2", folder=str(checkpoints[("flux2", "sharded")]), mode="fsdp2", scheme="int8"),
+            dict(family="wan", folder=str(checkpoints[("wan", "sharded")]), mode="fsdp2xulysses2", scheme="fp8"),
+            dict(family="flux2", file=gguf_files["mixed"], config=gguf_files["config"], mode="fsdp2", scheme="gguf")]
+    for result in (r for rank in pools.get(2).run(cases.fsdp_quantized, runs=runs) for r in rank):
+        assert result["diff"] <= RTOL, result
+        assert result["repeat_diff"] == 0.0, result
+        assert result["packed"] == result["quantized"] > 0, result
+        assert result["plain"], result  # rows of the packed data and scales: nothing dequantized, no subclass
+        summary = result["summary"]  # what a run reports (runtime/stages.py): its rows, counted as quantized
+        assert (summary["quantized_linears"], summary["quantized_bytes"]) == (result["packed"], result["held"]), result
+        assert result["held"] <= 0.5 * result["whole"] + 0.02 * result["whole"], result
+        assert result["read"] < 0.6 * result["file"], result
+
+
+def test_fsdp_covers_the_issue_families_and_offloads(pools, tiny_pipeline_folders):
+    """Qwen-Image, HunyuanVideo and LTX-2 at fsdp2 and fsdp2 x ulysses2 (FLUX.2 and Wan above); Wan 2.2 A14B's two
+    experts at fsdp2 x ulysses2 with the shards offloaded to the CPU (FSDP2's CPUOffloadPolicy: on a CPU nearly a
+    no-op, but its path runs)."""
+    pool = pools.get(2)
+    runs = [dict(family=family, example=example, modes=["fsdp2", "fsdp2xulysses2"])
+            for family, example in (("qwenimage", "qwen-image"), ("hunyuan_video", "hunyuan-video-t2v"),
+                                    ("ltx2", "ltx-2"))]
+    results = [r for rank in pool.run(cases.fsdp_families, runs=runs) for r in rank]
+    assert {(r["family"], r["mode"]) for r in results} == {(run["family"], mode) for run in runs
+                                                           for mode in run["modes"]}
+    for result in results:
+        assert result["diff"] <= RTOL, result
+        assert result["blocks"] >= 2, result
+        assert result["held"] < 0.6 * result["whole"], result
+    for result in pool.run(cases.fsdp_pipeline, family="wan2.2-a14b", folder=str(tiny_pipeline_folders["wan2.2-a14b"]),
+                           mode="fsdp2xulysses2", offload=True):
+        assert result["diff"] <= 1e-5, result
+        assert result["offloaded"] == {"transformer": True, "transformer_2": True}, result
+        for held, whole in result["held"].values():
+            assert held < 0.6 * whole, result

@@ -88,6 +88,7 @@ class ParallelConfig:
     data_degree: int = 1
     mesh: "DeviceMesh | None" = field(default=None, repr=False)
     fsdp_degree: int = 1
+    fsdp_offload: bool = False  # FSDP's shards kept in CPU memory between uses (FSDP2's CPUOffloadPolicy)
 
     def __post_init__(self) -> None:
         _check_degree("cfg_degree", self.cfg_degree)
@@ -106,6 +107,12 @@ class ParallelConfig:
                 "context_parallel_config must be a ContextParallelConfig, got "
                 f"{type(self.context_parallel_config).__name__}."
             )
+        if self.fsdp_offload not in (True, False):
+            raise ParallelConfigError(f"fsdp_offload must be True or False, got {self.fsdp_offload!r}.")
+        if self.fsdp_offload and self.fsdp_degree == 1:
+            raise ParallelConfigError(
+                "fsdp_offload=True with fsdp_degree=1: the offload keeps FSDP's shards in CPU memory, and nothing is "
+                "FSDP-sharded; set fsdp_degree > 1 (or use diffusers' own offload without paradiff's mesh).")
         cp = self.ring_degree * self.ulysses_degree
         if self.fsdp_degree > 1 and cp > 1 and self.fsdp_degree != cp:
             raise ParallelConfigError(
@@ -115,7 +122,8 @@ class ParallelConfig:
 
     @classmethod
     def from_degrees(cls, tp: int = 1, ulysses: int = 1, ring: int = 1, cfg: int = 1, data: int = 1,
-                     mesh: "DeviceMesh | None" = None, fsdp: int = 1) -> "ParallelConfig":
+                     mesh: "DeviceMesh | None" = None, fsdp: int = 1,
+                     fsdp_offload: bool = False) -> "ParallelConfig":
         """The config of these degrees: a TensorParallelConfig only when tp > 1, a ContextParallelConfig only when
         ring or ulysses > 1 (each with 1 would be rejected or mean nothing)."""
         return cls(
@@ -123,7 +131,8 @@ class ParallelConfig:
             context_parallel_config=(ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses)
                                      if _check_degree("ring", ring) * _check_degree("ulysses", ulysses) > 1
                                      else None),
-            cfg_degree=cfg, data_degree=data, mesh=mesh, fsdp_degree=_check_degree("fsdp", fsdp))
+            cfg_degree=cfg, data_degree=data, mesh=mesh, fsdp_degree=_check_degree("fsdp", fsdp),
+            fsdp_offload=fsdp_offload)
 
     @classmethod
     def from_mode(cls, mode: str, mesh: "DeviceMesh | None" = None) -> "ParallelConfig":

@@ -11,6 +11,8 @@ from torch import nn
 from paradiff.errors import ParallelConfigError, UnsupportedModelError
 from paradiff.api.building import target_dtype
 from paradiff.fsdp.apply import shard_weights
+from paradiff.fsdp.packed import PackedLinear
+from paradiff.quant.apply import HOOK_DICTS
 from paradiff.runtime.repeated_blocks import layer_blocks, repeated_blocks
 from paradiff.tensor_parallel.shard import swap_in_sharded_linears
 
@@ -21,18 +23,24 @@ def check_fsdp(model: nn.Module, parallel: Any, *, quantization: Any = None, sav
     while preparing: before any weight is read or any collective issued."""
     degree = parallel.fsdp_degree
     what = f"fsdp_degree={degree}"
-    if single_file or (quantization is not None and getattr(quantization, "name", None) == "gguf"):
+    scheme = getattr(quantization, "name", None)
+    if saved:
         raise ParallelConfigError(
-            f"{what} with GGUF weights: FSDP2 shards plain tensors along their rows, and a GGUF file's weights are "
-            "held packed in quantized blocks it cannot cut or gather. Load the diffusers folder (unquantized) with "
-            "FSDP, or the GGUF file with tp / ulysses / ring instead of fsdp.")
-    if saved or quantization is not None:
-        scheme = "a pre-quantized checkpoint" if saved else f"{quantization.name} quantization"
+            f"{what} with a pre-quantized checkpoint: paradiff's FSDP quantizes each rank's rows as it reads them "
+            "from a float checkpoint (int8 / fp8) or reads a GGUF file's packed rows; a checkpoint saved quantized "
+            "is not read in rows yet. Load the unquantized folder with quantization_config (int8 / fp8), or use "
+            "tp / ulysses / ring and fsdp_degree=1.")
+    if scheme == "nf4":
         raise ParallelConfigError(
-            f"{what} with {scheme}: paradiff's FSDP shards unquantized float weights only (fully_shard cannot split "
-            "torchao's int8 / fp8 weight tensors: they do not implement aten.split, checked with torchao 0.18; NF4 "
-            "and GGUF weights are packed blocks). Drop the quantization, or quantize with tp / ulysses / ring and "
-            "fsdp_degree=1.")
+            f"{what} with nf4 quantization: bitsandbytes' Params4bit holds its weight flattened into packed bytes "
+            "whose rows are not the weight's rows, with its scales in a QuantState object beside the tensor, so "
+            "FSDP2 can neither cut it by rows nor gather the scales with it (docs/fsdp.md). Use int8 / fp8 or a "
+            "GGUF file with FSDP, or nf4 with tp / ulysses / ring and fsdp_degree=1.")
+    if (scheme is not None or single_file) and parallel.tp_degree > 1:
+        kind = "GGUF weights" if single_file or scheme == "gguf" else f"{scheme} quantization"
+        raise ParallelConfigError(
+            f"{what} with tp_degree={parallel.tp_degree} and {kind}: quantized FSDP shards whole rows of each "
+            "weight, not rows of a TP slice. Drop tp (fsdp with ulysses / ring / cfg composes), or fsdp.")
     if stages:
         raise ParallelConfigError(
             f"{what} with staged execution (stages=True / --stages): a staged load frees and re-reads whole "
@@ -58,7 +66,7 @@ def encoder_fsdp_blocks(name: str, model: nn.Module, parallel: Any, split_dims: 
     if set(split_dims) & set(parallel.fsdp_dims):
         why = f"it is split by TP over the same ranks ({' x '.join(split_dims)})"
     elif quantized:
-        why = "it is quantized (FSDP2 shards unquantized float weights only)"
+        why = "it is quantized (FSDP shards quantized transformers only: docs/fsdp.md)"
     elif _records_outputs_by_class(model):
         why = (f"transformers looks up which outputs {type(model).__name__} records (its hidden states) by the "
                "model's class at every call, and FSDP2 gives the model it shards a class of its own")
@@ -96,8 +104,34 @@ def shard_component(component: Any, mesh: Any, group: Any, weights_on_meta: bool
         if weights_on_meta:
             _tp_shapes_on_meta(model, resolved)
         swap_in_sharded_linears(model, resolved, group, weights_are_local=weights_on_meta)
+    if component.quantization is not None and weights_on_meta:
+        _packed_linears_on_meta(model, component.quantization)
     component.fsdp_blocks = shard_weights(model, component.blocks, mesh.fsdp_mesh(), device,
-                                          prefetch_across_lists=component.prefetch_across_lists)
+                                          prefetch_across_lists=component.prefetch_across_lists,
+                                          offload=mesh.config.fsdp_offload)
+
+
+def _packed_linears_on_meta(model: nn.Module, scheme: Any) -> None:
+    """Each linear the scheme quantizes becomes a PackedLinear (`fsdp/packed.py`) holding its quantized weight's
+    inner tensors as plain parameters, on the meta device: FSDP then shards them by rows, and the read fills each
+    rank's rows (int8 / fp8: quantized from the float rows read; GGUF: the packed rows of the file)."""
+    from paradiff.quant.apply import packed_layout
+
+    if scheme.name == "gguf":
+        targets = {name.rpartition(".")[0]: type_id for name, type_id in scheme.packed.items()}
+    else:
+        targets = {name: None for name, module in model.named_modules()
+                   if isinstance(module, nn.Linear) and scheme.quantizes(name, module)}
+    for name, type_id in targets.items():
+        module = model.get_submodule(name)
+        parts, build, product = packed_layout(scheme, module.in_features, module.out_features, module.weight.dtype,
+                                              type_id)
+        packed = PackedLinear(module.in_features, module.out_features, parts, build, product,
+                              bias=None if module.bias is None else module.bias.detach())
+        for attr in HOOK_DICTS:  # a hook placed before (none on a model just built) stays with it
+            setattr(packed, attr, getattr(module, attr))
+        parent_name, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, leaf, packed)
 
 
 def _tp_shapes_on_meta(model: nn.Module, resolved: Any) -> None:

@@ -20,6 +20,7 @@ from paradiff.io.checkpoint import Checkpoint
 from paradiff.config import as_parallel_config
 from paradiff.errors import CheckpointError, ParallelConfigError
 from paradiff.fsdp.apply import is_sharded, local_rows
+from paradiff.fsdp.packed import PackedLinear, packed_weight_names
 from paradiff.fsdp.shard import read_plan
 from paradiff.io.folders import resolve_folder
 from paradiff.distributed.mesh import build_mesh, default_device, rank_coordinates, require_distributed
@@ -194,8 +195,10 @@ class WeightSource:
         (quant.apply.ReadQuantizer): each weight it covers is handed to it as soon as it is read, and the model keeps
         a meta placeholder until its `install`."""
         resident, renamed = adapter_layout(model)
+        packed = packed_weight_names(model)  # FSDP's quantized linears: their parts are read as the weight's rows
         wanted = [n for n in model.state_dict().keys()
-                  if n not in resident and (parameters if _is_parameter(model, n) else buffers)]
+                  if n not in resident and (parameters if n in packed or _is_parameter(model, n) else buffers)]
+        wanted = list(dict.fromkeys(packed.get(name, name) for name in wanted))
         source = {name: renamed.get(name, name) for name in wanted}  # the name the checkpoint and plan know
         first_of: dict[tuple, str] = {}
         for name in wanted:
@@ -217,6 +220,13 @@ class WeightSource:
                     placeholder = quantizer.hold(name, weight.build(parts, spec, self.device), weight.local_shape(spec),
                                                  self.dtype)
                     module._parameters[leaf] = nn.Parameter(placeholder, requires_grad=False)
+                    continue
+                if isinstance(module, PackedLinear) and leaf == "weight":  # its rows, quantized into its parts
+                    start, length = local_rows(getattr(module, module.part_names[0]))
+                    tensor = checkpoint.read(key, spec, rows=(start, length))
+                    advance(tensor.numel() * tensor.element_size())
+                    dtype = target_dtype(source[name], self.dtype, self.keep_fp32)
+                    module.fill(quantizer.quantize_rows(tensor.to(device=self.device, dtype=dtype)))
                     continue
                 if leaf in module._parameters:
                     dtype = info.dtype

@@ -19,6 +19,8 @@ from torch import nn
 
 from paradiff.distributed.agreement import config_fingerprint, fingerprint
 from paradiff.errors import CheckpointError, ParallelConfigError, PlanError
+from paradiff.fsdp.apply import is_sharded, local_rows
+from paradiff.fsdp.packed import PackedLinear, packed_weight_names
 from paradiff.io.gguf import GGUFFile, GGUFTensor
 from paradiff.io.model_classes import construct, load_config
 from paradiff.io.single_file import Run, parameter_runs
@@ -107,9 +109,11 @@ class GGUFWeightSource:
             total += (_numel(local[:-1]) * (local[-1] // info.block * info.type_size)) if local else info.type_size
         return total
 
-    def _pieces(self, name: str) -> list[tuple[Run, tuple[int, int], ShardSpec | None]]:
-        """(run, stored rows (start, length), slice of those rows' other dimensions or None) to read, in order."""
-        spec = self.spec(name)
+    def _pieces(self, name: str, rows: tuple[int, int] | None = None
+                ) -> list[tuple[Run, tuple[int, int], ShardSpec | None]]:
+        """(run, stored rows (start, length), slice of those rows' other dimensions or None) to read, in order.
+        `rows`: only these rows of the parameter (an FSDP shard; quantized FSDP composes with no TP)."""
+        spec = self.spec(name) if rows is None else ShardSpec(dim=0, pieces=(rows,))
         runs = self.runs[name]
         if spec is None or spec.dim > 0:
             return [(run, (run.start, run.length), spec) for run in runs]
@@ -127,18 +131,26 @@ class GGUFWeightSource:
         from diffusers.quantizers.gguf.utils import GGUFParameter, dequantize_gguf_tensor
         import gguf
 
-        state_names = list(model.state_dict().keys())
+        packed_parts = packed_weight_names(model)  # FSDP's packed linears: their rows of the packed weight
+        state_names = list(dict.fromkeys(packed_parts.get(name, name) for name in model.state_dict().keys()))
         total = sum(self._local_nbytes(name, gguf_file) for name in state_names if name in self.runs)
         with byte_progress(total, "paradiff: loading", progress) as advance:
             for name in state_names:
                 module_name, _, leaf = name.rpartition(".")
                 module = model.get_submodule(module_name) if module_name else model
-                is_parameter = leaf in module._parameters
+                packed_rows = isinstance(module, PackedLinear) and leaf == "weight"
+                is_parameter = packed_rows or leaf in module._parameters
                 if not (parameters if is_parameter else buffers):
                     continue
-                parts = [gguf_file.read(run.source, rows, spec) for run, rows, spec in self._pieces(name)]
+                held = getattr(module, module.part_names[0]) if packed_rows else module._parameters.get(leaf)
+                rows = local_rows(held) if held is not None and is_sharded(held) else None
+                parts = [gguf_file.read(run.source, piece_rows, spec)
+                         for run, piece_rows, spec in self._pieces(name, rows)]
                 tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
                 advance(tensor.numel() * tensor.element_size())
+                if packed_rows:
+                    module.fill({"packed": tensor})
+                    continue
                 info = gguf_file.tensors[self.runs[name][0].source]
                 keep_fp32 = _skipped(name, tuple(self.keep_fp32))
                 if name in self.scheme.packed:  # held packed, wrapped as GGUFParameter after the swap
@@ -149,7 +161,10 @@ class GGUFWeightSource:
                         device=self.device, dtype=torch.float32 if keep_fp32 else self.scheme.compute_dtype)
                 else:
                     tensor = tensor.to(device=self.device, dtype=torch.float32 if keep_fp32 else self.dtype)
-                if is_parameter:
+                if rows is not None:  # FSDP: its rows, in place
+                    with torch.no_grad():
+                        held.to_local().copy_(tensor)
+                elif is_parameter:
                     module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
                 else:
                     module._buffers[leaf] = tensor

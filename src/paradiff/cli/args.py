@@ -73,6 +73,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     gen.add_argument("--fsdp", type=_positive, default=1,
                      help="shard the transformers' block weights over N ranks (FSDP2, docs/fsdp.md): with --ulysses / "
                           "--ring it must equal their product and adds no rank; without them it adds N ranks")
+    gen.add_argument("--fsdp-offload", action="store_true",
+                     help="with --fsdp: keep each rank's shards in CPU memory, copied to the device one block ahead "
+                          "of use (FSDP2's CPU offload; docs/fsdp.md)")
     gen.add_argument("--parallel", choices=("auto",), default=None,
                      help="'auto': take the degrees `paradiff plan` recommends for this model, size and --world "
                           "(docs/plan.md)")
@@ -511,15 +514,22 @@ def check_args(args: argparse.Namespace) -> None:
 def _check_fsdp(args: argparse.Namespace) -> None:
     fsdp, cp = getattr(args, "fsdp", 1), args.ulysses * args.ring
     if fsdp == 1:
+        if getattr(args, "fsdp_offload", False):
+            raise CliError("--fsdp-offload without --fsdp N (N > 1): the offload keeps FSDP's shards in CPU memory; "
+                           "add --fsdp")
         return
     if cp > 1 and fsdp != cp:
         raise CliError(f"--fsdp {fsdp} with --ulysses {args.ulysses} --ring {args.ring}: FSDP shards over the "
                        f"sequence-parallel ranks, so --fsdp must be {cp} (or 1)")
-    for flag, value in (("--quantize", getattr(args, "quantize", None)), ("--gguf", gguf_files(args) or None),
-                        ("--stages", args.stages or None)):
-        if value:
-            raise CliError(f"--fsdp {fsdp} with {flag}: FSDP shards unquantized, resident weights only "
-                           "(docs/fsdp.md); drop one of the two")
+    if args.stages:
+        raise CliError(f"--fsdp {fsdp} with --stages: FSDP keeps each rank's rows resident, a staged run frees "
+                       "and re-reads whole components (docs/fsdp.md); drop one of the two")
+    if getattr(args, "quantize", None) == "nf4":
+        raise CliError(f"--fsdp {fsdp} with --quantize nf4: FSDP2 cannot cut bitsandbytes' 4-bit weights by rows "
+                       "(docs/fsdp.md); use --quantize int8 or fp8 with --fsdp, or nf4 without it")
+    if (getattr(args, "quantize", None) or gguf_files(args)) and args.tp > 1:
+        raise CliError(f"--fsdp {fsdp} with --tp {args.tp} and a quantized base: quantized FSDP shards whole rows "
+                       "of each weight, not of a TP slice (docs/fsdp.md); drop --tp or --fsdp")
 
 
 def _check_video(args: argparse.Namespace) -> None:

@@ -57,6 +57,8 @@ def dry_run(args: argparse.Namespace) -> int:
             degree = fsdp_to_fit(model, parallel, share, **kwargs)
             if degree is not None and degree != parallel.fsdp_degree:
                 advice = f"add --fsdp {degree}"
+            elif parallel.fsdp_degree > 1 and not parallel.fsdp_offload:
+                advice = "add --fsdp-offload (each rank's shards in CPU memory, a block gathered at a time)"
             elif getattr(args, "quantize", None) is None and parallel.fsdp_degree == 1:
                 advice = "add --quantize int8 (or more --tp / --fsdp ranks)"
             else:

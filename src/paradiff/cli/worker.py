@@ -83,7 +83,8 @@ def fetch_hub_model_once(args: argparse.Namespace, device: torch.device) -> None
 
 def parallel_config(args: argparse.Namespace) -> paradiff.ParallelConfig:
     return paradiff.ParallelConfig.from_degrees(tp=args.tp, ulysses=args.ulysses, ring=args.ring, cfg=args.cfg,
-                                                data=args.dp, fsdp=getattr(args, "fsdp", 1))
+                                                data=args.dp, fsdp=getattr(args, "fsdp", 1),
+                                                fsdp_offload=getattr(args, "fsdp_offload", False))
 
 
 def call_kwargs(args: argparse.Namespace) -> dict:

@@ -1,9 +1,9 @@
 """Fully sharded weights with PyTorch's own FSDP2: `fully_shard` on each repeated block and on the root.
 
 Inference only: every rank holds 1/N of each block's weights (its rows, `shard.chunk_rows`), and a block's weights are
-all-gathered just before its forward and freed after it (`reshard_after_forward=True`); each block asks FSDP2 to
-start the next block's all-gather as it begins (`set_modules_to_forward_prefetch`), so the gather overlaps the
-current block's compute. The root holds what is outside the blocks (embeddings, the final norm and projection).
+all-gathered just before its forward and freed after it (`reshard_after_forward=True`); each block starts the next
+block's all-gather as it begins, without waiting for it (`_gather_next`), so the gather overlaps the current block's
+compute. The root holds what is outside the blocks (embeddings, the final norm and projection).
 
 A model is sharded on the meta device, then its sharded parameters are made real but empty on the load device, and
 the loader fills each rank's rows from the checkpoint (`api/model.py: WeightSource.read`): no rank ever holds a whole
@@ -13,36 +13,43 @@ weight. Buffers (rotary tables computed at construction, persistent buffers read
 from __future__ import annotations
 
 from collections import Counter
+from functools import partial
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from paradiff.fsdp.shard import chunk_rows
 
 
 def shard_weights(model: nn.Module, blocks: list[tuple[str, nn.Module]], mesh: DeviceMesh,
-                  device: torch.device, prefetch_across_lists: bool = True) -> list[str]:
+                  device: torch.device, prefetch_across_lists: bool = True, offload: bool = False) -> list[str]:
     """`fully_shard` every block (in the order they run) and then the root over `mesh`, with forward prefetch of the
     next block; parameters on the meta device become this rank's empty rows on `device` (to be read). Returns the
     blocks' names. `prefetch_across_lists=False` (a text encoder): a block prefetches only the next one of its own list
-    (a vision tower and the language layers are separate lists, and a text prompt runs only the latter)."""
+    (a vision tower and the language layers are separate lists, and a text prompt runs only the latter).
+    `offload`: the shards are kept in CPU memory (pinned when `device` is CUDA) and each unit's are copied to `device`
+    for its all-gather (FSDP2's CPUOffloadPolicy); the prefetch makes that copy one block ahead too."""
     model.requires_grad_(False)
+    options = dict(mesh=mesh, reshard_after_forward=True)
+    if offload:
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     on_meta = any(p.is_meta for p in model.parameters())
     buffers = {(id(module), leaf): buffer for module in model.modules()
                for leaf, buffer in module._buffers.items() if buffer is not None}
     for _name, block in blocks:
-        _shard_mixed_dtypes(block, mesh)
-        fully_shard(block, mesh=mesh, reshard_after_forward=True)
-    _shard_mixed_dtypes(model, mesh)
-    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+        _shard_mixed_dtypes(block, options)
+        fully_shard(block, **options)
+    _shard_mixed_dtypes(model, options)
+    fully_shard(model, **options)
     for (name, block), (next_name, following) in zip(blocks, blocks[1:]):
         if prefetch_across_lists or name.rpartition(".")[0] == next_name.rpartition(".")[0]:
-            block.set_modules_to_forward_prefetch([following])
+            block.register_forward_pre_hook(partial(_gather_next, following))
     if on_meta:
-        model.to_empty(device=device)  # the sharded parameters only: buffers are put back as they were
+        # the sharded parameters only (in CPU memory when offloaded): buffers are put back as they were
+        model.to_empty(device="cpu" if offload else device)
         for module in model.modules():
             for leaf in module._buffers:
                 kept = buffers.get((id(module), leaf))
@@ -51,7 +58,19 @@ def shard_weights(model: nn.Module, blocks: list[tuple[str, nn.Module]], mesh: D
     return [name for name, _block in blocks]
 
 
-def _shard_mixed_dtypes(module: nn.Module, mesh: DeviceMesh) -> None:
+def _gather_next(following: FSDPModule, _block: nn.Module, _args: tuple) -> None:
+    """Start the next block's all-gather and return at once; FSDP2 waits for it in that block's pre-forward.
+
+    Not FSDP2's own `set_modules_to_forward_prefetch`: that issues the prefetch with `async_op=False`, which over
+    gloo (CPU) runs the whole all-gather before the current block computes (nothing overlapped: fsdp2 x ulysses2 took
+    2.1x ulysses2's step in benchmarks/bench_fsdp.py), and a synchronous gather in forward keeps its gathered buffer
+    until the next block's copy-out, one more block's worth of memory held. An `async_op=True` unshard is waited for
+    in the next block's pre-forward and its buffer freed right after its copy-out. (Runs after FSDP2's own pre-forward
+    hook, which fully_shard put first: the current block is gathered by then.)"""
+    following.unshard(async_op=True)
+
+
+def _shard_mixed_dtypes(module: nn.Module, options: dict) -> None:
     """FSDP2 gathers one unit's parameters as one buffer of one dtype: a unit whose parameters mix dtypes (float32
     norms kept in a bfloat16 model) gets each submodule of a minority dtype sharded as a unit of its own first."""
     dtypes = Counter(p.dtype for p in _unit_parameters(module))
@@ -64,7 +83,7 @@ def _shard_mixed_dtypes(module: nn.Module, mesh: DeviceMesh) -> None:
         own = [p for p in child.parameters(recurse=False)]
         if own and any(p.dtype != main for p in own) and not any(isinstance(m, FSDPModule) for m in child.modules()):
             if len({p.dtype for p in child.parameters()}) == 1:
-                fully_shard(child, mesh=mesh, reshard_after_forward=True)
+                fully_shard(child, **options)
 
 
 def _unit_parameters(module: nn.Module) -> list[nn.Parameter]:

@@ -31,13 +31,15 @@ class RankMemory:
     gathered: int  # while running: the root's weights and two blocks' (running + prefetched), gathered
     activations: int  # one block's activations for this rank's tokens (estimate)
     tokens: int  # this rank's sequence length (image / video tokens after CP, plus the text)
+    host: int = 0  # with fsdp_offload: the shards, held in CPU memory instead of `weights` on the device
 
     @property
     def peak(self) -> int:
         return self.weights + self.gathered + self.activations
 
     def lines(self) -> list[str]:
-        return [f"weights held     {size(self.weights)}", f"gathered (FSDP)  {size(self.gathered)}",
+        offloaded = [f"CPU (offloaded)  {size(self.host)}  (FSDP's shards, --fsdp-offload)"] if self.host else []
+        return [f"weights held     {size(self.weights)}", *offloaded, f"gathered (FSDP)  {size(self.gathered)}",
                 f"activations      {size(self.activations)}  ({self.tokens} tokens / rank, estimate)",
                 f"peak             {size(self.peak)}"]
 
@@ -57,7 +59,8 @@ def per_rank_bytes(model: nn.Module, parallel: ParallelConfig, dtype: torch.dtyp
                    weight_bytes_per_element: float | None = None) -> RankMemory:
     """Rank 0's memory under `parallel` for `model` (on meta). `tp_plan`: the TP plan resolved for rank 0 (the
     caller's `resolve_plan`; needed when tp > 1). `weight_bytes_per_element`: e.g. 1 for int8 weight-only (scales
-    aside), default the dtype's size."""
+    aside), default the dtype's size. With `parallel.fsdp_offload` the shards are counted in `host`, not on the
+    device."""
     itemsize = weight_bytes_per_element or torch.empty((), dtype=dtype).element_size()
     act_itemsize = torch.empty((), dtype=dtype).element_size()
     fsdp = parallel.fsdp_degree
@@ -98,6 +101,8 @@ def per_rank_bytes(model: nn.Module, parallel: ParallelConfig, dtype: torch.dtyp
     tokens = -(-image_tokens // cp) + text_tokens
     tp = parallel.tp_degree
     activations = tokens * act_itemsize * (2 * hidden + (4 * hidden + mlp) // tp)
+    if parallel.fsdp_offload:  # FSDP2's CPU offload keeps every shard (blocks and root) in host memory
+        return RankMemory(weights=0, gathered=gathered, activations=activations, tokens=tokens, host=held)
     return RankMemory(weights=held, gathered=gathered, activations=activations, tokens=tokens)
 
 

@@ -81,6 +81,7 @@ class ReadQuantizer:
         self.scheme = scheme
         self.extrema = extrema or {}
         self.held: dict[str, Any] = {}  # parameter name -> torchao tensor, or (packed, quant state) for nf4
+        self.filled = {"quantized": 0, "quantized_bytes": 0}  # weights quantized into FSDP's packed rows
 
     def covers(self, model: nn.Module, name: str) -> bool:
         module_name, _, leaf = name.rpartition(".")
@@ -99,6 +100,15 @@ class ReadQuantizer:
         else:
             self.held[name] = _to_torchao(weight, self.scheme, self.extrema.get(name))
         return torch.empty(weight.shape, dtype=weight.dtype, device="meta")
+
+    def quantize_rows(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The inner tensors (`packed_layout`'s parts) of rows of a weight, quantized on their own: per-row int8 /
+        fp8 scales depend on their row only, so FSDP's rows of a weight quantize to the rows of the whole's."""
+        quantized = _to_torchao(weight, self.scheme, None)
+        parts = {name: getattr(quantized, name) for name in _data_names(quantized)}
+        self.filled["quantized"] += 1
+        self.filled["quantized_bytes"] += quantized_nbytes(quantized)
+        return parts
 
     def hold(self, name: str, held: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Keep a weight read already quantized (a pre-quantized checkpoint's slice, `quant/saved.py`); returns the
@@ -119,7 +129,7 @@ class ReadQuantizer:
                 nbytes += quantized_nbytes(held)
         count = len(self.held)
         self.held = {}
-        return {"quantized": count, "quantized_bytes": nbytes}
+        return {"quantized": count + self.filled["quantized"], "quantized_bytes": nbytes + self.filled["quantized_bytes"]}
 
 
 def quantize_model(model: nn.Module, scheme: QuantScheme, group: dist.ProcessGroup | None) -> dict[str, int]:
@@ -140,6 +150,45 @@ def quantize_model(model: nn.Module, scheme: QuantScheme, group: dist.ProcessGro
     for name, module in targets:
         quantizer.quantize(name, module.weight.detach())
     return quantizer.install(model)
+
+
+def packed_layout(scheme: QuantScheme, in_features: int, out_features: int, dtype: torch.dtype,
+                  type_id: int | None = None) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], Any, Any]:
+    """(parts, build, product) of a quantized linear whose weight FSDP shards as plain tensors (`fsdp/packed.py`):
+    the inner tensors of the weight `scheme` makes (name -> (shape, dtype), rows first), how the weight is rebuilt
+    from them, and its product, the one the unsharded quantized linear computes. int8 / fp8: torchao's tensor of a
+    probe row gives the parts and attributes; GGUF (`type_id`, its ggml type): the packed bytes of each row."""
+    import torch.nn.functional as F
+
+    if scheme.name == "gguf":
+        import gguf
+        from diffusers.quantizers.gguf.utils import GGUFParameter
+
+        quant_type = gguf.GGMLQuantizationType(type_id)
+        block, type_size = gguf.GGML_QUANT_SIZES[quant_type]
+
+        def build_gguf(parts: dict[str, torch.Tensor]) -> Any:
+            return GGUFParameter(parts["packed"], requires_grad=False, quant_type=quant_type)
+
+        return ({"packed": ((out_features, in_features // block * type_size), torch.uint8)}, build_gguf,
+                partial(gguf_linear, compute_dtype=scheme.compute_dtype))
+    probe = _to_torchao(torch.zeros(1, in_features, dtype=dtype), scheme, None)
+    parts = {name: ((out_features, *getattr(probe, name).shape[1:]), getattr(probe, name).dtype)
+             for name in _data_names(probe)}
+    attributes = {name: getattr(probe, name) for name in [*probe.tensor_attribute_names,
+                                                          *getattr(probe, "optional_tensor_attribute_names", [])]}
+    kind = type(probe)
+
+    def build(held: dict[str, torch.Tensor]) -> torch.Tensor:
+        return kind(**held, **attributes)
+
+    return parts, build, F.linear
+
+
+def _data_names(tensor: Any) -> list[str]:
+    """The names of a torchao tensor's inner tensors it holds (the optional ones only when set)."""
+    names = [*tensor.tensor_data_names, *getattr(tensor, "optional_tensor_data_names", [])]
+    return [name for name in names if getattr(tensor, name, None) is not None]
 
 
 def _to_torchao(weight: torch.Tensor, scheme: QuantScheme, extrema: torch.Tensor | None) -> torch.Tensor:
@@ -238,6 +287,9 @@ def hold_gguf_weights(model: nn.Module, scheme: QuantScheme) -> dict[str, int]:
     for param_name, type_id in scheme.packed.items():
         name = param_name.rpartition(".")[0]
         module = model.get_submodule(name)
+        if "weight" not in module._parameters:  # FSDP's PackedLinear (fsdp/packed.py): its packed rows, read in place
+            nbytes += sum(_local(getattr(module, part)).nbytes for part in module.part_names)
+            continue
         data = module.weight.data
         weight = GGUFParameter(data, requires_grad=False, quant_type=gguf.GGMLQuantizationType(type_id))
         nbytes += data.numel() * data.element_size()
@@ -259,6 +311,11 @@ def hold_gguf_weights(model: nn.Module, scheme: QuantScheme) -> dict[str, int]:
         linear.requires_grad_(False)
         _replace(model, name, module, linear)
     return {"quantized": len(scheme.packed), "quantized_bytes": nbytes}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of a (DTensor) parameter this rank holds."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 # the forward hooks a module carries (context parallelism's token split / gather, a stage's hooks): they move whole
@@ -308,10 +365,16 @@ def quantization_summary(model: nn.Module) -> dict[str, int]:
     quantized, quantized_bytes, other_bytes = 0, 0, 0
     seen = set()
     for module in model.modules():
+        packed = getattr(module, "part_names", ())  # FSDP's PackedLinear (fsdp/packed.py): its rows, packed
+        if packed:
+            quantized += 1
+            quantized_bytes += sum(_local(getattr(module, part)).nbytes for part in packed)
+            seen.update(id(getattr(module, part)) for part in packed)
         for leaf, param in module._parameters.items():
             if param is None or id(param) in seen:
                 continue
             seen.add(id(param))
+            param = _local(param)
             state = getattr(param, "quant_state", None)
             if leaf == "weight" and state is not None:
                 quantized += 1
