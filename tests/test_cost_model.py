@@ -59,13 +59,17 @@ def test_one_flux_block_communication_per_mode_counted_by_hand():
     assert tp.wire_bytes() == 2 * 256 + 2 * 64  # ring all-reduce on 2 ranks: 2 (g-1)/g = 1 x the tensor
     assert tp.linear_flops == 30720 / 2 and tp.attention_flops == 12800 / 2
     ulysses = block_cost(FLUX_BLOCK, LATENT, TEXT, b, Mesh(ulysses=2))
-    # q, k, v and the output of this rank's 10 tokens x 8 features, each half sent away
-    assert ulysses.traffic == [Traffic("all_to_all", 2, 4, 10 * 8 * 2)] and ulysses.wire_bytes() == 4 * 80
+    # the two ranks' sequence lengths agreed (one int64 each, gathered), then q, k, v and the output of this rank's
+    # 10 tokens x 8 features, each half sent away
+    lengths = Traffic("all_gather", 2, 1, 2 * 8)
+    assert ulysses.traffic == [lengths, Traffic("all_to_all", 2, 4, 10 * 8 * 2)]
+    assert ulysses.wire_bytes() == 8 + 4 * 80
     ring = block_cost(FLUX_BLOCK, LATENT, TEXT, b, Mesh(ring=2))
-    assert ring.traffic == [Traffic("p2p", 2, 1, 2 * 10 * 8 * 2, overlapped=True)]  # k and v passed once
+    assert ring.traffic == [lengths, Traffic("p2p", 2, 1, 2 * 10 * 8 * 2, overlapped=True)]  # k and v passed once
     unified = block_cost(FLUX_BLOCK, LATENT, TEXT, b, Mesh(ring=2, ulysses=2))
     # 5 tokens x 8 features all-to-all'd; then k, v of 10 tokens x 4 features passed once
-    assert unified.traffic == [Traffic("all_to_all", 2, 4, 5 * 8 * 2), Traffic("p2p", 2, 1, 2 * 10 * 4 * 2, True)]
+    assert unified.traffic == [Traffic("all_gather", 4, 1, 4 * 8), Traffic("all_to_all", 2, 4, 5 * 8 * 2),
+                               Traffic("p2p", 2, 1, 2 * 10 * 4 * 2, True)]
     for mesh in (Mesh(cfg=2), Mesh(data=2)):
         assert block_cost(FLUX_BLOCK, LATENT, TEXT, b, mesh).traffic == []
 

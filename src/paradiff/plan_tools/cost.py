@@ -25,6 +25,7 @@ Communication per forward, per rank (sizes in bytes; `wire` is what a ring algor
   attention needs none: each rank keeps every text key and its own queries;
 - ring (r): keys and values passed r-1 times around the ring per self attention, overlapped with the attention on
   the block just received;
+- ulysses and ring: before each self attention the ranks all-gather their sequence lengths (a few bytes: latency);
 - cfg: the branch predictions exchanged once per step (the output latent), no per-block traffic;
 - data: nothing;
 - fsdp (f; paradiff's `--fsdp`, docs/fsdp.md: with ulysses / ring, the weights sharded over the same f = ulysses x
@@ -368,6 +369,8 @@ def block_cost(block: BlockShape, latent: int, text: int, dtype_bytes: int = 2, 
             calls = 1 if block.kind == "single" else 3
             cost.traffic.append(Traffic("all_reduce", t, calls, local * d * b))
     heads_width = d / t
+    if seq > 1:  # both attentions first agree on the ranks' sequence lengths: one small all-gather per call
+        cost.traffic.append(Traffic("all_gather", seq, 1, 8 * seq))
     if mesh.ulysses > 1:
         cost.traffic.append(Traffic("all_to_all", mesh.ulysses, 4, local * heads_width * b))
     if mesh.ring > 1:  # after Ulysses' exchange a rank holds self_tokens / ring tokens of d / (t u) features
