@@ -163,6 +163,38 @@ def test_plan_feasibility_heads_cfg_and_memory(tmp_path):
     assert not {p.mesh.name: p for p in flux.predictions}["cfg2"].feasible
 
 
+def test_feasibility_rules_fsdp_over_the_sequence_ranks_and_tokens_to_split():
+    from paradiff.plan_tools.planner import problems
+
+    shape = model_shape(_tiny_flux_config(), text_tokens=TEXT)
+    fits = cost.Memory(1.0, 0.0, 1.0)
+    assert problems(shape, 16, Mesh(ring=2, fsdp=2), 1, fits, 1e9) == []
+    assert problems(shape, 16, Mesh(ring=2, ulysses=2, fsdp=2), 1, fits, 1e9) == [
+        "fsdp2 with ulysses x ring = 4: fsdp shards over the same ranks and must equal it"]
+    assert problems(shape, 1, Mesh(ring=2), 1, fits, 1e9) == ["1 tokens cannot be split over 2 sequence ranks"]
+    assert problems(shape, 16, Mesh(cfg=3), 2, fits, 1e9) == [
+        "cfg3: the pipeline makes 2 calls per step; cfg must be 2"]
+    assert problems(shape, 16, Mesh(), 1, cost.Memory(2e9, 0.0, 1e9), 2.5e9) == [
+        "needs 3.0 GB per rank, the device has 2.5 GB"]
+
+
+def test_passes_issued_ahead_hide_behind_compute_only_where_the_profile_overlaps():
+    from dataclasses import replace
+
+    from paradiff.plan_tools.planner import predict
+    from paradiff.plans.reference_configs import REFERENCE_CONFIGS
+
+    shape = model_shape(REFERENCE_CONFIGS["wan2.1-t2v-14b"][1])
+    latent = shape.latent_tokens(480, 832, 81)
+    gpu = BUILT_IN["h100-sxm"]
+    cpu_like = replace(gpu, overlap=False)  # as calibrated on CPU: gloo's threads share each rank's core
+    for mesh in (Mesh(ring=2), Mesh(data=2, fsdp=2)):
+        hidden, exposed = predict(shape, latent, mesh, gpu), predict(shape, latent, mesh, cpu_like)
+        every = sum(gpu.comm_seconds(item) for item in exposed.forward.traffic)
+        assert exposed.comm_s == pytest.approx(every) and hidden.comm_s < 0.05 * every
+        assert exposed.compute_s == hidden.compute_s
+
+
 def test_profiles_round_trip_through_json(tmp_path):
     path = tmp_path / "profile.json"
     path.write_text(BUILT_IN["rtx4090"].to_json())
