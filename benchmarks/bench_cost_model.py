@@ -2,7 +2,7 @@
 per-rank memory of single, tp2, ulysses2, ring2, cfg2 and tp2 x ulysses2, for two model shapes and two token counts,
 and the efficiency table (a step's FLOPs over step time x ranks x the GEMM rate measured in the same run).
 
-    .venv/bin/python benchmarks/bench_cost_model.py            # the 24 rows (about 3 minutes on a quiet 2-core VM)
+    .venv/bin/python benchmarks/bench_cost_model.py            # the 24 rows (519 s at load average 15-34 on 2 cores)
     .venv/bin/python benchmarks/bench_cost_model.py --rounds 2 --meshes single,ring2   # a quick look
 
 Models (random weights, fp32, batch 1, gloo on 127.0.0.1): a FLUX.2-architecture Flux2Transformer2DModel (joint +
@@ -242,14 +242,14 @@ def main() -> int:
         for mesh in EFFICIENCY_MESHES:
             values = [r["efficiency"] for r in measured if r["mesh"] == mesh]
             if values:
-                figures.append(figure(f"efficiency {mesh}, median of {len(values)} shapes", statistics.median(values),
+                figures.append(figure(f"efficiency {mesh}, median of {len(values)} shapes", round(statistics.median(values), 3),
                                       "of the GEMM rate", note="step FLOPs / (step s x ranks x the GEMM rate probed "
                                       "beside the steps); " + load))
         pairs = [(ring["efficiency"] / ulysses["efficiency"]) for ring in measured for ulysses in measured
                  if ring["mesh"] == "ring2" and ulysses["mesh"] == "ulysses2"
                  and (ring["model"], ring["size"]) == (ulysses["model"], ulysses["size"])]
         if pairs:
-            figures.append(figure("ring2 efficiency / ulysses2 efficiency, lowest of the shapes", min(pairs), "x",
+            figures.append(figure("ring2 efficiency / ulysses2 efficiency, lowest of the shapes", round(min(pairs), 3), "x",
                                   ">= 0.95", note=f"per shape {', '.join(f'{v:.2f}' for v in pairs)}; {load}"))
         write_result("bench_cost_model", "Cost model: predicted vs measured step time and memory, FLUX.2- and "
                      "Wan-shaped, 6 meshes; efficiency of single, tp2, ulysses2, ring2", figures,
