@@ -242,15 +242,16 @@ def main() -> int:
         for mesh in EFFICIENCY_MESHES:
             values = [r["efficiency"] for r in measured if r["mesh"] == mesh]
             if values:
-                figures.append(figure(f"efficiency {mesh}, median of {len(values)} shapes", round(statistics.median(values), 3),
-                                      "of the GEMM rate", note="step FLOPs / (step s x ranks x the GEMM rate probed "
-                                      "beside the steps); " + load))
+                figures.append(figure(f"efficiency {mesh}, median of {len(values)} shapes",
+                                      round(statistics.median(values), 3), "of the GEMM rate",
+                                      note="step FLOPs / (step s x ranks x the GEMM rate probed beside the steps); "
+                                           + load))
         pairs = [(ring["efficiency"] / ulysses["efficiency"]) for ring in measured for ulysses in measured
                  if ring["mesh"] == "ring2" and ulysses["mesh"] == "ulysses2"
                  and (ring["model"], ring["size"]) == (ulysses["model"], ulysses["size"])]
         if pairs:
-            figures.append(figure("ring2 efficiency / ulysses2 efficiency, lowest of the shapes", round(min(pairs), 3), "x",
-                                  ">= 0.95", note=f"per shape {', '.join(f'{v:.2f}' for v in pairs)}; {load}"))
+            figures.append(figure("ring2 efficiency / ulysses2 efficiency, lowest of the shapes", round(min(pairs), 3),
+                                  "x", ">= 0.95", note=f"per shape {', '.join(f'{v:.2f}' for v in pairs)}; {load}"))
         write_result("bench_cost_model", "Cost model: predicted vs measured step time and memory, FLUX.2- and "
                      "Wan-shaped, 6 meshes; efficiency of single, tp2, ulysses2, ring2", figures,
                      notes="rows: benchmarks/results/raw/cost_model.json")
