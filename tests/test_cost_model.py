@@ -31,6 +31,11 @@ def test_one_flux_block_flops_bytes_and_weights_counted_by_hand():
     assert one.bytes == 2 * 768 * 2 + (20 * 128 + 4 * 20 * 8) * 2 == 9472
     assert FLUX_BLOCK.params == 2 * 768 + 768
     assert one.traffic == []
+    # elementwise, per token: 22 d-wide passes on the whole stream, 44 on q / k / attention's layout, 2 ffn-wide
+    # (GELU); tp2 halves the last two only
+    assert one.elementwise_bytes == 20 * (22 * 8 + 44 * 8 + 2 * 32) * 2
+    tp = block_cost(FLUX_BLOCK, LATENT, TEXT, 2, Mesh(tp=2))
+    assert tp.elementwise_bytes == 20 * (22 * 8 + (44 * 8 + 64) / 2) * 2
 
 
 def test_the_hand_count_is_diffusers_flux_block():

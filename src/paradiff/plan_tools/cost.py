@@ -9,7 +9,8 @@ attend together, N = latent (image / video) tokens, T = text tokens):
 - attention over S queries and S keys: QK^T and AV, 2·S·S·d FLOPs each, 4·S²·d in all (cross: 4·N·T·d);
 - adaLN modulation linears act on one vector per sample, not per token: counted in parameters, not in FLOPs;
 - bytes per block: every weight read once, and each linear's input and output and attention's q, k, v, o moved
-  once; elementwise ops (norms, gates, RoPE) are left out (they are small next to the GEMMs at these sizes).
+  once; the elementwise ops (norms, modulation, gates, RoPE, activations) counted apart (`ELEMENTWISE_PASSES`),
+  timed at the memory bandwidth.
 
 Block kinds, by family (the keys read from the config are in `model_shape`):
 - "joint": two streams (latent, text) with their own weights, attention over both (FLUX.1 / FLUX.2 double blocks,
@@ -319,6 +320,7 @@ class ForwardCost:
     attention_flops: float
     bytes: float
     traffic: list[Traffic] = field(default_factory=list)
+    elementwise_bytes: float = 0.0  # what the norms, modulation, gates, RoPE and activations read and write
 
     @property
     def flops(self) -> float:
@@ -326,6 +328,16 @@ class ForwardCost:
 
     def wire_bytes(self) -> float:
         return sum(item.wire * item.calls for item in self.traffic)
+
+
+# Elementwise passes per token of a block (each op's reads and writes of a tensor, in d-wide units): on the whole
+# stream (tp leaves it whole) a joint block's two norms (2 passes each), two modulations (x (1 + scale) + shift, 4
+# each) and two gated residuals (5 each); split by tp, q and k's RMS norms (10 each), RoPE (8 each) and the
+# copies into and out of attention's head layout (8). A single block has one of each whole-stream op, a cross block
+# a third norm, residual and attention's q norm and copies. The FFN's activation adds 2 ffn-wide passes (GELU) or 5
+# (SiLU x up), a single block's [attention, MLP] concatenation 2. Not fused by torch eagerly, they took 22% (FLUX.2)
+# and 27% (Wan) of a one-thread CPU forward (torch.profiler, benchmarks/bench_cost_model.py's shapes).
+ELEMENTWISE_PASSES = {"joint": (22, 44), "single": (11, 46), "cross": (29, 58)}
 
 
 def block_cost(block: BlockShape, latent: int, text: int, dtype_bytes: int = 2, mesh: Mesh = Mesh()) -> ForwardCost:
@@ -358,6 +370,10 @@ def block_cost(block: BlockShape, latent: int, text: int, dtype_bytes: int = 2, 
         attn = 4 * (latent + text) ** 2 * d
         moved += 4 * (latent + text) * d
     cost = ForwardCost(linear / (t * seq), attn / (t * seq), (weights * b) / t + moved * b / (t * seq))
+    whole, split = ELEMENTWISE_PASSES[block.kind]
+    ffn_passes = (5 if block.gated else 2) + (2 if block.kind == "single" else 0)
+    stream_tokens = latent if block.kind == "cross" else latent + text
+    cost.elementwise_bytes = stream_tokens / seq * (whole * d + (split * d + ffn_passes * block.ffn_dim) / t) * b
     # communication; sizes are this rank's tensors
     self_tokens = latent + text if block.kind != "cross" else latent
     local = self_tokens / seq
@@ -387,6 +403,7 @@ def forward_cost(shape: ModelShape, latent: int, dtype_bytes: int = 2, mesh: Mes
         total.linear_flops += one.linear_flops * block.count
         total.attention_flops += one.attention_flops * block.count
         total.bytes += one.bytes * block.count
+        total.elementwise_bytes += one.elementwise_bytes * block.count
         total.traffic += [replace(item, calls=item.calls * block.count) for item in one.traffic]
     if mesh.fsdp > 1:
         total.traffic.append(Traffic("all_gather", mesh.fsdp, 1, shape.block_params * dtype_bytes / mesh.tp,
