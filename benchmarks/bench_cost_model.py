@@ -2,19 +2,23 @@
 per-rank memory of single, tp2, ulysses2, ring2, cfg2 and tp2 x ulysses2, for two model shapes and two token counts,
 and the efficiency table (a step's FLOPs over step time x ranks x the GEMM rate measured in the same run).
 
-    .venv/bin/python benchmarks/bench_cost_model.py            # full size (make bench)
-    .venv/bin/python benchmarks/bench_cost_model.py --quick    # small shapes, one round: checks the script
+    .venv/bin/python benchmarks/bench_cost_model.py            # the 24 rows (487-519 s at load average 7-34 on 2 cores)
+    .venv/bin/python benchmarks/bench_cost_model.py --rounds 2 --meshes single,ring2   # a quick look
 
-Models (random weights, fp32, batch 1, one torch thread per rank, gloo on 127.0.0.1): a FLUX.2-architecture
-Flux2Transformer2DModel (joint + single blocks) and a Wan-architecture WanTransformer3DModel (self + cross attention),
-8 heads x 64 (quick: 4 x 64), 2 + 2 blocks / 4 blocks. A step is the two calls of a guided pipeline (cond and uncond):
-two forwards per rank, except cfg2 (one forward per rank, each its branch, and the exchange).
+Models (random weights, fp32, batch 1, gloo on 127.0.0.1): a FLUX.2-architecture Flux2Transformer2DModel (joint +
+single blocks) and a Wan-architecture WanTransformer3DModel (self + cross attention), 4 heads x 64, 2 + 2 blocks /
+4 blocks (--large: 8 heads x 64 and 4x the tokens, minutes per row). A step is the two calls of a guided pipeline
+(cond and uncond): two forwards per rank, except cfg2 (one forward per rank, each its branch, and the exchange).
 
-Measured per mesh, in fresh rank processes: the slowest rank's step time (median of --repeats after a warm-up step),
-and per rank the parameter bytes it holds plus the peak rise of anonymous memory during a step (glibc's mmap
-threshold fixed at 128 KiB so freed activations go back to the OS and the peak is visible). Predicted: the same by
-`plan_tools/planner.predict` with the profile `plan_tools/calibrate.calibrate` measured at the start of the run
-(2 ranks; tp2 x ulysses2's 4 ranks share the 2 cores, which the profile's concurrent_ranks accounts for).
+Measured per mesh, in fresh rank processes, each rank pinned to one core (rank mod cores) with one torch thread:
+--rounds interleaved rounds, each a GEMM and an attention probe on every rank at once (calibration's own
+micro-benchmarks, at its sizes) right before one timed step, so that probe and step see the same load; the step
+time is the median over rounds of the slowest rank's step, and the rates the median over rounds of the slowest
+rank's. Memory: per rank the parameter bytes it holds plus the peak rise of anonymous memory during a step (glibc's
+mmap threshold fixed at 128 KiB so freed activations go back to the OS and the peak is visible). Predicted: by
+`plan_tools/planner.predict` with the links of the profile `plan_tools/calibrate.calibrate` measured at the start of
+the run (2 ranks) and the GEMM and attention rates probed in that row's rounds (tp2 x ulysses2's 4 ranks share the
+2 cores, which the profile's concurrent_ranks accounts for).
 Writes every row to benchmarks/results/raw/cost_model.json, the headline figures to
 benchmarks/results/bench_cost_model.json, and prints the tables.
 """
@@ -29,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -47,6 +52,7 @@ EFFICIENCY_MESHES = ("single", "tp2", "ulysses2", "ring2")
 
 
 def configs(quick: bool) -> dict[str, tuple[str, dict]]:
+    """quick: the benchmark's default shapes; not quick: --large."""
     heads, head_dim = (4, 64) if quick else (8, 64)
     d = heads * head_dim
     return {
@@ -73,16 +79,26 @@ def _set_mmap_threshold() -> None:
         pass
 
 
+def _pin(rank: int) -> None:
+    """One core per rank (rank mod the cores this process may use): ranks sharing a core take turns on it instead
+    of migrating between cores under the scheduler."""
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[rank % len(cores)]})
+
+
 def step_worker(rank: int, world_size: int, family: str, class_name: str, config: dict, grid: tuple, mesh: str,
-                repeats: int) -> dict:
+                rounds: int, probe: dict) -> dict:
     import torch
     import torch.distributed as dist
 
     import paradiff
     from paradiff.distributed import comm
+    from paradiff.plan_tools.calibrate import measure_local
     from paradiff.runtime.memory import PeakSampler
     from paradiff.testing.models import Lengths, make_inputs, model_class
 
+    _pin(rank)
+    torch.set_num_threads(1)
     _set_mmap_threshold()
     torch.manual_seed(0)
     model = model_class(family)(**config).eval()
@@ -93,13 +109,10 @@ def step_worker(rank: int, world_size: int, family: str, class_name: str, config
         from paradiff.runtime.cfg import install_cfg_parallel
 
         install_cfg_parallel(model, dist.new_group(list(range(world_size))))
-        calls = 2  # both calls; each cfg rank computes one of them
     elif world_size > 1:
         paradiff.enable_parallelism(model, paradiff.ParallelConfig.from_degrees(
             tp=degrees.tp, ulysses=degrees.ulysses, ring=degrees.ring))
-        calls = 2
-    else:
-        calls = 2
+    calls = 2  # cond and uncond; under cfg2 each rank computes one of them
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     uncond = dict(inputs, encoder_hidden_states=inputs["encoder_hidden_states"] * 0.5)
 
@@ -114,8 +127,13 @@ def step_worker(rank: int, world_size: int, family: str, class_name: str, config
 
     barrier()
     step()
-    times, peaks = [], []
-    for _ in range(repeats):
+    times, peaks, gemm, attention = [], [], [], []
+    for _ in range(rounds):
+        barrier()  # every rank probes at once, as the ranks of the step will compute
+        rates = measure_local("cpu", ("float32",), probe["gemm_size"], probe["attention_tokens"], probe["repeats"],
+                              copy_numel=2 ** 16)
+        gemm.append(rates["gemm"]["float32"])
+        attention.append(rates["attention"]["float32"])
         barrier()
         sampler = PeakSampler(interval_s=0.002)
         sampler.reset()
@@ -125,55 +143,68 @@ def step_worker(rank: int, world_size: int, family: str, class_name: str, config
             step()
             times.append(time.perf_counter() - start)
         peaks.append(max(sampler.peak.values()) - before)
-    return {"rank": rank, "times": times, "weights": held, "activation_peak": max(peaks)}
+    return {"rank": rank, "times": times, "gemm": gemm, "attention": attention, "weights": held,
+            "activation_peak": max(peaks)}
 
 
-def measure(family, class_name, config, grid, mesh: str, repeats: int) -> dict:
+PROBE = dict(gemm_size=512, attention_tokens=1024, repeats=3)
+
+
+def measure(family, class_name, config, grid, mesh: str, rounds: int) -> dict:
     world = Mesh.parse(mesh).world
     busy = system_busy_seconds()
     started = time.monotonic()
     ranks = run_ranks(step_worker, world, kwargs=dict(family=family, class_name=class_name, config=config, grid=grid,
-                                                      mesh=mesh, repeats=repeats),
+                                                      mesh=mesh, rounds=rounds, probe=PROBE),
                       gloo_timeout_s=300.0 if world > 1 else None, timeout_s=1800)
     wall = time.monotonic() - started
-    steps = [max(rank["times"][i] for rank in ranks) for i in range(repeats)]
+    steps = [max(rank["times"][i] for rank in ranks) for i in range(rounds)]
+    gemm = [min(rank["gemm"][i] for rank in ranks) for i in range(rounds)]
+    attention = [min(rank["attention"][i] for rank in ranks) for i in range(rounds)]
     return {"step_s": statistics.median(steps), "steps": steps,
+            "gemm_flops": statistics.median(gemm), "attention_flops": statistics.median(attention),
             "memory": max(rank["weights"] + rank["activation_peak"] for rank in ranks),
             "weights": max(rank["weights"] for rank in ranks),
             "activations": max(rank["activation_peak"] for rank in ranks),
-            "machine_busy_cores": (system_busy_seconds() - busy) / wall}
+            "machine_busy_cores": (system_busy_seconds() - busy) / wall, "wall_s": wall}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--large", action="store_true", help="8 heads and 4x the tokens (minutes per row)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved probe + step rounds per mesh")
     parser.add_argument("--meshes", default=",".join(MESHES))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "raw" / "cost_model.json"))
     parser.add_argument("--no-wait", action="store_true", help="do not wait for the machine to go quiet")
     args = parser.parse_args()
-    repeats = args.repeats or (2 if args.quick else 5)
+    quick = not args.large
     if not args.no_wait:
         wait_for_quiet(timeout_s=120.0)
-    profile = calibrate(2, dtypes=("float32",), gemm_size=512, attention_tokens=1024, repeats=5)
+    started = time.monotonic()
+    profile = calibrate(2, dtypes=("float32",), repeats=5, **{k: PROBE[k] for k in ("gemm_size", "attention_tokens")})
     print(f"profile: {profile.source}; GEMM {profile.gemm_flops['float32'] / 1e9:.1f} GFLOP/s per rank, attention "
           f"{profile.attention_flops['float32'] / 1e9:.1f} GFLOP/s, concurrent ranks {profile.concurrent_ranks}",
           flush=True)
     rows = []
-    for family, (class_name, config) in configs(args.quick).items():
-        for size, grid in grids(args.quick).items():
+    for family, (class_name, config) in configs(quick).items():
+        for size, grid in grids(quick).items():
             frames, height, width, text = grid
             shape_t = model_shape(dict(config, _class_name=class_name), text_tokens=text)
             latent = frames * height * width  # make_inputs' grid is in tokens (after the patch)
             for mesh in args.meshes.split(","):
-                predicted = predict(shape_t, latent, Mesh.parse(mesh), profile, steps=1, dtype="float32",
-                                    branches=2)
                 try:
-                    measured = measure(family, class_name, config, grid, mesh, repeats)
+                    measured = measure(family, class_name, config, grid, mesh, args.rounds)
                 except Exception as exc:  # noqa: BLE001 - recorded, the others still run
                     measured = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                # the rates probed in this row's rounds, beside its steps; the links from the run's calibration
+                rates = replace(profile, gemm_flops={"float32": measured.get("gemm_flops",
+                                                                             profile.gemm_flops["float32"])},
+                                attention_flops={"float32": measured.get("attention_flops",
+                                                                         profile.attention_flops["float32"])})
+                predicted = predict(shape_t, latent, Mesh.parse(mesh), rates, steps=1, dtype="float32", branches=2)
                 row = {"model": family, "size": size, "latent_tokens": latent, "text_tokens": text, "mesh": mesh,
-                       "predicted_step_s": predicted.step_s, "predicted_memory": predicted.memory.total,
+                       "predicted_step_s": predicted.step_s, "predicted_compute_s": predicted.compute_s,
+                       "predicted_comm_s": predicted.comm_s, "predicted_memory": predicted.memory.total,
                        "predicted_weights": predicted.memory.weights,
                        "predicted_activations": predicted.memory.activations,
                        "step_flops": 2 * forward_cost(shape_t, latent, 4).flops, **measured}
@@ -182,30 +213,48 @@ def main() -> int:
     single = {(r["model"], r["size"]): r for r in rows if r["mesh"] == "single" and "step_s" in r}
     for row in rows:
         if "step_s" in row:
-            world = Mesh.parse(row["mesh"]).world
-            row["efficiency"] = row["step_flops"] / (row["step_s"] * world * profile.gemm_flops["float32"])
+            ranks = min(Mesh.parse(row["mesh"]).world, profile.concurrent_ranks)  # the cores the ranks share
+            row["efficiency"] = row["step_flops"] / (row["step_s"] * ranks * row["gemm_flops"])
             base = single.get((row["model"], row["size"]))
             row["efficiency_vs_single"] = row["efficiency"] / base["efficiency"] if base else None
+    wall = time.monotonic() - started
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "quick": args.quick, "repeats": repeats, "cpus": len(os.sched_getaffinity(0)),
+              "large": args.large, "rounds": args.rounds, "cpus": len(os.sched_getaffinity(0)), "wall_s": wall,
               "profile": json.loads(profile.to_json()), "rows": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(tables(rows))
-    print(f"written: {out}")
+    print(f"written: {out} ({wall:.0f} s)")
     measured = [r for r in rows if "step_s" in r]
-    if measured:
+    if measured and not args.large and args.meshes == ",".join(MESHES):
         busy = max(r["machine_busy_cores"] for r in measured)
-        load = f"measured under load: up to {busy:.1f} busy cores" if busy > 1.2 else "quiet machine"
+        load = (f"measured under load: up to {busy:.1f} busy cores; on a quiet machine: "
+                "python benchmarks/bench_cost_model.py" if busy > 1.2 else "quiet machine")
         memory = sum(abs(r["predicted_memory"] / r["memory"] - 1) <= 0.1 for r in measured)
         step = sum(abs(r["predicted_step_s"] / r["step_s"] - 1) <= 0.2 for r in measured)
-        write_result("bench_cost_model", "Cost model: predicted vs measured step time and memory, "
-                     f"{len(measured)} rows", [
-                         figure("memory rows predicted within 10%", memory, f"of {len(measured)}",
-                                f">= {len(measured)}", note=f"rows: {args.out}"),
-                         figure("step-time rows predicted within 20%", step, f"of {len(measured)}",
-                                f">= {len(measured)}", note=load)])
+        ratios = [r["predicted_memory"] / r["memory"] for r in measured]
+        figures = [figure("memory rows predicted within 10%", memory, f"of {len(measured)}", f">= {len(measured)}",
+                          note=f"predicted / measured {min(ratios):.2f}-{max(ratios):.2f}; rows: "
+                               "benchmarks/results/raw/cost_model.json"),
+                   figure("step-time rows predicted within 20%", step, f"of {len(measured)}", f">= {len(measured)}",
+                          note=f"{load}; one run {wall:.0f} s")]
+        for mesh in EFFICIENCY_MESHES:
+            values = [r["efficiency"] for r in measured if r["mesh"] == mesh]
+            if values:
+                figures.append(figure(f"efficiency {mesh}, median of {len(values)} shapes",
+                                      round(statistics.median(values), 3), "of the GEMM rate",
+                                      note="step FLOPs / (step s x ranks x the GEMM rate probed beside the steps); "
+                                           + load))
+        pairs = [(ring["efficiency"] / ulysses["efficiency"]) for ring in measured for ulysses in measured
+                 if ring["mesh"] == "ring2" and ulysses["mesh"] == "ulysses2"
+                 and (ring["model"], ring["size"]) == (ulysses["model"], ulysses["size"])]
+        if pairs:
+            figures.append(figure("ring2 efficiency / ulysses2 efficiency, lowest of the shapes", round(min(pairs), 3),
+                                  "x", ">= 0.95", note=f"per shape {', '.join(f'{v:.2f}' for v in pairs)}; {load}"))
+        write_result("bench_cost_model", "Cost model: predicted vs measured step time and memory, FLUX.2- and "
+                     "Wan-shaped, 6 meshes; efficiency of single, tp2, ulysses2, ring2", figures,
+                     notes="rows: benchmarks/results/raw/cost_model.json")
     return 0
 
 

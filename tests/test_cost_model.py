@@ -31,6 +31,11 @@ def test_one_flux_block_flops_bytes_and_weights_counted_by_hand():
     assert one.bytes == 2 * 768 * 2 + (20 * 128 + 4 * 20 * 8) * 2 == 9472
     assert FLUX_BLOCK.params == 2 * 768 + 768
     assert one.traffic == []
+    # elementwise, per token: 22 d-wide passes on the whole stream, 44 on q / k / attention's layout, 2 ffn-wide
+    # (GELU); tp2 halves the last two only
+    assert one.elementwise_bytes == 20 * (22 * 8 + 44 * 8 + 2 * 32) * 2
+    tp = block_cost(FLUX_BLOCK, LATENT, TEXT, 2, Mesh(tp=2))
+    assert tp.elementwise_bytes == 20 * (22 * 8 + (44 * 8 + 64) / 2) * 2
 
 
 def test_the_hand_count_is_diffusers_flux_block():
@@ -59,13 +64,17 @@ def test_one_flux_block_communication_per_mode_counted_by_hand():
     assert tp.wire_bytes() == 2 * 256 + 2 * 64  # ring all-reduce on 2 ranks: 2 (g-1)/g = 1 x the tensor
     assert tp.linear_flops == 30720 / 2 and tp.attention_flops == 12800 / 2
     ulysses = block_cost(FLUX_BLOCK, LATENT, TEXT, b, Mesh(ulysses=2))
-    # q, k, v and the output of this rank's 10 tokens x 8 features, each half sent away
-    assert ulysses.traffic == [Traffic("all_to_all", 2, 4, 10 * 8 * 2)] and ulysses.wire_bytes() == 4 * 80
+    # the two ranks' sequence lengths agreed (one int64 each, gathered), then q, k, v and the output of this rank's
+    # 10 tokens x 8 features, each half sent away
+    lengths = Traffic("all_gather", 2, 1, 2 * 8)
+    assert ulysses.traffic == [lengths, Traffic("all_to_all", 2, 4, 10 * 8 * 2)]
+    assert ulysses.wire_bytes() == 8 + 4 * 80
     ring = block_cost(FLUX_BLOCK, LATENT, TEXT, b, Mesh(ring=2))
-    assert ring.traffic == [Traffic("p2p", 2, 1, 2 * 10 * 8 * 2, overlapped=True)]  # k and v passed once
+    assert ring.traffic == [lengths, Traffic("p2p", 2, 1, 2 * 10 * 8 * 2, overlapped=True)]  # k and v passed once
     unified = block_cost(FLUX_BLOCK, LATENT, TEXT, b, Mesh(ring=2, ulysses=2))
     # 5 tokens x 8 features all-to-all'd; then k, v of 10 tokens x 4 features passed once
-    assert unified.traffic == [Traffic("all_to_all", 2, 4, 5 * 8 * 2), Traffic("p2p", 2, 1, 2 * 10 * 4 * 2, True)]
+    assert unified.traffic == [Traffic("all_gather", 4, 1, 4 * 8), Traffic("all_to_all", 2, 4, 5 * 8 * 2),
+                               Traffic("p2p", 2, 1, 2 * 10 * 4 * 2, True)]
     for mesh in (Mesh(cfg=2), Mesh(data=2)):
         assert block_cost(FLUX_BLOCK, LATENT, TEXT, b, mesh).traffic == []
 
@@ -87,7 +96,12 @@ def test_forward_memory_and_fsdp_of_a_small_flux():
     assert fsdp.traffic == [Traffic("all_gather", 2, 1, (FLUX_BLOCK.params + single_block.params) * 2, True)]
     single, sharded = cost.memory(shape, latent, 2), cost.memory(shape, latent, 2, Mesh(tp=2))
     linear = 2 * STREAM_WEIGHTS + (3 * 64 + 8 * 32 + 40 * 8)
-    assert single.weights - sharded.weights == linear * 2 / 2
+    # tp2 halves what the FLUX.1 plan splits: the block linears, their modulation linears (2 x 6 x 64 + 3 x 64) and
+    # the text / time embedders (8 x 8 context; no guidance embedder: (256 + 768) x 8 and 2 x 64 in the time and
+    # pooled-text MLPs; 2 x 64 in the output norm); the patch embedding and the final projection (2 x 16 x 8) stay
+    # whole on every rank
+    split = linear + (2 * 6 * 64 + 3 * 64) + (8 * 8 + 1024 * 8 + 2 * 64 + 2 * 64)
+    assert single.weights == (split + 2 * 16 * 8) * 2 and single.weights - sharded.weights == split * 2 / 2
     gathered = cost.memory(shape, latent, 2, Mesh(data=2, fsdp=2))
     assert gathered.weights == single.weights / 2 and gathered.gathered == 2 * FLUX_BLOCK.params * 2
 
@@ -154,6 +168,38 @@ def test_plan_feasibility_heads_cfg_and_memory(tmp_path):
     assert not {p.mesh.name: p for p in flux.predictions}["cfg2"].feasible
 
 
+def test_feasibility_rules_fsdp_over_the_sequence_ranks_and_tokens_to_split():
+    from paradiff.plan_tools.planner import problems
+
+    shape = model_shape(_tiny_flux_config(), text_tokens=TEXT)
+    fits = cost.Memory(1.0, 0.0, 1.0)
+    assert problems(shape, 16, Mesh(ring=2, fsdp=2), 1, fits, 1e9) == []
+    assert problems(shape, 16, Mesh(ring=2, ulysses=2, fsdp=2), 1, fits, 1e9) == [
+        "fsdp2 with ulysses x ring = 4: fsdp shards over the same ranks and must equal it"]
+    assert problems(shape, 1, Mesh(ring=2), 1, fits, 1e9) == ["1 tokens cannot be split over 2 sequence ranks"]
+    assert problems(shape, 16, Mesh(cfg=3), 2, fits, 1e9) == [
+        "cfg3: the pipeline makes 2 calls per step; cfg must be 2"]
+    assert problems(shape, 16, Mesh(), 1, cost.Memory(2e9, 0.0, 1e9), 2.5e9) == [
+        "needs 3.0 GB per rank, the device has 2.5 GB"]
+
+
+def test_passes_issued_ahead_hide_behind_compute_only_where_the_profile_overlaps():
+    from dataclasses import replace
+
+    from paradiff.plan_tools.planner import predict
+    from paradiff.plans.reference_configs import REFERENCE_CONFIGS
+
+    shape = model_shape(REFERENCE_CONFIGS["wan2.1-t2v-14b"][1])
+    latent = shape.latent_tokens(480, 832, 81)
+    gpu = BUILT_IN["h100-sxm"]
+    cpu_like = replace(gpu, overlap=False)  # as calibrated on CPU: gloo's threads share each rank's core
+    for mesh in (Mesh(ring=2), Mesh(data=2, fsdp=2)):
+        hidden, exposed = predict(shape, latent, mesh, gpu), predict(shape, latent, mesh, cpu_like)
+        every = sum(gpu.comm_seconds(item) for item in exposed.forward.traffic)
+        assert exposed.comm_s == pytest.approx(every) and hidden.comm_s < 0.05 * every
+        assert exposed.compute_s == hidden.compute_s
+
+
 def test_profiles_round_trip_through_json(tmp_path):
     path = tmp_path / "profile.json"
     path.write_text(BUILT_IN["rtx4090"].to_json())
@@ -216,3 +262,86 @@ def test_parallel_auto_writes_the_recommended_degrees_into_the_workers_argv(caps
         resolve_auto_parallel(build_parser().parse_args(["generate", "--parallel", "auto", "--tp", "2"]), [])
     with pytest.raises(CliError, match=r"needs the number of ranks: add --world N"):
         resolve_auto_parallel(build_parser().parse_args(["generate", "--parallel", "auto"]), [])
+
+
+class LiveTensorPeak:
+    """The peak bytes of the tensors a forward allocates and still references, op by op (what a CUDA allocator's
+    peak would count, without its caching): every op's outputs are counted once per storage until the last tensor
+    on that storage is gone. Storages in `held` (the weights, the inputs) are not counted."""
+
+    def __init__(self, held: set[int]):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        tracker = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                tracker._count(out)
+                return out
+
+        self.mode, self.held = Mode(), held
+        self.refs: dict[int, int] = {}
+        self.sizes: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    def _count(self, out) -> None:
+        import weakref
+
+        from torch.utils._pytree import tree_flatten
+
+        for tensor in tree_flatten(out)[0]:
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            if key in self.held or not storage.nbytes():
+                continue
+            if key not in self.refs:
+                self.refs[key], self.sizes[key] = 0, storage.nbytes()
+                self.live += storage.nbytes()
+            self.refs[key] += 1
+            weakref.finalize(tensor, self._release, key)
+        self.peak = max(self.peak, self.live)
+
+    def _release(self, key: int) -> None:
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            del self.refs[key]
+            self.live -= self.sizes.pop(key)
+
+
+HEADS, HEAD_DIM = 2, 32
+ACTIVATION_CASES = {  # d = 64; FLUX.1 (joint FFN / single attention), FLUX.2 (fused single block), Wan (cross)
+    "flux": ("FluxTransformer2DModel", dict(
+        num_layers=1, num_single_layers=1, attention_head_dim=HEAD_DIM, num_attention_heads=HEADS,
+        joint_attention_dim=64, pooled_projection_dim=16, guidance_embeds=True, in_channels=16,
+        axes_dims_rope=(8, 12, 12))),
+    "flux2": ("Flux2Transformer2DModel", dict(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=HEAD_DIM,
+        num_attention_heads=HEADS, joint_attention_dim=64, timestep_guidance_channels=32, axes_dims_rope=(8,) * 4,
+        guidance_embeds=True)),
+    "wan": ("WanTransformer3DModel", dict(
+        patch_size=(1, 2, 2), num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, in_channels=16,
+        out_channels=16, text_dim=64, freq_dim=32, ffn_dim=192, num_layers=1, rope_max_seq_len=64)),
+}
+
+
+@pytest.mark.parametrize("family", sorted(ACTIVATION_CASES))
+def test_activation_peak_and_weights_are_diffusers_forward(family):
+    """The predicted activation peak is the peak of the tensors diffusers' forward holds (within 10%; at the
+    benchmark's sizes within 5%: benchmarks/bench_cost_model.py), and the weights its parameters."""
+    from paradiff.testing.models import Lengths, make_inputs, model_class
+
+    class_name, config = ACTIVATION_CASES[family]
+    torch.manual_seed(0)
+    model = model_class(family)(**config).eval()
+    inputs = make_inputs(family, model.config, lengths=Lengths(height=16, width=16, text=32))
+    held = {tensor.untyped_storage().data_ptr() for tensor in
+            [*model.parameters(), *model.buffers(), *(v for v in inputs.values() if isinstance(v, torch.Tensor))]}
+    live = LiveTensorPeak(held)
+    with torch.no_grad(), live.mode:
+        model(**inputs, return_dict=False)
+    predicted = cost.memory(model_shape(dict(config, _class_name=class_name), text_tokens=32), 256, 4)
+    assert predicted.activations == pytest.approx(live.peak, rel=0.1)
+    assert predicted.weights == pytest.approx(sum(p.numel() * 4 for p in model.parameters()), rel=0.025)

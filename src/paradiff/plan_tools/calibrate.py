@@ -176,4 +176,4 @@ def profile_from(results: list[dict[str, Any]], *, world: int, device: str, dtyp
         attention_flops=dict(slowest["attention"]), memory_bytes=float(memory),
         memory_bandwidth=min(r["memory_bandwidth"] for r in results),
         links=links or {op: Link(0.0, float("inf")) for op in OPS},
-        link_by_world={str(world): links} if links else {}, concurrent_ranks=concurrent, notes=notes)
+        link_by_world={str(world): links} if links else {}, concurrent_ranks=concurrent, notes=notes, overlap=cuda)

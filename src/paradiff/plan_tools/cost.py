@@ -9,7 +9,8 @@ attend together, N = latent (image / video) tokens, T = text tokens):
 - attention over S queries and S keys: QK^T and AV, 2·S·S·d FLOPs each, 4·S²·d in all (cross: 4·N·T·d);
 - adaLN modulation linears act on one vector per sample, not per token: counted in parameters, not in FLOPs;
 - bytes per block: every weight read once, and each linear's input and output and attention's q, k, v, o moved
-  once; elementwise ops (norms, gates, RoPE) are left out (they are small next to the GEMMs at these sizes).
+  once; the elementwise ops (norms, modulation, gates, RoPE, activations) counted apart (`ELEMENTWISE_PASSES`),
+  timed at the memory bandwidth.
 
 Block kinds, by family (the keys read from the config are in `model_shape`):
 - "joint": two streams (latent, text) with their own weights, attention over both (FLUX.1 / FLUX.2 double blocks,
@@ -25,6 +26,7 @@ Communication per forward, per rank (sizes in bytes; `wire` is what a ring algor
   attention needs none: each rank keeps every text key and its own queries;
 - ring (r): keys and values passed r-1 times around the ring per self attention, overlapped with the attention on
   the block just received;
+- ulysses and ring: before each self attention the ranks all-gather their sequence lengths (a few bytes: latency);
 - cfg: the branch predictions exchanged once per step (the output latent), no per-block traffic;
 - data: nothing;
 - fsdp (f; paradiff's `--fsdp`, docs/fsdp.md: with ulysses / ring, the weights sharded over the same f = ulysses x
@@ -58,6 +60,15 @@ class BlockShape:
     gated: bool = False  # SwiGLU: the FFN's input projection is 2 x ffn_dim wide
     modulation: int = 0
     context_dim: int = 0  # "cross": the width of the text the keys and values are projected from
+    # The activations live at the block's peak, per token it runs on: (whole, split, ffn) = `whole` tensors d wide
+    # that every tp rank holds in full (the residual stream, normed inputs, gathered outputs), `split` d wide and
+    # `ffn` ffn_dim wide that tp divides (projections, q / k after RoPE, the FFN's hidden). Counted from the live
+    # tensors of diffusers' forward per family (`model_shape`), see `activation_bytes`.
+    peak: tuple[float, float, float] = (4.0, 0.0, 2.0)
+    # the same widths at the attention call: the stream and its normed input whole; q, k, v, the normed and rotated
+    # q and k split. The sequence ranks add their exchange buffers there (`SEQUENCE_BUFFERS`)
+    attention_peak: tuple[float, float, float] = (2.0, 7.0, 0.0)
+    modulation_split: bool = True  # the plans split modulation linears by tp (a table, as Wan's, stays whole)
 
     @property
     def dim(self) -> int:
@@ -92,6 +103,10 @@ class ModelShape:
     compression: tuple[int, int]  # the VAE's (temporal, spatial) compression
     text_tokens: int
     video: bool
+    replicated_params: int = 0  # of other_params, those tp leaves whole (the patch embedding, the final projection)
+    # elements per token of the position tables (RoPE cos / sin and the pieces they are built from) held through
+    # a forward; the sequence ranks divide them
+    rope_width: int = 0
 
     @property
     def heads(self) -> int:
@@ -153,59 +168,83 @@ def model_shape(config: dict[str, Any], text_tokens: int | None = None) -> Model
     d = heads * head_dim
     in_channels = _get(config, "in_channels", default=16)
     if cls == "FluxTransformer2DModel":
-        joint = BlockShape("joint", _get(config, "num_layers"), heads, head_dim, 4 * d, modulation=2 * 6 * d * d)
-        single = BlockShape("single", _get(config, "num_single_layers"), heads, head_dim, 4 * d, modulation=3 * d * d)
-        other = in_channels * d + _get(config, "joint_attention_dim") * d + (256 + 768 + 2 * 256) * d + 3 * d * d \
-            + 2 * d * d + d * in_channels
+        # peaks: the double block's at the FFN (stream in, gated attention, new stream, normed; hidden and GELU),
+        # the single block's in attention (both streams and their concatenation, normed; q k v, normed and rotated
+        # q k, the MLP's activation)
+        joint = BlockShape("joint", _get(config, "num_layers"), heads, head_dim, 4 * d, modulation=2 * 6 * d * d,
+                           peak=(4, 0, 2))
+        single = BlockShape("single", _get(config, "num_single_layers"), heads, head_dim, 4 * d, modulation=3 * d * d,
+                            peak=(3, 7, 1))
+        replicated = 2 * in_channels * d
+        guidance = 1 if config.get("guidance_embeds") else 0  # time, pooled text and guidance MLPs
+        other = replicated + _get(config, "joint_attention_dim") * d \
+            + (256 + _get(config, "pooled_projection_dim", default=768) + guidance * 256) * d \
+            + (2 + guidance) * d * d + 2 * d * d
         return ModelShape("FLUX.1", (joint, single), other, in_channels, (1, 2, 2), (1, 8),
-                          text_tokens or 512, video=False)
+                          text_tokens or 512, video=False, replicated_params=replicated, rope_width=2 * head_dim)
     if cls == "Flux2Transformer2DModel":
         ffn = int(d * float(config.get("mlp_ratio", 3.0)))
-        joint = BlockShape("joint", _get(config, "num_layers"), heads, head_dim, ffn, gated=True)
-        single = BlockShape("single", _get(config, "num_single_layers"), heads, head_dim, ffn, gated=True)
+        # peaks: the double block's at the SwiGLU (stream in, gated attention, new stream, normed; gate-and-up,
+        # SiLU, product), the single block's at its output projection (stream, normed, output; the fused
+        # q k v gate up projection, rotated q k, [attention, MLP] and the SwiGLU product)
+        joint = BlockShape("joint", _get(config, "num_layers"), heads, head_dim, ffn, gated=True, peak=(4, 0, 4))
+        single = BlockShape("single", _get(config, "num_single_layers"), heads, head_dim, ffn, gated=True,
+                            peak=(3, 6, 4), attention_peak=(2, 8, 2))  # + the fused projection's gate and up
         shared_modulation = (6 + 6 + 3) * d * d  # FLUX.2 modulates every block from three shared linears
-        other = in_channels * d + _get(config, "joint_attention_dim") * d + 2 * 256 * d + 2 * d * d \
-            + shared_modulation + 2 * d * d + d * in_channels
+        embedders = 2 if config.get("guidance_embeds", True) else 1
+        replicated = 2 * in_channels * d
+        other = replicated + _get(config, "joint_attention_dim") * d \
+            + embedders * (_get(config, "timestep_guidance_channels", default=256) * d + d * d) \
+            + shared_modulation + 2 * d * d
         return ModelShape("FLUX.2", (joint, single), other, in_channels, (1, 2, 2), (1, 8),
-                          text_tokens or 512, video=False)
+                          text_tokens or 512, video=False, replicated_params=replicated, rope_width=4 * head_dim)
     if cls == "QwenImageTransformer2DModel":
-        joint = BlockShape("joint", _get(config, "num_layers"), heads, head_dim, 4 * d, modulation=2 * 6 * d * d)
-        other = in_channels * d + _get(config, "joint_attention_dim") * d + 256 * d + d * d + 2 * d * d \
-            + d * _get(config, "out_channels", default=in_channels // 4) * 4
+        # peak at the FFN; Qwen-Image keeps more d-wide tensors of the stream alive than FLUX.1 (the modulated
+        # inputs and gates of both halves)
+        joint = BlockShape("joint", _get(config, "num_layers"), heads, head_dim, 4 * d, modulation=2 * 6 * d * d,
+                           peak=(7, 0, 2))
+        replicated = in_channels * d + d * _get(config, "out_channels", default=in_channels // 4) * 4
+        other = replicated + _get(config, "joint_attention_dim") * d + 256 * d + d * d + 2 * d * d
         return ModelShape("Qwen-Image", (joint,), other, in_channels, (1, 2, 2), (1, 8),
-                          text_tokens or 512, video=False)
+                          text_tokens or 512, video=False, replicated_params=replicated, rope_width=head_dim)
     if cls == "WanTransformer3DModel":
+        # peak at the FFN: the stream's float copy, the cross-attention output, the new stream and its normed input;
+        # the FFN's hidden and its GELU
         cross = BlockShape("cross", _get(config, "num_layers"), heads, head_dim, _get(config, "ffn_dim"),
-                           modulation=6 * d, context_dim=d)
+                           modulation=6 * d, context_dim=d, peak=(4, 0, 2), modulation_split=False)
         patch = _patch(_get(config, "patch_size", default=(1, 2, 2)))
         text_dim = _get(config, "text_dim", default=4096)
-        other = in_channels * d * patch[0] * patch[1] * patch[2] + text_dim * d + d * d + 256 * d + d * d + 6 * d * d \
-            + d * _get(config, "out_channels", default=16) * patch[0] * patch[1] * patch[2]
+        volume = patch[0] * patch[1] * patch[2]
+        replicated = in_channels * d * volume + d * _get(config, "out_channels", default=16) * volume
+        other = replicated + text_dim * d + d * d + _get(config, "freq_dim", default=256) * d + d * d + 6 * d * d
         if config.get("image_dim"):  # I2V: image tokens get their own cross keys and values (counted as text)
             cross = replace(cross, modulation=cross.modulation + 2 * d * d)
         spatial = 16 if in_channels == 48 else 8  # Wan 2.2 TI2V-5B's VAE compresses 16x
-        return ModelShape("Wan", (cross,), other, in_channels, patch, (4, spatial), text_tokens or 512, video=True)
+        return ModelShape("Wan", (cross,), other, in_channels, patch, (4, spatial), text_tokens or 512, video=True,
+                          replicated_params=replicated, rope_width=2 * head_dim)
     if cls == "HunyuanVideoTransformer3DModel":
         ratio = float(config.get("mlp_ratio", 4.0))
         joint = BlockShape("joint", _get(config, "num_layers"), heads, head_dim, int(d * ratio),
                            modulation=2 * 6 * d * d)
         single = BlockShape("single", _get(config, "num_single_layers"), heads, head_dim, int(d * ratio),
-                            modulation=3 * d * d)
+                            modulation=3 * d * d, peak=(3, 7, 1))  # FLUX.1's single block, as written there
         p = _get(config, "patch_size", default=2)
         patch = (_get(config, "patch_size_t", default=1), p, p)
         refiner = _get(config, "num_refiner_layers", default=2) * 14 * d * d  # the text token refiner's blocks
-        other = in_channels * d * p * p + _get(config, "text_embed_dim", default=4096) * d + 2 * 256 * d \
-            + 3 * d * d + d * in_channels * p * p + refiner
+        replicated = 2 * in_channels * d * p * p
+        other = replicated + _get(config, "text_embed_dim", default=4096) * d + 2 * 256 * d + 3 * d * d + refiner
         return ModelShape("HunyuanVideo", (joint, single), other, in_channels, patch, (4, 8),
-                          text_tokens or 256, video=True)
+                          text_tokens or 256, video=True, replicated_params=replicated, rope_width=2 * head_dim)
     if cls == "LTXVideoTransformer3DModel":
         cross = BlockShape("cross", _get(config, "num_layers"), heads, head_dim, 4 * d, modulation=6 * d,
-                           context_dim=_get(config, "cross_attention_dim", default=d))
+                           context_dim=_get(config, "cross_attention_dim", default=d), peak=(4, 0, 2),
+                           modulation_split=False)
         p = _get(config, "patch_size", default=1)
         patch = (_get(config, "patch_size_t", default=1), p, p)
-        other = in_channels * d + _get(config, "caption_channels", default=4096) * d + 256 * d + 6 * d * d \
-            + d * in_channels
-        return ModelShape("LTX", (cross,), other, in_channels, patch, (8, 32), text_tokens or 128, video=True)
+        replicated = 2 * in_channels * d
+        other = replicated + _get(config, "caption_channels", default=4096) * d + 256 * d + 6 * d * d
+        return ModelShape("LTX", (cross,), other, in_channels, patch, (8, 32), text_tokens or 128, video=True,
+                          replicated_params=replicated, rope_width=2 * head_dim)
     known = ("FluxTransformer2DModel", "Flux2Transformer2DModel", "QwenImageTransformer2DModel",
              "WanTransformer3DModel", "HunyuanVideoTransformer3DModel", "LTXVideoTransformer3DModel")
     raise CostModelError(f"no cost model for transformer class {cls!r}; known: {', '.join(known)}.")
@@ -281,6 +320,7 @@ class ForwardCost:
     attention_flops: float
     bytes: float
     traffic: list[Traffic] = field(default_factory=list)
+    elementwise_bytes: float = 0.0  # what the norms, modulation, gates, RoPE and activations read and write
 
     @property
     def flops(self) -> float:
@@ -288,6 +328,16 @@ class ForwardCost:
 
     def wire_bytes(self) -> float:
         return sum(item.wire * item.calls for item in self.traffic)
+
+
+# Elementwise passes per token of a block (each op's reads and writes of a tensor, in d-wide units): on the whole
+# stream (tp leaves it whole) a joint block's two norms (2 passes each), two modulations (x (1 + scale) + shift, 4
+# each) and two gated residuals (5 each); split by tp, q and k's RMS norms (10 each), RoPE (8 each) and the
+# copies into and out of attention's head layout (8). A single block has one of each whole-stream op, a cross block
+# a third norm, residual and attention's q norm and copies. The FFN's activation adds 2 ffn-wide passes (GELU) or 5
+# (SiLU x up), a single block's [attention, MLP] concatenation 2. Not fused by torch eagerly, they took 22% (FLUX.2)
+# and 27% (Wan) of a one-thread CPU forward (torch.profiler, benchmarks/bench_cost_model.py's shapes).
+ELEMENTWISE_PASSES = {"joint": (22, 44), "single": (11, 46), "cross": (29, 58)}
 
 
 def block_cost(block: BlockShape, latent: int, text: int, dtype_bytes: int = 2, mesh: Mesh = Mesh()) -> ForwardCost:
@@ -320,6 +370,10 @@ def block_cost(block: BlockShape, latent: int, text: int, dtype_bytes: int = 2, 
         attn = 4 * (latent + text) ** 2 * d
         moved += 4 * (latent + text) * d
     cost = ForwardCost(linear / (t * seq), attn / (t * seq), (weights * b) / t + moved * b / (t * seq))
+    whole, split = ELEMENTWISE_PASSES[block.kind]
+    ffn_passes = (5 if block.gated else 2) + (2 if block.kind == "single" else 0)
+    stream_tokens = latent if block.kind == "cross" else latent + text
+    cost.elementwise_bytes = stream_tokens / seq * (whole * d + (split * d + ffn_passes * block.ffn_dim) / t) * b
     # communication; sizes are this rank's tensors
     self_tokens = latent + text if block.kind != "cross" else latent
     local = self_tokens / seq
@@ -331,6 +385,8 @@ def block_cost(block: BlockShape, latent: int, text: int, dtype_bytes: int = 2, 
             calls = 1 if block.kind == "single" else 3
             cost.traffic.append(Traffic("all_reduce", t, calls, local * d * b))
     heads_width = d / t
+    if seq > 1:  # both attentions first agree on the ranks' sequence lengths: one small all-gather per call
+        cost.traffic.append(Traffic("all_gather", seq, 1, 8 * seq))
     if mesh.ulysses > 1:
         cost.traffic.append(Traffic("all_to_all", mesh.ulysses, 4, local * heads_width * b))
     if mesh.ring > 1:  # after Ulysses' exchange a rank holds self_tokens / ring tokens of d / (t u) features
@@ -347,6 +403,7 @@ def forward_cost(shape: ModelShape, latent: int, dtype_bytes: int = 2, mesh: Mes
         total.linear_flops += one.linear_flops * block.count
         total.attention_flops += one.attention_flops * block.count
         total.bytes += one.bytes * block.count
+        total.elementwise_bytes += one.elementwise_bytes * block.count
         total.traffic += [replace(item, calls=item.calls * block.count) for item in one.traffic]
     if mesh.fsdp > 1:
         total.traffic.append(Traffic("all_gather", mesh.fsdp, 1, shape.block_params * dtype_bytes / mesh.tp,
@@ -370,22 +427,43 @@ class Memory:
         return self.weights + self.gathered + self.activations
 
 
-# Activation widths held at a block's peak, per token, in units of the block's dims: the residual stream in and
-# out (2 d), the normed input (d), q, k, v and the attention output (4 d / t), and the FFN's hidden (its input
-# projection's output and the activation of it, (g + 1) ffn / t). Measured on CPU fp32 (benchmarks/bench_cost_model.py).
-def activation_bytes(block: BlockShape, tokens: float, dtype_bytes: int, tp: int) -> float:
-    width = 3 * block.dim + 4 * block.dim / tp + ((2 if block.gated else 1) + 1) * block.ffn_dim / tp
-    return tokens * width * dtype_bytes
+# d-wide buffers (split by tp) that sequence parallelism adds at the attention call, per token of the rank: Ulysses
+# q, k, v sent and received (the permuted copies and the all-to-all's outputs); ring the keys and values in hand
+# and the pair arriving, and the float output accumulator of the LSE merge.
+SEQUENCE_BUFFERS = {"ulysses": 6.0, "ring": 5.0}
+
+
+def activation_bytes(block: BlockShape, tokens: float, dtype_bytes: int, tp: int, mesh: Mesh = Mesh()) -> float:
+    """The activations live at `block`'s peak on one rank running `tokens` tokens: its `peak` widths, the split ones
+    divided by tp. The widths were counted from the tensors alive at the block's peak in diffusers' forward
+    (one tensor-allocating op at a time, fp32 on CPU; `tests/test_cost_model.py` checks them on tiny models): the
+    peak is where the FFN's hidden (or a fused projection) meets the d-wide tensors the block still references."""
+    def width(whole: float, split: float, ffn: float) -> float:
+        return whole * block.dim + (split * block.dim + ffn * block.ffn_dim) / tp
+
+    whole, split, ffn = block.attention_peak
+    split += sum(SEQUENCE_BUFFERS[dim] for dim in SEQUENCE_BUFFERS if getattr(mesh, dim) > 1)
+    return tokens * max(width(*block.peak), width(whole, split, ffn)) * dtype_bytes
 
 
 def memory(shape: ModelShape, latent: int, dtype_bytes: int = 2, mesh: Mesh = Mesh()) -> Memory:
-    """Per-rank memory of the transformer on `mesh` (modulation, embedders, norms replicated; block linears split by
-    tp, then sharded by fsdp, which holds two gathered blocks at a time: the one running and the one prefetched)."""
+    """Per-rank memory of the transformer on `mesh`. Weights: block linears, modulation linears and the text / time
+    embedders split by tp as the plans split them; the patch embedding, the final projection and modulation tables
+    whole; all of it sharded by fsdp, which holds two gathered blocks at a time (the one running and the one
+    prefetched). Activations: the largest block peak on this rank's tokens, plus what the whole forward holds
+    beside it: the position tables of this rank's tokens and, with cross attention, the projected text."""
+    t = mesh.tp
     linear = sum(sum(block.linear_params().values()) * block.count for block in shape.blocks)
-    modulation = sum(block.modulation * block.count for block in shape.blocks)
-    weights = (linear / mesh.tp / mesh.fsdp + (modulation + shape.other_params) / mesh.fsdp) * dtype_bytes
+    split_modulation = sum(block.modulation * block.count for block in shape.blocks if block.modulation_split)
+    whole_modulation = sum(block.modulation * block.count for block in shape.blocks if not block.modulation_split)
+    split = linear + split_modulation + shape.other_params - shape.replicated_params
+    weights = (split / t + whole_modulation + shape.replicated_params) / mesh.fsdp * dtype_bytes
     largest = max(block.params for block in shape.blocks)
-    gathered = 2 * largest / mesh.tp * dtype_bytes if mesh.fsdp > 1 else 0.0
-    tokens = (latent + shape.text_tokens) / mesh.sequence
-    activations = max(activation_bytes(block, tokens, dtype_bytes, mesh.tp) for block in shape.blocks)
-    return Memory(weights, gathered, activations)
+    gathered = 2 * largest / t * dtype_bytes if mesh.fsdp > 1 else 0.0
+    cross = all(block.kind == "cross" for block in shape.blocks)
+    tokens = (latent if cross else latent + shape.text_tokens) / mesh.sequence
+    peak = max(activation_bytes(block, tokens, dtype_bytes, t, mesh) for block in shape.blocks)
+    held = tokens * shape.rope_width * dtype_bytes
+    if cross:
+        held += shape.text_tokens * shape.blocks[0].dim * dtype_bytes
+    return Memory(weights, gathered, peak + held)

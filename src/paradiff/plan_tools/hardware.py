@@ -40,6 +40,9 @@ class HardwareProfile:
     concurrent_ranks: int = 1 << 20
     notes: str = ""
     link_by_world: dict[str, dict[str, Link]] = field(default_factory=dict)  # calibrated: "2" -> op -> Link
+    # whether a collective issued ahead (ring passes, FSDP prefetch) runs beside the compute; not on a CPU whose
+    # ranks have one core each: gloo's transport threads then take turns with the rank's compute on that core
+    overlap: bool = True
 
     def link(self, op: str, group: int) -> Link:
         measured = self.link_by_world.get(str(group), {}).get(op)

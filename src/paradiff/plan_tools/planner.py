@@ -1,10 +1,11 @@
 """`paradiff plan`'s engine: every mesh of a world size, its predicted memory and times, feasibility, a recommendation.
 
 Times come from the cost model (`cost.py`) and a hardware profile (`hardware.py`):
-- a rank's forward = its GEMM FLOPs / the GEMM rate + its attention FLOPs / the attention rate, times
+- a rank's forward = its GEMM FLOPs / the GEMM rate + its attention FLOPs / the attention rate + its elementwise
+  bytes / the memory bandwidth, times
   world / concurrent_ranks where more ranks than that share the devices (a CPU's cores), plus the collectives
   it waits on; ring passes hide behind the attention on the block just received, FSDP's all-gathers behind the
-  forward (prefetch), each only up to that compute;
+  forward (prefetch), each only up to that compute, and only where the profile overlaps (not on CPU ranks);
 - a step = the forwards one rank runs per step (2 with CFG on one rank, 1 with cfg2) x the forward;
 - latency = steps x step (the text encoders and the VAE are left out).
 
@@ -118,11 +119,14 @@ def predict(shape: ModelShape, latent: int, mesh: Mesh, profile: HardwareProfile
     share = max(1.0, mesh.world / profile.concurrent_ranks)
     linear_s = cost.linear_flops / profile.rate(profile.gemm_flops, dtype) * share
     attention_s = cost.attention_flops / profile.rate(profile.attention_flops, dtype) * share
-    compute = linear_s + attention_s
+    elementwise_s = cost.elementwise_bytes / profile.memory_bandwidth * share
+    compute = linear_s + attention_s + elementwise_s
     exposed = 0.0
     for item in cost.traffic:
         seconds = profile.comm_seconds(item)
-        if item.op == "p2p":  # each pass hides behind the attention on the block in hand
+        if item.overlapped and not profile.overlap:  # nothing runs beside the compute (a CPU core per rank)
+            exposed += seconds
+        elif item.op == "p2p":  # each pass hides behind the attention on the block in hand
             exposed += max(0.0, seconds - attention_s * (mesh.ring - 1) / mesh.ring)
         elif item.overlapped:
             exposed += max(0.0, seconds - compute)
