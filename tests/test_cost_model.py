@@ -255,8 +255,17 @@ def test_parallel_auto_writes_the_recommended_degrees_into_the_workers_argv(caps
                    str(mesh.ring), "--cfg", str(mesh.cfg), "--dp", str(mesh.data), "--fsdp", str(mesh.fsdp)]
     assert (args.tp, args.ulysses, args.ring, args.cfg, args.dp, args.fsdp) == (
         mesh.tp, mesh.ulysses, mesh.ring, mesh.cfg, mesh.data, mesh.fsdp)
-    quantized = build_parser().parse_args(argv + ["--quantize", "int8"])  # --fsdp refuses quantized bases
-    assert "--fsdp" in resolve_auto_parallel(quantized, argv) and quantized.fsdp == 1
+    # what --fsdp refuses (api/fsdp.py: nf4, --stages, a quantized base with --tp) is never picked; int8 / fp8 / GGUF
+    # bases take fsdp without tp
+    by_flags = {}
+    for extra in (["--quantize", "nf4"], ["--stages"], ["--quantize", "int8"], ["--quantize", "fp8"]):
+        chosen = build_parser().parse_args(argv + extra)
+        assert "--fsdp" in resolve_auto_parallel(chosen, argv)
+        by_flags[extra[-1]] = (chosen.fsdp, chosen.tp)
+    assert by_flags["nf4"][0] == 1 and by_flags["--stages"][0] == 1, by_flags
+    assert all(fsdp == 1 or tp == 1 for fsdp, tp in by_flags.values()), by_flags
+    assert by_flags["int8"] == next((p.mesh.fsdp, p.mesh.tp) for p in expected.predictions
+                                    if p.feasible and (p.mesh.fsdp == 1 or p.mesh.tp == 1)), by_flags
     assert f"--parallel auto on 2 ranks (rtx4090): {mesh.name}" in capsys.readouterr().err
     with pytest.raises(CliError, match=r"picks the degrees itself: drop --tp 2"):
         resolve_auto_parallel(build_parser().parse_args(["generate", "--parallel", "auto", "--tp", "2"]), [])

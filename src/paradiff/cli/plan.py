@@ -152,9 +152,7 @@ def resolve_auto_parallel(args: argparse.Namespace, argv: list[str]) -> list[str
                       negative_prompt=args.negative_prompt is not None)
     except CostModelError as exc:
         raise CliError(f"--parallel auto: {exc}") from None
-    # --fsdp refuses quantized bases and --stages (docs/fsdp.md): then the best mesh without it
-    fsdp_ok = not (getattr(args, "quantize", None) or getattr(args, "gguf", None) or getattr(args, "stages", False))
-    choice = next((p for p in result.predictions if p.feasible and (p.mesh.fsdp == 1 or fsdp_ok)), None)
+    choice = next((p for p in result.predictions if p.feasible and _fsdp_holds(args, p.mesh)), None)
     if choice is None:
         raise CliError(f"--parallel auto: no mesh of {world} ranks fits: {result.reason}")
     mesh = choice.mesh
@@ -179,3 +177,15 @@ def resolve_auto_parallel(args: argparse.Namespace, argv: list[str]) -> list[str
         kept.append(item)
     return kept + ["--tp", str(mesh.tp), "--ulysses", str(mesh.ulysses), "--ring", str(mesh.ring),
                    "--cfg", str(mesh.cfg), "--dp", str(mesh.data), "--fsdp", str(mesh.fsdp)]
+
+
+def _fsdp_holds(args: argparse.Namespace, mesh) -> bool:
+    """Whether `--fsdp` takes this mesh with the run's other flags (api/fsdp.py's check_fsdp refuses the rest by
+    name): never with --stages or nf4, and over a quantized base (int8 / fp8 / GGUF) only without --tp, since
+    quantized FSDP shards whole rows (docs/fsdp.md)."""
+    if mesh.fsdp == 1:
+        return True
+    quantize, gguf = getattr(args, "quantize", None), getattr(args, "gguf", None)
+    if getattr(args, "stages", False) or quantize == "nf4":
+        return False
+    return not ((quantize or gguf) and mesh.tp > 1)
