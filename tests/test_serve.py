@@ -702,3 +702,61 @@ def png_of(width: int, height: int) -> bytes:
     buffer = io.BytesIO()
     Image.new("RGB", (width, height)).save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+# -- img2img and inpaint edits: other pipeline classes of one FLUX.1 folder (serve --pipeline CLASS) -------------------
+CONDITIONED = {"FluxImg2ImgPipeline": dict(strength=0.7), "FluxInpaintPipeline": dict(strength=0.8, mask=True)}
+
+
+def conditioning_pictures() -> tuple[bytes, bytes]:
+    """A 32x32 noise picture and a mask repainting its left half (white: repaint, black: keep)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(3)
+    mask = np.zeros((32, 32), dtype=np.uint8)
+    mask[:, :16] = 255
+    files = []
+    for array in (rng.integers(0, 256, (32, 32, 3), dtype=np.uint8), mask):
+        buffer = io.BytesIO()
+        Image.fromarray(array).save(buffer, format="PNG")
+        files.append(buffer.getvalue())
+    return files[0], files[1]
+
+
+@pytest.mark.parametrize("pipeline_class", sorted(CONDITIONED))
+def test_openais_client_edits_img2img_and_inpaint_at_tp2_as_single_process_diffusers_does(
+        tmp_path_factory, pipeline_class):
+    """images.edit on the tiny FLUX.1 folder served as FluxImg2ImgPipeline (image + strength) and as
+    FluxInpaintPipeline (image + mask + strength) at tp2: the image diffusers' class draws in this process with the
+    same inputs and seed."""
+    import diffusers
+    import openai
+    import torch
+    from PIL import Image
+
+    from paradiff.cli.outputs import png_bytes
+    from paradiff.testing.pipelines import save_pipeline
+
+    fields = CONDITIONED[pipeline_class]
+    root = tmp_path_factory.mktemp(pipeline_class)
+    folder = save_pipeline("flux", tmp_path_factory.getbasetemp() / "serve-flux")
+    image, mask = conditioning_pictures()
+    server = ServerProcess(root, str(folder), "--pipeline", pipeline_class, "--tp", "2", "--steps", "4",
+                           "--height", "32", "--width", "32")
+    try:
+        server.wait_ready()
+        client = openai_client(server)
+        answer = client.images.edit(image=("image.png", image, "image/png"), prompt=PROMPTS[0], size="32x32",
+                                    mask=("mask.png", mask, "image/png") if fields.get("mask") else openai.NOT_GIVEN,
+                                    extra_body={"seed": EDIT_SEED, "strength": fields["strength"]})
+    finally:
+        assert server.stop() == 0, server.text()
+    pipeline = getattr(diffusers, pipeline_class).from_pretrained(str(folder))
+    pipeline.set_progress_bar_config(disable=True)
+    inputs = dict(image=Image.open(io.BytesIO(image)).convert("RGB"), strength=fields["strength"])
+    if fields.get("mask"):
+        inputs["mask_image"] = Image.open(io.BytesIO(mask)).convert("L")
+    expected = pipeline(prompt=PROMPTS[0], height=32, width=32, num_inference_steps=4, output_type="np",
+                        generator=torch.Generator("cpu").manual_seed(EDIT_SEED), **inputs).images[0]
+    assert answer.data[0].seed == EDIT_SEED
+    assert_same_picture(decoded(answer.data[0]), png_bytes(expected))
