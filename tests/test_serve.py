@@ -7,6 +7,7 @@ import base64
 import io
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -762,3 +763,43 @@ def test_openais_client_edits_img2img_and_inpaint_at_tp2_as_single_process_diffu
                         generator=torch.Generator("cpu").manual_seed(EDIT_SEED), **inputs).images[0]
     assert answer.data[0].seed == EDIT_SEED
     assert_same_picture(decoded(answer.data[0]), png_bytes(expected))
+
+
+# -- the web page on an image server (tests/test_serve_jobs.py has its video path) --------------------------------------
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="no chromium here (Debian: apt-get install chromium)")
+def test_the_web_page_asks_the_key_then_shows_the_image_with_its_parameters_in_a_real_browser(dp_server, generated):
+    """Debian's chromium, headless, driven by playwright, on the dp2 x tp2 image server with an API key: the page asks
+    for the key; a prompt typed and Generate clicked show the progress bar up to 100 %, then an <img> in the gallery
+    (the picture `paradiff generate` draws for that prompt and seed) captioned with its parameters."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 900, "height": 640})
+            page.goto(dp_server.url + "/")
+            page.get_by_label("API key").fill(KEY)
+            page.get_by_label("API key").press("Tab")  # its change event: the page keeps the key and asks again
+            page.get_by_text("paradiff-demo: images").wait_for(timeout=30_000)
+            assert page.locator("#size option").all_inner_texts()[0] == "64x64"
+            assert page.get_by_label("Steps").input_value() == "4"
+            page.get_by_label("Prompt").fill(PROMPTS[0])
+            page.get_by_label("Seed").fill("5")
+            page.get_by_role("button", name="Generate").click()
+            page.get_by_role("progressbar").wait_for(state="visible", timeout=30_000)
+            page.wait_for_function("document.querySelector('[role=progressbar]').getAttribute('aria-valuenow')"
+                                   " === '100'", timeout=120_000)
+            image = page.locator("#gallery figure img").first
+            image.wait_for(state="visible", timeout=30_000)
+            assert page.evaluate("(image) => image.complete && image.naturalWidth", image.element_handle()) == 64
+            source = image.get_attribute("src")
+            assert source.startswith("data:image/png;base64,")
+            assert_same_picture(base64.b64decode(source.split(",", 1)[1]), generated[(PROMPTS[0], 5, 4)])
+            text = page.locator("#gallery figcaption").first.inner_text()
+            assert text.startswith(PROMPTS[0]) and all(part in text for part in ("size 64x64", "steps 4", "seed 5"))
+            assert page.locator("#status").inner_text() == "done" and not page.locator("#keybox").is_visible()
+        finally:
+            browser.close()
