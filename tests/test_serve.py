@@ -765,7 +765,7 @@ def test_openais_client_edits_img2img_and_inpaint_at_tp2_as_single_process_diffu
     assert_same_picture(decoded(answer.data[0]), png_bytes(expected))
 
 
-# -- the web page on an image server (tests/test_serve_jobs.py has its video path) --------------------------------------
+# -- the web page on an image server (tests/test_serve_jobs.py has its video path) -------------------------------------
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 
