@@ -7,6 +7,7 @@ import base64
 import io
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -702,3 +703,103 @@ def png_of(width: int, height: int) -> bytes:
     buffer = io.BytesIO()
     Image.new("RGB", (width, height)).save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+# -- img2img and inpaint edits: other pipeline classes of one FLUX.1 folder (serve --pipeline CLASS) -------------------
+# strengths whose step counts at 4 steps differ from the default 0.6's (4 and 2 steps, not 3): a strength the server
+# dropped gives another picture
+CONDITIONED = {"FluxImg2ImgPipeline": dict(strength=0.9), "FluxInpaintPipeline": dict(strength=0.3, mask=True)}
+
+
+def conditioning_pictures() -> tuple[bytes, bytes]:
+    """A 32x32 noise picture and a mask repainting its left half (white: repaint, black: keep)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(3)
+    mask = np.zeros((32, 32), dtype=np.uint8)
+    mask[:, :16] = 255
+    files = []
+    for array in (rng.integers(0, 256, (32, 32, 3), dtype=np.uint8), mask):
+        buffer = io.BytesIO()
+        Image.fromarray(array).save(buffer, format="PNG")
+        files.append(buffer.getvalue())
+    return files[0], files[1]
+
+
+@pytest.mark.parametrize("pipeline_class", sorted(CONDITIONED))
+def test_openais_client_edits_img2img_and_inpaint_at_tp2_as_single_process_diffusers_does(
+        tmp_path_factory, pipeline_class):
+    """images.edit on the tiny FLUX.1 folder served as FluxImg2ImgPipeline (image + strength) and as
+    FluxInpaintPipeline (image + mask + strength) at tp2: the image diffusers' class draws in this process with the
+    same inputs and seed."""
+    import diffusers
+    import openai
+    import torch
+    from PIL import Image
+
+    from paradiff.cli.outputs import png_bytes
+    from paradiff.testing.pipelines import save_pipeline
+
+    fields = CONDITIONED[pipeline_class]
+    root = tmp_path_factory.mktemp(pipeline_class)
+    folder = save_pipeline("flux", tmp_path_factory.getbasetemp() / "serve-flux")
+    image, mask = conditioning_pictures()
+    server = ServerProcess(root, str(folder), "--pipeline", pipeline_class, "--tp", "2", "--steps", "4",
+                           "--height", "32", "--width", "32")
+    try:
+        server.wait_ready()
+        client = openai_client(server)
+        answer = client.images.edit(image=("image.png", image, "image/png"), prompt=PROMPTS[0], size="32x32",
+                                    mask=("mask.png", mask, "image/png") if fields.get("mask") else openai.NOT_GIVEN,
+                                    extra_body={"seed": EDIT_SEED, "strength": fields["strength"]})
+    finally:
+        assert server.stop() == 0, server.text()
+    pipeline = getattr(diffusers, pipeline_class).from_pretrained(str(folder))
+    pipeline.set_progress_bar_config(disable=True)
+    inputs = dict(image=Image.open(io.BytesIO(image)).convert("RGB"), strength=fields["strength"])
+    if fields.get("mask"):
+        inputs["mask_image"] = Image.open(io.BytesIO(mask)).convert("L")
+    expected = pipeline(prompt=PROMPTS[0], height=32, width=32, num_inference_steps=4, output_type="np",
+                        generator=torch.Generator("cpu").manual_seed(EDIT_SEED), **inputs).images[0]
+    assert answer.data[0].seed == EDIT_SEED
+    assert_same_picture(decoded(answer.data[0]), png_bytes(expected))
+
+
+# -- the web page on an image server (tests/test_serve_jobs.py has its video path) -------------------------------------
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="no chromium here (Debian: apt-get install chromium)")
+def test_the_web_page_asks_the_key_then_shows_the_image_with_its_parameters_in_a_real_browser(dp_server, generated):
+    """Debian's chromium, headless, driven by playwright, on the dp2 x tp2 image server with an API key: the page asks
+    for the key; a prompt typed and Generate clicked show the progress bar up to 100 %, then an <img> in the gallery
+    (the picture `paradiff generate` draws for that prompt and seed) captioned with its parameters."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 900, "height": 640})
+            page.goto(dp_server.url + "/")
+            page.get_by_label("API key").fill(KEY)
+            page.get_by_label("API key").press("Tab")  # its change event: the page keeps the key and asks again
+            page.get_by_text("paradiff-demo: images").wait_for(timeout=30_000)
+            assert page.locator("#size option").all_inner_texts()[0] == "64x64"
+            assert page.get_by_label("Steps").input_value() == "4"
+            page.get_by_label("Prompt").fill(PROMPTS[0])
+            page.get_by_label("Seed").fill("5")
+            page.get_by_role("button", name="Generate").click()
+            page.get_by_role("progressbar").wait_for(state="visible", timeout=30_000)
+            page.wait_for_function("document.querySelector('[role=progressbar]').getAttribute('aria-valuenow')"
+                                   " === '100'", timeout=120_000)
+            image = page.locator("#gallery figure img").first
+            image.wait_for(state="visible", timeout=30_000)
+            assert page.evaluate("(image) => image.complete && image.naturalWidth", image.element_handle()) == 64
+            source = image.get_attribute("src")
+            assert source.startswith("data:image/png;base64,")
+            assert_same_picture(base64.b64decode(source.split(",", 1)[1]), generated[(PROMPTS[0], 5, 4)])
+            text = page.locator("#gallery figcaption").first.inner_text()
+            assert text.startswith(PROMPTS[0]) and all(part in text for part in ("size 64x64", "steps 4", "seed 5"))
+            assert page.locator("#status").inner_text() == "done" and not page.locator("#keybox").is_visible()
+        finally:
+            browser.close()
