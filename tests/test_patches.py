@@ -84,7 +84,7 @@ def test_one_patch_removed_alone_and_a_replaced_child_comes_back_with_its_own_pa
     patching.replace_module(model.blocks[0], "proj", nn.Identity(), by="quant")
     hook = patching.add_hook(model, lambda *args: None, by="cp")
     patch = patching.module_patches(model)[0]
-    assert patch.handle is hook
+    assert hook.patch is patch and patch.handle is not None
     patching.remove_patch(model, patch)
     patching.remove_patch(model, patch)  # twice: nothing
     assert not model._forward_hooks and len(paradiff.patches(model)) == 1  # the inner forward is hidden
@@ -113,9 +113,9 @@ def test_a_forward_set_over_a_patch_is_left_in_place_and_unknown_kinds_are_refus
 FORBIDDEN = re.compile(r"\.forward\s*=(?!=)|__class__\s*=(?!=)|_forward_pre_hooks|_forward_hooks"
                        r"|register_forward_(pre_)?hook\(|\.set_processor\(|\.processor\s*=(?!=)"
                        r"|__setattr__\([^,]+, \"(forward|__class__)\"")
-# file:line -> why it stays. Test scaffolding (`testing/`) is not the product and leaves the package (issue 37
-# item 5); a hook a measuring tool adds and removes within one call changes no model it returns.
-ALLOWED = {
+# file:line -> why it stays (none today). Test scaffolding (`testing/`) is not the product and leaves the package
+# (issue 37 item 5).
+ALLOWED: dict[str, str] = {
     "api/lora.py:44": "not yet moved onto the patch layer",
     "api/lora_slots.py:116": "not yet moved onto the patch layer",
     "api/pipeline.py:264": "not yet moved onto the patch layer",
@@ -148,13 +148,6 @@ ALLOWED = {
     "quant/apply.py:266": "not yet moved onto the patch layer",
     "runtime/caching.py:317": "not yet moved onto the patch layer",
     "runtime/compilation.py:59": "not yet moved onto the patch layer",
-    "tensor_parallel/layers.py:230": "not yet moved onto the patch layer",
-    "tensor_parallel/lora.py:186": "not yet moved onto the patch layer",
-    "tensor_parallel/shard.py:70": "not yet moved onto the patch layer",
-    "tensor_parallel/shard.py:73": "not yet moved onto the patch layer",
-    "tensor_parallel/shard.py:77": "not yet moved onto the patch layer",
-    "tensor_parallel/shard.py:81": "not yet moved onto the patch layer",
-    "tensor_parallel/shard.py:83": "not yet moved onto the patch layer",
     "vae/apply.py:159": "not yet moved onto the patch layer",
     "vae/apply.py:161": "not yet moved onto the patch layer",
     "vae/apply.py:165": "not yet moved onto the patch layer",
@@ -168,13 +161,14 @@ ALLOWED = {
     "vae/apply.py:203": "not yet moved onto the patch layer",
 }
 EXEMPT_FOLDERS = ("testing",)
+PATCH_LAYER = Path("runtime") / "patches.py"
 
 
 def forbidden_sites() -> list[str]:
     found = []
     for path in sorted(SOURCE.rglob("*.py")):
         where = path.relative_to(SOURCE)
-        if where.parts[0] in EXEMPT_FOLDERS or where == Path("runtime/patches.py"):
+        if where.parts[0] in EXEMPT_FOLDERS or where == PATCH_LAYER:
             continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("#", 1)[0]

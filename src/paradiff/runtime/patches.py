@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -30,8 +31,8 @@ _MISSING = object()
 
 # The kinds, in the order a forward meets them: a replaced child or class first, then what shadows the forward
 # (wrappers, attributes, processors), then the hooks around it.
-KINDS = ("replace_module", "class_swap", "wrap_forward", "set_attribute", "processor", "pre_hook", "hook",
-         "moved_hooks")
+KINDS = ("replace_module", "replace_parameter", "class_swap", "wrap_forward", "set_attribute", "processor", "pre_hook",
+         "hook", "moved_hooks")
 
 
 @dataclass(eq=False)
@@ -56,11 +57,24 @@ def module_patches(module: Any) -> list[Patch]:
     return module.__dict__.get(PATCHES_ATTR, [])
 
 
-def patches(model: nn.Module) -> list[tuple[str, Patch]]:
+def patches(model: Any) -> list[tuple[str, Patch]]:
     """Every patch on `model` and its submodules: (submodule path, "" for the model, patch), in `named_modules`
-    order, each module's in the order applied."""
-    return [(where, patch) for where, module in model.named_modules(remove_duplicate=False)
-            for patch in module_patches(module)]
+    order, each module's in the order applied. A pipeline (not a module) gives its own, then each component's,
+    the path starting with the component's name."""
+    return [(where, patch) for where, holder in _holders(model) for patch in module_patches(holder)]
+
+
+def _holders(model: Any) -> list[tuple[str, Any]]:
+    if isinstance(model, nn.Module):
+        return list(model.named_modules(remove_duplicate=False))
+    found = [("", model)]
+    for name, component in (getattr(model, "components", None) or {}).items():
+        if isinstance(component, nn.Module):
+            found += [(f"{name}.{where}" if where else name, module)
+                      for where, module in component.named_modules(remove_duplicate=False)]
+        elif component is not None and hasattr(component, "__dict__"):
+            found.append((name, component))
+    return found
 
 
 def remove_patch(module: Any, patch: Patch) -> None:
@@ -71,14 +85,21 @@ def remove_patch(module: Any, patch: Patch) -> None:
         patch.undo()
 
 
-def remove_patches(model: nn.Module) -> int:
-    """Undo every patch on `model` and its submodules, last applied first, deepest module first; return how many.
+def remove_patches_by(module: Any, by: str) -> None:
+    """Undo the patches `by` recorded on `module` itself (last first): a mechanism putting its patches again."""
+    for patch in reversed([patch for patch in module_patches(module) if patch.by == by]):
+        remove_patch(module, patch)
+
+
+def remove_patches(model: Any) -> int:
+    """Undo every patch on `model` and its submodules (a pipeline: and its components'), last applied first,
+    deepest module first; return how many.
 
     A replaced child comes back with whatever patches it held before it was replaced: they are undone on the next
     pass, until none is left."""
     removed = 0
     while True:
-        holders = [module for module in model.modules() if module_patches(module)]
+        holders = list({id(holder): holder for _, holder in _holders(model) if module_patches(holder)}.values())
         if not holders:
             return removed
         for module in reversed(holders):
@@ -109,14 +130,25 @@ def name_of(thing: Any) -> str:
 # The changes
 
 
+@dataclass(eq=False)
+class HookHandle:
+    """What `add_hook` returns: `remove()` takes the hook off and its patch out of the module's list."""
+
+    module: Any
+    patch: Patch
+
+    def remove(self) -> None:
+        remove_patch(self.module, self.patch)
+
+
 def add_hook(module: nn.Module, hook: Callable[..., Any], *, by: str, pre: bool = False,
-             **options: Any) -> RemovableHandle:
+             **options: Any) -> HookHandle:
     """`register_forward_pre_hook` (pre=True) or `register_forward_hook` with `options` (with_kwargs, prepend,
-    always_call), recorded; returns the handle."""
+    always_call), recorded; the patch holds torch's RemovableHandle."""
     register = module.register_forward_pre_hook if pre else module.register_forward_hook
     handle = register(hook, **options)
-    record(module, Patch("pre_hook" if pre else "hook", "forward", name_of(hook), by, handle.remove, handle))
-    return handle
+    patch = record(module, Patch("pre_hook" if pre else "hook", "forward", name_of(hook), by, handle.remove, handle))
+    return HookHandle(module, patch)
 
 
 def set_attribute(module: Any, name: str, value: Any, *, by: str, kind: str = "set_attribute",
@@ -151,25 +183,50 @@ def swap_class(module: nn.Module, cls: type, *, by: str) -> Patch:
                                 lambda: object.__setattr__(module, "__class__", before)))
 
 
-def set_processor(module: nn.Module, processor: Any, *, by: str) -> Patch:
-    """Set an attention module's processor through diffusers' own `set_processor` when it has one."""
+def set_processor(module: nn.Module, processor: Any, *, by: str, through_setter: bool = False) -> Patch:
+    """Set an attention module's processor: by assignment (nn.Module's, which registers a processor that is itself
+    a module), or through diffusers' own `set_processor` with `through_setter`; undo sets the one it replaced."""
     before = getattr(module, "processor", None)
-    setter = getattr(module, "set_processor", None)
-    if callable(setter):
-        setter(processor)
-        restore = lambda: setter(before)  # noqa: E731
+    if through_setter:
+        module.set_processor(processor)
+        restore = lambda: module.set_processor(before)  # noqa: E731
     else:
-        module.processor = processor
+        setattr(module, "processor", processor)
         restore = lambda: setattr(module, "processor", before)  # noqa: E731
     return record(module, Patch("processor", "processor", type(processor).__name__, by, restore))
 
 
-def replace_module(parent: nn.Module, name: str, child: nn.Module, *, by: str) -> Patch:
-    """Put `child` at `parent`'s direct child `name` (the one it replaces keeps its own patches, back on undo)."""
+def replace_module(parent: nn.Module, name: str, child: nn.Module, *, by: str, release: bool = False) -> Patch:
+    """Put `child` at `parent`'s direct child `name` (the one it replaces keeps its own patches, back on undo).
+
+    With `release` the replaced module's tensors go to the meta device: a quantized layer replacing a full-precision
+    one must free its weights (the point of quantizing), so undo gives back the layer's structure, not its weights."""
     before = parent._modules[name]
     parent._modules[name] = child
-    return record(parent, Patch("replace_module", name, f"{type(child).__name__} over {type(before).__name__}", by,
-                                lambda: parent._modules.__setitem__(name, before)))
+    if release:
+        _release(before)
+    what = f"{type(child).__name__} over {type(before).__name__}" + (" (its weights released)" if release else "")
+    return record(parent, Patch("replace_module", name, what, by, lambda: parent._modules.__setitem__(name, before)))
+
+
+def _release(module: nn.Module) -> None:
+    """Give `module`'s tensors up: each is swapped for a meta tensor of its shape in the module's own dicts (a
+    tensor it shares, a tied table, stays with its other holders)."""
+    for holder in module.modules():
+        for table in (holder._parameters, holder._buffers):
+            for key, tensor in table.items():
+                if tensor is not None:
+                    empty = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+                    table[key] = nn.Parameter(empty, requires_grad=False) if table is holder._parameters else empty
+
+
+def replace_parameter(module: nn.Module, name: str, parameter: nn.Parameter | None, *, by: str) -> Patch:
+    """Put `parameter` in `module`'s parameter `name` (a rank's slice of it); undo puts the one it replaced back."""
+    before = module._parameters[name]
+    module._parameters[name] = parameter
+    shape = "None" if parameter is None else "x".join(map(str, parameter.shape))
+    return record(module, Patch("replace_parameter", name, f"parameter of shape {shape}", by,
+                                lambda: module._parameters.__setitem__(name, before)))
 
 
 # nn.Module's forward hook dicts, all keyed by the same handle ids (the with_kwargs and always_call sets too)

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from paradiff.runtime.patches import add_hook, module_patches, remove_patch, wrap_forward
+from paradiff.runtime.patches import add_hook, remove_patch, wrap_forward
 from paradiff.runtime.state import model_state
 from paradiff.runtime.wrapper_registry import AROUND, BEFORE, KINDS, ORDER, WrapperRegistry  # noqa: F401 - public here
 
@@ -38,8 +38,8 @@ def install_wrapper(module: nn.Module, name: str, wrapper: Callable[..., Any]) -
     registry = registry_of(module)
     registry.installed[name] = wrapper
     if KINDS[name] == BEFORE and registry.pre_hook_patch is None:
-        add_hook(module, _before_hook(registry), by="wrappers", pre=True, with_kwargs=True, prepend=True)
-        registry.pre_hook_patch = module_patches(module)[-1]
+        registry.pre_hook_patch = add_hook(module, _before_hook(registry), by="wrappers", pre=True, with_kwargs=True,
+                                           prepend=True).patch
     if KINDS[name] == AROUND and registry.forward_patch is None:
         registry.plain_forward = module.__dict__.get("forward")
         registry.forward_patch = wrap_forward(module, _registry_forward(module, registry), by="wrappers")
