@@ -130,17 +130,6 @@ ALLOWED: dict[str, str] = {
     "quant/apply.py:266": "not yet moved onto the patch layer",
     "runtime/caching.py:317": "not yet moved onto the patch layer",
     "runtime/compilation.py:59": "not yet moved onto the patch layer",
-    "vae/apply.py:159": "not yet moved onto the patch layer",
-    "vae/apply.py:161": "not yet moved onto the patch layer",
-    "vae/apply.py:165": "not yet moved onto the patch layer",
-    "vae/apply.py:166": "not yet moved onto the patch layer",
-    "vae/apply.py:175": "not yet moved onto the patch layer",
-    "vae/apply.py:176": "not yet moved onto the patch layer",
-    "vae/apply.py:177": "not yet moved onto the patch layer",
-    "vae/apply.py:182": "not yet moved onto the patch layer",
-    "vae/apply.py:183": "not yet moved onto the patch layer",
-    "vae/apply.py:185": "not yet moved onto the patch layer",
-    "vae/apply.py:203": "not yet moved onto the patch layer",
 }
 EXEMPT_FOLDERS = ("testing",)
 PATCH_LAYER = Path("runtime") / "patches.py"
