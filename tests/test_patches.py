@@ -128,8 +128,6 @@ ALLOWED: dict[str, str] = {
     "plans/sana_wm.py:360": "not yet moved onto the patch layer",
     "plans/wan_animate2.py:125": "not yet moved onto the patch layer",
     "quant/apply.py:266": "not yet moved onto the patch layer",
-    "runtime/caching.py:317": "not yet moved onto the patch layer",
-    "runtime/compilation.py:59": "not yet moved onto the patch layer",
 }
 EXEMPT_FOLDERS = ("testing",)
 PATCH_LAYER = Path("runtime") / "patches.py"
