@@ -124,7 +124,6 @@ ALLOWED: dict[str, str] = {
     "plans/kandinsky6_sr.py:43": "not yet moved onto the patch layer",
     "plans/sana_wm.py:360": "not yet moved onto the patch layer",
     "plans/wan_animate2.py:125": "not yet moved onto the patch layer",
-    "quant/apply.py:266": "not yet moved onto the patch layer",
 }
 EXEMPT_FOLDERS = ("testing",)
 PATCH_LAYER = Path("runtime") / "patches.py"

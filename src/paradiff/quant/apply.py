@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paradiff.runtime.patches import replace_module, share_hooks
 from paradiff.distributed.comm import all_reduce_row_extrema
 from paradiff.quant.schemes import QuantScheme
 from paradiff.tensor_parallel.layers import ShardedLinear
@@ -263,18 +264,16 @@ def hold_gguf_weights(model: nn.Module, scheme: QuantScheme) -> dict[str, int]:
 
 # the forward hooks a module carries (context parallelism's token split / gather, a stage's hooks): they move whole
 # to the module that replaces it, so every RemovableHandle still finds its hook
-HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
-              "_forward_hooks_always_called")
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module, linear: nn.Module) -> None:
     """Put the quantized `linear` in the place of `module` (named `name` in `model`), with its mode and hooks: a
     staged component is quantized after its hooks were placed."""
     linear.train(module.training)
-    for attr in HOOK_DICTS:
-        setattr(linear, attr, getattr(module, attr))
+    share_hooks(module, linear, by="quant")
     parent_name, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, leaf, linear)
+    replace_module(model.get_submodule(parent_name) if parent_name else model, leaf, linear, by="quant",
+                   release=True)
 
 
 def gguf_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None,
