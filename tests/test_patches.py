@@ -115,16 +115,7 @@ FORBIDDEN = re.compile(r"\.forward\s*=(?!=)|__class__\s*=(?!=)|_forward_pre_hook
                        r"|__setattr__\([^,]+, \"(forward|__class__)\"")
 # file:line -> why it stays (none today). Test scaffolding (`testing/`) is not the product and leaves the package
 # (issue 37 item 5).
-ALLOWED: dict[str, str] = {
-    "plan_tools/check_plan.py:203": "not yet moved onto the patch layer",
-    "plan_tools/check_plan.py:204": "not yet moved onto the patch layer",
-    "plan_tools/family_examples.py:141": "not yet moved onto the patch layer",
-    "plan_tools/family_examples.py:142": "not yet moved onto the patch layer",
-    "plans/anyflow_far.py:43": "not yet moved onto the patch layer",
-    "plans/kandinsky6_sr.py:43": "not yet moved onto the patch layer",
-    "plans/sana_wm.py:360": "not yet moved onto the patch layer",
-    "plans/wan_animate2.py:125": "not yet moved onto the patch layer",
-}
+ALLOWED: dict[str, str] = {}
 EXEMPT_FOLDERS = ("testing",)
 PATCH_LAYER = Path("runtime") / "patches.py"
 
