@@ -98,6 +98,10 @@ def test_a_forward_set_over_a_patch_is_left_in_place_and_unknown_kinds_are_refus
     later = patching.wrap_forward(module, lambda x: -x, by="compile")
     patching.remove_patch(module, patch)
     assert module.__dict__["forward"] is not None and patching.module_patches(module) == [later]
+    patching.set_attribute(module, "weight_linear", lambda: 1, by="quant")
+    patching.set_attribute(module, "weight_linear", lambda: 2, by="quant")  # again: replaces its own patch
+    assert [patch.target for patch in patching.module_patches(module)] == ["forward", "weight_linear"]
+    assert module.weight_linear() == 2
     with pytest.raises(ValueError, match="unknown patch kind 'rename'; the kinds are \\['replace_module'"):
         patching.record(module, patching.Patch("rename", "x", "y", "tp", lambda: None))
     with pytest.raises(ValueError, match="Linear has forward hooks of its own"):

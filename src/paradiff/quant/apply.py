@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paradiff.runtime.patches import replace_module, share_hooks
+from paradiff.runtime.patches import replace_module, set_attribute, share_hooks
 from paradiff.distributed.comm import all_reduce_row_extrema
 from paradiff.quant.schemes import QuantScheme
 from paradiff.tensor_parallel.layers import ShardedLinear
@@ -179,7 +179,7 @@ def _install_nf4(model: nn.Module, name: str, module: nn.Module, packed: torch.T
                               quant_storage=torch.uint8, bnb_quantized=True)
     if isinstance(module, ShardedLinear):
         module.weight = param
-        module.weight_linear = partial(nf4_linear, compute_dtype=scheme.compute_dtype)
+        set_attribute(module, "weight_linear", partial(nf4_linear, compute_dtype=scheme.compute_dtype), by="quant")
     elif isinstance(module, bnb.nn.Linear4bit):  # read again at its stage: quantized in place
         module.weight = param
         param.module = module
@@ -245,7 +245,7 @@ def hold_gguf_weights(model: nn.Module, scheme: QuantScheme) -> dict[str, int]:
         if isinstance(module, ShardedLinear):
             module.weight = weight
             module.out_features, module.in_features = weight.quant_shape
-            module.weight_linear = partial(gguf_linear, compute_dtype=scheme.compute_dtype)
+            set_attribute(module, "weight_linear", partial(gguf_linear, compute_dtype=scheme.compute_dtype), by="quant")
             continue
         if isinstance(module, GGUFLinear):  # read again at its stage
             module.weight = weight

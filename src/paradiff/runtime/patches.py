@@ -47,6 +47,7 @@ class Patch:
     by: str
     undo: Callable[[], None] = field(repr=False)
     handle: Any = None
+    subject: Any = field(default=None, repr=False)  # the object changed, where not the module holding the patch
 
     def __str__(self) -> str:
         return f"{self.kind} {self.target}: {self.what} (by {self.by})"
@@ -155,7 +156,12 @@ def set_attribute(module: Any, name: str, value: Any, *, by: str, kind: str = "s
                   owner: Any = None) -> Patch:
     """Set `module.name = value` on the instance (shadowing its class's attribute: a method, a forward), recorded on
     `owner` (default: the module itself; another library's object, e.g. a diffusers hook, records on the module it
-    serves). Undo puts back the instance attribute that was there, or none; a value set over ours since is left."""
+    serves). Undo puts back the instance attribute that was there, or none; a value set over ours since is left.
+    Setting again what the same mechanism set (a stage's weights quantized again) replaces its earlier patch."""
+    holder = module if owner is None else owner
+    for earlier in [patch for patch in module_patches(holder) if (patch.kind, patch.target, patch.by) == (kind, name, by)
+                    and patch.subject is module]:
+        remove_patch(holder, earlier)
     before = module.__dict__.get(name, _MISSING)
     object.__setattr__(module, name, value)
 
@@ -167,7 +173,7 @@ def set_attribute(module: Any, name: str, value: Any, *, by: str, kind: str = "s
         else:
             object.__setattr__(module, name, before)
 
-    return record(module if owner is None else owner, Patch(kind, name, name_of(value), by, undo))
+    return record(holder, Patch(kind, name, name_of(value), by, undo, subject=module))
 
 
 def wrap_forward(module: nn.Module, forward: Callable[..., Any], *, by: str) -> Patch:
