@@ -159,8 +159,9 @@ def set_attribute(module: Any, name: str, value: Any, *, by: str, kind: str = "s
     serves). Undo puts back the instance attribute that was there, or none; a value set over ours since is left.
     Setting again what the same mechanism set (a stage's weights quantized again) replaces its earlier patch."""
     holder = module if owner is None else owner
-    for earlier in [patch for patch in module_patches(holder) if (patch.kind, patch.target, patch.by) == (kind, name, by)
-                    and patch.subject is module]:
+    same = (kind, name, by)
+    for earlier in [patch for patch in module_patches(holder)
+                    if (patch.kind, patch.target, patch.by) == same and patch.subject is module]:
         remove_patch(holder, earlier)
     before = module.__dict__.get(name, _MISSING)
     object.__setattr__(module, name, value)
