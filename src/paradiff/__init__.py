@@ -22,6 +22,8 @@ _EXPORTS = {
     "enable_cache": "paradiff.runtime.caching",
     "compile": "paradiff.runtime.compilation",
     "describe": "paradiff.runtime.describe",
+    "patches": "paradiff.runtime.patches",
+    "remove_patches": "paradiff.runtime.patches",
     "ContextParallelConfig": "paradiff.config",
     "ParallelConfig": "paradiff.config",
     "TensorParallelConfig": "paradiff.config",

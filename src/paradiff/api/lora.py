@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from paradiff.runtime.patches import has_hooks, module_patches, move_hooks, remove_patch, set_attribute
 from paradiff.distributed.agreement import agree, fingerprint, tensor_checksum
 from paradiff.errors import AdapterError
 from paradiff.io.checkpoint import Checkpoint
@@ -39,10 +40,6 @@ from paradiff.tensor_parallel.styles import ShardSpec
 FETCH_KWARGS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder",
                 "weight_name", "use_safetensors")
 DEFAULT_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
-# the module hooks paradiff places (CP token split / gather, TP head slicing) travel from a base layer to the LoRA
-# layer wrapping it, and back on unload: the dicts move whole, so every RemovableHandle still finds its hook
-HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
-              "_forward_hooks_always_called")
 
 
 def install_lora_support(model: nn.Module) -> None:
@@ -60,8 +57,8 @@ def install_lora_support(model: nn.Module) -> None:
         return original_unload(model)
 
     load_lora_adapter.__doc__ = original_load.__doc__
-    object.__setattr__(model, "load_lora_adapter", load_lora_adapter)
-    object.__setattr__(model, "unload_lora", unload_lora)
+    set_attribute(model, "load_lora_adapter", load_lora_adapter, by="lora")
+    set_attribute(model, "unload_lora", unload_lora, by="lora")
     if hasattr(cls, "fuse_lora"):
         original_fuse = cls.fuse_lora
 
@@ -70,7 +67,7 @@ def install_lora_support(model: nn.Module) -> None:
             return original_fuse(model, *args, **kwargs)
 
         fuse_lora.__doc__ = original_fuse.__doc__
-        object.__setattr__(model, "fuse_lora", fuse_lora)
+        set_attribute(model, "fuse_lora", fuse_lora, by="lora")
 
 
 def check_fusable(model: nn.Module) -> None:
@@ -100,7 +97,8 @@ def adopt_layers(model: nn.Module) -> None:
 def return_hooks(model: nn.Module) -> None:
     """Give the hooks paradiff moved onto LoRA layers back to their base layers (before peft removes the layers)."""
     for module in _lora_layers(model):
-        _move_hooks(module, module.base_layer)
+        for patch in [patch for patch in module_patches(module) if patch.kind == "moved_hooks"]:
+            remove_patch(module, patch)
 
 
 def adapter_layout(model: nn.Module) -> tuple[set[str], dict[str, str]]:
@@ -453,14 +451,14 @@ def _is_lora_layer(module: nn.Module) -> bool:
 
 
 def _move_hooks(source: nn.Module, target: nn.Module) -> None:
-    if not any(getattr(source, attr) for attr in HOOK_DICTS):
+    """The module hooks paradiff places (CP token split / gather, TP head slicing) travel from a base layer to the
+    LoRA layer wrapping it, and back on unload (`return_hooks`): a patch moving the dicts whole, so every
+    RemovableHandle still finds its hook."""
+    if not has_hooks(source):
         return
-    if any(getattr(target, attr) for attr in HOOK_DICTS):
+    if has_hooks(target):
         raise AdapterError(f"{type(target).__name__} has hooks of its own; paradiff cannot move its hooks onto it.")
-    for attr in HOOK_DICTS:
-        moved, empty = getattr(source, attr), getattr(target, attr)
-        setattr(target, attr, moved)  # nn.Module.__setattr__ stores dicts as plain attributes
-        setattr(source, attr, empty)
+    move_hooks(source, target, by="lora")
 
 
 def _local_safetensors(source: Any, kwargs: dict[str, Any]) -> Path | None:

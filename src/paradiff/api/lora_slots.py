@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
+from paradiff.runtime.patches import add_hook
 from paradiff.api.lora import _resolved, _split_name, check_adapter, open_adapter
 from paradiff.distributed.agreement import agree, fingerprint
 from paradiff.errors import AdapterError
@@ -116,7 +117,7 @@ def enable_adapter_slots(model: nn.Module, max_loras: int = DEFAULT_MAX_LORAS,
         if isinstance(linear, RowwiseLinear):  # the seam before its all-reduce
             bank.removers.append(lambda linear=linear: setattr(linear, "lora_slots", None))
         else:
-            handle = linear.register_forward_hook(add_slot_output, prepend=True)
+            handle = add_hook(linear, add_slot_output, by="lora_slots", prepend=True)
             bank.removers.append(lambda linear=linear, handle=handle: (handle.remove(), _drop(linear)))
     model_state(model).adapter_bank = bank
     return bank

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paradiff.runtime.patches import set_attribute
 from paradiff.distributed.agreement import fingerprint
 from paradiff.errors import ParallelConfigError
 
@@ -112,7 +113,7 @@ def install_offload_support(model: nn.Module) -> None:
         return original(model, onload_device, *args, offload_to_disk_path=path, **kwargs)
 
     enable_group_offload.__doc__ = original.__doc__
-    object.__setattr__(model, "enable_group_offload", enable_group_offload)
+    set_attribute(model, "enable_group_offload", enable_group_offload, by="offload")
 
 
 def pipeline_group_offload(pipeline: Any, onload_device: Any, kwargs: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paradiff.runtime.patches import swap_class
 from paradiff.runtime.cfg import install_cfg_parallel
 from paradiff.config import as_parallel_config
 from paradiff.errors import CheckpointError, ParallelConfigError
@@ -261,7 +262,7 @@ def load_pipeline(
             if isinstance(component, nn.Module) and name not in loaded:
                 component.to(device)
     base = type(pipeline)
-    pipeline.__class__ = parallel_pipeline_class(base)
+    swap_class(pipeline, parallel_pipeline_class(base), by="pipeline")
     pipeline._paradiff_pipeline = PipelineState(base_name=base.__name__, modular=modular, guided=guided)
     transformers = [getattr(pipeline, name) for name in transformer_names(index)
                     if isinstance(getattr(pipeline, name, None), nn.Module)]

@@ -12,6 +12,7 @@ from torch import nn
 
 from paradiff.distributed.comm import all_gather_int, all_gather_uneven
 from paradiff.errors import ParallelConfigError, PlanError
+from paradiff.runtime.patches import add_hook, set_processor, wrap_forward
 from paradiff.runtime.state import ParallelState
 from paradiff.tensor_parallel.plan import expand_key
 from paradiff.context_parallel.attention import even_sizes, local_chunk
@@ -447,41 +448,44 @@ def apply_context_parallel(model: nn.Module, state: ParallelState, plan: Resolve
         ulysses_group=mesh.group("ulysses") if config.ulysses_degree > 1 else None,
     )
     handles = []
+
+    def hook(module: nn.Module, function, pre: bool = False, **options) -> None:
+        handles.append(add_hook(module, function, by="cp", pre=pre, **options))
+
     for name, rewrite in plan.rewrite_inputs.items():  # first: they see the arguments whole
         module = model.get_submodule(name) if name else model
-        handles.append(module.register_forward_pre_hook(_input_rewriter(module, rewrite, name), with_kwargs=True))
+        hook(module, _input_rewriter(module, rewrite, name), pre=True, with_kwargs=True)
     for name, arguments in plan.split_inputs.items():
         module = model.get_submodule(name) if name else model
-        handles.append(module.register_forward_pre_hook(_input_splitter(module, arguments, runtime), with_kwargs=True))
+        hook(module, _input_splitter(module, arguments, runtime), pre=True, with_kwargs=True)
     for name, arguments in plan.unsupported_inputs.items():
         module = model.get_submodule(name) if name else model
-        handles.append(module.register_forward_pre_hook(_input_refuser(module, arguments, name), with_kwargs=True))
+        hook(module, _input_refuser(module, arguments, name), pre=True, with_kwargs=True)
     for name, arguments in plan.split_token_arguments.items():
         module = model.get_submodule(name)
-        handles.append(module.register_forward_pre_hook(
-            _token_argument_splitter(module, arguments, runtime, name), with_kwargs=True))
+        hook(module, _token_argument_splitter(module, arguments, runtime, name), pre=True, with_kwargs=True)
     for name, outputs in plan.split_outputs.items():
-        handles.append(model.get_submodule(name).register_forward_hook(_output_splitter(name, outputs, runtime)))
+        hook(model.get_submodule(name), _output_splitter(name, outputs, runtime))
     for name, dims in plan.gather_outputs.items():
-        handles.append(model.get_submodule(name).register_forward_hook(_output_gatherer(dims, runtime)))
+        hook(model.get_submodule(name), _output_gatherer(dims, runtime))
     for name in plan.halo_convs:
         widen, trim = halo_conv_hooks(model.get_submodule(name), name, runtime)
-        handles.append(model.get_submodule(name).register_forward_pre_hook(widen))
-        handles.append(model.get_submodule(name).register_forward_hook(trim))
+        hook(model.get_submodule(name), widen, pre=True)
+        hook(model.get_submodule(name), trim)
     for name, groups in plan.token_groups.items():
         widen, trim = token_group_hooks(model.get_submodule(name), groups, runtime, name)
-        handles.append(model.get_submodule(name).register_forward_pre_hook(widen, with_kwargs=True))
-        handles.append(model.get_submodule(name).register_forward_hook(trim))
+        hook(model.get_submodule(name), widen, pre=True, with_kwargs=True)
+        hook(model.get_submodule(name), trim)
     for name in plan.linear_attention:
-        model.get_submodule(name).processor = LinearAttentionProcessor(runtime)
+        set_processor(model.get_submodule(name), LinearAttentionProcessor(runtime), by="cp")
     for name, factory in plan.processors.items():
-        model.get_submodule(name).processor = factory(runtime)
+        set_processor(model.get_submodule(name), factory(runtime), by="cp")
     for name, factory in plan.forwards.items():  # the instance's forward shadows its class's
         module = model.get_submodule(name)
-        module.forward = factory(module, runtime)
+        wrap_forward(module, factory(module, runtime), by="cp")
     for name, spec in plan.expert_choice.items():  # the instance's forward shadows its class's
         layer = model.get_submodule(name)
-        layer.forward = expert_choice_forward(layer, spec, runtime)
+        wrap_forward(layer, expert_choice_forward(layer, spec, runtime), by="cp")
     # One interceptor per kind, shared by every attention module: compiled blocks guard on the active mode's
     # identity, so a mode object per module would recompile every block.
     # (A prefix module's interceptor holds the prefix length of the call in flight, set by a pre-hook each call.)
@@ -493,13 +497,12 @@ def apply_context_parallel(model: nn.Module, state: ParallelState, plan: Resolve
                 interceptors[kind] = AttentionInterceptor(runtime, local=kind[0], gather_keys=kind[1])
             interceptor = interceptors[kind]
             if name in plan.prefix_attention:
-                handles.append(module.register_forward_pre_hook(
-                    _prefix_recorder(module, plan.prefix_attention[name], interceptor), with_kwargs=True))
+                hook(module, _prefix_recorder(module, plan.prefix_attention[name], interceptor), pre=True,
+                     with_kwargs=True)
             enter, leave = _interceptor_hooks(interceptor)
-            handles.append(module.register_forward_pre_hook(enter))
-            handles.append(module.register_forward_hook(leave))
-    handles.append(model.register_forward_hook(_leftover_interceptor_remover(list(interceptors.values())),
-                                               always_call=True))
+            hook(module, enter, pre=True)
+            hook(module, leave)
+    hook(model, _leftover_interceptor_remover(list(interceptors.values())), always_call=True)
     state.context = runtime
     state.cp_hooks = handles
     state.cp_plan = plan

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from paradiff.runtime.patches import add_hook
 from paradiff.config import mode_name
 from paradiff.distributed.spawn import RankFailed, RankTimeout, run_ranks
 from paradiff.errors import PlanError
@@ -200,8 +201,9 @@ def _record_outputs(model: nn.Module) -> tuple[list[tuple[str, str, torch.Tensor
                 records.append((name, type(module).__name__, tensors[0].detach().clone()))
         return record
 
-    handles = [module.register_forward_hook(hook(name)) for name, module in model.named_modules() if name]
-    handles += [module.register_forward_pre_hook(enter(name)) for name, module in model.named_modules() if name]
+    handles = [add_hook(module, hook(name), by="check_plan") for name, module in model.named_modules() if name]
+    handles += [add_hook(module, enter(name), by="check_plan", pre=True)
+                for name, module in model.named_modules() if name]
     return records, handles, records_open
 
 

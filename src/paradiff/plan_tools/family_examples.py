@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from paradiff.runtime.patches import add_hook
 from paradiff.errors import PlanError
 from paradiff.plans import families, family_of
 from paradiff.plans.common import Grid
@@ -138,8 +139,8 @@ class BlockProjectionFlops(TorchDispatchMode):
 
     def __enter__(self):
         for block in self._blocks:
-            self._handles.append(block.register_forward_pre_hook(self._enter))
-            self._handles.append(block.register_forward_hook(self._leave, always_call=True))
+            self._handles.append(add_hook(block, self._enter, by="flop_count", pre=True))
+            self._handles.append(add_hook(block, self._leave, by="flop_count", always_call=True))
         return super().__enter__()
 
     def __exit__(self, *exc):

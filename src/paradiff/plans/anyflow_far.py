@@ -5,6 +5,7 @@ context parallelism; under tensor parallelism each rank uses its heads' block of
 
 import torch
 
+from paradiff.runtime.patches import set_processor
 from paradiff.context_parallel.flex import MaskModAttentionProcessor
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
@@ -40,7 +41,7 @@ def prepare_example(model) -> None:
     # eager flex attention cannot run under torch's FLOP counter: the examples attend through the same mask on SDPA
     # (tests/test_cp_mechanisms.py checks it equal to diffusers' flex processor)
     for block in model.blocks:
-        block.attn1.set_processor(MaskModAttentionProcessor())
+        set_processor(block.attn1, MaskModAttentionProcessor(), by="example", through_setter=True)
 
 
 EXAMPLES = {

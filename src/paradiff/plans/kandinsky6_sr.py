@@ -3,6 +3,7 @@ NABLA block-sparse (blocks of 64 tokens chosen from block means, diffusers runs 
 
 import torch
 
+from paradiff.runtime.patches import set_processor
 from paradiff.context_parallel.nabla import NablaAttentionProcessor
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
@@ -40,7 +41,7 @@ def prepare_example(model) -> None:
     # ignoring the BlockMask diffusers builds): the examples attend through the same NABLA block choice on SDPA, the
     # block-sparse result compiled flex attention computes (tests/test_cp_mechanisms.py checks both halves)
     for block in model.visual_transformer_blocks:
-        block.self_attention.set_processor(NablaAttentionProcessor())
+        set_processor(block.self_attention, NablaAttentionProcessor(), by="example", through_setter=True)
 
 
 EXAMPLES = {

@@ -19,6 +19,7 @@ is refused under TP and CP."""
 import torch
 import torch.nn.functional as F
 
+from paradiff.runtime.patches import wrap_forward
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedColwise, SplitParameter
@@ -357,7 +358,7 @@ def run_example(model, inputs: dict):
 
     for module in model.modules():
         if isinstance(module, SanaWMSoftmaxAttention):
-            module.forward = _Fp32Softmax(module)
+            wrap_forward(module, _Fp32Softmax(module), by="example")
     return model(**inputs)
 
 

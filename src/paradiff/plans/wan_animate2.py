@@ -12,6 +12,7 @@ slots included (`SelfAttention`)."""
 import torch
 import torch.nn.functional as F
 
+from paradiff.runtime.patches import set_processor
 from paradiff.context_parallel.attention import even_sizes
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
@@ -122,7 +123,7 @@ def prepare_example(model) -> None:
     # eager flex attention cannot run under torch's FLOP counter: the examples attend through SelfAttention
     # (tests/test_wan_animate2.py checks it equal to diffusers' flex processor)
     for block in model.blocks:
-        block.self_attn.set_processor(SelfAttention())
+        set_processor(block.self_attn, SelfAttention(), by="example", through_setter=True)
 
 
 def run_example(model, inputs: dict):

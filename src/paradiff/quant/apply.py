@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paradiff.runtime.patches import replace_module, set_attribute, share_hooks
 from paradiff.distributed.comm import all_reduce_row_extrema
 from paradiff.quant.schemes import QuantScheme
 from paradiff.tensor_parallel.layers import ShardedLinear
@@ -227,7 +228,7 @@ def _install_nf4(model: nn.Module, name: str, module: nn.Module, packed: torch.T
                               quant_storage=torch.uint8, bnb_quantized=True)
     if isinstance(module, ShardedLinear):
         module.weight = param
-        module.weight_linear = partial(nf4_linear, compute_dtype=scheme.compute_dtype)
+        set_attribute(module, "weight_linear", partial(nf4_linear, compute_dtype=scheme.compute_dtype), by="quant")
     elif isinstance(module, bnb.nn.Linear4bit):  # read again at its stage: quantized in place
         module.weight = param
         param.module = module
@@ -296,7 +297,7 @@ def hold_gguf_weights(model: nn.Module, scheme: QuantScheme) -> dict[str, int]:
         if isinstance(module, ShardedLinear):
             module.weight = weight
             module.out_features, module.in_features = weight.quant_shape
-            module.weight_linear = partial(gguf_linear, compute_dtype=scheme.compute_dtype)
+            set_attribute(module, "weight_linear", partial(gguf_linear, compute_dtype=scheme.compute_dtype), by="quant")
             continue
         if isinstance(module, GGUFLinear):  # read again at its stage
             module.weight = weight
@@ -320,18 +321,16 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 # the forward hooks a module carries (context parallelism's token split / gather, a stage's hooks): they move whole
 # to the module that replaces it, so every RemovableHandle still finds its hook
-HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
-              "_forward_hooks_always_called")
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module, linear: nn.Module) -> None:
     """Put the quantized `linear` in the place of `module` (named `name` in `model`), with its mode and hooks: a
     staged component is quantized after its hooks were placed."""
     linear.train(module.training)
-    for attr in HOOK_DICTS:
-        setattr(linear, attr, getattr(module, attr))
+    share_hooks(module, linear, by="quant")
     parent_name, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, leaf, linear)
+    replace_module(model.get_submodule(parent_name) if parent_name else model, leaf, linear, by="quant",
+                   release=True)
 
 
 def gguf_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None,

@@ -26,6 +26,7 @@ from diffusers.hooks.hooks import StateManager
 from diffusers.hooks.taylorseer_cache import TaylorSeerCacheHook
 from torch import nn
 
+from paradiff.runtime.patches import remove_patches_by, set_attribute
 from paradiff.runtime.repeated_blocks import COMPILED_ATTR, block_identifiers, repeated_blocks
 from paradiff.distributed.comm import all_reduce_metric
 from paradiff.errors import ParallelConfigError
@@ -176,7 +177,7 @@ def install_agreed_caching(model: nn.Module, group: dist.ProcessGroup | None) ->
     def enable_cache_on_model(config: Any) -> None:
         enable_cache(model, config, group)
 
-    object.__setattr__(model, "enable_cache", enable_cache_on_model)
+    set_attribute(model, "enable_cache", enable_cache_on_model, by="cache")
     if getattr(model, "_cache_config", None) is not None:  # enabled before the model was parallelised
         check_cache_config(model._cache_config)
         monitor = CacheMonitor(group=group)
@@ -208,15 +209,19 @@ def agree_on_decisions(model: nn.Module, monitor: CacheMonitor) -> None:
     on data, taken from the measure reduced over `monitor.group`."""
     first_taylorseer = True
     for module in model.modules():
+        remove_patches_by(module, "cache_hooks")  # those of hooks an earlier enable_cache registered
         registry = getattr(module, "_diffusers_hook", None)
         for hook in getattr(registry, "hooks", {}).values():
             monitor.state_managers.extend(
                 value for value in vars(hook).values() if isinstance(value, StateManager))
             if isinstance(hook, FBCHeadBlockHook):
-                hook._should_compute_remaining_blocks = _first_block_decision(hook, monitor)
+                set_attribute(hook, "_should_compute_remaining_blocks", _first_block_decision(hook, monitor),
+                              by="cache_hooks", owner=module)
             elif isinstance(hook, TaylorSeerCacheHook):
                 # every TaylorSeer hook follows the same step schedule; the first one speaks for the forward
-                hook._measure_should_compute = _taylorseer_decision(hook, monitor, record=first_taylorseer)
+                set_attribute(hook, "_measure_should_compute", _taylorseer_decision(hook, monitor,
+                                                                                    record=first_taylorseer),
+                              by="cache_hooks", owner=module)
                 first_taylorseer = False
                 _taylorseer_passes_nones(hook, module)
 
@@ -314,7 +319,7 @@ def _taylorseer_passes_nones(hook: Any, module: nn.Module) -> None:
             predicted.insert(index, None)
         return tuple(predicted)
 
-    hook.fn_ref.forward = functools.partial(new_forward, module)
+    set_attribute(hook.fn_ref, "forward", functools.partial(new_forward, module), by="cache_hooks", owner=module)
 
 
 def _taylorseer_decision(hook: Any, monitor: CacheMonitor, record: bool) -> Callable[[], tuple]:

@@ -40,6 +40,7 @@ from torch.utils import _pytree as pytree
 
 from paradiff.distributed.comm import all_gather_any_shape, all_gather_cfg_batch, broadcast_cfg_branch
 from paradiff.errors import ParallelConfigError
+from paradiff.runtime.patches import set_attribute
 from paradiff.runtime.wrappers import install_wrapper
 
 
@@ -397,9 +398,9 @@ def attach_guider(guider: Any, branches: GuidedBranches) -> None:
 
     for name, method in (("prepare_inputs", prepare_inputs),
                          ("prepare_inputs_from_block_state", prepare_inputs_from_block_state), ("forward", forward)):
-        setattr(guider, name, method)
-    guider._paradiff_plain = plain
-    guider._paradiff_branches = branches
+        set_attribute(guider, name, method, by="cfg")
+    set_attribute(guider, "_paradiff_plain", plain, by="cfg")
+    set_attribute(guider, "_paradiff_branches", branches, by="cfg")
 
 
 def is_guider_component(name: str) -> bool:

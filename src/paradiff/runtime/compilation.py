@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from paradiff.runtime.patches import set_attribute, wrap_forward
 from paradiff.runtime.repeated_blocks import COMPILED_ATTR, repeated_blocks
 from paradiff.runtime.caching import cache_monitor, enable_cache, refuse_hooks_inside_compiled_blocks
 from paradiff.errors import ParallelConfigError
@@ -56,8 +57,8 @@ def compile(  # noqa: A001 - mirrors torch.compile
     if options is not None:
         kwargs["options"] = options
     for _name, block in blocks:
-        block.forward = torch.compile(block.forward, **kwargs)
-        setattr(block, COMPILED_ATTR, True)
+        wrap_forward(block, torch.compile(block.forward, **kwargs), by="compile")
+        set_attribute(block, COMPILED_ATTR, True, by="compile")
     if cache_config is not None:
         if cache_monitor(model) is not None:
             enable_cache(model, cache_config)  # as it was enabled: with paradiff's agreed decisions

@@ -13,6 +13,9 @@ the model, which finds them whatever installed them. Found:
 
 Hooks and processors of other libraries (diffusers' own hooks, peft's layers) are not listed.
 Reading only: nothing on the model is changed.
+
+Besides what is found, `Description.patches` holds every change recorded as a `Patch` when it was made
+(`runtime/patches.py`), module by module in the order applied: what `paradiff.remove_patches(model)` undoes.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from paradiff.runtime.patches import Patch, forward_hooks, patches
 from paradiff.runtime.state import model_state
 
 
@@ -46,16 +50,22 @@ class Description:
 
     model: str
     changes: list[Change] = field(default_factory=list)
+    patches: list[tuple[str, Patch]] = field(default_factory=list)  # (submodule path, patch), as recorded
 
     def counts(self) -> dict[str, int]:
         return dict(Counter(change.kind for change in self.changes))
 
     def __str__(self) -> str:
-        if not self.changes:
+        if not self.changes and not self.patches:
             return f"{self.model}: no changes by paradiff"
         counts = ", ".join(f"{count} {kind}" for kind, count in self.counts().items())
-        return "\n".join([f"{self.model}: {len(self.changes)} changes by paradiff ({counts})",
-                          *(f"  {change}" for change in self.changes)])
+        lines = [f"{self.model}: {len(self.changes)} changes by paradiff ({counts})",
+                 *(f"  {change}" for change in self.changes)]
+        if self.patches:
+            kinds = ", ".join(f"{count} {kind}" for kind, count in Counter(p.kind for _, p in self.patches).items())
+            lines += [f"{len(self.patches)} recorded patches, removable ({kinds}):",
+                      *(f"  {where or '(model)'}: {patch}" for where, patch in self.patches)]
+        return "\n".join(lines)
 
 
 def describe(model: nn.Module) -> Description:
@@ -66,6 +76,7 @@ def describe(model: nn.Module) -> Description:
     description.changes += _state_changes(model)
     for where, module in model.named_modules():
         description.changes += _module_changes(where, module)
+    description.patches = patches(model)
     return description
 
 
@@ -102,7 +113,8 @@ def _module_changes(where: str, module: nn.Module) -> list[Change]:
     processor = getattr(module, "processor", None)
     if processor is not None and _is_paradiff(type(processor)):
         found.append(Change(where, "processor", type(processor).__name__))
-    for kind, hooks in (("pre-hook", module._forward_pre_hooks), ("hook", module._forward_hooks)):
+    pre_hooks, hooks_after = forward_hooks(module)
+    for kind, hooks in (("pre-hook", pre_hooks), ("hook", hooks_after)):
         found += [Change(where, kind, _name_of(hook)) for hook in hooks.values() if _is_paradiff(hook)]
     return found
 

@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from paradiff.runtime.patches import set_attribute
 from paradiff.runtime.wrappers import install_wrapper
 from paradiff.distributed.agreement import agree
 from paradiff.quant.apply import quantization_summary
@@ -168,7 +169,7 @@ def _on_first_use(module: nn.Module, stage: str, enter: Callable[[str], None]) -
     for method in ("encode", "decode") if stage == "vae" else ():
         original = getattr(module, method, None)
         if callable(original):
-            setattr(module, method, _entering(original, stage, enter))
+            set_attribute(module, method, _entering(original, stage, enter), by="stages")
 
 
 def _entering(method: Callable, stage: str, enter: Callable[[str], None]) -> Callable:

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from paradiff.distributed.mesh import ParallelMesh
 from paradiff.runtime.wrapper_registry import WrapperRegistry
@@ -27,7 +26,7 @@ class ParallelState:
     tp_plan: ResolvedPlan | None = None
     context: Any = None  # context_parallel.runtime.ContextParallelRuntime when CP is on
     cp_plan: Any = None  # context_parallel.apply.ResolvedContextPlan when CP is on
-    cp_hooks: list[RemovableHandle] = field(default_factory=list)
+    cp_hooks: list[Any] = field(default_factory=list)  # runtime.patches.HookHandle: CP's hooks, each a recorded patch
     fsdp_blocks: list[str] = field(default_factory=list)  # the blocks FSDP2 shards, one unit each (fsdp/apply.py)
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from torch.utils.hooks import RemovableHandle
 
 BEFORE, AROUND = "before", "around"
 
@@ -32,8 +31,8 @@ class WrapperRegistry:
 
     installed: dict[str, Callable[..., Any]] = field(default_factory=dict)
     plain_forward: Callable[..., Any] | None = None  # the instance forward found at the first install (None: class's)
-    forward: Callable[..., Any] | None = None  # the registry's forward, while installed on the model
-    pre_hook: RemovableHandle | None = None
+    forward_patch: Any = None  # the patch (runtime.patches.Patch) putting the registry's forward on the model
+    pre_hook_patch: Any = None  # the patch adding its forward pre-hook
 
     def names(self) -> list[str]:
         return [name for name, _kind in ORDER if name in self.installed]

@@ -11,7 +11,8 @@ Two kinds of wrapper:
 - "around": called as `fn(call, args, kwargs)` around the forward; `call(*args, **kwargs)` runs the next one in.
 
 The registry replaces `model.forward` once (instance attribute, so nn.Module's hooks still run around it) and adds
-at most one forward pre-hook; removing the last wrapper of a kind takes them away again.
+at most one forward pre-hook, both recorded patches (`runtime/patches.py`); removing the last wrapper of a kind
+removes its patch again.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, Callable
 
 from torch import nn
 
+from paradiff.runtime.patches import add_hook, remove_patch, wrap_forward
 from paradiff.runtime.state import model_state
 from paradiff.runtime.wrapper_registry import AROUND, BEFORE, KINDS, ORDER, WrapperRegistry  # noqa: F401 - public here
 
@@ -35,28 +37,24 @@ def install_wrapper(module: nn.Module, name: str, wrapper: Callable[..., Any]) -
         raise ValueError(f"unknown forward wrapper {name!r}; declared (outermost first): {[n for n, _ in ORDER]}.")
     registry = registry_of(module)
     registry.installed[name] = wrapper
-    if KINDS[name] == BEFORE and registry.pre_hook is None:
-        registry.pre_hook = module.register_forward_pre_hook(_before_hook(registry), with_kwargs=True, prepend=True)
-    if KINDS[name] == AROUND and registry.forward is None:
+    if KINDS[name] == BEFORE and registry.pre_hook_patch is None:
+        registry.pre_hook_patch = add_hook(module, _before_hook(registry), by="wrappers", pre=True, with_kwargs=True,
+                                           prepend=True).patch
+    if KINDS[name] == AROUND and registry.forward_patch is None:
         registry.plain_forward = module.__dict__.get("forward")
-        registry.forward = _registry_forward(module, registry)
-        object.__setattr__(module, "forward", registry.forward)
+        registry.forward_patch = wrap_forward(module, _registry_forward(module, registry), by="wrappers")
 
 
 def remove_wrapper(module: nn.Module, name: str) -> None:
     """Take `name` out of `module`'s forward; with no wrapper left of its kind, the plain forward is back."""
     registry = registry_of(module)
     registry.installed.pop(name, None)
-    if registry.pre_hook is not None and not registry.of_kind(BEFORE):
-        registry.pre_hook.remove()
-        registry.pre_hook = None
-    if registry.forward is not None and not registry.of_kind(AROUND):
-        if module.__dict__.get("forward") is registry.forward:  # something wrapped over us: leave it in place
-            if registry.plain_forward is None:
-                del module.__dict__["forward"]
-            else:
-                object.__setattr__(module, "forward", registry.plain_forward)
-        registry.forward = registry.plain_forward = None
+    if registry.pre_hook_patch is not None and not registry.of_kind(BEFORE):
+        remove_patch(module, registry.pre_hook_patch)
+        registry.pre_hook_patch = None
+    if registry.forward_patch is not None and not registry.of_kind(AROUND):
+        remove_patch(module, registry.forward_patch)  # something wrapped over it since: left in place
+        registry.forward_patch = registry.plain_forward = None
 
 
 def wrappers(module: nn.Module) -> list[str]:

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paradiff.distributed.comm import CommStats, all_gather_uneven, all_reduce_tp
+from paradiff.runtime.patches import set_attribute, swap_class
 from paradiff.tensor_parallel.styles import ShardSpec, Style
 
 
@@ -227,14 +228,14 @@ def make_vocab_parallel(module: nn.Embedding, spec: ShardSpec, group: dist.Proce
     and its state_dict keys."""
     (start, rows), = spec.pieces
     base = type(module)
-    module.__class__ = type(f"VocabParallel{base.__name__}", (VocabParallelEmbedding, base), {})
-    module.vocab_start = start
-    module.group = group
+    swap_class(module, type(f"VocabParallel{base.__name__}", (VocabParallelEmbedding, base), {}), by="tp")
+    set_attribute(module, "vocab_start", start, by="tp")
+    set_attribute(module, "group", group, by="tp")
     # num_embeddings keeps the full vocabulary: callers read it as the vocabulary size
     # padding_idx only shapes gradients, but F.embedding checks it against the local row count
     if module.padding_idx is not None:
         local = module.padding_idx - start
-        module.padding_idx = local if 0 <= local < rows else None
+        set_attribute(module, "padding_idx", local if 0 <= local < rows else None, by="tp")
 
 
 def make_sharded_module(

@@ -24,6 +24,7 @@ from torch import nn
 
 from paradiff.distributed.comm import all_reduce_tp
 from paradiff.errors import AdapterError
+from paradiff.runtime.patches import swap_class
 from paradiff.tensor_parallel.layers import RowwiseLinear
 from paradiff.tensor_parallel.styles import ShardSpec
 
@@ -183,4 +184,4 @@ def adopt(layer) -> None:
     # peft's torchao layer (chosen for a torchao-quantized base) computes like its plain Linear; only its merge
     # differs (re-quantizing), which paradiff refuses on a quantized base
     if type(layer) in (LoraLinear, TorchaoLoraLinear) and isinstance(layer.get_base_layer(), nn.Linear):
-        layer.__class__ = sharded_lora_class()
+        swap_class(layer, sharded_lora_class(), by="lora")

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 from torch import nn
 
 from paradiff.errors import PlanError
+from paradiff.runtime.patches import set_attribute
 from paradiff.tensor_parallel.heads import HeadSplit, width_piece
 from paradiff.tensor_parallel.styles import ShardSpec, Style, resolve_style
 
@@ -571,7 +572,7 @@ def localise_heads(model: nn.Module, resolved: ResolvedPlan) -> None:
     for name, values in resolved.local_head_counts.items():
         module = model.get_submodule(name)
         for attr, value in values.items():
-            setattr(module, attr, value)
+            set_attribute(module, attr, value, by="tp")
 
 
 def check_checkpoint_keys(resolved: ResolvedPlan, checkpoint_keys: set[str], shapes: Mapping[str, tuple]) -> None:

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paradiff.distributed.comm import all_gather_heads_tp, all_reduce_tp
+from paradiff.runtime.patches import add_hook, replace_module, replace_parameter, set_attribute, wrap_forward
 from paradiff.tensor_parallel.layers import (ShardedConv, ShardedLinear, ShardedNorm, VocabParallelEmbedding, make_sharded_module, make_vocab_parallel)
 from paradiff.tensor_parallel.heads import HeadSplit, uneven_piece
 from paradiff.tensor_parallel.plan import ResolvedPlan, localise_heads
@@ -21,10 +22,12 @@ def slice_tensor(full: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
     return torch.cat(pieces, dim=spec.dim).clone() if len(pieces) > 1 else pieces[0].clone()
 
 
-def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+def set_submodule(model: nn.Module, name: str, module: nn.Module, release: bool) -> None:
+    """Put the sharded `module` in the place of `name`. With `release`, the layer it replaces gives up its tensors
+    (they are this rank's slice, now the sharded layer's: held twice, a later quantization could not free them)."""
     parent_name, _, leaf = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, leaf, module)
+    replace_module(parent, leaf, module, by="tp", release=release)
 
 
 def swap_in_sharded_linears(
@@ -42,8 +45,8 @@ def swap_in_sharded_linears(
         if linear.style.target == "parameter":  # a bare per-head parameter: sliced in place, the module stays
             for leaf, spec in linear.specs.items():
                 value = module._parameters[leaf].data
-                module._parameters[leaf] = nn.Parameter(value if weights_are_local else slice_tensor(value, spec),
-                                                        requires_grad=False)
+                replace_parameter(module, leaf, nn.Parameter(value if weights_are_local else slice_tensor(value, spec),
+                                                             requires_grad=False), by="tp")
             continue
         if isinstance(module, (ShardedLinear, ShardedNorm, ShardedConv, VocabParallelEmbedding)):
             raise RuntimeError(f"{name} is already tensor-parallel; enable_parallelism was called twice.")
@@ -62,25 +65,24 @@ def swap_in_sharded_linears(
         full = linear.full_shapes.get("weight", (linear.features,))
         sharded = make_sharded_module(linear.style, module, weight, bias, linear.specs["weight"], full, group,
                                       gather_sizes=linear.gather_sizes, replicas=linear.replicas)
-        set_submodule(model, name, sharded)
+        set_submodule(model, name, sharded, release=weights_are_local)
     localise_heads(model, resolved)
     rank = dist.get_rank(group)
     for name, outputs in resolved.head_outputs.items():
         heads = resolved.head_splits.get(name)
-        model.get_submodule(name).register_forward_hook(_local_heads_of_outputs(outputs, rank, size, heads, name))
+        add_hook(model.get_submodule(name), _local_heads_of_outputs(outputs, rank, size, heads, name), by="tp")
     for name, arguments in resolved.head_inputs.items():
         module = model.get_submodule(name)
-        module.register_forward_pre_hook(
-            _local_heads_of_inputs(module, arguments, rank, size, resolved.head_splits.get(name), name),
-            with_kwargs=True)
+        add_hook(module, _local_heads_of_inputs(module, arguments, rank, size, resolved.head_splits.get(name), name),
+                 by="tp", pre=True, with_kwargs=True)
     for name, outputs in resolved.gather_heads.items():
-        model.get_submodule(name).register_forward_hook(
-            _outputs_hook(outputs, _gather_heads(group, rank, resolved.head_splits.get(name)), name))
+        add_hook(model.get_submodule(name),
+                 _outputs_hook(outputs, _gather_heads(group, rank, resolved.head_splits.get(name)), name), by="tp")
     for name, factory in resolved.forwards.items():  # the instance's forward shadows its class's
         module = model.get_submodule(name)
-        module.forward = factory(module, None)
+        wrap_forward(module, factory(module, None), by="tp")
     for name in resolved.reduce_outputs:
-        model.get_submodule(name).register_forward_hook(lambda _module, _args, output: all_reduce_tp(output, group))
+        add_hook(model.get_submodule(name), lambda _module, _args, output: all_reduce_tp(output, group), by="tp")
 
 
 def _narrow_heads(tensor: torch.Tensor, dim: int, what: str, rank: int, size: int,
@@ -164,8 +166,8 @@ def _outputs_hook(outputs: dict[int, int], transform, name: str):
 
 def _shard_embedding(module: nn.Embedding, linear, weight: torch.Tensor, group: dist.ProcessGroup) -> None:
     """Embeddings keep their class (Gemma's scaled one, T5's relative-position table): only the table shrinks."""
-    module.weight = nn.Parameter(weight, requires_grad=False)
+    replace_parameter(module, "weight", nn.Parameter(weight, requires_grad=False), by="tp")
     if linear.specs["weight"].dim == 1:
-        module.embedding_dim = weight.shape[1]
+        set_attribute(module, "embedding_dim", weight.shape[1], by="tp")
     if linear.style.kind == "vocab":
         make_vocab_parallel(module, linear.specs["weight"], group)

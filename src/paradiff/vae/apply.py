@@ -14,6 +14,7 @@ from torch import nn
 
 from paradiff.distributed.comm import CommStats, all_gather_ints, all_gather_uneven, gather_uneven_to
 from paradiff.errors import DistributedError, ParallelConfigError, UnsupportedModelError
+from paradiff.runtime.patches import add_hook, set_attribute, wrap_forward
 from paradiff.distributed.mesh import ParallelMesh, replica_group, require_distributed
 from paradiff.vae.attention import KINDS, RowAttention
 from paradiff.vae.conv import AgreedFramePieces, HaloConv, needs_halo
@@ -153,17 +154,17 @@ def _install(runtime: VaeRuntime, region_name: str, region: nn.Module, plan: Vae
         if isinstance(module, (nn.Conv2d, nn.Conv3d)):
             rows, mode = prepadded.get(id(module), ((0, 0), "constant"))
             if needs_halo(module, rows):
-                module._conv_forward = HaloConv(runtime, path, module, rows, mode)
+                set_attribute(module, "_conv_forward", HaloConv(runtime, path, module, rows, mode), by="vae")
             pieces = plan.frame_pieces.get(type(module).__name__)
             if pieces is not None:
-                module.forward = AgreedFramePieces(runtime, path, module, pieces.count, pieces.overlap)
+                wrap_forward(module, AgreedFramePieces(runtime, path, module, pieces.count, pieces.overlap), by="vae")
         elif isinstance(module, nn.GroupNorm):
-            module.forward = SplitGroupNorm(runtime, module)
+            wrap_forward(module, SplitGroupNorm(runtime, module), by="vae")
         kind = _attention_kind(module, plan)
         if kind == "tokens":
             interceptor = RowAttention(runtime, kind, path)
-            module.register_forward_pre_hook(interceptor.enter)
-            module.register_forward_hook(interceptor.leave, always_call=True)
+            add_hook(module, interceptor.enter, by="vae", pre=True)
+            add_hook(module, interceptor.leave, by="vae", always_call=True)
         elif kind == "causal_frames":
             # the block knows the frame count; its attention modules (none when the model was built without) attend,
             # or the block itself when it calls the attention (it has no attention modules with a processor)
@@ -172,17 +173,17 @@ def _install(runtime: VaeRuntime, region_name: str, region: nn.Module, plan: Vae
             for inner, attention in attentions or [("", module)]:
                 interceptor = RowAttention(runtime, kind, f"{path}.{inner}" if inner else path,
                                            require_call=bool(attentions))
-                module.register_forward_pre_hook(interceptor.frames_from)
-                attention.register_forward_pre_hook(interceptor.enter)
-                attention.register_forward_hook(interceptor.leave, always_call=True)
+                add_hook(module, interceptor.frames_from, by="vae", pre=True)
+                add_hook(attention, interceptor.enter, by="vae", pre=True)
+                add_hook(attention, interceptor.leave, by="vae", always_call=True)
         elif kind == "linear":
             SplitLinearAttention(runtime, module).install()
         if type(module).__name__ in plan.frame_noise:
             noise = FrameNoise(runtime)
-            module.register_forward_pre_hook(noise.enter)
-            module.register_forward_hook(noise.leave, always_call=True)
+            add_hook(module, noise.enter, by="vae", pre=True)
+            add_hook(module, noise.leave, by="vae", always_call=True)
     eval_only = [module for module in region.modules() if type(module).__name__ in plan.eval_only]
-    region.forward = _SplitRegion(runtime, region_name, region.forward, unit, eval_only)
+    wrap_forward(region, _SplitRegion(runtime, region_name, region.forward, unit, eval_only), by="vae")
 
 
 def _attention_kind(module: nn.Module, plan: VaePlan) -> str | None:
@@ -200,7 +201,7 @@ class _SplitRegion:
     def __init__(self, runtime: VaeRuntime, name: str, forward, unit: int, eval_only: list[nn.Module]) -> None:
         self.runtime = runtime
         self.name = name
-        self.forward = forward
+        self.inner = forward
         self.unit = max(1, unit)
         self.eval_only = eval_only
         self.first_argument = next(iter(inspect.signature(forward).parameters))
@@ -223,12 +224,12 @@ class _SplitRegion:
         self._agree(sample)
         height = sample.shape[-2]
         if height < self.unit * runtime.size:
-            return self.forward(sample, *args, **kwargs)  # too small for a band per rank: whole, on every rank
+            return self.inner(sample, *args, **kwargs)  # too small for a band per rank: whole, on every rank
         start, stop = split_rows(height, runtime.size, self.unit)[runtime.rank]
         runtime.active = RegionCall(self.name, height)
         try:
             with torch.no_grad():
-                local = self.forward(sample.narrow(-2, start, stop - start), *args, **kwargs)
+                local = self.inner(sample.narrow(-2, start, stop - start), *args, **kwargs)
         finally:
             runtime.active = None
         # a region may also return per-rank state of its own rows (a frame cache): passed back as this rank has it

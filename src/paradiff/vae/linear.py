@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from paradiff.distributed.comm import all_gather_int, all_gather_uneven, all_reduce_token_sums
+from paradiff.runtime.patches import set_attribute
 from paradiff.vae.runtime import VaeRuntime
 
 
@@ -31,9 +32,10 @@ class SplitLinearAttention:
         self.quadratic = module.apply_quadratic_attention
 
     def install(self) -> None:
-        self.module.apply_linear_attention = lambda query, key, value: self.attend(self.linear, query, key, value)
-        self.module.apply_quadratic_attention = lambda query, key, value: self.attend(self.quadratic, query, key,
-                                                                                      value)
+        set_attribute(self.module, "apply_linear_attention",
+                      lambda query, key, value: self.attend(self.linear, query, key, value), by="vae")
+        set_attribute(self.module, "apply_quadratic_attention",
+                      lambda query, key, value: self.attend(self.quadratic, query, key, value), by="vae")
 
     def attend(self, chosen, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         if self.runtime.active is None:
