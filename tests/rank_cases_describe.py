@@ -29,6 +29,7 @@ def patches_removed_give_the_plain_model_back(family: str, mode: str) -> dict:
     inputs = make_inputs(family, model.config, batch=2, lengths=Lengths(height=4, width=4, text=6))
     plain = run_forward(model, inputs)
     modules = {name: (module, type(module)) for name, module in model.named_modules()}
+    weights = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     adapter = random_lora(model, TARGETS[family], 4, seed=1)
     paradiff.enable_parallelism(model, paradiff.ParallelConfig.from_mode(mode))
     model.load_lora_adapter(adapter, adapter_name="style")
@@ -41,10 +42,15 @@ def patches_removed_give_the_plain_model_back(family: str, mode: str) -> dict:
     model.unload_lora()  # its layers go, and with them the patches on them
     remaining = len(paradiff.patches(model))
     removed = paradiff.remove_patches(model)
+    # the split gave the full weights up (a rank never keeps the whole model): the layers come back as meta tensors,
+    # loaded again as a user would from the checkpoint
+    released = sorted(name for name, tensor in model.state_dict().items() if tensor.is_meta)
+    model.load_state_dict(weights, assign=True)
     after = run_forward(model, inputs)
     changed = [name for name, module in model.named_modules()
                if name not in modules or modules[name][0] is not module or modules[name][1] is not type(module)]
     return {"listed": listed, "kinds": kinds, "mechanisms": mechanisms, "removed": removed, "remaining": remaining,
             "left": len(paradiff.patches(model)), "adapted_differs": not torch.equal(adapted, plain),
-            "bitwise": torch.equal(after, plain), "changed": changed[:8],
+            "bitwise": torch.equal(after, plain), "changed": changed[:8], "released": len(released),
+            "released_blocks": sum(".attn.to_q." in name for name in released),
             "missing": sorted(set(modules) - {name for name, _ in model.named_modules()})[:8]}

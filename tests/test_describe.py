@@ -53,7 +53,8 @@ def test_a_tp2_x_ulysses2_model_lists_its_state_sharded_classes_and_cp_hooks(poo
 
 def test_every_patch_of_a_tp2_x_ulysses2_model_with_lora_and_cache_is_listed_and_removing_them_gives_it_back(pools):
     """Issue 37's check, at world 4 (the data and CFG dimensions patch the pipeline, not the model): each patch is
-    listed, `remove_patches` undoes them all, and the model gives its unpatched output bit for bit."""
+    listed, `remove_patches` undoes them all, and the model, its weights loaded again (the split gave the full ones up),
+    gives its unpatched output bit for bit."""
     results = pools.get(4).run(cases.patches_removed_give_the_plain_model_back, family="flux", mode="tp2xulysses2")
     for result in results:
         assert result["adapted_differs"], "the adapter changed nothing: the check would prove nothing"
@@ -61,5 +62,6 @@ def test_every_patch_of_a_tp2_x_ulysses2_model_with_lora_and_cache_is_listed_and
         assert {"tp", "cp", "lora", "cache", "wrappers"} <= set(result["mechanisms"]), result["mechanisms"]
         assert result["removed"] == result["remaining"] > 0 and result["left"] == 0, result
         assert result["changed"] == [] and result["missing"] == [], result
+        assert result["released_blocks"] >= 2 and result["released"] > 0, result  # no full weight kept by a rank
         assert result["bitwise"], result
     assert len({tuple(result["listed"]) for result in results}) == 1  # every rank made the same patches

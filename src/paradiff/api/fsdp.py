@@ -12,7 +12,7 @@ from paradiff.errors import ParallelConfigError, UnsupportedModelError
 from paradiff.api.building import target_dtype
 from paradiff.fsdp.apply import shard_weights
 from paradiff.fsdp.packed import PackedLinear
-from paradiff.quant.apply import HOOK_DICTS
+from paradiff.runtime.patches import replace_module, share_hooks
 from paradiff.runtime.repeated_blocks import layer_blocks, repeated_blocks
 from paradiff.tensor_parallel.shard import swap_in_sharded_linears
 
@@ -128,10 +128,10 @@ def _packed_linears_on_meta(model: nn.Module, scheme: Any) -> None:
                                               type_id)
         packed = PackedLinear(module.in_features, module.out_features, parts, build, product,
                               bias=None if module.bias is None else module.bias.detach())
-        for attr in HOOK_DICTS:  # a hook placed before (none on a model just built) stays with it
-            setattr(packed, attr, getattr(module, attr))
+        share_hooks(module, packed, by="fsdp")  # a hook placed before (none on a model just built) stays with it
         parent_name, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, leaf, packed)
+        replace_module(model.get_submodule(parent_name) if parent_name else model, leaf, packed, by="fsdp",
+                       release=True)
 
 
 def _tp_shapes_on_meta(model: nn.Module, resolved: Any) -> None:

@@ -22,6 +22,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from paradiff.fsdp.shard import chunk_rows
+from paradiff.runtime.patches import add_hook
 
 
 def shard_weights(model: nn.Module, blocks: list[tuple[str, nn.Module]], mesh: DeviceMesh,
@@ -46,7 +47,7 @@ def shard_weights(model: nn.Module, blocks: list[tuple[str, nn.Module]], mesh: D
     fully_shard(model, **options)
     for (name, block), (next_name, following) in zip(blocks, blocks[1:]):
         if prefetch_across_lists or name.rpartition(".")[0] == next_name.rpartition(".")[0]:
-            block.register_forward_pre_hook(partial(_gather_next, following))
+            add_hook(block, partial(_gather_next, following), by="fsdp", pre=True)
     if on_meta:
         # the sharded parameters only (in CPU memory when offloaded): buffers are put back as they were
         model.to_empty(device="cpu" if offload else device)

@@ -227,9 +227,14 @@ def _release(module: nn.Module) -> None:
                     table[key] = nn.Parameter(empty, requires_grad=False) if table is holder._parameters else empty
 
 
-def replace_parameter(module: nn.Module, name: str, parameter: nn.Parameter | None, *, by: str) -> Patch:
-    """Put `parameter` in `module`'s parameter `name` (a rank's slice of it); undo puts the one it replaced back."""
+def replace_parameter(module: nn.Module, name: str, parameter: nn.Parameter | None, *, by: str,
+                      release: bool = False) -> Patch:
+    """Put `parameter` in `module`'s parameter `name` (a rank's slice of it); undo puts the one it replaced back.
+    With `release` the one replaced is not kept (a full tensor split over the ranks: holding it would keep the whole
+    model on every rank); undo puts back a meta tensor of its shape, to be loaded again."""
     before = module._parameters[name]
+    if release and before is not None:
+        before = nn.Parameter(torch.empty(before.shape, dtype=before.dtype, device="meta"), requires_grad=False)
     module._parameters[name] = parameter
     shape = "None" if parameter is None else "x".join(map(str, parameter.shape))
     return record(module, Patch("replace_parameter", name, f"parameter of shape {shape}", by,
