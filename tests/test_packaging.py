@@ -56,6 +56,17 @@ def core_closure() -> dict[str, importlib.metadata.Distribution]:
     return found
 
 
+def imported(path: Path) -> list[str]:
+    """The absolute modules a file imports, anywhere in it (relative imports are the package's own)."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names.append(node.module)
+    return names
+
+
 def test_paradiff_testing_imports_only_core_dependencies():
     """Every import of every module of paradiff.testing, deferred ones too: the standard library, paradiff, or a
     package of pyproject's [project] dependencies."""
@@ -64,20 +75,20 @@ def test_paradiff_testing_imports_only_core_dependencies():
     assert {path.name for path in files} >= {"__init__.py", "dist.py", "models.py"}
     outside = []
     for path in files:
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and not node.level:
-                names = [node.module]
-            else:
+        for name in imported(path):
+            top = name.split(".")[0]
+            if top in sys.stdlib_module_names or top == "paradiff":
                 continue
-            for name in names:
-                top = name.split(".")[0]
-                if top in sys.stdlib_module_names or top == "paradiff":
-                    continue
-                if not distributions_of(top) or not distributions_of(top) <= core:
-                    outside.append(f"{path.relative_to(PACKAGE)}: {name}")
+            if not distributions_of(top) or not distributions_of(top) <= core:
+                outside.append(f"{path.relative_to(PACKAGE)}: {name}")
     assert outside == [], f"paradiff.testing imports beyond the core dependencies {sorted(core)}: {outside}"
+
+
+def test_the_package_never_imports_the_test_kit():
+    """Not even in a function: paradiff_testkit is absent from a plain install."""
+    found = [f"{path.relative_to(PACKAGE)}: {name}" for path in PACKAGE.rglob("*.py") for name in imported(path)
+             if name.split(".")[0] == "paradiff_testkit"]
+    assert found == []
 
 
 def test_tiny_model_builds_the_suites_families_and_every_plan_family():
