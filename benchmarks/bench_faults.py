@@ -36,9 +36,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testkit"))  # paradiff_testkit (docs/testing.md)
-# the test kit for the processes this starts too
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [sys.path[0], os.environ.get("PYTHONPATH")]))
+TESTKIT = str(Path(__file__).resolve().parents[1] / "testkit")  # paradiff_testkit (docs/testing.md)
+sys.path.insert(0, TESTKIT)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTKIT, os.environ.get("PYTHONPATH")]))  # and its children
 
 from _common import ForeignLoad, foreign_benchmarks, wait_for_quiet  # noqa: E402
 from results import figure, write_result  # noqa: E402
