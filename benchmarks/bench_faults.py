@@ -36,11 +36,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+TESTKIT = str(Path(__file__).resolve().parents[1] / "testkit")  # paradiff_testkit (docs/testing.md)
+sys.path.insert(0, TESTKIT)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTKIT, os.environ.get("PYTHONPATH")]))  # and its children
 
 from _common import ForeignLoad, foreign_benchmarks, wait_for_quiet  # noqa: E402
 from results import figure, write_result  # noqa: E402
-# the real command, with the fault hooks of paradiff.testing.faults installed in each worker
-PARADIFF = [sys.executable, "-m", "paradiff.testing.faults"]
+# the real command, with the fault hooks of paradiff_testkit.faults installed in each worker
+PARADIFF = [sys.executable, "-m", "paradiff_testkit.faults"]
 
 CASES = {
     # name: (injected fault, extra generate arguments, model folder kind)
@@ -201,7 +204,7 @@ def main() -> int:
                   f"left={len(row['left_right_after'])}/{len(row['left_after_2s'])}, "
                   f"{len(row['stderr_lines'])} stderr line(s)", flush=True)
     (root / "results.json").write_text(json.dumps(rows, indent=2))
-    print("\ncommand: PARADIFF_INJECT_FAULT=RANK:KIND PARADIFF_FAULT_STAMP=FILE python -m paradiff.testing.faults "
+    print("\ncommand: PARADIFF_INJECT_FAULT=RANK:KIND PARADIFF_FAULT_STAMP=FILE python -m paradiff_testkit.faults "
           "generate [FOLDER] "
           "--ulysses 2 [--tp 2] --timeout T --out UNIQUE_DIR\n")
     print(markdown(rows))

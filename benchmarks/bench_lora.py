@@ -29,6 +29,7 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testkit"))  # paradiff_testkit (docs/testing.md)
 
 from _common import (  # noqa: E402
     LoadWindow,
@@ -68,7 +69,7 @@ def ensure_loras(folder: Path) -> dict[str, str]:
     import torch
     from diffusers import Flux2Transformer2DModel
 
-    from paradiff.testing.lora import random_lora, save_lora
+    from paradiff_testkit.lora import random_lora, save_lora
 
     files = {name: folder / f"{name}-r{rank}.safetensors" for name, (rank, _, _) in ADAPTERS.items()}
     if all(path.is_file() for path in files.values()):

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testkit"))  # paradiff_testkit (docs/testing.md)
 
 from results import figure, write_result  # noqa: E402
 
@@ -48,8 +49,8 @@ def main() -> None:
     import torch
 
     from paradiff.api.lora_slots import enable_adapter_slots, load_slot_adapter, set_sample_adapters
-    from paradiff.testing.compile import RecordingBackend
-    from paradiff.testing.lora import random_lora, save_lora
+    from paradiff_testkit.compile import RecordingBackend
+    from paradiff_testkit.lora import random_lora, save_lora
     from paradiff.testing.models import Lengths, build_model, make_inputs, model_class, run_forward, save_model
 
     torch.set_num_threads(1)

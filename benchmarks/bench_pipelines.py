@@ -42,6 +42,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+TESTKIT = str(Path(__file__).resolve().parents[1] / "testkit")  # paradiff_testkit (docs/testing.md)
+sys.path.insert(0, TESTKIT)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTKIT, os.environ.get("PYTHONPATH")]))  # and its children
 
 from _common import ForeignLoad, foreign_benchmarks, wait_for_quiet  # noqa: E402
 from results import figure, write_result  # noqa: E402
@@ -117,7 +120,7 @@ def build_folder(family: str, overrides: dict | None, root: Path) -> str | None:
     folder = root / "models" / name
     if not (folder / "model_index.json").is_file():
         code = (
-            "import sys, json; from paradiff.testing.pipelines import build_pipeline\n"
+            "import sys, json; from paradiff_testkit.pipelines import build_pipeline\n"
             "pipe = build_pipeline(sys.argv[1], seed=0, transformer_overrides=json.loads(sys.argv[2]))\n"
             "pipe.save_pretrained(sys.argv[3], safe_serialization=True)\n"
             "print(sum(p.numel() for p in pipe.transformer.parameters()))\n"

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testkit"))  # paradiff_testkit (docs/testing.md)
 
 from _common import (  # noqa: E402
     GB,
@@ -98,7 +99,7 @@ def build_gguf(rank: int, world_size: int, path: str, config: dict) -> dict:
     import torch
     from diffusers import Flux2Transformer2DModel
 
-    from paradiff.testing.gguf import _K_SCALES, flux2_original_state_dict
+    from paradiff_testkit.gguf import _K_SCALES, flux2_original_state_dict
 
     with torch.device("meta"):
         model = Flux2Transformer2DModel(**config)
@@ -360,7 +361,7 @@ def quality_worker(rank: int, world_size: int, schemes: list[str], out: str) -> 
     import paradiff
     from paradiff.demo import CALL_KWARGS, DEFAULT_PROMPTS, DEFAULT_STEPS, pipeline_path
     from paradiff.quant.schemes import pipeline_quantization_config
-    from paradiff.testing.gguf import save_flux2_gguf
+    from paradiff_testkit.gguf import save_flux2_gguf
 
     torch.set_num_threads(2)
     quiet_diffusers()

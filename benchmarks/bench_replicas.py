@@ -25,8 +25,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testkit"))  # paradiff_testkit (docs/testing.md)
 
-from paradiff.testing.serve import ServerProcess, images_of  # noqa: E402
+from paradiff_testkit.serve import ServerProcess, images_of  # noqa: E402
 from results import figure, load, this_command, write_result  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

@@ -44,12 +44,13 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testkit"))  # paradiff_testkit (docs/testing.md)
 
 from _common import cpu_seconds, machine_line, system_busy_seconds, wait_for_quiet  # noqa: E402
 from results import figure, write_result  # noqa: E402
 from bench_pipelines import LARGE_FLUX2, build_folder  # noqa: E402
 
-from paradiff.testing.serve import ServerProcess, images_of  # noqa: E402
+from paradiff_testkit.serve import ServerProcess, images_of  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = {  # --configs key: (label, server flags)

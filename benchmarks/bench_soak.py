@@ -24,11 +24,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testkit"))  # paradiff_testkit (docs/testing.md)
 
 from _common import machine_line  # noqa: E402
 from results import figure, write_result  # noqa: E402
 
-from paradiff.testing.serve import ServerProcess, images_of  # noqa: E402
+from paradiff_testkit.serve import ServerProcess, images_of  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -15,7 +15,7 @@ fp32, batch 1, one torch thread per rank, gloo on 127.0.0.1, every world size in
 the median decode time over --repeats timed decodes after one warm-up (per decode the slowest rank counts), and the
 median CPU-seconds of the busiest rank per decode (all its threads: torch and gloo; on a shared machine the wall time
 measures the other processes as much as the decode, the CPU time does not); per rank
-the peak bytes of the tensors one decode creates (paradiff.testing.memory.PeakTensorMemory: activations, halos and the
+the peak bytes of the tensors one decode creates (paradiff_testkit.memory.PeakTensorMemory: activations, halos and the
 gathered output; weights excluded) and the rise of the process's peak RSS over a decode (VmHWM reset through
 /proc/self/clear_refs, glibc's mmap threshold at 128 KiB so freed buffers go back to the OS); the max abs difference
 of the decoded output to the 1-rank output. The machine is shared: each case waits for other processes to go quiet
@@ -42,6 +42,7 @@ import numpy as np
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testkit"))  # paradiff_testkit (docs/testing.md)
 
 from _common import (  # noqa: E402
     LoadWindow,
@@ -128,7 +129,7 @@ def decode_worker(rank: int, world_size: int, model: str, config: dict, height: 
     import torch.distributed as dist
 
     import paradiff
-    from paradiff.testing.memory import PeakTensorMemory
+    from paradiff_testkit.memory import PeakTensorMemory
 
     _limit_mmap_threshold()
     quiet_diffusers()

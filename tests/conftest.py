@@ -10,7 +10,14 @@ from hypothesis import settings
 
 from paradiff.testing.dist import RankPool
 from paradiff.testing.models import FAMILIES, build_model, save_model
-from paradiff.testing.pipelines import PIPELINE_FAMILIES, save_pipeline
+from paradiff_testkit import PRELOAD
+from paradiff_testkit.pipelines import PIPELINE_FAMILIES, save_pipeline
+
+# The test kit (testkit/paradiff_testkit, on this process's path by pyproject's `pythonpath`) for every process the
+# suite starts: rank pools and forked commands inherit sys.path, fresh interpreters (servers, torchrun) read PYTHONPATH.
+TESTKIT = str(Path(__file__).resolve().parents[1] / "testkit")
+if TESTKIT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTKIT, os.environ.get("PYTHONPATH")]))
 
 
 # Hypothesis draws the same examples on every run ("ci", the default), so a run on right code cannot fail on a case
@@ -51,7 +58,7 @@ class Pools:
         if pool is None or not pool.alive:
             if pool is not None:
                 pool.close(force=True)
-            pool = self.pools[world_size] = RankPool(world_size)
+            pool = self.pools[world_size] = RankPool(world_size, preload=PRELOAD)
         return pool
 
     def close(self) -> None:

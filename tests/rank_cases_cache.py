@@ -9,7 +9,7 @@ from diffusers import FirstBlockCacheConfig, TaylorSeerCacheConfig
 import paradiff
 from paradiff.config import mode_name
 from paradiff.distributed.comm import all_gather_object
-from paradiff.testing.caching import decide_alone, stock_decisions
+from paradiff_testkit.caching import decide_alone, stock_decisions
 from paradiff.testing.models import Lengths, build_model, make_inputs, run_forward
 from rank_cases_compile import parallel_config
 
@@ -123,7 +123,7 @@ def straddling_metric(family: str = "flux", ring: int = 1, ulysses: int = 2, ste
     """Thresholds between one rank's own measure and the agreed one: the agreed decision wins on every rank (no
     hang, the same steps as diffusers' own single-process cache) whether it is to compute while a rank alone would
     skip, or to skip while a rank alone would compute. Deciding alone makes the ranks disagree, which the agreement
-    check of paradiff.testing turns into an error instead of a hang."""
+    check of the test kit (paradiff_testkit.caching) turns into an error instead of a hang."""
     model = build_model(family, layers=2, single_layers=2)
     sequence = _shifted_inputs(family, model.config, steps)
     paradiff.enable_parallelism(model, parallel_config(1, ring, ulysses))  # one model (one mesh) for every run

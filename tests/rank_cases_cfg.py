@@ -42,7 +42,7 @@ def pipeline_cfg(family: str, folder: str, degrees: dict, steps: int = 3, pipeli
     first transformer block of this rank computed on (its batch, and its input against the reference's)."""
     from diffusers import DiffusionPipeline
 
-    from paradiff.testing.pipelines import default_call_kwargs
+    from paradiff_testkit.pipelines import default_call_kwargs
 
     torch.set_num_threads(1)
     import diffusers
@@ -80,7 +80,7 @@ def pipeline_cfg(family: str, folder: str, degrees: dict, steps: int = 3, pipeli
 
 def call_refusal(family: str, folder: str, degrees: dict, call: dict) -> str:
     """A call the pipeline's CFG rule refuses: the error, raised before the transformer runs."""
-    from paradiff.testing.pipelines import default_call_kwargs
+    from paradiff_testkit.pipelines import default_call_kwargs
 
     pipeline = paradiff.load_pipeline(folder, parallel_config=paradiff.ParallelConfig.from_degrees(**degrees))
     calls = []

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import paradiff
 from paradiff.config import mode_name
-from paradiff.testing.compile import RecordingBackend
+from paradiff_testkit.compile import RecordingBackend
 from paradiff.testing.models import Lengths, build_model, make_inputs, run_forward
 
 SHAPE = Lengths(height=3, width=5, text=7)  # 15 image + 7 text tokens: divisible by neither 2 nor 4 ranks

@@ -10,7 +10,7 @@ from PIL import Image
 import diffusers
 import paradiff
 from paradiff.distributed.comm import all_gather_object
-from paradiff.testing.pipelines import CONTROLNET_FAMILIES, default_call_kwargs
+from paradiff_testkit.pipelines import CONTROLNET_FAMILIES, default_call_kwargs
 
 
 def pipeline_class_name(family: str) -> str:

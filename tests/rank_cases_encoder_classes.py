@@ -10,7 +10,7 @@ import paradiff
 from paradiff.runtime.state import get_state
 from paradiff.tensor_parallel.layers import ShardedLinear
 from paradiff.tensor_parallel.shard import slice_tensor
-from paradiff.testing.encoders import encoder_class, encoder_inputs, encoder_outputs
+from paradiff_testkit.encoders import encoder_class, encoder_inputs, encoder_outputs
 
 
 def _relative(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> float:
@@ -62,7 +62,7 @@ def image_encoder_in_pipeline(folder: str, modes: dict[str, dict]) -> dict:
     single-process pipeline, the image encoder's held slices and its share."""
     from diffusers import DiffusionPipeline
 
-    from paradiff.testing.encoders import sample_images
+    from paradiff_testkit.encoders import sample_images
 
     torch.set_num_threads(1)
     reference = DiffusionPipeline.from_pretrained(folder)
@@ -85,7 +85,7 @@ def cogview4_pipeline_matches(folder: str, prompts: list[str], modes: dict[str, 
     import numpy as np
     from diffusers import DiffusionPipeline
 
-    from paradiff.testing.encoders import COGVIEW4_CALL
+    from paradiff_testkit.encoders import COGVIEW4_CALL
 
     torch.set_num_threads(1)
     reference = DiffusionPipeline.from_pretrained(folder)

@@ -15,7 +15,7 @@ from diffusers import DiffusionPipeline
 
 import paradiff
 from paradiff.runtime.memory import parameter_bytes
-from paradiff.testing.pipelines import default_call_kwargs, encode_prompt_kwargs
+from paradiff_testkit.pipelines import default_call_kwargs, encode_prompt_kwargs
 
 # different lengths, so the shorter prompt is padded and the encoders' masks matter
 PROMPTS = ["a cat", "a lighthouse on a rocky coast during a storm, dramatic lighting"]

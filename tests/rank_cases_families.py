@@ -1,7 +1,7 @@
-"""Run on every rank by tests/test_families.py (the cases live in paradiff.testing.families, shared with
+"""Run on every rank by tests/test_families.py (the cases live in paradiff_testkit.families, shared with
 tools/verify_plans.py)."""
 
-from paradiff.testing.families import (  # noqa: F401
+from paradiff_testkit.families import (  # noqa: F401
     MODES,
     family_modes,
     family_modes_runs,

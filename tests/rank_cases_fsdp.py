@@ -20,7 +20,7 @@ from paradiff.plans import plan_for
 from paradiff.tensor_parallel.plan import as_plan, resolve_plan
 from paradiff.runtime.state import get_state
 from paradiff.testing.models import Lengths, make_inputs, model_class, run_forward
-from paradiff.testing.pipelines import default_call_kwargs
+from paradiff_testkit.pipelines import default_call_kwargs
 
 
 @contextlib.contextmanager

@@ -133,7 +133,7 @@ def pipeline_gguf(folder: str, file: str) -> dict:
     import numpy as np
     from diffusers import DiffusionPipeline, PipelineQuantizationConfig
 
-    from paradiff.testing.pipelines import default_call_kwargs
+    from paradiff_testkit.pipelines import default_call_kwargs
 
     torch.set_num_threads(1)
     config = PipelineQuantizationConfig(quant_mapping={"transformer": gguf_config()})

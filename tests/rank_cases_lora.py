@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import paradiff
 from paradiff.config import ParallelConfig, parse_mode
-from paradiff.testing.lora import check_factor_slices, lora_layers, pipeline_lora, relative_difference
+from paradiff_testkit.lora import check_factor_slices, lora_layers, pipeline_lora, relative_difference
 from paradiff.testing.models import Lengths, make_inputs, model_class, run_forward
 
 
@@ -143,7 +143,7 @@ def wan22_two_transformers(folder: str, mode: str, high: str, low: str, steps: i
     import numpy as np
     from diffusers import DiffusionPipeline
 
-    from paradiff.testing.pipelines import default_call_kwargs
+    from paradiff_testkit.pipelines import default_call_kwargs
 
     torch.set_num_threads(1)
     kwargs = dict(default_call_kwargs("wan2.2-a14b"), num_inference_steps=steps)
@@ -168,7 +168,7 @@ def compiled_hotswap(family: str, folder: str, mode: str, first: str, swaps: dic
     """`enable_lora_hotswap(target_rank)` before the first load, then `paradiff.compile`, then each of `swaps`
     (label -> file) hot-swapped into the first adapter's layers: how many graphs Dynamo compiled before and after
     every swap, and the compiled output against diffusers' unsplit model with the swapped adapter freshly loaded."""
-    from paradiff.testing.compile import RecordingBackend
+    from paradiff_testkit.compile import RecordingBackend
 
     torch.set_num_threads(1)
     torch._dynamo.reset()

@@ -11,7 +11,7 @@ import paradiff
 from paradiff.api.lora_slots import (enable_adapter_slots, load_slot_adapter, set_sample_adapters,
                                      unload_slot_adapter)
 from paradiff.config import ParallelConfig, parse_mode
-from paradiff.testing.lora import relative_difference
+from paradiff_testkit.lora import relative_difference
 from paradiff.testing.models import Lengths, make_inputs, model_class, run_forward
 
 
@@ -75,7 +75,7 @@ def mixed_batch(family: str, folder: str, mode: str, loras: dict[str, dict], sam
     inputs = make_inputs(family, model.config, batch=len(samples), lengths=Lengths(height=4, width=4, text=6))
     recorder = None
     if compiled:
-        from paradiff.testing.compile import RecordingBackend
+        from paradiff_testkit.compile import RecordingBackend
 
         torch._dynamo.reset()
         recorder = RecordingBackend()
@@ -140,7 +140,7 @@ def mixed_batch_pipeline(family: str, folder: str, mode: str, loras: dict[str, s
     single-process pipeline with only that adapter in its transformer: the denoised latents, sample by sample."""
     from diffusers import DiffusionPipeline
 
-    from paradiff.testing.pipelines import default_call_kwargs
+    from paradiff_testkit.pipelines import default_call_kwargs
 
     torch.set_num_threads(1)
     kwargs = dict(default_call_kwargs(family), num_inference_steps=steps, output_type="latent")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import paradiff
-from paradiff.testing import zoo
+from paradiff_testkit import zoo
 
 
 def modular_refusals(folders: dict[str, str]) -> list[str]:
@@ -58,7 +58,7 @@ def guided_standard_equivalence(folder: str, modes: dict[str, dict]) -> dict:
     import torch.distributed as dist
     from diffusers import DiffusionPipeline
 
-    from paradiff.testing.guiders import guided_call_kwargs, shorten_text
+    from paradiff_testkit.guiders import guided_call_kwargs, shorten_text
 
     torch.set_num_threads(1)
     kwargs = guided_call_kwargs()

@@ -59,7 +59,7 @@ def pipeline_offload(folder: str, family: str, disk: str, exclude: list[str] | N
     resident tp2 pipeline's."""
     import numpy as np
 
-    from paradiff.testing.pipelines import default_call_kwargs
+    from paradiff_testkit.pipelines import default_call_kwargs
 
     torch.set_num_threads(1)
     kwargs = dict(default_call_kwargs(family), num_inference_steps=2)

@@ -9,7 +9,7 @@ from diffusers import DiffusionPipeline
 
 import paradiff
 from paradiff.runtime.wrappers import wrappers
-from paradiff.testing.pipelines import default_call_kwargs
+from paradiff_testkit.pipelines import default_call_kwargs
 
 
 def _pixels(output) -> np.ndarray:

@@ -228,7 +228,7 @@ def text_encoders_quantized(folders: dict[str, str], schemes: dict[str, list[str
     quantized shard equals the slice of what transformers' own single-device quantized load holds (data and scales),
     the linears transformers keeps in full precision (the LM head, T5's `wo`) are kept here too, and every output
     (all hidden states, logits) matches transformers' quantized model."""
-    from paradiff.testing.encoders import encoder_class, encoder_inputs, encoder_outputs
+    from paradiff_testkit.encoders import encoder_class, encoder_inputs, encoder_outputs
 
     torch.set_num_threads(1)
     results = []
@@ -298,7 +298,7 @@ def pipeline_reference_key(family: str, schemes: dict[str, str]) -> str:
 def quantized_pipeline_reference(family: str, folder: str, schemes: dict[str, str]) -> dict:
     """The single-process paradiff pipeline with the same request (computed once, in the test process): its image
     and every quantized tensor it holds (each equal to diffusers' / transformers' own quantized load: tests above)."""
-    from paradiff.testing.pipelines import default_call_kwargs
+    from paradiff_testkit.pipelines import default_call_kwargs
 
     kwargs = dict(default_call_kwargs(family), num_inference_steps=2)
     pipeline = paradiff.load_pipeline(folder, quantization_config=pipeline_request(schemes))
@@ -514,9 +514,9 @@ def load_memory_fresh(rank: int, world_size: int, family: str, folder: str, sche
 
 def _saved_reference(cls, folder: str, kind: str) -> nn.Module:
     """The single-device model diffusers builds from a pre-quantized folder: its own torchao load; for
-    bitsandbytes 4-bit (diffusers needs a GPU for it) the same steps on CPU (paradiff.testing.quant)."""
+    bitsandbytes 4-bit (diffusers needs a GPU for it) the same steps on CPU (paradiff_testkit.quant)."""
     if kind.startswith("bnb"):
-        from paradiff.testing.quant import reference_bnb_4bit
+        from paradiff_testkit.quant import reference_bnb_4bit
 
         return reference_bnb_4bit(cls, folder)
     model = cls.from_pretrained(folder, torch_dtype=torch.float32).eval()
@@ -613,7 +613,7 @@ def saved_pipeline_image(folder: str, mode: str | None = None, stages: bool = Fa
     process), one seeded image and what the transformer held at its stage."""
     import numpy as np
 
-    from paradiff.testing.pipelines import default_call_kwargs
+    from paradiff_testkit.pipelines import default_call_kwargs
 
     torch.set_num_threads(1)
     parallel = None if mode is None else paradiff.ParallelConfig.from_mode(mode)

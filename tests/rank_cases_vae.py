@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 import paradiff
 from paradiff.distributed.comm import CommStats
-from paradiff.testing.memory import PeakTensorMemory
-from paradiff.testing.vaes import build_vae, run_vae, sample_input
+from paradiff_testkit.memory import PeakTensorMemory
+from paradiff_testkit.vaes import build_vae, run_vae, sample_input
 from paradiff.vae import get_vae_runtime
 
 
@@ -155,7 +155,7 @@ def pipelines_with_and_without_split_vae(folders: dict[str, str]) -> dict:
     """Each tiny pipeline on a ulysses mesh of every rank, its VAE split (the default) and whole: same images."""
     import numpy as np
 
-    from paradiff.testing.pipelines import default_call_kwargs
+    from paradiff_testkit.pipelines import default_call_kwargs
 
     torch.set_num_threads(1)
     config = paradiff.ContextParallelConfig(ulysses_degree=dist.get_world_size())

@@ -14,7 +14,7 @@ from PIL import Image
 from paradiff.cli.embedded import embedded_default
 from paradiff.cli.relay import NativeTraceFilter
 from paradiff.distributed.spawn import free_port
-from paradiff.testing import command
+from paradiff_testkit import command
 
 SMALL = ["--steps", "2", "--height", "32", "--width", "32"]
 
@@ -37,7 +37,7 @@ def _no_workers_left(marker: str, timeout_s: float = 30) -> bool:
 
 def test_generate_embedded_default_with_compare(tmp_path):
     out = tmp_path / "out"
-    # The fault hooks live in paradiff.testing.faults: the product command ignores their variable.
+    # The fault hooks live in paradiff_testkit.faults: the product command ignores their variable.
     result = paradiff("generate", "--tp", "2", "--prompt", "a cat", *SMALL, "--compare", "--out", str(out),
                       env={"PARADIFF_INJECT_FAULT": "1:raise"})
     assert result.returncode == 0, result.stderr[-3000:]
@@ -152,7 +152,7 @@ def test_failing_worker_ends_the_run_non_zero_with_no_process_left(tmp_path, fau
     stamp = tmp_path / "fault-time"
     result = paradiff("generate", "--ulysses", "2", *SMALL, "--timeout", "30", "--out", str(out),
                       env={"PARADIFF_INJECT_FAULT": fault, "PARADIFF_FAULT_STAMP": str(stamp)},
-                      module="paradiff.testing.faults")
+                      module="paradiff_testkit.faults")
     fault_to_exit = time.time() - float(stamp.read_text())
     assert result.returncode != 0
     if kind == "raise":

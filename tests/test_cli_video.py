@@ -14,7 +14,7 @@ from PIL import Image
 import rank_cases_cli as cases
 from paradiff.cli.args import CliError, build_parser, check_args
 from paradiff.cli.embedded import embedded_default
-from paradiff.testing import command
+from paradiff_testkit import command
 
 VIDEO = ["--frames", "5", "--steps", "2", "--height", "32", "--width", "32"]
 FAMILIES = ("wan2.2", "hunyuanvideo", "ltx")

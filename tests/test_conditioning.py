@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import rank_cases_conditioning as cases
-from paradiff.testing import command
+from paradiff_testkit import command
 
 RTOL = 1e-5
 CP_MODES = {"ulysses2": dict(ulysses=2), "ring2": dict(ring=2)}
@@ -37,7 +37,7 @@ CONTROLNET_MODES = {2: {"tp2": dict(tp=2), "ulysses2": dict(ulysses=2), "ring2":
 
 @pytest.fixture(scope="module")
 def controlnet_folders(tmp_path_factory):
-    from paradiff.testing.pipelines import CONTROLNET_FAMILIES, save_controlnet_pipeline
+    from paradiff_testkit.pipelines import CONTROLNET_FAMILIES, save_controlnet_pipeline
 
     root = tmp_path_factory.mktemp("controlnet")
     return {family: str(save_controlnet_pipeline(root / family, family)) for family in CONTROLNET_FAMILIES}
@@ -251,7 +251,7 @@ def test_cli_writes_stable_audio_wav_equal_to_single_process(tmp_path):
     from diffusers import StableAudioPipeline
 
     from paradiff.cli.outputs import write_wav
-    from paradiff.testing.audio import CALL_KWARGS, SAMPLING_RATE, save_stable_audio
+    from paradiff_testkit.audio import CALL_KWARGS, SAMPLING_RATE, save_stable_audio
 
     folder = save_stable_audio(tmp_path / "stable-audio")
     out = tmp_path / "out"

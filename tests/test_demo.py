@@ -14,7 +14,7 @@ import rank_cases_demo as cases
 from demo_judge import judge, parse, score
 from paradiff.demo import CALL_KWARGS, DEFAULT_PROMPTS, DEFAULT_STEPS, pipeline_path
 from paradiff.demo.shapes import HELD_OUT, combinations
-from paradiff.testing import command
+from paradiff_testkit import command
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -17,7 +17,7 @@ import rank_cases_demo as cases
 from demo_judge import judge, parse
 from paradiff.cli.args import CliError, build_parser, check_args
 from paradiff.demo import LORA_FILE, pipeline_path
-from paradiff.testing import command
+from paradiff_testkit import command
 
 REPO = Path(__file__).resolve().parents[1]
 RTOL = 1e-5

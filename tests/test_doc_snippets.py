@@ -13,8 +13,8 @@ import re
 from pathlib import Path
 
 from paradiff.distributed.spawn import free_port
-from paradiff.testing import command
-from paradiff.testing.pipelines import default_call_kwargs, save_pipeline
+from paradiff_testkit import command
+from paradiff_testkit.pipelines import default_call_kwargs, save_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"(?:<!-- snippet-skip: (?P<skip>.*?) -->\n)?```python\n(?P<code>.*?)```", re.S)

@@ -9,7 +9,7 @@ import pytest
 
 import rank_cases_encoder_classes as cases
 from paradiff.plans import family_of
-from paradiff.testing.encoders import (ENCODER_CLASSES, encoder_class, save_cogview4_pipeline, save_encoder,
+from paradiff_testkit.encoders import (ENCODER_CLASSES, encoder_class, save_cogview4_pipeline, save_encoder,
                                       save_wan_i2v_encoders)
 
 TOLERANCE = 1e-5  # relative

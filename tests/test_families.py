@@ -14,7 +14,7 @@ import rank_cases_families as cases
 from paradiff.plan_tools import family_examples as examples
 from paradiff.plans import builtin_plan
 from paradiff.tensor_parallel.plan import QUERY_HEAD_ATTRS, as_plan, resolve_plan
-from paradiff.testing.families import UNEVEN_HEAD_CONFIGS, single_process_figures, uneven_head_overrides
+from paradiff_testkit.families import UNEVEN_HEAD_CONFIGS, single_process_figures, uneven_head_overrides
 
 TOLERANCE = 1e-5
 MAX_SHARE = 0.75
@@ -50,7 +50,7 @@ def test_two_ranks_tp_ulysses_ring_and_three_heads_at_tp2(pools, family, example
     """tp2, ulysses2 and ring2; then 3 heads over 2 ranks (1 K/V head where the example groups them): 2 + 1 whole
     heads. Both in one case on the 2-rank pool."""
     overrides = uneven_head_overrides(family, example)
-    assert overrides is not None, "add the example's 3-head config to UNEVEN_HEAD_CONFIGS (testing/families.py)"
+    assert overrides is not None, "add the example's 3-head config to UNEVEN_HEAD_CONFIGS (paradiff_testkit/families.py)"
     results = pools.get(2).run(cases.family_modes_runs, runs=[
         dict(family=family, example=example, modes=["tp2", "ulysses2", "ring2"], single=single(family, example)),
         dict(family=family, example=example, modes=["tp2"], config_overrides=overrides,

@@ -11,7 +11,7 @@ from diffusers import BitsAndBytesConfig, GGUFQuantizationConfig
 import paradiff
 from paradiff.errors import CheckpointError, ParallelConfigError
 from paradiff.io.gguf import GGUFFile
-from paradiff.testing.gguf import save_flux2_gguf, write_gguf, flux2_original_state_dict
+from paradiff_testkit.gguf import save_flux2_gguf, write_gguf, flux2_original_state_dict
 from paradiff.testing.models import Lengths, make_inputs, model_class, run_forward, tiny_config
 
 import rank_cases_gguf as cases
@@ -317,7 +317,7 @@ def test_generate_gguf_splits_the_file_and_checks_it_before_any_worker(tiny_pipe
     blocks would be cut (16 of a 64-column weight a rank): one line, exit code 2, before any worker starts."""
     import json
 
-    from paradiff.testing import command
+    from paradiff_testkit import command
 
     folder = tiny_pipeline_folders["flux2"]
     good = tmp_path / "good.gguf"

@@ -15,9 +15,9 @@ from paradiff.errors import AdapterError
 from paradiff.tensor_parallel.lora import factor_specs
 from paradiff.tensor_parallel.plan import TensorParallelPlan, resolve_plan
 from paradiff.tensor_parallel.styles import ColwiseHeads, HeadNorm, PackedColwise, ShardSpec
-from paradiff.testing.lora import TARGETS, random_lora, save_kohya_flux_lora, save_lora, save_pipeline_loras
+from paradiff_testkit.lora import TARGETS, random_lora, save_kohya_flux_lora, save_lora, save_pipeline_loras
 from paradiff.testing.models import FAMILIES, build_model
-from paradiff.testing import command
+from paradiff_testkit import command
 
 RTOL = 1e-5
 WEIGHTS = {"style": 0.7, "detail": 1.3}
@@ -135,7 +135,7 @@ def test_kohya_flux_lora_converted_by_diffusers_matches(pools, checkpoints, lora
 
 @pytest.fixture(scope="module")
 def pipeline_loras(tiny_pipeline_folders, tmp_path_factory) -> dict[str, dict[str, Path]]:
-    """family -> adapter name -> file (paradiff.testing.lora.save_pipeline_loras)."""
+    """family -> adapter name -> file (paradiff_testkit.lora.save_pipeline_loras)."""
     root = tmp_path_factory.mktemp("pipeline-loras")
     return {family: save_pipeline_loras(family, tiny_pipeline_folders[family], root / family)
             for family in ("flux", "sd3", "qwenimage", "hunyuanvideo")}

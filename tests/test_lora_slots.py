@@ -14,7 +14,7 @@ from paradiff.api.lora_slots import (enable_adapter_slots, load_slot_adapter, mo
                                      set_sample_adapters)
 from paradiff.errors import AdapterError
 from paradiff.tensor_parallel.lora_slots import LoraSlots, SlotIndex
-from paradiff.testing.lora import TARGETS, random_lora, save_kohya_flux_lora, save_lora
+from paradiff_testkit.lora import TARGETS, random_lora, save_kohya_flux_lora, save_lora
 from paradiff.testing.models import build_model
 
 RTOL = 1e-5
@@ -226,7 +226,7 @@ def test_mixed_batch_on_a_plain_model_and_bad_names(slot_loras, checkpoints):
 
 @pytest.fixture(scope="module")
 def sd3_loras(tiny_pipeline_folders, tmp_path_factory) -> dict[str, str]:
-    from paradiff.testing.lora import save_pipeline_loras
+    from paradiff_testkit.lora import save_pipeline_loras
 
     files = save_pipeline_loras("sd3", tiny_pipeline_folders["sd3"], tmp_path_factory.mktemp("sd3-loras"))
     return {name: str(files[name]) for name in ("style", "detail")}
@@ -311,7 +311,7 @@ def test_generate_with_an_adapter_column_draws_mixed_batches(tmp_path):
     from paradiff.cli.embedded import embedded_call_kwargs, embedded_default
     from paradiff.cli.outputs import png_bytes
     from paradiff.demo import LORA_FILE
-    from paradiff.testing import command
+    from paradiff_testkit import command
     from test_serve import assert_same_picture
 
     prompt = "a red circle on a blue background, top left"

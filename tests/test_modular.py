@@ -16,8 +16,8 @@ import pytest
 import rank_cases_cli as cli_cases
 import rank_cases_modular as cases
 from paradiff.io.folders import read_pipeline_index
-from paradiff.testing import zoo
-from paradiff.testing.modular import modular_equivalence
+from paradiff_testkit import zoo
+from paradiff_testkit.modular import modular_equivalence
 
 RTOL = 1e-5
 STEPS = 2
@@ -111,7 +111,7 @@ def test_standard_pipeline_with_a_guider_splits_its_branches(pools, tmp_path_fac
     at cfg2 each rank computes one branch per step, and the video equals the single process. Its transformer
     cannot run on the meta device, so each rank also computes the first call of the other branch once (for the
     output's structure, remembered per argument shapes): 2 steps, 3 forwards per rank instead of 4."""
-    from paradiff.testing.guiders import save_guided_pipeline
+    from paradiff_testkit.guiders import save_guided_pipeline
 
     folder = str(save_guided_pipeline("hunyuanvideo15", tmp_path_factory.mktemp("guided") / "hv15"))
     results = pools.get(2).run(cases.guided_standard_equivalence, folder=folder, modes={"cfg2": dict(cfg=2)},

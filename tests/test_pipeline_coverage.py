@@ -22,7 +22,7 @@ def test_doc_table_is_generated_from_the_code_and_the_record():
 def test_record_lists_every_dit_pipeline_class_of_the_installed_diffusers():
     import diffusers
 
-    from paradiff.testing import zoo
+    from paradiff_testkit import zoo
 
     record = load_verified()
     assert record["diffusers"] == diffusers.__version__, "run `python tools/verify_pipelines.py --classes`"
@@ -49,7 +49,7 @@ def test_the_table_lists_the_modular_dit_classes_with_their_guidance():
 
 
 def test_every_recipe_has_a_record_in_every_mode():
-    from paradiff.testing import zoo
+    from paradiff_testkit import zoo
 
     pipelines = load_verified()["pipelines"]
     keys = zoo.names()
@@ -84,7 +84,7 @@ def test_plans_command_prints_the_pipeline_table(capsys):
 
 
 def test_a_recipe_missing_a_required_component_says_which(monkeypatch):
-    from paradiff.testing import zoo
+    from paradiff_testkit import zoo
 
     # the family's components as names only: the builder's reading of the pipeline's __init__ is what is tested
     monkeypatch.setattr(zoo, "_registry", lambda: {"QwenImageEditPipeline": zoo.Recipe(family="qwenimage")})
@@ -112,8 +112,8 @@ FIRST_BLOCK_TOKENS = {"StableDiffusion3ControlNetPipeline": 35, "FluxKontextPipe
 
 @pytest.fixture(scope="module")
 def sample_jobs(tmp_path_factory, tiny_pipeline_folders):
-    from paradiff.testing import zoo
-    from paradiff.testing.zoo.check import reference
+    from paradiff_testkit import zoo
+    from paradiff_testkit.zoo.check import reference
 
     root = tmp_path_factory.mktemp("zoo")
     jobs, expected, folders = [], {}, {}
@@ -135,7 +135,7 @@ def sample_jobs(tmp_path_factory, tiny_pipeline_folders):
 
 
 def test_sample_pipelines_equal_single_process_in_their_modes(pools, sample_jobs):
-    from paradiff.testing.zoo.check import check_modes
+    from paradiff_testkit.zoo.check import check_modes
 
     results = pools.get(2).run(check_modes, jobs=sample_jobs, timeout_s=400)
     for rank, outcomes in enumerate(results):

@@ -12,7 +12,7 @@ from paradiff.plan_tools import family_examples as examples
 from paradiff.plans.auto import auto_tensor_plan
 from paradiff.plan_tools.check_plan import check_plan
 from paradiff.plan_tools.coverage import coverage_table
-from paradiff.testing import command
+from paradiff_testkit import command
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-5

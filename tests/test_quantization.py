@@ -10,11 +10,11 @@ from diffusers import BitsAndBytesConfig, GGUFQuantizationConfig, TorchAoConfig
 import paradiff
 from paradiff.errors import CheckpointError, ParallelConfigError
 from paradiff.io.checkpoint import Checkpoint
-from paradiff.testing.lora import TARGETS
+from paradiff_testkit.lora import TARGETS
 from paradiff.testing.models import build_model, model_class, save_model, tiny_config
 
 import rank_cases_quant as cases
-from paradiff.testing import command
+from paradiff_testkit import command
 
 FAMILIES = ("flux2", "wan")
 SCHEMES = ("int8", "fp8", "nf4")
@@ -201,7 +201,7 @@ def test_quantize_text_encoders_without_a_scheme_is_one_line_and_non_zero(tmp_pa
 
 @pytest.fixture(scope="module")
 def block_wide_encoders(tmp_path_factory) -> dict[str, str]:
-    from paradiff.testing.encoders import BLOCK_WIDE_ENCODERS, save_encoder
+    from paradiff_testkit.encoders import BLOCK_WIDE_ENCODERS, save_encoder
 
     root = tmp_path_factory.mktemp("quant-encoders")
     return {name: str(save_encoder(name, root / name, block_wide=True)) for name in BLOCK_WIDE_ENCODERS}
@@ -336,7 +336,7 @@ def test_tp3_shards_with_uneven_heads(pools, quant_checkpoints):
 
 @pytest.fixture(scope="module")
 def flux2_lora(quant_checkpoints, tmp_path_factory) -> str:
-    from paradiff.testing.lora import random_lora, save_lora
+    from paradiff_testkit.lora import random_lora, save_lora
 
     model = model_class("flux2").from_pretrained(quant_checkpoints["flux2"])
     path = tmp_path_factory.mktemp("quant-lora") / "lora.safetensors"
@@ -417,10 +417,10 @@ def test_load_peak_grows_by_the_quantized_share_not_the_full_precision_one(deep_
 @pytest.fixture(scope="module")
 def saved_checkpoints(tmp_path_factory) -> dict[tuple[str, str], str]:
     """(family, kind) -> a pre-quantized folder, as diffusers saves it: bitsandbytes nf4, nf4 / fp4 with double
-    quantization (written on CPU by paradiff.testing.quant), torchao int8 / fp8 (diffusers' own save)."""
+    quantization (written on CPU by paradiff_testkit.quant), torchao int8 / fp8 (diffusers' own save)."""
     from diffusers import BitsAndBytesConfig
 
-    from paradiff.testing.quant import save_bnb_4bit
+    from paradiff_testkit.quant import save_bnb_4bit
 
     folders = {}
     kinds = {"flux2": ("bnb-nf4", "bnb-fp4-double", "torchao-int8", "torchao-fp8"),
@@ -541,7 +541,7 @@ def test_pre_quantized_checkpoints_paradiff_cannot_slice_are_refused_by_tensor_a
 def test_pre_quantized_slice_cutting_a_block_is_refused_by_name_before_any_read(pools, tmp_path):
     from diffusers import BitsAndBytesConfig
 
-    from paradiff.testing.quant import save_bnb_4bit
+    from paradiff_testkit.quant import save_bnb_4bit
 
     folder = save_bnb_4bit(build_model("flux2", seed=3, head_dim=16), tmp_path / "narrow",
                            BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"))
@@ -557,7 +557,7 @@ def saved_pipelines(tiny_pipeline_folders, tmp_path_factory) -> dict[str, str]:
     bitsandbytes NF4 with double quantization as diffusers writes it)."""
     import shutil
 
-    from paradiff.testing.quant import save_bnb_4bit
+    from paradiff_testkit.quant import save_bnb_4bit
 
     source = tiny_pipeline_folders["flux2"]
     transformer = model_class("flux2").from_pretrained(source / "transformer")

@@ -22,8 +22,8 @@ import httpx
 import numpy as np
 import pytest
 
-from paradiff.testing.serve import ServerProcess, images_of
-from paradiff.testing import command
+from paradiff_testkit.serve import ServerProcess, images_of
+from paradiff_testkit import command
 
 pytestmark = pytest.mark.slow
 
@@ -467,7 +467,7 @@ def test_dp2_long_requests_neither_fault_the_idle_replica_nor_run_past_their_ans
     SIGTERM drains."""
     server = ServerProcess(tmp_path, "--dp", "2", "--steps", "1", "--max-steps", "5000", "--timeout", "5",
                            "--request-timeout", "9", env={"PARADIFF_INJECT_FAULT": "1:device@6"},
-                           module="paradiff.testing.faults")
+                           module="paradiff_testkit.faults")
     try:
         server.wait_ready()
         with ThreadPoolExecutor(2) as pool:
@@ -525,7 +525,7 @@ def test_a_fault_on_one_rank_fails_that_request_and_the_next_one_succeeds_then_s
     fault: a 500, no reload); then rank 1 alone raises in the next request's second step (a rank's fault: a reload).
     Recovered, it answers openai's images.edit as single-process diffusers draws it."""
     server = ServerProcess(tmp_path, "--tp", "2", "--ulysses", "2", "--steps", "4",
-                    env={"PARADIFF_INJECT_FAULT": "all:alike,1:raise@4"}, module="paradiff.testing.faults")
+                    env={"PARADIFF_INJECT_FAULT": "all:alike,1:raise@4"}, module="paradiff_testkit.faults")
     try:
         server.wait_ready()
         own = server.generate(prompt=PROMPTS[0], seed=5)
@@ -572,7 +572,7 @@ def test_a_fault_on_one_rank_fails_that_request_and_the_next_one_succeeds_then_s
 def test_a_killed_worker_fails_the_server_and_answers_every_client(tmp_path):
     """Rank 1 dies (os._exit) in the middle of a request; another request waits behind it."""
     gate = tmp_path / "fault-gate"
-    server = ServerProcess(tmp_path, "--tp", "2", "--steps", "4", module="paradiff.testing.faults",
+    server = ServerProcess(tmp_path, "--tp", "2", "--steps", "4", module="paradiff_testkit.faults",
                            env={"PARADIFF_INJECT_FAULT": "1:exit", "PARADIFF_FAULT_GATE": str(gate)})
     try:
         server.wait_ready()

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from paradiff.demo import LORA_FILE
-from paradiff.testing.serve import ServerProcess, images_of
+from paradiff_testkit.serve import ServerProcess, images_of
 
 pytestmark = pytest.mark.slow
 

@@ -172,7 +172,7 @@ def wan(tmp_path_factory) -> dict:
     from diffusers import DiffusionPipeline
 
     from paradiff.cli.outputs import png_bytes
-    from paradiff.testing.pipelines import save_pipeline
+    from paradiff_testkit.pipelines import save_pipeline
 
     root = tmp_path_factory.mktemp("wan-jobs")
     folder = save_pipeline("wan2.2", root / "wan2.2")
@@ -190,7 +190,7 @@ def history(wan, tmp_path_factory):
     (still running, for the page) and what was seen."""
     import openai
 
-    from paradiff.testing.serve import ServerProcess
+    from paradiff_testkit.serve import ServerProcess
 
     seen: dict = {}
     root = tmp_path_factory.mktemp("jobs-server")

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from paradiff.io.checkpoint import Checkpoint
-from paradiff.testing.pipelines import save_medium_lumina2
+from paradiff_testkit.pipelines import save_medium_lumina2
 
 MIB = 2**20
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import paradiff
-from paradiff.testing.pipelines import (
+from paradiff_testkit.pipelines import (
     PIPELINE_FAMILIES,
     VIDEO_FAMILIES,
     build_pipeline,

@@ -11,8 +11,8 @@ import torch
 
 import paradiff
 import rank_cases_vae as cases
-from paradiff.testing.memory import PeakTensorMemory
-from paradiff.testing.vaes import build_vae, run_vae, sample_input
+from paradiff_testkit.memory import PeakTensorMemory
+from paradiff_testkit.vaes import build_vae, run_vae, sample_input
 
 RTOL = 1e-5  # relative max difference: max |split - single| / max |single|
 # name -> [(kind, height, width, frames)]: latent heights of 5 and image heights of 18/20 rows (5 units of the
@@ -40,7 +40,7 @@ CASES = {
     "cosmos": [("decode", 5, 6, 2), ("encode", 20, 24, 9)],
     "hunyuanimage": [("decode", 5, 6, 1), ("encode", 40, 48, 1)],
     "hunyuanimage-refiner": [("decode", 5, 6, 2), ("encode", 40, 24, 5)],
-    "hunyuanvideo15": [("decode", 5, 6, 2), ("encode", 40, 24, 5)],  # batch 1 (see testing/vaes.py)
+    "hunyuanvideo15": [("decode", 5, 6, 2), ("encode", 40, 24, 5)],  # batch 1 (see paradiff_testkit/vaes.py)
     "qwenimage21": [("decode", 5, 6, 1), ("encode", 40, 48, 1)],
     # the decoder pads by reflection: rebuilt from the image's rows at its edges, windows padded in that mode
     "ltx2video": [("decode", 5, 6, 2), ("encode", 40, 48, 9)],

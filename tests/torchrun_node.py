@@ -1,7 +1,7 @@
 """One node of tests/test_cli.py::test_two_nodes_on_loopback: torchrun itself (torch.distributed.run's argument
 parser and config, its c10d rendezvous and elastic agent, the environment it gives each worker), except that the
 worker runs `-m MODULE ARGS` in processes forked from this one, where torchrun would start a fresh interpreter. The
-test forks this node from its preloaded server (testing/command.py), so the worker starts with torch, diffusers and
+test forks this node from its preloaded server (paradiff_testkit/command.py), so the worker starts with torch, diffusers and
 paradiff imported: each fresh worker spent about 5 s of CPU on those imports, and the test's two nodes started
 theirs at once on a 2-core machine.
 

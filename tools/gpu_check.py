@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testkit"))  # paradiff_testkit (docs/testing.md)
+
 PARTS = ("kernels", "single", "nccl", "cli", "compile", "fp8")
 SAMPLE = (("flux", "flux.1-dev"), ("flux2", "flux.2-dev"), ("wan", "wan2.1-t2v"), ("qwenimage", "qwen-image"),
           ("sd3", "sd3"), ("ltx2", "ltx-2"), ("hunyuan_video", "hunyuan-video-t2v"), ("lumina2", "lumina2"))
@@ -185,7 +187,7 @@ def nccl(folder: Path) -> dict:
     import paradiff
     from paradiff.config import ParallelConfig
     from paradiff.distributed.spawn import free_port
-    from paradiff.testing.pipelines import default_call_kwargs, save_pipeline
+    from paradiff_testkit.pipelines import default_call_kwargs, save_pipeline
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))

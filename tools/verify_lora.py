@@ -1,7 +1,7 @@
 """Verify LoRA adapters on the tiny pipelines in every mode: for each family, two adapters (diffusers' format with
 text-encoder parts where the family's loader adapts its encoders, and a converted format where diffusers has a
 converter) loaded with `load_lora_weights`, mixed by `set_adapters`, fused into every component, unfused, unloaded,
-against diffusers' single-process pipeline (paradiff.testing.lora.pipeline_lora). Writes tools/verify_lora.json and
+against diffusers' single-process pipeline (paradiff_testkit.lora.pipeline_lora). Writes tools/verify_lora.json and
 the table in docs/lora.md between its markers. tests/test_lora.py runs a sample of these cases.
 
     .venv/bin/python tools/verify_lora.py                 # ~20 minutes on 2 CPU cores
@@ -17,9 +17,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testkit"))  # paradiff_testkit (docs/testing.md)
+
 from paradiff.testing.dist import RankFailure, RankPool, RankTimeout
-from paradiff.testing.lora import pipeline_lora, save_pipeline_loras
-from paradiff.testing.pipelines import save_pipeline
+from paradiff_testkit.lora import pipeline_lora, save_pipeline_loras
+from paradiff_testkit.pipelines import save_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "tools" / "verify_lora.json"

@@ -1,6 +1,6 @@
 """Verify Modular Diffusers pipelines on the mesh in the modes beyond the coverage table's (which
 tools/verify_pipelines.py verifies for every modular zoo key): a staged tp2 load, data parallel x TP, cfg2 x ulysses2
-and a 3-branch SkipLayerGuidance guider at cfg3, on four zoo keys (paradiff.testing.modular.MODULAR_KEYS), each
+and a 3-branch SkipLayerGuidance guider at cfg3, on four zoo keys (paradiff_testkit.modular.MODULAR_KEYS), each
 output against diffusers' single-process modular call of the same folder and seed (fp32), with what each rank held
 and computed. Writes tools/verify_modular.json and the table between the `modular:start` / `modular:end` markers of
 docs/pipelines.md.
@@ -22,9 +22,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from paradiff.testing import zoo
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testkit"))  # paradiff_testkit (docs/testing.md)
+
 from paradiff.testing.dist import RankFailure, RankPool, RankTimeout
-from paradiff.testing.modular import MODULAR_KEYS, guided, modular_equivalence
+from paradiff_testkit import zoo
+from paradiff_testkit.modular import MODULAR_KEYS, guided, modular_equivalence
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "tools" / "verify_modular.json"

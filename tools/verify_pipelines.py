@@ -1,4 +1,4 @@
-"""Verify every tiny-pipeline recipe (paradiff.testing.zoo) in every parallel mode against diffusers' single-process
+"""Verify every tiny-pipeline recipe (paradiff_testkit.zoo) in every parallel mode against diffusers' single-process
 call; write src/paradiff/plans/pipelines_verified.json, which `paradiff plans --pipelines` and
 docs/pipeline-coverage.md's table show.
 
@@ -27,6 +27,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "testkit"))  # paradiff_testkit (docs/testing.md)
 DOC = ROOT / "docs" / "pipeline-coverage.md"
 START, END = "<!-- pipeline-coverage:start -->\n", "\n<!-- pipeline-coverage:end -->"
 
@@ -44,8 +45,8 @@ def not_applicable(key: str, mode: str) -> dict | None:
     """The outcome of a cfg mode on a pipeline that never guides ("n/a"), or on a recipe whose call does not guide
     though the pipeline can (a defect of the recipe: "failed"); None where the mode is to be run."""
     from paradiff.plans.pipelines import CFG_RULES, MODULAR_CFG_REFUSALS, NEVER_GUIDES
-    from paradiff.testing import zoo
-    from paradiff.testing.zoo.check import CFG_MODES
+    from paradiff_testkit import zoo
+    from paradiff_testkit.zoo.check import CFG_MODES
 
     if mode not in CFG_MODES:
         return None
@@ -64,13 +65,13 @@ def not_applicable(key: str, mode: str) -> dict | None:
 
 @functools.lru_cache(maxsize=1)
 def _modular_guiders() -> dict[str, list[str]]:
-    from paradiff.testing import zoo
+    from paradiff_testkit import zoo
 
     return zoo.modular_dit_classes()
 
 
 def folder_of(folders: Path, key: str) -> Path:
-    from paradiff.testing import zoo
+    from paradiff_testkit import zoo
 
     return folders / f"{key.replace('@', '-')}-{zoo.fingerprint(key)}"
 
@@ -90,9 +91,9 @@ def combine(outcomes: list[dict]) -> dict:
 
 def main(only: list[str] | None, modes: list[str] | None, folders: Path) -> int:
     from paradiff.plan_tools.pipeline_coverage import VERIFIED, load_verified
-    from paradiff.testing import zoo
+    from paradiff_testkit import zoo
     from paradiff.testing.dist import RankFailure, RankPool, RankTimeout
-    from paradiff.testing.zoo.check import ALL_MODES, MODES, check_modes, reference
+    from paradiff_testkit.zoo.check import ALL_MODES, MODES, check_modes, reference
 
     record = load_verified()
     pipelines: dict = record.get("pipelines", {})
@@ -161,7 +162,7 @@ def _importable(name: str) -> bool:
 
 def refresh_classes() -> None:
     from paradiff.plan_tools.pipeline_coverage import VERIFIED, load_verified
-    from paradiff.testing import zoo
+    from paradiff_testkit import zoo
 
     import diffusers
 

@@ -7,7 +7,7 @@ write src/paradiff/plans/verified.json, which `paradiff plans` (and docs/coverag
     .venv/bin/python tools/verify_plans.py --uneven [--only ...]      # only the uneven-head sweep (below)
 
 The uneven-head sweep runs every example with head counts the TP degree does not divide: 3, 5 and 7 heads at tp2,
-4, 5 and 7 at tp3 (one K/V head where the example groups them; testing/families.py: uneven_head_overrides), and
+4, 5 and 7 at tp3 (one K/V head where the example groups them; paradiff_testkit/families.py: uneven_head_overrides), and
 records per class the worst difference, the largest per-rank share of the block FLOPs, and the head counts no
 config of the example takes or the plan refuses (more ranks than some attention's heads).
 """
@@ -17,11 +17,14 @@ from __future__ import annotations
 import datetime
 import json
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testkit"))  # paradiff_testkit (docs/testing.md)
 
 from paradiff.plan_tools import family_examples as examples
 from paradiff.plan_tools.coverage import VERIFIED
 from paradiff.testing.dist import RankPool, RankFailure, RankTimeout
-from paradiff.testing.families import family_modes, family_modes_or_refusal, uneven_head_overrides
+from paradiff_testkit.families import family_modes, family_modes_or_refusal, uneven_head_overrides
 
 WORLD_MODES = {2: ["tp2", "ulysses2", "ring2"], 4: ["tp2xulysses2", "unified2x2"]}
 UNEVEN_HEADS = {"tp2": (3, 5, 7), "tp3": (4, 5, 7)}  # head counts neither degree divides

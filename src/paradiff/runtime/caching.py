@@ -51,9 +51,10 @@ class CacheMonitor:
 
     group: dist.ProcessGroup | None  # the ranks of one forward; None for a single rank
     decisions: list[CacheDecision] = field(default_factory=list)
-    # Sums the local measures over `group`; a seam for paradiff.testing, which shows what disagreement would do.
+    # Sums the local measures over `group`; a seam for the test kit (paradiff_testkit.caching), which shows what
+    # disagreement would do.
     reduce: Callable[[torch.Tensor, dist.ProcessGroup | None], list[float]] = all_reduce_metric
-    # Called with every decision before it takes effect; None in normal use (paradiff.testing checks agreement here).
+    # Called with every decision before it takes effect; None in normal use (the test kit checks agreement here).
     verify: Callable[[CacheDecision], None] | None = None
     state_managers: list = field(default_factory=list)  # of the cache hooks, to tell whether a context is set
     calls: dict[str, int] = field(default_factory=dict)  # forwards per context since the last clear

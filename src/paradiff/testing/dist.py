@@ -84,16 +84,19 @@ def release_groups() -> None:
             dist.destroy_process_group(group)
 
 
-# Besides what every local worker preloads (distributed/spawn.py: WORKER_PRELOAD), what the cases import and what
-# the commands tests run import (testing/command.py forks them from the same server: whichever starts it first,
-# both find what they need).
-PRELOAD = ("paradiff.plan_tools.family_examples", "paradiff.testing.families", "paradiff.cli", "paradiff.cli.worker")
+# Besides what every local worker preloads (distributed/spawn.py: WORKER_PRELOAD), what cases and commands import:
+# the plans' example models and the command. A caller adds its own modules (`RankPool(preload=)`: the test suite's
+# fixtures, paradiff_testkit.PRELOAD); the fork server is one per process, and the first preload to start it wins.
+PRELOAD = ("paradiff.plan_tools.family_examples", "paradiff.cli", "paradiff.cli.worker")
 
 
 class RankPool:
-    def __init__(self, world_size: int, collective_timeout_s: float = 60.0) -> None:
+    """`world_size` gloo ranks forked once (local_context, importing PRELOAD and `preload`), each case an importable
+    function run on every rank: `pool.run(case, **kwargs)` returns its results by rank."""
+
+    def __init__(self, world_size: int, collective_timeout_s: float = 60.0, preload: tuple[str, ...] = ()) -> None:
         self.world_size = world_size
-        context = local_context(PRELOAD)
+        context = local_context((*PRELOAD, *preload))
         self.inboxes = [context.Queue() for _ in range(world_size)]
         self.outbox = context.Queue()
         # the ranks' store, served here on a port bound once and kept (no other process can take it in between)
