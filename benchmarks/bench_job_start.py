@@ -17,11 +17,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testkit"))  # paradiff_testkit (docs/testing.md)
 
 from results import figure, write_result  # noqa: E402
 
-from paradiff.testing.pipelines import save_pipeline  # noqa: E402
-from paradiff.testing.serve import ServerProcess  # noqa: E402
+from paradiff_testkit.pipelines import save_pipeline  # noqa: E402
+from paradiff_testkit.serve import ServerProcess  # noqa: E402
 
 VIDEO = ["--frames", "5", "--height", "32", "--width", "32", "--fps", "8"]
 

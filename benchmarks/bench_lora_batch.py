@@ -149,8 +149,8 @@ def adapter_load(work: Path, pipeline_loads: int, adapter_loads: int) -> dict:
 
     import paradiff
     from paradiff.serve.adapters import AdapterCache, file_sha256
-    from paradiff.testing.lora import random_lora, save_lora
-    from paradiff.testing.pipelines import save_medium_lumina2
+    from paradiff_testkit.lora import random_lora, save_lora
+    from paradiff_testkit.pipelines import save_medium_lumina2
 
     folder = save_medium_lumina2(work / "lumina2")
     pipeline_times = []

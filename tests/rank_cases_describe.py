@@ -22,7 +22,7 @@ def patches_removed_give_the_plain_model_back(family: str, mode: str) -> dict:
     import torch
     from diffusers import FirstBlockCacheConfig
 
-    from paradiff.testing.lora import TARGETS, random_lora
+    from paradiff_testkit.lora import TARGETS, random_lora
     from paradiff.testing.models import Lengths, build_model, make_inputs, run_forward
 
     model = build_model(family, layers=2, single_layers=2).eval()

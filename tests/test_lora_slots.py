@@ -260,7 +260,7 @@ def quantized_slot_base(tmp_path_factory) -> dict:
     """A tiny FLUX.2 whose planned slices at tp2 are whole nf4 blocks (64) and whole Q8_0 blocks (32): 64-wide heads
     and inputs, as a folder (fp8, nf4) and as an original-format GGUF file (Q8_0 where a row is whole blocks, F32
     elsewhere); two adapters, diffusers rank 4 (alpha 8) and rank 8 (alpha 4) on every other target."""
-    from paradiff.testing.gguf import save_flux2_gguf
+    from paradiff_testkit.gguf import save_flux2_gguf
     from paradiff.testing.models import model_class, save_model, tiny_config
 
     root = tmp_path_factory.mktemp("quantized-slot-base")

@@ -738,7 +738,7 @@ def test_openais_client_edits_img2img_and_inpaint_at_tp2_as_single_process_diffu
     from PIL import Image
 
     from paradiff.cli.outputs import png_bytes
-    from paradiff.testing.pipelines import save_pipeline
+    from paradiff_testkit.pipelines import save_pipeline
 
     fields = CONDITIONED[pipeline_class]
     root = tmp_path_factory.mktemp(pipeline_class)
