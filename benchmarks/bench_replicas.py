@@ -142,7 +142,7 @@ def main() -> int:
     if args.model == "flux2":
         from bench_pipelines import LARGE_FLUX2, build_folder
 
-        model = [str(build_folder(LARGE_FLUX2, Path(tempfile.mkdtemp()))), "--height", "128", "--width", "128",
+        model = [str(build_folder("flux2", LARGE_FLUX2, Path(tempfile.mkdtemp()))), "--height", "128", "--width", "128",
                  "--steps", "3"]
     steps = 3 if args.model == "flux2" else 2
     if args.only_ray:
