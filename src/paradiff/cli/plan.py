@@ -180,12 +180,9 @@ def resolve_auto_parallel(args: argparse.Namespace, argv: list[str]) -> list[str
 
 
 def _fsdp_holds(args: argparse.Namespace, mesh) -> bool:
-    """Whether `--fsdp` takes this mesh with the run's other flags (api/fsdp.py's check_fsdp refuses the rest by
-    name): never with --stages or nf4, and over a quantized base (int8 / fp8 / GGUF) only without --tp, since
-    quantized FSDP shards whole rows (docs/fsdp.md)."""
-    if mesh.fsdp == 1:
-        return True
-    quantize, gguf = getattr(args, "quantize", None), getattr(args, "gguf", None)
-    if getattr(args, "stages", False) or quantize == "nf4":
-        return False
-    return not ((quantize or gguf) and mesh.tp > 1)
+    """Whether `--fsdp` takes this mesh with the run's other flags: the rules api/fsdp.py's check_fsdp raises."""
+    from paradiff.api.fsdp import fsdp_refusal
+
+    return mesh.fsdp == 1 or fsdp_refusal(mesh.fsdp, mesh.tp, getattr(args, "quantize", None),
+                                          single_file=bool(getattr(args, "gguf", None)),
+                                          stages=bool(getattr(args, "stages", False))) is None
