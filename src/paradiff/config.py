@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from paradiff.distributed.parallelism import CONTEXT, PARALLELISMS
 from paradiff.errors import ParallelConfigError
 
 if TYPE_CHECKING:
@@ -74,7 +75,8 @@ class ContextParallelConfig:
 
 @dataclass
 class ParallelConfig:
-    """Every parallelism on one mesh: data x cfg x fsdp x ring x ulysses x tp (outermost to innermost).
+    """Every parallelism on one mesh: data x cfg x fsdp x ring x ulysses x tp (outermost to innermost; the registered
+    parallelisms' dimensions, `distributed/parallelism.py`).
 
     `fsdp_degree` shards the transformer blocks' weights (FSDP2, docs/fsdp.md). With context parallelism it shares
     the CP ranks (it must equal ring x ulysses: the usual sequence-parallel + FSDP layout) and adds no rank; without
@@ -109,16 +111,9 @@ class ParallelConfig:
             )
         if self.fsdp_offload not in (True, False):
             raise ParallelConfigError(f"fsdp_offload must be True or False, got {self.fsdp_offload!r}.")
-        if self.fsdp_offload and self.fsdp_degree == 1:
-            raise ParallelConfigError(
-                "fsdp_offload=True with fsdp_degree=1: the offload keeps FSDP's shards in CPU memory, and nothing is "
-                "FSDP-sharded; set fsdp_degree > 1 (or use diffusers' own offload without paradiff's mesh).")
-        cp = self.ring_degree * self.ulysses_degree
-        if self.fsdp_degree > 1 and cp > 1 and self.fsdp_degree != cp:
-            raise ParallelConfigError(
-                f"fsdp_degree={self.fsdp_degree} with context parallelism of {cp} ranks (ring={self.ring_degree} x "
-                f"ulysses={self.ulysses_degree}): FSDP shards over the CP ranks, so fsdp must equal {cp} (or be 1). "
-                "Use a separate fsdp dimension only without ring / ulysses.")
+        refusal = PARALLELISMS.refusal(self)  # each registered parallelism's rules on its degrees
+        if refusal is not None:
+            raise ParallelConfigError(refusal)
 
     @classmethod
     def from_degrees(cls, tp: int = 1, ulysses: int = 1, ring: int = 1, cfg: int = 1, data: int = 1,
@@ -158,18 +153,12 @@ class ParallelConfig:
         """The mesh dimensions whose ranks share one FSDP group: none, the CP ranks, or its own dimension."""
         if self.fsdp_degree == 1:
             return ()
-        return ("ring", "ulysses") if self.ring_degree * self.ulysses_degree > 1 else ("fsdp",)
+        return CONTEXT.dims if self.ring_degree * self.ulysses_degree > 1 else ("fsdp",)
 
     def degrees(self) -> dict[str, int]:
-        """Mesh dimension sizes, outermost first (fsdp is 1 here when it shares the CP ranks: `fsdp_dims`)."""
-        return {
-            "data": self.data_degree,
-            "cfg": self.cfg_degree,
-            "fsdp": self.fsdp_degree if self.fsdp_dims == ("fsdp",) else 1,
-            "ring": self.ring_degree,
-            "ulysses": self.ulysses_degree,
-            "tp": self.tp_degree,
-        }
+        """Mesh dimension sizes, outermost first, as the registered parallelisms give them (fsdp is 1 here when it
+        shares the CP ranks: `fsdp_dims`)."""
+        return PARALLELISMS.degrees(self)
 
     @property
     def world_size(self) -> int:
@@ -179,10 +168,10 @@ class ParallelConfig:
         return size
 
 
-# Outermost to innermost, as ParallelConfig.degrees() orders the mesh.
-MODE_DIMENSIONS = ("data", "cfg", "fsdp", "ring", "ulysses", "tp")
+# Outermost to innermost, as ParallelConfig.degrees() orders the mesh: the registered parallelisms' dimensions.
+MODE_DIMENSIONS = PARALLELISMS.dims
 NO_PARALLELISM = "single"
-MODE_ALIASES = {"dp": "data"}  # the CLI's --dp
+MODE_ALIASES = PARALLELISMS.aliases  # the CLI's --dp
 
 
 def parse_mode(mode: str) -> dict[str, int]:

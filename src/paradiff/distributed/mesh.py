@@ -1,5 +1,5 @@
-"""One DeviceMesh with named dimensions (data, cfg, fsdp, ring, ulysses, tp), the process groups cut from it, and
-each rank's coordinates along those dimensions.
+"""One DeviceMesh with named dimensions (data, cfg, fsdp, ring, ulysses, tp: the registered parallelisms' dimensions,
+`distributed/parallelism.py`), the process groups cut from it, and each rank's coordinates along those dimensions.
 
 Ulysses sits inside ring and tp innermost: the dimensions that talk the most get neighbouring ranks, which on one node
 means the fastest links.
@@ -17,6 +17,7 @@ Anything else raises ParallelConfigError naming the mesh's dimensions and the de
 from __future__ import annotations
 
 import atexit
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -25,17 +26,18 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from paradiff.config import ParallelConfig
+from paradiff.distributed.parallelism import CONTEXT, DATA, PARALLELISMS, Registry
 from paradiff.errors import DistributedError, ParallelConfigError
 
-MESH_DIMS = ("data", "cfg", "fsdp", "ring", "ulysses", "tp")
-CP_DIMS = ("ring", "ulysses")
-REPLICA_DIMS = ("cfg", "fsdp", "ring", "ulysses", "tp")
+MESH_DIMS = PARALLELISMS.dims
+CP_DIMS = CONTEXT.dims
+REPLICA_DIMS = tuple(dim for dim in MESH_DIMS if dim not in DATA.dims)  # the ranks of one data-parallel replica
 FSDP_GROUP = ("fsdp weights",)  # flat_groups' key of the FSDP group (its dims are config.fsdp_dims)
 
 
 @dataclass(frozen=True)
 class MeshCoordinates:
-    """One rank's index and the size along each of paradiff's six dimensions.
+    """One rank's index and the size along each of the mesh's dimensions.
 
     A group of dimensions numbers its ranks row-major over the dimensions as given (the first outermost), the order
     `dist.new_group` receives them in `_add_flat_groups`.
@@ -71,29 +73,32 @@ class MeshCoordinates:
 
 
 def coordinates_from_degrees(degrees: dict[str, int], rank: int) -> MeshCoordinates:
-    """Coordinates before any mesh exists: world ranks are laid out data x cfg x fsdp x ring x ulysses x tp, innermost
-    last."""
+    """Coordinates before any mesh exists: world ranks are laid out over `degrees` in its order (a registry's: data x
+    cfg x fsdp x ring x ulysses x tp), innermost last."""
+    dims = tuple(degrees)
     indices = {}
     remainder = rank
-    for dim in reversed(MESH_DIMS):
+    for dim in reversed(dims):
         indices[dim] = remainder % degrees[dim]
         remainder //= degrees[dim]
-    return MeshCoordinates(sizes={dim: degrees[dim] for dim in MESH_DIMS}, indices={d: indices[d] for d in MESH_DIMS})
+    return MeshCoordinates(sizes={dim: degrees[dim] for dim in dims}, indices={d: indices[d] for d in dims})
 
 
 def mesh_dim_mapping(degrees: dict[str, int], mesh_names: tuple[str, ...], mesh_sizes: tuple[int, ...]
                      ) -> dict[str, int]:
-    """paradiff dimension -> position in the user mesh, by the rule in this module's docstring."""
-    named = {name: position for position, name in enumerate(mesh_names) if name in MESH_DIMS}
-    unnamed = [position for position, name in enumerate(mesh_names) if name not in MESH_DIMS]
-    wanted = [dim for dim in MESH_DIMS if dim not in named and degrees[dim] > 1]
+    """paradiff dimension -> position in the user mesh, by the rule in this module's docstring (the dimensions are
+    `degrees`' keys, in their order)."""
+    dims = tuple(degrees)
+    named = {name: position for position, name in enumerate(mesh_names) if name in dims}
+    unnamed = [position for position, name in enumerate(mesh_names) if name not in dims]
+    wanted = [dim for dim in dims if dim not in named and degrees[dim] > 1]
     unnamed_used = [position for position in unnamed if mesh_sizes[position] > 1]
-    needed = " x ".join(f"{dim}={degrees[dim]}" for dim in MESH_DIMS if degrees[dim] > 1) or "none (every degree is 1)"
+    needed = " x ".join(f"{dim}={degrees[dim]}" for dim in dims if degrees[dim] > 1) or "none (every degree is 1)"
     shape = ", ".join(f"{name!r}={size}" for name, size in zip(mesh_names, mesh_sizes))
     if len(unnamed_used) != len(wanted) or any(mesh_sizes[p] != degrees[d] for p, d in zip(unnamed_used, wanted)):
         raise ParallelConfigError(
             f"The given DeviceMesh has dimensions ({shape}) but the config's degrees are {needed}. Name mesh "
-            f"dimensions after paradiff's {MESH_DIMS}, or give dimensions of other names in that order with sizes "
+            f"dimensions after paradiff's {dims}, or give dimensions of other names in that order with sizes "
             f"matching the degrees not named ({', '.join(f'{d}={degrees[d]}' for d in wanted) or 'none'})."
         )
     mapping = dict(named)
@@ -112,8 +117,8 @@ def coordinates_from_mesh(degrees: dict[str, int], mesh: DeviceMesh) -> MeshCoor
     names = tuple(mesh.mesh_dim_names or ())
     mapping = mesh_dim_mapping(degrees, names, tuple(mesh.mesh.shape))
     coordinate = mesh.get_coordinate() or [0] * len(names)
-    indices = {dim: (coordinate[mapping[dim]] if dim in mapping else 0) for dim in MESH_DIMS}
-    return MeshCoordinates(sizes={dim: degrees[dim] for dim in MESH_DIMS}, indices=indices)
+    indices = {dim: (coordinate[mapping[dim]] if dim in mapping else 0) for dim in degrees}
+    return MeshCoordinates(sizes=dict(degrees), indices=indices)
 
 
 def rank_coordinates(config: ParallelConfig, rank: int | None = None) -> MeshCoordinates:
@@ -168,6 +173,7 @@ class ParallelMesh:
     """The resolved mesh: degrees, this rank's coordinates, and one process group per dimension.
 
     `flat_groups` holds groups spanning several dimensions (e.g. ("ring", "ulysses") for the whole CP group).
+    `registry` gives the dimensions and their sizes (paradiff's parallelisms; a test's own registry adds one).
     """
 
     config: ParallelConfig
@@ -175,11 +181,13 @@ class ParallelMesh:
     flat_groups: dict[tuple[str, ...], dist.ProcessGroup] = field(default_factory=dict)
     # paradiff dimension -> its position in device_mesh; a dimension absent here has size 1
     positions: dict[str, int] = field(default_factory=dict)
+    registry: Registry = PARALLELISMS
 
     def __post_init__(self) -> None:
         if not self.positions:
             names = tuple(self.device_mesh.mesh_dim_names or ())
-            self.positions = mesh_dim_mapping(self.config.degrees(), names, tuple(self.device_mesh.mesh.shape))
+            self.positions = mesh_dim_mapping(self.registry.degrees(self.config), names,
+                                              tuple(self.device_mesh.mesh.shape))
 
     def flat_group(self, dims: tuple[str, ...]) -> dist.ProcessGroup:
         return self.flat_groups[dims]
@@ -195,8 +203,8 @@ class ParallelMesh:
 
     @property
     def coordinates(self) -> MeshCoordinates:
-        return MeshCoordinates(sizes={dim: self.size(dim) for dim in MESH_DIMS},
-                               indices={dim: self.local_rank(dim) for dim in MESH_DIMS})
+        return MeshCoordinates(sizes={dim: self.size(dim) for dim in self.registry.dims},
+                               indices={dim: self.local_rank(dim) for dim in self.registry.dims})
 
     def ranks_along(self, dims: tuple[str, ...]) -> list[list[int]]:
         """Rows of world ranks that share every coordinate but `dims`, each numbered row-major over `dims`."""
@@ -219,7 +227,7 @@ class ParallelMesh:
 
     @property
     def cp_degree(self) -> int:
-        return self.size("ring") * self.size("ulysses")
+        return math.prod(self.size(dim) for dim in CP_DIMS)
 
     @property
     def model_group(self) -> dist.ProcessGroup | None:
@@ -231,13 +239,13 @@ class ParallelMesh:
             return self.flat_group(dims) if len(dims) > 1 else self.group("fsdp")
         cp, tp = self.cp_degree > 1, self.size("tp") > 1
         if cp and tp:
-            return self.flat_group(("ring", "ulysses", "tp"))
+            return self.flat_group((*CP_DIMS, "tp"))
         if cp:
-            return self.flat_group(("ring", "ulysses"))
+            return self.flat_group(CP_DIMS)
         return self.tp_group if tp else None
 
     def describe(self) -> dict[str, int]:
-        return {name: self.size(name) for name in MESH_DIMS}
+        return {name: self.size(name) for name in self.registry.dims}
 
     @property
     def fsdp_group(self) -> dist.ProcessGroup | None:
@@ -257,31 +265,34 @@ class ParallelMesh:
         return DeviceMesh.from_group(group, self.device_mesh.device_type, mesh_dim_names=(f"fsdp-{group.group_name}",))
 
 
-def build_mesh(config: ParallelConfig, device: torch.device | None = None) -> ParallelMesh:
-    """Validate the degrees against the world and build (or adopt) the DeviceMesh."""
+def build_mesh(config: ParallelConfig, device: torch.device | None = None,
+               registry: Registry = PARALLELISMS) -> ParallelMesh:
+    """Validate the degrees against the world and build (or adopt) the DeviceMesh, one dimension per dimension of
+    `registry`'s parallelisms, in their order."""
     require_distributed()
     world_size = dist.get_world_size()
-    degrees = config.degrees()
+    degrees = registry.degrees(config)
     if config.mesh is not None:
-        return _adopt_mesh(config, config.mesh)
-    if config.world_size != world_size:
+        return _adopt_mesh(config, config.mesh, registry)
+    product = math.prod(degrees.values())
+    if product != world_size:
         detail = " x ".join(f"{name}={size}" for name, size in degrees.items())
         raise ParallelConfigError(
-            f"The parallel degrees multiply to {config.world_size} ({detail}) but the world size is {world_size}; "
+            f"The parallel degrees multiply to {product} ({detail}) but the world size is {world_size}; "
             "their product must equal the number of processes."
         )
     device_type = (device or default_device()).type
-    mesh = init_device_mesh(device_type, tuple(degrees.values()), mesh_dim_names=MESH_DIMS)
-    parallel_mesh = ParallelMesh(config=config, device_mesh=mesh)
+    mesh = init_device_mesh(device_type, tuple(degrees.values()), mesh_dim_names=registry.dims)
+    parallel_mesh = ParallelMesh(config=config, device_mesh=mesh, registry=registry)
     _add_flat_groups(parallel_mesh)
     return parallel_mesh
 
 
 def _add_flat_groups(parallel_mesh: ParallelMesh) -> None:
     """Create the multi-dimension groups every rank must create together (new_group is collective)."""
-    wanted = [("ring", "ulysses")] if parallel_mesh.cp_degree > 1 else []
+    wanted = [CP_DIMS] if parallel_mesh.cp_degree > 1 else []
     if parallel_mesh.cp_degree > 1 and parallel_mesh.size("tp") > 1:
-        wanted.append(("ring", "ulysses", "tp"))
+        wanted.append((*CP_DIMS, "tp"))
     if parallel_mesh.size("fsdp") > 1 and parallel_mesh.size("tp") > 1:
         wanted.append(("fsdp", "tp"))  # (fsdp has no CP beside it: it would share the CP ranks)
     me = dist.get_rank()
@@ -315,8 +326,8 @@ def replica_group(parallel_mesh: ParallelMesh) -> dist.ProcessGroup:
     return parallel_mesh.flat_groups[REPLICA_DIMS]
 
 
-def _adopt_mesh(config: ParallelConfig, mesh: DeviceMesh) -> ParallelMesh:
+def _adopt_mesh(config: ParallelConfig, mesh: DeviceMesh, registry: Registry = PARALLELISMS) -> ParallelMesh:
     """Use the caller's mesh; ParallelMesh maps its dimensions (and raises on a mismatch) by this module's rule."""
-    parallel_mesh = ParallelMesh(config=config, device_mesh=mesh)
+    parallel_mesh = ParallelMesh(config=config, device_mesh=mesh, registry=registry)
     _add_flat_groups(parallel_mesh)
     return parallel_mesh
