@@ -43,3 +43,50 @@ def paradiff_describe(model) -> dict[str, int]:
     from paradiff.runtime.state import get_state
 
     return get_state(model).mesh.describe()
+
+
+def a_parallelism_of_its_own_gets_a_dimension_and_its_patches(rank_order: str = "after cfg") -> dict:
+    """A parallelism declared here, outside paradiff, in a registry of the test's own: its dimension in the mesh,
+    its patch put on by attach in the registry's order and taken off again, the other modes' code untouched."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from paradiff.api.attach import attach
+    from paradiff.api.parallelisms import REGISTRY
+    from paradiff.distributed.mesh import MESH_DIMS, build_mesh
+    from paradiff.distributed.parallelism import PARALLELISMS, Parallelism
+    from paradiff.runtime.patches import add_hook, patches, remove_patches
+
+    class PipeParallelism(Parallelism):
+        name, dims = "pipe", ("pipe",)
+
+        def degrees(self, config):
+            return {"pipe": dist.get_world_size()}
+
+        def apply(self, model, resolved, mesh, state):
+            stage = mesh.local_rank("pipe")
+            add_hook(model, lambda module, args, output: output + stage * resolved, by=self.name)
+
+    registry = REGISTRY.adding(PipeParallelism(), after="cfg", apply_after="cp")
+    mesh = build_mesh(paradiff.ParallelConfig(), registry=registry)
+    model = nn.Linear(4, 4)
+    inputs = torch.ones(1, 4)
+    with torch.no_grad():
+        before = model(inputs)
+    attach(model, mesh, None, None, registry=registry, plans={"pipe": 10.0})
+    applied = [str(patch) for _, patch in patches(model)]
+    with torch.no_grad():
+        patched = model(inputs)
+    removed = remove_patches(model)
+    return {
+        "mesh_dims": list(mesh.device_mesh.mesh_dim_names),
+        "describe": mesh.describe(),
+        "pipe_rank": mesh.local_rank("pipe"),
+        "applied": applied,
+        "patched_shift": float((patched - before).max()),
+        "removed": removed,
+        "left": [str(patch) for _, patch in patches(model)],
+        "unpatched_equal": torch.equal(model(inputs).detach(), before),
+        "global_dims_unchanged": PARALLELISMS.dims == MESH_DIMS and "pipe" not in MESH_DIMS,
+        "apply_order": list(registry.apply_order),
+    }

@@ -7,6 +7,7 @@ import pytest
 
 import rank_cases_mesh as cases
 from paradiff.distributed.mesh import MESH_DIMS, coordinates_from_degrees, mesh_dim_mapping
+from paradiff.distributed.parallelism import Parallelism
 from paradiff.errors import ParallelConfigError
 
 FAMILY = "flux"
@@ -86,3 +87,47 @@ def test_size_one_mesh_dimensions_no_degree_needs_are_ignored():
 def test_a_mesh_that_does_not_fit_the_degrees_is_refused_naming_its_dimensions(degrees, names, sizes):
     with pytest.raises(ParallelConfigError, match=repr(names[0])):
         mesh_dim_mapping(degrees, names, sizes)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The registered parallelisms (distributed/parallelism.py): the mesh's dimensions come from them
+
+
+def test_the_mesh_and_the_modes_have_the_registrys_dimensions_and_degrees():
+    from paradiff.api.parallelisms import REGISTRY
+    from paradiff.config import MODE_DIMENSIONS, ParallelConfig
+    from paradiff.distributed.mesh import CP_DIMS, REPLICA_DIMS
+    from paradiff.distributed.parallelism import PARALLELISMS
+
+    assert PARALLELISMS.dims == MESH_DIMS == MODE_DIMENSIONS == REGISTRY.dims
+    assert MESH_DIMS == ("data", "cfg", "fsdp", "ring", "ulysses", "tp")
+    assert CP_DIMS == PARALLELISMS.get("cp").dims == ("ring", "ulysses")
+    assert REPLICA_DIMS == ("cfg", "fsdp", "ring", "ulysses", "tp")
+    assert REGISTRY.apply_order[:3] == ("tp", "cp", "fsdp")  # torchtitan's order: TP, CP, (compile), FSDP
+    config = ParallelConfig.from_degrees(tp=2, ulysses=2, fsdp=2, cfg=2)
+    assert config.degrees() == PARALLELISMS.degrees(config) == {"data": 1, "cfg": 2, "fsdp": 1, "ring": 1,
+                                                                "ulysses": 2, "tp": 2}
+    assert [p.name for p in REGISTRY.parallelisms if p.enabled(config)] == ["cfg", "fsdp", "cp", "tp"]
+    with pytest.raises(ParallelConfigError, match="fsdp_degree=3 with context parallelism of 2 ranks"):
+        ParallelConfig.from_degrees(ulysses=2, fsdp=3)  # FSDP's own refusal, asked by the config
+    with pytest.raises(ValueError, match="distinct"):
+        PARALLELISMS.adding(PARALLELISMS.get("tp"))
+    with pytest.raises(ValueError, match="binds 'cp' with dimensions"):
+        PARALLELISMS.binding(RingOnly())
+
+
+class RingOnly(Parallelism):
+    name, dims = "cp", ("ring",)
+
+
+def test_a_parallelism_of_its_own_gets_its_dimension_and_patches_without_touching_the_others(pools):
+    results = pools.get(2).run(cases.a_parallelism_of_its_own_gets_a_dimension_and_its_patches)
+    for rank, result in enumerate(results):
+        assert result["mesh_dims"] == ["data", "cfg", "pipe", "fsdp", "ring", "ulysses", "tp"], result
+        assert result["describe"]["pipe"] == 2 and result["pipe_rank"] == rank, result
+        assert result["apply_order"] == ["tp", "cp", "pipe", "fsdp", "cfg", "data"], result
+        pipe_patches = [line for line in result["applied"] if line.endswith("(by pipe)")]
+        assert len(pipe_patches) == 1 and pipe_patches[0].startswith("hook forward: "), result["applied"]
+        assert result["patched_shift"] == pytest.approx(10.0 * rank), result
+        assert result["left"] == [] and result["removed"] >= 1 and result["unpatched_equal"], result
+        assert result["global_dims_unchanged"], result

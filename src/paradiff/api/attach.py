@@ -12,16 +12,19 @@ from paradiff.runtime.state import ParallelState, set_state
 from paradiff.runtime.wrappers import install_wrapper
 from paradiff.api.lora import install_lora_support
 from paradiff.api.offload import install_offload_support
+from paradiff.api.parallelisms import REGISTRY, apply_parallelisms
+from paradiff.distributed.parallelism import Registry
 
 
-def attach(model: nn.Module, mesh: Any, resolved: Any, cp_resolved: Any, fsdp_blocks: list[str] = ()) -> nn.Module:
-    """Record the parallel state on the model, hook CP in, and guard its forward against peer failures."""
+def attach(model: nn.Module, mesh: Any, resolved: Any, cp_resolved: Any, fsdp_blocks: list[str] = (), *,
+           registry: Registry = REGISTRY, plans: dict[str, Any] | None = None) -> nn.Module:
+    """Record the parallel state on the model, put on each parallelism's changes in the registry's order (CP's
+    hooks: `api/parallelisms.py`), and guard its forward against peer failures. `plans`: resolved plans of other
+    parallelisms of `registry`, by name."""
     state = ParallelState(mesh=mesh, tp_plan=resolved, fsdp_blocks=list(fsdp_blocks))
     set_state(model, state)
-    if cp_resolved is not None:
-        from paradiff.context_parallel.apply import apply_context_parallel
-
-        apply_context_parallel(model, state, cp_resolved)
+    resolved_plans = {"tp": resolved, "cp": cp_resolved, "fsdp": list(fsdp_blocks), **(plans or {})}
+    apply_parallelisms(model, mesh, state, resolved_plans, registry)
     install_wrapper(model, "failure_guard", guarded_call)
     install_agreed_caching(model, mesh.model_group)
     install_lora_support(model)

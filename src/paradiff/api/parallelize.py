@@ -11,13 +11,11 @@ from paradiff.distributed.agreement import config_fingerprint, fingerprint
 from paradiff.runtime.caching import check_cache_config
 from paradiff.config import as_parallel_config
 from paradiff.errors import UnsupportedModelError
-from paradiff.distributed.mesh import rank_coordinates, require_distributed
+from paradiff.distributed.mesh import require_distributed
 from paradiff.api.attach import attach  # noqa: F401 - public here
-from paradiff.api.fsdp import check_fsdp
 from paradiff.api.load_sequence import Component, Prepared, run_load_sequence
-from paradiff.plans import plan_for
+from paradiff.api.parallelisms import resolve_plans
 from paradiff.runtime.state import get_state
-from paradiff.tensor_parallel.plan import as_plan, resolve_plan
 
 
 def check_shardable(model: nn.Module) -> None:
@@ -80,19 +78,12 @@ def enable_parallelism(model: nn.Module, config: Any, *, plan: Any = None, cp_pl
     hold the same model configuration, parameter layout and parallel config.
     """
     def prepare() -> Prepared:
-        resolved = cp_resolved = None
         require_distributed()
         check_shardable(model)
         parallel = as_parallel_config(config, dist.get_world_size())
-        if parallel.tp_degree > 1:
-            tp_plan = as_plan(plan_for(model, plan, "tensor"))
-            resolved = resolve_plan(model, tp_plan, rank_coordinates(parallel).tp_rank, parallel.tp_degree)
         if getattr(model, "_cache_config", None) is not None:
             check_cache_config(model._cache_config)
-        if parallel.context_parallel_config is not None:
-            from paradiff.context_parallel.apply import resolve_cp_plan
-
-            cp_resolved = resolve_cp_plan(model, plan_for(model, cp_plan, "context"))
+        plans = resolve_plans(model, parallel, {"tp": plan, "cp": cp_plan})  # in the registry's order: TP, CP, FSDP
         facts = {
             "parallel degrees": parallel.degrees(),
             "model class": type(model).__name__,
@@ -100,8 +91,8 @@ def enable_parallelism(model: nn.Module, config: Any, *, plan: Any = None, cp_pl
             "parameters": fingerprint([(n, list(p.shape), str(p.dtype)) for n, p in model.named_parameters()]),
         }
         device = next(model.parameters()).device
-        blocks = check_fsdp(model, parallel) if parallel.fsdp_degree > 1 else None
-        return Prepared({"": Component(model, facts, resolved, cp_resolved, blocks=blocks)}, parallel, device)
+        component = Component(model, facts, plans.get("tp"), plans.get("cp"), blocks=plans.get("fsdp"))
+        return Prepared({"": component}, parallel, device)
 
     run_load_sequence("paradiff.enable_parallelism", prepare, distributed=True, read="none", eval_mode=False)
     return model
