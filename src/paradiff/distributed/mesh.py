@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from paradiff.config import ParallelConfig
-from paradiff.distributed.parallelism import CONTEXT, DATA, PARALLELISMS, Registry
+from paradiff.distributed.parallelism import CONTEXT, DATA, PARALLELISMS, Parallelism, Registry
 from paradiff.errors import DistributedError, ParallelConfigError
 
 MESH_DIMS = PARALLELISMS.dims
@@ -229,20 +229,23 @@ class ParallelMesh:
     def cp_degree(self) -> int:
         return math.prod(self.size(dim) for dim in CP_DIMS)
 
+    def _in_use(self) -> list[Parallelism]:
+        """The registry's parallelisms with a dimension above 1 on this mesh (FSDP sharing the CP ranks: none)."""
+        return [p for p in self.registry.parallelisms if any(self.size(dim) > 1 for dim in p.dims)]
+
+    def model_dims(self) -> tuple[str, ...]:
+        """The dimensions of the ranks that compute one forward together: every dimension of each parallelism in use
+        that splits the model (fsdp x ring x ulysses x tp here: FSDP ranks of their own dimension gather each block
+        together, so they must take every decision together)."""
+        return tuple(dim for p in self._in_use() if p.splits_model for dim in p.dims)
+
     @property
     def model_group(self) -> dist.ProcessGroup | None:
-        """The ranks that compute one forward together (fsdp x ring x ulysses x tp: FSDP ranks of their own
-        dimension gather each block together, so they must take every decision together); None when that is this
-        rank alone."""
-        if self.size("fsdp") > 1:
-            dims = ("fsdp", "tp") if self.size("tp") > 1 else ("fsdp",)
-            return self.flat_group(dims) if len(dims) > 1 else self.group("fsdp")
-        cp, tp = self.cp_degree > 1, self.size("tp") > 1
-        if cp and tp:
-            return self.flat_group((*CP_DIMS, "tp"))
-        if cp:
-            return self.flat_group(CP_DIMS)
-        return self.tp_group if tp else None
+        """The ranks of `model_dims`; None when that is this rank alone."""
+        dims = self.model_dims()
+        if not dims:
+            return None
+        return self.group(dims[0]) if len(dims) == 1 else self.flat_group(dims)
 
     def describe(self) -> dict[str, int]:
         return {name: self.size(name) for name in self.registry.dims}
@@ -289,12 +292,14 @@ def build_mesh(config: ParallelConfig, device: torch.device | None = None,
 
 
 def _add_flat_groups(parallel_mesh: ParallelMesh) -> None:
-    """Create the multi-dimension groups every rank must create together (new_group is collective)."""
-    wanted = [CP_DIMS] if parallel_mesh.cp_degree > 1 else []
-    if parallel_mesh.cp_degree > 1 and parallel_mesh.size("tp") > 1:
-        wanted.append((*CP_DIMS, "tp"))
-    if parallel_mesh.size("fsdp") > 1 and parallel_mesh.size("tp") > 1:
-        wanted.append(("fsdp", "tp"))  # (fsdp has no CP beside it: it would share the CP ranks)
+    """Create the multi-dimension groups every rank must create together (new_group is collective): each
+    parallelism in use that owns several dimensions (CP: ring x ulysses), then the model group where it spans several
+    parallelisms (ring x ulysses x tp, fsdp x tp), then the FSDP group."""
+    in_use = parallel_mesh._in_use()
+    wanted = [p.dims for p in in_use if len(p.dims) > 1]
+    model_dims = parallel_mesh.model_dims()
+    if len([p for p in in_use if p.splits_model]) > 1:
+        wanted.append(model_dims)
     me = dist.get_rank()
     for dims in wanted:
         for row in parallel_mesh.ranks_along(dims):

@@ -27,6 +27,9 @@ class Parallelism:
     name: str = ""
     dims: tuple[str, ...] = ()  # the mesh dimensions it owns, outermost first
     aliases: tuple[tuple[str, str], ...] = ()  # (spelling, dimension): other names in a parallel mode ("dp")
+    # Whether its ranks compute one forward together (and so take every decision together: the mesh's model group),
+    # rather than each computing a forward of its own (data replicas, CFG branches).
+    splits_model: bool = False
 
     # --- the mesh face: numbers only, checked before torch.distributed exists ------------------------------------
     def degrees(self, config: Any) -> dict[str, int]:
@@ -88,6 +91,7 @@ class FsdpParallelism(Parallelism):
     it shares the CP ranks and adds no rank (`ParallelConfig.fsdp_dims`)."""
 
     name, dims = "fsdp", ("fsdp",)
+    splits_model = True
 
     def degrees(self, config: Any) -> dict[str, int]:
         cp = config.ring_degree * config.ulysses_degree
@@ -110,6 +114,7 @@ class ContextParallelism(Parallelism):
     all-to-alls get neighbouring ranks."""
 
     name, dims = "cp", ("ring", "ulysses")
+    splits_model = True
 
     def degrees(self, config: Any) -> dict[str, int]:
         return {"ring": config.ring_degree, "ulysses": config.ulysses_degree}
@@ -119,6 +124,7 @@ class TensorParallelism(Parallelism):
     """Every planned weight split over the tp ranks (`tensor_parallel/`): innermost, the dimension that talks most."""
 
     name, dims = "tp", ("tp",)
+    splits_model = True
 
     def degrees(self, config: Any) -> dict[str, int]:
         return {"tp": config.tp_degree}
