@@ -59,6 +59,7 @@ def a_parallelism_of_its_own_gets_a_dimension_and_its_patches(rank_order: str = 
 
     class PipeParallelism(Parallelism):
         name, dims = "pipe", ("pipe",)
+        splits_model = True  # its ranks compute one forward together: the mesh's model group
 
         def degrees(self, config):
             return {"pipe": dist.get_world_size()}
@@ -82,6 +83,8 @@ def a_parallelism_of_its_own_gets_a_dimension_and_its_patches(rank_order: str = 
         "mesh_dims": list(mesh.device_mesh.mesh_dim_names),
         "describe": mesh.describe(),
         "pipe_rank": mesh.local_rank("pipe"),
+        "model_dims": list(mesh.model_dims()),
+        "model_group_is_pipe": mesh.model_group is mesh.group("pipe"),
         "applied": applied,
         "patched_shift": float((patched - before).max()),
         "removed": removed,

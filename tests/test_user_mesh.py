@@ -125,6 +125,7 @@ def test_a_parallelism_of_its_own_gets_its_dimension_and_patches_without_touchin
     for rank, result in enumerate(results):
         assert result["mesh_dims"] == ["data", "cfg", "pipe", "fsdp", "ring", "ulysses", "tp"], result
         assert result["describe"]["pipe"] == 2 and result["pipe_rank"] == rank, result
+        assert result["model_dims"] == ["pipe"] and result["model_group_is_pipe"], result
         assert result["apply_order"] == ["tp", "cp", "pipe", "fsdp", "cfg", "data"], result
         pipe_patches = [line for line in result["applied"] if line.endswith("(by pipe)")]
         assert len(pipe_patches) == 1 and pipe_patches[0].startswith("hook forward: "), result["applied"]
