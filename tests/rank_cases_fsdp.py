@@ -147,6 +147,7 @@ def fsdp_pipeline(family: str, folder: str, mode: str, steps: int = 3, offload: 
     transformers = {name: module for name, module in pipeline.components.items()
                     if name.startswith("transformer") and module is not None}
     return {"rank": dist.get_rank(), "diff": float(np.abs(actual - expected).max()),
+            "output_rank": pipeline.is_output_rank,
             "offloaded": {name: all(_offloaded(module.get_submodule(block))
                                     for block in get_state(module).fsdp_blocks)
                           for name, module in transformers.items()},

@@ -49,8 +49,10 @@ def test_fsdp_composes_with_tp_and_cfg(pools, checkpoints, tiny_pipeline_folders
         assert result["read"] == result["share"], result
         if result["rank"] == 0:
             assert result["predicted_weights"] == result["held"], result
-    for result in pool.run(cases.fsdp_pipeline, family="wan2.2-a14b", folder=str(tiny_pipeline_folders["wan2.2-a14b"]),
-                           mode="cfg2xfsdp2"):
+    results = pool.run(cases.fsdp_pipeline, family="wan2.2-a14b", folder=str(tiny_pipeline_folders["wan2.2-a14b"]),
+                       mode="cfg2xfsdp2")
+    assert [result["output_rank"] for result in results] == [True, False, False, False]  # one replica: one saver
+    for result in results:
         assert result["diff"] <= 1e-5, result
         assert set(result["fsdp_blocks"]) == {"transformer", "transformer_2"}, result
         for held, whole in result["held"].values():
@@ -145,8 +147,10 @@ def test_fsdp_covers_the_issue_families_and_offloads(pools, tiny_pipeline_folder
         assert result["diff"] <= RTOL, result
         assert result["blocks"] >= 2, result
         assert result["held"] < 0.6 * result["whole"], result
-    for result in pool.run(cases.fsdp_pipeline, family="wan2.2-a14b", folder=str(tiny_pipeline_folders["wan2.2-a14b"]),
-                           mode="fsdp2xulysses2", offload=True):
+    results = pool.run(cases.fsdp_pipeline, family="wan2.2-a14b", folder=str(tiny_pipeline_folders["wan2.2-a14b"]),
+                       mode="fsdp2xulysses2", offload=True)
+    assert [result["output_rank"] for result in results] == [True, False]  # FSDP over the Ulysses ranks: one saver
+    for result in results:
         assert result["diff"] <= 1e-5, result
         assert result["offloaded"] == {"transformer": True, "transformer_2": True}, result
         for held, whole in result["held"].values():

@@ -19,7 +19,7 @@ from paradiff.errors import CheckpointError, ParallelConfigError
 from paradiff.api.model import check_dtype
 from paradiff.api.quantization import pipeline_quantization
 from paradiff.io.folders import has_modular_index_only, read_pipeline_index, resolve_folder
-from paradiff.distributed.mesh import default_device
+from paradiff.distributed.mesh import REPLICA_DIMS, default_device
 from paradiff.plans.pipelines import (CFG_RULES, GUIDER_PIPELINES, cfg_refusal, cp_refusal, modular_cfg_refusal,
                                      not_dit_refusal)
 from paradiff.api.pipeline_components import _components_paradiff_loads, _load_components, transformer_names
@@ -115,7 +115,7 @@ class ParallelPipelineMixin:
         if state is None:
             return not dist.is_initialized() or dist.get_rank() == 0
         mesh = state.mesh
-        return all(mesh.local_rank(dim) == 0 for dim in ("cfg", "ring", "ulysses", "tp"))
+        return all(mesh.local_rank(dim) == 0 for dim in REPLICA_DIMS)  # fsdp ranks compute the same outputs too
 
 
 class LoraPipelineMixin:
