@@ -106,10 +106,12 @@ class LoraSlots(nn.Module):
         return self.add_to(None, x)
 
     def add_to(self, output: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-        """`output` (the layer's output for input `x`, or None: zeros) plus the slots' term, as one gather of the rows'
-        factors and two batched GEMMs: the shrink to max_rank columns, scaled there (max_rank wide, not out wide),
-        and the expand, which adds into `output` in the same GEMM (baddbmm) instead of a product and a sum over the
-        whole output."""
+        """`output` (the layer's own product for input `x`, or None: zeros) plus the slots' term, as one gather of the
+        rows' factors and two batched GEMMs: the shrink to max_rank columns, scaled there (max_rank wide, not out
+        wide), and the expand, which adds into `output` in place in the same GEMM (`baddbmm_`, read and written once)
+        instead of a product, a scaling and a sum over the whole output, each a new tensor. `output` must be the
+        layer's fresh product, which nothing else holds yet (the hook runs first; the rowwise layer before its
+        all-reduce)."""
         rows = x.shape[0]
         slots = self.index.rows(rows)
         if slots.device != x.device:
@@ -123,8 +125,10 @@ class LoraSlots(nn.Module):
             return torch.bmm(shrunk, expand).reshape(shape).to(x.dtype)
         if output.dtype != shrunk.dtype:
             return output + torch.bmm(shrunk, expand).reshape(shape).to(output.dtype)
-        return torch.baddbmm(output.reshape(rows, -1, self.out_features), shrunk, expand).reshape(output.shape)
-
+        if not output.is_contiguous():  # a reshape would copy: the sum is a new tensor
+            return torch.baddbmm(output.reshape(rows, -1, self.out_features), shrunk, expand).reshape(output.shape)
+        output.view(rows, -1, self.out_features).baddbmm_(shrunk, expand)
+        return output
 
 def add_slot_output(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
     """Forward hook of an adapted Linear that is not rowwise split: its output plus the slots' (prepended, so it runs
