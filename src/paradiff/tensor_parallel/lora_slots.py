@@ -130,6 +130,7 @@ class LoraSlots(nn.Module):
         output.view(rows, -1, self.out_features).baddbmm_(shrunk, expand)
         return output
 
+
 def add_slot_output(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
     """Forward hook of an adapted Linear that is not rowwise split: its output plus the slots' (prepended, so it runs
     before a context-parallel gather hook on the same module, on the same local tokens)."""
