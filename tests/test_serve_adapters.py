@@ -36,10 +36,14 @@ def test_adapters_load_and_unload_at_run_time_while_requests_run(tmp_path):
         assert "late" in [m["id"] for m in server.client.get("/v1/models").json()["data"]]
 
         models = [base, "swap", "late", "swap"]
+        answered = answered_total(server.metrics())
         with ThreadPoolExecutor(len(models)) as pool:
             futures = [pool.submit(server.generate, prompt=PROMPT, seed=3, model=model) for model in models]
-            # unloaded while its request waits or runs: that request is still answered (it carries its file)
-            server.wait_for(lambda m: m.get("paradiff_queue_depth", 0) + m.get("paradiff_requests_running", 0) > 0)
+            # unloaded once every request is accepted (waiting, running or answered: not when the first one is, which
+            # under load can be before the "late" one arrives, refused 404), while its request waits or runs: that
+            # request is still answered (it carries its file)
+            server.wait_for(lambda m: m.get("paradiff_queue_depth", 0) + m.get("paradiff_requests_running", 0)
+                            + answered_total(m) - answered >= len(models))
             unload = server.client.post("/v1/unload_lora_adapter", json={"lora_name": "late"})
             answers = [images_of(future.result()) for future in futures]
         assert unload.status_code == 200, unload.text
@@ -55,3 +59,8 @@ def test_adapters_load_and_unload_at_run_time_while_requests_run(tmp_path):
         assert server.text().count("ready") == 1  # loaded once: no reload for any adapter
     finally:
         assert server.stop() == 0, server.text()
+
+
+def answered_total(samples: dict[str, float]) -> float:
+    """Requests the server has answered (any status), from /metrics."""
+    return sum(value for name, value in samples.items() if name.startswith("paradiff_requests_total{"))

@@ -78,7 +78,7 @@ class RowwiseLinear(ShardedLinear):
         local = self.local_input(x)
         out = self.weight_linear(local, self.weight, None)
         if self.lora_slots is not None:
-            out = out + self.lora_slots(local)
+            out = self.lora_slots.add_to(out, local)
         out = all_reduce_tp(out, self.group, self.comm_stats)
         if self.bias is not None:
             out = out + self.bias

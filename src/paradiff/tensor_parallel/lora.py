@@ -77,7 +77,7 @@ def sharded_lora_class() -> type:
             local = base.local_input(x)
             out = base.weight_linear(local, base.weight, None)
             if base.lora_slots is not None:  # per-sample adapters beside peft's (tensor_parallel/lora_slots.py)
-                out = out + base.lora_slots(local)
+                out = base.lora_slots.add_to(out, local)
             dtype = out.dtype
             biases = []
             for name in self.active_adapters:

@@ -47,7 +47,7 @@ class SlotIndex:
             raise AdapterError(f"A layer with per-sample adapters got {count} batch rows for {samples} sample(s); "
                                "the rows must be a whole number of copies of the samples (set one slot per sample "
                                "of the call).")
-        return self.samples.repeat(count // samples)
+        return self.samples if count == samples else self.samples.repeat(count // samples)
 
 
 class LoraSlots(nn.Module):
@@ -102,17 +102,36 @@ class LoraSlots(nn.Module):
         self.filled[slot] = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The slots' term alone (the same shape as the layer's output)."""
+        return self.add_to(None, x)
+
+    def add_to(self, output: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+        """`output` (the layer's own product for input `x`, or None: zeros) plus the slots' term, as one gather of the
+        rows' factors and two batched GEMMs: the shrink to max_rank columns, scaled there (max_rank wide, not out
+        wide), and the expand, which adds into `output` in place in the same GEMM (`baddbmm_`, read and written once)
+        instead of a product, a scaling and a sum over the whole output, each a new tensor. `output` must be the
+        layer's fresh product, which nothing else holds yet (the hook runs first; the rowwise layer before its
+        all-reduce)."""
         rows = x.shape[0]
         slots = self.index.rows(rows)
         if slots.device != x.device:
             slots = slots.to(x.device)
         tokens = x.reshape(rows, -1, x.shape[-1]).to(self.lora_a.dtype)
         shrunk = torch.bmm(tokens, self.lora_a[slots].transpose(1, 2))  # rows x tokens x max_rank
-        expanded = torch.bmm(shrunk, self.lora_b[slots].transpose(1, 2)) * self.scale[slots].view(rows, 1, 1)
-        return expanded.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        shrunk = shrunk * self.scale[slots].view(rows, 1, 1)
+        expand = self.lora_b[slots].transpose(1, 2)  # rows x max_rank x out
+        shape = (*x.shape[:-1], self.out_features)
+        if output is None:
+            return torch.bmm(shrunk, expand).reshape(shape).to(x.dtype)
+        if output.dtype != shrunk.dtype:
+            return output + torch.bmm(shrunk, expand).reshape(shape).to(output.dtype)
+        if not output.is_contiguous():  # a reshape would copy: the sum is a new tensor
+            return torch.baddbmm(output.reshape(rows, -1, self.out_features), shrunk, expand).reshape(output.shape)
+        output.view(rows, -1, self.out_features).baddbmm_(shrunk, expand)
+        return output
 
 
 def add_slot_output(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
     """Forward hook of an adapted Linear that is not rowwise split: its output plus the slots' (prepended, so it runs
     before a context-parallel gather hook on the same module, on the same local tokens)."""
-    return output + module.lora_slots(args[0])
+    return module.lora_slots.add_to(output, args[0])
