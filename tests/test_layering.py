@@ -122,6 +122,19 @@ def test_the_server_loads_through_the_load_spec_not_the_command():
         file_imports(PACKAGE / "serve" / "ranks.py"))
 
 
+def test_the_mechanisms_api_held_live_below_it():
+    """Weight sources, an adapter's reads by slices, the adapter layers a staged run keeps, and offloading are
+    mechanisms: io/, tensor_parallel/ and runtime/ hold them, api/ only calls them."""
+    moved = {"WeightSource", "GGUFWeightSource", "free_parameters", "target_dtype", "AdapterSource", "open_adapter",
+             "text_encoder_adapter", "adapter_layout", "weights_dropped", "weights_read", "rank_offload_path",
+             "install_offload_support", "pipeline_group_offload", "pipeline_model_cpu_offload"}
+    defined = {f"{path.relative_to(PACKAGE)}: {node.name}" for path in (PACKAGE / "api").rglob("*.py")
+               for node in ast.parse(path.read_text()).body
+               if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name in moved}
+    assert defined == set()
+    assert not (PACKAGE / "api" / "offload.py").exists()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The module graph: no cycle, and the layer table of docs/architecture.md
 
