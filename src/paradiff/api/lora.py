@@ -25,14 +25,11 @@ from torch import nn
 from paradiff.runtime.patches import has_hooks, module_patches, move_hooks, remove_patch, set_attribute
 from paradiff.distributed.agreement import agree, fingerprint
 from paradiff.errors import AdapterError
-from paradiff.io.adapters import (DEFAULT_WEIGHT_NAME, FETCH_KWARGS, AdapterSource,  # noqa: F401 - public here
-                                  open_adapter, text_encoder_adapter)
+from paradiff.io.adapters import FETCH_KWARGS, AdapterSource, open_adapter, text_encoder_adapter
 from paradiff.runtime.state import get_state
 from paradiff.tensor_parallel.layers import ShardedLinear
 from paradiff.tensor_parallel.lora import FACTORS, adopt, factor_specs, lora_layers
 from paradiff.tensor_parallel.styles import ShardSpec
-
-# the keyword arguments diffusers' load_lora_adapter uses to find a file (dropped once paradiff has read it)
 
 
 def install_lora_support(model: nn.Module) -> None:

@@ -20,6 +20,7 @@ from paradiff.io.checkpoint import Checkpoint
 from paradiff.tensor_parallel.shard import slice_tensor
 from paradiff.tensor_parallel.styles import ShardSpec
 
+# the keyword arguments diffusers' load_lora_adapter uses to find a file (dropped once paradiff has read it)
 FETCH_KWARGS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder",
                 "weight_name", "use_safetensors")
 DEFAULT_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
