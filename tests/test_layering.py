@@ -105,9 +105,34 @@ def test_quant_sits_on_the_tensor_parallel_layers_and_below():
 
 
 def test_only_the_serve_command_imports_the_server():
-    """paradiff.serve sits on top (it uses the command's loading); below it only cli/serve.py reaches it, lazily."""
+    """paradiff.serve sits on top (it uses the command's call arguments, outputs and console lines); below it only
+    cli/serve.py reaches it, lazily."""
     files = [path for path in PACKAGE.rglob("*.py") if "serve" not in path.relative_to(PACKAGE).parts[:1]]
     assert [entry for entry in offenders(files, "paradiff.serve") if not entry.startswith("cli/serve.py")] == []
+
+
+def test_the_server_loads_through_the_load_spec_not_the_command():
+    """serve/ loads what api/'s typed LoadSpec says (api/load_spec.py: load), as `generate` does; it imports nothing
+    of the command's loading (cli/worker.py's load, nor the console and memory helpers both use, now in runtime/)."""
+    files = list((PACKAGE / "serve").rglob("*.py"))
+    loading = ["paradiff.cli.worker." + name for name in ("load_from_args", "load_spec_of", "Loaded",
+                                                           "quiet_other_ranks", "peak_memory_bytes")]
+    assert [entry for name in loading for entry in offenders(files, name)] == []
+    assert {"paradiff.api.load_spec.load", "paradiff.api.load_spec.LoadSpec"} <= set(
+        file_imports(PACKAGE / "serve" / "ranks.py"))
+
+
+def test_the_mechanisms_api_held_live_below_it():
+    """Weight sources, an adapter's reads by slices, the adapter layers a staged run keeps, and offloading are
+    mechanisms: io/, tensor_parallel/ and runtime/ hold them, api/ only calls them."""
+    moved = {"WeightSource", "GGUFWeightSource", "free_parameters", "target_dtype", "AdapterSource", "open_adapter",
+             "text_encoder_adapter", "adapter_layout", "weights_dropped", "weights_read", "rank_offload_path",
+             "install_offload_support", "pipeline_group_offload", "pipeline_model_cpu_offload"}
+    defined = {f"{path.relative_to(PACKAGE)}: {node.name}" for path in (PACKAGE / "api").rglob("*.py")
+               for node in ast.parse(path.read_text()).body
+               if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name in moved}
+    assert defined == set()
+    assert not (PACKAGE / "api" / "offload.py").exists()
 
 
 # ----------------------------------------------------------------------------------------------------------------

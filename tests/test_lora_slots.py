@@ -60,11 +60,11 @@ def test_slot_rows_follow_their_samples_and_a_rank_above_the_slots_is_refused():
 def test_an_adapter_load_costs_its_own_layers_and_bytes(slot_loras, monkeypatch):
     """A load with the server's checksum takes no second one; an unload clears only the layers its adapter wrote; a
     slot reused by a narrower adapter holds only that adapter (the wider one's rows and columns zeroed)."""
-    import paradiff.api.lora as lora_api
+    import paradiff.io.adapters as adapter_reads  # where the adapter's file is checksummed (open_adapter)
 
     model = build_model("flux")
     bank = enable_adapter_slots(model, max_loras=2, max_lora_rank=16)
-    monkeypatch.setattr(lora_api, "_file_digest", lambda path: pytest.fail(f"{path} checksummed again"))
+    monkeypatch.setattr(adapter_reads, "_file_digest", lambda path: pytest.fail(f"{path} checksummed again"))
     load_slot_adapter(model, "detail", slot_loras["detail"]["path"], identity="sha256 given", use_safetensors=True)
     assert bank.adapters["detail"].identity == "sha256 given"
     monkeypatch.undo()

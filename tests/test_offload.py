@@ -59,7 +59,7 @@ def test_an_offload_folder_written_for_other_shards_is_refused(tmp_path):
     import pytest
     import torch
 
-    from paradiff.api.offload import rank_offload_path
+    from paradiff.runtime.offload import rank_offload_path
     from paradiff.errors import ParallelConfigError
 
     folder = rank_offload_path(tmp_path / "offload", torch.nn.Linear(4, 4))

@@ -34,3 +34,11 @@ class DistributedError(ParadiffError, RuntimeError):
 
 class AdapterError(ParadiffError, ValueError):
     """A LoRA adapter that does not fit the model (shape, unknown target), cannot be split, or differs between ranks."""
+
+
+class LoadSpecError(ParadiffError, ValueError):
+    """A LoadSpec field with a value that cannot be loaded: `field`, `value`, and `reason` (what would be valid)."""
+
+    def __init__(self, field: str, value: object, reason: str) -> None:
+        super().__init__(f"LoadSpec {field}={value!r}: {reason}")
+        self.field, self.value, self.reason = field, value, reason

@@ -11,7 +11,7 @@ from paradiff.runtime.caching import install_agreed_caching
 from paradiff.runtime.state import ParallelState, set_state
 from paradiff.runtime.wrappers import install_wrapper
 from paradiff.api.lora import install_lora_support
-from paradiff.api.offload import install_offload_support
+from paradiff.runtime.offload import install_offload_support
 from paradiff.api.parallelisms import REGISTRY, apply_parallelisms
 from paradiff.distributed.parallelism import Registry
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from paradiff.io.checkpoint import Checkpoint
+from paradiff.io.weights import target_dtype  # noqa: F401 - public here (single_file.py, fsdp.py)
 from paradiff.tensor_parallel.plan import ResolvedPlan
 
 
@@ -38,14 +39,6 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original
 
 
-def target_dtype(name: str, dtype: torch.dtype, keep_fp32: list[str] | None) -> torch.dtype:
-    if keep_fp32 and dtype in (torch.float16, torch.bfloat16):
-        parts = name.split(".")
-        if any(pattern in parts for pattern in keep_fp32):
-            return torch.float32
-    return dtype
-
-
 @dataclass
 class _Prepared:
     model: nn.Module
@@ -56,5 +49,5 @@ class _Prepared:
     dtype: torch.dtype
     device: torch.device
     facts: dict
-    source: Any  # api.model.WeightSource: reads `checkpoint` into `model`
+    source: Any  # io.weights.WeightSource: reads `checkpoint` into `model`
     quantization: Any = None  # quant.schemes.QuantScheme: quantized on each rank's slice after the read

@@ -16,30 +16,20 @@ other adapters stay as they were.
 
 from __future__ import annotations
 
-import os
-import sys
-import zlib
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from paradiff.runtime.patches import has_hooks, module_patches, move_hooks, remove_patch, set_attribute
-from paradiff.distributed.agreement import agree, fingerprint, tensor_checksum
+from paradiff.distributed.agreement import agree, fingerprint
 from paradiff.errors import AdapterError
-from paradiff.io.checkpoint import Checkpoint
+from paradiff.io.adapters import FETCH_KWARGS, AdapterSource, open_adapter, text_encoder_adapter
 from paradiff.runtime.state import get_state
 from paradiff.tensor_parallel.layers import ShardedLinear
-from paradiff.tensor_parallel.lora import FACTORS, adopt, factor_specs
-from paradiff.tensor_parallel.shard import slice_tensor
+from paradiff.tensor_parallel.lora import FACTORS, adopt, factor_specs, lora_layers
 from paradiff.tensor_parallel.styles import ShardSpec
-
-# the keyword arguments diffusers' load_lora_adapter uses to find a file (dropped once paradiff has read it)
-FETCH_KWARGS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder",
-                "weight_name", "use_safetensors")
-DEFAULT_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 
 
 def install_lora_support(model: nn.Module) -> None:
@@ -90,50 +80,15 @@ def check_fusable(model: nn.Module) -> None:
 
 def adopt_layers(model: nn.Module) -> None:
     """Every peft LoRA Linear of the model becomes paradiff's (split forward, exact fuse / unfuse)."""
-    for module in _lora_layers(model):
+    for module in lora_layers(model):
         adopt(module)
 
 
 def return_hooks(model: nn.Module) -> None:
     """Give the hooks paradiff moved onto LoRA layers back to their base layers (before peft removes the layers)."""
-    for module in _lora_layers(model):
+    for module in lora_layers(model):
         for patch in [patch for patch in module_patches(module) if patch.kind == "moved_hooks"]:
             remove_patch(module, patch)
-
-
-def adapter_layout(model: nn.Module) -> tuple[set[str], dict[str, str]]:
-    """For a staged pipeline's free / re-read of a model carrying adapters: (the state_dict names of the adapter
-    tensors, which stay resident: they are not in the model's checkpoint; each LoRA-wrapped base tensor's state_dict
-    name -> its name without the adapter, as the checkpoint and the plan know it)."""
-    resident, renamed = set(), {}
-    for path, layer in model.named_modules():
-        if not _is_lora_layer(layer):
-            continue
-        for name, _ in [*layer.named_parameters(remove_duplicate=False), *layer.named_buffers(remove_duplicate=False)]:
-            full = f"{path}.{name}" if path else name
-            if name.startswith("base_layer."):
-                renamed[full] = f"{path}.{name.removeprefix('base_layer.')}" if path else name.removeprefix("base_layer.")
-            else:
-                resident.add(full)
-    return resident, renamed
-
-
-def weights_dropped(model: nn.Module) -> None:
-    """A stage freed the model's weights: fused layers drop the shard copy they keep for unfusing (read again)."""
-    for layer in _lora_layers(model):
-        if hasattr(layer, "weights_dropped"):
-            layer.weights_dropped()
-
-
-def weights_read(model: nn.Module) -> None:
-    """A stage read the model's weights again (the originals): fused adapters are fused into them again."""
-    for layer in _lora_layers(model):
-        if hasattr(layer, "weights_read"):
-            layer.weights_read()
-        elif layer.merged:  # peft's own layers (convolutions): merged again by peft, with today's scalings
-            names = list(layer.merged_adapters)
-            layer.merged_adapters.clear()
-            layer.merge(adapter_names=names)
 
 
 def loaded_adapters(pipeline) -> dict[str, set[str]]:
@@ -160,33 +115,6 @@ def delete_adapters(component: nn.Module, names: list[str]) -> None:
         return
     for name in names:
         delete_adapter_layers(component, name)
-
-
-@dataclass
-class AdapterSource:
-    """An adapter's tensors, by peft name without the prefix, before any is read: a safetensors file's header
-    (read by slices) or tensors in memory."""
-
-    names: dict[str, str]  # peft name -> key in the file / the dict
-    shapes: dict[str, tuple[int, ...]]
-    dtypes: dict[str, str]
-    identity: str  # a checksum of the content, which every rank must share
-    checkpoint: Checkpoint | None = None
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    metadata: Any = None
-    bytes_read: int = 0
-
-    def read(self, name: str, spec: ShardSpec | None) -> torch.Tensor:
-        key = self.names[name]
-        if self.checkpoint is not None:
-            tensor = self.checkpoint.read(key, spec)
-            self.bytes_read += tensor.numel() * tensor.element_size()
-            return tensor
-        return slice_tensor(self.tensors[key], spec)
-
-    def close(self) -> None:
-        if self.checkpoint is not None:
-            self.checkpoint.close()
 
 
 @dataclass
@@ -280,7 +208,7 @@ def _load_slices(model: nn.Module, stage: str, adapter: "AdapterSource | None", 
     try:
         local = {name: adapter.read(name, spec) for name, spec in specs.items()}
         build(local)
-        for module in _lora_layers(model):
+        for module in lora_layers(model):
             adopt(module)
             _move_hooks(module.base_layer, module)
         object.__setattr__(model, "_paradiff_lora_load", LoadReport(
@@ -296,71 +224,6 @@ def _load_slices(model: nn.Module, stage: str, adapter: "AdapterSource | None", 
         if added and delete is not None:
             delete(added)
         raise
-
-
-def open_adapter(source: Any, prefix: str | None, kwargs: dict[str, Any], identity: str | None = None) -> AdapterSource:
-    """The adapter's tensors under peft's names, prefix removed: a local safetensors file by its header (nothing
-    read yet, beyond the checksum), anything else (a dict, a Hub id, another format) through diffusers. `identity`:
-    the content's checksum when the caller already took one (then none is computed here)."""
-    from diffusers.utils import convert_unet_state_dict_to_peft
-
-    path = None if isinstance(source, dict) else _local_safetensors(source, kwargs)
-    if path is not None:
-        from diffusers.utils.state_dict_utils import _load_sft_state_dict_metadata
-
-        checkpoint = Checkpoint.of_file(path)
-        names = _strip_prefix(list(checkpoint.tensors), prefix)
-        # diffusers reads the adapter metadata only when asked for safetensors (use_safetensors=True or a
-        # .safetensors weight_name); otherwise it loads the file without it, and so does this
-        weight_name = kwargs.get("weight_name")
-        wants_metadata = (kwargs.get("use_safetensors") and weight_name is None) or (
-            weight_name is not None and weight_name.endswith(".safetensors"))
-        # with its prefix: diffusers filters it
-        metadata = _load_sft_state_dict_metadata(str(path)) if wants_metadata else None
-        if not names or _is_peft(names):  # nothing under the prefix: diffusers then only warns
-            return AdapterSource(
-                names=names, shapes={n: tuple(checkpoint.tensors[k].shape) for n, k in names.items()},
-                dtypes={n: str(checkpoint.tensors[k].dtype) for n, k in names.items()},
-                identity=identity or _file_digest(path),
-                checkpoint=checkpoint, metadata=metadata)
-        # another key format: converted whole by diffusers, as its own load would
-        tensors = {key: checkpoint.read(key) for key in checkpoint.tensors}
-        checkpoint.close()
-    elif isinstance(source, dict):
-        tensors, metadata = source, None
-    else:
-        from diffusers.loaders.lora_base import _fetch_state_dict
-
-        fetch = {k: kwargs.get(k) for k in FETCH_KWARGS}
-        tensors, metadata = _fetch_state_dict(
-            pretrained_model_name_or_path_or_dict=source, user_agent={"file_type": "attn_procs_weights",
-                                                                      "framework": "pytorch"},
-            allow_pickle=False, metadata=kwargs.get("metadata"), **fetch)
-    names = _strip_prefix(list(tensors), prefix)
-    tensors = {name: tensors[key] for name, key in names.items()}
-    if tensors and not _is_peft(tensors):
-        tensors = convert_unet_state_dict_to_peft(tensors)
-    return AdapterSource(
-        names={name: name for name in tensors}, shapes={n: tuple(t.shape) for n, t in tensors.items()},
-        dtypes={n: str(t.dtype) for n, t in tensors.items()}, identity=identity or _tensors_digest(tensors),
-        tensors=tensors, metadata=metadata)
-
-
-def text_encoder_adapter(state_dict: dict[str, torch.Tensor], prefix: str, text_encoder: nn.Module) -> AdapterSource:
-    """The text encoder's tensors of a pipeline LoRA under peft's names, as diffusers' text-encoder loader sees them:
-    those under `prefix`, through diffusers' key conversions, without the `text_model.` level that transformers'
-    CLIPTextModel no longer has. (Possibly none: diffusers then only warns.)"""
-    from diffusers.utils import convert_state_dict_to_diffusers, convert_state_dict_to_peft
-
-    tensors = {key.removeprefix(f"{prefix}."): value for key, value in state_dict.items()
-               if key.startswith(f"{prefix}.")}
-    if tensors:
-        tensors = convert_state_dict_to_peft(convert_state_dict_to_diffusers(tensors))
-        if not hasattr(text_encoder, "text_model"):
-            tensors = {key.removeprefix("text_model."): value for key, value in tensors.items()}
-    return AdapterSource(
-        names={name: name for name in tensors}, shapes={n: tuple(t.shape) for n, t in tensors.items()},
-        dtypes={n: str(t.dtype) for n, t in tensors.items()}, identity=_tensors_digest(tensors), tensors=tensors)
 
 
 def check_adapter(model: nn.Module, resolved: Any, adapter: AdapterSource, adapter_name: str | None,
@@ -441,15 +304,6 @@ def _target(model: nn.Module, module_name: str, factor: str) -> nn.Module:
     raise AdapterError(f"LoRA tensor {module_name}.{factor} targets {module_name!r}, which does not exist.")
 
 
-def _lora_layers(model: nn.Module) -> list[nn.Module]:
-    return [module for module in model.modules() if _is_lora_layer(module)]
-
-
-def _is_lora_layer(module: nn.Module) -> bool:
-    tuners = sys.modules.get("peft.tuners.tuners_utils")  # no adapter layer exists before peft is imported
-    return tuners is not None and isinstance(module, tuners.BaseTunerLayer) and "base_layer" in module._modules
-
-
 def _move_hooks(source: nn.Module, target: nn.Module) -> None:
     """The module hooks paradiff places (CP token split / gather, TP head slicing) travel from a base layer to the
     LoRA layer wrapping it, and back on unload (`return_hooks`): a patch moving the dicts whole, so every
@@ -461,46 +315,3 @@ def _move_hooks(source: nn.Module, target: nn.Module) -> None:
     move_hooks(source, target, by="lora")
 
 
-def _local_safetensors(source: Any, kwargs: dict[str, Any]) -> Path | None:
-    """The local safetensors file diffusers would load for `source`, or None (then diffusers fetches it)."""
-    if not isinstance(source, (str, os.PathLike)):
-        return None
-    path = Path(source)
-    if kwargs.get("subfolder"):
-        path = path / kwargs["subfolder"]
-    if path.is_file():
-        return path if path.suffix == ".safetensors" else None
-    if not path.is_dir():
-        return None
-    if kwargs.get("weight_name"):
-        named = path / kwargs["weight_name"]
-        return named if named.is_file() and named.suffix == ".safetensors" else None
-    if (path / DEFAULT_WEIGHT_NAME).is_file():
-        return path / DEFAULT_WEIGHT_NAME
-    files = sorted(path.glob("*.safetensors"))
-    return files[0] if len(files) == 1 else None
-
-
-def _strip_prefix(keys: list[str], prefix: str | None) -> dict[str, str]:
-    if prefix is None:
-        return {key: key for key in keys}
-    return {key.removeprefix(f"{prefix}."): key for key in keys if key.startswith(f"{prefix}.")}
-
-
-def _is_peft(names) -> bool:
-    return "lora_A" in next(iter(names))  # diffusers' own test for its peft conversion
-
-
-def _file_digest(path: Path) -> str:
-    """The file's CRC-32, streamed, with its size: it only has to tell apart files given to the ranks by mistake, and
-    zlib's CRC-32 runs 2.5x faster than SHA-256 on the development machine (894 vs 359 MB/s), which a hot-swap waits
-    for."""
-    crc = 0
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            crc = zlib.crc32(chunk, crc)
-    return f"crc32 {crc:08x}, {path.stat().st_size} bytes"
-
-
-def _tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
-    return fingerprint(sorted((name, tensor_checksum(tensor)) for name, tensor in tensors.items()))

@@ -66,13 +66,13 @@ class ParallelPipelineMixin:
     def enable_group_offload(self, onload_device: Any, **kwargs: Any) -> None:
         """diffusers' group offloading, after paradiff split the components: each rank offloads its own shards,
         to its own folder under `offload_to_disk_path` (docs/quantization.md, 'Offloading on shards')."""
-        from paradiff.api.offload import pipeline_group_offload
+        from paradiff.runtime.offload import pipeline_group_offload
 
         pipeline_group_offload(self, onload_device, kwargs)
 
     def enable_model_cpu_offload(self, gpu_id: int | None = None, device: Any = None) -> None:
         """diffusers' model CPU offload with each rank's own device as the onload device."""
-        from paradiff.api.offload import pipeline_model_cpu_offload
+        from paradiff.runtime.offload import pipeline_model_cpu_offload
 
         pipeline_model_cpu_offload(self, super().enable_model_cpu_offload.__func__, gpu_id, device)
 

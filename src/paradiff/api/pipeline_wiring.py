@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 
 def _stage_runner(pipeline, loaded: dict[str, _Loaded], device: torch.device, staged: bool) -> StageRunner:
-    from paradiff.api.model import free_parameters
+    from paradiff.io.weights import free_parameters
 
     components = []
     for name, module in pipeline.components.items():
@@ -65,7 +65,7 @@ def _reader(module: nn.Module, source, saved=None) -> Callable[[], None]:
     """The stage's read of `module`; `saved`: the scheme of a checkpoint saved quantized, whose weights are held as
     read and put in place after it (quant.apply.ReadQuantizer)."""
     def load() -> None:
-        from paradiff.api.lora import weights_read
+        from paradiff.tensor_parallel.lora import weights_read
         from paradiff.quant.apply import ReadQuantizer
 
         quantizer = ReadQuantizer(saved) if saved is not None else None

@@ -10,7 +10,7 @@ blocks) runs before any weight is read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,17 +19,14 @@ from torch import nn
 
 from paradiff.distributed.agreement import config_fingerprint, fingerprint
 from paradiff.errors import CheckpointError, ParallelConfigError, PlanError
-from paradiff.fsdp.apply import is_sharded, local_rows
-from paradiff.fsdp.packed import PackedLinear, packed_weight_names
 from paradiff.io.gguf import GGUFFile, GGUFTensor
 from paradiff.io.model_classes import construct, load_config
 from paradiff.io.single_file import Run, parameter_runs
 from paradiff.plans import model_config, plan_for
 from paradiff.quant.schemes import QuantScheme
-from paradiff.runtime.progress import byte_progress
 from paradiff.api.building import _Prepared, parameters_on_meta
+from paradiff.io.weights import GGUFWeightSource, not_converted
 from paradiff.tensor_parallel.plan import ResolvedPlan, as_plan, resolve_plan
-from paradiff.tensor_parallel.styles import ShardSpec
 
 
 def is_gguf_path(path: Any) -> bool:
@@ -68,118 +65,6 @@ def config_folder(model_cls: type, gguf_file: GGUFFile, config: Any, subfolder: 
     from huggingface_hub import hf_hub_download
 
     return Path(hf_hub_download(str(config), "config.json", subfolder=subfolder, **hub_kwargs)).parent
-
-
-def _skipped(name: str, skip: tuple[str, ...]) -> bool:
-    """diffusers' GGUF rule: a module named in modules_to_not_convert is any component of the parameter's path."""
-    return any(key in name.split(".") for key in skip)
-
-
-@dataclass
-class GGUFWeightSource:
-    """Where each parameter's bytes are in the file (runs of stored rows) and which slice of it this rank holds."""
-
-    path: Path
-    runs: dict[str, list[Run]]
-    types: dict[str, str]  # stored tensor -> ggml type name, as validated
-    resolved: ResolvedPlan | None
-    dtype: torch.dtype
-    device: torch.device
-    scheme: QuantScheme
-    keep_fp32: list[str] = field(default_factory=list)
-
-    def spec(self, name: str) -> ShardSpec | None:
-        return self.resolved.spec_for(name) if self.resolved else None
-
-    def open(self) -> GGUFFile:
-        gguf_file = GGUFFile(self.path)
-        changed = [name for name, kind in self.types.items()
-                   if name not in gguf_file.tensors or gguf_file.tensors[name].type_name != kind]
-        if changed:
-            gguf_file.close()
-            raise CheckpointError(f"{self.path}: tensor {changed[0]!r} changed since the model was loaded.")
-        return gguf_file
-
-    def _local_nbytes(self, name: str, gguf_file: GGUFFile) -> int:
-        total = 0
-        for run, rows, spec in self._pieces(name):
-            info = gguf_file.tensors[run.source]
-            shape = (rows[1], *info.shape[1:]) if info.shape else ()
-            local = spec.local_shape(shape) if spec is not None else shape
-            total += (_numel(local[:-1]) * (local[-1] // info.block * info.type_size)) if local else info.type_size
-        return total
-
-    def _pieces(self, name: str, rows: tuple[int, int] | None = None
-                ) -> list[tuple[Run, tuple[int, int], ShardSpec | None]]:
-        """(run, stored rows (start, length), slice of those rows' other dimensions or None) to read, in order.
-        `rows`: only these rows of the parameter (an FSDP shard; quantized FSDP composes with no TP)."""
-        spec = self.spec(name) if rows is None else ShardSpec(dim=0, pieces=(rows,))
-        runs = self.runs[name]
-        if spec is None or spec.dim > 0:
-            return [(run, (run.start, run.length), spec) for run in runs]
-        out = []
-        for start, length in spec.pieces:
-            for run in runs:
-                low, high = max(start, run.at), min(start + length, run.at + run.length)
-                if low < high:
-                    out.append((run, (run.start + low - run.at, high - low), None))
-        return out
-
-    def read(self, model: nn.Module, gguf_file: GGUFFile, progress: bool | None = None,
-             parameters: bool = True, buffers: bool = True) -> None:
-        """Read this rank's slice of every parameter (and the whole of every persistent buffer) into place."""
-        from diffusers.quantizers.gguf.utils import GGUFParameter, dequantize_gguf_tensor
-        import gguf
-
-        packed_parts = packed_weight_names(model)  # FSDP's packed linears: their rows of the packed weight
-        state_names = list(dict.fromkeys(packed_parts.get(name, name) for name in model.state_dict().keys()))
-        total = sum(self._local_nbytes(name, gguf_file) for name in state_names if name in self.runs)
-        with byte_progress(total, "paradiff: loading", progress) as advance:
-            for name in state_names:
-                module_name, _, leaf = name.rpartition(".")
-                module = model.get_submodule(module_name) if module_name else model
-                packed_rows = isinstance(module, PackedLinear) and leaf == "weight"
-                is_parameter = packed_rows or leaf in module._parameters
-                if not (parameters if is_parameter else buffers):
-                    continue
-                held = getattr(module, module.part_names[0]) if packed_rows else module._parameters.get(leaf)
-                rows = local_rows(held) if held is not None and is_sharded(held) else None
-                parts = [gguf_file.read(run.source, piece_rows, spec)
-                         for run, piece_rows, spec in self._pieces(name, rows)]
-                tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-                advance(tensor.numel() * tensor.element_size())
-                if packed_rows:
-                    module.fill({"packed": tensor})
-                    continue
-                info = gguf_file.tensors[self.runs[name][0].source]
-                keep_fp32 = _skipped(name, tuple(self.keep_fp32))
-                if name in self.scheme.packed:  # held packed, wrapped as GGUFParameter after the swap
-                    tensor = tensor.to(device=self.device)
-                elif info.quantized:  # in modules_to_not_convert: dequantized (its slice), as diffusers does
-                    packed = GGUFParameter(tensor, quant_type=gguf.GGMLQuantizationType(info.type_id))
-                    tensor = dequantize_gguf_tensor(packed).to(
-                        device=self.device, dtype=torch.float32 if keep_fp32 else self.scheme.compute_dtype)
-                else:
-                    tensor = tensor.to(device=self.device, dtype=torch.float32 if keep_fp32 else self.dtype)
-                if rows is not None:  # FSDP: its rows, in place
-                    with torch.no_grad():
-                        held.to_local().copy_(tensor)
-                elif is_parameter:
-                    module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
-                else:
-                    module._buffers[leaf] = tensor
-        if buffers:
-            for module in model.modules():
-                for leaf, buffer in list(module._buffers.items()):
-                    if buffer is not None and buffer.device != self.device:
-                        module._buffers[leaf] = buffer.to(self.device)
-
-
-def _numel(shape) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def prepare_gguf_model(model_cls: type, path: Path, *, config: Any, subfolder: str | None,
@@ -258,7 +143,7 @@ def _check_types(model: nn.Module, runs: dict[str, list[Run]], tensors: dict[str
             continue
         module_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_name) if module_name else model
-        if _skipped(name, skip):
+        if not_converted(name, skip):
             continue
         if not (isinstance(module, nn.Linear) and leaf == "weight"):
             raise CheckpointError(

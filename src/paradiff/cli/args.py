@@ -7,7 +7,8 @@ import importlib.util
 import os
 from pathlib import Path
 
-from paradiff.cli.common import DTYPES, CliError, _positive, lora_specs, quantize_skip  # noqa: F401 - public here
+from paradiff.cli.common import (DTYPES, CliError, _positive, flag_error, lora_specs,  # noqa: F401 - public here
+                                 quantize_skip)
 from paradiff.cli.conditioning import call_parameter_names, check_conditioning
 from paradiff.cli.plan import add_plan_parser
 
@@ -401,34 +402,15 @@ def gguf_files(args: argparse.Namespace) -> dict[str, str]:
 
 
 def cache_config(spec: str, model=None):
-    """The diffusers cache config for a --cache SPEC, or a CliError saying what a valid SPEC looks like.
+    """The diffusers cache config for a --cache SPEC (api/load_spec.py: cache_config), or a CliError saying what a
+    valid SPEC looks like."""
+    from paradiff.api.load_spec import cache_config as spec_cache_config
+    from paradiff.errors import LoadSpecError
 
-    TaylorSeer predicts whole block outputs of `model` (its repeated blocks; diffusers' default patterns pick
-    attention modules inside the blocks, which a compiled block cannot hold and which miss some families' names)."""
-    usage = "use fbc:THRESHOLD (a number > 0, e.g. fbc:0.08) or taylorseer:INTERVAL[:WARMUP] (integers >= 1)"
-    kind, _, rest = spec.partition(":")
-    values = rest.split(":") if rest else []
     try:
-        if kind == "fbc" and len(values) == 1 and float(values[0]) > 0:
-            from diffusers import FirstBlockCacheConfig
-
-            return FirstBlockCacheConfig(threshold=float(values[0]))
-        if kind == "taylorseer" and 1 <= len(values) <= 2 and all(int(v) >= 1 for v in values):
-            import torch
-            from diffusers import TaylorSeerCacheConfig
-
-            interval = int(values[0])
-            warmup = int(values[1]) if len(values) == 2 else 3
-            identifiers = None
-            if model is not None:
-                from paradiff.runtime.repeated_blocks import block_identifiers
-
-                identifiers = block_identifiers(model)
-            return TaylorSeerCacheConfig(cache_interval=interval, disable_cache_before_step=warmup,
-                                         taylor_factors_dtype=torch.float32, cache_identifiers=identifiers)
-    except ValueError:
-        pass
-    raise CliError(f"--cache {spec}: {usage}")
+        return spec_cache_config(spec, model)
+    except LoadSpecError as exc:
+        raise flag_error(exc) from None
 
 
 def check_args(args: argparse.Namespace) -> None:

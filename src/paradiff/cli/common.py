@@ -6,11 +6,22 @@ from __future__ import annotations
 
 import argparse
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16")  # as api/load_spec.py's (cli/ is imported without torch)
 
 
 class CliError(Exception):
     """A user error: printed as one line, exit code 2."""
+
+
+# the flag of each LoadSpec field whose flag is not its name (api/load_spec.py; cli/worker.py: load_spec_of)
+SPEC_FLAGS = {"loras": "--lora", "gguf": "--gguf", "parallel": "--fsdp", "adapter_slots": "--prompts-file",
+              "shard_text_encoders": "--whole-text-encoders", "parallel_vae": "--no-parallel-vae"}
+
+
+def flag_error(exc) -> CliError:
+    """A LoadSpecError as the command line says it: the flag, its value, what would be valid."""
+    flag = SPEC_FLAGS.get(exc.field, "--" + exc.field.replace("_", "-"))
+    return CliError(f"{flag} {exc.value}: {exc.reason}")
 
 
 def _positive(value: str) -> int:
@@ -49,9 +60,7 @@ def quantize_skip(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def _plan_argument(value: str | None, kind: str):
-    """--plan / --cp-plan: None (built-in), "auto", or a plan file."""
-    if value in (None, "auto"):
-        return value
-    from paradiff.plan_tools.check_plan import load_plan_file
+    """--plan / --cp-plan: None (built-in), "auto", or a plan file (api/load_spec.py: plan_argument)."""
+    from paradiff.api.load_spec import plan_argument
 
-    return load_plan_file(value, kind)
+    return plan_argument(value, kind)

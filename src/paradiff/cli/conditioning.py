@@ -15,13 +15,12 @@ ControlNet's residuals are added); a pipeline that names one of them otherwise g
 from __future__ import annotations
 
 import argparse
-import difflib
 import inspect
 import json
 import math
 from pathlib import Path
 
-from paradiff.cli.common import CliError
+from paradiff.cli.common import CliError, flag_error
 
 # flag -> (the args attribute, the pipeline call's keyword)
 FLAGS = {
@@ -68,17 +67,13 @@ def folder_index(args: argparse.Namespace):
 def pipeline_class(name: str) -> type:
     """The diffusers pipeline class called `name` (a DiffusionPipeline or a ModularPipeline), or a CliError listing
     the closest names."""
-    import diffusers
-    from diffusers import DiffusionPipeline, ModularPipeline
+    from paradiff.api.load_spec import pipeline_class as named_class
+    from paradiff.errors import LoadSpecError
 
-    candidate = getattr(diffusers, name, None)
-    if isinstance(candidate, type) and issubclass(candidate, (DiffusionPipeline, ModularPipeline)):
-        return candidate
-    known = [entry for entry in dir(diffusers)
-             if entry.endswith("Pipeline") and entry not in ("DiffusionPipeline", "ModularPipeline")]
-    close = difflib.get_close_matches(name, known, n=5, cutoff=0.5)
-    hint = f"; close names: {', '.join(close)}" if close else ""
-    raise CliError(f"--pipeline {name}: diffusers {diffusers.__version__} has no pipeline class of that name{hint}")
+    try:
+        return named_class(name)
+    except LoadSpecError as exc:
+        raise flag_error(exc) from None
 
 
 def is_modular(cls: type | None) -> bool:

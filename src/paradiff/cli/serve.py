@@ -79,7 +79,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
 def run_serve_worker(args: argparse.Namespace, on_pipeline_loaded: Callable[[Any, int], None] | None) -> int:
     import torch
 
-    from paradiff.cli.worker import model_of
+    from paradiff.cli.worker import load_spec_of, model_of
     from paradiff.distributed.mesh import default_device
     from paradiff.serve.app import Frontend
     from paradiff.serve.dispatch import Dispatcher
@@ -90,7 +90,8 @@ def run_serve_worker(args: argparse.Namespace, on_pipeline_loaded: Callable[[Any
     if device.type == "cuda":
         torch.cuda.set_device(device)
     name = "paradiff-demo" if args.model is None else os.path.basename(os.path.normpath(model_of(args)))
-    return serve_rank(args, device, lambda: Frontend(args, name).start(), on_pipeline_loaded, Dispatcher)
+    return serve_rank(args, load_spec_of(args), device, lambda: Frontend(args, name).start(), on_pipeline_loaded,
+                      Dispatcher)
 
 
 RAY_ONLY = {"--ray": 0, "--ray-replicas": 1, "--ray-route": 1, "--ray-address": 1, "--host": 1, "--port": 1,

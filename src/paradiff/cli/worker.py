@@ -4,14 +4,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import datetime
 import inspect
-import logging
 import os
-import resource
-import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,18 +19,20 @@ import paradiff
 from paradiff.distributed.comm import all_gather_object, all_true
 from paradiff.distributed.store import open_store
 from paradiff.distributed.mesh import default_device
-from paradiff.quant.schemes import pipeline_quantization_config
+from paradiff.api.load_spec import Loaded, LoadSpec, LoraSpec, load  # noqa: F401 - Loaded: public here
+from paradiff.api.load_spec import quantization_config as spec_quantization_config
 from paradiff.vae import get_vae_runtime
-from paradiff.cli.args import (cache_config, gguf_files, lora_specs, prompt_adapters, quantize_skip,
-                               read_prompts)
-from paradiff.cli.common import _plan_argument
+from paradiff.cli.args import gguf_files, lora_specs, prompt_adapters, quantize_skip, read_prompts
+from paradiff.cli.common import flag_error
 from paradiff.cli.conditioning import conditioning_kwargs, requested_pipeline_class
 from paradiff.cli.compare import compare_single_process, picture_rows, write_compare_png
 from paradiff.cli.embedded import embedded_call_kwargs, embedded_default
 from paradiff.cli.outputs import Output, outputs_of, sampling_rate, save_output
 from paradiff.cli.pipeline_options import load_adapters, set_guider  # noqa: F401 - public here
 from paradiff.cli.report import write_report
-from paradiff.errors import ParallelConfigError
+from paradiff.errors import LoadSpecError, ParallelConfigError
+from paradiff.runtime.console import console_is_terminal, quiet_other_ranks
+from paradiff.runtime.memory import peak_memory_bytes
 from paradiff.runtime.progress import StepClock, StepEvent, step_progress
 
 # Called with (pipeline, rank) once the pipeline is loaded, before the first generation.
@@ -213,7 +210,7 @@ def generate(args: argparse.Namespace, device: torch.device,
             batches = [share[start:start + args.batch] for start in range(0, len(share), args.batch)]
         calls = len(batches) * (2 if without_lora else 1)
         advance = bar.enter_context(step_progress(calls * args.steps if args.steps else None, "paradiff: denoising",
-                                                  _console_is_terminal()))
+                                                  console_is_terminal()))
         # every step's event (runtime/progress.py, as the server's replicas make them): the bar reads it, and its
         # times are report.json's per-step times
         clock = StepClock()
@@ -272,7 +269,7 @@ def generate(args: argparse.Namespace, device: torch.device,
         "load_s": load_s,
         "step_s_median": float(np.median(step_times)) if step_times else None,
         "step_s": [round(seconds, 6) for seconds in step_times],  # every denoising step's wall time, in order
-        "peak_memory_bytes": _peak_memory_bytes(device),
+        "peak_memory_bytes": peak_memory_bytes(device),
         "outputs": outputs,
         "stages": pipeline.stage_report(),
         "cache_computed_steps": computed_steps,
@@ -311,112 +308,31 @@ def model_of(args: argparse.Namespace) -> str:
     return args.model if args.model is not None else str(embedded_default())
 
 
-@dataclasses.dataclass
-class Loaded:
-    pipeline: Any
-    loras: list[dict]
-    transformers: dict[str, torch.nn.Module]  # the transformer(s): Wan 2.2 A14B has `transformer_2` too
-    monitors: dict[str, Any]  # --cache: each transformer's cache monitor
-    load_s: float
+def load_spec_of(args: argparse.Namespace) -> LoadSpec:
+    """The flags of `generate` / `serve` as the typed LoadSpec the ranks load (the one place a parser's namespace
+    becomes one); a value the spec refuses is a CliError naming its flag."""
+    try:
+        return LoadSpec(
+            model=model_of(args), dtype=args.dtype, parallel=parallel_config(args),
+            pipeline=getattr(args, "pipeline", None), plan=args.plan, cp_plan=args.cp_plan,
+            parallel_vae=not args.no_parallel_vae, stages=args.stages, shard_text_encoders=not args.whole_text_encoders,
+            quantize=getattr(args, "quantize", None), quantize_skip=quantize_skip(args),
+            quantize_text_encoders=bool(getattr(args, "quantize_text_encoders", False)),
+            gguf=tuple(gguf_files(args).items()),
+            loras=tuple(LoraSpec(lora["path"], lora["scale"], lora["adapter_name"]) for lora in lora_specs(args)),
+            lora_weight_name=args.lora_weight_name,
+            adapter_slots=bool(getattr(args, "prompts_file", None)) and prompt_adapters(args) is not None,
+            compile=args.compile, compile_backend=args.compile_backend, cache=args.cache)
+    except LoadSpecError as exc:
+        raise flag_error(exc) from None
 
 
 def load_from_args(args: argparse.Namespace, device: torch.device) -> Loaded:
-    """The pipeline of `generate` / `serve` on the mesh, as the flags ask: loaded (quantized, split), its adapters
-    loaded and mixed, its transformers compiled and cached."""
-    dtype = getattr(torch, args.dtype)
-    start = time.perf_counter()
-    quantize = getattr(args, "quantize", None)
-    extra = {} if not quantize else {"quantization_config": quantization_config(args)}
-    files = gguf_files(args)
-    if files:  # the transformers' weights from GGUF files, held packed, computing in --dtype
-        from diffusers import GGUFQuantizationConfig, PipelineQuantizationConfig
-
-        extra = {"transformer_file": files, "quantization_config": PipelineQuantizationConfig(
-            quant_mapping={name: GGUFQuantizationConfig(compute_dtype=dtype) for name in files})}
-    pipeline = paradiff.load_pipeline(model_of(args), pipeline_cls=requested_pipeline_class(args),
-                                      parallel_config=parallel_config(args), torch_dtype=dtype, device=device,
-                                      **extra, plan=_plan_argument(args.plan, "tensor"),
-                                      cp_plan=_plan_argument(args.cp_plan, "context"),
-                                      parallel_vae=False if args.no_parallel_vae else None,
-                                      stages=args.stages, shard_text_encoders=False if args.whole_text_encoders else None)
-    loras = lora_specs(args)
-    if getattr(args, "prompts_file", None) and prompt_adapters(args) is not None:
-        load_slot_adapters(pipeline, loras)  # an adapter column: each prompt its own adapter, in mixed batches
-    else:
-        load_adapters(pipeline, loras, args.lora_weight_name)
-    load_s = time.perf_counter() - start
-    transformers = {name: module for name, module in pipeline.components.items()
-                    if name.startswith("transformer") and isinstance(module, torch.nn.Module)}
-    if args.compile:
-        for module in transformers.values():
-            paradiff.compile(module, backend=args.compile_backend or "inductor")
-    monitors = ({name: paradiff.enable_cache(module, cache_config(args.cache, module))
-                 for name, module in transformers.items()} if args.cache else {})
-    return Loaded(pipeline, loras, transformers, monitors, load_s)
+    """The pipeline of `generate` / `serve` on the mesh, as the flags ask (api/load_spec.py: load)."""
+    return load(load_spec_of(args), device)
 
 
 def quantization_config(args: argparse.Namespace) -> Any:
     """--quantize (with --quantize-skip, --quantize-text-encoders) as diffusers' PipelineQuantizationConfig: what
     the workers load with, and what --compare's single-process reference loads with."""
-    return pipeline_quantization_config(args.quantize, getattr(torch, args.dtype), quantized_components(args),
-                                        quantize_skip(args))
-
-
-def quantized_components(args: argparse.Namespace) -> tuple[str, ...]:
-    """--quantize: every transformer of the pipeline (Wan 2.2 A14B has two); --quantize-text-encoders: its text
-    encoders too."""
-    import json
-
-    from paradiff.io.folders import resolve_folder
-
-    index = json.loads((resolve_folder(model_of(args), pipeline=True) / "model_index.json").read_text())
-    prefixes = ("transformer", "text_encoder") if getattr(args, "quantize_text_encoders", False) else ("transformer",)
-    return tuple(sorted(name for name, entry in index.items()
-                        if name.startswith(prefixes) and isinstance(entry, list) and None not in entry))
-
-
-def load_slot_adapters(pipeline: Any, loras: list[dict]) -> None:
-    """--lora with an adapter column in --prompts-file: each adapter in its own slot of the transformer
-    (api/lora_slots.py), at its --lora scale; the slots as wide as the widest adapter."""
-    from paradiff.api.lora_slots import enable_adapter_slots, load_slot_adapter, slot_adapter_source, source_max_rank
-
-    sources = [slot_adapter_source(pipeline, lora["path"]) for lora in loras]
-    enable_adapter_slots(pipeline.transformer, max_loras=len(loras),
-                         max_lora_rank=max(source_max_rank(source) for source, _ in sources))
-    for lora, (source, extra) in zip(loras, sources):
-        load_slot_adapter(pipeline.transformer, lora["adapter_name"], source, scale=lora["scale"], **extra)
-
-
-def quiet_other_ranks(rank: int) -> None:
-    """Library messages and progress bars once, from rank 0 (and only on a terminal)."""
-    if rank != 0 or not _console_is_terminal():
-        _quiet_libraries()
-    if rank != 0:  # every rank takes the same fallbacks (VAE or text encoder kept whole): rank 0 says so, once
-        logging.getLogger("paradiff").setLevel(logging.ERROR)
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    return _peak_memory_bytes(device)
-
-
-def _peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-def _console_is_terminal() -> bool:
-    """Whether the user's console is a terminal: the launcher relays workers' stderr through a pipe and says so."""
-    relayed = os.environ.get("PARADIFF_CONSOLE_TTY")
-    return sys.stderr.isatty() if relayed is None else relayed == "1"
-
-
-def _quiet_libraries() -> None:
-    """Only rank 0 on a terminal shows progress; the libraries' own loading bars would repeat once per rank."""
-    import diffusers
-    import transformers
-
-    diffusers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    diffusers.utils.logging.set_verbosity_error()
+    return spec_quantization_config(load_spec_of(args))

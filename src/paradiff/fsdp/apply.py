@@ -6,7 +6,7 @@ block's all-gather as it begins, without waiting for it (`_gather_next`), so the
 compute. The root holds what is outside the blocks (embeddings, the final norm and projection).
 
 A model is sharded on the meta device, then its sharded parameters are made real but empty on the load device, and
-the loader fills each rank's rows from the checkpoint (`api/model.py: WeightSource.read`): no rank ever holds a whole
+the loader fills each rank's rows from the checkpoint (`io/weights.py: WeightSource.read`): no rank ever holds a whole
 weight. Buffers (rotary tables computed at construction, persistent buffers read whole) are kept as they are.
 """
 

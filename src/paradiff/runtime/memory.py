@@ -34,6 +34,15 @@ def rss_anon_bytes() -> int:
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def peak_memory_bytes(device: torch.device) -> int:
+    """This rank's peak memory so far: CUDA's allocator peak on a GPU, the process's peak resident memory on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
 def parameter_bytes(modules: Iterable[nn.Module]) -> int:
     """Bytes of the parameters these modules hold in memory (meta placeholders excluded; shared storage once)."""
     seen: set[tuple[str, int]] = set()

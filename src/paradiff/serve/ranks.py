@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import copy
 import datetime
 import io
 import gc
@@ -49,15 +48,17 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from paradiff.cli.conditioning import image_kwargs, pipeline_class_name
+from paradiff.api.load_spec import Loaded, LoadSpec, load
+from paradiff.cli.conditioning import image_kwargs
 from paradiff.cli.outputs import mp4_bytes, outputs_of, png_bytes
 from paradiff.cli.report import say
-from paradiff.cli.worker import (Loaded, accepted_kwargs, call_kwargs, call_parameters, load_from_args,
-                                 peak_memory_bytes, quiet_other_ranks)
+from paradiff.cli.worker import accepted_kwargs, call_kwargs, call_parameters
 from paradiff.distributed.comm import abort_process_groups, all_gather_json, broadcast_flag, broadcast_json
 from paradiff.distributed.failures import is_comm_error
 from paradiff.distributed.store import checked, get_json, open_store, put_json, store_client
 from paradiff.errors import DistributedError
+from paradiff.runtime.console import quiet_other_ranks
+from paradiff.runtime.memory import peak_memory_bytes
 from paradiff.runtime.progress import StepClock, StepEvent
 from paradiff.serve.stream import StepPublisher, preview_maker
 from paradiff.serve.adapters import adapter_chunks
@@ -195,9 +196,9 @@ class Replica:
         self.max_batch = max_batch
         self.replica, self.replicas = replica, replicas
         self.parameters = set(call_parameters(self.pipeline))
-        self.pipeline_name = pipeline_class_name(args)
+        self.pipeline_name = loaded.spec.pipeline_class_name()
         self.adapters = tuple((lora["adapter_name"], lora["scale"]) for lora in loaded.loras)
-        self._active: tuple | None = self.adapters  # load_from_args mixed them at their start scales
+        self._active: tuple | None = self.adapters  # the load mixed them at their start scales
         self.members: list[int] = list(range(dist.get_world_size()))  # this replica's ranks: its own world
         self.group = None  # the gloo group they agree in (None: the default group, gloo on CPU)
         self.on_step: Callable[[], None] | None = None  # called at every step end (None: rank 0's dispatcher polls)
@@ -430,9 +431,10 @@ def rss_bytes() -> int:
         return 0
 
 
-def serve_rank(args: argparse.Namespace, device: torch.device, frontend_factory: Callable | None,
+def serve_rank(args: argparse.Namespace, spec: LoadSpec, device: torch.device, frontend_factory: Callable | None,
                on_pipeline_loaded: Callable | None = None, dispatcher_factory: Callable | None = None) -> int:
-    """One rank of the server until it stops; returns the exit code (0 after a drain, 1 after a fatal fault).
+    """One rank of the server until it stops; returns the exit code (0 after a drain, 1 after a fatal fault). Each
+    replica loads `spec` (api/load_spec.py) on its own mesh; `args` holds the server's own settings.
     `frontend_factory()` (rank 0 only) starts the HTTP side (app.Frontend); rank 0 also runs
     `dispatcher_factory(store, frontend, replicas, size, timeout_s)` (dispatch.Dispatcher, passed in by the serve
     command: dispatch.py reads this module's channel), in a thread beside its own replica's loop."""
@@ -440,7 +442,7 @@ def serve_rank(args: argparse.Namespace, device: torch.device, frontend_factory:
     quiet_other_ranks(rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     store = open_store(rank, world, args.timeout)
-    replicas = args.dp
+    replicas = spec.parallel.data_degree
     size = world // replicas  # ranks per replica: replica r is ranks r * size ... (r + 1) * size - 1
     index, local = divmod(rank, size)
     channel = Channel(store, local, size, scope=f"r{index}")
@@ -448,8 +450,7 @@ def serve_rank(args: argparse.Namespace, device: torch.device, frontend_factory:
     _handle_signals(frontend)
     dispatcher = (dispatcher_factory(store_client(args.timeout), frontend, replicas, size, args.timeout).start()
                   if frontend is not None else None)
-    own = copy.copy(args)
-    own.dp = 1  # each replica is a mesh of its own, in a process group of its own
+    own = spec.one_replica()  # each replica is a mesh of its own, in a process group of its own
     hook = on_pipeline_loaded
     try:
         while True:
@@ -457,7 +458,7 @@ def serve_rank(args: argparse.Namespace, device: torch.device, frontend_factory:
             replica = None
             fault = None
             try:
-                loaded = load_from_args(own, device)
+                loaded = load(own, device)
                 if hook is not None:
                     hook(loaded.pipeline, rank)
                     hook = None  # a fault injected for a test happens once, not again after recovery
@@ -465,7 +466,7 @@ def serve_rank(args: argparse.Namespace, device: torch.device, frontend_factory:
                 replica.group = control
                 del loaded
                 maker, replica.previews = preview_maker(replica.pipeline, args.previews, Path(args.out) / "previews",
-                                                        staged=args.stages)
+                                                        staged=spec.stages)
                 if replica.pipeline.is_output_rank:
                     replica.step_listeners.append(StepPublisher(channel, replica.replica, maker))
                 summary = all_gather_json({"rank": rank, "memory": peak_memory_bytes(device), "rss": rss_bytes(),

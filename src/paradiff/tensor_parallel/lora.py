@@ -17,6 +17,7 @@ scalings it fused with (`weights_dropped` / `weights_read`); fusing while the sh
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -185,3 +186,49 @@ def adopt(layer) -> None:
     # differs (re-quantizing), which paradiff refuses on a quantized base
     if type(layer) in (LoraLinear, TorchaoLoraLinear) and isinstance(layer.get_base_layer(), nn.Linear):
         swap_class(layer, sharded_lora_class(), by="lora")
+
+
+# peft's adapter layers on a model a staged run frees and reads again (io/weights.py, api/pipeline_wiring.py)
+
+def lora_layers(model: nn.Module) -> list[nn.Module]:
+    return [module for module in model.modules() if is_lora_layer(module)]
+
+
+def is_lora_layer(module: nn.Module) -> bool:
+    tuners = sys.modules.get("peft.tuners.tuners_utils")  # no adapter layer exists before peft is imported
+    return tuners is not None and isinstance(module, tuners.BaseTunerLayer) and "base_layer" in module._modules
+
+
+def adapter_layout(model: nn.Module) -> tuple[set[str], dict[str, str]]:
+    """For a staged pipeline's free / re-read of a model carrying adapters: (the state_dict names of the adapter
+    tensors, which stay resident: they are not in the model's checkpoint; each LoRA-wrapped base tensor's state_dict
+    name -> its name without the adapter, as the checkpoint and the plan know it)."""
+    resident, renamed = set(), {}
+    for path, layer in model.named_modules():
+        if not is_lora_layer(layer):
+            continue
+        for name, _ in [*layer.named_parameters(remove_duplicate=False), *layer.named_buffers(remove_duplicate=False)]:
+            full = f"{path}.{name}" if path else name
+            if name.startswith("base_layer."):
+                renamed[full] = f"{path}.{name.removeprefix('base_layer.')}" if path else name.removeprefix("base_layer.")
+            else:
+                resident.add(full)
+    return resident, renamed
+
+
+def weights_dropped(model: nn.Module) -> None:
+    """A stage freed the model's weights: fused layers drop the shard copy they keep for unfusing (read again)."""
+    for layer in lora_layers(model):
+        if hasattr(layer, "weights_dropped"):
+            layer.weights_dropped()
+
+
+def weights_read(model: nn.Module) -> None:
+    """A stage read the model's weights again (the originals): fused adapters are fused into them again."""
+    for layer in lora_layers(model):
+        if hasattr(layer, "weights_read"):
+            layer.weights_read()
+        elif layer.merged:  # peft's own layers (convolutions): merged again by peft, with today's scalings
+            names = list(layer.merged_adapters)
+            layer.merged_adapters.clear()
+            layer.merge(adapter_names=names)

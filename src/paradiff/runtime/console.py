@@ -1,0 +1,33 @@
+"""What each rank of a run shows on the console: library messages and progress bars once, from rank 0, and only on
+a terminal (the command's generation and the server's ranks alike)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+
+def quiet_other_ranks(rank: int) -> None:
+    """Library messages and progress bars once, from rank 0 (and only on a terminal)."""
+    if rank != 0 or not console_is_terminal():
+        quiet_libraries()
+    if rank != 0:  # every rank takes the same fallbacks (VAE or text encoder kept whole): rank 0 says so, once
+        logging.getLogger("paradiff").setLevel(logging.ERROR)
+
+
+def console_is_terminal() -> bool:
+    """Whether the user's console is a terminal: the launcher relays workers' stderr through a pipe and says so."""
+    relayed = os.environ.get("PARADIFF_CONSOLE_TTY")
+    return sys.stderr.isatty() if relayed is None else relayed == "1"
+
+
+def quiet_libraries() -> None:
+    """Only rank 0 on a terminal shows progress; the libraries' own loading bars would repeat once per rank."""
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    diffusers.utils.logging.set_verbosity_error()
