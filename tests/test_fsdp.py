@@ -61,11 +61,13 @@ def test_fsdp_is_exact_holds_its_share_and_reads_only_its_rows(pools, checkpoint
             assert "fsdp_offload=True" in lora["refused"]["group offload"], lora
 
 
-def test_fsdp_composes_with_tp_and_cfg(pools, checkpoints, tiny_pipeline_folders):
+def test_fsdp_composes_with_tp_and_cfg(pools, checkpoints, tiny_pipeline_folders, fsdp_loras):
     pool = pools.get(4)
-    runs = [dict(family="flux2", folder=str(checkpoints[("flux2", "sharded")]), mode="fsdp2xtp2")]
+    runs = [dict(family="flux2", folder=str(checkpoints[("flux2", "sharded")]), mode="fsdp2xtp2",
+                 lora=fsdp_loras["flux2"])]
     for result in (r for rank in pool.run(cases.fsdp_models, runs=runs) for r in rank):
         assert result["diff"] <= RTOL, result
+        assert all(diff <= RTOL for diff in result["lora"]["diffs"].values()), result["lora"]
         assert result["held_blocks"] <= result["full_blocks"] / 4 + 0.02 * result["full_blocks"], result
         assert result["read"] == result["share"], result
         if result["rank"] == 0:
