@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 
 import numpy as np
 import torch
@@ -133,8 +134,6 @@ def _lora_on_fsdp(model, reference, inputs: dict, lora: str) -> dict:
     from paradiff.errors import AdapterError, ParallelConfigError
     from paradiff_testkit.lora import lora_layers, relative_difference
 
-    import time
-
     started = time.perf_counter()
     diffs, refused = {}, {}
     for target in (reference, model):
@@ -170,8 +169,10 @@ def _offloaded(module) -> bool:
     return group is not None and isinstance(group.offload_policy, CPUOffloadPolicy)
 
 
-def fsdp_pipeline(family: str, folder: str, mode: str, steps: int = 3, offload: bool = False) -> dict:
-    """A whole pipeline with FSDP transformers: images equal the single-process ones, same seed."""
+def fsdp_pipeline(family: str, folder: str, mode: str, steps: int = 3, offload: bool = False,
+                  lora: str | None = None) -> dict:
+    """A whole pipeline with FSDP transformers: images equal the single-process ones, same seed; with `lora`, again
+    after `load_lora_weights` of it on both pipelines (its difference `lora_diff`)."""
     from paradiff.config import parse_mode
 
     torch.set_num_threads(1)
@@ -183,6 +184,13 @@ def fsdp_pipeline(family: str, folder: str, mode: str, steps: int = 3, offload: 
     pipeline.set_progress_bar_config(disable=True)
     expected = np.asarray(reference(**kwargs, generator=torch.Generator().manual_seed(0)).frames)
     actual = np.asarray(pipeline(**kwargs, seed=0).frames)
+    lora_diff, started = None, time.perf_counter()
+    if lora is not None:
+        for pipe in (reference, pipeline):
+            pipe.load_lora_weights(lora, adapter_name="style")
+        with_lora = np.asarray(reference(**kwargs, generator=torch.Generator().manual_seed(0)).frames)
+        lora_diff = float(np.abs(np.asarray(pipeline(**kwargs, seed=0).frames) - with_lora).max())
+        lora_diff = (lora_diff, float(np.abs(with_lora - expected).max()))  # (to diffusers', what the LoRA changed)
     try:  # diffusers' group offloading on FSDP shards: refused by name (api/fsdp.py: fsdp_refusal)
         pipeline.enable_group_offload("cpu", offload_type="block_level", num_blocks_per_group=1)
         group_offload = None
@@ -191,6 +199,7 @@ def fsdp_pipeline(family: str, folder: str, mode: str, steps: int = 3, offload: 
     transformers = {name: module for name, module in pipeline.components.items()
                     if name.startswith("transformer") and module is not None}
     return {"rank": dist.get_rank(), "diff": float(np.abs(actual - expected).max()), "group_offload": group_offload,
+            "lora_diff": lora_diff, "lora_seconds": time.perf_counter() - started,
             "offloaded": {name: all(_offloaded(module.get_submodule(block))
                                     for block in get_state(module).fsdp_blocks)
                           for name, module in transformers.items()},

@@ -61,7 +61,10 @@ def test_fsdp_is_exact_holds_its_share_and_reads_only_its_rows(pools, checkpoint
             assert "fsdp_offload=True" in lora["refused"]["group offload"], lora
 
 
-def test_fsdp_composes_with_tp_and_cfg(pools, checkpoints, tiny_pipeline_folders, fsdp_loras):
+def test_fsdp_composes_with_tp_and_cfg(pools, checkpoints, tiny_pipeline_folders, fsdp_loras, tmp_path_factory):
+    from paradiff_testkit.lora import save_pipeline_loras
+
+
     pool = pools.get(4)
     runs = [dict(family="flux2", folder=str(checkpoints[("flux2", "sharded")]), mode="fsdp2xtp2",
                  lora=fsdp_loras["flux2"])]
@@ -72,9 +75,12 @@ def test_fsdp_composes_with_tp_and_cfg(pools, checkpoints, tiny_pipeline_folders
         assert result["read"] == result["share"], result
         if result["rank"] == 0:
             assert result["predicted_weights"] == result["held"], result
-    for result in pool.run(cases.fsdp_pipeline, family="wan2.2-a14b", folder=str(tiny_pipeline_folders["wan2.2-a14b"]),
-                           mode="cfg2xfsdp2"):
+    folder = tiny_pipeline_folders["wan2.2-a14b"]
+    lora = save_pipeline_loras("wan2.2-a14b", folder, tmp_path_factory.mktemp("fsdp-pipeline-lora"))["style"]
+    for result in pool.run(cases.fsdp_pipeline, family="wan2.2-a14b", folder=str(folder), mode="cfg2xfsdp2",
+                           lora=str(lora)):
         assert result["diff"] <= 1e-5, result
+        assert result["lora_diff"][0] <= 1e-5 < result["lora_diff"][1], result  # equal, and the LoRA did change it
         assert set(result["fsdp_blocks"]) == {"transformer", "transformer_2"}, result
         for held, whole in result["held"].values():
             assert held < 0.6 * whole, result
