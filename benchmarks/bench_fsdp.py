@@ -1,19 +1,24 @@
 """FSDP2 on CPU: per-rank peak RSS of fsdp2 against one process, and the step time of fsdp2 x ulysses2 against
 ulysses2 alone (is the all-gather overlapped?).
 
-Model: a FLUX.2-architecture `Flux2Transformer2DModel` with random weights (MODEL below), fp32, saved once to a
-temporary folder and loaded shard-on-read by each case; batch 1, a 32x32 latent grid + 64 text tokens, one torch
-thread per rank, gloo on 127.0.0.1, each case in the ranks of one pool (paradiff.testing.dist.RankPool).
+Models: FLUX.2-architecture `Flux2Transformer2DModel`s with random weights, fp32, saved once to a temporary folder and
+loaded shard-on-read by each case; one torch thread per rank, gloo on 127.0.0.1, each case in the ranks of one pool
+(paradiff.testing.dist.RankPool).
+- memory (single, fsdp2) on `--model real` (default): FLUX.2-dev's block counts (8 double + 48 single blocks) at a
+  hidden size of 768, 2.0 GB, so the weights dominate each process as they do in a real model (the largest block is
+  3% of the model, as in FLUX.2-dev: FSDP gathers one block and prefetches the next); batch 1, a 16x16 latent grid +
+  64 text tokens, one forward after the load. `--model small` is the 375 MB, 24-block model of earlier runs.
+- step (ulysses2, fsdp2xulysses2; `--step`, off by default: minutes under load) on the small model, a 32x32 latent
+  grid + 64 text tokens, the median of --repeats forwards after one warm-up (the slowest rank).
 
-Per case: peak anonymous RSS of each rank over the load and the forwards (max over ranks, and its rise over the
-process before the load), and the median time per forward over --repeats after one warm-up (the slowest rank).
-Before that, each rank loads and runs a tiny model of the same family in the same mode once, so that the rise counts
-the model and its forward, not the modules the first load imports nor the process groups it makes (FSDP2 and DTensor
-import tens of MB that a single process never imports: they were counted against fsdp2 before). For the FSDP modes,
-the time of gathering every block once without computing (`unshard` / `reshard` in order) says how much of the step
-the all-gathers would add without overlap.
+Per case: the anonymous RSS of each rank as the case starts (the fixed per-process baseline: torch, diffusers and
+gloo imported, the pool's process group made), then after a warm-up load and forward of a tiny model of the same
+family in the same mode (so the rise counts the model and its forward, not the modules the first load imports nor the
+process groups it makes), then its peak over the load and the forwards (max over ranks) and the weight bytes it holds.
+For the FSDP step case, the time of gathering every block once without computing (`unshard` / `reshard` in order)
+says how much of the step the all-gathers would add without overlap.
 
-    python benchmarks/bench_fsdp.py [--repeats 5] [--json out.json]
+    MALLOC_MMAP_THRESHOLD_=131072 python benchmarks/bench_fsdp.py [--model real|small] [--step] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -31,34 +36,39 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from results import figure, write_result  # noqa: E402
+from results import figure, this_command, write_result  # noqa: E402
 
-MODEL = dict(layers=2, single_layers=22, head_dim=64, heads=8)
-CASES = {"single": (1, "single"), "fsdp2": (2, "fsdp2"), "ulysses2": (2, "ulysses2"),
-         "fsdp2xulysses2": (2, "fsdp2xulysses2")}
+MODELS = {"real": dict(layers=8, single_layers=48, head_dim=128, heads=6),
+          "small": dict(layers=2, single_layers=22, head_dim=64, heads=8)}
+MEMORY_CASES = {"single": (1, "single"), "fsdp2": (2, "fsdp2")}
+STEP_CASES = {"ulysses2": (2, "ulysses2"), "fsdp2xulysses2": (2, "fsdp2xulysses2")}
 
 
-def run_case(folder: str, warm_folder: str, mode: str, repeats: int) -> dict:
+def run_case(folder: str, warm_folder: str, mode: str, repeats: int, grid: int) -> dict:
     import gc
 
     import torch
     import torch.distributed as dist
 
     import paradiff
-    from paradiff.runtime.memory import PeakSampler, rss_anon_reading
+    from paradiff.fsdp.apply import held_weight_bytes
+    from paradiff.runtime.memory import PeakSampler, release_freed_memory, rss_anon_reading
     from paradiff.testing.models import Lengths, make_inputs, model_class, run_forward
 
     torch.set_num_threads(1)
+    baseline = max(rss_anon_reading().values())
     cls = model_class("flux2")
     config = None if mode == "single" else paradiff.ParallelConfig.from_mode(mode)
     warm = paradiff.from_pretrained(cls, warm_folder, parallel_config=config)
     run_forward(warm, make_inputs("flux2", warm.config, batch=1, lengths=Lengths(height=4, width=4, text=8)))
     del warm
     gc.collect()
+    release_freed_memory(torch.device("cpu"))
     before = rss_anon_reading()
     with PeakSampler() as sampler:
         model = paradiff.from_pretrained(cls, folder, parallel_config=config)
-        inputs = make_inputs("flux2", model.config, batch=1, lengths=Lengths(height=32, width=32, text=64))
+        loaded = max(rss_anon_reading().values())
+        inputs = make_inputs("flux2", model.config, batch=1, lengths=Lengths(height=grid, width=grid, text=64))
         run_forward(model, inputs)
         times = []
         for _ in range(repeats):
@@ -68,8 +78,9 @@ def run_case(folder: str, warm_folder: str, mode: str, repeats: int) -> dict:
             run_forward(model, inputs)
             times.append(time.perf_counter() - started)
     peak = max(sampler.peak.values())
+    after = max(rss_anon_reading().values())  # the gathered blocks freed again: back to about `loaded`
     gather = []
-    if "fsdp" in mode:
+    if "fsdp" in mode and repeats:
         from paradiff.runtime.state import get_state
 
         units = [model.get_submodule(name) for name in get_state(model).fsdp_blocks]
@@ -80,55 +91,109 @@ def run_case(folder: str, warm_folder: str, mode: str, repeats: int) -> dict:
                 unit.unshard()
                 unit.reshard()
             gather.append(time.perf_counter() - started)
-    return {"peak_rss": peak, "rise": peak - max(before.values()), "times": times, "gather": gather}
+    return {"baseline": baseline, "peak_rss": peak, "rise": peak - max(before.values()), "times": times,
+            "gather": gather, "held": held_weight_bytes(model), "loaded": loaded - max(before.values()),
+            "after": after - max(before.values())}
+
+
+def build_fast(config: dict):
+    """A FLUX.2-architecture model with random weights, made on the meta device and filled in place (diffusers'
+    own initialisation of 2 GB takes minutes on a loaded machine). No buffers to fill: its rotary tables are
+    computed in the forward."""
+    import torch
+
+    from paradiff.testing.models import model_class, tiny_config
+
+    with torch.device("meta"):
+        model = model_class("flux2")(**tiny_config("flux2", **config))
+    assert not list(model.buffers())
+    model.to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.02, generator=generator)
+    return model.eval()
+
+
+def run_cases(cases: dict, folder: str, warm_folder: str, repeats: int, grid: int) -> dict:
+    from paradiff.testing.dist import RankPool
+
+    results = {}
+    for name, (world, mode) in cases.items():
+        pool = RankPool(world)
+        try:
+            per_rank = pool.run(run_case, timeout_s=900, folder=folder, warm_folder=warm_folder, mode=mode,
+                                repeats=repeats, grid=grid)
+        finally:
+            pool.close()
+        results[name] = {"ranks": world, "baseline_mb": max(r["baseline"] for r in per_rank) / 1e6,
+                         "peak_rss_mb": max(r["peak_rss"] for r in per_rank) / 1e6,
+                         "rise_mb": max(r["rise"] for r in per_rank) / 1e6,
+                         "loaded_mb": max(r["loaded"] for r in per_rank) / 1e6,
+                         "after_mb": max(r["after"] for r in per_rank) / 1e6,
+                         "held_mb": max(r["held"] for r in per_rank) / 1e6}
+        if repeats:
+            step = [max(rank["times"][i] for rank in per_rank) for i in range(repeats)]
+            results[name]["step_s"] = statistics.median(step)
+            results[name]["gather_s"] = statistics.median([max(rank["gather"][i] for rank in per_rank)
+                                                           for i in range(repeats)]) if "fsdp" in mode else 0.0
+        print(name, results[name], flush=True)
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--model", choices=sorted(MODELS), default="real")
+    parser.add_argument("--step", action="store_true", help="also time ulysses2 against fsdp2 x ulysses2")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    from paradiff.testing.dist import RankPool
+    import torch
+
     from paradiff.testing.models import build_model, save_model
 
-    results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        folder = str(save_model(build_model("flux2", **MODEL), Path(tmp) / "flux2"))
+        model = build_fast(MODELS[args.model])
+        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
+        largest = max(sum(p.numel() * p.element_size() for p in block.parameters()) for block in blocks)
+        folder = str(save_model(model, Path(tmp) / "flux2"))
+        del model
         warm_folder = str(save_model(build_model("flux2", layers=2, single_layers=2), Path(tmp) / "warm"))
-        for name, (world, mode) in CASES.items():
-            pool = RankPool(world)
-            try:
-                per_rank = pool.run(run_case, timeout_s=900, folder=folder, warm_folder=warm_folder, mode=mode,
-                                    repeats=args.repeats)
-            finally:
-                pool.close()
-            step = [max(rank["times"][i] for rank in per_rank) for i in range(args.repeats)]
-            results[name] = {"ranks": world, "peak_rss_mb": max(r["peak_rss"] for r in per_rank) / 1e6,
-                             "rise_mb": max(r["rise"] for r in per_rank) / 1e6,
-                             "step_s": statistics.median(step),
-                             "gather_s": statistics.median([max(rank["gather"][i] for rank in per_rank)
-                                                            for i in range(args.repeats)]) if "fsdp" in mode else 0.0}
+        results = run_cases(MEMORY_CASES, folder, warm_folder, repeats=0, grid=16)
+        if args.step:
+            small = str(save_model(build_fast(MODELS["small"]), Path(tmp) / "small"))
+            results.update(run_cases(STEP_CASES, small, warm_folder, repeats=args.repeats, grid=32))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"bench_fsdp: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.node()}, "
-          f"{platform.processor() or platform.machine()}, commit {commit}")
-    print("| case | ranks | peak RSS / rank | rise / rank | step | every block gathered, no compute |")
-    print("|---|---|---|---|---|---|")
+          f"{platform.processor() or platform.machine()}, commit {commit}, torch {torch.__version__}")
+    print("| case | ranks | baseline RSS / rank | peak RSS / rank | rise / rank | weights held / rank | step |")
+    print("|---|---|---|---|---|---|---|")
     for name, row in results.items():
-        print(f"| {name} | {row['ranks']} | {row['peak_rss_mb']:.0f} MB | {row['rise_mb']:.0f} MB | "
-              f"{row['step_s'] * 1000:.0f} ms | {row['gather_s'] * 1000:.0f} ms |")
+        step = f"{row['step_s'] * 1000:.0f} ms" if "step_s" in row else "-"
+        print(f"| {name} | {row['ranks']} | {row['baseline_mb']:.0f} MB | {row['peak_rss_mb']:.0f} MB | "
+              f"{row['rise_mb']:.0f} MB | {row['held_mb']:.0f} MB | {step} |")
     single, fsdp = results["single"], results["fsdp2"]
-    print(f"fsdp2 / single peak-RSS rise: {fsdp['rise_mb'] / single['rise_mb']:.2f} (goal <= 0.6); "
-          f"fsdp2xulysses2 / ulysses2 step: {results['fsdp2xulysses2']['step_s'] / results['ulysses2']['step_s']:.2f}"
-          " (goal <= 1.1)")
-    sp, both = results["ulysses2"], results["fsdp2xulysses2"]
-    write_result("bench_fsdp", "FSDP2 on CPU: per-rank peak RSS and step time, FLUX.2-architecture 24 blocks", [
+    blocks_text = (f"{len(blocks)} blocks, {model_bytes / 1e9:.2f} GB fp32, largest block {largest / 1e6:.0f} MB")
+    figures = [
         figure("peak RSS rise, fsdp2 / single", round(fsdp["rise_mb"] / single["rise_mb"], 3), "x", "<= 0.6",
-               note="after a warm-up load in the same mode (imports and process groups not counted)"),
-        figure("step, fsdp2 x ulysses2 / ulysses2", round(both["step_s"] / sp["step_s"], 3), "x", "<= 1.1",
-               note=f"median of {args.repeats} steps, slowest rank; the step adds "
-                    f"{(both['step_s'] - sp['step_s']) * 1000:.0f} ms, gathering every block without compute takes "
-                    f"{both['gather_s'] * 1000:.0f} ms"),
-    ])
+               note=f"FLUX.2 architecture, {blocks_text}; rise of the peak anonymous RSS over each rank's RSS "
+                    f"after a warm-up load in the same mode: single {single['rise_mb']:.0f} MB, fsdp2 "
+                    f"{fsdp['rise_mb']:.0f} MB per rank (holding {fsdp['held_mb']:.0f} MB of weights); whole "
+                    f"peak: single {single['peak_rss_mb']:.0f} MB, fsdp2 {fsdp['peak_rss_mb']:.0f} MB "
+                    f"({fsdp['peak_rss_mb'] / single['peak_rss_mb']:.2f}x), of which the fixed per-process "
+                    f"baseline (torch, diffusers, gloo) is {single['baseline_mb']:.0f} MB"),
+    ]
+    if args.step:
+        sp, both = results["ulysses2"], results["fsdp2xulysses2"]
+        figures.append(figure(
+            "step, fsdp2 x ulysses2 / ulysses2", round(both["step_s"] / sp["step_s"], 3), "x", "<= 1.1",
+            note=f"the 375 MB 24-block model, 32x32 latent + 64 text tokens; median of {args.repeats} steps, slowest "
+                 f"rank; the step adds {(both['step_s'] - sp['step_s']) * 1000:.0f} ms, gathering every block "
+                 f"without compute takes {both['gather_s'] * 1000:.0f} ms"))
+    write_result("bench_fsdp", f"FSDP2 on CPU: per-rank peak RSS, FLUX.2 architecture in {len(blocks)} blocks"
+                 + (", and step time" if args.step else ""), figures,
+                 command="MALLOC_MMAP_THRESHOLD_=131072 " + this_command())
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

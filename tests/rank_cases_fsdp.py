@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 
 import numpy as np
 import torch
@@ -13,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 import paradiff
 from paradiff.config import ParallelConfig
+from paradiff.errors import ParallelConfigError
 from paradiff.fsdp.apply import held_weight_bytes
 from paradiff.io.checkpoint import Checkpoint
 from paradiff.plan_tools.memory import meta_model, per_rank_bytes
@@ -106,7 +108,9 @@ def fsdp_models(runs: list[dict]) -> list[dict]:
             tp_plan = resolve_plan(meta_model(cls, reference.config), as_plan(plan_for(reference, None, "tensor")),
                                    get_state(model).mesh.coordinates.tp_rank, parallel.tp_degree)
         predicted = per_rank_bytes(meta_model(cls, reference.config), parallel, dtype, tp_plan=tp_plan)
+        lora = _lora_on_fsdp(model, reference, inputs, run["lora"]) if run.get("lora") else None
         results.append({
+            "lora": lora,
             "predicted_weights": predicted.weights, "held": held_weight_bytes(model),
             "model_group": 1 if state.mesh.model_group is None else dist.get_world_size(state.mesh.model_group),
             "run": run, "rank": dist.get_rank(), "blocks": len(blocks),
@@ -123,6 +127,40 @@ def fsdp_models(runs: list[dict]) -> list[dict]:
     return results
 
 
+def _lora_on_fsdp(model, reference, inputs: dict, lora: str) -> dict:
+    """A LoRA adapter on the FSDP model and on the single-process one (diffusers' own): the relative differences with
+    it loaded, weighted, and unloaded; the whole factors each rank holds; and what fuse_lora and diffusers' group
+    offloading (both refused on FSDP shards, by name, before anything changes) say."""
+    from paradiff.errors import AdapterError, ParallelConfigError
+    from paradiff_testkit.lora import lora_layers, relative_difference
+
+    started = time.perf_counter()
+    diffs, refused = {}, {}
+    for target in (reference, model):
+        target.load_lora_adapter(lora, adapter_name="style", use_safetensors=True)
+    diffs["loaded"] = relative_difference(run_forward(model, inputs), run_forward(reference, inputs))
+    for target in (reference, model):
+        target.set_adapters(["style"], [0.6])
+    diffs["weighted"] = relative_difference(run_forward(model, inputs), run_forward(reference, inputs))
+    layers = lora_layers(model)
+    whole = all(tuple(layer.lora_B["style"].weight.shape) == (layer.out_features, layer.lora_A["style"].weight.shape[0])
+                and layer.out_features == reference.get_submodule(name).base_layer.out_features
+                for name, layer in layers.items())
+    for what, call, error in (("fuse", lambda: model.fuse_lora(lora_scale=0.5), AdapterError),
+                              ("group offload", lambda: model.enable_group_offload("cpu"), ParallelConfigError)):
+        try:
+            call()
+            refused[what] = None
+        except error as exc:
+            refused[what] = str(exc)
+    diffs["after refusals"] = relative_difference(run_forward(model, inputs), run_forward(reference, inputs))
+    for target in (reference, model):
+        target.unload_lora()
+    diffs["unloaded"] = relative_difference(run_forward(model, inputs), run_forward(reference, inputs))
+    return {"diffs": diffs, "layers": len(layers), "whole": whole, "refused": refused,
+            "seconds": time.perf_counter() - started}
+
+
 def _offloaded(module) -> bool:
     """Whether FSDP2 keeps this sharded module's parameters offloaded to the CPU (its CPUOffloadPolicy)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
@@ -131,8 +169,10 @@ def _offloaded(module) -> bool:
     return group is not None and isinstance(group.offload_policy, CPUOffloadPolicy)
 
 
-def fsdp_pipeline(family: str, folder: str, mode: str, steps: int = 3, offload: bool = False) -> dict:
-    """A whole pipeline with FSDP transformers: images equal the single-process ones, same seed."""
+def fsdp_pipeline(family: str, folder: str, mode: str, steps: int = 3, offload: bool = False,
+                  lora: str | None = None) -> dict:
+    """A whole pipeline with FSDP transformers: images equal the single-process ones, same seed; with `lora`, again
+    after `load_lora_weights` of it on both pipelines (its difference `lora_diff`)."""
     from paradiff.config import parse_mode
 
     torch.set_num_threads(1)
@@ -144,10 +184,24 @@ def fsdp_pipeline(family: str, folder: str, mode: str, steps: int = 3, offload: 
     pipeline.set_progress_bar_config(disable=True)
     expected = np.asarray(reference(**kwargs, generator=torch.Generator().manual_seed(0)).frames)
     actual = np.asarray(pipeline(**kwargs, seed=0).frames)
+    lora_diff, started = None, time.perf_counter()
+    if lora is not None:
+        for pipe in (reference, pipeline):
+            pipe.load_lora_weights(lora, adapter_name="style")
+        with_lora = np.asarray(reference(**kwargs, generator=torch.Generator().manual_seed(0)).frames)
+        lora_diff = float(np.abs(np.asarray(pipeline(**kwargs, seed=0).frames) - with_lora).max())
+        lora_diff = (lora_diff, float(np.abs(with_lora - expected).max()))  # (to diffusers', what the LoRA changed)
+    try:  # diffusers' group offloading on FSDP shards: refused by name (api/fsdp.py: fsdp_refusal)
+        pipeline.enable_group_offload("cpu", offload_type="block_level", num_blocks_per_group=1)
+        group_offload = None
+    except ParallelConfigError as exc:
+        group_offload = str(exc)
     transformers = {name: module for name, module in pipeline.components.items()
                     if name.startswith("transformer") and module is not None}
     return {"rank": dist.get_rank(), "diff": float(np.abs(actual - expected).max()),
             "output_rank": pipeline.is_output_rank,
+            "group_offload": group_offload,
+            "lora_diff": lora_diff, "lora_seconds": time.perf_counter() - started,
             "offloaded": {name: all(_offloaded(module.get_submodule(block))
                                     for block in get_state(module).fsdp_blocks)
                           for name, module in transformers.items()},

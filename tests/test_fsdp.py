@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import rank_cases_fsdp as cases
-from paradiff.api.fsdp import check_fsdp
+from paradiff.api.fsdp import check_fsdp, fsdp_refusal
 from paradiff.config import ParallelConfig
 from paradiff.errors import ParallelConfigError, UnsupportedModelError
 from paradiff.testing.models import build_model
@@ -17,8 +17,22 @@ RTOL = 1e-5
 BF16_RTOL = 2e-2  # bfloat16 on both sides: the parallel run reduces in another order
 
 
-def test_fsdp_is_exact_holds_its_share_and_reads_only_its_rows(pools, checkpoints):
-    runs = [dict(family=family, folder=str(checkpoints[(family, "sharded")]), mode=mode)
+@pytest.fixture(scope="module")
+def fsdp_loras(tmp_path_factory) -> dict[str, str]:
+    """family -> a LoRA on every target of the family's test model (rank 4, alpha 8, diffusers' format)."""
+    from paradiff_testkit.lora import TARGETS, random_lora, save_lora
+
+    root = tmp_path_factory.mktemp("fsdp-loras")
+    return {family: str(save_lora(root / f"{family}.safetensors",
+                                  random_lora(build_model(family), TARGETS[family], 4, seed=1), rank=4, alpha=8))
+            for family in ("flux2", "wan")}
+
+
+def test_fsdp_is_exact_holds_its_share_and_reads_only_its_rows(pools, checkpoints, fsdp_loras):
+    """... and runs a LoRA exactly (flux2 at fsdp2, wan at fsdp2 x ulysses2: whole factors on every rank, against
+    diffusers' LoRA on one process), refusing fuse_lora and diffusers' group offloading by name."""
+    runs = [dict(family=family, folder=str(checkpoints[(family, "sharded")]), mode=mode,
+                 lora=fsdp_loras[family] if (family, mode) in (("flux2", "fsdp2"), ("wan", "fsdp2xulysses2")) else None)
             for family in ("flux2", "wan") for mode in ("fsdp2", "fsdp2xulysses2")]
     runs.append(dict(family="flux2", folder=str(checkpoints[("flux2", "single")]), mode="fsdp2xulysses2",
                      dtype="bfloat16"))
@@ -38,22 +52,36 @@ def test_fsdp_is_exact_holds_its_share_and_reads_only_its_rows(pools, checkpoint
         if result["rank"] == 0:  # --dry-run's figure (rank 0's rows, the larger) is what the load holds
             assert result["predicted_weights"] == result["held"], result
         assert result["share"] < 0.6 * result["full"], result
+        lora = result["lora"]
+        if result["run"].get("lora"):
+            assert all(diff <= RTOL for diff in lora["diffs"].values()), lora
+            assert lora["layers"] > 0 and lora["whole"], lora  # FSDP computes whole outputs: whole factors
+            assert "FSDP-sharded weights" in lora["refused"]["fuse"], lora
+            assert "enable_group_offload on a model loaded with fsdp_degree=2" in lora["refused"]["group offload"]
+            assert "fsdp_offload=True" in lora["refused"]["group offload"], lora
 
 
-def test_fsdp_composes_with_tp_and_cfg(pools, checkpoints, tiny_pipeline_folders):
+def test_fsdp_composes_with_tp_and_cfg(pools, checkpoints, tiny_pipeline_folders, fsdp_loras, tmp_path_factory):
+    from paradiff_testkit.lora import save_pipeline_loras
+
+
     pool = pools.get(4)
-    runs = [dict(family="flux2", folder=str(checkpoints[("flux2", "sharded")]), mode="fsdp2xtp2")]
+    runs = [dict(family="flux2", folder=str(checkpoints[("flux2", "sharded")]), mode="fsdp2xtp2",
+                 lora=fsdp_loras["flux2"])]
     for result in (r for rank in pool.run(cases.fsdp_models, runs=runs) for r in rank):
         assert result["diff"] <= RTOL, result
+        assert all(diff <= RTOL for diff in result["lora"]["diffs"].values()), result["lora"]
         assert result["held_blocks"] <= result["full_blocks"] / 4 + 0.02 * result["full_blocks"], result
         assert result["read"] == result["share"], result
         if result["rank"] == 0:
             assert result["predicted_weights"] == result["held"], result
-    results = pool.run(cases.fsdp_pipeline, family="wan2.2-a14b", folder=str(tiny_pipeline_folders["wan2.2-a14b"]),
-                       mode="cfg2xfsdp2")
+    folder = tiny_pipeline_folders["wan2.2-a14b"]
+    lora = save_pipeline_loras("wan2.2-a14b", folder, tmp_path_factory.mktemp("fsdp-pipeline-lora"))["style"]
+    results = pool.run(cases.fsdp_pipeline, family="wan2.2-a14b", folder=str(folder), mode="cfg2xfsdp2", lora=str(lora))
     assert [result["output_rank"] for result in results] == [True, False, False, False]  # one replica: one saver
     for result in results:
         assert result["diff"] <= 1e-5, result
+        assert result["lora_diff"][0] <= 1e-5 < result["lora_diff"][1], result  # equal, and the LoRA did change it
         assert set(result["fsdp_blocks"]) == {"transformer", "transformer_2"}, result
         for held, whole in result["held"].values():
             assert held < 0.6 * whole, result
@@ -80,6 +108,8 @@ def test_fsdp_refuses_what_it_cannot_hold_by_name():
     assert "GGUF weights" in _refusal(tp=2, single_file=True)
     assert "pre-quantized checkpoint" in _refusal(saved=True)
     assert "staged execution" in _refusal(stages=True)
+    offload = fsdp_refusal(2, 1, group_offload=True)
+    assert "enable_group_offload" in offload and "--fsdp-offload" in offload and "fsdp_degree=1" in offload, offload
     with pytest.raises(UnsupportedModelError, match="no repeated blocks"):
         check_fsdp(torch.nn.Linear(2, 2), ParallelConfig.from_degrees(fsdp=2))
 
@@ -153,5 +183,6 @@ def test_fsdp_covers_the_issue_families_and_offloads(pools, tiny_pipeline_folder
     for result in results:
         assert result["diff"] <= 1e-5, result
         assert result["offloaded"] == {"transformer": True, "transformer_2": True}, result
+        assert "enable_group_offload on a model loaded with fsdp_degree=2" in result["group_offload"], result
         for held, whole in result["held"].values():
             assert held < 0.6 * whole, result

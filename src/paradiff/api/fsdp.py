@@ -18,11 +18,18 @@ from paradiff.tensor_parallel.shard import swap_in_sharded_linears
 
 
 def fsdp_refusal(degree: int, tp_degree: int, scheme: str | None = None, *, saved: bool = False,
-                 single_file: bool = False, stages: bool = False) -> str | None:
+                 single_file: bool = False, stages: bool = False, group_offload: bool = False) -> str | None:
     """Why FSDP2 cannot hold this combination (quantization `scheme`, a pre-quantized checkpoint, a GGUF file, TP,
-    stages), naming what to change; None when it can. The one statement of these rules: `check_fsdp` raises it,
-    `--parallel auto` skips the meshes it refuses."""
+    stages, diffusers' group offloading), naming what to change; None when it can. The one statement of these rules:
+    `check_fsdp` raises it, `--parallel auto` skips the meshes it refuses, `enable_group_offload` on an FSDP model
+    raises it (api/offload.py) before any hook is placed."""
     what = f"fsdp_degree={degree}"
+    if group_offload:
+        return (f"enable_group_offload on a model loaded with {what}: diffusers' group offloading moves each "
+                "parameter's data between devices, while FSDP2 gathers every block from shard buffers of its own "
+                "that the offload would not move, so the two would not agree on where a weight is. FSDP2 offloads "
+                "its shards itself: load with fsdp_offload=True (--fsdp-offload), or use group offload with "
+                "fsdp_degree=1.")
     if saved:
         return (f"{what} with a pre-quantized checkpoint: paradiff's FSDP quantizes each rank's rows as it reads them "
                 "from a float checkpoint (int8 / fp8) or reads a GGUF file's packed rows; a checkpoint saved quantized "

@@ -26,6 +26,7 @@ from paradiff.runtime.patches import has_hooks, module_patches, move_hooks, remo
 from paradiff.distributed.agreement import agree, fingerprint
 from paradiff.errors import AdapterError
 from paradiff.io.adapters import FETCH_KWARGS, AdapterSource, open_adapter, text_encoder_adapter
+from paradiff.fsdp.apply import is_sharded, whole_shapes
 from paradiff.runtime.state import get_state
 from paradiff.tensor_parallel.layers import ShardedLinear
 from paradiff.tensor_parallel.lora import FACTORS, adopt, factor_specs, lora_layers
@@ -66,6 +67,15 @@ def check_fusable(model: nn.Module) -> None:
     keeps the original shards only for plain weights. Unfused, the adapters run on the quantized shards as they are."""
     from paradiff.quant.apply import is_quantized_weight
 
+    sharded = [name for name, module in model.named_modules() if name.endswith(".base_layer")
+               and is_sharded(getattr(module, "weight", None))]
+    if sharded:
+        layer = sharded[0].removesuffix(".base_layer")
+        raise AdapterError(
+            f"fuse_lora: {len(sharded)} adapted layer(s) hold FSDP-sharded weights (e.g. {layer!r}): each rank holds "
+            "only its rows of them between forwards, and paradiff does not fuse adapters into FSDP shards. Keep the "
+            "adapters unfused (they run exactly on the sharded model), or load without fsdp to fuse."
+        )
     quantized = [name for name, module in model.named_modules() if name.endswith(".base_layer")
                  and is_quantized_weight(getattr(module, "weight", None))]
     if quantized:
@@ -144,7 +154,8 @@ def load_adapter(model: nn.Module, original: Callable, source: Any, prefix: str 
         if adapter.metadata is not None and call_kwargs.get("metadata") is None:
             call_kwargs["metadata"] = adapter.metadata
         named = {(f"{prefix}.{name}" if prefix else name): tensor for name, tensor in local.items()}
-        original(model, named, prefix=prefix, hotswap=hotswap, **call_kwargs)
+        with whole_shapes(model):  # FSDP-sharded Linears compute whole outputs: their adapters are whole
+            original(model, named, prefix=prefix, hotswap=hotswap, **call_kwargs)
 
     try:
         facts = None if adapter is None else _facts(adapter, adapter_name, prefix, hotswap,
@@ -172,7 +183,8 @@ def load_text_encoder_adapter(text_encoder: nn.Module, original: Callable, state
 
     def build(local: dict[str, torch.Tensor]) -> None:
         # peft keys already: diffusers' conversions leave them as they are
-        original({f"{prefix}.{name}": tensor for name, tensor in local.items()})
+        with whole_shapes(text_encoder):
+            original({f"{prefix}.{name}": tensor for name, tensor in local.items()})
 
     facts = None if adapter is None else _facts(adapter, adapter_name, prefix, hotswap, network_alphas,
                                                 kwargs.get("metadata"))

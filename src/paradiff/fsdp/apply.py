@@ -13,7 +13,9 @@ weight. Buffers (rotary tables computed at construction, persistent buffers read
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import contextmanager
 from functools import partial
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -111,3 +113,28 @@ def held_weight_bytes(model: nn.Module) -> int:
         local = param.to_local() if isinstance(param, DTensor) else param
         total += local.numel() * local.element_size()
     return total
+
+
+@contextmanager
+def whole_shapes(model: nn.Module) -> Iterator[None]:
+    """While inside, every FSDP-sharded Linear weight reads as a plain tensor of the weight's whole shape (a zero-byte
+    expanded view, never filled) and is put back after. For peft building LoRA layers on an FSDP model: peft takes a
+    DTensor weight on a mesh not named "fsdp" for a TP shard and sizes the adapter to its local rows, but a Linear
+    FSDP2 shards computes its whole output (its weight is gathered in the forward), so its adapter must be whole.
+    The Linear's load_state_dict post-hooks (FSDP2's re-reading of its shard after a load) are set aside meanwhile:
+    the adapter's load that follows fills the adapter's factors only, and must not take the placeholder for a shard."""
+    swapped = []
+    for module in model.modules():
+        weight = module._parameters.get("weight") if isinstance(module, nn.Linear) else None
+        if isinstance(weight, DTensor):
+            placeholder = torch.zeros((), dtype=weight.dtype, device=weight.to_local().device).expand(weight.shape)
+            hooks = dict(module._load_state_dict_post_hooks)
+            module._load_state_dict_post_hooks.clear()
+            module._parameters["weight"] = nn.Parameter(placeholder, requires_grad=False)
+            swapped.append((module, weight, hooks))
+    try:
+        yield
+    finally:
+        for module, weight, hooks in swapped:
+            module._parameters["weight"] = weight
+            module._load_state_dict_post_hooks.update(hooks)

@@ -106,6 +106,7 @@ def install_offload_support(model: nn.Module) -> None:
         return
 
     def enable_group_offload(onload_device, *args: Any, offload_to_disk_path: Any = None, **kwargs: Any) -> None:
+        _refuse_fsdp(model)
         parameter = next(model.parameters(), None)
         if parameter is not None:
             _check_devices(onload_device, parameter.device, "enable_group_offload")
@@ -123,6 +124,9 @@ def pipeline_group_offload(pipeline: Any, onload_device: Any, kwargs: dict[str, 
     from diffusers.hooks import apply_group_offloading
 
     runner = _checked_runner(pipeline, "enable_group_offload")
+    for component in pipeline.components.values():
+        if isinstance(component, nn.Module):
+            _refuse_fsdp(component)
     _check_devices(onload_device, runner.device, "enable_group_offload")
     exclude = kwargs.pop("exclude_modules", None) or []
     exclude = [exclude] if isinstance(exclude, str) else list(exclude)
@@ -145,6 +149,17 @@ def pipeline_group_offload(pipeline: Any, onload_device: Any, kwargs: dict[str, 
             component.enable_group_offload(onload_device, offload_to_disk_path=own, **kwargs)
         else:
             apply_group_offloading(component, onload_device=onload_device, offload_to_disk_path=own, **kwargs)
+
+
+def _refuse_fsdp(model: nn.Module) -> None:
+    """Group offloading of an FSDP-sharded model is refused (api/fsdp.py: fsdp_refusal), before any hook is placed."""
+    from paradiff.api.fsdp import fsdp_refusal
+    from paradiff.runtime.state import get_state
+
+    state = get_state(model)
+    if state is not None and state.fsdp_blocks:
+        config = state.mesh.config
+        raise ParallelConfigError(fsdp_refusal(config.fsdp_degree, config.tp_degree, group_offload=True))
 
 
 def _checked_runner(pipeline: Any, what: str) -> Any:
