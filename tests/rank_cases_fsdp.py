@@ -191,7 +191,7 @@ def fsdp_pipeline(family: str, folder: str, mode: str, steps: int = 3, offload: 
         with_lora = np.asarray(reference(**kwargs, generator=torch.Generator().manual_seed(0)).frames)
         lora_diff = float(np.abs(np.asarray(pipeline(**kwargs, seed=0).frames) - with_lora).max())
         lora_diff = (lora_diff, float(np.abs(with_lora - expected).max()))  # (to diffusers', what the LoRA changed)
-    try:  # diffusers' group offloading on FSDP shards: refused by name (api/fsdp.py: fsdp_refusal)
+    try:  # diffusers' group offloading on FSDP shards: refused by name (fsdp/refusals.py: fsdp_refusal)
         pipeline.enable_group_offload("cpu", offload_type="block_level", num_blocks_per_group=1)
         group_offload = None
     except ParallelConfigError as exc:

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import rank_cases_fsdp as cases
-from paradiff.api.fsdp import check_fsdp, fsdp_refusal
+from paradiff.api.fsdp import check_fsdp
+from paradiff.fsdp.refusals import fsdp_refusal
 from paradiff.config import ParallelConfig
 from paradiff.errors import ParallelConfigError, UnsupportedModelError
 from paradiff.testing.models import build_model

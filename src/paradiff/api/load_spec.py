@@ -95,7 +95,7 @@ class LoadSpec:
         if self.cache is not None:
             cache_config(self.cache)
         if self.parallel.fsdp_degree > 1:
-            from paradiff.api.fsdp import fsdp_refusal
+            from paradiff.fsdp.refusals import fsdp_refusal
 
             refusal = fsdp_refusal(self.parallel.fsdp_degree, self.parallel.tp_degree,
                                    self.quantize or ("gguf" if self.gguf else None), stages=self.stages)

@@ -181,7 +181,7 @@ def resolve_auto_parallel(args: argparse.Namespace, argv: list[str]) -> list[str
 
 def _fsdp_holds(args: argparse.Namespace, mesh) -> bool:
     """Whether `--fsdp` takes this mesh with the run's other flags: the rules api/fsdp.py's check_fsdp raises."""
-    from paradiff.api.fsdp import fsdp_refusal
+    from paradiff.fsdp.refusals import fsdp_refusal
 
     return mesh.fsdp == 1 or fsdp_refusal(mesh.fsdp, mesh.tp, getattr(args, "quantize", None),
                                           single_file=bool(getattr(args, "gguf", None)),

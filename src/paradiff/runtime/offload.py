@@ -152,8 +152,8 @@ def pipeline_group_offload(pipeline: Any, onload_device: Any, kwargs: dict[str, 
 
 
 def _refuse_fsdp(model: nn.Module) -> None:
-    """Group offloading of an FSDP-sharded model is refused (api/fsdp.py: fsdp_refusal), before any hook is placed."""
-    from paradiff.api.fsdp import fsdp_refusal
+    """Group offloading of an FSDP-sharded model is refused (fsdp/refusals.py: fsdp_refusal), before any hook is placed."""
+    from paradiff.fsdp.refusals import fsdp_refusal
     from paradiff.runtime.state import get_state
 
     state = get_state(model)
