@@ -4,8 +4,8 @@ A profile gives, per device: the GEMM and attention rates per dtype (FLOP/s), th
 latency and a bandwidth (`time = latency + wire bytes / bandwidth`, wire bytes as `cost.Traffic.wire` counts them).
 The built-in rates are the vendors' dense (no sparsity) datasheet peaks times an achievable fraction (`efficiency`,
 written next to each); elementwise ops at the HBM bandwidth; each torch op a 5 us host overhead (a CUDA kernel launch
-is about 2-5 us, NVIDIA's figures; PyTorch's eager dispatch adds a few more), issued ahead of the device; the links are the datasheet's per-direction NVLink / PCIe bandwidth times 0.8 and a typical
-NCCL small-message latency. They are leads, marked "from public specs"; `paradiff plan --calibrate` measures the
+is about 2-5 us, NVIDIA's figures; PyTorch's eager dispatch adds a few more), issued ahead of the device; the links
+are the datasheet's per-direction NVLink / PCIe bandwidth times 0.8 and a typical NCCL small-message latency. They are leads, marked "from public specs"; `paradiff plan --calibrate` measures the
 devices at hand instead (`plan_tools/calibrate.py`).
 """
 

@@ -5,8 +5,9 @@ Times come from the cost model (`cost.py`) and a hardware profile (`hardware.py`
   bytes / the elementwise bandwidth (the device's time), and its torch ops x the per-op overhead (the host's
   time): added where the host is the device (CPU), the longer of the two where the host issues ahead (CUDA);
   times world / concurrent_ranks where more ranks than that share the devices (a CPU's cores), plus the
-  collectives it waits on; ring passes hide behind the attention on the block just received, FSDP's all-gathers behind the
-  forward (prefetch), each only up to that compute, and only where the profile overlaps (not on CPU ranks);
+  collectives it waits on; ring passes hide behind the attention on the block just received, FSDP's all-gathers
+  behind the forward (prefetch), each only up to that compute, and only where the profile overlaps (not on CPU
+  ranks);
 - a step = the forwards one rank runs per step (2 with CFG on one rank, 1 with cfg2) x the forward;
 - latency = steps x step (the text encoders and the VAE are left out).
 
