@@ -154,6 +154,13 @@ OPS_PER_BLOCK = {  # family -> (first block kind, second block kind, outside the
 }
 
 
+# The ops the parallel wrappers add, traced the same way on the FLUX.2 benchmark shape with 2 ranks: Ulysses 67 per
+# self attention (the layout changes around its exchanges, the length agreement), ring 56 per pass (the block's
+# send / receive and the LSE merge; measured at ring 2), each collective call of tp 1; outside the blocks the
+# sequence split and gather 32, tp's embedder all-reduces 17.
+ULYSSES_OPS, RING_OPS_PER_PASS, SEQUENCE_OPS_OUTSIDE, TP_OPS_OUTSIDE = 67, 56, 32, 17
+
+
 def _with_ops(shape: "ModelShape") -> "ModelShape":
     first, second, other = OPS_PER_BLOCK[shape.family]
     blocks = tuple(replace(block, ops=(first, second)[i]) for i, block in enumerate(shape.blocks))
@@ -400,11 +407,13 @@ def block_cost(block: BlockShape, latent: int, text: int, dtype_bytes: int = 2, 
     ffn_passes = (5 if block.gated else 2) + (2 if block.kind == "single" else 0)
     stream_tokens = latent if block.kind == "cross" else latent + text
     cost.elementwise_bytes = stream_tokens / seq * (whole * d + (split * d + ffn_passes * block.ffn_dim) / t) * b
-    cost.ops = block.ops  # every rank issues the block's ops on its share (the collectives are timed apart)
+    # every rank issues all of the block's ops, on its share of the work
+    cost.ops = block.ops + (ULYSSES_OPS if mesh.ulysses > 1 else 0) + RING_OPS_PER_PASS * (mesh.ring - 1)
     # communication; sizes are this rank's tensors
     self_tokens = latent + text if block.kind != "cross" else latent
     local = self_tokens / seq
     if t > 1:
+        cost.ops += {"joint": 4, "single": 1, "cross": 3}[block.kind]  # its all-reduce calls
         if block.kind == "joint":
             cost.traffic += [Traffic("all_reduce", t, 2, latent / seq * d * b),
                              Traffic("all_reduce", t, 2, text / seq * d * b)]
@@ -424,7 +433,8 @@ def block_cost(block: BlockShape, latent: int, text: int, dtype_bytes: int = 2, 
 
 def forward_cost(shape: ModelShape, latent: int, dtype_bytes: int = 2, mesh: Mesh = Mesh()) -> ForwardCost:
     """One transformer forward (all blocks) on one rank of `mesh`; FSDP's all-gathers and CFG's exchange included."""
-    total = ForwardCost(0.0, 0.0, 0.0, ops=shape.other_ops)
+    total = ForwardCost(0.0, 0.0, 0.0, ops=shape.other_ops + (SEQUENCE_OPS_OUTSIDE if mesh.sequence > 1 else 0)
+                        + (TP_OPS_OUTSIDE if mesh.tp > 1 else 0))
     for block in shape.blocks:
         one = block_cost(block, latent, shape.text_tokens, dtype_bytes, mesh)
         total.linear_flops += one.linear_flops * block.count
