@@ -212,6 +212,7 @@ def main() -> int:
     quick = not args.large
     if not args.no_wait:
         wait_for_quiet(timeout_s=120.0)
+    load_before = os.getloadavg()[0]
     started = time.monotonic()
     profile = calibrate(2, dtypes=("float32",), repeats=5, **{k: PROBE[k] for k in ("gemm_size", "attention_tokens")})
     print(f"profile: {profile.source}; GEMM {profile.gemm_flops['float32'] / 1e9:.1f} GFLOP/s per rank, attention "
@@ -264,8 +265,12 @@ def main() -> int:
     measured = [r for r in rows if "step_s" in r]
     if measured and not args.large and args.meshes == ",".join(MESHES):
         busy = max(r["machine_busy_cores"] for r in measured)
-        load = (f"measured under load: up to {busy:.1f} busy cores; on a quiet machine: "
-                "python benchmarks/bench_cost_model.py" if busy > 1.2 else "quiet machine")
+        # the busy cores count the run's own ranks (2 cores for the 2-rank meshes): the load average says whether
+        # other processes ran beside them
+        loads = (f"load average {load_before:.0f} at the start, {os.getloadavg()[0]:.0f} at the end on "
+                 f"{os.cpu_count()} cores")
+        load = (f"measured under load: up to {busy:.1f} busy cores, {loads}; on a quiet machine: "
+                "python benchmarks/bench_cost_model.py" if busy > 1.2 else f"quiet machine, {loads}")
         memory = sum(abs(r["predicted_memory"] / r["memory"] - 1) <= 0.1 for r in measured)
         step = sum(abs(r["predicted_step_s"] / r["step_s"] - 1) <= 0.2 for r in measured)
         ratios = [r["predicted_memory"] / r["memory"] for r in measured]
