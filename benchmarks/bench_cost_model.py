@@ -2,7 +2,7 @@
 per-rank memory of single, tp2, ulysses2, ring2, cfg2 and tp2 x ulysses2, for two model shapes and two token counts,
 and the efficiency table (a step's FLOPs over step time x ranks x the GEMM rate measured in the same run).
 
-    .venv/bin/python benchmarks/bench_cost_model.py            # the 24 rows (487-519 s at load average 7-34 on 2 cores)
+    .venv/bin/python benchmarks/bench_cost_model.py            # the 24 rows (120 s idle, 487-729 s at load average 7-34)
     .venv/bin/python benchmarks/bench_cost_model.py --rounds 2 --meshes single,ring2   # a quick look
 
 Models (random weights, fp32, batch 1, gloo on 127.0.0.1): a FLUX.2-architecture Flux2Transformer2DModel (joint +
