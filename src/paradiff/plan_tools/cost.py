@@ -10,7 +10,9 @@ attend together, N = latent (image / video) tokens, T = text tokens):
 - adaLN modulation linears act on one vector per sample, not per token: counted in parameters, not in FLOPs;
 - bytes per block: every weight read once, and each linear's input and output and attention's q, k, v, o moved
   once; the elementwise ops (norms, modulation, gates, RoPE, activations) counted apart (`ELEMENTWISE_PASSES`),
-  timed at the memory bandwidth.
+  timed at the profile's elementwise bandwidth;
+- torch ops per forward, each a fixed cost whatever its size (dispatch, Python, a launch): counted per block and
+  outside the blocks from diffusers' eager forward, plus what the parallel wrappers add (`OPS_PER_BLOCK`).
 
 Block kinds, by family (the keys read from the config are in `model_shape`):
 - "joint": two streams (latent, text) with their own weights, attention over both (FLUX.1 / FLUX.2 double blocks,
