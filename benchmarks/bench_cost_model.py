@@ -2,7 +2,7 @@
 per-rank memory of single, tp2, ulysses2, ring2, cfg2 and tp2 x ulysses2, for two model shapes and two token counts,
 and the efficiency table (a step's FLOPs over step time x ranks x the GEMM rate measured in the same run).
 
-    .venv/bin/python benchmarks/bench_cost_model.py            # the 24 rows (487-519 s at load average 7-34 on 2 cores)
+    .venv/bin/python benchmarks/bench_cost_model.py            # the 24 rows (120 s idle, 487-729 s at load average 7-34)
     .venv/bin/python benchmarks/bench_cost_model.py --rounds 2 --meshes single,ring2   # a quick look
 
 Models (random weights, fp32, batch 1, gloo on 127.0.0.1): a FLUX.2-architecture Flux2Transformer2DModel (joint +
@@ -10,15 +10,19 @@ single blocks) and a Wan-architecture WanTransformer3DModel (self + cross attent
 4 blocks (--large: 8 heads x 64 and 4x the tokens, minutes per row). A step is the two calls of a guided pipeline
 (cond and uncond): two forwards per rank, except cfg2 (one forward per rank, each its branch, and the exchange).
 
-Measured per mesh, in fresh rank processes, each rank pinned to one core (rank mod cores) with one torch thread:
---rounds interleaved rounds, each a GEMM and an attention probe on every rank at once (calibration's own
-micro-benchmarks, at its sizes) right before one timed step, so that probe and step see the same load; the step
-time is the median over rounds of the slowest rank's step, and the rates the median over rounds of the slowest
-rank's. Memory: per rank the parameter bytes it holds plus the peak rise of anonymous memory during a step (glibc's
-mmap threshold fixed at 128 KiB so freed activations go back to the OS and the peak is visible). Predicted: by
+Measured per mesh, in fresh rank processes, each rank pinned to one core (rank mod cores) with one torch thread.
+Memory first: per rank the parameter bytes it holds plus the peak rise of anonymous memory during a step (2 steps,
+glibc's mmap threshold at 128 KiB so freed activations go back to the OS and the peak is visible). Then the time,
+with glibc's thresholds raised to 32 MiB (at 128 KiB every activation costs fresh zeroed pages: the forwards ran
+1.7-1.8x slower, which the step-time rows of runs before 2026-12-06 16:00 UTC measured): --rounds interleaved
+rounds, each calibration's own micro-benchmarks on every rank at once (GEMM, attention, the elementwise mix, the
+per-op probe; at its sizes) right before one timed step, so that probe and step see the same load; the step time is
+the median over rounds of the slowest rank's step, the rates the median over rounds of the slowest rank's, and
+`step_cpu_s` the slowest rank's CPU seconds in the step (its compute without what other processes took of its core
+nor its waits on the other ranks: a check of the compute terms under load). Predicted: by
 `plan_tools/planner.predict` with the links of the profile `plan_tools/calibrate.calibrate` measured at the start of
-the run (2 ranks) and the GEMM and attention rates probed in that row's rounds (tp2 x ulysses2's 4 ranks share the
-2 cores, which the profile's concurrent_ranks accounts for).
+the run (2 ranks) and the rates probed in that row's rounds (tp2 x ulysses2's 4 ranks share the 2 cores, which the
+profile's concurrent_ranks accounts for).
 Writes every row to benchmarks/results/raw/cost_model.json, the headline figures to
 benchmarks/results/bench_cost_model.json, and prints the tables.
 """
@@ -72,10 +76,21 @@ def grids(quick: bool) -> dict[str, tuple[int, int, int, int]]:
         {"small": (1, 32, 32, 128), "large": (1, 64, 64, 128)}
 
 
-def _set_mmap_threshold() -> None:
+def _set_malloc_thresholds(threshold: int) -> None:
+    """glibc's M_MMAP_THRESHOLD and M_TRIM_THRESHOLD, then free what the heap holds.
+
+    128 KiB for the memory steps: every activation gets its own mapping, so freed ones go back to the OS and a step's
+    peak shows in RssAnon. Not for the timed steps: there each activation then costs fresh, zeroed pages (page
+    faults), which made a CPU forward of these shapes 1.7-1.8x slower (CPU time, 2026-12-06) than under glibc's own
+    thresholds, which rise as large blocks are freed and keep a long-running process's activations in its heap; the
+    timed steps raise both to 32 MiB, that steady state without the first steps' page faults.
+    """
     try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
-    except OSError:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, threshold)  # M_TRIM_THRESHOLD
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
         pass
 
 
@@ -99,7 +114,7 @@ def step_worker(rank: int, world_size: int, family: str, class_name: str, config
 
     _pin(rank)
     torch.set_num_threads(1)
-    _set_mmap_threshold()
+    _set_malloc_thresholds(128 * 1024)
     torch.manual_seed(0)
     model = model_class(family)(**config).eval()
     frames, height, width, text = grid
@@ -127,27 +142,38 @@ def step_worker(rank: int, world_size: int, family: str, class_name: str, config
 
     barrier()
     step()
-    times, peaks, gemm, attention = [], [], [], []
+    peaks = []
+    for _ in range(MEMORY_STEPS):  # the memory steps, at the 128 KiB threshold
+        barrier()
+        sampler = PeakSampler(interval_s=0.002)
+        sampler.reset()
+        before = sampler.peak.get("RssAnon", 0)
+        with sampler:
+            step()
+        peaks.append(max(sampler.peak.values()) - before)
+    _set_malloc_thresholds(32 * 2 ** 20)
+    step()
+    times, cpu_times, gemm, attention, elementwise, op_overhead = [], [], [], [], [], []
     for _ in range(rounds):
         barrier()  # every rank probes at once, as the ranks of the step will compute
         rates = measure_local("cpu", ("float32",), probe["gemm_size"], probe["attention_tokens"], probe["repeats"],
                               copy_numel=2 ** 16)
         gemm.append(rates["gemm"]["float32"])
         attention.append(rates["attention"]["float32"])
+        elementwise.append(rates["elementwise_bandwidth"])
+        op_overhead.append(rates["op_overhead_s"])
         barrier()
-        sampler = PeakSampler(interval_s=0.002)
-        sampler.reset()
-        before = sampler.peak.get("RssAnon", 0)
-        with sampler:
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
-        peaks.append(max(sampler.peak.values()) - before)
-    return {"rank": rank, "times": times, "gemm": gemm, "attention": attention, "weights": held,
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        step()
+        times.append(time.perf_counter() - start)
+        cpu_times.append(time.thread_time() - start_cpu)
+    return {"rank": rank, "times": times, "cpu_times": cpu_times, "gemm": gemm, "attention": attention,
+            "elementwise": elementwise, "op_overhead": op_overhead, "weights": held,
             "activation_peak": max(peaks)}
 
 
 PROBE = dict(gemm_size=512, attention_tokens=1024, repeats=3)
+MEMORY_STEPS = 2
 
 
 def measure(family, class_name, config, grid, mesh: str, rounds: int) -> dict:
@@ -159,10 +185,16 @@ def measure(family, class_name, config, grid, mesh: str, rounds: int) -> dict:
                       gloo_timeout_s=300.0 if world > 1 else None, timeout_s=1800)
     wall = time.monotonic() - started
     steps = [max(rank["times"][i] for rank in ranks) for i in range(rounds)]
+    # the slowest rank's CPU seconds in the step's main thread: its compute without the time the scheduler gave
+    # other processes (what a loaded machine adds to the wall time) nor the time it waited on the other ranks
+    cpu = [max(rank["cpu_times"][i] for rank in ranks) for i in range(rounds)]
     gemm = [min(rank["gemm"][i] for rank in ranks) for i in range(rounds)]
     attention = [min(rank["attention"][i] for rank in ranks) for i in range(rounds)]
-    return {"step_s": statistics.median(steps), "steps": steps,
+    elementwise = [min(rank["elementwise"][i] for rank in ranks) for i in range(rounds)]
+    op_overhead = [max(rank["op_overhead"][i] for rank in ranks) for i in range(rounds)]
+    return {"step_s": statistics.median(steps), "steps": steps, "step_cpu_s": statistics.median(cpu),
             "gemm_flops": statistics.median(gemm), "attention_flops": statistics.median(attention),
+            "elementwise_bandwidth": statistics.median(elementwise), "op_overhead_s": statistics.median(op_overhead),
             "memory": max(rank["weights"] + rank["activation_peak"] for rank in ranks),
             "weights": max(rank["weights"] for rank in ranks),
             "activations": max(rank["activation_peak"] for rank in ranks),
@@ -180,6 +212,7 @@ def main() -> int:
     quick = not args.large
     if not args.no_wait:
         wait_for_quiet(timeout_s=120.0)
+    load_before = os.getloadavg()[0]
     started = time.monotonic()
     profile = calibrate(2, dtypes=("float32",), repeats=5, **{k: PROBE[k] for k in ("gemm_size", "attention_tokens")})
     print(f"profile: {profile.source}; GEMM {profile.gemm_flops['float32'] / 1e9:.1f} GFLOP/s per rank, attention "
@@ -200,7 +233,10 @@ def main() -> int:
                 rates = replace(profile, gemm_flops={"float32": measured.get("gemm_flops",
                                                                              profile.gemm_flops["float32"])},
                                 attention_flops={"float32": measured.get("attention_flops",
-                                                                         profile.attention_flops["float32"])})
+                                                                         profile.attention_flops["float32"])},
+                                elementwise_bandwidth=measured.get("elementwise_bandwidth",
+                                                                   profile.elementwise_bandwidth),
+                                op_overhead_s=measured.get("op_overhead_s", profile.op_overhead_s))
                 predicted = predict(shape_t, latent, Mesh.parse(mesh), rates, steps=1, dtype="float32", branches=2)
                 row = {"model": family, "size": size, "latent_tokens": latent, "text_tokens": text, "mesh": mesh,
                        "predicted_step_s": predicted.step_s, "predicted_compute_s": predicted.compute_s,
@@ -229,8 +265,12 @@ def main() -> int:
     measured = [r for r in rows if "step_s" in r]
     if measured and not args.large and args.meshes == ",".join(MESHES):
         busy = max(r["machine_busy_cores"] for r in measured)
-        load = (f"measured under load: up to {busy:.1f} busy cores; on a quiet machine: "
-                "python benchmarks/bench_cost_model.py" if busy > 1.2 else "quiet machine")
+        # the busy cores count the run's own ranks (2 cores for the 2-rank meshes): the load average says whether
+        # other processes ran beside them
+        loads = (f"load average {load_before:.0f} at the start, {os.getloadavg()[0]:.0f} at the end on "
+                 f"{os.cpu_count()} cores")
+        load = (f"measured under load: up to {busy:.1f} busy cores, {loads}; on a quiet machine: "
+                "python benchmarks/bench_cost_model.py" if busy > 1.2 else f"quiet machine, {loads}")
         memory = sum(abs(r["predicted_memory"] / r["memory"] - 1) <= 0.1 for r in measured)
         step = sum(abs(r["predicted_step_s"] / r["step_s"] - 1) <= 0.2 for r in measured)
         ratios = [r["predicted_memory"] / r["memory"] for r in measured]
@@ -262,7 +302,8 @@ def _line(row: dict) -> str:
     if "error" in row:
         return f"{row['model']} {row['size']} {row['mesh']}: {row['error']}"
     return (f"{row['model']} {row['size']} {row['mesh']}: step {row['step_s']:.3f} s (predicted "
-            f"{row['predicted_step_s']:.3f}), memory {row['memory'] / 1e6:.1f} MB (predicted "
+            f"{row['predicted_step_s']:.3f}; CPU {row['step_cpu_s']:.3f} s), memory {row['memory'] / 1e6:.1f} MB "
+            f"(predicted "
             f"{row['predicted_memory'] / 1e6:.1f}), machine busy {row['machine_busy_cores']:.1f} cores")
 
 

@@ -79,6 +79,73 @@ def test_one_flux_block_communication_per_mode_counted_by_hand():
         assert block_cost(FLUX_BLOCK, LATENT, TEXT, b, mesh).traffic == []
 
 
+def _top_level_ops(run) -> int:
+    """The aten calls `run` makes that no other aten call makes (what `cost.OPS_PER_BLOCK` counts)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    calls = [event for event in prof.events() if event.name.startswith("aten::")]
+    return sum(1 for event in calls if not (event.cpu_parent and event.cpu_parent.name.startswith("aten::")))
+
+
+def test_ops_per_block_counted_by_hand_are_diffusers_eager_calls():
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
+    from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+
+    from paradiff.plan_tools.calibrate import PROBE_BLOCK_OPS, _probe_block
+
+    # FLUX.1's double block, per its forward: 14 linears (2 modulations, q k v o and the FFN's two per stream),
+    # 4 layer norms, 4 RMS norms (q, k per stream), 1 SDPA, 2 GELU, 2 SiLU, 26 multiplies and adds (modulation,
+    # gates, residuals, RoPE), RoPE's 2 negations and 2 stacks, 3 concatenations, 11 dtype casts, 40 view-like
+    # calls (20 unsqueeze, 6 unflatten, 4 permute, 3 flatten, 2 reshape, 2 unbind, 2 chunk, 1 split) and 3 dropouts
+    joint = 14 + 4 + 4 + 1 + 2 + 2 + 26 + 2 + 2 + 3 + 11 + 40 + 3
+    shape = model_shape(_tiny_flux_config(), text_tokens=TEXT)
+    assert (joint, shape.blocks[0].ops, shape.blocks[1].ops, shape.other_ops) == (114, 114, 68, 108)
+    assert cost.forward_cost(shape, LATENT).ops == 114 + 68 + 108
+    # every rank issues all of them; tp adds its all-reduce calls (4 in a double block, 1 in a single one) and the
+    # embedders' (17 ops), Ulysses 67 per self attention and 32 to split and gather the sequence
+    assert cost.forward_cost(shape, LATENT, mesh=Mesh(tp=2, ulysses=2)).ops == \
+        (114 + 4 + 67) + (68 + 1 + 67) + (108 + 17 + 32)
+    assert cost.forward_cost(shape, LATENT, mesh=Mesh(ring=4)).ops == (114 + 3 * 56) + (68 + 3 * 56) + (108 + 32)
+    generator = torch.Generator().manual_seed(0)
+    x, text, temb = (torch.randn(*size, generator=generator) for size in ((1, LATENT, D), (1, TEXT, D), (1, D)))
+    rope = (torch.randn(LATENT + TEXT, 4, generator=generator), torch.randn(LATENT + TEXT, 4, generator=generator))
+    double = FluxTransformerBlock(dim=D, num_attention_heads=2, attention_head_dim=4).eval()
+    single = FluxSingleTransformerBlock(dim=D, num_attention_heads=2, attention_head_dim=4).eval()
+    assert _top_level_ops(lambda: double(hidden_states=x, encoder_hidden_states=text, temb=temb,
+                                         image_rotary_emb=rope)) == 114
+    assert _top_level_ops(lambda: single(hidden_states=x, encoder_hidden_states=text, temb=temb,
+                                         image_rotary_emb=rope)) == 68
+    wan = WanTransformerBlock(dim=D, ffn_dim=FFN, num_heads=2, cross_attn_norm=True,
+                              qk_norm="rms_norm_across_heads").eval()
+    wan_temb, wan_rope = torch.randn(1, 6, D), (torch.randn(1, LATENT, 1, 4), torch.randn(1, LATENT, 1, 4))
+    assert _top_level_ops(lambda: wan(x, text, wan_temb, wan_rope)) == cost.OPS_PER_BLOCK["Wan"][0] == 106
+    assert _top_level_ops(_probe_block("cpu")) == PROBE_BLOCK_OPS  # calibration's per-op probe, as counted
+
+
+def test_op_overhead_adds_on_a_cpu_and_hides_behind_a_busy_gpu():
+    from dataclasses import replace
+
+    from paradiff.plan_tools.planner import predict
+
+    shape = model_shape(_tiny_flux_config(), text_tokens=TEXT)
+    ops = 114 + 68 + 108
+    gpu = replace(BUILT_IN["h100-sxm"], op_overhead_s=1e-6)
+    none = predict(shape, LATENT, Mesh(), replace(gpu, op_overhead_s=0.0))
+    device = none.compute_s
+    cpu_like = predict(shape, LATENT, Mesh(), replace(gpu, host_overlap=False))
+    assert cpu_like.compute_s == pytest.approx(device + ops * 1e-6)  # the host is the device: they add
+    issued_ahead = predict(shape, LATENT, Mesh(), gpu)
+    assert issued_ahead.compute_s == pytest.approx(max(device, ops * 1e-6))  # the longer of the two
+    # elementwise bytes at the elementwise bandwidth where the profile has one, else at the memory bandwidth
+    faster = predict(shape, LATENT, Mesh(), replace(gpu, op_overhead_s=0.0,
+                                                     elementwise_bandwidth=2 * gpu.memory_bandwidth))
+    elementwise_s = none.forward.elementwise_bytes / gpu.memory_bandwidth
+    assert faster.compute_s == pytest.approx(device - elementwise_s / 2)
+    assert BUILT_IN["h100-sxm"].op_overhead_s == 5e-6 and BUILT_IN["h100-sxm"].host_overlap
+
+
 def _tiny_flux_config(**changes) -> dict:
     return dict({"_class_name": "FluxTransformer2DModel", "num_layers": 1, "num_single_layers": 1,
                  "num_attention_heads": 2, "attention_head_dim": 4, "in_channels": 16, "joint_attention_dim": 8},
@@ -235,8 +302,10 @@ def test_calibration_measures_every_collective_through_comm(pools):
         assert all(link["latency_s"] > 0 and math.isfinite(link["bandwidth"]) and link["bandwidth"] > 0
                    for link in result["links"].values())
         assert result["gemm"]["float32"] > 0 and result["attention"]["float32"] > 0
+        assert result["elementwise_bandwidth"] > 0 and result["op_overhead_s"] > 0
     profile = profile_from(results, world=2, device="cpu", dtypes=("float32",), notes="tiny")
     assert profile.link("all_reduce", 2).bandwidth == min(r["links"]["all_reduce"]["bandwidth"] for r in results)
+    assert profile.op_overhead_s == max(r["op_overhead_s"] for r in results) and not profile.host_overlap
     assert HardwareProfile.from_dict(json.loads(profile.to_json())) == profile
 
 

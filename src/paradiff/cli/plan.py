@@ -82,7 +82,8 @@ def _profile_line(profile) -> str:
     gemm = ", ".join(f"{dtype} {rate / 1e12:.3g} TFLOP/s" for dtype, rate in profile.gemm_flops.items())
     links = ", ".join(f"{op} {link.bandwidth / 1e9:.3g} GB/s + {link.latency_s * 1e6:.0f} us"
                       for op, link in profile.links.items())
-    return f"GEMM {gemm}; {links}"
+    elementwise = (profile.elementwise_bandwidth or profile.memory_bandwidth) / 1e9
+    return f"GEMM {gemm}; elementwise {elementwise:.3g} GB/s; {profile.op_overhead_s * 1e6:.3g} us per op; {links}"
 
 
 def plan_text(result, every: bool = False) -> str:

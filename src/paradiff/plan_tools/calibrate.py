@@ -2,7 +2,9 @@
 
 Measured, on every rank at once (so that ranks sharing a CPU's cores or a host's links measure what they will get):
 - the GEMM rate per dtype (square products of --gemm-size), the attention rate (torch's SDPA, `heads` x tokens of
-  head dim 64 or 128), the memory bandwidth (a large copy, bytes read + written);
+  head dim 64 or 128), the memory bandwidth (a large copy, bytes read + written), the elementwise bandwidth (a
+  block's mix of norms, modulation, gated residual and activations, at activation-like sizes) and the seconds per
+  torch op (a toy-width block of 43 ops at 4 tokens, as diffusers writes its blocks);
 - with world > 1, each collective the cost model uses, through `distributed/comm.py` (all-reduce as TP sums,
   all-to-all as Ulysses exchanges, all-gather as FSDP / CFG gathers, ring passes as p2p) at a small and a large
   size: the small one's time is the latency, the difference the bandwidth (wire bytes as `cost.Traffic` counts).
@@ -38,9 +40,79 @@ def _timed(fn, repeats: int, sync) -> float:
     return statistics.median(times)
 
 
+# The ops of `_probe_block`, counted by hand as `cost.OPS_PER_BLOCK` counts a block's: top-level torch calls.
+PROBE_BLOCK_OPS = 43
+
+
+def _probe_block(device: str, width: int = 64, heads: int = 2, tokens: int = 4):
+    """An adaLN transformer block at toy width and 4 tokens, written as diffusers writes its blocks (module calls,
+    chunked modulation, RMS-normed and rotated q / k, SDPA, a gated residual, a tanh-GELU MLP): its time is its ops'
+    fixed costs (dispatch, Python, launches), not their arithmetic. Returns a closure running it once."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class ProbeBlock(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            d = width
+            self.modulation = nn.Linear(d, 6 * d)
+            self.norm1 = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+            self.qkv = nn.Linear(d, 3 * d)
+            self.norm_q, self.norm_k = nn.RMSNorm(d // heads), nn.RMSNorm(d // heads)
+            self.out = nn.Linear(d, d)
+            self.norm2 = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+            self.up, self.act, self.down = nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d)
+
+        def forward(self, x, temb, cos, sin):  # ops per line, 43 in all
+            shift1, scale1, gate1, shift2, scale2, gate2 = \
+                self.modulation(F.silu(temb)).unsqueeze(1).chunk(6, dim=-1)  # 4
+            h = self.norm1(x) * (1 + scale1) + shift1  # 4
+            q, k, v = self.qkv(h).unflatten(-1, (3, heads, -1)).permute(2, 0, 3, 1, 4).unbind(0)  # 4
+            q, k = self.norm_q(q), self.norm_k(k)  # 2
+            q = q * cos + torch.cat((-q[..., 1::2], q[..., ::2]), dim=-1) * sin  # 7
+            k = k * cos + torch.cat((-k[..., 1::2], k[..., ::2]), dim=-1) * sin  # 7
+            attended = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)  # 3
+            x = x + gate1 * self.out(attended)  # 3
+            h = self.norm2(x) * (1 + scale2) + shift2  # 4
+            return x + gate2 * self.down(self.act(self.up(h)))  # 5
+
+    block = ProbeBlock().to(device).eval()
+    x, temb = torch.randn(1, tokens, width, device=device), torch.randn(1, width, device=device)
+    cos, sin = torch.randn(tokens, width // heads, device=device), torch.randn(tokens, width // heads, device=device)
+
+    def run():
+        with torch.no_grad():
+            block(x, temb, cos, sin)
+    return run
+
+
+def _elementwise_mix(device: str, dtype, numel: int, width: int = 256):
+    """The elementwise ops a block runs, on `numel` elements `width` wide: a layer norm (2 passes: read, write), a
+    modulation x (1 + scale) + shift (4), a gated residual x + g y (5), a tanh GELU and a SiLU (2 each), 15 passes
+    as `cost.ELEMENTWISE_PASSES` counts them. Returns (closure, bytes it moves by that count)."""
+    import torch
+    import torch.nn.functional as F
+
+    rows = max(1, numel // width)
+    x, y = (torch.randn(rows, width, device=device).to(dtype) for _ in range(2))
+    scale, shift, gate = (torch.randn(width, device=device).to(dtype) for _ in range(3))
+
+    def run():
+        F.layer_norm(x, (width,))
+        x * (1 + scale) + shift
+        x + gate * y
+        F.gelu(x, approximate="tanh")
+        F.silu(x)
+    return run, 15 * x.numel() * x.element_size()
+
+
 def measure_local(device: str, dtypes: tuple[str, ...], gemm_size: int, attention_tokens: int,
-                  repeats: int, copy_numel: int | None = None) -> dict[str, Any]:
-    """GEMM and attention FLOP/s per dtype and the copy bandwidth of this process's device."""
+                  repeats: int, copy_numel: int | None = None, elementwise_numel: int | None = None
+                  ) -> dict[str, Any]:
+    """GEMM and attention FLOP/s per dtype, the copy bandwidth, the elementwise mix's bandwidth (in the first dtype,
+    on `elementwise_numel` elements: the activations' size decides whether they stay in a CPU's caches) and the
+    seconds per torch op (`_probe_block`: its 43 ops, many times over, divided) of this process's device."""
     import torch
     import torch.nn.functional as F
 
@@ -60,6 +132,15 @@ def measure_local(device: str, dtypes: tuple[str, ...], gemm_size: int, attentio
                          generator=generator)
     target = torch.empty_like(source)
     out["memory_bandwidth"] = 2 * source.numel() * 4 / _timed(lambda: target.copy_(source), repeats, sync)
+    mix, moved = _elementwise_mix(device, getattr(torch, dtypes[0]),
+                                  elementwise_numel or (2 ** 18 if device == "cpu" else 2 ** 26))
+    out["elementwise_bandwidth"] = moved / _timed(mix, repeats, sync)
+    block, calls = _probe_block(device), 20
+
+    def blocks():
+        for _ in range(calls):
+            block()
+    out["op_overhead_s"] = _timed(blocks, repeats, sync) / (calls * PROBE_BLOCK_OPS)
     return out
 
 
@@ -89,8 +170,8 @@ def _wire(op: str, world: int, numel: int) -> float:
 
 
 def calibrate_rank(rank: int, world_size: int, *, device: str, dtypes: tuple[str, ...], gemm_size: int,
-                   attention_tokens: int, sizes: tuple[int, int], repeats: int, copy_numel: int | None = None
-                   ) -> dict[str, Any]:
+                   attention_tokens: int, sizes: tuple[int, int], repeats: int, copy_numel: int | None = None,
+                   elementwise_numel: int | None = None) -> dict[str, Any]:
     """One rank's measurements (run by run_ranks: the process group exists when world_size > 1)."""
     import torch
     import torch.distributed as dist
@@ -104,7 +185,7 @@ def calibrate_rank(rank: int, world_size: int, *, device: str, dtypes: tuple[str
         dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=torch.device(device))
     if world_size > 1:
         comm.barrier()  # every rank computes at once, as the ranks of a mesh will
-    result = measure_local(device, dtypes, gemm_size, attention_tokens, repeats, copy_numel)
+    result = measure_local(device, dtypes, gemm_size, attention_tokens, repeats, copy_numel, elementwise_numel)
     result["links"] = {}
     if world_size > 1:
         sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
@@ -175,5 +256,7 @@ def profile_from(results: list[dict[str, Any]], *, world: int, device: str, dtyp
                f"{world} rank(s)",
         attention_flops=dict(slowest["attention"]), memory_bytes=float(memory),
         memory_bandwidth=min(r["memory_bandwidth"] for r in results),
+        elementwise_bandwidth=min(r["elementwise_bandwidth"] for r in results),
+        op_overhead_s=max(r["op_overhead_s"] for r in results), host_overlap=cuda,
         links=links or {op: Link(0.0, float("inf")) for op in OPS},
         link_by_world={str(world): links} if links else {}, concurrent_ranks=concurrent, notes=notes, overlap=cuda)

@@ -10,7 +10,9 @@ attend together, N = latent (image / video) tokens, T = text tokens):
 - adaLN modulation linears act on one vector per sample, not per token: counted in parameters, not in FLOPs;
 - bytes per block: every weight read once, and each linear's input and output and attention's q, k, v, o moved
   once; the elementwise ops (norms, modulation, gates, RoPE, activations) counted apart (`ELEMENTWISE_PASSES`),
-  timed at the memory bandwidth.
+  timed at the profile's elementwise bandwidth;
+- torch ops per forward, each a fixed cost whatever its size (dispatch, Python, a launch): counted per block and
+  outside the blocks from diffusers' eager forward, plus what the parallel wrappers add (`OPS_PER_BLOCK`).
 
 Block kinds, by family (the keys read from the config are in `model_shape`):
 - "joint": two streams (latent, text) with their own weights, attention over both (FLUX.1 / FLUX.2 double blocks,
@@ -69,6 +71,9 @@ class BlockShape:
     # q and k split. The sequence ranks add their exchange buffers there (`SEQUENCE_BUFFERS`)
     attention_peak: tuple[float, float, float] = (2.0, 7.0, 0.0)
     modulation_split: bool = True  # the plans split modulation linears by tp (a table, as Wan's, stays whole)
+    # torch ops one eager forward of the block issues (its top-level aten calls: linears, norms, views, RoPE, SDPA),
+    # whatever the token count; each costs the profile's op_overhead_s (`OPS_PER_BLOCK`)
+    ops: int = 0
 
     @property
     def dim(self) -> int:
@@ -107,6 +112,7 @@ class ModelShape:
     # elements per token of the position tables (RoPE cos / sin and the pieces they are built from) held through
     # a forward; the sequence ranks divide them
     rope_width: int = 0
+    other_ops: int = 0  # torch ops of a forward outside the blocks (embedders, RoPE tables, the final layer)
 
     @property
     def heads(self) -> int:
@@ -140,6 +146,29 @@ class ModelShape:
         return math.ceil(latent_frames / pt) * (height // (spatial * ph)) * (width // (spatial * pw))
 
 
+# Top-level torch ops (aten calls not made inside another) one eager forward issues, per block and outside the blocks,
+# counted with torch.profiler on diffusers' classes (the difference a block more makes; torch 2.13, diffusers of
+# 2026-12; `tests/test_cost_model.py` checks FLUX.1's and Wan's blocks). HunyuanVideo's and LTX's blocks were not
+# traced: they take FLUX.1's and Wan's counts, the closest blocks.
+OPS_PER_BLOCK = {  # family -> (first block kind, second block kind, outside the blocks)
+    "FLUX.1": (114, 68, 108), "FLUX.2": (104, 63, 188), "Qwen-Image": (145, 0, 53), "Wan": (106, 0, 73),
+    "HunyuanVideo": (114, 68, 108), "LTX": (106, 0, 73),
+}
+
+
+# The ops the parallel wrappers add, traced the same way on the FLUX.2 benchmark shape with 2 ranks: Ulysses 67 per
+# self attention (the layout changes around its exchanges, the length agreement), ring 56 per pass (the block's
+# send / receive and the LSE merge; measured at ring 2), each collective call of tp 1; outside the blocks the
+# sequence split and gather 32, tp's embedder all-reduces 17.
+ULYSSES_OPS, RING_OPS_PER_PASS, SEQUENCE_OPS_OUTSIDE, TP_OPS_OUTSIDE = 67, 56, 32, 17
+
+
+def _with_ops(shape: "ModelShape") -> "ModelShape":
+    first, second, other = OPS_PER_BLOCK[shape.family]
+    blocks = tuple(replace(block, ops=(first, second)[i]) for i, block in enumerate(shape.blocks))
+    return replace(shape, blocks=blocks, other_ops=other)
+
+
 def _get(config: dict[str, Any], *keys: str, default: Any = None) -> Any:
     for key in keys:
         if config.get(key) is not None:
@@ -156,6 +185,11 @@ def _patch(value: Any, temporal: int = 1) -> tuple[int, int, int]:
 
 
 def model_shape(config: dict[str, Any], text_tokens: int | None = None) -> ModelShape:
+    """The shape of a transformer from its diffusers config, with its ops counted (`OPS_PER_BLOCK`)."""
+    return _with_ops(_model_shape(config, text_tokens))
+
+
+def _model_shape(config: dict[str, Any], text_tokens: int | None = None) -> ModelShape:
     """The shape of a transformer from its diffusers config (`_class_name` names the family).
 
     Families: FluxTransformer2DModel (FLUX.1), Flux2Transformer2DModel, QwenImageTransformer2DModel,
@@ -321,6 +355,7 @@ class ForwardCost:
     bytes: float
     traffic: list[Traffic] = field(default_factory=list)
     elementwise_bytes: float = 0.0  # what the norms, modulation, gates, RoPE and activations read and write
+    ops: int = 0  # torch ops issued (each costs the profile's op_overhead_s, whatever its size)
 
     @property
     def flops(self) -> float:
@@ -374,10 +409,13 @@ def block_cost(block: BlockShape, latent: int, text: int, dtype_bytes: int = 2, 
     ffn_passes = (5 if block.gated else 2) + (2 if block.kind == "single" else 0)
     stream_tokens = latent if block.kind == "cross" else latent + text
     cost.elementwise_bytes = stream_tokens / seq * (whole * d + (split * d + ffn_passes * block.ffn_dim) / t) * b
+    # every rank issues all of the block's ops, on its share of the work
+    cost.ops = block.ops + (ULYSSES_OPS if mesh.ulysses > 1 else 0) + RING_OPS_PER_PASS * (mesh.ring - 1)
     # communication; sizes are this rank's tensors
     self_tokens = latent + text if block.kind != "cross" else latent
     local = self_tokens / seq
     if t > 1:
+        cost.ops += {"joint": 4, "single": 1, "cross": 3}[block.kind]  # its all-reduce calls
         if block.kind == "joint":
             cost.traffic += [Traffic("all_reduce", t, 2, latent / seq * d * b),
                              Traffic("all_reduce", t, 2, text / seq * d * b)]
@@ -397,13 +435,15 @@ def block_cost(block: BlockShape, latent: int, text: int, dtype_bytes: int = 2, 
 
 def forward_cost(shape: ModelShape, latent: int, dtype_bytes: int = 2, mesh: Mesh = Mesh()) -> ForwardCost:
     """One transformer forward (all blocks) on one rank of `mesh`; FSDP's all-gathers and CFG's exchange included."""
-    total = ForwardCost(0.0, 0.0, 0.0)
+    total = ForwardCost(0.0, 0.0, 0.0, ops=shape.other_ops + (SEQUENCE_OPS_OUTSIDE if mesh.sequence > 1 else 0)
+                        + (TP_OPS_OUTSIDE if mesh.tp > 1 else 0))
     for block in shape.blocks:
         one = block_cost(block, latent, shape.text_tokens, dtype_bytes, mesh)
         total.linear_flops += one.linear_flops * block.count
         total.attention_flops += one.attention_flops * block.count
         total.bytes += one.bytes * block.count
         total.elementwise_bytes += one.elementwise_bytes * block.count
+        total.ops += one.ops * block.count
         total.traffic += [replace(item, calls=item.calls * block.count) for item in one.traffic]
     if mesh.fsdp > 1:
         total.traffic.append(Traffic("all_gather", mesh.fsdp, 1, shape.block_params * dtype_bytes / mesh.tp,

@@ -3,8 +3,9 @@
 A profile gives, per device: the GEMM and attention rates per dtype (FLOP/s), the memory, and per collective a
 latency and a bandwidth (`time = latency + wire bytes / bandwidth`, wire bytes as `cost.Traffic.wire` counts them).
 The built-in rates are the vendors' dense (no sparsity) datasheet peaks times an achievable fraction (`efficiency`,
-written next to each); the links are the datasheet's per-direction NVLink / PCIe bandwidth times 0.8 and a typical
-NCCL small-message latency. They are leads, marked "from public specs"; `paradiff plan --calibrate` measures the
+written next to each); elementwise ops at the HBM bandwidth; each torch op a 5 us host overhead (a CUDA kernel launch
+is about 2-5 us, NVIDIA's figures; PyTorch's eager dispatch adds a few more), issued ahead of the device; the links
+are the datasheet's per-direction NVLink / PCIe bandwidth times 0.8 and a typical NCCL small-message latency. They are leads, marked "from public specs"; `paradiff plan --calibrate` measures the
 devices at hand instead (`plan_tools/calibrate.py`).
 """
 
@@ -17,6 +18,7 @@ from pathlib import Path
 from paradiff.plan_tools.cost import CostModelError, Traffic
 
 TERA, GIGA = 1e12, 1e9
+GPU_OP_OVERHEAD_S = 5e-6  # per eager torch op: a kernel launch (2-5 us) and PyTorch's dispatch, issued ahead
 PUBLIC = "from public specs (vendor datasheet peaks x the efficiency given; not measured)"
 
 
@@ -43,6 +45,14 @@ class HardwareProfile:
     # whether a collective issued ahead (ring passes, FSDP prefetch) runs beside the compute; not on a CPU whose
     # ranks have one core each: gloo's transport threads then take turns with the rank's compute on that core
     overlap: bool = True
+    # seconds each torch op costs whatever its size (eager dispatch, Python, a kernel launch), and whether the host
+    # issues ops ahead of the device (CUDA: a step takes the longer of the device's work and the host's issuing)
+    # or is the device (CPU: they add up)
+    op_overhead_s: float = 0.0
+    host_overlap: bool = True
+    # bytes per second of the elementwise mix (norms, modulation, gates, activations) as `cost.ELEMENTWISE_PASSES`
+    # counts its bytes; 0: the memory bandwidth
+    elementwise_bandwidth: float = 0.0
 
     def link(self, op: str, group: int) -> Link:
         measured = self.link_by_world.get(str(group), {}).get(op)
@@ -89,9 +99,10 @@ def _gpu(name: str, bf16_tflops: float, fp8_tflops: float | None, memory_gb: flo
         attention_flops={dtype: rate * attention_efficiency for dtype, rate in peak.items()},
         memory_bytes=memory_gb * GIGA, memory_bandwidth=hbm_tbs * TERA,
         links={op: link for op in ("all_reduce", "all_to_all", "all_gather", "p2p")},
+        op_overhead_s=GPU_OP_OVERHEAD_S, host_overlap=True,
         notes=f"{link_name} {link_gbs:g} GB/s per direction x 0.8, {link_latency_us:g} us per step; GEMM at "
               f"{gemm_efficiency:.0%} and attention at {attention_efficiency:.0%} of the dense peak; float32 means "
-              "TF32 (half the bf16 rate)")
+              "TF32 (half the bf16 rate); 5 us per torch op, hidden while the device is busier")
 
 
 BUILT_IN: dict[str, HardwareProfile] = {profile.name: profile for profile in (
