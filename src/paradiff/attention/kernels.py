@@ -128,6 +128,9 @@ def sdpa_flash_attention(q, k, v, mask, scale):
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     if q.device.type == "cpu":
         return _cpu_flash(q, k, v, mask, scale)
+    if mask is not None:  # CUDA's flash kernel has no mask argument: it would attend to every key
+        raise ParallelConfigError("backend 'sdpa-flash' takes no attention mask on CUDA; use 'native' or "
+                                  "'sdpa-efficient' for masked attention.")
     return _cuda_flash(q, k, v, scale)
 
 
