@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import paradiff
 
+from paradiff.attention.backends import check_supported
 from paradiff.distributed.comm import all_gather_object, all_true
 from paradiff.distributed.store import open_store
 from paradiff.distributed.mesh import default_device
@@ -327,6 +328,9 @@ def load_from_args(args: argparse.Namespace, device: torch.device) -> Loaded:
     start = time.perf_counter()
     quantize = getattr(args, "quantize", None)
     extra = {} if not quantize else {"quantization_config": quantization_config(args)}
+    attention_backend = getattr(args, "attention_backend", None)
+    if attention_backend is not None:  # this rank's device and dtype, before any weight is read
+        check_supported(attention_backend, device=device, dtype=dtype, needs_lse=args.ring > 1)
     files = gguf_files(args)
     if files:  # the transformers' weights from GGUF files, held packed, computing in --dtype
         from diffusers import GGUFQuantizationConfig, PipelineQuantizationConfig
@@ -347,6 +351,9 @@ def load_from_args(args: argparse.Namespace, device: torch.device) -> Loaded:
     load_s = time.perf_counter() - start
     transformers = {name: module for name, module in pipeline.components.items()
                     if name.startswith("transformer") and isinstance(module, torch.nn.Module)}
+    if attention_backend is not None:
+        for module in transformers.values():
+            paradiff.set_attention_backend(module, attention_backend)
     if args.compile:
         for module in transformers.values():
             paradiff.compile(module, backend=args.compile_backend or "inductor")
