@@ -243,3 +243,16 @@ def test_the_route_gives_what_sdpa_gives_for_each_way_of_calling_it(call):
         kwargs = {"attn_mask": torch.randn(1, 3, 7, 7, generator=torch.Generator().manual_seed(2)), "scale": 0.3}
     expected = F.scaled_dot_product_attention(q, k, v, **kwargs)
     torch.testing.assert_close(sdpa_call(BACKENDS["math"], q, k, v, **kwargs), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_kernel_traces_into_one_graph_for_a_compiled_model_without_cp():
+    """Without CP the backend runs inside the compiled blocks (paradiff.compile, fullgraph): no data-dependent branch,
+    and a row with every key masked still gives zeros."""
+    q, k, v = _qkv(batch=1)
+    mask = torch.ones(1, 1, 7, 11, dtype=torch.bool)
+    mask[0, 0, 3] = False
+    compiled = torch.compile(lambda *args: BACKENDS["math"](*args), fullgraph=True, backend="eager")
+    out, lse = compiled(q, k, v, mask, 0.25)
+    expected, expected_lse = math_attention(q, k, v, mask, 0.25)
+    torch.testing.assert_close(out, expected)
+    assert torch.equal(out[0, :, 3], torch.zeros_like(out[0, :, 3])) and torch.isneginf(lse[0, :, 3]).all()

@@ -31,7 +31,8 @@ def _empty_result(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch
 def _zero_dead_rows(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows whose keys are all masked have lse = -inf; give them a zero output instead of NaN."""
     dead = torch.isneginf(lse)
-    if dead.any():
+    # compiled (a model without CP: its attention traced into the graph), branch-free: Dynamo cannot branch on data
+    if torch.compiler.is_compiling() or dead.any():
         out = torch.where(dead.unsqueeze(-1), torch.zeros((), dtype=out.dtype, device=out.device), out)
     return out, lse
 
