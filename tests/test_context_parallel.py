@@ -55,27 +55,30 @@ def test_other_backends(pools, backend):
         assert max(result["diffs"].values()) < ATOL, result
 
 
-@pytest.mark.parametrize("mode", ["ulysses2", "ring2"])
-def test_every_backend_here_matches_with_and_without_context_parallelism(pools, mode):
+def test_every_backend_here_matches_with_and_without_context_parallelism(pools):
     """One backend interface with or without CP: each backend this machine runs gives the single-process output
-    (ring: those with an LSE), is one recorded patch either way, and one that cannot run is refused by name."""
-    world, ring, ulysses = MODES[mode]
-    for result in pools.get(world).run(cases.cp_every_backend, family="flux2", ring=ring, ulysses=ulysses):
+    routed on a plain model and at ulysses2 and ring2 (ring: those with an LSE), is one recorded patch either way,
+    one that cannot run is refused by name before any collective, and one chosen before CP is carried over."""
+    for result in pools.get(2).run(cases.cp_every_backend, family="flux2"):
         assert {"native", "math", "sdpa", "sdpa-flash", "flex"} <= set(result["without_cp"]), result
         assert max(result["without_cp"].values()) < ATOL, result
-        assert set(result["with_cp"]) == set(result["without_cp"]) - ({"sdpa"} if ring > 1 else set()), result
-        assert max(result["with_cp"].values()) < ATOL, result
-        kind = "ring" if ring > 1 else "ulysses"
-        assert result["listed"] == [f"set_attribute backend: attention backend 'flex' (in CP's {kind} attention) "
-                                    "(by attention)"], result
-        # not on this machine, or (with CUDA) not on the model's CPU: the same message as without CP
-        assert "Attention backend 'sdpa-cudnn' " in result["refused"] and "cuda" in result["refused"].lower(), result
-        assert "not available here" in result["refused"] or "cannot run here" in result["refused"], result
-        assert "'native'" in result["refused"] and result["collectives_during_refusal"] == 0, result
         # without CP: one patch routing the two attention modules' SDPA calls, removed to give the model back
         assert result["plain_listed"] == ["route_attention F.scaled_dot_product_attention: attention backend 'flex' "
                                           "in 2 attention modules (by attention)"], result
         assert result["calls_routed"] == 2 and result["removed"] == 1 and result["unrouted"], result
+        for mode in ("ulysses", "ring"):
+            cp = result[mode]
+            assert set(cp["diffs"]) == set(result["without_cp"]) - ({"sdpa"} if mode == "ring" else set()), result
+            assert max(cp["diffs"].values()) < ATOL, result
+            assert cp["listed"] == [f"set_attribute backend: attention backend 'flex' (in CP's {mode} attention) "
+                                    "(by attention)"], result
+            # not on this machine, or (with CUDA) not on the model's CPU: the same message as without CP
+            assert "Attention backend 'sdpa-cudnn' " in cp["refused"] and "cuda" in cp["refused"].lower(), result
+            assert "not available here" in cp["refused"] or "cannot run here" in cp["refused"], result
+            assert "'native'" in cp["refused"] and cp["collectives_during_refusal"] == 0, result
+        assert result["carried"]["backend"] == "math" and result["carried"]["diff"] < ATOL, result
+        assert result["carried"]["listed"] == ["set_attribute backend: attention backend 'math' (in CP's ring "
+                                               "attention) (by attention)"], result
 
 
 def test_math_backend_in_ring(pools):
