@@ -65,7 +65,8 @@ def test_every_backend_here_matches_with_and_without_context_parallelism(pools):
         # without CP: one patch routing the two attention modules' SDPA calls, removed to give the model back
         assert result["plain_listed"] == ["route_attention F.scaled_dot_product_attention: attention backend 'flex' "
                                           "in 2 attention modules (by attention)"], result
-        assert result["calls_routed"] == 2 and result["removed"] == 1 and result["unrouted"], result
+        assert set(result["calls_routed"].values()) == {2}, result  # each backend ran both attentions
+        assert result["removed"] == 1 and result["unrouted"], result
         for mode in ("ulysses", "ring"):
             cp = result[mode]
             assert set(cp["diffs"]) == set(result["without_cp"]) - ({"sdpa"} if mode == "ring" else set()), result
