@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -34,6 +36,55 @@ def cp_equivalence(family: str, ring: int, ulysses: int, shapes: list, heads: in
     return {"rank": dist.get_rank(), "diffs": diffs, "mode": runtime.mode, "calls": dict(runtime.stats.calls)}
 
 
+def cp_every_backend(family: str) -> dict:
+    """Every attention backend this machine runs, against the single-process diffusers output: routed on a model
+    without CP and at ulysses2 and ring2 (those the mode can use), each one recorded patch; the refusal of one that
+    cannot run here, before any collective; a backend chosen before CP carried over to it."""
+    from paradiff.attention.backends import able_backends
+
+    backends = able_backends(device="cpu")
+    plain = build_model(family)
+    inputs = make_inputs(family, plain.config, lengths=Lengths(height=3, width=5, text=7))
+    expected = run_forward(plain, inputs)
+    result = {"without_cp": {}, "calls_routed": {}}
+    for backend in backends:
+        paradiff.set_attention_backend(plain, backend)
+        route = paradiff.patches(plain)[0][1].subject  # the route's mode: count the calls its backend runs
+        calls, kernel = [], route.backend.kernel
+        route.backend = dataclasses.replace(route.backend, kernel=lambda *args, k=kernel, c=calls: c.append(1) or k(*args))
+        result["without_cp"][backend] = float((run_forward(plain, inputs) - expected).abs().max())
+        result["calls_routed"][backend] = len(calls)
+    result["plain_listed"] = [str(patch) for _, patch in paradiff.patches(plain)]
+    result["removed"] = paradiff.remove_patches(plain)
+    result["unrouted"] = bool(torch.equal(run_forward(plain, inputs), expected))
+    for mode, (ring, ulysses) in {"ulysses": (1, 2), "ring": (2, 1)}.items():
+        model = build_model(family)
+        paradiff.enable_parallelism(model, paradiff.ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses))
+        runtime = get_state(model).context
+        runtime.stats = CommStats()
+        diffs = {}
+        for backend in backends:
+            if backend == "sdpa" and ring > 1:
+                continue  # no LSE: refused for ring (cp_errors)
+            paradiff.set_attention_backend(model, backend)
+            diffs[backend] = float((run_forward(model, inputs) - expected).abs().max())
+        calls = sum(runtime.stats.calls.values())
+        try:
+            paradiff.set_attention_backend(model, "sdpa-cudnn")  # CUDA only, and the model is on the CPU
+            refused = "no error"
+        except paradiff.ParallelConfigError as exc:
+            refused = str(exc)
+        result[mode] = {"diffs": diffs, "refused": refused,
+                        "listed": [str(patch) for _, patch in paradiff.patches(model) if patch.by == "attention"],
+                        "collectives_during_refusal": sum(runtime.stats.calls.values()) - calls}
+    paradiff.set_attention_backend(plain, "math")  # chosen before CP: CP's attention takes it over
+    paradiff.enable_parallelism(plain, paradiff.ContextParallelConfig(ring_degree=2))
+    result["carried"] = {"backend": get_state(plain).context.backend,
+                         "listed": [str(patch) for _, patch in paradiff.patches(plain) if patch.by == "attention"],
+                         "diff": float((run_forward(plain, inputs) - expected).abs().max())}
+    return result
+
+
 def cp_errors(family: str = "flux2") -> dict:
     """Bad CP inputs on a live world: each returns its message (raised before any collective)."""
     model = build_model(family)
@@ -46,7 +97,7 @@ def cp_errors(family: str = "flux2") -> dict:
             paradiff.ParallelConfigError("n/a")),
         "backend_without_lse": lambda: _ring_with_backend(family, "sdpa"),
         "unknown_backend": lambda: _ring_with_backend(family, "cudnn-magic"),
-        "not_cp": lambda: paradiff.set_attention_backend(build_model(family), "math"),
+        "not_cp": lambda: paradiff.set_attention_backend(build_model(family), "sdpa-efficient"),
     }.items():
         try:
             call()

@@ -151,3 +151,24 @@ def test_a_video_is_compared_on_its_first_middle_and_last_frames():
         assert (single == frames[frame] * 0.5).all() and (parallel == frames[frame]).all()
     image = Output("image", frames[0])
     assert picture_rows([image], [(0, "a cat", image)])[1] == ["a cat"]
+
+
+def test_attention_backend_flag_is_checked_before_any_process_or_weight():
+    """--attention-backend: an unknown name, or one without the LSE under --ring, stops the launcher; each worker
+    checks its own device and dtype before reading a weight (here a CUDA rank in float32, refused by sdpa-flash)."""
+    import torch
+
+    from paradiff.cli.args import CliError, check_args
+    from paradiff.cli.worker import load_from_args
+    from paradiff.errors import ParallelConfigError
+
+    for argv, message in ((["--attention-backend", "nope"], "--attention-backend nope: Unknown attention backend 'nope'"),
+                          (["--attention-backend", "sdpa", "--ring", "2"],
+                           "--attention-backend sdpa: Attention backend 'sdpa' cannot run here: it returns no log-sum-exp")):
+        with pytest.raises(CliError, match=re.escape(message)):
+            check_args(build_parser().parse_args(["generate", *argv]))
+    args = build_parser().parse_args(["generate", "--attention-backend", "sdpa-flash", "--dtype", "float32"])
+    check_args(args)
+    with pytest.raises(ParallelConfigError, match="'sdpa-flash' cannot run here: it takes float16, bfloat16 "
+                                                           "on CUDA, not float32; backends that can: \\['native'"):
+        load_from_args(args, torch.device("cuda"))

@@ -55,6 +55,33 @@ def test_other_backends(pools, backend):
         assert max(result["diffs"].values()) < ATOL, result
 
 
+def test_every_backend_here_matches_with_and_without_context_parallelism(pools):
+    """One backend interface with or without CP: each backend this machine runs gives the single-process output
+    routed on a plain model and at ulysses2 and ring2 (ring: those with an LSE), is one recorded patch either way,
+    one that cannot run is refused by name before any collective, and one chosen before CP is carried over."""
+    for result in pools.get(2).run(cases.cp_every_backend, family="flux2"):
+        assert {"native", "math", "sdpa", "sdpa-flash", "flex"} <= set(result["without_cp"]), result
+        assert max(result["without_cp"].values()) < ATOL, result
+        # without CP: one patch routing the two attention modules' SDPA calls, removed to give the model back
+        assert result["plain_listed"] == ["route_attention F.scaled_dot_product_attention: attention backend 'flex' "
+                                          "in 2 attention modules (by attention)"], result
+        assert set(result["calls_routed"].values()) == {2}, result  # each backend ran both attentions
+        assert result["removed"] == 1 and result["unrouted"], result
+        for mode in ("ulysses", "ring"):
+            cp = result[mode]
+            assert set(cp["diffs"]) == set(result["without_cp"]) - ({"sdpa"} if mode == "ring" else set()), result
+            assert max(cp["diffs"].values()) < ATOL, result
+            assert cp["listed"] == [f"set_attribute backend: attention backend 'flex' (in CP's {mode} attention) "
+                                    "(by attention)"], result
+            # not on this machine, or (with CUDA) not on the model's CPU: the same message as without CP
+            assert "Attention backend 'sdpa-cudnn' " in cp["refused"] and "cuda" in cp["refused"].lower(), result
+            assert "not available here" in cp["refused"] or "cannot run here" in cp["refused"], result
+            assert "'native'" in cp["refused"] and cp["collectives_during_refusal"] == 0, result
+        assert result["carried"]["backend"] == "math" and result["carried"]["diff"] < ATOL, result
+        assert result["carried"]["listed"] == ["set_attribute backend: attention backend 'math' (in CP's ring "
+                                               "attention) (by attention)"], result
+
+
 def test_math_backend_in_ring(pools):
     results = pools.get(2).run(cases.cp_equivalence, family="flux", ring=2, ulysses=1, backend="math", shapes=[UNEVEN])
     for result in results:
@@ -74,7 +101,8 @@ def test_errors_on_live_world(pools):
     assert "'sdpa' returns no log-sum-exp" in messages["backend_without_lse"]
     assert "'native'" in messages["backend_without_lse"] and "'math'" in messages["backend_without_lse"]
     assert "Unknown attention backend 'cudnn-magic'" in messages["unknown_backend"]
-    assert "applies to a context-parallel model" in messages["not_cp"]
+    # without CP the same backends and checks apply (the model is not refused for lacking CP)
+    assert "Attention backend 'sdpa-efficient' " in messages["not_cp"] and "cuda" in messages["not_cp"].lower()
 
 
 def test_process_group_not_initialised():

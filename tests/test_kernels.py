@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -162,3 +164,95 @@ def test_a_mask_bias_is_handed_to_cuda_kernels_with_aligned_strides():
     assert aligned.shape == bias.shape and torch.equal(aligned, bias)
     assert all(stride % 16 == 0 for stride in aligned.stride()[:-1]) and aligned.stride(-1) == 1
     assert aligned_bias(torch.zeros(2, 1, 1, 32)).stride() == (32, 32, 32, 1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One backend interface (paradiff/attention/): every backend against the reference, or refused with the reason
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_each_backend_matches_the_math_reference_or_says_why_it_cannot_run(name):
+    backend = BACKENDS[name]
+    q, k, v = _qkv()
+    mask = _mask()
+    reason = backend.supports(q.device, q.dtype, mask=True, needs_lse=backend.returns_lse, head_dim=q.shape[-1])
+    if reason is not None:  # on this machine: named, with the reason and the backends that can
+        with pytest.raises(ParallelConfigError, match=f"Attention backend '{name}' cannot run here: it "
+                                                      f"{re.escape(reason)}; backends that can: \\[.*'math'"):
+            backend.attend(q, k, v, mask, 0.25, return_lse=backend.returns_lse)
+        return
+    expected, expected_lse = math_attention(q, k, v, mask, 0.25)
+    if backend.returns_lse:
+        out, lse = backend.attend(q, k, v, mask, 0.25, return_lse=True)
+        torch.testing.assert_close(lse, expected_lse, atol=1e-5, rtol=1e-5)
+    else:
+        out = backend.attend(q, k, v, mask, 0.25)
+        with pytest.raises(ParallelConfigError, match=f"'{name}' cannot run here: it returns no log-sum-exp"):
+            backend.attend(q, k, v, mask, 0.25, return_lse=True)
+    assert out.dtype == q.dtype
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_supports_says_what_each_backend_cannot_do():
+    assert BACKENDS["math"].supports("cpu", torch.float64, mask=True, needs_lse=True, head_dim=512) is None
+    assert BACKENDS["sdpa"].supports(needs_lse=True) == "returns no log-sum-exp"
+    flash = BACKENDS["sdpa-flash"]  # CPU and CUDA: its CUDA limits are checked on any machine
+    assert flash.supports("cuda", torch.float32) == "takes float16, bfloat16 on CUDA, not float32"
+    assert flash.supports("cuda", torch.bfloat16, mask=True) == "takes no attention mask on CUDA"
+    assert flash.supports("cuda", torch.bfloat16, head_dim=512) == "takes heads of up to 256 channels on CUDA, not 512"
+    assert flash.supports("cpu", torch.float32, mask=True, head_dim=512) is None
+    assert BACKENDS["flex"].supports("mps") == "runs on cpu or cuda only, not mps"
+    if not torch.cuda.is_available():
+        assert BACKENDS["sdpa-cudnn"].available() == "needs a CUDA device"
+        with pytest.raises(ParallelConfigError, match="'sdpa-efficient' is not available here \\(needs a CUDA device\\)"):
+            check_backend("sdpa-efficient", "ulysses")
+    assert set(available_backends()) >= {"native", "math", "sdpa", "sdpa-flash", "flex"}
+
+
+def test_a_backend_that_cannot_serve_a_cp_call_is_refused_before_any_collective():
+    """attend() checks the backend against the call first: with no process group at all, any collective would fail
+    otherwise."""
+    from paradiff.context_parallel.dispatch import attend
+
+    q, k, v = _qkv()
+    with pytest.raises(ParallelConfigError, match="'sdpa' cannot run here: it returns no log-sum-exp; backends that "
+                                                  "can: \\['native', 'math'"):
+        attend(q, k, v, None, 0.25, "ring", "sdpa", False, None, None, None)
+    if not torch.cuda.is_available():
+        with pytest.raises(ParallelConfigError, match="'sdpa-cudnn' cannot run here: it needs a CUDA device"):
+            attend(q, k, v, None, 0.25, "ulysses", "sdpa-cudnn", False, None, None, None)
+
+
+@pytest.mark.parametrize("call", ["heads", "tokens", "causal", "grouped", "bias"])
+def test_the_route_gives_what_sdpa_gives_for_each_way_of_calling_it(call):
+    """Without CP, a model's SDPA calls reach the backend through `sdpa_call`, in every form SDPA takes."""
+    from paradiff.attention.route import sdpa_call
+
+    q, k, v = _qkv(keys=7)
+    kwargs = {}
+    if call == "tokens":  # (batch, tokens, dim): no head dim, a (queries, keys) mask
+        q, k, v = q[:, 0], k[:, 0], v[:, 0]
+        kwargs = {"attn_mask": torch.rand(7, 7, generator=torch.Generator().manual_seed(1)) > 0.3}
+        kwargs["attn_mask"][:, 0] = True
+    elif call == "causal":
+        kwargs = {"is_causal": True}
+    elif call == "grouped":
+        k, v = k[:, :1], v[:, :1]
+        kwargs = {"enable_gqa": True}
+    elif call == "bias":
+        kwargs = {"attn_mask": torch.randn(1, 3, 7, 7, generator=torch.Generator().manual_seed(2)), "scale": 0.3}
+    expected = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    torch.testing.assert_close(sdpa_call(BACKENDS["math"], q, k, v, **kwargs), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_kernel_traces_into_one_graph_for_a_compiled_model_without_cp():
+    """Without CP the backend runs inside the compiled blocks (paradiff.compile, fullgraph): no data-dependent branch,
+    and a row with every key masked still gives zeros."""
+    q, k, v = _qkv(batch=1)
+    mask = torch.ones(1, 1, 7, 11, dtype=torch.bool)
+    mask[0, 0, 3] = False
+    compiled = torch.compile(lambda *args: BACKENDS["math"](*args), fullgraph=True, backend="eager")
+    out, lse = compiled(q, k, v, mask, 0.25)
+    expected, expected_lse = math_attention(q, k, v, mask, 0.25)
+    torch.testing.assert_close(out, expected)
+    assert torch.equal(out[0, :, 3], torch.zeros_like(out[0, :, 3])) and torch.isneginf(lse[0, :, 3]).all()

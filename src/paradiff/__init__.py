@@ -27,7 +27,7 @@ _EXPORTS = {
     "ContextParallelConfig": "paradiff.config",
     "ParallelConfig": "paradiff.config",
     "TensorParallelConfig": "paradiff.config",
-    "set_attention_backend": "paradiff.context_parallel.apply",
+    "set_attention_backend": "paradiff.runtime.attention",
     "ContextParallelPlan": "paradiff.context_parallel.plan",
     "Count": "paradiff.context_parallel.plan",
     "Split": "paradiff.context_parallel.plan",

@@ -63,6 +63,7 @@ class LoadSpec:
     compile: bool = False
     compile_backend: str | None = None
     cache: str | None = None
+    attention_backend: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.model, Path):
@@ -94,6 +95,8 @@ class LoadSpec:
             raise LoadSpecError("compile_backend", self.compile_backend, "nothing is compiled: set compile too")
         if self.cache is not None:
             cache_config(self.cache)
+        if self.attention_backend is not None:
+            self._check_attention_backend()
         if self.parallel.fsdp_degree > 1:
             from paradiff.fsdp.refusals import fsdp_refusal
 
@@ -101,6 +104,19 @@ class LoadSpec:
                                    self.quantize or ("gguf" if self.gguf else None), stages=self.stages)
             if refusal is not None:
                 raise LoadSpecError("parallel", f"fsdp_degree={self.parallel.fsdp_degree}", refusal)
+
+    def _check_attention_backend(self) -> None:
+        """A backend this machine runs and, with ring, one returning the log-sum-exp (each rank checks its device
+        and dtype in `load`, before it reads a weight)."""
+        from paradiff.attention.backends import check_available, check_supported
+        from paradiff.errors import ParallelConfigError
+
+        try:
+            check_available(self.attention_backend)
+            if self.parallel.ring_degree > 1:
+                check_supported(self.attention_backend, needs_lse=True)
+        except ParallelConfigError as exc:
+            raise LoadSpecError("attention_backend", self.attention_backend, str(exc)) from None
 
     def _check_quantization(self) -> None:
         if self.quantize is not None and self.quantize not in QUANTIZE_SCHEMES:
@@ -199,6 +215,10 @@ def load(spec: LoadSpec, device: torch.device) -> Loaded:
     import paradiff
 
     dtype = getattr(torch, spec.dtype)
+    if spec.attention_backend is not None:  # this rank's device and dtype, before any weight is read
+        from paradiff.attention.backends import check_supported
+
+        check_supported(spec.attention_backend, device=device, dtype=dtype, needs_lse=spec.parallel.ring_degree > 1)
     start = time.perf_counter()
     extra = {} if not spec.quantize else {"quantization_config": quantization_config(spec)}
     files = dict(spec.gguf)
@@ -221,6 +241,9 @@ def load(spec: LoadSpec, device: torch.device) -> Loaded:
     load_s = time.perf_counter() - start
     transformers = {name: module for name, module in pipeline.components.items()
                     if name.startswith("transformer") and isinstance(module, torch.nn.Module)}
+    if spec.attention_backend is not None:
+        for module in transformers.values():
+            paradiff.set_attention_backend(module, spec.attention_backend)
     if spec.compile:
         for module in transformers.values():
             paradiff.compile(module, backend=spec.compile_backend or "inductor")

@@ -123,6 +123,10 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     gen.add_argument("--compile", action="store_true",
                      help="torch.compile the transformer's blocks (paradiff.compile), in every parallel mode")
     gen.add_argument("--compile-backend", default=None, help="torch.compile backend for --compile (default inductor)")
+    gen.add_argument("--attention-backend", default=None, metavar="NAME",
+                     help="the kernel the transformers' attention runs on, with or without context parallelism: "
+                          "native, math, sdpa, sdpa-flash, sdpa-efficient, sdpa-cudnn, flex, flash "
+                          "(paradiff.set_attention_backend; docs/context-parallel.md)")
     gen.add_argument("--lora", action="append", default=None, metavar="PATH[:SCALE]",
                      help="a LoRA adapter for the transformer (a file, folder or Hub id, any format diffusers' "
                           "load_lora_weights reads) at SCALE (default 1); repeatable: the adapters are mixed")
@@ -440,6 +444,8 @@ def check_args(args: argparse.Namespace) -> None:
     if getattr(args, "compile_backend", None) is not None and not args.compile:
         raise CliError(f"--compile-backend {args.compile_backend} without --compile: nothing is compiled; give "
                        "--compile too, or drop --compile-backend")
+    if getattr(args, "attention_backend", None) is not None:
+        _check_attention_backend(args.attention_backend, args.ring)
     if getattr(args, "lora_weight_name", None) is not None and not lora_specs(args):
         raise CliError(f"--lora-weight-name {args.lora_weight_name} picks a file of a --lora folder or repo: give "
                        "--lora too, or drop --lora-weight-name")
@@ -491,6 +497,20 @@ def check_args(args: argparse.Namespace) -> None:
     world = world_size_of(args)
     if torch.cuda.is_available() and "RANK" not in os.environ and world > torch.cuda.device_count():
         raise CliError(f"{world} processes requested but only {torch.cuda.device_count()} GPU(s) are visible")
+
+
+def _check_attention_backend(name: str, ring: int) -> None:
+    """--attention-backend: a backend this machine runs and, with --ring, one returning the log-sum-exp (the device
+    and dtype are checked by each worker, before it reads a weight)."""
+    from paradiff.attention.backends import check_available, check_supported
+    from paradiff.errors import ParallelConfigError
+
+    try:
+        check_available(name)
+        if ring > 1:
+            check_supported(name, needs_lse=True)
+    except ParallelConfigError as exc:
+        raise CliError(f"--attention-backend {name}: {exc}") from None
 
 
 def _check_fsdp(args: argparse.Namespace) -> None:

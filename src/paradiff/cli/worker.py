@@ -322,7 +322,8 @@ def load_spec_of(args: argparse.Namespace) -> LoadSpec:
             loras=tuple(LoraSpec(lora["path"], lora["scale"], lora["adapter_name"]) for lora in lora_specs(args)),
             lora_weight_name=args.lora_weight_name,
             adapter_slots=bool(getattr(args, "prompts_file", None)) and prompt_adapters(args) is not None,
-            compile=args.compile, compile_backend=args.compile_backend, cache=args.cache)
+            compile=args.compile, compile_backend=args.compile_backend, cache=args.cache,
+            attention_backend=getattr(args, "attention_backend", None))
     except LoadSpecError as exc:
         raise flag_error(exc) from None
 

@@ -12,11 +12,12 @@ from torch import nn
 
 from paradiff.distributed.comm import all_gather_int, all_gather_uneven
 from paradiff.errors import ParallelConfigError, PlanError
-from paradiff.runtime.patches import add_hook, set_processor, wrap_forward
+from paradiff.runtime.patches import add_hook, module_patches, remove_patch, set_attribute, set_processor, wrap_forward
 from paradiff.runtime.state import ParallelState
 from paradiff.tensor_parallel.plan import expand_key
 from paradiff.context_parallel.attention import even_sizes, local_chunk
 from paradiff.context_parallel.experts import ExpertChoice, check_expert_choice, expert_choice_forward
+from paradiff.context_parallel.kernels import check_backend
 from paradiff.context_parallel.grid import check_halo_conv, grid_layout, halo_conv_hooks, split_grid
 from paradiff.context_parallel.groups import token_group_hooks
 from paradiff.context_parallel.linear import LinearAttentionProcessor
@@ -438,6 +439,19 @@ def _leftover_interceptor_remover(interceptors: list[AttentionInterceptor]):
     return hook
 
 
+def _take_routed_backend(model: nn.Module, runtime: ContextParallelRuntime) -> None:
+    """A backend chosen before CP (`paradiff.set_attention_backend` on the plain model routes its SDPA calls) becomes
+    the one CP's attention calls: the route would otherwise sit outside CP's interception. Every rank's model holds
+    the same choice, so every rank accepts or refuses it alike."""
+    routed = [patch for patch in module_patches(model) if patch.kind == "route_attention"]
+    for patch in routed:
+        name = patch.subject.backend.name
+        check_backend(name, runtime.mode)
+        remove_patch(model, patch)
+        set_attribute(runtime, "backend", name, by=patch.by, owner=model,
+                      what=f"attention backend {name!r} (in CP's {runtime.mode} attention)")
+
+
 def apply_context_parallel(model: nn.Module, state: ParallelState, plan: ResolvedContextPlan) -> ContextParallelRuntime:
     mesh = state.mesh
     config = mesh.config.context_parallel_config
@@ -447,6 +461,7 @@ def apply_context_parallel(model: nn.Module, state: ParallelState, plan: Resolve
         ring_group=mesh.group("ring") if config.ring_degree > 1 else None,
         ulysses_group=mesh.group("ulysses") if config.ulysses_degree > 1 else None,
     )
+    _take_routed_backend(model, runtime)
     handles = []
 
     def hook(module: nn.Module, function, pre: bool = False, **options) -> None:
@@ -507,17 +522,3 @@ def apply_context_parallel(model: nn.Module, state: ParallelState, plan: Resolve
     state.cp_hooks = handles
     state.cp_plan = plan
     return runtime
-
-
-def set_attention_backend(model: nn.Module, name: str) -> None:
-    """Choose the local attention kernel of a context-parallel model: "native", "math", "flash" or "sdpa"."""
-    from paradiff.errors import ParallelConfigError
-    from paradiff.runtime.state import get_state
-
-    state = get_state(model)
-    if state is None or state.context is None:
-        raise ParallelConfigError(
-            "set_attention_backend applies to a context-parallel model; call "
-            "paradiff.enable_parallelism(model, ContextParallelConfig(...)) first."
-        )
-    state.context.set_backend(name)

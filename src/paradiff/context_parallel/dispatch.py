@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from paradiff.distributed.comm import CommStats, all_gather_ints, all_true
 from paradiff.context_parallel.attention import even_sizes, local_attention, ring_attention, ulysses_attention
-from paradiff.context_parallel.kernels import BACKENDS
+from paradiff.attention.backends import BACKENDS, refusal
 
 
 def normalise_mask(attn_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -54,7 +54,16 @@ def attend(query, key, value, attn_mask, scale: float, mode: str, backend: str, 
     """This rank's rows of attention over the whole (split) sequence, by `mode`; `local` attends to local keys only.
 
     `text_tokens` / `image_tokens`: full lengths of the two streams split in this forward (None when not split),
-    which place a whole-sequence mask's rows and columns in the order the ranks hold the tokens."""
+    which place a whole-sequence mask's rows and columns in the order the ranks hold the tokens.
+
+    A backend that cannot run this call (its device, dtype, mask or head size; the LSE a ring merges by) is refused
+    here, before any collective: every rank sees the same kind of call and raises alike."""
+    kernel = BACKENDS[backend]
+    conditions = dict(device=query.device, dtype=query.dtype, mask=attn_mask is not None,
+                      needs_lse=not local and mode != "ulysses", head_dim=query.shape[-1])
+    reason = kernel.supports(**conditions)
+    if reason is not None:
+        raise refusal(backend, reason, **conditions)
     query_mask = None
     if not local and _one_head_bool_mask(attn_mask):
         # Whether this is a padding mask over the rank's own tokens is decided by all ranks together: a rank holding
@@ -65,7 +74,6 @@ def attend(query, key, value, attn_mask, scale: float, mode: str, backend: str, 
         if all(square for square, _ in flags) and any(rows > 1 for _, rows in flags):
             attn_mask, query_mask = padding_masks(attn_mask, cp_group)
     mask = normalise_mask(attn_mask)
-    kernel = BACKENDS[backend]
     if local:  # queries and mask rows are both this rank's; keys are whole
         return local_attention(query, key, value, mask, scale, kernel)
     if mask is not None and mask.shape[-1] != key.shape[2] and mask.shape[2] == 1:

@@ -20,7 +20,7 @@ from paradiff.errors import ParallelConfigError
 from paradiff.context_parallel.attention import ring_attention, ulysses_attention
 from paradiff.context_parallel.dispatch import (  # noqa: F401 - attend's masks, still importable from here
     _one_head_bool_mask, attend, in_split_order, is_square_bool, normalise_mask, padding_masks)
-from paradiff.context_parallel.kernels import BACKENDS, RETURNS_LSE, check_backend, default_scale, merge_lse
+from paradiff.context_parallel.kernels import BACKENDS, RETURNS_LSE, default_scale, merge_lse
 from paradiff.context_parallel.ops import cp_attention
 
 
@@ -32,7 +32,7 @@ class ContextParallelRuntime:
     cp_group: dist.ProcessGroup
     ring_group: dist.ProcessGroup | None
     ulysses_group: dist.ProcessGroup | None
-    backend: str = "native"
+    backend: str = "native"  # an attention/backends.py name, set by paradiff.set_attention_backend (a recorded patch)
     stats: CommStats | None = None
     # full lengths of the arguments split in the current forward, by argument name, recorded where they are split
     full_tokens: dict[str, int] = field(default_factory=dict)
@@ -46,10 +46,6 @@ class ContextParallelRuntime:
     @property
     def cp_size(self) -> int:
         return dist.get_world_size(self.cp_group)
-
-    def set_backend(self, name: str) -> None:
-        check_backend(name, self.mode)
-        self.backend = name
 
     def attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                   enable_gqa=False, local: bool = False, gather_keys: bool = False, prefix: int | None = None):

@@ -31,8 +31,8 @@ _MISSING = object()
 
 # The kinds, in the order a forward meets them: a replaced child or class first, then what shadows the forward
 # (wrappers, attributes, processors), then the hooks around it.
-KINDS = ("replace_module", "replace_parameter", "class_swap", "wrap_forward", "set_attribute", "processor", "pre_hook",
-         "hook", "moved_hooks")
+KINDS = ("replace_module", "replace_parameter", "class_swap", "wrap_forward", "set_attribute", "processor",
+         "route_attention", "pre_hook", "hook", "moved_hooks")
 
 
 @dataclass(eq=False)
@@ -153,7 +153,7 @@ def add_hook(module: nn.Module, hook: Callable[..., Any], *, by: str, pre: bool 
 
 
 def set_attribute(module: Any, name: str, value: Any, *, by: str, kind: str = "set_attribute",
-                  owner: Any = None) -> Patch:
+                  owner: Any = None, what: str | None = None) -> Patch:
     """Set `module.name = value` on the instance (shadowing its class's attribute: a method, a forward), recorded on
     `owner` (default: the module itself; another library's object, e.g. a diffusers hook, records on the module it
     serves). Undo puts back the instance attribute that was there, or none; a value set over ours since is left.
@@ -174,12 +174,42 @@ def set_attribute(module: Any, name: str, value: Any, *, by: str, kind: str = "s
         else:
             object.__setattr__(module, name, before)
 
-    return record(holder, Patch(kind, name, name_of(value), by, undo, subject=module))
+    return record(holder, Patch(kind, name, what or name_of(value), by, undo, subject=module))
 
 
 def wrap_forward(module: nn.Module, forward: Callable[..., Any], *, by: str) -> Patch:
     """Put `forward` on the instance over its class's (nn.Module's hooks still run around it)."""
     return set_attribute(module, "forward", forward, by=by, kind="wrap_forward")
+
+
+def route_attention(model: nn.Module, mode: Any, modules: list[nn.Module], *, by: str, what: str) -> Patch:
+    """Run each of `modules` (the model's attention modules) inside `mode`, a TorchFunctionMode sending
+    `F.scaled_dot_product_attention` to an attention backend: a pre-hook enters it, a hook leaves it, and a hook on
+    `model` that runs even when the forward raises leaves it where an exception skipped the module's own (hooks that
+    always run, inside a compiled block, would make Dynamo guard on every module's hook ids). One patch on `model`,
+    its `subject` the mode; undo removes every hook."""
+    def enter(_module, _args):
+        mode.__enter__()
+
+    def leave(_module, _args, _output):
+        mode.__exit__(None, None, None)
+
+    def leave_leftover(_module, _args, _output):
+        stack = torch.overrides._get_current_function_mode_stack()
+        while stack and stack[-1] is mode:
+            stack.pop().__exit__(None, None, None)
+
+    handles = []
+    for module in modules:
+        handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    handles.append(model.register_forward_hook(leave_leftover, always_call=True))
+
+    def undo() -> None:
+        for handle in handles:
+            handle.remove()
+
+    return record(model, Patch("route_attention", "F.scaled_dot_product_attention", what, by, undo, handles,
+                               subject=mode))
 
 
 def swap_class(module: nn.Module, cls: type, *, by: str) -> Patch:
