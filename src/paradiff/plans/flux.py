@@ -144,11 +144,4 @@ def flux_inputs(config, batch: int, grid: Grid, generator: torch.Generator) -> d
     return inputs
 
 
-FAMILY = Family(
-    name="flux",
-    model_classes=MODEL_CLASSES,
-    tensor_parallel_plan=tensor_parallel_plan,
-    context_parallel_plan=context_parallel_plan,
-    examples=EXAMPLES,
-    example_inputs=example_inputs,
-)
+FAMILY = Family.of(__name__)

@@ -120,11 +120,4 @@ def text_mask(batch: int, tokens: int) -> torch.Tensor:
     return mask
 
 
-FAMILY = Family(
-    name="hunyuan_video",
-    model_classes=MODEL_CLASSES,
-    tensor_parallel_plan=tensor_parallel_plan,
-    context_parallel_plan=context_parallel_plan,
-    examples=EXAMPLES,
-    example_inputs=example_inputs,
-)
+FAMILY = Family.of(__name__)

@@ -379,12 +379,4 @@ class _Fp32Softmax:
         return out.transpose(1, 2).reshape(batch, tokens, heads * head_dim).to(value.dtype)
 
 
-FAMILY = Family(
-    name="sana_wm",
-    model_classes=MODEL_CLASSES,
-    tensor_parallel_plan=tensor_parallel_plan,
-    context_parallel_plan=context_parallel_plan,
-    examples=EXAMPLES,
-    example_inputs=example_inputs,
-    run_example=run_example,
-)
+FAMILY = Family.of(__name__)

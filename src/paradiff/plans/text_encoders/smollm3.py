@@ -12,4 +12,4 @@ def tensor_parallel_plan(config, model_class: str):
     return decoder_text_model(config, model_class, PATHS)
 
 
-FAMILY = Family(name="smollm3", model_classes=MODEL_CLASSES, tensor_parallel_plan=tensor_parallel_plan)
+FAMILY = Family.of(__name__)
