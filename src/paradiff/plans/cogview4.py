@@ -4,7 +4,7 @@ import torch
 
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, attention, feed_forward, mlp
+from paradiff.plans.common import Grid, attention, feed_forward, mlp, split_input
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("CogView4Transformer2DModel",)
@@ -21,10 +21,9 @@ def blocks_plan() -> dict:
     return {
         **attention("transformer_blocks.*.attn1"),
         **feed_forward("transformer_blocks.*.ff"),
-        "transformer_blocks.*.norm1.linear": "rowwise_split_input",
+        **split_input("transformer_blocks.*.norm1.linear", "norm_out.linear"),
         **mlp("time_condition_embed.timestep_embedder"),
         **mlp("time_condition_embed.condition_embedder"),
-        "norm_out.linear": "rowwise_split_input",
     }
 
 

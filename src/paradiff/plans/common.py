@@ -52,3 +52,9 @@ def feed_forward(prefix: str, gated: bool = False) -> dict[str, str | Style]:
 def mlp(prefix: str, first: str = "linear_1", second: str = "linear_2") -> dict[str, str]:
     """A two-layer MLP on a replicated input (timestep / text embedders): colwise in, rowwise out."""
     return {f"{prefix}.{first}": "colwise", f"{prefix}.{second}": "rowwise"}
+
+
+def split_input(*names: str) -> dict[str, str]:
+    """Linears on a replicated input whose output every rank needs whole (AdaLN modulations, embedding
+    projections): rowwise, each rank multiplying its slice of the input ("rowwise_split_input")."""
+    return dict.fromkeys(names, "rowwise_split_input")

@@ -4,7 +4,7 @@ import torch
 
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
-from paradiff.plans.common import Grid, attention, feed_forward, mlp
+from paradiff.plans.common import Grid, attention, feed_forward, mlp, split_input
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("CosmosTransformer3DModel",)
@@ -21,8 +21,7 @@ def tensor_parallel_plan(config) -> TensorParallelPlan:
         **{f"transformer_blocks.*.{norm}.{linear}": "rowwise_split_input"
            for norm in ("norm1", "norm2", "norm3") for linear in ("linear_1", "linear_2")},
         **mlp("time_embed.t_embedder"),
-        "norm_out.linear_1": "rowwise_split_input",
-        "norm_out.linear_2": "rowwise_split_input",
+        **split_input("norm_out.linear_1", "norm_out.linear_2"),
     }
     head_attrs = DEFAULT_HEAD_ATTRS
     if config.img_context_dim_in:

@@ -10,7 +10,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import ColwiseHeads
-from paradiff.plans.common import Grid
+from paradiff.plans.common import Grid, split_input
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("Lumina2Transformer2DModel",)
@@ -39,8 +39,7 @@ def tensor_parallel_plan(config) -> TensorParallelPlan:
     styles.update({
         "time_caption_embed.timestep_embedder.linear_1": "colwise",
         "time_caption_embed.timestep_embedder.linear_2": "rowwise",
-        "time_caption_embed.caption_embedder.1": "rowwise_split_input",
-        "norm_out.linear_1": "rowwise_split_input",
+        **split_input("time_caption_embed.caption_embedder.1", "norm_out.linear_1"),
     })
     return TensorParallelPlan(styles=styles)
 

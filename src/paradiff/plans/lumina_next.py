@@ -10,7 +10,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import ColwiseHeads, HeadNorm, SplitParameter
-from paradiff.plans.common import Grid
+from paradiff.plans.common import Grid, split_input
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("LuminaNextDiT2DModel",)
@@ -27,11 +27,9 @@ def tensor_parallel_plan(config) -> TensorParallelPlan:
         "layers.*.feed_forward.linear_1": "colwise",
         "layers.*.feed_forward.linear_3": "colwise",
         "layers.*.feed_forward.linear_2": "rowwise",
-        "layers.*.norm1.linear": "rowwise_split_input",
+        **split_input("layers.*.norm1.linear", "time_caption_embed.caption_embedder.1", "norm_out.linear_1"),
         "time_caption_embed.timestep_embedder.linear_1": "colwise",
         "time_caption_embed.timestep_embedder.linear_2": "rowwise",
-        "time_caption_embed.caption_embedder.1": "rowwise_split_input",
-        "norm_out.linear_1": "rowwise_split_input",
     }
     for attn in ("attn1", "attn2"):
         styles.update({

@@ -10,7 +10,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedColwise
-from paradiff.plans.common import Grid, mlp
+from paradiff.plans.common import Grid, mlp, split_input
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("PRXTransformer2DModel",)
@@ -24,10 +24,8 @@ def tensor_parallel_plan(config) -> TensorParallelPlan:
         "blocks.*.gate_proj": "colwise",
         "blocks.*.up_proj": "colwise",
         "blocks.*.down_proj": "rowwise",
-        "blocks.*.modulation.lin": "rowwise_split_input",
-        "txt_in": "rowwise_split_input",
+        **split_input("blocks.*.modulation.lin", "txt_in", "final_layer.adaLN_modulation.1"),
         **mlp("time_in", "in_layer", "out_layer"),
-        "final_layer.adaLN_modulation.1": "rowwise_split_input",
     }
     if config.resolution_embeds:
         styles.update(mlp("resolution_embedder.mlp", "in_layer", "out_layer"))
