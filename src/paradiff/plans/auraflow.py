@@ -5,7 +5,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.errors import PlanError
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, attention, joint_attention, mlp, split_input
+from paradiff.plans.common import Grid, attention, image_inputs, joint_attention, mlp, split_input
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("AuraFlowTransformer2DModel",)
@@ -51,13 +51,7 @@ EXAMPLES = {
 
 
 def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    p = config.patch_size
-    return dict(
-        hidden_states=torch.randn(batch, config.in_channels, grid.height * p, grid.width * p, generator=generator),
-        encoder_hidden_states=torch.randn(batch, grid.text, config.joint_attention_dim, generator=generator),
-        timestep=torch.rand(batch, generator=generator) * 1000,
-        return_dict=False,
-    )
+    return image_inputs(config, batch, grid, generator, config.joint_attention_dim)
 
 
 FAMILY = Family.of(__name__)

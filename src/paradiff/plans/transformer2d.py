@@ -6,7 +6,7 @@ import torch
 
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, attention, feed_forward, mlp
+from paradiff.plans.common import Grid, attention, feed_forward, image_inputs, mlp
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("Transformer2DModel",)
@@ -86,15 +86,8 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
             encoder_attention_mask=text_mask,
             return_dict=False,
         )
-    p = config.patch_size
-    return dict(
-        hidden_states=torch.randn(batch, config.in_channels, grid.height * p, grid.width * p, generator=generator),
-        encoder_hidden_states=torch.randn(batch, grid.text, config.caption_channels, generator=generator),
-        encoder_attention_mask=text_mask,
-        timestep=torch.rand(batch, generator=generator) * 1000,
-        added_cond_kwargs={"resolution": None, "aspect_ratio": None},
-        return_dict=False,
-    )
+    return image_inputs(config, batch, grid, generator, config.caption_channels, encoder_attention_mask=text_mask,
+                        added_cond_kwargs={"resolution": None, "aspect_ratio": None})
 
 
 FAMILY = Family.of(__name__)
