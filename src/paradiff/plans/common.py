@@ -56,6 +56,16 @@ def mlp(prefix: str, first: str = "linear_1", second: str = "linear_2") -> dict[
     return {f"{prefix}.{first}": "colwise", f"{prefix}.{second}": "rowwise"}
 
 
+def basic_transformer_block(prefix: str, gated: bool = False) -> dict[str, str | Style]:
+    """diffusers' BasicTransformerBlock: self-attention `attn1`, cross-attention `attn2` and the feed-forward `ff`."""
+    return {**attention(f"{prefix}.attn1"), **attention(f"{prefix}.attn2"), **feed_forward(f"{prefix}.ff", gated)}
+
+
+def adaln_single() -> dict[str, str]:
+    """PixArt's AdaLN-single: one modulation (dim -> 6 dim) for all blocks, on the replicated timestep embedding."""
+    return {**mlp("adaln_single.emb.timestep_embedder"), "adaln_single.linear": "rowwise_split_input"}
+
+
 def split_input(*names: str) -> dict[str, str]:
     """Linears on a replicated input whose output every rank needs whole (AdaLN modulations, embedding
     projections): rowwise, each rank multiplying its slice of the input ("rowwise_split_input")."""

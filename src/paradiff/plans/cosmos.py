@@ -4,7 +4,7 @@ import torch
 
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
-from paradiff.plans.common import Grid, attention, feed_forward, mlp, split_input
+from paradiff.plans.common import Grid, basic_transformer_block, mlp, split_input
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("CosmosTransformer3DModel",)
@@ -15,9 +15,7 @@ _PER_TOKEN = Split(1, ndim=3)  # per-frame timesteps give every token its own mo
 def tensor_parallel_plan(config) -> TensorParallelPlan:
     # QK-norms are per head (head_dim wide): whole on every rank
     styles = {
-        **attention("transformer_blocks.*.attn1"),
-        **attention("transformer_blocks.*.attn2"),
-        **feed_forward("transformer_blocks.*.ff"),
+        **basic_transformer_block("transformer_blocks.*"),
         **{f"transformer_blocks.*.{norm}.{linear}": "rowwise_split_input"
            for norm in ("norm1", "norm2", "norm3") for linear in ("linear_1", "linear_2")},
         **mlp("time_embed.t_embedder"),

@@ -4,7 +4,7 @@ import torch
 
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, attention, feed_forward, image_inputs, mlp
+from paradiff.plans.common import Grid, adaln_single, basic_transformer_block, image_inputs, mlp
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("PixArtTransformer2DModel",)
@@ -12,12 +12,8 @@ MODEL_CLASSES = ("PixArtTransformer2DModel",)
 
 def tensor_parallel_plan(config) -> TensorParallelPlan:
     styles = {
-        **attention("transformer_blocks.*.attn1"),
-        **attention("transformer_blocks.*.attn2"),
-        **feed_forward("transformer_blocks.*.ff"),
-        # one AdaLN-single modulation (dim -> 6 dim) for all blocks, on the replicated timestep embedding
-        **mlp("adaln_single.emb.timestep_embedder"),
-        "adaln_single.linear": "rowwise_split_input",
+        **basic_transformer_block("transformer_blocks.*"),
+        **adaln_single(),
     }
     if config.caption_channels is not None:
         styles.update(mlp("caption_projection"))

@@ -6,7 +6,7 @@ import torch
 
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, attention, feed_forward, image_inputs, mlp
+from paradiff.plans.common import Grid, adaln_single, attention, feed_forward, image_inputs, mlp
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("Transformer2DModel",)
@@ -26,7 +26,7 @@ def tensor_parallel_plan(config) -> TensorParallelPlan:
         styles.update({**mlp(f"{blocks}.norm1.emb.timestep_embedder"), f"{blocks}.norm1.linear": "rowwise_split_input",
                        "proj_out_1": "rowwise_split_input"})
     elif config.norm_type == "ada_norm_single":
-        styles.update({**mlp("adaln_single.emb.timestep_embedder"), "adaln_single.linear": "rowwise_split_input"})
+        styles.update(adaln_single())
         if config.caption_channels is not None:
             styles.update(mlp("caption_projection"))
     return TensorParallelPlan(styles=styles)
@@ -40,11 +40,17 @@ def context_parallel_plan(config) -> ContextParallelPlan:
         local.append("transformer_blocks.*.attn2")  # attends to the replicated text
     if config.only_cross_attention:
         local.append("transformer_blocks.*.attn1")
+    return blocks_split(config.num_layers, tuple(local))
+
+
+def blocks_split(num_layers: int, local_attention: tuple[str, ...]) -> ContextParallelPlan:
+    """The tokens split at the first of `num_layers` transformer blocks with the self-attention key mask, gathered
+    after the last; the attentions named in `local_attention` attend to replicated inputs."""
     return ContextParallelPlan(
         split_inputs={"transformer_blocks.0": {"hidden_states": Split(1)},
                       "transformer_blocks.*": {"attention_mask": Split(-1)}},
-        gather_outputs={f"transformer_blocks.{config.num_layers - 1}": 1},
-        local_attention=tuple(local),
+        gather_outputs={f"transformer_blocks.{num_layers - 1}": 1},
+        local_attention=local_attention,
     )
 
 
