@@ -222,3 +222,23 @@ class CrossAttention:
             mask = mask.bool()[:, None, None, :]
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask)
         return m.proj(out.transpose(1, 2).reshape(batch, -1, width).type_as(query))
+
+
+class Fp32SoftmaxAttention:
+    """SanaWMSoftmaxAttention's kernel on SDPA in fp32 (diffusers casts its inputs to bf16): the examples' run, which
+    compares split runs to a single process's without bf16 steps (plans/sana_wm.py, run_example)."""
+
+    def __init__(self, module) -> None:
+        self.module = module
+
+    def __call__(self, query, key, value, rotary_emb=None, token_valid_mask=None):
+        from diffusers.models.transformers.transformer_sana_wm import _apply_rotary_emb
+
+        batch, tokens, heads, head_dim = query.shape
+        if rotary_emb is not None:  # (batch, heads, head_dim, tokens) is the layout the rotation takes
+            query, key = (_apply_rotary_emb(t.permute(0, 2, 3, 1), rotary_emb).permute(0, 3, 1, 2)
+                          for t in (query, key))
+        if token_valid_mask is not None:
+            query, key, value = (t * token_valid_mask.view(batch, tokens, 1, 1) for t in (query, key, value))
+        out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, key, value)))
+        return out.transpose(1, 2).reshape(batch, tokens, heads * head_dim).to(value.dtype)

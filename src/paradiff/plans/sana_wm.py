@@ -17,13 +17,12 @@ counts would restart its positions at 0. The camera branch (UCPE ray transforms)
 is refused under TP and CP. The ported attention is in models/sana_wm.py."""
 
 import torch
-import torch.nn.functional as F
 
 from paradiff.runtime.patches import wrap_forward
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedColwise, SplitParameter
-from paradiff.models.sana_wm import CAMERA_REFUSAL, CrossAttention, SelfAttention, WholeInputs
+from paradiff.models.sana_wm import CAMERA_REFUSAL, CrossAttention, Fp32SoftmaxAttention, SelfAttention, WholeInputs
 from paradiff.plans.common import Grid, mlp
 from paradiff.plans.family import Family
 
@@ -143,25 +142,8 @@ def run_example(model, inputs: dict):
 
     for module in model.modules():
         if isinstance(module, SanaWMSoftmaxAttention):
-            wrap_forward(module, _Fp32Softmax(module), by="example")
+            wrap_forward(module, Fp32SoftmaxAttention(module), by="example")
     return model(**inputs)
-
-
-class _Fp32Softmax:
-    def __init__(self, module) -> None:
-        self.module = module
-
-    def __call__(self, query, key, value, rotary_emb=None, token_valid_mask=None):
-        from diffusers.models.transformers.transformer_sana_wm import _apply_rotary_emb
-
-        batch, tokens, heads, head_dim = query.shape
-        if rotary_emb is not None:  # (batch, heads, head_dim, tokens) is the layout the rotation takes
-            query, key = (_apply_rotary_emb(t.permute(0, 2, 3, 1), rotary_emb).permute(0, 3, 1, 2)
-                          for t in (query, key))
-        if token_valid_mask is not None:
-            query, key, value = (t * token_valid_mask.view(batch, tokens, 1, 1) for t in (query, key, value))
-        out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, key, value)))
-        return out.transpose(1, 2).reshape(batch, tokens, heads * head_dim).to(value.dtype)
 
 
 FAMILY = Family.of(__name__)
