@@ -164,6 +164,17 @@ def test_a_rule_declares_its_style_completely():
         CfgRule("guidance_scale", 4.5, needs_negative_prompt=False, style="three_calls")
 
 
+def test_each_pipeline_has_one_spec_that_says_once_how_it_guides():
+    from paradiff.plans.pipelines import PIPELINES, CfgRule, PipelineSpec, _each, _table, pipeline_spec
+
+    rule = CfgRule("guidance_scale", 4.5, needs_negative_prompt=False)
+    with pytest.raises(ValueError, match="says how the pipeline guides once"):
+        PipelineSpec(cfg=rule, never_guides=True)
+    with pytest.raises(ValueError, match="FluxPipeline has two PipelineSpecs"):
+        _table(_each("FluxPipeline", cfg=rule), _each(("SanaPipeline", "FluxPipeline"), never_guides=True))
+    assert pipeline_spec("FluxPipeline") is PIPELINES["FluxPipeline"] and pipeline_spec(None) == PipelineSpec()
+
+
 def test_docs_table_is_generated_from_the_rules():
     from pathlib import Path
 

@@ -176,7 +176,7 @@ def test_valid_conditioning_reaches_the_launcher_and_the_call(tiny_pipeline_fold
 
 def test_a_pipeline_naming_the_input_otherwise_gets_it_under_its_keyword(tiny_pipeline_folders, tmp_path, pictures,
                                                                          no_worker):
-    # LTX's long multi-prompt I2V takes its image as cond_image= (plans/pipelines.py, CALL_KEYWORDS)
+    # LTX's long multi-prompt I2V takes its image as cond_image= (plans/pipelines.py, PipelineSpec.call_keywords)
     argv = ["generate", str(tiny_pipeline_folders["ltx"]), "--pipeline", "LTXI2VLongMultiPromptPipeline", "--image",
             pictures["image"], "--out", str(tmp_path / "out")]
     assert main(argv) == 0 and len(no_worker) == 1

@@ -42,7 +42,7 @@ def test_the_table_lists_the_modular_dit_classes_with_their_guidance():
     assert "StableDiffusionXLModularPipeline" not in record["classes"]
     assert modular["QwenImageModularPipeline"] == ["guider"] and modular["FluxModularPipeline"] == []
     assert cfg_style("QwenImageModularPipeline") == "its guider" and cfg_style("FluxModularPipeline") == "never guides"
-    assert cfg_style("Ideogram4ModularPipeline") == "not split yet"  # plans/pipelines.py: MODULAR_CFG_REFUSALS
+    assert cfg_style("Ideogram4ModularPipeline") == "not split yet"  # PipelineSpec.modular_cfg_refusal
     table = pipeline_coverage_table(markdown=True)
     assert "| `Krea2TurboModularPipeline` | never guides |" in table
     assert f"({len(modular)} of them Modular Diffusers pipelines)" in table

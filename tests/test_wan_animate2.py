@@ -27,7 +27,7 @@ def test_self_attention_equals_diffusers_flex_processor_in_both_passes():
 
 
 def test_the_denoising_step_reads_the_reference_and_the_padded_slots(monkeypatch):
-    from paradiff.plans import wan_animate2
+    from paradiff.models import wan_animate2
 
     model = examples.build_example("wan_animate2", "wan-animate2")
     inputs = examples.example_inputs("wan_animate2", "wan-animate2", model.config)

@@ -44,20 +44,21 @@ def write_doc_table() -> None:
 def not_applicable(key: str, mode: str) -> dict | None:
     """The outcome of a cfg mode on a pipeline that never guides ("n/a"), or on a recipe whose call does not guide
     though the pipeline can (a defect of the recipe: "failed"); None where the mode is to be run."""
-    from paradiff.plans.pipelines import CFG_RULES, MODULAR_CFG_REFUSALS, NEVER_GUIDES
+    from paradiff.plans.pipelines import pipeline_spec
     from paradiff_testkit import zoo
     from paradiff_testkit.zoo.check import CFG_MODES
 
     if mode not in CFG_MODES:
         return None
     name = zoo.pipeline_name(key)
+    spec = pipeline_spec(name)
     if zoo.is_modular(key):
-        if name not in MODULAR_CFG_REFUSALS and not zoo.modular_guiders(name):
+        if spec.modular_cfg_refusal is None and not zoo.modular_guiders(name):
             return {"status": "n/a", "reason": "never guides (no guider component: guidance-distilled)"}
         return None
-    if name in NEVER_GUIDES:
+    if spec.never_guides:
         return {"status": "n/a", "reason": "never guides (guidance-distilled: one transformer call a step)"}
-    rule = CFG_RULES.get(name)
+    rule = spec.cfg
     if rule is not None and not rule.runs_cfg(zoo.call_kwargs(key), SimpleNamespace(**zoo.recipe(key).init)):
         return {"status": "failed", "reason": f"the recipe's call does not guide (give it {rule.how()})"}
     return None

@@ -85,7 +85,7 @@ def guider_names(pipeline) -> list[str]:
 
 def install_guided_cfg(transformers: list[torch.nn.Module], group: dist.ProcessGroup) -> GuidedBranches:
     """CFG parallelism on a pipeline that guides through guider components (every modular pipeline, and the
-    standard ones of plans.pipelines.GUIDER_PIPELINES): every transformer's calls inside a guider step run as branches
+    standard ones whose PipelineSpec says `guider`): every transformer's calls inside a guider step run as branches
     of one GuidedBranches; the guiders are attached at each call (the user may have replaced them)."""
     branches = GuidedBranches(group=group, cfg_rank=dist.get_rank(group), cfg_degree=dist.get_world_size(group))
     for model in transformers:

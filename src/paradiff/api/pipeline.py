@@ -20,8 +20,7 @@ from paradiff.api.model import check_dtype
 from paradiff.api.quantization import pipeline_quantization
 from paradiff.io.folders import has_modular_index_only, read_pipeline_index, resolve_folder
 from paradiff.distributed.mesh import REPLICA_DIMS, default_device
-from paradiff.plans.pipelines import (CFG_RULES, GUIDER_PIPELINES, cfg_refusal, cp_refusal, modular_cfg_refusal,
-                                     not_dit_refusal)
+from paradiff.plans.pipelines import cfg_refusal, cp_refusal, modular_cfg_refusal, not_dit_refusal, pipeline_spec
 from paradiff.api.pipeline_components import _components_paradiff_loads, _load_components, transformer_names
 from paradiff.api.modular import (check_guided_call, fill_modular, guider_names, install_guided_cfg,
                                   is_modular_class, modular_skeleton, pretrained_names)
@@ -44,7 +43,7 @@ class ParallelPipelineMixin:
         if splitters and state.guided:
             check_guided_call(self, splitters[0], state.base_name)
         elif splitters:
-            rule = CFG_RULES[state.base_name]
+            rule = pipeline_spec(state.base_name).cfg
             refusal = rule.refusal(kwargs)
             if refusal is not None:
                 raise ParallelConfigError(f"CFG parallelism on {state.base_name}: {refusal}; use cfg_degree=1.")
@@ -229,7 +228,7 @@ def load_pipeline(
         base_name = pipeline_cls.__name__ if pipeline_cls is not None else str(pipeline_index.class_name)
     if parallel is not None and not_dit_refusal(base_name):
         raise ParallelConfigError(f"{not_dit_refusal(base_name)}.")
-    guided = modular or base_name in GUIDER_PIPELINES  # guidance through a guider component
+    guided = modular or pipeline_spec(base_name).guider  # guidance through a guider component
     if parallel is not None and parallel.cfg_degree > 1:
         _check_cfg_classified(base_name, parallel.cfg_degree,
                               modular=modular, has_guider=modular and bool(guider_names(skeleton)))
@@ -272,7 +271,7 @@ def load_pipeline(
             pipeline._paradiff_pipeline.cfgs = (install_guided_cfg(transformers, group),)
         else:
             pipeline._paradiff_pipeline.cfgs = tuple(
-                install_cfg_parallel(model, group, CFG_RULES[base.__name__]) for model in transformers)
+                install_cfg_parallel(model, group, pipeline_spec(base.__name__).cfg) for model in transformers)
     if parallel is not None:
         _install_latent_check(pipeline)
         if parallel_vae is not False and parallel.world_size // parallel.data_degree > 1:
@@ -337,8 +336,9 @@ def _check_cfg_classified(pipeline_name: str, degree: int, modular: bool = False
     refusal = modular_cfg_refusal(pipeline_name, has_guider) if modular else cfg_refusal(pipeline_name)
     if refusal is not None:
         raise ParallelConfigError(f"cfg_degree={degree}: {refusal}; use cfg_degree=1.")
-    if pipeline_name in CFG_RULES and CFG_RULES[pipeline_name].branches != degree:
-        branches = CFG_RULES[pipeline_name].branches
+    rule = pipeline_spec(pipeline_name).cfg
+    if rule is not None and rule.branches != degree:
+        branches = rule.branches
         raise ParallelConfigError(
             f"cfg_degree={degree}: {pipeline_name} runs {branches} guidance branches per step, one per cfg rank; use "
             f"cfg_degree={branches} (or cfg_degree=1).")

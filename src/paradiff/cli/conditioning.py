@@ -9,7 +9,7 @@ Each flag becomes the keyword diffusers' pipelines use for it, and only where th
 last frame of first-last-frame video: Wan 2.1 FLF2V, SkyReels-V2 I2V), --reference-image -> reference_images= (a
 list: Wan VACE), --strength -> strength=, --controlnet-scale -> controlnet_conditioning_scale= (how strongly a
 ControlNet's residuals are added); a pipeline that names one of them otherwise gets it under its own keyword
-(plans/pipelines.py, CALL_KEYWORDS).
+(plans/pipelines.py, PipelineSpec.call_keywords).
 """
 
 from __future__ import annotations
@@ -164,7 +164,8 @@ def requested_pipeline_class(args: argparse.Namespace) -> type | None:
 
 def conditioning_kwargs(args: argparse.Namespace) -> dict:
     """The pipeline call's conditioning arguments, read from the files (every rank reads the same ones), under the
-    keywords the pipeline class takes them by (plans/pipelines.py, CALL_KEYWORDS: e.g. --video -> control_video=)."""
+    keywords the pipeline class takes them by (its PipelineSpec's call_keywords, plans/pipelines.py: e.g. --video ->
+    control_video=)."""
     from PIL import Image
 
     from paradiff.plans.pipelines import call_keyword

@@ -49,13 +49,14 @@ def check_model_folder(args: argparse.Namespace) -> None:
     if args.cfg > 1 and index.modular:
         _check_modular_guides(args, pipeline_name, path)
     elif args.cfg > 1:
-        from paradiff.plans.pipelines import CFG_RULES, cfg_refusal
+        from paradiff.plans.pipelines import cfg_refusal, pipeline_spec
 
         refusal = cfg_refusal(pipeline_name)
         if refusal is not None:
             raise CliError(f"--cfg {args.cfg}: {label}: {refusal}. Use --cfg 1")
-        if pipeline_name in CFG_RULES:  # else guidance through a guider component: checked at the call
-            branches = CFG_RULES[pipeline_name].branches
+        rule = pipeline_spec(pipeline_name).cfg
+        if rule is not None:  # else guidance through a guider component: checked at the call
+            branches = rule.branches
             if args.cfg != branches:
                 raise CliError(f"--cfg {args.cfg}: {pipeline_name} runs {branches} guidance branches per step, one "
                                f"per cfg rank. Use --cfg {branches} or --cfg 1")
@@ -279,9 +280,9 @@ def _check_call_guides(args: argparse.Namespace, pipeline_name: str, index: dict
     """--cfg 2 splits the guidance branches: the call the options make must run them (the pipeline's CfgRule)."""
     from types import SimpleNamespace
 
-    from paradiff.plans.pipelines import CFG_RULES
+    from paradiff.plans.pipelines import pipeline_spec
 
-    rule = CFG_RULES[pipeline_name]
+    rule = pipeline_spec(pipeline_name).cfg
     options = {"guidance_scale": args.guidance_scale, "true_cfg_scale": args.true_cfg_scale,
                "negative_prompt": args.negative_prompt}
     call = {name: value for name, value in options.items() if value is not None}

@@ -5,12 +5,13 @@
 
 from __future__ import annotations
 
-from paradiff.plans.pipelines import BATCH, CFG_NOT_SPLIT, CFG_RULES, GUIDER_PIPELINES, NEVER_GUIDES
+from paradiff.plans.pipelines import BATCH, PIPELINES
 
 
 def cfg_rules_table() -> str:
     rows = ["| Pipeline | CFG style | Guides when | Batched transformer arguments |", "|---|---|---|---|"]
-    for name, rule in sorted(CFG_RULES.items()):
+    specs = sorted(PIPELINES.items())
+    for name, rule in ((name, spec.cfg) for name, spec in specs if spec.cfg is not None):
         if rule.style == BATCH:
             style = f"one call on [{', '.join(rule.batch_order)}]"
             dims = dict(rule.batch_dims)
@@ -27,13 +28,14 @@ def cfg_rules_table() -> str:
         if rule.disabled_by_config:
             when += f", not `{rule.disabled_by_config}`"
         rows.append(f"| `{name}` | {style} | {when} | {batched} |")
-    for name in sorted(GUIDER_PIPELINES):
+    for name in (name for name, spec in specs if spec.guider):
         rows.append(f"| `{name}` | its guider: one call per branch (2, or 3 with SkipLayerGuidance ...) | the guider "
                     "runs more than one branch | - |")
-    for name in sorted(NEVER_GUIDES):
+    for name in (name for name, spec in specs if spec.never_guides):
         rows.append(f"| `{name}` | never guides (guidance-distilled) | - | - |")
-    for name in sorted(CFG_NOT_SPLIT):
-        rows.append(f"| `{name}` | refused: {CFG_NOT_SPLIT[name]} | - | - |")
+    for name, spec in specs:
+        if spec.cfg_not_split is not None:
+            rows.append(f"| `{name}` | refused: {spec.cfg_not_split} | - | - |")
     return "\n".join(rows)
 
 

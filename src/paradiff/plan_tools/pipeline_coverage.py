@@ -10,8 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from paradiff.plans.pipelines import (BATCH, CFG_NOT_SPLIT, CFG_RULES, FAILS_IN_DIFFUSERS, GUIDER_PIPELINES,
-                                      MODULAR_CFG_REFUSALS, NEVER_GUIDES, not_dit_refusal)
+from paradiff.plans.pipelines import BATCH, not_dit_refusal, pipeline_spec
 
 VERIFIED = Path(__file__).parents[1] / "plans" / "pipelines_verified.json"
 MODES = ("tp2", "ulysses2", "ring2", "tp2xulysses2", "cfg2", "cfg2xtp2")
@@ -25,22 +24,21 @@ def load_verified() -> dict:
 def cfg_style(pipeline: str, modular: dict[str, list[str]] | None = None) -> str:
     """How the pipeline guides; `modular`: the record's modular classes and their guider components."""
     modular = load_verified().get("modular", {}) if modular is None else modular
-    if pipeline.partition("@")[0] in modular:
-        name = pipeline.partition("@")[0]
-        if name in MODULAR_CFG_REFUSALS:
+    name = pipeline.partition("@")[0]
+    spec = pipeline_spec(name)
+    if name in modular:
+        if spec.modular_cfg_refusal is not None:
             return "not split yet"
         return "its guider" if modular[name] else "never guides"
-    rule = CFG_RULES.get(pipeline.partition("@")[0])
-    if rule is not None:
-        return "batch" if rule.style == BATCH else "two calls"
-    name = pipeline.partition("@")[0]
-    if name in FAILS_IN_DIFFUSERS:
+    if spec.cfg is not None:
+        return "batch" if spec.cfg.style == BATCH else "two calls"
+    if spec.fails_in_diffusers is not None:
         return "fails in diffusers"
-    if name in GUIDER_PIPELINES:
+    if spec.guider:
         return "its guider"
-    if name in CFG_NOT_SPLIT:
+    if spec.cfg_not_split is not None:
         return "PAG (not split)" if "PAG" in name else "not split yet"
-    return "never guides" if name in NEVER_GUIDES else "not classified"
+    return "never guides" if spec.never_guides else "not classified"
 
 
 def fully_verified(entry: dict) -> bool:
@@ -73,8 +71,9 @@ def pipeline_coverage_table(markdown: bool = False) -> str:
         # the same reason for many pipelines is one note: the pipeline's own name reads "<pipeline>" there
         reason = outcome.get("reason", "").replace(name, "<pipeline>")
         label = {"refused": "refused", "mismatch": "FAIL", "failed": "FAIL"}[status]
-        if status == "failed" and name in FAILS_IN_DIFFUSERS and "single-process call failed" in reason:
-            label, reason = "fails in diffusers itself", FAILS_IN_DIFFUSERS[name]
+        fails_in_diffusers = pipeline_spec(name).fails_in_diffusers
+        if status == "failed" and fails_in_diffusers is not None and "single-process call failed" in reason:
+            label, reason = "fails in diffusers itself", fails_in_diffusers
         number = reasons.setdefault(reason, len(reasons) + 1)
         return f"{label} [{number}]"
 

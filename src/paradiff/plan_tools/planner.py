@@ -81,9 +81,9 @@ def read_model(model: str) -> ModelSource:
 
 def guidance_branches(pipeline_class: str | None, scale: float | None = None, negative_prompt: bool = False) -> int:
     """How many transformer calls per step the pipeline makes at this guidance scale (1 or its CFG branches)."""
-    from paradiff.plans.pipelines import CFG_RULES
+    from paradiff.plans.pipelines import pipeline_spec
 
-    rule = CFG_RULES.get(pipeline_class or "")
+    rule = pipeline_spec(pipeline_class).cfg
     if rule is None:
         return 1
     if (rule.default_scale if scale is None else scale) <= rule.threshold:

@@ -1,7 +1,8 @@
 """Built-in plans, one short module per model family, found by the model's class name.
 
-Every module in this package (and in `text_encoders/`) that ends with `FAMILY = Family(...)` is a family; `Family`
-(plans/family.py) is a frozen dataclass naming what the module declares, None where it declares nothing:
+Every module in this package (and in `text_encoders/`) that ends with `FAMILY = Family.of(__name__)` is a family;
+`Family` (plans/family.py) is a frozen dataclass of what the module declares under these names (the data ones in
+capitals: `MODEL_CLASSES`, `EXAMPLES`, `EXTRA_MODES`), None where it declares nothing:
 - `model_classes`: the diffusers / transformers class names it knows;
 - `tensor_parallel_plan(config) -> TensorParallelPlan` and `context_parallel_plan(config) -> ContextParallelPlan`
   (text-encoder families take `model_class=` too);
@@ -16,7 +17,7 @@ Every module in this package (and in `text_encoders/`) that ends with `FAMILY = 
   takes, and its outputs are compared;
 - `extra_modes`: {example name: modes beyond tp2 / ulysses2 / ring2 / tp2 x ulysses2, e.g. ("tp4",)} the test
   suite also runs (tests/rank_cases_families.py names the modes).
-The module-level functions stay where they are; the declaration only references them.
+The module-level declarations stay where they are; `Family.of` only collects them.
 """
 
 from __future__ import annotations

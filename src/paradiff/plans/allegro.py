@@ -4,7 +4,7 @@ import torch
 
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, attention, feed_forward, mlp
+from paradiff.plans.common import Grid, adaln_single, basic_transformer_block, mlp
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("AllegroTransformer3DModel",)
@@ -12,11 +12,8 @@ MODEL_CLASSES = ("AllegroTransformer3DModel",)
 
 def tensor_parallel_plan(config) -> TensorParallelPlan:
     return TensorParallelPlan(styles={
-        **attention("transformer_blocks.*.attn1"),
-        **attention("transformer_blocks.*.attn2"),
-        **feed_forward("transformer_blocks.*.ff"),
-        **mlp("adaln_single.emb.timestep_embedder"),
-        "adaln_single.linear": "rowwise_split_input",
+        **basic_transformer_block("transformer_blocks.*"),
+        **adaln_single(),
         **mlp("caption_projection"),
     })
 
@@ -65,11 +62,4 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
     )
 
 
-FAMILY = Family(
-    name="allegro",
-    model_classes=MODEL_CLASSES,
-    tensor_parallel_plan=tensor_parallel_plan,
-    context_parallel_plan=context_parallel_plan,
-    examples=EXAMPLES,
-    example_inputs=example_inputs,
-)
+FAMILY = Family.of(__name__)

@@ -5,7 +5,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.errors import PlanError
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, attention, joint_attention, mlp
+from paradiff.plans.common import Grid, attention, image_inputs, joint_attention, mlp, split_input
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("AuraFlowTransformer2DModel",)
@@ -21,14 +21,11 @@ def tensor_parallel_plan(config) -> TensorParallelPlan:
         **joint_attention("joint_transformer_blocks.*.attn"),
         **_feed_forward("joint_transformer_blocks.*.ff"),
         **_feed_forward("joint_transformer_blocks.*.ff_context"),
-        "joint_transformer_blocks.*.norm1.linear": "rowwise_split_input",
-        "joint_transformer_blocks.*.norm1_context.linear": "rowwise_split_input",
+        **split_input("joint_transformer_blocks.*.norm1.linear", "joint_transformer_blocks.*.norm1_context.linear",
+                      "single_transformer_blocks.*.norm1.linear", "context_embedder", "norm_out.linear"),
         **attention("single_transformer_blocks.*.attn"),
         **_feed_forward("single_transformer_blocks.*.ff"),
-        "single_transformer_blocks.*.norm1.linear": "rowwise_split_input",
         **mlp("time_step_proj"),
-        "context_embedder": "rowwise_split_input",
-        "norm_out.linear": "rowwise_split_input",
     })
 
 
@@ -54,20 +51,7 @@ EXAMPLES = {
 
 
 def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    p = config.patch_size
-    return dict(
-        hidden_states=torch.randn(batch, config.in_channels, grid.height * p, grid.width * p, generator=generator),
-        encoder_hidden_states=torch.randn(batch, grid.text, config.joint_attention_dim, generator=generator),
-        timestep=torch.rand(batch, generator=generator) * 1000,
-        return_dict=False,
-    )
+    return image_inputs(config, batch, grid, generator, config.joint_attention_dim)
 
 
-FAMILY = Family(
-    name="auraflow",
-    model_classes=MODEL_CLASSES,
-    tensor_parallel_plan=tensor_parallel_plan,
-    context_parallel_plan=context_parallel_plan,
-    examples=EXAMPLES,
-    example_inputs=example_inputs,
-)
+FAMILY = Family.of(__name__)

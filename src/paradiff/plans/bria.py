@@ -31,11 +31,4 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
     return flux_inputs(config, batch, grid, generator)
 
 
-FAMILY = Family(
-    name="bria",
-    model_classes=MODEL_CLASSES,
-    tensor_parallel_plan=tensor_parallel_plan,
-    context_parallel_plan=context_parallel_plan,
-    examples=EXAMPLES,
-    example_inputs=example_inputs,
-)
+FAMILY = Family.of(__name__)

@@ -5,7 +5,7 @@ import torch
 
 from paradiff.context_parallel.plan import ContextParallelPlan
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, mlp
+from paradiff.plans.common import Grid, mlp, split_input
 from paradiff.plans.flux import flux_blocks, flux_context_plan, flux_inputs
 from paradiff.plans.family import Family
 
@@ -17,8 +17,7 @@ def tensor_parallel_plan(config) -> TensorParallelPlan:
         **flux_blocks(modulation=False),
         # the approximator's residual MLPs (5 x hidden^2 at full size) and its output projection
         **mlp("distilled_guidance_layer.layers.*"),
-        "distilled_guidance_layer.out_proj": "rowwise_split_input",
-        "context_embedder": "rowwise_split_input",
+        **split_input("distilled_guidance_layer.out_proj", "context_embedder"),
     })
 
 
@@ -41,11 +40,4 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
     return {**inputs, "attention_mask": mask}
 
 
-FAMILY = Family(
-    name="chroma",
-    model_classes=MODEL_CLASSES,
-    tensor_parallel_plan=tensor_parallel_plan,
-    context_parallel_plan=context_parallel_plan,
-    examples=EXAMPLES,
-    example_inputs=example_inputs,
-)
+FAMILY = Family.of(__name__)

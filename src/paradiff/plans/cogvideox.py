@@ -4,7 +4,7 @@ import torch
 
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, attention, feed_forward, mlp
+from paradiff.plans.common import Grid, attention, feed_forward, mlp, split_input
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("CogVideoXTransformer3DModel",)
@@ -15,11 +15,9 @@ def tensor_parallel_plan(config) -> TensorParallelPlan:
     styles = {
         **attention("transformer_blocks.*.attn1"),
         **feed_forward("transformer_blocks.*.ff"),
-        "transformer_blocks.*.norm1.linear": "rowwise_split_input",
-        "transformer_blocks.*.norm2.linear": "rowwise_split_input",
+        **split_input("transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm2.linear", "patch_embed.text_proj",
+                      "norm_out.linear"),
         **mlp("time_embedding"),
-        "patch_embed.text_proj": "rowwise_split_input",
-        "norm_out.linear": "rowwise_split_input",
     }
     if getattr(config, "ofs_embed_dim", None):  # ConsisID reuses this plan and has no ofs
         styles.update(mlp("ofs_embedding"))
@@ -75,11 +73,4 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
     return inputs
 
 
-FAMILY = Family(
-    name="cogvideox",
-    model_classes=MODEL_CLASSES,
-    tensor_parallel_plan=tensor_parallel_plan,
-    context_parallel_plan=context_parallel_plan,
-    examples=EXAMPLES,
-    example_inputs=example_inputs,
-)
+FAMILY = Family.of(__name__)

@@ -4,7 +4,7 @@ import torch
 
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, attention, feed_forward, mlp
+from paradiff.plans.common import Grid, attention, feed_forward, image_inputs, mlp, split_input
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("CogView3PlusTransformer2DModel",)
@@ -15,11 +15,9 @@ def tensor_parallel_plan(config) -> TensorParallelPlan:
     return TensorParallelPlan(styles={
         **attention("transformer_blocks.*.attn1"),
         **feed_forward("transformer_blocks.*.ff"),
-        "transformer_blocks.*.norm1.linear": "rowwise_split_input",
-        "patch_embed.text_proj": "rowwise_split_input",
+        **split_input("transformer_blocks.*.norm1.linear", "patch_embed.text_proj", "norm_out.linear"),
         **mlp("time_condition_embed.timestep_embedder"),
         **mlp("time_condition_embed.condition_embedder"),
-        "norm_out.linear": "rowwise_split_input",
     })
 
 
@@ -38,22 +36,9 @@ EXAMPLES = {
 
 
 def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    p = config.patch_size
-    size = torch.tensor([[grid.height * p * 8.0, grid.width * p * 8.0]] * batch)
-    return dict(
-        hidden_states=torch.randn(batch, config.in_channels, grid.height * p, grid.width * p, generator=generator),
-        encoder_hidden_states=torch.randn(batch, grid.text, config.text_embed_dim, generator=generator),
-        timestep=torch.rand(batch, generator=generator) * 1000,
-        original_size=size, target_size=size, crop_coords=torch.zeros(batch, 2),
-        return_dict=False,
-    )
+    size = torch.tensor([[grid.height * config.patch_size * 8.0, grid.width * config.patch_size * 8.0]] * batch)
+    return image_inputs(config, batch, grid, generator, config.text_embed_dim, original_size=size, target_size=size,
+                        crop_coords=torch.zeros(batch, 2))
 
 
-FAMILY = Family(
-    name="cogview3plus",
-    model_classes=MODEL_CLASSES,
-    tensor_parallel_plan=tensor_parallel_plan,
-    context_parallel_plan=context_parallel_plan,
-    examples=EXAMPLES,
-    example_inputs=example_inputs,
-)
+FAMILY = Family.of(__name__)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from paradiff.tensor_parallel.styles import PackedColwise, Style
 
 
@@ -52,3 +54,33 @@ def feed_forward(prefix: str, gated: bool = False) -> dict[str, str | Style]:
 def mlp(prefix: str, first: str = "linear_1", second: str = "linear_2") -> dict[str, str]:
     """A two-layer MLP on a replicated input (timestep / text embedders): colwise in, rowwise out."""
     return {f"{prefix}.{first}": "colwise", f"{prefix}.{second}": "rowwise"}
+
+
+def basic_transformer_block(prefix: str, gated: bool = False) -> dict[str, str | Style]:
+    """diffusers' BasicTransformerBlock: self-attention `attn1`, cross-attention `attn2` and the feed-forward `ff`."""
+    return {**attention(f"{prefix}.attn1"), **attention(f"{prefix}.attn2"), **feed_forward(f"{prefix}.ff", gated)}
+
+
+def adaln_single() -> dict[str, str]:
+    """PixArt's AdaLN-single: one modulation (dim -> 6 dim) for all blocks, on the replicated timestep embedding."""
+    return {**mlp("adaln_single.emb.timestep_embedder"), "adaln_single.linear": "rowwise_split_input"}
+
+
+def split_input(*names: str) -> dict[str, str]:
+    """Linears on a replicated input whose output every rank needs whole (AdaLN modulations, embedding
+    projections): rowwise, each rank multiplying its slice of the input ("rowwise_split_input")."""
+    return dict.fromkeys(names, "rowwise_split_input")
+
+
+def image_inputs(config, batch: int, grid: Grid, generator: torch.Generator, text_width: int, flow: bool = False,
+                 **more) -> dict:
+    """An image DiT's example forward inputs: latents (batch, in_channels, `grid` patches of `config.patch_size`),
+    `grid.text` text tokens `text_width` wide and a timestep per sample, in [0, 1000) drawn after the text or, `flow`,
+    in [0, 1) drawn before it; then `more`."""
+    p = config.patch_size
+    latents = torch.randn(batch, config.in_channels, grid.height * p, grid.width * p, generator=generator)
+    timestep = torch.rand(batch, generator=generator) if flow else None
+    text = torch.randn(batch, grid.text, text_width, generator=generator)
+    if not flow:
+        timestep = torch.rand(batch, generator=generator) * 1000
+    return dict(hidden_states=latents, encoder_hidden_states=text, timestep=timestep, **more, return_dict=False)

@@ -4,7 +4,7 @@ import torch
 
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
-from paradiff.plans.common import Grid, attention, feed_forward, mlp
+from paradiff.plans.common import Grid, basic_transformer_block, mlp, split_input
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("CosmosTransformer3DModel",)
@@ -15,14 +15,11 @@ _PER_TOKEN = Split(1, ndim=3)  # per-frame timesteps give every token its own mo
 def tensor_parallel_plan(config) -> TensorParallelPlan:
     # QK-norms are per head (head_dim wide): whole on every rank
     styles = {
-        **attention("transformer_blocks.*.attn1"),
-        **attention("transformer_blocks.*.attn2"),
-        **feed_forward("transformer_blocks.*.ff"),
+        **basic_transformer_block("transformer_blocks.*"),
         **{f"transformer_blocks.*.{norm}.{linear}": "rowwise_split_input"
            for norm in ("norm1", "norm2", "norm3") for linear in ("linear_1", "linear_2")},
         **mlp("time_embed.t_embedder"),
-        "norm_out.linear_1": "rowwise_split_input",
-        "norm_out.linear_2": "rowwise_split_input",
+        **split_input("norm_out.linear_1", "norm_out.linear_2"),
     }
     head_attrs = DEFAULT_HEAD_ATTRS
     if config.img_context_dim_in:
@@ -98,11 +95,4 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
     return inputs
 
 
-FAMILY = Family(
-    name="cosmos",
-    model_classes=MODEL_CLASSES,
-    tensor_parallel_plan=tensor_parallel_plan,
-    context_parallel_plan=context_parallel_plan,
-    examples=EXAMPLES,
-    example_inputs=example_inputs,
-)
+FAMILY = Family.of(__name__)

@@ -4,7 +4,7 @@ import torch
 
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, attention, feed_forward, mlp
+from paradiff.plans.common import Grid, attention, feed_forward, mlp, split_input
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("DiTTransformer2DModel",)
@@ -16,8 +16,7 @@ def tensor_parallel_plan(config) -> TensorParallelPlan:
         **feed_forward("transformer_blocks.*.ff"),
         # every block embeds the timestep (and class label) itself, then modulates dim -> 6 dim
         **mlp("transformer_blocks.*.norm1.emb.timestep_embedder"),
-        "transformer_blocks.*.norm1.linear": "rowwise_split_input",
-        "proj_out_1": "rowwise_split_input",
+        **split_input("transformer_blocks.*.norm1.linear", "proj_out_1"),
     })
 
 
@@ -46,11 +45,4 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
     )
 
 
-FAMILY = Family(
-    name="dit",
-    model_classes=MODEL_CLASSES,
-    tensor_parallel_plan=tensor_parallel_plan,
-    context_parallel_plan=context_parallel_plan,
-    examples=EXAMPLES,
-    example_inputs=example_inputs,
-)
+FAMILY = Family.of(__name__)

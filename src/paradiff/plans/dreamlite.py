@@ -3,8 +3,9 @@ self-attention may be removed (`use_self_attention=False`), with cross-attention
 
 import torch
 
-from paradiff.context_parallel.plan import ContextParallelPlan, Split
+from paradiff.context_parallel.plan import ContextParallelPlan
 from paradiff.tensor_parallel.plan import TensorParallelPlan
+from paradiff.plans import transformer2d
 from paradiff.plans.common import Grid, attention, feed_forward
 from paradiff.plans.family import Family
 
@@ -29,12 +30,7 @@ def context_parallel_plan(config) -> ContextParallelPlan:
         local.append("transformer_blocks.*.attn2")  # attends to the replicated text
     if config.use_self_attention and config.only_cross_attention:
         local.append("transformer_blocks.*.attn1")
-    return ContextParallelPlan(
-        split_inputs={"transformer_blocks.0": {"hidden_states": Split(1)},
-                      "transformer_blocks.*": {"attention_mask": Split(-1)}},
-        gather_outputs={f"transformer_blocks.{config.num_layers - 1}": 1},
-        local_attention=tuple(local),
-    )
+    return transformer2d.blocks_split(config.num_layers, tuple(local))
 
 
 _BASE = dict(num_attention_heads=4, attention_head_dim=16, in_channels=16, num_layers=2, norm_num_groups=8,
@@ -63,11 +59,4 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
     return inputs
 
 
-FAMILY = Family(
-    name="dreamlite",
-    model_classes=MODEL_CLASSES,
-    tensor_parallel_plan=tensor_parallel_plan,
-    context_parallel_plan=context_parallel_plan,
-    examples=EXAMPLES,
-    example_inputs=example_inputs,
-)
+FAMILY = Family.of(__name__)

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import sys
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
+
+# The module-level names a plan module declares its family's fields by (`Family.of`): field -> name in the module.
+_DECLARED_AS = {"model_classes": "MODEL_CLASSES", "examples": "EXAMPLES", "extra_modes": "EXTRA_MODES"}
 
 
 @dataclass(frozen=True)
 class Family:
     """One model family: its classes, its plans and its tiny examples.
 
-    Each plan module ends with `FAMILY = Family(...)` naming its module-level functions; a field left None means
-    the family has no such thing (no context-parallel plan, no example hook)."""
+    Each plan module ends with `FAMILY = Family.of(__name__)`, which collects its module-level declarations by
+    their conventional names (`MODEL_CLASSES`, `tensor_parallel_plan`, `EXAMPLES`, `EXTRA_MODES`, ...: the field
+    names, the data ones in capitals); a field the module does not declare stays None or empty (no
+    context-parallel plan, no example hook)."""
 
     name: str  # the module's short name, e.g. "flux": what `paradiff check-plan flux:...` and test ids say
     model_classes: tuple[str, ...]
@@ -36,3 +42,16 @@ class Family:
     def plan(self, kind: str) -> Callable[..., Any] | None:
         """The `kind` ("tensor" or "context") plan function, or None."""
         return {"tensor": self.tensor_parallel_plan, "context": self.context_parallel_plan}[kind]
+
+    @classmethod
+    def of(cls, module_name: str) -> Family:
+        """The family the module `module_name` declares: called at its end, with every declaration made."""
+        namespace = vars(sys.modules[module_name])
+        declared = {}
+        for item in fields(cls):
+            if item.name == "name":
+                continue
+            value = namespace.get(_DECLARED_AS.get(item.name, item.name))
+            if value is not None:
+                declared[item.name] = value
+        return cls(name=module_name.rpartition(".")[2], **declared)

@@ -7,7 +7,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedColwise, PackedRowwise
-from paradiff.plans.common import Grid, joint_attention
+from paradiff.plans.common import Grid, joint_attention, split_input
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("FluxTransformer2DModel", "FluxControlNetModel")
@@ -35,9 +35,8 @@ def flux_blocks(gated: bool = False, modulation: bool = True) -> dict:
     }
     if modulation:  # AdaLN modulation (dim -> 6 dim) reads the replicated timestep embedding
         styles.update({
-            "transformer_blocks.*.norm1.linear": "rowwise_split_input",
-            "transformer_blocks.*.norm1_context.linear": "rowwise_split_input",
-            "single_transformer_blocks.*.norm.linear": "rowwise_split_input",
+            **split_input("transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm1_context.linear",
+                          "single_transformer_blocks.*.norm.linear"),
         })
     return styles
 
@@ -144,11 +143,4 @@ def flux_inputs(config, batch: int, grid: Grid, generator: torch.Generator) -> d
     return inputs
 
 
-FAMILY = Family(
-    name="flux",
-    model_classes=MODEL_CLASSES,
-    tensor_parallel_plan=tensor_parallel_plan,
-    context_parallel_plan=context_parallel_plan,
-    examples=EXAMPLES,
-    example_inputs=example_inputs,
-)
+FAMILY = Family.of(__name__)

@@ -5,7 +5,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedColwise, PackedRowwise
-from paradiff.plans.common import Grid, joint_attention
+from paradiff.plans.common import Grid, joint_attention, split_input
 from paradiff.plans.flux import flux_inputs
 from paradiff.plans.family import Family
 
@@ -32,12 +32,10 @@ def tensor_parallel_plan(config) -> TensorParallelPlan:
         "single_transformer_blocks.*.attn.to_out": PackedRowwise(lambda c: list(_widths(c))),
         # shared AdaLN modulation (dim -> 6 dim / 3 dim) and the large text projection: replicated inputs
         "double_stream_modulation_img.linear": "rowwise_split_input",
-        "double_stream_modulation_txt.linear": "rowwise_split_input",
-        "single_stream_modulation.linear": "rowwise_split_input",
-        "context_embedder": "rowwise_split_input",
+        **split_input("double_stream_modulation_txt.linear", "single_stream_modulation.linear", "context_embedder",
+                      "norm_out.linear"),
         "time_guidance_embed.timestep_embedder.linear_1": "colwise",
         "time_guidance_embed.timestep_embedder.linear_2": "rowwise",
-        "norm_out.linear": "rowwise_split_input",
     }
     if config.guidance_embeds:
         styles["time_guidance_embed.guidance_embedder.linear_1"] = "colwise"
@@ -74,11 +72,4 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
     return {**flux_inputs(config, batch, grid, generator), "guidance": torch.full((batch,), 3.5)}
 
 
-FAMILY = Family(
-    name="flux2",
-    model_classes=MODEL_CLASSES,
-    tensor_parallel_plan=tensor_parallel_plan,
-    context_parallel_plan=context_parallel_plan,
-    examples=EXAMPLES,
-    example_inputs=example_inputs,
-)
+FAMILY = Family.of(__name__)

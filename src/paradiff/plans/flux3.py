@@ -6,7 +6,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedColwise
-from paradiff.plans.common import Grid, attention
+from paradiff.plans.common import Grid, attention, split_input
 from paradiff.plans.flux import flux_inputs
 from paradiff.plans.family import Family
 
@@ -28,10 +28,9 @@ def tensor_parallel_plan(config) -> TensorParallelPlan:
         styles[f"early_stream_modulations.{mode}.linear"] = "rowwise_split_input"
         styles[f"single_stream_modulations.{mode}.linear"] = "rowwise_split_input"
     styles.update({
-        "context_embedder": "rowwise_split_input",
+        **split_input("context_embedder", "norm_out.linear"),
         "timestep_embedder.linear_1": "colwise",
         "timestep_embedder.linear_2": "rowwise",
-        "norm_out.linear": "rowwise_split_input",
     })
     if config.flow_map:
         styles["target_timestep_embedder.linear_1"] = "colwise"
@@ -84,11 +83,4 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
     return inputs
 
 
-FAMILY = Family(
-    name="flux3",
-    model_classes=MODEL_CLASSES,
-    tensor_parallel_plan=tensor_parallel_plan,
-    context_parallel_plan=context_parallel_plan,
-    examples=EXAMPLES,
-    example_inputs=example_inputs,
-)
+FAMILY = Family.of(__name__)

@@ -7,7 +7,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Count, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedRowwise
-from paradiff.plans.common import Grid, attention, feed_forward, joint_attention, mlp
+from paradiff.plans.common import Grid, attention, feed_forward, joint_attention, mlp, split_input
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("HunyuanVideoTransformer3DModel",)
@@ -30,15 +30,14 @@ def block_styles() -> dict:
         **joint_attention("transformer_blocks.*.attn"),
         **feed_forward("transformer_blocks.*.ff"),
         **feed_forward("transformer_blocks.*.ff_context"),
-        "transformer_blocks.*.norm1.linear": "rowwise_split_input",
-        "transformer_blocks.*.norm1_context.linear": "rowwise_split_input",
+        **split_input("transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm1_context.linear",
+                      "single_transformer_blocks.*.norm.linear"),
         "single_transformer_blocks.*.attn.to_q": "colwise",
         "single_transformer_blocks.*.attn.to_k": "colwise",
         "single_transformer_blocks.*.attn.to_v": "colwise",
         "single_transformer_blocks.*.proj_mlp": "colwise",
         # proj_out reads [attention output, MLP activation]
         "single_transformer_blocks.*.proj_out": PackedRowwise(_single_out_blocks),
-        "single_transformer_blocks.*.norm.linear": "rowwise_split_input",
     }
 
 
@@ -120,11 +119,4 @@ def text_mask(batch: int, tokens: int) -> torch.Tensor:
     return mask
 
 
-FAMILY = Family(
-    name="hunyuan_video",
-    model_classes=MODEL_CLASSES,
-    tensor_parallel_plan=tensor_parallel_plan,
-    context_parallel_plan=context_parallel_plan,
-    examples=EXAMPLES,
-    example_inputs=example_inputs,
-)
+FAMILY = Family.of(__name__)

@@ -6,7 +6,7 @@ import torch
 
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, feed_forward, joint_attention, mlp
+from paradiff.plans.common import Grid, feed_forward, joint_attention, mlp, split_input
 from paradiff.plans.hunyuan_video import REFINER_ATTENTION, refiner_styles, text_mask
 from paradiff.plans.family import Family
 
@@ -18,14 +18,13 @@ def tensor_parallel_plan(config) -> TensorParallelPlan:
         **joint_attention("transformer_blocks.*.attn"),
         **feed_forward("transformer_blocks.*.ff"),
         **feed_forward("transformer_blocks.*.ff_context"),
-        "transformer_blocks.*.norm1.linear": "rowwise_split_input",
-        "transformer_blocks.*.norm1_context.linear": "rowwise_split_input",
+        **split_input("transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm1_context.linear",
+                      "norm_out.linear"),
         **refiner_styles("context_embedder"),
         **mlp("context_embedder_2"),  # ByT5 projection: its first two layers (its third stays whole)
         **mlp("image_embedder"),
         **mlp("time_embed.timestep_embedder"),
         **(mlp("time_embed.timestep_embedder_r") if config.use_meanflow else {}),
-        "norm_out.linear": "rowwise_split_input",
     })
 
 
@@ -75,11 +74,4 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
     return inputs
 
 
-FAMILY = Family(
-    name="hunyuan_video15",
-    model_classes=MODEL_CLASSES,
-    tensor_parallel_plan=tensor_parallel_plan,
-    context_parallel_plan=context_parallel_plan,
-    examples=EXAMPLES,
-    example_inputs=example_inputs,
-)
+FAMILY = Family.of(__name__)

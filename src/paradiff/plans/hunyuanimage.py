@@ -5,7 +5,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedRowwise
-from paradiff.plans.common import Grid, attention, feed_forward, joint_attention, mlp
+from paradiff.plans.common import Grid, attention, feed_forward, joint_attention, mlp, split_input
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("HunyuanImageTransformer2DModel",)
@@ -22,24 +22,21 @@ def tensor_parallel_plan(config) -> TensorParallelPlan:
         **joint_attention("transformer_blocks.*.attn"),
         **feed_forward("transformer_blocks.*.ff"),
         **feed_forward("transformer_blocks.*.ff_context"),
-        "transformer_blocks.*.norm1.linear": "rowwise_split_input",
-        "transformer_blocks.*.norm1_context.linear": "rowwise_split_input",
+        **split_input("transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm1_context.linear",
+                      "single_transformer_blocks.*.norm.linear", "context_embedder.proj_in", "norm_out.linear"),
         # single-stream blocks: attention without an output projection; proj_out reads [attention, MLP]
         "single_transformer_blocks.*.attn.to_q": "colwise",
         "single_transformer_blocks.*.attn.to_k": "colwise",
         "single_transformer_blocks.*.attn.to_v": "colwise",
         "single_transformer_blocks.*.proj_mlp": "colwise",
         "single_transformer_blocks.*.proj_out": PackedRowwise(_single_out_blocks),
-        "single_transformer_blocks.*.norm.linear": "rowwise_split_input",
         # the text token refiner
         **attention(f"{REFINER}.*.attn"),
         **feed_forward(f"{REFINER}.*.ff"),
         f"{REFINER}.*.norm_out.linear": "rowwise_split_input",
-        "context_embedder.proj_in": "rowwise_split_input",
         **mlp("context_embedder.time_text_embed.timestep_embedder"),
         **mlp("context_embedder.time_text_embed.text_embedder"),
         **mlp("time_guidance_embed.timestep_embedder"),
-        "norm_out.linear": "rowwise_split_input",
     })
 
 
@@ -84,11 +81,4 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
     )
 
 
-FAMILY = Family(
-    name="hunyuanimage",
-    model_classes=MODEL_CLASSES,
-    tensor_parallel_plan=tensor_parallel_plan,
-    context_parallel_plan=context_parallel_plan,
-    examples=EXAMPLES,
-    example_inputs=example_inputs,
-)
+FAMILY = Family.of(__name__)

@@ -5,7 +5,7 @@ import torch
 
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
-from paradiff.plans.common import Grid
+from paradiff.plans.common import Grid, split_input
 from paradiff.plans.family import Family
 
 
@@ -23,10 +23,9 @@ def tensor_parallel_plan(config) -> TensorParallelPlan:
         **_attention("visual_transformer_blocks.*.self_attention"),
         **_attention("visual_transformer_blocks.*.cross_attention"),
         "time_embeddings.in_layer": "colwise", "time_embeddings.out_layer": "rowwise",
-        "text_embeddings.in_layer": "rowwise_split_input",
+        **split_input("text_embeddings.in_layer", "visual_transformer_blocks.*.visual_modulation.out_layer"),
         # per-block modulation: time_dim -> 6 or 9 x model_dim on the replicated time embedding
         "text_transformer_blocks.*.text_modulation.out_layer": "rowwise_split_input",
-        "visual_transformer_blocks.*.visual_modulation.out_layer": "rowwise_split_input",
     }
     for stack in ("text_transformer_blocks", "visual_transformer_blocks"):
         styles.update({f"{stack}.*.feed_forward.in_layer": "colwise", f"{stack}.*.feed_forward.out_layer": "rowwise"})
@@ -69,11 +68,4 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
     )
 
 
-FAMILY = Family(
-    name="kandinsky5",
-    model_classes=MODEL_CLASSES,
-    tensor_parallel_plan=tensor_parallel_plan,
-    context_parallel_plan=context_parallel_plan,
-    examples=EXAMPLES,
-    example_inputs=example_inputs,
-)
+FAMILY = Family.of(__name__)

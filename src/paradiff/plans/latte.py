@@ -4,7 +4,7 @@ import torch
 
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, attention, feed_forward, mlp
+from paradiff.plans.common import Grid, adaln_single, attention, basic_transformer_block, feed_forward, mlp
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("LatteTransformer3DModel",)
@@ -13,13 +13,10 @@ MODEL_CLASSES = ("LatteTransformer3DModel",)
 def tensor_parallel_plan(config) -> TensorParallelPlan:
     gated = config.activation_fn in ("geglu", "geglu-approximate", "swiglu")
     return TensorParallelPlan(styles={
-        **attention("transformer_blocks.*.attn1"),
-        **attention("transformer_blocks.*.attn2"),
-        **feed_forward("transformer_blocks.*.ff", gated=gated),
+        **basic_transformer_block("transformer_blocks.*", gated=gated),
         **attention("temporal_transformer_blocks.*.attn1"),
         **feed_forward("temporal_transformer_blocks.*.ff", gated=gated),
-        **mlp("adaln_single.emb.timestep_embedder"),
-        "adaln_single.linear": "rowwise_split_input",
+        **adaln_single(),
         **mlp("caption_projection"),
     })
 
@@ -58,11 +55,4 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
     )
 
 
-FAMILY = Family(
-    name="latte",
-    model_classes=MODEL_CLASSES,
-    tensor_parallel_plan=tensor_parallel_plan,
-    context_parallel_plan=context_parallel_plan,
-    examples=EXAMPLES,
-    example_inputs=example_inputs,
-)
+FAMILY = Family.of(__name__)

@@ -10,7 +10,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import ColwiseHeads
-from paradiff.plans.common import Grid
+from paradiff.plans.common import Grid, image_inputs, split_input
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("Lumina2Transformer2DModel",)
@@ -39,8 +39,7 @@ def tensor_parallel_plan(config) -> TensorParallelPlan:
     styles.update({
         "time_caption_embed.timestep_embedder.linear_1": "colwise",
         "time_caption_embed.timestep_embedder.linear_2": "rowwise",
-        "time_caption_embed.caption_embedder.1": "rowwise_split_input",
-        "norm_out.linear_1": "rowwise_split_input",
+        **split_input("time_caption_embed.caption_embedder.1", "norm_out.linear_1"),
     })
     return TensorParallelPlan(styles=styles)
 
@@ -70,24 +69,10 @@ EXTRA_MODES = {"lumina2": ("tp4",)}
 
 
 def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    p = config.patch_size
     text_mask = torch.ones(batch, grid.text, dtype=torch.bool)
     text_mask[-1, grid.text - 3:] = False  # the last caption is padded
-    return dict(
-        hidden_states=torch.randn(batch, config.in_channels, grid.height * p, grid.width * p, generator=generator),
-        timestep=torch.rand(batch, generator=generator),
-        encoder_hidden_states=torch.randn(batch, grid.text, config.cap_feat_dim, generator=generator),
-        encoder_attention_mask=text_mask,
-        return_dict=False,
-    )
+    return image_inputs(config, batch, grid, generator, config.cap_feat_dim, flow=True,
+                        encoder_attention_mask=text_mask)
 
 
-FAMILY = Family(
-    name="lumina2",
-    model_classes=MODEL_CLASSES,
-    tensor_parallel_plan=tensor_parallel_plan,
-    context_parallel_plan=context_parallel_plan,
-    examples=EXAMPLES,
-    example_inputs=example_inputs,
-    extra_modes=EXTRA_MODES,
-)
+FAMILY = Family.of(__name__)

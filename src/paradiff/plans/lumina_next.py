@@ -10,7 +10,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import ColwiseHeads, HeadNorm, SplitParameter
-from paradiff.plans.common import Grid
+from paradiff.plans.common import Grid, image_inputs, split_input
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("LuminaNextDiT2DModel",)
@@ -27,11 +27,9 @@ def tensor_parallel_plan(config) -> TensorParallelPlan:
         "layers.*.feed_forward.linear_1": "colwise",
         "layers.*.feed_forward.linear_3": "colwise",
         "layers.*.feed_forward.linear_2": "rowwise",
-        "layers.*.norm1.linear": "rowwise_split_input",
+        **split_input("layers.*.norm1.linear", "time_caption_embed.caption_embedder.1", "norm_out.linear_1"),
         "time_caption_embed.timestep_embedder.linear_1": "colwise",
         "time_caption_embed.timestep_embedder.linear_2": "rowwise",
-        "time_caption_embed.caption_embedder.1": "rowwise_split_input",
-        "norm_out.linear_1": "rowwise_split_input",
     }
     for attn in ("attn1", "attn2"):
         styles.update({
@@ -72,26 +70,12 @@ EXTRA_MODES = {"lumina-next": ("tp4",)}
 def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
     from diffusers.models.embeddings import get_2d_rotary_pos_embed_lumina
 
-    p = config.patch_size
     text_mask = torch.ones(batch, grid.text, dtype=torch.long)
     text_mask[-1, grid.text - 3:] = 0  # the last caption is padded
-    return dict(
-        hidden_states=torch.randn(batch, config.in_channels, grid.height * p, grid.width * p, generator=generator),
-        timestep=torch.rand(batch, generator=generator),
-        encoder_hidden_states=torch.randn(batch, grid.text, config.cross_attention_dim, generator=generator),
-        encoder_mask=text_mask,
+    return image_inputs(
+        config, batch, grid, generator, config.cross_attention_dim, flow=True, encoder_mask=text_mask,
         image_rotary_emb=get_2d_rotary_pos_embed_lumina(config.hidden_size // config.num_attention_heads, 16, 16),
-        cross_attention_kwargs={},
-        return_dict=False,
-    )
+        cross_attention_kwargs={})
 
 
-FAMILY = Family(
-    name="lumina_next",
-    model_classes=MODEL_CLASSES,
-    tensor_parallel_plan=tensor_parallel_plan,
-    context_parallel_plan=context_parallel_plan,
-    examples=EXAMPLES,
-    example_inputs=example_inputs,
-    extra_modes=EXTRA_MODES,
-)
+FAMILY = Family.of(__name__)

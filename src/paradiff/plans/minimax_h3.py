@@ -5,7 +5,7 @@ import torch
 
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, attention, feed_forward, mlp
+from paradiff.plans.common import Grid, attention, feed_forward, mlp, split_input
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("MiniMaxH3Transformer3DModel",)
@@ -16,12 +16,10 @@ def tensor_parallel_plan(config) -> TensorParallelPlan:
     return TensorParallelPlan(styles={
         **attention("transformer_blocks.*.attn"),
         **feed_forward("transformer_blocks.*.ff", gated=True),
-        "transformer_blocks.*.adaln_proj.linear": "rowwise_split_input",
+        **split_input("transformer_blocks.*.adaln_proj.linear", "context_embedder", "norm_out.linear"),
         **attention("token_refiner.refiner_blocks.*.attn"),
         **feed_forward("token_refiner.refiner_blocks.*.ff", gated=True),
         **mlp("time_embedder"),
-        "context_embedder": "rowwise_split_input",
-        "norm_out.linear": "rowwise_split_input",
     })
 
 
@@ -77,11 +75,4 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
     )
 
 
-FAMILY = Family(
-    name="minimax_h3",
-    model_classes=MODEL_CLASSES,
-    tensor_parallel_plan=tensor_parallel_plan,
-    context_parallel_plan=context_parallel_plan,
-    examples=EXAMPLES,
-    example_inputs=example_inputs,
-)
+FAMILY = Family.of(__name__)

@@ -4,7 +4,7 @@ import torch
 
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, feed_forward, mlp
+from paradiff.plans.common import Grid, feed_forward, mlp, split_input
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("MochiTransformer3DModel",)
@@ -20,10 +20,8 @@ def tensor_parallel_plan(config) -> TensorParallelPlan:
         "transformer_blocks.*.attn1.add_v_proj": "colwise",
         "transformer_blocks.*.attn1.to_out.0": "rowwise",
         **feed_forward("transformer_blocks.*.ff", gated=True),
-        "transformer_blocks.*.norm1.linear": "rowwise_split_input",
+        **split_input("transformer_blocks.*.norm1.linear", "time_embed.caption_proj", "norm_out.linear"),
         **mlp("time_embed.timestep_embedder"),
-        "time_embed.caption_proj": "rowwise_split_input",
-        "norm_out.linear": "rowwise_split_input",
     }
     # the last block only reads the text (context_pre_only): no text output projection or feed-forward
     for block in range(config.num_layers - 1):
@@ -71,11 +69,4 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
     )
 
 
-FAMILY = Family(
-    name="mochi",
-    model_classes=MODEL_CLASSES,
-    tensor_parallel_plan=tensor_parallel_plan,
-    context_parallel_plan=context_parallel_plan,
-    examples=EXAMPLES,
-    example_inputs=example_inputs,
-)
+FAMILY = Family.of(__name__)

@@ -6,7 +6,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Count, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedRowwise
-from paradiff.plans.common import Grid, attention, feed_forward, mlp
+from paradiff.plans.common import Grid, attention, feed_forward, mlp, split_input
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("MotifVideoTransformer3DModel",)
@@ -32,15 +32,13 @@ def tensor_parallel_plan(config) -> TensorParallelPlan:
         "transformer_blocks.*.attn.to_add_out": "rowwise",
         **feed_forward("transformer_blocks.*.ff"),
         **feed_forward("transformer_blocks.*.ff_context"),
-        "transformer_blocks.*.norm1.linear": "rowwise_split_input",
-        "transformer_blocks.*.norm1_context.linear": "rowwise_split_input",
+        **split_input("transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm1_context.linear",
+                      "single_transformer_blocks.*.norm.linear", "norm_out.linear"),
         **{f"single_transformer_blocks.*.attn.to_{x}": "colwise" for x in "qkv"},
         "single_transformer_blocks.*.proj_mlp": "colwise",
         "single_transformer_blocks.*.proj_out": PackedRowwise(_single_out_blocks),
-        "single_transformer_blocks.*.norm.linear": "rowwise_split_input",
         **mlp("context_embedder"),
         **mlp("time_text_embed.timestep_embedder"),
-        "norm_out.linear": "rowwise_split_input",
     }
     if config.image_embed_dim is not None:
         styles.update(mlp("image_embedder"))
@@ -111,11 +109,4 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
     return inputs
 
 
-FAMILY = Family(
-    name="motif_video",
-    model_classes=MODEL_CLASSES,
-    tensor_parallel_plan=tensor_parallel_plan,
-    context_parallel_plan=context_parallel_plan,
-    examples=EXAMPLES,
-    example_inputs=example_inputs,
-)
+FAMILY = Family.of(__name__)

@@ -12,7 +12,7 @@ from paradiff.context_parallel.experts import ExpertChoice
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import AttentionHeads, TensorParallelPlan
 from paradiff.tensor_parallel.styles import ColwiseHeads, SplitParameter
-from paradiff.plans.common import Grid, feed_forward, mlp
+from paradiff.plans.common import Grid, feed_forward, mlp, split_input
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("NucleusMoEImageTransformer2DModel",)
@@ -39,9 +39,8 @@ def tensor_parallel_plan(config) -> TensorParallelPlan:
         f"{attn}.to_out.0": "rowwise",
         # per-block text projection and modulation, on replicated inputs
         "transformer_blocks.*.encoder_proj": "rowwise_split_input",
-        "transformer_blocks.*.img_mod.1": "rowwise_split_input",
+        **split_input("transformer_blocks.*.img_mod.1", "norm_out.linear"),
         **mlp("time_text_embed.timestep_embedder"),
-        "norm_out.linear": "rowwise_split_input",
     }
     moe = moe_blocks(config)
     for index in range(config.num_layers):
@@ -110,13 +109,4 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
     )
 
 
-FAMILY = Family(
-    name="nucleusmoe",
-    model_classes=MODEL_CLASSES,
-    tensor_parallel_plan=tensor_parallel_plan,
-    context_parallel_plan=context_parallel_plan,
-    examples=EXAMPLES,
-    example_inputs=example_inputs,
-    init_example=init_example,
-    extra_modes=EXTRA_MODES,
-)
+FAMILY = Family.of(__name__)

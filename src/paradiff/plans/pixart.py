@@ -4,7 +4,7 @@ import torch
 
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, attention, feed_forward, mlp
+from paradiff.plans.common import Grid, adaln_single, basic_transformer_block, image_inputs, mlp
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("PixArtTransformer2DModel",)
@@ -12,12 +12,8 @@ MODEL_CLASSES = ("PixArtTransformer2DModel",)
 
 def tensor_parallel_plan(config) -> TensorParallelPlan:
     styles = {
-        **attention("transformer_blocks.*.attn1"),
-        **attention("transformer_blocks.*.attn2"),
-        **feed_forward("transformer_blocks.*.ff"),
-        # one AdaLN-single modulation (dim -> 6 dim) for all blocks, on the replicated timestep embedding
-        **mlp("adaln_single.emb.timestep_embedder"),
-        "adaln_single.linear": "rowwise_split_input",
+        **basic_transformer_block("transformer_blocks.*"),
+        **adaln_single(),
     }
     if config.caption_channels is not None:
         styles.update(mlp("caption_projection"))
@@ -41,24 +37,10 @@ EXAMPLES = {
 
 
 def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    p = config.patch_size
     text_mask = torch.ones(batch, grid.text, dtype=torch.long)
     text_mask[-1, grid.text // 2:] = 0  # the last caption is padded
-    return dict(
-        hidden_states=torch.randn(batch, config.in_channels, grid.height * p, grid.width * p, generator=generator),
-        encoder_hidden_states=torch.randn(batch, grid.text, config.caption_channels, generator=generator),
-        encoder_attention_mask=text_mask,
-        timestep=torch.rand(batch, generator=generator) * 1000,
-        added_cond_kwargs={"resolution": None, "aspect_ratio": None},
-        return_dict=False,
-    )
+    return image_inputs(config, batch, grid, generator, config.caption_channels, encoder_attention_mask=text_mask,
+                        added_cond_kwargs={"resolution": None, "aspect_ratio": None})
 
 
-FAMILY = Family(
-    name="pixart",
-    model_classes=MODEL_CLASSES,
-    tensor_parallel_plan=tensor_parallel_plan,
-    context_parallel_plan=context_parallel_plan,
-    examples=EXAMPLES,
-    example_inputs=example_inputs,
-)
+FAMILY = Family.of(__name__)

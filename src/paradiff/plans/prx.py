@@ -10,7 +10,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedColwise
-from paradiff.plans.common import Grid, mlp
+from paradiff.plans.common import Grid, image_inputs, mlp, split_input
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("PRXTransformer2DModel",)
@@ -24,10 +24,8 @@ def tensor_parallel_plan(config) -> TensorParallelPlan:
         "blocks.*.gate_proj": "colwise",
         "blocks.*.up_proj": "colwise",
         "blocks.*.down_proj": "rowwise",
-        "blocks.*.modulation.lin": "rowwise_split_input",
-        "txt_in": "rowwise_split_input",
+        **split_input("blocks.*.modulation.lin", "txt_in", "final_layer.adaLN_modulation.1"),
         **mlp("time_in", "in_layer", "out_layer"),
-        "final_layer.adaLN_modulation.1": "rowwise_split_input",
     }
     if config.resolution_embeds:
         styles.update(mlp("resolution_embedder.mlp", "in_layer", "out_layer"))
@@ -56,23 +54,9 @@ EXAMPLES = {
 
 
 def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    p = config.patch_size
     text_mask = torch.ones(batch, grid.text, dtype=torch.bool)
     text_mask[-1, grid.text - 3:] = False  # the last prompt is padded
-    return dict(
-        hidden_states=torch.randn(batch, config.in_channels, grid.height * p, grid.width * p, generator=generator),
-        timestep=torch.rand(batch, generator=generator),
-        encoder_hidden_states=torch.randn(batch, grid.text, config.context_in_dim, generator=generator),
-        attention_mask=text_mask,
-        return_dict=False,
-    )
+    return image_inputs(config, batch, grid, generator, config.context_in_dim, flow=True, attention_mask=text_mask)
 
 
-FAMILY = Family(
-    name="prx",
-    model_classes=MODEL_CLASSES,
-    tensor_parallel_plan=tensor_parallel_plan,
-    context_parallel_plan=context_parallel_plan,
-    examples=EXAMPLES,
-    example_inputs=example_inputs,
-)
+FAMILY = Family.of(__name__)

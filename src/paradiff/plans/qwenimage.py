@@ -6,7 +6,7 @@ import torch
 
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, joint_attention
+from paradiff.plans.common import Grid, joint_attention, split_input
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("QwenImageTransformer2DModel", "QwenImageControlNetModel")
@@ -22,8 +22,7 @@ def tensor_parallel_plan(config, model_class: str = "QwenImageTransformer2DModel
         "transformer_blocks.*.txt_mlp.net.2": "rowwise",
         # per-block AdaLN modulation, dim -> 6 dim: the largest replicated weights of the model
         "transformer_blocks.*.img_mod.1": "rowwise_split_input",
-        "transformer_blocks.*.txt_mod.1": "rowwise_split_input",
-        "txt_in": "rowwise_split_input",
+        **split_input("transformer_blocks.*.txt_mod.1", "txt_in"),
         "time_text_embed.timestep_embedder.linear_1": "colwise",
         "time_text_embed.timestep_embedder.linear_2": "rowwise",
     }
@@ -78,11 +77,4 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
     return inputs
 
 
-FAMILY = Family(
-    name="qwenimage",
-    model_classes=MODEL_CLASSES,
-    tensor_parallel_plan=tensor_parallel_plan,
-    context_parallel_plan=context_parallel_plan,
-    examples=EXAMPLES,
-    example_inputs=example_inputs,
-)
+FAMILY = Family.of(__name__)

@@ -7,7 +7,7 @@ import torch
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.errors import PlanError
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, attention, feed_forward, joint_attention, mlp
+from paradiff.plans.common import Grid, attention, feed_forward, joint_attention, mlp, split_input
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("SD3Transformer2DModel", "SD3ControlNetModel")
@@ -23,11 +23,10 @@ def tensor_parallel_plan(config, model_class: str = "SD3Transformer2DModel") -> 
     styles = {
         **joint_attention("transformer_blocks.*.attn"),
         **feed_forward("transformer_blocks.*.ff"),
-        "transformer_blocks.*.norm1.linear": "rowwise_split_input",
-        "transformer_blocks.*.norm1_context.linear": "rowwise_split_input",
+        **split_input("transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm1_context.linear",
+                      "context_embedder"),
         **mlp("time_text_embed.timestep_embedder"),
         **mlp("time_text_embed.text_embedder"),
-        "context_embedder": "rowwise_split_input",
     }
     if model_class == CONTROLNET:
         # each residual projection reads its block's replicated output: the residuals come out whole
@@ -94,11 +93,4 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
     return inputs
 
 
-FAMILY = Family(
-    name="sd3",
-    model_classes=MODEL_CLASSES,
-    tensor_parallel_plan=tensor_parallel_plan,
-    context_parallel_plan=context_parallel_plan,
-    examples=EXAMPLES,
-    example_inputs=example_inputs,
-)
+FAMILY = Family.of(__name__)

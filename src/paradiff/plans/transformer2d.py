@@ -6,7 +6,7 @@ import torch
 
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, attention, feed_forward, mlp
+from paradiff.plans.common import Grid, adaln_single, attention, feed_forward, image_inputs, mlp
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("Transformer2DModel",)
@@ -26,7 +26,7 @@ def tensor_parallel_plan(config) -> TensorParallelPlan:
         styles.update({**mlp(f"{blocks}.norm1.emb.timestep_embedder"), f"{blocks}.norm1.linear": "rowwise_split_input",
                        "proj_out_1": "rowwise_split_input"})
     elif config.norm_type == "ada_norm_single":
-        styles.update({**mlp("adaln_single.emb.timestep_embedder"), "adaln_single.linear": "rowwise_split_input"})
+        styles.update(adaln_single())
         if config.caption_channels is not None:
             styles.update(mlp("caption_projection"))
     return TensorParallelPlan(styles=styles)
@@ -40,11 +40,17 @@ def context_parallel_plan(config) -> ContextParallelPlan:
         local.append("transformer_blocks.*.attn2")  # attends to the replicated text
     if config.only_cross_attention:
         local.append("transformer_blocks.*.attn1")
+    return blocks_split(config.num_layers, tuple(local))
+
+
+def blocks_split(num_layers: int, local_attention: tuple[str, ...]) -> ContextParallelPlan:
+    """The tokens split at the first of `num_layers` transformer blocks with the self-attention key mask, gathered
+    after the last; the attentions named in `local_attention` attend to replicated inputs."""
     return ContextParallelPlan(
         split_inputs={"transformer_blocks.0": {"hidden_states": Split(1)},
                       "transformer_blocks.*": {"attention_mask": Split(-1)}},
-        gather_outputs={f"transformer_blocks.{config.num_layers - 1}": 1},
-        local_attention=tuple(local),
+        gather_outputs={f"transformer_blocks.{num_layers - 1}": 1},
+        local_attention=local_attention,
     )
 
 
@@ -86,22 +92,8 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
             encoder_attention_mask=text_mask,
             return_dict=False,
         )
-    p = config.patch_size
-    return dict(
-        hidden_states=torch.randn(batch, config.in_channels, grid.height * p, grid.width * p, generator=generator),
-        encoder_hidden_states=torch.randn(batch, grid.text, config.caption_channels, generator=generator),
-        encoder_attention_mask=text_mask,
-        timestep=torch.rand(batch, generator=generator) * 1000,
-        added_cond_kwargs={"resolution": None, "aspect_ratio": None},
-        return_dict=False,
-    )
+    return image_inputs(config, batch, grid, generator, config.caption_channels, encoder_attention_mask=text_mask,
+                        added_cond_kwargs={"resolution": None, "aspect_ratio": None})
 
 
-FAMILY = Family(
-    name="transformer2d",
-    model_classes=MODEL_CLASSES,
-    tensor_parallel_plan=tensor_parallel_plan,
-    context_parallel_plan=context_parallel_plan,
-    examples=EXAMPLES,
-    example_inputs=example_inputs,
-)
+FAMILY = Family.of(__name__)

@@ -113,11 +113,4 @@ def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.G
     return dict(x=images, t=torch.rand(batch, generator=generator), cap_feats=captions, return_dict=False)
 
 
-FAMILY = Family(
-    name="z_image",
-    model_classes=MODEL_CLASSES,
-    tensor_parallel_plan=tensor_parallel_plan,
-    context_parallel_plan=context_parallel_plan,
-    examples=EXAMPLES,
-    example_inputs=example_inputs,
-)
+FAMILY = Family.of(__name__)

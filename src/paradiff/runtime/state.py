@@ -44,7 +44,7 @@ class PipelineState:
 
     base_name: str  # the diffusers pipeline class it was loaded as (picks the CFG rule)
     modular: bool = False  # a Modular Diffusers pipeline (blocks, guider components)
-    guided: bool = False  # guidance through guider components (modular pipelines, plans.pipelines.GUIDER_PIPELINES)
+    guided: bool = False  # guidance through guider components (modular pipelines, PipelineSpec.guider)
     # runtime.cfg.CfgSplitter / BatchCfgSplitter, one per transformer (Wan 2.2 A14B has two); a guided pipeline's
     # one runtime.cfg.GuidedBranches
     cfgs: tuple[Any, ...] = ()

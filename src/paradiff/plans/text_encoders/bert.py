@@ -24,4 +24,4 @@ def tensor_parallel_plan(config, model_class: str) -> TensorParallelPlan:
     return TensorParallelPlan(styles=styles, attention={f"{layers}.attention.self": heads})
 
 
-FAMILY = Family(name="bert", model_classes=MODEL_CLASSES, tensor_parallel_plan=tensor_parallel_plan)
+FAMILY = Family.of(__name__)

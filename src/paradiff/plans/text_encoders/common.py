@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from paradiff.tensor_parallel.plan import AttentionHeads, TensorParallelPlan
 from paradiff.tensor_parallel.styles import ColwiseHeads, PackedColwise, Style
 
@@ -51,6 +53,30 @@ def decoder_text_model(
     attrs = attention_attrs or {"groups": ("num_key_value_groups",)}
     heads = AttentionHeads(text.num_attention_heads, kv_heads, **attrs)
     return TensorParallelPlan(styles=styles, attention={f"{layers}.*.self_attn": heads})
+
+
+def decoder_paths(model_class: str, causal_lm_class: str | None = None) -> dict[str, tuple[str, str | None]]:
+    """`decoder_text_model`'s paths for a decoder class and its causal LM (the decoder at `model`, the `lm_head`)."""
+    paths: dict[str, tuple[str, str | None]] = {model_class: ("", None)}
+    if causal_lm_class:
+        paths[causal_lm_class] = ("model", "lm_head")
+    return paths
+
+
+def multimodal_paths(prefix: str) -> dict[str, tuple[str, str | None]]:
+    """`decoder_text_model`'s paths for transformers' multimodal `<prefix>Model` (the decoder at `language_model`)
+    and `<prefix>ForConditionalGeneration` (at `model.language_model`, with the `lm_head`)."""
+    return {f"{prefix}Model": ("language_model", None),
+            f"{prefix}ForConditionalGeneration": ("model.language_model", "lm_head")}
+
+
+def decoder_plan(paths: dict[str, tuple[str, str | None]], **options) -> Callable[..., TensorParallelPlan]:
+    """A family's `tensor_parallel_plan(config, model_class)`: `decoder_text_model` over `paths` with `options`."""
+
+    def tensor_parallel_plan(config, model_class: str) -> TensorParallelPlan:
+        return decoder_text_model(config, model_class, paths, **options)
+
+    return tensor_parallel_plan
 
 
 def clip_style_tower(root: str, tower_config) -> tuple[dict[str, str | Style], dict[str, AttentionHeads]]:

@@ -2,24 +2,14 @@
 split; Gemma 3's SigLIP vision tower stays whole). Gemma's scaled token embedding keeps its scaling under the
 vocabulary split."""
 
-from paradiff.plans.text_encoders.common import decoder_text_model
+from paradiff.plans.text_encoders.common import decoder_paths, decoder_plan, multimodal_paths
 from paradiff.plans.family import Family
 
-PATHS = {
-    "GemmaModel": ("", None),
-    "GemmaForCausalLM": ("model", "lm_head"),
-    "Gemma2Model": ("", None),
-    "Gemma2ForCausalLM": ("model", "lm_head"),
-    "Gemma3TextModel": ("", None),
-    "Gemma3ForCausalLM": ("model", "lm_head"),
-    "Gemma3Model": ("language_model", None),
-    "Gemma3ForConditionalGeneration": ("model.language_model", "lm_head"),
-}
+PATHS = {**decoder_paths("GemmaModel", "GemmaForCausalLM"), **decoder_paths("Gemma2Model", "Gemma2ForCausalLM"),
+         **decoder_paths("Gemma3TextModel", "Gemma3ForCausalLM"), **multimodal_paths("Gemma3")}
 MODEL_CLASSES = tuple(PATHS)
 
-
-def tensor_parallel_plan(config, model_class: str):
-    return decoder_text_model(config, model_class, PATHS)
+tensor_parallel_plan = decoder_plan(PATHS)
 
 
-FAMILY = Family(name="gemma", model_classes=MODEL_CLASSES, tensor_parallel_plan=tensor_parallel_plan)
+FAMILY = Family.of(__name__)

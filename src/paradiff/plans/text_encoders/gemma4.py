@@ -46,4 +46,4 @@ def tensor_parallel_plan(config, model_class: str) -> TensorParallelPlan:
     return TensorParallelPlan(styles=styles, attention=attention)
 
 
-FAMILY = Family(name="gemma4", model_classes=MODEL_CLASSES, tensor_parallel_plan=tensor_parallel_plan)
+FAMILY = Family.of(__name__)

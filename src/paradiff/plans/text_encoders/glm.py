@@ -2,15 +2,13 @@
 `gate_up_proj` (split as two blocks, so each rank keeps matching gate and up rows); partial rotary changes nothing
 for the split."""
 
-from paradiff.plans.text_encoders.common import decoder_text_model
+from paradiff.plans.text_encoders.common import decoder_paths, decoder_plan
 from paradiff.plans.family import Family
 
-PATHS = {"GlmModel": ("", None), "GlmForCausalLM": ("model", "lm_head")}
+PATHS = decoder_paths("GlmModel", "GlmForCausalLM")
 MODEL_CLASSES = tuple(PATHS)
 
-
-def tensor_parallel_plan(config, model_class: str):
-    return decoder_text_model(config, model_class, PATHS, fused_gate_up=True)
+tensor_parallel_plan = decoder_plan(PATHS, fused_gate_up=True)
 
 
-FAMILY = Family(name="glm", model_classes=MODEL_CLASSES, tensor_parallel_plan=tensor_parallel_plan)
+FAMILY = Family.of(__name__)

@@ -1,20 +1,13 @@
 """Llama text encoders: HunyuanVideo's Llama-3-8B, HiDream's Llama-3.1-8B, and HunyuanVideo I2V's LLaVA (Llama
 decoder split; its CLIP vision tower and projector stay whole)."""
 
-from paradiff.plans.text_encoders.common import decoder_text_model
+from paradiff.plans.text_encoders.common import decoder_paths, decoder_plan, multimodal_paths
 from paradiff.plans.family import Family
 
-PATHS = {
-    "LlamaModel": ("", None),
-    "LlamaForCausalLM": ("model", "lm_head"),
-    "LlavaModel": ("language_model", None),
-    "LlavaForConditionalGeneration": ("model.language_model", "lm_head"),
-}
+PATHS = {**decoder_paths("LlamaModel", "LlamaForCausalLM"), **multimodal_paths("Llava")}
 MODEL_CLASSES = tuple(PATHS)
 
-
-def tensor_parallel_plan(config, model_class: str):
-    return decoder_text_model(config, model_class, PATHS)
+tensor_parallel_plan = decoder_plan(PATHS)
 
 
-FAMILY = Family(name="llama", model_classes=MODEL_CLASSES, tensor_parallel_plan=tensor_parallel_plan)
+FAMILY = Family.of(__name__)

@@ -1,20 +1,13 @@
 """Mistral text encoders: FLUX.2's Mistral-Small-3.1 (`Mistral3ForConditionalGeneration`, whose Pixtral vision tower
 and projector stay whole: text-to-image never runs them)."""
 
-from paradiff.plans.text_encoders.common import decoder_text_model
+from paradiff.plans.text_encoders.common import decoder_paths, decoder_plan, multimodal_paths
 from paradiff.plans.family import Family
 
-PATHS = {
-    "MistralModel": ("", None),
-    "MistralForCausalLM": ("model", "lm_head"),
-    "Mistral3Model": ("language_model", None),
-    "Mistral3ForConditionalGeneration": ("model.language_model", "lm_head"),
-}
+PATHS = {**decoder_paths("MistralModel", "MistralForCausalLM"), **multimodal_paths("Mistral3")}
 MODEL_CLASSES = tuple(PATHS)
 
-
-def tensor_parallel_plan(config, model_class: str):
-    return decoder_text_model(config, model_class, PATHS)
+tensor_parallel_plan = decoder_plan(PATHS)
 
 
-FAMILY = Family(name="mistral", model_classes=MODEL_CLASSES, tensor_parallel_plan=tensor_parallel_plan)
+FAMILY = Family.of(__name__)

@@ -34,4 +34,4 @@ def tensor_parallel_plan(config, model_class: str):
     return decoder_text_model(config, model_class, PATHS, attrs)
 
 
-FAMILY = Family(name="qwen", model_classes=MODEL_CLASSES, tensor_parallel_plan=tensor_parallel_plan)
+FAMILY = Family.of(__name__)

@@ -28,4 +28,4 @@ def tensor_parallel_plan(config, model_class: str) -> TensorParallelPlan:
     return TensorParallelPlan(styles=styles, attention=attention | text_attention)
 
 
-FAMILY = Family(name="siglip", model_classes=MODEL_CLASSES, tensor_parallel_plan=tensor_parallel_plan)
+FAMILY = Family.of(__name__)

@@ -1,15 +1,13 @@
 """SmolLM3 text encoders: Bria FIBO's SmolLM3-3B (a Llama-style decoder; some layers skip rotary embeddings, which
 changes nothing for the split)."""
 
-from paradiff.plans.text_encoders.common import decoder_text_model
+from paradiff.plans.text_encoders.common import decoder_paths, decoder_plan
 from paradiff.plans.family import Family
 
-PATHS = {"SmolLM3Model": ("", None), "SmolLM3ForCausalLM": ("model", "lm_head")}
+PATHS = decoder_paths("SmolLM3Model", "SmolLM3ForCausalLM")
 MODEL_CLASSES = tuple(PATHS)
 
-
-def tensor_parallel_plan(config, model_class: str):
-    return decoder_text_model(config, model_class, PATHS)
+tensor_parallel_plan = decoder_plan(PATHS)
 
 
-FAMILY = Family(name="smollm3", model_classes=MODEL_CLASSES, tensor_parallel_plan=tensor_parallel_plan)
+FAMILY = Family.of(__name__)

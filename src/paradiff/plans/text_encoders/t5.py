@@ -30,4 +30,4 @@ def tensor_parallel_plan(config, model_class: str) -> TensorParallelPlan:
     return TensorParallelPlan(styles=styles, attention={attention: heads})
 
 
-FAMILY = Family(name="t5", model_classes=MODEL_CLASSES, tensor_parallel_plan=tensor_parallel_plan)
+FAMILY = Family.of(__name__)

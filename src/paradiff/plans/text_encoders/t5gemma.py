@@ -26,5 +26,4 @@ def model_config(config, model_class: str):
     return getattr(config, "encoder", config) if model_class == "T5GemmaEncoder" else config
 
 
-FAMILY = Family(name="t5gemma", model_classes=MODEL_CLASSES, tensor_parallel_plan=tensor_parallel_plan,
-                model_config=model_config)
+FAMILY = Family.of(__name__)

@@ -1,7 +1,7 @@
 """LTX-2 pipelines: video and audio denoised together by one transformer (LTX2VideoTransformer3DModel), a Gemma 3
 text encoder whose stacked hidden states go through the text connectors, the LTX-2 video VAE, the audio VAE and
 the vocoder (sizes after diffusers' own LTX-2 test). Their guidance runs up to four branches a step (CFG, spatio-
-temporal guidance, modality isolation), which CFG parallelism does not split (plans/pipelines.py, CFG_NOT_SPLIT):
+temporal guidance, modality isolation), which CFG parallelism does not split (plans/pipelines.py, cfg_not_split):
 the recipes guide with CFG alone (STG and modality guidance off), the cfg modes record the refusal."""
 
 from dataclasses import dataclass
