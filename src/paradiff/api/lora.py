@@ -64,28 +64,25 @@ def install_lora_support(model: nn.Module) -> None:
 def check_fusable(model: nn.Module) -> None:
     """Refuse, before any layer is merged, to fuse adapters into quantized weights: the sum would have to be
     quantized again (with new scales, different from a single device's if done per slice), and the exact unfuse
-    keeps the original shards only for plain weights. Unfused, the adapters run on the quantized shards as they are."""
+    keeps the original shards only for plain weights. Unfused, the adapters run on the quantized shards as they are.
+    Nor into FSDP shards: each rank holds only its rows of them between forwards."""
     from paradiff.quant.apply import is_quantized_weight
 
-    sharded = [name for name, module in model.named_modules() if name.endswith(".base_layer")
-               and is_sharded(getattr(module, "weight", None))]
-    if sharded:
-        layer = sharded[0].removesuffix(".base_layer")
-        raise AdapterError(
-            f"fuse_lora: {len(sharded)} adapted layer(s) hold FSDP-sharded weights (e.g. {layer!r}): each rank holds "
-            "only its rows of them between forwards, and paradiff does not fuse adapters into FSDP shards. Keep the "
-            "adapters unfused (they run exactly on the sharded model), or load without fsdp to fuse."
-        )
-    quantized = [name for name, module in model.named_modules() if name.endswith(".base_layer")
-                 and is_quantized_weight(getattr(module, "weight", None))]
-    if quantized:
-        layer = quantized[0].removesuffix(".base_layer")
-        raise AdapterError(
-            f"fuse_lora: {len(quantized)} adapted layer(s) hold quantized weights (e.g. {layer!r}, "
-            f"{type(model.get_submodule(quantized[0]).weight).__name__}); paradiff does not fuse adapters into "
-            "quantized shards (they would be re-quantized, not fused exactly). Keep the adapters unfused (they run "
-            "on the quantized base as loaded), or load the model without quantization_config to fuse."
-        )
+    refusals = (
+        (is_sharded, lambda weight: "hold FSDP-sharded weights", "each rank holds only its rows of them between "
+         "forwards, and paradiff does not fuse adapters into FSDP shards. Keep the adapters unfused (they run exactly "
+         "on the sharded model), or load without fsdp to fuse."),
+        (is_quantized_weight, lambda weight: f"hold quantized weights ({type(weight).__name__})", "paradiff does not "
+         "fuse adapters into quantized shards (they would be re-quantized, not fused exactly). Keep the adapters "
+         "unfused (they run on the quantized base as loaded), or load the model without quantization_config to fuse."),
+    )
+    for held, what, reason in refusals:
+        names = [name for name, module in model.named_modules() if name.endswith(".base_layer")
+                 and held(getattr(module, "weight", None))]
+        if names:
+            layer = names[0].removesuffix(".base_layer")
+            raise AdapterError(f"fuse_lora: {len(names)} adapted layer(s) {what(model.get_submodule(names[0]).weight)} "
+                               f"(e.g. {layer!r}): {reason}")
 
 
 def adopt_layers(model: nn.Module) -> None:

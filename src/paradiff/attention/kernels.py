@@ -123,16 +123,16 @@ def native_attention(q, k, v, mask, scale):
 
 
 def sdpa_flash_attention(q, k, v, mask, scale):
-    """SDPA's flash kernel alone: flash-for-CPU (masks, any float dtype) on CPU; on CUDA fp16 / bf16, no mask."""
-    if q.shape[-2] == 0 or k.shape[-2] == 0:
-        return _empty_result(q, v)
-    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
-    if q.device.type == "cpu":
-        return _cpu_flash(q, k, v, mask, scale)
+    """SDPA's flash kernel alone: flash-for-CPU (masks, any float dtype) on CPU, as `native_attention` runs it; on
+    CUDA fp16 / bf16, no mask."""
+    if q.device.type != "cuda":
+        return native_attention(q, k, v, mask, scale)
     if mask is not None:  # CUDA's flash kernel has no mask argument: it would attend to every key
         raise ParallelConfigError("backend 'sdpa-flash' takes no attention mask on CUDA; use 'native' or "
                                   "'sdpa-efficient' for masked attention.")
-    return _cuda_flash(q, k, v, scale)
+    if q.shape[-2] == 0 or k.shape[-2] == 0:
+        return _empty_result(q, v)
+    return _cuda_flash(_unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v), scale)
 
 
 def sdpa_efficient_attention(q, k, v, mask, scale):
