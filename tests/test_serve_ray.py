@@ -138,3 +138,29 @@ def test_routing_keys():
     keys = {routing_key(f'{{"prompt": "p{i}"}}'.encode(), "prompt-hash") for i in range(200)}
     assert len(keys) == PROMPT_BUCKETS
     assert routing_key(b"not json", "prompt-hash") == routing_key(b"[1]", "adapter") == ""
+
+
+def test_build_app_without_a_cluster():
+    """The application build_app and app_from_env make, built but not run (no Ray cluster: `make test` runs it): the
+    Router in front of the Mesh, both at normal priority, one bundle per rank, fixed or autoscaled replicas, and a
+    bad route refused."""
+    from paradiff.serve.ray import app_from_env, build_app
+
+    with pytest.raises(ValueError, match=r"--ray-route 'sticky': expected one of \['prompt-hash', 'adapter', 'none'\]"):
+        build_app([], route="sticky")
+    router = build_app(["--steps", "2"], ranks=2, replicas=(1, 3), route="adapter")._bound_deployment
+    mesh_app, route = router.init_args
+    mesh = mesh_app._bound_deployment
+    assert (router.name, mesh.name, route, mesh.init_args) == ("paradiff-router", "paradiff-mesh", "adapter",
+                                                               (["--steps", "2"],))
+    assert mesh._replica_config.placement_group_bundles == [{"CPU": 1}, {"CPU": 1}]
+    for deployment in (router, mesh):  # not Ray's nice 15, which the mesh's server and ranks would inherit
+        assert deployment.ray_actor_options["runtime_env"]["env_vars"]["RAY_worker_niceness"] == "0"
+    autoscaling = mesh._deployment_config.autoscaling_config
+    assert (autoscaling.min_replicas, autoscaling.max_replicas, autoscaling.initial_replicas) == (1, 3, 1)
+    fixed = app_from_env({"args": "--tp 2 --steps 4", "ranks": 2, "replicas": "2", "route": "prompt-hash",
+                          "device": "GPU"})._bound_deployment
+    mesh = fixed.init_args[0]._bound_deployment
+    assert fixed.init_args[1] == "prompt-hash" and mesh.init_args == (["--tp", "2", "--steps", "4"],)
+    assert mesh.num_replicas == 2 and mesh._deployment_config.autoscaling_config is None
+    assert mesh._replica_config.placement_group_bundles == [{"GPU": 1}, {"GPU": 1}]
