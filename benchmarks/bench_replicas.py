@@ -224,20 +224,20 @@ def ray_figures(args, model: list[str], steps: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         m = ray_overhead(args.requests, model, steps, Path(tmp))
     added = m["ray_outside"] - m["serve_outside"]
-    what = (f"{args.requests} sequential requests each way, interleaved, {args.model}, {steps} steps, one replica of "
-            f"one rank; medians")
+    what = (f"medians of {args.requests} sequential requests each way, interleaved ({args.model}, {steps} steps, one "
+            f"replica of one rank)")
     return [
         figure("Ray Serve overhead per request (Ray's path outside the server, minus a plain paradiff serve's, / its "
                "latency)", round(100 * added / m["serve_latency"], 2), "%", "<= 5",
-               note=f"{what}: outside the server {1000 * m['ray_outside']:.0f} ms through Ray's proxy (proxy, Router, "
-                    f"Mesh replica) against {1000 * m['serve_outside']:.0f} ms to a plain `paradiff serve`, whose "
-                    f"latency is {m['serve_latency']:.3f} s; {args.note}"),
+               note=f"{1000 * m['ray_outside']:.0f} ms outside the server through Ray (proxy, Router, Mesh replica) "
+                    f"against {1000 * m['serve_outside']:.0f} ms to a plain `paradiff serve` of latency "
+                    f"{m['serve_latency']:.3f} s; {what}; {args.note}"),
         figure("Ray Serve latency per request / a plain paradiff serve's", round(m["ray_latency"] / m["serve_latency"],
                                                                                  3), "x",
-               note=f"{what}: latency {m['ray_latency']:.3f} s through Ray's proxy, {m['mesh_latency']:.3f} s "
-                    f"straight to the mesh's own port, {m['serve_latency']:.3f} s to a plain `paradiff serve`; in the "
-                    f"server {m['ray_server']:.3f} / {m['mesh_server']:.3f} / {m['serve_server']:.3f} s (the rest of "
-                    f"the gap is the server's own time swinging on loaded cores); {args.note}"),
+               note=f"latency {m['ray_latency']:.3f} s through Ray's proxy, {m['mesh_latency']:.3f} s straight to the "
+                    f"mesh's port, {m['serve_latency']:.3f} s to a plain `paradiff serve`; in the server "
+                    f"{m['ray_server']:.3f} / {m['mesh_server']:.3f} / {m['serve_server']:.3f} s (the server's own time "
+                    f"swings on loaded cores); {what}; {args.note}"),
     ]
 
 
