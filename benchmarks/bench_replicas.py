@@ -236,8 +236,8 @@ def ray_figures(args, model: list[str], steps: int) -> list[dict]:
                                                                                  3), "x",
                note=f"latency {m['ray_latency']:.3f} s through Ray's proxy, {m['mesh_latency']:.3f} s straight to the "
                     f"mesh's port, {m['serve_latency']:.3f} s to a plain `paradiff serve`; in the server "
-                    f"{m['ray_server']:.3f} / {m['mesh_server']:.3f} / {m['serve_server']:.3f} s (the server's own time "
-                    f"swings on loaded cores); {what}; {args.note}"),
+                    f"{m['ray_server']:.3f} / {m['mesh_server']:.3f} / {m['serve_server']:.3f} s (the server's own "
+                    f"time swings on loaded cores); {what}; {args.note}"),
     ]
 
 

@@ -57,6 +57,21 @@ def meshes() -> dict[int, dict]:
             for pid, (parent, port) in found.items() if parent not in found}
 
 
+def start_ray(**options) -> None:
+    """A new local Ray cluster (never one found running on this machine), started again when its node did not come
+    up: on loaded cores Ray's raylet can fail to register within Ray's fixed 30 s, before anything of the test ran."""
+    import ray
+
+    for attempt in range(3):
+        try:
+            ray.init(address="local", **options)
+            return
+        except Exception as error:
+            if "timed out during startup" not in str(error) or attempt == 2:
+                raise
+            ray.shutdown()
+
+
 @pytest.fixture
 def fast_autoscaling_metrics(monkeypatch):
     """Ray Serve's replicas and handles push their queue lengths every 0.5 s instead of 10 (read when Ray starts)."""
@@ -78,7 +93,7 @@ def test_two_replicas_a_killed_rank_and_autoscaling(fast_autoscaling_metrics):
     from paradiff.serve.ray import build_app
 
     port = free_port()
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    start_ray(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         app = build_app(["--steps", "1", "--max-steps", "2000"], ranks=1, replicas=(1, 2), route="none",
@@ -118,7 +133,8 @@ def test_two_replicas_a_killed_rank_and_autoscaling(fast_autoscaling_metrics):
                 future.result(timeout=600)
         after = [status for when, status in answers if when > killed]
         failed = [status for _, status in answers if status != 200]
-        assert failed and set(failed) == {500} and len(failed) <= 2, answers  # what ran on the killed mesh
+        # what ran on the killed mesh: one batch, of up to 3 of the 4 clients' requests (the other mesh ran one)
+        assert failed and set(failed) == {500} and len(failed) <= 3, answers
         assert after.count(200) >= 1, answers  # the other mesh answered meanwhile
         wait_until(lambda: running(1), "back to one mesh once idle")
         assert ask("after", 1) == 200
