@@ -4,8 +4,12 @@
 - dp2 against one replica, requests per minute, without a batch window (4 concurrent clients; goal >= 1.9x);
 - p95 wait (accepted -> started, from requests.jsonl) of short requests (1 step) while long ones (8x the steps, 4x
   the pixels) keep the replica busy, under --schedule fifo and --schedule fair (one replica);
-- with --ray: Ray Serve's overhead per request (a local Ray cluster, one mesh): sequential requests through Ray's
-  HTTP proxy against the same requests sent to the mesh's own `paradiff serve` port, interleaved (goal <= 5%).
+- with --ray (or alone: --only ray-overhead, ~4 min): Ray Serve's overhead per request (a local Ray cluster, one
+  mesh of one rank): sequential requests, interleaved, through Ray's HTTP proxy, straight to the mesh's own port, and
+  to a plain `paradiff serve`; each split by its server's requests.jsonl into the time in the server and the time
+  outside it. The goal (<= 5%) is on the time Ray's path adds outside the server, over the plain server's latency:
+  the server's own time swings by several x between two consecutive requests on loaded cores, which a ratio of a
+  few whole latencies measures instead of Ray.
 
 Rounds are interleaved; medians over rounds. The result goes to benchmarks/results/bench_replicas.json.
 
@@ -15,6 +19,7 @@ Rounds are interleaved; medians over rounds. The result goes to benchmarks/resul
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -90,41 +95,70 @@ def short_waits(server: ServerProcess, steps: int, shorts: int) -> list[float]:
     return [entry["started"] - entry["accepted"] for entry in entries]
 
 
-def ray_overhead(requests: int, model: list[str], steps: int) -> tuple[float, float, float]:
-    """(median latency through Ray's proxy, median latency straight to the mesh's server, overhead ratio - 1)."""
+def mesh_server() -> tuple[int, Path]:
+    """The port and the --out folder of the one mesh's `paradiff serve` (a process of this machine)."""
+    for entry in Path("/proc").iterdir():
+        try:
+            words = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"paradiff.cli" in words and b"--port" in words and any(b"paradiff-ray-" in word for word in words):
+            return int(words[words.index(b"--port") + 1]), Path(words[words.index(b"--out") + 1].decode())
+    raise RuntimeError("no mesh server found among this machine's processes")
+
+
+def ray_overhead(requests: int, model: list[str], steps: int, folder: Path) -> dict[str, float]:
+    """Sequential requests, in turn through Ray's HTTP proxy (a local Ray cluster as `paradiff serve --ray` starts it,
+    one mesh of one rank), straight to that mesh's own server port, and to a plain `paradiff serve` (one replica, as
+    a user starts it without Ray). Each is split by its server's requests.jsonl into its time in the server
+    (accepted -> finished) and the time outside it (the path: Ray's proxy, Router and Mesh replica, or only the
+    loopback socket). Medians per way, in seconds."""
     import httpx
     import ray
     from ray import serve
 
     from paradiff.distributed.spawn import free_port
-    from paradiff.serve.ray import build_app
+    from paradiff.serve.ray import LOCAL_CLUSTER, build_app
 
     port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    plain = start(folder / "plain", model, "--steps", str(steps))
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+             _system_config=LOCAL_CLUSTER)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app([*model, "--steps", str(steps)], ranks=1), name="paradiff", route_prefix="/")
-        mesh_port = None
-        for entry in Path("/proc").iterdir():
-            try:
-                words = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"paradiff.cli" in words and any(b"paradiff-ray-" in word for word in words):
-                mesh_port = int(words[words.index(b"--port") + 1])
-        through, direct = [], []
+        mesh_port, mesh_out = mesh_server()
+        ways = {"ray": (f"http://127.0.0.1:{port}", mesh_out), "mesh": (f"http://127.0.0.1:{mesh_port}", mesh_out),
+                "serve": (plain.url, plain.out)}
+        sent: dict[tuple[str, int], float] = {}  # (way, seed) -> client latency
         with httpx.Client(timeout=600) as http:
             for index in range(requests + 1):
-                for url, sink in ((f"http://127.0.0.1:{port}", through), (f"http://127.0.0.1:{mesh_port}", direct)):
+                for number, (way, (url, _)) in enumerate(ways.items()):
+                    seed = len(ways) * index + number
                     started = time.monotonic()
-                    images_of(http.post(url + "/v1/images/generations", json={"prompt": PROMPTS[0], "seed": index}))
+                    images_of(http.post(url + "/v1/images/generations", json={"prompt": PROMPTS[0], "seed": seed}))
                     if index:  # the first of each: warm-up
-                        sink.append(time.monotonic() - started)
-        ray_s, direct_s = statistics.median(through), statistics.median(direct)
-        return ray_s, direct_s, ray_s / direct_s - 1
+                        sent[way, seed] = time.monotonic() - started
+        entries: dict[Path, dict[int, dict]] = {}
+        deadline = time.monotonic() + 60
+        while True:  # requests.jsonl gets an entry per answered request: wait for the last ones
+            entries = {out: {entry["seed"]: entry for entry in map(json.loads, (out / "requests.jsonl").read_text()
+                                                                   .splitlines())} for out in (mesh_out, plain.out)}
+            if all(seed in entries[ways[way][1]] for way, seed in sent) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        split: dict[str, tuple[list, list, list]] = {way: ([], [], []) for way in ways}  # latency, in, outside
+        for (way, seed), latency in sent.items():
+            entry = entries[ways[way][1]][seed]
+            inside = entry["finished"] - entry["accepted"]
+            for sink, value in zip(split[way], (latency, inside, latency - inside)):
+                sink.append(value)
+        return {f"{way}_{part}": statistics.median(values) for way, parts in split.items()
+                for part, values in zip(("latency", "server", "outside"), parts)}
     finally:
         serve.shutdown()
         ray.shutdown()
+        plain.stop()
 
 
 def main() -> int:
@@ -135,8 +169,9 @@ def main() -> int:
     parser.add_argument("--model", choices=("demo", "flux2"), default="demo")
     parser.add_argument("--note", default="measured under load (7 agents on 2 cores)")
     parser.add_argument("--ray", action="store_true", help="also Ray Serve's overhead per request")
-    parser.add_argument("--only-ray", action="store_true", help="only Ray Serve's overhead (figures kept from the "
-                                                                 "result file)")
+    parser.add_argument("--only", choices=("ray-overhead",), help="only this figure (the others kept from the "
+                                                                   "result file); one run ~4 min")
+    parser.add_argument("--only-ray", action="store_true", help="the same as --only ray-overhead")
     args = parser.parse_args()
     model: list[str] = []
     if args.model == "flux2":
@@ -145,7 +180,7 @@ def main() -> int:
         model = [str(build_folder("flux2", LARGE_FLUX2, Path(tempfile.mkdtemp()))), "--height", "128", "--width", "128",
                  "--steps", "3"]
     steps = 3 if args.model == "flux2" else 2
-    if args.only_ray:
+    if args.only_ray or args.only == "ray-overhead":
         earlier = load(RESULT)
         kept = [item for item in earlier["figures"] if "Ray Serve" not in item["name"]]
         write_result("bench_replicas", TITLE, kept + ray_figures(args, model, steps),
@@ -186,11 +221,24 @@ def main() -> int:
 
 
 def ray_figures(args, model: list[str], steps: int) -> list[dict]:
-    ray_s, direct_s, overhead = ray_overhead(args.requests, model, steps)
-    return [figure("Ray Serve overhead per request (through Ray's proxy / straight to the mesh)",
-                   round(100 * overhead, 2), "%", "<= 5",
-                   note=f"median of {args.requests} sequential requests each way, interleaved: {ray_s:.3f} s against "
-                        f"{direct_s:.3f} s ({args.model}, {steps} steps); {args.note}")]
+    with tempfile.TemporaryDirectory() as tmp:
+        m = ray_overhead(args.requests, model, steps, Path(tmp))
+    added = m["ray_outside"] - m["serve_outside"]
+    what = (f"medians of {args.requests} sequential requests each way, interleaved ({args.model}, {steps} steps, one "
+            f"replica of one rank)")
+    return [
+        figure("Ray Serve overhead per request (Ray's path outside the server, minus a plain paradiff serve's, / its "
+               "latency)", round(100 * added / m["serve_latency"], 2), "%", "<= 5",
+               note=f"{1000 * m['ray_outside']:.0f} ms outside the server through Ray (proxy, Router, Mesh replica) "
+                    f"against {1000 * m['serve_outside']:.0f} ms to a plain `paradiff serve` of latency "
+                    f"{m['serve_latency']:.3f} s; {what}; {args.note}"),
+        figure("Ray Serve latency per request / a plain paradiff serve's", round(m["ray_latency"] / m["serve_latency"],
+                                                                                 3), "x",
+               note=f"latency {m['ray_latency']:.3f} s through Ray's proxy, {m['mesh_latency']:.3f} s straight to the "
+                    f"mesh's port, {m['serve_latency']:.3f} s to a plain `paradiff serve`; in the server "
+                    f"{m['ray_server']:.3f} / {m['mesh_server']:.3f} / {m['serve_server']:.3f} s (the server's own "
+                    f"time swings on loaded cores); {what}; {args.note}"),
+    ]
 
 
 if __name__ == "__main__":

@@ -57,6 +57,21 @@ def meshes() -> dict[int, dict]:
             for pid, (parent, port) in found.items() if parent not in found}
 
 
+def start_ray(**options) -> None:
+    """A new local Ray cluster (never one found running on this machine), started again when its node did not come
+    up: on loaded cores Ray's raylet can fail to register within Ray's fixed 30 s, before anything of the test ran."""
+    import ray
+
+    for attempt in range(3):
+        try:
+            ray.init(address="local", **options)
+            return
+        except Exception as error:
+            if "timed out during startup" not in str(error) or attempt == 2:
+                raise
+            ray.shutdown()
+
+
 @pytest.fixture
 def fast_autoscaling_metrics(monkeypatch):
     """Ray Serve's replicas and handles push their queue lengths every 0.5 s instead of 10 (read when Ray starts)."""
@@ -78,7 +93,7 @@ def test_two_replicas_a_killed_rank_and_autoscaling(fast_autoscaling_metrics):
     from paradiff.serve.ray import build_app
 
     port = free_port()
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    start_ray(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         app = build_app(["--steps", "1", "--max-steps", "2000"], ranks=1, replicas=(1, 2), route="none",
@@ -118,7 +133,8 @@ def test_two_replicas_a_killed_rank_and_autoscaling(fast_autoscaling_metrics):
                 future.result(timeout=600)
         after = [status for when, status in answers if when > killed]
         failed = [status for _, status in answers if status != 200]
-        assert failed and set(failed) == {500} and len(failed) <= 2, answers  # what ran on the killed mesh
+        # what ran on the killed mesh: one batch, of up to 3 of the 4 clients' requests (the other mesh ran one)
+        assert failed and set(failed) == {500} and len(failed) <= 3, answers
         assert after.count(200) >= 1, answers  # the other mesh answered meanwhile
         wait_until(lambda: running(1), "back to one mesh once idle")
         assert ask("after", 1) == 200
@@ -138,3 +154,29 @@ def test_routing_keys():
     keys = {routing_key(f'{{"prompt": "p{i}"}}'.encode(), "prompt-hash") for i in range(200)}
     assert len(keys) == PROMPT_BUCKETS
     assert routing_key(b"not json", "prompt-hash") == routing_key(b"[1]", "adapter") == ""
+
+
+def test_build_app_without_a_cluster():
+    """The application build_app and app_from_env make, built but not run (no Ray cluster: `make test` runs it): the
+    Router in front of the Mesh, both at normal priority, one bundle per rank, fixed or autoscaled replicas, and a
+    bad route refused."""
+    from paradiff.serve.ray import app_from_env, build_app
+
+    with pytest.raises(ValueError, match=r"--ray-route 'sticky': expected one of \['prompt-hash', 'adapter', 'none'\]"):
+        build_app([], route="sticky")
+    router = build_app(["--steps", "2"], ranks=2, replicas=(1, 3), route="adapter")._bound_deployment
+    mesh_app, route = router.init_args
+    mesh = mesh_app._bound_deployment
+    assert (router.name, mesh.name, route, mesh.init_args) == ("paradiff-router", "paradiff-mesh", "adapter",
+                                                               (["--steps", "2"],))
+    assert mesh._replica_config.placement_group_bundles == [{"CPU": 1}, {"CPU": 1}]
+    for deployment in (router, mesh):  # not Ray's nice 15, which the mesh's server and ranks would inherit
+        assert deployment.ray_actor_options["runtime_env"]["env_vars"]["RAY_worker_niceness"] == "0"
+    autoscaling = mesh._deployment_config.autoscaling_config
+    assert (autoscaling.min_replicas, autoscaling.max_replicas, autoscaling.initial_replicas) == (1, 3, 1)
+    fixed = app_from_env({"args": "--tp 2 --steps 4", "ranks": 2, "replicas": "2", "route": "prompt-hash",
+                          "device": "GPU"})._bound_deployment
+    mesh = fixed.init_args[0]._bound_deployment
+    assert fixed.init_args[1] == "prompt-hash" and mesh.init_args == (["--tp", "2", "--steps", "4"],)
+    assert mesh.num_replicas == 2 and mesh._deployment_config.autoscaling_config is None
+    assert mesh._replica_config.placement_group_bundles == [{"GPU": 1}, {"GPU": 1}]

@@ -50,6 +50,12 @@ GONE = 0  # Mesh.forward's status when its server could not be reached (it never
 RETRIES, RETRY_PAUSE_S = 10, 1.0
 READY_TIMEOUT_S = 600.0
 FORWARDED_HEADERS = ("authorization", "content-type", "origin")
+# Ray starts its workers at nice 15 (its `worker_niceness`, so that its own GCS and raylet get the CPU first), and a
+# mesh's server and ranks, started by its Mesh replica, inherit it: on a busy machine they and every hop of a request
+# (proxy, Router, Mesh) then wait behind every normal-priority process. Our deployments' workers run at normal
+# priority, as a `paradiff serve` does; so does every worker of the local cluster `paradiff serve --ray` starts.
+NORMAL_PRIORITY = {"env_vars": {"RAY_worker_niceness": "0"}}
+LOCAL_CLUSTER = {"worker_niceness": 0}  # the system config of a local cluster we start (Ray's proxy included)
 
 
 def routing_key(body: bytes, route: str) -> str:
@@ -193,10 +199,11 @@ def build_app(argv: list[str], ranks: int = 1, replicas: tuple[int, int] = (1, 1
                                        "look_back_period_s": look_back_period_s}})
     mesh = serve.deployment(Mesh, name="paradiff-mesh", max_ongoing_requests=64, health_check_period_s=2,
                             health_check_timeout_s=30, graceful_shutdown_timeout_s=30,
-                            ray_actor_options={"num_cpus": 0},
+                            ray_actor_options={"num_cpus": 0, "runtime_env": NORMAL_PRIORITY},
                             placement_group_bundles=[{device: 1}] * ranks,
                             placement_group_strategy="STRICT_PACK", **scaling)
-    router = serve.deployment(Router, name="paradiff-router", ray_actor_options={"num_cpus": 0},
+    router = serve.deployment(Router, name="paradiff-router",
+                              ray_actor_options={"num_cpus": 0, "runtime_env": NORMAL_PRIORITY},
                               max_ongoing_requests=1000)
     return router.bind(mesh.bind(list(argv)), route)
 
@@ -224,7 +231,9 @@ def run(argv: list[str], ranks: int, replicas: tuple[int, int], route: str, host
 
     from paradiff.cli.report import say
 
-    ray.init(address=address, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    local = address is None and not os.environ.get("RAY_ADDRESS")  # a new cluster: its workers at normal priority
+    ray.init(address="local" if local else address, include_dashboard=False, logging_level="WARNING",
+             log_to_driver=False, _system_config=LOCAL_CLUSTER if local else None)
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(argv, ranks, replicas, route), name="paradiff", route_prefix="/")
     say(f"paradiff serve --ray: ready at http://{host}:{port} ({replicas[0]}-{replicas[1]} replica(s) of {ranks} "
