@@ -229,14 +229,18 @@ def main() -> int:
                     measured = measure(family, class_name, config, grid, mesh, args.rounds)
                 except Exception as exc:  # noqa: BLE001 - recorded, the others still run
                     measured = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-                # the rates probed in this row's rounds, beside its steps; the links from the run's calibration
-                rates = replace(profile, gemm_flops={"float32": measured.get("gemm_flops",
-                                                                             profile.gemm_flops["float32"])},
-                                attention_flops={"float32": measured.get("attention_flops",
-                                                                         profile.attention_flops["float32"])},
-                                elementwise_bandwidth=measured.get("elementwise_bandwidth",
-                                                                   profile.elementwise_bandwidth),
-                                op_overhead_s=measured.get("op_overhead_s", profile.op_overhead_s))
+                # the rates probed in this row's rounds, beside its steps; the links from the run's calibration.
+                # Every rank probes at once: with more ranks than cores (tp2 x ulysses2: 4 on 2) each probe had a
+                # share of a core, while a profile's rates are one rank's on a core of its own (predict divides them
+                # by that share itself): the probes are brought back to a core's rate, not counted shared twice
+                share = max(1.0, Mesh.parse(mesh).world / profile.concurrent_ranks)
+                rates = replace(profile, gemm_flops={"float32": share * measured.get("gemm_flops",
+                                                                                     profile.gemm_flops["float32"])},
+                                attention_flops={"float32": share * measured.get("attention_flops",
+                                                                                 profile.attention_flops["float32"])},
+                                elementwise_bandwidth=share * measured.get("elementwise_bandwidth",
+                                                                           profile.elementwise_bandwidth),
+                                op_overhead_s=measured.get("op_overhead_s", profile.op_overhead_s) / share)
                 predicted = predict(shape_t, latent, Mesh.parse(mesh), rates, steps=1, dtype="float32", branches=2)
                 row = {"model": family, "size": size, "latent_tokens": latent, "text_tokens": text, "mesh": mesh,
                        "predicted_step_s": predicted.step_s, "predicted_compute_s": predicted.compute_s,
