@@ -108,13 +108,11 @@ class LoadSpec:
     def _check_attention_backend(self) -> None:
         """A backend this machine runs and, with ring, one returning the log-sum-exp (each rank checks its device
         and dtype in `load`, before it reads a weight)."""
-        from paradiff.attention.backends import check_available, check_supported
+        from paradiff.attention.backends import check_choice
         from paradiff.errors import ParallelConfigError
 
         try:
-            check_available(self.attention_backend)
-            if self.parallel.ring_degree > 1:
-                check_supported(self.attention_backend, needs_lse=True)
+            check_choice(self.attention_backend, self.parallel.ring_degree)
         except ParallelConfigError as exc:
             raise LoadSpecError("attention_backend", self.attention_backend, str(exc)) from None
 

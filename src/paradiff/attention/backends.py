@@ -137,6 +137,12 @@ def check_available(name: str) -> AttentionBackend:
     return backend
 
 
+def check_choice(name: str, ring: int = 1) -> AttentionBackend:
+    """A backend chosen for a run: one this machine runs and, with ring > 1, one that returns the log-sum-exp (the
+    device and dtype are checked by each rank before it reads a weight)."""
+    return check_supported(name, needs_lse=True) if ring > 1 else check_available(name)
+
+
 def able_backends(**conditions) -> list[str]:
     """The backends that can run attention of this kind (`AttentionBackend.supports`'s arguments)."""
     return [name for name, backend in BACKENDS.items() if backend.supports(**conditions) is None]

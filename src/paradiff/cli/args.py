@@ -502,13 +502,11 @@ def check_args(args: argparse.Namespace) -> None:
 def _check_attention_backend(name: str, ring: int) -> None:
     """--attention-backend: a backend this machine runs and, with --ring, one returning the log-sum-exp (the device
     and dtype are checked by each worker, before it reads a weight)."""
-    from paradiff.attention.backends import check_available, check_supported
+    from paradiff.attention.backends import check_choice
     from paradiff.errors import ParallelConfigError
 
     try:
-        check_available(name)
-        if ring > 1:
-            check_supported(name, needs_lse=True)
+        check_choice(name, ring)
     except ParallelConfigError as exc:
         raise CliError(f"--attention-backend {name}: {exc}") from None
 
