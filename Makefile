@@ -56,7 +56,7 @@ test-ray: $(STAMP)
 # The load lane (docs/testing.md): the suite with two busy-loop processes beside it, one pinned to each core, as on a
 # shared CI host. A test that passes here acts on what it has seen, not on how long things usually take.
 test-load: $(STAMP)
-	bash tests/load_lane.sh $(PY) -m pytest -q -n 2 --dist loadfile
+	bash tests/load_lane.sh $(PY) -m pytest -q -n 2 --dist loadfile -m "not ray"
 
 # The newest releases pyproject.toml admits, in a venv of their own: what a user installing today gets.
 test-latest:

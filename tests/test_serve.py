@@ -7,7 +7,6 @@ import base64
 import io
 import json
 import os
-import shutil
 import signal
 import socket
 import statistics
@@ -22,6 +21,7 @@ import httpx
 import numpy as np
 import pytest
 
+from paradiff_testkit.browser import CHROMIUM, launch_chromium
 from paradiff_testkit.serve import ServerProcess, images_of
 from paradiff_testkit import command
 
@@ -586,7 +586,7 @@ def test_a_killed_worker_fails_the_server_and_answers_every_client(tmp_path):
             gate.write_text("")
             answers = [first.result(timeout=60), second.result(timeout=60)]
         assert [answer.status_code for answer in answers] == [500, 503]
-        assert all("rank(s) [1] stopped answering" in answer.text for answer in answers)
+        assert all("rank(s) [1] stopped answering" in answer.text for answer in answers), [a.text for a in answers]
         code = server.process.wait(timeout=30)
         assert code != 0
         assert time.monotonic() - started < 20
@@ -766,7 +766,6 @@ def test_openais_client_edits_img2img_and_inpaint_at_tp2_as_single_process_diffu
 
 
 # -- the web page on an image server (tests/test_serve_jobs.py has its video path) -------------------------------------
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="no chromium here (Debian: apt-get install chromium)")
@@ -777,7 +776,7 @@ def test_the_web_page_asks_the_key_then_shows_the_image_with_its_parameters_in_a
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
+        browser = launch_chromium(playwright)
         try:
             page = browser.new_page(viewport={"width": 900, "height": 640})
             page.goto(dp_server.url + "/")

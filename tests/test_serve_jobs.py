@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import os
-import shutil
 import sqlite3
 import time
 from pathlib import Path
@@ -17,8 +16,8 @@ import pytest
 from paradiff.serve.jobs import Jobs, JobStore, form_fields, keep_results, video_object
 from paradiff.serve.protocol import Limits, RequestError
 from paradiff.serve.scheduler import Scheduler
+from paradiff_testkit.browser import CHROMIUM, launch_chromium
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")  # the client's, on every call
 
 LIMITS = Limits(kind="video", model_name="wan", default_size=(32, 32), default_frames=5, max_frames=10,
@@ -350,7 +349,7 @@ def test_the_web_page_generates_a_video_with_a_progress_bar_in_a_real_browser(hi
 
     server = history["server"]
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
+        browser = launch_chromium(playwright)
         try:
             page = browser.new_page(viewport={"width": 900, "height": 640})
             page.goto(server.url + "/")

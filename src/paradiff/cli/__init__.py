@@ -31,6 +31,10 @@ from paradiff.cli.preflight import check_model_folder
 from paradiff.cli.launcher import USER_ERROR, WORKER_MODULE, WORKER_REPORTED_FAILURE, launch
 from paradiff.cli.report import say
 
+# A server's rank 0 answers its clients and stops the other ranks itself when one of them dies; the launcher's bound
+# on that (launch's `leader_grace_s`).
+SERVER_LEADER_GRACE_S = 60.0
+
 __all__ = ["CliError", "entry_point", "main"]
 
 
@@ -125,7 +129,8 @@ def _run(args, argv: list[str], worker_module: str, on_pipeline_loaded) -> int:
     if args.command == "generate":
         _warn_idle_replicas(args)
     if args.command == "serve":  # the launcher forwards SIGTERM / SIGINT to rank 0, which drains
-        return launch(argv, world_size_of(args), worker_module, dead_grace_s=10.0, forward_signals=True)
+        return launch(argv, world_size_of(args), worker_module, dead_grace_s=10.0, forward_signals=True,
+                      leader_grace_s=SERVER_LEADER_GRACE_S)
     return launch(argv, world_size_of(args), worker_module)
 
 

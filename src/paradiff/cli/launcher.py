@@ -20,7 +20,7 @@ USER_ERROR = 2  # a CliError, printed by the worker as well
 
 
 def launch(argv: list[str], world: int, worker_module: str = WORKER_MODULE, grace_s: float = 10.0,
-           dead_grace_s: float = 1.0, forward_signals: bool = False) -> int:
+           dead_grace_s: float = 1.0, forward_signals: bool = False, leader_grace_s: float | None = None) -> int:
     """Start `world` local workers (`python -m worker_module argv`) and supervise them; 0, or 1 if any failed.
 
     When one worker fails (exit code WORKER_REPORTED_FAILURE), the others get `grace_s` to notice (their collectives
@@ -31,6 +31,11 @@ def launch(argv: list[str], world: int, worker_module: str = WORKER_MODULE, grac
 
     `forward_signals` (a server): SIGTERM to the launcher goes to rank 0, which drains and then stops every rank
     (Ctrl-C reaches rank 0 from the terminal); the launcher waits for them.
+
+    `leader_grace_s` (a server): when a rank other than 0 fails while rank 0 still runs, rank 0 sees it itself,
+    answers every waiting client with the cause and stops the others; the launcher gives it this long (a bound, not
+    a wait: it returns as soon as every worker has ended) before it terminates them. On a loaded host the answers
+    can take longer than the few seconds a dead peer otherwise gets.
     """
     debug = bool(os.environ.get("PARADIFF_DEBUG"))
     # The workers write to a pipe; rank 0 still shows progress bars when the console is a terminal.
@@ -68,8 +73,10 @@ def launch(argv: list[str], world: int, worker_module: str = WORKER_MODULE, grac
                 if code not in (None, 0) and failed is None:
                     failed = (rank, code)
             if failed is not None:
-                deadline = time.monotonic() + (grace_s if failed[1] in (WORKER_REPORTED_FAILURE, USER_ERROR)
-                                            else dead_grace_s)
+                grace = grace_s if failed[1] in (WORKER_REPORTED_FAILURE, USER_ERROR) else dead_grace_s
+                if leader_grace_s is not None and failed[0] != 0 and workers[0].poll() is None:
+                    grace = max(grace, leader_grace_s)
+                deadline = time.monotonic() + grace
                 while time.monotonic() < deadline and any(worker.poll() is None for worker in workers):
                     time.sleep(0.05)
                 break
