@@ -2,8 +2,8 @@
 per-rank memory of single, tp2, ulysses2, ring2, cfg2 and tp2 x ulysses2, for two model shapes and two token counts,
 and the efficiency table (a step's FLOPs over step time x ranks x the GEMM rate measured in the same run).
 
-    .venv/bin/python benchmarks/bench_cost_model.py            # the 24 rows (120 s idle, 487-729 s at load average 7-34)
-    .venv/bin/python benchmarks/bench_cost_model.py --rounds 2 --meshes single,ring2   # a quick look
+    .venv/bin/python benchmarks/bench_cost_model.py            # the 24 rows, 3 passes (about 120 s a pass idle)
+    .venv/bin/python benchmarks/bench_cost_model.py --passes 1 --rounds 2 --meshes single,ring2   # a quick look
 
 Models (random weights, fp32, batch 1, gloo on 127.0.0.1): a FLUX.2-architecture Flux2Transformer2DModel (joint +
 single blocks) and a Wan-architecture WanTransformer3DModel (self + cross attention), 4 heads x 64, 2 + 2 blocks /
@@ -22,7 +22,9 @@ the median over rounds of the slowest rank's step, the rates the median over rou
 nor its waits on the other ranks: a check of the compute terms under load). Predicted: by
 `plan_tools/planner.predict` with the links of the profile `plan_tools/calibrate.calibrate` measured at the start of
 the run (2 ranks) and the rates probed in that row's rounds (tp2 x ulysses2's 4 ranks share the 2 cores, which the
-profile's concurrent_ranks accounts for).
+profile's concurrent_ranks accounts for). --passes runs every row that many times, the order reversed on every other
+pass, and each row's figures are medians over all its passes' rounds: two idle single-pass runs had moved some rows'
+steps by up to 30% (a slow minute of the machine lands on a few rows of one pass).
 Writes every row to benchmarks/results/raw/cost_model.json, the headline figures to
 benchmarks/results/bench_cost_model.json, and prints the tables.
 """
@@ -205,6 +207,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--large", action="store_true", help="8 heads and 4x the tokens (minutes per row)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved probe + step rounds per mesh")
+    parser.add_argument("--passes", type=int, default=3,
+                        help="passes over every row (the row order reversed on every other pass); each row's figures "
+                             "are medians over the passes' rounds, so a slow minute of the machine moves one pass")
     parser.add_argument("--meshes", default=",".join(MESHES))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "raw" / "cost_model.json"))
     parser.add_argument("--no-wait", action="store_true", help="do not wait for the machine to go quiet")
@@ -219,37 +224,44 @@ def main() -> int:
           f"{profile.attention_flops['float32'] / 1e9:.1f} GFLOP/s, concurrent ranks {profile.concurrent_ranks}",
           flush=True)
     rows = []
-    for family, (class_name, config) in configs(quick).items():
-        for size, grid in grids(quick).items():
-            frames, height, width, text = grid
-            shape_t = model_shape(dict(config, _class_name=class_name), text_tokens=text)
-            latent = frames * height * width  # make_inputs' grid is in tokens (after the patch)
-            for mesh in args.meshes.split(","):
-                try:
-                    measured = measure(family, class_name, config, grid, mesh, args.rounds)
-                except Exception as exc:  # noqa: BLE001 - recorded, the others still run
-                    measured = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-                # the rates probed in this row's rounds, beside its steps; the links from the run's calibration.
-                # Every rank probes at once: with more ranks than cores (tp2 x ulysses2: 4 on 2) each probe had a
-                # share of a core, while a profile's rates are one rank's on a core of its own (predict divides them
-                # by that share itself): the probes are brought back to a core's rate, not counted shared twice
-                share = max(1.0, Mesh.parse(mesh).world / profile.concurrent_ranks)
-                rates = replace(profile, gemm_flops={"float32": share * measured.get("gemm_flops",
-                                                                                     profile.gemm_flops["float32"])},
-                                attention_flops={"float32": share * measured.get("attention_flops",
-                                                                                 profile.attention_flops["float32"])},
-                                elementwise_bandwidth=share * measured.get("elementwise_bandwidth",
-                                                                           profile.elementwise_bandwidth),
-                                op_overhead_s=measured.get("op_overhead_s", profile.op_overhead_s) / share)
-                predicted = predict(shape_t, latent, Mesh.parse(mesh), rates, steps=1, dtype="float32", branches=2)
-                row = {"model": family, "size": size, "latent_tokens": latent, "text_tokens": text, "mesh": mesh,
-                       "predicted_step_s": predicted.step_s, "predicted_compute_s": predicted.compute_s,
-                       "predicted_comm_s": predicted.comm_s, "predicted_memory": predicted.memory.total,
-                       "predicted_weights": predicted.memory.weights,
-                       "predicted_activations": predicted.memory.activations,
-                       "step_flops": 2 * forward_cost(shape_t, latent, 4).flops, **measured}
-                rows.append(row)
-                print(_line(row), flush=True)
+    order = [(family, class_name, config, size, grid, mesh) for family, (class_name, config) in configs(quick).items()
+             for size, grid in grids(quick).items() for mesh in args.meshes.split(",")]
+    passes: dict[tuple, list[dict]] = {}
+    for number in range(args.passes):
+        for family, class_name, config, size, grid, mesh in (order if number % 2 == 0 else order[::-1]):
+            try:
+                measured = measure(family, class_name, config, grid, mesh, args.rounds)
+            except Exception as exc:  # noqa: BLE001 - recorded, the others still run
+                measured = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            passes.setdefault((family, size, mesh), []).append(measured)
+            print(f"pass {number + 1}/{args.passes} {family} {size} {mesh}: "
+                  + (f"step {measured['step_s']:.3f} s" if "step_s" in measured else measured["error"]), flush=True)
+    for family, class_name, config, size, grid, mesh in order:
+        frames, height, width, text = grid
+        shape_t = model_shape(dict(config, _class_name=class_name), text_tokens=text)
+        latent = frames * height * width  # make_inputs' grid is in tokens (after the patch)
+        measured = combine_passes(passes[(family, size, mesh)])
+        # the rates probed in this row's rounds, beside its steps; the links from the run's calibration.
+        # Every rank probes at once: with more ranks than cores (tp2 x ulysses2: 4 on 2) each probe had a
+        # share of a core, while a profile's rates are one rank's on a core of its own (predict divides them
+        # by that share itself): the probes are brought back to a core's rate, not counted shared twice
+        share = max(1.0, Mesh.parse(mesh).world / profile.concurrent_ranks)
+        rates = replace(profile, gemm_flops={"float32": share * measured.get("gemm_flops",
+                                                                             profile.gemm_flops["float32"])},
+                        attention_flops={"float32": share * measured.get("attention_flops",
+                                                                         profile.attention_flops["float32"])},
+                        elementwise_bandwidth=share * measured.get("elementwise_bandwidth",
+                                                                   profile.elementwise_bandwidth),
+                        op_overhead_s=measured.get("op_overhead_s", profile.op_overhead_s) / share)
+        predicted = predict(shape_t, latent, Mesh.parse(mesh), rates, steps=1, dtype="float32", branches=2)
+        row = {"model": family, "size": size, "latent_tokens": latent, "text_tokens": text, "mesh": mesh,
+               "predicted_step_s": predicted.step_s, "predicted_compute_s": predicted.compute_s,
+               "predicted_comm_s": predicted.comm_s, "predicted_memory": predicted.memory.total,
+               "predicted_weights": predicted.memory.weights,
+               "predicted_activations": predicted.memory.activations,
+               "step_flops": 2 * forward_cost(shape_t, latent, 4).flops, **measured}
+        rows.append(row)
+        print(_line(row), flush=True)
     single = {(r["model"], r["size"]): r for r in rows if r["mesh"] == "single" and "step_s" in r}
     for row in rows:
         if "step_s" in row:
@@ -259,7 +271,7 @@ def main() -> int:
             row["efficiency_vs_single"] = row["efficiency"] / base["efficiency"] if base else None
     wall = time.monotonic() - started
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "large": args.large, "rounds": args.rounds, "cpus": len(os.sched_getaffinity(0)), "wall_s": wall,
+              "large": args.large, "rounds": args.rounds, "passes": args.passes, "cpus": len(os.sched_getaffinity(0)), "wall_s": wall,
               "profile": json.loads(profile.to_json()), "rows": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -282,7 +294,8 @@ def main() -> int:
                           note=f"predicted / measured {min(ratios):.2f}-{max(ratios):.2f}; rows: "
                                "benchmarks/results/raw/cost_model.json"),
                    figure("step-time rows predicted within 20%", step, f"of {len(measured)}", f">= {len(measured)}",
-                          note=f"{load}; one run {wall:.0f} s")]
+                          note=f"{load}; medians of {args.passes} passes x {args.rounds} rounds per row; one run "
+                               f"{wall:.0f} s")]
         for mesh in EFFICIENCY_MESHES:
             values = [r["efficiency"] for r in measured if r["mesh"] == mesh]
             if values:
@@ -300,6 +313,22 @@ def main() -> int:
                      "Wan-shaped, 6 meshes; efficiency of single, tp2, ulysses2, ring2", figures,
                      notes="rows: benchmarks/results/raw/cost_model.json")
     return 0
+
+
+def combine_passes(results: list[dict]) -> dict:
+    """One row's figures over its passes: the median of every pass's step rounds and probed rates, the median
+    memory, the busiest the machine was; an error only if every pass failed."""
+    done = [r for r in results if "step_s" in r]
+    if not done:
+        return results[0]
+    steps = [step for r in done for step in r["steps"]]
+    combined = dict(done[0], steps=steps, step_s=statistics.median(steps), passes=len(done),
+                    wall_s=sum(r["wall_s"] for r in done),
+                    machine_busy_cores=max(r["machine_busy_cores"] for r in done))
+    for key in ("step_cpu_s", "gemm_flops", "attention_flops", "elementwise_bandwidth", "op_overhead_s", "memory",
+                "weights", "activations"):
+        combined[key] = statistics.median(r[key] for r in done)
+    return combined
 
 
 def _line(row: dict) -> str:
