@@ -45,14 +45,8 @@ class StepHooks:
         self.step, self.open = 0, False
         patch = None
         if scheduler is not None and callable(getattr(scheduler, "step", None)):
-            plain = scheduler.step
-
-            def step(*args: Any, **kwargs: Any) -> Any:
-                output = plain(*args, **kwargs)
-                self.close()
-                return output
-
-            patch = set_attribute(scheduler, "step", step, by="steps", what="close the denoising step")
+            patch = set_attribute(scheduler, "step", _StepThenClose(scheduler, scheduler.step, self), by="steps",
+                                  what="close the denoising step")
         try:
             yield
             self.close()  # a step the scheduler did not close (it never ran after the last transformer call)
@@ -75,3 +69,21 @@ class StepHooks:
             for parallelism, model in self.hooks:
                 parallelism.after_step(model, self.step)
             self.step += 1
+
+
+class _StepThenClose:
+    """The scheduler's `step`, then the open denoising step closed. Pipelines copy their scheduler for a second
+    stream (LTX-2's audio, SkyReels-V2's per-chunk samples: `copy.deepcopy(self.scheduler)`): the copy gets its own
+    class `step`, neither this scheduler's nor a step hook."""
+
+    def __init__(self, scheduler: Any, plain: Any, hooks: StepHooks) -> None:
+        self.scheduler, self.plain, self.hooks = scheduler, plain, hooks
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        output = self.plain(*args, **kwargs)
+        self.hooks.close()
+        return output
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        copy = memo.get(id(self.scheduler))  # the scheduler being copied, when it is (deepcopy registers it first)
+        return self if copy is None else type(copy).step.__get__(copy)
