@@ -31,6 +31,7 @@ from paradiff.runtime.state import PipelineState, get_state
 
 logger = logging.getLogger(__name__)
 
+
 def _scheduler_of(pipeline) -> Any:
     """The pipeline's scheduler component (the one a call steps), or None."""
     return (getattr(pipeline, "components", None) or {}).get("scheduler")

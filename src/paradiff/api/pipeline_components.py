@@ -182,6 +182,7 @@ def _load_components(own: list[_Own], parallel, dtype, device, stages: bool, pla
     single_files = single_files or {}
     from paradiff.api.load_sequence import Component, Prepared, run_load_sequence
     from paradiff.api.model import prepare_model
+    from paradiff.api.parallelisms import REGISTRY
 
     encoder_dims = text_encoder_dims(parallel)
     transformers = {item.name for item in own if item.kind in ("transformer", "controlnet")}
@@ -196,9 +197,7 @@ def _load_components(own: list[_Own], parallel, dtype, device, stages: bool, pla
                 component.checkpoint.close()
             raise
         facts = {"parallel degrees": parallel.degrees(), "stages": stages} if parallel is not None else {}
-        if registry is None:
-            return Prepared(components, parallel, device, facts)
-        return Prepared(components, parallel, device, facts, registry=registry)
+        return Prepared(components, parallel, device, facts, registry=registry or REGISTRY)
 
     def _prepare_component(item: _Own, components: dict[str, Component]) -> None:
         tp_shard, context, item_plan, item_cp_plan, one = None, False, item.plan, None, None
