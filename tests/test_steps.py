@@ -67,3 +67,19 @@ def test_a_step_no_scheduler_closes_is_closed_when_the_call_ends():
         model(torch.ones(1, 4))
         model(torch.ones(1, 4))
     assert log == [("only", "before", 0), ("only", "after", 0)] and hooks.last_call_steps == 1
+
+
+def test_cfg_closes_each_steps_pair_and_refuses_a_step_of_one_call():
+    """CFG's per-step duty (`CfgModel.after_step`): a two-call step's pair is whole and the next call is a first
+    branch again; a step of one call is refused there, naming the step, instead of pairing with the next step's."""
+    from paradiff.errors import ParallelConfigError
+    from paradiff.runtime.cfg import CfgSplitter
+
+    splitter = CfgSplitter(group=None, cfg_rank=0)  # cfg rank 0's first call of a pair needs no collective
+    forward = lambda x: 2 * x  # noqa: E731
+    splitter(forward, (torch.ones(1),), {})
+    with pytest.raises(ParallelConfigError, match="at denoising step 4 it made 1 call"):
+        splitter.step_done(4)
+    splitter.calls = 2
+    splitter.step_done(5)
+    assert splitter.calls == 0
