@@ -91,3 +91,89 @@ def mismatched_seed(family: str, folder: str) -> str:
     except Exception as exc:  # noqa: BLE001
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+def a_registry_of_its_own_on_every_load_path(family: str, folder: str, model_cls: str, steps: int = 3) -> dict:
+    """A parallelism declared here, in a registry of the test's own (`REGISTRY.adding`), given to `from_pretrained`
+    and `load_pipeline`: each phase of it runs in the registry's order (resolved, around the read, applied after
+    TP and CP, before CFG), its patch is listed and removable, and its step hooks run once per denoising step of a
+    cfg2 pipeline call, the images equal bit for bit to the pipeline's without it."""
+    import diffusers
+
+    from paradiff.api.parallelisms import REGISTRY
+    from paradiff.distributed.parallelism import Parallelism
+    from paradiff.runtime.patches import add_hook, remove_patch
+    from paradiff.runtime.state import get_state
+    from paradiff.runtime.wrappers import wrappers as wrapper_names
+
+    class Probe(Parallelism):
+        name, dims = "probe", ("probe",)
+
+        def __init__(self) -> None:
+            self.log: list = []
+            self.hooks: list = []
+
+        def enabled(self, config) -> bool:
+            return True  # (its dimension has size 1: nothing to split, every phase still runs)
+
+        def resolve_plan(self, config, model, plan, coordinates):
+            self.log.append(("resolve", type(model).__name__))
+            return "probe plan"
+
+        def before_read(self, component, mesh, device, read):
+            self.log.append(("before_read", type(component.model).__name__))
+
+        def after_read(self, component, mesh, read):
+            sharded = get_state(component.model) is None and component.resolved is not None
+            self.log.append(("after_read", type(component.model).__name__))
+            self.log.append(("tp swapped before", sharded and any(
+                type(m).__module__.startswith("paradiff") for m in component.model.modules())))
+
+        def apply(self, model, resolved, mesh, state):
+            self.log.append(("apply", type(model).__name__, resolved, "cfg_exchange" in wrapper_names(model)))
+            self.hooks.append((model, add_hook(model, lambda module, args, output: None, by=self.name).patch))
+
+        def before_step(self, model, step):
+            self.log.append(("before_step", step))
+
+        def after_step(self, model, step):
+            self.log.append(("after_step", step))
+
+    import time
+
+    started = time.perf_counter()
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    probe = Probe()
+    registry = REGISTRY.adding(probe, after="cfg", apply_after="cp")
+    model = paradiff.from_pretrained(getattr(diffusers, model_cls), folder, subfolder="transformer",
+                                     parallel_config=_config(tp=world), registry=registry)
+    loaded_model = list(probe.log)
+    model_listed = _probe_patches(model)
+
+    probe.log.clear()
+    kwargs = dict(default_call_kwargs(family), num_inference_steps=steps)
+    pipeline = paradiff.load_pipeline(folder, parallel_config=_config(cfg=world), registry=registry)
+    pipeline.set_progress_bar_config(disable=True)
+    loaded_pipeline = [entry for entry in probe.log if entry[1] == type(pipeline.transformer).__name__]
+    listed = _probe_patches(pipeline.transformer)
+    probe.log.clear()
+    images = _pixels(pipeline(**kwargs, seed=0))
+    step_log = list(probe.log)
+    splitter_calls = [s.calls for s in pipeline._paradiff_pipeline.cfgs]
+    for holder, patch in probe.hooks:
+        remove_patch(holder, patch)
+    unlisted = _probe_patches(pipeline.transformer)
+
+    plain = paradiff.load_pipeline(folder, parallel_config=_config(cfg=world))
+    plain.set_progress_bar_config(disable=True)
+    return {"loaded_model": loaded_model, "model_listed": model_listed, "loaded_pipeline": loaded_pipeline,
+            "listed": listed, "unlisted": unlisted, "step_log": step_log, "splitter_calls": splitter_calls,
+            "steps_run": pipeline._paradiff_pipeline.steps.last_call_steps,
+            "plain_steps": plain._paradiff_pipeline.steps is not None,
+            "equal": bool(np.array_equal(images, _pixels(plain(**kwargs, seed=0)))),
+            "seconds": time.perf_counter() - started}
+
+
+def _probe_patches(model) -> list[str]:
+    return [str(patch) for _, patch in paradiff.describe(model).patches if patch.by == "probe"]

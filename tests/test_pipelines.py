@@ -96,3 +96,25 @@ def test_wan22_a14b_both_transformers_run_parallel(pools, pipelines, degrees):
             assert held < 0.75 * whole if "tp" in degrees else held == whole, result
         if "cfg" in degrees:  # 3 steps, one branch per step on each rank, over both transformers
             assert result["cfg_forwards"] == 3, result
+
+
+def test_a_registry_of_its_own_is_applied_on_every_load_path_and_its_step_hooks_run_once_per_step(pools, pipelines):
+    steps = 3
+    results = pools.get(2).run(cases.a_registry_of_its_own_on_every_load_path, family="qwenimage",
+                               folder=pipelines["qwenimage"], model_cls="QwenImageTransformer2DModel", steps=steps)
+    for result in results:
+        model = "QwenImageTransformer2DModel"
+        # from_pretrained (tp2): resolved while preparing, around the read, applied after TP swapped its linears
+        assert result["loaded_model"] == [("resolve", model), ("before_read", model), ("after_read", model),
+                                          ("tp swapped before", True), ("apply", model, "probe plan", False)], result
+        assert len(result["model_listed"]) == 1 and result["model_listed"][0].startswith("hook forward"), result
+        # load_pipeline (cfg2): the same phases on its transformer, applied before CFG put its exchange on
+        assert [entry[0] for entry in result["loaded_pipeline"]] == ["resolve", "before_read", "after_read",
+                                                                     "apply"], result
+        assert result["loaded_pipeline"][-1] == ("apply", model, "probe plan", False), result
+        assert len(result["listed"]) == 1 and result["unlisted"] == [], result
+        # once per denoising step, in order, each before its after; CFG closed each step's pair
+        assert result["step_log"] == [(hook, step) for step in range(steps)
+                                      for hook in ("before_step", "after_step")], result
+        assert result["steps_run"] == steps and result["splitter_calls"] == [0], result
+        assert result["plain_steps"] and result["equal"], result  # (CFG's own step hook on the plain pipeline)

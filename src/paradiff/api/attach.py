@@ -12,7 +12,7 @@ from paradiff.runtime.state import ParallelState, set_state
 from paradiff.runtime.wrappers import install_wrapper
 from paradiff.api.lora import install_lora_support
 from paradiff.runtime.offload import install_offload_support
-from paradiff.api.parallelisms import REGISTRY, apply_parallelisms
+from paradiff.api.parallelisms import REGISTRY, apply_parallelisms, enabled_parallelisms
 from paradiff.distributed.parallelism import Registry
 
 
@@ -20,10 +20,12 @@ def attach(model: nn.Module, mesh: Any, resolved: Any, cp_resolved: Any, fsdp_bl
            registry: Registry = REGISTRY, plans: dict[str, Any] | None = None) -> nn.Module:
     """Record the parallel state on the model, put on each parallelism's changes in the registry's order (CP's
     hooks: `api/parallelisms.py`), and guard its forward against peer failures. `plans`: resolved plans of other
-    parallelisms of `registry`, by name."""
-    state = ParallelState(mesh=mesh, tp_plan=resolved, fsdp_blocks=list(fsdp_blocks))
+    parallelisms of `registry`, by name. The parallelisms `registry` enables are kept in the state: their step
+    hooks run per denoising step of a pipeline (`runtime/steps.py`)."""
+    state = ParallelState(mesh=mesh, tp_plan=resolved, fsdp_blocks=list(fsdp_blocks),
+                          parallelisms=enabled_parallelisms(mesh.config, registry))
     set_state(model, state)
-    resolved_plans = {"tp": resolved, "cp": cp_resolved, "fsdp": list(fsdp_blocks), **(plans or {})}
+    resolved_plans = {**(plans or {}), "tp": resolved, "cp": cp_resolved, "fsdp": list(fsdp_blocks)}
     apply_parallelisms(model, mesh, state, resolved_plans, registry)
     install_wrapper(model, "failure_guard", guarded_call)
     install_agreed_caching(model, mesh.model_group)

@@ -19,10 +19,10 @@ from torch import nn
 from paradiff.distributed.agreement import agree
 from paradiff.distributed.mesh import build_mesh
 from paradiff.api.attach import attach
-from paradiff.api.fsdp import shard_component
+from paradiff.api.parallelisms import REGISTRY, resolve_plans
+from paradiff.distributed.parallelism import Registry
 from paradiff.quant.apply import (ReadQuantizer, column_split_weights, quantize_model, reduce_row_extrema,
                                   row_extrema)
-from paradiff.tensor_parallel.shard import swap_in_sharded_linears
 
 
 @dataclass
@@ -45,6 +45,8 @@ class Component:
     blocks: list[tuple[str, nn.Module]] | None = None
     prefetch_across_lists: bool = True  # False for a text encoder (fsdp/apply.py: shard_weights)
     fsdp_blocks: list[str] = field(default_factory=list, init=False)
+    # every enabled parallelism's resolved plan, by name (None: resolved by the sequence, after `prepare`)
+    plans: dict[str, Any] | None = None
 
     def quantize(self) -> None:
         """Quantize the weights this rank holds in the load dtype (its slices and the whole others): after every
@@ -61,6 +63,7 @@ class Prepared:
     parallel: Any  # the ParallelConfig, or None: single process
     device: torch.device
     facts: dict[str, Any] = field(default_factory=dict)  # agreed besides the components' own
+    registry: Registry = REGISTRY  # the parallelisms every phase walks (api/parallelisms.py)
 
 
 def run_load_sequence(stage: str, prepare: Callable[[], Prepared], *, distributed: bool, read: str = "all",
@@ -72,8 +75,9 @@ def run_load_sequence(stage: str, prepare: Callable[[], Prepared], *, distribute
     prepared, error = None, None
     try:
         prepared = prepare()
+        _resolve_other_plans(prepared)
     except Exception as exc:  # noqa: BLE001 - shared with the other ranks, then re-raised
-        error = exc
+        error = exc  # (a plan that failed to resolve: the checkpoints opened are closed below)
     components = prepared.components if prepared is not None else {}
     quantizers: dict[str, ReadQuantizer] = {}
     try:
@@ -81,10 +85,13 @@ def run_load_sequence(stage: str, prepare: Callable[[], Prepared], *, distribute
             agree(stage, _facts(prepared) if error is None else None, error)
         elif error is not None:
             raise error
-        mesh = build_mesh(prepared.parallel, prepared.device) if prepared.parallel is not None else None
-        for component in components.values():
-            if component.blocks is not None:  # on the meta device (read next) or in memory: no collective yet
-                shard_component(component, mesh, _tp_group(component, mesh), read == "all", prepared.device)
+        mesh = None
+        if prepared.parallel is not None:
+            mesh = build_mesh(prepared.parallel, prepared.device, registry=prepared.registry)
+            for component in components.values():  # the load-time phase, before the read (FSDP: on meta)
+                component.group = _tp_group(component, mesh)
+                for parallelism in prepared.registry.in_apply_order():
+                    parallelism.before_read(component, mesh, prepared.device, read)
         if read != "none":
             if read == "all":
                 quantizers = _row_extrema_pass(stage, components, mesh, distributed)
@@ -113,10 +120,10 @@ def run_load_sequence(stage: str, prepare: Callable[[], Prepared], *, distribute
             if component.checkpoint is not None:
                 component.checkpoint.close()
     for name, component in components.items():
-        group = _tp_group(component, mesh)
-        component.group = group
-        if component.resolved is not None and component.blocks is None:  # (FSDP's were swapped before it)
-            swap_in_sharded_linears(component.model, component.resolved, group, weights_are_local=read == "all")
+        component.group = _tp_group(component, mesh)
+        if mesh is not None:  # the load-time phase, after the read (TP: the sharded linears, each holding its slice)
+            for parallelism in prepared.registry.in_apply_order():
+                parallelism.after_read(component, mesh, read)
         if name in quantizers:  # quantized as read: the held weights put in place
             component.quantized = quantizers[name].install(component.model)
         elif read == "all":  # GGUF weights wrapped as read; staged: quantized after each stage's read
@@ -124,8 +131,22 @@ def run_load_sequence(stage: str, prepare: Callable[[], Prepared], *, distribute
         if eval_mode:
             component.model.eval()
         if mesh is not None and component.attach:
-            attach(component.model, mesh, component.resolved, component.cp_resolved, component.fsdp_blocks)
+            attach(component.model, mesh, component.resolved, component.cp_resolved, component.fsdp_blocks,
+                   registry=prepared.registry, plans=component.plans)
     return prepared, mesh
+
+
+def _resolve_other_plans(prepared: Prepared) -> None:
+    """The plans of every parallelism the loader did not resolve itself (`from_pretrained` and `load_pipeline`
+    resolve TP, CP and FSDP against the checkpoint headers), for each component attach will put them on: while
+    preparing, before the ranks agree."""
+    if prepared.parallel is None:
+        return
+    for component in prepared.components.values():
+        if component.attach and component.plans is None:
+            component.plans = resolve_plans(component.model, prepared.parallel, registry=prepared.registry,
+                                            known={"tp": component.resolved, "cp": component.cp_resolved,
+                                                   "fsdp": component.blocks})
 
 
 def _tp_group(component: Component, mesh: Any) -> Any:

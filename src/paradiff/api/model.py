@@ -29,6 +29,8 @@ from paradiff.quant.schemes import check_block_boundaries, gguf_scheme, scheme_f
 from paradiff.api.building import _Prepared, parameters_on_meta, target_dtype  # noqa: F401 - public here
 from paradiff.api.fsdp import check_fsdp
 from paradiff.api.load_sequence import Component, Prepared, run_load_sequence
+from paradiff.api.parallelisms import REGISTRY
+from paradiff.distributed.parallelism import Registry
 from paradiff.api.single_file import is_gguf_path, prepare_gguf_model
 from paradiff.tensor_parallel.plan import as_plan, check_checkpoint_keys, resolve_plan
 
@@ -109,6 +111,7 @@ def from_pretrained(
     plan: Any = None,
     cp_plan: Any = None,
     progress: bool | None = None,
+    registry: Registry = REGISTRY,
     **kwargs: Any,
 ) -> nn.Module:
     """Load a diffusers model class (or a `transformers` one, e.g. a text encoder); with a parallel config, each rank
@@ -120,6 +123,9 @@ def from_pretrained(
 
     Every check runs first on each rank; then the ranks agree (through the store, not a collective) that all passed
     and that they load the same thing, and only then is the mesh built and any weight read.
+
+    `registry`: the parallelisms to apply, in its apply order (`api/parallelisms.py: REGISTRY`, or a registry of
+    one's own built with `REGISTRY.adding(...)`).
     """
     def prepare() -> Prepared:
         item = _prepare(model_cls, path, subfolder, torch_dtype, parallel_config, device, plan, cp_plan, kwargs)
@@ -133,7 +139,7 @@ def from_pretrained(
                 raise
         component = Component(item.model, item.facts, item.resolved, item.cp_resolved, item.checkpoint, item.source,
                               quantization=item.quantization, blocks=blocks)
-        return Prepared({"": component}, item.parallel, item.device)
+        return Prepared({"": component}, item.parallel, item.device, registry=registry)
 
     prepared, _mesh = run_load_sequence("paradiff.from_pretrained", prepare, distributed=parallel_config is not None,
                                         progress=progress)

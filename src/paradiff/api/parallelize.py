@@ -14,7 +14,8 @@ from paradiff.errors import UnsupportedModelError
 from paradiff.distributed.mesh import require_distributed
 from paradiff.api.attach import attach  # noqa: F401 - public here
 from paradiff.api.load_sequence import Component, Prepared, run_load_sequence
-from paradiff.api.parallelisms import resolve_plans
+from paradiff.api.parallelisms import REGISTRY, resolve_plans
+from paradiff.distributed.parallelism import Registry
 from paradiff.runtime.state import get_state
 
 
@@ -71,8 +72,9 @@ def check_shardable(model: nn.Module) -> None:
             )
 
 
-def enable_parallelism(model: nn.Module, config: Any, *, plan: Any = None, cp_plan: Any = None) -> nn.Module:
-    """Shard (TP) and/or hook (CP) `model` in place; returns it.
+def enable_parallelism(model: nn.Module, config: Any, *, plan: Any = None, cp_plan: Any = None,
+                       registry: Registry = REGISTRY) -> nn.Module:
+    """Shard (TP) and/or hook (CP) `model` in place, each parallelism of `registry` in its apply order; returns it.
 
     Every check runs before any collective; then the ranks agree through the store that all passed and that they
     hold the same model configuration, parameter layout and parallel config.
@@ -83,7 +85,7 @@ def enable_parallelism(model: nn.Module, config: Any, *, plan: Any = None, cp_pl
         parallel = as_parallel_config(config, dist.get_world_size())
         if getattr(model, "_cache_config", None) is not None:
             check_cache_config(model._cache_config)
-        plans = resolve_plans(model, parallel, {"tp": plan, "cp": cp_plan})  # in the registry's order: TP, CP, FSDP
+        plans = resolve_plans(model, parallel, {"tp": plan, "cp": cp_plan}, registry)  # in its order: TP, CP, FSDP
         facts = {
             "parallel degrees": parallel.degrees(),
             "model class": type(model).__name__,
@@ -91,8 +93,8 @@ def enable_parallelism(model: nn.Module, config: Any, *, plan: Any = None, cp_pl
             "parameters": fingerprint([(n, list(p.shape), str(p.dtype)) for n, p in model.named_parameters()]),
         }
         device = next(model.parameters()).device
-        component = Component(model, facts, plans.get("tp"), plans.get("cp"), blocks=plans.get("fsdp"))
-        return Prepared({"": component}, parallel, device)
+        component = Component(model, facts, plans.get("tp"), plans.get("cp"), blocks=plans.get("fsdp"), plans=plans)
+        return Prepared({"": component}, parallel, device, registry=registry)
 
     run_load_sequence("paradiff.enable_parallelism", prepare, distributed=True, read="none", eval_mode=False)
     return model

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paradiff.runtime.patches import swap_class
-from paradiff.runtime.cfg import install_cfg_parallel
+from paradiff.runtime.steps import StepHooks
 from paradiff.config import as_parallel_config
 from paradiff.errors import CheckpointError, ParallelConfigError
 from paradiff.api.model import check_dtype
@@ -22,12 +22,20 @@ from paradiff.io.folders import has_modular_index_only, read_pipeline_index, res
 from paradiff.distributed.mesh import REPLICA_DIMS, default_device
 from paradiff.plans.pipelines import cfg_refusal, cp_refusal, modular_cfg_refusal, not_dit_refusal, pipeline_spec
 from paradiff.api.pipeline_components import _components_paradiff_loads, _load_components, transformer_names
-from paradiff.api.modular import (check_guided_call, fill_modular, guider_names, install_guided_cfg,
-                                  is_modular_class, modular_skeleton, pretrained_names)
+from paradiff.api.modular import (check_guided_call, fill_modular, guider_names, is_modular_class, modular_skeleton,
+                                  pretrained_names)
+from paradiff.api.parallelisms import REGISTRY, apply_to_pipelines
+from paradiff.distributed.parallelism import Registry
 from paradiff.api.pipeline_wiring import _check_parallel_vae, _install_latent_check, _parallelize_vae, _stage_runner
 from paradiff.runtime.state import PipelineState, get_state
 
 logger = logging.getLogger(__name__)
+
+
+def _scheduler_of(pipeline) -> Any:
+    """The pipeline's scheduler component (the one a call steps), or None."""
+    return (getattr(pipeline, "components", None) or {}).get("scheduler")
+
 
 class ParallelPipelineMixin:
     """Mixed into the loaded pipeline's class: seeds every rank alike and checks CFG pairing."""
@@ -57,7 +65,8 @@ class ParallelPipelineMixin:
             splitter.reset()
         state.check_latents = True
         with state.stages.call() if state.stages else contextlib.nullcontext():
-            output = super().__call__(*args, **kwargs)
+            with state.steps.call(_scheduler_of(self)) if state.steps else contextlib.nullcontext():
+                output = super().__call__(*args, **kwargs)
         for splitter in splitters:
             splitter.finish()
         return output
@@ -177,6 +186,7 @@ def load_pipeline(
     text_encoder_plans: dict[str, Any] | None = None,
     parallel_vae: bool | None = None,
     transformer_file: str | os.PathLike | dict[str, str | os.PathLike] | None = None,
+    registry: Registry = REGISTRY,
     **kwargs: Any,
 ):
     """A diffusers pipeline whose transformer is parallelised (shard-on-read for TP) and whose text encoders are
@@ -201,6 +211,9 @@ def load_pipeline(
     {component: path} for pipelines with several transformers, e.g. Wan 2.2's "transformer_2"), built from the
     folder's transformer config.json and read sliced like `paradiff.from_pretrained` of the file; pass
     `quantization_config=PipelineQuantizationConfig(quant_mapping={"transformer": GGUFQuantizationConfig(...)})`.
+    `registry`: the parallelisms to apply, in its apply order, at every phase: while loading, on the pipeline, and
+    per denoising step (`api/parallelisms.py: REGISTRY`, or a registry of one's own built with
+    `REGISTRY.adding(...)`).
     """
     dtype = check_dtype(torch_dtype)
     device = torch.device(device) if device is not None else default_device()
@@ -250,7 +263,7 @@ def load_pipeline(
             "load_components takes no PipelineQuantizationConfig; list only the components paradiff loads "
             f"({', '.join(item.name for item in own)}) in components_to_quantize, or quantize the others yourself "
             "and pass them with pipe.update_components(...).")
-    loaded = _load_components(own, parallel, dtype, device, stages, plan, cp_plan, schemes, single_files)
+    loaded = _load_components(own, parallel, dtype, device, stages, plan, cp_plan, schemes, single_files, registry)
     if modular:
         pipeline = skeleton
         fill_modular(pipeline, {name: item.model for name, item in loaded.items()}, dtype, kwargs)
@@ -265,19 +278,24 @@ def load_pipeline(
     pipeline._paradiff_pipeline = PipelineState(base_name=base.__name__, modular=modular, guided=guided)
     transformers = [getattr(pipeline, name) for name in transformer_names(index)
                     if isinstance(getattr(pipeline, name, None), nn.Module)]
-    if parallel is not None and parallel.cfg_degree > 1:
-        group = get_state(transformers[0]).mesh.group("cfg")
-        if guided:
-            pipeline._paradiff_pipeline.cfgs = (install_guided_cfg(transformers, group),)
-        else:
-            pipeline._paradiff_pipeline.cfgs = tuple(
-                install_cfg_parallel(model, group, pipeline_spec(base.__name__).cfg) for model in transformers)
     if parallel is not None:
+        apply_to_pipelines(pipeline, transformers, get_state(transformers[0]).mesh, registry)  # CFG
+        _install_step_hooks(pipeline, transformers)
         _install_latent_check(pipeline)
         if parallel_vae is not False and parallel.world_size // parallel.data_degree > 1:
             _parallelize_vae(pipeline, required=bool(parallel_vae))
     pipeline._paradiff_pipeline.stages = _stage_runner(pipeline, loaded, device, stages)
     return pipeline
+
+
+def _install_step_hooks(pipeline, transformers: list[nn.Module]) -> None:
+    """Each transformer's parallelisms with per-step hooks, run once per denoising step of every call
+    (`runtime/steps.py`); none has any: nothing is put on."""
+    hooks = tuple((parallelism, model) for model in transformers
+                  for parallelism in get_state(model).parallelisms if parallelism.has_step_hooks)
+    if hooks:
+        pipeline._paradiff_pipeline.steps = StepHooks(hooks)
+        pipeline._paradiff_pipeline.steps.install(transformers)
 
 
 def _standard_pipeline(pipeline_cls: type | None, pipeline_index, folder, loaded: dict, dtype, kwargs: dict):

@@ -172,15 +172,17 @@ def library_module(library: str):
 
 def _load_components(own: list[_Own], parallel, dtype, device, stages: bool, plan: Any = None,
                      cp_plan: Any = None, schemes: dict | None = None,
-                     single_files: dict[str, Path] | None = None) -> dict[str, _Loaded]:
+                     single_files: dict[str, Path] | None = None, registry: Any = None) -> dict[str, _Loaded]:
     """Prepare every component (meta models, plans, checkpoint headers) on every rank, agree, build the mesh once,
     then read: everything now (all-resident), or only persistent buffers (staged; parameters come at their stage).
     `schemes`: component name -> quant.schemes.QuantScheme, quantized on each rank's slice as it is read.
-    `single_files`: transformer name -> the GGUF file its weights are read from (with its "gguf" scheme)."""
+    `single_files`: transformer name -> the GGUF file its weights are read from (with its "gguf" scheme).
+    `registry`: the parallelisms every phase of the sequence walks (None: paradiff's, `api/parallelisms.py`)."""
     schemes = schemes or {}
     single_files = single_files or {}
     from paradiff.api.load_sequence import Component, Prepared, run_load_sequence
     from paradiff.api.model import prepare_model
+    from paradiff.api.parallelisms import REGISTRY
 
     encoder_dims = text_encoder_dims(parallel)
     transformers = {item.name for item in own if item.kind in ("transformer", "controlnet")}
@@ -195,7 +197,7 @@ def _load_components(own: list[_Own], parallel, dtype, device, stages: bool, pla
                 component.checkpoint.close()
             raise
         facts = {"parallel degrees": parallel.degrees(), "stages": stages} if parallel is not None else {}
-        return Prepared(components, parallel, device, facts)
+        return Prepared(components, parallel, device, facts, registry=registry or REGISTRY)
 
     def _prepare_component(item: _Own, components: dict[str, Component]) -> None:
         tp_shard, context, item_plan, item_cp_plan, one = None, False, item.plan, None, None

@@ -54,14 +54,35 @@ class Parallelism:
         when it has nothing to resolve."""
         return None
 
+    # the load-time phase: inside the load sequence (`api/load_sequence.py`), on a component whose weights are read
+    # already split (shard-on-read): `component` is its `Component` (model, resolved plans, the TP group, FSDP blocks)
+    def before_read(self, component: Any, mesh: Any, device: Any, read: str) -> None:
+        """Change the model after the mesh is built and before any weight is read (on the meta device when `read` is
+        "all"): what the read must find in place, so each rank reads only its own part."""
+
+    def after_read(self, component: Any, mesh: Any, read: str) -> None:
+        """Change the model once every rank read its weights, before the quantized weights are put in place and
+        before `apply`."""
+
     def apply(self, model: Any, resolved: Any, mesh: Any, state: Any) -> None:
         """Put its changes on a loaded model, each through `runtime/patches.py` (recorded with `by=self.name`)."""
 
+    def apply_to_pipeline(self, pipeline: Any, models: list[Any], mesh: Any) -> None:
+        """Put its changes on a loaded pipeline whose transformers (`models`) were attached: what needs the
+        pipeline's own facts (its CFG rule, its guiders)."""
+
+    # --- the per-step lifecycle: a pipeline call runs these once per denoising step (`runtime/steps.py`) ----------
     def before_step(self, model: Any, step: int) -> None:
-        """Run before a denoising step."""
+        """Run before denoising step `step` (0 first in each call), at the step's first transformer call."""
 
     def after_step(self, model: Any, step: int) -> None:
-        """Run after a denoising step."""
+        """Run after denoising step `step`, once the scheduler stepped (or when the call ends)."""
+
+    @property
+    def has_step_hooks(self) -> bool:
+        """Whether it runs anything per step (a pipeline whose parallelisms have none puts no step hook on)."""
+        return (type(self).before_step is not Parallelism.before_step
+                or type(self).after_step is not Parallelism.after_step)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, dims={self.dims})"

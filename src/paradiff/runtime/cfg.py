@@ -41,7 +41,7 @@ from torch.utils import _pytree as pytree
 from paradiff.distributed.comm import all_gather_any_shape, all_gather_cfg_batch, broadcast_cfg_branch
 from paradiff.errors import ParallelConfigError
 from paradiff.runtime.patches import set_attribute
-from paradiff.runtime.wrappers import install_wrapper
+from paradiff.runtime.wrappers import install_wrapper, registry_of
 
 
 def _sample_of(output: Any) -> torch.Tensor:
@@ -136,6 +136,18 @@ class CfgSplitter:
                 f"unconditional), but it made {self.calls} calls. Enable classifier-free guidance (e.g. a negative "
                 "prompt with true_cfg_scale > 1, or guidance_scale > 1) or use cfg_degree=1."
             )
+
+    def step_done(self, step: int) -> None:
+        """The end of a denoising step (`runtime/steps.py`): its calls made whole pairs, and the next step's first
+        call is a first branch again. A step of one call would otherwise pair its branch with the next step's."""
+        if self.calls % 2:
+            raise ParallelConfigError(
+                "cfg_degree=2 needs the pipeline to call the transformer twice per step (conditional and "
+                f"unconditional), but at denoising step {step} it made {self.calls} call(s). Enable classifier-free "
+                "guidance at every step (e.g. a negative prompt with true_cfg_scale > 1, or guidance_scale > 1) or "
+                "use cfg_degree=1."
+            )
+        self.calls = 0
 
     def _forward(self, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         self.computed += 1
@@ -440,3 +452,11 @@ def install_cfg_parallel(model: nn.Module, group: dist.ProcessGroup, rule: Any =
                                structure=MetaStructure(model) if cfg_rank == 1 else None)
     install_wrapper(model, "cfg_exchange", splitter)
     return splitter
+
+
+def cfg_step_done(model: nn.Module, step: int) -> None:
+    """The end of denoising step `step` for `model`'s CFG exchange (its "cfg_exchange" wrapper; the batch and guider
+    styles close nothing per step)."""
+    exchange = registry_of(model).installed.get("cfg_exchange")
+    if isinstance(exchange, CfgSplitter):
+        exchange.step_done(step)

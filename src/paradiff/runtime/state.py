@@ -28,6 +28,9 @@ class ParallelState:
     cp_plan: Any = None  # context_parallel.apply.ResolvedContextPlan when CP is on
     cp_hooks: list[Any] = field(default_factory=list)  # runtime.patches.HookHandle: CP's hooks, each a recorded patch
     fsdp_blocks: list[str] = field(default_factory=list)  # the blocks FSDP2 shards, one unit each (fsdp/apply.py)
+    # the parallelisms (distributed.parallelism.Parallelism) its config enables, in the registry's apply order: those
+    # attach applied, whose step hooks a pipeline runs (runtime/steps.py)
+    parallelisms: tuple[Any, ...] = ()
 
 
 @dataclass
@@ -50,6 +53,7 @@ class PipelineState:
     cfgs: tuple[Any, ...] = ()
     check_latents: bool = False  # set at each call: the next transformer call compares the initial latents
     stages: Any = None  # runtime.stages.StageRunner
+    steps: Any = None  # runtime.steps.StepHooks: the parallelisms' per-step hooks (None: none has any)
 
 
 def model_state(model: nn.Module, create: bool = True) -> ModelState | None:
