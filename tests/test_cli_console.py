@@ -13,7 +13,7 @@ import pytest
 from paradiff.cli import main
 from paradiff.cli.args import build_parser
 from paradiff.cli.compare import picture_rows, write_compare_png
-from paradiff.cli.outputs import Output
+from paradiff.io.outputs import Output
 
 
 def _help(capsys, command: str) -> str:

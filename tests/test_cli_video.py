@@ -107,7 +107,7 @@ def test_sound_is_written_as_wav_beside_the_video_and_alone(tmp_path):
     import wave
     from types import SimpleNamespace
 
-    from paradiff.cli.outputs import outputs_of, sampling_rate, save_output
+    from paradiff.io.outputs import outputs_of, sampling_rate, save_output
 
     rng = np.random.default_rng(0)
     sound = rng.uniform(-1, 1, size=(2, 2, 480)).astype(np.float32)  # batch, channels, samples

@@ -250,7 +250,7 @@ def test_cli_writes_stable_audio_wav_equal_to_single_process(tmp_path):
     import torch
     from diffusers import StableAudioPipeline
 
-    from paradiff.cli.outputs import write_wav
+    from paradiff.io.outputs import write_wav
     from paradiff_testkit.audio import CALL_KWARGS, SAMPLING_RATE, save_stable_audio
 
     folder = save_stable_audio(tmp_path / "stable-audio")

@@ -105,10 +105,17 @@ def test_quant_sits_on_the_tensor_parallel_layers_and_below():
 
 
 def test_only_the_serve_command_imports_the_server():
-    """paradiff.serve sits on top (it uses the command's call arguments, outputs and console lines); below it only
-    cli/serve.py reaches it, lazily."""
+    """Of the command, only cli/serve.py reaches paradiff.serve, lazily."""
     files = [path for path in PACKAGE.rglob("*.py") if "serve" not in path.relative_to(PACKAGE).parts[:1]]
     assert [entry for entry in offenders(files, "paradiff.serve") if not entry.startswith("cli/serve.py")] == []
+
+
+def test_the_server_imports_nothing_of_the_command():
+    """serve/ sits below cli/: the call arguments, output encoding, console lines and its typed settings it uses live
+    in api/, io/, runtime/ and serve/settings.py, so a library user runs a server without the command line."""
+    files = list((PACKAGE / "serve").rglob("*.py"))
+    assert len(files) > 10
+    assert offenders(files, "paradiff.cli") == []
 
 
 def test_the_server_loads_through_the_load_spec_not_the_command():

@@ -309,7 +309,7 @@ def test_generate_with_an_adapter_column_draws_mixed_batches(tmp_path):
     from diffusers import DiffusionPipeline
 
     from paradiff.cli.embedded import embedded_call_kwargs, embedded_default
-    from paradiff.cli.outputs import png_bytes
+    from paradiff.io.outputs import png_bytes
     from paradiff.demo import LORA_FILE
     from paradiff_testkit import command
     from test_serve import assert_same_picture

@@ -116,12 +116,12 @@ def test_a_video_jobs_progress_and_its_requests_events_are_the_same_step_events(
     job store follows the same events, step for step; /metrics' rate comes from them; no other key is written."""
     import torch.distributed as dist
 
-    from paradiff.cli.args import build_parser
+    from paradiff.api.load_spec import LoadSpec
     from paradiff.serve.app import Frontend
     from paradiff.serve.ranks import Channel
+    from paradiff.serve.settings import ServeSettings
 
-    args = build_parser().parse_args(["serve", "--out", str(tmp_path), "--frames", "5", "--steps", "4"])
-    frontend = Frontend(args, "wan")
+    frontend = Frontend(ServeSettings(LoadSpec("wan"), out=str(tmp_path), frames=5, steps=4))
     try:
         frontend.replica_ready(0, {"kind": "video", "accepts": ["num_frames", "callback_on_step_end"], "adapters": [],
                                    "replicas": 1}, [{"rank": 0, "memory": 0}], 0)

@@ -84,7 +84,7 @@ def generated(tmp_path_factory) -> dict[tuple[str, int, int], bytes]:
     from PIL import Image
 
     from paradiff.cli.embedded import embedded_call_kwargs, embedded_default
-    from paradiff.cli.outputs import png_bytes
+    from paradiff.io.outputs import png_bytes
 
     out = tmp_path_factory.mktemp("generate")
     argv = ["-m", "paradiff.cli", "generate", "--steps", "4", "--seed", "5", "--out", str(out)]
@@ -737,7 +737,7 @@ def test_openais_client_edits_img2img_and_inpaint_at_tp2_as_single_process_diffu
     import torch
     from PIL import Image
 
-    from paradiff.cli.outputs import png_bytes
+    from paradiff.io.outputs import png_bytes
     from paradiff_testkit.pipelines import save_pipeline
 
     fields = CONDITIONED[pipeline_class]

@@ -170,7 +170,7 @@ def wan(tmp_path_factory) -> dict:
     import torch
     from diffusers import DiffusionPipeline
 
-    from paradiff.cli.outputs import png_bytes
+    from paradiff.io.outputs import png_bytes
     from paradiff_testkit.pipelines import save_pipeline
 
     root = tmp_path_factory.mktemp("wan-jobs")

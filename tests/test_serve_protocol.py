@@ -281,16 +281,17 @@ def test_a_client_gets_one_line_of_an_internal_error_without_paths():
 
 def test_the_limits_default_to_twice_what_the_server_was_started_for():
     from paradiff.cli.args import build_parser, check_args
+    from paradiff.cli.serve import settings_of
     from paradiff.serve.app import server_max_frames, server_max_side, server_max_steps
 
     def serve_args(*argv: str):
         args = build_parser().parse_args(["serve", *argv])
         check_args(args)
-        return args
+        return settings_of(args)
 
     demo = serve_args()
     assert (server_max_side(demo), server_max_steps(demo), demo.max_n) == (128, 2 * demo.steps, 4)
-    video = build_parser().parse_args(["serve", "--frames", "9", "--width", "104", "--height", "64"])
+    video = settings_of(build_parser().parse_args(["serve", "--frames", "9", "--width", "104", "--height", "64"]))
     assert (server_max_side(video), server_max_frames(video)) == (208, 18)
     given = serve_args("--max-side", "1024", "--max-steps", "50")
     assert (server_max_side(given), server_max_steps(given)) == (1024, 50)
@@ -304,10 +305,11 @@ def test_an_error_no_endpoint_answers_is_a_counted_json_500_and_one_console_line
     import httpx
 
     from paradiff.cli.args import build_parser
+    from paradiff.cli.serve import settings_of
     from paradiff.serve.app import Frontend, HttpGuard, build_app
 
     args = build_parser().parse_args(["serve", "--out", str(tmp_path)])
-    frontend = Frontend(args, "paradiff-demo")
+    frontend = Frontend(settings_of(args))
     app = build_app(frontend)
 
     @app.get("/v1/broken")
@@ -337,11 +339,12 @@ def test_an_allowed_origin_gets_cors_answers_and_its_preflight_needs_no_key(tmp_
     import httpx
 
     from paradiff.cli.args import build_parser
+    from paradiff.cli.serve import settings_of
     from paradiff.serve.app import Frontend, HttpGuard, build_app
 
     args = build_parser().parse_args(["serve", "--out", str(tmp_path), "--api-key", "k", "--allow-origin",
                                       "https://app.example.com", "--allow-host", "proxy.internal"])
-    frontend = Frontend(args, "paradiff-demo")
+    frontend = Frontend(settings_of(args))
     allowed = {"Origin": "https://app.example.com"}
 
     async def ask() -> list[httpx.Response]:
@@ -552,11 +555,12 @@ def test_over_max_wait_is_a_503_with_retry_after_and_a_reloading_replica_is_degr
     import httpx
 
     from paradiff.cli.args import build_parser
+    from paradiff.cli.serve import settings_of
     from paradiff.serve.app import Frontend, HttpGuard, build_app
 
     args = build_parser().parse_args(["serve", "--out", str(tmp_path), "--max-wait", "1", "--dp", "2",
                                                 "--steps", "8"])
-    frontend = Frontend(args, "paradiff-demo")
+    frontend = Frontend(settings_of(args))
     frontend.replica_states = {0: "loading", 1: "loading"}
     info = {"kind": "image", "accepts": ["prompt", "num_inference_steps"], "replicas": 2, "adapters": []}
     frontend.replica_state(0, "ready")
@@ -591,10 +595,11 @@ def test_every_error_is_in_openais_shape_with_a_string_code_and_the_field_at_fau
     import httpx
 
     from paradiff.cli.args import build_parser
+    from paradiff.cli.serve import settings_of
     from paradiff.serve.app import Frontend, HttpGuard, build_app
 
     args = build_parser().parse_args(["serve", "--out", str(tmp_path), "--api-key", "k"])
-    frontend = Frontend(args, "paradiff-demo")
+    frontend = Frontend(settings_of(args))
     frontend.limits = LIMITS
     frontend.replica_state(0, "ready")  # health is computed: every replica loaded once and serving
     frontend._loaded.add(0)
@@ -626,3 +631,53 @@ def test_every_error_is_in_openais_shape_with_a_string_code_and_the_field_at_fau
                       (415, None, "unsupported_media_type", "invalid_request_error"),
                       (403, None, "forbidden", "permission_error")]
     assert all(set(answer.json()["error"]) == {"message", "type", "param", "code"} for answer in answers)
+
+
+def test_a_library_user_serves_from_typed_settings_without_a_parser(tmp_path):
+    """ServeSettings built directly, no argparse: each bad value refused when built, naming the setting and what is
+    valid; the limits a server was not given derived from it; a Frontend started from it listens on 127.0.0.1 and
+    answers with those settings."""
+    import httpx
+
+    from paradiff.api.load_spec import LoadSpec
+    from paradiff.distributed.spawn import free_port
+    from paradiff.errors import ServeSettingsError
+    from paradiff.serve.app import Frontend
+    from paradiff.serve.settings import ServeSettings
+
+    spec = LoadSpec("models/wan")
+    for bad, words in (({"batch_window": 11}, "batch_window 11: expected seconds from 0 to 10"),
+                       ({"steps": 9, "max_steps": 8}, "steps 9 is above max_steps 8"),
+                       ({"schedule": "lifo"}, "schedule 'lifo': expected one of fair, fifo"),
+                       ({"port": 0}, "port 0: expected a TCP port from 1 to 65535"),
+                       ({"lora_modules": ["style"]}, "lora_modules style: expected NAME=PATH"),
+                       ({"allow_origin": ["app.example.com"]}, "allow_origin 'app.example.com': expected a page "
+                                                               "origin")):
+        with pytest.raises(ServeSettingsError) as caught:
+            ServeSettings(spec, **bad)
+        assert str(caught.value).startswith(words) and caught.value.field == next(iter(bad))
+    extra = ServeSettings(spec, guidance_scale=3.5, extra_call_kwargs={"max_sequence_length": 20})
+    assert extra.call_kwargs() == {"height": 64, "width": 64, "num_inference_steps": 4, "output_type": "np",
+                                   "guidance_scale": 3.5, "max_sequence_length": 20}
+    for attempt in range(5):  # a free port may be taken by another process before the server binds it
+        settings = ServeSettings(spec, port=free_port(), out=str(tmp_path), api_key="k", width=96, steps=6, max_n=2)
+        try:
+            frontend = Frontend(settings).start()
+            break
+        except RuntimeError:
+            assert attempt < 4
+    assert (settings.served_name, settings.limit_side, settings.limit_steps, settings.limit_frames) == \
+        ("wan", 192, 12, 257)
+    try:
+        frontend.replica_state(0, "ready")
+        frontend.replica_ready(0, {"kind": "image", "accepts": ["prompt", "num_inference_steps"], "replicas": 1,
+                                   "adapters": []}, [{"rank": 0, "memory": 1}], 0)
+        with httpx.Client(base_url=f"http://127.0.0.1:{settings.port}", timeout=30) as client:
+            health, refused = client.get("/health"), client.get("/v1/info")
+            info = client.get("/v1/info", headers={"Authorization": "Bearer k"})
+    finally:
+        frontend.stop()
+    assert health.json() == {"status": "ready"} and refused.status_code == 401
+    pipeline = info.json()["pipeline"]
+    assert (pipeline["model"], pipeline["size"], pipeline["steps"], pipeline["max_steps"], pipeline["max_side"],
+            pipeline["max_n"]) == ("wan", "96x64", 6, 12, 192, 2)

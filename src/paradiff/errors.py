@@ -42,3 +42,27 @@ class LoadSpecError(ParadiffError, ValueError):
     def __init__(self, field: str, value: object, reason: str) -> None:
         super().__init__(f"LoadSpec {field}={value!r}: {reason}")
         self.field, self.value, self.reason = field, value, reason
+
+
+class ServeSettingsError(ParadiffError, ValueError):
+    """A server setting (serve/settings.py: ServeSettings) with a value that cannot serve: `field`, `value`, and the
+    message, which names each setting it mentions through `said(name)`: as the field (`str(error)`), or as the
+    command line's flag (`error.said(lambda field: "--" + field.replace("_", "-"))`)."""
+
+    def __init__(self, field: str, value: object, message: str) -> None:
+        # message: a str.format template whose {field} placeholders are the settings it names
+        self.field, self.value, self.message = field, value, message
+        super().__init__(self.said(str))
+
+    def said(self, name) -> str:
+        """The message with each setting it names written as `name(field)`."""
+        return self.message.format_map(_Names(name))
+
+
+class _Names(dict):
+    def __init__(self, name) -> None:
+        super().__init__()
+        self.name = name
+
+    def __missing__(self, field: str) -> str:
+        return self.name(field)

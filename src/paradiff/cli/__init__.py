@@ -10,8 +10,7 @@ every worker when one fails; under torchrun (multi-node included) it uses the gi
     relay.py     the workers' stderr to the console, without native (C++) backtraces
     worker.py    one rank: process group, pipeline on the mesh, generation
     serve.py     `paradiff serve`: its checks, and each rank's entry into paradiff.serve
-    outputs.py   what a pipeline returned (images or video frames) and the PNG / MP4 files written for it
-    report.py    console lines and report.json
+    report.py    report.json and the run's summary lines
     compare.py   `--compare`: the single-process reference
     bench.py     `paradiff bench`
     plans.py     `paradiff check-plan` and `paradiff plans`
@@ -29,7 +28,7 @@ from typing import Any, Callable
 from paradiff.cli.args import CliError, build_parser, check_args, world_size_of
 from paradiff.cli.preflight import check_model_folder
 from paradiff.cli.launcher import USER_ERROR, WORKER_MODULE, WORKER_REPORTED_FAILURE, launch
-from paradiff.cli.report import say
+from paradiff.runtime.console import say
 
 # A server's rank 0 answers its clients and stops the other ranks itself when one of them dies; the launcher's bound
 # on that (launch's `leader_grace_s`).

@@ -417,13 +417,18 @@ def cache_config(spec: str, model=None):
         raise flag_error(exc) from None
 
 
+def default_steps(args: argparse.Namespace) -> int:
+    """--steps when not given: 4; the embedded pipeline's own count when no model is given."""
+    from paradiff.demo import DEFAULT_STEPS
+
+    return DEFAULT_STEPS if args.model is None else 4
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Everything a user can get wrong, checked before any process starts or any weight is read; also fills in the
     defaults that depend on the model (the launcher and every worker run this)."""
     if args.steps is None:
-        from paradiff.demo import DEFAULT_STEPS
-
-        args.steps = DEFAULT_STEPS if args.model is None else 4
+        args.steps = default_steps(args)
     if args.cache is not None:
         cache_config(args.cache)
     if args.model is not None:

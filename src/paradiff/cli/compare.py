@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from paradiff.cli.outputs import Output, first_output
+from paradiff.io.outputs import Output, first_output
 from paradiff.cli.pipeline_options import load_adapters, set_guider
 
 # |difference| x AMPLIFY in compare.png: one level of 255 becomes a clearly visible grey, exact equality is black.

@@ -20,6 +20,7 @@ import json
 import math
 from pathlib import Path
 
+from paradiff.api.pipeline_call import image_kwargs
 from paradiff.cli.common import CliError, flag_error
 
 # flag -> (the args attribute, the pipeline call's keyword)
@@ -188,24 +189,6 @@ def conditioning_kwargs(args: argparse.Namespace) -> dict:
         return kwargs
     name = pipeline_class_name(args)
     return {call_keyword(name, keyword): value for keyword, value in kwargs.items()}
-
-
-def image_kwargs(images: list, mask=None, strength: float | None = None, pipeline_name: str | None = None) -> dict:
-    """image= (one image, or a list: multi-reference editing), mask_image= and strength= as diffusers' calls take
-    them (under `pipeline_name`'s own keywords when it is given): how --image / --mask / --strength, and `paradiff
-    serve`'s edits, become call arguments."""
-    from paradiff.plans.pipelines import call_keyword
-
-    kwargs: dict = {}
-    if images:
-        kwargs["image"] = images[0] if len(images) == 1 else list(images)
-    if mask is not None:
-        kwargs["mask_image"] = mask
-    if strength is not None:
-        kwargs["strength"] = strength
-    if pipeline_name is None:
-        return kwargs
-    return {call_keyword(pipeline_name, keyword): value for keyword, value in kwargs.items()}
 
 
 def _exists(flag: str, path: str) -> None:

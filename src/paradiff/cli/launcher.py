@@ -9,7 +9,7 @@ import threading
 import time
 
 from paradiff.cli.relay import StderrRelay
-from paradiff.cli.report import say
+from paradiff.runtime.console import say
 from paradiff.distributed.spawn import free_port, rank_env, start_commands, stop_commands
 
 WORKER_MODULE = "paradiff.cli"

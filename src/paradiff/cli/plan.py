@@ -161,7 +161,7 @@ def resolve_auto_parallel(args: argparse.Namespace, argv: list[str]) -> list[str
     args.fsdp = mesh.fsdp
     args.parallel = None
     if os.environ.get("RANK", "0") == "0":
-        from paradiff.cli.report import say
+        from paradiff.runtime.console import say
 
         say(f"paradiff: --parallel auto on {world} ranks ({result.profile.name}): {mesh.name}, predicted "
             f"{choice.step_s:.3g} s per step, {choice.memory.total / 1e9:.3g} GB per rank")

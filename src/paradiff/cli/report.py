@@ -1,19 +1,12 @@
-"""What a run tells its user: one-line console messages and report.json."""
+"""What a run tells its user: report.json and its summary lines (one-line messages: runtime/console.py, say)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from paradiff.cli.common import lora_specs, quantize_skip
-
-
-def say(line: str) -> None:
-    """One write per line, so lines of concurrent ranks never interleave mid-line."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
 
 
 def write_report(args: argparse.Namespace, out: Path, model: str, prompts: list[str], run: dict,

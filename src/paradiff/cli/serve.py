@@ -1,18 +1,24 @@
-"""`paradiff serve`: the checks made before any worker starts, and each worker's entry (paradiff.serve.ranks)."""
+"""`paradiff serve`: the flags as the server's typed settings (`settings_of`: serve/settings.py's ServeSettings), the
+checks made before any worker starts, and each worker's entry (paradiff.serve.ranks)."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import sqlite3
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from paradiff.cli.args import CliError
+from paradiff.errors import ServeSettingsError
+from paradiff.runtime.console import say
+
+if TYPE_CHECKING:
+    from paradiff.serve.settings import ServeSettings
 
 
 def check_serve_args(args: argparse.Namespace) -> None:
-    """What `generate`'s checks do not cover: the address, the limits, and flags that make no sense for a server."""
+    """What `generate`'s checks do not cover: the server's settings (serve/settings.py: ServeSettings, built from the
+    flags and checked there), the address, and flags that make no sense for a server."""
     import importlib.util
 
     missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
@@ -20,26 +26,6 @@ def check_serve_args(args: argparse.Namespace) -> None:
         raise CliError(f"paradiff serve needs {' and '.join(missing)}: pip install 'paradiff[serve]'")
     if args.compare:
         raise CliError("--compare is a `generate` flag; compare a server's answers with `paradiff generate`")
-    if not 0 <= args.batch_window <= 10:
-        raise CliError(f"--batch-window {args.batch_window}: expected seconds from 0 to 10")
-    if getattr(args, "ray", False):
-        ray_replicas(args)
-    if args.max_wait is not None and args.max_wait <= 0:
-        raise CliError(f"--max-wait {args.max_wait}: expected a number of seconds > 0")
-    if args.request_timeout <= 0:
-        raise CliError(f"--request-timeout {args.request_timeout}: expected a number of seconds > 0")
-    if args.max_steps is not None and args.steps > args.max_steps:
-        raise CliError(f"--steps {args.steps} is above --max-steps {args.max_steps}")
-    if args.max_side is not None and max(args.width, args.height) > args.max_side:
-        raise CliError(f"--width {args.width} / --height {args.height}: above --max-side {args.max_side}")
-    if args.max_frames is not None and args.frames is not None and args.frames > args.max_frames:
-        raise CliError(f"--frames {args.frames} is above --max-frames {args.max_frames}")
-    if not 0 < args.read_timeout <= 600:
-        raise CliError(f"--read-timeout {args.read_timeout}: expected seconds above 0, at most 600")
-    for origin in args.allow_origin or ():
-        if not re.fullmatch(r"https?://[^/\s]+", origin):
-            raise CliError(f"--allow-origin {origin!r}: expected a page origin, SCHEME://HOST[:PORT] with no path, "
-                           "e.g. https://app.example.com")
     if getattr(args, "api_key_file", None) is not None:
         if args.api_key is not None:
             raise CliError("--api-key and --api-key-file: give one of them")
@@ -51,35 +37,67 @@ def check_serve_args(args: argparse.Namespace) -> None:
                            f"({getattr(exc, 'strerror', None) or exc})") from None
         if args.api_key is None:
             raise CliError(f"--api-key-file {args.api_key_file}: the file's first line is empty; expected the key")
-    if args.api_key is not None and not args.api_key.strip():
-        raise CliError("--api-key is empty; give a key, or leave the flag out for a server without one")
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not (args.api_key or os.environ.get("PARADIFF_API_KEY")):
-        from paradiff.cli.report import say
-
-        say(f"paradiff serve: warning: listening on {args.host} without --api-key: anyone who can reach it can use it")
-    from paradiff.serve.jobs import keep_results, open_store
-
-    try:
-        keep_results(args.keep_results)
-    except ValueError as exc:
-        raise CliError(str(exc)) from None
+    settings = settings_of(args)
+    if settings.host not in ("127.0.0.1", "localhost", "::1") and not (settings.api_key
+                                                                       or os.environ.get("PARADIFF_API_KEY")):
+        say(f"paradiff serve: warning: listening on {settings.host} without --api-key: anyone who can reach it can "
+            "use it")
     if "RANK" not in os.environ:  # the launcher, before its workers start
+        from paradiff.serve.jobs import open_store
+
         try:
-            open_store(args).close()
+            open_store(settings).close()
         except (OSError, sqlite3.Error) as exc:
-            raise CliError(f"--jobs-db {args.jobs_db or os.path.join(args.out, 'jobs.db')}: cannot open it as a "
-                           f"SQLite database ({exc}); give a writable file path") from None
+            raise CliError(f"--jobs-db {settings.jobs_path}: cannot open it as a SQLite database ({exc}); give a "
+                           "writable file path") from None
         from paradiff.serve.app import check_listen_address
 
-        problem = check_listen_address(args.host, args.port)
+        problem = check_listen_address(settings.host, settings.port)
         if problem:
-            raise CliError(f"--host {args.host} --port {args.port}: {problem}")
+            raise CliError(f"--host {settings.host} --port {settings.port}: {problem}")
+
+
+def settings_of(args: argparse.Namespace) -> ServeSettings:
+    """The flags of `paradiff serve` as the typed ServeSettings the server runs with (the one place its parsed flags
+    become one; after check_serve_args, which reads --api-key-file); a value the settings refuse is a CliError
+    naming its flag."""
+    from paradiff.cli.args import default_steps
+    from paradiff.cli.embedded import embedded_call_kwargs
+    from paradiff.cli.worker import load_spec_of, model_of
+    from paradiff.serve.settings import ServeSettings
+
+    spec = load_spec_of(args)
+    try:
+        return ServeSettings(
+            spec, model_name="paradiff-demo" if args.model is None else os.path.basename(os.path.normpath(
+                model_of(args))),
+            host=args.host, port=args.port, api_key=args.api_key, allow_host=tuple(args.allow_host or ()),
+            allow_origin=tuple(args.allow_origin or ()), max_batch=args.max_batch, batch_window=args.batch_window,
+            max_queue=args.max_queue, schedule=args.schedule, max_wait=args.max_wait,
+            request_timeout=args.request_timeout, max_n=args.max_n, max_side=args.max_side,
+            max_steps=args.max_steps, max_frames=args.max_frames, max_body_bytes=args.max_body_bytes,
+            read_timeout=args.read_timeout, width=args.width, height=args.height,
+            steps=args.steps if args.steps is not None else default_steps(args),
+            guidance_scale=args.guidance_scale, true_cfg_scale=args.true_cfg_scale,
+            negative_prompt=args.negative_prompt, frames=args.frames, fps=args.fps,
+            extra_call_kwargs=tuple(embedded_call_kwargs().items()) if args.model is None else (),
+            previews=args.previews, out=args.out, jobs_db=args.jobs_db, keep_results=args.keep_results,
+            lora_modules=tuple(args.lora_modules or ()), allow_runtime_lora=args.allow_runtime_lora,
+            lora_root=args.lora_root, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+            timeout=args.timeout, ray=args.ray, ray_replicas=ray_replicas(args) if args.ray else (1, 1),
+            ray_route=args.ray_route, ray_address=args.ray_address)
+    except ServeSettingsError as exc:
+        raise settings_error(exc) from None
+
+
+def settings_error(exc: ServeSettingsError) -> CliError:
+    """A ServeSettingsError as the command line says it: each setting it names as its flag."""
+    return CliError(exc.said(lambda field: "--" + field.replace("_", "-")))
 
 
 def run_serve_worker(args: argparse.Namespace, on_pipeline_loaded: Callable[[Any, int], None] | None) -> int:
     import torch
 
-    from paradiff.cli.worker import load_spec_of, model_of
     from paradiff.distributed.mesh import default_device
     from paradiff.serve.app import Frontend
     from paradiff.serve.dispatch import Dispatcher
@@ -89,9 +107,11 @@ def run_serve_worker(args: argparse.Namespace, on_pipeline_loaded: Callable[[Any
     device = default_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    name = "paradiff-demo" if args.model is None else os.path.basename(os.path.normpath(model_of(args)))
-    return serve_rank(args, load_spec_of(args), device, lambda: Frontend(args, name).start(), on_pipeline_loaded,
-                      Dispatcher)
+    settings = settings_of(args)
+    try:
+        return serve_rank(settings, device, lambda: Frontend(settings).start(), on_pipeline_loaded, Dispatcher)
+    except ServeSettingsError as exc:  # a --lora-modules file rank 0's frontend cannot serve
+        raise settings_error(exc) from None
 
 
 RAY_ONLY = {"--ray": 0, "--ray-replicas": 1, "--ray-route": 1, "--ray-address": 1, "--host": 1, "--port": 1,
@@ -118,8 +138,9 @@ def run_ray_serve(args: argparse.Namespace, argv: list[str]) -> int:
     from paradiff.cli.args import world_size_of
     from paradiff.serve.ray import run
 
-    return run(mesh_argv(argv), world_size_of(args), ray_replicas(args), args.ray_route, args.host, args.port,
-               args.ray_address)
+    settings = settings_of(args)
+    return run(mesh_argv(argv), world_size_of(args), settings.ray_replicas, settings.ray_route, settings.host,
+               settings.port, settings.ray_address)
 
 
 def mesh_argv(argv: list[str]) -> list[str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import inspect
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -21,13 +20,15 @@ from paradiff.distributed.store import open_store
 from paradiff.distributed.mesh import default_device
 from paradiff.api.load_spec import Loaded, LoadSpec, LoraSpec, load  # noqa: F401 - Loaded: public here
 from paradiff.api.load_spec import quantization_config as spec_quantization_config
+from paradiff.api.pipeline_call import accepted_kwargs, call_parameters, is_modular_pipeline
+from paradiff.api.pipeline_call import call_kwargs as pipeline_call_kwargs
 from paradiff.vae import get_vae_runtime
 from paradiff.cli.args import gguf_files, lora_specs, prompt_adapters, quantize_skip, read_prompts
 from paradiff.cli.common import flag_error
 from paradiff.cli.conditioning import conditioning_kwargs, requested_pipeline_class
 from paradiff.cli.compare import compare_single_process, picture_rows, write_compare_png
 from paradiff.cli.embedded import embedded_call_kwargs, embedded_default
-from paradiff.cli.outputs import Output, outputs_of, sampling_rate, save_output
+from paradiff.io.outputs import Output, outputs_of, sampling_rate, save_output
 from paradiff.cli.pipeline_options import load_adapters, set_guider  # noqa: F401 - public here
 from paradiff.cli.report import write_report
 from paradiff.errors import LoadSpecError, ParallelConfigError
@@ -85,38 +86,13 @@ def parallel_config(args: argparse.Namespace) -> paradiff.ParallelConfig:
 
 
 def call_kwargs(args: argparse.Namespace) -> dict:
-    kwargs = dict(height=args.height, width=args.width, num_inference_steps=args.steps, output_type="np")
-    if args.guidance_scale is not None:
-        kwargs["guidance_scale"] = args.guidance_scale
-    if args.true_cfg_scale is not None:
-        kwargs["true_cfg_scale"] = args.true_cfg_scale
-    if args.negative_prompt is not None:
-        kwargs["negative_prompt"] = args.negative_prompt
-    if args.frames is not None:
-        kwargs["num_frames"] = args.frames
-    if args.model is None:
-        kwargs.update(embedded_call_kwargs())
+    """The pipeline call's arguments of `generate`'s flags (api/pipeline_call.py: call_kwargs), with the
+    conditioning inputs read from their files."""
+    kwargs = pipeline_call_kwargs(args.height, args.width, args.steps, args.guidance_scale, args.true_cfg_scale,
+                                  args.negative_prompt, args.frames,
+                                  embedded_call_kwargs() if args.model is None else None)
     kwargs.update(conditioning_kwargs(args))
     return kwargs
-
-
-def call_parameters(pipeline: Any) -> dict:
-    """The parameters of the diffusers pipeline class's own __call__ (past paradiff's mixin, which takes **kwargs);
-    for a Modular Diffusers pipeline, its blocks' inputs (name -> None)."""
-    from paradiff.api.pipeline import ParallelPipelineMixin
-
-    if is_modular_pipeline(pipeline):
-        return dict.fromkeys(pipeline._blocks.input_names)
-    for cls in type(pipeline).__mro__:
-        if "__call__" in vars(cls) and cls is not ParallelPipelineMixin:
-            return dict(inspect.signature(vars(cls)["__call__"]).parameters)
-    return {}
-
-
-def is_modular_pipeline(pipeline: Any) -> bool:
-    from diffusers import ModularPipeline
-
-    return isinstance(pipeline, ModularPipeline)
 
 
 # the guidance options a Modular Diffusers pipeline takes as its guider's settings, not as call arguments
@@ -137,26 +113,6 @@ def guider_settings(kwargs: dict, pipeline: Any) -> dict:
                                           f"{key} (guidance-distilled); drop {flag}")
             settings["guidance_scale"] = kwargs.pop(key)
     return settings
-
-
-def accepted_kwargs(kwargs: dict, pipeline: Any) -> dict:
-    """The call's arguments as the pipeline takes them: no image size where it makes no image (audio pipelines such
-    as Stable Audio take a length in seconds, not --height / --width), and a max_area of the size asked for. A
-    modular pipeline's call takes its blocks' inputs; an option it does not take is refused by flag."""
-    parameters = call_parameters(pipeline)
-    if is_modular_pipeline(pipeline):
-        flags = {"negative_prompt": "--negative-prompt", "num_frames": "--frames"}
-        ignored = [flags.get(key, key) for key in kwargs
-                   if key not in parameters and key not in ("height", "width", "output_type")]
-        if ignored:
-            raise ParallelConfigError(f"{type(pipeline).__name__} (a modular pipeline) takes no {', '.join(ignored)};"
-                                      f" its blocks take {', '.join(sorted(parameters))}")
-    accepted = {key: value for key, value in kwargs.items()
-                if key not in ("height", "width", "output_type") or key in parameters}
-    if "max_area" in parameters and "height" in accepted and "width" in accepted:
-        # FLUX.1 Kontext scales the requested size up to max_area (1024^2 by default): keep --height x --width
-        accepted["max_area"] = accepted["height"] * accepted["width"]
-    return accepted
 
 
 def step_callback(pipeline: Any, on_step: Callable) -> dict:

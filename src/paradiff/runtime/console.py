@@ -1,11 +1,17 @@
 """What each rank of a run shows on the console: library messages and progress bars once, from rank 0, and only on
-a terminal (the command's generation and the server's ranks alike)."""
+a terminal (the command's generation and the server's ranks alike); `say`, the one-line console message both write."""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
+
+
+def say(line: str) -> None:
+    """One write per line, so lines of concurrent ranks never interleave mid-line."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def quiet_other_ranks(rank: int) -> None:

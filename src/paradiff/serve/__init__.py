@@ -1,5 +1,6 @@
 """`paradiff serve`: the pipeline loaded once on the mesh, serving many requests over HTTP.
 
+    settings.py   ServeSettings: every server setting and the LoadSpec each replica loads, typed and checked
     protocol.py   what a request may ask (OpenAI's image fields plus paradiff's) and its checks, as 4xx errors
     images.py     output formats (PNG from the ranks, re-encoded on rank 0), the edits' multipart form and uploads
     scheduler.py  the bounded queue: cost-aware order (fair | fifo), expected wait, deadlines, batching of

@@ -23,7 +23,10 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+from paradiff.errors import ServeSettingsError
+from paradiff.runtime.console import say
 from paradiff.serve.protocol import RequestError
+from paradiff.serve.settings import ServeSettings
 
 
 def file_sha256(path: str | Path) -> str:
@@ -209,21 +212,17 @@ def adapter_chunks(images: list[tuple[dict, int]], max_batch: int, max_loras: in
     return chunks
 
 
-def adapter_registry(args: Any, base_name: str) -> AdapterRegistry | None:
-    """Rank 0's registry, when the server takes adapters per request (--lora-modules or --allow-runtime-lora)."""
-    from paradiff.cli.args import CliError
-
-    modules = getattr(args, "lora_modules", None) or []
-    if not modules and not getattr(args, "allow_runtime_lora", False):
+def adapter_registry(settings: ServeSettings) -> AdapterRegistry | None:
+    """Rank 0's registry, when the server takes adapters per request (ServeSettings: lora_modules or
+    allow_runtime_lora); a module it cannot serve is a ServeSettingsError naming it."""
+    if not settings.lora_modules and not settings.allow_runtime_lora:
         return None
-    for spec in modules:
-        if "=" not in spec:
-            raise CliError(f"--lora-modules {spec}: expected NAME=PATH, e.g. style=/loras/style.safetensors")
     try:
-        return AdapterRegistry(base_name, modules, getattr(args, "lora_root", None),
-                               getattr(args, "allow_runtime_lora", False), args.max_lora_rank)
+        return AdapterRegistry(settings.served_name, list(settings.lora_modules), settings.lora_root,
+                               settings.allow_runtime_lora, settings.max_lora_rank)
     except RequestError as exc:
-        raise CliError(f"--lora-modules: {exc}") from None
+        raise ServeSettingsError("lora_modules", settings.lora_modules,
+                                 "{lora_modules}: " + str(exc).replace("{", "{{").replace("}", "}}")) from None
 
 
 async def adapter_endpoint(frontend: Any, request: Any, action: str, body_of: Any) -> Any:
@@ -252,7 +251,5 @@ async def adapter_endpoint(frontend: Any, request: Any, action: str, body_of: An
             message = f"Success: LoRA adapter '{name}' removed successfully."
     except RequestError as exc:
         return frontend.refusal(exc.status, str(exc), what)
-    from paradiff.cli.report import say
-
     say(f"paradiff serve: {message}")
     return JSONResponse({"status": "ok", "message": message})

@@ -23,7 +23,6 @@ HttpGuard refuses foreign hosts and origins, missing keys, large and non-JSON bo
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import dataclasses
@@ -41,7 +40,7 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from paradiff.cli.report import say
+from paradiff.runtime.console import say
 from paradiff.serve.images import MIME_TYPES, encode_output, parse_edit_request
 from paradiff.serve.jobs import LIST_LIMIT, Jobs, form_fields, keep_results, open_store, video_object
 from paradiff.serve.adapters import adapter_endpoint, adapter_registry
@@ -51,6 +50,7 @@ from paradiff.serve.protocol import (ENDPOINTS, ImageRequest, Limits, RequestErr
 from paradiff.serve.safety import RequestGuard, public_message, timed_h11_protocol
 from paradiff.serve.schema import openapi_document
 from paradiff.serve.scheduler import Job, Scheduler
+from paradiff.serve.settings import ServeSettings
 from paradiff.serve.stream import ProgressRouter, stream_images
 
 OPEN_PATHS = ("/health", "/")  # the page holds no data: it asks for the key when the server has one
@@ -72,23 +72,23 @@ def check_listen_address(host: str, port: int) -> str | None:
 class Frontend:
     """Rank 0's server: HTTP endpoints, scheduler, metrics and the request log."""
 
-    def __init__(self, args: argparse.Namespace, model_name: str) -> None:
-        self.args = args
-        self.api_key = args.api_key or os.environ.get("PARADIFF_API_KEY") or None
-        self.model_name = model_name
+    def __init__(self, settings: ServeSettings) -> None:
+        self.settings = settings
+        self.api_key = settings.api_key or os.environ.get("PARADIFF_API_KEY") or None
+        self.model_name = settings.served_name
         self.closing = False  # a fault stopped the server: it finishes what runs and exits
         self.failed: str | None = None
         self.replica_states: dict[int, str] = {0: "loading"}  # replica -> its state (dispatch.py)
         self._loaded: set[int] = set()  # the replicas that have been ready once
         self.generation = 0
         self.metrics = Metrics()
-        self.guard = RequestGuard(args.host, args.port, args.allow_host, args.allow_origin)
+        self.guard = RequestGuard(settings.host, settings.port, settings.allow_host, settings.allow_origin)
         self.limits: Limits | None = None
-        self.scheduler = Scheduler(max_queue=args.max_queue, max_batch=args.max_batch,
-                                   request_timeout_s=args.request_timeout, on_finish=self._on_finish,
-                                   window_s=args.batch_window, policy=getattr(args, "schedule", "fair"),
-                                   max_wait_s=getattr(args, "max_wait", None))
-        self.out = Path(args.out)
+        self.scheduler = Scheduler(max_queue=settings.max_queue, max_batch=settings.max_batch,
+                                   request_timeout_s=settings.request_timeout, on_finish=self._on_finish,
+                                   window_s=settings.batch_window, policy=settings.schedule,
+                                   max_wait_s=settings.max_wait)
+        self.out = Path(settings.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self._log = (self.out / "requests.jsonl").open("a", buffering=1)
         self._log_lock = threading.Lock()
@@ -98,16 +98,18 @@ class Frontend:
         self.loaded_at = int(time.time())  # the pipeline's load time: /v1/models' `created`
         self.replicas = 1
         self.progress = ProgressRouter(self._step_progress, self._preview)  # step events and previews (stream.py)
-        self.jobs = Jobs(open_store(args), self.out / "jobs", keep_results(args.keep_results), self.scheduler)
-        self.adapters = adapter_registry(args, model_name)  # per-request adapters (serve/adapters.py), or None
+        self.jobs = Jobs(open_store(settings), self.out / "jobs", keep_results(settings.keep_results),
+                         self.scheduler)
+        self.adapters = adapter_registry(settings)  # per-request adapters (serve/adapters.py), or None
 
     # -- lifetime -----------------------------------------------------------------------------------------------
     def start(self) -> "Frontend":
         import uvicorn
 
-        config = uvicorn.Config(HttpGuard(build_app(self), self), host=self.args.host, port=self.args.port,
+        settings = self.settings
+        config = uvicorn.Config(HttpGuard(build_app(self), self), host=settings.host, port=settings.port,
                                 log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5,
-                                loop="asyncio", http=timed_h11_protocol(self.args.read_timeout), timeout_keep_alive=5,
+                                loop="asyncio", http=timed_h11_protocol(settings.read_timeout), timeout_keep_alive=5,
                                 h11_max_incomplete_event_size=MAX_HEADER_BYTES)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="paradiff-http", daemon=True)
@@ -115,9 +117,9 @@ class Frontend:
         deadline = time.monotonic() + 30
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the HTTP server did not start on {self.args.host}:{self.args.port}")
+                raise RuntimeError(f"the HTTP server did not start on {settings.host}:{settings.port}")
             time.sleep(0.02)
-        say(f"paradiff serve: listening on http://{self.args.host}:{self.args.port} (loading the pipeline)")
+        say(f"paradiff serve: listening on http://{settings.host}:{settings.port} (loading the pipeline)")
         return self
 
     def stop(self) -> None:
@@ -147,16 +149,17 @@ class Frontend:
 
     def replica_ready(self, index: int, info: dict, ranks: list[dict], generation: int) -> None:
         """Replica `index` loaded (again, when `generation` > 0); the first one sets the request limits."""
-        args = self.args
+        settings = self.settings
         self.metrics.memory({entry["rank"]: entry["memory"] for entry in ranks})
         self._loaded.add(index)
         if self.limits is None:
             accepts = frozenset(info["accepts"])
-            self.limits = Limits(max_n=args.max_n, max_side=server_max_side(args), max_steps=server_max_steps(args),
-                                 max_frames=server_max_frames(args), default_size=(args.width, args.height),
-                                 default_steps=args.steps, default_guidance=args.guidance_scale,
-                                 default_true_cfg=args.true_cfg_scale, default_frames=args.frames,
-                                 default_fps=args.fps, model_name=self.model_name, kind=info["kind"], accepts=accepts,
+            self.limits = Limits(max_n=settings.max_n, max_side=settings.limit_side, max_steps=settings.limit_steps,
+                                 max_frames=settings.limit_frames, default_size=(settings.width, settings.height),
+                                 default_steps=settings.steps, default_guidance=settings.guidance_scale,
+                                 default_true_cfg=settings.true_cfg_scale, default_frames=settings.frames,
+                                 default_fps=settings.fps, model_name=self.model_name, kind=info["kind"],
+                                 accepts=accepts,
                                  adapters=tuple((name, scale) for name, scale in info["adapters"]),
                                  inputs=frozenset(info.get("inputs", ())), pipeline=info.get("pipeline", ""))
             # classic CFG (two branches when guidance > 1): a pipeline with a negative prompt and no true_cfg_scale
@@ -169,7 +172,8 @@ class Frontend:
         first = not generation and len(self._loaded) == self.replicas
         if generation or all(self.replica_states.get(r) in ("ready", "busy") for r in range(self.replicas)):
             say(f"paradiff serve: {which if generation else ''}ready{again}: {self.model_name} ({info['kind']}s) on "
-                f"{len(ranks) * self.replicas} rank(s), {self.replicas} replica(s), at http://{args.host}:{args.port}; "
+                f"{len(ranks) * self.replicas} rank(s), {self.replicas} replica(s), at "
+                f"http://{settings.host}:{settings.port}; "
                 f"{info.get('previews', 'no previews')}")
         if first and self.jobs.interrupted:
             say(f"paradiff serve: {len(self.jobs.interrupted)} video job(s) ran when the server last stopped without "
@@ -386,7 +390,7 @@ class Frontend:
             if self.limits.kind != "video":
                 raise RequestError(400, "/v1/videos: this server's pipeline makes images; use "
                                         "/v1/images/generations")
-            job = self.jobs.create(body, self.limits, self.args.max_queue)
+            job = self.jobs.create(body, self.limits, self.settings.max_queue)
         except RequestError as exc:
             return self.refused(exc.status, str(exc), "POST /v1/videos")
         return 200, video_object(job)
@@ -435,22 +439,19 @@ def _endpoint(kind: str) -> str:
 MAX_HEADER_BYTES = 16 * 1024  # the request line and headers; above it uvicorn answers 400 and closes
 
 
-def server_max_side(args: argparse.Namespace) -> int:
-    """--max-side, or twice the server's default size (rounded down to a multiple of 16): a request may not ask for
-    more than four times the pixels the server was started for."""
-    return args.max_side if args.max_side is not None else max(16, 2 * max(args.width, args.height) // 16 * 16)
+def server_max_side(settings: ServeSettings) -> int:
+    """The largest side a request may ask (ServeSettings.limit_side)."""
+    return settings.limit_side
 
 
-def server_max_steps(args: argparse.Namespace) -> int:
-    """--max-steps, or twice the server's default steps."""
-    return args.max_steps if args.max_steps is not None else 2 * args.steps
+def server_max_steps(settings: ServeSettings) -> int:
+    """The most steps a request may ask (ServeSettings.limit_steps)."""
+    return settings.limit_steps
 
 
-def server_max_frames(args: argparse.Namespace) -> int:
-    """--max-frames, or twice --frames (257 where the pipeline's own default count is used)."""
-    if args.max_frames is not None:
-        return args.max_frames
-    return 2 * args.frames if args.frames else 257
+def server_max_frames(settings: ServeSettings) -> int:
+    """The most frames a video request may ask (ServeSettings.limit_frames)."""
+    return settings.limit_frames
 
 
 class HttpGuard:
@@ -476,7 +477,7 @@ class HttpGuard:
                 if not hmac.compare_digest(given.encode(), f"Bearer {frontend.api_key}".encode()):
                     raise RequestError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'")
             length = headers.get("content-length")
-            max_body = frontend.args.max_body_bytes
+            max_body = frontend.settings.max_body_bytes
             if length is not None and (not length.isdigit() or int(length) > max_body):
                 raise RequestError(413, f"the request body ({length} bytes) is larger than --max-body-bytes "
                                         f"{max_body}")
@@ -498,11 +499,11 @@ def build_app(frontend: Frontend) -> FastAPI:
                   description="A diffusers pipeline split over a device mesh, loaded once.")
     # the schema of the loaded pipeline: its one generation endpoint, its bounds (schema.py)
     app.openapi = lambda: openapi_document(frontend.limits, app.title, version, bool(frontend.api_key))
-    max_body, read_timeout = frontend.args.max_body_bytes, frontend.args.read_timeout
-    if frontend.args.allow_origin:
+    max_body, read_timeout = frontend.settings.max_body_bytes, frontend.settings.read_timeout
+    if frontend.settings.allow_origin:
         from starlette.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=frontend.args.allow_origin,
+        app.add_middleware(CORSMiddleware, allow_origins=frontend.settings.allow_origin,
                            allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=["authorization", "content-type"])
 

@@ -175,9 +175,9 @@ class JobStore:
         return [_row(row) for row in rows]
 
 
-def open_store(args) -> JobStore:
-    """The store `paradiff serve`'s flags name: --jobs-db, or jobs.db in --out."""
-    return JobStore(Path(args.jobs_db) if args.jobs_db else Path(args.out) / "jobs.db")
+def open_store(settings) -> JobStore:
+    """The store a server's settings name (serve/settings.py: ServeSettings.jobs_path): jobs_db, or jobs.db in out."""
+    return JobStore(settings.jobs_path)
 
 
 def _row(row: sqlite3.Row) -> dict:

@@ -32,7 +32,6 @@ gone, or the load failed again: the ranks exit non-zero).
 
 from __future__ import annotations
 
-import argparse
 import base64
 import datetime
 import io
@@ -49,19 +48,18 @@ import torch
 import torch.distributed as dist
 
 from paradiff.api.load_spec import Loaded, LoadSpec, load
-from paradiff.cli.conditioning import image_kwargs
-from paradiff.cli.outputs import mp4_bytes, outputs_of, png_bytes
-from paradiff.cli.report import say
-from paradiff.cli.worker import accepted_kwargs, call_kwargs, call_parameters
+from paradiff.api.pipeline_call import accepted_kwargs, call_parameters, image_kwargs
+from paradiff.io.outputs import mp4_bytes, outputs_of, png_bytes
 from paradiff.distributed.comm import abort_process_groups, all_gather_json, broadcast_flag, broadcast_json
 from paradiff.distributed.failures import is_comm_error
 from paradiff.distributed.store import checked, get_json, open_store, put_json, store_client
 from paradiff.errors import DistributedError
-from paradiff.runtime.console import quiet_other_ranks
+from paradiff.runtime.console import quiet_other_ranks, say
 from paradiff.runtime.memory import peak_memory_bytes
 from paradiff.runtime.progress import StepClock, StepEvent
 from paradiff.serve.stream import StepPublisher, preview_maker
 from paradiff.serve.adapters import adapter_chunks
+from paradiff.serve.settings import ServeSettings
 
 PREFIX = "paradiff/serve"
 # after a fault, how long rank 0 waits for a rank on another machine to say it is alive, before it takes it for dead
@@ -187,13 +185,12 @@ def join_group(channel: Channel, backend: str, timeout_s: float) -> dist.Process
 class Replica:
     """This rank's share of the serving: its replica's pipeline and how a batch of work items becomes calls."""
 
-    def __init__(self, loaded: Loaded, args: argparse.Namespace, max_batch: int, replica: int = 0,
-                 replicas: int = 1) -> None:
+    def __init__(self, loaded: Loaded, settings: ServeSettings, replica: int = 0, replicas: int = 1) -> None:
         self.pipeline = loaded.pipeline
         self.pipeline.set_progress_bar_config(disable=True)  # one log line per request instead
         self.monitors = loaded.monitors
-        self.args = args
-        self.max_batch = max_batch
+        self.settings = settings
+        self.max_batch = settings.max_batch
         self.replica, self.replicas = replica, replicas
         self.parameters = set(call_parameters(self.pipeline))
         self.pipeline_name = loaded.spec.pipeline_class_name()
@@ -207,10 +204,10 @@ class Replica:
         self.previews = "no previews"  # what previews this server makes (serve_rank sets it)
         self._clock = StepClock()
         self.adapter_cache = None  # per-request adapters (serve/adapters.py), with --lora-modules / runtime loads
-        if getattr(args, "lora_modules", None) or getattr(args, "allow_runtime_lora", False):
+        if settings.lora_modules or settings.allow_runtime_lora:
             from paradiff.serve.adapters import AdapterCache
 
-            self.adapter_cache = AdapterCache(self.pipeline.transformer, args.max_loras, args.max_lora_rank)
+            self.adapter_cache = AdapterCache(self.pipeline.transformer, settings.max_loras, settings.max_lora_rank)
 
     def describe(self) -> dict:
         """What rank 0's frontend needs of the pipeline (JSON: it crosses the store)."""
@@ -259,7 +256,7 @@ class Replica:
         self._active = loras
 
     def call_kwargs(self, item: dict) -> dict:
-        kwargs = call_kwargs(self.args)
+        kwargs = self.settings.call_kwargs()
         kwargs.update(height=item["height"], width=item["width"], num_inference_steps=item["steps"])
         for field, parameter in (("guidance", "guidance_scale"), ("true_cfg_scale", "true_cfg_scale"),
                                  ("negative_prompt", "negative_prompt"), ("frames", "num_frames")):
@@ -293,7 +290,7 @@ class Replica:
         steps = 0
         self._clock = StepClock()
         per_call = 1 if any(item.get("images") for item in items) else self.max_batch  # an edit: one image a call
-        chunks = adapter_chunks(images, per_call, getattr(self.args, "max_loras", 1))
+        chunks = adapter_chunks(images, per_call, self.settings.max_loras)
         calls = {item["id"]: 0 for item in items}  # how many calls each item's images take, and have taken
         for chunk in chunks:
             for item_id in {item["id"] for item, _ in chunk}:
@@ -431,30 +428,32 @@ def rss_bytes() -> int:
         return 0
 
 
-def serve_rank(args: argparse.Namespace, spec: LoadSpec, device: torch.device, frontend_factory: Callable | None,
+def serve_rank(settings: ServeSettings, device: torch.device, frontend_factory: Callable | None,
                on_pipeline_loaded: Callable | None = None, dispatcher_factory: Callable | None = None) -> int:
     """One rank of the server until it stops; returns the exit code (0 after a drain, 1 after a fatal fault). Each
-    replica loads `spec` (api/load_spec.py) on its own mesh; `args` holds the server's own settings.
+    replica loads `settings.spec` (api/load_spec.py) on its own mesh; the rest of `settings` is the server's own.
     `frontend_factory()` (rank 0 only) starts the HTTP side (app.Frontend); rank 0 also runs
     `dispatcher_factory(store, frontend, replicas, size, timeout_s)` (dispatch.Dispatcher, passed in by the serve
     command: dispatch.py reads this module's channel), in a thread beside its own replica's loop."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     quiet_other_ranks(rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    store = open_store(rank, world, args.timeout)
+    spec = settings.spec
+    store = open_store(rank, world, settings.timeout)
     replicas = spec.parallel.data_degree
     size = world // replicas  # ranks per replica: replica r is ranks r * size ... (r + 1) * size - 1
     index, local = divmod(rank, size)
     channel = Channel(store, local, size, scope=f"r{index}")
     frontend = frontend_factory() if rank == 0 else None
     _handle_signals(frontend)
-    dispatcher = (dispatcher_factory(store_client(args.timeout), frontend, replicas, size, args.timeout).start()
+    timeout = settings.timeout
+    dispatcher = (dispatcher_factory(store_client(timeout), frontend, replicas, size, timeout).start()
                   if frontend is not None else None)
-    own = spec.one_replica()  # each replica is a mesh of its own, in a process group of its own
+    own: LoadSpec = spec.one_replica()  # each replica is a mesh of its own, in a process group of its own
     hook = on_pipeline_loaded
     try:
         while True:
-            control = join_group(channel, backend, args.timeout)
+            control = join_group(channel, backend, settings.timeout)
             replica = None
             fault = None
             try:
@@ -462,10 +461,11 @@ def serve_rank(args: argparse.Namespace, spec: LoadSpec, device: torch.device, f
                 if hook is not None:
                     hook(loaded.pipeline, rank)
                     hook = None  # a fault injected for a test happens once, not again after recovery
-                replica = Replica(loaded, args, args.max_batch, index, replicas)
+                replica = Replica(loaded, settings, index, replicas)
                 replica.group = control
                 del loaded
-                maker, replica.previews = preview_maker(replica.pipeline, args.previews, Path(args.out) / "previews",
+                maker, replica.previews = preview_maker(replica.pipeline, settings.previews,
+                                                        Path(settings.out) / "previews",
                                                         staged=spec.stages)
                 if replica.pipeline.is_output_rank:
                     replica.step_listeners.append(StepPublisher(channel, replica.replica, maker))

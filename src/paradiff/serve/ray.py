@@ -229,7 +229,7 @@ def run(argv: list[str], ranks: int, replicas: tuple[int, int], route: str, host
     host:port, the application until SIGTERM / Ctrl-C."""
     import ray
 
-    from paradiff.cli.report import say
+    from paradiff.runtime.console import say
 
     local = address is None and not os.environ.get("RAY_ADDRESS")  # a new cluster: its workers at normal priority
     ray.init(address="local" if local else address, include_dashboard=False, logging_level="WARNING",

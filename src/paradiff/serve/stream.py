@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from paradiff.cli.outputs import png_bytes
-from paradiff.cli.report import say
+from paradiff.io.outputs import png_bytes
+from paradiff.runtime.console import say
 from paradiff.serve.images import encode_output
 from paradiff.serve.protocol import RequestError, parse_image_request, with_seed
 from paradiff.runtime.progress import StepEvent

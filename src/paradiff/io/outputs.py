@@ -1,4 +1,5 @@
-"""What a pipeline call produced, and the files written for it: a PNG per image; an MP4 plus a PNG per frame for a
+"""What a pipeline call produced, and the files written for it (by `paradiff generate`; `paradiff serve` sends the
+same PNG / MP4 bytes): a PNG per image; an MP4 plus a PNG per frame for a
 video; a WAV per sound (audio pipelines, and the soundtrack of audio + video pipelines such as LTX-2).
 
 A pipeline's result is told apart by its fields, not by its class: diffusers' video pipelines (Wan, HunyuanVideo,
