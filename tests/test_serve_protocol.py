@@ -208,10 +208,14 @@ def test_metrics_render_counters_and_a_cumulative_histogram():
 
 
 def test_an_idle_round_waits_its_window_for_requests_sent_together():
-    scheduler = Scheduler(max_batch=2, window_s=0.3)
+    # a window far longer than the second request can take to come, even on a loaded host: the round ends as soon as
+    # the two replicas have one image each (max_batch 1), so the test waits for that, not for a guessed delay
+    scheduler = Scheduler(max_batch=1, window_s=120)
     first = scheduler.submit(request())
     threading.Timer(0.05, lambda: scheduler.submit(request(seed=1))).start()
+    started = time.monotonic()
     round_ = scheduler.next_round(replicas=2, wait_s=0)
+    assert time.monotonic() - started < 60  # ended by the second request, not by the window
     assert [len(batch) for batch in round_["batches"]] == [1, 1]  # the second joined: one per replica
     assert round_["batches"][0][0]["id"] == first.id
     full = Scheduler(max_batch=1, window_s=30)
