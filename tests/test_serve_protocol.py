@@ -187,8 +187,8 @@ def test_a_round_waits_for_a_request_without_polling():
     scheduler = Scheduler()
     threading.Timer(0.05, lambda: scheduler.submit(request())).start()
     started = time.monotonic()
-    assert scheduler.next_round(1, wait_s=5)["kind"] == "work"
-    assert time.monotonic() - started < 2
+    assert scheduler.next_round(1, wait_s=120)["kind"] == "work"
+    assert time.monotonic() - started < 60  # woken by the request, long before its wait ran out (even under load)
 
 
 def test_metrics_render_counters_and_a_cumulative_histogram():
