@@ -4,12 +4,15 @@
 - dp2 against one replica, requests per minute, without a batch window (4 concurrent clients; goal >= 1.9x);
 - p95 wait (accepted -> started, from requests.jsonl) of short requests (1 step) while long ones (8x the steps, 4x
   the pixels) keep the replica busy, under --schedule fifo and --schedule fair (one replica);
-- with --ray (or alone: --only ray-overhead, ~4 min): Ray Serve's overhead per request (a local Ray cluster, one
-  mesh of one rank): sequential requests, interleaved, through Ray's HTTP proxy, straight to the mesh's own port, and
-  to a plain `paradiff serve`; each split by its server's requests.jsonl into the time in the server and the time
-  outside it. The goal (<= 5%) is on the time Ray's path adds outside the server, over the plain server's latency:
-  the server's own time swings by several x between two consecutive requests on loaded cores, which a ratio of a
-  few whole latencies measures instead of Ray.
+- with --ray (or alone: --only ray-overhead, ~6 min): Ray Serve's overhead per request (a local Ray cluster, one
+  mesh of one rank): sequential requests, interleaved, through Ray's HTTP proxy (route "none": the Mesh replica is
+  the ingress), through it with a routing key (route prompt-hash: the Router replica in front of a second mesh),
+  straight to the mesh's own port, and to a plain `paradiff serve`; each split by its server's requests.jsonl into
+  the time in the server and the time outside it. The goal (<= 5%) is on the time Ray's path adds outside the
+  server, over the plain server's latency: the server's own time swings by several x between two consecutive
+  requests on loaded cores, which a ratio of a few whole latencies measures instead of Ray. Ray's own part of it:
+  a bare echo deployment (answering as many bytes as the demo's answer) through the same proxy, against the same
+  echo on uvicorn, in the same rounds.
 
 Rounds are interleaved; medians over rounds. The result goes to benchmarks/results/bench_replicas.json.
 
@@ -41,9 +44,9 @@ TITLE = "independent dp replicas (requests/min vs one replica) and the fair queu
 PROMPTS = ["a red circle on a blue background, top left", "a yellow square on a green background, bottom right"]
 
 
-def start(folder: Path, model: list[str], *flags: str) -> ServerProcess:
+def start(folder: Path, model: list[str], *flags: str, fresh: bool = False) -> ServerProcess:
     folder.mkdir(parents=True, exist_ok=True)
-    server = ServerProcess(folder, *model, *flags)
+    server = ServerProcess(folder, *model, *flags, fresh=fresh)
     server.wait_ready(timeout_s=600)
     return server
 
@@ -95,69 +98,169 @@ def short_waits(server: ServerProcess, steps: int, shorts: int) -> list[float]:
     return [entry["started"] - entry["accepted"] for entry in entries]
 
 
-def mesh_server() -> tuple[int, Path]:
-    """The port and the --out folder of the one mesh's `paradiff serve` (a process of this machine)."""
+def parent_of(pid: int) -> int:
+    try:
+        return int((Path("/proc") / str(pid) / "stat").read_text().rpartition(")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def mesh_servers() -> set[tuple[int, Path]]:
+    """The port and the --out folder of each mesh's `paradiff serve` in the local Ray cluster this process started
+    (its raylet a child of this process: another Ray cluster on the machine has meshes too)."""
+    import os
+
+    found = set()
     for entry in Path("/proc").iterdir():
         try:
             words = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
+        ancestors, pid = [], int(entry.name) if entry.name.isdigit() else 0
+        for _ in range(5):  # rank <- launcher <- Mesh replica's worker <- raylet <- this process
+            pid = parent_of(pid)
+            ancestors.append(pid)
+        if os.getpid() not in ancestors:
+            continue
         if b"paradiff.cli" in words and b"--port" in words and any(b"paradiff-ray-" in word for word in words):
-            return int(words[words.index(b"--port") + 1]), Path(words[words.index(b"--out") + 1].decode())
-    raise RuntimeError("no mesh server found among this machine's processes")
+            found.add((int(words[words.index(b"--port") + 1]), Path(words[words.index(b"--out") + 1].decode())))
+    return found
+
+
+ECHO_APP = """import os
+
+PAYLOAD = b"x" * int(os.environ["ECHO_BYTES"])
+
+
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": PAYLOAD})
+"""
+
+
+class Echo:
+    """A bare Ray Serve deployment: reads the body, answers `size` bytes (Ray's own cost per request)."""
+
+    def __init__(self, size: int) -> None:
+        self.payload = b"x" * size
+
+    async def __call__(self, request):
+        from starlette.responses import Response
+
+        await request.body()
+        return Response(self.payload, media_type="application/json")
+
+
+def echo_server(folder: Path, size: int) -> tuple[str, object]:
+    """ECHO_APP on uvicorn in a process of its own (as Ray's echo replica is), on 127.0.0.1: its URL and process."""
+    import os
+    import subprocess
+
+    import httpx
+
+    from paradiff.distributed.spawn import free_port
+
+    (folder / "echo_app.py").write_text(ECHO_APP)
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "uvicorn", "echo_app:app", "--app-dir", str(folder), "--host",
+                                "127.0.0.1", "--port", str(port), "--log-level", "warning"],
+                               env=dict(os.environ, ECHO_BYTES=str(size)), stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            httpx.post(f"http://127.0.0.1:{port}/", content=b"{}")
+            return f"http://127.0.0.1:{port}/", process
+        except httpx.HTTPError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError("the uvicorn echo server did not answer within 120 s") from None
+            time.sleep(0.1)
 
 
 def ray_overhead(requests: int, model: list[str], steps: int, folder: Path) -> dict[str, float]:
     """Sequential requests, in turn through Ray's HTTP proxy (a local Ray cluster as `paradiff serve --ray` starts it,
-    one mesh of one rank), straight to that mesh's own server port, and to a plain `paradiff serve` (one replica, as
-    a user starts it without Ray). Each is split by its server's requests.jsonl into its time in the server
-    (accepted -> finished) and the time outside it (the path: Ray's proxy, Router and Mesh replica, or only the
-    loopback socket). Medians per way, in seconds."""
+    one mesh of one rank; route "none", the Mesh replica the ingress, and route prompt-hash, a Router replica in
+    front of a second mesh), straight to the first mesh's own server port, to a plain `paradiff serve` (one replica,
+    as a user starts it without Ray), and to a bare echo, through Ray's proxy and on uvicorn. Each paradiff way is
+    split by its server's requests.jsonl into its time in the server (accepted -> finished) and the time outside it
+    (the path: Ray's proxy and our replicas, or only the loopback socket). Medians per way, in seconds."""
     import httpx
     import ray
     from ray import serve
 
     from paradiff.distributed.spawn import free_port
-    from paradiff.serve.ray import LOCAL_CLUSTER, build_app
+    from paradiff.serve.ray import LOCAL_CLUSTER, NORMAL_PRIORITY, build_app
 
     port = free_port()
-    plain = start(folder / "plain", model, "--steps", str(steps))
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
-             _system_config=LOCAL_CLUSTER)
+    # a new interpreter, as a user (and a Mesh replica) starts it: not forked from the tests' preloaded fork server
+    plain = start(folder / "plain", model, "--steps", str(steps), fresh=True)
+    size = len(plain.client.post("/v1/images/generations", json={"prompt": PROMPTS[0]}).content)
+    echo_url, echo = echo_server(folder, size)
+    for attempt in range(3):  # on loaded cores Ray's raylet can miss Ray's fixed 30 s to register (test_serve_ray)
+        try:
+            ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
+                     log_to_driver=False, _system_config=LOCAL_CLUSTER)
+            break
+        except Exception as error:
+            ray.shutdown()
+            if "timed out during startup" not in str(error) or attempt == 2:
+                echo.kill()
+                plain.stop()
+                raise
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app([*model, "--steps", str(steps)], ranks=1), name="paradiff", route_prefix="/")
-        mesh_port, mesh_out = mesh_server()
-        ways = {"ray": (f"http://127.0.0.1:{port}", mesh_out), "mesh": (f"http://127.0.0.1:{mesh_port}", mesh_out),
-                "serve": (plain.url, plain.out)}
+        (mesh_port, mesh_out), = mesh_servers()
+        serve.run(build_app([*model, "--steps", str(steps)], ranks=1, route="prompt-hash"), name="keyed",
+                  route_prefix="/keyed")
+        (_, keyed_out), = mesh_servers() - {(mesh_port, mesh_out)}
+        serve.run(serve.deployment(Echo, name="echo", ray_actor_options={"num_cpus": 0,
+                                                                         "runtime_env": NORMAL_PRIORITY}).bind(size),
+                  name="echo", route_prefix="/echo")
+        ways = {"ray": (f"http://127.0.0.1:{port}", mesh_out), "keyed": (f"http://127.0.0.1:{port}/keyed", keyed_out),
+                "mesh": (f"http://127.0.0.1:{mesh_port}", mesh_out), "serve": (plain.url, plain.out),
+                "echo_ray": (f"http://127.0.0.1:{port}/echo/", None), "echo_uvicorn": (echo_url, None)}
         sent: dict[tuple[str, int], float] = {}  # (way, seed) -> client latency
         with httpx.Client(timeout=600) as http:
             for index in range(requests + 1):
-                for number, (way, (url, _)) in enumerate(ways.items()):
+                for number, (way, (url, out)) in enumerate(ways.items()):
                     seed = len(ways) * index + number
                     started = time.monotonic()
-                    images_of(http.post(url + "/v1/images/generations", json={"prompt": PROMPTS[0], "seed": seed}))
+                    if out is None:
+                        answer = http.post(url, json={"prompt": PROMPTS[0], "seed": seed})
+                        assert answer.status_code == 200 and len(answer.content) == size, answer
+                    else:
+                        images_of(http.post(url + "/v1/images/generations", json={"prompt": PROMPTS[0],
+                                                                                  "seed": seed}))
                     if index:  # the first of each: warm-up
                         sent[way, seed] = time.monotonic() - started
+        outs = {out for _, out in ways.values() if out is not None}
         entries: dict[Path, dict[int, dict]] = {}
         deadline = time.monotonic() + 60
         while True:  # requests.jsonl gets an entry per answered request: wait for the last ones
             entries = {out: {entry["seed"]: entry for entry in map(json.loads, (out / "requests.jsonl").read_text()
-                                                                   .splitlines())} for out in (mesh_out, plain.out)}
-            if all(seed in entries[ways[way][1]] for way, seed in sent) or time.monotonic() > deadline:
+                                                                   .splitlines())} for out in outs}
+            if all(ways[way][1] is None or seed in entries[ways[way][1]] for way, seed in sent) \
+                    or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
         split: dict[str, tuple[list, list, list]] = {way: ([], [], []) for way in ways}  # latency, in, outside
         for (way, seed), latency in sent.items():
-            entry = entries[ways[way][1]][seed]
-            inside = entry["finished"] - entry["accepted"]
+            out = ways[way][1]
+            inside = 0.0 if out is None else entries[out][seed]["finished"] - entries[out][seed]["accepted"]
             for sink, value in zip(split[way], (latency, inside, latency - inside)):
                 sink.append(value)
-        return {f"{way}_{part}": statistics.median(values) for way, parts in split.items()
-                for part, values in zip(("latency", "server", "outside"), parts)}
+        return {"answer_bytes": size, **{f"{way}_{part}": statistics.median(values) for way, parts in split.items()
+                                         for part, values in zip(("latency", "server", "outside"), parts)}}
     finally:
         serve.shutdown()
         ray.shutdown()
+        echo.kill()
+        echo.wait()
         plain.stop()
 
 
@@ -224,20 +327,28 @@ def ray_figures(args, model: list[str], steps: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         m = ray_overhead(args.requests, model, steps, Path(tmp))
     added = m["ray_outside"] - m["serve_outside"]
+    rays = m["echo_ray_latency"] - m["echo_uvicorn_latency"]  # Ray's own: its proxy and one replica call
     what = (f"medians of {args.requests} sequential requests each way, interleaved ({args.model}, {steps} steps, one "
             f"replica of one rank)")
     return [
-        figure("Ray Serve overhead per request (Ray's path outside the server, minus a plain paradiff serve's, / its "
-               "latency)", round(100 * added / m["serve_latency"], 2), "%", "<= 5",
-               note=f"{1000 * m['ray_outside']:.0f} ms outside the server through Ray (proxy, Router, Mesh replica) "
-                    f"against {1000 * m['serve_outside']:.0f} ms to a plain `paradiff serve` of latency "
-                    f"{m['serve_latency']:.3f} s; {what}; {args.note}"),
+        figure("Ray Serve overhead per request (added outside the server / a plain paradiff serve's latency)",
+               round(100 * added / m["serve_latency"], 2), "%", "<= 5",
+               note=f"{1000 * m['ray_outside']:.0f} ms outside the server through Ray (proxy, Mesh replica as the "
+                    f"ingress) against {1000 * m['serve_outside']:.0f} ms to a plain `paradiff serve` of latency "
+                    f"{m['serve_latency']:.3f} s; with a routing key (Router replica in front) "
+                    f"{1000 * m['keyed_outside']:.0f} ms; {what}; {args.note}"),
+        figure("Ray Serve's own part of it (a bare echo through its proxy, less on uvicorn)",
+               round(100 * rays / m["serve_latency"], 2), "%",
+               note=f"{1000 * rays:.0f} ms of the {1000 * added:.0f} ms added: an echo deployment answering the "
+                    f"demo's {m['answer_bytes']} bytes took {1000 * m['echo_ray_latency']:.0f} ms through "
+                    f"Ray's proxy, {1000 * m['echo_uvicorn_latency']:.0f} ms on uvicorn; ours (the Mesh replica's "
+                    f"forward to its server) the other {1000 * (added - rays):.0f} ms; {what}; {args.note}"),
         figure("Ray Serve latency per request / a plain paradiff serve's", round(m["ray_latency"] / m["serve_latency"],
                                                                                  3), "x",
-               note=f"latency {m['ray_latency']:.3f} s through Ray's proxy, {m['mesh_latency']:.3f} s straight to the "
-                    f"mesh's port, {m['serve_latency']:.3f} s to a plain `paradiff serve`; in the server "
-                    f"{m['ray_server']:.3f} / {m['mesh_server']:.3f} / {m['serve_server']:.3f} s (the server's own "
-                    f"time swings on loaded cores); {what}; {args.note}"),
+               note=f"latency {m['ray_latency']:.3f} s through Ray's proxy ({m['keyed_latency']:.3f} s with a routing "
+                    f"key), {m['mesh_latency']:.3f} s straight to the mesh's port, {m['serve_latency']:.3f} s to a "
+                    f"plain `paradiff serve`; in the server {m['ray_server']:.3f} / {m['mesh_server']:.3f} / "
+                    f"{m['serve_server']:.3f} s (the server's own time swings on loaded cores); {what}; {args.note}"),
     ]
 
 

@@ -158,12 +158,30 @@ def test_routing_keys():
 
 def test_build_app_without_a_cluster():
     """The application build_app and app_from_env make, built but not run (no Ray cluster: `make test` runs it): the
-    Router in front of the Mesh, both at normal priority, one bundle per rank, fixed or autoscaled replicas, and a
-    bad route refused."""
-    from paradiff.serve.ray import app_from_env, build_app
+    Mesh itself the ingress with route "none" (no Router hop), the Router in front of it with a routing key, both at
+    normal priority, one bundle per rank, fixed or autoscaled replicas, and a bad route refused; what an ingress
+    forwards of a request."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from paradiff.serve.ray import Mesh, app_from_env, build_app, forwarded
 
     with pytest.raises(ValueError, match=r"--ray-route 'sticky': expected one of \['prompt-hash', 'adapter', 'none'\]"):
         build_app([], route="sticky")
+    direct = build_app(["--steps", "2"])._bound_deployment
+    assert (direct.name, direct.func_or_class, direct.init_args) == ("paradiff-mesh", Mesh, (["--steps", "2"],))
+
+    async def receive():
+        return {"type": "http.request", "body": b'{"prompt": "a"}', "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": "/app/v1/videos", "root_path": "/app", "query_string": b"limit=2",
+             "headers": [(b"authorization", b"Bearer k"), (b"cookie", b"c"), (b"content-type", b"application/json")]}
+    assert asyncio.run(forwarded(Request(scope, receive))) == (
+        "POST", "/v1/videos?limit=2", {"authorization": "Bearer k", "content-type": "application/json"},
+        b'{"prompt": "a"}')
+    scope.update(path="/health", root_path="", query_string=b"")
+    assert asyncio.run(forwarded(Request(scope, receive)))[:2] == ("POST", "/health")
     router = build_app(["--steps", "2"], ranks=2, replicas=(1, 3), route="adapter")._bound_deployment
     mesh_app, route = router.init_args
     mesh = mesh_app._bound_deployment

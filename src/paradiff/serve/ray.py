@@ -8,18 +8,20 @@ proxy (the same OpenAI API), routing, autoscaling on queue length, and starting 
     from paradiff.serve.ray import build_app          # the same, as an application for serve.run / a RayService
     serve.run(build_app(["--tp", "2", "--steps", "8"], ranks=2, replicas=(1, 4), route="adapter"))
 
-Two deployments: `Router` (the ingress, one replica, no CPU of its own) reads each request's body and routes it by
-its routing key through Ray Serve's model multiplexing (requests with the same key go to the replica that served it
-last, while it is not overloaded): "prompt-hash" (a hash of the prompt, in PROMPT_BUCKETS buckets: repeated prompts
-land together, for caches),
-"adapter" (the request's `loras`: the replicas keep their adapters' state) or "none" (Ray's power-of-two choice).
 `Mesh` holds one paradiff server on a free loopback port of its node and forwards requests to it unchanged; its
-health check is the server's /health, so a mesh whose rank died (the server stops) is replaced by Ray.
+health check is the server's /health, so a mesh whose rank died (the server stops) is replaced by Ray. With route
+"none" (Ray's power-of-two choice) the Mesh is the ingress itself: Ray's proxy hands each request to a Mesh replica,
+with no hop of ours in between (a Router replica in front cost a process hop and a Ray call per request: docs/serve.md).
+With a routing key, `Router` (the ingress, one replica, no CPU of its own) reads each request's body and routes it by
+the key through Ray Serve's model multiplexing (requests with the same key go to the replica that served it last,
+while it is not overloaded): "prompt-hash" (a hash of the prompt, in PROMPT_BUCKETS buckets: repeated prompts land
+together, for caches) or "adapter" (the request's `loras`: the replicas keep their adapters' state).
 
 The documented rule for a request in flight on a replica that fails: it fails (the client gets the server's 500, or
 a 500 when the server's process is gone mid-request); it is not retried, since it may have run. A request that
 reached no server (the replica's server is gone and Ray has not replaced it yet: the connection is refused) never
-ran: the Router sends it again (up to RETRIES times, a second apart, then 503). So no request is answered twice.
+ran: it is sent again, to a replica Ray chooses (up to RETRIES times, a second apart, then 503), by the Router, or
+by the Mesh ingress that found its own server gone. So no request is answered twice.
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ class Mesh:
         self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True,
                                         preexec_fn=_terminate_with_parent)
         self.client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.port}", timeout=None)
+        self.others: Any = None  # a handle on this deployment, made when this mesh's server is first found gone
         deadline = time.monotonic() + READY_TIMEOUT_S
         with httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=5) as probe:
             while True:
@@ -117,6 +120,18 @@ class Mesh:
                     self._stop()
                     raise RuntimeError(f"paradiff serve was not ready within {READY_TIMEOUT_S:.0f} s")
                 time.sleep(0.1)
+
+    async def __call__(self, request: Request) -> Response:
+        """The ingress (route "none"): the request to this mesh's server; to another replica when the server is
+        gone (the request never reached it)."""
+        method, path, headers, body = await forwarded(request)
+        status, answer_headers, content = await self.forward(method, path, headers, body)
+        if status == GONE:
+            if self.others is None:  # a handle on this deployment: Ray chooses the replica (and soon not this one)
+                context = serve.get_replica_context()
+                self.others = serve.get_deployment_handle(context.deployment, context.app_name)
+            return await answer_of(self.others, method, path, headers, body)
+        return Response(content, status_code=status, headers=answer_headers)
 
     @serve.multiplexed(max_num_models_per_replica=64)
     async def _affinity(self, key: str) -> str:
@@ -169,26 +184,42 @@ class Router:
         self.mesh, self.route = mesh, route
 
     async def __call__(self, request: Request) -> Response:
-        body = await request.body()
-        key = routing_key(body, self.route) if request.method == "POST" else ""
-        handle = self.mesh.options(multiplexed_model_id=key) if key else self.mesh
-        headers = {name: value for name, value in request.headers.items() if name.lower() in FORWARDED_HEADERS}
-        for _ in range(RETRIES + 1):
-            status, answer_headers, content = await handle.forward.remote(request.method, request.url.path, headers,
-                                                                          body)
-            if status != GONE:
-                return Response(content, status_code=status, headers=answer_headers)
-            await asyncio.sleep(RETRY_PAUSE_S)
-        return Response(json.dumps({"error": {"message": "no paradiff mesh could be reached; retry later",
-                                              "type": "server_error", "param": None, "code": 503}}),
-                        status_code=503, headers={"content-type": "application/json", "retry-after": "5"})
+        method, path, headers, body = await forwarded(request)
+        key = routing_key(body, self.route) if method == "POST" else ""
+        return await answer_of(self.mesh.options(multiplexed_model_id=key) if key else self.mesh, method, path,
+                               headers, body)
+
+
+async def forwarded(request: Request) -> tuple[str, str, dict, bytes]:
+    """What a mesh's server is sent of an ingress request: its method, its path below the application's route prefix
+    (with its query), the FORWARDED_HEADERS, its body."""
+    path, prefix = request.scope["path"], request.scope.get("root_path", "").rstrip("/")
+    if prefix and path.startswith(prefix):  # Ray Serve's scope: the path with the route prefix, root_path the prefix
+        path = path[len(prefix):] or "/"
+    if request.url.query:
+        path += "?" + request.url.query
+    headers = {name: value for name, value in request.headers.items() if name.lower() in FORWARDED_HEADERS}
+    return request.method, path, headers, await request.body()
+
+
+async def answer_of(handle: Any, method: str, path: str, headers: dict, body: bytes) -> Response:
+    """The answer of a Mesh replica `handle` chooses; sent again while the chosen replica's server was gone."""
+    for _ in range(RETRIES + 1):
+        status, answer_headers, content = await handle.forward.remote(method, path, headers, body)
+        if status != GONE:
+            return Response(content, status_code=status, headers=answer_headers)
+        await asyncio.sleep(RETRY_PAUSE_S)
+    return Response(json.dumps({"error": {"message": "no paradiff mesh could be reached; retry later",
+                                          "type": "server_error", "param": None, "code": 503}}),
+                    status_code=503, headers={"content-type": "application/json", "retry-after": "5"})
 
 
 def build_app(argv: list[str], ranks: int = 1, replicas: tuple[int, int] = (1, 1), route: str = "none",
               target_ongoing_requests: float = 2.0, upscale_delay_s: float = 30.0, downscale_delay_s: float = 600.0,
               look_back_period_s: float = 30.0, device: str = "CPU") -> Any:
     """The Ray Serve application: `replicas` = (min, max) meshes of `ranks` ranks each (one bundle of one `device`
-    per rank, packed on one node), autoscaled on ongoing requests per replica, routed by `route`."""
+    per rank, packed on one node), autoscaled on ongoing requests per replica, routed by `route` (the Mesh is the
+    ingress with route "none", a Router in front of it otherwise)."""
     if route not in ROUTES:
         raise ValueError(f"--ray-route {route!r}: expected one of {list(ROUTES)}")
     low, high = replicas
@@ -202,6 +233,8 @@ def build_app(argv: list[str], ranks: int = 1, replicas: tuple[int, int] = (1, 1
                             ray_actor_options={"num_cpus": 0, "runtime_env": NORMAL_PRIORITY},
                             placement_group_bundles=[{device: 1}] * ranks,
                             placement_group_strategy="STRICT_PACK", **scaling)
+    if route == "none":
+        return mesh.bind(list(argv))  # the ingress: no Router hop
     router = serve.deployment(Router, name="paradiff-router",
                               ray_actor_options={"num_cpus": 0, "runtime_env": NORMAL_PRIORITY},
                               max_ongoing_requests=1000)
