@@ -49,13 +49,18 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 def _gathered_peak(model) -> list[int]:
     """Hooks recording, as each block starts, the bytes of block weights held gathered (plain tensors: FSDP2 swaps
-    a unit's DTensor parameters for the gathered ones while it is unsharded)."""
+    a unit's DTensor parameters for the gathered ones while it is unsharded), and of the weights outside the blocks
+    but for the root's own (embeddings, modulation, final layers: units of their own, gathered only while they run)."""
     blocks = [model.get_submodule(name) for name in get_state(model).fsdp_blocks]
-    peak = [0]
+    inside = {id(module) for block in blocks for module in block.modules()} | {id(model)}
+    outside = [module for module in model.modules() if id(module) not in inside]
+    peak = [0, 0]
 
     def record(*_):
         held = sum(_nbytes(p) for block in blocks for p in block.parameters() if not isinstance(p, DTensor))
         peak[0] = max(peak[0], held)
+        peak[1] = max(peak[1], sum(_nbytes(p) for module in outside for p in module._parameters.values()
+                                   if p is not None and not isinstance(p, DTensor)))
 
     for block in blocks:
         block.register_forward_pre_hook(record)
@@ -117,7 +122,7 @@ def fsdp_models(runs: list[dict]) -> list[dict]:
             "diff": float((actual - expected).abs().max() / expected.abs().max()),
             "repeat_diff": float((again - actual).abs().max()),
             "held_blocks": held_blocks, "full_blocks": sum(full_blocks), "largest_block": max(full_blocks),
-            "gathered_peak": peak[0], "read": read, "headers": headers,
+            "gathered_peak": peak[0], "outside_gathered": peak[1], "read": read, "headers": headers,
             # what this rank's rows and the persistent buffers take in the file
             "share": sum((p.to_local() if isinstance(p, DTensor) else p).numel() * itemsize
                          for p in model.parameters())

@@ -1,9 +1,12 @@
-"""Fully sharded weights with PyTorch's own FSDP2: `fully_shard` on each repeated block and on the root.
+"""Fully sharded weights with PyTorch's own FSDP2: `fully_shard` on each repeated block, on each module outside the
+blocks, and on the root.
 
 Inference only: every rank holds 1/N of each block's weights (its rows, `shard.chunk_rows`), and a block's weights are
 all-gathered just before its forward and freed after it (`reshard_after_forward=True`); each block starts the next
 block's all-gather as it begins, without waiting for it (`_gather_next`), so the gather overlaps the current block's
-compute. The root holds what is outside the blocks (embeddings, the final norm and projection).
+compute. The modules outside the blocks (embeddings, modulation, the final norm and projection) are units of their
+own (`shard.outside_units`), each gathered only while it runs: left to the root, they stayed gathered for the whole
+forward. The root keeps only what no such unit can hold (tied weights, parameters of its own).
 
 A model is sharded on the meta device, then its sharded parameters are made real but empty on the load device, and
 the loader fills each rank's rows from the checkpoint (`io/weights.py: WeightSource.read`): no rank ever holds a whole
@@ -23,14 +26,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from paradiff.fsdp.shard import chunk_rows
+from paradiff.fsdp.shard import chunk_rows, outside_units
 from paradiff.runtime.patches import add_hook
 
 
 def shard_weights(model: nn.Module, blocks: list[tuple[str, nn.Module]], mesh: DeviceMesh,
                   device: torch.device, prefetch_across_lists: bool = True, offload: bool = False) -> list[str]:
-    """`fully_shard` every block (in the order they run) and then the root over `mesh`, with forward prefetch of the
-    next block; parameters on the meta device become this rank's empty rows on `device` (to be read). Returns the
+    """`fully_shard` every block (in the order they run), then each module outside them, then the root over `mesh`,
+    with forward prefetch of the next block; parameters on the meta device become this rank's empty rows on `device` (to be read). Returns the
     blocks' names. `prefetch_across_lists=False` (a text encoder): a block prefetches only the next one of its own list
     (a vision tower and the language layers are separate lists, and a text prompt runs only the latter).
     `offload`: the shards are kept in CPU memory (pinned when `device` is CUDA) and each unit's are copied to `device`
@@ -42,9 +45,13 @@ def shard_weights(model: nn.Module, blocks: list[tuple[str, nn.Module]], mesh: D
     on_meta = any(p.is_meta for p in model.parameters())
     buffers = {(id(module), leaf): buffer for module in model.modules()
                for leaf, buffer in module._buffers.items() if buffer is not None}
+    outside = outside_units(model, [block for _name, block in blocks])
     for _name, block in blocks:
         _shard_mixed_dtypes(block, options)
         fully_shard(block, **options)
+    for part in outside:
+        _shard_mixed_dtypes(part, options)
+        fully_shard(part, **options)
     _shard_mixed_dtypes(model, options)
     fully_shard(model, **options)
     for (name, block), (next_name, following) in zip(blocks, blocks[1:]):
