@@ -26,6 +26,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+
+from paradiff.distributed.comm import all_gather_in_place
 from paradiff.fsdp.shard import chunk_rows, outside_units
 from paradiff.runtime.patches import add_hook
 
@@ -54,6 +57,10 @@ def shard_weights(model: nn.Module, blocks: list[tuple[str, nn.Module]], mesh: D
         fully_shard(part, **options)
     _shard_mixed_dtypes(model, options)
     fully_shard(model, **options)
+    if device.type == "cpu":
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_all_gather(_InPlaceGather())
     for (name, block), (next_name, following) in zip(blocks, blocks[1:]):
         if prefetch_across_lists or name.rpartition(".")[0] == next_name.rpartition(".")[0]:
             add_hook(block, partial(_gather_next, following), by="fsdp", pre=True)
@@ -66,6 +73,18 @@ def shard_weights(model: nn.Module, blocks: list[tuple[str, nn.Module]], mesh: D
                 if kept is not None:
                     module._buffers[leaf] = kept.to(device)
     return [name for name, _block in blocks]
+
+
+class _InPlaceGather(AllGather):
+    """FSDP2's all-gather on CPU (gloo): sent and received in place in FSDP2's own output buffer
+    (`comm.all_gather_in_place`), not staged by gloo in a second whole buffer and copied back. In bench_fsdp.py the
+    staging buffer was a block's worth of memory per gather in flight, and the copies part of the step."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, async_op: bool = False):
+        return all_gather_in_place(output_tensor, input_tensor, group, async_op=async_op)
 
 
 def _gather_next(following: FSDPModule, _block: nn.Module, _args: tuple) -> None:
