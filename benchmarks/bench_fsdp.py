@@ -301,16 +301,17 @@ def main() -> None:
                  f"{sp['main_cpu_s'] * 1000:.0f} / {sp['other_cpu_s'] * 1000:.0f} ms against "
                  f"{both['main_cpu_s'] * 1000:.0f} / {both['other_cpu_s'] * 1000:.0f} ms; gathering every block "
                  f"once without compute: {gather['step_s'] * 1000:.0f} ms wall, "
-                 f"{gather['main_cpu_s'] * 1000:.0f} / {gather['other_cpu_s'] * 1000:.0f} ms CPU"))
+                 f"{gather['main_cpu_s'] * 1000:.0f} / {gather['other_cpu_s'] * 1000:.0f} ms CPU; load average "
+                 f"{results['load'][0]:.0f} as the steps began, {results['load'][1]:.0f} as they ended"))
     if args.step:
         cpu = {mode: results[mode]["main_cpu_s"] + results[mode]["other_cpu_s"] for mode in STEP_CASES}
         figures.append(figure(
             "step CPU time (all threads), fsdp2 x ulysses2 / ulysses2",
             round(cpu["fsdp2xulysses2"] / cpu["ulysses2"], 3), "x", None,
             note=f"the same steps: {cpu['ulysses2'] * 1000:.0f} against {cpu['fsdp2xulysses2'] * 1000:.0f} ms of CPU "
-                 "per rank, the median of the slowest rank's (10 ms ticks); where the two ranks have a core each "
-                 "and nothing else runs, gloo's transport threads find no idle core to overlap on, and the step "
-                 "takes about its CPU time; the load on the machine inflates the wall times, not these"))
+                 "per rank, the median of the slowest rank's (10 ms ticks): with a core per rank and nothing else "
+                 "running, gloo's transport threads find no idle core to overlap on and a step takes about its CPU "
+                 "time; the machine's load inflates these less than the wall times, but it does (shared caches)"))
     write_result("bench_fsdp", f"FSDP2 on CPU: per-rank peak RSS, FLUX.2 architecture in {len(blocks)} blocks"
                  + (", and step time" if args.step else ""), figures,
                  command="MALLOC_MMAP_THRESHOLD_=131072 " + this_command())
