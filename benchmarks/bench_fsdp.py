@@ -8,8 +8,10 @@ loaded shard-on-read by each case; one torch thread per rank, gloo on 127.0.0.1,
   hidden size of 768, 2.0 GB, so the weights dominate each process as they do in a real model (the largest block is
   3% of the model, as in FLUX.2-dev: FSDP gathers one block and prefetches the next); batch 1, a 16x16 latent grid +
   64 text tokens, one forward after the load. `--model small` is the 375 MB, 24-block model of earlier runs.
-- step (ulysses2, fsdp2xulysses2; `--step`, off by default: minutes under load) on the small model, a 32x32 latent
-  grid + 64 text tokens, the median of --repeats forwards after one warm-up (the slowest rank).
+- step (ulysses2, fsdp2xulysses2; `--step`, off by default: minutes under load; `--only-step` runs it alone and
+  prints it without recording) on the small model, a 32x32 latent grid + 64 text tokens: both models loaded in the
+  same two ranks, their steps interleaved for --repeats rounds after one warm-up each, the median of the slowest
+  rank's, with the CPU time of the main thread (compute) and of the other threads (gloo's transport) over each step.
 
 Per case: the anonymous RSS of each rank as the case starts (the fixed per-process baseline: torch, diffusers and
 gloo imported, the pool's process group made), then after a warm-up load and forward of a tiny model of the same
@@ -18,7 +20,8 @@ process groups it makes), then its peak over the load and the forwards (max over
 For the FSDP step case, the time of gathering every block once without computing (`unshard` / `reshard` in order)
 says how much of the step the all-gathers would add without overlap.
 
-    MALLOC_MMAP_THRESHOLD_=131072 python benchmarks/bench_fsdp.py [--model real|small] [--step] [--repeats 3]
+    MALLOC_MMAP_THRESHOLD_=131072 python benchmarks/bench_fsdp.py [--model real|small] [--step | --only-step]
+        [--repeats 3]
 """
 
 from __future__ import annotations
@@ -96,6 +99,76 @@ def run_case(folder: str, warm_folder: str, mode: str, repeats: int, grid: int) 
             "after": after - max(before.values())}
 
 
+def thread_cpu_s() -> tuple[float, float]:
+    """(this thread's CPU seconds, the other threads' of this process): the main thread computes, the others are
+    gloo's transport threads (the sends and receives of the all-gathers and all-to-alls) and torch's."""
+    import os
+    import threading
+
+    ticks = os.sysconf("SC_CLK_TCK")
+    me, others = 0.0, 0.0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            fields = open(f"/proc/self/task/{task}/stat").read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        seconds = (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+        if int(task) == threading.get_native_id():
+            me += seconds
+        else:
+            others += seconds
+    return me, others
+
+
+def run_step_case(folder: str, warm_folder: str, rounds: int, grid: int) -> dict:
+    """ulysses2 and fsdp2 x ulysses2 loaded side by side in the same two ranks, their steps interleaved round by
+    round (a load change on the machine hits both), with each step's wall time and the CPU time of the main thread
+    (compute) and of the process's other threads (gloo's transport) over it; then gathering every block once without
+    compute."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    import paradiff
+    from paradiff.runtime.state import get_state
+    from paradiff.testing.models import Lengths, make_inputs, model_class, run_forward
+
+    torch.set_num_threads(1)
+    cls = model_class("flux2")
+    models = {mode: paradiff.from_pretrained(cls, folder, parallel_config=paradiff.ParallelConfig.from_mode(mode))
+              for mode in STEP_CASES}
+    inputs = make_inputs("flux2", models["ulysses2"].config, batch=1,
+                         lengths=Lengths(height=grid, width=grid, text=64))
+    for model in models.values():
+        run_forward(model, inputs)  # warm-up
+    load = [os.getloadavg()[0]]
+    rows = {mode: [] for mode in models}
+    for round_ in range(rounds):
+        for mode in (list(models) if round_ % 2 == 0 else list(models)[::-1]):
+            dist.barrier()
+            cpu = thread_cpu_s()
+            started = time.perf_counter()
+            run_forward(models[mode], inputs)
+            wall = time.perf_counter() - started
+            after = thread_cpu_s()
+            rows[mode].append((wall, after[0] - cpu[0], after[1] - cpu[1]))
+    load.append(os.getloadavg()[0])
+    fsdp = models["fsdp2xulysses2"]
+    units = [fsdp.get_submodule(name) for name in get_state(fsdp).fsdp_blocks]
+    gather = []
+    for _ in range(rounds):
+        dist.barrier()
+        cpu = thread_cpu_s()
+        started = time.perf_counter()
+        for unit in units:
+            unit.unshard()
+            unit.reshard()
+        after = thread_cpu_s()
+        gather.append((time.perf_counter() - started, after[0] - cpu[0], after[1] - cpu[1]))
+    return {"rows": rows, "gather": gather, "load": load}
+
+
 def build_fast(config: dict):
     """A FLUX.2-architecture model with random weights, made on the meta device and filled in place (diffusers'
     own initialisation of 2 GB takes minutes on a loaded machine). No buffers to fill: its rotary tables are
@@ -141,11 +214,38 @@ def run_cases(cases: dict, folder: str, warm_folder: str, repeats: int, grid: in
     return results
 
 
+def run_step(folder: str, warm_folder: str, rounds: int, grid: int) -> dict:
+    """Per mode: the median over rounds of the slowest rank's step, and of that rank's main-thread and other-thread
+    CPU seconds over it; the same for gathering every block once."""
+    from paradiff.testing.dist import RankPool
+
+    pool = RankPool(2)
+    try:
+        per_rank = pool.run(run_step_case, timeout_s=1800, folder=folder, warm_folder=warm_folder, rounds=rounds,
+                            grid=grid)
+    finally:
+        pool.close()
+
+    def medians(rows_of) -> dict:
+        slowest = [max((rows_of(rank)[i] for rank in per_rank), key=lambda row: row[0]) for i in range(rounds)]
+        return {"step_s": statistics.median(r[0] for r in slowest), "main_cpu_s": statistics.median(r[1] for r in slowest),
+                "other_cpu_s": statistics.median(r[2] for r in slowest), "steps_s": [r[0] for r in slowest]}
+
+    results = {mode: {"ranks": 2, **medians(lambda rank, mode=mode: rank["rows"][mode])} for mode in STEP_CASES}
+    results["gather"] = medians(lambda rank: rank["gather"])
+    results["load"] = per_rank[0]["load"]
+    for name, row in results.items():
+        print(name, row, flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="real")
     parser.add_argument("--step", action="store_true", help="also time ulysses2 against fsdp2 x ulysses2")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="with --step: interleaved rounds of the two step cases (default 3)")
+    parser.add_argument("--only-step", action="store_true", help="skip the memory cases")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     import torch
@@ -153,26 +253,32 @@ def main() -> None:
     from paradiff.testing.models import build_model, save_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_fast(MODELS[args.model])
-        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
-        largest = max(sum(p.numel() * p.element_size() for p in block.parameters()) for block in blocks)
-        folder = str(save_model(model, Path(tmp) / "flux2"))
-        del model
         warm_folder = str(save_model(build_model("flux2", layers=2, single_layers=2), Path(tmp) / "warm"))
-        results = run_cases(MEMORY_CASES, folder, warm_folder, repeats=0, grid=16)
-        if args.step:
+        results = {}
+        if not args.only_step:
+            model = build_fast(MODELS[args.model])
+            model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
+            largest = max(sum(p.numel() * p.element_size() for p in block.parameters()) for block in blocks)
+            folder = str(save_model(model, Path(tmp) / "flux2"))
+            del model
+            results = run_cases(MEMORY_CASES, folder, warm_folder, repeats=0, grid=16)
+        if args.step or args.only_step:
             small = str(save_model(build_fast(MODELS["small"]), Path(tmp) / "small"))
-            results.update(run_cases(STEP_CASES, small, warm_folder, repeats=args.repeats, grid=32))
+            results.update(run_step(small, warm_folder, rounds=args.repeats, grid=32))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"bench_fsdp: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.node()}, "
           f"{platform.processor() or platform.machine()}, commit {commit}, torch {torch.__version__}")
-    print("| case | ranks | baseline RSS / rank | peak RSS / rank | rise / rank | weights held / rank | step |")
-    print("|---|---|---|---|---|---|---|")
-    for name, row in results.items():
-        step = f"{row['step_s'] * 1000:.0f} ms" if "step_s" in row else "-"
+    if args.only_step:
+        return  # a step-only run is printed, not recorded: the result file carries the memory figure too
+    print("| case | ranks | baseline RSS / rank | peak RSS / rank | rise / rank | weights held / rank |")
+    print("|---|---|---|---|---|---|")
+    for name in MEMORY_CASES:
+        row = results[name]
         print(f"| {name} | {row['ranks']} | {row['baseline_mb']:.0f} MB | {row['peak_rss_mb']:.0f} MB | "
-              f"{row['rise_mb']:.0f} MB | {row['held_mb']:.0f} MB | {step} |")
+              f"{row['rise_mb']:.0f} MB | {row['held_mb']:.0f} MB |")
     single, fsdp = results["single"], results["fsdp2"]
     blocks_text = (f"{len(blocks)} blocks, {model_bytes / 1e9:.2f} GB fp32, largest block {largest / 1e6:.0f} MB")
     figures = [
@@ -185,17 +291,30 @@ def main() -> None:
                     f"baseline (torch, diffusers, gloo) is {single['baseline_mb']:.0f} MB"),
     ]
     if args.step:
-        sp, both = results["ulysses2"], results["fsdp2xulysses2"]
+        sp, both, gather = results["ulysses2"], results["fsdp2xulysses2"], results["gather"]
         figures.append(figure(
             "step, fsdp2 x ulysses2 / ulysses2", round(both["step_s"] / sp["step_s"], 3), "x", "<= 1.1",
-            note=f"the 375 MB 24-block model, 32x32 latent + 64 text tokens; median of {args.repeats} steps, slowest "
-                 f"rank; the step adds {(both['step_s'] - sp['step_s']) * 1000:.0f} ms, gathering every block "
-                 f"without compute takes {both['gather_s'] * 1000:.0f} ms"))
+            note=f"the 375 MB 24-block model, 32x32 latent + 64 text tokens; both loaded in the same 2 ranks, steps "
+                 f"interleaved, median of {args.repeats} rounds, slowest rank: ulysses2 {sp['step_s'] * 1000:.0f} "
+                 f"ms, fsdp2 x ulysses2 {both['step_s'] * 1000:.0f} ms (+{(both['step_s'] - sp['step_s']) * 1000:.0f}"
+                 f" ms); CPU time over a step, main thread (compute) / other threads (gloo's transport): "
+                 f"{sp['main_cpu_s'] * 1000:.0f} / {sp['other_cpu_s'] * 1000:.0f} ms against "
+                 f"{both['main_cpu_s'] * 1000:.0f} / {both['other_cpu_s'] * 1000:.0f} ms; gathering every block "
+                 f"once without compute: {gather['step_s'] * 1000:.0f} ms wall, "
+                 f"{gather['main_cpu_s'] * 1000:.0f} / {gather['other_cpu_s'] * 1000:.0f} ms CPU; load average "
+                 f"{results['load'][0]:.0f} as the steps began, {results['load'][1]:.0f} as they ended"))
+    if args.step:
+        cpu = {mode: results[mode]["main_cpu_s"] + results[mode]["other_cpu_s"] for mode in STEP_CASES}
+        figures.append(figure(
+            "step CPU time (all threads), fsdp2 x ulysses2 / ulysses2",
+            round(cpu["fsdp2xulysses2"] / cpu["ulysses2"], 3), "x", None,
+            note=f"the same steps: {cpu['ulysses2'] * 1000:.0f} against {cpu['fsdp2xulysses2'] * 1000:.0f} ms of CPU "
+                 "per rank, the median of the slowest rank's (10 ms ticks): with a core per rank and nothing else "
+                 "running, gloo's transport threads find no idle core to overlap on and a step takes about its CPU "
+                 "time; the machine's load inflates these less than the wall times, but it does (shared caches)"))
     write_result("bench_fsdp", f"FSDP2 on CPU: per-rank peak RSS, FLUX.2 architecture in {len(blocks)} blocks"
                  + (", and step time" if args.step else ""), figures,
                  command="MALLOC_MMAP_THRESHOLD_=131072 " + this_command())
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -43,19 +43,41 @@ def _recorded_reads():
         os.preadv = original
 
 
+@contextlib.contextmanager
+def _counted_gloo_all_gathers():
+    """Counts the calls of c10d's all-gather into one tensor (what FSDP2 uses unless told otherwise): on CPU the
+    FSDP units gather in place by point-to-point sends instead (fsdp/apply.py: _InPlaceGather)."""
+    original, calls = dist.all_gather_single, [0]
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    dist.all_gather_single = counted
+    try:
+        yield calls
+    finally:
+        dist.all_gather_single = original
+
+
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
 def _gathered_peak(model) -> list[int]:
     """Hooks recording, as each block starts, the bytes of block weights held gathered (plain tensors: FSDP2 swaps
-    a unit's DTensor parameters for the gathered ones while it is unsharded)."""
+    a unit's DTensor parameters for the gathered ones while it is unsharded), and of the weights outside the blocks
+    but for the root's own (embeddings, modulation, final layers: units of their own, gathered only while they run)."""
     blocks = [model.get_submodule(name) for name in get_state(model).fsdp_blocks]
-    peak = [0]
+    inside = {id(module) for block in blocks for module in block.modules()} | {id(model)}
+    outside = [module for module in model.modules() if id(module) not in inside]
+    peak = [0, 0]
 
     def record(*_):
         held = sum(_nbytes(p) for block in blocks for p in block.parameters() if not isinstance(p, DTensor))
         peak[0] = max(peak[0], held)
+        peak[1] = max(peak[1], sum(_nbytes(p) for module in outside for p in module._parameters.values()
+                                   if p is not None and not isinstance(p, DTensor)))
 
     for block in blocks:
         block.register_forward_pre_hook(record)
@@ -94,7 +116,8 @@ def fsdp_models(runs: list[dict]) -> list[dict]:
         inputs = make_inputs(family, reference.config, batch=2, lengths=Lengths(height=3, width=4, text=6))
         inputs = {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in inputs.items()}
         expected = run_forward(reference, inputs).float()
-        actual = run_forward(model, inputs).float()
+        with _counted_gloo_all_gathers() as gloo_gathers:
+            actual = run_forward(model, inputs).float()
         again = run_forward(model, inputs).float()
         checkpoint = Checkpoint(folder)
         headers = sum(8 + int.from_bytes(open(path, "rb").read(8), "little")
@@ -117,7 +140,7 @@ def fsdp_models(runs: list[dict]) -> list[dict]:
             "diff": float((actual - expected).abs().max() / expected.abs().max()),
             "repeat_diff": float((again - actual).abs().max()),
             "held_blocks": held_blocks, "full_blocks": sum(full_blocks), "largest_block": max(full_blocks),
-            "gathered_peak": peak[0], "read": read, "headers": headers,
+            "gathered_peak": peak[0], "outside_gathered": peak[1], "gloo_gathers": gloo_gathers[0], "read": read, "headers": headers,
             # what this rank's rows and the persistent buffers take in the file
             "share": sum((p.to_local() if isinstance(p, DTensor) else p).numel() * itemsize
                          for p in model.parameters())

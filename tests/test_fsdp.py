@@ -49,6 +49,8 @@ def test_fsdp_is_exact_holds_its_share_and_reads_only_its_rows(pools, checkpoint
         assert result["held_blocks"] <= result["full_blocks"] / 2 + 0.02 * result["full_blocks"], result
         assert result["gathered_peak"] <= 2 * result["largest_block"], result
         assert result["gathered_peak"] > 0, result
+        assert result["outside_gathered"] == 0, result  # embeddings / modulation / final layers: not while blocks run
+        assert result["gloo_gathers"] == 0, result  # gathered in place, not through gloo's staging buffer
         assert result["read"] == result["share"], result  # its rows of each weight, each read once
         if result["rank"] == 0:  # --dry-run's figure (rank 0's rows, the larger) is what the load holds
             assert result["predicted_weights"] == result["held"], result

@@ -195,6 +195,47 @@ def ring_pass_wait(works: list[dist.Work]) -> None:
         work.wait()
 
 
+class _Works(dist.Work):
+    """One handle on several works: waiting on it waits on each."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        super().__init__()
+        self._works = works
+
+    def wait(self, timeout: object = None) -> bool:
+        for work in self._works:
+            work.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+
+def all_gather_in_place(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
+                        async_op: bool = False) -> dist.Work | None:
+    """Fill `output` (1-D, one equal slot per rank of `group`, in rank order) with every rank's `input`, by
+    point-to-point sends from this rank's slot and receives straight into the others' (FSDP2's all-gather over gloo,
+    `fsdp/apply.py`). `all_gather_into_tensor` over gloo gathers into a whole-output buffer of its own and copies it
+    back: one more output's worth of memory while each gather is in flight, and a copy of it. Returns a work to wait
+    on when `async_op`, else None once done."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    slot = output.numel() // size
+    mine = output.narrow(0, rank * slot, slot)
+    if input.data_ptr() != mine.data_ptr():
+        mine.copy_(input)
+    ops = []
+    for peer in range(size):
+        if peer != rank:
+            global_peer = dist.get_global_rank(group, peer)
+            ops.append(dist.P2POp(dist.isend, mine, global_peer, group))
+            ops.append(dist.P2POp(dist.irecv, output.narrow(0, peer * slot, slot), global_peer, group))
+    work = _Works(dist.batch_isend_irecv(ops) if ops else [])
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
 def all_gather_object(obj: object, group: dist.ProcessGroup | None = None) -> list[object]:
     size = dist.get_world_size(group)
     out: list[object] = [None] * size

@@ -1,9 +1,12 @@
-"""Fully sharded weights with PyTorch's own FSDP2: `fully_shard` on each repeated block and on the root.
+"""Fully sharded weights with PyTorch's own FSDP2: `fully_shard` on each repeated block, on each module outside the
+blocks, and on the root.
 
 Inference only: every rank holds 1/N of each block's weights (its rows, `shard.chunk_rows`), and a block's weights are
 all-gathered just before its forward and freed after it (`reshard_after_forward=True`); each block starts the next
 block's all-gather as it begins, without waiting for it (`_gather_next`), so the gather overlaps the current block's
-compute. The root holds what is outside the blocks (embeddings, the final norm and projection).
+compute. The modules outside the blocks (embeddings, modulation, the final norm and projection) are units of their
+own (`shard.outside_units`), each gathered only while it runs: left to the root, they stayed gathered for the whole
+forward. The root keeps only what no such unit can hold (tied weights, parameters of its own).
 
 A model is sharded on the meta device, then its sharded parameters are made real but empty on the load device, and
 the loader fills each rank's rows from the checkpoint (`io/weights.py: WeightSource.read`): no rank ever holds a whole
@@ -23,14 +26,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from paradiff.fsdp.shard import chunk_rows
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+
+from paradiff.distributed.comm import all_gather_in_place
+from paradiff.fsdp.shard import chunk_rows, outside_units
 from paradiff.runtime.patches import add_hook
 
 
 def shard_weights(model: nn.Module, blocks: list[tuple[str, nn.Module]], mesh: DeviceMesh,
                   device: torch.device, prefetch_across_lists: bool = True, offload: bool = False) -> list[str]:
-    """`fully_shard` every block (in the order they run) and then the root over `mesh`, with forward prefetch of the
-    next block; parameters on the meta device become this rank's empty rows on `device` (to be read). Returns the
+    """`fully_shard` every block (in the order they run), then each module outside them, then the root over `mesh`,
+    with forward prefetch of the next block; parameters on the meta device become this rank's empty rows on `device` (to be read). Returns the
     blocks' names. `prefetch_across_lists=False` (a text encoder): a block prefetches only the next one of its own list
     (a vision tower and the language layers are separate lists, and a text prompt runs only the latter).
     `offload`: the shards are kept in CPU memory (pinned when `device` is CUDA) and each unit's are copied to `device`
@@ -42,11 +48,19 @@ def shard_weights(model: nn.Module, blocks: list[tuple[str, nn.Module]], mesh: D
     on_meta = any(p.is_meta for p in model.parameters())
     buffers = {(id(module), leaf): buffer for module in model.modules()
                for leaf, buffer in module._buffers.items() if buffer is not None}
+    outside = outside_units(model, [block for _name, block in blocks])
     for _name, block in blocks:
         _shard_mixed_dtypes(block, options)
         fully_shard(block, **options)
+    for part in outside:
+        _shard_mixed_dtypes(part, options)
+        fully_shard(part, **options)
     _shard_mixed_dtypes(model, options)
     fully_shard(model, **options)
+    if device.type == "cpu":
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_all_gather(_InPlaceGather())
     for (name, block), (next_name, following) in zip(blocks, blocks[1:]):
         if prefetch_across_lists or name.rpartition(".")[0] == next_name.rpartition(".")[0]:
             add_hook(block, partial(_gather_next, following), by="fsdp", pre=True)
@@ -59,6 +73,18 @@ def shard_weights(model: nn.Module, blocks: list[tuple[str, nn.Module]], mesh: D
                 if kept is not None:
                     module._buffers[leaf] = kept.to(device)
     return [name for name, _block in blocks]
+
+
+class _InPlaceGather(AllGather):
+    """FSDP2's all-gather on CPU (gloo): sent and received in place in FSDP2's own output buffer
+    (`comm.all_gather_in_place`), not staged by gloo in a second whole buffer and copied back. In bench_fsdp.py the
+    staging buffer was a block's worth of memory per gather in flight, and the copies part of the step."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, async_op: bool = False):
+        return all_gather_in_place(output_tensor, input_tensor, group, async_op=async_op)
 
 
 def _gather_next(following: FSDPModule, _block: nn.Module, _args: tuple) -> None:

@@ -7,6 +7,8 @@ parallelism is FSDP-sharded within its TP slice, so the rows to read compose the
 
 from __future__ import annotations
 
+from torch import nn
+
 from paradiff.tensor_parallel.styles import ShardSpec
 
 
@@ -30,3 +32,36 @@ def read_plan(tp_spec: ShardSpec | None, start: int, length: int) -> tuple[Shard
             pieces.append((piece_start + low - position, high - low))
         position += piece_length
     return ShardSpec(dim=0, pieces=tuple(pieces)), None
+
+
+def outside_units(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """The modules outside `blocks` that become FSDP units of their own (embeddings, modulation, final norm and
+    projection), so that each is gathered only while it runs rather than for the whole forward, as the root's own
+    parameters are: each child of the model, or of a module holding blocks, that holds parameters and no block.
+    Left to the root: a module sharing a parameter with a module outside it (tied embeddings: FSDP2 needs a shared
+    parameter in one unit) and parameters registered on a module that holds blocks."""
+    owners: dict[int, set[int]] = {}
+    for module in model.modules():
+        for param in module._parameters.values():
+            if param is not None:
+                owners.setdefault(id(param), set()).add(id(module))
+    block_ids = {id(block) for block in blocks}
+    units: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(parent: nn.Module) -> None:
+        for child in parent.children():
+            if id(child) in seen or id(child) in block_ids:
+                continue
+            seen.add(id(child))
+            inside = list(child.modules())
+            if any(id(module) in block_ids for module in inside):
+                visit(child)
+                continue
+            mine = {id(module) for module in inside}
+            params = [p for module in inside for p in module._parameters.values() if p is not None]
+            if params and all(owners[id(p)] <= mine for p in params):
+                units.append(child)
+
+    visit(model)
+    return units

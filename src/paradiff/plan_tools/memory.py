@@ -4,7 +4,8 @@
 uses: the TP plan resolved for the rank (`tensor_parallel.plan.resolve_plan`), then FSDP2's rows of that slice
 (`fsdp.shard.chunk_rows`). So its `weights` figure is the bytes a real load holds (tests/test_fsdp.py checks it
 against one). The gathered and activation figures are estimates: FSDP2 holds the running block and the prefetched
-next one gathered, plus the root's weights (embeddings, final layers) during the forward; activations count the
+next one gathered, or the largest module outside the blocks while it runs (each is a unit of its own), plus any
+weights left to the root; activations count the
 residual stream, q / k / v / attention output and the MLP hidden of one block at a time, for this rank's tokens.
 """
 
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from paradiff.config import ParallelConfig
-from paradiff.fsdp.shard import chunk_rows
+from paradiff.fsdp.shard import chunk_rows, outside_units
 from paradiff.runtime.repeated_blocks import repeated_blocks
 
 GIB = 1 << 30
@@ -28,7 +29,7 @@ class RankMemory:
     """Bytes one rank needs; `peak` is their sum."""
 
     weights: int  # held between steps: its shards (all of a weight FSDP or TP does not split)
-    gathered: int  # while running: the root's weights and two blocks' (running + prefetched), gathered
+    gathered: int  # while running: two blocks' (running + prefetched) or the largest outside unit, and the root's
     activations: int  # one block's activations for this rank's tokens (estimate)
     tokens: int  # this rank's sequence length (image / video tokens after CP, plus the text)
     host: int = 0  # with fsdp_offload: the shards, held in CPU memory instead of `weights` on the device
@@ -77,7 +78,9 @@ def per_rank_bytes(model: nn.Module, parallel: ParallelConfig, dtype: torch.dtyp
 
     blocks = repeated_blocks(model)
     block_of = {id(p): name for name, block in blocks for p in block.parameters()}
-    held, block_full, root_full = 0, {}, 0
+    unit_of = {id(p): index for index, unit in enumerate(outside_units(model, [block for _name, block in blocks]))
+               for p in unit.parameters()}
+    held, block_full, unit_full, root_full = 0, {}, {}, 0
     for name, param in model.named_parameters():
         shape = local_shape(name, tuple(param.shape))
         whole = numel(shape)
@@ -87,12 +90,14 @@ def per_rank_bytes(model: nn.Module, parallel: ParallelConfig, dtype: torch.dtyp
         full = int(numel(shape) * itemsize)
         if id(param) in block_of:
             block_full[block_of[id(param)]] = block_full.get(block_of[id(param)], 0) + full
+        elif id(param) in unit_of:
+            unit_full[unit_of[id(param)]] = unit_full.get(unit_of[id(param)], 0) + full
         else:
             root_full += full
     gathered = 0
     if fsdp > 1:
         largest = sorted(block_full.values(), reverse=True)[:2]
-        gathered = root_full + sum(largest)
+        gathered = root_full + max(sum(largest), max(unit_full.values(), default=0))
     config = getattr(model, "config", {})
     heads = config.get("num_attention_heads", 1)
     hidden = heads * config.get("attention_head_dim", 64)
