@@ -101,12 +101,17 @@ def test_parallel_images_equal_single_process_in_every_mode(pools):
     from diffusers import DiffusionPipeline
 
     prompts, steps, seed = [DEFAULT_PROMPTS[1], DEFAULT_PROMPTS[4]], 2, 3
-    reference = DiffusionPipeline.from_pretrained(pipeline_path())
-    reference.set_progress_bar_config(disable=True)
+
+    def single_process() -> tuple:
+        reference = DiffusionPipeline.from_pretrained(pipeline_path())
+        reference.set_progress_bar_config(disable=True)
+        return reference, [reference(prompt=p, generator=torch.Generator().manual_seed(seed + i),
+                                     num_inference_steps=steps, output_type="np", **CALL_KWARGS).images[0]
+                           for i, p in enumerate(prompts)]
+
     # the single-process images are drawn here while the ranks draw theirs in every mode
-    results, expected = beside(
-        lambda: [reference(prompt=p, generator=torch.Generator().manual_seed(seed + i), num_inference_steps=steps,
-                           output_type="np", **CALL_KWARGS).images[0] for i, p in enumerate(prompts)],
+    results, (reference, expected) = beside(
+        single_process,
         lambda: pools.get(4).run(cases.generate_in_modes, folder=str(pipeline_path()), modes=MODES, prompts=prompts,
                                  steps=steps, seed=seed))
     full = sum(p.numel() for p in reference.transformer.parameters())
