@@ -101,19 +101,14 @@ def test_parallel_images_equal_single_process_in_every_mode(pools):
     from diffusers import DiffusionPipeline
 
     prompts, steps, seed = [DEFAULT_PROMPTS[1], DEFAULT_PROMPTS[4]], 2, 3
-
-    def single_process() -> tuple:
-        reference = DiffusionPipeline.from_pretrained(pipeline_path())
-        reference.set_progress_bar_config(disable=True)
-        return reference, [reference(prompt=p, generator=torch.Generator().manual_seed(seed + i),
-                                     num_inference_steps=steps, output_type="np", **CALL_KWARGS).images[0]
-                           for i, p in enumerate(prompts)]
-
-    # the single-process images are drawn here while the ranks draw theirs in every mode
-    results, (reference, expected) = beside(
-        single_process,
-        lambda: pools.get(4).run(cases.generate_in_modes, folder=str(pipeline_path()), modes=MODES, prompts=prompts,
-                                 steps=steps, seed=seed))
+    # after the ranks, not beside them (paradiff_testkit.beside): 4 ranks already fill the 2 cores, and a fifth
+    # computing process made this test slower in both paired measurements (64.5 -> 78.5 s, 57.7 -> 58.6 s)
+    results = pools.get(4).run(cases.generate_in_modes, folder=str(pipeline_path()), modes=MODES, prompts=prompts,
+                               steps=steps, seed=seed)
+    reference = DiffusionPipeline.from_pretrained(pipeline_path())
+    reference.set_progress_bar_config(disable=True)
+    expected = [reference(prompt=p, generator=torch.Generator().manual_seed(seed + i), num_inference_steps=steps,
+                          output_type="np", **CALL_KWARGS).images[0] for i, p in enumerate(prompts)]
     full = sum(p.numel() for p in reference.transformer.parameters())
     for position, degrees in enumerate(MODES):
         per_rank = [r[position] for r in results]
