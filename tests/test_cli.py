@@ -15,6 +15,7 @@ from paradiff.cli.embedded import embedded_default
 from paradiff.cli.relay import NativeTraceFilter
 from paradiff.distributed.spawn import free_port
 from paradiff_testkit import command
+from paradiff_testkit.beside import beside
 
 SMALL = ["--steps", "2", "--height", "32", "--width", "32"]
 
@@ -102,14 +103,17 @@ def test_data_parallel_prompts_file_one_png_per_prompt(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a cat\n\na dog\na red cube\n")
     out = tmp_path / "out"
-    result = paradiff("generate", "--dp", "2", "--prompts-file", str(prompts), *SMALL, "--out", str(out))
+    single = tmp_path / "single"
+    # the 1-process run below is started beside the data-parallel one: neither reads what the other writes
+    result, alone = beside(
+        lambda: paradiff("generate", "--prompt", "a cat", "--prompt", "a dog", *SMALL, "--out", str(single)),
+        lambda: paradiff("generate", "--dp", "2", "--prompts-file", str(prompts), *SMALL, "--out", str(out)))
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert sorted(report["images"]) == ["0", "1", "2"]
     assert sorted(p.name for p in out.glob("*.png")) == ["0000.png", "0001.png", "0002.png"]
     # prompt i uses seed + i whichever replica made it: the same image as a 1-process run of that prompt alone
-    single = tmp_path / "single"
-    result = paradiff("generate", "--prompt", "a cat", "--prompt", "a dog", *SMALL, "--out", str(single))
+    result = alone
     assert result.returncode == 0, result.stderr[-3000:]
     assert Image.open(single / "0001.png").tobytes() == Image.open(out / "0001.png").tobytes()
 

@@ -190,19 +190,23 @@ def test_quantize_with_compare_equals_diffusers_quantized_load(pools, tmp_path):
     argv = ["generate", "--tp", "2", "--quantize", "int8", "--quantize-skip", "proj_out", "--compare", "--prompt",
             "a red circle on a blue background", "--height", "32", "--width", "32", "--steps", "2", "--out",
             str(tmp_path)]
-    report = pools.get(2).run(cli_cases.generate_each, timeout_s=600, runs=[argv])[0][0]["report"]
-    assert report["config"]["quantize"] == "int8" and report["compared_outputs"] == 1
-    assert report["config"]["quantize_skip"] == ["proj_out"]
     import torch
     from diffusers import Flux2Transformer2DModel
 
     from paradiff.demo import pipeline_path
     from paradiff.quant.apply import quantization_summary
     from paradiff.quant.schemes import model_config_for
+    from paradiff_testkit.beside import beside
 
-    whole = quantization_summary(Flux2Transformer2DModel.from_pretrained(
-        pipeline_path() / "transformer", quantization_config=model_config_for("int8", torch.float32, ("proj_out",)),
-        torch_dtype=torch.float32))
+    # diffusers' single-process int8 load is summarised here while the ranks generate
+    per_rank, whole = beside(
+        lambda: quantization_summary(Flux2Transformer2DModel.from_pretrained(
+            pipeline_path() / "transformer", quantization_config=model_config_for("int8", torch.float32, ("proj_out",)),
+            torch_dtype=torch.float32)),
+        lambda: pools.get(2).run(cli_cases.generate_each, timeout_s=600, runs=[argv]))
+    report = per_rank[0][0]["report"]
+    assert report["config"]["quantize"] == "int8" and report["compared_outputs"] == 1
+    assert report["config"]["quantize_skip"] == ["proj_out"]
     held = {rank["quantization"]["transformer"]["quantized_linears"] for rank in report["ranks"]}
     assert held == {whole["quantized_linears"]}, (held, whole)
     assert report["max_abs_diff_vs_single_process"] <= 1e-5, report["max_abs_diff_vs_single_process"]

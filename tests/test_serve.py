@@ -24,6 +24,7 @@ import pytest
 from paradiff_testkit.browser import CHROMIUM, launch_chromium
 from paradiff_testkit.serve import ServerProcess, images_of
 from paradiff_testkit import command
+from paradiff_testkit.beside import beside
 
 pytestmark = pytest.mark.slow
 
@@ -90,15 +91,20 @@ def generated(tmp_path_factory) -> dict[tuple[str, int, int], bytes]:
     argv = ["-m", "paradiff.cli", "generate", "--steps", "4", "--seed", "5", "--out", str(out)]
     for prompt in PROMPTS:
         argv += ["--prompt", prompt]
-    done = command.run(argv, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = {(prompt, 5 + index, 4): (out / f"{index:04d}.png").read_bytes() for index, prompt in enumerate(PROMPTS)}
     pipeline = DiffusionPipeline.from_pretrained(str(embedded_default()))
     pipeline.set_progress_bar_config(disable=True)
-    for index, prompt in enumerate(PROMPTS):
-        image = pipeline(prompt=prompt, generator=torch.Generator("cpu").manual_seed(5 + index), height=64, width=64,
-                         num_inference_steps=2, output_type="np", **embedded_call_kwargs()).images[0]
-        found[(prompt, 5 + index, 2)] = png_bytes(image)
+
+    def two_steps() -> dict:
+        return {(prompt, 5 + index, 2): png_bytes(pipeline(
+            prompt=prompt, generator=torch.Generator("cpu").manual_seed(5 + index), height=64, width=64,
+            num_inference_steps=2, output_type="np", **embedded_call_kwargs()).images[0])
+            for index, prompt in enumerate(PROMPTS)}
+
+    # the 2-step pictures are drawn here while the command draws the 4-step ones
+    done, found = beside(two_steps, lambda: command.run(argv, timeout=300))
+    assert done.returncode == 0, done.stderr[-3000:]
+    found.update({(prompt, 5 + index, 4): (out / f"{index:04d}.png").read_bytes()
+                  for index, prompt in enumerate(PROMPTS)})
     # edits (FLUX.2 takes reference images): PROMPTS[1] with the picture of PROMPTS[0] as one reference, and as two
     for count in (1, 2):
         references = [Image.open(io.BytesIO(found[(PROMPTS[0], 5, 4)])).convert("RGB")] * count
@@ -110,17 +116,25 @@ def generated(tmp_path_factory) -> dict[tuple[str, int, int], bytes]:
 
 
 @pytest.fixture(scope="module")
-def dp_server(tmp_path_factory):
-    """Two data-parallel replicas of two TP ranks each, batching up to 2 images, with an API key."""
+def dp_server_started(tmp_path_factory):
+    """Two data-parallel replicas of two TP ranks each, batching up to 2 images, with an API key: started, not yet
+    ready (`dp_server` waits for it)."""
     server = ServerProcess(tmp_path_factory.mktemp("dp2tp2"), "--dp", "2", "--tp", "2", "--max-batch", "2",
                     "--steps", "4", "--api-key", KEY, "--max-n", "2", "--max-steps", "10", "--batch-window", "0.2",
                     "--read-timeout", str(READ_TIMEOUT_S))
     try:
-        server.wait_ready()
         yield server
     finally:
         code = server.stop()
         assert code == 0, server.text()
+
+
+@pytest.fixture(scope="module")
+def dp_server(dp_server_started, generated):
+    """The server ready. Its ranks load while `generated` draws the pictures its answers are compared with (the
+    file's first test of the server needs both)."""
+    dp_server_started.wait_ready()
+    return dp_server_started
 
 
 def test_dp2_tp2_answers_equal_generate_and_repeat_byte_for_byte(dp_server, generated):

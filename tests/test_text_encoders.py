@@ -12,6 +12,7 @@ import torch
 import rank_cases_encoders as cases
 import paradiff
 from paradiff.errors import ParallelConfigError
+from paradiff_testkit.beside import beside
 
 # one pipeline per encoder family (Wan 2.2 and LTX-Video reuse UMT5 and T5)
 FAMILIES = ("flux", "flux2", "qwenimage", "wan", "flux2_klein", "lumina2", "hunyuanvideo")
@@ -186,9 +187,13 @@ def test_staged_half_precision_equals_unstaged(pools, encoder_pipelines):
     transformer's dtype before its stage, then met bf16 weights), and the image equals the unstaged pipeline's in the
     same dtype: in one process (bf16 and fp16) and at tp2 with split encoders (bf16)."""
     folder = encoder_pipelines["flux2"]
-    results = {"single": cases.staged_matches_unstaged_in_dtypes("flux2", folder, {}, ["bfloat16", "float16"])}
-    for rank, result in enumerate(pools.get(2).run(cases.staged_matches_unstaged_in_dtypes, family="flux2",
-                                                   folder=folder, degrees=dict(tp=2), dtypes=["bfloat16"])):
+    # the single process runs here while the tp2 ranks run theirs
+    per_rank, single = beside(
+        lambda: cases.staged_matches_unstaged_in_dtypes("flux2", folder, {}, ["bfloat16", "float16"]),
+        lambda: pools.get(2).run(cases.staged_matches_unstaged_in_dtypes, family="flux2", folder=folder,
+                                 degrees=dict(tp=2), dtypes=["bfloat16"]))
+    results = {"single": single}
+    for rank, result in enumerate(per_rank):
         results[f"tp2 rank {rank}"] = result
     for where, by_dtype in results.items():
         for name, figures in by_dtype.items():

@@ -11,6 +11,7 @@ import torch
 
 import paradiff
 import rank_cases_vae as cases
+from paradiff_testkit.beside import beside
 from paradiff_testkit.memory import PeakTensorMemory
 from paradiff_testkit.vaes import build_vae, run_vae, sample_input
 
@@ -98,8 +99,9 @@ def test_every_covered_vae_matches_single_process(pools, references, world):
     case_list = _case_list()
     if world == 4:
         case_list = [case for case in case_list if case["name"] not in ADDED] + _case_list(FOUR_RANK_SAMPLE)
-    results = pools.get(world).run(cases.split_vae_outputs, cases=case_list, timeout_s=600)
-    expected = references(case_list)
+    # the single-process references are computed here while the ranks split the same cases
+    results, expected = beside(lambda: references(case_list),
+                               lambda: pools.get(world).run(cases.split_vae_outputs, cases=case_list, timeout_s=600))
     for case in case_list:
         key = cases.case_id(case)
         per_rank = [result["results"][key] for result in results]
@@ -128,8 +130,8 @@ def test_output_on_one_rank_and_inputs_too_small_to_split(pools, references):
                  # 6 tokens in all, below DC-AE's head size 8: the quadratic form over every rank's keys
                  dict(name="dc", kind="decode", height=2, width=3, frames=1),
                  dict(name="kl", kind="decode", height=1, width=6, frames=1)]  # 1 latent row for 2 ranks
-    results = pools.get(2).run(cases.split_vae_outputs, cases=case_list, output_rank=1)
-    expected = references(case_list)
+    results, expected = beside(lambda: references(case_list),
+                               lambda: pools.get(2).run(cases.split_vae_outputs, cases=case_list, output_rank=1))
     for case in case_list[:4]:
         key = cases.case_id(case)
         assert _relative(results[1]["results"][key]["output"], expected[key]) <= RTOL
@@ -145,11 +147,14 @@ def test_output_on_one_rank_and_inputs_too_small_to_split(pools, references):
 
 
 def test_data_parallel_replicas_split_over_their_own_ranks(pools):
-    results = pools.get(4).run(cases.replica_outputs, data=2)
-    vae = build_vae("kl")
+    def expected_by_replica() -> dict[int, torch.Tensor]:
+        vae = build_vae("kl")
+        return {replica: run_vae(vae, "decode", sample_input("kl", vae, "decode", 5, 6, seed=10 + replica))
+                for replica in (0, 1)}
+
+    results, expected = beside(expected_by_replica, lambda: pools.get(4).run(cases.replica_outputs, data=2))
     for result in results:
-        expected = run_vae(vae, "decode", sample_input("kl", vae, "decode", 5, 6, seed=10 + result["replica"]))
-        assert _relative(result["output"], expected) <= RTOL
+        assert _relative(result["output"], expected[result["replica"]]) <= RTOL
         assert result["group_size"] == 2 and result["rows"][0] < 5
     assert {r["replica"] for r in results} == {0, 1}
 
@@ -159,16 +164,21 @@ def test_decode_peak_memory_at_two_ranks(pools):
     torch.set_num_threads(1)
     memory_cases = [dict(name="wan", height=16, width=16, frames=3), dict(name="dc", height=16, width=16, frames=1),
                     dict(name="cogvideox", height=8, width=8, frames=3)]
-    single = {}
-    for case in memory_cases:
-        vae = build_vae(case["name"])
-        sample = sample_input(case["name"], vae, "decode", case["height"], case["width"], case["frames"])
-        run_vae(vae, "decode", sample)
-        gc.collect()
-        with PeakTensorMemory() as memory:
+
+    def single_peaks() -> dict[str, int]:
+        """Measured in a thread beside the ranks' run: the mode records the tensors of its own thread's operators."""
+        single = {}
+        for case in memory_cases:
+            vae = build_vae(case["name"])
+            sample = sample_input(case["name"], vae, "decode", case["height"], case["width"], case["frames"])
             run_vae(vae, "decode", sample)
-        single[case["name"]] = memory.peak
-    results = pools.get(2).run(cases.decode_peak_memory, cases=memory_cases)
+            gc.collect()
+            with PeakTensorMemory() as memory:
+                run_vae(vae, "decode", sample)
+            single[case["name"]] = memory.peak
+        return single
+
+    results, single = beside(single_peaks, lambda: pools.get(2).run(cases.decode_peak_memory, cases=memory_cases))
     for result in results:
         for name, peak in result["peaks"].items():
             assert peak <= 0.6 * single[name], (name, peak, single[name])
@@ -178,10 +188,13 @@ def test_frame_pieces_are_cut_as_for_the_whole_input(pools):
     """CogVideoX's convolutions run their frames in pieces counted from their input's size (over 2 GiB, so never in a
     tiny test: the count is forced to 2 here). Every rank cuts the pieces of the whole input, never of its band."""
     name, height, width, frames = "cogvideox", 5, 6, 5
-    vae = build_vae(name)
-    expected = run_vae(vae, "decode", sample_input(name, vae, "decode", height, width, frames))
-    results = pools.get(2).run(cases.frame_pieces_outputs, name=name, height=height, width=width, frames=frames,
-                               pieces=2)
+
+    def single() -> torch.Tensor:
+        vae = build_vae(name)
+        return run_vae(vae, "decode", sample_input(name, vae, "decode", height, width, frames))
+
+    results, expected = beside(single, lambda: pools.get(2).run(cases.frame_pieces_outputs, name=name, height=height,
+                                                                width=width, frames=frames, pieces=2))
     for result in results:
         assert _relative(result["output"], expected) <= RTOL
         assert result["rows"][0] < height
