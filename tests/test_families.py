@@ -14,7 +14,8 @@ import rank_cases_families as cases
 from paradiff.plan_tools import family_examples as examples
 from paradiff.plans import builtin_plan
 from paradiff.tensor_parallel.plan import QUERY_HEAD_ATTRS, as_plan, resolve_plan
-from paradiff_testkit.families import UNEVEN_HEAD_CONFIGS, single_process_figures, uneven_head_overrides
+from paradiff_testkit.families import UNEVEN_HEAD_CONFIGS, single_process_figures
+from paradiff_testkit.families import uneven_head_overrides as find_uneven_head_overrides
 
 TOLERANCE = 1e-5
 MAX_SHARE = 0.75
@@ -33,6 +34,11 @@ def _single(family: str, example: str, overrides: tuple = ()) -> dict:
 def single(family: str, example: str, overrides: dict | None = None) -> dict:
     """The example's single-process figures, computed once here instead of on every rank of every test."""
     return _single(family, example, tuple(sorted((overrides or {}).items())))
+
+
+@functools.lru_cache(maxsize=None)  # several tests ask for the same example's config (each answer builds and runs it)
+def uneven_head_overrides(family: str, example: str, heads: int = 3) -> dict | None:
+    return find_uneven_head_overrides(family, example, heads)
 
 
 def check(results: list[dict]) -> None:

@@ -39,19 +39,26 @@ def family_modes(family: str, example: str, modes: list[str], checkpoint: str | 
     With `checkpoint`, each mode is also loaded shard-on-read through from_pretrained (no plan argument); `loaders`
     chooses which of the two ways run. `config_overrides` change the example's config (e.g. a head count the TP
     degree does not divide). `single`: single_process_figures of the same example, computed here when not given."""
-    reference = examples.build_example(family, example, config_overrides=config_overrides)
+    def build():
+        return examples.build_example(family, example, config_overrides=config_overrides)
+
+    # The reference: its config gives the inputs and its parameters, copied before any split, the full tensors each
+    # rank's slices are checked against. The builds are seeded, so the first enable_parallelism load takes this very
+    # model instead of building the same one again (a build costs more than the tiny forward).
+    reference = build()
     inputs = examples.example_inputs(family, example, reference.config)
+    full = {name: param.detach().clone() for name, param in reference.named_parameters()}
+    model_class, unused = type(reference), [reference]
     if single is None:
         single = single_process_figures(family, example, config_overrides)
     expected, single_flops, single_bytes = single["expected"], single["flops"], single["bytes"]
     results = {}
     for mode in modes:
         ways = {"enable_parallelism": lambda: paradiff.enable_parallelism(
-            examples.build_example(family, example, config_overrides=config_overrides), parallel_config(mode),
-            plan=plan, cp_plan=plan)}
+            unused.pop() if unused else build(), parallel_config(mode), plan=plan, cp_plan=plan)}
         if checkpoint:
             ways["from_pretrained"] = lambda: paradiff.from_pretrained(
-                type(reference), checkpoint, parallel_config=parallel_config(mode))
+                model_class, checkpoint, parallel_config=parallel_config(mode))
         ways = {how: load for how, load in ways.items() if how in loaders}
         for how, load in ways.items():
             model = load()
@@ -60,7 +67,7 @@ def family_modes(family: str, example: str, modes: list[str], checkpoint: str | 
                 "diff": examples.relative_difference(actual, expected),
                 "flop_share": flops / single_flops,
                 "bytes_share": examples.block_parameter_bytes(model) / single_bytes,
-                "wrong_slices": wrong_slices(model, reference),
+                "wrong_slices": wrong_slices(model, full),
             }
     return results
 
@@ -72,7 +79,8 @@ def family_modes_runs(runs: list[dict]) -> list[dict]:
 
 def wrong_slices(model, reference) -> list[str]:
     """The split parameters of `model` that are not exactly the slice their spec names of `reference`'s full
-    tensor (empty when every rank holds its own whole heads / features)."""
+    tensor (empty when every rank holds its own whole heads / features). `reference`: the whole model, or its
+    parameters by name."""
     import torch
 
     from paradiff.runtime.state import get_state
@@ -82,7 +90,7 @@ def wrong_slices(model, reference) -> list[str]:
     resolved = None if state is None else state.tp_plan
     if resolved is None:
         return []
-    full = dict(reference.named_parameters())
+    full = dict(reference) if isinstance(reference, dict) else dict(reference.named_parameters())
     local = dict(model.named_parameters())
     wrong = []
     for module_name, linear in resolved.linears.items():

@@ -9,6 +9,7 @@ can never stall the suite.
 from __future__ import annotations
 
 import datetime
+import gc
 import importlib
 import os
 import queue
@@ -41,6 +42,10 @@ def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any, time
     os.environ.update(rank_env(rank, world_size, port))
     dist.init_process_group("gloo", store=rank_store(port, timeout_s), rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
+    # What the fork server imported (torch, diffusers, transformers: millions of objects, shared copy-on-write) is
+    # frozen out of the collector's reach before the first case, as release_groups freezes what each case leaves:
+    # otherwise the first collection of every rank scans it all and touches (copies) its pages.
+    gc.freeze()
     parent = os.getppid()
     while True:
         try:
@@ -69,7 +74,6 @@ def release_groups() -> None:
     groups). Without this a long-lived rank accumulates thousands of busy-polling threads and the whole machine slows
     to a crawl. Cases never keep a model across cases, so nothing still uses these groups.
     """
-    import gc
 
     import torch.distributed as dist
 
