@@ -37,7 +37,8 @@ def read_plan(tp_spec: ShardSpec | None, start: int, length: int) -> tuple[Shard
 def outside_units(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
     """The modules outside `blocks` that become FSDP units of their own (embeddings, modulation, final norm and
     projection), so that each is gathered only while it runs rather than for the whole forward, as the root's own
-    parameters are: each child of the model, or of a module holding blocks, that holds parameters and no block.
+    parameters are: each child of the model, or of a module holding blocks or of a container (ModuleList /
+    ModuleDict), that holds parameters and no block.
     Left to the root: a module sharing a parameter with a module outside it (tied embeddings: FSDP2 needs a shared
     parameter in one unit) and parameters registered on a module that holds blocks."""
     owners: dict[int, set[int]] = {}
@@ -55,7 +56,9 @@ def outside_units(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
                 continue
             seen.add(id(child))
             inside = list(child.modules())
-            if any(id(module) in block_ids for module in inside):
+            if any(id(module) in block_ids for module in inside) or type(child).forward is nn.Module.forward:
+                # a module holding blocks, or a container without a forward of its own (ModuleList / ModuleDict:
+                # FSDP2 gathers a unit in its forward's pre-hook, which a container never runs): look inside
                 visit(child)
                 continue
             mine = {id(module) for module in inside}
