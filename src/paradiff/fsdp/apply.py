@@ -26,7 +26,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+try:  # FSDP2's custom all-gather hook: torch's private module, absent before torch 2.8 (pyproject admits 2.6)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+except ImportError:  # pragma: no cover - the lock pins a torch that has it
+    AllGather = None
 
 from paradiff.distributed.comm import all_gather_in_place
 from paradiff.fsdp.shard import chunk_rows, outside_units
@@ -57,7 +60,7 @@ def shard_weights(model: nn.Module, blocks: list[tuple[str, nn.Module]], mesh: D
         fully_shard(part, **options)
     _shard_mixed_dtypes(model, options)
     fully_shard(model, **options)
-    if device.type == "cpu":
+    if device.type == "cpu" and AllGather is not None:  # without the hook: gloo's staged all_gather_into_tensor
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_custom_all_gather(_InPlaceGather())
@@ -75,7 +78,7 @@ def shard_weights(model: nn.Module, blocks: list[tuple[str, nn.Module]], mesh: D
     return [name for name, _block in blocks]
 
 
-class _InPlaceGather(AllGather):
+class _InPlaceGather(AllGather or object):
     """FSDP2's all-gather on CPU (gloo): sent and received in place in FSDP2's own output buffer
     (`comm.all_gather_in_place`), not staged by gloo in a second whole buffer and copied back. In bench_fsdp.py the
     staging buffer was a block's worth of memory per gather in flight, and the copies part of the step."""
