@@ -141,19 +141,28 @@ class BlockProjectionFlops(TorchDispatchMode):
         for block in self._blocks:
             self._handles.append(add_hook(block, self._enter, by="flop_count", pre=True))
             self._handles.append(add_hook(block, self._leave, by="flop_count", always_call=True))
-        return super().__enter__()
+        return self
 
     def __exit__(self, *exc):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        return super().__exit__(*exc)
+        if self._active:  # an exception left a block without its post-hook
+            self._active = 0
+            super().__exit__(*exc)
+        return False
 
+    # The mode is on the dispatch stack only while a block runs: the ops outside the blocks (embeddings, the final
+    # projection, the inputs' preparation) pay nothing for being counted.
     def _enter(self, module, args) -> None:
         self._active += 1
+        if self._active == 1:
+            super().__enter__()
 
     def _leave(self, module, args, output) -> None:
         self._active -= 1
+        if self._active == 0:
+            super().__exit__(None, None, None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
