@@ -166,8 +166,8 @@ def test_fsdp_shards_quantized_bases_without_dequantizing(pools, checkpoints, gg
 
 
 def test_fsdp_covers_the_issue_families_and_offloads(pools, tiny_pipeline_folders):
-    """Qwen-Image, HunyuanVideo and LTX-2 at fsdp2 and fsdp2 x ulysses2 (FLUX.2 and Wan above), Z-Image and
-    HunyuanVideo I2V at fsdp2; Wan 2.2 A14B's two
+    """Qwen-Image, HunyuanVideo and LTX-2 at fsdp2 and fsdp2 x ulysses2 (FLUX.2 and Wan above), Z-Image,
+    HunyuanVideo I2V and DiT at fsdp2; Wan 2.2 A14B's two
     experts at fsdp2 x ulysses2 with the shards offloaded to the CPU (FSDP2's CPUOffloadPolicy: on a CPU nearly a
     no-op, but its path runs)."""
     pool = pools.get(2)
@@ -177,7 +177,9 @@ def test_fsdp_covers_the_issue_families_and_offloads(pools, tiny_pipeline_folder
     # modules outside the blocks held in containers without a forward (Z-Image's ModuleDict of embedders,
     # HunyuanVideo I2V's ModuleList): their children are the units, not the container
     runs += [dict(family=family, example=example, modes=["fsdp2"])
-             for family, example in (("z_image", "z-image"), ("hunyuan_video", "hunyuan-video-i2v"))]
+             for family, example in (("z_image", "z-image"), ("hunyuan_video", "hunyuan-video-i2v"),
+                                     # a block's submodule called after the blocks (FSDP_OWN_UNITS)
+                                     ("dit", "dit"))]
     results = [r for rank in pool.run(cases.fsdp_families, runs=runs) for r in rank]
     assert {(r["family"], r["mode"]) for r in results} == {(run["family"], mode) for run in runs
                                                            for mode in run["modes"]}

@@ -13,6 +13,7 @@ from paradiff.api.building import target_dtype
 from paradiff.fsdp.apply import shard_weights
 from paradiff.fsdp.packed import PackedLinear
 from paradiff.fsdp.refusals import fsdp_refusal
+from paradiff.plans import family_of
 from paradiff.runtime.patches import replace_module, share_hooks
 from paradiff.runtime.repeated_blocks import layer_blocks, repeated_blocks
 from paradiff.tensor_parallel.shard import swap_in_sharded_linears
@@ -90,9 +91,11 @@ def shard_component(component: Any, mesh: Any, group: Any, weights_on_meta: bool
         swap_in_sharded_linears(model, resolved, group, weights_are_local=weights_on_meta)
     if component.quantization is not None and weights_on_meta:
         _packed_linears_on_meta(model, component.quantization)
+    family = family_of(model)
     component.fsdp_blocks = shard_weights(model, component.blocks, mesh.fsdp_mesh(), device,
                                           prefetch_across_lists=component.prefetch_across_lists,
-                                          offload=mesh.config.fsdp_offload)
+                                          offload=mesh.config.fsdp_offload,
+                                          own_units=family.fsdp_own_units if family is not None else ())
 
 
 def _packed_linears_on_meta(model: nn.Module, scheme: Any) -> None:

@@ -37,13 +37,17 @@ from paradiff.runtime.patches import add_hook
 
 
 def shard_weights(model: nn.Module, blocks: list[tuple[str, nn.Module]], mesh: DeviceMesh,
-                  device: torch.device, prefetch_across_lists: bool = True, offload: bool = False) -> list[str]:
+                  device: torch.device, prefetch_across_lists: bool = True, offload: bool = False,
+                  own_units: tuple[str, ...] = ()) -> list[str]:
     """`fully_shard` every block (in the order they run), then each module outside them, then the root over `mesh`,
     with forward prefetch of the next block; parameters on the meta device become this rank's empty rows on `device` (to be read). Returns the
     blocks' names. `prefetch_across_lists=False` (a text encoder): a block prefetches only the next one of its own list
     (a vision tower and the language layers are separate lists, and a text prompt runs only the latter).
     `offload`: the shards are kept in CPU memory (pinned when `device` is CUDA) and each unit's are copied to `device`
-    for its all-gather (FSDP2's CPUOffloadPolicy); the prefetch makes that copy one block ahead too."""
+    for its all-gather (FSDP2's CPUOffloadPolicy); the prefetch makes that copy one block ahead too.
+    `own_units`: names of submodules inside blocks that the model also calls outside their block's forward; each is
+    sharded first, as a unit of its own (nested in its block's), so it is gathered wherever it runs. A name the model
+    does not have is skipped (a family's classes or configurations differ in what they hold)."""
     model.requires_grad_(False)
     options = dict(mesh=mesh, reshard_after_forward=True)
     if offload:
@@ -52,6 +56,11 @@ def shard_weights(model: nn.Module, blocks: list[tuple[str, nn.Module]], mesh: D
     buffers = {(id(module), leaf): buffer for module in model.modules()
                for leaf, buffer in module._buffers.items() if buffer is not None}
     outside = outside_units(model, [block for _name, block in blocks])
+    for name in own_units:
+        part = _submodule_or_none(model, name)
+        if part is not None and any(True for _ in part.parameters()):
+            _shard_mixed_dtypes(part, options)
+            fully_shard(part, **options)
     for _name, block in blocks:
         _shard_mixed_dtypes(block, options)
         fully_shard(block, **options)
@@ -88,6 +97,13 @@ class _InPlaceGather(AllGather or object):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, async_op: bool = False):
         return all_gather_in_place(output_tensor, input_tensor, group, async_op=async_op)
+
+
+def _submodule_or_none(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def _gather_next(following: FSDPModule, _block: nn.Module, _args: tuple) -> None:

@@ -27,6 +27,9 @@ def context_parallel_plan(config) -> ContextParallelPlan:
     )
 
 
+# the forward computes its output modulation with block 0's embedder after the blocks ran
+FSDP_OWN_UNITS = ("transformer_blocks.0.norm1.emb",)
+
 EXAMPLES = {
     "dit": ("DiTTransformer2DModel", dict(
         num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4, num_layers=2, sample_size=10,

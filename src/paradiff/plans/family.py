@@ -7,7 +7,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 
 # The module-level names a plan module declares its family's fields by (`Family.of`): field -> name in the module.
-_DECLARED_AS = {"model_classes": "MODEL_CLASSES", "examples": "EXAMPLES", "extra_modes": "EXTRA_MODES"}
+_DECLARED_AS = {"model_classes": "MODEL_CLASSES", "examples": "EXAMPLES", "extra_modes": "EXTRA_MODES",
+                "fsdp_own_units": "FSDP_OWN_UNITS"}
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,10 @@ class Family:
     model_config: Callable[[Any], Any] | None = None
     # {example name: modes beyond tp2 / ulysses2 / ring2 / tp2 x ulysses2, e.g. ("tp4",)} the test suite also runs
     extra_modes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # submodules of a block that the model's forward calls outside that block's forward (DiT's
+    # `transformer_blocks.0.norm1.emb`, run again after the blocks): FSDP makes each a unit of its own, gathered
+    # whenever it runs, instead of leaving its weights to the block's unit (sharded outside the block's forward)
+    fsdp_own_units: tuple[str, ...] = ()
 
     def plan(self, kind: str) -> Callable[..., Any] | None:
         """The `kind` ("tensor" or "context") plan function, or None."""

@@ -55,6 +55,10 @@ def blocks_split(num_layers: int, local_attention: tuple[str, ...]) -> ContextPa
 
 
 _SMALL = dict(num_attention_heads=4, attention_head_dim=16, num_layers=2)
+# with AdaLN-zero (DiT) the forward computes its output modulation with block 0's embedder after the blocks ran
+# (absent with the other norms: nothing to shard on its own then)
+FSDP_OWN_UNITS = ("transformer_blocks.0.norm1.emb",)
+
 EXAMPLES = {
     # a U-Net's spatial transformer: GroupNorm, linear projections, cross-attention
     "transformer2d-continuous": ("Transformer2DModel", dict(
