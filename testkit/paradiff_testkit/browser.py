@@ -18,7 +18,7 @@ BINARY = Path(os.path.realpath(CHROMIUM)).parent.parent / "lib" / "chromium" / "
 # Fewer processes to start, each a handshake that a starved machine slows: no zygote (a renderer is started directly;
 # playwright passes --no-sandbox, which --no-zygote needs) and no GPU rasterization (software compositing; the GPU
 # process then only composites). Measured on the 2-core host beside the load lane's two busy loops: launch median
-# 0.8-1.3 s against 1.6-2.1 s through the wrapper, 4 browser processes at launch against 6.
+# 0.8-1.3 s against 1.6-2.3 s through the wrapper, and the two zygote processes fewer.
 LAUNCH_ARGS = ["--no-zygote", "--disable-gpu"]
 
 # A launch normally takes 1-3 s (up to 12 s while 7 jobs shared the 2 cores); under the load lane one was seen to hang
