@@ -485,10 +485,10 @@ def test_dp2_long_requests_neither_fault_the_idle_replica_nor_run_past_their_ans
     try:
         server.wait_ready()
         with ThreadPoolExecutor(2) as pool:
+            submitted = time.monotonic()  # its --request-timeout counts from later: the loop ends before the 504
             long = pool.submit(server.generate, prompt=PROMPTS[0], steps=5000)
             wait_for_metric(server, "paradiff_requests_running", 1)
-            running_since = time.monotonic()
-            while time.monotonic() - running_since < 6.5:  # the idle replica has waited past --timeout 5
+            while time.monotonic() - submitted < 6.5:  # the idle replica has waited past --timeout 5
                 assert server.client.get("/health").json() == {"status": "ready"}, server.text()[-2000:]
                 assert metric(server, "paradiff_requests_running") == {"": 1}
                 time.sleep(0.1)
@@ -601,9 +601,11 @@ def test_a_killed_worker_fails_the_server_and_answers_every_client(tmp_path):
             answers = [first.result(timeout=60), second.result(timeout=60)]
         assert [answer.status_code for answer in answers] == [500, 503]
         assert all("rank(s) [1] stopped answering" in answer.text for answer in answers), [a.text for a in answers]
-        code = server.process.wait(timeout=30)
+        code = server.process.wait(timeout=120)
         assert code != 0
-        assert time.monotonic() - started < 20
+        # the death was seen by rank 0's process check, not at a collective's timeout (--timeout: 600 s): a bound, not
+        # a guess of how long it takes (it was 20 s; under the load lane rank 0's own loop alone took over 5 s)
+        assert time.monotonic() - started < 120
         assert "rank 1 exited with code 9 first" in server.text()
     finally:
         server.stop()

@@ -685,3 +685,67 @@ def test_a_library_user_serves_from_typed_settings_without_a_parser(tmp_path):
     pipeline = info.json()["pipeline"]
     assert (pipeline["model"], pipeline["size"], pipeline["steps"], pipeline["max_steps"], pipeline["max_side"],
             pipeline["max_n"]) == ("wan", "96x64", 6, 12, 192, 2)
+
+
+class FaultFrontend:
+    """What the dispatcher tells the HTTP side about a replica's fault, recorded."""
+
+    def __init__(self) -> None:
+        self.replica_states, self.closing, self.faults = {}, False, []
+
+    def replica_state(self, index, state):
+        self.replica_states[index] = state
+
+    def replica_ready(self, index, info, ranks, generation):
+        pass
+
+    def replica_fault(self, index, replicas, cause, decision, channel=None, items=None):
+        self.faults.append((cause, decision))
+
+    def fail_batch(self, items, channel, cause):
+        pass
+
+    def fail(self, cause):
+        self.closing = True
+
+
+@pytest.mark.parametrize("rank_0_alive_at", [12.0, None])
+def test_a_dead_rank_is_named_alone_while_rank_0s_own_loop_is_slow_to_say_it_is_alive(rank_0_alive_at):
+    """tp2 on one machine, rank 1's process gone. Rank 0's loop runs in the dispatcher's own process: after a fault
+    it is waited for like any rank on this machine (while its process runs, up to the collective timeout), not
+    ALIVE_WAIT_S only: saying it is alive later than that (a loaded machine), it is not named among the dead. Saying
+    it never, it is, once the collective timeout has passed. On a fake clock: 3 s a reading."""
+    import os
+    import socket
+    import subprocess
+
+    import torch.distributed as dist
+
+    from paradiff.serve.dispatch import Dispatcher
+    from paradiff.serve.ranks import ALIVE_WAIT_S
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # reaped: its pid runs nothing
+    store, frontend, now = dist.HashStore(), FaultFrontend(), [0.0]
+    dispatcher = Dispatcher(store, frontend, replicas=1, size=2, timeout_s=15.0, clock=lambda: tick())
+    replica = dispatcher.replicas[0]
+
+    def tick() -> float:
+        now[0] += 3.0
+        if rank_0_alive_at is not None and now[0] >= rank_0_alive_at:
+            replica.channel.put(True, "alive", 0)  # rank 0's loop left its failed collective
+        return now[0]
+
+    # the fault's wait starts at the first reading (3 s): ALIVE_WAIT_S is past at the third (9 s), rank 0 alive later
+    assert rank_0_alive_at is None or rank_0_alive_at > 3.0 + ALIVE_WAIT_S + 3.0
+    host = socket.gethostname()
+    replica.channel.put({"info": {}, "ranks": [{"rank": 0, "pid": os.getpid(), "host": host},
+                                               {"rank": 1, "pid": dead.pid, "host": host}]}, "ready")
+    dispatcher._look_at(replica)  # loading -> ready
+    assert frontend.replica_states == {0: "ready"} and frontend.faults == []
+    dispatcher._look_at(replica)  # rank 1's process is seen gone: the fault
+    (cause, decision), = frontend.faults
+    named = "[1]" if rank_0_alive_at is not None else "[0, 1]"
+    assert cause == f"rank(s) {named} stopped answering (the process died or was killed)" and decision == "stop"
+    assert now[0] >= (rank_0_alive_at or 3.0 + 15.0)  # rank 0 waited for: until it said alive, or the timeout
+    assert frontend.replica_states == {0: "failed"} and dispatcher.failed

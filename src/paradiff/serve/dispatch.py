@@ -40,8 +40,9 @@ class ReplicaState:
 
 
 class Dispatcher:
-    def __init__(self, store, frontend, replicas: int, size: int, timeout_s: float) -> None:
-        self.frontend, self.size, self.timeout_s = frontend, size, timeout_s
+    def __init__(self, store, frontend, replicas: int, size: int, timeout_s: float, clock=time.monotonic) -> None:
+        # clock: the seconds a fault's wait is measured in (a test's fake clock; the loop's own polls stay real)
+        self.frontend, self.size, self.timeout_s, self.clock = frontend, size, timeout_s, clock
         self.replicas = [ReplicaState(r, Channel(store, 0, size, scope=f"r{r}"), first_rank=r * size)
                          for r in range(replicas)]
         self.failed = False
@@ -96,9 +97,12 @@ class Dispatcher:
             return
         if replica.state == "loading" and channel.has("ready"):
             ready = channel.take(READY, "ready")
+            # every rank on this machine, global rank 0 included: its pid is this process's, which runs as long as
+            # this thread does, but its loop (the main thread) may take long to leave a failed collective and say it
+            # is alive; it is waited for as any local rank, not taken for dead after ALIVE_WAIT_S
             host = socket.gethostname()
             replica.pids = {entry["rank"] - replica.first_rank: entry["pid"] for entry in ready["ranks"]
-                            if entry["host"] == host and entry["rank"] != 0}
+                            if entry["host"] == host}
             if channel.generation:
                 channel.forget_generation(channel.generation - 1)
             self._set(replica, "ready")
@@ -172,14 +176,14 @@ class Dispatcher:
         channel = replica.channel
         if not channel.has("fault"):
             channel.put(True, "fault")  # its ranks that wait in the store learn of it (a rank of it died)
-        started = time.monotonic()
+        started = self.clock()
 
         def settled(rank: int) -> bool:
             if channel.has("alive", rank):
                 return True
             if rank in replica.pids:
-                return not process_alive(replica.pids[rank]) or time.monotonic() > started + self.timeout_s
-            return time.monotonic() > started + ALIVE_WAIT_S
+                return not process_alive(replica.pids[rank]) or self.clock() > started + self.timeout_s
+            return self.clock() > started + ALIVE_WAIT_S
 
         while not all(settled(rank) for rank in range(self.size)):
             time.sleep(0.02)

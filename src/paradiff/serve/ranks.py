@@ -64,8 +64,9 @@ from paradiff.serve.settings import ServeSettings
 PREFIX = "paradiff/serve"
 # after a fault, how long rank 0 waits for a rank on another machine to say it is alive, before it takes it for dead
 # (each learns of the fault at its next collective; a chain of aborts on an overloaded machine took more than 2 s). A
-# rank on rank 0's machine is waited for while its process runs, up to the collective timeout: it is dead only once
-# its process is seen gone (a wait of 5 s took a live rank for dead at a load average of 40).
+# rank on rank 0's machine, rank 0 itself included (its loop is the dispatcher's process's main thread), is waited for
+# while its process runs, up to the collective timeout: it is dead only once its process is seen gone (a wait of 5 s
+# took a live rank for dead at a load average of 40, and rank 0's own loop for dead under the load lane).
 ALIVE_WAIT_S = 5.0
 IDLE_WAIT_S = 0.2  # an idle round every this often: it is also how a rank that died is noticed while idle
 # how long the ranks of a replica whose pipeline call raised wait for each other to say they raised alike (a request's
