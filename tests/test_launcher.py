@@ -21,6 +21,6 @@ def test_when_rank_0_dies_the_others_get_only_the_dead_peer_grace(tmp_path):
     """Rank 0 is the one that answers: when it is the one that died, nobody is answering, and the others are
     stopped after the short grace, not the leader's."""
     started = time.monotonic()
-    code = launch(["leader-dies", str(tmp_path)], 2, WORKER, dead_grace_s=0.2, leader_grace_s=60.0)
+    code = launch(["leader-dies", str(tmp_path)], 2, WORKER, dead_grace_s=0.2, leader_grace_s=600.0)
     assert code == 1
-    assert time.monotonic() - started < 60.0
+    assert time.monotonic() - started < 120.0  # far under the leader's grace, with room for a loaded host's start-up
