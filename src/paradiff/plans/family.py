@@ -25,8 +25,10 @@ class Family:
     context_parallel_plan: Callable[..., Any] | None = None
     # {example name: (class name, tiny config kwargs)}: the smallest configurations exercising every block type
     examples: Mapping[str, tuple[str, dict]] = field(default_factory=dict)
-    # example_inputs(name, config, batch, grid, generator) -> forward kwargs (or whatever run_example takes)
-    example_inputs: Callable[..., Any] | None = None
+    # the examples' forward kwargs (or whatever run_example takes): declared as data, `INPUTS` (records of
+    # plans/inputs.py, materialized by plan_tools/example_inputs.py), or by a function
+    # example_inputs(name, config, batch, grid, generator) where a family is not declared that way yet
+    example_inputs: Any = None
     # init_example(model): seeds the parameters an example's class leaves uninitialised (torch.empty expert banks)
     init_example: Callable[..., Any] | None = None
     # prepare_example(model): swaps in an equivalent kernel torch's FLOP counter can run (eager flex attention)
@@ -52,6 +54,10 @@ class Family:
             if item.name == "name":
                 continue
             value = namespace.get(_DECLARED_AS.get(item.name, item.name))
+            if item.name == "example_inputs" and "INPUTS" in namespace:
+                if value is not None:
+                    raise TypeError(f"{module_name} declares both INPUTS and example_inputs: keep one.")
+                value = namespace["INPUTS"]
             if value is not None:
                 declared[item.name] = value
         return cls(name=module_name.rpartition(".")[2], **declared)
