@@ -8,6 +8,7 @@ arithmetic, comparisons, conditionals, subscripts and a few built-ins; nothing i
 from __future__ import annotations
 
 import ast
+import importlib
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,8 @@ _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
 _UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos, ast.Not: operator.not_}
 _COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
             ast.Gt: operator.gt, ast.GtE: operator.ge, ast.Is: operator.is_, ast.IsNot: operator.is_not}
-_FUNCTIONS = {"len": len, "sum": sum, "max": max, "min": min, "int": int, "float": float, "tuple": tuple}
+_FUNCTIONS = {"len": len, "sum": sum, "max": max, "min": min, "int": int, "float": float, "tuple": tuple,
+              "list": list}
 
 
 @dataclass(frozen=True)
@@ -78,9 +80,12 @@ class _Scope:
             return _BINARY[type(node.op)](self._node(node.left, expression), self._node(node.right, expression))
         if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
             return _UNARY[type(node.op)](self._node(node.operand, expression))
-        if isinstance(node, ast.BoolOp):
-            values = (self._node(value, expression) for value in node.values)
-            return all(values) if isinstance(node.op, ast.And) else any(values)
+        if isinstance(node, ast.BoolOp):  # Python's own: the first value deciding the outcome, or the last
+            for value_node in node.values[:-1]:
+                value = self._node(value_node, expression)
+                if bool(value) != isinstance(node.op, ast.And):
+                    return value
+            return self._node(node.values[-1], expression)
         if isinstance(node, ast.Compare) and all(type(op) in _COMPARE for op in node.ops):
             left = self._node(node.left, expression)
             for op, right_node in zip(node.ops, node.comparators):
@@ -190,6 +195,9 @@ def _make(item: Any, scope: _Scope, done: dict) -> Any:
                             f"declared so far: {sorted(done)}.")
         value, scale = done[item.key], _make(item.scale, scope, done)
         return value if isinstance(scale, (int, float)) and scale == 1 else value * scale
+    if isinstance(item, spec.Call):
+        function = _function(item.function)
+        return function(*_make(tuple(item.args), scope, done), **_make(dict(item.kwargs), scope, done))
     if isinstance(item, spec.ByExample):
         raise PlanError("ByExample may only be a family's whole INPUTS declaration, not one input of it.")
     if isinstance(item, dict):
@@ -202,6 +210,17 @@ def _make(item: Any, scope: _Scope, done: dict) -> Any:
     if isinstance(item, (list, tuple)):
         return type(item)(_make(value, scope, done) for value in item)
     return item
+
+
+def _function(path: str) -> Any:
+    module_name, _, name = path.partition(":")
+    try:
+        function = getattr(importlib.import_module(module_name), name) if name else None
+    except ImportError as error:
+        raise PlanError(f"example input Call({path!r}): cannot import {module_name!r} ({error}).") from None
+    if not callable(function):
+        raise PlanError(f"example input Call({path!r}) names no function; write 'module:function'.")
+    return function
 
 
 def _values(values: Any, scope: _Scope) -> Any:

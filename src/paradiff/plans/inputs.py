@@ -8,7 +8,7 @@ False) are passed as they are; dicts, lists and tuples are materialized item by 
 A dimension (`Dim`) is an int or an expression string over `batch`, the grid sizes `frames`, `height`, `width`,
 `text`, the example's `name`, a per-sample `index` (inside `PerSample`) and the config's fields by their bare names,
 e.g. `"height * patch_size"`, `"len(axes_dims_rope)"` or `"patch_size[0] * frames"`. Arithmetic, comparisons,
-`x if c else y`, subscripts, `len / sum / max / min / int / float / tuple` and `field("name", default)` (a config
+`x if c else y`, subscripts, `len / sum / max / min / int / float / tuple / list` and `field("name", default)` (a config
 field the config may lack) are all an expression may use.
 """
 
@@ -152,6 +152,17 @@ class Ref:
 
     key: str
     scale: Any = 1.0
+
+
+@dataclass(frozen=True)
+class Call:
+    """What `function` ("module:name", e.g. a diffusers rotary-table helper) returns for the materialized `args`
+    and `kwargs` (strings pass as strings: wrap an expression in `Value`). Model code it names lives outside
+    plans/ (diffusers, `paradiff.models.<family>`)."""
+
+    function: str
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
