@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import importlib
 import operator
+from collections import ChainMap
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,8 @@ class _Scope:
             return self.batch
         if name == "name":
             return self.name
+        if name == "config":  # the whole config, for a Call that builds from it
+            return self.config
         if name == "index" and self.index is not None:
             return self.index
         if name in ("frames", "height", "width", "text"):
@@ -54,7 +57,8 @@ class _Scope:
         if not isinstance(config, dict) and hasattr(config, name):
             return getattr(config, name)
         raise PlanError(f"example input expression {expression!r} names {name!r}, which is neither batch, name, "
-                        f"index, a grid size (frames, height, width, text) nor a field of the {self.name!r} config.")
+                        f"config, index, a grid size (frames, height, width, text) nor a field of the {self.name!r} "
+                        "config.")
 
     def evaluate(self, expression: Any) -> Any:
         """An int / float passes; a string is parsed and evaluated."""
@@ -148,8 +152,9 @@ def _make(item: Any, scope: _Scope, done: dict) -> Any:
             drawn = drawn.expand(scope.shape(item.expand)).clone()
         return _set(drawn, item.set, scope)
     if isinstance(item, spec.Integers):
-        return torch.randint(int(scope.evaluate(item.low)), int(scope.evaluate(item.high)), scope.shape(item.shape),
-                             generator=generator)
+        drawn = torch.randint(int(scope.evaluate(item.low)), int(scope.evaluate(item.high)), scope.shape(item.shape),
+                              generator=generator)
+        return _set(drawn, item.set, scope)
     if isinstance(item, spec.Full):
         full = torch.full(scope.shape(item.shape), scope.evaluate(item.value), dtype=_dtype(item.dtype))
         return _set(full, item.set, scope)
@@ -180,7 +185,8 @@ def _make(item: Any, scope: _Scope, done: dict) -> Any:
             positions = positions.transpose(0, 1).contiguous()
         return positions.expand(scope.batch, *positions.shape).clone() if item.per_sample else positions
     if isinstance(item, spec.Cat):
-        return torch.cat([_make(part, scope, done) for part in item.parts], dim=item.dim)
+        joined = torch.cat([_make(part, scope, done) for part in item.parts], dim=item.dim)
+        return joined.expand(scope.batch, *joined.shape).clone() if item.per_sample else joined
     if isinstance(item, spec.Value):
         return scope.evaluate(item.expression)
     if isinstance(item, spec.Repeat):
@@ -190,10 +196,14 @@ def _make(item: Any, scope: _Scope, done: dict) -> Any:
     if isinstance(item, spec.When):
         return _make(item.item, scope, done) if scope.evaluate(item.condition) else _LEFT_OUT
     if isinstance(item, spec.Ref):
-        if item.key not in done:
+        first, *rest = item.key.split(".")
+        value = done.get(first)
+        for part in rest:
+            value = value.get(part) if isinstance(value, dict) else None
+        if value is None:
             raise PlanError(f"example input Ref({item.key!r}) names no input declared before it; "
                             f"declared so far: {sorted(done)}.")
-        value, scale = done[item.key], _make(item.scale, scope, done)
+        scale = _make(item.scale, scope, done)
         return value if isinstance(scale, (int, float)) and scale == 1 else value * scale
     if isinstance(item, spec.Call):
         function = _function(item.function)
@@ -202,8 +212,9 @@ def _make(item: Any, scope: _Scope, done: dict) -> Any:
         raise PlanError("ByExample may only be a family's whole INPUTS declaration, not one input of it.")
     if isinstance(item, dict):
         made: dict = {}
+        visible = ChainMap(made, done)  # this dict's inputs so far, then those of the dicts around it
         for key, value in item.items():
-            value = _make(value, scope, made)
+            value = _make(value, scope, visible)
             if value is not _LEFT_OUT:
                 made[key] = value
         return made

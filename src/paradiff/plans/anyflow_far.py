@@ -3,8 +3,6 @@ context frames then full-resolution frames, with a flex-attention BlockMask. The
 KV-cache paths (prefill, autoregressive steps) index the cache by whole-sequence token counts and are refused under
 context parallelism; under tensor parallelism each rank uses its heads' block of the cache."""
 
-import torch
-
 from paradiff.runtime.patches import set_processor
 from paradiff.context_parallel.flex import MaskModAttentionProcessor
 from paradiff.context_parallel.plan import ContextParallelPlan, Split

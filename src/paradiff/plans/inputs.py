@@ -6,10 +6,10 @@ tensor from one generator in declaration order (depth first). Values that are no
 False) are passed as they are; dicts, lists and tuples are materialized item by item.
 
 A dimension (`Dim`) is an int or an expression string over `batch`, the grid sizes `frames`, `height`, `width`,
-`text`, the example's `name`, a per-sample `index` (inside `PerSample`) and the config's fields by their bare names,
-e.g. `"height * patch_size"`, `"len(axes_dims_rope)"` or `"patch_size[0] * frames"`. Arithmetic, comparisons,
-`x if c else y`, subscripts, `len / sum / max / min / int / float / tuple / list` and `field("name", default)` (a config
-field the config may lack) are all an expression may use.
+`text`, the example's `name`, a per-sample `index` (inside `PerSample`), the whole `config` and its fields by their
+bare names, e.g. `"height * patch_size"`, `"len(axes_dims_rope)"` or `"patch_size[0] * frames"`. Arithmetic,
+comparisons, `and / or`, `x if c else y`, subscripts, `len / sum / max / min / int / float / tuple / list` and
+`field("name", default)` (a config field the config may lack) are all an expression may use.
 """
 
 from __future__ import annotations
@@ -26,15 +26,15 @@ Sets = tuple[tuple[str, Any], ...]
 
 @dataclass(frozen=True)
 class Noise:
-    """`torch.randn(shape)`: latents, text embeddings, any standard-normal input."""
+    """Standard-normal noise of `shape`: latents, text embeddings, image embeddings."""
 
     shape: Shape
 
 
 @dataclass(frozen=True)
 class Uniform:
-    """`torch.rand(shape) * scale`, then `expand` and `set`: a timestep in [0, scale) per sample by default; per
-    token, clean (0) on the first frame, with `expand` and `set`."""
+    """Uniform in [0, scale), drawn in `shape`, then `expand` and `set`: a timestep in [0, scale) per sample by
+    default; per token, clean (0) on the first frame, with `expand` and `set`."""
 
     scale: float = 1.0
     shape: Shape = ("batch",)
@@ -44,11 +44,12 @@ class Uniform:
 
 @dataclass(frozen=True)
 class Integers:
-    """`torch.randint(low, high, shape)`: class labels, token ids, integer timesteps."""
+    """Integers in [low, high) of `shape`, then `set`: class labels, token ids (padded), integer timesteps."""
 
     high: Dim
     shape: Shape = ("batch",)
     low: Dim = 0
+    set: Sets = ()
 
 
 @dataclass(frozen=True)
@@ -109,10 +110,11 @@ class GridPositions:
 
 @dataclass(frozen=True)
 class Cat:
-    """The materialized `parts` concatenated along `dim`."""
+    """The materialized `parts` concatenated along `dim` (the parts' common dtype)."""
 
     parts: tuple[Any, ...]
     dim: int = 0
+    per_sample: bool = False  # the result repeated for each sample, stacked in front
 
 
 @dataclass(frozen=True)
@@ -147,8 +149,9 @@ class When:
 
 @dataclass(frozen=True)
 class Ref:
-    """The input already materialized under `key` (same dict level, declared earlier), times `scale`: a number or
-    a record, materialized (`Ref("timestep", Uniform(shape=("batch", "frames")))` draws a tensor to multiply by)."""
+    """The input already materialized under `key` (declared earlier in this dict or one around it; "a.b" reaches
+    into the dict `a`), times `scale`: a number or a record, materialized (`Ref("timestep", Uniform(shape=("batch",
+    "frames")))` draws a tensor to multiply by)."""
 
     key: str
     scale: Any = 1.0

@@ -1,8 +1,6 @@
 """Kandinsky 6 SR (`Kandinsky6SRTransformer3DModel`): text-free video super-resolution blocks whose self-attention is
 NABLA block-sparse (blocks of 64 tokens chosen from block means, diffusers runs it on flex attention)."""
 
-import torch
-
 from paradiff.runtime.patches import set_processor
 from paradiff.context_parallel.nabla import NablaAttentionProcessor
 from paradiff.context_parallel.plan import ContextParallelPlan, Split

@@ -6,8 +6,6 @@ partial output all-reduced; the router stays whole. CP: the text, used only as k
 experts route over the whole sequence with the scores shared between the ranks (context_parallel/experts.py).
 """
 
-import torch
-
 from paradiff.context_parallel.experts import ExpertChoice
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import AttentionHeads, TensorParallelPlan
