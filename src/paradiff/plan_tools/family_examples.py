@@ -78,12 +78,8 @@ def example_inputs(family: str, example: str, config: Any, batch: int = 2, grid:
 
 def family_inputs(family: Family, example: str, config: Any, batch: int, grid: Grid,
                   generator: torch.Generator) -> dict:
-    """The family's inputs for `example`: its `INPUTS` declaration materialized, or what its `example_inputs`
-    function returns where it keeps one."""
-    declared = family.example_inputs
-    if callable(declared):
-        return declared(example, config, batch, grid, generator)
-    return materialize(declared, example, config, batch, grid, generator)
+    """The family's inputs for `example`: its `INPUTS` declaration materialized."""
+    return materialize(family.example_inputs, example, config, batch, grid, generator)
 
 
 def output_tensors(output: Any) -> list[torch.Tensor]:

@@ -3,13 +3,13 @@ context frames then full-resolution frames, with a flex-attention BlockMask. The
 KV-cache paths (prefill, autoregressive steps) index the cache by whole-sequence token counts and are refused under
 context parallelism; under tensor parallelism each rank uses its heads' block of the cache."""
 
-from paradiff.runtime.patches import set_processor
 from paradiff.context_parallel.flex import MaskModAttentionProcessor
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans import anyflow
 from paradiff.plans.family import Family
 from paradiff.plans.inputs import Noise, Ref, Uniform, Value
+from paradiff.models.anyflow_far import prepare_example
 
 MODEL_CLASSES = ("AnyFlowFARTransformer3DModel",)
 
@@ -33,13 +33,6 @@ def context_parallel_plan(config) -> ContextParallelPlan:
         processors={"blocks.*.attn1": MaskModAttentionProcessor},
         unsupported_inputs={"": {"kv_cache": why}},
     )
-
-
-def prepare_example(model) -> None:
-    # eager flex attention cannot run under torch's FLOP counter: the examples attend through the same mask on SDPA
-    # (tests/test_cp_mechanisms.py checks it equal to diffusers' flex processor)
-    for block in model.blocks:
-        set_processor(block.attn1, MaskModAttentionProcessor(), by="example", through_setter=True)
 
 
 EXAMPLES = {

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 
 # The module-level names a plan module declares its family's fields by (`Family.of`): field -> name in the module.
-_DECLARED_AS = {"model_classes": "MODEL_CLASSES", "examples": "EXAMPLES", "extra_modes": "EXTRA_MODES"}
+_DECLARED_AS = {"model_classes": "MODEL_CLASSES", "examples": "EXAMPLES", "example_inputs": "INPUTS",
+                "extra_modes": "EXTRA_MODES"}
 
 
 @dataclass(frozen=True)
@@ -15,7 +16,7 @@ class Family:
     """One model family: its classes, its plans and its tiny examples.
 
     Each plan module ends with `FAMILY = Family.of(__name__)`, which collects its module-level declarations by
-    their conventional names (`MODEL_CLASSES`, `tensor_parallel_plan`, `EXAMPLES`, `EXTRA_MODES`, ...: the field
+    their conventional names (`MODEL_CLASSES`, `tensor_parallel_plan`, `EXAMPLES`, `INPUTS`, ...: the field
     names, the data ones in capitals); a field the module does not declare stays None or empty (no
     context-parallel plan, no example hook)."""
 
@@ -25,9 +26,8 @@ class Family:
     context_parallel_plan: Callable[..., Any] | None = None
     # {example name: (class name, tiny config kwargs)}: the smallest configurations exercising every block type
     examples: Mapping[str, tuple[str, dict]] = field(default_factory=dict)
-    # the examples' forward kwargs (or whatever run_example takes): declared as data, `INPUTS` (records of
-    # plans/inputs.py, materialized by plan_tools/example_inputs.py), or by a function
-    # example_inputs(name, config, batch, grid, generator) where a family is not declared that way yet
+    # the examples' forward kwargs (or whatever run_example takes), declared as data: `INPUTS`, a dict of records
+    # of plans/inputs.py or ByExample({example name: dict}), materialized by plan_tools/example_inputs.py
     example_inputs: Any = None
     # init_example(model): seeds the parameters an example's class leaves uninitialised (torch.empty expert banks)
     init_example: Callable[..., Any] | None = None
@@ -54,10 +54,6 @@ class Family:
             if item.name == "name":
                 continue
             value = namespace.get(_DECLARED_AS.get(item.name, item.name))
-            if item.name == "example_inputs" and "INPUTS" in namespace:
-                if value is not None:
-                    raise TypeError(f"{module_name} declares both INPUTS and example_inputs: keep one.")
-                value = namespace["INPUTS"]
             if value is not None:
                 declared[item.name] = value
         return cls(name=module_name.rpartition(".")[2], **declared)

@@ -1,7 +1,6 @@
 """Kandinsky 6 SR (`Kandinsky6SRTransformer3DModel`): text-free video super-resolution blocks whose self-attention is
 NABLA block-sparse (blocks of 64 tokens chosen from block means, diffusers runs it on flex attention)."""
 
-from paradiff.runtime.patches import set_processor
 from paradiff.context_parallel.nabla import NablaAttentionProcessor
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
@@ -9,6 +8,7 @@ from paradiff.plans.common import feed_forward, mlp
 from paradiff.plans.kandinsky6 import _attention
 from paradiff.plans.family import Family
 from paradiff.plans.inputs import Noise, Uniform
+from paradiff.models.kandinsky6_sr import prepare_example
 
 MODEL_CLASSES = ("Kandinsky6SRTransformer3DModel",)
 
@@ -33,14 +33,6 @@ def context_parallel_plan(config) -> ContextParallelPlan:
         gather_outputs={f"{blocks}.{config.num_visual_blocks - 1}": 1},
         processors={f"{blocks}.*.self_attention": NablaAttentionProcessor},
     )
-
-
-def prepare_example(model) -> None:
-    # Eager flex attention runs neither under torch's FLOP counter nor block-sparse (on CPU it attends every key,
-    # ignoring the BlockMask diffusers builds): the examples attend through the same NABLA block choice on SDPA, the
-    # block-sparse result compiled flex attention computes (tests/test_cp_mechanisms.py checks both halves)
-    for block in model.visual_transformer_blocks:
-        set_processor(block.self_attention, NablaAttentionProcessor(), by="example", through_setter=True)
 
 
 EXAMPLES = {

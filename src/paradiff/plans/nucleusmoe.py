@@ -13,6 +13,7 @@ from paradiff.tensor_parallel.styles import ColwiseHeads, SplitParameter
 from paradiff.plans.common import feed_forward, mlp, split_input
 from paradiff.plans.family import Family
 from paradiff.plans.inputs import Noise, PerSample, Uniform, Value, text_mask
+from paradiff.models.nucleusmoe import init_example
 
 MODEL_CLASSES = ("NucleusMoEImageTransformer2DModel",)
 
@@ -87,12 +88,6 @@ EXAMPLES = {
         _BASE, dense_moe_strategy="all_moe", use_sigmoid=True, capacity_factors=[1.0, 1.5])),
 }
 EXTRA_MODES = {"nucleus-moe": ("tp4",)}  # 2 K/V heads over 4 ranks: replicated in pairs
-
-
-def init_example(model) -> None:
-    for name, param in model.named_parameters():  # the expert banks are created with torch.empty
-        if ".experts." in name:
-            param.normal_(std=0.1)
 
 
 INPUTS = dict(

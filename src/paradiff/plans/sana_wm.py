@@ -16,11 +16,10 @@ their projected Q/K/V and keep their rows. The rotary table is given to the mode
 counts would restart its positions at 0. The camera branch (UCPE ray transforms) is not split: `camera_conditions`
 is refused under TP and CP. The ported attention is in models/sana_wm.py."""
 
-from paradiff.runtime.patches import wrap_forward
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedColwise, SplitParameter
-from paradiff.models.sana_wm import CAMERA_REFUSAL, CrossAttention, Fp32SoftmaxAttention, SelfAttention, WholeInputs
+from paradiff.models.sana_wm import CAMERA_REFUSAL, CrossAttention, SelfAttention, WholeInputs, run_example
 from paradiff.plans.common import mlp
 from paradiff.plans.family import Family
 from paradiff.plans.inputs import Noise, Uniform, text_mask
@@ -123,19 +122,6 @@ INPUTS = dict(
     frame_valid_mask=text_mask("float32", keep="width - 1", length="width"),  # the last sample is a frame shorter
     return_dict=False,
 )
-
-
-def run_example(model, inputs: dict):
-    """The example's forward with the softmax blocks' attention kernel run in fp32. diffusers casts its fp32 Q/K/V
-    to bf16 for SDPA, so a split run's last-bit differences in Q/K (the norms across heads sum over the TP ranks)
-    become bf16 steps (1.6e-5 at tp2). The check is of the split around that kernel, which every run (the single
-    process's too) then computes alike; the product keeps diffusers' kernel."""
-    from diffusers.models.transformers.transformer_sana_wm import SanaWMSoftmaxAttention
-
-    for module in model.modules():
-        if isinstance(module, SanaWMSoftmaxAttention):
-            wrap_forward(module, Fp32SoftmaxAttention(module), by="example")
-    return model(**inputs)
 
 
 FAMILY = Family.of(__name__)
