@@ -12,7 +12,8 @@ from paradiff.plans import families, family_of, text_encoder_families
 from paradiff.plans import text_encoders
 from paradiff.plans.family import Family
 
-HELPERS = {"auto", "common", "family", "pipelines", "previews", "reference_configs", "vae"}  # helpers, per-pipeline rules, configs
+# helpers, per-pipeline rules, configs, example-input records
+HELPERS = {"auto", "common", "family", "inputs", "pipelines", "previews", "reference_configs", "vae"}
 
 
 def plan_modules(package):

@@ -7,6 +7,8 @@ before the frames are split. plans/sana_wm.py says where they go."""
 import torch
 import torch.nn.functional as F
 
+from paradiff.runtime.patches import wrap_forward
+
 CAMERA_REFUSAL = ("the camera branch's UCPE ray transforms are built per frame for the whole video and are not split "
                   "by paradiff; run camera-conditioned SANA-WM without tensor or context parallelism")
 
@@ -226,7 +228,7 @@ class CrossAttention:
 
 class Fp32SoftmaxAttention:
     """SanaWMSoftmaxAttention's kernel on SDPA in fp32 (diffusers casts its inputs to bf16): the examples' run, which
-    compares split runs to a single process's without bf16 steps (plans/sana_wm.py, run_example)."""
+    compares split runs to a single process's without bf16 steps (run_example, below)."""
 
     def __init__(self, module) -> None:
         self.module = module
@@ -242,3 +244,16 @@ class Fp32SoftmaxAttention:
             query, key, value = (t * token_valid_mask.view(batch, tokens, 1, 1) for t in (query, key, value))
         out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, key, value)))
         return out.transpose(1, 2).reshape(batch, tokens, heads * head_dim).to(value.dtype)
+
+
+def run_example(model, inputs: dict):
+    """The example's forward with the softmax blocks' attention kernel run in fp32. diffusers casts its fp32 Q/K/V
+    to bf16 for SDPA, so a split run's last-bit differences in Q/K (the norms across heads sum over the TP ranks)
+    become bf16 steps (1.6e-5 at tp2). The check is of the split around that kernel, which every run (the single
+    process's too) then computes alike; the product keeps diffusers' kernel."""
+    from diffusers.models.transformers.transformer_sana_wm import SanaWMSoftmaxAttention
+
+    for module in model.modules():
+        if isinstance(module, SanaWMSoftmaxAttention):
+            wrap_forward(module, Fp32SoftmaxAttention(module), by="example")
+    return model(**inputs)

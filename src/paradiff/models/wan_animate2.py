@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from paradiff.context_parallel.attention import even_sizes
+from paradiff.runtime.patches import set_processor
 
 
 class SelfAttention:
@@ -75,3 +76,26 @@ def _slots(x: torch.Tensor, count: int, frames: int, per_frame: int, slot: int) 
 
 def _attend(query, key, value):  # (batch, tokens, heads, head_dim), as diffusers' processors hold them
     return F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, key, value))).transpose(1, 2)
+
+
+def prepare_example(model) -> None:
+    # eager flex attention cannot run under torch's FLOP counter: the examples attend through SelfAttention
+    # (tests/test_wan_animate2.py checks it equal to diffusers' flex processor)
+    for block in model.blocks:
+        set_processor(block.self_attn, SelfAttention(), by="example", through_setter=True)
+
+
+def run_example(model, inputs: dict):
+    """Both passes: the reference pass fills a fresh cache, a denoising step reads it; both outputs count."""
+    from diffusers.models.transformers.transformer_wan_animate_2 import WanAnimate2KVCache
+
+    # the model builds its BlockMask under torch.compile, ~9 s of inductor per CPU process: built eagerly first (the
+    # same mask), under the key the model looks it up by. Only the mask: eager flex attention needs torch.compile
+    step = inputs["cached"]
+    frames, area = step["origin_len"] // 4 + 1, step["origin_area"][0] * step["origin_area"][1] // 256
+    if (frames, area) not in model.block_masks:
+        with torch._dynamo.config.patch(disable=True):
+            model.block_masks[frames, area] = model.create_mask(frames, area, model.patch_embedding.weight.device)
+    cache = WanAnimate2KVCache(len(model.blocks))
+    reference = model(**inputs["extract"], kv_cache=cache, kv_cache_mode="extract")
+    return reference, model(**step, kv_cache=cache, kv_cache_mode="cached")

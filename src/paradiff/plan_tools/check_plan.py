@@ -172,10 +172,14 @@ def _inputs(target: Target, model: nn.Module, batch: int, grid: Grid) -> dict:
         spec = importlib.util.spec_from_file_location("paradiff_user_inputs", target.inputs_file)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        return module.example_inputs(model.config, batch, grid, generator)
-    from paradiff.plan_tools.family_examples import family_module
+        if hasattr(module, "INPUTS"):  # declared as data, like a family's (plans/inputs.py)
+            from paradiff.plan_tools.example_inputs import materialize
 
-    return family_module(target.family).example_inputs(target.example, model.config, batch, grid, generator)
+            return materialize(module.INPUTS, target.example or "", model.config, batch, grid, generator)
+        return module.example_inputs(model.config, batch, grid, generator)
+    from paradiff.plan_tools.family_examples import family_inputs, family_module
+
+    return family_inputs(family_module(target.family), target.example, model.config, batch, grid, generator)
 
 
 def _record_outputs(model: nn.Module) -> tuple[list[tuple[str, str, torch.Tensor]], list]:

@@ -15,6 +15,7 @@ from torch.utils.flop_counter import flop_registry
 
 from paradiff.runtime.patches import add_hook
 from paradiff.errors import PlanError
+from paradiff.plan_tools.example_inputs import materialize
 from paradiff.plans import families, family_of
 from paradiff.plans.common import Grid
 from paradiff.plans.family import Family
@@ -72,7 +73,13 @@ def build_example(family: str, example: str, seed: int = 0, config_overrides: di
 
 def example_inputs(family: str, example: str, config: Any, batch: int = 2, grid: Grid = Grid(), seed: int = 1) -> dict:
     generator = torch.Generator().manual_seed(seed)
-    return family_module(family).example_inputs(example, config, batch, grid, generator)
+    return family_inputs(family_module(family), example, config, batch, grid, generator)
+
+
+def family_inputs(family: Family, example: str, config: Any, batch: int, grid: Grid,
+                  generator: torch.Generator) -> dict:
+    """The family's inputs for `example`: its `INPUTS` declaration materialized."""
+    return materialize(family.example_inputs, example, config, batch, grid, generator)
 
 
 def output_tensors(output: Any) -> list[torch.Tensor]:

@@ -2,22 +2,23 @@
 
 Every module in this package (and in `text_encoders/`) that ends with `FAMILY = Family.of(__name__)` is a family;
 `Family` (plans/family.py) is a frozen dataclass of what the module declares under these names (the data ones in
-capitals: `MODEL_CLASSES`, `EXAMPLES`, `EXTRA_MODES`), None where it declares nothing:
+capitals: `MODEL_CLASSES`, `EXAMPLES`, `INPUTS`, `EXTRA_MODES`), None where it declares nothing:
 - `model_classes`: the diffusers / transformers class names it knows;
 - `tensor_parallel_plan(config) -> TensorParallelPlan` and `context_parallel_plan(config) -> ContextParallelPlan`
   (text-encoder families take `model_class=` too);
-- `examples`: {example name: (class name, tiny config kwargs)} and `example_inputs(name, config, batch, grid,
-  generator)`, the smallest configurations and forward inputs that exercise every block type; `paradiff
-  check-plan` and the test suite run every plan on them;
+- `examples`: {example name: (class name, tiny config kwargs)} and `example_inputs`, the module's `INPUTS`
+  (forward inputs declared as data, records of `plans/inputs.py`), the smallest configurations and forward inputs
+  that exercise every block type; `paradiff check-plan` and the test suite run every plan on them;
 - `init_example(model)`: initialises (from torch's seeded generator) the parameters an example's class leaves
   uninitialised, e.g. expert banks created with torch.empty; `prepare_example(model)`: swaps in a kernel torch's
   FLOP counter can run;
 - `run_example(model, inputs)`: runs the example forward where one call is not the whole story (Wan-Animate 2's
-  cache-filling reference pass, then a denoising step reading the cache); `example_inputs` then returns whatever it
+  cache-filling reference pass, then a denoising step reading the cache); `INPUTS` then declares whatever it
   takes, and its outputs are compared;
 - `extra_modes`: {example name: modes beyond tp2 / ulysses2 / ring2 / tp2 x ulysses2, e.g. ("tp4",)} the test
   suite also runs (tests/rank_cases_families.py names the modes).
-The module-level declarations stay where they are; `Family.of` only collects them.
+The module-level declarations stay where they are; `Family.of` only collects them. The example hooks are code and
+live in `models/<family>.py`, imported by the family module under their field names.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """ACE-Step 1.5 (`AceStepTransformer1DModel`): a 1-D music DiT with grouped-query attention, alternating
 sliding-window and full self-attention, and cross-attention to the condition encoder's tokens."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import ColwiseHeads
-from paradiff.plans.common import Grid
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Noise, Uniform
 
 MODEL_CLASSES = ("AceStepTransformer1DModel",)
 
@@ -47,17 +45,15 @@ EXAMPLES = {"ace-step-1.5": ("AceStepTransformer1DModel", dict(
 EXTRA_MODES = {"ace-step-1.5": ("tp4",)}
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    frames = 2 * grid.height * grid.width - 1  # padded to 30 and patchified to 15 tokens
-    context = config.in_channels - config.audio_acoustic_hidden_dim
-    return dict(
-        hidden_states=torch.randn(batch, frames, config.audio_acoustic_hidden_dim, generator=generator),
-        timestep=torch.rand(batch, generator=generator),
-        timestep_r=torch.rand(batch, generator=generator),
-        encoder_hidden_states=torch.randn(batch, grid.text, config.hidden_size, generator=generator),
-        context_latents=torch.randn(batch, frames, context, generator=generator),
-        return_dict=False,
-    )
+INPUTS = dict(
+    # 2 * height * width - 1 frames: padded to 30 and patchified to 15 tokens
+    hidden_states=Noise(("batch", "2 * height * width - 1", "audio_acoustic_hidden_dim")),
+    timestep=Uniform(),
+    timestep_r=Uniform(),
+    encoder_hidden_states=Noise(("batch", "text", "hidden_size")),
+    context_latents=Noise(("batch", "2 * height * width - 1", "in_channels - audio_acoustic_hidden_dim")),
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

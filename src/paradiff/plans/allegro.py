@@ -1,11 +1,10 @@
 """Allegro (`AllegroTransformer3DModel`): PixArt-style blocks over video tokens."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, adaln_single, basic_transformer_block, mlp
+from paradiff.plans.common import adaln_single, basic_transformer_block, mlp
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Call, Noise, Uniform, Value, text_mask
 
 MODEL_CLASSES = ("AllegroTransformer3DModel",)
 
@@ -40,26 +39,16 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    from diffusers.models.embeddings import get_3d_rotary_pos_embed_allegro
-
-    p = config.patch_size
-    tables_and_axes = get_3d_rotary_pos_embed_allegro(
-        config.attention_head_dim, ((0, 0), (grid.height, grid.width)), (grid.height, grid.width), grid.frames,
-        interpolation_scale=(config.interpolation_scale_t, config.interpolation_scale_h, config.interpolation_scale_w))
-    axes = [axis.to(torch.long) for axis in tables_and_axes[3:]]
-    positions = torch.cartesian_prod(*axes).transpose(0, 1).reshape(3, 1, -1)  # as the pipeline lays them out
-    mask = torch.ones(batch, grid.text)
-    mask[-1, grid.text // 2:] = 0  # the last prompt is shorter
-    return dict(
-        hidden_states=torch.randn(batch, config.in_channels, grid.frames, grid.height * p, grid.width * p,
-                                  generator=generator),
-        encoder_hidden_states=torch.randn(batch, grid.text, config.caption_channels, generator=generator),
-        timestep=torch.rand(batch, generator=generator) * 1000,
-        encoder_attention_mask=mask,
-        image_rotary_emb=(tables_and_axes[:3], tuple(positions)),
-        return_dict=False,
-    )
+INPUTS = dict(
+    hidden_states=Noise(("batch", "in_channels", "frames", "height * patch_size", "width * patch_size")),
+    encoder_hidden_states=Noise(("batch", "text", "caption_channels")),
+    timestep=Uniform(1000),
+    encoder_attention_mask=text_mask("float32", keep="text // 2"),  # the last prompt is shorter
+    image_rotary_emb=Call("paradiff.models.allegro:rotary_embedding", (
+        Value("attention_head_dim"), Value("frames"), Value("height"), Value("width"),
+        Value("(interpolation_scale_t, interpolation_scale_h, interpolation_scale_w)"))),
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

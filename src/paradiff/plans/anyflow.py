@@ -1,12 +1,11 @@
 """AnyFlow (`AnyFlowTransformer3DModel`): Wan 2.1's backbone conditioned on two timesteps per frame, so the
 modulation is per token; its rotary table is a dict of complex tables for queries and keys."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, attention, feed_forward, mlp
+from paradiff.plans.common import attention, feed_forward, mlp
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Noise, Ref, Uniform
 
 MODEL_CLASSES = ("AnyFlowTransformer3DModel",)
 
@@ -48,19 +47,16 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    p_t, p_h, p_w = config.patch_size
-    timestep = torch.rand(batch, grid.frames, generator=generator) * 1000
-    return dict(
-        # AnyFlow takes (batch, frames, channels, height, width)
-        hidden_states=torch.randn(batch, grid.frames * p_t, config.in_channels, grid.height * p_h, grid.width * p_w,
-                                  generator=generator),
-        timestep=timestep,
-        r_timestep=timestep * torch.rand(batch, grid.frames, generator=generator),
-        encoder_hidden_states=torch.randn(batch, grid.text, config.text_dim, generator=generator),
-        encoder_hidden_states_image=torch.randn(batch, 4, config.image_dim, generator=generator),
-        return_dict=False,
-    )
+INPUTS = dict(
+    # AnyFlow takes (batch, frames, channels, height, width)
+    hidden_states=Noise(("batch", "frames * patch_size[0]", "in_channels", "height * patch_size[1]",
+                         "width * patch_size[2]")),
+    timestep=Uniform(1000, ("batch", "frames")),
+    r_timestep=Ref("timestep", Uniform(shape=("batch", "frames"))),
+    encoder_hidden_states=Noise(("batch", "text", "text_dim")),
+    encoder_hidden_states_image=Noise(("batch", 4, "image_dim")),
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

@@ -3,15 +3,13 @@ context frames then full-resolution frames, with a flex-attention BlockMask. The
 KV-cache paths (prefill, autoregressive steps) index the cache by whole-sequence token counts and are refused under
 context parallelism; under tensor parallelism each rank uses its heads' block of the cache."""
 
-import torch
-
-from paradiff.runtime.patches import set_processor
 from paradiff.context_parallel.flex import MaskModAttentionProcessor
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans import anyflow
-from paradiff.plans.common import Grid
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Noise, Ref, Uniform, Value
+from paradiff.models.anyflow_far import prepare_example
 
 MODEL_CLASSES = ("AnyFlowFARTransformer3DModel",)
 
@@ -37,13 +35,6 @@ def context_parallel_plan(config) -> ContextParallelPlan:
     )
 
 
-def prepare_example(model) -> None:
-    # eager flex attention cannot run under torch's FLOP counter: the examples attend through the same mask on SDPA
-    # (tests/test_cp_mechanisms.py checks it equal to diffusers' flex processor)
-    for block in model.blocks:
-        set_processor(block.attn1, MaskModAttentionProcessor(), by="example", through_setter=True)
-
-
 EXAMPLES = {
     # three one-frame chunks, two kept at full resolution: one compressed context frame, then two full frames
     "anyflow-far": ("AnyFlowFARTransformer3DModel", dict(
@@ -53,19 +44,16 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    # 12 x 20 latents: 60 tokens per full frame, 15 per compressed one; 15 + 2 * 60 = 135 tokens
-    frames = sum(config.chunk_partition)
-    timestep = torch.rand(batch, frames, generator=generator) * 1000
-    return dict(
-        hidden_states=torch.randn(batch, frames, config.in_channels, 12, 20, generator=generator),
-        timestep=timestep,
-        r_timestep=timestep * torch.rand(batch, frames, generator=generator),
-        encoder_hidden_states=torch.randn(batch, grid.text, config.text_dim, generator=generator),
-        encoder_hidden_states_image=torch.randn(batch, 4, config.image_dim, generator=generator),
-        chunk_partition=list(config.chunk_partition),
-        return_dict=False,
-    )
+# 12 x 20 latents: 60 tokens per full frame, 15 per compressed one; 15 + 2 * 60 = 135 tokens
+INPUTS = dict(
+    hidden_states=Noise(("batch", "sum(chunk_partition)", "in_channels", 12, 20)),
+    timestep=Uniform(1000, ("batch", "sum(chunk_partition)")),
+    r_timestep=Ref("timestep", Uniform(shape=("batch", "sum(chunk_partition)"))),
+    encoder_hidden_states=Noise(("batch", "text", "text_dim")),
+    encoder_hidden_states_image=Noise(("batch", 4, "image_dim")),
+    chunk_partition=Value("list(chunk_partition)"),
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

@@ -1,12 +1,11 @@
 """AuraFlow (`AuraFlowTransformer2DModel`): how it splits under tensor and context parallelism."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.errors import PlanError
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, attention, image_inputs, joint_attention, mlp, split_input
+from paradiff.plans.common import attention, joint_attention, mlp, split_input
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import image_inputs
 
 MODEL_CLASSES = ("AuraFlowTransformer2DModel",)
 
@@ -50,8 +49,7 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    return image_inputs(config, batch, grid, generator, config.joint_attention_dim)
+INPUTS = image_inputs("joint_attention_dim")
 
 
 FAMILY = Family.of(__name__)

@@ -1,11 +1,9 @@
 """Bria 3.x (`BriaTransformer2DModel`): FLUX.1's double- and single-stream blocks."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, mlp
-from paradiff.plans.flux import flux_blocks, flux_context_plan, flux_inputs
+from paradiff.plans.common import mlp
+from paradiff.plans.flux import FLUX_INPUTS, flux_blocks, flux_context_plan
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("BriaTransformer2DModel",)
@@ -27,8 +25,7 @@ EXAMPLES = {"bria-3.2": ("BriaTransformer2DModel", dict(
     joint_attention_dim=32, axes_dims_rope=[4, 6, 6]))}
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    return flux_inputs(config, batch, grid, generator)
+INPUTS = FLUX_INPUTS
 
 
 FAMILY = Family.of(__name__)

@@ -1,13 +1,12 @@
 """Bria FIBO (`BriaFiboTransformer2DModel`): FLUX.1's blocks, where every block replaces half of the text features
 with its own projection of one text-encoder layer."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, mlp
-from paradiff.plans.flux import flux_blocks, flux_context_plan, flux_inputs
+from paradiff.plans.common import mlp
+from paradiff.plans.flux import FLUX_INPUTS, flux_blocks, flux_context_plan
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Noise, Repeat
 
 MODEL_CLASSES = ("BriaFiboTransformer2DModel",)
 
@@ -37,11 +36,8 @@ EXAMPLES = {"bria-fibo": ("BriaFiboTransformer2DModel", dict(
     joint_attention_dim=32, axes_dims_rope=[4, 6, 6], text_encoder_dim=24))}
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    layers = config.num_layers + config.num_single_layers
-    return {**flux_inputs(config, batch, grid, generator),
-            "text_encoder_layers": [torch.randn(batch, grid.text, config.text_encoder_dim, generator=generator)
-                                    for _ in range(layers)]}
+INPUTS = {**FLUX_INPUTS, "text_encoder_layers": Repeat(Noise(("batch", "text", "text_encoder_dim")),
+                                                       "num_layers + num_single_layers")}
 
 
 FAMILY = Family.of(__name__)

@@ -2,12 +2,11 @@
 (and context image) tokens; a Perceiver squeezes the text into gist tokens; the main blocks run on [gist, image,
 context] (gist last when a batch pads its gist tokens), some of them also cross-attending to a text bundle."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, attention, mlp
+from paradiff.plans.common import attention, mlp
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Noise, Uniform, text_mask
 
 MODEL_CLASSES = ("BriaFibo2Transformer2DModel",)
 
@@ -59,21 +58,16 @@ EXAMPLES = {"bria-fibo2": ("BriaFibo2Transformer2DModel", dict(
     gist_min_text_len=2, gist_max_text_len=8, axes_dims=(4, 6, 6), axes_lens=(16, 16, 16)))}
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    # The padded last prompt gets 3 gist tokens, the others 4: the batch pads the gist (masked, placed last).
-    # Refiner stream: 15 image + 4 context tokens; main stream: 19 + 4 gist.
-    p = config.patch_size
-    mask = torch.ones(batch, grid.text, dtype=torch.bool)
-    mask[-1, -2:] = False
-    bundles = 1 + len(config.injection_layer_ids)
-    return dict(
-        hidden_states=torch.randn(batch, config.in_channels, grid.height * p, grid.width * p, generator=generator),
-        timestep=torch.rand(batch, generator=generator),
-        encoder_hidden_states=torch.randn(batch, bundles, grid.text, config.cap_feat_dim, generator=generator),
-        encoder_attention_mask=mask,
-        context_latents=[torch.randn(batch, config.in_channels, 2 * p, 2 * p, generator=generator)],
-        return_dict=False,
-    )
+# The padded last prompt gets 3 gist tokens, the others 4: the batch pads the gist (masked, placed last).
+# Refiner stream: 15 image + 4 context tokens; main stream: 19 + 4 gist.
+INPUTS = dict(
+    hidden_states=Noise(("batch", "in_channels", "height * patch_size", "width * patch_size")),
+    timestep=Uniform(),
+    encoder_hidden_states=Noise(("batch", "1 + len(injection_layer_ids)", "text", "cap_feat_dim")),
+    encoder_attention_mask=text_mask(),
+    context_latents=[Noise(("batch", "in_channels", "2 * patch_size", "2 * patch_size"))],
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

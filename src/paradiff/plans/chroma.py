@@ -1,13 +1,12 @@
 """Chroma (`ChromaTransformer2DModel`): FLUX.1's blocks with pruned AdaLN, modulated by one shared approximator
 MLP, and a text mask over the joint sequence."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, mlp, split_input
-from paradiff.plans.flux import flux_blocks, flux_context_plan, flux_inputs
+from paradiff.plans.common import mlp, split_input
+from paradiff.plans.flux import FLUX_INPUTS, flux_blocks, flux_context_plan
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Full
 
 MODEL_CLASSES = ("ChromaTransformer2DModel",)
 
@@ -33,11 +32,8 @@ EXAMPLES = {"chroma": ("ChromaTransformer2DModel", dict(
     approximator_layers=2))}
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    inputs = flux_inputs(config, batch, grid, generator)
-    mask = torch.ones(batch, grid.text + grid.height * grid.width)
-    mask[-1, grid.text - 2 : grid.text] = 0  # the last prompt's padding
-    return {**inputs, "attention_mask": mask}
+# a key mask over the joint (text, image) sequence: the last prompt's padding
+INPUTS = {**FLUX_INPUTS, "attention_mask": Full(("batch", "text + height * width"), set=(("-1, text - 2:text", 0),))}
 
 
 FAMILY = Family.of(__name__)

@@ -1,13 +1,11 @@
 """ChronoEdit (`ChronoEditTransformer3DModel`): Wan 2.1 I2V's architecture; its rotary table skips to the last of
 `rope_temporal_skip_len` temporal positions when given two frames (input image and edited image)."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans import wan
-from paradiff.plans.common import Grid
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import ByExample, Noise, Uniform
 
 MODEL_CLASSES = ("ChronoEditTransformer3DModel",)
 
@@ -30,19 +28,20 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    p_t, p_h, p_w = config.patch_size
-    # 512 replicated text tokens: enough video tokens that the split work dominates (see wan2.1-i2v)
-    frames = 2 if name == "chronoedit-two-frames" else grid.frames
-    height = grid.height * (7 if frames == 2 else 5)
+def _inputs(frames: str, rows: int) -> dict:
+    # 512 replicated text tokens: enough video tokens (`rows` x the grid's height) that the split work dominates
+    # (see wan2.1-i2v)
     return dict(
-        hidden_states=torch.randn(batch, config.in_channels, frames * p_t, height * p_h, grid.width * p_w,
-                                  generator=generator),
-        encoder_hidden_states=torch.randn(batch, 512, config.text_dim, generator=generator),
-        encoder_hidden_states_image=torch.randn(batch, 4, config.image_dim, generator=generator),
-        timestep=torch.rand(batch, generator=generator) * 1000,
+        hidden_states=Noise(("batch", "in_channels", f"{frames} * patch_size[0]", f"{rows} * height * patch_size[1]",
+                             "width * patch_size[2]")),
+        encoder_hidden_states=Noise(("batch", 512, "text_dim")),
+        encoder_hidden_states_image=Noise(("batch", 4, "image_dim")),
+        timestep=Uniform(1000),
         return_dict=False,
     )
+
+
+INPUTS = ByExample({"chronoedit": _inputs("frames", 5), "chronoedit-two-frames": _inputs("2", 7)})
 
 
 FAMILY = Family.of(__name__)

@@ -1,11 +1,10 @@
 """CogVideoX 1.0 / 1.5 (`CogVideoXTransformer3DModel`): how it splits under tensor and context parallelism."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans.common import Grid, attention, feed_forward, mlp, split_input
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Call, Noise, Uniform, Value, When
 
 MODEL_CLASSES = ("CogVideoXTransformer3DModel",)
 
@@ -51,26 +50,19 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    from diffusers.models.embeddings import get_3d_rotary_pos_embed
-
-    patch_size_t = getattr(config, "patch_size_t", None)  # 1.5 only (and not ConsisID)
-    p, p_t = config.patch_size, patch_size_t or 1
-    inputs = dict(
-        hidden_states=torch.randn(batch, grid.frames * p_t, config.in_channels, grid.height * p, grid.width * p,
-                                  generator=generator),
-        encoder_hidden_states=torch.randn(batch, grid.text, config.text_embed_dim, generator=generator),
-        timestep=torch.rand(batch, generator=generator) * 1000,
-        return_dict=False,
-    )
-    if config.use_rotary_positional_embeddings:
-        slices = dict(grid_type="slice", max_size=(grid.height, grid.width)) if patch_size_t else {}
-        inputs["image_rotary_emb"] = get_3d_rotary_pos_embed(
-            config.attention_head_dim, ((0, 0), (grid.height, grid.width)), (grid.height, grid.width), grid.frames,
-            **slices)
-    if getattr(config, "ofs_embed_dim", None):
-        inputs["ofs"] = torch.rand(batch, generator=generator) * 2
-    return inputs
+_SLICED = "field('patch_size_t', None)"  # 1.5 only (and not ConsisID): temporal patches, a sliced rotary grid
+INPUTS = dict(
+    hidden_states=Noise(("batch", f"frames * ({_SLICED} or 1)", "in_channels", "height * patch_size",
+                         "width * patch_size")),
+    encoder_hidden_states=Noise(("batch", "text", "text_embed_dim")),
+    timestep=Uniform(1000),
+    return_dict=False,
+    image_rotary_emb=When("use_rotary_positional_embeddings", Call(
+        "diffusers.models.embeddings:get_3d_rotary_pos_embed",
+        (Value("attention_head_dim"), Value("((0, 0), (height, width))"), Value("(height, width)"), Value("frames")),
+        {"grid_type": When(_SLICED, "slice"), "max_size": When(_SLICED, Value("(height, width)"))})),
+    ofs=When("field('ofs_embed_dim', None)", Uniform(2)),
+)
 
 
 FAMILY = Family.of(__name__)

@@ -1,11 +1,10 @@
 """CogView4 (`CogView4Transformer2DModel`): how it splits under tensor and context parallelism."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, attention, feed_forward, image_inputs, mlp, split_input
+from paradiff.plans.common import attention, feed_forward, mlp, split_input
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Full, Tensor, image_inputs
 
 MODEL_CLASSES = ("CogView4Transformer2DModel",)
 
@@ -54,10 +53,9 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    size = torch.tensor([[grid.height * config.patch_size * 8.0, grid.width * config.patch_size * 8.0]] * batch)
-    return image_inputs(config, batch, grid, generator, config.text_embed_dim, original_size=size, target_size=size,
-                        crop_coords=torch.zeros(batch, 2))
+_SIZE = Tensor(("height * patch_size * 8.0", "width * patch_size * 8.0"), per_sample=True)
+INPUTS = {**image_inputs("text_embed_dim"), "original_size": _SIZE, "target_size": _SIZE,
+          "crop_coords": Full(("batch", 2), 0.0)}
 
 
 FAMILY = Family.of(__name__)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from paradiff.tensor_parallel.styles import PackedColwise, Style
 
 
@@ -70,17 +68,3 @@ def split_input(*names: str) -> dict[str, str]:
     """Linears on a replicated input whose output every rank needs whole (AdaLN modulations, embedding
     projections): rowwise, each rank multiplying its slice of the input ("rowwise_split_input")."""
     return dict.fromkeys(names, "rowwise_split_input")
-
-
-def image_inputs(config, batch: int, grid: Grid, generator: torch.Generator, text_width: int, flow: bool = False,
-                 **more) -> dict:
-    """An image DiT's example forward inputs: latents (batch, in_channels, `grid` patches of `config.patch_size`),
-    `grid.text` text tokens `text_width` wide and a timestep per sample, in [0, 1000) drawn after the text or, `flow`,
-    in [0, 1) drawn before it; then `more`."""
-    p = config.patch_size
-    latents = torch.randn(batch, config.in_channels, grid.height * p, grid.width * p, generator=generator)
-    timestep = torch.rand(batch, generator=generator) if flow else None
-    text = torch.randn(batch, grid.text, text_width, generator=generator)
-    if not flow:
-        timestep = torch.rand(batch, generator=generator) * 1000
-    return dict(hidden_states=latents, encoder_hidden_states=text, timestep=timestep, **more, return_dict=False)

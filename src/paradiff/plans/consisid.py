@@ -1,13 +1,11 @@
 """ConsisID (`ConsisIDTransformer3DModel`): CogVideoX blocks plus perceiver cross-attention to face features."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedColwise
 from paradiff.plans import cogvideox
-from paradiff.plans.common import Grid
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Noise, Repeat
 
 MODEL_CLASSES = ("ConsisIDTransformer3DModel",)
 
@@ -41,12 +39,8 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    inputs = cogvideox.example_inputs(name, config, batch, grid, generator)
-    inputs["id_cond"] = torch.randn(batch, config.LFE_id_dim, generator=generator)
-    inputs["id_vit_hidden"] = [torch.randn(batch, 5, config.LFE_vit_dim, generator=generator)
-                               for _ in range(config.LFE_num_scale)]
-    return inputs
+INPUTS = {**cogvideox.INPUTS, "id_cond": Noise(("batch", "LFE_id_dim")),
+          "id_vit_hidden": Repeat(Noise(("batch", 5, "LFE_vit_dim")), "LFE_num_scale")}
 
 
 FAMILY = Family.of(__name__)

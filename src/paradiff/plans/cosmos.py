@@ -1,11 +1,10 @@
 """Cosmos 1.0 / Predict2 / Predict2.5 / Transfer2.5 (`CosmosTransformer3DModel`): how it splits."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
-from paradiff.plans.common import Grid, basic_transformer_block, mlp, split_input
+from paradiff.plans.common import basic_transformer_block, mlp, split_input
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import ByExample, Full, Noise, Repeat, Uniform, text_mask
 
 MODEL_CLASSES = ("CosmosTransformer3DModel",)
 
@@ -64,35 +63,31 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    p_t, p_h, p_w = config.patch_size
-    frames, height, width = grid.frames * p_t, grid.height * p_h, grid.width * p_w
-    channels = config.in_channels - (name != "cosmos1.0-text2world")  # the condition mask is the last channel
-    inputs = dict(
-        hidden_states=torch.randn(batch, channels, frames, height, width, generator=generator),
-        timestep=torch.rand(batch, generator=generator),
-        encoder_hidden_states=torch.randn(batch, grid.text, config.text_embed_dim, generator=generator),
-        fps=24,
-        return_dict=False,
-    )
-    if name == "cosmos1.0-text2world":
-        mask = torch.ones(batch, grid.text, dtype=torch.bool)
-        mask[-1, grid.text // 2:] = False  # the last prompt is shorter
-        inputs["attention_mask"] = mask
-        return inputs
-    condition = torch.zeros(batch, 1, frames, height, width)
-    condition[:, :, 0] = 1  # the first frame conditions the rest, at its own (small) timestep
-    inputs["condition_mask"] = condition
-    inputs["timestep"] = (torch.rand(batch, 1, frames, 1, 1, generator=generator) * (1 - condition[:, :, :, :1, :1]))
-    if name == "cosmos2.5-transfer":
-        text = torch.randn(batch, grid.text, config.crossattn_proj_in_channels, generator=generator)
-        image = torch.randn(batch, config.img_context_num_tokens, config.img_context_dim_in, generator=generator)
-        inputs["encoder_hidden_states"] = (text, image)
-        hidden = config.num_attention_heads * config.attention_head_dim
-        inputs["block_controlnet_hidden_states"] = [
-            torch.randn(batch, grid.frames * grid.height * grid.width, hidden, generator=generator)
-            for _ in range(config.num_layers)]
-    return inputs
+_VIDEO = ("frames * patch_size[0]", "height * patch_size[1]", "width * patch_size[2]")
+_TEXT = Noise(("batch", "text", "text_embed_dim"))
+# Predict2 / Transfer2.5: the condition mask is the latents' last channel; the first frame conditions the rest,
+# clean (timestep 0)
+_VIDEO2WORLD = dict(
+    hidden_states=Noise(("batch", "in_channels - 1", *_VIDEO)),
+    timestep=Uniform(1, ("batch", 1, "frames * patch_size[0]", 1, 1), set=((":, :, 0", 0),)),
+    encoder_hidden_states=_TEXT,
+    fps=24,
+    return_dict=False,
+    condition_mask=Full(("batch", 1, *_VIDEO), 0.0, set=((":, :, 0", 1),)),
+)
+INPUTS = ByExample({
+    "cosmos1.0-text2world": dict(hidden_states=Noise(("batch", "in_channels", *_VIDEO)), timestep=Uniform(),
+                                 encoder_hidden_states=_TEXT, fps=24, return_dict=False,
+                                 attention_mask=text_mask(keep="text // 2")),  # the last prompt is shorter
+    "cosmos2-video2world": _VIDEO2WORLD,
+    "cosmos2.5-transfer": {
+        **_VIDEO2WORLD,
+        "encoder_hidden_states": (Noise(("batch", "text", "crossattn_proj_in_channels")),
+                                  Noise(("batch", "img_context_num_tokens", "img_context_dim_in"))),
+        "block_controlnet_hidden_states": Repeat(
+            Noise(("batch", "frames * height * width", "num_attention_heads * attention_head_dim")), "num_layers"),
+    },
+})
 
 
 FAMILY = Family.of(__name__)

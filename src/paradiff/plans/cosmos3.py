@@ -1,13 +1,12 @@
 """Cosmos3 Omni (`Cosmos3OmniTransformer`): a packed sequence (no batch axis) of a causal text prefix ("und") and
 generation tokens (vision, sound, action; "gen") through mixture-of-transformers layers with grouped K/V heads."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
 from paradiff.tensor_parallel.styles import ColwiseHeads
-from paradiff.plans.common import Grid, mlp
+from paradiff.plans.common import mlp
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Arange, Cat, GridPositions, Integers, Noise, Uniform, Value
 
 MODEL_CLASSES = ("Cosmos3OmniTransformer",)
 
@@ -57,41 +56,33 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    # The model has no batch axis (one packed sequence per call). Layout: [text, video (first frame a clean
-    # condition), sound (first step clean)]; predictions are read for the noisy rows.
-    p = config.latent_patch_size
-    text, frame = grid.text, grid.height * grid.width
-    video, sound = grid.frames * frame, 5
-    length = text + video + sound
-    positions = torch.zeros(3, length, dtype=torch.long)
-    positions[:, :text] = torch.arange(text)
-    t, h, w = torch.meshgrid(torch.arange(grid.frames), torch.arange(grid.height), torch.arange(grid.width),
-                             indexing="ij")
-    positions[:, text:text + video] = torch.stack([t.flatten() + text, h.flatten(), w.flatten()])
-    positions[:, text + video:] = torch.arange(sound) + text
-    vision_at, sound_at = torch.arange(text, text + video), torch.arange(text + video, length)
-    return dict(
-        input_ids=torch.randint(0, config.vocab_size, (text,), generator=generator),
-        text_indexes=torch.arange(text),
-        position_ids=positions,
-        und_len=text,
-        sequence_length=length,
-        vision_tokens=[torch.randn(1, config.latent_channel, grid.frames, grid.height * p, grid.width * p,
-                                   generator=generator)],
-        vision_token_shapes=[(grid.frames, grid.height, grid.width)],
-        vision_sequence_indexes=vision_at,
-        vision_mse_loss_indexes=vision_at[frame:],
-        vision_timesteps=torch.rand(video - frame, generator=generator) * 1000,
-        vision_noisy_frame_indexes=[torch.arange(1, grid.frames)],
-        sound_tokens=[torch.randn(config.sound_dim, sound, generator=generator)],
-        sound_token_shapes=[(sound, 1, 1)],
-        sound_sequence_indexes=sound_at,
-        sound_mse_loss_indexes=sound_at[1:],
-        sound_timesteps=torch.rand(sound - 1, generator=generator) * 1000,
-        sound_noisy_frame_indexes=[torch.arange(1, sound)],
-        return_dict=False,
-    )
+# The model has no batch axis (one packed sequence per call). Layout: [text, video (first frame a clean
+# condition), 5 sound tokens (first step clean)]; predictions are read for the noisy rows.
+_VIDEO = "text + frames * height * width"  # where the video ends
+_LENGTH = f"{_VIDEO} + 5"
+INPUTS = dict(
+    input_ids=Integers("vocab_size", ("text",)),
+    text_indexes=Arange("text"),
+    # text and sound at their index (sound after the text) on all three axes, video at (text + frame, row, column)
+    position_ids=Cat((Cat((GridPositions(("text",)),) * 3),
+                      GridPositions(("frames", "height", "width"), offset=("text", 0, 0)),
+                      Cat((GridPositions((5,), offset=("text",)),) * 3)), dim=1),
+    und_len=Value("text"),
+    sequence_length=Value(_LENGTH),
+    vision_tokens=[Noise((1, "latent_channel", "frames", "height * latent_patch_size", "width * latent_patch_size"))],
+    vision_token_shapes=[Value("(frames, height, width)")],
+    vision_sequence_indexes=Arange(_VIDEO, start="text"),
+    vision_mse_loss_indexes=Arange(_VIDEO, start="text + height * width"),
+    vision_timesteps=Uniform(1000, ("(frames - 1) * height * width",)),
+    vision_noisy_frame_indexes=[Arange("frames", start=1)],
+    sound_tokens=[Noise(("sound_dim", 5))],
+    sound_token_shapes=[(5, 1, 1)],
+    sound_sequence_indexes=Arange(_LENGTH, start=_VIDEO),
+    sound_mse_loss_indexes=Arange(_LENGTH, start=f"{_VIDEO} + 1"),
+    sound_timesteps=Uniform(1000, (4,)),
+    sound_noisy_frame_indexes=[Arange(5, start=1)],
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

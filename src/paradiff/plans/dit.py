@@ -1,11 +1,10 @@
 """DiT (`DiTTransformer2DModel`): how it splits under tensor and context parallelism."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, attention, feed_forward, mlp, split_input
+from paradiff.plans.common import attention, feed_forward, mlp, split_input
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Integers, Noise
 
 MODEL_CLASSES = ("DiTTransformer2DModel",)
 
@@ -37,15 +36,13 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    # DiT infers a square latent from the token count, so the image is grid.width x grid.width patches
-    side = grid.width * config.patch_size
-    return dict(
-        hidden_states=torch.randn(batch, config.in_channels, side, side, generator=generator),
-        timestep=torch.randint(0, 1000, (batch,), generator=generator),
-        class_labels=torch.randint(0, config.num_embeds_ada_norm, (batch,), generator=generator),
-        return_dict=False,
-    )
+INPUTS = dict(
+    # DiT infers a square latent from the token count, so the image is width x width patches
+    hidden_states=Noise(("batch", "in_channels", "width * patch_size", "width * patch_size")),
+    timestep=Integers(1000),
+    class_labels=Integers("num_embeds_ada_norm"),
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

@@ -1,13 +1,12 @@
 """DreamLite (`DreamLiteTransformer2DModel`): the U-Net's continuous-input 2-D transformer, BasicTransformerBlocks whose
 self-attention may be removed (`use_self_attention=False`), with cross-attention to the text."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans import transformer2d
-from paradiff.plans.common import Grid, attention, feed_forward
+from paradiff.plans.common import attention, feed_forward
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Noise, When, text_mask
 
 MODEL_CLASSES = ("DreamLiteTransformer2DModel",)
 _GATED = ("geglu", "geglu-approximate", "swiglu")
@@ -43,20 +42,14 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    text_mask = torch.ones(batch, grid.text, dtype=torch.bool)
-    text_mask[-1, -2:] = False  # the last prompt is padded
-    inputs = dict(
-        hidden_states=torch.randn(batch, config.in_channels, grid.height, grid.width, generator=generator),
-        encoder_hidden_states=torch.randn(batch, grid.text, config.cross_attention_dim, generator=generator),
-        encoder_attention_mask=text_mask,
-        return_dict=False,
-    )
-    if config.use_self_attention:
-        mask = torch.ones(batch, grid.height * grid.width, dtype=torch.bool)
-        mask[-1, -2:] = False  # and its last image tokens masked out as keys
-        inputs["attention_mask"] = mask
-    return inputs
+INPUTS = dict(
+    hidden_states=Noise(("batch", "in_channels", "height", "width")),
+    encoder_hidden_states=Noise(("batch", "text", "cross_attention_dim")),
+    encoder_attention_mask=text_mask(),  # the last prompt is padded
+    # and its last image tokens masked out as keys
+    attention_mask=When("use_self_attention", text_mask(keep="height * width - 2", length="height * width")),
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

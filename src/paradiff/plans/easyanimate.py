@@ -1,11 +1,10 @@
 """EasyAnimate (`EasyAnimateTransformer3DModel`): joint text-video attention, MMDiT blocks then shared-weight ones."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, attention, feed_forward, mlp, split_input
+from paradiff.plans.common import attention, feed_forward, mlp, split_input
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Noise, Uniform, When
 
 MODEL_CLASSES = ("EasyAnimateTransformer3DModel",)
 
@@ -51,21 +50,16 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    p = config.patch_size
-    channels = config.out_channels
-    inputs = dict(
-        hidden_states=torch.randn(batch, channels, grid.frames, grid.height * p, grid.width * p, generator=generator),
-        timestep=torch.rand(batch, generator=generator) * 1000,
-        encoder_hidden_states=torch.randn(batch, grid.text, config.text_embed_dim, generator=generator),
-        return_dict=False,
-    )
-    if config.in_channels > channels:  # masked video latents and the mask itself
-        inputs["inpaint_latents"] = torch.randn(batch, config.in_channels - channels, grid.frames, grid.height * p,
-                                                grid.width * p, generator=generator)
-    if config.text_embed_dim_t5 is not None:
-        inputs["encoder_hidden_states_t5"] = torch.randn(batch, 5, config.text_embed_dim_t5, generator=generator)
-    return inputs
+INPUTS = dict(
+    hidden_states=Noise(("batch", "out_channels", "frames", "height * patch_size", "width * patch_size")),
+    timestep=Uniform(1000),
+    encoder_hidden_states=Noise(("batch", "text", "text_embed_dim")),
+    # masked video latents and the mask itself
+    inpaint_latents=When("in_channels > out_channels", Noise(("batch", "in_channels - out_channels", "frames",
+                                                              "height * patch_size", "width * patch_size"))),
+    encoder_hidden_states_t5=When("text_embed_dim_t5 is not None", Noise(("batch", 5, "text_embed_dim_t5"))),
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

@@ -4,12 +4,11 @@ One sequence, sequence-first ([image, text] x batch x dim): the blocks take it w
 and the shared AdaLN modulation already expanded to every token, all split along the tokens alike.
 """
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, mlp
+from paradiff.plans.common import mlp
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Full, Noise, Uniform
 
 MODEL_CLASSES = ("ErnieImageTransformer2DModel",)
 
@@ -50,17 +49,14 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    text = grid.text + 1  # 15 image + 8 text tokens: a sequence neither 2 nor 4 ranks divide
-    text_lens = torch.full((batch,), text)
-    text_lens[-1] = text - 3  # the last prompt is shorter: its tail is masked
-    return dict(
-        hidden_states=torch.randn(batch, config.in_channels, grid.height, grid.width, generator=generator),
-        timestep=torch.rand(batch, generator=generator) * 1000,
-        text_bth=torch.randn(batch, text, config.text_in_dim, generator=generator),
-        text_lens=text_lens,
-        return_dict=False,
-    )
+INPUTS = dict(
+    hidden_states=Noise(("batch", "in_channels", "height", "width")),
+    timestep=Uniform(1000),
+    # 15 image + 8 text tokens: a sequence neither 2 nor 4 ranks divide
+    text_bth=Noise(("batch", "text + 1", "text_in_dim")),
+    text_lens=Full(("batch",), "text + 1", set=(("-1", "text + 1 - 3"),)),  # the last prompt is shorter
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 
 # The module-level names a plan module declares its family's fields by (`Family.of`): field -> name in the module.
-_DECLARED_AS = {"model_classes": "MODEL_CLASSES", "examples": "EXAMPLES", "extra_modes": "EXTRA_MODES",
-                "fsdp_own_units": "FSDP_OWN_UNITS"}
+_DECLARED_AS = {"model_classes": "MODEL_CLASSES", "examples": "EXAMPLES", "example_inputs": "INPUTS",
+                "extra_modes": "EXTRA_MODES", "fsdp_own_units": "FSDP_OWN_UNITS"}
 
 
 @dataclass(frozen=True)
@@ -16,7 +16,7 @@ class Family:
     """One model family: its classes, its plans and its tiny examples.
 
     Each plan module ends with `FAMILY = Family.of(__name__)`, which collects its module-level declarations by
-    their conventional names (`MODEL_CLASSES`, `tensor_parallel_plan`, `EXAMPLES`, `EXTRA_MODES`, ...: the field
+    their conventional names (`MODEL_CLASSES`, `tensor_parallel_plan`, `EXAMPLES`, `INPUTS`, ...: the field
     names, the data ones in capitals); a field the module does not declare stays None or empty (no
     context-parallel plan, no example hook)."""
 
@@ -26,8 +26,9 @@ class Family:
     context_parallel_plan: Callable[..., Any] | None = None
     # {example name: (class name, tiny config kwargs)}: the smallest configurations exercising every block type
     examples: Mapping[str, tuple[str, dict]] = field(default_factory=dict)
-    # example_inputs(name, config, batch, grid, generator) -> forward kwargs (or whatever run_example takes)
-    example_inputs: Callable[..., Any] | None = None
+    # the examples' forward kwargs (or whatever run_example takes), declared as data: `INPUTS`, a dict of records
+    # of plans/inputs.py or ByExample({example name: dict}), materialized by plan_tools/example_inputs.py
+    example_inputs: Any = None
     # init_example(model): seeds the parameters an example's class leaves uninitialised (torch.empty expert banks)
     init_example: Callable[..., Any] | None = None
     # prepare_example(model): swaps in an equivalent kernel torch's FLOP counter can run (eager flex attention)

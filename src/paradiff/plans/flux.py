@@ -2,13 +2,12 @@
 blocks, each block's image tokens projected by its own Linear into a residual the transformer adds after its block of
 the same depth): how they split under tensor and context parallelism."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedColwise, PackedRowwise
-from paradiff.plans.common import Grid, joint_attention, split_input
+from paradiff.plans.common import joint_attention, split_input
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import ByExample, Full, GridIds, Noise, Uniform
 
 MODEL_CLASSES = ("FluxTransformer2DModel", "FluxControlNetModel")
 CONTROLNET = "FluxControlNetModel"
@@ -113,34 +112,22 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    inputs = flux_inputs(config, batch, grid, generator)
-    inputs["guidance"] = torch.full((batch,), 3.5)
-    inputs["pooled_projections"] = torch.randn(batch, config.pooled_projection_dim, generator=generator)
-    if name == "flux.1-controlnet":  # the control image's packed latents, one per image token
-        inputs["controlnet_cond"] = torch.randn(batch, grid.height * grid.width, config.in_channels,
-                                                generator=generator)
-    return inputs
-
-
-def flux_inputs(config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    """Packed image tokens, text, timestep and position ids, as FLUX.1-style models take them."""
-    h, w, t = grid.height, grid.width, grid.text
-    axes = len(config.axes_dims_rope)
-    img_ids = torch.zeros(h * w, axes)
-    img_ids[:, -2] = torch.arange(h).repeat_interleave(w)
-    img_ids[:, -1] = torch.arange(w).repeat(h)
-    txt_ids = torch.zeros(t, axes)
-    txt_ids[:, -1] = torch.arange(t)
-    inputs = dict(
-        hidden_states=torch.randn(batch, h * w, config.in_channels, generator=generator),
-        encoder_hidden_states=torch.randn(batch, t, config.joint_attention_dim, generator=generator),
-        timestep=torch.rand(batch, generator=generator),
-        img_ids=img_ids,
-        txt_ids=txt_ids,
-        return_dict=False,
-    )
-    return inputs
+# Packed image tokens, text, timestep and position ids, as FLUX.1-style models take them
+FLUX_INPUTS = dict(
+    hidden_states=Noise(("batch", "height * width", "in_channels")),
+    encoder_hidden_states=Noise(("batch", "text", "joint_attention_dim")),
+    timestep=Uniform(),
+    img_ids=GridIds("height", "width", "len(axes_dims_rope)"),
+    txt_ids=GridIds(1, "text", "len(axes_dims_rope)"),
+    return_dict=False,
+)
+_INPUTS = {**FLUX_INPUTS, "guidance": Full(("batch",), 3.5),
+           "pooled_projections": Noise(("batch", "pooled_projection_dim"))}
+INPUTS = ByExample({
+    "flux.1-dev": _INPUTS,
+    # the control image's packed latents, one per image token
+    "flux.1-controlnet": {**_INPUTS, "controlnet_cond": Noise(("batch", "height * width", "in_channels"))},
+})
 
 
 FAMILY = Family.of(__name__)

@@ -1,13 +1,12 @@
 """FLUX.2 (`Flux2Transformer2DModel`): how it splits under tensor and context parallelism."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedColwise, PackedRowwise
-from paradiff.plans.common import Grid, joint_attention, split_input
-from paradiff.plans.flux import flux_inputs
+from paradiff.plans.common import joint_attention, split_input
 from paradiff.plans.family import Family
+from paradiff.plans.flux import FLUX_INPUTS
+from paradiff.plans.inputs import Full
 
 MODEL_CLASSES = ("Flux2Transformer2DModel",)
 
@@ -68,8 +67,7 @@ EXAMPLES = {"flux.2-dev": ("Flux2Transformer2DModel", dict(
     joint_attention_dim=32, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=True))}
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    return {**flux_inputs(config, batch, grid, generator), "guidance": torch.full((batch,), 3.5)}
+INPUTS = {**FLUX_INPUTS, "guidance": Full(("batch",), 3.5)}
 
 
 FAMILY = Family.of(__name__)

@@ -1,14 +1,13 @@
 """FLUX.3 (`Flux3Transformer2DModel`): per-mode blocks (image, reference image, text) that attend within their own
 mode, then joint single blocks over all tokens; modulation is per token."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedColwise
-from paradiff.plans.common import Grid, attention, split_input
-from paradiff.plans.flux import flux_inputs
+from paradiff.plans.common import attention, split_input
 from paradiff.plans.family import Family
+from paradiff.plans.flux import FLUX_INPUTS
+from paradiff.plans.inputs import GridIds, Noise, Uniform, When
 
 MODEL_CLASSES = ("Flux3Transformer2DModel",)
 
@@ -66,21 +65,13 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    inputs = flux_inputs(config, batch, grid, generator)
+INPUTS = {
+    **FLUX_INPUTS,
     # a reference image of a different size than the target: its own token count
-    cond_h, cond_w = grid.height, grid.width + 2
-    cond_ids = torch.zeros(cond_h * cond_w, len(config.axes_dims_rope))
-    cond_ids[:, 0] = 1
-    cond_ids[:, -2] = torch.arange(cond_h).repeat_interleave(cond_w)
-    cond_ids[:, -1] = torch.arange(cond_w).repeat(cond_h)
-    inputs.update(
-        image_cond_hidden_states=torch.randn(batch, cond_h * cond_w, config.cond_in_channels, generator=generator),
-        image_cond_ids=cond_ids,
-    )
-    if config.flow_map:
-        inputs["target_timestep"] = torch.rand(batch, generator=generator)
-    return inputs
+    "image_cond_hidden_states": Noise(("batch", "height * (width + 2)", "cond_in_channels")),
+    "image_cond_ids": GridIds("height", "width + 2", "len(axes_dims_rope)", fixed={0: 1}),
+    "target_timestep": When("flow_map", Uniform()),
+}
 
 
 FAMILY = Family.of(__name__)

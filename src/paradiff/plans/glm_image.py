@@ -1,13 +1,12 @@
 """GLM-Image (`GlmImageTransformer2DModel`): CogView4's joint blocks with a glyph (text) projector and prior image
 tokens; how it splits under tensor and context parallelism."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans.cogview4 import blocks_plan, joint_context_plan
-from paradiff.plans.common import Grid, feed_forward
+from paradiff.plans.common import feed_forward
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Full, Integers, Noise, Tensor, Uniform
 
 MODEL_CLASSES = ("GlmImageTransformer2DModel",)
 
@@ -28,21 +27,17 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    p = config.patch_size
-    tokens = grid.height * grid.width
-    prior_drop = torch.zeros(batch, tokens, dtype=torch.bool)
-    prior_drop[-1] = True  # the unconditional sample drops its prior tokens
-    return dict(
-        hidden_states=torch.randn(batch, config.in_channels, grid.height * p, grid.width * p, generator=generator),
-        encoder_hidden_states=torch.randn(batch, grid.text, config.text_embed_dim, generator=generator),
-        prior_token_id=torch.randint(0, config.prior_vq_quantizer_codebook_size, (batch, tokens), generator=generator),
-        prior_token_drop=prior_drop,
-        timestep=torch.rand(batch, generator=generator) * 1000,
-        target_size=torch.tensor([[grid.height * p * 8.0, grid.width * p * 8.0]] * batch),
-        crop_coords=torch.zeros(batch, 2),
-        return_dict=False,
-    )
+INPUTS = dict(
+    hidden_states=Noise(("batch", "in_channels", "height * patch_size", "width * patch_size")),
+    encoder_hidden_states=Noise(("batch", "text", "text_embed_dim")),
+    prior_token_id=Integers("prior_vq_quantizer_codebook_size", ("batch", "height * width")),
+    # the unconditional (last) sample drops its prior tokens
+    prior_token_drop=Full(("batch", "height * width"), False, "bool", set=(("-1", True),)),
+    timestep=Uniform(1000),
+    target_size=Tensor(("height * patch_size * 8.0", "width * patch_size * 8.0"), per_sample=True),
+    crop_coords=Full(("batch", 2), 0.0),
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

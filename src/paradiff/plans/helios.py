@@ -2,14 +2,12 @@
 the blocks find the current window by its length (`original_context_length`), cross-attend only from it, and may
 amplify the history keys per head."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Count, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import SplitParameter
 from paradiff.plans import wan
-from paradiff.plans.common import Grid
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Arange, Dim, Noise, Uniform
 
 MODEL_CLASSES = ("HeliosTransformer3DModel",)
 
@@ -43,27 +41,26 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    p_t, p_h, p_w = config.patch_size
+def _latents(frames: Dim) -> Noise:
+    return Noise(("batch", "in_channels", f"({frames}) * patch_size[0]", "height * patch_size[1]",
+                  "width * patch_size[2]"))
 
-    def latents(frames: int) -> torch.Tensor:
-        return torch.randn(batch, config.in_channels, frames * p_t, grid.height * p_h, grid.width * p_w,
-                           generator=generator)
 
-    def indices(start: int, frames: int) -> torch.Tensor:
-        return torch.arange(start, start + frames).unsqueeze(0).expand(batch, -1)
+def _indices(start: int, frames: Dim) -> Arange:
+    return Arange(f"{start} + {frames}", start=start, per_sample=True)
 
-    # history: 4 frames at 4x compression, 2 at 2x, 2 at full size; 2 + 6 + 30 history and 45 current tokens
-    return dict(
-        hidden_states=latents(grid.frames),
-        timestep=torch.rand(batch, generator=generator) * 1000,
-        encoder_hidden_states=torch.randn(batch, grid.text, config.text_dim, generator=generator),
-        indices_hidden_states=indices(8, grid.frames),
-        latents_history_long=latents(4), indices_latents_history_long=indices(0, 4),
-        latents_history_mid=latents(2), indices_latents_history_mid=indices(4, 2),
-        latents_history_short=latents(2), indices_latents_history_short=indices(6, 2),
-        return_dict=False,
-    )
+
+# history: 4 frames at 4x compression, 2 at 2x, 2 at full size; 2 + 6 + 30 history and 45 current tokens
+INPUTS = dict(
+    hidden_states=_latents("frames"),
+    timestep=Uniform(1000),
+    encoder_hidden_states=Noise(("batch", "text", "text_dim")),
+    indices_hidden_states=_indices(8, "frames"),
+    latents_history_long=_latents(4), indices_latents_history_long=_indices(0, 4),
+    latents_history_mid=_latents(2), indices_latents_history_mid=_indices(4, 2),
+    latents_history_short=_latents(2), indices_latents_history_short=_indices(6, 2),
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

@@ -4,12 +4,11 @@ Mixture-of-experts feed-forwards: every expert (and the shared one) is split lik
 the router stays whole, so every TP rank routes each token alike and calls the same experts in the same order.
 """
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, mlp
+from paradiff.plans.common import mlp
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Noise, Uniform
 
 MODEL_CLASSES = ("HiDreamImageTransformer2DModel",)
 STACKS = ("double_stream_blocks", "single_stream_blocks")
@@ -76,18 +75,15 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    p = config.patch_size
-    t5_tokens = grid.text - 1  # single blocks see image (21) + T5 (6) + 2 x Llama (7) tokens: 41
-    return dict(
-        hidden_states=torch.randn(batch, config.in_channels, grid.height * p, grid.width * p, generator=generator),
-        timesteps=torch.rand(batch, generator=generator) * 1000,
-        encoder_hidden_states_t5=torch.randn(batch, t5_tokens, config.caption_channels[0], generator=generator),
-        encoder_hidden_states_llama3=torch.randn(len(config.llama_layers), batch, grid.text,
-                                                 config.caption_channels[1], generator=generator),
-        pooled_embeds=torch.randn(batch, config.text_emb_dim, generator=generator),
-        return_dict=False,
-    )
+INPUTS = dict(
+    hidden_states=Noise(("batch", "in_channels", "height * patch_size", "width * patch_size")),
+    timesteps=Uniform(1000),
+    # single blocks see image (21) + T5 (6) + 2 x Llama (7) tokens: 41
+    encoder_hidden_states_t5=Noise(("batch", "text - 1", "caption_channels[0]")),
+    encoder_hidden_states_llama3=Noise(("len(llama_layers)", "batch", "text", "caption_channels[1]")),
+    pooled_embeds=Noise(("batch", "text_emb_dim")),
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

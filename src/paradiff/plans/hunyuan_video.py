@@ -2,13 +2,12 @@
 tokens] with a text-padding mask, a token refiner on the text, and (I2V) token-replace blocks that modulate the
 first frame's tokens with the clean timestep."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Count, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedRowwise
-from paradiff.plans.common import Grid, attention, feed_forward, joint_attention, mlp, split_input
+from paradiff.plans.common import attention, feed_forward, joint_attention, mlp, split_input
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Full, Noise, Uniform, When, text_mask
 
 MODEL_CLASSES = ("HunyuanVideoTransformer3DModel",)
 
@@ -96,27 +95,17 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    p, p_t = config.patch_size, config.patch_size_t
-    inputs = dict(
-        hidden_states=torch.randn(batch, config.in_channels, grid.frames * p_t, grid.height * p, grid.width * p,
-                                  generator=generator),
-        timestep=torch.rand(batch, generator=generator) * 1000,
-        encoder_hidden_states=torch.randn(batch, grid.text, config.text_embed_dim, generator=generator),
-        encoder_attention_mask=text_mask(batch, grid.text),
-        pooled_projections=torch.randn(batch, config.pooled_projection_dim, generator=generator),
-        return_dict=False,
-    )
-    if config.guidance_embeds:
-        inputs["guidance"] = torch.full((batch,), 6000.0)
-    return inputs
-
-
-def text_mask(batch: int, tokens: int) -> torch.Tensor:
-    """All text valid except the last sample's final three tokens (padding)."""
-    mask = torch.ones(batch, tokens, dtype=torch.int64)
-    mask[-1, -3:] = 0
-    return mask
+# all text valid except the last sample's final three tokens (padding)
+TEXT_MASK = text_mask("int64", keep="text - 3")
+INPUTS = dict(
+    hidden_states=Noise(("batch", "in_channels", "frames * patch_size_t", "height * patch_size", "width * patch_size")),
+    timestep=Uniform(1000),
+    encoder_hidden_states=Noise(("batch", "text", "text_embed_dim")),
+    encoder_attention_mask=TEXT_MASK,
+    pooled_projections=Noise(("batch", "pooled_projection_dim")),
+    guidance=When("guidance_embeds", Full(("batch",), 6000.0)),
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

@@ -2,13 +2,12 @@
 where the context joins image, ByT5 and MLLM tokens with their padding masks; the processor builds a
 (valid query & valid key) mask from the context mask."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, feed_forward, joint_attention, mlp, split_input
-from paradiff.plans.hunyuan_video import REFINER_ATTENTION, refiner_styles, text_mask
+from paradiff.plans.common import feed_forward, joint_attention, mlp, split_input
+from paradiff.plans.hunyuan_video import REFINER_ATTENTION, TEXT_MASK, refiner_styles
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import ByExample, Full, Noise, Ref, Uniform
 
 MODEL_CLASSES = ("HunyuanVideo15Transformer3DModel",)
 
@@ -51,27 +50,22 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    byt5_tokens, image_tokens = 5, 4
-    i2v = name == "hunyuan-video-1.5-i2v"
-    image_embeds = torch.randn(batch, image_tokens, config.image_embed_dim, generator=generator)
-    byt5_mask = torch.ones(batch, byt5_tokens, dtype=torch.int64)
-    byt5_mask[0, -2:] = 0  # padding in the first sample's ByT5 tokens, the MLLM text pads the last sample
-    inputs = dict(
-        hidden_states=torch.randn(batch, config.in_channels, grid.frames, grid.height, grid.width,
-                                  generator=generator),
-        timestep=torch.rand(batch, generator=generator) * 1000,
-        encoder_hidden_states=torch.randn(batch, grid.text, config.text_embed_dim, generator=generator),
-        encoder_attention_mask=text_mask(batch, grid.text),
-        encoder_hidden_states_2=torch.randn(batch, byt5_tokens, config.text_embed_2_dim, generator=generator),
-        encoder_attention_mask_2=byt5_mask,
-        # text-to-video passes all-zero image embeddings, which the model masks out
-        image_embeds=image_embeds if i2v else torch.zeros_like(image_embeds),
-        return_dict=False,
-    )
-    if i2v:
-        inputs["timestep_r"] = inputs["timestep"] * 0.5
-    return inputs
+_INPUTS = dict(
+    hidden_states=Noise(("batch", "in_channels", "frames", "height", "width")),
+    timestep=Uniform(1000),
+    encoder_hidden_states=Noise(("batch", "text", "text_embed_dim")),
+    encoder_attention_mask=TEXT_MASK,
+    encoder_hidden_states_2=Noise(("batch", 5, "text_embed_2_dim")),
+    # padding in the first sample's ByT5 tokens, the MLLM text pads the last sample
+    encoder_attention_mask_2=Full(("batch", 5), 1, "int64", set=(("0, -2:", 0),)),
+    return_dict=False,
+)
+INPUTS = ByExample({
+    # text-to-video passes all-zero image embeddings, which the model masks out
+    "hunyuan-video-1.5-t2v": {**_INPUTS, "image_embeds": Full(("batch", 4, "image_embed_dim"), 0.0)},
+    "hunyuan-video-1.5-i2v": {**_INPUTS, "image_embeds": Noise(("batch", 4, "image_embed_dim")),
+                              "timestep_r": Ref("timestep", 0.5)},
+})
 
 
 FAMILY = Family.of(__name__)

@@ -1,13 +1,12 @@
 """HunyuanVideo FramePack (`HunyuanVideoFramepackTransformer3DModel`): HunyuanVideo's blocks over [4x, 2x and 1x
 compressed history tokens, current tokens; image and text tokens]; only the current tokens are predicted."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans import hunyuan_video
-from paradiff.plans.common import Grid, mlp
+from paradiff.plans.common import mlp
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Arange, Dim, Full, Noise, Uniform
 
 MODEL_CLASSES = ("HunyuanVideoFramepackTransformer3DModel",)
 
@@ -37,31 +36,26 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    p = config.patch_size
-    height, width = grid.height * p, grid.width * p
+def _latents(frames: Dim) -> Noise:
+    return Noise(("batch", "in_channels", frames, "height * patch_size", "width * patch_size"))
 
-    def latents(frames: int) -> torch.Tensor:
-        return torch.randn(batch, config.in_channels, frames, height, width, generator=generator)
 
-    def indices(start: int, frames: int) -> torch.Tensor:  # frame positions, shared by the batch
-        return torch.arange(start, start + frames)
-
-    # history: 4 frames at 4x compression, 2 at 2x, 2 clean; 45 current + 30 + 6 + 2 history tokens
-    return dict(
-        hidden_states=latents(grid.frames),
-        timestep=torch.rand(batch, generator=generator) * 1000,
-        encoder_hidden_states=torch.randn(batch, grid.text, config.text_embed_dim, generator=generator),
-        encoder_attention_mask=hunyuan_video.text_mask(batch, grid.text),
-        pooled_projections=torch.randn(batch, config.pooled_projection_dim, generator=generator),
-        image_embeds=torch.randn(batch, 3, config.image_proj_dim, generator=generator),
-        indices_latents=indices(8, grid.frames),
-        guidance=torch.full((batch,), 6000.0),
-        latents_history_4x=latents(4), indices_latents_history_4x=indices(0, 4),
-        latents_history_2x=latents(2), indices_latents_history_2x=indices(4, 2),
-        latents_clean=latents(2), indices_latents_clean=indices(6, 2),
-        return_dict=False,
-    )
+# history: 4 frames at 4x compression, 2 at 2x, 2 clean; 45 current + 30 + 6 + 2 history tokens. Frame positions
+# (indices) are shared by the batch.
+INPUTS = dict(
+    hidden_states=_latents("frames"),
+    timestep=Uniform(1000),
+    encoder_hidden_states=Noise(("batch", "text", "text_embed_dim")),
+    encoder_attention_mask=hunyuan_video.TEXT_MASK,
+    pooled_projections=Noise(("batch", "pooled_projection_dim")),
+    image_embeds=Noise(("batch", 3, "image_proj_dim")),
+    indices_latents=Arange("8 + frames", start=8),
+    guidance=Full(("batch",), 6000.0),
+    latents_history_4x=_latents(4), indices_latents_history_4x=Arange(4),
+    latents_history_2x=_latents(2), indices_latents_history_2x=Arange(6, start=4),
+    latents_clean=_latents(2), indices_latents_clean=Arange(8, start=6),
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

@@ -2,12 +2,11 @@
 blocks, each block's output projected by its own zero-initialised Linear): how they split under tensor and context
 parallelism."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, attention, feed_forward, mlp
+from paradiff.plans.common import attention, feed_forward, mlp
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import ByExample, Call, Full, Noise, Tensor, Uniform, Value, text_mask
 
 MODEL_CLASSES = ("HunyuanDiT2DModel", "HunyuanDiT2DControlNetModel")
 CONTROLNET = "HunyuanDiT2DControlNetModel"
@@ -68,32 +67,25 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    from diffusers.models.embeddings import get_2d_rotary_pos_embed
-
-    p = config.patch_size
-    clip_mask = torch.ones(batch, config.text_len, dtype=torch.long)
-    t5_mask = torch.ones(batch, config.text_len_t5, dtype=torch.long)
-    clip_mask[-1, 3:] = 0  # the last prompt is padded
-    t5_mask[-1, 4:] = 0
-    inputs = dict(
-        hidden_states=torch.randn(batch, config.in_channels, grid.height * p, grid.width * p, generator=generator),
-        timestep=torch.rand(batch, generator=generator) * 1000,
-        encoder_hidden_states=torch.randn(batch, config.text_len, config.cross_attention_dim, generator=generator),
-        text_embedding_mask=clip_mask,
-        encoder_hidden_states_t5=torch.randn(batch, config.text_len_t5, config.cross_attention_dim_t5,
-                                             generator=generator),
-        text_embedding_mask_t5=t5_mask,
-        image_meta_size=torch.tensor([[32.0, 32.0, 32.0, 32.0, 0.0, 0.0]] * batch),
-        style=torch.zeros(batch, dtype=torch.long),
-        image_rotary_emb=get_2d_rotary_pos_embed(config.attention_head_dim, ((0, 0), (grid.height, grid.width)),
-                                                 (grid.height, grid.width), output_type="pt"),
-        return_dict=False,
-    )
-    if name == "hunyuandit-controlnet":  # the condition image, patchified like the latents
-        inputs["controlnet_cond"] = torch.randn(batch, config.in_channels, grid.height * p, grid.width * p,
-                                                generator=generator)
-    return inputs
+_LATENTS = Noise(("batch", "in_channels", "height * patch_size", "width * patch_size"))
+_INPUTS = dict(
+    hidden_states=_LATENTS,
+    timestep=Uniform(1000),
+    encoder_hidden_states=Noise(("batch", "text_len", "cross_attention_dim")),
+    text_embedding_mask=text_mask("long", keep=3, length="text_len"),  # the last prompt is padded
+    encoder_hidden_states_t5=Noise(("batch", "text_len_t5", "cross_attention_dim_t5")),
+    text_embedding_mask_t5=text_mask("long", keep=4, length="text_len_t5"),
+    image_meta_size=Tensor((32.0, 32.0, 32.0, 32.0, 0.0, 0.0), per_sample=True),
+    style=Full(("batch",), 0, "long"),
+    image_rotary_emb=Call("diffusers.models.embeddings:get_2d_rotary_pos_embed",
+                          (Value("attention_head_dim"), Value("((0, 0), (height, width))"), Value("(height, width)")),
+                          {"output_type": "pt"}),
+    return_dict=False,
+)
+INPUTS = ByExample({
+    "hunyuandit": _INPUTS,
+    "hunyuandit-controlnet": {**_INPUTS, "controlnet_cond": _LATENTS},  # the condition image, patchified alike
+})
 
 
 FAMILY = Family.of(__name__)

@@ -1,12 +1,11 @@
 """HunyuanImage 2.1 (`HunyuanImageTransformer2DModel`): how it splits under tensor and context parallelism."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedRowwise
-from paradiff.plans.common import Grid, attention, feed_forward, joint_attention, mlp, split_input
+from paradiff.plans.common import attention, feed_forward, joint_attention, mlp, split_input
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Full, Noise, Uniform, text_mask
 
 MODEL_CLASSES = ("HunyuanImageTransformer2DModel",)
 REFINER = "context_embedder.token_refiner.refiner_blocks"
@@ -65,20 +64,15 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    text_mask = torch.ones(batch, grid.text, dtype=torch.long)
-    text_mask[-1, grid.text - 3:] = 0  # the last prompt is padded
-    glyph_mask = torch.ones(batch, 4, dtype=torch.long)
-    glyph_mask[0, 2:] = 0
-    return dict(
-        hidden_states=torch.randn(batch, config.in_channels, grid.height, grid.width, generator=generator),
-        timestep=torch.rand(batch, generator=generator) * 1000,
-        encoder_hidden_states=torch.randn(batch, grid.text, config.text_embed_dim, generator=generator),
-        encoder_attention_mask=text_mask,
-        encoder_hidden_states_2=torch.randn(batch, 4, config.text_embed_2_dim, generator=generator),
-        encoder_attention_mask_2=glyph_mask,
-        return_dict=False,
-    )
+INPUTS = dict(
+    hidden_states=Noise(("batch", "in_channels", "height", "width")),
+    timestep=Uniform(1000),
+    encoder_hidden_states=Noise(("batch", "text", "text_embed_dim")),
+    encoder_attention_mask=text_mask("long", keep="text - 3"),  # the last prompt is padded
+    encoder_hidden_states_2=Noise(("batch", 4, "text_embed_2_dim")),
+    encoder_attention_mask_2=Full(("batch", 4), 1, "long", set=(("0, 2:", 0),)),
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

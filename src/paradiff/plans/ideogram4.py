@@ -1,12 +1,11 @@
 """Ideogram 4 (`Ideogram4Transformer2DModel`): a single-stream DiT over a packed [text, image] sequence where every
 input is per token and a block-diagonal mask from `segment_ids` keeps packed samples apart."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, attention, mlp
+from paradiff.plans.common import attention, mlp
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Cat, Full, GridPositions, Noise, Uniform
 
 MODEL_CLASSES = ("Ideogram4Transformer2DModel",)
 
@@ -48,29 +47,21 @@ EXAMPLES = {"ideogram4": ("Ideogram4Transformer2DModel", dict(
     llm_features_dim=48, mrope_section=(2, 2, 2)))}
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    h, w, t = grid.height, grid.width, grid.text
-    length = t + h * w
-    indicator = torch.full((batch, length), _IMAGE, dtype=torch.long)
-    indicator[:, :t] = _TEXT
-    segment_ids = torch.zeros(batch, length, dtype=torch.long)
+_LENGTH = "text + height * width"
+_TEXT_POSITIONS = GridPositions(("text",), points_first=True)  # the text's position on all three axes
+INPUTS = dict(
+    hidden_states=Noise(("batch", _LENGTH, "in_channels")),
+    timestep=Uniform(),
+    encoder_hidden_states=Noise(("batch", _LENGTH, "llm_features_dim")),
+    # text at its index on all three axes, then the image at (65536, 65536 + row, 65536 + column)
+    position_ids=Cat((Cat((_TEXT_POSITIONS,) * 3, dim=1),
+                      GridPositions((1, "height", "width"), offset=(65536, 65536, 65536), points_first=True)),
+                     per_sample=True),
     # the last sample's prompt is two tokens shorter: those positions are sequence padding in their own segment
-    indicator[-1, t - 2:t] = _PADDING
-    segment_ids[-1, t - 2:t] = -1
-    position_ids = torch.zeros(batch, length, 3, dtype=torch.long)
-    position_ids[:, :t] = torch.arange(t)[:, None]
-    position_ids[:, t:, 0] = 65536
-    position_ids[:, t:, 1] = 65536 + torch.arange(h).repeat_interleave(w)
-    position_ids[:, t:, 2] = 65536 + torch.arange(w).repeat(h)
-    return dict(
-        hidden_states=torch.randn(batch, length, config.in_channels, generator=generator),
-        timestep=torch.rand(batch, generator=generator),
-        encoder_hidden_states=torch.randn(batch, length, config.llm_features_dim, generator=generator),
-        position_ids=position_ids,
-        segment_ids=segment_ids,
-        indicator=indicator,
-        return_dict=False,
-    )
+    segment_ids=Full(("batch", _LENGTH), 0, "long", set=(("-1, text - 2:text", -1),)),
+    indicator=Full(("batch", _LENGTH), _IMAGE, "long", set=((":, :text", _TEXT), ("-1, text - 2:text", _PADDING))),
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

@@ -1,13 +1,12 @@
 """JoyImage Edit (`JoyImageEditTransformer3DModel`): dual-stream joint attention [image, text] with packed QKV and
 Wan-style modulation tables."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedColwise
-from paradiff.plans.common import Grid, feed_forward, mlp
+from paradiff.plans.common import feed_forward, mlp
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import ByExample, Noise, Uniform
 
 MODEL_CLASSES = ("JoyImageEditTransformer3DModel",)
 
@@ -46,16 +45,14 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    _, p_h, p_w = config.patch_size
-    items = (batch, 2) if name == "joyimage-edit" else (batch,)
-    return dict(
-        hidden_states=torch.randn(*items, config.in_channels, 1 if name == "joyimage-edit" else grid.frames,
-                                  grid.height * p_h, grid.width * p_w, generator=generator),
-        timestep=torch.rand(batch, generator=generator) * 1000,
-        encoder_hidden_states=torch.randn(batch, grid.text, config.text_dim, generator=generator),
-        return_dict=False,
-    )
+_TEXT = dict(timestep=Uniform(1000), encoder_hidden_states=Noise(("batch", "text", "text_dim")), return_dict=False)
+INPUTS = ByExample({
+    # two one-frame items (the target, a reference image) per sample
+    "joyimage-edit": dict(hidden_states=Noise(("batch", 2, "in_channels", 1, "height * patch_size[1]",
+                                               "width * patch_size[2]")), **_TEXT),
+    "joyimage-edit-mrope": dict(hidden_states=Noise(("batch", "in_channels", "frames", "height * patch_size[1]",
+                                                     "width * patch_size[2]")), **_TEXT),
+})
 
 
 FAMILY = Family.of(__name__)

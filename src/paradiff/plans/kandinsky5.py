@@ -1,12 +1,11 @@
 """Kandinsky 5 (`Kandinsky5Transformer3DModel`): a text encoder stack, then visual blocks with self-attention,
 cross-attention to the encoded text and a feed-forward; returns a bare tensor with `return_dict=False`."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
-from paradiff.plans.common import Grid, split_input
+from paradiff.plans.common import split_input
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Arange, Noise, Uniform
 
 
 def _attention(prefix: str) -> dict:
@@ -54,18 +53,16 @@ EXAMPLES = {"kandinsky-5": ("Kandinsky5Transformer3DModel", dict(
     num_text_blocks=1, num_visual_blocks=2, axes_dims=(4, 6, 6)))}
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    p_t, p_h, p_w = config.patch_size
-    return dict(
-        hidden_states=torch.randn(batch, grid.frames * p_t, grid.height * p_h, grid.width * p_w,
-                                  config.in_visual_dim, generator=generator),
-        encoder_hidden_states=torch.randn(batch, grid.text, config.in_text_dim, generator=generator),
-        timestep=torch.rand(batch, generator=generator) * 1000,
-        pooled_projections=torch.randn(batch, config.in_text_dim2, generator=generator),
-        visual_rope_pos=[torch.arange(grid.frames), torch.arange(grid.height), torch.arange(grid.width)],
-        text_rope_pos=torch.arange(grid.text),
-        return_dict=False,
-    )
+INPUTS = dict(
+    hidden_states=Noise(("batch", "frames * patch_size[0]", "height * patch_size[1]", "width * patch_size[2]",
+                         "in_visual_dim")),
+    encoder_hidden_states=Noise(("batch", "text", "in_text_dim")),
+    timestep=Uniform(1000),
+    pooled_projections=Noise(("batch", "in_text_dim2")),
+    visual_rope_pos=[Arange("frames"), Arange("height"), Arange("width")],
+    text_rope_pos=Arange("text"),
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

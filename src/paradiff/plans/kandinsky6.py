@@ -1,12 +1,11 @@
 """Kandinsky 6 (`Kandinsky6Transformer3DModel`): a text encoder per modality (self-attention blocks over the
 text), then fused blocks in which video and audio each attend themselves and their text, then each other."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
-from paradiff.plans.common import Grid, feed_forward, mlp
+from paradiff.plans.common import feed_forward, mlp
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import ByExample, Full, Noise, Uniform, text_mask
 
 MODEL_CLASSES = ("Kandinsky6Transformer3DModel",)
 TEXT_STACKS = ("video_text_transformer_blocks", "audio_text_transformer_blocks")
@@ -70,27 +69,22 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    p_t, p_h, p_w = config.patch_size
-    channels = 2 * config.in_visual_dim + 1 if config.visual_cond else config.in_visual_dim
-    text_mask = torch.ones(batch, grid.text, dtype=torch.bool)
-    text_mask[-1, -3:] = False
-    token_types = torch.zeros(batch, grid.frames, dtype=torch.long)
-    token_types[:, 0] = 1  # the first frame is the conditioning image
-    inputs = dict(
-        # Kandinsky 6 takes (batch, frames, height, width, channels)
-        hidden_states=torch.randn(batch, grid.frames * p_t, grid.height * p_h, grid.width * p_w, channels,
-                                  generator=generator),
-        encoder_hidden_states=torch.randn(batch, grid.text, config.in_text_dim, generator=generator),
-        pooled_projections=torch.randn(batch, config.in_text_dim2, generator=generator),
-        timestep=torch.rand(batch, generator=generator) * 1000,
-        encoder_attention_mask=text_mask,
-        visual_token_type_ids=token_types,
-        return_dict=False,
-    )
-    if name == "kandinsky6":
-        inputs["audio_hidden_states"] = torch.randn(batch, grid.width + 4, config.in_audio_dim, generator=generator)
-    return inputs
+_INPUTS = dict(
+    # Kandinsky 6 takes (batch, frames, height, width, channels)
+    hidden_states=Noise(("batch", "frames * patch_size[0]", "height * patch_size[1]", "width * patch_size[2]",
+                         "2 * in_visual_dim + 1 if visual_cond else in_visual_dim")),
+    encoder_hidden_states=Noise(("batch", "text", "in_text_dim")),
+    pooled_projections=Noise(("batch", "in_text_dim2")),
+    timestep=Uniform(1000),
+    encoder_attention_mask=text_mask(keep="text - 3"),
+    # the first frame is the conditioning image
+    visual_token_type_ids=Full(("batch", "frames"), 0, "long", set=((":, 0", 1),)),
+    return_dict=False,
+)
+INPUTS = ByExample({
+    "kandinsky6": {**_INPUTS, "audio_hidden_states": Noise(("batch", "width + 4", "in_audio_dim"))},
+    "kandinsky6-video": _INPUTS,
+})
 
 # 7 text tokens over 4 ranks leave one rank a single token, whose key mask looks like a 1 x 1 padding mask
 EXTRA_MODES = {"kandinsky6": ("unified2x2",)}

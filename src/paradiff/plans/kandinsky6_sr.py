@@ -1,15 +1,14 @@
 """Kandinsky 6 SR (`Kandinsky6SRTransformer3DModel`): text-free video super-resolution blocks whose self-attention is
 NABLA block-sparse (blocks of 64 tokens chosen from block means, diffusers runs it on flex attention)."""
 
-import torch
-
-from paradiff.runtime.patches import set_processor
 from paradiff.context_parallel.nabla import NablaAttentionProcessor
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
-from paradiff.plans.common import Grid, feed_forward, mlp
+from paradiff.plans.common import feed_forward, mlp
 from paradiff.plans.kandinsky6 import _attention
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Noise, Uniform
+from paradiff.models.kandinsky6_sr import prepare_example
 
 MODEL_CLASSES = ("Kandinsky6SRTransformer3DModel",)
 
@@ -36,14 +35,6 @@ def context_parallel_plan(config) -> ContextParallelPlan:
     )
 
 
-def prepare_example(model) -> None:
-    # Eager flex attention runs neither under torch's FLOP counter nor block-sparse (on CPU it attends every key,
-    # ignoring the BlockMask diffusers builds): the examples attend through the same NABLA block choice on SDPA, the
-    # block-sparse result compiled flex attention computes (tests/test_cp_mechanisms.py checks both halves)
-    for block in model.visual_transformer_blocks:
-        set_processor(block.self_attention, NablaAttentionProcessor(), by="example", through_setter=True)
-
-
 EXAMPLES = {
     # a (1, 1, 1) window keeps only each block's own block a priori: the rest is NABLA's choice
     "kandinsky6-sr": ("Kandinsky6SRTransformer3DModel", dict(
@@ -52,17 +43,15 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    # NABLA needs the token rows and columns in whole 8 x 8 tiles: one tile per frame, 3 blocks of 64 tokens, which
-    # 2 ranks split mid-block
-    p_t, p_h, p_w = config.patch_size
-    return dict(
-        # (batch, frames, height, width, noisy + anchor latent + anchor mask)
-        hidden_states=torch.randn(batch, grid.frames * p_t, 8 * p_h, 8 * p_w, 2 * config.in_visual_dim + 1,
-                                  generator=generator),
-        timestep=torch.rand(batch, generator=generator) * 1000,
-        return_dict=False,
-    )
+# NABLA needs the token rows and columns in whole 8 x 8 tiles: one tile per frame, 3 blocks of 64 tokens, which
+# 2 ranks split mid-block
+INPUTS = dict(
+    # (batch, frames, height, width, noisy + anchor latent + anchor mask)
+    hidden_states=Noise(("batch", "frames * patch_size[0]", "8 * patch_size[1]", "8 * patch_size[2]",
+                         "2 * in_visual_dim + 1")),
+    timestep=Uniform(1000),
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

@@ -6,13 +6,12 @@ and, beyond it, gives each group of tp / kv_heads ranks the one K/V head its Q h
 on every rank, so the processor's repeat factor (num_heads // num_kv_heads) stays right.
 """
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import ColwiseHeads
-from paradiff.plans.common import Grid, mlp
+from paradiff.plans.common import mlp
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Cat, Full, GridIds, Noise, Uniform, text_mask
 
 MODEL_CLASSES = ("Krea2Transformer2DModel",)
 _TEXT_BLOCKS = ("text_fusion.layerwise_blocks.*", "text_fusion.refiner_blocks.*")
@@ -72,22 +71,15 @@ EXAMPLES = {
 EXTRA_MODES = {"krea2": ("tp4",)}
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    h, w, t = grid.height, grid.width, grid.text
-    position_ids = torch.zeros(t + h * w, 3)
-    position_ids[t:, 1] = torch.arange(h).repeat_interleave(w)
-    position_ids[t:, 2] = torch.arange(w).repeat(h)
-    mask = torch.ones(batch, t, dtype=torch.bool)
-    mask[-1, -2:] = False  # the last prompt is padded
-    return dict(
-        hidden_states=torch.randn(batch, h * w, config.in_channels, generator=generator),
-        encoder_hidden_states=torch.randn(batch, t, config.num_text_layers, config.text_hidden_dim,
-                                          generator=generator),
-        timestep=torch.rand(batch, generator=generator),
-        position_ids=position_ids,
-        encoder_attention_mask=mask,
-        return_dict=False,
-    )
+INPUTS = dict(
+    hidden_states=Noise(("batch", "height * width", "in_channels")),
+    encoder_hidden_states=Noise(("batch", "text", "num_text_layers", "text_hidden_dim")),
+    timestep=Uniform(),
+    # the text tokens at 0, the image tokens at their row and column
+    position_ids=Cat((Full(("text", 3), 0.0), GridIds("height", "width", 3))),
+    encoder_attention_mask=text_mask(),  # the last prompt is padded
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

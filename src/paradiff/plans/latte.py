@@ -1,11 +1,10 @@
 """Latte (`LatteTransformer3DModel`): spatial blocks attend within each frame, temporal blocks within each location."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans.common import Grid, adaln_single, attention, basic_transformer_block, feed_forward, mlp
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Noise, Uniform
 
 MODEL_CLASSES = ("LatteTransformer3DModel",)
 
@@ -43,16 +42,13 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    # the pipeline passes no text mask (the model's own mask path only fits single-frame input)
-    p = config.patch_size
-    return dict(
-        hidden_states=torch.randn(batch, config.in_channels, grid.frames, grid.height * p, grid.width * p,
-                                  generator=generator),
-        timestep=torch.rand(batch, generator=generator) * 1000,
-        encoder_hidden_states=torch.randn(batch, grid.text, config.caption_channels, generator=generator),
-        return_dict=False,
-    )
+# the pipeline passes no text mask (the model's own mask path only fits single-frame input)
+INPUTS = dict(
+    hidden_states=Noise(("batch", "in_channels", "frames", "height * patch_size", "width * patch_size")),
+    timestep=Uniform(1000),
+    encoder_hidden_states=Noise(("batch", "text", "caption_channels")),
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

@@ -1,12 +1,11 @@
 """LongCat-AudioDiT (`LongCatAudioDiTTransformer`): a 1-D audio DiT with self-attention over the latent frames
 (QK-norm over all heads, a frame mask) and cross-attention to the text."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, attention
+from paradiff.plans.common import attention
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Noise, Uniform, text_mask
 
 MODEL_CLASSES = ("LongCatAudioDiTTransformer",)
 
@@ -43,21 +42,15 @@ EXAMPLES = {"longcat-audio-dit": ("LongCatAudioDiTTransformer", dict(
     dit_dim=64, dit_depth=2, dit_heads=4, dit_text_dim=24, latent_dim=8, ff_mult=2.0))}
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    frames = grid.height * grid.width
-    mask = torch.ones(batch, frames, dtype=torch.bool)
-    mask[-1, -3:] = False  # the last clip is shorter
-    text_mask = torch.ones(batch, grid.text, dtype=torch.bool)
-    text_mask[-1, -2:] = False
-    return dict(
-        hidden_states=torch.randn(batch, frames, config.latent_dim, generator=generator),
-        encoder_hidden_states=torch.randn(batch, grid.text, config.dit_text_dim, generator=generator),
-        encoder_attention_mask=text_mask,
-        timestep=torch.rand(batch, generator=generator),
-        attention_mask=mask,
-        latent_cond=torch.randn(batch, frames, config.latent_dim, generator=generator),
-        return_dict=False,
-    )
+INPUTS = dict(
+    hidden_states=Noise(("batch", "height * width", "latent_dim")),
+    encoder_hidden_states=Noise(("batch", "text", "dit_text_dim")),
+    encoder_attention_mask=text_mask(),
+    timestep=Uniform(),
+    attention_mask=text_mask(keep="height * width - 3", length="height * width"),  # the last clip is shorter
+    latent_cond=Noise(("batch", "height * width", "latent_dim")),
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

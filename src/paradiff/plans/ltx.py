@@ -2,12 +2,11 @@
 whole inner dimension (applied before the heads are split), cross-attention to the masked text; per-token
 timesteps for conditioning frames (0.9.5+)."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, attention, feed_forward, mlp
+from paradiff.plans.common import attention, feed_forward, mlp
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import ByExample, GridPositions, Noise, Uniform, Value, text_mask
 
 MODEL_CLASSES = ("LTXVideoTransformer3DModel",)
 
@@ -47,27 +46,27 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    tokens = grid.frames * grid.height * grid.width
-    text_mask = torch.ones(batch, grid.text, dtype=torch.int64)
-    text_mask[-1, -3:] = 0
-    inputs = dict(
-        hidden_states=torch.randn(batch, tokens, config.in_channels, generator=generator),
-        encoder_hidden_states=torch.randn(batch, grid.text, config.caption_channels, generator=generator),
-        timestep=torch.rand(batch, generator=generator) * 1000,
-        encoder_attention_mask=text_mask,
-        num_frames=grid.frames, height=grid.height, width=grid.width,
-        rope_interpolation_scale=(0.32, 32, 32),
-        return_dict=False,
-    )
-    if name == "ltx-video-0.9.5":
-        timestep = inputs["timestep"][:, None].repeat(1, tokens)
-        timestep[:, : grid.height * grid.width] = 0  # the first frame conditions, fully denoised
-        frames, rows, cols = torch.meshgrid(torch.arange(grid.frames), torch.arange(grid.height),
-                                            torch.arange(grid.width), indexing="ij")
-        coords = torch.stack([frames * 8 * 0.04, rows * 32.0, cols * 32.0]).flatten(1)  # (3, tokens), pixel units
-        inputs.update(timestep=timestep, video_coords=coords[None].repeat(batch, 1, 1), rope_interpolation_scale=None)
-    return inputs
+_INPUTS = dict(
+    hidden_states=Noise(("batch", "frames * height * width", "in_channels")),
+    encoder_hidden_states=Noise(("batch", "text", "caption_channels")),
+    timestep=Uniform(1000),
+    encoder_attention_mask=text_mask("int64", keep="text - 3"),
+    num_frames=Value("frames"), height=Value("height"), width=Value("width"),
+    rope_interpolation_scale=(0.32, 32, 32),
+    return_dict=False,
+)
+INPUTS = ByExample({
+    "ltx-video": _INPUTS,
+    "ltx-video-0.9.5": {
+        **_INPUTS,
+        # per-token timesteps: the first frame conditions, fully denoised
+        "timestep": Uniform(1000, ("batch", 1), expand=("batch", "frames * height * width"),
+                            set=((":, :height * width", 0),)),
+        "rope_interpolation_scale": None,
+        # (batch, 3, tokens) in pixel units
+        "video_coords": GridPositions(("frames", "height", "width"), scale=(8 * 0.04, 32.0, 32.0), per_sample=True),
+    },
+})
 
 
 FAMILY = Family.of(__name__)

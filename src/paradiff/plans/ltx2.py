@@ -2,12 +2,11 @@
 its text and feed-forward, joined by audio-to-video and video-to-audio cross-attention; QK-norms span all heads and
 the rotary tables span the inner dimension ("interleaved") or hold one row per head ("split", LTX-2.3)."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, attention, feed_forward, mlp
+from paradiff.plans.common import attention, feed_forward, mlp
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import ByExample, Full, Noise, Ref, Uniform, Value, text_mask
 
 MODEL_CLASSES = ("LTX2VideoTransformer3DModel",)
 ROPES = ("rope", "cross_attn_rope", "audio_rope", "cross_attn_audio_rope")  # video positions first, then audio
@@ -65,31 +64,27 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    tokens, audio_tokens = grid.frames * grid.height * grid.width, grid.width + 2
-    text_mask = torch.ones(batch, grid.text, dtype=torch.int64)
-    text_mask[-1, -3:] = 0
-    timestep = torch.rand(batch, generator=generator)
-    inputs = dict(
-        hidden_states=torch.randn(batch, tokens, config.in_channels, generator=generator),
-        audio_hidden_states=torch.randn(batch, audio_tokens, config.audio_in_channels, generator=generator),
-        encoder_hidden_states=torch.randn(batch, grid.text, config.caption_channels, generator=generator),
-        audio_encoder_hidden_states=torch.randn(batch, grid.text, config.caption_channels, generator=generator),
-        encoder_attention_mask=text_mask, audio_encoder_attention_mask=text_mask,
-        num_frames=grid.frames, height=grid.height, width=grid.width, audio_num_frames=audio_tokens,
-        return_dict=False,
-    )
-    if name == "ltx-2":  # per-token timesteps: the first (conditioning) frame is clean
-        video_timestep = timestep[:, None].repeat(1, tokens)
-        video_timestep[:, : grid.height * grid.width] = 0
-        inputs.update(timestep=video_timestep * 1000, audio_timestep=timestep * 1000)
-    else:
-        keyframes = torch.zeros(batch, tokens, 1)
-        keyframes[:, : grid.height * grid.width] = 1
-        inputs.update(timestep=timestep * 1000, sigma=timestep, use_cross_timestep=True,
-                      video_keyframes_mask=keyframes, spatio_temporal_guidance_blocks=[1],
-                      perturbation_mask=torch.tensor([1.0, 0.0]).repeat(batch)[:batch])
-    return inputs
+_INPUTS = dict(
+    hidden_states=Noise(("batch", "frames * height * width", "in_channels")),
+    audio_hidden_states=Noise(("batch", "width + 2", "audio_in_channels")),
+    encoder_hidden_states=Noise(("batch", "text", "caption_channels")),
+    audio_encoder_hidden_states=Noise(("batch", "text", "caption_channels")),
+    encoder_attention_mask=text_mask("int64", keep="text - 3"),
+    audio_encoder_attention_mask=Ref("encoder_attention_mask"),
+    num_frames=Value("frames"), height=Value("height"), width=Value("width"), audio_num_frames=Value("width + 2"),
+    return_dict=False,
+)
+INPUTS = ByExample({
+    # per-token timesteps: the first (conditioning) frame is clean; the audio's drawn on its own
+    "ltx-2": {**_INPUTS, "timestep": Uniform(1000, ("batch", 1), expand=("batch", "frames * height * width"),
+                                             set=((":, :height * width", 0),)),
+              "audio_timestep": Uniform(1000)},
+    "ltx-2.3": {**_INPUTS, "sigma": Uniform(), "timestep": Ref("sigma", 1000), "use_cross_timestep": True,
+                "video_keyframes_mask": Full(("batch", "frames * height * width", 1), 0.0,
+                                            set=((":, :height * width", 1),)),
+                "spatio_temporal_guidance_blocks": [1],
+                "perturbation_mask": Full(("batch",), 1.0, set=(("1::2", 0.0),))},
+})
 
 
 FAMILY = Family.of(__name__)

@@ -5,13 +5,12 @@ and, beyond it, gives each group of tp / kv_heads ranks one K/V head (the one it
 its repeat factor from the local shapes, so it stays right.
 """
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import ColwiseHeads
-from paradiff.plans.common import Grid, image_inputs, split_input
+from paradiff.plans.common import split_input
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import image_inputs, text_mask
 
 MODEL_CLASSES = ("Lumina2Transformer2DModel",)
 STACKS = ("noise_refiner", "context_refiner", "layers")
@@ -68,11 +67,8 @@ EXAMPLES = {
 EXTRA_MODES = {"lumina2": ("tp4",)}
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    text_mask = torch.ones(batch, grid.text, dtype=torch.bool)
-    text_mask[-1, grid.text - 3:] = False  # the last caption is padded
-    return image_inputs(config, batch, grid, generator, config.cap_feat_dim, flow=True,
-                        encoder_attention_mask=text_mask)
+# the last caption is padded
+INPUTS = {**image_inputs("cap_feat_dim", flow=True), "encoder_attention_mask": text_mask(keep="text - 3")}
 
 
 FAMILY = Family.of(__name__)

@@ -5,13 +5,12 @@ projection (attn2.to_out.0), so the gate is split with the heads. Q/K norms norm
 fewer heads than Q (grouped-query attention), and beyond their count each rank pair shares one K/V head.
 """
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import ColwiseHeads, HeadNorm, SplitParameter
-from paradiff.plans.common import Grid, image_inputs, split_input
+from paradiff.plans.common import split_input
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Call, Value, image_inputs, text_mask
 
 MODEL_CLASSES = ("LuminaNextDiT2DModel",)
 
@@ -67,15 +66,13 @@ EXAMPLES = {
 EXTRA_MODES = {"lumina-next": ("tp4",)}
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    from diffusers.models.embeddings import get_2d_rotary_pos_embed_lumina
-
-    text_mask = torch.ones(batch, grid.text, dtype=torch.long)
-    text_mask[-1, grid.text - 3:] = 0  # the last caption is padded
-    return image_inputs(
-        config, batch, grid, generator, config.cross_attention_dim, flow=True, encoder_mask=text_mask,
-        image_rotary_emb=get_2d_rotary_pos_embed_lumina(config.hidden_size // config.num_attention_heads, 16, 16),
-        cross_attention_kwargs={})
+INPUTS = {
+    **image_inputs("cross_attention_dim", flow=True),
+    "encoder_mask": text_mask("long", keep="text - 3"),  # the last caption is padded
+    "image_rotary_emb": Call("diffusers.models.embeddings:get_2d_rotary_pos_embed_lumina",
+                             (Value("hidden_size // num_attention_heads"), 16, 16)),
+    "cross_attention_kwargs": {},
+}
 
 
 FAMILY = Family.of(__name__)

@@ -1,12 +1,11 @@
 """MiniMax-H3 (`MiniMaxH3Transformer3DModel`): one packed sequence of text, video and audio rows, full
 self-attention, AdaLN parameters picked per row from a (timestep, modality) table; a text token refiner before."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, attention, feed_forward, mlp, split_input
+from paradiff.plans.common import attention, feed_forward, mlp, split_input
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Arange, Cat, Full, GridPositions, Noise, Tensor
 
 MODEL_CLASSES = ("MiniMaxH3Transformer3DModel",)
 
@@ -47,32 +46,24 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    # packed as [text, video (first frame a clean condition), audio]
-    video, audio, text = grid.frames * grid.height * grid.width, 6, grid.text
-    frame = grid.height * grid.width
-    t, h, w = torch.meshgrid(torch.arange(grid.frames), torch.arange(grid.height), torch.arange(grid.width),
-                             indexing="ij")
-    video_positions = torch.stack([t, h, w], dim=-1).view(-1, 3) + torch.tensor([1, 0, 0])
-    text_positions = torch.zeros(text, 3, dtype=torch.long)
-    audio_positions = torch.stack([torch.arange(audio) + 1, torch.zeros(audio, dtype=torch.long),
-                                   torch.zeros(audio, dtype=torch.long)], dim=-1)
-    timestep_indices = torch.cat([torch.zeros(text + frame, dtype=torch.long),
-                                  torch.ones(video - frame + audio, dtype=torch.long)])
-    patch = config.in_channels * 4
-    return dict(
-        hidden_states=torch.randn(batch, video, patch, generator=generator),
-        audio_hidden_states=torch.randn(batch, audio, config.audio_in_channels, generator=generator),
-        encoder_hidden_states=torch.randn(batch, text, config.text_dim, generator=generator),
-        timestep=torch.tensor([0.0, 0.7]),
-        timestep_indices=timestep_indices,
-        token_tags=torch.cat([torch.ones(text), torch.zeros(video), torch.full((audio,), 2)]).long(),
-        position_ids=torch.cat([text_positions, video_positions, audio_positions]),
-        text_indices=torch.arange(text),
-        video_indices=torch.arange(text, text + video),
-        audio_indices=torch.arange(text + video, text + video + audio),
-        return_dict=False,
-    )
+# packed as [text, video (first frame a clean condition), 6 audio tokens]
+_VIDEO, _ALL = "frames * height * width", "text + frames * height * width + 6"
+INPUTS = dict(
+    hidden_states=Noise(("batch", _VIDEO, "in_channels * 4")),
+    audio_hidden_states=Noise(("batch", 6, "audio_in_channels")),
+    encoder_hidden_states=Noise(("batch", "text", "text_dim")),
+    timestep=Tensor((0.0, 0.7)),
+    timestep_indices=Full((_ALL,), 1, "long", set=((":text + height * width", 0),)),  # the text and clean frame: 0
+    token_tags=Full((_ALL,), 0, "long", set=((":text", 1), (f"text + {_VIDEO}:", 2))),
+    # text at (0, 0, 0), video at (frame + 1, row, column), audio at (index + 1, 0, 0)
+    position_ids=Cat((Full(("text", 3), 0, "long"),
+                      GridPositions(("frames", "height", "width"), offset=(1, 0, 0), points_first=True),
+                      GridPositions((6, 1, 1), offset=(1, 0, 0), points_first=True))),
+    text_indices=Arange("text"),
+    video_indices=Arange(f"text + {_VIDEO}", start="text"),
+    audio_indices=Arange(_ALL, start=f"text + {_VIDEO}"),
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

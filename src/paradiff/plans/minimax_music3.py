@@ -1,12 +1,11 @@
 """MiniMax Music 3 (`MiniMaxMusic3Transformer1DModel`): a 1-D audio DiT with the timestep prepended as a token."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedColwise
-from paradiff.plans.common import Grid, attention, mlp
+from paradiff.plans.common import attention, mlp
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Noise, Uniform
 
 MODEL_CLASSES = ("MiniMaxMusic3Transformer1DModel",)
 
@@ -35,14 +34,13 @@ EXAMPLES = {"minimax-music-3": ("MiniMaxMusic3Transformer1DModel", dict(
     rotary_dim=8, fourier_embedding_dim=16))}
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    frames = grid.height * grid.width + 1  # + the timestep token: 17, which 2 and 4 ranks do not divide
-    return dict(
-        hidden_states=torch.randn(batch, config.in_channels, frames, generator=generator),
-        encoder_hidden_states=torch.randn(batch, frames, config.condition_dim, generator=generator),
-        timestep=torch.rand(batch, generator=generator),
-        return_dict=False,
-    )
+INPUTS = dict(
+    # height * width + 1 frames with the timestep token: 17, which 2 and 4 ranks do not divide
+    hidden_states=Noise(("batch", "in_channels", "height * width + 1")),
+    encoder_hidden_states=Noise(("batch", "height * width + 1", "condition_dim")),
+    timestep=Uniform(),
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

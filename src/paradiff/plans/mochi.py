@@ -1,11 +1,10 @@
 """Mochi 1 (`MochiTransformer3DModel`): how it splits under tensor and context parallelism."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, feed_forward, mlp, split_input
+from paradiff.plans.common import feed_forward, mlp, split_input
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Noise, Uniform, text_mask
 
 MODEL_CLASSES = ("MochiTransformer3DModel",)
 
@@ -55,18 +54,13 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    p = config.patch_size
-    mask = torch.ones(batch, grid.text, dtype=torch.bool)
-    mask[-1, grid.text // 2:] = False  # the last prompt is shorter
-    return dict(
-        hidden_states=torch.randn(batch, config.in_channels, grid.frames, grid.height * p, grid.width * p,
-                                  generator=generator),
-        encoder_hidden_states=torch.randn(batch, grid.text, config.text_embed_dim, generator=generator),
-        timestep=torch.rand(batch, generator=generator) * 1000,
-        encoder_attention_mask=mask,
-        return_dict=False,
-    )
+INPUTS = dict(
+    hidden_states=Noise(("batch", "in_channels", "frames", "height * patch_size", "width * patch_size")),
+    encoder_hidden_states=Noise(("batch", "text", "text_embed_dim")),
+    timestep=Uniform(1000),
+    encoder_attention_mask=text_mask(keep="text // 2"),  # the last prompt is shorter
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

@@ -1,13 +1,12 @@
 """Motif-Video (`MotifVideoTransformer3DModel`): dual-stream then single-stream joint attention over [video, text],
 optional text cross-attention, decoder single blocks over a second video stream, image-embedding tokens."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Count, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedRowwise
-from paradiff.plans.common import Grid, attention, feed_forward, mlp, split_input
+from paradiff.plans.common import attention, feed_forward, mlp, split_input
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Noise, Uniform, When, text_mask
 
 MODEL_CLASSES = ("MotifVideoTransformer3DModel",)
 
@@ -92,21 +91,14 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    p, p_t = config.patch_size, config.patch_size_t
-    mask = torch.ones(batch, grid.text, dtype=torch.long)
-    mask[-1, grid.text // 2:] = 0  # the last prompt is shorter
-    inputs = dict(
-        hidden_states=torch.randn(batch, config.in_channels, grid.frames * p_t, grid.height * p, grid.width * p,
-                                  generator=generator),
-        timestep=torch.rand(batch, generator=generator) * 1000,
-        encoder_hidden_states=torch.randn(batch, grid.text, config.text_embed_dim, generator=generator),
-        encoder_attention_mask=mask,
-        return_dict=False,
-    )
-    if config.image_embed_dim is not None:
-        inputs["image_embeds"] = torch.randn(batch, 3, config.image_embed_dim, generator=generator)
-    return inputs
+INPUTS = dict(
+    hidden_states=Noise(("batch", "in_channels", "frames * patch_size_t", "height * patch_size", "width * patch_size")),
+    timestep=Uniform(1000),
+    encoder_hidden_states=Noise(("batch", "text", "text_embed_dim")),
+    encoder_attention_mask=text_mask("long", keep="text // 2"),  # the last prompt is shorter
+    image_embeds=When("image_embed_dim is not None", Noise(("batch", 3, "image_embed_dim"))),
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

@@ -6,14 +6,14 @@ partial output all-reduced; the router stays whole. CP: the text, used only as k
 experts route over the whole sequence with the scores shared between the ranks (context_parallel/experts.py).
 """
 
-import torch
-
 from paradiff.context_parallel.experts import ExpertChoice
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import AttentionHeads, TensorParallelPlan
 from paradiff.tensor_parallel.styles import ColwiseHeads, SplitParameter
-from paradiff.plans.common import Grid, feed_forward, mlp, split_input
+from paradiff.plans.common import feed_forward, mlp, split_input
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Noise, PerSample, Uniform, Value, text_mask
+from paradiff.models.nucleusmoe import init_example
 
 MODEL_CLASSES = ("NucleusMoEImageTransformer2DModel",)
 
@@ -90,23 +90,14 @@ EXAMPLES = {
 EXTRA_MODES = {"nucleus-moe": ("tp4",)}  # 2 K/V heads over 4 ranks: replicated in pairs
 
 
-def init_example(model) -> None:
-    for name, param in model.named_parameters():  # the expert banks are created with torch.empty
-        if ".experts." in name:
-            param.normal_(std=0.1)
-
-
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    mask = torch.ones(batch, grid.text, dtype=torch.bool)
-    mask[-1, -2:] = False  # the last prompt is padded: exercises the key mask
-    return dict(
-        hidden_states=torch.randn(batch, grid.height * grid.width, config.in_channels, generator=generator),
-        img_shapes=[(1, grid.height, grid.width)] * batch,
-        encoder_hidden_states=torch.randn(batch, grid.text, config.joint_attention_dim, generator=generator),
-        encoder_hidden_states_mask=mask,
-        timestep=torch.rand(batch, generator=generator),
-        return_dict=False,
-    )
+INPUTS = dict(
+    hidden_states=Noise(("batch", "height * width", "in_channels")),
+    img_shapes=PerSample(Value("(1, height, width)")),
+    encoder_hidden_states=Noise(("batch", "text", "joint_attention_dim")),
+    encoder_hidden_states_mask=text_mask(),  # the last prompt is padded: exercises the key mask
+    timestep=Uniform(),
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

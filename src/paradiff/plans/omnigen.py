@@ -5,13 +5,12 @@ that is causal over the prompt and bidirectional over each image: a query-depend
 attention whole; ring attention takes its local rows and each travelling block's columns, Ulysses all of it.
 """
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
 from paradiff.tensor_parallel.styles import ColwiseHeads, PackedColwise
-from paradiff.plans.common import Grid, mlp
+from paradiff.plans.common import mlp
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Call, Integers, Noise, Uniform, Value
 
 MODEL_CLASSES = ("OmniGenTransformer2DModel",)
 
@@ -50,42 +49,19 @@ EXAMPLES = {
 }
 
 
-def _prompt_mask(text: int, padding: int, image: int, input_images: list[tuple[int, int]]) -> torch.Tensor:
-    """OmniGen's mask for one sample, as its processor builds it: left padding; the prompt and the time token
-    causal, the output image seeing every real token, each input image bidirectional within itself; padding rows
-    see everything (1 = attend)."""
-    length = text + 1 + image
-    mask = torch.zeros(length, length)
-    prompt_end = text + 1
-    mask[padding:prompt_end, padding:prompt_end] = torch.ones(prompt_end - padding, prompt_end - padding).tril()
-    mask[prompt_end:, padding:] = 1
-    mask[:padding] = 1
-    for start, end in input_images:
-        mask[start:end, start:end] = 1
-    return mask
-
-
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    p = config.patch_size
-    text, image = grid.text, grid.height * grid.width  # 7 prompt + 1 time + 15 image tokens
-    paddings = [0] * (batch - 1) + [2]  # the last prompt is left-padded
-    input_image = (1, 5)  # sample 0's prompt holds a 2 x 2-patch input image at tokens 1..4
-    input_ids = torch.randint(1, config.vocab_size, (batch, text), generator=generator)
-    masks, positions = [], []
-    for sample, padding in enumerate(paddings):
-        input_ids[sample, :padding] = config.pad_token_id
-        masks.append(_prompt_mask(text, padding, image, [input_image] if sample == 0 else []))
-        positions.append(torch.cat([torch.zeros(padding, dtype=torch.long), torch.arange(text - padding + 1 + image)]))
-    return dict(
-        hidden_states=torch.randn(batch, config.in_channels, grid.height * p, grid.width * p, generator=generator),
-        timestep=torch.rand(batch, generator=generator),
-        input_ids=input_ids,
-        input_img_latents=[torch.randn(1, config.in_channels, 2 * p, 2 * p, generator=generator)],
-        input_image_sizes={0: [input_image]},
-        attention_mask=torch.stack(masks),
-        position_ids=torch.stack(positions),
-        return_dict=False,
-    )
+# 7 prompt + 1 time + 15 image tokens; the last prompt is left-padded by 2 (pad tokens), sample 0's prompt holds a
+# 2 x 2-patch input image at tokens 1..4 (models/omnigen.py lays out the masks and positions)
+_LAYOUT = (Value("batch"), Value("text"), Value("height * width"), 2)
+INPUTS = dict(
+    hidden_states=Noise(("batch", "in_channels", "height * patch_size", "width * patch_size")),
+    timestep=Uniform(),
+    input_ids=Integers("vocab_size", ("batch", "text"), low=1, set=(("-1, :2", "pad_token_id"),)),
+    input_img_latents=[Noise((1, "in_channels", "2 * patch_size", "2 * patch_size"))],
+    input_image_sizes={0: [(1, 5)]},
+    attention_mask=Call("paradiff.models.omnigen:prompt_masks", (*_LAYOUT, (1, 5))),
+    position_ids=Call("paradiff.models.omnigen:prompt_positions", _LAYOUT),
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

@@ -1,11 +1,9 @@
 """Ovis-Image (`OvisImageTransformer2DModel`): FLUX.1's blocks with SwiGLU feed-forwards."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, mlp
-from paradiff.plans.flux import flux_blocks, flux_context_plan, flux_inputs
+from paradiff.plans.common import mlp
+from paradiff.plans.flux import FLUX_INPUTS, flux_blocks, flux_context_plan
 from paradiff.plans.family import Family
 
 MODEL_CLASSES = ("OvisImageTransformer2DModel",)
@@ -31,8 +29,7 @@ EXAMPLES = {"ovis-image": ("OvisImageTransformer2DModel", dict(
     num_attention_heads=4, joint_attention_dim=32, axes_dims_rope=(4, 6, 6)))}
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    return flux_inputs(config, batch, grid, generator)
+INPUTS = FLUX_INPUTS
 
 
 FAMILY = Family.of(__name__)

@@ -1,11 +1,10 @@
 """PixArt-alpha / PixArt-sigma (`PixArtTransformer2DModel`): how it splits under tensor and context parallelism."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, adaln_single, basic_transformer_block, image_inputs, mlp
+from paradiff.plans.common import adaln_single, basic_transformer_block, mlp
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import image_inputs, text_mask
 
 MODEL_CLASSES = ("PixArtTransformer2DModel",)
 
@@ -36,11 +35,8 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    text_mask = torch.ones(batch, grid.text, dtype=torch.long)
-    text_mask[-1, grid.text // 2:] = 0  # the last caption is padded
-    return image_inputs(config, batch, grid, generator, config.caption_channels, encoder_attention_mask=text_mask,
-                        added_cond_kwargs={"resolution": None, "aspect_ratio": None})
+INPUTS = {**image_inputs("caption_channels"), "encoder_attention_mask": text_mask("long", keep="text // 2"),  # padded
+          "added_cond_kwargs": {"resolution": None, "aspect_ratio": None}}
 
 
 FAMILY = Family.of(__name__)

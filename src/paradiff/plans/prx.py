@@ -5,13 +5,12 @@ Only the image tokens run through the blocks; each attention's queries are the i
 a part of the keys of each stream; Ulysses exchanges queries and keys by their own lengths.
 """
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedColwise
-from paradiff.plans.common import Grid, image_inputs, mlp, split_input
+from paradiff.plans.common import mlp, split_input
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import image_inputs, text_mask
 
 MODEL_CLASSES = ("PRXTransformer2DModel",)
 
@@ -53,10 +52,8 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    text_mask = torch.ones(batch, grid.text, dtype=torch.bool)
-    text_mask[-1, grid.text - 3:] = False  # the last prompt is padded
-    return image_inputs(config, batch, grid, generator, config.context_in_dim, flow=True, attention_mask=text_mask)
+# the last prompt is padded
+INPUTS = {**image_inputs("context_in_dim", flow=True), "attention_mask": text_mask(keep="text - 3")}
 
 
 FAMILY = Family.of(__name__)

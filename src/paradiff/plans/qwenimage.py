@@ -2,12 +2,11 @@
 block's image tokens projected by its own Linear into a residual the transformer adds after its blocks of that
 depth): how they split under tensor and context parallelism."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, joint_attention, split_input
+from paradiff.plans.common import joint_attention, split_input
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import ByExample, Noise, PerSample, Uniform, Value, text_mask
 
 MODEL_CLASSES = ("QwenImageTransformer2DModel", "QwenImageControlNetModel")
 CONTROLNET = "QwenImageControlNetModel"
@@ -60,21 +59,19 @@ EXAMPLES = {"qwen-image": ("QwenImageTransformer2DModel", _TINY),
             "qwen-image-controlnet": (CONTROLNET, {k: v for k, v in _TINY.items() if k != "out_channels"})}
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    mask = torch.ones(batch, grid.text, dtype=torch.long)
-    mask[-1, -2:] = 0  # the last prompt is padded: exercises the text mask
-    inputs = dict(
-        hidden_states=torch.randn(batch, grid.height * grid.width, config.in_channels, generator=generator),
-        encoder_hidden_states=torch.randn(batch, grid.text, config.joint_attention_dim, generator=generator),
-        encoder_hidden_states_mask=mask,
-        timestep=torch.rand(batch, generator=generator),
-        img_shapes=[[(1, grid.height, grid.width)]] * batch,
-        return_dict=False,
-    )
-    if name == "qwen-image-controlnet":  # the control image's packed latents, one per image token
-        inputs["controlnet_cond"] = torch.randn(batch, grid.height * grid.width, config.in_channels,
-                                                generator=generator)
-    return inputs
+_INPUTS = dict(
+    hidden_states=Noise(("batch", "height * width", "in_channels")),
+    encoder_hidden_states=Noise(("batch", "text", "joint_attention_dim")),
+    encoder_hidden_states_mask=text_mask("long"),  # the last prompt is padded: exercises the text mask
+    timestep=Uniform(),
+    img_shapes=PerSample(Value("[(1, height, width)]")),
+    return_dict=False,
+)
+INPUTS = ByExample({
+    "qwen-image": _INPUTS,
+    # the control image's packed latents, one per image token
+    "qwen-image-controlnet": {**_INPUTS, "controlnet_cond": Noise(("batch", "height * width", "in_channels"))},
+})
 
 
 FAMILY = Family.of(__name__)

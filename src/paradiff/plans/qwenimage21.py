@@ -5,8 +5,9 @@ import torch
 
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, attention, mlp
+from paradiff.plans.common import attention, mlp
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Full, Noise, PerSample, Uniform, Value, text_mask
 
 MODEL_CLASSES = ("QwenImage21Transformer2DModel",)
 
@@ -70,25 +71,20 @@ EXAMPLES = {"qwen-image-2.1": ("QwenImage21Transformer2DModel", dict(
     context_in_dim=32, mlp_ratio=3, axes_dims_rope=(4, 6, 6)))}
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    # One 2 x 2 condition image (one vision-language slot) inside the prompt, then the target image, whose tokens
-    # must fill whole slots of 4: 7 text + 4 condition + 24 target = 35 joint tokens, which 2 and 4 ranks do not divide.
-    height, width = grid.height + 1, grid.width + 1
-    text = grid.text + 1  # the prompt's vision-language positions, one of them the condition image's slot
-    img_mask = torch.zeros(batch, text + height * width // 4, dtype=torch.bool)
-    img_mask[:, 3] = True
-    img_mask[:, text:] = True
-    text_mask = torch.ones(batch, text, dtype=torch.bool)
-    text_mask[-1, -2:] = False  # the last prompt is padded: exercises the key mask
-    return dict(
-        hidden_states=torch.randn(batch, 4 + height * width, config.in_channels, generator=generator),
-        encoder_hidden_states=torch.randn(batch, text, config.context_in_dim, generator=generator),
-        timestep=torch.rand(batch, generator=generator),
-        img_shapes=[[(1, 2, 2), (1, height, width)]] * batch,
-        img_mask=img_mask,
-        encoder_hidden_states_mask=text_mask,
-        return_dict=False,
-    )
+# One 2 x 2 condition image (one vision-language slot) inside the prompt, then the target image, whose tokens
+# must fill whole slots of 4: 7 text + 4 condition + 24 target = 35 joint tokens, which 2 and 4 ranks do not divide.
+# The prompt has text + 1 vision-language positions, one of them the condition image's slot.
+INPUTS = dict(
+    hidden_states=Noise(("batch", "4 + (height + 1) * (width + 1)", "in_channels")),
+    encoder_hidden_states=Noise(("batch", "text + 1", "context_in_dim")),
+    timestep=Uniform(),
+    img_shapes=PerSample(Value("[(1, 2, 2), (1, height + 1, width + 1)]")),
+    img_mask=Full(("batch", "text + 1 + (height + 1) * (width + 1) // 4"), False, "bool",
+                  set=((":, 3", True), (":, text + 1:", True))),
+    # the last prompt is padded: exercises the key mask
+    encoder_hidden_states_mask=text_mask(keep="text - 1", length="text + 1"),
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

@@ -3,13 +3,12 @@ and a convolutional (GLUMBConv) feed-forward over the token grid; and its Contro
 blocks, each block's tokens projected by its own Linear into a residual the transformer adds before the next
 block)."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, GridSplit, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedColwise
-from paradiff.plans.common import Grid, attention, mlp
+from paradiff.plans.common import attention, mlp
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import ByExample, Full, Noise, Uniform, When, text_mask
 
 MODEL_CLASSES = ("SanaTransformer2DModel", "SanaControlNetModel")
 CONTROLNET = "SanaControlNetModel"
@@ -79,27 +78,19 @@ EXAMPLES = {
 }
 
 
-def text_inputs(config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    mask = torch.ones(batch, grid.text)
-    mask[-1, grid.text // 2:] = 0  # the last prompt is shorter
-    return dict(encoder_hidden_states=torch.randn(batch, grid.text, config.caption_channels, generator=generator),
-                encoder_attention_mask=mask)
-
-
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    # rows = grid.width, so four CP ranks each get a row
-    p = config.patch_size
-    inputs = dict(
-        hidden_states=torch.randn(batch, config.in_channels, grid.width * p, grid.height * p, generator=generator),
-        timestep=torch.rand(batch, generator=generator) * 1000,
-        **text_inputs(config, batch, grid, generator),
-        return_dict=False,
-    )
-    if getattr(config, "guidance_embeds", False):
-        inputs["guidance"] = torch.full((batch,), 4.5)
-    if name == "sana-controlnet":  # the control image's latents, patchified like the noise latents
-        inputs["controlnet_cond"] = torch.randn(inputs["hidden_states"].shape, generator=generator)
-    return inputs
+# the text and its mask, the last prompt shorter
+TEXT_INPUTS = dict(encoder_hidden_states=Noise(("batch", "text", "caption_channels")),
+                   encoder_attention_mask=text_mask("float32", keep="text // 2"))
+# rows = the grid's width, so four CP ranks each get a row
+_LATENTS = Noise(("batch", "in_channels", "width * patch_size", "height * patch_size"))
+_INPUTS = dict(hidden_states=_LATENTS, timestep=Uniform(1000), **TEXT_INPUTS,
+               guidance=When('field("guidance_embeds", False)', Full(("batch",), 4.5)), return_dict=False)
+INPUTS = ByExample({
+    "sana-1.0": _INPUTS,
+    "sana-sprint": _INPUTS,
+    # the control image's latents, patchified like the noise latents
+    "sana-controlnet": {**_INPUTS, "controlnet_cond": _LATENTS},
+})
 
 
 FAMILY = Family.of(__name__)

@@ -1,13 +1,11 @@
 """Sana-Video (`SanaVideoTransformer3DModel`): Sana's blocks over frames, with rotary linear attention and a temporal
 convolution in the feed-forward."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, GridSplit, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans import sana
-from paradiff.plans.common import Grid
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import ByExample, Noise, Uniform
 
 MODEL_CLASSES = ("SanaVideoTransformer3DModel",)
 
@@ -45,22 +43,20 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    # frames = grid.width, so four CP ranks each get a frame
-    frames, height, width = grid.width, grid.height, grid.frames
-    p_t, p_h, p_w = config.patch_size
-    inputs = dict(
-        hidden_states=torch.randn(batch, config.in_channels, frames * p_t, height * p_h, width * p_w,
-                                  generator=generator),
-        timestep=torch.rand(batch, generator=generator) * 1000,
-        **sana.text_inputs(config, batch, grid, generator),
-        return_dict=False,
-    )
-    if name == "sana-video-i2v":
-        clean = torch.zeros(batch, 1, frames, height, width)
-        clean[:, :, 0] = 1
-        inputs["timestep"] = inputs["timestep"].view(batch, 1, 1, 1, 1) * (1 - clean)
-    return inputs
+# frames = the grid's width, so four CP ranks each get a frame (and height, width = the grid's height, frames)
+_INPUTS = dict(
+    hidden_states=Noise(("batch", "in_channels", "width * patch_size[0]", "height * patch_size[1]",
+                         "frames * patch_size[2]")),
+    timestep=Uniform(1000),
+    **sana.TEXT_INPUTS,
+    return_dict=False,
+)
+INPUTS = ByExample({
+    "sana-video-t2v": _INPUTS,
+    # per-token timesteps: the first frame's clean
+    "sana-video-i2v": {**_INPUTS, "timestep": Uniform(1000, ("batch", 1, 1, 1, 1), set=((":, :, 0", 0),),
+                                                      expand=("batch", 1, "width", "height", "frames"))},
+})
 
 
 FAMILY = Family.of(__name__)

@@ -16,15 +16,13 @@ their projected Q/K/V and keep their rows. The rotary table is given to the mode
 counts would restart its positions at 0. The camera branch (UCPE ray transforms) is not split: `camera_conditions`
 is refused under TP and CP. The ported attention is in models/sana_wm.py."""
 
-import torch
-
-from paradiff.runtime.patches import wrap_forward
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import DEFAULT_HEAD_ATTRS, TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedColwise, SplitParameter
-from paradiff.models.sana_wm import CAMERA_REFUSAL, CrossAttention, Fp32SoftmaxAttention, SelfAttention, WholeInputs
-from paradiff.plans.common import Grid, mlp
+from paradiff.models.sana_wm import CAMERA_REFUSAL, CrossAttention, SelfAttention, WholeInputs, run_example
+from paradiff.plans.common import mlp
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Noise, Uniform, text_mask
 
 MODEL_CLASSES = ("SanaWMTransformer3DModel",)
 
@@ -113,37 +111,17 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    # frames = grid.width, so two CP ranks hold 3 and 2 frames
-    frames, height, width = grid.width, grid.height, grid.frames
-    timestep = (torch.rand(batch, 1, 1, generator=generator) * 1000).repeat(1, 1, frames)
-    timestep[:, :, 0] = 0  # the first frame is clean (image-to-video)
-    text_mask = torch.ones(batch, grid.text, dtype=torch.int64)
-    text_mask[-1, -3:] = 0
-    frame_mask = torch.ones(batch, frames)
-    frame_mask[-1, -1] = 0  # the last sample is a frame shorter
-    return dict(
-        hidden_states=torch.randn(batch, config.in_channels, frames, height, width, generator=generator),
-        timestep=timestep,
-        encoder_hidden_states=torch.randn(batch, grid.text, config.caption_channels, generator=generator),
-        encoder_attention_mask=text_mask,
-        chunk_plucker=torch.randn(batch, config.chunk_plucker_channels, frames, height, width, generator=generator),
-        frame_valid_mask=frame_mask,
-        return_dict=False,
-    )
-
-
-def run_example(model, inputs: dict):
-    """The example's forward with the softmax blocks' attention kernel run in fp32. diffusers casts its fp32 Q/K/V
-    to bf16 for SDPA, so a split run's last-bit differences in Q/K (the norms across heads sum over the TP ranks)
-    become bf16 steps (1.6e-5 at tp2). The check is of the split around that kernel, which every run (the single
-    process's too) then computes alike; the product keeps diffusers' kernel."""
-    from diffusers.models.transformers.transformer_sana_wm import SanaWMSoftmaxAttention
-
-    for module in model.modules():
-        if isinstance(module, SanaWMSoftmaxAttention):
-            wrap_forward(module, Fp32SoftmaxAttention(module), by="example")
-    return model(**inputs)
+# frames = the grid's width, so two CP ranks hold 3 and 2 frames (height, width = the grid's height, frames)
+INPUTS = dict(
+    hidden_states=Noise(("batch", "in_channels", "width", "height", "frames")),
+    # the first frame is clean (image-to-video)
+    timestep=Uniform(1000, ("batch", 1, 1), expand=("batch", 1, "width"), set=((":, :, 0", 0),)),
+    encoder_hidden_states=Noise(("batch", "text", "caption_channels")),
+    encoder_attention_mask=text_mask("int64", keep="text - 3"),
+    chunk_plucker=Noise(("batch", "chunk_plucker_channels", "width", "height", "frames")),
+    frame_valid_mask=text_mask("float32", keep="width - 1", length="width"),  # the last sample is a frame shorter
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

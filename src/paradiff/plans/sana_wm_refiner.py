@@ -3,15 +3,12 @@ but never run) over one block of frames, with per-token timesteps and the rotary
 forward without a KV cache is split both ways; the sliding-window cache (sink + history keys kept per rank) is
 refused under context parallelism."""
 
-from types import SimpleNamespace
-
-import torch
 
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans import ltx2
-from paradiff.plans.common import Grid
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Call, Noise, Uniform, Value, text_mask
 
 MODEL_CLASSES = ("SanaWMLTX2RefinerTransformer3DModel",)
 
@@ -46,29 +43,17 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    from diffusers import SanaWMLTX2RefinerTransformer3DModel as Model
-    from diffusers.models.transformers.transformer_sana_wm_refiner import SanaWMLTX2AudioVideoRotaryPosEmbed
-
-    rope = SanaWMLTX2AudioVideoRotaryPosEmbed(
-        dim=config.num_attention_heads * config.attention_head_dim, patch_size=config.patch_size,
-        patch_size_t=config.patch_size_t, base_num_frames=config.pos_embed_max_pos, base_height=config.base_height,
-        base_width=config.base_width, scale_factors=config.vae_scale_factors, theta=config.rope_theta,
-        causal_offset=config.causal_offset, modality="video", double_precision=config.rope_double_precision,
-        rope_type=config.rope_type, num_attention_heads=config.num_attention_heads)
+INPUTS = dict(
+    hidden_states=Noise(("batch", "frames * height * width", "in_channels")),
+    encoder_hidden_states=Noise(("batch", "text", "caption_channels")),
+    # the first frame is clean
+    timestep=Uniform(1000, ("batch", 1), expand=("batch", "frames * height * width"), set=((":, :height * width", 0),)),
     # absolute frame positions of a later window (frames 4-6 of the source video)
-    tables = Model.build_rotary_emb_for_absolute_positions(SimpleNamespace(rope=rope), batch, [4, 5, 6], grid.height,
-                                                           grid.width, torch.device("cpu"), fps=24.0)
-    tokens = grid.frames * grid.height * grid.width
-    timestep = torch.rand(batch, 1, generator=generator).repeat(1, tokens)
-    timestep[:, : grid.height * grid.width] = 0  # the first frame is clean
-    text_mask = torch.ones(batch, grid.text, dtype=torch.int64)
-    text_mask[-1, -3:] = 0
-    return dict(
-        hidden_states=torch.randn(batch, tokens, config.in_channels, generator=generator),
-        encoder_hidden_states=torch.randn(batch, grid.text, config.caption_channels, generator=generator),
-        timestep=timestep * 1000, video_rotary_emb=tables, encoder_attention_mask=text_mask, return_dict=False,
-    )
+    video_rotary_emb=Call("paradiff.models.sana_wm_refiner:video_rotary_emb",
+                          (Value("config"), Value("batch"), [4, 5, 6], Value("height"), Value("width"), 24.0)),
+    encoder_attention_mask=text_mask("int64", keep="text - 3"),
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

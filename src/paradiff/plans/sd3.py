@@ -2,13 +2,12 @@
 the transformer's, each block's image tokens projected by its own Linear into a residual the transformer adds after
 its blocks): how they split under tensor and context parallelism."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.errors import PlanError
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, attention, feed_forward, joint_attention, mlp, split_input
+from paradiff.plans.common import attention, feed_forward, joint_attention, mlp, split_input
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import ByExample, Noise, Uniform
 
 MODEL_CLASSES = ("SD3Transformer2DModel", "SD3ControlNetModel")
 CONTROLNET = "SD3ControlNetModel"
@@ -78,19 +77,19 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    p = config.patch_size
-    inputs = dict(
-        hidden_states=torch.randn(batch, config.in_channels, grid.height * p, grid.width * p, generator=generator),
-        encoder_hidden_states=torch.randn(batch, grid.text, config.joint_attention_dim, generator=generator),
-        pooled_projections=torch.randn(batch, config.pooled_projection_dim, generator=generator),
-        timestep=torch.rand(batch, generator=generator) * 1000,
-        return_dict=False,
-    )
-    if name == "sd3-controlnet":  # the control image's latents, patchified like the noise latents
-        inputs["controlnet_cond"] = torch.randn(batch, config.in_channels, grid.height * p, grid.width * p,
-                                                generator=generator)
-    return inputs
+_LATENTS = Noise(("batch", "in_channels", "height * patch_size", "width * patch_size"))
+_INPUTS = dict(
+    hidden_states=_LATENTS,
+    encoder_hidden_states=Noise(("batch", "text", "joint_attention_dim")),
+    pooled_projections=Noise(("batch", "pooled_projection_dim")),
+    timestep=Uniform(1000),
+    return_dict=False,
+)
+INPUTS = ByExample({
+    "sd3": _INPUTS,
+    "sd3-controlnet": {**_INPUTS, "controlnet_cond": _LATENTS},  # the control image's latents, patchified alike
+    "sd3.5": _INPUTS,
+})
 
 
 FAMILY = Family.of(__name__)

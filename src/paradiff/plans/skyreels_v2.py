@@ -1,13 +1,12 @@
 """SkyReels-V2 (`SkyReelsV2Transformer3DModel`): Wan's blocks, plus diffusion forcing (a timestep per frame, so a
 modulation per token) and an optional fps embedding."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans import wan
-from paradiff.plans.common import Grid, feed_forward
+from paradiff.plans.common import feed_forward
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import ByExample, Noise, PerSample, Uniform, Value
 
 MODEL_CLASSES = ("SkyReelsV2Transformer3DModel",)
 
@@ -43,27 +42,29 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    p_t, p_h, p_w = config.patch_size
-    i2v = name == "skyreels-v2-i2v"
-    if i2v:  # 512 replicated text tokens: enough video tokens that the split work dominates (see wan2.1-i2v)
-        grid = Grid(grid.frames, grid.height * 5, grid.width, grid.text)
-    inputs = dict(
-        hidden_states=torch.randn(batch, config.in_channels, grid.frames * p_t, grid.height * p_h, grid.width * p_w,
-                                  generator=generator),
-        encoder_hidden_states=torch.randn(batch, 512 if i2v else grid.text, config.text_dim, generator=generator),
-        timestep=torch.rand(batch, generator=generator) * 1000,
+_INPUTS = dict(
+    hidden_states=Noise(("batch", "in_channels", "frames * patch_size[0]", "height * patch_size[1]",
+                         "width * patch_size[2]")),
+    encoder_hidden_states=Noise(("batch", "text", "text_dim")),
+    timestep=Uniform(1000),
+    return_dict=False,
+)
+INPUTS = ByExample({
+    "skyreels-v2-t2v": {**_INPUTS, "fps": PerSample(Value("index % 2"))},  # index into the two-entry fps embedding
+    # one noise level per latent frame; the first frame is clean
+    "skyreels-v2-df": {**_INPUTS, "timestep": Uniform(1000, ("batch", "frames"), set=((":, 0", 0),)),
+                       "enable_diffusion_forcing": True},
+    # 512 replicated text tokens: enough video tokens (5x the grid's height) that the split work dominates (see
+    # wan2.1-i2v)
+    "skyreels-v2-i2v": dict(
+        hidden_states=Noise(("batch", "in_channels", "frames * patch_size[0]", "5 * height * patch_size[1]",
+                             "width * patch_size[2]")),
+        encoder_hidden_states=Noise(("batch", 512, "text_dim")),
+        timestep=Uniform(1000),
+        encoder_hidden_states_image=Noise(("batch", 4, "image_dim")),
         return_dict=False,
-    )
-    if i2v:
-        inputs["encoder_hidden_states_image"] = torch.randn(batch, 4, config.image_dim, generator=generator)
-    if name == "skyreels-v2-t2v":
-        inputs["fps"] = [index % 2 for index in range(batch)]  # index into the two-entry fps embedding
-    if name == "skyreels-v2-df":  # one noise level per latent frame; the first frame is clean
-        timestep = torch.rand(batch, grid.frames, generator=generator) * 1000
-        timestep[:, 0] = 0
-        inputs.update(timestep=timestep, enable_diffusion_forcing=True)
-    return inputs
+    ),
+})
 
 
 FAMILY = Family.of(__name__)

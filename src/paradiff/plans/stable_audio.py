@@ -1,13 +1,12 @@
 """Stable Audio Open (`StableAudioDiTModel`): a 1-D audio DiT with one global token prepended to the audio,
 self-attention with partial rotary embeddings, and cross-attention to the text with grouped K/V heads."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import ColwiseHeads
-from paradiff.plans.common import Grid, attention, feed_forward, mlp
+from paradiff.plans.common import attention, feed_forward, mlp
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Call, Noise, Uniform, Value, text_mask
 
 MODEL_CLASSES = ("StableAudioDiTModel",)
 
@@ -48,27 +47,20 @@ EXAMPLES = {"stable-audio-open": ("StableAudioDiTModel", dict(
 EXTRA_MODES = {"stable-audio-open": ("tp4",)}  # 2 K/V heads over 4 ranks: replicated in pairs
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    from diffusers.models.embeddings import get_1d_rotary_pos_embed
-
-    length = 2 * grid.height * grid.width  # + the global token: 31
-    mask = torch.ones(batch, length, dtype=torch.bool)
-    mask[-1, -3:] = False  # the last clip is padded: exercises the self-attention key mask
-    text_mask = torch.ones(batch, grid.text, dtype=torch.bool)
-    text_mask[-1, -2:] = False
+INPUTS = dict(
+    hidden_states=Noise(("batch", "in_channels", "2 * height * width")),  # + the global token: 31
+    timestep=Uniform(),
+    encoder_hidden_states=Noise(("batch", "text", "cross_attention_input_dim")),
+    global_hidden_states=Noise(("batch", 1, "global_states_input_dim")),
     # the pipeline's table: rotary on the first half of each head's features
-    rotary = get_1d_rotary_pos_embed(config.attention_head_dim // 2, length + 1, use_real=True,
-                                     repeat_interleave_real=False)
-    return dict(
-        hidden_states=torch.randn(batch, config.in_channels, length, generator=generator),
-        timestep=torch.rand(batch, generator=generator),
-        encoder_hidden_states=torch.randn(batch, grid.text, config.cross_attention_input_dim, generator=generator),
-        global_hidden_states=torch.randn(batch, 1, config.global_states_input_dim, generator=generator),
-        rotary_embedding=rotary,
-        attention_mask=mask,
-        encoder_attention_mask=text_mask,
-        return_dict=False,
-    )
+    rotary_embedding=Call("diffusers.models.embeddings:get_1d_rotary_pos_embed",
+                          (Value("attention_head_dim // 2"), Value("2 * height * width + 1")),
+                          {"use_real": True, "repeat_interleave_real": False}),
+    # the last clip is padded: exercises the self-attention key mask
+    attention_mask=text_mask(keep="2 * height * width - 3", length="2 * height * width"),
+    encoder_attention_mask=text_mask(),
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

@@ -1,13 +1,11 @@
 """Stable Audio 3 (`StableAudio3DiTModel`): a 1-D audio DiT with learned memory tokens prepended, differential
 attention (two query/key pairs, one value) and cross-attention to the text context."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.tensor_parallel.styles import PackedColwise
-from paradiff.plans.common import Grid
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Noise, Uniform, text_mask
 
 MODEL_CLASSES = ("StableAudio3DiTModel",)
 
@@ -49,18 +47,14 @@ EXAMPLES = {"stable-audio-3": ("StableAudio3DiTModel", dict(
     timestep_features_dim=16, ff_mult=2.0, num_memory_tokens=2, use_differential_attention=True))}
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    frames = grid.height * grid.width  # + 2 memory tokens: 17
-    mask = torch.ones(batch, grid.text, dtype=torch.bool)
-    mask[-1, -2:] = False
-    return dict(
-        hidden_states=torch.randn(batch, config.io_channels, frames, generator=generator),
-        timestep=torch.rand(batch, generator=generator),
-        encoder_hidden_states=torch.randn(batch, grid.text, config.cond_token_dim, generator=generator),
-        global_hidden_states=torch.randn(batch, config.global_cond_dim, generator=generator),
-        encoder_attention_mask=mask,
-        return_dict=False,
-    )
+INPUTS = dict(
+    hidden_states=Noise(("batch", "io_channels", "height * width")),  # + 2 memory tokens: 17
+    timestep=Uniform(),
+    encoder_hidden_states=Noise(("batch", "text", "cond_token_dim")),
+    global_hidden_states=Noise(("batch", "global_cond_dim")),
+    encoder_attention_mask=text_mask(),
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

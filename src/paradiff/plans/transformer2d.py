@@ -2,12 +2,11 @@
 (DiT with AdaLN-zero and class labels, PixArt-alpha with AdaLN-single). Discrete latent classes (VQ-Diffusion) split
 the same way but have no example here."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, adaln_single, attention, feed_forward, image_inputs, mlp
+from paradiff.plans.common import adaln_single, attention, feed_forward, mlp
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import ByExample, Integers, Noise, image_inputs, text_mask
 
 MODEL_CLASSES = ("Transformer2DModel",)
 _GATED = ("geglu", "geglu-approximate", "swiglu")
@@ -75,29 +74,24 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    if name == "transformer2d-dit":  # DiT unpatchifies a square: 3 x 3 patches
-        p = config.patch_size
-        return dict(
-            hidden_states=torch.randn(batch, config.in_channels, grid.height * p, grid.height * p, generator=generator),
-            timestep=torch.randint(0, config.num_embeds_ada_norm, (batch,), generator=generator),
-            class_labels=torch.randint(0, config.num_embeds_ada_norm, (batch,), generator=generator),
-            return_dict=False,
-        )
-    text_mask = torch.ones(batch, grid.text, dtype=torch.long)
-    text_mask[-1, -2:] = 0  # the last prompt is padded
-    if name == "transformer2d-continuous":
-        image_mask = torch.ones(batch, grid.height * grid.width, dtype=torch.long)
-        image_mask[-1, -2:] = 0  # and its last image tokens masked out as self-attention keys
-        return dict(
-            hidden_states=torch.randn(batch, config.in_channels, grid.height, grid.width, generator=generator),
-            encoder_hidden_states=torch.randn(batch, grid.text, config.cross_attention_dim, generator=generator),
-            attention_mask=image_mask,
-            encoder_attention_mask=text_mask,
-            return_dict=False,
-        )
-    return image_inputs(config, batch, grid, generator, config.caption_channels, encoder_attention_mask=text_mask,
-                        added_cond_kwargs={"resolution": None, "aspect_ratio": None})
+INPUTS = ByExample({
+    "transformer2d-continuous": dict(
+        hidden_states=Noise(("batch", "in_channels", "height", "width")),
+        encoder_hidden_states=Noise(("batch", "text", "cross_attention_dim")),
+        # the last sample's last image tokens masked out as self-attention keys, and its prompt padded
+        attention_mask=text_mask("long", keep="height * width - 2", length="height * width"),
+        encoder_attention_mask=text_mask("long"),
+        return_dict=False,
+    ),
+    "transformer2d-dit": dict(  # DiT unpatchifies a square: 3 x 3 patches
+        hidden_states=Noise(("batch", "in_channels", "height * patch_size", "height * patch_size")),
+        timestep=Integers("num_embeds_ada_norm"),
+        class_labels=Integers("num_embeds_ada_norm"),
+        return_dict=False,
+    ),
+    "transformer2d-pixart": {**image_inputs("caption_channels"), "encoder_attention_mask": text_mask("long"),
+                             "added_cond_kwargs": {"resolution": None, "aspect_ratio": None}},
+})
 
 
 FAMILY = Family.of(__name__)

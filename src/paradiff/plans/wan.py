@@ -1,11 +1,10 @@
 """Wan 2.1 / 2.2 (`WanTransformer3DModel`): how it splits under tensor and context parallelism."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid, attention, feed_forward, mlp
+from paradiff.plans.common import attention, feed_forward, mlp
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import ByExample, Noise, Uniform
 
 MODEL_CLASSES = ("WanTransformer3DModel",)
 
@@ -56,28 +55,29 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    p_t, p_h, p_w = config.patch_size
-    if name == "wan2.1-i2v":
-        # its 512 replicated context tokens would otherwise outweigh the split video tokens at this tiny size
-        grid = Grid(grid.frames, grid.height * 5, grid.width, grid.text)
-    tokens = grid.frames * grid.height * grid.width
-    inputs = dict(
-        hidden_states=torch.randn(batch, config.in_channels, grid.frames * p_t, grid.height * p_h, grid.width * p_w,
-                                  generator=generator),
-        # Wan 2.1 I2V's processor takes everything past the first 512 context tokens as the image context
-        encoder_hidden_states=torch.randn(batch, 512 if name == "wan2.1-i2v" else grid.text, config.text_dim,
-                                          generator=generator),
-        timestep=torch.rand(batch, generator=generator) * 1000,
+_INPUTS = dict(
+    hidden_states=Noise(("batch", "in_channels", "frames * patch_size[0]", "height * patch_size[1]",
+                         "width * patch_size[2]")),
+    encoder_hidden_states=Noise(("batch", "text", "text_dim")),
+    timestep=Uniform(1000),
+    return_dict=False,
+)
+INPUTS = ByExample({
+    "wan2.1-t2v": _INPUTS,
+    # Wan 2.1 I2V's processor takes everything past the first 512 context tokens as the image context; those 512
+    # replicated tokens would outweigh the split video tokens at this tiny size, so the video is 5x taller
+    "wan2.1-i2v": dict(
+        hidden_states=Noise(("batch", "in_channels", "frames * patch_size[0]", "5 * height * patch_size[1]",
+                             "width * patch_size[2]")),
+        encoder_hidden_states=Noise(("batch", 512, "text_dim")),
+        timestep=Uniform(1000),
+        encoder_hidden_states_image=Noise(("batch", 4, "image_dim")),
         return_dict=False,
-    )
-    if name == "wan2.1-i2v":
-        inputs["encoder_hidden_states_image"] = torch.randn(batch, 4, config.image_dim, generator=generator)
-    if name == "wan2.2-ti2v":  # per-token timesteps: the first frame's tokens are clean (t = 0)
-        timestep = inputs["timestep"][:, None].repeat(1, tokens)
-        timestep[:, : grid.height * grid.width] = 0
-        inputs["timestep"] = timestep
-    return inputs
+    ),
+    # per-token timesteps: the first frame's tokens are clean (t = 0)
+    "wan2.2-ti2v": {**_INPUTS, "timestep": Uniform(1000, ("batch", 1), expand=("batch", "frames * height * width"),
+                                                   set=((":, :height * width", 0),))},
+})
 
 
 FAMILY = Family.of(__name__)

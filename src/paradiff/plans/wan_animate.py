@@ -2,13 +2,11 @@
 `inject_face_latents_blocks` blocks a face adapter in which each latent frame's video tokens attend that frame's
 face-motion tokens."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split, TokenGroups
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans import wan
-from paradiff.plans.common import Grid
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Noise, Uniform
 
 MODEL_CLASSES = ("WanAnimateTransformer3DModel",)
 
@@ -48,23 +46,19 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    p_t, p_h, p_w = config.patch_size
-    # 512 replicated text tokens: enough video tokens that the split work dominates (see wan2.1-i2v)
-    height, width = grid.height * 5 * p_h, grid.width * p_w
-    return dict(
-        hidden_states=torch.randn(batch, config.in_channels, grid.frames * p_t, height, width, generator=generator),
-        timestep=torch.rand(batch, generator=generator) * 1000,
-        encoder_hidden_states=torch.randn(batch, 512, config.text_dim, generator=generator),
-        encoder_hidden_states_image=torch.randn(batch, 4, config.image_dim, generator=generator),
-        # the reference (first) frame has no pose
-        pose_hidden_states=torch.randn(batch, config.latent_channels, grid.frames * p_t - 1, height, width,
-                                       generator=generator),
-        # 5 face frames: the face encoder's two stride-2 convolutions and a leading zero frame give 3 motion frames
-        face_pixel_values=torch.randn(batch, 3, 5, config.motion_encoder_size, config.motion_encoder_size,
-                                      generator=generator),
-        return_dict=False,
-    )
+# 512 replicated text tokens: enough video tokens (5x the grid's height) that the split work dominates (see wan2.1-i2v)
+_AREA = ("5 * height * patch_size[1]", "width * patch_size[2]")
+INPUTS = dict(
+    hidden_states=Noise(("batch", "in_channels", "frames * patch_size[0]", *_AREA)),
+    timestep=Uniform(1000),
+    encoder_hidden_states=Noise(("batch", 512, "text_dim")),
+    encoder_hidden_states_image=Noise(("batch", 4, "image_dim")),
+    # the reference (first) frame has no pose
+    pose_hidden_states=Noise(("batch", "latent_channels", "frames * patch_size[0] - 1", *_AREA)),
+    # 5 face frames: the face encoder's two stride-2 convolutions and a leading zero frame give 3 motion frames
+    face_pixel_values=Noise(("batch", 3, 5, "motion_encoder_size", "motion_encoder_size")),
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

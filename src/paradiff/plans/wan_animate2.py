@@ -9,14 +9,13 @@ and values are all-gathered (so the cache holds every token's, on every rank) an
 rows; the packed layout is attended one query frame at a time over exactly the slots the mask lets it see, zero
 slots included (`SelfAttention`, models/wan_animate2.py)."""
 
-import torch
 
-from paradiff.runtime.patches import set_processor
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.models.wan_animate2 import SelfAttention
-from paradiff.plans.common import Grid, mlp
+from paradiff.models.wan_animate2 import SelfAttention, prepare_example, run_example
+from paradiff.plans.common import mlp
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Dim, Full, Noise, PerSample, Ref, Tensor, Uniform, Value
 
 MODEL_CLASSES = ("WanAnimate2Transformer3DModel",)
 
@@ -49,29 +48,6 @@ def context_parallel_plan(config) -> ContextParallelPlan:
     )
 
 
-def prepare_example(model) -> None:
-    # eager flex attention cannot run under torch's FLOP counter: the examples attend through SelfAttention
-    # (tests/test_wan_animate2.py checks it equal to diffusers' flex processor)
-    for block in model.blocks:
-        set_processor(block.self_attn, SelfAttention(), by="example", through_setter=True)
-
-
-def run_example(model, inputs: dict):
-    """Both passes: the reference pass fills a fresh cache, a denoising step reads it; both outputs count."""
-    from diffusers.models.transformers.transformer_wan_animate_2 import WanAnimate2KVCache
-
-    # the model builds its BlockMask under torch.compile, ~9 s of inductor per CPU process: built eagerly first (the
-    # same mask), under the key the model looks it up by. Only the mask: eager flex attention needs torch.compile
-    step = inputs["cached"]
-    frames, area = step["origin_len"] // 4 + 1, step["origin_area"][0] * step["origin_area"][1] // 256
-    if (frames, area) not in model.block_masks:
-        with torch._dynamo.config.patch(disable=True):
-            model.block_masks[frames, area] = model.create_mask(frames, area, model.patch_embedding.weight.device)
-    cache = WanAnimate2KVCache(len(model.blocks))
-    reference = model(**inputs["extract"], kv_cache=cache, kv_cache_mode="extract")
-    return reference, model(**step, kv_cache=cache, kv_cache_mode="cached")
-
-
 EXAMPLES = {
     "wan-animate2": ("WanAnimate2Transformer3DModel", dict(
         patch_size=(1, 2, 2), text_len=8, in_dim=8, dim=64, ffn_dim=128, freq_dim=32, text_dim=32, out_dim=4,
@@ -79,33 +55,39 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    p_t, p_h, p_w = config.patch_size
-    channels = config.in_dim // 2  # latents and condition latents, concatenated
+def _latents(frames: Dim, width: str) -> PerSample:
+    # latents and condition latents are each half of in_dim (concatenated by the model)
+    return PerSample(Noise(("in_dim // 2", f"{frames} * patch_size[0]", "height * patch_size[1]",
+                            f"({width}) * patch_size[2]")))
 
-    def latents(frames, height, width):
-        return [torch.randn(channels, frames * p_t, height * p_h, width * p_w, generator=generator)
-                for _ in range(batch)]
 
-    # a reference of 2 frames x 3 x 4 tokens (its own grid); a generation segment of grid's size, both smaller than
-    # the full video's 3 + 1 frames x 20 tokens (origin_len 8, 64 x 80 pixels), so the packed slots hold zeros
-    reference_grid = torch.tensor([[2, grid.height, grid.width - 1]] * batch)
-    # texts of their own lengths, padded by the model to text_len; the last is shorter
-    text = [torch.randn(grid.text - 3 * (index == batch - 1), config.text_dim, generator=generator)
-            for index in range(batch)]
-    common = dict(encoder_hidden_states=text, return_dict=False,
-                  encoder_hidden_states_image=torch.randn(batch, 4, 1280, generator=generator))
-    return {
-        "extract": dict(hidden_states=latents(2, grid.height, grid.width - 1),
-                        condition_latents=latents(2, grid.height, grid.width - 1),
-                        timestep=torch.zeros(batch), seq_len=2 * grid.height * (grid.width - 1),
-                        offset_grid_sizes=reference_grid, **common),
-        "cached": dict(hidden_states=latents(grid.frames, grid.height, grid.width),
-                       condition_latents=latents(grid.frames, grid.height, grid.width),
-                       timestep=torch.rand(batch, generator=generator) * 1000,
-                       seq_len=grid.frames * grid.height * grid.width, reference_grid_sizes=reference_grid,
-                       origin_len=8, origin_area=[64, 80], **common),
-    }
+# A reference of 2 frames x 3 x 4 tokens (its own grid); a generation segment of grid's size, both smaller than the
+# full video's 3 + 1 frames x 20 tokens (origin_len 8, 64 x 80 pixels), so the packed slots hold zeros. Both passes
+# take the same texts (of their own lengths, padded by the model to text_len; the last is shorter) and image context.
+INPUTS = dict(
+    extract=dict(
+        encoder_hidden_states=PerSample(Noise(("text - 3 * (index == batch - 1)", "text_dim"))),
+        encoder_hidden_states_image=Noise(("batch", 4, 1280)),
+        return_dict=False,
+        hidden_states=_latents(2, "width - 1"),
+        condition_latents=_latents(2, "width - 1"),
+        timestep=Full(("batch",), 0.0),
+        seq_len=Value("2 * height * (width - 1)"),
+        offset_grid_sizes=Tensor((2, "height", "width - 1"), per_sample=True),
+    ),
+    cached=dict(
+        encoder_hidden_states=Ref("extract.encoder_hidden_states"),
+        encoder_hidden_states_image=Ref("extract.encoder_hidden_states_image"),
+        return_dict=False,
+        hidden_states=_latents("frames", "width"),
+        condition_latents=_latents("frames", "width"),
+        timestep=Uniform(1000),
+        seq_len=Value("frames * height * width"),
+        reference_grid_sizes=Ref("extract.offset_grid_sizes"),
+        origin_len=8,
+        origin_area=[64, 80],
+    ),
+)
 
 
 FAMILY = Family.of(__name__)

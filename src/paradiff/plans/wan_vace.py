@@ -1,13 +1,11 @@
 """Wan VACE (`WanVACETransformer3DModel`): Wan's blocks plus a stack of VACE blocks that turn the control video into
 hints added after selected Wan blocks."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
 from paradiff.plans import wan
-from paradiff.plans.common import Grid
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Noise, Tensor, Uniform
 
 MODEL_CLASSES = ("WanVACETransformer3DModel",)
 
@@ -45,17 +43,15 @@ EXAMPLES = {
 }
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    p_t, p_h, p_w = config.patch_size
-    video = (grid.frames * p_t, grid.height * p_h, grid.width * p_w)
-    return dict(
-        hidden_states=torch.randn(batch, config.in_channels, *video, generator=generator),
-        encoder_hidden_states=torch.randn(batch, grid.text, config.text_dim, generator=generator),
-        timestep=torch.rand(batch, generator=generator) * 1000,
-        control_hidden_states=torch.randn(batch, config.vace_in_channels, *video, generator=generator),
-        control_hidden_states_scale=torch.tensor([1.0, 0.5]),
-        return_dict=False,
-    )
+_VIDEO = ("frames * patch_size[0]", "height * patch_size[1]", "width * patch_size[2]")
+INPUTS = dict(
+    hidden_states=Noise(("batch", "in_channels", *_VIDEO)),
+    encoder_hidden_states=Noise(("batch", "text", "text_dim")),
+    timestep=Uniform(1000),
+    control_hidden_states=Noise(("batch", "vace_in_channels", *_VIDEO)),
+    control_hidden_states_scale=Tensor((1.0, 0.5)),
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)

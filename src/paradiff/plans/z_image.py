@@ -7,12 +7,10 @@ Z-Image block reading the control stream, with zero-initialised projections in a
 The model pads every sequence to a multiple of 32 tokens itself, so its token counts always divide 2 and 4 ranks;
 the uneven split paths are exercised by the other families."""
 
-import torch
-
 from paradiff.context_parallel.plan import ContextParallelPlan, Split
 from paradiff.tensor_parallel.plan import TensorParallelPlan
-from paradiff.plans.common import Grid
 from paradiff.plans.family import Family
+from paradiff.plans.inputs import Noise, PerSample, Uniform
 
 
 def _stacks(config) -> tuple[str, ...]:
@@ -104,13 +102,13 @@ EXAMPLES = {"z-image": ("ZImageTransformer2DModel", dict(
     axes_dims=[4, 6, 6], axes_lens=[128, 64, 64]))}
 
 
-def example_inputs(name: str, config, batch: int, grid: Grid, generator: torch.Generator) -> dict:
-    # per-sample lists; the last caption pads to 64 tokens, the others to 32, so the batch carries a key mask
-    images = [torch.randn(config.in_channels, 1, 2 * grid.height, 2 * grid.width, generator=generator)
-              for _ in range(batch)]
-    captions = [torch.randn(grid.text + (32 if index == batch - 1 else 0), config.cap_feat_dim, generator=generator)
-                for index in range(batch)]
-    return dict(x=images, t=torch.rand(batch, generator=generator), cap_feats=captions, return_dict=False)
+# per-sample lists; the last caption pads to 64 tokens, the others to 32, so the batch carries a key mask
+INPUTS = dict(
+    x=PerSample(Noise(("in_channels", 1, "2 * height", "2 * width"))),
+    cap_feats=PerSample(Noise(("text + 32 * (index == batch - 1)", "cap_feat_dim"))),
+    t=Uniform(),
+    return_dict=False,
+)
 
 
 FAMILY = Family.of(__name__)
