@@ -85,13 +85,13 @@ def routing_key(body: bytes, route: str) -> str:
     return f"prompt:{int.from_bytes(digest[:4], 'big') % PROMPT_BUCKETS}"
 
 
-def _terminate_with_parent() -> None:
-    """In the mesh's launcher before it runs: SIGTERM when this replica's process dies (Ray may kill it without
-    running __del__); the launcher then stops its ranks as on any SIGTERM."""
+def _end_with_parent() -> None:
+    """In each of the mesh's ranks before it runs: SIGKILL when this replica's process dies (Ray may kill it without
+    running __del__; a rank whose frontend is elsewhere ignores SIGTERM, and nothing is left for it to answer)."""
     import ctypes
 
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass  # not Linux: __del__ stops it
 
@@ -126,7 +126,7 @@ class Mesh:
         env = dict(os.environ, PARADIFF_WORKER="1", PARADIFF_CONSOLE_TTY="0", TORCHELASTIC_USE_AGENT_STORE="True",
                    OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{FRONTEND_ELSEWHERE: "1"})
         self.processes = [subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True,
-                                           preexec_fn=_terminate_with_parent,
+                                           preexec_fn=_end_with_parent,
                                            env=dict(env, **rank_env(rank, ranks, self.store.port)))
                           for rank in range(ranks)]
         try:
