@@ -58,6 +58,9 @@ GONE = 0  # Mesh.forward's status when its mesh had stopped (none of its ranks s
 # every 2 s, takes it out): up to RETRIES times, RETRY_PAUSE_S apart
 RETRIES, RETRY_PAUSE_S = 10, 1.0
 READY_TIMEOUT_S = 600.0
+# how long a stopping Mesh waits for its ranks to end after its drain (Ray has drained its requests already), within
+# Ray's graceful_shutdown_timeout_s (30 s) with the frontend's own stop; then they are killed
+STOP_WAIT_S = 15.0
 FORWARDED_HEADERS = ("authorization", "content-type", "origin")
 # Ray starts its workers at nice 15 (its `worker_niceness`, so that its own GCS and raylet get the CPU first), and a
 # mesh's server and ranks, started by its Mesh replica, inherit it: on a busy machine they and every hop of a request
@@ -260,7 +263,7 @@ class Mesh:
         self.stopping = True
         if self.frontend is not None and self.frontend.failed is None:
             self.frontend.drain()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + STOP_WAIT_S
         for process in self.processes:
             try:
                 process.wait(timeout=max(0.1, deadline - time.monotonic()) if self.dispatcher is not None else 0.1)
