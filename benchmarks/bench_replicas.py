@@ -345,8 +345,8 @@ def ray_figures(args, model: list[str], steps: int) -> list[dict]:
                note=f"{1000 * rays:.0f} ms of the {1000 * added:.0f} ms added: an echo deployment answering the "
                     f"demo's {m['answer_bytes']} bytes took {1000 * m['echo_ray_latency']:.0f} ms through "
                     f"Ray's proxy, {1000 * m['echo_uvicorn_latency']:.0f} ms on uvicorn; ours (the Mesh replica "
-                    f"running the request through the frontend's application, in its process) the other "
-                    f"{1000 * (added - rays):.0f} ms; {what}; {args.note}"),
+                    f"running the request through the frontend's application, in its process) the rest, "
+                    f"{1000 * (added - rays):.0f} ms (0 or less: within the noise); {what}; {args.note}"),
         figure("Ray Serve latency per request / a plain paradiff serve's", round(m["ray_latency"] / m["serve_latency"],
                                                                                  3), "x",
                note=f"latency {m['ray_latency']:.3f} s through Ray's proxy ({m['keyed_latency']:.3f} s with a routing "
@@ -360,8 +360,8 @@ def ray_figures(args, model: list[str], steps: int) -> list[dict]:
         figures.append(figure(
             "Ray Serve overhead per request: the request latency at which it is 5%", round(needed, 3), "s",
             note=f"{1000 * added:.0f} ms added through Ray is 5% of a {needed:.2f} s request: about "
-                 f"{max(steps, round((needed - m['serve_outside']) / per_step))} steps of the demo's "
-                 f"{args.model} call at {1000 * per_step:.0f} ms a step or less (this run's {m['serve_server']:.3f} "
+                 f"{max(steps, round((needed - m['serve_outside']) / per_step))} steps of the {args.model} "
+                 f"pipeline at {1000 * per_step:.0f} ms a step or less (this run's {m['serve_server']:.3f} "
                  f"s in the server for {steps} steps); {what}; {args.note}"))
     return figures
 
