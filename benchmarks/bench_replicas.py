@@ -285,8 +285,9 @@ def main() -> int:
                  "--steps", "3"]
     steps = 3 if args.model == "flux2" else 2
     if args.only_ray or args.only == "ray-overhead":
-        earlier = load(RESULT)
-        kept = [item for item in earlier["figures"] if "Ray Serve" not in item["name"]]
+        earlier = load(RESULT)  # this model's Ray figures are replaced, the others kept
+        kept = [item for item in earlier["figures"]
+                if "Ray Serve" not in item["name"] or model_of(item["name"]) != args.model]
         write_result("bench_replicas", TITLE, kept + ray_figures(args, model, steps),
                      command=f"{earlier['command']}; {this_command()}")
         return 0
@@ -324,6 +325,16 @@ def main() -> int:
     return 0
 
 
+def model_tag(model: str) -> str:
+    """What the Ray figures' names end with for `model` (nothing for the demo, whose figures came first)."""
+    return "" if model == "demo" else f" [{model}]"
+
+
+def model_of(name: str) -> str:
+    """The model a Ray figure was measured on, from its name (model_tag)."""
+    return name[name.rindex("[") + 1:-1] if name.endswith("]") else "demo"
+
+
 def ray_figures(args, model: list[str], steps: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         m = ray_overhead(args.requests, model, steps, Path(tmp))
@@ -343,7 +354,7 @@ def ray_figures(args, model: list[str], steps: int) -> list[dict]:
         figure("Ray Serve's own part of it (a bare echo through its proxy, less on uvicorn)",
                round(100 * rays / m["serve_latency"], 2), "%",
                note=f"{1000 * rays:.0f} ms of the {1000 * added:.0f} ms added: an echo deployment answering the "
-                    f"demo's {m['answer_bytes']} bytes took {1000 * m['echo_ray_latency']:.0f} ms through "
+                    f"{args.model} answer's {m['answer_bytes']} bytes took {1000 * m['echo_ray_latency']:.0f} ms through "
                     f"Ray's proxy, {1000 * m['echo_uvicorn_latency']:.0f} ms on uvicorn; ours (the Mesh replica "
                     f"running the request through the frontend's application, in its process) the rest, "
                     f"{1000 * (added - rays):.0f} ms (0 or less: within the noise); {what}; {args.note}"),
@@ -363,6 +374,8 @@ def ray_figures(args, model: list[str], steps: int) -> list[dict]:
                  f"{max(steps, round((needed - m['serve_outside']) / per_step))} steps of the {args.model} "
                  f"pipeline at {1000 * per_step:.0f} ms a step or less (this run's {m['serve_server']:.3f} "
                  f"s in the server for {steps} steps); {what}; {args.note}"))
+    for item in figures:
+        item["name"] += model_tag(args.model)
     return figures
 
 
