@@ -343,37 +343,32 @@ def ray_figures(args, model: list[str], steps: int) -> list[dict]:
     what = (f"medians of {args.requests} sequential requests each way, interleaved ({args.model}, {steps} steps, one "
             f"replica of one rank)")
     overhead = 100 * added / m["serve_latency"]
+    needed = added / 0.05  # the request at which the same added time is 5%: its latency, and the steps it takes
+    per_step = m["serve_server"] / steps  # an upper bound of a step's time: the call's fixed part counted in
+    at = ("" if overhead <= 5 else f"; 5% of a {needed:.2f} s request: about "
+          f"{max(steps, round((needed - m['serve_outside']) / per_step))} steps of the {args.model} pipeline at "
+          f"{1000 * per_step:.0f} ms a step or less")
     figures = [
-        figure("Ray Serve overhead per request (added outside the server / a plain paradiff serve's latency)",
+        figure("Ray Serve overhead per request (time added / a plain serve's latency)",
                round(overhead, 2), "%", "<= 5",
                note=f"{1000 * m['ray_outside']:.0f} ms outside the server through Ray (proxy, Mesh replica as the "
                     f"ingress, running the frontend's application in-process) against "
                     f"{1000 * m['serve_outside']:.0f} ms to a plain `paradiff serve` of latency "
                     f"{m['serve_latency']:.3f} s; with a routing key (Router replica in front) "
-                    f"{1000 * m['keyed_outside']:.0f} ms; {what}; {args.note}"),
-        figure("Ray Serve's own part of it (a bare echo through its proxy, less on uvicorn)",
+                    f"{1000 * m['keyed_outside']:.0f} ms{at}; {what}; {args.note}"),
+        figure("Ray Serve's own part (an echo through its proxy, less on uvicorn)",
                round(100 * rays / m["serve_latency"], 2), "%",
                note=f"{1000 * rays:.0f} ms of the {1000 * added:.0f} ms added: an echo deployment answering the "
-                    f"{args.model} answer's {m['answer_bytes']} bytes took {1000 * m['echo_ray_latency']:.0f} ms through "
-                    f"Ray's proxy, {1000 * m['echo_uvicorn_latency']:.0f} ms on uvicorn; ours (the Mesh replica "
+                    f"{args.model} answer's {m['answer_bytes']} bytes took {1000 * m['echo_ray_latency']:.0f} ms "
+                    f"through Ray's proxy, {1000 * m['echo_uvicorn_latency']:.0f} ms on uvicorn; ours (the Mesh replica "
                     f"running the request through the frontend's application, in its process) the rest, "
                     f"{1000 * (added - rays):.0f} ms (0 or less: within the noise); {what}; {args.note}"),
-        figure("Ray Serve latency per request / a plain paradiff serve's", round(m["ray_latency"] / m["serve_latency"],
-                                                                                 3), "x",
+        figure("Ray Serve latency / a plain serve's", round(m["ray_latency"] / m["serve_latency"], 3), "x",
                note=f"latency {m['ray_latency']:.3f} s through Ray's proxy ({m['keyed_latency']:.3f} s with a routing "
                     f"key), {m['mesh_latency']:.3f} s straight to the mesh's port, {m['serve_latency']:.3f} s to a "
                     f"plain `paradiff serve`; in the server {m['ray_server']:.3f} / {m['mesh_server']:.3f} / "
                     f"{m['serve_server']:.3f} s (the server's own time swings on loaded cores); {what}; {args.note}"),
     ]
-    if overhead > 5:  # the request at which the same added time is 5%: its latency, and the demo steps it takes
-        needed = added / 0.05
-        per_step = m["serve_server"] / steps  # an upper bound of a step's time: the call's fixed part counted in
-        figures.append(figure(
-            "Ray Serve overhead per request: the request latency at which it is 5%", round(needed, 3), "s",
-            note=f"{1000 * added:.0f} ms added through Ray is 5% of a {needed:.2f} s request: about "
-                 f"{max(steps, round((needed - m['serve_outside']) / per_step))} steps of the {args.model} "
-                 f"pipeline at {1000 * per_step:.0f} ms a step or less (this run's {m['serve_server']:.3f} "
-                 f"s in the server for {steps} steps); {what}; {args.note}"))
     for item in figures:
         item["name"] += model_tag(args.model)
     return figures
