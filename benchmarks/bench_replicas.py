@@ -106,8 +106,9 @@ def parent_of(pid: int) -> int:
 
 
 def mesh_servers() -> set[tuple[int, Path]]:
-    """The port and the --out folder of each mesh's `paradiff serve` in the local Ray cluster this process started
-    (its raylet a child of this process: another Ray cluster on the machine has meshes too)."""
+    """The frontend's loopback port and the --out folder of each mesh in the local Ray cluster this process started,
+    from its ranks' command lines (their raylet a child of this process: another Ray cluster on the machine has
+    meshes too)."""
     import os
 
     found = set()
@@ -117,7 +118,7 @@ def mesh_servers() -> set[tuple[int, Path]]:
         except OSError:
             continue
         ancestors, pid = [], int(entry.name) if entry.name.isdigit() else 0
-        for _ in range(5):  # rank <- launcher <- Mesh replica's worker <- raylet <- this process
+        for _ in range(5):  # rank <- Mesh replica's worker (its frontend) <- raylet <- this process
             pid = parent_of(pid)
             ancestors.append(pid)
         if os.getpid() not in ancestors:
@@ -284,8 +285,9 @@ def main() -> int:
                  "--steps", "3"]
     steps = 3 if args.model == "flux2" else 2
     if args.only_ray or args.only == "ray-overhead":
-        earlier = load(RESULT)
-        kept = [item for item in earlier["figures"] if "Ray Serve" not in item["name"]]
+        earlier = load(RESULT)  # this model's Ray figures are replaced, the others kept
+        kept = [item for item in earlier["figures"]
+                if "Ray Serve" not in item["name"] or model_of(item["name"]) != args.model]
         write_result("bench_replicas", TITLE, kept + ray_figures(args, model, steps),
                      command=f"{earlier['command']}; {this_command()}")
         return 0
@@ -323,6 +325,16 @@ def main() -> int:
     return 0
 
 
+def model_tag(model: str) -> str:
+    """What the Ray figures' names end with for `model` (nothing for the demo, whose figures came first)."""
+    return "" if model == "demo" else f" [{model}]"
+
+
+def model_of(name: str) -> str:
+    """The model a Ray figure was measured on, from its name (model_tag)."""
+    return name[name.rindex("[") + 1:-1] if name.endswith("]") else "demo"
+
+
 def ray_figures(args, model: list[str], steps: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         m = ray_overhead(args.requests, model, steps, Path(tmp))
@@ -330,26 +342,36 @@ def ray_figures(args, model: list[str], steps: int) -> list[dict]:
     rays = m["echo_ray_latency"] - m["echo_uvicorn_latency"]  # Ray's own: its proxy and one replica call
     what = (f"medians of {args.requests} sequential requests each way, interleaved ({args.model}, {steps} steps, one "
             f"replica of one rank)")
-    return [
-        figure("Ray Serve overhead per request (added outside the server / a plain paradiff serve's latency)",
-               round(100 * added / m["serve_latency"], 2), "%", "<= 5",
+    overhead = 100 * added / m["serve_latency"]
+    needed = added / 0.05  # the request at which the same added time is 5%: its latency, and the steps it takes
+    per_step = m["serve_server"] / steps  # an upper bound of a step's time: the call's fixed part counted in
+    at = ("" if overhead <= 5 else f"; 5% of a {needed:.2f} s request: about "
+          f"{max(steps, round((needed - m['serve_outside']) / per_step))} steps of the {args.model} pipeline at "
+          f"{1000 * per_step:.0f} ms a step or less")
+    figures = [
+        figure("Ray Serve overhead per request (time added / a plain serve's latency)",
+               round(overhead, 2), "%", "<= 5",
                note=f"{1000 * m['ray_outside']:.0f} ms outside the server through Ray (proxy, Mesh replica as the "
-                    f"ingress) against {1000 * m['serve_outside']:.0f} ms to a plain `paradiff serve` of latency "
+                    f"ingress, running the frontend's application in-process) against "
+                    f"{1000 * m['serve_outside']:.0f} ms to a plain `paradiff serve` of latency "
                     f"{m['serve_latency']:.3f} s; with a routing key (Router replica in front) "
-                    f"{1000 * m['keyed_outside']:.0f} ms; {what}; {args.note}"),
-        figure("Ray Serve's own part of it (a bare echo through its proxy, less on uvicorn)",
+                    f"{1000 * m['keyed_outside']:.0f} ms{at}; {what}; {args.note}"),
+        figure("Ray Serve's own part (an echo through its proxy, less on uvicorn)",
                round(100 * rays / m["serve_latency"], 2), "%",
                note=f"{1000 * rays:.0f} ms of the {1000 * added:.0f} ms added: an echo deployment answering the "
-                    f"demo's {m['answer_bytes']} bytes took {1000 * m['echo_ray_latency']:.0f} ms through "
-                    f"Ray's proxy, {1000 * m['echo_uvicorn_latency']:.0f} ms on uvicorn; ours (the Mesh replica's "
-                    f"forward to its server) the other {1000 * (added - rays):.0f} ms; {what}; {args.note}"),
-        figure("Ray Serve latency per request / a plain paradiff serve's", round(m["ray_latency"] / m["serve_latency"],
-                                                                                 3), "x",
+                    f"{args.model} answer's {m['answer_bytes']} bytes took {1000 * m['echo_ray_latency']:.0f} ms "
+                    f"through Ray's proxy, {1000 * m['echo_uvicorn_latency']:.0f} ms on uvicorn; ours (the Mesh replica "
+                    f"running the request through the frontend's application, in its process) the rest, "
+                    f"{1000 * (added - rays):.0f} ms (0 or less: within the noise); {what}; {args.note}"),
+        figure("Ray Serve latency / a plain serve's", round(m["ray_latency"] / m["serve_latency"], 3), "x",
                note=f"latency {m['ray_latency']:.3f} s through Ray's proxy ({m['keyed_latency']:.3f} s with a routing "
                     f"key), {m['mesh_latency']:.3f} s straight to the mesh's port, {m['serve_latency']:.3f} s to a "
                     f"plain `paradiff serve`; in the server {m['ray_server']:.3f} / {m['mesh_server']:.3f} / "
                     f"{m['serve_server']:.3f} s (the server's own time swings on loaded cores); {what}; {args.note}"),
     ]
+    for item in figures:
+        item["name"] += model_tag(args.model)
+    return figures
 
 
 if __name__ == "__main__":

@@ -40,21 +40,23 @@ def running(count: int) -> bool:
 
 
 def meshes() -> dict[int, dict]:
-    """The meshes' servers on this machine: launcher pid -> {"port", "ranks": [pids]} (the ranks are forked by their
-    launcher: its children)."""
-    found: dict[int, tuple[int, int]] = {}  # pid -> (parent pid, port)
+    """The meshes on this machine: Mesh replica pid -> {"port": its frontend's loopback port, "ranks": [pids by
+    rank]} (the ranks are started by their Mesh replica: its children, `paradiff serve` workers)."""
+    found: dict[int, list[tuple[int, int, int]]] = {}  # Mesh replica pid -> [(rank, pid, port)]
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             words = (entry / "cmdline").read_bytes().split(b"\0")
             parent = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            env = dict(item.split(b"=", 1) for item in (entry / "environ").read_bytes().split(b"\0") if b"=" in item)
         except (OSError, ValueError, IndexError):
             continue
         if b"paradiff.cli" in words and b"--port" in words and any(b"paradiff-ray-" in w for w in words):
-            found[int(entry.name)] = (parent, int(words[words.index(b"--port") + 1]))
-    return {pid: {"port": port, "ranks": [child for child, (up, _) in found.items() if up == pid]}
-            for pid, (parent, port) in found.items() if parent not in found}
+            found.setdefault(parent, []).append((int(env.get(b"RANK", b"0")), int(entry.name),
+                                                 int(words[words.index(b"--port") + 1])))
+    return {parent: {"port": ranks[0][2], "ranks": [pid for _, pid, _ in sorted(ranks)]}
+            for parent, ranks in found.items()}
 
 
 def start_ray(**options) -> None:
@@ -123,7 +125,7 @@ def test_two_replicas_a_killed_rank_and_autoscaling(fast_autoscaling_metrics):
                 wait_until(lambda: all("paradiff_requests_running 1" in httpx.get(
                     f"http://127.0.0.1:{server['port']}/metrics").text for server in first.values()),
                     "a request running on each mesh")
-                victim = max(first)  # the newer launcher: the mesh Ray added
+                victim = max(first)  # the newer Mesh replica: the one Ray added
                 os.kill(first[victim]["ranks"][0], signal.SIGKILL)
                 killed = time.monotonic()
                 wait_until(lambda: any(pid not in first for pid in meshes()), "Ray starting a new mesh")
@@ -170,7 +172,7 @@ def test_build_app_without_a_cluster():
     with pytest.raises(ValueError, match=r"--ray-route 'sticky': expected one of \['prompt-hash', 'adapter', 'none'\]"):
         build_app([], route="sticky")
     direct = build_app(["--steps", "2"])._bound_deployment
-    assert (direct.name, direct.func_or_class, direct.init_args) == ("paradiff-mesh", Mesh, (["--steps", "2"],))
+    assert (direct.name, direct.func_or_class, direct.init_args) == ("paradiff-mesh", Mesh, (["--steps", "2"], 1))
 
     async def receive():
         return {"type": "http.request", "body": b'{"prompt": "a"}', "more_body": False}
@@ -186,7 +188,7 @@ def test_build_app_without_a_cluster():
     mesh_app, route = router.init_args
     mesh = mesh_app._bound_deployment
     assert (router.name, mesh.name, route, mesh.init_args) == ("paradiff-router", "paradiff-mesh", "adapter",
-                                                               (["--steps", "2"],))
+                                                               (["--steps", "2"], 2))
     assert mesh._replica_config.placement_group_bundles == [{"CPU": 1}, {"CPU": 1}]
     for deployment in (router, mesh):  # not Ray's nice 15, which the mesh's server and ranks would inherit
         assert deployment.ray_actor_options["runtime_env"]["env_vars"]["RAY_worker_niceness"] == "0"
@@ -195,6 +197,53 @@ def test_build_app_without_a_cluster():
     fixed = app_from_env({"args": "--tp 2 --steps 4", "ranks": 2, "replicas": "2", "route": "prompt-hash",
                           "device": "GPU"})._bound_deployment
     mesh = fixed.init_args[0]._bound_deployment
-    assert fixed.init_args[1] == "prompt-hash" and mesh.init_args == (["--tp", "2", "--steps", "4"],)
+    assert fixed.init_args[1] == "prompt-hash" and mesh.init_args == (["--tp", "2", "--steps", "4"], 2)
     assert mesh.num_replicas == 2 and mesh._deployment_config.autoscaling_config is None
     assert mesh._replica_config.placement_group_bundles == [{"GPU": 1}, {"GPU": 1}]
+
+
+def test_a_mesh_runs_each_request_through_the_servers_own_application_in_its_process(tmp_path):
+    """No cluster, no rank (`make test` runs it): the Mesh replica hands a request to the frontend's ASGI application
+    in its own process (no HTTP hop), behind the same guard as a plain server's uvicorn (the key, foreign origins, the
+    request checks, the request log), with the mesh's loopback Host; once its mesh has stopped, a request it would
+    have queued is GONE (sent to another replica). The settings rank 0 hands it as JSON are the flags' settings."""
+    import asyncio
+    import json
+
+    from paradiff.cli.args import build_parser
+    from paradiff.cli.serve import settings_of
+    from paradiff.serve.app import Frontend, HttpGuard
+    from paradiff.serve.app import build_app as http_app
+    from paradiff.serve.ray import GONE, Mesh
+    from paradiff.serve.settings import ServeSettings
+
+    settings = settings_of(build_parser().parse_args(["serve", "--out", str(tmp_path), "--tp", "2", "--api-key", "k",
+                                                      "--port", "8123", "--allow-host", "a.example"]))
+    assert ServeSettings.from_json(json.loads(json.dumps(settings.as_json()))) == settings
+    mesh = object.__new__(Mesh)
+    mesh.port, mesh.stopping, mesh.frontend = 8123, True, Frontend(settings)
+    mesh.app = HttpGuard(http_app(mesh.frontend), mesh.frontend)
+    mesh.frontend.replica_state(0, "ready")
+    mesh.frontend.replica_ready(0, {"kind": "image", "accepts": ["prompt", "num_inference_steps"], "replicas": 1,
+                                    "adapters": []}, [{"rank": 0, "memory": 1}], 0)
+    key, generate = {"authorization": "Bearer k"}, "/v1/images/generations"
+
+    async def ask() -> list:
+        return [await mesh._answer("GET", "/health", {}, b""),
+                await mesh._answer("POST", generate, {"content-type": "application/json"}, b'{"prompt": "x"}'),
+                await mesh._answer("POST", generate, {**key, "content-type": "application/json"},
+                                   b'{"prompt": "x", "n": 99}'),
+                await mesh._answer("GET", "/v1/models", {**key, "origin": "http://evil.example"}, b""),
+                await mesh._answer("GET", "/v1/models?x=1", key, b"")]
+
+    health, keyless, bad, foreign, models = asyncio.run(ask())
+    assert health == (200, {"content-type": "application/json"}, b'{"status":"ready"}')
+    assert keyless[0] == 401 and "API key" in keyless[2].decode()
+    assert bad[0] == 400 and json.loads(bad[2])["error"]["param"] == "n"
+    assert foreign[0] == 403 and "evil.example" in foreign[2].decode()
+    assert models[0] == 200 and json.loads(models[2])["data"][0]["id"] == "paradiff-demo"
+    logged = [json.loads(line)["status"] for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    assert logged == [401, 400, 403]
+    mesh.frontend.fail("rank(s) [0] stopped answering")
+    assert asyncio.run(mesh._answer("POST", generate, key, b'{"prompt": "x"}'))[0] == GONE
+    mesh.frontend.stop()

@@ -101,13 +101,15 @@ def run_serve_worker(args: argparse.Namespace, on_pipeline_loaded: Callable[[Any
     from paradiff.distributed.mesh import default_device
     from paradiff.serve.app import Frontend
     from paradiff.serve.dispatch import Dispatcher
-    from paradiff.serve.ranks import serve_rank
+    from paradiff.serve.ranks import FRONTEND_ELSEWHERE, serve_rank
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     device = default_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     settings = settings_of(args)
+    if os.environ.get(FRONTEND_ELSEWHERE):  # a mesh under Ray Serve: its replica's process runs the frontend
+        return serve_rank(settings, device, None, on_pipeline_loaded)
     try:
         return serve_rank(settings, device, lambda: Frontend(settings).start(), on_pipeline_loaded, Dispatcher)
     except ServeSettingsError as exc:  # a --lora-modules file rank 0's frontend cannot serve

@@ -74,6 +74,11 @@ IDLE_WAIT_S = 0.2  # an idle round every this often: it is also how a rank that 
 AGREE_WAIT_S = 2.0
 DECISION_WAIT_S = 600.0  # how long a failed replica's ranks wait for the dispatcher's decision
 POLL_S = (0.001, 0.01)  # store polls: the first wait, and the longest (doubling in between)
+# Under Ray Serve (serve/ray.py) a mesh's frontend and dispatcher run in the Ray replica's process, which hosts the
+# store and starts the ranks with FRONTEND_ELSEWHERE set: rank 0 then runs no frontend and puts its settings (parsed
+# from the flags, as JSON) under SETTINGS_KEY for it.
+FRONTEND_ELSEWHERE = "PARADIFF_SERVE_FRONTEND_ELSEWHERE"
+SETTINGS_KEY = f"{PREFIX}/settings"
 
 SUMMARY = {"rank": int, "replica": int, "step_s": list, "seconds": float, "images": int, "steps": int, "memory": int,
            "rss": int, "failed": dict, "cancelled": dict, "agreements": list, "refused": dict}
@@ -435,7 +440,9 @@ def serve_rank(settings: ServeSettings, device: torch.device, frontend_factory: 
     replica loads `settings.spec` (api/load_spec.py) on its own mesh; the rest of `settings` is the server's own.
     `frontend_factory()` (rank 0 only) starts the HTTP side (app.Frontend); rank 0 also runs
     `dispatcher_factory(store, frontend, replicas, size, timeout_s)` (dispatch.Dispatcher, passed in by the serve
-    command: dispatch.py reads this module's channel), in a thread beside its own replica's loop."""
+    command: dispatch.py reads this module's channel), in a thread beside its own replica's loop. With no
+    `frontend_factory` both run in the process that hosts the store (Ray's Mesh replica): rank 0 puts `settings`
+    there for it (SETTINGS_KEY)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     quiet_other_ranks(rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -445,7 +452,9 @@ def serve_rank(settings: ServeSettings, device: torch.device, frontend_factory: 
     size = world // replicas  # ranks per replica: replica r is ranks r * size ... (r + 1) * size - 1
     index, local = divmod(rank, size)
     channel = Channel(store, local, size, scope=f"r{index}")
-    frontend = frontend_factory() if rank == 0 else None
+    frontend = frontend_factory() if rank == 0 and frontend_factory is not None else None
+    if rank == 0 and frontend is None:
+        put_json(store, SETTINGS_KEY, settings.as_json())
     _handle_signals(frontend)
     timeout = settings.timeout
     dispatcher = (dispatcher_factory(store_client(timeout), frontend, replicas, size, timeout).start()

@@ -1,6 +1,7 @@
-"""`paradiff serve` scaled out on Ray Serve: each Ray Serve replica is one paradiff mesh (a `paradiff serve` with its
-local launcher and its N ranks, in a placement-group bundle of N CPUs, or GPUs), and Ray does the rest: the HTTP
-proxy (the same OpenAI API), routing, autoscaling on queue length, and starting a failed replica again.
+"""`paradiff serve` scaled out on Ray Serve: each Ray Serve replica is one paradiff mesh (the N ranks a `paradiff serve`
+runs, in a placement-group bundle of N CPUs, or GPUs, and its frontend in the replica's own process), and Ray does
+the rest: the HTTP proxy (the same OpenAI API), routing, autoscaling on queue length, and starting a failed replica
+again.
 
     paradiff serve --ray --ray-replicas 1:4 --ray-route prompt-hash --tp 2 ...   # a local Ray cluster, or
     RAY_ADDRESS=auto paradiff serve --ray ...                                      # the one `ray start` runs
@@ -8,20 +9,24 @@ proxy (the same OpenAI API), routing, autoscaling on queue length, and starting 
     from paradiff.serve.ray import build_app          # the same, as an application for serve.run / a RayService
     serve.run(build_app(["--tp", "2", "--steps", "8"], ranks=2, replicas=(1, 4), route="adapter"))
 
-`Mesh` holds one paradiff server on a free loopback port of its node and forwards requests to it unchanged; its
-health check is the server's /health, so a mesh whose rank died (the server stops) is replaced by Ray. With route
-"none" (Ray's power-of-two choice) the Mesh is the ingress itself: Ray's proxy hands each request to a Mesh replica,
-with no hop of ours in between (a Router replica in front cost a process hop and a Ray call per request: docs/serve.md).
-With a routing key, `Router` (the ingress, one replica, no CPU of its own) reads each request's body and routes it by
-the key through Ray Serve's model multiplexing (requests with the same key go to the replica that served it last,
-while it is not overloaded): "prompt-hash" (a hash of the prompt, in PROMPT_BUCKETS buckets: repeated prompts land
-together, for caches) or "adapter" (the request's `loras`: the replicas keep their adapters' state).
+`Mesh` starts its mesh's ranks (`paradiff serve` workers, FRONTEND_ELSEWHERE set) on a store it hosts, and runs in
+its own process what a `paradiff serve` runs on its rank 0 beside its share of the pipeline: the frontend
+(app.Frontend: scheduler, request log, metrics, jobs; the ASGI application behind HttpGuard) and the dispatcher. A
+request Ray's proxy hands to it goes through that application in-process, as uvicorn calls it for a plain server (an
+HTTP call to a server of its own cost ~13 ms a request: docs/serve.md). Its health check is the frontend's state, so
+a mesh whose rank died (the dispatcher stops it) is replaced by Ray. With route "none" (Ray's power-of-two choice)
+the Mesh is the ingress itself: Ray's proxy hands each request to a Mesh replica, with no hop of ours in between (a
+Router replica in front costs a process hop and a Ray call per request: docs/serve.md). With a routing key,
+`Router` (the ingress, one replica, no CPU of its own) reads each request's body and routes it by the key through
+Ray Serve's model multiplexing (requests with the same key go to the replica that served it last, while it is not
+overloaded): "prompt-hash" (a hash of the prompt, in PROMPT_BUCKETS buckets: repeated prompts land together, for
+caches) or "adapter" (the request's `loras`: the replicas keep their adapters' state).
 
-The documented rule for a request in flight on a replica that fails: it fails (the client gets the server's 500, or
-a 500 when the server's process is gone mid-request); it is not retried, since it may have run. A request that
-reached no server (the replica's server is gone and Ray has not replaced it yet: the connection is refused) never
-ran: it is sent again, to a replica Ray chooses (up to RETRIES times, a second apart, then 503), by the Router, or
-by the Mesh ingress that found its own server gone. So no request is answered twice.
+The documented rule for a request in flight on a replica that fails: it fails (the client gets the mesh's 500, or
+Ray's when the replica's process is gone mid-request); it is not retried, since it may have run. A request that
+reached no mesh (the replica's mesh has stopped and Ray has not replaced it yet) never ran: it is sent again, to a
+replica Ray chooses (up to RETRIES times, a second apart, then 503), by the Router, or by the Mesh ingress that
+found its own mesh stopped. So no request is answered twice.
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from urllib.parse import quote
 from typing import Any
 
 from ray import serve
@@ -46,11 +53,14 @@ ROUTES = ("prompt-hash", "adapter", "none")
 # prompt-hash keys: a bounded number of buckets (Ray sends a key it has not seen to the replica with the fewest keys,
 # so a key per prompt would pile new prompts on the newest replica)
 PROMPT_BUCKETS = 16
-GONE = 0  # Mesh.forward's status when its server could not be reached (it never saw the request)
+GONE = 0  # Mesh.forward's status when its mesh had stopped (none of its ranks saw the request)
 # a request that reached no server is sent again (Ray's router may choose the same replica until its health check,
 # every 2 s, takes it out): up to RETRIES times, RETRY_PAUSE_S apart
 RETRIES, RETRY_PAUSE_S = 10, 1.0
 READY_TIMEOUT_S = 600.0
+# how long a stopping Mesh waits for its ranks to end after its drain (Ray has drained its requests already), within
+# Ray's graceful_shutdown_timeout_s (30 s) with the frontend's own stop; then they are killed
+STOP_WAIT_S = 15.0
 FORWARDED_HEADERS = ("authorization", "content-type", "origin")
 # Ray starts its workers at nice 15 (its `worker_niceness`, so that its own GCS and raylet get the CPU first), and a
 # mesh's server and ranks, started by its Mesh replica, inherit it: on a busy machine they and every hop of a request
@@ -78,99 +88,198 @@ def routing_key(body: bytes, route: str) -> str:
     return f"prompt:{int.from_bytes(digest[:4], 'big') % PROMPT_BUCKETS}"
 
 
-def _terminate_with_parent() -> None:
-    """In the mesh's launcher before it runs: SIGTERM when this replica's process dies (Ray may kill it without
-    running __del__); the launcher then stops its ranks as on any SIGTERM."""
+def _end_with_parent() -> None:
+    """In each of the mesh's ranks before it runs: a process group of its own (killed as one), in the replica's session
+    (a session of its own is a scheduling group of its own where the kernel groups by session: autogroup; measured, a
+    rank alone in one waited 2.5x as long for the CPU on loaded cores); SIGKILL when this replica's process dies (Ray
+    may kill it without running __del__; a rank whose frontend is elsewhere ignores SIGTERM, and nothing is left for
+    it to answer)."""
     import ctypes
 
+    os.setpgid(0, 0)
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass  # not Linux: __del__ stops it
 
 
 class Mesh:
-    """One paradiff mesh: `paradiff serve ARGV` on a free loopback port, started by this Ray replica and stopped
-    with it."""
+    """One paradiff mesh whose frontend runs in this Ray replica's process: the frontend a `paradiff serve` runs on its
+    rank 0 (app.Frontend: scheduler, metrics, request log, jobs; its ASGI application behind HttpGuard; rank 0's
+    dispatcher), here, and the mesh's `ranks` ranks (`paradiff serve ARGV` as workers, FRONTEND_ELSEWHERE set)
+    started by it, on the store it hosts, and stopped with it. Ray's proxy hands a request to this process, which
+    runs it through the same application in-process: no hop of ours. The frontend also listens on a free loopback
+    port of the node (its /metrics, /health and the API, as a mesh's server did)."""
 
-    def __init__(self, argv: list[str]) -> None:
-        import httpx
-
-        from paradiff.distributed.spawn import free_port
+    def __init__(self, argv: list[str], ranks: int = 1) -> None:
+        from paradiff.distributed.spawn import free_port, host_store, rank_env, rank_store
+        from paradiff.distributed.store import get_json
+        from paradiff.serve.app import Frontend, HttpGuard
+        from paradiff.serve.app import build_app as http_app
+        from paradiff.serve.dispatch import Dispatcher
+        from paradiff.serve.ranks import FRONTEND_ELSEWHERE, SETTINGS_KEY
+        from paradiff.serve.settings import ServeSettings
 
         self.port = free_port()
         self.out = tempfile.mkdtemp(prefix="paradiff-ray-")
+        self.frontend: Any = None
+        self.dispatcher: Any = None
+        self.stopping = False
+        self.others: Any = None  # a handle on this deployment, made when this mesh is first found stopped
+        self.processes: list[subprocess.Popen] = []
+        self.store = host_store(READY_TIMEOUT_S)  # 127.0.0.1, a port the OS picks; every rank is its client
         command = [sys.executable, "-m", "paradiff.cli", "serve", *argv, "--host", "127.0.0.1",
                    "--port", str(self.port), "--out", self.out]
-        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True,
-                                        preexec_fn=_terminate_with_parent)
-        self.client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.port}", timeout=None)
-        self.others: Any = None  # a handle on this deployment, made when this mesh's server is first found gone
+        env = dict(os.environ, PARADIFF_WORKER="1", PARADIFF_CONSOLE_TTY="0", TORCHELASTIC_USE_AGENT_STORE="True",
+                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{FRONTEND_ELSEWHERE: "1"})
+        self.processes = [subprocess.Popen(command, stdin=subprocess.DEVNULL, preexec_fn=_end_with_parent,
+                                           env=dict(env, **rank_env(rank, ranks, self.store.port)))
+                          for rank in range(ranks)]
+        try:
+            self._wait(lambda: self.store.check([SETTINGS_KEY]), "its rank 0 had read its flags")
+            settings = ServeSettings.from_json(get_json(self.store, SETTINGS_KEY, dict))
+            self.frontend = Frontend(settings).start()
+            replicas = settings.spec.parallel.data_degree
+            self.dispatcher = Dispatcher(rank_store(self.store.port, settings.timeout), self.frontend, replicas,
+                                         ranks // replicas, settings.timeout).start()
+            self.app = HttpGuard(http_app(self.frontend), self.frontend)
+            threading.Thread(target=self._watch_rank_zero, name="paradiff-rank0", daemon=True).start()
+            self._wait(lambda: self.frontend.health == "ready", "it was ready")
+        except BaseException:
+            self._stop()
+            raise
+
+    def _wait(self, condition, what: str) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
-        with httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=5) as probe:
-            while True:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"paradiff serve exited ({self.process.returncode}) before it was ready")
-                try:
-                    if probe.get("/health").json().get("status") == "ready":
-                        break
-                except (httpx.HTTPError, ValueError):
-                    pass
-                if time.monotonic() > deadline:
-                    self._stop()
-                    raise RuntimeError(f"paradiff serve was not ready within {READY_TIMEOUT_S:.0f} s")
-                time.sleep(0.1)
+        while not condition():
+            gone = [rank for rank, process in enumerate(self.processes) if process.poll() is not None]
+            if gone or (self.frontend is not None and self.frontend.failed is not None):
+                why = (f"rank {gone[0]} exited ({self.processes[gone[0]].returncode})" if gone
+                       else self.frontend.failed)
+                raise RuntimeError(f"paradiff mesh: {why} before {what}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"paradiff mesh: not {what} within {READY_TIMEOUT_S:.0f} s")
+            time.sleep(0.1)
+
+    def _watch_rank_zero(self) -> None:
+        """Rank 0's process gone: its replica's fault, as the dispatcher puts it for a rank it sees gone (it watches
+        every rank's process but rank 0's, which under a plain `paradiff serve` is its own)."""
+        from paradiff.serve.ranks import Channel
+
+        self.processes[0].wait()
+        if self.stopping or self.dispatcher is None:
+            return
+        replica = self.dispatcher.replicas[0]
+        Channel(self.store, 0, replica.channel.world, replica.channel.scope, replica.channel.generation).put(
+            True, "fault")
 
     async def __call__(self, request: Request) -> Response:
-        """The ingress (route "none"): the request to this mesh's server; to another replica when the server is
-        gone (the request never reached it)."""
+        """The ingress (route "none"): the request through this mesh's application, here; to another replica when
+        this mesh has stopped (the request ran on none of its ranks)."""
         method, path, headers, body = await forwarded(request)
-        status, answer_headers, content = await self.forward(method, path, headers, body)
+        status, answer_headers, content = await self._answer(method, path, headers, body, request.receive)
         if status == GONE:
-            if self.others is None:  # a handle on this deployment: Ray chooses the replica (and soon not this one)
-                context = serve.get_replica_context()
-                self.others = serve.get_deployment_handle(context.deployment, context.app_name)
-            return await answer_of(self.others, method, path, headers, body)
+            return await answer_of(self._others(), method, path, headers, body)
         return Response(content, status_code=status, headers=answer_headers)
+
+    def _others(self) -> Any:
+        if self.others is None:  # a handle on this deployment: Ray chooses the replica (and soon not this one)
+            context = serve.get_replica_context()
+            self.others = serve.get_deployment_handle(context.deployment, context.app_name)
+        return self.others
 
     @serve.multiplexed(max_num_models_per_replica=64)
     async def _affinity(self, key: str) -> str:
         return key  # nothing to load: the key only makes Ray send the same key to the same replica
 
     async def forward(self, method: str, path: str, headers: dict, body: bytes) -> tuple[int, dict, bytes]:
+        """A request handed over by a Router (or by a replica whose mesh had stopped)."""
         key = serve.get_multiplexed_model_id()
         if key:
             await self._affinity(key)
-        import httpx
+        return await self._answer(method, path, headers, body)
 
-        try:
-            answer = await self.client.request(method, path, headers=headers, content=body)
-        except httpx.ConnectError:
-            return GONE, {}, b""  # the request never reached the server: the Router sends it elsewhere
-        keep = {name: value for name, value in answer.headers.items()
-                if name.lower() in ("content-type", "retry-after")}
-        return answer.status_code, keep, answer.content
+    async def _answer(self, method: str, path: str, headers: dict, body: bytes,
+                      disconnect=None) -> tuple[int, dict, bytes]:
+        """The mesh's answer, or GONE when the mesh has stopped and the request ran on none of its ranks (it came
+        after the stop, or waited in the queue: the frontend answers those 503 when it stops; a request that ran
+        gets 500). `disconnect()`: the ingress request's ASGI receive, which says when its client hangs up."""
+        if self.frontend.failed is not None:
+            return GONE, {}, b""
+        status, answer_headers, content = await self._run(method, path, headers, body, disconnect)
+        if status == 503 and self.frontend.failed is not None:
+            return GONE, {}, b""
+        return status, answer_headers, content
+
+    async def _run(self, method: str, path: str, headers: dict, body: bytes,
+                   disconnect=None) -> tuple[int, dict, bytes]:
+        """The mesh's ASGI application called here, as uvicorn calls it for a plain `paradiff serve` (Host: the
+        mesh's own loopback address; the headers an ingress forwards); its status, kept headers and body."""
+        path, _, query = path.partition("?")
+        raw = [(b"host", f"127.0.0.1:{self.port}".encode()), (b"content-length", str(len(body)).encode())]
+        raw += [(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": method, "scheme": "http", "path": path, "raw_path": quote(path).encode(),
+                 "query_string": query.encode(), "root_path": "", "headers": raw, "client": ("127.0.0.1", 0),
+                 "server": ("127.0.0.1", self.port)}
+        sent = []
+
+        async def receive() -> dict:
+            if not sent:
+                sent.append(True)
+                return {"type": "http.request", "body": body, "more_body": False}
+            if disconnect is not None:
+                try:
+                    return await disconnect()  # http.disconnect once the client hangs up: the request is cancelled
+                except Exception:  # noqa: BLE001 - Ray's channel to its proxy broke: no word of the client, as below
+                    pass
+            await asyncio.Event().wait()  # no client here (a Router's call): it waits for the answer
+            return {"type": "http.disconnect"}
+
+        answer: dict = {"status": 500, "headers": {}, "body": bytearray()}
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                answer["status"] = message["status"]
+                answer["headers"] = {name.decode("latin-1"): value.decode("latin-1")
+                                     for name, value in message.get("headers", ())
+                                     if name.lower() in (b"content-type", b"retry-after")}
+            elif message["type"] == "http.response.body":
+                answer["body"] += message.get("body", b"")
+
+        await self.app(scope, receive, send)
+        return answer["status"], answer["headers"], bytes(answer["body"])
 
     async def check_health(self) -> None:
-        """Ray's health check: the server's process runs and /health does not say failed."""
-        if self.process.poll() is not None:
-            raise RuntimeError(f"paradiff serve exited ({self.process.returncode})")
-        answer = await self.client.get("/health", timeout=10)
-        if answer.json().get("status") == "failed":
-            raise RuntimeError("paradiff serve says failed")
+        """Ray's health check: the mesh has not stopped (a rank gone, a load that failed again, the dispatcher)."""
+        if self.frontend.failed is not None:
+            raise RuntimeError(f"paradiff mesh stopped: {self.frontend.failed}")
 
     def pid(self) -> int:
-        """The launcher's process id (tests kill its ranks)."""
-        return self.process.pid
+        """Rank 0's process id."""
+        return self.processes[0].pid
 
     def _stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
+        """A drain (the ranks get "stop" and exit), bounded; then whatever still runs is killed."""
+        if self.stopping:
+            return
+        self.stopping = True
+        if self.frontend is not None and self.frontend.failed is None:
+            self.frontend.drain()
+        deadline = time.monotonic() + STOP_WAIT_S
+        for process in self.processes:
             try:
-                self.process.wait(timeout=30)
+                process.wait(timeout=max(0.1, deadline - time.monotonic()) if self.dispatcher is not None else 0.1)
             except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                process.wait()
+        if self.dispatcher is not None:
+            self.dispatcher.stop()
+        if self.frontend is not None:
+            self.frontend.stop()
         shutil.rmtree(self.out, ignore_errors=True)  # its requests.jsonl: the mesh's own log, gone with it
 
     def __del__(self) -> None:
@@ -191,8 +300,8 @@ class Router:
 
 
 async def forwarded(request: Request) -> tuple[str, str, dict, bytes]:
-    """What a mesh's server is sent of an ingress request: its method, its path below the application's route prefix
-    (with its query), the FORWARDED_HEADERS, its body."""
+    """What a mesh is given of an ingress request: its method, its path below the application's route prefix (with its
+    query), the FORWARDED_HEADERS, its body."""
     path, prefix = request.scope["path"], request.scope.get("root_path", "").rstrip("/")
     if prefix and path.startswith(prefix):  # Ray Serve's scope: the path with the route prefix, root_path the prefix
         path = path[len(prefix):] or "/"
@@ -234,11 +343,11 @@ def build_app(argv: list[str], ranks: int = 1, replicas: tuple[int, int] = (1, 1
                             placement_group_bundles=[{device: 1}] * ranks,
                             placement_group_strategy="STRICT_PACK", **scaling)
     if route == "none":
-        return mesh.bind(list(argv))  # the ingress: no Router hop
+        return mesh.bind(list(argv), ranks)  # the ingress: no Router hop
     router = serve.deployment(Router, name="paradiff-router",
                               ray_actor_options={"num_cpus": 0, "runtime_env": NORMAL_PRIORITY},
                               max_ongoing_requests=1000)
-    return router.bind(mesh.bind(list(argv)), route)
+    return router.bind(mesh.bind(list(argv), ranks), route)
 
 
 def app_from_env(args: dict | None = None) -> Any:

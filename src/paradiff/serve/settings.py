@@ -102,6 +102,38 @@ class ServeSettings:
         object.__setattr__(self, "ray_replicas", tuple(self.ray_replicas))
         self._check()
 
+    # -- as JSON: for the process that hosts the frontend of ranks started elsewhere (Ray's Mesh replica) ---------
+    def as_json(self) -> dict:
+        """These settings as JSON data (`from_json` reads them back; no pickle): the ranks of a mesh under Ray Serve
+        parse its flags, and its rank 0 hands the settings to the Ray replica that runs its frontend (serve/ray.py).
+        The parallel degrees travel as numbers (a device mesh object does not)."""
+        import json
+
+        spec, parallel = self.spec, self.spec.parallel
+        tp, cp = parallel.tensor_parallel_config, parallel.context_parallel_config
+        fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self) if field.name != "spec"}
+        fields["spec"] = {field.name: getattr(spec, field.name) for field in dataclasses.fields(spec)
+                          if field.name not in ("parallel", "loras")}
+        fields["spec"].update(loras=[lora.as_dict() for lora in spec.loras], parallel={
+            "tp": tp.tp_degree if tp else 1, "ring": cp.ring_degree if cp else 1,
+            "ulysses": cp.ulysses_degree if cp else 1, "cfg": parallel.cfg_degree, "data": parallel.data_degree,
+            "fsdp": parallel.fsdp_degree, "fsdp_offload": parallel.fsdp_offload})
+        return json.loads(json.dumps(fields))  # tuples as lists; a value JSON cannot hold fails here, not later
+
+    @classmethod
+    def from_json(cls, fields: dict) -> "ServeSettings":
+        """The settings `as_json` wrote, checked again as any settings are."""
+        from paradiff.api.load_spec import LoraSpec
+        from paradiff.config import ParallelConfig
+
+        fields, spec = dict(fields), dict(fields["spec"])
+        del fields["spec"]
+        spec.update(parallel=ParallelConfig.from_degrees(**spec["parallel"]),
+                    loras=tuple(LoraSpec(**lora) for lora in spec["loras"]),
+                    gguf=tuple(tuple(pair) for pair in spec["gguf"]))
+        fields["extra_call_kwargs"] = tuple(tuple(pair) for pair in fields["extra_call_kwargs"])
+        return cls(LoadSpec(**spec), **fields)
+
     # -- derived values: the one place they are computed ----------------------------------------------------------
     @property
     def limit_side(self) -> int:
