@@ -145,10 +145,10 @@ def test_ops_per_block_counted_by_hand_are_diffusers_eager_calls():
     assert (joint, shape.blocks[0].ops, shape.blocks[1].ops, shape.other_ops) == (114, 114, 68, 108)
     assert cost.forward_cost(shape, LATENT).ops == 114 + 68 + 108
     # every rank issues all of them; tp adds its all-reduce calls (4 in a double block, 1 in a single one) and the
-    # embedders' (17 ops), Ulysses 67 per self attention and 32 to split and gather the sequence
+    # embedders' (17 ops), Ulysses 65 per self attention and 32 to split and gather the sequence
     assert cost.forward_cost(shape, LATENT, mesh=Mesh(tp=2, ulysses=2)).ops == \
-        (114 + 4 + 67) + (68 + 1 + 67) + (108 + 17 + 32)
-    assert cost.forward_cost(shape, LATENT, mesh=Mesh(ring=4)).ops == (114 + 3 * 56) + (68 + 3 * 56) + (108 + 32)
+        (114 + 4 + 65) + (68 + 1 + 65) + (108 + 17 + 32)
+    assert cost.forward_cost(shape, LATENT, mesh=Mesh(ring=4)).ops == (114 + 3 * 44) + (68 + 3 * 44) + (108 + 32)
     generator = torch.Generator().manual_seed(0)
     x, text, temb = (torch.randn(*size, generator=generator) for size in ((1, LATENT, D), (1, TEXT, D), (1, D)))
     rope = (torch.randn(LATENT + TEXT, 4, generator=generator), torch.randn(LATENT + TEXT, 4, generator=generator))

@@ -91,8 +91,8 @@ def overlaps_compute(device: torch.device) -> bool:
     Not on CPU: there the ranks' compute fills the cores (a torch thread per core), and gloo carries a pass on
     transport threads of its own, which then get a core only by preempting a rank's compute, for each of the pass's
     handshakes and socket-buffer-sized writes and reads. The pass is waited on at once instead, which leaves the core
-    to those threads. (Under the overlap, the 2-rank CPU steps of benchmarks/bench_cost_model.py waited 3 to 4x the
-    time the calibrated p2p link gives the pass.) On CUDA the transfer runs on the device's copy engines and NCCL's
+    to those threads. (Under the overlap, the ring2 steps of benchmarks/bench_cost_model.py on 2026-12-06 waited
+    about 3x what the calibrated links give the pass and the length agreement.) On CUDA the transfer runs on the device's copy engines and NCCL's
     kernels, beside the attention kernels.
     """
     return device.type != "cpu"
@@ -132,7 +132,10 @@ def ring_attention(
     parts = [k, v]
     if key_mask is not None and sequence_mask is None:
         parts.append(_pad_keys(key_mask, longest).expand(batch, -1, -1, longest))
-    current, specs = _pack_block(parts)
+    if len(parts) == 2:  # keys and values alike: stacked, one op (a mask, of its own dtype, needs the byte buffer)
+        current, specs = torch.stack(parts), None
+    else:
+        current, specs = _pack_block(parts)
     incoming = torch.empty_like(current) if size > 1 else None
     overlap = overlaps_compute(q.device)
     out = lse = None
@@ -142,7 +145,7 @@ def ring_attention(
             _, works = ring_pass_start([current], group, stats, into=[incoming])
             if not overlap:
                 ring_pass_wait(works)
-        block = _unpack_block(current, specs)
+        block = current.unbind(0) if specs is None else _unpack_block(current, specs)
         source = (rank - step) % size
         if lengths[source] > 0:
             if sequence_mask is not None:

@@ -224,11 +224,11 @@ def calibrate_rank(rank: int, world_size: int, *, device: str, dtypes: tuple[str
             for numel, calls in ((small, burst), (large, 1)):
                 issue = _collective(op, numel, group, device)
 
-                def burst(issue=issue, calls=calls):
+                def issue_calls(issue=issue, calls=calls):
                     for _ in range(calls):
                         issue()
                 comm.barrier()
-                timed[numel] = _timed(burst, repeats, sync) / calls
+                timed[numel] = _timed(issue_calls, repeats, sync) / calls
             latency = timed[small]
             extra = timed[large] - timed[small]
             steps = {"all_reduce": 2 * (world_size - 1), "all_gather": world_size - 1}.get(op, 1)
