@@ -132,7 +132,8 @@ def ring_attention(
     parts = [k, v]
     if key_mask is not None and sequence_mask is None:
         parts.append(_pad_keys(key_mask, longest).expand(batch, -1, -1, longest))
-    if len(parts) == 2:  # keys and values alike: stacked, one op (a mask, of its own dtype, needs the byte buffer)
+    if len(parts) == 2 and k.shape == v.shape and k.dtype == v.dtype:  # stacked, one op (a mask, or values of
+        # another width than the keys, take the byte buffer)
         current, specs = torch.stack(parts), None
     else:
         current, specs = _pack_block(parts)
