@@ -213,6 +213,7 @@ def main() -> int:
     parser.add_argument("--meshes", default=",".join(MESHES))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "raw" / "cost_model.json"))
     parser.add_argument("--no-wait", action="store_true", help="do not wait for the machine to go quiet")
+    parser.add_argument("--note", default="", help="added to every figure's note (e.g. what else ran beside it)")
     args = parser.parse_args()
     quick = not args.large
     if not args.no_wait:
@@ -220,9 +221,11 @@ def main() -> int:
     load_before = os.getloadavg()[0]
     started = time.monotonic()
     profile = calibrate(2, dtypes=("float32",), repeats=5, **{k: PROBE[k] for k in ("gemm_size", "attention_tokens")})
+    links = ", ".join(f"{op} {link.latency_s * 1e3:.2f} ms + {link.bandwidth / 1e9:.2f} GB/s"
+                      for op, link in profile.link_by_world.get("2", {}).items())
     print(f"profile: {profile.source}; GEMM {profile.gemm_flops['float32'] / 1e9:.1f} GFLOP/s per rank, attention "
-          f"{profile.attention_flops['float32'] / 1e9:.1f} GFLOP/s, concurrent ranks {profile.concurrent_ranks}",
-          flush=True)
+          f"{profile.attention_flops['float32'] / 1e9:.1f} GFLOP/s, concurrent ranks {profile.concurrent_ranks}; "
+          f"{links}; {profile.sync_s * 1e3:.2f} ms per collective after compute", flush=True)
     rows = []
     order = [(family, class_name, config, size, grid, mesh) for family, (class_name, config) in configs(quick).items()
              for size, grid in grids(quick).items() for mesh in args.meshes.split(",")]
@@ -287,6 +290,7 @@ def main() -> int:
                  f"{os.cpu_count()} cores")
         load = (f"measured under load: up to {busy:.1f} busy cores, {loads}; on a quiet machine: "
                 "python benchmarks/bench_cost_model.py" if busy > 1.2 else f"quiet machine, {loads}")
+        load += f"; {args.note}" if args.note else ""
         memory = sum(abs(r["predicted_memory"] / r["memory"] - 1) <= 0.1 for r in measured)
         step = sum(abs(r["predicted_step_s"] / r["step_s"] - 1) <= 0.2 for r in measured)
         ratios = [r["predicted_memory"] / r["memory"] for r in measured]

@@ -193,3 +193,42 @@ def test_queries_and_keys_of_different_lengths(pools, mode, heads):
                                        heads=heads):
         assert result["diff"] < ATOL, result
         assert result["calls"].get(EXPECTED_COMM[mode], 0) > 0, result
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_ring_pass_is_one_message_into_the_buffer_the_last_pass_sent(monkeypatch, masked):
+    """Ring attention's loop in one process: a stand-in ring of 3 ranks whose neighbours hold this rank's block.
+    Each pass sends one tensor (keys, values and the key mask packed), received into the other of two buffers, and
+    on CPU is waited on before the attention (gloo's threads get the core); the merged result is attention over the
+    keys three times over, which (softmax over copies) is attention over them once."""
+    from paradiff.context_parallel import attention
+    from paradiff.context_parallel.kernels import BACKENDS, math_attention
+
+    events, buffers = [], []
+
+    def ring_pass_start(tensors, group, stats=None, into=None):
+        assert len(tensors) == 1 and into is not None and len(into) == 1
+        buffers.append((tensors[0].data_ptr(), into[0].data_ptr()))
+        into[0].copy_(tensors[0])
+        events.append("pass")
+        return into, ["work"]
+
+    monkeypatch.setattr(attention.dist, "get_world_size", lambda group: 3)
+    monkeypatch.setattr(attention.dist, "get_rank", lambda group: 0)
+    monkeypatch.setattr(attention, "all_gather_int", lambda value, group, device: [value] * 3)
+    monkeypatch.setattr(attention, "ring_pass_start", ring_pass_start)
+    monkeypatch.setattr(attention, "ring_pass_wait", lambda works: events.append("wait"))
+    kernel = BACKENDS["native"]
+    monkeypatch.setattr(attention, "merge_lse", lambda *args, merge=attention.merge_lse: events.append("attend")
+                        or merge(*args))
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 6, 8, generator=generator).transpose(1, 2).contiguous().transpose(1, 2)
+               for _ in range(3))
+    mask = torch.tensor([True, True, False, True, True, True]).view(1, 1, 1, 6) if masked else None
+    out = attention.ring_attention(q, k, v, mask, 0.35, kernel, group=None)
+    expected, _ = math_attention(q, k, v, mask, 0.35)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert events == ["pass", "wait", "attend"] * 2 + ["attend"]
+    (sent, received), (sent_next, received_next) = buffers
+    assert (sent_next, received_next) == (received, sent)  # the buffer just sent receives the next block
+    assert attention.overlaps_compute(torch.device("cuda", 0)) and not attention.overlaps_compute(q.device)

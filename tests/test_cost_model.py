@@ -12,6 +12,7 @@ import torch
 from paradiff.plan_tools import cost
 from paradiff.plan_tools.cost import BlockShape, CostModelError, Mesh, Traffic, block_cost, model_shape
 from paradiff.plan_tools.hardware import BUILT_IN, HardwareProfile, load_profile
+from paradiff.plan_tools.hardware import Link as cost_link
 from paradiff.plan_tools.planner import meshes, plan
 
 # One FLUX.1 double-stream block: 2 heads x head dim 4 (d = 8), FFN 4 d = 32; 16 latent and 4 text tokens.
@@ -64,19 +65,59 @@ def test_one_flux_block_communication_per_mode_counted_by_hand():
     assert tp.wire_bytes() == 2 * 256 + 2 * 64  # ring all-reduce on 2 ranks: 2 (g-1)/g = 1 x the tensor
     assert tp.linear_flops == 30720 / 2 and tp.attention_flops == 12800 / 2
     ulysses = block_cost(FLUX_BLOCK, LATENT, TEXT, b, Mesh(ulysses=2))
-    # the two ranks' sequence lengths agreed (one int64 each, gathered), then q, k, v and the output of this rank's
-    # 10 tokens x 8 features, each half sent away
+    # the two ranks' sequence lengths agreed (one int64 each, gathered), then q, k and v of this rank's 10 tokens x 8
+    # features in one all-to-all (packed), the output in another, each half sent away
     lengths = Traffic("all_gather", 2, 1, 2 * 8)
-    assert ulysses.traffic == [lengths, Traffic("all_to_all", 2, 4, 10 * 8 * 2)]
+    assert ulysses.traffic == [lengths, Traffic("all_to_all", 2, 1, 3 * 10 * 8 * 2),
+                               Traffic("all_to_all", 2, 1, 10 * 8 * 2)]
     assert ulysses.wire_bytes() == 8 + 4 * 80
     ring = block_cost(FLUX_BLOCK, LATENT, TEXT, b, Mesh(ring=2))
-    assert ring.traffic == [lengths, Traffic("p2p", 2, 1, 2 * 10 * 8 * 2, overlapped=True)]  # k and v passed once
+    # k and v packed in one message, passed once, right after the lengths' agreement
+    assert ring.traffic == [lengths, Traffic("p2p", 2, 1, 2 * 10 * 8 * 2, overlapped=True, follows_compute=False)]
     unified = block_cost(FLUX_BLOCK, LATENT, TEXT, b, Mesh(ring=2, ulysses=2))
     # 5 tokens x 8 features all-to-all'd; then k, v of 10 tokens x 4 features passed once
-    assert unified.traffic == [Traffic("all_gather", 4, 1, 4 * 8), Traffic("all_to_all", 2, 4, 5 * 8 * 2),
-                               Traffic("p2p", 2, 1, 2 * 10 * 4 * 2, True)]
+    assert unified.traffic == [Traffic("all_gather", 4, 1, 4 * 8), Traffic("all_to_all", 2, 1, 3 * 5 * 8 * 2),
+                               Traffic("all_to_all", 2, 1, 5 * 8 * 2), Traffic("p2p", 2, 1, 2 * 10 * 4 * 2, True,
+                                                                               follows_compute=False)]
     for mesh in (Mesh(cfg=2), Mesh(data=2)):
         assert block_cost(FLUX_BLOCK, LATENT, TEXT, b, mesh).traffic == []
+
+
+def test_qk_norms_over_all_heads_and_the_wait_after_compute_counted_by_hand():
+    from dataclasses import replace
+
+    from paradiff.plan_tools.planner import predict
+
+    # A Wan block: self attention, cross attention to the text, FFN (d = 8, FFN 32). Its QK norms span all heads,
+    # so under tp each sums a float32 per token over the ranks: self q and k and cross q on the 16 latent tokens,
+    # cross k on the 4 text tokens
+    wan = model_shape({"_class_name": "WanTransformer3DModel", "num_layers": 1, "num_attention_heads": 2,
+                       "attention_head_dim": 4, "in_channels": 16, "out_channels": 16, "text_dim": 8,
+                       "ffn_dim": FFN}, text_tokens=TEXT)
+    block = wan.blocks[0]
+    assert block.norm_reduces == (3, 1)
+    tp = block_cost(block, LATENT, TEXT, 2, Mesh(tp=2))
+    # the 3 rowwise outputs (self, cross, FFN: 16 tokens x 8 x 2 bytes), then the 4 statistics
+    assert tp.traffic == [Traffic("all_reduce", 2, 3, 16 * 8 * 2), Traffic("all_reduce", 2, 3, 16 * 4),
+                          Traffic("all_reduce", 2, 1, 4 * 4)]
+    assert tp.ops == block.ops + 3 + 4  # one op per all-reduce call
+    # with ulysses 2 beside it, the latent statistics are of this rank's 8 tokens; the text is whole on every rank
+    assert block_cost(block, LATENT, TEXT, 2, Mesh(tp=2, ulysses=2)).traffic[1:3] == [
+        Traffic("all_reduce", 2, 3, 8 * 4), Traffic("all_reduce", 2, 1, 4 * 4)]
+    # FLUX's per-head norms need none
+    assert FLUX_BLOCK.norm_reduces == (0, 0) and len(block_cost(FLUX_BLOCK, LATENT, TEXT, 2, Mesh(tp=2)).traffic) == 2
+    # A profile whose links are free but each call after compute waits 1 ms: a forward's exposed communication is
+    # 1 ms per such call, counted by hand per block (the FLUX.1 shape: one double, one single block)
+    free = replace(BUILT_IN["h100-sxm"], overlap=False, sync_s=1e-3,
+                   links={op: cost_link(0.0, float("inf")) for op in ("all_reduce", "all_to_all", "all_gather",
+                                                                        "p2p")})
+    flux = model_shape(_tiny_flux_config(), text_tokens=TEXT)
+    calls = {Mesh(tp=2): 4 + 1,  # the double block's 4 all-reduces, the single block's 1
+             Mesh(ulysses=2): 2 * (1 + 2),  # per attention: the lengths, q k v, the output
+             Mesh(ring=2): 2 * 1}  # per attention: the lengths; the pass follows them with nothing between
+    for mesh, count in calls.items():
+        assert predict(flux, LATENT, mesh, free).comm_s == pytest.approx(count * 1e-3), mesh.name
+    assert predict(wan, LATENT, Mesh(tp=2), free).comm_s == pytest.approx((3 + 4) * 1e-3)
 
 
 def _top_level_ops(run) -> int:
@@ -104,10 +145,10 @@ def test_ops_per_block_counted_by_hand_are_diffusers_eager_calls():
     assert (joint, shape.blocks[0].ops, shape.blocks[1].ops, shape.other_ops) == (114, 114, 68, 108)
     assert cost.forward_cost(shape, LATENT).ops == 114 + 68 + 108
     # every rank issues all of them; tp adds its all-reduce calls (4 in a double block, 1 in a single one) and the
-    # embedders' (17 ops), Ulysses 67 per self attention and 32 to split and gather the sequence
+    # embedders' (17 ops), Ulysses 65 per self attention and 32 to split and gather the sequence
     assert cost.forward_cost(shape, LATENT, mesh=Mesh(tp=2, ulysses=2)).ops == \
-        (114 + 4 + 67) + (68 + 1 + 67) + (108 + 17 + 32)
-    assert cost.forward_cost(shape, LATENT, mesh=Mesh(ring=4)).ops == (114 + 3 * 56) + (68 + 3 * 56) + (108 + 32)
+        (114 + 4 + 65) + (68 + 1 + 65) + (108 + 17 + 32)
+    assert cost.forward_cost(shape, LATENT, mesh=Mesh(ring=4)).ops == (114 + 3 * 44) + (68 + 3 * 44) + (108 + 32)
     generator = torch.Generator().manual_seed(0)
     x, text, temb = (torch.randn(*size, generator=generator) for size in ((1, LATENT, D), (1, TEXT, D), (1, D)))
     rope = (torch.randn(LATENT + TEXT, 4, generator=generator), torch.randn(LATENT + TEXT, 4, generator=generator))
@@ -302,7 +343,7 @@ def test_calibration_measures_every_collective_through_comm(pools):
         assert all(link["latency_s"] > 0 and math.isfinite(link["bandwidth"]) and link["bandwidth"] > 0
                    for link in result["links"].values())
         assert result["gemm"]["float32"] > 0 and result["attention"]["float32"] > 0
-        assert result["elementwise_bandwidth"] > 0 and result["op_overhead_s"] > 0
+        assert result["elementwise_bandwidth"] > 0 and result["op_overhead_s"] > 0 and result["sync_s"] >= 0
     profile = profile_from(results, world=2, device="cpu", dtypes=("float32",), notes="tiny")
     assert profile.link("all_reduce", 2).bandwidth == min(r["links"]["all_reduce"]["bandwidth"] for r in results)
     assert profile.op_overhead_s == max(r["op_overhead_s"] for r in results) and not profile.host_overlap

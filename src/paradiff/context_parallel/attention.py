@@ -59,14 +59,56 @@ def _starts(lengths: list[int]) -> list[int]:
     return [sum(lengths[:index]) for index in range(len(lengths))]
 
 
+def _layout(tensors: list[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
+    """Byte offsets of `tensors` packed back to back in one buffer, each aligned to 16 bytes (any dtype's view)."""
+    offsets, total = [], 0
+    for tensor in tensors:
+        offsets.append((total, tensor))
+        total += -(-tensor.numel() * tensor.element_size() // 16) * 16
+    return offsets
+
+
+def _pack_block(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple]]:
+    """One byte buffer holding a travelling block's tensors (keys, values and a key mask of any dtypes), each copied
+    once, so that a ring pass is one message; and the layout `_unpack_block` reads it back by."""
+    layout = _layout(tensors)
+    last_offset, last = layout[-1]
+    buffer = torch.empty(last_offset + last.numel() * last.element_size(), dtype=torch.uint8, device=last.device)
+    specs = [(offset, tensor.numel() * tensor.element_size(), tensor.dtype, tensor.shape) for offset, tensor in layout]
+    for view, (_, tensor) in zip(_unpack_block(buffer, specs), layout):
+        view.copy_(tensor)
+    return buffer, specs
+
+
+def _unpack_block(buffer: torch.Tensor, specs: list[tuple]) -> list[torch.Tensor]:
+    """The tensors of a packed block, as views into `buffer` (no copy)."""
+    return [buffer.narrow(0, offset, nbytes).view(dtype).view(shape) for offset, nbytes, dtype, shape in specs]
+
+
+def overlaps_compute(device: torch.device) -> bool:
+    """Whether a ring pass runs beside the attention on the block in hand (started before it, waited on after).
+
+    Not on CPU: there the ranks' compute fills the cores (a torch thread per core), and gloo carries a pass on
+    transport threads of its own, which then get a core only by preempting a rank's compute, for each of the pass's
+    handshakes and socket-buffer-sized writes and reads. The pass is waited on at once instead, which leaves the core
+    to those threads. (Under the overlap, the ring2 steps of benchmarks/bench_cost_model.py on 2026-12-06 waited
+    about 3x what the calibrated links give the pass and the length agreement.) On CUDA the transfer runs on the device's copy engines and NCCL's
+    kernels, beside the attention kernels.
+    """
+    return device.type != "cpu"
+
+
 def ring_attention(
     q, k, v, key_mask, scale, kernel: Kernel, group: dist.ProcessGroup, stats: CommStats | None = None,
     return_lse: bool = False, sequence_mask: torch.Tensor | None = None,
 ):
-    """K/V blocks travel around the ring; the next block's transfer overlaps the attention on the current one.
+    """K/V blocks travel around the ring, one message per pass (keys, values and a key mask packed in one buffer);
+    where the device lets a pass run beside the compute (`overlaps_compute`), the next block's transfer overlaps the
+    attention on the current one.
 
-    No rank holds more than two K/V blocks (current and incoming) at once, never the full sequence. A key mask
-    travels with its block; a sequence mask stays put and gives each block its own columns.
+    No rank holds more than two K/V blocks (current and incoming) at once, never the full sequence: two buffers,
+    allocated once, take turns (the one just sent receives the next block). A key mask travels with its block; a
+    sequence mask stays put and gives each block its own columns. Partial results merge by log-sum-exp in place.
     """
     size = dist.get_world_size(group)
     rank = dist.get_rank(group)
@@ -87,14 +129,24 @@ def ring_attention(
         pad = longest - k.shape[2]
         k = torch.cat([k, k.new_zeros(k.shape[:2] + (pad, k.shape[3]))], dim=2)
         v = torch.cat([v, v.new_zeros(v.shape[:2] + (pad, v.shape[3]))], dim=2)
-    block = [k.contiguous(), v.contiguous()]
+    parts = [k, v]
     if key_mask is not None and sequence_mask is None:
-        block.append(_pad_keys(key_mask, longest).expand(batch, -1, -1, longest).contiguous())
+        parts.append(_pad_keys(key_mask, longest).expand(batch, -1, -1, longest))
+    if len(parts) == 2 and k.shape == v.shape and k.dtype == v.dtype:  # stacked, one op (a mask, or values of
+        # another width than the keys, take the byte buffer)
+        current, specs = torch.stack(parts), None
+    else:
+        current, specs = _pack_block(parts)
+    incoming = torch.empty_like(current) if size > 1 else None
+    overlap = overlaps_compute(q.device)
     out = lse = None
     for step in range(size):
-        works = []
-        if step < size - 1:
-            incoming, works = ring_pass_start(block, group, stats)
+        passing = step < size - 1
+        if passing:
+            _, works = ring_pass_start([current], group, stats, into=[incoming])
+            if not overlap:
+                ring_pass_wait(works)
+        block = current.unbind(0) if specs is None else _unpack_block(current, specs)
         source = (rank - step) % size
         if lengths[source] > 0:
             if sequence_mask is not None:
@@ -103,9 +155,10 @@ def ring_attention(
                 mask = block[2] if len(block) > 2 else None
             block_out, block_lse = kernel(q, block[0], block[1], mask, scale)
             out, lse = merge_lse(out, lse, block_out, block_lse)
-        if works:
-            ring_pass_wait(works)
-            block = incoming
+        if passing:
+            if overlap:
+                ring_pass_wait(works)
+            current, incoming = incoming, current
     if out is None:
         out = q.new_zeros(q.shape[:-1] + (v.shape[-1],), dtype=torch.float32)
         lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)

@@ -32,12 +32,15 @@ def check_backend(name: str, mode: str) -> None:
 def merge_lse(
     out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor, block_lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine two partial attention results over disjoint key sets (fp32)."""
+    """Combine two partial attention results over disjoint key sets (fp32): `out` (fp32, not aliasing `block_out`)
+    is updated in place and returned, no output-sized tensor allocated; the first call takes `block_out` as it is.
+
+    A row whose keys are all masked in both has lse = -inf: it keeps a zero output (its weights are exp(-inf) = 0,
+    taken against 0 instead of the -inf total)."""
     if out is None:
         return block_out.float(), block_lse.float()
     new_lse = torch.logaddexp(lse, block_lse)
-    dead = torch.isneginf(new_lse)
-    safe = torch.where(dead, torch.zeros_like(new_lse), new_lse)
-    keep_old = torch.where(dead, torch.zeros_like(lse), torch.exp(lse - safe)).unsqueeze(-1)
-    keep_new = torch.where(dead, torch.zeros_like(block_lse), torch.exp(block_lse - safe)).unsqueeze(-1)
-    return out * keep_old + block_out.float() * keep_new, new_lse
+    total = new_lse.nan_to_num(neginf=0.0)  # -inf only where both are: their weights below are then exp(-inf) = 0
+    keep_old = torch.sub(lse, total).exp_().unsqueeze(-1)
+    keep_new = torch.sub(block_lse, total).exp_().unsqueeze(-1)
+    return out.mul_(keep_old).addcmul_(block_out, keep_new), new_lse

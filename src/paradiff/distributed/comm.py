@@ -171,17 +171,21 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def ring_pass_start(
-    tensors: list[torch.Tensor], group: dist.ProcessGroup, stats: CommStats | None = None
+    tensors: list[torch.Tensor], group: dist.ProcessGroup, stats: CommStats | None = None,
+    into: list[torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor], list[dist.Work]]:
-    """Send `tensors` to the next rank of the ring and start receiving the previous rank's, without waiting.
+    """Send `tensors` to the next rank of the ring and start receiving the previous rank's, without waiting: one
+    message per tensor (ring attention packs a block into one). The previous rank's arrive in `into` (tensors of the
+    same shapes, e.g. the buffers a pass before this one sent from) or in new ones.
 
-    The caller computes on the current block while this runs, then calls `ring_pass_wait`.
+    The caller computes on the current block while this runs, or waits first where nothing runs beside it; then
+    calls `ring_pass_wait`.
     """
     size = dist.get_world_size(group)
     rank = dist.get_rank(group)
     next_rank = dist.get_global_rank(group, (rank + 1) % size)
     prev_rank = dist.get_global_rank(group, (rank - 1) % size)
-    received = [torch.empty_like(t) for t in tensors]
+    received = [torch.empty_like(t) for t in tensors] if into is None else into
     ops = []
     for send, recv in zip(tensors, received):
         _record(stats, "ring_pass", send)

@@ -23,11 +23,14 @@ Block kinds, by family (the keys read from the config are in `model_shape`):
 
 Communication per forward, per rank (sizes in bytes; `wire` is what a ring algorithm puts on each rank's link):
 - tp (degree t): the rowwise outputs are summed: joint blocks 2 all-reduces per stream, single blocks 1 (the fused
-  output projection), cross blocks 3 (self, cross, FFN); all-reduce wire 2(t-1)/t · size;
-- ulysses (u): q, k, v, and the output, each all-to-all'd once per self attention; wire (u-1)/u · local size. Cross
-  attention needs none: each rank keeps every text key and its own queries;
-- ring (r): keys and values passed r-1 times around the ring per self attention, overlapped with the attention on
-  the block just received;
+  output projection), cross blocks 3 (self, cross, FFN); all-reduce wire 2(t-1)/t · size. A QK norm over all heads
+  (Wan's, LTX's: `norm_across_heads` in their plans) sums its per-token statistic over the tp ranks: one more
+  all-reduce of a float32 per token per such norm (`BlockShape.norm_reduces`);
+- ulysses (u): q, k and v packed in one all-to-all, the output in another, per self attention; wire (u-1)/u · local
+  size. Cross attention needs none: each rank keeps every text key and its own queries;
+- ring (r): keys and values, packed in one message, passed r-1 times around the ring per self attention, overlapped
+  with the attention on the block just received where the device can (`context_parallel.attention.overlaps_compute`:
+  not on CPU);
 - ulysses and ring: before each self attention the ranks all-gather their sequence lengths (a few bytes: latency);
 - cfg: the branch predictions exchanged once per step (the output latent), no per-block traffic;
 - data: nothing;
@@ -74,6 +77,8 @@ class BlockShape:
     # torch ops one eager forward of the block issues (its top-level aten calls: linears, norms, views, RoPE, SDPA),
     # whatever the token count; each costs the profile's op_overhead_s (`OPS_PER_BLOCK`)
     ops: int = 0
+    # QK norms over all heads (split by tp, their statistic all-reduced), as (on latent tokens, on text tokens)
+    norm_reduces: tuple[int, int] = (0, 0)
 
     @property
     def dim(self) -> int:
@@ -156,11 +161,12 @@ OPS_PER_BLOCK = {  # family -> (first block kind, second block kind, outside the
 }
 
 
-# The ops the parallel wrappers add, traced the same way on the FLUX.2 benchmark shape with 2 ranks: Ulysses 67 per
-# self attention (the layout changes around its exchanges, the length agreement), ring 56 per pass (the block's
-# send / receive and the LSE merge; measured at ring 2), each collective call of tp 1; outside the blocks the
-# sequence split and gather 32, tp's embedder all-reduces 17.
-ULYSSES_OPS, RING_OPS_PER_PASS, SEQUENCE_OPS_OUTSIDE, TP_OPS_OUTSIDE = 67, 56, 32, 17
+# The ops the parallel wrappers add, traced the same way on the FLUX.2 benchmark shape with 2 ranks: Ulysses 65 per
+# self attention (the layout changes around its exchanges, the length agreement), ring 44 per pass (the block's
+# packing, send / receive and the in-place LSE merge; measured at ring 2 on 2026-12-06 23:00 UTC: a forward 730 ops
+# against single's 522; 52 before the pass became one message), each collective call of tp 1; outside the blocks
+# the sequence split and gather 32, tp's embedder all-reduces 17.
+ULYSSES_OPS, RING_OPS_PER_PASS, SEQUENCE_OPS_OUTSIDE, TP_OPS_OUTSIDE = 65, 44, 32, 17
 
 
 def _with_ops(shape: "ModelShape") -> "ModelShape":
@@ -244,15 +250,17 @@ def _model_shape(config: dict[str, Any], text_tokens: int | None = None) -> Mode
     if cls == "WanTransformer3DModel":
         # peak at the FFN: the stream's float copy, the cross-attention output, the new stream and its normed input;
         # the FFN's hidden and its GELU
+        # its QK norms span all heads: self q, k and cross q on the latent, cross k on the text
         cross = BlockShape("cross", _get(config, "num_layers"), heads, head_dim, _get(config, "ffn_dim"),
-                           modulation=6 * d, context_dim=d, peak=(4, 0, 2), modulation_split=False)
+                           modulation=6 * d, context_dim=d, peak=(4, 0, 2), modulation_split=False,
+                           norm_reduces=(3, 1))
         patch = _patch(_get(config, "patch_size", default=(1, 2, 2)))
         text_dim = _get(config, "text_dim", default=4096)
         volume = patch[0] * patch[1] * patch[2]
         replicated = in_channels * d * volume + d * _get(config, "out_channels", default=16) * volume
         other = replicated + text_dim * d + d * d + _get(config, "freq_dim", default=256) * d + d * d + 6 * d * d
         if config.get("image_dim"):  # I2V: image tokens get their own cross keys and values (counted as text)
-            cross = replace(cross, modulation=cross.modulation + 2 * d * d)
+            cross = replace(cross, modulation=cross.modulation + 2 * d * d, norm_reduces=(3, 2))
         spatial = 16 if in_channels == 48 else 8  # Wan 2.2 TI2V-5B's VAE compresses 16x
         return ModelShape("Wan", (cross,), other, in_channels, patch, (4, spatial), text_tokens or 512, video=True,
                           replicated_params=replicated, rope_width=2 * head_dim)
@@ -272,7 +280,7 @@ def _model_shape(config: dict[str, Any], text_tokens: int | None = None) -> Mode
     if cls == "LTXVideoTransformer3DModel":
         cross = BlockShape("cross", _get(config, "num_layers"), heads, head_dim, 4 * d, modulation=6 * d,
                            context_dim=_get(config, "cross_attention_dim", default=d), peak=(4, 0, 2),
-                           modulation_split=False)
+                           modulation_split=False, norm_reduces=(3, 1))
         p = _get(config, "patch_size", default=1)
         patch = (_get(config, "patch_size_t", default=1), p, p)
         replicated = 2 * in_channels * d
@@ -337,6 +345,9 @@ class Traffic:
     calls: int
     size: float
     overlapped: bool = False  # hidden behind compute where the compute is longer (ring passes, FSDP prefetch)
+    # issued right after compute, so each call first waits for the slowest rank and for its transport to wake (the
+    # profile's sync_s); not a ring pass, which follows the ranks' length agreement with nothing between
+    follows_compute: bool = True
 
     @property
     def wire(self) -> float:
@@ -415,21 +426,29 @@ def block_cost(block: BlockShape, latent: int, text: int, dtype_bytes: int = 2, 
     self_tokens = latent + text if block.kind != "cross" else latent
     local = self_tokens / seq
     if t > 1:
-        cost.ops += {"joint": 4, "single": 1, "cross": 3}[block.kind]  # its all-reduce calls
+        latent_norms, text_norms = block.norm_reduces
+        cost.ops += {"joint": 4, "single": 1, "cross": 3}[block.kind] + latent_norms + text_norms  # all-reduce calls
         if block.kind == "joint":
             cost.traffic += [Traffic("all_reduce", t, 2, latent / seq * d * b),
                              Traffic("all_reduce", t, 2, text / seq * d * b)]
         else:
             calls = 1 if block.kind == "single" else 3
             cost.traffic.append(Traffic("all_reduce", t, calls, local * d * b))
+        # a norm's statistic: one float32 per token (the text, which a cross block's keys come from, is whole)
+        if latent_norms:
+            cost.traffic.append(Traffic("all_reduce", t, latent_norms, latent / seq * 4))
+        if text_norms:
+            cost.traffic.append(Traffic("all_reduce", t, text_norms, text * 4))
     heads_width = d / t
     if seq > 1:  # both attentions first agree on the ranks' sequence lengths: one small all-gather per call
         cost.traffic.append(Traffic("all_gather", seq, 1, 8 * seq))
     if mesh.ulysses > 1:
-        cost.traffic.append(Traffic("all_to_all", mesh.ulysses, 4, local * heads_width * b))
+        piece = local * heads_width * b  # one of q, k, v or the output: this rank's tokens, its tp share of heads
+        cost.traffic += [Traffic("all_to_all", mesh.ulysses, 1, 3 * piece),
+                         Traffic("all_to_all", mesh.ulysses, 1, piece)]
     if mesh.ring > 1:  # after Ulysses' exchange a rank holds self_tokens / ring tokens of d / (t u) features
         kv = 2 * (self_tokens / mesh.ring) * (heads_width / mesh.ulysses) * b
-        cost.traffic.append(Traffic("p2p", mesh.ring, mesh.ring - 1, kv, overlapped=True))
+        cost.traffic.append(Traffic("p2p", mesh.ring, mesh.ring - 1, kv, overlapped=True, follows_compute=False))
     return cost
 
 

@@ -53,6 +53,10 @@ class HardwareProfile:
     # bytes per second of the elementwise mix (norms, modulation, gates, activations) as `cost.ELEMENTWISE_PASSES`
     # counts its bytes; 0: the memory bandwidth
     elementwise_bandwidth: float = 0.0
+    # seconds a collective issued right after compute takes beyond its latency back to back: waiting for the slowest
+    # rank of the group and for transport threads to wake (calibrated: `calibrate.measure_sync`); per such call
+    # (`cost.Traffic.follows_compute`). 0 in the built-in profiles: not in a datasheet
+    sync_s: float = 0.0
 
     def link(self, op: str, group: int) -> Link:
         measured = self.link_by_world.get(str(group), {}).get(op)
@@ -67,7 +71,8 @@ class HardwareProfile:
     def comm_seconds(self, item: Traffic) -> float:
         link = self.link(item.op, item.group)
         steps = {"all_reduce": 2 * (item.group - 1), "all_gather": item.group - 1, "all_to_all": 1, "p2p": 1}[item.op]
-        return item.calls * (link.latency_s * steps + item.wire / link.bandwidth)
+        sync = self.sync_s if item.follows_compute else 0.0
+        return item.calls * (sync + link.latency_s * steps + item.wire / link.bandwidth)
 
     def rate(self, table: dict[str, float], dtype: str) -> float:
         if dtype not in table:
