@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,13 +14,20 @@ from hypothesis import settings
 from paradiff.testing.dist import RankPool
 from paradiff.testing.models import FAMILIES, build_model, save_model
 from paradiff_testkit import PRELOAD
-from paradiff_testkit.pipelines import PIPELINE_FAMILIES, save_pipeline
+from paradiff_testkit.pipelines import CACHE_ENV, PIPELINE_FAMILIES, save_pipeline
 
 # The test kit (testkit/paradiff_testkit, on this process's path by pyproject's `pythonpath`) for every process the
 # suite starts: rank pools and forked commands inherit sys.path, fresh interpreters (servers, torchrun) read PYTHONPATH.
 TESTKIT = str(Path(__file__).resolve().parents[1] / "testkit")
 if TESTKIT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTKIT, os.environ.get("PYTHONPATH")]))
+
+
+# The test kit's learnt tokenizer vocabularies (paradiff_testkit.pipelines: _learn_bpe) are kept in one folder per
+# session, which xdist workers, rank processes and forked commands inherit: each is learnt once, not once per process.
+if CACHE_ENV not in os.environ:
+    os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="paradiff-testkit-")
+    atexit.register(shutil.rmtree, os.environ[CACHE_ENV], ignore_errors=True)
 
 
 # Hypothesis draws the same examples on every run ("ci", the default), so a run on right code cannot fail on a case

@@ -991,7 +991,40 @@ def _words(backend, corpus) -> dict[str, int]:
     return counts
 
 
+# Learnt vocabularies, by what they were learnt from: a pipeline folder built again in the same process (the suite's
+# fixtures build many families, several on one tokenizer) reuses them. With PARADIFF_TESTKIT_CACHE naming a folder
+# (tests/conftest.py: one per test session, inherited by rank processes and forked commands) they are also kept there
+# as JSON, so a vocabulary is learnt once per session rather than once per process: 0.2-5 s of CPU each.
+_LEARNT: dict[str, tuple[dict[str, int], list[tuple[str, str]]]] = {}
+CACHE_ENV = "PARADIFF_TESTKIT_CACHE"
+
+
 def _learn_bpe(
+    backend, specials: list[str], corpus, alphabet: list[str], end_of_word_suffix: str = ""
+) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """_learn_bpe_now's result, from this process's memory or the session's cache folder when learnt before."""
+    import hashlib
+
+    key = hashlib.sha256(json.dumps([backend.to_str(), list(specials), list(corpus), list(alphabet),
+                                     end_of_word_suffix]).encode()).hexdigest()
+    if key not in _LEARNT:
+        folder = os.environ.get(CACHE_ENV)
+        path = Path(folder) / f"bpe-{key}.json" if folder else None
+        if path is not None and path.exists():
+            stored = json.loads(path.read_text())
+            _LEARNT[key] = stored["vocab"], [tuple(pair) for pair in stored["merges"]]
+        else:
+            _LEARNT[key] = _learn_bpe_now(backend, specials, corpus, alphabet, end_of_word_suffix)
+            if path is not None:  # written whole, then renamed: a reader never sees half a file
+                path.parent.mkdir(parents=True, exist_ok=True)
+                partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+                partial.write_text(json.dumps({"vocab": _LEARNT[key][0], "merges": _LEARNT[key][1]}))
+                os.replace(partial, path)
+    vocab, merges = _LEARNT[key]
+    return dict(vocab), list(merges)
+
+
+def _learn_bpe_now(
     backend, specials: list[str], corpus, alphabet: list[str], end_of_word_suffix: str = ""
 ) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """Byte-pair merges until every corpus word is one token; the most frequent pair first, ties by pair order."""
