@@ -14,7 +14,7 @@ from hypothesis import settings
 from paradiff.testing.dist import RankPool
 from paradiff.testing.models import FAMILIES, build_model, save_model
 from paradiff_testkit import PRELOAD
-from paradiff_testkit.pipelines import CACHE_ENV, PIPELINE_FAMILIES, save_pipeline
+from paradiff_testkit.pipelines import CACHE_ENV, PIPELINE_FAMILIES, References, save_pipeline
 
 # The test kit (testkit/paradiff_testkit, on this process's path by pyproject's `pythonpath`) for every process the
 # suite starts: rank pools and forked commands inherit sys.path, fresh interpreters (servers, torchrun) read PYTHONPATH.
@@ -100,3 +100,10 @@ def tiny_pipeline_folders(tmp_path_factory) -> dict[str, Path]:
     """family -> folder of its tiny local pipeline (tests/test_*pipelines.py, test_text_encoders.py), saved once."""
     root = tmp_path_factory.mktemp("tiny-pipelines")
     return {family: save_pipeline(family, root / family) for family in PIPELINE_FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def references() -> References:
+    """Diffusers' own single-process outputs of the tiny pipelines, made once per call in this process for the rank
+    cases that compare a parallel pipeline against them (paradiff_testkit.pipelines.References)."""
+    return References()

@@ -1294,3 +1294,50 @@ def save_controlnet_pipeline(folder: str | Path, family: str = "flux", seed: int
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return folder
+
+
+# --- single-process references ----------------------------------------------------------------------------------
+
+
+class References:
+    """What diffusers' own pipeline (no paradiff) makes from a tiny pipeline folder, made once per call in the test
+    process and handed to the rank cases that compare against it: every rank of every case used to load and run the
+    same reference itself (4 ranks x 12 composed modes for a handful of distinct calls). One torch thread, as a rank
+    computes. A session fixture holds one (tests/conftest.py: `references`)."""
+
+    def __init__(self) -> None:
+        self._pipelines: dict[tuple, Any] = {}
+        self._outputs: dict[str, Any] = {}
+
+    def pipeline(self, folder: str | Path, pipeline_class: str | None = None):
+        key = (str(folder), pipeline_class)
+        if key not in self._pipelines:
+            import diffusers
+
+            cls = getattr(diffusers, pipeline_class) if pipeline_class else diffusers.DiffusionPipeline
+            pipeline = cls.from_pretrained(str(folder))
+            pipeline.set_progress_bar_config(disable=True)
+            self._pipelines[key] = pipeline
+        return self._pipelines[key]
+
+    def pixels(self, folder: str | Path, seed: int, pipeline_class: str | None = None, **call: Any):
+        """Images (or video frames) as one numpy array: `pipeline(**call, generator=manual_seed(seed))`."""
+        import numpy as np
+
+        key = json.dumps([str(folder), seed, pipeline_class, call], sort_keys=True, default=repr)
+        if key not in self._outputs:
+            pipeline = self.pipeline(folder, pipeline_class)
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                output = pipeline(**call, generator=torch.Generator().manual_seed(seed))
+            finally:
+                torch.set_num_threads(threads)
+            self._outputs[key] = np.asarray(output.frames if hasattr(output, "frames") else output.images)
+        return self._outputs[key]
+
+    def parameters(self, folder: str | Path, prefix: str = "transformer") -> dict[str, int]:
+        """Parameter count of each whole component whose name starts with `prefix`."""
+        pipeline = self.pipeline(folder)
+        return {name: sum(p.numel() for p in module.parameters()) for name, module in pipeline.components.items()
+                if name.startswith(prefix) and module is not None}
