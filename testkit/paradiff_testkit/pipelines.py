@@ -1322,18 +1322,34 @@ class References:
 
     def pixels(self, folder: str | Path, seed: int, pipeline_class: str | None = None, **call: Any):
         """Images (or video frames) as one numpy array: `pipeline(**call, generator=manual_seed(seed))`."""
+        return self.run(folder, seed, pipeline_class, **call)["pixels"]
+
+    def run(self, folder: str | Path, seed: int, pipeline_class: str | None = None, **call: Any) -> dict:
+        """`pixels` (as above) and `block_inputs`: the hidden states the transformer's first block was called
+        with, one tensor per call (the block list is `transformer_blocks`, `joint_transformer_blocks` or `layers`;
+        none recorded for a transformer without one of those)."""
         import numpy as np
 
         key = json.dumps([str(folder), seed, pipeline_class, call], sort_keys=True, default=repr)
         if key not in self._outputs:
             pipeline = self.pipeline(folder, pipeline_class)
+            blocks = next((getattr(pipeline.transformer, name) for name in (
+                "transformer_blocks", "joint_transformer_blocks", "layers") if hasattr(pipeline.transformer, name)),
+                None)
+            seen: list[torch.Tensor] = []
+            hook = None if blocks is None else blocks[0].register_forward_pre_hook(
+                lambda _module, args, kw: seen.append((args[0] if args else kw["hidden_states"]).detach().clone()),
+                with_kwargs=True)
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
                 output = pipeline(**call, generator=torch.Generator().manual_seed(seed))
             finally:
                 torch.set_num_threads(threads)
-            self._outputs[key] = np.asarray(output.frames if hasattr(output, "frames") else output.images)
+                if hook is not None:
+                    hook.remove()
+            self._outputs[key] = {"pixels": np.asarray(output.frames if hasattr(output, "frames") else output.images),
+                                  "block_inputs": seen}
         return self._outputs[key]
 
     def parameters(self, folder: str | Path, prefix: str = "transformer") -> dict[str, int]:
