@@ -6,6 +6,7 @@ import atexit
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -95,11 +96,31 @@ def checkpoints(tmp_path_factory) -> dict[tuple[str, str], Path]:
     return folders
 
 
+class TinyPipelineFolders(Mapping):
+    """family -> folder of its tiny local pipeline, saved when first asked for, in the session's folder
+    (PARADIFF_TESTKIT_CACHE): each family is built once per session, by whichever xdist worker needs it first (a
+    worker that finds it saved reuses it; two saving at once is safe: save_pipeline renames a whole folder into
+    place), and a worker whose files use three families builds three, not all of them."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def __getitem__(self, family: str) -> Path:
+        if family not in PIPELINE_FAMILIES:
+            raise KeyError(family)
+        return save_pipeline(family, self.root / family)
+
+    def __iter__(self):
+        return iter(PIPELINE_FAMILIES)
+
+    def __len__(self) -> int:
+        return len(PIPELINE_FAMILIES)
+
+
 @pytest.fixture(scope="session")
-def tiny_pipeline_folders(tmp_path_factory) -> dict[str, Path]:
+def tiny_pipeline_folders() -> TinyPipelineFolders:
     """family -> folder of its tiny local pipeline (tests/test_*pipelines.py, test_text_encoders.py), saved once."""
-    root = tmp_path_factory.mktemp("tiny-pipelines")
-    return {family: save_pipeline(family, root / family) for family in PIPELINE_FAMILIES}
+    return TinyPipelineFolders(Path(os.environ[CACHE_ENV]) / "tiny-pipelines")
 
 
 @pytest.fixture(scope="session")
