@@ -183,7 +183,8 @@ def test_a_learnt_vocabulary_is_kept_for_the_session(tmp_path, monkeypatch):
 
 def test_tiny_pipeline_folders_are_built_when_asked_for(tiny_pipeline_folders):
     """The session fixture is a mapping of every family that builds none until one is asked for."""
-    assert list(tiny_pipeline_folders) == list(PIPELINE_FAMILIES) and len(tiny_pipeline_folders) == len(PIPELINE_FAMILIES)
+    assert list(tiny_pipeline_folders) == list(PIPELINE_FAMILIES)
+    assert len(tiny_pipeline_folders) == len(PIPELINE_FAMILIES)
     with pytest.raises(KeyError):
         tiny_pipeline_folders["no-such-family"]
     folder = tiny_pipeline_folders["flux2"]
