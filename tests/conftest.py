@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import io
 import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -11,13 +18,20 @@ from hypothesis import settings
 from paradiff.testing.dist import RankPool
 from paradiff.testing.models import FAMILIES, build_model, save_model
 from paradiff_testkit import PRELOAD
-from paradiff_testkit.pipelines import PIPELINE_FAMILIES, save_pipeline
+from paradiff_testkit.pipelines import CACHE_ENV, PIPELINE_FAMILIES, References, save_pipeline
 
 # The test kit (testkit/paradiff_testkit, on this process's path by pyproject's `pythonpath`) for every process the
 # suite starts: rank pools and forked commands inherit sys.path, fresh interpreters (servers, torchrun) read PYTHONPATH.
 TESTKIT = str(Path(__file__).resolve().parents[1] / "testkit")
 if TESTKIT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTKIT, os.environ.get("PYTHONPATH")]))
+
+
+# The test kit's learnt tokenizer vocabularies (paradiff_testkit.pipelines: _learn_bpe) are kept in one folder per
+# session, which xdist workers, rank processes and forked commands inherit: each is learnt once, not once per process.
+if CACHE_ENV not in os.environ:
+    os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="paradiff-testkit-")
+    atexit.register(shutil.rmtree, os.environ[CACHE_ENV], ignore_errors=True)
 
 
 # Hypothesis draws the same examples on every run ("ci", the default), so a run on right code cannot fail on a case
@@ -85,8 +99,43 @@ def checkpoints(tmp_path_factory) -> dict[tuple[str, str], Path]:
     return folders
 
 
+class TinyPipelineFolders(Mapping):
+    """family -> folder of its tiny local pipeline, saved when first asked for, in the session's folder
+    (PARADIFF_TESTKIT_CACHE): each family is built once per session, by whichever xdist worker needs it first (a
+    worker that finds it saved reuses it; two saving at once is safe: save_pipeline renames a whole folder into
+    place), and a worker whose files use three families builds three, not all of them."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def __getitem__(self, family: str) -> Path:
+        if family not in PIPELINE_FAMILIES:
+            raise KeyError(family)
+        # built inside a test now, not in a fixture's setup: its saving progress bars and warnings must not reach
+        # the output a test captures and checks (capsys); shown only if the build fails
+        console = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(console), contextlib.redirect_stderr(console):
+                return save_pipeline(family, self.root / family)
+        except BaseException:
+            sys.__stderr__.write(console.getvalue())
+            raise
+
+    def __iter__(self):
+        return iter(PIPELINE_FAMILIES)
+
+    def __len__(self) -> int:
+        return len(PIPELINE_FAMILIES)
+
+
 @pytest.fixture(scope="session")
-def tiny_pipeline_folders(tmp_path_factory) -> dict[str, Path]:
+def tiny_pipeline_folders() -> TinyPipelineFolders:
     """family -> folder of its tiny local pipeline (tests/test_*pipelines.py, test_text_encoders.py), saved once."""
-    root = tmp_path_factory.mktemp("tiny-pipelines")
-    return {family: save_pipeline(family, root / family) for family in PIPELINE_FAMILIES}
+    return TinyPipelineFolders(Path(os.environ[CACHE_ENV]) / "tiny-pipelines")
+
+
+@pytest.fixture(scope="session")
+def references() -> References:
+    """Diffusers' own single-process outputs of the tiny pipelines, made once per call in this process for the rank
+    cases that compare a parallel pipeline against them (paradiff_testkit.pipelines.References)."""
+    return References()

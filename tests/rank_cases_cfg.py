@@ -36,32 +36,27 @@ def cfg_pairs(family: str = "flux2", steps: int = 3, meta: bool = True, compiled
     return {"rank": dist.get_rank(), "computed": splitter.computed, "diff": max(diffs)}
 
 
-def pipeline_cfg(family: str, folder: str, degrees: dict, steps: int = 3, pipeline_class: str | None = None,
-                 call: dict | None = None) -> dict:
-    """A whole pipeline at cfg2 (x tp2 on 4 ranks) against diffusers' single-process call, same seed; with what the
-    first transformer block of this rank computed on (its batch, and its input against the reference's)."""
-    from diffusers import DiffusionPipeline
-
+def pipeline_cfg(family: str, folder: str, degrees: dict, expected: dict, steps: int = 3,
+                 pipeline_class: str | None = None, call: dict | None = None) -> dict:
+    """A whole pipeline at cfg2 (x tp2 on 4 ranks) against diffusers' single-process call, same seed (`expected`:
+    paradiff_testkit.pipelines.References.run's pixels and first-block inputs, made once in the test process); with
+    what the first transformer block of this rank computed on (its batch, and its input against the reference's)."""
     from paradiff_testkit.pipelines import default_call_kwargs
 
     torch.set_num_threads(1)
     import diffusers
 
     kwargs = dict(default_call_kwargs(family), num_inference_steps=steps, **(call or {}))
-    cls = getattr(diffusers, pipeline_class) if pipeline_class else DiffusionPipeline
-    reference = cls.from_pretrained(folder)
-    reference.set_progress_bar_config(disable=True)
     pipeline = paradiff.load_pipeline(folder, parallel_config=paradiff.ParallelConfig.from_degrees(**degrees),
                                       pipeline_cls=getattr(diffusers, pipeline_class) if pipeline_class else None)
     pipeline.set_progress_bar_config(disable=True)
-    seen: dict[str, list[torch.Tensor]] = {"reference": [], "parallel": []}
-    for name, pipe in (("reference", reference), ("parallel", pipeline)):
-        blocks = next(getattr(pipe.transformer, name) for name in ("transformer_blocks", "joint_transformer_blocks",
-                                                                    "layers") if hasattr(pipe.transformer, name))
-        blocks[0].register_forward_pre_hook(
-            lambda _module, args, kw, name=name: seen[name].append(
-                (args[0] if args else kw["hidden_states"]).detach().clone()), with_kwargs=True)
-    expected = _pixels(reference(**kwargs, generator=torch.Generator().manual_seed(0)))
+    seen: dict[str, list[torch.Tensor]] = {"reference": list(expected["block_inputs"]), "parallel": []}
+    blocks = next(getattr(pipeline.transformer, name) for name in ("transformer_blocks", "joint_transformer_blocks",
+                                                                   "layers") if hasattr(pipeline.transformer, name))
+    blocks[0].register_forward_pre_hook(
+        lambda _module, args, kw: seen["parallel"].append(
+            (args[0] if args else kw["hidden_states"]).detach().clone()), with_kwargs=True)
+    reference = expected["pixels"]
     actual = _pixels(pipeline(**kwargs, seed=0))
     cfg_rank = pipeline._paradiff_pipeline.cfgs[0].cfg_rank
     block_diffs = []
@@ -72,7 +67,7 @@ def pipeline_cfg(family: str, folder: str, degrees: dict, steps: int = 3, pipeli
             block_diffs.append(float((mine - half).abs().max() / half.abs().max().clamp_min(1.0)))
     splitter = pipeline._paradiff_pipeline.cfgs[0]
     return {"rank": dist.get_rank(), "cfg_rank": cfg_rank, "style": type(splitter).__name__,
-            "diff": float(np.abs(actual - expected).max()), "scale": float(np.abs(expected).max()),
+            "diff": float(np.abs(actual - reference).max()), "scale": float(np.abs(reference).max()),
             "reference_batches": [t.shape[0] for t in seen["reference"]],
             "batches": [t.shape[0] for t in seen["parallel"]], "computed": splitter.computed,
             "block_diff": max(block_diffs, default=None)}

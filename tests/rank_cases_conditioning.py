@@ -67,20 +67,32 @@ def _config(ring: int = 1, ulysses: int = 1, tp: int = 1) -> paradiff.ParallelCo
                                  if ring * ulysses > 1 else None))
 
 
-def conditioned_equivalence(case: str, folder: str, modes: dict[str, dict]) -> dict:
-    """The conditioned call on the mesh, for each mode, against diffusers' single-process call (same seed); also
-    the sequence length the transformer saw and the length of each rank's share."""
+def conditioned_reference(case: str, folder: str) -> dict:
+    """Diffusers' single-process call of the case (same seed as the ranks'): its output, its class, and the first
+    block's input at every step. Made once in the test process and handed to conditioned_equivalence."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a rank computes
+    try:
+        reference = getattr(diffusers, CASES[case]["pipeline"]).from_pretrained(folder)
+        reference.set_progress_bar_config(disable=True)
+        seen: list[torch.Tensor] = []  # the first block's input at every step
+        _first_block(reference.transformer).register_forward_pre_hook(
+            lambda _module, args, kw: seen.append(kw.get("hidden_states", args[0] if args else None).detach().clone()),
+            with_kwargs=True)
+        expected = _array(reference(**case_kwargs(case), generator=torch.Generator().manual_seed(0)))
+    finally:
+        torch.set_num_threads(threads)
+    return {"expected": expected, "seen": seen, "type": type(reference).__name__}
+
+
+def conditioned_equivalence(case: str, folder: str, modes: dict[str, dict], reference: dict) -> dict:
+    """The conditioned call on the mesh, for each mode, against diffusers' single-process call (`reference`:
+    conditioned_reference's); also the sequence length the transformer saw and the length of each rank's share."""
     torch.set_num_threads(1)
     spec = CASES[case]
     pipeline_cls = getattr(diffusers, spec["pipeline"])
     kwargs = case_kwargs(case)
-    reference = pipeline_cls.from_pretrained(folder)
-    reference.set_progress_bar_config(disable=True)
-    seen: list[torch.Tensor] = []  # the first block's input at every step
-    _first_block(reference.transformer).register_forward_pre_hook(
-        lambda _module, args, kw: seen.append(kw.get("hidden_states", args[0] if args else None).detach().clone()),
-        with_kwargs=True)
-    expected = _array(reference(**kwargs, generator=torch.Generator().manual_seed(0)))
+    seen, expected = reference["seen"], reference["expected"]
     results = {}
     for mode, degrees in modes.items():
         pipeline = paradiff.load_pipeline(folder, pipeline_cls=pipeline_cls, parallel_config=_config(**degrees))
@@ -100,7 +112,7 @@ def conditioned_equivalence(case: str, folder: str, modes: dict[str, dict]) -> d
         results[mode] = {"max_abs_diff": float(np.abs(actual - expected).max()), "scale": scale,
                          "local_tokens": sorted({tensor.shape[1] for tensor in local}), "share_diff": held}
         del pipeline
-    return {"rank": dist.get_rank(), "type": type(reference).__name__, "tokens": sorted({t.shape[1] for t in seen}),
+    return {"rank": dist.get_rank(), "type": reference["type"], "tokens": sorted({t.shape[1] for t in seen}),
             "shape": list(expected.shape), "modes": results}
 
 
@@ -144,32 +156,51 @@ def _recorder(module: torch.nn.Module, into: list, argument: str = "hidden_state
         with_kwargs=True)
 
 
-def controlnet_equivalence(family: str, folder: str, modes: dict[str, dict]) -> dict:
+def controlnet_reference(family: str, folder: str) -> dict:
+    """Diffusers' single-process ControlNet call (same seed as the ranks'), made once in the test process and handed
+    to controlnet_equivalence: the images with and without the ControlNet's residuals, the residuals it returned at
+    the first step, what the block after the first residual received at the first step, and its weights.
+    (SD3's pipeline samples the control image's latents from the global generator: seeded alike before each call,
+    here in a forked RNG state.)"""
+    kwargs = controlnet_kwargs(family)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a rank computes
+    try:
+        reference = getattr(diffusers, pipeline_class_name(family)).from_pretrained(folder)
+        reference.set_progress_bar_config(disable=True)
+        seen_residuals: list = []
+        reference.controlnet.register_forward_hook(lambda _m, _a, out: seen_residuals.append(out))
+        seen: list[torch.Tensor] = []
+        _recorder(reference.transformer.get_submodule(_AFTER_FIRST_RESIDUAL[family]), seen)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            expected = _array(reference(**kwargs, generator=torch.Generator().manual_seed(0)))
+            # the same call without the ControlNet's residuals: how much they change the image
+            torch.manual_seed(0)
+            unconditioned = _array(reference(**dict(kwargs, controlnet_conditioning_scale=0.0),
+                                             generator=torch.Generator().manual_seed(0)))
+    finally:
+        torch.set_num_threads(threads)
+    return {"expected": expected, "unconditioned": unconditioned, "residuals": seen_residuals[0], "seen": seen[0],
+            "weights": {name: param.detach() for name, param in reference.controlnet.named_parameters()}}
+
+
+def controlnet_equivalence(family: str, folder: str, modes: dict[str, dict], reference: dict) -> dict:
     """The family's ControlNet pipeline on the mesh, for each mode, against diffusers' single-process call (same
-    seed): the images; the residuals the ControlNet returns at the first step (whole in every mode); what the block
-    after the first residual receives at the first step (a block's output plus its residual) against this rank's
-    slice of the single-process one; and at TP, each ControlNet weight against the slice its shard spec names.
-    (SD3's pipeline samples the control image's latents from the global generator: seeded alike before each call.)"""
+    seed; `reference`: controlnet_reference's): the images; the residuals the ControlNet returns at the first step
+    (whole in every mode); what the block after the first residual receives at the first step (a block's output plus
+    its residual) against this rank's slice of the single-process one; and at TP, each ControlNet weight against the
+    slice its shard spec names. (SD3's pipeline samples the control image's latents from the global generator:
+    seeded alike before each call.)"""
     from paradiff.context_parallel.attention import even_sizes
     from paradiff.tensor_parallel.layers import ShardedLinear
 
     torch.set_num_threads(1)
     kwargs = controlnet_kwargs(family)
-    pipeline_cls = getattr(diffusers, pipeline_class_name(family))
-    reference = pipeline_cls.from_pretrained(folder)
-    reference.set_progress_bar_config(disable=True)
-    seen_residuals: list = []
-    reference.controlnet.register_forward_hook(lambda _m, _a, out: seen_residuals.append(out))
-    seen: list[torch.Tensor] = []
     after_residual = _AFTER_FIRST_RESIDUAL[family]
-    _recorder(reference.transformer.get_submodule(after_residual), seen)
-    torch.manual_seed(0)
-    expected = _array(reference(**kwargs, generator=torch.Generator().manual_seed(0)))
-    # the same call without the ControlNet's residuals: how much they change the image
-    torch.manual_seed(0)
-    unconditioned = _array(reference(**dict(kwargs, controlnet_conditioning_scale=0.0),
-                                     generator=torch.Generator().manual_seed(0)))
-    full_weights = {name: param.detach() for name, param in reference.controlnet.named_parameters()}
+    seen_residuals, seen = [reference["residuals"]], [reference["seen"]]
+    expected, unconditioned = reference["expected"], reference["unconditioned"]
+    full_weights = reference["weights"]
     full_bytes = sum(param.numel() * param.element_size() for param in full_weights.values())
     results = {}
     for mode, degrees in modes.items():

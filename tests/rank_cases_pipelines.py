@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.distributed as dist
-from diffusers import DiffusionPipeline
 
 import paradiff
 from paradiff.runtime.wrappers import wrappers
@@ -21,12 +20,13 @@ def _config(tp: int = 1, ring: int = 1, ulysses: int = 1, cfg: int = 1, dp: int 
     return paradiff.ParallelConfig.from_degrees(tp=tp, ring=ring, ulysses=ulysses, cfg=cfg, data=dp)
 
 
-def pipeline_equivalence(family: str, folder: str, degrees: dict, seeds=(0,), steps: int = 3) -> dict:
-    """Images from the parallel pipeline equal the single-process pipeline's, same seed."""
+def pipeline_equivalence(family: str, folder: str, degrees: dict, expected: dict, whole_params: dict,
+                         steps: int = 3) -> dict:
+    """Images from the parallel pipeline equal the single-process pipeline's, same seed: `expected` holds diffusers'
+    own images by seed (paradiff_testkit.pipelines.References, made once in the test process), `whole_params` its
+    transformers' parameter counts."""
     torch.set_num_threads(1)
     kwargs = dict(default_call_kwargs(family), num_inference_steps=steps)
-    reference = DiffusionPipeline.from_pretrained(folder)
-    reference.set_progress_bar_config(disable=True)
     pipeline = paradiff.load_pipeline(folder, parallel_config=_config(**degrees))
     pipeline.set_progress_bar_config(disable=True)
     calls = {}
@@ -35,22 +35,21 @@ def pipeline_equivalence(family: str, folder: str, degrees: dict, seeds=(0,), st
             calls[name] = 0
             module.register_forward_pre_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
     diffs = {}
-    for seed in seeds:
-        expected = _pixels(reference(**kwargs, generator=torch.Generator().manual_seed(seed)))
+    for seed, pixels in expected.items():
         actual = _pixels(pipeline(**kwargs, seed=seed))
-        diffs[seed] = float(np.abs(actual - expected).max())
+        diffs[seed] = float(np.abs(actual - pixels).max())
     splitters = pipeline._paradiff_pipeline.cfgs
     return {"rank": dist.get_rank(), "diffs": diffs, "output_rank": pipeline.is_output_rank,
             "cfg_forwards": sum(s.computed for s in splitters) if splitters else None,
-            "transformer_params": {name: (sum(p.numel() for p in module.parameters()),
-                                          sum(p.numel() for p in getattr(reference, name).parameters()))
+            "transformer_params": {name: (sum(p.numel() for p in module.parameters()), whole_params[name])
                                    for name, module in pipeline.components.items()
                                    if name.startswith("transformer") and module is not None},
             "transformer_calls": calls, "wrappers": wrappers(pipeline.transformer)}
 
 
-def data_parallel_prompts(family: str, folder: str, degrees: dict, prompts: list[str]) -> dict:
-    """Each data replica makes its share of the prompts; prompt i always uses seed 100 + i."""
+def data_parallel_prompts(family: str, folder: str, degrees: dict, prompts: list[str], expected: dict) -> dict:
+    """Each data replica makes its share of the prompts; prompt i always uses seed 100 + i. `expected`: diffusers'
+    own image of each prompt index, with that seed."""
     torch.set_num_threads(1)
     kwargs = default_call_kwargs(family)
     kwargs.pop("prompt", None)
@@ -60,13 +59,7 @@ def data_parallel_prompts(family: str, folder: str, degrees: dict, prompts: list
     with paradiff.split_between_processes(list(enumerate(prompts)), pipeline) as share:
         for index, prompt in share:
             made[index] = _pixels(pipeline(prompt=prompt, seed=100 + index, **kwargs)).tolist()
-    reference = DiffusionPipeline.from_pretrained(folder)
-    reference.set_progress_bar_config(disable=True)
-    diffs = {}
-    for index, image in made.items():
-        expected = _pixels(reference(prompt=prompts[index], generator=torch.Generator().manual_seed(100 + index),
-                                     **kwargs))
-        diffs[index] = float(np.abs(np.asarray(image) - expected).max())
+    diffs = {index: float(np.abs(np.asarray(image) - expected[index]).max()) for index, image in made.items()}
     return {"rank": dist.get_rank(), "indices": sorted(made), "diffs": diffs, "output_rank": pipeline.is_output_rank}
 
 

@@ -7,6 +7,7 @@ import json
 import pytest
 
 import rank_cases_cfg as cases
+from paradiff_testkit.pipelines import default_call_kwargs
 
 ATOL = 1e-5
 STEPS = 3
@@ -49,10 +50,12 @@ VARIANTS = {
 }
 
 
-def _run(pools, ranks: int, family: str, folders, degrees: dict):
+def _run(pools, references, ranks: int, family: str, folders, degrees: dict):
     folder, pipeline_class, call = VARIANTS.get(family, (family, None, {}))
+    expected = references.run(str(folders[folder]), 0, pipeline_class,
+                              **dict(default_call_kwargs(folder), num_inference_steps=STEPS, **call))
     return pools.get(ranks).run(cases.pipeline_cfg, family=folder, folder=str(folders[folder]), degrees=degrees,
-                                steps=STEPS, pipeline_class=pipeline_class, call=call)
+                                expected=expected, steps=STEPS, pipeline_class=pipeline_class, call=call)
 
 
 def _check_pipeline(result: dict, family: str, steps: int = STEPS) -> None:
@@ -74,8 +77,8 @@ def _check_pipeline(result: dict, family: str, steps: int = STEPS) -> None:
 
 
 @pytest.mark.parametrize("family", BATCH_FAMILIES + TWO_CALL_FAMILIES)
-def test_pipeline_at_cfg2_matches_single_process(pools, tiny_pipeline_folders, family):
-    results = _run(pools, 2, family, tiny_pipeline_folders, dict(cfg=2))
+def test_pipeline_at_cfg2_matches_single_process(pools, references, tiny_pipeline_folders, family):
+    results = _run(pools, references, 2, family, tiny_pipeline_folders, dict(cfg=2))
     assert sorted(r["cfg_rank"] for r in results) == [0, 1]
     for result in results:
         _check_pipeline(result, family)
@@ -84,8 +87,8 @@ def test_pipeline_at_cfg2_matches_single_process(pools, tiny_pipeline_folders, f
 
 
 @pytest.mark.parametrize("family", ("sd3", "pixart_sigma", "sana", "flux2_klein"))
-def test_pipeline_at_cfg2_x_tp2_matches_single_process(pools, tiny_pipeline_folders, family):
-    results = _run(pools, 4, family, tiny_pipeline_folders, dict(cfg=2, tp=2))
+def test_pipeline_at_cfg2_x_tp2_matches_single_process(pools, references, tiny_pipeline_folders, family):
+    results = _run(pools, references, 4, family, tiny_pipeline_folders, dict(cfg=2, tp=2))
     assert sorted(r["cfg_rank"] for r in results) == [0, 0, 1, 1]
     for result in results:
         _check_pipeline(result, family)

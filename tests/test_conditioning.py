@@ -15,7 +15,8 @@ CP_MODES = {"ulysses2": dict(ulysses=2), "ring2": dict(ring=2)}
 @pytest.mark.parametrize("case", sorted(cases.CASES))
 def test_conditioned_pipeline_under_cp_equals_single_process(pools, tiny_pipeline_folders, case):
     folder = str(tiny_pipeline_folders[cases.CASES[case]["family"]])
-    results = pools.get(2).run(cases.conditioned_equivalence, case=case, folder=folder, modes=CP_MODES)
+    results = pools.get(2).run(cases.conditioned_equivalence, case=case, folder=folder, modes=CP_MODES,
+                               reference=cases.conditioned_reference(case, folder))
     (tokens,) = results[0]["tokens"]
     assert tokens % 2 == 1, results[0]  # the ranks' shares are uneven
     for mode in CP_MODES:  # each rank holds its own share of the image + condition tokens, together all of them
@@ -44,13 +45,28 @@ def controlnet_folders(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def controlnet_references(controlnet_folders):
+    """Diffusers' single-process ControlNet call per family, made once in this process (not on every rank of every
+    world size)."""
+    made = {}
+
+    def reference(family: str) -> dict:
+        if family not in made:
+            made[family] = cases.controlnet_reference(family, controlnet_folders[family])
+        return made[family]
+
+    return reference
+
+
+@pytest.fixture(scope="module")
 def controlnet_folder(controlnet_folders):
     return controlnet_folders["flux"]
 
 
 @pytest.mark.parametrize("world", sorted(CONTROLNET_MODES))
 @pytest.mark.parametrize("family", ["flux", "sd3"])
-def test_controlnet_pipeline_equals_single_process_with_residuals_split_like_tokens(pools, controlnet_folders, family,
+def test_controlnet_pipeline_equals_single_process_with_residuals_split_like_tokens(pools, controlnet_folders,
+                                                                                    controlnet_references, family,
                                                                                     world):
     """FluxControlNetPipeline (99 image tokens) and StableDiffusion3ControlNetPipeline (35) at tp2, ulysses2, ring2 and
     tp2 x ulysses2 (staged), uneven shares: the images equal diffusers' single process; the ControlNet's residuals change the
@@ -58,7 +74,8 @@ def test_controlnet_pipeline_equals_single_process_with_residuals_split_like_tok
     the first residual receives its own slice of the single-process tokens (block output + residual); at TP each rank
     holds its shard of the ControlNet."""
     results = pools.get(world).run(cases.controlnet_equivalence, family=family, folder=controlnet_folders[family],
-                                   modes=CONTROLNET_MODES[world], timeout_s=400)
+                                   modes=CONTROLNET_MODES[world], reference=controlnet_references(family),
+                                   timeout_s=400)
     for result in results:
         # the residuals are large next to the block outputs they are added to, and change the image
         assert result["tokens"] == cases.CONTROLNET_TOKENS[family] and result["residual_effect"] > 0.1 and result["residual_scale"] > 1.0, (

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import rank_cases_pipelines as cases
+from paradiff_testkit.pipelines import default_call_kwargs
 
 ATOL = 1e-5
 COMPOSED = {  # id: degrees on 4 ranks
@@ -23,6 +24,14 @@ def pipelines(tiny_pipeline_folders):
     return {family: str(tiny_pipeline_folders[family]) for family in ("flux", "flux2", "qwenimage", "wan", "wan2.2-a14b")}
 
 
+def _equivalence(pool, references, family: str, folder: str, degrees: dict, seeds=(0,), steps: int = 3) -> list:
+    """cases.pipeline_equivalence on `pool`, against diffusers' own images made once in this process."""
+    call = dict(default_call_kwargs(family), num_inference_steps=steps)
+    expected = {seed: references.pixels(folder, seed, **call) for seed in seeds}
+    return pool.run(cases.pipeline_equivalence, family=family, folder=folder, degrees=degrees, expected=expected,
+                    whole_params=references.parameters(folder), steps=steps)
+
+
 def _cases():
     for mode, degrees in COMPOSED.items():
         for family in ("flux", "flux2", "qwenimage", "wan"):
@@ -34,8 +43,8 @@ def _cases():
 
 
 @pytest.mark.parametrize("family,degrees", list(_cases()))
-def test_composed_pipeline_matches_single_process(pools, pipelines, family, degrees):
-    results = pools.get(4).run(cases.pipeline_equivalence, family=family, folder=pipelines[family], degrees=degrees)
+def test_composed_pipeline_matches_single_process(pools, references, pipelines, family, degrees):
+    results = _equivalence(pools.get(4), references, family, pipelines[family], degrees)
     for result in results:
         assert max(result["diffs"].values()) < ATOL, result
         if degrees.get("cfg", 1) == 2:  # 3 steps, one branch per step on each half, the first step included
@@ -46,19 +55,21 @@ def test_composed_pipeline_matches_single_process(pools, pipelines, family, degr
 @pytest.mark.parametrize("family,degrees", [
     ("wan", dict(ulysses=2)), ("wan", dict(ring=2)), ("qwenimage", dict(cfg=2)), ("flux2", dict(tp=2)),
 ])
-def test_two_rank_pipelines(pools, pipelines, family, degrees):
-    results = pools.get(2).run(cases.pipeline_equivalence, family=family, folder=pipelines[family], degrees=degrees,
-                               seeds=(0, 7))
+def test_two_rank_pipelines(pools, references, pipelines, family, degrees):
+    results = _equivalence(pools.get(2), references, family, pipelines[family], degrees, seeds=(0, 7))
     cfg = ["cfg_exchange"] if degrees.get("cfg", 1) == 2 else []
     for result in results:
         assert max(result["diffs"].values()) < ATOL, result
         assert result["wrappers"] == ["stage_switch", "latent_check", *cfg, "failure_guard"], result
 
 
-def test_data_parallel_spreads_prompts_with_fixed_seeds(pools, pipelines):
+def test_data_parallel_spreads_prompts_with_fixed_seeds(pools, references, pipelines):
     prompts = ["a cat", "a dog", "a red cube", "two birds", "a lake"]
+    call = default_call_kwargs("flux2")
+    expected = {index: references.pixels(pipelines["flux2"], 100 + index, **dict(call, prompt=prompt))
+                for index, prompt in enumerate(prompts)}
     results = pools.get(4).run(cases.data_parallel_prompts, family="flux2", folder=pipelines["flux2"],
-                               degrees=dict(dp=2, tp=2), prompts=prompts)
+                               degrees=dict(dp=2, tp=2), prompts=prompts, expected=expected)
     by_replica = {}
     for result in results:
         assert max(result["diffs"].values(), default=0.0) < ATOL, result
@@ -72,22 +83,20 @@ def test_cfg_parallel_refuses_a_call_without_guidance(pools, pipelines):
         assert "cfg_degree=2 needs a call that runs classifier-free guidance" in message, message
 
 
-def test_ranks_refuse_to_generate_from_different_latents(pools, pipelines):
+def test_ranks_refuse_to_generate_from_different_latents(pools, references, pipelines):
     messages = pools.get(2).run(cases.mismatched_seed, family="flux2", folder=pipelines["flux2"])
     for message in messages:
         assert message.startswith("DistributedError: generation start: ranks disagree on initial latents"), message
     # no collective was left half-done: the same pool still runs a correct case
-    results = pools.get(2).run(cases.pipeline_equivalence, family="flux2", folder=pipelines["flux2"],
-                               degrees=dict(ulysses=2))
+    results = _equivalence(pools.get(2), references, "flux2", pipelines["flux2"], dict(ulysses=2))
     assert all(max(r["diffs"].values()) < ATOL for r in results)
 
 
 @pytest.mark.parametrize("degrees", [dict(tp=2), dict(ulysses=2), dict(cfg=2)], ids=["tp2", "ulysses2", "cfg2"])
-def test_wan22_a14b_both_transformers_run_parallel(pools, pipelines, degrees):
+def test_wan22_a14b_both_transformers_run_parallel(pools, references, pipelines, degrees):
     """Wan 2.2 A14B: `transformer` (high-noise steps) and `transformer_2` (low-noise steps) are both loaded split
     (TP: each rank holds part of each), both run, and the video equals the single-process one."""
-    results = pools.get(2).run(cases.pipeline_equivalence, family="wan2.2-a14b", folder=pipelines["wan2.2-a14b"],
-                               degrees=degrees)
+    results = _equivalence(pools.get(2), references, "wan2.2-a14b", pipelines["wan2.2-a14b"], degrees)
     for result in results:
         assert max(result["diffs"].values()) < ATOL, result
         assert set(result["transformer_params"]) == {"transformer", "transformer_2"}, result

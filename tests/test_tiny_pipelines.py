@@ -158,3 +158,34 @@ def test_save_is_idempotent(tmp_path):
     before = index.stat().st_mtime_ns
     assert save_pipeline("qwenimage", folder) == folder
     assert index.stat().st_mtime_ns == before
+
+
+def test_a_learnt_vocabulary_is_kept_for_the_session(tmp_path, monkeypatch):
+    """A tokenizer's BPE vocabulary is learnt once: kept in this process and in the session's folder
+    (PARADIFF_TESTKIT_CACHE), where a process that has not learnt it (a rank, a forked command) reads it back."""
+    from paradiff_testkit import pipelines
+
+    monkeypatch.setenv(pipelines.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(pipelines, "_LEARNT", {})
+    learnt = pipelines._qwen2_tokenizer()
+    (stored,) = tmp_path.glob("bpe-*.json")
+    monkeypatch.setattr(pipelines, "_LEARNT", {})  # as a new process: only the folder remembers it
+
+    def unexpected(*_args, **_kwargs):
+        raise AssertionError("learnt again")
+
+    monkeypatch.setattr(pipelines, "_learn_bpe_now", unexpected)
+    again = pipelines._qwen2_tokenizer()
+    assert again.get_vocab() == learnt.get_vocab() and len(pipelines._LEARNT) == 1, stored
+    prompt = default_call_kwargs("qwenimage")["prompt"]
+    assert again(prompt).input_ids == learnt(prompt).input_ids
+
+
+def test_tiny_pipeline_folders_are_built_when_asked_for(tiny_pipeline_folders):
+    """The session fixture is a mapping of every family that builds none until one is asked for."""
+    assert list(tiny_pipeline_folders) == list(PIPELINE_FAMILIES)
+    assert len(tiny_pipeline_folders) == len(PIPELINE_FAMILIES)
+    with pytest.raises(KeyError):
+        tiny_pipeline_folders["no-such-family"]
+    folder = tiny_pipeline_folders["flux2"]
+    assert (folder / "model_index.json").exists() and folder.parent == tiny_pipeline_folders.root

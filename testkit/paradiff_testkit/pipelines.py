@@ -991,7 +991,40 @@ def _words(backend, corpus) -> dict[str, int]:
     return counts
 
 
+# Learnt vocabularies, by what they were learnt from: a pipeline folder built again in the same process (the suite's
+# fixtures build many families, several on one tokenizer) reuses them. With PARADIFF_TESTKIT_CACHE naming a folder
+# (tests/conftest.py: one per test session, inherited by rank processes and forked commands) they are also kept there
+# as JSON, so a vocabulary is learnt once per session rather than once per process: 0.2-5 s of CPU each.
+_LEARNT: dict[str, tuple[dict[str, int], list[tuple[str, str]]]] = {}
+CACHE_ENV = "PARADIFF_TESTKIT_CACHE"
+
+
 def _learn_bpe(
+    backend, specials: list[str], corpus, alphabet: list[str], end_of_word_suffix: str = ""
+) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """_learn_bpe_now's result, from this process's memory or the session's cache folder when learnt before."""
+    import hashlib
+
+    key = hashlib.sha256(json.dumps([backend.to_str(), list(specials), list(corpus), list(alphabet),
+                                     end_of_word_suffix]).encode()).hexdigest()
+    if key not in _LEARNT:
+        folder = os.environ.get(CACHE_ENV)
+        path = Path(folder) / f"bpe-{key}.json" if folder else None
+        if path is not None and path.exists():
+            stored = json.loads(path.read_text())
+            _LEARNT[key] = stored["vocab"], [tuple(pair) for pair in stored["merges"]]
+        else:
+            _LEARNT[key] = _learn_bpe_now(backend, specials, corpus, alphabet, end_of_word_suffix)
+            if path is not None:  # written whole, then renamed: a reader never sees half a file
+                path.parent.mkdir(parents=True, exist_ok=True)
+                partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+                partial.write_text(json.dumps({"vocab": _LEARNT[key][0], "merges": _LEARNT[key][1]}))
+                os.replace(partial, path)
+    vocab, merges = _LEARNT[key]
+    return dict(vocab), list(merges)
+
+
+def _learn_bpe_now(
     backend, specials: list[str], corpus, alphabet: list[str], end_of_word_suffix: str = ""
 ) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """Byte-pair merges until every corpus word is one token; the most frequent pair first, ties by pair order."""
@@ -1261,3 +1294,66 @@ def save_controlnet_pipeline(folder: str | Path, family: str = "flux", seed: int
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return folder
+
+
+# --- single-process references ----------------------------------------------------------------------------------
+
+
+class References:
+    """What diffusers' own pipeline (no paradiff) makes from a tiny pipeline folder, made once per call in the test
+    process and handed to the rank cases that compare against it: every rank of every case used to load and run the
+    same reference itself (4 ranks x 12 composed modes for a handful of distinct calls). One torch thread, as a rank
+    computes. A session fixture holds one (tests/conftest.py: `references`)."""
+
+    def __init__(self) -> None:
+        self._pipelines: dict[tuple, Any] = {}
+        self._outputs: dict[str, Any] = {}
+
+    def pipeline(self, folder: str | Path, pipeline_class: str | None = None):
+        key = (str(folder), pipeline_class)
+        if key not in self._pipelines:
+            import diffusers
+
+            cls = getattr(diffusers, pipeline_class) if pipeline_class else diffusers.DiffusionPipeline
+            pipeline = cls.from_pretrained(str(folder))
+            pipeline.set_progress_bar_config(disable=True)
+            self._pipelines[key] = pipeline
+        return self._pipelines[key]
+
+    def pixels(self, folder: str | Path, seed: int, pipeline_class: str | None = None, **call: Any):
+        """Images (or video frames) as one numpy array: `pipeline(**call, generator=manual_seed(seed))`."""
+        return self.run(folder, seed, pipeline_class, **call)["pixels"]
+
+    def run(self, folder: str | Path, seed: int, pipeline_class: str | None = None, **call: Any) -> dict:
+        """`pixels` (as above) and `block_inputs`: the hidden states the transformer's first block was called
+        with, one tensor per call (the block list is `transformer_blocks`, `joint_transformer_blocks` or `layers`;
+        none recorded for a transformer without one of those)."""
+        import numpy as np
+
+        key = json.dumps([str(folder), seed, pipeline_class, call], sort_keys=True, default=repr)
+        if key not in self._outputs:
+            pipeline = self.pipeline(folder, pipeline_class)
+            blocks = next((getattr(pipeline.transformer, name) for name in (
+                "transformer_blocks", "joint_transformer_blocks", "layers") if hasattr(pipeline.transformer, name)),
+                None)
+            seen: list[torch.Tensor] = []
+            hook = None if blocks is None else blocks[0].register_forward_pre_hook(
+                lambda _module, args, kw: seen.append((args[0] if args else kw["hidden_states"]).detach().clone()),
+                with_kwargs=True)
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                output = pipeline(**call, generator=torch.Generator().manual_seed(seed))
+            finally:
+                torch.set_num_threads(threads)
+                if hook is not None:
+                    hook.remove()
+            self._outputs[key] = {"pixels": np.asarray(output.frames if hasattr(output, "frames") else output.images),
+                                  "block_inputs": seen}
+        return self._outputs[key]
+
+    def parameters(self, folder: str | Path, prefix: str = "transformer") -> dict[str, int]:
+        """Parameter count of each whole component whose name starts with `prefix`."""
+        pipeline = self.pipeline(folder)
+        return {name: sum(p.numel() for p in module.parameters()) for name, module in pipeline.components.items()
+                if name.startswith(prefix) and module is not None}
