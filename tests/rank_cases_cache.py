@@ -49,7 +49,19 @@ def first_block_threshold(family: str, layers: int = 2, single_layers: int = 2) 
 
 
 def cached_equivalence_many(cases: list[dict]) -> dict:
-    return {_label(case): cached_equivalence(**case) for case in cases}
+    """The single-process references (threshold probe, uncached and stock cached runs) depend on the family only:
+    computed once per family for the whole batch, not once per case."""
+    references: dict[tuple, object] = {}
+    return {_label(case): cached_equivalence(**case, references=references) for case in cases}
+
+
+def _reference(references: dict | None, key: tuple, compute):
+    """`compute()`, or its result from an earlier case of the same batch (deterministic: seeded models and inputs)."""
+    if references is None:
+        return compute()
+    if key not in references:
+        references[key] = compute()
+    return references[key]
 
 
 def _label(case: dict) -> str:
@@ -57,23 +69,20 @@ def _label(case: dict) -> str:
     return f"{case['family']}:{mode_name({k: case.get(k, 1) for k in order}, order=order)}"
 
 
-def cached_equivalence(family: str, tp: int = 1, ring: int = 1, ulysses: int = 1) -> dict:
-    """First-block cache and TaylorSeer: parallel decisions and latents against a stock single-process cached run."""
+def cached_equivalence(family: str, tp: int = 1, ring: int = 1, ulysses: int = 1,
+                       references: dict | None = None) -> dict:
+    """First-block cache and TaylorSeer: parallel decisions and latents against a stock single-process cached run.
+    `references` (optional) keeps the single-process runs across the cases of one batch."""
     results = {"rank": dist.get_rank()}
-    threshold = first_block_threshold(family)
-    uncached = denoise(build_model(family, layers=2, single_layers=2), family)
+    threshold = _reference(references, (family, "threshold"), lambda: first_block_threshold(family))
+    uncached = _reference(references, (family, "uncached"),
+                          lambda: denoise(build_model(family, layers=2, single_layers=2), family))
     model = build_model(family, layers=2, single_layers=2)
     if tp * ring * ulysses > 1:  # one parallel model for both caches: every mesh costs process groups
         paradiff.enable_parallelism(model, parallel_config(tp, ring, ulysses))
     for name, config in (("fbc", FirstBlockCacheConfig(threshold=threshold)), ("taylorseer", taylorseer(family))):
-        single = build_model(family, layers=2, single_layers=2)
-        if family == "flux2" and name == "fbc":
-            # diffusers' own first-block cache raises on FLUX.2 (its tail block returns the joint sequence);
-            # the reference is then paradiff's single-process repair, without any reduction
-            paradiff.enable_cache(single, config)
-        else:
-            single.enable_cache(config)  # diffusers' own hooks, untouched
-        expected, expected_decisions = denoise_recording(single, family)
+        expected, expected_decisions = _reference(references, (family, name),
+                                                  lambda name=name, config=config: _stock_cached_run(family, name, config))
         if tp * ring * ulysses > 1:
             model.enable_cache(config)  # routed through paradiff: decisions agreed over the model's ranks
         else:
@@ -89,6 +98,17 @@ def cached_equivalence(family: str, tp: int = 1, ring: int = 1, ulysses: int = 1
             "uncached_diff": float((actual - uncached).abs().max()),
         }
     return results
+
+
+def _stock_cached_run(family: str, name: str, config) -> tuple[torch.Tensor, list[bool]]:
+    single = build_model(family, layers=2, single_layers=2)
+    if family == "flux2" and name == "fbc":
+        # diffusers' own first-block cache raises on FLUX.2 (its tail block returns the joint sequence);
+        # the reference is then paradiff's single-process repair, without any reduction
+        paradiff.enable_cache(single, config)
+    else:
+        single.enable_cache(config)  # diffusers' own hooks, untouched
+    return denoise_recording(single, family)
 
 
 def denoise_recording(model, family: str) -> tuple[torch.Tensor, list[bool]]:

@@ -24,7 +24,8 @@ GRAPHS = {"flux2": 2, "wan": 1}  # one graph per block class (Flux2: double- and
 
 @pytest.fixture(scope="module")
 def compiled(pools) -> dict:
-    """label -> per-rank results; all cases of one world size in one call (rank processes compile once each)."""
+    """label -> per-rank results; all cases of one world size in one call (rank processes compile once each). A case
+    without parallel degrees is the same on every rank and runs on the first rank only: one result."""
     by_label: dict[str, list[dict]] = {}
     for world, batch in ((2, WORLD2), (4, WORLD4)):
         for rank_result in pools.get(world).run(cases.compiled_vs_eager, cases=batch, timeout_s=600):
@@ -86,9 +87,11 @@ def test_compile_after_enable_cache_keeps_the_cache_outside_the_graphs():
 
     import paradiff
     from paradiff.testing.models import build_model, make_inputs, run_forward
+    from rank_cases_cache import SHAPE as denoise_shape
 
     model = build_model("flux2")
-    inputs = make_inputs("flux2", model.config, batch=2)
+    # denoise's input shape: the next test's compiled blocks (same process) reuse these graphs instead of retracing
+    inputs = make_inputs("flux2", model.config, batch=2, lengths=denoise_shape)
     expected = run_forward(model, inputs)
     paradiff.enable_cache(model, FirstBlockCacheConfig(threshold=0.5))
     paradiff.compile(model, backend="aot_eager")
