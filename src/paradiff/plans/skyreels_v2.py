@@ -42,13 +42,7 @@ EXAMPLES = {
 }
 
 
-_INPUTS = dict(
-    hidden_states=Noise(("batch", "in_channels", "frames * patch_size[0]", "height * patch_size[1]",
-                         "width * patch_size[2]")),
-    encoder_hidden_states=Noise(("batch", "text", "text_dim")),
-    timestep=Uniform(1000),
-    return_dict=False,
-)
+_INPUTS = wan.VIDEO_INPUTS  # the same forward inputs as Wan's
 INPUTS = ByExample({
     "skyreels-v2-t2v": {**_INPUTS, "fps": PerSample(Value("index % 2"))},  # index into the two-entry fps embedding
     # one noise level per latent frame; the first frame is clean

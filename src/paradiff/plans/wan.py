@@ -55,7 +55,8 @@ EXAMPLES = {
 }
 
 
-_INPUTS = dict(
+# a Wan-style video transformer's forward inputs (SkyReels-V2 declares its examples from them too)
+VIDEO_INPUTS = dict(
     hidden_states=Noise(("batch", "in_channels", "frames * patch_size[0]", "height * patch_size[1]",
                          "width * patch_size[2]")),
     encoder_hidden_states=Noise(("batch", "text", "text_dim")),
@@ -63,7 +64,7 @@ _INPUTS = dict(
     return_dict=False,
 )
 INPUTS = ByExample({
-    "wan2.1-t2v": _INPUTS,
+    "wan2.1-t2v": VIDEO_INPUTS,
     # Wan 2.1 I2V's processor takes everything past the first 512 context tokens as the image context; those 512
     # replicated tokens would outweigh the split video tokens at this tiny size, so the video is 5x taller
     "wan2.1-i2v": dict(
@@ -75,7 +76,7 @@ INPUTS = ByExample({
         return_dict=False,
     ),
     # per-token timesteps: the first frame's tokens are clean (t = 0)
-    "wan2.2-ti2v": {**_INPUTS, "timestep": Uniform(1000, ("batch", 1), expand=("batch", "frames * height * width"),
+    "wan2.2-ti2v": {**VIDEO_INPUTS, "timestep": Uniform(1000, ("batch", 1), expand=("batch", "frames * height * width"),
                                                    set=((":, :height * width", 0),))},
 })
 
