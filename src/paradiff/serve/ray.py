@@ -40,7 +40,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from urllib.parse import quote
 from typing import Any
@@ -143,7 +142,6 @@ class Mesh:
             self.dispatcher = Dispatcher(rank_store(self.store.port, settings.timeout), self.frontend, replicas,
                                          ranks // replicas, settings.timeout).start()
             self.app = HttpGuard(http_app(self.frontend), self.frontend)
-            threading.Thread(target=self._watch_rank_zero, name="paradiff-rank0", daemon=True).start()
             self._wait(lambda: self.frontend.health == "ready", "it was ready")
         except BaseException:
             self._stop()
@@ -160,18 +158,6 @@ class Mesh:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"paradiff mesh: not {what} within {READY_TIMEOUT_S:.0f} s")
             time.sleep(0.1)
-
-    def _watch_rank_zero(self) -> None:
-        """Rank 0's process gone: its replica's fault, as the dispatcher puts it for a rank it sees gone (it watches
-        every rank's process but rank 0's, which under a plain `paradiff serve` is its own)."""
-        from paradiff.serve.ranks import Channel
-
-        self.processes[0].wait()
-        if self.stopping or self.dispatcher is None:
-            return
-        replica = self.dispatcher.replicas[0]
-        Channel(self.store, 0, replica.channel.world, replica.channel.scope, replica.channel.generation).put(
-            True, "fault")
 
     async def __call__(self, request: Request) -> Response:
         """The ingress (route "none"): the request through this mesh's application, here; to another replica when
