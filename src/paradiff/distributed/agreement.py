@@ -14,7 +14,6 @@ import itertools
 import json
 import os
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -73,17 +72,21 @@ def agree(stage: str, facts: dict[str, Any] | None, error: BaseException | None 
     put_json(store, str(rank), payload)  # JSON (non-JSON facts as their repr, which is what is compared)
     if error is not None:
         if rank != members[0]:
-            _count_out(store, members)  # it reads nothing more: the first member need not wait for it
+            store.add("left", 1)  # it reads nothing more: the first member need not wait for it (_leave_together)
         raise error
     timeout = timeout_s if timeout_s is not None else _group_timeout()
     keys = [str(r) for r in members]
     deadline = time.monotonic() + timeout
-    missing = _wait(store, keys, deadline)
-    if missing:
-        raise DistributedError(
-            f"{stage}: rank(s) {[int(k) for k in missing]} did not reach the agreement point within {timeout:.0f}s "
-            "(crashed, killed, or stuck before it); stopping instead of waiting in a collective."
-        )
+    missing = keys
+    while missing:
+        missing = [key for key in keys if not store.check([key])]
+        if missing and time.monotonic() > deadline:
+            raise DistributedError(
+                f"{stage}: rank(s) {[int(k) for k in missing]} did not reach the agreement point within {timeout:.0f}s "
+                "(crashed, killed, or stuck before it); stopping instead of waiting in a collective."
+            )
+        if missing:
+            time.sleep(0.01)
     entries = {int(key): get_json(store, key, ENTRY) for key in keys}
     _leave_together(store, rank, members, stage, deadline)
     if round_id:
@@ -93,7 +96,6 @@ def agree(stage: str, facts: dict[str, Any] | None, error: BaseException | None 
         previous.delete_key(str(rank))
         if rank == members[0]:  # every member counted itself out of the previous round before publishing this one
             previous.delete_key("left")
-            previous.delete_key("all left")
     failed = {r: e["error"] for r, e in entries.items() if e["error"]}
     if failed:
         detail = "; ".join(f"rank {r}: {message}" for r, message in sorted(failed.items()))
@@ -108,32 +110,18 @@ def agree(stage: str, facts: dict[str, Any] | None, error: BaseException | None 
             )
 
 
-def _wait(store: dist.Store, keys: list[str], deadline: float) -> list[str]:
-    """Wait in the store (it answers when the keys exist: no polling) until every key exists or the deadline
-    passes; the keys still missing then ([] when none)."""
-    try:
-        store.wait(keys, timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-        return []
-    except RuntimeError:  # the store's timeout (DistStoreError); a lost store raises again from check below
-        return [key for key in keys if not store.check([key])]
-
-
-def _count_out(store: dist.Store, members: tuple[int, ...]) -> None:
-    """A member other than the first is done with the round; the last one to be done tells the first."""
-    if store.add("left", 1) == len(members) - 1:
-        store.set("all left", "")
-
-
 def _leave_together(store: dist.Store, rank: int, members: tuple[int, ...], stage: str, deadline: float) -> None:
     """The first member (the rank whose process serves the store when no agent does) returns only once every member
     has read the entries: a rank that finished its script and exited at once could otherwise close the store under
     a peer still reading it ("Connection reset by peer" in that peer). The others count themselves out and go."""
     if rank != members[0]:
-        _count_out(store, members)
+        store.add("left", 1)
         return
-    if len(members) > 1 and _wait(store, ["all left"], deadline):
-        raise DistributedError(f"{stage}: rank(s) did not finish reading the agreement within the timeout "
-                               "(crashed, killed, or stuck after publishing); stopping.")
+    while store.add("left", 0) < len(members) - 1:
+        if time.monotonic() > deadline:
+            raise DistributedError(f"{stage}: rank(s) did not finish reading the agreement within the timeout "
+                                   "(crashed, killed, or stuck after publishing); stopping.")
+        time.sleep(0.005)
 
 
 def _group_timeout() -> float:
