@@ -273,8 +273,9 @@ def main() -> int:
     parser.add_argument("--model", choices=("demo", "flux2"), default="demo")
     parser.add_argument("--note", default="measured under load (7 agents on 2 cores)")
     parser.add_argument("--ray", action="store_true", help="also Ray Serve's overhead per request")
-    parser.add_argument("--only", choices=("ray-overhead",), help="only this figure (the others kept from the "
-                                                                   "result file); one run ~4 min")
+    parser.add_argument("--only", choices=("ray-overhead", "dp2"),
+                        help="only this figure, for --model (the others kept from the result file); ray-overhead: one "
+                             "run ~4 min")
     parser.add_argument("--only-ray", action="store_true", help="the same as --only ray-overhead")
     args = parser.parse_args()
     model: list[str] = []
@@ -302,6 +303,9 @@ def main() -> int:
                     rpm[name].append(throughput(server, 4, args.requests))
                 finally:
                     server.stop()
+            if args.only == "dp2":
+                print(f"round {number + 1}: rpm {rpm}", flush=True)
+                continue
             for policy in ("fifo", "fair"):
                 server = start(Path(tmp) / f"{policy}{number}", model, "--schedule", policy, "--max-steps",
                                str(8 * steps), "--max-side", "128", "--steps", str(steps))
@@ -313,10 +317,18 @@ def main() -> int:
             print(f"round {number + 1}: rpm {rpm}, short waits p95 "
                   f"{ {k: round(float(np.percentile(v, 95)), 2) for k, v in waits.items()} }", flush=True)
     ratio = statistics.median(rpm["dp2"]) / statistics.median(rpm["single"])
+    dp2 = figure(f"dp2 / one replica, requests per minute ({args.model}, no batch window)", round(ratio, 3), "x",
+                 ">= 1.9", note=f"median of {args.rounds} round(s), 4 clients x {args.requests} requests; requests "
+                               f"per minute single {statistics.median(rpm['single']):.2f}, dp2 "
+                               f"{statistics.median(rpm['dp2']):.2f}; {args.note}")
+    if args.only == "dp2":  # this model's dp2 figure is replaced, the others kept
+        earlier = load(RESULT)
+        kept = [item for item in earlier["figures"] if item["name"] != dp2["name"]]
+        write_result("bench_replicas", TITLE, [dp2] + kept, command=f"{earlier['command']}; {this_command()}")
+        return 0
     p95 = {policy: float(np.percentile(values, 95)) for policy, values in waits.items()}
     write_result("bench_replicas", TITLE, [
-        figure(f"dp2 / one replica, requests per minute ({args.model}, no batch window)", round(ratio, 3), "x",
-               ">= 1.9", note=f"median of {args.rounds} round(s), 4 clients x {args.requests} requests; {args.note}"),
+        dp2,
         figure("p95 wait of short requests under long ones, fifo", round(p95["fifo"], 3), "s",
                note=f"one replica, {len(waits['fifo'])} short requests; {args.note}"),
         figure("p95 wait of short requests under long ones, fair", round(p95["fair"], 3), "s", "< fifo",
