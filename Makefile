@@ -43,12 +43,13 @@ demo: $(STAMP)
 	$(PY) -m paradiff.demo
 
 # Two pytest workers, a test file each at a time (--dist loadfile: a file's module fixtures and rank cases stay on
-# one worker): while one worker's ranks wait on each other or its own process computes a reference, the other's use
+# one worker; --no-loadscope-reorder: files in tests/conftest.py's order, slowest first): while one worker's ranks
+# wait on each other or its own process computes a reference, the other's use
 # the second core. Each worker starts its own rank pools and fork server.
 # The Ray Serve cluster test (a local Ray cluster, two replicas, a killed rank, autoscaling: minutes on 2 cores) runs
 # in its own lane, `make test-ray`, to keep this one within its 10 minutes.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not ray"
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not ray"
 
 test-ray: $(STAMP)
 	$(PY) -m pytest -q -m ray
@@ -56,14 +57,14 @@ test-ray: $(STAMP)
 # The load lane (docs/testing.md): the suite with two busy-loop processes beside it, one pinned to each core, as on a
 # shared CI host. A test that passes here acts on what it has seen, not on how long things usually take.
 test-load: $(STAMP)
-	bash tests/load_lane.sh $(PY) -m pytest -q -n 2 --dist loadfile -m "not ray"
+	bash tests/load_lane.sh $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not ray"
 
 # The newest releases pyproject.toml admits, in a venv of their own: what a user installing today gets.
 test-latest:
 	test -x .venv-latest/bin/python || $(PYTHON) -m venv .venv-latest
 	.venv-latest/bin/python -m pip install -q $(TORCH) $(UV)
 	.venv-latest/bin/uv pip install -q --compile-bytecode --upgrade --python .venv-latest/bin/python -e '.[test,bench]'
-	.venv-latest/bin/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider
+	.venv-latest/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -p no:cacheprovider
 
 # The development lane: everything that runs in this one process (no rank pools, no subprocesses).
 test-fast: $(STAMP)
