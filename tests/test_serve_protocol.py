@@ -805,3 +805,27 @@ def test_an_idle_dispatcher_waits_for_requests_instead_of_polling_the_store():
     rounds = len(frontend.waits)
     assert frontend.waits[:20] == [DISPATCH_IDLE_WAIT_S] * 20 and DISPATCH_IDLE_WAIT_S >= 0.05
     assert store.checks - before <= 2 * rounds + 2, (store.checks - before, rounds)  # a fault key per replica a round
+
+
+def test_an_idle_replicas_first_rank_polls_for_work_at_most_every_20_ms():
+    """An idle round (IDLE_WAIT_S, no work coming) looks at the store about 14 times, backing off from 1 ms to 20 ms,
+    not 22 (10 ms): the idle server's largest cost. A bound, so a loaded machine (longer sleeps) passes too."""
+    import torch.distributed as dist
+
+    from paradiff.serve.ranks import IDLE_WAIT_S, POLL_S, Channel
+
+    class CountingStore:
+        def __init__(self) -> None:
+            self.store, self.checks = dist.HashStore(), 0
+
+        def check(self, keys):
+            self.checks += 1
+            return self.store.check(keys)
+
+        def __getattr__(self, name):
+            return getattr(self.store, name)
+
+    store = CountingStore()
+    channel = Channel(store, 0, 2, scope="r0")
+    assert not channel.wait_for("work", 1, deadline=time.monotonic() + IDLE_WAIT_S)
+    assert POLL_S == (0.001, 0.02) and store.checks <= 16, store.checks
