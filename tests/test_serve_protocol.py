@@ -749,3 +749,83 @@ def test_a_dead_rank_is_named_alone_while_rank_0s_own_loop_is_slow_to_say_it_is_
     assert cause == f"rank(s) {named} stopped answering (the process died or was killed)" and decision == "stop"
     assert now[0] >= (rank_0_alive_at or 3.0 + 15.0)  # rank 0 waited for: until it said alive, or the timeout
     assert frontend.replica_states == {0: "failed"} and dispatcher.failed
+
+
+class IdleFrontend(FaultFrontend):
+    """No request comes: the scheduler's wait is recorded (and not waited out); the dispatcher stops after 20."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits, self.scheduler = [], self
+        self.stopped = threading.Event()
+
+    def to_cancel(self):
+        return []
+
+    def next_round(self, replicas, wait_s):
+        self.waits.append(wait_s)
+        if len(self.waits) == 20:
+            self.stopped.set()
+        return {"kind": "idle"}
+
+
+def test_an_idle_dispatcher_waits_for_requests_instead_of_polling_the_store():
+    """dp2, both replicas free: each round waits on the scheduler (a request wakes it at once) for 50 ms, not 5 ms,
+    and reads each replica's fault key once: 40 store reads a second per replica, not 200 (12 % of a core idle)."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    from paradiff.serve.dispatch import DISPATCH_IDLE_WAIT_S, Dispatcher
+
+    class CountingStore:
+        def __init__(self) -> None:
+            self.store, self.checks = dist.HashStore(), 0
+
+        def check(self, keys):
+            self.checks += 1
+            return self.store.check(keys)
+
+        def __getattr__(self, name):
+            return getattr(self.store, name)
+
+    store, frontend = CountingStore(), IdleFrontend()
+    dispatcher = Dispatcher(store, frontend, replicas=2, size=1, timeout_s=15.0)
+    host = socket.gethostname()
+    for replica in dispatcher.replicas:
+        replica.channel.put({"info": {}, "ranks": [{"rank": replica.first_rank, "pid": os.getpid(), "host": host}]},
+                            "ready")
+        dispatcher._look_at(replica)  # loading -> ready
+    assert frontend.replica_states == {0: "ready", 1: "ready"}
+    before = store.checks
+    dispatcher.start()
+    assert frontend.stopped.wait(timeout=60), frontend.waits
+    dispatcher.stop()
+    rounds = len(frontend.waits)
+    assert frontend.waits[:20] == [DISPATCH_IDLE_WAIT_S] * 20 and DISPATCH_IDLE_WAIT_S >= 0.05
+    assert store.checks - before <= 2 * rounds + 2, (store.checks - before, rounds)  # a fault key per replica a round
+
+
+def test_an_idle_replicas_first_rank_polls_for_work_at_most_every_20_ms():
+    """An idle round (IDLE_WAIT_S, no work coming) looks at the store about 14 times, backing off from 1 ms to 20 ms,
+    not 22 (10 ms): the idle server's largest cost. A bound, so a loaded machine (longer sleeps) passes too."""
+    import torch.distributed as dist
+
+    from paradiff.serve.ranks import IDLE_WAIT_S, POLL_S, Channel
+
+    class CountingStore:
+        def __init__(self) -> None:
+            self.store, self.checks = dist.HashStore(), 0
+
+        def check(self, keys):
+            self.checks += 1
+            return self.store.check(keys)
+
+        def __getattr__(self, name):
+            return getattr(self.store, name)
+
+    store = CountingStore()
+    channel = Channel(store, 0, 2, scope="r0")
+    assert not channel.wait_for("work", 1, deadline=time.monotonic() + IDLE_WAIT_S)
+    assert POLL_S == (0.001, 0.02) and store.checks <= 16, store.checks

@@ -73,7 +73,10 @@ IDLE_WAIT_S = 0.2  # an idle round every this often: it is also how a rank that 
 # own fault); past it, the error is a rank's fault. A fault on one rank costs this much more before the recovery.
 AGREE_WAIT_S = 2.0
 DECISION_WAIT_S = 600.0  # how long a failed replica's ranks wait for the dispatcher's decision
-POLL_S = (0.001, 0.01)  # store polls: the first wait, and the longest (doubling in between)
+# store polls: the first wait, and the longest (doubling in between). An idle replica's first rank polls for work all
+# the time: at 10 ms its 2 looks a poll cost an idle server more CPU than its dispatcher; 20 ms adds at most 10 ms to
+# the start of a batch that comes to an idle replica (a busy one starts its next poll at 1 ms again)
+POLL_S = (0.001, 0.02)
 # Under Ray Serve (serve/ray.py) a mesh's frontend and dispatcher run in the Ray replica's process, which hosts the
 # store and starts the ranks with FRONTEND_ELSEWHERE set: rank 0 then runs no frontend and puts its settings (parsed
 # from the flags, as JSON) under SETTINGS_KEY for it.
