@@ -117,6 +117,13 @@ def test_what_sequence_parallelism_pays_beside_its_traffic_counted_by_hand():
     assert ulysses.linear_flops == 2 * (LATENT // 2) * latent_weights + 2 * TEXT * 2 * D * D
     assert ulysses.ops == wan.ops + cost.ULYSSES_OPS + cost.LOCAL_ATTENTION_OPS
     assert block_cost(FLUX_BLOCK, LATENT, TEXT, b, Mesh(ulysses=2)).ops == FLUX_BLOCK.ops + cost.ULYSSES_OPS
+    # after the blocks, the ranks agree on their lengths and gather the final projection's output: 8 of the 16
+    # latent tokens x 16 channels, 2 x 2 patched, on each rank
+    whole = model_shape({"_class_name": "WanTransformer3DModel", "num_layers": 1, "num_attention_heads": 2,
+                         "attention_head_dim": 4, "in_channels": 16, "out_channels": 16, "text_dim": 8,
+                         "ffn_dim": FFN}, text_tokens=TEXT)
+    assert cost.forward_cost(whole, LATENT, b, Mesh(ring=2)).traffic[-2:] == [
+        Traffic("all_gather", 2, 1, 2 * 8), Traffic("all_gather", 2, 1, 8 * 16 * 4 * 2)]
 
 
 def test_qk_norms_over_all_heads_and_the_wait_after_compute_counted_by_hand():
@@ -149,8 +156,9 @@ def test_qk_norms_over_all_heads_and_the_wait_after_compute_counted_by_hand():
                                                                         "p2p")})
     flux = model_shape(_tiny_flux_config(), text_tokens=TEXT)
     calls = {Mesh(tp=2): 4 + 1,  # the double block's 4 all-reduces, the single block's 1
-             Mesh(ulysses=2): 2 * (1 + 2),  # per attention: the lengths, q k v, the output
-             Mesh(ring=2): 2 * 1}  # per attention: the lengths; the pass follows them with nothing between
+             # per attention: the lengths, q k v, the output; after the blocks, the lengths and the output gathered
+             Mesh(ulysses=2): 2 * (1 + 2) + 2,
+             Mesh(ring=2): 2 * 1 + 2}  # per attention: the lengths; the pass follows them with nothing between
     for mesh, count in calls.items():
         assert predict(flux, LATENT, mesh, free).comm_s == pytest.approx(count * 1e-3), mesh.name
     assert predict(wan, LATENT, Mesh(tp=2), free).comm_s == pytest.approx((3 + 4) * 1e-3)

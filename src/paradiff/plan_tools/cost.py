@@ -32,6 +32,7 @@ Communication per forward, per rank (sizes in bytes; `wire` is what a ring algor
   with the attention on the block just received where the device can (`context_parallel.attention.overlaps_compute`:
   not on CPU);
 - ulysses and ring: before each self attention the ranks all-gather their sequence lengths (a few bytes: latency);
+  after the blocks, the final projection's output is all-gathered, its lengths agreed first (two calls a forward);
 - cfg: the branch predictions exchanged once per step (the output latent), no per-block traffic;
 - data: nothing;
 - fsdp (f; paradiff's `--fsdp`, docs/fsdp.md: with ulysses / ring, the weights sharded over the same f = ulysses x
@@ -491,6 +492,11 @@ def forward_cost(shape: ModelShape, latent: int, dtype_bytes: int = 2, mesh: Mes
         total.copy_bytes += one.copy_bytes * block.count
         total.ops += one.ops * block.count
         total.traffic += [replace(item, calls=item.calls * block.count) for item in one.traffic]
+    if mesh.sequence > 1:  # the output gathered at the final projection, after agreeing on the ranks' lengths
+        volume = math.prod(shape.patch) if shape.video else 1  # a video model's projection unpatches per token
+        total.traffic += [Traffic("all_gather", mesh.sequence, 1, 8 * mesh.sequence),
+                          Traffic("all_gather", mesh.sequence, 1,
+                                  latent / mesh.sequence * shape.in_channels * volume * dtype_bytes)]
     if mesh.fsdp > 1:
         total.traffic.append(Traffic("all_gather", mesh.fsdp, 1, shape.block_params * dtype_bytes / mesh.tp,
                                      overlapped=True))
