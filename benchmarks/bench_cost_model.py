@@ -4,6 +4,7 @@ and the efficiency table (a step's FLOPs over step time x ranks x the GEMM rate 
 
     .venv/bin/python benchmarks/bench_cost_model.py            # the 24 rows, 3 passes (about 120 s a pass idle)
     .venv/bin/python benchmarks/bench_cost_model.py --passes 1 --rounds 2 --meshes single,ring2   # a quick look
+    .venv/bin/python benchmarks/bench_cost_model.py --only wan:512 --meshes single,ulysses2,ring2 --out /tmp/x.json
 
 Models (random weights, fp32, batch 1, gloo on 127.0.0.1): a FLUX.2-architecture Flux2Transformer2DModel (joint +
 single blocks) and a Wan-architecture WanTransformer3DModel (self + cross attention), 4 heads x 64, 2 + 2 blocks /
@@ -16,7 +17,7 @@ glibc's mmap threshold at 128 KiB so freed activations go back to the OS and the
 with glibc's thresholds raised to 32 MiB (at 128 KiB every activation costs fresh zeroed pages: the forwards ran
 1.7-1.8x slower, which the step-time rows of runs before 2026-12-06 16:00 UTC measured): --rounds interleaved
 rounds, each calibration's own micro-benchmarks on every rank at once (GEMM, attention, the elementwise mix, the
-per-op probe; at its sizes) right before one timed step, so that probe and step see the same load; the step time is
+sequence ranks' copies, the per-op probe; at its sizes) right before one timed step, so that probe and step see the same load; the step time is
 the median over rounds of the slowest rank's step, the rates the median over rounds of the slowest rank's, and
 `step_cpu_s` the slowest rank's CPU seconds in the step (its compute without what other processes took of its core
 nor its waits on the other ranks: a check of the compute terms under load). Predicted: by
@@ -155,7 +156,7 @@ def step_worker(rank: int, world_size: int, family: str, class_name: str, config
         peaks.append(max(sampler.peak.values()) - before)
     _set_malloc_thresholds(32 * 2 ** 20)
     step()
-    times, cpu_times, gemm, attention, elementwise, op_overhead = [], [], [], [], [], []
+    times, cpu_times, gemm, attention, elementwise, op_overhead, copy = [], [], [], [], [], [], []
     for _ in range(rounds):
         barrier()  # every rank probes at once, as the ranks of the step will compute
         rates = measure_local("cpu", ("float32",), probe["gemm_size"], probe["attention_tokens"], probe["repeats"],
@@ -164,13 +165,14 @@ def step_worker(rank: int, world_size: int, family: str, class_name: str, config
         attention.append(rates["attention"]["float32"])
         elementwise.append(rates["elementwise_bandwidth"])
         op_overhead.append(rates["op_overhead_s"])
+        copy.append(rates["copy_bandwidth"])
         barrier()
         start, start_cpu = time.perf_counter(), time.thread_time()
         step()
         times.append(time.perf_counter() - start)
         cpu_times.append(time.thread_time() - start_cpu)
     return {"rank": rank, "times": times, "cpu_times": cpu_times, "gemm": gemm, "attention": attention,
-            "elementwise": elementwise, "op_overhead": op_overhead, "weights": held,
+            "elementwise": elementwise, "op_overhead": op_overhead, "copy": copy, "weights": held,
             "activation_peak": max(peaks)}
 
 
@@ -194,9 +196,11 @@ def measure(family, class_name, config, grid, mesh: str, rounds: int) -> dict:
     attention = [min(rank["attention"][i] for rank in ranks) for i in range(rounds)]
     elementwise = [min(rank["elementwise"][i] for rank in ranks) for i in range(rounds)]
     op_overhead = [max(rank["op_overhead"][i] for rank in ranks) for i in range(rounds)]
+    copy = [min(rank["copy"][i] for rank in ranks) for i in range(rounds)]
     return {"step_s": statistics.median(steps), "steps": steps, "step_cpu_s": statistics.median(cpu),
             "gemm_flops": statistics.median(gemm), "attention_flops": statistics.median(attention),
             "elementwise_bandwidth": statistics.median(elementwise), "op_overhead_s": statistics.median(op_overhead),
+            "copy_bandwidth": statistics.median(copy),
             "memory": max(rank["weights"] + rank["activation_peak"] for rank in ranks),
             "weights": max(rank["weights"] for rank in ranks),
             "activations": max(rank["activation_peak"] for rank in ranks),
@@ -211,6 +215,9 @@ def main() -> int:
                         help="passes over every row (the row order reversed on every other pass); each row's figures "
                              "are medians over the passes' rounds, so a slow minute of the machine moves one pass")
     parser.add_argument("--meshes", default=",".join(MESHES))
+    parser.add_argument("--only", default="",
+                        help="only these models and sizes, comma-separated MODEL:TOKENS (flux2 or wan; 512 / 1024 "
+                             "latent tokens, or small / large), e.g. wan:512; the headline JSON is then not written")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "raw" / "cost_model.json"))
     parser.add_argument("--no-wait", action="store_true", help="do not wait for the machine to go quiet")
     parser.add_argument("--note", default="", help="added to every figure's note (e.g. what else ran beside it)")
@@ -227,8 +234,10 @@ def main() -> int:
           f"{profile.attention_flops['float32'] / 1e9:.1f} GFLOP/s, concurrent ranks {profile.concurrent_ranks}; "
           f"{links}; {profile.sync_s * 1e3:.2f} ms per collective after compute", flush=True)
     rows = []
+    only = parse_only(args.only, quick)
     order = [(family, class_name, config, size, grid, mesh) for family, (class_name, config) in configs(quick).items()
-             for size, grid in grids(quick).items() for mesh in args.meshes.split(",")]
+             for size, grid in grids(quick).items() for mesh in args.meshes.split(",")
+             if not only or (family, size) in only]
     passes: dict[tuple, list[dict]] = {}
     for number in range(args.passes):
         for family, class_name, config, size, grid, mesh in (order if number % 2 == 0 else order[::-1]):
@@ -255,6 +264,7 @@ def main() -> int:
                                                                          profile.attention_flops["float32"])},
                         elementwise_bandwidth=share * measured.get("elementwise_bandwidth",
                                                                    profile.elementwise_bandwidth),
+                        copy_bandwidth=share * measured.get("copy_bandwidth", profile.copy_bandwidth),
                         op_overhead_s=measured.get("op_overhead_s", profile.op_overhead_s) / share)
         predicted = predict(shape_t, latent, Mesh.parse(mesh), rates, steps=1, dtype="float32", branches=2)
         row = {"model": family, "size": size, "latent_tokens": latent, "text_tokens": text, "mesh": mesh,
@@ -282,7 +292,7 @@ def main() -> int:
     print(tables(rows))
     print(f"written: {out} ({wall:.0f} s)")
     measured = [r for r in rows if "step_s" in r]
-    if measured and not args.large and args.meshes == ",".join(MESHES):
+    if measured and not args.large and args.meshes == ",".join(MESHES) and not only:
         busy = max(r["machine_busy_cores"] for r in measured)
         # the busy cores count the run's own ranks (2 cores for the 2-rank meshes): the load average says whether
         # other processes ran beside them
@@ -319,6 +329,21 @@ def main() -> int:
     return 0
 
 
+def parse_only(text: str, quick: bool) -> set[tuple[str, str]]:
+    """`--only`'s MODEL:TOKENS pairs as (model, size) keys of `configs` and `grids`; the size by name or by its
+    latent token count."""
+    sizes = {name: name for name in grids(quick)}
+    sizes.update({str(frames * height * width): name for name, (frames, height, width, _) in grids(quick).items()})
+    pairs = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        model, _, size = part.partition(":")
+        if model not in configs(quick) or size not in sizes:
+            raise SystemExit(f"--only {part!r}: write MODEL:TOKENS with MODEL one of {', '.join(configs(quick))} and "
+                             f"TOKENS one of {', '.join(sizes)}.")
+        pairs.add((model, sizes[size]))
+    return pairs
+
+
 def combine_passes(results: list[dict]) -> dict:
     """One row's figures over its passes: the median of every pass's step rounds and probed rates, the median
     memory, the busiest the machine was; an error only if every pass failed."""
@@ -329,7 +354,8 @@ def combine_passes(results: list[dict]) -> dict:
     combined = dict(done[0], steps=steps, step_s=statistics.median(steps), passes=len(done),
                     wall_s=sum(r["wall_s"] for r in done),
                     machine_busy_cores=max(r["machine_busy_cores"] for r in done))
-    for key in ("step_cpu_s", "gemm_flops", "attention_flops", "elementwise_bandwidth", "op_overhead_s", "memory",
+    for key in ("step_cpu_s", "gemm_flops", "attention_flops", "elementwise_bandwidth", "op_overhead_s",
+                "copy_bandwidth", "memory",
                 "weights", "activations"):
         combined[key] = statistics.median(r[key] for r in done)
     return combined

@@ -83,6 +83,49 @@ def test_one_flux_block_communication_per_mode_counted_by_hand():
         assert block_cost(FLUX_BLOCK, LATENT, TEXT, b, mesh).traffic == []
 
 
+def test_what_sequence_parallelism_pays_beside_its_traffic_counted_by_hand():
+    from dataclasses import replace
+
+    from paradiff.plan_tools.planner import predict
+
+    b = 2
+    # One FLUX block on 2 ranks: each holds 10 of the 20 tokens, so one of its q, k, v or output is 10 x 8 elements.
+    # Ulysses packs q, k, v (read and written: 6 passes), concatenates what it receives (6), packs and concatenates
+    # the output (2 + 2): 16 passes of 80 elements at 2 bytes
+    assert block_cost(FLUX_BLOCK, LATENT, TEXT, b, Mesh(ulysses=2)).copy_bytes == 16 * 80 * 2 == 2560
+    # ring stacks k and v (4 passes at 2 bytes) and merges the second block's output into its float32 accumulator
+    # (2 + 3 passes at 4 bytes)
+    assert block_cost(FLUX_BLOCK, LATENT, TEXT, b, Mesh(ring=2)).copy_bytes == 4 * 80 * 2 + 5 * 80 * 4 == 2240
+    # tp2 beside ulysses2 halves the width: 10 tokens x 4 features; nothing without sequence ranks
+    assert block_cost(FLUX_BLOCK, LATENT, TEXT, b, Mesh(ulysses=2, tp=2)).copy_bytes == 16 * 40 * 2
+    for mesh in (Mesh(), Mesh(tp=2), Mesh(cfg=2)):
+        assert block_cost(FLUX_BLOCK, LATENT, TEXT, b, mesh).copy_bytes == 0
+    # timed at the profile's copy bandwidth (else the elementwise one), on the device's side of the forward
+    profile = replace(BUILT_IN["h100-sxm"], op_overhead_s=0.0, copy_bandwidth=1e6)
+    flux = model_shape(_tiny_flux_config(), text_tokens=TEXT)
+    with_copies = predict(flux, LATENT, Mesh(ulysses=2), profile)
+    without = predict(flux, LATENT, Mesh(ulysses=2), replace(profile, copy_bandwidth=float("inf")))
+    assert with_copies.compute_s - without.compute_s == pytest.approx(with_copies.forward.copy_bytes / 1e6)
+    # A Wan block's cross attention attends the rank's 8 queries to the whole text: every sequence rank projects all
+    # 4 text tokens to cross keys and values (2 x 8 x 8 weights), and the routed backend adds its ops to the call
+    wan = model_shape({"_class_name": "WanTransformer3DModel", "num_layers": 1, "num_attention_heads": 2,
+                       "attention_head_dim": 4, "in_channels": 16, "out_channels": 16, "text_dim": 8,
+                       "ffn_dim": FFN}, text_tokens=TEXT).blocks[0]
+    latent_weights = 6 * D * D + 2 * D * FFN
+    single, ulysses = block_cost(wan, LATENT, TEXT, b), block_cost(wan, LATENT, TEXT, b, Mesh(ulysses=2))
+    assert single.linear_flops == 2 * LATENT * latent_weights + 2 * TEXT * 2 * D * D
+    assert ulysses.linear_flops == 2 * (LATENT // 2) * latent_weights + 2 * TEXT * 2 * D * D
+    assert ulysses.ops == wan.ops + cost.ULYSSES_OPS + cost.LOCAL_ATTENTION_OPS
+    assert block_cost(FLUX_BLOCK, LATENT, TEXT, b, Mesh(ulysses=2)).ops == FLUX_BLOCK.ops + cost.ULYSSES_OPS
+    # after the blocks, the ranks agree on their lengths and gather the final projection's output: 8 of the 16
+    # latent tokens x 16 channels, 2 x 2 patched, on each rank
+    whole = model_shape({"_class_name": "WanTransformer3DModel", "num_layers": 1, "num_attention_heads": 2,
+                         "attention_head_dim": 4, "in_channels": 16, "out_channels": 16, "text_dim": 8,
+                         "ffn_dim": FFN}, text_tokens=TEXT)
+    assert cost.forward_cost(whole, LATENT, b, Mesh(ring=2)).traffic[-2:] == [
+        Traffic("all_gather", 2, 1, 2 * 8), Traffic("all_gather", 2, 1, 8 * 16 * 4 * 2)]
+
+
 def test_qk_norms_over_all_heads_and_the_wait_after_compute_counted_by_hand():
     from dataclasses import replace
 
@@ -113,8 +156,9 @@ def test_qk_norms_over_all_heads_and_the_wait_after_compute_counted_by_hand():
                                                                         "p2p")})
     flux = model_shape(_tiny_flux_config(), text_tokens=TEXT)
     calls = {Mesh(tp=2): 4 + 1,  # the double block's 4 all-reduces, the single block's 1
-             Mesh(ulysses=2): 2 * (1 + 2),  # per attention: the lengths, q k v, the output
-             Mesh(ring=2): 2 * 1}  # per attention: the lengths; the pass follows them with nothing between
+             # per attention: the lengths, q k v, the output; after the blocks, the lengths and the output gathered
+             Mesh(ulysses=2): 2 * (1 + 2) + 2,
+             Mesh(ring=2): 2 * 1 + 2}  # per attention: the lengths; the pass follows them with nothing between
     for mesh, count in calls.items():
         assert predict(flux, LATENT, mesh, free).comm_s == pytest.approx(count * 1e-3), mesh.name
     assert predict(wan, LATENT, Mesh(tp=2), free).comm_s == pytest.approx((3 + 4) * 1e-3)

@@ -3,8 +3,8 @@
 Measured, on every rank at once (so that ranks sharing a CPU's cores or a host's links measure what they will get):
 - the GEMM rate per dtype (square products of --gemm-size), the attention rate (torch's SDPA, `heads` x tokens of
   head dim 64 or 128), the memory bandwidth (a large copy, bytes read + written), the elementwise bandwidth (a
-  block's mix of norms, modulation, gated residual and activations, at activation-like sizes) and the seconds per
-  torch op (a toy-width block of 43 ops at 4 tokens, as diffusers writes its blocks);
+  block's mix of norms, modulation, gated residual and activations, at activation-like sizes), the copy bandwidth
+  of Ulysses' packing and concatenation around attention (`_layout_copies`) and the seconds per torch op (a toy-width block of 43 ops at 4 tokens, as diffusers writes its blocks);
 - with world > 1, each collective the cost model uses, through `distributed/comm.py` (all-reduce as TP sums,
   all-to-all as Ulysses exchanges, all-gather as FSDP / CFG gathers, ring passes as p2p) at a small and a large
   size: the small one's time is the latency (a burst of `LATENCY_BURST` calls back to back, divided: one call's
@@ -110,6 +110,32 @@ def _elementwise_mix(device: str, dtype, numel: int, width: int = 256):
     return run, 15 * x.numel() * x.element_size()
 
 
+def _layout_copies(device: str, dtype, tokens: int, heads: int = 4, head_dim: int = 64):
+    """Ulysses' copies around one attention call at 2 ranks, as `context_parallel/attention.py` makes them: q, k and
+    v (batch 1, `heads` x `tokens` x `head_dim`) packed by head halves into one flat buffer, the received halves
+    concatenated along the sequence, then the output's halves packed and concatenated along the heads. Returns
+    (closure, bytes it moves as `cost.ULYSSES_COPY_PASSES` counts them: 16 passes over one of q, k, v)."""
+    import torch
+
+    q, k, v = (torch.randn(1, heads, tokens, head_dim, device=device).to(dtype) for _ in range(3))
+    half = heads // 2
+    numel = q.numel()
+
+    def run():
+        pieces = [t.narrow(1, start, half) for start in (0, half) for t in (q, k, v)]
+        flat = torch.empty(3 * numel, dtype=q.dtype, device=device)
+        for piece, chunk in zip(pieces, flat.split([piece.numel() for piece in pieces])):
+            chunk.view(piece.shape).copy_(piece)
+        received = [part.view(3, 1, half, tokens, head_dim) for part in flat.split(3 * numel // 2)]
+        qkv = torch.cat(received, dim=3)
+        out = qkv[0]
+        send = torch.empty(out.numel(), dtype=out.dtype, device=device)
+        for part, chunk in zip(out.split(tokens, dim=2), send.split([out.numel() // 2] * 2)):
+            chunk.view(part.shape).copy_(part)
+        torch.cat([part.view(1, half, tokens, head_dim) for part in send.split(out.numel() // 2)], dim=1)
+    return run, 16 * numel * q.element_size()
+
+
 def measure_local(device: str, dtypes: tuple[str, ...], gemm_size: int, attention_tokens: int,
                   repeats: int, copy_numel: int | None = None, elementwise_numel: int | None = None
                   ) -> dict[str, Any]:
@@ -138,6 +164,9 @@ def measure_local(device: str, dtypes: tuple[str, ...], gemm_size: int, attentio
     mix, moved = _elementwise_mix(device, getattr(torch, dtypes[0]),
                                   elementwise_numel or (2 ** 18 if device == "cpu" else 2 ** 26))
     out["elementwise_bandwidth"] = moved / _timed(mix, repeats, sync)
+    copies, copied = _layout_copies(device, getattr(torch, dtypes[0]), max(2, (elementwise_numel or (
+        2 ** 18 if device == "cpu" else 2 ** 26)) // 256))
+    out["copy_bandwidth"] = copied / _timed(copies, repeats, sync)
     block, calls = _probe_block(device), 20
 
     def blocks():
@@ -293,6 +322,7 @@ def profile_from(results: list[dict[str, Any]], *, world: int, device: str, dtyp
         attention_flops=dict(slowest["attention"]), memory_bytes=float(memory),
         memory_bandwidth=min(r["memory_bandwidth"] for r in results),
         elementwise_bandwidth=min(r["elementwise_bandwidth"] for r in results),
+        copy_bandwidth=min(r.get("copy_bandwidth", 0.0) for r in results),
         op_overhead_s=max(r["op_overhead_s"] for r in results), host_overlap=cuda,
         sync_s=max((r.get("sync_s", 0.0) for r in results), default=0.0),
         links=links or {op: Link(0.0, float("inf")) for op in OPS},

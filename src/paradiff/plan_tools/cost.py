@@ -32,6 +32,7 @@ Communication per forward, per rank (sizes in bytes; `wire` is what a ring algor
   with the attention on the block just received where the device can (`context_parallel.attention.overlaps_compute`:
   not on CPU);
 - ulysses and ring: before each self attention the ranks all-gather their sequence lengths (a few bytes: latency);
+  after the blocks, the final projection's output is all-gathered, its lengths agreed first (two calls a forward);
 - cfg: the branch predictions exchanged once per step (the output latent), no per-block traffic;
 - data: nothing;
 - fsdp (f; paradiff's `--fsdp`, docs/fsdp.md: with ulysses / ring, the weights sharded over the same f = ulysses x
@@ -167,6 +168,21 @@ OPS_PER_BLOCK = {  # family -> (first block kind, second block kind, outside the
 # against single's 522; 52 before the pass became one message), each collective call of tp 1; outside the blocks
 # the sequence split and gather 32, tp's embedder all-reduces 17.
 ULYSSES_OPS, RING_OPS_PER_PASS, SEQUENCE_OPS_OUTSIDE, TP_OPS_OUTSIDE = 65, 44, 32, 17
+# A cross attention under Ulysses or ring goes through the same routed backend, which attends the rank's queries to
+# the whole text locally: its checks and the kernel call with LSE add 11 ops to diffusers' one SDPA call (traced on
+# the Wan benchmark shape, 2 ranks, 2026-12-07: a forward 834 ops under ulysses2 and 750 under ring2 against 789 and
+# 705 counted without them, 45 more in both, 4 cross attentions)
+LOCAL_ATTENTION_OPS = 11
+
+# Copies the sequence ranks add around each self attention, in passes (a read or a write of one element) over this
+# rank's share of q, k, v or the output (its tokens x d / tp elements; after Ulysses' exchange the same count, as
+# tokens x ring x d / (tp u)), counted from context_parallel/attention.py: Ulysses packs q, k and v into one send
+# buffer (read and written: 6) and concatenates what it receives into one (6), then packs the output (2) and
+# concatenates what comes back (2): 16. Ring stacks k and v into the block that travels (4), and merges each further
+# block's output into its float32 accumulator in place by log-sum-exp (out x keep_old: 2; + block_out x keep_new: 3):
+# 5 a pass, at 4 bytes an element whatever the dtype. Timed at the profile's copy bandwidth (calibrated on the same
+# packing and concatenation, `calibrate._layout_copies`).
+ULYSSES_COPY_PASSES, RING_BLOCK_PASSES, RING_MERGE_PASSES = 16, 4, 5
 
 
 def _with_ops(shape: "ModelShape") -> "ModelShape":
@@ -367,6 +383,7 @@ class ForwardCost:
     traffic: list[Traffic] = field(default_factory=list)
     elementwise_bytes: float = 0.0  # what the norms, modulation, gates, RoPE and activations read and write
     ops: int = 0  # torch ops issued (each costs the profile's op_overhead_s, whatever its size)
+    copy_bytes: float = 0.0  # the sequence ranks' packing, concatenation and LSE merges around attention
 
     @property
     def flops(self) -> float:
@@ -396,7 +413,10 @@ def block_cost(block: BlockShape, latent: int, text: int, dtype_bytes: int = 2, 
     d, b = block.dim, dtype_bytes
     params = block.linear_params()
     tokens = {"latent": latent, "text": text, "all": latent + text}
-    linear = sum(2 * tokens[kind] * p for kind, p in params.items())
+    # a cross block's text (its cross keys and values) is not split by the sequence ranks: every rank projects all
+    # of it (counted here as seq times the text, so that the division by the sequence ranks below leaves it whole)
+    text_share = seq if block.kind == "cross" else 1
+    linear = sum(2 * tokens[kind] * p * (text_share if kind == "text" else 1) for kind, p in params.items())
     weights = sum(params.values())
     moved = 0.0
     d_ffn = block.ffn_dim * (2 if block.gated else 1)
@@ -408,7 +428,7 @@ def block_cost(block: BlockShape, latent: int, text: int, dtype_bytes: int = 2, 
         elif kind == "latent":
             moved += n * ((d + 3 * d) + (d + d) + (d + d) + (d + d) + (d + d_ffn) + (block.ffn_dim + d))
         else:
-            moved += n * (block.context_dim + 2 * d)
+            moved += n * (block.context_dim + 2 * d) * text_share
     if block.kind == "cross":
         attn = 4 * latent * latent * d + 4 * latent * text * d
         moved += 4 * latent * d + 2 * text * d
@@ -422,6 +442,8 @@ def block_cost(block: BlockShape, latent: int, text: int, dtype_bytes: int = 2, 
     cost.elementwise_bytes = stream_tokens / seq * (whole * d + (split * d + ffn_passes * block.ffn_dim) / t) * b
     # every rank issues all of the block's ops, on its share of the work
     cost.ops = block.ops + (ULYSSES_OPS if mesh.ulysses > 1 else 0) + RING_OPS_PER_PASS * (mesh.ring - 1)
+    if seq > 1 and block.kind == "cross":
+        cost.ops += LOCAL_ATTENTION_OPS
     # communication; sizes are this rank's tensors
     self_tokens = latent + text if block.kind != "cross" else latent
     local = self_tokens / seq
@@ -440,6 +462,11 @@ def block_cost(block: BlockShape, latent: int, text: int, dtype_bytes: int = 2, 
         if text_norms:
             cost.traffic.append(Traffic("all_reduce", t, text_norms, text * 4))
     heads_width = d / t
+    share = local * heads_width  # elements of one of this rank's q, k, v or output
+    if mesh.ulysses > 1:
+        cost.copy_bytes += ULYSSES_COPY_PASSES * share * b
+    if mesh.ring > 1:
+        cost.copy_bytes += RING_BLOCK_PASSES * share * b + RING_MERGE_PASSES * (mesh.ring - 1) * share * 4
     if seq > 1:  # both attentions first agree on the ranks' sequence lengths: one small all-gather per call
         cost.traffic.append(Traffic("all_gather", seq, 1, 8 * seq))
     if mesh.ulysses > 1:
@@ -462,8 +489,14 @@ def forward_cost(shape: ModelShape, latent: int, dtype_bytes: int = 2, mesh: Mes
         total.attention_flops += one.attention_flops * block.count
         total.bytes += one.bytes * block.count
         total.elementwise_bytes += one.elementwise_bytes * block.count
+        total.copy_bytes += one.copy_bytes * block.count
         total.ops += one.ops * block.count
         total.traffic += [replace(item, calls=item.calls * block.count) for item in one.traffic]
+    if mesh.sequence > 1:  # the output gathered at the final projection, after agreeing on the ranks' lengths
+        volume = math.prod(shape.patch) if shape.video else 1  # a video model's projection unpatches per token
+        total.traffic += [Traffic("all_gather", mesh.sequence, 1, 8 * mesh.sequence),
+                          Traffic("all_gather", mesh.sequence, 1,
+                                  latent / mesh.sequence * shape.in_channels * volume * dtype_bytes)]
     if mesh.fsdp > 1:
         total.traffic.append(Traffic("all_gather", mesh.fsdp, 1, shape.block_params * dtype_bytes / mesh.tp,
                                      overlapped=True))

@@ -57,6 +57,9 @@ class HardwareProfile:
     # rank of the group and for transport threads to wake (calibrated: `calibrate.measure_sync`); per such call
     # (`cost.Traffic.follows_compute`). 0 in the built-in profiles: not in a datasheet
     sync_s: float = 0.0
+    # bytes per second of the sequence ranks' packing and concatenation around attention (`cost.ForwardCost.
+    # copy_bytes`; calibrated: `calibrate._layout_copies`); 0: the elementwise bandwidth
+    copy_bandwidth: float = 0.0
 
     def link(self, op: str, group: int) -> Link:
         measured = self.link_by_world.get(str(group), {}).get(op)

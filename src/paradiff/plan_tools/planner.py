@@ -2,8 +2,8 @@
 
 Times come from the cost model (`cost.py`) and a hardware profile (`hardware.py`):
 - a rank's forward = its GEMM FLOPs / the GEMM rate + its attention FLOPs / the attention rate + its elementwise
-  bytes / the elementwise bandwidth (the device's time), and its torch ops x the per-op overhead (the host's
-  time): added where the host is the device (CPU), the longer of the two where the host issues ahead (CUDA);
+  bytes / the elementwise bandwidth + the sequence ranks' copies / the copy bandwidth (the device's time), and its
+  torch ops x the per-op overhead (the host's time): added where the host is the device (CPU), the longer of the two where the host issues ahead (CUDA);
   times world / concurrent_ranks where more ranks than that share the devices (a CPU's cores), plus the
   collectives it waits on; ring passes hide behind the attention on the block just received, FSDP's all-gathers
   behind the forward (prefetch), each only up to that compute, and only where the profile overlaps (not on CPU
@@ -122,7 +122,9 @@ def predict(shape: ModelShape, latent: int, mesh: Mesh, profile: HardwareProfile
     linear_s = cost.linear_flops / profile.rate(profile.gemm_flops, dtype) * share
     attention_s = cost.attention_flops / profile.rate(profile.attention_flops, dtype) * share
     elementwise_s = cost.elementwise_bytes / (profile.elementwise_bandwidth or profile.memory_bandwidth) * share
-    device_s = linear_s + attention_s + elementwise_s
+    copy_s = cost.copy_bytes / (profile.copy_bandwidth or profile.elementwise_bandwidth
+                                or profile.memory_bandwidth) * share
+    device_s = linear_s + attention_s + elementwise_s + copy_s
     host_s = cost.ops * profile.op_overhead_s * share
     compute = max(device_s, host_s) if profile.host_overlap else device_s + host_s
     exposed = 0.0
