@@ -120,6 +120,14 @@ def thread_cpu_s() -> tuple[float, float]:
     return me, others
 
 
+def minor_faults() -> int:
+    """This process's minor page faults so far: each is a page of fresh memory touched for the first time (a new
+    buffer the kernel maps and zeroes)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def run_step_case(folder: str, warm_folder: str, rounds: int, grid: int) -> dict:
     """ulysses2 and fsdp2 x ulysses2 loaded side by side in the same two ranks, their steps interleaved round by
     round (a load change on the machine hits both), with each step's wall time and the CPU time of the main thread
@@ -147,25 +155,25 @@ def run_step_case(folder: str, warm_folder: str, rounds: int, grid: int) -> dict
     for round_ in range(rounds):
         for mode in (list(models) if round_ % 2 == 0 else list(models)[::-1]):
             dist.barrier()
-            cpu = thread_cpu_s()
+            cpu, faults = thread_cpu_s(), minor_faults()
             started = time.perf_counter()
             run_forward(models[mode], inputs)
             wall = time.perf_counter() - started
             after = thread_cpu_s()
-            rows[mode].append((wall, after[0] - cpu[0], after[1] - cpu[1]))
+            rows[mode].append((wall, after[0] - cpu[0], after[1] - cpu[1], minor_faults() - faults))
     load.append(os.getloadavg()[0])
     fsdp = models["fsdp2xulysses2"]
     units = [fsdp.get_submodule(name) for name in get_state(fsdp).fsdp_blocks]
     gather = []
     for _ in range(rounds):
         dist.barrier()
-        cpu = thread_cpu_s()
+        cpu, faults = thread_cpu_s(), minor_faults()
         started = time.perf_counter()
         for unit in units:
             unit.unshard()
             unit.reshard()
         after = thread_cpu_s()
-        gather.append((time.perf_counter() - started, after[0] - cpu[0], after[1] - cpu[1]))
+        gather.append((time.perf_counter() - started, after[0] - cpu[0], after[1] - cpu[1], minor_faults() - faults))
     return {"rows": rows, "gather": gather, "load": load}
 
 
@@ -229,7 +237,8 @@ def run_step(folder: str, warm_folder: str, rounds: int, grid: int) -> dict:
     def medians(rows_of) -> dict:
         slowest = [max((rows_of(rank)[i] for rank in per_rank), key=lambda row: row[0]) for i in range(rounds)]
         return {"step_s": statistics.median(r[0] for r in slowest), "main_cpu_s": statistics.median(r[1] for r in slowest),
-                "other_cpu_s": statistics.median(r[2] for r in slowest), "steps_s": [r[0] for r in slowest]}
+                "other_cpu_s": statistics.median(r[2] for r in slowest),
+                "faults": statistics.median(r[3] for r in slowest), "steps_s": [r[0] for r in slowest]}
 
     results = {mode: {"ranks": 2, **medians(lambda rank, mode=mode: rank["rows"][mode])} for mode in STEP_CASES}
     results["gather"] = medians(lambda rank: rank["gather"])
@@ -301,7 +310,9 @@ def main() -> None:
                  f"{sp['main_cpu_s'] * 1000:.0f} / {sp['other_cpu_s'] * 1000:.0f} ms against "
                  f"{both['main_cpu_s'] * 1000:.0f} / {both['other_cpu_s'] * 1000:.0f} ms; gathering every block "
                  f"once without compute: {gather['step_s'] * 1000:.0f} ms wall, "
-                 f"{gather['main_cpu_s'] * 1000:.0f} / {gather['other_cpu_s'] * 1000:.0f} ms CPU; load average "
+                 f"{gather['main_cpu_s'] * 1000:.0f} / {gather['other_cpu_s'] * 1000:.0f} ms CPU; minor page "
+                 f"faults per step {sp['faults']:.0f} against {both['faults']:.0f} (gathering alone "
+                 f"{gather['faults']:.0f}); load average "
                  f"{results['load'][0]:.0f} as the steps began, {results['load'][1]:.0f} as they ended"))
     if args.step:
         cpu = {mode: results[mode]["main_cpu_s"] + results[mode]["other_cpu_s"] for mode in STEP_CASES}
