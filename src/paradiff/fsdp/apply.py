@@ -109,15 +109,17 @@ class _InPlaceGather(AllGather or object):
 class _GatherBuffers:
     """FSDP2's all-gather output buffers (a unit's gathered weights, before its copy-out into the parameters), reused
     from one gather to the next within a forward instead of allocated for each, and let go after it
-    (`_release_buffers`): a fresh block-sized buffer is new memory the kernel must
-    fault in and zero page by page (with large allocations mapped and unmapped each time, as under
-    MALLOC_MMAP_THRESHOLD_, every gather of every step; bench_fsdp.py).
+    (`_release_buffers`): a fresh block-sized buffer is new memory the kernel must fault in and zero page by page
+    (with large allocations mapped and unmapped each time, as under MALLOC_MMAP_THRESHOLD_: every gather of every
+    step; bench_fsdp.py).
 
     A buffer is free again once no tensor but the pool's storage uses it (FSDP2 drops its output after the copy-out),
-    so reuse needs no hook into FSDP2's order. The pool grows only while every buffer it holds is in use: at most the
-    gathers in flight at once (the current block and the prefetched next one, or a synchronous gather FSDP2 keeps
-    until the next copy-out), each as large as the largest unit gathered so far (`most` buffers at the most); a free buffer too small for a gather is replaced by one that fits.
-    Without torch's storage use count (a private function) every gather allocates, as FSDP2 does."""
+    so reuse needs no hook into FSDP2's order. A gather takes the smallest free buffer that fits and the other free
+    ones are let go (a gather that none fits gets a new one): in the blocks' steady state the next block's prefetch
+    takes the buffer the current block's copy-out just left, so one buffer serves them all, and no idle buffer stays
+    beside those in use (the gathers in flight, or a synchronous gather FSDP2 keeps until the next copy-out); `most`
+    buffers at the most. Without torch's storage use count (a private function) every gather allocates, as FSDP2
+    does."""
 
     most = 3  # the current unit, the prefetched next one, and one to spare (a unit gathered outside the order)
 
@@ -131,12 +133,12 @@ class _GatherBuffers:
             return torch.empty(*size, dtype=dtype, device=device)
         free = [storage for storage in self._storages if use_count(storage._cdata) == 1]
         fits = [storage for storage in free if storage.nbytes() >= nbytes]
-        if fits:
-            storage = min(fits, key=lambda s: s.nbytes())
-        else:
-            if free:  # too small for this unit: replaced, so the pool holds no more buffers than gathers in flight
-                self._storages.remove(max(free, key=lambda s: s.nbytes()))
-            elif len(self._storages) >= self.most:  # buffers still held elsewhere: allocate as FSDP2 does
+        storage = min(fits, key=lambda s: s.nbytes()) if fits else None
+        # the other free buffers are let go: an idle buffer would be a block's memory more than FSDP2 itself holds
+        free_ids = {id(kept) for kept in free if kept is not storage}
+        self._storages = [kept for kept in self._storages if id(kept) not in free_ids]
+        if storage is None:
+            if len(self._storages) >= self.most:  # buffers still held elsewhere: allocate as FSDP2 does
                 return torch.empty(*size, dtype=dtype, device=device)
             storage = torch.UntypedStorage(nbytes, device=device)
             self._storages.append(storage)
