@@ -9,7 +9,8 @@ loaded shard-on-read by each case; one torch thread per rank, gloo on 127.0.0.1,
   3% of the model, as in FLUX.2-dev: FSDP gathers one block and prefetches the next); batch 1, a 16x16 latent grid +
   64 text tokens, one forward after the load. `--model small` is the 375 MB, 24-block model of earlier runs.
 - step (ulysses2, fsdp2xulysses2; `--step`, off by default: minutes under load; `--only-step` runs it alone and
-  prints it without recording) on the small model, a 32x32 latent grid + 64 text tokens: both models loaded in the
+  prints it without recording; run without MALLOC_MMAP_THRESHOLD_, in a child process when it is set) on the small
+  model, a 32x32 latent grid + 64 text tokens: both models loaded in the
   same two ranks, their steps interleaved for --repeats rounds after one warm-up each, the median of the slowest
   rank's, with the CPU time of the main thread (compute) and of the other threads (gloo's transport) over each step.
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -248,6 +250,17 @@ def run_step(folder: str, warm_folder: str, rounds: int, grid: int) -> dict:
     return results
 
 
+def step_without_mmap_threshold(repeats: int, out: Path) -> dict:
+    """The step cases in a child process (and its ranks) without MALLOC_MMAP_THRESHOLD_: the memory figure needs it
+    (freed blocks leave the RSS), but it maps every allocation over 128 KB afresh, activations included, so each step
+    faults in and zeroes all it allocates (360k page faults a step in ulysses2 alone, against a few dozen with glibc's
+    default threshold): that measures malloc, not the all-gathers."""
+    env = {key: value for key, value in os.environ.items() if key != "MALLOC_MMAP_THRESHOLD_"}
+    subprocess.run([sys.executable, __file__, "--only-step", "--repeats", str(repeats), "--json", str(out)],
+                   env=env, check=True)
+    return json.loads(out.read_text())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="real")
@@ -272,7 +285,9 @@ def main() -> None:
             folder = str(save_model(model, Path(tmp) / "flux2"))
             del model
             results = run_cases(MEMORY_CASES, folder, warm_folder, repeats=0, grid=16)
-        if args.step or args.only_step:
+        if (args.step or args.only_step) and "MALLOC_MMAP_THRESHOLD_" in os.environ:
+            results.update(step_without_mmap_threshold(args.repeats, Path(tmp) / "step.json"))
+        elif args.step or args.only_step:
             small = str(save_model(build_fast(MODELS["small"]), Path(tmp) / "small"))
             results.update(run_step(small, warm_folder, rounds=args.repeats, grid=32))
     if args.json:
@@ -313,7 +328,8 @@ def main() -> None:
                  f"{gather['main_cpu_s'] * 1000:.0f} / {gather['other_cpu_s'] * 1000:.0f} ms CPU; minor page "
                  f"faults per step {sp['faults']:.0f} against {both['faults']:.0f} (gathering alone "
                  f"{gather['faults']:.0f}); load average "
-                 f"{results['load'][0]:.0f} as the steps began, {results['load'][1]:.0f} as they ended"))
+                 f"{results['load'][0]:.0f} as the steps began, {results['load'][1]:.0f} as they ended; glibc's "
+                 "default malloc (the steps run without MALLOC_MMAP_THRESHOLD_, which the memory figure needs)"))
     if args.step:
         cpu = {mode: results[mode]["main_cpu_s"] + results[mode]["other_cpu_s"] for mode in STEP_CASES}
         figures.append(figure(
