@@ -9,7 +9,8 @@ loaded shard-on-read by each case; one torch thread per rank, gloo on 127.0.0.1,
   3% of the model, as in FLUX.2-dev: FSDP gathers one block and prefetches the next); batch 1, a 16x16 latent grid +
   64 text tokens, one forward after the load. `--model small` is the 375 MB, 24-block model of earlier runs.
 - step (ulysses2, fsdp2xulysses2; `--step`, off by default: minutes under load; `--only-step` runs it alone and
-  prints it without recording) on the small model, a 32x32 latent grid + 64 text tokens: both models loaded in the
+  prints it without recording; run without MALLOC_MMAP_THRESHOLD_, in a child process when it is set) on the small
+  model, a 32x32 latent grid + 64 text tokens: both models loaded in the
   same two ranks, their steps interleaved for --repeats rounds after one warm-up each, the median of the slowest
   rank's, with the CPU time of the main thread (compute) and of the other threads (gloo's transport) over each step.
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -120,6 +122,14 @@ def thread_cpu_s() -> tuple[float, float]:
     return me, others
 
 
+def minor_faults() -> int:
+    """This process's minor page faults so far: each is a page of fresh memory touched for the first time (a new
+    buffer the kernel maps and zeroes)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def run_step_case(folder: str, warm_folder: str, rounds: int, grid: int) -> dict:
     """ulysses2 and fsdp2 x ulysses2 loaded side by side in the same two ranks, their steps interleaved round by
     round (a load change on the machine hits both), with each step's wall time and the CPU time of the main thread
@@ -147,25 +157,25 @@ def run_step_case(folder: str, warm_folder: str, rounds: int, grid: int) -> dict
     for round_ in range(rounds):
         for mode in (list(models) if round_ % 2 == 0 else list(models)[::-1]):
             dist.barrier()
-            cpu = thread_cpu_s()
+            cpu, faults = thread_cpu_s(), minor_faults()
             started = time.perf_counter()
             run_forward(models[mode], inputs)
             wall = time.perf_counter() - started
             after = thread_cpu_s()
-            rows[mode].append((wall, after[0] - cpu[0], after[1] - cpu[1]))
+            rows[mode].append((wall, after[0] - cpu[0], after[1] - cpu[1], minor_faults() - faults))
     load.append(os.getloadavg()[0])
     fsdp = models["fsdp2xulysses2"]
     units = [fsdp.get_submodule(name) for name in get_state(fsdp).fsdp_blocks]
     gather = []
     for _ in range(rounds):
         dist.barrier()
-        cpu = thread_cpu_s()
+        cpu, faults = thread_cpu_s(), minor_faults()
         started = time.perf_counter()
         for unit in units:
             unit.unshard()
             unit.reshard()
         after = thread_cpu_s()
-        gather.append((time.perf_counter() - started, after[0] - cpu[0], after[1] - cpu[1]))
+        gather.append((time.perf_counter() - started, after[0] - cpu[0], after[1] - cpu[1], minor_faults() - faults))
     return {"rows": rows, "gather": gather, "load": load}
 
 
@@ -229,7 +239,8 @@ def run_step(folder: str, warm_folder: str, rounds: int, grid: int) -> dict:
     def medians(rows_of) -> dict:
         slowest = [max((rows_of(rank)[i] for rank in per_rank), key=lambda row: row[0]) for i in range(rounds)]
         return {"step_s": statistics.median(r[0] for r in slowest), "main_cpu_s": statistics.median(r[1] for r in slowest),
-                "other_cpu_s": statistics.median(r[2] for r in slowest), "steps_s": [r[0] for r in slowest]}
+                "other_cpu_s": statistics.median(r[2] for r in slowest),
+                "faults": statistics.median(r[3] for r in slowest), "steps_s": [r[0] for r in slowest]}
 
     results = {mode: {"ranks": 2, **medians(lambda rank, mode=mode: rank["rows"][mode])} for mode in STEP_CASES}
     results["gather"] = medians(lambda rank: rank["gather"])
@@ -237,6 +248,17 @@ def run_step(folder: str, warm_folder: str, rounds: int, grid: int) -> dict:
     for name, row in results.items():
         print(name, row, flush=True)
     return results
+
+
+def step_without_mmap_threshold(repeats: int, out: Path) -> dict:
+    """The step cases in a child process (and its ranks) without MALLOC_MMAP_THRESHOLD_: the memory figure needs it
+    (freed blocks leave the RSS), but it maps every allocation over 128 KB afresh, activations included, so each step
+    faults in and zeroes all it allocates (360k page faults a step in ulysses2 alone, against a few dozen with glibc's
+    default threshold): that measures malloc, not the all-gathers."""
+    env = {key: value for key, value in os.environ.items() if key != "MALLOC_MMAP_THRESHOLD_"}
+    subprocess.run([sys.executable, __file__, "--only-step", "--repeats", str(repeats), "--json", str(out)],
+                   env=env, check=True)
+    return json.loads(out.read_text())
 
 
 def main() -> None:
@@ -263,7 +285,9 @@ def main() -> None:
             folder = str(save_model(model, Path(tmp) / "flux2"))
             del model
             results = run_cases(MEMORY_CASES, folder, warm_folder, repeats=0, grid=16)
-        if args.step or args.only_step:
+        if (args.step or args.only_step) and "MALLOC_MMAP_THRESHOLD_" in os.environ:
+            results.update(step_without_mmap_threshold(args.repeats, Path(tmp) / "step.json"))
+        elif args.step or args.only_step:
             small = str(save_model(build_fast(MODELS["small"]), Path(tmp) / "small"))
             results.update(run_step(small, warm_folder, rounds=args.repeats, grid=32))
     if args.json:
@@ -301,8 +325,11 @@ def main() -> None:
                  f"{sp['main_cpu_s'] * 1000:.0f} / {sp['other_cpu_s'] * 1000:.0f} ms against "
                  f"{both['main_cpu_s'] * 1000:.0f} / {both['other_cpu_s'] * 1000:.0f} ms; gathering every block "
                  f"once without compute: {gather['step_s'] * 1000:.0f} ms wall, "
-                 f"{gather['main_cpu_s'] * 1000:.0f} / {gather['other_cpu_s'] * 1000:.0f} ms CPU; load average "
-                 f"{results['load'][0]:.0f} as the steps began, {results['load'][1]:.0f} as they ended"))
+                 f"{gather['main_cpu_s'] * 1000:.0f} / {gather['other_cpu_s'] * 1000:.0f} ms CPU; minor page "
+                 f"faults per step {sp['faults']:.0f} against {both['faults']:.0f} (gathering alone "
+                 f"{gather['faults']:.0f}); load average "
+                 f"{results['load'][0]:.0f} as the steps began, {results['load'][1]:.0f} as they ended; glibc's "
+                 "default malloc (the steps run without MALLOC_MMAP_THRESHOLD_, which the memory figure needs)"))
     if args.step:
         cpu = {mode: results[mode]["main_cpu_s"] + results[mode]["other_cpu_s"] for mode in STEP_CASES}
         figures.append(figure(

@@ -196,3 +196,31 @@ def test_fsdp_covers_the_issue_families_and_offloads(pools, tiny_pipeline_folder
         assert "enable_group_offload on a model loaded with fsdp_degree=2" in result["group_offload"], result
         for held, whole in result["held"].values():
             assert held < 0.6 * whole, result
+
+
+def test_gather_buffers_are_reused_once_fsdp_drops_them():
+    """FSDP2's all-gather outputs on CPU come from a pool (fsdp/apply.py: _GatherBuffers): a buffer FSDP2 still holds
+    (a gather in flight) is never handed out again, one it dropped is (no fresh block-sized memory to fault in at each
+    gather of each step), free buffers beyond the one taken are let go, the pool never holds more than `most`, and it
+    lets go of them all after the forward."""
+    from paradiff.fsdp.apply import _GatherBuffers
+
+    pool, cpu = _GatherBuffers(), torch.device("cpu")
+    first = pool.take((64,), torch.float32, cpu)
+    first_ptr = first.data_ptr()
+    input_view = first.narrow(0, 0, 32)  # FSDP2's all-gather input: this rank's slot of the output
+    second = pool.take((48,), torch.float32, cpu)  # the prefetched next unit, while the first is in flight
+    assert second.data_ptr() != first_ptr and second.shape == (48,)
+    del first
+    assert pool.take((64,), torch.float32, cpu).data_ptr() != first_ptr  # its input view still holds it
+    del input_view
+    again = pool.take((16,), torch.bfloat16, cpu)  # any dtype: the buffers are bytes
+    assert again.data_ptr() == first_ptr and again.dtype == torch.bfloat16 and again.shape == (16,)
+    del again, second
+    assert pool.held_bytes == 64 * 4 + 48 * 4  # the other free 64-float buffer was let go: no idle block held
+    bigger = pool.take((100,), torch.float32, cpu)  # no free buffer fits: the free ones go, a new one comes
+    assert pool.held_bytes == 100 * 4 and bigger.shape == (100,)
+    held = [pool.take((100,), torch.float32, cpu) for _ in range(4)]  # more in flight than `most`: plain memory
+    assert pool.held_bytes == _GatherBuffers.most * 100 * 4 and len({t.data_ptr() for t in held + [bigger]}) == 5
+    pool.release()  # after the model's forward: nothing held between steps but what is still in use
+    assert pool.held_bytes == 0 and float(held[0].fill_(1.0).sum()) == 100.0  # a buffer in use lives on

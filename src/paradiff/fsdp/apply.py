@@ -15,6 +15,7 @@ weight. Buffers (rotary tables computed at construction, persistent buffers read
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from contextlib import contextmanager
 from functools import partial
@@ -70,9 +71,11 @@ def shard_weights(model: nn.Module, blocks: list[tuple[str, nn.Module]], mesh: D
     _shard_mixed_dtypes(model, options)
     fully_shard(model, **options)
     if device.type == "cpu" and AllGather is not None:  # without the hook: gloo's staged all_gather_into_tensor
+        gather = _InPlaceGather(_GatherBuffers())  # one set of reused buffers for all the model's units
         for module in model.modules():
             if isinstance(module, FSDPModule):
-                module.set_custom_all_gather(_InPlaceGather())
+                module.set_custom_all_gather(gather)
+        add_hook(model, partial(_release_buffers, gather.buffers), by="fsdp", always_call=True)
     for (name, block), (next_name, following) in zip(blocks, blocks[1:]):
         if prefetch_across_lists or name.rpartition(".")[0] == next_name.rpartition(".")[0]:
             add_hook(block, partial(_gather_next, following), by="fsdp", pre=True)
@@ -90,13 +93,70 @@ def shard_weights(model: nn.Module, blocks: list[tuple[str, nn.Module]], mesh: D
 class _InPlaceGather(AllGather or object):
     """FSDP2's all-gather on CPU (gloo): sent and received in place in FSDP2's own output buffer
     (`comm.all_gather_in_place`), not staged by gloo in a second whole buffer and copied back. In bench_fsdp.py the
-    staging buffer was a block's worth of memory per gather in flight, and the copies part of the step."""
+    staging buffer was a block's worth of memory per gather in flight, and the copies part of the step. The output
+    buffers come from `buffers`, reused from one gather to the next."""
+
+    def __init__(self, buffers: "_GatherBuffers") -> None:
+        self.buffers = buffers
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
+        return self.buffers.take(size, dtype, device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, async_op: bool = False):
         return all_gather_in_place(output_tensor, input_tensor, group, async_op=async_op)
+
+
+class _GatherBuffers:
+    """FSDP2's all-gather output buffers (a unit's gathered weights, before its copy-out into the parameters), reused
+    from one gather to the next within a forward instead of allocated for each, and let go after it
+    (`_release_buffers`): a fresh block-sized buffer is new memory the kernel must fault in and zero page by page
+    (with large allocations mapped and unmapped each time, as under MALLOC_MMAP_THRESHOLD_: every gather of every
+    step; bench_fsdp.py).
+
+    A buffer is free again once no tensor but the pool's storage uses it (FSDP2 drops its output after the copy-out),
+    so reuse needs no hook into FSDP2's order. A gather takes the smallest free buffer that fits and the other free
+    ones are let go (a gather that none fits gets a new one): in the blocks' steady state the next block's prefetch
+    takes the buffer the current block's copy-out just left, so one buffer serves them all, and no idle buffer stays
+    beside those in use (the gathers in flight, or a synchronous gather FSDP2 keeps until the next copy-out); `most`
+    buffers at the most. Without torch's storage use count (a private function) every gather allocates, as FSDP2
+    does."""
+
+    most = 3  # the current unit, the prefetched next one, and one to spare (a unit gathered outside the order)
+
+    def __init__(self) -> None:
+        self._storages: list[torch.UntypedStorage] = []
+
+    def take(self, size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        nbytes = math.prod(size) * dtype.itemsize
+        use_count = getattr(torch._C, "_storage_Use_Count", None)
+        if use_count is None or device.type != "cpu":
+            return torch.empty(*size, dtype=dtype, device=device)
+        free = [storage for storage in self._storages if use_count(storage._cdata) == 1]
+        fits = [storage for storage in free if storage.nbytes() >= nbytes]
+        storage = min(fits, key=lambda s: s.nbytes()) if fits else None
+        # the other free buffers are let go: an idle buffer would be a block's memory more than FSDP2 itself holds
+        free_ids = {id(kept) for kept in free if kept is not storage}
+        self._storages = [kept for kept in self._storages if id(kept) not in free_ids]
+        if storage is None:
+            if len(self._storages) >= self.most:  # buffers still held elsewhere: allocate as FSDP2 does
+                return torch.empty(*size, dtype=dtype, device=device)
+            storage = torch.UntypedStorage(nbytes, device=device)
+            self._storages.append(storage)
+        return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, tuple(size))
+
+    def release(self) -> None:
+        """Let go of every buffer (one still in use lives on with its user, then is freed)."""
+        self._storages.clear()
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(storage.nbytes() for storage in self._storages)
+
+
+def _release_buffers(buffers: _GatherBuffers, _model: nn.Module, _args: tuple, _output) -> None:
+    """After the model's forward: its gathers' buffers are freed, so nothing is held between steps beyond the shards
+    (the buffers are reused within a forward, by all its blocks, and made again at the next one's first gathers)."""
+    buffers.release()
 
 
 def _submodule_or_none(model: nn.Module, name: str) -> nn.Module | None:
