@@ -22,10 +22,11 @@ def _relative(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> float
     return worst
 
 
-def _held_slices(model, reference) -> dict:
-    """Every tensor this rank holds equals its slice of the full one, the slice named by the resolved plan."""
+def _held_slices(model, full: dict[str, torch.Tensor]) -> dict:
+    """Every tensor this rank holds equals its slice of the full one (`full`: the single-process model's
+    state_dict), the slice named by the resolved plan."""
     resolved = get_state(model).tp_plan
-    full, local = reference.state_dict(), model.state_dict()
+    local = model.state_dict()
     assert set(full) == set(local), sorted(set(full) ^ set(local))
     split = []
     for name, tensor in local.items():
@@ -40,19 +41,31 @@ def _held_slices(model, reference) -> dict:
     return {"split_tensors": len(split), "share": nbytes(local.values()) / nbytes(full.values())}
 
 
-def encoder_classes_match(folders: dict[str, str], tp: int) -> dict:
+def reference(name: str, folder: str) -> dict:
+    """transformers' single-process model of one class: its state_dict and its outputs on `encoder_inputs`. Made
+    once in the test process (tests/test_encoder_classes.py) for every rank of every TP degree, which each loaded
+    and ran it themselves before."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = encoder_class(name).from_pretrained(folder).eval()
+        return {"state": model.state_dict(), "outputs": encoder_outputs(model, encoder_inputs(name, model.config))}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def encoder_classes_match(folders: dict[str, str], references: dict[str, dict], tp: int) -> dict:
     """For each class: outputs (every hidden state, pooled / projected outputs, logits) relative to the single
-    process, what this rank holds, and its share of the parameter bytes."""
+    process (`references`: `reference` of each class), what this rank holds, and its share of the parameter bytes."""
     torch.set_num_threads(1)
     results = {}
     for name, folder in folders.items():
         cls = encoder_class(name)
-        reference = cls.from_pretrained(folder).eval()
         model = paradiff.from_pretrained(cls, folder, parallel_config=paradiff.TensorParallelConfig(tp))
-        inputs = encoder_inputs(name, reference.config)
+        inputs = encoder_inputs(name, model.config)
         results[name] = {
-            "diff": _relative(encoder_outputs(model, inputs), encoder_outputs(reference, inputs)),
-            **_held_slices(model, reference),
+            "diff": _relative(encoder_outputs(model, inputs), references[name]["outputs"]),
+            **_held_slices(model, references[name]["state"]),
         }
     return {"rank": dist.get_rank(), "classes": results}
 
@@ -75,7 +88,7 @@ def image_encoder_in_pipeline(folder: str, modes: dict[str, dict]) -> dict:
         with torch.no_grad():
             actual = pipeline.encode_image(images, device=torch.device("cpu"))
         results[mode] = {"diff": _relative([actual], [expected]),
-                         **_held_slices(pipeline.image_encoder, reference.image_encoder)}
+                         **_held_slices(pipeline.image_encoder, reference.image_encoder.state_dict())}
     return {"rank": dist.get_rank(), "modes": results}
 
 

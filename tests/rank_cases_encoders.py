@@ -120,14 +120,23 @@ def data_parallel_staged(family: str, folder: str, prompts: list[str]) -> dict:
         images = _pixels(pipeline(prompt=[p for _, p in share], seed=0,
                                   generator=[torch.Generator().manual_seed(100 + i) for i, _ in share], **kwargs))
         made = {index: image for (index, _), image in zip(share, images)}
-    reference = DiffusionPipeline.from_pretrained(folder)
-    reference.set_progress_bar_config(disable=True)
-    diffs = {}
-    for index, image in made.items():
-        expected = _pixels(reference(prompt=prompts[index], generator=torch.Generator().manual_seed(100 + index),
-                                     **kwargs))[0]
-        diffs[index] = float(np.abs(image - expected).max())
-    return {"rank": dist.get_rank(), "diffs": diffs}
+    return {"rank": dist.get_rank(), "made": made}
+
+
+def data_parallel_expected(family: str, folder: str, prompts: list[str]) -> dict:
+    """diffusers' single-process image of each prompt with `data_parallel_staged`'s seeds: made once, in the test
+    process beside the ranks (each rank loaded the reference and drew its own prompts before)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        kwargs = dict(default_call_kwargs(family), num_inference_steps=2)
+        kwargs.pop("prompt")
+        reference = DiffusionPipeline.from_pretrained(folder)
+        reference.set_progress_bar_config(disable=True)
+        return {index: _pixels(reference(prompt=prompt, generator=torch.Generator().manual_seed(100 + index),
+                                         **kwargs))[0] for index, prompt in enumerate(prompts)}
+    finally:
+        torch.set_num_threads(threads)
 
 
 def unplanned_encoder(folder: str, scratch: str) -> dict:
@@ -137,13 +146,7 @@ def unplanned_encoder(folder: str, scratch: str) -> dict:
     torch.set_num_threads(1)
     target = Path(scratch)
     if dist.get_rank() == 0 and not target.exists():
-        shutil.copytree(folder, target)
-        index = json.loads((target / "model_index.json").read_text())
-        index["text_encoder"] = ["transformers", "MT5EncoderModel"]  # same weights as UMT5, no paradiff plan
-        (target / "model_index.json").write_text(json.dumps(index))
-        config = json.loads((target / "text_encoder" / "config.json").read_text())
-        config.update(architectures=["MT5EncoderModel"], model_type="mt5")
-        (target / "text_encoder" / "config.json").write_text(json.dumps(config))
+        unplanned_encoder_folder(folder, scratch)
     dist.barrier()
     out = {"rank": dist.get_rank()}
     warnings = _WarningsNaming("MT5EncoderModel")
@@ -173,12 +176,26 @@ def unplanned_encoder(folder: str, scratch: str) -> dict:
         out["default_vs_whole"] = _relative(default.encode_prompt(**kwargs), whole.encode_prompt(**kwargs))
         out["default_cp_vs_whole"] = _relative(default_cp.encode_prompt(**kwargs), whole.encode_prompt(**kwargs))
     out["default_cp_share"] = parameter_bytes([default_cp.text_encoder]) / out["whole_share"]
-    expected = reference("wan", str(target))  # diffusers' single-process pipeline on the same folder
+    # compared with diffusers' single-process pipeline on the same folder in the test process (`reference`)
+    kwargs = dict(default_call_kwargs("wan"), num_inference_steps=2)
     for name, pipeline in (("default", default), ("default_cp", default_cp)):
         pipeline.set_progress_bar_config(disable=True)
-        image = _pixels(pipeline(**expected["kwargs"], seed=0))
-        out[f"{name}_image_vs_single"] = float(np.abs(image.astype(np.float64) - expected["image"]).max())
+        out[f"{name}_image"] = _pixels(pipeline(**kwargs, seed=0))
     return out
+
+
+def unplanned_encoder_folder(folder: str, scratch: str) -> str:
+    """The tiny Wan pipeline copied to `scratch` with its UMT5 text encoder named MT5EncoderModel: same weights, a
+    class paradiff has no plan for."""
+    target = Path(scratch)
+    shutil.copytree(folder, target)
+    index = json.loads((target / "model_index.json").read_text())
+    index["text_encoder"] = ["transformers", "MT5EncoderModel"]  # same weights as UMT5, no paradiff plan
+    (target / "model_index.json").write_text(json.dumps(index))
+    config = json.loads((target / "text_encoder" / "config.json").read_text())
+    config.update(architectures=["MT5EncoderModel"], model_type="mt5")
+    (target / "text_encoder" / "config.json").write_text(json.dumps(config))
+    return str(target)
 
 
 class _WarningsNaming(logging.Handler):
@@ -196,13 +213,26 @@ def device_map_for_whole_components(family: str, folder: str) -> dict:
     pipeline = paradiff.load_pipeline(folder, parallel_config=_config(tp=2), shard_text_encoders=False,
                                       device_map="cpu", max_memory={"cpu": "8GB"})
     pipeline.set_progress_bar_config(disable=True)
-    reference = DiffusionPipeline.from_pretrained(folder)
-    reference.set_progress_bar_config(disable=True)
     kwargs = dict(default_call_kwargs(family), num_inference_steps=2)
     image = _pixels(pipeline(**kwargs, seed=0))
-    expected = _pixels(reference(**kwargs, generator=torch.Generator().manual_seed(0)))
-    return {"device_map": getattr(pipeline, "hf_device_map", None), "diff": float(np.abs(image - expected).max()),
-            "encoder_whole": parameter_bytes([pipeline.text_encoder]) == parameter_bytes([reference.text_encoder])}
+    # compared with diffusers' single-process pipeline in the test process (`device_map_expected`)
+    return {"device_map": getattr(pipeline, "hf_device_map", None), "image": image,
+            "encoder_bytes": parameter_bytes([pipeline.text_encoder])}
+
+
+def device_map_expected(family: str, folder: str) -> dict:
+    """diffusers' single-process image and text-encoder bytes for `device_map_for_whole_components`, made once in
+    the test process beside the ranks."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        reference = DiffusionPipeline.from_pretrained(folder)
+        reference.set_progress_bar_config(disable=True)
+        kwargs = dict(default_call_kwargs(family), num_inference_steps=2)
+        return {"image": _pixels(reference(**kwargs, generator=torch.Generator().manual_seed(0))),
+                "encoder_bytes": parameter_bytes([reference.text_encoder])}
+    finally:
+        torch.set_num_threads(threads)
 
 
 def staged_matches_unstaged_in_dtypes(family: str, folder: str, degrees: dict, dtypes: list[str]) -> dict:

@@ -12,6 +12,7 @@ from paradiff.distributed.comm import CommStats
 from paradiff_testkit.memory import PeakTensorMemory
 from paradiff_testkit.vaes import build_vae, run_vae, sample_input
 from paradiff.vae import get_vae_runtime
+from paradiff.vae.runtime import VAE_ATTR
 
 
 def split_vae_outputs(cases: list[dict], output_rank: int | None = None) -> dict:
@@ -152,9 +153,14 @@ def vae_errors(index_folder: str) -> dict:
 
 
 def pipelines_with_and_without_split_vae(folders: dict[str, str]) -> dict:
-    """Each tiny pipeline on a ulysses mesh of every rank, its VAE split (the default) and whole: same images."""
+    """Each tiny pipeline on a ulysses mesh of every rank, its VAE split (the default) and whole: same images.
+
+    One load per family: the pipeline runs with the VAE `load_pipeline` split, then again with the split's patches
+    undone (the whole VAE, as `parallel_vae=False` leaves it; that flag is run by test_cli's --no-parallel-vae).
+    Loading every pipeline twice cost more than both calls."""
     import numpy as np
 
+    from paradiff.runtime.patches import remove_patches_by
     from paradiff_testkit.pipelines import default_call_kwargs
 
     torch.set_num_threads(1)
@@ -162,14 +168,19 @@ def pipelines_with_and_without_split_vae(folders: dict[str, str]) -> dict:
     results = {}
     for family, folder in folders.items():
         images = {}
-        for parallel_vae in (None, False):
-            pipeline = paradiff.load_pipeline(folder, parallel_config=config, parallel_vae=parallel_vae)
-            pipeline.set_progress_bar_config(disable=True)
+        pipeline = paradiff.load_pipeline(folder, parallel_config=config)
+        pipeline.set_progress_bar_config(disable=True)
+        runtime = get_vae_runtime(pipeline.vae)
+        for split in (True, False):
+            if not split:
+                for module in pipeline.vae.modules():
+                    remove_patches_by(module, "vae")
+                object.__delattr__(pipeline.vae, VAE_ATTR)
+                assert get_vae_runtime(pipeline.vae) is None
             output = pipeline(**default_call_kwargs(family), seed=3)
-            images[parallel_vae] = np.asarray(output.frames if hasattr(output, "frames") else output.images)
-            runtime = get_vae_runtime(pipeline.vae)
-            if parallel_vae is None:
+            images[split] = np.asarray(output.frames if hasattr(output, "frames") else output.images)
+            if split:
                 rows = None if runtime is None else runtime.last_split.get("decoder")
-        results[family] = {"diff": float(np.abs(images[None] - images[False]).max()), "rows": rows,
-                           "shape": images[None].shape}
+        results[family] = {"diff": float(np.abs(images[True] - images[False]).max()), "rows": rows,
+                           "shape": images[True].shape}
     return results

@@ -26,9 +26,17 @@ def test_every_tested_class_has_a_builtin_plan():
         assert family_of(encoder_class(name)) is not None, name
 
 
+@pytest.fixture(scope="module")
+def encoder_references(encoder_folders) -> dict[str, dict]:
+    """transformers' single-process model of each class (state_dict and outputs), made once here for both TP
+    degrees instead of on every rank."""
+    return {name: cases.reference(name, folder) for name, folder in encoder_folders.items()}
+
+
 @pytest.mark.parametrize("tp", [2, 3])
-def test_encoder_classes_match_single_process(pools, encoder_folders, tp):
-    results = pools.get(tp).run(cases.encoder_classes_match, folders=encoder_folders, tp=tp, timeout_s=600)
+def test_encoder_classes_match_single_process(pools, encoder_folders, encoder_references, tp):
+    results = pools.get(tp).run(cases.encoder_classes_match, folders=encoder_folders, references=encoder_references,
+                                tp=tp, timeout_s=600)
     assert len(results) == tp
     for result in results:
         assert set(result["classes"]) == set(ENCODER_CLASSES), result["rank"]

@@ -6,6 +6,7 @@ every encoder."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -28,14 +29,18 @@ def encoder_pipelines(tiny_pipeline_folders):
     return {family: str(tiny_pipeline_folders[family]) for family in FAMILIES}
 
 
-@pytest.fixture(scope="session")
-def references(encoder_pipelines):
+def _single_threaded(function, *args):
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # as a rank computes
     try:
-        return {family: cases.reference(family, folder) for family, folder in encoder_pipelines.items()}
+        return function(*args)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def references(encoder_pipelines):
+    return {family: _single_threaded(cases.reference, family, folder) for family, folder in encoder_pipelines.items()}
 
 
 def check_matches(results: list[dict], staged_only_vae: bool = True) -> None:
@@ -131,19 +136,30 @@ def test_tp_beyond_kv_heads_replicates_kv_heads(pools, encoder_pipelines, refere
 
 def test_data_parallel_replicas_keep_their_prompts_under_stages(pools, encoder_pipelines):
     prompts = ["a cat", "a dog on a beach", "a red cube"]
-    results = pools.get(4).run(cases.data_parallel_staged, family="flux2", folder=encoder_pipelines["flux2"],
-                               prompts=prompts)
+    # diffusers' single-process images are drawn here while the ranks draw theirs
+    results, expected = beside(
+        lambda: cases.data_parallel_expected("flux2", encoder_pipelines["flux2"], prompts),
+        lambda: pools.get(4).run(cases.data_parallel_staged, family="flux2", folder=encoder_pipelines["flux2"],
+                                 prompts=prompts))
     made = set()
     for result in results:
+        result["diffs"] = {index: float(np.abs(image - expected[index]).max())
+                           for index, image in result.pop("made").items()}
         assert max(result["diffs"].values()) <= IMAGE_TOLERANCE, result
         made |= set(result["diffs"])
     assert made == set(range(len(prompts)))
 
 
 def test_encoder_without_plan_stays_whole_by_default_and_is_refused_when_required(pools, encoder_pipelines, tmp_path):
-    results = pools.get(2).run(cases.unplanned_encoder, folder=encoder_pipelines["wan"],
-                               scratch=str(tmp_path / "mt5-wan"))
+    scratch = cases.unplanned_encoder_folder(encoder_pipelines["wan"], str(tmp_path / "mt5-wan"))
+    # diffusers' single-process pipeline on the same folder runs here while the ranks load and draw theirs
+    results, expected = beside(lambda: _single_threaded(cases.reference, "wan", scratch),
+                               lambda: pools.get(2).run(cases.unplanned_encoder, folder=encoder_pipelines["wan"],
+                                                        scratch=scratch))
     for result in results:
+        for name in ("default", "default_cp"):
+            image = result.pop(f"{name}_image")
+            result[f"{name}_image_vs_single"] = float(np.abs(image.astype(np.float64) - expected["image"]).max())
         # one console line per load (tp2, then ulysses2), from the first rank
         assert result["default_warnings"] == (2 if result["rank"] == 0 else 0), result
         assert result["default_cp_share"] == 1.0 and result["default_cp_vs_whole"] == 0.0, result
@@ -161,8 +177,13 @@ def test_encoder_without_plan_stays_whole_by_default_and_is_refused_when_require
 
 
 def test_device_map_and_max_memory_reach_unsplit_components(pools, encoder_pipelines):
-    for result in pools.get(2).run(cases.device_map_for_whole_components, family="flux2",
-                                   folder=encoder_pipelines["flux2"]):
+    results, expected = beside(
+        lambda: cases.device_map_expected("flux2", encoder_pipelines["flux2"]),
+        lambda: pools.get(2).run(cases.device_map_for_whole_components, family="flux2",
+                                 folder=encoder_pipelines["flux2"]))
+    for result in results:
+        result["encoder_whole"] = result.pop("encoder_bytes") == expected["encoder_bytes"]
+        result["diff"] = float(np.abs(result.pop("image") - expected["image"]).max())
         assert result["device_map"] == "cpu", result
         assert result["encoder_whole"], result
         assert result["diff"] <= IMAGE_TOLERANCE, result
