@@ -177,11 +177,21 @@ class BlockProjectionFlops(TorchDispatchMode):
         if self._active:
             count = _PROJECTION_FLOPS.get(func.overloadpacket)
             if count is not None:
-                self.flops += self._active * count(*args, **kwargs, out_val=out)
+                # torch's formula on shapes: its registered wrapper maps every argument to its shape through a
+                # pytree walk, which cost more than the op on the tiny examples; these ops take their tensors as
+                # plain arguments and return one tensor, so a flat map gives the formula the same shapes
+                self.flops += self._active * count(*[_shape(arg) for arg in args],
+                                                   **{key: _shape(value) for key, value in kwargs.items()},
+                                                   out_shape=out.shape)
         return out
 
 
-_PROJECTION_FLOPS = {getattr(torch.ops.aten, name): flop_registry[getattr(torch.ops.aten, name)]
+def _shape(value: Any) -> Any:
+    return value.shape if isinstance(value, torch.Tensor) else value
+
+
+# torch's FLOP formulas on shapes (the registry's entries wrap them: functools.wraps keeps them as __wrapped__)
+_PROJECTION_FLOPS = {getattr(torch.ops.aten, name): flop_registry[getattr(torch.ops.aten, name)].__wrapped__
                      for name in PROJECTION_OPS}
 
 
