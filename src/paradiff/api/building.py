@@ -24,13 +24,20 @@ def parameters_on_meta() -> Iterator[None]:
     Rotary tables (Wan's `rope.freqs_*`, Qwen's `pos_freqs`) are computed in `__init__` and are not in the checkpoint,
     so a plain `torch.device("meta")` context would lose them. This swaps `register_parameter` for the duration of
     construction only (the same technique accelerate's init_empty_weights uses); construction is single-threaded.
+
+    Each meta parameter is marked initialised (`_is_hf_initialized`, the flag transformers' weight initialisation
+    skips a tensor on): a transformers model's `post_init` would otherwise fill every meta parameter through torch's
+    Python reference kernels, a quarter of a tiny pipeline's load, for nothing (the checkpoint's tensors replace
+    them). Buffers stay real and are initialised as before.
     """
     original = nn.Module.register_parameter
 
     def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         original(module, name, param)
-        if param is not None and param.device.type != "meta":
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        if param is not None:
+            if param.device.type != "meta":
+                param = module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            param._is_hf_initialized = True
 
     nn.Module.register_parameter = register
     try:

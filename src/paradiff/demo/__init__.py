@@ -17,9 +17,11 @@ PIPELINE_DIR = Path(__file__).resolve().parents[1] / "assets" / "demo"
 LORA_FILE = PIPELINE_DIR / "lora" / "colour_swap.safetensors"
 
 # What the pipeline was trained for, beyond diffusers' FLUX.2 defaults (which are for FLUX.2-dev at 1024x1024):
-# 64x64 images, prompts padded to 20 tokens. Eight Euler steps draw clean shapes.
+# 64x64 images, prompts padded to 20 tokens. Four Euler steps draw clean shapes: the pixel rule
+# (tests/demo_judge.py) finds as many shapes, colours and backgrounds as at 8 steps, and the demo LoRA swaps the
+# colours as at 8, in half the time.
 CALL_KWARGS = dict(height=64, width=64, max_sequence_length=20)
-DEFAULT_STEPS = 8
+DEFAULT_STEPS = 4
 
 __all__ = ["CALL_KWARGS", "DEFAULT_PROMPTS", "DEFAULT_STEPS", "LORA_FILE", "PIPELINE_DIR", "pipeline_path"]
 
