@@ -155,7 +155,7 @@ def pipeline_gguf(folder: str, file: str) -> dict:
                                        torch_dtype=torch.float32)
     reference = DiffusionPipeline.from_pretrained(folder, transformer=transformer)
     reference.set_progress_bar_config(disable=True)
-    kwargs = default_call_kwargs("flux2")
+    kwargs = dict(default_call_kwargs("flux2"), num_inference_steps=1)  # the shards act alike in every step
     actual = np.asarray(pipe(**kwargs, seed=0).images)
     wanted = np.asarray(reference(**kwargs, generator=torch.Generator().manual_seed(0)).images)
     del pipe

@@ -17,22 +17,40 @@ def _shards(model) -> dict[str, torch.Tensor]:
 
 
 def lora_equivalence(family: str, folder: str, mode: str, loras: dict[str, str], weights: dict[str, float],
-                     fuse_scale: float = 0.5, via: str = "file", swap: str | None = None) -> dict:
+                     fuse_scale: float = 0.5, via: str = "file", swap: str | None = None,
+                     references: dict | None = None) -> dict:
     """Load `loras` (adapter name -> file) into a paradiff model in `mode` and into diffusers' single-process model,
     then compare outputs after: the first adapter; all mixed by `weights`; `swap` hot-swapped into the first one's
     layers (when given); disable / enable; fuse (then the shards
-    against the originals after unfuse); delete of the last adapter; unload. Returns every relative difference."""
+    against the originals after unfuse); delete of the last adapter; unload. Returns every relative difference.
+    `references`: what diffusers' model gave per step (outputs, active adapters, the full factors), kept by the
+    first case of the same family, adapters and steps and replayed for the next ones (another mode, the same
+    reference: diffusers' model is not loaded or run again)."""
+    import copy
+
     from safetensors.torch import load_file
 
     cls = model_class(family)
-    reference = cls.from_pretrained(folder).eval()
+    key = (family, folder, tuple(loras.items()), tuple(weights.items()), fuse_scale, via, swap)
+    recorded = (references or {}).get(key)
+    replay = recorded is not None
+    if not replay:
+        reference = cls.from_pretrained(folder).eval()
+        recorded = {"outputs": {}, "inputs": make_inputs(family, reference.config, batch=2,
+                                                         lengths=Lengths(height=4, width=4, text=6))}
     config = ParallelConfig.from_degrees(**parse_mode(mode))
     model = paradiff.from_pretrained(cls, folder, parallel_config=config)
-    inputs = make_inputs(family, reference.config, batch=2, lengths=Lengths(height=4, width=4, text=6))
+    inputs = recorded["inputs"]
     diffs, names = {}, list(loras)
 
+    def on_reference(action) -> None:  # diffusers' side of a step: skipped when its outputs are replayed
+        if not replay:
+            action(reference)
+
     def compare(step: str) -> None:
-        diffs[step] = relative_difference(run_forward(model, inputs), run_forward(reference, inputs))
+        if not replay:
+            recorded["outputs"][step] = run_forward(reference, inputs)
+        diffs[step] = relative_difference(run_forward(model, inputs), recorded["outputs"][step])
 
     compare("base")
     for name in names:
@@ -45,42 +63,47 @@ def lora_equivalence(family: str, folder: str, mode: str, loras: dict[str, str],
             expected_source, source, extra = converted, dict(converted), {"network_alphas": alphas}
         elif via == "dict":  # a dict carries no adapter metadata: both sides then take lora_alpha = r
             expected_source, source = load_file(loras[name]), load_file(loras[name])
-        reference.load_lora_adapter(expected_source, adapter_name=name, **extra)
+        on_reference(lambda ref: ref.load_lora_adapter(expected_source, adapter_name=name, **extra))
         model.load_lora_adapter(source, adapter_name=name, **extra)
         if name == names[0]:
             compare(f"only {name}")
     report = model._paradiff_lora_load
-    reference.set_adapters(names, [weights[n] for n in names])
+    on_reference(lambda ref: ref.set_adapters(names, [weights[n] for n in names]))
     model.set_adapters(names, [weights[n] for n in names])
     compare("mixed")
     if swap is not None:  # another adapter of the same shape into the first one's layers, in place
-        for target in (reference, model):
-            target.load_lora_adapter(swap, adapter_name=names[0], hotswap=True, use_safetensors=True)
+        on_reference(lambda ref: ref.load_lora_adapter(swap, adapter_name=names[0], hotswap=True,
+                                                       use_safetensors=True))
+        model.load_lora_adapter(swap, adapter_name=names[0], hotswap=True, use_safetensors=True)
         compare("hotswapped")
-    sliced = check_factor_slices(model, reference)
-    assert model.active_adapters() == reference.active_adapters()
-    reference.disable_lora()
+    if not replay:  # the full factors as they are now, and the adapters active
+        recorded["factors"], recorded["active"] = copy.deepcopy(reference), reference.active_adapters()
+    sliced = check_factor_slices(model, recorded["factors"])
+    assert model.active_adapters() == recorded["active"]
+    on_reference(lambda ref: ref.disable_lora())
     model.disable_lora()
     compare("disabled")
-    reference.enable_lora()
+    on_reference(lambda ref: ref.enable_lora())
     model.enable_lora()
     compare("enabled")
     originals = _shards(model)
-    reference.fuse_lora(lora_scale=fuse_scale)
+    on_reference(lambda ref: ref.fuse_lora(lora_scale=fuse_scale))
     model.fuse_lora(lora_scale=fuse_scale)
     compare("fused")
     fused_changed = sum(not torch.equal(t, originals[n]) for n, t in _shards(model).items())
-    reference.unfuse_lora()
+    on_reference(lambda ref: ref.unfuse_lora())
     model.unfuse_lora()
     compare("unfused")
     unfused_exact = all(torch.equal(t, originals[n]) for n, t in _shards(model).items())
-    reference.delete_adapters(names[-1])
+    on_reference(lambda ref: ref.delete_adapters(names[-1]))
     model.delete_adapters(names[-1])
     compare("deleted")
-    reference.unload_lora()
+    on_reference(lambda ref: ref.unload_lora())
     model.unload_lora()
     assert not lora_layers(model)
     compare("unloaded")
+    if references is not None:
+        references[key] = recorded
     return {"rank": dist.get_rank(), "diffs": diffs, "sliced": sliced, "fused_changed": fused_changed,
             "layers": len(originals), "unfused_exact": unfused_exact, "bytes_read": report.bytes_read,
             "local_bytes": report.local_bytes, "tensors": report.tensors}
@@ -90,7 +113,8 @@ def lora_equivalence(family: str, folder: str, mode: str, loras: dict[str, str],
 def lora_cases(cases: list[dict]) -> list[dict]:
     """Several `lora_equivalence` cases in one pool run (the pools are shared: fewer runs, a faster suite)."""
     torch.set_num_threads(1)
-    return [dict(lora_equivalence(**case), case=case) for case in cases]
+    references = {}  # diffusers' outputs per family and adapters, computed once for all the modes of the batch
+    return [dict(lora_equivalence(**case, references=references), case=case) for case in cases]
 
 
 def lora_errors(family: str, folder: str, good: str, truncated: str, seed_files: list[str]) -> dict:
@@ -132,9 +156,10 @@ def lora_errors(family: str, folder: str, good: str, truncated: str, seed_files:
 
 
 def pipeline_lora_cases(cases: list[dict]) -> list[dict]:
-    """Several `pipeline_lora` cases in one pool run."""
+    """Several `pipeline_lora` cases in one pool run (diffusers' pipeline run once per folder, adapters and prompt)."""
     torch.set_num_threads(1)
-    return [dict(pipeline_lora(**case), case=case) for case in cases]
+    references = {}
+    return [dict(pipeline_lora(**case, references=references), case=case) for case in cases]
 
 
 def wan22_two_transformers(folder: str, mode: str, high: str, low: str, steps: int = 2) -> dict:

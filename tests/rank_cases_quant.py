@@ -105,11 +105,14 @@ def quantized_equivalence(cases: list[dict]) -> list[dict]:
     """For each case (family, folder, scheme, mode): every quantized shard equals the slice of the single-device
     quantized tensor (data and scales), and the output matches the quantized single-process one."""
     results = []
+    singles = {}  # (family, folder, scheme) -> the single-device tensors and outputs, shared by its modes
     for case in cases:
         family, folder, scheme, mode = case["family"], case["folder"], case["scheme"], case["mode"]
         cls = model_class(family)
-        reference = single_device_reference(cls, folder, scheme)
-        single = paradiff.from_pretrained(cls, folder, quantization_config=quant_config(scheme), device="cpu")
+        key = (family, folder, scheme)
+        if key not in singles:
+            singles[key] = _single_quantized(cls, family, folder, scheme)
+        reference, single_outputs = singles[key]
         model = paradiff.from_pretrained(cls, folder, quantization_config=quant_config(scheme),
                                          parallel_config=parallel_config(mode), device="cpu")
         plan = get_state(model).tp_plan
@@ -129,14 +132,8 @@ def quantized_equivalence(cases: list[dict]) -> list[dict]:
                 assert torch.equal(held[part], tensor), (name, part)
             local_bytes += sum(t.numel() * t.element_size() for t in held.values())
             checked += 1
-        single_held = {name: _held(m) for name, m in single.named_modules() if isinstance(m, nn.Linear)}
-        for name, full in reference.items():
-            expected = (_nf4_expected if scheme == "nf4" else _torchao_expected)(full, None)
-            assert all(torch.equal(single_held[name][part], t) for part, t in expected.items()), name
         diffs = []
-        for batch in (1, 2):
-            inputs = make_inputs(family, single.config, batch=batch, lengths=Lengths(height=4, width=4, text=6))
-            expected = run_forward(single, inputs)
+        for inputs, expected in single_outputs:
             actual = run_forward(model, inputs)
             assert actual.shape == expected.shape
             diffs.append(float((actual - expected).abs().max() / expected.abs().max()))
@@ -144,6 +141,22 @@ def quantized_equivalence(cases: list[dict]) -> list[dict]:
                         "quantized": checked, "column_split": column_split, "relative_diff": max(diffs),
                         "local_quantized_bytes": local_bytes, "counted": get_state(model) is not None})
     return results
+
+
+def _single_quantized(cls, family: str, folder: str, scheme: str):
+    """The single-device quantized tensors (single_device_reference), paradiff's single-process quantized model,
+    checked to hold exactly those, and its outputs on batches of 1 and 2: (reference, [(inputs, output)])."""
+    reference = single_device_reference(cls, folder, scheme)
+    single = paradiff.from_pretrained(cls, folder, quantization_config=quant_config(scheme), device="cpu")
+    single_held = {name: _held(m) for name, m in single.named_modules() if isinstance(m, nn.Linear)}
+    for name, full in reference.items():
+        expected = (_nf4_expected if scheme == "nf4" else _torchao_expected)(full, None)
+        assert all(torch.equal(single_held[name][part], t) for part, t in expected.items()), name
+    outputs = []
+    for batch in (1, 2):
+        inputs = make_inputs(family, single.config, batch=batch, lengths=Lengths(height=4, width=4, text=6))
+        outputs.append((inputs, run_forward(single, inputs)))
+    return reference, outputs
 
 
 def refused_before_read(family: str, folder: str, scheme: str | None, mode: str) -> str:
@@ -300,7 +313,9 @@ def quantized_pipeline_reference(family: str, folder: str, schemes: dict[str, st
     and every quantized tensor it holds (each equal to diffusers' / transformers' own quantized load: tests above)."""
     from paradiff_testkit.pipelines import default_call_kwargs
 
-    kwargs = dict(default_call_kwargs(family), num_inference_steps=2)
+    # one step: the shards are checked at the first call, and the image depends on them in every step alike
+    # (Qwen-Image two: its one-step pipeline LoRA comparisons came out NaN, tests/test_lora.py)
+    kwargs = dict(default_call_kwargs(family), num_inference_steps=2 if family == "qwenimage" else 1)
     pipeline = paradiff.load_pipeline(folder, quantization_config=pipeline_request(schemes))
     pipeline.set_progress_bar_config(disable=True)
     parts = {name: {n: _reference_parts(m) for n, m in getattr(pipeline, name).named_modules()
@@ -551,11 +566,14 @@ def saved_equivalence(cases: list[dict]) -> list[dict]:
     single process holds exactly that model's tensors, and the outputs match it. Returns the bytes this rank read."""
     results = []
     original = Checkpoint.read
+    loaded = {}  # (family, folder, kind) -> diffusers' model, paradiff's single process: shared by its modes
     for case in cases:
         family, folder, kind, mode = case["family"], case["folder"], case["kind"], case["mode"]
         cls = model_class(family)
-        reference = _saved_reference(cls, folder, kind)
-        single = paradiff.from_pretrained(cls, folder, device="cpu", progress=False)
+        if (family, folder, kind) not in loaded:
+            loaded[family, folder, kind] = (_saved_reference(cls, folder, kind),
+                                            paradiff.from_pretrained(cls, folder, device="cpu", progress=False))
+        reference, single = loaded[family, folder, kind]
         counted = {"bytes": 0}
 
         def counting_read(self, *args, **kwargs):
@@ -619,7 +637,7 @@ def saved_pipeline_image(folder: str, mode: str | None = None, stages: bool = Fa
     parallel = None if mode is None else paradiff.ParallelConfig.from_mode(mode)
     pipe = paradiff.load_pipeline(folder, parallel_config=parallel, stages=stages, device="cpu")
     pipe.set_progress_bar_config(disable=True)
-    image = np.asarray(pipe(**dict(default_call_kwargs("flux2"), num_inference_steps=2), seed=0).images)
+    image = np.asarray(pipe(**dict(default_call_kwargs("flux2"), num_inference_steps=1), seed=0).images)
     state = get_state(pipe.transformer)
     split = 0 if state is None or state.tp_plan is None else sum(
         state.tp_plan.spec_for(f"{name}.weight") is not None for name, m in pipe.transformer.named_modules()

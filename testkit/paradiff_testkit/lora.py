@@ -225,13 +225,18 @@ def resident_shards(pipe) -> dict[tuple[str, str], torch.Tensor]:
 
 
 def pipeline_lora(family: str, folder: str, mode: str, loras: dict[str, str], weights: dict[str, float],
-                  stages: bool = False, steps: int = 2, bad_text_encoder: bool = False) -> dict:
+                  stages: bool = False, steps: int = 2, bad_text_encoder: bool = False,
+                  references: dict | None = None) -> dict:
     """`pipe.load_lora_weights` on a paradiff pipeline (diffusers' format conversions included; adapters with
     text-encoder parts go into split encoders too) against diffusers' single-process pipeline: the denoised latents
     after loading every adapter, mixed by `set_adapters(weights)`, fused into every component (then each rank's
     shards against the originals after unfusing), unfused, unloaded; each rank's factors against the slices of the
     full ones. Data parallel: each replica draws its own prompt. `bad_text_encoder`: an adapter whose text-encoder
-    part does not fit, refused on every rank with its transformer part taken out again."""
+    part does not fit, refused on every rank with its transformer part taken out again. `references`: what
+    diffusers' pipeline gave (latents per step, active adapters, full factors), kept by the first case of the same
+    folder, adapters, steps and prompt and replayed for the next ones (diffusers' pipeline not loaded or run again)."""
+    import copy
+
     import torch.distributed as dist
     from diffusers import DiffusionPipeline
 
@@ -242,18 +247,27 @@ def pipeline_lora(family: str, folder: str, mode: str, loras: dict[str, str], we
     from paradiff_testkit.pipelines import default_call_kwargs
 
     kwargs = dict(default_call_kwargs(family), num_inference_steps=steps, output_type="latent")
-    reference = DiffusionPipeline.from_pretrained(folder)
     config = ParallelConfig.from_degrees(**parse_mode(mode))
     pipeline = paradiff.load_pipeline(folder, parallel_config=config, stages=stages)
-    for pipe in (reference, pipeline):
-        pipe.set_progress_bar_config(disable=True)
+    pipeline.set_progress_bar_config(disable=True)
     if config.data_degree > 1:
         prompts = [kwargs["prompt"], "a blue bird on a branch"]
         with paradiff.split_between_processes(prompts, pipeline) as share:
             kwargs["prompt"] = share[0]
+    reference_key = (family, folder, tuple(loras.items()), tuple(weights.items()), steps, kwargs["prompt"])
+    recorded = (references or {}).get(reference_key)
+    replay = recorded is not None
+    if not replay:
+        reference = DiffusionPipeline.from_pretrained(folder)
+        reference.set_progress_bar_config(disable=True)
+        recorded = {"latents": {}}
+
+    def on_reference(action) -> None:  # diffusers' side of a step: skipped when its latents are replayed
+        if not replay:
+            action(reference)
 
     def latents(pipe) -> torch.Tensor:
-        call = dict(kwargs, generator=torch.Generator().manual_seed(0)) if pipe is reference else dict(kwargs, seed=0)
+        call = dict(kwargs, generator=torch.Generator().manual_seed(0)) if pipe is not pipeline else dict(kwargs, seed=0)
         output = pipe(**call)
         return torch.as_tensor(output.frames if hasattr(output, "frames") else output.images)
 
@@ -261,22 +275,28 @@ def pipeline_lora(family: str, folder: str, mode: str, loras: dict[str, str], we
 
     def compare(step: str) -> torch.Tensor:
         actual = latents(pipeline)
-        diffs[step] = relative_difference(actual, latents(reference))
+        if not replay:
+            recorded["latents"][step] = latents(reference)
+        diffs[step] = relative_difference(actual, recorded["latents"][step])
         return actual
 
     base = latents(pipeline)
     names = list(loras)
     for name in names:
-        for pipe in (reference, pipeline):
-            pipe.load_lora_weights(loras[name], adapter_name=name)
+        on_reference(lambda ref: ref.load_lora_weights(loras[name], adapter_name=name))
+        pipeline.load_lora_weights(loras[name], adapter_name=name)
     changed = float((compare("loaded") - base).abs().max())
-    active = (pipeline.get_active_adapters(), reference.get_active_adapters())
-    for pipe in (reference, pipeline):
-        pipe.set_adapters(names, [weights[n] for n in names])
+    if not replay:
+        recorded["active"] = reference.get_active_adapters()
+    active = (pipeline.get_active_adapters(), recorded["active"])
+    on_reference(lambda ref: ref.set_adapters(names, [weights[n] for n in names]))
+    pipeline.set_adapters(names, [weights[n] for n in names])
     compare("mixed")
     components = lora_components(pipeline)
+    if not replay:  # the full factors as they are now
+        recorded["factors"] = {name: copy.deepcopy(getattr(reference, name)) for name in components}
     adapters = {name: sorted(getattr(model, "peft_config", None) or {}) for name, model in components.items()}
-    sliced = {name: check_factor_slices(model, getattr(reference, name)) for name, model in components.items()
+    sliced = {name: check_factor_slices(model, recorded["factors"][name]) for name, model in components.items()
               if lora_layers(model)}
     split_layers = {name: sum(isinstance(layer.get_base_layer(), ShardedLinear) for layer in lora_layers(model).values())
                     for name, model in components.items()}
@@ -284,20 +304,22 @@ def pipeline_lora(family: str, folder: str, mode: str, loras: dict[str, str], we
                     if len(getattr(layer.get_base_layer(), "weight_spec", ShardSpec(0, ())).pieces) > 1)
     originals = resident_shards(pipeline)
     fuse = [name for name, model in components.items() if lora_layers(model)]
-    for pipe in (reference, pipeline):
-        pipe.fuse_lora(components=fuse, lora_scale=0.8)
+    on_reference(lambda ref: ref.fuse_lora(components=fuse, lora_scale=0.8))
+    pipeline.fuse_lora(components=fuse, lora_scale=0.8)
     compare("fused")
     fused = resident_shards(pipeline)
     fused_changed = sum(not torch.equal(tensor, originals[key]) for key, tensor in fused.items() if key in originals)
-    for pipe in (reference, pipeline):
-        pipe.unfuse_lora(components=fuse)
+    on_reference(lambda ref: ref.unfuse_lora(components=fuse))
+    pipeline.unfuse_lora(components=fuse)
     compare("unfused")
     unfused = resident_shards(pipeline)
     unfused_exact = all(torch.equal(tensor, originals[key]) for key, tensor in unfused.items() if key in originals)
     checked_shards = sum(key in originals for key in unfused)
-    for pipe in (reference, pipeline):
-        pipe.unload_lora_weights()
+    on_reference(lambda ref: ref.unload_lora_weights())
+    pipeline.unload_lora_weights()
     back_to_base = bool(torch.equal(compare("unloaded"), base))
+    if references is not None:
+        references[reference_key] = recorded
     result = {"rank": dist.get_rank(), "diffs": diffs, "changed": changed, "active": active, "adapters": adapters,
               "sliced": sliced, "split_layers": split_layers, "packed": packed, "fused_changed": fused_changed,
               "shards": len(originals), "checked_shards": checked_shards, "unfused_exact": unfused_exact,
