@@ -769,26 +769,29 @@ class IdleFrontend(FaultFrontend):
         return {"kind": "idle"}
 
 
+class CountingStore:
+    """A store that counts its check() calls: what an idle server's loops cost."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.store, self.checks = dist.HashStore(), 0
+
+    def check(self, keys):
+        self.checks += 1
+        return self.store.check(keys)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
 def test_an_idle_dispatcher_waits_for_requests_instead_of_polling_the_store():
     """dp2, both replicas free: each round waits on the scheduler (a request wakes it at once) for 50 ms, not 5 ms,
     and reads each replica's fault key once: 40 store reads a second per replica, not 200 (12 % of a core idle)."""
     import os
     import socket
 
-    import torch.distributed as dist
-
     from paradiff.serve.dispatch import DISPATCH_IDLE_WAIT_S, Dispatcher
-
-    class CountingStore:
-        def __init__(self) -> None:
-            self.store, self.checks = dist.HashStore(), 0
-
-        def check(self, keys):
-            self.checks += 1
-            return self.store.check(keys)
-
-        def __getattr__(self, name):
-            return getattr(self.store, name)
 
     store, frontend = CountingStore(), IdleFrontend()
     dispatcher = Dispatcher(store, frontend, replicas=2, size=1, timeout_s=15.0)
@@ -810,20 +813,7 @@ def test_an_idle_dispatcher_waits_for_requests_instead_of_polling_the_store():
 def test_an_idle_replicas_first_rank_polls_for_work_at_most_every_20_ms():
     """An idle round (IDLE_WAIT_S, no work coming) looks at the store about 14 times, backing off from 1 ms to 20 ms,
     not 22 (10 ms): the idle server's largest cost. A bound, so a loaded machine (longer sleeps) passes too."""
-    import torch.distributed as dist
-
     from paradiff.serve.ranks import IDLE_WAIT_S, POLL_S, Channel
-
-    class CountingStore:
-        def __init__(self) -> None:
-            self.store, self.checks = dist.HashStore(), 0
-
-        def check(self, keys):
-            self.checks += 1
-            return self.store.check(keys)
-
-        def __getattr__(self, name):
-            return getattr(self.store, name)
 
     store = CountingStore()
     channel = Channel(store, 0, 2, scope="r0")
