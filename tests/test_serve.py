@@ -720,10 +720,19 @@ def test_openais_client_generates_with_every_standard_field_and_every_image_has_
             assert image.format == magic and image.size == (64, 64)
             lossy = np.asarray(image.convert("RGB"), dtype=np.int16)
         assert np.abs(lossy - pixels(decoded(drawn.data[0]))).mean() < 6  # the same picture, lossy
+    sent = time.time()
     two = client.images.generate(prompt=PROMPTS[0], n=2, extra_body={"steps": 1})
     assert two.data[1].seed == two.data[0].seed + 1  # image i: seed + i
-    logged = [entry for entry in dp_server.log() if entry["id"] is not None][-1]
-    assert logged["seed"] == two.data[0].seed  # requests.jsonl has the drawn seed too
+
+    def its_lines() -> list[dict]:  # the answer can reach the client before its line reaches requests.jsonl
+        return [entry for entry in dp_server.log()
+                if entry["id"] is not None and entry["images"] == 2 and entry["accepted"] >= sent]
+
+    deadline = time.monotonic() + 30
+    while not its_lines():
+        assert time.monotonic() < deadline, dp_server.log()[-3:]
+        time.sleep(0.02)
+    assert its_lines()[-1]["seed"] == two.data[0].seed  # requests.jsonl has the drawn seed too
 
 
 def test_openais_client_lists_and_retrieves_the_model_and_reads_every_error(dp_server):
