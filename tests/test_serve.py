@@ -660,12 +660,14 @@ def hang_up_once_running(server: ServerProcess, body: dict, queued: int = 0) -> 
         return time.monotonic()
 
 
-def wait_for_log(server: ServerProcess, count: int) -> None:
-    """The answer can reach the client before its line reaches requests.jsonl: wait (bounded) for `count` lines."""
+def wait_for_log(server: ServerProcess, count: int, where=lambda entry: True) -> list[dict]:
+    """The answer can reach the client before its line reaches requests.jsonl: wait (bounded) for `count` lines
+    (those `where` accepts); they are returned."""
     deadline = time.monotonic() + 30
-    while len(server.log()) < count:
-        assert time.monotonic() < deadline, server.log()
+    while len(lines := [entry for entry in server.log() if where(entry)]) < count:
+        assert time.monotonic() < deadline, server.log()[-5:]
         time.sleep(0.02)
+    return lines
 
 
 def hold_request(server: ServerProcess, body: dict) -> socket.socket:
@@ -723,16 +725,9 @@ def test_openais_client_generates_with_every_standard_field_and_every_image_has_
     sent = time.time()
     two = client.images.generate(prompt=PROMPTS[0], n=2, extra_body={"steps": 1})
     assert two.data[1].seed == two.data[0].seed + 1  # image i: seed + i
-
-    def its_lines() -> list[dict]:  # the answer can reach the client before its line reaches requests.jsonl
-        return [entry for entry in dp_server.log()
-                if entry["id"] is not None and entry["images"] == 2 and entry["accepted"] >= sent]
-
-    deadline = time.monotonic() + 30
-    while not its_lines():
-        assert time.monotonic() < deadline, dp_server.log()[-3:]
-        time.sleep(0.02)
-    assert its_lines()[-1]["seed"] == two.data[0].seed  # requests.jsonl has the drawn seed too
+    logged = wait_for_log(dp_server, 1, where=lambda entry: entry["id"] is not None and entry["images"] == 2
+                          and entry["accepted"] >= sent)[-1]
+    assert logged["seed"] == two.data[0].seed  # requests.jsonl has the drawn seed too
 
 
 def test_openais_client_lists_and_retrieves_the_model_and_reads_every_error(dp_server):
