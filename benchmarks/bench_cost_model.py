@@ -232,7 +232,7 @@ def main() -> int:
                       for op, link in profile.link_by_world.get("2", {}).items())
     print(f"profile: {profile.source}; GEMM {profile.gemm_flops['float32'] / 1e9:.1f} GFLOP/s per rank, attention "
           f"{profile.attention_flops['float32'] / 1e9:.1f} GFLOP/s, concurrent ranks {profile.concurrent_ranks}; "
-          f"{links}; {profile.sync_s * 1e3:.2f} ms per collective after compute", flush=True)
+          f"{links}", flush=True)
     rows = []
     only = parse_only(args.only, quick)
     order = [(family, class_name, config, size, grid, mesh) for family, (class_name, config) in configs(quick).items()

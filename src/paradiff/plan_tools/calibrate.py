@@ -9,8 +9,7 @@ Measured, on every rank at once (so that ranks sharing a CPU's cores or a host's
   all-to-all as Ulysses exchanges, all-gather as FSDP / CFG gathers, ring passes as p2p) at a small and a large
   size: the small one's time is the latency (a burst of `LATENCY_BURST` calls back to back, divided: one call's
   time moved 5x between runs on a quiet CPU machine), the difference the bandwidth (wire bytes as `cost.Traffic`
-  counts); and what a collective costs beyond that latency when each rank computed before it, as in a forward
-  (`measure_sync`).
+  counts).
 
 On CPU the ranks are gloo processes spawned on 127.0.0.1 (`distributed/spawn.run_ranks`), one torch thread each; on
 CUDA one NCCL rank per device. The rates are medians of a few repeats; a loaded machine gives a slow profile.
@@ -200,27 +199,6 @@ def _collective(op: str, numel: int, group, device: str):
 LATENCY_BURST = 10
 
 
-def measure_sync(compute, gather, repeats: int, sync, calls: int = LATENCY_BURST) -> float:
-    """Seconds a small collective adds when each rank computes right before it (a forward: a GEMM, then its
-    all-reduce or the lengths' all-gather) beyond its back-to-back time: the wait for the slowest rank (compute takes
-    a little longer on one rank than on another) and for the transport to wake (gloo's threads, asleep while the
-    rank computed). `calls` rounds of compute then gather, less `calls` computes and `calls` gathers alone."""
-    def computing():
-        for _ in range(calls):
-            compute()
-
-    def gathering():
-        for _ in range(calls):
-            gather()
-
-    def both():
-        for _ in range(calls):
-            compute()
-            gather()
-    alone = _timed(computing, repeats, sync) + _timed(gathering, repeats, sync)
-    return max(0.0, (_timed(both, repeats, sync) - alone) / calls)
-
-
 def _wire(op: str, world: int, numel: int) -> float:
     return Traffic(op, world, 1, numel * 4).wire
 
@@ -265,10 +243,6 @@ def calibrate_rank(rank: int, world_size: int, *, device: str, dtypes: tuple[str
             bandwidth = ((_wire(op, world_size, large) - _wire(op, world_size, small)) / extra
                          if extra > 0.1 * timed[large] else _wire(op, world_size, large) / timed[large])
             result["links"][op] = {"latency_s": latency / steps, "bandwidth": bandwidth}
-        a = torch.randn(gemm_size, gemm_size, device=device)
-        comm.barrier()
-        result["sync_s"] = measure_sync(lambda: a @ a, _collective("all_gather", 2 * world_size, group, device),
-                                        repeats, sync, burst)
     return result
 
 
@@ -324,6 +298,5 @@ def profile_from(results: list[dict[str, Any]], *, world: int, device: str, dtyp
         elementwise_bandwidth=min(r["elementwise_bandwidth"] for r in results),
         copy_bandwidth=min(r.get("copy_bandwidth", 0.0) for r in results),
         op_overhead_s=max(r["op_overhead_s"] for r in results), host_overlap=cuda,
-        sync_s=max((r.get("sync_s", 0.0) for r in results), default=0.0),
         links=links or {op: Link(0.0, float("inf")) for op in OPS},
         link_by_world={str(world): links} if links else {}, concurrent_ranks=concurrent, notes=notes, overlap=cuda)

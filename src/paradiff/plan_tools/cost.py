@@ -361,9 +361,6 @@ class Traffic:
     calls: int
     size: float
     overlapped: bool = False  # hidden behind compute where the compute is longer (ring passes, FSDP prefetch)
-    # issued right after compute, so each call first waits for the slowest rank and for its transport to wake (the
-    # profile's sync_s); not a ring pass, which follows the ranks' length agreement with nothing between
-    follows_compute: bool = True
 
     @property
     def wire(self) -> float:
@@ -475,7 +472,7 @@ def block_cost(block: BlockShape, latent: int, text: int, dtype_bytes: int = 2, 
                          Traffic("all_to_all", mesh.ulysses, 1, piece)]
     if mesh.ring > 1:  # after Ulysses' exchange a rank holds self_tokens / ring tokens of d / (t u) features
         kv = 2 * (self_tokens / mesh.ring) * (heads_width / mesh.ulysses) * b
-        cost.traffic.append(Traffic("p2p", mesh.ring, mesh.ring - 1, kv, overlapped=True, follows_compute=False))
+        cost.traffic.append(Traffic("p2p", mesh.ring, mesh.ring - 1, kv, overlapped=True))
     return cost
 
 

@@ -53,10 +53,6 @@ class HardwareProfile:
     # bytes per second of the elementwise mix (norms, modulation, gates, activations) as `cost.ELEMENTWISE_PASSES`
     # counts its bytes; 0: the memory bandwidth
     elementwise_bandwidth: float = 0.0
-    # seconds a collective issued right after compute takes beyond its latency back to back: waiting for the slowest
-    # rank of the group and for transport threads to wake (calibrated: `calibrate.measure_sync`); per such call
-    # (`cost.Traffic.follows_compute`). 0 in the built-in profiles: not in a datasheet
-    sync_s: float = 0.0
     # bytes per second of the sequence ranks' packing and concatenation around attention (`cost.ForwardCost.
     # copy_bytes`; calibrated: `calibrate._layout_copies`); 0: the elementwise bandwidth
     copy_bandwidth: float = 0.0
@@ -74,8 +70,7 @@ class HardwareProfile:
     def comm_seconds(self, item: Traffic) -> float:
         link = self.link(item.op, item.group)
         steps = {"all_reduce": 2 * (item.group - 1), "all_gather": item.group - 1, "all_to_all": 1, "p2p": 1}[item.op]
-        sync = self.sync_s if item.follows_compute else 0.0
-        return item.calls * (sync + link.latency_s * steps + item.wire / link.bandwidth)
+        return item.calls * (link.latency_s * steps + item.wire / link.bandwidth)
 
     def rate(self, table: dict[str, float], dtype: str) -> float:
         if dtype not in table:
@@ -88,6 +83,8 @@ class HardwareProfile:
     @classmethod
     def from_dict(cls, data: dict) -> "HardwareProfile":
         data = dict(data)
+        # a wait per collective after compute that calibrations of 2026-12 measured; no longer a term (docs/plan.md)
+        data.pop("sync_s", None)
         data["links"] = {op: Link(**link) for op, link in data["links"].items()}
         data["link_by_world"] = {world: {op: Link(**link) for op, link in ops.items()}
                                  for world, ops in data.get("link_by_world", {}).items()}
