@@ -65,3 +65,36 @@ def test_every_patch_of_a_tp2_x_ulysses2_model_with_lora_and_cache_is_listed_and
         assert result["released_blocks"] >= 2 and result["released"] > 0, result  # no full weight kept by a rank
         assert result["bitwise"], result
     assert len({tuple(result["listed"]) for result in results}) == 1  # every rank made the same patches
+
+
+def test_every_patch_of_a_tp2_x_ulysses2_x_cfg2_pipeline_quantized_with_lora_and_cache_is_listed_and_removed(
+        pools, tiny_pipeline_folders, tmp_path):
+    """Issue 37's check on a whole pipeline at world 8: Qwen-Image (two transformer calls per step, so cfg2 patches
+    the pipeline and its guider) at tp2 x ulysses2 x cfg2, its transformer in int8 (torchao, quantized while read),
+    a LoRA adapter on the transformer and the text encoder, a first-block cache: every patch is listed (the same on
+    every rank), `remove_patches(pipeline)` undoes them all, and with each component's weights loaded again the
+    pipeline is diffusers' own again: its classes, and its latents bit for bit."""
+    from paradiff_testkit.lora import save_pipeline_loras
+
+    folder = tiny_pipeline_folders["qwenimage"]
+    lora = save_pipeline_loras("qwenimage", folder, tmp_path)["style"]
+    results = pools.get(8).run(cases.pipeline_patches_removed_give_the_plain_pipeline_back, family="qwenimage",
+                               folder=str(folder), lora=str(lora), mode="tp2xulysses2xcfg2", scheme="int8",
+                               steps=2, timeout_s=600)
+    for result in results:
+        assert {"tp", "cp", "lora", "cache", "wrappers", "pipeline"} <= set(result["mechanisms"]), result["mechanisms"]
+        assert {"", "transformer", "text_encoder", "vae"} <= set(result["patched"]), result["patched"]
+        assert {"replace_module", "replace_parameter", "class_swap", "set_attribute", "wrap_forward", "pre_hook",
+                "hook", "moved_hooks"} <= set(result["kinds"]), result["kinds"]
+        assert "cfg_exchange" in result["wrapped"]["transformer"], result["wrapped"]
+        assert result["quantized"] > 0 and result["quantized_after"] == 0, result  # int8 on, then the plain weights
+        assert result["removed"] == result["remaining"] > 0 and result["left"] == 0, result
+        assert result["wrapped_after"] == [], result["wrapped_after"]
+        assert result["released"] > 0, result  # no rank kept the full weights: they were read again
+        assert result["classes"] == [], result["classes"]
+        assert result["adapted_differs"], "the patched pipeline gave diffusers' latents: nothing was applied"
+        assert result["bitwise"], result
+    # every rank made the same patches; what they put there differs between the two TP ranks only (the vocabulary's
+    # uneven rows: 401 and 400 of 801)
+    assert len({tuple(result["placed"]) for result in results}) == 1
+    assert len({tuple(result["listed"]) for result in results}) == 2

@@ -26,7 +26,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-PATCHES_ATTR = "_paradiff_patches"
+# paradiff keeps what it holds on another library's object (a model, a pipeline) under names with this prefix
+PRIVATE_PREFIX = "_paradiff_"
+PATCHES_ATTR = PRIVATE_PREFIX + "patches"
 _MISSING = object()
 
 # The kinds, in the order a forward meets them: a replaced child or class first, then what shadows the forward
@@ -97,17 +99,23 @@ def remove_patches(model: Any) -> int:
     deepest module first; return how many.
 
     A replaced child comes back with whatever patches it held before it was replaced: they are undone on the next
-    pass, until none is left."""
+    pass, until none is left. Then what paradiff kept on each object besides its patches, always under a
+    `PRIVATE_PREFIX` name (its parallel state and wrapper registry, a VAE's split, a pipeline's state, the patch
+    lists themselves), goes too: nothing of paradiff is left to describe or to act on."""
     removed = 0
     while True:
         holders = list({id(holder): holder for _, holder in _holders(model) if module_patches(holder)}.values())
         if not holders:
-            return removed
+            break
         for module in reversed(holders):
             recorded = module_patches(module)
             while recorded:
                 recorded.pop().undo()
                 removed += 1
+    for _, holder in _holders(model):
+        for name in [name for name in vars(holder) if name.startswith(PRIVATE_PREFIX)]:
+            del holder.__dict__[name]
+    return removed
 
 
 def record(module: Any, patch: Patch) -> Patch:
@@ -233,38 +241,45 @@ def set_processor(module: nn.Module, processor: Any, *, by: str, through_setter:
     return record(module, Patch("processor", "processor", type(processor).__name__, by, restore))
 
 
-def replace_module(parent: nn.Module, name: str, child: nn.Module, *, by: str, release: bool = False) -> Patch:
+def replace_module(parent: nn.Module, name: str, child: nn.Module, *, by: str, release: bool = False,
+                   shapes: dict[str, tuple[int, ...]] | None = None) -> Patch:
     """Put `child` at `parent`'s direct child `name` (the one it replaces keeps its own patches, back on undo).
 
     With `release` the replaced module's tensors go to the meta device: a quantized layer replacing a full-precision
-    one must free its weights (the point of quantizing), so undo gives back the layer's structure, not its weights."""
+    one must free its weights (the point of quantizing), so undo gives back the layer's structure, not its weights.
+    `shapes`: the declared shape of a tensor the replaced module holds only a slice of (read shard-on-read), by its
+    name in that module: its meta tensor takes that shape, so the layer given back loads the checkpoint's tensors."""
     before = parent._modules[name]
     parent._modules[name] = child
     if release:
-        _release(before)
+        _release(before, shapes or {})
     what = f"{type(child).__name__} over {type(before).__name__}" + (" (its weights released)" if release else "")
     return record(parent, Patch("replace_module", name, what, by, lambda: parent._modules.__setitem__(name, before)))
 
 
-def _release(module: nn.Module) -> None:
-    """Give `module`'s tensors up: each is swapped for a meta tensor of its shape in the module's own dicts (a
-    tensor it shares, a tied table, stays with its other holders)."""
-    for holder in module.modules():
+def _release(module: nn.Module, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Give `module`'s tensors up: each is swapped for a meta tensor of its shape (or of its declared shape in
+    `shapes`, by name in `module`) in the module's own dicts (a tensor it shares, a tied table, stays with its other
+    holders)."""
+    for prefix, holder in module.named_modules():
         for table in (holder._parameters, holder._buffers):
             for key, tensor in table.items():
                 if tensor is not None:
-                    empty = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+                    shape = shapes.get(f"{prefix}.{key}" if prefix else key, tensor.shape)
+                    empty = torch.empty(shape, dtype=tensor.dtype, device="meta")
                     table[key] = nn.Parameter(empty, requires_grad=False) if table is holder._parameters else empty
 
 
 def replace_parameter(module: nn.Module, name: str, parameter: nn.Parameter | None, *, by: str,
-                      release: bool = False) -> Patch:
+                      release: bool = False, shape: tuple[int, ...] | None = None) -> Patch:
     """Put `parameter` in `module`'s parameter `name` (a rank's slice of it); undo puts the one it replaced back.
     With `release` the one replaced is not kept (a full tensor split over the ranks: holding it would keep the whole
-    model on every rank); undo puts back a meta tensor of its shape, to be loaded again."""
+    model on every rank); undo puts back a meta tensor of its shape (`shape`: its declared one, where the parameter
+    replaced was already a slice, read shard-on-read), to be loaded again."""
     before = module._parameters[name]
     if release and before is not None:
-        before = nn.Parameter(torch.empty(before.shape, dtype=before.dtype, device="meta"), requires_grad=False)
+        before = nn.Parameter(torch.empty(before.shape if shape is None else shape, dtype=before.dtype, device="meta"),
+                              requires_grad=False)
     module._parameters[name] = parameter
     shape = "None" if parameter is None else "x".join(map(str, parameter.shape))
     return record(module, Patch("replace_parameter", name, f"parameter of shape {shape}", by,

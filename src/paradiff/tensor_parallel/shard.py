@@ -22,14 +22,16 @@ def slice_tensor(full: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
     return torch.cat(pieces, dim=spec.dim).clone() if len(pieces) > 1 else pieces[0].clone()
 
 
-def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+def set_submodule(model: nn.Module, name: str, module: nn.Module,
+                  shapes: dict[str, tuple[int, ...]] | None = None) -> None:
     """Put the sharded `module` in the place of `name`; the layer it replaces gives up its tensors: read shard-on-read
     they are this rank's slice, now the sharded layer's (held twice, a later quantization could not free them); in
     memory they are the full weights, which a rank must not keep (the point of splitting). `remove_patches` gives
-    back the layer with meta tensors, to be loaded again (docs/architecture.md, "The patch layer")."""
+    back the layer with meta tensors of its declared `shapes` (the full ones), to be loaded again
+    (docs/architecture.md, "The patch layer")."""
     parent_name, _, leaf = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
-    replace_module(parent, leaf, module, by="tp", release=True)
+    replace_module(parent, leaf, module, by="tp", release=True, shapes=shapes)
 
 
 def swap_in_sharded_linears(
@@ -48,7 +50,8 @@ def swap_in_sharded_linears(
             for leaf, spec in linear.specs.items():
                 value = module._parameters[leaf].data
                 replace_parameter(module, leaf, nn.Parameter(value if weights_are_local else slice_tensor(value, spec),
-                                                             requires_grad=False), by="tp", release=True)
+                                                             requires_grad=False), by="tp", release=True,
+                                  shape=linear.full_shapes.get(leaf))
             continue
         if isinstance(module, (ShardedLinear, ShardedNorm, ShardedConv, VocabParallelEmbedding)):
             raise RuntimeError(f"{name} is already tensor-parallel; enable_parallelism was called twice.")
@@ -67,7 +70,7 @@ def swap_in_sharded_linears(
         full = linear.full_shapes.get("weight", (linear.features,))
         sharded = make_sharded_module(linear.style, module, weight, bias, linear.specs["weight"], full, group,
                                       gather_sizes=linear.gather_sizes, replicas=linear.replicas)
-        set_submodule(model, name, sharded)
+        set_submodule(model, name, sharded, shapes=linear.full_shapes)
     localise_heads(model, resolved)
     rank = dist.get_rank(group)
     for name, outputs in resolved.head_outputs.items():
@@ -168,7 +171,8 @@ def _outputs_hook(outputs: dict[int, int], transform, name: str):
 
 def _shard_embedding(module: nn.Embedding, linear, weight: torch.Tensor, group: dist.ProcessGroup) -> None:
     """Embeddings keep their class (Gemma's scaled one, T5's relative-position table): only the table shrinks."""
-    replace_parameter(module, "weight", nn.Parameter(weight, requires_grad=False), by="tp", release=True)
+    replace_parameter(module, "weight", nn.Parameter(weight, requires_grad=False), by="tp", release=True,
+                      shape=linear.full_shapes.get("weight"))
     if linear.specs["weight"].dim == 1:
         set_attribute(module, "embedding_dim", weight.shape[1], by="tp")
     if linear.style.kind == "vocab":
