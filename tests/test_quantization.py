@@ -19,6 +19,11 @@ from paradiff_testkit import command
 FAMILIES = ("flux2", "wan")
 SCHEMES = ("int8", "fp8", "nf4")
 MODES = ("tp2", "ulysses2")
+# Split against whole, both computing float32 products (NF4 too: quant.apply.float32_4bit_products): they differ by
+# summation order only (a row split's all-reduce adds partial sums in another order). Measured on the text encoders'
+# case: 5.6e-7 (Mistral-3 NF4) to 1.5e-6 (UMT5 NF4) on an Intel Xeon with AMX and AVX512-BF16 (2026-12-07), within
+# it on AMD EPYC (AVX2) in every run. bitsandbytes' own bf16 CPU kernel, which that Intel CPU would take, is 8.5e-3
+# (Mistral-3) to 2.6e-2 (UMT5) from the float32 product: a tolerance that let it pass would hide a kernel change.
 RELATIVE_TOLERANCE = 1e-5
 
 
