@@ -71,7 +71,7 @@ def test_every_patch_of_a_tp2_x_ulysses2_x_cfg2_pipeline_quantized_with_lora_and
         pools, tiny_pipeline_folders, tmp_path):
     """Issue 37's check on a whole pipeline at world 8: Qwen-Image (two transformer calls per step, so cfg2 patches
     the pipeline and its guider) at tp2 x ulysses2 x cfg2, its transformer in int8 (torchao, quantized while read),
-    a LoRA adapter on the transformer and the text encoder, a first-block cache: every patch is listed (the same on
+    a LoRA adapter (on the transformer: the only component Qwen-Image's loader adapts), a first-block cache: every patch is listed (the same on
     every rank), `remove_patches(pipeline)` undoes them all, and with each component's weights loaded again the
     pipeline is diffusers' own again: its classes, and its latents bit for bit."""
     from paradiff_testkit.lora import save_pipeline_loras

@@ -281,8 +281,8 @@ def replace_parameter(module: nn.Module, name: str, parameter: nn.Parameter | No
         before = nn.Parameter(torch.empty(before.shape if shape is None else shape, dtype=before.dtype, device="meta"),
                               requires_grad=False)
     module._parameters[name] = parameter
-    shape = "None" if parameter is None else "x".join(map(str, parameter.shape))
-    return record(module, Patch("replace_parameter", name, f"parameter of shape {shape}", by,
+    held = "None" if parameter is None else "x".join(map(str, parameter.shape))
+    return record(module, Patch("replace_parameter", name, f"parameter of shape {held}", by,
                                 lambda: module._parameters.__setitem__(name, before)))
 
 

@@ -14,10 +14,11 @@ from typing import Any
 from torch import nn
 
 from paradiff.distributed.mesh import ParallelMesh
+from paradiff.runtime.patches import PRIVATE_PREFIX
 from paradiff.runtime.wrapper_registry import WrapperRegistry
 from paradiff.tensor_parallel.plan import ResolvedPlan
 
-STATE_ATTR = "_paradiff_state"
+STATE_ATTR = PRIVATE_PREFIX + "state"
 
 
 @dataclass

@@ -14,9 +14,10 @@ import torch.distributed as dist
 
 from paradiff.distributed.comm import CommStats, all_gather_ints
 from paradiff.errors import ParadiffError
+from paradiff.runtime.patches import PRIVATE_PREFIX
 from paradiff.vae.layout import ConvRows, HaloPlan, plan_halo
 
-VAE_ATTR = "_paradiff_vae"
+VAE_ATTR = PRIVATE_PREFIX + "vae"
 # Halo plans of this many (region, input height) pairs are kept; a miss costs one small all-gather per convolution.
 _KEPT_SHAPES = 8
 
