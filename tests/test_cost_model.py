@@ -60,9 +60,11 @@ def test_the_hand_count_is_diffusers_flux_block():
 def test_one_flux_block_communication_per_mode_counted_by_hand():
     b = 2
     tp = block_cost(FLUX_BLOCK, LATENT, TEXT, b, Mesh(tp=2))
-    # attention output and FFN output summed per stream: 2 x 16 x 8 x 2 bytes and 2 x 4 x 8 x 2 bytes
-    assert tp.traffic == [Traffic("all_reduce", 2, 2, 256), Traffic("all_reduce", 2, 2, 64)]
-    assert tp.wire_bytes() == 2 * 256 + 2 * 64  # ring all-reduce on 2 ranks: 2 (g-1)/g = 1 x the tensor
+    # attention output and FFN output summed per stream: 2 x 16 x 8 x 2 bytes and 2 x 4 x 8 x 2 bytes; the two
+    # modulation linears (norm1, norm1_context: 6 x 8 wide, split on their input) one vector each, 48 x 2 bytes
+    assert tp.traffic == [Traffic("all_reduce", 2, 2, 256), Traffic("all_reduce", 2, 2, 64),
+                          Traffic("all_reduce", 2, 2, 96)]
+    assert tp.wire_bytes() == 2 * 256 + 2 * 64 + 2 * 96  # ring all-reduce on 2 ranks: 2 (g-1)/g = 1 x the tensor
     assert tp.linear_flops == 30720 / 2 and tp.attention_flops == 12800 / 2
     ulysses = block_cost(FLUX_BLOCK, LATENT, TEXT, b, Mesh(ulysses=2))
     # the two ranks' sequence lengths agreed (one int64 each, gathered), then q, k and v of this rank's 10 tokens x 8
@@ -125,6 +127,21 @@ def test_what_sequence_parallelism_pays_beside_its_traffic_counted_by_hand():
         Traffic("all_gather", 2, 1, 2 * 8), Traffic("all_gather", 2, 1, 8 * 16 * 4 * 2)]
 
 
+@pytest.mark.parametrize("family", ["flux", "flux2", "qwenimage", "wan"])
+def test_tp_all_reduces_counted_are_those_a_tp2_forward_makes(pools, family):
+    """Every all-reduce of a tp2 forward, its bytes, as the cost model counts them: the blocks' outputs, QK norms
+    and modulation linears, and the plans' rowwise layers outside the blocks (`ModelShape.tp_reduces`)."""
+    import rank_cases_cost as cases
+    from paradiff.testing.models import model_class, tiny_config
+
+    made = pools.get(2).run(cases.tp_all_reduce_bytes, family=family)
+    assert made[0] and made[0] == made[1]
+    config = dict(tiny_config(family), _class_name=model_class(family).__name__)
+    counted = cost.forward_cost(model_shape(config, text_tokens=5), 4 * 6, 4, Mesh(tp=2)).traffic
+    assert sorted(made[0]) == sorted(int(item.size) for item in counted for _ in range(item.calls)
+                                     if item.op == "all_reduce")
+
+
 def test_qk_norms_over_all_heads_counted_by_hand():
     # A Wan block: self attention, cross attention to the text, FFN (d = 8, FFN 32). Its QK norms span all heads,
     # so under tp each sums a float32 per token over the ranks: self q and k and cross q on the 16 latent tokens,
@@ -142,8 +159,8 @@ def test_qk_norms_over_all_heads_counted_by_hand():
     # with ulysses 2 beside it, the latent statistics are of this rank's 8 tokens; the text is whole on every rank
     assert block_cost(block, LATENT, TEXT, 2, Mesh(tp=2, ulysses=2)).traffic[1:3] == [
         Traffic("all_reduce", 2, 3, 8 * 4), Traffic("all_reduce", 2, 1, 4 * 4)]
-    # FLUX's per-head norms need none
-    assert FLUX_BLOCK.norm_reduces == (0, 0) and len(block_cost(FLUX_BLOCK, LATENT, TEXT, 2, Mesh(tp=2)).traffic) == 2
+    # FLUX's per-head norms need none (its 3 all-reduces: the two streams' outputs and the modulation linears)
+    assert FLUX_BLOCK.norm_reduces == (0, 0) and len(block_cost(FLUX_BLOCK, LATENT, TEXT, 2, Mesh(tp=2)).traffic) == 3
 
 
 def _top_level_ops(run) -> int:
@@ -170,10 +187,11 @@ def test_ops_per_block_counted_by_hand_are_diffusers_eager_calls():
     shape = model_shape(_tiny_flux_config(), text_tokens=TEXT)
     assert (joint, shape.blocks[0].ops, shape.blocks[1].ops, shape.other_ops) == (114, 114, 68, 108)
     assert cost.forward_cost(shape, LATENT).ops == 114 + 68 + 108
-    # every rank issues all of them; tp adds its all-reduce calls (4 in a double block, 1 in a single one) and the
-    # embedders' (17 ops), Ulysses 65 per self attention and 32 to split and gather the sequence
+    # every rank issues all of them; tp adds its all-reduce calls (4 and 2 for the modulation in a double block, 1
+    # and 1 in a single one) and the embedders' (17 ops), Ulysses 65 per self attention and 32 to split and gather
+    # the sequence
     assert cost.forward_cost(shape, LATENT, mesh=Mesh(tp=2, ulysses=2)).ops == \
-        (114 + 4 + 65) + (68 + 1 + 65) + (108 + 17 + 32)
+        (114 + 4 + 2 + 65) + (68 + 1 + 1 + 65) + (108 + 17 + 32)
     assert cost.forward_cost(shape, LATENT, mesh=Mesh(ring=4)).ops == (114 + 3 * 44) + (68 + 3 * 44) + (108 + 32)
     generator = torch.Generator().manual_seed(0)
     x, text, temb = (torch.randn(*size, generator=generator) for size in ((1, LATENT, D), (1, TEXT, D), (1, D)))

@@ -7,9 +7,13 @@ Measured, on every rank at once (so that ranks sharing a CPU's cores or a host's
   of Ulysses' packing and concatenation around attention (`_layout_copies`) and the seconds per torch op (a toy-width block of 43 ops at 4 tokens, as diffusers writes its blocks);
 - with world > 1, each collective the cost model uses, through `distributed/comm.py` (all-reduce as TP sums,
   all-to-all as Ulysses exchanges, all-gather as FSDP / CFG gathers, ring passes as p2p) at a small and a large
-  size: the small one's time is the latency (a burst of `LATENCY_BURST` calls back to back, divided: one call's
-  time moved 5x between runs on a quiet CPU machine), the difference the bandwidth (wire bytes as `cost.Traffic`
-  counts).
+  size: the small one's time is the latency, the difference the bandwidth (wire bytes as `cost.Traffic` counts).
+  Each size is timed over `LATENCY_BURST` calls and divided (one call's time moved 5x between runs on a quiet CPU
+  machine). On CUDA the calls run back to back. On CPU each call follows a compute of about a millisecond or more
+  (`GAP_GEMM`), as a forward's collectives follow its blocks' work, and the compute alone is taken off: gloo's
+  threads sleep while the rank computes, and a collective that wakes them costs more than one of a burst, with
+  a long tail (on a 2-core Intel Xeon VM, 2026-12-07: a 64 KiB all-reduce 0.35 ms back to back, 0.7-1.5 ms on
+  average after 1-7 ms of compute, some calls 3-5 ms; inside a FLUX.2-shaped tp2 step the same, 1.2 ms on average).
 
 On CPU the ranks are gloo processes spawned on 127.0.0.1 (`distributed/spawn.run_ranks`), one torch thread each; on
 CUDA one NCCL rank per device. The rates are medians of a few repeats; a loaded machine gives a slow profile.
@@ -197,6 +201,32 @@ def _collective(op: str, numel: int, group, device: str):
 
 
 LATENCY_BURST = 10
+# the square GEMM each CPU collective follows (`_in_context`): a few milliseconds of one core's float32 (2 x 384^3
+# FLOPs, 1-3 ms at 50-150 GFLOP/s), what a forward computes between its collectives at the sizes calibrated
+GAP_GEMM = 384
+
+
+def _in_context(issue, gap, calls: int, repeats: int, sync) -> float:
+    """Seconds one collective costs when it follows a compute (`gap`, or None: back to back): `calls` rounds of the
+    compute then the collective, less `calls` computes alone (timed alternately, medians of `repeats`), divided.
+    The mean over the calls keeps what a forward pays: the slow wake-ups as well as the fast ones."""
+    def both():
+        for _ in range(calls):
+            if gap is not None:
+                gap()
+            issue()
+
+    def computing():
+        for _ in range(calls):
+            gap()
+    if gap is None:
+        return _timed(both, repeats, sync) / calls
+    with_gap, alone = [], []
+    both()
+    for _ in range(repeats):
+        with_gap.append(_timed(both, 1, sync))
+        alone.append(_timed(computing, 1, sync))
+    return max(0.0, statistics.median(with_gap) - statistics.median(alone)) / calls
 
 
 def _wire(op: str, world: int, numel: int) -> float:
@@ -205,9 +235,11 @@ def _wire(op: str, world: int, numel: int) -> float:
 
 def calibrate_rank(rank: int, world_size: int, *, device: str, dtypes: tuple[str, ...], gemm_size: int,
                    attention_tokens: int, sizes: tuple[int, int], repeats: int, copy_numel: int | None = None,
-                   elementwise_numel: int | None = None, burst: int = LATENCY_BURST) -> dict[str, Any]:
+                   elementwise_numel: int | None = None, burst: int = LATENCY_BURST,
+                   gap_gemm: int = GAP_GEMM) -> dict[str, Any]:
     """One rank's measurements (run by run_ranks: the process group exists when world_size > 1); `burst`: the
-    small collectives timed back to back per repeat (`LATENCY_BURST`; fewer in tests)."""
+    collectives timed per repeat (`LATENCY_BURST`; fewer in tests); `gap_gemm`: the size of the square GEMM each
+    follows on CPU (`GAP_GEMM`; smaller in tests)."""
     import torch
     import torch.distributed as dist
 
@@ -225,17 +257,18 @@ def calibrate_rank(rank: int, world_size: int, *, device: str, dtypes: tuple[str
     if world_size > 1:
         sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
         group = dist.group.WORLD
+        gap = None
+        if device == "cpu":
+            a = torch.randn(gap_gemm, gap_gemm)
+
+            def gap():
+                a @ a
         for op in OPS:
             small, large = sizes
             timed = {}
-            for numel, calls in ((small, burst), (large, 1)):
-                issue = _collective(op, numel, group, device)
-
-                def issue_calls(issue=issue, calls=calls):
-                    for _ in range(calls):
-                        issue()
+            for numel in (small, large):
                 comm.barrier()
-                timed[numel] = _timed(issue_calls, repeats, sync) / calls
+                timed[numel] = _in_context(_collective(op, numel, group, device), gap, burst, repeats, sync)
             latency = timed[small]
             extra = timed[large] - timed[small]
             steps = {"all_reduce": 2 * (world_size - 1), "all_gather": world_size - 1}.get(op, 1)
@@ -268,7 +301,8 @@ def calibrate(world: int = 2, *, device: str | None = None, dtypes: tuple[str, .
         results = run_ranks(calibrate_rank, world, kwargs=kwargs, gloo_timeout_s=120.0 if not cuda else None,
                             timeout_s=600.0)
     notes = (f"GEMM {gemm_size}^3, attention {attention_tokens} tokens x 8 heads x 64, collectives at {sizes[0]} "
-             f"and {sizes[1]} float32 elements, median of {repeats}; one torch thread per rank on CPU")
+             f"and {sizes[1]} float32 elements{'' if cuda else f', each after a {GAP_GEMM}^3 GEMM'}, median of "
+             f"{repeats}; one torch thread per rank on CPU")
     return profile_from(results, world=world, device=device, dtypes=tuple(dtypes), notes=notes, name=name)
 
 

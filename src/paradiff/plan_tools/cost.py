@@ -25,7 +25,11 @@ Communication per forward, per rank (sizes in bytes; `wire` is what a ring algor
 - tp (degree t): the rowwise outputs are summed: joint blocks 2 all-reduces per stream, single blocks 1 (the fused
   output projection), cross blocks 3 (self, cross, FFN); all-reduce wire 2(t-1)/t · size. A QK norm over all heads
   (Wan's, LTX's: `norm_across_heads` in their plans) sums its per-token statistic over the tp ranks: one more
-  all-reduce of a float32 per token per such norm (`BlockShape.norm_reduces`);
+  all-reduce of a float32 per token per such norm (`BlockShape.norm_reduces`). A block's own modulation linears
+  (FLUX.1's, Qwen-Image's, HunyuanVideo's: split on their replicated input) sum one vector per sample each (a joint
+  block 2, a single block 1), and so do the plans' rowwise layers outside the blocks (embedders, shared modulation,
+  the final norm's linear; the text projection sums per text token): `ModelShape.tp_reduces`, counted from the
+  plans. Small, so their latency is what they cost;
 - ulysses (u): q, k and v packed in one all-to-all, the output in another, per self attention; wire (u-1)/u · local
   size. Cross attention needs none: each rank keeps every text key and its own queries;
 - ring (r): keys and values, packed in one message, passed r-1 times around the ring per self attention, overlapped
@@ -119,6 +123,9 @@ class ModelShape:
     # a forward; the sequence ranks divide them
     rope_width: int = 0
     other_ops: int = 0  # torch ops of a forward outside the blocks (embedders, RoPE tables, the final layer)
+    # the all-reduces tp adds outside the blocks, one per rowwise layer of the family's plan (`plans/<family>.py`):
+    # (what it acts on: "sample" (one vector) or "text" (per text token), its output width in elements)
+    tp_reduces: tuple[tuple[str, int], ...] = ()
 
     @property
     def heads(self) -> int:
@@ -236,8 +243,11 @@ def _model_shape(config: dict[str, Any], text_tokens: int | None = None) -> Mode
         other = replicated + _get(config, "joint_attention_dim") * d \
             + (256 + _get(config, "pooled_projection_dim", default=768) + guidance * 256) * d \
             + (2 + guidance) * d * d + 2 * d * d
+        # plans/flux.py: the text projection, the time / pooled-text (/ guidance) MLPs' outputs, the final modulation
+        reduces = (("text", d), ("sample", d), ("sample", d)) + (("sample", d),) * guidance + (("sample", 2 * d),)
         return ModelShape("FLUX.1", (joint, single), other, in_channels, (1, 2, 2), (1, 8),
-                          text_tokens or 512, video=False, replicated_params=replicated, rope_width=2 * head_dim)
+                          text_tokens or 512, video=False, replicated_params=replicated, rope_width=2 * head_dim,
+                          tp_reduces=reduces)
     if cls == "Flux2Transformer2DModel":
         ffn = int(d * float(config.get("mlp_ratio", 3.0)))
         # peaks: the double block's at the SwiGLU (stream in, gated attention, new stream, normed; gate-and-up,
@@ -252,8 +262,13 @@ def _model_shape(config: dict[str, Any], text_tokens: int | None = None) -> Mode
         other = replicated + _get(config, "joint_attention_dim") * d \
             + embedders * (_get(config, "timestep_guidance_channels", default=256) * d + d * d) \
             + shared_modulation + 2 * d * d
+        # plans/flux2.py: the three shared modulations, the text projection, the final modulation, the time (and
+        # guidance) MLPs' outputs
+        reduces = (("sample", 6 * d), ("sample", 6 * d), ("sample", 3 * d), ("text", d), ("sample", 2 * d)) \
+            + (("sample", d),) * embedders
         return ModelShape("FLUX.2", (joint, single), other, in_channels, (1, 2, 2), (1, 8),
-                          text_tokens or 512, video=False, replicated_params=replicated, rope_width=4 * head_dim)
+                          text_tokens or 512, video=False, replicated_params=replicated, rope_width=4 * head_dim,
+                          tp_reduces=reduces)
     if cls == "QwenImageTransformer2DModel":
         # peak at the FFN; Qwen-Image keeps more d-wide tensors of the stream alive than FLUX.1 (the modulated
         # inputs and gates of both halves)
@@ -261,8 +276,10 @@ def _model_shape(config: dict[str, Any], text_tokens: int | None = None) -> Mode
                            peak=(7, 0, 2))
         replicated = in_channels * d + d * _get(config, "out_channels", default=in_channels // 4) * 4
         other = replicated + _get(config, "joint_attention_dim") * d + 256 * d + d * d + 2 * d * d
+        # plans/qwenimage.py: the text projection, the time MLP's output, the final modulation
         return ModelShape("Qwen-Image", (joint,), other, in_channels, (1, 2, 2), (1, 8),
-                          text_tokens or 512, video=False, replicated_params=replicated, rope_width=head_dim)
+                          text_tokens or 512, video=False, replicated_params=replicated, rope_width=head_dim,
+                          tp_reduces=(("text", d), ("sample", d), ("sample", 2 * d)))
     if cls == "WanTransformer3DModel":
         # peak at the FFN: the stream's float copy, the cross-attention output, the new stream and its normed input;
         # the FFN's hidden and its GELU
@@ -278,8 +295,10 @@ def _model_shape(config: dict[str, Any], text_tokens: int | None = None) -> Mode
         if config.get("image_dim"):  # I2V: image tokens get their own cross keys and values (counted as text)
             cross = replace(cross, modulation=cross.modulation + 2 * d * d, norm_reduces=(3, 2))
         spatial = 16 if in_channels == 48 else 8  # Wan 2.2 TI2V-5B's VAE compresses 16x
+        # plans/wan.py: the time MLP's and text MLP's outputs, the 6-way modulation projection
         return ModelShape("Wan", (cross,), other, in_channels, patch, (4, spatial), text_tokens or 512, video=True,
-                          replicated_params=replicated, rope_width=2 * head_dim)
+                          replicated_params=replicated, rope_width=2 * head_dim,
+                          tp_reduces=(("sample", d), ("text", d), ("sample", 6 * d)))
     if cls == "HunyuanVideoTransformer3DModel":
         ratio = float(config.get("mlp_ratio", 4.0))
         joint = BlockShape("joint", _get(config, "num_layers"), heads, head_dim, int(d * ratio),
@@ -291,8 +310,15 @@ def _model_shape(config: dict[str, Any], text_tokens: int | None = None) -> Mode
         refiner = _get(config, "num_refiner_layers", default=2) * 14 * d * d  # the text token refiner's blocks
         replicated = 2 * in_channels * d * p * p
         other = replicated + _get(config, "text_embed_dim", default=4096) * d + 2 * 256 * d + 3 * d * d + refiner
+        # plans/hunyuan_video.py: the token refiner's input projection, its time / text MLPs, each refiner block's
+        # attention output, FFN output and modulation; the time / text (/ guidance) MLPs, the final modulation
+        guidance = 1 if config.get("guidance_embeds", True) else 0
+        refiners = _get(config, "num_refiner_layers", default=2)
+        reduces = (("text", d), ("sample", d), ("sample", d)) + (("text", d), ("text", d), ("sample", 2 * d)) \
+            * refiners + (("sample", d),) * (2 + guidance) + (("sample", 2 * d),)
         return ModelShape("HunyuanVideo", (joint, single), other, in_channels, patch, (4, 8),
-                          text_tokens or 256, video=True, replicated_params=replicated, rope_width=2 * head_dim)
+                          text_tokens or 256, video=True, replicated_params=replicated, rope_width=2 * head_dim,
+                          tp_reduces=reduces)
     if cls == "LTXVideoTransformer3DModel":
         cross = BlockShape("cross", _get(config, "num_layers"), heads, head_dim, 4 * d, modulation=6 * d,
                            context_dim=_get(config, "cross_attention_dim", default=d), peak=(4, 0, 2),
@@ -301,8 +327,10 @@ def _model_shape(config: dict[str, Any], text_tokens: int | None = None) -> Mode
         patch = (_get(config, "patch_size_t", default=1), p, p)
         replicated = 2 * in_channels * d
         other = replicated + _get(config, "caption_channels", default=4096) * d + 256 * d + 6 * d * d
+        # plans/ltx.py: the time MLP's output, the 6-way modulation, the caption projection's output
         return ModelShape("LTX", (cross,), other, in_channels, patch, (8, 32), text_tokens or 128, video=True,
-                          replicated_params=replicated, rope_width=2 * head_dim)
+                          replicated_params=replicated, rope_width=2 * head_dim,
+                          tp_reduces=(("sample", d), ("sample", 6 * d), ("text", d)))
     known = ("FluxTransformer2DModel", "Flux2Transformer2DModel", "QwenImageTransformer2DModel",
              "WanTransformer3DModel", "HunyuanVideoTransformer3DModel", "LTXVideoTransformer3DModel")
     raise CostModelError(f"no cost model for transformer class {cls!r}; known: {', '.join(known)}.")
@@ -446,7 +474,10 @@ def block_cost(block: BlockShape, latent: int, text: int, dtype_bytes: int = 2, 
     local = self_tokens / seq
     if t > 1:
         latent_norms, text_norms = block.norm_reduces
-        cost.ops += {"joint": 4, "single": 1, "cross": 3}[block.kind] + latent_norms + text_norms  # all-reduce calls
+        # the modulation linears split on their replicated input: a joint block's two (6 d each), a single's one
+        modulation_linears = (2 if block.kind == "joint" else 1) if block.modulation and block.modulation_split else 0
+        cost.ops += {"joint": 4, "single": 1, "cross": 3}[block.kind] + latent_norms + text_norms \
+            + modulation_linears  # all-reduce calls
         if block.kind == "joint":
             cost.traffic += [Traffic("all_reduce", t, 2, latent / seq * d * b),
                              Traffic("all_reduce", t, 2, text / seq * d * b)]
@@ -458,6 +489,9 @@ def block_cost(block: BlockShape, latent: int, text: int, dtype_bytes: int = 2, 
             cost.traffic.append(Traffic("all_reduce", t, latent_norms, latent / seq * 4))
         if text_norms:
             cost.traffic.append(Traffic("all_reduce", t, text_norms, text * 4))
+        if modulation_linears:
+            cost.traffic.append(Traffic("all_reduce", t, modulation_linears,
+                                        block.modulation / modulation_linears / d * b))
     heads_width = d / t
     share = local * heads_width  # elements of one of this rank's q, k, v or output
     if mesh.ulysses > 1:
@@ -489,6 +523,10 @@ def forward_cost(shape: ModelShape, latent: int, dtype_bytes: int = 2, mesh: Mes
         total.copy_bytes += one.copy_bytes * block.count
         total.ops += one.ops * block.count
         total.traffic += [replace(item, calls=item.calls * block.count) for item in one.traffic]
+    if mesh.tp > 1:  # the rowwise layers outside the blocks; a cross family keeps its text whole on every rank
+        text = shape.text_tokens / (mesh.sequence if shape.blocks[0].kind != "cross" else 1)
+        total.traffic += [Traffic("all_reduce", mesh.tp, 1, (text if acts == "text" else 1) * width * dtype_bytes)
+                          for acts, width in shape.tp_reduces]
     if mesh.sequence > 1:  # the output gathered at the final projection, after agreeing on the ranks' lengths
         volume = math.prod(shape.patch) if shape.video else 1  # a video model's projection unpatches per token
         total.traffic += [Traffic("all_gather", mesh.sequence, 1, 8 * mesh.sequence),
