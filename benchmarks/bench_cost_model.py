@@ -156,7 +156,7 @@ def step_worker(rank: int, world_size: int, family: str, class_name: str, config
         peaks.append(max(sampler.peak.values()) - before)
     _set_malloc_thresholds(32 * 2 ** 20)
     step()
-    times, cpu_times, gemm, attention, elementwise, op_overhead, copy = [], [], [], [], [], [], []
+    times, cpu_times, gemm, attention, elementwise, op_overhead, copy, factor = [], [], [], [], [], [], [], []
     for _ in range(rounds):
         barrier()  # every rank probes at once, as the ranks of the step will compute
         rates = measure_local("cpu", ("float32",), probe["gemm_size"], probe["attention_tokens"], probe["repeats"],
@@ -166,13 +166,15 @@ def step_worker(rank: int, world_size: int, family: str, class_name: str, config
         elementwise.append(rates["elementwise_bandwidth"])
         op_overhead.append(rates["op_overhead_s"])
         copy.append(rates["copy_bandwidth"])
+        factor.append(rates["block_factor"])
         barrier()
         start, start_cpu = time.perf_counter(), time.thread_time()
         step()
         times.append(time.perf_counter() - start)
         cpu_times.append(time.thread_time() - start_cpu)
     return {"rank": rank, "times": times, "cpu_times": cpu_times, "gemm": gemm, "attention": attention,
-            "elementwise": elementwise, "op_overhead": op_overhead, "copy": copy, "weights": held,
+            "elementwise": elementwise, "op_overhead": op_overhead, "copy": copy, "block_factor": factor,
+            "weights": held,
             "activation_peak": max(peaks)}
 
 
@@ -197,10 +199,11 @@ def measure(family, class_name, config, grid, mesh: str, rounds: int) -> dict:
     elementwise = [min(rank["elementwise"][i] for rank in ranks) for i in range(rounds)]
     op_overhead = [max(rank["op_overhead"][i] for rank in ranks) for i in range(rounds)]
     copy = [min(rank["copy"][i] for rank in ranks) for i in range(rounds)]
+    factor = [statistics.median(rank["block_factor"][i] for rank in ranks) for i in range(rounds)]
     return {"step_s": statistics.median(steps), "steps": steps, "step_cpu_s": statistics.median(cpu),
             "gemm_flops": statistics.median(gemm), "attention_flops": statistics.median(attention),
             "elementwise_bandwidth": statistics.median(elementwise), "op_overhead_s": statistics.median(op_overhead),
-            "copy_bandwidth": statistics.median(copy),
+            "copy_bandwidth": statistics.median(copy), "block_factor": statistics.median(factor),
             "memory": max(rank["weights"] + rank["activation_peak"] for rank in ranks),
             "weights": max(rank["weights"] for rank in ranks),
             "activations": max(rank["activation_peak"] for rank in ranks),
@@ -265,7 +268,8 @@ def main() -> int:
                         elementwise_bandwidth=share * measured.get("elementwise_bandwidth",
                                                                    profile.elementwise_bandwidth),
                         copy_bandwidth=share * measured.get("copy_bandwidth", profile.copy_bandwidth),
-                        op_overhead_s=measured.get("op_overhead_s", profile.op_overhead_s) / share)
+                        op_overhead_s=measured.get("op_overhead_s", profile.op_overhead_s) / share,
+                        block_factor=measured.get("block_factor", profile.block_factor))
         predicted = predict(shape_t, latent, Mesh.parse(mesh), rates, steps=1, dtype="float32", branches=2)
         row = {"model": family, "size": size, "latent_tokens": latent, "text_tokens": text, "mesh": mesh,
                "predicted_step_s": predicted.step_s, "predicted_compute_s": predicted.compute_s,
@@ -357,7 +361,7 @@ def combine_passes(results: list[dict]) -> dict:
                     wall_s=sum(r["wall_s"] for r in done),
                     machine_busy_cores=max(r["machine_busy_cores"] for r in done))
     for key in ("step_cpu_s", "gemm_flops", "attention_flops", "elementwise_bandwidth", "op_overhead_s",
-                "copy_bandwidth", "memory",
+                "copy_bandwidth", "block_factor", "memory",
                 "weights", "activations"):
         combined[key] = statistics.median(r[key] for r in done)
     return combined

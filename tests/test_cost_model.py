@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import pytest
 import torch
@@ -229,6 +230,13 @@ def test_op_overhead_adds_on_a_cpu_and_hides_behind_a_busy_gpu():
     elementwise_s = none.forward.elementwise_bytes / gpu.memory_bandwidth
     assert faster.compute_s == pytest.approx(device - elementwise_s / 2)
     assert BUILT_IN["h100-sxm"].op_overhead_s == 5e-6 and BUILT_IN["h100-sxm"].host_overlap
+    # the block factor (a calibrated reference block over its prediction) scales the compute, not the collectives;
+    # built-in profiles have none
+    slower = predict(shape, LATENT, Mesh(tp=2), replace(cpu_like_profile := replace(gpu, host_overlap=False),
+                                                         block_factor=1.25))
+    plain = predict(shape, LATENT, Mesh(tp=2), cpu_like_profile)
+    assert slower.compute_s == pytest.approx(1.25 * plain.compute_s) and slower.comm_s == plain.comm_s > 0
+    assert all(profile.block_factor == 1.0 for profile in BUILT_IN.values())
 
 
 def _tiny_flux_config(**changes) -> dict:
@@ -392,7 +400,10 @@ def test_calibration_measures_every_collective_through_comm(pools):
                    for link in result["links"].values())
         assert result["gemm"]["float32"] > 0 and result["attention"]["float32"] > 0
         assert result["elementwise_bandwidth"] > 0 and result["op_overhead_s"] > 0
+        # the reference block's time over its prediction (far from 1 here: the tiny probes' rates are no block's)
+        assert result["block_factor"] > 0 and math.isfinite(result["block_factor"])
     profile = profile_from(results, world=2, device="cpu", dtypes=("float32",), notes="tiny")
+    assert profile.block_factor == statistics.median(r["block_factor"] for r in results)
     assert profile.link("all_reduce", 2).bandwidth == min(r["links"]["all_reduce"]["bandwidth"] for r in results)
     assert profile.op_overhead_s == max(r["op_overhead_s"] for r in results) and not profile.host_overlap
     assert HardwareProfile.from_dict(json.loads(profile.to_json())) == profile

@@ -5,6 +5,8 @@ Measured, on every rank at once (so that ranks sharing a CPU's cores or a host's
   head dim 64 or 128), the memory bandwidth (a large copy, bytes read + written), the elementwise bandwidth (a
   block's mix of norms, modulation, gated residual and activations, at activation-like sizes), the copy bandwidth
   of Ulysses' packing and concatenation around attention (`_layout_copies`) and the seconds per torch op (a toy-width block of 43 ops at 4 tokens, as diffusers writes its blocks);
+  then that block at a model's width and token count, against what the rates above predict for it: the block
+  factor every predicted forward is multiplied by (`_block_factor`);
 - with world > 1, each collective the cost model uses, through `distributed/comm.py` (all-reduce as TP sums,
   all-to-all as Ulysses exchanges, all-gather as FSDP / CFG gathers, ring passes as p2p) at a small and a large
   size: the small one's time is the latency, the difference the bandwidth (wire bytes as `cost.Traffic` counts).
@@ -50,7 +52,7 @@ def _timed(fn, repeats: int, sync) -> float:
 PROBE_BLOCK_OPS = 43
 
 
-def _probe_block(device: str, width: int = 64, heads: int = 2, tokens: int = 4):
+def _probe_block(device: str, width: int = 64, heads: int = 2, tokens: int = 4, dtype=None):
     """An adaLN transformer block at toy width and 4 tokens, written as diffusers writes its blocks (module calls,
     chunked modulation, RMS-normed and rotated q / k, SDPA, a gated residual, a tanh-GELU MLP): its time is its ops'
     fixed costs (dispatch, Python, launches), not their arithmetic. Returns a closure running it once."""
@@ -83,14 +85,50 @@ def _probe_block(device: str, width: int = 64, heads: int = 2, tokens: int = 4):
             h = self.norm2(x) * (1 + scale2) + shift2  # 4
             return x + gate2 * self.down(self.act(self.up(h)))  # 5
 
-    block = ProbeBlock().to(device).eval()
-    x, temb = torch.randn(1, tokens, width, device=device), torch.randn(1, width, device=device)
-    cos, sin = torch.randn(tokens, width // heads, device=device), torch.randn(tokens, width // heads, device=device)
+    dtype = dtype or torch.float32
+    block = ProbeBlock().to(device, dtype).eval()
+    x, temb = (torch.randn(1, tokens, width, device=device, dtype=dtype),
+               torch.randn(1, width, device=device, dtype=dtype))
+    cos, sin = (torch.randn(tokens, width // heads, device=device, dtype=dtype) for _ in range(2))
 
     def run():
         with torch.no_grad():
             block(x, temb, cos, sin)
     return run
+
+
+# The reference block `_block_factor` times: `_probe_block` at a small model's width, on CPU (heads x 64, tokens),
+# and at FLUX.1's on CUDA
+REFERENCE_BLOCK = {"cpu": (4, 512), "cuda": (24, 4096)}
+
+
+def _block_factor(device: str, dtype, rates: dict[str, Any], repeats: int, sync) -> float:
+    """A transformer block's time (`_probe_block` at `REFERENCE_BLOCK`'s size) over what the cost model predicts for
+    it from this device's measured rates (`planner.compute_seconds`, the block counted as `cost.block_cost` counts a
+    single-stream block: 12 d^2 weights per token, attention over its tokens, its elementwise passes and ops). On the
+    2-core Intel Xeon, 2026-12-07: a FLUX.2-shaped forward's GEMMs ran at 134 GFLOP/s against 166 for the square
+    probe, its attention 23% slower than the probe's."""
+    import torch
+
+    from paradiff.plan_tools.cost import BlockShape, block_cost
+    from paradiff.plan_tools.hardware import HardwareProfile
+    from paradiff.plan_tools.planner import compute_seconds
+
+    heads, tokens = REFERENCE_BLOCK["cuda" if device.startswith("cuda") else "cpu"]
+    width = heads * 64
+    block = _probe_block(device, width=width, heads=heads, tokens=tokens, dtype=dtype)
+    measured = _timed(block, max(repeats, 9), sync)
+    name = str(dtype).removeprefix("torch.")
+    shape = BlockShape("single", 1, heads, 64, 4 * width, ops=PROBE_BLOCK_OPS)
+    profile = HardwareProfile(
+        name="probe", source="", peak_flops={}, gemm_flops={name: rates["gemm"][name]},
+        attention_flops={name: rates["attention"][name]}, memory_bytes=0.0,
+        memory_bandwidth=rates["memory_bandwidth"], links={}, op_overhead_s=rates["op_overhead_s"],
+        host_overlap=device.startswith("cuda"), elementwise_bandwidth=rates["elementwise_bandwidth"],
+        copy_bandwidth=rates["copy_bandwidth"])
+    predicted, _ = compute_seconds(block_cost(shape, tokens, 0, torch.tensor([], dtype=dtype).element_size()),
+                                   profile, name)
+    return measured / predicted
 
 
 def _elementwise_mix(device: str, dtype, numel: int, width: int = 256):
@@ -140,11 +178,12 @@ def _layout_copies(device: str, dtype, tokens: int, heads: int = 4, head_dim: in
 
 
 def measure_local(device: str, dtypes: tuple[str, ...], gemm_size: int, attention_tokens: int,
-                  repeats: int, copy_numel: int | None = None, elementwise_numel: int | None = None
-                  ) -> dict[str, Any]:
+                  repeats: int, copy_numel: int | None = None, elementwise_numel: int | None = None,
+                  reference_block: bool = True) -> dict[str, Any]:
     """GEMM and attention FLOP/s per dtype, the copy bandwidth, the elementwise mix's bandwidth (in the first dtype,
     on `elementwise_numel` elements: the activations' size decides whether they stay in a CPU's caches) and the
-    seconds per torch op (`_probe_block`: its 43 ops, many times over, divided) of this process's device."""
+    seconds per torch op (`_probe_block`: its 43 ops, many times over, divided) of this process's device; and, with
+    `reference_block`, the block factor (`_block_factor`, in the first dtype)."""
     import torch
     import torch.nn.functional as F
 
@@ -176,6 +215,8 @@ def measure_local(device: str, dtypes: tuple[str, ...], gemm_size: int, attentio
         for _ in range(calls):
             block()
     out["op_overhead_s"] = _timed(blocks, repeats, sync) / (calls * PROBE_BLOCK_OPS)
+    if reference_block:
+        out["block_factor"] = _block_factor(device, getattr(torch, dtypes[0]), out, repeats, sync)
     return out
 
 
@@ -200,16 +241,17 @@ def _collective(op: str, numel: int, group, device: str):
     return lambda: comm.ring_pass_wait(comm.ring_pass_start([tensor], group)[1])
 
 
-LATENCY_BURST = 10
-# the square GEMM each CPU collective follows (`_in_context`): a few milliseconds of one core's float32 (2 x 384^3
+LATENCY_BURST = 30
+# the square GEMM each CPU collective follows (`_in_context`): a few milliseconds of one core's float32 (2 x 512^3
 # FLOPs, 1-3 ms at 50-150 GFLOP/s), what a forward computes between its collectives at the sizes calibrated
-GAP_GEMM = 384
+GAP_GEMM = 512
 
 
 def _in_context(issue, gap, calls: int, repeats: int, sync) -> float:
     """Seconds one collective costs when it follows a compute (`gap`, or None: back to back): `calls` rounds of the
     compute then the collective, less `calls` computes alone (timed alternately, medians of `repeats`), divided.
-    The mean over the calls keeps what a forward pays: the slow wake-ups as well as the fast ones."""
+    The mean over the calls keeps what a forward pays: the slow wake-ups as well as the fast ones. Never less than
+    the calls back to back take (where noise in the computes' time hides the difference: a loaded machine)."""
     def both():
         for _ in range(calls):
             if gap is not None:
@@ -219,14 +261,18 @@ def _in_context(issue, gap, calls: int, repeats: int, sync) -> float:
     def computing():
         for _ in range(calls):
             gap()
+    def back_to_back():
+        for _ in range(calls):
+            issue()
+    floor = _timed(back_to_back, repeats, sync) / calls
     if gap is None:
-        return _timed(both, repeats, sync) / calls
+        return floor
     with_gap, alone = [], []
     both()
     for _ in range(repeats):
         with_gap.append(_timed(both, 1, sync))
         alone.append(_timed(computing, 1, sync))
-    return max(0.0, statistics.median(with_gap) - statistics.median(alone)) / calls
+    return max(floor, (statistics.median(with_gap) - statistics.median(alone)) / calls)
 
 
 def _wire(op: str, world: int, numel: int) -> float:
@@ -332,5 +378,6 @@ def profile_from(results: list[dict[str, Any]], *, world: int, device: str, dtyp
         elementwise_bandwidth=min(r["elementwise_bandwidth"] for r in results),
         copy_bandwidth=min(r.get("copy_bandwidth", 0.0) for r in results),
         op_overhead_s=max(r["op_overhead_s"] for r in results), host_overlap=cuda,
+        block_factor=statistics.median(r.get("block_factor", 1.0) for r in results),
         links=links or {op: Link(0.0, float("inf")) for op in OPS},
         link_by_world={str(world): links} if links else {}, concurrent_ranks=concurrent, notes=notes, overlap=cuda)

@@ -56,6 +56,9 @@ class HardwareProfile:
     # bytes per second of the sequence ranks' packing and concatenation around attention (`cost.ForwardCost.
     # copy_bytes`; calibrated: `calibrate._layout_copies`); 0: the elementwise bandwidth
     copy_bandwidth: float = 0.0
+    # a transformer block's measured time over what the rates above predict for it (`calibrate._block_factor`): what
+    # isolated micro-benchmarks miss between a block's ops (operands' layouts and caches, clocks); 1: not measured
+    block_factor: float = 1.0
 
     def link(self, op: str, group: int) -> Link:
         measured = self.link_by_world.get(str(group), {}).get(op)

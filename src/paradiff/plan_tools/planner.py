@@ -4,6 +4,7 @@ Times come from the cost model (`cost.py`) and a hardware profile (`hardware.py`
 - a rank's forward = its GEMM FLOPs / the GEMM rate + its attention FLOPs / the attention rate + its elementwise
   bytes / the elementwise bandwidth + the sequence ranks' copies / the copy bandwidth (the device's time), and its
   torch ops x the per-op overhead (the host's time): added where the host is the device (CPU), the longer of the two where the host issues ahead (CUDA);
+  times the profile's block factor (a calibrated transformer block's time over this sum, `calibrate._block_factor`);
   times world / concurrent_ranks where more ranks than that share the devices (a CPU's cores), plus the
   collectives it waits on; ring passes hide behind the attention on the block just received, FSDP's all-gathers
   behind the forward (prefetch), each only up to that compute, and only where the profile overlaps (not on CPU
@@ -113,12 +114,11 @@ def meshes(world: int) -> list[Mesh]:
     return found
 
 
-def predict(shape: ModelShape, latent: int, mesh: Mesh, profile: HardwareProfile, *, steps: int = 1,
-            dtype: str = "bfloat16", branches: int = 1, device_memory: float | None = None) -> Prediction:
-    b = DTYPE_BYTES[dtype]
-    cost = forward_cost(shape, latent, b, mesh)
-    prediction = Prediction(mesh, memory(shape, latent, b, mesh), cost)
-    share = max(1.0, mesh.world / profile.concurrent_ranks)
+def compute_seconds(cost: ForwardCost, profile: HardwareProfile, dtype: str, share: float = 1.0
+                    ) -> tuple[float, float]:
+    """(a forward's compute on one rank, of which its attention) from the profile's rates: the device's terms and
+    the host's ops added (CPU) or the longer of the two (CUDA), times the profile's block factor; `share`: how many
+    ranks share a device's rate."""
     linear_s = cost.linear_flops / profile.rate(profile.gemm_flops, dtype) * share
     attention_s = cost.attention_flops / profile.rate(profile.attention_flops, dtype) * share
     elementwise_s = cost.elementwise_bytes / (profile.elementwise_bandwidth or profile.memory_bandwidth) * share
@@ -127,6 +127,16 @@ def predict(shape: ModelShape, latent: int, mesh: Mesh, profile: HardwareProfile
     device_s = linear_s + attention_s + elementwise_s + copy_s
     host_s = cost.ops * profile.op_overhead_s * share
     compute = max(device_s, host_s) if profile.host_overlap else device_s + host_s
+    return compute * profile.block_factor, attention_s * profile.block_factor
+
+
+def predict(shape: ModelShape, latent: int, mesh: Mesh, profile: HardwareProfile, *, steps: int = 1,
+            dtype: str = "bfloat16", branches: int = 1, device_memory: float | None = None) -> Prediction:
+    b = DTYPE_BYTES[dtype]
+    cost = forward_cost(shape, latent, b, mesh)
+    prediction = Prediction(mesh, memory(shape, latent, b, mesh), cost)
+    share = max(1.0, mesh.world / profile.concurrent_ranks)
+    compute, attention_s = compute_seconds(cost, profile, dtype, share)
     exposed = 0.0
     for item in cost.traffic:
         seconds = profile.comm_seconds(item)
