@@ -17,12 +17,12 @@ glibc's mmap threshold at 128 KiB so freed activations go back to the OS and the
 with glibc's thresholds raised to 32 MiB (at 128 KiB every activation costs fresh zeroed pages: the forwards ran
 1.7-1.8x slower, which the step-time rows of runs before 2026-12-06 16:00 UTC measured): --rounds interleaved
 rounds, each calibration's own micro-benchmarks on every rank at once (GEMM, attention, the elementwise mix, the
-sequence ranks' copies, the per-op probe; at its sizes) right before one timed step, so that probe and step see the same load; the step time is
+sequence ranks' copies, the per-op probe, the reference block of the block factor; at its sizes) right before one timed step, so that probe and step see the same load; the step time is
 the median over rounds of the slowest rank's step, the rates the median over rounds of the slowest rank's, and
 `step_cpu_s` the slowest rank's CPU seconds in the step (its compute without what other processes took of its core
 nor its waits on the other ranks: a check of the compute terms under load). Predicted: by
 `plan_tools/planner.predict` with the links of the profile `plan_tools/calibrate.calibrate` measured at the start of
-the run (2 ranks) and the rates probed in that row's rounds (tp2 x ulysses2's 4 ranks share the 2 cores, which the
+the run and again after the rows (2 ranks; the mean of the two) and the rates probed in that row's rounds (tp2 x ulysses2's 4 ranks share the 2 cores, which the
 profile's concurrent_ranks accounts for). --passes runs every row that many times, the order reversed on every other
 pass, and each row's figures are medians over all its passes' rounds: two idle single-pass runs had moved some rows'
 steps by up to 30% (a slow minute of the machine lands on a few rows of one pass).
@@ -51,6 +51,7 @@ from results import figure, write_result  # noqa: E402
 from paradiff.distributed.spawn import run_ranks  # noqa: E402
 from paradiff.plan_tools.calibrate import calibrate  # noqa: E402
 from paradiff.plan_tools.cost import Mesh, forward_cost, model_shape  # noqa: E402
+from paradiff.plan_tools.hardware import Link  # noqa: E402
 from paradiff.plan_tools.planner import predict  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -231,8 +232,7 @@ def main() -> int:
     load_before = os.getloadavg()[0]
     started = time.monotonic()
     profile = calibrate(2, dtypes=("float32",), repeats=5, **{k: PROBE[k] for k in ("gemm_size", "attention_tokens")})
-    links = ", ".join(f"{op} {link.latency_s * 1e3:.2f} ms + {link.bandwidth / 1e9:.2f} GB/s"
-                      for op, link in profile.link_by_world.get("2", {}).items())
+    links = _links_line(profile)
     print(f"profile: {profile.source}; GEMM {profile.gemm_flops['float32'] / 1e9:.1f} GFLOP/s per rank, attention "
           f"{profile.attention_flops['float32'] / 1e9:.1f} GFLOP/s, concurrent ranks {profile.concurrent_ranks}; "
           f"{links}", flush=True)
@@ -251,6 +251,11 @@ def main() -> int:
             passes.setdefault((family, size, mesh), []).append(measured)
             print(f"pass {number + 1}/{args.passes} {family} {size} {mesh}: "
                   + (f"step {measured['step_s']:.3f} s" if "step_s" in measured else measured["error"]), flush=True)
+    # the links once more after the rows, and the mean of both calibrations: one calibration's all-to-all moved
+    # 0.99-1.46 ms between runs minutes apart, a few seconds of the machine deciding every row's communication
+    profile = _mean_links(profile, calibrate(2, dtypes=("float32",), repeats=5,
+                                             **{k: PROBE[k] for k in ("gemm_size", "attention_tokens")}))
+    print(f"links, mean of the calibrations before and after the rows: {_links_line(profile)}", flush=True)
     for family, class_name, config, size, grid, mesh in order:
         frames, height, width, text = grid
         shape_t = model_shape(dict(config, _class_name=class_name), text_tokens=text)
@@ -333,6 +338,21 @@ def main() -> int:
                      notes="rows: benchmarks/results/raw/cost_model.json",
                      timed=False)  # its notes say the load themselves: the load average counts its own ranks
     return 0
+
+
+def _links_line(profile) -> str:
+    return ", ".join(f"{op} {link.latency_s * 1e3:.2f} ms + {link.bandwidth / 1e9:.2f} GB/s"
+                     for op, link in profile.link_by_world.get("2", {}).items())
+
+
+def _mean_links(first, second):
+    """`first` with every link the mean of its two calibrations' (latency and seconds per byte)."""
+    def mean(a: Link, b: Link) -> Link:
+        return Link((a.latency_s + b.latency_s) / 2, 2 / (1 / a.bandwidth + 1 / b.bandwidth))
+    by_world = {world: {op: mean(link, second.link_by_world[world][op]) for op, link in ops.items()}
+                for world, ops in first.link_by_world.items()}
+    return replace(first, link_by_world=by_world, links=dict(by_world.get("2", first.links)),
+                   source=f"{first.source}; links: mean with a second calibration after the rows")
 
 
 def parse_only(text: str, quick: bool) -> set[tuple[str, str]]:
