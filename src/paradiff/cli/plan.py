@@ -83,7 +83,9 @@ def _profile_line(profile) -> str:
     links = ", ".join(f"{op} {link.bandwidth / 1e9:.3g} GB/s + {link.latency_s * 1e6:.0f} us"
                       for op, link in profile.links.items())
     elementwise = (profile.elementwise_bandwidth or profile.memory_bandwidth) / 1e9
-    return f"GEMM {gemm}; elementwise {elementwise:.3g} GB/s; {profile.op_overhead_s * 1e6:.3g} us per op; {links}"
+    factor = f"; block factor {profile.block_factor:.3g}" if profile.block_factor != 1.0 else ""
+    return (f"GEMM {gemm}; elementwise {elementwise:.3g} GB/s; {profile.op_overhead_s * 1e6:.3g} us per op{factor}; "
+            f"{links}")
 
 
 def plan_text(result, every: bool = False) -> str:
