@@ -46,10 +46,10 @@ demo: $(STAMP)
 # one worker; --no-loadscope-reorder: files in tests/conftest.py's order, slowest first): while one worker's ranks
 # wait on each other or its own process computes a reference, the other's use
 # the second core. Each worker starts its own rank pools and fork server.
-# The Ray Serve cluster test (a local Ray cluster, two replicas, a killed rank, autoscaling: minutes on 2 cores) runs
-# in its own lane, `make test-ray`, to keep this one within its 10 minutes.
+# The Ray Serve cluster test (a local Ray cluster, two replicas, a killed rank, autoscaling: about a minute alone on
+# the 2-core Intel Xeon) runs here too, first among the files after test_families.py; `make test-ray` runs it alone.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not ray"
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 test-ray: $(STAMP)
 	$(PY) -m pytest -q -m ray
@@ -57,7 +57,7 @@ test-ray: $(STAMP)
 # The load lane (docs/testing.md): the suite with two busy-loop processes beside it, one pinned to each core, as on a
 # shared CI host. A test that passes here acts on what it has seen, not on how long things usually take.
 test-load: $(STAMP)
-	bash tests/load_lane.sh $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not ray"
+	bash tests/load_lane.sh $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # The newest releases pyproject.toml admits, in a venv of their own: what a user installing today gets.
 test-latest:
