@@ -76,10 +76,15 @@ def start_ray(**options) -> None:
 
 @pytest.fixture
 def fast_autoscaling_metrics(monkeypatch):
-    """Ray Serve's replicas and handles push their queue lengths every 0.5 s instead of 10 (read when Ray starts)."""
+    """Ray Serve's replicas and handles push their queue lengths every 0.5 s instead of 10 (read when Ray starts).
+    Its HTTP proxy gets 60 s to report ready and to answer a health check instead of 5 and 10: in the load lane
+    (the suite beside two busy loops) the first proxy was not ready within 5 s, Ray's controller killed it, and
+    `serve.start` failed on the dead actor before anything of paradiff's ran."""
     for name in ("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S",
                  "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S"):
         monkeypatch.setenv(name, "0.5")
+    for name in ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"):
+        monkeypatch.setenv(name, "60")
 
 
 @pytest.mark.slow
