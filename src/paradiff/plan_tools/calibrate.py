@@ -178,12 +178,12 @@ def _layout_copies(device: str, dtype, tokens: int, heads: int = 4, head_dim: in
 
 
 def measure_local(device: str, dtypes: tuple[str, ...], gemm_size: int, attention_tokens: int,
-                  repeats: int, copy_numel: int | None = None, elementwise_numel: int | None = None,
-                  reference_block: bool = True) -> dict[str, Any]:
+                  repeats: int, copy_numel: int | None = None, elementwise_numel: int | None = None
+                  ) -> dict[str, Any]:
     """GEMM and attention FLOP/s per dtype, the copy bandwidth, the elementwise mix's bandwidth (in the first dtype,
     on `elementwise_numel` elements: the activations' size decides whether they stay in a CPU's caches) and the
-    seconds per torch op (`_probe_block`: its 43 ops, many times over, divided) of this process's device; and, with
-    `reference_block`, the block factor (`_block_factor`, in the first dtype)."""
+    seconds per torch op (`_probe_block`: its 43 ops, many times over, divided) of this process's device; and the
+    block factor (`_block_factor`, in the first dtype)."""
     import torch
     import torch.nn.functional as F
 
@@ -215,8 +215,7 @@ def measure_local(device: str, dtypes: tuple[str, ...], gemm_size: int, attentio
         for _ in range(calls):
             block()
     out["op_overhead_s"] = _timed(blocks, repeats, sync) / (calls * PROBE_BLOCK_OPS)
-    if reference_block:
-        out["block_factor"] = _block_factor(device, getattr(torch, dtypes[0]), out, repeats, sync)
+    out["block_factor"] = _block_factor(device, getattr(torch, dtypes[0]), out, repeats, sync)
     return out
 
 
@@ -243,7 +242,7 @@ def _collective(op: str, numel: int, group, device: str):
 
 LATENCY_BURST = 30
 # the square GEMM each CPU collective follows (`_in_context`): a few milliseconds of one core's float32 (2 x 512^3
-# FLOPs, 1-3 ms at 50-150 GFLOP/s), what a forward computes between its collectives at the sizes calibrated
+# FLOPs, 2-5 ms at 50-150 GFLOP/s), what a forward computes between its collectives at the sizes calibrated
 GAP_GEMM = 512
 
 
@@ -261,6 +260,7 @@ def _in_context(issue, gap, calls: int, repeats: int, sync) -> float:
     def computing():
         for _ in range(calls):
             gap()
+
     def back_to_back():
         for _ in range(calls):
             issue()
