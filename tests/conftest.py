@@ -62,11 +62,12 @@ SUBPROCESS_FILES = {"test_cli.py", "test_cli_video.py", "test_demo.py", "test_re
 # alone at the end). The slowest files go first, the longest first (measured: pytest --durations=0, seconds summed
 # per file), so that the files left at the end are short and the two workers finish together. A file not listed
 # runs after them, in collection order; the list only orders, it decides no outcome.
-SLOWEST_FIRST = ("test_families.py", "test_serve_ray.py", "test_serve.py", "test_demo.py", "test_lora.py", "test_vae.py", "test_cli.py",
-                 "test_quantization.py", "test_compile.py", "test_text_encoders.py", "test_demo_lora.py",
-                 "test_pipelines.py", "test_plan_toolkit.py", "test_encoder_classes.py", "test_conditioning.py",
-                 "test_stage_memory.py", "test_lora_slots.py", "test_modular.py", "test_doc_snippets.py",
-                 "test_cfg.py", "test_fsdp.py", "test_reliability.py", "test_serve_jobs.py", "test_offload.py")
+SLOWEST_FIRST = ("test_families.py", "test_serve_ray.py", "test_serve.py", "test_demo.py", "test_lora.py",
+                 "test_vae.py", "test_cli.py", "test_quantization.py", "test_compile.py", "test_text_encoders.py",
+                 "test_demo_lora.py", "test_pipelines.py", "test_plan_toolkit.py", "test_encoder_classes.py",
+                 "test_conditioning.py", "test_stage_memory.py", "test_lora_slots.py", "test_modular.py",
+                 "test_doc_snippets.py", "test_cfg.py", "test_fsdp.py", "test_reliability.py", "test_serve_jobs.py",
+                 "test_offload.py")
 
 
 def pytest_collection_modifyitems(config, items):

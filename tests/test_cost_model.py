@@ -232,9 +232,9 @@ def test_op_overhead_adds_on_a_cpu_and_hides_behind_a_busy_gpu():
     assert BUILT_IN["h100-sxm"].op_overhead_s == 5e-6 and BUILT_IN["h100-sxm"].host_overlap
     # the block factor (a calibrated reference block over its prediction) scales the compute, not the collectives;
     # built-in profiles have none
-    slower = predict(shape, LATENT, Mesh(tp=2), replace(cpu_like_profile := replace(gpu, host_overlap=False),
-                                                         block_factor=1.25))
-    plain = predict(shape, LATENT, Mesh(tp=2), cpu_like_profile)
+    calibrated_cpu = replace(gpu, host_overlap=False)
+    slower = predict(shape, LATENT, Mesh(tp=2), replace(calibrated_cpu, block_factor=1.25))
+    plain = predict(shape, LATENT, Mesh(tp=2), calibrated_cpu)
     assert slower.compute_s == pytest.approx(1.25 * plain.compute_s) and slower.comm_s == plain.comm_s > 0
     assert all(profile.block_factor == 1.0 for profile in BUILT_IN.values())
 
