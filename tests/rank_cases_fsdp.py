@@ -64,18 +64,34 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def _gather_buffer_bytes(model) -> int:
+    """The bytes of the all-gather output buffers the in-place gather's pool holds (gathers in flight, buffers FSDP2
+    keeps after a copy-out, idle ones): FSDP2's private param group holds the custom all-gather."""
+    for module in model.modules():
+        group = getattr(module, "_get_fsdp_state", None) and module._get_fsdp_state()._fsdp_param_group
+        buffers = getattr(getattr(group, "_all_gather_comm", None), "buffers", None)
+        if buffers is not None:
+            return buffers.held_bytes
+    return 0
+
+
 def _gathered_peak(model) -> list[int]:
-    """Hooks recording, as each block starts, the bytes of block weights held gathered (plain tensors: FSDP2 swaps
-    a unit's DTensor parameters for the gathered ones while it is unsharded), and of the weights outside the blocks
-    but for the root's own (embeddings, modulation, final layers: units of their own, gathered only while they run)."""
+    """Hooks recording, as each block starts (its prefetch of the next block issued), the bytes of block weights held
+    gathered (plain tensors: FSDP2 swaps a unit's DTensor parameters for the gathered ones while it is unsharded) and
+    of the gather buffers held beside them, and of the weights outside the blocks but for the root's own (embeddings,
+    modulation, final layers: units of their own, gathered only while they run)."""
     blocks = [model.get_submodule(name) for name in get_state(model).fsdp_blocks]
     inside = {id(module) for block in blocks for module in block.modules()} | {id(model)}
     outside = [module for module in model.modules() if id(module) not in inside]
     peak = [0, 0]
+    # FSDP2's parameters, by slot: a LoRA loaded later adds whole (plain) factors to the blocks, not FSDP2's to gather
+    sharded = [(module, leaf) for block in blocks for module in block.modules()
+               for leaf, p in module._parameters.items() if isinstance(p, DTensor)]
 
     def record(*_):
-        held = sum(_nbytes(p) for block in blocks for p in block.parameters() if not isinstance(p, DTensor))
-        peak[0] = max(peak[0], held)
+        held = sum(_nbytes(module._parameters[leaf]) for module, leaf in sharded
+                   if not isinstance(module._parameters[leaf], DTensor))
+        peak[0] = max(peak[0], held + _gather_buffer_bytes(model))
         peak[1] = max(peak[1], sum(_nbytes(p) for module in outside for p in module._parameters.values()
                                    if p is not None and not isinstance(p, DTensor)))
 
@@ -111,6 +127,11 @@ def fsdp_models(runs: list[dict]) -> list[dict]:
         blocks = [model.get_submodule(name) for name in state.fsdp_blocks]
         full_blocks = [sum(_nbytes(p) for p in reference.get_submodule(name).parameters())
                        for name in state.fsdp_blocks]
+        degree = ParallelConfig.from_mode(mode).fsdp_degree
+        # a block's gather buffer: FSDP2 pads each weight's rows to a multiple of the degree
+        gather_buffers = [sum(-(-p.shape[0] // degree) * degree * _nbytes(p) // max(1, p.shape[0])
+                              for p in reference.get_submodule(name).parameters())
+                          for name in state.fsdp_blocks]
         held_blocks = sum(_nbytes(p.to_local()) for block in blocks for p in block.parameters())
         peak = _gathered_peak(model)
         inputs = make_inputs(family, reference.config, batch=2, lengths=Lengths(height=3, width=4, text=6))
@@ -140,6 +161,7 @@ def fsdp_models(runs: list[dict]) -> list[dict]:
             "diff": float((actual - expected).abs().max() / expected.abs().max()),
             "repeat_diff": float((again - actual).abs().max()),
             "held_blocks": held_blocks, "full_blocks": sum(full_blocks), "largest_block": max(full_blocks),
+            "largest_gather_buffer": max(gather_buffers),
             "gathered_peak": peak[0], "outside_gathered": peak[1], "gloo_gathers": gloo_gathers[0], "read": read, "headers": headers,
             # what this rank's rows and the persistent buffers take in the file
             "share": sum((p.to_local() if isinstance(p, DTensor) else p).numel() * itemsize

@@ -45,9 +45,10 @@ def test_fsdp_is_exact_holds_its_share_and_reads_only_its_rows(pools, checkpoint
         assert result["blocks"] >= 2, result
         assert result["model_group"] == 2, result  # fsdp2's ranks gather together, so they decide together too
         # its rows of every block weight (torch.chunk's: at most one row each over half), and while running at
-        # most the block running plus the next one, prefetched
+        # most the block running plus the next one's gather buffer, prefetched (rows padded to the degree); the
+        # first block's gather left to FSDP2 kept its buffer while the block ran: three blocks
         assert result["held_blocks"] <= result["full_blocks"] / 2 + 0.02 * result["full_blocks"], result
-        assert result["gathered_peak"] <= 2 * result["largest_block"], result
+        assert result["gathered_peak"] <= result["largest_block"] + result["largest_gather_buffer"], result
         assert result["gathered_peak"] > 0, result
         assert result["outside_gathered"] == 0, result  # embeddings / modulation / final layers: not while blocks run
         assert result["gloo_gathers"] == 0, result  # gathered in place, not through gloo's staging buffer
