@@ -1,11 +1,9 @@
 """The cost model against this machine (issue 42, items 2 and 4): calibrate, then predict and measure step time and
-per-rank memory of single, tp2, ulysses2, ring2, cfg2 and tp2 x ulysses2, for two model shapes and two token counts,
-and the efficiency table (a step's FLOPs over step time x ranks x the GEMM rate measured in the same run).
-`--meshes` also takes ulysses2+fsdp2 (FSDP2 over the Ulysses ranks, read from a checkpoint of the same weights, as
-users load): not among the default rows yet, its memory is under-predicted (FLUX.2-shaped 512: 37.4 MB measured,
-33.4 predicted, on 2026-12-07 beside the load lane; FSDP2 holds more than the two gathered blocks the model counts).
+per-rank memory of single, tp2, ulysses2, ring2, cfg2, tp2 x ulysses2 and ulysses2 + fsdp2 (FSDP2 over the Ulysses
+ranks, read from a checkpoint of the same weights, as users load), for two model shapes and two token counts, and the
+efficiency table (a step's FLOPs over step time x ranks x the GEMM rate measured in the same run).
 
-    .venv/bin/python benchmarks/bench_cost_model.py            # the 24 rows, 3 passes (about 120 s a pass idle)
+    .venv/bin/python benchmarks/bench_cost_model.py            # the 28 rows, 3 passes (about 140 s a pass idle)
     .venv/bin/python benchmarks/bench_cost_model.py --passes 1 --rounds 2 --meshes single,ring2   # a quick look
     .venv/bin/python benchmarks/bench_cost_model.py --only wan:512 --meshes single,ulysses2,ring2 --out /tmp/x.json
 
@@ -58,7 +56,7 @@ from paradiff.plan_tools.hardware import Link  # noqa: E402
 from paradiff.plan_tools.planner import predict  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-MESHES = ("single", "tp2", "ulysses2", "ring2", "cfg2", "ulysses2xtp2")  # and on request (--meshes) ulysses2+fsdp2
+MESHES = ("single", "tp2", "ulysses2", "ring2", "cfg2", "ulysses2xtp2", "ulysses2+fsdp2")
 EFFICIENCY_MESHES = ("single", "tp2", "ulysses2", "ring2")
 
 
@@ -345,7 +343,7 @@ def main() -> int:
             figures.append(figure("ring2 efficiency / ulysses2 efficiency, lowest of the shapes", round(min(pairs), 3),
                                   "x", ">= 0.95", note=f"per shape {', '.join(f'{v:.2f}' for v in pairs)}; {load}"))
         write_result("bench_cost_model", "Cost model: predicted vs measured step time and memory, FLUX.2- and "
-                     "Wan-shaped, 6 meshes; efficiency of single, tp2, ulysses2, ring2", figures,
+                     f"Wan-shaped, {len(MESHES)} meshes; efficiency of single, tp2, ulysses2, ring2", figures,
                      notes="rows: benchmarks/results/raw/cost_model.json",
                      timed=False)  # its notes say the load themselves: the load average counts its own ranks
     return 0
@@ -353,16 +351,20 @@ def main() -> int:
 
 def _links_line(profile) -> str:
     return ", ".join(f"{op} {link.latency_s * 1e3:.2f} ms + {link.bandwidth / 1e9:.2f} GB/s"
-                     for op, link in profile.link_by_world.get("2", {}).items())
+                     for op, link in profile.link_by_world.get("2", {}).items()) \
+        + f"; FSDP {profile.fsdp_unit_s * 1e3:.2f} ms a unit + {1e-9 / max(profile.fsdp_byte_s, 1e-30):.2f} GB/s"
 
 
 def _mean_links(first, second):
-    """`first` with every link the mean of its two calibrations' (latency and seconds per byte)."""
+    """`first` with every link the mean of its two calibrations' (latency and seconds per byte), and FSDP's
+    costs per unit and per byte the mean of both."""
     def mean(a: Link, b: Link) -> Link:
         return Link((a.latency_s + b.latency_s) / 2, 2 / (1 / a.bandwidth + 1 / b.bandwidth))
     by_world = {world: {op: mean(link, second.link_by_world[world][op]) for op, link in ops.items()}
                 for world, ops in first.link_by_world.items()}
     return replace(first, link_by_world=by_world, links=dict(by_world.get("2", first.links)),
+                   fsdp_unit_s=(first.fsdp_unit_s + second.fsdp_unit_s) / 2,
+                   fsdp_byte_s=(first.fsdp_byte_s + second.fsdp_byte_s) / 2,
                    source=f"{first.source}; links: mean with a second calibration after the rows")
 
 

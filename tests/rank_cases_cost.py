@@ -12,7 +12,7 @@ def calibrate_tiny() -> dict:
     """Calibration's measurements at tiny sizes (the collectives through distributed/comm.py)."""
     return calibrate_rank(dist.get_rank(), dist.get_world_size(), device="cpu", dtypes=("float32",), gemm_size=32,
                           attention_tokens=32, sizes=(64, 4096), repeats=2, copy_numel=4096,
-                          elementwise_numel=4096, burst=2, gap_gemm=32)
+                          elementwise_numel=4096, burst=2, gap_gemm=32, fsdp_widths=(32, 256))
 
 
 def tp_all_reduce_bytes(family: str) -> list[int]:

@@ -253,8 +253,12 @@ def test_forward_memory_and_fsdp_of_a_small_flux():
     single_block = BlockShape("single", 1, 2, 4, FFN, modulation=3 * D * D)
     assert whole.linear_flops == 30720 + 2 * 20 * (3 * 64 + 8 * 32 + 40 * 8)
     fsdp = cost.forward_cost(shape, latent, 2, Mesh(fsdp=2, data=2))
-    assert fsdp.traffic == [Traffic("all_gather", 2, 1, (FLUX_BLOCK.params + single_block.params) * 2, True)]
     single, sharded = cost.memory(shape, latent, 2), cost.memory(shape, latent, 2, Mesh(tp=2))
+    # FSDP gathers every unit once a forward: the two blocks and FLUX.1's five modules outside them, the whole model
+    (gathers,) = fsdp.traffic
+    assert (gathers.op, gathers.group, gathers.calls, gathers.overlapped, gathers.fsdp) == ("all_gather", 2, 7, True,
+                                                                                          True)
+    assert gathers.calls * gathers.size == pytest.approx(single.weights)
     linear = 2 * STREAM_WEIGHTS + (3 * 64 + 8 * 32 + 40 * 8)
     # tp2 halves what the FLUX.1 plan splits: the block linears, their modulation linears (2 x 6 x 64 + 3 x 64) and
     # the text / time embedders (8 x 8 context; no guidance embedder: (256 + 768) x 8 and 2 x 64 in the time and
@@ -264,6 +268,28 @@ def test_forward_memory_and_fsdp_of_a_small_flux():
     assert single.weights == (split + 2 * 16 * 8) * 2 and single.weights - sharded.weights == split * 2 / 2
     gathered = cost.memory(shape, latent, 2, Mesh(data=2, fsdp=2))
     assert gathered.weights == single.weights / 2 and gathered.gathered == 2 * FLUX_BLOCK.params * 2
+
+
+@pytest.mark.parametrize("name", ["flux.1-dev", "flux.2-dev", "qwen-image", "wan2.1-t2v-14b", "hunyuan-video",
+                                  "ltx-video"])
+def test_fsdp_units_counted_are_those_fsdp_shards(name):
+    """`ModelShape.fsdp_units` against the units `fsdp/apply.shard_weights` makes of diffusers' class (on meta): the
+    modules outside the blocks, the root where it holds weights, and the blocks the shape counts as other weights."""
+    import diffusers
+
+    from paradiff.fsdp.shard import outside_units
+    from paradiff.plans.reference_configs import REFERENCE_CONFIGS
+    from paradiff.runtime.repeated_blocks import repeated_blocks
+
+    config = REFERENCE_CONFIGS[name][1]
+    with torch.device("meta"):
+        model = getattr(diffusers, config["_class_name"]).from_config(config)
+    blocks = [block for _name, block in repeated_blocks(model)]
+    units = outside_units(model, blocks)
+    owned = {id(p) for module in blocks + units for p in module.parameters()}
+    root = any(id(p) not in owned for p in model.parameters())
+    shape = model_shape(config)
+    assert shape.fsdp_units + sum(block.count for block in shape.blocks) == len(blocks) + len(units) + root
 
 
 @pytest.mark.parametrize("name, billions", [("flux.1-dev", 11.90), ("flux.2-dev", 32.22), ("qwen-image", 20.43),
@@ -358,6 +384,15 @@ def test_passes_issued_ahead_hide_behind_compute_only_where_the_profile_overlaps
         every = sum(gpu.comm_seconds(item) for item in exposed.forward.traffic)
         assert exposed.comm_s == pytest.approx(every) and hidden.comm_s < 0.05 * every
         assert exposed.compute_s == hidden.compute_s
+    # a CPU profile that calibrated FSDP prices its gathers per unit and byte instead of on the all-gather link; a
+    # device that overlaps keeps the link, hidden behind the compute
+    measured = replace(cpu_like, fsdp_unit_s=1e-3, fsdp_byte_s=1e-9)
+    mesh = Mesh(data=2, fsdp=2)
+    (gathers,) = [item for item in predict(shape, latent, mesh, measured).forward.traffic if item.fsdp]
+    assert predict(shape, latent, mesh, measured).comm_s == pytest.approx(
+        gathers.calls * 1e-3 + gathers.calls * gathers.size * 1e-9)
+    assert predict(shape, latent, mesh, replace(measured, overlap=True)).comm_s == predict(shape, latent, mesh,
+                                                                                           gpu).comm_s
 
 
 def test_profiles_round_trip_through_json(tmp_path):
@@ -402,7 +437,11 @@ def test_calibration_measures_every_collective_through_comm(pools):
         assert result["elementwise_bandwidth"] > 0 and result["op_overhead_s"] > 0
         # the reference block's time over its prediction (far from 1 here: the tiny probes' rates are no block's)
         assert result["block_factor"] > 0 and math.isfinite(result["block_factor"])
+        # FSDP's cost per unit and per byte, from paradiff's FSDP over both ranks against the same chain whole
+        assert result["fsdp"]["unit_s"] >= 0 and result["fsdp"]["byte_s"] >= 0
+        assert result["fsdp"]["unit_s"] + result["fsdp"]["byte_s"] * 256 ** 2 * 4 > 0
     profile = profile_from(results, world=2, device="cpu", dtypes=("float32",), notes="tiny")
+    assert profile.fsdp_unit_s == max(r["fsdp"]["unit_s"] for r in results)
     assert profile.block_factor == statistics.median(r["block_factor"] for r in results)
     assert profile.link("all_reduce", 2).bandwidth == min(r["links"]["all_reduce"]["bandwidth"] for r in results)
     assert profile.op_overhead_s == max(r["op_overhead_s"] for r in results) and not profile.host_overlap

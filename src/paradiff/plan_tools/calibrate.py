@@ -15,7 +15,11 @@ Measured, on every rank at once (so that ranks sharing a CPU's cores or a host's
   (`GAP_GEMM`), as a forward's collectives follow its blocks' work, and the compute alone is taken off: gloo's
   threads sleep while the rank computes, and a collective that wakes them costs more than one of a burst, with
   a long tail (on a 2-core Intel Xeon VM, 2026-12-07: a 64 KiB all-reduce 0.35 ms back to back, 0.7-1.5 ms on
-  average after 1-7 ms of compute, some calls 3-5 ms; inside a FLUX.2-shaped tp2 step the same, 1.2 ms on average).
+  average after 1-7 ms of compute, some calls 3-5 ms; inside a FLUX.2-shaped tp2 step the same, 1.2 ms on average);
+- with world > 1, what FSDP2 adds to a forward per unit it gathers and per byte (`_fsdp_units`: a chain of linears
+  sharded by paradiff's FSDP against the same chain whole): on a CPU, where nothing runs beside a rank's compute, it
+  prices FSDP's gathers, their copies and FSDP2's hooks together (2026-12-07, Intel Xeon VM: about 1.2 ms a unit
+  and 0.5 ms a MB; the all-gather link alone had priced FLUX.2- and Wan-shaped fsdp2 x ulysses2 steps 18-28% low).
 
 On CPU the ranks are gloo processes spawned on 127.0.0.1 (`distributed/spawn.run_ranks`), one torch thread each; on
 CUDA one NCCL rank per device. The rates are medians of a few repeats; a loaded machine gives a slow profile.
@@ -28,6 +32,7 @@ import os
 import platform
 import statistics
 import time
+from functools import partial
 from typing import Any
 
 from paradiff.plan_tools.cost import Traffic
@@ -279,13 +284,56 @@ def _wire(op: str, world: int, numel: int) -> float:
     return Traffic(op, world, 1, numel * 4).wire
 
 
+FSDP_UNITS = 8  # the units of the FSDP probe's chain (`_fsdp_units`)
+
+
+def _fsdp_units(device: str, widths: tuple[int, int], repeats: int, sync) -> dict[str, float]:
+    """What FSDP2 adds to a forward per unit it gathers, through paradiff's own sharding (`fsdp/apply.shard_weights`:
+    the in-place gather on CPU, the prefetch one unit ahead): a chain of `FSDP_UNITS` square linears (64 rows of
+    input), sharded over every rank, timed against the same chain unsharded, at two widths. The extra time per unit
+    at the narrow width, less its bytes' share, is `unit_s` (FSDP2's hooks and copies' setup, the gather's
+    latency); the difference between the widths per gathered (whole) byte is `byte_s` (the transport, the copy in
+    and the copy out). What a forward loses to FSDP where nothing runs beside its compute (a CPU core per rank)."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from paradiff.distributed import comm
+    from paradiff.fsdp.apply import shard_weights
+
+    extra = {}
+    for width in widths:
+        plain = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(FSDP_UNITS)]).to(device).eval()
+        sharded = copy.deepcopy(plain)
+        mesh = DeviceMesh.from_group(dist.group.WORLD, torch.device(device).type,
+                                     mesh_dim_names=(f"calibrate-fsdp-{width}",))
+        shard_weights(sharded, [(str(i), unit) for i, unit in enumerate(sharded)], mesh, torch.device(device))
+        x = torch.randn(64, width, device=device)
+        models = {"plain": plain, "sharded": sharded}
+        times = {name: [] for name in models}
+        with torch.no_grad():
+            for _ in range(max(3, repeats)):  # alternately, so a slow moment of the machine lands on both
+                for name, model in models.items():
+                    comm.barrier()
+                    times[name].append(_timed(partial(model, x), 3, sync))
+        extra[width] = max(0.0, statistics.median(times["sharded"]) - statistics.median(times["plain"])) / FSDP_UNITS
+    narrow, wide = widths
+    unit_bytes = {width: width * width * 4 for width in widths}
+    byte_s = max(0.0, (extra[wide] - extra[narrow]) / (unit_bytes[wide] - unit_bytes[narrow]))
+    return {"unit_s": max(0.0, extra[narrow] - byte_s * unit_bytes[narrow]), "byte_s": byte_s}
+
+
 def calibrate_rank(rank: int, world_size: int, *, device: str, dtypes: tuple[str, ...], gemm_size: int,
                    attention_tokens: int, sizes: tuple[int, int], repeats: int, copy_numel: int | None = None,
                    elementwise_numel: int | None = None, burst: int = LATENCY_BURST,
-                   gap_gemm: int = GAP_GEMM) -> dict[str, Any]:
+                   gap_gemm: int = GAP_GEMM, fsdp_widths: tuple[int, int] | None = None) -> dict[str, Any]:
     """One rank's measurements (run by run_ranks: the process group exists when world_size > 1); `burst`: the
     collectives timed per repeat (`LATENCY_BURST`; fewer in tests); `gap_gemm`: the size of the square GEMM each
-    follows on CPU (`GAP_GEMM`; smaller in tests)."""
+    follows on CPU (`GAP_GEMM`; smaller in tests); `fsdp_widths`: the FSDP probe's two unit widths (`_fsdp_units`;
+    default 128 and 1024 on CPU, 1024 and 4096 on CUDA)."""
     import torch
     import torch.distributed as dist
 
@@ -322,6 +370,9 @@ def calibrate_rank(rank: int, world_size: int, *, device: str, dtypes: tuple[str
             bandwidth = ((_wire(op, world_size, large) - _wire(op, world_size, small)) / extra
                          if extra > 0.1 * timed[large] else _wire(op, world_size, large) / timed[large])
             result["links"][op] = {"latency_s": latency / steps, "bandwidth": bandwidth}
+        comm.barrier()
+        result["fsdp"] = _fsdp_units(device, fsdp_widths or ((1024, 4096) if device.startswith("cuda") else
+                                                            (128, 1024)), repeats, sync)
     return result
 
 
@@ -380,4 +431,6 @@ def profile_from(results: list[dict[str, Any]], *, world: int, device: str, dtyp
         op_overhead_s=max(r["op_overhead_s"] for r in results), host_overlap=cuda,
         block_factor=statistics.median(r.get("block_factor", 1.0) for r in results),
         links=links or {op: Link(0.0, float("inf")) for op in OPS},
-        link_by_world={str(world): links} if links else {}, concurrent_ranks=concurrent, notes=notes, overlap=cuda)
+        link_by_world={str(world): links} if links else {}, concurrent_ranks=concurrent, notes=notes, overlap=cuda,
+        fsdp_unit_s=max((r["fsdp"]["unit_s"] for r in results if "fsdp" in r), default=0.0),
+        fsdp_byte_s=max((r["fsdp"]["byte_s"] for r in results if "fsdp" in r), default=0.0))

@@ -40,8 +40,10 @@ Communication per forward, per rank (sizes in bytes; `wire` is what a ring algor
 - cfg: the branch predictions exchanged once per step (the output latent), no per-block traffic;
 - data: nothing;
 - fsdp (f; paradiff's `--fsdp`, docs/fsdp.md: with ulysses / ring, the weights sharded over the same f = ulysses x
-  ring ranks, adding none; without them, f ranks of their own, each computing the same forward): every block's
-  weights all-gathered once per forward, one block ahead of use (overlapped with compute); wire (f-1)/f · weights.
+  ring ranks, adding none; without them, f ranks of their own, each computing the same forward): every unit's
+  weights (each block, each module outside the blocks: `ModelShape.fsdp_units`) all-gathered once per forward, one
+  unit ahead of use (overlapped with compute where the device can); wire (f-1)/f · weights. Where nothing overlaps
+  (a CPU core per rank) a calibrated profile prices each unit and byte as `calibrate._fsdp_units` measured FSDP.
 """
 
 from __future__ import annotations
@@ -126,6 +128,9 @@ class ModelShape:
     # the all-reduces tp adds outside the blocks, one per rowwise layer of the family's plan (`plans/<family>.py`):
     # (what it acts on: "sample" (one vector) or "text" (per text token), its output width in elements)
     tp_reduces: tuple[tuple[str, int], ...] = ()
+    # the FSDP units a forward gathers besides the blocks (`fsdp/shard.outside_units`, the root where it holds
+    # weights of its own, HunyuanVideo's token refiner blocks); tests/test_cost_model.py counts them on the classes
+    fsdp_units: int = 0
 
     @property
     def heads(self) -> int:
@@ -247,7 +252,7 @@ def _model_shape(config: dict[str, Any], text_tokens: int | None = None) -> Mode
         reduces = (("text", d), ("sample", d), ("sample", d)) + (("sample", d),) * guidance + (("sample", 2 * d),)
         return ModelShape("FLUX.1", (joint, single), other, in_channels, (1, 2, 2), (1, 8),
                           text_tokens or 512, video=False, replicated_params=replicated, rope_width=2 * head_dim,
-                          tp_reduces=reduces)
+                          tp_reduces=reduces, fsdp_units=5)
     if cls == "Flux2Transformer2DModel":
         ffn = int(d * float(config.get("mlp_ratio", 3.0)))
         # peaks: the double block's at the SwiGLU (stream in, gated attention, new stream, normed; gate-and-up,
@@ -268,7 +273,7 @@ def _model_shape(config: dict[str, Any], text_tokens: int | None = None) -> Mode
             + (("sample", d),) * embedders
         return ModelShape("FLUX.2", (joint, single), other, in_channels, (1, 2, 2), (1, 8),
                           text_tokens or 512, video=False, replicated_params=replicated, rope_width=4 * head_dim,
-                          tp_reduces=reduces)
+                          tp_reduces=reduces, fsdp_units=8)
     if cls == "QwenImageTransformer2DModel":
         # peak at the FFN; Qwen-Image keeps more d-wide tensors of the stream alive than FLUX.1 (the modulated
         # inputs and gates of both halves)
@@ -279,7 +284,7 @@ def _model_shape(config: dict[str, Any], text_tokens: int | None = None) -> Mode
         # plans/qwenimage.py: the text projection, the time MLP's output, the final modulation
         return ModelShape("Qwen-Image", (joint,), other, in_channels, (1, 2, 2), (1, 8),
                           text_tokens or 512, video=False, replicated_params=replicated, rope_width=head_dim,
-                          tp_reduces=(("text", d), ("sample", d), ("sample", 2 * d)))
+                          tp_reduces=(("text", d), ("sample", d), ("sample", 2 * d)), fsdp_units=6)
     if cls == "WanTransformer3DModel":
         # peak at the FFN: the stream's float copy, the cross-attention output, the new stream and its normed input;
         # the FFN's hidden and its GELU
@@ -298,7 +303,7 @@ def _model_shape(config: dict[str, Any], text_tokens: int | None = None) -> Mode
         # plans/wan.py: the time MLP's and text MLP's outputs, the 6-way modulation projection
         return ModelShape("Wan", (cross,), other, in_channels, patch, (4, spatial), text_tokens or 512, video=True,
                           replicated_params=replicated, rope_width=2 * head_dim,
-                          tp_reduces=(("sample", d), ("text", d), ("sample", 6 * d)))
+                          tp_reduces=(("sample", d), ("text", d), ("sample", 6 * d)), fsdp_units=4)
     if cls == "HunyuanVideoTransformer3DModel":
         ratio = float(config.get("mlp_ratio", 4.0))
         joint = BlockShape("joint", _get(config, "num_layers"), heads, head_dim, int(d * ratio),
@@ -318,7 +323,7 @@ def _model_shape(config: dict[str, Any], text_tokens: int | None = None) -> Mode
             * refiners + (("sample", d),) * (2 + guidance) + (("sample", 2 * d),)
         return ModelShape("HunyuanVideo", (joint, single), other, in_channels, patch, (4, 8),
                           text_tokens or 256, video=True, replicated_params=replicated, rope_width=2 * head_dim,
-                          tp_reduces=reduces)
+                          tp_reduces=reduces, fsdp_units=3 + refiners)
     if cls == "LTXVideoTransformer3DModel":
         cross = BlockShape("cross", _get(config, "num_layers"), heads, head_dim, 4 * d, modulation=6 * d,
                            context_dim=_get(config, "cross_attention_dim", default=d), peak=(4, 0, 2),
@@ -330,7 +335,7 @@ def _model_shape(config: dict[str, Any], text_tokens: int | None = None) -> Mode
         # plans/ltx.py: the time MLP's output, the 6-way modulation, the caption projection's output
         return ModelShape("LTX", (cross,), other, in_channels, patch, (8, 32), text_tokens or 128, video=True,
                           replicated_params=replicated, rope_width=2 * head_dim,
-                          tp_reduces=(("sample", d), ("sample", 6 * d), ("text", d)))
+                          tp_reduces=(("sample", d), ("sample", 6 * d), ("text", d)), fsdp_units=5)
     known = ("FluxTransformer2DModel", "Flux2Transformer2DModel", "QwenImageTransformer2DModel",
              "WanTransformer3DModel", "HunyuanVideoTransformer3DModel", "LTXVideoTransformer3DModel")
     raise CostModelError(f"no cost model for transformer class {cls!r}; known: {', '.join(known)}.")
@@ -389,6 +394,7 @@ class Traffic:
     calls: int
     size: float
     overlapped: bool = False  # hidden behind compute where the compute is longer (ring passes, FSDP prefetch)
+    fsdp: bool = False  # FSDP's gathers: `calls` units, `size` the average unit's gathered bytes
 
     @property
     def wire(self) -> float:
@@ -532,9 +538,10 @@ def forward_cost(shape: ModelShape, latent: int, dtype_bytes: int = 2, mesh: Mes
         total.traffic += [Traffic("all_gather", mesh.sequence, 1, 8 * mesh.sequence),
                           Traffic("all_gather", mesh.sequence, 1,
                                   latent / mesh.sequence * shape.in_channels * volume * dtype_bytes)]
-    if mesh.fsdp > 1:
-        total.traffic.append(Traffic("all_gather", mesh.fsdp, 1, shape.block_params * dtype_bytes / mesh.tp,
-                                     overlapped=True))
+    if mesh.fsdp > 1:  # every unit gathered once: the blocks, then what FSDP shards outside them
+        units = sum(block.count for block in shape.blocks) + shape.fsdp_units
+        total.traffic.append(Traffic("all_gather", mesh.fsdp, units, tp_rank_params(shape, mesh.tp) * dtype_bytes
+                                     / units, overlapped=True, fsdp=True))
     if mesh.cfg > 1:  # the other branch's prediction, once per step
         total.traffic.append(Traffic("all_gather", mesh.cfg, 1, latent * shape.in_channels * dtype_bytes * mesh.cfg
                                      / mesh.sequence))
@@ -573,6 +580,17 @@ def activation_bytes(block: BlockShape, tokens: float, dtype_bytes: int, tp: int
     return tokens * max(width(*block.peak), width(whole, split, ffn)) * dtype_bytes
 
 
+def tp_rank_params(shape: ModelShape, tp: int) -> float:
+    """The parameters one tp rank holds (before FSDP shards them): block linears, modulation linears and the text /
+    time embedders split by tp as the plans split them; the patch embedding, the final projection and modulation
+    tables whole."""
+    linear = sum(sum(block.linear_params().values()) * block.count for block in shape.blocks)
+    split_modulation = sum(block.modulation * block.count for block in shape.blocks if block.modulation_split)
+    whole_modulation = sum(block.modulation * block.count for block in shape.blocks if not block.modulation_split)
+    split = linear + split_modulation + shape.other_params - shape.replicated_params
+    return split / tp + whole_modulation + shape.replicated_params
+
+
 def memory(shape: ModelShape, latent: int, dtype_bytes: int = 2, mesh: Mesh = Mesh()) -> Memory:
     """Per-rank memory of the transformer on `mesh`. Weights: block linears, modulation linears and the text / time
     embedders split by tp as the plans split them; the patch embedding, the final projection and modulation tables
@@ -580,11 +598,7 @@ def memory(shape: ModelShape, latent: int, dtype_bytes: int = 2, mesh: Mesh = Me
     prefetched). Activations: the largest block peak on this rank's tokens, plus what the whole forward holds
     beside it: the position tables of this rank's tokens and, with cross attention, the projected text."""
     t = mesh.tp
-    linear = sum(sum(block.linear_params().values()) * block.count for block in shape.blocks)
-    split_modulation = sum(block.modulation * block.count for block in shape.blocks if block.modulation_split)
-    whole_modulation = sum(block.modulation * block.count for block in shape.blocks if not block.modulation_split)
-    split = linear + split_modulation + shape.other_params - shape.replicated_params
-    weights = (split / t + whole_modulation + shape.replicated_params) / mesh.fsdp * dtype_bytes
+    weights = tp_rank_params(shape, t) / mesh.fsdp * dtype_bytes
     largest = max(block.params for block in shape.blocks)
     gathered = 2 * largest / t * dtype_bytes if mesh.fsdp > 1 else 0.0
     cross = all(block.kind == "cross" for block in shape.blocks)

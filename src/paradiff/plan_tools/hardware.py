@@ -59,6 +59,11 @@ class HardwareProfile:
     # a transformer block's measured time over what the rates above predict for it (`calibrate._block_factor`): what
     # isolated micro-benchmarks miss between a block's ops (operands' layouts and caches, clocks); 1: not measured
     block_factor: float = 1.0
+    # what FSDP adds to a forward for each unit it gathers and each byte gathered (`calibrate._fsdp_units`); used
+    # where nothing overlaps the compute (`overlap` false); 0: not measured, FSDP's gathers priced on the all-gather
+    # link
+    fsdp_unit_s: float = 0.0
+    fsdp_byte_s: float = 0.0
 
     def link(self, op: str, group: int) -> Link:
         measured = self.link_by_world.get(str(group), {}).get(op)

@@ -8,7 +8,7 @@ Times come from the cost model (`cost.py`) and a hardware profile (`hardware.py`
   times world / concurrent_ranks where more ranks than that share the devices (a CPU's cores), plus the
   collectives it waits on; ring passes hide behind the attention on the block just received, FSDP's all-gathers
   behind the forward (prefetch), each only up to that compute, and only where the profile overlaps (not on CPU
-  ranks);
+  ranks; there a calibrated profile prices FSDP's units and bytes as its FSDP probe measured them);
 - a step = the forwards one rank runs per step (2 with CFG on one rank, 1 with cfg2) x the forward;
 - latency = steps x step (the text encoders and the VAE are left out).
 
@@ -140,7 +140,9 @@ def predict(shape: ModelShape, latent: int, mesh: Mesh, profile: HardwareProfile
     exposed = 0.0
     for item in cost.traffic:
         seconds = profile.comm_seconds(item)
-        if item.overlapped and not profile.overlap:  # nothing runs beside the compute (a CPU core per rank)
+        if item.fsdp and profile.fsdp_unit_s and not profile.overlap:  # FSDP as calibration measured it, exposed
+            exposed += item.calls * (profile.fsdp_unit_s + item.size * profile.fsdp_byte_s)
+        elif item.overlapped and not profile.overlap:  # nothing runs beside the compute (a CPU core per rank)
             exposed += seconds
         elif item.op == "p2p":  # each pass hides behind the attention on the block in hand
             exposed += max(0.0, seconds - attention_s * (mesh.ring - 1) / mesh.ring)
