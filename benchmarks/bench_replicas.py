@@ -70,6 +70,21 @@ def throughput(server: ServerProcess, clients: int, requests: int) -> float:
     return 60 * clients * requests / (time.monotonic() - started)
 
 
+def server_cpu_seconds(server: ServerProcess) -> float:
+    """CPU seconds (user + system) the server's processes have used so far: its frontend and every rank."""
+    import psutil
+
+    root = psutil.Process(server.process.pid)
+    total = 0.0
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system + times.children_user + times.children_system
+    return total
+
+
 def short_waits(server: ServerProcess, steps: int, shorts: int) -> list[float]:
     """Two clients send long requests back to back while a third sends `shorts` short ones, one every 0.2 s after
     the previous answer; the short ones' waits in the queue."""
@@ -293,6 +308,7 @@ def main() -> int:
                      command=f"{earlier['command']}; {this_command()}")
         return 0
     rpm = {"single": [], "dp2": []}
+    cpu = {"single": [], "dp2": []}  # the server's CPU seconds per request over the timed requests
     waits = {"fifo": [], "fair": []}
     with tempfile.TemporaryDirectory() as tmp:
         for number in range(args.rounds):
@@ -300,11 +316,13 @@ def main() -> int:
                 server = start(Path(tmp) / f"{name}{number}", model, *flags)
                 try:
                     throughput(server, 4, 1)  # warm-up
+                    before = server_cpu_seconds(server)
                     rpm[name].append(throughput(server, 4, args.requests))
+                    cpu[name].append((server_cpu_seconds(server) - before) / (4 * args.requests))
                 finally:
                     server.stop()
             if args.only == "dp2":
-                print(f"round {number + 1}: rpm {rpm}", flush=True)
+                print(f"round {number + 1}: rpm {rpm}, CPU s a request {cpu}", flush=True)
                 continue
             for policy in ("fifo", "fair"):
                 server = start(Path(tmp) / f"{policy}{number}", model, "--schedule", policy, "--max-steps",
@@ -320,7 +338,10 @@ def main() -> int:
     dp2 = figure(f"dp2 / one replica, requests per minute ({args.model}, no batch window)", round(ratio, 3), "x",
                  ">= 1.9", note=f"median of {args.rounds} round(s), 4 clients x {args.requests} requests; requests "
                                f"per minute single {statistics.median(rpm['single']):.2f}, dp2 "
-                               f"{statistics.median(rpm['dp2']):.2f}; {args.note}")
+                               f"{statistics.median(rpm['dp2']):.2f}; the server's CPU seconds per request single "
+                               f"{statistics.median(cpu['single']):.2f}, dp2 {statistics.median(cpu['dp2']):.2f} "
+                               f"(x{statistics.median(cpu['dp2']) / statistics.median(cpu['single']):.2f}: the same "
+                               f"work costs that much more CPU with both cores computing); {args.note}")
     if args.only == "dp2":  # this model's dp2 figure is replaced, the others kept
         earlier = load(RESULT)
         kept = [item for item in earlier["figures"] if item["name"] != dp2["name"]]
