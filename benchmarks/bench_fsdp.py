@@ -19,7 +19,8 @@ gloo imported, the pool's process group made), then after a warm-up load and for
 family in the same mode (so the rise counts the model and its forward, not the modules the first load imports nor the
 process groups it makes), then its peak over the load and the forwards (max over ranks) and the weight bytes it holds.
 For the FSDP step case, the time of gathering every block once without computing (`unshard` / `reshard` in order)
-says how much of the step the all-gathers would add without overlap.
+says how much of the step the all-gathers would add without overlap. Beside the memory cases, what `--dry-run` predicts
+for each from the config alone (`plan_tools/memory.per_rank_bytes`), against the measured peak rise.
 
     MALLOC_MMAP_THRESHOLD_=131072 python benchmarks/bench_fsdp.py [--model real|small] [--step | --only-step]
         [--repeats 3]
@@ -261,6 +262,19 @@ def step_without_mmap_threshold(repeats: int, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def dry_run_peaks(cls: type, config: dict, image_tokens: int, text_tokens: int) -> dict[str, int]:
+    """What `paradiff generate --dry-run` predicts per rank for each memory case (`plan_tools/memory.per_rank_bytes`
+    on the model built on meta from its config: weights held, FSDP's gathers, activations), float32."""
+    import torch
+
+    import paradiff
+    from paradiff.plan_tools.memory import meta_model, per_rank_bytes
+
+    return {name: per_rank_bytes(meta_model(cls, config), paradiff.ParallelConfig.from_mode(mode), torch.float32,
+                                 image_tokens=image_tokens, text_tokens=text_tokens).peak
+            for name, (_world, mode) in MEMORY_CASES.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="real")
@@ -283,6 +297,7 @@ def main() -> None:
             blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
             largest = max(sum(p.numel() * p.element_size() for p in block.parameters()) for block in blocks)
             folder = str(save_model(model, Path(tmp) / "flux2"))
+            dry_runs = dry_run_peaks(type(model), dict(model.config), image_tokens=16 * 16, text_tokens=64)
             del model
             results = run_cases(MEMORY_CASES, folder, warm_folder, repeats=0, grid=16)
         if (args.step or args.only_step) and "MALLOC_MMAP_THRESHOLD_" in os.environ:
@@ -314,6 +329,15 @@ def main() -> None:
                     f"({fsdp['peak_rss_mb'] / single['peak_rss_mb']:.2f}x), of which the fixed per-process "
                     f"baseline (torch, diffusers, gloo) is {single['baseline_mb']:.0f} MB"),
     ]
+    off = {name: dry_runs[name] / 1e6 / results[name]["rise_mb"] for name in MEMORY_CASES}
+    figures.append(figure(
+        "--dry-run's peak against the measured peak rise, fsdp2 (off by)", round(abs(off["fsdp2"] - 1) * 100, 1),
+        "%", "<= 10",
+        note=f"predicted from the config alone (weights held, two gathered blocks, one block's activations): fsdp2 "
+             f"{dry_runs['fsdp2'] / 1e6:.0f} MB against {results['fsdp2']['rise_mb']:.0f} MB measured "
+             f"({off['fsdp2']:.2f}x), single {dry_runs['single'] / 1e6:.0f} MB against "
+             f"{results['single']['rise_mb']:.0f} MB ({off['single']:.2f}x); the rise covers the load and a "
+             f"forward at a 16x16 latent grid + 64 text tokens"))
     if args.step:
         sp, both, gather = results["ulysses2"], results["fsdp2xulysses2"], results["gather"]
         figures.append(figure(
