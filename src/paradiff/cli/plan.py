@@ -84,8 +84,10 @@ def _profile_line(profile) -> str:
                       for op, link in profile.links.items())
     elementwise = (profile.elementwise_bandwidth or profile.memory_bandwidth) / 1e9
     factor = f"; block factor {profile.block_factor:.3g}" if profile.block_factor != 1.0 else ""
+    fsdp = (f"; FSDP {profile.fsdp_unit_s * 1e3:.3g} ms a unit + {1e-9 / profile.fsdp_byte_s:.3g} GB/s gathered"
+            if profile.fsdp_unit_s and profile.fsdp_byte_s else "")
     return (f"GEMM {gemm}; elementwise {elementwise:.3g} GB/s; {profile.op_overhead_s * 1e6:.3g} us per op{factor}; "
-            f"{links}")
+            f"{links}{fsdp}")
 
 
 def plan_text(result, every: bool = False) -> str:
