@@ -12,8 +12,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_gpu_bench_dry_run_measures_every_model_and_variant(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_bench.py"), "--dry-run", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    # --budget-s guards a GPU's minutes: here it must not stop variants early on a loaded machine
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_bench.py"), "--dry-run", "--budget-s", "3600",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     (written,) = tmp_path.glob("gpu_bench-dry-run-*.json")
     result = json.loads(written.read_text())
