@@ -198,21 +198,27 @@ def echo_server(folder: Path, size: int) -> tuple[str, object]:
             time.sleep(0.1)
 
 
-def ray_overhead(requests: int, model: list[str], steps: int, folder: Path) -> dict[str, float]:
+def ray_overhead(requests: int, model: list[str], steps: int, folder: Path, ingress: str = "proxy") -> dict[str, float]:
     """Sequential requests, in turn through Ray's HTTP proxy (a local Ray cluster as `paradiff serve --ray` starts it,
     one mesh of one rank; route "none", the Mesh replica the ingress, and route prompt-hash, a Router replica in
     front of a second mesh), straight to the first mesh's own server port, to a plain `paradiff serve` (one replica,
     as a user starts it without Ray), and to a bare echo, through Ray's proxy and on uvicorn. Each paradiff way is
     split by its server's requests.jsonl into its time in the server (accepted -> finished) and the time outside it
-    (the path: Ray's proxy and our replicas, or only the loopback socket). Medians per way, in seconds."""
+    (the path: Ray's proxy and our replicas, or only the loopback socket). Medians per way, in seconds. `ingress`
+    "haproxy": the cluster as `paradiff serve --ray --ray-ingress haproxy` starts it (HAProxy in front of the ingress
+    replicas' own ports, in place of Ray's proxy), the same ways through it."""
     import httpx
     import ray
     from ray import serve
 
     from paradiff.distributed.spawn import free_port
-    from paradiff.serve.ray import LOCAL_CLUSTER, NORMAL_PRIORITY, build_app
+    from paradiff.serve.ray import LOCAL_CLUSTER, NORMAL_PRIORITY, build_app, end_processes_of, haproxy_env
 
     port = free_port()
+    environ = dict(os.environ)
+    haproxy = tempfile.mkdtemp(prefix="paradiff-", dir="/tmp") if ingress == "haproxy" else None
+    if haproxy:
+        os.environ.update(haproxy_env(haproxy))  # read by the cluster's processes, which ray.init starts below
     # a new interpreter, as a user (and a Mesh replica) starts it: not forked from the tests' preloaded fork server
     plain = start(folder / "plain", model, "--steps", str(steps), fresh=True)
     size = len(plain.client.post("/v1/images/generations", json={"prompt": PROMPTS[0]}).content)
@@ -274,8 +280,16 @@ def ray_overhead(requests: int, model: list[str], steps: int, folder: Path) -> d
         return {"answer_bytes": size, **{f"{way}_{part}": statistics.median(values) for way, parts in split.items()
                                          for part, values in zip(("latency", "server", "outside"), parts)}}
     finally:
-        serve.shutdown()
+        for app in ("paradiff", "keyed", "echo"):  # as `paradiff serve --ray` stops (serve.shutdown waits 30 s more
+            try:  # for Ray's HAProxy manager)
+                serve.delete(app)
+            except Exception:  # noqa: BLE001 - Serve did not start: the cluster's end below is the cleanup
+                pass
         ray.shutdown()
+        if haproxy:
+            end_processes_of(haproxy)
+        os.environ.clear()
+        os.environ.update(environ)
         echo.kill()
         echo.wait()
         plain.stop()
@@ -293,6 +307,8 @@ def main() -> int:
                         help="only this figure, for --model (the others kept from the result file); ray-overhead: one "
                              "run ~4 min")
     parser.add_argument("--only-ray", action="store_true", help="the same as --only ray-overhead")
+    parser.add_argument("--ray-ingress", choices=("proxy", "haproxy", "both"), default="both",
+                        help="the Ray figures through Ray's proxy, through HAProxy (--ray-ingress haproxy), or both")
     args = parser.parse_args()
     model: list[str] = []
     if args.model == "flux2":
@@ -373,8 +389,33 @@ def model_of(name: str) -> str:
 
 
 def ray_figures(args, model: list[str], steps: int) -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        m = ray_overhead(args.requests, model, steps, Path(tmp))
+    """Ray's figures with its proxy (the default ingress), and with `--ray-ingress haproxy` (one figure)."""
+    figures = []
+    for ingress in (("proxy", "haproxy") if args.ray_ingress == "both" else (args.ray_ingress,)):
+        with tempfile.TemporaryDirectory() as tmp:
+            m = ray_overhead(args.requests, model, steps, Path(tmp), ingress)
+        figures += proxy_figures(args, m, steps) if ingress == "proxy" else haproxy_figures(args, m, steps)
+    for item in figures:
+        item["name"] += model_tag(args.model)
+    return figures
+
+
+def haproxy_figures(args, m: dict[str, float], steps: int) -> list[dict]:
+    added = m["ray_outside"] - m["serve_outside"]
+    return [figure("Ray Serve overhead per request, --ray-ingress haproxy", round(100 * added / m["serve_latency"], 2),
+                   "%", "<= 5",
+                   note=f"{1000 * m['ray_outside']:.0f} ms outside the server through HAProxy (Ray's HAProxy mode: "
+                        f"the Mesh replica serves HTTP itself, HAProxy forwards to its port) against "
+                        f"{1000 * m['serve_outside']:.0f} ms to a plain `paradiff serve` of latency "
+                        f"{m['serve_latency']:.3f} s; with a routing key (Router replica in front) "
+                        f"{1000 * m['keyed_outside']:.0f} ms; an echo through HAProxy "
+                        f"{1000 * m['echo_ray_latency']:.1f} ms, on uvicorn {1000 * m['echo_uvicorn_latency']:.1f} ms; "
+                        f"latency through HAProxy / a plain serve's {m['ray_latency'] / m['serve_latency']:.3f}x; "
+                        f"medians of {args.requests} sequential requests each way, interleaved ({args.model}, {steps} "
+                        f"steps, one replica of one rank); {args.note}")]
+
+
+def proxy_figures(args, m: dict[str, float], steps: int) -> list[dict]:
     added = m["ray_outside"] - m["serve_outside"]
     rays = m["echo_ray_latency"] - m["echo_uvicorn_latency"]  # Ray's own: its proxy and one replica call
     what = (f"medians of {args.requests} sequential requests each way, interleaved ({args.model}, {steps} steps, one "
@@ -406,8 +447,6 @@ def ray_figures(args, model: list[str], steps: int) -> list[dict]:
                     f"plain `paradiff serve`; in the server {m['ray_server']:.3f} / {m['mesh_server']:.3f} / "
                     f"{m['serve_server']:.3f} s (the server's own time swings on loaded cores); {what}; {args.note}"),
     ]
-    for item in figures:
-        item["name"] += model_tag(args.model)
     return figures
 
 

@@ -548,8 +548,28 @@ def test_ray_meshes_get_the_servers_flags_without_the_ray_and_address_ones():
     from paradiff.cli.serve import mesh_argv
 
     argv = ["--debug", "serve", "model", "--ray", "--tp", "2", "--ray-replicas", "1:3", "--host", "0.0.0.0",
-            "--port=9000", "--ray-route", "adapter", "--out", "o", "--steps", "4", "--ray-address=head:6379"]
+            "--port=9000", "--ray-route", "adapter", "--out", "o", "--steps", "4", "--ray-address=head:6379",
+            "--ray-ingress", "haproxy"]
     assert mesh_argv(argv) == ["model", "--tp", "2", "--steps", "4"]
+
+
+def test_haproxy_ingress_is_refused_on_a_cluster_paradiff_did_not_start(capsys, monkeypatch):
+    """Ray reads its HAProxy mode from its processes' environment as they start: only the local cluster `paradiff
+    serve --ray` starts can have it; with --ray-address or RAY_ADDRESS the flag is refused by name before Ray
+    starts (no cluster here)."""
+    from paradiff.cli import main
+    from paradiff.serve.ray import check_ingress
+
+    pytest.importorskip("ray")
+    assert main(["serve", "--ray", "--ray-ingress", "haproxy", "--ray-address", "head:6379"]) == 2
+    said = capsys.readouterr().err
+    assert "--ray-ingress haproxy with the Ray cluster at 'head:6379'" in said and "RAY_SERVE_ENABLE_HA_PROXY=1" in said
+    monkeypatch.setenv("RAY_ADDRESS", "auto")
+    with pytest.raises(ValueError, match="the Ray cluster at 'auto'"):
+        check_ingress("haproxy", None)
+    check_ingress("proxy", None)  # Ray's proxy: any cluster
+    with pytest.raises(ValueError, match=r"--ray-ingress 'nginx': expected one of \['proxy', 'haproxy'\]"):
+        check_ingress("nginx", None)
 
 
 def test_over_max_wait_is_a_503_with_retry_after_and_a_reloading_replica_is_degraded(tmp_path):

@@ -150,6 +150,61 @@ def test_two_replicas_a_killed_rank_and_autoscaling(fast_autoscaling_metrics):
         ray.shutdown()
 
 
+@pytest.mark.slow
+@pytest.mark.ray
+def test_haproxy_ingress_through_the_command(tmp_path):
+    """`paradiff serve --ray --ray-ingress haproxy` as a user runs it (its own session, as a terminal's job): its
+    port is HAProxy's (on loopback), which forwards to the mesh replica's own HTTP port (no Python proxy); an
+    answer equals the mesh's own for the same request; Ctrl-C (SIGINT to the whole process group, as a terminal sends
+    it) drains and ends it with status 0, and takes its HAProxy (which Ray's manager started) with it."""
+    import base64
+    import subprocess
+    import sys
+
+    import httpx
+    import psutil
+
+    from paradiff.distributed.spawn import free_port
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "paradiff.cli", "serve", "--ray", "--ray-ingress", "haproxy",
+                               "--port", str(port), "--steps", "1", "--out", str(tmp_path / "out")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                              env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    said: list[str] = []
+    try:
+        deadline = time.monotonic() + 300
+        while not any("listen on all interfaces" in line for line in said):  # its console until ready (and then
+            # the line on HAProxy's stats ports, said once)
+            line = server.stdout.readline()
+            assert line or server.poll() is None, f"the server ended ({server.poll()}): {said}"
+            said.append(line)
+            assert time.monotonic() < deadline, said
+        listeners = [c for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port]
+        assert [c.laddr.ip for c in listeners] == ["127.0.0.1"], listeners
+        haproxy = psutil.Process(listeners[0].pid)
+        assert haproxy.name() == "haproxy", haproxy.cmdline()
+        assert any(f"paradiff serve --ray: ready at http://127.0.0.1:{port}" in line for line in said), said
+
+        def image(url: str) -> bytes:
+            answer = httpx.post(url + "/v1/images/generations", json={"prompt": "a cat", "seed": 7}, timeout=120)
+            assert answer.status_code == 200, answer.text
+            return base64.b64decode(answer.json()["data"][0]["b64_json"])
+
+        (mesh,) = meshes().values()
+        assert image(f"http://127.0.0.1:{port}") == image(f"http://127.0.0.1:{mesh['port']}")
+        os.killpg(server.pid, signal.SIGINT)
+        rest, _ = server.communicate(timeout=120)
+        assert server.returncode == 0, said + [rest]
+        assert "Traceback" not in rest and "error" not in rest.lower(), rest
+        assert not [line for line in said + rest.splitlines() if "INFO" in line], said + [rest]  # not Ray Serve's
+        assert not haproxy.is_running() or haproxy.status() == psutil.STATUS_ZOMBIE
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
 def test_routing_keys():
     from paradiff.serve.ray import PROMPT_BUCKETS, routing_key
 

@@ -85,7 +85,7 @@ def settings_of(args: argparse.Namespace) -> ServeSettings:
             lora_modules=tuple(args.lora_modules or ()), allow_runtime_lora=args.allow_runtime_lora,
             lora_root=args.lora_root, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
             timeout=args.timeout, ray=args.ray, ray_replicas=ray_replicas(args) if args.ray else (1, 1),
-            ray_route=args.ray_route, ray_address=args.ray_address)
+            ray_route=args.ray_route, ray_address=args.ray_address, ray_ingress=args.ray_ingress)
     except ServeSettingsError as exc:
         raise settings_error(exc) from None
 
@@ -116,8 +116,8 @@ def run_serve_worker(args: argparse.Namespace, on_pipeline_loaded: Callable[[Any
         raise settings_error(exc) from None
 
 
-RAY_ONLY = {"--ray": 0, "--ray-replicas": 1, "--ray-route": 1, "--ray-address": 1, "--host": 1, "--port": 1,
-            "--out": 1}
+RAY_ONLY = {"--ray": 0, "--ray-replicas": 1, "--ray-route": 1, "--ray-address": 1, "--ray-ingress": 1, "--host": 1,
+            "--port": 1, "--out": 1}
 
 
 def ray_replicas(args: argparse.Namespace) -> tuple[int, int]:
@@ -138,11 +138,15 @@ def run_ray_serve(args: argparse.Namespace, argv: list[str]) -> int:
     if importlib.util.find_spec("ray") is None:
         raise CliError("--ray needs Ray Serve: pip install 'paradiff[ray]'")
     from paradiff.cli.args import world_size_of
-    from paradiff.serve.ray import run
+    from paradiff.serve.ray import check_ingress, run
 
     settings = settings_of(args)
+    try:
+        check_ingress(settings.ray_ingress, settings.ray_address)  # before Ray starts
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     return run(mesh_argv(argv), world_size_of(args), settings.ray_replicas, settings.ray_route, settings.host,
-               settings.port, settings.ray_address)
+               settings.port, settings.ray_address, settings.ray_ingress)
 
 
 def mesh_argv(argv: list[str]) -> list[str]:

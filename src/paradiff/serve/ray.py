@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -48,7 +49,10 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import Response
 
+from paradiff.serve.settings import RAY_INGRESSES
+
 ROUTES = ("prompt-hash", "adapter", "none")
+HAPROXY_DRAIN_S = 5  # --ray-ingress haproxy: how long a stopping ingress replica drains (haproxy_env)
 # prompt-hash keys: a bounded number of buckets (Ray sends a key it has not seen to the replica with the fewest keys,
 # so a key per prompt would pile new prompts on the newest replica)
 PROMPT_BUCKETS = 16
@@ -351,26 +355,113 @@ def app_from_env(args: dict | None = None) -> Any:
                      get("route", "none"), device=get("device", "CPU"))
 
 
+def haproxy_env(folder: str) -> dict[str, str]:
+    """The environment of a local Ray cluster whose ingress is HAProxy (`--ray-ingress haproxy`): Ray Serve's HAProxy
+    mode (experimental in Ray 2.60; it turns direct ingress on: each ingress replica serves HTTP itself on a
+    loopback port, and HAProxy, a C proxy, forwards to it: no Python proxy in the path); HAProxy's files (its
+    configuration, sockets, server state) in `folder`, this server's own (not Ray's shared /tmp/haproxy-serve), which
+    also names its processes; its stats page and Prometheus exporter on free ports (Ray's 8404 and 9101 would collide
+    between two such servers on one machine); a stopping ingress replica drains for HAPROXY_DRAIN_S instead of Ray's
+    30 s (HAProxy has taken it out of its backends by then; each downscale would otherwise take 30 s)."""
+    from paradiff.distributed.spawn import free_port
+
+    files = {"CONFIG_FILE_LOC": "haproxy.cfg", "SOCKET_PATH": "admin.sock", "SERVER_STATE_FILE": "server-state",
+             "METRICS_SOCKET_PATH": "metrics.sock"}
+    return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(HAPROXY_DRAIN_S),
+            "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": folder,
+            **{f"RAY_SERVE_HAPROXY_{name}": os.path.join(folder, file) for name, file in files.items()}}
+
+
+def end_processes_of(folder: str) -> None:
+    """SIGKILL to every process whose command line names `folder` (the HAProxy a stopped cluster's manager had
+    started: ray.shutdown kills the manager, not its child)."""
+    mine = folder.encode()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                    if mine in cmdline.read():
+                        os.kill(int(entry), signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                pass
+
+
+def check_ingress(ingress: str, address: str | None) -> None:
+    """ValueError unless `ingress` is one of RAY_INGRESSES and can be set up: HAProxy only on the local cluster `run`
+    starts (Ray reads its mode from the environment of the cluster's processes when they start)."""
+    if ingress not in RAY_INGRESSES:
+        raise ValueError(f"--ray-ingress {ingress!r}: expected one of {list(RAY_INGRESSES)}")
+    address = address or os.environ.get("RAY_ADDRESS")
+    if ingress == "haproxy" and address:
+        raise ValueError(f"--ray-ingress haproxy with the Ray cluster at {address!r} (--ray-address / RAY_ADDRESS): "
+                         "HAProxy is set up only on the local cluster `paradiff serve --ray` starts; on a cluster "
+                         "you start, put RAY_SERVE_ENABLE_HA_PROXY=1 in `ray start`'s environment and leave "
+                         "--ray-ingress out (docs/serve.md)")
+
+
 def run(argv: list[str], ranks: int, replicas: tuple[int, int], route: str, host: str, port: int,
-        address: str | None = None) -> int:
-    """`paradiff serve --ray`: a Ray cluster (`address`, RAY_ADDRESS, or a local one), Ray's HTTP proxy on
-    host:port, the application until SIGTERM / Ctrl-C."""
+        address: str | None = None, ingress: str = "proxy") -> int:
+    """`paradiff serve --ray`: a Ray cluster (`address`, RAY_ADDRESS, or a local one), Ray's HTTP proxy (or, with
+    `ingress` "haproxy", HAProxy: a local cluster only) on host:port, the application until SIGTERM / Ctrl-C."""
     import ray
 
     from paradiff.runtime.console import say
 
+    check_ingress(ingress, address)
     local = address is None and not os.environ.get("RAY_ADDRESS")  # a new cluster: its workers at normal priority
-    ray.init(address="local" if local else address, include_dashboard=False, logging_level="WARNING",
-             log_to_driver=False, _system_config=LOCAL_CLUSTER if local else None)
-    serve.start(http_options={"host": host, "port": port})
-    serve.run(build_app(argv, ranks, replicas, route), name="paradiff", route_prefix="/")
-    say(f"paradiff serve --ray: ready at http://{host}:{port} ({replicas[0]}-{replicas[1]} replica(s) of {ranks} "
-        f"rank(s), route {route})")
-    stopping = []
+    # in /tmp, as Ray's own: HAProxy's sockets, FOLDER/NODE_ID/metrics.sock, must fit its 97 characters
+    haproxy = tempfile.mkdtemp(prefix="paradiff-", dir="/tmp") if ingress == "haproxy" else None
+    if haproxy:
+        # read by Ray Serve's controller, HAProxy manager and replicas, which inherit the environment of the raylet
+        # ray.init starts here: this process is the cluster's driver and nothing else
+        os.environ.update(haproxy_env(haproxy))
+    ready: list[bool] = []
+    stopping: list[int] = []
+
+    def on_signal(number: int, _frame: Any) -> None:
+        """SIGTERM / Ctrl-C: once ready, the wait below ends (Ray Serve drains the meshes); before, the start is
+        interrupted where it waits (Ray's own handler, which ray.init installs, would abort the process with C++
+        frames and leave the cluster running)."""
+        stopping.append(number)
+        if not ready:
+            raise KeyboardInterrupt
+
     for number in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(number, lambda *_: stopping.append(True))
-    while not stopping:
-        time.sleep(0.2)
-    serve.shutdown()
-    ray.shutdown()
+        signal.signal(number, on_signal)
+    try:
+        ray.init(address="local" if local else address, include_dashboard=False, logging_level="WARNING",
+                 log_to_driver=False, _system_config=LOCAL_CLUSTER if local else None)
+        for number in (signal.SIGTERM, signal.SIGINT):  # ours again, over Ray's
+            signal.signal(number, on_signal)
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)  # not its INFO lines: started, app ready, deleted
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build_app(argv, ranks, replicas, route), name="paradiff", route_prefix="/")
+        ready.append(True)
+        say(f"paradiff serve --ray: ready at http://{host}:{port} ({replicas[0]}-{replicas[1]} replica(s) of "
+            f"{ranks} rank(s), route {route}, ingress {ingress})")
+        if ingress == "haproxy":
+            say(f"paradiff serve --ray: HAProxy's stats page (port {os.environ['RAY_SERVE_HAPROXY_STATS_PORT']}) "
+                f"and metrics (port {os.environ['RAY_SERVE_HAPROXY_METRICS_PORT']}) listen on all interfaces (Ray's "
+                "HAProxy configuration); the API only on the address above")
+        while not stopping:
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        if not stopping:
+            raise
+        say("paradiff serve --ray: stopped before it was ready")
+    finally:
+        ready.append(True)  # a signal during the stop below waits for it
+        if ray.is_initialized():
+            # the application drained, then this driver gone (and the cluster with it when it started it); not
+            # serve.shutdown, which would stop every application of a shared cluster (and wait 30 s for Ray's HAProxy
+            # manager)
+            try:
+                serve.delete("paradiff")
+            except Exception:  # noqa: BLE001 - Serve never started (interrupted): nothing of ours to delete
+                pass
+            ray.shutdown()
+        if haproxy:
+            end_processes_of(haproxy)
+            shutil.rmtree(haproxy, ignore_errors=True)
     return 0

@@ -26,6 +26,9 @@ from paradiff.errors import ServeSettingsError
 SCHEDULES = ("fair", "fifo")
 PREVIEWS = ("linear", "vae", "off")
 RAY_ROUTES = ("none", "prompt-hash", "adapter")
+# Ray Serve's ingress: its HTTP proxy (a Python actor: ~9 ms a request on this machine), or HAProxy in front of the
+# ingress replicas' own HTTP ports (~1 ms; Ray 2.60's experimental HAProxy mode; a local cluster only)
+RAY_INGRESSES = ("proxy", "haproxy")
 
 
 def _text(value: Any) -> str:
@@ -48,7 +51,7 @@ class ServeSettings:
     jobs' files), `jobs_db` (None: jobs.db in `out`), `keep_results` (a count, or an age: 30m, 12h, 7d). Adapters
     per request: `lora_modules` (NAME=PATH), `allow_runtime_lora`, `lora_root`, `max_loras`, `max_lora_rank`.
     `timeout`: the ranks' collective timeout in seconds. Ray Serve: `ray`, `ray_replicas` (min, max), `ray_route`,
-    `ray_address`."""
+    `ray_address`, `ray_ingress`."""
 
     spec: LoadSpec
     model_name: str = ""
@@ -92,6 +95,7 @@ class ServeSettings:
     ray_replicas: tuple[int, int] = (1, 1)
     ray_route: str = "none"
     ray_address: str | None = None
+    ray_ingress: str = "proxy"
 
     def __post_init__(self) -> None:
         for name in ("allow_host", "allow_origin", "lora_modules"):  # a list (or one string) kept as a tuple
@@ -198,6 +202,7 @@ class ServeSettings:
                                          f"{_text(self.ray_replicas)}: expected (MIN, MAX), whole numbers from 1 "
                                          "with MIN <= MAX")
             self._choice("ray_route", RAY_ROUTES)
+            self._choice("ray_ingress", RAY_INGRESSES)
         if self.max_wait is not None and (not _number(self.max_wait) or self.max_wait <= 0):
             raise ServeSettingsError("max_wait", self.max_wait, f"{{max_wait}} {_text(self.max_wait)}: expected a "
                                      "number of seconds > 0")
