@@ -10,7 +10,9 @@ loaded shard-on-read by each case; one torch thread per rank, gloo on 127.0.0.1,
   64 text tokens, one forward after the load. `--model small` is the 375 MB, 24-block model of earlier runs.
 - step (ulysses2, fsdp2xulysses2; `--step`, off by default: minutes under load; `--only-step` runs it alone and
   prints it without recording; run without MALLOC_MMAP_THRESHOLD_, in a child process when it is set) on the small
-  model, a 32x32 latent grid + 64 text tokens: both models loaded in the
+  model at two shapes (STEP_SHAPES): a 32x32 latent grid + 64 text tokens, and 48x48 + 512, which does as much
+  compute per weight as FLUX.2-dev at 1024x1024 (FSDP gathers every weight once a forward; the compute that hides it
+  grows with the tokens): both models loaded in the
   same two ranks, their steps interleaved for --repeats rounds after one warm-up each, the median of the slowest
   rank's, with the CPU time of the main thread (compute) and of the other threads (gloo's transport) over each step.
 
@@ -48,6 +50,11 @@ MODELS = {"real": dict(layers=8, single_layers=48, head_dim=128, heads=6),
           "small": dict(layers=2, single_layers=22, head_dim=64, heads=8)}
 MEMORY_CASES = {"single": (1, "single"), "fsdp2": (2, "fsdp2")}
 STEP_CASES = {"ulysses2": (2, "ulysses2"), "fsdp2xulysses2": (2, "fsdp2xulysses2")}
+# the step's shapes on the small model: (latent grid side, text tokens). "small": 2.5k FLOPs per weight a forward
+# (plan_tools.cost.forward_cost), 3.5x less than FLUX.2-dev at 1024x1024 (4096 + 512 tokens: 8.8k); "dev": 48x48 +
+# 512 tokens, 9.1k FLOPs per weight, FLUX.2-dev 1024x1024's compute per gathered weight (FSDP gathers every weight
+# once a forward, whatever the tokens: the compute it has to hide behind grows with them)
+STEP_SHAPES = {"small": (32, 64), "dev": (48, 512)}
 
 
 def run_case(folder: str, warm_folder: str, mode: str, repeats: int, grid: int) -> dict:
@@ -131,7 +138,7 @@ def minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def run_step_case(folder: str, warm_folder: str, rounds: int, grid: int) -> dict:
+def run_step_case(folder: str, warm_folder: str, rounds: int, grid: int, text: int) -> dict:
     """ulysses2 and fsdp2 x ulysses2 loaded side by side in the same two ranks, their steps interleaved round by
     round (a load change on the machine hits both), with each step's wall time and the CPU time of the main thread
     (compute) and of the process's other threads (gloo's transport) over it; then gathering every block once without
@@ -150,7 +157,7 @@ def run_step_case(folder: str, warm_folder: str, rounds: int, grid: int) -> dict
     models = {mode: paradiff.from_pretrained(cls, folder, parallel_config=paradiff.ParallelConfig.from_mode(mode))
               for mode in STEP_CASES}
     inputs = make_inputs("flux2", models["ulysses2"].config, batch=1,
-                         lengths=Lengths(height=grid, width=grid, text=64))
+                         lengths=Lengths(height=grid, width=grid, text=text))
     for model in models.values():
         run_forward(model, inputs)  # warm-up
     load = [os.getloadavg()[0]]
@@ -225,7 +232,7 @@ def run_cases(cases: dict, folder: str, warm_folder: str, repeats: int, grid: in
     return results
 
 
-def run_step(folder: str, warm_folder: str, rounds: int, grid: int) -> dict:
+def run_step(folder: str, warm_folder: str, rounds: int, grid: int, text: int) -> dict:
     """Per mode: the median over rounds of the slowest rank's step, and of that rank's main-thread and other-thread
     CPU seconds over it; the same for gathering every block once."""
     from paradiff.testing.dist import RankPool
@@ -233,7 +240,7 @@ def run_step(folder: str, warm_folder: str, rounds: int, grid: int) -> dict:
     pool = RankPool(2)
     try:
         per_rank = pool.run(run_step_case, timeout_s=1800, folder=folder, warm_folder=warm_folder, rounds=rounds,
-                            grid=grid)
+                            grid=grid, text=text)
     finally:
         pool.close()
 
@@ -275,6 +282,42 @@ def dry_run_peaks(cls: type, config: dict, image_tokens: int, text_tokens: int) 
             for name, (_world, mode) in MEMORY_CASES.items()}
 
 
+def step_figures(steps: dict, repeats: int) -> list[dict]:
+    """The step ratio at each of STEP_SHAPES (the goal on both), and the small shape's CPU time ratio."""
+    figures = []
+    for shape, name in (("small", "step, fsdp2 x ulysses2 / ulysses2"),
+                        ("dev", "step at FLUX.2-dev 1024^2's compute per weight, fsdp2 x ulysses2 / ulysses2")):
+        results = steps[shape]
+        grid, text = STEP_SHAPES[shape]
+        sp, both, gather = results["ulysses2"], results["fsdp2xulysses2"], results["gather"]
+        what = ("" if shape == "small" else "(9.1k FLOPs per weight a forward, plan_tools.cost, as FLUX.2-dev's 8.8k "
+                "at 4096 + 512 tokens; the small shape has 2.5k) ")
+        figures.append(figure(
+            name, round(both["step_s"] / sp["step_s"], 3), "x", "<= 1.1",
+            note=f"the 375 MB 24-block model, {grid}x{grid} latent + {text} text tokens {what}; both loaded in the "
+                 f"same 2 ranks, steps interleaved, median of {repeats} rounds, slowest rank: ulysses2 "
+                 f"{sp['step_s'] * 1000:.0f} ms, fsdp2 x ulysses2 {both['step_s'] * 1000:.0f} ms "
+                 f"(+{(both['step_s'] - sp['step_s']) * 1000:.0f} ms); CPU time over a step, main thread (compute) / "
+                 f"other threads (gloo's transport): {sp['main_cpu_s'] * 1000:.0f} / {sp['other_cpu_s'] * 1000:.0f} "
+                 f"ms against {both['main_cpu_s'] * 1000:.0f} / {both['other_cpu_s'] * 1000:.0f} ms; gathering "
+                 f"every block once without compute: {gather['step_s'] * 1000:.0f} ms wall, "
+                 f"{gather['main_cpu_s'] * 1000:.0f} / {gather['other_cpu_s'] * 1000:.0f} ms CPU; minor page "
+                 f"faults per step {sp['faults']:.0f} against {both['faults']:.0f} (gathering alone "
+                 f"{gather['faults']:.0f}); load average {results['load'][0]:.0f} as the steps began, "
+                 f"{results['load'][1]:.0f} as they ended; glibc's default malloc (the steps run without "
+                 "MALLOC_MMAP_THRESHOLD_, which the memory figure needs)"))
+    small = steps["small"]
+    cpu = {mode: small[mode]["main_cpu_s"] + small[mode]["other_cpu_s"] for mode in STEP_CASES}
+    figures.append(figure(
+        "step CPU time (all threads), fsdp2 x ulysses2 / ulysses2", round(cpu["fsdp2xulysses2"] / cpu["ulysses2"], 3),
+        "x", None,
+        note=f"the small shape's steps: {cpu['ulysses2'] * 1000:.0f} against {cpu['fsdp2xulysses2'] * 1000:.0f} ms of "
+             "CPU per rank, the median of the slowest rank's (10 ms ticks): with a core per rank and nothing else "
+             "running, gloo's transport threads find no idle core to overlap on and a step takes about its CPU "
+             "time; the machine's load inflates these less than the wall times, but it does (shared caches)"))
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="real")
@@ -304,7 +347,8 @@ def main() -> None:
             results.update(step_without_mmap_threshold(args.repeats, Path(tmp) / "step.json"))
         elif args.step or args.only_step:
             small = str(save_model(build_fast(MODELS["small"]), Path(tmp) / "small"))
-            results.update(run_step(small, warm_folder, rounds=args.repeats, grid=32))
+            results["steps"] = {shape: run_step(small, warm_folder, rounds=args.repeats, grid=grid, text=text)
+                                for shape, (grid, text) in STEP_SHAPES.items()}
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -339,30 +383,7 @@ def main() -> None:
              f"{results['single']['rise_mb']:.0f} MB ({off['single']:.2f}x); the rise covers the load and a "
              f"forward at a 16x16 latent grid + 64 text tokens"))
     if args.step:
-        sp, both, gather = results["ulysses2"], results["fsdp2xulysses2"], results["gather"]
-        figures.append(figure(
-            "step, fsdp2 x ulysses2 / ulysses2", round(both["step_s"] / sp["step_s"], 3), "x", "<= 1.1",
-            note=f"the 375 MB 24-block model, 32x32 latent + 64 text tokens; both loaded in the same 2 ranks, steps "
-                 f"interleaved, median of {args.repeats} rounds, slowest rank: ulysses2 {sp['step_s'] * 1000:.0f} "
-                 f"ms, fsdp2 x ulysses2 {both['step_s'] * 1000:.0f} ms (+{(both['step_s'] - sp['step_s']) * 1000:.0f}"
-                 f" ms); CPU time over a step, main thread (compute) / other threads (gloo's transport): "
-                 f"{sp['main_cpu_s'] * 1000:.0f} / {sp['other_cpu_s'] * 1000:.0f} ms against "
-                 f"{both['main_cpu_s'] * 1000:.0f} / {both['other_cpu_s'] * 1000:.0f} ms; gathering every block "
-                 f"once without compute: {gather['step_s'] * 1000:.0f} ms wall, "
-                 f"{gather['main_cpu_s'] * 1000:.0f} / {gather['other_cpu_s'] * 1000:.0f} ms CPU; minor page "
-                 f"faults per step {sp['faults']:.0f} against {both['faults']:.0f} (gathering alone "
-                 f"{gather['faults']:.0f}); load average "
-                 f"{results['load'][0]:.0f} as the steps began, {results['load'][1]:.0f} as they ended; glibc's "
-                 "default malloc (the steps run without MALLOC_MMAP_THRESHOLD_, which the memory figure needs)"))
-    if args.step:
-        cpu = {mode: results[mode]["main_cpu_s"] + results[mode]["other_cpu_s"] for mode in STEP_CASES}
-        figures.append(figure(
-            "step CPU time (all threads), fsdp2 x ulysses2 / ulysses2",
-            round(cpu["fsdp2xulysses2"] / cpu["ulysses2"], 3), "x", None,
-            note=f"the same steps: {cpu['ulysses2'] * 1000:.0f} against {cpu['fsdp2xulysses2'] * 1000:.0f} ms of CPU "
-                 "per rank, the median of the slowest rank's (10 ms ticks): with a core per rank and nothing else "
-                 "running, gloo's transport threads find no idle core to overlap on and a step takes about its CPU "
-                 "time; the machine's load inflates these less than the wall times, but it does (shared caches)"))
+        figures += step_figures(results["steps"], args.repeats)
     write_result("bench_fsdp", f"FSDP2 on CPU: per-rank peak RSS, FLUX.2 architecture in {len(blocks)} blocks"
                  + (", and step time" if args.step else ""), figures,
                  command="MALLOC_MMAP_THRESHOLD_=131072 " + this_command())
