@@ -290,11 +290,11 @@ def step_figures(steps: dict, repeats: int) -> list[dict]:
         results = steps[shape]
         grid, text = STEP_SHAPES[shape]
         sp, both, gather = results["ulysses2"], results["fsdp2xulysses2"], results["gather"]
-        what = ("" if shape == "small" else "(9.1k FLOPs per weight a forward, plan_tools.cost, as FLUX.2-dev's 8.8k "
-                "at 4096 + 512 tokens; the small shape has 2.5k) ")
+        what = ("" if shape == "small" else " (9.1k FLOPs per weight a forward, plan_tools.cost, as FLUX.2-dev's "
+                "8.8k at 4096 + 512 tokens; the small shape has 2.5k)")
         figures.append(figure(
             name, round(both["step_s"] / sp["step_s"], 3), "x", "<= 1.1",
-            note=f"the 375 MB 24-block model, {grid}x{grid} latent + {text} text tokens {what}; both loaded in the "
+            note=f"the 375 MB 24-block model, {grid}x{grid} latent + {text} text tokens{what}; both loaded in the "
                  f"same 2 ranks, steps interleaved, median of {repeats} rounds, slowest rank: ulysses2 "
                  f"{sp['step_s'] * 1000:.0f} ms, fsdp2 x ulysses2 {both['step_s'] * 1000:.0f} ms "
                  f"(+{(both['step_s'] - sp['step_s']) * 1000:.0f} ms); CPU time over a step, main thread (compute) / "
