@@ -557,10 +557,10 @@ def test_haproxy_ingress_is_refused_on_a_cluster_paradiff_did_not_start(capsys, 
     """Ray reads its HAProxy mode from its processes' environment as they start: only the local cluster `paradiff
     serve --ray` starts can have it; with --ray-address or RAY_ADDRESS the flag is refused by name before Ray
     starts (no cluster here)."""
+    pytest.importorskip("ray")
     from paradiff.cli import main
     from paradiff.serve.ray import check_ingress
 
-    pytest.importorskip("ray")
     assert main(["serve", "--ray", "--ray-ingress", "haproxy", "--ray-address", "head:6379"]) == 2
     said = capsys.readouterr().err
     assert "--ray-ingress haproxy with the Ray cluster at 'head:6379'" in said and "RAY_SERVE_ENABLE_HA_PROXY=1" in said
