@@ -99,6 +99,52 @@ def test_job_store_keeps_jobs_across_restarts_and_expires_results_by_count(tmp_p
     jobs.store.close()
 
 
+def test_servers_sharing_one_store_run_each_job_once_and_take_over_a_dead_ones(tmp_path):
+    """Two servers on one job store (the meshes of `paradiff serve --ray` on one node), in-process with the real
+    scheduler: a job runs on the one that claimed it and never on both; either answers any job and its content;
+    a job deleted through the other is cancelled at its next step; when one dies (its store closed: its lock goes
+    with it), the other fails the job it was running (server_restarted) and runs the one it had claimed."""
+    db = tmp_path / "jobs.db"
+    schedulers = [Scheduler(max_queue=8), Scheduler(max_queue=8)]
+    a, b = (Jobs(JobStore(db), tmp_path / "jobs", keep_results("10"), scheduler) for scheduler in schedulers)
+    a.ready(LIMITS)
+    b.ready(LIMITS)
+    first = a.create({"prompt": "a fox", "seed": 1}, LIMITS, max_queue=8)  # claimed by a as it is queued
+    b.feed()
+    second = b.create({"prompt": "a cat", "seed": 2}, LIMITS, max_queue=8)
+    a.feed()
+    assert [scheduler.depth() for scheduler in schedulers] == [(1, 0), (1, 0)]  # one each, none twice
+    assert (a.store.get(first["id"])["owner"], a.store.get(second["id"])["owner"]) == (a.store.owner, b.store.owner)
+    (item,) = schedulers[0].next_round(1, 0)["batches"][0]
+    a.started([item["id"]])
+    schedulers[0].complete(item["id"], 200, _files(b"1"))
+    assert b.known(first["id"])["status"] == "completed"
+    path, _ = b.content(first["id"], "video")
+    assert path.read_bytes() == b"mp41"
+    (item,) = schedulers[1].next_round(1, 0)["batches"][0]
+    b.started([item["id"]])
+    running = schedulers[1].running(item["id"])
+    assert a.delete(second["id"])  # through a: b's job runs on
+    assert not running.done.is_set()
+    running.emit({"type": "step", "step": 1, "steps": 2, "done": 1, "total": 2})
+    assert running.done.wait(timeout=60) and running.status == 499  # cancelled at the step
+    assert schedulers[1].answered_running() == [item["id"]]  # rank 0 is told to stop its work
+    third = a.create({"prompt": "a dog", "seed": 3}, LIMITS, max_queue=8)
+    fourth = a.create({"prompt": "a hare", "seed": 4}, LIMITS, max_queue=8)
+    (item,) = schedulers[0].next_round(1, 0)["batches"][0]
+    a.started([item["id"]])
+    assert b.store.alive(a.store.owner)
+    a.store.close()  # a's process died: the third was running there, the fourth claimed
+    assert not b.store.alive(a.store.owner)
+    b.feed()
+    failed = video_object(b.known(third["id"]))
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_restarted"
+    assert b.store.get(fourth["id"])["owner"] == b.store.owner and schedulers[1].depth()[0] == 1
+    (item,) = schedulers[1].next_round(1, 0)["batches"][0]
+    assert item["prompt"] == "a hare"
+    b.store.close()
+
+
 def test_forms_and_retention_flags_are_read_as_documented():
     assert form_fields([("prompt", "a fox"), ("seed", "3"), ("guidance", "4.5"), ("loras[style]", "0.5"),
                         ("size", "32x32")]) == {"prompt": "a fox", "seed": 3, "guidance": 4.5,

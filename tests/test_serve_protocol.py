@@ -549,7 +549,7 @@ def test_ray_meshes_get_the_servers_flags_without_the_ray_and_address_ones():
 
     argv = ["--debug", "serve", "model", "--ray", "--tp", "2", "--ray-replicas", "1:3", "--host", "0.0.0.0",
             "--port=9000", "--ray-route", "adapter", "--out", "o", "--steps", "4", "--ray-address=head:6379",
-            "--ray-ingress", "haproxy"]
+            "--ray-ingress", "haproxy", "--jobs-db", "j.db"]
     assert mesh_argv(argv) == ["model", "--tp", "2", "--steps", "4"]
 
 

@@ -192,6 +192,11 @@ def test_haproxy_ingress_through_the_command(tmp_path):
 
         (mesh,) = meshes().values()
         assert image(f"http://127.0.0.1:{port}") == image(f"http://127.0.0.1:{mesh['port']}")
+        # the mesh's video jobs in the command's store, shared by every mesh (its frontend opened it)
+        words = Path(f"/proc/{mesh['ranks'][0]}/cmdline").read_bytes().split(b"\0")
+        store = tmp_path / "out" / "jobs.db"
+        assert words[words.index(b"--jobs-db") + 1] == str(store).encode() and store.exists()
+        assert len(list((tmp_path / "out" / "jobs.db.owners").iterdir())) == 1  # one server holds it: the mesh
         before = len(said)
         os.killpg(server.pid, signal.SIGINT)
         assert server.wait(timeout=120) == 0, said

@@ -117,7 +117,7 @@ def run_serve_worker(args: argparse.Namespace, on_pipeline_loaded: Callable[[Any
 
 
 RAY_ONLY = {"--ray": 0, "--ray-replicas": 1, "--ray-route": 1, "--ray-address": 1, "--ray-ingress": 1, "--host": 1,
-            "--port": 1, "--out": 1}
+            "--port": 1, "--out": 1, "--jobs-db": 1}
 
 
 def ray_replicas(args: argparse.Namespace) -> tuple[int, int]:
@@ -145,13 +145,17 @@ def run_ray_serve(args: argparse.Namespace, argv: list[str]) -> int:
         check_ingress(settings.ray_ingress, settings.ray_address)  # before Ray starts
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    return run(mesh_argv(argv), world_size_of(args), settings.ray_replicas, settings.ray_route, settings.host,
+    # one job store for every mesh (each runs the jobs it claims; any answers any job id): this command's
+    # (`--jobs-db`, else --out's jobs.db), as an absolute path, since Ray starts the meshes in folders of its own
+    jobs = ["--jobs-db", str(settings.jobs_path.resolve())]
+    return run(mesh_argv(argv) + jobs, world_size_of(args), settings.ray_replicas, settings.ray_route, settings.host,
                settings.port, settings.ray_address, settings.ray_ingress)
 
 
 def mesh_argv(argv: list[str]) -> list[str]:
     """The flags of `paradiff serve ...` that each Ray replica's mesh takes: without the Ray flags, --host, --port
-    and --out (each mesh listens on a loopback port of its own and writes to a folder of its own)."""
+    and --out (each mesh listens on a loopback port of its own and writes to a folder of its own), and --jobs-db
+    (run_ray_serve gives every mesh the same store, as an absolute path)."""
     mesh: list[str] = []
     skip = 0
     for token in argv[argv.index("serve") + 1:]:

@@ -98,7 +98,8 @@ class Frontend:
         self.loaded_at = int(time.time())  # the pipeline's load time: /v1/models' `created`
         self.replicas = 1
         self.progress = ProgressRouter(self._step_progress, self._preview)  # step events and previews (stream.py)
-        self.jobs = Jobs(open_store(settings), self.out / "jobs", keep_results(settings.keep_results),
+        # the results beside the store's file (`--out`'s jobs/ by default): servers sharing one store share them
+        self.jobs = Jobs(open_store(settings), settings.jobs_path.parent / "jobs", keep_results(settings.keep_results),
                          self.scheduler)
         self.adapters = adapter_registry(settings)  # per-request adapters (serve/adapters.py), or None
 

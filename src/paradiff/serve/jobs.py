@@ -8,7 +8,8 @@
     DELETE /v1/videos/{id}            cancel (a running job stops at the next denoising step) and delete
 
 The store (JobStore) is one SQLite file in WAL mode, `--jobs-db` (default `<--out>/jobs.db`): every job's parameters,
-state, progress, error and where its result files are (under `<--out>/jobs/<id>/`). It survives restarts:
+state, progress, error and where its result files are (under `jobs/<id>/` beside the file; several servers may share
+both: JobStore's owners). It survives restarts:
 - a job still queued when the server stopped (SIGTERM drains the running job and leaves the queued ones queued; a
   fault that stops the server does the same) runs when the server is ready again;
 - a job that was running when the server died (kill -9, a machine lost) is marked failed, code "server_restarted",
@@ -39,6 +40,8 @@ from typing import Any, Callable
 from paradiff.serve.protocol import Limits, RequestError, parse_image_request, with_seed
 
 STATES = ("queued", "in_progress", "completed", "failed")
+ORPHANED = ("the server stopped while this job ran (it was killed or failed) and did not finish it; create it again "
+            "(the same seed redraws the same video)")
 AGES = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 LIST_LIMIT = (20, 100)  # default and most items of one GET /v1/videos page
 # OpenAI's fields besides the request's own: `seconds` sets frames (seconds * fps + 1) when `frames` is not given;
@@ -65,7 +68,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     files TEXT,
     expires_at INTEGER,
     expired INTEGER NOT NULL DEFAULT 0,
-    deleted_at INTEGER
+    deleted_at INTEGER,
+    owner TEXT
 )
 """
 
@@ -82,11 +86,24 @@ def keep_results(text: str) -> tuple[str, float]:
 
 class JobStore:
     """The jobs in one SQLite file (WAL), shared by the HTTP thread and rank 0's loop: one connection, one lock,
-    each method one short transaction."""
+    each method one short transaction.
+
+    Several servers may share the file (the meshes of `paradiff serve --ray` on one node, each a server of its own):
+    each store is an owner (`owner`, a random id) that claims a queued job before it submits it (one UPDATE, so two
+    owners never run one job) and holds an exclusive lock on a file of its own, `<file>.owners/<owner>`, for as long
+    as it is open: the operating system drops it when the process dies, however it dies, which is how the others
+    tell a dead owner from a live one (`orphans`)."""
 
     def __init__(self, path: Path) -> None:
+        import fcntl
+
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        self.owners = path.parent / (path.name + ".owners")
+        self.owners.mkdir(exist_ok=True)
+        self.owner = secrets.token_hex(8)
+        self._held = open(self.owners / self.owner, "w")  # noqa: SIM115 - held until close()
+        fcntl.flock(self._held, fcntl.LOCK_EX)
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
         self._lock = threading.Lock()
@@ -94,6 +111,9 @@ class JobStore:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")  # WAL: a committed job survives a kill of the process
             self._db.execute(SCHEMA)
+            columns = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
+            if "owner" not in columns:  # a file of a version before owners: its jobs have none
+                self._db.execute("ALTER TABLE jobs ADD COLUMN owner TEXT")
 
     def _run(self, sql: str, *values: Any) -> list[sqlite3.Row]:
         with self._lock:
@@ -102,6 +122,27 @@ class JobStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+        self._held.close()  # the lock goes with it: this owner is gone
+        (self.owners / self.owner).unlink(missing_ok=True)
+
+    def alive(self, owner: str | None) -> bool:
+        """Whether the store `owner` is open in a process that runs (on this machine: the lock is a local file's)."""
+        import fcntl
+
+        if owner is None:
+            return False
+        if owner == self.owner:
+            return True
+        try:
+            with open(self.owners / owner, "a") as held:
+                try:
+                    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    return True
+                (self.owners / owner).unlink(missing_ok=True)  # its process died with it open: nothing holds it
+                return False
+        except (OSError, ValueError):
+            return False
 
     def journal_mode(self) -> str:
         return self._run("PRAGMA journal_mode")[0][0]
@@ -128,8 +169,19 @@ class JobStore:
         return [_row(row) for row in rows[:limit]], len(rows) > limit
 
     def queued(self) -> list[dict]:
+        """The queued jobs no owner has claimed, in order."""
         return [_row(row) for row in self._run("SELECT * FROM jobs WHERE status = 'queued' AND deleted_at IS NULL "
-                                               "ORDER BY seq")]
+                                               "AND owner IS NULL ORDER BY seq")]
+
+    def claim(self, job_id: str) -> bool:
+        """This owner takes a queued job to run it; False when another owner had (or it left the queue)."""
+        with self._lock:
+            return self._db.execute("UPDATE jobs SET owner = ? WHERE id = ? AND status = 'queued' AND owner IS NULL "
+                                    "AND deleted_at IS NULL", (self.owner, job_id)).rowcount == 1
+
+    def release(self, job_id: str) -> None:
+        """A claimed job this owner will not run now (draining, or its scheduler is full): queued for any owner."""
+        self._run("UPDATE jobs SET owner = NULL WHERE id = ? AND owner = ? AND status = 'queued'", job_id, self.owner)
 
     def count_queued(self) -> int:
         return self._run("SELECT COUNT(*) FROM jobs WHERE status = 'queued' AND deleted_at IS NULL")[0][0]
@@ -153,12 +205,25 @@ class JobStore:
     def deleted(self, job_id: str) -> None:
         self._run("UPDATE jobs SET deleted_at = ?, files = NULL WHERE id = ?", int(time.time()), job_id)
 
-    def interrupted(self, message: str) -> list[str]:
-        """At start: the jobs that were running when the server died, marked failed (code "server_restarted")."""
-        rows = self._run("SELECT id FROM jobs WHERE status = 'in_progress' AND deleted_at IS NULL")
+    def orphans(self, message: str) -> list[str]:
+        """The jobs of owners that died: those that were running are marked failed (code "server_restarted": a job
+        that killed its server would kill the next one too), those claimed but not started are queued again for any
+        owner. Returns the failed ones' ids."""
+        rows = self._run("SELECT id, status, owner FROM jobs WHERE deleted_at IS NULL AND (status = 'in_progress' OR "
+                         "(status = 'queued' AND owner IS NOT NULL))")
+        alive: dict[str | None, bool] = {}
+        failed = []
         for row in rows:
-            self.failed(row["id"], "server_restarted", message)
-        return [row["id"] for row in rows]
+            if row["owner"] not in alive:
+                alive[row["owner"]] = self.alive(row["owner"])
+            if alive[row["owner"]]:
+                continue
+            if row["status"] == "in_progress":
+                self.failed(row["id"], "server_restarted", message)
+                failed.append(row["id"])
+            else:
+                self._run("UPDATE jobs SET owner = NULL WHERE id = ? AND owner = ?", row["id"], row["owner"])
+        return failed
 
     def expire(self, policy: tuple[str, float], now: float) -> list[dict]:
         """Mark the completed results past the retention policy expired; returns them (their files go)."""
@@ -234,9 +299,7 @@ class Jobs:
         self._tickets: dict[str, Any] = {}  # video id -> its scheduler Job while it is submitted
         self._ids: dict[int, str] = {}  # scheduler job id -> video id
         self._held = False  # draining or stopping: nothing more is submitted
-        self.interrupted = store.interrupted(
-            "the server stopped while this job ran (it was killed or failed) and did not finish it; create it again "
-            "(the same seed redraws the same video)")
+        self.interrupted = store.orphans(ORPHANED)
         self._expire()
 
     # -- the HTTP side ------------------------------------------------------------------------------------------
@@ -293,10 +356,11 @@ class Jobs:
         """Submit the queued jobs not submitted yet (in order), while the scheduler takes them."""
         if self.limits is None or self._held:
             return
+        self.store.orphans(ORPHANED)  # a server sharing the store died: its jobs (below) run here
         for job in self.store.queued():
             with self._lock:
-                if job["id"] in self._tickets or self._held:
-                    continue
+                if job["id"] in self._tickets or self._held or not self.store.claim(job["id"]):
+                    continue  # ours already, or another server's now
                 try:
                     request = parse_image_request(job["params"], self.limits, "video")
                 except RequestError as exc:  # the server restarted with other limits
@@ -305,6 +369,7 @@ class Jobs:
                 try:
                     ticket = self.scheduler.submit(request, deadline=False)
                 except RequestError:
+                    self.store.release(job["id"])
                     return  # the scheduler's queue is full or it is stopping: the job stays queued
                 self._tickets[job["id"]] = ticket
                 self._ids[ticket.id] = job["id"]
@@ -323,6 +388,14 @@ class Jobs:
         completes)."""
         if event["type"] == "step" and event["total"] > 0:
             self.store.progress(job_id, min(99, 100 * event["done"] // event["total"]))
+            job = self.store.get(job_id)
+            if job is not None and job["deleted_at"] is not None:  # deleted through a server sharing the store
+                with self._lock:
+                    ticket = self._tickets.pop(job_id, None)
+                if ticket is not None:  # cancelled once this event is handed on: listeners run under its lock
+                    self._ids.pop(ticket.id, None)
+                    threading.Thread(target=self.scheduler.cancel, args=(ticket, 499, f"video {job_id} was deleted"),
+                                     daemon=True).start()
 
     def hold(self) -> None:
         """Draining or stopping: the jobs still waiting in the scheduler leave it and stay queued in the store (they
@@ -333,6 +406,7 @@ class Jobs:
                 if self.scheduler.withdraw(ticket):
                     del self._tickets[job_id]
                     self._ids.pop(ticket.id, None)
+                    self.store.release(job_id)
 
     def _done(self, job_id: str, ticket) -> None:
         with self._lock:
