@@ -102,7 +102,7 @@ def test_job_store_keeps_jobs_across_restarts_and_expires_results_by_count(tmp_p
 def test_servers_sharing_one_store_run_each_job_once_and_take_over_a_dead_ones(tmp_path):
     """Two servers on one job store (the meshes of `paradiff serve --ray` on one node), in-process with the real
     scheduler: a job runs on the one that claimed it and never on both; either answers any job and its content;
-    a job deleted through the other is cancelled at its next step; when one dies (its store closed: its lock goes
+    a job deleted through the other is cancelled at its next step, or as its round starts; when one dies (its store closed: its lock goes
     with it), the other fails the job it was running (server_restarted) and runs the one it had claimed."""
     db = tmp_path / "jobs.db"
     schedulers = [Scheduler(max_queue=8), Scheduler(max_queue=8)]
@@ -129,6 +129,11 @@ def test_servers_sharing_one_store_run_each_job_once_and_take_over_a_dead_ones(t
     running.emit({"type": "step", "step": 1, "steps": 2, "done": 1, "total": 2})
     assert running.done.wait(timeout=60) and running.status == 499  # cancelled at the step
     assert schedulers[1].answered_running() == [item["id"]]  # rank 0 is told to stop its work
+    waiting = b.create({"prompt": "a bee", "seed": 5}, LIMITS, max_queue=8)  # claimed by b, deleted through a
+    assert a.delete(waiting["id"])  # before its round: cancelled as the round starts
+    (item,) = schedulers[1].next_round(1, 0)["batches"][0]
+    b.started([item["id"]])
+    assert schedulers[1].running(item["id"]).status == 499
     third = a.create({"prompt": "a dog", "seed": 3}, LIMITS, max_queue=8)
     fourth = a.create({"prompt": "a hare", "seed": 4}, LIMITS, max_queue=8)
     (item,) = schedulers[0].next_round(1, 0)["batches"][0]

@@ -382,6 +382,13 @@ class Jobs:
             job_id = self._ids.get(ticket_id)
             if job_id is not None:
                 self.store.started(job_id)
+                job = self.store.get(job_id)
+                if job is not None and job["deleted_at"] is not None:  # deleted through a server sharing the store
+                    with self._lock:
+                        ticket = self._tickets.pop(job_id, None)
+                        self._ids.pop(ticket_id, None)
+                    if ticket is not None:
+                        self.scheduler.cancel(ticket, 499, f"video {job_id} was deleted")
 
     def _on_event(self, job_id: str, event: dict) -> None:
         """An event of the job's scheduler ticket: a step's event is its progress (steps done of all, 0-99 until it
