@@ -102,8 +102,9 @@ def test_job_store_keeps_jobs_across_restarts_and_expires_results_by_count(tmp_p
 def test_servers_sharing_one_store_run_each_job_once_and_take_over_a_dead_ones(tmp_path):
     """Two servers on one job store (the meshes of `paradiff serve --ray` on one node), in-process with the real
     scheduler: a job runs on the one that claimed it and never on both; either answers any job and its content;
-    a job deleted through the other is cancelled at its next step, or as its round starts; when one dies (its store closed: its lock goes
-    with it), the other fails the job it was running (server_restarted) and runs the one it had claimed."""
+    a job deleted through the other is cancelled at its next step, or as its round starts; when one dies (its
+    store closed: its lock goes with it), the other fails the job it was running (server_restarted) and runs the
+    one it had claimed."""
     db = tmp_path / "jobs.db"
     schedulers = [Scheduler(max_queue=8), Scheduler(max_queue=8)]
     a, b = (Jobs(JobStore(db), tmp_path / "jobs", keep_results("10"), scheduler) for scheduler in schedulers)
