@@ -104,7 +104,7 @@ def test_servers_sharing_one_store_run_each_job_once_and_take_over_a_dead_ones(t
     scheduler: a job runs on the one that claimed it and never on both; either answers any job and its content;
     a job deleted through the other is cancelled at its next step, or as its round starts; when one dies (its
     store closed: its lock goes with it), the other fails the job it was running (server_restarted) and runs the
-    one it had claimed."""
+    one it had claimed; one that drains releases its waiting jobs to the others."""
     db = tmp_path / "jobs.db"
     schedulers = [Scheduler(max_queue=8), Scheduler(max_queue=8)]
     a, b = (Jobs(JobStore(db), tmp_path / "jobs", keep_results("10"), scheduler) for scheduler in schedulers)
@@ -148,7 +148,15 @@ def test_servers_sharing_one_store_run_each_job_once_and_take_over_a_dead_ones(t
     assert b.store.get(fourth["id"])["owner"] == b.store.owner and schedulers[1].depth()[0] == 1
     (item,) = schedulers[1].next_round(1, 0)["batches"][0]
     assert item["prompt"] == "a hare"
+    c = Jobs(JobStore(db), tmp_path / "jobs", keep_results("10"), Scheduler(max_queue=8))
+    c.ready(LIMITS)
+    held = c.create({"prompt": "an owl", "seed": 6}, LIMITS, max_queue=8)
+    assert c.store.get(held["id"])["owner"] == c.store.owner
+    c.hold()  # c drains: its waiting job is released, for the servers that go on
+    b.feed()
+    assert b.store.get(held["id"])["owner"] == b.store.owner
     b.store.close()
+    c.store.close()
 
 
 def test_forms_and_retention_flags_are_read_as_documented():

@@ -711,7 +711,10 @@ class FaultFrontend:
     """What the dispatcher tells the HTTP side about a replica's fault, recorded."""
 
     def __init__(self) -> None:
-        self.replica_states, self.closing, self.faults = {}, False, []
+        self.replica_states, self.closing, self.faults, self.jobs_looks = {}, False, [], 0
+
+    def feed_jobs(self):
+        self.jobs_looks += 1
 
     def replica_state(self, index, state):
         self.replica_states[index] = state
@@ -807,11 +810,12 @@ class CountingStore:
 
 def test_an_idle_dispatcher_waits_for_requests_instead_of_polling_the_store():
     """dp2, both replicas free: each round waits on the scheduler (a request wakes it at once) for 50 ms, not 5 ms,
-    and reads each replica's fault key once: 40 store reads a second per replica, not 200 (12 % of a core idle)."""
+    and reads each replica's fault key once: 40 store reads a second per replica, not 200 (12 % of a core idle); the
+    video jobs left unclaimed in the store are looked for once a second, not every round."""
     import os
     import socket
 
-    from paradiff.serve.dispatch import DISPATCH_IDLE_WAIT_S, Dispatcher
+    from paradiff.serve.dispatch import DISPATCH_IDLE_WAIT_S, JOBS_LOOK_S, Dispatcher
 
     store, frontend = CountingStore(), IdleFrontend()
     dispatcher = Dispatcher(store, frontend, replicas=2, size=1, timeout_s=15.0)
@@ -821,10 +825,12 @@ def test_an_idle_dispatcher_waits_for_requests_instead_of_polling_the_store():
                             "ready")
         dispatcher._look_at(replica)  # loading -> ready
     assert frontend.replica_states == {0: "ready", 1: "ready"}
-    before = store.checks
+    before, started = store.checks, time.monotonic()
     dispatcher.start()
     assert frontend.stopped.wait(timeout=60), frontend.waits
     dispatcher.stop()
+    took = time.monotonic() - started
+    assert 1 <= frontend.jobs_looks <= 1 + took / JOBS_LOOK_S, (frontend.jobs_looks, took)  # unclaimed video jobs
     rounds = len(frontend.waits)
     assert frontend.waits[:20] == [DISPATCH_IDLE_WAIT_S] * 20 and DISPATCH_IDLE_WAIT_S >= 0.05
     assert store.checks - before <= 2 * rounds + 2, (store.checks - before, rounds)  # a fault key per replica a round

@@ -197,6 +197,11 @@ class Frontend:
         self.scheduler.close(cause, keep_running=True)
 
     # -- rank 0's dispatcher ------------------------------------------------------------------------------------
+    def feed_jobs(self) -> None:
+        """Now and then (JOBS_LOOK_S): the video jobs left unclaimed in the store (a server sharing it drained, or
+        died: serve/jobs.py) are submitted here while this server takes work."""
+        self.jobs.feed()
+
     def started(self, items: list[dict]) -> None:
         """A replica was handed `items` (the dispatcher): the video jobs among them are in progress."""
         self.jobs.started([item["id"] for item in items])

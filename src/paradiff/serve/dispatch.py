@@ -29,6 +29,7 @@ DISPATCH_POLL_S = 0.005  # how often a dispatcher with a busy or loading replica
 # of an idle replica is seen up to this much later; 200 looks a second cost an idle dp2 x tp2 server 12 % of a core
 DISPATCH_IDLE_WAIT_S = 0.05
 PROCESS_CHECK_S = 0.1  # how often it looks whether the ranks' processes on this machine still run
+JOBS_LOOK_S = 1.0  # how often it looks for video jobs left in the store unclaimed (serve/jobs.py: JobStore's owners)
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Dispatcher:
                          for r in range(replicas)]
         self.failed = False
         self._checked_processes = 0.0
+        self._looked_at_jobs = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="paradiff-dispatch", daemon=True)
         frontend.replica_states = {r.index: r.state for r in self.replicas}
@@ -73,6 +75,10 @@ class Dispatcher:
                 processes = time.monotonic() > self._checked_processes + PROCESS_CHECK_S
                 if processes:
                     self._checked_processes = time.monotonic()
+                if time.monotonic() > self._looked_at_jobs + JOBS_LOOK_S:
+                    self._looked_at_jobs = time.monotonic()
+                    # video jobs no server has claimed (one sharing the store drained or died): they run here
+                    self.frontend.feed_jobs()
                 for replica in self.replicas:
                     self._look_at(replica, processes)
                 self._publish_cancellations()
