@@ -343,6 +343,26 @@ def history(wan, tmp_path_factory):
             client.videos.create(prompt="a fox", extra_body={"frames": 0})
         seen["frames 0"] = str(frames.value)
         seen["paths"] = server.client.get("/openapi.json").json()["paths"]
+        # 4. a second server on the same store (as `paradiff serve --ray` runs its meshes): it answers the first's
+        # jobs and their content, and the first answers the job it ran
+        (root / "other").mkdir()
+        other = ServerProcess(root / "other", wan["folder"], *VIDEO, "--jobs-db", str(out / "jobs.db"))
+        try:
+            other.wait_ready()
+            other_client = openai.OpenAI(base_url=other.url + "/v1", api_key="unused", max_retries=0)
+            waited = seen["killed"][1]
+            seen["shared"] = {"status": _status(other_client, waited),
+                              "content": other_client.videos.download_content(waited).read(),
+                              "own content": client.videos.download_content(waited).read()}
+            made = other_client.videos.create(prompt="a fox", size="32x32", extra_body={"seed": 3})
+            _wait("the other's job completed", lambda: _status(client, made.id) == "completed")
+            seen["shared"]["ran on"] = sqlite3.connect(out / "jobs.db").execute(
+                "SELECT owner FROM jobs WHERE id = ?", (made.id,)).fetchone()[0]
+            seen["shared"]["owners"] = sorted(path.name for path in (out / "jobs.db.owners").iterdir())
+            seen["shared"]["made mp4"] = client.videos.download_content(made.id).read()
+        finally:
+            other.stop()
+        seen["shared"]["owners after"] = sorted(path.name for path in (out / "jobs.db.owners").iterdir())
         seen["server"] = server
         yield seen
     finally:
@@ -396,6 +416,12 @@ def test_openai_videos_api_jobs_at_tp2_and_tp2_ulysses2_across_sigterm_and_kill(
     paths = history["paths"]
     assert {"/v1/videos", "/v1/videos/{video_id}", "/v1/videos/{video_id}/content"} <= set(paths)
     assert "/v1/images/generations" not in paths  # only what the pipeline serves
+    # a second server on the same store: each answers the other's jobs and content; the one it was sent to ran it
+    shared = history["shared"]
+    assert shared["status"] == "completed" and shared["content"] == shared["own content"]
+    assert len(shared["owners"]) == 2 and shared["ran on"] in shared["owners"]
+    assert shared["owners after"] == sorted(set(shared["owners"]) - {shared["ran on"]})  # the stopped one ran it
+    assert_video(shared["made mp4"], wan, "shared.mp4")  # seed 3: the fox's frames, run by the other server
     assert paths["/v1/videos"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]["properties"][
         "frames"]["maximum"] == 10  # twice --frames 5
 
