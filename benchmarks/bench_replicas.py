@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -288,6 +289,7 @@ def ray_overhead(requests: int, model: list[str], steps: int, folder: Path, ingr
         ray.shutdown()
         if haproxy:
             end_processes_of(haproxy)
+            shutil.rmtree(haproxy, ignore_errors=True)
         os.environ.clear()
         os.environ.update(environ)
         echo.kill()
