@@ -27,6 +27,7 @@ no torch.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import re
 import secrets
@@ -35,6 +36,7 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
+from functools import partial
 from typing import Any, Callable
 
 from paradiff.serve.protocol import Limits, RequestError, parse_image_request, with_seed
@@ -95,8 +97,6 @@ class JobStore:
     tell a dead owner from a live one (`orphans`)."""
 
     def __init__(self, path: Path) -> None:
-        import fcntl
-
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.owners = path.parent / (path.name + ".owners")
@@ -127,8 +127,6 @@ class JobStore:
 
     def alive(self, owner: str | None) -> bool:
         """Whether the store `owner` is open in a process that runs (on this machine: the lock is a local file's)."""
-        import fcntl
-
         if owner is None:
             return False
         if owner == self.owner:
@@ -147,11 +145,12 @@ class JobStore:
     def journal_mode(self) -> str:
         return self._run("PRAGMA journal_mode")[0][0]
 
-    def add(self, kind: str, model: str, params: dict, size: str, seconds: str) -> dict:
+    def add(self, kind: str, model: str, params: dict, size: str, seconds: str, claimed: bool = False) -> dict:
+        """A queued job; `claimed`: this owner's from the start (no other server sharing the store takes it)."""
         job_id = "video_" + secrets.token_hex(12)
-        self._run("INSERT INTO jobs (id, kind, model, params, size, seconds, status, created_at) "
-                  "VALUES (?, ?, ?, ?, ?, ?, 'queued', ?)", job_id, kind, model, json.dumps(params), size, seconds,
-                  int(time.time()))
+        self._run("INSERT INTO jobs (id, kind, model, params, size, seconds, status, created_at, owner) "
+                  "VALUES (?, ?, ?, ?, ?, ?, 'queued', ?, ?)", job_id, kind, model, json.dumps(params), size, seconds,
+                  int(time.time()), self.owner if claimed else None)
         return self.get(job_id)
 
     def get(self, job_id: str) -> dict | None:
@@ -169,9 +168,9 @@ class JobStore:
         return [_row(row) for row in rows[:limit]], len(rows) > limit
 
     def queued(self) -> list[dict]:
-        """The queued jobs no owner has claimed, in order."""
+        """The queued jobs no owner has claimed, and this owner's, in order."""
         return [_row(row) for row in self._run("SELECT * FROM jobs WHERE status = 'queued' AND deleted_at IS NULL "
-                                               "AND owner IS NULL ORDER BY seq")]
+                                               "AND (owner IS NULL OR owner = ?) ORDER BY seq", self.owner)]
 
     def claim(self, job_id: str) -> bool:
         """This owner takes a queued job to run it; False when another owner had (or it left the queue)."""
@@ -330,7 +329,9 @@ class Jobs:
             params["frames"] = request.frames
         frames = request.frames or limits.default_frames
         length = f"{frames / request.fps:g}" if frames else str(seconds or "")
-        job = self.store.add("video", limits.model_name, params, params["size"], length)
+        # this server's from the start while it takes work (it runs it, or releases it for the others)
+        job = self.store.add("video", limits.model_name, params, params["size"], length,
+                             claimed=self.limits is not None and not self._held)
         self.feed()
         return job
 
@@ -359,8 +360,9 @@ class Jobs:
         self.store.orphans(ORPHANED)  # a server sharing the store died: its jobs (below) run here
         for job in self.store.queued():
             with self._lock:
-                if job["id"] in self._tickets or self._held or not self.store.claim(job["id"]):
-                    continue  # ours already, or another server's now
+                if job["id"] in self._tickets or self._held or (job["owner"] is None
+                                                                and not self.store.claim(job["id"])):
+                    continue  # submitted already, or another server's now
                 try:
                     request = parse_image_request(job["params"], self.limits, "video")
                 except RequestError as exc:  # the server restarted with other limits
@@ -382,27 +384,32 @@ class Jobs:
             job_id = self._ids.get(ticket_id)
             if job_id is not None:
                 self.store.started(job_id)
-                job = self.store.get(job_id)
-                if job is not None and job["deleted_at"] is not None:  # deleted through a server sharing the store
-                    with self._lock:
-                        ticket = self._tickets.pop(job_id, None)
-                        self._ids.pop(ticket_id, None)
-                    if ticket is not None:
-                        self.scheduler.cancel(ticket, 499, f"video {job_id} was deleted")
+                self._cancel_if_deleted(job_id)
 
     def _on_event(self, job_id: str, event: dict) -> None:
         """An event of the job's scheduler ticket: a step's event is its progress (steps done of all, 0-99 until it
         completes)."""
         if event["type"] == "step" and event["total"] > 0:
             self.store.progress(job_id, min(99, 100 * event["done"] // event["total"]))
-            job = self.store.get(job_id)
-            if job is not None and job["deleted_at"] is not None:  # deleted through a server sharing the store
-                with self._lock:
-                    ticket = self._tickets.pop(job_id, None)
-                if ticket is not None:  # cancelled once this event is handed on: listeners run under its lock
-                    self._ids.pop(ticket.id, None)
-                    threading.Thread(target=self.scheduler.cancel, args=(ticket, 499, f"video {job_id} was deleted"),
-                                     daemon=True).start()
+            self._cancel_if_deleted(job_id, later=True)  # listeners run under the ticket's lock: cancelled after it
+
+    def _cancel_if_deleted(self, job_id: str, later: bool = False) -> None:
+        """A job deleted through a server sharing the store (its DELETE could not reach this server's ticket):
+        cancelled here, now or (`later`) from a thread of its own once the caller lets go of the ticket."""
+        job = self.store.get(job_id)
+        if job is None or job["deleted_at"] is None:
+            return
+        with self._lock:
+            ticket = self._tickets.pop(job_id, None)
+            if ticket is not None:
+                self._ids.pop(ticket.id, None)
+        if ticket is None:
+            return
+        cancel = partial(self.scheduler.cancel, ticket, 499, f"video {job_id} was deleted")
+        if later:
+            threading.Thread(target=cancel, daemon=True).start()
+        else:
+            cancel()
 
     def hold(self) -> None:
         """Draining or stopping: the jobs still waiting in the scheduler leave it and stay queued in the store (they
