@@ -1,19 +1,24 @@
-"""Asynchronous video jobs (serve/jobs.py): the SQLite store and its restart rules in-process with the real
-scheduler; then OpenAI's own client against a tiny Wan server at tp2, restarted at tp2 x ulysses2 after SIGTERM and
-at one rank after kill -9, and the web page in a real headless browser."""
+"""Asynchronous video jobs (serve/jobs.py): the store (serve/jobstore.py: a SQLite file, and a PostgreSQL server of
+the test's own where Debian's package is installed) and its restart rules in-process with the real scheduler; then
+OpenAI's own client against a tiny Wan server at tp2, restarted at tp2 x ulysses2 after SIGTERM and at one rank after
+kill -9, two servers sharing a PostgreSQL store, and the web page in a real headless browser."""
 
 from __future__ import annotations
 
 import io
 import os
 import sqlite3
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from sqlalchemy import select
 
-from paradiff.serve.jobs import Jobs, JobStore, form_fields, keep_results, video_object
+from paradiff.serve.jobs import Jobs, form_fields, keep_results, video_object
+from paradiff.serve.jobstore import OWNERS, JobStore, store_url
 from paradiff.serve.protocol import Limits, RequestError
 from paradiff.serve.scheduler import Scheduler
 from paradiff_testkit.browser import CHROMIUM, launch_chromium
@@ -36,8 +41,8 @@ def test_job_store_keeps_jobs_across_restarts_and_expires_results_by_count(tmp_p
     (listed, content 410); a deleted id says so."""
     db = tmp_path / "jobs.db"
     scheduler = Scheduler(max_queue=8)
-    jobs = Jobs(JobStore(db), tmp_path / "jobs", keep_results("2"), scheduler)
-    assert jobs.store.journal_mode() == "wal"
+    jobs = Jobs(JobStore(db), keep_results("2"), scheduler)
+    assert jobs.store.journal_mode() == "wal" and jobs.store.url == "sqlite:///" + str(db.resolve())
     jobs.ready(LIMITS)
     first = jobs.create({"prompt": "a fox", "seed": 3, "steps": 2}, LIMITS, max_queue=8)
     assert video_object(first)["status"] == "queued" and first["progress"] == 0
@@ -52,8 +57,8 @@ def test_job_store_keeps_jobs_across_restarts_and_expires_results_by_count(tmp_p
     scheduler.complete(item["id"], 200, _files(b"1"))
     done = jobs.known(first["id"])
     assert done["status"] == "completed" and done["progress"] == 100
-    path, mime = jobs.content(first["id"], "thumbnail")
-    assert path.read_bytes() == b"png1" and mime == "image/png"
+    assert jobs.content(first["id"], "thumbnail") == (b"png1", "image/png")
+    assert [(file["variant"], file["bytes"]) for file in done["files"]] == [("video", 4), ("thumbnail", 4)]
     round_ = scheduler.next_round(1, 0)  # the second job runs; the third waits
     jobs.started([round_["batches"][0][0]["id"]])
     jobs.hold()  # SIGTERM: the third leaves the scheduler, still queued
@@ -61,7 +66,7 @@ def test_job_store_keeps_jobs_across_restarts_and_expires_results_by_count(tmp_p
     jobs.store.close()  # killed here, the second job still running
 
     scheduler = Scheduler(max_queue=8)
-    jobs = Jobs(JobStore(db), tmp_path / "jobs", keep_results("2"), scheduler)
+    jobs = Jobs(JobStore(db), keep_results("2"), scheduler)
     assert jobs.interrupted == [second["id"]]
     failed = video_object(jobs.known(second["id"]))
     assert failed["status"] == "failed" and failed["error"]["code"] == "server_restarted"
@@ -76,12 +81,12 @@ def test_job_store_keeps_jobs_across_restarts_and_expires_results_by_count(tmp_p
     with pytest.raises(RequestError) as expired:  # three results, --keep-results 2: the oldest went
         jobs.content(first["id"], "video")
     assert expired.value.status == 410 and "expired" in str(expired.value)
-    assert not (tmp_path / "jobs" / first["id"]).exists() and jobs.known(first["id"])["expires_at"] is not None
+    assert jobs.store.result(first["id"], "video") is None and jobs.known(first["id"])["expires_at"] is not None
     page, more = jobs.store.page(None, 2, "desc")
     assert [job["id"] for job in page] == [fourth["id"], third["id"]] and more
     page, more = jobs.store.page(third["id"], 2, "desc")
     assert [job["id"] for job in page] == [second["id"], first["id"]] and not more
-    assert jobs.delete(fourth["id"])
+    assert jobs.delete(fourth["id"]) and jobs.store.result(fourth["id"], "video") is None  # its files went
     with pytest.raises(RequestError, match="was deleted"):
         jobs.known(fourth["id"])
     waiting = jobs.create({"prompt": "a hare"}, LIMITS, max_queue=8)
@@ -99,15 +104,31 @@ def test_job_store_keeps_jobs_across_restarts_and_expires_results_by_count(tmp_p
     jobs.store.close()
 
 
-def test_servers_sharing_one_store_run_each_job_once_and_take_over_a_dead_ones(tmp_path):
-    """Two servers on one job store (the meshes of `paradiff serve --ray` on one node), in-process with the real
-    scheduler: a job runs on the one that claimed it and never on both; either answers any job and its content;
-    a job deleted through the other is cancelled at its next step, or as its round starts; when one dies (its
-    store closed: its lock goes with it), the other fails the job it was running (server_restarted) and runs the
-    one it had claimed; one that drains releases its waiting jobs to the others."""
-    db = tmp_path / "jobs.db"
+@pytest.fixture(scope="module")
+def postgres():
+    """A PostgreSQL server of this module's own: yields a function that makes a fresh database on it (its URL)."""
+    from paradiff_testkit.postgres import binaries, new_database, postgres_server
+
+    if binaries() is None:
+        pytest.skip("PostgreSQL is not installed (Debian: apt-get install postgresql; .ci/run installs it)")
+    with postgres_server() as url:
+        yield lambda: new_database(url)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request, tmp_path) -> str:
+    """Where a test's servers keep their jobs: a SQLite file, or a database of the module's PostgreSQL server."""
+    return str(tmp_path / "jobs.db") if request.param == "sqlite" else request.getfixturevalue("postgres")()
+
+
+def test_servers_sharing_one_store_run_each_job_once_and_take_over_a_dead_ones(store):
+    """Two servers on one job store (the meshes of `paradiff serve --ray`), in-process with the real scheduler, on a
+    SQLite file and on PostgreSQL: a job runs on the one that claimed it and never on both; either answers any job
+    and its content; a job deleted through the other is cancelled at its next step, or as its round starts; when
+    one dies (its store closed: its owner row goes with it), the other fails the job it was running
+    (server_restarted) and runs the one it had claimed; one that drains releases its waiting jobs to the others."""
     schedulers = [Scheduler(max_queue=8), Scheduler(max_queue=8)]
-    a, b = (Jobs(JobStore(db), tmp_path / "jobs", keep_results("10"), scheduler) for scheduler in schedulers)
+    a, b = (Jobs(JobStore(store), keep_results("10"), scheduler) for scheduler in schedulers)
     a.ready(LIMITS)
     b.ready(LIMITS)
     first = a.create({"prompt": "a fox", "seed": 1}, LIMITS, max_queue=8)  # claimed by a as it is queued
@@ -120,8 +141,7 @@ def test_servers_sharing_one_store_run_each_job_once_and_take_over_a_dead_ones(t
     a.started([item["id"]])
     schedulers[0].complete(item["id"], 200, _files(b"1"))
     assert b.known(first["id"])["status"] == "completed"
-    path, _ = b.content(first["id"], "video")
-    assert path.read_bytes() == b"mp41"
+    assert b.content(first["id"], "video") == (b"mp41", "video/mp4")
     (item,) = schedulers[1].next_round(1, 0)["batches"][0]
     b.started([item["id"]])
     running = schedulers[1].running(item["id"])
@@ -148,7 +168,7 @@ def test_servers_sharing_one_store_run_each_job_once_and_take_over_a_dead_ones(t
     assert b.store.get(fourth["id"])["owner"] == b.store.owner and schedulers[1].depth()[0] == 1
     (item,) = schedulers[1].next_round(1, 0)["batches"][0]
     assert item["prompt"] == "a hare"
-    c = Jobs(JobStore(db), tmp_path / "jobs", keep_results("10"), Scheduler(max_queue=8))
+    c = Jobs(JobStore(store), keep_results("10"), Scheduler(max_queue=8))
     c.ready(LIMITS)
     held = c.create({"prompt": "an owl", "seed": 6}, LIMITS, max_queue=8)
     assert c.store.get(held["id"])["owner"] == c.store.owner
@@ -157,6 +177,114 @@ def test_servers_sharing_one_store_run_each_job_once_and_take_over_a_dead_ones(t
     assert b.store.get(held["id"])["owner"] == b.store.owner
     b.store.close()
     c.store.close()
+
+
+def test_an_owner_on_another_machine_is_dead_once_its_counter_stands_still_for_the_lease(store):
+    """Owners on other machines (another `host`) are judged by their counter alone, on the observer's own clock (a
+    clock of the test's: no sleeps): alive while it moves, dead once it stood still for the lease, and then their
+    running job fails and their claimed one is released; the beating thread raises the counter by itself."""
+    now = [0.0]
+    a = JobStore(store, beat_s=None, host="node-a")
+    b = JobStore(store, beat_s=None, host="node-b", lease_s=20, clock=lambda: now[0])
+    running = a.add("video", "wan", {"prompt": "a fox"}, "32x32", "1", claimed=True)
+    a.started(running["id"])
+    claimed = a.add("video", "wan", {"prompt": "a cat"}, "32x32", "1", claimed=True)
+    assert b.alive(a.owner)  # first seen
+    now[0] = 19.5
+    assert b.alive(a.owner) and b.orphans("gone") == []
+    a.beat()
+    now[0] = 39.0
+    assert b.alive(a.owner)  # it moved: seen at 39
+    now[0] = 58.5
+    assert b.alive(a.owner)
+    now[0] = 59.5
+    assert not b.alive(a.owner) and a.owner not in b.owners()  # still for 20.5 s: dead, its row gone
+    assert b.orphans("gone") == [running["id"]] and b.get(running["id"])["error"]["code"] == "server_restarted"
+    assert b.get(claimed["id"])["owner"] is None and b.claim(claimed["id"])
+    beating = JobStore(store, beat_s=0.01)
+    deadline = time.monotonic() + 60
+    while _beats(b, beating.owner) < 2:
+        assert time.monotonic() < deadline, "the owner's counter did not rise"
+        time.sleep(0.01)
+    for store_ in (a, b, beating):
+        store_.close()
+
+
+def test_an_owner_killed_on_this_machine_is_dead_at_once(tmp_path, store):
+    """An owner's process killed with kill -9 (and not yet reaped: a zombie) is dead at once for an owner on the same
+    machine: its running job fails, its claimed one goes back to the queue."""
+    b = JobStore(store, beat_s=None)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, store], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    running, claimed, owner = child.stdout.readline().split()  # its jobs are in the store
+    assert b.alive(owner)
+    child.kill()
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{child.pid}/stat").read_text().split(") ")[1][0] != "Z":  # the kill landed; not reaped
+        assert time.monotonic() < deadline, "the child did not die"
+        time.sleep(0.01)
+    assert not b.alive(owner)
+    assert b.orphans("gone") == [running] and b.get(claimed)["owner"] is None
+    child.wait()
+    b.close()
+
+
+def _beats(store_: JobStore, owner: str) -> int:
+    with store_.engine.connect() as connection:
+        return connection.execute(select(OWNERS.c.beat).where(OWNERS.c.owner == owner)).scalar()
+
+
+CHILD = """
+import sys, time
+from paradiff.serve.jobstore import JobStore
+store = JobStore(sys.argv[1])
+running = store.add("video", "wan", {"prompt": "a fox"}, "32x32", "1", claimed=True)["id"]
+store.started(running)
+claimed = store.add("video", "wan", {"prompt": "a cat"}, "32x32", "1", claimed=True)["id"]
+print(running, claimed, store.owner, flush=True)
+time.sleep(600)
+"""
+
+
+def test_store_urls_and_byte_ranges():
+    """--jobs-db: a path is a SQLite file's absolute URL, libpq's postgresql:// goes through psycopg 3, another
+    database is refused by name (without printing a password); a result's bytes answer a browser's Range header."""
+    from paradiff.serve.app import byte_range
+    from paradiff.serve.jobstore import shown
+
+    assert store_url("out/jobs.db") == "sqlite:///" + str(Path("out/jobs.db").resolve())
+    assert store_url("postgresql://u:pw@db.example:5432/jobs") == "postgresql+psycopg://u:pw@db.example:5432/jobs"
+    assert store_url("postgres://u@db/jobs") == "postgresql+psycopg://u@db/jobs"
+    assert shown("postgresql://u:secret@db/jobs") == "postgresql://u:***@db/jobs"
+    with pytest.raises(ValueError, match="mysql databases are not supported") as refused:
+        store_url("mysql://u:secret@db/jobs")
+    assert "secret" not in str(refused.value)
+    data = bytes(range(10))
+    whole = byte_range(data, "video/mp4", None)
+    assert (whole.status_code, whole.body, whole.headers["accept-ranges"]) == (200, data, "bytes")
+    part = byte_range(data, "video/mp4", "bytes=2-4")
+    assert (part.status_code, part.body, part.headers["content-range"]) == (206, data[2:5], "bytes 2-4/10")
+    assert byte_range(data, "video/mp4", "bytes=7-").body == data[7:]
+    assert byte_range(data, "video/mp4", "bytes=-3").body == data[7:]
+    assert byte_range(data, "video/mp4", "bytes=5-99").headers["content-range"] == "bytes 5-9/10"
+    outside = byte_range(data, "video/mp4", "bytes=10-")
+    assert (outside.status_code, outside.headers["content-range"]) == (416, "bytes */10")
+    assert byte_range(data, "video/mp4", "bytes=0-1,4-5").status_code == 200  # several: the whole file
+
+
+def test_a_job_store_that_cannot_be_opened_is_refused_in_one_line(capsys, tmp_path):
+    """`paradiff serve --jobs-db` that names another database, a server that does not answer, or a file that cannot
+    be written: one line naming the flag (never the password), before any rank starts."""
+    from paradiff.cli import main
+
+    (tmp_path / "file").write_text("")
+    for where, said in [("mysql://u:secret@db/jobs", "mysql databases are not supported"),
+                        ("postgresql://u:secret@127.0.0.1:1/jobs", "cannot open the job store (connection"),
+                        (str(tmp_path / "file" / "jobs.db"), "cannot open the job store")]:
+        assert main(["serve", "--jobs-db", where, "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "--jobs-db" in err and "secret" not in err and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) == 1, err
 
 
 def test_forms_and_retention_flags_are_read_as_documented():
@@ -220,6 +348,11 @@ def _status(client, video_id: str) -> str:
 def _states(db: Path) -> dict[str, str]:
     with sqlite3.connect(db) as connection:
         return dict(connection.execute("SELECT id, status FROM jobs WHERE deleted_at IS NULL"))
+
+
+def _owners(db: Path) -> list[str]:
+    with sqlite3.connect(db) as connection:
+        return sorted(row[0] for row in connection.execute("SELECT owner FROM job_owners"))
 
 
 @pytest.fixture(scope="module")
@@ -358,15 +491,48 @@ def history(wan, tmp_path_factory):
             _wait("the other's job completed", lambda: _status(client, made.id) == "completed")
             seen["shared"]["ran on"] = sqlite3.connect(out / "jobs.db").execute(
                 "SELECT owner FROM jobs WHERE id = ?", (made.id,)).fetchone()[0]
-            seen["shared"]["owners"] = sorted(path.name for path in (out / "jobs.db.owners").iterdir())
+            seen["shared"]["owners"] = _owners(out / "jobs.db")
             seen["shared"]["made mp4"] = client.videos.download_content(made.id).read()
         finally:
             other.stop()
-        seen["shared"]["owners after"] = sorted(path.name for path in (out / "jobs.db.owners").iterdir())
+        seen["shared"]["owners after"] = _owners(out / "jobs.db")
         seen["server"] = server
         yield seen
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_servers_on_two_machines_share_jobs_through_postgresql(wan, postgres, tmp_path):
+    """Two real servers with folders of their own (as on two machines: nothing on disk shared) on one PostgreSQL
+    database: a job created through one runs there and is answered by the other, its MP4 (the frames diffusers
+    draws for its seed) downloaded through the other, whole and as a byte range (a browser's video player seeks so)."""
+    import openai
+
+    from paradiff_testkit.serve import ServerProcess
+
+    url = postgres()
+    servers = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        servers.append(ServerProcess(tmp_path / name, wan["folder"], *VIDEO, "--jobs-db", url))
+    try:
+        for server in servers:
+            server.wait_ready()
+        a, b = (openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) for server in servers)
+        made = a.videos.create(prompt="a fox", size="32x32", extra_body={"seed": 3})
+        _wait("the job completed", lambda: _status(b, made.id) == "completed")
+        mp4 = b.videos.download_content(made.id).read()
+        assert_video(mp4, wan, "answered by the other server")
+        assert a.videos.download_content(made.id).read() == mp4
+        part = servers[1].client.get(f"/v1/videos/{made.id}/content", headers={"Range": "bytes=10-99"})
+        assert (part.status_code, part.content, part.headers["content-range"]) == (206, mp4[10:100],
+                                                                                   f"bytes 10-99/{len(mp4)}")
+        assert [video.id for video in b.videos.list()] == [made.id]
+        assert not any((tmp_path / name / "serve" / "jobs.db").exists() for name in ("a", "b"))
+    finally:
+        for server in servers:
+            server.stop()
 
 
 @pytest.mark.slow

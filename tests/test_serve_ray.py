@@ -7,6 +7,7 @@ import importlib.util
 import itertools
 import os
 import signal
+import sqlite3
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -195,8 +196,9 @@ def test_haproxy_ingress_through_the_command(tmp_path):
         # the mesh's video jobs in the command's store, shared by every mesh (its frontend opened it)
         words = Path(f"/proc/{mesh['ranks'][0]}/cmdline").read_bytes().split(b"\0")
         store = tmp_path / "out" / "jobs.db"
-        assert words[words.index(b"--jobs-db") + 1] == str(store).encode() and store.exists()
-        assert len(list((tmp_path / "out" / "jobs.db.owners").iterdir())) == 1  # one server holds it: the mesh
+        assert words[words.index(b"--jobs-db") + 1] == f"sqlite:///{store}".encode() and store.exists()
+        with sqlite3.connect(store) as connection:  # one server has it open: the mesh
+            assert connection.execute("SELECT COUNT(*) FROM job_owners").fetchone()[0] == 1
         before = len(said)
         os.killpg(server.pid, signal.SIGINT)
         assert server.wait(timeout=120) == 0, said

@@ -271,11 +271,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "distinct adapters in one pipeline call")
     serve.add_argument("--max-lora-rank", type=_positive, default=64, help="the largest adapter rank served")
     serve.add_argument("--out", default="out/serve",
-                       help="the server's folder: requests.jsonl, one line per answered request; jobs.db and "
-                            "jobs/<id>/, the video jobs and their files (no request names a path)")
-    serve.add_argument("--jobs-db", default=None, metavar="PATH",
-                       help="the SQLite file of the asynchronous video jobs (default: jobs.db in --out); it survives "
-                            "restarts (docs/serve.md)")
+                       help="the server's folder: requests.jsonl, one line per answered request; jobs.db, the video "
+                            "jobs and their files (no request names a path)")
+    serve.add_argument("--jobs-db", default=None, metavar="PATH|URL",
+                       help="the store of the asynchronous video jobs and their results: a SQLite file (default: "
+                            "jobs.db in --out) or a database URL, postgresql://user@host/db, which servers on several "
+                            "machines share (the password from PGPASSWORD or ~/.pgpass); it survives restarts "
+                            "(docs/serve.md)")
     serve.add_argument("--keep-results", default="100", metavar="N|AGE",
                        help="how long finished jobs' files are kept: a count of the newest (default 100) or an age "
                             "(30m, 12h, 7d); an expired job stays listed, its content answers 410")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sqlite3
 from typing import TYPE_CHECKING, Any, Callable
 
 from paradiff.cli.args import CliError
@@ -44,12 +43,21 @@ def check_serve_args(args: argparse.Namespace) -> None:
             "use it")
     if "RANK" not in os.environ:  # the launcher, before its workers start
         from paradiff.serve.jobs import open_store
+        from paradiff.serve.jobstore import shown, store_url
 
         try:
+            store_url(settings.jobs_where)
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
+        try:
             open_store(settings).close()
-        except (OSError, sqlite3.Error) as exc:
-            raise CliError(f"--jobs-db {settings.jobs_path}: cannot open it as a SQLite database ({exc}); give a "
-                           "writable file path") from None
+        except ModuleNotFoundError as exc:  # the database's driver
+            raise CliError(f"--jobs-db {shown(settings.jobs_where)}: its driver {exc.name} is not installed; "
+                           "pip install 'paradiff[postgres]'") from None
+        except Exception as exc:  # noqa: BLE001 - SQLAlchemy's and the driver's errors, OSError: one line, no trace
+            reason = " ".join(str(getattr(exc, "orig", None) or exc).split())
+            raise CliError(f"--jobs-db {shown(settings.jobs_where)}: cannot open the job store ({reason}); give a "
+                           "writable file path or a database URL the server can reach") from None
         from paradiff.serve.app import check_listen_address
 
         problem = check_listen_address(settings.host, settings.port)
@@ -138,6 +146,7 @@ def run_ray_serve(args: argparse.Namespace, argv: list[str]) -> int:
     if importlib.util.find_spec("ray") is None:
         raise CliError("--ray needs Ray Serve: pip install 'paradiff[ray]'")
     from paradiff.cli.args import world_size_of
+    from paradiff.serve.jobstore import store_url
     from paradiff.serve.ray import check_ingress, run
 
     settings = settings_of(args)
@@ -146,8 +155,9 @@ def run_ray_serve(args: argparse.Namespace, argv: list[str]) -> int:
     except ValueError as exc:
         raise CliError(str(exc)) from None
     # one job store for every mesh (each runs the jobs it claims; any answers any job id): this command's
-    # (`--jobs-db`, else --out's jobs.db), as an absolute path, since Ray starts the meshes in folders of its own
-    jobs = ["--jobs-db", str(settings.jobs_path.resolve())]
+    # (`--jobs-db`, else --out's jobs.db), as a URL (a file's absolute path: Ray starts the meshes in folders of their
+    # own)
+    jobs = ["--jobs-db", store_url(settings.jobs_where)]
     return run(mesh_argv(argv) + jobs, world_size_of(args), settings.ray_replicas, settings.ray_route, settings.host,
                settings.port, settings.ray_address, settings.ray_ingress)
 

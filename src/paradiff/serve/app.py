@@ -29,6 +29,7 @@ import dataclasses
 import hmac
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
@@ -98,9 +99,7 @@ class Frontend:
         self.loaded_at = int(time.time())  # the pipeline's load time: /v1/models' `created`
         self.replicas = 1
         self.progress = ProgressRouter(self._step_progress, self._preview)  # step events and previews (stream.py)
-        # the results beside the store's file (`--out`'s jobs/ by default): servers sharing one store share them
-        self.jobs = Jobs(open_store(settings), settings.jobs_path.parent / "jobs", keep_results(settings.keep_results),
-                         self.scheduler)
+        self.jobs = Jobs(open_store(settings), keep_results(settings.keep_results), self.scheduler)
         self.adapters = adapter_registry(settings)  # per-request adapters (serve/adapters.py), or None
 
     # -- lifetime -----------------------------------------------------------------------------------------------
@@ -438,6 +437,25 @@ def _error(status: int, message: str, param: str | None = None, code: str | None
     return status, error_body(status, message, param, code)
 
 
+def byte_range(data: bytes, mime: str, header: str | None) -> Response:
+    """A result's bytes as a file is served: whole (200, Accept-Ranges), or the one range a `Range: bytes=A-B` header
+    asks for (206; 416 for a range outside them), which a browser's video player sends to seek."""
+    size = len(data)
+    whole = {"accept-ranges": "bytes"}
+    match = re.fullmatch(r"\s*bytes=(\d*)-(\d*)\s*", header or "")
+    if not match or match.groups() == ("", ""):
+        return Response(data, media_type=mime, headers=whole)  # none, or several ranges: the whole file (RFC 9110)
+    first, last = match.groups()
+    if first == "":  # the last N bytes
+        start, end = max(0, size - int(last)), size - 1
+    else:
+        start, end = int(first), min(size - 1, int(last)) if last else size - 1
+    if start >= size or start > end:
+        return Response(status_code=416, headers={**whole, "content-range": f"bytes */{size}"})
+    return Response(data[start:end + 1], status_code=206, media_type=mime,
+                    headers={**whole, "content-range": f"bytes {start}-{end}/{size}"})
+
+
 def _endpoint(kind: str) -> str:
     return ENDPOINTS[kind]
 
@@ -609,10 +627,10 @@ def build_app(frontend: Frontend) -> FastAPI:
         return job_call("GET /v1/videos/{id}", lambda: video_object(frontend.jobs.known(video_id)))
 
     @app.get("/v1/videos/{video_id}/content")
-    async def video_content(video_id: str, variant: str = "video"):
+    async def video_content(request: Request, video_id: str, variant: str = "video"):
         def content():
-            path, mime = frontend.jobs.content(video_id, variant)
-            return FileResponse(path, media_type=mime)
+            data, mime = frontend.jobs.content(video_id, variant)
+            return byte_range(data, mime, request.headers.get("range"))
 
         return job_call("GET /v1/videos/{id}/content", content)
 

@@ -1,4 +1,4 @@
-"""Asynchronous video jobs of `paradiff serve` (OpenAI's /v1/videos) and the SQLite file that keeps them.
+"""Asynchronous video jobs of `paradiff serve` (OpenAI's /v1/videos), kept in a job store (serve/jobstore.py).
 
     POST   /v1/videos                 create a job (multipart/form-data as OpenAI's client sends it, or JSON): answered
                                       at once with the Video object, status "queued", progress 0
@@ -7,9 +7,9 @@
     GET    /v1/videos/{id}/content    the MP4 (variant=video), its first frame as PNG (variant=thumbnail)
     DELETE /v1/videos/{id}            cancel (a running job stops at the next denoising step) and delete
 
-The store (JobStore) is one SQLite file in WAL mode, `--jobs-db` (default `<--out>/jobs.db`): every job's parameters,
-state, progress, error and where its result files are (under `jobs/<id>/` beside the file; several servers may share
-both: JobStore's owners). It survives restarts:
+The store, `--jobs-db` (a SQLite file, by default `<--out>/jobs.db`, or a database server's URL), keeps every job's
+parameters, state, progress, error and result files; several servers may share it (JobStore's owners). It survives
+restarts:
 - a job still queued when the server stopped (SIGTERM drains the running job and leaves the queued ones queued; a
   fault that stops the server does the same) runs when the server is ready again;
 - a job that was running when the server died (kill -9, a machine lost) is marked failed, code "server_restarted",
@@ -27,18 +27,13 @@ no torch.
 
 from __future__ import annotations
 
-import fcntl
-import json
 import re
-import secrets
-import shutil
-import sqlite3
 import threading
 import time
-from pathlib import Path
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
+from paradiff.serve.jobstore import JobStore
 from paradiff.serve.protocol import Limits, RequestError, parse_image_request, with_seed
 
 STATES = ("queued", "in_progress", "completed", "failed")
@@ -52,30 +47,6 @@ OPENAI_ONLY = ("seconds", "input_reference")
 INTEGER_FIELDS = ("n", "seed", "steps", "frames", "fps")
 NUMBER_FIELDS = ("guidance", "true_cfg_scale", "seconds")
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    id TEXT UNIQUE NOT NULL,
-    kind TEXT NOT NULL,
-    model TEXT NOT NULL,
-    params TEXT NOT NULL,
-    size TEXT NOT NULL,
-    seconds TEXT NOT NULL,
-    status TEXT NOT NULL,
-    progress INTEGER NOT NULL DEFAULT 0,
-    created_at INTEGER NOT NULL,
-    started_at REAL,
-    completed_at INTEGER,
-    error TEXT,
-    files TEXT,
-    expires_at INTEGER,
-    expired INTEGER NOT NULL DEFAULT 0,
-    deleted_at INTEGER,
-    owner TEXT
-)
-"""
-
-
 def keep_results(text: str) -> tuple[str, float]:
     """--keep-results: ("count", N) for a plain number, ("age", seconds) for N followed by s, m, h or d."""
     match = re.fullmatch(r"\s*(\d+)\s*([smhd]?)\s*", str(text))
@@ -86,170 +57,9 @@ def keep_results(text: str) -> tuple[str, float]:
     return ("age", float(number * AGES[unit])) if unit else ("count", float(number))
 
 
-class JobStore:
-    """The jobs in one SQLite file (WAL), shared by the HTTP thread and rank 0's loop: one connection, one lock,
-    each method one short transaction.
-
-    Several servers may share the file (the meshes of `paradiff serve --ray` on one node, each a server of its own):
-    each store is an owner (`owner`, a random id) that claims a queued job before it submits it (one UPDATE, so two
-    owners never run one job) and holds an exclusive lock on a file of its own, `<file>.owners/<owner>`, for as long
-    as it is open: the operating system drops it when the process dies, however it dies, which is how the others
-    tell a dead owner from a live one (`orphans`)."""
-
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
-        self.owners = path.parent / (path.name + ".owners")
-        self.owners.mkdir(exist_ok=True)
-        self.owner = secrets.token_hex(8)
-        self._held = open(self.owners / self.owner, "w")  # noqa: SIM115 - held until close()
-        fcntl.flock(self._held, fcntl.LOCK_EX)
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self._db.row_factory = sqlite3.Row
-        self._lock = threading.Lock()
-        with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")  # WAL: a committed job survives a kill of the process
-            self._db.execute(SCHEMA)
-            columns = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
-            if "owner" not in columns:  # a file of a version before owners: its jobs have none
-                self._db.execute("ALTER TABLE jobs ADD COLUMN owner TEXT")
-
-    def _run(self, sql: str, *values: Any) -> list[sqlite3.Row]:
-        with self._lock:
-            return self._db.execute(sql, values).fetchall()
-
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
-        self._held.close()  # the lock goes with it: this owner is gone
-        (self.owners / self.owner).unlink(missing_ok=True)
-
-    def alive(self, owner: str | None) -> bool:
-        """Whether the store `owner` is open in a process that runs (on this machine: the lock is a local file's)."""
-        if owner is None:
-            return False
-        if owner == self.owner:
-            return True
-        try:
-            with open(self.owners / owner, "a") as held:
-                try:
-                    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    return True
-                (self.owners / owner).unlink(missing_ok=True)  # its process died with it open: nothing holds it
-                return False
-        except (OSError, ValueError):
-            return False
-
-    def journal_mode(self) -> str:
-        return self._run("PRAGMA journal_mode")[0][0]
-
-    def add(self, kind: str, model: str, params: dict, size: str, seconds: str, claimed: bool = False) -> dict:
-        """A queued job; `claimed`: this owner's from the start (no other server sharing the store takes it)."""
-        job_id = "video_" + secrets.token_hex(12)
-        self._run("INSERT INTO jobs (id, kind, model, params, size, seconds, status, created_at, owner) "
-                  "VALUES (?, ?, ?, ?, ?, ?, 'queued', ?, ?)", job_id, kind, model, json.dumps(params), size, seconds,
-                  int(time.time()), self.owner if claimed else None)
-        return self.get(job_id)
-
-    def get(self, job_id: str) -> dict | None:
-        rows = self._run("SELECT * FROM jobs WHERE id = ?", job_id)
-        return _row(rows[0]) if rows else None
-
-    def page(self, after: str | None, limit: int, order: str) -> tuple[list[dict], bool]:
-        """Jobs not deleted, `order` "desc" (newest first) or "asc", after the job `after`; and whether more follow."""
-        sign, direction = ("<", "DESC") if order == "desc" else (">", "ASC")
-        where, values = "deleted_at IS NULL", []
-        if after is not None:
-            where += f" AND seq {sign} (SELECT seq FROM jobs WHERE id = ?)"
-            values.append(after)
-        rows = self._run(f"SELECT * FROM jobs WHERE {where} ORDER BY seq {direction} LIMIT ?", *values, limit + 1)
-        return [_row(row) for row in rows[:limit]], len(rows) > limit
-
-    def queued(self) -> list[dict]:
-        """The queued jobs no owner has claimed, and this owner's, in order."""
-        return [_row(row) for row in self._run("SELECT * FROM jobs WHERE status = 'queued' AND deleted_at IS NULL "
-                                               "AND (owner IS NULL OR owner = ?) ORDER BY seq", self.owner)]
-
-    def claim(self, job_id: str) -> bool:
-        """This owner takes a queued job to run it; False when another owner had (or it left the queue)."""
-        with self._lock:
-            return self._db.execute("UPDATE jobs SET owner = ? WHERE id = ? AND status = 'queued' AND owner IS NULL "
-                                    "AND deleted_at IS NULL", (self.owner, job_id)).rowcount == 1
-
-    def release(self, job_id: str) -> None:
-        """A claimed job this owner will not run now (draining, or its scheduler is full): queued for any owner."""
-        self._run("UPDATE jobs SET owner = NULL WHERE id = ? AND owner = ? AND status = 'queued'", job_id, self.owner)
-
-    def count_queued(self) -> int:
-        return self._run("SELECT COUNT(*) FROM jobs WHERE status = 'queued' AND deleted_at IS NULL")[0][0]
-
-    def started(self, job_id: str) -> None:
-        self._run("UPDATE jobs SET status = 'in_progress', started_at = ? WHERE id = ? AND status = 'queued'",
-                  time.time(), job_id)
-
-    def progress(self, job_id: str, percent: int) -> None:
-        self._run("UPDATE jobs SET progress = ? WHERE id = ? AND status = 'in_progress' AND progress < ?",
-                  percent, job_id, percent)
-
-    def completed(self, job_id: str, files: list[dict], expires_at: int | None) -> None:
-        self._run("UPDATE jobs SET status = 'completed', progress = 100, completed_at = ?, files = ?, expires_at = ? "
-                  "WHERE id = ? AND deleted_at IS NULL", int(time.time()), json.dumps(files), expires_at, job_id)
-
-    def failed(self, job_id: str, code: str, message: str) -> None:
-        self._run("UPDATE jobs SET status = 'failed', completed_at = ?, error = ? WHERE id = ? AND deleted_at IS NULL",
-                  int(time.time()), json.dumps({"code": code, "message": message}), job_id)
-
-    def deleted(self, job_id: str) -> None:
-        self._run("UPDATE jobs SET deleted_at = ?, files = NULL WHERE id = ?", int(time.time()), job_id)
-
-    def orphans(self, message: str) -> list[str]:
-        """The jobs of owners that died: those that were running are marked failed (code "server_restarted": a job
-        that killed its server would kill the next one too), those claimed but not started are queued again for any
-        owner. Returns the failed ones' ids."""
-        rows = self._run("SELECT id, status, owner FROM jobs WHERE deleted_at IS NULL AND (status = 'in_progress' OR "
-                         "(status = 'queued' AND owner IS NOT NULL))")
-        alive: dict[str | None, bool] = {}
-        failed = []
-        for row in rows:
-            if row["owner"] not in alive:
-                alive[row["owner"]] = self.alive(row["owner"])
-            if alive[row["owner"]]:
-                continue
-            if row["status"] == "in_progress":
-                self.failed(row["id"], "server_restarted", message)
-                failed.append(row["id"])
-            else:
-                self._run("UPDATE jobs SET owner = NULL WHERE id = ? AND owner = ?", row["id"], row["owner"])
-        return failed
-
-    def expire(self, policy: tuple[str, float], now: float) -> list[dict]:
-        """Mark the completed results past the retention policy expired; returns them (their files go)."""
-        kind, value = policy
-        if kind == "count":
-            rows = self._run("SELECT * FROM jobs WHERE status = 'completed' AND expired = 0 AND deleted_at IS NULL "
-                             "ORDER BY completed_at DESC, seq DESC LIMIT -1 OFFSET ?", int(value))
-        else:
-            rows = self._run("SELECT * FROM jobs WHERE status = 'completed' AND expired = 0 AND deleted_at IS NULL "
-                             "AND completed_at <= ?", now - value)
-        for row in rows:
-            self._run("UPDATE jobs SET expired = 1, expires_at = ? WHERE id = ?",
-                      min(int(now), row["expires_at"] or int(now)), row["id"])
-        return [_row(row) for row in rows]
-
-
 def open_store(settings) -> JobStore:
-    """The store a server's settings name (serve/settings.py: ServeSettings.jobs_path): jobs_db, or jobs.db in out."""
-    return JobStore(settings.jobs_path)
-
-
-def _row(row: sqlite3.Row) -> dict:
-    job = dict(row)
-    job["params"] = json.loads(job["params"])
-    job["error"] = json.loads(job["error"]) if job["error"] else None
-    job["files"] = json.loads(job["files"]) if job["files"] else []
-    return job
+    """The store a server's settings name (serve/settings.py: ServeSettings.jobs_db): a file or a database URL."""
+    return JobStore(settings.jobs_where)
 
 
 def video_object(job: dict) -> dict:
@@ -288,11 +98,10 @@ def _number_text(name: str, value: str) -> Any:
 
 
 class Jobs:
-    """The jobs of one server: the store, their result files under `folder`, and their scheduler tickets."""
+    """The jobs of one server: the store and their scheduler tickets."""
 
-    def __init__(self, store: JobStore, folder: Path, policy: tuple[str, float], scheduler,
-                 on_done: Callable | None = None) -> None:
-        self.store, self.folder, self.policy, self.scheduler = store, folder, policy, scheduler
+    def __init__(self, store: JobStore, policy: tuple[str, float], scheduler) -> None:
+        self.store, self.policy, self.scheduler = store, policy, scheduler
         self.limits: Limits | None = None
         self._lock = threading.RLock()
         self._tickets: dict[str, Any] = {}  # video id -> its scheduler Job while it is submitted
@@ -345,7 +154,6 @@ class Jobs:
         self.store.deleted(job_id)  # first: the ticket's answer below changes nothing any more
         if ticket is not None:
             self.scheduler.cancel(ticket, 499, f"video {job_id} was deleted")
-        shutil.rmtree(self.folder / job_id, ignore_errors=True)
         return True
 
     # -- rank 0's side ------------------------------------------------------------------------------------------
@@ -390,8 +198,8 @@ class Jobs:
         """An event of the job's scheduler ticket: a step's event is its progress (steps done of all, 0-99 until it
         completes)."""
         if event["type"] == "step" and event["total"] > 0:
-            self.store.progress(job_id, min(99, 100 * event["done"] // event["total"]))
-            self._cancel_if_deleted(job_id, later=True)  # listeners run under the ticket's lock: cancelled after it
+            if not self.store.progress(job_id, min(99, 100 * event["done"] // event["total"])):
+                self._cancel_if_deleted(job_id, later=True)  # listeners run under the ticket's lock: cancelled after it
 
     def _cancel_if_deleted(self, job_id: str, later: bool = False) -> None:
         """A job deleted through a server sharing the store (its DELETE could not reach this server's ticket):
@@ -429,13 +237,8 @@ class Jobs:
             del self._tickets[job_id]
             self._ids.pop(ticket.id, None)
         if ticket.status == 200:
-            folder = self.folder / job_id
-            folder.mkdir(parents=True, exist_ok=True)
-            files = []
-            for file, variant in zip(ticket.result["files"], ("video", "thumbnail")):
-                name = "video.mp4" if variant == "video" else "thumbnail.png"
-                (folder / name).write_bytes(file["data"])
-                files.append({"variant": variant, "path": f"{job_id}/{name}", "mime": file["mime"]})
+            files = [{"variant": variant, "mime": file["mime"], "data": file["data"]}
+                     for file, variant in zip(ticket.result["files"], ("video", "thumbnail"))]
             kind, value = self.policy
             self.store.completed(job_id, files, int(time.time() + value) if kind == "age" else None)
             self._expire()
@@ -446,11 +249,10 @@ class Jobs:
         self.feed()
 
     def _expire(self) -> None:
-        for job in self.store.expire(self.policy, time.time()):
-            shutil.rmtree(self.folder / job["id"], ignore_errors=True)
+        self.store.expire(self.policy, time.time())
 
-    def content(self, job_id: str, variant: str) -> tuple[Path, str]:
-        """The result file of a completed job: (path, mime), or a RequestError saying why there is none."""
+    def content(self, job_id: str, variant: str) -> tuple[bytes, str]:
+        """The result file of a completed job: (bytes, mime), or a RequestError saying why there is none."""
         if variant not in ("video", "thumbnail", "spritesheet"):
             raise RequestError(400, f"variant {variant!r}: expected 'video' or 'thumbnail'")
         job = self.known(job_id)
@@ -462,10 +264,10 @@ class Jobs:
         if job["expired"]:
             raise RequestError(410, f"the result of video {job_id} expired at {job['expires_at']} (--keep-results "
                                     "keeps the newest results) and was deleted; create the job again")
-        for file in job["files"]:
-            if file["variant"] == variant:
-                return self.folder / file["path"], file["mime"]
-        raise RequestError(404, f"video {job_id} has no {variant}")
+        result = self.store.result(job_id, variant)
+        if result is None:
+            raise RequestError(404, f"video {job_id} has no {variant}")
+        return result
 
     def known(self, job_id: str) -> dict:
         job = self.store.get(job_id)

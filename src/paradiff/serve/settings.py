@@ -47,11 +47,11 @@ class ServeSettings:
     `max_steps`, `max_frames`; `max_body_bytes`, `read_timeout` (seconds a client may take to send its request).
     Request defaults: `width`, `height`, `steps`, `guidance_scale`, `true_cfg_scale`, `negative_prompt`, `frames`
     (None: the pipeline's own), `fps`; `extra_call_kwargs`: pipeline call arguments every call gets (the embedded demo
-    pipeline's prompt length). `previews`: linear | vae | off. Folders: `out` (requests.jsonl, previews, the video
-    jobs' files), `jobs_db` (None: jobs.db in `out`), `keep_results` (a count, or an age: 30m, 12h, 7d). Adapters
-    per request: `lora_modules` (NAME=PATH), `allow_runtime_lora`, `lora_root`, `max_loras`, `max_lora_rank`.
-    `timeout`: the ranks' collective timeout in seconds. Ray Serve: `ray`, `ray_replicas` (min, max), `ray_route`,
-    `ray_address`, `ray_ingress`."""
+    pipeline's prompt length). `previews`: linear | vae | off. Folders: `out` (requests.jsonl, previews, jobs.db);
+    `jobs_db`: the video jobs' store, a file or a database URL (None: jobs.db in `out`); `keep_results` (a count, or
+    an age: 30m, 12h, 7d). Adapters per request: `lora_modules` (NAME=PATH), `allow_runtime_lora`, `lora_root`,
+    `max_loras`, `max_lora_rank`. `timeout`: the ranks' collective timeout in seconds. Ray Serve: `ray`,
+    `ray_replicas` (min, max), `ray_route`, `ray_address`, `ray_ingress`."""
 
     spec: LoadSpec
     model_name: str = ""
@@ -163,9 +163,9 @@ class ServeSettings:
         return self.model_name or os.path.basename(os.path.normpath(self.spec.model))
 
     @property
-    def jobs_path(self) -> Path:
-        """The video jobs' SQLite file: `jobs_db`, or jobs.db in `out`."""
-        return Path(self.jobs_db) if self.jobs_db else Path(self.out) / "jobs.db"
+    def jobs_where(self) -> str:
+        """The video jobs' store: `jobs_db` (a file path or a database URL), or jobs.db in `out`."""
+        return self.jobs_db or str(Path(self.out) / "jobs.db")
 
     def call_kwargs(self) -> dict:
         """The arguments every pipeline call starts from (a request's own size, steps, guidance... replace them)."""
