@@ -62,14 +62,14 @@ def main() -> None:
     backends = ["sqlite", "postgresql"] if args.backend == "both" else [args.backend]
     with ExitStack() as stack:
         if "postgresql" in backends:
-            from paradiff_testkit.postgres import new_database, postgres_server
+            from paradiff_testkit.postgres import postgres_server
 
             server = stack.enter_context(postgres_server(fsync=True))  # PostgreSQL's defaults: commits on disk
         per_job: dict[str, list[float]] = {backend: [] for backend in backends}
         for _ in range(args.rounds):  # the backends interleaved, a new store each round
             for backend in backends:
                 with tempfile.TemporaryDirectory() as folder:
-                    where = str(Path(folder) / "jobs.db") if backend == "sqlite" else new_database(server)
+                    where = str(Path(folder) / "jobs.db") if backend == "sqlite" else server.new_database()
                     per_job[backend].append(one_round(where, args.jobs, args.steps))
     figures = []
     for backend in backends:

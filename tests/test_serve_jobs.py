@@ -18,7 +18,7 @@ import pytest
 from sqlalchemy import select
 
 from paradiff.serve.jobs import Jobs, form_fields, keep_results, video_object
-from paradiff.serve.jobstore import OWNERS, JobStore, store_url
+from paradiff.serve.jobstore import OWNERS, JobStore, StoreError, store_url
 from paradiff.serve.protocol import Limits, RequestError
 from paradiff.serve.scheduler import Scheduler
 from paradiff_testkit.browser import CHROMIUM, launch_chromium
@@ -106,19 +106,21 @@ def test_job_store_keeps_jobs_across_restarts_and_expires_results_by_count(tmp_p
 
 @pytest.fixture(scope="module")
 def postgres():
-    """A PostgreSQL server of this module's own: yields a function that makes a fresh database on it (its URL)."""
-    from paradiff_testkit.postgres import binaries, new_database, postgres_server
+    """A PostgreSQL server of this module's own (its new_database() makes an empty database on it: the URL)."""
+    from paradiff_testkit.postgres import binaries, postgres_server
 
     if binaries() is None:
         pytest.skip("PostgreSQL is not installed (Debian: apt-get install postgresql; .ci/run installs it)")
-    with postgres_server() as url:
-        yield lambda: new_database(url)
+    with postgres_server() as server:
+        yield server
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def store(request, tmp_path) -> str:
     """Where a test's servers keep their jobs: a SQLite file, or a database of the module's PostgreSQL server."""
-    return str(tmp_path / "jobs.db") if request.param == "sqlite" else request.getfixturevalue("postgres")()
+    if request.param == "sqlite":
+        return str(tmp_path / "jobs.db")
+    return request.getfixturevalue("postgres").new_database()
 
 
 def test_servers_sharing_one_store_run_each_job_once_and_take_over_a_dead_ones(store):
@@ -208,6 +210,39 @@ def test_an_owner_on_another_machine_is_dead_once_its_counter_stands_still_for_t
         time.sleep(0.01)
     for store_ in (a, b, beating):
         store_.close()
+
+
+def test_a_database_server_restart_fails_no_job_and_stops_no_server(postgres, capsys):
+    """The PostgreSQL server stops while a job runs: the HTTP side's calls answer 503 naming the store (not 500), rank
+    0's side says so once, writes no progress and keeps the finished job's result; once the server is back, the
+    result is written (the job completed, its content there) and the store's own connection opened again."""
+    scheduler = Scheduler(max_queue=8)
+    jobs = Jobs(JobStore(postgres.new_database(), beat_s=None), keep_results("10"), scheduler)
+    jobs.ready(LIMITS)
+    job = jobs.create({"prompt": "a fox", "seed": 1}, LIMITS, max_queue=8)
+    (item,) = scheduler.next_round(1, 0)["batches"][0]
+    jobs.started([item["id"]])
+    running = scheduler.running(item["id"])
+    running.emit({"type": "step", "step": 1, "steps": 4, "done": 1, "total": 4})
+    postgres.stop()
+    try:
+        with pytest.raises(StoreError) as away:
+            jobs.known(job["id"])
+        assert away.value.status == 503 and "cannot be reached" in str(away.value) and away.value.retry_after
+        running.emit({"type": "step", "step": 2, "steps": 4, "done": 2, "total": 4})
+        scheduler.complete(item["id"], 200, _files(b"1"))  # its result waits in the server
+        jobs.feed()
+        assert not running.status == 499  # not cancelled for want of the store
+    finally:
+        postgres.start()
+    said = capsys.readouterr().err
+    assert said.count("cannot be reached") == 1 and "image requests go on" in said, said
+    jobs.feed()  # the dispatcher's next look
+    done = jobs.known(job["id"])
+    assert (done["status"], done["progress"]) == ("completed", 100)
+    assert jobs.content(job["id"], "video") == (b"mp41", "video/mp4")
+    assert capsys.readouterr().err.count("answers again") == 1
+    jobs.store.close()
 
 
 def test_an_owner_killed_on_this_machine_is_dead_at_once(tmp_path, store):
@@ -511,7 +546,7 @@ def test_servers_on_two_machines_share_jobs_through_postgresql(wan, postgres, tm
 
     from paradiff_testkit.serve import ServerProcess
 
-    url = postgres()
+    url = postgres.new_database()
     servers = []
     for name in ("a", "b"):
         (tmp_path / name).mkdir()

@@ -44,59 +44,83 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-@contextmanager
-def postgres_server(timeout_s: float = 60, fsync: bool = False):
-    """Yields the database URL (postgresql://paradiff@127.0.0.1:PORT/paradiff) of a PostgreSQL server started for
-    the caller; bounded waits, and the server's log in the error when it does not start. `fsync`: commits wait for
-    the disk, as PostgreSQL's defaults have them (benchmarks); tests leave it off."""
-    folder = binaries()
-    if folder is None:
-        raise RuntimeError("PostgreSQL's initdb is not installed (Debian: apt-get install postgresql)")
-    user = _server_user()
-    root = Path(tempfile.mkdtemp(prefix="paradiff-pg-"))  # /tmp: the server's user can reach it
-    data = root / "data"
-    if user:
-        os.chown(root, user["user"], user["group"])
-    port = _free_port()
-    subprocess.run([str(folder / "initdb"), "-D", str(data), "-U", "paradiff", "-A", "trust", "-E", "UTF8",
-                    "--no-sync"], check=True, capture_output=True, timeout=timeout_s, cwd=root, **user)
-    log = open(root / "log", "wb")  # noqa: SIM115 - the server's output, read when it fails
-    server = subprocess.Popen([str(folder / "postgres"), "-D", str(data), "-p", str(port), "-k", str(root),
-                               "-c", "listen_addresses=127.0.0.1", "-c", f"fsync={'on' if fsync else 'off'}"],
-                              stdout=log, stderr=log, cwd=root, **user)
-    try:
+class PostgresServer:
+    """A PostgreSQL cluster in a folder of its own, served on a loopback port; stop() and start() again (a database
+    server restarting under its clients)."""
+
+    def __init__(self, root: Path, fsync: bool, timeout_s: float) -> None:
+        self.root, self.fsync, self.timeout_s = root, fsync, timeout_s
+        self.folder, self.user = binaries(), _server_user()
+        self.port = _free_port()
+        self.url = f"postgresql://paradiff@127.0.0.1:{self.port}/paradiff"
+        self.process: subprocess.Popen | None = None
+        subprocess.run([str(self.folder / "initdb"), "-D", str(root / "data"), "-U", "paradiff", "-A", "trust", "-E",
+                        "UTF8", "--no-sync"], check=True, capture_output=True, timeout=timeout_s, cwd=root,
+                       **self.user)
+
+    def start(self) -> None:
+        """Start the server and wait (bounded) until it takes a connection."""
         import psycopg
 
-        deadline = time.monotonic() + timeout_s
+        with open(self.root / "log", "ab") as log:
+            self.process = subprocess.Popen(
+                [str(self.folder / "postgres"), "-D", str(self.root / "data"), "-p", str(self.port), "-k",
+                 str(self.root), "-c", "listen_addresses=127.0.0.1", "-c", f"fsync={'on' if self.fsync else 'off'}"],
+                stdout=log, stderr=log, cwd=self.root, **self.user)
+        deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                with psycopg.connect(host="127.0.0.1", port=port, user="paradiff", dbname="postgres",
-                                     connect_timeout=5, autocommit=True) as connection:
-                    connection.execute("CREATE DATABASE paradiff")
-                break
+                with psycopg.connect(host="127.0.0.1", port=self.port, user="paradiff", dbname="postgres",
+                                     connect_timeout=5):
+                    return
             except psycopg.OperationalError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("PostgreSQL did not start: " + (root / "log").read_text()[-2000:]) from None
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("PostgreSQL did not start: " + (self.root / "log").read_text()[-2000:]) from None
                 time.sleep(0.1)
-        yield f"postgresql://paradiff@127.0.0.1:{port}/paradiff"
-    finally:
-        server.send_signal(signal.SIGINT)  # a fast shutdown: its clients' sessions are ended, not waited for
+
+    def new_database(self, name: str | None = None) -> str:
+        """A new, empty database (`name`, else a random one): its URL."""
+        import secrets
+
+        import psycopg
+
+        name = name or "jobs_" + secrets.token_hex(4)
+        with psycopg.connect(host="127.0.0.1", port=self.port, user="paradiff", dbname="postgres",
+                             autocommit=True) as connection:
+            connection.execute(f"CREATE DATABASE {name}")
+        return self.url.rsplit("/", 1)[0] + "/" + name
+
+    def stop(self) -> None:
+        """A fast shutdown (its clients' sessions are ended, not waited for); returns once the process has ended."""
+        if self.process is None:
+            return
+        self.process.send_signal(signal.SIGINT)
         try:
-            server.wait(timeout=30)
+            self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        log.close()
+            self.process.kill()
+            self.process.wait()
+        self.process = None
+
+
+@contextmanager
+def postgres_server(timeout_s: float = 60, fsync: bool = False):
+    """Yields a PostgresServer started for the caller, with an empty database `paradiff` (its `url`:
+    postgresql://paradiff@127.0.0.1:PORT/paradiff); bounded waits, and the server's log in the error when it does not
+    start. `fsync`: commits wait for the disk, as PostgreSQL's defaults have them (benchmarks); tests leave it off."""
+    if binaries() is None:
+        raise RuntimeError("PostgreSQL's initdb is not installed (Debian: apt-get install postgresql)")
+    root = Path(tempfile.mkdtemp(prefix="paradiff-pg-"))  # /tmp: the server's user can reach it
+    try:
+        user = _server_user()
+        if user:
+            os.chown(root, user["user"], user["group"])
+        server = PostgresServer(root, fsync, timeout_s)
+        server.start()
+        try:
+            server.new_database("paradiff")
+            yield server
+        finally:
+            server.stop()
+    finally:
         shutil.rmtree(root, ignore_errors=True)
-
-
-def new_database(url: str) -> str:
-    """A new, empty database on the server at `url` (postgres_server's): its URL."""
-    import secrets
-
-    import psycopg
-
-    name = "jobs_" + secrets.token_hex(4)
-    with psycopg.connect(url, autocommit=True) as connection:
-        connection.execute(f"CREATE DATABASE {name}")
-    return url.rsplit("/", 1)[0] + "/" + name

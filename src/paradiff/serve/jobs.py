@@ -31,9 +31,10 @@ import re
 import threading
 import time
 from functools import partial
-from typing import Any
+from typing import Any, Callable
 
-from paradiff.serve.jobstore import JobStore
+from paradiff.runtime.console import say
+from paradiff.serve.jobstore import JobStore, StoreError
 from paradiff.serve.protocol import Limits, RequestError, parse_image_request, with_seed
 
 STATES = ("queued", "in_progress", "completed", "failed")
@@ -107,6 +108,9 @@ class Jobs:
         self._tickets: dict[str, Any] = {}  # video id -> its scheduler Job while it is submitted
         self._ids: dict[int, str] = {}  # scheduler job id -> video id
         self._held = False  # draining or stopping: nothing more is submitted
+        self._unwritten: list[Callable[[], None]] = []  # finished jobs' results, in order, until the store takes them
+        self._writing = threading.Lock()
+        self._away = False  # the store did not answer rank 0's side (said once, until it answers again)
         self.interrupted = store.orphans(ORPHANED)
         self._expire()
 
@@ -149,9 +153,9 @@ class Jobs:
         job = self.store.get(job_id)
         if job is None or job["deleted_at"] is not None:
             return False
+        self.store.deleted(job_id)  # first (a StoreError changes nothing): the ticket's answer changes nothing now
         with self._lock:
             ticket = self._tickets.pop(job_id, None)
-        self.store.deleted(job_id)  # first: the ticket's answer below changes nothing any more
         if ticket is not None:
             self.scheduler.cancel(ticket, 499, f"video {job_id} was deleted")
         return True
@@ -162,10 +166,23 @@ class Jobs:
         self.feed()
 
     def feed(self) -> None:
-        """Submit the queued jobs not submitted yet (in order), while the scheduler takes them."""
-        if self.limits is None or self._held:
+        """Submit the queued jobs not submitted yet (in order), while the scheduler takes them; first the results
+        the store could not take when they came (StoreError: it was away)."""
+        try:
+            with self._writing:  # one thread writes them (a result written twice would be refused)
+                while self._unwritten:
+                    self._unwritten[0]()
+                    self._unwritten.pop(0)
+            if self.limits is None or self._held:
+                return
+            self.store.orphans(ORPHANED)  # a server sharing the store died: its jobs (below) run here
+            self._feed()
+        except StoreError as exc:
+            self._store_away(exc)
             return
-        self.store.orphans(ORPHANED)  # a server sharing the store died: its jobs (below) run here
+        self._store_back()
+
+    def _feed(self) -> None:
         for job in self.store.queued():
             with self._lock:
                 if job["id"] in self._tickets or self._held or (job["owner"] is None
@@ -186,20 +203,39 @@ class Jobs:
             ticket.add_listener(lambda event, i=job["id"]: self._on_event(i, event))
             ticket.add_done_callback(lambda t=ticket, i=job["id"]: self._done(i, t))
 
+    def _store_away(self, exc: StoreError) -> None:
+        """Rank 0's side met the store away (a database server restarting, a network cut): said once; image
+        requests go on, the jobs wait (feed retries once a second, through the dispatcher)."""
+        if not self._away:
+            self._away = True
+            say(f"paradiff serve: {exc}: the video jobs wait for it (results are kept until it takes them); image "
+                "requests go on")
+
+    def _store_back(self) -> None:
+        if self._away:
+            self._away = False
+            say("paradiff serve: the video jobs' store answers again")
+
     def started(self, ticket_ids: list[int]) -> None:
         """Rank 0 broadcasts a round with these scheduler jobs: theirs are in progress."""
         for ticket_id in ticket_ids:
             job_id = self._ids.get(ticket_id)
             if job_id is not None:
-                self.store.started(job_id)
-                self._cancel_if_deleted(job_id)
+                try:
+                    self.store.started(job_id)
+                    self._cancel_if_deleted(job_id)
+                except StoreError as exc:  # it stays queued in the store while it runs; its result completes it
+                    self._store_away(exc)
 
     def _on_event(self, job_id: str, event: dict) -> None:
         """An event of the job's scheduler ticket: a step's event is its progress (steps done of all, 0-99 until it
         completes)."""
         if event["type"] == "step" and event["total"] > 0:
-            if not self.store.progress(job_id, min(99, 100 * event["done"] // event["total"])):
-                self._cancel_if_deleted(job_id, later=True)  # listeners run under the ticket's lock: cancelled after it
+            try:
+                if not self.store.progress(job_id, min(99, 100 * event["done"] // event["total"])):
+                    self._cancel_if_deleted(job_id, later=True)  # listeners run under the ticket's lock: after it
+            except StoreError as exc:  # a progress not written: the next step's is
+                self._store_away(exc)
 
     def _cancel_if_deleted(self, job_id: str, later: bool = False) -> None:
         """A job deleted through a server sharing the store (its DELETE could not reach this server's ticket):
@@ -228,7 +264,10 @@ class Jobs:
                 if self.scheduler.withdraw(ticket):
                     del self._tickets[job_id]
                     self._ids.pop(ticket.id, None)
-                    self.store.release(job_id)
+                    try:
+                        self.store.release(job_id)
+                    except StoreError as exc:  # still claimed: the others take it once this server is gone
+                        self._store_away(exc)
 
     def _done(self, job_id: str, ticket) -> None:
         with self._lock:
@@ -240,13 +279,17 @@ class Jobs:
             files = [{"variant": variant, "mime": file["mime"], "data": file["data"]}
                      for file, variant in zip(ticket.result["files"], ("video", "thumbnail"))]
             kind, value = self.policy
-            self.store.completed(job_id, files, int(time.time() + value) if kind == "age" else None)
-            self._expire()
+            write = partial(self._completed, job_id, files, int(time.time() + value) if kind == "age" else None)
         else:
             code = {499: "cancelled", 504: "timeout"}.get(ticket.status, "generation_failed" if ticket.status >= 500
                                                           else "invalid_request")
-            self.store.failed(job_id, code, str(ticket.result))
+            write = partial(self.store.failed, job_id, code, str(ticket.result))
+        self._unwritten.append(write)  # written by feed, now or once the store answers again
         self.feed()
+
+    def _completed(self, job_id: str, files: list[dict], expires_at: int | None) -> None:
+        self.store.completed(job_id, files, expires_at)
+        self._expire()
 
     def _expire(self) -> None:
         self.store.expire(self.policy, time.time())

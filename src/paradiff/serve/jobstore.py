@@ -27,6 +27,7 @@ import secrets
 import socket
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -35,6 +36,8 @@ from sqlalchemy import (BigInteger, Column, Float, Integer, LargeBinary, MetaDat
                         create_engine, delete, event, func, insert, inspect, or_, select, update)
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
+
+from paradiff.serve.protocol import RequestError
 
 BEAT_S = 2.0  # how often an owner raises its counter
 LEASE_S = 20.0  # how long another machine's owner may leave it unmoved before it counts as dead
@@ -81,6 +84,18 @@ OWNERS = Table(
 )
 
 
+class StoreError(RequestError):
+    """The store's database cannot be reached, or failed a statement: a request answers 503 (retry later); rank 0's
+    side of the jobs waits for it (serve/jobs.py)."""
+
+    retry_after = 5
+
+    def __init__(self, url: str, exc: Exception) -> None:
+        reason = " ".join(str(getattr(exc, "orig", None) or exc).split())
+        super().__init__(503, f"the video jobs' store {shown(url)} cannot be reached ({reason}); retry later",
+                         code="store_unavailable")
+
+
 def store_url(value: str | Path) -> str:
     """`--jobs-db` as a SQLAlchemy URL: a path is a SQLite file (absolute, so that servers started elsewhere find
     it); postgresql:// and postgres:// go through psycopg 3. ValueError for a URL of another database or not one."""
@@ -102,9 +117,12 @@ def store_url(value: str | Path) -> str:
 
 
 def shown(url: str) -> str:
-    """A URL as printed: without its password."""
+    """A URL as printed: without its password (and its driver, as the user wrote it)."""
     try:
-        return make_url(url).render_as_string(hide_password=True) if "://" in url else url
+        if "://" not in url:
+            return url
+        parsed = make_url(url)
+        return parsed.set(drivername=parsed.get_backend_name()).render_as_string(hide_password=True)
     except ArgumentError:
         return url
 
@@ -258,10 +276,23 @@ class JobStore:
                 try:
                     result = self._connection.execute(statement, values or {})
                     return [dict(row._mapping) for row in result] if result.returns_rows else result.rowcount
-                except DBAPIError as exc:
-                    if attempt or not exc.connection_invalidated:
-                        raise
+                except SQLAlchemyError as exc:
+                    try:
+                        self._connection.rollback()  # SQLAlchemy's own transaction: the next call opens a new one
+                    except SQLAlchemyError:
+                        pass
+                    if attempt or not (isinstance(exc, DBAPIError) and exc.connection_invalidated):
+                        raise StoreError(self.url, exc) from None
         raise AssertionError("unreachable")
+
+    @contextmanager
+    def _transaction(self):  # noqa: ANN202 - SQLAlchemy's connection
+        """Several statements in one transaction, on a connection of the engine's pool (StoreError when it fails)."""
+        try:
+            with self.engine.begin() as connection:
+                yield connection
+        except SQLAlchemyError as exc:
+            raise StoreError(self.url, exc) from None
 
     # -- owners ---------------------------------------------------------------------------------------------------
     def _beat_every(self, beat_s: float) -> None:
@@ -280,7 +311,10 @@ class JobStore:
         self._stop.set()
         if self._beating is not None:
             self._beating.join()
-        self._execute(SQL.drop_owner, {"me": self.owner})
+        try:
+            self._execute(SQL.drop_owner, {"me": self.owner})
+        except StoreError:
+            pass  # the database is away: the others find this owner dead by its process or its still counter
         with self._lock:
             self._connection.close()
         self.engine.dispose()
@@ -370,7 +404,7 @@ class JobStore:
     def completed(self, job_id: str, files: list[dict], expires_at: int | None) -> None:
         """The job's result files ({"variant", "mime", "data"}) kept, and the job completed, in one transaction."""
         listed = [{"variant": file["variant"], "mime": file["mime"], "bytes": len(file["data"])} for file in files]
-        with self.engine.begin() as connection:
+        with self._transaction() as connection:
             done = connection.execute(SQL.completed, {"job": job_id, "at": int(time.time()),
                                                       "listed": json.dumps(listed), "until": expires_at}).rowcount
             if done and files:
@@ -387,7 +421,7 @@ class JobStore:
                                    "why": json.dumps({"code": code, "message": message})})
 
     def deleted(self, job_id: str) -> None:
-        with self.engine.begin() as connection:
+        with self._transaction() as connection:
             connection.execute(SQL.deleted, {"job": job_id, "at": int(time.time())})
             connection.execute(SQL.drop_results, {"job": job_id})
 
@@ -419,7 +453,7 @@ class JobStore:
             query = query.where(JOBS.c.completed_at <= now - value)
         rows = self._execute(query)
         for row in rows:
-            with self.engine.begin() as connection:
+            with self._transaction() as connection:
                 connection.execute(SQL.expired, {"job": row["id"],
                                                  "until": min(int(now), row["expires_at"] or int(now))})
                 connection.execute(SQL.drop_results, {"job": row["id"]})
