@@ -541,7 +541,8 @@ def history(wan, tmp_path_factory):
 def test_servers_on_two_machines_share_jobs_through_postgresql(wan, postgres, tmp_path):
     """Two real servers with folders of their own (as on two machines: nothing on disk shared) on one PostgreSQL
     database: a job created through one runs there and is answered by the other, its MP4 (the frames diffusers
-    draws for its seed) downloaded through the other, whole and as a byte range (a browser's video player seeks so)."""
+    draws for its seed) downloaded through the other, whole and as a byte range (a browser's video player seeks so);
+    while the database server restarts, the job calls answer 503 with Retry-After and the servers stay up."""
     import openai
 
     from paradiff_testkit.serve import ServerProcess
@@ -565,6 +566,15 @@ def test_servers_on_two_machines_share_jobs_through_postgresql(wan, postgres, tm
                                                                                    f"bytes 10-99/{len(mp4)}")
         assert [video.id for video in b.videos.list()] == [made.id]
         assert not any((tmp_path / name / "serve" / "jobs.db").exists() for name in ("a", "b"))
+        postgres.stop()  # the database server restarts: the job calls answer 503, the server stays up
+        try:
+            away = servers[1].client.get(f"/v1/videos/{made.id}")
+            assert (away.status_code, away.headers.get("retry-after")) == (503, "5"), away.text
+            assert away.json()["error"]["code"] == "store_unavailable" and "cannot be reached" in away.text
+            assert servers[1].client.get("/health").status_code == 200
+        finally:
+            postgres.start()
+        assert _status(b, made.id) == "completed"  # its connection opened again
     finally:
         for server in servers:
             server.stop()

@@ -386,19 +386,13 @@ class Frontend:
             "negative_prompt": "negative_prompt" in limits.accepts,
             "adapters": [{"name": name, "scale": scale} for name, scale in limits.adapters]}}
 
-    def create_video(self, body: Any) -> tuple[int, dict]:
-        """POST /v1/videos: the job, queued (its Video object), or an error answer."""
+    def create_video(self, body: Any) -> dict:
+        """POST /v1/videos: the job, queued; a RequestError saying why not."""
         if self.health not in ("ready", "degraded") or self.limits is None:
-            return self.refused(503, f"the server is {self.health}; retry when GET /health says ready",
-                                "POST /v1/videos")
-        try:
-            if self.limits.kind != "video":
-                raise RequestError(400, "/v1/videos: this server's pipeline makes images; use "
-                                        "/v1/images/generations")
-            job = self.jobs.create(body, self.limits, self.settings.max_queue)
-        except RequestError as exc:
-            return self.refused(exc.status, str(exc), "POST /v1/videos")
-        return 200, video_object(job)
+            raise RequestError(503, f"the server is {self.health}; retry when GET /health says ready")
+        if self.limits.kind != "video":
+            raise RequestError(400, "/v1/videos: this server's pipeline makes images; use /v1/images/generations")
+        return self.jobs.create(body, self.limits, self.settings.max_queue)
 
     def render_metrics(self) -> str:
         queued, running = self.scheduler.depth()
@@ -454,6 +448,11 @@ def byte_range(data: bytes, mime: str, header: str | None) -> Response:
         return Response(status_code=416, headers={**whole, "content-range": f"bytes */{size}"})
     return Response(data[start:end + 1], status_code=206, media_type=mime,
                     headers={**whole, "content-range": f"bytes {start}-{end}/{size}"})
+
+
+def retry_headers(exc: RequestError) -> dict | None:
+    """Retry-After for an error that says when a retry is worth it."""
+    return {"retry-after": str(exc.retry_after)} if exc.retry_after else None
 
 
 def _endpoint(kind: str) -> str:
@@ -593,14 +592,19 @@ def build_app(frontend: Frontend) -> FastAPI:
             body = await body_of(request)
         except RequestError as exc:
             return frontend.refusal(exc.status, str(exc), "POST /v1/videos")
-        status, payload = frontend.create_video(body)
-        return JSONResponse(payload, status_code=status)
-
-    def job_call(what: str, call):
-        try:
-            return call()
+        try:  # in a thread: the store may be a database server a network away
+            job = await asyncio.to_thread(frontend.create_video, body)
         except RequestError as exc:
-            return frontend.refusal(exc.status, str(exc), what)
+            return frontend.refusal(exc.status, str(exc), "POST /v1/videos", retry_headers(exc), code=exc.code)
+        return JSONResponse(video_object(job))
+
+    async def job_call(what: str, call):
+        """A video job call, in a thread (the store may be a database server a network away: a slow answer holds no
+        other request), its RequestError the error answer."""
+        try:
+            return await asyncio.to_thread(call)
+        except RequestError as exc:
+            return frontend.refusal(exc.status, str(exc), what, retry_headers(exc), code=exc.code)
 
     @app.get("/v1/videos")
     async def video_list(request: Request):
@@ -620,11 +624,11 @@ def build_app(frontend: Frontend) -> FastAPI:
             return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                     "last_id": data[-1]["id"] if data else None, "has_more": more}
 
-        return job_call("GET /v1/videos", page)
+        return await job_call("GET /v1/videos", page)
 
     @app.get("/v1/videos/{video_id}")
     async def video(video_id: str):
-        return job_call("GET /v1/videos/{id}", lambda: video_object(frontend.jobs.known(video_id)))
+        return await job_call("GET /v1/videos/{id}", lambda: video_object(frontend.jobs.known(video_id)))
 
     @app.get("/v1/videos/{video_id}/content")
     async def video_content(request: Request, video_id: str, variant: str = "video"):
@@ -632,7 +636,7 @@ def build_app(frontend: Frontend) -> FastAPI:
             data, mime = frontend.jobs.content(video_id, variant)
             return byte_range(data, mime, request.headers.get("range"))
 
-        return job_call("GET /v1/videos/{id}/content", content)
+        return await job_call("GET /v1/videos/{id}/content", content)
 
     @app.delete("/v1/videos/{video_id}")
     async def video_delete(video_id: str):
@@ -641,7 +645,7 @@ def build_app(frontend: Frontend) -> FastAPI:
             frontend.jobs.delete(video_id)
             return {"id": video_id, "object": "video.deleted", "deleted": True}
 
-        return job_call("DELETE /v1/videos/{id}", delete)
+        return await job_call("DELETE /v1/videos/{id}", delete)
 
     @app.get("/v1/info")
     async def info():
