@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "paradiff"
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 # Modules of an optional feature, which a plain install cannot import, and the extra that brings what they need.
-EXTRA_MODULES = {"paradiff.serve.app": "serve", "paradiff.serve.ray": "ray"}
+EXTRA_MODULES = {"paradiff.serve.app": "serve", "paradiff.serve.jobs": "serve", "paradiff.serve.jobstore": "serve",
+                 "paradiff.serve.ray": "ray"}
 
 
 def normalized(name: str) -> str:

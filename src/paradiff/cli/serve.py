@@ -20,9 +20,9 @@ def check_serve_args(args: argparse.Namespace) -> None:
     flags and checked there), the address, and flags that make no sense for a server."""
     import importlib.util
 
-    missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
+    missing = [name for name in ("fastapi", "uvicorn", "sqlalchemy") if importlib.util.find_spec(name) is None]
     if missing:
-        raise CliError(f"paradiff serve needs {' and '.join(missing)}: pip install 'paradiff[serve]'")
+        raise CliError(f"paradiff serve needs {', '.join(missing)}: pip install 'paradiff[serve]'")
     if args.compare:
         raise CliError("--compare is a `generate` flag; compare a server's answers with `paradiff generate`")
     if getattr(args, "api_key_file", None) is not None:
