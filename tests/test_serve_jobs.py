@@ -6,6 +6,7 @@ kill -9, two servers sharing a PostgreSQL store, and the web page in a real head
 from __future__ import annotations
 
 import io
+import json
 import os
 import sqlite3
 import subprocess
@@ -279,6 +280,33 @@ claimed = store.add("video", "wan", {"prompt": "a cat"}, "32x32", "1", claimed=T
 print(running, claimed, store.owner, flush=True)
 time.sleep(600)
 """
+
+
+def test_a_store_of_the_earlier_layout_moves_its_result_files_into_the_database(tmp_path):
+    """A SQLite store written before results were kept in it (files under jobs/<id>/ beside it, their paths in the
+    job's `files`): opened, its results are in the database, their folders gone; a job whose files were gone has
+    none (its content answers as before: 404, or 410 once expired)."""
+    db = tmp_path / "jobs.db"
+    store = JobStore(db, beat_s=None)
+    kept, lost = (store.add("video", "wan", {"prompt": p}, "32x32", "1")["id"] for p in ("a fox", "a cat"))
+    store.close()
+    with sqlite3.connect(db) as connection:
+        for job_id in (kept, lost):
+            files = [{"variant": "video", "path": f"{job_id}/video.mp4", "mime": "video/mp4"},
+                     {"variant": "thumbnail", "path": f"{job_id}/thumbnail.png", "mime": "image/png"}]
+            connection.execute("UPDATE jobs SET status = 'completed', files = ? WHERE id = ?",
+                               (json.dumps(files), job_id))
+    (tmp_path / "jobs" / kept).mkdir(parents=True)
+    (tmp_path / "jobs" / kept / "video.mp4").write_bytes(b"mp4 of old")
+    (tmp_path / "jobs" / kept / "thumbnail.png").write_bytes(b"png of old")
+    store = JobStore(db, beat_s=None)
+    assert store.result(kept, "video") == (b"mp4 of old", "video/mp4")
+    assert store.result(kept, "thumbnail") == (b"png of old", "image/png")
+    assert store.get(kept)["files"] == [{"variant": "video", "mime": "video/mp4", "bytes": 10},
+                                        {"variant": "thumbnail", "mime": "image/png", "bytes": 10}]
+    assert store.result(lost, "video") is None and store.get(lost)["files"] == []
+    assert not (tmp_path / "jobs").exists()
+    store.close()
 
 
 def test_store_urls_and_byte_ranges():

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import socket
 import threading
 import time
@@ -261,12 +262,37 @@ class JobStore:
                                                "started": _process_start(os.getpid()), "beat": 0})
         self._lock = threading.Lock()
         self._connection = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        if self.engine.dialect.name == "sqlite":
+            self._import_result_files()
         self._stop = threading.Event()
         self._beating = None
         if beat_s is not None:
             self._beating = threading.Thread(target=self._beat_every, args=(beat_s,), name="paradiff-jobs-beat",
                                              daemon=True)
             self._beating.start()
+
+    def _import_result_files(self) -> None:
+        """A SQLite store from before results were kept in it has them as files under `jobs/<id>/` beside it: they
+        move into job_results (each job in one transaction, which a second server opening the store at once finds
+        done), and the folders go."""
+        folder = Path(make_url(self.url).database).parent / "jobs"
+        if not folder.is_dir():
+            return
+        rows = self._execute(select(JOBS.c.id, JOBS.c.files).where(JOBS.c.files.like('%"path"%')))
+        for row in rows:
+            files = json.loads(row["files"])
+            found = [dict(file, data=(folder / file["path"]).read_bytes()) for file in files
+                     if (folder / file["path"]).is_file()]
+            listed = [{"variant": file["variant"], "mime": file["mime"], "bytes": len(file["data"])} for file in found]
+            with self._transaction() as connection:
+                moved = connection.execute(update(JOBS).where(JOBS.c.id == row["id"], JOBS.c.files == row["files"])
+                                           .values(files=json.dumps(listed))).rowcount
+                if moved and found:
+                    connection.execute(SQL.add_result, [{"job_id": row["id"], "variant": file["variant"],
+                                                         "mime": file["mime"], "data": file["data"]} for file in found])
+            shutil.rmtree(folder / row["id"], ignore_errors=True)
+        if not any(folder.iterdir()):
+            folder.rmdir()
 
     def _execute(self, statement, values: dict | None = None):  # noqa: ANN001, ANN202 - SQLAlchemy's objects
         """One statement in its own transaction: its rows (dicts) for a query, else how many rows it changed. A
