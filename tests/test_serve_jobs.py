@@ -35,15 +35,18 @@ def _files(tag: bytes) -> dict:
             "replica": 0, "started": 0.0, "finished": 0.0}
 
 
-def test_job_store_keeps_jobs_across_restarts_and_expires_results_by_count(tmp_path):
-    """In-process, the real scheduler standing in for the ranks: a job runs, completes and is downloadable; at a drain
-    the waiting jobs leave the scheduler and stay queued; a reopened store fails the job that was running when the
-    process died (server_restarted) and submits the queued ones again; --keep-results 2 expires the oldest result
-    (listed, content 410); a deleted id says so."""
-    db = tmp_path / "jobs.db"
+def test_job_store_keeps_jobs_across_restarts_and_expires_results_by_count(store):
+    """In-process, the real scheduler standing in for the ranks, on a SQLite file (WAL) and on PostgreSQL: a job runs,
+    completes and is downloadable; at a drain the waiting jobs leave the scheduler and stay queued; a reopened store
+    fails the job that was running when the process died (server_restarted) and submits the queued ones again;
+    --keep-results 2 expires the oldest result (listed, content 410); pages in both orders; a deleted id says so."""
+    db = store
     scheduler = Scheduler(max_queue=8)
     jobs = Jobs(JobStore(db), keep_results("2"), scheduler)
-    assert jobs.store.journal_mode() == "wal" and jobs.store.url == "sqlite:///" + str(db.resolve())
+    if "://" not in store:
+        assert jobs.store.journal_mode() == "wal" and jobs.store.url == "sqlite:///" + str(Path(db).resolve())
+    else:
+        assert jobs.store.journal_mode() is None and jobs.store.url.startswith("postgresql+psycopg://")
     jobs.ready(LIMITS)
     first = jobs.create({"prompt": "a fox", "seed": 3, "steps": 2}, LIMITS, max_queue=8)
     assert video_object(first)["status"] == "queued" and first["progress"] == 0
@@ -87,6 +90,8 @@ def test_job_store_keeps_jobs_across_restarts_and_expires_results_by_count(tmp_p
     assert [job["id"] for job in page] == [fourth["id"], third["id"]] and more
     page, more = jobs.store.page(third["id"], 2, "desc")
     assert [job["id"] for job in page] == [second["id"], first["id"]] and not more
+    page, more = jobs.store.page(first["id"], 2, "asc")
+    assert [job["id"] for job in page] == [second["id"], third["id"]] and more
     assert jobs.delete(fourth["id"]) and jobs.store.result(fourth["id"], "video") is None  # its files went
     with pytest.raises(RequestError, match="was deleted"):
         jobs.known(fourth["id"])
