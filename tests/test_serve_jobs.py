@@ -247,7 +247,50 @@ def test_a_database_server_restart_fails_no_job_and_stops_no_server(postgres, ca
     done = jobs.known(job["id"])
     assert (done["status"], done["progress"]) == ("completed", 100)
     assert jobs.content(job["id"], "video") == (b"mp41", "video/mp4")
+    other = JobStore(jobs.store.url, beat_s=None)  # committed: another connection sees it
+    assert other.get(job["id"])["status"] == "completed" and other.claim(job["id"]) is False
+    beats = _beats(other, jobs.store.owner)
+    jobs.store.beat()  # a write on the store's own connection, opened again in autocommit: committed
+    assert _beats(other, jobs.store.owner) == beats + 1
+    other.close()
     assert capsys.readouterr().err.count("answers again") == 1
+    jobs.store.close()
+
+
+def test_a_server_cut_off_from_the_database_starts_none_of_its_claimed_jobs(postgres):
+    """A server whose counter has not risen for half the lease (the database away from it) withdraws the claimed jobs
+    waiting in its scheduler before the others may count it dead and run them (so no job runs twice); its running
+    job runs on. When the database answers again, they are submitted here again; an owner the others found dead in
+    the meantime writes its row again."""
+    now = [0.0]
+    scheduler = Scheduler(max_queue=8)
+    jobs = Jobs(JobStore(postgres.new_database(), beat_s=None, lease_s=20, clock=lambda: now[0]), keep_results("10"),
+                scheduler)
+    jobs.ready(LIMITS)
+    running, waiting = (jobs.create({"prompt": p}, LIMITS, max_queue=8) for p in ("a fox", "a cat"))
+    (item,) = scheduler.next_round(1, 0)["batches"][0]
+    jobs.started([item["id"]])
+    assert scheduler.depth() == (1, 1)
+    postgres.stop()
+    try:
+        now[0] = 9.0
+        jobs.feed()
+        assert scheduler.depth() == (1, 1)  # within half the lease: it stays
+        now[0] = 10.5
+        jobs.feed()
+        assert scheduler.depth() == (0, 1) and not scheduler.running(item["id"]).done.is_set()
+    finally:
+        postgres.start()
+    jobs.store.beat()
+    jobs.feed()
+    assert scheduler.depth() == (1, 1) and jobs.store.get(waiting["id"])["owner"] == jobs.store.owner
+    other = JobStore(jobs.store.url, beat_s=None)
+    with other.engine.begin() as connection:  # as another machine's owner does when it counts this one dead
+        connection.exec_driver_sql("SET LOCAL lock_timeout = '10s'")  # a row left locked fails, not hangs
+        connection.execute(OWNERS.delete().where(OWNERS.c.owner == jobs.store.owner))
+    jobs.store.beat()
+    assert jobs.store.owner in other.owners()
+    other.close()
     jobs.store.close()
 
 

@@ -179,6 +179,8 @@ class Jobs:
             self._feed()
         except StoreError as exc:
             self._store_away(exc)
+            if self.store.cut_off():  # the others may soon take the jobs claimed here: none of them starts here now
+                self._withdraw_waiting()
             return
         self._store_back()
 
@@ -260,14 +262,22 @@ class Jobs:
         run after the restart); a running job finishes."""
         with self._lock:
             self._held = True
+            for job_id in self._withdraw_waiting():
+                try:
+                    self.store.release(job_id)
+                except StoreError as exc:  # still claimed: the others take it once this server is gone
+                    self._store_away(exc)
+
+    def _withdraw_waiting(self) -> list[str]:
+        """The jobs still waiting in the scheduler leave it (a running one stays); their ids."""
+        withdrawn = []
+        with self._lock:
             for job_id, ticket in list(self._tickets.items()):
                 if self.scheduler.withdraw(ticket):
                     del self._tickets[job_id]
                     self._ids.pop(ticket.id, None)
-                    try:
-                        self.store.release(job_id)
-                    except StoreError as exc:  # still claimed: the others take it once this server is gone
-                        self._store_away(exc)
+                    withdrawn.append(job_id)
+        return withdrawn
 
     def _done(self, job_id: str, ticket) -> None:
         with self._lock:

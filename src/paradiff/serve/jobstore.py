@@ -248,6 +248,7 @@ class JobStore:
         self.host = host or _host()
         self.lease_s, self.clock = lease_s, clock
         self._seen: dict[str, tuple[int, float]] = {}  # another owner -> its counter, when it was seen to change
+        self._beaten = clock()  # when this owner's counter last rose (its row written)
         for attempt in range(3):  # servers starting together on a new database: one creates the tables
             try:
                 METADATA.create_all(self.engine)
@@ -261,7 +262,7 @@ class JobStore:
             connection.execute(SQL.add_owner, {"owner": self.owner, "host": self.host, "pid": os.getpid(),
                                                "started": _process_start(os.getpid()), "beat": 0})
         self._lock = threading.Lock()
-        self._connection = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        self._connection = None  # one of its own, in autocommit, opened by the first statement (_execute)
         if self.engine.dialect.name == "sqlite":
             self._import_result_files()
         self._stop = threading.Event()
@@ -300,16 +301,25 @@ class JobStore:
         with self._lock:
             for attempt in range(2):
                 try:
+                    if self._connection is None:
+                        self._connection = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
                     result = self._connection.execute(statement, values or {})
                     return [dict(row._mapping) for row in result] if result.returns_rows else result.rowcount
                 except SQLAlchemyError as exc:
-                    try:
-                        self._connection.rollback()  # SQLAlchemy's own transaction: the next call opens a new one
-                    except SQLAlchemyError:
-                        pass
+                    self._drop_connection()
                     if attempt or not (isinstance(exc, DBAPIError) and exc.connection_invalidated):
                         raise StoreError(self.url, exc) from None
         raise AssertionError("unreachable")
+
+    def _drop_connection(self) -> None:
+        """After an error the next statement opens a new connection: SQLAlchemy's own reconnection of this one would
+        not be in autocommit (its writes then never committed, holding their rows' locks)."""
+        if self._connection is not None:
+            try:
+                self._connection.close()
+            except SQLAlchemyError:
+                pass
+            self._connection = None
 
     @contextmanager
     def _transaction(self):  # noqa: ANN202 - SQLAlchemy's connection
@@ -329,8 +339,18 @@ class JobStore:
                 continue
 
     def beat(self) -> None:
-        """This owner's counter rises: it is alive (seen from other machines)."""
-        self._execute(SQL.beat, {"me": self.owner})
+        """This owner's counter rises: it is alive (seen from other machines). An owner the others found dead (cut
+        off from the database past the lease: they failed its running jobs and released its claims) writes its row
+        again."""
+        if self._execute(SQL.beat, {"me": self.owner}) == 0:
+            self._execute(SQL.add_owner, {"owner": self.owner, "host": self.host, "pid": os.getpid(),
+                                          "started": _process_start(os.getpid()), "beat": 0})
+        self._beaten = self.clock()
+
+    def cut_off(self) -> bool:
+        """Whether this owner's counter has not risen for half the lease: the others may soon count it dead and
+        take the jobs it claimed, so it must not start them (serve/jobs.py withdraws them)."""
+        return self.clock() - self._beaten > self.lease_s / 2
 
     def close(self) -> None:
         """This owner is gone: its row goes (the others then take what it held), and the connections."""
@@ -342,7 +362,7 @@ class JobStore:
         except StoreError:
             pass  # the database is away: the others find this owner dead by its process or its still counter
         with self._lock:
-            self._connection.close()
+            self._drop_connection()
         self.engine.dispose()
 
     def alive(self, owner: str | None) -> bool:
@@ -378,8 +398,8 @@ class JobStore:
         """SQLite's journal mode ("wal"); None on a database server."""
         if self.engine.dialect.name != "sqlite":
             return None
-        with self._lock:
-            return self._connection.exec_driver_sql("PRAGMA journal_mode").scalar()
+        with self.engine.connect() as connection:
+            return connection.exec_driver_sql("PRAGMA journal_mode").scalar()
 
     # -- jobs -----------------------------------------------------------------------------------------------------
     def add(self, kind: str, model: str, params: dict, size: str, seconds: str, claimed: bool = False) -> dict:
