@@ -16,7 +16,9 @@ thread of its own. Another owner tells a dead one from a live one (`alive`):
 - on the same machine, at once: the process is gone (or a zombie, or another process now has its id);
 - on another machine, by the counter: it has not moved for LEASE_S seconds of the observer's own clock (no two
   machines' clocks are compared).
-A store closed cleanly deletes its row. This module imports no torch.
+An owner whose own counter has not risen for half the lease (the database away from it) starts none of the jobs it
+claimed (`cut_off`): the others may count it dead at the full lease and run them. A store closed cleanly deletes its
+row. This module imports no torch.
 """
 
 from __future__ import annotations
