@@ -239,6 +239,7 @@ def test_a_database_server_restart_fails_no_job_and_stops_no_server(postgres, ca
         scheduler.complete(item["id"], 200, _files(b"1"))  # its result waits in the server
         jobs.feed()
         assert not running.status == 499  # not cancelled for want of the store
+        assert jobs.store_state() == (False, 1)  # /metrics: paradiff_job_store_up 0, paradiff_job_results_waiting 1
     finally:
         postgres.start()
     said = capsys.readouterr().err
@@ -253,7 +254,7 @@ def test_a_database_server_restart_fails_no_job_and_stops_no_server(postgres, ca
     jobs.store.beat()  # a write on the store's own connection, opened again in autocommit: committed
     assert _beats(other, jobs.store.owner) == beats + 1
     other.close()
-    assert capsys.readouterr().err.count("answers again") == 1
+    assert capsys.readouterr().err.count("answers again") == 1 and jobs.store_state() == (True, 0)
     jobs.store.close()
 
 
@@ -648,8 +649,10 @@ def test_servers_on_two_machines_share_jobs_through_postgresql(wan, postgres, tm
             assert (away.status_code, away.headers.get("retry-after")) == (503, "5"), away.text
             assert away.json()["error"]["code"] == "store_unavailable" and "cannot be reached" in away.text
             assert servers[1].client.get("/health").status_code == 200
+            servers[1].wait_for(lambda m: m["paradiff_job_store_up"] == 0)  # its dispatcher's next look, within 1 s
         finally:
             postgres.start()
+        servers[1].wait_for(lambda m: m["paradiff_job_store_up"] == 1)
         assert _status(b, made.id) == "completed"  # its connection opened again
     finally:
         for server in servers:

@@ -399,7 +399,8 @@ class Frontend:
         running_on = self.scheduler.running_on()
         return self.metrics.render(queued, running, self.health, queued_cost=self.scheduler.queued_cost()[0],
                                    expected_wait=self.scheduler.expected_wait(), replicas=dict(self.replica_states),
-                                   replica_running={r: running_on.get(r, 0) for r in self.replica_states})
+                                   replica_running={r: running_on.get(r, 0) for r in self.replica_states},
+                                   job_store=self.jobs.store_state())
 
 
 def answer_of(job: Job) -> dict:

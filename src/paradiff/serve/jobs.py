@@ -213,6 +213,10 @@ class Jobs:
             say(f"paradiff serve: {exc}: the video jobs wait for it (results are kept until it takes them); image "
                 "requests go on")
 
+    def store_state(self) -> tuple[bool, int]:
+        """Whether the store answered rank 0's side last, and the finished jobs' results waiting for it (/metrics)."""
+        return not self._away, len(self._unwritten)
+
     def _store_back(self) -> None:
         if self._away:
             self._away = False

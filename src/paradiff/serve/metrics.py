@@ -71,9 +71,10 @@ class Metrics:
 
     def render(self, queued: int, running: int, health: str, queued_cost: float = 0.0,
                expected_wait: float | None = None, replicas: dict[int, str] | None = None,
-               replica_running: dict[int, int] | None = None) -> str:
+               replica_running: dict[int, int] | None = None, job_store: tuple[bool, int] = (True, 0)) -> str:
         """`replicas`: replica -> its state ("ready", "busy", "loading", "failed"); `replica_running`: replica -> the
-        requests it runs."""
+        requests it runs; `job_store`: whether the video jobs' store answers, and the finished jobs' results waiting
+        for it."""
         with self._lock:
             lines = ["# HELP paradiff_requests_total Requests answered, by HTTP status.",
                      "# TYPE paradiff_requests_total counter"]
@@ -140,6 +141,10 @@ class Metrics:
                       "call, then its last round's).", "# TYPE paradiff_replica_steps_per_second gauge"]
             lines += [f'paradiff_replica_steps_per_second{{replica="{r}"}} {v:.6f}'
                       for r, v in sorted(self.replica_steps_per_s.items())]
+            lines += ["# HELP paradiff_job_store_up 1 while the video jobs' store answers (0: a database server away).",
+                      "# TYPE paradiff_job_store_up gauge", f"paradiff_job_store_up {int(job_store[0])}",
+                      "# HELP paradiff_job_results_waiting Finished video jobs whose results wait for the store.",
+                      "# TYPE paradiff_job_results_waiting gauge", f"paradiff_job_results_waiting {job_store[1]}"]
             lines += ["# HELP paradiff_up 1 while the server is ready.", "# TYPE paradiff_up gauge",
                       f"paradiff_up {1 if health in ('ready', 'degraded') else 0}"]
             return "\n".join(lines) + "\n"
