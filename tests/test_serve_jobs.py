@@ -367,6 +367,8 @@ def test_store_urls_and_byte_ranges():
     assert store_url("out/jobs.db") == "sqlite:///" + str(Path("out/jobs.db").resolve())
     assert store_url("postgresql://u:pw@db.example:5432/jobs") == "postgresql+psycopg://u:pw@db.example:5432/jobs"
     assert store_url("postgres://u@db/jobs") == "postgresql+psycopg://u@db/jobs"
+    for where in ("out/jobs.db", "postgresql://u:pw@db/jobs"):  # as --ray hands it to its meshes, read again by each
+        assert store_url(store_url(where)) == store_url(where)
     assert shown("postgresql://u:secret@db/jobs") == "postgresql://u:***@db/jobs"
     with pytest.raises(ValueError, match="mysql databases are not supported") as refused:
         store_url("mysql://u:secret@db/jobs")
