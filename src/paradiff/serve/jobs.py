@@ -210,8 +210,8 @@ class Jobs:
         requests go on, the jobs wait (feed retries once a second, through the dispatcher)."""
         if not self._away:
             self._away = True
-            say(f"paradiff serve: {exc}: the video jobs wait for it (results are kept until it takes them); image "
-                "requests go on")
+            say(f"paradiff serve: the video jobs' store {exc.where} cannot be reached ({exc.reason}): the jobs wait for "
+                "it (finished results are kept until it takes them); image requests go on")
 
     def store_state(self) -> tuple[bool, int]:
         """Whether the store answered rank 0's side last, and the finished jobs' results waiting for it (/metrics)."""

@@ -94,8 +94,8 @@ class StoreError(RequestError):
     retry_after = 5
 
     def __init__(self, url: str, exc: Exception) -> None:
-        reason = " ".join(str(getattr(exc, "orig", None) or exc).split())
-        super().__init__(503, f"the video jobs' store {shown(url)} cannot be reached ({reason}); retry later",
+        self.where, self.reason = shown(url), " ".join(str(getattr(exc, "orig", None) or exc).split())
+        super().__init__(503, f"the video jobs' store {self.where} cannot be reached ({self.reason}); retry later",
                          code="store_unavailable")
 
 
