@@ -153,13 +153,8 @@ def _engine(url: str) -> Engine:
 def _host() -> str:
     """This machine and process namespace: two owners with the same key can see each other's processes."""
     parts = [socket.gethostname()]
-    for path in ("/proc/sys/kernel/random/boot_id",):
-        try:
-            parts.append(Path(path).read_text().strip())
-        except OSError:
-            pass
-    try:
-        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    try:  # Linux: this boot of the machine, and the process namespace (a container's own)
+        parts += [Path("/proc/sys/kernel/random/boot_id").read_text().strip(), str(os.stat("/proc/self/ns/pid").st_ino)]
     except OSError:
         pass
     return "/".join(parts)
@@ -170,8 +165,6 @@ def _process_start(pid: int) -> str | None:
     system has no /proc (then only the process id is compared)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return None
     except OSError:
         return None
     fields = stat[stat.rindex(")") + 2:].split()  # after "pid (name) ": the state is field 3, the start field 22
