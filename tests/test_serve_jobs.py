@@ -650,6 +650,7 @@ def test_servers_on_two_machines_share_jobs_through_postgresql(wan, postgres, tm
             away = servers[1].client.get(f"/v1/videos/{made.id}")
             assert (away.status_code, away.headers.get("retry-after")) == (503, "5"), away.text
             assert away.json()["error"]["code"] == "store_unavailable" and "cannot be reached" in away.text
+            assert url.rsplit("/", 1)[1] not in away.text and "connection" not in away.text  # no internals
             assert servers[1].client.get("/health").status_code == 200
             servers[1].wait_for(lambda m: m["paradiff_job_store_up"] == 0)  # its dispatcher's next look, within 1 s
         finally:

@@ -88,15 +88,15 @@ OWNERS = Table(
 
 
 class StoreError(RequestError):
-    """The store's database cannot be reached, or failed a statement: a request answers 503 (retry later); rank 0's
-    side of the jobs waits for it (serve/jobs.py)."""
+    """The store's database cannot be reached, or failed a statement: a request answers 503 (retry later), without
+    the store's address or the driver's words (internal details, for the console: `where`, `reason`); rank 0's side
+    of the jobs waits for it (serve/jobs.py)."""
 
     retry_after = 5
 
     def __init__(self, url: str, exc: Exception) -> None:
         self.where, self.reason = shown(url), " ".join(str(getattr(exc, "orig", None) or exc).split())
-        super().__init__(503, f"the video jobs' store {self.where} cannot be reached ({self.reason}); retry later",
-                         code="store_unavailable")
+        super().__init__(503, "the video jobs' store cannot be reached; retry later", code="store_unavailable")
 
 
 def store_url(value: str | Path) -> str:
