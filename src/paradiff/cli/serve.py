@@ -43,19 +43,17 @@ def check_serve_args(args: argparse.Namespace) -> None:
             "use it")
     if "RANK" not in os.environ:  # the launcher, before its workers start
         from paradiff.serve.jobs import open_store
-        from paradiff.serve.jobstore import shown, store_url
+        from paradiff.serve.jobstore import shown
 
         try:
-            store_url(settings.jobs_where)
-        except ValueError as exc:
-            raise CliError(str(exc)) from None
-        try:
             open_store(settings).close()
+        except ValueError as exc:  # not a URL of a database served here (store_url)
+            raise CliError(str(exc)) from None
         except ModuleNotFoundError as exc:  # the database's driver
             raise CliError(f"--jobs-db {shown(settings.jobs_where)}: its driver {exc.name} is not installed; "
                            "pip install 'paradiff[postgres]'") from None
         except Exception as exc:  # noqa: BLE001 - SQLAlchemy's and the driver's errors, OSError: one line, no trace
-            reason = " ".join(str(getattr(exc, "orig", None) or exc).split())
+            reason = getattr(exc, "reason", None) or " ".join(str(getattr(exc, "orig", None) or exc).split())
             raise CliError(f"--jobs-db {shown(settings.jobs_where)}: cannot open the job store ({reason}); give a "
                            "writable file path or a database URL the server can reach") from None
         from paradiff.serve.app import check_listen_address
@@ -165,7 +163,7 @@ def run_ray_serve(args: argparse.Namespace, argv: list[str]) -> int:
 def mesh_argv(argv: list[str]) -> list[str]:
     """The flags of `paradiff serve ...` that each Ray replica's mesh takes: without the Ray flags, --host, --port
     and --out (each mesh listens on a loopback port of its own and writes to a folder of its own), and --jobs-db
-    (run_ray_serve gives every mesh the same store, as an absolute path)."""
+    (run_ray_serve gives every mesh the same store, as a URL)."""
     mesh: list[str] = []
     skip = 0
     for token in argv[argv.index("serve") + 1:]:

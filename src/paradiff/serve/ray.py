@@ -383,7 +383,7 @@ def end_processes_of(folder: str) -> None:
                 with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
                     if mine in cmdline.read():
                         os.kill(int(entry), signal.SIGKILL)
-            except (OSError, ProcessLookupError):
+            except OSError:  # gone meanwhile, or not ours to read
                 pass
 
 
