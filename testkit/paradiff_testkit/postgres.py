@@ -10,12 +10,13 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
+
+from paradiff.distributed.spawn import free_port
 
 
 def binaries() -> Path | None:
@@ -38,12 +39,6 @@ def _server_user() -> dict:
     return {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []}
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 class PostgresServer:
     """A PostgreSQL cluster in a folder of its own, served on a loopback port; stop() and start() again (a database
     server restarting under its clients)."""
@@ -51,7 +46,7 @@ class PostgresServer:
     def __init__(self, root: Path, fsync: bool, timeout_s: float) -> None:
         self.root, self.fsync, self.timeout_s = root, fsync, timeout_s
         self.folder, self.user = binaries(), _server_user()
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"postgresql://paradiff@127.0.0.1:{self.port}/paradiff"
         self.process: subprocess.Popen | None = None
         subprocess.run([str(self.folder / "initdb"), "-D", str(root / "data"), "-U", "paradiff", "-A", "trust", "-E",
