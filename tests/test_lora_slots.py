@@ -57,6 +57,33 @@ def test_slot_rows_follow_their_samples_and_a_rank_above_the_slots_is_refused():
         slots(torch.randn(3, 4))
 
 
+def test_eager_slots_run_only_the_ranks_their_rows_fill(monkeypatch):
+    """Run eagerly, a layer multiplies only up to the widest rank its rows' slots hold, and nothing when none of them
+    touches it: the same values as the full max_rank product (which a traced model always runs)."""
+    index = SlotIndex(4)
+    slots = LoraSlots(6, 5, max_loras=3, max_rank=8, index=index, dtype=torch.float32)
+    slots.write(1, torch.randn(2, 6), torch.randn(5, 2), 0.5)
+    slots.write(3, torch.randn(3, 6), torch.randn(5, 3), 2.0)
+    x = torch.randn(3, 4, 6)
+    base = torch.randn(3, 4, 5)
+    widths = []
+    real_bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda a, b: widths.append(a.shape[-1]) or real_bmm(a, b))
+    index.set([0, 2, 0])  # slot 2 is empty: nothing to multiply, the layer's output handed back as it is
+    assert slots.add_to(base, x) is base and torch.equal(slots(x), torch.zeros(3, 4, 5)) and widths == []
+    for chosen, rank in (([1, 0, 1], 2), ([1, 3, 0], 3)):
+        index.set(chosen)
+        eager = slots(x)
+        assert widths[-2:] == [6, rank], (chosen, widths)
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the traced path: all 8 columns
+        full = slots(x)
+        monkeypatch.undo()
+        monkeypatch.setattr(torch, "bmm", lambda a, b: widths.append(a.shape[-1]) or real_bmm(a, b))
+        assert widths[-2:] == [6, 8], widths
+        torch.testing.assert_close(eager, full, rtol=1e-6, atol=1e-6)
+        assert eager[[c == 0 for c in chosen]].abs().max() == 0
+
+
 def test_an_adapter_load_costs_its_own_layers_and_bytes(slot_loras, monkeypatch):
     """A load with the server's checksum takes no second one; an unload clears only the layers its adapter wrote; a
     slot reused by a narrower adapter holds only that adapter (the wider one's rows and columns zeroed)."""

@@ -10,7 +10,9 @@ punica-style shrink then expand batched over the rows:
 On a split Linear the slots hold this rank's slices, cut as `tensor_parallel/lora.py` cuts peft's factors (A whole
 and B's rows for colwise; A's columns and B whole for rowwise, whose partial sum joins the layer's one all-reduce:
 `RowwiseLinear.lora_slots`). Loading, switching or clearing an adapter writes tensor values only: no shape and no
-Python branch changes, so a compiled model compiles no new graph.
+Python branch changes, so a compiled model compiles no new graph: traced, a layer always runs all `max_rank` columns
+of its slots. Run eagerly, it runs only the widest rank that the rows' slots fill in this layer, and nothing where
+none of them touches it (every rank holds the same adapters, so every rank skips the same layers).
 
 Rows and samples: a transformer call sees `k * samples` rows (k = 2 for classifier-free guidance batched in one
 call, both halves in sample order as diffusers concatenates them; CFG-parallel ranks each see one half, k = 1), so
@@ -33,6 +35,7 @@ class SlotIndex:
     def __init__(self, slots: int) -> None:
         self.slots = slots
         self.samples = torch.zeros(1, dtype=torch.long)
+        self.chosen = frozenset({0})  # the slots `samples` names, on the host (the eager path's rank)
 
     def set(self, samples: Sequence[int], device: torch.device | str | None = None) -> None:
         bad = [slot for slot in samples if not 0 <= int(slot) < self.slots]
@@ -40,6 +43,7 @@ class SlotIndex:
             raise AdapterError(f"Adapter slots {list(samples)}: each must be in 0..{self.slots - 1} (0: no adapter), "
                                "one per sample.")
         self.samples = torch.tensor([int(slot) for slot in samples], dtype=torch.long, device=device)
+        self.chosen = frozenset(int(slot) for slot in samples)
 
     def rows(self, count: int) -> torch.Tensor:
         samples = self.samples.shape[0]
@@ -114,13 +118,18 @@ class LoraSlots(nn.Module):
         all-reduce)."""
         rows = x.shape[0]
         slots = self.index.rows(rows)
+        shape = (*x.shape[:-1], self.out_features)
+        rank = self.max_rank
+        if not torch.compiler.is_compiling():  # eager: only the ranks the rows' adapters fill (the rest are zeros)
+            rank = max(self.filled[slot] for slot in self.index.chosen)
+            if rank == 0:  # no adapter of these rows touches this layer
+                return output if output is not None else x.new_zeros(shape)
         if slots.device != x.device:
             slots = slots.to(x.device)
         tokens = x.reshape(rows, -1, x.shape[-1]).to(self.lora_a.dtype)
-        shrunk = torch.bmm(tokens, self.lora_a[slots].transpose(1, 2))  # rows x tokens x max_rank
+        shrunk = torch.bmm(tokens, self.lora_a[slots, :rank].transpose(1, 2))  # rows x tokens x rank
         shrunk = shrunk * self.scale[slots].view(rows, 1, 1)
-        expand = self.lora_b[slots].transpose(1, 2)  # rows x max_rank x out
-        shape = (*x.shape[:-1], self.out_features)
+        expand = self.lora_b[slots, :, :rank].transpose(1, 2)  # rows x rank x out
         if output is None:
             return torch.bmm(shrunk, expand).reshape(shape).to(x.dtype)
         if output.dtype != shrunk.dtype:
