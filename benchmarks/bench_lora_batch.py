@@ -1,5 +1,5 @@
-"""Adapters per sample (api/lora_slots.py) on a small FLUX.2 transformer, single process, CPU, fp32: a mixed batch of
-4 (4 different adapters in one call) against a same-adapter batch of 4 and against 4 single calls (one sample each,
+"""Adapters per sample (api/lora_slots.py) on a small FLUX.2 transformer, single process, CPU, fp32 and bf16: a mixed
+batch of 4 (4 different adapters in one call) against a same-adapter batch of 4 and against 4 single calls (one sample each,
 with its adapter); the graphs Dynamo compiles when the compiled model switches every sample's adapter; and the time of
 loading an adapter at run time next to loading a pipeline.
 
@@ -25,7 +25,8 @@ batched or not), and the slots' cost in a mixed batch against that plain batch.
 Rounds interleave the five variants (mixed, same adapter, 4 singles, and the plain batch and 4 plain singles); each
 figure is the median over rounds of the per-round ratio of process CPU times (one thread: on an idle core, the wall
 time; on a machine shared with other work, a wall clock also counts the time others ran), the wall-clock median beside
-it in the note. Written to benchmarks/results/bench_lora_batch.json (results.py: write_result, which notes a machine
+it in the note. Both dtypes are measured (bf16 is what users run; on a CPU with AMX its GEMMs gain more from a
+batch than fp32's do). Written to benchmarks/results/bench_lora_batch.json (results.py: write_result, which notes a machine
 under load).
 
     python benchmarks/bench_lora_batch.py [--rounds 5] [--no-write]
@@ -56,10 +57,10 @@ def main() -> None:
 
     import torch
 
-    from paradiff.api.lora_slots import enable_adapter_slots, load_slot_adapter, set_sample_adapters
+    from paradiff.api.lora_slots import set_sample_adapters
     from paradiff_testkit.compile import RecordingBackend
     from paradiff_testkit.lora import random_lora, save_lora
-    from paradiff.testing.models import Lengths, build_model, make_inputs, model_class, run_forward, save_model
+    from paradiff.testing.models import build_model, make_inputs, run_forward, save_model
 
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="bench-lora-batch-"))
@@ -77,14 +78,101 @@ def main() -> None:
                 for name in targets) / sum(module.in_features * module.out_features for module in linears)
     del model
 
-    plain = model_class("flux2").from_pretrained(folder).eval()  # no slots: the base model's own batching
-    model = model_class("flux2").from_pretrained(folder).eval()
+    model, fp32 = interleaved(folder, files, torch.float32, args.rounds)
+    _, bf16 = interleaved(folder, files, torch.bfloat16, args.rounds)
+    load = adapter_load(work, args.pipeline_loads, args.adapter_loads)
+
+    import paradiff
+
+    torch._dynamo.reset()
+    recorder = RecordingBackend()
+    paradiff.compile(model, backend=recorder)
+    batch = make_inputs("flux2", model.config, batch=4, lengths=sample_lengths())
+    set_sample_adapters(model, names)
+    run_forward(model, batch)
+    graphs_before = len(recorder.graphs)
+    set_sample_adapters(model, names[1:] + names[:1])
+    run_forward(model, batch)
+    set_sample_adapters(model, [None, names[2], None, names[3]])
+    run_forward(model, batch)
+    recompiles = len(recorder.graphs) - graphs_before
+
+    shape = ("one transformer forward (FLUX.2 512 wide, 2 + 2 blocks, 256 image + 64 text tokens, one thread; no "
+             "text encoder, VAE or scheduler)")
+    median = f"median of {args.rounds} interleaved rounds, process CPU time"
+    figures = [
+        figure("mixed batch of 4 / same-adapter batch of 4", round(fp32["vs_same"], 3), "x", "<= 1.15",
+               note=f"fp32; {median} ({fp32['vs_same_wall']})"),
+        figure("mixed batch of 4 / 4 single calls", round(fp32["vs_singles"], 3), "x", "<= 0.7",
+               note=f"{shape}, fp32, on 4 samples with 4 adapters, against 4 such forwards of one sample each with "
+                    f"its adapter ({fp32['single_ms']:.0f} ms CPU each); {median} ({fp32['vs_singles_wall']}); "
+                    "bounded by the base model's own gain below: on a CPU the GEMMs of 320 rows already run near the "
+                    "core's peak, so a batch saves only the per-call work (weights read once, per-op dispatch), not "
+                    "the GEMMs"),
+        figure("mixed batch of 4 / 4 single calls, bf16", round(bf16["vs_singles"], 3), "x", "<= 0.7",
+               note=f"the same in bfloat16, the dtype users run ({bf16['single_ms']:.0f} ms CPU a single call); "
+                    f"{median} ({bf16['vs_singles_wall']}); mixed / same-adapter batch {bf16['vs_same']:.3f}x"),
+        figure("batch of 4 / 4 single calls, no adapter slots", round(fp32["plain_gain"], 3), "x",
+               note=f"fp32; the same comparison on a copy of the transformer without slots: the gain batching gives "
+                    f"the base model at this shape; {median} ({fp32['plain_gain_wall']})"),
+        figure("batch of 4 / 4 single calls, no adapter slots, bf16", round(bf16["plain_gain"], 3), "x",
+               note=f"as above in bfloat16; {median} ({bf16['plain_gain_wall']})"),
+        figure("mixed batch of 4 / the same batch without adapter slots", round(fp32["slot_cost"], 3), "x",
+               note=f"fp32; what the slots cost: rank-32 adapters on {len(targets)} of the {len(linears)} Linears "
+                    f"({100 * extra:.0f}% more multiply-adds per token than the Linears'), their gather, shrink, "
+                    f"scale and expand-add (eager: the Linears no resident adapter touches skip theirs); {median} "
+                    f"({fp32['slot_cost_wall']}); bf16 {bf16['slot_cost']:.3f}x"),
+        figure("adapter load at run time / pipeline load", round(100 * load["ratio"], 2), "%", "< 2",
+               note=f"median of {args.adapter_loads} adapter loads as paradiff serve makes them (AdapterCache.prepare: "
+                    f"one read of the file, its sha256, header, checks, agreement, slot writes, an LRU eviction; "
+                    f"{1000 * load['adapter_s']:.0f} ms, {load['adapter_mb']:.1f} MB, rank {load['rank']}) against "
+                    f"the median of {args.pipeline_loads} paradiff.load_pipeline of a Lumina 2 pipeline 1024 wide "
+                    f"(transformer + Gemma 2 text encoder + VAE, {load['pipeline_mb']:.0f} MB float32; "
+                    f"{load['pipeline_s']:.2f} s); the adapter is {100 * load['share']:.2f}% of the pipeline's bytes, "
+                    "as a rank-16 LoRA on every block Linear of FLUX.1-dev is of its pipeline (0.51%); files in the "
+                    "page cache, one process"),
+        figure("graphs compiled on an adapter switch (compiled)", recompiles, "graphs", "== 0",
+               note=f"paradiff.compile, a recording aot_eager backend: {graphs_before} graphs for the first call, "
+                    "then every sample switched and two set to no adapter"),
+    ]
+    for item in figures:
+        print(f"{item['name']:<52} {item['value']:>10} {item['unit']}")
+    if not args.no_write:
+        write_result("bench_lora_batch",
+                     "Adapters per sample: a mixed batch of 4 adapters in one call (small FLUX.2, CPU, fp32 and bf16)", figures)
+
+
+
+
+def sample_lengths():
+    """256 image tokens (a 16 x 16 latent grid) and 64 text tokens."""
+    from paradiff.testing.models import Lengths
+
+    return Lengths(height=16, width=16, text=64)
+
+
+def interleaved(folder: Path, files: dict[str, Path], dtype, rounds: int) -> tuple:
+    """The slots' model (eager, `dtype`) and, over `rounds` interleaved rounds of the five variants (mixed, same
+    adapter, 4 singles, and the plain batch and 4 plain singles on a copy without slots), the median per-round ratios
+    of process CPU times (wall-clock medians beside them) and one single call's CPU milliseconds."""
+    import torch
+
+    from paradiff.api.lora_slots import enable_adapter_slots, load_slot_adapter, set_sample_adapters
+    from paradiff.testing.models import make_inputs, model_class, run_forward
+
+    names = list(files)
+    plain = model_class("flux2").from_pretrained(folder, torch_dtype=dtype).eval()  # the base model's own batching
+    model = model_class("flux2").from_pretrained(folder, torch_dtype=dtype).eval()
     enable_adapter_slots(model, max_loras=4, max_lora_rank=32)
     for name in names:
         load_slot_adapter(model, name, str(files[name]), use_safetensors=True)
-    batch = make_inputs("flux2", model.config, batch=4, lengths=Lengths(height=16, width=16, text=64))
-    singles = [make_inputs("flux2", model.config, batch=1, lengths=Lengths(height=16, width=16, text=64), seed=i)
-               for i in range(4)]
+
+    def cast(inputs: dict) -> dict:
+        return {key: value.to(dtype) if torch.is_tensor(value) and value.is_floating_point() else value
+                for key, value in inputs.items()}
+
+    batch = cast(make_inputs("flux2", model.config, batch=4, lengths=sample_lengths()))
+    singles = [cast(make_inputs("flux2", model.config, batch=1, lengths=sample_lengths(), seed=i)) for i in range(4)]
 
     def timed(call) -> tuple[float, float]:
         """(process CPU seconds, wall seconds) of one call."""
@@ -105,81 +193,22 @@ def main() -> None:
             set_sample_adapters(model, [name])
             run_forward(model, inputs)
 
-    def plain_batch() -> None:
-        run_forward(plain, batch)
-
-    def plain_singles() -> None:
-        for inputs in singles:
-            run_forward(plain, inputs)
-
-    variants = {"mixed": mixed, "same": same, "singles": four_singles, "plain batch": plain_batch,
-                "plain singles": plain_singles}
+    variants = {"mixed": mixed, "same": same, "singles": four_singles,
+                "plain batch": lambda: run_forward(plain, batch),
+                "plain singles": lambda: [run_forward(plain, inputs) for inputs in singles]}
     for call in variants.values():  # warm-up
         call()
-    rounds = [{name: timed(call) for name, call in variants.items()} for _ in range(args.rounds)]
+    times = [{name: timed(call) for name, call in variants.items()} for _ in range(rounds)]
 
     def ratio(top: str, bottom: str, clock: int = 0) -> float:
-        return statistics.median(r[top][clock] / r[bottom][clock] for r in rounds)
+        return statistics.median(r[top][clock] / r[bottom][clock] for r in times)
 
-    def wall(top: str, bottom: str) -> str:
-        return f"wall clock {ratio(top, bottom, 1):.3f}"
-
-    single_ms = 1000 * statistics.median(r["singles"][0] for r in rounds) / 4
-    vs_same, vs_singles = ratio("mixed", "same"), ratio("mixed", "singles")
-    plain_gain, slot_cost = ratio("plain batch", "plain singles"), ratio("mixed", "plain batch")
-    load = adapter_load(work, args.pipeline_loads, args.adapter_loads)
-
-    import paradiff
-
-    torch._dynamo.reset()
-    recorder = RecordingBackend()
-    paradiff.compile(model, backend=recorder)
-    mixed()
-    graphs_before = len(recorder.graphs)
-    set_sample_adapters(model, names[1:] + names[:1])
-    run_forward(model, batch)
-    set_sample_adapters(model, [None, names[2], None, names[3]])
-    run_forward(model, batch)
-    recompiles = len(recorder.graphs) - graphs_before
-
-    shape = ("one transformer forward (FLUX.2 512 wide, 2 + 2 blocks, 256 image + 64 text tokens, fp32, one thread; "
-             "no text encoder, VAE or scheduler)")
-    figures = [
-        figure("mixed batch of 4 / same-adapter batch of 4", round(vs_same, 3), "x", "<= 1.15",
-               note=f"median of {args.rounds} interleaved rounds, process CPU time ({wall('mixed', 'same')})"),
-        figure("mixed batch of 4 / 4 single calls", round(vs_singles, 3), "x", "<= 0.7",
-               note=f"{shape} on 4 samples with 4 adapters, against 4 such forwards of one sample each with its "
-                    f"adapter ({single_ms:.0f} ms CPU each); median of {args.rounds} interleaved rounds, process CPU "
-                    f"time ({wall('mixed', 'singles')}); bounded by the base model's own gain below: on a CPU the "
-                    "GEMMs of 320 rows already run near the core's peak, so a batch saves only the per-call work "
-                    "(weights read once, per-op dispatch), not the GEMMs"),
-        figure("batch of 4 / 4 single calls, no adapter slots", round(plain_gain, 3), "x",
-               note=f"the same comparison on a copy of the transformer without slots: the gain batching gives the "
-                    f"base model at this shape; median of {args.rounds} interleaved rounds, process CPU time "
-                    f"({wall('plain batch', 'plain singles')})"),
-        figure("mixed batch of 4 / the same batch without adapter slots", round(slot_cost, 3), "x",
-               note=f"what the slots cost: rank-32 adapters on {len(targets)} of the {len(linears)} Linears ("
-                    f"{100 * extra:.0f}% more multiply-adds per token than the Linears'), their gather, shrink, "
-                    f"scale and expand-add; median of {args.rounds} interleaved rounds, process CPU time "
-                    f"({wall('mixed', 'plain batch')})"),
-        figure("adapter load at run time / pipeline load", round(100 * load["ratio"], 2), "%", "< 2",
-               note=f"median of {args.adapter_loads} adapter loads as paradiff serve makes them (AdapterCache.prepare: "
-                    f"one read of the file, its sha256, header, checks, agreement, slot writes, an LRU eviction; "
-                    f"{1000 * load['adapter_s']:.0f} ms, {load['adapter_mb']:.1f} MB, rank {load['rank']}) against "
-                    f"the median of {args.pipeline_loads} paradiff.load_pipeline of a Lumina 2 pipeline 1024 wide "
-                    f"(transformer + Gemma 2 text encoder + VAE, {load['pipeline_mb']:.0f} MB float32; "
-                    f"{load['pipeline_s']:.2f} s); the adapter is {100 * load['share']:.2f}% of the pipeline's bytes, "
-                    "as a rank-16 LoRA on every block Linear of FLUX.1-dev is of its pipeline (0.51%); files in the "
-                    "page cache, one process"),
-        figure("graphs compiled on an adapter switch (compiled)", recompiles, "graphs", "== 0",
-               note=f"paradiff.compile, a recording aot_eager backend: {graphs_before} graphs for the first call, "
-                    "then every sample switched and two set to no adapter"),
-    ]
-    for item in figures:
-        print(f"{item['name']:<52} {item['value']:>10} {item['unit']}")
-    if not args.no_write:
-        write_result("bench_lora_batch",
-                     "Adapters per sample: a mixed batch of 4 adapters in one call (small FLUX.2, CPU, fp32)", figures)
+    pairs = {"vs_same": ("mixed", "same"), "vs_singles": ("mixed", "singles"),
+             "plain_gain": ("plain batch", "plain singles"), "slot_cost": ("mixed", "plain batch")}
+    result = {key: ratio(*pair) for key, pair in pairs.items()}
+    result.update({f"{key}_wall": f"wall clock {ratio(*pair, clock=1):.3f}" for key, pair in pairs.items()})
+    result["single_ms"] = 1000 * statistics.median(r["singles"][0] for r in times) / 4
+    return model, result
 
 
 # a rank-16 LoRA on every Linear of FLUX.1-dev's blocks (86 M parameters) over its pipeline (transformer 11.9 B,
