@@ -4,6 +4,9 @@
   time a server's rank 0 takes to answer its clients (longer than the launcher's dead-peer grace), writes
   FOLDER/answered and exits 0.
 - `leader-dies`: rank 0 exits with code 9 at once; rank 1 waits (bounded) for a file that never comes.
+- `signals`: rank 0 writes the name of each SIGTERM, SIGUSR1 or SIGUSR2 it gets to FOLDER/signals (a line each),
+  after FOLDER/ready; it exits 0 once it has two, or SECOND_S after the first; rank 1 ignores SIGTERM (as a
+  server's other ranks do) and exits with rank 0.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 
 ANSWER_S = 1.5  # > the tests' dead-peer grace
 WAIT_S = 120.0  # a bound on every wait here: the launcher is expected to end it long before
+SECOND_S = 5.0  # how long rank 0 waits for a second signal after the first
 
 
 def wait_for(path: Path) -> bool:
@@ -41,7 +45,34 @@ def main(scenario: str, folder: Path) -> int:
         if rank == 0:
             os._exit(9)
         return 0 if wait_for(folder / "never") else 2
-    raise SystemExit(f"unknown scenario {scenario!r}: follower-dies or leader-dies")
+    if scenario == "signals":
+        return signals(rank, folder)
+    raise SystemExit(f"unknown scenario {scenario!r}: follower-dies, leader-dies or signals")
+
+
+def signals(rank: int, folder: Path) -> int:
+    import signal
+
+    if rank != 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return 0 if wait_for(folder / "finished") else 2
+    got: list[str] = []
+
+    def record(number, _frame) -> None:
+        got.append(signal.Signals(number).name)
+        with open(folder / "signals", "a") as log:
+            log.write(got[-1] + "\n")
+
+    for number in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(number, record)
+    (folder / "ready").write_text("")
+    deadline = time.monotonic() + WAIT_S
+    while len(got) < 2 and time.monotonic() < deadline:
+        if got:
+            deadline = min(deadline, time.monotonic() + SECOND_S)
+        time.sleep(0.02)
+    (folder / "finished").write_text("")
+    return 0
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from paradiff.cli.args import CliError, build_parser, check_args, world_size_of
 from paradiff.cli.preflight import check_model_folder
-from paradiff.cli.launcher import USER_ERROR, WORKER_MODULE, WORKER_REPORTED_FAILURE, launch
+from paradiff.cli.launcher import INTERRUPTED, USER_ERROR, WORKER_MODULE, WORKER_REPORTED_FAILURE, launch
 from paradiff.runtime.console import say
 
 # A server's rank 0 answers its clients and stops the other ranks itself when one of them dies; the launcher's bound
@@ -54,6 +54,10 @@ def main(argv: list[str] | None = None, *, worker_module: str = WORKER_MODULE,
         return code
     except BrokenPipeError:
         return _reader_gone()
+    except KeyboardInterrupt:  # Ctrl-C: one line from the command (a worker's launcher says it for every rank)
+        if not os.environ.get("PARADIFF_WORKER"):
+            say("paradiff: interrupted.")
+        return INTERRUPTED
     except CliError as exc:
         say(f"paradiff: error: {exc}")
         return USER_ERROR

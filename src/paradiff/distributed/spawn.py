@@ -21,6 +21,10 @@ import traceback
 from typing import Any, Callable
 
 LOCALHOST = "127.0.0.1"
+# what a launcher sends a server's rank 0 when it is itself asked to stop (SIGTERM): drain, then (asked again) stop at
+# once. Their own signals, not SIGTERM: a SIGTERM to the whole process group reaches rank 0 directly as well, and the
+# two must count as one request
+DRAIN_SIGNAL, STOP_SIGNAL = signal.SIGUSR1, signal.SIGUSR2
 
 
 def free_port() -> int:
