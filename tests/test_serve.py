@@ -189,7 +189,8 @@ def test_a_fault_on_one_rank_fails_that_request_and_the_next_one_succeeds_then_s
     try:
         server.wait_ready()
         own = server.generate(prompt=PROMPTS[0], seed=5)
-        assert own.status_code == 500 and "injected request fault" in own.json()["error"]["message"], own.text
+        # a ValueError on every rank: the request's inputs, its 400 (the pipeline's own check_inputs raise those)
+        assert own.status_code == 400 and "injected request fault" in own.json()["error"]["message"], own.text
         assert server.client.get("/health").json() == {"status": "ready"}  # no reload: the ranks agreed
         assert "fault:" not in server.text() and "ready again" not in server.text()
         failed = server.generate(prompt=PROMPTS[0], seed=5)
@@ -207,6 +208,13 @@ def test_a_fault_on_one_rank_fails_that_request_and_the_next_one_succeeds_then_s
             prompt=PROMPTS[0], stream=True, partial_images=2, extra_body={"seed": 5}))
         assert [event.type for event in events].count("image_generation.partial_image") == 2
         assert base64.b64decode(events[-1].b64_json) == recovered
+        # n = 2 where a call takes one image (--max-batch 1): still the first image's 2 previews, then both images
+        events = list(OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0).images.generate(
+            prompt=PROMPTS[0], stream=True, partial_images=2, n=2, extra_body={"seed": 5}))
+        assert [event.type for event in events] == ["image_generation.partial_image"] * 2 + [
+            "image_generation.completed"] * 2
+        assert [event.partial_image_index for event in events[:2]] == [0, 1]
+        assert base64.b64decode(events[2].b64_json) == recovered
         # SIGTERM with requests in flight: they are answered, the next is refused, the server exits 0
         with ThreadPoolExecutor(3) as pool:
             answered = server.metrics()['paradiff_requests_total{status="200"}']
@@ -223,8 +231,8 @@ def test_a_fault_on_one_rank_fails_that_request_and_the_next_one_succeeds_then_s
         assert server.process.wait(timeout=60) == 0, server.text()
         assert "SIGTERM: finishing the requests in flight" in server.text()
         statuses = [entry["status"] for entry in server.log()]
-        # the two faults, the recovered request, the edit, the stream, the three drained
-        assert statuses == [500, 500, 200, 200, 200, 200, 200, 200]
+        # the request's own fault and the rank's, the recovered request, the edit, the two streams, the three drained
+        assert statuses == [400, 500, 200, 200, 200, 200, 200, 200, 200]
     finally:
         server.stop()
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import base64
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
@@ -51,10 +52,30 @@ def test_adapters_load_and_unload_at_run_time_while_requests_run(tmp_path):
         assert answers[2] == answers[1]  # the same file under another name: the same picture
         gone = server.generate(prompt=PROMPT, seed=3, model="late")
         assert gone.status_code == 404, gone.text
+        # `model` selects the adapter on a streamed generation (the same bytes as unstreamed) and on an edit
+        from openai import OpenAI
+
+        client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        events = list(client.images.generate(model="swap", prompt=PROMPT, stream=True, extra_body={"seed": 3}))
+        assert base64.b64decode(events[-1].b64_json) == answers[1][0]
+        edits = [client.images.edit(model=model, image=("in.png", answers[0][0], "image/png"), prompt=PROMPT,
+                                    extra_body={"seed": 3}) for model in (base, "swap")]
+        assert edits[0].data[0].b64_json != edits[1].data[0].b64_json
+        # an adapter file changed or removed since it was named: that request's 409, the server goes on
+        for name, change in (("mut", lambda path: path.write_bytes(path.read_bytes() + b" ")),
+                             ("removed", lambda path: path.unlink())):
+            shutil.copy(LORA_FILE, root / f"{name}.safetensors")
+            assert server.client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path":
+                                      f"{name}.safetensors"}).status_code == 200
+            change(root / f"{name}.safetensors")
+            refused = server.generate(prompt=PROMPT, seed=3, model=name)
+            assert refused.status_code == 409 and name in refused.json()["error"]["message"], refused.text
+        assert server.client.get("/health").json() == {"status": "ready"}
         again = server.client.post("/v1/unload_lora_adapter", json={"lora_name": "late"})
         assert again.status_code == 404
         log = [entry for entry in server.log() if entry.get("id") is not None and entry["status"] == 200]
-        assert sorted(entry["adapter"] or "" for entry in log) == ["", "late", "swap", "swap"]
+        # the four together, then the streamed "swap", the base and "swap" edits
+        assert sorted(entry["adapter"] or "" for entry in log) == ["", "", "late", "swap", "swap", "swap", "swap"]
         assert all(entry["batch"] for entry in log)
         assert server.text().count("ready") == 1  # loaded once: no reload for any adapter
     finally:

@@ -50,12 +50,43 @@ def test_a_good_request_gets_the_defaults_and_its_seeds():
     ({"prompt": "x", "stream": "yes"}, 400, "stream: expected true or false"),
     ({"prompt": "x", "stream": True, "partial_images": 4}, 400, "partial_images 4 is out of bounds: expected 0 to 3"),
     (["x"], 400, "must be a JSON object, got list"),
+    ({"prompt": "x", "output_format": ""}, 400, "output_format '': expected one of"),
+    ({"prompt": "x", "output_format": 0}, 400, "output_format 0: expected one of"),
+    ({"prompt": "x", "size": " 64x64"}, 400, "size ' 64x64': expected 'WIDTHxHEIGHT'"),
+    ({"prompt": "x", "size": "+64x64"}, 400, "size '+64x64'"),
+    ({"prompt": "x", "size": "6_4x64"}, 400, "size '6_4x64'"),
+    ({"prompt": "x", "size": "\u0666\u0664x64"}, 400, "expected 'WIDTHxHEIGHT'"),  # Arabic-Indic digits
+    ({"prompt": "x", "steps": 1e308}, 400, "... is out of bounds: expected 1 to 20"),  # not 309 digits
+    ({"prompt": "x", "safety_identifier": 1}, 400, "safety_identifier 1: expected a string"),
 ])
 def test_bad_requests_name_the_field_and_what_is_valid(body, status, words):
     with pytest.raises(RequestError) as caught:
         parse_image_request(body, LIMITS)
     assert caught.value.status == status
     assert words in str(caught.value)
+
+
+def test_null_is_a_fields_default_and_long_values_are_not_echoed_whole():
+    """OpenAI's client sends null for a field left to its default; a message quotes at most 60 characters of a value."""
+    request = parse_image_request({"prompt": "x", "n": None, "steps": None, "response_format": None,
+                                   "output_format": None, "size": None, "seed": None, "stream": None}, LIMITS)
+    assert (request.n, request.steps, request.output_format, (request.width, request.height)) == (1, 8, "png",
+                                                                                                    (64, 64))
+    with pytest.raises(RequestError) as caught:
+        parse_image_request({"prompt": "x", "model": "m" * 5000}, LIMITS)
+    assert caught.value.status == 404 and len(str(caught.value)) < 200, str(caught.value)
+
+
+def test_openai_video_seconds_are_read_as_openai_sends_them_and_bounded():
+    """`seconds` a string ("4", as OpenAI's API types it) or a number; NaN, infinities, and more frames than the
+    server makes are the request's 400 naming `seconds`, never a 500."""
+    from paradiff.serve.jobs import video_seconds
+
+    assert video_seconds("4") == 4.0 and video_seconds(2.5) == 2.5
+    for bad in (float("nan"), float("inf"), "NaN", "Infinity", 0, -1, "four", True, None, [4]):
+        with pytest.raises(RequestError) as caught:
+            video_seconds(bad)
+        assert (caught.value.status, caught.value.param) == (400, "seconds"), bad
 
 
 def test_openais_standard_fields_are_accepted_and_a_missing_seed_is_drawn_on_rank_0():
@@ -103,6 +134,21 @@ def test_an_edit_form_is_read_and_its_uploads_are_bounded():
         with pytest.raises(RequestError) as caught:
             parse_edit_request(fields, edits)
         assert (caught.value.status, caught.value.param) == (400, param) and words in str(caught.value), caught.value
+        assert " object at 0x" not in str(caught.value), caught.value  # no Python object's repr
+    # a phone's pictures: a JPEG stored sideways with its EXIF orientation (6: turn 90 degrees), checked as it is
+    # shown (32 x 16: the mask of 32 x 16 fits it), and an MPO (a JPEG with more pictures after the first)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    sideways, mpo = io.BytesIO(), io.BytesIO()
+    Image.new("RGB", (16, 32), "red").save(sideways, format="JPEG", exif=exif)
+    Image.new("RGB", (32, 16)).save(mpo, format="MPO", save_all=True, append_images=[Image.new("RGB", (32, 16))])
+    request = parse_edit_request([("prompt", "x"), ("image", sideways.getvalue()), ("mask", png(32, 16))], edits)
+    from paradiff.io.images import read_image
+
+    assert read_image(request.images[0]).size == (32, 16)
+    request = parse_edit_request([("prompt", "x"), ("image", mpo.getvalue()), ("stream", "true"),
+                                  ("partial_images", "2")], edits)
+    assert (len(request.images), request.stream, request.partial_images) == (1, True, 2)
     with pytest.raises(RequestError, match=r"takes no image; it serves POST /v1/images/generations") as caught:
         parse_edit_request([("prompt", "x"), ("image", png(32, 32))], LIMITS)
     assert caught.value.param == "image"
@@ -845,3 +891,88 @@ def test_an_idle_replicas_first_rank_polls_for_work_at_most_every_20_ms():
     channel = Channel(store, 0, 2, scope="r0")
     assert not channel.wait_for("work", 1, deadline=time.monotonic() + IDLE_WAIT_S)
     assert POLL_S == (0.001, 0.02) and store.checks <= 16, store.checks
+
+
+def test_rank_0_counts_a_group_sigterm_and_the_launchers_drain_signal_as_one(monkeypatch, capsys):
+    """A SIGTERM to the process group reaches rank 0 itself and, through the launcher, as the drain signal, in either
+    order (Python runs pending handlers by signal number: SIGUSR1 before SIGTERM): one drain; a second SIGTERM, or
+    the launcher's stop signal, stops at once."""
+    import signal
+    from types import SimpleNamespace
+
+    from paradiff.distributed.spawn import DRAIN_SIGNAL, STOP_SIGNAL
+    from paradiff.serve import ranks
+
+    numbers = (signal.SIGTERM, signal.SIGINT, DRAIN_SIGNAL, STOP_SIGNAL)
+    saved = {number: signal.getsignal(number) for number in numbers}
+
+    class Stopped(Exception):
+        pass
+
+    def stop(code):
+        raise Stopped(code)
+
+    monkeypatch.setattr(ranks.os, "_exit", stop)
+    try:
+        for first, second in ((DRAIN_SIGNAL, signal.SIGTERM), (signal.SIGTERM, DRAIN_SIGNAL)):
+            drains = []
+            frontend = SimpleNamespace(scheduler=SimpleNamespace(draining=False))
+            frontend.drain = lambda: (drains.append(1), setattr(frontend.scheduler, "draining", True))
+            ranks._handle_signals(frontend)
+            signal.raise_signal(first)
+            signal.raise_signal(second)
+            assert drains == [1]
+            with pytest.raises(Stopped):
+                signal.raise_signal(signal.SIGTERM)
+        ranks._handle_signals(SimpleNamespace(scheduler=SimpleNamespace(draining=False), drain=lambda: None))
+        with pytest.raises(Stopped):
+            signal.raise_signal(STOP_SIGNAL)
+    finally:
+        for number, handler in saved.items():
+            signal.signal(number, handler)
+    assert capsys.readouterr().err.count("taking no new ones") == 2  # one line a drain
+
+
+def test_the_adapter_registry_refuses_bad_names_paths_and_headers_by_field(tmp_path):
+    """What a client may send to /v1/load_lora_adapter and /v1/unload_lora_adapter: every bad value a 4xx naming
+    lora_path or lora_name, never an OS error's 500; a `model` naming an adapter selects it in a JSON body and in an
+    edit's form."""
+    import json
+    import shutil
+    import struct
+
+    from paradiff.demo import LORA_FILE
+    from paradiff.serve.adapters import AdapterRegistry
+
+    root = tmp_path / "loras"
+    root.mkdir()
+    shutil.copy(LORA_FILE, root / "good.safetensors")
+    (root / "loop1.safetensors").symlink_to(root / "loop2.safetensors")
+    (root / "loop2.safetensors").symlink_to(root / "loop1.safetensors")
+    for name, header in (("empty-shape", {"a.lora_A.weight": {"dtype": "F32", "shape": [], "data_offsets": [0, 0]}}),
+                         ("number", {"a.lora_A.weight": 5}), ("list", [1, 2])):
+        data = json.dumps(header).encode()
+        (root / f"{name}.safetensors").write_bytes(struct.pack("<Q", len(data)) + data)
+    registry = AdapterRegistry("base", None, str(root), True, 64)
+    assert registry.add("good", "good.safetensors")["sha256"]
+    cases = [("x", "a\0b.safetensors", 400, "lora_path"), ("x", "a" * 5000, 400, "lora_path"),
+             ("x", "a" * 300 + ".safetensors", 400, "lora_path"), ("x", "loop1.safetensors", 400, "lora_path"),
+             ("x", "~nosuchuser123/x.safetensors", 404, "lora_path"), ("x", "/etc/passwd", 403, "lora_path"),
+             ("x", "empty-shape.safetensors", 400, "lora_path"), ("x", "number.safetensors", 400, "lora_path"),
+             ("x", "list.safetensors", 400, "lora_path"), ("x", 7, 400, "lora_path"),
+             ("", "good.safetensors", 400, "lora_name"), ([], "good.safetensors", 400, "lora_name"),
+             ("base", "good.safetensors", 400, "lora_name"), ("good", "good.safetensors", 400, "lora_name")]
+    for name, path, status, param in cases:
+        with pytest.raises(RequestError) as caught:
+            registry.add(name, path)
+        assert (caught.value.status, caught.value.param) == (status, param), (name, path[:40], caught.value)
+        assert len(str(caught.value)) < 400, str(caught.value)
+    for name in ([], {}, None, "absent"):
+        with pytest.raises(RequestError) as caught:
+            registry.remove(name)
+        assert caught.value.param == "lora_name" and caught.value.status in (400, 404), name
+    body, adapter = registry.resolve_model({"prompt": "x", "model": "good"})
+    assert body["model"] == "base" and adapter["name"] == "good"
+    form, adapter = registry.resolve_model([("prompt", "x"), ("model", "good"), ("image", b"...")])
+    assert form == [("prompt", "x"), ("model", "base"), ("image", b"...")] and adapter["name"] == "good"
+    assert registry.resolve_model([("prompt", "x")]) == ([("prompt", "x")], None)

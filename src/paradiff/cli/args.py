@@ -85,7 +85,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     gen.add_argument("--profile", default="h100-sxm",
                      help="with --parallel auto: the hardware profile to plan with (a built-in name or a file)")
     gen.add_argument("--steps", type=_positive, default=None,
-                     help="denoising steps (default 4; 8 for the embedded pipeline)")
+                     help="denoising steps (default 4, the embedded pipeline's too)")
     gen.add_argument("--height", type=_positive, default=64, help="image height in pixels (a multiple of 16)")
     gen.add_argument("--width", type=_positive, default=64, help="image width in pixels (a multiple of 16)")
     gen.add_argument("--frames", type=_positive, default=None,

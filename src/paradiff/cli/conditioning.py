@@ -167,20 +167,19 @@ def conditioning_kwargs(args: argparse.Namespace) -> dict:
     """The pipeline call's conditioning arguments, read from the files (every rank reads the same ones), under the
     keywords the pipeline class takes them by (its PipelineSpec's call_keywords, plans/pipelines.py: e.g. --video ->
     control_video=)."""
-    from PIL import Image
-
+    from paradiff.io.images import read_image
     from paradiff.plans.pipelines import call_keyword
 
-    kwargs = image_kwargs([Image.open(path).convert("RGB") for path in args.image or []],
-                          Image.open(args.mask).convert("L") if args.mask is not None else None)
+    kwargs = image_kwargs([read_image(path) for path in args.image or []],
+                          read_image(args.mask, "L") if args.mask is not None else None)
     if args.control_image is not None:
-        kwargs["control_image"] = Image.open(args.control_image).convert("RGB")
+        kwargs["control_image"] = read_image(args.control_image)
     if args.video is not None:
         kwargs["video"] = _read_video(args.video, frames_only=True)
     if getattr(args, "last_image", None) is not None:
-        kwargs["last_image"] = Image.open(args.last_image).convert("RGB")
+        kwargs["last_image"] = read_image(args.last_image)
     if getattr(args, "reference_image", None):
-        kwargs["reference_images"] = [Image.open(path).convert("RGB") for path in args.reference_image]
+        kwargs["reference_images"] = [read_image(path) for path in args.reference_image]
     if args.strength is not None:
         kwargs["strength"] = args.strength
     if getattr(args, "controlnet_scale", None) is not None:
@@ -200,11 +199,14 @@ def _image_size(flag: str, path: str) -> tuple[int, int]:
     """(width, height) of an image file, read from its header; a CliError when it is not there or not an image."""
     from PIL import Image, UnidentifiedImageError
 
+    from paradiff.io.images import upright_size
+
     _exists(flag, path)
     try:
         with Image.open(path) as image:
+            size = upright_size(image)  # as read_image turns it
             image.verify()
-            return image.size
+            return size
     except (UnidentifiedImageError, OSError, SyntaxError) as exc:
         raise CliError(f"{flag} {path}: not a readable image ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'unreadable'})") from None
 

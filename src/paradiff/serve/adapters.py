@@ -25,7 +25,7 @@ from typing import Any
 
 from paradiff.errors import ServeSettingsError
 from paradiff.runtime.console import say
-from paradiff.serve.protocol import RequestError
+from paradiff.serve.protocol import RequestError, shown
 from paradiff.serve.settings import ServeSettings
 
 
@@ -44,8 +44,21 @@ def lora_header_ranks(path: Path) -> dict[str, int]:
         if size > 100 << 20:
             raise ValueError(f"a header of {size} bytes")
         header = json.loads(handle.read(size))
-    return {key: int(entry["shape"][0]) for key, entry in header.items() if key != "__metadata__"
-            and any(part in key for part in ("lora_A.weight", "lora_down.weight", "lora.down.weight"))}
+    if not isinstance(header, dict):
+        raise ValueError(f"its header is a JSON {type(header).__name__}, not an object")
+    ranks = {}
+    for key, entry in header.items():
+        if key == "__metadata__" or not any(part in key for part in LORA_DOWN):
+            continue
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if not isinstance(shape, list) or len(shape) != 2 or not all(
+                isinstance(size, int) and not isinstance(size, bool) and size > 0 for size in shape):
+            raise ValueError(f"tensor {shown(key)} has the shape {shown(shape)}; a LoRA factor is 2-D")
+        ranks[key] = shape[0]
+    return ranks
+
+
+LORA_DOWN = ("lora_A.weight", "lora_down.weight", "lora.down.weight")  # the factor whose first side is the rank
 
 
 class AdapterRegistry:
@@ -77,65 +90,91 @@ class AdapterRegistry:
 
     def add(self, name: Any, path: Any, confined: bool = True) -> dict[str, str]:
         """Check and name an adapter file; RequestError (400 / 403 / 404) naming what is wrong."""
-        if not isinstance(name, str) or not name.strip() or len(name) > 200:
-            raise RequestError(400, f"lora_name: expected a non-empty name of at most 200 characters, got {name!r}")
+        _check_name(name)
         if name == self.base_name:
-            raise RequestError(400, f"lora_name {name!r} is the base model's id; choose another name")
-        if not isinstance(path, str) or not path:
-            raise RequestError(400, f"lora_path: expected a path to a .safetensors file, got {path!r}")
-        resolved = Path(path).expanduser()
-        if confined:
-            if self.root is None:
-                raise RequestError(403, "runtime adapter loading needs --lora-root DIR: paths are read only "
-                                        "inside it")
-            resolved = (self.root / resolved).resolve()
-            if not resolved.is_relative_to(self.root):
-                raise RequestError(403, f"lora_path {path!r} is outside --lora-root {self.root}; only files "
-                                        "under it are read")
-        if resolved.suffix != ".safetensors" or not resolved.is_file():
-            raise RequestError(404 if confined else 400, f"lora_path {path!r}: no such .safetensors file"
-                               + (f" under --lora-root {self.root}" if confined else ""))
+            raise RequestError(400, f"lora_name {shown(name)} is the base model's id; choose another name",
+                               "lora_name")
+        if not isinstance(path, str) or not path or len(path) > 4096 or "\0" in path:
+            raise RequestError(400, f"lora_path: expected a path to a .safetensors file, got {shown(path)}",
+                               "lora_path")
+        quoted = shown(path)
+        try:  # a path the OS cannot take (too long, a loop of links, ~user of no one) is the request's fault
+            if confined:  # relative to the root, as written: no ~ expansion
+                if self.root is None:
+                    raise RequestError(403, "runtime adapter loading needs --lora-root DIR: paths are read only "
+                                            "inside it", "lora_path")
+                resolved = (self.root / path).resolve()
+                if not resolved.is_relative_to(self.root):
+                    raise RequestError(403, f"lora_path {quoted} is outside --lora-root {self.root}; only files "
+                                            "under it are read", "lora_path")
+            else:
+                resolved = Path(path).expanduser()
+            found = resolved.suffix == ".safetensors" and resolved.is_file()
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise RequestError(400, f"lora_path {quoted} is not a usable path ({type(exc).__name__}: "
+                                    f"{shown(str(exc), 120)})", "lora_path") from None
+        if not found:
+            raise RequestError(404 if confined else 400, f"lora_path {quoted}: no such .safetensors file"
+                               + (f" under --lora-root {self.root}" if confined else ""), "lora_path")
         try:
             ranks = lora_header_ranks(resolved)
         except (OSError, ValueError, KeyError, struct.error) as exc:
-            raise RequestError(400, f"lora_path {path!r} is not a readable safetensors file ({exc})") from None
+            raise RequestError(400, f"lora_path {quoted} is not a readable safetensors file of LoRA factors "
+                                    f"({shown(str(exc), 160)})", "lora_path") from None
         if not ranks:
-            raise RequestError(400, f"lora_path {path!r} holds no LoRA factors (no lora_A / lora_down tensors)")
+            raise RequestError(400, f"lora_path {quoted} holds no LoRA factors (no lora_A / lora_down tensors)",
+                               "lora_path")
         if max(ranks.values()) > self.max_rank:
-            raise RequestError(400, f"lora_path {path!r} has rank {max(ranks.values())}, above --max-lora-rank "
-                                    f"{self.max_rank}; restart with a larger --max-lora-rank")
+            raise RequestError(400, f"lora_path {quoted} has rank {max(ranks.values())}, above --max-lora-rank "
+                                    f"{self.max_rank}; restart with a larger --max-lora-rank", "lora_path")
         from paradiff.api.lora_slots import safetensors_keys, text_encoder_refusal
 
         refusal = text_encoder_refusal(name, str(resolved), safetensors_keys(resolved))
         if refusal is not None:
-            raise RequestError(400, f"lora_path: {refusal}")
+            raise RequestError(400, f"lora_path: {refusal}", "lora_path")
         entry = {"path": str(resolved), "sha256": file_sha256(resolved)}
         with self._lock:
             if name in self._adapters:
-                raise RequestError(400, f"an adapter named {name!r} is already loaded; unload it first")
+                raise RequestError(400, f"an adapter named {shown(name)} is already loaded; unload it first",
+                                   "lora_name")
             self._adapters[name] = {**entry, "created": int(time.time())}
         return entry
 
     def remove(self, name: Any) -> None:
+        _check_name(name)
         with self._lock:
             if name not in self._adapters:
-                raise RequestError(404, f"no adapter named {name!r} is loaded (loaded: {sorted(self._adapters)})")
+                raise RequestError(404, f"no adapter named {shown(name)} is loaded (loaded: "
+                                        f"{sorted(self._adapters)})", "lora_name")
             del self._adapters[name]
 
     def resolve_model(self, body: Any) -> tuple[Any, dict[str, str] | None]:
-        """The request body with `model` an adapter name replaced by the base id, and that adapter (or None)."""
-        if not isinstance(body, dict) or not isinstance(body.get("model"), str) or body["model"] == self.base_name:
+        """The request body (a JSON object, or an edit's multipart (field, value) pairs) with `model` an adapter
+        name replaced by the base id, and that adapter (or None)."""
+        if isinstance(body, dict):
+            model = body.get("model")
+        elif isinstance(body, list):
+            model = next((value for name, value in body if name == "model"), None)
+        else:
             return body, None
-        entry = self.get(body["model"])
+        entry = self.get(model) if isinstance(model, str) and model != self.base_name else None
         if entry is None:
-            return body, None  # the protocol answers 404 naming what is served
-        return dict(body, model=self.base_name), entry
+            return body, None  # the base model, or the protocol answers 404 naming what is served
+        if isinstance(body, dict):
+            return dict(body, model=self.base_name), entry
+        return [(name, self.base_name if name == "model" else value) for name, value in body], entry
 
     def model_entries(self) -> list[dict]:
         with self._lock:
             return [{"id": name, "object": "model", "created": entry["created"], "owned_by": "paradiff",
                      "root": entry["path"],
                      "parent": self.base_name, "sha256": entry["sha256"]} for name, entry in self._adapters.items()]
+
+
+def _check_name(name: Any) -> None:
+    if not isinstance(name, str) or not name.strip() or len(name) > 200:
+        raise RequestError(400, f"lora_name: expected a non-empty name of at most 200 characters, got {shown(name)}",
+                           "lora_name")
 
 
 def runtime_refusal(registry: AdapterRegistry | None) -> RequestError | None:
@@ -172,11 +211,17 @@ class AdapterCache:
                 continue
             # each rank reads the file once and hashes those bytes: the ranks agree on that sha256 (and it must be
             # the one rank 0 took when the adapter was named) before any rank writes a slot from the same bytes
-            data = Path(adapter["path"]).read_bytes()
-            local = hashlib.sha256(data).hexdigest()
-            changed = None if local == adapter["sha256"] else RequestError(
-                409, f"adapter {name!r}: {adapter['path']} changed since it was loaded (sha256 {local[:12]}, loaded "
-                     f"as {adapter['sha256'][:12]}); load it again")
+            try:
+                data = Path(adapter["path"]).read_bytes()
+            except OSError as exc:
+                data, local = b"", "unreadable"
+                changed = RequestError(409, f"adapter {name!r}: its file {adapter['path']} cannot be read now "
+                                            f"({exc.strerror or exc}); load it again", param="model")
+            else:
+                local = hashlib.sha256(data).hexdigest()
+                changed = None if local == adapter["sha256"] else RequestError(
+                    409, f"adapter {name!r}: {adapter['path']} changed since it was loaded (sha256 {local[:12]}, "
+                         f"loaded as {adapter['sha256'][:12]}); load it again", param="model")
             # decided together: a rank whose copy changed refuses, and so does every other (none goes on alone)
             agree(f"paradiff serve: adapter {name!r} file", {"sha256": local}, changed, ranks=ranks)
             # evicted only once the file is known good: a refused load leaves the cache as it was
@@ -250,6 +295,6 @@ async def adapter_endpoint(frontend: Any, request: Any, action: str, body_of: An
             frontend.adapters.remove(name)
             message = f"Success: LoRA adapter '{name}' removed successfully."
     except RequestError as exc:
-        return frontend.refusal(exc.status, str(exc), what)
+        return frontend.refusal(exc.status, str(exc), what, param=exc.param)
     say(f"paradiff serve: {message}")
     return JSONResponse({"status": "ok", "message": message})

@@ -47,12 +47,12 @@ from paradiff.serve.jobs import LIST_LIMIT, Jobs, form_fields, keep_results, ope
 from paradiff.serve.adapters import adapter_endpoint, adapter_registry
 from paradiff.serve.metrics import Metrics
 from paradiff.serve.protocol import (ENDPOINTS, ImageRequest, Limits, RequestError, error_body, parse_image_request,
-                                     with_seed)
+                                     shown, with_seed)
 from paradiff.serve.safety import RequestGuard, public_message, timed_h11_protocol
 from paradiff.serve.schema import openapi_document
 from paradiff.serve.scheduler import Job, Scheduler
 from paradiff.serve.settings import ServeSettings
-from paradiff.serve.stream import ProgressRouter, stream_images
+from paradiff.serve.stream import ProgressRouter, stream_images, wants_stream
 
 OPEN_PATHS = ("/health", "/")  # the page holds no data: it asks for the key when the server has one
 STATIC = Path(__file__).parent / "static"
@@ -267,8 +267,9 @@ class Frontend:
             else:
                 # the whole cause is on the console (replica_fault); the client gets its first line, paths cut.
                 # No cause: a request cancelled after its answer (504, hang-up); completing it again is a no-op
-                why = (failed or {}).get(item["id"], cause) or "cancelled"
-                self.scheduler.complete(item["id"], 500, f"the request failed in the pipeline: {public_message(why)}")
+                fault = (failed or {}).get(item["id"]) or {
+                    "status": 500, "error": f"the request failed in the pipeline: {cause or 'cancelled'}"}
+                self.scheduler.complete(item["id"], fault["status"], public_message(fault["error"]))
 
     def _cost(self, job_id: int) -> float:
         return self.scheduler.cost_of(job_id)
@@ -318,12 +319,7 @@ class Frontend:
             return self.refused(503, f"the server is {self.health}; retry when GET /health says ready",
                                 f"POST {_endpoint(kind)}")
         try:
-            body, adapter = self.adapters.resolve_model(body) if self.adapters else (body, None)
-            request = (parse_edit_request(body, self.limits) if kind == "edit"
-                       else parse_image_request(body, self.limits, kind))
-            if adapter is not None:
-                request = dataclasses.replace(request, adapter=(adapter["name"], adapter["path"], adapter["sha256"]))
-            job = self.scheduler.submit(with_seed(request))
+            job = self.scheduler.submit(self.parse(body, kind))
         except RequestError as exc:
             if exc.retry_after is not None and headers is not None:
                 headers["Retry-After"] = str(exc.retry_after)
@@ -346,6 +342,16 @@ class Frontend:
         if job.status != 200:
             return _error(job.status, str(job.result))
         return 200, answer_of(job)
+
+    def parse(self, body: Any, kind: str) -> ImageRequest:
+        """A request's body (an edit's form pairs) as the ImageRequest queued: `model` naming an adapter selects it
+        (serve/adapters.py), a seed drawn where none is given; a RequestError naming the field at fault."""
+        body, adapter = self.adapters.resolve_model(body) if self.adapters else (body, None)
+        request = (parse_edit_request(body, self.limits) if kind == "edit"
+                   else parse_image_request(body, self.limits, kind))
+        if adapter is not None:
+            request = dataclasses.replace(request, adapter=(adapter["name"], adapter["path"], adapter["sha256"]))
+        return with_seed(request)
 
     def refused(self, status: int, message: str, what: str, param: str | None = None,
                 code: str | None = None) -> tuple[int, dict]:
@@ -460,7 +466,9 @@ def _endpoint(kind: str) -> str:
     return ENDPOINTS[kind]
 
 
-MAX_HEADER_BYTES = 16 * 1024  # the request line and headers; above it uvicorn answers 400 and closes
+# the request line and headers: uvicorn (h11) closes a connection whose headers pass it while still arriving; the
+# application answers 431 to those that arrived whole
+MAX_HEADER_BYTES = 16 * 1024
 
 
 def server_max_side(settings: ServeSettings) -> int:
@@ -494,11 +502,17 @@ class HttpGuard:
         method, path = scope["method"], scope["path"]
         preflight = method == "OPTIONS" and "access-control-request-method" in headers \
             and frontend.guard.allows_origin(headers.get("origin", ""))
+        extra = None
         try:
+            size = sum(len(name) + len(value) + 4 for name, value in scope["headers"])
+            if size > MAX_HEADER_BYTES:  # h11 bounds only headers that arrive in pieces
+                raise RequestError(431, f"the request headers are {size} bytes; at most {MAX_HEADER_BYTES}")
             frontend.guard.check_sender(headers)
             if frontend.api_key and path not in OPEN_PATHS and not preflight:
-                given = headers.get("authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {frontend.api_key}".encode()):
+                scheme, _, given = headers.get("authorization", "").strip().partition(" ")
+                if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
+                                                                         frontend.api_key.encode()):
+                    extra = {"WWW-Authenticate": 'Bearer realm="paradiff"'}
                     raise RequestError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'")
             length = headers.get("content-length")
             max_body = frontend.settings.max_body_bytes
@@ -507,7 +521,7 @@ class HttpGuard:
                                         f"{max_body}")
             frontend.guard.check_body(method, path, headers)
         except RequestError as exc:
-            return await frontend.refusal(exc.status, str(exc), f"{method} {path}", param=exc.param,
+            return await frontend.refusal(exc.status, str(exc), f"{method} {path}", extra, param=exc.param,
                                           code=exc.code)(scope, receive, send)
         try:
             await self.app(scope, receive, send)
@@ -577,7 +591,7 @@ def build_app(frontend: Frontend) -> FastAPI:
             body = await body_of(request)
         except RequestError as exc:
             return frontend.refusal(exc.status, str(exc), f"POST {_endpoint(kind)}", param=exc.param, code=exc.code)
-        if kind == "image" and isinstance(body, dict) and body.get("stream") is True:  # server-sent events
+        if kind == "image" and wants_stream(body):  # server-sent events
             return await stream_images(frontend, body, _error)
         headers: dict = {}
         status, payload = await frontend.generate(body, kind, request.is_disconnected, headers)
@@ -592,11 +606,11 @@ def build_app(frontend: Frontend) -> FastAPI:
         try:
             body = await body_of(request)
         except RequestError as exc:
-            return frontend.refusal(exc.status, str(exc), "POST /v1/videos")
+            return frontend.refusal(exc.status, str(exc), "POST /v1/videos", param=exc.param)
         try:  # in a thread: the store may be a database server a network away
             job = await asyncio.to_thread(frontend.create_video, body)
         except RequestError as exc:
-            return frontend.refusal(exc.status, str(exc), "POST /v1/videos", retry_headers(exc), code=exc.code)
+            return frontend.refusal(exc.status, str(exc), "POST /v1/videos", retry_headers(exc), exc.param, exc.code)
         return JSONResponse(video_object(job))
 
     async def job_call(what: str, call):
@@ -605,7 +619,7 @@ def build_app(frontend: Frontend) -> FastAPI:
         try:
             return await asyncio.to_thread(call)
         except RequestError as exc:
-            return frontend.refusal(exc.status, str(exc), what, retry_headers(exc), code=exc.code)
+            return frontend.refusal(exc.status, str(exc), what, retry_headers(exc), exc.param, exc.code)
 
     @app.get("/v1/videos")
     async def video_list(request: Request):
@@ -613,13 +627,14 @@ def build_app(frontend: Frontend) -> FastAPI:
 
         def page():
             limit, order = query.get("limit", str(LIST_LIMIT[0])), query.get("order", "desc")
-            if not limit.isdigit() or not 1 <= int(limit) <= LIST_LIMIT[1]:
-                raise RequestError(400, f"limit {limit!r}: expected an integer from 1 to {LIST_LIMIT[1]}")
+            if not (limit.isascii() and limit.isdigit()) or not 1 <= int(limit) <= LIST_LIMIT[1]:
+                raise RequestError(400, f"limit {shown(limit)}: expected an integer from 1 to {LIST_LIMIT[1]}",
+                                   "limit")
             if order not in ("asc", "desc"):
-                raise RequestError(400, f"order {order!r}: expected 'asc' or 'desc'")
+                raise RequestError(400, f"order {shown(order)}: expected 'asc' or 'desc'", "order")
             after = query.get("after")
-            if after is not None:
-                frontend.jobs.known(after)
+            if after is not None:  # a job deleted since the page that named it still marks its place
+                frontend.jobs.known(after, deleted=True)
             jobs, more = frontend.jobs.store.page(after, int(limit), order)
             data = [video_object(job) for job in jobs]
             return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
@@ -669,7 +684,7 @@ def build_app(frontend: Frontend) -> FastAPI:
     async def unload_lora_adapter(request: Request):
         return await adapter_endpoint(frontend, request, "unload", body_of)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: a load balancer's probe (the same status, no body)
     async def health():
         health = frontend.health
         return JSONResponse({"status": health}, status_code=200 if health in ("ready", "degraded") else 503)
@@ -691,6 +706,8 @@ def add_openai_routes(app: FastAPI, frontend: Frontend, bytes_of) -> None:
             fields = await form_of(request, await bytes_of(request))
         except RequestError as exc:
             return frontend.refusal(exc.status, str(exc), "POST /v1/images/edits", param=exc.param, code=exc.code)
+        if wants_stream(fields):  # server-sent events, as for a generation
+            return await stream_images(frontend, fields, _error, "edit")
         status, payload = await frontend.generate(fields, "edit", request.is_disconnected)
         return JSONResponse(payload, status_code=status)
 
@@ -707,7 +724,7 @@ def add_openai_routes(app: FastAPI, frontend: Frontend, bytes_of) -> None:
         if adapter is not None:  # an adapter loaded per request (serve/adapters.py): a model id of its own
             return adapter
         if model_id != frontend.model_name:
-            return frontend.refusal(404, f"model {model_id!r} is not served here; this server serves "
+            return frontend.refusal(404, f"model {shown(model_id)} is not served here; this server serves "
                                          f"{frontend.model_name!r}", f"GET /v1/models/{model_id}", param="model",
                                     code="model_not_found")
         return frontend.model()

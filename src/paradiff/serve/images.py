@@ -16,7 +16,7 @@ from typing import Any
 from paradiff.serve.protocol import ImageRequest, Limits, RequestError, parse_image_request
 
 MIME_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
-UPLOAD_FORMATS = ("PNG", "JPEG", "WEBP")
+UPLOAD_FORMATS = ("PNG", "JPEG", "WEBP", "MPO")  # MPO: a phone camera's JPEG with more pictures after the first
 MAX_IMAGES = 8  # uploaded images per edit
 # form fields the openai client sends as text, read back as the numbers they were (extra_body's numbers included)
 INTEGER_FIELDS = ("n", "seed", "steps", "output_compression", "partial_images")
@@ -46,12 +46,14 @@ def check_upload(field: str, data: bytes, limits: Limits) -> tuple[int, int]:
     limit."""
     from PIL import Image, UnidentifiedImageError
 
+    from paradiff.io.images import upright_size
+
     limit = max_upload_pixels(limits)
     try:
         with Image.open(io.BytesIO(data)) as image:
             if image.format not in UPLOAD_FORMATS:
                 raise RequestError(400, f"{field}: a {image.format} image; send PNG, JPEG or WebP", field)
-            width, height = image.size
+            width, height = upright_size(image)  # as the ranks read it (io/images.py)
             if min(width, height) < limits.size_multiple:  # a pipeline rounds a side down to its multiple: to 0
                 raise RequestError(400, f"{field}: {width}x{height}; each side at least {limits.size_multiple} "
                                         "pixels", field)
@@ -61,7 +63,10 @@ def check_upload(field: str, data: bytes, limits: Limits) -> tuple[int, int]:
             image.load()
     except RequestError:
         raise
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+    except UnidentifiedImageError:
+        raise RequestError(400, f"{field}: not a readable image (its bytes are no PNG, JPEG or WebP file); send "
+                                "PNG, JPEG or WebP", field) from None
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
         line = (str(exc).splitlines() or [""])[0][:200]
         raise RequestError(400, f"{field}: not a readable image ({type(exc).__name__}: {line}); send PNG, JPEG or "
                                 "WebP", field) from None
@@ -97,6 +102,10 @@ def form_body(fields: list[tuple[str, Any]]) -> tuple[dict, list[bytes], bytes |
             body[name] = _form_number(name, value, int)
         elif name in NUMBER_FIELDS:
             body[name] = _form_number(name, value, float)
+        elif name == "stream":  # the openai client sends a boolean as "true" / "false"
+            if value.lower() not in ("true", "false"):
+                raise RequestError(400, f"stream: expected true or false, got {value[:40]!r}", "stream")
+            body[name] = value.lower() == "true"
         else:
             body[name] = value
     return body, images, mask

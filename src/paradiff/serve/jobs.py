@@ -27,6 +27,7 @@ no torch.
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 import time
@@ -35,7 +36,7 @@ from typing import Any, Callable
 
 from paradiff.runtime.console import say
 from paradiff.serve.jobstore import JobStore, StoreError
-from paradiff.serve.protocol import Limits, RequestError, parse_image_request, with_seed
+from paradiff.serve.protocol import Limits, RequestError, parse_image_request, shown, with_seed
 
 STATES = ("queued", "in_progress", "completed", "failed")
 ORPHANED = ("the server stopped while this job ran (it was killed or failed) and did not finish it; create it again "
@@ -94,9 +95,23 @@ def _number_text(name: str, value: str) -> Any:
     try:
         number = float(value)
     except ValueError:
-        raise RequestError(400, f"{name}: expected a number, got {value!r}") from None
+        raise RequestError(400, f"{name}: expected a number, got {shown(value)}", name) from None
     return int(number) if number.is_integer() else number
 
+
+
+def video_seconds(value: Any) -> float:
+    """OpenAI's `seconds` (a string there, "4"; a number taken too) as a finite positive number, or a 400 naming it."""
+    number = value
+    if isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            number = None
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number) or number <= 0:
+        raise RequestError(400, f"seconds: expected a positive number of seconds (e.g. \"4\"), got {shown(value)}",
+                           "seconds")
+    return float(number)
 
 class Jobs:
     """The jobs of one server: the store and their scheduler tickets."""
@@ -125,17 +140,23 @@ class Jobs:
                                     "the prompt alone")
         body.pop("input_reference", None)
         seconds = body.pop("seconds", None)
-        if body.get("n", 1) != 1:
-            raise RequestError(400, f"n: a video job makes one video, got {body['n']!r}")
-        fps = body.get("fps", limits.default_fps)
+        if body.get("n") not in (None, 1):
+            raise RequestError(400, f"n: a video job makes one video, got {shown(body['n'])}", "n")
+        fps = body.get("fps") if body.get("fps") is not None else limits.default_fps
         if seconds is not None and body.get("frames") is None:
-            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
-                raise RequestError(400, f"seconds: expected a positive number, got {seconds!r}")
-            if isinstance(fps, int) and not isinstance(fps, bool):
-                body["frames"] = int(round(seconds * fps)) + 1
+            seconds = video_seconds(seconds)
+            if isinstance(fps, int) and not isinstance(fps, bool) and 1 <= fps <= 120:
+                frames = int(round(seconds * fps)) + 1
+                if frames > limits.max_frames:
+                    raise RequestError(400, f"seconds {seconds:g} at {fps} fps makes {frames} frames; at most "
+                                            f"{limits.max_frames} here (seconds up to "
+                                            f"{(limits.max_frames - 1) / fps:g} at {fps} fps)", "seconds")
+                body["frames"] = frames
         request = with_seed(parse_image_request(body, limits, "video"))  # a drawn seed is kept: a re-run redraws it
         if self.store.count_queued() >= max_queue:
-            raise RequestError(503, f"the queue is full ({max_queue} queued jobs); retry later")
+            error = RequestError(503, f"the queue is full ({max_queue} queued jobs); retry later")
+            error.retry_after = 5
+            raise error
         params = {k: v for k, v in body.items() if k not in ("model", "user", "n", "response_format")}
         params.update(seed=request.seed, steps=request.steps, fps=request.fps, size=f"{request.width}x{request.height}")
         if request.frames is not None:
@@ -311,10 +332,11 @@ class Jobs:
     def content(self, job_id: str, variant: str) -> tuple[bytes, str]:
         """The result file of a completed job: (bytes, mime), or a RequestError saying why there is none."""
         if variant not in ("video", "thumbnail", "spritesheet"):
-            raise RequestError(400, f"variant {variant!r}: expected 'video' or 'thumbnail'")
+            raise RequestError(400, f"variant {shown(variant)}: expected 'video' or 'thumbnail'", "variant")
         job = self.known(job_id)
         if variant == "spritesheet":
-            raise RequestError(400, "variant 'spritesheet': not made by this server; 'video' and 'thumbnail' are")
+            raise RequestError(400, "variant 'spritesheet': not made by this server; 'video' and 'thumbnail' are",
+                               "variant")
         if job["status"] != "completed":
             raise RequestError(409 if job["status"] != "failed" else 400,
                                f"video {job_id} is {job['status']}: its content exists once it is completed")
@@ -326,12 +348,13 @@ class Jobs:
             raise RequestError(404, f"video {job_id} has no {variant}")
         return result
 
-    def known(self, job_id: str) -> dict:
+    def known(self, job_id: str, deleted: bool = False) -> dict:
+        """The job `job_id`, or a 404 saying why not (`deleted`: a deleted job's record too, as a list's cursor)."""
         job = self.store.get(job_id)
         if job is None:
-            raise RequestError(404, f"no video {job_id!r} on this server (ids look like video_...; GET /v1/videos "
-                                    "lists them)")
-        if job["deleted_at"] is not None:
+            raise RequestError(404, f"no video {shown(job_id)} on this server (ids look like video_...; GET "
+                                    "/v1/videos lists them)")
+        if job["deleted_at"] is not None and not deleted:
             raise RequestError(404, f"video {job_id} was deleted at {job['deleted_at']}")
         return job
 

@@ -3,6 +3,7 @@ valid, and never reaches a rank."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,7 @@ IGNORED_FIELDS = {"quality": ("auto", "standard", "hd", "low", "medium", "high",
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
 STREAM_FIELDS = {"stream", "partial_images"}  # generations streamed with previews (serve/stream.py)
 IMAGE_FIELDS = BASE_FIELDS | set(IGNORED_FIELDS) | {"output_format", "output_compression"} | STREAM_FIELDS
-EDIT_FIELDS = (IMAGE_FIELDS - STREAM_FIELDS) | {"strength"}  # and the files: image (or image[]), mask
+EDIT_FIELDS = IMAGE_FIELDS | {"strength"}  # and the files: image (or image[]), mask
 VIDEO_FIELDS = BASE_FIELDS | {"frames", "fps"}
 ENDPOINTS = {"image": "/v1/images/generations", "edit": "/v1/images/edits", "video": "/v1/videos"}
 MAX_SEED = 2**63 - 1
@@ -42,9 +43,9 @@ class RequestError(Exception):
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                503: "service_unavailable_error", 504: "timeout_error"}
 ERROR_CODES = {400: "invalid_request", 401: "invalid_api_key", 403: "forbidden", 404: "not_found",
-               405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large",
-               415: "unsupported_media_type", 499: "client_closed_request", 500: "server_error",
-               503: "service_unavailable", 504: "request_timeout"}
+               405: "method_not_allowed", 408: "request_timeout", 409: "conflict", 413: "request_too_large",
+               415: "unsupported_media_type", 431: "request_header_fields_too_large", 499: "client_closed_request",
+               500: "server_error", 503: "service_unavailable", 504: "request_timeout"}
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -110,6 +111,13 @@ class ImageRequest:
         return [self.seed + i for i in range(self.n)]
 
 
+def shown(value: Any, limit: int = 60) -> str:
+    """A client's value as an error message quotes it: its repr, cut to `limit` characters (a 300-digit number or a
+    5000-character id is not echoed whole)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
+
+
 def _whole(value: Any) -> Any:
     """An integral JSON number as an int (JSON, and JSON Schema's "integer", make no difference between 1 and 1.0);
     anything else as it is."""
@@ -119,11 +127,13 @@ def _whole(value: Any) -> Any:
 
 
 def _integer(body: dict, name: str, default: int, low: int, high: int) -> int:
-    value = _whole(body.get(name, default))
+    """An integer field; absent or null: `default` (OpenAI takes null as "the default")."""
+    value = body.get(name)
+    value = default if value is None else _whole(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(400, f"{name}: expected an integer from {low} to {high}, got {value!r}", name)
+        raise RequestError(400, f"{name}: expected an integer from {low} to {high}, got {shown(value)}", name)
     if not low <= value <= high:
-        raise RequestError(400, f"{name} {value} is out of bounds: expected {low} to {high}", name)
+        raise RequestError(400, f"{name} {shown(value)} is out of bounds: expected {low} to {high}", name)
     return value
 
 
@@ -132,7 +142,7 @@ def _number(body: dict, name: str, default: float | None) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 100:
-        raise RequestError(400, f"{name}: expected a number from 0 to 100, got {value!r}", name)
+        raise RequestError(400, f"{name}: expected a number from 0 to 100, got {shown(value)}", name)
     return float(value)
 
 
@@ -163,23 +173,25 @@ def parse_image_request(body: Any, limits: Limits, kind: str = "image") -> Image
                            "prompt")
     model = body.get("model")
     if model is not None and model != limits.model_name:
-        raise RequestError(404, f"model {model!r} is not served here; this server serves {limits.model_name!r}",
+        raise RequestError(404, f"model {shown(model)} is not served here; this server serves {limits.model_name!r}",
                            "model", "model_not_found")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
-        raise RequestError(400, f"user: expected a string, got {user!r}", "user")
-    response_format = body.get("response_format", "b64_json")
-    if response_format != "b64_json":
-        raise RequestError(400, f"response_format {response_format!r}: only 'b64_json' is served (no URLs)",
+        raise RequestError(400, f"user: expected a string, got {shown(user)}", "user")
+    response_format = body.get("response_format")
+    if response_format not in (None, "b64_json"):
+        raise RequestError(400, f"response_format {shown(response_format)}: only 'b64_json' is served (no URLs)",
                            "response_format")
     for name, valid in IGNORED_FIELDS.items():
         value = body.get(name)
         if value is not None and not (isinstance(value, str) and (valid is None or value in valid)):
-            raise RequestError(400, f"{name} {value!r}: expected one of {list(valid) if valid else 'a string'} "
-                                    "(accepted, and ignored here: docs/serve.md)", name)
-    output_format = body.get("output_format") or "png"
-    if output_format not in OUTPUT_FORMATS:
-        raise RequestError(400, f"output_format {output_format!r}: expected one of {list(OUTPUT_FORMATS)}",
+            expected = f"one of {list(valid)}" if valid else "a string"
+            raise RequestError(400, f"{name} {shown(value)}: expected {expected} (accepted, and ignored here: "
+                                    "docs/serve.md)", name)
+    output_format = body.get("output_format")
+    output_format = "png" if output_format is None else output_format
+    if not isinstance(output_format, str) or output_format not in OUTPUT_FORMATS:
+        raise RequestError(400, f"output_format {shown(output_format)}: expected one of {list(OUTPUT_FORMATS)}",
                            "output_format")
     compression = 100 if body.get("output_compression") is None else _integer(body, "output_compression", 100, 0,
                                                                                 100)
@@ -192,7 +204,7 @@ def parse_image_request(body: Any, limits: Limits, kind: str = "image") -> Image
         _unicode("negative_prompt", negative)
     seed = _whole(body.get("seed"))
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
-        raise RequestError(400, f"seed: expected an integer from 0 to 2**63 - 1, got {seed!r}", "seed")
+        raise RequestError(400, f"seed: expected an integer from 0 to 2**63 - 1, got {shown(seed)}", "seed")
     loras = _loras(body.get("loras"), limits)
     frames = fps = None
     if kind == "video":
@@ -206,7 +218,7 @@ def parse_image_request(body: Any, limits: Limits, kind: str = "image") -> Image
     strength = _number(body, "strength", None) if kind == "edit" else None
     if strength is not None and not 0 <= strength <= 1:
         raise RequestError(400, f"strength {strength:g}: expected a number from 0 to 1", "strength")
-    stream, partial_images = _stream(body) if kind == "image" else (False, 0)
+    stream, partial_images = _stream(body) if kind in ("image", "edit") else (False, 0)
     return ImageRequest(prompt=prompt, n=n, width=width, height=height, seed=seed,
                         steps=_integer(body, "steps", limits.default_steps, 1, limits.max_steps),
                         guidance=_number(body, "guidance", limits.default_guidance), negative_prompt=negative,
@@ -223,7 +235,7 @@ def _stream(body: dict) -> tuple[bool, int]:
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
-        raise RequestError(400, f"stream: expected true or false, got {stream!r}", "stream")
+        raise RequestError(400, f"stream: expected true or false, got {shown(stream)}", "stream")
     if body.get("partial_images") is None:
         return stream, 0
     partial = _integer(body, "partial_images", 0, 0, MAX_PARTIAL_IMAGES)
@@ -255,8 +267,8 @@ def _loras(value: Any, limits: Limits) -> tuple:
                                 "(loaded at start with --lora)", "loras")
     for name, scale in value.items():
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not -10 <= scale <= 10:
-            raise RequestError(400, f"loras: the scale of {name!r} must be a number from -10 to 10, got {scale!r}",
-                               "loras")
+            raise RequestError(400, f"loras: the scale of {shown(name)} must be a number from -10 to 10, got "
+                                    f"{shown(scale)}", "loras")
     return tuple((name, float(value[name])) for name in available if name in value)
 
 
@@ -265,15 +277,13 @@ def _size(value: Any, limits: Limits) -> tuple[int, int]:
         return limits.default_size
     usage = (f"expected 'WIDTHxHEIGHT' with both multiples of {limits.size_multiple} from {limits.size_multiple} "
              f"to {limits.max_side}, e.g. '{limits.default_size[0]}x{limits.default_size[1]}'")
-    if not isinstance(value, str) or value.count("x") != 1:
-        raise RequestError(400, f"size {value!r}: {usage}", "size")
-    try:
-        width, height = (int(part) for part in value.split("x"))
-    except ValueError:
-        raise RequestError(400, f"size {value!r}: {usage}", "size") from None
+    parts = re.fullmatch(r"([0-9]{1,6})x([0-9]{1,6})", value) if isinstance(value, str) else None  # ASCII digits
+    if parts is None:
+        raise RequestError(400, f"size {shown(value)}: {usage}", "size")
+    width, height = int(parts.group(1)), int(parts.group(2))
     for side in (width, height):
         if side < limits.size_multiple or side > limits.max_side or side % limits.size_multiple:
-            raise RequestError(400, f"size {value!r}: {usage}", "size")
+            raise RequestError(400, f"size {shown(value)}: {usage}", "size")
     return width, height
 
 

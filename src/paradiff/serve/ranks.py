@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import base64
 import datetime
-import io
 import gc
 import json
 import os
@@ -52,6 +51,7 @@ from paradiff.api.pipeline_call import accepted_kwargs, call_parameters, image_k
 from paradiff.io.outputs import mp4_bytes, outputs_of, png_bytes
 from paradiff.distributed.comm import abort_process_groups, all_gather_json, broadcast_flag, broadcast_json
 from paradiff.distributed.failures import is_comm_error
+from paradiff.distributed.spawn import DRAIN_SIGNAL, STOP_SIGNAL
 from paradiff.distributed.store import checked, get_json, open_store, put_json, store_client
 from paradiff.errors import DistributedError
 from paradiff.runtime.console import quiet_other_ranks, say
@@ -59,6 +59,7 @@ from paradiff.runtime.memory import peak_memory_bytes
 from paradiff.runtime.progress import StepClock, StepEvent
 from paradiff.serve.stream import StepPublisher, preview_maker
 from paradiff.serve.adapters import adapter_chunks
+from paradiff.serve.protocol import RequestError
 from paradiff.serve.settings import ServeSettings
 
 PREFIX = "paradiff/serve"
@@ -278,11 +279,10 @@ class Replica:
     def edit_inputs(self, item: dict) -> dict:
         """An edit's images (and mask, strength) as the call takes them, decoded from the round's bytes as `paradiff
         generate` reads its --image / --mask files."""
-        from PIL import Image
+        from paradiff.io.images import read_image
 
-        images = [Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB") for data in item["images"]]
-        mask = (Image.open(io.BytesIO(base64.b64decode(item["mask"]))).convert("L") if item.get("mask") is not None
-                else None)
+        images = [read_image(base64.b64decode(data)) for data in item["images"]]
+        mask = read_image(base64.b64decode(item["mask"]), "L") if item.get("mask") is not None else None
         return image_kwargs(images, mask, item.get("strength"), self.pipeline_name)
 
     def run(self, items: list[dict], channel: Channel, number: int) -> dict:
@@ -341,8 +341,7 @@ class Replica:
                 agreements.append(chunk_index)
                 if self._agree_on_request_fault(exc, channel, number, chunk_index) != "request":
                     raise
-                line = (str(exc).splitlines() or [""])[0][:300]
-                failed.update(dict.fromkeys(ids, f"{type(exc).__name__}: {line}"))
+                failed.update(dict.fromkeys(ids, request_fault(exc)))
                 continue
             finally:
                 for monitor in self.monitors.values():
@@ -405,6 +404,18 @@ class Replica:
         everyone = all(channel.wait_for("round", number, "fail", chunk, r, deadline=deadline) for r in self.members)
         alike = everyone and all(channel.get(str, "round", number, "fail", chunk, r) == message for r in self.members)
         return channel.settle("request" if alike else "fault", *verdict)
+
+
+def request_fault(exc: BaseException) -> dict:
+    """What the client of a request is told of its own fault (every rank of its replica raised the same error): a
+    RequestError's status and message; 400 for a ValueError, a check of this request's inputs (the pipeline's
+    `check_inputs`, an adapter that does not fit the model); 500 for anything else. One line, at most 300 characters."""
+    line = (str(exc).splitlines() or [""])[0][:300]
+    if isinstance(exc, RequestError):
+        return {"status": exc.status, "error": line}
+    if isinstance(exc, ValueError):
+        return {"status": 400, "error": f"the pipeline refused the request: {type(exc).__name__}: {line}"}
+    return {"status": 500, "error": f"the request failed in the pipeline: {type(exc).__name__}: {line}"}
 
 
 DEVICE_FAULT_MARKERS = ("cuda error", "device-side assert", "illegal memory access", "cublas", "cudnn", "hip error",
@@ -601,18 +612,31 @@ def _await_decision(channel: Channel, recorded: bool) -> str:
 
 
 def _handle_signals(frontend) -> None:
-    """SIGTERM / SIGINT: rank 0 drains (a second one stops at once); the other ranks wait for rank 0's decision."""
+    """SIGTERM / SIGINT: rank 0 drains (a second one stops at once); the other ranks wait for rank 0's decision. The
+    launcher's DRAIN_SIGNAL drains too, without counting (a SIGTERM to the process group reaches rank 0 both
+    directly and through the launcher: one request to drain); its STOP_SIGNAL (the launcher asked again) stops."""
     if frontend is None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         return
+    counted = []
+
+    def stop() -> None:
+        say("paradiff serve: second signal; stopping without finishing the requests in flight")
+        os._exit(1)
+
+    def drain(name: str) -> None:
+        if not frontend.scheduler.draining:
+            say(f"paradiff serve: {name}: finishing the requests in flight, taking no new ones")
+            frontend.drain()
 
     def on_signal(number, _frame):
-        if frontend.scheduler.draining:
-            say("paradiff serve: second signal; stopping without finishing the requests in flight")
-            os._exit(1)
-        say(f"paradiff serve: {signal.Signals(number).name}: finishing the requests in flight, taking no new ones")
-        frontend.drain()
+        counted.append(number)
+        if len(counted) > 1:
+            stop()
+        drain(signal.Signals(number).name)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(DRAIN_SIGNAL, lambda _number, _frame: drain("SIGTERM"))
+    signal.signal(STOP_SIGNAL, lambda _number, _frame: stop())

@@ -148,9 +148,13 @@ class Scheduler:
                 raise RequestError(503, f"the server is not serving: {self._closed}")
             if self._draining:
                 raise RequestError(503, "the server is shutting down and takes no new requests")
-            if len(self._waiting) >= self.max_queue:
-                raise RequestError(503, f"the queue is full ({self.max_queue} waiting requests); retry later")
             cost = request_cost(request, self.classic_cfg)
+            if len(self._waiting) >= self.max_queue:
+                error = RequestError(503, f"the queue is full ({self.max_queue} waiting requests); retry later")
+                # when the queue ahead should have moved by one request's worth (a guess of 1 s before any is known)
+                wait = self._expected_wait(cost)
+                error.retry_after = max(1, math.ceil((wait or 1.0) / max(1, len(self._waiting))))
+                raise error
             if self.max_wait_s is not None:
                 wait = self._expected_wait(cost)
                 if wait is not None and wait > self.max_wait_s:

@@ -9,10 +9,11 @@ events (`Job.emit`), from which everything else reads: a video job's `progress` 
 streamed request's previews in its SSE answer, each replica's steps per second in /metrics. Before a round is
 answered the router reads what is left, so every preview of a request is sent before its final image.
 
-`POST /v1/images/generations` with `"stream": true` answers server-sent events as OpenAI's client reads them
-(openai.types.ImageGenStreamEvent): `image_generation.partial_image` (b64_json, partial_image_index) for each of
-`partial_images` previews (of the first image where `n` > 1), then `image_generation.completed` with the image the
-same request without `stream` gets, byte for byte (one event per image). An error after the stream started is an event `{"error": {...}}` (the client raises it).
+`POST /v1/images/generations` (and `/v1/images/edits`) with `"stream": true` answers server-sent events as OpenAI's
+client reads them (openai.types.ImageGenStreamEvent; an edit's are named `image_edit.*`): a `partial_image` event
+(b64_json, partial_image_index) for each of `partial_images` previews (of the first image where `n` > 1), then a
+`completed` event with the image the same request without `stream` gets, byte for byte (one event per image). An
+error after the stream started is an event `{"error": {...}}` (the client raises it).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any, Callable
 from paradiff.io.outputs import png_bytes
 from paradiff.runtime.console import say
 from paradiff.serve.images import encode_output
-from paradiff.serve.protocol import RequestError, parse_image_request, with_seed
+from paradiff.serve.protocol import ENDPOINTS, RequestError
 from paradiff.runtime.progress import StepEvent
 
 # a replica's step event: its call's step of steps, each item's [steps done, steps in all] over its calls
@@ -98,9 +99,13 @@ class StepPublisher:
             if self.previews is not None:
                 self.previews.reset()
         self._elapsed += event.seconds
-        firsts = {}  # a request of n images previews its first one
+        # a request of n images previews its first one: its first row in its first call (none in the calls that
+        # run its other images, where one call takes fewer than n)
+        before = context.get("progress", {})
+        firsts = {}
         for row, item in enumerate(context["items"]):
-            firsts.setdefault(item["id"], (row, item))
+            if before.get(item["id"], (0, 0))[0] == 0:
+                firsts.setdefault(item["id"], (row, item))
         wanted = [(row, item) for row, item in firsts.values()
                   if event.step in preview_steps(event.steps, item["partial_images"])]
         if wanted and self.previews is not None and event.latents is not None and self.previews.can_render():
@@ -116,7 +121,6 @@ class StepPublisher:
         if self.previews is not None and event.latents is not None:
             self.previews.observe(event.latents)
         # each item's steps over all its calls (a request of more images than a call takes runs several)
-        before = context.get("progress", {})
         items = {}
         for item_id in context["ids"]:
             done, total = before.get(item_id, (0, event.steps))
@@ -171,22 +175,33 @@ def _event(payload: dict) -> bytes:
         else f"data: {json.dumps(payload)}\n\n".encode()
 
 
-async def stream_images(frontend, body: Any, error_body: Callable):
-    """The answer to a streamed POST /v1/images/generations: a JSON error before anything runs, else SSE."""
+def wants_stream(body: Any) -> bool:
+    """Whether a generation's JSON body, or an edit's form pairs, ask for server-sent events (`stream` true)."""
+    if isinstance(body, dict):
+        return body.get("stream") is True
+    return isinstance(body, list) and any(name == "stream" and isinstance(value, str) and value.lower() == "true"
+                                          for name, value in body)
+
+
+async def stream_images(frontend, body: Any, error_body: Callable, kind: str = "image"):
+    """The answer to a streamed POST /v1/images/generations (`kind` "image") or /v1/images/edits ("edit": the form's
+    pairs): a JSON error before anything runs, else SSE."""
     from fastapi.responses import StreamingResponse
 
-    what = "POST /v1/images/generations"
+    what = f"POST {ENDPOINTS[kind]}"
     if frontend.health not in ("ready", "degraded") or frontend.limits is None:
         return frontend.refusal(503, f"the server is {frontend.health}; retry when GET /health says ready", what)
     try:
-        request = with_seed(parse_image_request(body, frontend.limits, "image"))
+        request = frontend.parse(body, kind)
         job = frontend.scheduler.submit(request)
     except RequestError as exc:
-        return frontend.refusal(exc.status, str(exc), what, param=exc.param, code=exc.code)
+        retry = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None
+        return frontend.refusal(exc.status, str(exc), what, retry, param=exc.param, code=exc.code)
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     job.add_listener(lambda event: loop.call_soon_threadsafe(queue.put_nowait, event))
     job.add_done_callback(lambda: loop.call_soon_threadsafe(queue.put_nowait, None))
+    prefix = "image_edit" if kind == "edit" else "image_generation"  # OpenAI's event names
     common = {"background": "auto", "output_format": request.output_format, "quality": "auto",
               "size": f"{request.width}x{request.height}"}
 
@@ -202,7 +217,7 @@ async def stream_images(frontend, body: Any, error_body: Callable):
                 if event is None:
                     break
                 if event["type"] == "partial_image":
-                    yield _event({"type": "image_generation.partial_image", **common, "created_at": int(time.time()),
+                    yield _event({"type": f"{prefix}.partial_image", **common, "created_at": int(time.time()),
                                   "partial_image_index": event["index"],
                                   "b64_json": base64.b64encode(encode_output(
                                       event["data"], request.output_format, request.output_compression)).decode()})
@@ -212,7 +227,7 @@ async def stream_images(frontend, body: Any, error_body: Callable):
             usage = {"input_tokens": 0, "input_tokens_details": {"image_tokens": 0, "text_tokens": 0},
                      "output_tokens": 0, "total_tokens": 0}  # no tokens are counted here
             for index, file in enumerate(job.result["files"]):  # one per image: image i has seed + i
-                yield _event({"type": "image_generation.completed", **common, "created_at": int(time.time()),
+                yield _event({"type": f"{prefix}.completed", **common, "created_at": int(time.time()),
                               "b64_json": base64.b64encode(encode_output(file["data"], request.output_format,
                                                                          request.output_compression)).decode(),
                               "usage": usage,
