@@ -37,7 +37,7 @@ def test_missing_folder_that_is_no_hub_id(tmp_path, capsys, no_worker, monkeypat
 def test_cfg_on_a_pipeline_paradiff_cannot_split_by_cfg(tiny_pipeline_folders, tmp_path, capsys, no_worker, family,
                                                          reason):
     if family is None:
-        (tmp_path / "unclassified").mkdir()
+        (tmp_path / "unclassified" / "transformer").mkdir(parents=True)  # its folder there, as the index says
         (tmp_path / "unclassified" / "model_index.json").write_text(json.dumps({
             "_class_name": "EasyAnimateControlPipeline",
             "transformer": ["diffusers", "EasyAnimateTransformer3DModel"]}))
@@ -223,3 +223,54 @@ def test_hub_id_under_torchrun_is_fetched_by_one_rank_per_node(pools, tmp_path):
     assert by_rank[0]["error"].startswith("someone/tiny-pipeline: not in the local Hub cache and HF_HUB_OFFLINE is "
                                           "set; download it where the Hub is reachable (huggingface-cli download ")
     assert by_rank[1]["error"].startswith("someone/tiny-pipeline: not fetched; the first rank of a node could not")
+
+
+def test_what_exploratory_runs_found_is_refused_up_front(tiny_pipeline_folders, tmp_path, capsys, no_worker):
+    """Non-finite numbers, prompts files that hold no prompt or no UTF-8, a --lora that is no adapter, a folder whose
+    index or component files are corrupt (at one rank as at tp2), flags that need another: one line, exit 2, no
+    worker; --dry-run takes the same checks as a run."""
+    import shutil
+
+    from paradiff.demo import LORA_FILE
+
+    empty, binary = tmp_path / "empty.txt", tmp_path / "latin1.txt"
+    empty.write_text("\n  \n")
+    binary.write_bytes("caf\xe9\n".encode("latin-1"))
+    readme = tmp_path / "readme.txt"
+    readme.write_text("not an adapter")
+    flux = tiny_pipeline_folders["flux"]
+    broken = tmp_path / "broken"
+    shutil.copytree(flux, broken)
+    weights = sorted((broken / "transformer").glob("*.safetensors"))[0]
+    weights.write_bytes(weights.read_bytes()[:-100])
+    no_vae = tmp_path / "no-vae"
+    shutil.copytree(flux, no_vae)
+    shutil.rmtree(no_vae / "vae")
+    bad_index = tmp_path / "bad-index"
+    shutil.copytree(flux, bad_index)
+    (bad_index / "model_index.json").write_text("{'not': json")
+    bad_config = tmp_path / "bad-config"
+    shutil.copytree(flux, bad_config)
+    (bad_config / "transformer" / "config.json").write_text("{")
+    vae_weights = sorted((flux / "vae").glob("*.safetensors"))[0]
+    cases = [(["--guidance-scale", "nan"], "generate: error: --guidance-scale: expected a finite number, got nan"),
+             (["--lora", f"{LORA_FILE}:nan"], "paradiff: error: --lora"),
+             (["--prompts-file", str(empty)], f"paradiff: error: --prompts-file {empty} holds no prompt"),
+             (["--prompts-file", str(binary)], f"paradiff: error: --prompts-file {binary}: not UTF-8 text"),
+             (["--lora", str(readme)], f"paradiff: error: --lora {readme}: not an adapter file (a .txt file)"),
+             ([str(flux), "--lora", str(vae_weights)], f"paradiff: error: --lora {vae_weights}: holds no adapter"),
+             ([str(broken)], f"paradiff: error: {weights}: "),
+             ([str(broken), "--tp", "2"], f"paradiff: error: {weights}: "),
+             ([str(no_vae)], f"paradiff: error: {no_vae}: model_index.json names vae"),
+             ([str(bad_index)], f"paradiff: error: {bad_index / 'model_index.json'}: not valid JSON"),
+             ([str(bad_config)], f"paradiff: error: {bad_config / 'transformer' / 'config.json'}: not valid JSON"),
+             (["--device-memory", "24"], "paradiff: error: --device-memory 24 without --dry-run"),
+             (["--world", "2"], "paradiff: error: --world 2 without --parallel auto"),
+             (["--cfg", "2", "--dry-run"], "paradiff: error: --cfg 2: ")]
+    for argv, message in cases:
+        try:
+            code, err = run(capsys, "generate", *argv, "--out", str(tmp_path / "out"))
+        except SystemExit as exit_info:  # the parser's own refusal
+            code, err = exit_info.code, capsys.readouterr().err
+        assert (code, no_worker) == (2, []), (argv, err)
+        assert len(err.strip().splitlines()) == 1 and message in err, (argv, err)

@@ -102,9 +102,10 @@ def _run(args, argv: list[str], worker_module: str, on_pipeline_loaded) -> int:
 
         argv = resolve_auto_parallel(args, argv)
     check_args(args)
-    if getattr(args, "dry_run", False):
+    if getattr(args, "dry_run", False):  # the same checks of the folder and the mesh as a run's, then the figures
         from paradiff.cli.dry_run import dry_run
 
+        check_model_folder(args)
         return dry_run(args)
     if args.command == "serve":
         from paradiff.cli.serve import check_serve_args

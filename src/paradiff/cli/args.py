@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 from pathlib import Path
 
@@ -53,6 +54,17 @@ def _seconds(value: str) -> float:
     return number
 
 
+def _finite(value: str) -> float:
+    """A number a pipeline call takes (a guidance scale, a strength): finite (nan and inf draw garbage or nothing)."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {value}")
+    return number
+
+
 def add_model_options(parser: argparse.ArgumentParser) -> None:
     """What `generate` and `serve` share: the model, the mesh, how it is loaded and the generation defaults."""
     gen = parser
@@ -91,9 +103,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     gen.add_argument("--frames", type=_positive, default=None,
                      help="frames per video (video pipelines only; default: the pipeline's own)")
     gen.add_argument("--fps", type=_positive, default=16, help="frame rate of the MP4 files")
-    gen.add_argument("--guidance-scale", type=float, default=None,
+    gen.add_argument("--guidance-scale", type=_finite, default=None,
                      help="guidance_scale= of the pipeline call (default: the pipeline's own)")
-    gen.add_argument("--true-cfg-scale", type=float, default=None,
+    gen.add_argument("--true-cfg-scale", type=_finite, default=None,
                      help="true_cfg_scale= of the pipeline call, where it takes one (default: the pipeline's own)")
     gen.add_argument("--dtype", choices=DTYPES, default="float32", help="the dtype weights are loaded and run in")
     gen.add_argument("--timeout", type=_seconds, default=600.0, help="collective timeout in seconds")
@@ -166,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dry-run", action="store_true",
                      help="print each rank's memory for this mesh (weights held, FSDP gathers, activations) from the "
                           "transformers' configs, without reading a weight or starting a rank; docs/fsdp.md")
-    gen.add_argument("--device-memory", type=float, default=None, metavar="GB",
+    gen.add_argument("--device-memory", type=_finite, default=None, metavar="GB",
                      help="with --dry-run: say whether a device of GB holds it, and which flag to add if not")
     gen.add_argument("--out", default="out", help="output folder (PNG/MP4 files and report.json)")
     gen.add_argument("--also-without-lora", action="store_true",
@@ -189,8 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="last_image= (first-last-frame video: Wan 2.1 FLF2V, SkyReels-V2 I2V; --image is the first)")
     cond.add_argument("--reference-image", action="append", default=None, metavar="PATH",
                       help="reference_images= (Wan VACE), repeatable")
-    cond.add_argument("--strength", type=float, default=None, help="strength= (img2img / inpaint), 0 to 1")
-    cond.add_argument("--controlnet-scale", type=float, default=None, metavar="FLOAT",
+    cond.add_argument("--strength", type=_finite, default=None, help="strength= (img2img / inpaint), 0 to 1")
+    cond.add_argument("--controlnet-scale", type=_finite, default=None, metavar="FLOAT",
                       help="controlnet_conditioning_scale= (ControlNet pipelines: how strongly its residuals are added)")
     cond.add_argument("--pipeline", default=None, metavar="CLASS",
                       help="run this diffusers pipeline class on the model folder instead of its own, e.g. "
@@ -332,8 +344,15 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
             text = Path(args.prompts_file).read_text()
         except OSError as exc:
             raise CliError(f"cannot read --prompts-file {args.prompts_file}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise CliError(f"--prompts-file {args.prompts_file}: not UTF-8 text (byte {exc.start}: "
+                           f"{exc.object[exc.start:exc.start + 1]!r}); save it as UTF-8") from None
         # a line ADAPTER<TAB>PROMPT: the prompt is after the tab (prompt_adapters reads the column)
-        prompts += [line.split("\t", 1)[-1].strip() for line in text.splitlines() if line.strip()]
+        read = [line.split("\t", 1)[-1].strip() for line in text.splitlines() if line.strip()]
+        if not read:
+            raise CliError(f"--prompts-file {args.prompts_file} holds no prompt (one a line; blank lines are "
+                           "skipped)")
+        prompts += read
     if not prompts:
         from paradiff.demo import DEFAULT_PROMPTS
 
@@ -455,6 +474,12 @@ def check_args(args: argparse.Namespace) -> None:
     if getattr(args, "compile_backend", None) is not None and not args.compile:
         raise CliError(f"--compile-backend {args.compile_backend} without --compile: nothing is compiled; give "
                        "--compile too, or drop --compile-backend")
+    if getattr(args, "device_memory", None) is not None and not getattr(args, "dry_run", False):
+        raise CliError(f"--device-memory {args.device_memory:g} without --dry-run: it sizes the dry run's advice; "
+                       "give --dry-run too, or drop --device-memory")
+    if getattr(args, "world", None) is not None and getattr(args, "parallel", None) != "auto":
+        raise CliError(f"--world {args.world} without --parallel auto: the mesh comes from the degrees given; give "
+                       "--parallel auto to plan one for that many ranks, or drop --world")
     if getattr(args, "attention_backend", None) is not None:
         _check_attention_backend(args.attention_backend, args.ring)
     if getattr(args, "lora_weight_name", None) is not None and not lora_specs(args):

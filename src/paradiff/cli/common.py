@@ -5,6 +5,7 @@ them (--lora, --quantize-skip, --plan)."""
 from __future__ import annotations
 
 import argparse
+import math
 
 DTYPES = ("float32", "bfloat16", "float16")  # as api/load_spec.py's (cli/ is imported without torch)
 
@@ -48,8 +49,8 @@ def lora_specs(args: argparse.Namespace) -> list[dict]:
                 path = spec
         else:
             path = spec
-        if not path:
-            raise CliError(f"--lora {spec}: expected PATH[:SCALE], e.g. style.safetensors:0.8")
+        if not path or not math.isfinite(scale):
+            raise CliError(f"--lora {spec}: expected PATH[:SCALE] with a finite scale, e.g. style.safetensors:0.8")
         specs.append({"adapter_name": f"lora{index}", "path": path, "scale": scale})
     return specs
 

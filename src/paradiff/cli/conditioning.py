@@ -62,7 +62,12 @@ def folder_index(args: argparse.Namespace):
     if not any((folder / name).is_file() for name in INDEX_FILES):
         return None
     modular = True if getattr(args, "pipeline", None) and is_modular(pipeline_class(args.pipeline)) else None
-    return read_pipeline_index(folder, modular)
+    from paradiff.errors import CheckpointError
+
+    try:
+        return read_pipeline_index(folder, modular)
+    except CheckpointError as exc:  # an index that is no JSON object
+        raise CliError(str(exc)) from None
 
 
 def pipeline_class(name: str) -> type:

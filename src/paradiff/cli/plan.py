@@ -163,7 +163,7 @@ def resolve_auto_parallel(args: argparse.Namespace, argv: list[str]) -> list[str
     mesh = choice.mesh
     args.tp, args.ulysses, args.ring, args.cfg, args.dp = mesh.tp, mesh.ulysses, mesh.ring, mesh.cfg, mesh.data
     args.fsdp = mesh.fsdp
-    args.parallel = None
+    args.parallel = args.world = None  # resolved: the degrees now say it all (and the workers' argv drops both)
     if os.environ.get("RANK", "0") == "0":
         from paradiff.runtime.console import say
 

@@ -36,6 +36,7 @@ def check_model_folder(args: argparse.Namespace) -> None:
                        "diffusers pipeline")
     pipeline_name = getattr(args, "pipeline", None) or str(index.class_name)
     if not index.modular:
+        _check_component_files(index, label)
         _check_call_flags(args, pipeline_name, path)
     _check_frames(args, pipeline_name, path)
     _check_adapters(args, pipeline_name, index, label)
@@ -76,6 +77,29 @@ def check_model_folder(args: argparse.Namespace) -> None:
         _check_quantize_skip(args, index, label)
     if getattr(args, "quantize", None) == "nf4" and args.tp > 1:
         _check_nf4_blocks(args, index, label)
+
+
+def _check_component_files(index, label: str) -> None:
+    """Each component a standard pipeline's model_index.json names: its folder there, its JSON files readable, each
+    safetensors file's header whole (its tensors inside the file): a truncated download or a corrupt config is named
+    here, in any mesh, instead of by every rank once it loads."""
+    from paradiff.errors import CheckpointError
+    from paradiff.io.checkpoint import read_header
+
+    for name, (_library, class_name) in index.components.items():
+        folder = index.folder / name
+        if not folder.is_dir():
+            raise CliError(f"{label}: model_index.json names {name} ({class_name}), but {folder} is not a folder")
+        for config in sorted(folder.glob("*.json")):
+            try:
+                json.loads(config.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise CliError(f"{config}: not valid JSON ({exc}); the file is corrupt") from None
+        for weights in sorted(folder.glob("*.safetensors")):
+            try:
+                read_header(weights)
+            except CheckpointError as exc:
+                raise CliError(str(exc).splitlines()[0]) from None
 
 
 def fetch_hub_pipeline(repo: str) -> Path:
@@ -163,7 +187,11 @@ def _check_adapters(args: argparse.Namespace, pipeline_name: str, index, label: 
 
     model = None
     for lora in loras:
-        file = _adapter_file(Path(lora["path"]), args.lora_weight_name)
+        local = Path(lora["path"])
+        if local.is_file() and local.suffix not in ADAPTER_SUFFIXES:
+            raise CliError(f"--lora {lora['path']}: not an adapter file (a {local.suffix or 'suffix-less'} file); "
+                           f"expected one of {', '.join(ADAPTER_SUFFIXES)}, a folder holding one, or a Hub id")
+        file = _adapter_file(local, args.lora_weight_name)
         if file is None:
             continue  # a Hub id, or another format: read by diffusers in the workers
         from paradiff.io.checkpoint import read_header
@@ -172,6 +200,10 @@ def _check_adapters(args: argparse.Namespace, pipeline_name: str, index, label: 
             header = read_header(file)
         except CheckpointError as exc:
             raise CliError(f"--lora {lora['path']}: not a readable safetensors file: {exc}") from None
+        if not any(marker in key.lower() for key in header for marker in ADAPTER_MARKERS):
+            example = next(iter(header), "none")
+            raise CliError(f"--lora {lora['path']}: holds no adapter tensors ({len(header)} tensors, e.g. {example!r}, "
+                           "none named lora / lokr / loha); is it a model's weights?")
         # peft names under the transformer's prefix: loaded as they are (others are converted by diffusers first)
         shapes = {key.removeprefix("transformer."): tuple(info.shape) for key, info in header.items()
                   if key.startswith("transformer.")}
@@ -189,6 +221,12 @@ def _check_adapters(args: argparse.Namespace, pipeline_name: str, index, label: 
         except AdapterError as exc:
             raise CliError(f"--lora {lora['path']}: {label}'s transformer ({type(model).__name__}): "
                            f"{str(exc).splitlines()[0]}") from None
+
+
+# what diffusers' LoRA loaders read (safetensors, or torch's pickles), and the words every adapter format's tensor names
+# carry (peft's lora_A, kohya's lora_down / lora_up, LyCORIS' lokr / hada, alphas beside them)
+ADAPTER_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+ADAPTER_MARKERS = ("lora", "lokr", "hada", "loha", "dora")
 
 
 def _adapter_file(path: Path, weight_name: str | None) -> Path | None:

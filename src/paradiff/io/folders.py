@@ -85,7 +85,12 @@ def read_pipeline_index(folder: str | os.PathLike, modular: bool | None = None) 
     if not path.is_file():
         raise CheckpointError(f"{folder} has no {path.name}: not a {'modular ' if modular else ''}diffusers "
                               "pipeline folder.")
-    raw = json.loads(path.read_text())
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc}); the file is corrupt.") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: not a JSON object of components; the file is corrupt.")
     components: dict[str, tuple[str, str]] = {}
     sources: dict[str, tuple[str, str | None]] = {}
     config: dict[str, Any] = {}

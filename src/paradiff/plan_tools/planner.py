@@ -65,7 +65,13 @@ def read_model(model: str) -> ModelSource:
     path = Path(model)
     pipeline = None
     if path.is_dir() and (path / "model_index.json").is_file():
-        pipeline = json.loads((path / "model_index.json").read_text()).get("_class_name")
+        from paradiff.errors import CheckpointError
+        from paradiff.io.folders import read_pipeline_index
+
+        try:
+            pipeline = read_pipeline_index(path, modular=False).class_name
+        except CheckpointError as exc:
+            raise CostModelError(str(exc)) from None
         path = path / "transformer"
     if path.is_dir():
         path = path / "config.json"
