@@ -274,3 +274,22 @@ def test_what_exploratory_runs_found_is_refused_up_front(tiny_pipeline_folders, 
             code, err = exit_info.code, capsys.readouterr().err
         assert (code, no_worker) == (2, []), (argv, err)
         assert len(err.strip().splitlines()) == 1 and message in err, (argv, err)
+
+
+def test_a_run_into_a_folder_of_an_earlier_run_removes_that_runs_outputs_first(tmp_path, capsys, no_worker):
+    """The outputs the earlier report.json names (inside --out, with an output's suffix) go, with that report;
+    anything else in the folder, or named but elsewhere, stays."""
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere.png"
+    out.mkdir()
+    for name in ("0000.png", "0001.png", "0001-without-lora.png", "compare.png", "notes.txt", "mine.png"):
+        (out / name).write_text("x")
+    elsewhere.write_text("x")
+    (out / "report.json").write_text(json.dumps({
+        "images": {"0": str(out / "0000.png"), "1": str(out / "0001.png")},
+        "without_lora": {"1": str(out / "0001-without-lora.png")}, "compare_png": str(out / "compare.png"),
+        "notes": str(out / "notes.txt"), "other": str(elsewhere)}))
+    code, err = run(capsys, "generate", "--prompt", "x", "--out", str(out))
+    assert (code, len(no_worker)) == (0, 1), err
+    assert sorted(path.name for path in out.iterdir()) == ["mine.png", "notes.txt"] and elsewhere.exists()
+    assert err.strip() == f"paradiff: --out {out}: removed the 4 output file(s) of the run before (its report.json " \
+                          "named them)"

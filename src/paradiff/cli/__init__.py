@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 from paradiff.cli.args import CliError, build_parser, check_args, world_size_of
@@ -121,6 +122,8 @@ def _run(args, argv: list[str], worker_module: str, on_pipeline_loaded) -> int:
                 f"the degrees multiply to {world_size_of(args)} but torchrun started {os.environ['WORLD_SIZE']} "
                 "processes; they must match"
             )
+        if args.command == "generate" and os.environ["RANK"] == "0" and not os.environ.get("PARADIFF_WORKER"):
+            _clear_previous_run(args)  # under torchrun (the local launcher's workers: the launcher did)
         _run_worker_and_exit(args, on_pipeline_loaded)
     if args.model is None:
         from paradiff.cli.embedded import embedded_default
@@ -132,10 +135,21 @@ def _run(args, argv: list[str], worker_module: str, on_pipeline_loaded) -> int:
     check_model_folder(args)
     if args.command == "generate":
         _warn_idle_replicas(args)
+        _clear_previous_run(args)
     if args.command == "serve":  # the launcher forwards SIGTERM / SIGINT to rank 0, which drains
         return launch(argv, world_size_of(args), worker_module, dead_grace_s=10.0, forward_signals=True,
                       leader_grace_s=SERVER_LEADER_GRACE_S)
     return launch(argv, world_size_of(args), worker_module)
+
+
+def _clear_previous_run(args) -> None:
+    """A run into a folder an earlier run wrote: its outputs go first (said once), so none is left stale."""
+    from paradiff.cli.report import clear_previous_run
+
+    removed = clear_previous_run(Path(args.out))
+    if removed:
+        say(f"paradiff: --out {args.out}: removed the {removed} output file(s) of the run before (its report.json "
+            "named them)")
 
 
 def _warn_idle_replicas(args) -> None:

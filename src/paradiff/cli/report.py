@@ -9,6 +9,45 @@ from pathlib import Path
 from paradiff.cli.common import lora_specs, quantize_skip
 
 
+OUTPUT_SUFFIXES = (".png", ".mp4", ".wav", ".gif", ".webp", ".jpg")  # what a run writes besides report.json
+
+
+def clear_previous_run(out: Path) -> int:
+    """The files a previous run wrote into `out`, as its report.json names them (images, videos, sounds, the
+    comparison, a video's frames), and that report: removed, so that a run into the same folder leaves no stale output
+    beside its own. Only files inside `out` with an output's suffix go; anything else stays. Returns how many went."""
+    report = out / "report.json"
+    try:
+        old = json.loads(report.read_text())
+    except (OSError, ValueError):
+        return 0
+    named: set[str] = set()
+
+    def walk(value) -> None:
+        if isinstance(value, dict):
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, list):
+            for item in value:
+                walk(item)
+        elif isinstance(value, str) and value.endswith(OUTPUT_SUFFIXES):
+            named.add(value)
+
+    walk(old)
+    removed = 0
+    folder = out.resolve()
+    for name in sorted(named):
+        path = Path(name) if Path(name).is_absolute() else out / name
+        try:
+            if path.resolve().is_relative_to(folder) and path.is_file():
+                path.unlink()
+                removed += 1
+        except OSError:
+            pass
+    report.unlink(missing_ok=True)
+    return removed
+
+
 def write_report(args: argparse.Namespace, out: Path, model: str, prompts: list[str], run: dict,
                  gathered: list[dict], compare: dict | None) -> dict:
     """Write report.json from every rank's statistics (`gathered`) and print the summary lines; returns the report.
