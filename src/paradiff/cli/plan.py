@@ -92,7 +92,7 @@ def _profile_line(profile) -> str:
 
 def plan_text(result, every: bool = False) -> str:
     shape, profile = result.shape, result.profile
-    lines = [f"{result.source.name}: {shape.family}, {shape.params / 1e9:.2f} B parameters, {result.latent} latent + "
+    lines = [f"{result.source.name}: {shape.family}, {_count(shape.params)} parameters, {result.latent} latent + "
              f"{shape.text_tokens} text tokens, {result.branches} transformer call(s) per step, {result.steps} steps",
              f"profile {profile.name}: {profile.source}",
              f"{'mesh':<28} {'GB/rank':>8} {'step s':>9} {'latency s':>10} {'img/s':>7} {'comm %':>7}  notes"]
@@ -110,6 +110,14 @@ def plan_text(result, every: bool = False) -> str:
     return "\n".join(lines)
 
 
+def _count(params: float) -> str:
+    """A parameter count as people write it: 12.0 B, 86 M, 420 k."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if params >= scale:
+            return f"{params / scale:.3g} {unit}"
+    return f"{params:.0f}"
+
+
 def plan_json(result) -> dict:
     return {
         "model": result.source.name, "family": result.shape.family, "parameters": result.shape.params,
@@ -122,7 +130,7 @@ def plan_json(result) -> dict:
                     "forward_flops": p.forward.flops, "forward_bytes": p.forward.bytes,
                     "step_flops": p.forward.flops * p.forwards, "wire_bytes_per_forward": p.forward.wire_bytes(),
                     "compute_s": p.compute_s, "comm_s": p.comm_s, "step_s": p.step_s, "latency_s": p.latency_s,
-                    "images_per_s": p.images_per_s} for p in result.predictions],
+                    "images_per_s": p.images_per_s, "imbalance": p.imbalance} for p in result.predictions],
     }
 
 

@@ -40,6 +40,7 @@ class Prediction:
     step_s: float = 0.0
     latency_s: float = 0.0
     images_per_s: float = 0.0
+    imbalance: float = 1.0  # the busiest rank's heads over an even share, where tp x ulysses does not divide them
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -143,6 +144,12 @@ def predict(shape: ModelShape, latent: int, mesh: Mesh, profile: HardwareProfile
     prediction = Prediction(mesh, memory(shape, latent, b, mesh), cost)
     share = max(1.0, mesh.world / profile.concurrent_ranks)
     compute, attention_s = compute_seconds(cost, profile, dtype, share)
+    split = mesh.tp * mesh.ulysses
+    if shape.heads % split:  # split unevenly (the runtime takes any head count): the busiest rank sets the pace,
+        # on its whole forward under TP (a little over: the parts TP leaves whole), on its attention under Ulysses
+        prediction.imbalance = -(-shape.heads // split) * split / shape.heads
+        extra = (prediction.imbalance - 1) * (compute if mesh.tp > 1 else attention_s)
+        compute, attention_s = compute + extra, attention_s * prediction.imbalance
     exposed = 0.0
     for item in cost.traffic:
         seconds = profile.comm_seconds(item)
@@ -169,9 +176,8 @@ def predict(shape: ModelShape, latent: int, mesh: Mesh, profile: HardwareProfile
 def problems(shape: ModelShape, latent: int, mesh: Mesh, branches: int, used: Memory, device_memory: float
              ) -> list[str]:
     found = []
-    heads_split = mesh.tp * mesh.ulysses
-    if shape.heads % heads_split:
-        found.append(f"{shape.heads} heads do not split evenly over tp x ulysses = {heads_split}")
+    if mesh.tp > shape.heads:
+        found.append(f"tp{mesh.tp} is more ranks than the {shape.heads} heads (each TP rank holds a whole head)")
     if mesh.cfg > 1 and branches == 1:
         found.append("cfg needs a pipeline that guides (a CFG pipeline with guidance > 1): this run makes one "
                      "transformer call per step")
