@@ -70,7 +70,10 @@ def main(argv: list[str] | None = None, *, worker_module: str = WORKER_MODULE,
 
 
 def _first_line(exc: BaseException) -> str:
-    return str(exc).splitlines()[0] if str(exc) else ""
+    """An error's first line, without the C++ source location a backend's error starts with."""
+    from paradiff.distributed.failures import NATIVE_SOURCE
+
+    return NATIVE_SOURCE.sub("", str(exc).splitlines()[0]) if str(exc) else ""
 
 
 def _reader_gone() -> int:

@@ -465,8 +465,10 @@ def check_args(args: argparse.Namespace) -> None:
             raise CliError(f"model folder {args.model} does not exist or has no model_index.json (nor a Modular "
                            "Diffusers modular_model_index.json)")
     prompts = read_prompts(args)
-    if any(not prompt.strip() for prompt in prompts):
-        raise CliError("--prompt '': expected a non-empty prompt (an empty one draws noise, and serve refuses it too)")
+    blank = next((prompt for prompt in prompts if not prompt.strip()), None)
+    if blank is not None:
+        raise CliError(f"--prompt {blank!r}: expected a non-empty prompt (an empty one draws noise, and serve refuses "
+                       "it too)")
     seed = getattr(args, "seed", 0)
     if not 0 <= seed <= SEED_MAX - (len(prompts) - 1):
         raise CliError(f"--seed {seed}: expected an integer from 0 to 2**63 - {len(prompts)} (prompt i uses seed + i, "
@@ -512,7 +514,8 @@ def check_args(args: argparse.Namespace) -> None:
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
-        raise CliError(f"output folder {args.out} is not writable: {exc.strerror}") from None
+        what = "is a file, not a folder" if out.is_file() else f"is not writable: {exc.strerror}"
+        raise CliError(f"output folder {args.out} {what}") from None
     if args.height % 16 or args.width % 16:
         raise CliError(f"--height {args.height} and --width {args.width} must be multiples of 16 (VAE x patch size)")
     if getattr(args, "quantize_skip", None) is not None and not getattr(args, "quantize", None):

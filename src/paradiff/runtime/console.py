@@ -14,12 +14,26 @@ def say(line: str) -> None:
     sys.stderr.flush()
 
 
+class _CommandLines(logging.Formatter):
+    """paradiff's own log records as the command's other lines: "paradiff: warning: ..."."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"paradiff: {record.levelname.lower()}: {record.getMessage()}"
+
+
 def quiet_other_ranks(rank: int) -> None:
-    """Library messages and progress bars once, from rank 0 (and only on a terminal)."""
+    """Library messages and progress bars once, from rank 0 (and only on a terminal); paradiff's own warnings as
+    one "paradiff: warning: ..." line each."""
     if rank != 0 or not console_is_terminal():
         quiet_libraries()
     if rank != 0:  # every rank takes the same fallbacks (VAE or text encoder kept whole): rank 0 says so, once
         logging.getLogger("paradiff").setLevel(logging.ERROR)
+    logger = logging.getLogger("paradiff")
+    if not any(isinstance(handler.formatter, _CommandLines) for handler in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(_CommandLines())
+        logger.addHandler(handler)
+        logger.propagate = False  # one line, not a second one from the root logger's handler
 
 
 def console_is_terminal() -> bool:
