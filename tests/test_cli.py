@@ -275,3 +275,13 @@ def test_bench_prints_a_table_for_each_configuration(tmp_path):
     for row in rows.values():
         cells = [cell.strip() for cell in row.split("|")[1:-1]]
         assert float(cells[1]) > 0 and float(cells[2]) > 0 and float(cells[3]) > 0 and cells[4] == "32x32"
+
+
+def test_python_dash_m_paradiff_is_the_command():
+    """`python -m paradiff` runs what the `paradiff` script does (a user's first guess without the script on PATH)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "paradiff", "--version"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and result.stdout.startswith("paradiff "), (result.stdout, result.stderr)
