@@ -71,6 +71,15 @@ def test_adapters_load_and_unload_at_run_time_while_requests_run(tmp_path):
             refused = server.generate(prompt=PROMPT, seed=3, model=name)
             assert refused.status_code == 409 and name in refused.json()["error"]["message"], refused.text
         assert server.client.get("/health").json() == {"status": "ready"}
+        # an adapter for modules this model lacks: refused when named, not at each request
+        from safetensors.torch import save_file
+        import torch
+
+        save_file({"transformer.nonexistent.lora_A.weight": torch.zeros(4, 8),
+                   "transformer.nonexistent.lora_B.weight": torch.zeros(8, 4)}, str(root / "foreign.safetensors"))
+        foreign = server.client.post("/v1/load_lora_adapter", json={"lora_name": "foreign",
+                                                                     "lora_path": "foreign.safetensors"})
+        assert foreign.status_code == 400 and "nonexistent" in foreign.json()["error"]["message"], foreign.text
         again = server.client.post("/v1/unload_lora_adapter", json={"lora_name": "late"})
         assert again.status_code == 404
         log = [entry for entry in server.log() if entry.get("id") is not None and entry["status"] == 200]

@@ -68,6 +68,7 @@ class AdapterRegistry:
                  max_rank: int) -> None:
         self.base_name, self.allow_runtime, self.max_rank = base_name, allow_runtime, max_rank
         self.root = Path(root).resolve() if root else None
+        self.modules: frozenset[str] | None = None  # the transformer's modules with slots, once a replica loaded
         self._lock = threading.Lock()
         self._adapters: dict[str, dict[str, str]] = {}
         for spec in modules or []:
@@ -127,6 +128,15 @@ class AdapterRegistry:
         if max(ranks.values()) > self.max_rank:
             raise RequestError(400, f"lora_path {quoted} has rank {max(ranks.values())}, above --max-lora-rank "
                                     f"{self.max_rank}; restart with a larger --max-lora-rank", "lora_path")
+        # peft's names (transformer.<module>.lora_A.weight) say the modules outright; other formats are converted by
+        # diffusers when the ranks load them
+        aimed = {key.removeprefix("transformer.").removesuffix(".lora_A.weight") for key in ranks
+                 if key.startswith("transformer.") and key.endswith(".lora_A.weight")}
+        missing = sorted(aimed - self.modules) if self.modules else []
+        if missing:
+            raise RequestError(400, f"lora_path {quoted} adapts module(s) this model has no adapter slots for: "
+                                    f"{shown(missing, 200)} (e.g. {sorted(self.modules)[:3]}); is it made for "
+                                    "another model?", "lora_path")
         from paradiff.api.lora_slots import safetensors_keys, text_encoder_refusal
 
         refusal = text_encoder_refusal(name, str(resolved), safetensors_keys(resolved))

@@ -166,6 +166,8 @@ class Frontend:
             self.scheduler.classic_cfg = "negative_prompt" in accepts and "true_cfg_scale" not in accepts
             self.replicas = info["replicas"]
             self.loaded_at = int(time.time())
+            if self.adapters is not None:
+                self.adapters.modules = frozenset(info.get("adapter_modules", ())) or None
         self.generation = max(self.generation, generation)
         again = " again, after a fault" if generation else ""
         which = f"replica {index} " if self.replicas > 1 else ""

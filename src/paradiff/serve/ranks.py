@@ -221,6 +221,7 @@ class Replica:
 
     def describe(self) -> dict:
         """What rank 0's frontend needs of the pipeline (JSON: it crosses the store)."""
+        from paradiff.api.lora_slots import adapter_bank
         from paradiff.plans.pipelines import call_keyword
 
         # what an edit may carry: the conditioning inputs the call takes (under the pipeline's own keywords)
@@ -229,7 +230,10 @@ class Replica:
         return {"kind": "video" if "num_frames" in self.parameters else "image",
                 "accepts": sorted(self.parameters), "replicas": self.replicas,
                 "adapters": [list(adapter) for adapter in self.adapters], "inputs": sorted(inputs),
-                "pipeline": self.pipeline_name or type(self.pipeline).__name__, "previews": self.previews}
+                "pipeline": self.pipeline_name or type(self.pipeline).__name__, "previews": self.previews,
+                # the transformer's modules with adapter slots: an adapter aiming elsewhere is refused when named
+                "adapter_modules": sorted(adapter_bank(self.pipeline.transformer).layers)
+                if self.adapter_cache is not None else []}
 
     def check(self, item: dict) -> str | None:
         """The replica's first rank, before a batch is broadcast: why the pipeline could not take `item` (None when it
