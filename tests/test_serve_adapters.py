@@ -61,6 +61,10 @@ def test_adapters_load_and_unload_at_run_time_while_requests_run(tmp_path):
         edits = [client.images.edit(model=model, image=("in.png", answers[0][0], "image/png"), prompt=PROMPT,
                                     extra_body={"seed": 3}) for model in (base, "swap")]
         assert edits[0].data[0].b64_json != edits[1].data[0].b64_json
+        streamed = list(client.images.edit(model="swap", image=("in.png", answers[0][0], "image/png"), prompt=PROMPT,
+                                           stream=True, extra_body={"seed": 3}))
+        assert [event.type for event in streamed] == ["image_edit.completed"]  # 2 steps: no preview to make
+        assert streamed[0].b64_json == edits[1].data[0].b64_json
         # an adapter file changed or removed since it was named: that request's 409, the server goes on
         for name, change in (("mut", lambda path: path.write_bytes(path.read_bytes() + b" ")),
                              ("removed", lambda path: path.unlink())):
@@ -83,8 +87,8 @@ def test_adapters_load_and_unload_at_run_time_while_requests_run(tmp_path):
         again = server.client.post("/v1/unload_lora_adapter", json={"lora_name": "late"})
         assert again.status_code == 404
         log = [entry for entry in server.log() if entry.get("id") is not None and entry["status"] == 200]
-        # the four together, then the streamed "swap", the base and "swap" edits
-        assert sorted(entry["adapter"] or "" for entry in log) == ["", "", "late", "swap", "swap", "swap", "swap"]
+        # the four together, then the streamed "swap", the base and "swap" edits, the streamed "swap" edit
+        assert sorted(entry["adapter"] or "" for entry in log) == ["", "", "late"] + ["swap"] * 5
         assert all(entry["batch"] for entry in log)
         assert server.text().count("ready") == 1  # loaded once: no reload for any adapter
     finally:
