@@ -5,8 +5,8 @@
   FOLDER/answered and exits 0.
 - `leader-dies`: rank 0 exits with code 9 at once; rank 1 waits (bounded) for a file that never comes.
 - `signals`: rank 0 writes the name of each SIGTERM, SIGUSR1 or SIGUSR2 it gets to FOLDER/signals (a line each),
-  after FOLDER/ready; it exits 0 once it has two, or SECOND_S after the first; rank 1 ignores SIGTERM (as a
-  server's other ranks do) and exits with rank 0.
+  after FOLDER/ready (written once rank 1 ignores SIGTERM, as a server's other ranks do, and said so in
+  FOLDER/ready1); it exits 0 once it has two, or SECOND_S after the first; rank 1 exits with rank 0.
 """
 
 from __future__ import annotations
@@ -55,16 +55,19 @@ def signals(rank: int, folder: Path) -> int:
 
     if rank != 0:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        (folder / f"ready{rank}").write_text("")
         return 0 if wait_for(folder / "finished") else 2
     got: list[str] = []
 
     def record(number, _frame) -> None:
-        got.append(signal.Signals(number).name)
+        name = signal.Signals(number).name  # its own: another signal's handler may run between these lines
+        got.append(name)
         with open(folder / "signals", "a") as log:
-            log.write(got[-1] + "\n")
+            log.write(name + "\n")
 
     for number in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(number, record)
+    wait_for(folder / "ready1")  # every rank has its handlers (rank 1 ignores SIGTERM) before the test signals
     (folder / "ready").write_text("")
     deadline = time.monotonic() + WAIT_S
     while len(got) < 2 and time.monotonic() < deadline:

@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     cond.add_argument("--reference-image", action="append", default=None, metavar="PATH",
                       help="reference_images= (Wan VACE), repeatable")
     cond.add_argument("--strength", type=_finite, default=None, help="strength= (img2img / inpaint), 0 to 1")
-    cond.add_argument("--controlnet-scale", type=_finite, default=None, metavar="FLOAT",
+    cond.add_argument("--controlnet-scale", type=float, default=None, metavar="FLOAT",
                       help="controlnet_conditioning_scale= (ControlNet pipelines: how strongly its residuals are added)")
     cond.add_argument("--pipeline", default=None, metavar="CLASS",
                       help="run this diffusers pipeline class on the model folder instead of its own, e.g. "

@@ -210,8 +210,9 @@ def _image_size(flag: str, path: str) -> tuple[int, int]:
     try:
         with Image.open(path) as image:
             size = upright_size(image)  # as read_image turns it
+        with Image.open(path) as image:  # verify only directly after an open
             image.verify()
-            return size
+        return size
     except (UnidentifiedImageError, OSError, SyntaxError) as exc:
         raise CliError(f"{flag} {path}: not a readable image ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'unreadable'})") from None
 

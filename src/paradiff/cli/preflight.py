@@ -36,7 +36,6 @@ def check_model_folder(args: argparse.Namespace) -> None:
                        "diffusers pipeline")
     pipeline_name = getattr(args, "pipeline", None) or str(index.class_name)
     if not index.modular:
-        _check_component_files(index, label)
         _check_call_flags(args, pipeline_name, path)
     _check_frames(args, pipeline_name, path)
     _check_adapters(args, pipeline_name, index, label)
@@ -77,6 +76,8 @@ def check_model_folder(args: argparse.Namespace) -> None:
         _check_quantize_skip(args, index, label)
     if getattr(args, "quantize", None) == "nf4" and args.tp > 1:
         _check_nf4_blocks(args, index, label)
+    if not index.modular:  # last: what the mesh and the flags decide is said first
+        _check_component_files(index, label)
 
 
 def _check_component_files(index, label: str) -> None:

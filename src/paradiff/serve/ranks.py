@@ -35,6 +35,7 @@ from __future__ import annotations
 import base64
 import datetime
 import gc
+import itertools
 import json
 import os
 import signal
@@ -623,20 +624,21 @@ def _handle_signals(frontend) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         return
-    counted = []
+    # counters, not flags: next() is one step no other signal's handler can split (a handler runs between
+    # bytecodes, and both signals of a group SIGTERM may arrive together)
+    asked, drains = itertools.count(), itertools.count()
 
     def stop() -> None:
         say("paradiff serve: second signal; stopping without finishing the requests in flight")
         os._exit(1)
 
     def drain(name: str) -> None:
-        if not frontend.scheduler.draining:
+        if next(drains) == 0 and not frontend.scheduler.draining:
             say(f"paradiff serve: {name}: finishing the requests in flight, taking no new ones")
             frontend.drain()
 
     def on_signal(number, _frame):
-        counted.append(number)
-        if len(counted) > 1:
+        if next(asked) > 0:
             stop()
         drain(signal.Signals(number).name)
 
