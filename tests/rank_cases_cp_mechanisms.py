@@ -127,3 +127,22 @@ def split_linear_recurrence(steps: int) -> dict:
         got = scan(state, reversed(mine) if reverse else mine)
         worst = max(worst, max(float((got[s] - expected[s]).abs().max()) for s in mine))
     return {"diff": worst, "steps": len(mine)}
+
+
+def ranks_given_different_lengths(mode: str) -> str:
+    """A FLUX transformer under CP called with a 3 x 5 latent grid on rank 0 and 4 x 5 on rank 1: every rank raises
+    (before, each split its own sequence and the gather joined pieces of both: a wrong output, silently)."""
+    import paradiff
+    from paradiff.errors import DistributedError
+    from paradiff.testing.models import Lengths, build_model, make_inputs, run_forward
+
+    model = build_model("flux")
+    config = paradiff.ContextParallelConfig(ring_degree=2) if mode == "ring" else \
+        paradiff.ContextParallelConfig(ulysses_degree=2)
+    paradiff.enable_parallelism(model, config)
+    inputs = make_inputs("flux", model.config, lengths=Lengths(3 + dist.get_rank(), 5, 7))
+    try:
+        run_forward(model, inputs)
+    except DistributedError as exc:
+        return str(exc)
+    return "no error"

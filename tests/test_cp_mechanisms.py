@@ -402,3 +402,10 @@ def test_a_linear_recurrence_split_over_the_ranks_receives_the_single_process_st
     assert sum(r["steps"] for r in results) == steps
     for result in results:
         assert result["diff"] <= 1e-12, result
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_ranks_called_with_inputs_of_different_shapes_all_raise(pools, mode):
+    messages = pools.get(2).run(cases.ranks_given_different_lengths, mode=mode)
+    assert all("called with inputs of different shapes" in message and "rank 1: " in message
+               for message in messages), messages

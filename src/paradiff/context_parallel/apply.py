@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -10,8 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from paradiff.distributed.comm import all_gather_int, all_gather_uneven
-from paradiff.errors import ParallelConfigError, PlanError
+from paradiff.distributed.comm import all_gather_int, all_gather_ints, all_gather_uneven
+from paradiff.errors import DistributedError, ParallelConfigError, PlanError
 from paradiff.runtime.patches import add_hook, module_patches, remove_patch, set_attribute, set_processor, wrap_forward
 from paradiff.runtime.state import ParallelState
 from paradiff.tensor_parallel.plan import expand_key
@@ -379,6 +380,37 @@ def _output_splitter(name: str, outputs: dict[int, Split], runtime: ContextParal
     return hook
 
 
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors of a call's arguments, in a fixed order (keyword arguments by name)."""
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, dict):
+        return [tensor for key in sorted(value, key=str) for tensor in _tensors(value[key])]
+    if isinstance(value, (tuple, list)):
+        return [tensor for item in value for tensor in _tensors(item)]
+    return []
+
+
+def _same_inputs(runtime: ContextParallelRuntime):
+    """The model's pre-hook: every rank of the CP group was given inputs of the same shapes (each splits the same
+    sequence). Ranks given different lengths would otherwise each split their own and the gather join pieces of
+    different sequences: a wrong result, silently. One small all-gather a forward; every rank raises alike."""
+    def hook(module, args, kwargs):
+        tensors = _tensors(list(args)) + _tensors(kwargs)
+        shapes = [tuple(tensor.shape) for tensor in tensors]
+        summary = [len(shapes), sum(tensor.numel() for tensor in tensors), zlib.crc32(repr(shapes).encode())]
+        device = tensors[0].device if tensors else next(module.parameters()).device
+        every = all_gather_ints(summary, runtime.cp_group, device)
+        if any(row != every[0] for row in every):
+            described = "; ".join(f"rank {rank}: {row[0]} tensors, {row[1]} values" for rank, row in enumerate(every))
+            raise DistributedError(
+                f"the context-parallel ranks of {type(module).__name__} were called with inputs of different shapes "
+                f"({described}); every rank of a context-parallel group must pass the same inputs (this rank's: "
+                f"{shapes[:4]}{' ...' if len(shapes) > 4 else ''})")
+
+    return hook
+
+
 def _gather(tensor: torch.Tensor, dim: int, runtime: ContextParallelRuntime) -> torch.Tensor:
     gather_dim = dim % tensor.dim()
     sizes = all_gather_int(tensor.shape[gather_dim], runtime.cp_group, tensor.device)
@@ -467,6 +499,7 @@ def apply_context_parallel(model: nn.Module, state: ParallelState, plan: Resolve
     def hook(module: nn.Module, function, pre: bool = False, **options) -> None:
         handles.append(add_hook(module, function, by="cp", pre=pre, **options))
 
+    hook(model, _same_inputs(runtime), pre=True, with_kwargs=True)  # before anything splits them
     for name, rewrite in plan.rewrite_inputs.items():  # first: they see the arguments whole
         module = model.get_submodule(name) if name else model
         hook(module, _input_rewriter(module, rewrite, name), pre=True, with_kwargs=True)
