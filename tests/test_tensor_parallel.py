@@ -51,6 +51,18 @@ def test_save_pretrained_round_trip(pools, checkpoints, tmp_path, family):
     assert (out / "diffusion_pytorch_model.safetensors.index.json").is_file()
 
 
+def test_a_tp_models_own_save_pretrained_writes_the_gathered_checkpoint(pools, checkpoints, tmp_path):
+    """diffusers' save_pretrained called on a split model: the whole weights that plain diffusers reloads (it used to
+    write each rank's slices); `variant=` is refused by name on every rank, before any gather."""
+    out = tmp_path / "saved"
+    results = pools.get(2).run(cases.save_round_trip, family="flux", folder=str(checkpoints[("flux", "sharded")]),
+                               out=str(out), tp=2, through="model")
+    assert results[0]["tensors"] > 10
+    assert all(result["refused"].startswith("UnsupportedModelError: FluxTransformer2DModel.save_pretrained on a "
+                                            "tensor-parallel model") and "['variant']" in result["refused"]
+               for result in results), results
+
+
 def test_save_pretrained_gathers_uneven_head_shards(pools, checkpoints, tmp_path):
     """4 heads over 3 ranks (2 + 1 + 1): the gathered checkpoint equals the original tensor for tensor."""
     out = tmp_path / "saved"

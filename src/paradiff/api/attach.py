@@ -8,6 +8,7 @@ from torch import nn
 
 from paradiff.distributed.failures import guarded_call
 from paradiff.runtime.caching import install_agreed_caching
+from paradiff.runtime.patches import set_attribute
 from paradiff.runtime.state import ParallelState, set_state
 from paradiff.runtime.wrappers import install_wrapper
 from paradiff.api.lora import install_lora_support
@@ -31,4 +32,30 @@ def attach(model: nn.Module, mesh: Any, resolved: Any, cp_resolved: Any, fsdp_bl
     install_agreed_caching(model, mesh.model_group)
     install_lora_support(model)
     install_offload_support(model)
+    if resolved is not None and hasattr(model, "save_config"):
+        install_gathered_saving(model)
     return model
+
+
+def install_gathered_saving(model: nn.Module) -> None:
+    """A tensor-parallel model's own `save_pretrained` (diffusers') would write each rank's slices as if they were the
+    weights, a checkpoint nothing loads: on the instance it writes through `paradiff.save_pretrained` instead (the
+    full tensors gathered, rank 0 writing), and refuses by name the options that one does not take."""
+    from paradiff.errors import UnsupportedModelError
+    from paradiff.io.saving import save_pretrained
+
+    def gathered(save_directory, is_main_process: bool = True, save_function=None, safe_serialization: bool = True,
+                 variant=None, max_shard_size="10GB", push_to_hub: bool = False, **kwargs) -> None:
+        refused = {name: value for name, value in (("save_function", save_function), ("variant", variant),
+                                                   ("push_to_hub", push_to_hub or None)) if value is not None}
+        if not safe_serialization:
+            refused["safe_serialization"] = False
+        refused.update(kwargs)
+        if refused:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}.save_pretrained on a tensor-parallel model writes through "
+                f"paradiff.save_pretrained (each tensor gathered, rank 0 writing safetensors), which takes no "
+                f"{sorted(refused)}; save it with those defaults, then post-process the folder")
+        save_pretrained(model, save_directory, max_shard_size=max_shard_size)
+
+    set_attribute(model, "save_pretrained", gathered, by="tp")
