@@ -60,7 +60,9 @@ def test_relative_imports_are_seen_as_what_they_name():
 
 def test_the_top_level_holds_only_config_errors_and_packages():
     modules = sorted(path.name for path in PACKAGE.glob("*.py"))
-    assert modules == ["__init__.py", "config.py", "errors.py"]
+    # __main__.py: `python -m paradiff`, three lines handing over to cli/
+    assert modules == ["__init__.py", "__main__.py", "config.py", "errors.py"]
+    assert "from paradiff.cli import main" in (PACKAGE / "__main__.py").read_text()
 
 
 @pytest.mark.parametrize("forbidden", ["paradiff.plans", "paradiff.plan_tools", "paradiff.api", "paradiff.cli"])
