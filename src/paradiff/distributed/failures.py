@@ -78,7 +78,7 @@ def guarded_call(call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
                                    f"off ({type(exc).__name__}).") from exc
         raise DistributedError(
             f"a collective failed on rank {dist.get_rank()} and no rank reported an error: a peer process "
-            f"probably crashed, was killed or stopped ({type(exc).__name__}: {native_message(exc)})."
+            f"probably crashed or was killed, or is stuck ({type(exc).__name__}: {native_message(exc)})."
         ) from exc
 
 
