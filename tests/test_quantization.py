@@ -150,19 +150,6 @@ def test_modules_to_not_convert_stay_in_full_precision(quant_checkpoints):
     assert not held["proj_out"] and not held["transformer_blocks.0.attn.to_q"] and held["transformer_blocks.0.ff.linear_in"]
 
 
-def test_torchao_without_a_dtype_loads_as_diffusers_loads_it(quant_checkpoints):
-    """No torch_dtype with a TorchAoConfig: bfloat16, as diffusers' torchao quantizer sets it (paradiff kept float32,
-    and its int8 values and scales then differed from diffusers' by a rounding)."""
-    config = cases.quant_config("int8")
-    model = paradiff.from_pretrained(model_class("flux2"), quant_checkpoints["flux2"], quantization_config=config,
-                                     device="cpu")
-    reference = model_class("flux2").from_pretrained(quant_checkpoints["flux2"], quantization_config=config)
-    ours, theirs = dict(model.named_parameters()), dict(reference.named_parameters())
-    assert {name: p.dtype for name, p in ours.items()} == {name: p.dtype for name, p in theirs.items()}
-    name = "transformer_blocks.0.ff.linear_in.weight"
-    assert torch.equal(ours[name].qdata, theirs[name].qdata) and torch.equal(ours[name].scale, theirs[name].scale)
-
-
 @pytest.mark.slow
 def test_generate_quantize_reports_each_ranks_quantized_bytes(tmp_path):
     """`paradiff generate --tp 2 --quantize int8 --quantize-text-encoders --stages` on the embedded demo: each rank

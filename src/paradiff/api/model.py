@@ -171,11 +171,6 @@ def _prepare(model_cls, path, subfolder, torch_dtype, parallel_config, device, p
     elif quantization is not None:
         scheme = scheme_from_config(quantization)
     hub_kwargs = check_loading_kwargs(kwargs)
-    if torch_dtype is None and type(quantization).__name__ == "TorchAoConfig":
-        # as diffusers loads it: its torchao quantizer sets bfloat16 when no dtype is given (and says so)
-        from diffusers.quantizers.torchao.torchao_quantizer import TorchAoHfQuantizer
-
-        torch_dtype = TorchAoHfQuantizer(quantization).update_torch_dtype(None)
     dtype = None if single_file and torch_dtype is None else check_dtype(torch_dtype)
     device = check_device(device)
     parallel = None
