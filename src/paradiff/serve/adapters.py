@@ -25,7 +25,7 @@ from typing import Any
 
 from paradiff.errors import ServeSettingsError
 from paradiff.runtime.console import say
-from paradiff.serve.protocol import RequestError, shown
+from paradiff.serve.protocol import RequestError, quoted
 from paradiff.serve.settings import ServeSettings
 
 
@@ -53,7 +53,7 @@ def lora_header_ranks(path: Path) -> dict[str, int]:
         shape = entry.get("shape") if isinstance(entry, dict) else None
         if not isinstance(shape, list) or len(shape) != 2 or not all(
                 isinstance(size, int) and not isinstance(size, bool) and size > 0 for size in shape):
-            raise ValueError(f"tensor {shown(key)} has the shape {shown(shape)}; a LoRA factor is 2-D")
+            raise ValueError(f"tensor {quoted(key)} has the shape {quoted(shape)}; a LoRA factor is 2-D")
         ranks[key] = shape[0]
     return ranks
 
@@ -93,12 +93,12 @@ class AdapterRegistry:
         """Check and name an adapter file; RequestError (400 / 403 / 404) naming what is wrong."""
         _check_name(name)
         if name == self.base_name:
-            raise RequestError(400, f"lora_name {shown(name)} is the base model's id; choose another name",
+            raise RequestError(400, f"lora_name {quoted(name)} is the base model's id; choose another name",
                                "lora_name")
         if not isinstance(path, str) or not path or len(path) > 4096 or "\0" in path:
-            raise RequestError(400, f"lora_path: expected a path to a .safetensors file, got {shown(path)}",
+            raise RequestError(400, f"lora_path: expected a path to a .safetensors file, got {quoted(path)}",
                                "lora_path")
-        quoted = shown(path)
+        given = quoted(path)
         try:  # a path the OS cannot take (too long, a loop of links, ~user of no one) is the request's fault
             if confined:  # relative to the root, as written: no ~ expansion
                 if self.root is None:
@@ -106,27 +106,27 @@ class AdapterRegistry:
                                             "inside it", "lora_path")
                 resolved = (self.root / path).resolve()
                 if not resolved.is_relative_to(self.root):
-                    raise RequestError(403, f"lora_path {quoted} is outside --lora-root {self.root}; only files "
+                    raise RequestError(403, f"lora_path {given} is outside --lora-root {self.root}; only files "
                                             "under it are read", "lora_path")
             else:
                 resolved = Path(path).expanduser()
             found = resolved.suffix == ".safetensors" and resolved.is_file()
         except (OSError, RuntimeError, ValueError) as exc:
-            raise RequestError(400, f"lora_path {quoted} is not a usable path ({type(exc).__name__}: "
-                                    f"{shown(str(exc), 120)})", "lora_path") from None
+            raise RequestError(400, f"lora_path {given} is not a usable path ({type(exc).__name__}: "
+                                    f"{quoted(str(exc), 120)})", "lora_path") from None
         if not found:
-            raise RequestError(404 if confined else 400, f"lora_path {quoted}: no such .safetensors file"
+            raise RequestError(404 if confined else 400, f"lora_path {given}: no such .safetensors file"
                                + (f" under --lora-root {self.root}" if confined else ""), "lora_path")
         try:
             ranks = lora_header_ranks(resolved)
         except (OSError, ValueError, KeyError, struct.error) as exc:
-            raise RequestError(400, f"lora_path {quoted} is not a readable safetensors file of LoRA factors "
-                                    f"({shown(str(exc), 160)})", "lora_path") from None
+            raise RequestError(400, f"lora_path {given} is not a readable safetensors file of LoRA factors "
+                                    f"({quoted(str(exc), 160)})", "lora_path") from None
         if not ranks:
-            raise RequestError(400, f"lora_path {quoted} holds no LoRA factors (no lora_A / lora_down tensors)",
+            raise RequestError(400, f"lora_path {given} holds no LoRA factors (no lora_A / lora_down tensors)",
                                "lora_path")
         if max(ranks.values()) > self.max_rank:
-            raise RequestError(400, f"lora_path {quoted} has rank {max(ranks.values())}, above --max-lora-rank "
+            raise RequestError(400, f"lora_path {given} has rank {max(ranks.values())}, above --max-lora-rank "
                                     f"{self.max_rank}; restart with a larger --max-lora-rank", "lora_path")
         # peft's names (transformer.<module>.lora_A.weight) say the modules outright; other formats are converted by
         # diffusers when the ranks load them
@@ -134,8 +134,8 @@ class AdapterRegistry:
                  if key.startswith("transformer.") and key.endswith(".lora_A.weight")}
         missing = sorted(aimed - self.modules) if self.modules else []
         if missing:
-            raise RequestError(400, f"lora_path {quoted} adapts module(s) this model has no adapter slots for: "
-                                    f"{shown(missing, 200)} (e.g. {sorted(self.modules)[:3]}); is it made for "
+            raise RequestError(400, f"lora_path {given} adapts module(s) this model has no adapter slots for: "
+                                    f"{quoted(missing, 200)} (e.g. {sorted(self.modules)[:3]}); is it made for "
                                     "another model?", "lora_path")
         from paradiff.api.lora_slots import safetensors_keys, text_encoder_refusal
 
@@ -145,7 +145,7 @@ class AdapterRegistry:
         entry = {"path": str(resolved), "sha256": file_sha256(resolved)}
         with self._lock:
             if name in self._adapters:
-                raise RequestError(400, f"an adapter named {shown(name)} is already loaded; unload it first",
+                raise RequestError(400, f"an adapter named {quoted(name)} is already loaded; unload it first",
                                    "lora_name")
             self._adapters[name] = {**entry, "created": int(time.time())}
         return entry
@@ -154,7 +154,7 @@ class AdapterRegistry:
         _check_name(name)
         with self._lock:
             if name not in self._adapters:
-                raise RequestError(404, f"no adapter named {shown(name)} is loaded (loaded: "
+                raise RequestError(404, f"no adapter named {quoted(name)} is loaded (loaded: "
                                         f"{sorted(self._adapters)})", "lora_name")
             del self._adapters[name]
 
@@ -183,7 +183,7 @@ class AdapterRegistry:
 
 def _check_name(name: Any) -> None:
     if not isinstance(name, str) or not name.strip() or len(name) > 200:
-        raise RequestError(400, f"lora_name: expected a non-empty name of at most 200 characters, got {shown(name)}",
+        raise RequestError(400, f"lora_name: expected a non-empty name of at most 200 characters, got {quoted(name)}",
                            "lora_name")
 
 

@@ -47,7 +47,7 @@ from paradiff.serve.jobs import LIST_LIMIT, Jobs, form_fields, keep_results, ope
 from paradiff.serve.adapters import adapter_endpoint, adapter_registry
 from paradiff.serve.metrics import Metrics
 from paradiff.serve.protocol import (ENDPOINTS, ImageRequest, Limits, RequestError, error_body, parse_image_request,
-                                     shown, with_seed)
+                                     quoted, with_seed)
 from paradiff.serve.safety import RequestGuard, public_message, timed_h11_protocol
 from paradiff.serve.schema import openapi_document
 from paradiff.serve.scheduler import Job, Scheduler
@@ -630,10 +630,10 @@ def build_app(frontend: Frontend) -> FastAPI:
         def page():
             limit, order = query.get("limit", str(LIST_LIMIT[0])), query.get("order", "desc")
             if not (limit.isascii() and limit.isdigit()) or not 1 <= int(limit) <= LIST_LIMIT[1]:
-                raise RequestError(400, f"limit {shown(limit)}: expected an integer from 1 to {LIST_LIMIT[1]}",
+                raise RequestError(400, f"limit {quoted(limit)}: expected an integer from 1 to {LIST_LIMIT[1]}",
                                    "limit")
             if order not in ("asc", "desc"):
-                raise RequestError(400, f"order {shown(order)}: expected 'asc' or 'desc'", "order")
+                raise RequestError(400, f"order {quoted(order)}: expected 'asc' or 'desc'", "order")
             after = query.get("after")
             if after is not None:  # a job deleted since the page that named it still marks its place
                 frontend.jobs.known(after, deleted=True)
@@ -726,7 +726,7 @@ def add_openai_routes(app: FastAPI, frontend: Frontend, bytes_of) -> None:
         if adapter is not None:  # an adapter loaded per request (serve/adapters.py): a model id of its own
             return adapter
         if model_id != frontend.model_name:
-            return frontend.refusal(404, f"model {shown(model_id)} is not served here; this server serves "
+            return frontend.refusal(404, f"model {quoted(model_id)} is not served here; this server serves "
                                          f"{frontend.model_name!r}", f"GET /v1/models/{model_id}", param="model",
                                     code="model_not_found")
         return frontend.model()

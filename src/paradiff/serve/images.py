@@ -13,7 +13,7 @@ import io
 from dataclasses import replace
 from typing import Any
 
-from paradiff.serve.protocol import ImageRequest, Limits, RequestError, parse_image_request
+from paradiff.serve.protocol import ImageRequest, Limits, RequestError, parse_image_request, quoted
 
 MIME_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 UPLOAD_FORMATS = ("PNG", "JPEG", "WEBP", "MPO")  # MPO: a phone camera's JPEG with more pictures after the first
@@ -104,7 +104,7 @@ def form_body(fields: list[tuple[str, Any]]) -> tuple[dict, list[bytes], bytes |
             body[name] = _form_number(name, value, float)
         elif name == "stream":  # the openai client sends a boolean as "true" / "false"
             if value.lower() not in ("true", "false"):
-                raise RequestError(400, f"stream: expected true or false, got {value[:40]!r}", "stream")
+                raise RequestError(400, f"stream: expected true or false, got {quoted(value)}", "stream")
             body[name] = value.lower() == "true"
         else:
             body[name] = value
@@ -116,7 +116,7 @@ def _form_number(name: str, text: str, kind: type) -> int | float:
         return kind(text)
     except ValueError:
         what = "an integer" if kind is int else "a number"
-        raise RequestError(400, f"{name}: expected {what}, got {text[:40]!r}", name.split("[")[0]) from None
+        raise RequestError(400, f"{name}: expected {what}, got {quoted(text)}", name.split("[")[0]) from None
 
 
 def parse_edit_request(fields: list[tuple[str, Any]], limits: Limits) -> ImageRequest:

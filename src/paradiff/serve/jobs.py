@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 from paradiff.runtime.console import say
 from paradiff.serve.jobstore import JobStore, StoreError
-from paradiff.serve.protocol import Limits, RequestError, parse_image_request, shown, with_seed
+from paradiff.serve.protocol import Limits, RequestError, parse_image_request, quoted, with_seed
 
 STATES = ("queued", "in_progress", "completed", "failed")
 ORPHANED = ("the server stopped while this job ran (it was killed or failed) and did not finish it; create it again "
@@ -95,7 +95,7 @@ def _number_text(name: str, value: str) -> Any:
     try:
         number = float(value)
     except ValueError:
-        raise RequestError(400, f"{name}: expected a number, got {shown(value)}", name) from None
+        raise RequestError(400, f"{name}: expected a number, got {quoted(value)}", name) from None
     return int(number) if number.is_integer() else number
 
 
@@ -109,7 +109,7 @@ def video_seconds(value: Any) -> float:
         except ValueError:
             number = None
     if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number) or number <= 0:
-        raise RequestError(400, f"seconds: expected a positive number of seconds (e.g. \"4\"), got {shown(value)}",
+        raise RequestError(400, f"seconds: expected a positive number of seconds (e.g. \"4\"), got {quoted(value)}",
                            "seconds")
     return float(number)
 
@@ -141,7 +141,7 @@ class Jobs:
         body.pop("input_reference", None)
         seconds = body.pop("seconds", None)
         if body.get("n") not in (None, 1):
-            raise RequestError(400, f"n: a video job makes one video, got {shown(body['n'])}", "n")
+            raise RequestError(400, f"n: a video job makes one video, got {quoted(body['n'])}", "n")
         fps = body.get("fps") if body.get("fps") is not None else limits.default_fps
         if seconds is not None and body.get("frames") is None:
             seconds = video_seconds(seconds)
@@ -332,7 +332,7 @@ class Jobs:
     def content(self, job_id: str, variant: str) -> tuple[bytes, str]:
         """The result file of a completed job: (bytes, mime), or a RequestError saying why there is none."""
         if variant not in ("video", "thumbnail", "spritesheet"):
-            raise RequestError(400, f"variant {shown(variant)}: expected 'video' or 'thumbnail'", "variant")
+            raise RequestError(400, f"variant {quoted(variant)}: expected 'video' or 'thumbnail'", "variant")
         job = self.known(job_id)
         if variant == "spritesheet":
             raise RequestError(400, "variant 'spritesheet': not made by this server; 'video' and 'thumbnail' are",
@@ -352,7 +352,7 @@ class Jobs:
         """The job `job_id`, or a 404 saying why not (`deleted`: a deleted job's record too, as a list's cursor)."""
         job = self.store.get(job_id)
         if job is None:
-            raise RequestError(404, f"no video {shown(job_id)} on this server (ids look like video_...; GET "
+            raise RequestError(404, f"no video {quoted(job_id)} on this server (ids look like video_...; GET "
                                     "/v1/videos lists them)")
         if job["deleted_at"] is not None and not deleted:
             raise RequestError(404, f"video {job_id} was deleted at {job['deleted_at']}")

@@ -111,7 +111,7 @@ class ImageRequest:
         return [self.seed + i for i in range(self.n)]
 
 
-def shown(value: Any, limit: int = 60) -> str:
+def quoted(value: Any, limit: int = 60) -> str:
     """A client's value as an error message quotes it: its repr, cut to `limit` characters (a 300-digit number or a
     5000-character id is not echoed whole)."""
     text = repr(value)
@@ -131,9 +131,9 @@ def _integer(body: dict, name: str, default: int, low: int, high: int) -> int:
     value = body.get(name)
     value = default if value is None else _whole(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(400, f"{name}: expected an integer from {low} to {high}, got {shown(value)}", name)
+        raise RequestError(400, f"{name}: expected an integer from {low} to {high}, got {quoted(value)}", name)
     if not low <= value <= high:
-        raise RequestError(400, f"{name} {shown(value)} is out of bounds: expected {low} to {high}", name)
+        raise RequestError(400, f"{name} {quoted(value)} is out of bounds: expected {low} to {high}", name)
     return value
 
 
@@ -142,7 +142,7 @@ def _number(body: dict, name: str, default: float | None) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 100:
-        raise RequestError(400, f"{name}: expected a number from 0 to 100, got {shown(value)}", name)
+        raise RequestError(400, f"{name}: expected a number from 0 to 100, got {quoted(value)}", name)
     return float(value)
 
 
@@ -173,25 +173,25 @@ def parse_image_request(body: Any, limits: Limits, kind: str = "image") -> Image
                            "prompt")
     model = body.get("model")
     if model is not None and model != limits.model_name:
-        raise RequestError(404, f"model {shown(model)} is not served here; this server serves {limits.model_name!r}",
+        raise RequestError(404, f"model {quoted(model)} is not served here; this server serves {limits.model_name!r}",
                            "model", "model_not_found")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
-        raise RequestError(400, f"user: expected a string, got {shown(user)}", "user")
+        raise RequestError(400, f"user: expected a string, got {quoted(user)}", "user")
     response_format = body.get("response_format")
     if response_format not in (None, "b64_json"):
-        raise RequestError(400, f"response_format {shown(response_format)}: only 'b64_json' is served (no URLs)",
+        raise RequestError(400, f"response_format {quoted(response_format)}: only 'b64_json' is served (no URLs)",
                            "response_format")
     for name, valid in IGNORED_FIELDS.items():
         value = body.get(name)
         if value is not None and not (isinstance(value, str) and (valid is None or value in valid)):
             expected = f"one of {list(valid)}" if valid else "a string"
-            raise RequestError(400, f"{name} {shown(value)}: expected {expected} (accepted, and ignored here: "
+            raise RequestError(400, f"{name} {quoted(value)}: expected {expected} (accepted, and ignored here: "
                                     "docs/serve.md)", name)
     output_format = body.get("output_format")
     output_format = "png" if output_format is None else output_format
     if not isinstance(output_format, str) or output_format not in OUTPUT_FORMATS:
-        raise RequestError(400, f"output_format {shown(output_format)}: expected one of {list(OUTPUT_FORMATS)}",
+        raise RequestError(400, f"output_format {quoted(output_format)}: expected one of {list(OUTPUT_FORMATS)}",
                            "output_format")
     compression = 100 if body.get("output_compression") is None else _integer(body, "output_compression", 100, 0,
                                                                                 100)
@@ -204,7 +204,7 @@ def parse_image_request(body: Any, limits: Limits, kind: str = "image") -> Image
         _unicode("negative_prompt", negative)
     seed = _whole(body.get("seed"))
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
-        raise RequestError(400, f"seed: expected an integer from 0 to 2**63 - 1, got {shown(seed)}", "seed")
+        raise RequestError(400, f"seed: expected an integer from 0 to 2**63 - 1, got {quoted(seed)}", "seed")
     loras = _loras(body.get("loras"), limits)
     frames = fps = None
     if kind == "video":
@@ -235,7 +235,7 @@ def _stream(body: dict) -> tuple[bool, int]:
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
-        raise RequestError(400, f"stream: expected true or false, got {shown(stream)}", "stream")
+        raise RequestError(400, f"stream: expected true or false, got {quoted(stream)}", "stream")
     if body.get("partial_images") is None:
         return stream, 0
     partial = _integer(body, "partial_images", 0, 0, MAX_PARTIAL_IMAGES)
@@ -267,8 +267,8 @@ def _loras(value: Any, limits: Limits) -> tuple:
                                 "(loaded at start with --lora)", "loras")
     for name, scale in value.items():
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not -10 <= scale <= 10:
-            raise RequestError(400, f"loras: the scale of {shown(name)} must be a number from -10 to 10, got "
-                                    f"{shown(scale)}", "loras")
+            raise RequestError(400, f"loras: the scale of {quoted(name)} must be a number from -10 to 10, got "
+                                    f"{quoted(scale)}", "loras")
     return tuple((name, float(value[name])) for name in available if name in value)
 
 
@@ -279,11 +279,11 @@ def _size(value: Any, limits: Limits) -> tuple[int, int]:
              f"to {limits.max_side}, e.g. '{limits.default_size[0]}x{limits.default_size[1]}'")
     parts = re.fullmatch(r"([0-9]{1,6})x([0-9]{1,6})", value) if isinstance(value, str) else None  # ASCII digits
     if parts is None:
-        raise RequestError(400, f"size {shown(value)}: {usage}", "size")
+        raise RequestError(400, f"size {quoted(value)}: {usage}", "size")
     width, height = int(parts.group(1)), int(parts.group(2))
     for side in (width, height):
         if side < limits.size_multiple or side > limits.max_side or side % limits.size_multiple:
-            raise RequestError(400, f"size {shown(value)}: {usage}", "size")
+            raise RequestError(400, f"size {quoted(value)}: {usage}", "size")
     return width, height
 
 
