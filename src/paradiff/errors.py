@@ -1,7 +1,20 @@
 """Exception types: each names what was wrong and what would be valid.
 
-All derive from ValueError or RuntimeError so callers catching the builtin types keep working.
+All derive from ValueError or RuntimeError so callers catching the builtin types keep working. `native_message`: any
+error's first line as a console line shows it.
 """
+
+import re
+
+# a C++ source location gloo and c10d put before their messages: "[/__w/pytorch/.../unbound_buffer.cc:129] "
+NATIVE_SOURCE = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|cxx|h|hpp):\d+\]\s*")
+
+
+def native_message(exc: BaseException, limit: int | None = 200) -> str:
+    """The first line of an error (at most `limit` characters), without the C++ source location a backend's starts
+    with."""
+    first = (str(exc).splitlines() or [""])[0]
+    return NATIVE_SOURCE.sub("", first)[:limit]
 
 
 class ParadiffError(Exception):

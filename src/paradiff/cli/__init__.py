@@ -29,6 +29,7 @@ from typing import Any, Callable
 from paradiff.cli.args import CliError, build_parser, check_args, world_size_of
 from paradiff.cli.preflight import check_model_folder
 from paradiff.cli.launcher import INTERRUPTED, USER_ERROR, WORKER_MODULE, WORKER_REPORTED_FAILURE, launch
+from paradiff.errors import native_message
 from paradiff.runtime.console import say
 
 # A server's rank 0 answers its clients and stops the other ranks itself when one of them dies; the launcher's bound
@@ -70,10 +71,7 @@ def main(argv: list[str] | None = None, *, worker_module: str = WORKER_MODULE,
 
 
 def _first_line(exc: BaseException) -> str:
-    """An error's first line, without the C++ source location a backend's error starts with."""
-    from paradiff.distributed.failures import NATIVE_SOURCE
-
-    return NATIVE_SOURCE.sub("", str(exc).splitlines()[0]) if str(exc) else ""
+    return native_message(exc, limit=None)
 
 
 def _reader_gone() -> int:

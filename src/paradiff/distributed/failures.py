@@ -7,14 +7,13 @@ timeout otherwise); they then read the store and raise a DistributedError naming
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Any, Callable
 
 import torch.distributed as dist
 
 from paradiff.distributed.store import get_json, put_json
-from paradiff.errors import DistributedError
+from paradiff.errors import DistributedError, native_message
 
 KEY = "paradiff/failed/{rank}"
 COMM_ERROR_MARKERS = ("gloo", "nccl", "connection closed", "timed out", "timeout", "connection reset", "broken pipe")
@@ -80,13 +79,3 @@ def guarded_call(call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
             f"a collective failed on rank {dist.get_rank()} and no rank reported an error: a peer process "
             f"probably crashed or was killed, or is stuck ({type(exc).__name__}: {native_message(exc)})."
         ) from exc
-
-
-# a C++ source location gloo and c10d put before their messages: "[/__w/pytorch/.../unbound_buffer.cc:129] "
-NATIVE_SOURCE = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|cxx|h|hpp):\d+\]\s*")
-
-
-def native_message(exc: BaseException, limit: int = 200) -> str:
-    """The first line of a backend's error, without the C++ source location it starts with."""
-    first = (str(exc).splitlines() or [""])[0]
-    return NATIVE_SOURCE.sub("", first)[:limit]

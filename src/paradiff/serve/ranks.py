@@ -54,7 +54,7 @@ from paradiff.distributed.comm import abort_process_groups, all_gather_json, bro
 from paradiff.distributed.failures import is_comm_error
 from paradiff.distributed.spawn import DRAIN_SIGNAL, STOP_SIGNAL
 from paradiff.distributed.store import checked, get_json, open_store, put_json, store_client
-from paradiff.errors import DistributedError
+from paradiff.errors import DistributedError, native_message
 from paradiff.runtime.console import quiet_other_ranks, say
 from paradiff.runtime.memory import peak_memory_bytes
 from paradiff.runtime.progress import StepClock, StepEvent
@@ -415,7 +415,7 @@ def request_fault(exc: BaseException) -> dict:
     """What the client of a request is told of its own fault (every rank of its replica raised the same error): a
     RequestError's status and message; 400 for a ValueError, a check of this request's inputs (the pipeline's
     `check_inputs`, an adapter that does not fit the model); 500 for anything else. One line, at most 300 characters."""
-    line = (str(exc).splitlines() or [""])[0][:300]
+    line = native_message(exc, 300)
     if isinstance(exc, RequestError):
         return {"status": exc.status, "error": line}
     if isinstance(exc, ValueError):
