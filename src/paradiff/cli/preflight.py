@@ -81,9 +81,10 @@ def check_model_folder(args: argparse.Namespace) -> None:
 
 
 def _check_component_files(index, label: str) -> None:
-    """Each component a standard pipeline's model_index.json names: its folder there, its JSON files readable, each
-    safetensors file's header whole (its tensors inside the file): a truncated download or a corrupt config is named
-    here, in any mesh, instead of by every rank once it loads."""
+    """Each component a standard pipeline's model_index.json names: its folder there, its configs and shard index
+    readable JSON (not a tokenizer's vocabulary: tens of MB to parse on every run), each safetensors file's header
+    whole (its tensors inside the file): a truncated download or a corrupt config is named here, in any mesh,
+    instead of by every rank once it loads."""
     from paradiff.errors import CheckpointError
     from paradiff.io.checkpoint import read_header
 
@@ -91,7 +92,7 @@ def _check_component_files(index, label: str) -> None:
         folder = index.folder / name
         if not folder.is_dir():
             raise CliError(f"{label}: model_index.json names {name} ({class_name}), but {folder} is not a folder")
-        for config in sorted(folder.glob("*.json")):
+        for config in sorted([*folder.glob("*config.json"), *folder.glob("*.index.json")]):
             try:
                 json.loads(config.read_text())
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
