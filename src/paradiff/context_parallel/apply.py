@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from paradiff.distributed.comm import all_gather_int, all_gather_ints, all_gather_uneven
 from paradiff.errors import DistributedError, ParallelConfigError, PlanError
@@ -380,23 +381,12 @@ def _output_splitter(name: str, outputs: dict[int, Split], runtime: ContextParal
     return hook
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors of a call's arguments, in a fixed order (keyword arguments by name)."""
-    if torch.is_tensor(value):
-        return [value]
-    if isinstance(value, dict):
-        return [tensor for key in sorted(value, key=str) for tensor in _tensors(value[key])]
-    if isinstance(value, (tuple, list)):
-        return [tensor for item in value for tensor in _tensors(item)]
-    return []
-
-
 def _same_inputs(runtime: ContextParallelRuntime):
     """The model's pre-hook: every rank of the CP group was given inputs of the same shapes (each splits the same
     sequence). Ranks given different lengths would otherwise each split their own and the gather join pieces of
     different sequences: a wrong result, silently. One small all-gather a forward; every rank raises alike."""
     def hook(module, args, kwargs):
-        tensors = _tensors(list(args)) + _tensors(kwargs)
+        tensors = [leaf for leaf in pytree.tree_leaves((args, dict(sorted(kwargs.items())))) if torch.is_tensor(leaf)]
         shapes = [tuple(tensor.shape) for tensor in tensors]
         summary = [len(shapes), sum(tensor.numel() for tensor in tensors), zlib.crc32(repr(shapes).encode())]
         device = tensors[0].device if tensors else next(module.parameters()).device
