@@ -621,8 +621,8 @@ def _handle_signals(frontend) -> None:
     launcher's DRAIN_SIGNAL drains too, without counting (a SIGTERM to the process group reaches rank 0 both
     directly and through the launcher: one request to drain); its STOP_SIGNAL (the launcher asked again) stops."""
     if frontend is None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for number in (signal.SIGTERM, signal.SIGINT, DRAIN_SIGNAL, STOP_SIGNAL):  # SIGUSR1 / 2 would end it
+            signal.signal(number, signal.SIG_IGN)
         return
     # counters, not flags: next() is one step no other signal's handler can split (a handler runs between
     # bytecodes, and both signals of a group SIGTERM may arrive together)
